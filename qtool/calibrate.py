@@ -1,0 +1,64 @@
+"""Run calibration data through a model with quantizers and set every quantizer's range."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .config import Plan
+from .data import CalibrationData
+from .errors import DataError, QtoolError
+from .quant import QuantizerBase
+
+__all__ = ["calibrate", "CalibrationResult"]
+
+# progress(batches_done, batches_total, samples_in_this_batch)
+Progress = Optional[Callable[[int, int, int], None]]
+
+
+class CalibrationResult:
+    def __init__(self, unused: List[str]):
+        self.unused = unused  # activation quantizers whose module never ran
+
+
+def calibrate(
+    model: nn.Module,
+    plan: Plan,
+    quantizers: Dict[str, QuantizerBase],
+    data: Optional[CalibrationData],
+    device: torch.device,
+    progress: Progress = None,
+) -> CalibrationResult:
+    """Weights from the weights themselves, then activations from the data (AIMET's order and semantics)."""
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for q in plan.weights:
+            quantizer = quantizers[q.name]
+            with quantizer.compute_encodings():
+                quantizer(modules[q.module]._parameters["weight"])
+    acts = plan.activations
+    if not acts:
+        return CalibrationResult([])
+    if data is None or len(data) == 0:
+        raise DataError("the recipe quantizes activations, which needs calibration data: pass --data")
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        for q in acts:
+            stack.enter_context(quantizers[q.name].compute_encodings())
+        for i, batch in enumerate(data):
+            b = batch.to(device)
+            try:
+                model(*b.args, **b.kwargs)
+            except (TypeError, RuntimeError, ValueError, IndexError) as e:
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise DataError(f"calibration batch {i}: the model rejected the data: {first}") from None
+            if progress:
+                progress(i + 1, len(data), b.size)
+    unused = [q.name for q in acts if not quantizers[q.name].is_initialized()]
+    for q in plan.quantizers:
+        quantizer = quantizers[q.name]
+        if quantizer.is_initialized() and not (torch.isfinite(quantizer.min).all() and torch.isfinite(quantizer.max).all()):
+            raise QtoolError(f"quantizer {q.name}: calibrated range is not finite (the model produced NaN/Inf)")
+    return CalibrationResult(unused)

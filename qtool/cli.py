@@ -1,0 +1,349 @@
+"""The qtool command line (Typer). Thin commands: parse flags, call the library, draw progress, pick exit codes.
+
+Exit codes: 0 success, 1 a quality gate failed, 2 bad usage or bad input, 3 internal error.
+Human output and progress go to stderr; ``--json`` prints one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+
+app = typer.Typer(
+    name="qtool",
+    help="Quantize PyTorch models: calibrate encodings, export integer tensors (AIMET-exact numerics).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+config_app = typer.Typer(help="Inspect and lint recipes.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+err = Console(stderr=True, highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"qtool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Optional[bool] = typer.Option(
+        None, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """qtool: quantize PyTorch models."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Error handling and output
+# ---------------------------------------------------------------------------------------------------------------
+@contextmanager
+def _errors(debug: bool = False) -> Iterator[None]:
+    from .errors import QtoolError
+
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except QtoolError as e:
+        from rich.markup import escape
+
+        err.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(e.exit_code)
+    except KeyboardInterrupt:
+        err.print("interrupted; nothing was written")
+        raise typer.Exit(130)
+    except Exception as e:  # an internal error: one line, the traceback in a log file
+        import tempfile
+
+        log = tempfile.NamedTemporaryFile("w", prefix="qtool-error-", suffix=".log", delete=False)
+        traceback.print_exc(file=log)
+        log.close()
+        if debug:
+            traceback.print_exc()
+        first = str(e).splitlines()[0] if str(e) else ""
+        err.print(f"internal error: {type(e).__name__}: {first} (traceback in {log.name})", markup=False)
+        raise typer.Exit(3)
+
+
+def _esc(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
+def _emit_json(obj: Dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def _plan_table(plan) -> Table:
+    t = Table(title=f"quantization plan: {len(plan.quantizers)} quantizers", title_justify="left")
+    for col in ("module", "tensor", "bits", "sym", "granularity", "analyzer"):
+        t.add_column(col, overflow="fold")
+    for q in plan.quantizers:
+        t.add_row(q.module, q.tensor, str(q.bitwidth), "yes" if q.symmetric else "no", q.describe_granularity(),
+                  q.analyzer)
+    return t
+
+
+def _plan_summary(plan) -> str:
+    from collections import Counter
+
+    kinds = Counter((q.tensor, q.bitwidth, q.granularity) for q in plan.quantizers)
+    parts = [f"{n} x {t} int{b} {g}" for (t, b, g), n in sorted(kinds.items())]
+    return f"plan: {len(plan.quantizers)} quantizers ({'; '.join(parts) or 'none'})"
+
+
+class _Progress:
+    """Hooks that draw a rich progress bar on stderr (only when stderr is a terminal and not --quiet)."""
+
+    def __init__(self, quiet: bool):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.quiet = quiet
+        self.enabled = not quiet and err.is_terminal
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=err,
+                                 transient=False, disable=not self.enabled)
+        self.tasks: Dict[str, Any] = {}
+        self.samples = 0
+        self.t0 = None
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+    def stage(self, text: str) -> None:
+        if not self.quiet:
+            err.print(f"[dim]{text}...[/dim]")
+
+    def plan(self, plan) -> None:
+        if self.quiet:
+            return
+        err.print(_plan_summary(plan))
+        for w in plan.warnings:
+            err.print(f"[yellow]warning:[/yellow] {_esc(w)}")
+
+    def batch(self, done: int, total: int, samples: int) -> None:
+        import time
+
+        if self.t0 is None:
+            self.t0 = time.perf_counter()
+        self.samples += samples
+        rate = self.samples / max(time.perf_counter() - self.t0, 1e-9)
+        self._update("calibrate", "calibrating", done, total, f"{rate:.1f} samples/s")
+        if not self.enabled and not self.quiet and (done == total or done % max(total // 10, 1) == 0):
+            err.print(f"calibrating: batch {done}/{total}")
+
+    def tensor(self, done: int, total: int, name: str) -> None:
+        self._update("export", "exporting", done, total, "")
+
+    def _update(self, key: str, desc: str, done: int, total: int, rate: str) -> None:
+        if key not in self.tasks:
+            self.tasks[key] = self.progress.add_task(desc, total=total, rate=rate)
+        self.progress.update(self.tasks[key], completed=done, rate=rate)
+
+    def hooks(self):
+        from .pipeline import Hooks
+
+        return Hooks(on_plan=self.plan, on_batch=self.batch, on_tensor=self.tensor, on_stage=self.stage)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared options
+# ---------------------------------------------------------------------------------------------------------------
+_CONFIG = typer.Option(..., "--config", "-c", help="Recipe YAML (see configs/).")
+_DATA = typer.Option(None, "--data", help="Calibration data: a file or directory (.safetensors .pt .npy .npz .txt .jsonl).")
+_DEVICE = typer.Option("cpu", "--device", help="cpu, cuda or auto.")
+_BATCH = typer.Option(8, "--batch-size", min=1, help="Samples per calibration batch.")
+_NUM = typer.Option(None, "--num-samples", min=1, help="Use a seeded random subset of this many samples.")
+_SEQ = typer.Option(128, "--seq-len", min=1, help="Tokens per text sample.")
+_SEED = typer.Option(0, "--seed", help="Seed of the sample subset.")
+_MODEL_CLASS = typer.Option(None, "--model-class", help="module:callable that builds the model (state-dict checkpoints).")
+_TRUST_PICKLE = typer.Option(False, "--trust-pickle", help="Allow loading pickled modules (can run code).")
+_TRUST_CODE = typer.Option(False, "--trust-remote-code", help="Allow a Hugging Face model's own Python code.")
+_UNMATCHED = typer.Option(False, "--allow-unmatched", help="A layers entry that matches nothing is a warning, not an error.")
+_OVERWRITE = typer.Option(False, "--overwrite", help="Replace an existing --out directory.")
+_JSON = typer.Option(False, "--json", help="Print one JSON object on stdout (human output stays on stderr).")
+_QUIET = typer.Option(False, "--quiet", "-q", help="No progress or summaries on stderr.")
+_DEBUG = typer.Option(False, "--debug", help="Show tracebacks of internal errors.")
+
+
+def _opts(**kw):
+    from .pipeline import CalibrateOptions
+
+    return CalibrateOptions(**kw)
+
+
+def _report_files(summary: Dict[str, Any], quiet: bool) -> None:
+    if quiet:
+        return
+    for w in summary.get("uncalibrated", []):
+        err.print(f"[yellow]warning:[/yellow] {_esc(w)} saw no data (its module never ran) and stays in float")
+    err.print("wrote:")
+    for f in summary.get("files", []):
+        err.print(f"  {_esc(f)}")
+
+
+@app.command()
+def calibrate(
+    checkpoint: str = typer.Argument(..., help="HF model directory, .pt2, .safetensors/.pt state dict."),
+    config: str = _CONFIG,
+    out: str = typer.Option(..., "--out", "-o", help="Run directory for encodings.json and manifest.json."),
+    data: Optional[str] = _DATA,
+    device: str = _DEVICE,
+    batch_size: int = _BATCH,
+    num_samples: Optional[int] = _NUM,
+    seq_len: int = _SEQ,
+    seed: int = _SEED,
+    model_class: Optional[str] = _MODEL_CLASS,
+    trust_pickle: bool = _TRUST_PICKLE,
+    trust_remote_code: bool = _TRUST_CODE,
+    allow_unmatched: bool = _UNMATCHED,
+    overwrite: bool = _OVERWRITE,
+    json_out: bool = _JSON,
+    quiet: bool = _QUIET,
+    debug: bool = _DEBUG,
+) -> None:
+    """Calibrate every quantizer's range on sample data; write encodings.json and manifest.json."""
+    from .pipeline import run_calibrate
+
+    with _errors(debug), _Progress(quiet) as p:
+        summary = run_calibrate(checkpoint, config, out, _opts(
+            data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
+            model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
+            allow_unmatched=allow_unmatched), overwrite, p.hooks())
+    _report_files(summary, quiet)
+    if json_out:
+        _emit_json(summary)
+
+
+@app.command()
+def export(
+    checkpoint: str = typer.Argument(..., help="The checkpoint the encodings were calibrated on."),
+    encodings: str = typer.Option(..., "--encodings", "-e", help="encodings.json from qtool calibrate."),
+    out: str = typer.Option(..., "--out", "-o", help="Output directory."),
+    model_class: Optional[str] = _MODEL_CLASS,
+    trust_pickle: bool = _TRUST_PICKLE,
+    overwrite: bool = _OVERWRITE,
+    json_out: bool = _JSON,
+    quiet: bool = _QUIET,
+    debug: bool = _DEBUG,
+) -> None:
+    """Write integer weights (model.safetensors) and AIMET 1.0.0 encodings (model.encodings)."""
+    from .pipeline import run_export
+
+    with _errors(debug), _Progress(quiet) as p:
+        summary = run_export(checkpoint, encodings, out, trust_pickle, overwrite, p.hooks())
+    _report_files(summary, quiet)
+    if json_out:
+        _emit_json(summary)
+
+
+@app.command()
+def quantize(
+    checkpoint: str = typer.Argument(..., help="HF model directory, .pt2, .safetensors/.pt state dict."),
+    config: str = _CONFIG,
+    out: str = typer.Option(..., "--out", "-o", help="Export directory (calibration files go to OUT/calibration)."),
+    data: Optional[str] = _DATA,
+    device: str = _DEVICE,
+    batch_size: int = _BATCH,
+    num_samples: Optional[int] = _NUM,
+    seq_len: int = _SEQ,
+    seed: int = _SEED,
+    model_class: Optional[str] = _MODEL_CLASS,
+    trust_pickle: bool = _TRUST_PICKLE,
+    trust_remote_code: bool = _TRUST_CODE,
+    allow_unmatched: bool = _UNMATCHED,
+    overwrite: bool = _OVERWRITE,
+    json_out: bool = _JSON,
+    quiet: bool = _QUIET,
+    debug: bool = _DEBUG,
+) -> None:
+    """Calibrate and export in one call."""
+    from .pipeline import run_quantize
+
+    with _errors(debug), _Progress(quiet) as p:
+        summary = run_quantize(checkpoint, config, out, _opts(
+            data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
+            model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
+            allow_unmatched=allow_unmatched), overwrite, p.hooks())
+    _report_files(summary, quiet)
+    if json_out:
+        _emit_json(summary)
+
+
+@config_app.command("show")
+def config_show(
+    recipe: str = typer.Argument(..., help="Recipe YAML."),
+    model: str = typer.Option(..., "--model", "-m", help="Checkpoint to resolve the recipe against."),
+    model_class: Optional[str] = _MODEL_CLASS,
+    trust_pickle: bool = _TRUST_PICKLE,
+    trust_remote_code: bool = _TRUST_CODE,
+    allow_unmatched: bool = _UNMATCHED,
+    json_out: bool = _JSON,
+    debug: bool = _DEBUG,
+) -> None:
+    """Print the resolved plan: one row per quantizer."""
+    from dataclasses import asdict
+
+    from .pipeline import plan_for
+
+    with _errors(debug):
+        _, plan = plan_for(model, recipe, _opts(model_class=model_class, trust_pickle=trust_pickle,
+                                                trust_remote_code=trust_remote_code, allow_unmatched=allow_unmatched))
+    if json_out:
+        _emit_json({"quantizers": [asdict(q) for q in plan.quantizers], "warnings": plan.warnings})
+        return
+    Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR"))).print(_plan_table(plan))
+    for w in plan.warnings:
+        err.print(f"warning: {w}")
+
+
+@config_app.command("validate")
+def config_validate(
+    recipes: List[str] = typer.Argument(..., help="Recipe YAML files."),
+    json_out: bool = _JSON,
+) -> None:
+    """Check recipes against the schema (no model needed)."""
+    from .config import load_recipe
+    from .errors import ConfigError
+
+    failed = []
+    for r in recipes:
+        try:
+            load_recipe(r)
+            if not json_out:
+                err.print(f"ok: {r}")
+        except ConfigError as e:
+            failed.append({"recipe": r, "error": str(e)})
+            err.print(f"error: {e}", markup=False)
+    if json_out:
+        _emit_json({"ok": not failed, "errors": failed})
+    if failed:
+        raise typer.Exit(2)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""Recipes: the YAML schema (pydantic), its loading with line-numbered errors, and its resolution to a plan.
+
+A recipe says *what* to quantize; the plan (``resolve_plan``) says *which quantizer goes where* for one model,
+one row per quantizer, with concrete shapes and block sizes. See docs/recipes.md.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from torch import nn
+
+from .errors import ConfigError
+
+__all__ = [
+    "Recipe",
+    "WeightSpec",
+    "ActivationSpec",
+    "LayerRule",
+    "QuantizerPlan",
+    "Plan",
+    "load_recipe",
+    "parse_recipe",
+    "resolve_plan",
+    "DEFAULT_WEIGHT_TYPES",
+    "DEFAULT_ACTIVATION_TYPES",
+]
+
+# Module types that get quantizers when no rule names a type.
+DEFAULT_WEIGHT_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding")
+# Embedding takes integer indices, so it has no input quantizer; its output (a float) may be quantized.
+DEFAULT_ACTIVATION_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding")
+_INTEGER_INPUT_TYPES = ("Embedding",)
+
+ANALYZERS = ("minmax",)
+
+Granularity = Literal["per_tensor", "per_channel", "per_block"]
+
+
+class AnalyzerSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Literal["minmax"] = "minmax"
+
+
+def _analyzer(value: Any) -> Any:
+    if isinstance(value, str):
+        return {"name": value}
+    return value
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    bitwidth: int = Field(8, ge=2, le=16)
+    symmetric: bool = True
+    granularity: Granularity = "per_tensor"
+    block_size: Optional[int] = Field(None, gt=0)
+    analyzer: AnalyzerSpec = AnalyzerSpec()
+
+    _normalize_analyzer = field_validator("analyzer", mode="before")(lambda cls, v: _analyzer(v))
+
+    @model_validator(mode="after")
+    def _block_size_goes_with_per_block(self):
+        if self.granularity == "per_block" and self.block_size is None:
+            raise ValueError("granularity per_block needs block_size")
+        if self.granularity != "per_block" and self.block_size is not None:
+            raise ValueError(f"block_size is only used with granularity per_block (got {self.granularity})")
+        return self
+
+
+class WeightSpec(_Spec):
+    symmetric: bool = True
+    granularity: Granularity = "per_channel"
+
+
+class ActivationSpec(_Spec):
+    symmetric: bool = False
+    granularity: Literal["per_tensor"] = "per_tensor"
+    inputs: bool = True
+    outputs: bool = False
+
+
+class LayerRule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    match: Optional[str] = None
+    type: Optional[Union[str, List[str]]] = None
+    # a dict merges over the defaults; null disables; absent leaves the defaults alone
+    weights: Optional[Dict[str, Any]] = None
+    activations: Optional[Dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _needs_a_selector(self):
+        if self.match is None and self.type is None:
+            raise ValueError("a layers entry needs 'match' (name pattern) or 'type' (module class)")
+        if self.match is not None:
+            _compile_pattern(self.match)
+        return self
+
+    def types(self) -> Tuple[str, ...]:
+        if self.type is None:
+            return ()
+        return (self.type,) if isinstance(self.type, str) else tuple(self.type)
+
+
+class Defaults(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    weights: Optional[WeightSpec] = WeightSpec()
+    activations: Optional[ActivationSpec] = ActivationSpec()
+
+
+class Recipe(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: Literal[1] = 1
+    defaults: Defaults = Defaults()
+    layers: List[LayerRule] = []
+    ignore: List[str] = []
+
+    @field_validator("ignore")
+    @classmethod
+    def _patterns_compile(cls, v):
+        for p in v:
+            _compile_pattern(p)
+        return v
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading with file/key/line in every error
+# --------------------------------------------------------------------------------------------------------------
+def _compile_pattern(pattern: str):
+    if pattern.startswith("re:"):
+        try:
+            return re.compile(pattern[3:])
+        except re.error as e:
+            raise ValueError(f"bad regular expression {pattern[3:]!r}: {e}") from None
+    return re.compile(fnmatch.translate(pattern))
+
+
+def name_matches(pattern: str, name: str) -> bool:
+    """Glob on the whole module name, or a regex (full match) after ``re:``."""
+    return _compile_pattern(pattern).fullmatch(name) is not None
+
+
+def _key_path(loc: Sequence[Any]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _line_of(node, loc: Sequence[Any]) -> Optional[int]:
+    """Line (1-based) of the YAML node at ``loc``, or of the deepest node that exists on the way."""
+    best = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        nxt = None
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == part:
+                    nxt = k if part == loc[-1] else v
+                    break
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            nxt = node.value[part]
+        if nxt is None:
+            break
+        node = nxt
+        best = node.start_mark.line + 1
+    return best
+
+
+def _describe(err: Dict[str, Any]) -> str:
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        return "unknown key"
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if err["type"] in ("literal_error", "int_parsing", "bool_parsing", "greater_than_equal", "less_than_equal",
+                       "int_type", "bool_type", "string_type", "list_type", "dict_type", "model_type",
+                       "greater_than", "int_from_float"):
+        msg = f"{msg} (got {err.get('input')!r})"
+    return msg
+
+
+def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
+    """Parse and validate a recipe; every problem is a ``ConfigError`` naming source, key path and line."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{source}{where}: malformed YAML: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}:1: a recipe is a mapping of keys (version, defaults, layers, ignore)")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = list(err["loc"])
+        line = _line_of(node, loc)
+        where = f":{line}" if line else ""
+        key = _key_path(loc) or "(top level)"
+        more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+        raise ConfigError(f"{source}{where}: {key}: {_describe(err)}{more}") from None
+
+
+def load_recipe(path: Union[str, Path]) -> Recipe:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: recipe file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read recipe: {e}") from None
+    return parse_recipe(text, str(path))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Resolution: recipe + model -> plan
+# --------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QuantizerPlan:
+    """One quantizer: where it goes and what it is."""
+
+    name: str  # "<module>.weight", "<module>.input", "<module>.output"
+    module: str
+    module_type: str
+    tensor: Literal["weight", "input", "output"]
+    bitwidth: int
+    symmetric: bool
+    granularity: str
+    shape: Tuple[int, ...]
+    block_size: Optional[Tuple[int, ...]]
+    analyzer: str
+    rule: Optional[int] = None  # index of the last layers entry that shaped it (None: defaults)
+
+    def describe_granularity(self) -> str:
+        if self.granularity == "per_block":
+            return f"per_block {self.block_size} -> {self.shape}"
+        if self.granularity == "per_channel":
+            return f"per_channel {self.shape}"
+        return "per_tensor"
+
+
+@dataclass
+class Plan:
+    quantizers: List[QuantizerPlan] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)
+
+    @property
+    def weights(self) -> List[QuantizerPlan]:
+        return [q for q in self.quantizers if q.tensor == "weight"]
+
+    @property
+    def activations(self) -> List[QuantizerPlan]:
+        return [q for q in self.quantizers if q.tensor != "weight"]
+
+    def needs_data(self) -> bool:
+        return bool(self.activations)
+
+
+def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
+    """Apply one rule's partial spec on top of the current one (or the schema defaults when there is none)."""
+    start = base.model_dump() if base is not None else cls().model_dump()
+    start.update(override)
+    if "granularity" in override and override["granularity"] != "per_block" and "block_size" not in override:
+        start["block_size"] = None
+    if "analyzer" in override:
+        start["analyzer"] = _analyzer(override["analyzer"])
+    try:
+        return cls.model_validate(start)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = _key_path(err["loc"])
+        raise ConfigError(f"{where}.{key}: {_describe(err)}" if key else f"{where}: {_describe(err)}") from None
+
+
+def _weight_layout(module: nn.Module, spec: WeightSpec, where: str, name: str):
+    w = getattr(module, "weight", None)
+    if not isinstance(w, nn.Parameter) or w.dim() == 0:
+        return None
+    shp = tuple(w.shape)
+    if spec.granularity == "per_tensor":
+        return (), None
+    if spec.granularity == "per_channel":
+        return (shp[0],) + (1,) * (len(shp) - 1), None
+    b = spec.block_size
+    if len(shp) < 2:
+        raise ConfigError(f"{where}.block_size: {name}.weight has shape {list(shp)}; per_block needs 2+ dims")
+    if shp[1] % b:
+        raise ConfigError(
+            f"{where}.block_size: {b} does not divide the input dimension {shp[1]} of {name}.weight "
+            f"(shape {list(shp)})"
+        )
+    shape = (shp[0], shp[1] // b) + (1,) * (len(shp) - 2)
+    return shape, (1, b) + (-1,) * (len(shp) - 2)
+
+
+def resolve_plan(recipe: Recipe, model: nn.Module, source: str = "<recipe>", allow_unmatched: bool = False) -> Plan:
+    """One ``QuantizerPlan`` per quantizer, in module order. Later ``layers`` entries win."""
+    plan = Plan()
+    used = [False] * len(recipe.layers)
+    named = [(n, m) for n, m in model.named_modules() if n]
+    for name, module in named:
+        tname = type(module).__name__
+        # ignore patterns are a safety net (recipes list lm_head for every model), so no-match is silent
+        ignored = any(name_matches(pat, name) for pat in recipe.ignore)
+        w_cand = tname in DEFAULT_WEIGHT_TYPES
+        a_cand = tname in DEFAULT_ACTIVATION_TYPES
+        w_spec = recipe.defaults.weights if w_cand else None
+        a_spec = recipe.defaults.activations if a_cand else None
+        rule_w = rule_a = None
+        for i, rule in enumerate(recipe.layers):
+            if rule.match is not None and not name_matches(rule.match, name):
+                continue
+            if rule.types():
+                if tname not in rule.types():
+                    continue
+                w_cand = a_cand = True  # naming a type opts modules of that type in
+            if not (w_cand or a_cand):
+                continue  # a name pattern only refines modules that can be quantized
+            used[i] = True
+            where = f"{source}: layers[{i}]"
+            if "weights" in rule.model_fields_set and w_cand:
+                w_spec = None if rule.weights is None else _merge(
+                    w_spec or recipe.defaults.weights, rule.weights, WeightSpec, f"{where}.weights")
+                rule_w = i
+            if "activations" in rule.model_fields_set and a_cand:
+                a_spec = None if rule.activations is None else _merge(
+                    a_spec or recipe.defaults.activations, rule.activations, ActivationSpec, f"{where}.activations")
+                rule_a = i
+        if ignored:
+            continue
+        if w_spec is not None:
+            where = f"{source}: layers[{rule_w}].weights" if rule_w is not None else f"{source}: defaults.weights"
+            layout = _weight_layout(module, w_spec, where, name)
+            if layout is not None:
+                shape, block = layout
+                plan.quantizers.append(QuantizerPlan(
+                    f"{name}.weight", name, tname, "weight", w_spec.bitwidth, w_spec.symmetric,
+                    w_spec.granularity, shape, block, w_spec.analyzer.name, rule_w))
+        if a_spec is not None:
+            for tensor, on in (("input", a_spec.inputs and tname not in _INTEGER_INPUT_TYPES),
+                               ("output", a_spec.outputs)):
+                if on:
+                    plan.quantizers.append(QuantizerPlan(
+                        f"{name}.{tensor}", name, tname, tensor, a_spec.bitwidth, a_spec.symmetric,
+                        "per_tensor", (), None, a_spec.analyzer.name, rule_a))
+    for i, ok in enumerate(used):
+        if not ok:
+            rule = recipe.layers[i]
+            sel = " ".join(filter(None, [f"match {rule.match!r}" if rule.match else "",
+                                         f"type {rule.type!r}" if rule.type else ""]))
+            msg = f"{source}: layers[{i}]: {sel} matches no module of the model"
+            if not allow_unmatched:
+                raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
+            plan.warnings.append(msg)
+    if not plan.quantizers:
+        plan.warnings.append(f"{source}: the recipe puts no quantizer on this model")
+    return plan

@@ -1,0 +1,234 @@
+"""Calibration data: tensor files and text, turned into deterministic batches of model inputs.
+
+A batch is a ``Batch``: positional tensors (``args``) and keyword tensors (``kwargs``), called as
+``model(*args, **kwargs)``. Tensor files with one array give a positional input; several named arrays give keyword
+inputs (``input_ids``, ``attention_mask``, ...). Text goes through the checkpoint's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from .errors import DataError
+
+__all__ = ["Batch", "CalibrationData", "load_data", "text_samples", "TENSOR_SUFFIXES", "TEXT_SUFFIXES"]
+
+TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth", ".npy", ".npz")
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+@dataclass
+class Batch:
+    args: Tuple[torch.Tensor, ...] = ()
+    kwargs: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def to(self, device) -> "Batch":
+        return Batch(tuple(a.to(device) for a in self.args), {k: v.to(device) for k, v in self.kwargs.items()})
+
+    @property
+    def size(self) -> int:
+        first = self.args[0] if self.args else next(iter(self.kwargs.values()))
+        return int(first.shape[0]) if first.dim() else 1
+
+
+@dataclass
+class CalibrationData:
+    batches: List[Batch]
+    files: List[Path]
+    num_samples: int
+    description: str
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tensor files
+# --------------------------------------------------------------------------------------------------------------
+def _read_tensor_file(path: Path) -> Dict[str, torch.Tensor]:
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            from .model.load import _check_safetensors
+
+            try:
+                _check_safetensors(path)
+            except Exception as e:
+                raise DataError(str(e)) from None
+            return dict(load_file(str(path)))
+        if suffix in (".pt", ".pth"):
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
+            if isinstance(obj, torch.Tensor):
+                return {"input": obj}
+            if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
+                return dict(obj)
+            raise DataError(f"{path}: expected a tensor or a dict of tensors, found {type(obj).__name__}")
+        import numpy as np
+
+        if suffix == ".npy":
+            return {"input": torch.from_numpy(np.load(str(path), allow_pickle=False))}
+        with np.load(str(path), allow_pickle=False) as z:
+            return {k: torch.from_numpy(z[k]) for k in z.files}
+    except DataError:
+        raise
+    except Exception as e:  # each reader has its own error types
+        raise DataError(f"{path}: cannot read calibration data: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def _check_finite(name: str, t: torch.Tensor, where: str) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise DataError(f"{where}: tensor {name!r} has {bad} NaN/Inf values; calibration data must be finite")
+
+
+def _tensor_samples(files: Sequence[Path]) -> Tuple[List[Dict[str, torch.Tensor]], List[str]]:
+    """Concatenate every file's arrays along dim 0; all files must share names and trailing shapes."""
+    parts: Dict[str, List[torch.Tensor]] = {}
+    names: Optional[List[str]] = None
+    for f in files:
+        tensors = _read_tensor_file(f)
+        if not tensors:
+            raise DataError(f"{f}: holds no tensors")
+        if names is None:
+            names = list(tensors)
+        elif sorted(tensors) != sorted(names):
+            raise DataError(f"{f}: has tensors {sorted(tensors)}, but earlier files have {sorted(names)}")
+        for k, t in tensors.items():
+            if t.dim() == 0:
+                raise DataError(f"{f}: tensor {k!r} is a scalar; calibration tensors need a batch dimension")
+            if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool):
+                raise DataError(f"{f}: tensor {k!r} has unsupported dtype {t.dtype}")
+            _check_finite(k, t, str(f))
+            if parts.get(k) and tuple(parts[k][0].shape[1:]) != tuple(t.shape[1:]):
+                raise DataError(
+                    f"{f}: tensor {k!r} has sample shape {list(t.shape[1:])}, earlier files have "
+                    f"{list(parts[k][0].shape[1:])}"
+                )
+            parts.setdefault(k, []).append(t)
+    assert names is not None
+    joined = {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in parts.items()}
+    n = {k: v.shape[0] for k, v in joined.items()}
+    if len(set(n.values())) != 1:
+        raise DataError(f"{files[0]}: named tensors have different sample counts {n}")
+    count = next(iter(n.values()))
+    samples = [{k: joined[k][i] for k in names} for i in range(count)]
+    return samples, names
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Text
+# --------------------------------------------------------------------------------------------------------------
+def text_samples(path: Path) -> List[str]:
+    """Paragraphs of a ``.txt`` file (blank-line separated) or the ``text`` field of each ``.jsonl`` line."""
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read text: {e}") from None
+    if path.suffix.lower() == ".jsonl":
+        out = []
+        for i, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{path}:{i}: not valid JSON ({e})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise DataError(f"{path}:{i}: each line needs a string field 'text'")
+            if obj["text"].strip():
+                out.append(obj["text"])
+        return out
+    return [" ".join(p.split()) for p in raw.split("\n\n") if p.strip()]
+
+
+def _tokenize(texts: List[str], tokenizer, seq_len: int, where: str) -> List[Dict[str, torch.Tensor]]:
+    if tokenizer is None:
+        raise DataError(f"{where}: text data needs a tokenizer, and this checkpoint has none")
+    enc = tokenizer(texts, truncation=True, max_length=seq_len, padding="max_length", return_tensors="pt")
+    keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+    return [{k: enc[k][i] for k in keys} for i in range(len(texts))]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------------------
+def _collect(path: Path) -> Tuple[List[Path], str]:
+    if not path.exists():
+        raise DataError(f"{path}: data path not found")
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in TENSOR_SUFFIXES + TEXT_SUFFIXES)
+        if not files:
+            raise DataError(f"{path}: no data files (expected {', '.join(TENSOR_SUFFIXES + TEXT_SUFFIXES)})")
+    else:
+        files = [path]
+    kinds = {"text" if f.suffix.lower() in TEXT_SUFFIXES else "tensor" for f in files}
+    unknown = [f for f in files if f.suffix.lower() not in TENSOR_SUFFIXES + TEXT_SUFFIXES]
+    if unknown:
+        raise DataError(f"{unknown[0]}: unknown data file type (expected {', '.join(TENSOR_SUFFIXES + TEXT_SUFFIXES)})")
+    if len(kinds) > 1:
+        raise DataError(f"{path}: mixes text and tensor files; use one kind per data directory")
+    return files, kinds.pop()
+
+
+def load_data(
+    path: str | Path,
+    batch_size: int = 8,
+    num_samples: Optional[int] = None,
+    seed: int = 0,
+    seq_len: int = 128,
+    tokenizer: Any = None,
+) -> CalibrationData:
+    """Read ``path`` (file or directory), pick a deterministic subset, and cut it into batches."""
+    path = Path(path)
+    if batch_size < 1:
+        raise DataError(f"--batch-size must be at least 1 (got {batch_size})")
+    if num_samples is not None and num_samples < 1:
+        raise DataError(f"--num-samples must be at least 1 (got {num_samples})")
+    if seq_len < 1:
+        raise DataError(f"--seq-len must be at least 1 (got {seq_len})")
+    files, kind = _collect(path)
+    if kind == "text":
+        texts: List[str] = []
+        for f in files:
+            texts += text_samples(f)
+        if not texts:
+            raise DataError(f"{path}: no text samples (empty file?)")
+        order = _subset(len(texts), num_samples, seed)
+        samples = _tokenize([texts[i] for i in order], tokenizer, seq_len, str(path))
+        names = list(samples[0])
+        desc = f"{len(order)} text samples tokenized to {seq_len} tokens"
+    else:
+        all_samples, names = _tensor_samples(files)
+        if not all_samples:
+            raise DataError(f"{path}: no samples (tensors have a batch dimension of 0)")
+        order = _subset(len(all_samples), num_samples, seed)
+        samples = [all_samples[i] for i in order]
+        desc = f"{len(order)} tensor samples"
+    batches = []
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start:start + batch_size]
+        stacked = {k: torch.stack([s[k] for s in chunk]) for k in names}
+        if kind == "tensor" and len(names) == 1:
+            batches.append(Batch(args=(stacked[names[0]],)))
+        else:
+            batches.append(Batch(kwargs=stacked))
+    return CalibrationData(batches, files, len(samples), desc)
+
+
+def _subset(total: int, num_samples: Optional[int], seed: int) -> List[int]:
+    """The first ``num_samples`` of a seeded permutation; all samples, in order, without ``num_samples``."""
+    if num_samples is None or num_samples >= total:
+        return list(range(total))
+    g = torch.Generator().manual_seed(seed)
+    return sorted(torch.randperm(total, generator=g)[:num_samples].tolist())

@@ -1,0 +1,35 @@
+"""Typed errors. The library raises these; only the CLI turns them into messages and exit codes."""
+
+
+class QtoolError(Exception):
+    """Base class for every error qtool reports as one line to the user."""
+
+    exit_code = 3
+
+
+class UsageError(QtoolError):
+    """Bad input: a recipe, checkpoint, data file or flag that cannot be used (exit code 2)."""
+
+    exit_code = 2
+
+
+class ConfigError(UsageError):
+    """A recipe that does not validate or does not fit the model."""
+
+
+class CheckpointError(UsageError):
+    """A checkpoint that cannot be read, or that does not fit the model."""
+
+
+class DataError(UsageError):
+    """Calibration data that cannot be read or used."""
+
+
+class EncodingsError(UsageError):
+    """An encodings file that cannot be read or does not fit the model."""
+
+
+class GateFailed(QtoolError):
+    """A quality gate failed (exit code 1)."""
+
+    exit_code = 1

@@ -1,0 +1,1 @@
+"""Writers of quantized artifacts."""

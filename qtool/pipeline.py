@@ -1,0 +1,218 @@
+"""The user-level jobs: plan, calibrate, export, and a calibrated model for Python use.
+
+Each job returns data (a summary dict) and reports progress through callbacks; it never prints.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import __version__
+from .calibrate import calibrate
+from .config import Plan, QuantizerPlan, load_recipe, resolve_plan
+from .data import CalibrationData, load_data
+from .encodings import EncodingEntry, EncodingsFile, to_aimet_v1
+from .errors import EncodingsError
+from .export.integer import export_integer
+from .fsutil import atomic_output_dir, check_output_dir, sha256_file
+from .model.insert import insert_quantizers
+from .model.load import LoadedModel, load_model, tensor_files
+
+__all__ = ["CalibrateOptions", "plan_for", "run_calibrate", "run_export", "load_calibrated", "versions"]
+
+
+@dataclass
+class CalibrateOptions:
+    data: Optional[str] = None
+    device: str = "cpu"
+    batch_size: int = 8
+    num_samples: Optional[int] = None
+    seq_len: int = 128
+    seed: int = 0
+    model_class: Optional[str] = None
+    trust_pickle: bool = False
+    trust_remote_code: bool = False
+    allow_unmatched: bool = False
+
+
+class Hooks:
+    """Callbacks a front end may set: ``on_plan(plan)``, ``on_batch(done, total, samples)``,
+    ``on_tensor(done, total, name)``, ``on_stage(text)``."""
+
+    def __init__(self, on_plan=None, on_batch=None, on_tensor=None, on_stage=None):
+        self.on_plan = on_plan or (lambda plan: None)
+        self.on_batch = on_batch
+        self.on_tensor = on_tensor
+        self.on_stage = on_stage or (lambda text: None)
+
+
+def versions() -> Dict[str, str]:
+    out = {"qtool": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:  # optional extra
+        pass
+    return out
+
+
+def _files_digest(files: List[Path]) -> Dict[str, str]:
+    return {str(f): sha256_file(f) for f in files}
+
+
+def plan_for(checkpoint: str, recipe_path: str, opts: CalibrateOptions) -> Tuple[LoadedModel, Plan]:
+    recipe = load_recipe(recipe_path)  # validate the recipe before the (slow) model load
+    loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+    plan = resolve_plan(recipe, loaded.model, source=str(recipe_path), allow_unmatched=opts.allow_unmatched)
+    return loaded, plan
+
+
+def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, run_dir: Path, hooks: Hooks):
+    hooks.on_stage("loading checkpoint")
+    loaded, plan = plan_for(checkpoint, recipe_path, opts)
+    hooks.on_plan(plan)
+    data: Optional[CalibrationData] = None
+    if plan.needs_data() or opts.data:
+        if opts.data is None:
+            from .errors import DataError
+
+            raise DataError("the recipe quantizes activations, which needs calibration data: pass --data PATH")
+        hooks.on_stage("reading calibration data")
+        data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer)
+    quantizers = insert_quantizers(loaded.model, plan)
+    hooks.on_stage("calibrating")
+    device = next(iter(loaded.model.parameters())).device
+    result = calibrate(loaded.model, plan, quantizers, data if plan.needs_data() else None, device, hooks.on_batch)
+    entries = [EncodingEntry.from_quantizer(q, quantizers[q.name]) for q in plan.quantizers
+               if quantizers[q.name].is_initialized()]
+    enc = EncodingsFile(entries, {"qtool_version": __version__, "recipe": Path(recipe_path).name})
+    enc_path = run_dir / "encodings.json"
+    enc_path.write_text(enc.dumps())
+    manifest = {
+        "command": "calibrate",
+        "versions": versions(),
+        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        "options": {k: v for k, v in asdict(opts).items()},
+        "inputs": {
+            "checkpoint": {"path": str(checkpoint), "kind": loaded.kind, "sha256": _files_digest(loaded.files)},
+            "recipe": {"path": str(recipe_path), "sha256": sha256_file(Path(recipe_path))},
+            "data": None if data is None else {"path": str(opts.data), "samples": data.num_samples,
+                                               "sha256": _files_digest(data.files)},
+        },
+        "outputs": {"encodings.json": sha256_file(enc_path)},
+        "quantizers": len(entries),
+        "uncalibrated": result.unused,
+        "warnings": plan.warnings,
+    }
+    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    summary = {"encodings": str(enc_path), "quantizers": len(entries), "weights": len(plan.weights),
+               "activations": len(plan.activations), "uncalibrated": result.unused,
+               "samples": 0 if data is None else data.num_samples, "device": str(device),
+               "warnings": plan.warnings}
+    return loaded, plan, quantizers, summary
+
+
+def run_calibrate(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOptions, overwrite: bool = False,
+                  hooks: Optional[Hooks] = None) -> Dict[str, Any]:
+    """``qtool calibrate``: write ``out/encodings.json`` and ``out/manifest.json`` atomically."""
+    hooks = hooks or Hooks()
+    check_output_dir(Path(out), overwrite)
+    with atomic_output_dir(Path(out), overwrite) as tmp:
+        _, _, _, summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks)
+    summary["encodings"] = str(Path(out) / "encodings.json")
+    summary["files"] = [str(Path(out) / n) for n in ("encodings.json", "manifest.json")]
+    return summary
+
+
+def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: Path, trust_pickle: bool,
+                 hooks: Hooks) -> Dict[str, Any]:
+    hooks.on_stage("exporting")
+    summary = export_integer(Path(checkpoint), enc, out_dir, trust_pickle=trust_pickle, progress=hooks.on_tensor)
+    aimet = to_aimet_v1(enc, __version__)
+    names = summary.pop("names")
+    for item in aimet["param_encodings"]:
+        item["name"] = names.get(item["name"], item["name"])
+    (out_dir / "model.encodings").write_text(json.dumps(aimet, indent=1) + "\n")
+    ckpt_files = tensor_files(Path(checkpoint))
+    manifest = {
+        "command": "export",
+        "versions": versions(),
+        "inputs": {
+            "checkpoint": {"path": str(checkpoint), "sha256": _files_digest(ckpt_files)},
+            "encodings": {"path": str(enc_path), "sha256": sha256_file(enc_path)},
+        },
+        "outputs": {n: sha256_file(out_dir / n) for n in ("model.safetensors", "model.encodings")},
+        "summary": summary,
+    }
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return summary
+
+
+def run_export(checkpoint: str, encodings_path: str, out: str, trust_pickle: bool = False, overwrite: bool = False,
+               hooks: Optional[Hooks] = None) -> Dict[str, Any]:
+    """``qtool export``: integer safetensors + AIMET 1.0.0 encodings, written atomically."""
+    hooks = hooks or Hooks()
+    check_output_dir(Path(out), overwrite)
+    enc = EncodingsFile.read(encodings_path)
+    with atomic_output_dir(Path(out), overwrite) as tmp:
+        summary = _export_into(checkpoint, enc, Path(encodings_path), tmp, trust_pickle, hooks)
+    summary["files"] = [str(Path(out) / n) for n in ("model.safetensors", "model.encodings", "manifest.json")]
+    return summary
+
+
+def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOptions, overwrite: bool = False,
+                 hooks: Optional[Hooks] = None) -> Dict[str, Any]:
+    """``qtool quantize``: calibrate and export into one directory (encodings.json included)."""
+    hooks = hooks or Hooks()
+    check_output_dir(Path(out), overwrite)
+    with atomic_output_dir(Path(out), overwrite) as tmp:
+        calib_dir = tmp / "calibration"
+        calib_dir.mkdir()
+        _, _, _, csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks)
+        enc_path = calib_dir / "encodings.json"
+        esum = _export_into(checkpoint, EncodingsFile.read(enc_path), enc_path, tmp, opts.trust_pickle, hooks)
+    out_p = Path(out)
+    return {**csum, **esum, "encodings": str(out_p / "calibration" / "encodings.json"),
+            "files": [str(out_p / n) for n in ("model.safetensors", "model.encodings", "manifest.json",
+                                                 "calibration/encodings.json", "calibration/manifest.json")]}
+
+
+def plan_from_encodings(enc: EncodingsFile, model: nn.Module, source: str) -> Plan:
+    modules = dict(model.named_modules())
+    rows = []
+    for e in enc.entries:
+        if e.module not in modules:
+            raise EncodingsError(f"{source}: module {e.module!r} is not in this model; were the encodings made "
+                                 "for another model?")
+        rows.append(QuantizerPlan(e.name, e.module, type(modules[e.module]).__name__, e.tensor, e.bitwidth,
+                                  e.symmetric, e.granularity, e.shape, e.block_size, e.analyzer))
+    return Plan(rows)
+
+
+def load_calibrated(checkpoint: str, encodings: str, model_class: Optional[str] = None, device: str = "cpu",
+                    trust_pickle: bool = False, trust_remote_code: bool = False) -> nn.Module:
+    """The checkpoint's model with fake-quant modules set from ``encodings`` (qtool's encodings.json)."""
+    loaded = load_model(checkpoint, model_class, device, trust_pickle, trust_remote_code)
+    enc = EncodingsFile.read(encodings)
+    plan = plan_from_encodings(enc, loaded.model, str(encodings))
+    quantizers = insert_quantizers(loaded.model, plan)
+    modules = dict(loaded.model.named_modules())
+    for e in enc.entries:
+        if e.tensor == "weight":
+            w = modules[e.module]._parameters.get("weight")
+            try:
+                quantizers[e.name].check_input(w)
+            except (ValueError, AttributeError) as err:
+                raise EncodingsError(f"{encodings}: {e.name}: does not fit the model's weight ({err})") from None
+        quantizers[e.name].set_range(e.min.to(quantizers[e.name].min.device), e.max.to(quantizers[e.name].max.device))
+    loaded.model.qtool_tokenizer = loaded.tokenizer  # handy for evaluation code
+    return loaded.model

@@ -1,0 +1,39 @@
+"""qtool's quantization core: pure affine math, quantizer modules, encoding analyzers (no I/O, no printing)."""
+
+from .affine import (
+    adjust_min_max,
+    dequantize,
+    grid,
+    min_max_to_scale_offset,
+    quantize,
+    quantize_dequantize,
+    reduce_to_shape,
+    resolve_block_size,
+)
+from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer
+from .quantizer import Quantize, QuantizeDequantize, QuantizerBase, UninitializedQuantizerError
+from .tensor import AffineEncoding, DequantizedTensor, QuantizedTensor
+from .torchao_api import ZeroPointDomain, dequantize_affine, quantize_affine
+
+__all__ = [
+    "quantize",
+    "dequantize",
+    "quantize_dequantize",
+    "quantize_affine",
+    "dequantize_affine",
+    "ZeroPointDomain",
+    "grid",
+    "adjust_min_max",
+    "min_max_to_scale_offset",
+    "reduce_to_shape",
+    "resolve_block_size",
+    "EncodingAnalyzer",
+    "MinMaxEncodingAnalyzer",
+    "QuantizerBase",
+    "QuantizeDequantize",
+    "Quantize",
+    "UninitializedQuantizerError",
+    "AffineEncoding",
+    "QuantizedTensor",
+    "DequantizedTensor",
+]

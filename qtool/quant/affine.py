@@ -1,0 +1,334 @@
+"""Affine quantization as pure tensor functions (AIMET semantics, see docs/numerics.md).
+
+Conventions
+-----------
+* ``real = (q + offset) * scale``: AIMET's offset, i.e. ``offset = -zero_point`` in ONNX/torchao terms.
+* ``quantize(x) = clamp(round(x / scale) - offset, qmin, qmax)``, round half to even, division (not a
+  multiply by the reciprocal).
+* Granularity is ``scale.shape`` plus an optional ``block_size`` of the same length: input element ``j`` uses
+  encoding ``i`` with ``i_d = j_d // B_d``; a ``-1`` entry means ``input_dim // shape_dim``. Without
+  ``block_size`` the scale must broadcast against the input (per-tensor, per-channel).
+
+Nothing here holds state, prints or touches the host: every function works unchanged on CPU and CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+__all__ = [
+    "FLOAT32_EPS",
+    "grid",
+    "resolve_grid",
+    "resolve_block_size",
+    "blocked_shapes",
+    "reduce_to_shape",
+    "quantize",
+    "dequantize",
+    "quantize_dequantize",
+    "min_max_to_scale_offset",
+    "adjust_min_max",
+]
+
+FLOAT32_EPS = float(torch.finfo(torch.float32).eps)  # 1.1920929e-07
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+BlockSize = Optional[Sequence[int]]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Integer grids
+# --------------------------------------------------------------------------------------------------------------
+def grid(bitwidth: int, signed: bool) -> Tuple[int, int]:
+    """``(qmin, qmax)`` of the ``bitwidth``-bit grid: ``-2**(b-1)..2**(b-1)-1`` signed, ``0..2**b-1`` unsigned."""
+    if not isinstance(bitwidth, int) or isinstance(bitwidth, bool) or bitwidth < 1:
+        raise ValueError(f"bitwidth must be a positive integer, got {bitwidth!r}")
+    return _grid_from_steps(2**bitwidth - 1, signed)
+
+
+def _grid_from_steps(num_steps: int, signed: bool) -> Tuple[int, int]:
+    if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
+        raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
+    if signed:
+        return -math.ceil(num_steps / 2), num_steps // 2
+    return 0, num_steps
+
+
+def resolve_grid(
+    bitwidth: Optional[int] = None,
+    signed: bool = False,
+    *,
+    num_steps: Optional[int] = None,
+    qmin: Optional[int] = None,
+    qmax: Optional[int] = None,
+) -> Tuple[int, int]:
+    """Turn one of AIMET's three call forms into ``(qmin, qmax)``.
+
+    Exactly one of ``bitwidth``, ``num_steps`` or the pair ``qmin, qmax`` must be given.
+    """
+    given = [bitwidth is not None, num_steps is not None, qmin is not None or qmax is not None]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of: bitwidth (with signed), num_steps (with signed), or qmin and qmax")
+    if bitwidth is not None:
+        return grid(bitwidth, signed)
+    if num_steps is not None:
+        return _grid_from_steps(num_steps, signed)
+    if qmin is None or qmax is None:
+        raise ValueError("qmin and qmax must be given together")
+    qmin, qmax = int(qmin), int(qmax)
+    if qmin >= qmax:
+        raise ValueError(f"qmin must be less than qmax, got qmin={qmin}, qmax={qmax}")
+    return qmin, qmax
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Granularity: shape + block_size
+# --------------------------------------------------------------------------------------------------------------
+def resolve_block_size(input_shape: Sequence[int], shape: Sequence[int], block_size: BlockSize) -> Tuple[int, ...]:
+    """Concrete block extent per dimension of the last ``len(shape)`` input dims (``-1`` resolved).
+
+    With ``block_size=None`` each encoding dim must be 1 (whole dim shares it) or equal the input dim.
+    Raises ``ValueError`` with the offending dimension when the shapes do not fit.
+    """
+    input_shape, shape = tuple(int(d) for d in input_shape), tuple(int(d) for d in shape)
+    if len(shape) > len(input_shape):
+        raise ValueError(f"encoding shape {shape} has more dims than the input {input_shape}")
+    tail = input_shape[len(input_shape) - len(shape):]
+    if block_size is None:
+        out = []
+        for d, (n, s) in enumerate(zip(tail, shape)):
+            if s not in (1, n):
+                raise ValueError(
+                    f"encoding shape {shape} does not broadcast to input shape {input_shape} (dim {d}: {s} vs {n}); "
+                    "pass block_size for blockwise encodings"
+                )
+            out.append(n if s == 1 else 1)
+        return tuple(out)
+    block_size = tuple(int(b) for b in block_size)
+    if len(block_size) != len(shape):
+        raise ValueError(f"block_size {block_size} must have one entry per encoding dim {shape}")
+    out = []
+    for d, (n, s, b) in enumerate(zip(tail, shape, block_size)):
+        if b == -1:
+            if s <= 0 or n % s:
+                raise ValueError(f"input dim {d} of size {n} cannot be split into {s} blocks (block_size -1)")
+            b = n // s
+        if b <= 0:
+            raise ValueError(f"block_size entries must be positive or -1, got {block_size}")
+        if n % b:
+            raise ValueError(f"block size {b} does not divide input dim {d} of size {n} (input shape {input_shape})")
+        if n // b != s:
+            raise ValueError(
+                f"block size {b} on input dim {d} of size {n} gives {n // b} blocks, but the encoding shape has {s}"
+            )
+        out.append(b)
+    return tuple(out)
+
+
+def blocked_shapes(input_shape: Sequence[int], shape: Sequence[int], block_size: BlockSize):
+    """Shapes that expose blocks as their own dims without copying.
+
+    Returns ``(x_view_shape, enc_view_shape, reduce_dims)``: the input reshaped to
+    ``(*lead, s0, B0, s1, B1, ...)``, the encoding reshaped to ``(s0, 1, s1, 1, ...)`` (broadcastable, never
+    expanded), and the dims to reduce to go from the input view to the encoding view (leading dims included).
+    """
+    blocks = resolve_block_size(input_shape, shape, block_size)
+    shape = tuple(int(d) for d in shape)
+    lead = tuple(int(d) for d in input_shape[: len(input_shape) - len(shape)])
+    x_view, enc_view = list(lead), []
+    for s, b in zip(shape, blocks):
+        x_view += [s, b]
+        enc_view += [s, 1]
+    reduce_dims = tuple(range(len(lead))) + tuple(len(lead) + 2 * i + 1 for i in range(len(shape)))
+    return tuple(x_view), tuple(enc_view), reduce_dims
+
+
+def reduce_to_shape(x: torch.Tensor, shape: Sequence[int], block_size: BlockSize = None):
+    """Elementwise ``(min, max)`` of ``x`` reduced to the encoding ``shape`` (blocks and leading dims folded)."""
+    x_view, _, reduce_dims = blocked_shapes(x.shape, shape, block_size)
+    xv = x.reshape(x_view)
+    if not reduce_dims:
+        return xv.reshape(tuple(shape)).clone(), xv.reshape(tuple(shape)).clone()
+    if len(reduce_dims) == xv.dim():
+        mn, mx = torch.aminmax(xv)
+        return mn.reshape(tuple(shape)), mx.reshape(tuple(shape))
+    return xv.amin(dim=reduce_dims).reshape(tuple(shape)), xv.amax(dim=reduce_dims).reshape(tuple(shape))
+
+
+def _apply_blocked(fn, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, block_size: BlockSize):
+    """Run ``fn(x, scale, offset)`` with scale/offset broadcast per block; the result has ``x``'s shape."""
+    if block_size is None:
+        return fn(x, scale, offset)
+    shape = tuple(scale.shape)
+    x_view, enc_view, _ = blocked_shapes(x.shape, shape, block_size)
+    offset = offset.expand(shape) if offset.dim() < len(shape) else offset
+    out = fn(x.reshape(x_view), scale.reshape(enc_view), offset.reshape(enc_view))
+    return out.reshape(x.shape)
+
+
+def _check_scale_offset(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, block_size: BlockSize):
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    if not isinstance(offset, torch.Tensor):
+        offset = torch.as_tensor(offset, dtype=torch.float32, device=x.device)
+    if block_size is None:
+        resolve_block_size(x.shape, scale.shape, None)  # raises on a shape that does not broadcast
+    return scale, offset
+
+
+# --------------------------------------------------------------------------------------------------------------
+# quantize / dequantize / quantize_dequantize
+# --------------------------------------------------------------------------------------------------------------
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _quantize_raw(x, scale, offset, qmin, qmax):
+    dt = _compute_dtype(x)
+    q = torch.round(x.to(dt) / scale.to(dt))
+    return q.sub_(offset.to(dt)).clamp_(qmin, qmax)
+
+
+def _dequantize_raw(q, scale, offset):
+    dt = _compute_dtype(q) if q.is_floating_point() else torch.float32
+    return (q.to(dt) + offset.to(dt)) * scale.to(dt)
+
+
+class _RoundSTE(torch.autograd.Function):
+    """Round half to even forward, identity backward (straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    return _RoundSTE.apply(x)
+
+
+def _quantize_ste(x, scale, offset, qmin, qmax):
+    """Differentiable quantize: STE through round; clamp passes gradient only inside the grid."""
+    dt = _compute_dtype(x)
+    return torch.clamp(round_ste(x.to(dt) / scale.to(dt)) - offset.to(dt), qmin, qmax)
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def quantize(
+    tensor: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    bitwidth: Optional[int] = None,
+    signed: bool = False,
+    block_size: BlockSize = None,
+    *,
+    num_steps: Optional[int] = None,
+    qmin: Optional[int] = None,
+    qmax: Optional[int] = None,
+) -> torch.Tensor:
+    """Integer codes ``clamp(round(x / scale) - offset, qmin, qmax)`` as a float tensor (float32 math).
+
+    Call forms (as in AIMET): ``quantize(x, scale, offset, bitwidth, signed=False)``,
+    ``quantize(x, scale, offset, num_steps=N, signed=False)``, ``quantize(x, scale, offset, qmin=A, qmax=B)``.
+    ``block_size`` selects blockwise granularity (see module docs).
+    """
+    qmin, qmax = resolve_grid(bitwidth, signed, num_steps=num_steps, qmin=qmin, qmax=qmax)
+    scale, offset = _check_scale_offset(tensor, scale, offset, block_size)
+    fn = _quantize_ste if _needs_grad(tensor, scale, offset) else _quantize_raw
+    return _apply_blocked(lambda x, s, o: fn(x, s, o, qmin, qmax), tensor, scale, offset, block_size)
+
+
+def dequantize(
+    tensor: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, block_size: BlockSize = None
+) -> torch.Tensor:
+    """Real values ``(q + offset) * scale`` (float32 unless the codes are float64)."""
+    scale, offset = _check_scale_offset(tensor, scale, offset, block_size)
+    return _apply_blocked(_dequantize_raw, tensor, scale, offset, block_size)
+
+
+def quantize_dequantize(
+    tensor: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    bitwidth: Optional[int] = None,
+    signed: bool = False,
+    block_size: BlockSize = None,
+    *,
+    num_steps: Optional[int] = None,
+    qmin: Optional[int] = None,
+    qmax: Optional[int] = None,
+) -> torch.Tensor:
+    """``dequantize(quantize(x))`` in one pass, returned in the input's dtype.
+
+    Differentiable: straight-through for the input inside the grid, and exact autograd through scale and
+    offset (and so through a quantizer's min/max).
+    """
+    qmin, qmax = resolve_grid(bitwidth, signed, num_steps=num_steps, qmin=qmin, qmax=qmax)
+    scale, offset = _check_scale_offset(tensor, scale, offset, block_size)
+    out_dtype = tensor.dtype if tensor.is_floating_point() else torch.float32
+
+    if _needs_grad(tensor, scale, offset):
+        def fn(x, s, o):
+            return (_quantize_ste(x, s, o, qmin, qmax) + o) * s
+    else:
+        def fn(x, s, o):
+            q = _quantize_raw(x, s, o, qmin, qmax)
+            return q.add_(o.to(q.dtype)).mul_(s.to(q.dtype))
+
+    return _apply_blocked(fn, tensor, scale, offset, block_size).to(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# min/max <-> scale/offset
+# --------------------------------------------------------------------------------------------------------------
+def _min_scale(num_steps: int) -> float:
+    return min(FLOAT32_EPS, 0.01 / num_steps)
+
+
+def adjust_min_max(stat_min: torch.Tensor, stat_max: torch.Tensor, num_steps: int, symmetric: bool):
+    """Turn raw statistics into a quantizer's stored ``(min, max)`` (float32).
+
+    The range is widened to contain zero, a degenerate range is widened to the minimum scale, a symmetric range
+    is made symmetric on the signed grid, and infinities are clamped to float32 limits.
+    """
+    n = int(num_steps)
+    ms = _min_scale(n)
+    mn = torch.clamp(stat_min.to(torch.float32), max=0.0)
+    mx = torch.clamp(stat_max.to(torch.float32), min=0.0)
+    adj = torch.where((mx - mn) / n < ms, torch.full_like(mx, ms), torch.zeros_like(mx))
+    if symmetric:
+        pos, neg = n // 2, math.ceil(n / 2)
+        mx = mx + pos * adj
+        mn = mn - neg * adj
+        d = torch.maximum(mx / (pos + (1 if n == 3 else 0)), -mn / neg)
+        mn = -neg * d
+        mx = pos * d
+    else:
+        mx = mx + n * adj
+    return torch.clamp(mn, min=-_F32_MAX), torch.clamp(mx, max=_F32_MAX)
+
+
+def min_max_to_scale_offset(
+    min: torch.Tensor, max: torch.Tensor, qmin: int, qmax: int, symmetric: bool
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """AIMET's ``(scale, offset)`` from a stored ``(min, max)``; differentiable in both.
+
+    ``scale = max(|(max - min) / n|, min_scale)``; symmetric offset ``-round((qmin + qmax) / 2)``; asymmetric
+    offset ``clamp(round(min / scale) - qmin, -qmax, -qmin)`` (straight-through round).
+    """
+    n = qmax - qmin
+    scale = torch.clamp(torch.abs((max - min) / n), min=_min_scale(n))
+    if symmetric:
+        offset = torch.full_like(scale, float(-round((qmin + qmax) / 2)))
+    else:
+        offset = torch.clamp(round_ste(min / scale) - qmin, -qmax, -qmin)
+    return scale, offset

@@ -1,0 +1,157 @@
+"""Quantizer modules: ``QuantizeDequantize`` (fake-quant) and ``Quantize``.
+
+A quantizer stores its range as learnable ``min`` / ``max`` parameters of the encoding ``shape``; scale and
+offset are derived from them on every call (so gradients reach min/max). Calibration::
+
+    q = QuantizeDequantize((out, 1), bitwidth=8, symmetric=True)
+    with q.compute_encodings():
+        for batch in data:
+            q(batch)          # statistics go to the analyzer; the batch is quantized with its own range
+    q.is_initialized()        # True: min/max were set on exit
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from .affine import grid, min_max_to_scale_offset, quantize, quantize_dequantize, resolve_block_size
+from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer
+from .tensor import AffineEncoding, DequantizedTensor, QuantizedTensor
+
+__all__ = ["QuantizerBase", "QuantizeDequantize", "Quantize", "UninitializedQuantizerError"]
+
+
+class UninitializedQuantizerError(RuntimeError):
+    """A quantizer was used before its range was calibrated or set."""
+
+
+class QuantizerBase(nn.Module):
+    def __init__(
+        self,
+        shape: Sequence[int],
+        bitwidth: int,
+        symmetric: bool,
+        encoding_analyzer: Optional[EncodingAnalyzer] = None,
+        block_size: Optional[Sequence[int]] = None,
+    ):
+        super().__init__()
+        shape = tuple(int(d) for d in shape)
+        self.shape = shape
+        self.bitwidth = int(bitwidth)
+        self.symmetric = bool(symmetric)
+        self.qmin, self.qmax = grid(self.bitwidth, signed=self.symmetric)
+        if block_size is not None:
+            block_size = tuple(int(b) for b in block_size)
+            if len(block_size) != len(shape):
+                raise ValueError(f"block_size {block_size} must have one entry per encoding dim {shape}")
+        self.block_size = block_size
+        self.encoding_analyzer = encoding_analyzer or MinMaxEncodingAnalyzer(shape, block_size)
+        self.min = nn.Parameter(torch.zeros(shape))
+        self.max = nn.Parameter(torch.zeros(shape))
+        self._calibrating = False
+        self._mark_uninitialized()
+
+    # ---- initialization state: a parameter counts as set once replaced or written in place -------------------
+    def _param_marker(self, name: str):
+        p = self._parameters[name]
+        return None if p is None else (id(p), p._version)
+
+    def _mark_uninitialized(self) -> None:
+        self._uninit_markers = {name: self._param_marker(name) for name in ("min", "max")}
+
+    def is_initialized(self) -> bool:
+        return all(self._param_marker(n) != m for n, m in self._uninit_markers.items())
+
+    @torch.no_grad()
+    def set_range(self, min: torch.Tensor, max: torch.Tensor) -> None:
+        """Set the stored range by hand (same as calibrating to it)."""
+        self.min.copy_(torch.as_tensor(min, dtype=self.min.dtype).expand(self.shape))
+        self.max.copy_(torch.as_tensor(max, dtype=self.max.dtype).expand(self.shape))
+
+    # ---- derived encoding ---------------------------------------------------------------------------------------
+    def _require_initialized(self) -> None:
+        if not self.is_initialized():
+            raise UninitializedQuantizerError(
+                f"{type(self).__name__}(shape={self.shape}, bitwidth={self.bitwidth}) is not initialized: "
+                "calibrate it inside compute_encodings() or set min/max first"
+            )
+
+    def _scale_offset(self, mn: torch.Tensor, mx: torch.Tensor):
+        return min_max_to_scale_offset(mn, mx, self.qmin, self.qmax, self.symmetric)
+
+    def get_scale(self) -> Optional[torch.Tensor]:
+        return self._scale_offset(self.min, self.max)[0] if self.is_initialized() else None
+
+    def get_offset(self) -> Optional[torch.Tensor]:
+        return self._scale_offset(self.min, self.max)[1] if self.is_initialized() else None
+
+    def get_encodings(self) -> Optional[AffineEncoding]:
+        if not self.is_initialized():
+            return None
+        with torch.no_grad():
+            scale, offset = self._scale_offset(self.min, self.max)
+        return AffineEncoding(scale, offset, self.qmin, self.qmax, self.symmetric, self.block_size)
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """Raise ``ValueError`` if this quantizer's shape/block_size cannot apply to ``x``."""
+        resolve_block_size(x.shape, self.shape, self.block_size)
+
+    # ---- calibration --------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def compute_encodings(self):
+        """Feed every input seen inside the block to the analyzer; set min/max on a clean exit."""
+        self.encoding_analyzer.reset_stats()
+        self._calibrating = True
+        try:
+            yield self
+        except BaseException:
+            self._calibrating = False
+            raise
+        self._calibrating = False
+        if self.encoding_analyzer.has_stats():
+            mn, mx = self.encoding_analyzer.compute_encodings(self.qmax - self.qmin, self.symmetric)
+            with torch.no_grad():
+                self.min.copy_(mn.to(self.min.device))
+                self.max.copy_(mx.to(self.max.device))
+        self.encoding_analyzer.reset_stats()
+
+    def _range_for_call(self, x: torch.Tensor):
+        if self._calibrating:
+            stats = self.encoding_analyzer.update_stats(x)
+            return self.encoding_analyzer.compute_dynamic_encodings(stats, self.qmax - self.qmin, self.symmetric)
+        self._require_initialized()
+        return self.min, self.max
+
+    def extra_repr(self) -> str:
+        return (
+            f"shape={self.shape}, bitwidth={self.bitwidth}, symmetric={self.symmetric}"
+            + (f", block_size={self.block_size}" if self.block_size is not None else "")
+        )
+
+
+class QuantizeDequantize(QuantizerBase):
+    """Fake quantization: returns ``dequantize(quantize(x))`` as a ``DequantizedTensor`` in ``x``'s dtype."""
+
+    def forward(self, x: torch.Tensor) -> DequantizedTensor:
+        x = x.as_subclass(torch.Tensor)
+        mn, mx = self._range_for_call(x)
+        scale, offset = self._scale_offset(mn, mx)
+        out = quantize_dequantize(x, scale, offset, qmin=self.qmin, qmax=self.qmax, block_size=self.block_size)
+        enc = AffineEncoding(scale.detach(), offset.detach(), self.qmin, self.qmax, self.symmetric, self.block_size)
+        return DequantizedTensor.wrap(out, enc)
+
+
+class Quantize(QuantizerBase):
+    """Quantization: returns the integer codes (as floats) in a ``QuantizedTensor``."""
+
+    def forward(self, x: torch.Tensor) -> QuantizedTensor:
+        x = x.as_subclass(torch.Tensor)
+        mn, mx = self._range_for_call(x)
+        scale, offset = self._scale_offset(mn, mx)
+        out = quantize(x, scale, offset, qmin=self.qmin, qmax=self.qmax, block_size=self.block_size)
+        enc = AffineEncoding(scale.detach(), offset.detach(), self.qmin, self.qmax, self.symmetric, self.block_size)
+        return QuantizedTensor.wrap(out, enc)

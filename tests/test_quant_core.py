@@ -1,0 +1,224 @@
+"""Behaviour of the quantization core beyond the AIMET reference cases."""
+
+import pytest
+import torch
+
+from qtool.quant import (
+    AffineEncoding,
+    DequantizedTensor,
+    Quantize,
+    QuantizeDequantize,
+    QuantizedTensor,
+    UninitializedQuantizerError,
+    dequantize,
+    quantize,
+    quantize_dequantize,
+)
+
+SEED_CODES = [0, 0, 0, 0, 0, 0, -0, 1, 2, 2, 3, 4, 4, 5, 6, 7, 7, 8, 9, 10, 10, 11, 12, 13, 13, 14, 15, 15, 15, 15, 15, 15]
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(bitwidth=4), dict(num_steps=15, signed=False), dict(qmin=0, qmax=15)], ids=["bw", "steps", "q"]
+)
+def test_seed_example_quantize(kwargs):
+    x = torch.arange(-0.3, 1.3, 0.05)
+    q = quantize(x, torch.tensor(1 / 15), torch.tensor(0.0), **kwargs)
+    assert q.tolist() == SEED_CODES
+
+
+def test_seed_example_quantize_module():
+    q = Quantize(shape=(2, 1), bitwidth=8, symmetric=True)
+    x = torch.tensor([[-1.20, 4.1, -0.21, 2.3], [0.2, 5.6, -1.0, -0.1]])
+    with q.compute_encodings():
+        q(x)
+    out = q(x)
+    assert isinstance(out, QuantizedTensor)
+    codes = out.quantized_repr()
+    assert codes.dtype == torch.int8
+    assert codes.tolist() == [[-37, 127, -7, 71], [5, 127, -23, -2]]
+    expect = torch.tensor([[-1.1945, 4.1000, -0.2260, 2.2921], [0.2205, 5.6000, -1.0142, -0.0882]])
+    torch.testing.assert_close(out.dequantize().as_subclass(torch.Tensor), expect, atol=5e-5, rtol=0)
+
+
+def test_call_forms_need_exactly_one_grid():
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match="exactly one"):
+        quantize(x, torch.tensor(0.1), torch.tensor(0.0))
+    with pytest.raises(ValueError, match="exactly one"):
+        quantize(x, torch.tensor(0.1), torch.tensor(0.0), 8, num_steps=255)
+    with pytest.raises(ValueError, match="qmin must be less"):
+        quantize(x, torch.tensor(0.1), torch.tensor(0.0), qmin=3, qmax=3)
+
+
+def test_signed_num_steps_grid():
+    # num_steps=255 signed is -128..127; clamps reveal the grid
+    x = torch.tensor([-1000.0, 1000.0])
+    q = quantize(x, torch.tensor(1.0), torch.tensor(0.0), num_steps=255, signed=True)
+    assert q.tolist() == [-128, 127]
+
+
+def test_block_size_that_does_not_divide_is_a_clear_error():
+    x = torch.randn(4, 30)
+    with pytest.raises(ValueError, match="block size 16 does not divide input dim 1 of size 30"):
+        quantize(x, torch.ones(4, 2), torch.zeros(4, 2), 8, block_size=(1, 16))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        quantize(x, torch.ones(4, 3), torch.zeros(4, 3), 8)
+    with pytest.raises(ValueError, match="block_size"):
+        QuantizeDequantize((4, 2), 8, True, block_size=(1,))
+
+
+def test_block_size_minus_one_means_whole_remaining_dim():
+    x = torch.randn(8, 32, 3, 3)
+    scale = torch.rand(8, 4, 1, 1) + 0.01
+    off = torch.zeros(8, 4, 1, 1)
+    a = quantize(x, scale, off, 8, True, block_size=(1, 8, -1, -1))
+    b = quantize(x, scale, off, 8, True, block_size=(1, 8, 3, 3))
+    # the same as expanding the scale by hand
+    full = scale.repeat_interleave(8, dim=1).expand(8, 32, 3, 3)
+    c = quantize(x, full.contiguous(), torch.zeros_like(full), 8, True)
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_forward_before_initialization_raises():
+    q = QuantizeDequantize((), 8, False)
+    assert not q.is_initialized()
+    assert q.get_encodings() is None and q.get_scale() is None
+    with pytest.raises(UninitializedQuantizerError, match="not initialized"):
+        q(torch.randn(3))
+
+
+@pytest.mark.parametrize("how", ["assign", "copy", "set_range", "load_state_dict"])
+def test_setting_min_max_by_hand_initializes(how):
+    q = QuantizeDequantize((), 8, False)
+    if how == "assign":
+        q.min = torch.nn.Parameter(torch.tensor(-1.0))
+        q.max = torch.nn.Parameter(torch.tensor(3.0))
+    elif how == "copy":
+        with torch.no_grad():
+            q.min.copy_(torch.tensor(-1.0))
+            q.max.copy_(torch.tensor(3.0))
+    elif how == "set_range":
+        q.set_range(-1.0, 3.0)
+    else:
+        q.load_state_dict({"min": torch.tensor(-1.0), "max": torch.tensor(3.0)})
+    assert q.is_initialized()
+    assert q.get_offset().item() == -64
+    assert q.get_scale().item() == pytest.approx(4 / 255)
+
+
+def test_partial_assignment_is_not_initialized():
+    q = QuantizeDequantize((), 8, False)
+    q.min = torch.nn.Parameter(torch.tensor(-1.0))
+    assert not q.is_initialized()
+
+
+def test_initialization_survives_dtype_and_device_moves():
+    q = QuantizeDequantize((), 8, False)
+    q.set_range(-1.0, 3.0)
+    q.to(torch.float64)
+    assert q.is_initialized()
+
+
+def test_compute_encodings_with_no_data_leaves_uninitialized():
+    q = QuantizeDequantize((), 8, False)
+    with q.compute_encodings():
+        pass
+    assert not q.is_initialized()
+
+
+def test_compute_encodings_aborted_by_error_sets_nothing():
+    q = QuantizeDequantize((), 8, False)
+    with pytest.raises(KeyError):
+        with q.compute_encodings():
+            q(torch.randn(10))
+            raise KeyError("boom")
+    assert not q.is_initialized()
+
+
+def test_gradients_reach_input_and_range():
+    q = QuantizeDequantize((), 8, False)
+    q.set_range(-1.0, 1.0)
+    x = torch.tensor([-2.0, -0.5, 0.0, 0.3, 0.9, 5.0], requires_grad=True)
+    out = q(x)
+    out.sum().backward()
+    # straight-through inside the range, zero outside
+    assert x.grad.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    assert q.min.grad is not None and q.max.grad is not None
+    # clipped values pull the range outward: d(out)/d(max) > 0 from the element clipped at the top
+    assert q.max.grad.item() > 0
+
+
+def test_gradient_to_min_max_is_exact_for_clipped_values():
+    q = QuantizeDequantize((), 8, True)
+    q.set_range(-1.0, 1.0)
+    x = torch.tensor([10.0])
+    q(x).sum().backward()
+    # symmetric 8-bit: out = qmax * scale, scale = (max - min) / 255 -> d/dmax = 127/255, d/dmin = -127/255
+    assert q.max.grad.item() == pytest.approx(127 / 255)
+    assert q.min.grad.item() == pytest.approx(-127 / 255)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    torch.manual_seed(0)
+    x32 = torch.randn(16, 64)
+    x = x32.to(dtype)
+    q = QuantizeDequantize((16, 1), 8, True)
+    with q.compute_encodings():
+        q(x)
+    assert q.min.dtype == torch.float32
+    out = q(x)
+    assert out.dtype == dtype
+    # codes are computed in float32 from the (already rounded) half input
+    ref = quantize_dequantize(x.float(), q.get_scale(), q.get_offset(), 8, True)
+    assert torch.equal(out.as_subclass(torch.Tensor), ref.to(dtype))
+
+
+def test_tensor_subclasses_keep_encoding_only_where_meaning_is_kept():
+    q = QuantizeDequantize((), 8, False)
+    q.set_range(-1.0, 3.0)
+    with torch.no_grad():
+        d = q(torch.linspace(-1, 3, 9))
+    assert isinstance(d, DequantizedTensor)
+    assert d.dequantize() is d
+    qt = d.quantize()
+    assert isinstance(qt, QuantizedTensor) and qt.quantize() is qt
+    assert torch.equal(qt.dequantize().as_subclass(torch.Tensor), d.as_subclass(torch.Tensor))
+    for same in (d.clone(), d.detach(), torch.clone(d), d.to(torch.float32)):
+        assert isinstance(same, DequantizedTensor) and same.encoding is not None
+    assert type(d + 1) is torch.Tensor
+    assert type(d * 2) is torch.Tensor
+    assert qt.quantized_repr().dtype == torch.uint8
+    scale = torch.tensor(4 / 255, dtype=torch.float32)
+    expect = torch.clamp(torch.round(torch.linspace(-1, 3, 9) / scale) + 64, 0, 255)
+    assert qt.quantized_repr().tolist() == expect.to(torch.uint8).tolist()
+    assert qt.quantized_repr().tolist()[:5] == [0, 32, 64, 96, 128]
+
+
+def test_quantized_repr_uses_wider_dtype_above_8_bits():
+    q = Quantize((), 12, True)
+    q.set_range(-1.0, 1.0)
+    with torch.no_grad():
+        r = q(torch.tensor([-5.0, 5.0])).quantized_repr()  # clipped to the grid ends
+    assert r.dtype == torch.int16
+    assert r.tolist() == [-2048, 2047]
+    assert AffineEncoding(torch.tensor(1.0), torch.tensor(0.0), 0, 65535, False).int_dtype() == torch.int32
+
+
+def test_scale_is_never_expanded_for_blocks():
+    """Blockwise math must run on a view; the encoding tensors stay (out, in/B)."""
+    x = torch.randn(64, 256)
+    scale = torch.rand(64, 8) + 0.1
+    out = quantize_dequantize(x, scale, torch.zeros(64, 8), 4, True, block_size=(1, 32))
+    assert out.shape == x.shape
+    blocks = x.reshape(64, 8, 32)
+    manual = (torch.clamp(torch.round(blocks / scale[..., None]), -8, 7) * scale[..., None]).reshape(64, 256)
+    assert torch.equal(out, manual)
+
+
+def test_dequantize_accepts_integer_codes():
+    q = torch.tensor([0, 128, 255], dtype=torch.uint8)
+    out = dequantize(q, torch.tensor(0.5), torch.tensor(-128.0))
+    assert out.dtype == torch.float32
+    assert out.tolist() == [-64.0, 0.0, 63.5]
