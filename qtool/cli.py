@@ -30,7 +30,7 @@ app = typer.Typer(
 config_app = typer.Typer(help="Inspect and lint recipes.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 
-err = Console(stderr=True, highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
+err = Console(stderr=True, highlight=False, soft_wrap=True, no_color=bool(os.environ.get("NO_COLOR")))
 
 
 def _version(value: bool) -> None:

@@ -91,6 +91,8 @@ class LayerRule(BaseModel):
 
     match: Optional[str] = None
     type: Optional[Union[str, List[str]]] = None
+    # an optional rule may match nothing (for recipes meant for many models, e.g. "Embedding tables, if any")
+    optional: bool = False
     # a dict merges over the defaults; null disables; absent leaves the defaults alone
     weights: Optional[Dict[str, Any]] = None
     activations: Optional[Dict[str, Any]] = None
@@ -356,7 +358,7 @@ def resolve_plan(recipe: Recipe, model: nn.Module, source: str = "<recipe>", all
                         f"{name}.{tensor}", name, tname, tensor, a_spec.bitwidth, a_spec.symmetric,
                         "per_tensor", (), None, a_spec.analyzer.name, rule_a))
     for i, ok in enumerate(used):
-        if not ok:
+        if not ok and not recipe.layers[i].optional:
             rule = recipe.layers[i]
             sel = " ".join(filter(None, [f"match {rule.match!r}" if rule.match else "",
                                          f"type {rule.type!r}" if rule.type else ""]))

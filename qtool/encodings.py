@@ -80,7 +80,7 @@ class EncodingEntry:
             "min": _tolist(self.min),
             "max": _tolist(self.max),
             "scale": _tolist(scale),
-            "offset": [int(v) for v in offset.flatten().tolist()] if offset.dim() else int(offset.item()),
+            "offset": offset.to(torch.int64).tolist(),
         }
 
     @classmethod

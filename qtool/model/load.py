@@ -97,7 +97,7 @@ def _check_safetensors(file: Path) -> None:
                 raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes)")
             (n,) = struct.unpack("<Q", head)
             if n > size - 8:
-                raise CheckpointError(f"{file}: corrupt safetensors header (says {n} bytes, file has {size})")
+                raise CheckpointError(f"{file}: truncated or corrupt safetensors file (header of {n} bytes, file has {size})")
             header = json.loads(f.read(n))
     except CheckpointError:
         raise
@@ -300,7 +300,11 @@ def load_model(
             _load_state_into(model, read_state_dict(path) if not trust_pickle else obj, path)
         else:
             raise CheckpointError(f"{path}: expected a state dict or a module, found {type(obj).__name__}")
-    model = model.to(dev).eval()
+    model = model.to(dev)
+    try:
+        model.eval()
+    except NotImplementedError:  # torch.export modules fix train/eval behaviour at export time
+        pass
     for p in model.parameters():
         p.requires_grad_(False)
     return LoadedModel(model, kind, path, files, tokenizer, config, name_map)

@@ -174,6 +174,8 @@ def _check_scale_offset(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tens
         scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     if not isinstance(offset, torch.Tensor):
         offset = torch.as_tensor(offset, dtype=torch.float32, device=x.device)
+    if offset.numel() != 1 and tuple(offset.shape) != tuple(scale.shape):
+        raise ValueError(f"offset shape {tuple(offset.shape)} must equal scale shape {tuple(scale.shape)}")
     if block_size is None:
         resolve_block_size(x.shape, scale.shape, None)  # raises on a shape that does not broadcast
     return scale, offset

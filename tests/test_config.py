@@ -1,0 +1,195 @@
+"""Recipes: schema, errors with file/key/line, precedence, resolution against real module trees."""
+
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from qtool.config import load_recipe, parse_recipe, resolve_plan
+from qtool.errors import ConfigError
+
+from tests.helpers import error_lines, run_cli
+from tests.tinymodels import convnet, mlp
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Linear(64, 64)
+        self.mlp = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+        self.norm = nn.LayerNorm(64)
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 64)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.lm_head = nn.Linear(64, 100)
+
+
+def plan_of(text, model=None, **kw):
+    return resolve_plan(parse_recipe(text, "r.yaml"), model or Tiny(), "r.yaml", **kw)
+
+
+def rows(plan):
+    return {q.name: q for q in plan.quantizers}
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_validate(path):
+    load_recipe(path)
+
+
+def test_shipped_recipe_names():
+    assert {p.name for p in CONFIGS.glob("*.yaml")} >= {
+        "w8a8.yaml", "w8a16.yaml", "w4a16-block32.yaml", "w4a8-block32.yaml"}
+
+
+def test_defaults_cover_linear_conv_embedding():
+    p = rows(plan_of("version: 1"))
+    assert p["embed.weight"].shape == (100, 1)
+    assert "embed.input" not in p  # integer indices are never quantized
+    assert p["blocks.0.attn.weight"].granularity == "per_channel"
+    assert p["blocks.0.attn.input"].symmetric is False
+    assert "blocks.0.attn.output" not in p  # outputs are off by default
+    assert not any(n.startswith("blocks.0.norm") for n in p)
+    c = rows(plan_of("version: 1", convnet()))
+    assert c["conv1.weight"].shape == (32, 1, 1, 1)
+
+
+def test_later_rules_win_and_merge_over_defaults():
+    text = """
+version: 1
+defaults:
+  weights: {bitwidth: 8, granularity: per_channel}
+layers:
+  - match: "re:blocks\\\\..*\\\\.mlp\\\\..*"
+    weights: {bitwidth: 4, granularity: per_block, block_size: 32}
+    activations: null
+  - match: "blocks.1.mlp.2"
+    weights: {bitwidth: 6}
+ignore: ["lm_head"]
+"""
+    p = rows(plan_of(text))
+    assert p["blocks.0.mlp.0.weight"].bitwidth == 4
+    assert p["blocks.0.mlp.0.weight"].shape == (128, 2) and p["blocks.0.mlp.0.weight"].block_size == (1, 32)
+    assert "blocks.0.mlp.0.input" not in p
+    # second rule keeps the first rule's block granularity and only changes bitwidth
+    assert p["blocks.1.mlp.2.weight"].bitwidth == 6 and p["blocks.1.mlp.2.weight"].block_size == (1, 32)
+    assert p["blocks.0.attn.weight"].bitwidth == 8
+    assert not any(n.startswith("lm_head") for n in p)
+
+
+def test_null_defaults_disable_a_kind_and_rules_can_reenable():
+    text = """
+version: 1
+defaults: {weights: null, activations: null}
+layers:
+  - match: "*.attn"
+    weights: {bitwidth: 4, granularity: per_tensor}
+"""
+    p = rows(plan_of(text))
+    assert list(p) == ["blocks.0.attn.weight", "blocks.1.attn.weight"]
+    assert p["blocks.0.attn.weight"].symmetric is True  # schema default fills what the rule omits
+
+
+def test_type_rule_opts_other_module_types_in():
+    text = """
+version: 1
+defaults: {activations: null}
+layers:
+  - type: LayerNorm
+    weights: {bitwidth: 8, granularity: per_tensor}
+"""
+    p = rows(plan_of(text))
+    assert p["blocks.0.norm.weight"].shape == ()
+
+
+def test_type_and_match_combine():
+    text = """
+version: 1
+layers:
+  - match: "blocks.*"
+    type: Embedding
+    weights: {bitwidth: 4}
+"""
+    with pytest.raises(ConfigError, match=r"layers\[0\].*matches no module"):
+        plan_of(text)
+
+
+def test_unmatched_rule_is_error_or_warning():
+    text = "version: 1\nlayers:\n  - match: 'decoder.*'\n    weights: {bitwidth: 4}\n"
+    with pytest.raises(ConfigError, match=r"r.yaml: layers\[0\]: match 'decoder.\*' matches no module"):
+        plan_of(text)
+    plan = plan_of(text, allow_unmatched=True)
+    assert any("matches no module" in w for w in plan.warnings)
+
+
+def test_block_size_must_divide_input_dim():
+    text = "version: 1\ndefaults:\n  weights: {granularity: per_block, block_size: 48}\n"
+    with pytest.raises(ConfigError, match=r"defaults.weights.block_size: 48 does not divide the input dimension 64"):
+        plan_of(text)
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("version: 1\ndefaults:\n  weights: {bitwidth: 8, bogus: 1}\n", r"r.yaml:3: defaults.weights.bogus: unknown key"),
+        ("version: 1\ndefaults:\n  weights: {bitwidth: 1}\n", r"r.yaml:3: defaults.weights.bitwidth: .*greater than or equal to 2"),
+        ("version: 1\ndefaults:\n  weights: {bitwidth: 17}\n", r"defaults.weights.bitwidth: .*less than or equal to 16"),
+        ("version: 1\ndefaults:\n  weights: {bitwidth: eight}\n", r"defaults.weights.bitwidth: .*integer"),
+        ("version: 1\ndefaults:\n  weights: {symmetric: maybe}\n", r"defaults.weights.symmetric"),
+        ("version: 1\ndefaults:\n  weights: {granularity: per_row}\n", r"defaults.weights.granularity"),
+        ("version: 1\ndefaults:\n  weights: {granularity: per_block}\n", r"needs block_size"),
+        ("version: 1\ndefaults:\n  activations: {granularity: per_channel}\n", r"defaults.activations.granularity"),
+        ("version: 1\ndefaults:\n  weights: {analyzer: magic}\n", r"defaults.weights.analyzer.name"),
+        ("version: 2\n", r"r.yaml:1: version"),
+        ("version: 1\nlayers:\n  - weights: {bitwidth: 4}\n", r"layers\[0\]: a layers entry needs 'match'"),
+        ("version: 1\nlayers:\n  - match: 're:('\n", r"bad regular expression"),
+        ("version: 1\nunknown_top: 3\n", r"r.yaml:2: unknown_top: unknown key"),
+        ("version: 1\ndefaults: [1, 2\n", r"r.yaml:\d+: malformed YAML"),
+        ("- just\n- a list\n", r"r.yaml:1: a recipe is a mapping"),
+    ],
+)
+def test_bad_recipes_give_one_clear_error(text, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_recipe(text, "r.yaml")
+
+
+def test_rule_override_errors_name_the_rule():
+    text = "version: 1\nlayers:\n  - match: '*.attn'\n    weights: {bitwidth: 99}\n"
+    with pytest.raises(ConfigError, match=r"layers\[0\].weights.bitwidth"):
+        plan_of(text)
+
+
+def test_cli_validate_reports_file_key_line_and_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\ndefaults:\n  weights:\n    bitwidth: 8\n    colour: red\n")
+    code, out, err = run_cli("config", "validate", bad)
+    assert code == 2
+    lines = error_lines(err)
+    assert len(lines) == 1
+    assert lines[0] == f"error: {bad}:5: defaults.weights.colour: unknown key"
+    code, _, err = run_cli("config", "validate", *sorted(CONFIGS.glob("*.yaml")))
+    assert code == 0, err
+
+
+def test_cli_config_show_lists_every_quantizer(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "mlp.safetensors"
+    save_file(mlp().state_dict(), ckpt)
+    code, out, err = run_cli("config", "show", CONFIGS / "w4a8-block32.yaml", "--model", ckpt,
+                             "--model-class", "tests.tinymodels:mlp", "--json")
+    assert code == 0, err
+    import json
+
+    plan = json.loads(out)["quantizers"]
+    assert [(q["name"], q["bitwidth"], q["granularity"]) for q in plan if q["tensor"] == "weight"] == [
+        ("0.weight", 4, "per_block"), ("2.weight", 4, "per_block"), ("4.weight", 4, "per_block")]
+    assert plan[0]["shape"] == [128, 2] and plan[0]["block_size"] == [1, 32]
+    assert torch.Size(plan[0]["shape"]).numel() == 256

