@@ -51,7 +51,7 @@ def calibrate(
             b = batch.to(device)
             try:
                 model(*b.args, **b.kwargs)
-            except (TypeError, RuntimeError, ValueError, IndexError) as e:
+            except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise DataError(f"calibration batch {i}: the model rejected the data: {first}") from None
             if progress:

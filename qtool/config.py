@@ -312,8 +312,10 @@ def resolve_plan(recipe: Recipe, model: nn.Module, source: str = "<recipe>", all
     plan = Plan()
     used = [False] * len(recipe.layers)
     named = [(n, m) for n, m in model.named_modules() if n]
+    # torch.export modules keep only parameters in plain submodules; their classes come from graph metadata
+    exported_types = getattr(model, "qtool_module_types", None) or {}
     for name, module in named:
-        tname = type(module).__name__
+        tname = exported_types.get(name, type(module).__name__)
         # ignore patterns are a safety net (recipes list lm_head for every model), so no-match is silent
         ignored = any(name_matches(pat, name) for pat in recipe.ignore)
         w_cand = tname in DEFAULT_WEIGHT_TYPES

