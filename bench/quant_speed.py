@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="bench/results/quant_speed.json")
-    args = ap.parse_args(argv)
+    args, _ = ap.parse_known_args(argv)
     result = run(args.size, args.repeats, args.device)
     print(f"QDQ on a {args.size}x{args.size} float32 tensor ({result['device']}, {result['threads']} threads)")
     print(f"{'case':<42}{'best s':>10}{'ratio':>8}")

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["quant_speed"]
+BENCHES = ["quant_speed", "calibrate_overhead"]
 
 
 def main() -> None:

@@ -382,3 +382,35 @@ def test_static_shape_export_rejects_other_batch_sizes_clearly(tmp_path, mlp_dat
     code, _, err = run_cli("calibrate", pt2, "-c", CONFIGS / "w8a8.yaml", "--data", mlp_data, "-o", tmp_path / "r")
     assert code == 2
     assert "calibration batch 0: the model rejected the data: Guard failed" in error_lines(err)[-1]
+
+
+def test_fake_quant_weight_cache_follows_weight_and_range_changes():
+    from qtool.config import parse_recipe, resolve_plan
+    from qtool.model.insert import insert_quantizers
+
+    model = mlp()
+    plan = resolve_plan(parse_recipe("version: 1\ndefaults: {activations: null}\n"), model)
+    qs = insert_quantizers(model, plan)
+    for name, q in qs.items():
+        q.set_range(-0.2, 0.2)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        a = model(x)
+        assert torch.equal(model(x), a)  # served from the cache
+        model[0].weight.mul_(2)  # in-place weight change invalidates
+        b = model(x)
+        assert not torch.equal(a, b)
+        qs["0.weight"].set_range(-0.5, 0.5)  # a new range invalidates
+        c = model(x)
+        assert not torch.equal(b, c)
+    fresh = mlp()
+    fresh[0].weight.data.mul_(2)
+    p2 = resolve_plan(parse_recipe("version: 1\ndefaults: {activations: null}\n"), fresh)
+    q2 = insert_quantizers(fresh, p2)
+    for name, q in q2.items():
+        q.set_range(-0.5, 0.5) if name == "0.weight" else q.set_range(-0.2, 0.2)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), c)
+    # with gradients on, the weight is quantized on every call and gradients reach the range
+    model(x).sum().backward()
+    assert qs["0.weight"].max.grad is not None

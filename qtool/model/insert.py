@@ -34,8 +34,7 @@ class QuantizedModuleMixin:
         if "input" in qs and args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
             args = (_plain(qs["input"](args[0])),) + tuple(args[1:])
         if "weight" in qs:
-            w = self._parameters["weight"]
-            self.__dict__["weight"] = _plain(qs["weight"](w))  # shadows the parameter for this call only
+            self.__dict__["weight"] = _fake_quant_weight(self, qs["weight"])  # shadows the parameter for this call
             try:
                 out = super().forward(*args, **kwargs)
             finally:
@@ -45,6 +44,26 @@ class QuantizedModuleMixin:
         if "output" in qs and isinstance(out, torch.Tensor) and out.is_floating_point():
             out = _plain(qs["output"](out))
         return out
+
+
+def _fake_quant_weight(module: nn.Module, quantizer: QuantizerBase) -> torch.Tensor:
+    """The fake-quant weight; cached while neither the weight nor the quantizer's range changes.
+
+    Without gradients (calibration, evaluation) a weight is quantized once instead of on every call, which keeps
+    calibration close to the cost of a float forward pass. The cache costs one float copy of the quantized weights.
+    With gradients enabled the weight is quantized on every call so autograd sees it.
+    """
+    w = module._parameters["weight"]
+    if torch.is_grad_enabled() or quantizer._calibrating:
+        return _plain(quantizer(w))
+    key = (id(w), w._version, w.dtype, w.device, id(quantizer.min), quantizer.min._version,
+           id(quantizer.max), quantizer.max._version)
+    cached = module.__dict__.get("_qtool_weight_cache")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    out = _plain(quantizer(w))
+    module.__dict__["_qtool_weight_cache"] = (key, out)
+    return out
 
 
 def _quantized_class(cls: type) -> type:
@@ -148,6 +167,7 @@ def remove_quantizers(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, _ATTR):
             del module._modules[_ATTR]
+            module.__dict__.pop("_qtool_weight_cache", None)
             module.__class__ = module._qtool_base
 
 

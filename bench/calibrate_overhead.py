@@ -1,0 +1,104 @@
+"""Calibration overhead: qtool's calibration compute time / a plain float forward over the same batches.
+
+Model: 8 x (Linear(1024, 1024) + ReLU), 32 batches of 64 samples, W8A8 (weights per-tensor or per-channel,
+activations per-tensor on every Linear input), min-max. Both timings are taken in this run, best of N.
+Writes bench/results/calibrate_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qtool.calibrate import calibrate
+from qtool.config import parse_recipe, resolve_plan
+from qtool.data import Batch, CalibrationData
+from qtool.model.insert import insert_quantizers
+
+
+def mlp(width: int = 1024, depth: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers).eval()
+
+
+RECIPE = """
+version: 1
+defaults:
+  weights: {{bitwidth: 8, symmetric: true, granularity: {gran}}}
+  activations: {{bitwidth: 8, symmetric: false, inputs: true, outputs: false}}
+"""
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run(batches: int = 32, batch_size: int = 64, repeats: int = 3, device: str = "cpu") -> dict:
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(batch_size, 1024, generator=g).to(dev) for _ in range(batches)]
+    data = CalibrationData([Batch(args=(x,)) for x in xs], [], batches * batch_size, "random")
+    float_model = mlp().to(dev)
+
+    def float_pass():
+        with torch.no_grad():
+            for x in xs:
+                float_model(x)
+        _sync()
+
+    float_pass()
+    t_float = min(_timed(float_pass) for _ in range(repeats))
+    rows = []
+    for gran in ("per_tensor", "per_channel"):
+        def calib():
+            model = mlp().to(dev)
+            plan = resolve_plan(parse_recipe(RECIPE.format(gran=gran)), model)
+            qs = insert_quantizers(model, plan)
+            t0 = time.perf_counter()
+            calibrate(model, plan, qs, data, dev)
+            _sync()
+            return time.perf_counter() - t0
+
+        calib()
+        t = min(calib() for _ in range(repeats))
+        rows.append({"case": f"W8A8 {gran}", "calibrate_s": t, "float_forward_s": t_float, "ratio": t / t_float})
+    return {"bench": "calibrate_overhead", "model": "8 x (Linear(1024,1024) + ReLU)", "batches": batches,
+            "batch_size": batch_size, "device": str(dev), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "rows": rows}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="bench/results/calibrate_overhead.json")
+    args, _ = ap.parse_known_args(argv)
+    result = run(repeats=args.repeats, device=args.device)
+    print(f"calibration overhead, {result['model']}, {result['batches']} x {result['batch_size']} "
+          f"({result['device']}, {result['threads']} threads)")
+    print(f"{'case':<24}{'calibrate s':>12}{'float s':>10}{'ratio':>8}")
+    for r in result["rows"]:
+        print(f"{r['case']:<24}{r['calibrate_s']:>12.3f}{r['float_forward_s']:>10.3f}{r['ratio']:>8.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
