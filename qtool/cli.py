@@ -67,6 +67,10 @@ def _errors(debug: bool = False) -> Iterator[None]:
     except KeyboardInterrupt:
         err.print("interrupted; nothing was written")
         raise typer.Exit(130)
+    except OSError as e:  # a full disk, a read-only directory, a path that vanished: the environment, not a bug
+        where = f"{e.filename}: " if e.filename else ""
+        err.print(f"[red]error:[/red] {_esc(where)}{_esc(e.strerror or str(e))} (nothing was written)")
+        raise typer.Exit(2)
     except Exception as e:  # an internal error: one line, the traceback in a log file
         import tempfile
 
@@ -341,7 +345,15 @@ def config_validate(
         raise typer.Exit(2)
 
 
+def _terminate(signum, frame):
+    # SIGTERM unwinds like Ctrl-C, so temporary outputs are removed before the process exits
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminate)
     app()
 
 
