@@ -51,37 +51,45 @@ def _root(
 # ---------------------------------------------------------------------------------------------------------------
 # Error handling and output
 # ---------------------------------------------------------------------------------------------------------------
+_SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is so outputs in progress are cleaned up like on Ctrl-C."""
+
+
 @contextmanager
-def _errors(debug: bool = False) -> Iterator[None]:
+def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
+    """Turn every failure into one stderr line and an exit code (and one JSON object with --json)."""
     from .errors import QtoolError
+
+    def fail(code: int, message: str) -> None:
+        err.print(message, markup=False)
+        if json_out:
+            _emit_json({"ok": False, "exit_code": code, "error": message.split(": ", 1)[-1]})
+        raise typer.Exit(code)
 
     try:
         yield
     except typer.Exit:
         raise
     except QtoolError as e:
-        from rich.markup import escape
-
-        err.print(f"[red]error:[/red] {escape(str(e))}")
-        raise typer.Exit(e.exit_code)
-    except KeyboardInterrupt:
-        err.print("interrupted; nothing was written")
-        raise typer.Exit(130)
+        fail(e.exit_code, f"error: {e}")
+    except KeyboardInterrupt as e:
+        name = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
+        fail(_SIGNAL_EXIT[name], f"interrupted: {name}; nothing was written")
     except OSError as e:  # a full disk, a read-only directory, a path that vanished: the environment, not a bug
         where = f"{e.filename}: " if e.filename else ""
-        err.print(f"[red]error:[/red] {_esc(where)}{_esc(e.strerror or str(e))} (nothing was written)")
-        raise typer.Exit(2)
+        fail(2, f"error: {where}{e.strerror or e} (nothing was written)")
     except Exception as e:  # an internal error: one line, the traceback in a log file
         import tempfile
 
-        log = tempfile.NamedTemporaryFile("w", prefix="qtool-error-", suffix=".log", delete=False)
-        traceback.print_exc(file=log)
-        log.close()
+        with tempfile.NamedTemporaryFile("w", prefix="qtool-error-", suffix=".log", delete=False) as log:
+            traceback.print_exc(file=log)
         if debug:
             traceback.print_exc()
         first = str(e).splitlines()[0] if str(e) else ""
-        err.print(f"internal error: {type(e).__name__}: {first} (traceback in {log.name})", markup=False)
-        raise typer.Exit(3)
+        fail(3, f"internal error: {type(e).__name__}: {first} (traceback in {log.name}; --debug shows it)")
 
 
 def _esc(text: str) -> str:
@@ -229,14 +237,14 @@ def calibrate(
     """Calibrate every quantizer's range on sample data; write encodings.json and manifest.json."""
     from .pipeline import run_calibrate
 
-    with _errors(debug), _Progress(quiet) as p:
+    with _errors(debug, json_out), _Progress(quiet) as p:
         summary = run_calibrate(checkpoint, config, out, _opts(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
             allow_unmatched=allow_unmatched), overwrite, p.hooks())
     _report_files(summary, quiet)
     if json_out:
-        _emit_json(summary)
+        _emit_json({"ok": True, **summary})
 
 
 @app.command()
@@ -254,11 +262,11 @@ def export(
     """Write integer weights (model.safetensors) and AIMET 1.0.0 encodings (model.encodings)."""
     from .pipeline import run_export
 
-    with _errors(debug), _Progress(quiet) as p:
+    with _errors(debug, json_out), _Progress(quiet) as p:
         summary = run_export(checkpoint, encodings, out, trust_pickle, overwrite, p.hooks())
     _report_files(summary, quiet)
     if json_out:
-        _emit_json(summary)
+        _emit_json({"ok": True, **summary})
 
 
 @app.command()
@@ -284,14 +292,14 @@ def quantize(
     """Calibrate and export in one call."""
     from .pipeline import run_quantize
 
-    with _errors(debug), _Progress(quiet) as p:
+    with _errors(debug, json_out), _Progress(quiet) as p:
         summary = run_quantize(checkpoint, config, out, _opts(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
             allow_unmatched=allow_unmatched), overwrite, p.hooks())
     _report_files(summary, quiet)
     if json_out:
-        _emit_json(summary)
+        _emit_json({"ok": True, **summary})
 
 
 @config_app.command("show")
@@ -310,11 +318,11 @@ def config_show(
 
     from .pipeline import plan_for
 
-    with _errors(debug):
+    with _errors(debug, json_out):
         _, plan = plan_for(model, recipe, _opts(model_class=model_class, trust_pickle=trust_pickle,
                                                 trust_remote_code=trust_remote_code, allow_unmatched=allow_unmatched))
     if json_out:
-        _emit_json({"quantizers": [asdict(q) for q in plan.quantizers], "warnings": plan.warnings})
+        _emit_json({"ok": True, "quantizers": [asdict(q) for q in plan.quantizers], "warnings": plan.warnings})
         return
     Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR"))).print(_plan_table(plan))
     for w in plan.warnings:
@@ -346,8 +354,7 @@ def config_validate(
 
 
 def _terminate(signum, frame):
-    # SIGTERM unwinds like Ctrl-C, so temporary outputs are removed before the process exits
-    raise KeyboardInterrupt
+    raise _Terminated()
 
 
 def main() -> None:

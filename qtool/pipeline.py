@@ -134,7 +134,7 @@ def run_calibrate(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOp
 
 
 def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: Path, trust_pickle: bool,
-                 hooks: Hooks) -> Dict[str, Any]:
+                 hooks: Hooks, enc_display: Optional[str] = None) -> Dict[str, Any]:
     hooks.on_stage("exporting")
     summary = export_integer(Path(checkpoint), enc, out_dir, trust_pickle=trust_pickle, progress=hooks.on_tensor)
     aimet = to_aimet_v1(enc, __version__)
@@ -148,7 +148,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
         "versions": versions(),
         "inputs": {
             "checkpoint": {"path": str(checkpoint), "sha256": _files_digest(ckpt_files)},
-            "encodings": {"path": str(enc_path), "sha256": sha256_file(enc_path)},
+            "encodings": {"path": enc_display or str(enc_path), "sha256": sha256_file(enc_path)},
         },
         "outputs": {n: sha256_file(out_dir / n) for n in ("model.safetensors", "model.encodings")},
         "summary": summary,
@@ -179,7 +179,8 @@ def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOpt
         calib_dir.mkdir()
         _, _, _, csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks)
         enc_path = calib_dir / "encodings.json"
-        esum = _export_into(checkpoint, EncodingsFile.read(enc_path), enc_path, tmp, opts.trust_pickle, hooks)
+        esum = _export_into(checkpoint, EncodingsFile.read(enc_path), enc_path, tmp, opts.trust_pickle, hooks,
+                            enc_display="calibration/encodings.json")  # relative: the temp dir name is random
     out_p = Path(out)
     return {**csum, **esum, "encodings": str(out_p / "calibration" / "encodings.json"),
             "files": [str(out_p / n) for n in ("model.safetensors", "model.encodings", "manifest.json",

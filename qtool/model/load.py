@@ -103,7 +103,10 @@ def _check_safetensors(file: Path) -> None:
         raise
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        raise CheckpointError(f"{file}: corrupt safetensors header (bad tensor entries)") from None
     if 8 + n + end > size:
         raise CheckpointError(f"{file}: truncated safetensors file (needs {8 + n + end} bytes, has {size})")
 

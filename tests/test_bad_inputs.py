@@ -1,0 +1,107 @@
+"""The bad-input corpus (tests/bad_inputs/cases.yaml): exit code, one clear line, nothing written."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from tests.helpers import run_cli
+from tests.tinymodels import convnet, mlp
+
+HERE = Path(__file__).resolve().parent
+CORPUS = HERE / "bad_inputs"
+CONFIGS = HERE.parent / "configs"
+CASES = yaml.safe_load((CORPUS / "cases.yaml").read_text())
+
+
+def _save(d: Path, name: str, tensors) -> Path:
+    save_file(tensors, d / name)
+    return d / name
+
+
+SETUPS = {
+    "truncated_checkpoint": lambda d, ckpt: (d / "t.safetensors").write_bytes(ckpt.read_bytes()[:-64]) and d / "t.safetensors",
+    "garbage_checkpoint": lambda d, ckpt: (d / "g.safetensors").write_bytes(b"\xff" * 64) and d / "g.safetensors",
+    "checkpoint_missing_tensor": lambda d, ckpt: _save(d, "m.safetensors", {k: v for k, v in mlp().state_dict().items() if k != "4.bias"}),
+    "checkpoint_wrong_shape": lambda d, ckpt: _save(d, "s.safetensors", {**mlp().state_dict(), "2.weight": torch.zeros(64, 100)}),
+    "pickled_module": lambda d, ckpt: torch.save(mlp(), d / "whole.pt") or d / "whole.pt",
+    "onnx_file": lambda d, ckpt: (d / "m.onnx").write_bytes(b"onnx") and d / "m.onnx",
+    "empty_dir": lambda d, ckpt: (d / "empty").mkdir() or d / "empty",
+    "nan_data": lambda d, ckpt: _save(d, "nan.safetensors", {"x": torch.tensor([[float("nan")] * 3 + [0.0] * 61])}),
+    "inf_data": lambda d, ckpt: np.save(d / "inf.npy", np.full((2, 64), np.inf, dtype=np.float32)) or d / "inf.npy",
+    "wrong_shape_data": lambda d, ckpt: np.save(d / "w.npy", np.zeros((4, 65), dtype=np.float32)) or d / "w.npy",
+    "complex_data": lambda d, ckpt: np.save(d / "c.npy", np.zeros((4, 64), dtype=np.complex64)) or d / "c.npy",
+    "zero_sample_data": lambda d, ckpt: np.save(d / "z.npy", np.zeros((0, 64), dtype=np.float32)) or d / "z.npy",
+    "jsonl_without_text": lambda d, ckpt: (d / "t.jsonl").write_text('{"body": "x"}\n') and d / "t.jsonl",
+    "text_file": lambda d, ckpt: (d / "t.txt").write_text("some text\n") and d / "t.txt",
+    "broken_symlink": lambda d, ckpt: os.symlink(d / "gone.npy", d / "link.npy") or d / "link.npy",
+    "plain_file": lambda d, ckpt: (d / "file.txt").write_text("not json {") and d / "file.txt",
+    "existing_dir": lambda d, ckpt: (d / "exists").mkdir() or (d / "exists" / "keep.txt").write_text("mine") and d / "exists",
+    "conv_checkpoint": lambda d, ckpt: _save(d, "conv.safetensors", convnet().state_dict()),
+}
+
+
+def _encodings_variant(d: Path, enc: Path, mutate) -> Path:
+    obj = json.loads(enc.read_text())
+    mutate(obj)
+    path = d / "variant.json"
+    path.write_text(json.dumps(obj))
+    return path
+
+
+SETUPS_WITH_ENC = {
+    "encodings_v99": lambda d, enc: _encodings_variant(d, enc, lambda o: o.update(schema_version=99)),
+    "encodings_missing_field": lambda d, enc: _encodings_variant(d, enc, lambda o: o["quantizers"][0].pop("max")),
+    "encodings_wrong_shape": lambda d, enc: _encodings_variant(d, enc, lambda o: o["quantizers"][0].update(
+        shape=[64, 1], min=[[-1.0]] * 64, max=[[1.0]] * 64)),
+}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    d = tmp_path_factory.mktemp("world")
+    ckpt = _save(d, "mlp.safetensors", mlp().state_dict())
+    data = _save(d, "data.safetensors", {"x": torch.randn(16, 64, generator=torch.Generator().manual_seed(0))})
+    code, _, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class", "tests.tinymodels:mlp",
+                           "-o", d / "run")
+    assert code == 0, err
+    return {"ckpt": ckpt, "data": data, "enc": d / "run" / "encodings.json"}
+
+
+def test_corpus_is_large_enough():
+    assert len(CASES) >= 30
+    for name, case in CASES.items():
+        assert set(case) <= {"setup", "args", "exit", "message", "out_is_made"}, name
+        assert case.get("setup") is None or case["setup"] in SETUPS or case["setup"] in SETUPS_WITH_ENC, name
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input(name, world, tmp_path):
+    case = CASES[name]
+    made = None
+    if case.get("setup") in SETUPS:
+        made = SETUPS[case["setup"]](tmp_path, world["ckpt"])
+    elif case.get("setup") in SETUPS_WITH_ENC:
+        made = SETUPS_WITH_ENC[case["setup"]](tmp_path, world["enc"])
+    out = made if case.get("out_is_made") else tmp_path / "out"
+    subs = {"ckpt": world["ckpt"], "data": world["data"], "enc": world["enc"], "mlp": "tests.tinymodels:mlp",
+            "recipes": CORPUS / "recipes", "configs": CONFIGS, "made": made, "out": out, "dir": tmp_path}
+    args = [str(a).format(**subs) for a in case["args"]]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    snapshot = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    code, stdout, stderr = run_cli(*args, "--quiet") if args[0] in ("calibrate", "export", "quantize") else run_cli(*args)
+    assert code == case.get("exit", 2), stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: "), lines[0]
+    assert case["message"] in lines[0], lines[0]
+    assert "Traceback" not in stderr
+    # nothing written: no --out (unless it existed before, then unchanged) and no temporary litter
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == snapshot

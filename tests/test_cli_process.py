@@ -1,0 +1,156 @@
+"""qtool as a CI pipeline runs it: separate processes, real signals, stdout/stderr contracts, exit codes."""
+
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.tinymodels import mlp
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+def qtool(*args, env=None, **kw):
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO, env=full_env, timeout=300, **kw)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    d = tmp_path_factory.mktemp("proc")
+    ckpt = d / "mlp.safetensors"
+    save_file(mlp().state_dict(), ckpt)
+    data = d / "data.safetensors"
+    save_file({"x": torch.randn(64, 64, generator=torch.Generator().manual_seed(0))}, data)
+    return d, ckpt, data
+
+
+def test_same_inputs_same_bytes_across_processes(world, tmp_path):
+    d, ckpt, data = world
+    outs = []
+    for name in ("a", "b"):
+        r = qtool("quantize", ckpt, "-c", CONFIGS / "w4a8-block32.yaml", "--data", data, "--num-samples", "40",
+                  "--seed", "7", "--model-class", "tests.tinymodels:mlp", "-o", tmp_path / name)
+        assert r.returncode == 0, r.stderr
+        outs.append({p.relative_to(tmp_path / name).as_posix(): p.read_bytes()
+                     for p in sorted((tmp_path / name).rglob("*")) if p.is_file()})
+    assert outs[0] == outs[1]
+    manifest = json.loads(outs[0]["manifest.json"])
+    assert manifest["outputs"]["model.safetensors"] == __import__("hashlib").sha256(outs[0]["model.safetensors"]).hexdigest()
+    calib = json.loads(outs[0]["calibration/manifest.json"])
+    assert calib["device"] == "cpu" and calib["versions"]["qtool"]
+    assert set(calib["inputs"]["data"]["sha256"]) == {str(data)}
+
+
+def test_json_prints_exactly_one_object_on_stdout(world, tmp_path):
+    d, ckpt, data = world
+    r = qtool("calibrate", ckpt, "-c", CONFIGS / "w8a8.yaml", "--data", data, "--model-class",
+              "tests.tinymodels:mlp", "-o", tmp_path / "r", "--json")
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(r.stdout)  # the whole of stdout is one JSON document
+    assert obj["ok"] is True and obj["quantizers"] == 6
+    assert "plan:" in r.stderr and "\x1b[" not in r.stderr  # not a terminal: no colour, no progress bar
+    # failures too: one JSON object on stdout, one line on stderr
+    r = qtool("calibrate", ckpt, "-c", CONFIGS / "w8a8.yaml", "--model-class", "tests.tinymodels:mlp",
+              "-o", tmp_path / "r2", "--json", "--quiet")
+    assert r.returncode == 2
+    obj = json.loads(r.stdout)
+    assert obj == {"ok": False, "exit_code": 2, "error": obj["error"]} and "pass --data" in obj["error"]
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_quiet_prints_nothing_on_success(world, tmp_path):
+    d, ckpt, data = world
+    r = qtool("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class", "tests.tinymodels:mlp",
+              "-o", tmp_path / "r", "--quiet")
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
+
+
+def test_internal_error_is_one_line_with_a_log(world, tmp_path):
+    d, ckpt, data = world
+    r = qtool("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class", "tests.tinymodels_slow:broken",
+              "-o", tmp_path / "r", "--quiet")
+    assert r.returncode == 3
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("internal error: KeyError:")
+    log = Path(lines[0].split("traceback in ", 1)[1].split(";", 1)[0])
+    assert "Traceback" in log.read_text() and "deliberately missing key" in log.read_text()
+    r = qtool("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class", "tests.tinymodels_slow:broken",
+              "-o", tmp_path / "r", "--debug")
+    assert r.returncode == 3 and "Traceback (most recent call last)" in r.stderr
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_signal_mid_calibration_leaves_nothing(world, tmp_path, sig, code):
+    d, ckpt, data = world
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qtool", "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a8.yaml"), "--data", str(data),
+         "--batch-size", "4", "--model-class", "tests.tinymodels_slow:slow", "-o", str(tmp_path / "r")],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.name.startswith(".r.tmp-") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    assert any(p.name.startswith(".r.tmp-") for p in tmp_path.iterdir()), "calibration never started"
+    time.sleep(1.0)  # a couple of slow batches in
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code, stderr
+    assert stderr.strip().splitlines()[-1].startswith("interrupted: ")
+    assert list(tmp_path.iterdir()) == []  # no output, no temp litter
+
+
+def test_full_disk_is_one_clear_line(world, tmp_path):
+    """RLIMIT_FSIZE makes writes past 10 kB fail with EFBIG, as a full disk fails with ENOSPC."""
+    d, ckpt, data = world
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))
+
+    r = qtool("quantize", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class", "tests.tinymodels:mlp",
+              "-o", tmp_path / "q", "--quiet", preexec_fn=limit)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "File too large" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("no_color", [True, False])
+def test_no_color_is_respected(world, tmp_path, no_color):
+    d, ckpt, data = world
+    env = {"FORCE_COLOR": "1", "TERM": "xterm-256color"}
+    if no_color:
+        env["NO_COLOR"] = "1"
+    # an unmatched optional pattern prints a (normally yellow) warning
+    r = qtool("calibrate", ckpt, "-c", REPO / "tests" / "bad_inputs" / "recipes" / "unmatched.yaml",
+              "--allow-unmatched", "--model-class", "tests.tinymodels:mlp", "-o", tmp_path / "r", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "warning:" in r.stderr
+    coloured = re.search(r"\x1b\[[0-9;]*(3[0-7]|38|9[0-7])(;[0-9]+)*m", r.stderr)
+    assert (coloured is None) == no_color, repr(r.stderr)
+
+
+def test_example_nightly_workflow_is_valid():
+    import yaml
+
+    wf = yaml.safe_load((REPO / "examples" / "nightly-quantize.yml").read_text())
+    # PyYAML reads the bare key `on` as True
+    triggers = wf.get("on", wf.get(True))
+    assert "schedule" in triggers
+    steps = wf["jobs"]["quantize"]["steps"]
+    runs = "\n".join(s.get("run", "") for s in steps)
+    assert "qtool config validate" in runs and "qtool quantize" in runs and "--json" in runs
+    assert any(s.get("uses", "").startswith("actions/upload-artifact") for s in steps)

@@ -1,0 +1,104 @@
+"""Fuzzing the readers of untrusted input: recipes, encodings files, safetensors checkpoints and data.
+
+Whatever the bytes, they either parse or raise qtool's own error (one clear message), never anything else.
+"""
+
+import json
+import string
+
+import torch
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save
+
+from qtool.config import parse_recipe, resolve_plan
+from qtool.data import load_data
+from qtool.encodings import EncodingsFile
+from qtool.errors import QtoolError
+from qtool.model.load import read_state_dict
+
+from tests.tinymodels import mlp
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                        HealthCheck.function_scoped_fixture])
+
+KEYS = ["version", "defaults", "weights", "activations", "layers", "ignore", "match", "type", "bitwidth",
+        "symmetric", "granularity", "block_size", "analyzer", "inputs", "outputs", "name", "optional", "bogus"]
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-40, 40), st.floats(allow_nan=True),
+                    st.sampled_from(["per_tensor", "per_channel", "per_block", "minmax", "re:.*", "*", "re:(",
+                                     "Linear", "0", "", "eight"]),
+                    st.text(string.printable, max_size=8))
+yamlish = st.recursive(scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(KEYS), inner, max_size=5)), max_leaves=25)
+
+
+def _only_qtool_errors(fn):
+    try:
+        fn()
+    except QtoolError as e:
+        assert str(e) and "\n" not in str(e)
+
+
+@FUZZ
+@given(yamlish)
+def test_recipe_structures_parse_or_raise_config_error(obj):
+    text = yaml.safe_dump(obj)
+
+    def go():
+        recipe = parse_recipe(text, "fuzz.yaml")
+        resolve_plan(recipe, mlp(), "fuzz.yaml", allow_unmatched=True)
+
+    _only_qtool_errors(go)
+
+
+@FUZZ
+@given(st.text(max_size=200))
+def test_recipe_raw_text_parses_or_raises_config_error(text):
+    _only_qtool_errors(lambda: parse_recipe(text, "fuzz.yaml"))
+
+
+def _good_encodings():
+    return {"schema": "qtool.encodings", "schema_version": 1, "quantizers": [
+        {"name": "0.weight", "module": "0", "tensor": "weight", "bitwidth": 8, "symmetric": True,
+         "granularity": "per_tensor", "shape": [], "block_size": None, "analyzer": "minmax", "min": -1.0, "max": 1.0,
+         "scale": 0.0078, "offset": 0}]}
+
+
+json_values = st.recursive(scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)), max_leaves=20)
+
+
+@FUZZ
+@given(st.sampled_from(["schema", "schema_version", "quantizers", "name", "module", "tensor", "bitwidth",
+                        "symmetric", "shape", "block_size", "min", "max"]), json_values)
+def test_encodings_with_a_mutated_field_parse_or_raise(tmp_path_factory, key, value):
+    obj = _good_encodings()
+    if key in obj:
+        obj[key] = value
+    else:
+        obj["quantizers"][0][key] = value
+    path = tmp_path_factory.mktemp("enc") / "e.json"
+    path.write_text(json.dumps(obj, allow_nan=True))
+    _only_qtool_errors(lambda: EncodingsFile.read(path))
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_encodings_random_bytes(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("enc") / "e.json"
+    path.write_bytes(data)
+    _only_qtool_errors(lambda: EncodingsFile.read(path))
+
+
+GOOD_ST = save({"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.int8)})
+
+
+@FUZZ
+@given(st.integers(0, len(GOOD_ST)), st.binary(min_size=1, max_size=16), st.booleans())
+def test_safetensors_mutations_read_or_raise(tmp_path_factory, pos, patch, truncate):
+    data = GOOD_ST[:pos] if truncate else GOOD_ST[:pos] + patch + GOOD_ST[pos + len(patch):]
+    path = tmp_path_factory.mktemp("st") / "m.safetensors"
+    path.write_bytes(data)
+    _only_qtool_errors(lambda: read_state_dict(path))
+    _only_qtool_errors(lambda: load_data(path))
