@@ -146,6 +146,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     manifest = {
         "command": "export",
         "versions": versions(),
+        "device": "cpu",
         "inputs": {
             "checkpoint": {"path": str(checkpoint), "sha256": _files_digest(ckpt_files)},
             "encodings": {"path": enc_display or str(enc_path), "sha256": sha256_file(enc_path)},
