@@ -209,6 +209,8 @@ def _report_files(summary: Dict[str, Any], quiet: bool) -> None:
         return
     for w in summary.get("uncalibrated", []):
         err.print(f"[yellow]warning:[/yellow] {_esc(w)} saw no data (its module never ran) and stays in float")
+    for w in summary.get("export_warnings", []):
+        err.print(f"[yellow]warning:[/yellow] {_esc(w)}")
     err.print("wrote:")
     for f in summary.get("files", []):
         err.print(f"  {_esc(f)}")
@@ -247,23 +249,47 @@ def calibrate(
         _emit_json({"ok": True, **summary})
 
 
+_FORMAT = typer.Option("qtool", "--format", "-f",
+                       help="qtool (integer safetensors), aimet (encodings only), onnx (QDQ graph), compressed-tensors.")
+_ENC_VERSION = typer.Option("1.0.0", "--encoding-version", help="AIMET encodings version: 0.6.1, 1.0.0 or 2.0.0.")
+_NO_PACK = typer.Option(False, "--no-pack", help="Store sub-byte codes one per byte instead of packed.")
+_CT8 = typer.Option("int-quantized", "--ct-8bit-format",
+                    help="compressed-tensors layout of 8-bit weights: int-quantized or pack-quantized (vLLM).")
+
+
+def _eopts(**kw):
+    from .pipeline import ExportOptions
+
+    return ExportOptions(**kw)
+
+
 @app.command()
 def export(
     checkpoint: str = typer.Argument(..., help="The checkpoint the encodings were calibrated on."),
     encodings: str = typer.Option(..., "--encodings", "-e", help="encodings.json from qtool calibrate."),
     out: str = typer.Option(..., "--out", "-o", help="Output directory."),
+    format: str = _FORMAT,
+    encoding_version: str = _ENC_VERSION,
+    data: Optional[str] = typer.Option(None, "--data", help="Example inputs for tracing (onnx): a data file or directory."),
+    seq_len: int = _SEQ,
+    no_pack: bool = _NO_PACK,
+    ct_8bit_format: str = _CT8,
     model_class: Optional[str] = _MODEL_CLASS,
     trust_pickle: bool = _TRUST_PICKLE,
+    trust_remote_code: bool = _TRUST_CODE,
     overwrite: bool = _OVERWRITE,
     json_out: bool = _JSON,
     quiet: bool = _QUIET,
     debug: bool = _DEBUG,
 ) -> None:
-    """Write integer weights (model.safetensors) and AIMET 1.0.0 encodings (model.encodings)."""
+    """Write the quantized model in FORMAT plus AIMET encodings (model.encodings) and a manifest."""
     from .pipeline import run_export
 
     with _errors(debug, json_out), _Progress(quiet) as p:
-        summary = run_export(checkpoint, encodings, out, trust_pickle, overwrite, p.hooks())
+        summary = run_export(checkpoint, encodings, out, _eopts(
+            format=format, encoding_version=encoding_version, trust_pickle=trust_pickle, model_class=model_class,
+            trust_remote_code=trust_remote_code, data=data, seq_len=seq_len, pack=not no_pack,
+            ct_eight_bit_format=ct_8bit_format), overwrite, p.hooks())
     _report_files(summary, quiet)
     if json_out:
         _emit_json({"ok": True, **summary})
@@ -284,6 +310,10 @@ def quantize(
     trust_pickle: bool = _TRUST_PICKLE,
     trust_remote_code: bool = _TRUST_CODE,
     allow_unmatched: bool = _UNMATCHED,
+    format: str = _FORMAT,
+    encoding_version: str = _ENC_VERSION,
+    no_pack: bool = _NO_PACK,
+    ct_8bit_format: str = _CT8,
     overwrite: bool = _OVERWRITE,
     json_out: bool = _JSON,
     quiet: bool = _QUIET,
@@ -296,10 +326,72 @@ def quantize(
         summary = run_quantize(checkpoint, config, out, _opts(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
-            allow_unmatched=allow_unmatched), overwrite, p.hooks())
+            allow_unmatched=allow_unmatched), overwrite, p.hooks(),
+            _eopts(format=format, encoding_version=encoding_version, seq_len=seq_len, pack=not no_pack,
+                   ct_eight_bit_format=ct_8bit_format))
     _report_files(summary, quiet)
     if json_out:
         _emit_json({"ok": True, **summary})
+
+
+@app.command("import-encodings")
+def import_encodings(
+    checkpoint: str = typer.Argument(..., help="The checkpoint the AIMET encodings belong to."),
+    encodings_file: str = typer.Argument(..., help="AIMET encodings file (0.6.1, 1.0.0, 2.0.0 or 2.1.0)."),
+    out: str = typer.Option(..., "--out", "-o", help="Run directory for qtool's encodings.json."),
+    model_class: Optional[str] = _MODEL_CLASS,
+    trust_pickle: bool = _TRUST_PICKLE,
+    trust_remote_code: bool = _TRUST_CODE,
+    overwrite: bool = _OVERWRITE,
+    json_out: bool = _JSON,
+    quiet: bool = _QUIET,
+    debug: bool = _DEBUG,
+) -> None:
+    """Turn an AIMET encodings file into qtool's encodings.json (then qtool export can write any format)."""
+    from .pipeline import run_import_encodings
+
+    with _errors(debug, json_out):
+        summary = run_import_encodings(checkpoint, encodings_file, out, _opts(
+            model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code), overwrite)
+    if not quiet:
+        for w in summary["warnings"]:
+            err.print(f"[yellow]warning:[/yellow] {_esc(w)}")
+    _report_files(summary, quiet)
+    if json_out:
+        _emit_json({"ok": True, **summary})
+
+
+@app.command()
+def inspect(
+    path: str = typer.Argument(..., help="A qtool output directory or file, an AIMET encodings file, or a "
+                                         "compressed-tensors model directory."),
+    json_out: bool = _JSON,
+    debug: bool = _DEBUG,
+) -> None:
+    """List quantized tensors (dtype, bitwidth, granularity, shape, bytes) and size totals."""
+    from .inspect import inspect_path
+
+    with _errors(debug, json_out):
+        report = inspect_path(path)
+    if json_out:
+        _emit_json({"ok": True, **report})
+        return
+    t = Table(title=f"{report['kind']}: {report['path']}", title_justify="left")
+    for col in ("tensor", "dtype", "bits", "granularity", "shape", "bytes"):
+        t.add_column(col, overflow="fold", justify="right" if col in ("bits", "bytes") else "left")
+    for r in report["tensors"]:
+        t.add_row(r["name"], r["dtype"], str(r["bitwidth"] or ""), r["granularity"] or "", str(r["shape"]),
+                  f"{r['bytes']:,}" if r["bytes"] is not None else "")
+    con = Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
+    con.print(t)
+    tot = report["totals"]
+    lines = [f"quantized tensors: {tot['quantized_tensors']} of {tot['tensors']}"]
+    if tot.get("bytes") is not None:
+        lines.append(f"size: {tot['bytes']:,} bytes; float32 {tot['float32_bytes']:,} "
+                     f"({tot['ratio_vs_float32']:.2f}x smaller); float16 {tot['float16_bytes']:,} "
+                     f"({tot['ratio_vs_float16']:.2f}x smaller)")
+    for line in lines:
+        con.print(line)
 
 
 @config_app.command("show")

@@ -26,7 +26,7 @@ from .errors import EncodingsError
 from .quant import QuantizerBase
 from .quant.affine import grid, min_max_to_scale_offset
 
-__all__ = ["EncodingEntry", "EncodingsFile", "SCHEMA", "SCHEMA_VERSION", "to_aimet_v1"]
+__all__ = ["EncodingEntry", "EncodingsFile", "SCHEMA", "SCHEMA_VERSION"]
 
 SCHEMA = "qtool.encodings"
 SCHEMA_VERSION = 1
@@ -157,39 +157,3 @@ class EncodingsFile:
 
 def _bad_entry(path, i):
     raise EncodingsError(f"{path}: quantizers[{i}] must be an object")
-
-
-def _enc_type(e: EncodingEntry) -> str:
-    return {"per_tensor": "PER_TENSOR", "per_channel": "PER_CHANNEL", "per_block": "PER_BLOCK"}[e.granularity]
-
-
-def to_aimet_v1(enc: EncodingsFile, producer_version: str) -> Dict[str, Any]:
-    """AIMET 1.0.0 encodings: parameters keyed by tensor name, activations by ``module.input|output``.
-
-    Offsets are written as AIMET does in this version: the qtool/AIMET offset plus ``qmin`` (so ``-128`` for
-    signed symmetric 8-bit, unchanged for unsigned grids).
-    """
-    params, acts = [], []
-    for e in enc.entries:
-        scale, offset = e.scale_offset()
-        qmin, _ = e.qmin_qmax
-        item: Dict[str, Any] = {
-            "name": e.name,
-            "dtype": "INT",
-            "bw": e.bitwidth,
-            "is_sym": e.symmetric,
-            "scale": [float(v) for v in scale.flatten().tolist()],
-            "offset": [int(v) + qmin for v in offset.flatten().tolist()],
-            "enc_type": _enc_type(e),
-        }
-        if e.granularity == "per_block" and e.block_size is not None:
-            item["block_size"] = int(e.block_size[1])
-        (params if e.tensor == "weight" else acts).append(item)
-    return {
-        "producer": {"package": "qtool", "version": producer_version},
-        "version": "1.0.0",
-        "activation_encodings": acts,
-        "param_encodings": params,
-        "excluded_layers": [],
-        "quantizer_args": {},
-    }

@@ -19,8 +19,8 @@ from . import __version__
 from .calibrate import calibrate
 from .config import Plan, QuantizerPlan, load_recipe, resolve_plan
 from .data import CalibrationData, load_data
-from .encodings import EncodingEntry, EncodingsFile, to_aimet_v1
-from .errors import EncodingsError
+from .encodings import EncodingEntry, EncodingsFile
+from .errors import EncodingsError, UsageError
 from .export.integer import export_integer
 from .fsutil import atomic_output_dir, check_output_dir, sha256_file
 from .model.insert import insert_quantizers
@@ -133,45 +133,135 @@ def run_calibrate(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOp
     return summary
 
 
-def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: Path, trust_pickle: bool,
+@dataclass
+class ExportOptions:
+    format: str = "qtool"  # qtool | aimet | onnx | compressed-tensors
+    encoding_version: str = "1.0.0"
+    trust_pickle: bool = False
+    model_class: Optional[str] = None
+    trust_remote_code: bool = False
+    data: Optional[str] = None  # example inputs for tracing (onnx)
+    seq_len: int = 128
+    batch_size: int = 2
+    pack: bool = True  # sub-byte codes packed densely in qtool's format
+    ct_eight_bit_format: str = "int-quantized"  # or pack-quantized (what vLLM's weight-only path runs)
+
+
+FORMATS = ("qtool", "aimet", "onnx", "compressed-tensors")
+
+
+def _weight_names(checkpoint: str, enc: EncodingsFile, trust_pickle: bool) -> Dict[str, str]:
+    from .export.integer import match_weight_names
+    from .model.load import CheckpointTensors
+
+    src = CheckpointTensors(Path(checkpoint), trust_pickle=trust_pickle)
+    return match_weight_names([e for e in enc.entries if e.tensor == "weight"], src.keys(), str(checkpoint))
+
+
+def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: Path, eopts: ExportOptions,
                  hooks: Hooks, enc_display: Optional[str] = None) -> Dict[str, Any]:
-    hooks.on_stage("exporting")
-    summary = export_integer(Path(checkpoint), enc, out_dir, trust_pickle=trust_pickle, progress=hooks.on_tensor)
-    aimet = to_aimet_v1(enc, __version__)
-    names = summary.pop("names")
-    for item in aimet["param_encodings"]:
-        item["name"] = names.get(item["name"], item["name"])
-    (out_dir / "model.encodings").write_text(json.dumps(aimet, indent=1) + "\n")
-    ckpt_files = tensor_files(Path(checkpoint))
+    from .aimet_format import VERSIONS, to_aimet
+
+    if eopts.format not in FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)} (got {eopts.format!r})")
+    if eopts.encoding_version not in VERSIONS:
+        raise UsageError(f"--encoding-version must be one of {', '.join(VERSIONS)} (got {eopts.encoding_version!r})")
+    hooks.on_stage(f"exporting ({eopts.format})")
+    summary: Dict[str, Any] = {"format": eopts.format}
+    names: Dict[str, str] = {}
+    if eopts.format == "qtool":
+        summary.update(export_integer(Path(checkpoint), enc, out_dir, trust_pickle=eopts.trust_pickle,
+                                      progress=hooks.on_tensor, pack=eopts.pack))
+        names = summary.pop("names")
+    elif eopts.format == "aimet":
+        names = _weight_names(checkpoint, enc, eopts.trust_pickle)
+    elif eopts.format == "onnx":
+        from .export.onnx_qdq import export_onnx
+
+        summary.update(export_onnx(checkpoint, enc, out_dir, eopts))
+        names = summary.pop("names")
+    else:
+        from .export.compressed_tensors import export_compressed_tensors
+
+        summary.update(export_compressed_tensors(Path(checkpoint), enc, out_dir, trust_pickle=eopts.trust_pickle,
+                                                 progress=hooks.on_tensor, eight_bit_format=eopts.ct_eight_bit_format,
+                                                 trust_remote_code=eopts.trust_remote_code))
+    summary["export_warnings"] = summary.pop("warnings", [])
+    if eopts.format != "compressed-tensors":
+        aimet = to_aimet(enc, eopts.encoding_version, __version__, names=names)
+        (out_dir / "model.encodings").write_text(json.dumps(aimet, indent=1) + "\n")
+    outputs = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
     manifest = {
         "command": "export",
+        "format": eopts.format,
+        "encoding_version": eopts.encoding_version,
         "versions": versions(),
         "device": "cpu",
         "inputs": {
-            "checkpoint": {"path": str(checkpoint), "sha256": _files_digest(ckpt_files)},
+            "checkpoint": {"path": str(checkpoint), "sha256": _files_digest(tensor_files(Path(checkpoint)))},
             "encodings": {"path": enc_display or str(enc_path), "sha256": sha256_file(enc_path)},
         },
-        "outputs": {n: sha256_file(out_dir / n) for n in ("model.safetensors", "model.encodings")},
+        "outputs": {n: sha256_file(out_dir / n) for n in outputs},
         "summary": summary,
     }
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str) + "\n")
+    summary["outputs"] = outputs + ["manifest.json"]
     return summary
 
 
-def run_export(checkpoint: str, encodings_path: str, out: str, trust_pickle: bool = False, overwrite: bool = False,
-               hooks: Optional[Hooks] = None) -> Dict[str, Any]:
-    """``qtool export``: integer safetensors + AIMET 1.0.0 encodings, written atomically."""
+def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[ExportOptions] = None,
+               overwrite: bool = False, hooks: Optional[Hooks] = None) -> Dict[str, Any]:
+    """``qtool export``: the chosen format plus AIMET encodings, written atomically."""
     hooks = hooks or Hooks()
+    eopts = eopts or ExportOptions()
     check_output_dir(Path(out), overwrite)
     enc = EncodingsFile.read(encodings_path)
     with atomic_output_dir(Path(out), overwrite) as tmp:
-        summary = _export_into(checkpoint, enc, Path(encodings_path), tmp, trust_pickle, hooks)
-    summary["files"] = [str(Path(out) / n) for n in ("model.safetensors", "model.encodings", "manifest.json")]
+        summary = _export_into(checkpoint, enc, Path(encodings_path), tmp, eopts, hooks)
+    summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
     return summary
 
 
+def run_import_encodings(checkpoint: str, aimet_path: str, out: str, opts: CalibrateOptions,
+                         overwrite: bool = False) -> Dict[str, Any]:
+    """``qtool import-encodings``: an AIMET encodings file (any version) -> qtool's encodings.json."""
+    from .aimet_format import from_aimet, read_aimet
+
+    check_output_dir(Path(out), overwrite)
+    obj = read_aimet(Path(aimet_path))
+    loaded = load_model(checkpoint, opts.model_class, "cpu", opts.trust_pickle, opts.trust_remote_code)
+    params = dict(loaded.model.named_parameters())
+    modules = dict(loaded.model.named_modules())
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    for ckpt_name, model_name in loaded.name_map.items():  # AIMET files name checkpoint tensors
+        if model_name in shapes:
+            shapes[ckpt_name] = shapes[model_name]
+
+    def module_of(tensor_name: str) -> Optional[str]:
+        name = loaded.name_map.get(tensor_name, tensor_name)
+        mod = name.rsplit(".", 1)[0] if "." in name else ""
+        return mod if mod in modules and name.endswith(".weight") else None
+
+    enc, warnings = from_aimet(obj, shapes, str(aimet_path), module_of)
+    for e in enc.entries:  # entries were keyed by checkpoint names; qtool keys by module names
+        if e.tensor == "weight":
+            e.name = f"{e.module}.weight"
+    plan_from_encodings(enc, loaded.model, str(aimet_path))
+    enc.meta["qtool_version"] = __version__
+    with atomic_output_dir(Path(out), overwrite) as tmp:
+        (tmp / "encodings.json").write_text(enc.dumps())
+        manifest = {"command": "import-encodings", "versions": versions(),
+                    "inputs": {"checkpoint": {"path": str(checkpoint), "sha256": _files_digest(loaded.files)},
+                               "aimet_encodings": {"path": str(aimet_path), "version": str(obj["version"]),
+                                                   "sha256": sha256_file(Path(aimet_path))}},
+                    "outputs": {"encodings.json": sha256_file(tmp / "encodings.json")}, "warnings": warnings}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return {"quantizers": len(enc.entries), "warnings": warnings,
+            "files": [str(Path(out) / n) for n in ("encodings.json", "manifest.json")]}
+
+
 def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOptions, overwrite: bool = False,
-                 hooks: Optional[Hooks] = None) -> Dict[str, Any]:
+                 hooks: Optional[Hooks] = None, eopts: Optional[ExportOptions] = None) -> Dict[str, Any]:
     """``qtool quantize``: calibrate and export into one directory (encodings.json included)."""
     hooks = hooks or Hooks()
     check_output_dir(Path(out), overwrite)
@@ -180,12 +270,17 @@ def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOpt
         calib_dir.mkdir()
         _, _, _, csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks)
         enc_path = calib_dir / "encodings.json"
-        esum = _export_into(checkpoint, EncodingsFile.read(enc_path), enc_path, tmp, opts.trust_pickle, hooks,
+        eopts = eopts or ExportOptions()
+        eopts.trust_pickle, eopts.model_class = opts.trust_pickle, opts.model_class
+        eopts.trust_remote_code = opts.trust_remote_code
+        eopts.data = eopts.data or opts.data
+        eopts.seq_len = opts.seq_len
+        esum = _export_into(checkpoint, EncodingsFile.read(enc_path), enc_path, tmp, eopts, hooks,
                             enc_display="calibration/encodings.json")  # relative: the temp dir name is random
     out_p = Path(out)
+    files = [str(out_p / n) for n in esum.pop("outputs") if not n.startswith("calibration/")]
     return {**csum, **esum, "encodings": str(out_p / "calibration" / "encodings.json"),
-            "files": [str(out_p / n) for n in ("model.safetensors", "model.encodings", "manifest.json",
-                                                 "calibration/encodings.json", "calibration/manifest.json")]}
+            "files": files + [str(out_p / "calibration" / n) for n in ("encodings.json", "manifest.json")]}
 
 
 def plan_from_encodings(enc: EncodingsFile, model: nn.Module, source: str) -> Plan:
@@ -204,17 +299,22 @@ def load_calibrated(checkpoint: str, encodings: str, model_class: Optional[str] 
                     trust_pickle: bool = False, trust_remote_code: bool = False) -> nn.Module:
     """The checkpoint's model with fake-quant modules set from ``encodings`` (qtool's encodings.json)."""
     loaded = load_model(checkpoint, model_class, device, trust_pickle, trust_remote_code)
-    enc = EncodingsFile.read(encodings)
-    plan = plan_from_encodings(enc, loaded.model, str(encodings))
-    quantizers = insert_quantizers(loaded.model, plan)
-    modules = dict(loaded.model.named_modules())
+    apply_encodings(loaded.model, EncodingsFile.read(encodings), str(encodings))
+    loaded.model.qtool_tokenizer = loaded.tokenizer  # handy for evaluation code
+    return loaded.model
+
+
+def apply_encodings(model: nn.Module, enc: EncodingsFile, source: str):
+    """Insert quantizers as ``enc`` describes and set their ranges; returns them by quantizer name."""
+    plan = plan_from_encodings(enc, model, source)
+    quantizers = insert_quantizers(model, plan)
+    modules = dict(model.named_modules())
     for e in enc.entries:
         if e.tensor == "weight":
             w = modules[e.module]._parameters.get("weight")
             try:
                 quantizers[e.name].check_input(w)
             except (ValueError, AttributeError) as err:
-                raise EncodingsError(f"{encodings}: {e.name}: does not fit the model's weight ({err})") from None
+                raise EncodingsError(f"{source}: {e.name}: does not fit the model's weight ({err})") from None
         quantizers[e.name].set_range(e.min.to(quantizers[e.name].min.device), e.max.to(quantizers[e.name].max.device))
-    loaded.model.qtool_tokenizer = loaded.tokenizer  # handy for evaluation code
-    return loaded.model
+    return quantizers

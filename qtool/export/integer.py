@@ -3,7 +3,10 @@
 For every quantized weight ``<name>`` the output holds
 
 * ``<name>``: the integer codes, in the smallest fitting dtype (``int8`` for signed 8-bit, ``uint8`` for
-  unsigned 8-bit; 4-bit codes are stored one per byte, ``int8``/``uint8``);
+  unsigned 8-bit, ``int16``/``int32`` up to 16 bits). Codes of 2 to 7 bits are packed densely by default
+  (``pack=True``): a flat ``uint8`` tensor of ``ceil(numel * bits / 8)`` bytes, values LSB-first in row-major
+  order, two's complement within ``bits`` for signed grids (for 4 bits: two codes per byte, the first in the low
+  nibble, as in ONNX); the original shape is in the metadata. With ``pack=False`` they stay one per byte;
 * ``<name>_scale``: float32, the encoding shape (``[]`` per-tensor, ``[out, 1]`` per-channel,
   ``[out, in/B]`` blockwise);
 * ``<name>_offset``: int32, AIMET's offset in the same shape, so that ``real = (q + offset) * scale``
@@ -59,6 +62,7 @@ def export_integer(
     out_dir: Path,
     trust_pickle: bool = False,
     progress: Progress = None,
+    pack: bool = True,
 ) -> Dict[str, object]:
     """Write ``out_dir/model.safetensors``; returns a summary (tensor counts, bytes)."""
     src = CheckpointTensors(checkpoint, trust_pickle=trust_pickle)
@@ -83,12 +87,18 @@ def export_integer(
                 f"{list(shape)}: {err}; were they made for another model?"
             ) from None
         qmin, qmax = e.qmin_qmax
-        int_dtype = AffineEncoding(torch.zeros(()), torch.zeros(()), qmin, qmax, e.symmetric).int_dtype()
-        layout += [(key, int_dtype, shape), (key + "_scale", torch.float32, e.shape),
-                   (key + "_offset", torch.int32, e.shape)]
+        packed = pack and e.bitwidth < 8
+        if packed:
+            numel = int(torch.Size(shape).numel())
+            layout.append((key, torch.uint8, ((numel * e.bitwidth + 7) // 8,)))
+        else:
+            int_dtype = AffineEncoding(torch.zeros(()), torch.zeros(()), qmin, qmax, e.symmetric).int_dtype()
+            layout.append((key, int_dtype, shape))
+        layout += [(key + "_scale", torch.float32, e.shape), (key + "_offset", torch.int32, e.shape)]
         info[key] = {"bitwidth": e.bitwidth, "symmetric": e.symmetric, "granularity": e.granularity,
                      "block_size": None if e.block_size is None else list(e.block_size),
-                     "qmin": qmin, "qmax": qmax, "dtype": str(dtype).replace("torch.", "")}
+                     "qmin": qmin, "qmax": qmax, "dtype": str(dtype).replace("torch.", ""),
+                     "shape": list(shape), "packed": packed}
     metadata = {"format": "qtool.int", "qtool_version": __version__, "qtool": json.dumps(info, sort_keys=True)}
     path = out_dir / "model.safetensors"
     int_bytes = float_bytes = 0
@@ -102,11 +112,17 @@ def export_integer(
                 scale, offset = e.scale_offset()
                 qmin, qmax = e.qmin_qmax
                 codes = quantize(t.to(torch.float32), scale, offset, qmin=qmin, qmax=qmax, block_size=e.block_size)
-                int_dtype = layout[[n for n, _, _ in layout].index(key)][1]
-                w.write(key, codes.to(int_dtype))
+                if info[key]["packed"]:
+                    from ..quant.packing import pack_bytes
+
+                    stored = pack_bytes(codes.to(torch.int32).reshape(-1), e.bitwidth)
+                else:
+                    int_dtype = layout[[n for n, _, _ in layout].index(key)][1]
+                    stored = codes.to(int_dtype)
+                w.write(key, stored)
                 w.write(key + "_scale", scale.to(torch.float32).contiguous())
                 w.write(key + "_offset", offset.to(torch.int32).contiguous())
-                int_bytes += codes.numel() * torch.empty((), dtype=int_dtype).element_size()
+                int_bytes += stored.numel() * stored.element_size()
                 float_bytes += t.numel() * t.element_size()
             if progress:
                 progress(i + 1, len(keys), key)
@@ -130,6 +146,10 @@ def read_integer_export(path: Path) -> Dict[str, torch.Tensor]:
             t = fh.get_tensor(key)
             if key in meta:
                 m = meta[key]
+                if m.get("packed"):
+                    from ..quant.packing import unpack_bytes
+
+                    t = unpack_bytes(t, m["bitwidth"], m["shape"], signed=m["qmin"] < 0)
                 bs = None if m["block_size"] is None else tuple(m["block_size"])
                 t = dequantize(t, fh.get_tensor(key + "_scale"), fh.get_tensor(key + "_offset").to(torch.float32),
                                block_size=bs)

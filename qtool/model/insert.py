@@ -54,7 +54,7 @@ def _fake_quant_weight(module: nn.Module, quantizer: QuantizerBase) -> torch.Ten
     With gradients enabled the weight is quantized on every call so autograd sees it.
     """
     w = module._parameters["weight"]
-    if torch.is_grad_enabled() or quantizer._calibrating:
+    if torch.is_grad_enabled() or quantizer._calibrating or torch.jit.is_tracing():
         return _plain(quantizer(w))
     key = (id(w), w._version, w.dtype, w.device, id(quantizer.min), quantizer.min._version,
            id(quantizer.max), quantizer.max._version)

@@ -1,0 +1,276 @@
+"""AIMET encodings files, versions 0.6.1, 1.0.0 and 2.0.0: writing them from qtool's encodings and reading them
+back into qtool's encodings for a checkpoint.
+
+Offsets differ by version (qtool's offset is AIMET's internal one, ``real = (q + offset) * scale``):
+
+* 0.6.1 and 1.0.0 store ``offset + qmin`` (−128 for signed symmetric 8-bit; unchanged on unsigned grids);
+  0.6.1 stores one entry per encoding element (row-major) with the effective ``min``/``max`` and
+  ``is_symmetric`` as the strings ``"True"``/``"False"``.
+* 2.0.0 follows ONNX QuantizeLinear: ``y_zero_point = -offset`` (omitted when all zero), ``output_dtype`` names
+  the integer type (``int8``, ``uint4``, ...), ``axis`` the channel or block dimension and ``block_size`` the block.
+
+Parameters are keyed by tensor name; activations by ONNX tensor names when a graph was exported alongside, else
+by qtool's ``<module>.input`` / ``<module>.output``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .encodings import EncodingEntry, EncodingsFile
+from .errors import EncodingsError
+from .quant.affine import grid
+
+__all__ = ["VERSIONS", "entry_to_aimet", "to_aimet", "read_aimet", "from_aimet", "range_for_scale_offset"]
+
+VERSIONS = ("0.6.1", "1.0.0", "2.0.0")
+READ_VERSIONS = VERSIONS + ("2.1.0",)  # 2.1.0 adds LPBQ/vector types; its int entries read like 2.0.0
+_ENC_TYPES = {"per_tensor": "PER_TENSOR", "per_channel": "PER_CHANNEL", "per_block": "PER_BLOCK"}
+
+
+def _floats(t: torch.Tensor) -> List[float]:
+    return [float(v) for v in t.flatten().tolist()]
+
+
+def _axis(e: EncodingEntry) -> Optional[int]:
+    """The channel (per-channel) or blocked (per-block) dimension, as a non-negative index."""
+    if e.granularity == "per_channel":
+        return next(i for i, s in enumerate(e.shape) if s != 1) if any(s != 1 for s in e.shape) else 0
+    if e.granularity == "per_block" and e.block_size is not None:
+        return next(i for i, b in enumerate(e.block_size) if b not in (1, -1))
+    return None
+
+
+def _block(e: EncodingEntry) -> Optional[int]:
+    axis = _axis(e)
+    return None if axis is None or e.block_size is None else int(e.block_size[axis])
+
+
+def entry_to_aimet(e: EncodingEntry, version: str) -> Any:
+    """One quantizer's encoding as AIMET writes it in ``version`` (without the name for 0.6.1)."""
+    scale, offset = e.scale_offset()
+    qmin, qmax = e.qmin_qmax
+    if version == "0.6.1":
+        enc_min = ((offset + qmin) * scale).flatten()
+        enc_max = ((offset + qmax) * scale).flatten()
+        return [{"min": float(lo), "max": float(hi), "scale": float(s), "offset": int(o) + qmin,
+                 "bitwidth": e.bitwidth, "dtype": "int", "is_symmetric": str(bool(e.symmetric))}
+                for lo, hi, s, o in zip(enc_min.tolist(), enc_max.tolist(), scale.flatten().tolist(),
+                                        offset.flatten().tolist())]
+    if version == "1.0.0":
+        item: Dict[str, Any] = {"name": e.name, "dtype": "INT", "bw": e.bitwidth, "is_sym": e.symmetric,
+                                "scale": _floats(scale), "offset": [int(o) + qmin for o in offset.flatten().tolist()],
+                                "enc_type": _ENC_TYPES[e.granularity]}
+        if e.granularity == "per_block":
+            item["block_size"] = _block(e)
+        return item
+    if version == "2.0.0":
+        signed = qmin < 0
+        item = {"name": e.name, "output_dtype": f"{'int' if signed else 'uint'}{e.bitwidth}"}
+        zp = (-offset).to(torch.int64)
+        if e.granularity == "per_tensor":
+            item["y_scale"] = float(scale.reshape(()))
+            if bool((zp != 0).any()):
+                item["y_zero_point"] = int(zp.reshape(()))
+        elif e.granularity == "per_channel":
+            item["y_scale"] = _floats(scale)
+            if bool((zp != 0).any()):
+                item["y_zero_point"] = [int(v) for v in zp.flatten().tolist()]
+            item["axis"] = _axis(e)
+        else:
+            item["y_scale"] = scale.tolist()
+            if bool((zp != 0).any()):
+                item["y_zero_point"] = zp.tolist()
+            item["axis"] = _axis(e)
+            item["block_size"] = _block(e)
+        return item
+    raise EncodingsError(f"unknown AIMET encoding version {version!r} (choose one of {', '.join(VERSIONS)})")
+
+
+def to_aimet(enc: EncodingsFile, version: str, producer_version: str,
+             names: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """A whole AIMET encodings file. ``names`` renames quantizers (e.g. to checkpoint or ONNX tensor names)."""
+    names = names or {}
+    producer = {"package": "qtool", "version": producer_version}
+    params = [e for e in enc.entries if e.tensor == "weight"]
+    acts = [e for e in enc.entries if e.tensor != "weight"]
+    if version == "2.0.0":
+        items = []
+        for e in params + acts:
+            item = entry_to_aimet(e, version)
+            item["name"] = names.get(e.name, e.name)
+            items.append(item)
+        return {"producer": producer, "version": "2.0.0", "encodings": items}
+    if version == "0.6.1":
+        p = {names.get(e.name, e.name): entry_to_aimet(e, version) for e in params}
+        a = {names.get(e.name, e.name): entry_to_aimet(e, version) for e in acts}
+    else:
+        p = [dict(entry_to_aimet(e, version), name=names.get(e.name, e.name)) for e in params]
+        a = [dict(entry_to_aimet(e, version), name=names.get(e.name, e.name)) for e in acts]
+    return {"producer": producer, "version": version, "activation_encodings": a, "param_encodings": p,
+            "excluded_layers": [], "quantizer_args": {}}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------------------------
+def range_for_scale_offset(scale: torch.Tensor, offset: torch.Tensor, qmin: int, qmax: int, symmetric: bool):
+    """A stored ``(min, max)`` from which qtool recomputes exactly ``(scale, offset)`` where any range can.
+
+    Starts from the effective range ``((offset + qmin) * scale, (offset + qmax) * scale)``. Where
+    ``(max - min) / n`` rounds to a neighbour of ``scale``, ``max`` is nudged by float32 ulps; where no ``max`` hits
+    it (the quotient's steps can straddle ``scale``), ``min`` is moved by an ulp or a few and the search repeats.
+    The offset only depends on ``min / scale`` rounded, which such tiny moves leave alone.
+    """
+    from .quant.affine import min_max_to_scale_offset
+
+    scale = scale.to(torch.float32)
+    offset = offset.to(torch.float32)
+    mn0 = (offset + qmin) * scale
+    mx0 = (offset + qmax) * scale
+    out_mn, out_mx = mn0.clone(), mx0.clone()
+    done = torch.zeros(scale.shape, dtype=torch.bool)
+    inf = torch.full_like(mx0, float("inf"))
+    for shift in (0, 1, -1, 2, -2, 3, -3, 4, -4):
+        mn = mn0
+        for _ in range(abs(shift)):
+            mn = torch.nextafter(mn, inf if shift > 0 else -inf)
+        mx = mx0
+        for _ in range(24):
+            s2, o2 = min_max_to_scale_offset(mn, mx, qmin, qmax, symmetric)
+            ok = (s2 == scale) & (o2 == offset) & ~done
+            out_mn = torch.where(ok, mn, out_mn)
+            out_mx = torch.where(ok, mx, out_mx)
+            done |= ok
+            if bool(done.all()):
+                return out_mn, out_mx
+            mx = torch.where(s2 < scale, torch.nextafter(mx, inf), torch.where(s2 > scale, torch.nextafter(mx, -inf), mx))
+    # Left: scales that no float32 (max - min) / n produces (possible in hand-written files, never in files that
+    # qtool or AIMET computed from a range). They keep the effective range, one ulp of scale away.
+    return out_mn, out_mx
+
+
+def read_aimet(path: Path) -> Dict[str, Any]:
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EncodingsError(f"{path}: encodings file not found") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise EncodingsError(f"{path}: not a readable JSON encodings file ({e})") from None
+    if not isinstance(obj, dict) or str(obj.get("version")) not in READ_VERSIONS:
+        raise EncodingsError(f"{path}: not an AIMET encodings file of version {', '.join(READ_VERSIONS)} "
+                             f"(version {obj.get('version') if isinstance(obj, dict) else None!r})")
+    return obj
+
+
+def _granularity_from_count(count: int, wshape: Tuple[int, ...], block: Optional[int], axis: Optional[int]):
+    """(granularity, shape, block_size) for ``count`` encodings of a weight of shape ``wshape``."""
+    nd = len(wshape)
+    if count == 1 and block is None:
+        return "per_tensor", (), None
+    if block is None and count == wshape[0]:
+        return "per_channel", (wshape[0],) + (1,) * (nd - 1), None
+    ax = 1 if axis is None else axis
+    if block is None and count % wshape[0] == 0 and nd >= 2:
+        per_row = count // wshape[0]
+        if wshape[ax] % per_row == 0:
+            block = wshape[ax] // per_row
+    if block is None or nd < 2 or wshape[ax] % block:
+        raise EncodingsError(f"{count} encodings do not fit a weight of shape {list(wshape)}")
+    shape = tuple(wshape[d] // block if d == ax else (wshape[d] if d == 0 else 1) for d in range(nd))
+    block_size = tuple(block if d == ax else (1 if d == 0 else -1) for d in range(nd))
+    if int(torch.Size(shape).numel()) != count:
+        raise EncodingsError(f"{count} encodings do not fit a weight of shape {list(wshape)} in blocks of {block}")
+    return "per_block", shape, block_size
+
+
+def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], source: str,
+               module_of: Callable[[str], Optional[str]]) -> Tuple[EncodingsFile, List[str]]:
+    """qtool encodings from an AIMET file. ``weight_shapes`` maps checkpoint tensor names to shapes;
+    ``module_of(tensor_name)`` gives the module that owns a parameter. Returns the encodings and warnings
+    (entries skipped, e.g. activations keyed by ONNX tensor names, or biases)."""
+    version = str(obj["version"])
+    rows: List[Tuple[str, str, Dict[str, Any]]] = []  # (kind, name, normalized)
+    try:
+        if version in ("2.0.0", "2.1.0"):
+            for item in obj["encodings"]:
+                dt = str(item["output_dtype"])
+                signed = dt.startswith("int")
+                bits = int(dt[3:] if signed else dt[4:])
+                scale = torch.tensor(item["y_scale"], dtype=torch.float32)
+                zp = torch.tensor(item.get("y_zero_point", 0), dtype=torch.float32).expand(scale.shape)
+                rows.append(("any", str(item["name"]), {"bits": bits, "signed": signed, "scale": scale,
+                                                         "offset": -zp, "axis": item.get("axis"),
+                                                         "block": item.get("block_size")}))
+        else:
+            for kind, key in (("param", "param_encodings"), ("act", "activation_encodings")):
+                section = obj.get(key, [] if version == "1.0.0" else {})
+                items = section.items() if version == "0.6.1" else ((i["name"], i) for i in section)
+                for name, item in items:
+                    if version == "0.6.1":
+                        bits = int(item[0]["bitwidth"])
+                        sym = str(item[0]["is_symmetric"]) == "True"
+                        scale = torch.tensor([float(i["scale"]) for i in item], dtype=torch.float32)
+                        off = torch.tensor([float(i["offset"]) for i in item], dtype=torch.float32)
+                        block = None
+                    else:
+                        if str(item.get("dtype", "INT")).upper() != "INT":
+                            raise EncodingsError(f"{source}: {name}: only integer encodings can be imported")
+                        bits = int(item["bw"])
+                        sym = bool(item["is_sym"])
+                        scale = torch.tensor(item["scale"], dtype=torch.float32)
+                        off = torch.tensor(item["offset"], dtype=torch.float32)
+                        block = item.get("block_size")
+                        if item.get("enc_type") not in (None, "PER_TENSOR", "PER_CHANNEL", "PER_BLOCK"):
+                            raise EncodingsError(f"{source}: {name}: enc_type {item.get('enc_type')} is not supported")
+                    qmin, _ = grid(bits, signed=sym)
+                    rows.append((kind, str(name), {"bits": bits, "signed": sym, "sym": sym, "scale": scale,
+                                                   "offset": off - qmin, "axis": None, "block": block}))
+    except EncodingsError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise EncodingsError(f"{source}: malformed AIMET {version} encodings ({type(e).__name__}: {e})") from None
+
+    entries: List[EncodingEntry] = []
+    warnings: List[str] = []
+    for kind, name, r in rows:
+        qmin, qmax = grid(r["bits"], signed=r["signed"])
+        # a signed grid with a zero offset is AIMET's symmetric encoding
+        symmetric = r.get("sym", r["signed"] and bool((r["offset"] == 0).all()))
+        if name in weight_shapes:
+            module = module_of(name)
+            wshape = tuple(weight_shapes[name])
+            if module is None or not name.endswith(".weight"):
+                warnings.append(f"{name}: not a module weight (bias or buffer); skipped")
+                continue
+            count = r["scale"].numel()
+            axis = None if r["axis"] is None else int(r["axis"]) % len(wshape)
+            gran, shape, block_size = _granularity_from_count(count, wshape, r["block"], axis)
+            tensor = "weight"
+            qname = f"{module}.weight"
+        elif name.endswith(".input") or name.endswith(".output"):
+            module, tensor = name.rsplit(".", 1)
+            gran, shape, block_size, qname = "per_tensor", (), None, name
+            if r["scale"].numel() != 1:
+                raise EncodingsError(f"{source}: {name}: activation encodings must be per-tensor")
+        else:
+            warnings.append(f"{name}: no tensor of that name in the checkpoint (an ONNX activation name?); skipped")
+            continue
+        scale = r["scale"].reshape(shape)
+        offset = r["offset"].reshape(shape)
+        if r["signed"] != (qmin < 0) or (symmetric and not r["signed"]):
+            raise EncodingsError(f"{source}: {name}: symmetric encodings must use a signed grid")
+        mn, mx = range_for_scale_offset(scale, offset, qmin, qmax, symmetric)
+        from .quant.affine import min_max_to_scale_offset
+
+        s2, _ = min_max_to_scale_offset(mn, mx, qmin, qmax, symmetric)
+        if not torch.equal(s2, scale):
+            warnings.append(f"{name}: {int((s2 != scale).sum())} scale(s) cannot come from any float32 range and "
+                            "are one ulp off after import")
+        entries.append(EncodingEntry(qname, module, tensor, r["bits"], symmetric, gran, shape, block_size,
+                                     "imported", mn, mx))
+    return EncodingsFile(entries, {"imported_from": f"AIMET {version}"}), warnings

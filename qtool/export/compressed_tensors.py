@@ -1,0 +1,491 @@
+"""Export to a Hugging Face model directory in the compressed-tensors layout (what transformers and vLLM load).
+
+``export_compressed_tensors(checkpoint, encodings, out_dir)`` writes
+
+* ``config.json``: the checkpoint's own, plus ``quantization_config`` shaped like llm-compressor 0.14's output
+  (``quant_method: compressed-tensors``, ``quantization_status: compressed``, one config group per distinct
+  weight setting, per-group ``format``, ``ignore`` = the ``Linear`` modules left in float, e.g. ``lm_head``);
+* ``model.safetensors``, streamed one tensor at a time. For each quantized ``Linear`` ``<layer>``:
+
+  - ``int-quantized`` (8 bits, by default): ``<layer>.weight`` int8 and ``<layer>.weight_scale``;
+  - ``pack-quantized`` (1..7 bits, and 8 on request): ``<layer>.weight_packed`` int32 ``(out, ceil(in*b/32))``,
+    ``<layer>.weight_shape`` int64 ``[out, in]`` and ``<layer>.weight_scale``;
+  - asymmetric grids also ``<layer>.weight_zero_point`` (int8 in the scale's shape; for ``pack-quantized``
+    channel/group scales it is packed along dim 0 into int32, as compressed-tensors does);
+
+  every other tensor is copied unchanged;
+* the checkpoint directory's other files (tokenizer, generation config, vocab, ...) copied as they are.
+
+Numerics
+--------
+compressed-tensors dequantizes ``(q - zero_point) * scale`` on the signed grid ``-2**(b-1) .. 2**(b-1)-1``
+(whatever ``symmetric`` says); qtool/AIMET use ``(q + offset) * scale`` on ``grid(b, signed=symmetric)``. The
+export converts exactly, in integers: with ``shift = qmin + 2**(b-1)`` (0 for qtool's symmetric grids,
+``2**(b-1)`` for its unsigned asymmetric ones), ``q_ct = q - shift`` and ``zero_point = -offset - shift``, so
+``q_ct - zero_point == q + offset``. The scale is qtool's calibrated scale (not compressed-tensors' absmax/7.5);
+the file carries it. Codes come from ``qtool.quant.quantize`` exactly as the fake-quant model computes them, so
+for a float32 checkpoint the weights compressed-tensors dequantizes equal qtool's fake-quant weights bit for bit.
+
+The scale is stored in the checkpoint weight's dtype, as llm-compressor writes it (float32 for a float32 model,
+as in ``shared/data/compressed-tensors``); compressed-tensors also creates the ``weight_scale`` parameter in the
+model dtype on load, so a bfloat16/float16 model rounds the scale there anyway. For such checkpoints the summary
+warns that dequantized weights can differ from qtool's (float32-scale) fake-quant weights by that rounding.
+
+8-bit format
+------------
+8-bit weights are written ``int-quantized`` by default (one int8 per weight, like ``w8a16_ch_int``);
+``eight_bit_format="pack-quantized"`` packs four codes per int32 instead (like ``w8a16_ch``, llm-compressor's own
+default for W8A16). vLLM runs weight-only int layers only from ``pack-quantized`` (its ``CompressedTensorsWNA16``
+scheme: 4 or 8 bits, channel or group strategy), so use ``pack-quantized`` for vLLM; the summary's ``warnings``
+list every setting vLLM's weight-only path would refuse (int-quantized weight-only, tensor strategy, bit widths
+other than 4 and 8). transformers loads both.
+
+Scope
+-----
+Weight quantization of ``torch.nn.Linear`` modules only (weight-only W8A16 / W4A16 formats): per_channel ->
+strategy ``channel``, per_block along the input dim -> ``group`` (``group_size`` = the block), per_tensor ->
+``tensor``. Activation quantizers are not exported (the summary's ``warnings`` says so); embedding (and any
+other non-Linear) weights stay in float and are listed in the summary, as does a Linear whose weight is shared
+with another module (a tied ``lm_head``). A group size that does not divide a layer's input size raises
+``EncodingsError`` (llm-compressor refuses such layers too). Sharded checkpoints are read shard by shard and
+written as one ``model.safetensors``. Module types come from the checkpoint's model class built on the meta
+device (no weights are read for that).
+
+Loading
+-------
+``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads the directory with nothing extra but the
+``compressed-tensors`` package installed. By default (transformers 5.x, ``CompressedTensorsConfig(dequantize=
+False)``) the modules keep ``weight_packed``/``weight_scale`` after loading and compressed-tensors decompresses
+every module on the first forward pass (a forward pre-hook), after which ``module.weight`` holds the dequantized
+float weight. ``from_pretrained(out_dir, quantization_config=CompressedTensorsConfig(dequantize=True))`` (the
+former ``run_compressed=False``) dequantizes while loading instead, but transformers 5.23 decompresses every
+dense module there with the *first* config group's scheme, so use it only for exports with one config group
+(one weight setting for all quantized layers); the default route handles any number of groups.
+
+Asymmetric ``pack-quantized`` channel/group weights (any bit width) are the exception: compressed-tensors stores their
+zero points packed into int32 along dim 0 (what vLLM and compressed-tensors' decompressor read), but transformers
+5.23 builds the empty model's ``weight_zero_point`` unpacked (compressed-tensors' ``compress`` skips packing on the
+meta device), so the default route fails with a size mismatch; ``CompressedTensorsConfig(dequantize=True)`` loads
+them exactly (single config group only, see above). Asymmetric int-quantized (8-bit) and per-tensor weights load
+on both routes. The summary warns about these cases.
+
+With one weight setting the config targets ``"Linear"`` and ignores the float Linear modules, exactly like
+llm-compressor; with several, each group targets its modules by name (``re:^<name>$``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .. import __version__
+from ..encodings import EncodingEntry, EncodingsFile
+from ..errors import CheckpointError, EncodingsError, UsageError
+from ..model.load import CheckpointTensors, detect_kind
+from ..quant import quantize
+from ..quant.affine import resolve_block_size
+from ..quant.packing import pack_int32
+from .integer import match_weight_names
+from .st_writer import StreamingSafetensorsWriter
+
+__all__ = ["export_compressed_tensors", "CT_VERSION_FALLBACK"]
+
+Progress = Optional[Callable[[int, int, str], None]]
+
+# the compressed-tensors version that wrote the reference files in shared/data/compressed-tensors
+CT_VERSION_FALLBACK = "0.19.0"
+
+# files of a checkpoint directory that are weights (replaced by model.safetensors) or rewritten (config.json)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".pt2", ".ckpt", ".h5", ".msgpack", ".gguf")
+_SKIP_NAMES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+
+
+def _ct_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("compressed-tensors")
+    except Exception:  # not installed: write the version of the reference output
+        return CT_VERSION_FALLBACK
+
+
+def _meta_model(checkpoint: Path, trust_remote_code: bool) -> nn.Module:
+    """The checkpoint's model class built on the meta device (no weights read, no memory used)."""
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError("the compressed-tensors export needs transformers: pip install 'qtool[hf]'") from None
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(checkpoint), trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise CheckpointError(f"{checkpoint}: cannot read config.json: {str(e).splitlines()[0]}") from None
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    try:
+        with torch.device("meta"):
+            if cls is not None:
+                return cls._from_config(config)
+            return transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise CheckpointError(
+            f"{checkpoint}: transformers cannot build this model's modules ({str(e).splitlines()[0]}); the "
+            "compressed-tensors export needs them to know which layers are Linear"
+        ) from None
+
+
+def _tied_params(model: nn.Module) -> Dict[str, set]:
+    """For every parameter shared between modules: its name -> all names of that tensor."""
+    groups: Dict[int, set] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), set()).add(name)
+    return {n: g for g in groups.values() if len(g) > 1 for n in g}
+
+
+def _weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Dict[str, Any]:
+    """compressed-tensors weight ``QuantizationArgs`` for one encoding, checking the layout fits a Linear."""
+    out_f, in_f = shape
+    if e.granularity == "per_tensor":
+        strategy, group_size = "tensor", None
+    elif e.granularity == "per_channel":
+        if tuple(e.shape) != (out_f, 1):
+            raise EncodingsError(
+                f"{e.name}: per_channel encodings of shape {list(e.shape)} on {key} {list(shape)}; compressed-tensors "
+                f"channel quantization needs one scale per output row, shape [{out_f}, 1]"
+            )
+        strategy, group_size = "channel", None
+    elif e.granularity == "per_block":
+        bs = tuple(e.block_size) if e.block_size is not None else None
+        if bs is None or len(bs) != 2 or bs[0] not in (1, -1) or (bs[0] == -1 and e.shape[0] != out_f):
+            raise EncodingsError(
+                f"{e.name}: block_size {None if bs is None else list(bs)} is not supported by the compressed-tensors "
+                "export; it writes groups along the input dimension only (block_size [1, G])"
+            )
+        g = bs[1] if bs[1] != -1 else (in_f // e.shape[1] if e.shape[1] else 0)
+        if g <= 0 or in_f % g:
+            raise EncodingsError(
+                f"{e.name}: group size {g} does not divide the input size {in_f} of {key} (shape {list(shape)}); "
+                "compressed-tensors group quantization (and llm-compressor) needs a group size that divides every "
+                "quantized layer's input size"
+            )
+        strategy, group_size = "group", int(g)
+    else:  # pragma: no cover - EncodingsFile validates granularity by construction
+        raise EncodingsError(f"{e.name}: unknown granularity {e.granularity!r}")
+    try:
+        resolve_block_size(shape, e.shape, e.block_size)
+    except ValueError as err:
+        raise EncodingsError(
+            f"encodings entry {e.name!r} (shape {list(e.shape)}) does not fit tensor {key!r} of shape "
+            f"{list(shape)}: {err}; were they made for another model?"
+        ) from None
+    return {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "group_size": group_size,
+        "num_bits": int(e.bitwidth),
+        "observer": "memoryless_minmax",  # qtool's minmax over the whole weight is this (static weights)
+        "observer_kwargs": {},
+        "scale_dtype": None,
+        "strategy": strategy,
+        "symmetric": bool(e.symmetric),
+        "type": "int",
+        "zp_dtype": None,
+    }
+
+
+def _compat_notes(settings) -> List[str]:
+    """Loader limits worth a warning (read from transformers 5.23 / compressed-tensors 0.20 / vLLM sources)."""
+    notes = []
+    for s in settings:
+        a, fmt = s["args"], s["format"]
+        what = f"{a['num_bits']}-bit {a['strategy']} ({fmt})"
+        if fmt == "int-quantized":
+            notes.append(f"vLLM: {what}: vLLM runs weight-only int layers only from pack-quantized (its WNA16 "
+                         "scheme); export with eight_bit_format='pack-quantized' for vLLM")
+        if a["strategy"] == "tensor":
+            notes.append(f"vLLM: {what}: vLLM's weight-only int scheme takes channel or group strategies, not tensor")
+        if a["num_bits"] not in (4, 8):
+            notes.append(f"vLLM: {what}: vLLM's weight-only int kernels take 4 or 8 bits")
+        if fmt == "pack-quantized" and not a["symmetric"] and a["strategy"] in ("channel", "group"):
+            notes.append(f"transformers: {what} asymmetric: the packed weight_zero_point loads only with "
+                         "from_pretrained(..., quantization_config=CompressedTensorsConfig(dequantize=True)) "
+                         "(transformers 5.23 / compressed-tensors 0.20)"
+                         + ("" if len(settings) == 1 else ", which handles a single config group only"))
+    return notes
+
+
+def _ct_scale_shape(e: EncodingEntry) -> Tuple[int, ...]:
+    return (1,) if e.granularity == "per_tensor" else tuple(int(d) for d in e.shape)
+
+
+def _packed_zp_shape(scale_shape: Tuple[int, ...], bits: int) -> Tuple[int, ...]:
+    rows, cols = scale_shape
+    return ((rows * bits + 31) // 32, cols)
+
+
+def export_compressed_tensors(
+    checkpoint: Path,
+    encodings: EncodingsFile,
+    out_dir: Path,
+    trust_pickle: bool = False,
+    progress: Progress = None,
+    *,
+    eight_bit_format: str = "int-quantized",
+    trust_remote_code: bool = False,
+) -> Dict[str, object]:
+    """Write a compressed-tensors model directory into ``out_dir``; returns a summary (see module docs).
+
+    ``eight_bit_format``: ``"int-quantized"`` (one int8 per weight) or ``"pack-quantized"`` (four codes per int32,
+    llm-compressor's default for W8A16 and the only weight-only format vLLM loads). Sub-8-bit weights are always
+    ``pack-quantized``. ``trust_pickle`` is accepted for symmetry with ``export_integer``; the checkpoint must be
+    a Hugging Face directory (``config.json`` + safetensors), which never needs it.
+    """
+    if eight_bit_format not in ("int-quantized", "pack-quantized"):
+        raise UsageError(f"eight_bit_format must be int-quantized or pack-quantized, got {eight_bit_format!r}")
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if not checkpoint.exists():
+        raise CheckpointError(f"{checkpoint}: checkpoint not found")
+    if out_dir.exists() and checkpoint.is_dir() and out_dir.resolve() == checkpoint.resolve():
+        raise UsageError(f"{out_dir}: the output directory must not be the checkpoint directory")
+    if detect_kind(checkpoint) != "hf":
+        raise UsageError(
+            f"{checkpoint}: the compressed-tensors export needs a Hugging Face model directory (config.json + "
+            "safetensors weights)"
+        )
+    try:
+        config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{checkpoint / 'config.json'}: cannot read: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{checkpoint / 'config.json'}: not a JSON object")
+    if "quantization_config" in config:
+        raise CheckpointError(
+            f"{checkpoint}: config.json already has a quantization_config "
+            f"({config['quantization_config'].get('quant_method', '?')}); export from the float checkpoint"
+        )
+
+    model = _meta_model(checkpoint, trust_remote_code)
+    modules = dict(model.named_modules())
+    tied_names = _tied_params(model)
+    src = CheckpointTensors(checkpoint, trust_pickle=trust_pickle)
+    keys = src.keys()
+
+    warnings: List[str] = []
+    acts = [e for e in encodings.entries if e.tensor != "weight"]
+    if acts:
+        warnings.append(
+            f"{len(acts)} activation quantizer(s) not exported: compressed-tensors int-quantized/pack-quantized "
+            "here are weight-only formats (W8A16/W4A16); the exported model runs activations in float"
+        )
+
+    linear: List[EncodingEntry] = []
+    float_embeddings: List[str] = []
+    skipped: List[str] = []
+    for e in encodings.entries:
+        if e.tensor != "weight":
+            continue
+        mod = modules.get(e.module)
+        if mod is None:
+            raise EncodingsError(
+                f"encodings quantize {e.module!r}, which this model ({type(model).__name__}) does not have; were "
+                "they made for another model?"
+            )
+        if isinstance(mod, nn.Embedding):
+            float_embeddings.append(e.module)
+            continue
+        if not isinstance(mod, nn.Linear):
+            skipped.append(e.module)
+            continue
+        if f"{e.module}.weight" in tied_names:
+            # compressing one side of a shared tensor would break the tie on load (llm-compressor unties first)
+            others = sorted(tied_names[f"{e.module}.weight"] - {f"{e.module}.weight"})
+            warnings.append(f"{e.module}: its weight is shared with {', '.join(others)}; left in float")
+            skipped.append(e.module)
+            continue
+        linear.append(e)
+    if float_embeddings:
+        warnings.append(f"{len(float_embeddings)} embedding weight(s) left in float: {', '.join(float_embeddings)}")
+    if skipped:
+        warnings.append(f"{len(skipped)} non-Linear or tied weight(s) left in float: {', '.join(skipped)}")
+
+    if not linear:
+        raise EncodingsError(
+            "the encodings quantize no Linear weight, so there is nothing to write in a compressed-tensors "
+            "(weight-only) format" + (f" ({'; '.join(warnings)})" if warnings else "")
+        )
+    names = match_weight_names(linear, keys, str(checkpoint))
+    by_key: Dict[str, EncodingEntry] = {}
+    for e in linear:
+        key = names[e.name]
+        if key != "weight" and not key.endswith(".weight"):
+            raise EncodingsError(f"{e.name}: checkpoint tensor {key!r} is not a layer's weight")
+        by_key[key] = e
+
+    # ---- config groups: one per distinct weight setting ------------------------------------------------------
+    settings: Dict[str, Dict[str, Any]] = {}  # json(args) -> {"args", "format", "modules"}
+    module_args: Dict[str, Dict[str, Any]] = {}
+    module_fmt: Dict[str, str] = {}
+    low_precision_warned = False
+    for key, e in by_key.items():
+        shape, dtype = src.shape_dtype(key)
+        if len(shape) != 2:
+            raise EncodingsError(f"{e.name}: Linear weight {key!r} has shape {list(shape)}, expected 2-D")
+        if e.bitwidth > 8:
+            raise EncodingsError(
+                f"{e.name}: {e.bitwidth}-bit weights have no compressed-tensors integer format (1..8 bits)"
+            )
+        args = _weight_args(e, tuple(shape), key)
+        sig = json.dumps(args, sort_keys=True)
+        fmt = eight_bit_format if e.bitwidth == 8 else "pack-quantized"
+        settings.setdefault(sig, {"args": args, "format": fmt, "modules": []})["modules"].append(e.module)
+        module_args[key] = args
+        module_fmt[key] = fmt
+        if dtype not in (torch.float32, torch.float64) and not low_precision_warned:
+            low_precision_warned = True
+            warnings.append(
+                f"scale_dtype: weights are {str(dtype).replace('torch.', '')}, so scales are stored (and loaded) in "
+                "that dtype as llm-compressor does; dequantized weights may differ from qtool's fake-quant "
+                "weights by the scale's rounding"
+            )
+
+    warnings += _compat_notes(list(settings.values()))
+
+    quantized_modules = {e.module for e in by_key.values()}
+    float_linear = [n for n, m in modules.items() if isinstance(m, nn.Linear) and n not in quantized_modules]
+    all_plain_linear = all(type(modules[m]) is nn.Linear for m in quantized_modules)
+    single = len(settings) == 1 and all_plain_linear
+    groups: Dict[str, Any] = {}
+    for i, s in enumerate(settings.values()):
+        targets = ["Linear"] if single else [f"re:^{re.escape(m)}$" for m in s["modules"]]
+        groups[f"group_{i}"] = {
+            "format": s["format"],
+            "input_activations": None,
+            "output_activations": None,
+            "targets": targets,
+            "weights": s["args"],
+        }
+    formats = sorted({s["format"] for s in settings.values()})
+    top_format = formats[0] if len(formats) == 1 else "mixed-precision"
+    qconfig = {
+        "config_groups": groups,
+        "format": top_format,
+        "global_compression_ratio": None,
+        "ignore": float_linear,
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": _ct_version(),
+    }
+
+    # ---- tensor layout ---------------------------------------------------------------------------------------
+    layout: List[Tuple[str, torch.dtype, Tuple[int, ...]]] = []
+    info: Dict[str, Any] = {}
+    for key in keys:
+        shape, dtype = src.shape_dtype(key)
+        e = by_key.get(key)
+        if e is None:
+            layout.append((key, dtype, tuple(shape)))
+            continue
+        base = key[: -len("weight")]
+        b = e.bitwidth
+        sshape = _ct_scale_shape(e)
+        scale_dtype = dtype if dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16) else torch.float32
+        packed = module_fmt[key] == "pack-quantized"
+        if not packed:
+            layout.append((base + "weight", torch.int8, tuple(shape)))
+        else:
+            layout.append((base + "weight_packed", torch.int32, (shape[0], (shape[1] * b + 31) // 32)))
+        layout.append((base + "weight_scale", scale_dtype, sshape))
+        if packed:
+            layout.append((base + "weight_shape", torch.int64, (2,)))
+        if not e.symmetric:
+            strat = module_args[key]["strategy"]
+            if packed and strat in ("channel", "group"):
+                layout.append((base + "weight_zero_point", torch.int32, _packed_zp_shape(sshape, b)))
+            else:
+                layout.append((base + "weight_zero_point", torch.int8, sshape))
+        info[key] = {"bitwidth": b, "symmetric": e.symmetric, "granularity": e.granularity,
+                     "block_size": None if e.block_size is None else list(e.block_size)}
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": "pt", "qtool_version": __version__, "qtool_export": "compressed-tensors",
+                "qtool": json.dumps(info, sort_keys=True)}
+    path = out_dir / "model.safetensors"
+    declared = {n: (d, s) for n, d, s in layout}
+    with StreamingSafetensorsWriter(path, layout, metadata) as w:
+        for i, key in enumerate(keys):
+            t = src.get(key)
+            e = by_key.get(key)
+            if e is None:
+                w.write(key, t)
+            else:
+                _write_layer(w, key, t, e, declared)
+            if progress:
+                progress(i + 1, len(keys), key)
+
+    config["quantization_config"] = qconfig
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    copied = []
+    for f in sorted(checkpoint.iterdir()):
+        if not f.is_file() or f.name in _SKIP_NAMES or f.name.lower().endswith(_WEIGHT_SUFFIXES):
+            continue
+        if f.name.endswith(".index.json"):
+            continue
+        shutil.copy2(f, out_dir / f.name)
+        copied.append(f.name)
+
+    return {
+        "format": top_format,
+        "tensors": len(layout),
+        "source_tensors": len(keys),
+        "quantized": len(by_key),
+        "quantized_layers": sorted(quantized_modules),
+        "config_groups": len(groups),
+        "ignore": float_linear,
+        "float_embeddings": float_embeddings,
+        "skipped": skipped,
+        "activation_quantizers_skipped": len(acts),
+        "bytes_written": path.stat().st_size,
+        "files_copied": copied,
+        "warnings": warnings,
+        "names": {e.name: names[e.name] for e in linear},
+    }
+
+
+def _write_layer(w: StreamingSafetensorsWriter, key: str, t: torch.Tensor, e: EncodingEntry,
+                 declared: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]) -> None:
+    base = key[: -len("weight")]
+    b = e.bitwidth
+    qmin, qmax = e.qmin_qmax
+    scale, offset = e.scale_offset()
+    x = t if t.dtype == torch.float64 else t.to(torch.float32)  # the dtype qtool's fake-quant computes in
+    codes = quantize(x, scale, offset, qmin=qmin, qmax=qmax, block_size=e.block_size).to(torch.int64)
+    # qtool's grid -> compressed-tensors' signed grid: q_ct - zp == q + offset
+    shift = qmin + (1 << (b - 1))
+    q_ct = codes - shift
+    packed = base + "weight_packed" in declared
+    if not packed:
+        w.write(base + "weight", q_ct.to(torch.int8))
+    else:
+        w.write(base + "weight_packed", pack_int32(q_ct, b))
+    sdtype, sshape = declared[base + "weight_scale"]
+    w.write(base + "weight_scale", scale.detach().to(sdtype).reshape(sshape).contiguous())
+    if packed:
+        w.write(base + "weight_shape", torch.tensor(list(t.shape), dtype=torch.int64))
+    if not e.symmetric:
+        zp = (-offset.detach().to(torch.int64) - shift).reshape(sshape)
+        zdtype, _ = declared[base + "weight_zero_point"]
+        if zdtype == torch.int32:
+            w.write(base + "weight_zero_point", pack_int32(zp, b, packed_dim=0))
+        else:
+            w.write(base + "weight_zero_point", zp.to(torch.int8))

@@ -1,0 +1,360 @@
+"""ONNX export with QuantizeLinear / DequantizeLinear (QDQ), checked by onnxruntime in the tests.
+
+How: the calibrated fake-quant model is traced by torch's TorchScript ONNX exporter while every quantizer emits
+one placeholder node (``qtool::FakeQuant``, carrying its scale, zero point, grid, axis and block size). A pass
+over the ONNX graph then rewrites each placeholder:
+
+* on a weight (the placeholder's input is an initializer): the integer codes replace the float initializer
+  under the parameter's own name (int8/uint8, int4/uint4 packed two per byte, int16/uint16), followed by
+  ``DequantizeLinear`` — per-tensor, per-channel (``axis``) or blocked (opset 21 ``block_size``);
+* on an activation: ``QuantizeLinear`` + ``DequantizeLinear`` (per-tensor).
+
+The codes use qtool's division path, which is exactly ONNX QuantizeLinear's ``round_half_even(x / y_scale) +
+y_zero_point``, so the graph computes what qtool's fake-quant model computes. The opset is the lowest that the
+quantizers need (13 for 8-bit per-tensor and per-channel: 10 would express per-tensor, but onnxruntime's
+optimizer rejects QDQ graphs below 11; 21 for blocked or 4/16-bit), raised where the model's own ops need more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..encodings import EncodingsFile
+from ..errors import UsageError
+from ..quant import QuantizeDequantize, quantize, quantize_dequantize
+
+__all__ = ["export_onnx", "required_opset", "onnx_export_mode"]
+
+_MAX_TORCHSCRIPT_OPSET = 20
+
+
+# Per-tensor int8 QDQ exists since opset 10, but onnxruntime's graph optimizer rewrites QDQ graphs with ops of
+# opset 11+ (it inserts Round when it quantizes Gemm biases) and then rejects an opset-10 model at load time.
+_QDQ_FLOOR = 13
+
+
+def required_opset(enc: EncodingsFile) -> int:
+    """The lowest ONNX opset whose QuantizeLinear/DequantizeLinear express every encoding in ``enc`` and that
+    onnxruntime loads with its default optimizations (13 for per-tensor and per-channel 8-bit, 21 for blocked
+    or 4/16-bit)."""
+    need = _QDQ_FLOOR
+    for e in enc.entries:
+        if e.bitwidth not in (4, 8, 16):
+            raise UsageError(
+                f"{e.name}: ONNX QuantizeLinear has no {e.bitwidth}-bit type (4, 8 and 16 bits only); "
+                "export this recipe with --format qtool or aimet"
+            )
+        if e.bitwidth != 8 or e.granularity == "per_block":
+            need = max(need, 21)
+        elif e.granularity == "per_channel":
+            need = max(need, 13)
+    return need
+
+
+class _FakeQuantOnnx(torch.autograd.Function):
+    """Fake-quant forward; exported as one ``qtool::FakeQuant`` node that the graph pass expands."""
+
+    @staticmethod
+    def forward(ctx, x, scale, zero_point, name, qmin, qmax, axis, block):
+        offset = -zero_point.to(torch.float32)
+        bs = None
+        if block:
+            bs = tuple(block if d == axis else (1 if d == 0 else -1) for d in range(x.dim()))
+        return quantize_dequantize(x, scale, offset, qmin=qmin, qmax=qmax, block_size=bs)
+
+    @staticmethod
+    def symbolic(g, x, scale, zero_point, name, qmin, qmax, axis, block):
+        out = g.op("qtool::FakeQuant", x, scale, zero_point, name_s=name, qmin_i=qmin, qmax_i=qmax,
+                   axis_i=axis, block_i=block)
+        out.setType(x.type())  # same shape and dtype as the input (keeps the exporter's shape inference quiet)
+        return out
+
+
+@contextlib.contextmanager
+def onnx_export_mode(quantizers: Dict[str, QuantizeDequantize]):
+    """Make every quantizer call ``_FakeQuantOnnx`` with constant scale/zero point while tracing."""
+    saved = {}
+    for name, q in quantizers.items():
+        enc = q.get_encodings()
+        scale = enc.scale.detach().clone()
+        zp = (-enc.offset.detach()).to(torch.int32)
+        axis, block = 0, 0
+        if q.block_size is not None:
+            axis = next(i for i, b in enumerate(q.block_size) if b not in (1, -1))
+            block = q.block_size[axis]
+        elif scale.dim() and scale.numel() > 1:
+            axis = next(i for i, s in enumerate(scale.shape) if s != 1)
+
+        def fwd(x, _q=q, _s=scale, _z=zp, _n=name, _a=axis, _b=block):
+            return _FakeQuantOnnx.apply(x.as_subclass(torch.Tensor), _s, _z, _n, _q.qmin, _q.qmax, _a, _b)
+
+        saved[name] = q.forward
+        q.forward = fwd
+    try:
+        yield
+    finally:
+        for name, q in quantizers.items():
+            q.forward = saved[name]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The graph pass
+# --------------------------------------------------------------------------------------------------------------
+def _onnx_int_type(bits: int, signed: bool):
+    from onnx import TensorProto
+
+    return {(4, True): TensorProto.INT4, (4, False): TensorProto.UINT4, (8, True): TensorProto.INT8,
+            (8, False): TensorProto.UINT8, (16, True): TensorProto.INT16, (16, False): TensorProto.UINT16}[(bits, signed)]
+
+
+def _int_tensor(name: str, values, bits: int, signed: bool):
+    """An integer initializer stored as raw bytes (4-bit: two per byte, the first value in the low nibble)."""
+    from onnx import helper
+
+    values = np.asarray(values)
+    dtype = _onnx_int_type(bits, signed)
+    if bits == 4:
+        from ..quant.packing import pack_bytes
+
+        raw = pack_bytes(torch.from_numpy(values.astype(np.int32).reshape(-1)), 4).numpy().tobytes()
+    else:
+        np_dtype = {(8, True): np.int8, (8, False): np.uint8, (16, True): np.int16, (16, False): np.uint16}[(bits, signed)]
+        raw = values.astype(np_dtype).reshape(-1).astype(np.dtype(np_dtype).newbyteorder("<")).tobytes()
+    return helper.make_tensor(name, dtype, list(values.shape), raw, raw=True)
+
+
+def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int) -> Dict[str, str]:
+    """Expand every qtool::FakeQuant node; returns quantizer name -> ONNX tensor name."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    # parameters were traced through the wrapper module (`model.`): give them their checkpoint names back
+    rename = {i.name: i.name[len("model."):] for i in graph.initializer if i.name.startswith("model.")}
+    for i in graph.initializer:
+        i.name = rename.get(i.name, i.name)
+    for n in graph.node:
+        for k, name in enumerate(n.input):
+            if name in rename:
+                n.input[k] = rename[name]
+    inits = {i.name: i for i in graph.initializer}
+    consts = {}
+    for n in graph.node:
+        if n.op_type == "Constant":
+            for a in n.attribute:
+                if a.name == "value":
+                    consts[n.output[0]] = numpy_helper.to_array(a.t)
+
+    def value(name):
+        if name in inits:
+            return numpy_helper.to_array(inits[name])
+        return consts[name]
+
+    uses: Dict[str, int] = {}
+    for n in graph.node:
+        for name in n.input:
+            uses[name] = uses.get(name, 0) + 1
+    names: Dict[str, str] = {}
+    new_nodes: List[Any] = []
+    new_inits: List[Any] = []
+    drop_inits = set()
+    for node in graph.node:
+        if node.op_type != "FakeQuant":
+            new_nodes.append(node)
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        qname = attrs["name"].decode() if isinstance(attrs["name"], bytes) else attrs["name"]
+        info = quantizer_info[qname]
+        bits, signed = info["bitwidth"], info["qmin"] < 0
+        axis, block = int(attrs["axis"]), int(attrs["block"])
+        x, s_name, z_name = node.input
+        scale = value(s_name).astype(np.float32)
+        zp = value(z_name).astype(np.int64)
+        is_weight = x in inits and info["tensor"] == "weight"
+        codes = None
+        if is_weight:
+            w = torch.from_numpy(numpy_helper.to_array(inits[x]).astype(np.float32))
+            bs = None
+            if block:
+                bs = tuple(block if d == axis else (1 if d == 0 else -1) for d in range(w.dim()))
+            s_q = torch.from_numpy(scale)
+            codes = quantize(w, s_q, -torch.from_numpy(zp.astype(np.float32)).reshape(s_q.shape),
+                             qmin=info["qmin"], qmax=info["qmax"], block_size=bs)
+            if block:  # ONNX blocked scales have the input's rank with every other dim at full size
+                target = [w.shape[d] // block if d == axis else w.shape[d] for d in range(w.dim())]
+                zp = np.ascontiguousarray(np.broadcast_to(zp.reshape(scale.shape) if zp.size > 1 else zp, target))
+                scale = np.ascontiguousarray(np.broadcast_to(scale, target))
+        if not block:
+            if scale.size > 1:
+                scale, zp = scale.reshape(-1), np.broadcast_to(zp, scale.shape).reshape(-1)
+            else:
+                scale, zp = scale.reshape(()), zp.reshape(())
+        base = x if is_weight else qname
+        s_init = numpy_helper.from_array(scale, f"{base}_scale")
+        z_init = _int_tensor(f"{base}_zero_point", zp, bits, signed)
+        new_inits += [s_init, z_init]
+        q_attrs = {}
+        if scale.size > 1:
+            q_attrs["axis"] = axis
+        if block:
+            q_attrs["block_size"] = block
+        if is_weight:
+            # the integer codes take the parameter's own name, as AIMET's encodings key parameters by it, unless the
+            # float parameter is used elsewhere too (a tied weight), which then keeps it
+            shared = uses.get(x, 0) > 1
+            q_init = _int_tensor(f"{x}_quantized" if shared else x, codes.numpy(), bits, signed)
+            new_inits.append(q_init)
+            if not shared:
+                drop_inits.add(x)
+            new_nodes.append(helper.make_node("DequantizeLinear", [q_init.name, s_init.name, z_init.name],
+                                              list(node.output), name=f"{x}_dequantize", **q_attrs))
+            names[qname] = x
+        else:
+            q_out = f"{qname}_q"
+            new_nodes.append(helper.make_node("QuantizeLinear", [x, s_init.name, z_init.name], [q_out],
+                                              name=f"{qname}_quantize", **q_attrs))
+            new_nodes.append(helper.make_node("DequantizeLinear", [q_out, s_init.name, z_init.name],
+                                              list(node.output), name=f"{qname}_dequantize", **q_attrs))
+            names[qname] = x
+    used = {i for n in new_nodes for i in n.input}
+    keep_nodes = [n for n in new_nodes if not (n.op_type == "Constant" and not (set(n.output) & used))]
+    del graph.node[:]
+    graph.node.extend(keep_nodes)
+    kept = [i for i in graph.initializer if i.name not in drop_inits]
+    del graph.initializer[:]
+    graph.initializer.extend(kept + new_inits)
+    del model.opset_import[:]
+    model.opset_import.extend([helper.make_opsetid("", opset)])
+    if model.ir_version < 10 and opset >= 21:
+        model.ir_version = 10
+    onnx.checker.check_model(model)
+    return names
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------------------
+def _example_inputs(loaded, eopts) -> Tuple[Tuple, Dict[str, torch.Tensor], List[str], Dict[str, Dict[int, str]]]:
+    from ..data import load_data
+
+    if eopts.data:
+        data = load_data(eopts.data, batch_size=eopts.batch_size, num_samples=eopts.batch_size, seed=0,
+                         seq_len=eopts.seq_len, tokenizer=loaded.tokenizer)
+        batch = data.batches[0]
+    elif loaded.tokenizer is not None:
+        from ..data import Batch
+
+        enc = loaded.tokenizer(["qtool exports this model to ONNX."] * eopts.batch_size, padding="max_length",
+                               truncation=True, max_length=eopts.seq_len, return_tensors="pt")
+        batch = Batch(kwargs={k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc})
+    else:
+        raise UsageError("ONNX export traces the model: pass --data with a few example inputs")
+    if batch.args:
+        names = ["input"]
+        dyn = {"input": {0: "batch"}}
+    else:
+        names = list(batch.kwargs)
+        dyn = {k: ({0: "batch", 1: "sequence"} if v.dim() >= 2 else {0: "batch"}) for k, v in batch.kwargs.items()}
+    return batch.args, batch.kwargs, names, dyn
+
+
+@contextlib.contextmanager
+def _captured_fds():
+    """Send what the exporter's C++ side writes to stdout/stderr into a temporary file (the library never prints)."""
+    import os
+    import sys
+    import tempfile
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    with tempfile.TemporaryFile("w+b") as sink:
+        try:
+            for fd in (1, 2):
+                os.dup2(sink.fileno(), fd)
+            yield
+        finally:
+            for fd, dup in saved.items():
+                os.dup2(dup, fd)
+                os.close(dup)
+
+
+class _Positional(nn.Module):
+    """Calls the model with keyword inputs given positionally, and returns a flat tuple of tensors."""
+
+    def __init__(self, model: nn.Module, arg_names: List[str], kw_names: List[str]):
+        super().__init__()
+        self.model, self.arg_names, self.kw_names = model, arg_names, kw_names
+
+    def forward(self, *tensors):
+        args = tensors[: len(self.arg_names)]
+        kwargs = dict(zip(self.kw_names, tensors[len(self.arg_names):]))
+        return _flatten(self.model(*args, **kwargs))[1]
+
+
+def _flatten(out) -> Tuple[List[str], Tuple[torch.Tensor, ...]]:
+    if isinstance(out, torch.Tensor):
+        return ["output"], (out,)
+    if isinstance(out, dict):  # transformers' ModelOutput is a dict
+        items = [(k, v) for k, v in out.items() if isinstance(v, torch.Tensor)]
+        return [k for k, _ in items], tuple(v for _, v in items)
+    if isinstance(out, (tuple, list)):
+        tensors = tuple(v for v in out if isinstance(v, torch.Tensor))
+        return [f"output_{i}" for i in range(len(tensors))], tensors
+    raise UsageError(f"ONNX export: the model returns {type(out).__name__}, not tensors")
+
+
+def export_onnx(checkpoint, enc: EncodingsFile, out_dir: Path, eopts) -> Dict[str, Any]:
+    """Write ``out_dir/model.onnx``; returns a summary with ``names`` (quantizer -> ONNX tensor name)."""
+    import onnx
+
+    from ..model.load import load_model
+    from ..pipeline import apply_encodings
+
+    opset_q = required_opset(enc)
+    loaded = load_model(checkpoint, eopts.model_class, "cpu", eopts.trust_pickle, eopts.trust_remote_code)
+    if loaded.kind == "pt2":
+        raise UsageError("ONNX export of a torch.export archive is not supported; export the eager model "
+                         "(a state dict with --model-class, or a Hugging Face directory)")
+    quantizers = apply_encodings(loaded.model, enc, "encodings")
+    model = loaded.model
+    if hasattr(model, "config") and hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    args, kwargs, input_names, dynamic_axes = _example_inputs(loaded, eopts)
+    info = {e.name: {"bitwidth": e.bitwidth, "qmin": e.qmin_qmax[0], "qmax": e.qmin_qmax[1], "tensor": e.tensor}
+            for e in enc.entries}
+    path = out_dir / "model.onnx"
+    with torch.no_grad():
+        output_names, _ = _flatten(model(*args, **kwargs))
+    # eval() on the wrapper: the exporter restores the top module's mode afterwards, and a fresh module would be
+    # in training mode, turning dropout on in the caller's model
+    wrapper = _Positional(model, ["input"] if args else [], list(kwargs)).eval()
+    flat_inputs = tuple(args) + tuple(kwargs.values())
+    last_error: Optional[Exception] = None
+    for opset in sorted({min(max(opset_q, 10), _MAX_TORCHSCRIPT_OPSET), 14, 17}):
+        if opset < min(opset_q, _MAX_TORCHSCRIPT_OPSET):
+            continue
+        try:
+            with onnx_export_mode(quantizers), torch.no_grad(), warnings.catch_warnings(), _captured_fds():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(wrapper, flat_inputs, str(path), input_names=input_names,
+                                  output_names=output_names, dynamic_axes=dynamic_axes, opset_version=opset,
+                                  dynamo=False, custom_opsets={"qtool": 1}, do_constant_folding=True)
+            break
+        except Exception as e:  # the exporter raises many types; try the next opset
+            last_error = e
+    else:
+        raise UsageError(f"torch.onnx could not export this model: {str(last_error).splitlines()[0]}")
+    proto = onnx.load(str(path))
+    final_opset = max(opset, opset_q)
+    names = _rewrite(proto, info, final_opset)
+    onnx.save(proto, str(path))
+    return {"onnx_opset": final_opset, "qdq_opset_needed": opset_q, "quantizers": len(names), "names": names,
+            "onnx_inputs": input_names, "onnx_outputs": output_names}

@@ -1,0 +1,198 @@
+"""``qtool inspect``: what a quantized artifact holds, as data (the CLI draws the table).
+
+Understands qtool's integer safetensors (a file or an export directory), qtool's ``encodings.json``, AIMET
+encodings files, compressed-tensors model directories, and plain safetensors files.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .errors import UsageError
+
+__all__ = ["inspect_path"]
+
+_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+          "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _header(path: Path) -> Dict[str, Any]:
+    """The safetensors header (no tensor data is read)."""
+    from .model.load import _check_safetensors
+    from .errors import CheckpointError
+
+    try:
+        _check_safetensors(path)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def _row(name, dtype, bitwidth, granularity, shape, nbytes, quantized):
+    return {"name": name, "dtype": dtype, "bitwidth": bitwidth, "granularity": granularity, "shape": list(shape),
+            "bytes": nbytes, "quantized": quantized}
+
+
+def _totals(rows: List[Dict[str, Any]], numels: Optional[List[int]]) -> Dict[str, Any]:
+    tot: Dict[str, Any] = {"tensors": len(rows), "quantized_tensors": sum(r["quantized"] for r in rows)}
+    if numels is not None:
+        b = sum(r["bytes"] for r in rows)
+        f32, f16 = 4 * sum(numels), 2 * sum(numels)
+        tot.update(bytes=b, float32_bytes=f32, float16_bytes=f16, ratio_vs_float32=f32 / max(b, 1),
+                   ratio_vs_float16=f16 / max(b, 1))
+    return tot
+
+
+def _qtool_safetensors(path: Path, header: Dict[str, Any]) -> Dict[str, Any]:
+    meta = json.loads(header.get("__metadata__", {}).get("qtool", "{}"))
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    size = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in entries.items()}
+    rows, numels = [], []
+    for name, v in entries.items():
+        base = name.rsplit("_", 1)[0]
+        if base in meta and name in (base + "_scale", base + "_offset"):
+            continue
+        if name in meta:
+            m = meta[name]
+            nbytes = size[name] + size.get(name + "_scale", 0) + size.get(name + "_offset", 0)
+            dtype = ("packed " if m.get("packed") else "") + ("int" if m["qmin"] < 0 else "uint") + str(m["bitwidth"])
+            shape = m.get("shape", v["shape"])
+            rows.append(_row(name, dtype, m["bitwidth"], m["granularity"], shape, nbytes, True))
+        else:
+            shape = v["shape"]
+            rows.append(_row(name, v["dtype"], None, None, shape, size[name], False))
+        numels.append(_numel(shape))
+    return {"kind": "qtool integer safetensors", "path": str(path), "tensors": rows, "totals": _totals(rows, numels)}
+
+
+def _headers(files: List[Path]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for f in files:
+        out.update({k: v for k, v in _header(f).items() if k != "__metadata__"})
+    return out
+
+
+def _plain_safetensors(files: List[Path], kind: str, path: Path) -> Dict[str, Any]:
+    headers = _headers(files)
+    rows = [_row(k, v["dtype"], None, None, v["shape"], v["data_offsets"][1] - v["data_offsets"][0], False)
+            for k, v in headers.items()]
+    return {"kind": kind, "path": str(path), "tensors": rows,
+            "totals": _totals(rows, [_numel(v["shape"]) for v in headers.values()])}
+
+
+_CT_PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+
+
+def _compressed_tensors_dir(path: Path, config: Dict[str, Any]) -> Dict[str, Any]:
+    import re
+
+    qc = config["quantization_config"]
+    files = sorted(path.glob("*.safetensors"))
+    headers = _headers(files)
+    size = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in headers.items()}
+    layers = sorted({k.rsplit(".", 1)[0] for k in headers if k.endswith((".weight_packed", ".weight_scale"))})
+    shapes: Dict[str, List[int]] = {}
+    if any(k.endswith(".weight_shape") for k in headers):
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(str(f), "pt") as fh:
+                for k in fh.keys():
+                    if k.endswith(".weight_shape"):
+                        shapes[k.rsplit(".", 1)[0]] = [int(x) for x in fh.get_tensor(k).tolist()]
+    groups = list((qc.get("config_groups") or {}).values())
+
+    def args_for(layer: str) -> Dict[str, Any]:
+        found: Dict[str, Any] = {}
+        for g in groups:
+            for t in g.get("targets", []):
+                if t == "Linear" or t == layer or (t.startswith("re:") and re.fullmatch(t[3:], layer)):
+                    found = dict(g.get("weights") or {})
+        return found
+
+    rows, numels, used = [], [], set()
+    for layer in layers:
+        parts = [f"{layer}.{p}" for p in _CT_PARTS if f"{layer}.{p}" in headers]
+        used.update(parts)
+        a = args_for(layer)
+        shape = shapes.get(layer) or headers.get(f"{layer}.weight", {}).get("shape", [])
+        bits = a.get("num_bits")
+        dtype = f"{'int' if a.get('symmetric', True) else 'uint'}{bits}" if bits else "?"
+        rows.append(_row(f"{layer}.weight", dtype, bits, a.get("strategy"), shape, sum(size[p] for p in parts), True))
+        numels.append(_numel(shape))
+    for k, v in headers.items():
+        if k not in used:
+            rows.append(_row(k, v["dtype"], None, None, v["shape"], size[k], False))
+            numels.append(_numel(v["shape"]))
+    return {"kind": f"compressed-tensors ({qc.get('format')})", "path": str(path), "tensors": rows,
+            "totals": _totals(rows, numels)}
+
+
+def _encodings_listing(path: Path, obj: Dict[str, Any]) -> Dict[str, Any]:
+    rows = []
+    if obj.get("schema") == "qtool.encodings":
+        for q in obj.get("quantizers", []):
+            rows.append(_row(q["name"], ("int" if q["symmetric"] else "uint") + str(q["bitwidth"]), q["bitwidth"],
+                             q["granularity"], q["shape"], None, True))
+        kind = "qtool encodings"
+    else:
+        version = str(obj.get("version"))
+        if version.startswith("2."):
+            for e in obj.get("encodings", []):
+                dt = str(e.get("output_dtype"))
+                bits = int("".join(c for c in dt if c.isdigit()) or 0) or None
+                gran = "per_block" if "block_size" in e else ("per_channel" if "axis" in e else "per_tensor")
+                rows.append(_row(e.get("name"), dt, bits, gran, [], None, True))
+        else:
+            for key in ("param_encodings", "activation_encodings"):
+                section = obj.get(key) or ({} if version == "0.6.1" else [])
+                items = section.items() if isinstance(section, dict) else ((i.get("name"), i) for i in section)
+                for name, e in items:
+                    if isinstance(e, list):
+                        bits, n = e[0].get("bitwidth"), len(e)
+                        gran = "per_tensor" if n == 1 else "per_channel/block"
+                    else:
+                        bits, gran = e.get("bw"), str(e.get("enc_type", "")).lower()
+                    rows.append(_row(name, f"int{bits}", bits, gran, [], None, True))
+        kind = f"AIMET encodings {version}"
+    return {"kind": kind, "path": str(path), "tensors": rows, "totals": _totals(rows, None)}
+
+
+def inspect_path(path: str | Path) -> Dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{p}: not found")
+    if p.is_dir():
+        if (p / "config.json").exists():
+            cfg = json.loads((p / "config.json").read_text())
+            if (cfg.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+                return _compressed_tensors_dir(p, cfg)
+        if (p / "model.safetensors").exists():
+            return inspect_path(p / "model.safetensors")
+        if (p / "encodings.json").exists():
+            return inspect_path(p / "encodings.json")
+        raise UsageError(f"{p}: no model.safetensors, encodings.json or compressed-tensors config.json here")
+    if p.suffix == ".safetensors":
+        header = _header(p)
+        if header.get("__metadata__", {}).get("format") == "qtool.int":
+            return _qtool_safetensors(p, header)
+        return _plain_safetensors([p], "safetensors", p)
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise UsageError(f"{p}: not a safetensors file, an encodings file or a model directory") from None
+    if not isinstance(obj, dict) or not (obj.get("schema") == "qtool.encodings" or "version" in obj):
+        raise UsageError(f"{p}: JSON, but neither qtool encodings nor an AIMET encodings file")
+    return _encodings_listing(p, obj)

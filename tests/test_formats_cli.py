@@ -1,0 +1,173 @@
+"""The formats through the CLI: AIMET versions, import-encodings round trips, packing, compressed-tensors, inspect."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qtool.export.integer import read_integer_export
+
+from tests.helpers import run_cli
+from tests.tinymodels import mlp
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+MLP = "tests.tinymodels:mlp"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fmt")
+    save_file(mlp().state_dict(), d / "m.safetensors")
+    save_file({"x": torch.randn(32, 64, generator=torch.Generator().manual_seed(0))}, d / "data.safetensors")
+    for recipe in ("w8a8", "w4a8-block32"):
+        code, _, err = run_cli("calibrate", d / "m.safetensors", "-c", CONFIGS / f"{recipe}.yaml", "--data",
+                               d / "data.safetensors", "--model-class", MLP, "-o", d / recipe)
+        assert code == 0, err
+    return d
+
+
+@pytest.mark.parametrize("version", ["0.6.1", "1.0.0", "2.0.0"])
+@pytest.mark.parametrize("recipe", ["w8a8", "w4a8-block32"])
+def test_aimet_round_trip_through_the_cli_is_exact(world, tmp_path, recipe, version):
+    enc = world / recipe / "encodings.json"
+    code, _, err = run_cli("export", world / "m.safetensors", "-e", enc, "-o", tmp_path / "a", "--format", "aimet",
+                           "--encoding-version", version)
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["manifest.json", "model.encodings"]
+    aimet = json.loads((tmp_path / "a" / "model.encodings").read_text())
+    assert aimet["version"] == version
+    code, out, err = run_cli("import-encodings", world / "m.safetensors", tmp_path / "a" / "model.encodings",
+                             "-o", tmp_path / "imp", "--model-class", MLP, "--json")
+    assert code == 0, err
+    assert json.loads(out)["warnings"] == []
+    orig = {q["name"]: q for q in json.loads(enc.read_text())["quantizers"]}
+    back = {q["name"]: q for q in json.loads((tmp_path / "imp" / "encodings.json").read_text())["quantizers"]}
+    assert set(orig) == set(back)
+    for name, q in orig.items():
+        for key in ("scale", "offset", "bitwidth", "symmetric", "shape", "block_size", "tensor", "module"):
+            assert back[name][key] == q[key], (name, key)
+    # and the integer export from the imported encodings is byte-identical
+    for src, dst in ((enc, "x1"), (tmp_path / "imp" / "encodings.json", "x2")):
+        assert run_cli("export", world / "m.safetensors", "-e", src, "-o", tmp_path / dst)[0] == 0
+    assert (tmp_path / "x1/model.safetensors").read_bytes() == (tmp_path / "x2/model.safetensors").read_bytes()
+
+
+def test_import_real_aimet_sample_for_a_matching_model(tmp_path):
+    """AIMET's own blockwise export of a Linear(64,32)-ReLU-Linear(32,16) model imports onto that model."""
+    sample = Path(__file__).resolve().parents[2] / "shared/data/aimet/encodings-samples/blockwise_v1.0.0.encodings"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    save_file(model.state_dict(), tmp_path / "b.safetensors")
+    (tmp_path / "factory.py").write_text(
+        "import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), "
+        "torch.nn.Linear(32, 16))\n")
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        code, out, err = run_cli("import-encodings", tmp_path / "b.safetensors", sample, "-o", tmp_path / "r",
+                                 "--model-class", "factory:make", "--json")
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["quantizers"] == 2  # the two weights; activations carry ONNX names and are reported
+    assert len(summary["warnings"]) == 3 and all("ONNX activation name" in w for w in summary["warnings"])
+    q = {e["name"]: e for e in json.loads((tmp_path / "r/encodings.json").read_text())["quantizers"]}
+    ref = json.loads(sample.read_text())["param_encodings"][0]
+    assert q["0.weight"]["block_size"] == [1, 16] and q["0.weight"]["shape"] == [32, 4]
+    flat = [s for row in q["0.weight"]["scale"] for s in row]
+    assert flat == ref["scale"]
+
+
+def test_sub_byte_codes_are_packed_by_default(world, tmp_path):
+    enc = world / "w4a8-block32" / "encodings.json"
+    assert run_cli("export", world / "m.safetensors", "-e", enc, "-o", tmp_path / "p")[0] == 0
+    assert run_cli("export", world / "m.safetensors", "-e", enc, "-o", tmp_path / "u", "--no-pack")[0] == 0
+    with safe_open(str(tmp_path / "p/model.safetensors"), "pt") as f:
+        packed = f.get_tensor("0.weight")
+        meta = json.loads(f.metadata()["qtool"])["0.weight"]
+    with safe_open(str(tmp_path / "u/model.safetensors"), "pt") as f:
+        unpacked = f.get_tensor("0.weight")
+    assert packed.dtype == torch.uint8 and packed.shape == (128 * 64 // 2,)
+    assert meta["packed"] is True and meta["shape"] == [128, 64]
+    assert unpacked.dtype == torch.int8 and unpacked.shape == (128, 64)
+    # low nibble first, two's complement
+    low, high = (packed[0] & 0xF).item(), (packed[0] >> 4).item()
+    assert [low - 16 * (low > 7), high - 16 * (high > 7)] == unpacked.reshape(-1)[:2].tolist()
+    a = read_integer_export(tmp_path / "p/model.safetensors")
+    b = read_integer_export(tmp_path / "u/model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_inspect_reports_sizes(world, tmp_path):
+    enc = world / "w4a8-block32" / "encodings.json"
+    assert run_cli("export", world / "m.safetensors", "-e", enc, "-o", tmp_path / "p")[0] == 0
+    code, out, err = run_cli("inspect", tmp_path / "p", "--json")
+    assert code == 0, err
+    rep = json.loads(out)
+    rows = {r["name"]: r for r in rep["tensors"]}
+    assert rows["0.weight"]["bitwidth"] == 4 and rows["0.weight"]["granularity"] == "per_block"
+    assert rows["0.weight"]["bytes"] == 128 * 64 // 2 + 128 * 2 * 4 + 128 * 2 * 4  # codes + scale + offset
+    assert rows["0.bias"]["quantized"] is False
+    tot = rep["totals"]
+    assert tot["quantized_tensors"] == 3 and tot["tensors"] == 6
+    numel = sum(t.numel() for t in mlp().state_dict().values())
+    assert tot["float32_bytes"] == 4 * numel
+    assert tot["ratio_vs_float32"] == pytest.approx(4 * numel / tot["bytes"])
+    # the human table too
+    code, out, err = run_cli("inspect", tmp_path / "p")
+    assert code == 0 and "0.weight" in out and "smaller" in out
+    for path, kind in ((enc, "qtool encodings"), (tmp_path / "p/model.encodings", "AIMET encodings 1.0.0")):
+        code, out, err = run_cli("inspect", path, "--json")
+        assert code == 0 and json.loads(out)["kind"] == kind
+    code, _, err = run_cli("inspect", tmp_path / "nothing")
+    assert code == 2 and "not found" in err
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(d / "m")
+    save_file({"input_ids": torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))},
+              d / "ids.safetensors")
+    return d
+
+
+def test_compressed_tensors_through_the_cli_loads_in_transformers(tiny_llama, tmp_path):
+    import transformers
+
+    import qtool
+
+    code, out, err = run_cli("quantize", tiny_llama / "m", "-c", CONFIGS / "w4a16-block32.yaml", "-o",
+                             tmp_path / "ct0", "--format", "compressed-tensors", "--json")
+    assert code == 0, err
+    # compressed-tensors has no quantized embeddings: the recipe's int8 embedding table is reported, left in float
+    assert any("model.embed_tokens" in w for w in json.loads(out)["export_warnings"])
+    assert "model.embed_tokens" in err
+    recipe = tmp_path / "w4.yaml"
+    recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, block_size: 32}\n"
+                      "  activations: null\nlayers:\n  - type: Embedding\n    weights: null\nignore: [lm_head]\n")
+    code, out, err = run_cli("quantize", tiny_llama / "m", "-c", recipe, "-o", tmp_path / "ct", "--format",
+                             "compressed-tensors", "--json")
+    assert code == 0, err
+    cfg = json.loads((tmp_path / "ct/config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "pack-quantized"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ct").eval()
+    fq = qtool.load_calibrated(str(tiny_llama / "m"), str(tmp_path / "ct/calibration/encodings.json"))
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, fq(ids).logits)
+    code, out, _ = run_cli("inspect", tmp_path / "ct", "--json")
+    rep = json.loads(out)
+    assert rep["kind"].startswith("compressed-tensors")
+    rows = {r["name"]: r for r in rep["tensors"]}
+    assert rows["model.layers.0.mlp.down_proj.weight"]["bitwidth"] == 4
+    assert rows["model.layers.0.mlp.down_proj.weight"]["shape"] == [64, 128]

