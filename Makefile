@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e '.[hf,test]'
+	$(PIP) install --quiet -c constraints.txt -e '.[hf,report,test]'
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -334,6 +334,115 @@ def quantize(
         _emit_json({"ok": True, **summary})
 
 
+@app.command()
+def report(
+    checkpoint: str = typer.Argument(..., help="The checkpoint the encodings were calibrated on."),
+    encodings: str = typer.Option(..., "--encodings", "-e", help="encodings.json from qtool calibrate."),
+    data: Optional[str] = typer.Option(None, "--data", help="Evaluation data (held-out text or tensors)."),
+    json_out: bool = _JSON,
+    plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG bar chart of per-layer SQNR here."),
+    min_sqnr: Optional[float] = typer.Option(None, "--min-sqnr", help="Gate: every layer's cumulative SQNR >= DB."),
+    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Gate: end-to-end mean cosine >= X."),
+    max_ppl_increase: Optional[float] = typer.Option(
+        None, "--max-ppl-increase", help="Gate: perplexity increase <= PCT percent (causal LMs)."),
+    sensitivity: bool = typer.Option(False, "--sensitivity", help="Rank layers by the damage of quantizing each alone."),
+    suggest: Optional[List[str]] = typer.Option(
+        None, "--suggest", help="With --sensitivity: N OUT.yaml, a recipe keeping the N most sensitive layers "
+                                "at higher precision.", show_default=False),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe to extend with --suggest's entries."),
+    device: str = _DEVICE,
+    batch_size: int = _BATCH,
+    num_samples: Optional[int] = _NUM,
+    seq_len: int = _SEQ,
+    seed: int = _SEED,
+    model_class: Optional[str] = _MODEL_CLASS,
+    trust_pickle: bool = _TRUST_PICKLE,
+    trust_remote_code: bool = _TRUST_CODE,
+    quiet: bool = _QUIET,
+    debug: bool = _DEBUG,
+) -> None:
+    """Measure where accuracy went: per-layer SQNR, end-to-end fidelity, quality gates for CI."""
+    import math
+
+    from .errors import UsageError
+    from .pipeline import run_report
+
+    with _errors(debug, json_out):
+        if suggest is not None and (len(suggest) != 1 or not sensitivity):
+            raise UsageError("--suggest takes 'N OUT.yaml' together with --sensitivity")
+        if max_ppl_increase is not None and max_ppl_increase < 0:
+            raise UsageError("--max-ppl-increase must be a percentage >= 0")
+        with _Progress(quiet) as p:
+            result = run_report(checkpoint, encodings, _opts(
+                data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len,
+                seed=seed, model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code),
+                sensitivity_analysis=sensitivity, hooks=p.hooks())
+        rep = result["report"]
+        if plot:
+            from .report import plot_sqnr
+
+            from pathlib import Path as _P
+
+            plot_sqnr(rep, plot, title=f"per-layer SQNR: {_P(checkpoint).name}")
+        if suggest:
+            from pathlib import Path
+
+            from .report import suggest_recipe
+
+            n_text, out_yaml = suggest[0].split(None, 1) if " " in suggest[0] else (suggest[0], None)
+            if out_yaml is None or not n_text.isdigit():
+                raise UsageError("--suggest takes 'N OUT.yaml' (quote it as one argument: --suggest '3 keep.yaml')")
+            base = Path(recipe).read_text() if recipe else None
+            Path(out_yaml).write_text(suggest_recipe(result["sensitivity"], int(n_text), base))
+    gates = []
+    worst = rep.worst_first()[0] if rep.layers else None
+    if min_sqnr is not None and worst is not None:
+        gates.append(("min-sqnr", min_sqnr, worst.sqnr_cumulative, worst.sqnr_cumulative >= min_sqnr,
+                      f"{worst.module} at {worst.sqnr_cumulative:.1f} dB"))
+    if min_cosine is not None:
+        gates.append(("min-cosine", min_cosine, rep.cosine, rep.cosine >= min_cosine, f"cosine {rep.cosine:.4f}"))
+    if max_ppl_increase is not None:
+        inc = rep.perplexity_increase_pct
+        if inc is None:
+            with _errors(debug, json_out):
+                raise UsageError("--max-ppl-increase needs a causal language model checkpoint")
+        gates.append(("max-ppl-increase", max_ppl_increase, inc, inc <= max_ppl_increase,
+                      f"perplexity +{inc:.2f}%"))
+    failed = [g for g in gates if not g[3]]
+    if json_out:
+        _emit_json({"ok": not failed, **result["json"],
+                    "gates": [{"gate": g[0], "threshold": g[1], "value": g[2], "passed": g[3]} for g in gates]})
+    else:
+        con = Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
+        t = Table(title="per-layer SQNR (dB), worst first", title_justify="left")
+        for col in ("module", "type", "cumulative", "isolated"):
+            t.add_column(col, justify="right" if col in ("cumulative", "isolated") else "left", overflow="fold")
+        fmt = lambda v: "inf" if math.isinf(v) else f"{v:.1f}"  # noqa: E731
+        for r in rep.worst_first():
+            t.add_row(r.module, r.module_type, fmt(r.sqnr_cumulative), fmt(r.sqnr_isolated))
+        con.print(t)
+        con.print(f"samples: {rep.samples}; cosine (float vs quantized outputs): mean {rep.cosine:.4f}, "
+                  f"min {rep.cosine_min:.4f}")
+        if rep.perplexity_float is not None:
+            con.print(f"perplexity: float {rep.perplexity_float:.3f}, quantized {rep.perplexity_quant:.3f} "
+                      f"({rep.perplexity_increase_pct:+.2f}%)")
+        if rep.top1_agreement is not None:
+            con.print(f"top-1 agreement: {rep.top1_agreement:.4f}")
+        if result.get("sensitivity"):
+            st = Table(title="sensitivity: damage of quantizing each layer alone", title_justify="left")
+            for col in ("module", "cosine", "damage"):
+                st.add_column(col, justify="left" if col == "module" else "right")
+            for r in result["sensitivity"]:
+                st.add_row(r["module"], f"{r['cosine']:.5f}", f"{r['damage']:.4g}")
+            con.print(st)
+        if plot and not quiet:
+            err.print(f"wrote: {_esc(plot)}")
+    for g in failed:
+        err.print(f"gate failed: --{g[0]} {g[1]}: {g[4]}", markup=False)
+    if failed:
+        raise typer.Exit(1)
+
+
 @app.command("import-encodings")
 def import_encodings(
     checkpoint: str = typer.Argument(..., help="The checkpoint the AIMET encodings belong to."),

@@ -318,3 +318,29 @@ def apply_encodings(model: nn.Module, enc: EncodingsFile, source: str):
                 raise EncodingsError(f"{source}: {e.name}: does not fit the model's weight ({err})") from None
         quantizers[e.name].set_range(e.min.to(quantizers[e.name].min.device), e.max.to(quantizers[e.name].max.device))
     return quantizers
+
+
+def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitivity_analysis: bool = False,
+               hooks: Optional[Hooks] = None) -> Dict[str, Any]:
+    """``qtool report``: per-layer SQNR, end-to-end fidelity and (optionally) layer sensitivity."""
+    from .report import evaluate, sensitivity
+
+    hooks = hooks or Hooks()
+    hooks.on_stage("loading checkpoint")
+    loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+    enc = EncodingsFile.read(encodings)
+    apply_encodings(loaded.model, enc, str(encodings))
+    if opts.data is None:
+        from .errors import DataError
+
+        raise DataError("qtool report runs the model: pass --data PATH (text or tensors)")
+    data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer)
+    device = next(iter(loaded.model.parameters())).device
+    hooks.on_stage("measuring")
+    rep = evaluate(loaded.model, data, device, loaded.is_causal_lm, hooks.on_batch)
+    out = {"report": rep, "json": rep.to_json(), "causal_lm": loaded.is_causal_lm}
+    if sensitivity_analysis:
+        hooks.on_stage("ranking layer sensitivity")
+        out["sensitivity"] = sensitivity(loaded.model, data, device, loaded.is_causal_lm, hooks.on_tensor)
+        out["json"]["sensitivity"] = out["sensitivity"]
+    return out

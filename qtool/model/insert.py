@@ -8,7 +8,7 @@ the output. Quantizers live in ``module.qtool_quantizers`` (a ``ModuleDict`` key
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -54,6 +54,8 @@ def _fake_quant_weight(module: nn.Module, quantizer: QuantizerBase) -> torch.Ten
     With gradients enabled the weight is quantized on every call so autograd sees it.
     """
     w = module._parameters["weight"]
+    if not quantizer.enabled:
+        return w
     if torch.is_grad_enabled() or quantizer._calibrating or torch.jit.is_tracing():
         return _plain(quantizer(w))
     key = (id(w), w._version, w.dtype, w.device, id(quantizer.min), quantizer.min._version,
@@ -160,6 +162,21 @@ def _wire_graph(gm: torch.fx.GraphModule, plan: Plan) -> None:
             node.replace_all_uses_with(qout, delete_user_cb=lambda user: user is not qout)
     graph.lint()
     gm.recompile()
+
+
+def set_quantization(model: nn.Module, enabled: bool, only: "Optional[set]" = None) -> None:
+    """Switch fake-quant on or off: every quantized module, or only the modules named in ``only`` (the others
+    then get the opposite), e.g. ``set_quantization(model, True, only={"fc1"})`` quantizes fc1 alone."""
+    for name, module in model.named_modules():
+        qs = getattr(module, _ATTR, None)
+        if isinstance(qs, nn.ModuleDict):
+            on = enabled if only is None else (enabled if name in only else not enabled)
+            for q in qs.values():
+                q.enabled = on
+
+
+def quantized_modules(model: nn.Module) -> Dict[str, nn.Module]:
+    return {name: m for name, m in model.named_modules() if hasattr(m, _ATTR)}
 
 
 def remove_quantizers(model: nn.Module) -> None:

@@ -53,6 +53,7 @@ class QuantizerBase(nn.Module):
         self.min = nn.Parameter(torch.zeros(shape))
         self.max = nn.Parameter(torch.zeros(shape))
         self._calibrating = False
+        self.enabled = True  # False: pass inputs through unchanged (for error analysis)
         self._mark_uninitialized()
 
     # ---- initialization state: a parameter counts as set once replaced or written in place -------------------
@@ -137,6 +138,8 @@ class QuantizeDequantize(QuantizerBase):
     """Fake quantization: returns ``dequantize(quantize(x))`` as a ``DequantizedTensor`` in ``x``'s dtype."""
 
     def forward(self, x: torch.Tensor) -> DequantizedTensor:
+        if not self.enabled:
+            return x
         x = x.as_subclass(torch.Tensor)
         mn, mx = self._range_for_call(x)
         scale, offset = self._scale_offset(mn, mx)

@@ -1,0 +1,312 @@
+"""Where accuracy went: per-layer SQNR, end-to-end fidelity, and layer sensitivity, as data.
+
+All measurements run one model: the calibrated fake-quant model, with quantization switched off per module to get
+the float reference (``qtool.model.insert.set_quantization``), so no second copy of the weights is held.
+
+* Per layer, for every quantized module: SQNR (dB) of its output against the float model's, (a) with everything
+  before it quantized too ("cumulative": the error the layer sees in deployment) and (b) with only that layer
+  quantized ("isolated": the layer's own contribution, computed by running the quantized module on the float
+  model's input to it).
+* End to end: cosine similarity of the final outputs (per sample, mean), perplexity float vs quantized for causal
+  language models, top-1 agreement for classifiers.
+* Sensitivity: the end-to-end damage (1 - cosine, or the perplexity increase) of quantizing each layer alone.
+
+SQNR = 10 log10(sum(ref^2) / sum((ref - out)^2)), summed over all samples; infinite when the outputs are equal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import torch
+from torch import nn
+
+from .data import Batch
+from .model.insert import quantized_modules, set_quantization
+
+__all__ = ["LayerError", "Report", "evaluate", "sensitivity", "sqnr_db"]
+
+
+def sqnr_db(signal: float, noise: float) -> float:
+    if noise <= 0:
+        return math.inf
+    if signal <= 0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+@dataclass
+class LayerError:
+    module: str
+    module_type: str
+    sqnr_cumulative: float
+    sqnr_isolated: float
+
+
+@dataclass
+class Report:
+    layers: List[LayerError]
+    cosine: float
+    cosine_min: float
+    perplexity_float: Optional[float] = None
+    perplexity_quant: Optional[float] = None
+    top1_agreement: Optional[float] = None
+    samples: int = 0
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def perplexity_increase_pct(self) -> Optional[float]:
+        if self.perplexity_float is None or self.perplexity_quant is None:
+            return None
+        return 100.0 * (self.perplexity_quant / self.perplexity_float - 1.0)
+
+    def worst_first(self) -> List[LayerError]:
+        return sorted(self.layers, key=lambda r: r.sqnr_cumulative)
+
+    def to_json(self) -> Dict[str, Any]:
+        def num(x):
+            return None if x is None else (str(x) if isinstance(x, float) and math.isinf(x) else x)
+
+        return {
+            "samples": self.samples,
+            "end_to_end": {"cosine_mean": self.cosine, "cosine_min": self.cosine_min,
+                           "perplexity_float": self.perplexity_float, "perplexity_quant": self.perplexity_quant,
+                           "perplexity_increase_pct": self.perplexity_increase_pct,
+                           "top1_agreement": self.top1_agreement},
+            "layers": [{"module": r.module, "type": r.module_type, "sqnr_cumulative_db": num(r.sqnr_cumulative),
+                        "sqnr_isolated_db": num(r.sqnr_isolated)} for r in self.worst_first()],
+            "notes": self.notes,
+        }
+
+
+def _main_output(out) -> torch.Tensor:
+    """The tensor to compare end to end: logits, else the last hidden state, else the first tensor."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        for key in ("logits", "last_hidden_state"):
+            if key in out and isinstance(out[key], torch.Tensor):
+                return out[key]
+        return next(v for v in out.values() if isinstance(v, torch.Tensor))
+    if isinstance(out, (tuple, list)):
+        return next(v for v in out if isinstance(v, torch.Tensor))
+    raise TypeError(f"cannot compare model outputs of type {type(out).__name__}")
+
+
+def _first_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
+        return x[0]
+    return None
+
+
+def _token_nll(logits: torch.Tensor, batch: Batch) -> tuple:
+    """Summed next-token negative log-likelihood and token count (padding excluded)."""
+    ids = batch.kwargs["input_ids"]
+    mask = batch.kwargs.get("attention_mask", torch.ones_like(ids))
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    target = ids[:, 1:]
+    nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    valid = (mask[:, 1:] > 0) & (mask[:, :-1] > 0)
+    return float(nll[valid].sum()), int(valid.sum())
+
+
+def _per_sample_cosine(a: torch.Tensor, b: torch.Tensor, batch: Optional[Batch] = None) -> torch.Tensor:
+    """Cosine per sample over the flattened output; padded token positions (attention_mask 0) are left out."""
+    a, b = a.float(), b.float()
+    mask = batch.kwargs.get("attention_mask") if batch is not None else None
+    if mask is not None and a.dim() >= 2 and tuple(a.shape[:2]) == tuple(mask.shape):
+        m = (mask > 0).to(a.dtype).reshape(tuple(mask.shape) + (1,) * (a.dim() - 2))
+        a, b = a * m, b * m
+    a = a.reshape(a.shape[0], -1)
+    b = b.reshape(b.shape[0], -1)
+    return torch.nn.functional.cosine_similarity(a, b, dim=1)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, causal_lm: bool = False,
+             progress: Optional[Callable[[int, int, int], None]] = None) -> Report:
+    """Per-layer SQNR and end-to-end fidelity of a calibrated fake-quant ``model`` on ``batches``."""
+    batches = list(batches)
+    modules = quantized_modules(model)
+    sig_c = dict.fromkeys(modules, 0.0)
+    noise_c = dict.fromkeys(modules, 0.0)
+    sig_i = dict.fromkeys(modules, 0.0)
+    noise_i = dict.fromkeys(modules, 0.0)
+    cos_all: List[torch.Tensor] = []
+    top1_same = top1_total = 0
+    nll_f = nll_q = 0.0
+    tokens = 0
+    for bi, batch in enumerate(batches):
+        b = batch.to(device)
+        captured: Dict[str, Any] = {}
+        handles = []
+
+        def keep(name):
+            def hook(mod, args, kwargs, out):
+                captured[name] = (args, kwargs, _first_tensor(out))
+            return hook
+
+        for name, mod in modules.items():
+            handles.append(mod.register_forward_hook(keep(name), with_kwargs=True))
+        set_quantization(model, False)
+        try:
+            ref_out = _main_output(model(*b.args, **b.kwargs))
+        finally:
+            for h in handles:
+                h.remove()
+        float_io = captured
+        # isolated: each quantized module alone, on the float model's input to it
+        for name, mod in modules.items():
+            args, kwargs, ref = float_io.get(name, (None, None, None))
+            if ref is None:
+                continue
+            set_quantization(model, True, only={name})
+            out = _first_tensor(mod(*args, **kwargs))
+            sig_i[name] += float(ref.float().pow(2).sum())
+            noise_i[name] += float((ref.float() - out.float()).pow(2).sum())
+        # cumulative: the whole model quantized
+        set_quantization(model, True)
+        quant_io: Dict[str, Any] = {}
+
+        def compare(name):
+            def hook(mod, args, out):
+                ref = float_io.get(name, (None, None, None))[2]
+                out = _first_tensor(out)
+                if ref is not None and out is not None:
+                    sig_c[name] += float(ref.float().pow(2).sum())
+                    noise_c[name] += float((ref.float() - out.float()).pow(2).sum())
+            return hook
+
+        handles = [mod.register_forward_hook(compare(name)) for name, mod in modules.items()]
+        try:
+            q_out = _main_output(model(*b.args, **b.kwargs))
+        finally:
+            for h in handles:
+                h.remove()
+        del quant_io, float_io, captured
+        cos_all.append(_per_sample_cosine(ref_out, q_out, b).cpu())
+        if causal_lm:
+            nf, n = _token_nll(ref_out, b)
+            nq, _ = _token_nll(q_out, b)
+            nll_f, nll_q, tokens = nll_f + nf, nll_q + nq, tokens + n
+        elif ref_out.dim() == 2:
+            top1_same += int((ref_out.argmax(-1) == q_out.argmax(-1)).sum())
+            top1_total += ref_out.shape[0]
+        if progress:
+            progress(bi + 1, len(batches), b.size)
+    set_quantization(model, True)
+    cos = torch.cat(cos_all) if cos_all else torch.zeros(0)
+    layers = [LayerError(n, type(m).__name__.replace("Quantized", "", 1), sqnr_db(sig_c[n], noise_c[n]),
+                         sqnr_db(sig_i[n], noise_i[n])) for n, m in modules.items()]
+    rep = Report(layers, float(cos.mean()) if cos.numel() else float("nan"),
+                 float(cos.min()) if cos.numel() else float("nan"), samples=int(cos.numel()))
+    if causal_lm and tokens:
+        rep.perplexity_float = math.exp(nll_f / tokens)
+        rep.perplexity_quant = math.exp(nll_q / tokens)
+    if top1_total:
+        rep.top1_agreement = top1_same / top1_total
+    return rep
+
+
+@torch.no_grad()
+def sensitivity(model: nn.Module, batches: Iterable[Batch], device: torch.device, causal_lm: bool = False,
+                progress: Optional[Callable[[int, int, str], None]] = None) -> List[Dict[str, Any]]:
+    """End-to-end damage of quantizing each module alone, most damaging first.
+
+    ``damage`` is the perplexity increase in percent for causal language models, else ``1 - mean cosine``.
+    """
+    batches = [b.to(device) for b in batches]
+    modules = list(quantized_modules(model))
+    set_quantization(model, False)
+    refs = [_main_output(model(*b.args, **b.kwargs)) for b in batches]
+    base_nll = None
+    if causal_lm:
+        parts = [_token_nll(r, b) for r, b in zip(refs, batches)]
+        base_nll = (sum(p[0] for p in parts), sum(p[1] for p in parts))
+    rows = []
+    for i, name in enumerate(modules):
+        set_quantization(model, True, only={name})
+        outs = [_main_output(model(*b.args, **b.kwargs)) for b in batches]
+        cos = float(torch.cat([_per_sample_cosine(r, o, b).cpu() for r, o, b in zip(refs, outs, batches)]).mean())
+        row = {"module": name, "cosine": cos, "damage": 1.0 - cos,
+               "has_activations": any(k != "weight" for k in getattr(dict(model.named_modules())[name],
+                                                                       "qtool_quantizers", {}))}
+        if causal_lm and base_nll and base_nll[1]:
+            nq = sum(_token_nll(o, b)[0] for o, b in zip(outs, batches))
+            row["perplexity_increase_pct"] = 100.0 * (math.exp((nq - base_nll[0]) / base_nll[1]) - 1.0)
+            row["damage"] = row["perplexity_increase_pct"]
+        rows.append(row)
+        if progress:
+            progress(i + 1, len(modules), name)
+    set_quantization(model, True)
+    return sorted(rows, key=lambda r: -r["damage"])
+
+
+def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optional[str] = None) -> str:
+    """A recipe that keeps the ``n`` most sensitive modules at 8-bit per-channel weights and 16-bit activations."""
+    import yaml
+
+    rules = []
+    for r in rows[:n]:
+        rule: Dict[str, Any] = {"match": r["module"], "weights": {"bitwidth": 8, "granularity": "per_channel"}}
+        if r.get("has_activations"):
+            rule["activations"] = {"bitwidth": 16}
+        rules.append(rule)
+    keep = [r["match"] for r in rules]
+    header = (f"# qtool report --sensitivity: the {len(keep)} most sensitive layers kept at higher precision\n"
+              "# (8-bit per-channel weights, 16-bit activations). Later layers entries win.\n")
+    if base_recipe_text is not None:
+        base = yaml.safe_load(base_recipe_text) or {}
+        base.setdefault("version", 1)
+        base["layers"] = list(base.get("layers") or []) + rules
+        return header + yaml.safe_dump(base, sort_keys=False)
+    header += "# Append these entries to the `layers` of the recipe you calibrated with (or pass --recipe).\n"
+    return header + yaml.safe_dump({"version": 1, "layers": rules}, sort_keys=False)
+
+
+def plot_sqnr(report: Report, path, title: str = "per-layer SQNR") -> None:
+    """A horizontal bar chart of cumulative and isolated SQNR per layer (model order), written atomically."""
+    import os
+    import tempfile
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report.layers
+    cap = 80.0  # equal outputs have infinite SQNR; draw them at the cap
+    cum = [min(r.sqnr_cumulative, cap) for r in rows]
+    iso = [min(r.sqnr_isolated, cap) for r in rows]
+    names = [r.module for r in rows]
+    height = max(3.0, 0.22 * len(rows) + 1.5)
+    fig, ax = plt.subplots(figsize=(10, height))
+    ys = range(len(rows))
+    ax.barh([y + 0.2 for y in ys], cum, height=0.4, label="cumulative (everything before quantized too)",
+            color="#c0392b")
+    ax.barh([y - 0.2 for y in ys], iso, height=0.4, label="isolated (this layer alone)", color="#2980b9")
+    ax.set_yticks(list(ys))
+    ax.set_yticklabels(names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("SQNR (dB), higher is better")
+    summary = f"end-to-end cosine {report.cosine:.4f}"
+    if report.perplexity_increase_pct is not None:
+        summary += f", perplexity {report.perplexity_float:.2f} -> {report.perplexity_quant:.2f}"
+    ax.set_title(f"{title}\n{summary}", fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(suffix=".png", dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)

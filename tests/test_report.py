@@ -1,0 +1,132 @@
+"""qtool report: per-layer SQNR, end-to-end fidelity, gates, plot, sensitivity and suggested recipes."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import qtool
+from qtool.data import load_data
+from qtool.model.insert import set_quantization
+from qtool.report import evaluate, sqnr_db
+
+from tests.helpers import run_cli
+from tests.tinymodels import mlp
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+MLP = "tests.tinymodels:mlp"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rep")
+    save_file(mlp().state_dict(), d / "m.safetensors")
+    save_file({"x": torch.randn(64, 64, generator=torch.Generator().manual_seed(0))}, d / "data.safetensors")
+    code, _, err = run_cli("calibrate", d / "m.safetensors", "-c", CONFIGS / "w4a8-block32.yaml", "--data",
+                           d / "data.safetensors", "--model-class", MLP, "-o", d / "run")
+    assert code == 0, err
+    return d
+
+
+def test_sqnr_numbers_match_a_hand_computation(world):
+    model = qtool.load_calibrated(str(world / "m.safetensors"), str(world / "run/encodings.json"), model_class=MLP)
+    data = load_data(world / "data.safetensors", batch_size=16)
+    rep = evaluate(model, data, torch.device("cpu"))
+    x = torch.cat([b.args[0] for b in data])
+    with torch.no_grad():
+        set_quantization(model, False)
+        ref_h0 = model[0](x)
+        ref_out = model(x)
+        set_quantization(model, True)
+        q_h0 = model[0](x)
+        q_out = model(x)
+        # layer "2" alone: its quantized forward on the float model's input to it
+        set_quantization(model, True, only={"2"})
+        iso2 = model[2](torch.relu(ref_h0))
+        set_quantization(model, False)
+        ref2 = model[2](torch.relu(ref_h0))
+        set_quantization(model, True)
+    rows = {r.module: r for r in rep.layers}
+    assert set(rows) == {"0", "2", "4"}
+    expect0 = sqnr_db(float(ref_h0.pow(2).sum()), float((ref_h0 - q_h0).pow(2).sum()))
+    assert rows["0"].sqnr_cumulative == pytest.approx(expect0, abs=1e-3)
+    assert rows["0"].sqnr_isolated == pytest.approx(expect0, abs=1e-3)  # nothing before layer 0
+    assert rows["2"].sqnr_isolated == pytest.approx(
+        sqnr_db(float(ref2.pow(2).sum()), float((ref2 - iso2).pow(2).sum())), abs=1e-3)
+    assert rows["4"].sqnr_cumulative < rows["4"].sqnr_isolated  # errors accumulate
+    cos = torch.nn.functional.cosine_similarity(ref_out, q_out, dim=1)
+    assert rep.cosine == pytest.approx(float(cos.mean()), abs=1e-6)
+    assert rep.top1_agreement == pytest.approx(float((ref_out.argmax(1) == q_out.argmax(1)).float().mean()))
+    assert rep.samples == 64
+
+
+def test_report_cli_json_gates_and_plot(world, tmp_path):
+    code, out, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
+                             world / "data.safetensors", "--model-class", MLP, "--json", "--plot", tmp_path / "r.png")
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["ok"] is True and rep["samples"] == 64 and len(rep["layers"]) == 3
+    sqnrs = [layer["sqnr_cumulative_db"] for layer in rep["layers"]]
+    assert sqnrs == sorted(sqnrs)  # worst first
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # gates: a failing one exits 1 and names itself; a passing one exits 0
+    worst = sqnrs[0]
+    code, out, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
+                             world / "data.safetensors", "--model-class", MLP, "--min-sqnr", worst + 1,
+                             "--min-cosine", 0.5, "--quiet")
+    assert code == 1
+    assert f"gate failed: --min-sqnr {worst + 1}" in err and "min-cosine" not in err
+    code, out, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
+                             world / "data.safetensors", "--model-class", MLP, "--min-sqnr", worst - 1,
+                             "--min-cosine", 0.5, "--quiet")
+    assert code == 0, err
+    code, _, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
+                           world / "data.safetensors", "--model-class", MLP, "--max-ppl-increase", 1)
+    assert code == 2 and "needs a causal language model" in err
+
+
+def test_sensitivity_ranks_layers_and_the_suggestion_helps(world, tmp_path):
+    code, out, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
+                             world / "data.safetensors", "--model-class", MLP, "--sensitivity", "--json",
+                             "--suggest", f"1 {tmp_path / 'keep.yaml'}", "--recipe", CONFIGS / "w4a8-block32.yaml")
+    assert code == 0, err
+    sens = json.loads(out)["sensitivity"]
+    assert [r["damage"] for r in sens] == sorted((r["damage"] for r in sens), reverse=True)
+    most = sens[0]["module"]
+    code, _, err = run_cli("config", "validate", tmp_path / "keep.yaml")
+    assert code == 0, err
+    code, _, err = run_cli("calibrate", world / "m.safetensors", "-c", tmp_path / "keep.yaml", "--data",
+                           world / "data.safetensors", "--model-class", MLP, "-o", tmp_path / "run2")
+    assert code == 0, err
+    enc = {q["name"]: q for q in json.loads((tmp_path / "run2/encodings.json").read_text())["quantizers"]}
+    assert enc[f"{most}.weight"]["bitwidth"] == 8 and enc[f"{most}.input"]["bitwidth"] == 16
+    reps = []
+    for run in (world / "run", tmp_path / "run2"):
+        model = qtool.load_calibrated(str(world / "m.safetensors"), str(run / "encodings.json"), model_class=MLP)
+        reps.append(evaluate(model, load_data(world / "data.safetensors", batch_size=32), torch.device("cpu")))
+    assert reps[1].cosine > reps[0].cosine
+
+
+def test_causal_lm_perplexity(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "m")
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tmp_path / "ids.safetensors")
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", CONFIGS / "w8a8.yaml", "--data",
+                           tmp_path / "ids.safetensors", "-o", tmp_path / "run")
+    assert code == 0, err
+    code, out, err = run_cli("report", tmp_path / "m", "-e", tmp_path / "run/encodings.json", "--data",
+                             tmp_path / "ids.safetensors", "--json", "--max-ppl-increase", 50)
+    assert code == 0, err
+    e2e = json.loads(out)["end_to_end"]
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "m").eval()
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss
+    assert e2e["perplexity_float"] == pytest.approx(math.exp(float(loss)), rel=1e-4)
+    assert e2e["perplexity_quant"] > 0 and e2e["perplexity_increase_pct"] is not None
