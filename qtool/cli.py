@@ -164,6 +164,11 @@ class _Progress:
         if not self.enabled and not self.quiet and (done == total or done % max(total // 10, 1) == 0):
             err.print(f"calibrating: batch {done}/{total}")
 
+    def block(self, done: int, total: int) -> None:
+        self._update("block", "calibrating blocks", done, total, "")
+        if not self.enabled and not self.quiet:
+            err.print(f"calibrating: block {done}/{total}")
+
     def tensor(self, done: int, total: int, name: str) -> None:
         self._update("export", "exporting", done, total, "")
 
@@ -175,7 +180,8 @@ class _Progress:
     def hooks(self):
         from .pipeline import Hooks
 
-        return Hooks(on_plan=self.plan, on_batch=self.batch, on_tensor=self.tensor, on_stage=self.stage)
+        return Hooks(on_plan=self.plan, on_batch=self.batch, on_tensor=self.tensor, on_stage=self.stage,
+                     on_block=self.block)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -192,6 +198,8 @@ _MODEL_CLASS = typer.Option(None, "--model-class", help="module:callable that bu
 _TRUST_PICKLE = typer.Option(False, "--trust-pickle", help="Allow loading pickled modules (can run code).")
 _TRUST_CODE = typer.Option(False, "--trust-remote-code", help="Allow a Hugging Face model's own Python code.")
 _UNMATCHED = typer.Option(False, "--allow-unmatched", help="A layers entry that matches nothing is a warning, not an error.")
+_SEQUENTIAL = typer.Option(False, "--sequential",
+                           help="Causal LMs: calibrate one decoder block at a time (models larger than memory).")
 _OVERWRITE = typer.Option(False, "--overwrite", help="Replace an existing --out directory.")
 _JSON = typer.Option(False, "--json", help="Print one JSON object on stdout (human output stays on stderr).")
 _QUIET = typer.Option(False, "--quiet", "-q", help="No progress or summaries on stderr.")
@@ -231,6 +239,7 @@ def calibrate(
     trust_pickle: bool = _TRUST_PICKLE,
     trust_remote_code: bool = _TRUST_CODE,
     allow_unmatched: bool = _UNMATCHED,
+    sequential: bool = _SEQUENTIAL,
     overwrite: bool = _OVERWRITE,
     json_out: bool = _JSON,
     quiet: bool = _QUIET,
@@ -243,7 +252,7 @@ def calibrate(
         summary = run_calibrate(checkpoint, config, out, _opts(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
-            allow_unmatched=allow_unmatched), overwrite, p.hooks())
+            allow_unmatched=allow_unmatched, sequential=sequential), overwrite, p.hooks())
     _report_files(summary, quiet)
     if json_out:
         _emit_json({"ok": True, **summary})
@@ -310,6 +319,7 @@ def quantize(
     trust_pickle: bool = _TRUST_PICKLE,
     trust_remote_code: bool = _TRUST_CODE,
     allow_unmatched: bool = _UNMATCHED,
+    sequential: bool = _SEQUENTIAL,
     format: str = _FORMAT,
     encoding_version: str = _ENC_VERSION,
     no_pack: bool = _NO_PACK,
@@ -326,7 +336,7 @@ def quantize(
         summary = run_quantize(checkpoint, config, out, _opts(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
-            allow_unmatched=allow_unmatched), overwrite, p.hooks(),
+            allow_unmatched=allow_unmatched, sequential=sequential), overwrite, p.hooks(),
             _eopts(format=format, encoding_version=encoding_version, seq_len=seq_len, pack=not no_pack,
                    ct_eight_bit_format=ct_8bit_format))
     _report_files(summary, quiet)

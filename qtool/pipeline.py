@@ -41,13 +41,15 @@ class CalibrateOptions:
     trust_pickle: bool = False
     trust_remote_code: bool = False
     allow_unmatched: bool = False
+    sequential: bool = False
 
 
 class Hooks:
     """Callbacks a front end may set: ``on_plan(plan)``, ``on_batch(done, total, samples)``,
     ``on_tensor(done, total, name)``, ``on_stage(text)``."""
 
-    def __init__(self, on_plan=None, on_batch=None, on_tensor=None, on_stage=None):
+    def __init__(self, on_plan=None, on_batch=None, on_tensor=None, on_stage=None, on_block=None):
+        self.on_block = on_block
         self.on_plan = on_plan or (lambda plan: None)
         self.on_batch = on_batch
         self.on_tensor = on_tensor
@@ -78,22 +80,46 @@ def plan_for(checkpoint: str, recipe_path: str, opts: CalibrateOptions) -> Tuple
 
 def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, run_dir: Path, hooks: Hooks):
     hooks.on_stage("loading checkpoint")
-    loaded, plan = plan_for(checkpoint, recipe_path, opts)
+    if opts.sequential:
+        from .config import load_recipe
+        from .model.load import detect_kind, resolve_device
+        from .sequential import meta_model
+
+        recipe = load_recipe(recipe_path)
+        if detect_kind(Path(checkpoint)) != "hf":
+            raise UsageError("--sequential needs a Hugging Face causal LM directory")
+        device = resolve_device(opts.device)
+        model, _, tokenizer = meta_model(checkpoint, opts.trust_remote_code)
+        plan = resolve_plan(recipe, model, source=str(recipe_path), allow_unmatched=opts.allow_unmatched)
+        files, kind = tensor_files(Path(checkpoint)), "hf"
+    else:
+        loaded, plan = plan_for(checkpoint, recipe_path, opts)
+        model, tokenizer, files, kind = loaded.model, loaded.tokenizer, loaded.files, loaded.kind
+        device = next(iter(model.parameters())).device
     hooks.on_plan(plan)
     data: Optional[CalibrationData] = None
-    if plan.needs_data() or opts.data:
+    if plan.needs_data() or opts.data or opts.sequential:
         if opts.data is None:
             from .errors import DataError
 
-            raise DataError("the recipe quantizes activations, which needs calibration data: pass --data PATH")
+            why = "--sequential runs the model block by block" if opts.sequential else \
+                "the recipe quantizes activations"
+            raise DataError(f"{why}, which needs calibration data: pass --data PATH")
         hooks.on_stage("reading calibration data")
-        data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer)
-    quantizers = insert_quantizers(loaded.model, plan)
+        data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, tokenizer)
     hooks.on_stage("calibrating")
-    device = next(iter(loaded.model.parameters())).device
-    result = calibrate(loaded.model, plan, quantizers, data if plan.needs_data() else None, device, hooks.on_batch)
-    entries = [EncodingEntry.from_quantizer(q, quantizers[q.name]) for q in plan.quantizers
-               if quantizers[q.name].is_initialized()]
+    if opts.sequential:
+        from .sequential import calibrate_sequential
+
+        entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block)
+        done = {e.name for e in entries}
+        unused = [q.name for q in plan.activations if q.name not in done]
+    else:
+        quantizers = insert_quantizers(model, plan)
+        result = calibrate(model, plan, quantizers, data if plan.needs_data() else None, device, hooks.on_batch)
+        entries = [EncodingEntry.from_quantizer(q, quantizers[q.name]) for q in plan.quantizers
+                   if quantizers[q.name].is_initialized()]
+        unused = result.unused
     enc = EncodingsFile(entries, {"qtool_version": __version__, "recipe": Path(recipe_path).name})
     enc_path = run_dir / "encodings.json"
     enc_path.write_text(enc.dumps())
@@ -103,22 +129,22 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         "options": {k: v for k, v in asdict(opts).items()},
         "inputs": {
-            "checkpoint": {"path": str(checkpoint), "kind": loaded.kind, "sha256": _files_digest(loaded.files)},
+            "checkpoint": {"path": str(checkpoint), "kind": kind, "sha256": _files_digest(files)},
             "recipe": {"path": str(recipe_path), "sha256": sha256_file(Path(recipe_path))},
             "data": None if data is None else {"path": str(opts.data), "samples": data.num_samples,
                                                "sha256": _files_digest(data.files)},
         },
         "outputs": {"encodings.json": sha256_file(enc_path)},
         "quantizers": len(entries),
-        "uncalibrated": result.unused,
+        "uncalibrated": unused,
         "warnings": plan.warnings,
     }
     (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     summary = {"encodings": str(enc_path), "quantizers": len(entries), "weights": len(plan.weights),
-               "activations": len(plan.activations), "uncalibrated": result.unused,
+               "activations": len(plan.activations), "uncalibrated": unused,
                "samples": 0 if data is None else data.num_samples, "device": str(device),
                "warnings": plan.warnings}
-    return loaded, plan, quantizers, summary
+    return summary
 
 
 def run_calibrate(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOptions, overwrite: bool = False,
@@ -127,7 +153,7 @@ def run_calibrate(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOp
     hooks = hooks or Hooks()
     check_output_dir(Path(out), overwrite)
     with atomic_output_dir(Path(out), overwrite) as tmp:
-        _, _, _, summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks)
+        summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks)
     summary["encodings"] = str(Path(out) / "encodings.json")
     summary["files"] = [str(Path(out) / n) for n in ("encodings.json", "manifest.json")]
     return summary
@@ -268,7 +294,7 @@ def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOpt
     with atomic_output_dir(Path(out), overwrite) as tmp:
         calib_dir = tmp / "calibration"
         calib_dir.mkdir()
-        _, _, _, csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks)
+        csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks)
         enc_path = calib_dir / "encodings.json"
         eopts = eopts or ExportOptions()
         eopts.trust_pickle, eopts.model_class = opts.trust_pickle, opts.model_class

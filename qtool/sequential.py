@@ -1,0 +1,205 @@
+"""Sequential calibration of Hugging Face causal LMs: one decoder block in memory at a time.
+
+``qtool calibrate --sequential`` never loads the whole model. The model is built on the ``meta`` device (no
+memory), and weights are read from the checkpoint's safetensors files module by module:
+
+1. the embedding table is loaded and the real model runs up to its first decoder block, where a hook captures
+   the block's inputs (hidden states and every keyword the model passes: attention mask, rotary position
+   embeddings, position ids) for every calibration batch, then stops the forward pass;
+2. for each block in turn: its weights are loaded, its quantizers are inserted and calibrated (weights from the
+   weights, activations over all batches with the captured inputs), its outputs become the next block's inputs,
+   and the block is dropped again;
+3. the modules after the blocks (final norm, ``lm_head``) are calibrated the same way if the recipe quantizes them.
+
+The encodings equal those of a normal run: a block's outputs for the next block are computed during its own
+calibration pass, with each batch quantized by its own range, exactly as in the all-at-once pass (tested).
+Peak memory is about one block's weights (in float32) plus the captured activations
+(``samples x seq_len x hidden x 4`` bytes) plus the embedding table while step 1 runs.
+Supported: models whose decoder blocks live in ``model.model.layers`` (Llama, Mistral, Qwen2, SmolLM, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .config import Plan
+from .data import CalibrationData
+from .encodings import EncodingEntry
+from .errors import CheckpointError, DataError, UsageError
+from .model.insert import insert_quantizers
+from .model.load import CheckpointTensors
+
+__all__ = ["meta_model", "calibrate_sequential"]
+
+
+class _Stop(Exception):
+    """Raised by the capture hook to end the forward pass at the first decoder block."""
+
+
+def meta_model(path, trust_remote_code: bool = False) -> Tuple[nn.Module, Any, Any]:
+    """``(model on the meta device, config, tokenizer)`` of a Hugging Face causal LM directory."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
+                                                              torch_dtype=torch.float32)
+    rot = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rot is not None:  # its buffers are computed from the config, not stored: build it for real
+        model.model.rotary_emb = type(rot)(config=config)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    except Exception:  # tensor data needs no tokenizer
+        tokenizer = None
+    model.eval()
+    return model, config, tokenizer
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise UsageError("--sequential supports causal LMs whose decoder blocks are model.model.layers "
+                         f"(Llama, Mistral, Qwen2, ...); {type(model).__name__} is not one")
+    return layers
+
+
+def _materialize(module: nn.Module, prefix: str, src: CheckpointTensors, name_of: Callable[[str], str],
+                 device: torch.device) -> None:
+    """Load ``module``'s parameters and persistent buffers from the checkpoint (as float32 for float tensors)."""
+    module.to_empty(device=device, recurse=True)
+    with torch.no_grad():
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            full = f"{prefix}.{name}" if prefix else name
+            key = name_of(full)
+            if key is None:
+                if isinstance(t, nn.Parameter):
+                    raise CheckpointError(f"{src.path}: checkpoint has no tensor for {full}")
+                continue
+            value = src.get(key)
+            t.copy_(value.to(t.dtype) if t.is_floating_point() else value)
+
+
+def _release(module: nn.Module) -> None:
+    module.to("meta")
+
+
+def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.device, model: nn.Module,
+                         on_block: Optional[Callable[[int, int], None]] = None) -> List[EncodingEntry]:
+    """Calibrate ``plan`` on ``model`` (a meta-device skeleton from ``meta_model``), block by block."""
+    src = CheckpointTensors(path)
+    keys = set(src.keys())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+
+    def name_of(full: str) -> Optional[str]:
+        if full in keys:
+            return full
+        if tied and full == "lm_head.weight" and "model.embed_tokens.weight" in keys:
+            return "model.embed_tokens.weight"
+        return None
+
+    blocks = _blocks(model)
+    modules = dict(model.named_modules())
+    block_names = [f"model.layers.{i}" for i in range(len(blocks))]
+
+    def rows_under(prefix: Optional[str], outside: bool = False):
+        if outside:
+            return [q for q in plan.quantizers if not any(q.module == b or q.module.startswith(b + ".")
+                                                          for b in block_names)]
+        return [q for q in plan.quantizers if q.module == prefix or q.module.startswith(prefix + ".")]
+
+    entries: Dict[str, EncodingEntry] = {}
+
+    def calibrate_rows(rows, run: Callable[[], None]):
+        """Insert and calibrate the quantizers of ``rows``; ``run`` feeds the data."""
+        if not rows:
+            run()
+            return
+        sub = Plan(rows)
+        qs = insert_quantizers(model, sub)
+        with torch.no_grad():
+            for q in sub.weights:
+                with qs[q.name].compute_encodings():
+                    qs[q.name](modules[q.module]._parameters["weight"])
+        with contextlib.ExitStack() as stack, torch.no_grad():
+            for q in sub.activations:
+                stack.enter_context(qs[q.name].compute_encodings())
+            run()
+        for q in rows:
+            if qs[q.name].is_initialized():
+                entries[q.name] = EncodingEntry.from_quantizer(q, qs[q.name])
+
+    # 1. capture the first block's inputs
+    embed = model.get_input_embeddings()
+    embed_name = next(n for n, m in modules.items() if m is embed)
+    _materialize(embed, embed_name, src, name_of, device)
+    captured: List[Tuple[tuple, dict]] = []
+
+    def grab(mod, args, kwargs):
+        captured.append((tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs)))
+        raise _Stop
+
+    head_rows = [q for q in rows_under(None, outside=True) if q.module == embed_name]
+
+    def capture():
+        handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            for batch in data:
+                b = batch.to(device)
+                try:
+                    model(*b.args, **{**b.kwargs, "use_cache": False})
+                except _Stop:
+                    pass
+                except (TypeError, RuntimeError, ValueError, IndexError) as e:
+                    raise DataError(f"calibration batch {len(captured)}: the model rejected the data: "
+                                    f"{str(e).splitlines()[0]}") from None
+        finally:
+            handle.remove()
+
+    calibrate_rows(head_rows, capture)
+    if len(captured) != len(data):
+        raise UsageError("--sequential: the model did not reach its first decoder block for every batch")
+    if not (tied and any(q.module == "lm_head" for q in plan.quantizers)):
+        _release(embed)
+
+    # 2. block by block
+    done = 0
+    for i, block in enumerate(blocks):
+        prefix = block_names[i]
+        _materialize(block, prefix, src, name_of, device)
+        outputs: List[torch.Tensor] = []
+
+        def run_block():
+            for j, (args, kwargs) in enumerate(captured):
+                out = block(*args, **kwargs)
+                outputs.append(out[0] if isinstance(out, (tuple, list)) else out)
+
+        calibrate_rows(rows_under(prefix), run_block)
+        captured = [((outputs[j],) + tuple(args[1:]), kwargs) for j, (args, kwargs) in enumerate(captured)]
+        _release(block)
+        done += 1
+        if on_block:
+            on_block(done, len(blocks))
+
+    # 3. what comes after the blocks
+    tail = [q for q in rows_under(None, outside=True) if q.module != embed_name]
+    if tail:
+        norm = model.model.norm
+        lm_head = model.get_output_embeddings()
+        _materialize(norm, "model.norm", src, name_of, device)
+        _materialize(lm_head, "lm_head", src, name_of, device)
+
+        def run_tail():
+            for args, _ in captured:
+                lm_head(norm(args[0]))
+
+        calibrate_rows(tail, run_tail)
+        _release(norm)
+        _release(lm_head)
+    _release(embed)
+    return [entries[q.name] for q in plan.quantizers if q.name in entries]

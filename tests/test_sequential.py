@@ -1,0 +1,47 @@
+"""--sequential: block-by-block calibration of causal LMs gives the encodings of an all-at-once run."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.helpers import run_cli
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_sequential_equals_all_at_once(tmp_path, tied):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "m", max_shard_size="150KB")
+    ids = torch.randint(0, 256, (12, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[3, 10:] = 0  # padding reaches the blocks through the captured attention mask
+    save_file({"input_ids": ids, "attention_mask": mask}, tmp_path / "ids.safetensors")
+    # everything quantized, inputs and outputs, lm_head included
+    (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  activations: {inputs: true, outputs: true}\n")
+    runs = {}
+    for seq in (False, True):
+        args = ["calibrate", tmp_path / "m", "-c", tmp_path / "r.yaml", "--data", tmp_path / "ids.safetensors",
+                "-o", tmp_path / f"run{int(seq)}", "--batch-size", "4"] + (["--sequential"] if seq else [])
+        code, _, err = run_cli(*args)
+        assert code == 0, err
+        runs[seq] = json.loads((tmp_path / f"run{int(seq)}/encodings.json").read_text())["quantizers"]
+    assert [q["name"] for q in runs[True]] == [q["name"] for q in runs[False]]
+    assert len(runs[True]) == 3 * (3 * 7 + 1) + 2  # 7 Linear per block and lm_head: weight, in, out; embed: w, out
+    for a, b in zip(runs[False], runs[True]):
+        assert (a["min"], a["max"]) == (b["min"], b["max"]), a["name"]
+
+
+def test_sequential_needs_a_causal_lm_directory(tmp_path):
+    from tests.tinymodels import mlp
+
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "-c",
+                           Path(__file__).resolve().parents[1] / "configs/w8a16.yaml", "--model-class",
+                           "tests.tinymodels:mlp", "-o", tmp_path / "r", "--sequential", "--quiet")
+    assert code == 2 and "--sequential needs a Hugging Face causal LM directory" in err
