@@ -38,14 +38,48 @@ DEFAULT_WEIGHT_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding")
 DEFAULT_ACTIVATION_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding")
 _INTEGER_INPUT_TYPES = ("Embedding",)
 
-ANALYZERS = ("minmax",)
+ANALYZERS = ("minmax", "percentile", "sqnr", "tf_enhanced", "mse")
+# which optional parameters each analyzer takes (see qtool.quant.analyzers)
+_ANALYZER_PARAMS = {
+    "minmax": (),
+    "percentile": ("percentile", "num_bins"),
+    "sqnr": ("num_bins", "gamma", "asymmetric_delta_candidates", "symmetric_delta_candidates", "offset_candidates"),
+    "tf_enhanced": (),
+    "mse": ("num_candidates", "min_ratio"),
+}
 
 Granularity = Literal["per_tensor", "per_channel", "per_block"]
 
 
 class AnalyzerSpec(BaseModel):
+    """``analyzer: NAME`` or ``analyzer: {name: NAME, <parameter>: value, ...}``."""
+
     model_config = ConfigDict(extra="forbid")
-    name: Literal["minmax"] = "minmax"
+    name: Literal["minmax", "percentile", "sqnr", "tf_enhanced", "mse"] = "minmax"
+    percentile: Optional[float] = Field(None, ge=50, le=100)
+    num_bins: Optional[int] = Field(None, ge=8, le=65536)
+    gamma: Optional[float] = Field(None, gt=0)
+    asymmetric_delta_candidates: Optional[int] = Field(None, ge=2)
+    symmetric_delta_candidates: Optional[int] = Field(None, ge=2)
+    offset_candidates: Optional[int] = Field(None, ge=3)
+    num_candidates: Optional[int] = Field(None, ge=1, le=1000)
+    min_ratio: Optional[float] = Field(None, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _params_fit_the_analyzer(self):
+        allowed = _ANALYZER_PARAMS[self.name]
+        for key in self.kwargs():
+            if key not in allowed:
+                takes = ", ".join(allowed) or "no parameters"
+                raise ValueError(f"analyzer {self.name} does not take {key!r} (it takes {takes})")
+        return self
+
+    def kwargs(self) -> Dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if k != "name" and v is not None}
+
+    def label(self) -> str:
+        args = self.kwargs()
+        return self.name if not args else f"{self.name}(" + ", ".join(f"{k}={v}" for k, v in args.items()) + ")"
 
 
 def _analyzer(value: Any) -> Any:
@@ -84,6 +118,13 @@ class ActivationSpec(_Spec):
     granularity: Literal["per_tensor"] = "per_tensor"
     inputs: bool = True
     outputs: bool = False
+
+    @model_validator(mode="after")
+    def _mse_is_for_weights(self):
+        if self.analyzer.name == "mse":
+            raise ValueError("analyzer mse searches a weight tensor directly; for activations use minmax, "
+                             "percentile, sqnr or tf_enhanced")
+        return self
 
 
 class LayerRule(BaseModel):
@@ -244,6 +285,13 @@ class QuantizerPlan:
     block_size: Optional[Tuple[int, ...]]
     analyzer: str
     rule: Optional[int] = None  # index of the last layers entry that shaped it (None: defaults)
+    analyzer_args: Tuple[Tuple[str, Any], ...] = ()
+
+    @property
+    def analyzer_label(self) -> str:
+        if not self.analyzer_args:
+            return self.analyzer
+        return f"{self.analyzer}(" + ", ".join(f"{k}={v}" for k, v in self.analyzer_args) + ")"
 
     def describe_granularity(self) -> str:
         if self.granularity == "per_block":
@@ -351,14 +399,16 @@ def resolve_plan(recipe: Recipe, model: nn.Module, source: str = "<recipe>", all
                 shape, block = layout
                 plan.quantizers.append(QuantizerPlan(
                     f"{name}.weight", name, tname, "weight", w_spec.bitwidth, w_spec.symmetric,
-                    w_spec.granularity, shape, block, w_spec.analyzer.name, rule_w))
+                    w_spec.granularity, shape, block, w_spec.analyzer.name, rule_w,
+                    tuple(w_spec.analyzer.kwargs().items())))
         if a_spec is not None:
             for tensor, on in (("input", a_spec.inputs and tname not in _INTEGER_INPUT_TYPES),
                                ("output", a_spec.outputs)):
                 if on:
                     plan.quantizers.append(QuantizerPlan(
                         f"{name}.{tensor}", name, tname, tensor, a_spec.bitwidth, a_spec.symmetric,
-                        "per_tensor", (), None, a_spec.analyzer.name, rule_a))
+                        "per_tensor", (), None, a_spec.analyzer.name, rule_a,
+                        tuple(a_spec.analyzer.kwargs().items())))
     for i, ok in enumerate(used):
         if not ok and not recipe.layers[i].optional:
             rule = recipe.layers[i]

@@ -62,7 +62,7 @@ class EncodingEntry:
     @classmethod
     def from_quantizer(cls, plan: QuantizerPlan, quantizer: QuantizerBase) -> "EncodingEntry":
         return cls(plan.name, plan.module, plan.tensor, plan.bitwidth, plan.symmetric, plan.granularity,
-                   tuple(plan.shape), plan.block_size, plan.analyzer,
+                   tuple(plan.shape), plan.block_size, plan.analyzer_label,
                    quantizer.min.detach().cpu().clone(), quantizer.max.detach().cpu().clone())
 
     def to_json(self) -> Dict[str, Any]:

@@ -193,3 +193,37 @@ def test_cli_config_show_lists_every_quantizer(tmp_path):
         ("0.weight", 4, "per_block"), ("2.weight", 4, "per_block"), ("4.weight", 4, "per_block")]
     assert plan[0]["shape"] == [128, 2] and plan[0]["block_size"] == [1, 32]
     assert torch.Size(plan[0]["shape"]).numel() == 256
+
+
+def test_analyzers_are_chosen_per_rule_with_parameters():
+    text = """
+version: 1
+defaults:
+  weights: {analyzer: mse}
+  activations: {analyzer: {name: percentile, percentile: 99.99}}
+layers:
+  - match: "blocks.0.*"
+    activations: {analyzer: {name: sqnr, gamma: 2.0}}
+"""
+    p = rows(plan_of(text))
+    assert p["blocks.1.attn.weight"].analyzer_label == "mse"
+    assert p["blocks.1.attn.input"].analyzer_label == "percentile(percentile=99.99)"
+    assert p["blocks.0.attn.input"].analyzer_label == "sqnr(gamma=2.0)"
+    from qtool.model.insert import make_analyzer
+    from qtool.quant.analyzers import PercentileEncodingAnalyzer, SqnrEncodingAnalyzer
+
+    a = make_analyzer(p["blocks.1.attn.input"])
+    assert isinstance(a, PercentileEncodingAnalyzer)
+    assert isinstance(make_analyzer(p["blocks.0.attn.input"]), SqnrEncodingAnalyzer)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("version: 1\ndefaults:\n  weights: {analyzer: {name: minmax, percentile: 99}}\n",
+     "analyzer minmax does not take 'percentile'"),
+    ("version: 1\ndefaults:\n  weights: {analyzer: {name: percentile, percentile: 20}}\n",
+     "defaults.weights.analyzer.percentile"),
+    ("version: 1\ndefaults:\n  activations: {analyzer: mse}\n", "analyzer mse searches a weight tensor"),
+])
+def test_bad_analyzer_settings(text, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_recipe(text, "r.yaml")

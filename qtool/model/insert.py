@@ -74,8 +74,24 @@ def _quantized_class(cls: type) -> type:
     return _CLASS_CACHE[cls]
 
 
+def make_analyzer(q: QuantizerPlan):
+    from ..quant import analyzers
+
+    cls = {
+        "minmax": analyzers.MinMaxEncodingAnalyzer,
+        "percentile": analyzers.PercentileEncodingAnalyzer,
+        "sqnr": analyzers.SqnrEncodingAnalyzer,
+        "tf_enhanced": analyzers.TfEnhancedEncodingAnalyzer,
+        "mse": analyzers.MseEncodingAnalyzer,
+    }.get(q.analyzer)
+    if cls is None:  # encodings made elsewhere (imported) need no analyzer to be applied
+        return analyzers.MinMaxEncodingAnalyzer(q.shape, q.block_size)
+    return cls(q.shape, q.block_size, **dict(q.analyzer_args))
+
+
 def make_quantizer(q: QuantizerPlan, device=None) -> QuantizerBase:
-    quantizer = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric, block_size=q.block_size)
+    quantizer = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric, encoding_analyzer=make_analyzer(q),
+                                   block_size=q.block_size)
     return quantizer.to(device) if device is not None else quantizer
 
 

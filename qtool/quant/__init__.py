@@ -10,7 +10,14 @@ from .affine import (
     reduce_to_shape,
     resolve_block_size,
 )
-from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer
+from .analyzers import (
+    EncodingAnalyzer,
+    MinMaxEncodingAnalyzer,
+    MseEncodingAnalyzer,
+    PercentileEncodingAnalyzer,
+    SqnrEncodingAnalyzer,
+    TfEnhancedEncodingAnalyzer,
+)
 from .quantizer import Quantize, QuantizeDequantize, QuantizerBase, UninitializedQuantizerError
 from .tensor import AffineEncoding, DequantizedTensor, QuantizedTensor
 from .torchao_api import ZeroPointDomain, dequantize_affine, quantize_affine
@@ -29,6 +36,10 @@ __all__ = [
     "resolve_block_size",
     "EncodingAnalyzer",
     "MinMaxEncodingAnalyzer",
+    "PercentileEncodingAnalyzer",
+    "SqnrEncodingAnalyzer",
+    "TfEnhancedEncodingAnalyzer",
+    "MseEncodingAnalyzer",
     "QuantizerBase",
     "QuantizeDequantize",
     "Quantize",

@@ -1,0 +1,322 @@
+"""Histogram and MSE encoding analyzers: AIMET's reference outputs, blockwise batching, MSE search, errors."""
+
+import math
+
+import pytest
+import torch
+
+import qtool.quant.analyzers as analyzers
+from qtool.quant.affine import adjust_min_max, grid, min_max_to_scale_offset, quantize_dequantize
+from qtool.quant.analyzers import (
+    MinMaxEncodingAnalyzer,
+    MseEncodingAnalyzer,
+    NoStatisticsError,
+    PercentileEncodingAnalyzer,
+    SqnrEncodingAnalyzer,
+    TfEnhancedEncodingAnalyzer,
+)
+
+HISTOGRAM_KINDS = ["percentile99.9", "percentile99", "sqnr", "tf_enhanced"]
+
+
+def _make(kind, shape, block_size=None):
+    if kind.startswith("percentile"):
+        return PercentileEncodingAnalyzer(shape, block_size, percentile=float(kind[len("percentile"):]))
+    if kind == "sqnr":
+        return SqnrEncodingAnalyzer(shape, block_size)
+    if kind == "tf_enhanced":
+        return TfEnhancedEncodingAnalyzer(shape, block_size)
+    if kind == "mse":
+        return MseEncodingAnalyzer(shape, block_size)
+    raise AssertionError(kind)
+
+
+def _run_golden(meta, tensors, kind, force_dense=False):
+    cases = [c for c in meta["cases"] if c["analyzer"] == kind]
+    assert len(cases) == 16  # 4 inputs x {8, 4} bits x {asym, sym}
+    for c in cases:
+        x = tensors[f"{c['input']}/x"]
+        analyzer = _make(kind, c["shape"])
+        if force_dense:
+            analyzer._hist.sparse_limit = 0
+        for lo, hi in c["batches"]:
+            analyzer.update_stats(x[..., lo:hi])
+        mn, mx = analyzer.compute_encodings(2 ** c["bitwidth"] - 1, c["symmetric"])
+        key = f"{c['input']}/{kind}/bw{c['bitwidth']}/{'sym' if c['symmetric'] else 'asym'}"
+        assert mn.dtype == mx.dtype == torch.float32
+        assert tuple(mn.shape) == tuple(c["shape"]) and tuple(mx.shape) == tuple(c["shape"])
+        # bit-exact: no tolerance is needed for any of these cases
+        assert torch.equal(mn, tensors[key + "/min"].reshape(mn.shape)), (key, mn, tensors[key + "/min"])
+        assert torch.equal(mx, tensors[key + "/max"].reshape(mx.shape)), (key, mx, tensors[key + "/max"])
+
+
+@pytest.mark.parametrize("kind", HISTOGRAM_KINDS)
+def test_histogram_analyzers_match_aimet_bit_exact(analyzer_ref, kind):
+    """Two batches (the second widens some ranges, so the re-binning is exercised), per-tensor and per-channel.
+
+    The per-channel input has 256 values per channel and batch, so with 2048 bins it is held sparsely; the other
+    inputs are dense. Both forms give AIMET's min and max bit for bit.
+    """
+    meta, tensors = analyzer_ref
+    _run_golden(meta, tensors, kind)
+
+
+@pytest.mark.parametrize("kind", HISTOGRAM_KINDS)
+def test_dense_storage_also_matches_aimet(analyzer_ref, kind):
+    meta, tensors = analyzer_ref
+    _run_golden(meta, tensors, kind, force_dense=True)
+
+
+@pytest.mark.parametrize("kind", HISTOGRAM_KINDS)
+def test_device_agnostic_path_matches_aimet(analyzer_ref, kind, monkeypatch):
+    """Off the CPU the analyzers never read the device to ask whether data is finite; forcing that path on CPU
+    gives the same results."""
+    monkeypatch.setattr(analyzers, "_maybe_nonfinite", lambda lo, hi: True)
+    meta, tensors = analyzer_ref
+    _run_golden(meta, tensors, kind)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Blockwise: one batched pass equals the per-tensor analyzer run on each block
+# --------------------------------------------------------------------------------------------------------------
+def _block_inputs():
+    g = torch.Generator().manual_seed(3)
+    x1 = torch.randn(4, 64, generator=g) * torch.linspace(0.1, 3.0, 64)
+    x2 = torch.randn(4, 64, generator=g) * 1.7 + 0.2
+    x2[1, 5] = 9.0  # widens one block's range in the second batch
+    return [x1, x2]
+
+
+@pytest.mark.parametrize("kind", ["percentile99", "percentile100", "percentile90", "sqnr", "tf_enhanced", "mse"])
+@pytest.mark.parametrize("num_steps,symmetric", [(255, False), (15, True), (15, False)])
+def test_blockwise_equals_per_block(kind, num_steps, symmetric):
+    batches = _block_inputs()
+    shape, block = (4, 2), (1, 32)
+    batched = _make(kind, shape, block)
+    for x in batches:
+        batched.update_stats(x)
+    mn, mx = batched.compute_encodings(num_steps, symmetric)
+    assert mn.shape == mx.shape == shape
+    for i in range(4):
+        for j in range(2):
+            single = _make(kind, ())
+            for x in batches:
+                single.update_stats(x[i, 32 * j : 32 * (j + 1)])
+            smn, smx = single.compute_encodings(num_steps, symmetric)
+            assert torch.equal(mn[i, j], smn) and torch.equal(mx[i, j], smx), (kind, i, j)
+
+
+@pytest.mark.parametrize("kind", ["percentile99", "sqnr", "mse"])
+def test_blockwise_2d_blocks_and_leading_dims(kind):
+    """Blocks spanning two dims (the values of a block are not contiguous) and leading dims folded in."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 64, generator=g)
+    batched = _make(kind, (2, 2), (2, 32))
+    batched.update_stats(x)
+    mn, mx = batched.compute_encodings(15, False)
+    for i in range(2):
+        for j in range(2):
+            single = _make(kind, ())
+            single.update_stats(x[:, 2 * i : 2 * i + 2, 32 * j : 32 * (j + 1)])
+            smn, smx = single.compute_encodings(15, False)
+            assert torch.equal(mn[i, j], smn) and torch.equal(mx[i, j], smx), (kind, i, j)
+
+
+def test_blockwise_weight_shape_runs():
+    """The benchmark shape: a (384, 1536) weight in blocks of 32, all 18432 histograms in one pass."""
+    w = torch.randn(384, 1536, generator=torch.Generator().manual_seed(0))
+    for p in (99, 99.9):
+        analyzer = PercentileEncodingAnalyzer((384, 48), (1, 32), percentile=p)
+        analyzer.update_stats(w)
+        mn, mx = analyzer.compute_encodings(15, True)
+        assert mn.shape == (384, 48) and bool((mn < 0).all() and (mx > 0).all())
+    minmax = MinMaxEncodingAnalyzer((384, 48), (1, 32))
+    minmax.update_stats(w)
+    lo, hi = minmax.compute_encodings(255, False)
+    p100 = PercentileEncodingAnalyzer((384, 48), (1, 32))
+    p100.update_stats(w)
+    plo, phi = p100.compute_encodings(255, False)
+    assert torch.equal(plo, lo)  # edge[0] is the min
+    torch.testing.assert_close(phi, hi, rtol=1e-6, atol=0)  # edge[N] = N * step + min may round off the max
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sparse and dense storage hold the same counts (multi-batch, NaN/inf)
+# --------------------------------------------------------------------------------------------------------------
+def _random_batches(seed):
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for b in range(int(torch.randint(1, 5, (), generator=g))):
+        m = int(torch.randint(3, 40, (), generator=g))
+        x = torch.randn(6, m, generator=g) * float(torch.rand((), generator=g) * 3 + 0.1)
+        x += float(torch.randn((), generator=g))
+        batches.append(x)
+    batches[0][0] = 5.0  # a constant row: degenerate first range
+    if seed % 2:
+        batches[-1][1, 0] = float("nan")
+        batches[-1][2, 1] = float("inf")
+        batches[-1][3, 2] = -float("inf")
+    return batches
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_sparse_and_dense_histograms_agree(seed):
+    batches = _random_batches(seed)
+    for kind in ("percentile97.5", "percentile100", "tf_enhanced"):
+        sparse, dense = _make(kind, (6, 1)), _make(kind, (6, 1))
+        dense._hist.sparse_limit = 0
+        for x in batches:
+            sparse.update_stats(x)
+            dense.update_stats(x)
+        bins, counts = sparse._hist.entries()
+        if bins is not None:
+            counts = analyzers._scatter_dense(bins, counts, sparse.num_bins)
+        assert torch.equal(counts, dense._hist.counts)
+        assert torch.equal(sparse._hist.lo, dense._hist.lo) and torch.equal(sparse._hist.hi, dense._hist.hi)
+        if kind.startswith("percentile"):
+            for n, sym in ((255, False), (15, True), (3, False)):
+                a, b = sparse.compute_encodings(n, sym), dense.compute_encodings(n, sym)
+                assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_nonfinite_values():
+    """inf/NaN do not enter the range; +-inf are counted in the end bins, NaN is not counted."""
+    x = torch.tensor([[0.0, 1.0, 2.0, 3.0, float("nan"), float("inf")]])
+    p = PercentileEncodingAnalyzer((1, 1))
+    assert [t.item() for t in p.update_stats(x)] == [0.0, 3.0]
+    assert p._hist.total().item() == 5  # NaN not counted, inf counted
+    mn, mx = p.compute_encodings(255, False)
+    assert mn.item() == 0.0 and mx.item() == 3.0
+    s = SqnrEncodingAnalyzer((1, 1))
+    s.update_stats(x)
+    s.update_stats(torch.tensor([[-1.0, -float("inf"), 0.5]]))
+    mn, mx = s.compute_encodings(255, False)
+    assert math.isfinite(mn.item()) and math.isfinite(mx.item()) and mn.item() < 0 < mx.item()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# TF-enhanced: 512 bins, growth limited to 1.5x the first range on each side
+# --------------------------------------------------------------------------------------------------------------
+def test_tf_enhanced_growth_limit():
+    first = torch.linspace(0.0, 1.0, 100)
+    second = torch.cat([torch.linspace(0.0, 1.0, 99), torch.tensor([100.0])])
+    tf = TfEnhancedEncodingAnalyzer(())
+    assert tf.num_bins == 512
+    tf.update_stats(first)
+    tf.update_stats(second)
+    assert tf._hist.lo.item() == 0.0 and tf._hist.hi.item() == 2.5  # capped at hi + 1.5 * (hi - lo)
+    assert tf._hist.counts[0, -1].item() == 1  # the outlier sits in the last bin
+    mn, mx = tf.compute_encodings(255, False)
+    assert mx.item() <= 2.5 + 1e-6
+    free = SqnrEncodingAnalyzer((), num_bins=512)
+    free.update_stats(first)
+    free.update_stats(second)
+    assert free._hist.hi.item() == 100.0
+    # a later batch inside the limit grows the range normally
+    tf2 = TfEnhancedEncodingAnalyzer(())
+    tf2.update_stats(first)
+    tf2.update_stats(torch.tensor([-1.0, 2.0]))
+    assert tf2._hist.lo.item() == -1.0 and tf2._hist.hi.item() == 2.0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# MSE search
+# --------------------------------------------------------------------------------------------------------------
+def _qdq_mse_per_channel(w, mn, mx, bitwidth, symmetric):
+    qmin, qmax = grid(bitwidth, signed=symmetric)
+    scale, offset = min_max_to_scale_offset(mn, mx, qmin, qmax, symmetric)
+    return (quantize_dequantize(w, scale, offset, qmin=qmin, qmax=qmax) - w).pow(2).sum(dim=1)
+
+
+@pytest.mark.parametrize("bitwidth", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_mse_never_worse_than_minmax_per_channel(bitwidth, symmetric):
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(32, 512, generator=g) * 0.02
+    rows = torch.randint(0, 32, (12,), generator=g)
+    cols = torch.randint(0, 512, (12,), generator=g)
+    w[rows, cols] = torch.randn(12, generator=g) * 0.3  # a few outliers
+    n = 2**bitwidth - 1
+    mse, mm = MseEncodingAnalyzer((32, 1)), MinMaxEncodingAnalyzer((32, 1))
+    mse.update_stats(w)
+    mm.update_stats(w)
+    e_mse = _qdq_mse_per_channel(w, *mse.compute_encodings(n, symmetric), bitwidth, symmetric)
+    e_mm = _qdq_mse_per_channel(w, *mm.compute_encodings(n, symmetric), bitwidth, symmetric)
+    assert bool((e_mse <= e_mm).all())
+    if bitwidth == 4:
+        assert bool((e_mse < e_mm).sum() >= 16)  # the search clips the outlier channels at 4 bits
+
+
+def test_mse_candidate_grid_and_minmax_fallback():
+    a = MseEncodingAnalyzer((), num_candidates=81, min_ratio=0.2)
+    r = a.candidate_ratios()
+    assert r[0].item() == 1.0 and r.shape == (81,)
+    torch.testing.assert_close(r[-1], torch.tensor(0.2))
+    # a uniform tensor is best quantized with its full range: the search returns exactly min-max
+    x = torch.linspace(-1.0, 3.0, 256)
+    a.update_stats(x)
+    mm = MinMaxEncodingAnalyzer(())
+    mm.update_stats(x)
+    got, ref = a.compute_encodings(255, False), mm.compute_encodings(255, False)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Interface: reset, missing data, per-batch stats, argument checks
+# --------------------------------------------------------------------------------------------------------------
+ALL_KINDS = ["percentile99", "sqnr", "tf_enhanced", "mse"]
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_no_statistics_error(kind):
+    a = _make(kind, (2, 1))
+    assert not a.has_stats()
+    with pytest.raises(NoStatisticsError):
+        a.compute_encodings(255, False)
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_reset_stats(kind):
+    g = torch.Generator().manual_seed(11)
+    old, new = torch.randn(2, 300, generator=g) * 10, torch.randn(2, 300, generator=g)
+    a = _make(kind, (2, 1))
+    a.update_stats(old)
+    assert a.has_stats()
+    a.reset_stats()
+    assert not a.has_stats()
+    with pytest.raises(NoStatisticsError):
+        a.compute_encodings(255, False)
+    a.update_stats(new)
+    fresh = _make(kind, (2, 1))
+    fresh.update_stats(new)
+    for sym in (False, True):
+        got, ref = a.compute_encodings(255, sym), fresh.compute_encodings(255, sym)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_update_stats_returns_batch_min_max_and_dynamic_encodings(kind):
+    x = torch.tensor([[-1.0, 2.0, 0.5], [3.0, 4.0, 5.0]])
+    a = _make(kind, (2, 1))
+    mn, mx = a.update_stats(x)
+    assert torch.equal(mn, torch.tensor([[-1.0], [3.0]])) and torch.equal(mx, torch.tensor([[2.0], [5.0]]))
+    dyn = a.compute_dynamic_encodings((mn, mx), 255, True)
+    ref = adjust_min_max(mn, mx, 255, True)
+    assert torch.equal(dyn[0], ref[0]) and torch.equal(dyn[1], ref[1])
+
+
+def test_argument_checks():
+    with pytest.raises(ValueError):
+        PercentileEncodingAnalyzer((), percentile=40)
+    with pytest.raises(ValueError):
+        PercentileEncodingAnalyzer((), percentile=100.5)
+    with pytest.raises(ValueError):
+        SqnrEncodingAnalyzer((), num_bins=0)
+    with pytest.raises(ValueError):
+        MseEncodingAnalyzer((), min_ratio=0)
+    a = SqnrEncodingAnalyzer(())
+    a.update_stats(torch.randn(10))
+    with pytest.raises(ValueError):
+        a.compute_encodings(0, False)
+    with pytest.raises(ValueError):
+        PercentileEncodingAnalyzer((2, 3)).update_stats(torch.randn(4, 6))  # shape does not fit the input
