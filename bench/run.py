@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["quant_speed", "calibrate_overhead"]
+BENCHES = ["quant_speed", "calibrate_overhead", "analyzer_speed"]
 
 
 def main() -> None:

@@ -153,11 +153,29 @@ def text_samples(path: Path) -> List[str]:
 
 
 def _tokenize(texts: List[str], tokenizer, seq_len: int, where: str) -> List[Dict[str, torch.Tensor]]:
+    """One sample per text, truncated/padded to ``seq_len`` (encoders: a sample is a sentence or paragraph)."""
     if tokenizer is None:
         raise DataError(f"{where}: text data needs a tokenizer, and this checkpoint has none")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     enc = tokenizer(texts, truncation=True, max_length=seq_len, padding="max_length", return_tensors="pt")
     keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
     return [{k: enc[k][i] for k in keys} for i in range(len(texts))]
+
+
+def _pack(texts: List[str], tokenizer, seq_len: int, where: str) -> List[Dict[str, torch.Tensor]]:
+    """Causal LMs: the texts as one token stream (EOS between them) cut into full ``seq_len`` windows."""
+    if tokenizer is None:
+        raise DataError(f"{where}: text data needs a tokenizer, and this checkpoint has none")
+    sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stream: List[int] = []
+    for t in texts:
+        stream += tokenizer(t, add_special_tokens=False)["input_ids"] + sep
+    n = len(stream) // seq_len
+    if n == 0:
+        raise DataError(f"{where}: {len(stream)} tokens of text make no full sequence of --seq-len {seq_len}")
+    ids = torch.tensor(stream[: n * seq_len], dtype=torch.long).reshape(n, seq_len)
+    return [{"input_ids": ids[i], "attention_mask": torch.ones(seq_len, dtype=torch.long)} for i in range(n)]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -188,8 +206,14 @@ def load_data(
     seed: int = 0,
     seq_len: int = 128,
     tokenizer: Any = None,
+    pack_text: bool = False,
 ) -> CalibrationData:
-    """Read ``path`` (file or directory), pick a deterministic subset, and cut it into batches."""
+    """Read ``path`` (file or directory), pick a deterministic subset, and cut it into batches.
+
+    Text: one sample per paragraph (``.txt``, blank-line separated) or line (``.jsonl``), padded to ``seq_len``;
+    with ``pack_text`` (causal LMs) the texts are joined into one token stream cut into full ``seq_len`` windows,
+    and ``num_samples`` counts windows.
+    """
     path = Path(path)
     if batch_size < 1:
         raise DataError(f"--batch-size must be at least 1 (got {batch_size})")
@@ -204,10 +228,16 @@ def load_data(
             texts += text_samples(f)
         if not texts:
             raise DataError(f"{path}: no text samples (empty file?)")
-        order = _subset(len(texts), num_samples, seed)
-        samples = _tokenize([texts[i] for i in order], tokenizer, seq_len, str(path))
+        if pack_text:
+            windows = _pack(texts, tokenizer, seq_len, str(path))
+            order = _subset(len(windows), num_samples, seed)
+            samples = [windows[i] for i in order]
+            desc = f"{len(order)} windows of {seq_len} tokens of packed text"
+        else:
+            order = _subset(len(texts), num_samples, seed)
+            samples = _tokenize([texts[i] for i in order], tokenizer, seq_len, str(path))
+            desc = f"{len(order)} text samples tokenized to {seq_len} tokens"
         names = list(samples[0])
-        desc = f"{len(order)} text samples tokenized to {seq_len} tokens"
     else:
         all_samples, names = _tensor_samples(files)
         if not all_samples:

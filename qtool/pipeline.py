@@ -96,6 +96,7 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         loaded, plan = plan_for(checkpoint, recipe_path, opts)
         model, tokenizer, files, kind = loaded.model, loaded.tokenizer, loaded.files, loaded.kind
         device = next(iter(model.parameters())).device
+    causal = opts.sequential or type(model).__name__.endswith("ForCausalLM")
     hooks.on_plan(plan)
     data: Optional[CalibrationData] = None
     if plan.needs_data() or opts.data or opts.sequential:
@@ -106,7 +107,8 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
                 "the recipe quantizes activations"
             raise DataError(f"{why}, which needs calibration data: pass --data PATH")
         hooks.on_stage("reading calibration data")
-        data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, tokenizer)
+        data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, tokenizer,
+                         pack_text=causal)
     hooks.on_stage("calibrating")
     if opts.sequential:
         from .sequential import calibrate_sequential
@@ -360,7 +362,8 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
         from .errors import DataError
 
         raise DataError("qtool report runs the model: pass --data PATH (text or tensors)")
-    data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer)
+    data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer,
+                     pack_text=loaded.is_causal_lm)
     device = next(iter(loaded.model.parameters())).device
     hooks.on_stage("measuring")
     rep = evaluate(loaded.model, data, device, loaded.is_causal_lm, hooks.on_batch)

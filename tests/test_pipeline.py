@@ -414,3 +414,21 @@ def test_fake_quant_weight_cache_follows_weight_and_range_changes():
     # with gradients on, the weight is quantized on every call and gradients reach the range
     model(x).sum().backward()
     assert qs["0.weight"].max.grad is not None
+
+
+def test_text_packing_for_causal_lms(tmp_path, minilm_tokenizer):
+    tok = minilm_tokenizer
+    (tmp_path / "a.txt").write_text("\n\n".join(f"paragraph number {i} has a few words in it" for i in range(20)))
+    d = load_data(tmp_path / "a.txt", batch_size=4, seq_len=16, tokenizer=tok, pack_text=True)
+    ids = torch.cat([b.kwargs["input_ids"] for b in d])
+    assert ids.shape[1] == 16 and bool((torch.cat([b.kwargs["attention_mask"] for b in d]) == 1).all())
+    stream = []
+    for i in range(20):
+        stream += tok(f"paragraph number {i} has a few words in it", add_special_tokens=False)["input_ids"]
+        stream += [tok.eos_token_id] if tok.eos_token_id is not None else []
+    assert ids.reshape(-1).tolist() == stream[: ids.numel()]
+    assert d.num_samples == len(stream) // 16
+    from qtool.errors import DataError
+
+    with pytest.raises(DataError, match="make no full sequence"):
+        load_data(tmp_path / "a.txt", seq_len=100000, tokenizer=tok, pack_text=True)

