@@ -36,6 +36,14 @@ SMOLLM_RECIPES = {
     "W4A16 block 32, mse": ("configs/w4a16-block32.yaml", "mse"),
     "W8A8 (w8a8.yaml)": ("configs/w8a8.yaml", None),
 }
+# further variants (--extra): how much of the damage an analyzer or the grid choice recovers
+SMOLLM_EXTRA = {
+    "W4A16 block 32, sqnr": ("configs/w4a16-block32.yaml", "sqnr"),
+    "W4A16 block 32 asymmetric, minmax": ("configs/w4a16-block32.yaml", {"weights": {"symmetric": False}}),
+    "W8A8, activations percentile 99.99": (
+        "configs/w8a8.yaml", {"activations": {"analyzer": {"name": "percentile", "percentile": 99.99}}}),
+    "W8A8, activations sqnr": ("configs/w8a8.yaml", {"activations": {"analyzer": "sqnr"}}),
+}
 
 
 def _recipe(path: str, weight_analyzer, tmp: Path) -> str:
@@ -44,8 +52,12 @@ def _recipe(path: str, weight_analyzer, tmp: Path) -> str:
     import yaml
 
     obj = yaml.safe_load((REPO / path).read_text())
-    obj["defaults"]["weights"]["analyzer"] = weight_analyzer
-    out = tmp / f"{Path(path).stem}-{weight_analyzer}.yaml"
+    if isinstance(weight_analyzer, dict):  # overrides of the defaults
+        for kind, changes in weight_analyzer.items():
+            obj["defaults"][kind].update(changes)
+    else:
+        obj["defaults"]["weights"]["analyzer"] = weight_analyzer
+    out = tmp / f"{Path(path).stem}-{abs(hash(json.dumps(weight_analyzer, sort_keys=True)))}.yaml"
     out.write_text(yaml.safe_dump(obj, sort_keys=False))
     return str(out)
 
@@ -96,7 +108,7 @@ def _perplexity(model, batches):
     return math.exp(nll / n), n
 
 
-def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256):
+def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256, recipes=None):
     import qtool
     from qtool.data import load_data
     from qtool.example import text_split
@@ -114,7 +126,7 @@ def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256):
     print(f"smollm2 float perplexity {ppl_float:.3f} on {tokens} tokens", flush=True)
     del loaded
     rows = [{"recipe": "float", "perplexity": ppl_float, "increase_pct": 0.0}]
-    for label, (path, analyzer) in SMOLLM_RECIPES.items():
+    for label, (path, analyzer) in (recipes or SMOLLM_RECIPES).items():
         out = tmp / f"smol-{len(rows)}"
         secs = _calibrate(ckpt, _recipe(path, analyzer, tmp), tmp / "smol-calib.txt", out, seq_len, 32)
         q = qtool.load_calibrated(str(ckpt), str(out / "encodings.json"))
@@ -134,6 +146,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="minilm,smollm2")
     ap.add_argument("--out", default=str(REPO / "bench/results/accuracy.json"))
+    ap.add_argument("--extra", action="store_true", help="SmolLM2: the further analyzer/grid variants instead")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     results = {"torch": torch.__version__, "threads": torch.get_num_threads()}
@@ -142,7 +155,7 @@ def main(argv=None):
         if "minilm" in args.models:
             results["minilm"] = minilm(tmp)
         if "smollm2" in args.models:
-            results["smollm2"] = smollm2(tmp)
+            results["smollm2"] = smollm2(tmp, recipes=SMOLLM_EXTRA if args.extra else None)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
