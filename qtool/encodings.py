@@ -98,7 +98,7 @@ class EncodingEntry:
             )
         except KeyError as e:
             raise EncodingsError(f"{where}: missing field {e.args[0]!r}") from None
-        except (TypeError, ValueError, RuntimeError) as e:
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise EncodingsError(f"{where}: malformed entry ({str(e).splitlines()[0]})") from None
         if entry.tensor not in ("weight", "input", "output"):
             raise EncodingsError(f"{where}: tensor must be weight, input or output (got {entry.tensor!r})")
