@@ -1,19 +1,31 @@
-"""Run every benchmark in bench/ (the `make bench` target)."""
+"""Run every benchmark in bench/ (the `make bench` target).
+
+``bench/scale.py`` (a ~3B-parameter synthetic checkpoint: minutes and ~15 GB of disk) is not part of the default
+run; ``python bench/run.py --scale`` adds it at its defaults, or run ``python bench/scale.py --help`` by itself.
+"""
 
 import importlib.util
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["quant_speed", "calibrate_overhead", "analyzer_speed"]
+BENCHES = ["quant_speed", "calibrate_overhead", "analyzer_speed", "export_throughput"]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def main() -> None:
+    argv = [a for a in sys.argv[1:] if a != "--scale"]
     for name in BENCHES:
-        spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        mod.main(sys.argv[1:])
+        _load(name).main(argv)
+        print()
+    if "--scale" in sys.argv[1:]:
+        _load("scale").main([])
         print()
 
 

@@ -15,11 +15,26 @@ For every quantized weight ``<name>`` the output holds
 Every other tensor is copied unchanged. ``__metadata__["qtool"]`` is a JSON object describing each quantized
 tensor (bitwidth, symmetric, granularity, block_size). Dequantizing gives the calibrated model's fake-quant
 weights bit for bit.
+
+Sharding: when the tensors' bytes exceed ``max_shard_bytes`` (default 5 GB, as Hugging Face's ``save_pretrained``)
+the output is ``model-00001-of-0000N.safetensors`` ... plus ``model.safetensors.index.json``
+(``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``); otherwise it is one ``model.safetensors``.
+Shards are cut by size only, in tensor-name order (a sharded input does not impose its own shard boundaries: the
+integer output is 2 to 4 times smaller than the float input, so following them would give many small files). A
+quantized tensor's ``_scale`` and ``_offset`` always sit in the same shard as its codes; a tensor larger than
+``max_shard_bytes`` gets a shard of its own. Every shard carries the ``__metadata__`` above, its ``qtool`` JSON
+listing only that shard's quantized tensors.
+
+Memory: one input tensor at a time; a large tensor is quantized in row chunks straight into its (1-byte or packed)
+output, so the peak is about the input tensor plus its integer codes plus a bounded scratch space, whatever the
+model's size.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -29,14 +44,26 @@ from .. import __version__
 from ..encodings import EncodingEntry, EncodingsFile
 from ..errors import EncodingsError
 from ..model.load import CheckpointTensors
-from ..quant import quantize
-from ..quant.affine import resolve_block_size
+from ..quant.affine import blocked_shapes, resolve_block_size
 from ..quant.tensor import AffineEncoding
 from .st_writer import StreamingSafetensorsWriter
 
-__all__ = ["export_integer", "match_weight_names", "read_integer_export"]
+__all__ = ["export_integer", "export_files", "match_weight_names", "read_integer_export", "DEFAULT_MAX_SHARD_BYTES",
+           "INDEX_NAME"]
 
 Progress = Optional[Callable[[int, int, str], None]]
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# elements quantized per step: bounds the float32 scratch buffer (32 MiB), reused for every chunk of a tensor
+_CHUNK_ELEMS = 1 << 23
+# torch intra-op threads while exporting (restored afterwards); 0 leaves torch's own setting (the default). The work
+# is a few memory-bound passes per tensor: on an idle 2-core machine torch's two threads are ~25% faster than one,
+# but when other processes compete for the cores every operation waits milliseconds for a thread to wake, and one
+# thread is 2-10x faster (docs/performance.md, "Scale and export"). QTOOL_EXPORT_THREADS=1 (or OMP_NUM_THREADS=1)
+# picks one thread.
+THREADS = int(os.environ.get("QTOOL_EXPORT_THREADS", "0") or 0)
 
 
 def match_weight_names(entries: List[EncodingEntry], keys: List[str], source: str) -> Dict[str, str]:
@@ -63,8 +90,10 @@ def export_integer(
     trust_pickle: bool = False,
     progress: Progress = None,
     pack: bool = True,
+    max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES,
 ) -> Dict[str, object]:
-    """Write ``out_dir/model.safetensors``; returns a summary (tensor counts, bytes)."""
+    """Write ``out_dir/model.safetensors`` (or shards plus an index, see the module docs); returns a summary
+    (tensor counts, bytes, shard files). ``max_shard_bytes=None`` never shards."""
     src = CheckpointTensors(checkpoint, trust_pickle=trust_pickle)
     keys = src.keys()
     weights = [e for e in encodings.entries if e.tensor == "weight"]
@@ -99,59 +128,253 @@ def export_integer(
                      "block_size": None if e.block_size is None else list(e.block_size),
                      "qmin": qmin, "qmax": qmax, "dtype": str(dtype).replace("torch.", ""),
                      "shape": list(shape), "packed": packed}
-    metadata = {"format": "qtool.int", "qtool_version": __version__, "qtool": json.dumps(info, sort_keys=True)}
-    path = out_dir / "model.safetensors"
-    int_bytes = float_bytes = 0
-    with StreamingSafetensorsWriter(path, layout, metadata) as w:
-        for i, key in enumerate(keys):
-            t = src.get(key)
-            e = by_key.get(key)
-            if e is None:
-                w.write(key, t)
-            else:
-                scale, offset = e.scale_offset()
-                qmin, qmax = e.qmin_qmax
-                codes = quantize(t.to(torch.float32), scale, offset, qmin=qmin, qmax=qmax, block_size=e.block_size)
-                if info[key]["packed"]:
-                    from ..quant.packing import pack_bytes
+    threads = torch.get_num_threads()
+    if THREADS:
+        torch.set_num_threads(THREADS)
+    try:
+        return _write(src, keys, layout, info, by_key, names, weights, out_dir, progress, max_shard_bytes)
+    finally:
+        torch.set_num_threads(threads)
 
-                    stored = pack_bytes(codes.to(torch.int32).reshape(-1), e.bitwidth)
+
+def _write(src, keys, layout, info, by_key, names, weights, out_dir, progress, max_shard_bytes):
+    nbytes = {name: _nbytes(dtype, shape) for name, dtype, shape in layout}
+    shards = _plan_shards(layout, info, nbytes, max_shard_bytes)
+    int_dtypes = {name: dtype for name, dtype, _ in layout}
+    files = _shard_names(len(shards))
+    weight_map: Dict[str, str] = {}
+    int_bytes = float_bytes = 0
+    done = 0
+    companions = {k + sfx for k in info for sfx in ("_scale", "_offset")}
+    order = [name for shard in shards for name, _, _ in shard if name not in companions]
+    # (reading the next tensor in a thread while quantizing this one gained nothing measurable: see
+    # docs/performance.md, "Scale and export")
+    reader = ((k, src.get(k)) for k in order)
+    for file, shard in zip(files, shards):
+        names_in = [name for name, _, _ in shard]
+        shard_info = info if len(shards) == 1 else {k: info[k] for k in names_in if k in info}
+        metadata = {"format": "qtool.int", "qtool_version": __version__,
+                    "qtool": json.dumps(shard_info, sort_keys=True)}
+        with StreamingSafetensorsWriter(out_dir / file, shard, metadata) as w:
+            for key in names_in:
+                if key in companions:
+                    continue  # written with its codes
+                got, t = next(reader)
+                assert got == key
+                e = by_key.get(key)
+                if e is None:
+                    w.write(key, t)
                 else:
-                    int_dtype = layout[[n for n, _, _ in layout].index(key)][1]
-                    stored = codes.to(int_dtype)
-                w.write(key, stored)
-                w.write(key + "_scale", scale.to(torch.float32).contiguous())
-                w.write(key + "_offset", offset.to(torch.int32).contiguous())
-                int_bytes += stored.numel() * stored.element_size()
-                float_bytes += t.numel() * t.element_size()
-            if progress:
-                progress(i + 1, len(keys), key)
+                    scale, offset = e.scale_offset()
+                    scale = scale.to(torch.float32).contiguous()
+                    stored = _quantize_to_storage(t, scale, offset, e, info[key]["packed"], int_dtypes[key])
+                    w.write(key, stored)
+                    w.write(key + "_scale", scale)
+                    w.write(key + "_offset", offset.to(torch.int32).contiguous())
+                    int_bytes += stored.numel() * stored.element_size()
+                    float_bytes += t.numel() * t.element_size()
+                    del stored
+                del t
+                done += 1
+                if progress:
+                    progress(done, len(keys), key)
+        weight_map.update({name: file for name in names_in})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(nbytes.values()), "format": "qtool.int",
+                              "qtool_version": __version__},
+                 "weight_map": {k: weight_map[k] for k in sorted(weight_map)}}
+        (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return {"tensors": len(keys), "quantized": len(by_key), "quantized_bytes": int_bytes,
-            "original_bytes_of_quantized": float_bytes, "names": {e.name: names[e.name] for e in weights}}
+            "original_bytes_of_quantized": float_bytes, "shards": len(shards), "files": files,
+            "names": {e.name: names[e.name] for e in weights}}
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    return int(torch.Size(tuple(int(d) for d in shape)).numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+def _plan_shards(layout, info, nbytes, max_shard_bytes: Optional[int]):
+    """Cut ``layout`` (in order) into shards of at most ``max_shard_bytes`` tensor bytes; codes, scale and offset
+    of one quantized tensor form one unit, and a unit bigger than the limit is a shard of its own."""
+    units: List[list] = []
+    for entry in layout:
+        name = entry[0]
+        base = name.rsplit("_", 1)[0] if name.endswith(("_scale", "_offset")) else None
+        if base is not None and base in info and units and units[-1][0][0] == base:
+            units[-1].append(entry)
+        else:
+            units.append([entry])
+    if max_shard_bytes is None or max_shard_bytes <= 0:
+        return [layout]
+    shards: List[list] = []
+    size = 0
+    for unit in units:
+        usize = sum(nbytes[n] for n, _, _ in unit)
+        if shards and size + usize <= max_shard_bytes:
+            shards[-1] += unit
+            size += usize
+        else:
+            shards.append(list(unit))
+            size = usize
+    return shards or [[]]
+
+
+def _shard_names(n: int) -> List[str]:
+    if n <= 1:
+        return [SINGLE_NAME]
+    return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def _chunk_rows(shape, enc_shape, block_size, multiple_of_8: bool) -> Optional[int]:
+    """Rows of dim 0 per chunk (a valid split for the encoding and for byte packing), or None: no chunking."""
+    shape = tuple(int(d) for d in shape)
+    numel = int(torch.Size(shape).numel())
+    if len(shape) < 1 or numel <= _CHUNK_ELEMS or shape[0] <= 1:
+        return None
+    row = numel // shape[0]
+    step = 1
+    if len(enc_shape) == len(shape) and int(enc_shape[0]) > 1:
+        step = resolve_block_size(shape, enc_shape, block_size)[0]  # rows sharing one encoding row
+    if multiple_of_8:  # a chunk of a multiple of 8 codes packs to whole bytes
+        need = 8 // math.gcd(row, 8)
+        step = step * need // math.gcd(step, need)
+    rows = max(step, (_CHUNK_ELEMS // max(row, 1)) // step * step)
+    return rows if rows < shape[0] else None
+
+
+def _quantize_to_storage(t: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, e: EncodingEntry,
+                         packed: bool, int_dtype: torch.dtype) -> torch.Tensor:
+    """The stored codes of ``t`` (packed ``uint8`` or ``int_dtype``), bit-identical to
+    ``quantize(t.to(float32), scale, offset, qmin=, qmax=, block_size=)`` then ``.to(int_dtype)`` / ``pack_bytes``.
+
+    Big tensors go in row chunks through one float32 buffer of at most ``_CHUNK_ELEMS`` elements, reused chunk after
+    chunk, so the scratch space is bounded; the operations are ``quantize``'s own (``affine._quantize_raw``: true
+    division, round half to even, ``- offset``, clamp), done in place. 1, 2 and 4-bit codes are packed here with byte
+    operations (the layout of ``pack_bytes``, which packs the other widths)."""
+    qmin, qmax = e.qmin_qmax
+    enc_shape = tuple(scale.shape)
+    scale = scale.to(torch.float32)
+    offset = offset.to(torch.float32)
+    subtract = bool(offset.any())  # x - 0.0 == x bit for bit: skip the pass for symmetric encodings
+    numel = t.numel()
+    rows = _chunk_rows(t.shape, enc_shape, e.block_size, packed)
+    if packed:
+        out = torch.empty(((numel * e.bitwidth + 7) // 8,), dtype=torch.uint8)
+    else:
+        out = torch.empty(tuple(t.shape), dtype=int_dtype)
+    if rows is None:  # one piece
+        chunks = [(t, scale, offset, e.block_size, 0, None)]
+        cap = numel
+    else:
+        n0 = int(t.shape[0])
+        per_enc_row = len(enc_shape) == t.dim() and int(enc_shape[0]) > 1
+        b0 = resolve_block_size(tuple(t.shape), enc_shape, e.block_size)[0] if per_enc_row else None
+        bs = e.block_size
+        if bs is not None and len(enc_shape) == t.dim() and not per_enc_row:
+            bs = (-1, *tuple(bs)[1:])  # one encoding row spans dim 0: it spans each chunk's rows instead
+        chunks = []
+        for r0 in range(0, n0, rows):
+            r1 = min(n0, r0 + rows)
+            s, o = scale, offset
+            if per_enc_row:
+                s = scale[r0 // b0:r1 // b0]
+                o = offset[r0 // b0:r1 // b0]
+            chunks.append((t[r0:r1], s, o, bs, r0, r1))
+        cap = rows * (numel // n0)
+    buf = torch.empty((cap,), dtype=torch.float32)
+    codes8 = torch.empty((cap,), dtype=torch.int8) if packed else None
+    done = 0
+    for x, s, o, bs, r0, r1 in chunks:
+        n = x.numel()
+        b = buf[:n].view(x.shape)
+        if bs is not None:
+            x_view, enc_view, _ = blocked_shapes(tuple(x.shape), tuple(s.shape), bs)
+            b, x = b.view(x_view), x.reshape(x_view)
+            s, o = s.reshape(enc_view), o.reshape(enc_view)  # offset has the scale's shape
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            b.copy_(x)  # float64 rounds to float32 first, as t.to(float32) does
+            x = b
+        torch.div(x, s, out=b)  # half/bfloat16 widen exactly to float32 inside the kernel
+        torch.round(b, out=b)
+        if subtract:
+            b.sub_(o)
+        b.clamp_(qmin, qmax)
+        if not packed:
+            if r1 is None:
+                out.copy_(b.view(out.shape))
+            else:
+                out[r0:r1].copy_(b.view(out[r0:r1].shape))
+            continue
+        c = codes8[:n]
+        c.copy_(b.reshape(-1))
+        byte0 = done * e.bitwidth // 8
+        nbytes = (n * e.bitwidth + 7) // 8
+        _pack_into(out[byte0:byte0 + nbytes], c, e.bitwidth)
+        done += n
+    return out
+
+
+def _pack_into(dst: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
+    """``dst[:] = pack_bytes(codes, bits)`` for int8 ``codes`` that fit ``bits``; byte operations for 1/2/4 bits."""
+    per = 8 // bits if 8 % bits == 0 else 0
+    if not per or codes.numel() % per:
+        from ..quant.packing import pack_bytes
+
+        dst.copy_(pack_bytes(codes, bits))
+        return
+    u = codes.view(torch.uint8).view(-1, per)  # two's complement bits; the mask keeps the low ``bits``
+    mask = (1 << bits) - 1
+    torch.bitwise_left_shift(u[:, per - 1], (per - 1) * bits, out=dst)  # uint8: the shift drops the high bits
+    for j in range(per - 1):
+        part = torch.bitwise_and(u[:, j], mask)
+        dst.bitwise_or_(part.bitwise_left_shift_(j * bits) if j else part)
+
+
+def export_files(path: Path) -> List[Path]:
+    """The safetensors files of a qtool integer export: ``path`` is a directory (single file or sharded), its
+    ``model.safetensors.index.json``, or one ``.safetensors`` file."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / INDEX_NAME).exists():
+            path = path / INDEX_NAME
+        elif (path / SINGLE_NAME).exists():
+            return [path / SINGLE_NAME]
+        else:
+            raise EncodingsError(f"{path}: no {SINGLE_NAME} or {INDEX_NAME} here")
+    if path.name.endswith(".index.json"):
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+        except (ValueError, KeyError, OSError) as e:
+            raise EncodingsError(f"{path}: not a valid safetensors index ({e})") from None
+        return [path.parent / f for f in sorted(set(weight_map.values()))]
+    return [path]
 
 
 def read_integer_export(path: Path) -> Dict[str, torch.Tensor]:
-    """Dequantized weights of a qtool integer export, keyed by the original tensor names (for checks)."""
+    """Dequantized weights of a qtool integer export, keyed by the original tensor names (for checks).
+
+    ``path``: the output directory, its index, or a ``.safetensors`` file (a shard gives that shard's tensors)."""
     from safetensors import safe_open
 
     from ..quant import dequantize
 
-    with safe_open(str(path), "pt") as fh:
-        meta = json.loads(fh.metadata()["qtool"])
-        out = {}
-        for key in fh.keys():
-            if key.endswith("_scale") or key.endswith("_offset"):
-                if key.rsplit("_", 1)[0] in meta:
-                    continue
-            t = fh.get_tensor(key)
-            if key in meta:
-                m = meta[key]
-                if m.get("packed"):
-                    from ..quant.packing import unpack_bytes
+    out = {}
+    for file in export_files(path):
+        with safe_open(str(file), "pt") as fh:
+            meta = json.loads(fh.metadata()["qtool"])
+            for key in fh.keys():
+                if key.endswith("_scale") or key.endswith("_offset"):
+                    if key.rsplit("_", 1)[0] in meta:
+                        continue
+                t = fh.get_tensor(key)
+                if key in meta:
+                    m = meta[key]
+                    if m.get("packed"):
+                        from ..quant.packing import unpack_bytes
 
-                    t = unpack_bytes(t, m["bitwidth"], m["shape"], signed=m["qmin"] < 0)
-                bs = None if m["block_size"] is None else tuple(m["block_size"])
-                t = dequantize(t, fh.get_tensor(key + "_scale"), fh.get_tensor(key + "_offset").to(torch.float32),
-                               block_size=bs)
-            out[key] = t
+                        t = unpack_bytes(t, m["bitwidth"], m["shape"], signed=m["qmin"] < 0)
+                    bs = None if m["block_size"] is None else tuple(m["block_size"])
+                    t = dequantize(t, fh.get_tensor(key + "_scale"),
+                                   fh.get_tensor(key + "_offset").to(torch.float32), block_size=bs)
+                out[key] = t
     return out
