@@ -80,6 +80,7 @@ def plan_for(checkpoint: str, recipe_path: str, opts: CalibrateOptions) -> Tuple
 
 def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, run_dir: Path, hooks: Hooks):
     hooks.on_stage("loading checkpoint")
+    streaming = None
     if opts.sequential:
         from .config import load_recipe
         from .model.load import detect_kind, resolve_device
@@ -93,9 +94,25 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         plan = resolve_plan(recipe, model, source=str(recipe_path), allow_unmatched=opts.allow_unmatched)
         files, kind = tensor_files(Path(checkpoint)), "hf"
     else:
-        loaded, plan = plan_for(checkpoint, recipe_path, opts)
-        model, tokenizer, files, kind = loaded.model, loaded.tokenizer, loaded.files, loaded.kind
-        device = next(iter(model.parameters())).device
+        from .model.load import detect_kind, resolve_device
+
+        streaming = None
+        if opts.data is None and detect_kind(Path(checkpoint)) == "hf":
+            # a weight-only recipe on a Hugging Face directory needs no model: stream the weights
+            from .config import load_recipe
+            from .sequential import meta_skeleton
+
+            recipe = load_recipe(recipe_path)
+            skeleton = meta_skeleton(checkpoint, opts.trust_remote_code)
+            sk_plan = resolve_plan(recipe, skeleton, source=str(recipe_path), allow_unmatched=opts.allow_unmatched)
+            if not sk_plan.needs_data():
+                streaming, plan, model = sk_plan, sk_plan, skeleton
+                tokenizer, files, kind = None, tensor_files(Path(checkpoint)), "hf"
+                device = resolve_device(opts.device)
+        if streaming is None:
+            loaded, plan = plan_for(checkpoint, recipe_path, opts)
+            model, tokenizer, files, kind = loaded.model, loaded.tokenizer, loaded.files, loaded.kind
+            device = next(iter(model.parameters())).device
     causal = opts.sequential or type(model).__name__.endswith("ForCausalLM")
     hooks.on_plan(plan)
     data: Optional[CalibrationData] = None
@@ -110,7 +127,12 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, tokenizer,
                          pack_text=causal)
     hooks.on_stage("calibrating")
-    if opts.sequential:
+    if not opts.sequential and streaming is not None:
+        from .sequential import calibrate_weights_streaming
+
+        entries = calibrate_weights_streaming(checkpoint, plan, model)
+        unused = []
+    elif opts.sequential:
         from .sequential import calibrate_sequential
 
         entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block)

@@ -203,3 +203,59 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         _release(lm_head)
     _release(embed)
     return [entries[q.name] for q in plan.quantizers if q.name in entries]
+
+
+def meta_skeleton(path, trust_remote_code: bool = False) -> nn.Module:
+    """Any Hugging Face model directory's model on the meta device (the class from config.architectures)."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    with torch.device("meta"):
+        if cls is not None:
+            return cls(config)
+        return transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def calibrate_weights_streaming(path, plan: Plan, model: nn.Module) -> List[EncodingEntry]:
+    """Weight-only plans: each weight is read from the checkpoint, calibrated and dropped; no model is built.
+
+    The encodings equal a normal run's (weight quantizers only ever see their weight). Peak memory is about
+    the largest weight in float32.
+    """
+    from .model.insert import make_quantizer
+
+    src = CheckpointTensors(path)
+    keys = set(src.keys())
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    shared = {}
+    seen = {}
+    for n, p in params.items():
+        shared.setdefault(id(p), []).append(n)
+        seen[n] = id(p)
+
+    def key_of(name: str) -> Optional[str]:
+        candidates = [name]
+        if prefix and name.startswith(prefix + "."):
+            candidates.append(name[len(prefix) + 1:])
+        elif prefix:
+            candidates.append(f"{prefix}.{name}")
+        if tied and name in seen:
+            candidates += [n for n in shared[seen[name]] if n != name]
+        return next((c for c in candidates if c in keys), None)
+
+    entries = []
+    with torch.no_grad():
+        for q in plan.weights:
+            key = key_of(f"{q.module}.weight")
+            if key is None:
+                raise CheckpointError(f"{src.path}: checkpoint has no tensor for {q.module}.weight")
+            quantizer = make_quantizer(q)
+            with quantizer.compute_encodings():
+                quantizer(src.get(key).to(torch.float32))
+            entries.append(EncodingEntry.from_quantizer(q, quantizer))
+    return entries

@@ -45,3 +45,31 @@ def test_sequential_needs_a_causal_lm_directory(tmp_path):
                            Path(__file__).resolve().parents[1] / "configs/w8a16.yaml", "--model-class",
                            "tests.tinymodels:mlp", "-o", tmp_path / "r", "--sequential", "--quiet")
     assert code == 2 and "--sequential needs a Hugging Face causal LM directory" in err
+
+
+@pytest.mark.parametrize("recipe", ["w8a16.yaml", "w4a16-block32.yaml"])
+def test_weight_only_calibration_streams_weights_with_equal_encodings(tmp_path, recipe):
+    """A weight-only recipe on an HF directory never builds the model; the encodings equal a full load's."""
+    import qtool.pipeline as P
+    from qtool.config import load_recipe, resolve_plan
+    from qtool.model.insert import insert_quantizers
+    from qtool.model.load import load_model
+    from qtool.calibrate import calibrate
+    from qtool.encodings import EncodingEntry
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "m")
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", configs / recipe, "-o", tmp_path / "run")
+    assert code == 0, err
+    streamed = json.loads((tmp_path / "run/encodings.json").read_text())["quantizers"]
+    loaded = load_model(tmp_path / "m")
+    plan = resolve_plan(load_recipe(configs / recipe), loaded.model)
+    qs = insert_quantizers(loaded.model, plan)
+    calibrate(loaded.model, plan, qs, None, torch.device("cpu"))
+    full = [EncodingEntry.from_quantizer(q, qs[q.name]).to_json() for q in plan.quantizers]
+    assert [q["name"] for q in streamed] == [q["name"] for q in full]
+    for a, b in zip(streamed, full):
+        assert (a["min"], a["max"], a["scale"]) == (b["min"], b["max"], b["scale"]), a["name"]
