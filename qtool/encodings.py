@@ -24,7 +24,7 @@ import torch
 from .config import QuantizerPlan
 from .errors import EncodingsError
 from .quant import QuantizerBase
-from .quant.affine import grid, min_max_to_scale_offset
+from .quant.affine import grid, min_max_to_scale_offset, resolve_block_size
 
 __all__ = ["EncodingEntry", "EncodingsFile", "SCHEMA", "SCHEMA_VERSION"]
 
@@ -64,6 +64,16 @@ class EncodingEntry:
         return cls(plan.name, plan.module, plan.tensor, plan.bitwidth, plan.symmetric, plan.granularity,
                    tuple(plan.shape), plan.block_size, plan.analyzer_label,
                    quantizer.min.detach().cpu().clone(), quantizer.max.detach().cpu().clone())
+
+    def check_fits(self, key: str, shape) -> None:
+        """Raise ``EncodingsError`` unless this encoding's shape/block_size applies to tensor ``key`` of ``shape``."""
+        try:
+            resolve_block_size(shape, self.shape, self.block_size)
+        except ValueError as err:
+            raise EncodingsError(
+                f"encodings entry {self.name!r} (shape {list(self.shape)}) does not fit tensor {key!r} of shape "
+                f"{list(shape)}: {err}; were they made for another model?"
+            ) from None
 
     def to_json(self) -> Dict[str, Any]:
         scale, offset = self.scale_offset()

@@ -89,7 +89,6 @@ from ..encodings import EncodingEntry, EncodingsFile
 from ..errors import CheckpointError, EncodingsError, UsageError
 from ..model.load import CheckpointTensors, detect_kind
 from ..quant import quantize
-from ..quant.affine import resolve_block_size
 from ..quant.packing import pack_int32
 from .integer import match_weight_names
 from .st_writer import StreamingSafetensorsWriter
@@ -178,13 +177,7 @@ def _weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Dict[str
         strategy, group_size = "group", int(g)
     else:  # pragma: no cover - EncodingsFile validates granularity by construction
         raise EncodingsError(f"{e.name}: unknown granularity {e.granularity!r}")
-    try:
-        resolve_block_size(shape, e.shape, e.block_size)
-    except ValueError as err:
-        raise EncodingsError(
-            f"encodings entry {e.name!r} (shape {list(e.shape)}) does not fit tensor {key!r} of shape "
-            f"{list(shape)}: {err}; were they made for another model?"
-        ) from None
+    e.check_fits(key, shape)
     return {
         "actorder": None,
         "block_structure": None,

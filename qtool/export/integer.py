@@ -108,13 +108,7 @@ def export_integer(
         if e is None:
             layout.append((key, dtype, shape))
             continue
-        try:
-            resolve_block_size(shape, e.shape, e.block_size)
-        except ValueError as err:
-            raise EncodingsError(
-                f"encodings entry {e.name!r} (shape {list(e.shape)}) does not fit tensor {key!r} of shape "
-                f"{list(shape)}: {err}; were they made for another model?"
-            ) from None
+        e.check_fits(key, shape)
         qmin, qmax = e.qmin_qmax
         packed = pack and e.bitwidth < 8
         if packed:
