@@ -265,6 +265,15 @@ _NO_PACK = typer.Option(False, "--no-pack", help="Store sub-byte codes one per b
 _CT8 = typer.Option("int-quantized", "--ct-8bit-format",
                     help="compressed-tensors layout of 8-bit weights: int-quantized or pack-quantized (vLLM).")
 
+_SHARD = typer.Option("5GB", "--max-shard-size",
+                      help="qtool format: largest output shard, e.g. 5GB, 500MB, 2GiB; 0 or none: one file.")
+
+
+def _shard_bytes(text: str):
+    from .fsutil import parse_size
+
+    return parse_size(text, "--max-shard-size")
+
 
 def _eopts(**kw):
     from .pipeline import ExportOptions
@@ -283,6 +292,7 @@ def export(
     seq_len: int = _SEQ,
     no_pack: bool = _NO_PACK,
     ct_8bit_format: str = _CT8,
+    max_shard_size: str = _SHARD,
     model_class: Optional[str] = _MODEL_CLASS,
     trust_pickle: bool = _TRUST_PICKLE,
     trust_remote_code: bool = _TRUST_CODE,
@@ -298,7 +308,7 @@ def export(
         summary = run_export(checkpoint, encodings, out, _eopts(
             format=format, encoding_version=encoding_version, trust_pickle=trust_pickle, model_class=model_class,
             trust_remote_code=trust_remote_code, data=data, seq_len=seq_len, pack=not no_pack,
-            ct_eight_bit_format=ct_8bit_format), overwrite, p.hooks())
+            ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size)), overwrite, p.hooks())
     _report_files(summary, quiet)
     if json_out:
         _emit_json({"ok": True, **summary})
@@ -324,6 +334,7 @@ def quantize(
     encoding_version: str = _ENC_VERSION,
     no_pack: bool = _NO_PACK,
     ct_8bit_format: str = _CT8,
+    max_shard_size: str = _SHARD,
     overwrite: bool = _OVERWRITE,
     json_out: bool = _JSON,
     quiet: bool = _QUIET,
@@ -338,7 +349,7 @@ def quantize(
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
             allow_unmatched=allow_unmatched, sequential=sequential), overwrite, p.hooks(),
             _eopts(format=format, encoding_version=encoding_version, seq_len=seq_len, pack=not no_pack,
-                   ct_eight_bit_format=ct_8bit_format))
+                   ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size)))
     _report_files(summary, quiet)
     if json_out:
         _emit_json({"ok": True, **summary})

@@ -10,12 +10,23 @@ One entry per quantizer::
 ``real = (q + offset) * scale``) are derived from them; all are nested lists in ``shape`` (a bare number for
 per-tensor). Floats are float32 values written with Python's shortest round-trip repr, so reading a file back
 gives the same float32 bits.
+
+Large encodings (more than ``INLINE_LIMIT`` numbers per field, e.g. int4 block-32 weights of a multi-billion
+parameter model: ~94M blocks at 3B) would make a JSON file of many GB that no one can read back in bounded memory.
+Their numbers go to a sidecar ``encodings.safetensors`` beside the JSON instead (schema version 2), and the entry
+names the tensors that hold them::
+
+    {"name": "...", ..., "data": {"file": "encodings.safetensors", "min": "NAME.min", "max": "NAME.max",
+                                  "scale": "NAME.scale", "offset": "NAME.offset"}}
+
+``min``/``max``/``scale`` are float32 and ``offset`` int32, each in ``shape``. A file with no sidecar entries is
+written as version 1, so readers of version 1 keep working on everything they could read before.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -26,10 +37,13 @@ from .errors import EncodingsError
 from .quant import QuantizerBase
 from .quant.affine import grid, min_max_to_scale_offset, resolve_block_size
 
-__all__ = ["EncodingEntry", "EncodingsFile", "SCHEMA", "SCHEMA_VERSION"]
+__all__ = ["EncodingEntry", "EncodingsFile", "SCHEMA", "SCHEMA_VERSION", "INLINE_LIMIT", "SIDECAR"]
 
 SCHEMA = "qtool.encodings"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # the newest version this qtool writes and reads
+READS_VERSIONS = (1, 2)
+INLINE_LIMIT = 1 << 16  # numbers per field above which an entry's data goes to the sidecar
+SIDECAR = "encodings.safetensors"
 
 
 def _tolist(t: torch.Tensor):
@@ -75,8 +89,11 @@ class EncodingEntry:
                 f"{list(shape)}: {err}; were they made for another model?"
             ) from None
 
-    def to_json(self) -> Dict[str, Any]:
-        scale, offset = self.scale_offset()
+    def numel(self) -> int:
+        return int(self.min.numel())
+
+    def header_json(self) -> Dict[str, Any]:
+        """Every field except the numbers."""
         return {
             "name": self.name,
             "module": self.module,
@@ -87,24 +104,40 @@ class EncodingEntry:
             "shape": list(self.shape),
             "block_size": None if self.block_size is None else list(self.block_size),
             "analyzer": self.analyzer,
-            "min": _tolist(self.min),
-            "max": _tolist(self.max),
-            "scale": _tolist(scale),
-            "offset": offset.to(torch.int64).tolist(),
         }
 
+    def to_json(self) -> Dict[str, Any]:
+        scale, offset = self.scale_offset()
+        return {**self.header_json(), "min": _tolist(self.min), "max": _tolist(self.max), "scale": _tolist(scale),
+                "offset": offset.to(torch.int64).tolist()}
+
+    def sidecar_tensors(self) -> List[Tuple[str, torch.Tensor]]:
+        """(key, tensor) for this entry's numbers in the sidecar file, in the order they are stored."""
+        scale, offset = self.scale_offset()
+        shape = tuple(self.shape)
+        return [(f"{self.name}.min", self.min.to(torch.float32).reshape(shape)),
+                (f"{self.name}.max", self.max.to(torch.float32).reshape(shape)),
+                (f"{self.name}.scale", scale.to(torch.float32).reshape(shape)),
+                (f"{self.name}.offset", offset.to(torch.int32).reshape(shape))]
+
     @classmethod
-    def from_json(cls, obj: Dict[str, Any], where: str) -> "EncodingEntry":
+    def from_json(cls, obj: Dict[str, Any], where: str, sidecar: Optional["_Sidecar"] = None) -> "EncodingEntry":
         try:
             shape = tuple(int(d) for d in obj["shape"])
+            if "data" in obj:
+                if sidecar is None:
+                    raise EncodingsError(f"{where}: 'data' needs schema_version 2")
+                lo, hi = sidecar.range(obj["data"], shape, where)
+            else:
+                lo = torch.tensor(obj["min"], dtype=torch.float32).reshape(shape)
+                hi = torch.tensor(obj["max"], dtype=torch.float32).reshape(shape)
             entry = cls(
                 name=str(obj["name"]), module=str(obj["module"]), tensor=str(obj["tensor"]),
                 bitwidth=int(obj["bitwidth"]), symmetric=bool(obj["symmetric"]),
                 granularity=str(obj["granularity"]), shape=shape,
                 block_size=None if obj.get("block_size") is None else tuple(int(b) for b in obj["block_size"]),
                 analyzer=str(obj.get("analyzer", "minmax")),
-                min=torch.tensor(obj["min"], dtype=torch.float32).reshape(shape),
-                max=torch.tensor(obj["max"], dtype=torch.float32).reshape(shape),
+                min=lo, max=hi,
             )
         except KeyError as e:
             raise EncodingsError(f"{where}: missing field {e.args[0]!r}") from None
@@ -119,20 +152,96 @@ class EncodingEntry:
         return entry
 
 
+class _Sidecar:
+    """Reads the numbers of version-2 entries from the safetensors file beside the JSON."""
+
+    def __init__(self, json_path: Path):
+        self.dir = json_path.parent
+        self.json_path = json_path
+        self._open: Dict[str, Any] = {}
+
+    def _file(self, name: Any, where: str):
+        if not isinstance(name, str) or Path(name).name != name:
+            raise EncodingsError(f"{where}: data.file must be a file name beside the JSON (got {name!r})")
+        if name not in self._open:
+            from safetensors import SafetensorError, safe_open
+
+            path = self.dir / name
+            if not path.is_file():
+                raise EncodingsError(f"{path}: encodings data file not found (named by {self.json_path})")
+            try:
+                self._open[name] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError, ValueError) as e:
+                raise EncodingsError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+        return self._open[name]
+
+    def files(self) -> List[Path]:
+        return [self.dir / name for name in sorted(self._open)]
+
+    def range(self, data: Any, shape: Tuple[int, ...], where: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(data, dict):
+            raise EncodingsError(f"{where}: 'data' must be an object naming a file and its min/max tensors")
+        fh = self._file(data.get("file"), where)
+        out = []
+        for field in ("min", "max"):
+            key = data.get(field)
+            if not isinstance(key, str) or key not in fh.keys():
+                raise EncodingsError(f"{where}: data.{field} names no tensor in {data.get('file')} (got {key!r})")
+            t = fh.get_tensor(key)
+            if t.dtype != torch.float32 or tuple(t.shape) != shape:
+                raise EncodingsError(f"{where}: tensor {key!r} is {t.dtype} {list(t.shape)}, expected float32 "
+                                     f"{list(shape)}")
+            out.append(t)
+        return out[0], out[1]
+
+
 @dataclass
 class EncodingsFile:
     entries: List[EncodingEntry]
     meta: Dict[str, Any]
+    data_files: List[Path] = field(default_factory=list)  # sidecar files this was read from
 
     def by_name(self) -> Dict[str, EncodingEntry]:
         return {e.name: e for e in self.entries}
 
-    def to_json(self) -> Dict[str, Any]:
-        return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **self.meta,
-                "quantizers": [e.to_json() for e in self.entries]}
+    def _inline(self, e: EncodingEntry, inline_limit: Optional[int]) -> bool:
+        return inline_limit is None or e.numel() <= inline_limit
 
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1) + "\n"
+    def to_json(self, inline_limit: Optional[int] = None) -> Dict[str, Any]:
+        """The JSON object; entries above ``inline_limit`` numbers refer to the sidecar (None: all inline)."""
+        quantizers = []
+        for e in self.entries:
+            if self._inline(e, inline_limit):
+                quantizers.append(e.to_json())
+            else:
+                quantizers.append({**e.header_json(), "data": {
+                    "file": SIDECAR, **{f: f"{e.name}.{f}" for f in ("min", "max", "scale", "offset")}}})
+        version = 1 if all("data" not in q for q in quantizers) else 2
+        return {"schema": SCHEMA, "schema_version": version, **self.meta, "quantizers": quantizers}
+
+    def dumps(self, inline_limit: Optional[int] = None) -> str:
+        return json.dumps(self.to_json(inline_limit), indent=1) + "\n"
+
+    def write(self, path: str | Path, inline_limit: Optional[int] = INLINE_LIMIT) -> List[Path]:
+        """Write ``path`` (the JSON) and, when some entry is larger than ``inline_limit`` numbers, the sidecar
+        ``encodings.safetensors`` beside it (streamed, one tensor at a time). Returns the files written."""
+        from .export.st_writer import StreamingSafetensorsWriter
+
+        path = Path(path)
+        big = [e for e in self.entries if not self._inline(e, inline_limit)]
+        written = []
+        if big:
+            decl = [(f"{e.name}.{f}", dt, e.shape) for e in big
+                    for f, dt in (("min", torch.float32), ("max", torch.float32), ("scale", torch.float32),
+                                  ("offset", torch.int32))]
+            with StreamingSafetensorsWriter(path.parent / SIDECAR, decl,
+                                            metadata={"format": "pt", "schema": SCHEMA}) as w:
+                for e in big:
+                    for key, t in e.sidecar_tensors():
+                        w.write(key, t)
+            written.append(path.parent / SIDECAR)
+        path.write_text(self.dumps(inline_limit))
+        return [path] + written
 
     @classmethod
     def read(cls, path: str | Path) -> "EncodingsFile":
@@ -147,22 +256,25 @@ class EncodingsFile:
             raise EncodingsError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
             raise EncodingsError(f"{path}: not a qtool encodings file (expected \"schema\": \"{SCHEMA}\")")
-        if obj.get("schema_version") != SCHEMA_VERSION:
+        version = obj.get("schema_version")
+        if version not in READS_VERSIONS or isinstance(version, bool):
             raise EncodingsError(
-                f"{path}: schema_version {obj.get('schema_version')!r} is not supported (this qtool reads "
-                f"{SCHEMA_VERSION})"
+                f"{path}: schema_version {version!r} is not supported (this qtool reads "
+                f"{', '.join(map(str, READS_VERSIONS))})"
             )
         raw = obj.get("quantizers")
         if not isinstance(raw, list):
             raise EncodingsError(f"{path}: 'quantizers' must be a list")
-        entries = [EncodingEntry.from_json(e, f"{path}: quantizers[{i}]") if isinstance(e, dict)
+        sidecar = _Sidecar(path) if version >= 2 else None
+        entries = [EncodingEntry.from_json(e, f"{path}: quantizers[{i}]", sidecar) if isinstance(e, dict)
                    else _bad_entry(path, i) for i, e in enumerate(raw)]
         names = [e.name for e in entries]
         if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
+            seen = set()
+            dup = next(n for n in names if n in seen or seen.add(n))
             raise EncodingsError(f"{path}: quantizer {dup!r} appears twice")
         meta = {k: v for k, v in obj.items() if k not in ("schema", "schema_version", "quantizers")}
-        return cls(entries, meta)
+        return cls(entries, meta, [] if sidecar is None else sidecar.files())
 
 
 def _bad_entry(path, i):

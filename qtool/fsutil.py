@@ -8,11 +8,32 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from .errors import UsageError
 
-__all__ = ["atomic_output_dir", "sha256_file", "check_output_dir"]
+__all__ = ["atomic_output_dir", "sha256_file", "check_output_dir", "parse_size"]
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(text: str, what: str) -> Optional[int]:
+    """'5GB', '500MB', '2GiB', '123' (bytes) -> bytes; '0' or 'none' -> None (no limit). Units as Hugging Face's
+    ``max_shard_size``: KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2."""
+    t = text.strip().upper().replace(" ", "")
+    if t in ("0", "NONE"):
+        return None
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not value > 0 or value != value or value == float("inf"):
+        raise UsageError(f"{what}: {text!r} is not a size like 5GB, 500MB or 2GiB (0 or none: no limit)")
+    return max(1, int(value * _UNITS[unit]))
 
 
 def check_output_dir(out: Path, overwrite: bool) -> None:

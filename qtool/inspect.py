@@ -55,9 +55,13 @@ def _totals(rows: List[Dict[str, Any]], numels: Optional[List[int]]) -> Dict[str
     return tot
 
 
-def _qtool_safetensors(path: Path, header: Dict[str, Any]) -> Dict[str, Any]:
-    meta = json.loads(header.get("__metadata__", {}).get("qtool", "{}"))
-    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+def _qtool_safetensors(path: Path, headers: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One qtool integer file, or every shard of a sharded export (headers in shard order)."""
+    meta: Dict[str, Any] = {}
+    entries: Dict[str, Any] = {}
+    for header in headers:
+        meta.update(json.loads(header.get("__metadata__", {}).get("qtool", "{}")))
+        entries.update({k: v for k, v in header.items() if k != "__metadata__"})
     size = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in entries.items()}
     rows, numels = [], []
     for name, v in entries.items():
@@ -74,7 +78,8 @@ def _qtool_safetensors(path: Path, header: Dict[str, Any]) -> Dict[str, Any]:
             shape = v["shape"]
             rows.append(_row(name, v["dtype"], None, None, shape, size[name], False))
         numels.append(_numel(shape))
-    return {"kind": "qtool integer safetensors", "path": str(path), "tensors": rows, "totals": _totals(rows, numels)}
+    kind = "qtool integer safetensors" + (f" ({len(headers)} shards)" if len(headers) > 1 else "")
+    return {"kind": kind, "path": str(path), "tensors": rows, "totals": _totals(rows, numels)}
 
 
 def _headers(files: List[Path]) -> Dict[str, Any]:
@@ -181,14 +186,24 @@ def inspect_path(path: str | Path) -> Dict[str, Any]:
                 return _compressed_tensors_dir(p, cfg)
         if (p / "model.safetensors").exists():
             return inspect_path(p / "model.safetensors")
+        if (p / "model.safetensors.index.json").exists():
+            return inspect_path(p / "model.safetensors.index.json")
         if (p / "encodings.json").exists():
             return inspect_path(p / "encodings.json")
         raise UsageError(f"{p}: no model.safetensors, encodings.json or compressed-tensors config.json here")
     if p.suffix == ".safetensors":
         header = _header(p)
         if header.get("__metadata__", {}).get("format") == "qtool.int":
-            return _qtool_safetensors(p, header)
+            return _qtool_safetensors(p, [header])
         return _plain_safetensors([p], "safetensors", p)
+    if p.name.endswith(".safetensors.index.json"):
+        from .export.integer import export_files
+
+        files = export_files(p)
+        headers = [_header(f) for f in files]
+        if all(h.get("__metadata__", {}).get("format") == "qtool.int" for h in headers):
+            return _qtool_safetensors(p, headers)
+        return _plain_safetensors(files, "sharded safetensors", p)
     try:
         obj = json.loads(p.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):

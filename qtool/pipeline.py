@@ -19,9 +19,9 @@ from . import __version__
 from .calibrate import calibrate
 from .config import Plan, QuantizerPlan, load_recipe, resolve_plan
 from .data import CalibrationData, load_data
-from .encodings import EncodingEntry, EncodingsFile
+from .encodings import SIDECAR, EncodingEntry, EncodingsFile
 from .errors import EncodingsError, UsageError
-from .export.integer import export_integer
+from .export.integer import DEFAULT_MAX_SHARD_BYTES, export_integer
 from .fsutil import atomic_output_dir, check_output_dir, sha256_file
 from .model.insert import insert_quantizers
 from .model.load import LoadedModel, load_model, tensor_files
@@ -146,7 +146,7 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         unused = result.unused
     enc = EncodingsFile(entries, {"qtool_version": __version__, "recipe": Path(recipe_path).name})
     enc_path = run_dir / "encodings.json"
-    enc_path.write_text(enc.dumps())
+    enc_files = enc.write(enc_path)
     manifest = {
         "command": "calibrate",
         "versions": versions(),
@@ -158,7 +158,7 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
             "data": None if data is None else {"path": str(opts.data), "samples": data.num_samples,
                                                "sha256": _files_digest(data.files)},
         },
-        "outputs": {"encodings.json": sha256_file(enc_path)},
+        "outputs": {f.name: sha256_file(f) for f in enc_files},
         "quantizers": len(entries),
         "uncalibrated": unused,
         "warnings": plan.warnings,
@@ -167,7 +167,7 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
     summary = {"encodings": str(enc_path), "quantizers": len(entries), "weights": len(plan.weights),
                "activations": len(plan.activations), "uncalibrated": unused,
                "samples": 0 if data is None else data.num_samples, "device": str(device),
-               "warnings": plan.warnings}
+               "warnings": plan.warnings, "outputs": [f.name for f in enc_files] + ["manifest.json"]}
     return summary
 
 
@@ -179,7 +179,7 @@ def run_calibrate(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOp
     with atomic_output_dir(Path(out), overwrite) as tmp:
         summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks)
     summary["encodings"] = str(Path(out) / "encodings.json")
-    summary["files"] = [str(Path(out) / n) for n in ("encodings.json", "manifest.json")]
+    summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
     return summary
 
 
@@ -195,9 +195,12 @@ class ExportOptions:
     batch_size: int = 2
     pack: bool = True  # sub-byte codes packed densely in qtool's format
     ct_eight_bit_format: str = "int-quantized"  # or pack-quantized (what vLLM's weight-only path runs)
+    max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES  # qtool format; None: one file
 
 
 FORMATS = ("qtool", "aimet", "onnx", "compressed-tensors")
+# beyond this many encoding numbers, the AIMET JSON beside a non-AIMET export is skipped (~100 bytes per number)
+AIMET_JSON_LIMIT = 10_000_000
 
 
 def _weight_names(checkpoint: str, enc: EncodingsFile, trust_pickle: bool) -> Dict[str, str]:
@@ -221,7 +224,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     names: Dict[str, str] = {}
     if eopts.format == "qtool":
         summary.update(export_integer(Path(checkpoint), enc, out_dir, trust_pickle=eopts.trust_pickle,
-                                      progress=hooks.on_tensor, pack=eopts.pack))
+                                      progress=hooks.on_tensor, pack=eopts.pack, max_shard_bytes=eopts.max_shard_bytes))
         names = summary.pop("names")
     elif eopts.format == "aimet":
         names = _weight_names(checkpoint, enc, eopts.trust_pickle)
@@ -237,9 +240,14 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
                                                  progress=hooks.on_tensor, eight_bit_format=eopts.ct_eight_bit_format,
                                                  trust_remote_code=eopts.trust_remote_code))
     summary["export_warnings"] = summary.pop("warnings", [])
-    if eopts.format != "compressed-tensors":
+    numbers = sum(e.numel() for e in enc.entries)
+    if eopts.format == "aimet" or (eopts.format != "compressed-tensors" and numbers <= AIMET_JSON_LIMIT):
         aimet = to_aimet(enc, eopts.encoding_version, __version__, names=names)
         (out_dir / "model.encodings").write_text(json.dumps(aimet, indent=1) + "\n")
+    elif eopts.format != "compressed-tensors":
+        summary["export_warnings"].append(
+            f"model.encodings (AIMET JSON) not written: {numbers:,} encodings would make a JSON file of several GB; "
+            f"the scales and offsets are in the exported tensors (qtool export --format aimet writes it anyway)")
     outputs = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
     manifest = {
         "command": "export",
@@ -250,6 +258,8 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
         "inputs": {
             "checkpoint": {"path": str(checkpoint), "sha256": _files_digest(tensor_files(Path(checkpoint)))},
             "encodings": {"path": enc_display or str(enc_path), "sha256": sha256_file(enc_path)},
+            **({"encodings_data": {"path": SIDECAR, "sha256": sha256_file(enc.data_files[0])}}
+               if enc.data_files else {}),
         },
         "outputs": {n: sha256_file(out_dir / n) for n in outputs},
         "summary": summary,
@@ -299,15 +309,15 @@ def run_import_encodings(checkpoint: str, aimet_path: str, out: str, opts: Calib
     plan_from_encodings(enc, loaded.model, str(aimet_path))
     enc.meta["qtool_version"] = __version__
     with atomic_output_dir(Path(out), overwrite) as tmp:
-        (tmp / "encodings.json").write_text(enc.dumps())
+        enc_files = enc.write(tmp / "encodings.json")
         manifest = {"command": "import-encodings", "versions": versions(),
                     "inputs": {"checkpoint": {"path": str(checkpoint), "sha256": _files_digest(loaded.files)},
                                "aimet_encodings": {"path": str(aimet_path), "version": str(obj["version"]),
                                                    "sha256": sha256_file(Path(aimet_path))}},
-                    "outputs": {"encodings.json": sha256_file(tmp / "encodings.json")}, "warnings": warnings}
+                    "outputs": {f.name: sha256_file(f) for f in enc_files}, "warnings": warnings}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return {"quantizers": len(enc.entries), "warnings": warnings,
-            "files": [str(Path(out) / n) for n in ("encodings.json", "manifest.json")]}
+            "files": [str(Path(out) / f.name) for f in enc_files] + [str(Path(out) / "manifest.json")]}
 
 
 def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOptions, overwrite: bool = False,
@@ -329,8 +339,8 @@ def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOpt
                             enc_display="calibration/encodings.json")  # relative: the temp dir name is random
     out_p = Path(out)
     files = [str(out_p / n) for n in esum.pop("outputs") if not n.startswith("calibration/")]
-    return {**csum, **esum, "encodings": str(out_p / "calibration" / "encodings.json"),
-            "files": files + [str(out_p / "calibration" / n) for n in ("encodings.json", "manifest.json")]}
+    calib_files = [str(out_p / "calibration" / n) for n in csum.pop("outputs")]
+    return {**csum, **esum, "encodings": str(out_p / "calibration" / "encodings.json"), "files": files + calib_files}
 
 
 def plan_from_encodings(enc: EncodingsFile, model: nn.Module, source: str) -> Plan:

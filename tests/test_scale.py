@@ -196,3 +196,76 @@ def test_storage_matches_quantize_and_pack_bytes(monkeypatch, bits, symmetric, s
         monkeypatch.setattr(integer, "_CHUNK_ELEMS", chunk)
         got = integer._quantize_to_storage(x, scale, offset, e, packed, int_dtype)
         assert got.dtype == want.dtype and torch.equal(got, want), chunk
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The CLI: --max-shard-size, inspect on a sharded export, the AIMET JSON skipped for huge encodings
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def wide_run(tmp_path_factory):
+    from tests.helpers import run_cli
+    from tests.test_encodings_sidecar import WIDE, wide
+    from tests.test_pipeline import CONFIGS
+
+    d = tmp_path_factory.mktemp("wide")
+    save_file(wide().state_dict(), d / "wide.safetensors")
+    code, _, err = run_cli("calibrate", d / "wide.safetensors", "-c", CONFIGS / "w4a16-block32.yaml", "-o", d / "run",
+                           "--model-class", WIDE)
+    assert code == 0, err
+    return d
+
+
+def test_cli_max_shard_size_shards_the_export_and_inspect_reads_it(wide_run, tmp_path):
+    from qtool.inspect import inspect_path
+    from tests.helpers import run_cli
+
+    ckpt, enc = wide_run / "wide.safetensors", wide_run / "run" / "encodings.json"
+    code, out, err = run_cli("export", ckpt, "-e", enc, "-o", tmp_path / "sharded", "--max-shard-size", "1MB",
+                             "--json")
+    assert code == 0, err
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) == 3  # 0.bias | 0.weight with its scales and offsets (3.1 MB: a weight is never split) | 2.*
+    assert run_cli("export", ckpt, "-e", enc, "-o", tmp_path / "one", "--max-shard-size", "none")[0] == 0
+    assert not (tmp_path / "one" / "model.safetensors.index.json").exists()
+    a, b = read_integer_export(tmp_path / "sharded"), read_integer_export(tmp_path / "one")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    sharded, single = inspect_path(tmp_path / "sharded"), inspect_path(tmp_path / "one")
+    assert sharded["kind"] == f"qtool integer safetensors ({len(shards)} shards)"
+    assert sharded["tensors"] == single["tensors"] and sharded["totals"] == single["totals"]
+    assert [t["name"] for t in sharded["tensors"] if t["quantized"]] == ["0.weight", "2.weight"]
+
+
+@pytest.mark.parametrize("size", ["5 parsecs", "-1GB", "GB", "nanGB"])
+def test_cli_bad_max_shard_size_is_one_line(wide_run, tmp_path, size):
+    from tests.helpers import error_lines, run_cli
+
+    code, _, err = run_cli("export", wide_run / "wide.safetensors", "-e", wide_run / "run" / "encodings.json",
+                           "-o", tmp_path / "x", "--max-shard-size", size)
+    assert code == 2 and len(error_lines(err)) == 1 and "--max-shard-size" in err and not (tmp_path / "x").exists()
+
+
+def test_parse_size_units():
+    from qtool.fsutil import parse_size
+
+    assert parse_size("5GB", "x") == 5 * 10**9 and parse_size("2GiB", "x") == 2 << 30
+    assert parse_size("1.5 mb", "x") == 1_500_000 and parse_size("123", "x") == 123
+    assert parse_size("0", "x") is None and parse_size("None", "x") is None
+
+
+def test_huge_encodings_skip_the_aimet_json_beside_a_qtool_export(wide_run, tmp_path, monkeypatch):
+    from qtool import pipeline
+    from tests.helpers import run_cli
+
+    monkeypatch.setattr(pipeline, "AIMET_JSON_LIMIT", 1000)
+    code, out, err = run_cli("export", wide_run / "wide.safetensors", "-e", wide_run / "run" / "encodings.json",
+                             "-o", tmp_path / "x", "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert not (tmp_path / "x" / "model.encodings").exists()
+    assert any("model.encodings (AIMET JSON) not written" in w for w in summary["export_warnings"])
+    # asked for explicitly, it is written
+    assert run_cli("export", wide_run / "wide.safetensors", "-e", wide_run / "run" / "encodings.json",
+                   "-o", tmp_path / "y", "--format", "aimet")[0] == 0
+    assert (tmp_path / "y" / "model.encodings").exists()

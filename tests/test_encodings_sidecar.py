@@ -1,0 +1,122 @@
+"""Large encodings go to encodings.safetensors beside encodings.json (schema version 2); small ones stay inline."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from qtool.encodings import INLINE_LIMIT, SIDECAR, EncodingEntry, EncodingsFile
+from qtool.errors import EncodingsError
+from qtool.quant import reduce_to_shape
+
+from tests.helpers import error_lines, run_cli
+from tests.test_pipeline import CONFIGS
+
+WIDE = "tests.test_encodings_sidecar:wide"
+
+
+def wide() -> nn.Module:
+    """One Linear whose int4 block-32 encoding (2048 x 64 = 131072 blocks) is above the inline limit."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 16))
+
+
+def _entries():
+    g = torch.Generator().manual_seed(3)
+    w1, w2 = torch.randn(64, 128, generator=g), torch.randn(8, 16, generator=g)
+    lo, hi = reduce_to_shape(w1, (64, 4), (1, 32))
+    big = EncodingEntry("a.weight", "a", "weight", 4, True, "per_block", (64, 4), (1, 32), "minmax", lo, hi)
+    lo, hi = reduce_to_shape(w2, (8, 1), None)
+    small = EncodingEntry("b.weight", "b", "weight", 8, False, "per_channel", (8, 1), None, "minmax", lo, hi)
+    return big, small
+
+
+def test_large_entries_go_to_the_sidecar_and_read_back_bit_exact(tmp_path):
+    big, small = _entries()
+    enc = EncodingsFile([big, small], {"recipe": "x.yaml"})
+    files = enc.write(tmp_path / "encodings.json", inline_limit=100)
+    assert [f.name for f in files] == ["encodings.json", SIDECAR]
+    obj = json.loads((tmp_path / "encodings.json").read_text())
+    assert obj["schema_version"] == 2
+    a, b = obj["quantizers"]
+    assert "min" not in a and a["data"]["file"] == SIDECAR and len(b["min"]) == 8
+    with safe_open(str(tmp_path / SIDECAR), "pt") as fh:
+        scale, offset = big.scale_offset()
+        assert torch.equal(fh.get_tensor("a.weight.min"), big.min)
+        assert torch.equal(fh.get_tensor("a.weight.scale"), scale)
+        assert fh.get_tensor("a.weight.offset").dtype == torch.int32
+        assert torch.equal(fh.get_tensor("a.weight.offset"), offset.to(torch.int32))
+    back = EncodingsFile.read(tmp_path / "encodings.json")
+    for x, y in zip(enc.entries, back.entries):
+        assert torch.equal(x.min, y.min) and torch.equal(x.max, y.max) and x.header_json() == y.header_json()
+    assert back.data_files == [tmp_path / SIDECAR]
+
+
+def test_small_files_stay_version_1_without_a_sidecar(tmp_path):
+    files = EncodingsFile(list(_entries()), {}).write(tmp_path / "encodings.json")
+    assert [f.name for f in files] == ["encodings.json"] and not (tmp_path / SIDECAR).exists()
+    assert json.loads((tmp_path / "encodings.json").read_text())["schema_version"] == 1
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d, o: (d / SIDECAR).unlink(), "encodings data file not found"),
+    (lambda d, o: (d / SIDECAR).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}"), "not a readable safetensors"),
+    (lambda d, o: o["quantizers"][0]["data"].update(min="nope"), "data.min names no tensor"),
+    (lambda d, o: o["quantizers"][0]["data"].update(max="a.weight.offset"), "expected float32 [64, 4]"),
+    (lambda d, o: o["quantizers"][0]["data"].update(file="../elsewhere.safetensors"), "a file name beside the JSON"),
+    (lambda d, o: o["quantizers"][0].update(data=[1]), "'data' must be an object"),
+    (lambda d, o: o.update(schema_version=1), "'data' needs schema_version 2"),
+])
+def test_a_damaged_sidecar_is_one_clear_error(tmp_path, damage, message):
+    EncodingsFile(list(_entries()), {}).write(tmp_path / "encodings.json", inline_limit=100)
+    obj = json.loads((tmp_path / "encodings.json").read_text())
+    damage(tmp_path, obj)
+    (tmp_path / "encodings.json").write_text(json.dumps(obj))
+    with pytest.raises(EncodingsError, match=message.replace("[", r"\[")) as err:
+        EncodingsFile.read(tmp_path / "encodings.json")
+    assert "\n" not in str(err.value)
+
+
+def test_cli_writes_a_sidecar_for_big_block_encodings_and_exports_from_it(tmp_path):
+    ckpt = tmp_path / "wide.safetensors"
+    save_file(wide().state_dict(), ckpt)
+    code, out, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w4a16-block32.yaml", "-o", tmp_path / "run",
+                             "--model-class", WIDE, "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert sorted(summary["files"]) == sorted(str(tmp_path / "run" / n)
+                                              for n in ("encodings.json", SIDECAR, "manifest.json"))
+    obj = json.loads((tmp_path / "run" / "encodings.json").read_text())
+    assert obj["schema_version"] == 2
+    first, second = obj["quantizers"]
+    assert 2048 * 64 > INLINE_LIMIT and "data" in first  # 131072 blocks: sidecar
+    assert "min" in second  # 16 x 64 blocks: inline
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert set(manifest["outputs"]) == {"encodings.json", SIDECAR}
+
+    code, out, err = run_cli("export", ckpt, "-e", tmp_path / "run" / "encodings.json", "-o", tmp_path / "x",
+                             "--json")
+    assert code == 0, err
+    emanifest = json.loads((tmp_path / "x" / "manifest.json").read_text())
+    assert emanifest["inputs"]["encodings_data"]["sha256"] == manifest["outputs"][SIDECAR]
+
+    # the same encodings written inline export to the same bytes
+    enc = EncodingsFile.read(tmp_path / "run" / "encodings.json")
+    (tmp_path / "inline").mkdir()
+    enc.write(tmp_path / "inline" / "encodings.json", inline_limit=None)
+    assert run_cli("export", ckpt, "-e", tmp_path / "inline" / "encodings.json", "-o", tmp_path / "y")[0] == 0
+    assert (tmp_path / "x" / "model.safetensors").read_bytes() == (tmp_path / "y" / "model.safetensors").read_bytes()
+
+
+def test_export_with_a_missing_sidecar_fails_with_one_line(tmp_path):
+    ckpt = tmp_path / "wide.safetensors"
+    save_file(wide().state_dict(), ckpt)
+    assert run_cli("calibrate", ckpt, "-c", CONFIGS / "w4a16-block32.yaml", "-o", tmp_path / "run",
+                   "--model-class", WIDE)[0] == 0
+    (tmp_path / "run" / SIDECAR).unlink()
+    code, out, err = run_cli("export", ckpt, "-e", tmp_path / "run" / "encodings.json", "-o", tmp_path / "x")
+    assert code == 2 and len(error_lines(err)) == 1 and "encodings data file not found" in err
+    assert not (tmp_path / "x").exists()
