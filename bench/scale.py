@@ -516,7 +516,9 @@ def run(params: float, workdir: Path, keep: bool, cap: Optional[int], breakdown:
                       f"{extra['peak_after_calibrate'] / GB:.2f} GB), export_integer {extra['export_s']:.1f} s "
                       f"({fb / GB / extra['export_s']:.3f} GB/s)", flush=True)
             _rm(out_dir)
-            skip = calibrate == "never" or (calibrate == "auto" and cap is not None and 4 * exact > cap)
+            # weight-only recipes stream the weights (qtool.sequential.calibrate_weights_streaming): no float32
+            # model is built, so "auto" runs calibration at every size
+            skip = calibrate == "never"
             if "cli" in steps and skip:
                 rows.append({"case": case, "step": "qtool calibrate", "skipped":
                              f"the float32 model alone needs {4 * exact / GB:.1f} GB (cap {cap / GB:.1f} GB)"})
@@ -525,7 +527,10 @@ def run(params: float, workdir: Path, keep: bool, cap: Optional[int], breakdown:
                 m = measured([_py(), "-m", "qtool", "calibrate", str(ckpt), "-c", recipe, "-o", str(run_dir)])
                 enc = run_dir / "encodings.json"
                 enc_bytes = enc.stat().st_size if enc.exists() else None
-                add(case, "qtool calibrate", m, {"encodings_json_bytes": enc_bytes})
+                side = run_dir / "encodings.safetensors"
+                add(case, "qtool calibrate", m, {"encodings_json_bytes": enc_bytes,
+                                                 "encodings_sidecar_bytes": side.stat().st_size if side.exists()
+                                                 else None})
                 if m["rc"] == 0:
                     m = measured([_py(), "-m", "qtool", "export", str(ckpt), "-e", str(run_dir / "encodings.json"),
                                   "-o", str(out_dir), "--json"])
@@ -626,7 +631,7 @@ def main(argv=None) -> Dict[str, object]:
                          "recipes whose path contains it (repeatable)")
     ap.add_argument("--shard-gb", type=float, default=5.0, help="input shard size in GB (default 5, as HF)")
     ap.add_argument("--calibrate", choices=("auto", "always", "never"), default="auto",
-                    help="run qtool calibrate (auto: unless the float32 model alone exceeds the RSS cap)")
+                    help="run qtool calibrate (auto = always: weight-only calibration streams the weights)")
     ap.add_argument("--steps", default="floor,engine,cli",
                     help="comma list of: floor, engine, cli (qtool calibrate + export); default all")
     ap.add_argument("--only", action="append", help="only recipes whose path contains this (repeatable)")

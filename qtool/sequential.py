@@ -255,7 +255,11 @@ def calibrate_weights_streaming(path, plan: Plan, model: nn.Module) -> List[Enco
             if key is None:
                 raise CheckpointError(f"{src.path}: checkpoint has no tensor for {q.module}.weight")
             quantizer = make_quantizer(q)
+            weight = src.get(key).to(torch.float32)
+            quantizer.check_input(weight)
             with quantizer.compute_encodings():
-                quantizer(src.get(key).to(torch.float32))
+                # the analyzer alone: the fake-quantized weight a forward call would also make is not needed
+                quantizer.encoding_analyzer.update_stats(weight)
+            del weight
             entries.append(EncodingEntry.from_quantizer(q, quantizer))
     return entries
