@@ -12,8 +12,9 @@ Analyzers: :class:`MinMaxEncodingAnalyzer` (running min/max), :class:`Percentile
 with AIMET's outputs), :class:`MseEncodingAnalyzer` (direct clipping search for weights). Every encoding element
 (per-tensor, per-channel, per-block) is handled in the same batched tensor ops, never one at a time.
 
-Statistics are float32 tensors on the device of the data; nothing is copied from a GPU to the host (on CPU a
-few shortcuts read CPU tensors, e.g. whether a batch is all finite).
+Statistics are float32 tensors on the device of the data; nothing is copied from a GPU to the host while
+statistics are collected (on CPU a few shortcuts read CPU tensors, e.g. whether a batch is all finite). The SQNR
+search reads one list of sizes per ``compute_encodings`` to size its chunks.
 """
 
 from __future__ import annotations
@@ -545,9 +546,10 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
       each pair's range is clamped to the observed (grid-aligned) range and turned back into (scale, offset);
     * symmetric: ``scale = max(2 * max(|min|, max) / n * i / (S - 1), s0)``, ``i = 1..S``, offset ``(-n) // 2``.
 
-    The search runs for all encodings at once, in chunks that bound the temporaries. Dense histograms sum the
-    noise over the N bins in the same order as AIMET (bit-exact results); encodings stored sparsely (few values
-    per batch) sum over their entries instead. That changes the noise only in its last bits, which can only
+    The search runs for all encodings at once, in chunks that bound the temporaries, and first drops the
+    candidates that provably lose (see ``_search``): same pick, ~8x less work on int4 weight blocks. Dense
+    histograms sum the noise over the N bins in the same order as AIMET (bit-exact results); encodings stored
+    sparsely (few values per batch) sum over their entries instead. That changes the noise only in its last bits, which can only
     change the pick among candidates whose noise agrees to rounding, and such candidates are near-identical
     encodings (seen in random tests: a 1-ulp difference in min/max at 2 bits; AIMET's reference cases agree).
     """
@@ -577,11 +579,9 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
         mx = torch.maximum(hi, torch.zeros_like(hi))
         mx = torch.maximum(mx, mn + ms * n)
         if symmetric:
-            max_delta = 2 * torch.maximum(mx, -mn) / n
-            k = self.sym_delta_candidates
-            deltas = max_delta[:, None] * torch.arange(1, k + 1, **f32)[None, :] / (k - 1)
-            deltas = torch.maximum(deltas, torch.tensor(ms, **f32))
-            return deltas[:, :, None], torch.full((1, 1, 1), float((-n) // 2), **f32)
+            cands = _SymmetricCandidates(2 * torch.maximum(mx, -mn) / n, self.sym_delta_candidates, n)
+            return cands.deltas(slice(None), torch.arange(cands.num, device=lo.device)[None, :])[:, :, None], \
+                torch.full((1, 1, 1), cands.offset, **f32)
         max_delta = (mx - mn) / n
         obs_offset = torch.round(mn / max_delta)
         obs_min = max_delta * obs_offset
@@ -630,6 +630,15 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
     @torch.no_grad()
     def compute_encodings(self, num_steps: int, is_symmetric: bool):
         n = self._check(num_steps)
+        mid, counts, cands = self._search_inputs(n, is_symmetric)
+        delta, offset = self._search(mid, counts, cands, n, is_symmetric, prune=True)
+        mn = offset * delta
+        mx = mn + n * delta
+        return mn.reshape(self.shape), mx.reshape(self.shape)
+
+    def _search_inputs(self, n: int, is_symmetric: bool):
+        """Bin midpoints ``mid`` ``(E, W)``, their ``counts`` (None: one each) and the candidates (flat, in
+        AIMET's delta-major order): a :class:`_SymmetricCandidates`, or ``(E, P)`` deltas and offsets."""
         h = self._hist
         bins, counts = h.entries()
         lo_e, step = _edges(h.lo, h.hi, h.num_bins)
@@ -639,27 +648,169 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
             idx = torch.arange(h.num_bins, device=d.device, dtype=torch.float32)[None, :]
         else:
             idx = bins.to(torch.float32)
+        mid = first[:, None] + d[:, None] * idx
+        if is_symmetric:
+            ms = _min_scale(n)
+            mn = torch.minimum(h.lo, torch.zeros_like(h.lo))
+            mx = torch.maximum(torch.maximum(h.hi, torch.zeros_like(h.hi)), mn + ms * n)
+            return mid, counts, _SymmetricCandidates(2 * torch.maximum(mx, -mn) / n, self.sym_delta_candidates, n)
         deltas, offsets = self._candidates(h.lo, h.hi, n, is_symmetric)
+        shape = torch.broadcast_shapes(deltas.shape, offsets.shape)
+        num_enc = h.lo.shape[0]
+        deltas = deltas.expand(num_enc, *shape[1:]).reshape(num_enc, -1)
+        offsets = offsets.expand(num_enc, *shape[1:]).reshape(num_enc, -1)
+        return mid, counts, _TableCandidates(deltas, offsets)
 
-        num_enc, width = (counts if bins is None else bins).shape
-        per_enc = deltas.shape[1] * max(deltas.shape[2], offsets.shape[2]) * width
-        chunk = max(1, _CHUNK_ELEMENTS // per_enc)
-        best_d, best_o = [], []
-        for i in range(0, num_enc, chunk):
-            sl = slice(i, i + chunk)
-            mid = first[sl, None] + d[sl, None] * (idx if bins is None else idx[sl])
-            dl = deltas[sl]
-            ol = offsets if is_symmetric else offsets[sl]
-            noise = self._noise(mid, None if counts is None else counts[sl], dl, ol, n, self.gamma)
-            arg = torch.min(noise.flatten(start_dim=1), dim=1).indices[:, None]
-            best_d.append(dl.expand(-1, -1, ol.shape[2]).flatten(start_dim=1).gather(1, arg)[:, 0])
-            if not is_symmetric:
-                best_o.append(ol.flatten(start_dim=1).gather(1, arg)[:, 0])
-        delta = torch.cat(best_d)
-        offset = offsets.reshape(1) if is_symmetric else torch.cat(best_o)
-        mn = offset * delta
-        mx = mn + n * delta
-        return mn.reshape(self.shape), mx.reshape(self.shape)
+    def _search(self, mid, counts, cands, n: int, is_symmetric: bool, prune: bool):
+        """The candidate with the least noise per encoding (the first on ties) as ``(delta, offset)``.
+
+        ``prune=False`` evaluates every candidate. ``prune=True`` first rules out candidates that provably lose:
+        a candidate's noise is at least the gamma-weighted error of the largest (or smallest) value alone when
+        that value is clipped, so wherever that bound exceeds the noise of a reference candidate (the min-max
+        grid), the candidate cannot be the minimum. Only the others are evaluated, each exactly as in the full
+        search (same float32 operations on the same values), so the pick is the same, ties included: a pruned
+        candidate's noise is strictly above the minimum. For int4 weight blocks this leaves about an eighth of
+        the candidates, for 8-bit channels about a twentieth (the ones that clip the extremes by less than about
+        a step).
+        """
+        num_enc, num_cand = mid.shape[0], cands.num
+        dev = mid.device
+        if not prune or num_cand <= 4:
+            return self._evaluate(mid, counts, cands, n, start=torch.zeros(num_enc, dtype=torch.int64, device=dev))
+        ref = torch.tensor(self._reference_candidates(num_cand, is_symmetric), device=dev)
+        rd, ro = cands.columns(slice(None), ref[None, :].expand(num_enc, -1))
+        upper = self._noise(mid, counts, rd[:, :, None], ro[:, :, None], n, self.gamma)[:, :, 0].amin(dim=1)
+        upper = upper.to(torch.float64)
+        ends = _ClipBound(mid, counts, n, self.gamma)
+        if is_symmetric:
+            # deltas grow with the index, so the bound shrinks: the survivors are a suffix, found by bisection
+            lo = torch.zeros(num_enc, dtype=torch.int64, device=dev)
+            hi = torch.full_like(lo, num_cand - 2)  # the reference (min-max grid) always survives
+            for _ in range(max(1, math.ceil(math.log2(num_cand)))):
+                at = (lo + hi) // 2
+                d_at, o_at = cands.columns(slice(None), at[:, None])
+                gone = ends.exceeds(d_at[:, 0], o_at[:, 0], upper)
+                lo = torch.where(gone, torch.minimum(at + 1, hi), lo)
+                hi = torch.where(gone, hi, at)
+            return self._evaluate(mid, counts, cands, n, start=lo)
+        keep = ~ends.exceeds(cands.d, cands.o, upper[:, None])
+        keep[:, ref] = True
+        keep[:, -1] = True  # it pads the rows below
+        # survivors first, in their (AIMET) order; the padding repeats the last candidate, which survives
+        num_keep = keep.sum(dim=1)
+        width = int(num_keep.max())
+        pos = torch.where(keep, keep.cumsum(dim=1) - 1, width)
+        cols = torch.full((num_enc, width + 1), num_cand - 1, dtype=torch.int64, device=dev)
+        cols.scatter_(1, pos, torch.arange(num_cand, device=dev).expand(num_enc, -1))
+        kept = _TableCandidates(cands.d.gather(1, cols[:, :width]), cands.o.gather(1, cols[:, :width]))
+        return self._evaluate(mid, counts, kept, n, widths=num_keep)
+
+    def _evaluate(self, mid, counts, cands, n: int, start=None, widths=None):
+        """Exact noise of the candidates ``start[e]:`` (or ``:widths[e]``) of every encoding ``e``; returns the
+        first least-noise ``(delta, offset)``. Encodings with similar widths share a chunk, so a chunk evaluates
+        about the candidates it needs."""
+        num_enc, num_cand = mid.shape[0], cands.num
+        width = mid.shape[1]
+        dev = mid.device
+        right_aligned = widths is None
+        need = (num_cand - start) if right_aligned else widths.clamp(min=1)
+        order = torch.argsort(need, descending=True, stable=True)
+        sizes = need[order].tolist()  # one host read per search (it sizes the chunks)
+        # rows in that order once, so every chunk below is a view
+        mid = mid[order]
+        counts = None if counts is None else counts[order]
+        start = None if start is None else start[order]
+        best_d = torch.empty(num_enc, dtype=torch.float32, device=dev)
+        best_o = torch.empty_like(best_d)
+        i = 0
+        while i < num_enc:
+            cw = max(1, sizes[i])  # the widest row of the chunk comes first
+            j = min(num_enc, i + max(1, _CHUNK_ELEMENTS // (cw * width)))
+            cols = torch.arange(num_cand - cw if right_aligned else 0, num_cand if right_aligned else cw, device=dev)
+            dl, ol = cands.columns(order[i:j], cols[None, :].expand(j - i, -1))
+            noise = self._noise(mid[i:j], None if counts is None else counts[i:j], dl[:, :, None], ol[:, :, None],
+                                n, self.gamma)[:, :, 0]
+            if right_aligned and sizes[j - 1] < cw:  # columns before a row's own start were pruned: never pick them
+                first = (start[i:j] - (num_cand - cw))[:, None]
+                noise = torch.where(torch.arange(cw, device=dev)[None, :] < first, float("inf"), noise)
+            arg = torch.min(noise, dim=1).indices[:, None]
+            best_d[i:j] = dl.gather(1, arg)[:, 0]
+            best_o[i:j] = ol.gather(1, arg)[:, 0]
+            i = j
+        out_d, out_o = torch.empty_like(best_d), torch.empty_like(best_o)
+        out_d[order], out_o[order] = best_d, best_o
+        return out_d, out_o
+
+    def _reference_candidates(self, num_cand: int, is_symmetric: bool):
+        """Flat index of the candidate whose noise bounds the minimum: the min-max grid. (Adding more references
+        barely helps: on MiniLM's int4 blocks the true minimum itself would leave 12.5 survivors, this 13.4.)"""
+        if is_symmetric:
+            return [num_cand - 2]
+        per_delta = num_cand // self.asym_delta_candidates
+        # delta index A - 2 is the observed range's delta; the last offset column is the observed offset
+        return [(self.asym_delta_candidates - 2) * per_delta + per_delta - 1]
+
+
+class _SymmetricCandidates:
+    """AIMET's symmetric SQNR candidates, computed when needed instead of held as an ``(E, K)`` table: delta
+    ``k`` (0-based) of encoding ``e`` is ``max(max_delta[e] * (k + 1) / (K - 1), min_scale)``, the same float32
+    operations as building the whole table; the offset is ``(-n) // 2`` for all."""
+
+    def __init__(self, max_delta: torch.Tensor, num: int, n: int):
+        self.max_delta, self.num = max_delta, int(num)
+        self.offset = float((-n) // 2)
+        self.min_scale = torch.tensor(_min_scale(n), dtype=torch.float32, device=max_delta.device)
+
+    def deltas(self, rows, cols: torch.Tensor) -> torch.Tensor:
+        k = (cols + 1).to(torch.float32)
+        return torch.maximum(self.max_delta[rows][:, None] * k / (self.num - 1), self.min_scale)
+
+    def columns(self, rows, cols: torch.Tensor):
+        d = self.deltas(rows, cols)
+        return d, torch.full_like(d, self.offset)
+
+
+class _TableCandidates:
+    """Candidates held as ``(E, P)`` tables of deltas and offsets."""
+
+    def __init__(self, deltas: torch.Tensor, offsets: torch.Tensor):
+        self.d, self.o, self.num = deltas, offsets, deltas.shape[1]
+
+    def columns(self, rows, cols: torch.Tensor):
+        d, o = self.d[rows], self.o[rows]
+        return d.gather(1, cols), o.gather(1, cols)
+
+
+class _ClipBound:
+    """A lower bound on a candidate's SQNR noise: the gamma-weighted squared error of the largest (smallest)
+    histogram value alone, where the candidate's grid clips it (float64, with a margin for float32 rounding)."""
+
+    def __init__(self, mid: torch.Tensor, counts: Optional[torch.Tensor], n: int, gamma: float):
+        f64 = torch.float64
+        present = torch.ones_like(mid, dtype=torch.bool) if counts is None else counts > 0
+        top_i = torch.where(present, mid, float("-inf")).argmax(dim=1, keepdim=True)
+        bot_i = torch.where(present, mid, float("inf")).argmin(dim=1, keepdim=True)
+        self.top, self.bot = mid.gather(1, top_i).to(f64)[:, 0], mid.gather(1, bot_i).to(f64)[:, 0]
+        if counts is None:
+            self.c_top = self.c_bot = torch.ones_like(self.top)
+        else:
+            self.c_top = counts.gather(1, top_i).to(f64)[:, 0]
+            self.c_bot = counts.gather(1, bot_i).to(f64)[:, 0]
+        self.n, self.gamma = n, gamma
+
+    def exceeds(self, deltas: torch.Tensor, offsets: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
+        """Whether the bound of each candidate ``(deltas, offsets)`` is above ``upper`` (shapes broadcast with
+        ``(E,)`` or ``(E, P)``): such a candidate cannot have the least noise."""
+        extra = deltas.dim() - self.top.dim()
+        top, bot, c_top, c_bot = (t.reshape(t.shape + (1,) * extra) for t in (self.top, self.bot, self.c_top,
+                                                                               self.c_bot))
+        d, o = deltas.to(torch.float64), offsets.to(torch.float64)
+        thr_hi = (o + self.n + 0.5) * d  # values beyond half a step past the grid's ends are clipped
+        thr_lo = (o - 0.5) * d
+        err_hi = torch.where(top > thr_hi + 1e-5 * thr_hi.abs(), top - (o + self.n) * d, 0.0)
+        err_lo = torch.where(bot < thr_lo - 1e-5 * thr_lo.abs(), o * d - bot, 0.0)
+        bound = self.gamma * torch.maximum(c_top * err_hi * err_hi, c_bot * err_lo * err_lo)
+        return bound * (1 - 1e-3) > upper
 
 
 class _GrowthLimitedHistograms(_Histograms):
