@@ -197,7 +197,8 @@ def _edge(index: torch.Tensor, lo_e: torch.Tensor, step: torch.Tensor) -> torch.
     return index.to(torch.float32) * step + lo_e
 
 
-def _bin_index(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, num_bins: int, clean: bool) -> torch.Tensor:
+def _bin_index(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, num_bins: int, clean: bool,
+               as_float: bool = False) -> torch.Tensor:
     """``torch.histc``'s bin of each value of row ``e`` for the range ``[lo[e], hi[e]]`` (int64).
 
     histc computes ``trunc((x - lo) * N / (hi - lo))`` in float32 and puts ``x == hi`` in the last bin. Values
@@ -210,6 +211,10 @@ def _bin_index(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, num_bins: in
         d.div_(((hi - lo) / num_bins)[:, None])
     else:
         d.mul_(num_bins).div_((hi - lo)[:, None])
+    if as_float:  # the same bins as float32 numbers (truncation is what the int64 cast does)
+        if clean:
+            return d.trunc_().clamp_(max=num_bins - 1)
+        return d.clamp_(0, num_bins - 1).nan_to_num_(0.0).trunc_()
     if clean:
         return d.to(torch.int64).clamp_(max=num_bins - 1)
     return d.clamp_(0, num_bins - 1).nan_to_num_(0.0).to(torch.int64)
@@ -301,10 +306,10 @@ class _Histograms:
         lo_e, step = _edges(self.lo, self.hi, self.num_bins)
         return lo_e, step, step * self.num_bins + lo_e
 
-    def _raw_entries(self):
+    def _raw_entries(self, as_float: bool = False):
         """The first batch (kept raw) as ``(bins, counts)``; counts is None when every value counts once."""
         lo_e, _, right = self.first_edges()
-        bins = _bin_index(self.raw, lo_e, right, self.num_bins, self.raw_clean)
+        bins = _bin_index(self.raw, lo_e, right, self.num_bins, self.raw_clean, as_float)
         counts = None if self.raw_clean else (~torch.isnan(self.raw)).to(torch.float32)
         return bins, counts
 
@@ -390,10 +395,11 @@ class _Histograms:
             self.counts = torch.cat([moved_counts, counts], dim=1)
 
     # -- queries ---------------------------------------------------------------------------------------------
-    def entries(self):
-        """``(bins, counts)``: ``bins=None`` means dense counts over all N bins, ``counts=None`` one per entry."""
+    def entries(self, as_float: bool = False):
+        """``(bins, counts)``: ``bins=None`` means dense counts over all N bins, ``counts=None`` one per entry.
+        ``as_float``: the bins of a raw first batch as float32 numbers (saves a cast where floats are wanted)."""
         if self.raw is not None:
-            return self._raw_entries()
+            return self._raw_entries(as_float)
         return self.bins, self.counts
 
     def percentile_bins(self, percentile: float):
@@ -640,15 +646,15 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
         """Bin midpoints ``mid`` ``(E, W)``, their ``counts`` (None: one each) and the candidates (flat, in
         AIMET's delta-major order): a :class:`_SymmetricCandidates`, or ``(E, P)`` deltas and offsets."""
         h = self._hist
-        bins, counts = h.entries()
+        bins, counts = h.entries(as_float=True)
         lo_e, step = _edges(h.lo, h.hi, h.num_bins)
         d = (step + lo_e) - lo_e  # edge[1] - edge[0]
         first = lo_e + d / 2
         if bins is None:
-            idx = torch.arange(h.num_bins, device=d.device, dtype=torch.float32)[None, :]
-        else:
-            idx = bins.to(torch.float32)
-        mid = first[:, None] + d[:, None] * idx
+            mid = d[:, None] * torch.arange(h.num_bins, device=d.device, dtype=torch.float32)[None, :]
+        else:  # a fresh tensor either way (raw bins are made here, stored bins are int64 and get copied)
+            mid = bins.to(torch.float32).mul_(d[:, None])
+        mid.add_(first[:, None])  # first + d * idx, in place
         if is_symmetric:
             ms = _min_scale(n)
             mn = torch.minimum(h.lo, torch.zeros_like(h.lo))
@@ -683,16 +689,9 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
         upper = upper.to(torch.float64)
         ends = _ClipBound(mid, counts, n, self.gamma)
         if is_symmetric:
-            # deltas grow with the index, so the bound shrinks: the survivors are a suffix, found by bisection
-            lo = torch.zeros(num_enc, dtype=torch.int64, device=dev)
-            hi = torch.full_like(lo, num_cand - 2)  # the reference (min-max grid) always survives
-            for _ in range(max(1, math.ceil(math.log2(num_cand)))):
-                at = (lo + hi) // 2
-                d_at, o_at = cands.columns(slice(None), at[:, None])
-                gone = ends.exceeds(d_at[:, 0], o_at[:, 0], upper)
-                lo = torch.where(gone, torch.minimum(at + 1, hi), lo)
-                hi = torch.where(gone, hi, at)
-            return self._evaluate(mid, counts, cands, n, start=lo)
+            # deltas grow with the index, so the bound shrinks: the survivors are a suffix
+            start = ends.first_symmetric_survivor(cands, upper).clamp_(max=num_cand - 2)  # the reference survives
+            return self._evaluate(mid, counts, cands, n, start=start)
         keep = ~ends.exceeds(cands.d, cands.o, upper[:, None])
         keep[:, ref] = True
         keep[:, -1] = True  # it pads the rows below
@@ -797,6 +796,34 @@ class _ClipBound:
             self.c_top = counts.gather(1, top_i).to(f64)[:, 0]
             self.c_bot = counts.gather(1, bot_i).to(f64)[:, 0]
         self.n, self.gamma = n, gamma
+
+    def first_symmetric_survivor(self, cands: "_SymmetricCandidates", upper: torch.Tensor) -> torch.Tensor:
+        """Per encoding, how many of the leading symmetric candidates :meth:`exceeds` ``upper`` (they are a
+        prefix: the deltas grow with the index). Solved for the delta in closed form, then shrunk by 1e-6 so
+        float rounding can only keep a candidate, never drop one the bound does not rule out."""
+        f64 = torch.float64
+        o, n, k = cands.offset, self.n, cands.num
+        jmax, jmin = o + n, o  # the grid's ends in steps (jmin < 0 <= jmax)
+        scale = self.gamma * (1 - 1e-3)
+        inf = torch.full_like(self.top, float("inf"))
+        # top value: clipped iff top > (jmax + 0.5)(1 + 1e-5) d; its bound exceeds iff top - jmax d > r
+        r_hi = torch.sqrt(upper / (scale * self.c_top))
+        d_hi = self.top / ((jmax + 0.5) * (1 + 1e-5))
+        if jmax > 0:
+            d_hi = torch.minimum(d_hi, (self.top - r_hi) / jmax)
+        else:
+            d_hi = torch.where(self.top > r_hi, d_hi, -inf)
+        d_hi = torch.where((self.top > 0) & (self.c_top > 0), d_hi, -inf)
+        # bottom value: clipped iff bot < (jmin - 0.5)(1 + 1e-5) d; its bound exceeds iff jmin d - bot > r
+        r_lo = torch.sqrt(upper / (scale * self.c_bot))
+        d_lo = torch.minimum(self.bot / ((jmin - 0.5) * (1 + 1e-5)), (self.bot + r_lo) / jmin)
+        d_lo = torch.where((self.bot < 0) & (self.c_bot > 0), d_lo, -inf)
+        limit = torch.maximum(d_hi, d_lo).nan_to_num_(nan=float("-inf")) * (1 - 1e-6)
+        # candidate i (0-based) has delta max(max_delta * (i + 1) / (K - 1), min_scale): count those below limit
+        x = limit * (k - 1) / cands.max_delta.to(f64)
+        count = (torch.ceil(x) - 1).clamp_(0, k).nan_to_num_(0.0)
+        count = torch.where(limit > float(cands.min_scale) * (1 + 1e-6), count, torch.zeros_like(count))
+        return count.to(torch.int64)
 
     def exceeds(self, deltas: torch.Tensor, offsets: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
         """Whether the bound of each candidate ``(deltas, offsets)`` is above ``upper`` (shapes broadcast with
