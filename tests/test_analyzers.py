@@ -400,3 +400,41 @@ def test_pruning_leaves_few_candidates_on_weight_blocks():
     a._search(mid, counts, cands, 15, True, prune=True)
     survivors = seen[0].float().mean().item()
     assert 1 <= survivors < 25, survivors  # measured: about 13 of 101
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    bitwidth=st.sampled_from([2, 3, 4, 8, 12]),
+    symmetric=st.booleans(),
+    layout=st.sampled_from(["block32", "channel", "tensor"]),
+    dist=st.sampled_from(["gauss", "heavy", "ints", "positive", "constant", "outlier"]),
+    num_candidates=st.sampled_from([81, 20, 2, 1]),
+    batches=st.integers(1, 2),
+)
+def test_pruned_mse_search_picks_what_the_full_search_picks(seed, bitwidth, symmetric, layout, dist, num_candidates,
+                                                           batches):
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = 16, 128
+    shape, block = {"block32": ((rows, cols // 32), (1, 32)), "channel": ((rows, 1), None),
+                    "tensor": ((), None)}[layout]
+    pruned = MseEncodingAnalyzer(shape, block, num_candidates=num_candidates)
+    full = MseEncodingAnalyzer(shape, block, num_candidates=num_candidates)
+    full.prune = False
+    for _ in range(batches):
+        x = torch.randn(rows, cols, generator=g)
+        if dist == "heavy":
+            x = x / torch.rand(rows, cols, generator=g).clamp(min=0.05)
+        elif dist == "ints":
+            x = x.mul(3).round()
+        elif dist == "positive":
+            x = x.abs() + 0.5
+        elif dist == "constant":
+            x = torch.full_like(x, float(torch.randint(-2, 3, (), generator=g)))
+        elif dist == "outlier":
+            x[torch.randint(0, rows, (3,), generator=g), torch.randint(0, cols, (3,), generator=g)] *= 40
+        pruned.update_stats(x)
+        full.update_stats(x)
+    n = 2**bitwidth - 1
+    got, want = pruned.compute_encodings(n, symmetric), full.compute_encodings(n, symmetric)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

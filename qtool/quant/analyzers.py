@@ -888,8 +888,15 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
     widest, on ties). ``alpha = 1`` is exactly the min-max encoding, so the result is never worse than min-max.
 
     All encodings (channels, blocks) are searched at once; candidates go in chunks that bound the temporaries.
-    The values themselves are kept (batches are concatenated), so this is meant for weights, not activations.
+    A row skips a chunk when no candidate in it can win: a candidate's error is at least the squared error of
+    the row's largest (smallest) value where the candidate's grid clips it, and where that bound exceeds the
+    min-max candidate's error for every candidate of the chunk, none of them is the minimum. The rows that are
+    evaluated are evaluated exactly as in a full search, so the result is the same (``prune = False`` runs the
+    full search). The values themselves are kept (batches are concatenated), so this is meant for weights, not
+    activations.
     """
+
+    prune = True
 
     def __init__(
         self,
@@ -947,24 +954,83 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
         rows = self._rows
         num_enc, width = rows.shape
         alphas = self.candidate_ratios(rows.device)[:, None]
-        chunk = max(1, _CHUNK_ELEMENTS // max(1, num_enc * width))
-        best_err = best_mn = best_mx = None
-        for i in range(0, alphas.shape[0], chunk):
-            a = alphas[i : i + chunk]
-            mn, mx = adjust_min_max(a * self.min, a * self.max, n, is_symmetric)  # (C, E)
-            scale, offset = min_max_to_scale_offset(mn, mx, qmin, qmax, is_symmetric)
-            xs = rows.expand(a.shape[0], num_enc, width)
+        best_err = best_mn = best_mx = upper = None
+        # a candidate's error is at least that of the largest (smallest) value alone where its grid clips that
+        # value; rows whose bound exceeds the min-max candidate's error for a whole chunk skip it (see above)
+        slack = 1 - 1e-3 - 4 * width * 2.0**-24  # float32 rounding of the error sums, with room to spare
+        table = None
+        if alphas.shape[0] * num_enc <= (1 << 22):  # every candidate's grid at once (small tensors: fewer steps)
+            table = self._grids(alphas, n, qmin, qmax, is_symmetric)
+
+        def grids(lo: int, hi: int):
+            if table is not None:
+                return tuple(t[lo:hi] for t in table)
+            return self._grids(alphas[lo:hi], n, qmin, qmax, is_symmetric)
+
+        i = 0
+        while i < alphas.shape[0]:
+            chunk = max(1, _CHUNK_ELEMENTS // max(1, num_enc * width))
+            idx = None
+            if upper is not None and self.prune:
+                bound = grids(i, i + 1)[4]
+                idx = (bound * slack <= upper).any(dim=0).nonzero()[:, 0]
+                if idx.shape[0] == 0:
+                    i += 1
+                    continue
+                # as many candidates as fit for the rows that still need them
+                chunk = max(1, _CHUNK_ELEMENTS // max(1, idx.shape[0] * width))
+            mn, mx, scale, offset, bound = grids(i, i + chunk)
+            num = mn.shape[0]
+            if idx is not None:
+                if num > 1:
+                    idx = (bound * slack <= upper).any(dim=0).nonzero()[:, 0]
+                sub = rows.index_select(0, idx)
+                mn, mx, scale, offset = (t.index_select(1, idx) for t in (mn, mx, scale, offset))
+            else:
+                sub = rows
+            xs = sub.expand(num, *sub.shape)
             qdq = quantize_dequantize(xs, scale[..., None], offset[..., None], qmin=qmin, qmax=qmax)
-            err = qdq.sub_(rows).pow_(2).sum(dim=-1)
+            err = qdq.sub_(sub).pow_(2).sum(dim=-1)
+            if upper is None:
+                upper = err[0].to(torch.float64)  # alpha = 1: the min-max encoding
             err, arg = torch.min(err, dim=0)  # first minimum: the widest candidate of this chunk
             mn, mx = mn.gather(0, arg[None])[0], mx.gather(0, arg[None])[0]
             if best_err is None:
                 best_err, best_mn, best_mx = err, mn, mx
             else:
-                better = err < best_err  # strict: earlier (wider) candidates win ties
-                best_err = torch.where(better, err, best_err)
-                best_mn, best_mx = torch.where(better, mn, best_mn), torch.where(better, mx, best_mx)
+                cur = best_err if idx is None else best_err[idx]
+                better = err < cur  # strict: earlier (wider) candidates win ties
+                new_err = torch.where(better, err, cur)
+                new_mn = torch.where(better, mn, best_mn if idx is None else best_mn[idx])
+                new_mx = torch.where(better, mx, best_mx if idx is None else best_mx[idx])
+                if idx is None:
+                    best_err, best_mn, best_mx = new_err, new_mn, new_mx
+                else:
+                    best_err[idx], best_mn[idx], best_mx[idx] = new_err, new_mn, new_mx
+            i += num
         return best_mn.reshape(self.shape), best_mx.reshape(self.shape)
+
+    def _grids(self, alphas: torch.Tensor, n: int, qmin: int, qmax: int, is_symmetric: bool):
+        """``(min, max, scale, offset, bound)`` of candidates ``alphas`` ``(C, 1)``, each ``(C, E)``."""
+        mn, mx = adjust_min_max(alphas * self.min, alphas * self.max, n, is_symmetric)
+        scale, offset = min_max_to_scale_offset(mn, mx, qmin, qmax, is_symmetric)
+        return mn, mx, scale, offset, self._clip_bound(scale, offset, qmin, qmax)
+
+    def _clip_bound(self, scale: torch.Tensor, offset: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+        """``(C, E)`` lower bound on each candidate's squared error: the error of the row's max (min) alone
+        where the candidate's grid clips it by more than half a step, with a margin. float32 up to 8 bits: the
+        grid ends are within 256 steps of zero, so rounding moves the error by < 1e-4 of itself (margin 1e-3)."""
+        dt = torch.float32 if qmax - qmin <= 255 else torch.float64
+        s, o = scale.to(dt), offset.to(dt)
+        hi, lo = self.max.to(dt), self.min.to(dt)
+        top, bot = (o + qmax).mul_(s), (o + qmin).mul_(s)
+        # clipped: beyond the grid's end by more than half a step (plus 1e-5 of the end, for rounding)
+        err_hi = hi - top
+        err_lo = bot - lo
+        half = s * 0.5
+        err_hi = torch.where(err_hi > half + 1e-5 * (top.abs() + half), err_hi, 0.0)
+        err_lo = torch.where(err_lo > half + 1e-5 * (bot.abs() + half), err_lo, 0.0)
+        return torch.maximum(err_hi.mul_(err_hi), err_lo.mul_(err_lo)).to(torch.float64)
 
     def compute_dynamic_encodings(self, stats, num_steps: int, is_symmetric: bool):
         """Encodings from one batch's ``(min, max)`` alone (min-max; the search needs the values)."""
