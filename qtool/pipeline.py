@@ -130,7 +130,15 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
     if not opts.sequential and streaming is not None:
         from .sequential import calibrate_weights_streaming
 
-        entries = calibrate_weights_streaming(checkpoint, plan, model)
+        from .encodings import SidecarStream
+
+        stream = SidecarStream(run_dir / SIDECAR, [(q.name, tuple(q.shape)) for q in plan.weights])
+        try:
+            entries = calibrate_weights_streaming(checkpoint, plan, model, sink=stream.put)
+        except BaseException:
+            stream.abort()
+            raise
+        stream.close()
         unused = []
     elif opts.sequential:
         from .sequential import calibrate_sequential

@@ -219,11 +219,12 @@ def meta_skeleton(path, trust_remote_code: bool = False) -> nn.Module:
         return transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def calibrate_weights_streaming(path, plan: Plan, model: nn.Module) -> List[EncodingEntry]:
+def calibrate_weights_streaming(path, plan: Plan, model: nn.Module, sink=None) -> List[EncodingEntry]:
     """Weight-only plans: each weight is read from the checkpoint, calibrated and dropped; no model is built.
 
     The encodings equal a normal run's (weight quantizers only ever see their weight). Peak memory is about
-    the largest weight in float32.
+    the largest weight in float32. ``sink`` (e.g. :meth:`qtool.encodings.SidecarStream.put`) receives each entry
+    as soon as it is calibrated and returns what to keep.
     """
     from .model.insert import make_quantizer
 
@@ -261,5 +262,6 @@ def calibrate_weights_streaming(path, plan: Plan, model: nn.Module) -> List[Enco
                 # the analyzer alone: the fake-quantized weight a forward call would also make is not needed
                 quantizer.encoding_analyzer.update_stats(weight)
             del weight
-            entries.append(EncodingEntry.from_quantizer(q, quantizer))
+            entry = EncodingEntry.from_quantizer(q, quantizer)
+            entries.append(entry if sink is None else sink(entry))
     return entries

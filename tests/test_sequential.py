@@ -73,3 +73,45 @@ def test_weight_only_calibration_streams_weights_with_equal_encodings(tmp_path, 
     assert [q["name"] for q in streamed] == [q["name"] for q in full]
     for a, b in zip(streamed, full):
         assert (a["min"], a["max"], a["scale"]) == (b["min"], b["max"], b["scale"]), a["name"]
+
+
+def test_streamed_weight_calibration_writes_large_block_encodings_to_the_sidecar_as_it_goes(tmp_path):
+    """int4 blocks of a 2304 x 1024 MLP weight (73,728 blocks) go to encodings.safetensors during calibration;
+    the file reads back to the encodings of a full load, and the export from it is byte-identical to one from
+    the same encodings written inline."""
+    from qtool.calibrate import calibrate
+    from qtool.config import load_recipe, resolve_plan
+    from qtool.encodings import SIDECAR, EncodingEntry, EncodingsFile
+    from qtool.model.insert import insert_quantizers
+    from qtool.model.load import load_model
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=1024, intermediate_size=2304, num_hidden_layers=1,
+                                   num_attention_heads=8, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "m")
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "w4a16-block32.yaml"
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", recipe, "-o", tmp_path / "run")
+    assert code == 0, err
+    obj = json.loads((tmp_path / "run/encodings.json").read_text())
+    in_sidecar = sorted(q["name"] for q in obj["quantizers"] if "data" in q)
+    assert obj["schema_version"] == 2 and in_sidecar == [
+        "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight"]
+    streamed = EncodingsFile.read(tmp_path / "run/encodings.json")
+
+    loaded = load_model(tmp_path / "m")
+    plan = resolve_plan(load_recipe(recipe), loaded.model)
+    qs = insert_quantizers(loaded.model, plan)
+    calibrate(loaded.model, plan, qs, None, torch.device("cpu"))
+    full = {q.name: EncodingEntry.from_quantizer(q, qs[q.name]) for q in plan.quantizers}
+    assert [e.name for e in streamed.entries] == list(full)
+    for e in streamed.entries:
+        assert torch.equal(e.min, full[e.name].min) and torch.equal(e.max, full[e.name].max), e.name
+
+    (tmp_path / "inline").mkdir()
+    streamed.write(tmp_path / "inline/encodings.json", inline_limit=None)
+    assert not (tmp_path / "inline" / SIDECAR).exists()
+    for src, dst in ((tmp_path / "run", "x1"), (tmp_path / "inline", "x2")):
+        code, _, err = run_cli("export", tmp_path / "m", "-e", src / "encodings.json", "-o", tmp_path / dst)
+        assert code == 0, err
+    assert (tmp_path / "x1/model.safetensors").read_bytes() == (tmp_path / "x2/model.safetensors").read_bytes()
