@@ -615,7 +615,7 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
         means one each (multiplying by 1 is exact, so it is skipped).
         """
         d = deltas[..., None]
-        o = offsets[..., None]
+        o = offsets if isinstance(offsets, float) else offsets[..., None]  # a float: one offset for all
         m = mid[:, None, None, :]
         q = m.div(d).sub_(o).round_()
         qc = q.clamp(0, n)
@@ -624,7 +624,10 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
             # weight 1 or gamma exactly, from float math only (bool masks and where() are slow on CPU):
             # |q - clamp(q)| is 0, or >= 1 where clipped (both integers), so ``hit`` is exactly 0 or 1
             hit = q.sub_(qc).abs_().clamp_(max=1)
-            weight = hit.mul(gamma).add_(hit.neg_().add_(1))  # hit * gamma + (1 - hit)
+            if _exact_shift(gamma):
+                weight = hit.mul_(gamma - 1).add_(1)  # 1 or (gamma - 1) + 1 == gamma exactly in float32
+            else:
+                weight = hit.mul(gamma).add_(hit.neg_().add_(1))  # hit * gamma + (1 - hit)
         del q
         err = qc.add_(o).mul_(d).sub_(m).pow_(2)
         if counts is not None:
@@ -727,7 +730,8 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
             j = min(num_enc, i + max(1, _CHUNK_ELEMENTS // (cw * width)))
             cols = torch.arange(num_cand - cw if right_aligned else 0, num_cand if right_aligned else cw, device=dev)
             dl, ol = cands.columns(order[i:j], cols[None, :].expand(j - i, -1))
-            noise = self._noise(mid[i:j], None if counts is None else counts[i:j], dl[:, :, None], ol[:, :, None],
+            o_arg = cands.offset if isinstance(cands, _SymmetricCandidates) else ol[:, :, None]
+            noise = self._noise(mid[i:j], None if counts is None else counts[i:j], dl[:, :, None], o_arg,
                                 n, self.gamma)[:, :, 0]
             if right_aligned and sizes[j - 1] < cw:  # columns before a row's own start were pruned: never pick them
                 first = (start[i:j] - (num_cand - cw))[:, None]
@@ -841,6 +845,12 @@ class _ClipBound:
         err_lo = torch.where(bot < thr_lo - 1e-5 * thr_lo.abs(), o * d - bot, 0.0)
         bound = self.gamma * torch.maximum(c_top * err_hi * err_hi, c_bot * err_lo * err_lo)
         return bound * (1 - 1e-3) > upper
+
+
+def _exact_shift(gamma: float) -> bool:
+    """Whether ``(gamma - 1) + 1`` gives ``gamma`` exactly in torch's float32 tensor arithmetic."""
+    one = torch.ones(1)
+    return bool(torch.equal(one.mul(gamma - 1).add_(1), torch.full((1,), gamma)))
 
 
 class _GrowthLimitedHistograms(_Histograms):
