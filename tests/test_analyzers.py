@@ -346,7 +346,7 @@ def _full_search(a, n, symmetric):
 @given(
     seed=st.integers(0, 2**31 - 1),
     kind=st.sampled_from(["sqnr", "tf_enhanced"]),
-    bitwidth=st.sampled_from([2, 3, 4, 8]),
+    bitwidth=st.sampled_from([2, 3, 4, 8, 12]),
     symmetric=st.booleans(),
     layout=st.sampled_from(["block32", "channel", "tensor"]),
     dist=st.sampled_from(["gauss", "heavy", "ints", "positive", "constant", "outlier"]),
