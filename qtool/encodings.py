@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -253,20 +253,36 @@ class EncodingsFile:
     def _inline(self, e: EncodingEntry, inline_limit: Optional[int]) -> bool:
         return inline_limit is None or e.numel() <= inline_limit
 
+    def _entry_json(self, e: EncodingEntry, inline_limit: Optional[int]) -> Dict[str, Any]:
+        if self._inline(e, inline_limit):
+            return e.to_json()
+        return {**e.header_json(), "data": {
+            "file": SIDECAR, **{f: f"{e.name}.{f}" for f in ("min", "max", "scale", "offset")}}}
+
+    def _head(self, inline_limit: Optional[int]) -> Dict[str, Any]:
+        version = 1 if all(self._inline(e, inline_limit) for e in self.entries) else 2
+        return {"schema": SCHEMA, "schema_version": version, **self.meta}
+
     def to_json(self, inline_limit: Optional[int] = None) -> Dict[str, Any]:
         """The JSON object; entries above ``inline_limit`` numbers refer to the sidecar (None: all inline)."""
-        quantizers = []
-        for e in self.entries:
-            if self._inline(e, inline_limit):
-                quantizers.append(e.to_json())
-            else:
-                quantizers.append({**e.header_json(), "data": {
-                    "file": SIDECAR, **{f: f"{e.name}.{f}" for f in ("min", "max", "scale", "offset")}}})
-        version = 1 if all("data" not in q for q in quantizers) else 2
-        return {"schema": SCHEMA, "schema_version": version, **self.meta, "quantizers": quantizers}
+        return {**self._head(inline_limit), "quantizers": [self._entry_json(e, inline_limit) for e in self.entries]}
+
+    def iter_dumps(self, inline_limit: Optional[int] = None) -> Iterator[str]:
+        """The text of :meth:`dumps` piece by piece, one entry at a time: the same bytes as
+        ``json.dumps(to_json(), indent=1) + "\\n"`` without holding every entry's numbers as Python objects at
+        once (per-channel encodings of a multi-billion-parameter model are millions of them)."""
+        head = json.dumps(self._head(inline_limit), indent=1)
+        if not self.entries:
+            yield head[:-2] + ',\n "quantizers": []\n}\n'
+            return
+        yield head[:-2] + ',\n "quantizers": [\n'  # head ends with "\n}"
+        for i, e in enumerate(self.entries):
+            text = json.dumps(self._entry_json(e, inline_limit), indent=1)
+            yield ("" if i == 0 else ",\n") + "  " + text.replace("\n", "\n  ")
+        yield "\n ]\n}\n"
 
     def dumps(self, inline_limit: Optional[int] = None) -> str:
-        return json.dumps(self.to_json(inline_limit), indent=1) + "\n"
+        return "".join(self.iter_dumps(inline_limit))
 
     def write(self, path: str | Path, inline_limit: Optional[int] = INLINE_LIMIT) -> List[Path]:
         """Write ``path`` (the JSON) and, when some entry is larger than ``inline_limit`` numbers, the sidecar
@@ -292,7 +308,9 @@ class EncodingsFile:
                     for key, t in e.sidecar_tensors():
                         w.write(key, t)
             written.append(path.parent / SIDECAR)
-        path.write_text(self.dumps(inline_limit))
+        with open(path, "w", encoding="utf-8") as fh:
+            for piece in self.iter_dumps(inline_limit):
+                fh.write(piece)
         return [path] + written
 
     @classmethod

@@ -120,3 +120,17 @@ def test_export_with_a_missing_sidecar_fails_with_one_line(tmp_path):
     code, out, err = run_cli("export", ckpt, "-e", tmp_path / "run" / "encodings.json", "-o", tmp_path / "x")
     assert code == 2 and len(error_lines(err)) == 1 and "encodings data file not found" in err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("inline_limit", [None, 100])
+def test_streamed_json_is_byte_identical_to_json_dumps(tmp_path, inline_limit):
+    """encodings.json is written entry by entry; the bytes are those of json.dumps(indent=1) of the whole file."""
+    big, small = _entries()
+    scalar = EncodingEntry("c.input", "c", "input", 8, False, "per_tensor", (), None, "minmax",
+                           torch.tensor(-1.5), torch.tensor(2.25))
+    for entries in ([], [small], [big, small, scalar]):
+        enc = EncodingsFile(entries, {"qtool_version": "x", "recipe": "r.yaml", "nested": {"a": [1, 2]}})
+        want = json.dumps(enc.to_json(inline_limit), indent=1) + "\n"
+        assert enc.dumps(inline_limit) == want
+        enc.write(tmp_path / "encodings.json", inline_limit=inline_limit)
+        assert (tmp_path / "encodings.json").read_text() == want
