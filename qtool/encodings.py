@@ -261,7 +261,8 @@ class EncodingsFile:
 
     def _head(self, inline_limit: Optional[int]) -> Dict[str, Any]:
         version = 1 if all(self._inline(e, inline_limit) for e in self.entries) else 2
-        return {"schema": SCHEMA, "schema_version": version, **self.meta}
+        meta = {k: v for k, v in self.meta.items() if k not in ("schema", "schema_version", "quantizers")}
+        return {"schema": SCHEMA, "schema_version": version, **meta}
 
     def to_json(self, inline_limit: Optional[int] = None) -> Dict[str, Any]:
         """The JSON object; entries above ``inline_limit`` numbers refer to the sidecar (None: all inline)."""

@@ -31,8 +31,10 @@ def parse_size(text: str, what: str) -> Optional[int]:
         value = float(num)
     except ValueError:
         value = -1.0
-    if unit not in _UNITS or not value > 0 or value != value or value == float("inf"):
+    if unit not in _UNITS or not value >= 0 or value == float("inf"):
         raise UsageError(f"{what}: {text!r} is not a size like 5GB, 500MB or 2GiB (0 or none: no limit)")
+    if value == 0:
+        return None
     return max(1, int(value * _UNITS[unit]))
 
 

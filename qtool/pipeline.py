@@ -266,7 +266,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
         "inputs": {
             "checkpoint": {"path": str(checkpoint), "sha256": _files_digest(tensor_files(Path(checkpoint)))},
             "encodings": {"path": enc_display or str(enc_path), "sha256": sha256_file(enc_path)},
-            **({"encodings_data": {"path": SIDECAR, "sha256": sha256_file(enc.data_files[0])}}
+            **({"encodings_data": [{"path": f.name, "sha256": sha256_file(f)} for f in enc.data_files]}
                if enc.data_files else {}),
         },
         "outputs": {n: sha256_file(out_dir / n) for n in outputs},

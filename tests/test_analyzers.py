@@ -438,3 +438,19 @@ def test_pruned_mse_search_picks_what_the_full_search_picks(seed, bitwidth, symm
     n = 2**bitwidth - 1
     got, want = pruned.compute_encodings(n, symmetric), full.compute_encodings(n, symmetric)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_pruned_mse_search_is_exact_on_16_bit_grids():
+    """A case a review found: at 16 bits the float64 bound overshot the float32 error of a value clipped by 0.85
+    of a step, so the pruned search kept alpha = 1 where the full search picks the next candidate. The bound now
+    uses the grid's end exactly as quantize-dequantize computes it."""
+    row = torch.tensor([1.0019450187683105, 0.588211178779602, 0.578548789024353, 0.5695897340774536])
+    x = row.expand(70000, 4).contiguous()  # many rows, so the first chunk holds alpha = 1 alone
+    picks = []
+    for prune in (False, True):
+        a = MseEncodingAnalyzer((70000, 1), None, num_candidates=3, min_ratio=1 - 2 * 0.85 / 32767.85)
+        a.prune = prune
+        a.update_stats(x)
+        picks.append(a.compute_encodings(65535, True))
+    assert torch.equal(picks[0][0], picks[1][0]) and torch.equal(picks[0][1], picks[1][1])
+    assert picks[0][1][0, 0].item() < float(row[0])  # the pick is the narrower candidate, not min-max

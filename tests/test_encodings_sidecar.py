@@ -101,7 +101,7 @@ def test_cli_writes_a_sidecar_for_big_block_encodings_and_exports_from_it(tmp_pa
                              "--json")
     assert code == 0, err
     emanifest = json.loads((tmp_path / "x" / "manifest.json").read_text())
-    assert emanifest["inputs"]["encodings_data"]["sha256"] == manifest["outputs"][SIDECAR]
+    assert emanifest["inputs"]["encodings_data"] == [{"path": SIDECAR, "sha256": manifest["outputs"][SIDECAR]}]
 
     # the same encodings written inline export to the same bytes
     enc = EncodingsFile.read(tmp_path / "run" / "encodings.json")

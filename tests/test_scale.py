@@ -251,7 +251,7 @@ def test_parse_size_units():
 
     assert parse_size("5GB", "x") == 5 * 10**9 and parse_size("2GiB", "x") == 2 << 30
     assert parse_size("1.5 mb", "x") == 1_500_000 and parse_size("123", "x") == 123
-    assert parse_size("0", "x") is None and parse_size("None", "x") is None
+    assert parse_size("0", "x") is None and parse_size("None", "x") is None and parse_size("0GB", "x") is None
 
 
 def test_huge_encodings_skip_the_aimet_json_beside_a_qtool_export(wide_run, tmp_path, monkeypatch):
@@ -269,3 +269,13 @@ def test_huge_encodings_skip_the_aimet_json_beside_a_qtool_export(wide_run, tmp_
     assert run_cli("export", wide_run / "wide.safetensors", "-e", wide_run / "run" / "encodings.json",
                    "-o", tmp_path / "y", "--format", "aimet")[0] == 0
     assert (tmp_path / "y" / "model.encodings").exists()
+
+
+@pytest.mark.parametrize("index", ['[1, 2]', '{"weight_map": [1]}', '{"weight_map": {"a": 3}}',
+                                   '{"weight_map": {"a": "../x.safetensors"}}', '{"nope": 1}', 'not json'])
+def test_inspect_a_malformed_index_is_one_clear_error(tmp_path, index):
+    from tests.helpers import error_lines, run_cli
+
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    code, _, err = run_cli("inspect", tmp_path)
+    assert code == 2 and len(error_lines(err)) == 1 and "not a valid safetensors index" in err, err

@@ -338,8 +338,12 @@ def export_files(path: Path) -> List[Path]:
     if path.name.endswith(".index.json"):
         try:
             weight_map = json.loads(path.read_text())["weight_map"]
-        except (ValueError, KeyError, OSError) as e:
+        except (ValueError, KeyError, OSError, TypeError) as e:
             raise EncodingsError(f"{path}: not a valid safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) and f and Path(f).name == f for f in weight_map.values()):
+            raise EncodingsError(f"{path}: not a valid safetensors index ('weight_map' must map tensor names to "
+                                 f"file names beside it)")
         return [path.parent / f for f in sorted(set(weight_map.values()))]
     return [path]
 

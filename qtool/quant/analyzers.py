@@ -13,8 +13,9 @@ with AIMET's outputs), :class:`MseEncodingAnalyzer` (direct clipping search for 
 (per-tensor, per-channel, per-block) is handled in the same batched tensor ops, never one at a time.
 
 Statistics are float32 tensors on the device of the data; nothing is copied from a GPU to the host while
-statistics are collected (on CPU a few shortcuts read CPU tensors, e.g. whether a batch is all finite). The SQNR
-search reads one list of sizes per ``compute_encodings`` to size its chunks.
+statistics are collected (on CPU a few shortcuts read CPU tensors, e.g. whether a batch is all finite). The
+searches in ``compute_encodings`` read a few sizes on the host to size their chunks (once per SQNR search, once
+per candidate chunk in MSE).
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ class MinMaxEncodingAnalyzer(EncodingAnalyzer):
 # needed. Both forms hold exactly the same counts; the only observable difference is the order of the float
 # sum in the SQNR noise estimate (see SqnrEncodingAnalyzer).
 
+_PRUNE_MAX_STEPS = 4095  # SQNR searches on wider grids evaluate every candidate (see _ClipBound)
 _CHUNK_ELEMENTS = 1 << 18  # search temporaries are cut to about this many elements (cache-sized chunks)
 
 
@@ -680,11 +682,16 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
         search (same float32 operations on the same values), so the pick is the same, ties included: a pruned
         candidate's noise is strictly above the minimum. For int4 weight blocks this leaves about an eighth of
         the candidates, for 8-bit channels about a twentieth (the ones that clip the extremes by less than about
-        a step).
+        a step). Grids wider than 12 bits are not pruned (see :class:`_ClipBound`).
+
+        "Same float32 operations" holds on CPU, where a row's sum over its (at most 2048) entries does not depend
+        on the other rows of the chunk. On CUDA the reduction strategy may depend on the chunk's shape, so the
+        last bits of a noise, and with them a near-tie, could differ from an unchunked search (not checked: no
+        GPU was available).
         """
         num_enc, num_cand = mid.shape[0], cands.num
         dev = mid.device
-        if not prune or num_cand <= 4:
+        if not prune or num_cand <= 4 or n > _PRUNE_MAX_STEPS:
             return self._evaluate(mid, counts, cands, n, start=torch.zeros(num_enc, dtype=torch.int64, device=dev))
         ref = torch.tensor(self._reference_candidates(num_cand, is_symmetric), device=dev)
         rd, ro = cands.columns(slice(None), ref[None, :].expand(num_enc, -1))
@@ -695,17 +702,26 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
             # deltas grow with the index, so the bound shrinks: the survivors are a suffix
             start = ends.first_symmetric_survivor(cands, upper).clamp_(max=num_cand - 2)  # the reference survives
             return self._evaluate(mid, counts, cands, n, start=start)
-        keep = ~ends.exceeds(cands.d, cands.o, upper[:, None])
-        keep[:, ref] = True
-        keep[:, -1] = True  # it pads the rows below
-        # survivors first, in their (AIMET) order; the padding repeats the last candidate, which survives
-        num_keep = keep.sum(dim=1)
-        width = int(num_keep.max())
-        pos = torch.where(keep, keep.cumsum(dim=1) - 1, width)
-        cols = torch.full((num_enc, width + 1), num_cand - 1, dtype=torch.int64, device=dev)
-        cols.scatter_(1, pos, torch.arange(num_cand, device=dev).expand(num_enc, -1))
-        kept = _TableCandidates(cands.d.gather(1, cols[:, :width]), cands.o.gather(1, cols[:, :width]))
-        return self._evaluate(mid, counts, kept, n, widths=num_keep)
+        # asymmetric: survivors anywhere in the table; bounded temporaries, a chunk of rows at a time
+        best_d = torch.empty(num_enc, dtype=torch.float32, device=dev)
+        best_o = torch.empty_like(best_d)
+        step = max(1, (_CHUNK_ELEMENTS * 4) // num_cand)
+        for r0 in range(0, num_enc, step):
+            rows = slice(r0, min(num_enc, r0 + step))
+            keep = ~ends.exceeds(cands.d[rows], cands.o[rows], upper[rows, None], rows)
+            keep[:, ref] = True
+            keep[:, -1] = True  # it pads the rows below
+            # survivors first, in their (AIMET) order; the padding repeats the last candidate, which survives
+            num_keep = keep.sum(dim=1)
+            width = int(num_keep.max())
+            pos = torch.where(keep, keep.cumsum(dim=1) - 1, width)
+            cols = torch.full((keep.shape[0], width + 1), num_cand - 1, dtype=torch.int64, device=dev)
+            cols.scatter_(1, pos, torch.arange(num_cand, device=dev).expand(keep.shape[0], -1))
+            cols = cols[:, :width]
+            kept = _TableCandidates(cands.d[rows].gather(1, cols), cands.o[rows].gather(1, cols))
+            best_d[rows], best_o[rows] = self._evaluate(mid[rows], None if counts is None else counts[rows], kept, n,
+                                                        widths=num_keep)
+        return best_d, best_o
 
     def _evaluate(self, mid, counts, cands, n: int, start=None, widths=None):
         """Exact noise of the candidates ``start[e]:`` (or ``:widths[e]``) of every encoding ``e``; returns the
@@ -786,7 +802,9 @@ class _TableCandidates:
 
 class _ClipBound:
     """A lower bound on a candidate's SQNR noise: the gamma-weighted squared error of the largest (smallest)
-    histogram value alone, where the candidate's grid clips it (float64, with a margin for float32 rounding)."""
+    histogram value alone, where the candidate's grid clips it (float64, with a 1e-3 margin for the float32
+    rounding of the noise). The closed form of :meth:`first_symmetric_survivor` takes the grid's end as exact;
+    its float32 rounding stays within the margin up to 4095 steps (12 bits), so wider grids are not pruned."""
 
     def __init__(self, mid: torch.Tensor, counts: Optional[torch.Tensor], n: int, gamma: float):
         f64 = torch.float64
@@ -832,17 +850,20 @@ class _ClipBound:
         count = torch.where(limit > float(cands.min_scale) * (1 + 1e-6), count, torch.zeros_like(count))
         return count.to(torch.int64)
 
-    def exceeds(self, deltas: torch.Tensor, offsets: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
-        """Whether the bound of each candidate ``(deltas, offsets)`` is above ``upper`` (shapes broadcast with
-        ``(E,)`` or ``(E, P)``): such a candidate cannot have the least noise."""
+    def exceeds(self, deltas: torch.Tensor, offsets: torch.Tensor, upper: torch.Tensor, rows=slice(None)):
+        """Whether the bound of each candidate ``(deltas, offsets)`` of encodings ``rows`` is above ``upper``
+        (shapes broadcast with ``(E,)`` or ``(E, P)``): such a candidate cannot have the least noise."""
         extra = deltas.dim() - self.top.dim()
-        top, bot, c_top, c_bot = (t.reshape(t.shape + (1,) * extra) for t in (self.top, self.bot, self.c_top,
-                                                                               self.c_bot))
+        top, bot, c_top, c_bot = (t[rows].reshape(t[rows].shape + (1,) * extra)
+                                  for t in (self.top, self.bot, self.c_top, self.c_bot))
+        # the grid's ends exactly as the noise computes them, (q + o) * d in float32
+        end_hi = (offsets + self.n).mul_(deltas).to(torch.float64)
+        end_lo = (offsets * deltas).to(torch.float64)
         d, o = deltas.to(torch.float64), offsets.to(torch.float64)
         thr_hi = (o + self.n + 0.5) * d  # values beyond half a step past the grid's ends are clipped
         thr_lo = (o - 0.5) * d
-        err_hi = torch.where(top > thr_hi + 1e-5 * thr_hi.abs(), top - (o + self.n) * d, 0.0)
-        err_lo = torch.where(bot < thr_lo - 1e-5 * thr_lo.abs(), o * d - bot, 0.0)
+        err_hi = torch.where(top > thr_hi + 1e-5 * thr_hi.abs(), top - end_hi, 0.0)
+        err_lo = torch.where(bot < thr_lo - 1e-5 * thr_lo.abs(), end_lo - bot, 0.0)
         bound = self.gamma * torch.maximum(c_top * err_hi * err_hi, c_bot * err_lo * err_lo)
         return bound * (1 - 1e-3) > upper
 
@@ -905,7 +926,8 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
     the row's largest (smallest) value where the candidate's grid clips it, and where that bound exceeds the
     min-max candidate's error for every candidate of the chunk, none of them is the minimum. The rows that are
     evaluated are evaluated exactly as in a full search, so the result is the same (``prune = False`` runs the
-    full search). The values themselves are kept (batches are concatenated), so this is meant for weights, not
+    full search). Rows of 32768 values or more are not pruned: torch sums a single row that long in parallel
+    pieces, so its error would not be bit-identical to the same row summed in a batch. The values themselves are kept (batches are concatenated), so this is meant for weights, not
     activations.
     """
 
@@ -984,7 +1006,7 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
         while i < alphas.shape[0]:
             chunk = max(1, _CHUNK_ELEMENTS // max(1, num_enc * width))
             idx = None
-            if upper is not None and self.prune:
+            if upper is not None and self.prune and (width < (1 << 15) or num_enc == 1):
                 bound = grids(i, i + 1)[4]
                 idx = (bound * slack <= upper).any(dim=0).nonzero()[:, 0]
                 if idx.shape[0] == 0:
@@ -1031,11 +1053,11 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
 
     def _clip_bound(self, scale: torch.Tensor, offset: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
         """``(C, E)`` lower bound on each candidate's squared error: the error of the row's max (min) alone
-        where the candidate's grid clips it by more than half a step, with a margin. float32 up to 8 bits: the
-        grid ends are within 256 steps of zero, so rounding moves the error by < 1e-4 of itself (margin 1e-3)."""
-        dt = torch.float32 if qmax - qmin <= 255 else torch.float64
-        s, o = scale.to(dt), offset.to(dt)
-        hi, lo = self.max.to(dt), self.min.to(dt)
+        where the candidate's grid clips it by more than half a step (with a margin). In float32, with the
+        grid's ends computed as quantize-dequantize computes them, ``(q + offset) * scale``: the bound is then
+        that value's own float32 error term, and the search's ``slack`` covers the rounding of the sum."""
+        s, o = scale.to(torch.float32), offset.to(torch.float32)
+        hi, lo = self.max.to(torch.float32), self.min.to(torch.float32)
         top, bot = (o + qmax).mul_(s), (o + qmin).mul_(s)
         # clipped: beyond the grid's end by more than half a step (plus 1e-5 of the end, for rounding)
         err_hi = hi - top
