@@ -649,7 +649,7 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
 
     def _search_inputs(self, n: int, is_symmetric: bool):
         """Bin midpoints ``mid`` ``(E, W)``, their ``counts`` (None: one each) and the candidates (flat, in
-        AIMET's delta-major order): a :class:`_SymmetricCandidates`, or ``(E, P)`` deltas and offsets."""
+        AIMET's delta-major order), made a chunk of rows at a time when they are needed."""
         h = self._hist
         bins, counts = h.entries(as_float=True)
         lo_e, step = _edges(h.lo, h.hi, h.num_bins)
@@ -665,12 +665,7 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
             mn = torch.minimum(h.lo, torch.zeros_like(h.lo))
             mx = torch.maximum(torch.maximum(h.hi, torch.zeros_like(h.hi)), mn + ms * n)
             return mid, counts, _SymmetricCandidates(2 * torch.maximum(mx, -mn) / n, self.sym_delta_candidates, n)
-        deltas, offsets = self._candidates(h.lo, h.hi, n, is_symmetric)
-        shape = torch.broadcast_shapes(deltas.shape, offsets.shape)
-        num_enc = h.lo.shape[0]
-        deltas = deltas.expand(num_enc, *shape[1:]).reshape(num_enc, -1)
-        offsets = offsets.expand(num_enc, *shape[1:]).reshape(num_enc, -1)
-        return mid, counts, _TableCandidates(deltas, offsets)
+        return mid, counts, _AsymmetricCandidates(self, h.lo, h.hi, n)
 
     def _search(self, mid, counts, cands, n: int, is_symmetric: bool, prune: bool):
         """The candidate with the least noise per encoding (the first on ties) as ``(delta, offset)``.
@@ -705,10 +700,11 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
         # asymmetric: survivors anywhere in the table; bounded temporaries, a chunk of rows at a time
         best_d = torch.empty(num_enc, dtype=torch.float32, device=dev)
         best_o = torch.empty_like(best_d)
-        step = max(1, (_CHUNK_ELEMENTS * 4) // num_cand)
+        step = max(1, _CHUNK_ELEMENTS // num_cand)
         for r0 in range(0, num_enc, step):
             rows = slice(r0, min(num_enc, r0 + step))
-            keep = ~ends.exceeds(cands.d[rows], cands.o[rows], upper[rows, None], rows)
+            d_all, o_all = cands.table(rows)
+            keep = ~ends.exceeds(d_all, o_all, upper[rows, None], rows)
             keep[:, ref] = True
             keep[:, -1] = True  # it pads the rows below
             # survivors first, in their (AIMET) order; the padding repeats the last candidate, which survives
@@ -718,7 +714,8 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
             cols = torch.full((keep.shape[0], width + 1), num_cand - 1, dtype=torch.int64, device=dev)
             cols.scatter_(1, pos, torch.arange(num_cand, device=dev).expand(keep.shape[0], -1))
             cols = cols[:, :width]
-            kept = _TableCandidates(cands.d[rows].gather(1, cols), cands.o[rows].gather(1, cols))
+            kept = _TableCandidates(d_all.gather(1, cols), o_all.gather(1, cols))
+            del d_all, o_all, keep, pos
             best_d[rows], best_o[rows] = self._evaluate(mid[rows], None if counts is None else counts[rows], kept, n,
                                                         widths=num_keep)
         return best_d, best_o
@@ -787,6 +784,33 @@ class _SymmetricCandidates:
     def columns(self, rows, cols: torch.Tensor):
         d = self.deltas(rows, cols)
         return d, torch.full_like(d, self.offset)
+
+
+class _AsymmetricCandidates:
+    """AIMET's asymmetric SQNR candidates (``(delta, offset)`` pairs, each clamped to the observed range), made
+    for the rows asked for: the whole ``(E, P)`` table of a large weight would be ~50x the weight's size."""
+
+    def __init__(self, analyzer: "SqnrEncodingAnalyzer", lo: torch.Tensor, hi: torch.Tensor, n: int):
+        self.analyzer, self.lo, self.hi, self.n = analyzer, lo, hi, n
+        self.num = self.table(slice(0, 1))[0].shape[1]
+
+    def table(self, rows):
+        """``(R, P)`` deltas and offsets of ``rows`` (a slice or an index tensor)."""
+        lo, hi = self.lo[rows], self.hi[rows]
+        deltas, offsets = self.analyzer._candidates(lo, hi, self.n, False)
+        shape = torch.broadcast_shapes(deltas.shape, offsets.shape)
+        num = lo.shape[0]
+        return deltas.expand(num, *shape[1:]).reshape(num, -1), offsets.expand(num, *shape[1:]).reshape(num, -1)
+
+    def columns(self, rows, cols: torch.Tensor):
+        if isinstance(rows, slice) and rows == slice(None):  # every row: build the table in pieces
+            num = self.lo.shape[0]
+            step = max(1, _CHUNK_ELEMENTS // self.num)
+            parts = [self.columns(torch.arange(r, min(num, r + step), device=self.lo.device), cols[r:r + step])
+                     for r in range(0, num, step)]
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        d, o = self.table(rows)
+        return d.gather(1, cols), o.gather(1, cols)
 
 
 class _TableCandidates:
