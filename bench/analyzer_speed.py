@@ -108,7 +108,15 @@ def sqnr_breakdown(repeats: int = 3) -> dict:
         t["sqnr: survivors (exact)"] = time.perf_counter() - t0
         t["survivors per block"] = float((cands.num - start).float().mean())
         best = {k: min(v, best.get(k, v)) for k, v in t.items()}
-    return {"blocks": int(w.shape[0]), "phases": best}
+    asym = {}
+    for prune in (True, False):  # once each: the asymmetric search is slow
+        a = SqnrEncodingAnalyzer((w.shape[0], 1), (1, 32))
+        a.update_stats(w)
+        t0 = time.perf_counter()
+        mid, counts, cands = a._search_inputs(n, False)
+        a._search(mid, counts, cands, n, False, prune=prune)
+        asym["asymmetric sqnr search, " + ("pruned" if prune else "every candidate")] = time.perf_counter() - t0
+    return {"blocks": int(w.shape[0]), "phases": {**best, **asym}}
 
 
 def _timed(fn) -> float:
@@ -135,7 +143,7 @@ def main(argv=None) -> dict:
         bd = result["sqnr_breakdown"]
         print(f"SQNR search phases on {bd['blocks']} int4 blocks of MiniLM's Linear weights (best of 3):")
         for k, v in bd["phases"].items():
-            print(f"  {k:<36}{v:>8.3f}" + ("" if k.startswith("survivors") else " s"))
+            print(f"  {k:<44}{v:>8.3f}" + ("" if k.startswith("survivors") else " s"))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
