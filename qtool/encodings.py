@@ -64,15 +64,39 @@ class EncodingEntry:
     analyzer: str
     min: torch.Tensor
     max: torch.Tensor
+    # (sidecar file, min key, max key) of an entry read lazily: min/max are then meta tensors until asked for
+    source: Optional[Tuple[str, str, str]] = None
 
     @property
     def qmin_qmax(self) -> Tuple[int, int]:
         return grid(self.bitwidth, signed=self.symmetric)
 
+    def range(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(min, max)``, read from the sidecar now if this entry was read lazily (not kept)."""
+        if self.source is None or self.min.device.type != "meta":
+            return self.min, self.max
+        from safetensors import safe_open
+
+        file, kmin, kmax = self.source
+        with safe_open(file, framework="pt") as fh:
+            lo, hi = fh.get_tensor(kmin), fh.get_tensor(kmax)
+        if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+            raise EncodingsError(f"{file}: {kmin}/{kmax}: min/max must be finite numbers")
+        return lo, hi
+
+    def materialized(self) -> "EncodingEntry":
+        """This entry with its numbers in memory."""
+        if self.source is None or self.min.device.type != "meta":
+            return self
+        lo, hi = self.range()
+        return EncodingEntry(self.name, self.module, self.tensor, self.bitwidth, self.symmetric, self.granularity,
+                             self.shape, self.block_size, self.analyzer, lo, hi)
+
     def scale_offset(self) -> Tuple[torch.Tensor, torch.Tensor]:
         qmin, qmax = self.qmin_qmax
+        lo, hi = self.range()
         with torch.no_grad():
-            return min_max_to_scale_offset(self.min, self.max, qmin, qmax, self.symmetric)
+            return min_max_to_scale_offset(lo, hi, qmin, qmax, self.symmetric)
 
     @classmethod
     def from_quantizer(cls, plan: QuantizerPlan, quantizer: QuantizerBase) -> "EncodingEntry":
@@ -108,27 +132,31 @@ class EncodingEntry:
         }
 
     def to_json(self) -> Dict[str, Any]:
-        scale, offset = self.scale_offset()
-        return {**self.header_json(), "min": _tolist(self.min), "max": _tolist(self.max), "scale": _tolist(scale),
+        e = self.materialized()
+        scale, offset = e.scale_offset()
+        return {**self.header_json(), "min": _tolist(e.min), "max": _tolist(e.max), "scale": _tolist(scale),
                 "offset": offset.to(torch.int64).tolist()}
 
     def sidecar_tensors(self) -> List[Tuple[str, torch.Tensor]]:
         """(key, tensor) for this entry's numbers in the sidecar file, in the order they are stored."""
-        scale, offset = self.scale_offset()
+        e = self.materialized()
+        scale, offset = e.scale_offset()
         shape = tuple(self.shape)
-        return [(f"{self.name}.min", self.min.to(torch.float32).reshape(shape)),
-                (f"{self.name}.max", self.max.to(torch.float32).reshape(shape)),
+        return [(f"{self.name}.min", e.min.to(torch.float32).reshape(shape)),
+                (f"{self.name}.max", e.max.to(torch.float32).reshape(shape)),
                 (f"{self.name}.scale", scale.to(torch.float32).reshape(shape)),
                 (f"{self.name}.offset", offset.to(torch.int32).reshape(shape))]
 
     @classmethod
-    def from_json(cls, obj: Dict[str, Any], where: str, sidecar: Optional["_Sidecar"] = None) -> "EncodingEntry":
+    def from_json(cls, obj: Dict[str, Any], where: str, sidecar: Optional["_Sidecar"] = None,
+                  lazy: bool = False) -> "EncodingEntry":
+        source = None
         try:
             shape = tuple(int(d) for d in obj["shape"])
             if "data" in obj:
                 if sidecar is None:
                     raise EncodingsError(f"{where}: 'data' needs schema_version 2")
-                lo, hi = sidecar.range(obj["data"], shape, where)
+                lo, hi, source = sidecar.range(obj["data"], shape, where, lazy)
             else:
                 lo = torch.tensor(obj["min"], dtype=torch.float32).reshape(shape)
                 hi = torch.tensor(obj["max"], dtype=torch.float32).reshape(shape)
@@ -138,7 +166,7 @@ class EncodingEntry:
                 granularity=str(obj["granularity"]), shape=shape,
                 block_size=None if obj.get("block_size") is None else tuple(int(b) for b in obj["block_size"]),
                 analyzer=str(obj.get("analyzer", "minmax")),
-                min=lo, max=hi,
+                min=lo, max=hi, source=source,
             )
         except KeyError as e:
             raise EncodingsError(f"{where}: missing field {e.args[0]!r}") from None
@@ -148,7 +176,7 @@ class EncodingEntry:
             raise EncodingsError(f"{where}: tensor must be weight, input or output (got {entry.tensor!r})")
         if not 2 <= entry.bitwidth <= 16:
             raise EncodingsError(f"{where}: bitwidth {entry.bitwidth} is outside 2..16")
-        if not (torch.isfinite(entry.min).all() and torch.isfinite(entry.max).all()):
+        if source is None and not (torch.isfinite(entry.min).all() and torch.isfinite(entry.max).all()):
             raise EncodingsError(f"{where}: min/max must be finite numbers")
         return entry
 
@@ -179,7 +207,9 @@ class _Sidecar:
     def files(self) -> List[Path]:
         return [self.dir / name for name in sorted(self._open)]
 
-    def range(self, data: Any, shape: Tuple[int, ...], where: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    def range(self, data: Any, shape: Tuple[int, ...], where: str, lazy: bool = False):
+        """``(min, max, source)``; ``lazy``: meta tensors and the ``source`` to read them from later (the
+        dtype and shape are checked from the header now)."""
         if not isinstance(data, dict):
             raise EncodingsError(f"{where}: 'data' must be an object naming a file and its min/max tensors")
         fh = self._file(data.get("file"), where)
@@ -188,12 +218,13 @@ class _Sidecar:
             key = data.get(field)
             if not isinstance(key, str) or key not in fh.keys():
                 raise EncodingsError(f"{where}: data.{field} names no tensor in {data.get('file')} (got {key!r})")
-            t = fh.get_tensor(key)
-            if t.dtype != torch.float32 or tuple(t.shape) != shape:
-                raise EncodingsError(f"{where}: tensor {key!r} is {t.dtype} {list(t.shape)}, expected float32 "
-                                     f"{list(shape)}")
-            out.append(t)
-        return out[0], out[1]
+            piece = fh.get_slice(key)
+            dtype, got = piece.get_dtype(), tuple(piece.get_shape())
+            if dtype != "F32" or got != shape:
+                raise EncodingsError(f"{where}: tensor {key!r} is {dtype} {list(got)}, expected F32 {list(shape)}")
+            out.append(torch.empty(shape, device="meta") if lazy else fh.get_tensor(key))
+        source = (str(self.dir / data["file"]), data["min"], data["max"]) if lazy else None
+        return out[0], out[1], source
 
 
 class SidecarStream:
@@ -293,7 +324,7 @@ class EncodingsFile:
         path = Path(path)
         big = [e for e in self.entries if not self._inline(e, inline_limit)]
         written = []
-        streamed = [e for e in big if e.min.device.type == "meta"]
+        streamed = [e for e in big if e.min.device.type == "meta" and e.source is None]
         if streamed:  # a SidecarStream wrote them while calibrating (and nothing else may be big)
             if len(streamed) != len(big):
                 raise ValueError("some large entries were streamed to the sidecar and some were not")
@@ -314,8 +345,14 @@ class EncodingsFile:
                 fh.write(piece)
         return [path] + written
 
+    def materialized(self) -> "EncodingsFile":
+        """Every entry's numbers in memory (after a lazy :meth:`read`)."""
+        return EncodingsFile([e.materialized() for e in self.entries], self.meta, self.data_files)
+
     @classmethod
-    def read(cls, path: str | Path) -> "EncodingsFile":
+    def read(cls, path: str | Path, lazy: bool = False) -> "EncodingsFile":
+        """Read an encodings file. ``lazy``: entries kept in the sidecar are read when their numbers are asked
+        for (``scale_offset``, ``range``, ``materialized``), one at a time, instead of all now."""
         path = Path(path)
         try:
             obj = json.loads(path.read_text(encoding="utf-8"))
@@ -337,7 +374,7 @@ class EncodingsFile:
         if not isinstance(raw, list):
             raise EncodingsError(f"{path}: 'quantizers' must be a list")
         sidecar = _Sidecar(path) if version >= 2 else None
-        entries = [EncodingEntry.from_json(e, f"{path}: quantizers[{i}]", sidecar) if isinstance(e, dict)
+        entries = [EncodingEntry.from_json(e, f"{path}: quantizers[{i}]", sidecar, lazy) if isinstance(e, dict)
                    else _bad_entry(path, i) for i, e in enumerate(raw)]
         names = [e.name for e in entries]
         if len(set(names)) != len(names):

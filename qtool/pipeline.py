@@ -250,7 +250,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     summary["export_warnings"] = summary.pop("warnings", [])
     numbers = sum(e.numel() for e in enc.entries)
     if eopts.format == "aimet" or (eopts.format != "compressed-tensors" and numbers <= AIMET_JSON_LIMIT):
-        aimet = to_aimet(enc, eopts.encoding_version, __version__, names=names)
+        aimet = to_aimet(enc.materialized(), eopts.encoding_version, __version__, names=names)
         (out_dir / "model.encodings").write_text(json.dumps(aimet, indent=1) + "\n")
     elif eopts.format != "compressed-tensors":
         summary["export_warnings"].append(
@@ -283,7 +283,8 @@ def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[E
     hooks = hooks or Hooks()
     eopts = eopts or ExportOptions()
     check_output_dir(Path(out), overwrite)
-    enc = EncodingsFile.read(encodings_path)
+    # the integer export reads each weight's block encodings from the sidecar when it gets to that weight
+    enc = EncodingsFile.read(encodings_path, lazy=eopts.format == "qtool")
     with atomic_output_dir(Path(out), overwrite) as tmp:
         summary = _export_into(checkpoint, enc, Path(encodings_path), tmp, eopts, hooks)
     summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
@@ -343,7 +344,8 @@ def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOpt
         eopts.trust_remote_code = opts.trust_remote_code
         eopts.data = eopts.data or opts.data
         eopts.seq_len = opts.seq_len
-        esum = _export_into(checkpoint, EncodingsFile.read(enc_path), enc_path, tmp, eopts, hooks,
+        esum = _export_into(checkpoint, EncodingsFile.read(enc_path, lazy=eopts.format == "qtool"), enc_path, tmp,
+                            eopts, hooks,
                             enc_display="calibration/encodings.json")  # relative: the temp dir name is random
     out_p = Path(out)
     files = [str(out_p / n) for n in esum.pop("outputs") if not n.startswith("calibration/")]

@@ -65,7 +65,7 @@ def test_small_files_stay_version_1_without_a_sidecar(tmp_path):
     (lambda d, o: (d / SIDECAR).unlink(), "encodings data file not found"),
     (lambda d, o: (d / SIDECAR).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}"), "not a readable safetensors"),
     (lambda d, o: o["quantizers"][0]["data"].update(min="nope"), "data.min names no tensor"),
-    (lambda d, o: o["quantizers"][0]["data"].update(max="a.weight.offset"), "expected float32 [64, 4]"),
+    (lambda d, o: o["quantizers"][0]["data"].update(max="a.weight.offset"), "expected F32 [64, 4]"),
     (lambda d, o: o["quantizers"][0]["data"].update(file="../elsewhere.safetensors"), "a file name beside the JSON"),
     (lambda d, o: o["quantizers"][0].update(data=[1]), "'data' must be an object"),
     (lambda d, o: o.update(schema_version=1), "'data' needs schema_version 2"),
@@ -134,3 +134,42 @@ def test_streamed_json_is_byte_identical_to_json_dumps(tmp_path, inline_limit):
         assert enc.dumps(inline_limit) == want
         enc.write(tmp_path / "encodings.json", inline_limit=inline_limit)
         assert (tmp_path / "encodings.json").read_text() == want
+
+
+def test_lazy_read_keeps_sidecar_numbers_on_disk_until_asked(tmp_path):
+    big, small = _entries()
+    EncodingsFile([big, small], {}).write(tmp_path / "encodings.json", inline_limit=100)
+    lazy = EncodingsFile.read(tmp_path / "encodings.json", lazy=True)
+    a, b = lazy.entries
+    assert a.min.device.type == "meta" and a.source is not None  # the sidecar entry is not loaded
+    assert b.min.device.type == "cpu"  # inline entries are
+    lo, hi = a.range()
+    assert torch.equal(lo, big.min) and torch.equal(hi, big.max)
+    s1, o1 = a.scale_offset()
+    s2, o2 = big.scale_offset()
+    assert torch.equal(s1, s2) and torch.equal(o1, o2)
+    eager = lazy.materialized()
+    assert torch.equal(eager.entries[0].min, big.min) and eager.entries[0].source is None
+    # written again (sidecar included) from the lazy entries: the same bytes
+    (tmp_path / "again").mkdir()
+    lazy.write(tmp_path / "again" / "encodings.json", inline_limit=100)
+    for name in ("encodings.json", SIDECAR):
+        assert (tmp_path / "again" / name).read_bytes() == (tmp_path / name).read_bytes()
+    # a wrong dtype is caught from the header, before any number is read
+    obj = json.loads((tmp_path / "encodings.json").read_text())
+    obj["quantizers"][0]["data"]["min"] = "a.weight.offset"
+    (tmp_path / "encodings.json").write_text(json.dumps(obj))
+    with pytest.raises(EncodingsError, match="expected F32"):
+        EncodingsFile.read(tmp_path / "encodings.json", lazy=True)
+
+
+def test_non_finite_sidecar_numbers_are_an_encodings_error_eager_or_lazy(tmp_path):
+    big, small = _entries()
+    big.min = big.min.clone()
+    big.min[3, 1] = float("nan")
+    EncodingsFile([big, small], {}).write(tmp_path / "encodings.json", inline_limit=100)
+    with pytest.raises(EncodingsError, match="finite"):
+        EncodingsFile.read(tmp_path / "encodings.json")
+    lazy = EncodingsFile.read(tmp_path / "encodings.json", lazy=True)
+    with pytest.raises(EncodingsError, match="a.weight.min/a.weight.max: min/max must be finite"):
+        lazy.entries[0].scale_offset()
