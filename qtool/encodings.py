@@ -26,6 +26,7 @@ written as version 1, so readers of version 1 keep working on everything they co
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -237,7 +238,7 @@ class SidecarStream:
         from .export.st_writer import StreamingSafetensorsWriter
 
         self.inline_limit = inline_limit
-        self.big = {name for name, shape in shapes if _numel(shape) > inline_limit}
+        self.big = {name for name, shape in shapes if math.prod(int(d) for d in shape) > inline_limit}
         decl = [(f"{name}.{f}", dt, tuple(shape)) for name, shape in shapes if name in self.big
                 for f, dt in (("min", torch.float32), ("max", torch.float32), ("scale", torch.float32),
                               ("offset", torch.int32))]
@@ -260,16 +261,9 @@ class SidecarStream:
 
     def abort(self) -> None:
         """Close without the every-tensor-written check (the run failed; its output directory is discarded)."""
-        if self._writer is not None and self._writer._fh is not None:
-            self._writer._fh.close()
-            self._writer._fh = None
+        if self._writer is not None:
+            self._writer.abort()
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 @dataclass

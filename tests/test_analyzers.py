@@ -342,6 +342,22 @@ def _full_search(a, n, symmetric):
             offsets.expand(num, *shape[1:]).flatten(1).gather(1, arg)[:, 0])
 
 
+def _sample(g: torch.Generator, rows: int, cols: int, dist: str) -> torch.Tensor:
+    """One batch of test data in one of the shapes the pruning must survive."""
+    x = torch.randn(rows, cols, generator=g)
+    if dist == "heavy":
+        x = x / torch.rand(rows, cols, generator=g).clamp(min=0.05)
+    elif dist == "ints":
+        x = x.mul(3).round()
+    elif dist == "positive":
+        x = x.abs() + 0.5
+    elif dist == "constant":
+        x = torch.full_like(x, float(torch.randint(-2, 3, (), generator=g)))
+    elif dist == "outlier":
+        x[torch.randint(0, rows, (3,), generator=g), torch.randint(0, cols, (3,), generator=g)] *= 40
+    return x
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**31 - 1),
@@ -361,17 +377,7 @@ def test_pruned_sqnr_search_picks_what_the_full_search_picks(seed, kind, bitwidt
                     "tensor": ((), None)}[layout]
     a = SqnrEncodingAnalyzer(shape, block, gamma=gamma) if kind == "sqnr" else TfEnhancedEncodingAnalyzer(shape, block)
     for _ in range(batches):
-        x = torch.randn(rows, cols, generator=g)
-        if dist == "heavy":
-            x = x / torch.rand(rows, cols, generator=g).clamp(min=0.05)
-        elif dist == "ints":
-            x = x.mul(3).round()
-        elif dist == "positive":
-            x = x.abs() + 0.5
-        elif dist == "constant":
-            x = torch.full_like(x, float(torch.randint(-2, 3, (), generator=g)))
-        elif dist == "outlier":
-            x[torch.randint(0, rows, (3,), generator=g), torch.randint(0, cols, (3,), generator=g)] *= 40
+        x = _sample(g, rows, cols, dist)
         a.update_stats(x)
     n = 2**bitwidth - 1
     mid, counts, cands = a._search_inputs(n, symmetric)
@@ -422,17 +428,7 @@ def test_pruned_mse_search_picks_what_the_full_search_picks(seed, bitwidth, symm
     full = MseEncodingAnalyzer(shape, block, num_candidates=num_candidates)
     full.prune = False
     for _ in range(batches):
-        x = torch.randn(rows, cols, generator=g)
-        if dist == "heavy":
-            x = x / torch.rand(rows, cols, generator=g).clamp(min=0.05)
-        elif dist == "ints":
-            x = x.mul(3).round()
-        elif dist == "positive":
-            x = x.abs() + 0.5
-        elif dist == "constant":
-            x = torch.full_like(x, float(torch.randint(-2, 3, (), generator=g)))
-        elif dist == "outlier":
-            x[torch.randint(0, rows, (3,), generator=g), torch.randint(0, cols, (3,), generator=g)] *= 40
+        x = _sample(g, rows, cols, dist)
         pruned.update_stats(x)
         full.update_stats(x)
     n = 2**bitwidth - 1

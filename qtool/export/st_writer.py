@@ -78,12 +78,17 @@ class StreamingSafetensorsWriter:
         if self._next != len(self._order):
             raise ValueError(f"only {self._next} of {len(self._order)} declared tensors were written")
 
+    def abort(self) -> None:
+        """Close without the every-tensor-written check (the caller failed; its output is discarded)."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
             self.close()
-        elif self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        else:
+            self.abort()

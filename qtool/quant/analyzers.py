@@ -20,6 +20,7 @@ per candidate chunk in MSE).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence, Tuple
 
@@ -892,6 +893,7 @@ class _ClipBound:
         return bound * (1 - 1e-3) > upper
 
 
+@functools.lru_cache(maxsize=None)  # asked once per noise evaluation, i.e. per chunk
 def _exact_shift(gamma: float) -> bool:
     """Whether ``(gamma - 1) + 1`` gives ``gamma`` exactly in torch's float32 tensor arithmetic."""
     one = torch.ones(1)
