@@ -173,3 +173,18 @@ def test_non_finite_sidecar_numbers_are_an_encodings_error_eager_or_lazy(tmp_pat
     lazy = EncodingsFile.read(tmp_path / "encodings.json", lazy=True)
     with pytest.raises(EncodingsError, match="a.weight.min/a.weight.max: min/max must be finite"):
         lazy.entries[0].scale_offset()
+
+
+def test_sidecar_stream_abort_leaves_the_real_error_alone(tmp_path):
+    """A run that fails mid-calibration aborts the stream quietly; closing a half-written one is an error."""
+    from qtool.encodings import SidecarStream
+
+    big, _ = _entries()
+    shapes = [("a.weight", big.shape), ("b.weight", big.shape)]
+    stream = SidecarStream(tmp_path / SIDECAR, shapes, inline_limit=100)
+    stream.put(big)
+    stream.abort()  # no exception about the missing second entry
+    stream = SidecarStream(tmp_path / "other.safetensors", shapes, inline_limit=100)
+    stream.put(big)
+    with pytest.raises(ValueError, match="only 4 of 8 declared tensors"):
+        stream.close()
