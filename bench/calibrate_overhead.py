@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qtool.calibrate import calibrate
+from qtool.calibration.in_memory import calibrate
 from qtool.config import parse_recipe, resolve_plan
 from qtool.data import Batch, CalibrationData
 from qtool.model.insert import insert_quantizers

@@ -50,9 +50,9 @@ def weight_encodings(ckpt: Path, recipe: str):
 
     from qtool.config import load_recipe, resolve_plan
     from qtool.encodings import EncodingEntry, EncodingsFile
-    from qtool.export.integer import match_weight_names
+    from qtool.export.qtool_st import match_weight_names
     from qtool.model.insert import make_quantizer
-    from qtool.model.load import CheckpointTensors
+    from qtool.io.checkpoint import CheckpointTensors
 
     transformers.utils.logging.set_verbosity_error()
     config = transformers.AutoConfig.from_pretrained(str(ckpt))
@@ -83,7 +83,7 @@ class _ReadAhead:
     def __init__(self, path, trust_pickle=False):
         from concurrent.futures import ThreadPoolExecutor
 
-        from qtool.model.load import CheckpointTensors
+        from qtool.io.checkpoint import CheckpointTensors
 
         self._src = CheckpointTensors(path, trust_pickle=trust_pickle)
         self._keys = self._src.keys()
@@ -109,7 +109,7 @@ class _ReadAhead:
 def _job_engine(ckpt: str, out: str, repeats: int, recipes: List[str]) -> None:
     import torch
 
-    from qtool.export import integer
+    from qtool.export import qtool_st as integer
 
     torch.set_num_threads(1)  # the encodings pass (not measured) is faster so on a busy 2-core machine
     encs = {}

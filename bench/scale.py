@@ -107,7 +107,7 @@ def write_checkpoint(out: Path, s: Dict[str, int], shard_bytes: float = 5e9, see
     """A HF directory: config.json, fp16 shards of at most ``shard_bytes`` and model.safetensors.index.json."""
     import torch
 
-    from qtool.export.st_writer import StreamingSafetensorsWriter
+    from qtool.io.st_writer import StreamingSafetensorsWriter
 
     out.mkdir(parents=True, exist_ok=True)
     specs = tensor_specs(s)
@@ -270,8 +270,8 @@ def _job_floor(src: Path, dst: Path, mode: str) -> None:
         if mode == "file":
             save_file(load_file(str(src / f)), str(dst / f), metadata={"format": "pt"})
         else:
-            from qtool.export.st_writer import StreamingSafetensorsWriter
-            from qtool.model.load import _ST_DTYPES
+            from qtool.io.st_writer import StreamingSafetensorsWriter
+            from qtool.io.checkpoint import ST_DTYPES as _ST_DTYPES
 
             with safe_open(str(src / f), "pt") as fh:
                 keys = list(fh.keys())
@@ -306,9 +306,9 @@ def _job_engine(ckpt: str, recipe: str, out: Path) -> None:
 
     from qtool.config import load_recipe, resolve_plan
     from qtool.encodings import EncodingEntry, EncodingsFile
-    from qtool.export.integer import export_integer
+    from qtool.export.qtool_st import export_integer
     from qtool.model.insert import make_quantizer
-    from qtool.model.load import CheckpointTensors
+    from qtool.io.checkpoint import CheckpointTensors
 
     t0 = time.perf_counter()
     config = transformers.AutoConfig.from_pretrained(ckpt)
@@ -386,7 +386,7 @@ def _job_breakdown(ckpt: str, recipe: str, out: Path) -> None:
 
     qs = insert_quantizers(loaded.model, plan)
     step("insert_quantizers")
-    from qtool.calibrate import calibrate
+    from qtool.calibration.in_memory import calibrate
 
     calibrate(loaded.model, plan, qs, None, torch.device("cpu"))
     step("calibrate (weight min/max)")
@@ -409,8 +409,8 @@ def _job_breakdown(ckpt: str, recipe: str, out: Path) -> None:
 
     gc.collect()
     step("model freed")
-    from qtool.fsutil import sha256_file
-    from qtool.model.load import tensor_files
+    from qtool.io.fs import sha256_file
+    from qtool.io.checkpoint import tensor_files
 
     for f in tensor_files(Path(ckpt)):
         sha256_file(f)

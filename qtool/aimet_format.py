@@ -38,16 +38,11 @@ def _floats(t: torch.Tensor) -> List[float]:
 
 def _axis(e: EncodingEntry) -> Optional[int]:
     """The channel (per-channel) or blocked (per-block) dimension, as a non-negative index."""
-    if e.granularity == "per_channel":
-        return next(i for i, s in enumerate(e.shape) if s != 1) if any(s != 1 for s in e.shape) else 0
-    if e.granularity == "per_block" and e.block_size is not None:
-        return next(i for i, b in enumerate(e.block_size) if b not in (1, -1))
-    return None
+    return e.spec.axis_and_block()[0]
 
 
 def _block(e: EncodingEntry) -> Optional[int]:
-    axis = _axis(e)
-    return None if axis is None or e.block_size is None else int(e.block_size[axis])
+    return e.spec.axis_and_block()[1]
 
 
 def entry_to_aimet(e: EncodingEntry, version: str) -> Any:

@@ -270,7 +270,7 @@ _SHARD = typer.Option("5GB", "--max-shard-size",
 
 
 def _shard_bytes(text: str):
-    from .fsutil import parse_size
+    from .io.fs import parse_size
 
     return parse_size(text, "--max-shard-size")
 

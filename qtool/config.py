@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from torch import nn
 
 from .errors import ConfigError
+from .quant.spec import Granularity, QuantSpec
 
 __all__ = [
     "Recipe",
@@ -48,7 +49,7 @@ _ANALYZER_PARAMS = {
     "mse": ("num_candidates", "min_ratio"),
 }
 
-Granularity = Literal["per_tensor", "per_channel", "per_block"]
+GranularityName = Literal["per_tensor", "per_channel", "per_block"]
 
 
 class AnalyzerSpec(BaseModel):
@@ -93,7 +94,7 @@ class _Spec(BaseModel):
 
     bitwidth: int = Field(8, ge=2, le=16)
     symmetric: bool = True
-    granularity: Granularity = "per_tensor"
+    granularity: GranularityName = "per_tensor"
     block_size: Optional[int] = Field(None, gt=0)
     analyzer: AnalyzerSpec = AnalyzerSpec()
 
@@ -110,7 +111,7 @@ class _Spec(BaseModel):
 
 class WeightSpec(_Spec):
     symmetric: bool = True
-    granularity: Granularity = "per_channel"
+    granularity: GranularityName = "per_channel"
 
 
 class ActivationSpec(_Spec):
@@ -280,12 +281,26 @@ class QuantizerPlan:
     tensor: Literal["weight", "input", "output"]
     bitwidth: int
     symmetric: bool
-    granularity: str
+    granularity: Granularity
     shape: Tuple[int, ...]
     block_size: Optional[Tuple[int, ...]]
     analyzer: str
     rule: Optional[int] = None  # index of the last layers entry that shaped it (None: defaults)
     analyzer_args: Tuple[Tuple[str, Any], ...] = ()
+
+    def __post_init__(self):
+        try:
+            spec = QuantSpec(self.bitwidth, self.symmetric, self.granularity, self.shape, self.block_size,
+                             self.analyzer_label)
+        except ValueError as e:
+            raise ConfigError(f"{self.name}: {e}") from None
+        object.__setattr__(self, "granularity", spec.granularity)
+        object.__setattr__(self, "_spec", spec)
+
+    @property
+    def spec(self) -> QuantSpec:
+        """What this quantizer is (validated when the row was made)."""
+        return self._spec
 
     @property
     def analyzer_label(self) -> str:
@@ -294,11 +309,7 @@ class QuantizerPlan:
         return f"{self.analyzer}(" + ", ".join(f"{k}={v}" for k, v in self.analyzer_args) + ")"
 
     def describe_granularity(self) -> str:
-        if self.granularity == "per_block":
-            return f"per_block {self.block_size} -> {self.shape}"
-        if self.granularity == "per_channel":
-            return f"per_channel {self.shape}"
-        return "per_tensor"
+        return self._spec.describe()
 
 
 @dataclass

@@ -59,10 +59,10 @@ def _read_tensor_file(path: Path) -> Dict[str, torch.Tensor]:
         if suffix == ".safetensors":
             from safetensors.torch import load_file
 
-            from .model.load import _check_safetensors
+            from .io.checkpoint import check_safetensors
 
             try:
-                _check_safetensors(path)
+                check_safetensors(path)
             except Exception as e:
                 raise DataError(str(e)) from None
             return dict(load_file(str(path)))

@@ -36,14 +36,16 @@ import torch
 from .config import QuantizerPlan
 from .errors import EncodingsError
 from .quant import QuantizerBase
-from .quant.affine import grid, min_max_to_scale_offset, resolve_block_size
+from .quant.affine import min_max_to_scale_offset, resolve_block_size
+from .quant.spec import Granularity, QuantSpec
 
 __all__ = ["EncodingEntry", "EncodingsFile", "SidecarStream", "SCHEMA", "SCHEMA_VERSION", "INLINE_LIMIT",
            "SIDECAR"]
 
 SCHEMA = "qtool.encodings"
-SCHEMA_VERSION = 2  # the newest version this qtool writes and reads
-READS_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3  # the newest version this qtool writes and reads
+READS_VERSIONS = (1, 2, 3)
+CODES_FILE = "codes.safetensors"  # integer codes chosen by a rounding algorithm (schema version 3, qtool.weights)
 INLINE_LIMIT = 1 << 16  # numbers per field above which an entry's data goes to the sidecar
 SIDECAR = "encodings.safetensors"
 
@@ -59,7 +61,7 @@ class EncodingEntry:
     tensor: str
     bitwidth: int
     symmetric: bool
-    granularity: str
+    granularity: Granularity
     shape: Tuple[int, ...]
     block_size: Optional[Tuple[int, ...]]
     analyzer: str
@@ -68,9 +70,19 @@ class EncodingEntry:
     # (sidecar file, min key, max key) of an entry read lazily: min/max are then meta tensors until asked for
     source: Optional[Tuple[str, str, str]] = None
 
+    def __post_init__(self):
+        spec = QuantSpec(self.bitwidth, self.symmetric, self.granularity, self.shape, self.block_size, self.analyzer)
+        self.granularity, self.shape, self.block_size = spec.granularity, spec.shape, spec.block_size
+        self._spec = spec
+
+    @property
+    def spec(self) -> QuantSpec:
+        """What this quantizer is (validated when the entry was made; raises ``ValueError`` otherwise)."""
+        return self._spec
+
     @property
     def qmin_qmax(self) -> Tuple[int, int]:
-        return grid(self.bitwidth, signed=self.symmetric)
+        return self._spec.qmin_qmax
 
     def range(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(min, max)``, read from the sidecar now if this entry was read lazily (not kept)."""
@@ -154,6 +166,18 @@ class EncodingEntry:
         source = None
         try:
             shape = tuple(int(d) for d in obj["shape"])
+            bits = obj["bitwidth"]
+            spec = QuantSpec(int(bits) if isinstance(bits, float) and bits.is_integer() else bits, obj["symmetric"],
+                             obj["granularity"], shape,
+                             None if obj.get("block_size") is None else tuple(int(b) for b in obj["block_size"]),
+                             str(obj.get("analyzer", "minmax")))
+        except KeyError as e:
+            raise EncodingsError(f"{where}: missing field {e.args[0]!r}") from None
+        except (TypeError, ValueError, OverflowError) as e:
+            raise EncodingsError(f"{where}: {str(e).splitlines()[0]}") from None
+        if obj.get("tensor") not in ("weight", "input", "output"):
+            raise EncodingsError(f"{where}: tensor must be weight, input or output (got {str(obj.get('tensor'))[:40]!r})")
+        try:
             if "data" in obj:
                 if sidecar is None:
                     raise EncodingsError(f"{where}: 'data' needs schema_version 2")
@@ -162,21 +186,14 @@ class EncodingEntry:
                 lo = torch.tensor(obj["min"], dtype=torch.float32).reshape(shape)
                 hi = torch.tensor(obj["max"], dtype=torch.float32).reshape(shape)
             entry = cls(
-                name=str(obj["name"]), module=str(obj["module"]), tensor=str(obj["tensor"]),
-                bitwidth=int(obj["bitwidth"]), symmetric=bool(obj["symmetric"]),
-                granularity=str(obj["granularity"]), shape=shape,
-                block_size=None if obj.get("block_size") is None else tuple(int(b) for b in obj["block_size"]),
-                analyzer=str(obj.get("analyzer", "minmax")),
-                min=lo, max=hi, source=source,
+                name=str(obj["name"]), module=str(obj["module"]), tensor=obj["tensor"], bitwidth=spec.bitwidth,
+                symmetric=spec.symmetric, granularity=spec.granularity, shape=spec.shape, block_size=spec.block_size,
+                analyzer=spec.analyzer, min=lo, max=hi, source=source,
             )
         except KeyError as e:
             raise EncodingsError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise EncodingsError(f"{where}: malformed entry ({str(e).splitlines()[0]})") from None
-        if entry.tensor not in ("weight", "input", "output"):
-            raise EncodingsError(f"{where}: tensor must be weight, input or output (got {entry.tensor!r})")
-        if not 2 <= entry.bitwidth <= 16:
-            raise EncodingsError(f"{where}: bitwidth {entry.bitwidth} is outside 2..16")
         if source is None and not (torch.isfinite(entry.min).all() and torch.isfinite(entry.max).all()):
             raise EncodingsError(f"{where}: min/max must be finite numbers")
         return entry
@@ -235,7 +252,7 @@ class SidecarStream:
     of the same shape; :meth:`EncodingsFile.write` then only writes the JSON for those."""
 
     def __init__(self, path: Path, shapes: List[Tuple[str, Tuple[int, ...]]], inline_limit: int = INLINE_LIMIT):
-        from .export.st_writer import StreamingSafetensorsWriter
+        from .io.st_writer import StreamingSafetensorsWriter
 
         self.inline_limit = inline_limit
         self.big = {name for name, shape in shapes if math.prod(int(d) for d in shape) > inline_limit}
@@ -271,6 +288,8 @@ class EncodingsFile:
     entries: List[EncodingEntry]
     meta: Dict[str, Any]
     data_files: List[Path] = field(default_factory=list)  # sidecar files this was read from
+    # file beside the JSON holding stored integer codes / updated float weights (qtool.weights), or None
+    codes_file: Optional[str] = None
 
     def by_name(self) -> Dict[str, EncodingEntry]:
         return {e.name: e for e in self.entries}
@@ -286,7 +305,9 @@ class EncodingsFile:
 
     def _head(self, inline_limit: Optional[int]) -> Dict[str, Any]:
         version = 1 if all(self._inline(e, inline_limit) for e in self.entries) else 2
-        meta = {k: v for k, v in self.meta.items() if k not in ("schema", "schema_version", "quantizers")}
+        meta = {k: v for k, v in self.meta.items() if k not in ("schema", "schema_version", "quantizers", "codes")}
+        if self.codes_file is not None:
+            return {"schema": SCHEMA, "schema_version": 3, **meta, "codes": {"file": self.codes_file}}
         return {"schema": SCHEMA, "schema_version": version, **meta}
 
     def to_json(self, inline_limit: Optional[int] = None) -> Dict[str, Any]:
@@ -313,7 +334,7 @@ class EncodingsFile:
     def write(self, path: str | Path, inline_limit: Optional[int] = INLINE_LIMIT) -> List[Path]:
         """Write ``path`` (the JSON) and, when some entry is larger than ``inline_limit`` numbers, the sidecar
         ``encodings.safetensors`` beside it (streamed, one tensor at a time). Returns the files written."""
-        from .export.st_writer import StreamingSafetensorsWriter
+        from .io.st_writer import StreamingSafetensorsWriter
 
         path = Path(path)
         big = [e for e in self.entries if not self._inline(e, inline_limit)]
@@ -337,11 +358,13 @@ class EncodingsFile:
         with open(path, "w", encoding="utf-8") as fh:
             for piece in self.iter_dumps(inline_limit):
                 fh.write(piece)
+        if self.codes_file is not None:
+            written.append(path.parent / self.codes_file)
         return [path] + written
 
     def materialized(self) -> "EncodingsFile":
         """Every entry's numbers in memory (after a lazy :meth:`read`)."""
-        return EncodingsFile([e.materialized() for e in self.entries], self.meta, self.data_files)
+        return EncodingsFile([e.materialized() for e in self.entries], self.meta, self.data_files, self.codes_file)
 
     @classmethod
     def read(cls, path: str | Path, lazy: bool = False) -> "EncodingsFile":
@@ -375,8 +398,19 @@ class EncodingsFile:
             seen = set()
             dup = next(n for n in names if n in seen or seen.add(n))
             raise EncodingsError(f"{path}: quantizer {dup!r} appears twice")
-        meta = {k: v for k, v in obj.items() if k not in ("schema", "schema_version", "quantizers")}
-        return cls(entries, meta, [] if sidecar is None else sidecar.files())
+        meta = {k: v for k, v in obj.items() if k not in ("schema", "schema_version", "quantizers", "codes")}
+        codes_file = None
+        data_files = [] if sidecar is None else sidecar.files()
+        if version >= 3 and obj.get("codes") is not None:
+            codes = obj["codes"]
+            name = codes.get("file") if isinstance(codes, dict) else None
+            if not isinstance(name, str) or not name or Path(name).name != name:
+                raise EncodingsError(f"{path}: 'codes' must be {{\"file\": NAME}} naming a file beside the JSON")
+            if not (path.parent / name).is_file():
+                raise EncodingsError(f"{path.parent / name}: codes file not found (named by {path})")
+            codes_file = name
+            data_files.append(path.parent / name)
+        return cls(entries, meta, data_files, codes_file)
 
 
 def _bad_entry(path, i):

@@ -21,11 +21,11 @@ _BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
 
 def _header(path: Path) -> Dict[str, Any]:
     """The safetensors header (no tensor data is read)."""
-    from .model.load import _check_safetensors
+    from .io.checkpoint import check_safetensors
     from .errors import CheckpointError
 
     try:
-        _check_safetensors(path)
+        check_safetensors(path)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
     with open(path, "rb") as f:
@@ -197,7 +197,7 @@ def inspect_path(path: str | Path) -> Dict[str, Any]:
             return _qtool_safetensors(p, [header])
         return _plain_safetensors([p], "safetensors", p)
     if p.name.endswith(".safetensors.index.json"):
-        from .export.integer import export_files
+        from .export.qtool_st import export_files
 
         files = export_files(p)
         headers = [_header(f) for f in files]

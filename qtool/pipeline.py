@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import platform
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -16,44 +16,22 @@ import torch
 from torch import nn
 
 from . import __version__
-from .calibrate import calibrate
-from .config import Plan, QuantizerPlan, load_recipe, resolve_plan
-from .data import CalibrationData, load_data
-from .encodings import SIDECAR, EncodingEntry, EncodingsFile
-from .errors import EncodingsError, UsageError
-from .export.integer import DEFAULT_MAX_SHARD_BYTES, export_integer
-from .fsutil import atomic_output_dir, check_output_dir, sha256_file
-from .model.insert import insert_quantizers
-from .model.load import LoadedModel, load_model, tensor_files
+from .calibration import CalibrateOptions, calibrate_checkpoint
+from .config import Plan, load_recipe, resolve_plan
+from .data import load_data
+from .encodings import SIDECAR, EncodingsFile
+from .errors import DataError, UsageError
+from .export import get_exporter
+from .export.base import ExportRequest
+from .export.qtool_st import DEFAULT_MAX_SHARD_BYTES
+from .hooks import Hooks
+from .io.checkpoint import tensor_files
+from .io.fs import atomic_output_dir, check_output_dir, sha256_file
+from .model.apply import apply_encodings, plan_from_encodings
+from .model.load import LoadedModel, load_model
 
-__all__ = ["CalibrateOptions", "plan_for", "run_calibrate", "run_export", "load_calibrated", "versions"]
-
-
-@dataclass
-class CalibrateOptions:
-    data: Optional[str] = None
-    device: str = "cpu"
-    batch_size: int = 8
-    num_samples: Optional[int] = None
-    seq_len: int = 128
-    seed: int = 0
-    model_class: Optional[str] = None
-    trust_pickle: bool = False
-    trust_remote_code: bool = False
-    allow_unmatched: bool = False
-    sequential: bool = False
-
-
-class Hooks:
-    """Callbacks a front end may set: ``on_plan(plan)``, ``on_batch(done, total, samples)``,
-    ``on_tensor(done, total, name)``, ``on_stage(text)``."""
-
-    def __init__(self, on_plan=None, on_batch=None, on_tensor=None, on_stage=None, on_block=None):
-        self.on_block = on_block
-        self.on_plan = on_plan or (lambda plan: None)
-        self.on_batch = on_batch
-        self.on_tensor = on_tensor
-        self.on_stage = on_stage or (lambda text: None)
+__all__ = ["CalibrateOptions", "ExportOptions", "Hooks", "plan_for", "run_calibrate", "run_export", "run_quantize",
+           "run_import_encodings", "run_report", "load_calibrated", "versions", "apply_encodings"]
 
 
 def versions() -> Dict[str, str]:
@@ -72,6 +50,7 @@ def _files_digest(files: List[Path]) -> Dict[str, str]:
 
 
 def plan_for(checkpoint: str, recipe_path: str, opts: CalibrateOptions) -> Tuple[LoadedModel, Plan]:
+    """The checkpoint's model and the plan the recipe resolves to on it."""
     recipe = load_recipe(recipe_path)  # validate the recipe before the (slow) model load
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
     plan = resolve_plan(recipe, loaded.model, source=str(recipe_path), allow_unmatched=opts.allow_unmatched)
@@ -79,79 +58,10 @@ def plan_for(checkpoint: str, recipe_path: str, opts: CalibrateOptions) -> Tuple
 
 
 def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, run_dir: Path, hooks: Hooks):
-    hooks.on_stage("loading checkpoint")
-    streaming = None
-    if opts.sequential:
-        from .config import load_recipe
-        from .model.load import detect_kind, resolve_device
-        from .sequential import meta_model
-
-        recipe = load_recipe(recipe_path)
-        if detect_kind(Path(checkpoint)) != "hf":
-            raise UsageError("--sequential needs a Hugging Face causal LM directory")
-        device = resolve_device(opts.device)
-        model, _, tokenizer = meta_model(checkpoint, opts.trust_remote_code)
-        plan = resolve_plan(recipe, model, source=str(recipe_path), allow_unmatched=opts.allow_unmatched)
-        files, kind = tensor_files(Path(checkpoint)), "hf"
-    else:
-        from .model.load import detect_kind, resolve_device
-
-        streaming = None
-        if opts.data is None and detect_kind(Path(checkpoint)) == "hf":
-            # a weight-only recipe on a Hugging Face directory needs no model: stream the weights
-            from .config import load_recipe
-            from .sequential import meta_skeleton
-
-            recipe = load_recipe(recipe_path)
-            skeleton = meta_skeleton(checkpoint, opts.trust_remote_code)
-            sk_plan = resolve_plan(recipe, skeleton, source=str(recipe_path), allow_unmatched=opts.allow_unmatched)
-            if not sk_plan.needs_data():
-                streaming, plan, model = sk_plan, sk_plan, skeleton
-                tokenizer, files, kind = None, tensor_files(Path(checkpoint)), "hf"
-                device = resolve_device(opts.device)
-        if streaming is None:
-            loaded, plan = plan_for(checkpoint, recipe_path, opts)
-            model, tokenizer, files, kind = loaded.model, loaded.tokenizer, loaded.files, loaded.kind
-            device = next(iter(model.parameters())).device
-    causal = opts.sequential or type(model).__name__.endswith("ForCausalLM")
-    hooks.on_plan(plan)
-    data: Optional[CalibrationData] = None
-    if plan.needs_data() or opts.data or opts.sequential:
-        if opts.data is None:
-            from .errors import DataError
-
-            why = "--sequential runs the model block by block" if opts.sequential else \
-                "the recipe quantizes activations"
-            raise DataError(f"{why}, which needs calibration data: pass --data PATH")
-        hooks.on_stage("reading calibration data")
-        data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, tokenizer,
-                         pack_text=causal)
-    hooks.on_stage("calibrating")
-    if not opts.sequential and streaming is not None:
-        from .sequential import calibrate_weights_streaming
-
-        from .encodings import SidecarStream
-
-        stream = SidecarStream(run_dir / SIDECAR, [(q.name, tuple(q.shape)) for q in plan.weights])
-        try:
-            entries = calibrate_weights_streaming(checkpoint, plan, model, sink=stream.put)
-        except BaseException:
-            stream.abort()
-            raise
-        stream.close()
-        unused = []
-    elif opts.sequential:
-        from .sequential import calibrate_sequential
-
-        entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block)
-        done = {e.name for e in entries}
-        unused = [q.name for q in plan.activations if q.name not in done]
-    else:
-        quantizers = insert_quantizers(model, plan)
-        result = calibrate(model, plan, quantizers, data if plan.needs_data() else None, device, hooks.on_batch)
-        entries = [EncodingEntry.from_quantizer(q, quantizers[q.name]) for q in plan.quantizers
-                   if quantizers[q.name].is_initialized()]
-        unused = result.unused
+    recipe = load_recipe(recipe_path)
+    run = calibrate_checkpoint(checkpoint, recipe, str(recipe_path), opts, run_dir / SIDECAR, hooks)
+    entries, plan, data, device, files, kind, unused = (run.entries, run.plan, run.data, run.device, run.files,
+                                                         run.kind, run.unused)
     enc = EncodingsFile(entries, {"qtool_version": __version__, "recipe": Path(recipe_path).name})
     enc_path = run_dir / "encodings.json"
     enc_files = enc.write(enc_path)
@@ -193,7 +103,10 @@ def run_calibrate(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOp
 
 @dataclass
 class ExportOptions:
-    format: str = "qtool"  # qtool | aimet | onnx | compressed-tensors
+    """What ``export`` needs: the format, the AIMET version of ``model.encodings``, how to load the checkpoint, and
+    every format's own flags (each exporter picks its own: see its ``Options``)."""
+
+    format: str = "qtool"  # a name in qtool.export.FORMATS
     encoding_version: str = "1.0.0"
     trust_pickle: bool = False
     model_class: Optional[str] = None
@@ -205,54 +118,67 @@ class ExportOptions:
     ct_eight_bit_format: str = "int-quantized"  # or pack-quantized (what vLLM's weight-only path runs)
     max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES  # qtool format; None: one file
 
+    def validate(self):
+        """The exporter for ``format``, after checking every choice-valued option (no work done yet)."""
+        from .aimet_format import VERSIONS
 
-FORMATS = ("qtool", "aimet", "onnx", "compressed-tensors")
+        exporter = get_exporter(self.format)
+        if self.encoding_version not in VERSIONS:
+            raise UsageError(f"--encoding-version must be one of {', '.join(VERSIONS)} "
+                             f"(got {str(self.encoding_version)[:40]!r})")
+        if self.ct_eight_bit_format not in CT_EIGHT_BIT_FORMATS:
+            raise UsageError(f"--ct-8bit-format must be one of {', '.join(CT_EIGHT_BIT_FORMATS)} "
+                             f"(got {str(self.ct_eight_bit_format)[:40]!r})")
+        return exporter
+
+
+CT_EIGHT_BIT_FORMATS = ("int-quantized", "pack-quantized")
 # beyond this many encoding numbers, the AIMET JSON beside a non-AIMET export is skipped (~100 bytes per number)
 AIMET_JSON_LIMIT = 10_000_000
 
 
-def _weight_names(checkpoint: str, enc: EncodingsFile, trust_pickle: bool) -> Dict[str, str]:
-    from .export.integer import match_weight_names
-    from .model.load import CheckpointTensors
+def _example_batch(eopts: ExportOptions):
+    """Example inputs for exporters that trace the model: the first batch of --data, else a sentence through the
+    checkpoint's tokenizer."""
+    def make(loaded: LoadedModel):
+        from .data import Batch
 
-    src = CheckpointTensors(Path(checkpoint), trust_pickle=trust_pickle)
-    return match_weight_names([e for e in enc.entries if e.tensor == "weight"], src.keys(), str(checkpoint))
+        if eopts.data:
+            data = load_data(eopts.data, batch_size=eopts.batch_size, num_samples=eopts.batch_size, seed=0,
+                             seq_len=eopts.seq_len, tokenizer=loaded.tokenizer)
+            return data.batches[0]
+        if loaded.tokenizer is not None:
+            enc = loaded.tokenizer(["qtool exports this model to ONNX."] * eopts.batch_size, padding="max_length",
+                                   truncation=True, max_length=eopts.seq_len, return_tensors="pt")
+            return Batch(kwargs={k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc})
+        raise UsageError("ONNX export traces the model: pass --data with a few example inputs")
+    return make
 
 
 def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: Path, eopts: ExportOptions,
                  hooks: Hooks, enc_display: Optional[str] = None) -> Dict[str, Any]:
-    from .aimet_format import VERSIONS, to_aimet
+    from .aimet_format import to_aimet
+    from .weights import WeightSource
 
-    if eopts.format not in FORMATS:
-        raise UsageError(f"--format must be one of {', '.join(FORMATS)} (got {eopts.format!r})")
-    if eopts.encoding_version not in VERSIONS:
-        raise UsageError(f"--encoding-version must be one of {', '.join(VERSIONS)} (got {eopts.encoding_version!r})")
+    exporter = eopts.validate()
+    exporter.check(enc, exporter.options(**asdict(eopts)))
     hooks.on_stage(f"exporting ({eopts.format})")
     summary: Dict[str, Any] = {"format": eopts.format}
-    names: Dict[str, str] = {}
-    if eopts.format == "qtool":
-        summary.update(export_integer(Path(checkpoint), enc, out_dir, trust_pickle=eopts.trust_pickle,
-                                      progress=hooks.on_tensor, pack=eopts.pack, max_shard_bytes=eopts.max_shard_bytes))
-        names = summary.pop("names")
-    elif eopts.format == "aimet":
-        names = _weight_names(checkpoint, enc, eopts.trust_pickle)
-    elif eopts.format == "onnx":
-        from .export.onnx_qdq import export_onnx
-
-        summary.update(export_onnx(checkpoint, enc, out_dir, eopts))
-        names = summary.pop("names")
-    else:
-        from .export.compressed_tensors import export_compressed_tensors
-
-        summary.update(export_compressed_tensors(Path(checkpoint), enc, out_dir, trust_pickle=eopts.trust_pickle,
-                                                 progress=hooks.on_tensor, eight_bit_format=eopts.ct_eight_bit_format,
-                                                 trust_remote_code=eopts.trust_remote_code))
+    weights = WeightSource(Path(checkpoint), enc, Path(enc_path).parent, trust_pickle=eopts.trust_pickle)
+    request = ExportRequest(
+        Path(checkpoint), enc, weights, out_dir, trust_remote_code=eopts.trust_remote_code, progress=hooks.on_tensor,
+        load_model=lambda: load_model(checkpoint, eopts.model_class, "cpu", eopts.trust_pickle,
+                                      eopts.trust_remote_code),
+        example_batch=_example_batch(eopts))
+    summary.update(exporter.write(request, exporter.options(**asdict(eopts))))
+    # the tensor names go into model.encodings; a format without it keeps them in its summary (and manifest)
+    names = summary.pop("names", {}) if exporter.aimet_json != "never" else summary.get("names", {})
     summary["export_warnings"] = summary.pop("warnings", [])
     numbers = sum(e.numel() for e in enc.entries)
-    if eopts.format == "aimet" or (eopts.format != "compressed-tensors" and numbers <= AIMET_JSON_LIMIT):
+    if exporter.aimet_json == "always" or (exporter.aimet_json == "if_small" and numbers <= AIMET_JSON_LIMIT):
         aimet = to_aimet(enc.materialized(), eopts.encoding_version, __version__, names=names)
         (out_dir / "model.encodings").write_text(json.dumps(aimet, indent=1) + "\n")
-    elif eopts.format != "compressed-tensors":
+    elif exporter.aimet_json == "if_small":
         summary["export_warnings"].append(
             f"model.encodings (AIMET JSON) not written: {numbers:,} encodings would make a JSON file of several GB; "
             f"the scales and offsets are in the exported tensors (qtool export --format aimet writes it anyway)")
@@ -282,9 +208,10 @@ def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[E
     """``qtool export``: the chosen format plus AIMET encodings, written atomically."""
     hooks = hooks or Hooks()
     eopts = eopts or ExportOptions()
+    exporter = eopts.validate()
     check_output_dir(Path(out), overwrite)
     # the integer export reads each weight's block encodings from the sidecar when it gets to that weight
-    enc = EncodingsFile.read(encodings_path, lazy=eopts.format == "qtool")
+    enc = EncodingsFile.read(encodings_path, lazy=exporter.lazy_encodings)
     with atomic_output_dir(Path(out), overwrite) as tmp:
         summary = _export_into(checkpoint, enc, Path(encodings_path), tmp, eopts, hooks)
     summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
@@ -333,36 +260,24 @@ def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOpt
                  hooks: Optional[Hooks] = None, eopts: Optional[ExportOptions] = None) -> Dict[str, Any]:
     """``qtool quantize``: calibrate and export into one directory (encodings.json included)."""
     hooks = hooks or Hooks()
+    eopts = replace(eopts or ExportOptions(), trust_pickle=opts.trust_pickle, model_class=opts.model_class,
+                    trust_remote_code=opts.trust_remote_code, seq_len=opts.seq_len)
+    eopts.data = eopts.data or opts.data
+    exporter = eopts.validate()  # a bad --format fails here, before any calibration
+    load_recipe(recipe_path)
     check_output_dir(Path(out), overwrite)
     with atomic_output_dir(Path(out), overwrite) as tmp:
         calib_dir = tmp / "calibration"
         calib_dir.mkdir()
         csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks)
         enc_path = calib_dir / "encodings.json"
-        eopts = eopts or ExportOptions()
-        eopts.trust_pickle, eopts.model_class = opts.trust_pickle, opts.model_class
-        eopts.trust_remote_code = opts.trust_remote_code
-        eopts.data = eopts.data or opts.data
-        eopts.seq_len = opts.seq_len
-        esum = _export_into(checkpoint, EncodingsFile.read(enc_path, lazy=eopts.format == "qtool"), enc_path, tmp,
+        esum = _export_into(checkpoint, EncodingsFile.read(enc_path, lazy=exporter.lazy_encodings), enc_path, tmp,
                             eopts, hooks,
                             enc_display="calibration/encodings.json")  # relative: the temp dir name is random
     out_p = Path(out)
     files = [str(out_p / n) for n in esum.pop("outputs") if not n.startswith("calibration/")]
     calib_files = [str(out_p / "calibration" / n) for n in csum.pop("outputs")]
     return {**csum, **esum, "encodings": str(out_p / "calibration" / "encodings.json"), "files": files + calib_files}
-
-
-def plan_from_encodings(enc: EncodingsFile, model: nn.Module, source: str) -> Plan:
-    modules = dict(model.named_modules())
-    rows = []
-    for e in enc.entries:
-        if e.module not in modules:
-            raise EncodingsError(f"{source}: module {e.module!r} is not in this model; were the encodings made "
-                                 "for another model?")
-        rows.append(QuantizerPlan(e.name, e.module, type(modules[e.module]).__name__, e.tensor, e.bitwidth,
-                                  e.symmetric, e.granularity, e.shape, e.block_size, e.analyzer))
-    return Plan(rows)
 
 
 def load_calibrated(checkpoint: str, encodings: str, model_class: Optional[str] = None, device: str = "cpu",
@@ -372,22 +287,6 @@ def load_calibrated(checkpoint: str, encodings: str, model_class: Optional[str] 
     apply_encodings(loaded.model, EncodingsFile.read(encodings), str(encodings))
     loaded.model.qtool_tokenizer = loaded.tokenizer  # handy for evaluation code
     return loaded.model
-
-
-def apply_encodings(model: nn.Module, enc: EncodingsFile, source: str):
-    """Insert quantizers as ``enc`` describes and set their ranges; returns them by quantizer name."""
-    plan = plan_from_encodings(enc, model, source)
-    quantizers = insert_quantizers(model, plan)
-    modules = dict(model.named_modules())
-    for e in enc.entries:
-        if e.tensor == "weight":
-            w = modules[e.module]._parameters.get("weight")
-            try:
-                quantizers[e.name].check_input(w)
-            except (ValueError, AttributeError) as err:
-                raise EncodingsError(f"{source}: {e.name}: does not fit the model's weight ({err})") from None
-        quantizers[e.name].set_range(e.min.to(quantizers[e.name].min.device), e.max.to(quantizers[e.name].max.device))
-    return quantizers
 
 
 def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitivity_analysis: bool = False,

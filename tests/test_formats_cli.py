@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qtool.export.integer import read_integer_export
+from qtool.export.qtool_st import read_integer_export
 
 from tests.helpers import run_cli
 from tests.tinymodels import mlp

@@ -16,7 +16,7 @@ from qtool.config import parse_recipe, resolve_plan
 from qtool.data import load_data
 from qtool.encodings import EncodingsFile
 from qtool.errors import QtoolError
-from qtool.model.load import read_state_dict
+from qtool.io.checkpoint import read_state_dict
 
 from tests.tinymodels import mlp
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qtool
-from qtool.export.integer import read_integer_export
+from qtool.export.qtool_st import read_integer_export
 from qtool.model.insert import iter_quantizers
 
 from tests.helpers import run_cli

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import qtool
 from qtool.data import load_data
-from qtool.export.integer import read_integer_export
+from qtool.export.qtool_st import read_integer_export
 from qtool.model.insert import iter_quantizers
 from qtool.quant import quantize_dequantize
 

@@ -2,14 +2,16 @@
 
 import json
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from qtool.encodings import EncodingEntry, EncodingsFile
-from qtool.export import integer
-from qtool.export.integer import export_integer, read_integer_export
+from qtool.export import qtool_st as integer
+from qtool.export.qtool_st import export_integer, read_integer_export
 from qtool.quant import reduce_to_shape
 
 
@@ -184,7 +186,8 @@ def test_storage_matches_quantize_and_pack_bytes(monkeypatch, bits, symmetric, s
     x = torch.randn(40, 96, generator=g).to(torch.float16)
     mn, mx = reduce_to_shape(x.float(), shape, block)
     mn, mx = mn * 0.7, mx * 0.7  # some values clamp
-    e = EncodingEntry("w", "m", "weight", bits, symmetric, "x", shape, block, "minmax", mn, mx)
+    # what _quantize_to_storage reads of an entry (a plain object: 1-bit grids exist only at this level)
+    e = SimpleNamespace(bitwidth=bits, block_size=block, qmin_qmax=grid(bits, symmetric))
     qmin, qmax = grid(bits, symmetric)
     scale, offset = min_max_to_scale_offset(mn, mx, qmin, qmax, symmetric)
     x[0, :8] = (torch.arange(8) + 0.5).to(torch.float16) * scale.reshape(-1)[0].to(torch.float16)  # ties
@@ -247,7 +250,7 @@ def test_cli_bad_max_shard_size_is_one_line(wide_run, tmp_path, size):
 
 
 def test_parse_size_units():
-    from qtool.fsutil import parse_size
+    from qtool.io.fs import parse_size
 
     assert parse_size("5GB", "x") == 5 * 10**9 and parse_size("2GiB", "x") == 2 << 30
     assert parse_size("1.5 mb", "x") == 1_500_000 and parse_size("123", "x") == 123

@@ -54,7 +54,7 @@ def test_weight_only_calibration_streams_weights_with_equal_encodings(tmp_path, 
     from qtool.config import load_recipe, resolve_plan
     from qtool.model.insert import insert_quantizers
     from qtool.model.load import load_model
-    from qtool.calibrate import calibrate
+    from qtool.calibration.in_memory import calibrate
     from qtool.encodings import EncodingEntry
 
     torch.manual_seed(0)
@@ -79,7 +79,7 @@ def test_streamed_weight_calibration_writes_large_block_encodings_to_the_sidecar
     """int4 blocks of a 2304 x 1024 MLP weight (73,728 blocks) go to encodings.safetensors during calibration;
     the file reads back to the encodings of a full load, and the export from it is byte-identical to one from
     the same encodings written inline."""
-    from qtool.calibrate import calibrate
+    from qtool.calibration.in_memory import calibrate
     from qtool.config import load_recipe, resolve_plan
     from qtool.encodings import SIDECAR, EncodingEntry, EncodingsFile
     from qtool.model.insert import insert_quantizers

@@ -78,6 +78,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -87,11 +88,13 @@ from torch import nn
 from .. import __version__
 from ..encodings import EncodingEntry, EncodingsFile
 from ..errors import CheckpointError, EncodingsError, UsageError
-from ..model.load import CheckpointTensors, detect_kind
-from ..quant import quantize
+from ..io.checkpoint import detect_kind
+from ..io.st_writer import StreamingSafetensorsWriter
+from ..model.hf import meta_skeleton
 from ..quant.packing import pack_int32
-from .integer import match_weight_names
-from .st_writer import StreamingSafetensorsWriter
+from ..weights import WeightSource
+from .base import Exporter, ExportRequest
+from .qtool_st import match_weight_names
 
 __all__ = ["export_compressed_tensors", "CT_VERSION_FALLBACK"]
 
@@ -112,32 +115,6 @@ def _ct_version() -> str:
         return version("compressed-tensors")
     except Exception:  # not installed: write the version of the reference output
         return CT_VERSION_FALLBACK
-
-
-def _meta_model(checkpoint: Path, trust_remote_code: bool) -> nn.Module:
-    """The checkpoint's model class built on the meta device (no weights read, no memory used)."""
-    try:
-        import transformers
-    except ImportError:
-        raise UsageError("the compressed-tensors export needs transformers: pip install 'qtool[hf]'") from None
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(checkpoint), trust_remote_code=trust_remote_code)
-    except Exception as e:
-        raise CheckpointError(f"{checkpoint}: cannot read config.json: {str(e).splitlines()[0]}") from None
-    archs = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, archs[0], None) if archs else None
-    try:
-        with torch.device("meta"):
-            if cls is not None:
-                return cls._from_config(config)
-            return transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
-    except Exception as e:
-        raise CheckpointError(
-            f"{checkpoint}: transformers cannot build this model's modules ({str(e).splitlines()[0]}); the "
-            "compressed-tensors export needs them to know which layers are Linear"
-        ) from None
 
 
 def _tied_params(model: nn.Module) -> Dict[str, set]:
@@ -233,6 +210,7 @@ def export_compressed_tensors(
     *,
     eight_bit_format: str = "int-quantized",
     trust_remote_code: bool = False,
+    weights: Optional[WeightSource] = None,
 ) -> Dict[str, object]:
     """Write a compressed-tensors model directory into ``out_dir``; returns a summary (see module docs).
 
@@ -265,10 +243,10 @@ def export_compressed_tensors(
             f"({config['quantization_config'].get('quant_method', '?')}); export from the float checkpoint"
         )
 
-    model = _meta_model(checkpoint, trust_remote_code)
+    model = meta_skeleton(checkpoint, trust_remote_code)
     modules = dict(model.named_modules())
     tied_names = _tied_params(model)
-    src = CheckpointTensors(checkpoint, trust_pickle=trust_pickle)
+    src = weights or WeightSource(checkpoint, encodings, trust_pickle=trust_pickle)
     keys = src.keys()
 
     warnings: List[str] = []
@@ -422,7 +400,7 @@ def export_compressed_tensors(
             if e is None:
                 w.write(key, t)
             else:
-                _write_layer(w, key, t, e, declared)
+                _write_layer(w, key, t, e, declared, src)
             if progress:
                 progress(i + 1, len(keys), key)
 
@@ -456,13 +434,12 @@ def export_compressed_tensors(
 
 
 def _write_layer(w: StreamingSafetensorsWriter, key: str, t: torch.Tensor, e: EncodingEntry,
-                 declared: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]) -> None:
+                 declared: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]], weights: WeightSource) -> None:
     base = key[: -len("weight")]
     b = e.bitwidth
     qmin, qmax = e.qmin_qmax
     scale, offset = e.scale_offset()
-    x = t if t.dtype == torch.float64 else t.to(torch.float32)  # the dtype qtool's fake-quant computes in
-    codes = quantize(x, scale, offset, qmin=qmin, qmax=qmax, block_size=e.block_size).to(torch.int64)
+    codes = weights.codes(e, t).to(torch.int64)  # stored codes, else round-to-nearest in qtool's float32
     # qtool's grid -> compressed-tensors' signed grid: q_ct - zp == q + offset
     shift = qmin + (1 << (b - 1))
     q_ct = codes - shift
@@ -482,3 +459,22 @@ def _write_layer(w: StreamingSafetensorsWriter, key: str, t: torch.Tensor, e: En
             w.write(base + "weight_zero_point", pack_int32(zp, b, packed_dim=0))
         else:
             w.write(base + "weight_zero_point", zp.to(torch.int8))
+
+
+class CompressedTensorsExporter(Exporter):
+    """``--format compressed-tensors`` (see the module docs)."""
+
+    name = "compressed-tensors"
+    aimet_json = "never"
+
+    @dataclass
+    class Options:
+        ct_eight_bit_format: str = "int-quantized"  # or pack-quantized (what vLLM's weight-only path runs)
+
+    def write(self, request: ExportRequest, options: "CompressedTensorsExporter.Options") -> Dict[str, object]:
+        return export_compressed_tensors(request.checkpoint, request.encodings, request.out_dir,
+                                         progress=request.progress, eight_bit_format=options.ct_eight_bit_format,
+                                         trust_remote_code=request.trust_remote_code, weights=request.weights)
+
+
+EXPORTER = CompressedTensorsExporter()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -29,6 +30,8 @@ from torch import nn
 from ..encodings import EncodingsFile
 from ..errors import UsageError
 from ..quant import QuantizeDequantize, quantize, quantize_dequantize
+from ..quant.spec import axis_and_block
+from .base import Exporter, ExportRequest
 
 __all__ = ["export_onnx", "required_opset", "onnx_export_mode"]
 
@@ -85,12 +88,9 @@ def onnx_export_mode(quantizers: Dict[str, QuantizeDequantize]):
         enc = q.get_encodings()
         scale = enc.scale.detach().clone()
         zp = (-enc.offset.detach()).to(torch.int32)
-        axis, block = 0, 0
-        if q.block_size is not None:
-            axis = next(i for i, b in enumerate(q.block_size) if b not in (1, -1))
-            block = q.block_size[axis]
-        elif scale.dim() and scale.numel() > 1:
-            axis = next(i for i, s in enumerate(scale.shape) if s != 1)
+        gran = "per_block" if q.block_size is not None else ("per_channel" if scale.numel() > 1 else "per_tensor")
+        axis, block = axis_and_block(gran, tuple(scale.shape), q.block_size)
+        axis, block = axis or 0, block or 0
 
         def fwd(x, _q=q, _s=scale, _z=zp, _n=name, _a=axis, _b=block):
             return _FakeQuantOnnx.apply(x.as_subclass(torch.Tensor), _s, _z, _n, _q.qmin, _q.qmax, _a, _b)
@@ -130,7 +130,8 @@ def _int_tensor(name: str, values, bits: int, signed: bool):
     return helper.make_tensor(name, dtype, list(values.shape), raw, raw=True)
 
 
-def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int) -> Dict[str, str]:
+def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
+             stored: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, str]:
     """Expand every qtool::FakeQuant node; returns quantizer name -> ONNX tensor name."""
     import onnx
     from onnx import helper, numpy_helper
@@ -185,8 +186,11 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int) -> Di
             if block:
                 bs = tuple(block if d == axis else (1 if d == 0 else -1) for d in range(w.dim()))
             s_q = torch.from_numpy(scale)
-            codes = quantize(w, s_q, -torch.from_numpy(zp.astype(np.float32)).reshape(s_q.shape),
-                             qmin=info["qmin"], qmax=info["qmax"], block_size=bs)
+            if stored and qname in stored:  # codes a rounding algorithm chose (qtool.weights)
+                codes = stored[qname].to(torch.float32)
+            else:
+                codes = quantize(w, s_q, -torch.from_numpy(zp.astype(np.float32)).reshape(s_q.shape),
+                                 qmin=info["qmin"], qmax=info["qmax"], block_size=bs)
             if block:  # ONNX blocked scales have the input's rank with every other dim at full size
                 target = [w.shape[d] // block if d == axis else w.shape[d] for d in range(w.dim())]
                 zp = np.ascontiguousarray(np.broadcast_to(zp.reshape(scale.shape) if zp.size > 1 else zp, target))
@@ -241,30 +245,6 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int) -> Di
 # --------------------------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------------------------
-def _example_inputs(loaded, eopts) -> Tuple[Tuple, Dict[str, torch.Tensor], List[str], Dict[str, Dict[int, str]]]:
-    from ..data import load_data
-
-    if eopts.data:
-        data = load_data(eopts.data, batch_size=eopts.batch_size, num_samples=eopts.batch_size, seed=0,
-                         seq_len=eopts.seq_len, tokenizer=loaded.tokenizer)
-        batch = data.batches[0]
-    elif loaded.tokenizer is not None:
-        from ..data import Batch
-
-        enc = loaded.tokenizer(["qtool exports this model to ONNX."] * eopts.batch_size, padding="max_length",
-                               truncation=True, max_length=eopts.seq_len, return_tensors="pt")
-        batch = Batch(kwargs={k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc})
-    else:
-        raise UsageError("ONNX export traces the model: pass --data with a few example inputs")
-    if batch.args:
-        names = ["input"]
-        dyn = {"input": {0: "batch"}}
-    else:
-        names = list(batch.kwargs)
-        dyn = {k: ({0: "batch", 1: "sequence"} if v.dim() >= 2 else {0: "batch"}) for k, v in batch.kwargs.items()}
-    return batch.args, batch.kwargs, names, dyn
-
-
 @contextlib.contextmanager
 def _captured_fds():
     """Send what the exporter's C++ side writes to stdout/stderr into a temporary file (the library never prints)."""
@@ -311,23 +291,31 @@ def _flatten(out) -> Tuple[List[str], Tuple[torch.Tensor, ...]]:
     raise UsageError(f"ONNX export: the model returns {type(out).__name__}, not tensors")
 
 
-def export_onnx(checkpoint, enc: EncodingsFile, out_dir: Path, eopts) -> Dict[str, Any]:
-    """Write ``out_dir/model.onnx``; returns a summary with ``names`` (quantizer -> ONNX tensor name)."""
+def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) -> Dict[str, Any]:
+    """Trace ``loaded`` (a ``qtool.model.load.LoadedModel``) on ``batch`` (a ``qtool.data.Batch`` of example inputs)
+    with ``enc``'s quantizers and write ``out_dir/model.onnx``; returns a summary with ``names`` (quantizer -> ONNX
+    tensor name). ``weights`` (a ``qtool.weights.WeightSource``) supplies stored codes where there are any."""
     import onnx
 
-    from ..model.load import load_model
-    from ..pipeline import apply_encodings
+    from ..model.apply import apply_encodings
 
     opset_q = required_opset(enc)
-    loaded = load_model(checkpoint, eopts.model_class, "cpu", eopts.trust_pickle, eopts.trust_remote_code)
     if loaded.kind == "pt2":
         raise UsageError("ONNX export of a torch.export archive is not supported; export the eager model "
                          "(a state dict with --model-class, or a Hugging Face directory)")
     quantizers = apply_encodings(loaded.model, enc, "encodings")
+    stored = {}
+    if weights is not None:
+        modules = dict(loaded.model.named_modules())
+        for e in enc.entries:
+            if e.tensor == "weight":
+                c = weights.stored_codes(e, tuple(modules[e.module]._parameters["weight"].shape))
+                if c is not None:
+                    stored[e.name] = c
     model = loaded.model
     if hasattr(model, "config") and hasattr(model.config, "use_cache"):
         model.config.use_cache = False
-    args, kwargs, input_names, dynamic_axes = _example_inputs(loaded, eopts)
+    args, kwargs, input_names, dynamic_axes = _signature(batch)
     info = {e.name: {"bitwidth": e.bitwidth, "qmin": e.qmin_qmax[0], "qmax": e.qmin_qmax[1], "tensor": e.tensor}
             for e in enc.entries}
     path = out_dir / "model.onnx"
@@ -354,7 +342,36 @@ def export_onnx(checkpoint, enc: EncodingsFile, out_dir: Path, eopts) -> Dict[st
         raise UsageError(f"torch.onnx could not export this model: {str(last_error).splitlines()[0]}")
     proto = onnx.load(str(path))
     final_opset = max(opset, opset_q)
-    names = _rewrite(proto, info, final_opset)
+    names = _rewrite(proto, info, final_opset, stored)
     onnx.save(proto, str(path))
     return {"onnx_opset": final_opset, "qdq_opset_needed": opset_q, "quantizers": len(names), "names": names,
             "onnx_inputs": input_names, "onnx_outputs": output_names}
+
+
+def _signature(batch) -> Tuple[Tuple, Dict[str, torch.Tensor], List[str], Dict[str, Dict[int, str]]]:
+    """(args, kwargs, input names, dynamic axes) of an example batch."""
+    if batch.args:
+        return batch.args, batch.kwargs, ["input"], {"input": {0: "batch"}}
+    names = list(batch.kwargs)
+    dyn = {k: ({0: "batch", 1: "sequence"} if v.dim() >= 2 else {0: "batch"}) for k, v in batch.kwargs.items()}
+    return batch.args, batch.kwargs, names, dyn
+
+
+class OnnxExporter(Exporter):
+    """``--format onnx``: traces the calibrated fake-quant model (so it needs the model and example inputs)."""
+
+    name = "onnx"
+
+    @dataclass
+    class Options:
+        pass
+
+    def check(self, encodings: EncodingsFile, options: "OnnxExporter.Options") -> None:
+        required_opset(encodings)
+
+    def write(self, request: ExportRequest, options: "OnnxExporter.Options") -> Dict[str, Any]:
+        loaded = request.load_model()
+        return export_onnx(loaded, request.example_batch(loaded), request.encodings, request.out_dir, request.weights)
+
+
+EXPORTER = OnnxExporter()

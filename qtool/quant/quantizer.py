@@ -120,6 +120,15 @@ class QuantizerBase(nn.Module):
                 self.max.copy_(mx.to(self.max.device))
         self.encoding_analyzer.reset_stats()
 
+    @torch.no_grad()
+    def observe(self, x: torch.Tensor) -> None:
+        """Feed ``x`` to the analyzer only (inside ``compute_encodings``): the statistics a forward call would
+        collect, without computing its output. Raises ``ValueError`` if this quantizer cannot apply to ``x``."""
+        if not self._calibrating:
+            raise RuntimeError("observe() is only meaningful inside compute_encodings()")
+        self.check_input(x)
+        self.encoding_analyzer.update_stats(x)
+
     def _range_for_call(self, x: torch.Tensor):
         if self._calibrating:
             stats = self.encoding_analyzer.update_stats(x)

@@ -1,17 +1,17 @@
-"""Run calibration data through a model with quantizers and set every quantizer's range."""
+"""In-memory calibration: the whole model is loaded, quantizers are inserted, and the data runs through it."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
-from .config import Plan
-from .data import CalibrationData
-from .errors import DataError, QtoolError
-from .quant import QuantizerBase
+from ..config import Plan
+from ..data import CalibrationData
+from ..errors import DataError
+from ..quant import QuantizerBase
+from .base import calibrate_activations, calibrate_weights, check_finite
 
 __all__ = ["calibrate", "CalibrationResult"]
 
@@ -34,19 +34,14 @@ def calibrate(
 ) -> CalibrationResult:
     """Weights from the weights themselves, then activations from the data (AIMET's order and semantics)."""
     modules = dict(model.named_modules())
-    with torch.no_grad():
-        for q in plan.weights:
-            quantizer = quantizers[q.name]
-            with quantizer.compute_encodings():
-                quantizer(modules[q.module]._parameters["weight"])
+    calibrate_weights(plan.weights, lambda q: quantizers[q.name], lambda q: modules[q.module]._parameters["weight"])
     acts = plan.activations
     if not acts:
         return CalibrationResult([])
     if data is None or len(data) == 0:
         raise DataError("the recipe quantizes activations, which needs calibration data: pass --data")
-    with contextlib.ExitStack() as stack, torch.no_grad():
-        for q in acts:
-            stack.enter_context(quantizers[q.name].compute_encodings())
+
+    def run():
         for i, batch in enumerate(data):
             b = batch.to(device)
             try:
@@ -56,9 +51,8 @@ def calibrate(
                 raise DataError(f"calibration batch {i}: the model rejected the data: {first}") from None
             if progress:
                 progress(i + 1, len(data), b.size)
+
+    calibrate_activations(acts, quantizers, run)
     unused = [q.name for q in acts if not quantizers[q.name].is_initialized()]
-    for q in plan.quantizers:
-        quantizer = quantizers[q.name]
-        if quantizer.is_initialized() and not (torch.isfinite(quantizer.min).all() and torch.isfinite(quantizer.max).all()):
-            raise QtoolError(f"quantizer {q.name}: calibrated range is not finite (the model produced NaN/Inf)")
+    check_finite(plan.quantizers, quantizers)
     return CalibrationResult(unused)

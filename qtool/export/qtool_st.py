@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -43,10 +44,13 @@ import torch
 from .. import __version__
 from ..encodings import EncodingEntry, EncodingsFile
 from ..errors import EncodingsError
-from ..model.load import CheckpointTensors
+from ..io.checkpoint import CheckpointTensors
 from ..quant.affine import blocked_shapes, resolve_block_size
+from ..quant.packing import pack_bytes
 from ..quant.tensor import AffineEncoding
-from .st_writer import StreamingSafetensorsWriter
+from ..weights import WeightSource
+from .base import Exporter, ExportRequest
+from ..io.st_writer import StreamingSafetensorsWriter
 
 __all__ = ["export_integer", "export_files", "match_weight_names", "read_integer_export", "DEFAULT_MAX_SHARD_BYTES",
            "INDEX_NAME"]
@@ -91,10 +95,12 @@ def export_integer(
     progress: Progress = None,
     pack: bool = True,
     max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES,
+    weights: Optional[WeightSource] = None,
 ) -> Dict[str, object]:
     """Write ``out_dir/model.safetensors`` (or shards plus an index, see the module docs); returns a summary
-    (tensor counts, bytes, shard files). ``max_shard_bytes=None`` never shards."""
-    src = CheckpointTensors(checkpoint, trust_pickle=trust_pickle)
+    (tensor counts, bytes, shard files). ``max_shard_bytes=None`` never shards. ``weights``: where values and
+    codes come from (default: the checkpoint, round-to-nearest)."""
+    src = weights or WeightSource(checkpoint, encodings, tensors=CheckpointTensors(checkpoint, trust_pickle=trust_pickle))
     keys = src.keys()
     weights = [e for e in encodings.entries if e.tensor == "weight"]
     names = match_weight_names(weights, keys, str(checkpoint))
@@ -161,7 +167,13 @@ def _write(src, keys, layout, info, by_key, names, weights, out_dir, progress, m
                 else:
                     scale, offset = e.scale_offset()
                     scale = scale.to(torch.float32).contiguous()
-                    stored = _quantize_to_storage(t, scale, offset, e, info[key]["packed"], int_dtypes[key])
+                    chosen = src.stored_codes(e, tuple(t.shape))
+                    if chosen is None:
+                        stored = _quantize_to_storage(t, scale, offset, e, info[key]["packed"], int_dtypes[key])
+                    elif info[key]["packed"]:
+                        stored = pack_bytes(chosen.to(torch.int32).reshape(-1), e.bitwidth)
+                    else:
+                        stored = chosen.to(int_dtypes[key])
                     w.write(key, stored)
                     w.write(key + "_scale", scale)
                     w.write(key + "_offset", offset.to(torch.int32).contiguous())
@@ -376,3 +388,22 @@ def read_integer_export(path: Path) -> Dict[str, torch.Tensor]:
                                    fh.get_tensor(key + "_offset").to(torch.float32), block_size=bs)
                 out[key] = t
     return out
+
+
+class QtoolExporter(Exporter):
+    """``--format qtool``: integer safetensors (see the module docs)."""
+
+    name = "qtool"
+    lazy_encodings = True
+
+    @dataclass
+    class Options:
+        pack: bool = True  # sub-byte codes packed densely
+        max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES  # None: one file
+
+    def write(self, request: ExportRequest, options: "QtoolExporter.Options") -> Dict[str, object]:
+        return export_integer(request.checkpoint, request.encodings, request.out_dir, progress=request.progress,
+                              pack=options.pack, max_shard_bytes=options.max_shard_bytes, weights=request.weights)
+
+
+EXPORTER = QtoolExporter()

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .errors import UsageError
+from ..errors import UsageError
 
 __all__ = ["atomic_output_dir", "sha256_file", "check_output_dir", "parse_size"]
 

@@ -20,45 +20,24 @@ Supported: models whose decoder blocks live in ``model.model.layers`` (Llama, Mi
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .config import Plan
-from .data import CalibrationData
-from .encodings import EncodingEntry
-from .errors import CheckpointError, DataError, UsageError
-from .model.insert import insert_quantizers
-from .model.load import CheckpointTensors
+from ..config import Plan
+from ..data import CalibrationData
+from ..encodings import EncodingEntry
+from ..errors import CheckpointError, DataError, UsageError
+from ..io.checkpoint import CheckpointTensors
+from ..model.insert import insert_quantizers
+from .base import calibrate_activations, calibrate_weights
 
-__all__ = ["meta_model", "calibrate_sequential"]
+__all__ = ["calibrate_sequential"]
 
 
 class _Stop(Exception):
     """Raised by the capture hook to end the forward pass at the first decoder block."""
-
-
-def meta_model(path, trust_remote_code: bool = False) -> Tuple[nn.Module, Any, Any]:
-    """``(model on the meta device, config, tokenizer)`` of a Hugging Face causal LM directory."""
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    config.use_cache = False
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
-                                                              torch_dtype=torch.float32)
-    rot = getattr(getattr(model, "model", None), "rotary_emb", None)
-    if rot is not None:  # its buffers are computed from the config, not stored: build it for real
-        model.model.rotary_emb = type(rot)(config=config)
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    except Exception:  # tensor data needs no tokenizer
-        tokenizer = None
-    model.eval()
-    return model, config, tokenizer
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
@@ -91,7 +70,7 @@ def _release(module: nn.Module) -> None:
 
 def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.device, model: nn.Module,
                          on_block: Optional[Callable[[int, int], None]] = None) -> List[EncodingEntry]:
-    """Calibrate ``plan`` on ``model`` (a meta-device skeleton from ``meta_model``), block by block."""
+    """Calibrate ``plan`` on ``model`` (a meta-device skeleton from ``qtool.model.hf.meta_causal_lm``), block by block."""
     src = CheckpointTensors(path)
     keys = set(src.keys())
     tied = getattr(model.config, "tie_word_embeddings", False)
@@ -122,14 +101,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             return
         sub = Plan(rows)
         qs = insert_quantizers(model, sub)
-        with torch.no_grad():
-            for q in sub.weights:
-                with qs[q.name].compute_encodings():
-                    qs[q.name](modules[q.module]._parameters["weight"])
-        with contextlib.ExitStack() as stack, torch.no_grad():
-            for q in sub.activations:
-                stack.enter_context(qs[q.name].compute_encodings())
-            run()
+        calibrate_weights(sub.weights, lambda q: qs[q.name], lambda q: modules[q.module]._parameters["weight"])
+        calibrate_activations(sub.activations, qs, run)
         for q in rows:
             if qs[q.name].is_initialized():
                 entries[q.name] = EncodingEntry.from_quantizer(q, qs[q.name])
@@ -203,65 +176,3 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         _release(lm_head)
     _release(embed)
     return [entries[q.name] for q in plan.quantizers if q.name in entries]
-
-
-def meta_skeleton(path, trust_remote_code: bool = False) -> nn.Module:
-    """Any Hugging Face model directory's model on the meta device (the class from config.architectures)."""
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    archs = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, archs[0], None) if archs else None
-    with torch.device("meta"):
-        if cls is not None:
-            return cls(config)
-        return transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
-
-
-def calibrate_weights_streaming(path, plan: Plan, model: nn.Module, sink=None) -> List[EncodingEntry]:
-    """Weight-only plans: each weight is read from the checkpoint, calibrated and dropped; no model is built.
-
-    The encodings equal a normal run's (weight quantizers only ever see their weight). Peak memory is about
-    the largest weight in float32. ``sink`` (e.g. :meth:`qtool.encodings.SidecarStream.put`) receives each entry
-    as soon as it is calibrated and returns what to keep.
-    """
-    from .model.insert import make_quantizer
-
-    src = CheckpointTensors(path)
-    keys = set(src.keys())
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    shared = {}
-    seen = {}
-    for n, p in params.items():
-        shared.setdefault(id(p), []).append(n)
-        seen[n] = id(p)
-
-    def key_of(name: str) -> Optional[str]:
-        candidates = [name]
-        if prefix and name.startswith(prefix + "."):
-            candidates.append(name[len(prefix) + 1:])
-        elif prefix:
-            candidates.append(f"{prefix}.{name}")
-        if tied and name in seen:
-            candidates += [n for n in shared[seen[name]] if n != name]
-        return next((c for c in candidates if c in keys), None)
-
-    entries = []
-    with torch.no_grad():
-        for q in plan.weights:
-            key = key_of(f"{q.module}.weight")
-            if key is None:
-                raise CheckpointError(f"{src.path}: checkpoint has no tensor for {q.module}.weight")
-            quantizer = make_quantizer(q)
-            weight = src.get(key).to(torch.float32)
-            quantizer.check_input(weight)
-            with quantizer.compute_encodings():
-                # the analyzer alone: the fake-quantized weight a forward call would also make is not needed
-                quantizer.encoding_analyzer.update_stats(weight)
-            del weight
-            entry = EncodingEntry.from_quantizer(q, quantizer)
-            entries.append(entry if sink is None else sink(entry))
-    return entries

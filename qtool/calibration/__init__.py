@@ -1,0 +1,139 @@
+"""Calibration: recipe + checkpoint + data -> encodings entries.
+
+One loop (:mod:`.base`) serves three modes, chosen by :func:`choose_mode` from what the run needs:
+
+* ``sequential`` (``--sequential``, Hugging Face causal LMs): one decoder block in memory at a time;
+* ``streaming`` (a weight-only recipe on a Hugging Face directory): one weight in memory at a time, no model;
+* ``in_memory`` (everything else): the whole model, quantizers inserted, the data run through it.
+
+All three give the same encodings for the same inputs (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+import torch
+
+from ..config import Plan, Recipe, resolve_plan
+from ..data import CalibrationData, load_data
+from ..encodings import EncodingEntry, SidecarStream
+from ..errors import DataError, UsageError
+from ..hooks import Hooks
+from ..io.checkpoint import detect_kind, tensor_files
+
+__all__ = ["CalibrateOptions", "CalibrationRun", "MODES", "choose_mode", "calibrate_checkpoint"]
+
+MODES = ("in_memory", "streaming", "sequential")
+
+
+@dataclass
+class CalibrateOptions:
+    data: Optional[str] = None
+    device: str = "cpu"
+    batch_size: int = 8
+    num_samples: Optional[int] = None
+    seq_len: int = 128
+    seed: int = 0
+    model_class: Optional[str] = None
+    trust_pickle: bool = False
+    trust_remote_code: bool = False
+    allow_unmatched: bool = False
+    sequential: bool = False
+
+
+@dataclass
+class CalibrationRun:
+    entries: List[EncodingEntry]
+    plan: Plan
+    mode: str
+    device: torch.device
+    files: List[Path]  # the checkpoint files whose bytes define the weights
+    kind: str  # checkpoint kind
+    data: Optional[CalibrationData] = None
+    unused: List[str] = field(default_factory=list)  # activation quantizers that saw no data
+
+
+def choose_mode(checkpoint: str, recipe: Recipe, opts: CalibrateOptions, source: str):
+    """``(mode, skeleton model or None, plan or None)``: sequential when asked; streaming when the checkpoint is a
+    Hugging Face directory, no data is given and the recipe resolves to weights only; in memory otherwise."""
+    if opts.sequential:
+        if detect_kind(Path(checkpoint)) != "hf":
+            raise UsageError("--sequential needs a Hugging Face causal LM directory")
+        return "sequential", None, None
+    if opts.data is None and detect_kind(Path(checkpoint)) == "hf":
+        from ..model.hf import meta_skeleton
+
+        skeleton = meta_skeleton(checkpoint, opts.trust_remote_code)
+        plan = resolve_plan(recipe, skeleton, source=source, allow_unmatched=opts.allow_unmatched)
+        if not plan.needs_data():
+            return "streaming", skeleton, plan
+    return "in_memory", None, None
+
+
+def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hooks: Hooks) -> Optional[CalibrationData]:
+    if not (plan.needs_data() or opts.data or opts.sequential):
+        return None
+    if opts.data is None:
+        why = "--sequential runs the model block by block" if opts.sequential else "the recipe quantizes activations"
+        raise DataError(f"{why}, which needs calibration data: pass --data PATH")
+    hooks.on_stage("reading calibration data")
+    return load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, tokenizer,
+                     pack_text=causal)
+
+
+def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: CalibrateOptions, sidecar: Path,
+                         hooks: Optional[Hooks] = None) -> CalibrationRun:
+    """Calibrate ``recipe`` on ``checkpoint``; large block encodings of a streamed run go to ``sidecar`` as each
+    weight is done. ``source`` names the recipe in error messages."""
+    from ..model.load import resolve_device
+
+    hooks = hooks or Hooks()
+    hooks.on_stage("loading checkpoint")
+    mode, skeleton, plan = choose_mode(checkpoint, recipe, opts, source)
+    if mode == "sequential":
+        from ..model.hf import meta_causal_lm
+        from .sequential import calibrate_sequential
+
+        device = resolve_device(opts.device)
+        model, _, tokenizer = meta_causal_lm(checkpoint, opts.trust_remote_code)
+        plan = resolve_plan(recipe, model, source=source, allow_unmatched=opts.allow_unmatched)
+        hooks.on_plan(plan)
+        data = _data(opts, plan, tokenizer, True, hooks)
+        hooks.on_stage("calibrating")
+        entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block)
+        done = {e.name for e in entries}
+        unused = [q.name for q in plan.activations if q.name not in done]
+        return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", data, unused)
+    if mode == "streaming":
+        from .streaming import calibrate_weights_streaming
+
+        device = resolve_device(opts.device)
+        hooks.on_plan(plan)
+        data = _data(opts, plan, None, type(skeleton).__name__.endswith("ForCausalLM"), hooks)
+        hooks.on_stage("calibrating")
+        stream = SidecarStream(sidecar, [(q.name, tuple(q.shape)) for q in plan.weights])
+        try:
+            entries = calibrate_weights_streaming(checkpoint, plan, skeleton, sink=stream.put)
+        except BaseException:
+            stream.abort()
+            raise
+        stream.close()
+        return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", data, [])
+    from ..model.insert import insert_quantizers
+    from ..model.load import load_model
+    from .in_memory import calibrate
+
+    loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+    plan = resolve_plan(recipe, loaded.model, source=source, allow_unmatched=opts.allow_unmatched)
+    device = next(iter(loaded.model.parameters())).device
+    hooks.on_plan(plan)
+    data = _data(opts, plan, loaded.tokenizer, type(loaded.model).__name__.endswith("ForCausalLM"), hooks)
+    hooks.on_stage("calibrating")
+    quantizers = insert_quantizers(loaded.model, plan)
+    result = calibrate(loaded.model, plan, quantizers, data if plan.needs_data() else None, device, hooks.on_batch)
+    entries = [EncodingEntry.from_quantizer(q, quantizers[q.name]) for q in plan.quantizers
+               if quantizers[q.name].is_initialized()]
+    return CalibrationRun(entries, plan, mode, device, loaded.files, loaded.kind, data, result.unused)

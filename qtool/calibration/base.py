@@ -1,0 +1,53 @@
+"""THE calibration loop, shared by every mode (in memory, streamed weights, block by block).
+
+AIMET's order and semantics: each weight quantizer sees its weight once; then every activation quantizer of the
+rows at hand calibrates together over all batches (``run`` feeds them). A quantizer's statistics are collected
+by its analyzer and turned into a range on leaving ``compute_encodings``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+
+from ..config import QuantizerPlan
+from ..errors import QtoolError
+from ..quant import QuantizerBase
+
+__all__ = ["calibrate_weights", "calibrate_activations", "check_finite"]
+
+
+def calibrate_weights(rows: Iterable[QuantizerPlan], quantizer_for: Callable[[QuantizerPlan], QuantizerBase],
+                      weight_for: Callable[[QuantizerPlan], torch.Tensor],
+                      done: Optional[Callable[[QuantizerPlan, QuantizerBase], None]] = None) -> None:
+    """Each weight row's quantizer observes its weight (statistics only: no fake-quant copy is made); ``done`` is
+    called right after, so a streaming caller can write the encoding and drop the weight."""
+    with torch.no_grad():
+        for q in rows:
+            quantizer = quantizer_for(q)
+            weight = weight_for(q)
+            with quantizer.compute_encodings():
+                quantizer.observe(weight)
+            del weight
+            if done is not None:
+                done(q, quantizer)
+
+
+def calibrate_activations(rows: List[QuantizerPlan], quantizers: Dict[str, QuantizerBase],
+                          run: Callable[[], None]) -> None:
+    """Every activation row's quantizer collects statistics while ``run()`` feeds the data through the model."""
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        for q in rows:
+            stack.enter_context(quantizers[q.name].compute_encodings())
+        run()
+
+
+def check_finite(rows: Iterable[QuantizerPlan], quantizers: Dict[str, QuantizerBase]) -> None:
+    """No calibrated range may hold NaN/Inf (it would become a NaN scale in every file written)."""
+    for q in rows:
+        quantizer = quantizers[q.name]
+        if quantizer.is_initialized() and not (torch.isfinite(quantizer.min).all()
+                                               and torch.isfinite(quantizer.max).all()):
+            raise QtoolError(f"quantizer {q.name}: calibrated range is not finite (the model produced NaN/Inf)")

@@ -1,0 +1,62 @@
+"""Weight-only calibration that streams: each weight is read from the checkpoint, calibrated and dropped; no model
+is built (a meta-device skeleton names the modules). Peak memory is about the largest weight in float32."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from ..config import Plan
+from ..encodings import EncodingEntry
+from ..errors import CheckpointError
+from ..io.checkpoint import CheckpointTensors
+from ..model.insert import make_quantizer
+from .base import calibrate_weights
+
+__all__ = ["calibrate_weights_streaming"]
+
+
+def calibrate_weights_streaming(path, plan: Plan, model: nn.Module, sink=None) -> List[EncodingEntry]:
+    """Weight-only plans: each weight is read from the checkpoint, calibrated and dropped; no model is built.
+
+    The encodings equal a normal run's (weight quantizers only ever see their weight). Peak memory is about
+    the largest weight in float32. ``sink`` (e.g. :meth:`qtool.encodings.SidecarStream.put`) receives each entry
+    as soon as it is calibrated and returns what to keep.
+    """
+    src = CheckpointTensors(path)
+    keys = set(src.keys())
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    shared = {}
+    seen = {}
+    for n, p in params.items():
+        shared.setdefault(id(p), []).append(n)
+        seen[n] = id(p)
+
+    def key_of(name: str) -> Optional[str]:
+        candidates = [name]
+        if prefix and name.startswith(prefix + "."):
+            candidates.append(name[len(prefix) + 1:])
+        elif prefix:
+            candidates.append(f"{prefix}.{name}")
+        if tied and name in seen:
+            candidates += [n for n in shared[seen[name]] if n != name]
+        return next((c for c in candidates if c in keys), None)
+
+    def weight_for(q):
+        key = key_of(f"{q.module}.weight")
+        if key is None:
+            raise CheckpointError(f"{src.path}: checkpoint has no tensor for {q.module}.weight")
+        return src.get(key).to(torch.float32)
+
+    entries = []
+
+    def done(q, quantizer):
+        entry = EncodingEntry.from_quantizer(q, quantizer)
+        entries.append(entry if sink is None else sink(entry))
+
+    calibrate_weights(plan.weights, make_quantizer, weight_for, done)
+    return entries

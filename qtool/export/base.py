@@ -1,0 +1,58 @@
+"""The exporter seam: what every output format gets and gives.
+
+An exporter receives an :class:`ExportRequest` (the encodings, the weight source that hands out each weight's
+values and integer codes, the output directory, and loaders for the few formats that need the model itself) and
+its own typed options, writes its files into the output directory, and returns a summary dict (``names`` maps
+quantizer names to the tensor names it wrote, for the AIMET JSON beside it). It never prints and never decides
+where outputs go: the pipeline made the (temporary, atomic) directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Dict, Optional
+
+from ..encodings import EncodingsFile
+from ..weights import WeightSource
+
+__all__ = ["Exporter", "ExportRequest"]
+
+
+@dataclass
+class ExportRequest:
+    checkpoint: Path
+    encodings: EncodingsFile
+    weights: WeightSource
+    out_dir: Path
+    trust_remote_code: bool = False
+    progress: Optional[Callable[[int, int, str], None]] = None  # (done, total, tensor name)
+    load_model: Optional[Callable[[], Any]] = None  # -> qtool.model.load.LoadedModel (formats that trace)
+    example_batch: Optional[Callable[[Any], Any]] = None  # LoadedModel -> qtool.data.Batch (formats that trace)
+
+
+class Exporter:
+    """Subclass per format: set ``name``, an ``Options`` dataclass of the format's own knobs, and ``write``."""
+
+    name: ClassVar[str] = ""
+    # model.encodings (AIMET JSON) beside the format's files: "always", "if_small" (skipped when it would be GBs)
+    # or "never" (a format with its own complete quantization metadata)
+    aimet_json: ClassVar[str] = "if_small"
+    # whether the encodings may be read lazily (block encodings loaded one weight at a time from the sidecar)
+    lazy_encodings: ClassVar[bool] = False
+
+    @dataclass
+    class Options:
+        pass
+
+    def options(self, **flags: Any) -> "Exporter.Options":
+        """This format's options from the front end's flags (flags of other formats are ignored)."""
+        fields = {f.name for f in dataclasses.fields(self.Options)}
+        return self.Options(**{k: v for k, v in flags.items() if k in fields})
+
+    def check(self, encodings: EncodingsFile, options: "Exporter.Options") -> None:
+        """Refuse encodings this format cannot express, before any file is written (default: all fit)."""
+
+    def write(self, request: ExportRequest, options: "Exporter.Options") -> Dict[str, Any]:
+        raise NotImplementedError  # pragma: no cover - interface

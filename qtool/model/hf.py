@@ -1,0 +1,130 @@
+"""Everything Hugging Face-specific, in one place: loading a model directory with transformers, building a model
+on the meta device from its config (no weights read), and mapping checkpoint tensor names to the model's.
+
+transformers is an optional extra (``qtool[hf]``); every entry point here turns its absence into one error line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, UsageError
+from ..io.checkpoint import check_safetensors, tensor_files
+
+__all__ = ["load_hf", "hf_name_map", "meta_skeleton", "meta_causal_lm"]
+
+
+def _transformers(path):
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(f"{path}: Hugging Face checkpoints need transformers: pip install 'qtool[hf]'") from None
+    transformers.utils.logging.disable_progress_bar()  # the library never draws on the user's terminal
+    transformers.utils.logging.set_verbosity_error()
+    return transformers
+
+
+def _config(path, trust_remote_code: bool):
+    transformers = _transformers(path)
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "trust_remote_code" in str(e):
+            msg = "this model needs its own Python code; pass --trust-remote-code if you trust its source"
+        raise CheckpointError(f"{path}: {msg}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read config.json: {str(e).splitlines()[0]}") from None
+
+
+def meta_skeleton(path, trust_remote_code: bool = False) -> nn.Module:
+    """The model class of a Hugging Face directory (``config.architectures``, else ``AutoModel``) built on the meta
+    device: module names, types and tied parameters, no memory and no weights read."""
+    transformers = _transformers(path)
+    config = _config(path, trust_remote_code)
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    try:
+        with torch.device("meta"):
+            if cls is not None:
+                return cls._from_config(config)
+            return transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises many types for configs it cannot build
+        raise CheckpointError(
+            f"{path}: transformers cannot build this model's modules ({str(e).splitlines()[0]})") from None
+
+
+def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, Any, Any]:
+    """``(causal LM on the meta device, config, tokenizer)``; its rotary embedding is built for real (its buffers
+    come from the config, not from the checkpoint)."""
+    transformers = _transformers(path)
+    config = _config(path, trust_remote_code)
+    config.use_cache = False
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
+                                                                  torch_dtype=torch.float32)
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a causal language model transformers can build "
+                              f"({str(e).splitlines()[0]})") from None
+    rot = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rot is not None:
+        model.model.rotary_emb = type(rot)(config=config)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    except Exception:  # tensor data needs no tokenizer
+        tokenizer = None
+    model.eval()
+    return model, config, tokenizer
+
+
+def load_hf(path: Path, trust_remote_code: bool):
+    """``(model, tokenizer or None, config)`` of a Hugging Face directory, float32 on the CPU."""
+    transformers = _transformers(path)
+    for f in tensor_files(path):
+        if not f.exists():
+            raise CheckpointError(f"{path}: shard {f.name} named in model.safetensors.index.json is missing")
+        check_safetensors(f)
+    if not tensor_files(path):
+        raise CheckpointError(f"{path}: no *.safetensors weights in this directory")
+    config = _config(path, trust_remote_code)
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None:
+        cls = transformers.AutoModel
+    try:
+        model = cls.from_pretrained(
+            str(path), config=config, trust_remote_code=trust_remote_code, torch_dtype=torch.float32,
+            low_cpu_mem_usage=True,
+        )
+    except Exception as e:  # transformers raises many types for bad weights
+        raise CheckpointError(f"{path}: transformers could not load the model: {str(e).splitlines()[0]}") from None
+    tokenizer = None
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    except Exception:  # a model without a tokenizer is fine for tensor data
+        tokenizer = None
+    return model, tokenizer, config
+
+
+def hf_name_map(model: nn.Module, files: List[Path]) -> Dict[str, str]:
+    """Map checkpoint tensor names to the model's state_dict names where a base-model prefix differs."""
+    from safetensors import safe_open
+
+    names = set(model.state_dict())
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    out = {}
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                if k in names:
+                    continue
+                if prefix and f"{prefix}.{k}" in names:
+                    out[k] = f"{prefix}.{k}"
+                elif prefix and k.startswith(prefix + ".") and k[len(prefix) + 1:] in names:
+                    out[k] = k[len(prefix) + 1:]
+    return out

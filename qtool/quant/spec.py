@@ -1,0 +1,101 @@
+"""What a quantizer is, as one typed value: :class:`QuantSpec`.
+
+Plan rows (``qtool.config.QuantizerPlan``: where a quantizer goes) and encodings entries
+(``qtool.encodings.EncodingEntry``: its calibrated numbers) both describe their quantizer with these fields and
+validate them here, once, when they are made. :func:`axis_and_block` is the one translation from granularity to
+the (axis, block) pair that ONNX, AIMET 2.0.0, compressed-tensors and GGUF speak.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+from .affine import grid
+
+__all__ = ["Granularity", "QuantSpec", "axis_and_block", "MIN_BITWIDTH", "MAX_BITWIDTH"]
+
+MIN_BITWIDTH, MAX_BITWIDTH = 2, 16
+
+
+class Granularity(str, enum.Enum):
+    """How many encodings a tensor has. A ``str`` subclass: it compares, hashes and serializes as its value."""
+
+    PER_TENSOR = "per_tensor"
+    PER_CHANNEL = "per_channel"
+    PER_BLOCK = "per_block"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def axis_and_block(granularity: Granularity, shape: Sequence[int],
+                   block_size: Optional[Sequence[int]]) -> Tuple[Optional[int], Optional[int]]:
+    """``(axis, block)``: the channel dimension of a per-channel encoding (block None), the blocked dimension and
+    its block length of a per-block one, ``(None, None)`` per tensor. ``shape`` is the encoding's shape."""
+    granularity = Granularity(granularity)
+    if granularity is Granularity.PER_TENSOR:
+        return None, None
+    if granularity is Granularity.PER_CHANNEL:
+        return (next(i for i, s in enumerate(shape) if s != 1) if any(s != 1 for s in shape) else 0), None
+    if block_size is None:
+        raise ValueError("a per_block encoding needs block_size")
+    axis = next((i for i, b in enumerate(block_size) if b not in (1, -1)), None)
+    if axis is None:
+        raise ValueError(f"block_size {list(block_size)} blocks no dimension")
+    return axis, int(block_size[axis])
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One quantizer: its integer grid (``bitwidth``, ``symmetric``), its granularity and encoding ``shape``
+    (``()`` per tensor, ``(out, 1, ...)`` per channel, ``(out, in/B, ...)`` per block) with the per-dimension
+    ``block_size`` of a blocked one, and the analyzer that chose (or will choose) its range. Raises ``ValueError``
+    on any inconsistency."""
+
+    bitwidth: int
+    symmetric: bool
+    granularity: Granularity
+    shape: Tuple[int, ...]
+    block_size: Optional[Tuple[int, ...]] = None
+    analyzer: str = "minmax"
+
+    def __post_init__(self):
+        if isinstance(self.bitwidth, bool) or not isinstance(self.bitwidth, int):
+            raise ValueError(f"bitwidth must be an integer (got {self.bitwidth!r})")
+        if not MIN_BITWIDTH <= self.bitwidth <= MAX_BITWIDTH:
+            raise ValueError(f"bitwidth {self.bitwidth} is outside {MIN_BITWIDTH}..{MAX_BITWIDTH}")
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"symmetric must be true or false (got {self.symmetric!r})")
+        try:
+            object.__setattr__(self, "granularity", Granularity(self.granularity))
+        except ValueError:
+            raise ValueError(f"granularity must be one of {', '.join(g.value for g in Granularity)} "
+                             f"(got {str(self.granularity)[:40]!r})") from None
+        shape = tuple(int(d) for d in self.shape)
+        if any(d < 1 for d in shape):
+            raise ValueError(f"shape {list(shape)} has a dimension below 1")
+        object.__setattr__(self, "shape", shape)
+        if self.block_size is not None:
+            object.__setattr__(self, "block_size", tuple(int(b) for b in self.block_size))
+        if self.granularity is Granularity.PER_BLOCK:
+            if self.block_size is None or len(self.block_size) != len(shape):
+                raise ValueError(f"a per_block encoding needs one block_size entry per dimension of {list(shape)}")
+            axis_and_block(self.granularity, shape, self.block_size)
+        elif self.granularity is Granularity.PER_TENSOR and shape and any(d != 1 for d in shape):
+            raise ValueError(f"a per_tensor encoding has one element (got shape {list(shape)})")
+
+    @property
+    def qmin_qmax(self) -> Tuple[int, int]:
+        return grid(self.bitwidth, signed=self.symmetric)
+
+    def axis_and_block(self) -> Tuple[Optional[int], Optional[int]]:
+        return axis_and_block(self.granularity, self.shape, self.block_size)
+
+    def describe(self) -> str:
+        if self.granularity is Granularity.PER_BLOCK:
+            return f"per_block {self.block_size} -> {self.shape}"
+        if self.granularity is Granularity.PER_CHANNEL:
+            return f"per_channel {self.shape}"
+        return "per_tensor"

@@ -1,0 +1,159 @@
+"""The weight source: where every exporter gets each weight's values and integer codes.
+
+By default a weight's codes are round-to-nearest on its encoding's grid, from the float checkpoint (what every
+exporter did by hand before). A rounding algorithm (GPTQ, AdaRound) or a transform that changes float weights
+(batch-norm folding, SmoothQuant) stores what it chose in ``codes.safetensors`` beside ``encodings.json``
+(schema version 3, see docs/formats.md), and then every exporter writes those instead:
+
+* ``codes/<quantizer name>``: the integer codes of a weight quantizer, in the weight's shape, in the smallest
+  integer dtype of its grid (``int8`` for signed 8-bit, ``uint8`` unsigned, ``int16``/``int32`` up to 16 bits),
+  every code within ``[qmin, qmax]``;
+* ``float/<checkpoint tensor name>``: a float tensor that replaces the checkpoint's (a folded weight or bias, a
+  smoothed norm weight), same shape and dtype.
+
+:func:`write_codes` writes the file (streamed, one tensor at a time); :class:`WeightSource` reads it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .encodings import CODES_FILE, EncodingEntry, EncodingsFile
+from .errors import EncodingsError
+from .io.checkpoint import CheckpointTensors, ST_DTYPES
+from .io.st_writer import StreamingSafetensorsWriter
+from .quant.affine import quantize
+from .quant.tensor import AffineEncoding
+
+__all__ = ["WeightSource", "write_codes", "CODES_FILE", "CODES_PREFIX", "FLOAT_PREFIX"]
+
+CODES_PREFIX = "codes/"
+FLOAT_PREFIX = "float/"
+
+
+def _code_dtype(e: EncodingEntry) -> torch.dtype:
+    qmin, qmax = e.qmin_qmax
+    return AffineEncoding(torch.zeros(()), torch.zeros(()), qmin, qmax, e.symmetric).int_dtype()
+
+
+def write_codes(path: Path, entries: List[EncodingEntry], codes: Dict[str, torch.Tensor],
+                floats: Optional[Dict[str, torch.Tensor]] = None) -> Path:
+    """Write stored codes (quantizer name -> integer tensor) and replaced float tensors (checkpoint name ->
+    tensor) to ``path``; each code tensor is checked against its entry's grid first."""
+    by_name = {e.name: e for e in entries}
+    decl = []
+    tensors: Dict[str, torch.Tensor] = {}
+    for name in sorted(codes):
+        e = by_name.get(name)
+        if e is None or e.tensor != "weight":
+            raise ValueError(f"stored codes for {name!r}, which is no weight quantizer of these encodings")
+        qmin, qmax = e.qmin_qmax
+        c = codes[name]
+        if c.is_floating_point() or (c.numel() and (int(c.min()) < qmin or int(c.max()) > qmax)):
+            raise ValueError(f"stored codes for {name!r} must be integers within [{qmin}, {qmax}]")
+        t = c.to(_code_dtype(e)).contiguous()
+        tensors[CODES_PREFIX + name] = t
+    for key in sorted(floats or {}):
+        t = floats[key]
+        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            raise ValueError(f"replaced tensor {key!r} must hold finite floats")
+        tensors[FLOAT_PREFIX + key] = t.contiguous()
+    decl = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    with StreamingSafetensorsWriter(Path(path), decl, metadata={"format": "qtool.codes"}) as w:
+        for k, t in tensors.items():
+            w.write(k, t)
+    return Path(path)
+
+
+class WeightSource:
+    """A checkpoint's tensors plus whatever the encodings' codes file stored for them.
+
+    ``keys()``/``shape_dtype()``/``get()`` read the checkpoint one tensor at a time (``get`` returns a stored
+    replacement where there is one); :meth:`stored_codes` gives a quantizer's stored codes or None, and
+    :meth:`codes` the codes an exporter writes: stored ones, else round-to-nearest of the float weight."""
+
+    def __init__(self, checkpoint: Path, encodings: EncodingsFile, encodings_dir: Optional[Path] = None,
+                 trust_pickle: bool = False, tensors: Optional[CheckpointTensors] = None):
+        self.checkpoint = Path(checkpoint)
+        self.tensors = tensors or CheckpointTensors(self.checkpoint, trust_pickle=trust_pickle)
+        self.encodings = encodings
+        self._codes: Dict[str, str] = {}
+        self._floats: Dict[str, str] = {}
+        self._file = None
+        if encodings.codes_file is not None:
+            self._open(Path(encodings_dir or ".") / encodings.codes_file)
+
+    def _open(self, path: Path) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        from .io.checkpoint import check_safetensors
+        from .errors import CheckpointError
+
+        try:
+            check_safetensors(path)
+            self._file = safe_open(str(path), framework="pt")
+        except (CheckpointError, SafetensorError, OSError) as e:
+            raise EncodingsError(f"{path}: not a readable codes file ({str(e).splitlines()[0]})") from None
+        self.path = path
+        weights = {e.name: e for e in self.encodings.entries if e.tensor == "weight"}
+        for key in self._file.keys():
+            if key.startswith(CODES_PREFIX) and key[len(CODES_PREFIX):] in weights:
+                e = weights[key[len(CODES_PREFIX):]]
+                dtype = ST_DTYPES.get(self._file.get_slice(key).get_dtype())
+                if dtype != _code_dtype(e):
+                    raise EncodingsError(f"{path}: {key} is {dtype}, expected {_code_dtype(e)} for a "
+                                         f"{e.bitwidth}-bit {'signed' if e.symmetric else 'unsigned'} grid")
+                self._codes[e.name] = key
+            elif key.startswith(FLOAT_PREFIX):
+                self._floats[key[len(FLOAT_PREFIX):]] = key
+            else:
+                raise EncodingsError(f"{path}: tensor {key!r} is neither codes/<weight quantizer> nor float/<tensor>")
+
+    # ---- the checkpoint, with stored replacements ----------------------------------------------------------
+    def keys(self) -> List[str]:
+        return self.tensors.keys()
+
+    def shape_dtype(self, key: str) -> Tuple[Tuple[int, ...], torch.dtype]:
+        return self.tensors.shape_dtype(key)
+
+    def get(self, key: str) -> torch.Tensor:
+        if key in self._floats:
+            t = self._file.get_tensor(self._floats[key])
+            shape, dtype = self.tensors.shape_dtype(key)
+            if tuple(t.shape) != tuple(shape):
+                raise EncodingsError(f"{self.path}: {self._floats[key]} has shape {list(t.shape)}, the checkpoint's "
+                                     f"{key} {list(shape)}")
+            return t.to(dtype)
+        return self.tensors.get(key)
+
+    def replaced(self) -> List[str]:
+        """Checkpoint tensors whose values come from the codes file."""
+        return sorted(self._floats)
+
+    # ---- codes ------------------------------------------------------------------------------------------------
+    def stored_codes(self, e: EncodingEntry, shape) -> Optional[torch.Tensor]:
+        """``e``'s stored codes (int64, checked against ``shape`` and the grid), or None where none are stored."""
+        key = self._codes.get(e.name)
+        if key is None:
+            return None
+        c = self._file.get_tensor(key).to(torch.int64)
+        if tuple(c.shape) != tuple(shape):
+            raise EncodingsError(f"{self.path}: {key} has shape {list(c.shape)}, the weight {list(shape)}")
+        qmin, qmax = e.qmin_qmax
+        if c.numel() and (int(c.min()) < qmin or int(c.max()) > qmax):
+            raise EncodingsError(f"{self.path}: {key} holds codes outside the grid [{qmin}, {qmax}]")
+        return c
+
+    def codes(self, e: EncodingEntry, weight: torch.Tensor) -> torch.Tensor:
+        """The integer codes (as quantize() returns them: floats holding integers) to export for weight quantizer
+        ``e`` whose float values are ``weight``: stored codes, else round-to-nearest on ``e``'s grid."""
+        stored = self.stored_codes(e, tuple(weight.shape))
+        if stored is not None:
+            return stored.to(torch.float32)
+        qmin, qmax = e.qmin_qmax
+        scale, offset = e.scale_offset()
+        x = weight if weight.dtype == torch.float64 else weight.to(torch.float32)
+        return quantize(x, scale, offset, qmin=qmin, qmax=qmax, block_size=e.block_size)
