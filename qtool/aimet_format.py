@@ -21,13 +21,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .choices import AIMET_VERSIONS
 from .encodings import EncodingEntry, EncodingsFile
 from .errors import EncodingsError
 from .quant.affine import grid
 
 __all__ = ["VERSIONS", "entry_to_aimet", "to_aimet", "read_aimet", "from_aimet", "range_for_scale_offset"]
 
-VERSIONS = ("0.6.1", "1.0.0", "2.0.0")
+VERSIONS = AIMET_VERSIONS
 READ_VERSIONS = VERSIONS + ("2.1.0",)  # 2.1.0 adds LPBQ/vector types; its int entries read like 2.0.0
 _ENC_TYPES = {"per_tensor": "PER_TENSOR", "per_channel": "PER_CHANNEL", "per_block": "PER_BLOCK"}
 

@@ -189,7 +189,8 @@ class _Progress:
 # ---------------------------------------------------------------------------------------------------------------
 _CONFIG = typer.Option(..., "--config", "-c", help="Recipe YAML (see configs/).")
 _DATA = typer.Option(None, "--data", help="Calibration data: a file or directory (.safetensors .pt .npy .npz .txt .jsonl).")
-_DEVICE = typer.Option("cpu", "--device", help="cpu, cuda or auto.")
+_DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or auto.",
+                       autocompletion=lambda incomplete: [c for c in ("cpu", "cuda", "auto") if c.startswith(incomplete)])
 _BATCH = typer.Option(8, "--batch-size", min=1, help="Samples per calibration batch.")
 _NUM = typer.Option(None, "--num-samples", min=1, help="Use a seeded random subset of this many samples.")
 _SEQ = typer.Option(128, "--seq-len", min=1, help="Tokens per text sample.")
@@ -210,6 +211,26 @@ def _opts(**kw):
     from .pipeline import CalibrateOptions
 
     return CalibrateOptions(**kw)
+
+
+def _check_early(recipe: Optional[str] = None, device: Optional[str] = None, format: Optional[str] = None,
+                 encoding_version: Optional[str] = None, ct_8bit_format: Optional[str] = None) -> None:
+    """Every choice and the recipe, checked before torch or a model is loaded (a typo costs no calibration)."""
+    from .choices import AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, check_choice, check_device
+    from .export import format_names
+
+    if format is not None:
+        check_choice("--format", format, format_names())
+    if encoding_version is not None:
+        check_choice("--encoding-version", encoding_version, AIMET_VERSIONS)
+    if ct_8bit_format is not None:
+        check_choice("--ct-8bit-format", ct_8bit_format, CT_EIGHT_BIT_FORMATS)
+    if device is not None:
+        check_device(device)
+    if recipe is not None:
+        from .config import load_recipe
+
+        load_recipe(recipe)
 
 
 def _report_files(summary: Dict[str, Any], quiet: bool) -> None:
@@ -246,9 +267,10 @@ def calibrate(
     debug: bool = _DEBUG,
 ) -> None:
     """Calibrate every quantizer's range on sample data; write encodings.json and manifest.json."""
-    from .pipeline import run_calibrate
-
     with _errors(debug, json_out), _Progress(quiet) as p:
+        _check_early(config, device)
+        from .pipeline import run_calibrate
+
         summary = run_calibrate(checkpoint, config, out, _opts(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
@@ -258,9 +280,20 @@ def calibrate(
         _emit_json({"ok": True, **summary})
 
 
-_FORMAT = typer.Option("qtool", "--format", "-f",
-                       help="qtool (integer safetensors), aimet (encodings only), onnx (QDQ graph), compressed-tensors.")
-_ENC_VERSION = typer.Option("1.0.0", "--encoding-version", help="AIMET encodings version: 0.6.1, 1.0.0 or 2.0.0.")
+def _format_help() -> str:
+    from .export import FORMATS
+
+    return "; ".join(f"{name}: {text}" for name, (_, text) in FORMATS.items()) + "."
+
+
+def _complete(choices):
+    return lambda incomplete: [c for c in choices if c.startswith(incomplete)]
+
+
+_FORMAT = typer.Option("qtool", "--format", "-f", help=_format_help(),
+                       autocompletion=_complete(__import__("qtool.export", fromlist=["FORMATS"]).format_names()))
+_ENC_VERSION = typer.Option("1.0.0", "--encoding-version", help="AIMET encodings version: 0.6.1, 1.0.0 or 2.0.0.",
+                            autocompletion=_complete(("0.6.1", "1.0.0", "2.0.0")))
 _NO_PACK = typer.Option(False, "--no-pack", help="Store sub-byte codes one per byte instead of packed.")
 _CT8 = typer.Option("int-quantized", "--ct-8bit-format",
                     help="compressed-tensors layout of 8-bit weights: int-quantized or pack-quantized (vLLM).")
@@ -302,9 +335,10 @@ def export(
     debug: bool = _DEBUG,
 ) -> None:
     """Write the quantized model in FORMAT plus AIMET encodings (model.encodings) and a manifest."""
-    from .pipeline import run_export
-
     with _errors(debug, json_out), _Progress(quiet) as p:
+        _check_early(format=format, encoding_version=encoding_version, ct_8bit_format=ct_8bit_format)
+        from .pipeline import run_export
+
         summary = run_export(checkpoint, encodings, out, _eopts(
             format=format, encoding_version=encoding_version, trust_pickle=trust_pickle, model_class=model_class,
             trust_remote_code=trust_remote_code, data=data, seq_len=seq_len, pack=not no_pack,
@@ -341,9 +375,10 @@ def quantize(
     debug: bool = _DEBUG,
 ) -> None:
     """Calibrate and export in one call."""
-    from .pipeline import run_quantize
-
     with _errors(debug, json_out), _Progress(quiet) as p:
+        _check_early(config, device, format, encoding_version, ct_8bit_format)
+        from .pipeline import run_quantize
+
         summary = run_quantize(checkpoint, config, out, _opts(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
@@ -389,6 +424,7 @@ def report(
     from .pipeline import run_report
 
     with _errors(debug, json_out):
+        _check_early(device=device)
         if suggest is not None and (len(suggest) != 1 or not sensitivity):
             raise UsageError("--suggest takes 'N OUT.yaml' together with --sensitivity")
         if max_ppl_increase is not None and max_ppl_increase < 0:

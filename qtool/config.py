@@ -10,14 +10,16 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from torch import nn
-
 from .errors import ConfigError
-from .quant.spec import Granularity, QuantSpec
+
+if TYPE_CHECKING:  # torch is imported where a plan is made, so that recipes validate without it
+    from torch import nn
+
+    from .quant.spec import Granularity, QuantSpec
 
 __all__ = [
     "Recipe",
@@ -281,7 +283,7 @@ class QuantizerPlan:
     tensor: Literal["weight", "input", "output"]
     bitwidth: int
     symmetric: bool
-    granularity: Granularity
+    granularity: "Granularity"
     shape: Tuple[int, ...]
     block_size: Optional[Tuple[int, ...]]
     analyzer: str
@@ -289,6 +291,8 @@ class QuantizerPlan:
     analyzer_args: Tuple[Tuple[str, Any], ...] = ()
 
     def __post_init__(self):
+        from .quant.spec import QuantSpec
+
         try:
             spec = QuantSpec(self.bitwidth, self.symmetric, self.granularity, self.shape, self.block_size,
                              self.analyzer_label)
@@ -298,7 +302,7 @@ class QuantizerPlan:
         object.__setattr__(self, "_spec", spec)
 
     @property
-    def spec(self) -> QuantSpec:
+    def spec(self) -> "QuantSpec":
         """What this quantizer is (validated when the row was made)."""
         return self._spec
 
@@ -345,7 +349,9 @@ def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
         raise ConfigError(f"{where}.{key}: {_describe(err)}" if key else f"{where}: {_describe(err)}") from None
 
 
-def _weight_layout(module: nn.Module, spec: WeightSpec, where: str, name: str):
+def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str):
+    from torch import nn
+
     w = getattr(module, "weight", None)
     if not isinstance(w, nn.Parameter) or w.dim() == 0:
         return None
@@ -366,7 +372,7 @@ def _weight_layout(module: nn.Module, spec: WeightSpec, where: str, name: str):
     return shape, (1, b) + (-1,) * (len(shp) - 2)
 
 
-def resolve_plan(recipe: Recipe, model: nn.Module, source: str = "<recipe>", allow_unmatched: bool = False) -> Plan:
+def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", allow_unmatched: bool = False) -> Plan:
     """One ``QuantizerPlan`` per quantizer, in module order. Later ``layers`` entries win."""
     plan = Plan()
     used = [False] * len(recipe.layers)

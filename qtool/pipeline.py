@@ -17,11 +17,12 @@ from torch import nn
 
 from . import __version__
 from .calibration import CalibrateOptions, calibrate_checkpoint
+from .choices import AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, check_choice
 from .config import Plan, load_recipe, resolve_plan
 from .data import load_data
 from .encodings import SIDECAR, EncodingsFile
 from .errors import DataError, UsageError
-from .export import get_exporter
+from .export import format_names, get_exporter
 from .export.base import ExportRequest
 from .export.qtool_st import DEFAULT_MAX_SHARD_BYTES
 from .hooks import Hooks
@@ -120,19 +121,12 @@ class ExportOptions:
 
     def validate(self):
         """The exporter for ``format``, after checking every choice-valued option (no work done yet)."""
-        from .aimet_format import VERSIONS
-
-        exporter = get_exporter(self.format)
-        if self.encoding_version not in VERSIONS:
-            raise UsageError(f"--encoding-version must be one of {', '.join(VERSIONS)} "
-                             f"(got {str(self.encoding_version)[:40]!r})")
-        if self.ct_eight_bit_format not in CT_EIGHT_BIT_FORMATS:
-            raise UsageError(f"--ct-8bit-format must be one of {', '.join(CT_EIGHT_BIT_FORMATS)} "
-                             f"(got {str(self.ct_eight_bit_format)[:40]!r})")
-        return exporter
+        check_choice("--format", self.format, format_names())
+        check_choice("--encoding-version", self.encoding_version, AIMET_VERSIONS)
+        check_choice("--ct-8bit-format", self.ct_eight_bit_format, CT_EIGHT_BIT_FORMATS)
+        return get_exporter(self.format)
 
 
-CT_EIGHT_BIT_FORMATS = ("int-quantized", "pack-quantized")
 # beyond this many encoding numbers, the AIMET JSON beside a non-AIMET export is skipped (~100 bytes per number)
 AIMET_JSON_LIMIT = 10_000_000
 
