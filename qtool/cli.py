@@ -451,24 +451,15 @@ def report(
                 raise UsageError("--suggest takes 'N OUT.yaml' (quote it as one argument: --suggest '3 keep.yaml')")
             base = Path(recipe).read_text() if recipe else None
             Path(out_yaml).write_text(suggest_recipe(result["sensitivity"], int(n_text), base))
-    gates = []
-    worst = rep.worst_first()[0] if rep.layers else None
-    if min_sqnr is not None and worst is not None:
-        gates.append(("min-sqnr", min_sqnr, worst.sqnr_cumulative, worst.sqnr_cumulative >= min_sqnr,
-                      f"{worst.module} at {worst.sqnr_cumulative:.1f} dB"))
-    if min_cosine is not None:
-        gates.append(("min-cosine", min_cosine, rep.cosine, rep.cosine >= min_cosine, f"cosine {rep.cosine:.4f}"))
-    if max_ppl_increase is not None:
-        inc = rep.perplexity_increase_pct
-        if inc is None:
-            with _errors(debug, json_out):
-                raise UsageError("--max-ppl-increase needs a causal language model checkpoint")
-        gates.append(("max-ppl-increase", max_ppl_increase, inc, inc <= max_ppl_increase,
-                      f"perplexity +{inc:.2f}%"))
-    failed = [g for g in gates if not g[3]]
+    from .report import check_gates, enforce_gates
+
+    with _errors(debug, json_out):
+        gates = check_gates(rep, min_sqnr, min_cosine, max_ppl_increase)
+    failed = [g for g in gates if not g.passed]
     if json_out:
         _emit_json({"ok": not failed, **result["json"],
-                    "gates": [{"gate": g[0], "threshold": g[1], "value": g[2], "passed": g[3]} for g in gates]})
+                    "gates": [{"gate": g.gate, "threshold": g.threshold, "value": g.value, "passed": g.passed}
+                              for g in gates]})
     else:
         con = Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
         t = Table(title="per-layer SQNR (dB), worst first", title_justify="left")
@@ -494,10 +485,13 @@ def report(
             con.print(st)
         if plot and not quiet:
             err.print(f"wrote: {_esc(plot)}")
-    for g in failed:
-        err.print(f"gate failed: --{g[0]} {g[1]}: {g[4]}", markup=False)
-    if failed:
-        raise typer.Exit(1)
+    from .errors import GateFailed
+
+    try:
+        enforce_gates(gates)
+    except GateFailed as e:
+        err.print(str(e), markup=False)
+        raise typer.Exit(e.exit_code)
 
 
 @app.command("import-encodings")

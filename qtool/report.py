@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 from .data import Batch
+from .errors import GateFailed, UsageError
 from .model.insert import quantized_modules, set_quantization
 
-__all__ = ["LayerError", "Report", "evaluate", "sensitivity", "sqnr_db"]
+__all__ = ["LayerError", "Report", "Gate", "evaluate", "sensitivity", "sqnr_db", "check_gates", "enforce_gates"]
 
 
 def sqnr_db(signal: float, noise: float) -> float:
@@ -310,3 +311,43 @@ def plot_sqnr(report: Report, path, title: str = "per-layer SQNR") -> None:
         plt.close(fig)
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+@dataclass
+class Gate:
+    """One CI quality gate and its outcome."""
+
+    gate: str  # "min-sqnr", "min-cosine", "max-ppl-increase"
+    threshold: float
+    value: float
+    passed: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"gate failed: --{self.gate} {self.threshold}: {self.detail}"
+
+
+def check_gates(rep: Report, min_sqnr: Optional[float] = None, min_cosine: Optional[float] = None,
+                max_ppl_increase: Optional[float] = None) -> List[Gate]:
+    """Evaluate the gates that are set; ``UsageError`` for one that cannot apply (perplexity without a causal LM)."""
+    gates = []
+    worst = rep.worst_first()[0] if rep.layers else None
+    if min_sqnr is not None and worst is not None:
+        gates.append(Gate("min-sqnr", min_sqnr, worst.sqnr_cumulative, worst.sqnr_cumulative >= min_sqnr,
+                          f"{worst.module} at {worst.sqnr_cumulative:.1f} dB"))
+    if min_cosine is not None:
+        gates.append(Gate("min-cosine", min_cosine, rep.cosine, rep.cosine >= min_cosine, f"cosine {rep.cosine:.4f}"))
+    if max_ppl_increase is not None:
+        inc = rep.perplexity_increase_pct
+        if inc is None:
+            raise UsageError("--max-ppl-increase needs a causal language model checkpoint")
+        gates.append(Gate("max-ppl-increase", max_ppl_increase, inc, inc <= max_ppl_increase,
+                          f"perplexity +{inc:.2f}%"))
+    return gates
+
+
+def enforce_gates(gates: List[Gate]) -> None:
+    """Raise ``GateFailed`` (exit code 1) naming every failed gate, one per line."""
+    failed = [g for g in gates if not g.passed]
+    if failed:
+        raise GateFailed("\n".join(g.line() for g in failed))

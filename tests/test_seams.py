@@ -147,3 +147,18 @@ def test_bad_choices_fail_before_torch_is_imported(args, message, tmp_path):
     assert r.stdout.strip() == "exit 2 False", (r.stdout, r.stderr)
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_gates_are_library_code_raising_gate_failed():
+    from qtool.errors import GateFailed, UsageError
+    from qtool.report import LayerError, Report, check_gates, enforce_gates
+
+    rep = Report(layers=[LayerError("fc", "Linear", 18.0, 30.0)], samples=4, cosine=0.97, cosine_min=0.9)
+    gates = check_gates(rep, min_sqnr=20.0, min_cosine=0.95)
+    assert [(g.gate, g.passed) for g in gates] == [("min-sqnr", False), ("min-cosine", True)]
+    with pytest.raises(GateFailed) as info:
+        enforce_gates(gates)
+    assert info.value.exit_code == 1 and str(info.value) == "gate failed: --min-sqnr 20.0: fc at 18.0 dB"
+    enforce_gates(check_gates(rep, min_cosine=0.9))  # passes: no error
+    with pytest.raises(UsageError, match="causal language model"):
+        check_gates(rep, max_ppl_increase=5)
