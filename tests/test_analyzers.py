@@ -1,10 +1,12 @@
-"""Histogram and MSE encoding analyzers: AIMET's reference outputs, blockwise batching, MSE search, errors."""
+"""Encoding analyzers: AIMET's reference outputs, blockwise batching, MSE search, errors, and statistics as values
+(collect / fold / statistics / merge: exact merges where they exist, clear errors where they do not)."""
 
 import math
 
 import pytest
 import torch
 
+import qtool.quant.analysis.histogram as histogram
 import qtool.quant.analyzers as analyzers
 from qtool.quant.affine import adjust_min_max, grid, min_max_to_scale_offset, quantize_dequantize
 from qtool.quant.analyzers import (
@@ -71,7 +73,7 @@ def test_dense_storage_also_matches_aimet(analyzer_ref, kind):
 def test_device_agnostic_path_matches_aimet(analyzer_ref, kind, monkeypatch):
     """Off the CPU the analyzers never read the device to ask whether data is finite; forcing that path on CPU
     gives the same results."""
-    monkeypatch.setattr(analyzers, "_maybe_nonfinite", lambda lo, hi: True)
+    monkeypatch.setattr(histogram, "_maybe_nonfinite", lambda lo, hi: True)
     meta, tensors = analyzer_ref
     _run_golden(meta, tensors, kind)
 
@@ -450,3 +452,271 @@ def test_pruned_mse_search_is_exact_on_16_bit_grids():
         picks.append(a.compute_encodings(65535, True))
     assert torch.equal(picks[0][0], picks[1][0]) and torch.equal(picks[0][1], picks[1][1])
     assert picks[0][1][0, 0].item() < float(row[0])  # the pick is the narrower candidate, not min-max
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Statistics as values: collect / fold / statistics / merge (what data-parallel calibration will all-reduce)
+# ---------------------------------------------------------------------------------------------------------------
+import ast  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from qtool.quant.analyzers import (  # noqa: E402
+    ANALYZERS,
+    HistogramBatch,
+    HistogramBatches,
+    HistogramState,
+    MinMaxStatistics,
+    MseStatistics,
+    StatisticsMergeError,
+    merge_statistics,
+)
+
+# encoding layouts on inputs (N, 8, 64): leading dim N is what batches split; it is folded into every encoding
+LAYOUTS = {"tensor": ((), None), "channel": ((8, 1), None), "block16": ((8, 4), (1, 16)), "block2d": ((4, 2), (2, 32))}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern of a tensor (float32 as int32, so NaN == NaN and -0.0 != 0.0)."""
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def _assert_same_value(a, b):
+    """Two statistics values (or None) hold the same fields, bit for bit."""
+    assert type(a) is type(b)
+    if a is None:
+        return
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(_bits(x), _bits(y)), f.name
+        else:
+            assert x == y, f.name
+
+
+def _assert_same_encodings(a, b, cases=((255, False), (15, True), (7, False))):
+    for n, sym in cases:
+        (amn, amx), (bmn, bmx) = a.compute_encodings(n, sym), b.compute_encodings(n, sym)
+        assert torch.equal(_bits(amn), _bits(bmn)) and torch.equal(_bits(amx), _bits(bmx)), (n, sym)
+
+
+def _data(seed: int, n: int, dist: str, nonfinite: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = _sample(g, n * 8, 64, dist).reshape(n, 8, 64)
+    if nonfinite:
+        idx = torch.randint(0, x.numel(), (3,), generator=g)
+        x.view(-1)[idx] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    return x
+
+
+def _split(x: torch.Tensor, cuts) -> list:
+    """``x`` cut along dim 0 at the (sorted, distinct) positions ``cuts``."""
+    edges = [0, *sorted(set(cuts)), x.shape[0]]
+    return [x[a:b] for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+
+def _merge_in_tree(values, data):
+    """Merge ``values`` (in this order) with a random bracketing drawn from ``data``."""
+    values = list(values)
+    while len(values) > 1:
+        i = data.draw(st.integers(0, len(values) - 2), label="merge position")
+        values[i:i + 2] = [merge_statistics(values[i], values[i + 1])]
+    return values[0]
+
+
+def test_registry_names_every_analyzer():
+    assert ANALYZERS == {"minmax": MinMaxEncodingAnalyzer, "percentile": PercentileEncodingAnalyzer,
+                         "sqnr": SqnrEncodingAnalyzer, "tf_enhanced": TfEnhancedEncodingAnalyzer,
+                         "mse": MseEncodingAnalyzer}
+    for name in analyzers.__all__:
+        assert getattr(analyzers, name) is not None
+
+
+def test_package_imports_run_one_way():
+    """base <- minmax / histogram <- sqnr; mse uses base only; the package __init__ imports none of them."""
+    allowed = {"__init__": set(), "base": set(), "minmax": {"base"}, "histogram": {"base"},
+               "sqnr": {"base", "histogram"}, "mse": {"base"}}
+    root = Path(analyzers.__file__).parent / "analysis"
+    assert {p.stem for p in root.glob("*.py")} == set(allowed)
+    for path in root.glob("*.py"):
+        siblings = {n.module.split(".")[0] for n in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
+        assert siblings <= allowed[path.stem], (path.stem, siblings)
+
+
+# (a) min-max: any split, merged in any order and grouping, equals one analyzer fed everything -------------------
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    layout=st.sampled_from(sorted(LAYOUTS)),
+    dist=st.sampled_from(["gauss", "heavy", "ints", "positive", "constant", "outlier"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    n=st.integers(1, 9),
+    data=st.data(),
+)
+def test_minmax_merge_is_exact_in_any_order_and_grouping(seed, layout, dist, dtype, n, data):
+    shape, block = LAYOUTS[layout]
+    x = _data(seed, n, dist).to(dtype)
+    batches = _split(x, data.draw(st.lists(st.integers(1, max(1, n - 1)), max_size=n), label="cuts"))
+    single = MinMaxEncodingAnalyzer(shape, block)
+    for b in batches:
+        single.update_stats(b)
+    stats = [MinMaxEncodingAnalyzer(shape, block).collect(b) for b in batches]
+    order = data.draw(st.permutations(range(len(stats))), label="order")
+    merged = _merge_in_tree([stats[i] for i in order], data)
+    assert isinstance(merged, MinMaxStatistics) and merged.min.dtype == torch.float32
+    assert tuple(merged.min.shape) == tuple(merged.max.shape) == shape
+    want = single.statistics()
+    assert torch.equal(merged.min, want.min) and torch.equal(merged.max, want.max)
+    folded = MinMaxEncodingAnalyzer(shape, block)
+    folded.fold(merged)
+    for n_steps, sym in ((255, False), (15, True)):
+        got, ref = folded.compute_encodings(n_steps, sym), single.compute_encodings(n_steps, sym)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    # a process that already holds state (rank 0) folds the others' merged statistics: the same
+    if len(batches) > 1:
+        rank0 = MinMaxEncodingAnalyzer(shape, block)
+        rank0.update_stats(batches[0])
+        rank0.fold(functools.reduce(MinMaxStatistics.merge, stats[:0:-1]))  # the rest, reversed
+        got = rank0.statistics()
+        assert torch.equal(got.min, want.min) and torch.equal(got.max, want.max)
+    # merging made new values: the inputs are untouched
+    for b, s in zip(batches, stats):
+        again = MinMaxEncodingAnalyzer(shape, block).collect(b)
+        assert torch.equal(again.min, s.min) and torch.equal(again.max, s.max)
+
+
+# (b) histograms: two ranks' batch sequences merged in rank order fold to the single-process result, bit for bit --
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    kind=st.sampled_from(["percentile99", "percentile100", "sqnr", "tf_enhanced"]),
+    layout=st.sampled_from(sorted(LAYOUTS)),
+    dist=st.sampled_from(["gauss", "heavy", "ints", "positive", "constant", "outlier"]),
+    nonfinite=st.booleans(),
+    n=st.integers(2, 6),
+    data=st.data(),
+)
+def test_histogram_batches_merged_in_rank_order_fold_bit_exact(seed, kind, layout, dist, nonfinite, n, data):
+    shape, block = LAYOUTS[layout]
+    x = _data(seed, n, dist, nonfinite)
+    batches = _split(x, data.draw(st.lists(st.integers(1, n - 1), min_size=1, max_size=n), label="cuts"))
+    k = data.draw(st.integers(0, len(batches)), label="rank 0 batches")  # rank 0: batches[:k], rank 1: the rest
+    single = _make(kind, shape, block)
+    for b in batches:
+        single.update_stats(b)
+    collected = [_make(kind, shape, block).collect(b) for b in batches]
+    assert all(isinstance(c, HistogramBatches) and len(c.batches) == 1 for c in collected)
+    empty = HistogramBatches(())
+    rank0 = functools.reduce(HistogramBatches.merge, collected[:k], empty)
+    rank1 = _merge_in_tree([empty, *collected[k:]], data)  # any grouping: concatenation is associative
+    merged = merge_statistics(rank0, rank1)
+    assert [b.rows.shape for b in merged.batches] == [c.batches[0].rows.shape for c in collected]
+    folded = _make(kind, shape, block)
+    folded.fold(merged)
+    _assert_same_value(folded.statistics(), single.statistics())
+    _assert_same_encodings(folded, single)
+    # rank 0 folds its own batches as it goes, then the others' in rank order: the same
+    live = _make(kind, shape, block)
+    for b in batches[:k]:
+        live.update_stats(b)
+    live.fold(rank1)
+    _assert_same_value(live.statistics(), single.statistics())
+    _assert_same_encodings(live, single)
+
+
+# (c) folded histograms (and MSE weights) have no exact merge: they raise -----------------------------------------
+@pytest.mark.parametrize("kind", ["percentile99", "sqnr", "tf_enhanced"])
+def test_merging_folded_histograms_raises(kind):
+    x = _data(7, 3, "gauss")
+    a = _make(kind, (8, 1))
+    a.update_stats(x[:2])
+    state = a.statistics()
+    assert isinstance(state, HistogramState) and state.num_bins == a.num_bins
+    pending = _make(kind, (8, 1)).collect(x[2:])
+    for left, right in ((state, state), (state, pending), (pending, state)):
+        with pytest.raises(StatisticsMergeError, match="cannot be merged exactly"):
+            merge_statistics(left, right)
+        with pytest.raises(StatisticsMergeError):
+            type(left).merge(left, right)
+    # a state folds only into an empty analyzer of its kind (it restores that state, exactly)
+    with pytest.raises(StatisticsMergeError):
+        a.fold(state)
+    restored = _make(kind, (8, 1))
+    restored.fold(state)
+    _assert_same_value(restored.statistics(), state)
+    _assert_same_encodings(restored, a)
+    restored.fold(pending)
+    a.fold(pending)
+    _assert_same_encodings(restored, a)  # and goes on exactly as the original would
+    other = SqnrEncodingAnalyzer((8, 1), num_bins=64)
+    with pytest.raises(ValueError, match="does not fit"):
+        other.fold(state)
+
+
+def test_mse_statistics_do_not_merge_and_wrong_values_are_refused():
+    w = _data(3, 1, "gauss")[0]
+    m = MseEncodingAnalyzer((8, 1))
+    s = m.collect(w)
+    assert isinstance(s, MseStatistics) and s.rows.shape == (8, 64) and s.rows.dtype == torch.float32
+    with pytest.raises(StatisticsMergeError, match="meaningless"):
+        merge_statistics(s, s)
+    with pytest.raises(TypeError):
+        MinMaxStatistics.merge(MinMaxEncodingAnalyzer(()).collect(w), s)
+    with pytest.raises(TypeError):
+        HistogramBatches.merge(HistogramBatches(()), s)
+    with pytest.raises(TypeError):
+        merge_statistics(torch.zeros(1), torch.zeros(1))
+    with pytest.raises(TypeError):
+        m.fold(MinMaxEncodingAnalyzer((8, 1)).collect(w))
+    with pytest.raises(ValueError, match="do not fit"):
+        MinMaxEncodingAnalyzer((4, 1)).fold(MinMaxEncodingAnalyzer((8, 1)).collect(w))
+    with pytest.raises(ValueError, match="does not fit"):
+        PercentileEncodingAnalyzer((4, 1)).fold(PercentileEncodingAnalyzer((8, 1)).collect(w))
+    with pytest.raises(ValueError, match="do not fit"):
+        MseEncodingAnalyzer((4, 1)).fold(s)
+    h = SqnrEncodingAnalyzer((8, 1))
+    wrong = HistogramBatch(torch.zeros(3, 5), torch.zeros(3), torch.zeros(3), True)
+    bad = HistogramBatches((*h.collect(w).batches, wrong))
+    with pytest.raises(ValueError):
+        h.fold(bad)
+    assert not h.has_stats()  # every batch is checked before any is folded
+
+
+# (d) update_stats(x) is fold(collect(x)), state for state; collect changes nothing ------------------------------
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    kind=st.sampled_from(["minmax", "percentile99", "sqnr", "tf_enhanced", "mse"]),
+    layout=st.sampled_from(sorted(LAYOUTS)),
+    dist=st.sampled_from(["gauss", "heavy", "ints", "constant"]),
+    nonfinite=st.booleans(),
+    n=st.integers(1, 4),
+)
+def test_update_stats_is_fold_of_collect(seed, kind, layout, dist, nonfinite, n):
+    shape, block = LAYOUTS[layout]
+    x = _data(seed, n, dist, nonfinite and kind != "mse")
+    a = MinMaxEncodingAnalyzer(shape, block) if kind == "minmax" else _make(kind, shape, block)
+    b = MinMaxEncodingAnalyzer(shape, block) if kind == "minmax" else _make(kind, shape, block)
+    assert a.statistics() is None and b.statistics() is None
+    for i in range(n):
+        before = b.statistics()
+        stats = b.collect(x[i])
+        _assert_same_value(b.statistics(), before)  # collecting changes no state
+        ret = a.update_stats(x[i])
+        b.fold(stats)
+        _assert_same_value(a.statistics(), b.statistics())
+        # and update_stats returns the batch's own (min, max), as it did before statistics were values
+        if isinstance(stats, MinMaxStatistics):
+            want = stats.min, stats.max
+        elif isinstance(stats, HistogramBatches):
+            want = stats.batches[0].lo.reshape(shape), stats.batches[0].hi.reshape(shape)
+        else:
+            want = stats.min.reshape(shape), stats.max.reshape(shape)
+        assert torch.equal(_bits(ret[0]), _bits(want[0])) and torch.equal(_bits(ret[1]), _bits(want[1]))
+    snapshot = a.statistics()
+    a.update_stats(x[0] * 3)  # a later fold does not change a value taken before
+    _assert_same_value(snapshot, b.statistics())
+    a.reset_stats()
+    assert a.statistics() is None
