@@ -75,17 +75,11 @@ def _quantized_class(cls: type) -> type:
 
 
 def make_analyzer(q: QuantizerPlan):
-    from ..quant import analyzers
+    from ..quant.analyzers import ANALYZERS, MinMaxEncodingAnalyzer
 
-    cls = {
-        "minmax": analyzers.MinMaxEncodingAnalyzer,
-        "percentile": analyzers.PercentileEncodingAnalyzer,
-        "sqnr": analyzers.SqnrEncodingAnalyzer,
-        "tf_enhanced": analyzers.TfEnhancedEncodingAnalyzer,
-        "mse": analyzers.MseEncodingAnalyzer,
-    }.get(q.analyzer)
+    cls = ANALYZERS.get(q.analyzer)
     if cls is None:  # encodings made elsewhere (imported) need no analyzer to be applied
-        return analyzers.MinMaxEncodingAnalyzer(q.shape, q.block_size)
+        return MinMaxEncodingAnalyzer(q.shape, q.block_size)
     return cls(q.shape, q.block_size, **dict(q.analyzer_args))
 
 
