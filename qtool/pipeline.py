@@ -155,7 +155,8 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     from .weights import WeightSource
 
     exporter = eopts.validate()
-    exporter.check(enc, exporter.options(**asdict(eopts)))
+    options = exporter.options(**asdict(eopts))
+    exporter.check(enc, options)
     hooks.on_stage(f"exporting ({eopts.format})")
     summary: Dict[str, Any] = {"format": eopts.format}
     weights = WeightSource(Path(checkpoint), enc, Path(enc_path).parent, trust_pickle=eopts.trust_pickle)
@@ -164,7 +165,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
         load_model=lambda: load_model(checkpoint, eopts.model_class, "cpu", eopts.trust_pickle,
                                       eopts.trust_remote_code),
         example_batch=_example_batch(eopts))
-    summary.update(exporter.write(request, exporter.options(**asdict(eopts))))
+    summary.update(exporter.write(request, options))
     # the tensor names go into model.encodings; a format without it keeps them in its summary (and manifest)
     names = summary.pop("names", {}) if exporter.aimet_json != "never" else summary.get("names", {})
     summary["export_warnings"] = summary.pop("warnings", [])

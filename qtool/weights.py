@@ -44,7 +44,6 @@ def write_codes(path: Path, entries: List[EncodingEntry], codes: Dict[str, torch
     """Write stored codes (quantizer name -> integer tensor) and replaced float tensors (checkpoint name ->
     tensor) to ``path``; each code tensor is checked against its entry's grid first."""
     by_name = {e.name: e for e in entries}
-    decl = []
     tensors: Dict[str, torch.Tensor] = {}
     for name in sorted(codes):
         e = by_name.get(name)

@@ -111,8 +111,7 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
         from .streaming import calibrate_weights_streaming
 
         device = resolve_device(opts.device)
-        hooks.on_plan(plan)
-        data = _data(opts, plan, None, type(skeleton).__name__.endswith("ForCausalLM"), hooks)
+        hooks.on_plan(plan)  # streaming means no --data and a weight-only plan: there is no data to read
         hooks.on_stage("calibrating")
         stream = SidecarStream(sidecar, [(q.name, tuple(q.shape)) for q in plan.weights])
         try:
@@ -121,7 +120,7 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
             stream.abort()
             raise
         stream.close()
-        return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", data, [])
+        return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", None, [])
     from ..model.insert import insert_quantizers
     from ..model.load import load_model
     from .in_memory import calibrate
