@@ -8,10 +8,13 @@ from typing import Sequence
 
 from .errors import UsageError
 
-__all__ = ["AIMET_VERSIONS", "CT_EIGHT_BIT_FORMATS", "DEVICES", "check_choice", "check_device"]
+__all__ = ["AIMET_VERSIONS", "CT_EIGHT_BIT_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_FALLBACKS", "DEVICES", "SCALE_DTYPES", "check_choice", "check_device",
+           "check_scale_dtype"]
 
 AIMET_VERSIONS = ("0.6.1", "1.0.0", "2.0.0")  # the AIMET encodings versions qtool writes
 CT_EIGHT_BIT_FORMATS = ("int-quantized", "pack-quantized")
+GGUF_FLOAT_TYPES = ("f32", "f16")  # --gguf-float: tensors a recipe leaves float
+GGUF_FALLBACKS = ("none", "f32", "f16")  # --gguf-fallback: quantized weights with no GGUF block type
 DEVICES = ("cpu", "cuda", "auto")  # and cuda:N
 _DEVICE = re.compile(r"(cpu|cuda|auto|cuda:\d{1,3})")
 
@@ -26,3 +29,22 @@ def check_device(value: str) -> str:
     if not isinstance(value, str) or not _DEVICE.fullmatch(value):
         raise UsageError(f"--device must be cpu, cuda or auto (or cuda:N; got {str(value)[:40]!r})")
     return value
+
+
+SCALE_DTYPES = ("float32", "float16")
+
+
+def check_scale_dtype(scale_dtype: str, bitwidth: int, symmetric: bool) -> None:
+    """Raise ``ValueError`` unless ``scale_dtype`` can be honoured exactly on this grid.
+
+    float16 scales keep every code's value ``(q + offset) * scale`` exact in float32 for a symmetric grid up to
+    8 bits; an asymmetric one also needs ``offset * scale`` (the grid's minimum) to be a float16 value, which a
+    search of a few float16 steps always finds for 4 bits or fewer.
+    """
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)} (got {str(scale_dtype)[:40]!r})")
+    if scale_dtype == "float16":
+        limit = 8 if symmetric else 4
+        if bitwidth > limit:
+            kind = "symmetric" if symmetric else "asymmetric"
+            raise ValueError(f"scale_dtype float16 supports {kind} grids up to {limit} bits (got {bitwidth})")

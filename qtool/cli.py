@@ -214,9 +214,11 @@ def _opts(**kw):
 
 
 def _check_early(recipe: Optional[str] = None, device: Optional[str] = None, format: Optional[str] = None,
-                 encoding_version: Optional[str] = None, ct_8bit_format: Optional[str] = None) -> None:
+                 encoding_version: Optional[str] = None, ct_8bit_format: Optional[str] = None,
+                 gguf_float: Optional[str] = None, gguf_fallback: Optional[str] = None) -> None:
     """Every choice and the recipe, checked before torch or a model is loaded (a typo costs no calibration)."""
-    from .choices import AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, check_choice, check_device
+    from .choices import (AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, GGUF_FALLBACKS, GGUF_FLOAT_TYPES, check_choice,
+                          check_device)
     from .export import format_names
 
     if format is not None:
@@ -225,6 +227,10 @@ def _check_early(recipe: Optional[str] = None, device: Optional[str] = None, for
         check_choice("--encoding-version", encoding_version, AIMET_VERSIONS)
     if ct_8bit_format is not None:
         check_choice("--ct-8bit-format", ct_8bit_format, CT_EIGHT_BIT_FORMATS)
+    if gguf_float is not None:
+        check_choice("--gguf-float", gguf_float, GGUF_FLOAT_TYPES)
+    if gguf_fallback is not None:
+        check_choice("--gguf-fallback", gguf_fallback, GGUF_FALLBACKS)
     if device is not None:
         check_device(device)
     if recipe is not None:
@@ -298,6 +304,12 @@ _NO_PACK = typer.Option(False, "--no-pack", help="Store sub-byte codes one per b
 _CT8 = typer.Option("int-quantized", "--ct-8bit-format",
                     help="compressed-tensors layout of 8-bit weights: int-quantized or pack-quantized (vLLM).")
 
+_GGUF_FLOAT = typer.Option("f32", "--gguf-float", help="gguf: dtype of the 2-D tensors the recipe leaves float: "
+                           "f32 (exactly what qtool's model computes with) or f16.",
+                           autocompletion=_complete(("f32", "f16")))
+_GGUF_FALLBACK = typer.Option("none", "--gguf-fallback", help="gguf: a quantized weight with no GGUF type "
+                              "(Q8_0/Q4_0/Q4_1) is refused (none) or written as its fake-quant values in f32/f16.",
+                              autocompletion=_complete(("none", "f32", "f16")))
 _SHARD = typer.Option("5GB", "--max-shard-size",
                       help="qtool format: largest output shard, e.g. 5GB, 500MB, 2GiB; 0 or none: one file.")
 
@@ -325,6 +337,8 @@ def export(
     seq_len: int = _SEQ,
     no_pack: bool = _NO_PACK,
     ct_8bit_format: str = _CT8,
+    gguf_float: str = _GGUF_FLOAT,
+    gguf_fallback: str = _GGUF_FALLBACK,
     max_shard_size: str = _SHARD,
     model_class: Optional[str] = _MODEL_CLASS,
     trust_pickle: bool = _TRUST_PICKLE,
@@ -336,13 +350,15 @@ def export(
 ) -> None:
     """Write the quantized model in FORMAT plus AIMET encodings (model.encodings) and a manifest."""
     with _errors(debug, json_out), _Progress(quiet) as p:
-        _check_early(format=format, encoding_version=encoding_version, ct_8bit_format=ct_8bit_format)
+        _check_early(format=format, encoding_version=encoding_version, ct_8bit_format=ct_8bit_format,
+                     gguf_float=gguf_float, gguf_fallback=gguf_fallback)
         from .pipeline import run_export
 
         summary = run_export(checkpoint, encodings, out, _eopts(
             format=format, encoding_version=encoding_version, trust_pickle=trust_pickle, model_class=model_class,
             trust_remote_code=trust_remote_code, data=data, seq_len=seq_len, pack=not no_pack,
-            ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size)), overwrite, p.hooks())
+            ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size), gguf_float=gguf_float,
+            gguf_fallback=gguf_fallback), overwrite, p.hooks())
     _report_files(summary, quiet)
     if json_out:
         _emit_json({"ok": True, **summary})
@@ -368,6 +384,8 @@ def quantize(
     encoding_version: str = _ENC_VERSION,
     no_pack: bool = _NO_PACK,
     ct_8bit_format: str = _CT8,
+    gguf_float: str = _GGUF_FLOAT,
+    gguf_fallback: str = _GGUF_FALLBACK,
     max_shard_size: str = _SHARD,
     overwrite: bool = _OVERWRITE,
     json_out: bool = _JSON,
@@ -376,7 +394,7 @@ def quantize(
 ) -> None:
     """Calibrate and export in one call."""
     with _errors(debug, json_out), _Progress(quiet) as p:
-        _check_early(config, device, format, encoding_version, ct_8bit_format)
+        _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback)
         from .pipeline import run_quantize
 
         summary = run_quantize(checkpoint, config, out, _opts(
@@ -384,7 +402,8 @@ def quantize(
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
             allow_unmatched=allow_unmatched, sequential=sequential), overwrite, p.hooks(),
             _eopts(format=format, encoding_version=encoding_version, seq_len=seq_len, pack=not no_pack,
-                   ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size)))
+                   ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size),
+                   gguf_float=gguf_float, gguf_fallback=gguf_fallback))
     _report_files(summary, quiet)
     if json_out:
         _emit_json({"ok": True, **summary})
@@ -523,8 +542,8 @@ def import_encodings(
 
 @app.command()
 def inspect(
-    path: str = typer.Argument(..., help="A qtool output directory or file, an AIMET encodings file, or a "
-                                         "compressed-tensors model directory."),
+    path: str = typer.Argument(..., help="A qtool output directory or file, an AIMET encodings file, a "
+                                         "compressed-tensors model directory, or a GGUF file."),
     json_out: bool = _JSON,
     debug: bool = _DEBUG,
 ) -> None:
@@ -550,6 +569,8 @@ def inspect(
         lines.append(f"size: {tot['bytes']:,} bytes; float32 {tot['float32_bytes']:,} "
                      f"({tot['ratio_vs_float32']:.2f}x smaller); float16 {tot['float16_bytes']:,} "
                      f"({tot['ratio_vs_float16']:.2f}x smaller)")
+    for key, value in (report.get("metadata") or {}).items():
+        lines.append(f"{key}: {value}")
     for line in lines:
         con.print(line)
 

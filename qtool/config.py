@@ -99,6 +99,8 @@ class _Spec(BaseModel):
     granularity: GranularityName = "per_tensor"
     block_size: Optional[int] = Field(None, gt=0)
     analyzer: AnalyzerSpec = AnalyzerSpec()
+    # float16: scales rounded to float16 values when calibrated (GGUF stores them so; see docs/recipes.md)
+    scale_dtype: Literal["float32", "float16"] = "float32"
 
     _normalize_analyzer = field_validator("analyzer", mode="before")(lambda cls, v: _analyzer(v))
 
@@ -108,6 +110,9 @@ class _Spec(BaseModel):
             raise ValueError("granularity per_block needs block_size")
         if self.granularity != "per_block" and self.block_size is not None:
             raise ValueError(f"block_size is only used with granularity per_block (got {self.granularity})")
+        from .choices import check_scale_dtype
+
+        check_scale_dtype(self.scale_dtype, self.bitwidth, self.symmetric)
         return self
 
 
@@ -289,13 +294,14 @@ class QuantizerPlan:
     analyzer: str
     rule: Optional[int] = None  # index of the last layers entry that shaped it (None: defaults)
     analyzer_args: Tuple[Tuple[str, Any], ...] = ()
+    scale_dtype: str = "float32"
 
     def __post_init__(self):
         from .quant.spec import QuantSpec
 
         try:
             spec = QuantSpec(self.bitwidth, self.symmetric, self.granularity, self.shape, self.block_size,
-                             self.analyzer_label)
+                             self.analyzer_label, self.scale_dtype)
         except ValueError as e:
             raise ConfigError(f"{self.name}: {e}") from None
         object.__setattr__(self, "granularity", spec.granularity)
@@ -417,7 +423,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 plan.quantizers.append(QuantizerPlan(
                     f"{name}.weight", name, tname, "weight", w_spec.bitwidth, w_spec.symmetric,
                     w_spec.granularity, shape, block, w_spec.analyzer.name, rule_w,
-                    tuple(w_spec.analyzer.kwargs().items())))
+                    tuple(w_spec.analyzer.kwargs().items()), w_spec.scale_dtype))
         if a_spec is not None:
             for tensor, on in (("input", a_spec.inputs and tname not in _INTEGER_INPUT_TYPES),
                                ("output", a_spec.outputs)):
@@ -425,7 +431,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                     plan.quantizers.append(QuantizerPlan(
                         f"{name}.{tensor}", name, tname, tensor, a_spec.bitwidth, a_spec.symmetric,
                         "per_tensor", (), None, a_spec.analyzer.name, rule_a,
-                        tuple(a_spec.analyzer.kwargs().items())))
+                        tuple(a_spec.analyzer.kwargs().items()), a_spec.scale_dtype))
     for i, ok in enumerate(used):
         if not ok and not recipe.layers[i].optional:
             rule = recipe.layers[i]

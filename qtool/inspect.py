@@ -1,7 +1,8 @@
 """``qtool inspect``: what a quantized artifact holds, as data (the CLI draws the table).
 
 Understands qtool's integer safetensors (a file or an export directory), qtool's ``encodings.json``, AIMET
-encodings files, compressed-tensors model directories, and plain safetensors files.
+encodings files, compressed-tensors model directories, GGUF files (any, not only qtool's), and plain safetensors
+files.
 """
 
 from __future__ import annotations
@@ -175,6 +176,42 @@ def _encodings_listing(path: Path, obj: Dict[str, Any]) -> Dict[str, Any]:
     return {"kind": kind, "path": str(path), "tensors": rows, "totals": _totals(rows, None)}
 
 
+# GGUF block types: bits per weight code, and whether the block carries a minimum (asymmetric)
+_GGUF_BITS = {"Q8_0": 8, "Q8_1": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5}
+_GGUF_META = ("general.architecture", "general.name", "general.file_type", "general.quantization_version")
+
+
+def _gguf_file(path: Path) -> Dict[str, Any]:
+    """Tensor types, shapes and sizes plus the model metadata of a GGUF file (memory-mapped; no data is read)."""
+    try:
+        import gguf
+    except ImportError:
+        raise UsageError(f"{path}: reading GGUF needs the gguf package (pip install 'qtool[gguf]')") from None
+    try:
+        reader = gguf.GGUFReader(path)
+        rows, numels = [], []
+        for t in reader.tensors:
+            kind = t.tensor_type.name
+            shape = [int(d) for d in reversed(t.shape.tolist())]  # ggml lists the contiguous dimension first
+            quantized = kind not in ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
+            block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
+            rows.append(_row(t.name, kind, _GGUF_BITS.get(kind, 16 if kind in ("F16", "BF16") else None),
+                             f"per_block {block}" if quantized else None, shape, int(t.n_bytes), quantized))
+            numels.append(_numel(shape))
+        meta: Dict[str, Any] = {}
+        for key, field in reader.fields.items():
+            if key in _GGUF_META or (key.startswith(str(meta.get("general.architecture", "?")) + ".")) or key in (
+                    "tokenizer.ggml.model", "tokenizer.ggml.pre"):
+                value = field.contents()
+                meta[key] = value if not isinstance(value, list) else f"[{len(value)} values]"
+        if "tokenizer.ggml.tokens" in reader.fields:
+            meta["tokenizer.ggml.tokens"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    except (ValueError, KeyError, IndexError, OSError, TypeError) as e:
+        raise UsageError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") from None
+    return {"kind": f"GGUF v{int(reader.fields['GGUF.version'].contents())}", "path": str(path), "tensors": rows,
+            "totals": _totals(rows, numels), "metadata": meta}
+
+
 def inspect_path(path: str | Path) -> Dict[str, Any]:
     p = Path(path)
     if not p.exists():
@@ -186,11 +223,16 @@ def inspect_path(path: str | Path) -> Dict[str, Any]:
                 return _compressed_tensors_dir(p, cfg)
         if (p / "model.safetensors").exists():
             return inspect_path(p / "model.safetensors")
+        if (p / "model.gguf").exists():
+            return inspect_path(p / "model.gguf")
         if (p / "model.safetensors.index.json").exists():
             return inspect_path(p / "model.safetensors.index.json")
         if (p / "encodings.json").exists():
             return inspect_path(p / "encodings.json")
-        raise UsageError(f"{p}: no model.safetensors, encodings.json or compressed-tensors config.json here")
+        raise UsageError(f"{p}: no model.safetensors, model.gguf, encodings.json or compressed-tensors config.json "
+                         "here")
+    if p.suffix == ".gguf":
+        return _gguf_file(p)
     if p.suffix == ".safetensors":
         header = _header(p)
         if header.get("__metadata__", {}).get("format") == "qtool.int":

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import __version__
 from .calibration import CalibrateOptions, calibrate_checkpoint
-from .choices import AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, check_choice
+from .choices import AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, GGUF_FALLBACKS, GGUF_FLOAT_TYPES, check_choice
 from .config import Plan, load_recipe, resolve_plan
 from .data import load_data
 from .encodings import SIDECAR, EncodingsFile
@@ -118,12 +118,16 @@ class ExportOptions:
     pack: bool = True  # sub-byte codes packed densely in qtool's format
     ct_eight_bit_format: str = "int-quantized"  # or pack-quantized (what vLLM's weight-only path runs)
     max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES  # qtool format; None: one file
+    gguf_float: str = "f32"  # gguf: dtype of tensors the recipe leaves float
+    gguf_fallback: str = "none"  # gguf: weights with no GGUF type are refused, or written as f32/f16 values
 
     def validate(self):
         """The exporter for ``format``, after checking every choice-valued option (no work done yet)."""
         check_choice("--format", self.format, format_names())
         check_choice("--encoding-version", self.encoding_version, AIMET_VERSIONS)
         check_choice("--ct-8bit-format", self.ct_eight_bit_format, CT_EIGHT_BIT_FORMATS)
+        check_choice("--gguf-float", self.gguf_float, GGUF_FLOAT_TYPES)
+        check_choice("--gguf-fallback", self.gguf_fallback, GGUF_FALLBACKS)
         return get_exporter(self.format)
 
 
@@ -156,6 +160,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
 
     exporter = eopts.validate()
     options = exporter.options(**asdict(eopts))
+    exporter.check_checkpoint(Path(checkpoint))
     exporter.check(enc, options)
     hooks.on_stage(f"exporting ({eopts.format})")
     summary: Dict[str, Any] = {"format": eopts.format}
@@ -259,8 +264,18 @@ def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOpt
                     trust_remote_code=opts.trust_remote_code, seq_len=opts.seq_len)
     eopts.data = eopts.data or opts.data
     exporter = eopts.validate()  # a bad --format fails here, before any calibration
+    options = exporter.options(**asdict(eopts))
     load_recipe(recipe_path)
     check_output_dir(Path(out), overwrite)
+    exporter.check_checkpoint(Path(checkpoint))
+    on_plan = hooks.on_plan
+
+    def check_plan(plan):  # a plan the format cannot write fails before calibration, not after it
+        exporter.check_quantizers(plan.quantizers, options)
+        on_plan(plan)
+
+    hooks = Hooks(on_plan=check_plan, on_batch=hooks.on_batch, on_tensor=hooks.on_tensor, on_stage=hooks.on_stage,
+                  on_block=hooks.on_block)
     with atomic_output_dir(Path(out), overwrite) as tmp:
         calib_dir = tmp / "calibration"
         calib_dir.mkdir()

@@ -133,6 +133,9 @@ class WeightSource:
         return sorted(self._floats)
 
     # ---- codes ------------------------------------------------------------------------------------------------
+    def has_stored_codes(self, e: EncodingEntry) -> bool:
+        return e.name in self._codes
+
     def stored_codes(self, e: EncodingEntry, shape) -> Optional[torch.Tensor]:
         """``e``'s stored codes (int64, checked against ``shape`` and the grid), or None where none are stored."""
         key = self._codes.get(e.name)

@@ -51,8 +51,17 @@ class Exporter:
         fields = {f.name for f in dataclasses.fields(self.Options)}
         return self.Options(**{k: v for k, v in flags.items() if k in fields})
 
+    def check_checkpoint(self, checkpoint: Path) -> None:
+        """Refuse a checkpoint this format cannot describe (e.g. an architecture it has no layout for), before
+        calibration or writing (default: any)."""
+
     def check(self, encodings: EncodingsFile, options: "Exporter.Options") -> None:
         """Refuse encodings this format cannot express, before any file is written (default: all fit)."""
+        self.check_quantizers(encodings.entries, options)
+
+    def check_quantizers(self, quantizers, options: "Exporter.Options") -> None:
+        """Refuse quantizers (encodings entries, or plan rows before calibration: each has ``name``, ``tensor``
+        and ``spec``) this format cannot express (default: all fit)."""
 
     def write(self, request: ExportRequest, options: "Exporter.Options") -> Dict[str, Any]:
         raise NotImplementedError  # pragma: no cover - interface

@@ -85,7 +85,7 @@ def make_analyzer(q: QuantizerPlan):
 
 def make_quantizer(q: QuantizerPlan, device=None) -> QuantizerBase:
     quantizer = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric, encoding_analyzer=make_analyzer(q),
-                                   block_size=q.block_size)
+                                   block_size=q.block_size, scale_dtype=q.scale_dtype)
     return quantizer.to(device) if device is not None else quantizer
 
 

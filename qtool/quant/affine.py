@@ -31,6 +31,7 @@ __all__ = [
     "quantize_dequantize",
     "min_max_to_scale_offset",
     "adjust_min_max",
+    "snap_to_float16_scale",
 ]
 
 FLOAT32_EPS = float(torch.finfo(torch.float32).eps)  # 1.1920929e-07
@@ -334,3 +335,44 @@ def min_max_to_scale_offset(
     else:
         offset = torch.clamp(round_ste(min / scale) - qmin, -qmax, -qmin)
     return scale, offset
+
+
+# --------------------------------------------------------------------------------------------------------------
+# float16 scales (GGUF stores its block scales, and Q4_1 its block minimum, as float16)
+# --------------------------------------------------------------------------------------------------------------
+_F16_WINDOW = 8  # float16 steps searched each side for an asymmetric grid whose origin is a float16 value
+
+
+def snap_to_float16_scale(min: torch.Tensor, max: torch.Tensor, qmin: int, qmax: int, symmetric: bool):
+    """A stored ``(min, max)`` whose derived scale is a float16 value (and, asymmetric, whose ``offset * scale``
+    is one too), close to the given range. Round-trip exact: ``min_max_to_scale_offset`` of the result gives
+    that float16 scale and an integer offset. Raises ``ValueError`` where a scale exceeds float16's range.
+
+    Symmetric: the scale is rounded to the nearest float16 value. Asymmetric: the nearest float16 scale within
+    a few float16 steps for which ``round(min / scale) * scale`` is a float16 value.
+    """
+    n = qmax - qmin
+    lo, hi = min.detach().to(torch.float32), max.detach().to(torch.float32)
+    scale, offset = min_max_to_scale_offset(lo, hi, qmin, qmax, symmetric)
+    floor = _min_scale(n)
+    d = scale.to(torch.float16).to(torch.float32)
+    if not torch.isfinite(d).all():
+        raise ValueError(f"a scale of {float(scale.max()):.6g} is beyond float16's largest value (65504)")
+    d = torch.where(d < floor, torch.full_like(d, floor), d)
+    if symmetric:
+        pos, neg = n // 2, math.ceil(n / 2)
+        return -neg * d, pos * d
+    bits = d.to(torch.float16).view(torch.int16).to(torch.int32)
+    steps = torch.arange(-_F16_WINDOW, _F16_WINDOW + 1, dtype=torch.int32)
+    steps = steps[torch.argsort(steps.abs() * 2 - (steps > 0).to(torch.int32), stable=True)]  # 0, 1, -1, 2, ...
+    cand = (bits.unsqueeze(-1) + steps).clamp(1, 0x7BFF).to(torch.int16).view(torch.float16).to(torch.float32)
+    cand = torch.where(cand < floor, torch.full_like(cand, floor), cand)
+    off = torch.clamp(torch.round(lo.unsqueeze(-1) / cand) - qmin, -qmax, -qmin)
+    origin = off * cand
+    ok = origin.to(torch.float16).to(torch.float32) == origin
+    if not ok.any(-1).all():  # cannot happen for <= 4 bits: one of 17 consecutive float16 values ends in 4 zero bits
+        raise ValueError("no float16 scale near the range puts the grid's minimum on a float16 value")
+    pick = ok.to(torch.int8).argmax(-1, keepdim=True)
+    d = cand.gather(-1, pick).squeeze(-1)
+    o = off.gather(-1, pick).squeeze(-1)
+    return (o + qmin) * d, (o + qmax) * d

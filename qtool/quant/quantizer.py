@@ -18,7 +18,15 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .affine import grid, min_max_to_scale_offset, quantize, quantize_dequantize, resolve_block_size
+from ..choices import check_scale_dtype
+from .affine import (
+    grid,
+    min_max_to_scale_offset,
+    quantize,
+    quantize_dequantize,
+    resolve_block_size,
+    snap_to_float16_scale,
+)
 from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer
 from .tensor import AffineEncoding, DequantizedTensor, QuantizedTensor
 
@@ -37,6 +45,7 @@ class QuantizerBase(nn.Module):
         symmetric: bool,
         encoding_analyzer: Optional[EncodingAnalyzer] = None,
         block_size: Optional[Sequence[int]] = None,
+        scale_dtype: str = "float32",
     ):
         super().__init__()
         shape = tuple(int(d) for d in shape)
@@ -49,6 +58,8 @@ class QuantizerBase(nn.Module):
             if len(block_size) != len(shape):
                 raise ValueError(f"block_size {block_size} must have one entry per encoding dim {shape}")
         self.block_size = block_size
+        check_scale_dtype(scale_dtype, self.bitwidth, self.symmetric)
+        self.scale_dtype = scale_dtype  # "float16": calibrated ranges are snapped to float16 scales
         self.encoding_analyzer = encoding_analyzer or MinMaxEncodingAnalyzer(shape, block_size)
         self.min = nn.Parameter(torch.zeros(shape))
         self.max = nn.Parameter(torch.zeros(shape))
@@ -115,6 +126,8 @@ class QuantizerBase(nn.Module):
         self._calibrating = False
         if self.encoding_analyzer.has_stats():
             mn, mx = self.encoding_analyzer.compute_encodings(self.qmax - self.qmin, self.symmetric)
+            if self.scale_dtype == "float16":
+                mn, mx = snap_to_float16_scale(mn, mx, self.qmin, self.qmax, self.symmetric)
             with torch.no_grad():
                 self.min.copy_(mn.to(self.min.device))
                 self.max.copy_(mx.to(self.max.device))
@@ -140,6 +153,7 @@ class QuantizerBase(nn.Module):
         return (
             f"shape={self.shape}, bitwidth={self.bitwidth}, symmetric={self.symmetric}"
             + (f", block_size={self.block_size}" if self.block_size is not None else "")
+            + (f", scale_dtype={self.scale_dtype}" if self.scale_dtype != "float32" else "")
         )
 
 

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+from ..choices import check_scale_dtype
 from .affine import grid
 
 __all__ = ["Granularity", "QuantSpec", "axis_and_block", "MIN_BITWIDTH", "MAX_BITWIDTH"]
@@ -51,8 +52,9 @@ def axis_and_block(granularity: Granularity, shape: Sequence[int],
 class QuantSpec:
     """One quantizer: its integer grid (``bitwidth``, ``symmetric``), its granularity and encoding ``shape``
     (``()`` per tensor, ``(out, 1, ...)`` per channel, ``(out, in/B, ...)`` per block) with the per-dimension
-    ``block_size`` of a blocked one, and the analyzer that chose (or will choose) its range. Raises ``ValueError``
-    on any inconsistency."""
+    ``block_size`` of a blocked one, the analyzer that chose (or will choose) its range, and the dtype its scales
+    are rounded to (``float16`` for formats that store them so, e.g. GGUF). Raises ``ValueError`` on any
+    inconsistency."""
 
     bitwidth: int
     symmetric: bool
@@ -60,6 +62,7 @@ class QuantSpec:
     shape: Tuple[int, ...]
     block_size: Optional[Tuple[int, ...]] = None
     analyzer: str = "minmax"
+    scale_dtype: str = "float32"
 
     def __post_init__(self):
         if isinstance(self.bitwidth, bool) or not isinstance(self.bitwidth, int):
@@ -73,6 +76,7 @@ class QuantSpec:
         except ValueError:
             raise ValueError(f"granularity must be one of {', '.join(g.value for g in Granularity)} "
                              f"(got {str(self.granularity)[:40]!r})") from None
+        check_scale_dtype(self.scale_dtype, self.bitwidth, self.symmetric)
         shape = tuple(int(d) for d in self.shape)
         if any(d < 1 for d in shape):
             raise ValueError(f"shape {list(shape)} has a dimension below 1")

@@ -1,0 +1,286 @@
+"""``--format gguf``: one ``model.gguf`` that llama.cpp (and Ollama, LM Studio, llama-cpp-python) runs.
+
+qtool's blockwise grids are GGUF's legacy block types when the block is 32 along the input dimension:
+
+* 8-bit symmetric -> ``Q8_0``: per block an fp16 ``d`` and 32 int8 codes; value ``q * d``;
+* 4-bit symmetric -> ``Q4_0``: fp16 ``d`` and 16 bytes, byte ``j`` holding element ``j`` in its low nibble and
+  element ``j + 16`` in its high one; value ``(nibble - 8) * d``;
+* 4-bit asymmetric -> ``Q4_1``: fp16 ``d``, fp16 ``m`` and 16 bytes of nibbles; value ``nibble * d + m``, so
+  ``d`` is qtool's scale and ``m = offset * scale``.
+
+The codes come from the weight source (round-to-nearest, or stored codes of a rounding algorithm). GGUF keeps
+``d`` and ``m`` as float16: with ``scale_dtype: float16`` in the recipe (``configs/gguf-*.yaml``) they are float16
+values already and every dequantized weight equals qtool's fake-quant weight bit for bit; otherwise they are
+rounded and the summary states the largest change to a weight. Tensors the recipe leaves float are written F32
+(``--gguf-float f16`` for F16; 1-D tensors stay F32, as llama.cpp needs); a quantized weight with no GGUF type is
+refused, naming it, unless ``--gguf-fallback f16|f32`` writes its fake-quant values as floats instead.
+
+Tied embeddings: llama.cpp uses ``token_embd`` as the output matrix when the file has no ``output.weight``; it is
+written only when the output layer's numbers differ from the embedding table's (a recipe quantizing one but not
+the other). Memory: one tensor at a time (two passes over the checkpoint: sizes, then data).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..choices import GGUF_FALLBACKS, GGUF_FLOAT_TYPES, check_choice
+from ..encodings import EncodingEntry
+from ..errors import CheckpointError, EncodingsError
+from ..quant.spec import Granularity
+from .base import Exporter, ExportRequest
+from .gguf_model import GgufModel, permute_rows, read_gguf_model
+
+__all__ = ["GgufExporter", "EXPORTER", "gguf_type", "pack_blocks", "GGUF_NAME"]
+
+GGUF_NAME = "model.gguf"
+BLOCK = 32
+# (bitwidth, symmetric) -> GGUF block type name, for blocks of 32 along the input dimension
+_TYPES = {(8, True): "Q8_0", (4, True): "Q4_0", (4, False): "Q4_1"}
+_FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "F16": "MOSTLY_F16",
+               "F32": "ALL_F32"}
+_MAPS = "8-bit symmetric -> Q8_0, 4-bit symmetric -> Q4_0, 4-bit asymmetric -> Q4_1, all per_block 32"
+
+
+def gguf_type(e) -> Optional[str]:
+    """The GGUF block type that holds weight quantizer ``e`` (an encodings entry or a plan row) exactly, or
+    None."""
+    spec = e.spec
+    if e.tensor != "weight" or spec.granularity is not Granularity.PER_BLOCK or len(spec.shape) != 2:
+        return None
+    if spec.axis_and_block() != (1, BLOCK):
+        return None
+    return _TYPES.get((spec.bitwidth, spec.symmetric))
+
+
+def _describe(e) -> str:
+    spec = e.spec
+    kind = "symmetric" if spec.symmetric else "asymmetric"
+    gran = (f"per_block {spec.axis_and_block()[1]} along dim {spec.axis_and_block()[0]}"
+            if spec.granularity is Granularity.PER_BLOCK else str(spec.granularity))
+    return f"{spec.bitwidth}-bit {kind} {gran}"
+
+
+def pack_blocks(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qtype: str
+                ) -> Tuple[np.ndarray, torch.Tensor]:
+    """GGUF blocks of ``codes`` (``[rows, cols]`` integers on the grid) with their ``[rows, cols / 32]`` scale and
+    offset: a ``uint8`` array ``[rows, cols / 32 * bytes_per_block]``, and the values llama.cpp reads back
+    (float32, ``[rows, cols]``) computed as ggml dequantizes them."""
+    rows, cols = codes.shape
+    nb = cols // BLOCK
+    q = codes.reshape(rows, nb, BLOCK).to(torch.int32)
+    d16 = scale.reshape(rows, nb).to(torch.float16)
+    d = d16.to(torch.float32).unsqueeze(-1)
+    parts = [d16.contiguous().view(torch.uint8).reshape(rows, nb, 2)]
+    if qtype == "Q8_0":
+        parts.append(q.to(torch.int8).view(torch.uint8))
+        values = q.to(torch.float32) * d
+    else:
+        nibbles = (q + 8 if qtype == "Q4_0" else q).to(torch.uint8)
+        if qtype == "Q4_1":
+            m16 = (offset.reshape(rows, nb).to(torch.float32) * scale.reshape(rows, nb).to(torch.float32)
+                   ).to(torch.float16)
+            parts.append(m16.contiguous().view(torch.uint8).reshape(rows, nb, 2))
+            values = nibbles.to(torch.float32) * d + m16.to(torch.float32).unsqueeze(-1)
+        else:
+            values = (nibbles.to(torch.float32) - 8) * d
+        parts.append(nibbles[..., : BLOCK // 2] | (nibbles[..., BLOCK // 2:] << 4))
+    blocks = torch.cat(parts, dim=-1).reshape(rows, -1)
+    return blocks.numpy(), values.reshape(rows, cols)
+
+
+@dataclass
+class _Item:
+    """One GGUF tensor: where its numbers come from and how it is stored."""
+
+    name: str  # GGUF tensor name
+    key: str  # checkpoint tensor
+    kind: str  # "Q8_0" / "Q4_0" / "Q4_1" / "F32" / "F16"
+    entry: Optional[EncodingEntry] = None  # quantized (or fallen back): its encoding
+    heads: Optional[int] = None  # rows permuted for llama.cpp's rotary layout
+
+
+class GgufExporter(Exporter):
+    name = "gguf"
+    aimet_json = "never"  # GGUF holds its own quantization (block types and scales)
+    lazy_encodings = True
+
+    @dataclass
+    class Options:
+        gguf_float: str = "f32"  # tensors the recipe leaves float (2-D ones; 1-D stay F32)
+        gguf_fallback: str = "none"  # quantized weights with no GGUF type: refuse, or write their values as f32/f16
+
+    def check_checkpoint(self, checkpoint: Path) -> None:
+        model = read_gguf_model(checkpoint)
+        if not (model.directory / "tokenizer.json").is_file():
+            raise CheckpointError(f"{model.directory}: GGUF export needs the tokenizer (tokenizer.json); save it "
+                                  "with tokenizer.save_pretrained() beside the model")
+
+    def check_quantizers(self, quantizers, options: "GgufExporter.Options") -> None:
+        check_choice("--gguf-float", options.gguf_float, GGUF_FLOAT_TYPES)
+        check_choice("--gguf-fallback", options.gguf_fallback, GGUF_FALLBACKS)
+        quantizers = list(quantizers)
+        acts = [e.name for e in quantizers if e.tensor != "weight"]
+        if acts:
+            raise EncodingsError(f"GGUF holds weights only (llama.cpp quantizes activations itself): "
+                                 f"{len(acts)} activation quantizer(s) such as {acts[0]!r}; calibrate with a "
+                                 f"weight-only recipe (e.g. configs/gguf-q4_0.yaml)")
+        if options.gguf_fallback == "none":
+            for e in quantizers:
+                if gguf_type(e) is None:
+                    raise EncodingsError(f"{e.name}: {_describe(e)} has no GGUF type ({_MAPS}); use a recipe such "
+                                         f"as configs/gguf-q4_0.yaml, or --gguf-fallback f16 to write it as floats")
+
+    def write(self, request: ExportRequest, options: "GgufExporter.Options") -> Dict[str, Any]:
+        import gguf
+
+        model = read_gguf_model(request.checkpoint)
+        src = request.weights
+        items, names = _plan(model, src, request.encodings.entries, options)
+        embed_rows = next((src.shape_dtype(i.key)[0][0] for i in items if i.name == "token_embd.weight"), None)
+        if embed_rows is None:
+            raise EncodingsError(f"{request.checkpoint}: no embedding table (model.embed_tokens.weight)")
+
+        counts = Counter(i.kind for i in items if i.entry is not None and gguf_type(i.entry) == i.kind)
+        main = counts.most_common(1)[0][0] if counts else ("F16" if options.gguf_float == "f16" else "F32")
+        path = Path(request.out_dir) / GGUF_NAME
+        writer = gguf.GGUFWriter(path, model.arch)
+        warnings = model.add_metadata(writer, int(getattr(gguf.LlamaFileType, _FILE_TYPES[main])), int(embed_rows))
+        for item in items:
+            shape, _ = src.shape_dtype(item.key)
+            writer.add_tensor_info(item.name, *_info(item.kind, tuple(shape)))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+
+        deviation, fallen, total = 0.0, [], len(items)
+        for n, item in enumerate(items):
+            data, dev = _tensor_data(item, src)
+            deviation = max(deviation, dev)
+            if item.entry is not None and item.kind in ("F32", "F16"):
+                fallen.append(item.entry.name)
+            writer.write_tensor_data(data)
+            if request.progress:
+                request.progress(n + 1, total, item.name)
+        writer.close()
+        if deviation > 0:
+            warnings.append(f"scales rounded to float16 (GGUF stores them so) moved quantized weights by up to "
+                            f"{deviation:.3g}; calibrate with scale_dtype: float16 (as configs/gguf-*.yaml do) for "
+                            "a file that equals qtool's model exactly")
+        if fallen:
+            warnings.append(f"{len(fallen)} weight(s) with no GGUF type written as {options.gguf_fallback} floats "
+                            f"(their fake-quant values): {', '.join(fallen[:5])}" + (" ..." if len(fallen) > 5 else ""))
+        return {
+            "gguf": {"file": GGUF_NAME, "architecture": model.arch, "file_type": main,
+                     "tensor_types": dict(sorted(Counter(i.kind for i in items).items())),
+                     "bytes": path.stat().st_size, "max_weight_deviation": deviation, "fallback": fallen},
+            "names": names,
+            "warnings": warnings,
+        }
+
+
+def _plan(model: GgufModel, src, entries: List[EncodingEntry], options) -> Tuple[List[_Item], Dict[str, str]]:
+    """One item per GGUF tensor, in checkpoint order; quantizer name -> GGUF tensor name."""
+    keys = src.keys()
+    keyset = set(keys)
+    by_key: Dict[str, EncodingEntry] = {}
+    for e in entries:
+        key = e.name if e.name in keyset else next((k for k in keys if k.endswith("." + e.name)), None)
+        if key is None and model.tied and e.name.endswith("lm_head.weight"):
+            key = "lm_head.weight"  # tied to the embedding table: not stored in the checkpoint
+        if key is None:
+            raise EncodingsError(f"{src.checkpoint}: has no tensor {e.name!r} named in the encodings; were they "
+                                 "made for another model?")
+        by_key[key] = e
+    float2d = "F16" if options.gguf_float == "f16" else "F32"
+    fallback = "F16" if options.gguf_fallback == "f16" else "F32"
+
+    def item(name: str, key: str, source_key: str) -> _Item:
+        e = by_key.get(key)
+        shape, _ = src.shape_dtype(source_key)
+        if e is not None:
+            e.check_fits(source_key, shape)
+            kind = gguf_type(e) or fallback
+        else:
+            kind = float2d if len(shape) >= 2 else "F32"
+        return _Item(name, source_key, kind, e, model.permutation(key))
+
+    items: List[_Item] = []
+    names: Dict[str, str] = {}
+    embed = None
+    for key in keys:
+        name = model.tensor_name(key)
+        if name is None:
+            continue
+        it = item(name, key, key)
+        items.append(it)
+        if name == "token_embd.weight":
+            embed = it
+        if it.entry is not None:
+            names[it.entry.name] = name
+    if model.tied and "lm_head.weight" not in keyset and embed is not None:
+        head = item("output.weight", "lm_head.weight", embed.key)
+        if not _same_numbers(head.entry, embed.entry, src):
+            items.append(head)
+        if head.entry is not None:
+            names[head.entry.name] = "output.weight" if head in items else "token_embd.weight"
+    return items, names
+
+
+def _same_numbers(a: Optional[EncodingEntry], b: Optional[EncodingEntry], src) -> bool:
+    """Whether two encodings of one tied tensor give it the same values (so one GGUF tensor serves both)."""
+    if a is None or b is None:
+        return a is None and b is None
+    if a.spec != b.spec or src.has_stored_codes(a) or src.has_stored_codes(b):
+        return False
+    (amin, amax), (bmin, bmax) = a.range(), b.range()
+    return bool(torch.equal(amin, bmin) and torch.equal(amax, bmax))
+
+
+def _info(kind: str, shape: Tuple[int, ...]):
+    """``add_tensor_info`` arguments (shape, numpy dtype, bytes, raw type) of a tensor stored as ``kind``."""
+    import gguf
+
+    if kind in ("F32", "F16"):
+        dt = np.float32 if kind == "F32" else np.float16
+        return shape, np.dtype(dt), int(np.prod(shape)) * np.dtype(dt).itemsize, None
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    byte_shape = (shape[0], shape[1] // block * size)
+    return byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], qtype
+
+
+def _tensor_data(item: _Item, src) -> Tuple[np.ndarray, float]:
+    """The bytes of one GGUF tensor, and how far its values are from qtool's fake-quant weights."""
+    from ..quant.affine import dequantize
+
+    w = src.get(item.key)
+    e = item.entry
+    if e is None:
+        out = w.to(torch.float32)
+        if item.heads:
+            out = permute_rows(out, item.heads)
+        return out.to(torch.float16 if item.kind == "F16" else torch.float32).contiguous().numpy(), 0.0
+    codes = src.codes(e, w)
+    scale, offset = e.scale_offset()
+    if item.kind in ("F32", "F16"):  # a fallback: the fake-quant values, as floats
+        values = dequantize(codes, scale, offset, block_size=e.block_size)
+        if item.heads:
+            values = permute_rows(values, item.heads)
+        return values.to(torch.float16 if item.kind == "F16" else torch.float32).contiguous().numpy(), 0.0
+    fake = dequantize(codes, scale, offset, block_size=e.block_size)
+    if item.heads:
+        codes, scale, offset, fake = (permute_rows(t, item.heads) for t in (codes, scale, offset, fake))
+    blocks, values = pack_blocks(codes, scale, offset, item.kind)
+    if not bool(torch.isfinite(values).all()):
+        raise EncodingsError(f"{e.name}: a scale beyond float16's range (65504) cannot be stored in GGUF")
+    return blocks, float((values - fake).abs().max()) if values.numel() else 0.0
+
+
+EXPORTER = GgufExporter()

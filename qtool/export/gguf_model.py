@@ -1,0 +1,227 @@
+"""What a GGUF file says about the model besides its tensors: the architecture's hyperparameters, its tensor names
+and the tokenizer, read from a Hugging Face directory (``config.json``, ``tokenizer.json``).
+
+Supported: the Llama family as llama.cpp's own converter treats it (``llama`` and ``mistral`` write the ``llama``
+architecture, with q/k projection rows permuted into llama.cpp's rotary layout; ``qwen2`` writes ``qwen2``,
+unpermuted). Tokenizers: byte-level BPE (``gpt2`` in GGUF; SmolLM, Llama 3, Qwen2) and byte-fallback BPE
+(``llama``; Llama 2, Mistral). Anything else is refused with one line. The vocabulary and special tokens are read
+with the ``gguf`` package's own readers (``gguf.vocab``), as llama.cpp's converter does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..errors import CheckpointError
+
+__all__ = ["GgufModel", "read_gguf_model", "permute_rows", "ARCHITECTURES"]
+
+# Hugging Face model_type -> (GGUF architecture, q/k rows permuted for llama.cpp's rotary layout)
+ARCHITECTURES: Dict[str, Tuple[str, bool]] = {
+    "llama": ("llama", True),
+    "mistral": ("llama", True),
+    "qwen2": ("qwen2", False),
+}
+
+# llama.cpp's pre-tokenizer names, recognized from tokenizer.json's pre_tokenizer (llama.cpp src/llama-vocab.cpp):
+# "gpt-2" is the GPT-2 split regex alone, "smollm" splits digits one by one first, "llama-bpe" (Llama 3) and
+# "qwen2" use a Split regex that differs in how digits group (\p{N}{1,3} against single \p{N}).
+_LLAMA3_DIGITS = r"\p{N}{1,3}"
+_QWEN2_DIGITS = r"|\p{N}|"
+
+
+def permute_rows(t, n_head: int):
+    """llama.cpp's rotary layout for q/k projections: within each head, the two halves of the rotary pairs are
+    interleaved (``reshape(n_head, 2, rows / n_head / 2, ...)``, swap the middle axes). Works on anything indexed
+    by rows first: weights, biases, codes, per-row block scales."""
+    rows = t.shape[0]
+    if rows % (2 * n_head):
+        raise CheckpointError(f"cannot permute {rows} rows for {n_head} heads (rows must divide into head pairs)")
+    return t.reshape(n_head, 2, rows // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+@dataclass
+class GgufModel:
+    """One Hugging Face directory's GGUF description."""
+
+    directory: Path
+    config: Dict[str, Any]
+    arch: str  # GGUF architecture name
+    permute_qk: bool
+    n_layers: int
+    n_head: int
+    n_head_kv: int
+    tied: bool
+
+    def tensor_name(self, key: str) -> Optional[str]:
+        """The GGUF name of checkpoint tensor ``key`` (None for buffers llama.cpp recomputes, e.g. rotary
+        frequencies); raises ``CheckpointError`` for a tensor llama.cpp has no place for."""
+        import gguf
+
+        if key.endswith("rotary_emb.inv_freq"):
+            return None
+        arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.arch)
+        name = gguf.get_tensor_name_map(arch, self.n_layers).get_name(key, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise CheckpointError(f"{self.directory}: tensor {key!r} has no place in a GGUF {self.arch} model")
+        return name
+
+    def permutation(self, key: str) -> Optional[int]:
+        """The head count to permute ``key``'s rows with (q and k projections of a permuted arch), else None."""
+        if not self.permute_qk:
+            return None
+        if key.endswith(("q_proj.weight", "q_proj.bias")):
+            return self.n_head
+        if key.endswith(("k_proj.weight", "k_proj.bias")):
+            return self.n_head_kv
+        return None
+
+    # ---- metadata -------------------------------------------------------------------------------------------
+    def add_metadata(self, writer, file_type: int, vocab_size: int) -> List[str]:
+        """Hyperparameters and tokenizer onto ``writer``; returns warnings (e.g. an unknown pre-tokenizer)."""
+        import gguf
+
+        c = self.config
+        hidden, heads = int(c["hidden_size"]), self.n_head
+        head_dim = int(c.get("head_dim") or hidden // heads)
+        writer.add_name(self.directory.name)
+        writer.add_type(gguf.GGUFType.MODEL)
+        writer.add_context_length(int(c.get("max_position_embeddings", 2048)))
+        writer.add_embedding_length(hidden)
+        writer.add_block_count(self.n_layers)
+        writer.add_feed_forward_length(int(c["intermediate_size"]))
+        writer.add_head_count(heads)
+        writer.add_head_count_kv(self.n_head_kv)
+        writer.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
+        writer.add_rope_freq_base(float(_rope(c)[0]))
+        writer.add_rope_dimension_count(head_dim)
+        if head_dim != hidden // heads:
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+        factor = _rope(c)[1]
+        if factor is not None:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(factor))
+        writer.add_vocab_size(vocab_size)
+        writer.add_file_type(file_type)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        return _add_tokenizer(writer, self.directory, vocab_size)
+
+
+def _rope(c: Dict[str, Any]) -> Tuple[float, Optional[float]]:
+    """(rope theta, linear scaling factor or None); transformers 5 keeps both in ``rope_parameters``."""
+    params = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or params
+    theta = c.get("rope_theta", params.get("rope_theta", 10000.0))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in (None, "default"):
+        return theta, None
+    if kind == "linear":
+        return theta, float(scaling["factor"])
+    raise CheckpointError(f"rope scaling {kind!r} is not supported by qtool's GGUF export (only none or linear)")
+
+
+def read_gguf_model(directory: Path) -> GgufModel:
+    """Read ``config.json``; raises ``CheckpointError`` (one line) for anything GGUF export cannot describe."""
+    directory = Path(directory)
+    if not directory.is_dir() or not (directory / "config.json").is_file():
+        raise CheckpointError(f"{directory}: GGUF export needs a Hugging Face model directory (config.json, "
+                              "tokenizer.json and the weights)")
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{directory / 'config.json'}: not readable JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{directory / 'config.json'}: not a JSON object")
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise CheckpointError(f"{directory}: model_type {str(model_type)[:40]!r} has no GGUF export in qtool "
+                              f"(supported: {', '.join(ARCHITECTURES)})")
+    arch, permute = ARCHITECTURES[model_type]
+    try:
+        n_layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        kv = int(config.get("num_key_value_heads") or heads)
+        for key in ("hidden_size", "intermediate_size"):
+            int(config[key])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{directory / 'config.json'}: missing or invalid {e}") from None
+    _rope(config)
+    return GgufModel(directory, config, arch, permute, n_layers, heads, kv, bool(config.get("tie_word_embeddings")))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tokenizer
+# --------------------------------------------------------------------------------------------------------------
+def _pre_tokenizer(tokenizer_json: Dict[str, Any]) -> Optional[str]:
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    types = [p.get("type") for p in parts]
+    if types == ["ByteLevel"] and parts[0].get("use_regex", True):
+        return "gpt-2"
+    if types == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
+        return "smollm"
+    if types and types[0] == "Split":
+        pattern = str((parts[0].get("pattern") or {}).get("Regex", ""))
+        if _LLAMA3_DIGITS in pattern:
+            return "llama-bpe"
+        if _QWEN2_DIGITS in pattern:
+            return "qwen2"
+    return None
+
+
+def _add_tokenizer(writer, directory: Path, n_vocab: int) -> List[str]:
+    import gguf
+    from gguf.vocab import BpeVocab, LlamaHfVocab, SpecialVocab
+
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: GGUF export needs the tokenizer (tokenizer.json); save it with "
+                              "tokenizer.save_pretrained() beside the model")
+    try:
+        tj = json.loads(path.read_text(encoding="utf-8"))
+        model = tj["model"]
+        byte_fallback = bool(model.get("byte_fallback", False))
+        kind = model["type"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a tokenizers JSON file ({str(e).splitlines()[0][:80]})") from None
+    warnings: List[str] = []
+    try:
+        if kind == "BPE" and not byte_fallback:
+            vocab, pre = BpeVocab(directory), _pre_tokenizer(tj)
+            if pre is None:
+                pre = "default"
+                warnings.append(f"{path}: pre-tokenizer not recognized; llama.cpp will split text with its default "
+                                "rules, so its token ids may differ from transformers' on some text")
+        elif kind == "BPE":
+            vocab, pre = LlamaHfVocab(directory), "default"
+        else:
+            raise CheckpointError(f"{path}: a {kind} tokenizer has no GGUF export in qtool (byte-level or "
+                                  "byte-fallback BPE only)")
+    except (FileNotFoundError, TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}: tokenizer not usable for GGUF ({str(e).splitlines()[0][:120]})") from None
+    tokens, scores, types = [], [], []
+    for text, score, ttype in vocab.all_tokens():
+        tokens.append(text)
+        scores.append(score)
+        types.append(int(ttype))
+    if len(tokens) > n_vocab:
+        raise CheckpointError(f"{path}: {len(tokens)} tokens, more than the model's {n_vocab} embedding rows")
+    for i in range(len(tokens), n_vocab):  # rows the tokenizer does not use (vocab padded for speed)
+        tokens.append(f"[PAD{i}]")
+        scores.append(-1000.0)
+        types.append(int(gguf.TokenType.UNUSED))
+    writer.add_tokenizer_model(vocab.tokenizer_model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    if vocab.tokenizer_model == "llama":
+        writer.add_token_scores(np.asarray(scores, dtype=np.float32).tolist())
+    writer.add_token_types(types)
+    SpecialVocab(directory, load_merges=vocab.tokenizer_model == "gpt2", n_vocab=n_vocab).add_to_gguf(writer,
+                                                                                                      quiet=True)
+    return warnings

@@ -1,0 +1,278 @@
+"""GGUF export: the gguf package reads qtool's file back to qtool's fake-quant weights bit for bit, llama.cpp
+itself (xllamacpp) runs it and agrees with qtool's model, and what GGUF cannot hold is refused before any work."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qtool.quant.affine import grid, min_max_to_scale_offset, snap_to_float16_scale
+
+from tests.helpers import error_lines, run_cli
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+VOCAB = 300
+
+
+def _tiny_llama(dest: Path, tied: bool, model_type: str = "llama") -> Path:
+    """A random tiny Llama (grouped-query attention) with a byte-level BPE tokenizer trained on ASCII text (every
+    token decodes to whole characters, so llama.cpp reports a probability for each)."""
+    import pydoc_data.topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=VOCAB + 20, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied)
+    if model_type == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    model.eval().save_pretrained(dest)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = [v.encode("ascii", "ignore").decode() for v in list(pydoc_data.topics.topics.values())[:100]]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"]))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                         eos_token="<|endoftext|>").save_pretrained(dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def llamas(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf")
+    return {"untied": _tiny_llama(d / "untied", False), "tied": _tiny_llama(d / "tied", True)}
+
+
+def _fake_quant_weights(model) -> dict:
+    out = {}
+    for name, mod in model.named_modules():
+        qs = getattr(mod, "qtool_quantizers", None)
+        if qs is not None and "weight" in qs:
+            out[f"{name}.weight"] = qs["weight"](mod.weight).as_subclass(torch.Tensor).detach()
+    return out
+
+
+def _gguf_values(path: Path) -> dict:
+    reader = gguf.GGUFReader(path)
+    return {t.name: (t.tensor_type.name, gguf.quants.dequantize(t.data, t.tensor_type)) for t in reader.tensors}
+
+
+def _permute(w, heads):
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("recipe,main", [("gguf-q4_0", "Q4_0"), ("gguf-q4_1", "Q4_1"), ("gguf-q8_0", "Q8_0")])
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+def test_gguf_dequantizes_to_qtools_fake_quant_weights_bit_for_bit(llamas, tmp_path, recipe, main, kind):
+    import qtool
+
+    ckpt = llamas[kind]
+    code, out, err = run_cli("quantize", ckpt, "-c", CONFIGS / f"{recipe}.yaml", "-o", tmp_path / "q", "--format",
+                             "gguf", "--json")
+    assert code == 0, err
+    summary = json.loads(out)["gguf"]
+    assert summary["file_type"] == main and summary["max_weight_deviation"] == 0.0
+    values = _gguf_values(tmp_path / "q" / "model.gguf")
+    model = qtool.load_calibrated(str(ckpt), str(tmp_path / "q/calibration/encodings.json"))
+    fq = _fake_quant_weights(model)
+    cfg = model.config
+    names = json.loads(out)["names"]
+    assert len(fq) == 16 and set(names) == set(fq)
+    for hf_name, w in fq.items():
+        if hf_name.endswith("q_proj.weight"):
+            w = _permute(w, cfg.num_attention_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            w = _permute(w, cfg.num_key_value_heads)
+        kind_, deq = values[names[hf_name]]
+        assert kind_ == ("Q8_0" if "embed" in hf_name or "lm_head" in hf_name else main)
+        assert np.array_equal(deq.reshape(w.shape), w.numpy()), hf_name
+    # a tied model's output layer is its embedding table: one tensor serves both
+    assert ("output.weight" in values) == (kind == "untied")
+    assert values["output_norm.weight"][0] == "F32"
+
+
+def test_llama_cpp_runs_the_file_and_agrees_with_qtool(llamas, tmp_path):
+    pytest.importorskip("xllamacpp")
+    import qtool
+
+    from tests.llamacpp import LlamaCpp
+
+    ckpt = llamas["tied"]
+    code, _, err = run_cli("quantize", ckpt, "-c", CONFIGS / "gguf-q4_0.yaml", "-o", tmp_path / "q", "--format",
+                           "gguf")
+    assert code == 0, err
+    model = qtool.load_calibrated(str(ckpt), str(tmp_path / "q/calibration/encodings.json")).eval()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, VOCAB, (int(n),), generator=g).tolist()
+               for n in torch.randint(4, 40, (40,), generator=g)]
+    agree, worst = 0, 0.0
+    with LlamaCpp(str(tmp_path / "q/model.gguf")) as llama:
+        for p in prompts:
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([p])).logits[0, -1].double(), -1)
+            agree += int(logp.argmax()) == llama.greedy_next(p)
+            worst = max(worst, max(abs(float(logp[t]) - lp) for t, lp in llama.top(p, 3)))
+    # llama.cpp multiplies in int8 (activations quantized per 32 values): close to, not equal to, float math
+    assert agree >= 38, agree
+    assert worst < 0.05, worst
+
+
+def test_without_float16_scales_the_export_states_its_deviation(llamas, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((CONFIGS / "gguf-q4_0.yaml").read_text().replace(", scale_dtype: float16", ""))
+    code, out, err = run_cli("quantize", llamas["untied"], "-c", recipe, "-o", tmp_path / "q", "--format", "gguf",
+                             "--json")
+    assert code == 0, err
+    dev = json.loads(out)["gguf"]["max_weight_deviation"]
+    assert 0 < dev < 1e-3
+    assert "float16" in err and f"{dev:.3g}" in err
+
+
+def test_fallback_writes_unmappable_weights_as_floats_and_says_so(llamas, tmp_path):
+    code, out, err = run_cli("quantize", llamas["untied"], "-c", CONFIGS / "w4a16-block32.yaml", "-o",
+                             tmp_path / "q", "--format", "gguf", "--gguf-fallback", "f16", "--gguf-float", "f16",
+                             "--json")
+    assert code == 0, err
+    s = json.loads(out)["gguf"]
+    assert s["fallback"] == ["model.embed_tokens.weight"] and "model.embed_tokens.weight" in err
+    types = {n: k for n, (k, _) in _gguf_values(tmp_path / "q/model.gguf").items()}
+    assert types["token_embd.weight"] == "F16" and types["output.weight"] == "F16"  # lm_head: ignored -> float
+    assert types["blk.0.attn_q.weight"] == "Q4_0" and types["blk.0.attn_norm.weight"] == "F32"
+
+
+def test_qwen2_writes_its_own_architecture_unpermuted(tmp_path):
+    import qtool
+
+    ckpt = _tiny_llama(tmp_path / "qwen", True, "qwen2")
+    code, _, err = run_cli("quantize", ckpt, "-c", CONFIGS / "gguf-q8_0.yaml", "-o", tmp_path / "q", "--format",
+                           "gguf")
+    assert code == 0, err
+    reader = gguf.GGUFReader(tmp_path / "q/model.gguf")
+    assert reader.fields["general.architecture"].contents() == "qwen2"
+    values = _gguf_values(tmp_path / "q/model.gguf")
+    fq = _fake_quant_weights(qtool.load_calibrated(str(ckpt), str(tmp_path / "q/calibration/encodings.json")))
+    q = fq["model.layers.0.self_attn.q_proj.weight"]
+    assert np.array_equal(values["blk.0.attn_q.weight"][1].reshape(q.shape), q.numpy())
+    assert values["blk.0.attn_q.bias"][0] == "F32"
+
+
+def test_inspect_reads_gguf(llamas, tmp_path):
+    code, _, err = run_cli("quantize", llamas["tied"], "-c", CONFIGS / "gguf-q4_1.yaml", "-o", tmp_path / "q",
+                           "--format", "gguf")
+    assert code == 0, err
+    code, out, err = run_cli("inspect", tmp_path / "q", "--json")
+    assert code == 0, err
+    rep = json.loads(out)
+    rows = {r["name"]: r for r in rep["tensors"]}
+    assert rows["blk.1.ffn_up.weight"]["dtype"] == "Q4_1" and rows["blk.1.ffn_up.weight"]["shape"] == [128, 64]
+    assert rows["blk.1.ffn_up.weight"]["bytes"] == 128 * 64 // 32 * 20
+    assert rep["metadata"]["general.architecture"] == "llama" and rep["metadata"]["tokenizer.ggml.pre"] == "gpt-2"
+    assert rep["totals"]["quantized_tensors"] == 15
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes((tmp_path / "q/model.gguf").read_bytes()[:700])
+    code, _, err = run_cli("inspect", bad)
+    assert code == 2 and len(error_lines(err)) == 1 and "bad.gguf" in err
+
+
+# ---- refusals: one line, exit 2, nothing written ------------------------------------------------------------
+def _recipe(tmp_path, weights: str, activations: str = "null") -> Path:
+    p = tmp_path / "r.yaml"
+    p.write_text(f"version: 1\ndefaults:\n  weights: {weights}\n  activations: {activations}\n")
+    return p
+
+
+@pytest.mark.parametrize("weights,activations,needle", [
+    ("{bitwidth: 4, granularity: per_block, block_size: 64}", "null", "per_block 64"),
+    ("{bitwidth: 6, granularity: per_block, block_size: 32}", "null", "6-bit"),
+    ("{bitwidth: 8, symmetric: false, granularity: per_block, block_size: 32}", "null", "8-bit asymmetric"),
+    ("{bitwidth: 8, granularity: per_channel}", "null", "per_channel"),
+    ("{bitwidth: 8, granularity: per_block, block_size: 32}", "{bitwidth: 8}", "activation"),
+])
+def test_what_gguf_cannot_hold_is_refused_before_calibration(llamas, tmp_path, weights, activations, needle):
+    recipe = _recipe(tmp_path, weights, activations)
+    code, _, err = run_cli("quantize", llamas["untied"], "-c", recipe, "-o", tmp_path / "q", "--format", "gguf")
+    assert code == 2 and needle in err
+    assert len(error_lines([line for line in err.splitlines() if line.startswith("error")][0])) == 1
+    assert "calibrating" not in err and not (tmp_path / "q").exists()
+
+
+def test_non_llama_models_are_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.tinymodels import mlp
+
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    code, _, err = run_cli("quantize", tmp_path / "m.safetensors", "-c", CONFIGS / "gguf-q8_0.yaml", "--model-class",
+                           "tests.tinymodels:mlp", "-o", tmp_path / "q", "--format", "gguf", "--allow-unmatched")
+    assert code == 2 and "Hugging Face model directory" in err and not (tmp_path / "q").exists()
+    assert "calibrating" not in err
+    bert = tmp_path / "bert"
+    transformers.BertModel(transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=64)).save_pretrained(bert)
+    code, _, err = run_cli("quantize", bert, "-c", CONFIGS / "gguf-q8_0.yaml", "-o", tmp_path / "q2", "--format",
+                           "gguf")
+    assert code == 2 and "model_type 'bert'" in err and not (tmp_path / "q2").exists()
+    assert "calibrating" not in err
+    assert len(error_lines(err.split("error:", 1)[1])) == 1
+
+
+def test_bad_gguf_choices_fail_before_loading(tmp_path):
+    code, _, err = run_cli("export", tmp_path / "nothing", "-e", tmp_path / "e.json", "-o", tmp_path / "o",
+                           "--format", "gguf", "--gguf-fallback", "bf16")
+    assert code == 2 and "--gguf-fallback must be one of none, f32, f16" in err
+
+
+def test_scale_dtype_float16_is_refused_where_it_cannot_be_exact(tmp_path):
+    code, _, err = run_cli("config", "validate", _recipe(
+        tmp_path, "{bitwidth: 8, symmetric: false, granularity: per_block, block_size: 32, scale_dtype: float16}"))
+    assert code == 2 and "asymmetric grids up to 4 bits" in err
+
+
+# ---- the numbers ------------------------------------------------------------------------------------------------
+_finite = st.floats(2.0**-4, 2.0**10, allow_nan=False, width=32)  # scales in float16's normal range
+
+
+@settings(max_examples=60, deadline=None)
+@given(lo=st.lists(_finite, min_size=1, max_size=16), hi=st.lists(_finite, min_size=1, max_size=16),
+       bits=st.sampled_from([(4, True), (8, True), (4, False), (2, False), (3, True)]))
+def test_snapped_ranges_give_float16_scales_and_integer_offsets(lo, hi, bits):
+    n = min(len(lo), len(hi))
+    lo, hi = -torch.tensor(lo[:n]), torch.tensor(hi[:n])
+    qmin, qmax = grid(*bits)
+    mn, mx = snap_to_float16_scale(lo, hi, qmin, qmax, bits[1])
+    scale, offset = min_max_to_scale_offset(mn, mx, qmin, qmax, bits[1])
+    scale0, _ = min_max_to_scale_offset(lo, hi, qmin, qmax, bits[1])
+    assert torch.equal(scale.half().float(), scale)
+    assert torch.equal(offset, offset.round())
+    origin = offset * scale
+    assert torch.equal(origin.half().float(), origin)  # Q4_1's m
+    assert ((scale / scale0 - 1).abs() <= 0.01).all()  # within a few float16 steps of the calibrated scale
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 4), nb=st.integers(1, 3), qtype=st.sampled_from(["Q8_0", "Q4_0", "Q4_1"]),
+       seed=st.integers(0, 2**16))
+def test_pack_blocks_is_what_ggml_dequantizes(rows, nb, qtype, seed):
+    from qtool.export.gguf import pack_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    bits, sym = {"Q8_0": (8, True), "Q4_0": (4, True), "Q4_1": (4, False)}[qtype]
+    qmin, qmax = grid(bits, sym)
+    codes = torch.randint(qmin, qmax + 1, (rows, nb * 32), generator=g).float()
+    scale = (torch.rand(rows, nb, generator=g) + 0.01).half().float()
+    offset = torch.zeros(rows, nb) if sym else -torch.randint(0, 16, (rows, nb), generator=g).float()
+    blocks, values = pack_blocks(codes, scale, offset, qtype)
+    deq = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, qtype))
+    assert np.array_equal(deq.reshape(values.shape), values.numpy())
+    exact = torch.repeat_interleave((offset * scale).half().float(), 32, 1) == torch.repeat_interleave(
+        offset * scale, 32, 1)
+    fake = (codes + torch.repeat_interleave(offset, 32, 1)) * torch.repeat_interleave(scale, 32, 1)
+    assert torch.equal(values[exact], fake[exact])
