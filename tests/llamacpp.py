@@ -1,6 +1,6 @@
 """llama.cpp itself (the ``xllamacpp`` CPU wheel) running a GGUF file: greedy next tokens and per-token
-log-probabilities of token-id prompts. Used by tests/test_gguf.py and bench/gguf.py to prove qtool's GGUF files
-run where users run them.
+log-probabilities of token-id prompts. Used by tests/test_gguf.py and bench/gguf_llamacpp.py to prove qtool's GGUF
+files run where users run them.
 
 Token-id prompts are taken as given (llama.cpp adds no BOS to them). Log-probabilities are llama.cpp's own
 (softmax of the model's logits before sampling): the true next token is forced with a large logit bias, which
