@@ -8,8 +8,8 @@ from typing import Sequence
 
 from .errors import UsageError
 
-__all__ = ["AIMET_VERSIONS", "CT_EIGHT_BIT_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_FALLBACKS", "DEVICES", "SCALE_DTYPES", "check_choice", "check_device",
-           "check_scale_dtype"]
+__all__ = ["AIMET_VERSIONS", "CT_EIGHT_BIT_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_FALLBACKS", "DEVICES", "SCALE_DTYPES",
+           "check_choice", "check_device", "check_scale_dtype"]
 
 AIMET_VERSIONS = ("0.6.1", "1.0.0", "2.0.0")  # the AIMET encodings versions qtool writes
 CT_EIGHT_BIT_FORMATS = ("int-quantized", "pack-quantized")

@@ -207,7 +207,8 @@ def _gguf_file(path: Path) -> Dict[str, Any]:
         if "tokenizer.ggml.tokens" in reader.fields:
             meta["tokenizer.ggml.tokens"] = len(reader.fields["tokenizer.ggml.tokens"].data)
     except (ValueError, KeyError, IndexError, OSError, TypeError) as e:
-        raise UsageError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") from None
+        why = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise UsageError(f"{path}: not a readable GGUF file ({why})") from None
     return {"kind": f"GGUF v{int(reader.fields['GGUF.version'].contents())}", "path": str(path), "tensors": rows,
             "totals": _totals(rows, numels), "metadata": meta}
 

@@ -30,12 +30,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..choices import GGUF_FALLBACKS, GGUF_FLOAT_TYPES, check_choice
 from ..encodings import EncodingEntry
 from ..errors import CheckpointError, EncodingsError
 from ..quant.spec import Granularity
 from .base import Exporter, ExportRequest
 from .gguf_model import GgufModel, permute_rows, read_gguf_model
+from .qtool_st import match_weight_names
 
 __all__ = ["GgufExporter", "EXPORTER", "gguf_type", "pack_blocks", "GGUF_NAME"]
 
@@ -123,8 +123,6 @@ class GgufExporter(Exporter):
                                   "with tokenizer.save_pretrained() beside the model")
 
     def check_quantizers(self, quantizers, options: "GgufExporter.Options") -> None:
-        check_choice("--gguf-float", options.gguf_float, GGUF_FLOAT_TYPES)
-        check_choice("--gguf-fallback", options.gguf_fallback, GGUF_FALLBACKS)
         quantizers = list(quantizers)
         acts = [e.name for e in quantizers if e.tensor != "weight"]
         if acts:
@@ -189,15 +187,11 @@ def _plan(model: GgufModel, src, entries: List[EncodingEntry], options) -> Tuple
     """One item per GGUF tensor, in checkpoint order; quantizer name -> GGUF tensor name."""
     keys = src.keys()
     keyset = set(keys)
-    by_key: Dict[str, EncodingEntry] = {}
-    for e in entries:
-        key = e.name if e.name in keyset else next((k for k in keys if k.endswith("." + e.name)), None)
-        if key is None and model.tied and e.name.endswith("lm_head.weight"):
-            key = "lm_head.weight"  # tied to the embedding table: not stored in the checkpoint
-        if key is None:
-            raise EncodingsError(f"{src.checkpoint}: has no tensor {e.name!r} named in the encodings; were they "
-                                 "made for another model?")
-        by_key[key] = e
+    # a tied output layer is not stored in the checkpoint: it is the embedding table
+    tied_head = {e.name for e in entries if model.tied and e.name.endswith("lm_head.weight")
+                 and "lm_head.weight" not in keyset}
+    matched = match_weight_names([e for e in entries if e.name not in tied_head], keys, str(src.checkpoint))
+    by_key: Dict[str, EncodingEntry] = {matched.get(e.name, "lm_head.weight"): e for e in entries}
     float2d = "F16" if options.gguf_float == "f16" else "F32"
     fallback = "F16" if options.gguf_fallback == "f16" else "F32"
 

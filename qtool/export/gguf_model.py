@@ -98,12 +98,12 @@ class GgufModel:
         writer.add_head_count(heads)
         writer.add_head_count_kv(self.n_head_kv)
         writer.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
-        writer.add_rope_freq_base(float(_rope(c)[0]))
+        theta, factor = _rope(c)
+        writer.add_rope_freq_base(float(theta))
         writer.add_rope_dimension_count(head_dim)
         if head_dim != hidden // heads:
             writer.add_key_length(head_dim)
             writer.add_value_length(head_dim)
-        factor = _rope(c)[1]
         if factor is not None:
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(factor))
