@@ -48,8 +48,12 @@ _ANALYZER_PARAMS = {
     "percentile": ("percentile", "num_bins"),
     "sqnr": ("num_bins", "gamma", "asymmetric_delta_candidates", "symmetric_delta_candidates", "offset_candidates"),
     "tf_enhanced": (),
-    "mse": ("num_candidates", "min_ratio"),
+    "mse": ("num_candidates", "min_ratio", "weighting"),
 }
+# what a layer's input statistics are collected for: rounding algorithms and activation-weighted searches
+ROUNDINGS = ("nearest", "gptq")
+# module types whose weight multiplies the layer input as ``x @ W.T`` (GPTQ and activation weighting apply)
+_INPUT_WEIGHTED_TYPES = ("Linear",)
 
 GranularityName = Literal["per_tensor", "per_channel", "per_block"]
 
@@ -67,6 +71,8 @@ class AnalyzerSpec(BaseModel):
     offset_candidates: Optional[int] = Field(None, ge=3)
     num_candidates: Optional[int] = Field(None, ge=1, le=1000)
     min_ratio: Optional[float] = Field(None, gt=0, le=1)
+    # "activations": each weight's squared error counts by its input channel's E[x²] (needs --data)
+    weighting: Optional[Literal["none", "activations"]] = None
 
     @model_validator(mode="after")
     def _params_fit_the_analyzer(self):
@@ -89,6 +95,27 @@ def _analyzer(value: Any) -> Any:
     if isinstance(value, str):
         return {"name": value}
     return value
+
+
+class RoundingSpec(BaseModel):
+    """``rounding: NAME`` or ``rounding: {name: gptq, <parameter>: value, ...}``: how a weight's codes are chosen on
+    the grid its analyzer picked. ``nearest`` rounds each value alone; ``gptq`` chooses codes column by column
+    from the layer's input statistics (qtool.calibration.rounding.gptq)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: Literal["nearest", "gptq"] = "nearest"
+    block_columns: Optional[int] = Field(None, ge=1, le=65536)
+    dampening: Optional[float] = Field(None, ge=0, le=10)
+    act_order: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _params_fit(self):
+        if self.name == "nearest" and self.kwargs():
+            raise ValueError(f"rounding nearest takes no parameters (got {', '.join(self.kwargs())})")
+        return self
+
+    def kwargs(self) -> Dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if k != "name" and v is not None}
 
 
 class _Spec(BaseModel):
@@ -119,6 +146,9 @@ class _Spec(BaseModel):
 class WeightSpec(_Spec):
     symmetric: bool = True
     granularity: GranularityName = "per_channel"
+    rounding: RoundingSpec = RoundingSpec()
+
+    _normalize_rounding = field_validator("rounding", mode="before")(lambda cls, v: _analyzer(v))
 
 
 class ActivationSpec(_Spec):
@@ -295,6 +325,8 @@ class QuantizerPlan:
     rule: Optional[int] = None  # index of the last layers entry that shaped it (None: defaults)
     analyzer_args: Tuple[Tuple[str, Any], ...] = ()
     scale_dtype: str = "float32"
+    rounding: str = "nearest"  # weights: how codes are chosen on the grid (ROUNDINGS)
+    rounding_args: Tuple[Tuple[str, Any], ...] = ()
 
     def __post_init__(self):
         from .quant.spec import QuantSpec
@@ -311,6 +343,12 @@ class QuantizerPlan:
     def spec(self) -> "QuantSpec":
         """What this quantizer is (validated when the row was made)."""
         return self._spec
+
+    @property
+    def needs_inputs(self) -> bool:
+        """True when calibrating this weight needs its layer's input statistics (so calibration data)."""
+        return self.tensor == "weight" and (self.rounding != "nearest"
+                                            or dict(self.analyzer_args).get("weighting") == "activations")
 
     @property
     def analyzer_label(self) -> str:
@@ -336,7 +374,7 @@ class Plan:
         return [q for q in self.quantizers if q.tensor != "weight"]
 
     def needs_data(self) -> bool:
-        return bool(self.activations)
+        return bool(self.activations) or any(q.needs_inputs for q in self.weights)
 
 
 def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
@@ -345,8 +383,9 @@ def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
     start.update(override)
     if "granularity" in override and override["granularity"] != "per_block" and "block_size" not in override:
         start["block_size"] = None
-    if "analyzer" in override:
-        start["analyzer"] = _analyzer(override["analyzer"])
+    for key in ("analyzer", "rounding"):
+        if key in override:
+            start[key] = _analyzer(override[key])
     try:
         return cls.model_validate(start)
     except ValidationError as e:
@@ -378,6 +417,19 @@ def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str)
     return shape, (1, b) + (-1,) * (len(shp) - 2)
 
 
+def _type_names(module: "nn.Module") -> Tuple[str, ...]:
+    """The module's class name and its base classes' (so ``type: Conv2d`` and the default types match subclasses
+    such as EfficientNet's ``Conv2dStaticSamePadding``). MultiheadAttention's ``out_proj`` subclass of Linear is
+    not a Linear here: attention reads its weight without calling it, so a quantizer on it would never run."""
+    from torch import nn
+
+    cls = type(module)
+    if cls.__name__ == "NonDynamicallyQuantizableLinear":
+        return (cls.__name__,)
+    return tuple(c.__name__ for c in cls.__mro__ if isinstance(c, type) and issubclass(c, nn.Module)
+                 and c is not nn.Module and "_qtool_base" not in c.__dict__)
+
+
 def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", allow_unmatched: bool = False) -> Plan:
     """One ``QuantizerPlan`` per quantizer, in module order. Later ``layers`` entries win."""
     plan = Plan()
@@ -387,10 +439,11 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     exported_types = getattr(model, "qtool_module_types", None) or {}
     for name, module in named:
         tname = exported_types.get(name, type(module).__name__)
+        tnames = (tname,) if name in exported_types else _type_names(module)
         # ignore patterns are a safety net (recipes list lm_head for every model), so no-match is silent
         ignored = any(name_matches(pat, name) for pat in recipe.ignore)
-        w_cand = tname in DEFAULT_WEIGHT_TYPES
-        a_cand = tname in DEFAULT_ACTIVATION_TYPES
+        w_cand = any(t in DEFAULT_WEIGHT_TYPES for t in tnames)
+        a_cand = any(t in DEFAULT_ACTIVATION_TYPES for t in tnames)
         w_spec = recipe.defaults.weights if w_cand else None
         a_spec = recipe.defaults.activations if a_cand else None
         rule_w = rule_a = None
@@ -398,7 +451,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             if rule.match is not None and not name_matches(rule.match, name):
                 continue
             if rule.types():
-                if tname not in rule.types():
+                if not any(t in rule.types() for t in tnames):
                     continue
                 w_cand = a_cand = True  # naming a type opts modules of that type in
             if not (w_cand or a_cand):
@@ -420,10 +473,23 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             layout = _weight_layout(module, w_spec, where, name)
             if layout is not None:
                 shape, block = layout
+                analyzer_args = w_spec.analyzer.kwargs()
+                rounding = w_spec.rounding
+                if not any(t in _INPUT_WEIGHTED_TYPES for t in tnames):
+                    # GPTQ and activation weighting need a weight that multiplies the input as x @ W.T
+                    if rounding.name != "nearest":
+                        plan.warnings.append(f"{name} ({tname}): rounding {rounding.name} applies to Linear "
+                                             "layers; this weight is rounded to nearest")
+                        rounding = RoundingSpec()
+                    if analyzer_args.get("weighting") == "activations":
+                        plan.warnings.append(f"{name} ({tname}): weighting by activations applies to Linear "
+                                             "layers; this weight's search is unweighted")
+                        analyzer_args.pop("weighting")
                 plan.quantizers.append(QuantizerPlan(
                     f"{name}.weight", name, tname, "weight", w_spec.bitwidth, w_spec.symmetric,
                     w_spec.granularity, shape, block, w_spec.analyzer.name, rule_w,
-                    tuple(w_spec.analyzer.kwargs().items()), w_spec.scale_dtype))
+                    tuple(analyzer_args.items()), w_spec.scale_dtype, rounding.name,
+                    tuple(rounding.kwargs().items())))
         if a_spec is not None:
             for tensor, on in (("input", a_spec.inputs and tname not in _INTEGER_INPUT_TYPES),
                                ("output", a_spec.outputs)):

@@ -20,7 +20,7 @@ from .calibration import CalibrateOptions, calibrate_checkpoint
 from .choices import AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, GGUF_FALLBACKS, GGUF_FLOAT_TYPES, check_choice
 from .config import Plan, load_recipe, resolve_plan
 from .data import load_data
-from .encodings import SIDECAR, EncodingsFile
+from .encodings import CODES_FILE, SIDECAR, EncodingsFile
 from .errors import DataError, UsageError
 from .export import format_names, get_exporter
 from .export.base import ExportRequest
@@ -28,8 +28,9 @@ from .export.qtool_st import DEFAULT_MAX_SHARD_BYTES
 from .hooks import Hooks
 from .io.checkpoint import tensor_files
 from .io.fs import atomic_output_dir, check_output_dir, sha256_file
-from .model.apply import apply_encodings, plan_from_encodings
+from .model.apply import apply_encodings, apply_stored_weights, plan_from_encodings
 from .model.load import LoadedModel, load_model
+from .weights import write_codes
 
 __all__ = ["CalibrateOptions", "ExportOptions", "Hooks", "plan_for", "run_calibrate", "run_export", "run_quantize",
            "run_import_encodings", "run_report", "load_calibrated", "versions", "apply_encodings"]
@@ -64,6 +65,9 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
     entries, plan, data, device, files, kind, unused = (run.entries, run.plan, run.data, run.device, run.files,
                                                          run.kind, run.unused)
     enc = EncodingsFile(entries, {"qtool_version": __version__, "recipe": Path(recipe_path).name})
+    if run.codes:  # codes chosen by a rounding algorithm: every exporter writes these (qtool.weights)
+        write_codes(run_dir / CODES_FILE, entries, run.codes)
+        enc.codes_file = CODES_FILE
     enc_path = run_dir / "encodings.json"
     enc_files = enc.write(enc_path)
     manifest = {
@@ -79,6 +83,7 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         },
         "outputs": {f.name: sha256_file(f) for f in enc_files},
         "quantizers": len(entries),
+        **({"rounding": {q.name: q.rounding for q in plan.weights if q.name in run.codes}} if run.codes else {}),
         "uncalibrated": unused,
         "warnings": plan.warnings,
     }
@@ -290,11 +295,22 @@ def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOpt
     return {**csum, **esum, "encodings": str(out_p / "calibration" / "encodings.json"), "files": files + calib_files}
 
 
+def _apply_stored(model: nn.Module, checkpoint: str, enc: EncodingsFile, encodings: str, trust_pickle: bool) -> None:
+    """Stored codes and replaced tensors (GPTQ, folds) onto the model, so it computes what the files hold."""
+    if enc.codes_file is None:
+        return
+    from .weights import WeightSource
+
+    apply_stored_weights(model, WeightSource(Path(checkpoint), enc, Path(encodings).parent, trust_pickle=trust_pickle))
+
+
 def load_calibrated(checkpoint: str, encodings: str, model_class: Optional[str] = None, device: str = "cpu",
                     trust_pickle: bool = False, trust_remote_code: bool = False) -> nn.Module:
     """The checkpoint's model with fake-quant modules set from ``encodings`` (qtool's encodings.json)."""
     loaded = load_model(checkpoint, model_class, device, trust_pickle, trust_remote_code)
-    apply_encodings(loaded.model, EncodingsFile.read(encodings), str(encodings))
+    enc = EncodingsFile.read(encodings)
+    apply_encodings(loaded.model, enc, str(encodings))
+    _apply_stored(loaded.model, checkpoint, enc, encodings, trust_pickle)
     loaded.model.qtool_tokenizer = loaded.tokenizer  # handy for evaluation code
     return loaded.model
 
@@ -309,6 +325,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
     enc = EncodingsFile.read(encodings)
     apply_encodings(loaded.model, enc, str(encodings))
+    _apply_stored(loaded.model, checkpoint, enc, encodings, opts.trust_pickle)
     if opts.data is None:
         from .errors import DataError
 

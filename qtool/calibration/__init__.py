@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -54,6 +54,7 @@ class CalibrationRun:
     kind: str  # checkpoint kind
     data: Optional[CalibrationData] = None
     unused: List[str] = field(default_factory=list)  # activation quantizers that saw no data
+    codes: Dict[str, torch.Tensor] = field(default_factory=dict)  # weight quantizer -> codes from a rounding algorithm
 
 
 def choose_mode(checkpoint: str, recipe: Recipe, opts: CalibrateOptions, source: str):
@@ -77,7 +78,9 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
     if not (plan.needs_data() or opts.data or opts.sequential):
         return None
     if opts.data is None:
-        why = "--sequential runs the model block by block" if opts.sequential else "the recipe quantizes activations"
+        why = ("--sequential runs the model block by block" if opts.sequential
+               else "the recipe quantizes activations" if plan.activations
+               else "the recipe chooses weights from data (rounding gptq or weighting: activations)")
         raise DataError(f"{why}, which needs calibration data: pass --data PATH")
     hooks.on_stage("reading calibration data")
     return load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, tokenizer,
@@ -103,10 +106,11 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
         hooks.on_plan(plan)
         data = _data(opts, plan, tokenizer, True, hooks)
         hooks.on_stage("calibrating")
-        entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block)
+        codes: Dict[str, torch.Tensor] = {}
+        entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block, codes=codes)
         done = {e.name for e in entries}
         unused = [q.name for q in plan.activations if q.name not in done]
-        return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", data, unused)
+        return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", data, unused, codes)
     if mode == "streaming":
         from .streaming import calibrate_weights_streaming
 
@@ -135,4 +139,4 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
     result = calibrate(loaded.model, plan, quantizers, data if plan.needs_data() else None, device, hooks.on_batch)
     entries = [EncodingEntry.from_quantizer(q, quantizers[q.name]) for q in plan.quantizers
                if quantizers[q.name].is_initialized()]
-    return CalibrationRun(entries, plan, mode, device, loaded.files, loaded.kind, data, result.unused)
+    return CalibrationRun(entries, plan, mode, device, loaded.files, loaded.kind, data, result.unused, result.codes)

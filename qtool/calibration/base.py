@@ -21,15 +21,18 @@ __all__ = ["calibrate_weights", "calibrate_activations", "check_finite"]
 
 def calibrate_weights(rows: Iterable[QuantizerPlan], quantizer_for: Callable[[QuantizerPlan], QuantizerBase],
                       weight_for: Callable[[QuantizerPlan], torch.Tensor],
-                      done: Optional[Callable[[QuantizerPlan, QuantizerBase], None]] = None) -> None:
+                      done: Optional[Callable[[QuantizerPlan, QuantizerBase], None]] = None,
+                      importance_for: Optional[Callable[[QuantizerPlan], Optional[torch.Tensor]]] = None) -> None:
     """Each weight row's quantizer observes its weight (statistics only: no fake-quant copy is made); ``done`` is
-    called right after, so a streaming caller can write the encoding and drop the weight."""
+    called right after, so a streaming caller can write the encoding and drop the weight. ``importance_for``
+    gives an activation-weighted search its per-value importance (None: unweighted)."""
     with torch.no_grad():
         for q in rows:
             quantizer = quantizer_for(q)
             weight = weight_for(q)
+            imp = importance_for(q) if importance_for is not None else None
             with quantizer.compute_encodings():
-                quantizer.observe(weight)
+                quantizer.observe(weight, importance=imp)
             del weight
             if done is not None:
                 done(q, quantizer)

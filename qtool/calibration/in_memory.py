@@ -10,8 +10,10 @@ from torch import nn
 from ..config import Plan
 from ..data import CalibrationData
 from ..errors import DataError
+from ..model.insert import set_quantization
 from ..quant import QuantizerBase
 from .base import calibrate_activations, calibrate_weights, check_finite
+from .rounding import collect_inputs, importance, round_weights
 
 __all__ = ["calibrate", "CalibrationResult"]
 
@@ -20,8 +22,9 @@ Progress = Optional[Callable[[int, int, int], None]]
 
 
 class CalibrationResult:
-    def __init__(self, unused: List[str]):
+    def __init__(self, unused: List[str], codes: Optional[Dict[str, torch.Tensor]] = None):
         self.unused = unused  # activation quantizers whose module never ran
+        self.codes = codes or {}  # weight quantizer name -> codes chosen by a rounding algorithm (GPTQ)
 
 
 def calibrate(
@@ -32,14 +35,17 @@ def calibrate(
     device: torch.device,
     progress: Progress = None,
 ) -> CalibrationResult:
-    """Weights from the weights themselves, then activations from the data (AIMET's order and semantics)."""
+    """Weights from the weights themselves, then activations from the data (AIMET's order and semantics).
+
+    Weight rows that need their layer's inputs (GPTQ, activation-weighted search) first get them from one pass of
+    the float model (every quantizer off); GPTQ then writes its codes into the weights before the activations
+    calibrate, so activation ranges are those of the model that will be exported."""
     modules = dict(model.named_modules())
-    calibrate_weights(plan.weights, lambda q: quantizers[q.name], lambda q: modules[q.module]._parameters["weight"])
     acts = plan.activations
-    if not acts:
-        return CalibrationResult([])
-    if data is None or len(data) == 0:
-        raise DataError("the recipe quantizes activations, which needs calibration data: pass --data")
+    inputs = [q for q in plan.weights if q.needs_inputs]
+    if (acts or inputs) and (data is None or len(data) == 0):
+        raise DataError("the recipe quantizes activations or chooses weights from data, which needs calibration "
+                        "data: pass --data")
 
     def run():
         for i, batch in enumerate(data):
@@ -52,7 +58,21 @@ def calibrate(
             if progress:
                 progress(i + 1, len(data), b.size)
 
+    stats = {}
+    if inputs:
+        set_quantization(model, False)
+        try:
+            stats = collect_inputs({q.module: modules[q.module] for q in inputs},
+                                   [q.module for q in inputs if q.rounding != "nearest"], run)
+        finally:
+            set_quantization(model, True)
+    calibrate_weights(plan.weights, lambda q: quantizers[q.name], lambda q: modules[q.module]._parameters["weight"],
+                      importance_for=lambda q: importance(q, stats))
+    codes = round_weights(inputs, modules, quantizers, stats, plan.warnings)
+    if not acts:
+        check_finite(plan.quantizers, quantizers)
+        return CalibrationResult([], codes)
     calibrate_activations(acts, quantizers, run)
     unused = [q.name for q in acts if not quantizers[q.name].is_initialized()]
     check_finite(plan.quantizers, quantizers)
-    return CalibrationResult(unused)
+    return CalibrationResult(unused, codes)

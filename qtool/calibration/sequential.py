@@ -32,6 +32,7 @@ from ..errors import CheckpointError, DataError, UsageError
 from ..io.checkpoint import CheckpointTensors
 from ..model.insert import insert_quantizers
 from .base import calibrate_activations, calibrate_weights
+from .rounding import collect_inputs, importance, round_weights
 
 __all__ = ["calibrate_sequential"]
 
@@ -69,8 +70,11 @@ def _release(module: nn.Module) -> None:
 
 
 def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.device, model: nn.Module,
-                         on_block: Optional[Callable[[int, int], None]] = None) -> List[EncodingEntry]:
-    """Calibrate ``plan`` on ``model`` (a meta-device skeleton from ``qtool.model.hf.meta_causal_lm``), block by block."""
+                         on_block: Optional[Callable[[int, int], None]] = None,
+                         codes: Optional[Dict[str, torch.Tensor]] = None) -> List[EncodingEntry]:
+    """Calibrate ``plan`` on ``model`` (a meta-device skeleton from ``qtool.model.hf.meta_causal_lm``), block by
+    block. Codes chosen by a rounding algorithm go into ``codes`` (quantizer name -> int64 tensor)."""
+    codes = {} if codes is None else codes
     src = CheckpointTensors(path)
     keys = set(src.keys())
     tied = getattr(model.config, "tie_word_embeddings", False)
@@ -94,14 +98,24 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
 
     entries: Dict[str, EncodingEntry] = {}
 
-    def calibrate_rows(rows, run: Callable[[], None]):
-        """Insert and calibrate the quantizers of ``rows``; ``run`` feeds the data."""
+    def calibrate_rows(rows, run: Callable[[], None], run_float: Optional[Callable[[], None]] = None):
+        """Insert and calibrate the quantizers of ``rows``; ``run`` feeds the data. Weights chosen from data
+        (GPTQ, activation weighting) first get their layers' inputs from ``run_float`` (the float block on the
+        same inputs, before any quantizer is inserted), so each block's statistics come from the quantized
+        outputs of the blocks before it."""
         if not rows:
             run()
             return
         sub = Plan(rows)
+        inputs = [q for q in sub.weights if q.needs_inputs]
+        stats = {}
+        if inputs:
+            stats = collect_inputs({q.module: modules[q.module] for q in inputs},
+                                   [q.module for q in inputs if q.rounding != "nearest"], run_float or run)
         qs = insert_quantizers(model, sub)
-        calibrate_weights(sub.weights, lambda q: qs[q.name], lambda q: modules[q.module]._parameters["weight"])
+        calibrate_weights(sub.weights, lambda q: qs[q.name], lambda q: modules[q.module]._parameters["weight"],
+                          importance_for=lambda q: importance(q, stats))
+        codes.update(round_weights(inputs, modules, qs, stats, plan.warnings))
         calibrate_activations(sub.activations, qs, run)
         for q in rows:
             if qs[q.name].is_initialized():
@@ -152,7 +166,11 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
                 out = block(*args, **kwargs)
                 outputs.append(out[0] if isinstance(out, (tuple, list)) else out)
 
-        calibrate_rows(rows_under(prefix), run_block)
+        def run_float():
+            for args, kwargs in captured:
+                block(*args, **kwargs)
+
+        calibrate_rows(rows_under(prefix), run_block, run_float)
         captured = [((outputs[j],) + tuple(args[1:]), kwargs) for j, (args, kwargs) in enumerate(captured)]
         _release(block)
         done += 1

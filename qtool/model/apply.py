@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from typing import Dict
 
+import torch
 from torch import nn
 
 from ..config import Plan, QuantizerPlan
 from ..encodings import EncodingsFile
 from ..errors import EncodingsError
 from ..quant import QuantizerBase
-from .insert import insert_quantizers
+from ..quant.affine import dequantize
+from ..weights import WeightSource
+from .insert import insert_quantizers, set_stored_weight
 
-__all__ = ["plan_from_encodings", "apply_encodings"]
+__all__ = ["plan_from_encodings", "apply_encodings", "apply_stored_weights"]
 
 
 def plan_from_encodings(enc: EncodingsFile, model: nn.Module, source: str) -> Plan:
@@ -42,3 +45,27 @@ def apply_encodings(model: nn.Module, enc: EncodingsFile, source: str) -> Dict[s
         lo, hi = e.range()
         quantizers[e.name].set_range(lo.to(quantizers[e.name].min.device), hi.to(quantizers[e.name].max.device))
     return quantizers
+
+
+def apply_stored_weights(model: nn.Module, weights: WeightSource) -> None:
+    """Put what the encodings' codes file stored into ``model``: a stored-codes weight's fake-quant value becomes its
+    dequantized codes (the float weight stays, so the float reference is unchanged), and each replaced tensor
+    takes its stored value."""
+    modules = dict(model.named_modules())
+    for e in weights.encodings.entries:
+        if e.tensor != "weight" or not weights.has_stored_codes(e):
+            continue
+        w = modules[e.module]._parameters["weight"]
+        codes = weights.stored_codes(e, tuple(w.shape))
+        scale, offset = e.scale_offset()
+        fixed = dequantize(codes.to(torch.float32), scale.to(w.device), offset.to(w.device), block_size=e.block_size)
+        set_stored_weight(modules[e.module], fixed.to(w.dtype))
+    if weights.replaced():
+        state = dict(model.named_parameters())
+        state.update(dict(model.named_buffers()))
+        for key in weights.replaced():
+            target = state.get(key)
+            if target is None:
+                raise EncodingsError(f"{weights.path}: replaced tensor {key!r} is not a parameter of this model")
+            with torch.no_grad():
+                target.copy_(weights.get(key).to(target.dtype))

@@ -20,6 +20,7 @@ __all__ = ["insert_quantizers", "remove_quantizers", "iter_quantizers", "Quantiz
 
 _ATTR = "qtool_quantizers"
 _CLASS_CACHE: Dict[type, type] = {}
+_STORED = "_qtool_stored_weight"
 
 
 def _plain(t):
@@ -56,6 +57,9 @@ def _fake_quant_weight(module: nn.Module, quantizer: QuantizerBase) -> torch.Ten
     w = module._parameters["weight"]
     if not quantizer.enabled:
         return w
+    stored = module.__dict__.get(_STORED)
+    if stored is not None:
+        return stored
     if torch.is_grad_enabled() or quantizer._calibrating or torch.jit.is_tracing():
         return _plain(quantizer(w))
     key = (id(w), w._version, w.dtype, w.device, id(quantizer.min), quantizer.min._version,
@@ -66,6 +70,14 @@ def _fake_quant_weight(module: nn.Module, quantizer: QuantizerBase) -> torch.Ten
     out = _plain(quantizer(w))
     module.__dict__["_qtool_weight_cache"] = (key, out)
     return out
+
+
+def set_stored_weight(module: nn.Module, weight: torch.Tensor) -> None:
+    """Make ``weight`` (dequantized codes a rounding algorithm chose) the module's fake-quant weight, in place of
+    round-to-nearest of its float weight; the float weight itself is left as it is (the reference)."""
+    if tuple(weight.shape) != tuple(module._parameters["weight"].shape):
+        raise ValueError(f"stored weight of shape {list(weight.shape)} does not fit {list(module.weight.shape)}")
+    module.__dict__[_STORED] = weight
 
 
 def _quantized_class(cls: type) -> type:
@@ -195,6 +207,7 @@ def remove_quantizers(model: nn.Module) -> None:
         if hasattr(module, _ATTR):
             del module._modules[_ATTR]
             module.__dict__.pop("_qtool_weight_cache", None)
+            module.__dict__.pop(_STORED, None)
             module.__class__ = module._qtool_base
 
 

@@ -134,13 +134,17 @@ class QuantizerBase(nn.Module):
         self.encoding_analyzer.reset_stats()
 
     @torch.no_grad()
-    def observe(self, x: torch.Tensor) -> None:
+    def observe(self, x: torch.Tensor, importance: Optional[torch.Tensor] = None) -> None:
         """Feed ``x`` to the analyzer only (inside ``compute_encodings``): the statistics a forward call would
-        collect, without computing its output. Raises ``ValueError`` if this quantizer cannot apply to ``x``."""
+        collect, without computing its output. ``importance`` (broadcastable to ``x``) goes to analyzers whose
+        search is weighted. Raises ``ValueError`` if this quantizer cannot apply to ``x``."""
         if not self._calibrating:
             raise RuntimeError("observe() is only meaningful inside compute_encodings()")
         self.check_input(x)
-        self.encoding_analyzer.update_stats(x)
+        if importance is None:
+            self.encoding_analyzer.update_stats(x)
+        else:
+            self.encoding_analyzer.update_stats(x, importance=importance)
 
     def _range_for_call(self, x: torch.Tensor):
         if self._calibrating:

@@ -21,6 +21,7 @@ class MseStatistics:
     rows: torch.Tensor
     min: torch.Tensor
     max: torch.Tensor
+    weights: Optional[torch.Tensor] = None  # (E, M) each value's weight in the error (activation weighting)
 
     @staticmethod
     def merge(a, b):
@@ -47,6 +48,11 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
     encoding keeps the candidate with the least ``sum((qdq(x) - x) ** 2)`` over its values (the first, i.e. the
     widest, on ties). ``alpha = 1`` is exactly the min-max encoding, so the result is never worse than min-max.
 
+    ``weighting="activations"``: each value's squared error is multiplied by an importance given with the weight
+    (``update_stats(w, importance=...)``, broadcastable to ``w``; calibration passes each input channel's mean
+    ``x²`` over the calibration data, llama.cpp's importance matrix), so the search minimizes an estimate of the
+    layer's output error instead of the weight's own. Weighted searches are not pruned.
+
     All encodings (channels, blocks) are searched at once; candidates go in chunks that bound the temporaries.
     A row skips a chunk when no candidate in it can win: a candidate's error is at least the squared error of
     the row's largest (smallest) value where the candidate's grid clips it, and where that bound exceeds the
@@ -65,8 +71,13 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
         block_size: Optional[Sequence[int]] = None,
         num_candidates: int = 81,
         min_ratio: float = 0.2,
+        weighting: str = "none",
     ):
         super().__init__(shape, block_size)
+        if weighting not in ("none", "activations"):
+            raise ValueError(f"weighting must be 'none' or 'activations', got {weighting!r}")
+        self.weighting = weighting
+        self._weights: Optional[torch.Tensor] = None
         if int(num_candidates) < 1:
             raise ValueError(f"num_candidates must be at least 1, got {num_candidates}")
         if not 0 < min_ratio <= 1:
@@ -78,21 +89,31 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
         self.max: Optional[torch.Tensor] = None
 
     @torch.no_grad()
-    def update_stats(self, x: torch.Tensor):
-        """Keep this batch's values (``fold(collect(x))``); returns its own ``(min, max)`` (float32, on the
-        device the values are kept on)."""
-        stats = self.collect(x)
+    def update_stats(self, x: torch.Tensor, importance: Optional[torch.Tensor] = None):
+        """Keep this batch's values (``fold(collect(x, importance))``); returns its own ``(min, max)`` (float32, on
+        the device the values are kept on)."""
+        stats = self.collect(x, importance)
         self.fold(stats)
         dev = self._rows.device
         return stats.min.to(dev).reshape(self.shape), stats.max.to(dev).reshape(self.shape)
 
     @torch.no_grad()
-    def collect(self, x: torch.Tensor) -> MseStatistics:
-        """The weight's values as :class:`MseStatistics` (float32 rows and each row's min and max)."""
+    def collect(self, x: torch.Tensor, importance: Optional[torch.Tensor] = None) -> MseStatistics:
+        """The weight's values as :class:`MseStatistics` (float32 rows and each row's min and max), with their
+        importance laid out the same way when the search is weighted."""
         x = x.detach().as_subclass(torch.Tensor)
         rows = _encoding_rows(x, self.shape, self.block_size).to(torch.float32)
         mn, mx = torch.aminmax(rows, dim=1)
-        return MseStatistics(rows, mn, mx)
+        weights = None
+        if self.weighting == "activations":
+            if importance is None:
+                raise ValueError("analyzer mse with weighting: activations needs each value's importance "
+                                 "(the layer's input statistics from calibration data)")
+            imp = torch.as_tensor(importance).detach().to(x.device, torch.float32).expand(x.shape)
+            weights = _encoding_rows(imp.contiguous(), self.shape, self.block_size)
+            if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
+                raise ValueError("activation importance must be finite and non-negative")
+        return MseStatistics(rows, mn, mx, weights)
 
     @torch.no_grad()
     def fold(self, stats: MseStatistics) -> None:
@@ -100,26 +121,32 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
         always did), with the running min and max."""
         if not isinstance(stats, MseStatistics):
             raise TypeError(f"{type(self).__name__}.fold() takes MseStatistics, got {type(stats).__name__}")
-        rows, mn, mx = stats.rows, stats.min, stats.max
+        rows, mn, mx, weights = stats.rows, stats.min, stats.max, stats.weights
+        if (weights is None) != (self.weighting == "none"):
+            raise ValueError("weighted and unweighted MSE statistics cannot be mixed")
         num_enc = math.prod(self.shape)
         if rows.dim() != 2 or rows.shape[0] != num_enc:
             raise ValueError(f"values of shape {tuple(rows.shape)} do not fit {num_enc} encoding rows "
                              f"(encoding shape {self.shape})")
         if self._rows is None:
             self._rows, self.min, self.max = rows.clone(), mn, mx
+            self._weights = None if weights is None else weights.clone()
         else:
             rows, mn, mx = rows.to(self._rows.device), mn.to(self._rows.device), mx.to(self._rows.device)
             self._rows = torch.cat([self._rows, rows], dim=1)
+            if weights is not None:
+                self._weights = torch.cat([self._weights, weights.to(self._rows.device)], dim=1)
             self.min, self.max = torch.minimum(self.min, mn), torch.maximum(self.max, mx)
 
     def statistics(self) -> Optional[MseStatistics]:
         """The values kept so far and their running min and max (copies), or None. It cannot be merged."""
         if self._rows is None:
             return None
-        return MseStatistics(self._rows.clone(), self.min.clone(), self.max.clone())
+        return MseStatistics(self._rows.clone(), self.min.clone(), self.max.clone(),
+                             None if self._weights is None else self._weights.clone())
 
     def reset_stats(self) -> None:
-        self._rows = self.min = self.max = None
+        self._rows = self.min = self.max = self._weights = None
 
     def has_stats(self) -> bool:
         return self._rows is not None
@@ -140,7 +167,7 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
             raise NoStatisticsError("no statistics: call update_stats() with data first")
         n = int(num_steps)
         qmin, qmax = resolve_grid(num_steps=n, signed=is_symmetric)
-        rows = self._rows
+        rows, weights = self._rows, self._weights
         num_enc, width = rows.shape
         alphas = self.candidate_ratios(rows.device)[:, None]
         best_err = best_mn = best_mx = upper = None
@@ -160,7 +187,7 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
         while i < alphas.shape[0]:
             chunk = max(1, _CHUNK_ELEMENTS // max(1, num_enc * width))
             idx = None
-            if upper is not None and self.prune and (width < (1 << 15) or num_enc == 1):
+            if upper is not None and self.prune and weights is None and (width < (1 << 15) or num_enc == 1):
                 bound = grids(i, i + 1)[4]
                 idx = (bound * slack <= upper).any(dim=0).nonzero()[:, 0]
                 if idx.shape[0] == 0:
@@ -179,7 +206,10 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
                 sub = rows
             xs = sub.expand(num, *sub.shape)
             qdq = quantize_dequantize(xs, scale[..., None], offset[..., None], qmin=qmin, qmax=qmax)
-            err = qdq.sub_(sub).pow_(2).sum(dim=-1)
+            err = qdq.sub_(sub).pow_(2)
+            if weights is not None:
+                err.mul_(weights if idx is None else weights.index_select(0, idx))
+            err = err.sum(dim=-1)
             if upper is None:
                 upper = err[0].to(torch.float64)  # alpha = 1: the min-max encoding
             err, arg = torch.min(err, dim=0)  # first minimum: the widest candidate of this chunk

@@ -1,0 +1,145 @@
+"""Weights chosen from data: each layer's input statistics, and the rounding algorithms that use them.
+
+:class:`InputStatistics` is what one layer's inputs leave behind over the calibration data: the token count, the
+per-channel sum of ``x²`` (an activation-weighted search's importance, ``E[x²]``) and, for GPTQ, ``XᵀX``.
+Statistics of two data shards merge by addition (exact up to float32 summation order).
+
+:func:`collect_inputs` gathers them with forward pre-hooks while the caller runs the data (modules in sorted
+name order); :func:`round_weights` turns them into GPTQ codes for the rows that ask for it and writes the
+dequantized codes back into the layer's weight, so the fake-quant model, its outputs to later layers and
+``qtool report`` all see exactly the codes that go to the files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+from torch import nn
+
+from ...config import QuantizerPlan
+from ...errors import DataError
+from ...quant import QuantizerBase
+from ...quant.affine import dequantize
+from .gptq import gptq_codes
+
+__all__ = ["InputStatistics", "collect_inputs", "round_weights", "importance", "gptq_codes"]
+
+
+@dataclass(frozen=True, eq=False)
+class InputStatistics:
+    """A Linear layer's inputs over the calibration data: ``count`` tokens, ``sq`` ``(in,)`` = ``sum x²`` per
+    input channel, ``xtx`` ``(in, in)`` = ``sum x xᵀ`` (or None where no algorithm asked for it)."""
+
+    count: int
+    sq: torch.Tensor
+    xtx: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def merge(a: "InputStatistics", b: "InputStatistics") -> "InputStatistics":
+        """The statistics of both shards' inputs (sums add; ``a`` first, so a fixed order gives fixed bytes)."""
+        if (a.xtx is None) != (b.xtx is None) or a.sq.shape != b.sq.shape:
+            raise ValueError("input statistics of different layers or kinds cannot be merged")
+        return InputStatistics(a.count + b.count, a.sq + b.sq.to(a.sq.device),
+                               None if a.xtx is None else a.xtx + b.xtx.to(a.xtx.device))
+
+    def mean_square(self) -> torch.Tensor:
+        """``E[x²]`` per input channel."""
+        return self.sq / max(self.count, 1)
+
+
+class _Collector:
+    def __init__(self, hessian: bool):
+        self.hessian = hessian
+        self.count = 0
+        self.sq: Optional[torch.Tensor] = None
+        self.xtx: Optional[torch.Tensor] = None
+
+    def __call__(self, module: nn.Module, args, kwargs) -> None:
+        x = args[0] if args else kwargs.get("input")
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return
+        x = x.detach().as_subclass(torch.Tensor)
+        rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        if self.sq is None:
+            self.sq = torch.zeros(rows.shape[1], device=rows.device)
+            if self.hessian:
+                self.xtx = torch.zeros(rows.shape[1], rows.shape[1], device=rows.device)
+        self.count += rows.shape[0]
+        self.sq += rows.square().sum(dim=0)
+        if self.hessian:
+            self.xtx.addmm_(rows.T, rows)
+
+    def statistics(self) -> Optional[InputStatistics]:
+        return None if self.sq is None else InputStatistics(self.count, self.sq, self.xtx)
+
+
+def collect_inputs(modules: Dict[str, nn.Module], hessian: Iterable[str],
+                   run: Callable[[], None]) -> Dict[str, InputStatistics]:
+    """Input statistics of ``modules`` (name -> Linear) while ``run()`` feeds the data; ``XᵀX`` for the names in
+    ``hessian``. A module that never ran is absent from the result."""
+    want = set(hessian)
+    collectors = {name: _Collector(name in want) for name in sorted(modules)}
+    with contextlib.ExitStack() as stack:
+        for name, c in collectors.items():
+            stack.callback(modules[name].register_forward_pre_hook(c, with_kwargs=True).remove)
+        with torch.no_grad():
+            run()
+    return {name: s for name, c in collectors.items() if (s := c.statistics()) is not None}
+
+
+def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics]) -> Optional[torch.Tensor]:
+    """The weight's per-value importance for an activation-weighted search (``E[x²]`` of each value's input
+    channel, shaped ``(1, in)``), or None where the row's search is unweighted."""
+    if dict(q.analyzer_args).get("weighting") != "activations":
+        return None
+    s = stats.get(q.module)
+    if s is None:
+        raise DataError(f"{q.module} never ran on the calibration data: no input statistics to weight "
+                         f"{q.name}'s search")
+    return s.mean_square()[None, :]
+
+
+def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quantizers: Dict[str, QuantizerBase],
+                  stats: Dict[str, InputStatistics], warnings: Optional[List[str]] = None,
+                  on_weight: Optional[Callable[[str], None]] = None) -> Dict[str, torch.Tensor]:
+    """Codes for every row whose ``rounding`` is not nearest (GPTQ), on the grid its quantizer was calibrated to.
+
+    Each layer's weight is overwritten with its dequantized codes (which round to exactly those codes again), so
+    anything that runs the model afterwards (activation calibration, later blocks, reports) sees the chosen
+    weights. A weight shared with another module (tied embeddings) keeps round-to-nearest, with a warning:
+    changing it would change the other module too. Returns quantizer name -> int64 codes."""
+    shared: Dict[int, int] = {}
+    for m in modules.values():
+        for p in m.parameters(recurse=False):
+            shared[id(p)] = shared.get(id(p), 0) + 1
+    out: Dict[str, torch.Tensor] = {}
+    for q in rows:
+        if q.rounding == "nearest":
+            continue
+        module = modules[q.module]
+        w = module._parameters["weight"]
+        if shared.get(id(w), 0) > 1:
+            if warnings is not None:
+                warnings.append(f"{q.name}: shared with another module (tied weights); rounded to nearest, "
+                                f"not {q.rounding}")
+            continue
+        s = stats.get(q.module)
+        if s is None or s.xtx is None:
+            raise DataError(f"{q.module} never ran on the calibration data: {q.rounding} has no inputs for it")
+        quantizer = quantizers[q.name]
+        scale, offset = quantizer.get_scale().detach(), quantizer.get_offset().detach()
+        try:
+            codes = gptq_codes(w.detach(), s.xtx, scale, offset, quantizer.qmin, quantizer.qmax, q.block_size,
+                               **dict(q.rounding_args))
+        except ValueError as e:
+            raise DataError(f"{q.name}: {e}") from None
+        with torch.no_grad():
+            w.copy_(dequantize(codes.to(torch.float32), scale.to(w.device), offset.to(w.device),
+                               block_size=q.block_size).to(w.dtype))
+        out[q.name] = codes.cpu()
+        if on_weight is not None:
+            on_weight(q.name)
+    return out

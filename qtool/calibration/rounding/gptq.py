@@ -1,0 +1,109 @@
+"""GPTQ (Frantar et al., 2022): integer codes for a Linear weight, chosen column by column with the inverse-Hessian
+error feedback, on a grid that is already fixed.
+
+Input: the weight ``W`` ``(out, in)``, the layer-input Hessian ``H = sum(x xᵀ)`` ``(in, in)`` over the calibration
+tokens, and the encoding the analyzer chose (per-element ``scale``/``offset`` expanded from any granularity:
+per-tensor, per-channel or blocks along the input). Output: codes in ``[qmin, qmax]``, as ``quantize`` gives
+them, so ``dequantize(codes)`` is the layer's quantized weight and every exporter writes them unchanged.
+
+The grid is the analyzer's and is never re-chosen while columns are updated (GPTQ's "static groups"): the scales
+in every file are the ones calibration reported, and act-order needs no group bookkeeping. With ``H`` a multiple
+of the identity no column feeds error to another, and the codes are exactly round-to-nearest.
+
+Steps, for columns in order (or by decreasing ``H_jj`` with ``act_order``), in blocks of ``block_columns``:
+``H += dampening * mean(diag H) * I``; ``U = chol(H⁻¹)ᵀ`` (upper); for column ``j``: ``q_j = Q(w_j)``,
+``e_j = (w_j - dequant(q_j)) / U_jj``, ``w_k -= e_j U_jk`` for the later columns ``k`` of the block; after the
+block, the later blocks take the block's errors at once (one matmul). Columns whose input is always zero
+(``H_jj = 0``) keep round-to-nearest and feed nothing forward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ...quant.affine import blocked_shapes, dequantize, quantize
+
+__all__ = ["gptq_codes", "expand_encoding"]
+
+
+def expand_encoding(t: torch.Tensor, weight_shape: Sequence[int], block_size: Optional[Sequence[int]]) -> torch.Tensor:
+    """An encoding tensor (scale or offset, in the encoding's shape) expanded to one value per weight element."""
+    t = torch.as_tensor(t)
+    if t.dim() == 0:
+        return t.expand(tuple(weight_shape)).contiguous()
+    x_view, enc_view, _ = blocked_shapes(weight_shape, t.shape, block_size)
+    return t.reshape(enc_view).expand(x_view).reshape(tuple(weight_shape)).contiguous()
+
+
+@torch.no_grad()
+def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+               qmin: int, qmax: int, block_size: Optional[Sequence[int]] = None, *, block_columns: int = 128,
+               dampening: float = 0.01, act_order: bool = True) -> torch.Tensor:
+    """GPTQ codes (int64, the weight's shape) for ``weight`` ``(out, in)`` on the grid ``scale``/``offset`` (in the
+    encoding's shape with ``block_size``, as :func:`qtool.quant.affine.quantize` takes them).
+
+    ``hessian`` ``(in, in)`` is ``sum(x xᵀ)`` over the layer's inputs (any positive multiple gives the same codes
+    up to float rounding). Computed in float32 on the weight's device; ``block_columns`` only trades speed for
+    memory; ``dampening`` is the fraction of the mean diagonal added to it; ``act_order`` visits columns by
+    decreasing ``H_jj`` (the grid stays the analyzer's, so this changes codes, never scales)."""
+    if weight.dim() != 2:
+        raise ValueError(f"GPTQ takes a 2-D (out, in) weight, got shape {list(weight.shape)}")
+    rows, cols = weight.shape
+    if tuple(hessian.shape) != (cols, cols):
+        raise ValueError(f"Hessian of shape {list(hessian.shape)} does not fit a weight with {cols} input columns")
+    if block_columns < 1 or not 0 <= dampening:
+        raise ValueError("block_columns must be >= 1 and dampening >= 0")
+    dev = weight.device
+    W = weight.detach().to(torch.float32).clone()
+    S = expand_encoding(scale.to(dev, torch.float32), W.shape, block_size)
+    O = expand_encoding(offset.to(dev, torch.float32), W.shape, block_size)
+    H = hessian.detach().to(dev, torch.float32).clone()
+    diag = torch.diagonal(H)
+    dead = diag <= 0
+    diag[dead] = 1.0
+    H[dead, :] = 0.0
+    H[:, dead] = 0.0
+    H[dead, dead] = 1.0
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
+        W, S, O, H = W[:, perm], S[:, perm], O[:, perm], H[perm][:, perm]
+    H.diagonal().add_(dampening * float(torch.diagonal(H).mean()))
+    U = _upper_inverse_cholesky(H)
+
+    codes = torch.empty_like(W)
+    for i1 in range(0, cols, block_columns):
+        i2 = min(i1 + block_columns, cols)
+        W1 = W[:, i1:i2].clone()
+        E1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w = W1[:, i]
+            s, o = S[:, i1 + i], O[:, i1 + i]
+            q = quantize(w, s, o, qmin=qmin, qmax=qmax)
+            codes[:, i1 + i] = q
+            err = (w - dequantize(q, s, o)) / U1[i, i]
+            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
+            E1[:, i] = err
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    if perm is not None:
+        codes = codes[:, torch.argsort(perm)]
+    return codes.to(torch.int64)
+
+
+def _upper_inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
+    """``U`` upper-triangular with ``Uᵀ U = H⁻¹``; more dampening is added if ``H`` is numerically not positive
+    definite (a layer fed few, nearly collinear tokens)."""
+    extra = 0.0
+    mean = float(torch.diagonal(H).mean())
+    for _ in range(6):
+        L, info = torch.linalg.cholesky_ex(H if extra == 0 else H + extra * mean * torch.eye(len(H), device=H.device))
+        if int(info) == 0:
+            Hinv = torch.cholesky_inverse(L)
+            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if int(info) == 0:
+                return U
+        extra = 0.01 if extra == 0 else extra * 10
+    raise ValueError("the layer-input Hessian is not positive definite even with dampening 1e4 x its mean diagonal")
