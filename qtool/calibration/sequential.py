@@ -115,7 +115,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         qs = insert_quantizers(model, sub)
         calibrate_weights(sub.weights, lambda q: qs[q.name], lambda q: modules[q.module]._parameters["weight"],
                           importance_for=lambda q: importance(q, stats))
-        codes.update(round_weights(inputs, modules, qs, stats, plan.warnings))
+        codes.update(round_weights(inputs, modules, qs, stats, plan.warnings,
+                                   tied=["lm_head"] if tied else []))
         calibrate_activations(sub.activations, qs, run)
         for q in rows:
             if qs[q.name].is_initialized():

@@ -104,13 +104,15 @@ def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics]) -> Optional[
 
 def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quantizers: Dict[str, QuantizerBase],
                   stats: Dict[str, InputStatistics], warnings: Optional[List[str]] = None,
-                  on_weight: Optional[Callable[[str], None]] = None) -> Dict[str, torch.Tensor]:
+                  on_weight: Optional[Callable[[str], None]] = None, tied: Iterable[str] = ()) -> Dict[str, torch.Tensor]:
     """Codes for every row whose ``rounding`` is not nearest (GPTQ), on the grid its quantizer was calibrated to.
 
     Each layer's weight is overwritten with its dequantized codes (which round to exactly those codes again), so
     anything that runs the model afterwards (activation calibration, later blocks, reports) sees the chosen
     weights. A weight shared with another module (tied embeddings) keeps round-to-nearest, with a warning:
-    changing it would change the other module too. Returns quantizer name -> int64 codes."""
+    changing it would change the other module too; ``tied`` names modules whose weight is tied in the checkpoint
+    though the caller loaded a separate copy. Returns quantizer name -> int64 codes."""
+    tied = set(tied)
     shared: Dict[int, int] = {}
     for m in modules.values():
         for p in m.parameters(recurse=False):
@@ -121,7 +123,7 @@ def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quan
             continue
         module = modules[q.module]
         w = module._parameters["weight"]
-        if shared.get(id(w), 0) > 1:
+        if shared.get(id(w), 0) > 1 or q.module in tied:
             if warnings is not None:
                 warnings.append(f"{q.name}: shared with another module (tied weights); rounded to nearest, "
                                 f"not {q.rounding}")

@@ -14,7 +14,9 @@ Steps, for columns in order (or by decreasing ``H_jj`` with ``act_order``), in b
 ``H += dampening * mean(diag H) * I``; ``U = chol(H⁻¹)ᵀ`` (upper); for column ``j``: ``q_j = Q(w_j)``,
 ``e_j = (w_j - dequant(q_j)) / U_jj``, ``w_k -= e_j U_jk`` for the later columns ``k`` of the block; after the
 block, the later blocks take the block's errors at once (one matmul). Columns whose input is always zero
-(``H_jj = 0``) keep round-to-nearest and feed nothing forward.
+(``H_jj = 0``) keep round-to-nearest and feed nothing forward. Last, each output row keeps GPTQ's codes or
+round-to-nearest, whichever gives the smaller output error on the calibration inputs (``d H dᵀ``): GPTQ is
+greedy, and on small layers a row can come out worse. So a layer's output error is never above RTN's.
 """
 
 from __future__ import annotations
@@ -90,7 +92,24 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
-    return codes.to(torch.int64)
+    # GPTQ is greedy: on a small or nearly dead layer a row can end up worse than rounding to nearest. Rows are
+    # independent, so each keeps whichever of the two has the smaller output error on the calibration inputs
+    return _better_rows(weight.detach().to(torch.float32), hessian.detach().to(dev, torch.float32), codes,
+                        scale.to(dev, torch.float32), offset.to(dev, torch.float32), qmin, qmax, block_size)
+
+
+def _better_rows(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale, offset, qmin: int, qmax: int,
+                 block_size) -> torch.Tensor:
+    """Per output row, ``codes`` or round-to-nearest, whichever has the smaller ``d H dᵀ`` (``d`` the row's
+    weight error: the row's squared output error summed over the calibration inputs); ties keep ``codes``."""
+    rtn = quantize(W, scale, offset, qmin=qmin, qmax=qmax, block_size=block_size)
+
+    def row_error(c):
+        d = W - dequantize(c, scale, offset, block_size=block_size)
+        return ((d.to(torch.float64) @ H.to(torch.float64)) * d.to(torch.float64)).sum(dim=1)
+
+    keep = row_error(codes) <= row_error(rtn)
+    return torch.where(keep[:, None], codes, rtn).to(torch.int64)
 
 
 def _upper_inverse_cholesky(H: torch.Tensor) -> torch.Tensor:

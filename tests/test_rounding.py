@@ -1,0 +1,289 @@
+"""Weights chosen from data: GPTQ codes and the activation-weighted MSE search, from the math to the files."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import qtool
+from qtool.calibration.rounding import InputStatistics, collect_inputs
+from qtool.calibration.rounding.gptq import expand_encoding, gptq_codes
+from qtool.config import parse_recipe, resolve_plan
+from qtool.export.qtool_st import read_integer_export
+from qtool.model.insert import _fake_quant_weight, iter_quantizers
+from qtool.quant.affine import adjust_min_max, dequantize, grid, min_max_to_scale_offset, quantize, reduce_to_shape
+from qtool.quant.analysis.mse import MseEncodingAnalyzer
+
+from tests.helpers import run_cli
+from tests.tinymodels import mlp
+
+MLP = "tests.tinymodels:mlp"
+
+
+def _layer(seed, out, blocks, block, bits, symmetric, tokens):
+    g = torch.Generator().manual_seed(seed)
+    inn = blocks * block
+    w = torch.randn(out, inn, generator=g)
+    # correlated inputs with uneven channel scales and a mean: the case where error feedback matters
+    x = (torch.randn(tokens, inn, generator=g) * torch.rand(inn, generator=g) * 3
+         + torch.randn(1, inn, generator=g)) @ (torch.eye(inn) + 0.3 * torch.randn(inn, inn, generator=g))
+    shape, bs = (out, blocks), (1, block)
+    qmin, qmax = grid(bits, symmetric)
+    mn, mx = reduce_to_shape(w, shape, bs)
+    mn, mx = adjust_min_max(mn, mx, qmax - qmin, symmetric)
+    scale, offset = min_max_to_scale_offset(mn, mx, qmin, qmax, symmetric)
+    return w, x, scale, offset, qmin, qmax, bs
+
+
+def _output_error(w, x, codes, scale, offset, bs):
+    d = w - dequantize(codes.to(torch.float32), scale, offset, block_size=bs)
+    return float((x @ d.T).pow(2).sum())
+
+
+layers = st.tuples(st.integers(0, 10**6), st.integers(1, 24), st.integers(1, 4), st.sampled_from([4, 8, 16]),
+                   st.sampled_from([2, 3, 4, 8]), st.booleans(), st.integers(1, 200))
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers, st.booleans())
+def test_gptq_output_error_is_at_most_round_to_nearest(layer, act_order):
+    w, x, scale, offset, qmin, qmax, bs = _layer(*layer)
+    rtn = quantize(w, scale, offset, qmin=qmin, qmax=qmax, block_size=bs)
+    codes = gptq_codes(w, x.T @ x, scale, offset, qmin, qmax, bs, act_order=act_order, block_columns=8)
+    assert codes.dtype == torch.int64 and codes.shape == w.shape
+    assert int(codes.min()) >= qmin and int(codes.max()) <= qmax  # on the analyzer's grid
+    assert _output_error(w, x, codes, scale, offset, bs) <= _output_error(w, x, rtn, scale, offset, bs) * (1 + 1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers, st.floats(0.1, 100), st.booleans())
+def test_gptq_with_an_identity_hessian_is_round_to_nearest_exactly(layer, diag, act_order):
+    w, _, scale, offset, qmin, qmax, bs = _layer(*layer)
+    rtn = quantize(w, scale, offset, qmin=qmin, qmax=qmax, block_size=bs)
+    codes = gptq_codes(w, torch.eye(w.shape[1]) * diag, scale, offset, qmin, qmax, bs, act_order=act_order)
+    assert torch.equal(codes.to(torch.float32), rtn)
+
+
+def test_gptq_beats_round_to_nearest_clearly_on_correlated_inputs():
+    w, x, scale, offset, qmin, qmax, bs = _layer(3, 128, 8, 32, 4, True, 2048)
+    rtn = quantize(w, scale, offset, qmin=qmin, qmax=qmax, block_size=bs)
+    codes = gptq_codes(w, x.T @ x, scale, offset, qmin, qmax, bs)
+    assert _output_error(w, x, codes, scale, offset, bs) < 0.6 * _output_error(w, x, rtn, scale, offset, bs)
+
+
+def test_gptq_dead_input_columns_keep_round_to_nearest_and_per_channel_grids_work():
+    w, x, _, _, qmin, qmax, _ = _layer(5, 16, 2, 16, 4, False, 100)
+    x[:, 7] = 0  # a channel that never carries signal
+    mn, mx = adjust_min_max(w.amin(1, keepdim=True), w.amax(1, keepdim=True), qmax - qmin, False)
+    scale, offset = min_max_to_scale_offset(mn, mx, qmin, qmax, False)
+    codes = gptq_codes(w, x.T @ x, scale, offset, qmin, qmax, None)
+    rtn = quantize(w, scale, offset, qmin=qmin, qmax=qmax)
+    assert torch.equal(codes[:, 7].float(), rtn[:, 7])
+    assert _output_error(w, x, codes, scale, offset, None) < _output_error(w, x, rtn, scale, offset, None)
+
+
+def test_gptq_refuses_shapes_that_do_not_fit():
+    with pytest.raises(ValueError, match="2-D"):
+        gptq_codes(torch.zeros(2, 3, 4), torch.eye(3), torch.ones(()), torch.zeros(()), -8, 7)
+    with pytest.raises(ValueError, match="does not fit"):
+        gptq_codes(torch.zeros(2, 3), torch.eye(4), torch.ones(()), torch.zeros(()), -8, 7)
+
+
+def test_expand_encoding_gives_each_weight_its_blocks_scale():
+    s = torch.arange(6.0).reshape(2, 3)
+    e = expand_encoding(s, (2, 12), (1, 4))
+    assert torch.equal(e[1, 4:8], torch.full((4,), 4.0)) and e.shape == (2, 12)
+    assert torch.equal(expand_encoding(torch.tensor([[1.0], [2.0]]), (2, 5), None)[:, 3], torch.tensor([1.0, 2.0]))
+
+
+def test_input_statistics_are_sums_and_merge_by_addition():
+    lin = torch.nn.Linear(6, 3)
+    xs = [torch.randn(4, 5, 6), torch.randn(2, 6)]
+    stats = collect_inputs({"l": lin}, ["l"], lambda: [lin(x) for x in xs])["l"]
+    rows = torch.cat([x.reshape(-1, 6) for x in xs])
+    assert stats.count == 22
+    torch.testing.assert_close(stats.xtx, rows.T @ rows)
+    torch.testing.assert_close(stats.mean_square(), rows.pow(2).mean(0))
+    a = collect_inputs({"l": lin}, [], lambda: lin(xs[0]))["l"]
+    b = collect_inputs({"l": lin}, [], lambda: lin(xs[1]))["l"]
+    merged = InputStatistics.merge(a, b)
+    assert merged.xtx is None and merged.count == 22
+    torch.testing.assert_close(merged.sq, stats.sq)
+
+
+# ---- activation-weighted MSE -----------------------------------------------------------------------------------
+def test_weighted_mse_with_uniform_importance_equals_the_unweighted_search():
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    plain = MseEncodingAnalyzer((16, 2), (1, 32))
+    weighted = MseEncodingAnalyzer((16, 2), (1, 32), weighting="activations")
+    plain.update_stats(w)
+    weighted.update_stats(w, importance=torch.full((1, 64), 2.5))
+    for a, b in zip(plain.compute_encodings(15, True), weighted.compute_encodings(15, True)):
+        assert torch.equal(a, b)
+
+
+def test_weighted_mse_lowers_the_weighted_error_and_needs_importance():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 64, generator=g)
+    imp = torch.rand(1, 64, generator=g) ** 4 * 100  # a few channels matter much more
+    qmin, qmax = grid(4, True)
+
+    def weighted_error(analyzer):
+        mn, mx = analyzer.compute_encodings(qmax - qmin, True)
+        s, o = min_max_to_scale_offset(mn, mx, qmin, qmax, True)
+        d = w - dequantize(quantize(w, s, o, qmin=qmin, qmax=qmax, block_size=(1, 32)), s, o, block_size=(1, 32))
+        return float((d.pow(2) * imp).sum())
+
+    plain, weighted = MseEncodingAnalyzer((32, 2), (1, 32)), MseEncodingAnalyzer((32, 2), (1, 32), weighting="activations")
+    plain.update_stats(w)
+    weighted.update_stats(w, importance=imp)
+    assert weighted_error(weighted) < weighted_error(plain)
+    with pytest.raises(ValueError, match="importance"):
+        MseEncodingAnalyzer((32, 2), (1, 32), weighting="activations").update_stats(w)
+
+
+# ---- recipes --------------------------------------------------------------------------------------------------
+def test_recipe_rounding_and_weighting_reach_the_plan_and_non_linear_layers_fall_back():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 32)
+            self.fc = torch.nn.Linear(32, 32)
+
+    r = parse_recipe("defaults:\n  weights: {bitwidth: 4, rounding: {name: gptq, dampening: 0.05, act_order: false},"
+                     " analyzer: {name: mse, weighting: activations}}\n  activations: null\n")
+    plan = resolve_plan(r, Net())
+    rows = {q.module: q for q in plan.quantizers}
+    fc, emb = rows["fc"], rows["emb"]
+    assert (fc.rounding, dict(fc.rounding_args)) == ("gptq", {"dampening": 0.05, "act_order": False})
+    assert dict(fc.analyzer_args) == {"weighting": "activations"} and fc.needs_inputs
+    assert emb.rounding == "nearest" and not emb.needs_inputs and dict(emb.analyzer_args) == {}
+    assert any("emb (Embedding): rounding gptq applies to Linear" in w for w in plan.warnings)
+    assert plan.needs_data()
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("weights: {rounding: gptq2}", "rounding.name"),
+    ("weights: {rounding: {name: nearest, dampening: 0.1}}", "rounding nearest takes no parameters"),
+    ("weights: {rounding: {name: gptq, block_columns: 0}}", "block_columns"),
+    ("weights: {analyzer: {name: minmax, weighting: activations}}", "does not take 'weighting'"),
+])
+def test_bad_rounding_recipes_are_one_clear_error(text, needle):
+    from qtool.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        parse_recipe("defaults:\n  " + text + "\n")
+
+
+def test_default_layer_types_match_subclasses_but_not_attention_out_proj():
+    class SamePadConv(torch.nn.Conv2d):
+        pass
+
+    net = torch.nn.ModuleDict({"conv": SamePadConv(3, 8, 3), "mha": torch.nn.MultiheadAttention(8, 2)})
+    plan = resolve_plan(parse_recipe("version: 1\n"), net)
+    names = {q.name for q in plan.quantizers}
+    assert {"conv.weight", "conv.input"} <= names
+    assert not any(n.startswith("mha.out_proj") for n in names)
+    typed = resolve_plan(parse_recipe("layers:\n  - {type: Conv2d, weights: {bitwidth: 4}}\n"), net)
+    assert {q.name: q.bitwidth for q in typed.quantizers}["conv.weight"] == 4
+
+
+# ---- end to end -------------------------------------------------------------------------------------------------
+@pytest.fixture
+def mlp_files(tmp_path):
+    save_file(mlp().state_dict(), tmp_path / "mlp.safetensors")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1024, 64, generator=g) * torch.linspace(0.1, 3, 64)  # well above the widest layer (128)
+    save_file({"x": x}, tmp_path / "calib.safetensors")
+    save_file({"x": torch.randn(64, 64, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.1, 3, 64)},
+              tmp_path / "held.safetensors")
+    return tmp_path
+
+
+GPTQ = ("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, block_size: 16, "
+        "rounding: gptq}\n  activations: null\n")
+
+
+def test_gptq_codes_reach_the_files_and_the_fake_quant_model_bit_for_bit(mlp_files):
+    t = mlp_files
+    (t / "g.yaml").write_text(GPTQ)
+    (t / "r.yaml").write_text(GPTQ.replace(", rounding: gptq", ""))
+    code, _, err = run_cli("calibrate", t / "mlp.safetensors", "-c", t / "g.yaml", "--model-class", MLP,
+                           "--data", t / "calib.safetensors", "-o", t / "run", "--quiet")
+    assert code == 0, err
+    enc = json.loads((t / "run/encodings.json").read_text())
+    assert enc["schema_version"] == 3 and enc["codes"] == {"file": "codes.safetensors"}
+    assert json.loads((t / "run/manifest.json").read_text())["rounding"] == {
+        "0.weight": "gptq", "2.weight": "gptq", "4.weight": "gptq"}
+    code, _, err = run_cli("export", t / "mlp.safetensors", "-e", t / "run/encodings.json", "-o", t / "exp",
+                           "--quiet")
+    assert code == 0, err
+    model = qtool.load_calibrated(str(t / "mlp.safetensors"), str(t / "run/encodings.json"), model_class=MLP)
+    deq = read_integer_export(t / "exp/model.safetensors")
+    quantizers = dict(iter_quantizers(model))
+    modules = dict(model.named_modules())
+    float_w = mlp().state_dict()
+    differs = 0
+    for name in ("0", "2", "4"):
+        with torch.no_grad():
+            fq = _fake_quant_weight(modules[name], quantizers[f"{name}.weight"])
+            rtn = quantizers[f"{name}.weight"](modules[name].weight).as_subclass(torch.Tensor)
+        assert torch.equal(deq[f"{name}.weight"], fq)  # the file is what the fake-quant model computes
+        assert torch.equal(modules[name].weight, float_w[f"{name}.weight"])  # the float reference is untouched
+        differs += int((fq != rtn).sum())
+    assert differs > 100  # GPTQ moved codes away from round-to-nearest
+    # and it paid: report's end-to-end cosine on held-out data beats round-to-nearest
+    code, _, err = run_cli("calibrate", t / "mlp.safetensors", "-c", t / "r.yaml", "--model-class", MLP,
+                           "-o", t / "rtn", "--quiet")
+    assert code == 0, err
+    cos = {}
+    for run in ("run", "rtn"):
+        code, out, err = run_cli("report", t / "mlp.safetensors", "-e", t / run / "encodings.json", "--model-class",
+                                 MLP, "--data", t / "held.safetensors", "--json", "--quiet")
+        assert code == 0, err
+        cos[run] = json.loads(out)["end_to_end"]["cosine_mean"]
+    assert 1 - cos["run"] < 0.7 * (1 - cos["rtn"]), cos
+
+
+def test_gptq_without_data_says_why_data_is_needed(mlp_files):
+    t = mlp_files
+    (t / "g.yaml").write_text(GPTQ)
+    code, _, err = run_cli("calibrate", t / "mlp.safetensors", "-c", t / "g.yaml", "--model-class", MLP,
+                           "-o", t / "run", "--quiet")
+    assert code == 2 and "chooses weights from data" in err and not (t / "run").exists()
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_gptq_sequential_on_a_tiny_llama_stores_valid_codes_that_beat_rtn(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "m")
+    for name, seed in (("ids", 1), ("held", 2)):
+        ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(seed))
+        save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tmp_path / f"{name}.safetensors")
+    # lm_head is tied to the embedding: GPTQ must leave it (and so the embedding) alone
+    (tmp_path / "g.yaml").write_text(GPTQ.replace("block_size: 16", "block_size: 32"))
+    (tmp_path / "r.yaml").write_text(GPTQ.replace("block_size: 16", "block_size: 32").replace(", rounding: gptq", ""))
+    cos = {}
+    for recipe, extra in (("g", ["--sequential"]), ("g", []), ("r", [])):
+        out = tmp_path / f"{recipe}{len(extra)}"
+        code, _, err = run_cli("calibrate", tmp_path / "m", "-c", tmp_path / f"{recipe}.yaml", "--data",
+                               tmp_path / "ids.safetensors", "-o", out, "--quiet", *extra)
+        assert code == 0, err
+        code, rep, err = run_cli("report", tmp_path / "m", "-e", out / "encodings.json", "--data",
+                                 tmp_path / "held.safetensors", "--json", "--quiet")
+        assert code == 0, err
+        cos[out.name] = json.loads(rep)["end_to_end"]["cosine_mean"]
+    with safe_open(str(tmp_path / "g1/codes.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "codes/model.layers.0.self_attn.q_proj.weight" in keys and "codes/lm_head.weight" not in keys
+    manifest = json.loads((tmp_path / "g1/manifest.json").read_text())
+    assert any("tied weights" in w for w in manifest["warnings"])
+    assert cos["g1"] > cos["r0"] and cos["g0"] > cos["r0"], cos
