@@ -482,11 +482,14 @@ def report(
     else:
         con = Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
         t = Table(title="per-layer SQNR (dB), worst first", title_justify="left")
-        for col in ("module", "type", "cumulative", "isolated"):
-            t.add_column(col, justify="right" if col in ("cumulative", "isolated") else "left", overflow="fold")
-        fmt = lambda v: "inf" if math.isinf(v) else f"{v:.1f}"  # noqa: E731
+        rtn = any(r.sqnr_isolated_rtn is not None for r in rep.layers)  # codes chosen by GPTQ: show what RTN gave
+        cols = ("module", "type", "cumulative", "isolated") + (("isolated, RTN",) if rtn else ())
+        for col in cols:
+            t.add_column(col, justify="left" if col in ("module", "type") else "right", overflow="fold")
+        fmt = lambda v: "" if v is None else "inf" if math.isinf(v) else f"{v:.1f}"  # noqa: E731
         for r in rep.worst_first():
-            t.add_row(r.module, r.module_type, fmt(r.sqnr_cumulative), fmt(r.sqnr_isolated))
+            t.add_row(r.module, r.module_type, fmt(r.sqnr_cumulative), fmt(r.sqnr_isolated),
+                      *((fmt(r.sqnr_isolated_rtn),) if rtn else ()))
         con.print(t)
         con.print(f"samples: {rep.samples}; cosine (float vs quantized outputs): mean {rep.cosine:.4f}, "
                   f"min {rep.cosine_min:.4f}")

@@ -25,7 +25,7 @@ from torch import nn
 
 from .data import Batch
 from .errors import GateFailed, UsageError
-from .model.insert import quantized_modules, set_quantization
+from .model.insert import has_stored_weight, quantized_modules, set_quantization, without_stored_weight
 
 __all__ = ["LayerError", "Report", "Gate", "evaluate", "sensitivity", "sqnr_db", "check_gates", "enforce_gates"]
 
@@ -44,6 +44,8 @@ class LayerError:
     module_type: str
     sqnr_cumulative: float
     sqnr_isolated: float
+    # isolated SQNR had the weight been rounded to nearest: only for weights whose codes an algorithm chose (GPTQ)
+    sqnr_isolated_rtn: Optional[float] = None
 
 
 @dataclass
@@ -77,7 +79,9 @@ class Report:
                            "perplexity_increase_pct": self.perplexity_increase_pct,
                            "top1_agreement": self.top1_agreement},
             "layers": [{"module": r.module, "type": r.module_type, "sqnr_cumulative_db": num(r.sqnr_cumulative),
-                        "sqnr_isolated_db": num(r.sqnr_isolated)} for r in self.worst_first()],
+                        "sqnr_isolated_db": num(r.sqnr_isolated),
+                        **({} if r.sqnr_isolated_rtn is None else {"sqnr_isolated_rtn_db": num(r.sqnr_isolated_rtn)})}
+                       for r in self.worst_first()],
             "notes": self.notes,
         }
 
@@ -137,6 +141,8 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, c
     noise_c = dict.fromkeys(modules, 0.0)
     sig_i = dict.fromkeys(modules, 0.0)
     noise_i = dict.fromkeys(modules, 0.0)
+    chosen = {name for name, mod in modules.items() if has_stored_weight(mod)}
+    noise_rtn = dict.fromkeys(chosen, 0.0)
     cos_all: List[torch.Tensor] = []
     top1_same = top1_total = 0
     nll_f = nll_q = 0.0
@@ -169,6 +175,10 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, c
             out = _first_tensor(mod(*args, **kwargs))
             sig_i[name] += float(ref.float().pow(2).sum())
             noise_i[name] += float((ref.float() - out.float()).pow(2).sum())
+            if name in chosen:  # what round-to-nearest would have given this layer, for comparison
+                with without_stored_weight(mod):
+                    out = _first_tensor(mod(*args, **kwargs))
+                noise_rtn[name] += float((ref.float() - out.float()).pow(2).sum())
         # cumulative: the whole model quantized
         set_quantization(model, True)
         quant_io: Dict[str, Any] = {}
@@ -202,7 +212,8 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, c
     set_quantization(model, True)
     cos = torch.cat(cos_all) if cos_all else torch.zeros(0)
     layers = [LayerError(n, type(m).__name__.replace("Quantized", "", 1), sqnr_db(sig_c[n], noise_c[n]),
-                         sqnr_db(sig_i[n], noise_i[n])) for n, m in modules.items()]
+                         sqnr_db(sig_i[n], noise_i[n]), sqnr_db(sig_i[n], noise_rtn[n]) if n in chosen else None)
+              for n, m in modules.items()]
     rep = Report(layers, float(cos.mean()) if cos.numel() else float("nan"),
                  float(cos.min()) if cos.numel() else float("nan"), samples=int(cos.numel()))
     if causal_lm and tokens:

@@ -245,8 +245,19 @@ def test_gptq_codes_reach_the_files_and_the_fake_quant_model_bit_for_bit(mlp_fil
         code, out, err = run_cli("report", t / "mlp.safetensors", "-e", t / run / "encodings.json", "--model-class",
                                  MLP, "--data", t / "held.safetensors", "--json", "--quiet")
         assert code == 0, err
-        cos[run] = json.loads(out)["end_to_end"]["cosine_mean"]
+        rep = json.loads(out)
+        cos[run] = rep["end_to_end"]["cosine_mean"]
+        layers = {r["module"]: r for r in rep["layers"]}
+        if run == "run":  # beside each GPTQ layer, what round-to-nearest would have given it alone (held-out data:
+            # the first layer's inputs are independent channels, where GPTQ has little to feed forward)
+            gain = [r["sqnr_isolated_db"] - r["sqnr_isolated_rtn_db"] for r in layers.values()]
+            assert min(gain) > -0.5 and sum(gain) / len(gain) > 2, layers
+        else:
+            assert all("sqnr_isolated_rtn_db" not in r for r in layers.values())
     assert 1 - cos["run"] < 0.7 * (1 - cos["rtn"]), cos
+    code, out, err = run_cli("report", t / "mlp.safetensors", "-e", t / "run/encodings.json", "--model-class", MLP,
+                             "--data", t / "held.safetensors")
+    assert code == 0 and "RTN" in out, err
 
 
 def test_gptq_without_data_says_why_data_is_needed(mlp_files):

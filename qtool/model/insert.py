@@ -8,6 +8,7 @@ the output. Quantizers live in ``module.qtool_quantizers`` (a ``ModuleDict`` key
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
@@ -78,6 +79,23 @@ def set_stored_weight(module: nn.Module, weight: torch.Tensor) -> None:
     if tuple(weight.shape) != tuple(module._parameters["weight"].shape):
         raise ValueError(f"stored weight of shape {list(weight.shape)} does not fit {list(module.weight.shape)}")
     module.__dict__[_STORED] = weight
+
+
+def has_stored_weight(module: nn.Module) -> bool:
+    return module.__dict__.get(_STORED) is not None
+
+
+@contextlib.contextmanager
+def without_stored_weight(module: nn.Module):
+    """Inside the block the module's fake-quant weight is round-to-nearest again (to compare against it)."""
+    stored = module.__dict__.pop(_STORED, None)
+    module.__dict__.pop("_qtool_weight_cache", None)
+    try:
+        yield module
+    finally:
+        module.__dict__.pop("_qtool_weight_cache", None)
+        if stored is not None:
+            module.__dict__[_STORED] = stored
 
 
 def _quantized_class(cls: type) -> type:
