@@ -108,7 +108,7 @@ def _plan_table(plan) -> Table:
         t.add_column(col, overflow="fold")
     for q in plan.quantizers:
         t.add_row(q.module, q.tensor, str(q.bitwidth), "yes" if q.symmetric else "no", q.describe_granularity(),
-                  q.analyzer_label)
+                  q.analyzer_label + ("" if q.rounding == "nearest" else f" + {q.rounding}"))
     return t
 
 
