@@ -50,8 +50,6 @@ _ANALYZER_PARAMS = {
     "tf_enhanced": (),
     "mse": ("num_candidates", "min_ratio", "weighting"),
 }
-# what a layer's input statistics are collected for: rounding algorithms and activation-weighted searches
-ROUNDINGS = ("nearest", "gptq")
 # module types whose weight multiplies the layer input as ``x @ W.T`` (GPTQ and activation weighting apply)
 _INPUT_WEIGHTED_TYPES = ("Linear",)
 
@@ -91,7 +89,8 @@ class AnalyzerSpec(BaseModel):
         return self.name if not args else f"{self.name}(" + ", ".join(f"{k}={v}" for k, v in args.items()) + ")"
 
 
-def _analyzer(value: Any) -> Any:
+def _by_name(value: Any) -> Any:
+    """``NAME`` is short for ``{name: NAME}`` (analyzer, rounding)."""
     if isinstance(value, str):
         return {"name": value}
     return value
@@ -129,7 +128,7 @@ class _Spec(BaseModel):
     # float16: scales rounded to float16 values when calibrated (GGUF stores them so; see docs/recipes.md)
     scale_dtype: Literal["float32", "float16"] = "float32"
 
-    _normalize_analyzer = field_validator("analyzer", mode="before")(lambda cls, v: _analyzer(v))
+    _normalize_analyzer = field_validator("analyzer", mode="before")(lambda cls, v: _by_name(v))
 
     @model_validator(mode="after")
     def _block_size_goes_with_per_block(self):
@@ -148,7 +147,7 @@ class WeightSpec(_Spec):
     granularity: GranularityName = "per_channel"
     rounding: RoundingSpec = RoundingSpec()
 
-    _normalize_rounding = field_validator("rounding", mode="before")(lambda cls, v: _analyzer(v))
+    _normalize_rounding = field_validator("rounding", mode="before")(lambda cls, v: _by_name(v))
 
 
 class ActivationSpec(_Spec):
@@ -325,7 +324,7 @@ class QuantizerPlan:
     rule: Optional[int] = None  # index of the last layers entry that shaped it (None: defaults)
     analyzer_args: Tuple[Tuple[str, Any], ...] = ()
     scale_dtype: str = "float32"
-    rounding: str = "nearest"  # weights: how codes are chosen on the grid (ROUNDINGS)
+    rounding: str = "nearest"  # weights: how codes are chosen on the grid (RoundingSpec.name)
     rounding_args: Tuple[Tuple[str, Any], ...] = ()
 
     def __post_init__(self):
@@ -385,7 +384,7 @@ def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
         start["block_size"] = None
     for key in ("analyzer", "rounding"):
         if key in override:
-            start[key] = _analyzer(override[key])
+            start[key] = _by_name(override[key])
     try:
         return cls.model_validate(start)
     except ValidationError as e:

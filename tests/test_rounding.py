@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 import qtool
 from qtool.calibration.rounding import InputStatistics, collect_inputs
 from qtool.calibration.rounding.gptq import expand_encoding, gptq_codes
-from qtool.config import parse_recipe, resolve_plan
+from qtool.config import QuantizerPlan, parse_recipe, resolve_plan
 from qtool.export.qtool_st import read_integer_export
 from qtool.model.insert import _fake_quant_weight, iter_quantizers
 from qtool.quant.affine import adjust_min_max, dequantize, grid, min_max_to_scale_offset, quantize, reduce_to_shape
@@ -103,13 +103,19 @@ def test_expand_encoding_gives_each_weight_its_blocks_scale():
 def test_input_statistics_are_sums_and_merge_by_addition():
     lin = torch.nn.Linear(6, 3)
     xs = [torch.randn(4, 5, 6), torch.randn(2, 6)]
-    stats = collect_inputs({"l": lin}, ["l"], lambda: [lin(x) for x in xs])["l"]
+    gptq = QuantizerPlan("l.weight", "l", "Linear", "weight", 4, True, "per_channel", (3, 1), None, "minmax",
+                         rounding="gptq")
+    weighted = QuantizerPlan("l.weight", "l", "Linear", "weight", 4, True, "per_channel", (3, 1), None, "mse",
+                             analyzer_args=(("weighting", "activations"),))
+    plain = QuantizerPlan("l.weight", "l", "Linear", "weight", 4, True, "per_channel", (3, 1), None, "mse")
+    assert collect_inputs([plain], {"l": lin}, lambda: pytest.fail("nothing to collect: the data must not run")) == {}
+    stats = collect_inputs([gptq], {"l": lin}, lambda: [lin(x) for x in xs])["l"]
     rows = torch.cat([x.reshape(-1, 6) for x in xs])
     assert stats.count == 22
     torch.testing.assert_close(stats.xtx, rows.T @ rows)
     torch.testing.assert_close(stats.mean_square(), rows.pow(2).mean(0))
-    a = collect_inputs({"l": lin}, [], lambda: lin(xs[0]))["l"]
-    b = collect_inputs({"l": lin}, [], lambda: lin(xs[1]))["l"]
+    a = collect_inputs([weighted], {"l": lin}, lambda: lin(xs[0]))["l"]
+    b = collect_inputs([weighted], {"l": lin}, lambda: lin(xs[1]))["l"]
     merged = InputStatistics.merge(a, b)
     assert merged.xtx is None and merged.count == 22
     torch.testing.assert_close(merged.sq, stats.sq)

@@ -62,17 +62,15 @@ def calibrate(
     if inputs:
         set_quantization(model, False)
         try:
-            stats = collect_inputs({q.module: modules[q.module] for q in inputs},
-                                   [q.module for q in inputs if q.rounding != "nearest"], run)
+            stats = collect_inputs(inputs, modules, run)
         finally:
             set_quantization(model, True)
     calibrate_weights(plan.weights, lambda q: quantizers[q.name], lambda q: modules[q.module]._parameters["weight"],
                       importance_for=lambda q: importance(q, stats))
     codes = round_weights(inputs, modules, quantizers, stats, plan.warnings)
-    if not acts:
-        check_finite(plan.quantizers, quantizers)
-        return CalibrationResult([], codes)
-    calibrate_activations(acts, quantizers, run)
-    unused = [q.name for q in acts if not quantizers[q.name].is_initialized()]
+    unused = []
+    if acts:
+        calibrate_activations(acts, quantizers, run)
+        unused = [q.name for q in acts if not quantizers[q.name].is_initialized()]
     check_finite(plan.quantizers, quantizers)
     return CalibrationResult(unused, codes)

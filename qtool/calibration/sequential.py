@@ -107,16 +107,14 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             run()
             return
         sub = Plan(rows)
-        inputs = [q for q in sub.weights if q.needs_inputs]
-        stats = {}
-        if inputs:
-            stats = collect_inputs({q.module: modules[q.module] for q in inputs},
-                                   [q.module for q in inputs if q.rounding != "nearest"], run_float or run)
+        stats = collect_inputs(sub.weights, modules, run_float or run)
         qs = insert_quantizers(model, sub)
         calibrate_weights(sub.weights, lambda q: qs[q.name], lambda q: modules[q.module]._parameters["weight"],
                           importance_for=lambda q: importance(q, stats))
-        codes.update(round_weights(inputs, modules, qs, stats, plan.warnings,
-                                   tied=["lm_head"] if tied else []))
+        # a weight the checkpoint stores under another module's name (a tied lm_head) was loaded as its own copy
+        stored_elsewhere = [q.module for q in sub.weights if name_of(f"{q.module}.weight") != f"{q.module}.weight"]
+        codes.update(round_weights([q for q in sub.weights if q.needs_inputs], modules, qs, stats, plan.warnings,
+                                   tied=stored_elsewhere))
         calibrate_activations(sub.activations, qs, run)
         for q in rows:
             if qs[q.name].is_initialized():

@@ -88,12 +88,10 @@ def has_stored_weight(module: nn.Module) -> bool:
 @contextlib.contextmanager
 def without_stored_weight(module: nn.Module):
     """Inside the block the module's fake-quant weight is round-to-nearest again (to compare against it)."""
-    stored = module.__dict__.pop(_STORED, None)
-    module.__dict__.pop("_qtool_weight_cache", None)
+    stored = module.__dict__.pop(_STORED, None)  # the weight cache only ever holds round-to-nearest: still valid
     try:
         yield module
     finally:
-        module.__dict__.pop("_qtool_weight_cache", None)
         if stored is not None:
             module.__dict__[_STORED] = stored
 

@@ -76,12 +76,18 @@ class _Collector:
         return None if self.sq is None else InputStatistics(self.count, self.sq, self.xtx)
 
 
-def collect_inputs(modules: Dict[str, nn.Module], hessian: Iterable[str],
+def collect_inputs(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module],
                    run: Callable[[], None]) -> Dict[str, InputStatistics]:
-    """Input statistics of ``modules`` (name -> Linear) while ``run()`` feeds the data; ``XᵀX`` for the names in
-    ``hessian``. A module that never ran is absent from the result."""
-    want = set(hessian)
-    collectors = {name: _Collector(name in want) for name in sorted(modules)}
+    """Input statistics of the layers of ``rows`` that need them (``needs_inputs``), by module name, while
+    ``run()`` feeds the data; ``XᵀX`` only where a rounding algorithm asks for it. Empty without running when no
+    row needs inputs; a module that never ran is absent from the result."""
+    hessian: Dict[str, bool] = {}
+    for q in rows:
+        if q.needs_inputs:
+            hessian[q.module] = hessian.get(q.module, False) or q.rounding != "nearest"
+    if not hessian:
+        return {}
+    collectors = {name: _Collector(hessian[name]) for name in sorted(hessian)}
     with contextlib.ExitStack() as stack:
         for name, c in collectors.items():
             stack.callback(modules[name].register_forward_pre_hook(c, with_kwargs=True).remove)
@@ -104,7 +110,7 @@ def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics]) -> Optional[
 
 def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quantizers: Dict[str, QuantizerBase],
                   stats: Dict[str, InputStatistics], warnings: Optional[List[str]] = None,
-                  on_weight: Optional[Callable[[str], None]] = None, tied: Iterable[str] = ()) -> Dict[str, torch.Tensor]:
+                  tied: Iterable[str] = ()) -> Dict[str, torch.Tensor]:
     """Codes for every row whose ``rounding`` is not nearest (GPTQ), on the grid its quantizer was calibrated to.
 
     Each layer's weight is overwritten with its dequantized codes (which round to exactly those codes again), so
@@ -142,6 +148,4 @@ def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quan
             w.copy_(dequantize(codes.to(torch.float32), scale.to(w.device), offset.to(w.device),
                                block_size=q.block_size).to(w.dtype))
         out[q.name] = codes.cpu()
-        if on_weight is not None:
-            on_weight(q.name)
     return out

@@ -207,8 +207,8 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
             xs = sub.expand(num, *sub.shape)
             qdq = quantize_dequantize(xs, scale[..., None], offset[..., None], qmin=qmin, qmax=qmax)
             err = qdq.sub_(sub).pow_(2)
-            if weights is not None:
-                err.mul_(weights if idx is None else weights.index_select(0, idx))
+            if weights is not None:  # weighted searches are not pruned: every row, every candidate
+                err.mul_(weights)
             err = err.sum(dim=-1)
             if upper is None:
                 upper = err[0].to(torch.float64)  # alpha = 1: the min-max encoding
