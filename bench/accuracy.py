@@ -30,8 +30,12 @@ GPTQ = {"weights": {"rounding": "gptq"}}
 GPTQ_WEIGHTED = {"weights": {"rounding": "gptq", "analyzer": {"name": "mse", "weighting": "activations"}}}
 SEQUENTIAL = {"sequential": True}  # causal LMs: GPTQ statistics from the quantized earlier blocks
 
+PER_TENSOR_DYNAMIC = {"activations": {"granularity": "per_tensor"}}
+
 MINILM_RECIPES = {
     "W8A8 (w8a8.yaml)": ("configs/w8a8.yaml", None),
+    "W8A8 dynamic per-token (w8a8-dynamic.yaml)": ("configs/w8a8-dynamic.yaml", None),
+    "W8A8 dynamic per-tensor": ("configs/w8a8-dynamic.yaml", PER_TENSOR_DYNAMIC),
     "W4A16 block 32, minmax": ("configs/w4a16-block32.yaml", None),
     "W4A16 block 32, mse": ("configs/w4a16-block32.yaml", "mse"),
     "W4A16 block 32, sqnr": ("configs/w4a16-block32.yaml", "sqnr"),
@@ -47,6 +51,8 @@ SMOLLM_RECIPES = {
     "W4A16 block 32, gptq (sequential)": ("configs/w4a16-block32.yaml", GPTQ, SEQUENTIAL),
     "W4A16 block 32, gptq + weighted mse (sequential)": ("configs/w4a16-block32.yaml", GPTQ_WEIGHTED, SEQUENTIAL),
     "W8A8 (w8a8.yaml)": ("configs/w8a8.yaml", None),
+    "W8A8 dynamic per-token (w8a8-dynamic.yaml)": ("configs/w8a8-dynamic.yaml", None),
+    "W8A8 dynamic per-tensor": ("configs/w8a8-dynamic.yaml", PER_TENSOR_DYNAMIC),
 }
 # further variants (--extra): how much of the damage an analyzer or the grid choice recovers
 SMOLLM_EXTRA = {
@@ -95,18 +101,24 @@ def minilm(tmp: Path, n_calib=128, n_held=128, only=None):
     calib, held = text_split(n_calib, n_held)
     (tmp / "minilm-calib.txt").write_text("\n\n".join(calib))
     loaded = load_model(ckpt)
+    t0 = time.perf_counter()
     ref = embed(loaded.model, loaded.tokenizer, held)
-    rows = []
+    float_eval = time.perf_counter() - t0
+    print(f"minilm  float: embedding the held-out text takes {float_eval:.2f}s", flush=True)
+    rows = [{"recipe": "float", "cosine_mean": 1.0, "eval_s": float_eval}]
     for label, (path, analyzer, *options) in MINILM_RECIPES.items():
         if only and not any(o in label for o in only):
             continue
         out = tmp / f"minilm-{len(rows)}"
         secs = _calibrate(ckpt, _recipe(path, analyzer, tmp), tmp / "minilm-calib.txt", out, 128, None, *options)
         q = qtool.load_calibrated(str(ckpt), str(out / "encodings.json"))
+        t0 = time.perf_counter()
         cos = (ref * embed(q, loaded.tokenizer, held)).sum(-1)
+        ev = time.perf_counter() - t0
         rows.append({"recipe": label, "cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
-                     "calibrate_s": secs})
-        print(f"minilm  {label:<34} cosine {cos.mean():.4f} (min {cos.min():.4f})  calibrate {secs:.1f}s", flush=True)
+                     "calibrate_s": secs, "eval_s": ev, "eval_vs_float": ev / float_eval})
+        print(f"minilm  {label:<34} cosine {cos.mean():.4f} (min {cos.min():.4f})  calibrate {secs:.1f}s  "
+              f"fake-quant eval {ev / float_eval:.2f}x float", flush=True)
     return {"model": "all-MiniLM-L6-v2", "metric": "sentence-embedding cosine, float vs quantized",
             "data": f"{n_calib} calibration / {n_held} held-out paragraphs of pydoc_data.topics", "rows": rows}
 
@@ -137,20 +149,26 @@ def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256, recipes=None, only=
     loaded = load_model(ckpt)
     batches = list(load_data(tmp / "smol-held.txt", batch_size=8, seq_len=seq_len, tokenizer=loaded.tokenizer,
                              pack_text=True, num_samples=32, seed=0))
+    t0 = time.perf_counter()
     ppl_float, tokens = _perplexity(loaded.model, batches)
-    print(f"smollm2 float perplexity {ppl_float:.3f} on {tokens} tokens", flush=True)
+    float_eval = time.perf_counter() - t0
+    print(f"smollm2 float perplexity {ppl_float:.3f} on {tokens} tokens ({float_eval:.1f}s)", flush=True)
     del loaded
-    rows = [{"recipe": "float", "perplexity": ppl_float, "increase_pct": 0.0}]
+    rows = [{"recipe": "float", "perplexity": ppl_float, "increase_pct": 0.0, "eval_s": float_eval}]
     for label, (path, analyzer, *options) in (recipes or SMOLLM_RECIPES).items():
         if only and not any(o in label for o in only):
             continue
         out = tmp / f"smol-{len(rows)}"
         secs = _calibrate(ckpt, _recipe(path, analyzer, tmp), tmp / "smol-calib.txt", out, seq_len, 32, *options)
         q = qtool.load_calibrated(str(ckpt), str(out / "encodings.json"))
+        t0 = time.perf_counter()
         ppl, _ = _perplexity(q, batches)
+        ev = time.perf_counter() - t0
         inc = 100 * (ppl / ppl_float - 1)
-        rows.append({"recipe": label, "perplexity": ppl, "increase_pct": inc, "calibrate_s": secs})
-        print(f"smollm2 {label:<34} perplexity {ppl:.3f} ({inc:+.2f}%)  calibrate {secs:.1f}s", flush=True)
+        rows.append({"recipe": label, "perplexity": ppl, "increase_pct": inc, "calibrate_s": secs, "eval_s": ev,
+                     "eval_vs_float": ev / float_eval})
+        print(f"smollm2 {label:<34} perplexity {ppl:.3f} ({inc:+.2f}%)  calibrate {secs:.1f}s  "
+              f"fake-quant eval {ev / float_eval:.2f}x float", flush=True)
         del q
     return {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 weights, dequantized to fp32 = the float reference)",
             "metric": "perplexity", "data": f"calibration: 32 windows of {seq_len} tokens from {n_calib} paragraphs; "

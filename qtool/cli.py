@@ -115,7 +115,8 @@ def _plan_table(plan) -> Table:
 def _plan_summary(plan) -> str:
     from collections import Counter
 
-    kinds = Counter((q.tensor, q.bitwidth, q.granularity) for q in plan.quantizers)
+    kinds = Counter((q.tensor, q.bitwidth, q.granularity + (" dynamic" if q.dynamic else ""))
+                    for q in plan.quantizers)
     parts = [f"{n} x {t} int{b} {g}" for (t, b, g), n in sorted(kinds.items())]
     return f"plan: {len(plan.quantizers)} quantizers ({'; '.join(parts) or 'none'})"
 

@@ -152,7 +152,9 @@ class WeightSpec(_Spec):
 
 class ActivationSpec(_Spec):
     symmetric: bool = False
-    granularity: Literal["per_tensor"] = "per_tensor"
+    granularity: Literal["per_tensor", "per_token"] = "per_tensor"
+    # true: the range is computed from each call's values at run time (no calibration data, nothing stored)
+    dynamic: bool = False
     inputs: bool = True
     outputs: bool = False
 
@@ -161,6 +163,19 @@ class ActivationSpec(_Spec):
         if self.analyzer.name == "mse":
             raise ValueError("analyzer mse searches a weight tensor directly; for activations use minmax, "
                              "percentile, sqnr or tf_enhanced")
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_fits(self):
+        if self.granularity == "per_token" and not self.dynamic:
+            raise ValueError("per_token ranges change with every token, so they are computed at run time: "
+                             "per_token needs dynamic: true")
+        if self.dynamic:
+            if self.analyzer.name != "minmax" or self.analyzer.kwargs():
+                raise ValueError(f"a dynamic quantizer takes each call's own min and max; analyzer "
+                                 f"{self.analyzer.label()} does not apply (remove it, or set dynamic: false)")
+            if self.scale_dtype != "float32":
+                raise ValueError("a dynamic quantizer computes its scale at run time: scale_dtype does not apply")
         return self
 
 
@@ -326,13 +341,14 @@ class QuantizerPlan:
     scale_dtype: str = "float32"
     rounding: str = "nearest"  # weights: how codes are chosen on the grid (RoundingSpec.name)
     rounding_args: Tuple[Tuple[str, Any], ...] = ()
+    dynamic: bool = False  # activations: range computed at run time from each call's values (nothing calibrated)
 
     def __post_init__(self):
         from .quant.spec import QuantSpec
 
         try:
             spec = QuantSpec(self.bitwidth, self.symmetric, self.granularity, self.shape, self.block_size,
-                             self.analyzer_label, self.scale_dtype)
+                             self.analyzer_label, self.scale_dtype, self.dynamic)
         except ValueError as e:
             raise ConfigError(f"{self.name}: {e}") from None
         object.__setattr__(self, "granularity", spec.granularity)
@@ -372,8 +388,13 @@ class Plan:
     def activations(self) -> List[QuantizerPlan]:
         return [q for q in self.quantizers if q.tensor != "weight"]
 
+    @property
+    def static_activations(self) -> List[QuantizerPlan]:
+        """The activation rows whose range calibration chooses (dynamic ones compute theirs at run time)."""
+        return [q for q in self.activations if not q.dynamic]
+
     def needs_data(self) -> bool:
-        return bool(self.activations) or any(q.needs_inputs for q in self.weights)
+        return bool(self.static_activations) or any(q.needs_inputs for q in self.weights)
 
 
 def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
@@ -495,8 +516,9 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 if on:
                     plan.quantizers.append(QuantizerPlan(
                         f"{name}.{tensor}", name, tname, tensor, a_spec.bitwidth, a_spec.symmetric,
-                        "per_tensor", (), None, a_spec.analyzer.name, rule_a,
-                        tuple(a_spec.analyzer.kwargs().items()), a_spec.scale_dtype))
+                        a_spec.granularity, (), None, "dynamic" if a_spec.dynamic else a_spec.analyzer.name,
+                        rule_a, tuple(a_spec.analyzer.kwargs().items()), a_spec.scale_dtype,
+                        dynamic=a_spec.dynamic))
     for i, ok in enumerate(used):
         if not ok and not recipe.layers[i].optional:
             rule = recipe.layers[i]

@@ -65,13 +65,17 @@ class EncodingEntry:
     shape: Tuple[int, ...]
     block_size: Optional[Tuple[int, ...]]
     analyzer: str
-    min: torch.Tensor
-    max: torch.Tensor
+    min: Optional[torch.Tensor]  # None for a dynamic quantizer (its range is computed at run time)
+    max: Optional[torch.Tensor]
     # (sidecar file, min key, max key) of an entry read lazily: min/max are then meta tensors until asked for
     source: Optional[Tuple[str, str, str]] = None
+    dynamic: bool = False
 
     def __post_init__(self):
-        spec = QuantSpec(self.bitwidth, self.symmetric, self.granularity, self.shape, self.block_size, self.analyzer)
+        spec = QuantSpec(self.bitwidth, self.symmetric, self.granularity, self.shape, self.block_size, self.analyzer,
+                         dynamic=self.dynamic)
+        if self.dynamic != (self.min is None) or (self.min is None) != (self.max is None):
+            raise ValueError(f"{self.name}: a dynamic entry has no min/max and a static one has both")
         self.granularity, self.shape, self.block_size = spec.granularity, spec.shape, spec.block_size
         self._spec = spec
 
@@ -86,6 +90,8 @@ class EncodingEntry:
 
     def range(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(min, max)``, read from the sidecar now if this entry was read lazily (not kept)."""
+        if self.dynamic:
+            raise ValueError(f"{self.name} is dynamic: its range is computed from each call's values at run time")
         if self.source is None or self.min.device.type != "meta":
             return self.min, self.max
         from safetensors import safe_open
@@ -113,6 +119,9 @@ class EncodingEntry:
 
     @classmethod
     def from_quantizer(cls, plan: QuantizerPlan, quantizer: QuantizerBase) -> "EncodingEntry":
+        if plan.dynamic:
+            return cls(plan.name, plan.module, plan.tensor, plan.bitwidth, plan.symmetric, plan.granularity, (),
+                       None, plan.analyzer_label, None, None, dynamic=True)
         return cls(plan.name, plan.module, plan.tensor, plan.bitwidth, plan.symmetric, plan.granularity,
                    tuple(plan.shape), plan.block_size, plan.analyzer_label,
                    quantizer.min.detach().cpu().clone(), quantizer.max.detach().cpu().clone())
@@ -128,7 +137,7 @@ class EncodingEntry:
             ) from None
 
     def numel(self) -> int:
-        return int(self.min.numel())
+        return 0 if self.dynamic else int(self.min.numel())
 
     def header_json(self) -> Dict[str, Any]:
         """Every field except the numbers."""
@@ -142,9 +151,12 @@ class EncodingEntry:
             "shape": list(self.shape),
             "block_size": None if self.block_size is None else list(self.block_size),
             "analyzer": self.analyzer,
+            **({"dynamic": True} if self.dynamic else {}),
         }
 
     def to_json(self) -> Dict[str, Any]:
+        if self.dynamic:
+            return self.header_json()
         e = self.materialized()
         scale, offset = e.scale_offset()
         return {**self.header_json(), "min": _tolist(e.min), "max": _tolist(e.max), "scale": _tolist(scale),
@@ -164,19 +176,37 @@ class EncodingEntry:
     def from_json(cls, obj: Dict[str, Any], where: str, sidecar: Optional["_Sidecar"] = None,
                   lazy: bool = False) -> "EncodingEntry":
         source = None
+        dynamic = obj.get("dynamic", False)
+        if not isinstance(dynamic, bool):
+            raise EncodingsError(f"{where}: dynamic must be true or false (got {str(dynamic)[:40]!r})")
         try:
             shape = tuple(int(d) for d in obj["shape"])
             bits = obj["bitwidth"]
             spec = QuantSpec(int(bits) if isinstance(bits, float) and bits.is_integer() else bits, obj["symmetric"],
                              obj["granularity"], shape,
                              None if obj.get("block_size") is None else tuple(int(b) for b in obj["block_size"]),
-                             str(obj.get("analyzer", "minmax")))
+                             str(obj.get("analyzer", "minmax")), dynamic=dynamic)
         except KeyError as e:
             raise EncodingsError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError, OverflowError) as e:
             raise EncodingsError(f"{where}: {str(e).splitlines()[0]}") from None
         if obj.get("tensor") not in ("weight", "input", "output"):
             raise EncodingsError(f"{where}: tensor must be weight, input or output (got {str(obj.get('tensor'))[:40]!r})")
+        if dynamic:
+            if obj["tensor"] == "weight":
+                raise EncodingsError(f"{where}: a weight cannot be dynamic (only activations are)")
+            stored = [k for k in ("min", "max", "scale", "offset", "data") if k in obj]
+            if stored:
+                raise EncodingsError(f"{where}: a dynamic entry stores no range (it has {stored[0]!r})")
+            try:
+                return cls(name=str(obj["name"]), module=str(obj["module"]), tensor=obj["tensor"],
+                           bitwidth=spec.bitwidth, symmetric=spec.symmetric, granularity=spec.granularity,
+                           shape=spec.shape, block_size=spec.block_size, analyzer=spec.analyzer, min=None, max=None,
+                           dynamic=True)
+            except KeyError as e:
+                raise EncodingsError(f"{where}: missing field {e.args[0]!r}") from None
+            except ValueError as e:
+                raise EncodingsError(f"{where}: {str(e).splitlines()[0]}") from None
         try:
             if "data" in obj:
                 if sidecar is None:

@@ -151,7 +151,8 @@ def _encodings_listing(path: Path, obj: Dict[str, Any]) -> Dict[str, Any]:
     if obj.get("schema") == "qtool.encodings":
         for q in obj.get("quantizers", []):
             rows.append(_row(q["name"], ("int" if q["symmetric"] else "uint") + str(q["bitwidth"]), q["bitwidth"],
-                             q["granularity"], q["shape"], None, True))
+                             str(q["granularity"]) + (", dynamic" if q.get("dynamic") is True else ""), q["shape"],
+                             None, True))
         kind = "qtool encodings"
     else:
         version = str(obj.get("version"))

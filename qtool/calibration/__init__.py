@@ -79,7 +79,7 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
         return None
     if opts.data is None:
         why = ("--sequential runs the model block by block" if opts.sequential
-               else "the recipe quantizes activations" if plan.activations
+               else "the recipe quantizes activations" if plan.static_activations
                else "the recipe chooses weights from data (rounding gptq or weighting: activations)")
         raise DataError(f"{why}, which needs calibration data: pass --data PATH")
     hooks.on_stage("reading calibration data")
@@ -109,7 +109,7 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
         codes: Dict[str, torch.Tensor] = {}
         entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block, codes=codes)
         done = {e.name for e in entries}
-        unused = [q.name for q in plan.activations if q.name not in done]
+        unused = [q.name for q in plan.static_activations if q.name not in done]
         return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", data, unused, codes)
     if mode == "streaming":
         from .streaming import calibrate_weights_streaming
@@ -124,6 +124,10 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
             stream.abort()
             raise
         stream.close()
+        # dynamic activation rows (no data needed) are entries too, in plan order as in the other modes
+        by_name = {e.name: e for e in entries}
+        by_name.update({q.name: EncodingEntry.from_quantizer(q, None) for q in plan.activations})
+        entries = [by_name[q.name] for q in plan.quantizers if q.name in by_name]
         return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", None, [])
     from ..model.insert import insert_quantizers
     from ..model.load import load_model

@@ -51,6 +51,6 @@ def check_finite(rows: Iterable[QuantizerPlan], quantizers: Dict[str, QuantizerB
     """No calibrated range may hold NaN/Inf (it would become a NaN scale in every file written)."""
     for q in rows:
         quantizer = quantizers[q.name]
-        if quantizer.is_initialized() and not (torch.isfinite(quantizer.min).all()
+        if not q.dynamic and quantizer.is_initialized() and not (torch.isfinite(quantizer.min).all()
                                                and torch.isfinite(quantizer.max).all()):
             raise QtoolError(f"quantizer {q.name}: calibrated range is not finite (the model produced NaN/Inf)")

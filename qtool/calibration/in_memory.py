@@ -41,7 +41,7 @@ def calibrate(
     the float model (every quantizer off); GPTQ then writes its codes into the weights before the activations
     calibrate, so activation ranges are those of the model that will be exported."""
     modules = dict(model.named_modules())
-    acts = plan.activations
+    acts = plan.static_activations  # dynamic ones compute their range at run time
     inputs = [q for q in plan.weights if q.needs_inputs]
     if (acts or inputs) and (data is None or len(data) == 0):
         raise DataError("the recipe quantizes activations or chooses weights from data, which needs calibration "

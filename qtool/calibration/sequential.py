@@ -115,7 +115,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         stored_elsewhere = [q.module for q in sub.weights if name_of(f"{q.module}.weight") != f"{q.module}.weight"]
         codes.update(round_weights([q for q in sub.weights if q.needs_inputs], modules, qs, stats, plan.warnings,
                                    tied=stored_elsewhere))
-        calibrate_activations(sub.activations, qs, run)
+        calibrate_activations(sub.static_activations, qs, run)
         for q in rows:
             if qs[q.name].is_initialized():
                 entries[q.name] = EncodingEntry.from_quantizer(q, qs[q.name])

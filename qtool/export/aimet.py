@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from ..errors import UsageError
 from .base import Exporter, ExportRequest
 from .qtool_st import match_weight_names
 
@@ -15,6 +16,14 @@ __all__ = ["AimetExporter", "EXPORTER"]
 class AimetExporter(Exporter):
     name = "aimet"
     aimet_json = "always"
+
+    def check_quantizers(self, quantizers, options: Exporter.Options) -> None:
+        dynamic = [q for q in quantizers if q.spec.dynamic]
+        if dynamic:
+            raise UsageError(
+                f"AIMET encodings are static, and {dynamic[0].name} ({len(dynamic)} quantizer(s) in all) is dynamic "
+                f"({dynamic[0].spec.granularity.value}): export with --format qtool, onnx or compressed-tensors, or "
+                "use a recipe with static activations")
 
     def write(self, request: ExportRequest, options: Exporter.Options) -> Dict[str, Any]:
         weights = [e for e in request.encodings.entries if e.tensor == "weight"]

@@ -171,12 +171,38 @@ def _weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Dict[str
     }
 
 
+def _dynamic_input_args(e: EncodingEntry) -> Dict[str, Any]:
+    """compressed-tensors ``input_activations`` for a dynamic input quantizer (no scale stored: the runtime
+    computes one per token or per call)."""
+    return {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": True,
+        "group_size": None,
+        "num_bits": int(e.bitwidth),
+        "observer": None,
+        "observer_kwargs": {},
+        "scale_dtype": None,
+        "strategy": "token" if e.granularity == "per_token" else "tensor",
+        "symmetric": bool(e.symmetric),
+        "type": "int",
+        "zp_dtype": None,
+    }
+
+
 def _compat_notes(settings) -> List[str]:
     """Loader limits worth a warning (read from transformers 5.23 / compressed-tensors 0.20 / vLLM sources)."""
     notes = []
     for s in settings:
-        a, fmt = s["args"], s["format"]
+        a, fmt, inputs = s["args"], s["format"], s.get("inputs")
         what = f"{a['num_bits']}-bit {a['strategy']} ({fmt})"
+        if inputs is not None:  # W8A8 int: vLLM's CompressedTensorsW8A8Int8 scheme
+            if not (a["num_bits"] == 8 and inputs["num_bits"] == 8 and a["symmetric"]
+                    and a["strategy"] in ("channel", "tensor") and fmt == "int-quantized"):
+                notes.append(f"vLLM: {what} weights with {inputs['num_bits']}-bit dynamic activations: vLLM's W8A8 "
+                             "int scheme takes symmetric 8-bit channel/tensor int-quantized weights with 8-bit "
+                             "activations")
+            continue
         if fmt == "int-quantized":
             notes.append(f"vLLM: {what}: vLLM runs weight-only int layers only from pack-quantized (its WNA16 "
                          "scheme); export with eight_bit_format='pack-quantized' for vLLM")
@@ -250,11 +276,14 @@ def export_compressed_tensors(
     keys = src.keys()
 
     warnings: List[str] = []
-    acts = [e for e in encodings.entries if e.tensor != "weight"]
+    # dynamic input quantizers become the config group's input_activations (W8A8 with dynamic activations);
+    # compressed-tensors' static activations (input_scale) are not written: those run in float
+    dyn_inputs = {e.module: e for e in encodings.entries if e.tensor == "input" and e.dynamic}
+    acts = [e for e in encodings.entries if e.tensor != "weight" and e.module not in dyn_inputs]
     if acts:
         warnings.append(
-            f"{len(acts)} activation quantizer(s) not exported: compressed-tensors int-quantized/pack-quantized "
-            "here are weight-only formats (W8A16/W4A16); the exported model runs activations in float"
+            f"{len(acts)} activation quantizer(s) not exported: the compressed-tensors export writes dynamic input "
+            "quantizers only (static and output ones run in float in the exported model)"
         )
 
     linear: List[EncodingEntry] = []
@@ -314,9 +343,11 @@ def export_compressed_tensors(
                 f"{e.name}: {e.bitwidth}-bit weights have no compressed-tensors integer format (1..8 bits)"
             )
         args = _weight_args(e, tuple(shape), key)
-        sig = json.dumps(args, sort_keys=True)
+        inputs = _dynamic_input_args(dyn_inputs[e.module]) if e.module in dyn_inputs else None
+        sig = json.dumps([args, inputs], sort_keys=True)
         fmt = eight_bit_format if e.bitwidth == 8 else "pack-quantized"
-        settings.setdefault(sig, {"args": args, "format": fmt, "modules": []})["modules"].append(e.module)
+        settings.setdefault(sig, {"args": args, "inputs": inputs, "format": fmt, "modules": []})["modules"].append(
+            e.module)
         module_args[key] = args
         module_fmt[key] = fmt
         if dtype not in (torch.float32, torch.float64) and not low_precision_warned:
@@ -330,6 +361,11 @@ def export_compressed_tensors(
     warnings += _compat_notes(list(settings.values()))
 
     quantized_modules = {e.module for e in by_key.values()}
+    orphans = sorted(set(dyn_inputs) - quantized_modules)
+    if orphans:
+        acts += [dyn_inputs[m] for m in orphans]
+        warnings.append(f"{len(orphans)} dynamic input quantizer(s) on layers whose weight is not exported "
+                        f"quantized, so they run in float: {', '.join(orphans)}")
     float_linear = [n for n, m in modules.items() if isinstance(m, nn.Linear) and n not in quantized_modules]
     all_plain_linear = all(type(modules[m]) is nn.Linear for m in quantized_modules)
     single = len(settings) == 1 and all_plain_linear
@@ -338,7 +374,7 @@ def export_compressed_tensors(
         targets = ["Linear"] if single else [f"re:^{re.escape(m)}$" for m in s["modules"]]
         groups[f"group_{i}"] = {
             "format": s["format"],
-            "input_activations": None,
+            "input_activations": s["inputs"],
             "output_activations": None,
             "targets": targets,
             "weights": s["args"],

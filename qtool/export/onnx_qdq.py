@@ -7,7 +7,11 @@ over the ONNX graph then rewrites each placeholder:
 * on a weight (the placeholder's input is an initializer): the integer codes replace the float initializer
   under the parameter's own name (int8/uint8, int4/uint4 packed two per byte, int16/uint16), followed by
   ``DequantizeLinear`` — per-tensor, per-channel (``axis``) or blocked (opset 21 ``block_size``);
-* on an activation: ``QuantizeLinear`` + ``DequantizeLinear`` (per-tensor).
+* on an activation: ``QuantizeLinear`` + ``DequantizeLinear`` (per-tensor);
+* on a dynamic activation (``qtool::DynamicFakeQuant``): the range computed in the graph from the tensor itself
+  (``ReduceMin``/``ReduceMax`` over the last axis per token, or over everything per tensor), turned into a scale
+  and zero point by qtool's min-max rule written out in standard ops, then ``QuantizeLinear`` +
+  ``DequantizeLinear`` with that computed scale (per token: opset 21 blocked, one block per token).
 
 The codes use qtool's division path, which is exactly ONNX QuantizeLinear's ``round_half_even(x / y_scale) +
 y_zero_point``, so the graph computes what qtool's fake-quant model computes. The opset is the lowest that the
@@ -29,7 +33,7 @@ from torch import nn
 
 from ..encodings import EncodingsFile
 from ..errors import UsageError
-from ..quant import QuantizeDequantize, quantize, quantize_dequantize
+from ..quant import QuantizeDequantize, dynamic_scale_offset, quantize, quantize_dequantize
 from ..quant.spec import axis_and_block
 from .base import Exporter, ExportRequest
 
@@ -54,7 +58,7 @@ def required_opset(enc: EncodingsFile) -> int:
                 f"{e.name}: ONNX QuantizeLinear has no {e.bitwidth}-bit type (4, 8 and 16 bits only); "
                 "export this recipe with --format qtool or aimet"
             )
-        if e.bitwidth != 8 or e.granularity == "per_block":
+        if e.bitwidth != 8 or e.granularity in ("per_block", "per_token"):
             need = max(need, 21)
         elif e.granularity == "per_channel":
             need = max(need, 13)
@@ -80,11 +84,47 @@ class _FakeQuantOnnx(torch.autograd.Function):
         return out
 
 
+class _DynamicFakeQuantOnnx(torch.autograd.Function):
+    """Dynamic fake-quant forward; exported as one ``qtool::DynamicFakeQuant`` node that the graph pass expands."""
+
+    @staticmethod
+    def forward(ctx, x, name, qmin, qmax, mode, channels):
+        symmetric, per_token = (w == s for w, s in zip(mode.split(), ("symmetric", "per_token")))
+        # the graph pass writes this node's computation; the tracer need not (and cannot: its peephole pass drops
+        # the identity `t - 0` of an asymmetric 8-bit grid inside a Function and then loses the value)
+        state = torch._C._get_tracing_state()
+        torch._C._set_tracing_state(None)
+        try:
+            scale, offset = dynamic_scale_offset(x, per_token, qmin, qmax, symmetric)
+            return quantize_dequantize(x, scale, offset, qmin=qmin, qmax=qmax)
+        finally:
+            torch._C._set_tracing_state(state)
+
+    @staticmethod
+    def symbolic(g, x, name, qmin, qmax, mode, channels):
+        out = g.op("qtool::DynamicFakeQuant", x, name_s=name, qmin_i=qmin, qmax_i=qmax, mode_s=mode,
+                   channels_i=channels)
+        out.setType(x.type())
+        return out
+
+
 @contextlib.contextmanager
 def onnx_export_mode(quantizers: Dict[str, QuantizeDequantize]):
-    """Make every quantizer call ``_FakeQuantOnnx`` with constant scale/zero point while tracing."""
+    """Make every quantizer call ``_FakeQuantOnnx`` with constant scale/zero point while tracing (a dynamic one:
+    ``_DynamicFakeQuantOnnx``)."""
     saved = {}
     for name, q in quantizers.items():
+        if getattr(q, "dynamic", False):
+            def dyn(x, _q=q, _n=name):
+                x = x.as_subclass(torch.Tensor)
+                mode = (("symmetric " if _q.symmetric else "asymmetric ")
+                        + ("per_token" if _q.per_token else "per_tensor"))
+                channels = int(x.shape[-1]) if x.dim() else 1
+                return _DynamicFakeQuantOnnx.apply(x, _n, _q.qmin, _q.qmax, mode, channels)
+
+            saved[name] = q.forward
+            q.forward = dyn
+            continue
         enc = q.get_encodings()
         scale = enc.scale.detach().clone()
         zp = (-enc.offset.detach()).to(torch.int32)
@@ -167,6 +207,11 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
     new_inits: List[Any] = []
     drop_inits = set()
     for node in graph.node:
+        if node.op_type == "DynamicFakeQuant":
+            qname = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "name")
+            names[qname.decode() if isinstance(qname, bytes) else qname] = node.input[0]
+            new_nodes += _dynamic_qdq(node, opset, new_inits)
+            continue
         if node.op_type != "FakeQuant":
             new_nodes.append(node)
             continue
@@ -240,6 +285,87 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
         model.ir_version = 10
     onnx.checker.check_model(model)
     return names
+
+
+def _dynamic_qdq(node, opset: int, inits: List[Any]) -> List[Any]:
+    """The nodes that replace one ``qtool::DynamicFakeQuant``: ``qtool.quant.affine.dynamic_scale_offset`` on the
+    tensor's own range (docs/numerics.md), in float32 like the torch code,
+    then QuantizeLinear + DequantizeLinear with the computed scale (and zero point, asymmetric)."""
+    from onnx import TensorProto, helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    name = attrs["name"].decode() if isinstance(attrs["name"], bytes) else attrs["name"]
+    mode = attrs["mode"].decode() if isinstance(attrs["mode"], bytes) else attrs["mode"]
+    qmin, qmax = int(attrs["qmin"]), int(attrs["qmax"])
+    symmetric, per_token = mode.split()[0] == "symmetric", mode.split()[1] == "per_token"
+    n = qmax - qmin
+    ms = float(np.float32(min(float(np.finfo(np.float32).eps), 0.01 / n)))
+    x = node.input[0]
+    nodes: List[Any] = []
+
+    def const(key: str, value, dtype=np.float32) -> str:
+        cname = f"{name}_{key}"
+        inits.append(helper.make_tensor(cname, TensorProto.FLOAT if dtype == np.float32 else TensorProto.INT64,
+                                        list(np.shape(value)), np.asarray(value, dtype=dtype).reshape(-1).tolist()))
+        return cname
+
+    def op(kind: str, inputs: List[str], key: str, **kw) -> str:
+        out = f"{name}_{key}"
+        nodes.append(helper.make_node(kind, inputs, [out], name=out, **kw))
+        return out
+
+    zero, n_c, ms_c = const("zero", 0.0), const("n", float(n)), const("min_scale", ms)
+    f32max = const("f32max", float(np.finfo(np.float32).max))
+    reduce_kw: Dict[str, Any] = {"keepdims": 1 if per_token else 0}
+    axes: List[str] = []
+    if per_token:
+        if opset >= 18:
+            axes = [const("axes", [-1], np.int64)]
+        else:
+            reduce_kw["axes"] = [-1]
+    if symmetric:  # scale = max|x| / (n / 2)
+        absmax = op("ReduceMax", [op("Abs", [x], "abs")] + axes, "absmax", **reduce_kw)
+        scale = op("Min", [op("Max", [op("Div", [absmax, const("half_n", n / 2)], "raw_scale"), ms_c], "scale_min"),
+                           f32max], "scale")
+    else:  # the static min-max rule (qtool.quant.affine.adjust_min_max, min_max_to_scale_offset)
+        mn = op("Min", [op("ReduceMin", [x] + axes, "stat_min", **reduce_kw), zero], "min0")
+        mx = op("Max", [op("ReduceMax", [x] + axes, "stat_max", **reduce_kw), zero], "max0")
+        # a degenerate range is widened to the minimum scale
+        small = op("Less", [op("Div", [op("Sub", [mx, mn], "span"), n_c], "step"), ms_c], "degenerate")
+        adj = op("Where", [small, ms_c, zero], "widen")
+        lo = op("Max", [mn, op("Neg", [f32max], "neg_f32max")], "lo")
+        hi = op("Min", [op("Add", [mx, op("Mul", [adj, n_c], "widen_n")], "hi_raw"), f32max], "hi")
+        scale = op("Max", [op("Abs", [op("Div", [op("Sub", [hi, lo], "range"), n_c], "raw_scale")], "abs_scale"),
+                           ms_c], "scale")
+    out_type = _onnx_int_type(n.bit_length(), qmin < 0)
+    qdq_kw: Dict[str, Any] = {}
+    if per_token:
+        qdq_kw = {"axis": -1, "block_size": int(attrs["channels"])}
+    if symmetric:
+        q_in, dq_in = [x, scale], [scale]
+        qdq_q = dict(qdq_kw, output_dtype=out_type) if opset >= 21 else dict(qdq_kw)
+        if opset < 21:  # below 21 QuantizeLinear picks its type from a zero point: a constant 0 of the type
+            inits.append(_int_tensor(f"{name}_zero_point", np.zeros(()), n.bit_length(), qmin < 0))
+            q_in, dq_in = [x, scale, f"{name}_zero_point"], [scale, f"{name}_zero_point"]
+    else:
+        # zero point = -offset = clamp(qmin - round(lo / scale), qmin, qmax), in the grid's integer type
+        qmin_c, qmax_c = const("qmin", float(qmin)), const("qmax", float(qmax))
+        zp_f = op("Clip", [op("Sub", [qmin_c, op("Round", [op("Div", [lo, scale], "lo_steps")], "lo_steps_rounded")],
+                              "zp_raw"), qmin_c, qmax_c], "zp_float")
+        if per_token:
+            # the same QuantizeLinear/DequantizeLinear arithmetic written out: onnxruntime (1.31) fuses a dequantized
+            # activation into MatMulIntegerToFloat, which refuses a zero point per token
+            q = op("Clip", [op("Add", [op("Round", [op("Div", [x, scale], "steps")], "steps_rounded"), zp_f],
+                               "q_raw"), qmin_c, qmax_c], "q")
+            nodes.append(helper.make_node("Mul", [op("Sub", [q, zp_f], "q_centered"), scale], list(node.output),
+                                          name=f"{name}_dequantize"))
+            return nodes
+        zp = op("Cast", [zp_f], "zero_point", to=out_type)
+        q_in, dq_in, qdq_q = [x, scale, zp], [scale, zp], dict(qdq_kw)
+    q = op("QuantizeLinear", q_in, "q", **qdq_q)
+    nodes.append(helper.make_node("DequantizeLinear", [q] + dq_in, list(node.output), name=f"{name}_dequantize",
+                                  **qdq_kw))
+    return nodes
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ def plan_from_encodings(enc: EncodingsFile, model: nn.Module, source: str) -> Pl
             raise EncodingsError(f"{source}: module {e.module!r} is not in this model; were the encodings made "
                                  "for another model?")
         rows.append(QuantizerPlan(e.name, e.module, type(modules[e.module]).__name__, e.tensor, e.bitwidth,
-                                  e.symmetric, e.granularity, e.shape, e.block_size, e.analyzer))
+                                  e.symmetric, e.granularity, e.shape, e.block_size, e.analyzer, dynamic=e.dynamic))
     return Plan(rows)
 
 
@@ -42,6 +42,8 @@ def apply_encodings(model: nn.Module, enc: EncodingsFile, source: str) -> Dict[s
                 quantizers[e.name].check_input(w)
             except (ValueError, AttributeError) as err:
                 raise EncodingsError(f"{source}: {e.name}: does not fit the model's weight ({err})") from None
+        if e.dynamic:
+            continue  # computes its range at run time
         lo, hi = e.range()
         quantizers[e.name].set_range(lo.to(quantizers[e.name].min.device), hi.to(quantizers[e.name].max.device))
     return quantizers

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..config import Plan, QuantizerPlan
-from ..quant import QuantizeDequantize, QuantizerBase
+from ..quant import DynamicQuantizeDequantize, QuantizeDequantize, QuantizerBase
 
 __all__ = ["insert_quantizers", "remove_quantizers", "iter_quantizers", "QuantizedModuleMixin"]
 
@@ -112,6 +112,8 @@ def make_analyzer(q: QuantizerPlan):
 
 
 def make_quantizer(q: QuantizerPlan, device=None) -> QuantizerBase:
+    if q.dynamic:
+        return DynamicQuantizeDequantize(q.bitwidth, q.symmetric, per_token=q.granularity == "per_token")
     quantizer = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric, encoding_analyzer=make_analyzer(q),
                                    block_size=q.block_size, scale_dtype=q.scale_dtype)
     return quantizer.to(device) if device is not None else quantizer

@@ -3,6 +3,7 @@
 from .affine import (
     adjust_min_max,
     dequantize,
+    dynamic_scale_offset,
     grid,
     min_max_to_scale_offset,
     quantize,
@@ -18,7 +19,13 @@ from .analyzers import (
     SqnrEncodingAnalyzer,
     TfEnhancedEncodingAnalyzer,
 )
-from .quantizer import Quantize, QuantizeDequantize, QuantizerBase, UninitializedQuantizerError
+from .quantizer import (
+    DynamicQuantizeDequantize,
+    Quantize,
+    QuantizeDequantize,
+    QuantizerBase,
+    UninitializedQuantizerError,
+)
 from .tensor import AffineEncoding, DequantizedTensor, QuantizedTensor
 from .torchao_api import ZeroPointDomain, dequantize_affine, quantize_affine
 
@@ -26,6 +33,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "quantize_dequantize",
+    "dynamic_scale_offset",
     "quantize_affine",
     "dequantize_affine",
     "ZeroPointDomain",
@@ -43,6 +51,7 @@ __all__ = [
     "QuantizerBase",
     "QuantizeDequantize",
     "Quantize",
+    "DynamicQuantizeDequantize",
     "UninitializedQuantizerError",
     "AffineEncoding",
     "QuantizedTensor",

@@ -213,6 +213,8 @@ class _RoundSTE(torch.autograd.Function):
 
 
 def round_ste(x: torch.Tensor) -> torch.Tensor:
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return torch.round(x)  # the same values; no autograd node (and nothing for a tracer to step into)
     return _RoundSTE.apply(x)
 
 
@@ -335,6 +337,37 @@ def min_max_to_scale_offset(
     else:
         offset = torch.clamp(round_ste(min / scale) - qmin, -qmax, -qmin)
     return scale, offset
+
+
+def dynamic_scale_offset(
+    x: torch.Tensor, per_token: bool, qmin: int, qmax: int, symmetric: bool
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, offset)`` of a dynamic quantizer, from ``x`` itself: one range per token (``per_token``: per
+    position of every dimension but the last, shape ``(..., 1)``) or one for the whole tensor (shape ``()``).
+
+    AIMET has no dynamic quantizers, so the rule is the one of the runtimes that execute them (compressed-tensors
+    as transformers loads it, torchao), which a reloaded model then reproduces exactly:
+
+    * symmetric: ``scale = max|x| / ((qmax - qmin) / 2)`` (127.5 for 8 bits; the largest value may clip by half a
+      step), offset 0 on the signed grid;
+    * asymmetric: the min-max rule of static quantizers (range widened to contain zero, ``scale = (max - min) /
+      (qmax - qmin)``, offset ``round(min / scale) - qmin``).
+
+    A scale is never below the minimum scale of :func:`min_max_to_scale_offset` (an all-zero token). The
+    statistics carry no gradient: a dynamic range has nothing to learn."""
+    n = qmax - qmin
+    with torch.no_grad():
+        if symmetric:
+            absmax = (x.abs().amax(dim=-1, keepdim=True) if per_token else x.abs().amax()).to(torch.float32)
+            scale = torch.clamp(absmax / (n / 2), min=_min_scale(n), max=_F32_MAX)
+            return scale, torch.full_like(scale, float(-round((qmin + qmax) / 2)))
+        # (amin/amax rather than aminmax: the ONNX tracer cannot follow aminmax's tuple inside a custom Function)
+        if per_token:
+            stat_min, stat_max = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+        else:
+            stat_min, stat_max = x.amin(), x.amax()
+        mn, mx = adjust_min_max(stat_min, stat_max, n, symmetric)
+        return min_max_to_scale_offset(mn, mx, qmin, qmax, symmetric)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..choices import check_scale_dtype
 from .affine import (
+    dynamic_scale_offset,
     grid,
     min_max_to_scale_offset,
     quantize,
@@ -30,7 +31,8 @@ from .affine import (
 from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer
 from .tensor import AffineEncoding, DequantizedTensor, QuantizedTensor
 
-__all__ = ["QuantizerBase", "QuantizeDequantize", "Quantize", "UninitializedQuantizerError"]
+__all__ = ["QuantizerBase", "QuantizeDequantize", "Quantize", "DynamicQuantizeDequantize",
+           "UninitializedQuantizerError"]
 
 
 class UninitializedQuantizerError(RuntimeError):
@@ -185,3 +187,46 @@ class Quantize(QuantizerBase):
         out = quantize(x, scale, offset, qmin=self.qmin, qmax=self.qmax, block_size=self.block_size)
         enc = AffineEncoding(scale.detach(), offset.detach(), self.qmin, self.qmax, self.symmetric, self.block_size)
         return QuantizedTensor.wrap(out, enc)
+
+
+class DynamicQuantizeDequantize(nn.Module):
+    """Fake quantization with a range computed from each call's own values (``per_token``: one range per token,
+    i.e. per position of every dimension but the last; else one per call). Nothing is calibrated and nothing is
+    stored: it is always initialized, and ``compute_encodings`` leaves it as it is. Returns a plain tensor in
+    ``x``'s dtype (the encoding differs per token, so there is no one ``AffineEncoding`` to attach)."""
+
+    dynamic = True
+
+    def __init__(self, bitwidth: int, symmetric: bool, per_token: bool):
+        super().__init__()
+        self.bitwidth = int(bitwidth)
+        self.symmetric = bool(symmetric)
+        self.per_token = bool(per_token)
+        self.qmin, self.qmax = grid(self.bitwidth, signed=self.symmetric)
+        self.shape = ()
+        self.block_size = None
+        self.scale_dtype = "float32"
+        self.enabled = True
+        self._calibrating = False
+
+    def is_initialized(self) -> bool:
+        return True
+
+    @contextlib.contextmanager
+    def compute_encodings(self):
+        yield self
+
+    def check_input(self, x: torch.Tensor) -> None:
+        if self.per_token and x.dim() < 1:
+            raise ValueError("a per-token quantizer needs a tensor with a last (channel) dimension")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return x
+        x = x.as_subclass(torch.Tensor)
+        scale, offset = dynamic_scale_offset(x, self.per_token, self.qmin, self.qmax, self.symmetric)
+        return quantize_dequantize(x, scale, offset, qmin=self.qmin, qmax=self.qmax)
+
+    def extra_repr(self) -> str:
+        return (f"bitwidth={self.bitwidth}, symmetric={self.symmetric}, "
+                f"{'per_token' if self.per_token else 'per_tensor'}, dynamic")

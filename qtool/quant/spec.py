@@ -26,6 +26,7 @@ class Granularity(str, enum.Enum):
     PER_TENSOR = "per_tensor"
     PER_CHANNEL = "per_channel"
     PER_BLOCK = "per_block"
+    PER_TOKEN = "per_token"  # dynamic only: one range per token, computed at run time
 
     def __str__(self) -> str:
         return self.value
@@ -36,6 +37,8 @@ def axis_and_block(granularity: Granularity, shape: Sequence[int],
     """``(axis, block)``: the channel dimension of a per-channel encoding (block None), the blocked dimension and
     its block length of a per-block one, ``(None, None)`` per tensor. ``shape`` is the encoding's shape."""
     granularity = Granularity(granularity)
+    if granularity is Granularity.PER_TOKEN:
+        raise ValueError("a per_token encoding is computed at run time; it has no stored axis")
     if granularity is Granularity.PER_TENSOR:
         return None, None
     if granularity is Granularity.PER_CHANNEL:
@@ -53,8 +56,9 @@ class QuantSpec:
     """One quantizer: its integer grid (``bitwidth``, ``symmetric``), its granularity and encoding ``shape``
     (``()`` per tensor, ``(out, 1, ...)`` per channel, ``(out, in/B, ...)`` per block) with the per-dimension
     ``block_size`` of a blocked one, the analyzer that chose (or will choose) its range, and the dtype its scales
-    are rounded to (``float16`` for formats that store them so, e.g. GGUF). Raises ``ValueError`` on any
-    inconsistency."""
+    are rounded to (``float16`` for formats that store them so, e.g. GGUF). ``dynamic``: the range is computed
+    from each call's values at run time (per tensor or per token) and nothing is stored; its shape is ``()``.
+    Raises ``ValueError`` on any inconsistency."""
 
     bitwidth: int
     symmetric: bool
@@ -63,6 +67,7 @@ class QuantSpec:
     block_size: Optional[Tuple[int, ...]] = None
     analyzer: str = "minmax"
     scale_dtype: str = "float32"
+    dynamic: bool = False
 
     def __post_init__(self):
         if isinstance(self.bitwidth, bool) or not isinstance(self.bitwidth, int):
@@ -77,6 +82,18 @@ class QuantSpec:
             raise ValueError(f"granularity must be one of {', '.join(g.value for g in Granularity)} "
                              f"(got {str(self.granularity)[:40]!r})") from None
         check_scale_dtype(self.scale_dtype, self.bitwidth, self.symmetric)
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"dynamic must be true or false (got {str(self.dynamic)[:40]!r})")
+        if self.granularity is Granularity.PER_TOKEN and not self.dynamic:
+            raise ValueError("per_token ranges change with every token, so they are computed at run time: "
+                             "per_token needs dynamic: true")
+        if self.dynamic:
+            if self.granularity not in (Granularity.PER_TENSOR, Granularity.PER_TOKEN):
+                raise ValueError(f"a dynamic quantizer is per_tensor or per_token (got {self.granularity.value})")
+            if tuple(self.shape) or self.block_size is not None:
+                raise ValueError(f"a dynamic quantizer stores no range: its shape is [] (got {list(self.shape)})")
+            if self.scale_dtype != "float32":
+                raise ValueError("a dynamic quantizer computes its scale at run time: scale_dtype does not apply")
         shape = tuple(int(d) for d in self.shape)
         if any(d < 1 for d in shape):
             raise ValueError(f"shape {list(shape)} has a dimension below 1")
@@ -98,6 +115,8 @@ class QuantSpec:
         return axis_and_block(self.granularity, self.shape, self.block_size)
 
     def describe(self) -> str:
+        if self.dynamic:
+            return f"{self.granularity.value}, dynamic"
         if self.granularity is Granularity.PER_BLOCK:
             return f"per_block {self.block_size} -> {self.shape}"
         if self.granularity is Granularity.PER_CHANNEL:
