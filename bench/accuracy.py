@@ -53,6 +53,8 @@ SMOLLM_RECIPES = {
     "W8A8 (w8a8.yaml)": ("configs/w8a8.yaml", None),
     "W8A8 dynamic per-token (w8a8-dynamic.yaml)": ("configs/w8a8-dynamic.yaml", None),
     "W8A8 dynamic per-tensor": ("configs/w8a8-dynamic.yaml", PER_TENSOR_DYNAMIC),
+    "W8A8 + smoothquant 0.5": ("configs/w8a8-smoothquant.yaml", None),
+    "W8A8 + smoothquant 0.8": ("configs/w8a8-smoothquant.yaml", {"smoothquant": {"alpha": 0.8}}),
 }
 # further variants (--extra): how much of the damage an analyzer or the grid choice recovers
 SMOLLM_EXTRA = {
@@ -70,9 +72,9 @@ def _recipe(path: str, weight_analyzer, tmp: Path) -> str:
     import yaml
 
     obj = yaml.safe_load((REPO / path).read_text())
-    if isinstance(weight_analyzer, dict):  # overrides of the defaults
+    if isinstance(weight_analyzer, dict):  # overrides of the defaults (and of top-level steps like smoothquant)
         for kind, changes in weight_analyzer.items():
-            obj["defaults"][kind].update(changes)
+            (obj["defaults"][kind] if kind in obj["defaults"] else obj.setdefault(kind, {})).update(changes)
     else:
         obj["defaults"]["weights"]["analyzer"] = weight_analyzer
     out = tmp / f"{Path(path).stem}-{abs(hash(json.dumps(weight_analyzer, sort_keys=True)))}.yaml"

@@ -210,6 +210,42 @@ class Defaults(BaseModel):
     activations: Optional[ActivationSpec] = ActivationSpec()
 
 
+class SmoothMapping(BaseModel):
+    """One SmoothQuant pairing: the module whose output feeds the ``balance`` layers (a norm, or a Linear whose
+    output rows can absorb a per-channel scale) and name patterns of those layers, looked for among the smooth
+    module's siblings and their descendants (its parent's subtree)."""
+
+    model_config = ConfigDict(extra="forbid")
+    smooth: str
+    balance: List[str] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _patterns_compile(self):
+        for p in [self.smooth] + self.balance:
+            _compile_pattern(p)
+        return self
+
+
+# Llama-family decoder blocks (Llama, Mistral, Qwen2, SmolLM, ...): each norm feeds the projections after it, and
+# up_proj's output rows scale down_proj's input channels exactly (act(gate) * up is linear in up)
+DEFAULT_SMOOTH_MAPPINGS = (
+    {"smooth": "re:.*input_layernorm", "balance": ["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"]},
+    {"smooth": "re:.*post_attention_layernorm", "balance": ["re:.*gate_proj", "re:.*up_proj"]},
+    {"smooth": "re:.*up_proj", "balance": ["re:.*down_proj"]},
+)
+
+
+class SmoothQuantSpec(BaseModel):
+    """``smoothquant: {alpha: 0.5}``: before anything is calibrated, per input channel ``j`` of each balance
+    layer, ``s_j = max|x_j|^alpha / max|W[:, j]|^(1 - alpha)`` moves activation range into the weights (the
+    smooth module's output divided by ``s``, the balance layers' weight columns multiplied by it); the float
+    model's outputs are unchanged. ``mappings`` default to Llama-family decoder blocks."""
+
+    model_config = ConfigDict(extra="forbid")
+    alpha: float = Field(0.5, ge=0, le=1)
+    mappings: Optional[List[SmoothMapping]] = None
+
+
 class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -217,6 +253,7 @@ class Recipe(BaseModel):
     defaults: Defaults = Defaults()
     layers: List[LayerRule] = []
     ignore: List[str] = []
+    smoothquant: Optional[SmoothQuantSpec] = None
 
     @field_validator("ignore")
     @classmethod
@@ -375,10 +412,21 @@ class QuantizerPlan:
         return self._spec.describe()
 
 
+@dataclass(frozen=True)
+class SmoothGroup:
+    """One resolved SmoothQuant pairing: ``smooth`` (module name) feeds ``balance`` (Linear module names)."""
+
+    smooth: str
+    balance: Tuple[str, ...]
+    alpha: float
+    mapping: int = 0  # index of the mapping that paired them (errors name it)
+
+
 @dataclass
 class Plan:
     quantizers: List[QuantizerPlan] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)
+    smoothing: List[SmoothGroup] = field(default_factory=list)  # SmoothQuant, applied before calibration
 
     @property
     def weights(self) -> List[QuantizerPlan]:
@@ -394,7 +442,7 @@ class Plan:
         return [q for q in self.activations if not q.dynamic]
 
     def needs_data(self) -> bool:
-        return bool(self.static_activations) or any(q.needs_inputs for q in self.weights)
+        return bool(self.static_activations) or bool(self.smoothing) or any(q.needs_inputs for q in self.weights)
 
 
 def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
@@ -530,4 +578,55 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             plan.warnings.append(msg)
     if not plan.quantizers:
         plan.warnings.append(f"{source}: the recipe puts no quantizer on this model")
+    if recipe.smoothquant is not None:
+        plan.smoothing = _smooth_groups(recipe.smoothquant, named, source)
     return plan
+
+
+def _smooth_groups(spec: SmoothQuantSpec, named, source: str) -> List[SmoothGroup]:
+    """Resolve SmoothQuant mappings on the model: every module matching ``smooth`` with the Linear modules of its
+    parent's subtree that match ``balance``, in module order. A mapping that pairs nothing is an error when the
+    recipe gave it, and skipped when it is a default (a model without up_proj, say)."""
+    from torch import nn
+
+    mappings = spec.mappings or [SmoothMapping(**m) for m in DEFAULT_SMOOTH_MAPPINGS]
+    modules = dict(named)
+    groups: List[SmoothGroup] = []
+    for i, m in enumerate(mappings):
+        found = 0
+        for name, module in named:
+            if not name_matches(m.smooth, name):
+                continue
+            parent = name.rsplit(".", 1)[0] + "." if "." in name else ""
+            balance = tuple(n for n, mod in named if n.startswith(parent) and n != name and isinstance(mod, nn.Linear)
+                            and any(name_matches(p, n) for p in m.balance))
+            if not balance:
+                continue
+            width = _output_width(module)
+            bad = [n for n in balance if modules[n].in_features != width]
+            if width is None or bad:
+                raise ConfigError(f"{source}: smoothquant: {name} ({type(module).__name__}) cannot scale the inputs "
+                                  f"of {', '.join(bad or balance)} (its output has no per-channel weight of their "
+                                  "input width)")
+            groups.append(SmoothGroup(name, balance, spec.alpha, i))
+            found += 1
+        if not found and spec.mappings:
+            raise ConfigError(f"{source}: smoothquant.mappings[{i}]: smooth {m.smooth!r} with balance {m.balance} "
+                              "pairs no modules of this model")
+    if not groups:
+        raise ConfigError(f"{source}: smoothquant: none of the default mappings (Llama-family norms and "
+                          "projections) pairs modules of this model; give smoothquant.mappings")
+    return groups
+
+
+def _output_width(module: "nn.Module") -> Optional[int]:
+    """The number of output channels a per-channel scale can be folded into: a norm's weight length, or a
+    Linear's output rows."""
+    from torch import nn
+
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    w = getattr(module, "weight", None)
+    if isinstance(w, nn.Parameter) and w.dim() == 1 and "norm" in type(module).__name__.lower():
+        return int(w.shape[0])
+    return None

@@ -65,8 +65,8 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
     entries, plan, data, device, files, kind, unused = (run.entries, run.plan, run.data, run.device, run.files,
                                                          run.kind, run.unused)
     enc = EncodingsFile(entries, {"qtool_version": __version__, "recipe": Path(recipe_path).name})
-    if run.codes:  # codes chosen by a rounding algorithm: every exporter writes these (qtool.weights)
-        write_codes(run_dir / CODES_FILE, entries, run.codes)
+    if run.codes or run.floats:  # chosen codes and transformed floats: every exporter writes these (qtool.weights)
+        write_codes(run_dir / CODES_FILE, entries, run.codes, run.floats)
         enc.codes_file = CODES_FILE
     enc_path = run_dir / "encodings.json"
     enc_files = enc.write(enc_path)
@@ -84,6 +84,9 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         "outputs": {f.name: sha256_file(f) for f in enc_files},
         "quantizers": len(entries),
         **({"rounding": {q.name: q.rounding for q in plan.weights if q.name in run.codes}} if run.codes else {}),
+        **({"smoothquant": {"alpha": plan.smoothing[0].alpha,
+                            "groups": [{"smooth": g.smooth, "balance": list(g.balance)} for g in plan.smoothing],
+                            "replaced": sorted(run.floats)}} if plan.smoothing else {}),
         "uncalibrated": unused,
         "warnings": plan.warnings,
     }

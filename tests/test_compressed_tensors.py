@@ -4,7 +4,6 @@ The reloaded model must hold qtool's fake-quant weights bit for bit and give the
 """
 
 import json
-import shutil
 import warnings
 from pathlib import Path
 

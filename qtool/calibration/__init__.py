@@ -55,6 +55,7 @@ class CalibrationRun:
     data: Optional[CalibrationData] = None
     unused: List[str] = field(default_factory=list)  # activation quantizers that saw no data
     codes: Dict[str, torch.Tensor] = field(default_factory=dict)  # weight quantizer -> codes from a rounding algorithm
+    floats: Dict[str, torch.Tensor] = field(default_factory=dict)  # checkpoint tensor -> value a transform gave it
 
 
 def choose_mode(checkpoint: str, recipe: Recipe, opts: CalibrateOptions, source: str):
@@ -103,6 +104,8 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
         device = resolve_device(opts.device)
         model, _, tokenizer = meta_causal_lm(checkpoint, opts.trust_remote_code)
         plan = resolve_plan(recipe, model, source=source, allow_unmatched=opts.allow_unmatched)
+        if plan.smoothing:
+            raise UsageError("smoothquant runs on the whole model: calibrate without --sequential")
         hooks.on_plan(plan)
         data = _data(opts, plan, tokenizer, True, hooks)
         hooks.on_stage("calibrating")
@@ -143,4 +146,11 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
     result = calibrate(loaded.model, plan, quantizers, data if plan.needs_data() else None, device, hooks.on_batch)
     entries = [EncodingEntry.from_quantizer(q, quantizers[q.name]) for q in plan.quantizers
                if quantizers[q.name].is_initialized()]
-    return CalibrationRun(entries, plan, mode, device, loaded.files, loaded.kind, data, result.unused, result.codes)
+    return CalibrationRun(entries, plan, mode, device, loaded.files, loaded.kind, data, result.unused, result.codes,
+                          _checkpoint_names(result.replaced, loaded))
+
+
+def _checkpoint_names(tensors: Dict[str, torch.Tensor], loaded) -> Dict[str, torch.Tensor]:
+    """Key parameters by the checkpoint's tensor names (a base-model prefix may differ from the model's)."""
+    to_checkpoint = {model: ckpt for ckpt, model in loaded.name_map.items()}
+    return {to_checkpoint.get(name, name): t for name, t in tensors.items()}

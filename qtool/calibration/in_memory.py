@@ -9,11 +9,16 @@ from torch import nn
 
 from ..config import Plan
 from ..data import CalibrationData
-from ..errors import DataError
+from ..errors import DataError, UsageError
 from ..model.insert import set_quantization
 from ..quant import QuantizerBase
 from .base import calibrate_activations, calibrate_weights, check_finite
 from .rounding import collect_inputs, importance, round_weights
+from .smoothing import activation_absmax, smooth
+
+# SmoothQuant must leave the float model's function alone: largest output change allowed, relative to the output's
+# largest magnitude (float32 rounding of the rescaled weights stays near 1e-6)
+SMOOTH_TOLERANCE = 1e-3
 
 __all__ = ["calibrate", "CalibrationResult"]
 
@@ -22,9 +27,11 @@ Progress = Optional[Callable[[int, int, int], None]]
 
 
 class CalibrationResult:
-    def __init__(self, unused: List[str], codes: Optional[Dict[str, torch.Tensor]] = None):
+    def __init__(self, unused: List[str], codes: Optional[Dict[str, torch.Tensor]] = None,
+                 replaced: Optional[Dict[str, torch.Tensor]] = None):
         self.unused = unused  # activation quantizers whose module never ran
         self.codes = codes or {}  # weight quantizer name -> codes chosen by a rounding algorithm (GPTQ)
+        self.replaced = replaced or {}  # parameter name -> float value a transform (SmoothQuant) gave it
 
 
 def calibrate(
@@ -58,6 +65,13 @@ def calibrate(
             if progress:
                 progress(i + 1, len(data), b.size)
 
+    replaced = {}
+    if plan.smoothing:
+        set_quantization(model, False)
+        try:
+            replaced = _smooth(model, plan, modules, data, device, run)
+        finally:
+            set_quantization(model, True)
     stats = {}
     if inputs:
         set_quantization(model, False)
@@ -73,4 +87,37 @@ def calibrate(
         calibrate_activations(acts, quantizers, run)
         unused = [q.name for q in acts if not quantizers[q.name].is_initialized()]
     check_finite(plan.quantizers, quantizers)
-    return CalibrationResult(unused, codes)
+    return CalibrationResult(unused, codes, replaced)
+
+
+def _first_tensor(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    values = out.values() if isinstance(out, dict) else out
+    return next(v for v in values if isinstance(v, torch.Tensor))
+
+
+@torch.no_grad()
+def _smooth(model: nn.Module, plan: Plan, modules, data: CalibrationData, device, run) -> Dict[str, torch.Tensor]:
+    """SmoothQuant on the float model: activation maxima over the data, then each mapping's groups folded in; the
+    float model's outputs on the first batch must stay what they were (a mapping that is not exact for this
+    architecture, e.g. a nonlinearity between up_proj and down_proj, is refused)."""
+    amax = activation_absmax(plan.smoothing, modules, run)
+    missing = [g.smooth for g in plan.smoothing if g.smooth not in amax]
+    if missing:
+        raise DataError(f"smoothquant: the calibration data never reached the layers after {missing[0]}")
+    first = data.batches[0].to(device)
+    before = _first_tensor(model(*first.args, **first.kwargs)).detach()
+    replaced: Dict[str, torch.Tensor] = {}
+    for mapping in sorted({g.mapping for g in plan.smoothing}):
+        for g in (g for g in plan.smoothing if g.mapping == mapping):
+            replaced.update(smooth(g, modules, amax[g.smooth]))
+        after = _first_tensor(model(*first.args, **first.kwargs)).detach()
+        err = float((after - before).abs().max() / before.abs().max().clamp(min=1e-12))
+        if not err <= SMOOTH_TOLERANCE:
+            g = next(g for g in plan.smoothing if g.mapping == mapping)
+            raise UsageError(f"smoothquant: folding scales from {g.smooth} into {', '.join(g.balance)} changes the "
+                             f"float model's outputs (relative error {err:.2g}); this mapping does not fit this "
+                             "architecture: give smoothquant.mappings")
+        before = after
+    return replaced

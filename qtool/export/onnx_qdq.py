@@ -423,7 +423,7 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
     tensor name). ``weights`` (a ``qtool.weights.WeightSource``) supplies stored codes where there are any."""
     import onnx
 
-    from ..model.apply import apply_encodings
+    from ..model.apply import apply_encodings, apply_stored_weights
 
     opset_q = required_opset(enc)
     if loaded.kind == "pt2":
@@ -432,6 +432,8 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
     quantizers = apply_encodings(loaded.model, enc, "encodings")
     stored = {}
     if weights is not None:
+        # transformed floats (SmoothQuant) go into the traced graph; stored codes replace initializers below
+        apply_stored_weights(loaded.model, weights, codes=False)
         modules = dict(loaded.model.named_modules())
         for e in enc.entries:
             if e.tensor == "weight":

@@ -49,12 +49,12 @@ def apply_encodings(model: nn.Module, enc: EncodingsFile, source: str) -> Dict[s
     return quantizers
 
 
-def apply_stored_weights(model: nn.Module, weights: WeightSource) -> None:
+def apply_stored_weights(model: nn.Module, weights: WeightSource, codes: bool = True) -> None:
     """Put what the encodings' codes file stored into ``model``: a stored-codes weight's fake-quant value becomes its
-    dequantized codes (the float weight stays, so the float reference is unchanged), and each replaced tensor
-    takes its stored value."""
+    dequantized codes (the float weight stays, so the float reference is unchanged; ``codes=False`` leaves them to
+    the caller), and each replaced tensor takes its stored value."""
     modules = dict(model.named_modules())
-    for e in weights.encodings.entries:
+    for e in weights.encodings.entries if codes else ():
         if e.tensor != "weight" or not weights.has_stored_codes(e):
             continue
         w = modules[e.module]._parameters["weight"]
