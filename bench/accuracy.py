@@ -53,8 +53,8 @@ SMOLLM_RECIPES = {
     "W8A8 (w8a8.yaml)": ("configs/w8a8.yaml", None),
     "W8A8 dynamic per-token (w8a8-dynamic.yaml)": ("configs/w8a8-dynamic.yaml", None),
     "W8A8 dynamic per-tensor": ("configs/w8a8-dynamic.yaml", PER_TENSOR_DYNAMIC),
-    "W8A8 + smoothquant 0.5": ("configs/w8a8-smoothquant.yaml", None),
-    "W8A8 + smoothquant 0.8": ("configs/w8a8-smoothquant.yaml", {"smoothquant": {"alpha": 0.8}}),
+    "W8A8 + smoothquant 0.8 (w8a8-smoothquant.yaml)": ("configs/w8a8-smoothquant.yaml", None),
+    "W8A8 + smoothquant 0.5": ("configs/w8a8-smoothquant.yaml", {"smoothquant": {"alpha": 0.5}}),
 }
 # further variants (--extra): how much of the damage an analyzer or the grid choice recovers
 SMOLLM_EXTRA = {
@@ -63,6 +63,10 @@ SMOLLM_EXTRA = {
     "W8A8, activations percentile 99.99": (
         "configs/w8a8.yaml", {"activations": {"analyzer": {"name": "percentile", "percentile": 99.99}}}),
     "W8A8, activations sqnr": ("configs/w8a8.yaml", {"activations": {"analyzer": "sqnr"}}),
+    "W8A8 + smoothquant 0.65": ("configs/w8a8-smoothquant.yaml", {"smoothquant": {"alpha": 0.65}}),
+    "W8A8 + smoothquant 0.9": ("configs/w8a8-smoothquant.yaml", {"smoothquant": {"alpha": 0.9}}),
+    "W8A8 + smoothquant 1.0": ("configs/w8a8-smoothquant.yaml", {"smoothquant": {"alpha": 1.0}}),
+    "W8A8 dynamic per-token + smoothquant 0.8": ("configs/w8a8-dynamic.yaml", {"smoothquant": {"alpha": 0.8}}),
 }
 
 

@@ -599,9 +599,14 @@ def config_show(
         _, plan = plan_for(model, recipe, _opts(model_class=model_class, trust_pickle=trust_pickle,
                                                 trust_remote_code=trust_remote_code, allow_unmatched=allow_unmatched))
     if json_out:
-        _emit_json({"ok": True, "quantizers": [asdict(q) for q in plan.quantizers], "warnings": plan.warnings})
+        _emit_json({"ok": True, "quantizers": [asdict(q) for q in plan.quantizers],
+                    "smoothquant": [asdict(g) for g in plan.smoothing], "warnings": plan.warnings})
         return
-    Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR"))).print(_plan_table(plan))
+    console = Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
+    console.print(_plan_table(plan))
+    if plan.smoothing:
+        console.print(f"smoothquant (alpha {plan.smoothing[0].alpha}), before calibration: {len(plan.smoothing)} "
+                      "groups, e.g. " + _esc(f"{plan.smoothing[0].smooth} -> {', '.join(plan.smoothing[0].balance)}"))
     for w in plan.warnings:
         err.print(f"warning: {w}")
 
