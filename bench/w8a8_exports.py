@@ -80,6 +80,12 @@ def main(argv=None):
         example = tmp / "example.safetensors"
         save_file({"input_ids": ids[:1, :32].contiguous(), "attention_mask": mask[:1, :32].contiguous()}, example)
         tokens = ids[:, 1:].numel()
+        float_model = load_model(ckpt).model
+        with torch.no_grad():
+            float_logits = float_model(input_ids=ids, attention_mask=mask).logits
+        del float_model
+        results["perplexity_float"] = math.exp(_nll(float_logits, ids) / tokens)
+        print(f"float perplexity {results['perplexity_float']:.3f} on {tokens} tokens", flush=True)
         for label, (recipe, formats) in RECIPES.items():
             run = tmp / "run"
             run_calibrate(str(ckpt), str(REPO / recipe), str(run),
@@ -89,8 +95,12 @@ def main(argv=None):
                 want = fq(input_ids=ids, attention_mask=mask).logits
             ppl_fq = math.exp(_nll(want, ids) / tokens)
             del fq
-            row = {"recipe": label, "perplexity_fake_quant": ppl_fq, "exports": {}}
-            print(f"{label}: fake-quant perplexity {ppl_fq:.3f}", flush=True)
+            # for scale: how far quantization itself moves the logits (fake-quant against float)
+            vs_float = {"max_abs_logit_diff": float((want - float_logits).abs().max()),
+                        "top1_agreement": float((want.argmax(-1) == float_logits.argmax(-1)).float().mean())}
+            row = {"recipe": label, "perplexity_fake_quant": ppl_fq, "fake_quant_vs_float": vs_float, "exports": {}}
+            print(f"{label}: fake-quant perplexity {ppl_fq:.3f}; against float: max |logit diff| "
+                  f"{vs_float['max_abs_logit_diff']:.3g}, top-1 agreement {vs_float['top1_agreement']:.4f}", flush=True)
             for fmt in formats:
                 out = tmp / fmt
                 t0 = time.perf_counter()
