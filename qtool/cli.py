@@ -63,10 +63,12 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
     """Turn every failure into one stderr line and an exit code (and one JSON object with --json)."""
     from .errors import QtoolError
 
-    def fail(code: int, message: str) -> None:
-        err.print(message, markup=False)
+    def fail(code: int, message: str, more=()) -> None:
+        for line in [message, *more]:
+            err.print(line, markup=False)
         if json_out:
-            _emit_json({"ok": False, "exit_code": code, "error": message.split(": ", 1)[-1]})
+            _emit_json({"ok": False, "exit_code": code, "error": message.split(": ", 1)[-1],
+                        **({"errors": [m.split(": ", 1)[-1] for m in [message, *more]]} if more else {})})
         raise typer.Exit(code)
 
     try:
@@ -74,6 +76,9 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
     except typer.Exit:
         raise
     except QtoolError as e:
+        problems = getattr(e, "problems", None) or []
+        if len(problems) > 1:  # every problem of a recipe, one line each
+            fail(e.exit_code, f"error: {problems[0]}", [f"error: {p}" for p in problems[1:]])
         fail(e.exit_code, f"error: {e}")
     except KeyboardInterrupt as e:
         name = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
@@ -579,10 +584,65 @@ def inspect(
         con.print(line)
 
 
+@config_app.command("list")
+def config_list(json_out: bool = _JSON) -> None:
+    """List the recipes that ship with qtool (use one by name: -c w8a8)."""
+    from .config import load_recipe, recipe_description, recipe_needs_data, shipped_recipes, spec_label
+
+    rows = []
+    with _errors(False, json_out):
+        for name, path in shipped_recipes().items():
+            recipe = load_recipe(path)
+            description = recipe_description(path.read_text(encoding="utf-8"))
+            rows.append({"name": name, "title": description.split(": ", 1)[0].split(". ", 1)[0].rstrip("."),
+                         "weights": spec_label(recipe.defaults.weights),
+                         "activations": spec_label(recipe.defaults.activations)
+                         + (" + smoothquant" if recipe.smoothquant else ""),
+                         "needs_data": recipe_needs_data(recipe), "description": description, "path": str(path)})
+    if json_out:
+        _emit_json({"ok": True, "recipes": rows})
+        return
+    t = Table(title="shipped recipes: qtool quantize MODEL -c NAME ...; qtool config show NAME",
+              title_justify="left")
+    for col in ("name", "weights", "activations", "--data", "what"):
+        t.add_column(col, overflow="fold", no_wrap=col == "name")
+    for r in rows:
+        t.add_row(r["name"], r["weights"], r["activations"], "yes" if r["needs_data"] else "no", _esc(r["title"]))
+    Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR"))).print(t)
+
+
+def _recipe_text(recipe: str, json_out: bool) -> None:
+    """``config show`` without a model: what the recipe says, every default resolved."""
+    import yaml
+
+    from .config import describe_recipe, load_recipe, recipe_description, recipe_file
+
+    with _errors(False, json_out):
+        path = recipe_file(recipe)
+        info = describe_recipe(load_recipe(path))
+        description = recipe_description(path.read_text(encoding="utf-8"))
+    if json_out:
+        _emit_json({"ok": True, "recipe": str(path), "description": description, **info})
+        return
+    con = Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
+    con.print(_esc(f"recipe: {path}"))
+    if description:
+        con.print(_esc(description))
+    con.print(_esc(yaml.safe_dump({k: info[k] for k in ("defaults", "layers", "ignore", "smoothquant")
+                                   if info[k] not in (None, [])}, sort_keys=False, width=110).rstrip()))
+    types = info["default_types"]
+    con.print(_esc("by default (layers entries aside) it quantizes: "
+                   f"weights of {', '.join(types['weights']) or 'no module'}; "
+                   f"activations of {', '.join(types['activations']) or 'no module'} (subclasses included)"))
+    con.print(f"needs calibration data: {'yes' if info['needs_data'] else 'no'}")
+    con.print("(pass --model CHECKPOINT to see the plan: one row per quantizer)")
+
+
 @config_app.command("show")
 def config_show(
-    recipe: str = typer.Argument(..., help="Recipe YAML."),
-    model: str = typer.Option(..., "--model", "-m", help="Checkpoint to resolve the recipe against."),
+    recipe: str = typer.Argument(..., help="Recipe YAML, or a shipped recipe's name (qtool config list)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Checkpoint to resolve the recipe against "
+                                        "(without it: the recipe's rules with every default resolved)."),
     model_class: Optional[str] = _MODEL_CLASS,
     trust_pickle: bool = _TRUST_PICKLE,
     trust_remote_code: bool = _TRUST_CODE,
@@ -590,11 +650,14 @@ def config_show(
     json_out: bool = _JSON,
     debug: bool = _DEBUG,
 ) -> None:
-    """Print the resolved plan: one row per quantizer."""
+    """Print the resolved plan: one row per quantizer (with --model), or what the recipe says (without)."""
     from dataclasses import asdict
 
     from .pipeline import plan_for
 
+    if model is None:
+        _recipe_text(recipe, json_out)
+        return
     with _errors(debug, json_out):
         _, plan = plan_for(model, recipe, _opts(model_class=model_class, trust_pickle=trust_pickle,
                                                 trust_remote_code=trust_remote_code, allow_unmatched=allow_unmatched))
@@ -627,8 +690,9 @@ def config_validate(
             if not json_out:
                 err.print(f"ok: {r}")
         except ConfigError as e:
-            failed.append({"recipe": r, "error": str(e)})
-            err.print(f"error: {e}", markup=False)
+            failed.append({"recipe": r, "error": str(e), "problems": e.problems})
+            for problem in e.problems:
+                err.print(f"error: {problem}", markup=False)
     if json_out:
         _emit_json({"ok": not failed, "errors": failed})
     if failed:

@@ -30,6 +30,12 @@ __all__ = [
     "Plan",
     "load_recipe",
     "parse_recipe",
+    "recipe_file",
+    "shipped_recipes",
+    "describe_recipe",
+    "spec_label",
+    "recipe_description",
+    "recipe_needs_data",
     "resolve_plan",
     "DEFAULT_WEIGHT_TYPES",
     "DEFAULT_ACTIVATION_TYPES",
@@ -306,10 +312,13 @@ def _line_of(node, loc: Sequence[Any]) -> Optional[int]:
     return best
 
 
-def _describe(err: Dict[str, Any]) -> str:
+def _describe(err: Dict[str, Any], fields: Sequence[str] = ()) -> str:
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
-        return "unknown key"
+        return "unknown key" + _did_you_mean(err["loc"][-1] if err["loc"] else None, fields)
+    if err["type"] == "literal_error":
+        expected = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
+        return f"{msg} (got {err.get('input')!r}){_did_you_mean(err.get('input'), expected)}"
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     if err["type"] in ("literal_error", "int_parsing", "bool_parsing", "greater_than_equal", "less_than_equal",
@@ -333,20 +342,213 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}:1: a recipe is a mapping of keys (version, defaults, layers, ignore)")
+    problems: List[str] = []
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = list(err["loc"])
-        line = _line_of(node, loc)
-        where = f":{line}" if line else ""
-        key = _key_path(loc) or "(top level)"
-        more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
-        raise ConfigError(f"{source}{where}: {key}: {_describe(err)}{more}") from None
+        for err in e.errors():
+            loc = list(err["loc"])
+            line = _line_of(node, loc)
+            where = f":{line}" if line else ""
+            problems.append(f"{source}{where}: {_key_path(loc) or '(top level)'}: {_describe(err, _fields_at(loc))}")
+        recipe = None
+    if recipe is not None:
+        problems += _rule_problems(recipe, data, node, source)
+    if problems:
+        shown = problems[:MAX_PROBLEMS]
+        if len(problems) > MAX_PROBLEMS:
+            shown.append(f"{source}: ... and {len(problems) - MAX_PROBLEMS} more problems")
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConfigError(shown[0] + more, shown)
+    return recipe
+
+
+MAX_PROBLEMS = 20  # recipe problems listed at once (the rest are counted)
+
+
+def _fields_at(loc: Sequence[Any]) -> List[str]:
+    """The keys allowed in the mapping that holds the last element of ``loc`` (for did-you-mean hints)."""
+    model: Any = Recipe
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = _model_of(field.annotation)
+        if model is None:
+            return []
+    return list(getattr(model, "model_fields", {}))
+
+
+def _model_of(annotation) -> Any:
+    """The pydantic model inside ``Optional[...]`` / ``List[...]`` (None for anything else)."""
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _rule_problems(recipe: Recipe, data: Dict[str, Any], node, source: str) -> List[str]:
+    """Each ``layers`` entry's partial weights/activations merged as resolution will merge them (over the defaults,
+    and over every earlier entry's): a value that no merge accepts is a problem now, not on the first model."""
+    problems = []
+    chain = {"weights": recipe.defaults.weights, "activations": recipe.defaults.activations}
+    defaults = dict(chain)
+    cls = {"weights": WeightSpec, "activations": ActivationSpec}
+    for i, rule in enumerate(recipe.layers):
+        for kind in ("weights", "activations"):
+            part = getattr(rule, kind)
+            if not part:
+                continue
+            first = None
+            merged = None
+            for base in (defaults[kind], chain[kind]):
+                try:
+                    merged = _merge(base, part, cls[kind], "")
+                    first = None
+                    break
+                except ConfigError as e:
+                    first = first or e
+            if first is not None:
+                key = str(first).lstrip(".: ")
+                field = key.split(":", 1)[0].strip()
+                line = _line_of(node, ["layers", i, kind] + ([field] if field in part else []))
+                hint = _did_you_mean(field, list(cls[kind].model_fields)) if field not in cls[kind].model_fields \
+                    else ""
+                problems.append(f"{source}{f':{line}' if line else ''}: layers[{i}].{kind}.{key}{hint}")
+            elif merged is not None:
+                chain[kind] = merged
+    return problems
+
+
+# keys other tools use for ours (a recipe written from memory of llm-compressor, AIMET or torchao)
+_SYNONYMS = {"name": "match", "pattern": "match", "regex": "match", "module": "match", "targets": "type",
+             "bits": "bitwidth", "num_bits": "bitwidth", "sym": "symmetric", "group_size": "block_size",
+             "strategy": "granularity", "observer": "analyzer", "exclude": "ignore", "skip": "ignore",
+             "weight": "weights", "activation": "activations", "input_activations": "activations"}
+
+
+def _did_you_mean(word: Any, choices: Sequence[str]) -> str:
+    import difflib
+
+    if not isinstance(word, str) or not choices:
+        return ""
+    if _SYNONYMS.get(word) in choices:
+        return f" (did you mean {_SYNONYMS[word]!r}?)"
+    close = difflib.get_close_matches(word, list(choices), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"  # the shipped recipes (package data)
+
+
+def shipped_recipes() -> Dict[str, Path]:
+    """``{name: path}`` of the recipes that ship with qtool (``w8a8``, ``w4a16-block32``, ...)."""
+    return {p.stem: p for p in sorted(RECIPES_DIR.glob("*.yaml"))}
+
+
+def recipe_file(arg: Union[str, Path]) -> Path:
+    """The file a recipe argument names: a path to a YAML file, or the name of a shipped recipe (``w8a8`` or
+    ``w8a8.yaml``; a file of that name in the working directory wins). Raises ``ConfigError`` with the shipped
+    names, and the nearest ones, when it is neither."""
+    import difflib
+
+    path = Path(arg)
+    if path.is_file():
+        return path
+    shipped = shipped_recipes()
+    name = path.name[:-len(".yaml")] if path.name.endswith(".yaml") else path.name
+    if str(arg) in (name, path.name) and name in shipped:
+        return shipped[name]
+    if path.is_dir():
+        raise ConfigError(f"{arg}: is a directory, not a recipe file")
+    close = difflib.get_close_matches(name, list(shipped), n=3, cutoff=0.5)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    raise ConfigError(f"{str(arg)[:200]}: recipe file not found, and no shipped recipe has that name "
+                      f"(shipped: {', '.join(shipped)}; `qtool config list` describes them){hint}")
+
+
+def recipe_description(text: str) -> str:
+    """The comment block at the top of a recipe file, as one paragraph (what the shipped recipes say of
+    themselves)."""
+    lines = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    return " ".join(part for part in lines if part)
+
+
+def recipe_needs_data(recipe: Recipe) -> bool:
+    """Whether calibrating ``recipe`` needs calibration data on any model: a static activation quantizer, a
+    weight chosen from data (GPTQ, activation weighting) or SmoothQuant, in the defaults or any ``layers`` entry."""
+    if recipe.smoothquant is not None:
+        return True
+    weights = [recipe.defaults.weights] if recipe.defaults.weights is not None else []
+    acts = [recipe.defaults.activations] if recipe.defaults.activations is not None else []
+    for i, rule in enumerate(recipe.layers):
+        if rule.weights:
+            weights.append(_merge(recipe.defaults.weights, rule.weights, WeightSpec, f"layers[{i}].weights"))
+        if rule.activations:
+            acts.append(_merge(recipe.defaults.activations, rule.activations, ActivationSpec,
+                               f"layers[{i}].activations"))
+    return (any(not a.dynamic for a in acts)
+            or any(w.rounding.name != "nearest" or w.analyzer.kwargs().get("weighting") == "activations"
+                   for w in weights))
+
+
+def _spec_summary(spec: Optional[_Spec]) -> Optional[Dict[str, Any]]:
+    """A spec with every key resolved, analyzer and rounding as their labels and unset options left out."""
+    if spec is None:
+        return None
+    out = {k: v for k, v in spec.model_dump(mode="json").items() if v is not None}
+    out["analyzer"] = spec.analyzer.label()
+    rounding = getattr(spec, "rounding", None)
+    if rounding is not None:
+        args = rounding.kwargs()
+        out["rounding"] = rounding.name + ("(" + ", ".join(f"{k}={v}" for k, v in args.items()) + ")" if args else "")
+    if getattr(spec, "dynamic", False):
+        out.pop("analyzer")  # a dynamic quantizer has none
+    return out
+
+
+def spec_label(spec: Optional[_Spec]) -> str:
+    """One line for a spec: ``int4 sym per_block 32``, ``uint8 per_tensor``, ``int8 per_token dynamic``, ``float``."""
+    if spec is None:
+        return "float"
+    kind = ("int" if spec.symmetric else "uint") + str(spec.bitwidth)
+    gran = spec.granularity + (f" {spec.block_size}" if spec.block_size else "")
+    extra = [" dynamic" if getattr(spec, "dynamic", False) else ""]
+    rounding = getattr(spec, "rounding", None)
+    if rounding is not None and rounding.name != "nearest":
+        extra.append(f" {rounding.name}")
+    return f"{kind} {gran}" + "".join(extra)
+
+
+def describe_recipe(recipe: Recipe) -> Dict[str, Any]:
+    """What a recipe means without a model: its defaults with every key resolved, its rules, what it ignores,
+    which module types it quantizes by default, and whether it needs calibration data."""
+    return {
+        "defaults": {kind: _spec_summary(spec) for kind, spec in (("weights", recipe.defaults.weights),
+                                                                  ("activations", recipe.defaults.activations))},
+        "default_types": {"weights": list(DEFAULT_WEIGHT_TYPES) if recipe.defaults.weights else [],
+                          "activations": list(DEFAULT_ACTIVATION_TYPES) if recipe.defaults.activations else []},
+        "layers": [rule.model_dump(mode="json", exclude_unset=True) for rule in recipe.layers],
+        "ignore": list(recipe.ignore),
+        "smoothquant": None if recipe.smoothquant is None else recipe.smoothquant.model_dump(mode="json"),
+        "needs_data": recipe_needs_data(recipe),
+    }
 
 
 def load_recipe(path: Union[str, Path]) -> Recipe:
-    path = Path(path)
+    """Load and validate a recipe file, or a shipped recipe by name (see :func:`recipe_file`)."""
+    path = recipe_file(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

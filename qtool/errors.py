@@ -14,7 +14,12 @@ class UsageError(QtoolError):
 
 
 class ConfigError(UsageError):
-    """A recipe that does not validate or does not fit the model."""
+    """A recipe that does not validate or does not fit the model. ``problems``: every problem found, one line each
+    (the message is the first, with a count of the rest)."""
+
+    def __init__(self, message: str, problems=None):
+        super().__init__(message)
+        self.problems = list(problems) if problems else [message]
 
 
 class CheckpointError(UsageError):

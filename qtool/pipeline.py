@@ -18,7 +18,7 @@ from torch import nn
 from . import __version__
 from .calibration import CalibrateOptions, calibrate_checkpoint
 from .choices import AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, GGUF_FALLBACKS, GGUF_FLOAT_TYPES, check_choice
-from .config import Plan, load_recipe, resolve_plan
+from .config import Plan, load_recipe, recipe_file, resolve_plan
 from .data import load_data
 from .encodings import CODES_FILE, SIDECAR, EncodingsFile
 from .errors import DataError, UsageError
@@ -60,6 +60,7 @@ def plan_for(checkpoint: str, recipe_path: str, opts: CalibrateOptions) -> Tuple
 
 
 def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, run_dir: Path, hooks: Hooks):
+    recipe_path = str(recipe_file(recipe_path))  # a shipped recipe's name -> its file (hashed in the manifest)
     recipe = load_recipe(recipe_path)
     run = calibrate_checkpoint(checkpoint, recipe, str(recipe_path), opts, run_dir / SIDECAR, hooks)
     entries, plan, data, device, files, kind, unused = (run.entries, run.plan, run.data, run.device, run.files,

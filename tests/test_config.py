@@ -1,5 +1,6 @@
 """Recipes: schema, errors with file/key/line, precedence, resolution against real module trees."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -227,3 +228,101 @@ layers:
 def test_bad_analyzer_settings(text, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_recipe(text, "r.yaml")
+
+
+# ---- a new user's first hour (#13): recipes by name, every problem at once, with hints ------------------------
+def test_shipped_recipes_load_by_name_and_by_file_name():
+    from qtool.config import load_recipe, recipe_file, shipped_recipes
+
+    shipped = shipped_recipes()
+    assert {"w8a8", "w8a8-dynamic", "w4a16-block32", "gguf-q4_0"} <= set(shipped)
+    assert recipe_file("w8a8") == recipe_file("w8a8.yaml") == shipped["w8a8"]
+    assert load_recipe("w8a8-dynamic").defaults.activations.dynamic is True
+
+
+def test_a_local_file_wins_over_a_shipped_name(tmp_path, monkeypatch):
+    from qtool.config import recipe_file
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w8a8.yaml").write_text("version: 1\n")
+    assert recipe_file("w8a8.yaml") == Path("w8a8.yaml")
+
+
+def test_an_unknown_recipe_name_lists_the_shipped_ones_and_the_nearest():
+    from qtool.config import load_recipe
+
+    with pytest.raises(ConfigError) as e:
+        load_recipe("w8a9")
+    assert "shipped: " in str(e.value) and "w8a8-dynamic" in str(e.value) and "did you mean w8a8" in str(e.value)
+
+
+def test_every_problem_is_listed_with_its_line_and_a_hint(tmp_path):
+    bad = tmp_path / "r.yaml"
+    bad.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 8, granularty: per_channel}\n"
+                   "  activations: {granularity: per_tenssor}\nlayers:\n  - name: 'encoder.*'\n    weights: {bits: 4}\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(bad)
+    problems = e.value.problems
+    assert len(problems) == 3 and str(e.value).endswith("(and 2 more)")
+    assert problems[0] == f"{bad}:3: defaults.weights.granularty: unknown key (did you mean 'granularity'?)"
+    assert problems[1].startswith(f"{bad}:4: defaults.activations.granularity:") and "did you mean 'per_tensor'" \
+        in problems[1]
+    assert problems[2] == f"{bad}:6: layers[0].name: unknown key (did you mean 'match'?)"
+
+
+def test_validate_checks_layers_entries_as_resolution_merges_them(tmp_path):
+    """`granularity: per_blok` inside a layers entry used to pass validate and fail every command."""
+    bad = tmp_path / "r.yaml"
+    bad.write_text("version: 1\nlayers:\n  - match: 'x'\n    weights: {granularity: per_blok, block_size: 32}\n"
+                   "  - match: 'y'\n    weights: {bitwdth: 4}\n")
+    code, out, err = run_cli("config", "validate", bad, "--json")
+    assert code == 2
+    problems = json.loads(out)["errors"][0]["problems"]
+    assert problems[0].startswith(f"{bad}:4: layers[0].weights.granularity:") and "did you mean 'per_block'" \
+        in problems[0]
+    assert problems[1].startswith(f"{bad}:6: layers[1].weights.bitwdth: unknown key") and "'bitwidth'" in problems[1]
+    # an entry that is only valid after an earlier one (block_size over an earlier per_block) is fine
+    good = tmp_path / "g.yaml"
+    good.write_text("version: 1\nlayers:\n  - match: 'x'\n    weights: {granularity: per_block, block_size: 32}\n"
+                    "  - match: 'x'\n    weights: {block_size: 64}\n")
+    assert run_cli("config", "validate", good)[0] == 0
+
+
+def test_config_list_describes_every_shipped_recipe():
+    from qtool.config import shipped_recipes
+
+    code, out, err = run_cli("config", "list", "--json")
+    assert code == 0, err
+    rows = {r["name"]: r for r in json.loads(out)["recipes"]}
+    assert set(rows) == set(shipped_recipes())
+    assert all(r["description"] and r["title"] for r in rows.values())  # every shipped recipe says what it is
+    assert rows["w8a8"]["needs_data"] and not rows["w8a8-dynamic"]["needs_data"]
+    assert rows["w4a16-block32-gptq"]["needs_data"] and not rows["w4a16-block32"]["needs_data"]
+    assert rows["w8a8-dynamic"]["activations"] == "int8 per_token dynamic"
+
+
+def test_config_show_without_a_model_resolves_the_defaults():
+    code, out, err = run_cli("config", "show", "w4a16-block32", "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["defaults"]["weights"] == {"bitwidth": 4, "symmetric": True, "granularity": "per_block",
+                                           "block_size": 32, "analyzer": "minmax", "scale_dtype": "float32",
+                                           "rounding": "nearest"}
+    assert info["defaults"]["activations"] is None and info["needs_data"] is False
+    assert info["ignore"] == ["lm_head"] and info["layers"][0]["type"] == "Embedding"
+    code, out, _ = run_cli("config", "show", "w8a8")
+    assert code == 0 and "needs calibration data: yes" in out
+
+
+def test_commands_take_a_shipped_recipe_by_name(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    code, out, err = run_cli("calibrate", tmp_path / "m.safetensors", "-c", "w8a16", "--model-class",
+                             "tests.tinymodels:mlp", "-o", tmp_path / "run", "--json")
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert Path(manifest["inputs"]["recipe"]["path"]).name == "w8a16.yaml"  # the file it resolved to, hashed
+    code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "-c", "w8a9", "--model-class",
+                           "tests.tinymodels:mlp", "-o", tmp_path / "run2")
+    assert code == 2 and "did you mean w8a8" in err and not (tmp_path / "run2").exists()
