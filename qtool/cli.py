@@ -211,12 +211,21 @@ _OVERWRITE = typer.Option(False, "--overwrite", help="Replace an existing --out 
 _JSON = typer.Option(False, "--json", help="Print one JSON object on stdout (human output stays on stderr).")
 _QUIET = typer.Option(False, "--quiet", "-q", help="No progress or summaries on stderr.")
 _DEBUG = typer.Option(False, "--debug", help="Show tracebacks of internal errors.")
+_REVISION = typer.Option(None, "--revision", help="With a Hugging Face Hub ID as CHECKPOINT: a branch, tag or "
+                         "commit (default main).")
 
 
 def _opts(**kw):
     from .pipeline import CalibrateOptions
 
     return CalibrateOptions(**kw)
+
+
+def _checkpoint(arg: str, revision: Optional[str]) -> str:
+    """A local path for the CHECKPOINT argument (a Hugging Face Hub ID is fetched into, or found in, the cache)."""
+    from .model.hub import resolve_checkpoint
+
+    return resolve_checkpoint(arg, revision)
 
 
 def _check_early(recipe: Optional[str] = None, device: Optional[str] = None, format: Optional[str] = None,
@@ -259,7 +268,8 @@ def _report_files(summary: Dict[str, Any], quiet: bool) -> None:
 
 @app.command()
 def calibrate(
-    checkpoint: str = typer.Argument(..., help="HF model directory, .pt2, .safetensors/.pt state dict."),
+    checkpoint: str = typer.Argument(..., help="HF model directory or Hub ID (org/name), .pt2, .safetensors/.pt state dict."),
+    revision: Optional[str] = _REVISION,
     config: str = _CONFIG,
     out: str = typer.Option(..., "--out", "-o", help="Run directory for encodings.json and manifest.json."),
     data: Optional[str] = _DATA,
@@ -281,6 +291,7 @@ def calibrate(
     """Calibrate every quantizer's range on sample data; write encodings.json and manifest.json."""
     with _errors(debug, json_out), _Progress(quiet) as p:
         _check_early(config, device)
+        checkpoint = _checkpoint(checkpoint, revision)
         from .pipeline import run_calibrate
 
         summary = run_calibrate(checkpoint, config, out, _opts(
@@ -335,6 +346,7 @@ def _eopts(**kw):
 @app.command()
 def export(
     checkpoint: str = typer.Argument(..., help="The checkpoint the encodings were calibrated on."),
+    revision: Optional[str] = _REVISION,
     encodings: str = typer.Option(..., "--encodings", "-e", help="encodings.json from qtool calibrate."),
     out: str = typer.Option(..., "--out", "-o", help="Output directory."),
     format: str = _FORMAT,
@@ -358,6 +370,7 @@ def export(
     with _errors(debug, json_out), _Progress(quiet) as p:
         _check_early(format=format, encoding_version=encoding_version, ct_8bit_format=ct_8bit_format,
                      gguf_float=gguf_float, gguf_fallback=gguf_fallback)
+        checkpoint = _checkpoint(checkpoint, revision)
         from .pipeline import run_export
 
         summary = run_export(checkpoint, encodings, out, _eopts(
@@ -372,7 +385,8 @@ def export(
 
 @app.command()
 def quantize(
-    checkpoint: str = typer.Argument(..., help="HF model directory, .pt2, .safetensors/.pt state dict."),
+    checkpoint: str = typer.Argument(..., help="HF model directory or Hub ID (org/name), .pt2, .safetensors/.pt state dict."),
+    revision: Optional[str] = _REVISION,
     config: str = _CONFIG,
     out: str = typer.Option(..., "--out", "-o", help="Export directory (calibration files go to OUT/calibration)."),
     data: Optional[str] = _DATA,
@@ -401,6 +415,7 @@ def quantize(
     """Calibrate and export in one call."""
     with _errors(debug, json_out), _Progress(quiet) as p:
         _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback)
+        checkpoint = _checkpoint(checkpoint, revision)
         from .pipeline import run_quantize
 
         summary = run_quantize(checkpoint, config, out, _opts(
@@ -418,6 +433,7 @@ def quantize(
 @app.command()
 def report(
     checkpoint: str = typer.Argument(..., help="The checkpoint the encodings were calibrated on."),
+    revision: Optional[str] = _REVISION,
     encodings: str = typer.Option(..., "--encodings", "-e", help="encodings.json from qtool calibrate."),
     data: Optional[str] = typer.Option(None, "--data", help="Evaluation data (held-out text or tensors)."),
     json_out: bool = _JSON,
@@ -454,6 +470,7 @@ def report(
             raise UsageError("--suggest takes 'N OUT.yaml' together with --sensitivity")
         if max_ppl_increase is not None and max_ppl_increase < 0:
             raise UsageError("--max-ppl-increase must be a percentage >= 0")
+        checkpoint = _checkpoint(checkpoint, revision)
         with _Progress(quiet) as p:
             result = run_report(checkpoint, encodings, _opts(
                 data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len,
@@ -525,6 +542,7 @@ def report(
 @app.command("import-encodings")
 def import_encodings(
     checkpoint: str = typer.Argument(..., help="The checkpoint the AIMET encodings belong to."),
+    revision: Optional[str] = _REVISION,
     encodings_file: str = typer.Argument(..., help="AIMET encodings file (0.6.1, 1.0.0, 2.0.0 or 2.1.0)."),
     out: str = typer.Option(..., "--out", "-o", help="Run directory for qtool's encodings.json."),
     model_class: Optional[str] = _MODEL_CLASS,
@@ -539,6 +557,7 @@ def import_encodings(
     from .pipeline import run_import_encodings
 
     with _errors(debug, json_out):
+        checkpoint = _checkpoint(checkpoint, revision)
         summary = run_import_encodings(checkpoint, encodings_file, out, _opts(
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code), overwrite)
     if not quiet:
@@ -659,6 +678,7 @@ def config_show(
         _recipe_text(recipe, json_out)
         return
     with _errors(debug, json_out):
+        model = _checkpoint(model, None)
         _, plan = plan_for(model, recipe, _opts(model_class=model_class, trust_pickle=trust_pickle,
                                                 trust_remote_code=trust_remote_code, allow_unmatched=allow_unmatched))
     if json_out:

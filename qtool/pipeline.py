@@ -47,6 +47,14 @@ def versions() -> Dict[str, str]:
     return out
 
 
+def _hub(checkpoint) -> Dict[str, Any]:
+    """``{"hub": {repo_id, revision, commit}}`` for a checkpoint resolved from a Hugging Face Hub ID, else {}."""
+    from .model.hub import origin
+
+    found = origin(checkpoint)
+    return {"hub": found} if found else {}
+
+
 def _files_digest(files: List[Path]) -> Dict[str, str]:
     return {str(f): sha256_file(f) for f in files}
 
@@ -77,7 +85,8 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         "options": {k: v for k, v in asdict(opts).items()},
         "inputs": {
-            "checkpoint": {"path": str(checkpoint), "kind": kind, "sha256": _files_digest(files)},
+            "checkpoint": {"path": str(checkpoint), "kind": kind, "sha256": _files_digest(files),
+                           **_hub(checkpoint)},
             "recipe": {"path": str(recipe_path), "sha256": sha256_file(Path(recipe_path))},
             "data": None if data is None else {"path": str(opts.data), "samples": data.num_samples,
                                                "sha256": _files_digest(data.files)},
@@ -205,7 +214,8 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
         "versions": versions(),
         "device": "cpu",
         "inputs": {
-            "checkpoint": {"path": str(checkpoint), "sha256": _files_digest(tensor_files(Path(checkpoint)))},
+            "checkpoint": {"path": str(checkpoint), "sha256": _files_digest(tensor_files(Path(checkpoint))),
+                           **_hub(checkpoint)},
             "encodings": {"path": enc_display or str(enc_path), "sha256": sha256_file(enc_path)},
             **({"encodings_data": [{"path": f.name, "sha256": sha256_file(f)} for f in enc.data_files]}
                if enc.data_files else {}),

@@ -1,0 +1,70 @@
+"""Hugging Face Hub IDs as checkpoints, offline, against a cache this test lays out the way huggingface_hub does
+(``$HF_HOME/hub/models--ORG--NAME/{refs/main, snapshots/COMMIT/...}``)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qtool.errors import CheckpointError, UsageError
+from qtool.model.hub import looks_like_hub_id, resolve_checkpoint
+from tests.helpers import tiny_llama
+
+pytest.importorskip("huggingface_hub")
+REPO = Path(__file__).resolve().parents[1]
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("hf")
+    model = tiny_llama(home / "src")
+    repo = home / "hub" / "models--qtool-test--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    shutil.copytree(model, repo / "snapshots" / COMMIT)
+    return home
+
+
+def _qtool(home, *args):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=300)
+
+
+def test_a_hub_id_calibrates_and_exports_from_the_cache(hf_home, tmp_path):
+    r = _qtool(hf_home, "quantize", "qtool-test/tiny-llama", "-c", "w8a16", "-o", tmp_path / "q", "--json")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "q" / "calibration" / "manifest.json").read_text())
+    ckpt = manifest["inputs"]["checkpoint"]
+    assert ckpt["hub"] == {"repo_id": "qtool-test/tiny-llama", "revision": "main", "commit": COMMIT}
+    assert Path(ckpt["path"]).name == COMMIT and any(k.endswith("model.safetensors") for k in ckpt["sha256"])
+    export_manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())
+    assert export_manifest["inputs"]["checkpoint"]["hub"]["commit"] == COMMIT
+
+
+def test_offline_and_not_cached_is_one_clear_line(hf_home, tmp_path):
+    r = _qtool(hf_home, "calibrate", "qtool-test/not-there", "-c", "w8a16", "-o", tmp_path / "c")
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: qtool-test/not-there: not in the Hugging Face cache") and len(lines) <= 2
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_missing_path_is_not_called_an_unknown_type(tmp_path):
+    with pytest.raises(CheckpointError, match="checkpoint not found"):
+        resolve_checkpoint(str(tmp_path / "nope.safetensors"))
+    with pytest.raises(UsageError, match="--revision applies to a Hugging Face Hub ID"):
+        resolve_checkpoint(str(tmp_path), revision="v1")
+
+
+@pytest.mark.parametrize("arg, hub", [("org/name", True), ("HuggingFaceTB/SmolLM2-135M", True),
+                                      ("runs/model.safetensors", False), ("a/b/c", False), ("name", False),
+                                      ("../x", False)])
+def test_what_counts_as_a_hub_id(arg, hub):
+    assert looks_like_hub_id(arg) is hub
