@@ -264,6 +264,23 @@ def _report_files(summary: Dict[str, Any], quiet: bool) -> None:
     err.print("wrote:")
     for f in summary.get("files", []):
         err.print(f"  {_esc(f)}")
+    size = summary.get("size")
+    if size and size.get("model_bytes"):
+        line = (f"size: {_human(size['checkpoint_bytes'])} checkpoint -> {_human(size['model_bytes'])} "
+                f"{', '.join(size['model_files'])} ({size['checkpoint_bytes'] / size['model_bytes']:.2f}x smaller)")
+        if summary.get("quantized_bytes"):
+            line += (f"; quantized weights {_human(summary['original_bytes_of_quantized'])} -> "
+                     f"{_human(summary['quantized_bytes'])} "
+                     f"({summary['original_bytes_of_quantized'] / summary['quantized_bytes']:.2f}x)")
+        err.print(_esc(line))
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover - unreachable
 
 
 @app.command()

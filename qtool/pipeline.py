@@ -225,6 +225,11 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str) + "\n")
     summary["outputs"] = outputs + ["manifest.json"]
+    # what was gained: the checkpoint's weight files against the model files written (encodings and manifests aside)
+    model_files = [n for n in outputs if not n.endswith((".json", ".encodings", ".txt", ".model", ".jinja"))]
+    summary["size"] = {"checkpoint_bytes": sum(f.stat().st_size for f in tensor_files(Path(checkpoint))),
+                       "model_bytes": sum((out_dir / n).stat().st_size for n in model_files),
+                       "model_files": model_files}
     return summary
 
 

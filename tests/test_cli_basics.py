@@ -18,3 +18,4 @@ def test_version_and_help():
 def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "qtool", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and __version__ in r.stdout
+

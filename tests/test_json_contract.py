@@ -1,0 +1,56 @@
+"""The --json contract: each command prints exactly the keys docs/ci.md documents."""
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tests.helpers import run_cli
+from tests.tinymodels import mlp
+
+
+def _documented_keys():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "ci.md").read_text()
+    section = text[text.index("## `--json` output"):text.index("## Example nightly workflow")]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"\| `([^`]+)`[^|]*\| (.*) \|$", line)
+        if m:  # a row's top-level keys: the backticked names outside parentheses (those hold nested keys)
+            depth, flat = 0, ""
+            for ch in m.group(2):
+                depth += ch == "("
+                flat += ch if depth == 0 else ""
+                depth -= ch == ")"
+            rows.setdefault(m.group(1), set()).update(re.findall(r"`([a-z_0-9]+)`", flat))
+    return rows
+
+
+def test_json_keys_are_the_documented_ones(tmp_path):
+    doc = _documented_keys()
+    ckpt, data = tmp_path / "m.safetensors", tmp_path / "x.safetensors"
+    save_file(mlp().state_dict(), ckpt)
+    save_file({"x": torch.randn(16, 64, generator=torch.Generator().manual_seed(0))}, data)
+    mc = ("--model-class", "tests.tinymodels:mlp")
+
+    def keys(*args):
+        code, out, err = run_cli(*args, "--json")
+        assert code == 0, err
+        return set(json.loads(out))
+
+    assert keys("calibrate", ckpt, "-c", "w8a8", "--data", data, *mc, "-o", tmp_path / "c") == doc["calibrate"]
+    enc = tmp_path / "c" / "encodings.json"
+    for fmt in ("qtool", "aimet", "onnx"):
+        got = keys("export", ckpt, "-e", enc, *mc, "-o", tmp_path / fmt, "--format", fmt, "--data", data)
+        assert got == doc["export"] | doc[fmt], fmt
+    assert keys("quantize", ckpt, "-c", "w8a8", "--data", data, *mc, "-o", tmp_path / "q") == \
+        doc["calibrate"] | doc["export"] | doc["qtool"]
+    assert keys("report", ckpt, "-e", enc, "--data", data, *mc) == doc["report"]
+    assert keys("inspect", tmp_path / "qtool") == doc["inspect"]
+    assert keys("import-encodings", ckpt, tmp_path / "qtool" / "model.encodings", *mc, "-o", tmp_path / "i") == \
+        doc["import-encodings"]
+    assert keys("config", "list") == doc["config list"]
+    assert keys("config", "show", "w8a8") == doc["config show NAME"]
+    assert keys("config", "show", "w8a8", "--model", ckpt, *mc) == doc["config show --model"]
+    assert keys("config", "validate", "w8a8") == doc["config validate"]
