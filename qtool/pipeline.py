@@ -47,6 +47,17 @@ def versions() -> Dict[str, str]:
     return out
 
 
+def _inputs(checkpoint: str, **others: Optional[str]) -> List[Tuple[str, Optional[str]]]:
+    """The inputs an --out must not be, hold or lie inside (for check_output_dir); a shipped recipe's name is its
+    file."""
+    if others.get("recipe") is not None:
+        try:
+            others["recipe"] = str(recipe_file(others["recipe"]))
+        except UsageError:
+            others["recipe"] = None  # reported where the recipe is read
+    return [("checkpoint", checkpoint)] + [(what.replace("_", " "), path) for what, path in others.items()]
+
+
 def _hub(checkpoint) -> Dict[str, Any]:
     """``{"hub": {repo_id, revision, commit}}`` for a checkpoint resolved from a Hugging Face Hub ID, else {}."""
     from .model.hub import origin
@@ -112,7 +123,7 @@ def run_calibrate(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOp
                   hooks: Optional[Hooks] = None) -> Dict[str, Any]:
     """``qtool calibrate``: write ``out/encodings.json`` and ``out/manifest.json`` atomically."""
     hooks = hooks or Hooks()
-    check_output_dir(Path(out), overwrite)
+    check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=opts.data))
     with atomic_output_dir(Path(out), overwrite) as tmp:
         summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks)
     summary["encodings"] = str(Path(out) / "encodings.json")
@@ -239,7 +250,7 @@ def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[E
     hooks = hooks or Hooks()
     eopts = eopts or ExportOptions()
     exporter = eopts.validate()
-    check_output_dir(Path(out), overwrite)
+    check_output_dir(Path(out), overwrite, _inputs(checkpoint, encodings=encodings_path, data=eopts.data))
     # the integer export reads each weight's block encodings from the sidecar when it gets to that weight
     enc = EncodingsFile.read(encodings_path, lazy=exporter.lazy_encodings)
     with atomic_output_dir(Path(out), overwrite) as tmp:
@@ -253,7 +264,7 @@ def run_import_encodings(checkpoint: str, aimet_path: str, out: str, opts: Calib
     """``qtool import-encodings``: an AIMET encodings file (any version) -> qtool's encodings.json."""
     from .aimet_format import from_aimet, read_aimet
 
-    check_output_dir(Path(out), overwrite)
+    check_output_dir(Path(out), overwrite, _inputs(checkpoint, **{"AIMET encodings": aimet_path}))
     obj = read_aimet(Path(aimet_path))
     loaded = load_model(checkpoint, opts.model_class, "cpu", opts.trust_pickle, opts.trust_remote_code)
     params = dict(loaded.model.named_parameters())
@@ -296,7 +307,7 @@ def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOpt
     exporter = eopts.validate()  # a bad --format fails here, before any calibration
     options = exporter.options(**asdict(eopts))
     load_recipe(recipe_path)
-    check_output_dir(Path(out), overwrite)
+    check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=eopts.data))
     exporter.check_checkpoint(Path(checkpoint))
     on_plan = hooks.on_plan
 

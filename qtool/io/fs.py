@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence, Tuple
 
 from ..errors import UsageError
 
@@ -38,8 +38,20 @@ def parse_size(text: str, what: str) -> Optional[int]:
     return max(1, int(value * _UNITS[unit]))
 
 
-def check_output_dir(out: Path, overwrite: bool) -> None:
-    """Refuse an --out that is a file, or an existing directory without --overwrite, before any work."""
+def check_output_dir(out: Path, overwrite: bool, inputs: Sequence[Tuple[str, Optional[str]]] = ()) -> None:
+    """Refuse an --out that is a file, or an existing directory without --overwrite, before any work; and an --out
+    that is, holds or lies inside one of ``inputs`` (``(what, path)`` pairs: the checkpoint, the recipe, the data,
+    the encodings), which replacing --out would delete or writing into it would change."""
+    target = Path(os.path.realpath(out))
+    for what, path in inputs:
+        if path is None or not Path(path).exists():
+            continue
+        src = Path(os.path.realpath(path))
+        if target == src or target in src.parents:
+            raise UsageError(f"{out}: --out {'is' if target == src else 'contains'} the {what} {path}; replacing it "
+                             "would delete an input: choose another --out")
+        if src.is_dir() and src in target.parents:
+            raise UsageError(f"{out}: --out is inside the {what} directory {path}; write outputs elsewhere")
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: --out is an existing file, not a directory")
     if out.exists() and not overwrite:

@@ -1,0 +1,81 @@
+"""An --out that is, holds or lies inside an input is refused before any work, for every command and format, and
+every input is left byte for byte as it was (replacing --out used to delete the checkpoint and encodings)."""
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from qtool.export import format_names
+from tests.helpers import error_lines, run_cli, tiny_llama
+from tests.tinymodels import mlp
+
+
+def _digest(root: Path):
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture()
+def world(tmp_path):
+    pytest.importorskip("transformers")
+    llama = tiny_llama(tmp_path / "llama")
+    run = tmp_path / "run"
+    code, _, err = run_cli("calibrate", llama, "-c", "w8a16", "-o", run)
+    assert code == 0, err
+    return tmp_path, llama, run
+
+
+def _refused(code, err, root, before, what):
+    assert code == 2, err
+    errors = [line for line in error_lines(err) if line.startswith("error:")]
+    assert len(errors) == 1 and what in errors[0], errors
+    assert _digest(root) == before  # nothing deleted, nothing written
+
+
+@pytest.mark.parametrize("fmt", format_names())
+def test_export_into_the_run_directory_or_the_checkpoint_is_refused(world, fmt):
+    root, llama, run = world
+    before = _digest(root)
+    for out, what in ((run, "contains the encodings"), (root, "contains the checkpoint"),
+                      (llama, "is the checkpoint")):
+        code, _, err = run_cli("export", llama, "-e", run / "encodings.json", "-o", out, "--format", fmt,
+                               "--overwrite")
+        _refused(code, err, root, before, what)
+
+
+def test_calibrate_and_quantize_refuse_an_out_over_or_inside_an_input(world):
+    root, llama, run = world
+    before = _digest(root)
+    for cmd in ("calibrate", "quantize"):
+        code, _, err = run_cli(cmd, llama, "-c", "w8a16", "-o", llama, "--overwrite")
+        _refused(code, err, root, before, "is the checkpoint")
+        code, _, err = run_cli(cmd, llama, "-c", "w8a16", "-o", llama / "q", "--overwrite")
+        _refused(code, err, root, before, "inside the checkpoint directory")
+
+
+def test_an_out_holding_the_recipe_or_the_data_is_refused(tmp_path):
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "r.yaml").write_text("version: 1\ndefaults: {activations: null}\n")
+    save_file({"x": torch.randn(8, 64)}, work / "x.safetensors")
+    before = _digest(tmp_path)
+    code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "-c", work / "r.yaml", "--model-class",
+                           "tests.tinymodels:mlp", "-o", work, "--overwrite")
+    _refused(code, err, tmp_path, before, "contains the recipe")
+    code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "-c", "w8a8", "--data", work / "x.safetensors",
+                           "--model-class", "tests.tinymodels:mlp", "-o", work, "--overwrite")
+    _refused(code, err, tmp_path, before, "contains the data")
+
+
+def test_import_encodings_refuses_an_out_holding_the_aimet_file(world):
+    root, llama, run = world
+    code, _, err = run_cli("export", llama, "-e", run / "encodings.json", "-o", root / "aimet", "--format", "aimet")
+    assert code == 0, err
+    before = _digest(root)
+    code, _, err = run_cli("import-encodings", llama, root / "aimet" / "model.encodings", "-o", root / "aimet",
+                           "--overwrite")
+    _refused(code, err, root, before, "contains the AIMET encodings")
