@@ -23,7 +23,7 @@ app = typer.Typer(
     name="qtool",
     help="Quantize PyTorch models: calibrate encodings, export integer tensors (AIMET-exact numerics).",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
@@ -193,9 +193,16 @@ class _Progress:
 # ---------------------------------------------------------------------------------------------------------------
 # Shared options
 # ---------------------------------------------------------------------------------------------------------------
-_CONFIG = typer.Option(..., "--config", "-c", help="Recipe YAML (see configs/).")
+def _complete_recipe(incomplete: str):
+    from .config import shipped_recipes
+
+    return [name for name in shipped_recipes() if name.startswith(incomplete)]
+
+
+_CONFIG = typer.Option(..., "--config", "-c", help="Recipe: a shipped recipe's name (qtool config list) or a YAML file.",
+                       autocompletion=_complete_recipe)
 _DATA = typer.Option(None, "--data", help="Calibration data: a file or directory (.safetensors .pt .npy .npz .txt .jsonl).")
-_DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or auto.",
+_DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or auto.", metavar="[cpu|cuda|cuda:N|auto]",
                        autocompletion=lambda incomplete: [c for c in ("cpu", "cuda", "auto") if c.startswith(incomplete)])
 _BATCH = typer.Option(8, "--batch-size", min=1, help="Samples per calibration batch.")
 _NUM = typer.Option(None, "--num-samples", min=1, help="Use a seeded random subset of this many samples.")
@@ -283,7 +290,7 @@ def _human(n: int) -> str:
     return f"{n:.1f} TB"  # pragma: no cover - unreachable
 
 
-@app.command()
+@app.command(epilog="Examples:\n\n\b\n  qtool calibrate MODEL_DIR -c w8a8 --data calib.txt -o runs/r1\n  qtool calibrate org/name -c w8a8-dynamic -o runs/r2   (a Hub ID; this recipe needs no data)\n  qtool calibrate m.safetensors --model-class pkg.mod:build -c my.yaml --data x.npy -o runs/r3")
 def calibrate(
     checkpoint: str = typer.Argument(..., help="HF model directory or Hub ID (org/name), .pt2, .safetensors/.pt state dict."),
     revision: Optional[str] = _REVISION,
@@ -331,18 +338,22 @@ def _complete(choices):
 
 
 _FORMAT = typer.Option("qtool", "--format", "-f", help=_format_help(),
+                       metavar="[" + "|".join(__import__("qtool.export", fromlist=["FORMATS"]).format_names()) + "]",
                        autocompletion=_complete(__import__("qtool.export", fromlist=["FORMATS"]).format_names()))
 _ENC_VERSION = typer.Option("1.0.0", "--encoding-version", help="AIMET encodings version: 0.6.1, 1.0.0 or 2.0.0.",
+                            metavar="[0.6.1|1.0.0|2.0.0]",
                             autocompletion=_complete(("0.6.1", "1.0.0", "2.0.0")))
 _NO_PACK = typer.Option(False, "--no-pack", help="Store sub-byte codes one per byte instead of packed.")
-_CT8 = typer.Option("int-quantized", "--ct-8bit-format",
+_CT8 = typer.Option("int-quantized", "--ct-8bit-format", metavar="[int-quantized|pack-quantized]",
+                    autocompletion=_complete(("int-quantized", "pack-quantized")),
                     help="compressed-tensors layout of 8-bit weights: int-quantized or pack-quantized (vLLM).")
 
 _GGUF_FLOAT = typer.Option("f32", "--gguf-float", help="gguf: dtype of the 2-D tensors the recipe leaves float: "
-                           "f32 (exactly what qtool's model computes with) or f16.",
+                           "f32 (exactly what qtool's model computes with) or f16.", metavar="[f32|f16]",
                            autocompletion=_complete(("f32", "f16")))
 _GGUF_FALLBACK = typer.Option("none", "--gguf-fallback", help="gguf: a quantized weight with no GGUF type "
                               "(Q8_0/Q4_0/Q4_1) is refused (none) or written as its fake-quant values in f32/f16.",
+                              metavar="[none|f32|f16]",
                               autocompletion=_complete(("none", "f32", "f16")))
 _SHARD = typer.Option("5GB", "--max-shard-size",
                       help="qtool format: largest output shard, e.g. 5GB, 500MB, 2GiB; 0 or none: one file.")
@@ -360,7 +371,7 @@ def _eopts(**kw):
     return ExportOptions(**kw)
 
 
-@app.command()
+@app.command(epilog="Examples:\n\n\b\n  qtool export MODEL_DIR -e runs/r1/encodings.json -o out/\n  qtool export MODEL_DIR -e runs/r1/encodings.json -o out-onnx/ --format onnx --data calib.txt")
 def export(
     checkpoint: str = typer.Argument(..., help="The checkpoint the encodings were calibrated on."),
     revision: Optional[str] = _REVISION,
@@ -400,7 +411,7 @@ def export(
         _emit_json({"ok": True, **summary})
 
 
-@app.command()
+@app.command(epilog="Examples:\n\n\b\n  qtool quantize MODEL_DIR -c w4a16-block32 -o out/\n  qtool quantize MODEL_DIR -c w8a8-dynamic -o out/ --format compressed-tensors\n  qtool quantize LLAMA_DIR -c gguf-q4_0 -o out/ --format gguf")
 def quantize(
     checkpoint: str = typer.Argument(..., help="HF model directory or Hub ID (org/name), .pt2, .safetensors/.pt state dict."),
     revision: Optional[str] = _REVISION,
@@ -447,7 +458,7 @@ def quantize(
         _emit_json({"ok": True, **summary})
 
 
-@app.command()
+@app.command(epilog="Examples:\n\n\b\n  qtool report MODEL_DIR -e runs/r1/encodings.json --data heldout.txt\n  qtool report MODEL_DIR -e runs/r1/encodings.json --data heldout.txt --min-cosine 0.99 --json")
 def report(
     checkpoint: str = typer.Argument(..., help="The checkpoint the encodings were calibrated on."),
     revision: Optional[str] = _REVISION,
@@ -556,7 +567,7 @@ def report(
         raise typer.Exit(e.exit_code)
 
 
-@app.command("import-encodings")
+@app.command("import-encodings", epilog="Examples:\n\n\b\n  qtool import-encodings MODEL_DIR model.encodings -o runs/from-aimet")
 def import_encodings(
     checkpoint: str = typer.Argument(..., help="The checkpoint the AIMET encodings belong to."),
     revision: Optional[str] = _REVISION,
@@ -585,7 +596,7 @@ def import_encodings(
         _emit_json({"ok": True, **summary})
 
 
-@app.command()
+@app.command(epilog="Examples:\n\n\b\n  qtool inspect out/\n  qtool inspect runs/r1/encodings.json --json")
 def inspect(
     path: str = typer.Argument(..., help="A qtool output directory or file, an AIMET encodings file, a "
                                          "compressed-tensors model directory, or a GGUF file."),
@@ -620,7 +631,7 @@ def inspect(
         con.print(line)
 
 
-@config_app.command("list")
+@config_app.command("list", epilog="Examples:\n\n\b\n  qtool config list\n  qtool config list --json")
 def config_list(json_out: bool = _JSON) -> None:
     """List the recipes that ship with qtool (use one by name: -c w8a8)."""
     from .config import load_recipe, recipe_description, recipe_needs_data, shipped_recipes, spec_label
@@ -674,7 +685,7 @@ def _recipe_text(recipe: str, json_out: bool) -> None:
     con.print("(pass --model CHECKPOINT to see the plan: one row per quantizer)")
 
 
-@config_app.command("show")
+@config_app.command("show", epilog="Examples:\n\n\b\n  qtool config show w8a8                        (the recipe, every default resolved)\n  qtool config show my.yaml --model MODEL_DIR   (the plan: one row per quantizer)")
 def config_show(
     recipe: str = typer.Argument(..., help="Recipe YAML, or a shipped recipe's name (qtool config list)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Checkpoint to resolve the recipe against "
@@ -711,7 +722,7 @@ def config_show(
         err.print(f"warning: {w}")
 
 
-@config_app.command("validate")
+@config_app.command("validate", epilog="Examples:\n\n\b\n  qtool config validate my.yaml other.yaml")
 def config_validate(
     recipes: List[str] = typer.Argument(..., help="Recipe YAML files."),
     json_out: bool = _JSON,

@@ -774,7 +774,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             rule = recipe.layers[i]
             sel = " ".join(filter(None, [f"match {rule.match!r}" if rule.match else "",
                                          f"type {rule.type!r}" if rule.type else ""]))
-            msg = f"{source}: layers[{i}]: {sel} matches no module of the model"
+            msg = f"{source}: layers[{i}]: {sel} matches no module of the model" + _nearest_modules(rule, named)
             if not allow_unmatched:
                 raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
             plan.warnings.append(msg)
@@ -783,6 +783,24 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     if recipe.smoothquant is not None:
         plan.smoothing = _smooth_groups(recipe.smoothquant, named, source)
     return plan
+
+
+def _nearest_modules(rule: LayerRule, named) -> str:
+    """A hint for a rule that matched nothing: the module names (or types) closest to what it asked for."""
+    import difflib
+
+    if rule.match is not None:
+        want = re.sub(r"[\^$*?\[\]().+\\]", "", rule.match[3:] if rule.match.startswith("re:") else rule.match)
+        names = [n for n, _ in named]
+        close = difflib.get_close_matches(want, names, n=3, cutoff=0.4)
+        if not close:  # try one more level: compare against name prefixes of the same depth
+            depth = rule.match.count(".") + 1
+            prefixes = sorted({".".join(n.split(".")[:depth]) for n in names})
+            close = difflib.get_close_matches(want, prefixes, n=3, cutoff=0.4)
+        return f" (nearest module names: {', '.join(close)})" if close else ""
+    types = sorted({type(m).__name__ for _, m in named})
+    close = [c for t in rule.types() for c in difflib.get_close_matches(t, types, n=2, cutoff=0.5)]
+    return f" (module types nearby: {', '.join(close)})" if close else ""
 
 
 def _smooth_groups(spec: SmoothQuantSpec, named, source: str) -> List[SmoothGroup]:

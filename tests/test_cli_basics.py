@@ -19,3 +19,19 @@ def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "qtool", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and __version__ in r.stdout
 
+
+
+def test_help_lists_choices_and_examples_and_completion_is_on():
+    from qtool.cli import _complete_recipe
+
+    runner = CliRunner()
+    root = runner.invoke(app, ["--help"]).stdout
+    assert "--install-completion" in root
+    for cmd in (["calibrate"], ["export"], ["quantize"], ["report"], ["inspect"], ["import-encodings"],
+                ["config", "list"], ["config", "show"], ["config", "validate"]):
+        text = runner.invoke(app, cmd + ["--help"]).stdout
+        assert "Examples:" in text and f"qtool {' '.join(cmd)}" in text, cmd
+    export = runner.invoke(app, ["export", "--help"]).stdout
+    assert "[qtool|aimet|onnx|compressed-tensors|gguf]" in export and "[0.6.1|1.0.0|2.0.0]" in export
+    assert "[int-quantized|pack-quantized]" in export and "[none|f32|f16]" in export
+    assert set(_complete_recipe("w8a8")) == {"w8a8", "w8a8-dynamic", "w8a8-smoothquant"}

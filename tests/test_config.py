@@ -326,3 +326,16 @@ def test_commands_take_a_shipped_recipe_by_name(tmp_path):
     code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "-c", "w8a9", "--model-class",
                            "tests.tinymodels:mlp", "-o", tmp_path / "run2")
     assert code == 2 and "did you mean w8a8" in err and not (tmp_path / "run2").exists()
+
+
+def test_a_rule_that_matches_nothing_names_the_nearest_modules():
+    model = nn.Sequential()
+    enc = nn.Module()
+    enc.layer = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+    model.add_module("encoder", enc)
+    with pytest.raises(ConfigError) as e:
+        resolve_plan(parse_recipe("version: 1\nlayers:\n  - match: 'encoder.layers.*'\n    weights: {bitwidth: 4}\n",
+                                  "r.yaml"), model)
+    assert "matches no module" in str(e.value) and "nearest module names: encoder.layer" in str(e.value)
+    with pytest.raises(ConfigError, match=r"module types nearby: Linear"):
+        resolve_plan(parse_recipe("version: 1\nlayers:\n  - type: Linaer\n    weights: {bitwidth: 4}\n"), model)
