@@ -154,3 +154,26 @@ def test_example_nightly_workflow_is_valid():
     runs = "\n".join(s.get("run", "") for s in steps)
     assert "qtool config validate" in runs and "qtool quantize" in runs and "--json" in runs
     assert any(s.get("uses", "").startswith("actions/upload-artifact") for s in steps)
+
+
+def test_bad_choices_and_recipes_fail_before_torch_or_a_model_loads(tmp_path):
+    """Every problem of a bad invocation is reported before anything slow happens: here the checkpoint does not
+    even exist, and the process never imports torch."""
+    bad = tmp_path / "r.yaml"
+    bad.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 99}\nlayers:\n  - name: x\n")
+    probe = ("import sys\nfrom qtool.cli import main\nsys.argv = ['qtool'] + sys.argv[1:]\n"
+             "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+             "print('torch imported:', 'torch' in sys.modules, 'exit:', code)\n")
+    for args, first in (
+        (["quantize", tmp_path / "missing", "-c", bad, "-o", tmp_path / "o"], "defaults.weights.bitwidth"),
+        (["quantize", tmp_path / "missing", "-c", "w8a8", "--format", "onxx", "-o", tmp_path / "o"], "--format"),
+        (["calibrate", tmp_path / "missing", "-c", "w8a9", "-o", tmp_path / "o"], "did you mean w8a8"),
+    ):
+        r = subprocess.run([sys.executable, "-c", probe, *map(str, args)], capture_output=True, text=True, cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+        assert "torch imported: False exit: 2" in r.stdout, (r.stdout, r.stderr)
+        assert first in r.stderr.splitlines()[0], r.stderr
+    r = subprocess.run([sys.executable, "-c", probe, "quantize", str(tmp_path / "missing"), "-c", str(bad), "-o",
+                        str(tmp_path / "o")], capture_output=True, text=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 2  # both problems at once
