@@ -35,3 +35,23 @@ def test_help_lists_choices_and_examples_and_completion_is_on():
     assert "[qtool|aimet|onnx|compressed-tensors|gguf]" in export and "[0.6.1|1.0.0|2.0.0]" in export
     assert "[int-quantized|pack-quantized]" in export and "[none|f32|f16]" in export
     assert set(_complete_recipe("w8a8")) == {"w8a8", "w8a8-dynamic", "w8a8-smoothquant"}
+
+
+def test_packaging_metadata_gives_setuptools_nothing_to_warn_about():
+    """`make setup` printed setuptools' `project.license` deprecation banner three times (a TOML-table license)."""
+    import warnings
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("setuptools")
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    repo = Path(__file__).resolve().parents[1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = apply_configuration(Distribution(), str(repo / "pyproject.toml"))
+    assert [str(w.message).splitlines()[0] for w in caught] == []
+    assert dist.metadata.license_expression == "Apache-2.0"
+    assert "recipes/*.yaml" in str(dist.package_data)  # the shipped recipes are package data
