@@ -237,8 +237,14 @@ def _checkpoint(arg: str, revision: Optional[str]) -> str:
 
 def _check_early(recipe: Optional[str] = None, device: Optional[str] = None, format: Optional[str] = None,
                  encoding_version: Optional[str] = None, ct_8bit_format: Optional[str] = None,
-                 gguf_float: Optional[str] = None, gguf_fallback: Optional[str] = None) -> None:
-    """Every choice and the recipe, checked before torch or a model is loaded (a typo costs no calibration)."""
+                 gguf_float: Optional[str] = None, gguf_fallback: Optional[str] = None,
+                 data: Optional[str] = None) -> None:
+    """Every choice, the data path and the recipe, checked before torch or a model is loaded (a typo costs no
+    calibration)."""
+    if data is not None and not os.path.exists(data):
+        from .errors import DataError
+
+        raise DataError(f"{data}: data path not found")
     from .choices import (AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, GGUF_FALLBACKS, GGUF_FLOAT_TYPES, check_choice,
                           check_device)
     from .export import format_names
@@ -314,7 +320,7 @@ def calibrate(
 ) -> None:
     """Calibrate every quantizer's range on sample data; write encodings.json and manifest.json."""
     with _errors(debug, json_out), _Progress(quiet) as p:
-        _check_early(config, device)
+        _check_early(config, device, data=data)
         checkpoint = _checkpoint(checkpoint, revision)
         from .pipeline import run_calibrate
 
@@ -397,7 +403,7 @@ def export(
     """Write the quantized model in FORMAT plus AIMET encodings (model.encodings) and a manifest."""
     with _errors(debug, json_out), _Progress(quiet) as p:
         _check_early(format=format, encoding_version=encoding_version, ct_8bit_format=ct_8bit_format,
-                     gguf_float=gguf_float, gguf_fallback=gguf_fallback)
+                     gguf_float=gguf_float, gguf_fallback=gguf_fallback, data=data)
         checkpoint = _checkpoint(checkpoint, revision)
         from .pipeline import run_export
 
@@ -442,7 +448,7 @@ def quantize(
 ) -> None:
     """Calibrate and export in one call."""
     with _errors(debug, json_out), _Progress(quiet) as p:
-        _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback)
+        _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback, data)
         checkpoint = _checkpoint(checkpoint, revision)
         from .pipeline import run_quantize
 
@@ -493,7 +499,7 @@ def report(
     from .pipeline import run_report
 
     with _errors(debug, json_out):
-        _check_early(device=device)
+        _check_early(device=device, data=data)
         if suggest is not None and (len(suggest) != 1 or not sensitivity):
             raise UsageError("--suggest takes 'N OUT.yaml' together with --sensitivity")
         if max_ppl_increase is not None and max_ppl_increase < 0:

@@ -168,6 +168,8 @@ def test_bad_choices_and_recipes_fail_before_torch_or_a_model_loads(tmp_path):
         (["quantize", tmp_path / "missing", "-c", bad, "-o", tmp_path / "o"], "defaults.weights.bitwidth"),
         (["quantize", tmp_path / "missing", "-c", "w8a8", "--format", "onxx", "-o", tmp_path / "o"], "--format"),
         (["calibrate", tmp_path / "missing", "-c", "w8a9", "-o", tmp_path / "o"], "did you mean w8a8"),
+        (["calibrate", tmp_path / "missing", "-c", "w8a8", "--data", tmp_path / "nodata.txt", "-o", tmp_path / "o"],
+         "nodata.txt: data path not found"),
     ):
         r = subprocess.run([sys.executable, "-c", probe, *map(str, args)], capture_output=True, text=True, cwd=REPO,
                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
