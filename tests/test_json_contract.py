@@ -54,3 +54,15 @@ def test_json_keys_are_the_documented_ones(tmp_path):
     assert keys("config", "show", "w8a8") == doc["config show NAME"]
     assert keys("config", "show", "w8a8", "--model", ckpt, *mc) == doc["config show --model"]
     assert keys("config", "validate", "w8a8") == doc["config validate"]
+
+
+def test_export_says_what_was_gained(tmp_path):
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    code, out, err = run_cli("quantize", tmp_path / "m.safetensors", "-c", "w4a16-block32", "--model-class",
+                             "tests.tinymodels:mlp", "-o", tmp_path / "q")
+    assert code == 0, err
+    line = next(x for x in err.splitlines() if x.startswith("size: "))
+    ckpt = (tmp_path / "m.safetensors").stat().st_size
+    model = (tmp_path / "q" / "model.safetensors").stat().st_size
+    assert f"({ckpt / model:.2f}x smaller)" in line and "quantized weights" in line
+    assert 3 < ckpt / model < 8  # int4 blocks of 32 with float32 scales and offsets, biases in float
