@@ -119,12 +119,40 @@ class EncodingEntry:
 
     @classmethod
     def from_quantizer(cls, plan: QuantizerPlan, quantizer: QuantizerBase) -> "EncodingEntry":
+        """The entry of a calibrated quantizer. Every calibration mode makes its entries here, so this is where a
+        range that is not finite, or whose scale overflows float32, is refused (it would write NaN/Infinity)."""
         if plan.dynamic:
             return cls(plan.name, plan.module, plan.tensor, plan.bitwidth, plan.symmetric, plan.granularity, (),
                        None, plan.analyzer_label, None, None, dynamic=True)
-        return cls(plan.name, plan.module, plan.tensor, plan.bitwidth, plan.symmetric, plan.granularity,
-                   tuple(plan.shape), plan.block_size, plan.analyzer_label,
-                   quantizer.min.detach().cpu().clone(), quantizer.max.detach().cpu().clone())
+        entry = cls(plan.name, plan.module, plan.tensor, plan.bitwidth, plan.symmetric, plan.granularity,
+                    tuple(plan.shape), plan.block_size, plan.analyzer_label,
+                    quantizer.min.detach().cpu().clone(), quantizer.max.detach().cpu().clone())
+        entry.check_finite()
+        return entry
+
+    def check_finite(self) -> None:
+        """Raise ``CheckpointError`` (a weight) or ``DataError`` (an activation) unless min, max and the derived
+        scale are finite."""
+        from .errors import CheckpointError, DataError
+
+        if self.dynamic or self.min.device.type == "meta":
+            return
+        lo, hi = self.min.to(torch.float32), self.max.to(torch.float32)
+        bad = None
+        if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+            bad = "its calibrated range holds NaN or infinity"
+        else:
+            scale, _ = self.scale_offset()
+            if not torch.isfinite(scale).all():
+                bad = (f"its range [{float(lo.min()):.4g}, {float(hi.max()):.4g}] overflows float32 when divided "
+                       "into steps (an infinite scale)")
+        if bad is None:
+            return
+        if self.tensor == "weight":
+            raise CheckpointError(f"{self.name}: {bad}: the checkpoint's weight holds NaN/Inf or values near "
+                                  "float32's limits; nothing was written")
+        raise DataError(f"{self.name}: {bad}: the model produced NaN/Inf or values near float32's limits on the "
+                        "calibration data; nothing was written")
 
     def check_fits(self, key: str, shape) -> None:
         """Raise ``EncodingsError`` unless this encoding's shape/block_size applies to tensor ``key`` of ``shape``."""

@@ -13,7 +13,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 
 from ..config import QuantizerPlan
-from ..errors import QtoolError
+from ..encodings import EncodingEntry
 from ..quant import QuantizerBase
 
 __all__ = ["calibrate_weights", "calibrate_activations", "check_finite"]
@@ -48,9 +48,9 @@ def calibrate_activations(rows: List[QuantizerPlan], quantizers: Dict[str, Quant
 
 
 def check_finite(rows: Iterable[QuantizerPlan], quantizers: Dict[str, QuantizerBase]) -> None:
-    """No calibrated range may hold NaN/Inf (it would become a NaN scale in every file written)."""
+    """No calibrated range may hold NaN/Inf or overflow float32's scale (it would reach every file written): the
+    check every encodings entry gets (``EncodingEntry.check_finite``), run before the caller goes on."""
     for q in rows:
         quantizer = quantizers[q.name]
-        if not q.dynamic and quantizer.is_initialized() and not (torch.isfinite(quantizer.min).all()
-                                               and torch.isfinite(quantizer.max).all()):
-            raise QtoolError(f"quantizer {q.name}: calibrated range is not finite (the model produced NaN/Inf)")
+        if not q.dynamic and quantizer.is_initialized():
+            EncodingEntry.from_quantizer(q, quantizer)
