@@ -258,6 +258,15 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
             continue
         scale = r["scale"].reshape(shape)
         offset = r["offset"].reshape(shape)
+        if not (torch.isfinite(scale).all() and (scale > 0).all()):
+            bad = scale[~(torch.isfinite(scale) & (scale > 0))].flatten()[0]
+            raise EncodingsError(f"{source}: {name}: every scale must be a finite number above 0 (got {float(bad)})")
+        if not (torch.isfinite(offset).all() and (offset == offset.round()).all()):
+            raise EncodingsError(f"{source}: {name}: offsets must be integers")
+        if ((offset < -qmax) | (offset > -qmin)).any():
+            bad = offset[(offset < -qmax) | (offset > -qmin)].flatten()[0]
+            raise EncodingsError(f"{source}: {name}: its offset puts zero at code {int(-bad)}, outside the "
+                                 f"{r['bits']}-bit grid [{qmin}, {qmax}]")
         if r["signed"] != (qmin < 0) or (symmetric and not r["signed"]):
             raise EncodingsError(f"{source}: {name}: symmetric encodings must use a signed grid")
         mn, mx = range_for_scale_offset(scale, offset, qmin, qmax, symmetric)

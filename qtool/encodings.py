@@ -130,22 +130,26 @@ class EncodingEntry:
         entry.check_finite()
         return entry
 
+    def finite_problem(self) -> Optional[str]:
+        """Why this entry's numbers cannot be written (min/max not finite, or a scale that overflows float32),
+        or None."""
+        if self.dynamic or self.min.device.type == "meta":
+            return None
+        lo, hi = self.min.to(torch.float32), self.max.to(torch.float32)
+        if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+            return "its calibrated range holds NaN or infinity"
+        scale, _ = self.scale_offset()
+        if not torch.isfinite(scale).all():
+            return (f"its range [{float(lo.min()):.4g}, {float(hi.max()):.4g}] overflows float32 when divided into "
+                    "steps (an infinite scale)")
+        return None
+
     def check_finite(self) -> None:
         """Raise ``CheckpointError`` (a weight) or ``DataError`` (an activation) unless min, max and the derived
         scale are finite."""
         from .errors import CheckpointError, DataError
 
-        if self.dynamic or self.min.device.type == "meta":
-            return
-        lo, hi = self.min.to(torch.float32), self.max.to(torch.float32)
-        bad = None
-        if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
-            bad = "its calibrated range holds NaN or infinity"
-        else:
-            scale, _ = self.scale_offset()
-            if not torch.isfinite(scale).all():
-                bad = (f"its range [{float(lo.min()):.4g}, {float(hi.max()):.4g}] overflows float32 when divided "
-                       "into steps (an infinite scale)")
+        bad = self.finite_problem()
         if bad is None:
             return
         if self.tensor == "weight":
@@ -254,6 +258,9 @@ class EncodingEntry:
             raise EncodingsError(f"{where}: malformed entry ({str(e).splitlines()[0]})") from None
         if source is None and not (torch.isfinite(entry.min).all() and torch.isfinite(entry.max).all()):
             raise EncodingsError(f"{where}: min/max must be finite numbers")
+        problem = entry.finite_problem() if source is None else None
+        if problem is not None:
+            raise EncodingsError(f"{where}: {problem}")
         return entry
 
 

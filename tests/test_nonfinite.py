@@ -59,3 +59,52 @@ def test_a_state_dict_with_nan_is_refused(tmp_path):
                            "tests.tinymodels:mlp", "-o", tmp_path / "q")
     assert code == 2 and "2.weight: its calibrated range holds NaN" in err
     assert not (tmp_path / "q").exists()
+
+
+@pytest.fixture(scope="module")
+def mlp_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nf-mlp")
+    save_file(mlp().state_dict(), d / "m.safetensors")
+    code, _, err = run_cli("quantize", d / "m.safetensors", "-c", "w8a16", "--model-class", "tests.tinymodels:mlp",
+                           "-o", d / "q", "--format", "aimet")
+    assert code == 0, err
+    return d
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("scale", float("nan"), "finite number above 0"),
+    ("scale", 0.0, "finite number above 0"),
+    ("scale", -0.5, "finite number above 0"),
+    ("offset", 1000, "outside the 8-bit grid"),
+    ("offset", 0.5, "offsets must be integers"),
+])
+def test_aimet_import_refuses_scales_and_offsets_no_runtime_could_use(mlp_run, tmp_path, field, value, message):
+    import json
+
+    obj = json.loads((mlp_run / "q" / "model.encodings").read_text())
+    entry = obj["param_encodings"][0]
+    entry[field] = [value] * len(entry[field])
+    bad = tmp_path / "bad.encodings"
+    bad.write_text(json.dumps(obj))  # NaN is written as the (non-standard) NaN token Python's json reads back
+    code, _, err = run_cli("import-encodings", mlp_run / "m.safetensors", bad, "--model-class",
+                           "tests.tinymodels:mlp", "-o", tmp_path / "imported")
+    assert code == 2, err
+    errors = [line for line in error_lines(err) if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], errors
+    assert not (tmp_path / "imported").exists()
+
+
+def test_encodings_whose_scale_overflows_are_refused_on_read(mlp_run, tmp_path):
+    import json
+
+    from qtool.encodings import EncodingsFile
+    from qtool.errors import EncodingsError
+
+    path = tmp_path / "encodings.json"
+    obj = json.loads((mlp_run / "q" / "calibration" / "encodings.json").read_text())
+    w = obj["quantizers"][0]
+    w["min"] = [[-3.4e38]] * len(w["min"])
+    w["max"] = [[3.4e38]] * len(w["max"])
+    path.write_text(json.dumps(obj))
+    with pytest.raises(EncodingsError, match="overflows float32"):
+        EncodingsFile.read(path)
