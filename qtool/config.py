@@ -272,13 +272,26 @@ class Recipe(BaseModel):
 # --------------------------------------------------------------------------------------------------------------
 # Loading with file/key/line in every error
 # --------------------------------------------------------------------------------------------------------------
+# a repeated group that itself repeats, e.g. (a+)+ or (x*)*: Python's re can backtrack exponentially on it
+_NESTED_QUANTIFIER = re.compile(r"\((?:[^()\\]|\\.)*[+*}](?:[^()\\]|\\.)*\)(?:[+*]|\{\d*,)")
+
+
 def _compile_pattern(pattern: str):
     if pattern.startswith("re:"):
+        if _NESTED_QUANTIFIER.search(pattern[3:]):
+            raise ValueError(f"regular expression {_short(pattern[3:])} repeats a group that itself repeats "
+                             "(like (a+)+), which can take minutes to match; write it without the nested repetition")
         try:
             return re.compile(pattern[3:])
         except re.error as e:
-            raise ValueError(f"bad regular expression {pattern[3:]!r}: {e}") from None
+            raise ValueError(f"bad regular expression {_short(pattern[3:])}: {e}") from None
     return re.compile(fnmatch.translate(pattern))
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters (error lines never echo a whole rejected value)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 5] + "...)" if text.endswith(")") else text[:limit - 3] + "..."
 
 
 def name_matches(pattern: str, name: str) -> bool:
@@ -318,26 +331,46 @@ def _describe(err: Dict[str, Any], fields: Sequence[str] = ()) -> str:
         return "unknown key" + _did_you_mean(err["loc"][-1] if err["loc"] else None, fields)
     if err["type"] == "literal_error":
         expected = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
-        return f"{msg} (got {err.get('input')!r}){_did_you_mean(err.get('input'), expected)}"
+        return f"{msg} (got {_short(err.get('input'))}){_did_you_mean(err.get('input'), expected)}"
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     if err["type"] in ("literal_error", "int_parsing", "bool_parsing", "greater_than_equal", "less_than_equal",
                        "int_type", "bool_type", "string_type", "list_type", "dict_type", "model_type",
                        "greater_than", "int_from_float"):
-        msg = f"{msg} (got {err.get('input')!r})"
+        msg = f"{msg} (got {_short(err.get('input'))})"
     return msg
+
+
+def _has_alias(node) -> bool:
+    """Whether the composed YAML reuses a node (an alias): node graphs are walked once per node object."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is None:
+            continue
+        if id(n) in seen:
+            return True
+        seen.add(id(n))
+        if isinstance(n, yaml.MappingNode):
+            stack.extend(x for pair in n.value for x in pair)
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend(n.value)
+    return False
 
 
 def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
     """Parse and validate a recipe; every problem is a ``ConfigError`` naming source, key path and line."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if _has_alias(node):  # checked on the node graph, before anything is expanded
+            raise ConfigError(f"{source}: YAML anchors and aliases (&name / *name) are not allowed in recipes (a "
+                              "few lines of them can expand to billions of values); write the values out")
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{source}{where}: malformed YAML: {problem}") from None
+        raise ConfigError(f"{source}{where}: malformed YAML: {_short(problem, 200)[1:-1]}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -339,3 +339,25 @@ def test_a_rule_that_matches_nothing_names_the_nearest_modules():
     assert "matches no module" in str(e.value) and "nearest module names: encoder.layer" in str(e.value)
     with pytest.raises(ConfigError, match=r"module types nearby: Linear"):
         resolve_plan(parse_recipe("version: 1\nlayers:\n  - type: Linaer\n    weights: {bitwidth: 4}\n"), model)
+
+
+# ---- hostile recipes (#14): no hang, no enormous error line ---------------------------------------------------
+def test_yaml_aliases_are_refused_before_expansion():
+    laughs = "version: 1\na: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+    with pytest.raises(ConfigError, match="anchors and aliases"):
+        parse_recipe(laughs, "r.yaml")
+
+
+@pytest.mark.parametrize("pattern", ["re:(a+)+b", "re:(.*)*x", "re:(\\\\w+\\\\.)+{2,}z", "re:(x{1,3})+y"])
+def test_regexes_that_backtrack_exponentially_are_refused(pattern):
+    with pytest.raises(ConfigError, match="repeats a group that itself repeats"):
+        parse_recipe(f"version: 1\nlayers:\n  - match: '{pattern}'\n    weights: {{bitwidth: 4}}\n", "r.yaml")
+    parse_recipe("version: 1\nlayers:\n  - match: 're:encoder\\\\.layer\\\\.\\\\d+\\\\..*'\n    weights: {bitwidth: 4}\n")
+
+
+def test_error_lines_never_echo_a_whole_rejected_value():
+    huge = "x" * 100_000
+    with pytest.raises(ConfigError) as e:
+        parse_recipe(f"version: 1\ndefaults:\n  weights: {{granularity: {huge}}}\n", "r.yaml")
+    assert len(str(e.value)) < 400
