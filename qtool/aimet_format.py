@@ -25,6 +25,7 @@ from .choices import AIMET_VERSIONS
 from .encodings import EncodingEntry, EncodingsFile
 from .errors import EncodingsError
 from .quant.affine import grid
+from .quant.spec import MAX_BITWIDTH, MIN_BITWIDTH
 
 __all__ = ["VERSIONS", "entry_to_aimet", "to_aimet", "read_aimet", "from_aimet", "range_for_scale_offset"]
 
@@ -184,6 +185,13 @@ def _granularity_from_count(count: int, wshape: Tuple[int, ...], block: Optional
     return "per_block", shape, block_size
 
 
+def _int(value: Any, what: str) -> int:
+    """An integer field of an AIMET file (a bool or a fractional number is not one)."""
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        raise ValueError(f"{what} must be an integer (got {str(value)[:40]!r})")
+    return int(value)
+
+
 def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], source: str,
                module_of: Callable[[str], Optional[str]]) -> Tuple[EncodingsFile, List[str]]:
     """qtool encodings from an AIMET file. ``weight_shapes`` maps checkpoint tensor names to shapes;
@@ -208,7 +216,10 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                 items = section.items() if version == "0.6.1" else ((i["name"], i) for i in section)
                 for name, item in items:
                     if version == "0.6.1":
-                        bits = int(item[0]["bitwidth"])
+                        bits = _int(item[0]["bitwidth"], f"{name}.bitwidth")
+                        if str(item[0]["is_symmetric"]) not in ("True", "False"):
+                            raise EncodingsError(f"{source}: {name}: is_symmetric must be \"True\" or \"False\" "
+                                                 f"(got {str(item[0]['is_symmetric'])[:40]!r})")
                         sym = str(item[0]["is_symmetric"]) == "True"
                         scale = torch.tensor([float(i["scale"]) for i in item], dtype=torch.float32)
                         off = torch.tensor([float(i["offset"]) for i in item], dtype=torch.float32)
@@ -216,8 +227,11 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                     else:
                         if str(item.get("dtype", "INT")).upper() != "INT":
                             raise EncodingsError(f"{source}: {name}: only integer encodings can be imported")
-                        bits = int(item["bw"])
-                        sym = bool(item["is_sym"])
+                        bits = _int(item["bw"], f"{name}.bw")
+                        if not isinstance(item["is_sym"], bool):
+                            raise EncodingsError(f"{source}: {name}: is_sym must be true or false (got "
+                                                 f"{str(item['is_sym'])[:40]!r})")
+                        sym = item["is_sym"]
                         scale = torch.tensor(item["scale"], dtype=torch.float32)
                         off = torch.tensor(item["offset"], dtype=torch.float32)
                         block = item.get("block_size")
@@ -233,6 +247,11 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
 
     entries: List[EncodingEntry] = []
     warnings: List[str] = []
+    names = [name for _, name, _ in rows]
+    if len(set(names)) != len(names):
+        seen: set = set()
+        dup = next(n for n in names if n in seen or seen.add(n))
+        raise EncodingsError(f"{source}: {dup!r} has two encodings")
     for kind, name, r in rows:
         qmin, qmax = grid(r["bits"], signed=r["signed"])
         # a signed grid with a zero offset is AIMET's symmetric encoding
@@ -256,6 +275,8 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
         else:
             warnings.append(f"{name}: no tensor of that name in the checkpoint (an ONNX activation name?); skipped")
             continue
+        if not MIN_BITWIDTH <= r["bits"] <= MAX_BITWIDTH:  # (a skipped bias may be 32-bit)
+            raise EncodingsError(f"{source}: {name}: bitwidth {r['bits']} is outside {MIN_BITWIDTH}..{MAX_BITWIDTH}")
         scale = r["scale"].reshape(shape)
         offset = r["offset"].reshape(shape)
         if not (torch.isfinite(scale).all() and (scale > 0).all()):

@@ -108,3 +108,33 @@ def test_encodings_whose_scale_overflows_are_refused_on_read(mlp_run, tmp_path):
     path.write_text(json.dumps(obj))
     with pytest.raises(EncodingsError, match="overflows float32"):
         EncodingsFile.read(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda e: e.update(is_sym="false"), "is_sym must be true or false"),
+    (lambda e: e.update(bw=64), "bitwidth 64 is outside 2..16"),
+    (lambda e: e.update(bw=True), "must be an integer"),
+])
+def test_aimet_import_refuses_values_it_would_misread(mlp_run, tmp_path, change, message):
+    import json
+
+    obj = json.loads((mlp_run / "q" / "model.encodings").read_text())
+    change(obj["param_encodings"][0])
+    bad = tmp_path / "bad.encodings"
+    bad.write_text(json.dumps(obj))
+    code, _, err = run_cli("import-encodings", mlp_run / "m.safetensors", bad, "--model-class",
+                           "tests.tinymodels:mlp", "-o", tmp_path / "imported")
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "imported").exists()
+
+
+def test_aimet_import_refuses_a_name_encoded_twice(mlp_run, tmp_path):
+    import json
+
+    obj = json.loads((mlp_run / "q" / "model.encodings").read_text())
+    obj["param_encodings"].append(dict(obj["param_encodings"][0]))
+    bad = tmp_path / "bad.encodings"
+    bad.write_text(json.dumps(obj))
+    code, _, err = run_cli("import-encodings", mlp_run / "m.safetensors", bad, "--model-class",
+                           "tests.tinymodels:mlp", "-o", tmp_path / "imported")
+    assert code == 2 and "has two encodings" in err, err
