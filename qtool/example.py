@@ -57,7 +57,7 @@ def embed(model, tokenizer, texts: List[str], seq_len: int = 128, batch: int = 3
 
 def main(argv=None) -> float:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", default=str(REPO / "configs" / "w8a8.yaml"))
+    ap.add_argument("--recipe", default="w8a8", help="a shipped recipe name or a YAML file")
     ap.add_argument("--out", default=str(REPO / "runs" / "minilm-w8a8"))
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--heldout-samples", type=int, default=128)
