@@ -72,7 +72,8 @@ def main(argv=None):
         tmp = Path(d)
         (tmp / "calib.txt").write_text("\n\n".join(calib))
         (tmp / "held.txt").write_text("\n\n".join(held))
-        tok = load_model(ckpt).tokenizer
+        loaded = load_model(ckpt)  # the float model and its tokenizer, read once
+        tok = loaded.tokenizer
         batches = list(load_data(tmp / "held.txt", batch_size=args.windows, seq_len=256, tokenizer=tok,
                                  pack_text=True, num_samples=args.windows, seed=0))
         ids = batches[0].kwargs["input_ids"]
@@ -80,10 +81,9 @@ def main(argv=None):
         example = tmp / "example.safetensors"
         save_file({"input_ids": ids[:1, :32].contiguous(), "attention_mask": mask[:1, :32].contiguous()}, example)
         tokens = ids[:, 1:].numel()
-        float_model = load_model(ckpt).model
         with torch.no_grad():
-            float_logits = float_model(input_ids=ids, attention_mask=mask).logits
-        del float_model
+            float_logits = loaded.model(input_ids=ids, attention_mask=mask).logits
+        del loaded
         results["perplexity_float"] = math.exp(_nll(float_logits, ids) / tokens)
         print(f"float perplexity {results['perplexity_float']:.3f} on {tokens} tokens", flush=True)
         for label, (recipe, formats) in RECIPES.items():

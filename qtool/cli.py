@@ -97,6 +97,11 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         fail(3, f"internal error: {type(e).__name__}: {first} (traceback in {log.name}; --debug shows it)")
 
 
+def _console() -> Console:
+    """A console for stdout tables and text (no highlighting; NO_COLOR respected)."""
+    return Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
+
+
 def _esc(text: str) -> str:
     from rich.markup import escape
 
@@ -288,12 +293,14 @@ def _report_files(summary: Dict[str, Any], quiet: bool) -> None:
         err.print(_esc(line))
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+def _human(n: float) -> str:
+    if n < 1000:
+        return f"{n:.0f} B"
+    for unit in ("KB", "MB"):
         n /= 1000
-    return f"{n:.1f} TB"  # pragma: no cover - unreachable
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1000:.1f} GB"
 
 
 @app.command(epilog="Examples:\n\n\b\n  qtool calibrate MODEL_DIR -c w8a8 --data calib.txt -o runs/r1\n  qtool calibrate org/name -c w8a8-dynamic -o runs/r2   (a Hub ID; this recipe needs no data)\n  qtool calibrate m.safetensors --model-class pkg.mod:build -c my.yaml --data x.npy -o runs/r3")
@@ -537,7 +544,7 @@ def report(
                     "gates": [{"gate": g.gate, "threshold": g.threshold, "value": g.value, "passed": g.passed}
                               for g in gates]})
     else:
-        con = Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
+        con = _console()
         t = Table(title="per-layer SQNR (dB), worst first", title_justify="left")
         rtn = any(r.sqnr_isolated_rtn is not None for r in rep.layers)  # codes chosen by GPTQ: show what RTN gave
         cols = ("module", "type", "cumulative", "isolated") + (("isolated, RTN",) if rtn else ())
@@ -623,7 +630,7 @@ def inspect(
     for r in report["tensors"]:
         t.add_row(r["name"], r["dtype"], str(r["bitwidth"] or ""), r["granularity"] or "", str(r["shape"]),
                   f"{r['bytes']:,}" if r["bytes"] is not None else "")
-    con = Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
+    con = _console()
     con.print(t)
     tot = report["totals"]
     lines = [f"quantized tensors: {tot['quantized_tensors']} of {tot['tensors']}"]
@@ -661,7 +668,7 @@ def config_list(json_out: bool = _JSON) -> None:
         t.add_column(col, overflow="fold", no_wrap=col == "name")
     for r in rows:
         t.add_row(r["name"], r["weights"], r["activations"], "yes" if r["needs_data"] else "no", _esc(r["title"]))
-    Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR"))).print(t)
+    _console().print(t)
 
 
 def _recipe_text(recipe: str, json_out: bool) -> None:
@@ -677,7 +684,7 @@ def _recipe_text(recipe: str, json_out: bool) -> None:
     if json_out:
         _emit_json({"ok": True, "recipe": str(path), "description": description, **info})
         return
-    con = Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
+    con = _console()
     con.print(_esc(f"recipe: {path}"))
     if description:
         con.print(_esc(description))
@@ -719,7 +726,7 @@ def config_show(
         _emit_json({"ok": True, "quantizers": [asdict(q) for q in plan.quantizers],
                     "smoothquant": [asdict(g) for g in plan.smoothing], "warnings": plan.warnings})
         return
-    console = Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
+    console = _console()
     console.print(_plan_table(plan))
     if plan.smoothing:
         console.print(f"smoothquant (alpha {plan.smoothing[0].alpha}), before calibration: {len(plan.smoothing)} "

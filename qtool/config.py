@@ -7,6 +7,7 @@ one row per quantizer, with concrete shapes and block sizes. See docs/recipes.md
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,7 +277,9 @@ class Recipe(BaseModel):
 _NESTED_QUANTIFIER = re.compile(r"\((?:[^()\\]|\\.)*[+*}](?:[^()\\]|\\.)*\)(?:[+*]|\{\d*,)")
 
 
+@functools.lru_cache(maxsize=1024)
 def _compile_pattern(pattern: str):
+    """A recipe pattern compiled once (resolution matches every pattern against every module name)."""
     if pattern.startswith("re:"):
         if _NESTED_QUANTIFIER.search(pattern[3:]):
             raise ValueError(f"regular expression {_short(pattern[3:])} repeats a group that itself repeats "
@@ -291,7 +294,9 @@ def _compile_pattern(pattern: str):
 def _short(value: Any, limit: int = 60) -> str:
     """``repr(value)`` cut to ``limit`` characters (error lines never echo a whole rejected value)."""
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 5] + "...)" if text.endswith(")") else text[:limit - 3] + "..."
+    if len(text) <= limit:
+        return text
+    return text[:limit - 5] + "...)" if text.endswith(")") else text[:limit - 3] + "..."
 
 
 def name_matches(pattern: str, name: str) -> bool:
@@ -386,7 +391,7 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
             problems.append(f"{source}{where}: {_key_path(loc) or '(top level)'}: {_describe(err, _fields_at(loc))}")
         recipe = None
     if recipe is not None:
-        problems += _rule_problems(recipe, data, node, source)
+        problems += _rule_problems(recipe, node, source)
     if problems:
         shown = problems[:MAX_PROBLEMS]
         if len(problems) > MAX_PROBLEMS:
@@ -427,7 +432,7 @@ def _model_of(annotation) -> Any:
     return None
 
 
-def _rule_problems(recipe: Recipe, data: Dict[str, Any], node, source: str) -> List[str]:
+def _rule_problems(recipe: Recipe, node, source: str) -> List[str]:
     """Each ``layers`` entry's partial weights/activations merged as resolution will merge them (over the defaults,
     and over every earlier entry's): a value that no merge accepts is a problem now, not on the first model."""
     problems = []
@@ -439,24 +444,18 @@ def _rule_problems(recipe: Recipe, data: Dict[str, Any], node, source: str) -> L
             part = getattr(rule, kind)
             if not part:
                 continue
-            first = None
-            merged = None
+            error = None
             for base in (defaults[kind], chain[kind]):
                 try:
-                    merged = _merge(base, part, cls[kind], "")
-                    first = None
+                    chain[kind] = _merge(base, part, cls[kind], "")
                     break
                 except ConfigError as e:
-                    first = first or e
-            if first is not None:
-                key = str(first).lstrip(".: ")
+                    error = error or e
+            else:
+                key = str(error).lstrip(".: ")  # "<key>: <problem>", from _merge with an empty location
                 field = key.split(":", 1)[0].strip()
                 line = _line_of(node, ["layers", i, kind] + ([field] if field in part else []))
-                hint = _did_you_mean(field, list(cls[kind].model_fields)) if field not in cls[kind].model_fields \
-                    else ""
-                problems.append(f"{source}{f':{line}' if line else ''}: layers[{i}].{kind}.{key}{hint}")
-            elif merged is not None:
-                chain[kind] = merged
+                problems.append(f"{source}{f':{line}' if line else ''}: layers[{i}].{kind}.{key}")
     return problems
 
 
@@ -694,7 +693,8 @@ def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
     except ValidationError as e:
         err = e.errors()[0]
         key = _key_path(err["loc"])
-        raise ConfigError(f"{where}.{key}: {_describe(err)}" if key else f"{where}: {_describe(err)}") from None
+        desc = _describe(err, list(cls.model_fields))
+        raise ConfigError(f"{where}.{key}: {desc}" if key else f"{where}: {desc}") from None
 
 
 def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str):

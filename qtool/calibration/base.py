@@ -13,10 +13,9 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 
 from ..config import QuantizerPlan
-from ..encodings import EncodingEntry
 from ..quant import QuantizerBase
 
-__all__ = ["calibrate_weights", "calibrate_activations", "check_finite"]
+__all__ = ["calibrate_weights", "calibrate_activations"]
 
 
 def calibrate_weights(rows: Iterable[QuantizerPlan], quantizer_for: Callable[[QuantizerPlan], QuantizerBase],
@@ -46,11 +45,3 @@ def calibrate_activations(rows: List[QuantizerPlan], quantizers: Dict[str, Quant
             stack.enter_context(quantizers[q.name].compute_encodings())
         run()
 
-
-def check_finite(rows: Iterable[QuantizerPlan], quantizers: Dict[str, QuantizerBase]) -> None:
-    """No calibrated range may hold NaN/Inf or overflow float32's scale (it would reach every file written): the
-    check every encodings entry gets (``EncodingEntry.check_finite``), run before the caller goes on."""
-    for q in rows:
-        quantizer = quantizers[q.name]
-        if not q.dynamic and quantizer.is_initialized():
-            EncodingEntry.from_quantizer(q, quantizer)

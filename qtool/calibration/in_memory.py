@@ -12,7 +12,7 @@ from ..data import CalibrationData
 from ..errors import DataError, UsageError
 from ..model.insert import set_quantization
 from ..quant import QuantizerBase
-from .base import calibrate_activations, calibrate_weights, check_finite
+from .base import calibrate_activations, calibrate_weights
 from .rounding import collect_inputs, importance, round_weights
 from .smoothing import activation_absmax, smooth
 
@@ -46,7 +46,8 @@ def calibrate(
 
     Weight rows that need their layer's inputs (GPTQ, activation-weighted search) first get them from one pass of
     the float model (every quantizer off); GPTQ then writes its codes into the weights before the activations
-    calibrate, so activation ranges are those of the model that will be exported."""
+    calibrate, so activation ranges are those of the model that will be exported. A range that is not finite is
+    refused where its entry is made (``EncodingEntry.from_quantizer``), as in every mode."""
     modules = dict(model.named_modules())
     acts = plan.static_activations  # dynamic ones compute their range at run time
     inputs = [q for q in plan.weights if q.needs_inputs]
@@ -86,7 +87,6 @@ def calibrate(
     if acts:
         calibrate_activations(acts, quantizers, run)
         unused = [q.name for q in acts if not quantizers[q.name].is_initialized()]
-    check_finite(plan.quantizers, quantizers)
     return CalibrationResult(unused, codes, replaced)
 
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..encodings import EncodingsFile
 from ..errors import UsageError
-from ..quant import QuantizeDequantize, dynamic_scale_offset, quantize, quantize_dequantize
+from ..quant import QuantizeDequantize, quantize, quantize_dequantize
 from ..quant.spec import axis_and_block
 from .base import Exporter, ExportRequest
 
@@ -88,20 +88,19 @@ class _DynamicFakeQuantOnnx(torch.autograd.Function):
     """Dynamic fake-quant forward; exported as one ``qtool::DynamicFakeQuant`` node that the graph pass expands."""
 
     @staticmethod
-    def forward(ctx, x, name, qmin, qmax, mode, channels):
-        symmetric, per_token = (w == s for w, s in zip(mode.split(), ("symmetric", "per_token")))
-        # the graph pass writes this node's computation; the tracer need not (and cannot: its peephole pass drops
-        # the identity `t - 0` of an asymmetric 8-bit grid inside a Function and then loses the value)
+    def forward(ctx, x, run, name, qmin, qmax, mode, channels):
+        # ``run`` is the quantizer's own forward. The graph pass writes this node's computation, so the tracer need
+        # not follow it (and cannot: its peephole pass drops the identity `t - 0` of an asymmetric 8-bit grid
+        # inside a Function and then loses the value)
         state = torch._C._get_tracing_state()
         torch._C._set_tracing_state(None)
         try:
-            scale, offset = dynamic_scale_offset(x, per_token, qmin, qmax, symmetric)
-            return quantize_dequantize(x, scale, offset, qmin=qmin, qmax=qmax)
+            return run(x)
         finally:
             torch._C._set_tracing_state(state)
 
     @staticmethod
-    def symbolic(g, x, name, qmin, qmax, mode, channels):
+    def symbolic(g, x, run, name, qmin, qmax, mode, channels):
         out = g.op("qtool::DynamicFakeQuant", x, name_s=name, qmin_i=qmin, qmax_i=qmax, mode_s=mode,
                    channels_i=channels)
         out.setType(x.type())
@@ -115,12 +114,12 @@ def onnx_export_mode(quantizers: Dict[str, QuantizeDequantize]):
     saved = {}
     for name, q in quantizers.items():
         if getattr(q, "dynamic", False):
-            def dyn(x, _q=q, _n=name):
+            def dyn(x, _q=q, _n=name, _run=q.forward):
                 x = x.as_subclass(torch.Tensor)
                 mode = (("symmetric " if _q.symmetric else "asymmetric ")
                         + ("per_token" if _q.per_token else "per_tensor"))
                 channels = int(x.shape[-1]) if x.dim() else 1
-                return _DynamicFakeQuantOnnx.apply(x, _n, _q.qmin, _q.qmax, mode, channels)
+                return _DynamicFakeQuantOnnx.apply(x, _run, _n, _q.qmin, _q.qmax, mode, channels)
 
             saved[name] = q.forward
             q.forward = dyn

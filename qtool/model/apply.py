@@ -58,9 +58,9 @@ def apply_stored_weights(model: nn.Module, weights: WeightSource, codes: bool = 
         if e.tensor != "weight" or not weights.has_stored_codes(e):
             continue
         w = modules[e.module]._parameters["weight"]
-        codes = weights.stored_codes(e, tuple(w.shape))
+        stored = weights.stored_codes(e, tuple(w.shape))
         scale, offset = e.scale_offset()
-        fixed = dequantize(codes.to(torch.float32), scale.to(w.device), offset.to(w.device), block_size=e.block_size)
+        fixed = dequantize(stored.to(torch.float32), scale.to(w.device), offset.to(w.device), block_size=e.block_size)
         set_stored_weight(modules[e.module], fixed.to(w.dtype))
     if weights.replaced():
         state = dict(model.named_parameters())
