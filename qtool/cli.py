@@ -1,7 +1,8 @@
 """The qtool command line (Typer). Thin commands: parse flags, call the library, draw progress, pick exit codes.
 
-Exit codes: 0 success, 1 a quality gate failed, 2 bad usage or bad input, 3 internal error.
-Human output and progress go to stderr; ``--json`` prints one JSON object on stdout.
+Exit codes: 0 success, 1 a quality gate failed, 2 bad usage or bad input, 3 internal error, 4 a rank of a
+distributed run was lost. Human output and progress go to stderr; ``--json`` prints one JSON object on stdout.
+Under ``torchrun`` (``WORLD_SIZE`` > 1) rank 0 alone reports; another rank speaks only for its own failure.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ config_app = typer.Typer(help="Inspect and lint recipes.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 
 err = Console(stderr=True, highlight=False, soft_wrap=True, no_color=bool(os.environ.get("NO_COLOR")))
+
+
+def _rank() -> int:
+    """This process's rank under a launcher such as torchrun (0 when not distributed)."""
+    try:
+        return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+    except ValueError:
+        return 0
 
 
 def _version(value: bool) -> None:
@@ -63,10 +72,10 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
     """Turn every failure into one stderr line and an exit code (and one JSON object with --json)."""
     from .errors import QtoolError
 
-    def fail(code: int, message: str, more=()) -> None:
-        for line in [message, *more]:
+    def fail(code: int, message: str, more=(), speak: bool = True) -> None:
+        for line in [message, *more] if speak else []:
             err.print(line, markup=False)
-        if json_out:
+        if json_out:  # (only rank 0 has json_out under torchrun; it reports another rank's failure too)
             _emit_json({"ok": False, "exit_code": code, "error": message.split(": ", 1)[-1],
                         **({"errors": [m.split(": ", 1)[-1] for m in [message, *more]]} if more else {})})
         raise typer.Exit(code)
@@ -76,10 +85,15 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
     except typer.Exit:
         raise
     except QtoolError as e:
+        # distributed: a rank that failed on its own says so (dist_rank); an error every rank meets alike (bad
+        # flags, before the ranks connect) is said by rank 0; PeerFailed: another rank already said it
+        dist_rank = getattr(e, "dist_rank", None)
+        speak = not getattr(e, "quiet", False) and (dist_rank is not None or _rank() == 0)
+        where = f"rank {dist_rank}: " if dist_rank is not None else ""
         problems = getattr(e, "problems", None) or []
         if len(problems) > 1:  # every problem of a recipe, one line each
-            fail(e.exit_code, f"error: {problems[0]}", [f"error: {p}" for p in problems[1:]])
-        fail(e.exit_code, f"error: {e}")
+            fail(e.exit_code, f"error: {where}{problems[0]}", [f"error: {p}" for p in problems[1:]], speak)
+        fail(e.exit_code, f"error: {where}{e}", speak=speak)
     except KeyboardInterrupt as e:
         name = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
         fail(_SIGNAL_EXIT[name], f"interrupted: {name}; nothing was written")
@@ -326,6 +340,8 @@ def calibrate(
     debug: bool = _DEBUG,
 ) -> None:
     """Calibrate every quantizer's range on sample data; write encodings.json and manifest.json."""
+    quiet = quiet or _rank() != 0  # under torchrun, rank 0 reports
+    json_out = json_out and _rank() == 0
     with _errors(debug, json_out), _Progress(quiet) as p:
         _check_early(config, device, data=data)
         checkpoint = _checkpoint(checkpoint, revision)
@@ -454,6 +470,8 @@ def quantize(
     debug: bool = _DEBUG,
 ) -> None:
     """Calibrate and export in one call."""
+    quiet = quiet or _rank() != 0  # under torchrun, rank 0 reports
+    json_out = json_out and _rank() == 0
     with _errors(debug, json_out), _Progress(quiet) as p:
         _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback, data)
         checkpoint = _checkpoint(checkpoint, revision)
@@ -502,6 +520,9 @@ def report(
     """Measure where accuracy went: per-layer SQNR, end-to-end fidelity, quality gates for CI."""
     import math
 
+    root = _rank() == 0  # under torchrun every rank gets the report; rank 0 prints it, every rank applies the gates
+    quiet, json_out = quiet or not root, json_out and root
+
     from .errors import UsageError
     from .pipeline import run_report
 
@@ -518,13 +539,13 @@ def report(
                 seed=seed, model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code),
                 sensitivity_analysis=sensitivity, hooks=p.hooks())
         rep = result["report"]
-        if plot:
+        if plot and root:
             from .report import plot_sqnr
 
             from pathlib import Path as _P
 
             plot_sqnr(rep, plot, title=f"per-layer SQNR: {_P(checkpoint).name}")
-        if suggest:
+        if suggest and root:
             from pathlib import Path
 
             from .report import suggest_recipe
@@ -539,6 +560,8 @@ def report(
     with _errors(debug, json_out):
         gates = check_gates(rep, min_sqnr, min_cosine, max_ppl_increase)
     failed = [g for g in gates if not g.passed]
+    if not root:
+        raise typer.Exit(1 if failed else 0)
     if json_out:
         _emit_json({"ok": not failed, **result["json"],
                     "gates": [{"gate": g.gate, "threshold": g.threshold, "value": g.value, "passed": g.passed}

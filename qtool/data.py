@@ -42,6 +42,7 @@ class CalibrationData:
     files: List[Path]
     num_samples: int
     description: str
+    first: int = 0  # global index of the first batch (a rank's shard in a distributed run starts later)
 
     def __iter__(self) -> Iterator[Batch]:
         return iter(self.batches)

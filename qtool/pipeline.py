@@ -5,6 +5,7 @@ Each job returns data (a summary dict) and reports progress through callbacks; i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import sys
@@ -30,6 +31,7 @@ from .io.checkpoint import tensor_files
 from .io.fs import atomic_output_dir, check_output_dir, sha256_file
 from .model.apply import apply_encodings, apply_stored_weights, plan_from_encodings
 from .model.load import LoadedModel, load_model
+from .parallel import Group, from_environment
 from .weights import write_codes
 
 __all__ = ["CalibrateOptions", "ExportOptions", "Hooks", "plan_for", "run_calibrate", "run_export", "run_quantize",
@@ -78,10 +80,33 @@ def plan_for(checkpoint: str, recipe_path: str, opts: CalibrateOptions) -> Tuple
     return loaded, plan
 
 
-def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, run_dir: Path, hooks: Hooks):
+@contextlib.contextmanager
+def _ranks(device: str):
+    """The process group a launcher (torchrun) describes, or one process. A failure on any rank reaches every
+    rank (:meth:`qtool.parallel.Group.abort`): the failing rank raises its own error, marked with ``dist_rank``
+    (the CLI prefixes its line), the others a quiet ``PeerFailed`` with the same exit code."""
+    group = from_environment(device)
+    try:
+        yield group
+        group.finish()
+    except BaseException as e:
+        raise group.abort(e)
+    finally:
+        group.close()
+
+
+def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, run_dir: Optional[Path],
+                    hooks: Hooks, group: Optional[Group] = None):
+    """Calibrate and write the run's files into ``run_dir``. In a distributed run every rank calibrates; rank 0
+    alone writes (``run_dir`` is None on the others, which return None)."""
+    group = group or Group()
     recipe_path = str(recipe_file(recipe_path))  # a shipped recipe's name -> its file (hashed in the manifest)
     recipe = load_recipe(recipe_path)
-    run = calibrate_checkpoint(checkpoint, recipe, str(recipe_path), opts, run_dir / SIDECAR, hooks)
+    run = calibrate_checkpoint(checkpoint, recipe, str(recipe_path), opts,
+                               run_dir / SIDECAR if run_dir is not None else None, hooks, group)
+    group.calibrated()
+    if not group.is_root:
+        return None
     entries, plan, data, device, files, kind, unused = (run.entries, run.plan, run.data, run.device, run.files,
                                                          run.kind, run.unused)
     enc = EncodingsFile(entries, {"qtool_version": __version__, "recipe": Path(recipe_path).name})
@@ -110,12 +135,16 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
                             "replaced": sorted(run.floats)}} if plan.smoothing else {}),
         "uncalibrated": unused,
         "warnings": plan.warnings,
+        **({"distributed": {"world_size": group.world_size, "backend": group.backend,
+                            "samples_per_rank": run.samples_per_rank}} if group.distributed else {}),
     }
     (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     summary = {"encodings": str(enc_path), "quantizers": len(entries), "weights": len(plan.weights),
                "activations": len(plan.activations), "uncalibrated": unused,
                "samples": 0 if data is None else data.num_samples, "device": str(device),
-               "warnings": plan.warnings, "outputs": [f.name for f in enc_files] + ["manifest.json"]}
+               "warnings": plan.warnings, "outputs": [f.name for f in enc_files] + ["manifest.json"],
+               **({"world_size": group.world_size, "samples_per_rank": run.samples_per_rank}
+                  if group.distributed else {})}
     return summary
 
 
@@ -124,8 +153,12 @@ def run_calibrate(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOp
     """``qtool calibrate``: write ``out/encodings.json`` and ``out/manifest.json`` atomically."""
     hooks = hooks or Hooks()
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=opts.data))
-    with atomic_output_dir(Path(out), overwrite) as tmp:
-        summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks)
+    with _ranks(opts.device) as group:
+        if not group.is_root:  # calibrates its shard; rank 0 writes
+            _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group)
+            return {"rank": group.rank, "world_size": group.world_size}
+        with atomic_output_dir(Path(out), overwrite) as tmp:
+            summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks, group)
     summary["encodings"] = str(Path(out) / "encodings.json")
     summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
     return summary
@@ -317,14 +350,18 @@ def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOpt
 
     hooks = Hooks(on_plan=check_plan, on_batch=hooks.on_batch, on_tensor=hooks.on_tensor, on_stage=hooks.on_stage,
                   on_block=hooks.on_block)
-    with atomic_output_dir(Path(out), overwrite) as tmp:
-        calib_dir = tmp / "calibration"
-        calib_dir.mkdir()
-        csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks)
-        enc_path = calib_dir / "encodings.json"
-        esum = _export_into(checkpoint, EncodingsFile.read(enc_path, lazy=exporter.lazy_encodings), enc_path, tmp,
-                            eopts, hooks,
-                            enc_display="calibration/encodings.json")  # relative: the temp dir name is random
+    with _ranks(opts.device) as group:
+        if not group.is_root:  # calibrates its shard; rank 0 writes and exports
+            _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group)
+            return {"rank": group.rank, "world_size": group.world_size}
+        with atomic_output_dir(Path(out), overwrite) as tmp:
+            calib_dir = tmp / "calibration"
+            calib_dir.mkdir()
+            csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks, group)
+            enc_path = calib_dir / "encodings.json"
+            esum = _export_into(checkpoint, EncodingsFile.read(enc_path, lazy=exporter.lazy_encodings), enc_path,
+                                tmp, eopts, hooks,
+                                enc_display="calibration/encodings.json")  # relative: the temp dir name is random
     out_p = Path(out)
     files = [str(out_p / n) for n in esum.pop("outputs") if not n.startswith("calibration/")]
     calib_files = [str(out_p / "calibration" / n) for n in csum.pop("outputs")]
@@ -357,20 +394,21 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
     from .report import evaluate, sensitivity
 
     hooks = hooks or Hooks()
-    hooks.on_stage("loading checkpoint")
-    loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
-    enc = EncodingsFile.read(encodings)
-    apply_encodings(loaded.model, enc, str(encodings))
-    _apply_stored(loaded.model, checkpoint, enc, encodings, opts.trust_pickle)
-    if opts.data is None:
-        from .errors import DataError
-
-        raise DataError("qtool report runs the model: pass --data PATH (text or tensors)")
-    data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer,
-                     pack_text=loaded.is_causal_lm)
-    device = next(iter(loaded.model.parameters())).device
-    hooks.on_stage("measuring")
-    rep = evaluate(loaded.model, data, device, loaded.is_causal_lm, hooks.on_batch)
+    with _ranks(opts.device) as group:  # under torchrun: each rank measures its shard; every rank gets the report
+        if sensitivity_analysis and group.distributed:
+            raise UsageError("--sensitivity runs in one process: run it without torchrun")
+        hooks.on_stage("loading checkpoint")
+        loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+        enc = EncodingsFile.read(encodings)
+        apply_encodings(loaded.model, enc, str(encodings))
+        _apply_stored(loaded.model, checkpoint, enc, encodings, opts.trust_pickle)
+        if opts.data is None:
+            raise DataError("qtool report runs the model: pass --data PATH (text or tensors)")
+        data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer,
+                         pack_text=loaded.is_causal_lm)
+        device = next(iter(loaded.model.parameters())).device
+        hooks.on_stage("measuring")
+        rep = evaluate(loaded.model, data, device, loaded.is_causal_lm, hooks.on_batch, group)
     out = {"report": rep, "json": rep.to_json(), "causal_lm": loaded.is_causal_lm}
     if sensitivity_analysis:
         hooks.on_stage("ranking layer sensitivity")

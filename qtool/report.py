@@ -26,6 +26,7 @@ from torch import nn
 from .data import Batch
 from .errors import GateFailed, UsageError
 from .model.insert import has_stored_weight, quantized_modules, set_quantization, without_stored_weight
+from .parallel import Group, shard_bounds
 
 __all__ = ["LayerError", "Report", "Gate", "evaluate", "sensitivity", "sqnr_db", "check_gates", "enforce_gates"]
 
@@ -133,90 +134,115 @@ def _per_sample_cosine(a: torch.Tensor, b: torch.Tensor, batch: Optional[Batch] 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, causal_lm: bool = False,
-             progress: Optional[Callable[[int, int, int], None]] = None) -> Report:
-    """Per-layer SQNR and end-to-end fidelity of a calibrated fake-quant ``model`` on ``batches``."""
+             progress: Optional[Callable[[int, int, int], None]] = None, group: Optional[Group] = None) -> Report:
+    """Per-layer SQNR and end-to-end fidelity of a calibrated fake-quant ``model`` on ``batches``.
+
+    With a distributed ``group`` (``torchrun … qtool report``) each rank measures its contiguous shard of the
+    batches and every rank gets every batch's contributions, summed in global batch order: the report is
+    bit-identical to one process's."""
+    group = group or Group()
     batches = list(batches)
     modules = quantized_modules(model)
-    sig_c = dict.fromkeys(modules, 0.0)
-    noise_c = dict.fromkeys(modules, 0.0)
-    sig_i = dict.fromkeys(modules, 0.0)
-    noise_i = dict.fromkeys(modules, 0.0)
     chosen = {name for name, mod in modules.items() if has_stored_weight(mod)}
-    noise_rtn = dict.fromkeys(chosen, 0.0)
-    cos_all: List[torch.Tensor] = []
+    start, stop = shard_bounds(len(batches), group.rank, group.world_size)
+    records = []
+    for bi in range(start, stop):
+        records.append(_measure_batch(model, modules, chosen, batches[bi], device, causal_lm))
+        if progress:
+            progress(bi - start + 1, stop - start, batches[bi].size)
+    set_quantization(model, True)
+    if group.distributed:
+        records = [r for from_rank in group.all_gather(records) for r in from_rank]
+    return _fold(records, modules, chosen)
+
+
+def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batch: Batch, device,
+                   causal_lm: bool) -> Dict[str, Any]:
+    """One batch's contributions, each kept as the list of terms in the order a running sum adds them."""
+    b = batch.to(device)
+    terms: Dict[str, Dict[str, List[float]]] = {k: {n: [] for n in modules} for k in ("sig_c", "noise_c", "sig_i",
+                                                                                     "noise_i", "noise_rtn")}
+    captured: Dict[str, Any] = {}
+
+    def keep(name):
+        def hook(mod, args, kwargs, out):
+            captured[name] = (args, kwargs, _first_tensor(out))
+        return hook
+
+    handles = [mod.register_forward_hook(keep(name), with_kwargs=True) for name, mod in modules.items()]
+    set_quantization(model, False)
+    try:
+        ref_out = _main_output(model(*b.args, **b.kwargs))
+    finally:
+        for h in handles:
+            h.remove()
+    float_io = captured
+    # isolated: each quantized module alone, on the float model's input to it
+    for name, mod in modules.items():
+        args, kwargs, ref = float_io.get(name, (None, None, None))
+        if ref is None:
+            continue
+        set_quantization(model, True, only={name})
+        out = _first_tensor(mod(*args, **kwargs))
+        terms["sig_i"][name].append(float(ref.float().pow(2).sum()))
+        terms["noise_i"][name].append(float((ref.float() - out.float()).pow(2).sum()))
+        if name in chosen:  # what round-to-nearest would have given this layer, for comparison
+            with without_stored_weight(mod):
+                out = _first_tensor(mod(*args, **kwargs))
+            terms["noise_rtn"][name].append(float((ref.float() - out.float()).pow(2).sum()))
+    # cumulative: the whole model quantized
+    set_quantization(model, True)
+
+    def compare(name):
+        def hook(mod, args, out):
+            ref = float_io.get(name, (None, None, None))[2]
+            out = _first_tensor(out)
+            if ref is not None and out is not None:
+                terms["sig_c"][name].append(float(ref.float().pow(2).sum()))
+                terms["noise_c"][name].append(float((ref.float() - out.float()).pow(2).sum()))
+        return hook
+
+    handles = [mod.register_forward_hook(compare(name)) for name, mod in modules.items()]
+    try:
+        q_out = _main_output(model(*b.args, **b.kwargs))
+    finally:
+        for h in handles:
+            h.remove()
+    record: Dict[str, Any] = {"terms": terms, "cos": _per_sample_cosine(ref_out, q_out, b).cpu()}
+    if causal_lm:
+        nf, n = _token_nll(ref_out, b)
+        nq, _ = _token_nll(q_out, b)
+        record["nll"] = (nf, nq, n)
+    elif ref_out.dim() == 2:
+        record["top1"] = (int((ref_out.argmax(-1) == q_out.argmax(-1)).sum()), ref_out.shape[0])
+    return record
+
+
+def _fold(records: List[Dict[str, Any]], modules: Dict[str, nn.Module], chosen) -> Report:
+    """The report from per-batch records, summed in their order (the same additions a running sum makes)."""
+    sums = {k: dict.fromkeys(modules, 0.0) for k in ("sig_c", "noise_c", "sig_i", "noise_i")}
+    sums["noise_rtn"] = dict.fromkeys(chosen, 0.0)
     top1_same = top1_total = 0
     nll_f = nll_q = 0.0
     tokens = 0
-    for bi, batch in enumerate(batches):
-        b = batch.to(device)
-        captured: Dict[str, Any] = {}
-        handles = []
-
-        def keep(name):
-            def hook(mod, args, kwargs, out):
-                captured[name] = (args, kwargs, _first_tensor(out))
-            return hook
-
-        for name, mod in modules.items():
-            handles.append(mod.register_forward_hook(keep(name), with_kwargs=True))
-        set_quantization(model, False)
-        try:
-            ref_out = _main_output(model(*b.args, **b.kwargs))
-        finally:
-            for h in handles:
-                h.remove()
-        float_io = captured
-        # isolated: each quantized module alone, on the float model's input to it
-        for name, mod in modules.items():
-            args, kwargs, ref = float_io.get(name, (None, None, None))
-            if ref is None:
-                continue
-            set_quantization(model, True, only={name})
-            out = _first_tensor(mod(*args, **kwargs))
-            sig_i[name] += float(ref.float().pow(2).sum())
-            noise_i[name] += float((ref.float() - out.float()).pow(2).sum())
-            if name in chosen:  # what round-to-nearest would have given this layer, for comparison
-                with without_stored_weight(mod):
-                    out = _first_tensor(mod(*args, **kwargs))
-                noise_rtn[name] += float((ref.float() - out.float()).pow(2).sum())
-        # cumulative: the whole model quantized
-        set_quantization(model, True)
-        quant_io: Dict[str, Any] = {}
-
-        def compare(name):
-            def hook(mod, args, out):
-                ref = float_io.get(name, (None, None, None))[2]
-                out = _first_tensor(out)
-                if ref is not None and out is not None:
-                    sig_c[name] += float(ref.float().pow(2).sum())
-                    noise_c[name] += float((ref.float() - out.float()).pow(2).sum())
-            return hook
-
-        handles = [mod.register_forward_hook(compare(name)) for name, mod in modules.items()]
-        try:
-            q_out = _main_output(model(*b.args, **b.kwargs))
-        finally:
-            for h in handles:
-                h.remove()
-        del quant_io, float_io, captured
-        cos_all.append(_per_sample_cosine(ref_out, q_out, b).cpu())
-        if causal_lm:
-            nf, n = _token_nll(ref_out, b)
-            nq, _ = _token_nll(q_out, b)
+    for rec in records:
+        for kind, by_name in rec["terms"].items():
+            for name, values in by_name.items():
+                for v in values:
+                    sums[kind][name] += v
+        if "nll" in rec:
+            nf, nq, n = rec["nll"]
             nll_f, nll_q, tokens = nll_f + nf, nll_q + nq, tokens + n
-        elif ref_out.dim() == 2:
-            top1_same += int((ref_out.argmax(-1) == q_out.argmax(-1)).sum())
-            top1_total += ref_out.shape[0]
-        if progress:
-            progress(bi + 1, len(batches), b.size)
-    set_quantization(model, True)
-    cos = torch.cat(cos_all) if cos_all else torch.zeros(0)
-    layers = [LayerError(n, type(m).__name__.replace("Quantized", "", 1), sqnr_db(sig_c[n], noise_c[n]),
-                         sqnr_db(sig_i[n], noise_i[n]), sqnr_db(sig_i[n], noise_rtn[n]) if n in chosen else None)
+        if "top1" in rec:
+            top1_same, top1_total = top1_same + rec["top1"][0], top1_total + rec["top1"][1]
+    cos = torch.cat([rec["cos"] for rec in records]) if records else torch.zeros(0)
+    layers = [LayerError(n, type(m).__name__.replace("Quantized", "", 1),
+                         sqnr_db(sums["sig_c"][n], sums["noise_c"][n]), sqnr_db(sums["sig_i"][n], sums["noise_i"][n]),
+                         sqnr_db(sums["sig_i"][n], sums["noise_rtn"][n]) if n in chosen else None)
               for n, m in modules.items()]
     rep = Report(layers, float(cos.mean()) if cos.numel() else float("nan"),
                  float(cos.min()) if cos.numel() else float("nan"), samples=int(cos.numel()))
-    if causal_lm and tokens:
+    if tokens:
         rep.perplexity_float = math.exp(nll_f / tokens)
         rep.perplexity_quant = math.exp(nll_q / tokens)
     if top1_total:

@@ -18,7 +18,7 @@ LAYERS = [
     ("calibration", "export", "report", "inspect"),
     ("model",),
     ("config", "encodings", "aimet_format", "data", "weights"),
-    ("io", "quant", "hooks", "choices"),
+    ("io", "quant", "hooks", "choices", "parallel"),
     ("errors",),
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}

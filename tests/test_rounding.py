@@ -112,13 +112,31 @@ def test_input_statistics_are_sums_and_merge_by_addition():
     stats = collect_inputs([gptq], {"l": lin}, lambda: [lin(x) for x in xs])["l"]
     rows = torch.cat([x.reshape(-1, 6) for x in xs])
     assert stats.count == 22
-    torch.testing.assert_close(stats.xtx, rows.T @ rows)
+    torch.testing.assert_close(stats.hessian(), rows.T @ rows)
+    assert stats.hessian().dtype == stats.mean_square().dtype == torch.float32
     torch.testing.assert_close(stats.mean_square(), rows.pow(2).mean(0))
     a = collect_inputs([weighted], {"l": lin}, lambda: lin(xs[0]))["l"]
     b = collect_inputs([weighted], {"l": lin}, lambda: lin(xs[1]))["l"]
     merged = InputStatistics.merge(a, b)
     assert merged.xtx is None and merged.count == 22
     torch.testing.assert_close(merged.sq, stats.sq)
+
+
+def test_input_statistics_of_shards_merge_to_the_same_bits_in_any_grouping():
+    """Batches summed in float32, accumulated in float64: one pass over batches 0..4 and the merge of shards
+    (0,1) and (2,3,4) (what two ranks do) give bit-identical float32 Hessians and E[x²]."""
+    lin = torch.nn.Linear(48, 3)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(7, 48, generator=g) * s for s in (1.0, 30.0, 0.01, 5.0, 1e3)]
+    row = QuantizerPlan("l.weight", "l", "Linear", "weight", 4, True, "per_channel", (3, 1), None, "minmax",
+                        rounding="gptq")
+
+    def run(batches):
+        return collect_inputs([row], {"l": lin}, lambda: [lin(x) for x in batches])["l"]
+
+    whole = run(xs)
+    merged = InputStatistics.merge(run(xs[:2]), run(xs[2:]))
+    assert torch.equal(merged.hessian(), whole.hessian()) and torch.equal(merged.mean_square(), whole.mean_square())
 
 
 # ---- activation-weighted MSE -----------------------------------------------------------------------------------

@@ -29,3 +29,26 @@ def convnet() -> nn.Module:
 
 def not_a_module():
     return 42
+
+
+class _DiesOnRank(nn.Module):
+    """``mlp`` that kills its own process (SIGKILL, as the out-of-memory killer would) on its second forward call
+    when ``RANK`` equals ``QTOOL_TEST_DIE_ON_RANK``: a rank lost in the middle of distributed calibration."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+        self.calls = 0
+
+    def forward(self, x):
+        import os
+        import signal
+
+        self.calls += 1
+        if self.calls == 2 and os.environ.get("RANK") == os.environ.get("QTOOL_TEST_DIE_ON_RANK"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+
+
+def dies_on_rank() -> nn.Module:
+    return _DiesOnRank()

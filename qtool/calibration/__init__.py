@@ -23,8 +23,9 @@ from ..encodings import EncodingEntry, SidecarStream
 from ..errors import DataError, UsageError
 from ..hooks import Hooks
 from ..io.checkpoint import detect_kind, tensor_files
+from ..parallel import Group, shard_bounds
 
-__all__ = ["CalibrateOptions", "CalibrationRun", "MODES", "choose_mode", "calibrate_checkpoint"]
+__all__ = ["CalibrateOptions", "CalibrationRun", "MODES", "choose_mode", "calibrate_checkpoint", "samples_per_rank"]
 
 MODES = ("in_memory", "streaming", "sequential")
 
@@ -56,6 +57,18 @@ class CalibrationRun:
     unused: List[str] = field(default_factory=list)  # activation quantizers that saw no data
     codes: Dict[str, torch.Tensor] = field(default_factory=dict)  # weight quantizer -> codes from a rounding algorithm
     floats: Dict[str, torch.Tensor] = field(default_factory=dict)  # checkpoint tensor -> value a transform gave it
+    samples_per_rank: List[int] = field(default_factory=list)  # calibration samples each rank ran (rank order)
+
+
+def samples_per_rank(data: Optional[CalibrationData], group: Group) -> List[int]:
+    """How many calibration samples each rank's shard holds (computed alike on every rank, no exchange)."""
+    if data is None:
+        return [0] * group.world_size
+    out = []
+    for r in range(group.world_size):
+        start, stop = shard_bounds(len(data), r, group.world_size)
+        out.append(sum(b.size for b in data.batches[start:stop]))
+    return out
 
 
 def choose_mode(checkpoint: str, recipe: Recipe, opts: CalibrateOptions, source: str):
@@ -88,13 +101,17 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
                      pack_text=causal)
 
 
-def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: CalibrateOptions, sidecar: Path,
-                         hooks: Optional[Hooks] = None) -> CalibrationRun:
+def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: CalibrateOptions,
+                         sidecar: Optional[Path], hooks: Optional[Hooks] = None,
+                         group: Optional[Group] = None) -> CalibrationRun:
     """Calibrate ``recipe`` on ``checkpoint``; large block encodings of a streamed run go to ``sidecar`` as each
-    weight is done. ``source`` names the recipe in error messages."""
+    weight is done. ``source`` names the recipe in error messages. With a distributed ``group`` (see
+    :mod:`qtool.parallel`) every rank calls this with the same arguments and calibrates its shard of the data;
+    the entries are complete on rank 0 (``sidecar`` is only written there: None elsewhere)."""
     from ..model.load import resolve_device
 
     hooks = hooks or Hooks()
+    group = group or Group()
     hooks.on_stage("loading checkpoint")
     mode, skeleton, plan = choose_mode(checkpoint, recipe, opts, source)
     if mode == "sequential":
@@ -110,28 +127,33 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
         data = _data(opts, plan, tokenizer, True, hooks)
         hooks.on_stage("calibrating")
         codes: Dict[str, torch.Tensor] = {}
-        entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block, codes=codes)
+        entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block, codes=codes,
+                                       group=group)
         done = {e.name for e in entries}
         unused = [q.name for q in plan.static_activations if q.name not in done]
-        return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", data, unused, codes)
+        return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", data, unused, codes,
+                              samples_per_rank=samples_per_rank(data, group))
     if mode == "streaming":
         from .streaming import calibrate_weights_streaming
 
         device = resolve_device(opts.device)
         hooks.on_plan(plan)  # streaming means no --data and a weight-only plan: there is no data to read
         hooks.on_stage("calibrating")
-        stream = SidecarStream(sidecar, [(q.name, tuple(q.shape)) for q in plan.weights])
+        stream = SidecarStream(sidecar, [(q.name, tuple(q.shape)) for q in plan.weights]) if group.is_root else None
         try:
-            entries = calibrate_weights_streaming(checkpoint, plan, skeleton, sink=stream.put)
+            entries = calibrate_weights_streaming(checkpoint, plan, skeleton, sink=stream and stream.put, group=group)
         except BaseException:
-            stream.abort()
+            if stream is not None:
+                stream.abort()
             raise
-        stream.close()
+        if stream is not None:
+            stream.close()
         # dynamic activation rows (no data needed) are entries too, in plan order as in the other modes
         by_name = {e.name: e for e in entries}
         by_name.update({q.name: EncodingEntry.from_quantizer(q, None) for q in plan.activations})
         entries = [by_name[q.name] for q in plan.quantizers if q.name in by_name]
-        return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", None, [])
+        return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", None, [],
+                              samples_per_rank=samples_per_rank(None, group))
     from ..model.insert import insert_quantizers
     from ..model.load import load_model
     from .in_memory import calibrate
@@ -143,11 +165,13 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
     data = _data(opts, plan, loaded.tokenizer, type(loaded.model).__name__.endswith("ForCausalLM"), hooks)
     hooks.on_stage("calibrating")
     quantizers = insert_quantizers(loaded.model, plan)
-    result = calibrate(loaded.model, plan, quantizers, data if plan.needs_data() else None, device, hooks.on_batch)
+    result = calibrate(loaded.model, plan, quantizers, data if plan.needs_data() else None, device, hooks.on_batch,
+                       group)
     entries = [EncodingEntry.from_quantizer(q, quantizers[q.name]) for q in plan.quantizers
                if quantizers[q.name].is_initialized()]
     return CalibrationRun(entries, plan, mode, device, loaded.files, loaded.kind, data, result.unused, result.codes,
-                          _checkpoint_names(result.replaced, loaded))
+                          _checkpoint_names(result.replaced, loaded),
+                          samples_per_rank(data if plan.needs_data() else None, group))
 
 
 def _checkpoint_names(tensors: Dict[str, torch.Tensor], loaded) -> Dict[str, torch.Tensor]:

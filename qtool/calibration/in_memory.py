@@ -11,8 +11,9 @@ from ..config import Plan
 from ..data import CalibrationData
 from ..errors import DataError, UsageError
 from ..model.insert import set_quantization
+from ..parallel import Group
 from ..quant import QuantizerBase
-from .base import calibrate_activations, calibrate_weights
+from .collective import calibrate_activations_dp, calibrate_weights_split, merge_absmax, merge_inputs, shard
 from .rounding import collect_inputs, importance, round_weights
 from .smoothing import activation_absmax, smooth
 
@@ -41,13 +42,18 @@ def calibrate(
     data: Optional[CalibrationData],
     device: torch.device,
     progress: Progress = None,
+    group: Optional[Group] = None,
 ) -> CalibrationResult:
     """Weights from the weights themselves, then activations from the data (AIMET's order and semantics).
 
     Weight rows that need their layer's inputs (GPTQ, activation-weighted search) first get them from one pass of
     the float model (every quantizer off); GPTQ then writes its codes into the weights before the activations
     calibrate, so activation ranges are those of the model that will be exported. A range that is not finite is
-    refused where its entry is made (``EncodingEntry.from_quantizer``), as in every mode."""
+    refused where its entry is made (``EncodingEntry.from_quantizer``), as in every mode.
+
+    With a distributed ``group`` this rank runs its shard of the batches and the ranks combine their statistics
+    (:mod:`.collective`); activation ranges are then set on rank 0 only."""
+    group = group or Group()
     modules = dict(model.named_modules())
     acts = plan.static_activations  # dynamic ones compute their range at run time
     inputs = [q for q in plan.weights if q.needs_inputs]
@@ -55,37 +61,42 @@ def calibrate(
         raise DataError("the recipe quantizes activations or chooses weights from data, which needs calibration "
                         "data: pass --data")
 
+    local = shard(data, group)
+
     def run():
-        for i, batch in enumerate(data):
+        for i, batch in enumerate(local):
             b = batch.to(device)
             try:
                 model(*b.args, **b.kwargs)
             except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise DataError(f"calibration batch {i}: the model rejected the data: {first}") from None
+                raise DataError(f"calibration batch {local.first + i}: the model rejected the data: {first}") \
+                    from None
             if progress:
-                progress(i + 1, len(data), b.size)
+                progress(i + 1, len(local), b.size)
 
     replaced = {}
     if plan.smoothing:
         set_quantization(model, False)
         try:
-            replaced = _smooth(model, plan, modules, data, device, run)
+            replaced = _smooth(model, plan, modules, data, device, run, group)
         finally:
             set_quantization(model, True)
     stats = {}
     if inputs:
         set_quantization(model, False)
         try:
-            stats = collect_inputs(inputs, modules, run)
+            stats = merge_inputs(collect_inputs(inputs, modules, run), group)
         finally:
             set_quantization(model, True)
-    calibrate_weights(plan.weights, lambda q: quantizers[q.name], lambda q: modules[q.module]._parameters["weight"],
-                      importance_for=lambda q: importance(q, stats))
-    codes = round_weights(inputs, modules, quantizers, stats, plan.warnings)
+    sizes = {q.name: modules[q.module]._parameters["weight"].numel() for q in plan.weights}
+    calibrate_weights_split(plan.weights, sizes, lambda q: quantizers[q.name],
+                            lambda q: modules[q.module]._parameters["weight"], group,
+                            importance_for=lambda q: importance(q, stats))
+    codes = round_weights(inputs, modules, quantizers, stats, plan.warnings, group=group)
     unused = []
     if acts:
-        calibrate_activations(acts, quantizers, run)
+        calibrate_activations_dp(acts, quantizers, run, group)
         unused = [q.name for q in acts if not quantizers[q.name].is_initialized()]
     return CalibrationResult(unused, codes, replaced)
 
@@ -98,11 +109,12 @@ def _first_tensor(out) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _smooth(model: nn.Module, plan: Plan, modules, data: CalibrationData, device, run) -> Dict[str, torch.Tensor]:
+def _smooth(model: nn.Module, plan: Plan, modules, data: CalibrationData, device, run,
+            group: Group) -> Dict[str, torch.Tensor]:
     """SmoothQuant on the float model: activation maxima over the data, then each mapping's groups folded in; the
     float model's outputs on the first batch must stay what they were (a mapping that is not exact for this
     architecture, e.g. a nonlinearity between up_proj and down_proj, is refused)."""
-    amax = activation_absmax(plan.smoothing, modules, run)
+    amax = merge_absmax(activation_absmax(plan.smoothing, modules, run), group)
     missing = [g.smooth for g in plan.smoothing if g.smooth not in amax]
     if missing:
         raise DataError(f"smoothquant: the calibration data never reached the layers after {missing[0]}")

@@ -31,7 +31,8 @@ from ..encodings import EncodingEntry
 from ..errors import CheckpointError, DataError, UsageError
 from ..io.checkpoint import CheckpointTensors
 from ..model.insert import insert_quantizers
-from .base import calibrate_activations, calibrate_weights
+from ..parallel import Group
+from .collective import calibrate_activations_dp, calibrate_weights_split, merge_inputs, shard
 from .rounding import collect_inputs, importance, round_weights
 
 __all__ = ["calibrate_sequential"]
@@ -71,10 +72,15 @@ def _release(module: nn.Module) -> None:
 
 def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.device, model: nn.Module,
                          on_block: Optional[Callable[[int, int], None]] = None,
-                         codes: Optional[Dict[str, torch.Tensor]] = None) -> List[EncodingEntry]:
+                         codes: Optional[Dict[str, torch.Tensor]] = None,
+                         group: Optional[Group] = None) -> List[EncodingEntry]:
     """Calibrate ``plan`` on ``model`` (a meta-device skeleton from ``qtool.model.hf.meta_causal_lm``), block by
-    block. Codes chosen by a rounding algorithm go into ``codes`` (quantizer name -> int64 tensor)."""
+    block. Codes chosen by a rounding algorithm go into ``codes`` (quantizer name -> int64 tensor). With a
+    distributed ``group`` this rank carries its shard of the batches through the blocks and the ranks combine
+    each block's statistics before the next (:mod:`.collective`); activation entries come back on rank 0 only."""
+    group = group or Group()
     codes = {} if codes is None else codes
+    data = shard(data, group)
     src = CheckpointTensors(path)
     keys = set(src.keys())
     tied = getattr(model.config, "tie_word_embeddings", False)
@@ -108,14 +114,18 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             return
         sub = Plan(rows)
         stats = collect_inputs(sub.weights, modules, run_float or run)
+        if any(q.needs_inputs for q in sub.weights):
+            stats = merge_inputs(stats, group)
         qs = insert_quantizers(model, sub)
-        calibrate_weights(sub.weights, lambda q: qs[q.name], lambda q: modules[q.module]._parameters["weight"],
-                          importance_for=lambda q: importance(q, stats))
+        sizes = {q.name: modules[q.module]._parameters["weight"].numel() for q in sub.weights}
+        calibrate_weights_split(sub.weights, sizes, lambda q: qs[q.name],
+                                lambda q: modules[q.module]._parameters["weight"], group,
+                                importance_for=lambda q: importance(q, stats))
         # a weight the checkpoint stores under another module's name (a tied lm_head) was loaded as its own copy
         stored_elsewhere = [q.module for q in sub.weights if name_of(f"{q.module}.weight") != f"{q.module}.weight"]
         codes.update(round_weights([q for q in sub.weights if q.needs_inputs], modules, qs, stats, plan.warnings,
-                                   tied=stored_elsewhere))
-        calibrate_activations(sub.static_activations, qs, run)
+                                   tied=stored_elsewhere, group=group))
+        calibrate_activations_dp(sub.static_activations, qs, run, group)
         for q in rows:
             if qs[q.name].is_initialized():
                 entries[q.name] = EncodingEntry.from_quantizer(q, qs[q.name])
@@ -142,7 +152,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
                 except _Stop:
                     pass
                 except (TypeError, RuntimeError, ValueError, IndexError) as e:
-                    raise DataError(f"calibration batch {len(captured)}: the model rejected the data: "
+                    raise DataError(f"calibration batch {data.first + len(captured)}: the model rejected the data: "
                                     f"{str(e).splitlines()[0]}") from None
         finally:
             handle.remove()

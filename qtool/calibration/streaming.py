@@ -13,18 +13,23 @@ from ..encodings import EncodingEntry
 from ..errors import CheckpointError
 from ..io.checkpoint import CheckpointTensors
 from ..model.insert import make_quantizer
-from .base import calibrate_weights
+from ..parallel import Group
+from .collective import calibrate_weights_split, encoding_numel
 
 __all__ = ["calibrate_weights_streaming"]
 
 
-def calibrate_weights_streaming(path, plan: Plan, model: nn.Module, sink=None) -> List[EncodingEntry]:
+def calibrate_weights_streaming(path, plan: Plan, model: nn.Module, sink=None,
+                                group: Optional[Group] = None) -> List[EncodingEntry]:
     """Weight-only plans: each weight is read from the checkpoint, calibrated and dropped; no model is built.
 
     The encodings equal a normal run's (weight quantizers only ever see their weight). Peak memory is about
     the largest weight in float32. ``sink`` (e.g. :meth:`qtool.encodings.SidecarStream.put`) receives each entry
-    as soon as it is calibrated and returns what to keep.
+    as soon as it is calibrated and returns what to keep. With a distributed ``group`` the weights are split
+    over the ranks by size, a window at a time, and rank 0 alone receives the entries (in plan order); the other
+    ranks return none.
     """
+    group = group or Group()
     src = CheckpointTensors(path)
     keys = set(src.keys())
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -58,5 +63,7 @@ def calibrate_weights_streaming(path, plan: Plan, model: nn.Module, sink=None) -
         entry = EncodingEntry.from_quantizer(q, quantizer)
         entries.append(entry if sink is None else sink(entry))
 
-    calibrate_weights(plan.weights, make_quantizer, weight_for, done)
+    sizes = {q.name: p.numel() if (p := params.get(f"{q.module}.weight")) is not None else encoding_numel(q)
+             for q in plan.weights}
+    calibrate_weights_split(plan.weights, sizes, make_quantizer, weight_for, group, done=done, everywhere=False)
     return entries

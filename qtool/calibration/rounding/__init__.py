@@ -2,7 +2,7 @@
 
 :class:`InputStatistics` is what one layer's inputs leave behind over the calibration data: the token count, the
 per-channel sum of ``x²`` (an activation-weighted search's importance, ``E[x²]``) and, for GPTQ, ``XᵀX``.
-Statistics of two data shards merge by addition (exact up to float32 summation order).
+Statistics of two data shards merge by addition (float64 sums: exact unless values span ~2^29).
 
 :func:`collect_inputs` gathers them with forward pre-hooks while the caller runs the data (modules in sorted
 name order); :func:`round_weights` turns them into GPTQ codes for the rows that ask for it and writes the
@@ -22,6 +22,7 @@ from torch import nn
 from ...config import QuantizerPlan
 from ...errors import DataError
 from ...quant import QuantizerBase
+from ...parallel import Group, assign
 from ...quant.affine import dequantize
 from .gptq import gptq_codes
 
@@ -31,7 +32,8 @@ __all__ = ["InputStatistics", "collect_inputs", "round_weights", "importance", "
 @dataclass(frozen=True, eq=False)
 class InputStatistics:
     """A Linear layer's inputs over the calibration data: ``count`` tokens, ``sq`` ``(in,)`` = ``sum x²`` per
-    input channel, ``xtx`` ``(in, in)`` = ``sum x xᵀ`` (or None where no algorithm asked for it)."""
+    input channel, ``xtx`` ``(in, in)`` = ``sum x xᵀ`` (or None where no algorithm asked for it); sums in
+    float64 (each batch's in float32), so shards summed in any grouping give the same float32 values."""
 
     count: int
     sq: torch.Tensor
@@ -46,8 +48,12 @@ class InputStatistics:
                                None if a.xtx is None else a.xtx + b.xtx.to(a.xtx.device))
 
     def mean_square(self) -> torch.Tensor:
-        """``E[x²]`` per input channel."""
-        return self.sq / max(self.count, 1)
+        """``E[x²]`` per input channel (float32)."""
+        return (self.sq / max(self.count, 1)).to(torch.float32)
+
+    def hessian(self) -> torch.Tensor:
+        """``sum x xᵀ`` (float32)."""
+        return self.xtx.to(torch.float32)
 
 
 class _Collector:
@@ -64,13 +70,15 @@ class _Collector:
         x = x.detach().as_subclass(torch.Tensor)
         rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
         if self.sq is None:
-            self.sq = torch.zeros(rows.shape[1], device=rows.device)
+            self.sq = torch.zeros(rows.shape[1], dtype=torch.float64, device=rows.device)
             if self.hessian:
-                self.xtx = torch.zeros(rows.shape[1], rows.shape[1], device=rows.device)
+                self.xtx = torch.zeros(rows.shape[1], rows.shape[1], dtype=torch.float64, device=rows.device)
         self.count += rows.shape[0]
+        # each batch's sums in float32, accumulated in float64: adding float32 numbers in float64 is exact unless
+        # they span ~2^29 in magnitude, so the total hardly ever depends on how batches are grouped (shards)
         self.sq += rows.square().sum(dim=0)
         if self.hessian:
-            self.xtx.addmm_(rows.T, rows)
+            self.xtx += rows.T @ rows
 
     def statistics(self) -> Optional[InputStatistics]:
         return None if self.sq is None else InputStatistics(self.count, self.sq, self.xtx)
@@ -110,25 +118,26 @@ def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics]) -> Optional[
 
 def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quantizers: Dict[str, QuantizerBase],
                   stats: Dict[str, InputStatistics], warnings: Optional[List[str]] = None,
-                  tied: Iterable[str] = ()) -> Dict[str, torch.Tensor]:
+                  tied: Iterable[str] = (), group: Optional[Group] = None) -> Dict[str, torch.Tensor]:
     """Codes for every row whose ``rounding`` is not nearest (GPTQ), on the grid its quantizer was calibrated to.
 
     Each layer's weight is overwritten with its dequantized codes (which round to exactly those codes again), so
     anything that runs the model afterwards (activation calibration, later blocks, reports) sees the chosen
     weights. A weight shared with another module (tied embeddings) keeps round-to-nearest, with a warning:
     changing it would change the other module too; ``tied`` names modules whose weight is tied in the checkpoint
-    though the caller loaded a separate copy. Returns quantizer name -> int64 codes."""
+    though the caller loaded a separate copy. With a distributed ``group`` each layer is rounded by one rank
+    (chosen by size) and its codes go to every rank. Returns quantizer name -> int64 codes (CPU)."""
+    group = group or Group()
     tied = set(tied)
     shared: Dict[int, int] = {}
     for m in modules.values():
         for p in m.parameters(recurse=False):
             shared[id(p)] = shared.get(id(p), 0) + 1
-    out: Dict[str, torch.Tensor] = {}
+    todo: List[QuantizerPlan] = []
     for q in rows:
         if q.rounding == "nearest":
             continue
-        module = modules[q.module]
-        w = module._parameters["weight"]
+        w = modules[q.module]._parameters["weight"]
         if shared.get(id(w), 0) > 1 or q.module in tied:
             if warnings is not None:
                 warnings.append(f"{q.name}: shared with another module (tied weights); rounded to nearest, "
@@ -137,15 +146,43 @@ def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quan
         s = stats.get(q.module)
         if s is None or s.xtx is None:
             raise DataError(f"{q.module} never ran on the calibration data: {q.rounding} has no inputs for it")
-        quantizer = quantizers[q.name]
-        scale, offset = quantizer.get_scale().detach(), quantizer.get_offset().detach()
-        try:
-            codes = gptq_codes(w.detach(), s.xtx, scale, offset, quantizer.qmin, quantizer.qmax, q.block_size,
-                               **dict(q.rounding_args))
-        except ValueError as e:
-            raise DataError(f"{q.name}: {e}") from None
-        with torch.no_grad():
-            w.copy_(dequantize(codes.to(torch.float32), scale.to(w.device), offset.to(w.device),
-                               block_size=q.block_size).to(w.dtype))
-        out[q.name] = codes.cpu()
+        todo.append(q)
+    out: Dict[str, torch.Tensor] = {}
+    step = len(todo) if not group.distributed else 4 * group.world_size
+    for i in range(0, len(todo), max(step, 1)):
+        window = todo[i:i + step]
+        owners = assign([modules[q.module]._parameters["weight"].numel() for q in window], group.world_size)
+        mine = {window[j].name: _codes(window[j], modules, quantizers, stats) for j in group.owned(owners)}
+        if group.distributed:  # codes travel in the smallest integer type that holds the grid
+            sent = group.all_gather({n: mine[n].to(_wire_dtype(quantizers[n])) for n in sorted(mine)})
+            mine = {q.name: sent[o][q.name].to(torch.int64) for q, o in zip(window, owners)}
+        for q in window:
+            _write_back(q, modules, quantizers[q.name], mine[q.name])
+            out[q.name] = mine[q.name].cpu()
     return out
+
+
+def _codes(q: QuantizerPlan, modules, quantizers, stats) -> torch.Tensor:
+    quantizer = quantizers[q.name]
+    scale, offset = quantizer.get_scale().detach(), quantizer.get_offset().detach()
+    try:
+        return gptq_codes(modules[q.module]._parameters["weight"].detach(), stats[q.module].hessian(), scale,
+                          offset, quantizer.qmin, quantizer.qmax, q.block_size, **dict(q.rounding_args)).cpu()
+    except ValueError as e:
+        raise DataError(f"{q.name}: {e}") from None
+
+
+def _write_back(q: QuantizerPlan, modules, quantizer: QuantizerBase, codes: torch.Tensor) -> None:
+    w = modules[q.module]._parameters["weight"]
+    scale, offset = quantizer.get_scale().detach(), quantizer.get_offset().detach()
+    with torch.no_grad():
+        w.copy_(dequantize(codes.to(w.device, torch.float32), scale.to(w.device), offset.to(w.device),
+                           block_size=q.block_size).to(w.dtype))
+
+
+def _wire_dtype(quantizer: QuantizerBase) -> torch.dtype:
+    for dt in (torch.int8, torch.uint8, torch.int16, torch.int32):
+        info = torch.iinfo(dt)
+        if info.min <= quantizer.qmin and quantizer.qmax <= info.max:
+            return dt
+    return torch.int64

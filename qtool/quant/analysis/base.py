@@ -92,6 +92,11 @@ class EncodingAnalyzer:
         """Fold a statistics value (from :meth:`collect`, a merge of them, ...) into the running state."""
         raise NotImplementedError
 
+    def batch_range(self, stats):  # pragma: no cover - interface
+        """What ``update_stats`` returns for the batch whose :meth:`collect` value is ``stats`` (the input of
+        :meth:`compute_dynamic_encodings`)."""
+        raise NotImplementedError
+
     def statistics(self):  # pragma: no cover - interface
         """The running state as a value (later folds do not change it), or None before any data."""
         raise NotImplementedError

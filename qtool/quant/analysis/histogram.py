@@ -498,6 +498,11 @@ class _HistogramAnalyzer(EncodingAnalyzer):
         values, float32)."""
         stats = self.collect(x)
         self.fold(stats)
+        return self.batch_range(stats)
+
+    def batch_range(self, stats: HistogramBatches):
+        """The ``(min, max)`` of the finite values of a one-batch value from :meth:`collect` (what
+        ``update_stats`` returns for that batch)."""
         batch = stats.batches[0]
         return batch.lo.reshape(self.shape), batch.hi.reshape(self.shape)
 

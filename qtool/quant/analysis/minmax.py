@@ -51,6 +51,11 @@ class MinMaxEncodingAnalyzer(EncodingAnalyzer):
         """Fold one batch in (``fold(collect(x))``); returns the batch's own ``(min, max)`` (float32)."""
         stats = self.collect(x)
         self.fold(stats)
+        return self.batch_range(stats)
+
+    @staticmethod
+    def batch_range(stats: MinMaxStatistics):
+        """A batch's ``(min, max)`` from its :meth:`collect` value (what ``update_stats`` returns for it)."""
         return stats.min, stats.max
 
     @torch.no_grad()

@@ -1,0 +1,201 @@
+"""What data-parallel calibration exchanges, and in which order (``torchrun … qtool calibrate``).
+
+Every rank runs the same calibration mode on its own contiguous slice of the calibration batches
+(:func:`shard`); the ranks meet only at the seams below, each a step of :class:`qtool.parallel.Group` (same
+collectives, same order on every rank; quantizers and layers always in plan or sorted-name order, never a set):
+
+* **activation statistics** (:func:`calibrate_activations_dp`): rank 0's analyzers fold its own batches as
+  they come; the other ranks keep theirs as one mergeable statistics value per quantizer
+  (``analyzer.collect`` merged with ``merge_statistics``: min/max, or the raw histogram batches), which rank 0
+  folds after its own, in rank order. Shards are contiguous, so that is the global batch order and every
+  analyzer (min-max and the histogram ones) gives the bytes of one process fed the same batches;
+* **layer input statistics** (:func:`merge_inputs`, GPTQ and activation-weighted search): per-rank sums,
+  added in rank order on every rank;
+* **SmoothQuant maxima** (:func:`merge_absmax`): elementwise maximum, exact;
+* **weights** (:func:`calibrate_weights_split`, :func:`round_weights_split`): each weight row is calibrated (and
+  GPTQ-rounded) by one rank, chosen by size; the results (min/max, codes) go to every rank, or to rank 0 alone
+  when nothing else needs them (streaming).
+
+In one process (``Group()``) every function here is the plain calibration step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..config import QuantizerPlan
+from ..data import CalibrationData
+from ..parallel import Group, assign, shard_bounds
+from ..quant import QuantizerBase
+from ..quant.analyzers import merge_statistics
+from .base import calibrate_activations, calibrate_weights
+from .rounding import InputStatistics
+
+__all__ = ["shard", "calibrate_activations_dp", "merge_inputs", "merge_absmax", "calibrate_weights_split",
+           "windows", "WINDOW_PER_RANK"]
+
+# weight rows are split over the ranks a window at a time: a window's results are what is in flight at once
+WINDOW_PER_RANK = 8
+
+
+def shard(data: Optional[CalibrationData], group: Group) -> Optional[CalibrationData]:
+    """This rank's contiguous slice of the batches (all of them in one process)."""
+    if data is None or not group.distributed:
+        return data
+    start, stop = shard_bounds(len(data), group.rank, group.world_size)
+    batches = data.batches[start:stop]
+    return CalibrationData(batches, data.files, sum(b.size for b in batches), data.description, data.first + start)
+
+
+def _cpu(value):
+    """Statistics values travel through host memory (dataclasses of tensors, dicts, tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cpu(v) for v in value)
+    fields = getattr(value, "__dataclass_fields__", None)
+    if fields:
+        return type(value)(**{f: _cpu(getattr(value, f)) for f in fields})
+    return value
+
+
+class _Recorder:
+    """Stands in for an activation quantizer's analyzer on ranks other than 0: each batch's statistics are merged
+    into one value for rank 0, and the quantizer still quantizes the batch with the batch's own range (as the
+    analyzer would). It never computes an encoding: rank 0 does, from every rank's statistics."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.value = None
+
+    @torch.no_grad()
+    def update_stats(self, x: torch.Tensor):
+        stats = self.inner.collect(x)
+        self.value = stats if self.value is None else merge_statistics(self.value, stats)
+        return self.inner.batch_range(stats)
+
+    def compute_dynamic_encodings(self, stats, num_steps: int, is_symmetric: bool):
+        return self.inner.compute_dynamic_encodings(stats, num_steps, is_symmetric)
+
+    def has_stats(self) -> bool:
+        return False
+
+    def reset_stats(self) -> None:
+        pass
+
+
+def calibrate_activations_dp(rows: List[QuantizerPlan], quantizers: Dict[str, QuantizerBase],
+                             run: Callable[[], None], group: Group) -> None:
+    """:func:`~qtool.calibration.base.calibrate_activations` over every rank's shard: one gather step, after
+    this rank's ``run()``. Ranges are set on rank 0 only (the others leave these quantizers uncalibrated)."""
+    if not group.distributed:
+        calibrate_activations(rows, quantizers, run)
+        return
+    names = sorted(q.name for q in rows)
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        for q in rows:
+            stack.enter_context(quantizers[q.name].compute_encodings())
+        recorders: Dict[str, _Recorder] = {}
+        if not group.is_root:
+            for name in names:
+                quantizer = quantizers[name]
+                recorders[name] = _Recorder(quantizer.encoding_analyzer)
+                quantizer.encoding_analyzer = recorders[name]
+                stack.callback(setattr, quantizer, "encoding_analyzer", recorders[name].inner)
+        run()
+        gathered = group.gather({name: _cpu(r.value) for name, r in recorders.items() if r.value is not None})
+        if group.is_root:
+            for from_rank in gathered[1:]:
+                for name in names:
+                    if name in from_rank:
+                        quantizers[name].encoding_analyzer.fold(from_rank[name])
+
+
+def merge_inputs(stats: Dict[str, InputStatistics], group: Group) -> Dict[str, InputStatistics]:
+    """Every rank's layer input statistics summed in rank order, on every rank (on this rank's devices)."""
+    if not group.distributed:
+        return stats
+    gathered = group.all_gather({name: _cpu(stats[name]) for name in sorted(stats)})
+    out: Dict[str, InputStatistics] = {}
+    for name in sorted(set().union(*gathered)):
+        total = None
+        for from_rank in gathered:
+            if name in from_rank:
+                total = from_rank[name] if total is None else InputStatistics.merge(total, from_rank[name])
+        device = stats[name].sq.device if name in stats else total.sq.device
+        out[name] = InputStatistics(total.count, total.sq.to(device),
+                                    None if total.xtx is None else total.xtx.to(device))
+    return out
+
+
+def merge_absmax(absmax: Dict[str, torch.Tensor], group: Group) -> Dict[str, torch.Tensor]:
+    """SmoothQuant's per-channel activation maxima, elementwise maximum over the ranks (exact), on every rank."""
+    if not group.distributed:
+        return absmax
+    gathered = group.all_gather({name: _cpu(absmax[name]) for name in sorted(absmax)})
+    out: Dict[str, torch.Tensor] = {}
+    for name in sorted(set().union(*gathered)):
+        values = [g[name] for g in gathered if name in g]
+        m = values[0]
+        for v in values[1:]:
+            m = torch.maximum(m, v)
+        out[name] = m.to(absmax[name].device) if name in absmax else m
+    return out
+
+
+def windows(rows: Sequence[QuantizerPlan], group: Group) -> Iterator[List[QuantizerPlan]]:
+    """``rows`` in plan order, a window of ``WINDOW_PER_RANK`` per rank at a time (all of them in one process)."""
+    size = len(rows) if not group.distributed else WINDOW_PER_RANK * group.world_size
+    for i in range(0, len(rows), max(size, 1)):
+        yield list(rows[i:i + size])
+
+
+def calibrate_weights_split(rows: Sequence[QuantizerPlan], sizes: Dict[str, int],
+                            quantizer_for: Callable[[QuantizerPlan], QuantizerBase],
+                            weight_for: Callable[[QuantizerPlan], torch.Tensor], group: Group,
+                            importance_for=None, done=None, everywhere: bool = True) -> None:
+    """:func:`~qtool.calibration.base.calibrate_weights` with the rows split over the ranks by weight size
+    (``sizes``: row name -> elements), a window at a time. A row calibrated elsewhere gets its range with
+    ``set_range`` on every rank (``everywhere``) or on rank 0 only; ``done(q, quantizer)`` runs on the ranks that
+    hold the range, in plan order."""
+    if not group.distributed:
+        calibrate_weights(rows, quantizer_for, weight_for, done, importance_for)
+        return
+    for window in windows(rows, group):
+        owners = assign([sizes[q.name] for q in window], group.world_size)
+        mine = [window[i] for i in group.owned(owners)]
+        ranges: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        held: Dict[str, QuantizerBase] = {}
+
+        def keep(q, quantizer):
+            held[q.name] = quantizer
+            ranges[q.name] = (quantizer.min.detach().cpu(), quantizer.max.detach().cpu())
+
+        calibrate_weights(mine, quantizer_for, weight_for, keep, importance_for)
+        ranges = {name: ranges[name] for name in sorted(ranges)}
+        gathered = group.all_gather(ranges) if everywhere else group.gather(ranges)
+        if gathered is None:
+            continue
+        for q, owner in zip(window, owners):
+            quantizer = held.get(q.name)
+            if quantizer is None:
+                quantizer = quantizer_for(q)
+                mn, mx = gathered[owner][q.name]
+                quantizer.set_range(mn, mx)
+            if done is not None:
+                done(q, quantizer)
+
+
+def weight_sizes(rows: Sequence[QuantizerPlan], numel: Callable[[QuantizerPlan], int]) -> Dict[str, int]:
+    return {q.name: int(numel(q)) for q in rows}
+
+
+def encoding_numel(q: QuantizerPlan) -> int:
+    """A weight row's element count from its encoding (exact for blocks; the encoding's size otherwise)."""
+    return math.prod(q.shape) * (math.prod(q.block_size) if q.block_size else 1)

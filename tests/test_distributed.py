@@ -1,0 +1,215 @@
+"""Data-parallel calibration (``torchrun … qtool calibrate``, gloo on CPU): the same bytes as one process, and a
+failing rank ends every rank cleanly.
+
+The multi-process runs start real processes the way users do (``python -m torch.distributed.run``); their ranks
+get different string-hash seeds (Python randomizes them per process), so a collective ordered by a ``set`` would
+desynchronize and these tests would hang or differ.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.helpers import run_cli, tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# every analyzer at once (activation histograms, min-max; weights: activation-weighted MSE + GPTQ, plain MSE)
+MIXED = """version: 1
+defaults:
+  weights: {bitwidth: 4, symmetric: true, granularity: per_block, block_size: 16,
+            analyzer: {name: mse, weighting: activations}, rounding: gptq}
+  activations: {inputs: true, outputs: true, analyzer: minmax}
+layers:
+  - match: "re:.*q_proj"
+    activations: {analyzer: percentile}
+  - match: "re:.*k_proj"
+    activations: {analyzer: sqnr}
+  - match: "re:.*mlp.*"
+    activations: {analyzer: tf_enhanced}
+  - match: "re:.*o_proj"
+    weights: {analyzer: mse, rounding: nearest}
+ignore: ["lm_head"]
+"""
+
+
+def _torchrun(nproc, *args, env=None, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "qtool", *[str(a) for a in args]]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return r.returncode, r.stdout, r.stderr
+
+
+def _ours(stderr):
+    """The lines qtool printed (torchrun adds its own warnings and failure report)."""
+    return [line for line in stderr.splitlines() if line.startswith(("error:", "internal error:", "interrupted:"))]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dist")
+    tiny_llama(d / "m")
+    ids = torch.randint(0, 256, (14, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[3, 10:] = 0
+    save_file({"input_ids": ids, "attention_mask": mask}, d / "ids.safetensors")
+    (d / "mixed.yaml").write_text(MIXED)
+    return d
+
+
+def _outputs(run_dir: Path):
+    return {p.name: p.read_bytes() for p in sorted(run_dir.iterdir()) if p.name != "manifest.json"}
+
+
+@pytest.mark.parametrize("nproc,sequential", [(2, False), (3, True)], ids=["2-ranks", "3-ranks-sequential"])
+def test_ranks_write_the_bytes_of_one_process(llama, tmp_path, nproc, sequential):
+    """Every analyzer (min-max, percentile, SQNR, TF-enhanced on activations; weighted and plain MSE, GPTQ on
+    weights): encodings.json and codes.safetensors are byte-identical to one process, shards of unequal size."""
+    args = ["calibrate", llama / "m", "-c", llama / "mixed.yaml", "--data", llama / "ids.safetensors",
+            "--batch-size", "2", "--quiet"] + (["--sequential"] if sequential else [])
+    code, _, err = run_cli(*args, "-o", tmp_path / "one")
+    assert code == 0, err
+    code, out, err = _torchrun(nproc, *args, "-o", tmp_path / "many")
+    assert code == 0, err
+    assert _ours(err) == [] and out == ""  # rank 0 is quiet (--quiet), the others always are
+    one, many = _outputs(tmp_path / "one"), _outputs(tmp_path / "many")
+    assert set(one) == {"encodings.json", "codes.safetensors"}
+    assert many == one
+    manifest = json.loads((tmp_path / "many/manifest.json").read_text())
+    batches = [2] * 7  # 14 samples in batches of 2, contiguous shards
+    per_rank = [sum(batches[len(batches) * r // nproc:len(batches) * (r + 1) // nproc]) for r in range(nproc)]
+    assert manifest["distributed"] == {"world_size": nproc, "backend": "gloo", "samples_per_rank": per_rank}
+    assert sum(per_rank) == 14 and len(set(per_rank)) > 1
+
+
+def test_weight_only_streaming_splits_weights_over_ranks(tmp_path):
+    """No data, a weight-only recipe on an HF directory: the streamed mode, weights split over two ranks, with
+    the large block encodings in the sidecar written by rank 0 in plan order."""
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=4096, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "wide")
+    recipe = tmp_path / "w.yaml"
+    recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, symmetric: false, granularity: per_block, "
+                      "block_size: 2}\n  activations: null\n")
+    code, _, err = run_cli("calibrate", tmp_path / "wide", "-c", recipe, "-o", tmp_path / "one", "--quiet")
+    assert code == 0, err
+    code, _, err = _torchrun(2, "calibrate", tmp_path / "wide", "-c", recipe, "-o", tmp_path / "many", "--quiet")
+    assert code == 0, err
+    one, many = _outputs(tmp_path / "one"), _outputs(tmp_path / "many")
+    assert "encodings.safetensors" in one  # block encodings above the inline limit went to the sidecar
+    assert many == one
+
+
+def test_a_failing_rank_stops_every_rank_with_one_line(llama, tmp_path):
+    """Bad data in rank 1's shard only (a token id beyond the vocabulary in the last sample): rank 1 says so in
+    one line, rank 0 stops quietly with the same status, nothing is written."""
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(2))
+    ids[7, 3] = 5000
+    save_file({"input_ids": ids}, tmp_path / "bad.safetensors")
+    code, out, err = _torchrun(2, "calibrate", llama / "m", "-c", "w8a8", "--data", tmp_path / "bad.safetensors",
+                               "--batch-size", "2", "-o", tmp_path / "run", "--quiet")
+    assert code != 0
+    assert _ours(err) == ["error: rank 1: calibration batch 3: the model rejected the data: index out of range "
+                          "in self"]
+    assert "exitcode  : 2" in err  # the failing rank's own exit code, as torchrun reports it
+    assert not (tmp_path / "run").exists() and not any(p.name.startswith(".run") for p in tmp_path.iterdir())
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_killed_rank_ends_the_others_with_exit_4(llama, tmp_path):
+    """Without torchrun's agent to clean up: rank 1 dies (SIGKILL) in the middle of calibration; rank 0 loses
+    contact, says so in one line and exits 4 well within the timeout, and nothing is written."""
+    from tests.tinymodels import dies_on_rank
+
+    save_file({"x": torch.randn(16, 64)}, tmp_path / "x.safetensors")
+    save_file(dies_on_rank().state_dict(), tmp_path / "m.safetensors")
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QTOOL_DIST_TIMEOUT": "60",
+               "QTOOL_TEST_DIE_ON_RANK": "1", "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "qtool", "calibrate", str(tmp_path / "m.safetensors"), "--model-class",
+             "tests.tinymodels:dies_on_rank", "-c", "w8a8", "--data", str(tmp_path / "x.safetensors"),
+             "--batch-size", "2", "-o", str(tmp_path / "run"), "--quiet"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [p.communicate(timeout=120) for p in procs]
+    assert procs[1].returncode == -9
+    assert procs[0].returncode == 4, results[0][1]
+    lines = [line for line in results[0][1].splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: lost contact with the other ranks"), lines
+    assert "nothing was written" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_collectives_name_quantizers_in_sorted_order(llama, tmp_path):
+    """What each step exchanges is keyed in sorted name order and the steps come in the same sequence on every
+    rank whatever the hash seed: recorded on rank 0 of a pretend two-rank group in two processes."""
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(ROOT)!r})
+import qtool.parallel as P
+from qtool.calibration import CalibrateOptions, calibrate_checkpoint
+from qtool.config import load_recipe
+
+steps = []
+class Pretend(P.Group):
+    rank, world_size = 0, 2
+    def owned(self, owners):  # this pretend rank 0 does every rank's share, so "rank 1" holds the same values
+        return list(range(len(owners)))
+    def all_gather(self, value):
+        steps.append(("all_gather", list(value) if isinstance(value, dict) else type(value).__name__))
+        return [value, value]
+    def gather(self, value):
+        steps.append(("gather", list(value) if isinstance(value, dict) else type(value).__name__))
+        return [value, value]
+
+opts = CalibrateOptions(data={str(llama / 'ids.safetensors')!r}, batch_size=2, sequential=True)
+calibrate_checkpoint({str(llama / 'm')!r}, load_recipe({str(llama / 'mixed.yaml')!r}), "mixed", opts, None,
+                     group=Pretend())
+print(json.dumps(steps))
+"""
+    runs = []
+    for seed in ("1", "2"):
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                           env={**os.environ, "PYTHONHASHSEED": seed}, timeout=240)
+        assert r.returncode == 0, r.stderr
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert runs[0] == runs[1]
+    assert len(runs[0]) >= 10  # per block: input sums, weight ranges, GPTQ codes, activation statistics
+    for kind, keys in runs[0]:
+        if isinstance(keys, list):
+            assert keys == sorted(keys), (kind, keys)
+
+
+def test_report_on_ranks_equals_one_process(llama, tmp_path):
+    """``torchrun … qtool report --json``: each rank measures its shard, the sums are folded in global batch
+    order, and rank 0 prints exactly the one-process report (the only stdout)."""
+    code, _, err = run_cli("calibrate", llama / "m", "-c", "w8a8", "--data", llama / "ids.safetensors",
+                           "--batch-size", "2", "-o", tmp_path / "run", "--quiet")
+    assert code == 0, err
+    args = ["report", llama / "m", "-e", tmp_path / "run/encodings.json", "--data", llama / "ids.safetensors",
+            "--batch-size", "2", "--json"]
+    code, one, err = run_cli(*args)
+    assert code == 0, err
+    code, many, err = _torchrun(2, *args)
+    assert code == 0, err
+    assert json.loads(many) == json.loads(one)
+    assert json.loads(one)["end_to_end"]["perplexity_float"] > 1
