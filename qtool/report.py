@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .data import Batch
-from .errors import GateFailed, UsageError
+from .errors import DataError, GateFailed, UsageError
 from .model.insert import has_stored_weight, quantized_modules, set_quantization, without_stored_weight
 from .parallel import Group, shard_bounds
 
@@ -110,8 +110,9 @@ def _first_tensor(x):
 
 
 def _token_nll(logits: torch.Tensor, batch: Batch) -> tuple:
-    """Summed next-token negative log-likelihood and token count (padding excluded)."""
-    ids = batch.kwargs["input_ids"]
+    """Summed next-token negative log-likelihood and token count (padding excluded). Token ids are the
+    ``input_ids`` keyword, or the one positional input of a single-array tensor file."""
+    ids = batch.kwargs["input_ids"] if "input_ids" in batch.kwargs else batch.args[0]
     mask = batch.kwargs.get("attention_mask", torch.ones_like(ids))
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     target = ids[:, 1:]
@@ -147,7 +148,11 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, c
     start, stop = shard_bounds(len(batches), group.rank, group.world_size)
     records = []
     for bi in range(start, stop):
-        records.append(_measure_batch(model, modules, chosen, batches[bi], device, causal_lm))
+        try:
+            records.append(_measure_batch(model, modules, chosen, batches[bi], device, causal_lm))
+        except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"evaluation batch {bi}: the model rejected the data: {first}") from None
         if progress:
             progress(bi - start + 1, stop - start, batches[bi].size)
     set_quantization(model, True)

@@ -130,3 +130,29 @@ def test_causal_lm_perplexity(tmp_path):
         loss = model(input_ids=ids, labels=ids).loss
     assert e2e["perplexity_float"] == pytest.approx(math.exp(float(loss)), rel=1e-4)
     assert e2e["perplexity_quant"] > 0 and e2e["perplexity_increase_pct"] is not None
+
+
+def test_report_refuses_data_the_model_cannot_run_in_one_line(tmp_path):
+    """Token ids beyond the vocabulary (a tokenizer that does not match the model) used to end in an IndexError
+    traceback; now one line naming the batch, exit 2."""
+    from safetensors.torch import save_file
+
+    from tests.helpers import error_lines, run_cli, tiny_llama
+
+    tiny_llama(tmp_path / "m")
+    ids = torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, tmp_path / "ok.safetensors")
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8", "--data", tmp_path / "ok.safetensors",
+                           "-o", tmp_path / "run", "--quiet")
+    assert code == 0, err
+    # a single-array tensor file reaches the model as its positional input_ids: perplexity is measured from them
+    code, out, err = run_cli("report", tmp_path / "m", "-e", tmp_path / "run/encodings.json", "--data",
+                             tmp_path / "ok.safetensors", "--json")
+    assert code == 0, err
+    assert json.loads(out)["end_to_end"]["perplexity_float"] > 1
+    ids[3, 2] = 5000
+    save_file({"input_ids": ids}, tmp_path / "bad.safetensors")
+    code, _, err = run_cli("report", tmp_path / "m", "-e", tmp_path / "run/encodings.json", "--data",
+                           tmp_path / "bad.safetensors", "--batch-size", "2")
+    assert code == 2
+    assert error_lines(err)[-1] == "error: evaluation batch 1: the model rejected the data: index out of range in self"
