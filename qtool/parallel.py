@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from .errors import QtoolError, UsageError
 
@@ -110,6 +110,13 @@ class Group:
     def gather(self, value: Any) -> Optional[List[Any]]:
         """One step: every rank's ``value`` in rank order on rank 0; None elsewhere."""
         return [value]
+
+    def windows(self, items: Sequence[Any], per_rank: int) -> Iterator[List[Any]]:
+        """``items`` in order, ``per_rank`` per rank at a time (all at once in one process): work split over the
+        ranks a window at a time, so a window's results are what is in flight at once."""
+        size = len(items) if not self.distributed else per_rank * self.world_size
+        for i in range(0, len(items), max(size, 1)):
+            yield list(items[i:i + size])
 
     def owned(self, owners: Sequence[int]) -> List[int]:
         """Indices of the items this rank owns (``owners`` from :func:`assign`)."""

@@ -23,9 +23,10 @@ from ..encodings import EncodingEntry, SidecarStream
 from ..errors import DataError, UsageError
 from ..hooks import Hooks
 from ..io.checkpoint import detect_kind, tensor_files
-from ..parallel import Group, shard_bounds
+from ..parallel import Group
+from .collective import samples_per_rank
 
-__all__ = ["CalibrateOptions", "CalibrationRun", "MODES", "choose_mode", "calibrate_checkpoint", "samples_per_rank"]
+__all__ = ["CalibrateOptions", "CalibrationRun", "MODES", "choose_mode", "calibrate_checkpoint"]
 
 MODES = ("in_memory", "streaming", "sequential")
 
@@ -58,17 +59,6 @@ class CalibrationRun:
     codes: Dict[str, torch.Tensor] = field(default_factory=dict)  # weight quantizer -> codes from a rounding algorithm
     floats: Dict[str, torch.Tensor] = field(default_factory=dict)  # checkpoint tensor -> value a transform gave it
     samples_per_rank: List[int] = field(default_factory=list)  # calibration samples each rank ran (rank order)
-
-
-def samples_per_rank(data: Optional[CalibrationData], group: Group) -> List[int]:
-    """How many calibration samples each rank's shard holds (computed alike on every rank, no exchange)."""
-    if data is None:
-        return [0] * group.world_size
-    out = []
-    for r in range(group.world_size):
-        start, stop = shard_bounds(len(data), r, group.world_size)
-        out.append(sum(b.size for b in data.batches[start:stop]))
-    return out
 
 
 def choose_mode(checkpoint: str, recipe: Recipe, opts: CalibrateOptions, source: str):

@@ -12,8 +12,8 @@ collectives, same order on every rank; quantizers and layers always in plan or s
 * **layer input statistics** (:func:`merge_inputs`, GPTQ and activation-weighted search): per-rank sums,
   added in rank order on every rank;
 * **SmoothQuant maxima** (:func:`merge_absmax`): elementwise maximum, exact;
-* **weights** (:func:`calibrate_weights_split`, :func:`round_weights_split`): each weight row is calibrated (and
-  GPTQ-rounded) by one rank, chosen by size; the results (min/max, codes) go to every rank, or to rank 0 alone
+* **weights** (:func:`calibrate_weights_split`, and ``rounding.round_weights(group=...)`` for GPTQ): each weight
+  row is calibrated (and GPTQ-rounded) by one rank, chosen by size; the results (min/max, codes) go to every rank, or to rank 0 alone
   when nothing else needs them (streaming).
 
 In one process (``Group()``) every function here is the plain calibration step.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -35,20 +35,30 @@ from ..quant.analyzers import merge_statistics
 from .base import calibrate_activations, calibrate_weights
 from .rounding import InputStatistics
 
-__all__ = ["shard", "calibrate_activations_dp", "merge_inputs", "merge_absmax", "calibrate_weights_split",
-           "windows", "WINDOW_PER_RANK"]
+__all__ = ["shard", "samples_per_rank", "calibrate_activations_dp", "merge_inputs", "merge_absmax",
+           "calibrate_weights_split", "encoding_numel"]
 
-# weight rows are split over the ranks a window at a time: a window's results are what is in flight at once
-WINDOW_PER_RANK = 8
+WEIGHTS_PER_RANK = 8  # weight rows each rank calibrates per window (Group.windows)
+
+
+def _slice(data: CalibrationData, rank: int, world_size: int) -> CalibrationData:
+    start, stop = shard_bounds(len(data), rank, world_size)
+    batches = data.batches[start:stop]
+    return CalibrationData(batches, data.files, sum(b.size for b in batches), data.description, data.first + start)
 
 
 def shard(data: Optional[CalibrationData], group: Group) -> Optional[CalibrationData]:
     """This rank's contiguous slice of the batches (all of them in one process)."""
     if data is None or not group.distributed:
         return data
-    start, stop = shard_bounds(len(data), group.rank, group.world_size)
-    batches = data.batches[start:stop]
-    return CalibrationData(batches, data.files, sum(b.size for b in batches), data.description, data.first + start)
+    return _slice(data, group.rank, group.world_size)
+
+
+def samples_per_rank(data: Optional[CalibrationData], group: Group) -> List[int]:
+    """How many calibration samples each rank's shard holds (computed alike on every rank, no exchange)."""
+    if data is None:
+        return [0] * group.world_size
+    return [_slice(data, r, group.world_size).num_samples for r in range(group.world_size)]
 
 
 def _cpu(value):
@@ -149,13 +159,6 @@ def merge_absmax(absmax: Dict[str, torch.Tensor], group: Group) -> Dict[str, tor
     return out
 
 
-def windows(rows: Sequence[QuantizerPlan], group: Group) -> Iterator[List[QuantizerPlan]]:
-    """``rows`` in plan order, a window of ``WINDOW_PER_RANK`` per rank at a time (all of them in one process)."""
-    size = len(rows) if not group.distributed else WINDOW_PER_RANK * group.world_size
-    for i in range(0, len(rows), max(size, 1)):
-        yield list(rows[i:i + size])
-
-
 def calibrate_weights_split(rows: Sequence[QuantizerPlan], sizes: Dict[str, int],
                             quantizer_for: Callable[[QuantizerPlan], QuantizerBase],
                             weight_for: Callable[[QuantizerPlan], torch.Tensor], group: Group,
@@ -167,7 +170,7 @@ def calibrate_weights_split(rows: Sequence[QuantizerPlan], sizes: Dict[str, int]
     if not group.distributed:
         calibrate_weights(rows, quantizer_for, weight_for, done, importance_for)
         return
-    for window in windows(rows, group):
+    for window in group.windows(rows, WEIGHTS_PER_RANK):
         owners = assign([sizes[q.name] for q in window], group.world_size)
         mine = [window[i] for i in group.owned(owners)]
         ranges: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -190,10 +193,6 @@ def calibrate_weights_split(rows: Sequence[QuantizerPlan], sizes: Dict[str, int]
                 quantizer.set_range(mn, mx)
             if done is not None:
                 done(q, quantizer)
-
-
-def weight_sizes(rows: Sequence[QuantizerPlan], numel: Callable[[QuantizerPlan], int]) -> Dict[str, int]:
-    return {q.name: int(numel(q)) for q in rows}
 
 
 def encoding_numel(q: QuantizerPlan) -> int:

@@ -26,6 +26,8 @@ from ...parallel import Group, assign
 from ...quant.affine import dequantize
 from .gptq import gptq_codes
 
+GPTQ_LAYERS_PER_RANK = 4  # layers each rank rounds per window (Group.windows)
+
 __all__ = ["InputStatistics", "collect_inputs", "round_weights", "importance", "gptq_codes"]
 
 
@@ -148,9 +150,7 @@ def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quan
             raise DataError(f"{q.module} never ran on the calibration data: {q.rounding} has no inputs for it")
         todo.append(q)
     out: Dict[str, torch.Tensor] = {}
-    step = len(todo) if not group.distributed else 4 * group.world_size
-    for i in range(0, len(todo), max(step, 1)):
-        window = todo[i:i + step]
+    for window in group.windows(todo, GPTQ_LAYERS_PER_RANK):
         owners = assign([modules[q.module]._parameters["weight"].numel() for q in window], group.world_size)
         mine = {window[j].name: _codes(window[j], modules, quantizers, stats) for j in group.owned(owners)}
         if group.distributed:  # codes travel in the smallest integer type that holds the grid
