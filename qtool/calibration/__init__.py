@@ -84,6 +84,8 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
     if opts.data is None:
         why = ("--sequential runs the model block by block" if opts.sequential
                else "the recipe quantizes activations" if plan.static_activations
+               else "the recipe changes the float model from data (fold_batch_norms, smoothquant)"
+               if plan.folds or plan.smoothing
                else "the recipe chooses weights from data (rounding gptq or weighting: activations)")
         raise DataError(f"{why}, which needs calibration data: pass --data PATH")
     hooks.on_stage("reading calibration data")
@@ -111,8 +113,9 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
         device = resolve_device(opts.device)
         model, _, tokenizer = meta_causal_lm(checkpoint, opts.trust_remote_code)
         plan = resolve_plan(recipe, model, source=source, allow_unmatched=opts.allow_unmatched)
-        if plan.smoothing:
-            raise UsageError("smoothquant runs on the whole model: calibrate without --sequential")
+        if plan.smoothing or plan.folds:
+            raise UsageError(f"{'smoothquant' if plan.smoothing else 'fold_batch_norms'} runs on the whole model: "
+                             "calibrate without --sequential")
         hooks.on_plan(plan)
         data = _data(opts, plan, tokenizer, True, hooks)
         hooks.on_stage("calibrating")

@@ -14,11 +14,12 @@ from ..model.insert import set_quantization
 from ..parallel import Group
 from ..quant import QuantizerBase
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_absmax, merge_inputs, shard
+from .folding import adjacent_pairs, fold_batch_norm
 from .rounding import collect_inputs, importance, round_weights
 from .smoothing import activation_absmax, smooth
 
-# SmoothQuant must leave the float model's function alone: largest output change allowed, relative to the output's
-# largest magnitude (float32 rounding of the rescaled weights stays near 1e-6)
+# SmoothQuant and batch-norm folding must leave the float model's function alone: largest output change allowed,
+# relative to the output's largest magnitude (float32 rounding of the rescaled weights stays near 1e-6)
 SMOOTH_TOLERANCE = 1e-3
 
 __all__ = ["calibrate", "CalibrationResult"]
@@ -32,7 +33,7 @@ class CalibrationResult:
                  replaced: Optional[Dict[str, torch.Tensor]] = None):
         self.unused = unused  # activation quantizers whose module never ran
         self.codes = codes or {}  # weight quantizer name -> codes chosen by a rounding algorithm (GPTQ)
-        self.replaced = replaced or {}  # parameter name -> float value a transform (SmoothQuant) gave it
+        self.replaced = replaced or {}  # tensor name -> float value a transform (fold, SmoothQuant) gave it
 
 
 def calibrate(
@@ -57,9 +58,9 @@ def calibrate(
     modules = dict(model.named_modules())
     acts = plan.static_activations  # dynamic ones compute their range at run time
     inputs = [q for q in plan.weights if q.needs_inputs]
-    if (acts or inputs) and (data is None or len(data) == 0):
-        raise DataError("the recipe quantizes activations or chooses weights from data, which needs calibration "
-                        "data: pass --data")
+    if (acts or inputs or plan.folds or plan.smoothing) and (data is None or len(data) == 0):
+        raise DataError("the recipe quantizes activations, chooses weights from data or changes the float model "
+                        "from data, which needs calibration data: pass --data")
 
     local = shard(data, group)
 
@@ -76,10 +77,16 @@ def calibrate(
                 progress(i + 1, len(local), b.size)
 
     replaced = {}
+    if plan.folds:
+        set_quantization(model, False)
+        try:
+            replaced.update(_fold(model, plan, modules, data, device))
+        finally:
+            set_quantization(model, True)
     if plan.smoothing:
         set_quantization(model, False)
         try:
-            replaced = _smooth(model, plan, modules, data, device, run, group)
+            replaced.update(_smooth(model, plan, modules, data, device, run, group))
         finally:
             set_quantization(model, True)
     stats = {}
@@ -92,7 +99,8 @@ def calibrate(
     sizes = {q.name: modules[q.module]._parameters["weight"].numel() for q in plan.weights}
     calibrate_weights_split(plan.weights, sizes, lambda q: quantizers[q.name],
                             lambda q: modules[q.module]._parameters["weight"], group,
-                            importance_for=lambda q: importance(q, stats))
+                            importance_for=lambda q: importance(
+                                    q, stats, modules[q.module]._parameters["weight"].shape))
     codes = round_weights(inputs, modules, quantizers, stats, plan.warnings, group=group)
     unused = []
     if acts:
@@ -106,6 +114,31 @@ def _first_tensor(out) -> torch.Tensor:
         return out
     values = out.values() if isinstance(out, dict) else out
     return next(v for v in values if isinstance(v, torch.Tensor))
+
+
+@torch.no_grad()
+def _fold(model: nn.Module, plan: Plan, modules, data: CalibrationData, device) -> Dict[str, torch.Tensor]:
+    """Batch-norm folding on the float model: the plan's candidates checked on the first batch (a norm that does
+    not take its convolution's output as is stays, with a plan warning), folded, and the float outputs on that
+    batch compared with what they were."""
+    first = data.batches[0].to(device)
+    before = _first_tensor(model(*first.args, **first.kwargs)).detach()
+    confirmed, refused = adjacent_pairs(plan.folds, modules, lambda: model(*first.args, **first.kwargs))
+    for f in refused:
+        plan.warnings.append(f"fold_batch_norms: {f.bn} does not take {f.conv}'s output as its input; not folded")
+    plan.folds = confirmed
+    replaced: Dict[str, torch.Tensor] = {}
+    for f in confirmed:
+        try:
+            replaced.update(fold_batch_norm(modules[f.conv], modules[f.bn], f.conv, f.bn))
+        except ValueError as e:
+            raise UsageError(f"fold_batch_norms: {e}") from None
+    after = _first_tensor(model(*first.args, **first.kwargs)).detach()
+    err = float((after - before).abs().max() / before.abs().max().clamp(min=1e-12))
+    if not err <= SMOOTH_TOLERANCE:
+        raise UsageError(f"fold_batch_norms: folding changed the float model's outputs (relative error {err:.2g}); "
+                         "leave fold_batch_norms off for this model")
+    return replaced
 
 
 @torch.no_grad()

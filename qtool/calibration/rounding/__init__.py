@@ -24,7 +24,8 @@ from ...errors import DataError
 from ...quant import QuantizerBase
 from ...parallel import Group, assign
 from ...quant.affine import dequantize
-from .gptq import gptq_codes
+from .conv import CONV_TYPES, ConvCall, capture_conv_input, flat_weight, patch_rows
+from .gptq import expand_encoding, gptq_codes
 
 GPTQ_LAYERS_PER_RANK = 4  # layers each rank rounds per window (Group.windows)
 
@@ -33,57 +34,88 @@ __all__ = ["InputStatistics", "collect_inputs", "round_weights", "importance", "
 
 @dataclass(frozen=True, eq=False)
 class InputStatistics:
-    """A Linear layer's inputs over the calibration data: ``count`` tokens, ``sq`` ``(in,)`` = ``sum x²`` per
-    input channel, ``xtx`` ``(in, in)`` = ``sum x xᵀ`` (or None where no algorithm asked for it); sums in
-    float64 (each batch's in float32), so shards summed in any grouping give the same float32 values."""
+    """A layer's inputs over the calibration data: ``count`` input rows (tokens; a convolution's output
+    positions), ``sq`` = ``sum x²`` per input column, and ``xtx`` = ``sum x xᵀ`` (or None where no algorithm asked
+    for it). A Linear's columns are its input features: ``sq`` ``(in,)``, ``xtx`` ``(in, in)``. A convolution's are
+    its patches (qtool.calibration.rounding.conv), per group: ``sq`` ``(groups · in/groups·prod(kernel),)`` and
+    ``xtx`` ``(groups, d, d)``. Sums in float64 (each batch's in float32), so shards summed in any grouping give
+    the same float32 values."""
 
     count: int
     sq: torch.Tensor
     xtx: Optional[torch.Tensor] = None
+    groups: int = 0  # 0: a Linear layer; else a convolution with this many groups
 
     @staticmethod
     def merge(a: "InputStatistics", b: "InputStatistics") -> "InputStatistics":
         """The statistics of both shards' inputs (sums add; ``a`` first, so a fixed order gives fixed bytes)."""
-        if (a.xtx is None) != (b.xtx is None) or a.sq.shape != b.sq.shape:
+        if (a.xtx is None) != (b.xtx is None) or a.sq.shape != b.sq.shape or a.groups != b.groups:
             raise ValueError("input statistics of different layers or kinds cannot be merged")
         return InputStatistics(a.count + b.count, a.sq + b.sq.to(a.sq.device),
-                               None if a.xtx is None else a.xtx + b.xtx.to(a.xtx.device))
+                               None if a.xtx is None else a.xtx + b.xtx.to(a.xtx.device), a.groups)
 
     def mean_square(self) -> torch.Tensor:
-        """``E[x²]`` per input channel (float32)."""
+        """``E[x²]`` per input column (float32)."""
         return (self.sq / max(self.count, 1)).to(torch.float32)
 
     def hessian(self) -> torch.Tensor:
-        """``sum x xᵀ`` (float32)."""
+        """``sum x xᵀ`` (float32): ``(in, in)``, or ``(groups, d, d)`` for a convolution."""
         return self.xtx.to(torch.float32)
+
+    def importance(self, weight_shape) -> torch.Tensor:
+        """``E[x²]`` of the input each weight value multiplies, broadcastable to the weight: ``(1, in)`` for a
+        Linear; the weight's own shape for a convolution (each group reads its own channels)."""
+        ms = self.mean_square()
+        if not self.groups:
+            return ms[None, :]
+        out = int(weight_shape[0])
+        per_group = ms.reshape(self.groups, 1, -1).expand(self.groups, out // self.groups, ms.numel() // self.groups)
+        return per_group.reshape(tuple(weight_shape))
 
 
 class _Collector:
     def __init__(self, hessian: bool):
         self.hessian = hessian
         self.count = 0
+        self.groups = 0
         self.sq: Optional[torch.Tensor] = None
         self.xtx: Optional[torch.Tensor] = None
 
     def __call__(self, module: nn.Module, args, kwargs) -> None:
+        """A Linear's forward pre-hook."""
         x = args[0] if args else kwargs.get("input")
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
         x = x.detach().as_subclass(torch.Tensor)
-        rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        self._add(x.reshape(-1, 1, x.shape[-1]).to(torch.float32))
+
+    def conv(self, call: ConvCall) -> None:
+        """A convolution op's input (captured inside its module's forward)."""
+        if not call.x.is_floating_point():
+            return
+        self.groups = call.groups
+        for rows in patch_rows(call):
+            self._add(rows)
+
+    def _add(self, rows: torch.Tensor) -> None:
+        """``rows`` ``(n, groups, d)``."""
+        n, g, d = rows.shape
         if self.sq is None:
-            self.sq = torch.zeros(rows.shape[1], dtype=torch.float64, device=rows.device)
+            self.sq = torch.zeros(g * d, dtype=torch.float64, device=rows.device)
             if self.hessian:
-                self.xtx = torch.zeros(rows.shape[1], rows.shape[1], dtype=torch.float64, device=rows.device)
-        self.count += rows.shape[0]
+                self.xtx = torch.zeros(g, d, d, dtype=torch.float64, device=rows.device)
+        self.count += n
         # each batch's sums in float32, accumulated in float64: adding float32 numbers in float64 is exact unless
         # they span ~2^29 in magnitude, so the total hardly ever depends on how batches are grouped (shards)
-        self.sq += rows.square().sum(dim=0)
+        self.sq += rows.square().sum(dim=0).reshape(-1)
         if self.hessian:
-            self.xtx += rows.T @ rows
+            self.xtx += torch.einsum("ngi,ngj->gij", rows, rows) if g > 1 else (rows[:, 0].T @ rows[:, 0])[None]
 
     def statistics(self) -> Optional[InputStatistics]:
-        return None if self.sq is None else InputStatistics(self.count, self.sq, self.xtx)
+        if self.sq is None:
+            return None
+        xtx = self.xtx if self.xtx is None or self.groups else self.xtx[0]
+        return InputStatistics(self.count, self.sq, xtx, self.groups)
 
 
 def collect_inputs(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module],
@@ -100,22 +132,25 @@ def collect_inputs(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module],
     collectors = {name: _Collector(hessian[name]) for name in sorted(hessian)}
     with contextlib.ExitStack() as stack:
         for name, c in collectors.items():
-            stack.callback(modules[name].register_forward_pre_hook(c, with_kwargs=True).remove)
+            if isinstance(modules[name], CONV_TYPES):
+                stack.enter_context(capture_conv_input(modules[name], c.conv))
+            else:
+                stack.callback(modules[name].register_forward_pre_hook(c, with_kwargs=True).remove)
         with torch.no_grad():
             run()
     return {name: s for name, c in collectors.items() if (s := c.statistics()) is not None}
 
 
-def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics]) -> Optional[torch.Tensor]:
-    """The weight's per-value importance for an activation-weighted search (``E[x²]`` of each value's input
-    channel, shaped ``(1, in)``), or None where the row's search is unweighted."""
+def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics], weight_shape) -> Optional[torch.Tensor]:
+    """The weight's per-value importance for an activation-weighted search (``E[x²]`` of the input each value
+    multiplies, broadcastable to ``weight_shape``), or None where the row's search is unweighted."""
     if dict(q.analyzer_args).get("weighting") != "activations":
         return None
     s = stats.get(q.module)
     if s is None:
         raise DataError(f"{q.module} never ran on the calibration data: no input statistics to weight "
                          f"{q.name}'s search")
-    return s.mean_square()[None, :]
+    return s.importance(weight_shape)
 
 
 def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quantizers: Dict[str, QuantizerBase],
@@ -164,10 +199,20 @@ def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quan
 
 def _codes(q: QuantizerPlan, modules, quantizers, stats) -> torch.Tensor:
     quantizer = quantizers[q.name]
+    weight = modules[q.module]._parameters["weight"].detach()
     scale, offset = quantizer.get_scale().detach(), quantizer.get_offset().detach()
+    s = stats[q.module]
+    args = dict(q.rounding_args)
     try:
-        return gptq_codes(modules[q.module]._parameters["weight"].detach(), stats[q.module].hessian(), scale,
-                          offset, quantizer.qmin, quantizer.qmax, q.block_size, **dict(q.rounding_args)).cpu()
+        if not s.groups:
+            return gptq_codes(weight, s.hessian(), scale, offset, quantizer.qmin, quantizer.qmax, q.block_size,
+                              **args).cpu()
+        # a convolution: GPTQ per group, on the group's rows (flattened kernels) and the group's patch Hessian
+        rows = flat_weight(weight, s.groups)
+        grid = [flat_weight(expand_encoding(t.to(weight.device), weight.shape, q.block_size), s.groups)
+                for t in (scale, offset)]
+        codes = gptq_codes(rows, s.hessian(), grid[0], grid[1], quantizer.qmin, quantizer.qmax, **args)
+        return codes.reshape(weight.shape).cpu()
     except ValueError as e:
         raise DataError(f"{q.name}: {e}") from None
 

@@ -49,53 +49,70 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     ``hessian`` ``(in, in)`` is ``sum(x xᵀ)`` over the layer's inputs (any positive multiple gives the same codes
     up to float rounding). Computed in float32 on the weight's device; ``block_columns`` only trades speed for
     memory; ``dampening`` is the fraction of the mean diagonal added to it; ``act_order`` visits columns by
-    decreasing ``H_jj`` (the grid stays the analyzer's, so this changes codes, never scales)."""
-    if weight.dim() != 2:
+    decreasing ``H_jj`` (the grid stays the analyzer's, so this changes codes, never scales).
+
+    A batch of independent problems runs at once: ``weight`` ``(groups, out, in)`` with ``hessian``
+    ``(groups, in, in)`` and ``scale``/``offset`` per element ``(groups, out, in)`` (a grouped convolution's rows,
+    qtool.calibration.rounding.conv)."""
+    batched = weight.dim() == 3
+    if weight.dim() not in (2, 3) or hessian.dim() != weight.dim():
         raise ValueError(f"GPTQ takes a 2-D (out, in) weight, got shape {list(weight.shape)}")
-    rows, cols = weight.shape
-    if tuple(hessian.shape) != (cols, cols):
+    rows, cols = weight.shape[-2:]
+    if tuple(hessian.shape[-2:]) != (cols, cols) or hessian.shape[:-2] != weight.shape[:-2]:
         raise ValueError(f"Hessian of shape {list(hessian.shape)} does not fit a weight with {cols} input columns")
     if block_columns < 1 or not 0 <= dampening:
         raise ValueError("block_columns must be >= 1 and dampening >= 0")
     dev = weight.device
     W = weight.detach().to(torch.float32).clone()
-    S = expand_encoding(scale.to(dev, torch.float32), W.shape, block_size)
-    O = expand_encoding(offset.to(dev, torch.float32), W.shape, block_size)
+    if batched:
+        S = scale.to(dev, torch.float32).expand(W.shape).clone()
+        O = offset.to(dev, torch.float32).expand(W.shape).clone()
+    else:
+        W, hessian = W[None], hessian[None]
+        S = expand_encoding(scale.to(dev, torch.float32), W.shape[1:], block_size)[None]
+        O = expand_encoding(offset.to(dev, torch.float32), W.shape[1:], block_size)[None]
     H = hessian.detach().to(dev, torch.float32).clone()
-    diag = torch.diagonal(H)
+    diag = torch.diagonal(H, dim1=-2, dim2=-1)
     dead = diag <= 0
-    diag[dead] = 1.0
-    H[dead, :] = 0.0
-    H[:, dead] = 0.0
-    H[dead, dead] = 1.0
+    H.masked_fill_(dead[:, :, None] | dead[:, None, :], 0.0)
+    torch.diagonal(H, dim1=-2, dim2=-1).masked_fill_(dead, 1.0)
     perm = None
     if act_order:
-        perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
-        W, S, O, H = W[:, perm], S[:, perm], O[:, perm], H[perm][:, perm]
-    H.diagonal().add_(dampening * float(torch.diagonal(H).mean()))
+        perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
+        cols_of = perm[:, None, :].expand(W.shape)
+        W, S, O = W.gather(2, cols_of), S.gather(2, cols_of), O.gather(2, cols_of)
+        H = H.gather(1, perm[:, :, None].expand(H.shape)).gather(2, perm[:, None, :].expand(H.shape))
+    mean_diag = torch.diagonal(H, dim1=-2, dim2=-1).mean(-1)
+    torch.diagonal(H, dim1=-2, dim2=-1).add_(dampening * mean_diag[:, None])
     U = _upper_inverse_cholesky(H)
 
     codes = torch.empty_like(W)
     for i1 in range(0, cols, block_columns):
         i2 = min(i1 + block_columns, cols)
-        W1 = W[:, i1:i2].clone()
+        W1 = W[:, :, i1:i2].clone()
         E1 = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
+        U1 = U[:, i1:i2, i1:i2]
         for i in range(i2 - i1):
-            w = W1[:, i]
-            s, o = S[:, i1 + i], O[:, i1 + i]
+            w = W1[:, :, i]
+            s, o = S[:, :, i1 + i], O[:, :, i1 + i]
             q = quantize(w, s, o, qmin=qmin, qmax=qmax)
-            codes[:, i1 + i] = q
-            err = (w - dequantize(q, s, o)) / U1[i, i]
-            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
-            E1[:, i] = err
-        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+            codes[:, :, i1 + i] = q
+            err = (w - dequantize(q, s, o)) / U1[:, i, i][:, None]
+            W1[:, :, i:] -= err[:, :, None] * U1[:, i, i:][:, None, :]
+            E1[:, :, i] = err
+        W[:, :, i2:] -= E1 @ U[:, i1:i2, i2:]
     if perm is not None:
-        codes = codes[:, torch.argsort(perm)]
+        codes = codes.gather(2, torch.argsort(perm, dim=-1)[:, None, :].expand(codes.shape))
+    if batched:
+        S, O = scale.to(dev, torch.float32).expand(W.shape), offset.to(dev, torch.float32).expand(W.shape)
+        block_size = None
+    else:
+        codes, hessian = codes[0], hessian[0]
+        S, O = scale.to(dev, torch.float32), offset.to(dev, torch.float32)
     # GPTQ is greedy: on a small or nearly dead layer a row can end up worse than rounding to nearest. Rows are
     # independent, so each keeps whichever of the two has the smaller output error on the calibration inputs
     return _better_rows(weight.detach().to(torch.float32), hessian.detach().to(dev, torch.float32), codes,
-                        scale.to(dev, torch.float32), offset.to(dev, torch.float32), qmin, qmax, block_size)
+                        S, O, qmin, qmax, block_size)
 
 
 def _better_rows(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale, offset, qmin: int, qmax: int,
@@ -105,24 +122,28 @@ def _better_rows(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale, o
     rtn = quantize(W, scale, offset, qmin=qmin, qmax=qmax, block_size=block_size)
 
     def row_error(c):
-        d = W - dequantize(c, scale, offset, block_size=block_size)
-        return ((d.to(torch.float64) @ H.to(torch.float64)) * d.to(torch.float64)).sum(dim=1)
+        d = (W - dequantize(c, scale, offset, block_size=block_size)).to(torch.float64)
+        return ((d @ H.to(torch.float64)) * d).sum(dim=-1)
 
     keep = row_error(codes) <= row_error(rtn)
-    return torch.where(keep[:, None], codes, rtn).to(torch.int64)
+    return torch.where(keep[..., None], codes, rtn).to(torch.int64)
 
 
 def _upper_inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
-    """``U`` upper-triangular with ``Uᵀ U = H⁻¹``; more dampening is added if ``H`` is numerically not positive
-    definite (a layer fed few, nearly collinear tokens)."""
-    extra = 0.0
-    mean = float(torch.diagonal(H).mean())
+    """``U`` upper-triangular with ``Uᵀ U = H⁻¹`` for each matrix of the batch ``H`` ``(groups, n, n)``; more
+    dampening is added to a matrix that is numerically not positive definite (a layer fed few, nearly collinear
+    tokens)."""
+    extra = torch.zeros(len(H), dtype=H.dtype, device=H.device)
+    mean = torch.diagonal(H, dim1=-2, dim2=-1).mean(-1)
+    eye = torch.eye(H.shape[-1], dtype=H.dtype, device=H.device)
     for _ in range(6):
-        L, info = torch.linalg.cholesky_ex(H if extra == 0 else H + extra * mean * torch.eye(len(H), device=H.device))
-        if int(info) == 0:
-            Hinv = torch.cholesky_inverse(L)
-            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
-            if int(info) == 0:
+        Hd = H + (extra * mean)[:, None, None] * eye
+        L, info = torch.linalg.cholesky_ex(Hd)
+        ok = info == 0
+        if bool(ok.all()):
+            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            ok = info == 0
+            if bool(ok.all()):
                 return U
-        extra = 0.01 if extra == 0 else extra * 10
+        extra = torch.where(ok, extra, torch.where(extra == 0, torch.full_like(extra, 0.01), extra * 10))
     raise ValueError("the layer-input Hessian is not positive definite even with dampening 1e4 x its mean diagonal")
