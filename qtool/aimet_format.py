@@ -156,7 +156,7 @@ def read_aimet(path: Path) -> Dict[str, Any]:
         obj = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise EncodingsError(f"{path}: encodings file not found") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise EncodingsError(f"{path}: not a readable JSON encodings file ({e})") from None
     if not isinstance(obj, dict) or str(obj.get("version")) not in READ_VERSIONS:
         raise EncodingsError(f"{path}: not an AIMET encodings file of version {', '.join(READ_VERSIONS)} "

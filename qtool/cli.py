@@ -226,7 +226,7 @@ _DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or auto.", met
 _BATCH = typer.Option(8, "--batch-size", min=1, help="Samples per calibration batch.")
 _NUM = typer.Option(None, "--num-samples", min=1, help="Use a seeded random subset of this many samples.")
 _SEQ = typer.Option(128, "--seq-len", min=1, help="Tokens per text sample.")
-_SEED = typer.Option(0, "--seed", help="Seed of the sample subset.")
+_SEED = typer.Option(0, "--seed", help="Seed of the sample subset (0 to 2**64 - 1).")
 _MODEL_CLASS = typer.Option(None, "--model-class", help="module:callable that builds the model (state-dict checkpoints).")
 _TRUST_PICKLE = typer.Option(False, "--trust-pickle", help="Allow loading pickled modules (can run code).")
 _TRUST_CODE = typer.Option(False, "--trust-remote-code", help="Allow a Hugging Face model's own Python code.")

@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .errors import DataError
+from .errors import DataError, UsageError
 
 __all__ = ["Batch", "CalibrationData", "load_data", "text_samples", "TENSOR_SUFFIXES", "TEXT_SUFFIXES"]
 
@@ -143,7 +143,7 @@ def text_samples(path: Path) -> List[str]:
                 continue
             try:
                 obj = json.loads(line)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise DataError(f"{path}:{i}: not valid JSON ({e})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise DataError(f"{path}:{i}: each line needs a string field 'text'")
@@ -259,6 +259,8 @@ def load_data(
 
 def _subset(total: int, num_samples: Optional[int], seed: int) -> List[int]:
     """The first ``num_samples`` of a seeded permutation; all samples, in order, without ``num_samples``."""
+    if not 0 <= seed < 2**64:
+        raise UsageError(f"--seed must be an integer from 0 to 2**64 - 1 (got {str(seed)[:40]})")
     if num_samples is None or num_samples >= total:
         return list(range(total))
     g = torch.Generator().manual_seed(seed)

@@ -442,7 +442,7 @@ class EncodingsFile:
             raise EncodingsError(f"{path}: encodings file not found") from None
         except (OSError, UnicodeDecodeError) as e:
             raise EncodingsError(f"{path}: cannot read encodings: {e}") from None
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise EncodingsError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
             raise EncodingsError(f"{path}: not a qtool encodings file (expected \"schema\": \"{SCHEMA}\")")

@@ -215,7 +215,15 @@ def _gguf_file(path: Path) -> Dict[str, Any]:
 
 
 def inspect_path(path: str | Path) -> Dict[str, Any]:
-    p = Path(path)
+    """What ``path`` holds (a listing of tensors or encodings). Files whose structure is not what their kind
+    promises (missing keys, wrong types, nesting too deep) are one error naming the file."""
+    try:
+        return _inspect(Path(path))
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError, RecursionError) as e:
+        raise UsageError(f"{path}: malformed file ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def _inspect(p: Path) -> Dict[str, Any]:
     if not p.exists():
         raise UsageError(f"{p}: not found")
     if p.is_dir():
@@ -224,13 +232,13 @@ def inspect_path(path: str | Path) -> Dict[str, Any]:
             if (cfg.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
                 return _compressed_tensors_dir(p, cfg)
         if (p / "model.safetensors").exists():
-            return inspect_path(p / "model.safetensors")
+            return _inspect(p / "model.safetensors")
         if (p / "model.gguf").exists():
-            return inspect_path(p / "model.gguf")
+            return _inspect(p / "model.gguf")
         if (p / "model.safetensors.index.json").exists():
-            return inspect_path(p / "model.safetensors.index.json")
+            return _inspect(p / "model.safetensors.index.json")
         if (p / "encodings.json").exists():
-            return inspect_path(p / "encodings.json")
+            return _inspect(p / "encodings.json")
         raise UsageError(f"{p}: no model.safetensors, model.gguf, encodings.json or compressed-tensors config.json "
                          "here")
     if p.suffix == ".gguf":
@@ -250,7 +258,7 @@ def inspect_path(path: str | Path) -> Dict[str, Any]:
         return _plain_safetensors(files, "sharded safetensors", p)
     try:
         obj = json.loads(p.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise UsageError(f"{p}: not a safetensors file, an encodings file or a model directory") from None
     if not isinstance(obj, dict) or not (obj.get("schema") == "qtool.encodings" or "version" in obj):
         raise UsageError(f"{p}: JSON, but neither qtool encodings nor an AIMET encodings file")

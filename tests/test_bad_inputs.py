@@ -43,7 +43,43 @@ SETUPS = {
     "plain_file": lambda d, ckpt: (d / "file.txt").write_text("not json {") and d / "file.txt",
     "existing_dir": lambda d, ckpt: (d / "exists").mkdir() or (d / "exists" / "keep.txt").write_text("mine") and d / "exists",
     "conv_checkpoint": lambda d, ckpt: _save(d, "conv.safetensors", convnet().state_dict()),
+    "unknown_dtype_checkpoint": lambda d, ckpt: _edit_header(d, ckpt, lambda h, k: h[k].update(dtype="Q7")),
+    "overlapping_checkpoint": lambda d, ckpt: _edit_header(
+        d, ckpt, lambda h, k: h[k].update(data_offsets=[0, h[k]["data_offsets"][1] - h[k]["data_offsets"][0]])),
+    "short_offsets_checkpoint": lambda d, ckpt: _edit_header(
+        d, ckpt, lambda h, k: h[k].update(data_offsets=[h[k]["data_offsets"][0], h[k]["data_offsets"][1] - 4])),
+    "negative_shape_checkpoint": lambda d, ckpt: _edit_header(d, ckpt, lambda h, k: h[k].update(shape=[-1, 64])),
+    "hf_config_list": lambda d, ckpt: _hf_dir(d, "[1, 2]"),
+    "hf_config_deep": lambda d, ckpt: _hf_dir(d, "[" * 100000 + "]" * 100000),
+    "hf_weight_map_list": lambda d, ckpt: _hf_dir(d, None, index='{"weight_map": [1, 2]}'),
+    "hf_weight_map_escapes": lambda d, ckpt: _hf_dir(d, None, index='{"weight_map": {"a": "../../etc/x.safetensors"}}'),
+    "encodings_deep": lambda d, ckpt: (d / "deep.json").write_text("[" * 100000 + "]" * 100000) and d / "deep.json",
 }
+
+
+def _edit_header(d: Path, ckpt: Path, change) -> Path:
+    """``ckpt`` with one tensor entry of its safetensors header changed (the data section kept as it is)."""
+    import struct
+
+    raw = ckpt.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    key = sorted(k for k in header if k != "__metadata__")[1]  # a tensor that does not start the data section
+    change(header, key)
+    text = json.dumps(header).encode()
+    (d / "edited.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    return d / "edited.safetensors"
+
+
+def _hf_dir(d: Path, config, index=None) -> Path:
+    """A Hugging Face-style directory (a tiny MLP's weights) with the given config.json text and index."""
+    hf = d / "hf"
+    hf.mkdir()
+    _save(hf, "model.safetensors", mlp().state_dict())
+    (hf / "config.json").write_text(config if config is not None else '{"model_type": "llama"}')
+    if index is not None:
+        (hf / "model.safetensors.index.json").write_text(index)
+    return hf
 
 
 def _encodings_variant(d: Path, enc: Path, mutate) -> Path:

@@ -259,7 +259,7 @@ def export_compressed_tensors(
         )
     try:
         config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{checkpoint / 'config.json'}: cannot read: {e}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{checkpoint / 'config.json'}: not a JSON object")

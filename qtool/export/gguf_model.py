@@ -134,7 +134,7 @@ def read_gguf_model(directory: Path) -> GgufModel:
                               "tokenizer.json and the weights)")
     try:
         config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{directory / 'config.json'}: not readable JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{directory / 'config.json'}: not a JSON object")
@@ -188,7 +188,7 @@ def _add_tokenizer(writer, directory: Path, n_vocab: int) -> List[str]:
         model = tj["model"]
         byte_fallback = bool(model.get("byte_fallback", False))
         kind = model["type"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not a tokenizers JSON file ({str(e).splitlines()[0][:80]})") from None
     warnings: List[str] = []
     try:

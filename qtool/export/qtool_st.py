@@ -350,7 +350,7 @@ def export_files(path: Path) -> List[Path]:
     if path.name.endswith(".index.json"):
         try:
             weight_map = json.loads(path.read_text())["weight_map"]
-        except (ValueError, KeyError, OSError, TypeError) as e:
+        except (ValueError, KeyError, OSError, TypeError, RecursionError) as e:
             raise EncodingsError(f"{path}: not a valid safetensors index ({e})") from None
         if not isinstance(weight_map, dict) or not all(
                 isinstance(f, str) and f and Path(f).name == f for f in weight_map.values()):

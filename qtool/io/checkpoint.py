@@ -44,9 +44,16 @@ def tensor_files(path: Path) -> List[Path]:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-            return [path / f for f in sorted(set(weight_map.values()))]
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({type(e).__name__})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+            shards = sorted(set(weight_map.values()))
+            bad = [f for f in shards if Path(f).name != f or not f.endswith(".safetensors")]
+            if bad:
+                raise CheckpointError(f"{index}: shard {bad[0][:80]!r} is not a .safetensors file name in this "
+                                      "directory")
+            return [path / f for f in shards]
         return sorted(path.glob("*.safetensors"))
     return [path]
 
@@ -65,14 +72,53 @@ def check_safetensors(file: Path) -> None:
             header = json.loads(f.read(n))
     except CheckpointError:
         raise
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-    try:
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
-        raise CheckpointError(f"{file}: corrupt safetensors header (bad tensor entries)") from None
+    end = _check_entries(file, header)
     if 8 + n + end > size:
         raise CheckpointError(f"{file}: truncated safetensors file (needs {8 + n + end} bytes, has {size})")
+
+
+# bytes per element of the dtypes torch reads from safetensors (safetensors.torch); others are refused up front
+_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "C64": 8, "U64": 8, "U32": 4,
+                "U16": 2}
+
+
+def _check_entries(file: Path, header) -> int:
+    """Each tensor entry well formed (a known dtype, a shape of non-negative ints, offsets that hold exactly
+    its bytes) and no two entries overlapping; returns the end of the data section."""
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupt safetensors header (not a JSON object)")
+    spans = []
+    for key, v in header.items():
+        if key == "__metadata__":
+            if v is not None and not (isinstance(v, dict) and all(isinstance(x, str) for x in v.values())):
+                raise CheckpointError(f"{file}: corrupt safetensors header (__metadata__ must map names to strings)")
+            continue
+        where = f"{file}: tensor {key[:80]!r}"
+        if not isinstance(v, dict):
+            raise CheckpointError(f"{where}: corrupt header entry (not a JSON object)")
+        dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+        if dtype not in _DTYPE_SIZES:
+            raise CheckpointError(f"{where}: unsupported dtype {str(dtype)[:20]!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise CheckpointError(f"{where}: corrupt header entry (shape must be a list of non-negative integers)")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{where}: corrupt header entry (data_offsets must be [begin, end])")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if offsets[1] - offsets[0] != numel * _DTYPE_SIZES[dtype]:
+            raise CheckpointError(f"{where}: its data_offsets hold {offsets[1] - offsets[0]} bytes, its shape and "
+                                  f"dtype need {numel * _DTYPE_SIZES[dtype]}")
+        spans.append((offsets[0], offsets[1], key))
+    spans.sort()
+    for (b0, e0, k0), (b1, e1, k1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(f"{file}: tensors {k0[:80]!r} and {k1[:80]!r} overlap in the data section")
+    return max((e for _, e, _ in spans), default=0)
 
 
 def read_state_dict(path: Path) -> Dict[str, torch.Tensor]:

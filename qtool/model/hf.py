@@ -6,6 +6,8 @@ transformers is an optional extra (``qtool[hf]``); every entry point here turns 
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -30,8 +32,20 @@ def _transformers(path):
 
 def _config(path, trust_remote_code: bool):
     transformers = _transformers(path)
+    cfg_file = Path(path) / "config.json"
+    try:  # read it ourselves first: transformers turns some malformed files into tracebacks
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no config.json in this directory") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{cfg_file}: not readable JSON ({str(e).splitlines()[0][:120]})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_file}: must be a JSON object (found {type(cfg).__name__})")
     try:
         return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{cfg_file}: transformers cannot read this config ({type(e).__name__}: "
+                              f"{str(e)[:120]})") from None
     except ValueError as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "trust_remote_code" in str(e):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import json
 import pickle
+import re
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -58,9 +59,12 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+_FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
 def _import_factory(spec: str):
-    if ":" not in spec:
-        raise UsageError(f"--model-class must look like 'package.module:callable' (got {spec!r})")
+    if not _FACTORY.fullmatch(spec):
+        raise UsageError(f"--model-class must look like 'package.module:callable' (got {spec[:200]!r})")
     mod_name, attr = spec.split(":", 1)
     if "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")  # let users point at a module in the working directory
@@ -79,7 +83,13 @@ def _import_factory(spec: str):
 
 
 def _build(spec: str) -> nn.Module:
-    model = _import_factory(spec)()
+    factory = _import_factory(spec)
+    try:
+        model = factory()
+    except TypeError as e:  # a class or function that needs arguments (other failures keep their traceback)
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        raise UsageError(f"--model-class {spec}: calling it with no arguments failed ({type(e).__name__}: {first}); "
+                         "point it at a function that builds the model") from None
     if not isinstance(model, nn.Module):
         raise UsageError(f"--model-class {spec}: returned {type(model).__name__}, not a torch.nn.Module")
     return model
