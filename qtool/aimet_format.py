@@ -277,6 +277,9 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
             continue
         if not MIN_BITWIDTH <= r["bits"] <= MAX_BITWIDTH:  # (a skipped bias may be 32-bit)
             raise EncodingsError(f"{source}: {name}: bitwidth {r['bits']} is outside {MIN_BITWIDTH}..{MAX_BITWIDTH}")
+        if r["offset"].numel() != r["scale"].numel():
+            raise EncodingsError(f"{source}: {name}: {r['offset'].numel()} offsets for {r['scale'].numel()} scales "
+                                 "(give one offset per scale)")
         scale = r["scale"].reshape(shape)
         offset = r["offset"].reshape(shape)
         if not (torch.isfinite(scale).all() and (scale > 0).all()):

@@ -489,6 +489,32 @@ def quantize(
         _emit_json({"ok": True, **summary})
 
 
+def _suggest_args(suggest, recipe, checkpoint, encodings, data):
+    """``(N, OUT.yaml, base recipe text or None)`` of ``--suggest 'N OUT.yaml'`` and ``--recipe``, checked before
+    the (slow) report runs: the base recipe must be valid, and OUT.yaml must not be one of the inputs."""
+    from pathlib import Path
+
+    from .config import load_recipe
+    from .errors import UsageError
+
+    if not suggest:
+        return None, None, None
+    n_text, out_yaml = suggest[0].split(None, 1) if " " in suggest[0] else (suggest[0], None)
+    if out_yaml is None or not n_text.isdigit() or int(n_text) < 1:
+        raise UsageError("--suggest takes 'N OUT.yaml' (quote it as one argument: --suggest '3 keep.yaml')")
+    out = Path(out_yaml)
+    for given in (recipe, checkpoint, encodings, data):
+        if given and Path(given).exists() and out.exists() and out.resolve() == Path(given).resolve():
+            raise UsageError(f"--suggest: {out} is one of this command's inputs; write the suggestion elsewhere")
+    if out.is_dir():
+        raise UsageError(f"--suggest: {out} is a directory; give a file name")
+    base = None
+    if recipe:
+        load_recipe(recipe)  # a malformed base is one error naming its file and key, before anything runs
+        base = Path(recipe).read_text(encoding="utf-8")
+    return int(n_text), out, base
+
+
 @app.command(epilog="Examples:\n\n\b\n  qtool report MODEL_DIR -e runs/r1/encodings.json --data heldout.txt\n  qtool report MODEL_DIR -e runs/r1/encodings.json --data heldout.txt --min-cosine 0.99 --json")
 def report(
     checkpoint: str = typer.Argument(..., help="The checkpoint the encodings were calibrated on."),
@@ -530,6 +556,7 @@ def report(
         _check_early(device=device, data=data)
         if suggest is not None and (len(suggest) != 1 or not sensitivity):
             raise UsageError("--suggest takes 'N OUT.yaml' together with --sensitivity")
+        suggest_n, suggest_out, base = _suggest_args(suggest, recipe, checkpoint, encodings, data)
         if max_ppl_increase is not None and max_ppl_increase < 0:
             raise UsageError("--max-ppl-increase must be a percentage >= 0")
         checkpoint = _checkpoint(checkpoint, revision)
@@ -546,15 +573,13 @@ def report(
 
             plot_sqnr(rep, plot, title=f"per-layer SQNR: {_P(checkpoint).name}")
         if suggest and root:
-            from pathlib import Path
-
+            from .config import parse_recipe
+            from .io.fs import write_text_atomic
             from .report import suggest_recipe
 
-            n_text, out_yaml = suggest[0].split(None, 1) if " " in suggest[0] else (suggest[0], None)
-            if out_yaml is None or not n_text.isdigit():
-                raise UsageError("--suggest takes 'N OUT.yaml' (quote it as one argument: --suggest '3 keep.yaml')")
-            base = Path(recipe).read_text() if recipe else None
-            Path(out_yaml).write_text(suggest_recipe(result["sensitivity"], int(n_text), base))
+            text = suggest_recipe(result["sensitivity"], suggest_n, base)
+            parse_recipe(text, source=suggest_out)  # write only what `-c` will read back
+            write_text_atomic(suggest_out, text)
     from .report import check_gates, enforce_gates
 
     with _errors(debug, json_out):

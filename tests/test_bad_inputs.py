@@ -54,6 +54,9 @@ SETUPS = {
     "hf_weight_map_list": lambda d, ckpt: _hf_dir(d, None, index='{"weight_map": [1, 2]}'),
     "hf_weight_map_escapes": lambda d, ckpt: _hf_dir(d, None, index='{"weight_map": {"a": "../../etc/x.safetensors"}}'),
     "encodings_deep": lambda d, ckpt: (d / "deep.json").write_text("[" * 100000 + "]" * 100000) and d / "deep.json",
+    "data_65_channels": lambda d, ckpt: _save(d, "x65.safetensors", {"x": torch.randn(4, 65)}),
+    "malformed_base_recipe": lambda d, ckpt: (d / "base.yaml").write_text("version: 1\ndefaults: [1, 2]\n") and d / "base.yaml",
+    "good_base_recipe": lambda d, ckpt: (d / "base.yaml").write_text((CONFIGS / "w8a8.yaml").read_text()) and d / "base.yaml",
 }
 
 
@@ -90,7 +93,22 @@ def _encodings_variant(d: Path, enc: Path, mutate) -> Path:
     return path
 
 
+def _aimet_short_offsets(d: Path, enc: Path) -> Path:
+    """An AIMET 1.0.0 file of ``enc`` (written by qtool) whose first weight has fewer offsets than scales."""
+    code, _, err = run_cli("export", enc.parent.parent / "mlp.safetensors", "-e", enc, "--model-class",
+                           "tests.tinymodels:mlp", "-o", d / "aimet_src", "--format", "aimet", "--quiet")
+    assert code == 0, err
+    obj = json.loads((d / "aimet_src" / "model.encodings").read_text())
+    obj["param_encodings"][0]["offset"] = obj["param_encodings"][0]["offset"][:5]
+    import shutil
+
+    shutil.rmtree(d / "aimet_src")
+    (d / "short.encodings").write_text(json.dumps(obj))
+    return d / "short.encodings"
+
+
 SETUPS_WITH_ENC = {
+    "aimet_short_offsets": _aimet_short_offsets,
     "encodings_v99": lambda d, enc: _encodings_variant(d, enc, lambda o: o.update(schema_version=99)),
     "encodings_missing_field": lambda d, enc: _encodings_variant(d, enc, lambda o: o["quantizers"][0].pop("max")),
     "encodings_wrong_shape": lambda d, enc: _encodings_variant(d, enc, lambda o: o["quantizers"][0].update(

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..encodings import EncodingsFile
-from ..errors import UsageError
+from ..errors import DataError, UsageError
 from ..quant import QuantizeDequantize, quantize, quantize_dequantize
 from ..quant.spec import axis_and_block
 from .base import Exporter, ExportRequest
@@ -447,7 +447,13 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
             for e in enc.entries}
     path = out_dir / "model.onnx"
     with torch.no_grad():
-        output_names, _ = _flatten(model(*args, **kwargs))
+        try:
+            out = model(*args, **kwargs)
+        except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"--data: the model rejected the sample batch ONNX export traces with: {first[:200]}") \
+                from None
+        output_names, _ = _flatten(out)
     # eval() on the wrapper: the exporter restores the top module's mode afterwards, and a fresh module would be
     # in training mode, turning dropout on in the caller's model
     wrapper = _Positional(model, ["input"] if args else [], list(kwargs)).eval()

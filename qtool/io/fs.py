@@ -12,7 +12,7 @@ from typing import Iterator, Optional, Sequence, Tuple
 
 from ..errors import UsageError
 
-__all__ = ["atomic_output_dir", "sha256_file", "check_output_dir", "parse_size"]
+__all__ = ["atomic_output_dir", "sha256_file", "check_output_dir", "parse_size", "write_text_atomic"]
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -86,6 +86,22 @@ def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
             os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a small text file whole or not at all (a temporary file beside it, then a rename)."""
+    import os
+    import tempfile
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=str(path.parent.resolve()))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 
