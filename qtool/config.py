@@ -105,21 +105,34 @@ def _by_name(value: Any) -> Any:
     return value
 
 
+_ROUNDING_PARAMS = {"nearest": (), "gptq": ("block_columns", "dampening", "act_order"),
+                    "adaround": ("iterations", "reg_weight", "warm_start", "learning_rate")}
+
+
 class RoundingSpec(BaseModel):
     """``rounding: NAME`` or ``rounding: {name: gptq, <parameter>: value, ...}``: how a weight's codes are chosen on
     the grid its analyzer picked. ``nearest`` rounds each value alone; ``gptq`` chooses codes column by column
-    from the layer's input statistics (qtool.calibration.rounding.gptq)."""
+    from the layer's input statistics (qtool.calibration.rounding.gptq); ``adaround`` learns each value's up/down
+    rounding from them (qtool.calibration.rounding.adaround)."""
 
     model_config = ConfigDict(extra="forbid")
-    name: Literal["nearest", "gptq"] = "nearest"
+    name: Literal["nearest", "gptq", "adaround"] = "nearest"
     block_columns: Optional[int] = Field(None, ge=1, le=65536)
     dampening: Optional[float] = Field(None, ge=0, le=10)
     act_order: Optional[bool] = None
+    iterations: Optional[int] = Field(None, ge=0, le=100000)
+    reg_weight: Optional[float] = Field(None, ge=0, le=1000)
+    warm_start: Optional[float] = Field(None, ge=0, le=1)
+    learning_rate: Optional[float] = Field(None, gt=0, le=10)
 
     @model_validator(mode="after")
     def _params_fit(self):
         if self.name == "nearest" and self.kwargs():
             raise ValueError(f"rounding nearest takes no parameters (got {', '.join(self.kwargs())})")
+        wrong = [k for k in self.kwargs() if k not in _ROUNDING_PARAMS[self.name]]
+        if wrong:
+            raise ValueError(f"rounding {self.name} does not take {wrong[0]!r} (it takes "
+                             f"{', '.join(_ROUNDING_PARAMS[self.name])})")
         return self
 
     def kwargs(self) -> Dict[str, Any]:

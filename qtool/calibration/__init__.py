@@ -86,7 +86,7 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
                else "the recipe quantizes activations" if plan.static_activations
                else "the recipe changes the float model from data (fold_batch_norms, smoothquant)"
                if plan.folds or plan.smoothing
-               else "the recipe chooses weights from data (rounding gptq or weighting: activations)")
+               else "the recipe chooses weights from data (rounding gptq or adaround, or weighting: activations)")
         raise DataError(f"{why}, which needs calibration data: pass --data PATH")
     hooks.on_stage("reading calibration data")
     return load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, tokenizer,

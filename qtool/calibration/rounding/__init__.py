@@ -25,11 +25,12 @@ from ...quant import QuantizerBase
 from ...parallel import Group, assign
 from ...quant.affine import dequantize
 from .conv import CONV_TYPES, ConvCall, capture_conv_input, flat_weight, patch_rows
+from .adaround import adaround_codes
 from .gptq import expand_encoding, gptq_codes
 
 GPTQ_LAYERS_PER_RANK = 4  # layers each rank rounds per window (Group.windows)
 
-__all__ = ["InputStatistics", "collect_inputs", "round_weights", "importance", "gptq_codes"]
+__all__ = ["InputStatistics", "collect_inputs", "round_weights", "importance", "gptq_codes", "adaround_codes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,7 +157,8 @@ def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics], weight_shape
 def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quantizers: Dict[str, QuantizerBase],
                   stats: Dict[str, InputStatistics], warnings: Optional[List[str]] = None,
                   tied: Iterable[str] = (), group: Optional[Group] = None) -> Dict[str, torch.Tensor]:
-    """Codes for every row whose ``rounding`` is not nearest (GPTQ), on the grid its quantizer was calibrated to.
+    """Codes for every row whose ``rounding`` is not nearest (GPTQ, AdaRound), on the grid its quantizer was
+    calibrated to.
 
     Each layer's weight is overwritten with its dequantized codes (which round to exactly those codes again), so
     anything that runs the model afterwards (activation calibration, later blocks, reports) sees the chosen
@@ -203,15 +205,16 @@ def _codes(q: QuantizerPlan, modules, quantizers, stats) -> torch.Tensor:
     scale, offset = quantizer.get_scale().detach(), quantizer.get_offset().detach()
     s = stats[q.module]
     args = dict(q.rounding_args)
+    algorithm = adaround_codes if q.rounding == "adaround" else gptq_codes
     try:
         if not s.groups:
-            return gptq_codes(weight, s.hessian(), scale, offset, quantizer.qmin, quantizer.qmax, q.block_size,
-                              **args).cpu()
-        # a convolution: GPTQ per group, on the group's rows (flattened kernels) and the group's patch Hessian
+            return algorithm(weight, s.hessian(), scale, offset, quantizer.qmin, quantizer.qmax, q.block_size,
+                             **args).cpu()
+        # a convolution: one problem per group, on the group's rows (flattened kernels) and its patch Hessian
         rows = flat_weight(weight, s.groups)
         grid = [flat_weight(expand_encoding(t.to(weight.device), weight.shape, q.block_size), s.groups)
                 for t in (scale, offset)]
-        codes = gptq_codes(rows, s.hessian(), grid[0], grid[1], quantizer.qmin, quantizer.qmax, **args)
+        codes = algorithm(rows, s.hessian(), grid[0], grid[1], quantizer.qmin, quantizer.qmax, **args)
         return codes.reshape(weight.shape).cpu()
     except ValueError as e:
         raise DataError(f"{q.name}: {e}") from None
