@@ -74,9 +74,36 @@ class InputStatistics:
         return per_group.reshape(tuple(weight_shape))
 
 
+def _batch_sums(rows: torch.Tensor, hessian: bool):
+    """``(n, sum x² (groups·d,), sum x xᵀ (groups, d, d) or None)`` of one batch's ``rows`` ``(n, groups, d)``,
+    in float32."""
+    n, g, d = rows.shape
+    xtx = None
+    if hessian:
+        xtx = torch.einsum("ngi,ngj->gij", rows, rows) if g > 1 else (rows[:, 0].T @ rows[:, 0])[None]
+    return n, rows.square().sum(dim=0).reshape(-1), xtx
+
+
+class _SharedInput:
+    """The last Linear input's batch sums, reused by the next layers that read the very same tensor (q/k/v_proj,
+    gate/up_proj): one ``XᵀX`` per input, not one per layer, with the same float32 values."""
+
+    def __init__(self):
+        self.x: Optional[torch.Tensor] = None
+        self.sums = None
+
+    def sums_of(self, x: torch.Tensor, hessian: bool):
+        if self.x is not x or (hessian and self.sums[2] is None):
+            rows = x.detach().as_subclass(torch.Tensor).reshape(-1, 1, x.shape[-1]).to(torch.float32)
+            self.x, self.sums = x, _batch_sums(rows, hessian)
+        n, sq, xtx = self.sums
+        return n, sq, xtx if hessian else None
+
+
 class _Collector:
-    def __init__(self, hessian: bool):
+    def __init__(self, hessian: bool, shared: Optional[_SharedInput] = None):
         self.hessian = hessian
+        self.shared = shared or _SharedInput()
         self.count = 0
         self.groups = 0
         self.sq: Optional[torch.Tensor] = None
@@ -87,8 +114,7 @@ class _Collector:
         x = args[0] if args else kwargs.get("input")
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
-        x = x.detach().as_subclass(torch.Tensor)
-        self._add(x.reshape(-1, 1, x.shape[-1]).to(torch.float32))
+        self._add(*self.shared.sums_of(x, self.hessian))
 
     def conv(self, call: ConvCall) -> None:
         """A convolution op's input (captured inside its module's forward)."""
@@ -96,21 +122,19 @@ class _Collector:
             return
         self.groups = call.groups
         for rows in patch_rows(call):
-            self._add(rows)
+            self._add(*_batch_sums(rows, self.hessian))
 
-    def _add(self, rows: torch.Tensor) -> None:
-        """``rows`` ``(n, groups, d)``."""
-        n, g, d = rows.shape
+    def _add(self, n: int, sq: torch.Tensor, xtx: Optional[torch.Tensor]) -> None:
         if self.sq is None:
-            self.sq = torch.zeros(g * d, dtype=torch.float64, device=rows.device)
+            self.sq = torch.zeros(sq.shape, dtype=torch.float64, device=sq.device)
             if self.hessian:
-                self.xtx = torch.zeros(g, d, d, dtype=torch.float64, device=rows.device)
+                self.xtx = torch.zeros(xtx.shape, dtype=torch.float64, device=sq.device)
         self.count += n
         # each batch's sums in float32, accumulated in float64: adding float32 numbers in float64 is exact unless
         # they span ~2^29 in magnitude, so the total hardly ever depends on how batches are grouped (shards)
-        self.sq += rows.square().sum(dim=0).reshape(-1)
+        self.sq += sq
         if self.hessian:
-            self.xtx += torch.einsum("ngi,ngj->gij", rows, rows) if g > 1 else (rows[:, 0].T @ rows[:, 0])[None]
+            self.xtx += xtx
 
     def statistics(self) -> Optional[InputStatistics]:
         if self.sq is None:
@@ -130,7 +154,8 @@ def collect_inputs(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module],
             hessian[q.module] = hessian.get(q.module, False) or q.rounding != "nearest"
     if not hessian:
         return {}
-    collectors = {name: _Collector(hessian[name]) for name in sorted(hessian)}
+    shared = _SharedInput()
+    collectors = {name: _Collector(hessian[name], shared) for name in sorted(hessian)}
     with contextlib.ExitStack() as stack:
         for name, c in collectors.items():
             if isinstance(modules[name], CONV_TYPES):

@@ -95,9 +95,10 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
         for i in range(i2 - i1):
             w = W1[:, :, i]
             s, o = S[:, :, i1 + i], O[:, :, i1 + i]
-            q = quantize(w, s, o, qmin=qmin, qmax=qmax)
+            # quantize / dequantize's own float32 steps, inline: this loop runs once per input column
+            q = torch.round(w / s).sub_(o).clamp_(qmin, qmax)
             codes[:, :, i1 + i] = q
-            err = (w - dequantize(q, s, o)) / U1[:, i, i][:, None]
+            err = (w - (q + o) * s) / U1[:, i, i][:, None]
             W1[:, :, i:] -= err[:, :, None] * U1[:, i, i:][:, None, :]
             E1[:, :, i] = err
         W[:, :, i2:] -= E1 @ U[:, i1:i2, i2:]
