@@ -101,6 +101,12 @@ class EncodingEntry:
             lo, hi = fh.get_tensor(kmin), fh.get_tensor(kmax)
         if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
             raise EncodingsError(f"{file}: {kmin}/{kmax}: min/max must be finite numbers")
+        qmin, qmax = self.qmin_qmax
+        with torch.no_grad():
+            scale, _ = min_max_to_scale_offset(lo.to(torch.float32), hi.to(torch.float32), qmin, qmax, self.symmetric)
+        if not torch.isfinite(scale).all():
+            raise EncodingsError(f"{file}: {kmin}/{kmax}: the range overflows float32 when divided into steps (an "
+                                 "infinite scale)")
         return lo, hi
 
     def materialized(self) -> "EncodingEntry":

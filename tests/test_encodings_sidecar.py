@@ -175,6 +175,23 @@ def test_non_finite_sidecar_numbers_are_an_encodings_error_eager_or_lazy(tmp_pat
         lazy.entries[0].scale_offset()
 
 
+def test_a_lazily_read_range_whose_scale_overflows_is_an_encodings_error(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    big, small = _entries()
+    EncodingsFile([big, small], {}).write(tmp_path / "encodings.json", inline_limit=100)
+    with safe_open(tmp_path / SIDECAR, "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    tensors["a.weight.min"][0, 0], tensors["a.weight.max"][0, 0] = -3e38, 3e38  # finite, but /7 steps overflows
+    save_file(tensors, str(tmp_path / SIDECAR), metadata=meta)
+    lazy = EncodingsFile.read(tmp_path / "encodings.json", lazy=True)
+    with pytest.raises(EncodingsError, match="a.weight.min/a.weight.max: the range overflows float32"):
+        lazy.entries[0].scale_offset()
+    with pytest.raises(EncodingsError, match="overflows float32"):
+        EncodingsFile.read(tmp_path / "encodings.json")
+
+
 def test_sidecar_stream_abort_leaves_the_real_error_alone(tmp_path):
     """A run that fails mid-calibration aborts the stream quietly; closing a half-written one is an error."""
     from qtool.encodings import SidecarStream
