@@ -16,9 +16,6 @@ from .errors import UsageError
 
 __all__ = ["inspect_path"]
 
-_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-          "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
-
 
 def _header(path: Path) -> Dict[str, Any]:
     """The safetensors header (no tensor data is read)."""

@@ -249,15 +249,3 @@ def test_adaround_beats_round_to_nearest_and_reaches_the_files(bn_files):
     assert loss["a"] < 0.95 * loss["r"], loss
     code, out, err = run_cli("config", "show", t / "a.yaml", "--model", t / "bn.safetensors", "--model-class", BN)
     assert code == 0 and "+ adaround" in out, err
-
-
-@pytest.mark.parametrize("text, needle", [
-    ("{name: adaround, dampening: 0.1}", "rounding adaround does not take 'dampening'"),
-    ("{name: gptq, iterations: 10}", "rounding gptq does not take 'iterations'"),
-    ("{name: adaround, warm_start: 2}", "warm_start"),
-])
-def test_rounding_parameters_belong_to_their_algorithm(text, needle):
-    from qtool.errors import ConfigError
-
-    with pytest.raises(ConfigError, match=needle):
-        parse_recipe("defaults:\n  weights: {rounding: " + text + "}\n")

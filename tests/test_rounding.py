@@ -195,6 +195,9 @@ def test_recipe_rounding_and_weighting_reach_the_plan_and_non_linear_layers_fall
     ("weights: {rounding: {name: nearest, dampening: 0.1}}", "rounding nearest takes no parameters"),
     ("weights: {rounding: {name: gptq, block_columns: 0}}", "block_columns"),
     ("weights: {analyzer: {name: minmax, weighting: activations}}", "does not take 'weighting'"),
+    ("weights: {rounding: {name: adaround, dampening: 0.1}}", "rounding adaround does not take 'dampening'"),
+    ("weights: {rounding: {name: gptq, iterations: 10}}", "rounding gptq does not take 'iterations'"),
+    ("weights: {rounding: {name: adaround, warm_start: 2}}", "warm_start"),
 ])
 def test_bad_rounding_recipes_are_one_clear_error(text, needle):
     from qtool.errors import ConfigError

@@ -96,11 +96,12 @@ def calibrate(
             stats = merge_inputs(collect_inputs(inputs, modules, run), group)
         finally:
             set_quantization(model, True)
-    sizes = {q.name: modules[q.module]._parameters["weight"].numel() for q in plan.weights}
-    calibrate_weights_split(plan.weights, sizes, lambda q: quantizers[q.name],
-                            lambda q: modules[q.module]._parameters["weight"], group,
-                            importance_for=lambda q: importance(
-                                    q, stats, modules[q.module]._parameters["weight"].shape))
+    def weight_of(q):
+        return modules[q.module]._parameters["weight"]
+
+    sizes = {q.name: weight_of(q).numel() for q in plan.weights}
+    calibrate_weights_split(plan.weights, sizes, lambda q: quantizers[q.name], weight_of, group,
+                            importance_for=lambda q: importance(q, stats, weight_of(q).shape))
     codes = round_weights(inputs, modules, quantizers, stats, plan.warnings, group=group)
     unused = []
     if acts:
@@ -116,14 +117,21 @@ def _first_tensor(out) -> torch.Tensor:
     return next(v for v in values if isinstance(v, torch.Tensor))
 
 
+def _relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
+    """The largest change of a float output, relative to its largest magnitude (compared to SMOOTH_TOLERANCE)."""
+    return float((after - before).abs().max() / before.abs().max().clamp(min=1e-12))
+
+
 @torch.no_grad()
 def _fold(model: nn.Module, plan: Plan, modules, data: CalibrationData, device) -> Dict[str, torch.Tensor]:
     """Batch-norm folding on the float model: the plan's candidates checked on the first batch (a norm that does
     not take its convolution's output as is stays, with a plan warning), folded, and the float outputs on that
     batch compared with what they were."""
     first = data.batches[0].to(device)
-    before = _first_tensor(model(*first.args, **first.kwargs)).detach()
-    confirmed, refused = adjacent_pairs(plan.folds, modules, lambda: model(*first.args, **first.kwargs))
+    outputs = []  # the pairs are checked on the same call that gives the outputs before folding
+    confirmed, refused = adjacent_pairs(plan.folds, modules,
+                                        lambda: outputs.append(model(*first.args, **first.kwargs)))
+    before = _first_tensor(outputs[0]).detach()
     for f in refused:
         plan.warnings.append(f"fold_batch_norms: {f.bn} does not take {f.conv}'s output as its input; not folded")
     plan.folds = confirmed
@@ -133,8 +141,7 @@ def _fold(model: nn.Module, plan: Plan, modules, data: CalibrationData, device) 
             replaced.update(fold_batch_norm(modules[f.conv], modules[f.bn], f.conv, f.bn))
         except ValueError as e:
             raise UsageError(f"fold_batch_norms: {e}") from None
-    after = _first_tensor(model(*first.args, **first.kwargs)).detach()
-    err = float((after - before).abs().max() / before.abs().max().clamp(min=1e-12))
+    err = _relative_change(before, _first_tensor(model(*first.args, **first.kwargs)).detach())
     if not err <= SMOOTH_TOLERANCE:
         raise UsageError(f"fold_batch_norms: folding changed the float model's outputs (relative error {err:.2g}); "
                          "leave fold_batch_norms off for this model")
@@ -158,7 +165,7 @@ def _smooth(model: nn.Module, plan: Plan, modules, data: CalibrationData, device
         for g in (g for g in plan.smoothing if g.mapping == mapping):
             replaced.update(smooth(g, modules, amax[g.smooth]))
         after = _first_tensor(model(*first.args, **first.kwargs)).detach()
-        err = float((after - before).abs().max() / before.abs().max().clamp(min=1e-12))
+        err = _relative_change(before, after)
         if not err <= SMOOTH_TOLERANCE:
             g = next(g for g in plan.smoothing if g.mapping == mapping)
             raise UsageError(f"smoothquant: folding scales from {g.smooth} into {', '.join(g.balance)} changes the "

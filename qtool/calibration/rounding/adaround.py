@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from ...quant.affine import quantize
-from .gptq import _better_rows, expand_encoding
+from .gptq import as_problems, keep_better_rows
 
 __all__ = ["adaround_codes"]
 
@@ -45,24 +45,9 @@ def adaround_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Ten
     docstring); ``hessian`` is ``sum(x xᵀ)`` over the calibration inputs (any positive multiple gives the same
     codes up to float rounding). Deterministic for fixed inputs: a full-batch loss, no sampling, float32 on the
     weight's device."""
-    batched = weight.dim() == 3
-    if weight.dim() not in (2, 3) or hessian.dim() != weight.dim():
-        raise ValueError(f"AdaRound takes a 2-D (out, in) weight, got shape {list(weight.shape)}")
-    cols = weight.shape[-1]
-    if tuple(hessian.shape[-2:]) != (cols, cols) or hessian.shape[:-2] != weight.shape[:-2]:
-        raise ValueError(f"Hessian of shape {list(hessian.shape)} does not fit a weight with {cols} input columns")
     if iterations < 0 or reg_weight < 0 or not 0 <= warm_start <= 1 or learning_rate <= 0:
         raise ValueError("iterations and reg_weight must be >= 0, warm_start in [0, 1], learning_rate > 0")
-    dev = weight.device
-    W0 = weight.detach().to(torch.float32)
-    if batched:
-        S = scale.to(dev, torch.float32).expand(W0.shape)
-        O = offset.to(dev, torch.float32).expand(W0.shape)
-        H = hessian.detach().to(dev, torch.float32)
-    else:
-        S = expand_encoding(scale.to(dev, torch.float32), W0.shape, block_size)
-        O = expand_encoding(offset.to(dev, torch.float32), W0.shape, block_size)
-        W0, S, O, H = W0[None], S[None], O[None], hessian.detach().to(dev, torch.float32)[None]
+    W0, H, S, O = as_problems(weight, hessian, scale, offset, block_size, "AdaRound")
     base = torch.floor(W0 / S)
     rest = (W0 / S - base).clamp(0, 1)
     v = torch.logit(((rest - _GAMMA) / (_ZETA - _GAMMA)).clamp(1e-4, 1 - 1e-4)).requires_grad_(True)
@@ -86,9 +71,4 @@ def adaround_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Ten
     with torch.no_grad():
         up = (_soft(v) >= 0.5).to(torch.float32)
         codes = (base + up - O).clamp(qmin, qmax)
-    if not batched:
-        codes, H = codes[0], H[0]
-        S_rows, O_rows = scale.to(dev, torch.float32), offset.to(dev, torch.float32)
-        return _better_rows(weight.detach().to(torch.float32), H, codes, S_rows, O_rows, qmin, qmax, block_size)
-    return _better_rows(weight.detach().to(torch.float32), H, codes, S, O, qmin, qmax, None)
-
+    return keep_better_rows(weight, H, codes, scale, offset, qmin, qmax, block_size)

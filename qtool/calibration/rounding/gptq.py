@@ -27,7 +27,7 @@ import torch
 
 from ...quant.affine import blocked_shapes, dequantize, quantize
 
-__all__ = ["gptq_codes", "expand_encoding"]
+__all__ = ["gptq_codes", "expand_encoding", "as_problems", "keep_better_rows"]
 
 
 def expand_encoding(t: torch.Tensor, weight_shape: Sequence[int], block_size: Optional[Sequence[int]]) -> torch.Tensor:
@@ -54,24 +54,11 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     A batch of independent problems runs at once: ``weight`` ``(groups, out, in)`` with ``hessian``
     ``(groups, in, in)`` and ``scale``/``offset`` per element ``(groups, out, in)`` (a grouped convolution's rows,
     qtool.calibration.rounding.conv)."""
-    batched = weight.dim() == 3
-    if weight.dim() not in (2, 3) or hessian.dim() != weight.dim():
-        raise ValueError(f"GPTQ takes a 2-D (out, in) weight, got shape {list(weight.shape)}")
-    rows, cols = weight.shape[-2:]
-    if tuple(hessian.shape[-2:]) != (cols, cols) or hessian.shape[:-2] != weight.shape[:-2]:
-        raise ValueError(f"Hessian of shape {list(hessian.shape)} does not fit a weight with {cols} input columns")
     if block_columns < 1 or not 0 <= dampening:
         raise ValueError("block_columns must be >= 1 and dampening >= 0")
-    dev = weight.device
-    W = weight.detach().to(torch.float32).clone()
-    if batched:
-        S = scale.to(dev, torch.float32).expand(W.shape).clone()
-        O = offset.to(dev, torch.float32).expand(W.shape).clone()
-    else:
-        W, hessian = W[None], hessian[None]
-        S = expand_encoding(scale.to(dev, torch.float32), W.shape[1:], block_size)[None]
-        O = expand_encoding(offset.to(dev, torch.float32), W.shape[1:], block_size)[None]
-    H = hessian.detach().to(dev, torch.float32).clone()
+    W, H0, S, O = as_problems(weight, hessian, scale, offset, block_size, "GPTQ")
+    cols = W.shape[-1]
+    W, H = W.clone(), H0.clone()
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
     dead = diag <= 0
     H.masked_fill_(dead[:, :, None] | dead[:, None, :], 0.0)
@@ -104,16 +91,43 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
         W[:, :, i2:] -= E1 @ U[:, i1:i2, i2:]
     if perm is not None:
         codes = codes.gather(2, torch.argsort(perm, dim=-1)[:, None, :].expand(codes.shape))
-    if batched:
-        S, O = scale.to(dev, torch.float32).expand(W.shape), offset.to(dev, torch.float32).expand(W.shape)
-        block_size = None
-    else:
-        codes, hessian = codes[0], hessian[0]
-        S, O = scale.to(dev, torch.float32), offset.to(dev, torch.float32)
     # GPTQ is greedy: on a small or nearly dead layer a row can end up worse than rounding to nearest. Rows are
     # independent, so each keeps whichever of the two has the smaller output error on the calibration inputs
-    return _better_rows(weight.detach().to(torch.float32), hessian.detach().to(dev, torch.float32), codes,
-                        S, O, qmin, qmax, block_size)
+    return keep_better_rows(weight, H0, codes, scale, offset, qmin, qmax, block_size)
+
+
+def as_problems(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                block_size, algorithm: str):
+    """``(W, H, S, O)``: a rounding algorithm's inputs checked and made a batch, float32 on the weight's device
+    (``W``, ``S``, ``O`` ``(groups, out, in)``, ``H`` ``(groups, in, in)``; a 2-D weight is a batch of one, its
+    encoding expanded to one scale and offset per element). ``W`` and ``H`` may share the caller's storage."""
+    if weight.dim() not in (2, 3) or hessian.dim() != weight.dim():
+        raise ValueError(f"{algorithm} takes a 2-D (out, in) weight, got shape {list(weight.shape)}")
+    cols = weight.shape[-1]
+    if tuple(hessian.shape[-2:]) != (cols, cols) or hessian.shape[:-2] != weight.shape[:-2]:
+        raise ValueError(f"Hessian of shape {list(hessian.shape)} does not fit a weight with {cols} input columns")
+    dev = weight.device
+    W = weight.detach().to(torch.float32)
+    H = hessian.detach().to(dev, torch.float32)
+    if weight.dim() == 3:
+        return W, H, scale.to(dev, torch.float32).expand(W.shape), offset.to(dev, torch.float32).expand(W.shape)
+    S = expand_encoding(scale.to(dev, torch.float32), W.shape, block_size)
+    O = expand_encoding(offset.to(dev, torch.float32), W.shape, block_size)
+    return W[None], H[None], S[None], O[None]
+
+
+def keep_better_rows(weight: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                     offset: torch.Tensor, qmin: int, qmax: int, block_size) -> torch.Tensor:
+    """A batch of codes (from :func:`as_problems`' shapes) back in the weight's shape, each output row keeping them
+    or round-to-nearest's, whichever has the smaller ``d H dᵀ`` on the calibration inputs."""
+    dev = weight.device
+    if weight.dim() == 3:
+        S, O = scale.to(dev, torch.float32).expand(weight.shape), offset.to(dev, torch.float32).expand(weight.shape)
+        block_size = None
+    else:
+        codes, H = codes[0], H[0]
+        S, O = scale.to(dev, torch.float32), offset.to(dev, torch.float32)
+    return _better_rows(weight.detach().to(torch.float32), H, codes, S, O, qmin, qmax, block_size)
 
 
 def _better_rows(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale, offset, qmin: int, qmax: int,
