@@ -15,7 +15,6 @@ by qtool's ``<module>.input`` / ``<module>.output``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -24,6 +23,7 @@ import torch
 from .choices import AIMET_VERSIONS
 from .encodings import EncodingEntry, EncodingsFile
 from .errors import EncodingsError
+from .io.jsonfile import read_json_object
 from .quant.affine import grid
 from .quant.spec import MAX_BITWIDTH, MIN_BITWIDTH
 
@@ -152,15 +152,10 @@ def range_for_scale_offset(scale: torch.Tensor, offset: torch.Tensor, qmin: int,
 
 
 def read_aimet(path: Path) -> Dict[str, Any]:
-    try:
-        obj = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise EncodingsError(f"{path}: encodings file not found") from None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise EncodingsError(f"{path}: not a readable JSON encodings file ({e})") from None
-    if not isinstance(obj, dict) or str(obj.get("version")) not in READ_VERSIONS:
+    obj = read_json_object(path, EncodingsError, "AIMET encodings file", strict=True)
+    if str(obj.get("version")) not in READ_VERSIONS:
         raise EncodingsError(f"{path}: not an AIMET encodings file of version {', '.join(READ_VERSIONS)} "
-                             f"(version {obj.get('version') if isinstance(obj, dict) else None!r})")
+                             f"(version {str(obj.get('version'))[:40]!r})")
     return obj
 
 

@@ -8,6 +8,7 @@ Under ``torchrun`` (``WORLD_SIZE`` > 1) rank 0 alone reports; another rank speak
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -557,8 +558,14 @@ def report(
         if suggest is not None and (len(suggest) != 1 or not sensitivity):
             raise UsageError("--suggest takes 'N OUT.yaml' together with --sensitivity")
         suggest_n, suggest_out, base = _suggest_args(suggest, recipe, checkpoint, encodings, data)
+        for flag, value in (("--min-sqnr", min_sqnr), ("--min-cosine", min_cosine),
+                            ("--max-ppl-increase", max_ppl_increase)):
+            if value is not None and not math.isfinite(value):
+                raise UsageError(f"{flag} must be a finite number (got {value})")
         if max_ppl_increase is not None and max_ppl_increase < 0:
             raise UsageError("--max-ppl-increase must be a percentage >= 0")
+        if min_cosine is not None and not -1 <= min_cosine <= 1:
+            raise UsageError(f"--min-cosine must be from -1 to 1, as a cosine is (got {min_cosine})")
         checkpoint = _checkpoint(checkpoint, revision)
         with _Progress(quiet) as p:
             result = run_report(checkpoint, encodings, _opts(

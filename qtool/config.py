@@ -363,30 +363,36 @@ def _describe(err: Dict[str, Any], fields: Sequence[str] = ()) -> str:
     return msg
 
 
-def _has_alias(node) -> bool:
-    """Whether the composed YAML reuses a node (an alias): node graphs are walked once per node object."""
+def _check_node_graph(node, source: str) -> None:
+    """Refuse what PyYAML would silently expand or drop, before anything is constructed: a reused node (an alias;
+    the graph is walked once per node object) and a key given twice in one mapping (the last would win)."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
         if n is None:
             continue
         if id(n) in seen:
-            return True
+            raise ConfigError(f"{source}: YAML anchors and aliases (&name / *name) are not allowed in recipes (a "
+                              "few lines of them can expand to billions of values); write the values out")
         seen.add(id(n))
         if isinstance(n, yaml.MappingNode):
+            keys = set()
+            for key, _ in n.value:
+                if isinstance(key, yaml.ScalarNode):
+                    if key.value in keys:
+                        raise ConfigError(f"{source}:{key.start_mark.line + 1}: key {_short(key.value)} is given "
+                                          "twice in the same mapping; keep one")
+                    keys.add(key.value)
             stack.extend(x for pair in n.value for x in pair)
         elif isinstance(n, yaml.SequenceNode):
             stack.extend(n.value)
-    return False
 
 
 def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
     """Parse and validate a recipe; every problem is a ``ConfigError`` naming source, key path and line."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
-        if _has_alias(node):  # checked on the node graph, before anything is expanded
-            raise ConfigError(f"{source}: YAML anchors and aliases (&name / *name) are not allowed in recipes (a "
-                              "few lines of them can expand to billions of values); write the values out")
+        _check_node_graph(node, source)
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)

@@ -231,11 +231,12 @@ def load_data(
             raise DataError(f"{path}: no text samples (empty file?)")
         if pack_text:
             windows = _pack(texts, tokenizer, seq_len, str(path))
-            order = _subset(len(windows), num_samples, seed)
+            order = _subset(len(windows), num_samples, seed,
+                            f"{path} packs into only {len(windows)} windows of {seq_len} tokens")
             samples = [windows[i] for i in order]
             desc = f"{len(order)} windows of {seq_len} tokens of packed text"
         else:
-            order = _subset(len(texts), num_samples, seed)
+            order = _subset(len(texts), num_samples, seed, f"{path} holds only {len(texts)} text samples")
             samples = _tokenize([texts[i] for i in order], tokenizer, seq_len, str(path))
             desc = f"{len(order)} text samples tokenized to {seq_len} tokens"
         names = list(samples[0])
@@ -243,7 +244,7 @@ def load_data(
         all_samples, names = _tensor_samples(files)
         if not all_samples:
             raise DataError(f"{path}: no samples (tensors have a batch dimension of 0)")
-        order = _subset(len(all_samples), num_samples, seed)
+        order = _subset(len(all_samples), num_samples, seed, f"{path} holds only {len(all_samples)} samples")
         samples = [all_samples[i] for i in order]
         desc = f"{len(order)} tensor samples"
     batches = []
@@ -257,11 +258,15 @@ def load_data(
     return CalibrationData(batches, files, len(samples), desc)
 
 
-def _subset(total: int, num_samples: Optional[int], seed: int) -> List[int]:
-    """The first ``num_samples`` of a seeded permutation; all samples, in order, without ``num_samples``."""
+def _subset(total: int, num_samples: Optional[int], seed: int, what: str) -> List[int]:
+    """The first ``num_samples`` of a seeded permutation; all samples, in order, without ``num_samples``. Asking
+    for more samples than ``what`` holds is refused rather than silently given fewer."""
     if not 0 <= seed < 2**64:
         raise UsageError(f"--seed must be an integer from 0 to 2**64 - 1 (got {str(seed)[:40]})")
-    if num_samples is None or num_samples >= total:
+    if num_samples is not None and num_samples > total:
+        raise DataError(f"--num-samples {num_samples}: {what}; pass at most {total}, or leave --num-samples out to "
+                        "use them all")
+    if num_samples is None or num_samples == total:
         return list(range(total))
     g = torch.Generator().manual_seed(seed)
     return sorted(torch.randperm(total, generator=g)[:num_samples].tolist())

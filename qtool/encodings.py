@@ -35,6 +35,7 @@ import torch
 
 from .config import QuantizerPlan
 from .errors import EncodingsError
+from .io.jsonfile import read_json_object
 from .quant import QuantizerBase
 from .quant.affine import min_max_to_scale_offset, resolve_block_size
 from .quant.spec import Granularity, QuantSpec
@@ -442,15 +443,8 @@ class EncodingsFile:
         """Read an encodings file. ``lazy``: entries kept in the sidecar are read when their numbers are asked
         for (``scale_offset``, ``range``, ``materialized``), one at a time, instead of all now."""
         path = Path(path)
-        try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise EncodingsError(f"{path}: encodings file not found") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise EncodingsError(f"{path}: cannot read encodings: {e}") from None
-        except (ValueError, RecursionError) as e:
-            raise EncodingsError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
+        obj = read_json_object(path, EncodingsError, "encodings file", strict=True)
+        if obj.get("schema") != SCHEMA:
             raise EncodingsError(f"{path}: not a qtool encodings file (expected \"schema\": \"{SCHEMA}\")")
         version = obj.get("schema_version")
         if version not in READS_VERSIONS or isinstance(version, bool):

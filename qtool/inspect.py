@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from .errors import UsageError
+from .io.jsonfile import read_json_object
 
 __all__ = ["inspect_path"]
 
@@ -225,7 +226,7 @@ def _inspect(p: Path) -> Dict[str, Any]:
         raise UsageError(f"{p}: not found")
     if p.is_dir():
         if (p / "config.json").exists():
-            cfg = json.loads((p / "config.json").read_text())
+            cfg = read_json_object(p / "config.json", UsageError, "Hugging Face config")
             if (cfg.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
                 return _compressed_tensors_dir(p, cfg)
         if (p / "model.safetensors").exists():
@@ -253,10 +254,9 @@ def _inspect(p: Path) -> Dict[str, Any]:
         if all(h.get("__metadata__", {}).get("format") == "qtool.int" for h in headers):
             return _qtool_safetensors(p, headers)
         return _plain_safetensors(files, "sharded safetensors", p)
-    try:
-        obj = json.loads(p.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise UsageError(f"{p}: not a safetensors file, an encodings file or a model directory") from None
-    if not isinstance(obj, dict) or not (obj.get("schema") == "qtool.encodings" or "version" in obj):
+    if p.suffix not in (".json", ".encodings"):
+        raise UsageError(f"{p}: not a safetensors, GGUF, encodings (.json, .encodings) file or a model directory")
+    obj = read_json_object(p, UsageError, "encodings file", strict=True)
+    if not (obj.get("schema") == "qtool.encodings" or "version" in obj):
         raise UsageError(f"{p}: JSON, but neither qtool encodings nor an AIMET encodings file")
     return _encodings_listing(p, obj)

@@ -25,6 +25,7 @@ from torch import nn
 
 from .data import Batch
 from .errors import DataError, GateFailed, UsageError
+from .io.fs import atomic_file
 from .model.insert import has_stored_weight, quantized_modules, set_quantization, without_stored_weight
 from .parallel import Group, shard_bounds
 
@@ -313,9 +314,6 @@ def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optiona
 
 def plot_sqnr(report: Report, path, title: str = "per-layer SQNR") -> None:
     """A horizontal bar chart of cumulative and isolated SQNR per layer (model order), written atomically."""
-    import os
-    import tempfile
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -343,16 +341,11 @@ def plot_sqnr(report: Report, path, title: str = "per-layer SQNR") -> None:
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=os.path.dirname(os.path.abspath(path)))
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 @dataclass

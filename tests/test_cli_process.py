@@ -112,6 +112,43 @@ def test_signal_mid_calibration_leaves_nothing(world, tmp_path, sig, code):
     assert list(tmp_path.iterdir()) == []  # no output, no temp litter
 
 
+def test_a_sigkilled_run_leaves_a_temporary_the_next_run_removes(world, tmp_path):
+    """SIGKILL cannot be caught: the temporary directory stays, named with the writer's host and pid; the next run
+    writing the same --out sees that pid is gone, removes it, and leaves a live run's temporaries alone."""
+    d, ckpt, data = world
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qtool", "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a8.yaml"), "--data", str(data),
+         "--batch-size", "4", "--model-class", "tests.tinymodels_slow:slow", "-o", str(tmp_path / "r")],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.name.startswith(".r.tmp-") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    proc.kill()
+    proc.communicate(timeout=60)
+    litter = [p.name for p in tmp_path.iterdir()]
+    assert len(litter) == 1 and litter[0].startswith(".r.tmp-") and f"-{proc.pid}-" in litter[0], litter
+    live = tmp_path / f".r.tmp-{litter[0].split('.tmp-')[1].rsplit('-', 2)[0]}-{os.getpid()}-x"
+    live.mkdir()  # this test's own process is alive: not litter
+    r = qtool("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class", "tests.tinymodels:mlp",
+              "-o", tmp_path / "r", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["r", live.name])
+
+
+def test_concurrent_overwrites_both_succeed_and_out_is_never_missing(world, tmp_path):
+    d, ckpt, data = world
+    args = ["-c", CONFIGS / "w8a16.yaml", "--model-class", "tests.tinymodels:mlp", "-o", tmp_path / "r"]
+    assert qtool("calibrate", ckpt, *args, "--quiet").returncode == 0
+    procs = [subprocess.Popen([sys.executable, "-m", "qtool", "calibrate", str(ckpt), *map(str, args), "--overwrite",
+                               "--quiet"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    while any(p.poll() is None for p in procs):
+        assert (tmp_path / "r" / "encodings.json").exists()  # replaced by an exchange, never removed first
+    for p in procs:
+        assert p.returncode == 0, p.communicate()[1]
+    assert [p.name for p in tmp_path.iterdir()] == ["r"]
+
+
 def test_full_disk_is_one_clear_line(world, tmp_path):
     """RLIMIT_FSIZE makes writes past 10 kB fail with EFBIG, as a full disk fails with ENOSPC."""
     d, ckpt, data = world

@@ -72,7 +72,8 @@ def mlp_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("scale", float("nan"), "finite number above 0"),
+    ("scale", float("nan"), "NaN is not a JSON number"),  # refused by the reader, before any scale check
+    ("scale", 1e300, "finite number above 0"),
     ("scale", 0.0, "finite number above 0"),
     ("scale", -0.5, "finite number above 0"),
     ("offset", 1000, "outside the 8-bit grid"),
@@ -85,7 +86,7 @@ def test_aimet_import_refuses_scales_and_offsets_no_runtime_could_use(mlp_run, t
     entry = obj["param_encodings"][0]
     entry[field] = [value] * len(entry[field])
     bad = tmp_path / "bad.encodings"
-    bad.write_text(json.dumps(obj))  # NaN is written as the (non-standard) NaN token Python's json reads back
+    bad.write_text(json.dumps(obj))  # NaN is written as the (non-standard) NaN token Python's json accepts
     code, _, err = run_cli("import-encodings", mlp_run / "m.safetensors", bad, "--model-class",
                            "tests.tinymodels:mlp", "-o", tmp_path / "imported")
     assert code == 2, err

@@ -79,3 +79,19 @@ def test_import_encodings_refuses_an_out_holding_the_aimet_file(world):
     code, _, err = run_cli("import-encodings", llama, root / "aimet" / "model.encodings", "-o", root / "aimet",
                            "--overwrite")
     _refused(code, err, root, before, "contains the AIMET encodings")
+
+
+def test_an_out_created_by_another_process_meanwhile_is_not_replaced_without_overwrite(tmp_path):
+    from qtool.errors import UsageError
+    from qtool.io.fs import atomic_output_dir
+
+    out = tmp_path / "out"
+    with pytest.raises(UsageError, match="created by another process while this run was writing"):
+        with atomic_output_dir(out) as tmp:
+            (tmp / "mine.txt").write_text("mine")
+            out.mkdir()
+            (out / "theirs.txt").write_text("theirs")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in out.iterdir()] == ["theirs.txt"]
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "mine.txt").write_text("mine")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in out.iterdir()] == ["mine.txt"]

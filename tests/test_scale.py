@@ -281,4 +281,4 @@ def test_inspect_a_malformed_index_is_one_clear_error(tmp_path, index):
 
     (tmp_path / "model.safetensors.index.json").write_text(index)
     code, _, err = run_cli("inspect", tmp_path)
-    assert code == 2 and len(error_lines(err)) == 1 and "not a valid safetensors index" in err, err
+    assert code == 2 and len(error_lines(err)) == 1 and "safetensors index" in err, err

@@ -89,6 +89,7 @@ from .. import __version__
 from ..encodings import EncodingEntry, EncodingsFile
 from ..errors import CheckpointError, EncodingsError, UsageError
 from ..io.checkpoint import detect_kind
+from ..io.jsonfile import read_json_object
 from ..io.st_writer import StreamingSafetensorsWriter
 from ..model.hf import meta_skeleton
 from ..quant.packing import pack_int32
@@ -257,12 +258,7 @@ def export_compressed_tensors(
             f"{checkpoint}: the compressed-tensors export needs a Hugging Face model directory (config.json + "
             "safetensors weights)"
         )
-    try:
-        config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{checkpoint / 'config.json'}: cannot read: {e}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{checkpoint / 'config.json'}: not a JSON object")
+    config = read_json_object(checkpoint / "config.json", CheckpointError, "Hugging Face config")
     if "quantization_config" in config:
         raise CheckpointError(
             f"{checkpoint}: config.json already has a quantization_config "

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import CheckpointError
+from ..io.jsonfile import read_json_object
 
 __all__ = ["GgufModel", "read_gguf_model", "permute_rows", "ARCHITECTURES"]
 
@@ -132,12 +133,7 @@ def read_gguf_model(directory: Path) -> GgufModel:
     if not directory.is_dir() or not (directory / "config.json").is_file():
         raise CheckpointError(f"{directory}: GGUF export needs a Hugging Face model directory (config.json, "
                               "tokenizer.json and the weights)")
-    try:
-        config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{directory / 'config.json'}: not readable JSON ({str(e).splitlines()[0]})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{directory / 'config.json'}: not a JSON object")
+    config = read_json_object(directory / "config.json", CheckpointError, "Hugging Face config")
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
         raise CheckpointError(f"{directory}: model_type {str(model_type)[:40]!r} has no GGUF export in qtool "
@@ -183,8 +179,8 @@ def _add_tokenizer(writer, directory: Path, n_vocab: int) -> List[str]:
     if not path.is_file():
         raise CheckpointError(f"{directory}: GGUF export needs the tokenizer (tokenizer.json); save it with "
                               "tokenizer.save_pretrained() beside the model")
+    tj = read_json_object(path, CheckpointError, "tokenizers JSON file")
     try:
-        tj = json.loads(path.read_text(encoding="utf-8"))
         model = tj["model"]
         byte_fallback = bool(model.get("byte_fallback", False))
         kind = model["type"]

@@ -50,6 +50,7 @@ from ..quant.packing import pack_bytes
 from ..quant.tensor import AffineEncoding
 from ..weights import WeightSource
 from .base import Exporter, ExportRequest
+from ..io.jsonfile import read_json_object
 from ..io.st_writer import StreamingSafetensorsWriter
 
 __all__ = ["export_integer", "export_files", "match_weight_names", "read_integer_export", "DEFAULT_MAX_SHARD_BYTES",
@@ -348,10 +349,7 @@ def export_files(path: Path) -> List[Path]:
         else:
             raise EncodingsError(f"{path}: no {SINGLE_NAME} or {INDEX_NAME} here")
     if path.name.endswith(".index.json"):
-        try:
-            weight_map = json.loads(path.read_text())["weight_map"]
-        except (ValueError, KeyError, OSError, TypeError, RecursionError) as e:
-            raise EncodingsError(f"{path}: not a valid safetensors index ({e})") from None
+        weight_map = read_json_object(path, EncodingsError, "safetensors index", strict=True).get("weight_map")
         if not isinstance(weight_map, dict) or not all(
                 isinstance(f, str) and f and Path(f).name == f for f in weight_map.values()):
             raise EncodingsError(f"{path}: not a valid safetensors index ('weight_map' must map tensor names to "

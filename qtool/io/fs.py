@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import glob
 import hashlib
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import UsageError
 
-__all__ = ["atomic_output_dir", "sha256_file", "check_output_dir", "parse_size", "write_text_atomic"]
+__all__ = ["atomic_output_dir", "atomic_file", "sha256_file", "check_output_dir", "parse_size", "write_text_atomic",
+           "remove_stale_temporaries"]
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -61,48 +67,137 @@ def check_output_dir(out: Path, overwrite: bool, inputs: Sequence[Tuple[str, Opt
         raise UsageError(f"{parent}: parent of --out is not a directory")
 
 
+_HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
+_TEMP_NAME = re.compile(r"\.tmp-(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)-[^/]*$")
+
+
+def _temp_prefix(name: str) -> str:
+    """Temporary names carry the writer's host and pid, so that a later run can tell whether their writer is gone
+    (SIGKILL leaves them behind) and remove them."""
+    return f".{name}.tmp-{_HOST}-{os.getpid()}-"
+
+
+def _writer_is_gone(host: str, pid: int) -> bool:
+    if host != _HOST:
+        return False  # another machine's run (a shared filesystem): we cannot tell, so we leave it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, owned by another user
+        return False
+    return False
+
+
+def remove_stale_temporaries(target: Path) -> List[Path]:
+    """Remove the temporary files and directories beside ``target`` that a killed run writing it left behind
+    (their writer, named in their name, no longer runs on this host). Returns what was removed."""
+    parent = target.parent if str(target.parent) else Path(".")
+    removed = []
+    try:
+        candidates = list(parent.glob(f".{glob.escape(target.name)}.tmp-*"))
+    except OSError:
+        return removed
+    for p in candidates:
+        m = _TEMP_NAME.search(p.name)
+        if m is None or not _writer_is_gone(m["host"], int(m["pid"])):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                p.unlink()
+        removed.append(p)
+    return removed
+
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """Linux renameat2(2); False where the C library or the filesystem lacks it (then the caller falls back)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), ctypes.c_uint(flags)) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Move the finished ``tmp`` to ``out``. A new ``out`` appears in one rename, never over a directory another
+    process created meanwhile unless ``overwrite``; an existing ``out`` is swapped with ``tmp`` in one atomic
+    exchange, so ``out`` is never missing, and two concurrent runs both succeed (the last one's output stays)."""
+    try:
+        if not _renameat2(tmp, out, _RENAME_NOREPLACE):
+            if out.exists():
+                raise FileExistsError(errno.EEXIST, "exists", str(out))
+            os.rename(tmp, out)
+        return
+    except FileExistsError:
+        if not overwrite:
+            raise UsageError(f"{out}: was created by another process while this run was writing; nothing was "
+                             "written (pass --overwrite to replace it)") from None
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out}: became a file while this run was writing; nothing was written")
+    if not _renameat2(tmp, out, _RENAME_EXCHANGE):
+        old = Path(tempfile.mkdtemp(prefix=_temp_prefix(out.name), dir=tmp.parent))
+        os.replace(out, old / out.name)
+        os.replace(tmp, out)
+        tmp = old
+    shutil.rmtree(tmp, ignore_errors=True)  # after the exchange it holds the previous output
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh temporary directory beside ``out``; on success it replaces ``out`` in one rename.
+    """Yield a fresh temporary directory beside ``out``; on success it becomes ``out`` in one rename (or one atomic
+    exchange with an existing ``out``).
 
-    On any failure (or interrupt) the temporary directory is removed and ``out`` is left as it was.
+    On any failure (or interrupt) the temporary directory is removed and ``out`` is left as it was. What a killed
+    run left beside ``out`` is removed first.
     """
     out = Path(out)
     check_output_dir(out, overwrite)
     parent = out.parent if str(out.parent) else Path(".")
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+        remove_stale_temporaries(out)
+        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out.name), dir=parent))
     except OSError as e:
         raise UsageError(f"{out}: cannot create output directory: {e.strerror or e}") from None
     try:
         yield tmp
-        if out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
-            os.replace(out, trash / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        _publish(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a small text file whole or not at all (a temporary file beside it, then a rename)."""
-    import os
-    import tempfile
-
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` to write; on success it replaces ``path`` in one rename, on failure it
+    is removed. What a killed run left beside ``path`` is removed first."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=str(path.parent.resolve()))
+    remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), dir=str(path.parent.resolve()))
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a small text file whole or not at all."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -6,7 +6,6 @@ transformers is an optional extra (``qtool[hf]``); every entry point here turns 
 
 from __future__ import annotations
 
-import json
 
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -16,6 +15,7 @@ from torch import nn
 
 from ..errors import CheckpointError, UsageError
 from ..io.checkpoint import check_safetensors, tensor_files
+from ..io.jsonfile import read_json_object
 
 __all__ = ["load_hf", "hf_name_map", "meta_skeleton", "meta_causal_lm"]
 
@@ -33,14 +33,10 @@ def _transformers(path):
 def _config(path, trust_remote_code: bool):
     transformers = _transformers(path)
     cfg_file = Path(path) / "config.json"
-    try:  # read it ourselves first: transformers turns some malformed files into tracebacks
-        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no config.json in this directory") from None
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{cfg_file}: not readable JSON ({str(e).splitlines()[0][:120]})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{cfg_file}: must be a JSON object (found {type(cfg).__name__})")
+    if not cfg_file.exists():
+        raise CheckpointError(f"{path}: no config.json in this directory")
+    # read it ourselves first: transformers turns some malformed files into tracebacks
+    read_json_object(cfg_file, CheckpointError, "Hugging Face config")
     try:
         return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (KeyError, TypeError, AttributeError) as e:
