@@ -237,7 +237,7 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                                                    "offset": off - qmin, "axis": None, "block": block}))
     except EncodingsError:
         raise
-    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError) as e:
         raise EncodingsError(f"{source}: malformed AIMET {version} encodings ({type(e).__name__}: {e})") from None
 
     entries: List[EncodingEntry] = []

@@ -21,7 +21,32 @@ from rich.table import Table
 
 from . import __version__
 
+class _Group(typer.core.TyperGroup):
+    """Click's own usage errors (an unknown option, a value out of range) follow the same contract as qtool's: one
+    ``error:`` line naming where help is, exit 2, and one JSON object with --json."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.TyperException as e:  # typer's (vendored) click exceptions all derive from it
+            if type(e).__name__ == "NoArgsIsHelpError" or not hasattr(e, "format_message"):
+                e.show() if hasattr(e, "show") else err.print("interrupted: nothing was written", markup=False)
+                sys.exit(getattr(e, "exit_code", 130))
+            ctx = getattr(e, "ctx", None)
+            where = f" (`{ctx.command_path} --help` lists the options)" if ctx is not None else ""
+            message = f"error: {e.format_message()}{where}"
+            err.print(message, markup=False)
+            if "--json" in argv:
+                _emit_json({"ok": False, "exit_code": e.exit_code, "error": message.split(": ", 1)[-1]})
+            sys.exit(e.exit_code)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 app = typer.Typer(
+    cls=_Group,
     name="qtool",
     help="Quantize PyTorch models: calibrate encodings, export integer tensors (AIMET-exact numerics).",
     no_args_is_help=True,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 from .errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported where a plan is made, so that recipes validate without it
@@ -119,7 +119,7 @@ class RoundingSpec(BaseModel):
     name: Literal["nearest", "gptq", "adaround"] = "nearest"
     block_columns: Optional[int] = Field(None, ge=1, le=65536)
     dampening: Optional[float] = Field(None, ge=0, le=10)
-    act_order: Optional[bool] = None
+    act_order: Optional[StrictBool] = None
     iterations: Optional[int] = Field(None, ge=0, le=100000)
     reg_weight: Optional[float] = Field(None, ge=0, le=1000)
     warm_start: Optional[float] = Field(None, ge=0, le=1)
@@ -143,7 +143,7 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     bitwidth: int = Field(8, ge=2, le=16)
-    symmetric: bool = True
+    symmetric: StrictBool = True
     granularity: GranularityName = "per_tensor"
     block_size: Optional[int] = Field(None, gt=0)
     analyzer: AnalyzerSpec = AnalyzerSpec()
@@ -165,7 +165,7 @@ class _Spec(BaseModel):
 
 
 class WeightSpec(_Spec):
-    symmetric: bool = True
+    symmetric: StrictBool = True
     granularity: GranularityName = "per_channel"
     rounding: RoundingSpec = RoundingSpec()
 
@@ -173,12 +173,12 @@ class WeightSpec(_Spec):
 
 
 class ActivationSpec(_Spec):
-    symmetric: bool = False
+    symmetric: StrictBool = False
     granularity: Literal["per_tensor", "per_token"] = "per_tensor"
     # true: the range is computed from each call's values at run time (no calibration data, nothing stored)
-    dynamic: bool = False
-    inputs: bool = True
-    outputs: bool = False
+    dynamic: StrictBool = False
+    inputs: StrictBool = True
+    outputs: StrictBool = False
 
     @model_validator(mode="after")
     def _mse_is_for_weights(self):
@@ -207,7 +207,7 @@ class LayerRule(BaseModel):
     match: Optional[str] = None
     type: Optional[Union[str, List[str]]] = None
     # an optional rule may match nothing (for recipes meant for many models, e.g. "Embedding tables, if any")
-    optional: bool = False
+    optional: StrictBool = False
     # a dict merges over the defaults; null disables; absent leaves the defaults alone
     weights: Optional[Dict[str, Any]] = None
     activations: Optional[Dict[str, Any]] = None
@@ -277,7 +277,7 @@ class Recipe(BaseModel):
     ignore: List[str] = []
     smoothquant: Optional[SmoothQuantSpec] = None
     # fold each BatchNorm into the convolution before it, before anything is calibrated (AIMET's fold_all_batch_norms)
-    fold_batch_norms: bool = False
+    fold_batch_norms: StrictBool = False
 
     @field_validator("ignore")
     @classmethod
@@ -399,8 +399,9 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
         where = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{source}{where}: malformed YAML: {_short(problem, 200)[1:-1]}") from None
-    if data is None:
-        data = {}
+    if data is None:  # an empty file (or only comments) is a mistake far more often than a wish for defaults
+        raise ConfigError(f"{source}:1: empty recipe; write at least `version: 1` and what to quantize "
+                          "(`qtool config list` shows the shipped recipes)")
     if not isinstance(data, dict):
         raise ConfigError(f"{source}:1: a recipe is a mapping of keys (version, defaults, layers, ignore)")
     problems: List[str] = []

@@ -76,6 +76,10 @@ def _read_tensor_file(path: Path) -> Dict[str, torch.Tensor]:
             raise DataError(f"{path}: expected a tensor or a dict of tensors, found {type(obj).__name__}")
         import numpy as np
 
+        magic, kind = (b"\x93NUMPY", "NumPy header") if suffix == ".npy" else (b"PK", "zip archive")
+        with open(path, "rb") as f:  # np.load takes anything else for a pickle, and says so
+            if f.read(len(magic)) != magic:
+                raise DataError(f"{path}: not a NumPy {suffix} file (no {kind})")
         if suffix == ".npy":
             return {"input": torch.from_numpy(np.load(str(path), allow_pickle=False))}
         with np.load(str(path), allow_pickle=False) as z:

@@ -218,6 +218,10 @@ class EncodingEntry:
         dynamic = obj.get("dynamic", False)
         if not isinstance(dynamic, bool):
             raise EncodingsError(f"{where}: dynamic must be true or false (got {str(dynamic)[:40]!r})")
+        for key in ("shape", "block_size"):
+            if key in obj and not (isinstance(obj[key], list) or (key == "block_size" and obj[key] is None)):
+                raise EncodingsError(f"{where}: {key} must be a list of integers{' or null' if key == 'block_size' else ''}"
+                                     f" (got {str(obj[key])[:40]!r})")
         try:
             shape = tuple(int(d) for d in obj["shape"])
             bits = obj["bitwidth"]
@@ -265,10 +269,30 @@ class EncodingEntry:
             raise EncodingsError(f"{where}: malformed entry ({str(e).splitlines()[0]})") from None
         if source is None and not (torch.isfinite(entry.min).all() and torch.isfinite(entry.max).all()):
             raise EncodingsError(f"{where}: min/max must be finite numbers")
+        if source is None and bool((entry.min > entry.max).any()):
+            raise EncodingsError(f"{where}: min is above max")
         problem = entry.finite_problem() if source is None else None
         if problem is not None:
             raise EncodingsError(f"{where}: {problem}")
+        if source is None and ("scale" in obj or "offset" in obj):
+            _check_stored_scale_offset(entry, obj, where)
         return entry
+
+
+def _check_stored_scale_offset(entry: EncodingEntry, obj: Dict[str, Any], where: str) -> None:
+    """The scale and offset a file stores beside min/max are derived from them; a file where they disagree was
+    edited by hand or by another tool, and reading either one would silently ignore the other."""
+    scale, offset = entry.scale_offset()
+    for key, derived, dtype in (("scale", scale, torch.float32), ("offset", offset, torch.int64)):
+        if key not in obj:
+            continue
+        try:
+            stored = torch.tensor(obj[key], dtype=torch.float64).reshape(derived.shape)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise EncodingsError(f"{where}: malformed {key} ({str(e).splitlines()[0][:80]})") from None
+        if not torch.equal(stored.to(dtype), derived.to(dtype)):
+            raise EncodingsError(f"{where}: the stored {key} disagrees with the one min/max give (qtool derives "
+                                 f"scale and offset from min/max: edit those, or drop {key})")
 
 
 class _Sidecar:

@@ -147,10 +147,11 @@ def _compressed_tensors_dir(path: Path, config: Dict[str, Any]) -> Dict[str, Any
 def _encodings_listing(path: Path, obj: Dict[str, Any]) -> Dict[str, Any]:
     rows = []
     if obj.get("schema") == "qtool.encodings":
-        for q in obj.get("quantizers", []):
-            rows.append(_row(q["name"], ("int" if q["symmetric"] else "uint") + str(q["bitwidth"]), q["bitwidth"],
-                             str(q["granularity"]) + (", dynamic" if q.get("dynamic") is True else ""), q["shape"],
-                             None, True))
+        from .encodings import EncodingsFile
+
+        for e in EncodingsFile.read(path, lazy=True).entries:  # the checks export makes: what lists, exports
+            rows.append(_row(e.name, ("int" if e.symmetric else "uint") + str(e.bitwidth), e.bitwidth,
+                             str(e.granularity) + (", dynamic" if e.dynamic else ""), list(e.shape), None, True))
         kind = "qtool encodings"
     else:
         version = str(obj.get("version"))

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .encodings import CODES_FILE, EncodingEntry, EncodingsFile
-from .errors import EncodingsError
+from .errors import CheckpointError, EncodingsError
 from .io.checkpoint import CheckpointTensors, ST_DTYPES
 from .io.st_writer import StreamingSafetensorsWriter
 from .quant.affine import quantize
@@ -89,7 +89,6 @@ class WeightSource:
         from safetensors import SafetensorError, safe_open
 
         from .io.checkpoint import check_safetensors
-        from .errors import CheckpointError
 
         try:
             check_safetensors(path)
@@ -126,7 +125,12 @@ class WeightSource:
                 raise EncodingsError(f"{self.path}: {self._floats[key]} has shape {list(t.shape)}, the checkpoint's "
                                      f"{key} {list(shape)}")
             return t.to(dtype)
-        return self.tensors.get(key)
+        t = self.tensors.get(key)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"{self.checkpoint}: tensor {key!r} holds {bad} NaN/Inf values; an export would "
+                                  "write them, so nothing was written")
+        return t
 
     def replaced(self) -> List[str]:
         """Checkpoint tensors whose values come from the codes file."""

@@ -57,7 +57,39 @@ SETUPS = {
     "data_65_channels": lambda d, ckpt: _save(d, "x65.safetensors", {"x": torch.randn(4, 65)}),
     "malformed_base_recipe": lambda d, ckpt: (d / "base.yaml").write_text("version: 1\ndefaults: [1, 2]\n") and d / "base.yaml",
     "good_base_recipe": lambda d, ckpt: (d / "base.yaml").write_text((CONFIGS / "w8a8.yaml").read_text()) and d / "base.yaml",
+    "nan_weight_checkpoint": lambda d, ckpt: _save(d, "w.safetensors", _poisoned("2.weight", float("nan"))),
+    "inf_weight_checkpoint": lambda d, ckpt: _save(d, "w.safetensors", _poisoned("0.weight", float("-inf"))),
+    "huge_weight_checkpoint": lambda d, ckpt: _save(d, "w.safetensors", _poisoned("0.weight", 3.0e38, -3.0e38)),
+    "int_weight_checkpoint": lambda d, ckpt: _save(d, "w.safetensors", {
+        **mlp().state_dict(), "2.weight": torch.ones(64, 128, dtype=torch.int32)}),
+    "pt_with_strings": lambda d, ckpt: torch.save({**mlp().state_dict(), "note": "hello"}, d / "sd.pt") or d / "sd.pt",
+    "hf_config_garbage": lambda d, ckpt: _hf_dir(d, "model_type = llama"),
+    "hf_config_unknown_type": lambda d, ckpt: _hf_dir(d, '{"model_type": "no-such-architecture"}'),
+    "hf_config_remote_code": lambda d, ckpt: _hf_dir(
+        d, '{"model_type": "custom_thing", "auto_map": {"AutoConfig": "configuration_custom.CustomConfig", '
+           '"AutoModel": "modeling_custom.CustomModel"}}'),
+    "hf_config_string_sizes": lambda d, ckpt: _hf_dir(
+        d, '{"model_type": "llama", "hidden_size": "sixty-four", "num_hidden_layers": 2, "vocab_size": 256}'),
+    "hf_index_missing_shard": lambda d, ckpt: _hf_dir(
+        d, None, index='{"weight_map": {"0.weight": "model-00002-of-00002.safetensors"}}'),
+    "huge_data": lambda d, ckpt: _save(d, "huge.safetensors", {"x": torch.full((4, 64), 3.0e38)}),
+    "int_data": lambda d, ckpt: _save(d, "ints.safetensors", {"x": torch.ones(4, 64, dtype=torch.int64)}),
+    "object_npy": lambda d, ckpt: np.save(d / "o.npy", np.array([{"a": 1}, None], dtype=object)) or d / "o.npy",
+    "truncated_data": lambda d, ckpt: _save(d, "x.safetensors", {"x": torch.randn(4, 64)}).write_bytes(
+        (d / "x.safetensors").read_bytes()[:-100]) and d / "x.safetensors",
+    "ragged_data": lambda d, ckpt: _save(d, "r.safetensors", {"x": torch.randn(4, 64), "y": torch.randn(3, 64)}),
+    "latin1_json": lambda d, ckpt: (d / "l.json").write_bytes('{"schema": "caf\u00e9"}'.encode("latin-1")) and d / "l.json",
 }
+
+
+def _poisoned(name: str, value: float, second: float = None):
+    """The MLP's state dict with ``name``'s first element (and last, with ``second``) set."""
+    sd = mlp().state_dict()
+    w = sd[name].clone()
+    w.view(-1)[0] = value
+    if second is not None:
+        w.view(-1)[-1] = second
+    return {**sd, name: w}
 
 
 def _edit_header(d: Path, ckpt: Path, change) -> Path:
@@ -111,9 +143,50 @@ SETUPS_WITH_ENC = {
     "aimet_short_offsets": _aimet_short_offsets,
     "encodings_v99": lambda d, enc: _encodings_variant(d, enc, lambda o: o.update(schema_version=99)),
     "encodings_missing_field": lambda d, enc: _encodings_variant(d, enc, lambda o: o["quantizers"][0].pop("max")),
-    "encodings_wrong_shape": lambda d, enc: _encodings_variant(d, enc, lambda o: o["quantizers"][0].update(
-        shape=[64, 1], min=[[-1.0]] * 64, max=[[1.0]] * 64)),
+    "encodings_wrong_shape": lambda d, enc: _encodings_variant(d, enc, lambda o: [o["quantizers"][0].update(
+        shape=[64, 1], min=[[-1.0]] * 64, max=[[1.0]] * 64), o["quantizers"][0].pop("scale"),
+        o["quantizers"][0].pop("offset")]),
 }
+
+
+def _set(obj, path: str, value) -> None:
+    """``obj`` with the item at ``path`` ('quantizers/0/symmetric'; '-' deletes it) set to ``value``."""
+    *parents, last = [int(p) if p.isdigit() else p for p in path.split("/")]
+    for p in parents:
+        obj = obj[p]
+    if value == "-":
+        del obj[last]
+    else:
+        obj[last] = value
+
+
+def _edited(d: Path, world, edit) -> Path:
+    """A copy of one of the world's files (``of``: enc, aimet, header = the checkpoint's safetensors header, with
+    ``$t`` standing for its second tensor) with ``set`` items changed and then ``replace`` [old, new] applied to
+    the text; written as ``as`` (default: edited + the source's suffix)."""
+    import struct
+
+    source = {"enc": world["enc"], "aimet": world["aimet"], "header": world["ckpt"]}[edit["of"]]
+    raw = source.read_bytes()
+    if edit["of"] == "header":
+        (n,) = struct.unpack("<Q", raw[:8])
+        text, tail = raw[8:8 + n].decode(), raw[8 + n:]
+        tensor = sorted(k for k in json.loads(text) if k != "__metadata__")[1]
+    else:
+        text, tail, tensor = raw.decode(), b"", None
+    if edit.get("set"):
+        obj = json.loads(text)
+        for path, value in edit["set"].items():
+            _set(obj, path.replace("$t", str(tensor)), value)
+        text = json.dumps(obj)
+    if edit.get("replace"):
+        old, new = edit["replace"]
+        assert old in text, (old, text[:200])
+        text = text.replace(old, new, 1)
+    target = d / edit.get("as", "edited" + source.suffix)
+    body = text.encode()
+    target.write_bytes((struct.pack("<Q", len(body)) + body + tail) if edit["of"] == "header" else body)
+    return target
 
 
 @pytest.fixture(scope="module")
@@ -124,13 +197,18 @@ def world(tmp_path_factory):
     code, _, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class", "tests.tinymodels:mlp",
                            "-o", d / "run")
     assert code == 0, err
-    return {"ckpt": ckpt, "data": data, "enc": d / "run" / "encodings.json"}
+    code, _, err = run_cli("export", ckpt, "-e", d / "run" / "encodings.json", "--model-class",
+                           "tests.tinymodels:mlp", "-o", d / "aimet", "--format", "aimet", "--quiet")
+    assert code == 0, err
+    return {"ckpt": ckpt, "data": data, "enc": d / "run" / "encodings.json", "aimet": d / "aimet" / "model.encodings"}
 
 
 def test_corpus_is_large_enough():
-    assert len(CASES) >= 30
+    assert len(CASES) >= 150
+    commands = {case["args"][0] for case in CASES.values()}
+    assert commands >= {"calibrate", "export", "quantize", "report", "inspect", "import-encodings", "config"}
     for name, case in CASES.items():
-        assert set(case) <= {"setup", "args", "exit", "message", "out_is_made"}, name
+        assert set(case) <= {"setup", "files", "edit", "args", "exit", "message", "out_is_made"}, name
         assert case.get("setup") is None or case["setup"] in SETUPS or case["setup"] in SETUPS_WITH_ENC, name
 
 
@@ -142,8 +220,13 @@ def test_bad_input(name, world, tmp_path):
         made = SETUPS[case["setup"]](tmp_path, world["ckpt"])
     elif case.get("setup") in SETUPS_WITH_ENC:
         made = SETUPS_WITH_ENC[case["setup"]](tmp_path, world["enc"])
+    for name_, text in (case.get("files") or {}).items():
+        (tmp_path / name_).write_text(text)
+    if case.get("edit"):
+        made = _edited(tmp_path, world, case["edit"])
     out = made if case.get("out_is_made") else tmp_path / "out"
-    subs = {"ckpt": world["ckpt"], "data": world["data"], "enc": world["enc"], "mlp": "tests.tinymodels:mlp",
+    subs = {"ckpt": world["ckpt"], "data": world["data"], "enc": world["enc"], "aimet": world["aimet"],
+            "mlp": "tests.tinymodels:mlp",
             "recipes": CORPUS / "recipes", "configs": CONFIGS, "made": made, "out": out, "dir": tmp_path}
     args = [str(a).format(**subs) for a in case["args"]]
     before = sorted(p.name for p in tmp_path.iterdir())

@@ -4,7 +4,6 @@ torch loading, and :class:`CheckpointTensors` (read-only access without building
 
 from __future__ import annotations
 
-import json
 import pickle
 import struct
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from .jsonfile import loads_strict, read_json_object
 
 __all__ = ["detect_kind", "tensor_files", "check_safetensors", "read_state_dict", "torch_load_safe",
            "CheckpointTensors", "ST_DTYPES"]
@@ -42,10 +42,7 @@ def tensor_files(path: Path) -> List[Path]:
     if path.is_dir():
         index = path / "model.safetensors.index.json"
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({type(e).__name__})") from None
+            weight_map = read_json_object(index, CheckpointError, "safetensors index", strict=True).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
             shards = sorted(set(weight_map.values()))
@@ -56,6 +53,9 @@ def tensor_files(path: Path) -> List[Path]:
             return [path / f for f in shards]
         return sorted(path.glob("*.safetensors"))
     return [path]
+
+
+_MAX_HEADER = 100_000_000  # the safetensors reader's own limit
 
 
 def check_safetensors(file: Path) -> None:
@@ -69,7 +69,10 @@ def check_safetensors(file: Path) -> None:
             (n,) = struct.unpack("<Q", head)
             if n > size - 8:
                 raise CheckpointError(f"{file}: truncated or corrupt safetensors file (header of {n} bytes, file has {size})")
-            header = json.loads(f.read(n))
+            if n > _MAX_HEADER:
+                raise CheckpointError(f"{file}: corrupt safetensors file (a header of {n} bytes; the format allows "
+                                      f"{_MAX_HEADER})")
+            header = loads_strict(f.read(n))  # a name given twice would silently lose a tensor
     except CheckpointError:
         raise
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -77,6 +80,8 @@ def check_safetensors(file: Path) -> None:
     end = _check_entries(file, header)
     if 8 + n + end > size:
         raise CheckpointError(f"{file}: truncated safetensors file (needs {8 + n + end} bytes, has {size})")
+    if 8 + n + end < size:
+        raise CheckpointError(f"{file}: corrupt safetensors file ({size - 8 - n - end} bytes after the last tensor)")
 
 
 # bytes per element of the dtypes torch reads from safetensors (safetensors.torch); others are refused up front
@@ -118,6 +123,11 @@ def _check_entries(file: Path, header) -> int:
     for (b0, e0, k0), (b1, e1, k1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise CheckpointError(f"{file}: tensors {k0[:80]!r} and {k1[:80]!r} overlap in the data section")
+    # the safetensors format (and its reader) wants the data section covered exactly: no gap before or between
+    gaps = [(k, b) for (_, e0, _), (b, _, k) in zip([(0, 0, "")] + spans, spans) if b != e0]
+    if gaps:
+        raise CheckpointError(f"{file}: corrupt safetensors header (tensor {gaps[0][0][:80]!r} does not start "
+                              f"where the previous one ends, at byte {gaps[0][1]})")
     return max((e for _, e, _ in spans), default=0)
 
 
@@ -145,6 +155,11 @@ def read_state_dict(path: Path) -> Dict[str, torch.Tensor]:
 
 
 def torch_load_safe(path: Path):
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic[:2] != b"PK" and magic[:1] != b"\x80":  # torch.save writes a zip file; the legacy format is a pickle
+        raise CheckpointError(f"{path}: not a torch checkpoint (torch.save writes a zip archive); for weights use "
+                              ".safetensors, .pt/.pth from torch.save, or a Hugging Face directory")
     try:
         return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, AttributeError) as e:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Tuple, Type
 
-__all__ = ["read_json_object"]
+__all__ = ["read_json_object", "loads_strict"]
 
 
 def _no_duplicate_keys(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
@@ -28,6 +28,11 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def loads_strict(text: str | bytes) -> Any:
+    """``json.loads`` that refuses a key given twice in one object and the NaN/Infinity constants (ValueError)."""
+    return json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constant)
+
+
 def read_json_object(path: str | Path, error: Type[Exception], what: str, strict: bool = False) -> Dict[str, Any]:
     """The JSON object in ``path`` (``what`` names the kind of file in messages), or ``error`` with one line."""
     path = Path(path)
@@ -36,14 +41,13 @@ def read_json_object(path: str | Path, error: Type[Exception], what: str, strict
     except FileNotFoundError:
         raise error(f"{path}: {what} not found") from None
     except IsADirectoryError:
-        raise error(f"{path}: is a directory, not a {what}") from None
+        raise error(f"{path}: is a directory; expected the {what}") from None
     except OSError as e:
         raise error(f"{path}: cannot read the {what}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise error(f"{path}: not a readable {what}: not UTF-8 text (byte {e.start})") from None
-    hooks = {"object_pairs_hook": _no_duplicate_keys, "parse_constant": _no_constant} if strict else {}
     try:
-        obj = json.loads(text, **hooks)
+        obj = loads_strict(text) if strict else json.loads(text)
     except RecursionError:
         raise error(f"{path}: not a readable {what}: nested too deep") from None
     except ValueError as e:

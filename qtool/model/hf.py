@@ -39,16 +39,17 @@ def _config(path, trust_remote_code: bool):
     read_json_object(cfg_file, CheckpointError, "Hugging Face config")
     try:
         return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except (KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{cfg_file}: transformers cannot read this config ({type(e).__name__}: "
-                              f"{str(e)[:120]})") from None
     except ValueError as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = str(e).splitlines()[0][:240] if str(e) else type(e).__name__
         if "trust_remote_code" in str(e):
             msg = "this model needs its own Python code; pass --trust-remote-code if you trust its source"
         raise CheckpointError(f"{path}: {msg}") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read config.json: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # transformers' own validation (wrong field types, ...): the file's fault, not ours
+        first = str(e).splitlines()[0][:160] if str(e) else ""
+        raise CheckpointError(f"{cfg_file}: transformers cannot read this config ({type(e).__name__}: "
+                              f"{first})") from None
 
 
 def meta_skeleton(path, trust_remote_code: bool = False) -> nn.Module:

@@ -110,6 +110,10 @@ def _load_state_into(model: nn.Module, state: Dict[str, torch.Tensor], path: Pat
             raise CheckpointError(
                 f"{path}: tensor {k!r} has shape {list(state[k].shape)}, the model expects {list(v.shape)}"
             )
+        if v.is_floating_point() and not state[k].is_floating_point():
+            raise CheckpointError(  # (an already-quantized checkpoint's packed integers, most likely)
+                f"{path}: tensor {k!r} is {str(state[k].dtype).replace('torch.', '')}, the model expects floats "
+                f"({str(v.dtype).replace('torch.', '')}); qtool quantizes float checkpoints")
     model.load_state_dict(state, strict=True)
 
 
