@@ -162,6 +162,8 @@ def read_aimet(path: Path) -> Dict[str, Any]:
 def _granularity_from_count(count: int, wshape: Tuple[int, ...], block: Optional[int], axis: Optional[int]):
     """(granularity, shape, block_size) for ``count`` encodings of a weight of shape ``wshape``."""
     nd = len(wshape)
+    if block is not None and (type(block) is not int or block < 1):
+        raise EncodingsError(f"block_size must be a positive integer (got {str(block)[:40]!r})")
     if count == 1 and block is None:
         return "per_tensor", (), None
     if block is None and count == wshape[0]:
@@ -201,7 +203,11 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                 signed = dt.startswith("int")
                 bits = int(dt[3:] if signed else dt[4:])
                 scale = torch.tensor(item["y_scale"], dtype=torch.float32)
-                zp = torch.tensor(item.get("y_zero_point", 0), dtype=torch.float32).expand(scale.shape)
+                zp = torch.tensor(item.get("y_zero_point", 0), dtype=torch.float32)
+                if zp.numel() != 1 and zp.numel() != scale.numel():
+                    raise EncodingsError(f"{source}: {item['name']}: {zp.numel()} offsets for {scale.numel()} "
+                                         "scales (give one y_zero_point per y_scale, or one for all)")
+                zp = zp.reshape(-1)[0].expand(scale.shape) if zp.numel() == 1 else zp.reshape(scale.shape)
                 rows.append(("any", str(item["name"]), {"bits": bits, "signed": signed, "scale": scale,
                                                          "offset": -zp, "axis": item.get("axis"),
                                                          "block": item.get("block_size")}))
@@ -232,6 +238,9 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                         block = item.get("block_size")
                         if item.get("enc_type") not in (None, "PER_TENSOR", "PER_CHANNEL", "PER_BLOCK"):
                             raise EncodingsError(f"{source}: {name}: enc_type {item.get('enc_type')} is not supported")
+                    if not 1 <= bits <= 64:  # (checked against 2..16 once skips are known; grid() needs sanity)
+                        raise EncodingsError(f"{source}: {name}: bitwidth {str(bits)[:20]} is outside "
+                                             f"{MIN_BITWIDTH}..{MAX_BITWIDTH}")
                     qmin, _ = grid(bits, signed=sym)
                     rows.append((kind, str(name), {"bits": bits, "signed": sym, "sym": sym, "scale": scale,
                                                    "offset": off - qmin, "axis": None, "block": block}))
@@ -248,53 +257,69 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
         dup = next(n for n in names if n in seen or seen.add(n))
         raise EncodingsError(f"{source}: {dup!r} has two encodings")
     for kind, name, r in rows:
-        qmin, qmax = grid(r["bits"], signed=r["signed"])
-        # a signed grid with a zero offset is AIMET's symmetric encoding
-        symmetric = r.get("sym", r["signed"] and bool((r["offset"] == 0).all()))
-        if name in weight_shapes:
-            module = module_of(name)
-            wshape = tuple(weight_shapes[name])
-            if module is None or not name.endswith(".weight"):
-                warnings.append(f"{name}: not a module weight (bias or buffer); skipped")
-                continue
-            count = r["scale"].numel()
-            axis = None if r["axis"] is None else int(r["axis"]) % len(wshape)
-            gran, shape, block_size = _granularity_from_count(count, wshape, r["block"], axis)
-            tensor = "weight"
-            qname = f"{module}.weight"
-        elif name.endswith(".input") or name.endswith(".output"):
-            module, tensor = name.rsplit(".", 1)
-            gran, shape, block_size, qname = "per_tensor", (), None, name
-            if r["scale"].numel() != 1:
-                raise EncodingsError(f"{source}: {name}: activation encodings must be per-tensor")
-        else:
-            warnings.append(f"{name}: no tensor of that name in the checkpoint (an ONNX activation name?); skipped")
-            continue
-        if not MIN_BITWIDTH <= r["bits"] <= MAX_BITWIDTH:  # (a skipped bias may be 32-bit)
-            raise EncodingsError(f"{source}: {name}: bitwidth {r['bits']} is outside {MIN_BITWIDTH}..{MAX_BITWIDTH}")
-        if r["offset"].numel() != r["scale"].numel():
-            raise EncodingsError(f"{source}: {name}: {r['offset'].numel()} offsets for {r['scale'].numel()} scales "
-                                 "(give one offset per scale)")
-        scale = r["scale"].reshape(shape)
-        offset = r["offset"].reshape(shape)
-        if not (torch.isfinite(scale).all() and (scale > 0).all()):
-            bad = scale[~(torch.isfinite(scale) & (scale > 0))].flatten()[0]
-            raise EncodingsError(f"{source}: {name}: every scale must be a finite number above 0 (got {float(bad)})")
-        if not (torch.isfinite(offset).all() and (offset == offset.round()).all()):
-            raise EncodingsError(f"{source}: {name}: offsets must be integers")
-        if ((offset < -qmax) | (offset > -qmin)).any():
-            bad = offset[(offset < -qmax) | (offset > -qmin)].flatten()[0]
-            raise EncodingsError(f"{source}: {name}: its offset puts zero at code {int(-bad)}, outside the "
-                                 f"{r['bits']}-bit grid [{qmin}, {qmax}]")
-        if r["signed"] != (qmin < 0) or (symmetric and not r["signed"]):
-            raise EncodingsError(f"{source}: {name}: symmetric encodings must use a signed grid")
-        mn, mx = range_for_scale_offset(scale, offset, qmin, qmax, symmetric)
-        from .quant.affine import min_max_to_scale_offset
-
-        s2, _ = min_max_to_scale_offset(mn, mx, qmin, qmax, symmetric)
-        if not torch.equal(s2, scale):
-            warnings.append(f"{name}: {int((s2 != scale).sum())} scale(s) cannot come from any float32 range and "
-                            "are one ulp off after import")
-        entries.append(EncodingEntry(qname, module, tensor, r["bits"], symmetric, gran, shape, block_size,
-                                     "imported", mn, mx))
+        try:
+            entry = _entry_from_row(name, r, weight_shapes, module_of, source, warnings)
+        except (TypeError, ValueError, ZeroDivisionError, OverflowError, RuntimeError) as e:
+            raise EncodingsError(f"{source}: {name}: malformed encoding ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
+        if entry is not None:
+            entries.append(entry)
     return EncodingsFile(entries, {"imported_from": f"AIMET {version}"}), warnings
+
+
+def _entry_from_row(name: str, r: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]],
+                    module_of: Callable[[str], Optional[str]], source: str,
+                    warnings: List[str]) -> Optional[EncodingEntry]:
+    """One checked qtool entry from a normalized AIMET row, or None (with a warning) for what is skipped."""
+    # a signed grid with a zero offset is AIMET's symmetric encoding
+    symmetric = r.get("sym", r["signed"] and bool((r["offset"] == 0).all()))
+    if name in weight_shapes:
+        module = module_of(name)
+        wshape = tuple(weight_shapes[name])
+        if module is None or not name.endswith(".weight"):
+            warnings.append(f"{name}: not a module weight (bias or buffer); skipped")
+            return None
+        count = r["scale"].numel()
+        axis = None if r["axis"] is None else int(r["axis"]) % len(wshape)
+        try:
+            gran, shape, block_size = _granularity_from_count(count, wshape, r["block"], axis)
+        except EncodingsError as e:
+            raise EncodingsError(f"{source}: {name}: {e}") from None
+        tensor = "weight"
+        qname = f"{module}.weight"
+    elif name.endswith(".input") or name.endswith(".output"):
+        module, tensor = name.rsplit(".", 1)
+        gran, shape, block_size, qname = "per_tensor", (), None, name
+        if r["scale"].numel() != 1:
+            raise EncodingsError(f"{source}: {name}: activation encodings must be per-tensor")
+    else:
+        warnings.append(f"{name}: no tensor of that name in the checkpoint (an ONNX activation name?); skipped")
+        return None
+    if not MIN_BITWIDTH <= r["bits"] <= MAX_BITWIDTH:  # (a skipped bias may be 32-bit)
+        raise EncodingsError(f"{source}: {name}: bitwidth {r['bits']} is outside {MIN_BITWIDTH}..{MAX_BITWIDTH}")
+    qmin, qmax = grid(r["bits"], signed=r["signed"])  # (after the check: 2**bits of a hostile bits never ends)
+    if r["offset"].numel() != r["scale"].numel():
+        raise EncodingsError(f"{source}: {name}: {r['offset'].numel()} offsets for {r['scale'].numel()} scales "
+                             "(give one offset per scale)")
+    scale = r["scale"].reshape(shape)
+    offset = r["offset"].reshape(shape)
+    if not (torch.isfinite(scale).all() and (scale > 0).all()):
+        bad = scale[~(torch.isfinite(scale) & (scale > 0))].flatten()[0]
+        raise EncodingsError(f"{source}: {name}: every scale must be a finite number above 0 (got {float(bad)})")
+    if not (torch.isfinite(offset).all() and (offset == offset.round()).all()):
+        raise EncodingsError(f"{source}: {name}: offsets must be integers")
+    if ((offset < -qmax) | (offset > -qmin)).any():
+        bad = offset[(offset < -qmax) | (offset > -qmin)].flatten()[0]
+        raise EncodingsError(f"{source}: {name}: its offset puts zero at code {int(-bad)}, outside the "
+                             f"{r['bits']}-bit grid [{qmin}, {qmax}]")
+    if r["signed"] != (qmin < 0) or (symmetric and not r["signed"]):
+        raise EncodingsError(f"{source}: {name}: symmetric encodings must use a signed grid")
+    mn, mx = range_for_scale_offset(scale, offset, qmin, qmax, symmetric)
+    from .quant.affine import min_max_to_scale_offset
+
+    s2, _ = min_max_to_scale_offset(mn, mx, qmin, qmax, symmetric)
+    if not torch.equal(s2, scale):
+        warnings.append(f"{name}: {int((s2 != scale).sum())} scale(s) cannot come from any float32 range and "
+                        "are one ulp off after import")
+    return EncodingEntry(qname, module, tensor, r["bits"], symmetric, gran, shape, block_size, "imported", mn, mx)
+

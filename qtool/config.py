@@ -394,6 +394,8 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         _check_node_graph(node, source)
         data = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"{source}: malformed YAML: nested too deep") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""

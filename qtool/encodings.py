@@ -288,7 +288,7 @@ def _check_stored_scale_offset(entry: EncodingEntry, obj: Dict[str, Any], where:
             continue
         try:
             stored = torch.tensor(obj[key], dtype=torch.float64).reshape(derived.shape)
-        except (TypeError, ValueError, RuntimeError) as e:
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise EncodingsError(f"{where}: malformed {key} ({str(e).splitlines()[0][:80]})") from None
         if not torch.equal(stored.to(dtype), derived.to(dtype)):
             raise EncodingsError(f"{where}: the stored {key} disagrees with the one min/max give (qtool derives "

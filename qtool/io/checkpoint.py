@@ -105,7 +105,7 @@ def _check_entries(file: Path, header) -> int:
         if not isinstance(v, dict):
             raise CheckpointError(f"{where}: corrupt header entry (not a JSON object)")
         dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
-        if dtype not in _DTYPE_SIZES:
+        if not isinstance(dtype, str) or dtype not in _DTYPE_SIZES:
             raise CheckpointError(f"{where}: unsupported dtype {str(dtype)[:20]!r}")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise CheckpointError(f"{where}: corrupt header entry (shape must be a list of non-negative integers)")

@@ -45,8 +45,8 @@ BlockSize = Optional[Sequence[int]]
 # --------------------------------------------------------------------------------------------------------------
 def grid(bitwidth: int, signed: bool) -> Tuple[int, int]:
     """``(qmin, qmax)`` of the ``bitwidth``-bit grid: ``-2**(b-1)..2**(b-1)-1`` signed, ``0..2**b-1`` unsigned."""
-    if not isinstance(bitwidth, int) or isinstance(bitwidth, bool) or bitwidth < 1:
-        raise ValueError(f"bitwidth must be a positive integer, got {bitwidth!r}")
+    if not isinstance(bitwidth, int) or isinstance(bitwidth, bool) or not 1 <= bitwidth <= 64:
+        raise ValueError(f"bitwidth must be an integer from 1 to 64, got {str(bitwidth)[:40]}")
     return _grid_from_steps(2**bitwidth - 1, signed)
 
 
