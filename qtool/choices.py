@@ -9,7 +9,7 @@ from typing import Sequence
 from .errors import UsageError
 
 __all__ = ["AIMET_VERSIONS", "CT_EIGHT_BIT_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_FALLBACKS", "DEVICES", "SCALE_DTYPES",
-           "check_choice", "check_device", "check_scale_dtype"]
+           "ELEMENT_NAMES", "FLOAT_SCALE_DTYPES", "check_choice", "check_device", "check_scale_dtype", "check_element"]
 
 AIMET_VERSIONS = ("0.6.1", "1.0.0", "2.0.0")  # the AIMET encodings versions qtool writes
 CT_EIGHT_BIT_FORMATS = ("int-quantized", "pack-quantized")
@@ -48,3 +48,33 @@ def check_scale_dtype(scale_dtype: str, bitwidth: int, symmetric: bool) -> None:
         if bitwidth > limit:
             kind = "symmetric" if symmetric else "asymmetric"
             raise ValueError(f"scale_dtype float16 supports {kind} grids up to {limit} bits (got {bitwidth})")
+
+
+ELEMENT_NAMES = ("int", "fp8_e4m3", "fp4_e2m1")
+_ELEMENT_BITS = {"fp8_e4m3": 8, "fp4_e2m1": 4}
+FLOAT_SCALE_DTYPES = ("float32", "e8m0", "fp8_e4m3")
+
+
+def check_element(element: str, bitwidth: int, symmetric: bool, scale_dtype: str, granularity: str,
+                  dynamic: bool) -> None:
+    """Raise ``ValueError`` unless a float ``element`` fits the rest of the spec (an ``int`` one always does)."""
+    if element not in ELEMENT_NAMES:
+        raise ValueError(f"element must be one of {', '.join(ELEMENT_NAMES)} (got {str(element)[:40]!r})")
+    if element == "int":
+        if scale_dtype in ("e8m0", "fp8_e4m3"):
+            raise ValueError(f"scale_dtype {scale_dtype} is for float elements (fp8_e4m3, fp4_e2m1); an integer "
+                             "grid takes float32 or float16")
+        return
+    if bitwidth != _ELEMENT_BITS[element]:
+        raise ValueError(f"element {element} has {_ELEMENT_BITS[element]} bits (got bitwidth {bitwidth})")
+    if not symmetric:
+        raise ValueError(f"element {element} is symmetric (its values are signed around zero): symmetric must be true")
+    if scale_dtype not in FLOAT_SCALE_DTYPES:
+        raise ValueError(f"a float element's scale_dtype is one of {', '.join(FLOAT_SCALE_DTYPES)} "
+                         f"(got {str(scale_dtype)[:40]!r})")
+    if scale_dtype != "float32" and granularity != "per_block":
+        raise ValueError(f"scale_dtype {scale_dtype} scales blocks (MX: e8m0 with block 32, NVFP4: fp8_e4m3 with "
+                         f"block 16): it needs granularity per_block (got {granularity})")
+    if dynamic and scale_dtype != "float32":
+        raise ValueError(f"dynamic float activations with {scale_dtype} block scales are not supported yet; use "
+                         "fp8_e4m3 elements with float32 scales (per_tensor or per_token)")

@@ -63,6 +63,7 @@ _ANALYZER_PARAMS = {
 _INPUT_WEIGHTED_TYPES = ("Linear", "Conv1d", "Conv2d")
 
 GranularityName = Literal["per_tensor", "per_channel", "per_block"]
+_FLOAT_ELEMENT_BITS = {"fp8_e4m3": 8, "fp4_e2m1": 4}
 
 
 class AnalyzerSpec(BaseModel):
@@ -147,10 +148,23 @@ class _Spec(BaseModel):
     granularity: GranularityName = "per_tensor"
     block_size: Optional[int] = Field(None, gt=0)
     analyzer: AnalyzerSpec = AnalyzerSpec()
-    # float16: scales rounded to float16 values when calibrated (GGUF stores them so; see docs/recipes.md)
-    scale_dtype: Literal["float32", "float16"] = "float32"
+    # float16: scales rounded to float16 values when calibrated (GGUF stores them so; see docs/recipes.md);
+    # e8m0 (MX) and fp8_e4m3 (NVFP4, under a float32 global scale): block scales of a float element
+    scale_dtype: Literal["float32", "float16", "e8m0", "fp8_e4m3"] = "float32"
+    # the grid's values: integers (bitwidth, symmetric) or a float type (FP8 E4M3, FP4 E2M1; see docs/recipes.md)
+    element: Literal["int", "fp8_e4m3", "fp4_e2m1"] = "int"
 
     _normalize_analyzer = field_validator("analyzer", mode="before")(lambda cls, v: _by_name(v))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _float_element_implies(cls, data):
+        """A float element fixes the bit width and symmetry; they need not be written."""
+        if isinstance(data, dict) and data.get("element") in _FLOAT_ELEMENT_BITS:
+            data = dict(data)
+            data.setdefault("bitwidth", _FLOAT_ELEMENT_BITS[data["element"]])
+            data.setdefault("symmetric", True)
+        return data
 
     @model_validator(mode="after")
     def _block_size_goes_with_per_block(self):
@@ -158,9 +172,15 @@ class _Spec(BaseModel):
             raise ValueError("granularity per_block needs block_size")
         if self.granularity != "per_block" and self.block_size is not None:
             raise ValueError(f"block_size is only used with granularity per_block (got {self.granularity})")
-        from .choices import check_scale_dtype
+        from .choices import check_element, check_scale_dtype
 
-        check_scale_dtype(self.scale_dtype, self.bitwidth, self.symmetric)
+        check_element(self.element, self.bitwidth, self.symmetric, self.scale_dtype, self.granularity,
+                      bool(getattr(self, "dynamic", False)))
+        if self.element == "int":
+            check_scale_dtype(self.scale_dtype, self.bitwidth, self.symmetric)
+        elif self.analyzer.name != "minmax":
+            raise ValueError(f"element {self.element}: analyzer {self.analyzer.name} is not available on float "
+                             "grids yet (use minmax; GPTQ rounding chooses codes on them)")
         return self
 
 
@@ -170,6 +190,13 @@ class WeightSpec(_Spec):
     rounding: RoundingSpec = RoundingSpec()
 
     _normalize_rounding = field_validator("rounding", mode="before")(lambda cls, v: _by_name(v))
+
+    @model_validator(mode="after")
+    def _rounding_fits_the_element(self):
+        if self.element != "int" and self.rounding.name == "adaround":
+            raise ValueError(f"element {self.element}: rounding adaround learns up/down choices on integer grids; "
+                             "use gptq or nearest on float grids")
+        return self
 
 
 class ActivationSpec(_Spec):
@@ -573,6 +600,8 @@ def _spec_summary(spec: Optional[_Spec]) -> Optional[Dict[str, Any]]:
         out["rounding"] = rounding.name + ("(" + ", ".join(f"{k}={v}" for k, v in args.items()) + ")" if args else "")
     if getattr(spec, "dynamic", False):
         out.pop("analyzer")  # a dynamic quantizer has none
+    if out.get("element") == "int":
+        out.pop("element")  # the default: integer recipes read as they always have
     return out
 
 
@@ -580,9 +609,10 @@ def spec_label(spec: Optional[_Spec]) -> str:
     """One line for a spec: ``int4 sym per_block 32``, ``uint8 per_tensor``, ``int8 per_token dynamic``, ``float``."""
     if spec is None:
         return "float"
-    kind = ("int" if spec.symmetric else "uint") + str(spec.bitwidth)
+    kind = ("int" if spec.symmetric else "uint") + str(spec.bitwidth) if spec.element == "int" else spec.element
     gran = spec.granularity + (f" {spec.block_size}" if spec.block_size else "")
-    extra = [" dynamic" if getattr(spec, "dynamic", False) else ""]
+    extra = [" dynamic" if getattr(spec, "dynamic", False) else "",
+             f" {spec.scale_dtype} scales" if spec.element != "int" and spec.scale_dtype != "float32" else ""]
     rounding = getattr(spec, "rounding", None)
     if rounding is not None and rounding.name != "nearest":
         extra.append(f" {rounding.name}")
@@ -640,13 +670,14 @@ class QuantizerPlan:
     rounding: str = "nearest"  # weights: how codes are chosen on the grid (RoundingSpec.name)
     rounding_args: Tuple[Tuple[str, Any], ...] = ()
     dynamic: bool = False  # activations: range computed at run time from each call's values (nothing calibrated)
+    element: str = "int"  # the grid's values: int, fp8_e4m3, fp4_e2m1
 
     def __post_init__(self):
         from .quant.spec import QuantSpec
 
         try:
             spec = QuantSpec(self.bitwidth, self.symmetric, self.granularity, self.shape, self.block_size,
-                             self.analyzer_label, self.scale_dtype, self.dynamic)
+                             self.analyzer_label, self.scale_dtype, self.dynamic, self.element)
         except ValueError as e:
             raise ConfigError(f"{self.name}: {e}") from None
         object.__setattr__(self, "granularity", spec.granularity)
@@ -721,6 +752,10 @@ class Plan:
 def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
     """Apply one rule's partial spec on top of the current one (or the schema defaults when there is none)."""
     start = base.model_dump() if base is not None else cls().model_dump()
+    if "element" in override:  # bit width and symmetry follow the new element unless the rule gives them
+        for key in ("bitwidth", "symmetric"):
+            if key not in override:
+                start.pop(key, None)
     start.update(override)
     if "granularity" in override and override["granularity"] != "per_block" and "block_size" not in override:
         start["block_size"] = None
@@ -831,7 +866,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                     f"{name}.weight", name, tname, "weight", w_spec.bitwidth, w_spec.symmetric,
                     w_spec.granularity, shape, block, w_spec.analyzer.name, rule_w,
                     tuple(analyzer_args.items()), w_spec.scale_dtype, rounding.name,
-                    tuple(rounding.kwargs().items())))
+                    tuple(rounding.kwargs().items()), element=w_spec.element))
         if a_spec is not None:
             for tensor, on in (("input", a_spec.inputs and tname not in _INTEGER_INPUT_TYPES),
                                ("output", a_spec.outputs)):
@@ -840,7 +875,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                         f"{name}.{tensor}", name, tname, tensor, a_spec.bitwidth, a_spec.symmetric,
                         a_spec.granularity, (), None, "dynamic" if a_spec.dynamic else a_spec.analyzer.name,
                         rule_a, tuple(a_spec.analyzer.kwargs().items()), a_spec.scale_dtype,
-                        dynamic=a_spec.dynamic))
+                        dynamic=a_spec.dynamic, element=a_spec.element))
     for i, ok in enumerate(used):
         if not ok and not recipe.layers[i].optional:
             rule = recipe.layers[i]

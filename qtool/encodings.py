@@ -38,6 +38,7 @@ from .errors import EncodingsError
 from .io.jsonfile import read_json_object
 from .quant import QuantizerBase
 from .quant.affine import min_max_to_scale_offset, resolve_block_size
+from .quant.floatgrid import element_of, encoding_scales
 from .quant.spec import Granularity, QuantSpec
 
 __all__ = ["EncodingEntry", "EncodingsFile", "SidecarStream", "SCHEMA", "SCHEMA_VERSION", "INLINE_LIMIT",
@@ -71,10 +72,12 @@ class EncodingEntry:
     # (sidecar file, min key, max key) of an entry read lazily: min/max are then meta tensors until asked for
     source: Optional[Tuple[str, str, str]] = None
     dynamic: bool = False
+    element: str = "int"  # int, or a float element (fp8_e4m3, fp4_e2m1): min/max are then -amax/amax
+    scale_dtype: str = "float32"  # a float element's block scale type (float32, e8m0, fp8_e4m3)
 
     def __post_init__(self):
         spec = QuantSpec(self.bitwidth, self.symmetric, self.granularity, self.shape, self.block_size, self.analyzer,
-                         dynamic=self.dynamic)
+                         self.scale_dtype, dynamic=self.dynamic, element=self.element)
         if self.dynamic != (self.min is None) or (self.min is None) != (self.max is None):
             raise ValueError(f"{self.name}: a dynamic entry has no min/max and a static one has both")
         self.granularity, self.shape, self.block_size = spec.granularity, spec.shape, spec.block_size
@@ -102,9 +105,8 @@ class EncodingEntry:
             lo, hi = fh.get_tensor(kmin), fh.get_tensor(kmax)
         if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
             raise EncodingsError(f"{file}: {kmin}/{kmax}: min/max must be finite numbers")
-        qmin, qmax = self.qmin_qmax
         with torch.no_grad():
-            scale, _ = min_max_to_scale_offset(lo.to(torch.float32), hi.to(torch.float32), qmin, qmax, self.symmetric)
+            scale, _ = self._scale_offset_of(lo.to(torch.float32), hi.to(torch.float32))
         if not torch.isfinite(scale).all():
             raise EncodingsError(f"{file}: {kmin}/{kmax}: the range overflows float32 when divided into steps (an "
                                  "infinite scale)")
@@ -116,24 +118,45 @@ class EncodingEntry:
             return self
         lo, hi = self.range()
         return EncodingEntry(self.name, self.module, self.tensor, self.bitwidth, self.symmetric, self.granularity,
-                             self.shape, self.block_size, self.analyzer, lo, hi)
+                             self.shape, self.block_size, self.analyzer, lo, hi, element=self.element,
+                             scale_dtype=self.scale_dtype)
+
+    @property
+    def is_float(self) -> bool:
+        return self.element != "int"
+
+    def _scale_offset_of(self, lo: torch.Tensor, hi: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.is_float:
+            eff = encoding_scales(torch.maximum(-lo, hi), element_of(self.element), self.scale_dtype)[1]
+            return eff, torch.zeros_like(eff)
+        qmin, qmax = self.qmin_qmax
+        return min_max_to_scale_offset(lo, hi, qmin, qmax, self.symmetric)
 
     def scale_offset(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        qmin, qmax = self.qmin_qmax
+        """AIMET's ``(scale, offset)`` of an integer grid; for a float element, its effective scales (what
+        multiplies an element value) and zero offsets."""
         lo, hi = self.range()
         with torch.no_grad():
-            return min_max_to_scale_offset(lo, hi, qmin, qmax, self.symmetric)
+            return self._scale_offset_of(lo, hi)
+
+    def float_scales(self) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """A float element's ``(stored, effective, global)`` scales (``quant.floatgrid.encoding_scales``)."""
+        if not self.is_float:
+            raise ValueError(f"{self.name} is on an integer grid")
+        lo, hi = self.range()
+        return encoding_scales(torch.maximum(-lo, hi), element_of(self.element), self.scale_dtype)
 
     @classmethod
     def from_quantizer(cls, plan: QuantizerPlan, quantizer: QuantizerBase) -> "EncodingEntry":
         """The entry of a calibrated quantizer. Every calibration mode makes its entries here, so this is where a
         range that is not finite, or whose scale overflows float32, is refused (it would write NaN/Infinity)."""
+        floating = {} if plan.element == "int" else {"element": plan.element, "scale_dtype": plan.scale_dtype}
         if plan.dynamic:
             return cls(plan.name, plan.module, plan.tensor, plan.bitwidth, plan.symmetric, plan.granularity, (),
-                       None, plan.analyzer_label, None, None, dynamic=True)
+                       None, plan.analyzer_label, None, None, dynamic=True, **floating)
         entry = cls(plan.name, plan.module, plan.tensor, plan.bitwidth, plan.symmetric, plan.granularity,
                     tuple(plan.shape), plan.block_size, plan.analyzer_label,
-                    quantizer.min.detach().cpu().clone(), quantizer.max.detach().cpu().clone())
+                    quantizer.min.detach().cpu().clone(), quantizer.max.detach().cpu().clone(), **floating)
         entry.check_finite()
         return entry
 
@@ -191,6 +214,7 @@ class EncodingEntry:
             "block_size": None if self.block_size is None else list(self.block_size),
             "analyzer": self.analyzer,
             **({"dynamic": True} if self.dynamic else {}),
+            **({"element": self.element, "scale_dtype": self.scale_dtype} if self.is_float else {}),
         }
 
     def to_json(self) -> Dict[str, Any]:
@@ -222,13 +246,20 @@ class EncodingEntry:
             if key in obj and not (isinstance(obj[key], list) or (key == "block_size" and obj[key] is None)):
                 raise EncodingsError(f"{where}: {key} must be a list of integers{' or null' if key == 'block_size' else ''}"
                                      f" (got {str(obj[key])[:40]!r})")
+        floating = {"element": obj.get("element", "int"), "scale_dtype": obj.get("scale_dtype", "float32")}
+        if "scale_dtype" in obj and floating["element"] == "int":
+            raise EncodingsError(f"{where}: scale_dtype is stored for float elements only (an integer entry's min/max "
+                                 "already hold its scales)")
+        if not all(isinstance(v, str) for v in floating.values()):
+            raise EncodingsError(f"{where}: element and scale_dtype must be strings")
         try:
             shape = tuple(int(d) for d in obj["shape"])
             bits = obj["bitwidth"]
             spec = QuantSpec(int(bits) if isinstance(bits, float) and bits.is_integer() else bits, obj["symmetric"],
                              obj["granularity"], shape,
                              None if obj.get("block_size") is None else tuple(int(b) for b in obj["block_size"]),
-                             str(obj.get("analyzer", "minmax")), dynamic=dynamic)
+                             str(obj.get("analyzer", "minmax")), floating["scale_dtype"], dynamic=dynamic,
+                             element=floating["element"])
         except KeyError as e:
             raise EncodingsError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError, OverflowError) as e:
@@ -245,7 +276,7 @@ class EncodingEntry:
                 return cls(name=str(obj["name"]), module=str(obj["module"]), tensor=obj["tensor"],
                            bitwidth=spec.bitwidth, symmetric=spec.symmetric, granularity=spec.granularity,
                            shape=spec.shape, block_size=spec.block_size, analyzer=spec.analyzer, min=None, max=None,
-                           dynamic=True)
+                           dynamic=True, **floating)
             except KeyError as e:
                 raise EncodingsError(f"{where}: missing field {e.args[0]!r}") from None
             except ValueError as e:
@@ -261,7 +292,7 @@ class EncodingEntry:
             entry = cls(
                 name=str(obj["name"]), module=str(obj["module"]), tensor=obj["tensor"], bitwidth=spec.bitwidth,
                 symmetric=spec.symmetric, granularity=spec.granularity, shape=spec.shape, block_size=spec.block_size,
-                analyzer=spec.analyzer, min=lo, max=hi, source=source,
+                analyzer=spec.analyzer, min=lo, max=hi, source=source, **floating,
             )
         except KeyError as e:
             raise EncodingsError(f"{where}: missing field {e.args[0]!r}") from None
@@ -271,6 +302,8 @@ class EncodingEntry:
             raise EncodingsError(f"{where}: min/max must be finite numbers")
         if source is None and bool((entry.min > entry.max).any()):
             raise EncodingsError(f"{where}: min is above max")
+        if source is None and entry.is_float and not torch.equal(-entry.min, entry.max):
+            raise EncodingsError(f"{where}: a float element's range is symmetric: min must be -max")
         problem = entry.finite_problem() if source is None else None
         if problem is not None:
             raise EncodingsError(f"{where}: {problem}")

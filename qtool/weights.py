@@ -7,7 +7,8 @@ exporter did by hand before). A rounding algorithm (GPTQ, AdaRound) or a transfo
 
 * ``codes/<quantizer name>``: the integer codes of a weight quantizer, in the weight's shape, in the smallest
   integer dtype of its grid (``int8`` for signed 8-bit, ``uint8`` unsigned, ``int16``/``int32`` up to 16 bits),
-  every code within ``[qmin, qmax]``;
+  every code within ``[qmin, qmax]``; a float element's codes are ``uint8`` (the FP8 byte, or the FP4 code
+  ``sign << 3 | index``);
 * ``float/<checkpoint tensor name>``: a float tensor that replaces the checkpoint's (a folded weight or bias, a
   smoothed norm weight), same shape and dtype.
 
@@ -25,7 +26,8 @@ from .encodings import CODES_FILE, EncodingEntry, EncodingsFile
 from .errors import CheckpointError, EncodingsError
 from .io.checkpoint import CheckpointTensors, ST_DTYPES
 from .io.st_writer import StreamingSafetensorsWriter
-from .quant.affine import quantize
+from .quant.affine import dequantize, quantize
+from .quant.floatgrid import element_of, float_dequantize, float_quantize
 from .quant.tensor import AffineEncoding
 
 __all__ = ["WeightSource", "write_codes", "CODES_FILE", "CODES_PREFIX", "FLOAT_PREFIX"]
@@ -35,6 +37,8 @@ FLOAT_PREFIX = "float/"
 
 
 def _code_dtype(e: EncodingEntry) -> torch.dtype:
+    if e.is_float:
+        return torch.uint8  # a float element's code: the FP8 byte, or the 4-bit FP4 code
     qmin, qmax = e.qmin_qmax
     return AffineEncoding(torch.zeros(()), torch.zeros(()), qmin, qmax, e.symmetric).int_dtype()
 
@@ -159,7 +163,17 @@ class WeightSource:
         stored = self.stored_codes(e, tuple(weight.shape))
         if stored is not None:
             return stored.to(torch.float32)
-        qmin, qmax = e.qmin_qmax
         scale, offset = e.scale_offset()
+        if e.is_float:
+            return float_quantize(weight, scale, element_of(e.element), e.block_size).to(torch.float32)
+        qmin, qmax = e.qmin_qmax
         x = weight if weight.dtype == torch.float64 else weight.to(torch.float32)
         return quantize(x, scale, offset, qmin=qmin, qmax=qmax, block_size=e.block_size)
+
+    @staticmethod
+    def dequantize_codes(e: EncodingEntry, codes: torch.Tensor) -> torch.Tensor:
+        """The real values (float32) of weight quantizer ``e``'s codes."""
+        scale, offset = e.scale_offset()
+        if e.is_float:
+            return float_dequantize(codes.to(torch.int64), scale, element_of(e.element), e.block_size)
+        return dequantize(codes.to(torch.float32), scale, offset, block_size=e.block_size)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from ..errors import UsageError
-from .base import Exporter, ExportRequest
+from .base import Exporter, ExportRequest, refuse_float_elements
 from .qtool_st import match_weight_names
 
 __all__ = ["AimetExporter", "EXPORTER"]
@@ -18,6 +18,8 @@ class AimetExporter(Exporter):
     aimet_json = "always"
 
     def check_quantizers(self, quantizers, options: Exporter.Options) -> None:
+        quantizers = list(quantizers)
+        refuse_float_elements(quantizers, "AIMET encodings", "they describe integer grids: bitwidth, scale, offset")
         dynamic = [q for q in quantizers if q.spec.dynamic]
         if dynamic:
             raise UsageError(

@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar, Dict, Optional
 from ..encodings import EncodingsFile
 from ..weights import WeightSource
 
-__all__ = ["Exporter", "ExportRequest"]
+__all__ = ["Exporter", "ExportRequest", "refuse_float_elements"]
 
 
 @dataclass
@@ -65,3 +65,16 @@ class Exporter:
 
     def write(self, request: ExportRequest, options: "Exporter.Options") -> Dict[str, Any]:
         raise NotImplementedError  # pragma: no cover - interface
+
+
+def refuse_float_elements(quantizers, fmt: str, why: str) -> None:
+    """Raise ``UsageError`` (one line) when a quantizer is on a float element grid (FP8, FP4) that format ``fmt``
+    cannot hold; ``why`` says what the format stores instead."""
+    from ..errors import UsageError
+
+    floats = [q for q in quantizers if q.spec.is_float]
+    if floats:
+        q = floats[0]
+        raise UsageError(f"{fmt} cannot hold float element grids ({why}): {q.name} is {q.spec.describe()} "
+                         f"({len(floats)} quantizer(s) in all); export FP8/NVFP4/MX recipes with --format "
+                         "compressed-tensors")

@@ -92,7 +92,7 @@ from ..io.checkpoint import detect_kind
 from ..io.jsonfile import read_json_object
 from ..io.st_writer import StreamingSafetensorsWriter
 from ..model.hf import meta_skeleton
-from ..quant.packing import pack_int32
+from ..quant.packing import pack_bytes, pack_int32
 from ..weights import WeightSource
 from .base import Exporter, ExportRequest
 from .qtool_st import match_weight_names
@@ -172,23 +172,54 @@ def _weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Dict[str
     }
 
 
-def _dynamic_input_args(e: EncodingEntry) -> Dict[str, Any]:
-    """compressed-tensors ``input_activations`` for a dynamic input quantizer (no scale stored: the runtime
-    computes one per token or per call)."""
+def _input_args(e: EncodingEntry) -> Dict[str, Any]:
+    """compressed-tensors ``input_activations`` for an input quantizer: dynamic (no scale stored: the runtime
+    computes one per token or per call), or a static FP8 one (its ``input_scale`` is stored)."""
     return {
         "actorder": None,
         "block_structure": None,
-        "dynamic": True,
+        "dynamic": bool(e.dynamic),
         "group_size": None,
         "num_bits": int(e.bitwidth),
-        "observer": None,
+        "observer": None if e.dynamic else "static_minmax",
         "observer_kwargs": {},
         "scale_dtype": None,
         "strategy": "token" if e.granularity == "per_token" else "tensor",
         "symmetric": bool(e.symmetric),
-        "type": "int",
+        "type": "float" if e.is_float else "int",
         "zp_dtype": None,
     }
+
+
+# (element, scale_dtype) -> (compressed-tensors format, strategy, scale dtype in the file); the FP8 row's format
+# becomes float-quantized when the layer's inputs are quantized too (llm-compressor's choice)
+_FLOAT_LAYOUTS = {
+    ("fp8_e4m3", "float32"): ("naive-quantized", None, torch.float32),
+    ("fp8_e4m3", "e8m0"): ("mxfp8-quantized", "group", torch.uint8),
+    ("fp4_e2m1", "e8m0"): ("mxfp4-pack-quantized", "group", torch.uint8),
+    ("fp4_e2m1", "fp8_e4m3"): ("nvfp4-pack-quantized", "tensor_group", torch.float8_e4m3fn),
+}
+_SCALE_DTYPE_NAMES = {torch.uint8: "torch.uint8", torch.float8_e4m3fn: "torch.float8_e4m3fn"}
+
+
+def _float_weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Tuple[Dict[str, Any], str]:
+    """compressed-tensors weight ``QuantizationArgs`` and format for a float element encoding."""
+    layout = _FLOAT_LAYOUTS.get((e.element, e.scale_dtype))
+    if layout is None:
+        raise EncodingsError(f"{e.name}: {e.element} elements with {e.scale_dtype} scales have no compressed-tensors "
+                             "format (FP8 with float32 or e8m0 scales, FP4 with e8m0 (MXFP4) or fp8_e4m3 (NVFP4))")
+    fmt, strategy, sdtype = layout
+    args = _weight_args(e, shape, key)
+    if strategy is not None:
+        if args["strategy"] != "group":
+            raise EncodingsError(f"{e.name}: {fmt} needs blocks along the input dimension (got {args['strategy']})")
+        args["strategy"] = strategy
+    want = {"nvfp4-pack-quantized": 16, "mxfp4-pack-quantized": 32, "mxfp8-quantized": 32}.get(fmt)
+    if want is not None and args["group_size"] != want:
+        raise EncodingsError(f"{e.name}: {fmt} stores blocks of {want} (got {args['group_size']}); vLLM and "
+                             "compressed-tensors read no other size")
+    args.update(type="float", scale_dtype=_SCALE_DTYPE_NAMES.get(sdtype), observer="memoryless_minmax")
+    return args, fmt
 
 
 def _compat_notes(settings) -> List[str]:
@@ -197,6 +228,11 @@ def _compat_notes(settings) -> List[str]:
     for s in settings:
         a, fmt, inputs = s["args"], s["format"], s.get("inputs")
         what = f"{a['num_bits']}-bit {a['strategy']} ({fmt})"
+        if a["type"] == "float":
+            if fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
+                notes.append(f"transformers: {what}: compressed-tensors decompresses FP4 weights in bfloat16; load "
+                             "with from_pretrained(..., dtype=torch.bfloat16)")
+            continue
         if inputs is not None:  # W8A8 int: vLLM's CompressedTensorsW8A8Int8 scheme
             if not (a["num_bits"] == 8 and inputs["num_bits"] == 8 and a["symmetric"]
                     and a["strategy"] in ("channel", "tensor") and fmt == "int-quantized"):
@@ -272,14 +308,14 @@ def export_compressed_tensors(
     keys = src.keys()
 
     warnings: List[str] = []
-    # dynamic input quantizers become the config group's input_activations (W8A8 with dynamic activations);
-    # compressed-tensors' static activations (input_scale) are not written: those run in float
-    dyn_inputs = {e.module: e for e in encodings.entries if e.tensor == "input" and e.dynamic}
+    # dynamic input quantizers become the config group's input_activations (W8A8 with dynamic activations), and
+    # so do static FP8 ones (with their input_scale); static integer activations are not written: they run in float
+    dyn_inputs = {e.module: e for e in encodings.entries if e.tensor == "input" and (e.dynamic or e.is_float)}
     acts = [e for e in encodings.entries if e.tensor != "weight" and e.module not in dyn_inputs]
     if acts:
         warnings.append(
-            f"{len(acts)} activation quantizer(s) not exported: the compressed-tensors export writes dynamic input "
-            "quantizers only (static and output ones run in float in the exported model)"
+            f"{len(acts)} activation quantizer(s) not exported: the compressed-tensors export writes dynamic and FP8 "
+            "input quantizers only (static integer and output ones run in float in the exported model)"
         )
 
     linear: List[EncodingEntry] = []
@@ -338,10 +374,18 @@ def export_compressed_tensors(
             raise EncodingsError(
                 f"{e.name}: {e.bitwidth}-bit weights have no compressed-tensors integer format (1..8 bits)"
             )
-        args = _weight_args(e, tuple(shape), key)
-        inputs = _dynamic_input_args(dyn_inputs[e.module]) if e.module in dyn_inputs else None
+        inputs = _input_args(dyn_inputs[e.module]) if e.module in dyn_inputs else None
+        if e.is_float:
+            args, fmt = _float_weight_args(e, tuple(shape), key)
+            if fmt == "naive-quantized" and inputs is not None:
+                fmt = "float-quantized"
+        else:
+            args = _weight_args(e, tuple(shape), key)
+            fmt = eight_bit_format if e.bitwidth == 8 else "pack-quantized"
+        if inputs is not None and dyn_inputs[e.module].is_float != e.is_float:
+            raise EncodingsError(f"{e.name}: compressed-tensors has no scheme mixing float and integer grids in one "
+                                 f"layer (its input is {dyn_inputs[e.module].spec.describe()})")
         sig = json.dumps([args, inputs], sort_keys=True)
-        fmt = eight_bit_format if e.bitwidth == 8 else "pack-quantized"
         settings.setdefault(sig, {"args": args, "inputs": inputs, "format": fmt, "modules": []})["modules"].append(
             e.module)
         module_args[key] = args
@@ -403,6 +447,12 @@ def export_compressed_tensors(
         b = e.bitwidth
         sshape = _ct_scale_shape(e)
         scale_dtype = dtype if dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16) else torch.float32
+        info[key] = {"bitwidth": b, "symmetric": e.symmetric, "granularity": e.granularity,
+                     "block_size": None if e.block_size is None else list(e.block_size)}
+        if e.is_float:
+            layout += _float_layout(e, base, tuple(shape), sshape, dyn_inputs.get(e.module))
+            info[key].update(element=e.element, scale_dtype=e.scale_dtype)
+            continue
         packed = module_fmt[key] == "pack-quantized"
         if not packed:
             layout.append((base + "weight", torch.int8, tuple(shape)))
@@ -417,8 +467,6 @@ def export_compressed_tensors(
                 layout.append((base + "weight_zero_point", torch.int32, _packed_zp_shape(sshape, b)))
             else:
                 layout.append((base + "weight_zero_point", torch.int8, sshape))
-        info[key] = {"bitwidth": b, "symmetric": e.symmetric, "granularity": e.granularity,
-                     "block_size": None if e.block_size is None else list(e.block_size)}
 
     out_dir.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", "qtool_version": __version__, "qtool_export": "compressed-tensors",
@@ -431,6 +479,8 @@ def export_compressed_tensors(
             e = by_key.get(key)
             if e is None:
                 w.write(key, t)
+            elif e.is_float:
+                _write_float_layer(w, key, t, e, dyn_inputs.get(e.module), src)
             else:
                 _write_layer(w, key, t, e, declared, src)
             if progress:
@@ -491,6 +541,45 @@ def _write_layer(w: StreamingSafetensorsWriter, key: str, t: torch.Tensor, e: En
             w.write(base + "weight_zero_point", pack_int32(zp, b, packed_dim=0))
         else:
             w.write(base + "weight_zero_point", zp.to(torch.int8))
+
+
+def _float_layout(e: EncodingEntry, base: str, shape: Tuple[int, ...], sshape: Tuple[int, ...],
+                  inp: Optional[EncodingEntry]) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
+    """The tensors of one float-element layer, in the order :func:`_write_float_layer` writes them."""
+    fmt, _, sdtype = _FLOAT_LAYOUTS[(e.element, e.scale_dtype)]
+    out: List[Tuple[str, torch.dtype, Tuple[int, ...]]] = []
+    if e.element == "fp4_e2m1":
+        out.append((base + "weight_packed", torch.uint8, (shape[0], shape[1] // 2)))
+    else:
+        out.append((base + "weight", torch.float8_e4m3fn, shape))
+    out.append((base + "weight_scale", sdtype, sshape))
+    if fmt == "nvfp4-pack-quantized":
+        out.append((base + "weight_global_scale", torch.float32, (1,)))
+    if inp is not None and not inp.dynamic:
+        out.append((base + "input_scale", torch.float32, (1,)))
+    return out
+
+
+def _write_float_layer(w: StreamingSafetensorsWriter, key: str, t: torch.Tensor, e: EncodingEntry,
+                       inp: Optional[EncodingEntry], weights: WeightSource) -> None:
+    """Pack one float-element layer: codes from the weight source, scales as the format stores them."""
+    base = key[: -len("weight")]
+    codes = weights.codes(e, t).to(torch.int64)
+    stored, _, gscale = e.float_scales()
+    sshape = _ct_scale_shape(e)
+    if e.element == "fp4_e2m1":
+        w.write(base + "weight_packed", pack_bytes(codes, 4, signed=False).reshape(t.shape[0], t.shape[1] // 2))
+    else:
+        w.write(base + "weight", codes.to(torch.uint8).view(torch.float8_e4m3fn))
+    if e.scale_dtype == "e8m0":
+        w.write(base + "weight_scale", stored.to(torch.uint8).reshape(sshape).contiguous())
+    elif e.scale_dtype == "fp8_e4m3":
+        w.write(base + "weight_scale", stored.to(torch.float8_e4m3fn).reshape(sshape).contiguous())
+        w.write(base + "weight_global_scale", gscale.to(torch.float32).reshape(1))
+    else:
+        w.write(base + "weight_scale", stored.to(torch.float32).reshape(sshape).contiguous())
+    if inp is not None and not inp.dynamic:
+        w.write(base + "input_scale", inp.scale_offset()[0].to(torch.float32).reshape(1))
 
 
 class CompressedTensorsExporter(Exporter):

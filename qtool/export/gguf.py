@@ -33,7 +33,7 @@ import torch
 from ..encodings import EncodingEntry
 from ..errors import CheckpointError, EncodingsError
 from ..quant.spec import Granularity
-from .base import Exporter, ExportRequest
+from .base import Exporter, ExportRequest, refuse_float_elements
 from .gguf_model import GgufModel, permute_rows, read_gguf_model
 from .qtool_st import match_weight_names
 
@@ -124,6 +124,7 @@ class GgufExporter(Exporter):
 
     def check_quantizers(self, quantizers, options: "GgufExporter.Options") -> None:
         quantizers = list(quantizers)
+        refuse_float_elements(quantizers, "GGUF", "qtool writes its integer block types Q8_0, Q4_0, Q4_1")
         acts = [e.name for e in quantizers if e.tensor != "weight"]
         if acts:
             raise EncodingsError(f"GGUF holds weights only (llama.cpp quantizes activations itself): "

@@ -35,7 +35,7 @@ from ..encodings import EncodingsFile
 from ..errors import DataError, UsageError
 from ..quant import QuantizeDequantize, quantize, quantize_dequantize
 from ..quant.spec import axis_and_block
-from .base import Exporter, ExportRequest
+from .base import Exporter, ExportRequest, refuse_float_elements
 
 __all__ = ["export_onnx", "required_opset", "onnx_export_mode"]
 
@@ -499,7 +499,11 @@ class OnnxExporter(Exporter):
     class Options:
         pass
 
+    def check_quantizers(self, quantizers, options: "OnnxExporter.Options") -> None:
+        refuse_float_elements(quantizers, "the ONNX QDQ export", "it writes integer QuantizeLinear/DequantizeLinear")
+
     def check(self, encodings: EncodingsFile, options: "OnnxExporter.Options") -> None:
+        self.check_quantizers(encodings.entries, options)
         required_opset(encodings)
 
     def write(self, request: ExportRequest, options: "OnnxExporter.Options") -> Dict[str, Any]:

@@ -49,7 +49,7 @@ from ..quant.affine import blocked_shapes, resolve_block_size
 from ..quant.packing import pack_bytes
 from ..quant.tensor import AffineEncoding
 from ..weights import WeightSource
-from .base import Exporter, ExportRequest
+from .base import Exporter, ExportRequest, refuse_float_elements
 from ..io.jsonfile import read_json_object
 from ..io.st_writer import StreamingSafetensorsWriter
 
@@ -398,6 +398,9 @@ class QtoolExporter(Exporter):
     class Options:
         pack: bool = True  # sub-byte codes packed densely
         max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES  # None: one file
+
+    def check_quantizers(self, quantizers, options: "QtoolExporter.Options") -> None:
+        refuse_float_elements(quantizers, "the qtool integer safetensors export", "integer codes with AIMET scales")
 
     def write(self, request: ExportRequest, options: "QtoolExporter.Options") -> Dict[str, object]:
         return export_integer(request.checkpoint, request.encodings, request.out_dir, progress=request.progress,

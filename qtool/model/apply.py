@@ -11,7 +11,6 @@ from ..config import Plan, QuantizerPlan
 from ..encodings import EncodingsFile
 from ..errors import EncodingsError
 from ..quant import QuantizerBase
-from ..quant.affine import dequantize
 from ..weights import WeightSource
 from .insert import insert_quantizers, set_stored_weight
 
@@ -26,7 +25,8 @@ def plan_from_encodings(enc: EncodingsFile, model: nn.Module, source: str) -> Pl
             raise EncodingsError(f"{source}: module {e.module!r} is not in this model; were the encodings made "
                                  "for another model?")
         rows.append(QuantizerPlan(e.name, e.module, type(modules[e.module]).__name__, e.tensor, e.bitwidth,
-                                  e.symmetric, e.granularity, e.shape, e.block_size, e.analyzer, dynamic=e.dynamic))
+                                  e.symmetric, e.granularity, e.shape, e.block_size, e.analyzer,
+                                  scale_dtype=e.scale_dtype, dynamic=e.dynamic, element=e.element))
     return Plan(rows)
 
 
@@ -59,8 +59,7 @@ def apply_stored_weights(model: nn.Module, weights: WeightSource, codes: bool = 
             continue
         w = modules[e.module]._parameters["weight"]
         stored = weights.stored_codes(e, tuple(w.shape))
-        scale, offset = e.scale_offset()
-        fixed = dequantize(stored.to(torch.float32), scale.to(w.device), offset.to(w.device), block_size=e.block_size)
+        fixed = weights.dequantize_codes(e, stored).to(w.device)
         set_stored_weight(modules[e.module], fixed.to(w.dtype))
     if weights.replaced():
         state = dict(model.named_parameters())

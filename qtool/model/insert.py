@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ..config import Plan, QuantizerPlan
-from ..quant import DynamicQuantizeDequantize, QuantizeDequantize, QuantizerBase
+from ..quant import (DynamicFloatQuantizeDequantize, DynamicQuantizeDequantize, FloatQuantizeDequantize,
+                     QuantizeDequantize, QuantizerBase)
 
 __all__ = ["insert_quantizers", "remove_quantizers", "iter_quantizers", "QuantizedModuleMixin"]
 
@@ -112,10 +113,16 @@ def make_analyzer(q: QuantizerPlan):
 
 
 def make_quantizer(q: QuantizerPlan, device=None) -> QuantizerBase:
+    per_token = q.granularity == "per_token"
     if q.dynamic:
-        return DynamicQuantizeDequantize(q.bitwidth, q.symmetric, per_token=q.granularity == "per_token")
-    quantizer = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric, encoding_analyzer=make_analyzer(q),
-                                   block_size=q.block_size, scale_dtype=q.scale_dtype)
+        if q.element != "int":
+            return DynamicFloatQuantizeDequantize(q.element, per_token, q.scale_dtype)
+        return DynamicQuantizeDequantize(q.bitwidth, q.symmetric, per_token=per_token)
+    if q.element != "int":
+        quantizer = FloatQuantizeDequantize(q.shape, q.element, q.scale_dtype, make_analyzer(q), q.block_size)
+    else:
+        quantizer = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric, encoding_analyzer=make_analyzer(q),
+                                       block_size=q.block_size, scale_dtype=q.scale_dtype)
     return quantizer.to(device) if device is not None else quantizer
 
 

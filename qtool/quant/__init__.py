@@ -20,7 +20,9 @@ from .analyzers import (
     TfEnhancedEncodingAnalyzer,
 )
 from .quantizer import (
+    DynamicFloatQuantizeDequantize,
     DynamicQuantizeDequantize,
+    FloatQuantizeDequantize,
     Quantize,
     QuantizeDequantize,
     QuantizerBase,
@@ -52,6 +54,8 @@ __all__ = [
     "QuantizeDequantize",
     "Quantize",
     "DynamicQuantizeDequantize",
+    "FloatQuantizeDequantize",
+    "DynamicFloatQuantizeDequantize",
     "UninitializedQuantizerError",
     "AffineEncoding",
     "QuantizedTensor",

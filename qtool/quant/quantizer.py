@@ -29,10 +29,11 @@ from .affine import (
     snap_to_float16_scale,
 )
 from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer
+from .floatgrid import dynamic_float_scales, element_of, encoding_scales, float_quantize_dequantize
 from .tensor import AffineEncoding, DequantizedTensor, QuantizedTensor
 
 __all__ = ["QuantizerBase", "QuantizeDequantize", "Quantize", "DynamicQuantizeDequantize",
-           "UninitializedQuantizerError"]
+           "FloatQuantizeDequantize", "DynamicFloatQuantizeDequantize", "UninitializedQuantizerError"]
 
 
 class UninitializedQuantizerError(RuntimeError):
@@ -127,13 +128,18 @@ class QuantizerBase(nn.Module):
             raise
         self._calibrating = False
         if self.encoding_analyzer.has_stats():
-            mn, mx = self.encoding_analyzer.compute_encodings(self.qmax - self.qmin, self.symmetric)
-            if self.scale_dtype == "float16":
-                mn, mx = snap_to_float16_scale(mn, mx, self.qmin, self.qmax, self.symmetric)
+            mn, mx = self._calibrated_range()
             with torch.no_grad():
                 self.min.copy_(mn.to(self.min.device))
                 self.max.copy_(mx.to(self.max.device))
         self.encoding_analyzer.reset_stats()
+
+    def _calibrated_range(self):
+        """The ``(min, max)`` to store from the analyzer's statistics when calibration ends."""
+        mn, mx = self.encoding_analyzer.compute_encodings(self.qmax - self.qmin, self.symmetric)
+        if self.scale_dtype == "float16":
+            mn, mx = snap_to_float16_scale(mn, mx, self.qmin, self.qmax, self.symmetric)
+        return mn, mx
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor, importance: Optional[torch.Tensor] = None) -> None:
@@ -230,3 +236,77 @@ class DynamicQuantizeDequantize(nn.Module):
     def extra_repr(self) -> str:
         return (f"bitwidth={self.bitwidth}, symmetric={self.symmetric}, "
                 f"{'per_token' if self.per_token else 'per_tensor'}, dynamic")
+
+
+class FloatQuantizeDequantize(QuantizerBase):
+    """Fake quantization on a float element grid (FP8 E4M3, FP4 E2M1; ``quant.floatgrid``) with representable
+    block scales (``scale_dtype``: float32, e8m0 for MX, fp8_e4m3 under a float32 global scale for NVFP4).
+
+    The stored range is ``[-amax, amax]`` per encoding (block, channel or tensor): calibration keeps the absolute
+    maximum of what the analyzer saw, and the scales are derived from it on every call as compressed-tensors
+    derives them. Returns a plain tensor in ``x``'s dtype."""
+
+    def __init__(self, shape: Sequence[int], element: str, scale_dtype: str = "float32",
+                 encoding_analyzer: Optional[EncodingAnalyzer] = None,
+                 block_size: Optional[Sequence[int]] = None):
+        self.element = element_of(element)
+        super().__init__(shape, self.element.bits, True, encoding_analyzer, block_size)
+        self.scale_dtype = scale_dtype
+        self.qmin, self.qmax = 0, self.element.num_codes - 1
+
+    def scales(self, amax: Optional[torch.Tensor] = None):
+        """``(stored, effective, global)`` scales of the stored range (or of ``amax``), see
+        ``floatgrid.encoding_scales``."""
+        if amax is None:
+            self._require_initialized()
+            amax = self.max.detach()
+        return encoding_scales(amax, self.element, self.scale_dtype)
+
+    def _scale_offset(self, mn: torch.Tensor, mx: torch.Tensor):
+        eff = self.scales(torch.maximum(-mn, mx).detach())[1]
+        return eff, torch.zeros_like(eff)
+
+    def _calibrated_range(self):
+        """``[-amax, amax]``: the absolute maximum of what the analyzer saw."""
+        stats = self.encoding_analyzer.statistics()
+        amax = torch.maximum(-stats.min, stats.max).clamp(min=0).to(torch.float32)
+        return -amax, amax
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return x
+        x = x.as_subclass(torch.Tensor)
+        if self._calibrating:
+            mn, mx = self.encoding_analyzer.update_stats(x)
+            amax = torch.maximum(-mn, mx).clamp(min=0)
+        else:
+            self._require_initialized()
+            amax = self.max.detach()
+        eff = self.scales(amax)[1]
+        return float_quantize_dequantize(x, eff, self.element, self.block_size)
+
+    def extra_repr(self) -> str:
+        return (f"shape={self.shape}, element={self.element.name}, scale_dtype={self.scale_dtype}"
+                + (f", block_size={self.block_size}" if self.block_size is not None else ""))
+
+
+class DynamicFloatQuantizeDequantize(DynamicQuantizeDequantize):
+    """Fake quantization on a float element grid with scales computed from each call's own values: one per call
+    or one per token (compressed-tensors' dynamic FP8 activations). Nothing is calibrated or stored."""
+
+    def __init__(self, element: str, per_token: bool, scale_dtype: str = "float32"):
+        self.element = element_of(element)
+        super().__init__(self.element.bits, True, per_token)
+        self.qmin, self.qmax = 0, self.element.num_codes - 1
+        self.scale_dtype = scale_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return x
+        x = x.as_subclass(torch.Tensor)
+        eff, block = dynamic_float_scales(x, self.element, self.scale_dtype,
+                                          "per_token" if self.per_token else "per_tensor")
+        return float_quantize_dequantize(x, eff, self.element, block)
+
+    def extra_repr(self) -> str:
+        return f"element={self.element.name}, {'per_token' if self.per_token else 'per_tensor'}, dynamic"

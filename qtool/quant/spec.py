@@ -12,10 +12,11 @@ import enum
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-from ..choices import check_scale_dtype
+from ..choices import ELEMENT_NAMES, FLOAT_SCALE_DTYPES, check_element, check_scale_dtype
 from .affine import grid
 
-__all__ = ["Granularity", "QuantSpec", "axis_and_block", "MIN_BITWIDTH", "MAX_BITWIDTH"]
+__all__ = ["Granularity", "QuantSpec", "axis_and_block", "check_element", "ELEMENT_NAMES", "FLOAT_SCALE_DTYPES",
+           "MIN_BITWIDTH", "MAX_BITWIDTH"]
 
 MIN_BITWIDTH, MAX_BITWIDTH = 2, 16
 
@@ -68,6 +69,7 @@ class QuantSpec:
     analyzer: str = "minmax"
     scale_dtype: str = "float32"
     dynamic: bool = False
+    element: str = "int"
 
     def __post_init__(self):
         if isinstance(self.bitwidth, bool) or not isinstance(self.bitwidth, int):
@@ -81,7 +83,10 @@ class QuantSpec:
         except ValueError:
             raise ValueError(f"granularity must be one of {', '.join(g.value for g in Granularity)} "
                              f"(got {str(self.granularity)[:40]!r})") from None
-        check_scale_dtype(self.scale_dtype, self.bitwidth, self.symmetric)
+        check_element(self.element, self.bitwidth, self.symmetric, self.scale_dtype, self.granularity.value,
+                      self.dynamic)
+        if self.element == "int":
+            check_scale_dtype(self.scale_dtype, self.bitwidth, self.symmetric)
         if not isinstance(self.dynamic, bool):
             raise ValueError(f"dynamic must be true or false (got {str(self.dynamic)[:40]!r})")
         if self.granularity is Granularity.PER_TOKEN and not self.dynamic:
@@ -92,7 +97,7 @@ class QuantSpec:
                 raise ValueError(f"a dynamic quantizer is per_tensor or per_token (got {self.granularity.value})")
             if tuple(self.shape) or self.block_size is not None:
                 raise ValueError(f"a dynamic quantizer stores no range: its shape is [] (got {list(self.shape)})")
-            if self.scale_dtype != "float32":
+            if self.scale_dtype != "float32" and self.element == "int":
                 raise ValueError("a dynamic quantizer computes its scale at run time: scale_dtype does not apply")
         shape = tuple(int(d) for d in self.shape)
         if any(d < 1 for d in shape):
@@ -108,17 +113,33 @@ class QuantSpec:
             raise ValueError(f"a per_tensor encoding has one element (got shape {list(shape)})")
 
     @property
+    def is_float(self) -> bool:
+        """True for a float element grid (FP8, FP4; see ``quant.floatgrid``)."""
+        return self.element != "int"
+
+    @property
     def qmin_qmax(self) -> Tuple[int, int]:
+        """The integer grid; for a float element, the range of its codes (``0 .. 2**bits - 1``)."""
+        if self.is_float:
+            return 0, (1 << self.bitwidth) - 1
         return grid(self.bitwidth, signed=self.symmetric)
 
     def axis_and_block(self) -> Tuple[Optional[int], Optional[int]]:
         return axis_and_block(self.granularity, self.shape, self.block_size)
 
     def describe(self) -> str:
-        if self.dynamic:
-            return f"{self.granularity.value}, dynamic"
-        if self.granularity is Granularity.PER_BLOCK:
-            return f"per_block {self.block_size} -> {self.shape}"
-        if self.granularity is Granularity.PER_CHANNEL:
-            return f"per_channel {self.shape}"
-        return "per_tensor"
+        if self.is_float:
+            scale = "" if self.scale_dtype == "float32" else f", {self.scale_dtype} scales"
+            return f"{self.element} {_describe_layout(self)}{scale}"
+        return _describe_layout(self)
+
+
+def _describe_layout(spec: QuantSpec) -> str:
+    if spec.dynamic:
+        return f"{spec.granularity.value}, dynamic"
+    if spec.granularity is Granularity.PER_BLOCK:
+        return f"per_block {spec.block_size} -> {spec.shape}"
+    if spec.granularity is Granularity.PER_CHANNEL:
+        return f"per_channel {spec.shape}"
+    return "per_tensor"
+

@@ -24,6 +24,7 @@ from ...errors import DataError
 from ...quant import QuantizerBase
 from ...parallel import Group, assign
 from ...quant.affine import dequantize
+from ...quant.floatgrid import float_dequantize
 from .conv import CONV_TYPES, ConvCall, capture_conv_input, flat_weight, patch_rows
 from .adaround import adaround_codes
 from .gptq import expand_encoding, gptq_codes
@@ -231,6 +232,9 @@ def _codes(q: QuantizerPlan, modules, quantizers, stats) -> torch.Tensor:
     s = stats[q.module]
     args = dict(q.rounding_args)
     algorithm = adaround_codes if q.rounding == "adaround" else gptq_codes
+    element = getattr(quantizer, "element", None)
+    if element is not None:  # a float grid (GPTQ only: the recipe refuses AdaRound there)
+        args["element"] = element
     try:
         if not s.groups:
             return algorithm(weight, s.hessian(), scale, offset, quantizer.qmin, quantizer.qmax, q.block_size,
@@ -248,7 +252,11 @@ def _codes(q: QuantizerPlan, modules, quantizers, stats) -> torch.Tensor:
 def _write_back(q: QuantizerPlan, modules, quantizer: QuantizerBase, codes: torch.Tensor) -> None:
     w = modules[q.module]._parameters["weight"]
     scale, offset = quantizer.get_scale().detach(), quantizer.get_offset().detach()
+    element = getattr(quantizer, "element", None)
     with torch.no_grad():
+        if element is not None:
+            w.copy_(float_dequantize(codes.to(w.device), scale.to(w.device), element, q.block_size).to(w.dtype))
+            return
         w.copy_(dequantize(codes.to(w.device, torch.float32), scale.to(w.device), offset.to(w.device),
                            block_size=q.block_size).to(w.dtype))
 

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from ...quant.affine import blocked_shapes, dequantize, quantize
+from ...quant.floatgrid import FloatElement
 
 __all__ = ["gptq_codes", "expand_encoding", "as_problems", "keep_better_rows"]
 
@@ -42,7 +43,8 @@ def expand_encoding(t: torch.Tensor, weight_shape: Sequence[int], block_size: Op
 @torch.no_grad()
 def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                qmin: int, qmax: int, block_size: Optional[Sequence[int]] = None, *, block_columns: int = 128,
-               dampening: float = 0.01, act_order: bool = True) -> torch.Tensor:
+               dampening: float = 0.01, act_order: bool = True,
+               element: Optional[FloatElement] = None) -> torch.Tensor:
     """GPTQ codes (int64, the weight's shape) for ``weight`` ``(out, in)`` on the grid ``scale``/``offset`` (in the
     encoding's shape with ``block_size``, as :func:`qtool.quant.affine.quantize` takes them).
 
@@ -50,6 +52,9 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     up to float rounding). Computed in float32 on the weight's device; ``block_columns`` only trades speed for
     memory; ``dampening`` is the fraction of the mean diagonal added to it; ``act_order`` visits columns by
     decreasing ``H_jj`` (the grid stays the analyzer's, so this changes codes, never scales).
+
+    ``element``: a float element grid (``quant.floatgrid``; ``scale`` is then the effective scale and ``offset``
+    zero): each column rounds to the nearest element value, and the codes returned are the element's codes.
 
     A batch of independent problems runs at once: ``weight`` ``(groups, out, in)`` with ``hessian``
     ``(groups, in, in)`` and ``scale``/``offset`` per element ``(groups, out, in)`` (a grouped convolution's rows,
@@ -83,7 +88,7 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
             w = W1[:, :, i]
             s, o = S[:, :, i1 + i], O[:, :, i1 + i]
             # quantize / dequantize's own float32 steps, inline: this loop runs once per input column
-            q = torch.round(w / s).sub_(o).clamp_(qmin, qmax)
+            q = _levels(w, s, o, qmin, qmax, element)
             codes[:, :, i1 + i] = q
             err = (w - (q + o) * s) / U1[:, i, i][:, None]
             W1[:, :, i:] -= err[:, :, None] * U1[:, i, i:][:, None, :]
@@ -93,7 +98,16 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
         codes = codes.gather(2, torch.argsort(perm, dim=-1)[:, None, :].expand(codes.shape))
     # GPTQ is greedy: on a small or nearly dead layer a row can end up worse than rounding to nearest. Rows are
     # independent, so each keeps whichever of the two has the smaller output error on the calibration inputs
-    return keep_better_rows(weight, H0, codes, scale, offset, qmin, qmax, block_size)
+    return keep_better_rows(weight, H0, codes, scale, offset, qmin, qmax, block_size, element)
+
+
+def _levels(w: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: int,
+            element: Optional[FloatElement]) -> torch.Tensor:
+    """The grid level nearest ``w`` whose value is ``(level + o) * s``: an integer code, or a float element's value
+    (``o`` is then 0), exactly as the fake-quant forward rounds."""
+    if element is None:
+        return torch.round(w / s).sub_(o).clamp_(qmin, qmax)
+    return element.round(torch.clamp(w / s, -element.max, element.max))
 
 
 def as_problems(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
@@ -117,9 +131,11 @@ def as_problems(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor
 
 
 def keep_better_rows(weight: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                     offset: torch.Tensor, qmin: int, qmax: int, block_size) -> torch.Tensor:
+                     offset: torch.Tensor, qmin: int, qmax: int, block_size,
+                     element: Optional[FloatElement] = None) -> torch.Tensor:
     """A batch of codes (from :func:`as_problems`' shapes) back in the weight's shape, each output row keeping them
-    or round-to-nearest's, whichever has the smaller ``d H dᵀ`` on the calibration inputs."""
+    or round-to-nearest's, whichever has the smaller ``d H dᵀ`` on the calibration inputs. For a float
+    ``element`` ``codes`` holds element values (grid levels), and the result is the element's codes."""
     dev = weight.device
     if weight.dim() == 3:
         S, O = scale.to(dev, torch.float32).expand(weight.shape), offset.to(dev, torch.float32).expand(weight.shape)
@@ -127,7 +143,19 @@ def keep_better_rows(weight: torch.Tensor, H: torch.Tensor, codes: torch.Tensor,
     else:
         codes, H = codes[0], H[0]
         S, O = scale.to(dev, torch.float32), offset.to(dev, torch.float32)
-    return _better_rows(weight.detach().to(torch.float32), H, codes, S, O, qmin, qmax, block_size)
+    W = weight.detach().to(torch.float32)
+    if element is not None:  # levels are element values: compare per element, on the expanded scales
+        S = expand_encoding(S, W.shape, block_size) if weight.dim() == 2 else S
+        rtn = _levels(W, S, torch.zeros_like(S), qmin, qmax, element)
+        keep = _row_error(W, H, codes * S) <= _row_error(W, H, rtn * S)
+        return element.codes(torch.where(keep[..., None], codes, rtn))
+    return _better_rows(W, H, codes, S, O, qmin, qmax, block_size)
+
+
+def _row_error(W: torch.Tensor, H: torch.Tensor, Wq: torch.Tensor) -> torch.Tensor:
+    """Per output row, ``d H dᵀ`` with ``d = W - Wq`` (float64)."""
+    d = (W - Wq).to(torch.float64)
+    return ((d @ H.to(torch.float64)) * d).sum(dim=-1)
 
 
 def _better_rows(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale, offset, qmin: int, qmax: int,
@@ -137,8 +165,7 @@ def _better_rows(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale, o
     rtn = quantize(W, scale, offset, qmin=qmin, qmax=qmax, block_size=block_size)
 
     def row_error(c):
-        d = (W - dequantize(c, scale, offset, block_size=block_size)).to(torch.float64)
-        return ((d @ H.to(torch.float64)) * d).sum(dim=-1)
+        return _row_error(W, H, dequantize(c, scale, offset, block_size=block_size))
 
     keep = row_error(codes) <= row_error(rtn)
     return torch.where(keep[..., None], codes, rtn).to(torch.int64)
