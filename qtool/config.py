@@ -178,9 +178,9 @@ class _Spec(BaseModel):
                       bool(getattr(self, "dynamic", False)))
         if self.element == "int":
             check_scale_dtype(self.scale_dtype, self.bitwidth, self.symmetric)
-        elif self.analyzer.name != "minmax":
+        elif self.analyzer.name not in ("minmax", "mse"):
             raise ValueError(f"element {self.element}: analyzer {self.analyzer.name} is not available on float "
-                             "grids yet (use minmax; GPTQ rounding chooses codes on them)")
+                             "grids (use minmax, or mse on weights: it searches the representable scales)")
         return self
 
 

@@ -74,6 +74,7 @@ class EncodingEntry:
     dynamic: bool = False
     element: str = "int"  # int, or a float element (fp8_e4m3, fp4_e2m1): min/max are then -amax/amax
     scale_dtype: str = "float32"  # a float element's block scale type (float32, e8m0, fp8_e4m3)
+    global_amax: Optional[float] = None  # NVFP4: the absolute maximum fused layers share their global scale from
 
     def __post_init__(self):
         spec = QuantSpec(self.bitwidth, self.symmetric, self.granularity, self.shape, self.block_size, self.analyzer,
@@ -119,7 +120,7 @@ class EncodingEntry:
         lo, hi = self.range()
         return EncodingEntry(self.name, self.module, self.tensor, self.bitwidth, self.symmetric, self.granularity,
                              self.shape, self.block_size, self.analyzer, lo, hi, element=self.element,
-                             scale_dtype=self.scale_dtype)
+                             scale_dtype=self.scale_dtype, global_amax=self.global_amax)
 
     @property
     def is_float(self) -> bool:
@@ -127,7 +128,8 @@ class EncodingEntry:
 
     def _scale_offset_of(self, lo: torch.Tensor, hi: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.is_float:
-            eff = encoding_scales(torch.maximum(-lo, hi), element_of(self.element), self.scale_dtype)[1]
+            eff = encoding_scales(torch.maximum(-lo, hi), element_of(self.element), self.scale_dtype,
+                                  self._global_amax())[1]
             return eff, torch.zeros_like(eff)
         qmin, qmax = self.qmin_qmax
         return min_max_to_scale_offset(lo, hi, qmin, qmax, self.symmetric)
@@ -144,13 +146,20 @@ class EncodingEntry:
         if not self.is_float:
             raise ValueError(f"{self.name} is on an integer grid")
         lo, hi = self.range()
-        return encoding_scales(torch.maximum(-lo, hi), element_of(self.element), self.scale_dtype)
+        return encoding_scales(torch.maximum(-lo, hi), element_of(self.element), self.scale_dtype,
+                               self._global_amax())
+
+    def _global_amax(self) -> Optional[torch.Tensor]:
+        return None if self.global_amax is None else torch.tensor(self.global_amax, dtype=torch.float32)
 
     @classmethod
     def from_quantizer(cls, plan: QuantizerPlan, quantizer: QuantizerBase) -> "EncodingEntry":
         """The entry of a calibrated quantizer. Every calibration mode makes its entries here, so this is where a
         range that is not finite, or whose scale overflows float32, is refused (it would write NaN/Infinity)."""
         floating = {} if plan.element == "int" else {"element": plan.element, "scale_dtype": plan.scale_dtype}
+        shared = getattr(quantizer, "global_amax", None)
+        if shared is not None:
+            floating["global_amax"] = float(shared)
         if plan.dynamic:
             return cls(plan.name, plan.module, plan.tensor, plan.bitwidth, plan.symmetric, plan.granularity, (),
                        None, plan.analyzer_label, None, None, dynamic=True, **floating)
@@ -215,6 +224,7 @@ class EncodingEntry:
             "analyzer": self.analyzer,
             **({"dynamic": True} if self.dynamic else {}),
             **({"element": self.element, "scale_dtype": self.scale_dtype} if self.is_float else {}),
+            **({"global_amax": self.global_amax} if self.global_amax is not None else {}),
         }
 
     def to_json(self) -> Dict[str, Any]:
@@ -252,6 +262,13 @@ class EncodingEntry:
                                  "already hold its scales)")
         if not all(isinstance(v, str) for v in floating.values()):
             raise EncodingsError(f"{where}: element and scale_dtype must be strings")
+        if "global_amax" in obj:
+            g = obj["global_amax"]
+            if floating["scale_dtype"] != "fp8_e4m3" or isinstance(g, bool) or not isinstance(g, (int, float)) \
+                    or not math.isfinite(g) or g <= 0 or g > 3.4e38:
+                raise EncodingsError(f"{where}: global_amax must be a positive finite number, and only NVFP4 "
+                                     f"(scale_dtype fp8_e4m3) entries have one (got {str(g)[:40]!r})")
+            floating["global_amax"] = float(g)
         try:
             shape = tuple(int(d) for d in obj["shape"])
             bits = obj["bitwidth"]

@@ -167,6 +167,7 @@ def calibrate_weights_split(rows: Sequence[QuantizerPlan], sizes: Dict[str, int]
     (``sizes``: row name -> elements), a window at a time. A row calibrated elsewhere gets its range with
     ``set_range`` on every rank (``everywhere``) or on rank 0 only; ``done(q, quantizer)`` runs on the ranks that
     hold the range, in plan order."""
+    done = share_fused_global_scales(rows, done)
     if not group.distributed:
         calibrate_weights(rows, quantizer_for, weight_for, done, importance_for)
         return
@@ -193,6 +194,55 @@ def calibrate_weights_split(rows: Sequence[QuantizerPlan], sizes: Dict[str, int]
                 quantizer.set_range(mn, mx)
             if done is not None:
                 done(q, quantizer)
+
+
+# sibling layers that runtimes fuse into one matmul (vLLM: q/k/v, gate/up), keyed by the module's last name
+_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "query": "qkv", "key": "qkv", "value": "qkv",
+          "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def fused_group(q: QuantizerPlan) -> Optional[str]:
+    """The fused-layer group of an NVFP4 weight row (``parent/qkv`` or ``parent/gate_up``), or None."""
+    if q.tensor != "weight" or q.element == "int" or q.scale_dtype != "fp8_e4m3":
+        return None
+    parent, _, last = q.module.rpartition(".")
+    kind = _FUSED.get(last)
+    return None if kind is None else f"{parent}/{kind}"
+
+
+def share_fused_global_scales(rows: Sequence[QuantizerPlan], done=None):
+    """A ``done`` callback for :func:`calibrate_weights_split` that gives NVFP4 weights of layers a runtime fuses
+    (q/k/v, gate/up of one block) one global scale: vLLM takes one for the fused matmul without re-quantizing the
+    block scales, so each layer must already use it. Rows of a group are held back until the whole group is
+    calibrated, then each quantizer's ``global_amax`` is the group's largest absolute maximum and ``done`` runs
+    for them in plan order. Returns ``done`` itself when no row is in a group of two or more."""
+    members: Dict[str, List[str]] = {}
+    for q in rows:
+        g = fused_group(q)
+        if g is not None:
+            members.setdefault(g, []).append(q.name)
+    members = {g: names for g, names in members.items() if len(names) > 1}
+    if not members:
+        return done
+    group_of = {name: g for g, names in members.items() for name in names}
+    waiting: Dict[str, List[Tuple[QuantizerPlan, QuantizerBase]]] = {}
+
+    def hold(q: QuantizerPlan, quantizer: QuantizerBase) -> None:
+        g = group_of.get(q.name)
+        if g is None:
+            if done is not None:
+                done(q, quantizer)
+            return
+        waiting.setdefault(g, []).append((q, quantizer))
+        if len(waiting[g]) < len(members[g]):
+            return
+        amax = max(float(qz.max.detach().abs().max()) for _, qz in waiting[g])
+        for q2, qz in sorted(waiting.pop(g), key=lambda item: members[g].index(item[0].name)):
+            qz.global_amax = torch.tensor(amax, dtype=torch.float32)
+            if done is not None:
+                done(q2, qz)
+
+    return hold
 
 
 def encoding_numel(q: QuantizerPlan) -> int:

@@ -46,6 +46,8 @@ def apply_encodings(model: nn.Module, enc: EncodingsFile, source: str) -> Dict[s
             continue  # computes its range at run time
         lo, hi = e.range()
         quantizers[e.name].set_range(lo.to(quantizers[e.name].min.device), hi.to(quantizers[e.name].max.device))
+        if e.global_amax is not None:
+            quantizers[e.name].global_amax = torch.tensor(e.global_amax, dtype=torch.float32)
     return quantizers
 
 

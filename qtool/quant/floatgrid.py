@@ -49,6 +49,7 @@ __all__ = [
     "global_scale",
     "float_scales",
     "encoding_scales",
+    "search_amax",
     "float_quantize",
     "float_dequantize",
     "float_quantize_dequantize",
@@ -203,13 +204,46 @@ def float_scales(amax: torch.Tensor, element: FloatElement, scale_dtype: str,
                      f"(got {str(scale_dtype)[:40]!r})")
 
 
-def encoding_scales(amax: torch.Tensor, element: FloatElement, scale_dtype: str):
+def encoding_scales(amax: torch.Tensor, element: FloatElement, scale_dtype: str,
+                    global_amax: Optional[torch.Tensor] = None):
     """``(stored, effective, gscale)`` of a calibrated float encoding whose blocks' absolute maxima are ``amax``
     (the stored range's ``max``): the global scale (``[1]``, fp8_e4m3 block scales only, else None) comes from
-    the largest of them, i.e. the tensor's absolute maximum."""
-    gscale = global_scale(amax, element) if scale_dtype == "fp8_e4m3" else None
+    the largest of them, i.e. the tensor's absolute maximum, or from ``global_amax`` where layers that a runtime
+    fuses (q/k/v, gate/up) share one."""
+    if scale_dtype == "fp8_e4m3":
+        gscale = global_scale(amax if global_amax is None else global_amax.to(amax.device), element)
+    else:
+        gscale = None
     stored, eff = float_scales(amax, element, scale_dtype, gscale)
     return stored, eff, gscale
+
+
+@torch.no_grad()
+def search_amax(rows: torch.Tensor, amax: torch.Tensor, element: FloatElement, scale_dtype: str,
+                ratios: Sequence[float], weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per encoding (a row of ``rows`` ``(E, M)``: all of its values), the clipped absolute maximum
+    ``ratio · amax`` whose *representable* scales give the least (``weights``-weighted) squared error of the
+    fake-quantized values; the widest wins ties, and ``ratio = 1`` (min-max) is always a candidate, so the error is
+    never above min-max's. With fp8_e4m3 block scales the global scale stays the unclipped tensor's (the rows
+    holding the tensor's maximum keep it), so what is stored derives the global scale the search used."""
+    rows = rows.to(torch.float32)
+    amax = amax.to(torch.float32).reshape(-1)
+    gscale = global_scale(amax, element) if scale_dtype == "fp8_e4m3" else None
+    pinned = amax == amax.max() if gscale is not None else torch.zeros_like(amax, dtype=torch.bool)
+    best, best_err = amax.clone(), None
+    for r in ratios:
+        a = torch.where(pinned, amax, amax * float(r))
+        eff = float_scales(a, element, scale_dtype, gscale)[1][:, None]
+        d = element.round(torch.clamp(rows / eff, -element.max, element.max)) * eff - rows
+        d = d * d if weights is None else d * d * weights
+        err = d.sum(dim=1)
+        if best_err is None:
+            best_err = err
+            continue
+        better = err < best_err
+        best = torch.where(better, a, best)
+        best_err = torch.where(better, err, best_err)
+    return best
 
 
 def _blocked(x: torch.Tensor, scale: torch.Tensor, block_size: Optional[Sequence[int]]):

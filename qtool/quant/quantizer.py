@@ -28,8 +28,8 @@ from .affine import (
     resolve_block_size,
     snap_to_float16_scale,
 )
-from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer
-from .floatgrid import dynamic_float_scales, element_of, encoding_scales, float_quantize_dequantize
+from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer, MseEncodingAnalyzer
+from .floatgrid import dynamic_float_scales, element_of, encoding_scales, float_quantize_dequantize, search_amax
 from .tensor import AffineEncoding, DequantizedTensor, QuantizedTensor
 
 __all__ = ["QuantizerBase", "QuantizeDequantize", "Quantize", "DynamicQuantizeDequantize",
@@ -253,6 +253,8 @@ class FloatQuantizeDequantize(QuantizerBase):
         super().__init__(shape, self.element.bits, True, encoding_analyzer, block_size)
         self.scale_dtype = scale_dtype
         self.qmin, self.qmax = 0, self.element.num_codes - 1
+        # NVFP4: the absolute maximum the global scale comes from when fused layers share one (None: this tensor's)
+        self.global_amax: Optional[torch.Tensor] = None
 
     def scales(self, amax: Optional[torch.Tensor] = None):
         """``(stored, effective, global)`` scales of the stored range (or of ``amax``), see
@@ -260,16 +262,21 @@ class FloatQuantizeDequantize(QuantizerBase):
         if amax is None:
             self._require_initialized()
             amax = self.max.detach()
-        return encoding_scales(amax, self.element, self.scale_dtype)
+        return encoding_scales(amax, self.element, self.scale_dtype, None if self._calibrating else self.global_amax)
 
     def _scale_offset(self, mn: torch.Tensor, mx: torch.Tensor):
         eff = self.scales(torch.maximum(-mn, mx).detach())[1]
         return eff, torch.zeros_like(eff)
 
     def _calibrated_range(self):
-        """``[-amax, amax]``: the absolute maximum of what the analyzer saw."""
+        """``[-amax, amax]``: the absolute maximum of what the analyzer saw, or, with the MSE analyzer, the clipped
+        one whose representable scales give the least (activation-weighted) error (``floatgrid.search_amax``)."""
         stats = self.encoding_analyzer.statistics()
         amax = torch.maximum(-stats.min, stats.max).clamp(min=0).to(torch.float32)
+        if isinstance(self.encoding_analyzer, MseEncodingAnalyzer):
+            ratios = self.encoding_analyzer.candidate_ratios().tolist()
+            amax = search_amax(stats.rows, amax, self.element, self.scale_dtype, ratios, stats.weights)
+        amax = amax.reshape(self.shape)
         return -amax, amax
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
