@@ -75,6 +75,6 @@ def check_element(element: str, bitwidth: int, symmetric: bool, scale_dtype: str
     if scale_dtype != "float32" and granularity != "per_block":
         raise ValueError(f"scale_dtype {scale_dtype} scales blocks (MX: e8m0 with block 32, NVFP4: fp8_e4m3 with "
                          f"block 16): it needs granularity per_block (got {granularity})")
-    if dynamic and scale_dtype != "float32":
-        raise ValueError(f"dynamic float activations with {scale_dtype} block scales are not supported yet; use "
-                         "fp8_e4m3 elements with float32 scales (per_tensor or per_token)")
+    if dynamic and scale_dtype != "float32" and granularity != "per_block":
+        raise ValueError(f"dynamic float activations with {scale_dtype} scales compute them per block at run time: "
+                         "they need granularity per_block")

@@ -201,7 +201,8 @@ class WeightSpec(_Spec):
 
 class ActivationSpec(_Spec):
     symmetric: StrictBool = False
-    granularity: Literal["per_tensor", "per_token"] = "per_tensor"
+    # per_block: float elements only, dynamic (NVFP4 / MX activations: block scales computed per call)
+    granularity: Literal["per_tensor", "per_token", "per_block"] = "per_tensor"
     # true: the range is computed from each call's values at run time (no calibration data, nothing stored)
     dynamic: StrictBool = False
     inputs: StrictBool = True
@@ -219,11 +220,14 @@ class ActivationSpec(_Spec):
         if self.granularity == "per_token" and not self.dynamic:
             raise ValueError("per_token ranges change with every token, so they are computed at run time: "
                              "per_token needs dynamic: true")
+        if self.granularity == "per_block" and (not self.dynamic or self.element == "int"):
+            raise ValueError("per_block activations are float elements whose block scales are computed at run time "
+                             "(NVFP4, MX): they need an element (fp4_e2m1, fp8_e4m3) and dynamic: true")
         if self.dynamic:
             if self.analyzer.name != "minmax" or self.analyzer.kwargs():
                 raise ValueError(f"a dynamic quantizer takes each call's own min and max; analyzer "
                                  f"{self.analyzer.label()} does not apply (remove it, or set dynamic: false)")
-            if self.scale_dtype != "float32":
+            if self.scale_dtype != "float32" and self.element == "int":
                 raise ValueError("a dynamic quantizer computes its scale at run time: scale_dtype does not apply")
         return self
 
@@ -583,7 +587,7 @@ def recipe_needs_data(recipe: Recipe) -> bool:
         if rule.activations:
             acts.append(_merge(recipe.defaults.activations, rule.activations, ActivationSpec,
                                f"layers[{i}].activations"))
-    return (any(not a.dynamic for a in acts)
+    return (any(not a.dynamic or a.scale_dtype == "fp8_e4m3" for a in acts)
             or any(w.rounding.name != "nearest" or w.analyzer.kwargs().get("weighting") == "activations"
                    for w in weights))
 
@@ -741,8 +745,9 @@ class Plan:
 
     @property
     def static_activations(self) -> List[QuantizerPlan]:
-        """The activation rows whose range calibration chooses (dynamic ones compute theirs at run time)."""
-        return [q for q in self.activations if not q.dynamic]
+        """The activation rows calibration sets: static ranges, and the global scale of NVFP4 activations (other
+        dynamic ones compute everything at run time)."""
+        return [q for q in self.activations if q.spec.calibrates]
 
     def needs_data(self) -> bool:
         return (bool(self.static_activations) or bool(self.smoothing) or bool(self.folds)
@@ -873,7 +878,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 if on:
                     plan.quantizers.append(QuantizerPlan(
                         f"{name}.{tensor}", name, tname, tensor, a_spec.bitwidth, a_spec.symmetric,
-                        a_spec.granularity, (), None, "dynamic" if a_spec.dynamic else a_spec.analyzer.name,
+                        a_spec.granularity, (), (a_spec.block_size,) if a_spec.block_size else None,
+                        "dynamic" if a_spec.dynamic else a_spec.analyzer.name,
                         rule_a, tuple(a_spec.analyzer.kwargs().items()), a_spec.scale_dtype,
                         dynamic=a_spec.dynamic, element=a_spec.element))
     for i, ok in enumerate(used):

@@ -161,8 +161,13 @@ class EncodingEntry:
         if shared is not None:
             floating["global_amax"] = float(shared)
         if plan.dynamic:
+            if plan.spec.calibrates and "global_amax" not in floating:
+                from .errors import DataError
+
+                raise DataError(f"{plan.name}: NVFP4 activations need a global scale from the calibration data, and "
+                                "this layer never ran on it")
             return cls(plan.name, plan.module, plan.tensor, plan.bitwidth, plan.symmetric, plan.granularity, (),
-                       None, plan.analyzer_label, None, None, dynamic=True, **floating)
+                       plan.block_size, plan.analyzer_label, None, None, dynamic=True, **floating)
         entry = cls(plan.name, plan.module, plan.tensor, plan.bitwidth, plan.symmetric, plan.granularity,
                     tuple(plan.shape), plan.block_size, plan.analyzer_label,
                     quantizer.min.detach().cpu().clone(), quantizer.max.detach().cpu().clone(), **floating)

@@ -120,6 +120,24 @@ def test_fp8_tensor_and_channel_equal_compressed_tensors(per, x):
     assert _same(float_quantize_dequantize(x, eff, FP8), fake_quantize(x, scale, zp, args))
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp8"])
+@settings(max_examples=30, deadline=None)
+@given(x=_tensors())
+def test_dynamic_block_activations_equal_compressed_tensors(name, x):
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
+    from qtool.quant.floatgrid import dynamic_float_scales, global_scale
+
+    element, scale_dtype, block, kw = CT_ARGS[name]
+    args = QuantizationArgs(dynamic="local" if name == "nvfp4" else True, **kw)
+    x = x.reshape(1, *x.shape)  # (batch, tokens, hidden)
+    g_ct = generate_gparam(x.min(), x.max()) if name == "nvfp4" else None
+    scale, zp = compute_dynamic_scales_and_zp(x, args, None, global_scale=g_ct)
+    g = global_scale(x.abs().amax(), element) if name == "nvfp4" else None
+    eff, blocks = dynamic_float_scales(x, element, scale_dtype, "per_block", block, g)
+    assert _same(float_quantize_dequantize(x, eff, element, blocks), fake_quantize(x, scale, zp, args, global_scale=g_ct))
+
+
 def test_e2m1_ties_go_to_even():
     x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.24, 0.76, 5.01, 9.0])
     assert round_to_e2m1(x).tolist() == [0, 1, 1, 2, 2, 4, 4, 0, 1, 6, 6]
@@ -212,6 +230,11 @@ RELOAD = {
     "mxfp4a16": ("mxfp4-pack-quantized", torch.bfloat16, {"weight_packed": torch.uint8,
                                                            "weight_scale": torch.uint8}),
     "mxfp8a16": ("mxfp8-quantized", torch.bfloat16, {"weight": torch.float8_e4m3fn, "weight_scale": torch.uint8}),
+    "nvfp4": ("nvfp4-pack-quantized", torch.bfloat16, {"weight_packed": torch.uint8, "weight_scale": torch.float8_e4m3fn,
+                                                       "weight_global_scale": torch.float32,
+                                                       "input_global_scale": torch.float32}),
+    "mxfp4": ("mxfp4-pack-quantized", torch.bfloat16, {"weight_packed": torch.uint8, "weight_scale": torch.uint8}),
+    "mxfp8": ("mxfp8-quantized", torch.bfloat16, {"weight": torch.float8_e4m3fn, "weight_scale": torch.uint8}),
 }
 
 
@@ -259,6 +282,7 @@ def test_compressed_tensors_export_reloads_with_qtools_numbers(recipe, ckpt, dat
         assert torch.equal(ct_mods[module].weight, expect.to(dtype)), module
         n += 1
     assert n == 14
+    assert torch.isfinite(got_logits).all()
     if dtype == torch.float32:  # the same weights and activation numerics: the same logits
         assert torch.allclose(got_logits, want_logits, rtol=0, atol=1e-5), (got_logits - want_logits).abs().max()
 

@@ -92,6 +92,7 @@ from ..io.checkpoint import detect_kind
 from ..io.jsonfile import read_json_object
 from ..io.st_writer import StreamingSafetensorsWriter
 from ..model.hf import meta_skeleton
+from ..quant.floatgrid import element_of, global_scale
 from ..quant.packing import pack_bytes, pack_int32
 from ..weights import WeightSource
 from .base import Exporter, ExportRequest
@@ -174,7 +175,24 @@ def _weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Dict[str
 
 def _input_args(e: EncodingEntry) -> Dict[str, Any]:
     """compressed-tensors ``input_activations`` for an input quantizer: dynamic (no scale stored: the runtime
-    computes one per token or per call), or a static FP8 one (its ``input_scale`` is stored)."""
+    computes one per token, per call or per block), a static FP8 one (its ``input_scale`` is stored), or NVFP4's
+    block scales computed per call under a stored global scale (``dynamic: local``, ``input_global_scale``)."""
+    if e.is_float and e.granularity == "per_block":
+        nvfp4 = e.scale_dtype == "fp8_e4m3"
+        return {
+            "actorder": None,
+            "block_structure": None,
+            "dynamic": "local" if nvfp4 else True,
+            "group_size": int(e.block_size[0]),
+            "num_bits": int(e.bitwidth),
+            "observer": "static_minmax" if nvfp4 else None,
+            "observer_kwargs": {},
+            "scale_dtype": "torch.float8_e4m3fn" if nvfp4 else "torch.uint8" if e.scale_dtype == "e8m0" else None,
+            "strategy": "tensor_group" if nvfp4 else "group",
+            "symmetric": True,
+            "type": "float",
+            "zp_dtype": None,
+        }
     return {
         "actorder": None,
         "block_structure": None,
@@ -557,6 +575,8 @@ def _float_layout(e: EncodingEntry, base: str, shape: Tuple[int, ...], sshape: T
         out.append((base + "weight_global_scale", torch.float32, (1,)))
     if inp is not None and not inp.dynamic:
         out.append((base + "input_scale", torch.float32, (1,)))
+    if inp is not None and inp.global_amax is not None:
+        out.append((base + "input_global_scale", torch.float32, (1,)))
     return out
 
 
@@ -580,6 +600,9 @@ def _write_float_layer(w: StreamingSafetensorsWriter, key: str, t: torch.Tensor,
         w.write(base + "weight_scale", stored.to(torch.float32).reshape(sshape).contiguous())
     if inp is not None and not inp.dynamic:
         w.write(base + "input_scale", inp.scale_offset()[0].to(torch.float32).reshape(1))
+    if inp is not None and inp.global_amax is not None:
+        w.write(base + "input_global_scale",
+                global_scale(torch.tensor(inp.global_amax), element_of(inp.element)).reshape(1))
 
 
 class CompressedTensorsExporter(Exporter):

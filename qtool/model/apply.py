@@ -42,12 +42,12 @@ def apply_encodings(model: nn.Module, enc: EncodingsFile, source: str) -> Dict[s
                 quantizers[e.name].check_input(w)
             except (ValueError, AttributeError) as err:
                 raise EncodingsError(f"{source}: {e.name}: does not fit the model's weight ({err})") from None
+        if e.global_amax is not None:
+            quantizers[e.name].global_amax = torch.tensor(e.global_amax, dtype=torch.float32)
         if e.dynamic:
             continue  # computes its range at run time
         lo, hi = e.range()
         quantizers[e.name].set_range(lo.to(quantizers[e.name].min.device), hi.to(quantizers[e.name].max.device))
-        if e.global_amax is not None:
-            quantizers[e.name].global_amax = torch.tensor(e.global_amax, dtype=torch.float32)
     return quantizers
 
 

@@ -116,7 +116,8 @@ def make_quantizer(q: QuantizerPlan, device=None) -> QuantizerBase:
     per_token = q.granularity == "per_token"
     if q.dynamic:
         if q.element != "int":
-            return DynamicFloatQuantizeDequantize(q.element, per_token, q.scale_dtype)
+            block = q.block_size[0] if q.block_size else None
+            return DynamicFloatQuantizeDequantize(q.element, q.granularity.value, q.scale_dtype, block)
         return DynamicQuantizeDequantize(q.bitwidth, q.symmetric, per_token=per_token)
     if q.element != "int":
         quantizer = FloatQuantizeDequantize(q.shape, q.element, q.scale_dtype, make_analyzer(q), q.block_size)

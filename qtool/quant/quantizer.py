@@ -29,7 +29,8 @@ from .affine import (
     snap_to_float16_scale,
 )
 from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer, MseEncodingAnalyzer
-from .floatgrid import dynamic_float_scales, element_of, encoding_scales, float_quantize_dequantize, search_amax
+from .floatgrid import (dynamic_float_scales, element_of, encoding_scales, float_quantize_dequantize,
+                        global_scale, search_amax)
 from .tensor import AffineEncoding, DequantizedTensor, QuantizedTensor
 
 __all__ = ["QuantizerBase", "QuantizeDequantize", "Quantize", "DynamicQuantizeDequantize",
@@ -298,22 +299,68 @@ class FloatQuantizeDequantize(QuantizerBase):
 
 
 class DynamicFloatQuantizeDequantize(DynamicQuantizeDequantize):
-    """Fake quantization on a float element grid with scales computed from each call's own values: one per call
-    or one per token (compressed-tensors' dynamic FP8 activations). Nothing is calibrated or stored."""
+    """Fake quantization on a float element grid with scales computed from each call's own values: one per call,
+    one per token, or one per ``block`` values of the last dimension (NVFP4 / MX activations), as
+    compressed-tensors' dynamic activations compute them. NVFP4's block scales (``scale_dtype`` fp8_e4m3) sit under
+    a static global scale: calibration records the largest absolute value it sees as ``global_amax`` (what
+    compressed-tensors' ``input_global_scale`` comes from); everything else is computed per call."""
 
-    def __init__(self, element: str, per_token: bool, scale_dtype: str = "float32"):
+    def __init__(self, element: str, granularity: str = "per_tensor", scale_dtype: str = "float32",
+                 block: Optional[int] = None):
         self.element = element_of(element)
-        super().__init__(self.element.bits, True, per_token)
+        super().__init__(self.element.bits, True, granularity == "per_token")
+        self.granularity = granularity
+        self.block = block
+        self.block_size = None if block is None else (int(block),)
         self.qmin, self.qmax = 0, self.element.num_codes - 1
         self.scale_dtype = scale_dtype
+        self.global_amax: Optional[torch.Tensor] = None
+        self._seen: Optional[torch.Tensor] = None
+
+    @property
+    def needs_global(self) -> bool:
+        return self.scale_dtype == "fp8_e4m3"
+
+    def is_initialized(self) -> bool:
+        return not self.needs_global or self.global_amax is not None
+
+    @contextlib.contextmanager
+    def compute_encodings(self):
+        if not self.needs_global:
+            yield self
+            return
+        self._calibrating, self._seen = True, None
+        try:
+            yield self
+        finally:
+            self._calibrating = False
+        if self._seen is not None:
+            self.global_amax = self._seen
+
+    def check_input(self, x: torch.Tensor) -> None:
+        super().check_input(x)
+        if self.block is not None and (x.dim() < 1 or x.shape[-1] % self.block):
+            raise ValueError(f"block size {self.block} does not divide the last dimension "
+                             f"{x.shape[-1] if x.dim() else 0}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return x
         x = x.as_subclass(torch.Tensor)
-        eff, block = dynamic_float_scales(x, self.element, self.scale_dtype,
-                                          "per_token" if self.per_token else "per_tensor")
+        gscale = None
+        if self.needs_global:
+            if self._calibrating:
+                amax = x.detach().abs().amax().to(torch.float32)
+                self._seen = amax if self._seen is None else torch.maximum(self._seen, amax.to(self._seen.device))
+                gscale = global_scale(self._seen, self.element)
+            elif self.global_amax is None:
+                raise UninitializedQuantizerError(f"{type(self).__name__}: NVFP4 activations need their global "
+                                                  "scale calibrated first")
+            else:
+                gscale = global_scale(self.global_amax.to(x.device), self.element)
+        eff, block = dynamic_float_scales(x, self.element, self.scale_dtype, self.granularity, self.block, gscale)
         return float_quantize_dequantize(x, eff, self.element, block)
 
     def extra_repr(self) -> str:
-        return f"element={self.element.name}, {'per_token' if self.per_token else 'per_tensor'}, dynamic"
+        block = f" {self.block}" if self.block else ""
+        return f"element={self.element.name}, {self.granularity}{block}, scale_dtype={self.scale_dtype}, dynamic"

@@ -92,11 +92,15 @@ class QuantSpec:
         if self.granularity is Granularity.PER_TOKEN and not self.dynamic:
             raise ValueError("per_token ranges change with every token, so they are computed at run time: "
                              "per_token needs dynamic: true")
+        blocks_at_run_time = self.dynamic and self.granularity is Granularity.PER_BLOCK and self.element != "int"
         if self.dynamic:
-            if self.granularity not in (Granularity.PER_TENSOR, Granularity.PER_TOKEN):
-                raise ValueError(f"a dynamic quantizer is per_tensor or per_token (got {self.granularity.value})")
-            if tuple(self.shape) or self.block_size is not None:
+            if self.granularity not in (Granularity.PER_TENSOR, Granularity.PER_TOKEN) and not blocks_at_run_time:
+                raise ValueError(f"a dynamic quantizer is per_tensor or per_token, or per_block on a float element "
+                                 f"(got {self.granularity.value})")
+            if tuple(self.shape) or (self.block_size is not None and not blocks_at_run_time):
                 raise ValueError(f"a dynamic quantizer stores no range: its shape is [] (got {list(self.shape)})")
+            if blocks_at_run_time and (self.block_size is None or len(self.block_size) != 1):
+                raise ValueError("a dynamic per_block quantizer takes one block length, along the last dimension")
             if self.scale_dtype != "float32" and self.element == "int":
                 raise ValueError("a dynamic quantizer computes its scale at run time: scale_dtype does not apply")
         shape = tuple(int(d) for d in self.shape)
@@ -105,7 +109,7 @@ class QuantSpec:
         object.__setattr__(self, "shape", shape)
         if self.block_size is not None:
             object.__setattr__(self, "block_size", tuple(int(b) for b in self.block_size))
-        if self.granularity is Granularity.PER_BLOCK:
+        if self.granularity is Granularity.PER_BLOCK and not blocks_at_run_time:
             if self.block_size is None or len(self.block_size) != len(shape):
                 raise ValueError(f"a per_block encoding needs one block_size entry per dimension of {list(shape)}")
             axis_and_block(self.granularity, shape, self.block_size)
@@ -127,6 +131,12 @@ class QuantSpec:
     def axis_and_block(self) -> Tuple[Optional[int], Optional[int]]:
         return axis_and_block(self.granularity, self.shape, self.block_size)
 
+    @property
+    def calibrates(self) -> bool:
+        """True when calibration sets something: a static range, or the global scale of NVFP4 activations whose
+        block scales are computed at run time."""
+        return not self.dynamic or self.scale_dtype == "fp8_e4m3"
+
     def describe(self) -> str:
         if self.is_float:
             scale = "" if self.scale_dtype == "float32" else f", {self.scale_dtype} scales"
@@ -136,7 +146,8 @@ class QuantSpec:
 
 def _describe_layout(spec: QuantSpec) -> str:
     if spec.dynamic:
-        return f"{spec.granularity.value}, dynamic"
+        block = f" {spec.block_size[0]}" if spec.block_size else ""
+        return f"{spec.granularity.value}{block}, dynamic"
     if spec.granularity is Granularity.PER_BLOCK:
         return f"per_block {spec.block_size} -> {spec.shape}"
     if spec.granularity is Granularity.PER_CHANNEL:
