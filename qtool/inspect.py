@@ -96,7 +96,9 @@ def _plain_safetensors(files: List[Path], kind: str, path: Path) -> Dict[str, An
             "totals": _totals(rows, [_numel(v["shape"]) for v in headers.values()])}
 
 
-_CT_PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+_CT_PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
+             "weight_global_scale", "input_scale", "input_global_scale")
+_FLOAT_ELEMENTS = {8: "fp8_e4m3", 4: "fp4_e2m1"}
 
 
 def _compressed_tensors_dir(path: Path, config: Dict[str, Any]) -> Dict[str, Any]:
@@ -134,6 +136,11 @@ def _compressed_tensors_dir(path: Path, config: Dict[str, Any]) -> Dict[str, Any
         shape = shapes.get(layer) or headers.get(f"{layer}.weight", {}).get("shape", [])
         bits = a.get("num_bits")
         dtype = f"{'int' if a.get('symmetric', True) else 'uint'}{bits}" if bits else "?"
+        if a.get("type") == "float":
+            dtype = _FLOAT_ELEMENTS.get(bits, f"float{bits}")
+            packed = headers.get(f"{layer}.weight_packed", {}).get("shape")
+            if not shape and packed and len(packed) == 2 and bits == 4:  # two FP4 codes a byte
+                shape = [packed[0], packed[1] * 2]
         rows.append(_row(f"{layer}.weight", dtype, bits, a.get("strategy"), shape, sum(size[p] for p in parts), True))
         numels.append(_numel(shape))
     for k, v in headers.items():
@@ -150,8 +157,10 @@ def _encodings_listing(path: Path, obj: Dict[str, Any]) -> Dict[str, Any]:
         from .encodings import EncodingsFile
 
         for e in EncodingsFile.read(path, lazy=True).entries:  # the checks export makes: what lists, exports
-            rows.append(_row(e.name, ("int" if e.symmetric else "uint") + str(e.bitwidth), e.bitwidth,
-                             str(e.granularity) + (", dynamic" if e.dynamic else ""), list(e.shape), None, True))
+            dtype = e.element if e.is_float else ("int" if e.symmetric else "uint") + str(e.bitwidth)
+            gran = str(e.granularity) + (f", {e.scale_dtype} scales" if e.is_float and e.scale_dtype != "float32"
+                                         else "") + (", dynamic" if e.dynamic else "")
+            rows.append(_row(e.name, dtype, e.bitwidth, gran, list(e.shape), None, True))
         kind = "qtool encodings"
     else:
         version = str(obj.get("version"))

@@ -257,6 +257,10 @@ def test_compressed_tensors_export_reloads_with_qtools_numbers(recipe, ckpt, dat
     assert got == {k: str(v).replace("torch.", "").replace("float8_e4m3fn", "F8_E4M3").replace("float32", "F32")
                    .replace("uint8", "U8") for k, v in tensors.items()}
 
+    code, listing, err = run_cli("inspect", out, "--json")
+    assert code == 0, err
+    row = next(r for r in json.loads(listing)["tensors"] if r["name"] == "model.layers.0.self_attn.q_proj.weight")
+    assert row["dtype"] == ("fp4_e2m1" if "fp4" in recipe else "fp8_e4m3") and row["shape"] == [64, 64], row
     if fmt == "nvfp4-pack-quantized":  # fused layers (q/k/v, gate/up) share one global scale, as vLLM needs
         with safe_open(str(out / "model.safetensors"), "pt") as fh:
             for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
