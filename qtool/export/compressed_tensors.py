@@ -227,6 +227,13 @@ def _float_weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Tu
         raise EncodingsError(f"{e.name}: {e.element} elements with {e.scale_dtype} scales have no compressed-tensors "
                              "format (FP8 with float32 or e8m0 scales, FP4 with e8m0 (MXFP4) or fp8_e4m3 (NVFP4))")
     fmt, strategy, sdtype = layout
+    bs = tuple(e.block_size or ())
+    if strategy is None and len(bs) == 2 and bs[0] not in (1, -1):  # 2-D tiles: FP8_BLOCK's 128x128
+        e.check_fits(key, shape)
+        args = {"actorder": None, "block_structure": [int(bs[0]), int(bs[1])], "dynamic": False, "group_size": None,
+                "num_bits": 8, "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": None,
+                "strategy": "block", "symmetric": True, "type": "float", "zp_dtype": None}
+        return args, fmt
     args = _weight_args(e, shape, key)
     if strategy is not None:
         if args["strategy"] != "group":
