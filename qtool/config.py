@@ -11,7 +11,7 @@ import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
@@ -147,8 +147,7 @@ class _Spec(BaseModel):
     symmetric: StrictBool = True
     granularity: GranularityName = "per_tensor"
     # one length (blocks along the input dimension), or, for weights, [rows, columns] (2-D tiles, e.g. FP8 128x128)
-    block_size: Optional[Union[Annotated[int, Field(gt=0)],
-                               Annotated[List[Annotated[int, Field(gt=0)]], Field(min_length=2, max_length=2)]]] = None
+    block_size: Optional[Union[int, List[int]]] = None
     analyzer: AnalyzerSpec = AnalyzerSpec()
     # float16: scales rounded to float16 values when calibrated (GGUF stores them so; see docs/recipes.md);
     # e8m0 (MX) and fp8_e4m3 (NVFP4, under a float32 global scale): block scales of a float element
@@ -157,6 +156,20 @@ class _Spec(BaseModel):
     element: Literal["int", "fp8_e4m3", "fp4_e2m1"] = "int"
 
     _normalize_analyzer = field_validator("analyzer", mode="before")(lambda cls, v: _by_name(v))
+
+    @field_validator("block_size", mode="before")
+    @classmethod
+    def _one_block_size_error(cls, v):
+        """One error line for a bad block_size, whichever of its two forms was meant."""
+        if v is None:
+            return v
+        items = v if isinstance(v, list) and len(v) == 2 else [v]
+        for b in items:
+            if isinstance(b, bool) or not isinstance(b, int):
+                raise ValueError(f"Input should be a valid integer, or [rows, columns] for a weight (got {_short(v)})")
+            if b <= 0:
+                raise ValueError(f"Input should be greater than 0 (got {_short(v)})")
+        return v
 
     @model_validator(mode="before")
     @classmethod

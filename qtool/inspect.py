@@ -64,13 +64,13 @@ def _qtool_safetensors(path: Path, headers: List[Dict[str, Any]]) -> Dict[str, A
     size = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in entries.items()}
     rows, numels = [], []
     for name, v in entries.items():
-        base = name.rsplit("_", 1)[0]
-        if base in meta and name in (base + "_scale", base + "_offset"):
+        if any(name.endswith(s) and name[:-len(s)] in meta for s in ("_global_scale", "_scale", "_offset")):
             continue
         if name in meta:
             m = meta[name]
-            nbytes = size[name] + size.get(name + "_scale", 0) + size.get(name + "_offset", 0)
-            dtype = ("packed " if m.get("packed") else "") + ("int" if m["qmin"] < 0 else "uint") + str(m["bitwidth"])
+            nbytes = size[name] + sum(size.get(name + s, 0) for s in ("_global_scale", "_scale", "_offset"))
+            kind = m["element"] if m.get("element") else ("int" if m["qmin"] < 0 else "uint") + str(m["bitwidth"])
+            dtype = ("packed " if m.get("packed") else "") + kind
             shape = m.get("shape", v["shape"])
             rows.append(_row(name, dtype, m["bitwidth"], m["granularity"], shape, nbytes, True))
         else:

@@ -238,7 +238,12 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     names = summary.pop("names", {}) if exporter.aimet_json != "never" else summary.get("names", {})
     summary["export_warnings"] = summary.pop("warnings", [])
     numbers = sum(e.numel() for e in enc.entries)
-    if exporter.aimet_json == "always" or (exporter.aimet_json == "if_small" and numbers <= AIMET_JSON_LIMIT):
+    floats = [e for e in enc.entries if e.is_float]
+    if floats and exporter.aimet_json != "never":  # AIMET JSON holds integer grids only
+        summary["export_warnings"].append(
+            f"model.encodings (AIMET JSON) not written: {len(floats)} quantizer(s) are on float element grids "
+            f"(FP8/FP4), which AIMET encodings cannot describe; the exported tensors hold their scales")
+    elif exporter.aimet_json == "always" or (exporter.aimet_json == "if_small" and numbers <= AIMET_JSON_LIMIT):
         static = [e for e in enc.entries if not e.dynamic]
         if len(static) < len(enc.entries):  # (the aimet format itself refuses them in its check)
             summary["export_warnings"].append(

@@ -183,6 +183,8 @@ def test_shipped_float_recipes(name):
     ("{element: fp8_e4m3, rounding: adaround}", "rounding adaround learns up/down choices on integer grids"),
     ("{bitwidth: 4, scale_dtype: e8m0, granularity: per_block, block_size: 32}", "scale_dtype e8m0 is for float"),
     ("{element: fp6_e3m2}", "element"),
+    ("{element: fp8_e4m3, granularity: per_block, block_size: [128, 128, 1]}", "or [rows, columns] for a weight"),
+    ("{element: fp8_e4m3, granularity: per_block, block_size: [128, 0]}", "Input should be greater than 0"),
 ])
 def test_bad_float_recipes_are_one_line(weights, message):
     with pytest.raises(ConfigError) as e:
@@ -291,12 +293,45 @@ def test_compressed_tensors_export_reloads_with_qtools_numbers(recipe, ckpt, dat
         assert torch.allclose(got_logits, want_logits, rtol=0, atol=1e-5), (got_logits - want_logits).abs().max()
 
 
-@pytest.mark.parametrize("fmt", ["qtool", "aimet", "onnx", "gguf"])
+@pytest.mark.parametrize("fmt", ["aimet", "onnx", "gguf"])
 def test_formats_that_cannot_hold_float_grids_refuse_in_one_line(fmt, ckpt, tmp_path):
     out = tmp_path / "out"
     code, _, err = run_cli("quantize", ckpt, "-c", "nvfp4a16", "-o", out, "--format", fmt, "--quiet")
     assert code == 2 and err.count("\n") <= 1 and "cannot hold float element grids" in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("recipe", ["fp8-dynamic", "fp8", "nvfp4a16-gptq", "mxfp4a16", "mxfp8a16", "nvfp4"])
+@pytest.mark.parametrize("pack", [True, False])
+def test_qtool_export_holds_native_float_tensors(recipe, pack, ckpt, data, tmp_path):
+    """qtool's own safetensors: float8 weights or packed FP4 codes with the scales as the format stores them;
+    dequantized, every weight equals the fake-quant weight bit for bit; no AIMET JSON is written beside it."""
+    from qtool.export.qtool_st import read_integer_export
+
+    run, out = tmp_path / "run", tmp_path / "q"
+    run_calibrate(str(ckpt), recipe, str(run), CalibrateOptions(data=str(data)))
+    code, _, err = run_cli("export", ckpt, "-e", run / "encodings.json", "-o", out, "--quiet",
+                           *([] if pack else ["--no-pack"]))
+    assert code == 0, err
+    assert not (out / "model.encodings").exists()
+    got = read_integer_export(out)
+    fq = qtool.load_calibrated(str(ckpt), str(run / "encodings.json"))
+    mods = dict(fq.named_modules())
+    n = 0
+    for name, quantizer in iter_quantizers(fq):
+        module, tensor = name.rsplit(".", 1)
+        if tensor == "weight":
+            assert torch.equal(got[f"{module}.weight"], _fake_quant_weight(mods[module], quantizer)), module
+            n += 1
+    assert n == 14
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:
+        w = fh.get_slice("model.layers.0.self_attn.q_proj.weight")
+        want = {"fp8": "F8_E4M3", "fp4": "U8"}["fp4" if "fp4" in recipe else "fp8"]
+        assert w.get_dtype() == want
+        if "fp4" in recipe:
+            assert list(w.get_shape()) == ([64 * 64 // 2] if pack else [64, 64])
 
 
 @pytest.mark.parametrize("block, scale_dtype, message", [

@@ -77,4 +77,4 @@ def refuse_float_elements(quantizers, fmt: str, why: str) -> None:
         q = floats[0]
         raise UsageError(f"{fmt} cannot hold float element grids ({why}): {q.name} is {q.spec.describe()} "
                          f"({len(floats)} quantizer(s) in all); export FP8/NVFP4/MX recipes with --format "
-                         "compressed-tensors")
+                         "compressed-tensors or qtool")

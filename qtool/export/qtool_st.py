@@ -12,6 +12,16 @@ For every quantized weight ``<name>`` the output holds
 * ``<name>_offset``: int32, AIMET's offset in the same shape, so that ``real = (q + offset) * scale``
   (the ONNX/torchao zero point is ``-offset``).
 
+A weight on a **float element grid** (FP8, NVFP4, MX; ``element`` in its encoding) is stored natively instead:
+
+* ``<name>``: ``float8_e4m3fn`` for FP8 elements; FP4 E2M1 codes (``sign << 3 | index``) two per byte, the first
+  in the low nibble, as a flat ``uint8`` tensor (one code per byte with ``pack=False``);
+* ``<name>_scale``: the block scale as the format stores it: ``float32`` (``scale_dtype: float32``), ``uint8``
+  biased E8M0 exponents (``2 ** (e - 127)``, MX) or ``float8_e4m3fn`` (NVFP4), in the encoding shape;
+* ``<name>_global_scale`` (NVFP4): ``float32 [1]``, the global scale ``G``; the value is ``element · s / G``.
+
+No ``_offset`` is written for them, and their metadata entry adds ``element`` and ``scale_dtype``.
+
 Every other tensor is copied unchanged. ``__metadata__["qtool"]`` is a JSON object describing each quantized
 tensor (bitwidth, symmetric, granularity, block_size). Dequantizing gives the calibrated model's fake-quant
 weights bit for bit.
@@ -49,7 +59,7 @@ from ..quant.affine import blocked_shapes, resolve_block_size
 from ..quant.packing import pack_bytes
 from ..quant.tensor import AffineEncoding
 from ..weights import WeightSource
-from .base import Exporter, ExportRequest, refuse_float_elements
+from .base import Exporter, ExportRequest
 from ..io.jsonfile import read_json_object
 from ..io.st_writer import StreamingSafetensorsWriter
 
@@ -116,6 +126,13 @@ def export_integer(
             layout.append((key, dtype, shape))
             continue
         e.check_fits(key, shape)
+        if e.is_float:
+            layout += _float_layout(key, e, tuple(shape), pack)
+            info[key] = {"bitwidth": e.bitwidth, "symmetric": True, "granularity": e.granularity,
+                         "block_size": None if e.block_size is None else list(e.block_size),
+                         "element": e.element, "scale_dtype": e.scale_dtype, "dtype": str(dtype).replace("torch.", ""),
+                         "shape": list(shape), "packed": pack and e.bitwidth == 4}
+            continue
         qmin, qmax = e.qmin_qmax
         packed = pack and e.bitwidth < 8
         if packed:
@@ -146,7 +163,7 @@ def _write(src, keys, layout, info, by_key, names, weights, out_dir, progress, m
     weight_map: Dict[str, str] = {}
     int_bytes = float_bytes = 0
     done = 0
-    companions = {k + sfx for k in info for sfx in ("_scale", "_offset")}
+    companions = {k + sfx for k in info for sfx in _COMPANIONS}
     order = [name for shard in shards for name, _, _ in shard if name not in companions]
     # (reading the next tensor in a thread while quantizing this one gained nothing measurable: see
     # docs/performance.md, "Scale and export")
@@ -165,6 +182,10 @@ def _write(src, keys, layout, info, by_key, names, weights, out_dir, progress, m
                 e = by_key.get(key)
                 if e is None:
                     w.write(key, t)
+                elif e.is_float:
+                    stored = _write_float(w, key, t, e, src, info[key]["packed"])
+                    int_bytes += stored
+                    float_bytes += t.numel() * t.element_size()
                 else:
                     scale, offset = e.scale_offset()
                     scale = scale.to(torch.float32).contiguous()
@@ -196,6 +217,38 @@ def _write(src, keys, layout, info, by_key, names, weights, out_dir, progress, m
             "names": {e.name: names[e.name] for e in weights}}
 
 
+_COMPANIONS = ("_global_scale", "_scale", "_offset")  # tensors written with (and sharded beside) their codes
+_FLOAT_SCALE_STORAGE = {"float32": torch.float32, "e8m0": torch.uint8, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def _float_layout(key: str, e: EncodingEntry, shape, pack: bool):
+    """The tensors of one float-element weight, in the order :func:`_write_float` writes them."""
+    numel = int(torch.Size(shape).numel())
+    if e.bitwidth == 8:
+        out = [(key, torch.float8_e4m3fn, shape)]
+    else:
+        out = [(key, torch.uint8, ((numel + 1) // 2,) if pack else shape)]
+    out.append((key + "_scale", _FLOAT_SCALE_STORAGE[e.scale_dtype], tuple(e.shape)))
+    if e.scale_dtype == "fp8_e4m3":
+        out.append((key + "_global_scale", torch.float32, (1,)))
+    return out
+
+
+def _write_float(w, key: str, t: torch.Tensor, e: EncodingEntry, src: WeightSource, packed: bool) -> int:
+    """Write one float-element weight's codes and scales; returns the bytes of its codes."""
+    codes = src.codes(e, t).to(torch.int64)
+    if e.bitwidth == 8:
+        stored = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    else:
+        stored = pack_bytes(codes.reshape(-1), 4, signed=False) if packed else codes.to(torch.uint8)
+    w.write(key, stored)
+    scale, _, gscale = e.float_scales()
+    w.write(key + "_scale", scale.to(_FLOAT_SCALE_STORAGE[e.scale_dtype]).reshape(tuple(e.shape)).contiguous())
+    if gscale is not None:
+        w.write(key + "_global_scale", gscale.to(torch.float32).reshape(1))
+    return stored.numel() * stored.element_size()
+
+
 def _nbytes(dtype: torch.dtype, shape) -> int:
     return int(torch.Size(tuple(int(d) for d in shape)).numel()) * torch.empty((), dtype=dtype).element_size()
 
@@ -206,7 +259,7 @@ def _plan_shards(layout, info, nbytes, max_shard_bytes: Optional[int]):
     units: List[list] = []
     for entry in layout:
         name = entry[0]
-        base = name.rsplit("_", 1)[0] if name.endswith(("_scale", "_offset")) else None
+        base = next((name[:-len(s)] for s in _COMPANIONS if name.endswith(s) and name[:-len(s)] in info), None)
         if base is not None and base in info and units and units[-1][0][0] == base:
             units[-1].append(entry)
         else:
@@ -371,11 +424,12 @@ def read_integer_export(path: Path) -> Dict[str, torch.Tensor]:
         with safe_open(str(file), "pt") as fh:
             meta = json.loads(fh.metadata()["qtool"])
             for key in fh.keys():
-                if key.endswith("_scale") or key.endswith("_offset"):
-                    if key.rsplit("_", 1)[0] in meta:
-                        continue
+                if any(key.endswith(s) and key[:-len(s)] in meta for s in _COMPANIONS):
+                    continue
                 t = fh.get_tensor(key)
-                if key in meta:
+                if key in meta and meta[key].get("element"):
+                    t = _dequantize_float(fh, key, t, meta[key])
+                elif key in meta:
                     m = meta[key]
                     if m.get("packed"):
                         from ..quant.packing import unpack_bytes
@@ -388,6 +442,27 @@ def read_integer_export(path: Path) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _dequantize_float(fh, key: str, t: torch.Tensor, m: Dict) -> torch.Tensor:
+    """A float-element weight of a qtool export back to its real values (float32)."""
+    from ..quant.floatgrid import element_of, float_dequantize
+    from ..quant.packing import unpack_bytes
+
+    element = element_of(m["element"])
+    if element.bits == 8:
+        codes = t.view(torch.uint8).to(torch.int64)
+    else:
+        codes = (unpack_bytes(t, 4, m["shape"], signed=False) if m.get("packed") else t).to(torch.int64)
+    scale = fh.get_tensor(key + "_scale")
+    if m["scale_dtype"] == "e8m0":
+        eff = torch.pow(2.0, scale.to(torch.float32) - 127)
+    elif m["scale_dtype"] == "fp8_e4m3":
+        eff = scale.to(torch.float32) / fh.get_tensor(key + "_global_scale").reshape(())
+    else:
+        eff = scale.to(torch.float32)
+    bs = None if m["block_size"] is None else tuple(m["block_size"])
+    return float_dequantize(codes.reshape(m["shape"]), eff, element, bs)
+
+
 class QtoolExporter(Exporter):
     """``--format qtool``: integer safetensors (see the module docs)."""
 
@@ -398,9 +473,6 @@ class QtoolExporter(Exporter):
     class Options:
         pack: bool = True  # sub-byte codes packed densely
         max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES  # None: one file
-
-    def check_quantizers(self, quantizers, options: "QtoolExporter.Options") -> None:
-        refuse_float_elements(quantizers, "the qtool integer safetensors export", "integer codes with AIMET scales")
 
     def write(self, request: ExportRequest, options: "QtoolExporter.Options") -> Dict[str, object]:
         return export_integer(request.checkpoint, request.encodings, request.out_dir, progress=request.progress,

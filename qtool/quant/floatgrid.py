@@ -230,19 +230,27 @@ def search_amax(rows: torch.Tensor, amax: torch.Tensor, element: FloatElement, s
     amax = amax.to(torch.float32).reshape(-1)
     gscale = global_scale(amax, element) if scale_dtype == "fp8_e4m3" else None
     pinned = amax == amax.max() if gscale is not None else torch.zeros_like(amax, dtype=torch.bool)
-    best, best_err = amax.clone(), None
+    best, best_err, last = amax.clone(), None, None
     for r in ratios:
         a = torch.where(pinned, amax, amax * float(r))
-        eff = float_scales(a, element, scale_dtype, gscale)[1][:, None]
-        d = element.round(torch.clamp(rows / eff, -element.max, element.max)) * eff - rows
-        d = d * d if weights is None else d * d * weights
+        eff = float_scales(a, element, scale_dtype, gscale)[1]
+        # a representable scale changes in steps (E8M0: powers of two, FP8: 8 per octave): only rows whose scale
+        # moved since the last candidate can change their error, so only they are evaluated
+        idx = None if last is None else torch.nonzero(eff != last).reshape(-1)
+        last = eff
+        if idx is not None and idx.numel() == 0:
+            continue
+        sub = rows if idx is None else rows[idx]
+        s = (eff if idx is None else eff[idx])[:, None]
+        d = element.round(torch.clamp(sub / s, -element.max, element.max)) * s - sub
+        d = d * d if weights is None else d * d * (weights if idx is None else weights[idx])
         err = d.sum(dim=1)
         if best_err is None:
             best_err = err
             continue
-        better = err < best_err
-        best = torch.where(better, a, best)
-        best_err = torch.where(better, err, best_err)
+        better = err < best_err[idx]
+        best[idx] = torch.where(better, a[idx], best[idx])
+        best_err[idx] = torch.where(better, err, best_err[idx])
     return best
 
 
