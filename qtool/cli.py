@@ -635,6 +635,7 @@ def report(
             t.add_row(r.module, r.module_type, fmt(r.sqnr_cumulative), fmt(r.sqnr_isolated),
                       *((fmt(r.sqnr_isolated_rtn),) if rtn else ()))
         con.print(t)
+        con.print("grids: " + "; ".join(f"{g['tensor']}s {g['grid']} ({g['quantizers']})" for g in result["grids"]))
         con.print(f"samples: {rep.samples}; cosine (float vs quantized outputs): mean {rep.cosine:.4f}, "
                   f"min {rep.cosine_min:.4f}")
         if rep.perplexity_float is not None:

@@ -415,7 +415,10 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
         device = next(iter(loaded.model.parameters())).device
         hooks.on_stage("measuring")
         rep = evaluate(loaded.model, data, device, loaded.is_causal_lm, hooks.on_batch, group)
-    out = {"report": rep, "json": rep.to_json(), "causal_lm": loaded.is_causal_lm}
+    from .report import grid_summary
+
+    out = {"report": rep, "json": {**rep.to_json(), "grids": grid_summary(enc.entries)},
+           "causal_lm": loaded.is_causal_lm, "grids": grid_summary(enc.entries)}
     if sensitivity_analysis:
         hooks.on_stage("ranking layer sensitivity")
         out["sensitivity"] = sensitivity(loaded.model, data, device, loaded.is_causal_lm, hooks.on_tensor)

@@ -32,6 +32,23 @@ from .parallel import Group, shard_bounds
 __all__ = ["LayerError", "Report", "Gate", "evaluate", "sensitivity", "sqnr_db", "check_gates", "enforce_gates"]
 
 
+def grid_summary(entries) -> List[Dict[str, Any]]:
+    """The grids an encodings file uses, one row per (tensor kind, grid) with how many quantizers use it:
+    ``{"tensor": "weight", "grid": "fp4_e2m1 per_block 16, fp8_e4m3 scales", "quantizers": 14}``."""
+    counts: Dict[tuple, int] = {}
+    for e in entries:
+        spec = e.spec
+        kind = spec.element if spec.is_float else ("int" if spec.symmetric else "uint") + str(spec.bitwidth)
+        block = spec.block_size if spec.block_size else ()
+        length = [b for b in block if b not in (1, -1)]
+        gran = spec.granularity.value + (" " + "x".join(str(b) for b in length) if length else "")
+        scales = f", {spec.scale_dtype} scales" if spec.scale_dtype != "float32" else ""
+        label = f"{kind} {gran}{scales}" + (", dynamic" if spec.dynamic else "")
+        key = ("weight" if e.tensor == "weight" else "activation", label)
+        counts[key] = counts.get(key, 0) + 1
+    return [{"tensor": t, "grid": g, "quantizers": n} for (t, g), n in sorted(counts.items())]
+
+
 def sqnr_db(signal: float, noise: float) -> float:
     if noise <= 0:
         return math.inf

@@ -456,3 +456,12 @@ def test_fp8_block_on_widths_that_are_not_multiples_of_128_is_one_line(ckpt, tmp
                            "compressed-tensors", "--quiet")
     assert code == 2 and "128x128 tiles do not divide model.layers.0.self_attn.q_proj.weight" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_report_names_the_grids(ckpt, data, tmp_path):
+    run_calibrate(str(ckpt), "nvfp4", str(tmp_path / "run"), CalibrateOptions(data=str(data)))
+    code, out, err = run_cli("report", ckpt, "-e", tmp_path / "run" / "encodings.json", "--data", data, "--json")
+    assert code == 0, err
+    assert json.loads(out)["grids"] == [
+        {"tensor": "activation", "grid": "fp4_e2m1 per_block 16, fp8_e4m3 scales, dynamic", "quantizers": 14},
+        {"tensor": "weight", "grid": "fp4_e2m1 per_block 16, fp8_e4m3 scales", "quantizers": 14}]
