@@ -770,7 +770,7 @@ def _recipe_text(recipe: str, json_out: bool) -> None:
     if description:
         con.print(_esc(description))
     con.print(_esc(yaml.safe_dump({k: info[k] for k in ("defaults", "layers", "ignore", "smoothquant",
-                                                        "fold_batch_norms")
+                                                        "fold_batch_norms", "kv_cache")
                                    if info[k] not in (None, [], False)}, sort_keys=False, width=110).rstrip()))
     types = info["default_types"]
     con.print(_esc("by default (layers entries aside) it quantizes: "

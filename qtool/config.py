@@ -316,6 +316,18 @@ class SmoothQuantSpec(BaseModel):
     mappings: Optional[List[SmoothMapping]] = None
 
 
+class KvCacheSpec(BaseModel):
+    """``kv_cache: {granularity: per_tensor | per_head}``: static FP8 E4M3 scales for each attention layer's keys
+    (after RoPE) and values, calibrated from the data's absolute maximum; the fake-quant model quantizes them where
+    the layer hands them to its cache, and the compressed-tensors export writes ``k_scale`` / ``v_scale`` with
+    ``kv_cache_scheme`` (what vLLM reads with ``kv_cache_dtype="fp8"``). Llama-family attention (modules with
+    ``k_proj`` and ``v_proj`` that call ``past_key_values.update``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    element: Literal["fp8_e4m3"] = "fp8_e4m3"
+    granularity: Literal["per_tensor", "per_head"] = "per_tensor"
+
+
 class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -326,6 +338,7 @@ class Recipe(BaseModel):
     smoothquant: Optional[SmoothQuantSpec] = None
     # fold each BatchNorm into the convolution before it, before anything is calibrated (AIMET's fold_all_batch_norms)
     fold_batch_norms: StrictBool = False
+    kv_cache: Optional[KvCacheSpec] = None  # static FP8 scales for attention keys and values
 
     @field_validator("ignore")
     @classmethod
@@ -604,7 +617,7 @@ def recipe_needs_data(recipe: Recipe) -> bool:
         if rule.activations:
             acts.append(_merge(recipe.defaults.activations, rule.activations, ActivationSpec,
                                f"layers[{i}].activations"))
-    return (any(not a.dynamic or a.scale_dtype == "fp8_e4m3" for a in acts)
+    return (recipe.kv_cache is not None or any(not a.dynamic or a.scale_dtype == "fp8_e4m3" for a in acts)
             or any(w.rounding.name != "nearest" or w.analyzer.kwargs().get("weighting") == "activations"
                    for w in weights))
 
@@ -652,6 +665,7 @@ def describe_recipe(recipe: Recipe) -> Dict[str, Any]:
         "ignore": list(recipe.ignore),
         "smoothquant": None if recipe.smoothquant is None else recipe.smoothquant.model_dump(mode="json"),
         "fold_batch_norms": recipe.fold_batch_norms,
+        "kv_cache": None if recipe.kv_cache is None else recipe.kv_cache.model_dump(mode="json"),
         "needs_data": recipe_needs_data(recipe),
     }
 
@@ -678,7 +692,7 @@ class QuantizerPlan:
     name: str  # "<module>.weight", "<module>.input", "<module>.output"
     module: str
     module_type: str
-    tensor: Literal["weight", "input", "output"]
+    tensor: Literal["weight", "input", "output", "k_cache", "v_cache"]
     bitwidth: int
     symmetric: bool
     granularity: "Granularity"
@@ -914,6 +928,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             if not allow_unmatched:
                 raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
             plan.warnings.append(msg)
+    if recipe.kv_cache is not None:
+        plan.quantizers += _kv_cache_rows(recipe, named, source)
     if not plan.quantizers:
         plan.warnings.append(f"{source}: the recipe puts no quantizer on this model")
     if recipe.smoothquant is not None:
@@ -923,6 +939,35 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         if not plan.folds:
             plan.warnings.append(f"{source}: fold_batch_norms: no BatchNorm follows a convolution in this model")
     return plan
+
+
+def _kv_cache_rows(recipe: Recipe, named, source: str) -> List[QuantizerPlan]:
+    """A ``k_cache`` and a ``v_cache`` row for every attention module with ``k_proj``/``v_proj`` children (not
+    ignored): per tensor, or per KV head (encoding shape ``(heads, 1, 1)`` over ``(batch, heads, tokens, dim)``)."""
+    from torch import nn
+
+    spec = recipe.kv_cache
+    rows: List[QuantizerPlan] = []
+    for name, module in named:
+        k, v = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
+        if not (isinstance(k, nn.Linear) and isinstance(v, nn.Linear)) or any(name_matches(p, name)
+                                                                                for p in recipe.ignore):
+            continue
+        head_dim = getattr(module, "head_dim", None)
+        if spec.granularity == "per_head":
+            if not isinstance(head_dim, int) or k.out_features % head_dim:
+                raise ConfigError(f"{source}: kv_cache.granularity: per_head needs the attention module's head_dim "
+                                  f"({name} has none that divides its k_proj width)")
+            shape, gran = (k.out_features // head_dim, 1, 1), "per_channel"
+        else:
+            shape, gran = (), "per_tensor"
+        for tensor in ("k_cache", "v_cache"):
+            rows.append(QuantizerPlan(f"{name}.{tensor}", name, type(module).__name__, tensor, 8, True, gran, shape,
+                                      None, "minmax", element=spec.element))
+    if not rows:
+        raise ConfigError(f"{source}: kv_cache: the model has no attention module with k_proj and v_proj "
+                          "(Llama-family attention) to quantize the keys and values of")
+    return rows
 
 
 def _fold_candidates(named) -> List[BatchNormFold]:

@@ -286,8 +286,11 @@ class EncodingEntry:
             raise EncodingsError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError, OverflowError) as e:
             raise EncodingsError(f"{where}: {str(e).splitlines()[0]}") from None
-        if obj.get("tensor") not in ("weight", "input", "output"):
-            raise EncodingsError(f"{where}: tensor must be weight, input or output (got {str(obj.get('tensor'))[:40]!r})")
+        if obj.get("tensor") not in ("weight", "input", "output", "k_cache", "v_cache"):
+            raise EncodingsError(f"{where}: tensor must be weight, input, output, k_cache or v_cache (got "
+                                 f"{str(obj.get('tensor'))[:40]!r})")
+        if obj["tensor"] in ("k_cache", "v_cache") and floating["element"] == "int":
+            raise EncodingsError(f"{where}: {obj['tensor']} quantizers are FP8 (element fp8_e4m3)")
         if dynamic:
             if obj["tensor"] == "weight":
                 raise EncodingsError(f"{where}: a weight cannot be dynamic (only activations are)")

@@ -465,3 +465,37 @@ def test_report_names_the_grids(ckpt, data, tmp_path):
     assert json.loads(out)["grids"] == [
         {"tensor": "activation", "grid": "fp4_e2m1 per_block 16, fp8_e4m3 scales, dynamic", "quantizers": 14},
         {"tensor": "weight", "grid": "fp4_e2m1 per_block 16, fp8_e4m3 scales", "quantizers": 14}]
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_head"])
+def test_fp8_kv_cache_scales_reload_with_qtools_logits(granularity, ckpt, data, ids, tmp_path):
+    """kv_cache: static FP8 scales for keys (after RoPE) and values, quantized in the fake-quant model, written as
+    k_scale / v_scale with kv_cache_scheme; transformers (compressed-tensors' hooked cache) reproduces the logits."""
+    recipe = tmp_path / "kv.yaml"
+    recipe.write_text((Path(__file__).resolve().parents[1] / "configs" / "fp8-dynamic.yaml").read_text()
+                      + f"kv_cache: {{granularity: {granularity}}}\n")
+    run, out = tmp_path / "run", tmp_path / "ct"
+    run_calibrate(str(ckpt), str(recipe), str(run), CalibrateOptions(data=str(data)))
+    code, _, err = run_cli("export", ckpt, "-e", run / "encodings.json", "-o", out, "--format", "compressed-tensors",
+                           "--quiet")
+    assert code == 0, err
+    scheme = json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
+    assert scheme["strategy"] == ("tensor" if granularity == "per_tensor" else "attn_head") and scheme["type"] == "float"
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:
+        shape = fh.get_slice("model.layers.0.self_attn.k_scale").get_shape()
+        assert list(shape) == ([1] if granularity == "per_tensor" else [2, 1, 1])
+        assert (fh.get_tensor("model.layers.1.self_attn.v_scale") > 0).all()
+    fq = qtool.load_calibrated(str(ckpt), str(run / "encodings.json"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        got, want = model(ids).logits, fq(ids).logits
+        # the keys and values are really quantized: without the kv quantizers the logits move
+        for n, q in iter_quantizers(fq):
+            q.enabled = not n.endswith("_cache")
+        without = fq(ids).logits
+    assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
+    assert not torch.allclose(without, want, rtol=0, atol=1e-5)

@@ -220,6 +220,20 @@ _FLOAT_LAYOUTS = {
 _SCALE_DTYPE_NAMES = {torch.uint8: "torch.uint8", torch.float8_e4m3fn: "torch.float8_e4m3fn"}
 
 
+def _kv_cache_scheme(kv: List[EncodingEntry]) -> Optional[Dict[str, Any]]:
+    """``kv_cache_scheme`` for static FP8 key/value scales (None without any); one strategy for the model."""
+    if not kv:
+        return None
+    grans = {e.granularity for e in kv}
+    if len(grans) > 1:
+        raise EncodingsError("compressed-tensors has one kv_cache_scheme per model: the k_cache/v_cache quantizers "
+                             "must all be per tensor or all per head")
+    return {"actorder": None, "block_structure": None, "dynamic": False, "group_size": None, "num_bits": 8,
+            "observer": "minmax", "observer_kwargs": {}, "scale_dtype": None,
+            "strategy": "tensor" if grans == {"per_tensor"} else "attn_head", "symmetric": True, "type": "float",
+            "zp_dtype": None}
+
+
 def _float_weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Tuple[Dict[str, Any], str]:
     """compressed-tensors weight ``QuantizationArgs`` and format for a float element encoding."""
     layout = _FLOAT_LAYOUTS.get((e.element, e.scale_dtype))
@@ -336,7 +350,8 @@ def export_compressed_tensors(
     # dynamic input quantizers become the config group's input_activations (W8A8 with dynamic activations), and
     # so do static FP8 ones (with their input_scale); static integer activations are not written: they run in float
     dyn_inputs = {e.module: e for e in encodings.entries if e.tensor == "input" and (e.dynamic or e.is_float)}
-    acts = [e for e in encodings.entries if e.tensor != "weight" and e.module not in dyn_inputs]
+    kv = [e for e in encodings.entries if e.tensor in ("k_cache", "v_cache")]
+    acts = [e for e in encodings.entries if e.tensor in ("input", "output") and e.module not in dyn_inputs]
     if acts:
         warnings.append(
             f"{len(acts)} activation quantizer(s) not exported: the compressed-tensors export writes dynamic and FP8 "
@@ -451,7 +466,7 @@ def export_compressed_tensors(
         "format": top_format,
         "global_compression_ratio": None,
         "ignore": float_linear,
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": _kv_cache_scheme(kv),
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
         "sparsity_config": {},
@@ -493,6 +508,12 @@ def export_compressed_tensors(
             else:
                 layout.append((base + "weight_zero_point", torch.int8, sshape))
 
+    kv_dtype = {e.module: src.shape_dtype(k)[1] for e in kv
+                if (k := next((c for c in keys if c == f"{e.module}.k_proj.weight"), None)) is not None}
+    for e in kv:
+        name = f"{e.module}.{e.tensor[0]}_scale"
+        layout.append((name, kv_dtype.get(e.module, torch.float32), (1,) if e.granularity == "per_tensor"
+                       else tuple(e.shape)))
     out_dir.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", "qtool_version": __version__, "qtool_export": "compressed-tensors",
                 "qtool": json.dumps(info, sort_keys=True)}
@@ -510,6 +531,10 @@ def export_compressed_tensors(
                 _write_layer(w, key, t, e, declared, src)
             if progress:
                 progress(i + 1, len(keys), key)
+        for e in kv:  # the static FP8 scales of keys and values (what vLLM reads with kv_cache_dtype="fp8")
+            name = f"{e.module}.{e.tensor[0]}_scale"
+            dtype, shape = declared[name]
+            w.write(name, e.scale_offset()[0].to(dtype).reshape(shape).contiguous())
 
     config["quantization_config"] = qconfig
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -36,6 +36,9 @@ class QuantizedModuleMixin:
         qs = getattr(self, _ATTR)
         if "input" in qs and args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
             args = (_plain(qs["input"](args[0])),) + tuple(args[1:])
+        if "k_cache" in qs:  # an attention layer: keys and values are quantized where they reach the cache
+            key = "past_key_value" if "past_key_value" in kwargs else "past_key_values"
+            kwargs[key] = _QuantizedKV(qs, kwargs.get(key))
         if "weight" in qs:
             self.__dict__["weight"] = _fake_quant_weight(self, qs["weight"])  # shadows the parameter for this call
             try:
@@ -47,6 +50,27 @@ class QuantizedModuleMixin:
         if "output" in qs and isinstance(out, torch.Tensor) and out.is_floating_point():
             out = _plain(qs["output"](out))
         return out
+
+
+class _QuantizedKV:
+    """Stands in for an attention layer's ``past_key_values`` for one call: ``update(keys, values, ...)`` (what
+    Llama-family attention calls after RoPE) fake-quantizes keys and values with the layer's ``k_cache`` /
+    ``v_cache`` quantizers, then hands them to the real cache (when there is one) or back to the layer; every other
+    attribute is the real cache's."""
+
+    def __init__(self, qs, cache):
+        self._qs, self._cache = qs, cache
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        k = _plain(self._qs["k_cache"](key_states))
+        v = _plain(self._qs["v_cache"](value_states))
+        return (k, v) if self._cache is None else self._cache.update(k, v, *args, **kwargs)
+
+    def __getattr__(self, name):
+        cache = self.__dict__.get("_cache")
+        if cache is None:
+            raise AttributeError(name)
+        return getattr(cache, name)
 
 
 def _fake_quant_weight(module: nn.Module, quantizer: QuantizerBase) -> torch.Tensor:
