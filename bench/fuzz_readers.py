@@ -157,7 +157,7 @@ def build_world(d: Path) -> Dict[str, Any]:
     save_file({"x": torch.randn(16, 64, generator=torch.Generator().manual_seed(0))}, d / "seed_data.safetensors")
     seeds: Dict[str, List[bytes]] = {"recipe": [p.read_bytes() for p in sorted((REPO / "configs").glob("*.yaml"))]}
     seeds["encodings"], seeds["aimet"] = [], []
-    for recipe in ("w8a8", "w4a16-block32", "w8a8-dynamic"):
+    for recipe in ("w8a8", "w4a16-block32", "w8a8-dynamic", "nvfp4", "mxfp4a16", "fp8"):
         run = d / f"run-{recipe}"
         _qtool("calibrate", ckpt, "-c", recipe, "--model-class", "tests.tinymodels:mlp", "--data",
                d / "seed_data.safetensors", "-o", run)

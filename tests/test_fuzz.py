@@ -24,10 +24,12 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
                                                                         HealthCheck.function_scoped_fixture])
 
 KEYS = ["version", "defaults", "weights", "activations", "layers", "ignore", "match", "type", "bitwidth",
-        "symmetric", "granularity", "block_size", "analyzer", "inputs", "outputs", "name", "optional", "bogus"]
+        "symmetric", "granularity", "block_size", "analyzer", "inputs", "outputs", "name", "optional", "bogus",
+        "element", "scale_dtype", "dynamic", "kv_cache", "rounding"]
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-40, 40), st.floats(allow_nan=True),
                     st.sampled_from(["per_tensor", "per_channel", "per_block", "minmax", "re:.*", "*", "re:(",
-                                     "Linear", "0", "", "eight"]),
+                                     "Linear", "0", "", "eight", "fp8_e4m3", "fp4_e2m1", "e8m0", "per_token",
+                                     "per_head", "gptq", "mse", 16, 32, [128, 128]]),
                     st.text(string.printable, max_size=8))
 yamlish = st.recursive(scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(KEYS), inner, max_size=5)), max_leaves=25)
@@ -81,6 +83,35 @@ def test_encodings_with_a_mutated_field_parse_or_raise(tmp_path_factory, key, va
     path = tmp_path_factory.mktemp("enc") / "e.json"
     path.write_text(json.dumps(obj, allow_nan=True))
     _only_qtool_errors(lambda: EncodingsFile.read(path))
+
+
+def _good_float_encodings():
+    """An NVFP4 weight (fused global scale) and a dynamic NVFP4 activation, as calibrate writes them."""
+    return {"schema": "qtool.encodings", "schema_version": 1, "quantizers": [
+        {"name": "0.weight", "module": "0", "tensor": "weight", "bitwidth": 4, "symmetric": True,
+         "granularity": "per_block", "shape": [2, 1], "block_size": [1, 16], "analyzer": "minmax",
+         "element": "fp4_e2m1", "scale_dtype": "fp8_e4m3", "global_amax": 2.0, "min": [[-1.0], [-2.0]],
+         "max": [[1.0], [2.0]]},
+        {"name": "0.input", "module": "0", "tensor": "input", "bitwidth": 4, "symmetric": True,
+         "granularity": "per_block", "shape": [], "block_size": [16], "analyzer": "dynamic", "dynamic": True,
+         "element": "fp4_e2m1", "scale_dtype": "fp8_e4m3", "global_amax": 3.0}]}
+
+
+@FUZZ
+@given(st.integers(0, 1), st.sampled_from(["element", "scale_dtype", "global_amax", "bitwidth", "symmetric",
+                                           "granularity", "shape", "block_size", "min", "max", "dynamic", "tensor"]),
+       json_values)
+def test_float_encodings_with_a_mutated_field_parse_or_raise(tmp_path_factory, which, key, value):
+    obj = _good_float_encodings()
+    obj["quantizers"][which][key] = value
+    path = tmp_path_factory.mktemp("enc") / "e.json"
+    path.write_text(json.dumps(obj, allow_nan=True))
+    _only_qtool_errors(lambda: EncodingsFile.read(path))
+
+
+def test_the_float_seed_is_valid(tmp_path):
+    (tmp_path / "e.json").write_text(json.dumps(_good_float_encodings()))
+    assert [e.global_amax for e in EncodingsFile.read(tmp_path / "e.json").entries] == [2.0, 3.0]
 
 
 @FUZZ
