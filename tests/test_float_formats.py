@@ -293,12 +293,52 @@ def test_compressed_tensors_export_reloads_with_qtools_numbers(recipe, ckpt, dat
         assert torch.allclose(got_logits, want_logits, rtol=0, atol=1e-5), (got_logits - want_logits).abs().max()
 
 
-@pytest.mark.parametrize("fmt", ["aimet", "onnx", "gguf"])
-def test_formats_that_cannot_hold_float_grids_refuse_in_one_line(fmt, ckpt, tmp_path):
+@pytest.mark.parametrize("fmt, recipe, message", [
+    ("aimet", "fp8", "cannot hold float element grids"),
+    ("gguf", "nvfp4a16", "cannot hold float element grids"),
+    ("onnx", "nvfp4a16", "fp4_e2m1 with fp8_e4m3 scales has no ONNX QuantizeLinear form"),
+    ("onnx", "mxfp8a16", "fp8_e4m3 with e8m0 scales has no ONNX QuantizeLinear form"),
+])
+def test_formats_that_cannot_hold_a_float_grid_refuse_in_one_line(fmt, recipe, message, ckpt, tmp_path):
     out = tmp_path / "out"
-    code, _, err = run_cli("quantize", ckpt, "-c", "nvfp4a16", "-o", out, "--format", fmt, "--quiet")
-    assert code == 2 and err.count("\n") <= 1 and "cannot hold float element grids" in err, err
+    code, _, err = run_cli("quantize", ckpt, "-c", recipe, "-o", out, "--format", fmt, "--quiet")
+    assert code == 2 and err.count("\n") <= 1 and message in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("recipe", ["fp8-dynamic", "fp8"])
+def test_onnx_fp8_runs_in_onnxruntime_with_qtools_logits(recipe, ckpt, data, tmp_path):
+    """FP8 weights as float8e4m3fn initializers + DequantizeLinear, FP8 activations as float8 QuantizeLinear /
+    DequantizeLinear (static scale, or one computed per token in the graph); onnxruntime gives the fake-quant
+    model's logits."""
+    import onnx
+    import onnxruntime as ort
+    from safetensors.torch import save_file
+
+    run, out = tmp_path / "run", tmp_path / "onnx"
+    run_calibrate(str(ckpt), recipe, str(run), CalibrateOptions(data=str(data)))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    example = tmp_path / "ids.safetensors"
+    save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, example)
+    code, _, err = run_cli("export", ckpt, "-e", run / "encodings.json", "-o", out, "--format", "onnx", "--data",
+                           example, "--quiet")
+    assert code == 0, err
+    proto = onnx.load(str(out / "model.onnx"))
+    types = {i.name: i.data_type for i in proto.graph.initializer}
+    assert types["model.layers.0.self_attn.q_proj.weight"] == onnx.TensorProto.FLOAT8E4M3FN
+    fq = qtool.load_calibrated(str(ckpt), str(run / "encodings.json"))
+    with torch.no_grad():
+        want = fq(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    # (onnxruntime 1.31's extended optimizations fuse float8 Q/DQ into MatMulIntegerToFloat, which takes integer
+    # types only, and refuse the graph: basic optimizations are the highest level that runs FP8 QDQ on CPU)
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = level
+        sess = ort.InferenceSession(str(out / "model.onnx"), so, providers=["CPUExecutionProvider"])
+        feed = {i.name: {"input_ids": ids, "attention_mask": torch.ones_like(ids)}[i.name].numpy()
+                for i in sess.get_inputs()}
+        got = torch.from_numpy(sess.run(None, feed)[0])
+        assert torch.allclose(got, want, rtol=0, atol=1e-4), (level, (got - want).abs().max())
 
 
 @pytest.mark.parametrize("recipe", ["fp8-dynamic", "fp8", "nvfp4a16-gptq", "mxfp4a16", "mxfp8a16", "nvfp4"])

@@ -34,8 +34,9 @@ from torch import nn
 from ..encodings import EncodingsFile
 from ..errors import DataError, UsageError
 from ..quant import QuantizeDequantize, quantize, quantize_dequantize
+from ..quant.floatgrid import float_quantize, float_quantize_dequantize
 from ..quant.spec import axis_and_block
-from .base import Exporter, ExportRequest, refuse_float_elements
+from .base import Exporter, ExportRequest
 
 __all__ = ["export_onnx", "required_opset", "onnx_export_mode"]
 
@@ -53,6 +54,10 @@ def required_opset(enc: EncodingsFile) -> int:
     or 4/16-bit)."""
     need = _QDQ_FLOOR
     for e in enc.entries:
+        if e.is_float:
+            check_onnx_float(e)
+            need = max(need, 21 if e.granularity in ("per_block", "per_token") else 19)
+            continue
         if e.bitwidth not in (4, 8, 16):
             raise UsageError(
                 f"{e.name}: ONNX QuantizeLinear has no {e.bitwidth}-bit type (4, 8 and 16 bits only); "
@@ -63,6 +68,25 @@ def required_opset(enc: EncodingsFile) -> int:
         elif e.granularity == "per_channel":
             need = max(need, 13)
     return need
+
+
+def check_onnx_float(q) -> None:
+    """Raise ``UsageError`` unless float quantizer ``q`` (an encodings entry or plan row) has an ONNX QDQ form:
+    FP8 E4M3 values under float32 scales (QuantizeLinear/DequantizeLinear with float8e4m3fn, opset 19; blocked
+    along one axis, opset 21). FP4 has an ONNX type only from opset 23, and E8M0 or two-level (NVFP4) scales have
+    no QuantizeLinear form at all."""
+    spec = q.spec
+    bs = [b for b in (spec.block_size or ()) if b not in (1, -1)]
+    why = None
+    if spec.element != "fp8_e4m3" or spec.scale_dtype != "float32":
+        why = (f"{spec.element} with {spec.scale_dtype} scales has no ONNX QuantizeLinear form (ONNX QDQ holds FP8 "
+               "with float32 scales; FP4 elements, E8M0 and FP8-under-global scales do not fit it)")
+    elif spec.dynamic and spec.granularity.value == "per_block":
+        why = "dynamic per-block FP8 activations are not written to ONNX (per tensor or per token only)"
+    elif len(bs) > 1:
+        why = "2-D weight tiles have no ONNX form (DequantizeLinear blocks along one axis)"
+    if why:
+        raise UsageError(f"{q.name}: {why}; export this recipe with --format compressed-tensors or qtool")
 
 
 class _FakeQuantOnnx(torch.autograd.Function):
@@ -81,6 +105,22 @@ class _FakeQuantOnnx(torch.autograd.Function):
         out = g.op("qtool::FakeQuant", x, scale, zero_point, name_s=name, qmin_i=qmin, qmax_i=qmax,
                    axis_i=axis, block_i=block)
         out.setType(x.type())  # same shape and dtype as the input (keeps the exporter's shape inference quiet)
+        return out
+
+
+class _FloatFakeQuantOnnx(torch.autograd.Function):
+    """Float-grid fake-quant forward (FP8 under float32 scales); exported as the same ``qtool::FakeQuant`` node,
+    which the graph pass turns into float8 QuantizeLinear/DequantizeLinear."""
+
+    @staticmethod
+    def forward(ctx, x, scale, zero_point, name, qmin, qmax, axis, block, element, block_size):
+        return float_quantize_dequantize(x, scale, element, block_size)
+
+    @staticmethod
+    def symbolic(g, x, scale, zero_point, name, qmin, qmax, axis, block, element, block_size):
+        out = g.op("qtool::FakeQuant", x, scale, zero_point, name_s=name, qmin_i=qmin, qmax_i=qmax,
+                   axis_i=axis, block_i=block)
+        out.setType(x.type())
         return out
 
 
@@ -116,13 +156,26 @@ def onnx_export_mode(quantizers: Dict[str, QuantizeDequantize]):
         if getattr(q, "dynamic", False):
             def dyn(x, _q=q, _n=name, _run=q.forward):
                 x = x.as_subclass(torch.Tensor)
-                mode = (("symmetric " if _q.symmetric else "asymmetric ")
-                        + ("per_token" if _q.per_token else "per_tensor"))
+                kind = "fp8" if hasattr(_q, "element") else "symmetric" if _q.symmetric else "asymmetric"
+                mode = kind + " " + ("per_token" if _q.per_token else "per_tensor")
                 channels = int(x.shape[-1]) if x.dim() else 1
                 return _DynamicFakeQuantOnnx.apply(x, _run, _n, _q.qmin, _q.qmax, mode, channels)
 
             saved[name] = q.forward
             q.forward = dyn
+            continue
+        if hasattr(q, "element"):  # a float grid: its effective scales, zero points 0
+            scale = q.scales()[1].detach().clone()
+            zp = torch.zeros(scale.shape, dtype=torch.int32)
+            gran = "per_block" if q.block_size is not None else ("per_channel" if scale.numel() > 1 else "per_tensor")
+            axis, block = axis_and_block(gran, tuple(scale.shape), q.block_size)
+
+            def ffwd(x, _q=q, _s=scale, _z=zp, _n=name, _a=axis or 0, _b=block or 0):
+                return _FloatFakeQuantOnnx.apply(x.as_subclass(torch.Tensor), _s, _z, _n, 0, 255, _a, _b, _q.element,
+                                                 _q.block_size)
+
+            saved[name] = q.forward
+            q.forward = ffwd
             continue
         enc = q.get_encodings()
         scale = enc.scale.detach().clone()
@@ -218,6 +271,10 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
         qname = attrs["name"].decode() if isinstance(attrs["name"], bytes) else attrs["name"]
         info = quantizer_info[qname]
         bits, signed = info["bitwidth"], info["qmin"] < 0
+        if info.get("element"):
+            new_nodes += _float_qdq(node, attrs, qname, info, inits, uses, value, stored, new_inits, drop_inits)
+            names[qname] = node.input[0]
+            continue
         axis, block = int(attrs["axis"]), int(attrs["block"])
         x, s_name, z_name = node.input
         scale = value(s_name).astype(np.float32)
@@ -286,6 +343,64 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
     return names
 
 
+def _fp8_tensor(name: str, codes: np.ndarray):
+    """A float8e4m3fn initializer from FP8 codes (the float8 bytes)."""
+    from onnx import TensorProto, helper
+
+    raw = np.asarray(codes).astype(np.uint8).reshape(-1).tobytes()
+    return helper.make_tensor(name, TensorProto.FLOAT8E4M3FN, list(np.shape(codes)), raw, raw=True)
+
+
+def _float_qdq(node, attrs, qname, info, inits, uses, value, stored, new_inits, drop_inits) -> List[Any]:
+    """The nodes replacing one float-grid ``qtool::FakeQuant`` (FP8 under float32 scales): a weight's FP8 codes as
+    a float8e4m3fn initializer + DequantizeLinear, an activation's QuantizeLinear + DequantizeLinear, each with a
+    float8 zero point 0 (QuantizeLinear saturates, as qtool clamps to ±448 before rounding)."""
+    from onnx import helper, numpy_helper
+
+    from ..quant.floatgrid import element_of
+
+    axis, block = int(attrs["axis"]), int(attrs["block"])
+    x, s_name, _ = node.input
+    scale = value(s_name).astype(np.float32)
+    element = element_of(info["element"])
+    is_weight = x in inits and info["tensor"] == "weight"
+    codes = None
+    if is_weight:
+        w = torch.from_numpy(numpy_helper.to_array(inits[x]).astype(np.float32))
+        bs = None
+        if block:
+            bs = tuple(block if d == axis else (1 if d == 0 else -1) for d in range(w.dim()))
+        codes = (stored[qname] if stored and qname in stored
+                 else float_quantize(w, torch.from_numpy(scale), element, bs)).numpy()
+        if block:
+            target = [w.shape[d] // block if d == axis else w.shape[d] for d in range(w.dim())]
+            scale = np.ascontiguousarray(np.broadcast_to(scale, target))
+    if not block:
+        scale = scale.reshape(-1) if scale.size > 1 else scale.reshape(())
+    base = x if is_weight else qname
+    s_init = numpy_helper.from_array(scale, f"{base}_scale")
+    z_init = _fp8_tensor(f"{base}_zero_point", np.zeros(scale.shape, dtype=np.uint8))
+    new_inits += [s_init, z_init]
+    q_attrs: Dict[str, Any] = {}
+    if scale.size > 1:
+        q_attrs["axis"] = axis
+    if block:
+        q_attrs["block_size"] = block
+    if is_weight:
+        shared = uses.get(x, 0) > 1
+        q_init = _fp8_tensor(f"{x}_quantized" if shared else x, codes)
+        new_inits.append(q_init)
+        if not shared:
+            drop_inits.add(x)
+        return [helper.make_node("DequantizeLinear", [q_init.name, s_init.name, z_init.name], list(node.output),
+                                 name=f"{x}_dequantize", **q_attrs)]
+    q_out = f"{qname}_q"
+    return [helper.make_node("QuantizeLinear", [x, s_init.name, z_init.name], [q_out], name=f"{qname}_quantize",
+                             **q_attrs),
+            helper.make_node("DequantizeLinear", [q_out, s_init.name, z_init.name], list(node.output),
+                             name=f"{qname}_dequantize", **q_attrs)]
+
+
 def _dynamic_qdq(node, opset: int, inits: List[Any]) -> List[Any]:
     """The nodes that replace one ``qtool::DynamicFakeQuant``: ``qtool.quant.affine.dynamic_scale_offset`` on the
     tensor's own range (docs/numerics.md), in float32 like the torch code,
@@ -297,6 +412,8 @@ def _dynamic_qdq(node, opset: int, inits: List[Any]) -> List[Any]:
     mode = attrs["mode"].decode() if isinstance(attrs["mode"], bytes) else attrs["mode"]
     qmin, qmax = int(attrs["qmin"]), int(attrs["qmax"])
     symmetric, per_token = mode.split()[0] == "symmetric", mode.split()[1] == "per_token"
+    if mode.split()[0] == "fp8":
+        return _dynamic_fp8_qdq(node, name, per_token, opset, inits)
     n = qmax - qmin
     ms = float(np.float32(min(float(np.finfo(np.float32).eps), 0.01 / n)))
     x = node.input[0]
@@ -364,6 +481,40 @@ def _dynamic_qdq(node, opset: int, inits: List[Any]) -> List[Any]:
     q = op("QuantizeLinear", q_in, "q", **qdq_q)
     nodes.append(helper.make_node("DequantizeLinear", [q] + dq_in, list(node.output), name=f"{name}_dequantize",
                                   **qdq_kw))
+    return nodes
+
+
+def _dynamic_fp8_qdq(node, name: str, per_token: bool, opset: int, inits: List[Any]) -> List[Any]:
+    """Dynamic FP8 (compressed-tensors' rule, ``quant.floatgrid.dynamic_float_scales``): ``scale = max|x| / 448``
+    over each token (or the whole tensor), float32's eps where that is 0, then float8 QuantizeLinear +
+    DequantizeLinear with it."""
+    from onnx import TensorProto, helper
+
+    x, nodes = node.input[0], []
+
+    def const(key: str, value) -> str:
+        cname = f"{name}_{key}"
+        inits.append(helper.make_tensor(cname, TensorProto.FLOAT, list(np.shape(value)),
+                                        np.asarray(value, dtype=np.float32).reshape(-1).tolist()))
+        return cname
+
+    def op(kind: str, inputs: List[str], key: str, **kw) -> str:
+        out = f"{name}_{key}"
+        nodes.append(helper.make_node(kind, inputs, [out], name=out, **kw))
+        return out
+
+    reduce_kw: Dict[str, Any] = {"keepdims": 1 if per_token else 0}
+    axes = [op("Constant", [], "axes", value=helper.make_tensor(f"{name}_axes_v", TensorProto.INT64, [1], [-1]))] \
+        if per_token else []
+    absmax = op("ReduceMax", [op("Abs", [x], "abs")] + axes, "absmax", **reduce_kw)
+    raw = op("Div", [absmax, const("fp8_max", 448.0)], "raw_scale")
+    zero = const("zero", 0.0)
+    scale = op("Where", [op("Equal", [raw, zero], "scale_is_zero"), const("eps", float(np.finfo(np.float32).eps)),
+                         raw], "scale")
+    kw = {"axis": -1, "block_size": int(helper.get_attribute_value(
+        next(a for a in node.attribute if a.name == "channels")))} if per_token else {}
+    q = op("QuantizeLinear", [x, scale], "q", output_dtype=TensorProto.FLOAT8E4M3FN, **kw)
+    nodes.append(helper.make_node("DequantizeLinear", [q, scale], list(node.output), name=f"{name}_dequantize", **kw))
     return nodes
 
 
@@ -443,8 +594,8 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
     if hasattr(model, "config") and hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     args, kwargs, input_names, dynamic_axes = _signature(batch)
-    info = {e.name: {"bitwidth": e.bitwidth, "qmin": e.qmin_qmax[0], "qmax": e.qmin_qmax[1], "tensor": e.tensor}
-            for e in enc.entries}
+    info = {e.name: {"bitwidth": e.bitwidth, "qmin": e.qmin_qmax[0], "qmax": e.qmin_qmax[1], "tensor": e.tensor,
+                     "element": e.element if e.is_float else None} for e in enc.entries}
     path = out_dir / "model.onnx"
     with torch.no_grad():
         try:
@@ -500,7 +651,9 @@ class OnnxExporter(Exporter):
         pass
 
     def check_quantizers(self, quantizers, options: "OnnxExporter.Options") -> None:
-        refuse_float_elements(quantizers, "the ONNX QDQ export", "it writes integer QuantizeLinear/DequantizeLinear")
+        for q in quantizers:
+            if q.spec.is_float:
+                check_onnx_float(q)
 
     def check(self, encodings: EncodingsFile, options: "OnnxExporter.Options") -> None:
         self.check_quantizers(encodings.entries, options)
