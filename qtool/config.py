@@ -788,8 +788,8 @@ class Plan:
 def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
     """Apply one rule's partial spec on top of the current one (or the schema defaults when there is none)."""
     start = base.model_dump() if base is not None else cls().model_dump()
-    if "element" in override:  # bit width and symmetry follow the new element unless the rule gives them
-        for key in ("bitwidth", "symmetric"):
+    if "element" in override:  # bit width, symmetry and scale type follow the new element unless the rule gives them
+        for key in ("bitwidth", "symmetric", "scale_dtype"):
             if key not in override:
                 start.pop(key, None)
     start.update(override)

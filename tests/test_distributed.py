@@ -234,3 +234,30 @@ def test_report_on_ranks_equals_one_process(llama, tmp_path):
     assert code == 0, err
     assert json.loads(many) == json.loads(one)
     assert json.loads(one)["end_to_end"]["perplexity_float"] > 1
+
+
+FLOAT_MIX = """version: 1
+defaults:
+  weights: {element: fp4_e2m1, granularity: per_block, block_size: 16, scale_dtype: fp8_e4m3,
+            analyzer: {name: mse, weighting: activations}, rounding: gptq}
+  activations: {element: fp4_e2m1, granularity: per_block, block_size: 16, scale_dtype: fp8_e4m3, dynamic: true}
+layers:
+  - match: "re:.*mlp.*"
+    weights: {element: fp8_e4m3, granularity: per_channel, analyzer: minmax}
+    activations: {element: fp8_e4m3, granularity: per_tensor, dynamic: false}
+ignore: ["lm_head"]
+kv_cache: {granularity: per_head}
+"""
+
+
+def test_float_grids_on_ranks_write_the_bytes_of_one_process(llama, tmp_path):
+    """NVFP4 with shared fused global scales, weighted MSE and GPTQ, NVFP4 activation global scales, FP8 weights
+    and static FP8 inputs, FP8 KV-cache scales: two ranks give one process's bytes."""
+    (tmp_path / "float.yaml").write_text(FLOAT_MIX)
+    args = ["calibrate", llama / "m", "-c", tmp_path / "float.yaml", "--data", llama / "ids.safetensors",
+            "--batch-size", "2", "--quiet"]
+    code, _, err = run_cli(*args, "-o", tmp_path / "one")
+    assert code == 0, err
+    code, out, err = _torchrun(2, *args, "-o", tmp_path / "many")
+    assert code == 0, err
+    assert _outputs(tmp_path / "many") == _outputs(tmp_path / "one")

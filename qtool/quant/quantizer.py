@@ -315,7 +315,8 @@ class DynamicFloatQuantizeDequantize(DynamicQuantizeDequantize):
         self.qmin, self.qmax = 0, self.element.num_codes - 1
         self.scale_dtype = scale_dtype
         self.global_amax: Optional[torch.Tensor] = None
-        self._seen: Optional[torch.Tensor] = None
+        # the global scale's statistics (min-max over whole calls): mergeable across ranks like any analyzer's
+        self.encoding_analyzer = MinMaxEncodingAnalyzer((), None) if self.needs_global else None
 
     @property
     def needs_global(self) -> bool:
@@ -329,13 +330,16 @@ class DynamicFloatQuantizeDequantize(DynamicQuantizeDequantize):
         if not self.needs_global:
             yield self
             return
-        self._calibrating, self._seen = True, None
+        self.encoding_analyzer.reset_stats()
+        self._calibrating = True
         try:
             yield self
         finally:
             self._calibrating = False
-        if self._seen is not None:
-            self.global_amax = self._seen
+        if self.encoding_analyzer.has_stats():
+            stats = self.encoding_analyzer.statistics()
+            self.global_amax = torch.maximum(-stats.min, stats.max).clamp(min=0).to(torch.float32)
+        self.encoding_analyzer.reset_stats()
 
     def check_input(self, x: torch.Tensor) -> None:
         super().check_input(x)
@@ -349,10 +353,9 @@ class DynamicFloatQuantizeDequantize(DynamicQuantizeDequantize):
         x = x.as_subclass(torch.Tensor)
         gscale = None
         if self.needs_global:
-            if self._calibrating:
-                amax = x.detach().abs().amax().to(torch.float32)
-                self._seen = amax if self._seen is None else torch.maximum(self._seen, amax.to(self._seen.device))
-                gscale = global_scale(self._seen, self.element)
+            if self._calibrating:  # this call's own global scale (as int quantizers use each batch's own range)
+                mn, mx = self.encoding_analyzer.update_stats(x)
+                gscale = global_scale(torch.maximum(-mn, mx), self.element)
             elif self.global_amax is None:
                 raise UninitializedQuantizerError(f"{type(self).__name__}: NVFP4 activations need their global "
                                                   "scale calibrated first")
