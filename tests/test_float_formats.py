@@ -222,6 +222,8 @@ def data(tmp_path_factory, ids):
 # recipe -> (format in config.json, dtype transformers reloads it in, tensors of q_proj in the file)
 RELOAD = {
     "fp8-dynamic": ("float-quantized", torch.float32, {"weight": torch.float8_e4m3fn, "weight_scale": torch.float32}),
+    "fp8-dynamic-gptq": ("float-quantized", torch.float32, {"weight": torch.float8_e4m3fn,
+                                                            "weight_scale": torch.float32}),
     "fp8": ("float-quantized", torch.float32, {"weight": torch.float8_e4m3fn, "weight_scale": torch.float32,
                                                "input_scale": torch.float32}),
     "nvfp4a16": ("nvfp4-pack-quantized", torch.bfloat16, {"weight_packed": torch.uint8,
