@@ -112,6 +112,10 @@ SMOLLM_FLOAT = {
     "MXFP4 W4A4 (mxfp4.yaml)": ("configs/mxfp4.yaml", None),
     "NVFP4 W4A4 (nvfp4.yaml)": ("configs/nvfp4.yaml", None),
     "NVFP4 W4A4, gptq + weighted mse (sequential)": ("configs/nvfp4.yaml", GPTQ_WEIGHTED, SEQUENTIAL),
+    # what limits W4A4: the activations alone, and SmoothQuant moving their outliers into the weights
+    "NVFP4 activations only, weights float": ("configs/nvfp4.yaml", {"weights": None}),
+    "NVFP4 W4A4 + smoothquant 0.8, gptq + weighted mse": ("configs/nvfp4.yaml",
+                                                         {**GPTQ_WEIGHTED, "smoothquant": {"alpha": 0.8}}),
 }
 MINILM_FLOAT = {
     "FP8 W8A8 dynamic per-token (fp8-dynamic.yaml)": ("configs/fp8-dynamic.yaml", None),
