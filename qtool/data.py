@@ -274,3 +274,21 @@ def _subset(total: int, num_samples: Optional[int], seed: int, what: str) -> Lis
         return list(range(total))
     g = torch.Generator().manual_seed(seed)
     return sorted(torch.randperm(total, generator=g)[:num_samples].tolist())
+
+
+def rejection(model, batch: "Batch", err: BaseException) -> str:
+    """Why ``model`` rejected ``batch``, in one line: token ids past the model's vocabulary are named as such (the
+    tokenizer belongs to another model), anything else is the error's first line."""
+    ids = batch.kwargs.get("input_ids", batch.args[0] if batch.args else None)
+    embed = getattr(model, "get_input_embeddings", None)
+    try:
+        table = embed() if callable(embed) else None
+    except (NotImplementedError, AttributeError):
+        table = None
+    n = getattr(table, "num_embeddings", None)
+    if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.numel() and isinstance(n, int):
+        top = int(ids.max())
+        if top >= n:
+            return (f"token id {top} is past the model's vocabulary ({n} embeddings): the tokenizer (or the id file) "
+                    "belongs to another model")
+    return str(err).splitlines()[0] if str(err) else type(err).__name__

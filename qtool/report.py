@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from .data import Batch
+from .data import Batch, rejection
 from .errors import DataError, GateFailed, UsageError
 from .io.fs import atomic_file
 from .model.insert import has_stored_weight, quantized_modules, set_quantization, without_stored_weight
@@ -169,8 +169,8 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, c
         try:
             records.append(_measure_batch(model, modules, chosen, batches[bi], device, causal_lm))
         except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"evaluation batch {bi}: the model rejected the data: {first}") from None
+            raise DataError(f"evaluation batch {bi}: the model rejected the data: "
+                            f"{rejection(model, batches[bi], e)}") from None
         if progress:
             progress(bi - start + 1, stop - start, batches[bi].size)
     set_quantization(model, True)

@@ -156,3 +156,24 @@ def test_report_refuses_data_the_model_cannot_run_in_one_line(tmp_path):
                            tmp_path / "bad.safetensors", "--batch-size", "2")
     assert code == 2
     assert error_lines(err)[-1] == "error: evaluation batch 1: the model rejected the data: index out of range in self"
+
+
+@pytest.mark.parametrize("command", ["report", "calibrate", "calibrate-sequential"])
+def test_token_ids_past_the_vocabulary_are_one_line(tmp_path, command):
+    """A tokenizer that belongs to another model (ids past the embedding table) is named as that, exit 2 (#34)."""
+    from tests.helpers import run_cli, tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "llama")  # vocabulary 256, MiniLM's tokenizer (ids up to 30521)
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    if command == "report":
+        code, _, err = run_cli("calibrate", ckpt, "-c", "w8a16", "-o", tmp_path / "run", "--quiet")
+        assert code == 0, err
+        code, _, err = run_cli("report", ckpt, "-e", tmp_path / "run" / "encodings.json", "--data", text)
+    else:
+        code, _, err = run_cli("calibrate", ckpt, "-c", "w8a8", "--data", text, "-o", tmp_path / "out", "--quiet",
+                               *(["--sequential"] if command.endswith("sequential") else []))
+        assert not (tmp_path / "out").exists()
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err
+    assert "past the model's vocabulary (256 embeddings)" in lines[0], lines[0]

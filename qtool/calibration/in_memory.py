@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..config import Plan
-from ..data import CalibrationData
+from ..data import CalibrationData, rejection
 from ..errors import DataError, UsageError
 from ..model.insert import set_quantization
 from ..parallel import Group
@@ -70,9 +70,8 @@ def calibrate(
             try:
                 model(*b.args, **b.kwargs)
             except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
-                first = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise DataError(f"calibration batch {local.first + i}: the model rejected the data: {first}") \
-                    from None
+                raise DataError(f"calibration batch {local.first + i}: the model rejected the data: "
+                                f"{rejection(model, b, e)}") from None
             if progress:
                 progress(i + 1, len(local), b.size)
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..config import Plan
-from ..data import CalibrationData
+from ..data import CalibrationData, rejection
 from ..encodings import EncodingEntry
 from ..errors import CheckpointError, DataError, UsageError
 from ..io.checkpoint import CheckpointTensors
@@ -155,7 +155,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
                     pass
                 except (TypeError, RuntimeError, ValueError, IndexError) as e:
                     raise DataError(f"calibration batch {data.first + len(captured)}: the model rejected the data: "
-                                    f"{str(e).splitlines()[0]}") from None
+                                    f"{rejection(model, b, e)}") from None
         finally:
             handle.remove()
 
