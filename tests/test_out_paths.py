@@ -95,3 +95,20 @@ def test_an_out_created_by_another_process_meanwhile_is_not_replaced_without_ove
     with atomic_output_dir(out, overwrite=True) as tmp:
         (tmp / "mine.txt").write_text("mine")
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in out.iterdir()] == ["mine.txt"]
+
+
+def test_overwriting_an_out_that_is_a_symlink_replaces_the_link_and_leaves_no_litter(tmp_path):
+    """(#34 item 2) --out a symbolic link to a directory, with --overwrite: the link becomes the new output directory,
+    the directory it pointed to keeps its files untouched, and nothing is left beside --out."""
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    link = tmp_path / "out"
+    link.symlink_to(target, target_is_directory=True)
+    code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "--model-class", "tests.tinymodels:mlp", "-c",
+                           "w8a16", "-o", link, "--overwrite", "--quiet")
+    assert code == 0, err
+    assert link.is_dir() and not link.is_symlink() and (link / "encodings.json").is_file()
+    assert sorted(p.name for p in target.iterdir()) == ["keep.txt"] and (target / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "m.safetensors", "out"]

@@ -150,7 +150,13 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
         os.replace(out, old / out.name)
         os.replace(tmp, out)
         tmp = old
-    shutil.rmtree(tmp, ignore_errors=True)  # after the exchange it holds the previous output
+    # after the exchange ``tmp`` holds the previous output: a directory, or the symbolic link --out was (the link
+    # itself goes; what it pointed to is never touched)
+    if tmp.is_symlink():
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
