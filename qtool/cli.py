@@ -93,6 +93,12 @@ class _Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the process is so outputs in progress are cleaned up like on Ctrl-C."""
 
 
+# the signals this process received: an interrupt that lands inside C code (a tensor conversion, say) can come out
+# as another exception (torch turns it into "ValueError: could not determine the shape ..."); it is still an
+# interrupt, and reads as one
+_SIGNALLED: List[str] = []
+
+
 @contextmanager
 def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
     """Turn every failure into one stderr line and an exit code (and one JSON object with --json)."""
@@ -106,11 +112,16 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
                         **({"errors": [m.split(": ", 1)[-1] for m in [message, *more]]} if more else {})})
         raise typer.Exit(code)
 
+    def interrupted() -> None:
+        if _SIGNALLED:
+            fail(_SIGNAL_EXIT[_SIGNALLED[-1]], f"interrupted: {_SIGNALLED[-1]}; nothing was written")
+
     try:
         yield
     except typer.Exit:
         raise
     except QtoolError as e:
+        interrupted()
         # distributed: a rank that failed on its own says so (dist_rank); an error every rank meets alike (bad
         # flags, before the ranks connect) is said by rank 0; PeerFailed: another rank already said it
         dist_rank = getattr(e, "dist_rank", None)
@@ -124,9 +135,11 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         name = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
         fail(_SIGNAL_EXIT[name], f"interrupted: {name}; nothing was written")
     except OSError as e:  # a full disk, a read-only directory, a path that vanished: the environment, not a bug
+        interrupted()
         where = f"{e.filename}: " if e.filename else ""
         fail(2, f"error: {where}{e.strerror or e} (nothing was written)")
     except Exception as e:  # an internal error: one line, the traceback in a log file
+        interrupted()
         import tempfile
 
         with tempfile.NamedTemporaryFile("w", prefix="qtool-error-", suffix=".log", delete=False) as log:
@@ -849,13 +862,20 @@ def config_validate(
 
 
 def _terminate(signum, frame):
+    _SIGNALLED.append("SIGTERM")
     raise _Terminated()
+
+
+def _interrupt(signum, frame):
+    _SIGNALLED.append("SIGINT")
+    raise KeyboardInterrupt()
 
 
 def main() -> None:
     import signal
 
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _interrupt)
     app()
 
 

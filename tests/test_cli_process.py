@@ -216,3 +216,36 @@ def test_bad_choices_and_recipes_fail_before_torch_or_a_model_loads(tmp_path):
                         str(tmp_path / "o")], capture_output=True, text=True, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
     assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 2  # both problems at once
+
+
+@pytest.mark.parametrize("raised", [ValueError("could not determine the shape of object type 'torch.Size'"),
+                                    RuntimeError("boom"), OSError(5, "Input/output error")],
+                         ids=["ValueError", "RuntimeError", "OSError"])
+@pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_an_interrupt_that_surfaces_as_another_error_still_reads_as_an_interrupt(raised, name, code, capsys):
+    """(#34 item 3) Ctrl-C landing inside C code (a tensor conversion) can come out as a ValueError; once the
+    process received the signal, whatever it raised reads as the interrupt, exit 130/143, not an internal error."""
+    import typer
+
+    from qtool import cli
+
+    cli._SIGNALLED.append(name)
+    try:
+        with pytest.raises(typer.Exit) as e:
+            with cli._errors():
+                raise raised
+    finally:
+        cli._SIGNALLED.clear()
+    assert e.value.exit_code == code
+    assert capsys.readouterr().err.strip() == f"interrupted: {name}; nothing was written"
+
+
+def test_without_a_signal_an_error_is_still_internal(capsys):
+    import typer
+
+    from qtool import cli
+
+    with pytest.raises(typer.Exit) as e:
+        with cli._errors():
+            raise ValueError("a real bug")
+    assert e.value.exit_code == 3 and "internal error: ValueError: a real bug" in capsys.readouterr().err
