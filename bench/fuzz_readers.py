@@ -167,6 +167,12 @@ def build_world(d: Path) -> Dict[str, Any]:
         _qtool("export", ckpt, "-e", d / "run-w8a8" / "encodings.json", "--model-class", "tests.tinymodels:mlp",
                "--format", "aimet", "--encoding-version", version, "-o", out)
         seeds["aimet"].append((out / "model.encodings").read_bytes())
+    seeds["float_export"] = []
+    for recipe in ("nvfp4a16", "fp8", "mxfp4a16"):  # qtool's own safetensors holding FP8 / packed FP4 / E8M0
+        out = d / f"export-{recipe}"
+        _qtool("quantize", ckpt, "-c", recipe, "--model-class", "tests.tinymodels:mlp", "--data",
+               d / "seed_data.safetensors", "-o", out)
+        seeds["float_export"].append((out / "model.safetensors").read_bytes())
     seeds["safetensors"] = [ckpt.read_bytes()]
     seeds["hf_config"] = [json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
                                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -221,6 +227,14 @@ def _read_data(path: Path, world) -> None:
     load_data(path, batch_size=4)
 
 
+def _read_float_export(path: Path, world) -> None:
+    from qtool.export.qtool_st import read_integer_export
+    from qtool.inspect import inspect_path
+
+    inspect_path(path)
+    read_integer_export(path)
+
+
 def _inspect(path: Path, world) -> None:
     from qtool.inspect import inspect_path
 
@@ -237,6 +251,7 @@ READERS: Dict[str, tuple] = {
     "hf-config": ("hf_config", "config.json", mutate_json_file, _read_hf_config),
     "data": ("data", None, None, _read_data),
     "inspect": (None, None, None, _inspect),
+    "qtool-float-export": ("float_export", "model.safetensors", mutate_safetensors, _read_float_export),
 }
 
 

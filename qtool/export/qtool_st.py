@@ -414,31 +414,46 @@ def export_files(path: Path) -> List[Path]:
 def read_integer_export(path: Path) -> Dict[str, torch.Tensor]:
     """Dequantized weights of a qtool integer export, keyed by the original tensor names (for checks).
 
-    ``path``: the output directory, its index, or a ``.safetensors`` file (a shard gives that shard's tensors)."""
+    ``path``: the output directory, its index, or a ``.safetensors`` file (a shard gives that shard's tensors).
+    A file that is not a well-formed qtool export raises ``EncodingsError`` naming it."""
+    from safetensors import SafetensorError
+
+    out = {}
+    for file in export_files(path):
+        try:
+            out.update(_read_export_file(file))
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError, SafetensorError) as e:
+            first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+            raise EncodingsError(f"{file}: not a readable qtool export ({type(e).__name__}: {first})") from None
+    return out
+
+
+def _read_export_file(file: Path) -> Dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     from ..quant import dequantize
 
     out = {}
-    for file in export_files(path):
-        with safe_open(str(file), "pt") as fh:
-            meta = json.loads(fh.metadata()["qtool"])
-            for key in fh.keys():
-                if any(key.endswith(s) and key[:-len(s)] in meta for s in _COMPANIONS):
-                    continue
-                t = fh.get_tensor(key)
-                if key in meta and meta[key].get("element"):
-                    t = _dequantize_float(fh, key, t, meta[key])
-                elif key in meta:
-                    m = meta[key]
-                    if m.get("packed"):
-                        from ..quant.packing import unpack_bytes
+    with safe_open(str(file), "pt") as fh:
+        meta = json.loads((fh.metadata() or {})["qtool"])
+        if not isinstance(meta, dict) or not all(isinstance(m, dict) for m in meta.values()):
+            raise ValueError("its qtool metadata is not an object of objects")
+        for key in fh.keys():
+            if any(key.endswith(s) and key[:-len(s)] in meta for s in _COMPANIONS):
+                continue
+            t = fh.get_tensor(key)
+            if key in meta and meta[key].get("element"):
+                t = _dequantize_float(fh, key, t, meta[key])
+            elif key in meta:
+                m = meta[key]
+                if m.get("packed"):
+                    from ..quant.packing import unpack_bytes
 
-                        t = unpack_bytes(t, m["bitwidth"], m["shape"], signed=m["qmin"] < 0)
-                    bs = None if m["block_size"] is None else tuple(m["block_size"])
-                    t = dequantize(t, fh.get_tensor(key + "_scale"),
-                                   fh.get_tensor(key + "_offset").to(torch.float32), block_size=bs)
-                out[key] = t
+                    t = unpack_bytes(t, m["bitwidth"], m["shape"], signed=m["qmin"] < 0)
+                bs = None if m["block_size"] is None else tuple(m["block_size"])
+                t = dequantize(t, fh.get_tensor(key + "_scale"), fh.get_tensor(key + "_offset").to(torch.float32),
+                               block_size=bs)
+            out[key] = t
     return out
 
 
