@@ -39,12 +39,12 @@ def check_scale_dtype(scale_dtype: str, bitwidth: int, symmetric: bool) -> None:
 
     float16 scales keep every code's value ``(q + offset) * scale`` exact in float32 for a symmetric grid up to
     8 bits; an asymmetric one also needs ``offset * scale`` (the grid's minimum) to be a float16 value, which a
-    search of a few float16 steps always finds for 4 bits or fewer.
+    search of 16 float16 steps either side always finds for 5 bits or fewer (GGUF's Q5_1).
     """
     if scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)} (got {str(scale_dtype)[:40]!r})")
     if scale_dtype == "float16":
-        limit = 8 if symmetric else 4
+        limit = 8 if symmetric else 5
         if bitwidth > limit:
             kind = "symmetric" if symmetric else "asymmetric"
             raise ValueError(f"scale_dtype float16 supports {kind} grids up to {limit} bits (got {bitwidth})")

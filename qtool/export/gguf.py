@@ -6,7 +6,10 @@ qtool's blockwise grids are GGUF's legacy block types when the block is 32 along
 * 4-bit symmetric -> ``Q4_0``: fp16 ``d`` and 16 bytes, byte ``j`` holding element ``j`` in its low nibble and
   element ``j + 16`` in its high one; value ``(nibble - 8) * d``;
 * 4-bit asymmetric -> ``Q4_1``: fp16 ``d``, fp16 ``m`` and 16 bytes of nibbles; value ``nibble * d + m``, so
-  ``d`` is qtool's scale and ``m = offset * scale``.
+  ``d`` is qtool's scale and ``m = offset * scale``;
+* 5-bit -> ``Q5_0`` (symmetric, value ``(q5 - 16) * d``) and ``Q5_1`` (asymmetric, ``q5 * d + m``): the low four
+  bits as Q4's nibbles, the fifth bit of element ``j`` at bit ``j`` of a little-endian uint32 ``qh`` after the
+  scale(s).
 
 The codes come from the weight source (round-to-nearest, or stored codes of a rounding algorithm). GGUF keeps
 ``d`` and ``m`` as float16: with ``scale_dtype: float16`` in the recipe (``configs/gguf-*.yaml``) they are float16
@@ -42,10 +45,11 @@ __all__ = ["GgufExporter", "EXPORTER", "gguf_type", "pack_blocks", "GGUF_NAME"]
 GGUF_NAME = "model.gguf"
 BLOCK = 32
 # (bitwidth, symmetric) -> GGUF block type name, for blocks of 32 along the input dimension
-_TYPES = {(8, True): "Q8_0", (4, True): "Q4_0", (4, False): "Q4_1"}
-_FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "F16": "MOSTLY_F16",
-               "F32": "ALL_F32"}
-_MAPS = "8-bit symmetric -> Q8_0, 4-bit symmetric -> Q4_0, 4-bit asymmetric -> Q4_1, all per_block 32"
+_TYPES = {(8, True): "Q8_0", (4, True): "Q4_0", (4, False): "Q4_1", (5, True): "Q5_0", (5, False): "Q5_1"}
+_FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0",
+               "Q5_1": "MOSTLY_Q5_1", "F16": "MOSTLY_F16", "F32": "ALL_F32"}
+_MAPS = ("8-bit symmetric -> Q8_0, 5-bit -> Q5_0 (symmetric) / Q5_1, 4-bit -> Q4_0 (symmetric) / Q4_1, all "
+         "per_block 32")
 
 
 def gguf_type(e) -> Optional[str]:
@@ -82,15 +86,20 @@ def pack_blocks(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, 
         parts.append(q.to(torch.int8).view(torch.uint8))
         values = q.to(torch.float32) * d
     else:
-        nibbles = (q + 8 if qtype == "Q4_0" else q).to(torch.uint8)
-        if qtype == "Q4_1":
+        symmetric = qtype in ("Q4_0", "Q5_0")
+        u = (q + (8 if qtype == "Q4_0" else 16) if symmetric else q).to(torch.int64)
+        if symmetric:
+            values = (u.to(torch.float32) - (8 if qtype == "Q4_0" else 16)) * d
+        else:
             m16 = (offset.reshape(rows, nb).to(torch.float32) * scale.reshape(rows, nb).to(torch.float32)
                    ).to(torch.float16)
             parts.append(m16.contiguous().view(torch.uint8).reshape(rows, nb, 2))
-            values = nibbles.to(torch.float32) * d + m16.to(torch.float32).unsqueeze(-1)
-        else:
-            values = (nibbles.to(torch.float32) - 8) * d
-        parts.append(nibbles[..., : BLOCK // 2] | (nibbles[..., BLOCK // 2:] << 4))
+            values = u.to(torch.float32) * d + m16.to(torch.float32).unsqueeze(-1)
+        if qtype in ("Q5_0", "Q5_1"):
+            qh = ((u >> 4) << torch.arange(BLOCK, dtype=torch.int64)).sum(-1, keepdim=True)
+            parts.append(((qh >> torch.tensor([0, 8, 16, 24])) & 0xFF).to(torch.uint8))
+        low = (u & 0xF).to(torch.uint8)
+        parts.append(low[..., : BLOCK // 2] | (low[..., BLOCK // 2:] << 4))
     blocks = torch.cat(parts, dim=-1).reshape(rows, -1)
     return blocks.numpy(), values.reshape(rows, cols)
 
@@ -101,7 +110,7 @@ class _Item:
 
     name: str  # GGUF tensor name
     key: str  # checkpoint tensor
-    kind: str  # "Q8_0" / "Q4_0" / "Q4_1" / "F32" / "F16"
+    kind: str  # "Q8_0" / "Q5_0" / "Q5_1" / "Q4_0" / "Q4_1" / "F32" / "F16"
     entry: Optional[EncodingEntry] = None  # quantized (or fallen back): its encoding
     heads: Optional[int] = None  # rows permuted for llama.cpp's rotary layout
 

@@ -373,7 +373,7 @@ def dynamic_scale_offset(
 # --------------------------------------------------------------------------------------------------------------
 # float16 scales (GGUF stores its block scales, and Q4_1 its block minimum, as float16)
 # --------------------------------------------------------------------------------------------------------------
-_F16_WINDOW = 8  # float16 steps searched each side for an asymmetric grid whose origin is a float16 value
+_F16_WINDOW = 16  # float16 steps searched each side for an asymmetric grid whose origin is a float16 value
 
 
 def snap_to_float16_scale(min: torch.Tensor, max: torch.Tensor, qmin: int, qmax: int, symmetric: bool):
@@ -382,7 +382,7 @@ def snap_to_float16_scale(min: torch.Tensor, max: torch.Tensor, qmin: int, qmax:
     that float16 scale and an integer offset. Raises ``ValueError`` where a scale exceeds float16's range.
 
     Symmetric: the scale is rounded to the nearest float16 value. Asymmetric: the nearest float16 scale within
-    a few float16 steps for which ``round(min / scale) * scale`` is a float16 value.
+    16 float16 steps for which ``round(min / scale) * scale`` is a float16 value.
     """
     n = qmax - qmin
     lo, hi = min.detach().to(torch.float32), max.detach().to(torch.float32)
@@ -403,7 +403,7 @@ def snap_to_float16_scale(min: torch.Tensor, max: torch.Tensor, qmin: int, qmax:
     off = torch.clamp(torch.round(lo.unsqueeze(-1) / cand) - qmin, -qmax, -qmin)
     origin = off * cand
     ok = origin.to(torch.float16).to(torch.float32) == origin
-    if not ok.any(-1).all():  # cannot happen for <= 4 bits: one of 17 consecutive float16 values ends in 4 zero bits
+    if not ok.any(-1).all():  # cannot happen for <= 5 bits: one of 33 consecutive float16 values ends in 5 zero bits
         raise ValueError("no float16 scale near the range puts the grid's minimum on a float16 value")
     pick = ok.to(torch.int8).argmax(-1, keepdim=True)
     d = cand.gather(-1, pick).squeeze(-1)

@@ -1,0 +1,302 @@
+"""llama.cpp's block types as grids: pure tensor functions for the K-quants (Q2_K … Q6_K) and the IQ4 types.
+
+A GGUF weight row is cut into blocks along its input dimension. A legacy block (Q4_0 … Q8_0, IQ4_NL) is 32
+elements with one float16 scale. A K-quant super-block is 256 elements with float16 ``d`` (and ``dmin`` where
+the grid has a minimum) and one small-integer scale (and minimum) per sub-block of 16 or 32 elements, so the
+grid a weight sees exists only once the sub-block scales are themselves quantized::
+
+    Q2_K      value = (d·sc)·q − dmin·m      q 0..3,   sc, m 4-bit,     sub-blocks of 16
+    Q3_K      value = (d·(sc−32))·q          q −4..3,  sc 6-bit,        sub-blocks of 16
+    Q4_K/Q5_K value = (d·sc)·q − dmin·m      q 0..15 / 0..31, sc, m 6-bit, sub-blocks of 32
+    Q6_K      value = (d·sc)·q               q −32..31, sc int8,        sub-blocks of 16
+    IQ4_NL    value = d·T[q]                 T = the 16-value table below, blocks of 32
+    IQ4_XS    value = (d·(sc−32))·T[q]       sc 6-bit,                sub-blocks of 32
+
+Each formula is evaluated in float32 in ggml's own order (``dequantize`` here equals ``ggml_dequantize_row_*``
+and gguf-py's ``dequantize`` bit for bit; tests prove it). A quantizer of such a type keeps one float step (and
+minimum) per sub-block, as its analyzer chose it; :func:`snap` turns those into the stored integers and the exact
+effective steps, and every consumer (fake-quant, GPTQ, the GGUF packer) starts from that one result.
+:func:`pack` only lays bytes out as ``ggml-common.h`` declares the blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["GgmlType", "GGML_TYPES", "KGrid", "IQ4_TABLE", "ggml_type", "snap", "quantize_codes", "dequantize",
+           "pack", "type_levels"]
+
+QK_K = 256
+IQ4_TABLE = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+@dataclass(frozen=True)
+class GgmlType:
+    """One GGUF block type as a grid: codes ``qmin..qmax`` (or indices into ``IQ4_TABLE``), ``sub`` elements per
+    scale, ``block`` elements per stored block of ``nbytes`` bytes, and how its sub-block scales are stored
+    (``scale_bits``: the integer scale of a K-quant, ``None``: one float16 per block)."""
+
+    name: str
+    bits: int
+    symmetric: bool  # no minimum: value = step * q
+    sub: int
+    block: int
+    nbytes: int
+    scale_bits: Optional[int] = None
+    signed_scales: bool = False  # sub-block scales stored with a bias (Q3_K, IQ4_XS) or as int8 (Q6_K)
+    table: bool = False  # codes index IQ4_TABLE
+
+    @property
+    def qmin_qmax(self) -> Tuple[int, int]:
+        if self.table:
+            return 0, 15
+        if self.symmetric:
+            return -(1 << (self.bits - 1)), (1 << (self.bits - 1)) - 1
+        return 0, (1 << self.bits) - 1
+
+    @property
+    def k_quant(self) -> bool:
+        return self.scale_bits is not None
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.nbytes * 8 / self.block
+
+
+GGML_TYPES: Dict[str, GgmlType] = {t.name: t for t in (
+    GgmlType("Q2_K", 2, False, 16, QK_K, 84, scale_bits=4),
+    GgmlType("Q3_K", 3, True, 16, QK_K, 110, scale_bits=6, signed_scales=True),
+    GgmlType("Q4_K", 4, False, 32, QK_K, 144, scale_bits=6),
+    GgmlType("Q5_K", 5, False, 32, QK_K, 176, scale_bits=6),
+    GgmlType("Q6_K", 6, True, 16, QK_K, 210, scale_bits=8, signed_scales=True),
+    GgmlType("IQ4_NL", 4, True, 32, 32, 18, table=True),
+    GgmlType("IQ4_XS", 4, True, 32, QK_K, 136, scale_bits=6, signed_scales=True, table=True),
+)}
+
+
+def ggml_type(name: str) -> GgmlType:
+    try:
+        return GGML_TYPES[name.upper()]
+    except KeyError:
+        raise ValueError(f"unknown GGUF type {name!r} (one of {', '.join(GGML_TYPES)})") from None
+
+
+@dataclass(frozen=True)
+class KGrid:
+    """The stored scales of a ``[rows, cols]`` weight in one type, and the exact grid they make.
+
+    ``d`` / ``dmin``: ``[rows, cols / block]`` float32 holding float16 values; ``sc`` / ``m``: ``[rows, cols / sub]``
+    stored integers (``sc`` as stored, bias included; ``None`` for a type with one float scale per block);
+    ``step`` / ``low``: ``[rows, cols / sub]`` float32, the effective step ``d·sc`` (``d·(sc−bias)``) and minimum
+    ``dmin·m`` as ggml computes them (``low`` is zero for a symmetric type)."""
+
+    type: GgmlType
+    d: torch.Tensor
+    dmin: Optional[torch.Tensor]
+    sc: Optional[torch.Tensor]
+    m: Optional[torch.Tensor]
+    step: torch.Tensor
+    low: torch.Tensor
+
+
+def _f16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).to(torch.float32)
+
+
+def _per_sub(x: torch.Tensor, t: GgmlType) -> torch.Tensor:
+    """A per-block tensor repeated for each of its sub-blocks."""
+    return x.repeat_interleave(t.block // t.sub, dim=-1)
+
+
+def _quantize_scales(s: torch.Tensor, t: GgmlType, levels: int, negative: bool):
+    """Small-integer sub-block scales under one float16 super-block scale: ``d`` and the integers ``l`` with
+    ``d·l ≈ s``. ``negative``: ``d`` takes the sign that lets the integers reach ``-levels`` (ggml's trick for
+    signed scales, one more level than the positive side)."""
+    rows, nsub = s.shape
+    per = t.block // t.sub
+    amax = s.reshape(rows, nsub // per, per).amax(-1)
+    d = _f16(amax / (-levels if negative else levels))
+    lo, hi = (-levels, levels - 1) if negative else (0, levels)
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    lq = torch.round(s / _per_sub(safe, t)).clamp(lo, hi)
+    lq = torch.where(_per_sub(d, t) == 0, torch.zeros_like(lq), lq)
+    return d, lq.to(torch.int32)
+
+
+def snap(step: torch.Tensor, low: Optional[torch.Tensor], t: GgmlType) -> KGrid:
+    """The grid type ``t`` stores for wished-for sub-block steps ``step`` (``[rows, cols / sub]``, ≥ 0) and minima
+    ``low`` (≥ 0, value = step·q − low; ``None`` for a symmetric type).
+
+    Legacy blocks keep their float16 step. K-quant scales become integers under a float16 super-block ``d``
+    chosen from the largest step of the super-block (ggml's rule); minima likewise under ``dmin``. Raises
+    ``ValueError`` when a step is beyond float16's range (65504)."""
+    step = step.to(torch.float32)
+    if not bool(torch.isfinite(step).all()) or (low is not None and not bool(torch.isfinite(low).all())):
+        raise ValueError("a scale is not finite")
+    if t.scale_bits is None:  # IQ4_NL: one float16 scale per block
+        d = _f16(step)
+        if bool(torch.isinf(d).any()):
+            raise ValueError("a scale is beyond float16's range (65504), which GGUF stores")
+        return KGrid(t, d, None, None, None, d, torch.zeros_like(d))
+    if t.signed_scales:
+        levels = 1 << (t.scale_bits - 1)
+        d, lq = _quantize_scales(step, t, levels, negative=True)
+        bias = 0 if t.name == "Q6_K" else levels
+        sc = lq + bias
+        eff = _per_sub(d, t) * (sc - bias).to(torch.float32)
+        dmin = m = None
+        lowq = torch.zeros_like(eff)
+    else:
+        levels = (1 << t.scale_bits) - 1
+        d, sc = _quantize_scales(step, t, levels, negative=False)
+        eff = _per_sub(d, t) * sc.to(torch.float32)
+        dmin, m = _quantize_scales(low.to(torch.float32).clamp_min(0), t, levels, negative=False)
+        lowq = _per_sub(dmin, t) * m.to(torch.float32)
+    if bool(torch.isinf(d).any()) or (dmin is not None and bool(torch.isinf(dmin).any())):
+        raise ValueError("a scale is beyond float16's range (65504), which GGUF stores")
+    return KGrid(t, d, dmin, sc, m, eff, lowq)
+
+
+def _sub_view(x: torch.Tensor, sub: int) -> torch.Tensor:
+    rows, cols = x.shape
+    return x.reshape(rows, cols // sub, sub)
+
+
+def _table(device) -> torch.Tensor:
+    return torch.tensor(IQ4_TABLE, dtype=torch.float32, device=device)
+
+
+def type_levels(grid: KGrid) -> torch.Tensor:
+    """Every value each sub-block can hold: ``[rows, cols / sub, n_codes]`` float32, in code order."""
+    t = grid.type
+    qmin, qmax = t.qmin_qmax
+    if t.table:
+        return grid.step.unsqueeze(-1) * _table(grid.step.device)
+    q = torch.arange(qmin, qmax + 1, dtype=torch.float32, device=grid.step.device)
+    return grid.step.unsqueeze(-1) * q - grid.low.unsqueeze(-1)
+
+
+def quantize_codes(w: torch.Tensor, grid: KGrid) -> torch.Tensor:
+    """Round-to-nearest codes of ``w`` (``[rows, cols]``) on ``grid``: ``int32``, signed for a symmetric type,
+    indices into ``IQ4_TABLE`` for the IQ4 types."""
+    t = grid.type
+    x = _sub_view(w.to(torch.float32), t.sub)
+    qmin, qmax = t.qmin_qmax
+    if t.table:
+        levels = type_levels(grid)
+        idx = (x.unsqueeze(-1) - levels.unsqueeze(-2)).abs().argmin(-1)
+        return idx.reshape(w.shape).to(torch.int32)
+    step = grid.step.unsqueeze(-1)
+    safe = torch.where(step == 0, torch.ones_like(step), step)
+    q = torch.round((x + grid.low.unsqueeze(-1)) / safe).clamp(qmin, qmax)
+    q = torch.where(step == 0, torch.zeros_like(q) if t.symmetric else torch.zeros_like(q), q)
+    return q.reshape(w.shape).to(torch.int32)
+
+
+def dequantize(codes: torch.Tensor, grid: KGrid) -> torch.Tensor:
+    """The float32 values llama.cpp reads back from ``codes`` on ``grid``, in ggml's order of operations."""
+    t = grid.type
+    q = _sub_view(codes, t.sub)
+    step = grid.step.unsqueeze(-1)
+    if t.table:
+        out = step * _table(codes.device)[q.long()]
+    elif t.symmetric:
+        out = step * q.to(torch.float32)
+    else:
+        out = step * q.to(torch.float32) - grid.low.unsqueeze(-1)
+    return out.reshape(codes.shape)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# bytes (ggml-common.h): the packer only lays out what snap and the codes chose
+# --------------------------------------------------------------------------------------------------------------
+def _half_bytes(x: torch.Tensor) -> torch.Tensor:
+    """float16 values ``[..., n]`` as little-endian bytes ``[..., n, 2]``."""
+    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)
+
+
+def _nibbles(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    return (lo | (hi << 4)).to(torch.uint8)
+
+
+def _bit_planes(u: torch.Tensor, nb: int) -> torch.Tensor:
+    """Q2_K/Q3_K low bits: ``u`` ``[.., 256]`` (values 0..3) → 64 bytes, byte ``32h + l`` holding elements
+    ``128h + 32j + l`` at bits ``2j``."""
+    v = u.reshape(*u.shape[:-1], 2, 4, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=u.device).reshape(4, 1)
+    return (v << shifts).sum(-2).reshape(*u.shape[:-1], 64).to(torch.uint8)
+
+
+def _k_scales_6bit(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K: eight 6-bit scales and eight 6-bit minima in 12 bytes (``get_scale_min_k4``'s layout)."""
+    a = ls[..., :4] | ((ls[..., 4:] >> 4) << 6)
+    b = lm[..., :4] | ((lm[..., 4:] >> 4) << 6)
+    c = (ls[..., 4:] & 0xF) | ((lm[..., 4:] & 0xF) << 4)
+    return torch.cat([a, b, c], -1).to(torch.uint8)
+
+
+def _q3_scales(ls: torch.Tensor) -> torch.Tensor:
+    """Q3_K: sixteen 6-bit scales in 12 bytes: low nibbles of ``j`` and ``j + 8`` in byte ``j``, the top two bits of
+    scale ``4k + i`` at bits ``2k`` of byte ``8 + i``."""
+    low = (ls[..., :8] & 0xF) | ((ls[..., 8:] & 0xF) << 4)
+    top = (ls >> 4).reshape(*ls.shape[:-1], 4, 4)  # [k, i]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=ls.device).reshape(4, 1)
+    high = (top << shifts).sum(-2)
+    return torch.cat([low, high], -1).to(torch.uint8)
+
+
+def pack(codes: torch.Tensor, grid: KGrid) -> torch.Tensor:
+    """The GGUF bytes of ``codes`` (``[rows, cols]``, from :func:`quantize_codes` or an algorithm) on ``grid``:
+    ``uint8 [rows, cols / block * nbytes]``."""
+    t = grid.type
+    rows, cols = codes.shape
+    nb = cols // t.block
+    qmin, _ = t.qmin_qmax
+    u = (codes.to(torch.int32) - (0 if t.table else qmin)).reshape(rows, nb, t.block)
+    d = _half_bytes(grid.d.reshape(rows, nb))
+    per = t.block // t.sub
+    if t.name == "IQ4_NL":
+        parts = [d, _nibbles(u[..., :16], u[..., 16:])]
+    elif t.name == "IQ4_XS":
+        ls = grid.sc.reshape(rows, nb, per)
+        shifts = 2 * torch.arange(per, dtype=torch.int32, device=ls.device)
+        sh = ((ls >> 4) << shifts).sum(-1).to(torch.int32)
+        scales_h = torch.stack([sh & 0xFF, sh >> 8], -1).to(torch.uint8)
+        scales_l = _nibbles(ls[..., 0::2] & 0xF, ls[..., 1::2] & 0xF)
+        v = u.reshape(rows, nb, per, 32)
+        qs = _nibbles(v[..., :16], v[..., 16:]).reshape(rows, nb, 128)
+        parts = [d, scales_h, scales_l, qs]
+    elif t.name == "Q2_K":
+        scales = _nibbles(grid.sc.reshape(rows, nb, per), grid.m.reshape(rows, nb, per))
+        parts = [scales, _bit_planes(u, nb), d, _half_bytes(grid.dmin.reshape(rows, nb))]
+    elif t.name == "Q3_K":
+        low = _bit_planes(u & 3, nb)
+        hi = (u >> 2).reshape(rows, nb, 8, 32)  # bit 4h + j of byte l: element 128h + 32j + l
+        shifts = torch.arange(8, dtype=torch.int32, device=u.device).reshape(8, 1)
+        hmask = (hi << shifts).sum(-2).to(torch.uint8)
+        parts = [hmask, low, _q3_scales(grid.sc.reshape(rows, nb, per)), d]
+    elif t.name in ("Q4_K", "Q5_K"):
+        scales = _k_scales_6bit(grid.sc.reshape(rows, nb, per), grid.m.reshape(rows, nb, per))
+        v = (u & 0xF).reshape(rows, nb, 4, 2, 32)
+        qs = _nibbles(v[..., 0, :], v[..., 1, :]).reshape(rows, nb, 128)
+        parts = [d, _half_bytes(grid.dmin.reshape(rows, nb)), scales]
+        if t.name == "Q5_K":
+            hi = (u >> 4).reshape(rows, nb, 8, 32)  # bit k of byte l: element 32k + l
+            shifts = torch.arange(8, dtype=torch.int32, device=u.device).reshape(8, 1)
+            parts.append((hi << shifts).sum(-2).to(torch.uint8))
+        parts.append(qs)
+    elif t.name == "Q6_K":
+        v = u.reshape(rows, nb, 2, 4, 32)  # [half, k, l]: element 128h + 32k + l
+        low = v & 0xF
+        ql = torch.cat([_nibbles(low[..., 0, :], low[..., 2, :]), _nibbles(low[..., 1, :], low[..., 3, :])], -1)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=u.device).reshape(4, 1)
+        qh = ((v >> 4) << shifts).sum(-2).to(torch.uint8)
+        scales = grid.sc.reshape(rows, nb, per).to(torch.int8).view(torch.uint8)
+        parts = [ql.reshape(rows, nb, 128), qh.reshape(rows, nb, 64), scales, d]
+    else:  # pragma: no cover - GGML_TYPES lists exactly the branches above
+        raise ValueError(t.name)
+    parts = [p.reshape(rows, nb, -1) for p in parts]
+    return torch.cat(parts, -1).reshape(rows, nb * t.nbytes)

@@ -1,0 +1,98 @@
+"""llama.cpp's K-quant and IQ4 block types (``qtool.quant.ggml``): the values qtool computes for a grid are the
+values gguf-py (and so ggml) reads back from the bytes qtool packs, bit for bit, for every type."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qtool.quant import ggml
+
+TYPES = sorted(ggml.GGML_TYPES)
+
+
+def _wished(w: torch.Tensor, t: ggml.GgmlType):
+    """Per-sub-block steps and minima from the sub-block's range (what a min-max analyzer would give)."""
+    x = w.reshape(w.shape[0], -1, t.sub)
+    qmin, qmax = t.qmin_qmax
+    if t.table:
+        return x.abs().amax(-1) / 127, None
+    if t.symmetric:
+        return x.abs().amax(-1) / -qmin, None
+    mn = x.amin(-1).clamp(max=0)
+    return (x.amax(-1) - mn) / qmax, -mn
+
+
+def _ggml_values(blocks: torch.Tensor, name: str, shape) -> np.ndarray:
+    return gguf.quants.dequantize(blocks.numpy(), getattr(gguf.GGMLQuantizationType, name)).reshape(shape)
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(TYPES), rows=st.integers(1, 3), nb=st.integers(1, 2), seed=st.integers(0, 2**16),
+       log_scale=st.integers(-12, 8), zero_sub=st.booleans())
+def test_packed_bytes_dequantize_in_ggml_to_qtools_values(name, rows, nb, seed, log_scale, zero_sub):
+    t = ggml.GGML_TYPES[name]
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, nb * t.block, generator=g) * 2.0**log_scale
+    w[:, :t.sub] *= torch.rand(rows, 1, generator=g) * 8  # sub-blocks of very different ranges
+    if zero_sub:
+        w[:, t.sub:2 * t.sub] = 0
+    grid = ggml.snap(*_wished(w, t), t)
+    codes = ggml.quantize_codes(w, grid)
+    qmin, qmax = t.qmin_qmax
+    assert int(codes.min()) >= qmin and int(codes.max()) <= qmax
+    ours = ggml.dequantize(codes, grid)
+    blocks = ggml.pack(codes, grid)
+    assert blocks.dtype == torch.uint8 and blocks.shape == (rows, nb * t.nbytes)
+    assert np.array_equal(_ggml_values(blocks, name, w.shape), ours.numpy())
+    if zero_sub:
+        assert bool((ours[:, t.sub:2 * t.sub] == 0).all()) or not t.symmetric
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_every_code_and_scale_survives_packing(name):
+    """Extreme stored integers (every code, the largest and smallest sub-block scales) read back as computed."""
+    t = ggml.GGML_TYPES[name]
+    qmin, qmax = t.qmin_qmax
+    n = t.block * 2
+    codes = (torch.arange(n) % (qmax - qmin + 1) + qmin).reshape(1, n).to(torch.int32)
+    step = torch.linspace(0.0, 3.0, n // t.sub).reshape(1, -1)
+    low = None if t.symmetric else torch.linspace(2.0, 0.0, n // t.sub).reshape(1, -1)
+    grid = ggml.snap(step, low, t)
+    if t.scale_bits:
+        lo, hi = int(grid.sc.min()), int(grid.sc.max())
+        assert hi - lo >= (1 << t.scale_bits) // 2 - 1  # the scales span their stored range
+    assert np.array_equal(_ggml_values(ggml.pack(codes, grid), name, codes.shape),
+                          ggml.dequantize(codes, grid).numpy())
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_snapped_grid_is_close_to_the_wished_one_and_rounds_to_nearest(name):
+    t = ggml.GGML_TYPES[name]
+    w = torch.randn(4, 2 * t.block, generator=torch.Generator().manual_seed(0))
+    step, low = _wished(w, t)
+    grid = ggml.snap(step, low, t)
+    big = step >= step.amax() / 4  # small sub-block scales lose relative precision when quantized
+    if t.scale_bits is None:
+        tol = 1e-3  # one float16 scale
+    else:  # half a step of the integer scale, at a quarter of the super-block's largest
+        levels = 1 << (t.scale_bits - 1) if t.signed_scales else (1 << t.scale_bits) - 1
+        tol = 2 / levels + 1e-3
+    assert ((grid.step[big] / step[big] - 1).abs() <= tol).all()
+    codes = ggml.quantize_codes(w, grid)
+    values = ggml.dequantize(codes, grid)
+    levels = ggml.type_levels(grid).repeat_interleave(t.sub, dim=1)  # [rows, cols, n_codes]
+    nearest = (w.unsqueeze(-1) - levels).abs().amin(-1)
+    assert torch.allclose((w - values).abs(), nearest, atol=1e-6)
+
+
+def test_scales_beyond_float16_are_refused():
+    t = ggml.GGML_TYPES["Q4_K"]
+    with pytest.raises(ValueError, match="float16"):
+        ggml.snap(torch.full((1, 8), 1e7), torch.zeros(1, 8), t)
+    with pytest.raises(ValueError, match="not finite"):
+        ggml.snap(torch.full((1, 8), float("nan")), torch.zeros(1, 8), t)
