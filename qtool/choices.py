@@ -8,7 +8,7 @@ from typing import Sequence
 
 from .errors import UsageError
 
-__all__ = ["AIMET_VERSIONS", "CT_EIGHT_BIT_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_FALLBACKS", "DEVICES", "SCALE_DTYPES",
+__all__ = ["GGUF_TYPES", "GGML_SCALE_DTYPES", "SUPER_BLOCK_FALLBACK", "AIMET_VERSIONS", "CT_EIGHT_BIT_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_FALLBACKS", "DEVICES", "SCALE_DTYPES",
            "ELEMENT_NAMES", "FLOAT_SCALE_DTYPES", "check_choice", "check_device", "check_scale_dtype", "check_element"]
 
 AIMET_VERSIONS = ("0.6.1", "1.0.0", "2.0.0")  # the AIMET encodings versions qtool writes
@@ -32,6 +32,21 @@ def check_device(value: str) -> str:
 
 
 SCALE_DTYPES = ("float32", "float16")
+# llama.cpp's block types by recipe name (``gguf_type``): (bitwidth, symmetric, block length, scale_dtype). The
+# legacy ones are integer grids with float16 scales; the K-quants and IQ4 types name their own scale_dtype (sub-block
+# scales quantized the way the type stores them, ``qtool.quant.ggml``).
+GGUF_TYPES = {
+    "q8_0": (8, True, 32, "float16"), "q5_0": (5, True, 32, "float16"), "q5_1": (5, False, 32, "float16"),
+    "q4_0": (4, True, 32, "float16"), "q4_1": (4, False, 32, "float16"),
+    "q6_k": (6, True, 16, "q6_k"), "q5_k": (5, False, 32, "q5_k"), "q4_k": (4, False, 32, "q4_k"),
+    "q3_k": (3, True, 16, "q3_k"), "q2_k": (2, False, 16, "q2_k"),
+    "iq4_nl": (4, True, 32, "iq4_nl"), "iq4_xs": (4, True, 32, "iq4_xs"),
+}
+GGML_SCALE_DTYPES = ("q6_k", "q5_k", "q4_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs")
+# llama-quantize's fallback for a row that is not a whole number of 256-element super-blocks (llama.cpp's
+# tensor_type_fallback; builds before 2026 sent Q2_K/Q3_K to IQ4_NL)
+SUPER_BLOCK_FALLBACK = {"q6_k": "q8_0", "q5_k": "q5_1", "q4_k": "q5_0", "q3_k": "q4_0", "q2_k": "q4_0",
+                        "iq4_xs": "iq4_nl"}
 
 
 def check_scale_dtype(scale_dtype: str, bitwidth: int, symmetric: bool) -> None:
@@ -41,8 +56,15 @@ def check_scale_dtype(scale_dtype: str, bitwidth: int, symmetric: bool) -> None:
     8 bits; an asymmetric one also needs ``offset * scale`` (the grid's minimum) to be a float16 value, which a
     search of 16 float16 steps either side always finds for 5 bits or fewer (GGUF's Q5_1).
     """
+    if scale_dtype in GGML_SCALE_DTYPES:
+        bits, sym, block, _ = GGUF_TYPES[scale_dtype]
+        if (bitwidth, symmetric) != (bits, sym):
+            raise ValueError(f"scale_dtype {scale_dtype} is GGUF's {scale_dtype.upper()}: {bits}-bit "
+                             f"{'symmetric' if sym else 'asymmetric'} blocks of {block} (write gguf_type: {scale_dtype})")
+        return
     if scale_dtype not in SCALE_DTYPES:
-        raise ValueError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)} (got {str(scale_dtype)[:40]!r})")
+        raise ValueError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES + GGML_SCALE_DTYPES)} "
+                         f"(got {str(scale_dtype)[:40]!r})")
     if scale_dtype == "float16":
         limit = 8 if symmetric else 5
         if bitwidth > limit:
@@ -60,6 +82,8 @@ def check_element(element: str, bitwidth: int, symmetric: bool, scale_dtype: str
     """Raise ``ValueError`` unless a float ``element`` fits the rest of the spec (an ``int`` one always does)."""
     if element not in ELEMENT_NAMES:
         raise ValueError(f"element must be one of {', '.join(ELEMENT_NAMES)} (got {str(element)[:40]!r})")
+    if element != "int" and scale_dtype in GGML_SCALE_DTYPES:
+        raise ValueError(f"scale_dtype {scale_dtype} is a GGUF type on an integer grid (element int)")
     if element == "int":
         if scale_dtype in ("e8m0", "fp8_e4m3"):
             raise ValueError(f"scale_dtype {scale_dtype} is for float elements (fp8_e4m3, fp4_e2m1); an integer "

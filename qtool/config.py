@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, 
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
+from .choices import GGML_SCALE_DTYPES, GGUF_TYPES, SUPER_BLOCK_FALLBACK
 from .errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported where a plan is made, so that recipes validate without it
@@ -151,7 +152,9 @@ class _Spec(BaseModel):
     analyzer: AnalyzerSpec = AnalyzerSpec()
     # float16: scales rounded to float16 values when calibrated (GGUF stores them so; see docs/recipes.md);
     # e8m0 (MX) and fp8_e4m3 (NVFP4, under a float32 global scale): block scales of a float element
-    scale_dtype: Literal["float32", "float16", "e8m0", "fp8_e4m3"] = "float32"
+    # q2_k … q6_k, iq4_nl, iq4_xs: GGUF's block types (set by gguf_type; sub-block scales stored as the type does)
+    scale_dtype: Literal["float32", "float16", "e8m0", "fp8_e4m3", "q6_k", "q5_k", "q4_k", "q3_k", "q2_k", "iq4_nl",
+                         "iq4_xs"] = "float32"
     # the grid's values: integers (bitwidth, symmetric) or a float type (FP8 E4M3, FP4 E2M1; see docs/recipes.md)
     element: Literal["int", "fp8_e4m3", "fp4_e2m1"] = "int"
 
@@ -195,6 +198,14 @@ class _Spec(BaseModel):
                       bool(getattr(self, "dynamic", False)))
         if self.element == "int":
             check_scale_dtype(self.scale_dtype, self.bitwidth, self.symmetric)
+            if self.scale_dtype in GGML_SCALE_DTYPES:
+                sub = GGUF_TYPES[self.scale_dtype][2]
+                if type(self).__name__ != "WeightSpec" or self.granularity != "per_block" or self.block_size != sub:
+                    raise ValueError(f"scale_dtype {self.scale_dtype} is GGUF's {self.scale_dtype.upper()}, a weight "
+                                     f"grid of blocks of {sub} (write gguf_type: {self.scale_dtype})")
+                if self.analyzer.name not in ("minmax", "mse"):
+                    raise ValueError(f"gguf_type {self.scale_dtype}: analyzer {self.analyzer.name} is not available "
+                                     "on GGUF's block types (use minmax, or mse)")
         elif self.analyzer.name not in ("minmax", "mse"):
             raise ValueError(f"element {self.element}: analyzer {self.analyzer.name} is not available on float "
                              "grids (use minmax, or mse on weights: it searches the representable scales)")
@@ -205,14 +216,36 @@ class WeightSpec(_Spec):
     symmetric: StrictBool = True
     granularity: GranularityName = "per_channel"
     rounding: RoundingSpec = RoundingSpec()
+    # llama.cpp's block type by name (q4_k, q6_k, q8_0, iq4_xs, ...): sets bitwidth, symmetric, granularity,
+    # block_size and scale_dtype to that type's (docs/recipes.md)
+    gguf_type: Optional[Literal["q8_0", "q5_0", "q5_1", "q4_0", "q4_1", "q6_k", "q5_k", "q4_k", "q3_k", "q2_k",
+                                "iq4_nl", "iq4_xs"]] = None
 
     _normalize_rounding = field_validator("rounding", mode="before")(lambda cls, v: _by_name(v))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gguf_type_implies(cls, data):
+        """A GGUF type fixes the grid; what the recipe writes beside it must agree."""
+        if isinstance(data, dict) and isinstance(data.get("gguf_type"), str) and data["gguf_type"] in GGUF_TYPES:
+            bits, sym, block, scale_dtype = GGUF_TYPES[data["gguf_type"]]
+            implied = {"bitwidth": bits, "symmetric": sym, "granularity": "per_block", "block_size": block,
+                       "scale_dtype": scale_dtype, "element": "int"}
+            wrong = [k for k, v in implied.items() if k in data and data[k] != v]
+            if wrong:
+                raise ValueError(f"gguf_type {data['gguf_type']} sets {wrong[0]} to {implied[wrong[0]]} (got "
+                                 f"{_short(data[wrong[0]])}); remove {wrong[0]}")
+            data = {**data, **implied}
+        return data
 
     @model_validator(mode="after")
     def _rounding_fits_the_element(self):
         if self.element != "int" and self.rounding.name == "adaround":
             raise ValueError(f"element {self.element}: rounding adaround learns up/down choices on integer grids; "
                              "use gptq or nearest on float grids")
+        if self.scale_dtype in GGML_SCALE_DTYPES and self.rounding.name == "adaround":
+            raise ValueError(f"gguf_type {self.scale_dtype}: rounding adaround is not available on GGUF's "
+                             "K-quant/IQ4 grids; use gptq or nearest")
         return self
 
 
@@ -785,6 +818,9 @@ class Plan:
                 or any(q.needs_inputs for q in self.weights))
 
 
+_GGUF_IMPLIED = ("bitwidth", "symmetric", "granularity", "block_size", "scale_dtype", "element")
+
+
 def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
     """Apply one rule's partial spec on top of the current one (or the schema defaults when there is none)."""
     start = base.model_dump() if base is not None else cls().model_dump()
@@ -792,6 +828,13 @@ def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
         for key in ("bitwidth", "symmetric", "scale_dtype"):
             if key not in override:
                 start.pop(key, None)
+    if "gguf_type" in override:  # the grid follows the new GGUF type
+        for key in _GGUF_IMPLIED:
+            start.pop(key, None)
+    elif start.get("gguf_type") and any(k in override for k in _GGUF_IMPLIED):
+        start.pop("gguf_type")  # a rule that writes its own grid leaves the GGUF type (and its scale type)
+        if start.get("scale_dtype") in GGML_SCALE_DTYPES and "scale_dtype" not in override:
+            start.pop("scale_dtype")
     start.update(override)
     if "granularity" in override and override["granularity"] != "per_block" and "block_size" not in override:
         start["block_size"] = None
@@ -836,6 +879,19 @@ def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str)
     return shape, (1, b) + (-1,) * (len(shp) - 2)
 
 
+def _super_block_fallback(module: "nn.Module", spec: WeightSpec, counts: Dict[Tuple[str, str], int]) -> WeightSpec:
+    """``spec``, or the type llama-quantize falls back to when ``module``'s rows are not whole 256-element
+    super-blocks of its K-quant type (Q4_K -> Q5_0, Q6_K -> Q8_0, ...; counted in ``counts``)."""
+    w = getattr(module, "weight", None)
+    if spec.scale_dtype not in SUPER_BLOCK_FALLBACK or w is None or w.dim() != 2 or w.shape[1] % 256 == 0:
+        return spec
+    was, now = spec.scale_dtype, SUPER_BLOCK_FALLBACK[spec.scale_dtype]
+    counts[(was.upper(), now.upper())] = counts.get((was.upper(), now.upper()), 0) + 1
+    bits, sym, block, scale_dtype = GGUF_TYPES[now]
+    return spec.model_copy(update={"gguf_type": now, "bitwidth": bits, "symmetric": sym, "block_size": block,
+                                   "scale_dtype": scale_dtype})
+
+
 def _type_names(module: "nn.Module") -> Tuple[str, ...]:
     """The module's class name and its base classes' (so ``type: Conv2d`` and the default types match subclasses
     such as EfficientNet's ``Conv2dStaticSamePadding``). MultiheadAttention's ``out_proj`` subclass of Linear is
@@ -853,6 +909,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     """One ``QuantizerPlan`` per quantizer, in module order. Later ``layers`` entries win."""
     plan = Plan()
     used = [False] * len(recipe.layers)
+    fallbacks: Dict[Tuple[str, str], int] = {}  # (K-quant type, its fallback) -> weights
     named = [(n, m) for n, m in model.named_modules() if n]
     # torch.export modules keep only parameters in plain submodules; their classes come from graph metadata
     exported_types = getattr(model, "qtool_module_types", None) or {}
@@ -889,6 +946,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             continue
         if w_spec is not None:
             where = f"{source}: layers[{rule_w}].weights" if rule_w is not None else f"{source}: defaults.weights"
+            w_spec = _super_block_fallback(module, w_spec, fallbacks)
             layout = _weight_layout(module, w_spec, where, name)
             if layout is not None:
                 shape, block = layout
@@ -919,6 +977,9 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                         "dynamic" if a_spec.dynamic else a_spec.analyzer.name,
                         rule_a, tuple(a_spec.analyzer.kwargs().items()), a_spec.scale_dtype,
                         dynamic=a_spec.dynamic, element=a_spec.element))
+    for (was, now), n in sorted(fallbacks.items()):
+        plan.warnings.append(f"{n} weight(s) of {was}: rows not a whole number of 256-element super-blocks, so "
+                             f"{now} as llama-quantize falls back")
     for i, ok in enumerate(used):
         if not ok and not recipe.layers[i].optional:
             rule = recipe.layers[i]

@@ -33,12 +33,14 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from .choices import GGML_SCALE_DTYPES
 from .config import QuantizerPlan
 from .errors import EncodingsError
 from .io.jsonfile import read_json_object
 from .quant import QuantizerBase
 from .quant.affine import min_max_to_scale_offset, resolve_block_size
 from .quant.floatgrid import element_of, encoding_scales
+from .quant.ggml import grid_from_range
 from .quant.spec import Granularity, QuantSpec
 
 __all__ = ["EncodingEntry", "EncodingsFile", "SidecarStream", "SCHEMA", "SCHEMA_VERSION", "INLINE_LIMIT",
@@ -126,7 +128,17 @@ class EncodingEntry:
     def is_float(self) -> bool:
         return self.element != "int"
 
+    def ggml_grid(self):
+        """A GGUF K-quant / IQ4 entry's grid (``quant.ggml.KGrid``: stored scales and exact steps), from its
+        sub-block ranges."""
+        lo, hi = self.range()
+        return grid_from_range(lo, hi, self._spec.ggml)
+
     def _scale_offset_of(self, lo: torch.Tensor, hi: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self._spec.ggml is not None:  # the effective step, and the minimum in steps (not an integer for Q4_K)
+            g = grid_from_range(lo, hi, self._spec.ggml)
+            step = g.step.reshape(lo.shape)
+            return step, -g.low.reshape(lo.shape) / torch.where(step == 0, torch.ones_like(step), step)
         if self.is_float:
             eff = encoding_scales(torch.maximum(-lo, hi), element_of(self.element), self.scale_dtype,
                                   self._global_amax())[1]
@@ -157,6 +169,8 @@ class EncodingEntry:
         """The entry of a calibrated quantizer. Every calibration mode makes its entries here, so this is where a
         range that is not finite, or whose scale overflows float32, is refused (it would write NaN/Infinity)."""
         floating = {} if plan.element == "int" else {"element": plan.element, "scale_dtype": plan.scale_dtype}
+        if plan.spec.ggml is not None:
+            floating = {"scale_dtype": plan.scale_dtype}
         shared = getattr(quantizer, "global_amax", None)
         if shared is not None:
             floating["global_amax"] = float(shared)
@@ -229,6 +243,7 @@ class EncodingEntry:
             "analyzer": self.analyzer,
             **({"dynamic": True} if self.dynamic else {}),
             **({"element": self.element, "scale_dtype": self.scale_dtype} if self.is_float else {}),
+            **({"scale_dtype": self.scale_dtype} if self._spec.ggml is not None else {}),
             **({"global_amax": self.global_amax} if self.global_amax is not None else {}),
         }
 
@@ -238,7 +253,7 @@ class EncodingEntry:
         e = self.materialized()
         scale, offset = e.scale_offset()
         return {**self.header_json(), "min": _tolist(e.min), "max": _tolist(e.max), "scale": _tolist(scale),
-                "offset": offset.to(torch.int64).tolist()}
+                "offset": offset.round().to(torch.int64).tolist()}
 
     def sidecar_tensors(self) -> List[Tuple[str, torch.Tensor]]:
         """(key, tensor) for this entry's numbers in the sidecar file, in the order they are stored."""
@@ -248,7 +263,7 @@ class EncodingEntry:
         return [(f"{self.name}.min", e.min.to(torch.float32).reshape(shape)),
                 (f"{self.name}.max", e.max.to(torch.float32).reshape(shape)),
                 (f"{self.name}.scale", scale.to(torch.float32).reshape(shape)),
-                (f"{self.name}.offset", offset.to(torch.int32).reshape(shape))]
+                (f"{self.name}.offset", offset.round().to(torch.int32).reshape(shape))]
 
     @classmethod
     def from_json(cls, obj: Dict[str, Any], where: str, sidecar: Optional["_Sidecar"] = None,
@@ -262,9 +277,9 @@ class EncodingEntry:
                 raise EncodingsError(f"{where}: {key} must be a list of integers{' or null' if key == 'block_size' else ''}"
                                      f" (got {str(obj[key])[:40]!r})")
         floating = {"element": obj.get("element", "int"), "scale_dtype": obj.get("scale_dtype", "float32")}
-        if "scale_dtype" in obj and floating["element"] == "int":
-            raise EncodingsError(f"{where}: scale_dtype is stored for float elements only (an integer entry's min/max "
-                                 "already hold its scales)")
+        if "scale_dtype" in obj and floating["element"] == "int" and obj["scale_dtype"] not in GGML_SCALE_DTYPES:
+            raise EncodingsError(f"{where}: scale_dtype is stored for float elements and GGUF types only (an integer "
+                                 "entry's min/max already hold its scales)")
         if not all(isinstance(v, str) for v in floating.values()):
             raise EncodingsError(f"{where}: element and scale_dtype must be strings")
         if "global_amax" in obj:
@@ -341,7 +356,7 @@ def _check_stored_scale_offset(entry: EncodingEntry, obj: Dict[str, Any], where:
     """The scale and offset a file stores beside min/max are derived from them; a file where they disagree was
     edited by hand or by another tool, and reading either one would silently ignore the other."""
     scale, offset = entry.scale_offset()
-    for key, derived, dtype in (("scale", scale, torch.float32), ("offset", offset, torch.int64)):
+    for key, derived, dtype in (("scale", scale, torch.float32), ("offset", offset.round(), torch.int64)):
         if key not in obj:
             continue
         try:

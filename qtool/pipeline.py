@@ -351,7 +351,7 @@ def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOpt
     on_plan = hooks.on_plan
 
     def check_plan(plan):  # a plan the format cannot write fails before calibration, not after it
-        exporter.check_quantizers(plan.quantizers, options)
+        exporter.admit(plan.quantizers, options)
         on_plan(plan)
 
     hooks = Hooks(on_plan=check_plan, on_batch=hooks.on_batch, on_tensor=hooks.on_tensor, on_stage=hooks.on_stage,

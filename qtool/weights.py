@@ -27,6 +27,7 @@ from .errors import CheckpointError, EncodingsError
 from .io.checkpoint import CheckpointTensors, ST_DTYPES
 from .io.st_writer import StreamingSafetensorsWriter
 from .quant.affine import dequantize, quantize
+from .quant import ggml
 from .quant.floatgrid import element_of, float_dequantize, float_quantize
 from .quant.tensor import AffineEncoding
 
@@ -163,6 +164,8 @@ class WeightSource:
         stored = self.stored_codes(e, tuple(weight.shape))
         if stored is not None:
             return stored.to(torch.float32)
+        if e.spec.ggml is not None:
+            return ggml.quantize_codes(weight.to(torch.float32), e.ggml_grid()).to(torch.float32)
         scale, offset = e.scale_offset()
         if e.is_float:
             return float_quantize(weight, scale, element_of(e.element), e.block_size).to(torch.float32)
@@ -173,6 +176,8 @@ class WeightSource:
     @staticmethod
     def dequantize_codes(e: EncodingEntry, codes: torch.Tensor) -> torch.Tensor:
         """The real values (float32) of weight quantizer ``e``'s codes."""
+        if e.spec.ggml is not None:
+            return ggml.dequantize(codes.to(torch.int32), e.ggml_grid())
         scale, offset = e.scale_offset()
         if e.is_float:
             return float_dequantize(codes.to(torch.int64), scale, element_of(e.element), e.block_size)

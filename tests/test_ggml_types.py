@@ -19,8 +19,9 @@ def _wished(w: torch.Tensor, t: ggml.GgmlType):
     """Per-sub-block steps and minima from the sub-block's range (what a min-max analyzer would give)."""
     x = w.reshape(w.shape[0], -1, t.sub)
     qmin, qmax = t.qmin_qmax
-    if t.table:
-        return x.abs().amax(-1) / 127, None
+    if t.table:  # the larger end of the range takes the table's -127 (a negative step when it is positive)
+        sign = torch.where(x.amax(-1) > -x.amin(-1), -1.0, 1.0)
+        return sign * x.abs().amax(-1) / 127, None
     if t.symmetric:
         return x.abs().amax(-1) / -qmin, None
     mn = x.amin(-1).clamp(max=0)
@@ -76,13 +77,13 @@ def test_snapped_grid_is_close_to_the_wished_one_and_rounds_to_nearest(name):
     w = torch.randn(4, 2 * t.block, generator=torch.Generator().manual_seed(0))
     step, low = _wished(w, t)
     grid = ggml.snap(step, low, t)
-    big = step >= step.amax() / 4  # small sub-block scales lose relative precision when quantized
+    big = step.abs() >= step.abs().amax() / 4  # small sub-block scales lose relative precision when quantized
     if t.scale_bits is None:
         tol = 1e-3  # one float16 scale
     else:  # half a step of the integer scale, at a quarter of the super-block's largest
         levels = 1 << (t.scale_bits - 1) if t.signed_scales else (1 << t.scale_bits) - 1
         tol = 2 / levels + 1e-3
-    assert ((grid.step[big] / step[big] - 1).abs() <= tol).all()
+    assert ((grid.step[big] / step[big] - 1).abs() <= tol).all()  # signs kept too
     codes = ggml.quantize_codes(w, grid)
     values = ggml.dequantize(codes, grid)
     levels = ggml.type_levels(grid).repeat_interleave(t.sub, dim=1)  # [rows, cols, n_codes]

@@ -21,14 +21,14 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 VOCAB = 300
 
 
-def _tiny_llama(dest: Path, tied: bool, model_type: str = "llama") -> Path:
+def _tiny_llama(dest: Path, tied: bool, model_type: str = "llama", hidden: int = 64) -> Path:
     """A random tiny Llama (grouped-query attention) with a byte-level BPE tokenizer trained on ASCII text (every
     token decodes to whole characters, so llama.cpp reports a probability for each)."""
     import pydoc_data.topics
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     torch.manual_seed(0)
-    kw = dict(vocab_size=VOCAB + 20, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    kw = dict(vocab_size=VOCAB + 20, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied)
     if model_type == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
@@ -100,27 +100,34 @@ def test_gguf_dequantizes_to_qtools_fake_quant_weights_bit_for_bit(llamas, tmp_p
     assert values["output_norm.weight"][0] == "F32"
 
 
-def test_llama_cpp_runs_the_file_and_agrees_with_qtool(llamas, tmp_path):
-    pytest.importorskip("xllamacpp")
+def _agreement_with_llama_cpp(ckpt: Path, out: Path, n: int):
+    """On ``n`` random prompts: how often llama.cpp's next token on ``out/model.gguf`` is qtool's fake-quant
+    model's, and the largest log-probability difference over llama.cpp's top 3."""
     import qtool
 
     from tests.llamacpp import LlamaCpp
 
-    ckpt = llamas["tied"]
-    code, _, err = run_cli("quantize", ckpt, "-c", CONFIGS / "gguf-q4_0.yaml", "-o", tmp_path / "q", "--format",
-                           "gguf")
-    assert code == 0, err
-    model = qtool.load_calibrated(str(ckpt), str(tmp_path / "q/calibration/encodings.json")).eval()
+    model = qtool.load_calibrated(str(ckpt), str(out / "calibration/encodings.json")).eval()
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, VOCAB, (int(n),), generator=g).tolist()
-               for n in torch.randint(4, 40, (40,), generator=g)]
+    prompts = [torch.randint(1, VOCAB, (int(k),), generator=g).tolist()
+               for k in torch.randint(4, 40, (n,), generator=g)]
     agree, worst = 0, 0.0
-    with LlamaCpp(str(tmp_path / "q/model.gguf")) as llama:
+    with LlamaCpp(str(out / "model.gguf")) as llama:
         for p in prompts:
             with torch.no_grad():
                 logp = torch.log_softmax(model(torch.tensor([p])).logits[0, -1].double(), -1)
             agree += int(logp.argmax()) == llama.greedy_next(p)
             worst = max(worst, max(abs(float(logp[t]) - lp) for t, lp in llama.top(p, 3)))
+    return agree, worst
+
+
+def test_llama_cpp_runs_the_file_and_agrees_with_qtool(llamas, tmp_path):
+    pytest.importorskip("xllamacpp")
+    ckpt = llamas["tied"]
+    code, _, err = run_cli("quantize", ckpt, "-c", CONFIGS / "gguf-q4_0.yaml", "-o", tmp_path / "q", "--format",
+                           "gguf")
+    assert code == 0, err
+    agree, worst = _agreement_with_llama_cpp(ckpt, tmp_path / "q", 40)
     # llama.cpp multiplies in int8 (activations quantized per 32 values): close to, not equal to, float math
     assert agree >= 38, agree
     assert worst < 0.05, worst
@@ -312,3 +319,121 @@ def test_byte_fallback_tokenizers_write_the_llama_vocabulary_and_load(tmp_path):
     assert types.count(int(gguf.TokenType.BYTE)) == 256 and len(types) == 400
     with LlamaCpp(str(tmp_path / "q/model.gguf")) as llama:
         assert len(llama.top([1, 300, 301, 302], 3)) == 3  # llama.cpp loads the vocabulary and runs the model
+
+
+# ---- llama.cpp's K-quant and IQ4 types --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """Rows of 256 and 512: whole K-quant super-blocks."""
+    return _tiny_llama(tmp_path_factory.mktemp("gguf-wide") / "m", False, hidden=256)
+
+
+def _type_recipe(tmp_path: Path, gguf_type: str, rounding: str = "") -> Path:
+    recipe = tmp_path / f"{gguf_type}.yaml"
+    recipe.write_text(f"version: 1\ndefaults:\n  weights: {{gguf_type: {gguf_type}{rounding}}}\n  activations: null\n")
+    return recipe
+
+
+@pytest.mark.parametrize("gguf_type", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"])
+def test_k_quant_files_read_back_as_qtools_fake_quant_weights(wide_llama, tmp_path, gguf_type):
+    import qtool
+
+    code, out, err = run_cli("quantize", wide_llama, "-c", _type_recipe(tmp_path, gguf_type), "-o", tmp_path / "q",
+                             "--format", "gguf", "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["gguf"]["tensor_types"][gguf_type.upper()] == 16
+    values = _gguf_values(tmp_path / "q" / "model.gguf")
+    model = qtool.load_calibrated(str(wide_llama), str(tmp_path / "q/calibration/encodings.json"))
+    cfg = model.config
+    fq = _fake_quant_weights(model)
+    assert len(fq) == 16
+    for hf_name, w in fq.items():
+        if hf_name.endswith("q_proj.weight"):
+            w = _permute(w, cfg.num_attention_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            w = _permute(w, cfg.num_key_value_heads)
+        kind, deq = values[summary["names"][hf_name]]
+        assert kind == gguf_type.upper()
+        assert np.array_equal(deq.reshape(w.shape), w.numpy()), hf_name
+
+
+def test_llama_cpp_runs_a_q4_k_file_and_agrees_with_qtool(wide_llama, tmp_path):
+    pytest.importorskip("xllamacpp")
+    code, _, err = run_cli("quantize", wide_llama, "-c", _type_recipe(tmp_path, "q4_k"), "-o", tmp_path / "q",
+                           "--format", "gguf")
+    assert code == 0, err
+    agree, worst = _agreement_with_llama_cpp(wide_llama, tmp_path / "q", 30)
+    assert agree >= 28, agree  # llama.cpp multiplies K-quants against 8-bit activations (Q8_K)
+    assert worst < 0.05, worst
+
+
+def test_rows_that_are_not_whole_super_blocks_fall_back_as_llama_quantize_does(llamas, tmp_path):
+    """Width 64: Q4_K -> Q5_0, Q6_K -> Q8_0, Q3_K -> Q4_0, as llama-quantize falls back, said once in the plan."""
+    for gguf_type, fallback in (("q4_k", "Q5_0"), ("q6_k", "Q8_0"), ("q3_k", "Q4_0"), ("q5_k", "Q5_1"),
+                                ("iq4_xs", "IQ4_NL")):
+        out_dir = tmp_path / gguf_type
+        code, out, err = run_cli("quantize", llamas["untied"], "-c", _type_recipe(tmp_path, gguf_type), "-o",
+                                 out_dir, "--format", "gguf", "--json")
+        assert code == 0, err
+        summary = json.loads(out)
+        assert summary["gguf"]["tensor_types"] == {fallback: 16, "F32": 5}, summary["gguf"]
+        assert any(f"16 weight(s) of {gguf_type.upper()}" in w and fallback in w for w in summary["warnings"])
+
+
+@pytest.mark.parametrize("fmt", ["qtool", "compressed-tensors", "aimet", "onnx"])
+def test_other_formats_refuse_gguf_types_before_calibrating(wide_llama, tmp_path, fmt):
+    code, _, err = run_cli("quantize", wide_llama, "-c", _type_recipe(tmp_path, "q4_k"), "-o", tmp_path / "q",
+                           "--format", fmt)
+    assert code == 2 and [line for line in error_lines(err) if line.startswith("error")] == [
+        "error: model.embed_tokens.weight is GGUF Q4_K per_block (1, 32) -> (320, 8), one of llama.cpp's block "
+        "types (16 quantizer(s) in all): export it with --format gguf"]
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("{gguf_type: q4_k, bitwidth: 8}", "gguf_type q4_k sets bitwidth to 4 (got 8); remove bitwidth"),
+    ("{gguf_type: q7_k}", "gguf_type"),
+    ("{scale_dtype: q4_k, bitwidth: 4, symmetric: true, granularity: per_block, block_size: 32}",
+     "scale_dtype q4_k is GGUF's Q4_K: 4-bit asymmetric blocks of 32 (write gguf_type: q4_k)"),
+    ("{gguf_type: q4_k, analyzer: percentile}", "analyzer percentile is not available on GGUF's block types"),
+])
+def test_bad_gguf_types_in_a_recipe_are_one_line(tmp_path, body, needle):
+    code, _, err = run_cli("config", "validate", _recipe(tmp_path, body))
+    assert code == 2 and needle in err and len(error_lines(err)) == 1, err
+
+
+@pytest.mark.parametrize("gguf_type", ["q4_k", "q3_k", "iq4_xs"])
+def test_gptq_on_gguf_types_beats_round_to_nearest_and_the_file_holds_its_codes(wide_llama, tmp_path, gguf_type):
+    """GPTQ rounds each column onto the sub-block grid the type stores; the file reads back as qtool's model, and
+    the layers' output error on the calibration text is below round-to-nearest's."""
+    import qtool
+
+    ids = torch.randint(1, VOCAB, (16, 32), generator=torch.Generator().manual_seed(3))
+    from safetensors.torch import save_file
+
+    save_file({"input_ids": ids}, tmp_path / "data.safetensors")
+    logits = {}
+    for name, rounding in (("rtn", ""), ("gptq", ", rounding: gptq")):
+        out_dir = tmp_path / name
+        code, out, err = run_cli("quantize", wide_llama, "-c", _type_recipe(tmp_path, gguf_type, rounding), "-o",
+                                 out_dir, "--format", "gguf", "--data", tmp_path / "data.safetensors", "--json")
+        assert code == 0, err
+        model = qtool.load_calibrated(str(wide_llama), str(out_dir / "calibration/encodings.json")).eval()
+        if name == "gptq":
+            values = _gguf_values(out_dir / "model.gguf")
+            names = json.loads(out)["names"]
+            from qtool.model.insert import _STORED
+
+            modules = dict(model.named_modules())
+            for hf_name in _fake_quant_weights(model):
+                if "proj" in hf_name and not hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                    w = modules[hf_name[:-len(".weight")]].__dict__[_STORED]  # GPTQ's codes, dequantized
+                    assert np.array_equal(values[names[hf_name]][1].reshape(w.shape), w.numpy()), hf_name
+        with torch.no_grad():
+            logits[name] = model(ids).logits
+    float_model = transformers.AutoModelForCausalLM.from_pretrained(wide_llama).eval()
+    with torch.no_grad():
+        ref = float_model(ids).logits
+    err_rtn, err_gptq = (float((logits[n] - ref).pow(2).mean()) for n in ("rtn", "gptq"))
+    assert err_gptq < err_rtn, (err_gptq, err_rtn)

@@ -55,9 +55,24 @@ class Exporter:
         """Refuse a checkpoint this format cannot describe (e.g. an architecture it has no layout for), before
         calibration or writing (default: any)."""
 
+    # whether the format stores llama.cpp's K-quant / IQ4 block types (only GGUF does)
+    gguf_types: ClassVar[bool] = False
+
     def check(self, encodings: EncodingsFile, options: "Exporter.Options") -> None:
         """Refuse encodings this format cannot express, before any file is written (default: all fit)."""
-        self.check_quantizers(encodings.entries, options)
+        self.admit(encodings.entries, options)
+
+    def admit(self, quantizers, options: "Exporter.Options") -> None:
+        """``check_quantizers``, after refusing GGUF's own block types in every format but GGUF."""
+        quantizers = list(quantizers)
+        if not self.gguf_types:
+            ggml = [q for q in quantizers if q.spec.ggml is not None]
+            if ggml:
+                from ..errors import UsageError
+
+                raise UsageError(f"{ggml[0].name} is {ggml[0].spec.describe()}, one of llama.cpp's block types "
+                                 f"({len(ggml)} quantizer(s) in all): export it with --format gguf")
+        self.check_quantizers(quantizers, options)
 
     def check_quantizers(self, quantizers, options: "Exporter.Options") -> None:
         """Refuse quantizers (encodings entries, or plan rows before calibration: each has ``name``, ``tensor``

@@ -35,6 +35,7 @@ import torch
 
 from ..encodings import EncodingEntry
 from ..errors import CheckpointError, EncodingsError
+from ..quant import ggml
 from ..quant.spec import Granularity
 from .base import Exporter, ExportRequest, refuse_float_elements
 from .gguf_model import GgufModel, permute_rows, read_gguf_model
@@ -47,9 +48,11 @@ BLOCK = 32
 # (bitwidth, symmetric) -> GGUF block type name, for blocks of 32 along the input dimension
 _TYPES = {(8, True): "Q8_0", (4, True): "Q4_0", (4, False): "Q4_1", (5, True): "Q5_0", (5, False): "Q5_1"}
 _FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0",
-               "Q5_1": "MOSTLY_Q5_1", "F16": "MOSTLY_F16", "F32": "ALL_F32"}
+               "Q5_1": "MOSTLY_Q5_1", "Q2_K": "MOSTLY_Q2_K", "Q3_K": "MOSTLY_Q3_K_S", "Q4_K": "MOSTLY_Q4_K_S",
+               "Q5_K": "MOSTLY_Q5_K_S", "Q6_K": "MOSTLY_Q6_K", "IQ4_NL": "MOSTLY_IQ4_NL", "IQ4_XS": "MOSTLY_IQ4_XS",
+               "F16": "MOSTLY_F16", "F32": "ALL_F32"}
 _MAPS = ("8-bit symmetric -> Q8_0, 5-bit -> Q5_0 (symmetric) / Q5_1, 4-bit -> Q4_0 (symmetric) / Q4_1, all "
-         "per_block 32")
+         "per_block 32 with float16 scales, or a recipe's gguf_type (q4_k, q6_k, iq4_xs, ...)")
 
 
 def gguf_type(e) -> Optional[str]:
@@ -58,6 +61,8 @@ def gguf_type(e) -> Optional[str]:
     spec = e.spec
     if e.tensor != "weight" or spec.granularity is not Granularity.PER_BLOCK or len(spec.shape) != 2:
         return None
+    if spec.ggml is not None:
+        return spec.ggml.name
     if spec.axis_and_block() != (1, BLOCK):
         return None
     return _TYPES.get((spec.bitwidth, spec.symmetric))
@@ -117,6 +122,7 @@ class _Item:
 
 class GgufExporter(Exporter):
     name = "gguf"
+    gguf_types = True
     aimet_json = "never"  # GGUF holds its own quantization (block types and scales)
     lazy_encodings = True
 
@@ -133,7 +139,7 @@ class GgufExporter(Exporter):
 
     def check_quantizers(self, quantizers, options: "GgufExporter.Options") -> None:
         quantizers = list(quantizers)
-        refuse_float_elements(quantizers, "GGUF", "qtool writes its integer block types Q8_0, Q4_0, Q4_1")
+        refuse_float_elements(quantizers, "GGUF", "qtool writes llama.cpp's integer block types")
         acts = [e.name for e in quantizers if e.tensor != "weight"]
         if acts:
             raise EncodingsError(f"GGUF holds weights only (llama.cpp quantizes activations itself): "
@@ -272,6 +278,12 @@ def _tensor_data(item: _Item, src) -> Tuple[np.ndarray, float]:
             out = permute_rows(out, item.heads)
         return out.to(torch.float16 if item.kind == "F16" else torch.float32).contiguous().numpy(), 0.0
     codes = src.codes(e, w)
+    if e.spec.ggml is not None:  # a K-quant / IQ4 type: the grid comes from the sub-block ranges
+        lo, hi = e.range()
+        if item.heads:
+            codes, lo, hi = (permute_rows(t, item.heads) for t in (codes, lo, hi))
+        grid = ggml.grid_from_range(lo, hi, e.spec.ggml)
+        return ggml.pack(codes.to(torch.int32), grid).numpy(), 0.0
     scale, offset = e.scale_offset()
     if item.kind in ("F32", "F16"):  # a fallback: the fake-quant values, as floats
         values = dequantize(codes, scale, offset, block_size=e.block_size)

@@ -656,7 +656,7 @@ class OnnxExporter(Exporter):
                 check_onnx_float(q)
 
     def check(self, encodings: EncodingsFile, options: "OnnxExporter.Options") -> None:
-        self.check_quantizers(encodings.entries, options)
+        self.admit(encodings.entries, options)
         required_opset(encodings)
 
     def write(self, request: ExportRequest, options: "OnnxExporter.Options") -> Dict[str, Any]:

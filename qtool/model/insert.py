@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import Plan, QuantizerPlan
 from ..quant import (DynamicFloatQuantizeDequantize, DynamicQuantizeDequantize, FloatQuantizeDequantize,
-                     QuantizeDequantize, QuantizerBase)
+                     GgmlQuantizeDequantize, QuantizeDequantize, QuantizerBase)
 
 __all__ = ["insert_quantizers", "remove_quantizers", "iter_quantizers", "QuantizedModuleMixin"]
 
@@ -145,6 +145,8 @@ def make_quantizer(q: QuantizerPlan, device=None) -> QuantizerBase:
         return DynamicQuantizeDequantize(q.bitwidth, q.symmetric, per_token=per_token)
     if q.element != "int":
         quantizer = FloatQuantizeDequantize(q.shape, q.element, q.scale_dtype, make_analyzer(q), q.block_size)
+    elif q.spec.ggml is not None:
+        quantizer = GgmlQuantizeDequantize(q.shape, q.spec.ggml, make_analyzer(q), q.block_size)
     else:
         quantizer = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric, encoding_analyzer=make_analyzer(q),
                                        block_size=q.block_size, scale_dtype=q.scale_dtype)

@@ -26,8 +26,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["GgmlType", "GGML_TYPES", "KGrid", "IQ4_TABLE", "ggml_type", "snap", "quantize_codes", "dequantize",
-           "pack", "type_levels"]
+__all__ = ["GgmlType", "GGML_TYPES", "KGrid", "IQ4_TABLE", "ggml_type", "snap", "grid_from_range", "search_range",
+           "quantize_codes", "dequantize", "quantize_dequantize", "pack", "type_levels"]
 
 QK_K = 256
 IQ4_TABLE = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -47,13 +47,11 @@ class GgmlType:
     nbytes: int
     scale_bits: Optional[int] = None
     signed_scales: bool = False  # sub-block scales stored with a bias (Q3_K, IQ4_XS) or as int8 (Q6_K)
-    table: bool = False  # codes index IQ4_TABLE
+    table: bool = False  # code q is IQ4_TABLE[q + 8]
 
     @property
     def qmin_qmax(self) -> Tuple[int, int]:
-        if self.table:
-            return 0, 15
-        if self.symmetric:
+        if self.symmetric:  # IQ4: code q is index q + 8 into IQ4_TABLE
             return -(1 << (self.bits - 1)), (1 << (self.bits - 1)) - 1
         return 0, (1 << self.bits) - 1
 
@@ -113,11 +111,15 @@ def _per_sub(x: torch.Tensor, t: GgmlType) -> torch.Tensor:
 
 def _quantize_scales(s: torch.Tensor, t: GgmlType, levels: int, negative: bool):
     """Small-integer sub-block scales under one float16 super-block scale: ``d`` and the integers ``l`` with
-    ``d·l ≈ s``. ``negative``: ``d`` takes the sign that lets the integers reach ``-levels`` (ggml's trick for
-    signed scales, one more level than the positive side)."""
+    ``d·l ≈ s``. ``negative`` (signed scales): ``d`` takes the sign that sends the scale of largest magnitude to
+    ``-levels`` (ggml's rule: one more level than the positive side)."""
     rows, nsub = s.shape
     per = t.block // t.sub
-    amax = s.reshape(rows, nsub // per, per).amax(-1)
+    blocks = s.reshape(rows, nsub // per, per)
+    if negative:  # the signed scale of largest magnitude takes the integer -levels
+        amax = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    else:
+        amax = blocks.amax(-1)
     d = _f16(amax / (-levels if negative else levels))
     lo, hi = (-levels, levels - 1) if negative else (0, levels)
     safe = torch.where(d == 0, torch.ones_like(d), d)
@@ -127,8 +129,9 @@ def _quantize_scales(s: torch.Tensor, t: GgmlType, levels: int, negative: bool):
 
 
 def snap(step: torch.Tensor, low: Optional[torch.Tensor], t: GgmlType) -> KGrid:
-    """The grid type ``t`` stores for wished-for sub-block steps ``step`` (``[rows, cols / sub]``, ≥ 0) and minima
-    ``low`` (≥ 0, value = step·q − low; ``None`` for a symmetric type).
+    """The grid type ``t`` stores for wished-for sub-block steps ``step`` (``[rows, cols / sub]``; ≥ 0 for a type
+    with minima, signed for the others: a negative step mirrors the grid, which matters for IQ4's lopsided table)
+    and minima ``low`` (≥ 0, value = step·q − low; ``None`` for a symmetric type).
 
     Legacy blocks keep their float16 step. K-quant scales become integers under a float16 super-block ``d``
     chosen from the largest step of the super-block (ggml's rule); minima likewise under ``dmin``. Raises
@@ -160,6 +163,119 @@ def snap(step: torch.Tensor, low: Optional[torch.Tensor], t: GgmlType) -> KGrid:
     return KGrid(t, d, dmin, sc, m, eff, lowq)
 
 
+def grid_from_range(mn: torch.Tensor, mx: torch.Tensor, t: GgmlType) -> KGrid:
+    """The grid of a quantizer whose analyzer chose the sub-block ranges ``[mn, mx]`` (``[rows, cols / sub]``):
+    the wished-for step covers the range (an asymmetric type's minimum is ``-mn``; an IQ4 block's larger end takes
+    the table's ``-127``), then :func:`snap` stores it as the type does."""
+    mn, mx = mn.to(torch.float32), mx.to(torch.float32)
+    qmin, qmax = t.qmin_qmax
+    if t.table:
+        amax = torch.maximum(-mn, mx).clamp_min(0)
+        return snap(torch.where(mx > -mn, -amax, amax) / -IQ4_TABLE[0], None, t)
+    if t.symmetric:
+        return snap(torch.maximum(-mn / -qmin, mx / qmax).clamp_min(0), None, t)
+    low = (-mn).clamp_min(0)
+    return snap(((mx + low) / qmax).clamp_min(0), low, t)
+
+
+def _nearest_table(x: torch.Tensor) -> torch.Tensor:
+    """Per value of ``x`` (in steps), the IQ4 table value nearest it."""
+    table = torch.tensor(IQ4_TABLE, dtype=x.dtype, device=x.device)
+    return table[torch.bucketize(x, (table[1:] + table[:-1]) / 2)]
+
+
+def search_range(rows: torch.Tensor, t: GgmlType, weights: Optional[torch.Tensor] = None, steps: int = 20,
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per sub-block (a row of ``rows`` ``(E, sub)``), the range ``(mn, mx)`` (each ``(E,)``, in the convention of
+    :func:`grid_from_range`) whose step (and minimum) give the least ``weights``-weighted squared error.
+
+    The search is llama.cpp's kind (``make_qkx2_quants`` / ``make_qx_quants``): ``steps + 1`` candidate steps
+    around the one that spans the sub-block, each giving codes by rounding, then the weighted least-squares step
+    (and minimum, kept ≤ 0 as the types store it) for those codes; the min-max range is a candidate too, so the
+    result is never worse than min-max before the sub-block scales are quantized."""
+    x = rows.to(torch.float32)
+    w = torch.ones_like(x) if weights is None else weights.to(torch.float32)
+    qmin, qmax = t.qmin_qmax
+    mn, mx = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
+    deltas = [0.0] + [-1.0 + 2.0 * k / steps for k in range(steps + 1)]
+    best_err = best_step = best_low = None
+    amax = torch.maximum(-mn, mx)
+    if t.table:  # the larger end takes the table's -127
+        sign = torch.where(mx > -mn, -1.0, 1.0)
+    for delta in deltas:
+        if t.table:
+            step = sign * amax / (-IQ4_TABLE[0] + 8 * delta)
+            safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
+            v = _nearest_table(x / safe)
+            low = torch.zeros_like(step)
+        elif t.symmetric:
+            step = amax / (-qmin + delta)
+            safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
+            v = torch.round(x / safe).clamp(qmin, qmax)
+            low = torch.zeros_like(step)
+        else:
+            step = (mx - mn) / (qmax + delta)
+            safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
+            v = torch.round((x - mn[:, None]) / safe).clamp(0, qmax)
+            low = -mn
+        if delta != 0.0 or deltas.index(delta) != 0:  # refit the step (and minimum) to these codes
+            step, low = _least_squares(x, w, v, t.symmetric or t.table, step, low)
+        err = _grid_error(x, w, step, low, t)
+        if best_err is None:
+            best_err, best_step, best_low = err, step, low
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_step, best_low = torch.where(better, step, best_step), torch.where(better, low, best_low)
+    if t.table:
+        a = best_step.abs()
+        return torch.where(best_step < 0, IQ4_TABLE[-1] * -a, IQ4_TABLE[0] * a), torch.where(
+            best_step < 0, -IQ4_TABLE[0] * a, IQ4_TABLE[-1] * a)
+    if t.symmetric:
+        return qmin * best_step, qmax * best_step
+    return -best_low, qmax * best_step - best_low
+
+
+def _least_squares(x, w, v, symmetric: bool, step, low):
+    """The weighted least-squares step (and minimum ≥ 0, value = step·v − low) for codes ``v``; rows where it is
+    degenerate keep ``step``/``low``."""
+    sw, sv, sx = w.sum(1), (w * v).sum(1), (w * x).sum(1)
+    svv, sxv = (w * v * v).sum(1), (w * x * v).sum(1)
+    if symmetric:
+        ok = svv > 0
+        return torch.where(ok, sxv / torch.where(ok, svv, torch.ones_like(svv)), step), low
+    det = sw * svv - sv * sv
+    ok = det > 0
+    safe = torch.where(ok, det, torch.ones_like(det))
+    new_step = (sw * sxv - sx * sv) / safe
+    new_low = -(svv * sx - sv * sxv) / safe  # the minimum is -low
+    # a minimum above zero is not stored: refit the step alone with low = 0
+    pos = new_low < 0
+    alone = sxv / torch.where(svv > 0, svv, torch.ones_like(svv))
+    new_step = torch.where(pos, alone, new_step)
+    new_low = torch.where(pos, torch.zeros_like(new_low), new_low)
+    ok = ok & (new_step > 0)
+    return torch.where(ok, new_step, step), torch.where(ok, new_low, low)
+
+
+def _grid_error(x, w, step, low, t: GgmlType):
+    """Weighted squared error of rounding ``x`` to the nearest value of the (unquantized) grid ``step``/``low``."""
+    qmin, qmax = t.qmin_qmax
+    safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
+    if t.table:
+        values = _nearest_table(x / safe) * step[:, None]
+    else:
+        values = torch.round((x + low[:, None]) / safe).clamp(qmin, qmax) * step[:, None] - low[:, None]
+    values = torch.where(step[:, None] == 0, torch.zeros_like(values) - low[:, None], values)
+    d = values - x
+    return (w * d * d).sum(1)
+
+
+def quantize_dequantize(w: torch.Tensor, grid: KGrid) -> torch.Tensor:
+    """``dequantize(quantize_codes(w))``: the weight llama.cpp computes with, float32."""
+    return dequantize(quantize_codes(w, grid), grid)
+
+
 def _sub_view(x: torch.Tensor, sub: int) -> torch.Tensor:
     rows, cols = x.shape
     return x.reshape(rows, cols // sub, sub)
@@ -180,15 +296,15 @@ def type_levels(grid: KGrid) -> torch.Tensor:
 
 
 def quantize_codes(w: torch.Tensor, grid: KGrid) -> torch.Tensor:
-    """Round-to-nearest codes of ``w`` (``[rows, cols]``) on ``grid``: ``int32``, signed for a symmetric type,
-    indices into ``IQ4_TABLE`` for the IQ4 types."""
+    """Round-to-nearest codes of ``w`` (``[rows, cols]``) on ``grid``: ``int32``, signed for a symmetric type
+    (for the IQ4 types ``q`` stands for ``IQ4_TABLE[q + 8]``)."""
     t = grid.type
     x = _sub_view(w.to(torch.float32), t.sub)
     qmin, qmax = t.qmin_qmax
     if t.table:
         levels = type_levels(grid)
         idx = (x.unsqueeze(-1) - levels.unsqueeze(-2)).abs().argmin(-1)
-        return idx.reshape(w.shape).to(torch.int32)
+        return (idx - 8).reshape(w.shape).to(torch.int32)
     step = grid.step.unsqueeze(-1)
     safe = torch.where(step == 0, torch.ones_like(step), step)
     q = torch.round((x + grid.low.unsqueeze(-1)) / safe).clamp(qmin, qmax)
@@ -202,7 +318,7 @@ def dequantize(codes: torch.Tensor, grid: KGrid) -> torch.Tensor:
     q = _sub_view(codes, t.sub)
     step = grid.step.unsqueeze(-1)
     if t.table:
-        out = step * _table(codes.device)[q.long()]
+        out = step * _table(codes.device)[q.long() + 8]
     elif t.symmetric:
         out = step * q.to(torch.float32)
     else:
@@ -255,7 +371,7 @@ def pack(codes: torch.Tensor, grid: KGrid) -> torch.Tensor:
     rows, cols = codes.shape
     nb = cols // t.block
     qmin, _ = t.qmin_qmax
-    u = (codes.to(torch.int32) - (0 if t.table else qmin)).reshape(rows, nb, t.block)
+    u = (codes.to(torch.int32) - qmin).reshape(rows, nb, t.block)
     d = _half_bytes(grid.d.reshape(rows, nb))
     per = t.block // t.sub
     if t.name == "IQ4_NL":

@@ -31,10 +31,13 @@ from .affine import (
 from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer, MseEncodingAnalyzer
 from .floatgrid import (dynamic_float_scales, element_of, encoding_scales, float_quantize_dequantize,
                         global_scale, search_amax)
+from .ggml import GgmlType, KGrid, grid_from_range, search_range
+from .ggml import quantize_dequantize as ggml_quantize_dequantize
 from .tensor import AffineEncoding, DequantizedTensor, QuantizedTensor
 
 __all__ = ["QuantizerBase", "QuantizeDequantize", "Quantize", "DynamicQuantizeDequantize",
-           "FloatQuantizeDequantize", "DynamicFloatQuantizeDequantize", "UninitializedQuantizerError"]
+           "FloatQuantizeDequantize", "DynamicFloatQuantizeDequantize", "GgmlQuantizeDequantize",
+           "UninitializedQuantizerError"]
 
 
 class UninitializedQuantizerError(RuntimeError):
@@ -367,3 +370,47 @@ class DynamicFloatQuantizeDequantize(DynamicQuantizeDequantize):
     def extra_repr(self) -> str:
         block = f" {self.block}" if self.block else ""
         return f"element={self.element.name}, {self.granularity}{block}, scale_dtype={self.scale_dtype}, dynamic"
+
+
+class GgmlQuantizeDequantize(QuantizerBase):
+    """Fake quantization on one of llama.cpp's K-quant or IQ4 block types (``quant.ggml``): the stored range is
+    each sub-block's ``[min, max]`` as the analyzer chose it, and the grid is what the type stores for it (sub-block
+    scales quantized under float16 super-block scales), derived on every call. Returns a plain tensor in ``x``'s
+    dtype equal to what llama.cpp dequantizes from the file."""
+
+    def __init__(self, shape: Sequence[int], gtype: GgmlType, encoding_analyzer: Optional[EncodingAnalyzer] = None,
+                 block_size: Optional[Sequence[int]] = None):
+        super().__init__(shape, gtype.bits, gtype.symmetric, encoding_analyzer, block_size)
+        self.ggml = gtype
+        self.scale_dtype = gtype.name.lower()
+
+    def grid(self, mn: Optional[torch.Tensor] = None, mx: Optional[torch.Tensor] = None) -> KGrid:
+        if mn is None:
+            self._require_initialized()
+            mn, mx = self.min.detach(), self.max.detach()
+        return grid_from_range(mn.detach(), mx.detach(), self.ggml)
+
+    def _scale_offset(self, mn: torch.Tensor, mx: torch.Tensor):
+        g = self.grid(mn, mx)
+        step = g.step.reshape(self.shape)
+        safe = torch.where(step == 0, torch.ones_like(step), step)
+        return step, -g.low.reshape(self.shape) / safe
+
+    def _calibrated_range(self):
+        """The analyzer's range; with the MSE analyzer, each sub-block's least-error step (and minimum) from
+        ``ggml.search_range`` (llama.cpp's kind of search, weighted by activations when the analyzer is)."""
+        if not isinstance(self.encoding_analyzer, MseEncodingAnalyzer):
+            return super()._calibrated_range()
+        stats = self.encoding_analyzer.statistics()
+        mn, mx = search_range(stats.rows, self.ggml, stats.weights)
+        return mn.reshape(self.shape), mx.reshape(self.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return x
+        x = x.as_subclass(torch.Tensor)
+        mn, mx = self._range_for_call(x)
+        return ggml_quantize_dequantize(x.to(torch.float32), self.grid(mn, mx)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}, gguf_type={self.ggml.name}, block_size={self.block_size}"

@@ -12,8 +12,9 @@ import enum
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-from ..choices import ELEMENT_NAMES, FLOAT_SCALE_DTYPES, check_element, check_scale_dtype
+from ..choices import ELEMENT_NAMES, FLOAT_SCALE_DTYPES, GGML_SCALE_DTYPES, check_element, check_scale_dtype
 from .affine import grid
+from .ggml import GGML_TYPES, GgmlType
 
 __all__ = ["Granularity", "QuantSpec", "axis_and_block", "check_element", "ELEMENT_NAMES", "FLOAT_SCALE_DTYPES",
            "MIN_BITWIDTH", "MAX_BITWIDTH"]
@@ -115,11 +116,25 @@ class QuantSpec:
             axis_and_block(self.granularity, shape, self.block_size)
         elif self.granularity is Granularity.PER_TENSOR and shape and any(d != 1 for d in shape):
             raise ValueError(f"a per_tensor encoding has one element (got shape {list(shape)})")
+        t = self.ggml
+        if t is not None:
+            if self.dynamic or self.granularity is not Granularity.PER_BLOCK or len(shape) != 2 \
+                    or self.block_size != (1, t.sub):
+                raise ValueError(f"GGUF's {t.name} is a weight grid of blocks of {t.sub} along the input dimension "
+                                 f"(block_size {t.sub}, per_block, 2-D weights)")
+            if (shape[1] * t.sub) % t.block:
+                raise ValueError(f"GGUF's {t.name} needs rows of whole {t.block}-element super-blocks (got "
+                                 f"{shape[1] * t.sub} columns)")
 
     @property
     def is_float(self) -> bool:
         """True for a float element grid (FP8, FP4; see ``quant.floatgrid``)."""
         return self.element != "int"
+
+    @property
+    def ggml(self) -> Optional[GgmlType]:
+        """The GGUF K-quant or IQ4 type whose grid this is (``quant.ggml``), or None."""
+        return GGML_TYPES[self.scale_dtype.upper()] if self.scale_dtype in GGML_SCALE_DTYPES else None
 
     @property
     def qmin_qmax(self) -> Tuple[int, int]:
@@ -138,6 +153,8 @@ class QuantSpec:
         return not self.dynamic or self.scale_dtype == "fp8_e4m3"
 
     def describe(self) -> str:
+        if self.ggml is not None:
+            return f"GGUF {self.ggml.name} {_describe_layout(self)}"
         if self.is_float:
             scale = "" if self.scale_dtype == "float32" else f", {self.scale_dtype} scales"
             return f"{self.element} {_describe_layout(self)}{scale}"

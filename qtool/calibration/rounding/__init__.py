@@ -24,6 +24,7 @@ from ...errors import DataError
 from ...quant import QuantizerBase
 from ...parallel import Group, assign
 from ...quant.affine import dequantize
+from ...quant import ggml
 from ...quant.floatgrid import float_dequantize
 from .conv import CONV_TYPES, ConvCall, capture_conv_input, flat_weight, patch_rows
 from .adaround import adaround_codes
@@ -232,8 +233,8 @@ def _codes(q: QuantizerPlan, modules, quantizers, stats) -> torch.Tensor:
     s = stats[q.module]
     args = dict(q.rounding_args)
     algorithm = adaround_codes if q.rounding == "adaround" else gptq_codes
-    element = getattr(quantizer, "element", None)
-    if element is not None:  # a float grid (GPTQ only: the recipe refuses AdaRound there)
+    element = getattr(quantizer, "element", None) or getattr(quantizer, "ggml", None)
+    if element is not None:  # a float or GGUF grid (GPTQ only: the recipe refuses AdaRound there)
         args["element"] = element
     try:
         if not s.groups:
@@ -254,6 +255,9 @@ def _write_back(q: QuantizerPlan, modules, quantizer: QuantizerBase, codes: torc
     scale, offset = quantizer.get_scale().detach(), quantizer.get_offset().detach()
     element = getattr(quantizer, "element", None)
     with torch.no_grad():
+        if getattr(quantizer, "ggml", None) is not None:
+            w.copy_(ggml.dequantize(codes.to(w.device, torch.int32), quantizer.grid()).to(w.dtype))
+            return
         if element is not None:
             w.copy_(float_dequantize(codes.to(w.device), scale.to(w.device), element, q.block_size).to(w.dtype))
             return

@@ -21,12 +21,15 @@ greedy, and on small layers a row can come out worse. So a layer's output error 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
 from ...quant.affine import blocked_shapes, dequantize, quantize
 from ...quant.floatgrid import FloatElement
+from ...quant.ggml import IQ4_TABLE, GgmlType
+
+Grid = Union[FloatElement, GgmlType]  # a grid other than AIMET's integers
 
 __all__ = ["gptq_codes", "expand_encoding", "as_problems", "keep_better_rows"]
 
@@ -44,7 +47,7 @@ def expand_encoding(t: torch.Tensor, weight_shape: Sequence[int], block_size: Op
 def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                qmin: int, qmax: int, block_size: Optional[Sequence[int]] = None, *, block_columns: int = 128,
                dampening: float = 0.01, act_order: bool = True,
-               element: Optional[FloatElement] = None) -> torch.Tensor:
+               element: Optional[Grid] = None) -> torch.Tensor:
     """GPTQ codes (int64, the weight's shape) for ``weight`` ``(out, in)`` on the grid ``scale``/``offset`` (in the
     encoding's shape with ``block_size``, as :func:`qtool.quant.affine.quantize` takes them).
 
@@ -54,7 +57,9 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     decreasing ``H_jj`` (the grid stays the analyzer's, so this changes codes, never scales).
 
     ``element``: a float element grid (``quant.floatgrid``; ``scale`` is then the effective scale and ``offset``
-    zero): each column rounds to the nearest element value, and the codes returned are the element's codes.
+    zero): each column rounds to the nearest element value, and the codes returned are the element's codes. A
+    GGUF type (``quant.ggml.GgmlType``; ``scale`` the effective sub-block steps, ``offset`` the minima in steps):
+    each column rounds to the nearest value of its sub-block's grid.
 
     A batch of independent problems runs at once: ``weight`` ``(groups, out, in)`` with ``hessian``
     ``(groups, in, in)`` and ``scale``/``offset`` per element ``(groups, out, in)`` (a grouped convolution's rows,
@@ -90,7 +95,7 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
             # quantize / dequantize's own float32 steps, inline: this loop runs once per input column
             q = _levels(w, s, o, qmin, qmax, element)
             codes[:, :, i1 + i] = q
-            err = (w - (q + o) * s) / U1[:, i, i][:, None]
+            err = (w - _value(q, s, o, element)) / U1[:, i, i][:, None]
             W1[:, :, i:] -= err[:, :, None] * U1[:, i, i:][:, None, :]
             E1[:, :, i] = err
         W[:, :, i2:] -= E1 @ U[:, i1:i2, i2:]
@@ -102,12 +107,26 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
 
 
 def _levels(w: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: int,
-            element: Optional[FloatElement]) -> torch.Tensor:
+            element: Optional[Grid]) -> torch.Tensor:
     """The grid level nearest ``w`` whose value is ``(level + o) * s``: an integer code, or a float element's value
-    (``o`` is then 0), exactly as the fake-quant forward rounds."""
+    (``o`` is then 0), exactly as the fake-quant forward rounds. A GGUF type's ``o`` is its minimum in steps (not
+    an integer for Q4_K), and an IQ4 code ``q`` stands for the table value ``IQ4_TABLE[q + 8]``."""
     if element is None:
         return torch.round(w / s).sub_(o).clamp_(qmin, qmax)
+    if isinstance(element, GgmlType):
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        if element.table:
+            table = torch.tensor(IQ4_TABLE, dtype=w.dtype, device=w.device)
+            return (torch.bucketize(w / safe, (table[1:] + table[:-1]) / 2) - 8).to(w.dtype)
+        return torch.round(w / safe - o).clamp_(qmin, qmax)
     return element.round(torch.clamp(w / s, -element.max, element.max))
+
+
+def _value(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, element: Optional[Grid]) -> torch.Tensor:
+    """What level ``q`` (from :func:`_levels`) stands for."""
+    if isinstance(element, GgmlType) and element.table:
+        return torch.tensor(IQ4_TABLE, dtype=s.dtype, device=s.device)[q.long() + 8] * s
+    return (q + o) * s
 
 
 def as_problems(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
@@ -132,7 +151,7 @@ def as_problems(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor
 
 def keep_better_rows(weight: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                      offset: torch.Tensor, qmin: int, qmax: int, block_size,
-                     element: Optional[FloatElement] = None) -> torch.Tensor:
+                     element: Optional[Grid] = None) -> torch.Tensor:
     """A batch of codes (from :func:`as_problems`' shapes) back in the weight's shape, each output row keeping them
     or round-to-nearest's, whichever has the smaller ``d H dᵀ`` on the calibration inputs. For a float
     ``element`` ``codes`` holds element values (grid levels), and the result is the element's codes."""
@@ -144,6 +163,12 @@ def keep_better_rows(weight: torch.Tensor, H: torch.Tensor, codes: torch.Tensor,
         codes, H = codes[0], H[0]
         S, O = scale.to(dev, torch.float32), offset.to(dev, torch.float32)
     W = weight.detach().to(torch.float32)
+    if isinstance(element, GgmlType):  # a GGUF type: codes are integers, values from the type's own rule
+        if weight.dim() == 2:
+            S, O = expand_encoding(S, W.shape, block_size), expand_encoding(O, W.shape, block_size)
+        rtn = _levels(W, S, O, qmin, qmax, element)
+        keep = _row_error(W, H, _value(codes, S, O, element)) <= _row_error(W, H, _value(rtn, S, O, element))
+        return torch.where(keep[..., None], codes, rtn).to(torch.int64)
     if element is not None:  # levels are element values: compare per element, on the expanded scales
         S = expand_encoding(S, W.shape, block_size) if weight.dim() == 2 else S
         rtn = _levels(W, S, torch.zeros_like(S), qmin, qmax, element)
