@@ -32,17 +32,15 @@ def check_device(value: str) -> str:
 
 
 SCALE_DTYPES = ("float32", "float16")
-# llama.cpp's block types by recipe name (``gguf_type``): (bitwidth, symmetric, block length, scale_dtype). The
-# legacy ones are integer grids with float16 scales; the K-quants and IQ4 types name their own scale_dtype (sub-block
-# scales quantized the way the type stores them, ``qtool.quant.ggml``).
+# llama.cpp's block types by recipe name (``gguf_type``): (bitwidth, symmetric, block length). Each names its own
+# scale_dtype: the grid is what the type stores (float16 block scales, signed, and minima; K-quant sub-block scales
+# quantized under float16 super-block scales; ``qtool.quant.ggml``).
 GGUF_TYPES = {
-    "q8_0": (8, True, 32, "float16"), "q5_0": (5, True, 32, "float16"), "q5_1": (5, False, 32, "float16"),
-    "q4_0": (4, True, 32, "float16"), "q4_1": (4, False, 32, "float16"),
-    "q6_k": (6, True, 16, "q6_k"), "q5_k": (5, False, 32, "q5_k"), "q4_k": (4, False, 32, "q4_k"),
-    "q3_k": (3, True, 16, "q3_k"), "q2_k": (2, False, 16, "q2_k"),
-    "iq4_nl": (4, True, 32, "iq4_nl"), "iq4_xs": (4, True, 32, "iq4_xs"),
+    "q8_0": (8, True, 32), "q5_0": (5, True, 32), "q5_1": (5, False, 32), "q4_0": (4, True, 32),
+    "q4_1": (4, False, 32), "q6_k": (6, True, 16), "q5_k": (5, False, 32), "q4_k": (4, False, 32),
+    "q3_k": (3, True, 16), "q2_k": (2, False, 16), "iq4_nl": (4, True, 32), "iq4_xs": (4, True, 32),
 }
-GGML_SCALE_DTYPES = ("q6_k", "q5_k", "q4_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs")
+GGML_SCALE_DTYPES = tuple(GGUF_TYPES)
 # llama-quantize's fallback for a row that is not a whole number of 256-element super-blocks (llama.cpp's
 # tensor_type_fallback; builds before 2026 sent Q2_K/Q3_K to IQ4_NL)
 SUPER_BLOCK_FALLBACK = {"q6_k": "q8_0", "q5_k": "q5_1", "q4_k": "q5_0", "q3_k": "q4_0", "q2_k": "q4_0",
@@ -57,7 +55,7 @@ def check_scale_dtype(scale_dtype: str, bitwidth: int, symmetric: bool) -> None:
     search of 16 float16 steps either side always finds for 5 bits or fewer (GGUF's Q5_1).
     """
     if scale_dtype in GGML_SCALE_DTYPES:
-        bits, sym, block, _ = GGUF_TYPES[scale_dtype]
+        bits, sym, block = GGUF_TYPES[scale_dtype]
         if (bitwidth, symmetric) != (bits, sym):
             raise ValueError(f"scale_dtype {scale_dtype} is GGUF's {scale_dtype.upper()}: {bits}-bit "
                              f"{'symmetric' if sym else 'asymmetric'} blocks of {block} (write gguf_type: {scale_dtype})")

@@ -782,6 +782,9 @@ def _recipe_text(recipe: str, json_out: bool) -> None:
     con.print(_esc(f"recipe: {path}"))
     if description:
         con.print(_esc(description))
+    if info["gguf_mix"]:
+        con.print(_esc(f"gguf_mix: {info['gguf_mix']} (each weight's GGUF type as llama-quantize chooses it; the "
+                       "weights defaults below say how its codes are chosen)"))
     con.print(_esc(yaml.safe_dump({k: info[k] for k in ("defaults", "layers", "ignore", "smoothquant",
                                                         "fold_batch_norms", "kv_cache")
                                    if info[k] not in (None, [], False)}, sort_keys=False, width=110).rstrip()))

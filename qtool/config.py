@@ -152,9 +152,9 @@ class _Spec(BaseModel):
     analyzer: AnalyzerSpec = AnalyzerSpec()
     # float16: scales rounded to float16 values when calibrated (GGUF stores them so; see docs/recipes.md);
     # e8m0 (MX) and fp8_e4m3 (NVFP4, under a float32 global scale): block scales of a float element
-    # q2_k … q6_k, iq4_nl, iq4_xs: GGUF's block types (set by gguf_type; sub-block scales stored as the type does)
-    scale_dtype: Literal["float32", "float16", "e8m0", "fp8_e4m3", "q6_k", "q5_k", "q4_k", "q3_k", "q2_k", "iq4_nl",
-                         "iq4_xs"] = "float32"
+    # q8_0 … q4_1, q6_k … q2_k, iq4_nl, iq4_xs: GGUF's block types (set by gguf_type; scales stored as the type does)
+    scale_dtype: Literal["float32", "float16", "e8m0", "fp8_e4m3", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1", "q6_k",
+                         "q5_k", "q4_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs"] = "float32"
     # the grid's values: integers (bitwidth, symmetric) or a float type (FP8 E4M3, FP4 E2M1; see docs/recipes.md)
     element: Literal["int", "fp8_e4m3", "fp4_e2m1"] = "int"
 
@@ -228,9 +228,9 @@ class WeightSpec(_Spec):
     def _gguf_type_implies(cls, data):
         """A GGUF type fixes the grid; what the recipe writes beside it must agree."""
         if isinstance(data, dict) and isinstance(data.get("gguf_type"), str) and data["gguf_type"] in GGUF_TYPES:
-            bits, sym, block, scale_dtype = GGUF_TYPES[data["gguf_type"]]
+            bits, sym, block = GGUF_TYPES[data["gguf_type"]]
             implied = {"bitwidth": bits, "symmetric": sym, "granularity": "per_block", "block_size": block,
-                       "scale_dtype": scale_dtype, "element": "int"}
+                       "scale_dtype": data["gguf_type"], "element": "int"}
             wrong = [k for k, v in implied.items() if k in data and data[k] != v]
             if wrong:
                 raise ValueError(f"gguf_type {data['gguf_type']} sets {wrong[0]} to {implied[wrong[0]]} (got "
@@ -372,6 +372,16 @@ class Recipe(BaseModel):
     # fold each BatchNorm into the convolution before it, before anything is calibrated (AIMET's fold_all_batch_norms)
     fold_batch_norms: StrictBool = False
     kv_cache: Optional[KvCacheSpec] = None  # static FP8 scales for attention keys and values
+    # llama-quantize's mix (q4_k_m, q3_k_m, ...): each weight's GGUF type as llama.cpp chooses it for a Llama-family
+    # model (qtool.gguf_mixes); defaults.weights says how codes are chosen, layers rules still override
+    gguf_mix: Optional[Literal["q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
+                               "iq4_xs", "iq4_nl", "q4_0", "q5_0", "q8_0"]] = None
+
+    @model_validator(mode="after")
+    def _mix_takes_weights(self):
+        if self.gguf_mix is not None and self.defaults.weights is None:
+            raise ValueError(f"gguf_mix {self.gguf_mix} quantizes weights: defaults.weights cannot be null")
+        return self
 
     @field_validator("ignore")
     @classmethod
@@ -677,6 +687,8 @@ def spec_label(spec: Optional[_Spec]) -> str:
     if spec is None:
         return "float"
     kind = ("int" if spec.symmetric else "uint") + str(spec.bitwidth) if spec.element == "int" else spec.element
+    if getattr(spec, "gguf_type", None) or spec.scale_dtype in GGML_SCALE_DTYPES:
+        kind = f"GGUF {(getattr(spec, 'gguf_type', None) or spec.scale_dtype).upper()}"
     gran = spec.granularity + (f" {spec.block_size}" if spec.block_size else "")
     extra = [" dynamic" if getattr(spec, "dynamic", False) else "",
              f" {spec.scale_dtype} scales" if spec.element != "int" and spec.scale_dtype != "float32" else ""]
@@ -699,6 +711,7 @@ def describe_recipe(recipe: Recipe) -> Dict[str, Any]:
         "smoothquant": None if recipe.smoothquant is None else recipe.smoothquant.model_dump(mode="json"),
         "fold_batch_norms": recipe.fold_batch_norms,
         "kv_cache": None if recipe.kv_cache is None else recipe.kv_cache.model_dump(mode="json"),
+        "gguf_mix": recipe.gguf_mix,
         "needs_data": recipe_needs_data(recipe),
     }
 
@@ -879,6 +892,53 @@ def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str)
     return shape, (1, b) + (-1,) * (len(shp) - 2)
 
 
+class _Mix:
+    """A recipe's ``gguf_mix`` on one model: the GGUF type of each weight, as llama-quantize chooses it."""
+
+    def __init__(self, recipe: Recipe, model: "nn.Module", source: str):
+        from torch import nn
+
+        from .gguf_mixes import tensor_role
+
+        self.recipe, self.name = recipe, recipe.gguf_mix
+        modules = dict(model.named_modules())
+        layers = {layer for n in modules for role, layer in [tensor_role(n)] if role == "attn_v"}
+        if not layers:
+            raise ConfigError(f"{source}: gguf_mix {self.name}: the model has no Llama-family decoder layers "
+                              "(model.layers.N.self_attn.v_proj); llama-quantize's mixes are defined for those")
+        self.n_layers = max(layers) + 1
+        q = next(m for n, m in modules.items() if tensor_role(n) == ("attn_q", min(layers)))
+        k = next(m for n, m in modules.items() if tensor_role(n) == ("attn_k", min(layers)))
+        self.n_gqa = q.out_features // max(1, k.out_features) if isinstance(q, nn.Linear) else 1
+        embed = next((m for n, m in modules.items() if tensor_role(n)[0] == "token_embd"), None)
+        head = next((m for n, m in modules.items() if tensor_role(n)[0] == "output"), None)
+        self.tied = embed is not None and (head is None or head.weight is embed.weight)
+        w = recipe.defaults.weights
+        self.has_imatrix = w.rounding.name == "gptq" or w.analyzer.kwargs().get("weighting") == "activations"
+        self.embed_spec: Optional[WeightSpec] = None
+
+    def spec(self, name: str, module: "nn.Module", base: WeightSpec) -> WeightSpec:
+        from .gguf_mixes import mix_type, tensor_role
+
+        role, layer = tensor_role(name)
+        if self.tied and role == "output" and self.embed_spec is not None:
+            # the embedding table is the output layer: quantized once, so the file holds one tensor for both
+            return self.embed_spec
+        if self.tied and role == "token_embd":
+            role = "output"
+        w = getattr(module, "weight", None)
+        width = int(w.shape[1]) if w is not None and w.dim() == 2 else 0
+        gguf_type = mix_type(self.name, role, layer, self.n_layers, self.n_gqa, width, self.has_imatrix)
+        spec = _merge(base, {"gguf_type": gguf_type}, WeightSpec, f"gguf_mix {self.name}")
+        if self.tied and tensor_role(name)[0] == "token_embd":
+            self.embed_spec = spec.model_copy(update={"rounding": RoundingSpec()})
+            if spec.analyzer.kwargs().get("weighting") == "activations":
+                args = {k: v for k, v in spec.analyzer.kwargs().items() if k != "weighting"}
+                self.embed_spec = self.embed_spec.model_copy(
+                    update={"analyzer": AnalyzerSpec(name=spec.analyzer.name, **args)})
+        return spec
+
+
 def _super_block_fallback(module: "nn.Module", spec: WeightSpec, counts: Dict[Tuple[str, str], int]) -> WeightSpec:
     """``spec``, or the type llama-quantize falls back to when ``module``'s rows are not whole 256-element
     super-blocks of its K-quant type (Q4_K -> Q5_0, Q6_K -> Q8_0, ...; counted in ``counts``)."""
@@ -887,9 +947,9 @@ def _super_block_fallback(module: "nn.Module", spec: WeightSpec, counts: Dict[Tu
         return spec
     was, now = spec.scale_dtype, SUPER_BLOCK_FALLBACK[spec.scale_dtype]
     counts[(was.upper(), now.upper())] = counts.get((was.upper(), now.upper()), 0) + 1
-    bits, sym, block, scale_dtype = GGUF_TYPES[now]
+    bits, sym, block = GGUF_TYPES[now]
     return spec.model_copy(update={"gguf_type": now, "bitwidth": bits, "symmetric": sym, "block_size": block,
-                                   "scale_dtype": scale_dtype})
+                                   "scale_dtype": now})
 
 
 def _type_names(module: "nn.Module") -> Tuple[str, ...]:
@@ -910,6 +970,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     plan = Plan()
     used = [False] * len(recipe.layers)
     fallbacks: Dict[Tuple[str, str], int] = {}  # (K-quant type, its fallback) -> weights
+    mix = _Mix(recipe, model, source) if recipe.gguf_mix is not None else None
     named = [(n, m) for n, m in model.named_modules() if n]
     # torch.export modules keep only parameters in plain submodules; their classes come from graph metadata
     exported_types = getattr(model, "qtool_module_types", None) or {}
@@ -921,6 +982,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         w_cand = any(t in DEFAULT_WEIGHT_TYPES for t in tnames)
         a_cand = any(t in DEFAULT_ACTIVATION_TYPES for t in tnames)
         w_spec = recipe.defaults.weights if w_cand else None
+        if w_spec is not None and mix is not None:
+            w_spec = mix.spec(name, module, w_spec)
         a_spec = recipe.defaults.activations if a_cand else None
         rule_w = rule_a = None
         for i, rule in enumerate(recipe.layers):

@@ -44,6 +44,8 @@ def grid_summary(entries) -> List[Dict[str, Any]]:
         gran = spec.granularity.value + (" " + "x".join(str(b) for b in length) if length else "")
         scales = f", {spec.scale_dtype} scales" if spec.scale_dtype != "float32" else ""
         label = f"{kind} {gran}{scales}" + (", dynamic" if spec.dynamic else "")
+        if spec.ggml is not None:
+            label = f"GGUF {spec.ggml.name} ({spec.ggml.bits_per_weight:g} bits per weight)"
         key = ("weight" if e.tensor == "weight" else "activation", label)
         counts[key] = counts.get(key, 0) + 1
     return [{"tensor": t, "grid": g, "quantizers": n} for (t, g), n in sorted(counts.items())]

@@ -19,11 +19,11 @@ def _wished(w: torch.Tensor, t: ggml.GgmlType):
     """Per-sub-block steps and minima from the sub-block's range (what a min-max analyzer would give)."""
     x = w.reshape(w.shape[0], -1, t.sub)
     qmin, qmax = t.qmin_qmax
-    if t.table:  # the larger end of the range takes the table's -127 (a negative step when it is positive)
-        sign = torch.where(x.amax(-1) > -x.amin(-1), -1.0, 1.0)
+    sign = torch.where(x.amax(-1) > -x.amin(-1), -1.0, 1.0)  # the larger end takes the most negative code
+    if t.table:
         return sign * x.abs().amax(-1) / 127, None
     if t.symmetric:
-        return x.abs().amax(-1) / -qmin, None
+        return sign * x.abs().amax(-1) / -qmin, None
     mn = x.amin(-1).clamp(max=0)
     return (x.amax(-1) - mn) / qmax, -mn
 
@@ -79,7 +79,7 @@ def test_snapped_grid_is_close_to_the_wished_one_and_rounds_to_nearest(name):
     grid = ggml.snap(step, low, t)
     big = step.abs() >= step.abs().amax() / 4  # small sub-block scales lose relative precision when quantized
     if t.scale_bits is None:
-        tol = 1e-3  # one float16 scale
+        tol = 1e-3  # one float16 scale (and minimum)
     else:  # half a step of the integer scale, at a quarter of the super-block's largest
         levels = 1 << (t.scale_bits - 1) if t.signed_scales else (1 << t.scale_bits) - 1
         tol = 2 / levels + 1e-3

@@ -17,7 +17,7 @@ LAYERS = [
     ("pipeline",),
     ("calibration", "export", "report", "inspect"),
     ("model",),
-    ("config", "encodings", "aimet_format", "data", "weights"),
+    ("config", "gguf_mixes", "encodings", "aimet_format", "data", "weights"),
     ("io", "quant", "hooks", "choices", "parallel"),
     ("errors",),
 ]

@@ -1,7 +1,7 @@
 """llama.cpp's block types as grids: pure tensor functions for the K-quants (Q2_K … Q6_K) and the IQ4 types.
 
 A GGUF weight row is cut into blocks along its input dimension. A legacy block (Q4_0 … Q8_0, IQ4_NL) is 32
-elements with one float16 scale. A K-quant super-block is 256 elements with float16 ``d`` (and ``dmin`` where
+elements with one float16 scale ``d`` (and float16 minimum ``m`` for Q4_1/Q5_1: value ``q·d + m``). A K-quant super-block is 256 elements with float16 ``d`` (and ``dmin`` where
 the grid has a minimum) and one small-integer scale (and minimum) per sub-block of 16 or 32 elements, so the
 grid a weight sees exists only once the sub-block scales are themselves quantized::
 
@@ -65,6 +65,11 @@ class GgmlType:
 
 
 GGML_TYPES: Dict[str, GgmlType] = {t.name: t for t in (
+    GgmlType("Q8_0", 8, True, 32, 32, 34),
+    GgmlType("Q5_0", 5, True, 32, 32, 22),
+    GgmlType("Q5_1", 5, False, 32, 32, 24),
+    GgmlType("Q4_0", 4, True, 32, 32, 18),
+    GgmlType("Q4_1", 4, False, 32, 32, 20),
     GgmlType("Q2_K", 2, False, 16, QK_K, 84, scale_bits=4),
     GgmlType("Q3_K", 3, True, 16, QK_K, 110, scale_bits=6, signed_scales=True),
     GgmlType("Q4_K", 4, False, 32, QK_K, 144, scale_bits=6),
@@ -86,8 +91,9 @@ def ggml_type(name: str) -> GgmlType:
 class KGrid:
     """The stored scales of a ``[rows, cols]`` weight in one type, and the exact grid they make.
 
-    ``d`` / ``dmin``: ``[rows, cols / block]`` float32 holding float16 values; ``sc`` / ``m``: ``[rows, cols / sub]``
-    stored integers (``sc`` as stored, bias included; ``None`` for a type with one float scale per block);
+    ``d`` / ``dmin``: ``[rows, cols / block]`` float32 holding float16 values (a legacy Q4_1/Q5_1 block's ``dmin``
+    is its minimum ``m``); ``sc`` / ``m``: ``[rows, cols / sub]`` stored integers (``sc`` as stored, bias included;
+    ``None`` for a type with one float scale per block);
     ``step`` / ``low``: ``[rows, cols / sub]`` float32, the effective step ``d·sc`` (``d·(sc−bias)``) and minimum
     ``dmin·m`` as ggml computes them (``low`` is zero for a symmetric type)."""
 
@@ -139,11 +145,12 @@ def snap(step: torch.Tensor, low: Optional[torch.Tensor], t: GgmlType) -> KGrid:
     step = step.to(torch.float32)
     if not bool(torch.isfinite(step).all()) or (low is not None and not bool(torch.isfinite(low).all())):
         raise ValueError("a scale is not finite")
-    if t.scale_bits is None:  # IQ4_NL: one float16 scale per block
+    if t.scale_bits is None:  # legacy and IQ4_NL: one float16 scale (and minimum) per block
         d = _f16(step)
-        if bool(torch.isinf(d).any()):
+        m = None if low is None else _f16(-low.to(torch.float32))
+        if bool(torch.isinf(d).any()) or (m is not None and bool(torch.isinf(m).any())):
             raise ValueError("a scale is beyond float16's range (65504), which GGUF stores")
-        return KGrid(t, d, None, None, None, d, torch.zeros_like(d))
+        return KGrid(t, d, m, None, None, d, torch.zeros_like(d) if m is None else -m)
     if t.signed_scales:
         levels = 1 << (t.scale_bits - 1)
         d, lq = _quantize_scales(step, t, levels, negative=True)
@@ -165,15 +172,17 @@ def snap(step: torch.Tensor, low: Optional[torch.Tensor], t: GgmlType) -> KGrid:
 
 def grid_from_range(mn: torch.Tensor, mx: torch.Tensor, t: GgmlType) -> KGrid:
     """The grid of a quantizer whose analyzer chose the sub-block ranges ``[mn, mx]`` (``[rows, cols / sub]``):
-    the wished-for step covers the range (an asymmetric type's minimum is ``-mn``; an IQ4 block's larger end takes
-    the table's ``-127``), then :func:`snap` stores it as the type does."""
+    the wished-for step covers the range (an asymmetric type's minimum is ``-mn``; a symmetric block's larger end
+    takes the most negative code, ``qmin`` or the IQ4 table's ``-127``, through a negative step when that end is
+    positive, as llama.cpp does), then :func:`snap` stores it as the type does."""
     mn, mx = mn.to(torch.float32), mx.to(torch.float32)
     qmin, qmax = t.qmin_qmax
     if t.table:
         amax = torch.maximum(-mn, mx).clamp_min(0)
         return snap(torch.where(mx > -mn, -amax, amax) / -IQ4_TABLE[0], None, t)
-    if t.symmetric:
-        return snap(torch.maximum(-mn / -qmin, mx / qmax).clamp_min(0), None, t)
+    if t.symmetric:  # likewise the larger end takes qmin (a negative step when it is positive): one more level
+        amax = torch.maximum(-mn, mx).clamp_min(0)
+        return snap(torch.where(mx > -mn, -amax, amax) / -qmin, None, t)
     low = (-mn).clamp_min(0)
     return snap(((mx + low) / qmax).clamp_min(0), low, t)
 
@@ -200,8 +209,7 @@ def search_range(rows: torch.Tensor, t: GgmlType, weights: Optional[torch.Tensor
     deltas = [0.0] + [-1.0 + 2.0 * k / steps for k in range(steps + 1)]
     best_err = best_step = best_low = None
     amax = torch.maximum(-mn, mx)
-    if t.table:  # the larger end takes the table's -127
-        sign = torch.where(mx > -mn, -1.0, 1.0)
+    sign = torch.where(mx > -mn, -1.0, 1.0)  # a symmetric grid's larger end takes its most negative code
     for delta in deltas:
         if t.table:
             step = sign * amax / (-IQ4_TABLE[0] + 8 * delta)
@@ -209,7 +217,7 @@ def search_range(rows: torch.Tensor, t: GgmlType, weights: Optional[torch.Tensor
             v = _nearest_table(x / safe)
             low = torch.zeros_like(step)
         elif t.symmetric:
-            step = amax / (-qmin + delta)
+            step = sign * amax / (-qmin + delta)
             safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
             v = torch.round(x / safe).clamp(qmin, qmax)
             low = torch.zeros_like(step)
@@ -232,7 +240,8 @@ def search_range(rows: torch.Tensor, t: GgmlType, weights: Optional[torch.Tensor
         return torch.where(best_step < 0, IQ4_TABLE[-1] * -a, IQ4_TABLE[0] * a), torch.where(
             best_step < 0, -IQ4_TABLE[0] * a, IQ4_TABLE[-1] * a)
     if t.symmetric:
-        return qmin * best_step, qmax * best_step
+        a = best_step.abs()
+        return torch.where(best_step < 0, -qmax * a, qmin * a), torch.where(best_step < 0, -qmin * a, qmax * a)
     return -best_low, qmax * best_step - best_low
 
 
@@ -241,9 +250,11 @@ def _least_squares(x, w, v, symmetric: bool, step, low):
     degenerate keep ``step``/``low``."""
     sw, sv, sx = w.sum(1), (w * v).sum(1), (w * x).sum(1)
     svv, sxv = (w * v * v).sum(1), (w * x * v).sum(1)
-    if symmetric:
+    if symmetric:  # the step keeps its sign (codes were rounded with it)
         ok = svv > 0
-        return torch.where(ok, sxv / torch.where(ok, svv, torch.ones_like(svv)), step), low
+        new_step = sxv / torch.where(ok, svv, torch.ones_like(svv))
+        ok = ok & (new_step * step > 0)
+        return torch.where(ok, new_step, step), low
     det = sw * svv - sv * sv
     ok = det > 0
     safe = torch.where(ok, det, torch.ones_like(det))
@@ -374,7 +385,17 @@ def pack(codes: torch.Tensor, grid: KGrid) -> torch.Tensor:
     u = (codes.to(torch.int32) - qmin).reshape(rows, nb, t.block)
     d = _half_bytes(grid.d.reshape(rows, nb))
     per = t.block // t.sub
-    if t.name == "IQ4_NL":
+    if t.name == "Q8_0":
+        parts = [d, codes.to(torch.int8).reshape(rows, nb, 32).view(torch.uint8)]
+    elif t.name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        parts = [d] + ([_half_bytes(grid.dmin.reshape(rows, nb))] if t.name.endswith("_1") else [])
+        if t.bits == 5:  # the fifth bit of element j at bit j of a little-endian uint32
+            bits = ((u >> 4).to(torch.int64) << torch.arange(32, dtype=torch.int64, device=u.device)).sum(-1)
+            parts.append(((bits[..., None] >> torch.tensor([0, 8, 16, 24], device=u.device)) & 0xFF)
+                         .to(torch.uint8))
+        low = u & 0xF
+        parts.append(_nibbles(low[..., :16], low[..., 16:]))
+    elif t.name == "IQ4_NL":
         parts = [d, _nibbles(u[..., :16], u[..., 16:])]
     elif t.name == "IQ4_XS":
         ls = grid.sc.reshape(rows, nb, per)

