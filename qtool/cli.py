@@ -674,6 +674,39 @@ def report(
         raise typer.Exit(e.exit_code)
 
 
+@app.command(epilog="Examples:\n\n\b\n  qtool imatrix LLAMA_DIR --data calib.txt -o imatrix.gguf\n  llama-quantize --imatrix imatrix.gguf model-f16.gguf model-q4_k_m.gguf Q4_K_M")
+def imatrix(
+    checkpoint: str = typer.Argument(..., help="A Llama-family Hugging Face directory (or Hub ID)."),
+    revision: Optional[str] = _REVISION,
+    out: str = typer.Option(..., "--out", "-o", help="The importance matrix file to write (GGUF)."),
+    data: Optional[str] = typer.Option(None, "--data", help="Calibration text (or token ids)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing file."),
+    json_out: bool = _JSON,
+    device: str = _DEVICE,
+    batch_size: int = _BATCH,
+    num_samples: Optional[int] = _NUM,
+    seq_len: int = _SEQ,
+    seed: int = _SEED,
+    trust_remote_code: bool = _TRUST_CODE,
+    quiet: bool = _QUIET,
+    debug: bool = _DEBUG,
+) -> None:
+    """Write llama.cpp's importance matrix (what llama-imatrix writes) for llama-quantize --imatrix."""
+    from .pipeline import run_imatrix
+
+    with _errors(debug, json_out):
+        _check_early(device=device, data=data)
+        checkpoint = _checkpoint(checkpoint, revision)
+        with _Progress(quiet or json_out) as p:
+            result = run_imatrix(checkpoint, out, _opts(
+                data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len,
+                seed=seed, trust_remote_code=trust_remote_code), overwrite=overwrite, hooks=p.hooks())
+    if json_out:
+        _emit_json({"ok": True, **result})
+    elif not quiet:
+        err.print(f"wrote: {_esc(result['imatrix'])} ({result['entries']} matrices, {result['tokens']} tokens)")
+
+
 @app.command("import-encodings", epilog="Examples:\n\n\b\n  qtool import-encodings MODEL_DIR model.encodings -o runs/from-aimet")
 def import_encodings(
     checkpoint: str = typer.Argument(..., help="The checkpoint the AIMET encodings belong to."),

@@ -424,3 +424,40 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
         out["sensitivity"] = sensitivity(loaded.model, data, device, loaded.is_causal_lm, hooks.on_tensor)
         out["json"]["sensitivity"] = out["sensitivity"]
     return out
+
+
+def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bool = False,
+                hooks: Optional[Hooks] = None) -> Dict[str, Any]:
+    """``qtool imatrix``: llama.cpp's importance matrix of a Llama-family checkpoint over calibration data (per
+    decoder-layer matrix, each input column's sum of x² and the token count, as ``llama-imatrix`` writes it), for
+    ``llama-quantize --imatrix``. Written whole or not at all."""
+    from .export.gguf_model import read_gguf_model
+    from .imatrix import collect_input_sums, write_imatrix
+    from .io.fs import atomic_file
+
+    hooks = hooks or Hooks()
+    target = Path(out)
+    if target.is_dir():
+        raise UsageError(f"{target}: is a directory; -o names the imatrix file to write (e.g. imatrix.gguf)")
+    if target.exists() and not overwrite:
+        raise UsageError(f"{target}: exists; pass --overwrite to replace it")
+    if not target.parent.is_dir():
+        raise UsageError(f"{target.parent}: no such directory for -o")
+    if opts.data is None:
+        raise DataError("an importance matrix is measured on text: pass --data PATH")
+    gguf_model = read_gguf_model(Path(checkpoint))
+    hooks.on_stage("loading checkpoint")
+    loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+    data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer,
+                     pack_text=True)
+    hooks.on_stage("measuring")
+    sums = collect_input_sums(loaded.model, data, hooks.on_batch)
+    by_name = {}
+    for module, value in sums.items():
+        name = gguf_model.tensor_name(f"{module}.weight")
+        if name is not None and name.startswith("blk."):  # what llama-imatrix collects by default
+            by_name[name] = value
+    tokens = max((n for _, n in by_name.values()), default=0)
+    with atomic_file(target) as tmp:
+        write_imatrix(tmp, by_name, [Path(opts.data).name], opts.seq_len, max(1, tokens // max(1, opts.seq_len)))
+    return {"imatrix": str(target), "entries": len(by_name), "tokens": tokens, "bytes": target.stat().st_size}

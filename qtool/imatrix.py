@@ -1,0 +1,149 @@
+"""llama.cpp's importance matrix, both ways: ``qtool imatrix`` writes the file ``llama-imatrix`` writes (for
+``llama-quantize --imatrix``), and ``--imatrix FILE`` takes one as the activation weighting of qtool's scale search.
+
+The file (GGUF, ``general.type = imatrix``): per weight, by its GGUF name (``blk.0.attn_q.weight``),
+``<name>.in_sum2`` float32 ``[n_mat, width]`` (the sum over tokens of each input column's x²) and ``<name>.counts``
+float32 ``[n_mat, 1]`` (the tokens); keys ``imatrix.datasets``, ``imatrix.chunk_count``, ``imatrix.chunk_size``.
+The importance llama-quantize uses is ``in_sum2 / counts``: ``E[x²]`` per column, what qtool's
+``weighting: activations`` uses from calibration data. The older binary ``imatrix.dat`` (int32 count; per entry
+name length, name, ncall, nval, nval float32 values that are ``E[x²] · ncall``; a trailer) is read too.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import numpy as np
+import torch
+
+from .errors import EncodingsError
+
+__all__ = ["collect_input_sums", "write_imatrix", "read_imatrix"]
+
+
+@torch.no_grad()
+def collect_input_sums(model: torch.nn.Module, batches, on_batch=None) -> Dict[str, Tuple[torch.Tensor, int]]:
+    """Per Linear (by module name): ``(sum of x² per input column (float64), tokens)`` over ``batches`` run through
+    ``model`` as it is (the float model: what llama-imatrix measures). ``on_batch(done, total, samples)``."""
+    sums: Dict[str, Tuple[torch.Tensor, int]] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            def pre(m, args, name=name):
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
+                s, n = sums.get(name, (0, 0))
+                sums[name] = (s + (x * x).sum(0).cpu(), n + x.shape[0])
+            hooks.append(mod.register_forward_pre_hook(pre))
+    batches = list(batches)
+    try:
+        device = next(model.parameters()).device
+        for i, batch in enumerate(batches):
+            b = batch.to(device)
+            model(*b.args, **b.kwargs)
+            if on_batch:
+                on_batch(i + 1, len(batches), b.size)
+    finally:
+        for h in hooks:
+            h.remove()
+    return sums
+
+
+def write_imatrix(path: Path, sums: Dict[str, Tuple[torch.Tensor, int]], datasets: List[str], chunk_size: int,
+                  chunk_count: int) -> None:
+    """``sums`` (GGUF tensor name -> (sum x² per column, tokens)) as llama-imatrix's GGUF file."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch="imatrix")
+    writer.add_type(gguf.GGUFType.IMATRIX)
+    writer.add_array(gguf.Keys.IMatrix.DATASETS, list(datasets))
+    writer.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, int(chunk_count))
+    writer.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, int(chunk_size))
+    for name in sorted(sums):
+        total, count = sums[name]
+        writer.add_tensor(f"{name}.in_sum2", total.to(torch.float32).numpy().reshape(1, -1))
+        writer.add_tensor(f"{name}.counts", np.array([[float(count)]], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def read_imatrix(path: Path) -> Dict[str, torch.Tensor]:
+    """GGUF tensor name -> ``E[x²]`` per input column (float32), from a GGUF imatrix or a legacy ``imatrix.dat``.
+    Raises ``EncodingsError`` (one line, naming the file) for anything else."""
+    path = Path(path)
+    try:
+        head = path.read_bytes()[:4]
+    except OSError as e:
+        raise EncodingsError(f"{path}: cannot read the importance matrix: {e.strerror or e}") from None
+    try:
+        out = _read_gguf(path) if head == b"GGUF" else _read_dat(path)
+    except EncodingsError:
+        raise
+    except Exception as e:  # noqa: BLE001 - gguf-py's reader raises many kinds on a damaged file: one line each
+        raise EncodingsError(f"{path}: not a readable llama.cpp importance matrix ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:100] if str(e) else ''})") from None
+    for name, v in out.items():
+        if not bool(torch.isfinite(v).all()) or bool((v < 0).any()):
+            raise EncodingsError(f"{path}: {name}: importances must be finite and non-negative")
+    return out
+
+
+def _read_gguf(path: Path) -> Dict[str, torch.Tensor]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
+    sums = {n[:-len(".in_sum2")]: v for n, v in tensors.items() if n.endswith(".in_sum2")}
+    counts = {n[:-len(".counts")]: v for n, v in tensors.items() if n.endswith(".counts")}
+    if set(sums) != set(counts):
+        odd = sorted(set(sums) ^ set(counts))[0]
+        raise EncodingsError(f"{path}: {odd}: an in_sum2 without counts or counts without in_sum2")
+    if not sums:
+        raise EncodingsError(f"{path}: no importance entries (<weight>.in_sum2 / <weight>.counts tensors)")
+    out = {}
+    for name, s in sums.items():
+        s, c = s.reshape(-1), counts[name].reshape(-1)
+        if c.size != 1 or s.size == 0:
+            raise EncodingsError(f"{path}: {name}: qtool reads dense weights' entries (one count), got "
+                                 f"{c.size} counts")
+        out[name] = torch.from_numpy((s / c[0]).copy() if c[0] > 0 else np.ones_like(s))
+    return out
+
+
+def _read_dat(path: Path) -> Dict[str, torch.Tensor]:
+    data = path.read_bytes()
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        size = struct.calcsize(fmt)
+        if pos + size > len(data):
+            raise EncodingsError(f"{path}: ends inside an entry (a truncated imatrix.dat, or not one)")
+        vals = struct.unpack_from(fmt, data, pos)
+        pos += size
+        return vals
+
+    (n,) = take("<i")
+    if not 0 < n <= 1_000_000:
+        raise EncodingsError(f"{path}: not a llama.cpp importance matrix (GGUF, or imatrix.dat starting with an "
+                             f"entry count; got {n})")
+    out = {}
+    for _ in range(n):
+        (length,) = take("<i")
+        if not 0 < length <= 4096:
+            raise EncodingsError(f"{path}: an entry name of length {length}")
+        name = data[pos:pos + length].decode("utf-8")
+        pos += length
+        ncall, nval = take("<ii")
+        if not 0 < nval <= 1 << 26:
+            raise EncodingsError(f"{path}: {name}: {nval} values")
+        values = np.frombuffer(data, dtype="<f4", count=nval, offset=pos) if pos + 4 * nval <= len(data) else None
+        if values is None:
+            raise EncodingsError(f"{path}: ends inside {name}'s values")
+        pos += 4 * nval
+        v = values.astype(np.float32) / ncall if ncall > 0 else values.astype(np.float32)
+        out[name] = torch.from_numpy(v.copy())
+    return out
