@@ -162,6 +162,12 @@ def build_world(d: Path) -> Dict[str, Any]:
         _qtool("calibrate", ckpt, "-c", recipe, "--model-class", "tests.tinymodels:mlp", "--data",
                d / "seed_data.safetensors", "-o", run)
         seeds["encodings"].append((run / "encodings.json").read_bytes())
+    for gguf_type in ("q4_1", "q6_k"):  # GGUF grids: scale_dtype names the type (64-wide rows fall back to Q8_0)
+        (d / f"{gguf_type}.yaml").write_text(f"version: 1\ndefaults:\n  weights: {{gguf_type: {gguf_type}}}\n"
+                                             "  activations: null\n")
+        run = d / f"run-{gguf_type}"
+        _qtool("calibrate", ckpt, "-c", d / f"{gguf_type}.yaml", "--model-class", "tests.tinymodels:mlp", "-o", run)
+        seeds["encodings"].append((run / "encodings.json").read_bytes())
     for version in ("0.6.1", "1.0.0", "2.0.0"):
         out = d / f"aimet-{version}"
         _qtool("export", ckpt, "-e", d / "run-w8a8" / "encodings.json", "--model-class", "tests.tinymodels:mlp",

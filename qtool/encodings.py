@@ -136,7 +136,10 @@ class EncodingEntry:
 
     def _scale_offset_of(self, lo: torch.Tensor, hi: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if self._spec.ggml is not None:  # the effective step, and the minimum in steps (not an integer for Q4_K)
-            g = grid_from_range(lo, hi, self._spec.ggml)
+            try:
+                g = grid_from_range(lo, hi, self._spec.ggml)
+            except ValueError:  # a scale GGUF cannot store (beyond float16): reads as an infinite one
+                return torch.full_like(lo, math.inf), torch.zeros_like(lo)
             step = g.step.reshape(lo.shape)
             return step, -g.low.reshape(lo.shape) / torch.where(step == 0, torch.ones_like(step), step)
         if self.is_float:
@@ -198,6 +201,9 @@ class EncodingEntry:
             return "its calibrated range holds NaN or infinity"
         scale, _ = self.scale_offset()
         if not torch.isfinite(scale).all():
+            if self._spec.ggml is not None:
+                return (f"its range [{float(lo.min()):.4g}, {float(hi.max()):.4g}] needs {self._spec.ggml.name} "
+                        "scales beyond float16's range (65504), which GGUF stores")
             return (f"its range [{float(lo.min()):.4g}, {float(hi.max()):.4g}] overflows float32 when divided into "
                     "steps (an infinite scale)")
         return None
@@ -210,6 +216,8 @@ class EncodingEntry:
         bad = self.finite_problem()
         if bad is None:
             return
+        if self.tensor == "weight" and self._spec.ggml is not None and "float16" in bad:
+            raise CheckpointError(f"{self.name}: {bad}; nothing was written")
         if self.tensor == "weight":
             raise CheckpointError(f"{self.name}: {bad}: the checkpoint's weight holds NaN/Inf or values near "
                                   "float32's limits; nothing was written")

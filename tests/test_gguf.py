@@ -437,3 +437,22 @@ def test_gptq_on_gguf_types_beats_round_to_nearest_and_the_file_holds_its_codes(
         ref = float_model(ids).logits
     err_rtn, err_gptq = (float((logits[n] - ref).pow(2).mean()) for n in ("rtn", "gptq"))
     assert err_gptq < err_rtn, (err_gptq, err_rtn)
+
+
+@pytest.mark.parametrize("rounding", ["", ", rounding: gptq"])
+def test_a_weight_whose_gguf_scales_float16_cannot_hold_is_one_line(tmp_path, rounding):
+    """A value of 1e9 needs a Q5_0 block scale above float16's 65504 (64-wide rows: Q4_K falls back to Q5_0)."""
+    from safetensors.torch import save_file
+
+    from tests.tinymodels import mlp
+
+    sd = mlp().state_dict()
+    sd["0.weight"][0, 0] = 1e9
+    save_file(sd, tmp_path / "m.safetensors")
+    save_file({"x": torch.randn(16, 64, generator=torch.Generator().manual_seed(0))}, tmp_path / "x.safetensors")
+    code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "-c", _type_recipe(tmp_path, "q4_k", rounding),
+                           "--model-class", "tests.tinymodels:mlp", "--data", tmp_path / "x.safetensors",
+                           "-o", tmp_path / "o")
+    errors = [line for line in error_lines(err) if line.startswith("error")]
+    assert code == 2 and len(errors) == 1 and "0.weight" in errors[0] and "float16's range (65504)" in errors[0]
+    assert not (tmp_path / "o").exists()

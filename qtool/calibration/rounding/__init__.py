@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ...config import QuantizerPlan
-from ...errors import DataError
+from ...errors import CheckpointError, DataError
 from ...quant import QuantizerBase
 from ...parallel import Group, assign
 from ...quant.affine import dequantize
@@ -229,7 +229,10 @@ def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quan
 def _codes(q: QuantizerPlan, modules, quantizers, stats) -> torch.Tensor:
     quantizer = quantizers[q.name]
     weight = modules[q.module]._parameters["weight"].detach()
-    scale, offset = quantizer.get_scale().detach(), quantizer.get_offset().detach()
+    try:
+        scale, offset = quantizer.get_scale().detach(), quantizer.get_offset().detach()
+    except ValueError as e:  # a GGUF grid whose scales float16 cannot hold
+        raise CheckpointError(f"{q.name}: {e}; nothing was written") from None
     s = stats[q.module]
     args = dict(q.rounding_args)
     algorithm = adaround_codes if q.rounding == "adaround" else gptq_codes
