@@ -113,6 +113,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mixes", default="q4_k_m,q3_k_m,q2_k,q4_0")
     ap.add_argument("--no-data-free", action="store_true", help="skip the data-free gguf-<mix> rows")
+    ap.add_argument("--data-only", action="store_true", help="only qtool's data rows (no llama.cpp, no data-free)")
+    ap.add_argument("--weighted", action="store_true",
+                    help="data rows with the activation-weighted search before GPTQ instead of gguf-<mix>-gptq")
     ap.add_argument("--out", default=str(REPO / "bench/results/gguf_kquants.json"))
     args = ap.parse_args(argv)
 
@@ -158,10 +161,21 @@ def main(argv=None):
             return ppl, secs, summary["gguf"], _types(out / "calibration/encodings.json")
 
         for mix in args.mixes.split(","):
-            ppl_q, secs, gguf_summary, types = qtool_row(REPO / "configs" / f"gguf-{mix}-gptq.yaml", True)
+            recipe = REPO / "configs" / f"gguf-{mix}-gptq.yaml"
+            if args.weighted:
+                recipe = tmp / f"gguf-{mix}-weighted.yaml"
+                recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: {{name: mse, "
+                                  "weighting: activations}, rounding: gptq}\n  activations: null\n")
+            ppl_q, secs, gguf_summary, types = qtool_row(recipe, True)
             row = {"mix": mix, "bytes": gguf_summary["bytes"], "tensor_types": gguf_summary["tensor_types"],
                    "qtool_data": {"perplexity": ppl_q, "seconds": secs}}
             types_n = types
+            if args.data_only:
+                row["qtool_data"]["increase_pct"] = 100 * (ppl_q / ppl_float - 1)
+                rows.append(row)
+                print(f"{mix:8s} {row['bytes'] / 1e6:6.1f} MB  qtool+data {row['qtool_data']['increase_pct']:+7.2f}%",
+                      flush=True)
+                continue
             if not args.no_data_free:  # the mix with the data-free search (its rules may differ without data)
                 recipe = tmp / f"gguf-{mix}-nodata.yaml"
                 recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: mse}}\n"
