@@ -687,8 +687,8 @@ def spec_label(spec: Optional[_Spec]) -> str:
     if spec is None:
         return "float"
     kind = ("int" if spec.symmetric else "uint") + str(spec.bitwidth) if spec.element == "int" else spec.element
-    if getattr(spec, "gguf_type", None) or spec.scale_dtype in GGML_SCALE_DTYPES:
-        kind = f"GGUF {(getattr(spec, 'gguf_type', None) or spec.scale_dtype).upper()}"
+    if spec.scale_dtype in GGML_SCALE_DTYPES:  # a gguf_type sets its own scale_dtype
+        kind = f"GGUF {spec.scale_dtype.upper()}"
     gran = spec.granularity + (f" {spec.block_size}" if spec.block_size else "")
     extra = [" dynamic" if getattr(spec, "dynamic", False) else "",
              f" {spec.scale_dtype} scales" if spec.element != "int" and spec.scale_dtype != "float32" else ""]
@@ -900,7 +900,7 @@ class _Mix:
 
         from .gguf_mixes import tensor_role
 
-        self.recipe, self.name = recipe, recipe.gguf_mix
+        self.name = recipe.gguf_mix
         modules = dict(model.named_modules())
         layers = {layer for n in modules for role, layer in [tensor_role(n)] if role == "attn_v"}
         if not layers:
@@ -924,13 +924,13 @@ class _Mix:
         if self.tied and role == "output" and self.embed_spec is not None:
             # the embedding table is the output layer: quantized once, so the file holds one tensor for both
             return self.embed_spec
-        if self.tied and role == "token_embd":
-            role = "output"
+        tied_table = self.tied and role == "token_embd"
         w = getattr(module, "weight", None)
         width = int(w.shape[1]) if w is not None and w.dim() == 2 else 0
-        gguf_type = mix_type(self.name, role, layer, self.n_layers, self.n_gqa, width, self.has_imatrix)
+        gguf_type = mix_type(self.name, "output" if tied_table else role, layer, self.n_layers, self.n_gqa, width,
+                             self.has_imatrix)
         spec = _merge(base, {"gguf_type": gguf_type}, WeightSpec, f"gguf_mix {self.name}")
-        if self.tied and tensor_role(name)[0] == "token_embd":
+        if tied_table:
             self.embed_spec = spec.model_copy(update={"rounding": RoundingSpec()})
             if spec.analyzer.kwargs().get("weighting") == "activations":
                 args = {k: v for k, v in spec.analyzer.kwargs().items() if k != "weighting"}
@@ -947,9 +947,7 @@ def _super_block_fallback(module: "nn.Module", spec: WeightSpec, counts: Dict[Tu
         return spec
     was, now = spec.scale_dtype, SUPER_BLOCK_FALLBACK[spec.scale_dtype]
     counts[(was.upper(), now.upper())] = counts.get((was.upper(), now.upper()), 0) + 1
-    bits, sym, block = GGUF_TYPES[now]
-    return spec.model_copy(update={"gguf_type": now, "bitwidth": bits, "symmetric": sym, "block_size": block,
-                                   "scale_dtype": now})
+    return _merge(spec, {"gguf_type": now}, WeightSpec, f"gguf_type {now}")
 
 
 def _type_names(module: "nn.Module") -> Tuple[str, ...]:

@@ -137,11 +137,9 @@ class EncodingEntry:
     def _scale_offset_of(self, lo: torch.Tensor, hi: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if self._spec.ggml is not None:  # the effective step, and the minimum in steps (not an integer for Q4_K)
             try:
-                g = grid_from_range(lo, hi, self._spec.ggml)
+                return grid_from_range(lo, hi, self._spec.ggml).step_offset(lo.shape)
             except ValueError:  # a scale GGUF cannot store (beyond float16): reads as an infinite one
                 return torch.full_like(lo, math.inf), torch.zeros_like(lo)
-            step = g.step.reshape(lo.shape)
-            return step, -g.low.reshape(lo.shape) / torch.where(step == 0, torch.ones_like(step), step)
         if self.is_float:
             eff = encoding_scales(torch.maximum(-lo, hi), element_of(self.element), self.scale_dtype,
                                   self._global_amax())[1]

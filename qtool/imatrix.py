@@ -20,34 +20,7 @@ import torch
 
 from .errors import EncodingsError
 
-__all__ = ["collect_input_sums", "write_imatrix", "read_imatrix"]
-
-
-@torch.no_grad()
-def collect_input_sums(model: torch.nn.Module, batches, on_batch=None) -> Dict[str, Tuple[torch.Tensor, int]]:
-    """Per Linear (by module name): ``(sum of x² per input column (float64), tokens)`` over ``batches`` run through
-    ``model`` as it is (the float model: what llama-imatrix measures). ``on_batch(done, total, samples)``."""
-    sums: Dict[str, Tuple[torch.Tensor, int]] = {}
-    hooks = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear):
-            def pre(m, args, name=name):
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
-                s, n = sums.get(name, (0, 0))
-                sums[name] = (s + (x * x).sum(0).cpu(), n + x.shape[0])
-            hooks.append(mod.register_forward_pre_hook(pre))
-    batches = list(batches)
-    try:
-        device = next(model.parameters()).device
-        for i, batch in enumerate(batches):
-            b = batch.to(device)
-            model(*b.args, **b.kwargs)
-            if on_batch:
-                on_batch(i + 1, len(batches), b.size)
-    finally:
-        for h in hooks:
-            h.remove()
-    return sums
+__all__ = ["write_imatrix", "read_imatrix"]
 
 
 def write_imatrix(path: Path, sums: Dict[str, Tuple[torch.Tensor, int]], datasets: List[str], chunk_size: int,

@@ -431,8 +431,9 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     """``qtool imatrix``: llama.cpp's importance matrix of a Llama-family checkpoint over calibration data (per
     decoder-layer matrix, each input column's sum of x² and the token count, as ``llama-imatrix`` writes it), for
     ``llama-quantize --imatrix``. Written whole or not at all."""
+    from .calibration.rounding import collect_module_inputs
     from .export.gguf_model import read_gguf_model
-    from .imatrix import collect_input_sums, write_imatrix
+    from .imatrix import write_imatrix
     from .io.fs import atomic_file
 
     hooks = hooks or Hooks()
@@ -450,13 +451,25 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
     data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer,
                      pack_text=True)
+    modules = dict(loaded.model.named_modules())
+    gguf_names = {}  # the decoder matrices: what llama-imatrix collects by default
+    for module, m in modules.items():
+        name = gguf_model.tensor_name(f"{module}.weight") if isinstance(m, nn.Linear) else None
+        if name is not None and name.startswith("blk."):
+            gguf_names[module] = name
+    device = next(iter(loaded.model.parameters())).device
+    batches = list(data)
+
+    def run():
+        for i, batch in enumerate(batches):
+            b = batch.to(device)
+            loaded.model(*b.args, **b.kwargs)
+            if hooks.on_batch:
+                hooks.on_batch(i + 1, len(batches), b.size)
+
     hooks.on_stage("measuring")
-    sums = collect_input_sums(loaded.model, data, hooks.on_batch)
-    by_name = {}
-    for module, value in sums.items():
-        name = gguf_model.tensor_name(f"{module}.weight")
-        if name is not None and name.startswith("blk."):  # what llama-imatrix collects by default
-            by_name[name] = value
+    stats = collect_module_inputs({module: False for module in gguf_names}, modules, run)
+    by_name = {gguf_names[module]: (s.sq, s.count) for module, s in stats.items()}
     tokens = max((n for _, n in by_name.values()), default=0)
     with atomic_file(target) as tmp:
         write_imatrix(tmp, by_name, [Path(opts.data).name], opts.seq_len, max(1, tokens // max(1, opts.seq_len)))

@@ -46,6 +46,16 @@ CT_ARGS = {
 }
 
 
+def _fake_quant_and_reload(ckpt, run, out, dtype=torch.float32):
+    """qtool's fake-quant model from ``run``'s encodings, and the compressed-tensors export ``out`` as transformers
+    loads it (its warnings about compressed weights silenced)."""
+    fq = qtool.load_calibrated(str(ckpt), str(run / "encodings.json"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=dtype).eval()
+    return fq, model
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise-equal values, NaN where the other has NaN (an absurd 3e38 weight overflows both tools' MX scale; qtool
     refuses such a range when it writes encodings)."""
@@ -272,10 +282,7 @@ def test_compressed_tensors_export_reloads_with_qtools_numbers(recipe, ckpt, dat
                 gs = [fh.get_tensor(f"model.layers.1.{part}.{n}.weight_global_scale") for n in names]
                 assert all(torch.equal(g, gs[0]) for g in gs), names
             assert not torch.equal(fh.get_tensor("model.layers.1.self_attn.o_proj.weight_global_scale"), gs[0])
-    fq = qtool.load_calibrated(str(ckpt), str(run / "encodings.json"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=dtype).eval()
+    fq, model = _fake_quant_and_reload(ckpt, run, out, dtype)
     with torch.no_grad():
         got_logits, want_logits = model(ids).logits.float(), fq(ids).logits
     fq_mods, ct_mods = dict(fq.named_modules()), dict(model.named_modules())
@@ -479,10 +486,7 @@ def test_fp8_block_tiles_reload_with_qtools_logits(tmp_path, ids):
 
     with safe_open(str(out / "model.safetensors"), "pt") as fh:
         assert list(fh.get_slice("model.layers.0.mlp.down_proj.weight_scale").get_shape()) == [2, 4]
-    fq = qtool.load_calibrated(str(ckpt), str(run / "encodings.json"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    fq, model = _fake_quant_and_reload(ckpt, run, out)
     with torch.no_grad():
         got, want = model(ids).logits, fq(ids).logits
     mods = dict(model.named_modules())
@@ -529,10 +533,7 @@ def test_fp8_kv_cache_scales_reload_with_qtools_logits(granularity, ckpt, data, 
         shape = fh.get_slice("model.layers.0.self_attn.k_scale").get_shape()
         assert list(shape) == ([1] if granularity == "per_tensor" else [2, 1, 1])
         assert (fh.get_tensor("model.layers.1.self_attn.v_scale") > 0).all()
-    fq = qtool.load_calibrated(str(ckpt), str(run / "encodings.json"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    fq, model = _fake_quant_and_reload(ckpt, run, out)
     with torch.no_grad():
         got, want = model(ids).logits, fq(ids).logits
         # the keys and values are really quantized: without the kv quantizers the logits move

@@ -80,33 +80,16 @@ def pack_blocks(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, 
                 ) -> Tuple[np.ndarray, torch.Tensor]:
     """GGUF blocks of ``codes`` (``[rows, cols]`` integers on the grid) with their ``[rows, cols / 32]`` scale and
     offset: a ``uint8`` array ``[rows, cols / 32 * bytes_per_block]``, and the values llama.cpp reads back
-    (float32, ``[rows, cols]``) computed as ggml dequantizes them."""
+    (float32, ``[rows, cols]``) computed as ggml dequantizes them. The block's ``d`` is the scale and a Q4_1/Q5_1
+    block's ``m`` is ``offset * scale``, each rounded to float16 (``quant.ggml`` packs the bytes); raises
+    ``ValueError`` where float16 cannot hold them."""
+    t = ggml.GGML_TYPES[qtype]
     rows, cols = codes.shape
-    nb = cols // BLOCK
-    q = codes.reshape(rows, nb, BLOCK).to(torch.int32)
-    d16 = scale.reshape(rows, nb).to(torch.float16)
-    d = d16.to(torch.float32).unsqueeze(-1)
-    parts = [d16.contiguous().view(torch.uint8).reshape(rows, nb, 2)]
-    if qtype == "Q8_0":
-        parts.append(q.to(torch.int8).view(torch.uint8))
-        values = q.to(torch.float32) * d
-    else:
-        symmetric = qtype in ("Q4_0", "Q5_0")
-        u = (q + (8 if qtype == "Q4_0" else 16) if symmetric else q).to(torch.int64)
-        if symmetric:
-            values = (u.to(torch.float32) - (8 if qtype == "Q4_0" else 16)) * d
-        else:
-            m16 = (offset.reshape(rows, nb).to(torch.float32) * scale.reshape(rows, nb).to(torch.float32)
-                   ).to(torch.float16)
-            parts.append(m16.contiguous().view(torch.uint8).reshape(rows, nb, 2))
-            values = u.to(torch.float32) * d + m16.to(torch.float32).unsqueeze(-1)
-        if qtype in ("Q5_0", "Q5_1"):
-            qh = ((u >> 4) << torch.arange(BLOCK, dtype=torch.int64)).sum(-1, keepdim=True)
-            parts.append(((qh >> torch.tensor([0, 8, 16, 24])) & 0xFF).to(torch.uint8))
-        low = (u & 0xF).to(torch.uint8)
-        parts.append(low[..., : BLOCK // 2] | (low[..., BLOCK // 2:] << 4))
-    blocks = torch.cat(parts, dim=-1).reshape(rows, -1)
-    return blocks.numpy(), values.reshape(rows, cols)
+    step = scale.reshape(rows, cols // BLOCK).to(torch.float32)
+    low = None if t.symmetric else -(offset.reshape(step.shape).to(torch.float32) * step)
+    grid = ggml.snap(step, low, t)
+    q = codes.to(torch.int32)
+    return ggml.pack(q, grid).numpy(), ggml.dequantize(q, grid)
 
 
 @dataclass
@@ -293,9 +276,10 @@ def _tensor_data(item: _Item, src) -> Tuple[np.ndarray, float]:
     fake = dequantize(codes, scale, offset, block_size=e.block_size)
     if item.heads:
         codes, scale, offset, fake = (permute_rows(t, item.heads) for t in (codes, scale, offset, fake))
-    blocks, values = pack_blocks(codes, scale, offset, item.kind)
-    if not bool(torch.isfinite(values).all()):
-        raise EncodingsError(f"{e.name}: a scale beyond float16's range (65504) cannot be stored in GGUF")
+    try:
+        blocks, values = pack_blocks(codes, scale, offset, item.kind)
+    except ValueError:
+        raise EncodingsError(f"{e.name}: a scale beyond float16's range (65504) cannot be stored in GGUF") from None
     return blocks, float((values - fake).abs().max()) if values.numel() else 0.0
 
 

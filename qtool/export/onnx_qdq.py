@@ -282,10 +282,7 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
         is_weight = x in inits and info["tensor"] == "weight"
         codes = None
         if is_weight:
-            w = torch.from_numpy(numpy_helper.to_array(inits[x]).astype(np.float32))
-            bs = None
-            if block:
-                bs = tuple(block if d == axis else (1 if d == 0 else -1) for d in range(w.dim()))
+            w, bs = _weight_and_block(inits[x], axis, block)
             s_q = torch.from_numpy(scale)
             if stored and qname in stored:  # codes a rounding algorithm chose (qtool.weights)
                 codes = stored[qname].to(torch.float32)
@@ -351,6 +348,17 @@ def _fp8_tensor(name: str, codes: np.ndarray):
     return helper.make_tensor(name, TensorProto.FLOAT8E4M3FN, list(np.shape(codes)), raw, raw=True)
 
 
+def _weight_and_block(init, axis: int, block: int):
+    """A weight initializer as a float32 tensor, and the ``block_size`` of its ``qtool::FakeQuant`` (None unless
+    blocked: ``block`` along ``axis``, full length elsewhere)."""
+    from onnx import numpy_helper
+
+    w = torch.from_numpy(numpy_helper.to_array(init).astype(np.float32))
+    if not block:
+        return w, None
+    return w, tuple(block if d == axis else (1 if d == 0 else -1) for d in range(w.dim()))
+
+
 def _float_qdq(node, attrs, qname, info, inits, uses, value, stored, new_inits, drop_inits) -> List[Any]:
     """The nodes replacing one float-grid ``qtool::FakeQuant`` (FP8 under float32 scales): a weight's FP8 codes as
     a float8e4m3fn initializer + DequantizeLinear, an activation's QuantizeLinear + DequantizeLinear, each with a
@@ -366,10 +374,7 @@ def _float_qdq(node, attrs, qname, info, inits, uses, value, stored, new_inits, 
     is_weight = x in inits and info["tensor"] == "weight"
     codes = None
     if is_weight:
-        w = torch.from_numpy(numpy_helper.to_array(inits[x]).astype(np.float32))
-        bs = None
-        if block:
-            bs = tuple(block if d == axis else (1 if d == 0 else -1) for d in range(w.dim()))
+        w, bs = _weight_and_block(inits[x], axis, block)
         codes = (stored[qname] if stored and qname in stored
                  else float_quantize(w, torch.from_numpy(scale), element, bs)).numpy()
         if block:

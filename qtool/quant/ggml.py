@@ -105,6 +105,12 @@ class KGrid:
     step: torch.Tensor
     low: torch.Tensor
 
+    def step_offset(self, shape) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(step, offset)`` in ``shape`` (the encoding's): the effective step, and the minimum in steps
+        (``-low / step``; not an integer for Q4_K) as AIMET's ``(scale, offset)`` would put them."""
+        step = self.step.reshape(shape)
+        return step, -self.low.reshape(shape) / torch.where(step == 0, torch.ones_like(step), step)
+
 
 def _f16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).to(torch.float32)
@@ -206,11 +212,12 @@ def search_range(rows: torch.Tensor, t: GgmlType, weights: Optional[torch.Tensor
     w = torch.ones_like(x) if weights is None else weights.to(torch.float32)
     qmin, qmax = t.qmin_qmax
     mn, mx = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
-    deltas = [0.0] + [-1.0 + 2.0 * k / steps for k in range(steps + 1)]
+    # the min-max candidate first, as it is (ties keep it); then steps around it, each refitted
+    deltas = [0.0] + [d for d in (-1.0 + 2.0 * k / steps for k in range(steps + 1)) if d != 0.0]
     best_err = best_step = best_low = None
     amax = torch.maximum(-mn, mx)
     sign = torch.where(mx > -mn, -1.0, 1.0)  # a symmetric grid's larger end takes its most negative code
-    for delta in deltas:
+    for i, delta in enumerate(deltas):
         if t.table:
             step = sign * amax / (-IQ4_TABLE[0] + 8 * delta)
             safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
@@ -226,7 +233,7 @@ def search_range(rows: torch.Tensor, t: GgmlType, weights: Optional[torch.Tensor
             safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
             v = torch.round((x - mn[:, None]) / safe).clamp(0, qmax)
             low = -mn
-        if delta != 0.0 or deltas.index(delta) != 0:  # refit the step (and minimum) to these codes
+        if i:  # refit the step (and minimum) to these codes
             step, low = _least_squares(x, w, v, t.symmetric or t.table, step, low)
         err = _grid_error(x, w, step, low, t)
         if best_err is None:
@@ -319,7 +326,7 @@ def quantize_codes(w: torch.Tensor, grid: KGrid) -> torch.Tensor:
     step = grid.step.unsqueeze(-1)
     safe = torch.where(step == 0, torch.ones_like(step), step)
     q = torch.round((x + grid.low.unsqueeze(-1)) / safe).clamp(qmin, qmax)
-    q = torch.where(step == 0, torch.zeros_like(q) if t.symmetric else torch.zeros_like(q), q)
+    q = torch.where(step == 0, torch.zeros_like(q), q)
     return q.reshape(w.shape).to(torch.int32)
 
 

@@ -391,10 +391,7 @@ class GgmlQuantizeDequantize(QuantizerBase):
         return grid_from_range(mn.detach(), mx.detach(), self.ggml)
 
     def _scale_offset(self, mn: torch.Tensor, mx: torch.Tensor):
-        g = self.grid(mn, mx)
-        step = g.step.reshape(self.shape)
-        safe = torch.where(step == 0, torch.ones_like(step), step)
-        return step, -g.low.reshape(self.shape) / safe
+        return self.grid(mn, mx).step_offset(self.shape)
 
     def _calibrated_range(self):
         """Each sub-block's range as seen (minmax), or with the MSE analyzer its least-error step (and minimum)

@@ -32,7 +32,7 @@ from .gptq import expand_encoding, gptq_codes
 
 GPTQ_LAYERS_PER_RANK = 4  # layers each rank rounds per window (Group.windows)
 
-__all__ = ["InputStatistics", "collect_inputs", "round_weights", "importance", "gptq_codes", "adaround_codes"]
+__all__ = ["InputStatistics", "collect_inputs", "collect_module_inputs", "round_weights", "importance", "gptq_codes", "adaround_codes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,6 +154,13 @@ def collect_inputs(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module],
     for q in rows:
         if q.needs_inputs:
             hessian[q.module] = hessian.get(q.module, False) or q.rounding != "nearest"
+    return collect_module_inputs(hessian, modules, run)
+
+
+def collect_module_inputs(hessian: Dict[str, bool], modules: Dict[str, nn.Module],
+                          run: Callable[[], None]) -> Dict[str, InputStatistics]:
+    """Input statistics of the modules named in ``hessian`` (``XᵀX`` too where its value is True), by module
+    name, while ``run()`` feeds the data. Empty without running for an empty ``hessian``."""
     if not hessian:
         return {}
     shared = _SharedInput()
