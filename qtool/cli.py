@@ -272,6 +272,9 @@ _TRUST_CODE = typer.Option(False, "--trust-remote-code", help="Allow a Hugging F
 _UNMATCHED = typer.Option(False, "--allow-unmatched", help="A layers entry that matches nothing is a warning, not an error.")
 _SEQUENTIAL = typer.Option(False, "--sequential",
                            help="Causal LMs: calibrate one decoder block at a time (models larger than memory).")
+_IMATRIX = typer.Option(None, "--imatrix", help="An importance matrix (llama-imatrix's GGUF or imatrix.dat, or "
+                        "qtool imatrix's): weights the searched weights (analyzer mse) of the matrices it names, "
+                        "as llama-quantize --imatrix does; no --data needed for it.")
 _OVERWRITE = typer.Option(False, "--overwrite", help="Replace an existing --out directory.")
 _JSON = typer.Option(False, "--json", help="Print one JSON object on stdout (human output stays on stderr).")
 _QUIET = typer.Option(False, "--quiet", "-q", help="No progress or summaries on stderr.")
@@ -296,13 +299,17 @@ def _checkpoint(arg: str, revision: Optional[str]) -> str:
 def _check_early(recipe: Optional[str] = None, device: Optional[str] = None, format: Optional[str] = None,
                  encoding_version: Optional[str] = None, ct_8bit_format: Optional[str] = None,
                  gguf_float: Optional[str] = None, gguf_fallback: Optional[str] = None,
-                 data: Optional[str] = None) -> None:
+                 data: Optional[str] = None, imatrix: Optional[str] = None) -> None:
     """Every choice, the data path and the recipe, checked before torch or a model is loaded (a typo costs no
     calibration)."""
     if data is not None and not os.path.exists(data):
         from .errors import DataError
 
         raise DataError(f"{data}: data path not found")
+    if imatrix is not None and not os.path.isfile(imatrix):
+        from .errors import UsageError
+
+        raise UsageError(f"--imatrix {imatrix}: no such file")
     from .choices import (AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, GGUF_FALLBACKS, GGUF_FLOAT_TYPES, check_choice,
                           check_device)
     from .export import format_names
@@ -373,6 +380,7 @@ def calibrate(
     trust_remote_code: bool = _TRUST_CODE,
     allow_unmatched: bool = _UNMATCHED,
     sequential: bool = _SEQUENTIAL,
+    imatrix: Optional[str] = _IMATRIX,
     overwrite: bool = _OVERWRITE,
     json_out: bool = _JSON,
     quiet: bool = _QUIET,
@@ -382,14 +390,14 @@ def calibrate(
     quiet = quiet or _rank() != 0  # under torchrun, rank 0 reports
     json_out = json_out and _rank() == 0
     with _errors(debug, json_out), _Progress(quiet) as p:
-        _check_early(config, device, data=data)
+        _check_early(config, device, data=data, imatrix=imatrix)
         checkpoint = _checkpoint(checkpoint, revision)
         from .pipeline import run_calibrate
 
         summary = run_calibrate(checkpoint, config, out, _opts(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
-            allow_unmatched=allow_unmatched, sequential=sequential), overwrite, p.hooks())
+            allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix), overwrite, p.hooks())
     _report_files(summary, quiet)
     if json_out:
         _emit_json({"ok": True, **summary})
@@ -496,6 +504,7 @@ def quantize(
     trust_remote_code: bool = _TRUST_CODE,
     allow_unmatched: bool = _UNMATCHED,
     sequential: bool = _SEQUENTIAL,
+    imatrix: Optional[str] = _IMATRIX,
     format: str = _FORMAT,
     encoding_version: str = _ENC_VERSION,
     no_pack: bool = _NO_PACK,
@@ -512,14 +521,15 @@ def quantize(
     quiet = quiet or _rank() != 0  # under torchrun, rank 0 reports
     json_out = json_out and _rank() == 0
     with _errors(debug, json_out), _Progress(quiet) as p:
-        _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback, data)
+        _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback, data,
+                     imatrix)
         checkpoint = _checkpoint(checkpoint, revision)
         from .pipeline import run_quantize
 
         summary = run_quantize(checkpoint, config, out, _opts(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
-            allow_unmatched=allow_unmatched, sequential=sequential), overwrite, p.hooks(),
+            allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix), overwrite, p.hooks(),
             _eopts(format=format, encoding_version=encoding_version, seq_len=seq_len, pack=not no_pack,
                    ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size),
                    gguf_float=gguf_float, gguf_fallback=gguf_fallback))

@@ -752,6 +752,7 @@ class QuantizerPlan:
     rounding_args: Tuple[Tuple[str, Any], ...] = ()
     dynamic: bool = False  # activations: range computed at run time from each call's values (nothing calibrated)
     element: str = "int"  # the grid's values: int, fp8_e4m3, fp4_e2m1
+    imatrix: bool = False  # weights: the activation weighting comes from an importance matrix file, not the data
 
     def __post_init__(self):
         from .quant.spec import QuantSpec
@@ -772,8 +773,8 @@ class QuantizerPlan:
     @property
     def needs_inputs(self) -> bool:
         """True when calibrating this weight needs its layer's input statistics (so calibration data)."""
-        return self.tensor == "weight" and (self.rounding != "nearest"
-                                            or dict(self.analyzer_args).get("weighting") == "activations")
+        return self.tensor == "weight" and (self.rounding != "nearest" or (
+            dict(self.analyzer_args).get("weighting") == "activations" and not self.imatrix))
 
     @property
     def analyzer_label(self) -> str:
@@ -811,6 +812,8 @@ class Plan:
     warnings: List[str] = field(default_factory=list)
     smoothing: List[SmoothGroup] = field(default_factory=list)  # SmoothQuant, applied before calibration
     folds: List[BatchNormFold] = field(default_factory=list)  # batch norms folded before calibration
+    # module -> E[x²] per input column from an importance matrix file (rows with ``imatrix`` weight by it)
+    importances: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def weights(self) -> List[QuantizerPlan]:
@@ -895,7 +898,7 @@ def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str)
 class _Mix:
     """A recipe's ``gguf_mix`` on one model: the GGUF type of each weight, as llama-quantize chooses it."""
 
-    def __init__(self, recipe: Recipe, model: "nn.Module", source: str):
+    def __init__(self, recipe: Recipe, model: "nn.Module", source: str, importance_matrix: bool = False):
         from torch import nn
 
         from .gguf_mixes import tensor_role
@@ -914,7 +917,8 @@ class _Mix:
         head = next((m for n, m in modules.items() if tensor_role(n)[0] == "output"), None)
         self.tied = embed is not None and (head is None or head.weight is embed.weight)
         w = recipe.defaults.weights
-        self.has_imatrix = w.rounding.name == "gptq" or w.analyzer.kwargs().get("weighting") == "activations"
+        self.has_imatrix = (importance_matrix or w.rounding.name == "gptq"
+                            or w.analyzer.kwargs().get("weighting") == "activations")
         self.embed_spec: Optional[WeightSpec] = None
 
     def spec(self, name: str, module: "nn.Module", base: WeightSpec) -> WeightSpec:
@@ -963,12 +967,15 @@ def _type_names(module: "nn.Module") -> Tuple[str, ...]:
                  and c is not nn.Module and "_qtool_base" not in c.__dict__)
 
 
-def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", allow_unmatched: bool = False) -> Plan:
-    """One ``QuantizerPlan`` per quantizer, in module order. Later ``layers`` entries win."""
+def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", allow_unmatched: bool = False,
+                 importance_matrix: bool = False) -> Plan:
+    """One ``QuantizerPlan`` per quantizer, in module order. Later ``layers`` entries win. ``importance_matrix``:
+    an importance matrix file will weight the searches (a ``gguf_mix`` then picks types as llama-quantize does
+    with ``--imatrix``)."""
     plan = Plan()
     used = [False] * len(recipe.layers)
     fallbacks: Dict[Tuple[str, str], int] = {}  # (K-quant type, its fallback) -> weights
-    mix = _Mix(recipe, model, source) if recipe.gguf_mix is not None else None
+    mix = _Mix(recipe, model, source, importance_matrix) if recipe.gguf_mix is not None else None
     named = [(n, m) for n, m in model.named_modules() if n]
     # torch.export modules keep only parameters in plain submodules; their classes come from graph metadata
     exported_types = getattr(model, "qtool_module_types", None) or {}

@@ -119,13 +119,16 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         "command": "calibrate",
         "versions": versions(),
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
-        "options": {k: v for k, v in asdict(opts).items()},
+        # an option added later is recorded only where it is used, so older runs' manifests keep their bytes
+        "options": {k: v for k, v in asdict(opts).items() if not (k == "imatrix" and v is None)},
         "inputs": {
             "checkpoint": {"path": str(checkpoint), "kind": kind, "sha256": _files_digest(files),
                            **_hub(checkpoint)},
             "recipe": {"path": str(recipe_path), "sha256": sha256_file(Path(recipe_path))},
             "data": None if data is None else {"path": str(opts.data), "samples": data.num_samples,
                                                "sha256": _files_digest(data.files)},
+            **({"imatrix": {"path": str(opts.imatrix), "sha256": sha256_file(Path(opts.imatrix)),
+                            "weights": sum(q.imatrix for q in plan.weights)}} if opts.imatrix else {}),
         },
         "outputs": {f.name: sha256_file(f) for f in enc_files},
         "quantizers": len(entries),
@@ -153,7 +156,8 @@ def run_calibrate(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOp
                   hooks: Optional[Hooks] = None) -> Dict[str, Any]:
     """``qtool calibrate``: write ``out/encodings.json`` and ``out/manifest.json`` atomically."""
     hooks = hooks or Hooks()
-    check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=opts.data))
+    check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=opts.data,
+                                                   imatrix=opts.imatrix))
     with _ranks(opts.device) as group:
         if not group.is_root:  # calibrates its shard; rank 0 writes
             _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group)
@@ -346,7 +350,8 @@ def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOpt
     exporter = eopts.validate()  # a bad --format fails here, before any calibration
     options = exporter.options(**asdict(eopts))
     load_recipe(recipe_path)
-    check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=eopts.data))
+    check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=eopts.data,
+                                                   imatrix=opts.imatrix))
     exporter.check_checkpoint(Path(checkpoint))
     on_plan = hooks.on_plan
 

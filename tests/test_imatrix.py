@@ -99,3 +99,69 @@ def test_bad_imatrix_runs_are_one_line_and_write_nothing(llama, tmp_path):
     assert code == 2 and "pass --data" in err and not (tmp_path / "new.gguf").exists()
     assert (tmp_path / "there.gguf").read_bytes() == b"keep"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there.gguf"]
+
+
+def _searches(run_dir):
+    return {q["name"]: (q["analyzer"], q["min"], q["max"])
+            for q in json.loads((run_dir / "encodings.json").read_text())["quantizers"]}
+
+
+def test_an_imatrix_weights_the_search_exactly_as_the_same_data_would(llama, tmp_path):
+    """``--imatrix`` (no data) gives each decoder matrix the weighted search ``weighting: activations`` gives from
+    the data the file was measured on; matrices the file does not name (the output layer) stay unweighted."""
+    ckpt, data, _ = llama
+    assert run_cli("imatrix", ckpt, "--data", data, "-o", tmp_path / "im.gguf")[0] == 0
+    code, out, err = run_cli("calibrate", ckpt, "-c", "gguf-q4_k_m", "--imatrix", tmp_path / "im.gguf",
+                             "-o", tmp_path / "file", "--json")
+    assert code == 0, err
+    assert json.loads(out)["samples"] == 0  # no data was read
+    recipe = tmp_path / "weighted.yaml"
+    recipe.write_text("version: 1\ngguf_mix: q4_k_m\ndefaults:\n  weights: {analyzer: {name: mse, weighting: "
+                      "activations}}\n  activations: null\n")
+    assert run_cli("calibrate", ckpt, "-c", recipe, "--data", data, "-o", tmp_path / "data")[0] == 0
+    assert run_cli("calibrate", ckpt, "-c", "gguf-q4_k_m", "-o", tmp_path / "plain")[0] == 0
+    file, measured, plain = (_searches(tmp_path / d) for d in ("file", "data", "plain"))
+    blocks = [n for n in file if n.startswith("model.layers.")]
+    assert len(blocks) == 14
+    for n in blocks:
+        assert file[n] == measured[n] and file[n][0] == "mse(weighting=activations)"
+        assert file[n][1:] != plain[n][1:]  # the weighting changed the search
+    assert file["lm_head.weight"] == plain["lm_head.weight"]
+    # every calibration mode weights the same way: streamed (above), block by block, whole model in memory
+    for mode in (("--sequential",), ()):
+        out_dir = tmp_path / f"mode{len(mode)}"
+        assert run_cli("calibrate", ckpt, "-c", "gguf-q4_k_m", "--imatrix", tmp_path / "im.gguf", "--data", data,
+                       *mode, "-o", out_dir)[0] == 0
+        assert (out_dir / "encodings.json").read_bytes() == (tmp_path / "file" / "encodings.json").read_bytes()
+    manifest = json.loads((tmp_path / "file" / "manifest.json").read_text())
+    assert manifest["inputs"]["imatrix"]["weights"] == 14 and len(manifest["inputs"]["imatrix"]["sha256"]) == 64
+    # and in memory (with GPTQ on data beside it) the file still weights the search of the grid GPTQ rounds on
+    code, _, err = run_cli("calibrate", ckpt, "-c", "gguf-q4_k_m-gptq", "--imatrix", tmp_path / "im.gguf",
+                           "--data", data, "-o", tmp_path / "gptq")
+    assert code == 0, err
+    gptq = _searches(tmp_path / "gptq")
+    assert all(gptq[n][0] == "mse(weighting=activations)" for n in blocks)
+
+
+def test_an_imatrix_that_does_not_fit_the_model_is_one_line_and_writes_nothing(llama, tmp_path):
+    from qtool.imatrix import write_imatrix
+
+    ckpt, _, _ = llama
+    cases = {
+        "other.gguf": ({"blk.7.attn_q.weight": (torch.ones(64), 4)}, "blk.7.attn_q.weight: the model has no such"),
+        "narrow.gguf": ({"blk.0.attn_q.weight": (torch.ones(32), 4)}, "32 columns, but model.layers.0.self_attn"),
+    }
+    for name, (sums, needle) in cases.items():
+        write_imatrix(tmp_path / name, sums, ["x"], 8, 1)
+        code, _, err = run_cli("calibrate", ckpt, "-c", "gguf-q4_k_m", "--imatrix", tmp_path / name,
+                               "-o", tmp_path / "out")
+        assert code == 2 and needle in err and str(tmp_path / name) in err, err
+        assert len([e for e in error_lines(err) if e.startswith("error")]) == 1 and not (tmp_path / "out").exists()
+    write_imatrix(tmp_path / "ok.gguf", {"blk.0.attn_q.weight": (torch.ones(64), 4)}, ["x"], 8, 1)
+    for recipe, needle in (("w8a16", "nothing would use it"),):
+        code, _, err = run_cli("calibrate", ckpt, "-c", recipe, "--imatrix", tmp_path / "ok.gguf",
+                               "-o", tmp_path / "out")
+        assert code == 2 and needle in err and not (tmp_path / "out").exists(), err
+    code, _, err = run_cli("calibrate", ckpt, "-c", "gguf-q4_k_m", "--imatrix", tmp_path / "none.gguf",
+                           "-o", tmp_path / "out")
+    assert code == 2 and "no such file" in err and not (tmp_path / "out").exists()

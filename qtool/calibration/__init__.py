@@ -44,6 +44,18 @@ class CalibrateOptions:
     trust_remote_code: bool = False
     allow_unmatched: bool = False
     sequential: bool = False
+    imatrix: Optional[str] = None  # an importance matrix file (llama-imatrix's) weighting the searches
+
+
+def _resolve(recipe: Recipe, model, source: str, opts: CalibrateOptions, checkpoint: str) -> Plan:
+    """The recipe's plan on ``model``, weighted by ``opts.imatrix`` where one is given."""
+    plan = resolve_plan(recipe, model, source=source, allow_unmatched=opts.allow_unmatched,
+                        importance_matrix=opts.imatrix is not None)
+    if opts.imatrix is None:
+        return plan
+    from .importance import apply_imatrix
+
+    return apply_imatrix(plan, model, checkpoint, opts.imatrix, have_data=opts.data is not None)
 
 
 @dataclass
@@ -72,7 +84,7 @@ def choose_mode(checkpoint: str, recipe: Recipe, opts: CalibrateOptions, source:
         from ..model.hf import meta_skeleton
 
         skeleton = meta_skeleton(checkpoint, opts.trust_remote_code)
-        plan = resolve_plan(recipe, skeleton, source=source, allow_unmatched=opts.allow_unmatched)
+        plan = _resolve(recipe, skeleton, source, opts, checkpoint)
         if not plan.needs_data():
             return "streaming", skeleton, plan
     return "in_memory", None, None
@@ -112,7 +124,7 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
 
         device = resolve_device(opts.device)
         model, _, tokenizer = meta_causal_lm(checkpoint, opts.trust_remote_code)
-        plan = resolve_plan(recipe, model, source=source, allow_unmatched=opts.allow_unmatched)
+        plan = _resolve(recipe, model, source, opts, checkpoint)
         if plan.smoothing or plan.folds:
             raise UsageError(f"{'smoothquant' if plan.smoothing else 'fold_batch_norms'} runs on the whole model: "
                              "calibrate without --sequential")
@@ -152,7 +164,7 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
     from .in_memory import calibrate
 
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
-    plan = resolve_plan(recipe, loaded.model, source=source, allow_unmatched=opts.allow_unmatched)
+    plan = _resolve(recipe, loaded.model, source, opts, checkpoint)
     device = next(iter(loaded.model.parameters())).device
     hooks.on_plan(plan)
     data = _data(opts, plan, loaded.tokenizer, type(loaded.model).__name__.endswith("ForCausalLM"), hooks)

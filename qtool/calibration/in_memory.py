@@ -100,7 +100,7 @@ def calibrate(
 
     sizes = {q.name: weight_of(q).numel() for q in plan.weights}
     calibrate_weights_split(plan.weights, sizes, lambda q: quantizers[q.name], weight_of, group,
-                            importance_for=lambda q: importance(q, stats, weight_of(q).shape))
+                            importance_for=lambda q: importance(q, stats, weight_of(q).shape, plan.importances))
     codes = round_weights(inputs, modules, quantizers, stats, plan.warnings, group=group)
     unused = []
     if acts:

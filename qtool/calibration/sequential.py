@@ -122,7 +122,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
 
         sizes = {q.name: weight_of(q).numel() for q in sub.weights}
         calibrate_weights_split(sub.weights, sizes, lambda q: qs[q.name], weight_of, group,
-                                importance_for=lambda q: importance(q, stats, weight_of(q).shape))
+                                importance_for=lambda q: importance(q, stats, weight_of(q).shape, plan.importances))
         # a weight the checkpoint stores under another module's name (a tied lm_head) was loaded as its own copy
         stored_elsewhere = [q.module for q in sub.weights if name_of(f"{q.module}.weight") != f"{q.module}.weight"]
         codes.update(round_weights([q for q in sub.weights if q.needs_inputs], modules, qs, stats, plan.warnings,

@@ -15,6 +15,7 @@ from ..io.checkpoint import CheckpointTensors
 from ..model.insert import make_quantizer
 from ..parallel import Group
 from .collective import calibrate_weights_split, encoding_numel
+from .rounding import importance
 
 __all__ = ["calibrate_weights_streaming"]
 
@@ -65,5 +66,6 @@ def calibrate_weights_streaming(path, plan: Plan, model: nn.Module, sink=None,
 
     sizes = {q.name: p.numel() if (p := params.get(f"{q.module}.weight")) is not None else encoding_numel(q)
              for q in plan.weights}
-    calibrate_weights_split(plan.weights, sizes, make_quantizer, weight_for, group, done=done, everywhere=False)
+    calibrate_weights_split(plan.weights, sizes, make_quantizer, weight_for, group, done=done, everywhere=False,
+                            importance_for=lambda q: importance(q, {}, q.shape, plan.importances))
     return entries

@@ -176,12 +176,14 @@ def collect_module_inputs(hessian: Dict[str, bool], modules: Dict[str, nn.Module
     return {name: s for name, c in collectors.items() if (s := c.statistics()) is not None}
 
 
-def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics], weight_shape) -> Optional[torch.Tensor]:
+def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics], weight_shape,
+               imported: Optional[Dict[str, InputStatistics]] = None) -> Optional[torch.Tensor]:
     """The weight's per-value importance for an activation-weighted search (``E[x²]`` of the input each value
-    multiplies, broadcastable to ``weight_shape``), or None where the row's search is unweighted."""
+    multiplies, broadcastable to ``weight_shape``), or None where the row's search is unweighted. A row marked
+    ``imatrix`` takes it from ``imported`` (an importance matrix file: ``Plan.importances``)."""
     if dict(q.analyzer_args).get("weighting") != "activations":
         return None
-    s = stats.get(q.module)
+    s = (imported or {}).get(q.module) if q.imatrix else stats.get(q.module)
     if s is None:
         raise DataError(f"{q.module} never ran on the calibration data: no input statistics to weight "
                          f"{q.name}'s search")

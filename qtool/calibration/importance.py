@@ -1,0 +1,94 @@
+"""An importance matrix file (``llama-imatrix``'s, or ``qtool imatrix``'s) as the activation weighting of a plan.
+
+``--imatrix FILE`` does what ``llama-quantize --imatrix`` does: every searched weight (analyzer ``mse``) of a
+decoder matrix the file names is searched weighted by the file's ``E[x²]`` per input column, with no calibration
+data needed for it. Weights the file does not name (the embedding, the output layer unless ``llama-imatrix
+--process-output`` collected it) keep their own setting: measured from ``--data`` where they ask for
+``weighting: activations`` and data is given, unweighted otherwise (a plan warning says how many).
+
+The file names tensors as a GGUF file does (``blk.0.attn_q.weight``), so the checkpoint must be one qtool writes
+as GGUF (a Hugging Face Llama-family directory). A file whose entries name tensors the model does not have, or
+whose widths differ from the weights', is refused in one line: it was measured on another model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Dict
+
+import torch
+from torch import nn
+
+from ..config import Plan, QuantizerPlan
+from ..errors import CheckpointError, EncodingsError, UsageError
+from ..imatrix import read_imatrix
+
+__all__ = ["apply_imatrix"]
+
+
+def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have_data: bool) -> Plan:
+    """``plan`` with its searched weights weighted by the importance matrix at ``path`` (rows marked
+    ``imatrix``, their ``E[x²]`` in ``plan.importances``). ``model`` may be a meta-device skeleton."""
+    from ..export.gguf_model import read_gguf_model
+
+    importances = read_imatrix(Path(path))
+    try:
+        names = read_gguf_model(Path(checkpoint))
+    except CheckpointError as e:
+        raise UsageError(f"--imatrix names weights as a GGUF file does, which needs a checkpoint qtool writes as "
+                         f"GGUF: {e}") from None
+    by_gguf: Dict[str, str] = {}  # GGUF name -> module, for every matrix of the model
+    for module, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            try:
+                name = names.tensor_name(f"{module}.weight")
+            except CheckpointError:
+                continue
+            if name is not None:
+                by_gguf.setdefault(name, module)
+    for name in sorted(importances):
+        if name not in by_gguf:
+            raise EncodingsError(f"{path}: {name}: the model has no such weight (an importance matrix of another "
+                                 f"model?)")
+        width = _width(model, by_gguf[name])
+        if importances[name].numel() != width:
+            raise EncodingsError(f"{path}: {name}: {importances[name].numel()} columns, but {by_gguf[name]} takes "
+                                 f"{width} inputs (an importance matrix of another model?)")
+    module_entry = {module: name for name, module in by_gguf.items() if name in importances}
+    rows, used, unweighted = [], {}, 0
+    for q in plan.quantizers:
+        if q.tensor != "weight" or q.analyzer != "mse" or not q.module_type == "Linear":
+            rows.append(q)
+            continue
+        args = dict(q.analyzer_args)
+        entry = module_entry.get(q.module)
+        if entry is None:
+            if args.get("weighting") == "activations" and not have_data:
+                args.pop("weighting")
+                unweighted += 1
+                q = dataclasses.replace(q, analyzer_args=tuple(args.items()))
+            rows.append(q)
+            continue
+        args["weighting"] = "activations"
+        rows.append(dataclasses.replace(q, analyzer_args=tuple(args.items()), imatrix=True))
+        used[q.module] = _statistics(importances[entry])
+    if not used:
+        raise UsageError(f"--imatrix {path}: no weight the recipe searches (analyzer mse) on a matrix the file "
+                         f"names; nothing would use it")
+    warnings = list(plan.warnings)
+    if unweighted:
+        warnings.append(f"{unweighted} weight(s) asking for weighting: activations have no entry in {path} and no "
+                        f"--data was given: searched unweighted")
+    return dataclasses.replace(plan, quantizers=rows, warnings=warnings, importances=used)
+
+
+def _width(model: nn.Module, module: str) -> int:
+    return int(model.get_submodule(module).in_features)
+
+
+def _statistics(mean_square: torch.Tensor):
+    from .rounding import InputStatistics
+
+    return InputStatistics(1, mean_square.to(torch.float64))
+
