@@ -11,6 +11,7 @@
 
     .venv/bin/python bench/accuracy.py [--models minilm,smollm2,efficientnet] [--out bench/results/accuracy.json]
     .venv/bin/python bench/accuracy.py --float --out bench/results/accuracy_float.json   # FP8, NVFP4, MXFP4, MXFP8
+    .venv/bin/python bench/accuracy.py --rotation --models smollm2 --out bench/results/accuracy_rotation.json
 """
 
 from __future__ import annotations
@@ -133,6 +134,26 @@ MINILM_FLOAT = {
     "NVFP4 W4A4 (nvfp4.yaml)": ("configs/nvfp4.yaml", None),
     "NVFP4 W4A4, gptq + weighted mse": ("configs/nvfp4.yaml", GPTQ_WEIGHTED),
 }
+# Hadamard rotations (--rotation): each row with and without `rotate: {rotations: [r1, r2]}`, GPTQ in memory, on
+# SmolLM2 with its output layer untied from the embedding table (the same function; R1 needs it)
+ROT = {"rotate": {"rotations": ["r1", "r2"]}}
+PER_TOKEN_A8 = {"activations": {"granularity": "per_token", "dynamic": True}}
+PER_TOKEN_A4 = {"activations": {"bitwidth": 4, "granularity": "per_token", "dynamic": True}}
+INT3 = {"weights": {"bitwidth": 3, "rounding": "gptq"}}
+_ROT_BASE = {
+    "W4A16 block 32, gptq": ("configs/w4a16-block32.yaml", GPTQ),
+    "W8A8 dynamic per-token (w8a8-dynamic.yaml)": ("configs/w8a8-dynamic.yaml", None),
+    "W4A8 block 32 gptq, A8 dynamic per-token": ("configs/w4a8-block32.yaml", {**GPTQ, **PER_TOKEN_A8}),
+    "W4A4 block 32 gptq, A4 dynamic per-token": ("configs/w4a8-block32.yaml", {**GPTQ, **PER_TOKEN_A4}),
+    "NVFP4 W4A4 (nvfp4.yaml)": ("configs/nvfp4.yaml", None),
+    "NVFP4 W4A4, gptq": ("configs/nvfp4.yaml", GPTQ),
+    "W3A16 block 32, gptq": ("configs/w4a16-block32.yaml", INT3),
+    "GGUF Q3_K_M, gptq (gguf-q3_k_m-gptq.yaml)": ("configs/gguf-q3_k_m-gptq.yaml", None),
+}
+SMOLLM_ROT = {}
+for _label, (_path, _over) in _ROT_BASE.items():
+    SMOLLM_ROT[_label] = (_path, _over)
+    SMOLLM_ROT[_label + " + rotation r1 r2"] = (_path, {**(_over or {}), **ROT})
 # further variants (--extra): how much of the damage an analyzer or the grid choice recovers
 SMOLLM_EXTRA = {
     "W4A16 block 32, sqnr": ("configs/w4a16-block32.yaml", "sqnr"),
@@ -226,14 +247,14 @@ def _perplexity(model, batches):
     return math.exp(nll / n), n
 
 
-def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256, recipes=None, only=None):
+def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256, recipes=None, only=None, untied=False):
     import qtool
     from qtool.data import load_data
     from qtool.example import text_split
     from qtool.model.load import load_model
-    from smollm2 import smollm2_dir
+    from smollm2 import smollm2_dir, smollm2_untied_dir
 
-    ckpt = smollm2_dir()
+    ckpt = smollm2_untied_dir() if untied else smollm2_dir()
     calib, held = text_split(n_calib, n_held)
     (tmp / "smol-calib.txt").write_text("\n\n".join(calib))
     (tmp / "smol-held.txt").write_text("\n\n".join(held))
@@ -261,7 +282,8 @@ def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256, recipes=None, only=
         print(f"smollm2 {label:<34} perplexity {ppl:.3f} ({inc:+.2f}%)  calibrate {secs:.1f}s  "
               f"fake-quant eval {ev / float_eval:.2f}x float", flush=True)
         del q
-    return {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 weights, dequantized to fp32 = the float reference)",
+    return {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 weights, dequantized to fp32 = the float reference)"
+                     + (", output layer untied from the embedding table" if untied else ""),
             "metric": "perplexity", "data": f"calibration: 32 windows of {seq_len} tokens from {n_calib} paragraphs; "
                                             f"held-out: 32 windows of {seq_len} tokens from {n_held} other paragraphs "
                                             f"of pydoc_data.topics ({tokens} scored tokens)",
@@ -314,6 +336,8 @@ def main(argv=None):
     ap.add_argument("--out", default=str(REPO / "bench/results/accuracy.json"))
     ap.add_argument("--extra", action="store_true", help="SmolLM2: the further analyzer/grid variants instead")
     ap.add_argument("--float", action="store_true", help="the float formats (FP8, NVFP4, MX) instead")
+    ap.add_argument("--rotation", action="store_true",
+                    help="SmolLM2 (untied): rows with and without Hadamard rotations r1 r2 instead")
     ap.add_argument("--only", default=None, help="comma-separated substrings: run only recipes whose label has one")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -324,8 +348,9 @@ def main(argv=None):
         if "minilm" in args.models:
             results["minilm"] = minilm(tmp, only=only, recipes=MINILM_FLOAT if args.float else None)
         if "smollm2" in args.models:
-            recipes = SMOLLM_FLOAT if args.float else SMOLLM_EXTRA if args.extra else None
-            results["smollm2"] = smollm2(tmp, recipes=recipes, only=only)
+            recipes = (SMOLLM_ROT if args.rotation else SMOLLM_FLOAT if args.float else SMOLLM_EXTRA if args.extra
+                       else None)
+            results["smollm2"] = smollm2(tmp, recipes=recipes, only=only, untied=args.rotation)
         if "efficientnet" in args.models:
             results["efficientnet"] = efficientnet(tmp, only=only)
     out = Path(args.out)

@@ -48,5 +48,30 @@ def smollm2_dir() -> Path:
     return CACHE
 
 
+def smollm2_untied_dir() -> Path:
+    """The same model with its output layer stored apart from the embedding table (``tie_word_embeddings: false``,
+    ``lm_head.weight`` a copy): the same function, in the form a residual-stream rotation (R1) needs, since qtool
+    does not untie tied embeddings itself yet."""
+    target = CACHE.with_name(CACHE.name + "-untied")
+    if (target / "config.json").exists() and list(target.glob("*.safetensors")):
+        return target
+    import shutil
+
+    import torch
+    import transformers
+
+    src = smollm2_dir()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(src), torch_dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, tmp / f.name)
+    os.replace(tmp, target)
+    return target
+
+
 if __name__ == "__main__":
     print(smollm2_dir())

@@ -31,6 +31,8 @@ __all__ = [
     "QuantizerPlan",
     "Plan",
     "BatchNormFold",
+    "RotateSpec",
+    "RotationPlan",
     "load_recipe",
     "parse_recipe",
     "recipe_file",
@@ -361,6 +363,45 @@ class KvCacheSpec(BaseModel):
     granularity: Literal["per_tensor", "per_head"] = "per_tensor"
 
 
+class RotateSpec(BaseModel):
+    """``rotate: {rotations: [r1, r2], type: hadamard | random-hadamard, seed: 0}``: before anything is
+    calibrated, orthogonal Hadamard rotations fused into the weights of a Llama-family model (QuaRot/SpinQuant's
+    R1: the residual stream, after folding each RMSNorm's weight into the Linears it feeds; R2: each attention
+    head's values, between ``v_proj`` and ``o_proj``). The float model's outputs are unchanged; outlier channels
+    are spread over all channels, so low-bit grids fit the rotated weights and activations better."""
+
+    model_config = ConfigDict(extra="forbid")
+    rotations: List[Literal["r1", "r2", "r3", "r4"]] = Field(["r1", "r2"], min_length=1)
+    type: Literal["hadamard", "random-hadamard"] = "hadamard"
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+
+    @field_validator("rotations")
+    @classmethod
+    def _fused_only(cls, v):
+        online = sorted({r for r in v if r in ("r3", "r4")})
+        if online:
+            raise ValueError(f"{', '.join(online)} rotate activations at run time (online), which qtool does not "
+                             "build yet; r1 and r2 are fused into the weights")
+        if len(set(v)) != len(v):
+            raise ValueError("a rotation is listed twice")
+        return v
+
+
+@dataclass(frozen=True)
+class RotationPlan:
+    """A recipe's ``rotate`` resolved on a Llama-family model: the module names each rotation touches."""
+
+    rotations: Tuple[str, ...]
+    kind: str  # hadamard | random-hadamard
+    seed: int
+    hidden: int
+    head_dim: int
+    embed: str
+    final_norm: str
+    head: Optional[str]  # the output Linear (None: none in the model)
+    layers: Tuple[str, ...]  # decoder layer prefixes ("model.layers.0", ...)
+
+
 class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -372,6 +413,7 @@ class Recipe(BaseModel):
     # fold each BatchNorm into the convolution before it, before anything is calibrated (AIMET's fold_all_batch_norms)
     fold_batch_norms: StrictBool = False
     kv_cache: Optional[KvCacheSpec] = None  # static FP8 scales for attention keys and values
+    rotate: Optional[RotateSpec] = None  # Hadamard rotations fused into the weights before calibration
     # llama-quantize's mix (q4_k_m, q3_k_m, ...): each weight's GGUF type as llama.cpp chooses it for a Llama-family
     # model (qtool.gguf_mixes); defaults.weights says how codes are chosen, layers rules still override
     gguf_mix: Optional[Literal["q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
@@ -711,6 +753,7 @@ def describe_recipe(recipe: Recipe) -> Dict[str, Any]:
         "smoothquant": None if recipe.smoothquant is None else recipe.smoothquant.model_dump(mode="json"),
         "fold_batch_norms": recipe.fold_batch_norms,
         "kv_cache": None if recipe.kv_cache is None else recipe.kv_cache.model_dump(mode="json"),
+        "rotate": None if recipe.rotate is None else recipe.rotate.model_dump(mode="json"),
         "gguf_mix": recipe.gguf_mix,
         "needs_data": recipe_needs_data(recipe),
     }
@@ -812,6 +855,7 @@ class Plan:
     warnings: List[str] = field(default_factory=list)
     smoothing: List[SmoothGroup] = field(default_factory=list)  # SmoothQuant, applied before calibration
     folds: List[BatchNormFold] = field(default_factory=list)  # batch norms folded before calibration
+    rotation: Optional[RotationPlan] = None  # Hadamard rotations fused before calibration
     # module -> E[x²] per input column from an importance matrix file (rows with ``imatrix`` weight by it)
     importances: Dict[str, Any] = field(default_factory=dict)
 
@@ -1061,6 +1105,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         plan.quantizers += _kv_cache_rows(recipe, named, source)
     if not plan.quantizers:
         plan.warnings.append(f"{source}: the recipe puts no quantizer on this model")
+    if recipe.rotate is not None:
+        plan.rotation = _rotation_plan(recipe.rotate, model, source)
     if recipe.smoothquant is not None:
         plan.smoothing = _smooth_groups(recipe.smoothquant, named, source)
     if recipe.fold_batch_norms:
@@ -1068,6 +1114,73 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         if not plan.folds:
             plan.warnings.append(f"{source}: fold_batch_norms: no BatchNorm follows a convolution in this model")
     return plan
+
+
+_ROTATABLE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # x/rms(x)·w, nothing else
+_LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                  "mlp.up_proj", "mlp.down_proj")
+
+
+def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> RotationPlan:
+    """``rotate`` on ``model``: every decoder layer must be Llama-family (RMSNorms, q/k/v/o and gate/up/down
+    Linears and nothing else that reads or writes the residual stream), and each rotated width must have a
+    Hadamard construction (qtool.quant.hadamard)."""
+    from torch import nn
+
+    from .quant.hadamard import HadamardError, hadamard_order
+
+    where = f"{source}: rotate"
+    modules = dict(model.named_modules())
+    layers = sorted({n[:-len(".self_attn.v_proj")] for n in modules if n.endswith(".self_attn.v_proj")},
+                    key=lambda n: (len(n), n))
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    config = getattr(model, "config", None)
+    if not layers or embed is None or config is None:
+        raise ConfigError(f"{where}: the model has no Llama-family decoder layers (model.layers.N.self_attn.v_proj) "
+                          "to rotate")
+    for layer in layers:
+        for part in _LAYER_LINEARS:
+            if not isinstance(modules.get(f"{layer}.{part}"), nn.Linear):
+                raise ConfigError(f"{where}: {layer}.{part} is not a Linear layer; qtool rotates Llama-family "
+                                  "decoder layers (Llama, Mistral, Qwen2, Qwen3)")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            got = type(modules.get(f"{layer}.{norm}")).__name__
+            if got not in _ROTATABLE_NORMS:
+                raise ConfigError(f"{where}: {layer}.{norm} is a {got}, not an RMSNorm qtool can fold "
+                                  f"({', '.join(_ROTATABLE_NORMS)})")
+        extra = sorted(n for n, m in modules.items() if n.startswith(layer + ".") and isinstance(m, nn.Linear)
+                       and n[len(layer) + 1:] not in _LAYER_LINEARS)
+        if extra:
+            raise ConfigError(f"{where}: {extra[0]} is a Linear layer qtool does not know how to rotate "
+                              "(Llama-family layers have q/k/v/o and gate/up/down only)")
+    embed_name = next(n for n, m in modules.items() if m is embed)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_name = next((n for n, m in modules.items() if m is head), None) if isinstance(head, nn.Linear) else None
+    final_norm = next((n for n, m in modules.items() if n.endswith("norm") and n.count(".") <= 1
+                       and type(m).__name__ in _ROTATABLE_NORMS and not n.startswith(layers[0])), None)
+    hidden = int(embed.weight.shape[1])
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(config, "head_dim", None) or (hidden // heads if heads else 0))
+    v = modules[f"{layers[0]}.self_attn.v_proj"]
+    if "r1" in spec.rotations:
+        if final_norm is None:
+            raise ConfigError(f"{where}: r1 folds the final RMSNorm into the output layer; the model has none qtool "
+                              "can fold")
+        if head_name is not None and head.weight is embed.weight:
+            raise ConfigError(f"{where}: r1 on a model with tied embeddings ({head_name} is {embed_name}) needs the "
+                              "output layer untied from the embedding table, which qtool does not do yet; use "
+                              "rotations: [r2]")
+    if "r2" in spec.rotations and (not head_dim or v.out_features % head_dim):
+        raise ConfigError(f"{where}: r2 rotates each attention head, but v_proj's {v.out_features} outputs are not "
+                          f"whole heads of {head_dim}")
+    for r, width, what in (("r1", hidden, "hidden size"), ("r2", head_dim, "head_dim")):
+        if r in spec.rotations:
+            try:
+                hadamard_order(width)
+            except HadamardError as e:
+                raise ConfigError(f"{where}: {r} rotates the {what} {width}: {e}") from None
+    return RotationPlan(tuple(spec.rotations), spec.type, spec.seed, hidden, head_dim, embed_name,
+                        final_norm or "", head_name, tuple(layers))
 
 
 def _kv_cache_rows(recipe: Recipe, named, source: str) -> List[QuantizerPlan]:

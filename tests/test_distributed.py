@@ -251,14 +251,37 @@ kv_cache: {granularity: per_head}
 """
 
 
-def test_float_grids_on_ranks_write_the_bytes_of_one_process(llama, tmp_path):
-    """NVFP4 with shared fused global scales, weighted MSE and GPTQ, NVFP4 activation global scales, FP8 weights
-    and static FP8 inputs, FP8 KV-cache scales: two ranks give one process's bytes."""
-    (tmp_path / "float.yaml").write_text(FLOAT_MIX)
-    args = ["calibrate", llama / "m", "-c", tmp_path / "float.yaml", "--data", llama / "ids.safetensors",
+def _one_and_two_ranks(llama, tmp_path, recipe: str):
+    """The outputs (manifest aside) of one process and of two ranks calibrating ``recipe`` on the tiny Llama."""
+    (tmp_path / "recipe.yaml").write_text(recipe)
+    args = ["calibrate", llama / "m", "-c", tmp_path / "recipe.yaml", "--data", llama / "ids.safetensors",
             "--batch-size", "2", "--quiet"]
     code, _, err = run_cli(*args, "-o", tmp_path / "one")
     assert code == 0, err
     code, out, err = _torchrun(2, *args, "-o", tmp_path / "many")
     assert code == 0, err
-    assert _outputs(tmp_path / "many") == _outputs(tmp_path / "one")
+    return _outputs(tmp_path / "one"), _outputs(tmp_path / "many")
+
+
+def test_float_grids_on_ranks_write_the_bytes_of_one_process(llama, tmp_path):
+    """NVFP4 with shared fused global scales, weighted MSE and GPTQ, NVFP4 activation global scales, FP8 weights
+    and static FP8 inputs, FP8 KV-cache scales: two ranks give one process's bytes."""
+    one, many = _one_and_two_ranks(llama, tmp_path, FLOAT_MIX)
+    assert many == one
+
+
+ROTATED = """version: 1
+defaults:
+  weights: {bitwidth: 4, granularity: per_block, block_size: 16, analyzer: mse, rounding: gptq}
+  activations: {bitwidth: 8, granularity: per_token, dynamic: true}
+layers:
+  - {type: Embedding, weights: null, activations: null}
+ignore: ["lm_head"]
+rotate: {rotations: [r1, r2], type: random-hadamard, seed: 5}
+"""
+
+
+def test_a_rotated_model_on_ranks_writes_the_bytes_of_one_process(llama, tmp_path):
+    """Every rank fuses the same rotations before GPTQ: two ranks give one process's codes and rotated floats."""
+    one, many = _one_and_two_ranks(llama, tmp_path, ROTATED)
+    assert set(one) == {"encodings.json", "codes.safetensors"} and many == one

@@ -85,7 +85,7 @@ def choose_mode(checkpoint: str, recipe: Recipe, opts: CalibrateOptions, source:
 
         skeleton = meta_skeleton(checkpoint, opts.trust_remote_code)
         plan = _resolve(recipe, skeleton, source, opts, checkpoint)
-        if not plan.needs_data():
+        if not plan.needs_data() and plan.rotation is None:  # a rotation changes the whole model: in memory
             return "streaming", skeleton, plan
     return "in_memory", None, None
 
@@ -125,9 +125,9 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
         device = resolve_device(opts.device)
         model, _, tokenizer = meta_causal_lm(checkpoint, opts.trust_remote_code)
         plan = _resolve(recipe, model, source, opts, checkpoint)
-        if plan.smoothing or plan.folds:
-            raise UsageError(f"{'smoothquant' if plan.smoothing else 'fold_batch_norms'} runs on the whole model: "
-                             "calibrate without --sequential")
+        if plan.smoothing or plan.folds or plan.rotation:
+            what = "smoothquant" if plan.smoothing else "fold_batch_norms" if plan.folds else "rotate"
+            raise UsageError(f"{what} runs on the whole model: calibrate without --sequential")
         hooks.on_plan(plan)
         data = _data(opts, plan, tokenizer, True, hooks)
         hooks.on_stage("calibrating")

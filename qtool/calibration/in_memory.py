@@ -15,6 +15,7 @@ from ..parallel import Group
 from ..quant import QuantizerBase
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_absmax, merge_inputs, shard
 from .folding import adjacent_pairs, fold_batch_norm
+from .rotation import rotate
 from .rounding import collect_inputs, importance, round_weights
 from .smoothing import activation_absmax, smooth
 
@@ -76,6 +77,12 @@ def calibrate(
                 progress(i + 1, len(local), b.size)
 
     replaced = {}
+    if plan.rotation is not None:
+        set_quantization(model, False)
+        try:
+            replaced.update(_rotate(model, plan, data, device))
+        finally:
+            set_quantization(model, True)
     if plan.folds:
         set_quantization(model, False)
         try:
@@ -144,6 +151,21 @@ def _fold(model: nn.Module, plan: Plan, modules, data: CalibrationData, device) 
     if not err <= SMOOTH_TOLERANCE:
         raise UsageError(f"fold_batch_norms: folding changed the float model's outputs (relative error {err:.2g}); "
                          "leave fold_batch_norms off for this model")
+    return replaced
+
+
+@torch.no_grad()
+def _rotate(model: nn.Module, plan: Plan, data: Optional[CalibrationData], device) -> Dict[str, torch.Tensor]:
+    """Hadamard rotations fused into the float model (qtool.calibration.rotation); with data, the float outputs on
+    the first batch must stay what they were."""
+    first = data.batches[0].to(device) if data is not None and len(data) else None
+    before = None if first is None else _first_tensor(model(*first.args, **first.kwargs)).detach()
+    replaced = rotate(model, plan.rotation)
+    if first is not None:
+        err = _relative_change(before, _first_tensor(model(*first.args, **first.kwargs)).detach())
+        if not err <= SMOOTH_TOLERANCE:
+            raise UsageError(f"rotate: the rotations changed the float model's outputs (relative error {err:.2g}); "
+                             "this model is not one qtool can rotate exactly")
     return replaced
 
 
