@@ -150,10 +150,14 @@ _ROT_BASE = {
     "W3A16 block 32, gptq": ("configs/w4a16-block32.yaml", INT3),
     "GGUF Q3_K_M, gptq (gguf-q3_k_m-gptq.yaml)": ("configs/gguf-q3_k_m-gptq.yaml", None),
 }
+# block-scaled formats: r1 block-diagonal in blocks of the format's block size (each block's outliers stay in it)
+ROT16 = {"rotate": {"rotations": ["r1", "r2"], "block_size": 16}}
 SMOLLM_ROT = {}
 for _label, (_path, _over) in _ROT_BASE.items():
     SMOLLM_ROT[_label] = (_path, _over)
     SMOLLM_ROT[_label + " + rotation r1 r2"] = (_path, {**(_over or {}), **ROT})
+    if "NVFP4" in _label:
+        SMOLLM_ROT[_label + " + rotation r1 (blocks of 16) r2"] = (_path, {**(_over or {}), **ROT16})
 # further variants (--extra): how much of the damage an analyzer or the grid choice recovers
 SMOLLM_EXTRA = {
     "W4A16 block 32, sqnr": ("configs/w4a16-block32.yaml", "sqnr"),

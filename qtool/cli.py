@@ -774,7 +774,7 @@ def inspect(
     if tot.get("bytes") is not None:
         lines.append(f"size: {tot['bytes']:,} bytes; float32 {tot['float32_bytes']:,} "
                      f"({tot['ratio_vs_float32']:.2f}x smaller); float16 {tot['float16_bytes']:,} "
-                     f"({tot['ratio_vs_float16']:.2f}x smaller)")
+                     f"({tot['ratio_vs_float16']:.2f}x smaller); {tot['bits_per_weight']:.2f} bits per weight")
     for key, value in (report.get("metadata") or {}).items():
         lines.append(f"{key}: {value}")
     for line in lines:

@@ -374,6 +374,10 @@ class RotateSpec(BaseModel):
     rotations: List[Literal["r1", "r2", "r3", "r4"]] = Field(["r1", "r2"], min_length=1)
     type: Literal["hadamard", "random-hadamard"] = "hadamard"
     seed: int = Field(0, ge=0, le=2**63 - 1)
+    # r1 block-diagonal with blocks of this many channels (None: one rotation of the whole width). Small blocks
+    # suit block-scaled formats (NVFP4, MXFP4), whose block scales already isolate an outlier channel: a rotation
+    # of the whole width would spread it into every block
+    block_size: Optional[int] = Field(None, ge=1, le=65536)
 
     @field_validator("rotations")
     @classmethod
@@ -400,6 +404,8 @@ class RotationPlan:
     final_norm: str
     head: Optional[str]  # the output Linear (None: none in the model)
     layers: Tuple[str, ...]  # decoder layer prefixes ("model.layers.0", ...)
+    block_size: int = 0  # r1's rotation: block-diagonal with blocks of this width (hidden: one rotation)
+    untie: bool = False  # r1 on tied embeddings: the output layer gets its own weight (tie_word_embeddings false)
 
 
 class Recipe(BaseModel):
@@ -1166,21 +1172,23 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
         if final_norm is None:
             raise ConfigError(f"{where}: r1 folds the final RMSNorm into the output layer; the model has none qtool "
                               "can fold")
-        if head_name is not None and head.weight is embed.weight:
-            raise ConfigError(f"{where}: r1 on a model with tied embeddings ({head_name} is {embed_name}) needs the "
-                              "output layer untied from the embedding table, which qtool does not do yet; use "
-                              "rotations: [r2]")
     if "r2" in spec.rotations and (not head_dim or v.out_features % head_dim):
         raise ConfigError(f"{where}: r2 rotates each attention head, but v_proj's {v.out_features} outputs are not "
                           f"whole heads of {head_dim}")
-    for r, width, what in (("r1", hidden, "hidden size"), ("r2", head_dim, "head_dim")):
+    block = spec.block_size or hidden
+    if "r1" in spec.rotations and hidden % block:
+        raise ConfigError(f"{where}: block_size {block} does not divide the hidden size {hidden}")
+    for r, width, what in (("r1", block, "hidden size" if block == hidden else "block_size"),
+                           ("r2", head_dim, "head_dim")):
         if r in spec.rotations:
             try:
                 hadamard_order(width)
             except HadamardError as e:
                 raise ConfigError(f"{where}: {r} rotates the {what} {width}: {e}") from None
+    # r1 folds the final norm into the output layer alone: a tied output layer gets its own copy first
+    untie = "r1" in spec.rotations and head_name is not None and head.weight is embed.weight
     return RotationPlan(tuple(spec.rotations), spec.type, spec.seed, hidden, head_dim, embed_name,
-                        final_norm or "", head_name, tuple(layers))
+                        final_norm or "", head_name, tuple(layers), block, untie)
 
 
 def _kv_cache_rows(recipe: Recipe, named, source: str) -> List[QuantizerPlan]:

@@ -50,7 +50,7 @@ def _totals(rows: List[Dict[str, Any]], numels: Optional[List[int]]) -> Dict[str
         b = sum(r["bytes"] for r in rows)
         f32, f16 = 4 * sum(numels), 2 * sum(numels)
         tot.update(bytes=b, float32_bytes=f32, float16_bytes=f16, ratio_vs_float32=f32 / max(b, 1),
-                   ratio_vs_float16=f16 / max(b, 1))
+                   ratio_vs_float16=f16 / max(b, 1), bits_per_weight=8 * b / max(sum(numels), 1))
     return tot
 
 
@@ -185,12 +185,14 @@ def _encodings_listing(path: Path, obj: Dict[str, Any]) -> Dict[str, Any]:
     return {"kind": kind, "path": str(path), "tensors": rows, "totals": _totals(rows, None)}
 
 
-# GGUF block types: bits per weight code, and whether the block carries a minimum (asymmetric)
-_GGUF_BITS = {"Q8_0": 8, "Q8_1": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5}
+# GGUF block types qtool's grids do not cover: bits per weight code
+_GGUF_BITS = {"Q8_1": 8}
 _GGUF_META = ("general.architecture", "general.name", "general.file_type", "general.quantization_version")
 
 
 def _gguf_file(path: Path) -> Dict[str, Any]:
+    from .choices import GGUF_TYPES
+
     """Tensor types, shapes and sizes plus the model metadata of a GGUF file (memory-mapped; no data is read)."""
     try:
         import gguf
@@ -203,9 +205,12 @@ def _gguf_file(path: Path) -> Dict[str, Any]:
             kind = t.tensor_type.name
             shape = [int(d) for d in reversed(t.shape.tolist())]  # ggml lists the contiguous dimension first
             quantized = kind not in ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
-            block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
-            rows.append(_row(t.name, kind, _GGUF_BITS.get(kind, 16 if kind in ("F16", "BF16") else None),
-                             f"per_block {block}" if quantized else None, shape, int(t.n_bytes), quantized))
+            block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+            known = GGUF_TYPES.get(kind.lower())
+            bits = known[0] if known is not None else _GGUF_BITS.get(kind, 16 if kind in ("F16", "BF16") else None)
+            # a block's bytes over its weights: codes, scales and minima, what the type costs in the file
+            gran = f"per_block {block}, {8 * block_bytes / block:g} bits/weight" if quantized else None
+            rows.append(_row(t.name, kind, bits, gran, shape, int(t.n_bytes), quantized))
             numels.append(_numel(shape))
         meta: Dict[str, Any] = {}
         for key, field in reader.fields.items():

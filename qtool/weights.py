@@ -86,6 +86,7 @@ class WeightSource:
         self.encodings = encodings
         self._codes: Dict[str, str] = {}
         self._floats: Dict[str, str] = {}
+        self._untied: Optional[List[str]] = None
         self._file = None
         if encodings.codes_file is not None:
             self._open(Path(encodings_dir or ".") / encodings.codes_file)
@@ -117,15 +118,27 @@ class WeightSource:
 
     # ---- the checkpoint, with stored replacements ----------------------------------------------------------
     def keys(self) -> List[str]:
-        return self.tensors.keys()
+        """The checkpoint's tensor names, then those a transform added (:meth:`untied`)."""
+        return self.tensors.keys() + self.untied()
+
+    def untied(self) -> List[str]:
+        """Replaced tensors the checkpoint does not store: a tied parameter (an output layer tied to the embedding
+        table) that a transform gave values of its own, so the model written has it as a tensor of its own."""
+        if self._untied is None:
+            stored = set(self.tensors.keys())
+            self._untied = [k for k in sorted(self._floats) if k not in stored]
+        return list(self._untied)
 
     def shape_dtype(self, key: str) -> Tuple[Tuple[int, ...], torch.dtype]:
+        if key in self._floats and key in self.untied():  # no checkpoint tensor: the stored one's shape and dtype
+            view = self._file.get_slice(self._floats[key])
+            return tuple(view.get_shape()), ST_DTYPES[view.get_dtype()]
         return self.tensors.shape_dtype(key)
 
     def get(self, key: str) -> torch.Tensor:
         if key in self._floats:
             t = self._file.get_tensor(self._floats[key])
-            shape, dtype = self.tensors.shape_dtype(key)
+            shape, dtype = self.shape_dtype(key)
             if tuple(t.shape) != tuple(shape):
                 raise EncodingsError(f"{self.path}: {self._floats[key]} has shape {list(t.shape)}, the checkpoint's "
                                      f"{key} {list(shape)}")

@@ -2,6 +2,7 @@
 itself (xllamacpp) runs it and agrees with qtool's model, and what GGUF cannot hold is refused before any work."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -182,6 +183,11 @@ def test_inspect_reads_gguf(llamas, tmp_path):
     rows = {r["name"]: r for r in rep["tensors"]}
     assert rows["blk.1.ffn_up.weight"]["dtype"] == "Q4_1" and rows["blk.1.ffn_up.weight"]["shape"] == [128, 64]
     assert rows["blk.1.ffn_up.weight"]["bytes"] == 128 * 64 // 32 * 20
+    # a Q4_1 block of 32 weights is 20 bytes: 4-bit codes plus a float16 scale and minimum, 5 bits per weight
+    assert rows["blk.1.ffn_up.weight"]["bitwidth"] == 4
+    assert rows["blk.1.ffn_up.weight"]["granularity"] == "per_block 32, 5 bits/weight"
+    numel = sum(math.prod(r["shape"]) for r in rep["tensors"])
+    assert rep["totals"]["bits_per_weight"] == pytest.approx(8 * rep["totals"]["bytes"] / numel)
     assert rep["metadata"]["general.architecture"] == "llama" and rep["metadata"]["tokenizer.ggml.pre"] == "gpt-2"
     assert rep["totals"]["quantized_tensors"] == 15
     bad = tmp_path / "bad.gguf"
@@ -356,6 +362,13 @@ def test_k_quant_files_read_back_as_qtools_fake_quant_weights(wide_llama, tmp_pa
         kind, deq = values[summary["names"][hf_name]]
         assert kind == gguf_type.upper()
         assert np.array_equal(deq.reshape(w.shape), w.numpy()), hf_name
+    # qtool inspect names the type, its code bits and what it costs per weight (ggml's block sizes)
+    code, out, err = run_cli("inspect", tmp_path / "q", "--json")
+    assert code == 0, err
+    row = {r["name"]: r for r in json.loads(out)["tensors"]}["blk.0.ffn_down.weight"]
+    cost = {"q2_k": 2.625, "q3_k": 3.4375, "q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625, "iq4_nl": 4.5, "iq4_xs": 4.25}
+    assert row["dtype"] == gguf_type.upper() and row["bitwidth"] == int(gguf_type[2 if gguf_type[0] == "i" else 1])
+    assert row["granularity"].endswith(f", {cost[gguf_type]:g} bits/weight")
 
 
 def test_llama_cpp_runs_a_q4_k_file_and_agrees_with_qtool(wide_llama, tmp_path):

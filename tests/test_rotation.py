@@ -104,6 +104,22 @@ def test_every_fused_rotation_leaves_the_float_outputs_unchanged(tmp_path, model
             | ({f"model.layers.{i}.self_attn.v_proj.bias" for i in range(2)} if model_type == "qwen2" else set())
 
 
+@pytest.mark.parametrize("block", [12, 24, 48])
+def test_a_block_diagonal_r1_leaves_the_float_outputs_unchanged(tmp_path, block):
+    model = transformers.AutoModelForCausalLM.from_pretrained(_llama(tmp_path / "m", tied=True)).eval()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+    plan = resolve_plan(parse_recipe(f"version: 1\nrotate: {{block_size: {block}, type: random-hadamard}}\n"), model)
+    changed = rotate(model, plan.rotation)
+    with torch.no_grad():
+        after = model(ids).logits
+    assert (after - before).abs().max() <= 1e-5 * before.abs().max()
+    # each block of channels is rotated on its own: the first block of the table mixes only its own columns
+    e = changed["model.embed_tokens.weight"]
+    assert e.shape == (256, 96) and model.lm_head.weight is not model.model.embed_tokens.weight
+
+
 def test_r1_spreads_the_outlier_channels_of_the_residual_stream(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(_llama(tmp_path / "m")).eval()
     plan = resolve_plan(parse_recipe("version: 1\nrotate: {rotations: [r1]}\n"), model)
@@ -178,6 +194,7 @@ def test_rotation_makes_low_bit_activations_closer_to_float(world, tmp_path):
     ("rotate: {rotations: [r1, r1]}", "listed twice"),
     ("rotate: {type: cayley}", "type"),
     ("rotate: {rotations: []}", "rotations"),
+    ("rotate: {block_size: 0}", "block_size"),
 ])
 def test_recipe_errors(text, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -188,9 +205,10 @@ def test_models_it_cannot_rotate_are_one_line_and_write_nothing(tmp_path):
     ids = torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(0))
     save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
     cases = [
-        (_llama(tmp_path / "tied", tied=True), "rotate: {rotations: [r1]}", "tied embeddings"),
         (_llama(tmp_path / "wide", hidden=184, heads=4), "rotate: {rotations: [r1]}", "hidden size 184"),
         (_llama(tmp_path / "heads", hidden=184, heads=4), "rotate: {rotations: [r2]}", "head_dim 46"),
+        (_llama(tmp_path / "block", hidden=96, heads=4), "rotate: {block_size: 36}", "does not divide the hidden"),
+        (_llama(tmp_path / "block2", hidden=96, heads=4), "rotate: {block_size: 6}", "block_size 6"),
     ]
     for i, (model, text, needle) in enumerate(cases):
         recipe = W4A16_ROT.replace("rotate: {rotations: [r1, r2]}", text).replace("block_size: 32", "block_size: 8")
@@ -199,13 +217,6 @@ def test_models_it_cannot_rotate_are_one_line_and_write_nothing(tmp_path):
         errors = [e for e in error_lines(err) if e.startswith("error")]
         assert code == 2 and len(errors) == 1 and needle in errors[0], err
         assert not (tmp_path / f"out{i}").exists()
-    # r2 alone is fine on a tied model
-    (tmp_path / "r.yaml").write_text(W4A16_ROT.replace("[r1, r2]", "[r2]"))
-    code, _, err = run_cli("calibrate", tmp_path / "tied", "-c", tmp_path / "r.yaml", "-o", tmp_path / "ok")
-    assert code == 0, err
-    code, _, err = run_cli("calibrate", tmp_path / "tied", "-c", tmp_path / "r.yaml", "-o", tmp_path / "seq",
-                           "--sequential", "--data", tmp_path / "ids.safetensors")
-    assert code == 2 and "without --sequential" in err
 
 
 def test_a_model_that_is_not_llama_family_is_refused():
@@ -213,3 +224,65 @@ def test_a_model_that_is_not_llama_family_is_refused():
 
     with pytest.raises(ConfigError, match="no Llama-family decoder layers"):
         resolve_plan(parse_recipe("version: 1\nrotate: {}\n"), mlp())
+
+
+def test_r1_unties_a_tied_output_layer_and_every_format_writes_it(tmp_path):
+    """Tied embeddings (SmolLM2's case): the final norm folds into the output layer alone, so r1 gives it a weight
+    of its own; the fake-quant model, compressed-tensors (tie_word_embeddings false) and GGUF (output.weight) all
+    carry it, and the float function is unchanged."""
+    gguf = pytest.importorskip("gguf")
+    from tests.test_gguf import _tiny_llama
+
+    llama = _tiny_llama(tmp_path / "tied", True)
+    with torch.no_grad():  # norms that are not all ones, so the untie matters
+        model = transformers.AutoModelForCausalLM.from_pretrained(llama).eval()
+        model.model.norm.weight.uniform_(0.5, 1.5)
+        model.save_pretrained(llama)
+    ids = torch.randint(1, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    (tmp_path / "r.yaml").write_text(W4A16_ROT.replace("ignore: [lm_head]\n", ""))
+    code, out, err = run_cli("calibrate", llama, "-c", tmp_path / "r.yaml", "-o", tmp_path / "run")
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["rotation"]["untied"] == ["lm_head"]
+    fq = qtool.load_calibrated(str(llama), str(tmp_path / "run" / "encodings.json"))
+    assert fq.lm_head.weight is not fq.model.embed_tokens.weight
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(llama)).eval()
+    with torch.no_grad():
+        quantized = fq(ids).logits
+        set_quantization(fq, False)
+        a, b = fq(ids).logits, plain(ids).logits
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    for fmt in ("compressed-tensors", "gguf"):
+        code, _, err = run_cli("export", llama, "-e", tmp_path / "run" / "encodings.json", "-o", tmp_path / fmt,
+                               "--format", fmt, *(("--gguf-fallback", "f32") if fmt == "gguf" else ()))
+        assert code == 0, err
+    assert json.loads((tmp_path / "compressed-tensors" / "config.json").read_text())["tie_word_embeddings"] is False
+    ct = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "compressed-tensors")).eval()
+    with torch.no_grad():
+        assert torch.equal(ct(ids).logits, quantized)
+    reader = gguf.GGUFReader(str(next((tmp_path / "gguf").glob("*.gguf"))))
+    names = {t.name for t in reader.tensors}
+    assert {"token_embd.weight", "output.weight"} <= names
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_sequential_fuses_the_same_rotations_block_by_block(tmp_path, tied):
+    """--sequential rotates each part as it loads it (table, each block, the output layer) and writes the bytes of
+    the whole-model run: the same encodings, the same rotated tensors (an untied output layer included)."""
+    llama = _llama(tmp_path / "m", tied=tied)
+    ids = torch.randint(0, 256, (6, 12), generator=torch.Generator().manual_seed(4))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    recipe = W4A16_ROT.replace("ignore: [lm_head]\n", "").replace("block_size: 32", "block_size: 16")
+    (tmp_path / "r.yaml").write_text(recipe.replace("[r1, r2]", "[r1, r2], type: random-hadamard, seed: 9"))
+    runs = {}
+    for mode in ("memory", "sequential"):
+        code, _, err = run_cli("calibrate", llama, "-c", tmp_path / "r.yaml", "--data", tmp_path / "ids.safetensors",
+                               "-o", tmp_path / mode, *(("--sequential",) if mode == "sequential" else ()))
+        assert code == 0, err
+        runs[mode] = {f.name: f.read_bytes() for f in (tmp_path / mode).iterdir() if f.name != "manifest.json"}
+    assert set(runs["memory"]) == {"encodings.json", "codes.safetensors"}
+    assert runs["sequential"] == runs["memory"]
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "sequential" / "codes.safetensors"), "pt") as fh:
+        assert ("float/lm_head.weight" in fh.keys()) and ("float/model.embed_tokens.weight" in fh.keys())

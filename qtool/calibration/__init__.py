@@ -125,19 +125,20 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
         device = resolve_device(opts.device)
         model, _, tokenizer = meta_causal_lm(checkpoint, opts.trust_remote_code)
         plan = _resolve(recipe, model, source, opts, checkpoint)
-        if plan.smoothing or plan.folds or plan.rotation:
-            what = "smoothquant" if plan.smoothing else "fold_batch_norms" if plan.folds else "rotate"
-            raise UsageError(f"{what} runs on the whole model: calibrate without --sequential")
+        if plan.smoothing or plan.folds:
+            raise UsageError(f"{'smoothquant' if plan.smoothing else 'fold_batch_norms'} runs on the whole model: "
+                             "calibrate without --sequential")
         hooks.on_plan(plan)
         data = _data(opts, plan, tokenizer, True, hooks)
         hooks.on_stage("calibrating")
         codes: Dict[str, torch.Tensor] = {}
+        floats: Dict[str, torch.Tensor] = {}
         entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block, codes=codes,
-                                       group=group)
+                                       group=group, floats=floats)
         done = {e.name for e in entries}
         unused = [q.name for q in plan.static_activations if q.name not in done]
         return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", data, unused, codes,
-                              samples_per_rank=samples_per_rank(data, group))
+                              floats, samples_per_rank=samples_per_rank(data, group))
     if mode == "streaming":
         from .streaming import calibrate_weights_streaming
 

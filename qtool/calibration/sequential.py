@@ -33,6 +33,7 @@ from ..io.checkpoint import CheckpointTensors
 from ..model.insert import insert_quantizers
 from ..parallel import Group
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_inputs, shard
+from .rotation import Rotator
 from .rounding import collect_inputs, importance, round_weights
 
 __all__ = ["calibrate_sequential"]
@@ -73,13 +74,16 @@ def _release(module: nn.Module) -> None:
 def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.device, model: nn.Module,
                          on_block: Optional[Callable[[int, int], None]] = None,
                          codes: Optional[Dict[str, torch.Tensor]] = None,
-                         group: Optional[Group] = None) -> List[EncodingEntry]:
+                         group: Optional[Group] = None,
+                         floats: Optional[Dict[str, torch.Tensor]] = None) -> List[EncodingEntry]:
     """Calibrate ``plan`` on ``model`` (a meta-device skeleton from ``qtool.model.hf.meta_causal_lm``), block by
-    block. Codes chosen by a rounding algorithm go into ``codes`` (quantizer name -> int64 tensor). With a
+    block. Codes chosen by a rounding algorithm go into ``codes`` (quantizer name -> int64 tensor), tensors a
+    rotation (``plan.rotation``, fused part by part as each part is loaded) changed into ``floats``. With a
     distributed ``group`` this rank carries its shard of the batches through the blocks and the ranks combine
     each block's statistics before the next (:mod:`.collective`); activation entries come back on rank 0 only."""
     group = group or Group()
     codes = {} if codes is None else codes
+    floats = {} if floats is None else floats
     data = shard(data, group)
     src = CheckpointTensors(path)
     keys = set(src.keys())
@@ -124,7 +128,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         calibrate_weights_split(sub.weights, sizes, lambda q: qs[q.name], weight_of, group,
                                 importance_for=lambda q: importance(q, stats, weight_of(q).shape, plan.importances))
         # a weight the checkpoint stores under another module's name (a tied lm_head) was loaded as its own copy
-        stored_elsewhere = [q.module for q in sub.weights if name_of(f"{q.module}.weight") != f"{q.module}.weight"]
+        stored_elsewhere = [q.module for q in sub.weights if name_of(f"{q.module}.weight") != f"{q.module}.weight"
+                            and not (plan.rotation is not None and plan.rotation.untie)]
         codes.update(round_weights([q for q in sub.weights if q.needs_inputs], modules, qs, stats, plan.warnings,
                                    tied=stored_elsewhere, group=group))
         calibrate_activations_dp(sub.static_activations, qs, run, group)
@@ -136,6 +141,9 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
     embed = model.get_input_embeddings()
     embed_name = next(n for n, m in modules.items() if m is embed)
     _materialize(embed, embed_name, src, name_of, device)
+    rotator = Rotator(model, plan.rotation) if plan.rotation is not None else None
+    if rotator is not None:
+        floats.update(rotator.embedding())
     captured: List[Tuple[tuple, dict]] = []
 
     def grab(mod, args, kwargs):
@@ -170,6 +178,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
     for i, block in enumerate(blocks):
         prefix = block_names[i]
         _materialize(block, prefix, src, name_of, device)
+        if rotator is not None:
+            floats.update(rotator.layer(prefix))
         outputs: List[torch.Tensor] = []
 
         def run_block():
@@ -190,11 +200,14 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
 
     # 3. what comes after the blocks
     tail = [q for q in rows_under(None, outside=True) if q.module != embed_name]
-    if tail:
+    rotate_head = rotator is not None and "r1" in plan.rotation.rotations and plan.rotation.head is not None
+    if tail or rotate_head:
         norm = model.model.norm
         lm_head = model.get_output_embeddings()
         _materialize(norm, "model.norm", src, name_of, device)
         _materialize(lm_head, "lm_head", src, name_of, device)
+        if rotate_head:
+            floats.update(rotator.head())
 
         def run_tail():
             for args, _ in captured:

@@ -342,9 +342,12 @@ def export_compressed_tensors(
 
     model = meta_skeleton(checkpoint, trust_remote_code)
     modules = dict(model.named_modules())
-    tied_names = _tied_params(model)
     src = weights or WeightSource(checkpoint, encodings, trust_pickle=trust_pickle)
     keys = src.keys()
+    untied = set(src.untied())  # an output layer a transform (rotation) untied from the embedding table
+    tied_names = {k: v for k, v in _tied_params(model).items() if k not in untied}
+    if untied:
+        config["tie_word_embeddings"] = False
 
     warnings: List[str] = []
     # dynamic input quantizers become the config group's input_activations (W8A8 with dynamic activations), and

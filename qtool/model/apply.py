@@ -63,6 +63,15 @@ def apply_stored_weights(model: nn.Module, weights: WeightSource, codes: bool = 
         stored = weights.stored_codes(e, tuple(w.shape))
         fixed = weights.dequantize_codes(e, stored).to(w.device)
         set_stored_weight(modules[e.module], fixed.to(w.dtype))
+    for key in weights.untied():  # a tied parameter a transform gave its own values: untie it first
+        module, _, attr = key.rpartition(".")
+        owner = modules.get(module)
+        p = None if owner is None else owner._parameters.get(attr)
+        if p is None:
+            raise EncodingsError(f"{weights.path}: replaced tensor {key!r} is not a parameter of this model")
+        owner._parameters[attr] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+        if getattr(model, "config", None) is not None and hasattr(model.config, "tie_word_embeddings"):
+            model.config.tie_word_embeddings = False
     if weights.replaced():
         state = dict(model.named_parameters())
         state.update(dict(model.named_buffers()))
