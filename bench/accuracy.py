@@ -112,6 +112,8 @@ SMOLLM_FLOAT = {
     "MXFP8 W8A8 (mxfp8.yaml)": ("configs/mxfp8.yaml", None),
     "MXFP4 W4A4 (mxfp4.yaml)": ("configs/mxfp4.yaml", None),
     "NVFP4 W4A4 (nvfp4.yaml)": ("configs/nvfp4.yaml", None),
+    "NVFP4 weights only (nvfp4a16.yaml)": ("configs/nvfp4a16.yaml", None),
+    "NVFP4 activations only": ("configs/nvfp4.yaml", {"weights": None}),
     "NVFP4 W4A4, gptq + weighted mse (sequential)": ("configs/nvfp4.yaml", GPTQ_WEIGHTED, SEQUENTIAL),
     # what limits W4A4: the activations alone, and SmoothQuant moving their outliers into the weights
     "NVFP4 activations only, weights float": ("configs/nvfp4.yaml", {"weights": None}),

@@ -34,7 +34,7 @@ def test_help_lists_choices_and_examples_and_completion_is_on():
     export = runner.invoke(app, ["export", "--help"]).stdout
     assert "[qtool|aimet|onnx|compressed-tensors|gguf]" in export and "[0.6.1|1.0.0|2.0.0]" in export
     assert "[int-quantized|pack-quantized]" in export and "[none|f32|f16]" in export
-    assert set(_complete_recipe("w8a8")) == {"w8a8", "w8a8-dynamic", "w8a8-smoothquant"}
+    assert set(_complete_recipe("w8a8")) == {"w8a8", "w8a8-dynamic", "w8a8-dynamic-rot", "w8a8-smoothquant"}
 
 
 def test_packaging_metadata_gives_setuptools_nothing_to_warn_about():
