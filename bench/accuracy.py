@@ -143,6 +143,7 @@ PER_TOKEN_A8 = {"activations": {"granularity": "per_token", "dynamic": True}}
 PER_TOKEN_A4 = {"activations": {"bitwidth": 4, "granularity": "per_token", "dynamic": True}}
 INT3 = {"weights": {"bitwidth": 3, "rounding": "gptq"}}
 _ROT_BASE = {
+    "W4A8 gptq + weighted mse (w4a8-gptq.yaml, sequential)": ("configs/w4a8-gptq.yaml", None, SEQUENTIAL),
     "W4A16 block 32, gptq": ("configs/w4a16-block32.yaml", GPTQ),
     "W8A8 dynamic per-token (w8a8-dynamic.yaml)": ("configs/w8a8-dynamic.yaml", None),
     "W4A8 block 32 gptq, A8 dynamic per-token": ("configs/w4a8-block32.yaml", {**GPTQ, **PER_TOKEN_A8}),
@@ -155,11 +156,11 @@ _ROT_BASE = {
 # block-scaled formats: r1 block-diagonal in blocks of the format's block size (each block's outliers stay in it)
 ROT16 = {"rotate": {"rotations": ["r1", "r2"], "block_size": 16}}
 SMOLLM_ROT = {}
-for _label, (_path, _over) in _ROT_BASE.items():
-    SMOLLM_ROT[_label] = (_path, _over)
-    SMOLLM_ROT[_label + " + rotation r1 r2"] = (_path, {**(_over or {}), **ROT})
+for _label, (_path, _over, *_options) in _ROT_BASE.items():
+    SMOLLM_ROT[_label] = (_path, _over, *_options)
+    SMOLLM_ROT[_label + " + rotation r1 r2"] = (_path, {**(_over or {}), **ROT}, *_options)
     if "NVFP4" in _label:
-        SMOLLM_ROT[_label + " + rotation r1 (blocks of 16) r2"] = (_path, {**(_over or {}), **ROT16})
+        SMOLLM_ROT[_label + " + rotation r1 (blocks of 16) r2"] = (_path, {**(_over or {}), **ROT16}, *_options)
 # further variants (--extra): how much of the damage an analyzer or the grid choice recovers
 SMOLLM_EXTRA = {
     "W4A16 block 32, sqnr": ("configs/w4a16-block32.yaml", "sqnr"),

@@ -285,3 +285,18 @@ def test_a_rotated_model_on_ranks_writes_the_bytes_of_one_process(llama, tmp_pat
     """Every rank fuses the same rotations before GPTQ: two ranks give one process's codes and rotated floats."""
     one, many = _one_and_two_ranks(llama, tmp_path, ROTATED)
     assert set(one) == {"encodings.json", "codes.safetensors"} and many == one
+
+
+GGUF_MIX = """version: 1
+gguf_mix: q4_k_m
+defaults:
+  weights: {analyzer: {name: mse, weighting: activations}, rounding: gptq}
+  activations: null
+"""
+
+
+def test_a_gguf_mix_with_gptq_on_ranks_writes_the_bytes_of_one_process(llama, tmp_path):
+    """llama-quantize's Q4_K_M types, the weighted sub-block search and GPTQ on the quantized grid: two ranks give
+    one process's encodings and codes."""
+    one, many = _one_and_two_ranks(llama, tmp_path, GGUF_MIX)
+    assert set(one) == {"encodings.json", "codes.safetensors"} and many == one

@@ -97,3 +97,36 @@ def test_scales_beyond_float16_are_refused():
         ggml.snap(torch.full((1, 8), 1e7), torch.zeros(1, 8), t)
     with pytest.raises(ValueError, match="not finite"):
         ggml.snap(torch.full((1, 8), float("nan")), torch.zeros(1, 8), t)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), outlier=st.floats(4.0, 30.0))
+def test_clipped_candidates_never_raise_the_search_error_and_clip_an_outlier(seed, outlier):
+    """search_range(clip_ratios=...) only adds candidates: its sub-block error (before scales are quantized) is
+    never above the plain search's, and a sub-block with one far outlier gets a span narrower than its min-max."""
+    t = ggml.ggml_type("q4_1")
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed))
+    x[:, 7] = outlier * x[:, 7].sign()
+    x[32:, 7] = 0.0  # half the rows without the outlier
+
+    def error(mn, mx):  # Q4_1's grid for the range (codes 0..15 from the minimum), unquantized step
+        step = ((mx - mn) / 15).clamp(min=1e-12)[:, None]
+        return ((torch.round((x - mn[:, None]) / step).clamp(0, 15) * step + mn[:, None] - x) ** 2).sum(1)
+
+    plain = ggml.search_range(x, t)
+    clipped = ggml.search_range(x, t, clip_ratios=ggml.CLIP_RATIOS)
+    assert bool((error(*clipped) <= error(*plain) * (1 + 1e-5) + 1e-7).all())
+    span = clipped[1] - clipped[0]
+    assert bool((span[:32] < (x[:32].amax(1) - x[:32].amin(1).clamp(max=0)) - 1e-6).any())
+
+
+def test_a_gptq_row_searches_clipped_spans_and_a_nearest_row_does_not():
+    from qtool.config import parse_recipe, resolve_plan
+    from qtool.model.insert import make_quantizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8))
+    for rounding, clip in (("gptq", True), ("nearest", False)):
+        recipe = parse_recipe(f"version: 1\ndefaults:\n  weights: {{gguf_type: q4_0, analyzer: mse, rounding: {rounding}}}"
+                              "\n  activations: null\n")
+        row = resolve_plan(recipe, model).weights[0]
+        assert make_quantizer(row).clip is clip

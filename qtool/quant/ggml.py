@@ -199,25 +199,36 @@ def _nearest_table(x: torch.Tensor) -> torch.Tensor:
     return table[torch.bucketize(x, (table[1:] + table[:-1]) / 2)]
 
 
+CLIP_RATIOS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # clipped spans search_range can try (before GPTQ)
+
+
 def search_range(rows: torch.Tensor, t: GgmlType, weights: Optional[torch.Tensor] = None, steps: int = 20,
-                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+                 clip_ratios: Tuple[float, ...] = ()) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per sub-block (a row of ``rows`` ``(E, sub)``), the range ``(mn, mx)`` (each ``(E,)``, in the convention of
     :func:`grid_from_range`) whose step (and minimum) give the least ``weights``-weighted squared error.
 
     The search is llama.cpp's kind (``make_qkx2_quants`` / ``make_qx_quants``): ``steps + 1`` candidate steps
     around the one that spans the sub-block, each giving codes by rounding, then the weighted least-squares step
     (and minimum, kept ≤ 0 as the types store it) for those codes; the min-max range is a candidate too, so the
-    result is never worse than min-max before the sub-block scales are quantized."""
+    result is never worse than min-max before the sub-block scales are quantized. Beyond llama.cpp's, spans
+    clipped by each of ``clip_ratios`` (e.g. :data:`CLIP_RATIOS`) are candidates too, refitted the same way. That
+    is for codes GPTQ chooses afterwards, which make up for a clipped extreme: measured on SmolLM2, Q4_K_M with
+    GPTQ +0.70 % against +0.88 % without them, while round-to-nearest got worse with them (Q3_K_M +7.10 % against
+    +6.57 %), since a clipped extreme weight then stays clipped."""
     x = rows.to(torch.float32)
     w = torch.ones_like(x) if weights is None else weights.to(torch.float32)
     qmin, qmax = t.qmin_qmax
     mn, mx = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
     # the min-max candidate first, as it is (ties keep it); then steps around it, each refitted
     deltas = [0.0] + [d for d in (-1.0 + 2.0 * k / steps for k in range(steps + 1)) if d != 0.0]
+    # clipped spans: the range shrunk toward zero by each ratio, then refitted like the others
+    candidates = [(d, 1.0) for d in deltas] + [(0.0, float(r)) for r in clip_ratios]
     best_err = best_step = best_low = None
-    amax = torch.maximum(-mn, mx)
     sign = torch.where(mx > -mn, -1.0, 1.0)  # a symmetric grid's larger end takes its most negative code
-    for i, delta in enumerate(deltas):
+    full_mn, full_mx = mn, mx
+    for i, (delta, ratio) in enumerate(candidates):
+        mn, mx = full_mn * ratio, full_mx * ratio
+        amax = torch.maximum(-mn, mx)
         if t.table:
             step = sign * amax / (-IQ4_TABLE[0] + 8 * delta)
             safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]

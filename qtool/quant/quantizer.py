@@ -31,7 +31,7 @@ from .affine import (
 from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer, MseEncodingAnalyzer
 from .floatgrid import (dynamic_float_scales, element_of, encoding_scales, float_quantize_dequantize,
                         global_scale, search_amax)
-from .ggml import GgmlType, KGrid, grid_from_range, search_range
+from .ggml import CLIP_RATIOS, GgmlType, KGrid, grid_from_range, search_range
 from .ggml import quantize_dequantize as ggml_quantize_dequantize
 from .tensor import AffineEncoding, DequantizedTensor, QuantizedTensor
 
@@ -379,9 +379,10 @@ class GgmlQuantizeDequantize(QuantizerBase):
     dtype equal to what llama.cpp dequantizes from the file."""
 
     def __init__(self, shape: Sequence[int], gtype: GgmlType, encoding_analyzer: Optional[EncodingAnalyzer] = None,
-                 block_size: Optional[Sequence[int]] = None):
+                 block_size: Optional[Sequence[int]] = None, clip: bool = False):
         super().__init__(shape, gtype.bits, gtype.symmetric, encoding_analyzer, block_size)
         self.ggml = gtype
+        self.clip = clip  # the MSE search also tries clipped spans (ggml.CLIP_RATIOS): for codes GPTQ chooses
         self.scale_dtype = gtype.name.lower()
 
     def grid(self, mn: Optional[torch.Tensor] = None, mx: Optional[torch.Tensor] = None) -> KGrid:
@@ -402,7 +403,7 @@ class GgmlQuantizeDequantize(QuantizerBase):
         if not isinstance(self.encoding_analyzer, MseEncodingAnalyzer):
             return super()._calibrated_range()
         stats = self.encoding_analyzer.statistics()
-        mn, mx = search_range(stats.rows, self.ggml, stats.weights)
+        mn, mx = search_range(stats.rows, self.ggml, stats.weights, clip_ratios=CLIP_RATIOS if self.clip else ())
         return mn.reshape(self.shape), mx.reshape(self.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
