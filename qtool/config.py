@@ -407,6 +407,11 @@ class RotationPlan:
     block_size: int = 0  # r1's rotation: block-diagonal with blocks of this width (hidden: one rotation)
     untie: bool = False  # r1 on tied embeddings: the output layer gets its own weight (tie_word_embeddings false)
 
+    @property
+    def rotates_head(self) -> bool:
+        """Whether r1 folds the final norm into an output layer and rotates it."""
+        return "r1" in self.rotations and self.head is not None
+
 
 class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid")

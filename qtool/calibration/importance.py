@@ -58,7 +58,7 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
     module_entry = {module: name for name, module in by_gguf.items() if name in importances}
     rows, used, unweighted = [], {}, 0
     for q in plan.quantizers:
-        if q.tensor != "weight" or q.analyzer != "mse" or not q.module_type == "Linear":
+        if q.tensor != "weight" or q.analyzer != "mse" or q.module_type != "Linear":
             rows.append(q)
             continue
         args = dict(q.analyzer_args)

@@ -123,6 +123,11 @@ def _first_tensor(out) -> torch.Tensor:
     return next(v for v in values if isinstance(v, torch.Tensor))
 
 
+def _output(model: nn.Module, batch) -> torch.Tensor:
+    """The model's (first) output on ``batch``, detached: what the float-equivalence checks compare."""
+    return _first_tensor(model(*batch.args, **batch.kwargs)).detach()
+
+
 def _relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
     """The largest change of a float output, relative to its largest magnitude (compared to SMOOTH_TOLERANCE)."""
     return float((after - before).abs().max() / before.abs().max().clamp(min=1e-12))
@@ -147,7 +152,7 @@ def _fold(model: nn.Module, plan: Plan, modules, data: CalibrationData, device) 
             replaced.update(fold_batch_norm(modules[f.conv], modules[f.bn], f.conv, f.bn))
         except ValueError as e:
             raise UsageError(f"fold_batch_norms: {e}") from None
-    err = _relative_change(before, _first_tensor(model(*first.args, **first.kwargs)).detach())
+    err = _relative_change(before, _output(model, first))
     if not err <= SMOOTH_TOLERANCE:
         raise UsageError(f"fold_batch_norms: folding changed the float model's outputs (relative error {err:.2g}); "
                          "leave fold_batch_norms off for this model")
@@ -159,10 +164,10 @@ def _rotate(model: nn.Module, plan: Plan, data: Optional[CalibrationData], devic
     """Hadamard rotations fused into the float model (qtool.calibration.rotation); with data, the float outputs on
     the first batch must stay what they were."""
     first = data.batches[0].to(device) if data is not None and len(data) else None
-    before = None if first is None else _first_tensor(model(*first.args, **first.kwargs)).detach()
+    before = None if first is None else _output(model, first)
     replaced = rotate(model, plan.rotation)
     if first is not None:
-        err = _relative_change(before, _first_tensor(model(*first.args, **first.kwargs)).detach())
+        err = _relative_change(before, _output(model, first))
         if not err <= SMOOTH_TOLERANCE:
             raise UsageError(f"rotate: the rotations changed the float model's outputs (relative error {err:.2g}); "
                              "this model is not one qtool can rotate exactly")
@@ -180,12 +185,12 @@ def _smooth(model: nn.Module, plan: Plan, modules, data: CalibrationData, device
     if missing:
         raise DataError(f"smoothquant: the calibration data never reached the layers after {missing[0]}")
     first = data.batches[0].to(device)
-    before = _first_tensor(model(*first.args, **first.kwargs)).detach()
+    before = _output(model, first)
     replaced: Dict[str, torch.Tensor] = {}
     for mapping in sorted({g.mapping for g in plan.smoothing}):
         for g in (g for g in plan.smoothing if g.mapping == mapping):
             replaced.update(smooth(g, modules, amax[g.smooth]))
-        after = _first_tensor(model(*first.args, **first.kwargs)).detach()
+        after = _output(model, first)
         err = _relative_change(before, after)
         if not err <= SMOOTH_TOLERANCE:
             g = next(g for g in plan.smoothing if g.mapping == mapping)

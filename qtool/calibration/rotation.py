@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..config import RotationPlan
+from ..model.apply import untie
 from ..quant.hadamard import hadamard_transform
 
 __all__ = ["rotate", "Rotator"]
@@ -71,13 +72,9 @@ class Rotator:
     def _untie(self) -> None:
         """A tied output layer gets its own copy of the (not yet rotated) table: the final norm folds into it
         alone."""
-        if not self.plan.untie:
-            return
-        head, embed = self.modules[self.plan.head], self.modules[self.plan.embed]
-        if head.weight is embed.weight:
-            head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
-        if getattr(self.model, "config", None) is not None:
-            self.model.config.tie_word_embeddings = False
+        head, embed = self.modules.get(self.plan.head), self.modules[self.plan.embed]
+        if self.plan.untie and head.weight is embed.weight:
+            untie(self.model, head)
 
     @torch.no_grad()
     def embedding(self) -> Dict[str, torch.Tensor]:
@@ -123,7 +120,7 @@ class Rotator:
         first given a weight of its own."""
         changed: Dict[str, torch.Tensor] = {}
         plan = self.plan
-        if "r1" not in plan.rotations or plan.head is None:
+        if not plan.rotates_head:
             return changed
         self._untie()
         head = self.modules[plan.head]

@@ -200,7 +200,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
 
     # 3. what comes after the blocks
     tail = [q for q in rows_under(None, outside=True) if q.module != embed_name]
-    rotate_head = rotator is not None and "r1" in plan.rotation.rotations and plan.rotation.head is not None
+    rotate_head = rotator is not None and plan.rotation.rotates_head
     if tail or rotate_head:
         norm = model.model.norm
         lm_head = model.get_output_embeddings()

@@ -14,7 +14,7 @@ from ..quant import QuantizerBase
 from ..weights import WeightSource
 from .insert import insert_quantizers, set_stored_weight
 
-__all__ = ["plan_from_encodings", "apply_encodings", "apply_stored_weights"]
+__all__ = ["plan_from_encodings", "apply_encodings", "apply_stored_weights", "untie"]
 
 
 def plan_from_encodings(enc: EncodingsFile, model: nn.Module, source: str) -> Plan:
@@ -66,12 +66,9 @@ def apply_stored_weights(model: nn.Module, weights: WeightSource, codes: bool = 
     for key in weights.untied():  # a tied parameter a transform gave its own values: untie it first
         module, _, attr = key.rpartition(".")
         owner = modules.get(module)
-        p = None if owner is None else owner._parameters.get(attr)
-        if p is None:
+        if owner is None or owner._parameters.get(attr) is None:
             raise EncodingsError(f"{weights.path}: replaced tensor {key!r} is not a parameter of this model")
-        owner._parameters[attr] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
-        if getattr(model, "config", None) is not None and hasattr(model.config, "tie_word_embeddings"):
-            model.config.tie_word_embeddings = False
+        untie(model, owner, attr)
     if weights.replaced():
         state = dict(model.named_parameters())
         state.update(dict(model.named_buffers()))
@@ -81,3 +78,12 @@ def apply_stored_weights(model: nn.Module, weights: WeightSource, codes: bool = 
                 raise EncodingsError(f"{weights.path}: replaced tensor {key!r} is not a parameter of this model")
             with torch.no_grad():
                 target.copy_(weights.get(key).to(target.dtype))
+
+
+def untie(model: nn.Module, owner: nn.Module, attr: str = "weight") -> None:
+    """Give ``owner``'s parameter ``attr`` a copy of its own (it stops sharing a tensor with another module, e.g.
+    an output layer tied to the embedding table), and say so in a Hugging Face config."""
+    p = owner._parameters[attr]
+    owner._parameters[attr] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+    if hasattr(getattr(model, "config", None), "tie_word_embeddings"):
+        model.config.tie_word_embeddings = False
