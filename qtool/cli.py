@@ -259,6 +259,16 @@ def _complete_recipe(incomplete: str):
 
 _CONFIG = typer.Option(..., "--config", "-c", help="Recipe: a shipped recipe's name (qtool config list) or a YAML file.",
                        autocompletion=_complete_recipe)
+_CONFIG_OR_SEARCH = typer.Option(
+    None, "--config", "-c", help="Recipe: a shipped recipe's name (qtool config list) or a YAML file (or "
+    "--candidates with --target-bpw/--target-size to have one chosen).", autocompletion=_complete_recipe)
+_TARGET_BPW = typer.Option(None, "--target-bpw", help="With --candidates: the file's budget in bits per weight "
+                           "(every stored byte over the model's number of values).")
+_TARGET_SIZE = typer.Option(None, "--target-size", help="With --candidates: the file's budget, e.g. 4GB, 700MB.")
+_CANDIDATES = typer.Option(None, "--candidates", help="Recipes (names or files, comma-separated) whose weight "
+                           "settings each layer chooses among, for the least measured damage within the budget.")
+_SEARCH_SAMPLES = typer.Option(8, "--search-samples", min=1, help="With --candidates: calibration samples the "
+                               "damage of each layer's options is measured on.")
 _DATA = typer.Option(None, "--data", help="Calibration data: a file or directory (.safetensors .pt .npy .npz .txt .jsonl).")
 _DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or auto.", metavar="[cpu|cuda|cuda:N|auto]",
                        autocompletion=lambda incomplete: [c for c in ("cpu", "cuda", "auto") if c.startswith(incomplete)])
@@ -332,9 +342,60 @@ def _check_early(recipe: Optional[str] = None, device: Optional[str] = None, for
         load_recipe(recipe)
 
 
+def _target(config: Optional[str], candidates: Optional[str], target_bpw: Optional[float],
+            target_size: Optional[str], samples: int):
+    """``TargetOptions`` from the flags (None without --candidates), after checking they go together."""
+    from .errors import UsageError
+
+    budget = target_bpw is not None or target_size is not None
+    if candidates is None:
+        if budget:
+            raise UsageError("--target-bpw/--target-size choose among --candidates R1,R2,... (recipe names or files)")
+        if config is None:
+            raise UsageError("pass a recipe with -c/--config (qtool config list shows the shipped ones), or "
+                             "--candidates with --target-bpw/--target-size")
+        return None
+    if config is not None:
+        raise UsageError("-c/--config and --candidates exclude each other: the search writes the recipe")
+    if target_bpw is not None and target_size is not None:
+        raise UsageError("give one budget: --target-bpw or --target-size")
+    if not budget:
+        raise UsageError("--candidates needs a budget: --target-bpw B or --target-size SIZE")
+    size = None
+    if target_size is not None:
+        from .io.fs import parse_size
+
+        size = parse_size(target_size, "--target-size")
+        if size is None:
+            raise UsageError(f"--target-size {target_size}: give a size such as 4GB or 700MB")
+    if target_bpw is not None and not (0 < target_bpw < 64):
+        raise UsageError(f"--target-bpw {target_bpw:g}: bits per weight lie between 0 and 64")
+    from .pipeline import TargetOptions
+
+    names = [c.strip() for c in candidates.split(",") if c.strip()]
+    return TargetOptions(names, target_bpw, size, samples)
+
+
+def _report_target(summary: Dict[str, Any], quiet: bool) -> None:
+    t = summary.get("target")
+    if quiet or not t:
+        return
+    ch, b = t["chosen"], t["budget"]
+    line = (f"target: {b['flag']} ({_human(b['bytes'])}, {b['bits_per_weight']:.3f} bits/weight in {t['format']}'s "
+            f"format) -> chosen {_human(ch['bytes'])}, {ch['bits_per_weight']:.3f} bits/weight; "
+            + ", ".join(f"{n} {k} group(s)" for n, k in ch["groups"].items()))
+    if t.get("model_bytes"):
+        line += f"; model files {_human(t['model_bytes'])}"
+    err.print(_esc(line))
+    err.print(_esc(f"damage ({t['damage']}): predicted {ch['predicted_damage']:.4g}, measured {ch['damage']:.4g}; "
+                   "uniform: " + ", ".join(f"{u['candidate']} {u['bits_per_weight']:.3f} bits/weight "
+                                           f"{u['damage']:.4g}" for u in t["uniform"])))
+
+
 def _report_files(summary: Dict[str, Any], quiet: bool) -> None:
     if quiet:
         return
+    _report_target(summary, quiet)
     for w in summary.get("uncalibrated", []):
         err.print(f"[yellow]warning:[/yellow] {_esc(w)} saw no data (its module never ran) and stays in float")
     for w in summary.get("export_warnings", []):
@@ -367,7 +428,7 @@ def _human(n: float) -> str:
 def calibrate(
     checkpoint: str = typer.Argument(..., help="HF model directory or Hub ID (org/name), .pt2, .safetensors/.pt state dict."),
     revision: Optional[str] = _REVISION,
-    config: str = _CONFIG,
+    config: Optional[str] = _CONFIG_OR_SEARCH,
     out: str = typer.Option(..., "--out", "-o", help="Run directory for encodings.json and manifest.json."),
     data: Optional[str] = _DATA,
     device: str = _DEVICE,
@@ -381,6 +442,10 @@ def calibrate(
     allow_unmatched: bool = _UNMATCHED,
     sequential: bool = _SEQUENTIAL,
     imatrix: Optional[str] = _IMATRIX,
+    candidates: Optional[str] = _CANDIDATES,
+    target_bpw: Optional[float] = _TARGET_BPW,
+    target_size: Optional[str] = _TARGET_SIZE,
+    search_samples: int = _SEARCH_SAMPLES,
     overwrite: bool = _OVERWRITE,
     json_out: bool = _JSON,
     quiet: bool = _QUIET,
@@ -390,6 +455,7 @@ def calibrate(
     quiet = quiet or _rank() != 0  # under torchrun, rank 0 reports
     json_out = json_out and _rank() == 0
     with _errors(debug, json_out), _Progress(quiet) as p:
+        target = _target(config, candidates, target_bpw, target_size, search_samples)
         _check_early(config, device, data=data, imatrix=imatrix)
         checkpoint = _checkpoint(checkpoint, revision)
         from .pipeline import run_calibrate
@@ -397,7 +463,8 @@ def calibrate(
         summary = run_calibrate(checkpoint, config, out, _opts(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
-            allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix), overwrite, p.hooks())
+            allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix), overwrite, p.hooks(),
+            target=target)
     _report_files(summary, quiet)
     if json_out:
         _emit_json({"ok": True, **summary})
@@ -491,7 +558,7 @@ def export(
 def quantize(
     checkpoint: str = typer.Argument(..., help="HF model directory or Hub ID (org/name), .pt2, .safetensors/.pt state dict."),
     revision: Optional[str] = _REVISION,
-    config: str = _CONFIG,
+    config: Optional[str] = _CONFIG_OR_SEARCH,
     out: str = typer.Option(..., "--out", "-o", help="Export directory (calibration files go to OUT/calibration)."),
     data: Optional[str] = _DATA,
     device: str = _DEVICE,
@@ -512,6 +579,10 @@ def quantize(
     gguf_float: str = _GGUF_FLOAT,
     gguf_fallback: str = _GGUF_FALLBACK,
     max_shard_size: str = _SHARD,
+    candidates: Optional[str] = _CANDIDATES,
+    target_bpw: Optional[float] = _TARGET_BPW,
+    target_size: Optional[str] = _TARGET_SIZE,
+    search_samples: int = _SEARCH_SAMPLES,
     overwrite: bool = _OVERWRITE,
     json_out: bool = _JSON,
     quiet: bool = _QUIET,
@@ -521,6 +592,7 @@ def quantize(
     quiet = quiet or _rank() != 0  # under torchrun, rank 0 reports
     json_out = json_out and _rank() == 0
     with _errors(debug, json_out), _Progress(quiet) as p:
+        target = _target(config, candidates, target_bpw, target_size, search_samples)
         _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback, data,
                      imatrix)
         checkpoint = _checkpoint(checkpoint, revision)
@@ -532,10 +604,33 @@ def quantize(
             allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix), overwrite, p.hooks(),
             _eopts(format=format, encoding_version=encoding_version, seq_len=seq_len, pack=not no_pack,
                    ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size),
-                   gguf_float=gguf_float, gguf_fallback=gguf_fallback))
+                   gguf_float=gguf_float, gguf_fallback=gguf_fallback), target=target)
     _report_files(summary, quiet)
     if json_out:
         _emit_json({"ok": True, **summary})
+
+
+def _pareto_search(pareto, encodings):
+    """The search record (search.json beside ``encodings``) ``--pareto OUT`` draws, checked before the report runs."""
+    if pareto is None:
+        return None
+    import json
+    from pathlib import Path
+
+    from .errors import UsageError
+
+    if Path(pareto).suffix.lower() not in (".png", ".svg"):
+        raise UsageError(f"--pareto {pareto}: give a .png or .svg file name")
+    found = Path(encodings).parent / "search.json"
+    if not found.is_file():
+        raise UsageError(f"--pareto: no search.json beside {encodings}; it is written by calibrate/quantize with "
+                         "--candidates and --target-bpw/--target-size")
+    try:
+        search = json.loads(found.read_text(encoding="utf-8"))
+        search["frontier"], search["uniform"], search["chosen"]["bits_per_weight"], search["budget"]["flag"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{found}: not a search record ({type(e).__name__}: {str(e)[:80]})") from None
+    return search
 
 
 def _suggest_args(suggest, recipe, checkpoint, encodings, data):
@@ -572,6 +667,10 @@ def report(
     data: Optional[str] = typer.Option(None, "--data", help="Evaluation data (held-out text or tensors)."),
     json_out: bool = _JSON,
     plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG bar chart of per-layer SQNR here."),
+    pareto: Optional[str] = typer.Option(
+        None, "--pareto", help="OUT.png or OUT.svg: the size-budget search's Pareto curve (needs search.json beside "
+                               "the encodings, from --target-bpw/--target-size), with this model's held-out damage; "
+                               "its data goes to OUT.json."),
     min_sqnr: Optional[float] = typer.Option(None, "--min-sqnr", help="Gate: every layer's cumulative SQNR >= DB."),
     min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Gate: end-to-end mean cosine >= X."),
     max_ppl_increase: Optional[float] = typer.Option(
@@ -606,6 +705,7 @@ def report(
         if suggest is not None and (len(suggest) != 1 or not sensitivity):
             raise UsageError("--suggest takes 'N OUT.yaml' together with --sensitivity")
         suggest_n, suggest_out, base = _suggest_args(suggest, recipe, checkpoint, encodings, data)
+        search = _pareto_search(pareto, encodings)
         for flag, value in (("--min-sqnr", min_sqnr), ("--min-cosine", min_cosine),
                             ("--max-ppl-increase", max_ppl_increase)):
             if value is not None and not math.isfinite(value):
@@ -627,6 +727,19 @@ def report(
             from pathlib import Path as _P
 
             plot_sqnr(rep, plot, title=f"per-layer SQNR: {_P(checkpoint).name}")
+        if pareto and root:
+            import json as _json
+
+            from pathlib import Path as _P
+
+            from .io.fs import write_text_atomic
+            from .report import pareto_points, plot_pareto
+
+            points = pareto_points(search, rep)
+            plot_pareto(points, pareto, title=f"{search['budget']['flag']} on {_P(checkpoint).name}: "
+                                              f"{', '.join(search['candidates'])}")
+            write_text_atomic(_P(pareto).with_suffix(".json"), _json.dumps(points, indent=1) + "\n")
+            result["json"]["pareto"] = points
         if suggest and root:
             from .config import parse_recipe
             from .io.fs import write_text_atomic

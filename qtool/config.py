@@ -869,6 +869,8 @@ class Plan:
     rotation: Optional[RotationPlan] = None  # Hadamard rotations fused before calibration
     # module -> E[x²] per input column from an importance matrix file (rows with ``imatrix`` weight by it)
     importances: Dict[str, Any] = field(default_factory=dict)
+    # module -> the resolved recipe spec of its weight (what a ``layers`` entry writes to reproduce that row)
+    weight_specs: Dict[str, "WeightSpec"] = field(default_factory=dict)
 
     @property
     def weights(self) -> List[QuantizerPlan]:
@@ -1073,6 +1075,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             layout = _weight_layout(module, w_spec, where, name)
             if layout is not None:
                 shape, block = layout
+                plan.weight_specs[name] = w_spec
                 analyzer_args = w_spec.analyzer.kwargs()
                 rounding = w_spec.rounding
                 if not any(t in _INPUT_WEIGHTED_TYPES for t in tnames):

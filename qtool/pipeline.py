@@ -96,9 +96,10 @@ def _ranks(device: str):
 
 
 def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, run_dir: Optional[Path],
-                    hooks: Hooks, group: Optional[Group] = None):
+                    hooks: Hooks, group: Optional[Group] = None, search: Optional[Dict[str, Any]] = None):
     """Calibrate and write the run's files into ``run_dir``. In a distributed run every rank calibrates; rank 0
-    alone writes (``run_dir`` is None on the others, which return None)."""
+    alone writes (``run_dir`` is None on the others, which return None). ``search``: the record of a size-budget
+    search that wrote this recipe (``recipe.yaml`` in the output directory)."""
     group = group or Group()
     recipe_path = str(recipe_file(recipe_path))  # a shipped recipe's name -> its file (hashed in the manifest)
     recipe = load_recipe(recipe_path)
@@ -124,7 +125,8 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         "inputs": {
             "checkpoint": {"path": str(checkpoint), "kind": kind, "sha256": _files_digest(files),
                            **_hub(checkpoint)},
-            "recipe": {"path": str(recipe_path), "sha256": sha256_file(Path(recipe_path))},
+            "recipe": {"path": "recipe.yaml" if search else str(recipe_path),
+                       "sha256": sha256_file(Path(recipe_path))},
             "data": None if data is None else {"path": str(opts.data), "samples": data.num_samples,
                                                "sha256": _files_digest(data.files)},
             **({"imatrix": {"path": str(opts.imatrix), "sha256": sha256_file(Path(opts.imatrix)),
@@ -140,6 +142,8 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         **({"smoothquant": {"alpha": plan.smoothing[0].alpha,
                             "groups": [{"smooth": g.smooth, "balance": list(g.balance)} for g in plan.smoothing],
                             "replaced": sorted(run.floats)}} if plan.smoothing else {}),
+        **({"target": {"budget": search["budget"], "format": search["format"], "candidates": search["candidates"],
+                       "chosen": search["chosen"]}} if search else {}),
         "uncalibrated": unused,
         "warnings": plan.warnings,
         **({"distributed": {"world_size": group.world_size, "backend": group.backend,
@@ -155,18 +159,61 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
     return summary
 
 
-def run_calibrate(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOptions, overwrite: bool = False,
-                  hooks: Optional[Hooks] = None) -> Dict[str, Any]:
-    """``qtool calibrate``: write ``out/encodings.json`` and ``out/manifest.json`` atomically."""
+def _searched(checkpoint: str, target: TargetOptions, opts: CalibrateOptions, exporter, options, tmp: Path,
+              hooks: Hooks) -> Tuple[str, Dict[str, Any]]:
+    """Run the size-budget search into ``tmp/recipe.yaml``: (its path, the search record)."""
+    import shutil
+
+    work = tmp / ".search"
+    state = measure_candidates(checkpoint, target, opts, exporter, options, work, hooks)
+    shutil.rmtree(work, ignore_errors=True)
+    text, record = choose_recipe(state, target)
+    del state
+    path = tmp / "recipe.yaml"
+    path.write_text(text, encoding="utf-8")
+    return str(path), record
+
+
+def _finish_search(checkpoint: str, run_dir: Path, record: Dict[str, Any], target: TargetOptions,
+                   opts: CalibrateOptions, hooks: Hooks) -> Dict[str, Any]:
+    record["chosen"]["damage"] = _measured_damage(checkpoint, run_dir / "encodings.json", record, target, opts, hooks)
+    _write_search(run_dir, record)
+    return {k: record[k] for k in ("budget", "format", "candidates", "damage", "chosen", "uniform")}
+
+
+def _budget_exporter(target: TargetOptions):
+    """The format a ``calibrate`` budget counts in: GGUF when a candidate uses llama.cpp's types, else qtool's."""
+    paths = _target_candidates(target)
+    gguf = any(load_recipe(p).gguf_mix is not None or "gguf_type" in Path(p).read_text(encoding="utf-8")
+               for p in paths)
+    exporter = get_exporter("gguf" if gguf else "qtool")
+    return exporter, exporter.options()
+
+
+def run_calibrate(checkpoint: str, recipe_path: Optional[str], out: str, opts: CalibrateOptions,
+                  overwrite: bool = False, hooks: Optional[Hooks] = None,
+                  target: Optional[TargetOptions] = None) -> Dict[str, Any]:
+    """``qtool calibrate``: write ``out/encodings.json`` and ``out/manifest.json`` atomically. With ``target``,
+    the recipe is the one a size-budget search chooses among the candidates (written as ``out/recipe.yaml``)."""
     hooks = hooks or Hooks()
+    budget_format = _budget_exporter(target) if target else None
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=opts.data,
                                                    imatrix=opts.imatrix))
     with _ranks(opts.device) as group:
+        if target and group.distributed:
+            raise UsageError(f"{target.flag()} runs in one process: run it without torchrun (then calibrate the "
+                             "written recipe.yaml under torchrun if you like)")
         if not group.is_root:  # calibrates its shard; rank 0 writes
             _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group)
             return {"rank": group.rank, "world_size": group.world_size}
         with atomic_output_dir(Path(out), overwrite) as tmp:
-            summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks, group)
+            record = None
+            if target:
+                recipe_path, record = _searched(checkpoint, target, opts, *budget_format, tmp, hooks)
+            summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks, group, search=record)
+            if target:
+                summary["target"] = _finish_search(checkpoint, tmp, record, target, opts, hooks)
+                summary["outputs"] += ["recipe.yaml", SEARCH_FILE]
     summary["encodings"] = str(Path(out) / "encodings.json")
     summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
     return summary
@@ -283,7 +330,8 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str) + "\n")
     summary["outputs"] = outputs + ["manifest.json"]
     # what was gained: the checkpoint's weight files against the model files written (encodings and manifests aside)
-    model_files = [n for n in outputs if not n.endswith((".json", ".encodings", ".txt", ".model", ".jinja"))]
+    model_files = [n for n in outputs if not n.startswith("calibration/")
+                   and not n.endswith((".json", ".encodings", ".txt", ".model", ".jinja", ".yaml"))]
     summary["size"] = {"checkpoint_bytes": sum(f.stat().st_size for f in tensor_files(Path(checkpoint))),
                        "model_bytes": sum((out_dir / n).stat().st_size for n in model_files),
                        "model_files": model_files}
@@ -343,16 +391,26 @@ def run_import_encodings(checkpoint: str, aimet_path: str, out: str, opts: Calib
             "files": [str(Path(out) / f.name) for f in enc_files] + [str(Path(out) / "manifest.json")]}
 
 
-def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOptions, overwrite: bool = False,
-                 hooks: Optional[Hooks] = None, eopts: Optional[ExportOptions] = None) -> Dict[str, Any]:
-    """``qtool quantize``: calibrate and export into one directory (encodings.json included)."""
+def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: CalibrateOptions,
+                 overwrite: bool = False, hooks: Optional[Hooks] = None, eopts: Optional[ExportOptions] = None,
+                 target: Optional[TargetOptions] = None) -> Dict[str, Any]:
+    """``qtool quantize``: calibrate and export into one directory (encodings.json included). With ``target``,
+    the recipe is the one a size-budget search chooses among the candidates, counted in the format written
+    (``out/recipe.yaml``; the search's record in ``out/calibration/search.json``)."""
     hooks = hooks or Hooks()
     eopts = replace(eopts or ExportOptions(), trust_pickle=opts.trust_pickle, model_class=opts.model_class,
                     trust_remote_code=opts.trust_remote_code, seq_len=opts.seq_len)
     eopts.data = eopts.data or opts.data
     exporter = eopts.validate()  # a bad --format fails here, before any calibration
     options = exporter.options(**asdict(eopts))
-    load_recipe(recipe_path)
+    if target:
+        _target_candidates(target)
+        if exporter.tensor_bytes(None, (1,), torch.float32, options) is None:
+            raise UsageError(f"{target.flag()}: --format {exporter.name} keeps the weights float (codes live in its "
+                             "encodings), so a size budget cannot be counted in it; use qtool, compressed-tensors "
+                             "or gguf")
+    else:
+        load_recipe(recipe_path)
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=eopts.data,
                                                    imatrix=opts.imatrix))
     exporter.check_checkpoint(Path(checkpoint))
@@ -365,13 +423,22 @@ def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOpt
     hooks = Hooks(on_plan=check_plan, on_batch=hooks.on_batch, on_tensor=hooks.on_tensor, on_stage=hooks.on_stage,
                   on_block=hooks.on_block)
     with _ranks(opts.device) as group:
+        if target and group.distributed:
+            raise UsageError(f"{target.flag()} runs in one process: run it without torchrun (then quantize with "
+                             "the written recipe.yaml under torchrun if you like)")
         if not group.is_root:  # calibrates its shard; rank 0 writes and exports
             _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group)
             return {"rank": group.rank, "world_size": group.world_size}
         with atomic_output_dir(Path(out), overwrite) as tmp:
             calib_dir = tmp / "calibration"
             calib_dir.mkdir()
-            csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks, group)
+            record = None
+            if target:
+                recipe_path, record = _searched(checkpoint, target, opts, exporter, options, tmp, hooks)
+            csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks, group, search=record)
+            if target:
+                csum["target"] = _finish_search(checkpoint, calib_dir, record, target, opts, hooks)
+                csum["outputs"].append(SEARCH_FILE)
             enc_path = calib_dir / "encodings.json"
             esum = _export_into(checkpoint, EncodingsFile.read(enc_path, lazy=exporter.lazy_encodings), enc_path,
                                 tmp, eopts, hooks,
@@ -379,7 +446,209 @@ def run_quantize(checkpoint: str, recipe_path: str, out: str, opts: CalibrateOpt
     out_p = Path(out)
     files = [str(out_p / n) for n in esum.pop("outputs") if not n.startswith("calibration/")]
     calib_files = [str(out_p / "calibration" / n) for n in csum.pop("outputs")]
+    if target:  # what the file really holds, beside the budget it was chosen for
+        csum["target"]["model_bytes"] = esum["size"]["model_bytes"]
     return {**csum, **esum, "encodings": str(out_p / "calibration" / "encodings.json"), "files": files + calib_files}
+
+
+@dataclass
+class TargetOptions:
+    """``--target-bpw`` / ``--target-size`` with ``--candidates``: choose each weight's setting among the
+    candidates' so that the file fits the budget with the least measured damage (``qtool.mixed``)."""
+
+    candidates: List[str]
+    bits_per_weight: Optional[float] = None
+    size_bytes: Optional[int] = None
+    samples: int = 8  # calibration samples the damage is measured on
+
+    def flag(self) -> str:
+        return (f"--target-bpw {self.bits_per_weight:g}" if self.bits_per_weight is not None
+                else f"--target-size {self.size_bytes}")
+
+
+SEARCH_FILE = "search.json"
+
+
+def _target_candidates(target: TargetOptions) -> List[str]:
+    if len(target.candidates) < 2:
+        raise UsageError("--candidates takes two or more recipes (names or files), comma-separated")
+    if (target.bits_per_weight is None) == (target.size_bytes is None):
+        raise UsageError("--candidates goes with one budget: --target-bpw B or --target-size SIZE")
+    if target.samples < 1:
+        raise UsageError("--search-samples must be at least 1")
+    paths = [str(recipe_file(c)) for c in target.candidates]
+    for p in paths:
+        load_recipe(p)  # a malformed candidate is one error naming its file and key, before anything runs
+    return paths
+
+
+@dataclass
+class Measured:
+    """What a size-budget search measured once, from which any budget's choice follows (``choose_recipe``)."""
+
+    target: TargetOptions
+    paths: List[str]
+    plans: List[Plan]
+    groups: List[Tuple[str, ...]]
+    cost: Any  # mixed.Costs
+    damage: List[List[float]]  # per group, per candidate
+    uniform: List[Dict[str, Any]]
+    loaded: LoadedModel
+    exporter: str
+    metric: str
+    samples: int
+    opts: CalibrateOptions
+
+    def bpw(self, nbytes: int) -> float:
+        return 8.0 * nbytes / max(self.cost.params, 1)
+
+    def budget(self, target: TargetOptions) -> int:
+        return (int(target.bits_per_weight * self.cost.params / 8) if target.bits_per_weight is not None
+                else int(target.size_bytes))
+
+
+def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOptions, exporter, options,
+                       work: Path, hooks: Optional[Hooks] = None, keep: bool = False) -> Measured:
+    """Calibrate every candidate (in ``work``), cost each weight group in ``exporter``'s format and measure the
+    damage of each group's setting alone. Refuses ``target``'s budget before calibrating when no choice can meet
+    it. ``keep``: leave each candidate's calibration in ``work/candidate-<i>``."""
+    import shutil
+
+    from .io.checkpoint import CheckpointTensors
+    from .mixed import costs, fused_groups, group_damage
+
+    hooks = hooks or Hooks()
+    paths = _target_candidates(target)
+    names = list(target.candidates)
+    if opts.data is None:
+        raise DataError(f"{target.flag()} measures each candidate on data: pass --data PATH (text or tensors)")
+    hooks.on_stage("loading checkpoint")
+    loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+    plans = []
+    for path in paths:
+        plan = resolve_plan(load_recipe(path), loaded.model, source=path, allow_unmatched=opts.allow_unmatched,
+                            importance_matrix=opts.imatrix is not None)
+        exporter.admit(plan.quantizers, options)
+        plans.append(plan)
+
+    def rest(plan):
+        return ([(q.name, q.spec) for q in plan.activations], plan.rotation, plan.smoothing, plan.folds)
+
+    for plan, name in zip(plans[1:], names[1:]):
+        if rest(plan) != rest(plans[0]):
+            raise UsageError(f"--candidates: {name} differs from {names[0]} in more than its weight settings "
+                             "(activations, rotation, SmoothQuant or folds); candidates may differ in weights only")
+    modules = [m for m in dict.fromkeys(q.module for plan in plans for q in plan.weights)]
+    order = {m: i for i, m in enumerate(dict(loaded.model.named_modules()))}
+    groups = fused_groups(sorted(modules, key=lambda m: order.get(m, len(order))))
+    src = CheckpointTensors(Path(checkpoint), trust_pickle=opts.trust_pickle)
+    tensors = {k: src.shape_dtype(k) for k in src.keys()}
+    first: Dict[int, str] = {}
+    tied = {}  # a parameter the checkpoint stores once under another name (a tied output layer)
+    for name, param in loaded.model.named_parameters(remove_duplicate=False):
+        if id(param) in first and name not in tensors:
+            tied[name] = first[id(param)]
+        first.setdefault(id(param), name)
+    cost = costs(tensors, plans, groups, lambda q, shape, dtype: exporter.tensor_bytes(q, shape, dtype, options),
+                 tied)
+    metric = "mean per-token KL divergence (nats)" if loaded.is_causal_lm else "mean 1 - cosine of the outputs"
+    state = Measured(target, paths, plans, groups, cost, [[0.0] * len(paths) for _ in groups], [], loaded,
+                     exporter.name, metric, 0, opts)
+    _check_budget(state, target)
+    data = load_data(opts.data, opts.batch_size, target.samples, opts.seed, opts.seq_len, loaded.tokenizer,
+                     pack_text=loaded.is_causal_lm)
+    state.samples = data.num_samples
+    batches = list(data)
+    for c, path in enumerate(paths):
+        hooks.on_stage(f"candidate {c + 1}/{len(paths)} ({names[c]}): calibrating")
+        cdir = work / f"candidate-{c}"
+        cdir.mkdir(parents=True)
+        _calibrate_into(checkpoint, path, opts, cdir, hooks)
+        model = load_calibrated(checkpoint, str(cdir / "encodings.json"), opts.model_class, opts.device,
+                                opts.trust_pickle, opts.trust_remote_code)
+        hooks.on_stage(f"candidate {c + 1}/{len(paths)} ({names[c]}): measuring each layer's damage")
+        device = next(iter(model.parameters())).device
+        per_group, together = group_damage(model, batches, groups, device, loaded.is_causal_lm, hooks.on_tensor)
+        del model
+        if not keep:
+            shutil.rmtree(cdir)
+        for g, d in enumerate(per_group):
+            state.damage[g][c] = d
+        nbytes = cost.fixed + sum(opt[c] for opt in cost.groups)
+        state.uniform.append({"candidate": names[c], "bytes": nbytes, "bits_per_weight": state.bpw(nbytes),
+                              "damage": together, "predicted_damage": sum(row[c] for row in state.damage)})
+    return state
+
+
+def _check_budget(state: Measured, target: TargetOptions) -> None:
+    cost, budget = state.cost, state.budget(target)
+    floor = cost.fixed + sum(min(c) for c in cost.groups)
+    if budget >= cost.float_bytes:
+        raise UsageError(f"{target.flag()}: at or above the float checkpoint ({cost.float_bytes} bytes, "
+                         f"{state.bpw(cost.float_bytes):.2f} bits per weight); nothing needs quantizing to fit")
+    if budget < floor:
+        raise UsageError(f"{target.flag()}: below the smallest the candidates can make ({floor} bytes, "
+                         f"{state.bpw(floor):.3f} bits per weight in {state.exporter}'s format)")
+
+
+def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str, Any]]:
+    """The recipe that fits ``target``'s budget with the least predicted damage, and the search's record (budget,
+    choice, the uniform candidates, the Pareto curve)."""
+    from .config import parse_recipe
+    from .mixed import mixed_recipe
+    from .quant.knapsack import choose, frontier
+
+    _check_budget(state, target)
+    cost, names, opts = state.cost, list(state.target.candidates), state.opts
+    budget = state.budget(target)
+    choice = choose(state.damage, cost.groups, budget - cost.fixed)
+    chosen = {m: k for g, k in zip(state.groups, choice.options) for m in g}
+    nbytes = cost.fixed + choice.cost
+    header = (f"qtool {target.flag()} --candidates {','.join(names)}: each weight's setting chosen among "
+              f"the candidates'\nfor the least measured damage within {budget} bytes ({state.exporter} format): "
+              f"{nbytes} bytes, {state.bpw(nbytes):.3f} bits per weight.\nLater layers entries win; edit and rerun "
+              "with -c.")
+    text = mixed_recipe(Path(state.paths[0]).read_text(encoding="utf-8"), state.plans, chosen, header)
+    check = resolve_plan(parse_recipe(text, "the chosen recipe"), state.loaded.model, source="the chosen recipe",
+                         allow_unmatched=opts.allow_unmatched, importance_matrix=opts.imatrix is not None)
+    got = {q.module: replace(q, rule=None) for q in check.weights}
+    for m, c in chosen.items():
+        want = next((replace(q, rule=None) for q in state.plans[c].weights if q.module == m), None)
+        if got.get(m) != want:
+            raise UsageError(f"--candidates: {m}'s setting from {names[c]} cannot be written over {names[0]} "
+                             "(is it ignored there?); put the recipe that quantizes most layers first")
+    record = {
+        "budget": {"flag": target.flag(), "bytes": budget, "bits_per_weight": state.bpw(budget)},
+        "format": state.exporter, "params": cost.params, "float_bytes": cost.float_bytes,
+        "candidates": names, "damage": state.metric, "samples": state.samples,
+        "chosen": {"bytes": nbytes, "bits_per_weight": state.bpw(nbytes), "predicted_damage": choice.damage,
+                   "groups": {names[c]: sum(k == c for k in choice.options) for c in range(len(names))}},
+        "uniform": state.uniform,
+        "frontier": [{"bytes": cost.fixed + f.cost, "bits_per_weight": state.bpw(cost.fixed + f.cost),
+                      "predicted_damage": f.damage} for f in frontier(state.damage, cost.groups)],
+        "groups": [{"modules": list(g), "choice": names[k], "bytes": cost.groups[i], "damage": state.damage[i]}
+                   for i, (g, k) in enumerate(zip(state.groups, choice.options))],
+    }
+    return text, record
+
+
+def _measured_damage(checkpoint: str, encodings: Path, record: Dict[str, Any], target: TargetOptions,
+                     opts: CalibrateOptions, hooks: Hooks) -> float:
+    """The chosen model's damage measured with every weight quantized at once (what the per-layer sum predicted)."""
+    from .mixed import group_damage
+
+    hooks.on_stage("measuring the chosen model")
+    model = load_calibrated(checkpoint, str(encodings), opts.model_class, opts.device, opts.trust_pickle,
+                            opts.trust_remote_code)
+    tokenizer = getattr(model, "qtool_tokenizer", None)
+    causal = record["damage"].startswith("mean per-token")
+    data = load_data(opts.data, opts.batch_size, target.samples, opts.seed, opts.seq_len, tokenizer, pack_text=causal)
+    _, together = group_damage(model, list(data), [], next(iter(model.parameters())).device, causal)
+    return together
+
+
+def _write_search(run_dir: Path, record: Dict[str, Any]) -> None:
+    (run_dir / SEARCH_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def _apply_stored(model: nn.Module, checkpoint: str, enc: EncodingsFile, encodings: str, trust_pickle: bool) -> None:

@@ -77,6 +77,7 @@ class Report:
     perplexity_float: Optional[float] = None
     perplexity_quant: Optional[float] = None
     top1_agreement: Optional[float] = None
+    kl_divergence: Optional[float] = None  # causal LMs: mean per-token KL of the quantized from the float model
     samples: int = 0
     notes: List[str] = field(default_factory=list)
 
@@ -98,7 +99,7 @@ class Report:
             "end_to_end": {"cosine_mean": self.cosine, "cosine_min": self.cosine_min,
                            "perplexity_float": self.perplexity_float, "perplexity_quant": self.perplexity_quant,
                            "perplexity_increase_pct": self.perplexity_increase_pct,
-                           "top1_agreement": self.top1_agreement},
+                           "kl_divergence": self.kl_divergence, "top1_agreement": self.top1_agreement},
             "layers": [{"module": r.module, "type": r.module_type, "sqnr_cumulative_db": num(r.sqnr_cumulative),
                         "sqnr_isolated_db": num(r.sqnr_isolated),
                         **({} if r.sqnr_isolated_rtn is None else {"sqnr_isolated_rtn_db": num(r.sqnr_isolated_rtn)})}
@@ -139,6 +140,17 @@ def _token_nll(logits: torch.Tensor, batch: Batch) -> tuple:
     nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     valid = (mask[:, 1:] > 0) & (mask[:, :-1] > 0)
     return float(nll[valid].sum()), int(valid.sum())
+
+
+def _token_kl(ref: torch.Tensor, out: torch.Tensor, batch: Batch) -> tuple:
+    """Summed KL divergence of ``out``'s next-token distribution from ``ref``'s over the batch's tokens (padding
+    excluded), and how many tokens."""
+    logp = torch.log_softmax(ref.float(), dim=-1)
+    logq = torch.log_softmax(out.float(), dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    mask = batch.kwargs.get("attention_mask")
+    valid = torch.ones_like(kl, dtype=torch.bool) if mask is None else mask.to(kl.device) > 0
+    return float(kl[valid].sum()), int(valid.sum())
 
 
 def _per_sample_cosine(a: torch.Tensor, b: torch.Tensor, batch: Optional[Batch] = None) -> torch.Tensor:
@@ -238,6 +250,7 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
         nf, n = _token_nll(ref_out, b)
         nq, _ = _token_nll(q_out, b)
         record["nll"] = (nf, nq, n)
+        record["kl"] = _token_kl(ref_out, q_out, b)
     elif ref_out.dim() == 2:
         record["top1"] = (int((ref_out.argmax(-1) == q_out.argmax(-1)).sum()), ref_out.shape[0])
     return record
@@ -250,6 +263,7 @@ def _fold(records: List[Dict[str, Any]], modules: Dict[str, nn.Module], chosen) 
     top1_same = top1_total = 0
     nll_f = nll_q = 0.0
     tokens = 0
+    kl_sum, kl_tokens = 0.0, 0
     for rec in records:
         for kind, by_name in rec["terms"].items():
             for name, values in by_name.items():
@@ -258,6 +272,8 @@ def _fold(records: List[Dict[str, Any]], modules: Dict[str, nn.Module], chosen) 
         if "nll" in rec:
             nf, nq, n = rec["nll"]
             nll_f, nll_q, tokens = nll_f + nf, nll_q + nq, tokens + n
+        if "kl" in rec:
+            kl_sum, kl_tokens = kl_sum + rec["kl"][0], kl_tokens + rec["kl"][1]
         if "top1" in rec:
             top1_same, top1_total = top1_same + rec["top1"][0], top1_total + rec["top1"][1]
     cos = torch.cat([rec["cos"] for rec in records]) if records else torch.zeros(0)
@@ -272,6 +288,8 @@ def _fold(records: List[Dict[str, Any]], modules: Dict[str, nn.Module], chosen) 
         rep.perplexity_quant = math.exp(nll_q / tokens)
     if top1_total:
         rep.top1_agreement = top1_same / top1_total
+    if kl_tokens:
+        rep.kl_divergence = kl_sum / kl_tokens
     return rep
 
 
@@ -363,6 +381,64 @@ def plot_sqnr(report: Report, path, title: str = "per-layer SQNR") -> None:
     try:
         with atomic_file(path) as tmp:
             fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
+
+
+def pareto_points(search: Dict[str, Any], rep: Optional[Report] = None) -> Dict[str, Any]:
+    """The Pareto chart's data from a size-budget search's record (``search.json``): the searched curve (least
+    predicted damage at each size), each uniform candidate and the chosen model (damage measured on the search
+    samples), and, from ``rep`` (``qtool report`` on held-out data), the chosen model's held-out damage."""
+    chosen = search["chosen"]
+    out = {"x": "bits per weight (" + search["format"] + " format)", "y": search["damage"],
+           "budget_bits_per_weight": search["budget"]["bits_per_weight"],
+           "curve": [{"bits_per_weight": f["bits_per_weight"], "damage": f["predicted_damage"]}
+                     for f in search["frontier"]],
+           "uniform": [{"candidate": u["candidate"], "bits_per_weight": u["bits_per_weight"], "damage": u["damage"]}
+                       for u in search["uniform"]],
+           "chosen": {"bits_per_weight": chosen["bits_per_weight"], "damage": chosen.get("damage"),
+                      "predicted_damage": chosen["predicted_damage"]}}
+    if rep is not None:
+        held = rep.kl_divergence if search["damage"].startswith("mean per-token") else 1.0 - rep.cosine
+        out["chosen"]["held_out_damage"] = held
+        if rep.perplexity_increase_pct is not None:
+            out["chosen"]["held_out_perplexity_increase_pct"] = rep.perplexity_increase_pct
+    return out
+
+
+def plot_pareto(points: Dict[str, Any], path, title: str = "size against damage") -> None:
+    """Draw :func:`pareto_points` (PNG or SVG by ``path``'s suffix), written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    curve = points["curve"]
+    ax.plot([c["bits_per_weight"] for c in curve], [c["damage"] for c in curve], "-", color="#2980b9",
+            label="searched (predicted: sum of per-layer damage)")
+    for u in points["uniform"]:
+        ax.plot([u["bits_per_weight"]], [u["damage"]], "s", color="#7f8c8d")
+        ax.annotate(u["candidate"], (u["bits_per_weight"], u["damage"]), fontsize=8, xytext=(4, 4),
+                    textcoords="offset points")
+    ch = points["chosen"]
+    if ch.get("damage") is not None:
+        ax.plot([ch["bits_per_weight"]], [ch["damage"]], "o", color="#c0392b", label="chosen (measured)")
+    if ch.get("held_out_damage") is not None:
+        ax.plot([ch["bits_per_weight"]], [ch["held_out_damage"]], "D", color="#27ae60",
+                label="chosen, held-out data")
+    ax.axvline(points["budget_bits_per_weight"], color="#c0392b", alpha=0.3, linestyle="--", label="budget")
+    ax.set_yscale("log")
+    ax.set_xlabel(points["x"])
+    ax.set_ylabel(points["y"] + ", lower is better")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fmt = "svg" if str(path).lower().endswith(".svg") else "png"
+    try:
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=110, format=fmt)
     finally:
         plt.close(fig)
 

@@ -78,8 +78,28 @@ class Exporter:
         """Refuse quantizers (encodings entries, or plan rows before calibration: each has ``name``, ``tensor``
         and ``spec``) this format cannot express (default: all fit)."""
 
+    def tensor_bytes(self, quantizer, shape, dtype, options: "Exporter.Options") -> Optional[int]:
+        """The bytes this format writes for one checkpoint tensor of ``shape`` and ``dtype``: quantized as
+        ``quantizer`` (a weight's plan row or encodings entry), or left float (None). What ``--target-bpw`` and
+        ``--target-size`` count. None (the default): the format does not store the weights at their grid's size,
+        so a size budget cannot be counted in it."""
+        return None
+
     def write(self, request: ExportRequest, options: "Exporter.Options") -> Dict[str, Any]:
         raise NotImplementedError  # pragma: no cover - interface
+
+
+def layout_bytes(layout) -> int:
+    """The bytes of a safetensors layout: ``(name, dtype, shape)`` rows."""
+    import torch
+
+    total = 0
+    for _, dtype, shape in layout:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n * torch.empty((), dtype=dtype).element_size()
+    return total
 
 
 def refuse_float_elements(quantizers, fmt: str, why: str) -> None:

@@ -95,7 +95,7 @@ from ..model.hf import meta_skeleton
 from ..quant.floatgrid import element_of, global_scale
 from ..quant.packing import pack_bytes, pack_int32
 from ..weights import WeightSource
-from .base import Exporter, ExportRequest
+from .base import Exporter, ExportRequest, layout_bytes
 from .qtool_st import match_weight_names
 
 __all__ = ["export_compressed_tensors", "CT_VERSION_FALLBACK"]
@@ -294,7 +294,25 @@ def _compat_notes(settings) -> List[str]:
     return notes
 
 
-def _ct_scale_shape(e: EncodingEntry) -> Tuple[int, ...]:
+def _int_layout(base: str, spec, shape: Tuple[int, ...], scale_dtype: torch.dtype, packed: bool,
+                strategy: str) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
+    """The tensors of one integer layer (codes, scale, shape, zero point), in the order they are written."""
+    b = spec.bitwidth
+    sshape = _ct_scale_shape(spec)
+    out = [(base + "weight", torch.int8, tuple(shape)) if not packed else
+           (base + "weight_packed", torch.int32, (shape[0], (shape[1] * b + 31) // 32)),
+           (base + "weight_scale", scale_dtype, sshape)]
+    if packed:
+        out.append((base + "weight_shape", torch.int64, (2,)))
+    if not spec.symmetric:
+        if packed and strategy in ("channel", "group"):
+            out.append((base + "weight_zero_point", torch.int32, _packed_zp_shape(sshape, b)))
+        else:
+            out.append((base + "weight_zero_point", torch.int8, sshape))
+    return out
+
+
+def _ct_scale_shape(e) -> Tuple[int, ...]:
     return (1,) if e.granularity == "per_tensor" else tuple(int(d) for d in e.shape)
 
 
@@ -496,20 +514,8 @@ def export_compressed_tensors(
             layout += _float_layout(e, base, tuple(shape), sshape, dyn_inputs.get(e.module))
             info[key].update(element=e.element, scale_dtype=e.scale_dtype)
             continue
-        packed = module_fmt[key] == "pack-quantized"
-        if not packed:
-            layout.append((base + "weight", torch.int8, tuple(shape)))
-        else:
-            layout.append((base + "weight_packed", torch.int32, (shape[0], (shape[1] * b + 31) // 32)))
-        layout.append((base + "weight_scale", scale_dtype, sshape))
-        if packed:
-            layout.append((base + "weight_shape", torch.int64, (2,)))
-        if not e.symmetric:
-            strat = module_args[key]["strategy"]
-            if packed and strat in ("channel", "group"):
-                layout.append((base + "weight_zero_point", torch.int32, _packed_zp_shape(sshape, b)))
-            else:
-                layout.append((base + "weight_zero_point", torch.int8, sshape))
+        layout += _int_layout(base, e.spec, tuple(shape), scale_dtype, module_fmt[key] == "pack-quantized",
+                              module_args[key]["strategy"])
 
     kv_dtype = {e.module: src.shape_dtype(k)[1] for e in kv
                 if (k := next((c for c in keys if c == f"{e.module}.k_proj.weight"), None)) is not None}
@@ -596,7 +602,7 @@ def _write_layer(w: StreamingSafetensorsWriter, key: str, t: torch.Tensor, e: En
             w.write(base + "weight_zero_point", zp.to(torch.int8))
 
 
-def _float_layout(e: EncodingEntry, base: str, shape: Tuple[int, ...], sshape: Tuple[int, ...],
+def _float_layout(e, base: str, shape: Tuple[int, ...], sshape: Tuple[int, ...],
                   inp: Optional[EncodingEntry]) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
     """The tensors of one float-element layer, in the order :func:`_write_float_layer` writes them."""
     fmt, _, sdtype = _FLOAT_LAYOUTS[(e.element, e.scale_dtype)]
@@ -649,6 +655,20 @@ class CompressedTensorsExporter(Exporter):
     @dataclass
     class Options:
         ct_eight_bit_format: str = "int-quantized"  # or pack-quantized (what vLLM's weight-only path runs)
+
+    def tensor_bytes(self, quantizer, shape, dtype, options: "CompressedTensorsExporter.Options") -> int:
+        """As :func:`export_compressed_tensors` lays the tensor out: a quantized layer's input scales (static
+        FP8 / NVFP4 inputs, 4 bytes each) are not counted."""
+        shape = tuple(shape)
+        if quantizer is None or getattr(quantizer, "module_type", "Linear") != "Linear":
+            return layout_bytes([("", dtype, shape)])  # only Linear weights are written quantized
+        spec = quantizer.spec
+        if spec.is_float:
+            return layout_bytes(_float_layout(spec, "", shape, _ct_scale_shape(spec), None))
+        strategy = {"per_tensor": "tensor", "per_channel": "channel"}.get(spec.granularity.value, "group")
+        packed = spec.bitwidth < 8 or options.ct_eight_bit_format == "pack-quantized"
+        scale_dtype = dtype if dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16) else torch.float32
+        return layout_bytes(_int_layout("", spec, shape, scale_dtype, packed, strategy))
 
     def write(self, request: ExportRequest, options: "CompressedTensorsExporter.Options") -> Dict[str, object]:
         return export_compressed_tensors(request.checkpoint, request.encodings, request.out_dir,

@@ -134,6 +134,16 @@ class GgufExporter(Exporter):
                     raise EncodingsError(f"{e.name}: {_describe(e)} has no GGUF type ({_MAPS}); use a recipe such "
                                          f"as configs/gguf-q4_0.yaml, or --gguf-fallback f16 to write it as floats")
 
+    def tensor_bytes(self, quantizer, shape, dtype, options: "GgufExporter.Options") -> int:
+        """The tensor's data in the file (each tensor's start is aligned to 32 bytes in the file; the padding is
+        not counted)."""
+        shape = tuple(int(d) for d in shape)
+        if quantizer is None:
+            kind = ("F16" if options.gguf_float == "f16" else "F32") if len(shape) >= 2 else "F32"
+        else:
+            kind = gguf_type(quantizer) or ("F16" if options.gguf_fallback == "f16" else "F32")
+        return _info(kind, shape)[2]
+
     def write(self, request: ExportRequest, options: "GgufExporter.Options") -> Dict[str, Any]:
         import gguf
 

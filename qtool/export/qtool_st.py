@@ -59,7 +59,7 @@ from ..quant.affine import blocked_shapes, resolve_block_size
 from ..quant.packing import pack_bytes
 from ..quant.tensor import AffineEncoding
 from ..weights import WeightSource
-from .base import Exporter, ExportRequest
+from .base import Exporter, ExportRequest, layout_bytes
 from ..io.jsonfile import read_json_object
 from ..io.st_writer import StreamingSafetensorsWriter
 
@@ -126,8 +126,8 @@ def export_integer(
             layout.append((key, dtype, shape))
             continue
         e.check_fits(key, shape)
+        layout += weight_layout(key, e.spec, tuple(shape), pack)
         if e.is_float:
-            layout += _float_layout(key, e, tuple(shape), pack)
             info[key] = {"bitwidth": e.bitwidth, "symmetric": True, "granularity": e.granularity,
                          "block_size": None if e.block_size is None else list(e.block_size),
                          "element": e.element, "scale_dtype": e.scale_dtype, "dtype": str(dtype).replace("torch.", ""),
@@ -135,13 +135,6 @@ def export_integer(
             continue
         qmin, qmax = e.qmin_qmax
         packed = pack and e.bitwidth < 8
-        if packed:
-            numel = int(torch.Size(shape).numel())
-            layout.append((key, torch.uint8, ((numel * e.bitwidth + 7) // 8,)))
-        else:
-            int_dtype = AffineEncoding(torch.zeros(()), torch.zeros(()), qmin, qmax, e.symmetric).int_dtype()
-            layout.append((key, int_dtype, shape))
-        layout += [(key + "_scale", torch.float32, e.shape), (key + "_offset", torch.int32, e.shape)]
         info[key] = {"bitwidth": e.bitwidth, "symmetric": e.symmetric, "granularity": e.granularity,
                      "block_size": None if e.block_size is None else list(e.block_size),
                      "qmin": qmin, "qmax": qmax, "dtype": str(dtype).replace("torch.", ""),
@@ -217,11 +210,26 @@ def _write(src, keys, layout, info, by_key, names, weights, out_dir, progress, m
             "names": {e.name: names[e.name] for e in weights}}
 
 
+def weight_layout(key: str, spec, shape, pack: bool):
+    """The tensors (name, dtype, shape) that hold one quantized weight on grid ``spec``, in the order they are
+    written; what ``--target-bpw`` counts for this format too."""
+    if spec.is_float:
+        return _float_layout(key, spec, tuple(shape), pack)
+    if pack and spec.bitwidth < 8:
+        numel = int(torch.Size(shape).numel())
+        codes = (key, torch.uint8, ((numel * spec.bitwidth + 7) // 8,))
+    else:
+        qmin, qmax = spec.qmin_qmax
+        codes = (key, AffineEncoding(torch.zeros(()), torch.zeros(()), qmin, qmax, spec.symmetric).int_dtype(),
+                 tuple(shape))
+    return [codes, (key + "_scale", torch.float32, tuple(spec.shape)), (key + "_offset", torch.int32, tuple(spec.shape))]
+
+
 _COMPANIONS = ("_global_scale", "_scale", "_offset")  # tensors written with (and sharded beside) their codes
 _FLOAT_SCALE_STORAGE = {"float32": torch.float32, "e8m0": torch.uint8, "fp8_e4m3": torch.float8_e4m3fn}
 
 
-def _float_layout(key: str, e: EncodingEntry, shape, pack: bool):
+def _float_layout(key: str, e, shape, pack: bool):
     """The tensors of one float-element weight, in the order :func:`_write_float` writes them."""
     numel = int(torch.Size(shape).numel())
     if e.bitwidth == 8:
@@ -488,6 +496,11 @@ class QtoolExporter(Exporter):
     class Options:
         pack: bool = True  # sub-byte codes packed densely
         max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES  # None: one file
+
+    def tensor_bytes(self, quantizer, shape, dtype, options: "QtoolExporter.Options") -> int:
+        layout = [("", dtype, tuple(shape))] if quantizer is None else weight_layout("", quantizer.spec, shape,
+                                                                                     options.pack)
+        return layout_bytes(layout)
 
     def write(self, request: ExportRequest, options: "QtoolExporter.Options") -> Dict[str, object]:
         return export_integer(request.checkpoint, request.encodings, request.out_dir, progress=request.progress,

