@@ -6,7 +6,7 @@ written recipe, exported, and scored on held-out text beside the uniform recipes
 
 * **int** (compressed-tensors, the format counted): candidates ``w4a16-block32-gptq``, ``w8a16`` and a 3-bit
   block-32 GPTQ recipe. Budgets: uniform W4A16-block-32-GPTQ's own size, and half a bit per weight above it.
-* **gguf** (GGUF): candidates Q4_K_M, Q3_K_M, Q2_K, Q5_K_M and Q6_K mixes, each with GPTQ on the stored grid.
+* **gguf** (GGUF): candidates Q4_K_M, Q3_K_M, Q2_K and Q6_K mixes, each with GPTQ on the stored grid.
   Budgets: the sizes of uniform Q4_K_M and Q3_K_M (the hand mixes llama-quantize ships).
 
 Every model is scored the same way: float32 torch, held-out perplexity over the same windows (calibration: 32
@@ -76,15 +76,53 @@ def _file_tensor_bytes(out: Path) -> int:
     return total
 
 
+def _token_nlls(logits, batch):
+    """Per-token next-token NLL (padding excluded), in order."""
+    import torch
+
+    ids = batch.kwargs["input_ids"]
+    mask = batch.kwargs.get("attention_mask", torch.ones_like(ids))
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    nll = -logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return nll[(mask[:, 1:] > 0) & (mask[:, :-1] > 0)]
+
+
 def _score(ckpt, out: Path, batches, params: int, ppl_float: float) -> dict:
+    """Held-out perplexity, the mean per-token KL from the float model (the same model with quantization off, so
+    no float logits are stored), and the per-token NLLs for paired comparisons."""
+    import torch
+
     import qtool
-    from accuracy import _perplexity
+    from qtool.model.insert import set_quantization
+    from qtool.report import _token_kl
 
     model = qtool.load_calibrated(str(ckpt), str(out / "calibration" / "encodings.json"))
-    ppl, _ = _perplexity(model, batches)
+    nlls, kl, tokens = [], 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            set_quantization(model, False)
+            ref = model(**b.kwargs).logits
+            set_quantization(model, True)
+            q = model(**b.kwargs).logits
+            nlls.append(_token_nlls(q, b))
+            k, n = _token_kl(ref, q, b)
+            kl, tokens = kl + k, tokens + n
+    nll = torch.cat(nlls).double()
+    ppl = float(nll.mean().exp())
     nbytes = _file_tensor_bytes(out)
-    return {"perplexity": ppl, "increase_pct": 100 * (ppl / ppl_float - 1), "bytes": nbytes,
-            "bits_per_weight": 8 * nbytes / params}
+    return {"perplexity": ppl, "increase_pct": 100 * (ppl / ppl_float - 1), "held_out_kl": kl / tokens,
+            "bytes": nbytes, "bits_per_weight": 8 * nbytes / params, "_nll": nll}
+
+
+def _paired(row: dict, ref: dict) -> dict:
+    """The perplexity ratio of ``row`` to ``ref`` on the same tokens, with a 95% interval from the per-token
+    differences (how much of a gap the held-out text can resolve)."""
+    import math
+
+    d = row["_nll"] - ref["_nll"]
+    mean, se = float(d.mean()), float(d.std() / math.sqrt(d.numel()))
+    return {"vs": ref["model"], "perplexity_ratio_pct": 100 * (math.exp(mean) - 1),
+            "interval_95_pct": [100 * (math.exp(mean - 1.96 * se) - 1), 100 * (math.exp(mean + 1.96 * se) - 1)]}
 
 
 def _quantize(ckpt, recipe: str, fmt: str, data: Path, out: Path) -> float:
@@ -101,8 +139,9 @@ def part(name: str, ckpt, candidates, budgets, fmt: str, tmp: Path, data: Path, 
          samples: int) -> dict:
     """Measure ``candidates`` once, score each uniform candidate and each budget's searched recipe."""
     from qtool.export import get_exporter
-    from qtool.pipeline import (CalibrateOptions, ExportOptions, TargetOptions, choose_recipe, measure_candidates,
-                                run_export)
+    from qtool.hooks import Hooks
+    from qtool.pipeline import (CalibrateOptions, ExportOptions, TargetOptions, _measured_damage, choose_recipe,
+                                measure_candidates, run_export)
 
     opts = CalibrateOptions(data=str(data), seq_len=SEQ_LEN, num_samples=WINDOWS, batch_size=8, sequential=True)
     exporter = get_exporter(fmt)
@@ -119,15 +158,18 @@ def part(name: str, ckpt, candidates, budgets, fmt: str, tmp: Path, data: Path, 
         run_export(str(ckpt), str(work / f"candidate-{c}" / "encodings.json"), str(out), ExportOptions(format=fmt))
         shutil.copytree(work / f"candidate-{c}", out / "calibration")
         row = {"model": f"uniform {label}", **_score(ckpt, out, batches, state.cost.params, ppl_float),
-               "predicted_bytes": state.uniform[c]["bytes"]}
+               "predicted_bytes": state.uniform[c]["bytes"], "search_damage": state.uniform[c]["damage"],
+               "predicted_damage": state.uniform[c]["predicted_damage"]}
         assert row["bytes"] == row["predicted_bytes"], (row["bytes"], row["predicted_bytes"])
         uniform[label] = row
         rows.append(row)
         print(f"{name}: {row['model']:<40} {row['bits_per_weight']:.3f} bits/weight  ppl {row['perplexity']:.3f} "
-              f"({row['increase_pct']:+.2f}%)", flush=True)
+              f"({row['increase_pct']:+.2f}%)  held-out KL {row['held_out_kl']:.4g}  search KL predicted "
+              f"{row['predicted_damage']:.4g} measured {row['search_damage']:.4g}", flush=True)
         shutil.rmtree(out)
-    for label, bpw_of in budgets:
-        bpw = bpw_of(uniform)
+    for label, ref_label, extra in budgets:
+        ref = uniform[ref_label]
+        bpw = ref["bits_per_weight"] + extra
         text, record = choose_recipe(state, replace(target, bits_per_weight=bpw))
         recipe = tmp / f"{name}-{label}.yaml"
         recipe.write_text(text)
@@ -136,14 +178,22 @@ def part(name: str, ckpt, candidates, budgets, fmt: str, tmp: Path, data: Path, 
         row = {"model": f"searched at {label}", "budget_bits_per_weight": bpw, **_score(
             ckpt, out, batches, state.cost.params, ppl_float), "seconds": secs,
             "predicted_bytes": record["chosen"]["bytes"], "groups": record["chosen"]["groups"],
-            "predicted_damage": record["chosen"]["predicted_damage"]}
+            "predicted_damage": record["chosen"]["predicted_damage"],
+            "search_damage": _measured_damage(str(ckpt), out / "calibration" / "encodings.json", record, target, opts,
+                                              Hooks())}
         assert row["bytes"] == row["predicted_bytes"], (row["bytes"], row["predicted_bytes"])
+        row["paired"] = _paired(row, ref)
         rows.append(row)
         print(f"{name}: {row['model']:<40} {row['bits_per_weight']:.3f} bits/weight  ppl {row['perplexity']:.3f} "
-              f"({row['increase_pct']:+.2f}%)  {row['groups']}", flush=True)
+              f"({row['increase_pct']:+.2f}%, {row['paired']['perplexity_ratio_pct']:+.2f}% vs {ref_label}, 95% "
+              f"{row['paired']['interval_95_pct'][0]:+.2f}..{row['paired']['interval_95_pct'][1]:+.2f})  held-out KL "
+              f"{row['held_out_kl']:.4g}  search KL predicted {row['predicted_damage']:.4g} measured "
+              f"{row['search_damage']:.4g}  {row['groups']}", flush=True)
         shutil.rmtree(out)
     curve = choose_recipe(state, replace(target, bits_per_weight=min(u["bits_per_weight"] for u in uniform.values())
                                          + 1e-6))[1]["frontier"]
+    for r in rows:
+        r.pop("_nll", None)
     return {"format": fmt, "candidates": [c for c, _ in candidates], "measure_s": measure_s,
             "damage": state.metric, "uniform_damage": state.uniform, "rows": rows, "frontier": curve}
 
@@ -183,25 +233,24 @@ def main(argv=None):
         result["parts"]["int"] = part(
             "int", ckpt, [("w4a16-block32-gptq", "w4a16-block32-gptq"), ("w8a16", "w8a16"),
                           ("w3a16-block32-gptq", str(tmp / "w3a16-block32-gptq.yaml"))],
-            [("W4A16-block32-GPTQ's size", lambda u: u["w4a16-block32-gptq"]["bits_per_weight"]),
-             ("W4A16-block32-GPTQ + 0.5 bit", lambda u: u["w4a16-block32-gptq"]["bits_per_weight"] + 0.5)],
+            [("W4A16-block32-GPTQ's size", "w4a16-block32-gptq", 0.0),
+             ("W4A16-block32-GPTQ + 0.5 bit", "w4a16-block32-gptq", 0.5)],
             "compressed-tensors", tmp, tmp / "calib.txt", batches, ppl_float, args.samples)
     if "gguf" in parts:
-        for mix in ("q5_k_m", "q6_k"):
+        for mix in ("q6_k",):
             (tmp / f"gguf-{mix}-gptq.yaml").write_text(GGUF_GPTQ.format(mix=mix))
         result["parts"]["gguf"] = part(
             "gguf", ckpt, [("Q4_K_M", "gguf-q4_k_m-gptq"), ("Q3_K_M", "gguf-q3_k_m-gptq"), ("Q2_K", "gguf-q2_k-gptq"),
-                           ("Q5_K_M", str(tmp / "gguf-q5_k_m-gptq.yaml")), ("Q6_K", str(tmp / "gguf-q6_k-gptq.yaml"))],
-            [("Q4_K_M's size", lambda u: u["Q4_K_M"]["bits_per_weight"]),
-             ("Q3_K_M's size", lambda u: u["Q3_K_M"]["bits_per_weight"])],
+                           ("Q6_K", str(tmp / "gguf-q6_k-gptq.yaml"))],
+            [("Q4_K_M's size", "Q4_K_M", 0.0), ("Q3_K_M's size", "Q3_K_M", 0.0)],
             "gguf", tmp, tmp / "calib.txt", batches, ppl_float, args.samples)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\n{'part':<5} {'model':<44} {'bits/weight':>11} {'perplexity':>10} {'vs float':>9}")
+    print(f"\n{'part':<5} {'model':<44} {'bits/weight':>11} {'perplexity':>10} {'vs float':>9} {'held-out KL':>11}")
     for name, p in result["parts"].items():
         for r in p["rows"]:
             print(f"{name:<5} {r['model']:<44} {r['bits_per_weight']:>11.3f} {r['perplexity']:>10.3f} "
-                  f"{r['increase_pct']:>+8.2f}%")
+                  f"{r['increase_pct']:>+8.2f}% {r['held_out_kl']:>11.4g}")
     print(f"wrote {args.out}")
     shutil.rmtree(tmp, ignore_errors=True)
 

@@ -3,10 +3,10 @@ calibrations and the chosen recipe.
 
 * :func:`fused_groups`: the weights that must share one choice, because runtimes fuse them (a decoder layer's
   q/k/v projections, its gate/up projections) - one group each, every other weight a group of its own.
-* :func:`group_damage`: for a calibrated fake-quant model, the end-to-end damage of quantizing each group's weights
-  alone (everything else float), and of all its weights at once. For causal language models the damage is the
-  mean per-token KL divergence of the quantized model's next-token distribution from the float one (nats), which
-  adds up over small independent perturbations; for other models ``1 - cosine`` of the outputs, per sample.
+* :func:`group_damage`: on the first candidate's calibrated fake-quant model (everything quantized, as deployed),
+  the change in end-to-end damage when one group at a time takes another candidate's weights. For causal language
+  models the damage is the mean per-token KL divergence of the quantized model's next-token distribution from the
+  float one (nats); for other models ``1 - cosine`` of the outputs, per sample.
 * :func:`costs`: what each group costs in each candidate, in the bytes the export format writes
   (``Exporter.tensor_bytes``), and what the tensors outside every group cost.
 * :func:`mixed_recipe`: the first candidate's recipe plus one ``layers`` entry per weight that takes another
@@ -25,7 +25,7 @@ from torch import nn
 
 from .config import Plan, QuantizerPlan
 from .data import Batch
-from .model.insert import iter_quantizers, set_quantization
+from .model.insert import computing_with, fake_quant_weight, set_quantization
 from .report import _main_output, _per_sample_cosine, _token_kl
 
 __all__ = ["FUSED", "fused_groups", "group_damage", "Costs", "costs", "mixed_recipe"]
@@ -61,54 +61,67 @@ def _divergence(ref: torch.Tensor, out: torch.Tensor, batch: Batch, causal_lm: b
     return float((1.0 - cos).sum()), int(cos.numel())
 
 
-@torch.no_grad()
-def group_damage(model: nn.Module, batches: Sequence[Batch], groups: Sequence[Tuple[str, ...]], device,
-                 causal_lm: bool, progress: Optional[Callable[[int, int, str], None]] = None
-                 ) -> Tuple[List[float], float]:
-    """Per group, the mean damage of quantizing that group's weights alone; then of every weight together.
-    Activation quantizers stay off throughout (the candidates share them). Leaves every quantizer on."""
-    weights = {}
-    for name, q in iter_quantizers(model):
-        module, _, tensor = name.rpartition(".")
-        if tensor == "weight":
-            weights[module] = q
-    others = [q for name, q in iter_quantizers(model) if not name.endswith(".weight")]
-    sums = [0.0] * len(groups)
-    together = 0.0
-    count = 0
+def effective_weights(model: nn.Module, modules: Sequence[str]) -> Dict[str, Optional[torch.Tensor]]:
+    """Each module's weight as the calibrated fake-quant ``model`` computes with it (stored codes included), or
+    None where the model leaves it float."""
+    named = dict(model.named_modules())
+    out: Dict[str, Optional[torch.Tensor]] = {}
+    for m in modules:
+        w = fake_quant_weight(named[m])
+        out[m] = None if w is None else w.detach().clone()
+    return out
 
-    def only(mods) -> None:
-        for q in others:
-            q.enabled = False
-        for module, q in weights.items():
-            q.enabled = module in mods
+
+@torch.no_grad()
+def group_damage(model: nn.Module, batches: Sequence[Batch], groups: Sequence[Tuple[str, ...]],
+                 options: Sequence[Dict[str, Optional[torch.Tensor]]], device, causal_lm: bool,
+                 progress: Optional[Callable[[int, int, str], None]] = None
+                 ) -> Tuple[float, List[List[float]], List[float]]:
+    """The damage of the base candidate's calibrated fake-quant ``model`` (everything quantized, as deployed), and,
+    for each other candidate's weights (``options[c]``: module -> weight, None for float), the change in damage
+    when one group at a time takes that candidate's weights (negative: better), and when every group does.
+
+    Measuring each change against the deployed base rather than a float model keeps the errors every other layer
+    makes in the picture, and the base and the swapped model run the same samples, so their difference is far less
+    noisy than either damage."""
+    named = dict(model.named_modules())
+    base = 0.0
+    deltas = [[0.0] * len(groups) for _ in options]
+    together = [0.0] * len(options)
+    count = 0
+    steps = len(batches) * (1 + len(options) * (len(groups) + 1))
+    done = 0
+
+    def tick(name):
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, steps, name)
 
     try:
-        steps = len(batches) * (len(groups) + 1)
-        done = 0
         for b in batches:
             b = b.to(device)
-            only(())
+            set_quantization(model, False)
             ref = _main_output(model(*b.args, **b.kwargs))
-            n = 0
-            for gi, g in enumerate(groups):
-                only(set(g))
-                d, n = _divergence(ref, _main_output(model(*b.args, **b.kwargs)), b, causal_lm)
-                sums[gi] += d
-                done += 1
-                if progress:
-                    progress(done, steps, g[0])
-            only(set(weights))
-            d, n = _divergence(ref, _main_output(model(*b.args, **b.kwargs)), b, causal_lm)
-            together += d
+            set_quantization(model, True)
+            d0, n = _divergence(ref, _main_output(model(*b.args, **b.kwargs)), b, causal_lm)
+            base += d0
             count += n
-            done += 1
-            if progress:
-                progress(done, steps, "all weights")
+            tick("base")
+            for c, weights in enumerate(options):
+                for gi, g in enumerate(groups):
+                    with computing_with({named[m]: weights[m] for m in g if m in weights}):
+                        d, _ = _divergence(ref, _main_output(model(*b.args, **b.kwargs)), b, causal_lm)
+                    deltas[c][gi] += d - d0
+                    tick(g[0])
+                with computing_with({named[m]: w for m, w in weights.items()}):
+                    d, _ = _divergence(ref, _main_output(model(*b.args, **b.kwargs)), b, causal_lm)
+                together[c] += d
+                tick("all groups")
     finally:
         set_quantization(model, True)
     count = max(count, 1)
-    return [s / count for s in sums], together / count
+    return base / count, [[x / count for x in row] for row in deltas], [t / count for t in together]
 
 
 @dataclass

@@ -174,11 +174,40 @@ def _searched(checkpoint: str, target: TargetOptions, opts: CalibrateOptions, ex
     return str(path), record
 
 
-def _finish_search(checkpoint: str, run_dir: Path, record: Dict[str, Any], target: TargetOptions,
-                   opts: CalibrateOptions, hooks: Hooks) -> Dict[str, Any]:
-    record["chosen"]["damage"] = _measured_damage(checkpoint, run_dir / "encodings.json", record, target, opts, hooks)
+def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any], target: TargetOptions,
+                        opts: CalibrateOptions, run_dir: Path, hooks: Hooks, group: Group) -> Dict[str, Any]:
+    """Calibrate the searched recipe into ``run_dir`` and measure the chosen model as deployed. Where a uniform
+    candidate that fits the budget measured less damage (the per-layer changes did not add up), that candidate is
+    calibrated instead and ``recipe.yaml`` becomes it: the search never hands back a model it measured worse than
+    one it could have picked whole. Returns the calibration summary with ``target``."""
+    summary = _calibrate_into(checkpoint, recipe_path, opts, run_dir, hooks, group, search=record)
+    chosen = record["chosen"]
+    chosen["damage"] = _measured_damage(checkpoint, run_dir / "encodings.json", record, target, opts, hooks)
+    fits = [u for u in record["uniform"] if u["bytes"] <= record["budget"]["bytes"]]
+    best = min(fits, key=lambda u: u["damage"], default=None)
+    if best is not None and best["damage"] < chosen["damage"]:
+        hooks.on_stage(f"the mix measured {chosen['damage']:.4g}, above uniform {best['candidate']}'s "
+                       f"{best['damage']:.4g}: calibrating {best['candidate']} instead")
+        record["fallback"] = {"candidate": best["candidate"], "mix_bytes": chosen["bytes"],
+                              "mix_damage": chosen["damage"], "mix_predicted_damage": chosen["predicted_damage"]}
+        c = record["candidates"].index(best["candidate"])
+        text = Path(recipe_file(target.candidates[c])).read_text(encoding="utf-8")
+        Path(recipe_path).write_text(
+            f"# qtool {target.flag()} --candidates {','.join(target.candidates)}: the searched mix measured more "
+            f"damage ({chosen['damage']:.4g})\n# than this candidate whole ({best['damage']:.4g}), which fits the "
+            f"budget, so it is this candidate.\n" + text, encoding="utf-8")
+        for name in ("encodings.json", SIDECAR, CODES_FILE, "manifest.json"):
+            (run_dir / name).unlink(missing_ok=True)
+        record["chosen"] = {"bytes": best["bytes"], "bits_per_weight": best["bits_per_weight"],
+                            "predicted_damage": best["predicted_damage"], "damage": best["damage"],
+                            "groups": {n: (len(record["groups"]) if n == best["candidate"] else 0)
+                                       for n in record["candidates"]}}
+        summary = _calibrate_into(checkpoint, recipe_path, opts, run_dir, hooks, group, search=record)
     _write_search(run_dir, record)
-    return {k: record[k] for k in ("budget", "format", "candidates", "damage", "chosen", "uniform")}
+    summary["target"] = {k: record[k] for k in ("budget", "format", "candidates", "damage", "chosen", "uniform")}
+    if "fallback" in record:
+        summary["target"]["fallback"] = record["fallback"]
+    return summary
 
 
 def _budget_exporter(target: TargetOptions):
@@ -210,10 +239,11 @@ def run_calibrate(checkpoint: str, recipe_path: Optional[str], out: str, opts: C
             record = None
             if target:
                 recipe_path, record = _searched(checkpoint, target, opts, *budget_format, tmp, hooks)
-            summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks, group, search=record)
             if target:
-                summary["target"] = _finish_search(checkpoint, tmp, record, target, opts, hooks)
+                summary = _calibrate_searched(checkpoint, recipe_path, record, target, opts, tmp, hooks, group)
                 summary["outputs"] += ["recipe.yaml", SEARCH_FILE]
+            else:
+                summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks, group)
     summary["encodings"] = str(Path(out) / "encodings.json")
     summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
     return summary
@@ -435,10 +465,11 @@ def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: Ca
             record = None
             if target:
                 recipe_path, record = _searched(checkpoint, target, opts, exporter, options, tmp, hooks)
-            csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks, group, search=record)
             if target:
-                csum["target"] = _finish_search(checkpoint, calib_dir, record, target, opts, hooks)
+                csum = _calibrate_searched(checkpoint, recipe_path, record, target, opts, calib_dir, hooks, group)
                 csum["outputs"].append(SEARCH_FILE)
+            else:
+                csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks, group)
             enc_path = calib_dir / "encodings.json"
             esum = _export_into(checkpoint, EncodingsFile.read(enc_path, lazy=exporter.lazy_encodings), enc_path,
                                 tmp, eopts, hooks,
@@ -491,13 +522,14 @@ class Measured:
     plans: List[Plan]
     groups: List[Tuple[str, ...]]
     cost: Any  # mixed.Costs
-    damage: List[List[float]]  # per group, per candidate
+    damage: List[List[float]]  # per group, per candidate: the change from the first candidate's damage
     uniform: List[Dict[str, Any]]
     loaded: LoadedModel
     exporter: str
     metric: str
     samples: int
     opts: CalibrateOptions
+    base_damage: float = 0.0  # the first candidate's measured damage
 
     def bpw(self, nbytes: int) -> float:
         return 8.0 * nbytes / max(self.cost.params, 1)
@@ -515,7 +547,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     import shutil
 
     from .io.checkpoint import CheckpointTensors
-    from .mixed import costs, fused_groups, group_damage
+    from .mixed import costs, effective_weights, fused_groups, group_damage
 
     hooks = hooks or Hooks()
     paths = _target_candidates(target)
@@ -559,6 +591,8 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
                      pack_text=loaded.is_causal_lm)
     state.samples = data.num_samples
     batches = list(data)
+    grouped = [m for g in groups for m in g]
+    base = None
     for c, path in enumerate(paths):
         hooks.on_stage(f"candidate {c + 1}/{len(paths)} ({names[c]}): calibrating")
         cdir = work / f"candidate-{c}"
@@ -566,17 +600,26 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         _calibrate_into(checkpoint, path, opts, cdir, hooks)
         model = load_calibrated(checkpoint, str(cdir / "encodings.json"), opts.model_class, opts.device,
                                 opts.trust_pickle, opts.trust_remote_code)
-        hooks.on_stage(f"candidate {c + 1}/{len(paths)} ({names[c]}): measuring each layer's damage")
-        device = next(iter(model.parameters())).device
-        per_group, together = group_damage(model, batches, groups, device, loaded.is_causal_lm, hooks.on_tensor)
-        del model
         if not keep:
             shutil.rmtree(cdir)
-        for g, d in enumerate(per_group):
+        if base is None:  # the first candidate, deployed as it is: every other option is measured against it
+            base = model
+            continue
+        weights = effective_weights(model, grouped)
+        del model
+        hooks.on_stage(f"candidate {c + 1}/{len(paths)} ({names[c]}): measuring each layer's damage")
+        device = next(iter(base.parameters())).device
+        base_damage, deltas, together = group_damage(base, batches, groups, [weights], device, loaded.is_causal_lm,
+                                                     hooks.on_tensor)
+        del weights
+        for g, d in enumerate(deltas[0]):
             state.damage[g][c] = d
+        state.base_damage = base_damage
+        state.uniform.append({"damage": together[0], "predicted_damage": base_damage + sum(deltas[0])})
+    state.uniform.insert(0, {"damage": state.base_damage, "predicted_damage": state.base_damage})
+    for c, u in enumerate(state.uniform):
         nbytes = cost.fixed + sum(opt[c] for opt in cost.groups)
-        state.uniform.append({"candidate": names[c], "bytes": nbytes, "bits_per_weight": state.bpw(nbytes),
-                              "damage": together, "predicted_damage": sum(row[c] for row in state.damage)})
+        u.update(candidate=names[c], bytes=nbytes, bits_per_weight=state.bpw(nbytes))
     return state
 
 
@@ -621,12 +664,13 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
         "budget": {"flag": target.flag(), "bytes": budget, "bits_per_weight": state.bpw(budget)},
         "format": state.exporter, "params": cost.params, "float_bytes": cost.float_bytes,
         "candidates": names, "damage": state.metric, "samples": state.samples,
-        "chosen": {"bytes": nbytes, "bits_per_weight": state.bpw(nbytes), "predicted_damage": choice.damage,
+        "chosen": {"bytes": nbytes, "bits_per_weight": state.bpw(nbytes),
+                   "predicted_damage": state.base_damage + choice.damage,
                    "groups": {names[c]: sum(k == c for k in choice.options) for c in range(len(names))}},
         "uniform": state.uniform,
         "frontier": [{"bytes": cost.fixed + f.cost, "bits_per_weight": state.bpw(cost.fixed + f.cost),
-                      "predicted_damage": f.damage} for f in frontier(state.damage, cost.groups)],
-        "groups": [{"modules": list(g), "choice": names[k], "bytes": cost.groups[i], "damage": state.damage[i]}
+                      "predicted_damage": state.base_damage + f.damage} for f in frontier(state.damage, cost.groups)],
+        "groups": [{"modules": list(g), "choice": names[k], "bytes": cost.groups[i], "damage_change": state.damage[i]}
                    for i, (g, k) in enumerate(zip(state.groups, choice.options))],
     }
     return text, record
@@ -634,7 +678,8 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
 
 def _measured_damage(checkpoint: str, encodings: Path, record: Dict[str, Any], target: TargetOptions,
                      opts: CalibrateOptions, hooks: Hooks) -> float:
-    """The chosen model's damage measured with every weight quantized at once (what the per-layer sum predicted)."""
+    """The chosen model's damage, everything quantized at once (what the first candidate's damage plus the changes
+    predicted)."""
     from .mixed import group_damage
 
     hooks.on_stage("measuring the chosen model")
@@ -643,8 +688,8 @@ def _measured_damage(checkpoint: str, encodings: Path, record: Dict[str, Any], t
     tokenizer = getattr(model, "qtool_tokenizer", None)
     causal = record["damage"].startswith("mean per-token")
     data = load_data(opts.data, opts.batch_size, target.samples, opts.seed, opts.seq_len, tokenizer, pack_text=causal)
-    _, together = group_damage(model, list(data), [], next(iter(model.parameters())).device, causal)
-    return together
+    damage, _, _ = group_damage(model, list(data), [], [], next(iter(model.parameters())).device, causal)
+    return damage
 
 
 def _write_search(run_dir: Path, record: Dict[str, Any]) -> None:

@@ -239,3 +239,60 @@ def test_report_draws_the_searched_curve_beside_the_uniform_candidates(llama, tm
     code, _, err = run_cli("report", ckpt, "-e", tmp_path / "run" / "x" / "encodings.json", "--data", data,
                            "--pareto", tmp_path / "c.png", "-q")
     assert code == 2 and "no search.json" in err
+
+
+def test_a_swapped_weight_is_computed_with_and_everything_is_restored():
+    """The search swaps one candidate's weights into the base model group by group: inside the block the module
+    computes with exactly that weight (quantized or not), and afterwards the model computes as before."""
+    from qtool.config import parse_recipe, resolve_plan
+    from qtool.model.insert import computing_with, fake_quant_weight, insert_quantizers, set_stored_weight
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    plan = resolve_plan(parse_recipe("version: 1\ndefaults: {weights: {bitwidth: 4}, activations: null}\n"
+                                     "ignore: ['1']\n"), model)
+    insert_quantizers(model, plan)
+    q = model[0].qtool_quantizers["weight"]
+    q.set_range(model[0].weight.detach().min(1, keepdim=True).values.clamp(max=0),
+                model[0].weight.detach().max(1, keepdim=True).values.clamp(min=0))
+    x = torch.randn(3, 8)
+    before = model(x)
+    assert fake_quant_weight(model[1]) is None and not torch.equal(fake_quant_weight(model[0]), model[0].weight)
+    other0, other1 = torch.randn(8, 8), torch.randn(4, 8)
+    with computing_with({model[0]: other0, model[1]: other1}):
+        assert torch.equal(model(x), torch.nn.functional.linear(
+            torch.nn.functional.linear(x, other0, model[0].bias), other1, model[1].bias))
+    assert torch.equal(model(x), before)
+    with computing_with({model[0]: None}):  # None: the float weight
+        assert torch.equal(model[0](x), torch.nn.functional.linear(x, model[0].weight, model[0].bias))
+    assert torch.equal(model(x), before)
+    stored = torch.zeros(8, 8)
+    set_stored_weight(model[0], stored)
+    with computing_with({model[0]: other0}):
+        pass
+    assert fake_quant_weight(model[0]) is stored
+
+
+def test_a_mix_measured_worse_than_a_uniform_candidate_that_fits_falls_back_to_it(llama, tmp_path, monkeypatch):
+    """The final measurement checks the per-layer prediction: where the calibrated mix measures more damage than a
+    candidate whole that fits the budget, that candidate is what gets written (recipe.yaml says so), byte for byte
+    what `-c candidate` writes."""
+    import qtool.pipeline as pipeline
+
+    ckpt, data = llama
+    real = pipeline._measured_damage
+    monkeypatch.setattr(pipeline, "_measured_damage", lambda *a, **k: real(*a, **k) + 1.0)  # the mix: far worse
+    code, out, err = run_cli("calibrate", ckpt, "--data", data, "--json", "-q", "--candidates",
+                             "w4a16-block32-gptq,w8a16", "--target-bpw", "15.5", "-o", tmp_path / "mix")
+    assert code == 0, err
+    target = json.loads(out)["target"]
+    assert target["fallback"]["candidate"] == "w8a16" and target["chosen"]["groups"]["w4a16-block32-gptq"] == 0
+    assert "measured more damage" in (tmp_path / "mix" / "recipe.yaml").read_text()
+    monkeypatch.undo()
+    code, _, err = run_cli("calibrate", ckpt, "--data", data, "-q", "-c", "w8a16", "-o", tmp_path / "plain")
+    assert code == 0, err
+    mix, plain = (json.loads((tmp_path / d / "encodings.json").read_text()) for d in ("mix", "plain"))
+    assert (mix.pop("recipe"), plain.pop("recipe")) == ("recipe.yaml", "w8a16.yaml") and mix == plain
+    assert not (tmp_path / "mix" / "codes.safetensors").exists()  # the mix's GPTQ codes went with it
+    search = json.loads((tmp_path / "mix" / "search.json").read_text())
+    assert search["fallback"]["mix_damage"] > search["chosen"]["damage"]

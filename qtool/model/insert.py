@@ -98,6 +98,46 @@ def _fake_quant_weight(module: nn.Module, quantizer: QuantizerBase) -> torch.Ten
     return out
 
 
+def fake_quant_weight(module: nn.Module) -> Optional[torch.Tensor]:
+    """The weight ``module`` computes with while quantized (its stored codes' values where a rounding algorithm
+    chose them), or None when it has no weight quantizer."""
+    qs = getattr(module, _ATTR, None)
+    if not isinstance(qs, nn.ModuleDict) or "weight" not in qs:
+        return None
+    q = qs["weight"]
+    enabled, q.enabled = q.enabled, True
+    try:
+        return _fake_quant_weight(module, q)
+    finally:
+        q.enabled = enabled
+
+
+@contextlib.contextmanager
+def computing_with(weights: Dict[nn.Module, Optional[torch.Tensor]]):
+    """Inside the block each module computes with the given weight (None: its float weight) in place of its own
+    (fake-quant or float) one, whether or not it has a weight quantizer; all is restored after."""
+    saved = []
+    try:
+        for mod, w in weights.items():
+            qs = getattr(mod, _ATTR, None)
+            value = mod._parameters["weight"] if w is None else w
+            if isinstance(qs, nn.ModuleDict) and "weight" in qs:  # the stored slot wins while quantized
+                saved.append((mod, True, mod.__dict__.get(_STORED)))
+                mod.__dict__[_STORED] = value
+            else:
+                saved.append((mod, False, mod._parameters["weight"].data))
+                mod._parameters["weight"].data = value.to(mod._parameters["weight"].dtype)
+        yield
+    finally:
+        for mod, stored_slot, old in reversed(saved):
+            if not stored_slot:
+                mod._parameters["weight"].data = old
+            elif old is None:
+                mod.__dict__.pop(_STORED, None)
+            else:
+                mod.__dict__[_STORED] = old
+
+
 def set_stored_weight(module: nn.Module, weight: torch.Tensor) -> None:
     """Make ``weight`` (dequantized codes a rounding algorithm chose) the module's fake-quant weight, in place of
     round-to-nearest of its float weight; the float weight itself is left as it is (the reference)."""
