@@ -14,7 +14,8 @@ windows of 256 tokens; held-out: 32 other windows; the damage the search ranks b
 ``--samples`` calibration windows). Bits per weight are the exported file's tensor bytes over the checkpoint's
 number of values, as the search counts them. Prints a table and writes bench/results/mixed_precision.json.
 
-    .venv/bin/python bench/mixed_precision.py [--parts int,gguf] [--samples 4]
+    .venv/bin/python bench/mixed_precision.py [--parts int,gguf] [--samples 4]   # ~70 minutes on 2 cores
+    .venv/bin/python bench/mixed_precision.py --chart-only     # redraw docs/mixed_precision.svg from the JSON
 """
 
 from __future__ import annotations
@@ -198,12 +199,50 @@ def part(name: str, ckpt, candidates, budgets, fmt: str, tmp: Path, data: Path, 
             "damage": state.metric, "uniform_damage": state.uniform, "rows": rows, "frontier": curve}
 
 
+def chart(result: dict, path: Path) -> None:
+    """Size against held-out KL: each uniform candidate and each searched model (measured), and the search's
+    predicted curve (on the search samples), one panel per part; written as SVG (docs/accuracy.md shows it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = result["parts"]
+    fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4.5), squeeze=False)
+    for ax, (name, part_) in zip(axes[0], parts.items()):
+        curve = part_["frontier"]
+        ax.plot([c["bits_per_weight"] for c in curve], [c["predicted_damage"] for c in curve], "--", color="#95a5a6",
+                label="searched curve (predicted, search samples)")
+        for r in part_["rows"]:
+            searched = r["model"].startswith("searched")
+            ax.plot([r["bits_per_weight"]], [r["held_out_kl"]], "o" if searched else "s",
+                    color="#c0392b" if searched else "#2c3e50")
+            ax.annotate(r["model"].replace("uniform ", ""), (r["bits_per_weight"], r["held_out_kl"]), fontsize=7,
+                        xytext=(4, 4), textcoords="offset points")
+        ax.plot([], [], "s", color="#2c3e50", label="uniform recipe (held-out)")
+        ax.plot([], [], "o", color="#c0392b", label="searched recipe (held-out)")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"bits per weight ({part_['format']} file, every tensor byte)")
+        ax.set_ylabel("mean per-token KL from float (nats), lower is better")
+        ax.set_title(f"SmolLM2-135M, {name}: " + ", ".join(part_["candidates"]), fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, format="svg")
+    plt.close(fig)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="int,gguf")
     ap.add_argument("--samples", type=int, default=4, help="calibration windows the damage is measured on")
     ap.add_argument("--out", default=str(REPO / "bench/results/mixed_precision.json"))
+    ap.add_argument("--chart", default=str(REPO / "docs/mixed_precision.svg"))
+    ap.add_argument("--chart-only", action="store_true", help="redraw the chart from --out")
     args = ap.parse_args(argv)
+    if args.chart_only:
+        chart(json.loads(Path(args.out).read_text()), Path(args.chart))
+        return
 
     from accuracy import _perplexity
     from qtool.data import load_data
@@ -251,7 +290,8 @@ def main(argv=None):
         for r in p["rows"]:
             print(f"{name:<5} {r['model']:<44} {r['bits_per_weight']:>11.3f} {r['perplexity']:>10.3f} "
                   f"{r['increase_pct']:>+8.2f}% {r['held_out_kl']:>11.4g}")
-    print(f"wrote {args.out}")
+    chart(result, Path(args.chart))
+    print(f"wrote {args.out} and {args.chart}")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
