@@ -58,34 +58,10 @@ defaults:
 
 
 def _file_tensor_bytes(out: Path) -> int:
-    if (out / "model.gguf").exists():
-        import gguf
+    """The tensor bytes the exported file holds, as `qtool inspect` counts them."""
+    from qtool.inspect import inspect_path
 
-        return sum(int(t.n_bytes) for t in gguf.GGUFReader(out / "model.gguf").tensors)
-    from safetensors import safe_open
-
-    total = 0
-    for f in sorted(out.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():
-                sl = fh.get_slice(k)
-                n = 1
-                for d in sl.get_shape():
-                    n *= d
-                total += n * {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1,
-                              "F8_E4M3": 1}[sl.get_dtype()]
-    return total
-
-
-def _token_nlls(logits, batch):
-    """Per-token next-token NLL (padding excluded), in order."""
-    import torch
-
-    ids = batch.kwargs["input_ids"]
-    mask = batch.kwargs.get("attention_mask", torch.ones_like(ids))
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    nll = -logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return nll[(mask[:, 1:] > 0) & (mask[:, :-1] > 0)]
+    return inspect_path(out / "model.gguf" if (out / "model.gguf").exists() else out)["totals"]["bytes"]
 
 
 def _score(ckpt, out: Path, batches, params: int, ppl_float: float) -> dict:
@@ -95,7 +71,7 @@ def _score(ckpt, out: Path, batches, params: int, ppl_float: float) -> dict:
 
     import qtool
     from qtool.model.insert import set_quantization
-    from qtool.report import _token_kl
+    from qtool.report import _token_kl, token_nlls
 
     model = qtool.load_calibrated(str(ckpt), str(out / "calibration" / "encodings.json"))
     nlls, kl, tokens = [], 0.0, 0
@@ -105,7 +81,7 @@ def _score(ckpt, out: Path, batches, params: int, ppl_float: float) -> dict:
             ref = model(**b.kwargs).logits
             set_quantization(model, True)
             q = model(**b.kwargs).logits
-            nlls.append(_token_nlls(q, b))
+            nlls.append(token_nlls(q, b))
             k, n = _token_kl(ref, q, b)
             kl, tokens = kl + k, tokens + n
     nll = torch.cat(nlls).double()

@@ -17,6 +17,7 @@ The choice itself is :func:`qtool.quant.knapsack.choose`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -25,6 +26,7 @@ from torch import nn
 
 from .config import Plan, QuantizerPlan
 from .data import Batch
+from .export.base import layout_bytes
 from .model.insert import computing_with, fake_quant_weight, set_quantization
 from .report import _main_output, _per_sample_cosine, _token_kl
 
@@ -173,15 +175,8 @@ def costs(tensors: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], plans: Sequen
             options.append(total)
         per_group.append(options)
     fixed = sum(tensor_bytes(None, shape, dtype) for k, (shape, dtype) in tensors.items() if k not in grouped)
-    float_bytes = sum(_numel(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in tensors.values())
-    return Costs(per_group, fixed, float_bytes, sum(_numel(shape) for shape, _ in tensors.values()))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+    float_bytes = layout_bytes([(k, dtype, shape) for k, (shape, dtype) in tensors.items()])
+    return Costs(per_group, fixed, float_bytes, sum(math.prod(shape) for shape, _ in tensors.values()))
 
 
 def row_shape(row: QuantizerPlan) -> Tuple[int, ...]:

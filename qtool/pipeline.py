@@ -212,9 +212,12 @@ def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any
 
 def _budget_exporter(target: TargetOptions):
     """The format a ``calibrate`` budget counts in: GGUF when a candidate uses llama.cpp's types, else qtool's."""
-    paths = _target_candidates(target)
-    gguf = any(load_recipe(p).gguf_mix is not None or "gguf_type" in Path(p).read_text(encoding="utf-8")
-               for p in paths)
+    def uses_gguf(recipe) -> bool:
+        weights = recipe.defaults.weights
+        return (recipe.gguf_mix is not None or (weights is not None and weights.gguf_type is not None)
+                or any("gguf_type" in (rule.weights or {}) for rule in recipe.layers))
+
+    gguf = any(uses_gguf(load_recipe(p)) for p in _target_candidates(target))
     exporter = get_exporter("gguf" if gguf else "qtool")
     return exporter, exporter.options()
 
@@ -570,7 +573,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         if rest(plan) != rest(plans[0]):
             raise UsageError(f"--candidates: {name} differs from {names[0]} in more than its weight settings "
                              "(activations, rotation, SmoothQuant or folds); candidates may differ in weights only")
-    modules = [m for m in dict.fromkeys(q.module for plan in plans for q in plan.weights)]
+    modules = list(dict.fromkeys(q.module for plan in plans for q in plan.weights))
     order = {m: i for i, m in enumerate(dict(loaded.model.named_modules()))}
     groups = fused_groups(sorted(modules, key=lambda m: order.get(m, len(order))))
     src = CheckpointTensors(Path(checkpoint), trust_pickle=opts.trust_pickle)

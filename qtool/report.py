@@ -130,16 +130,21 @@ def _first_tensor(x):
     return None
 
 
-def _token_nll(logits: torch.Tensor, batch: Batch) -> tuple:
-    """Summed next-token negative log-likelihood and token count (padding excluded). Token ids are the
+def token_nlls(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Each scored token's next-token negative log-likelihood, in order (padding excluded). Token ids are the
     ``input_ids`` keyword, or the one positional input of a single-array tensor file."""
     ids = batch.kwargs["input_ids"] if "input_ids" in batch.kwargs else batch.args[0]
     mask = batch.kwargs.get("attention_mask", torch.ones_like(ids))
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     target = ids[:, 1:]
     nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    valid = (mask[:, 1:] > 0) & (mask[:, :-1] > 0)
-    return float(nll[valid].sum()), int(valid.sum())
+    return nll[(mask[:, 1:] > 0) & (mask[:, :-1] > 0)]
+
+
+def _token_nll(logits: torch.Tensor, batch: Batch) -> tuple:
+    """Summed next-token negative log-likelihood and token count (padding excluded)."""
+    nll = token_nlls(logits, batch)
+    return float(nll.sum()), int(nll.numel())
 
 
 def _token_kl(ref: torch.Tensor, out: torch.Tensor, batch: Batch) -> tuple:
@@ -416,7 +421,7 @@ def plot_pareto(points: Dict[str, Any], path, title: str = "size against damage"
     fig, ax = plt.subplots(figsize=(8, 5))
     curve = points["curve"]
     ax.plot([c["bits_per_weight"] for c in curve], [c["damage"] for c in curve], "-", color="#2980b9",
-            label="searched (predicted: sum of per-layer damage)")
+            label="searched (predicted: the first candidate's damage + each group's change)")
     for u in points["uniform"]:
         ax.plot([u["bits_per_weight"]], [u["damage"]], "s", color="#7f8c8d")
         ax.annotate(u["candidate"], (u["bits_per_weight"], u["damage"]), fontsize=8, xytext=(4, 4),

@@ -294,6 +294,17 @@ def _compat_notes(settings) -> List[str]:
     return notes
 
 
+def _scale_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """Scales are stored in the checkpoint weight's float dtype, as llm-compressor writes them (float32 otherwise)."""
+    return weight_dtype if weight_dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16) \
+        else torch.float32
+
+
+def _int_format(bitwidth: int, eight_bit_format: str) -> str:
+    """The compressed-tensors format of an integer weight: 8-bit ones as asked, narrower ones always packed."""
+    return eight_bit_format if bitwidth == 8 else "pack-quantized"
+
+
 def _int_layout(base: str, spec, shape: Tuple[int, ...], scale_dtype: torch.dtype, packed: bool,
                 strategy: str) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
     """The tensors of one integer layer (codes, scale, shape, zero point), in the order they are written."""
@@ -442,7 +453,7 @@ def export_compressed_tensors(
                 fmt = "float-quantized"
         else:
             args = _weight_args(e, tuple(shape), key)
-            fmt = eight_bit_format if e.bitwidth == 8 else "pack-quantized"
+            fmt = _int_format(e.bitwidth, eight_bit_format)
         if inputs is not None and dyn_inputs[e.module].is_float != e.is_float:
             raise EncodingsError(f"{e.name}: compressed-tensors has no scheme mixing float and integer grids in one "
                                  f"layer (its input is {dyn_inputs[e.module].spec.describe()})")
@@ -507,7 +518,7 @@ def export_compressed_tensors(
         base = key[: -len("weight")]
         b = e.bitwidth
         sshape = _ct_scale_shape(e)
-        scale_dtype = dtype if dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16) else torch.float32
+        scale_dtype = _scale_dtype(dtype)
         info[key] = {"bitwidth": b, "symmetric": e.symmetric, "granularity": e.granularity,
                      "block_size": None if e.block_size is None else list(e.block_size)}
         if e.is_float:
@@ -666,9 +677,8 @@ class CompressedTensorsExporter(Exporter):
         if spec.is_float:
             return layout_bytes(_float_layout(spec, "", shape, _ct_scale_shape(spec), None))
         strategy = {"per_tensor": "tensor", "per_channel": "channel"}.get(spec.granularity.value, "group")
-        packed = spec.bitwidth < 8 or options.ct_eight_bit_format == "pack-quantized"
-        scale_dtype = dtype if dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16) else torch.float32
-        return layout_bytes(_int_layout("", spec, shape, scale_dtype, packed, strategy))
+        packed = _int_format(spec.bitwidth, options.ct_eight_bit_format) == "pack-quantized"
+        return layout_bytes(_int_layout("", spec, shape, _scale_dtype(dtype), packed, strategy))
 
     def write(self, request: ExportRequest, options: "CompressedTensorsExporter.Options") -> Dict[str, object]:
         return export_compressed_tensors(request.checkpoint, request.encodings, request.out_dir,

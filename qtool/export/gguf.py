@@ -138,11 +138,7 @@ class GgufExporter(Exporter):
         """The tensor's data in the file (each tensor's start is aligned to 32 bytes in the file; the padding is
         not counted)."""
         shape = tuple(int(d) for d in shape)
-        if quantizer is None:
-            kind = ("F16" if options.gguf_float == "f16" else "F32") if len(shape) >= 2 else "F32"
-        else:
-            kind = gguf_type(quantizer) or ("F16" if options.gguf_fallback == "f16" else "F32")
-        return _info(kind, shape)[2]
+        return _info(_kind(quantizer, shape, options), shape)[2]
 
     def write(self, request: ExportRequest, options: "GgufExporter.Options") -> Dict[str, Any]:
         import gguf
@@ -201,18 +197,12 @@ def _plan(model: GgufModel, src, entries: List[EncodingEntry], options) -> Tuple
                  and "lm_head.weight" not in keyset}
     matched = match_weight_names([e for e in entries if e.name not in tied_head], keys, str(src.checkpoint))
     by_key: Dict[str, EncodingEntry] = {matched.get(e.name, "lm_head.weight"): e for e in entries}
-    float2d = "F16" if options.gguf_float == "f16" else "F32"
-    fallback = "F16" if options.gguf_fallback == "f16" else "F32"
-
     def item(name: str, key: str, source_key: str) -> _Item:
         e = by_key.get(key)
         shape, _ = src.shape_dtype(source_key)
         if e is not None:
             e.check_fits(source_key, shape)
-            kind = gguf_type(e) or fallback
-        else:
-            kind = float2d if len(shape) >= 2 else "F32"
-        return _Item(name, source_key, kind, e, model.permutation(key))
+        return _Item(name, source_key, _kind(e, shape, options), e, model.permutation(key))
 
     items: List[_Item] = []
     names: Dict[str, str] = {}
@@ -234,6 +224,14 @@ def _plan(model: GgufModel, src, entries: List[EncodingEntry], options) -> Tuple
         if head.entry is not None:
             names[head.entry.name] = "output.weight" if head in items else "token_embd.weight"
     return items, names
+
+
+def _kind(e, shape, options) -> str:
+    """How a tensor is stored: its weight's GGUF type, else the fallback float type for a quantized weight with
+    none, else F32/F16 for a float 2-D tensor (``--gguf-float``) and F32 for a 1-D one."""
+    if e is not None:
+        return gguf_type(e) or ("F16" if options.gguf_fallback == "f16" else "F32")
+    return ("F16" if options.gguf_float == "f16" else "F32") if len(shape) >= 2 else "F32"
 
 
 def _same_numbers(a: Optional[EncodingEntry], b: Optional[EncodingEntry], src) -> bool:
