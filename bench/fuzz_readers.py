@@ -89,7 +89,10 @@ def mutate_structure(obj: Any, rng: random.Random) -> Any:
             container[rng.choice(["extra", "version", "schema", "name", "shape", "min", "dtype"])] = \
                 _odd(rng)
         elif op < 0.9 and isinstance(container[key], (int, float)) and not isinstance(container[key], bool):
-            container[key] = container[key] * rng.choice([-1, 0, 1e30, 1e-30, 2**40])
+            try:
+                container[key] = container[key] * rng.choice([-1, 0, 1e30, 1e-30, 2**40])
+            except OverflowError:  # a huge integer times a float
+                container[key] = _odd(rng)
         else:
             container[key] = json.loads(json.dumps(container[key])) if rng.random() < 0.5 else None
     return obj
@@ -133,6 +136,35 @@ def mutate_safetensors(raw: bytes, rng: random.Random) -> bytes:
         length = len(text) if rng.random() < 0.9 else rng.choice([0, 1, len(text) + 5, 2**63, 2**64 - 1])
         return struct.pack("<Q", length) + text + raw[8 + n:]
     return mutate_bytes(raw, rng)
+
+
+_ODD_INTS = [0, 1, 2, 3, 31, 32, 255, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1]
+
+
+def mutate_gguf(seed, rng: random.Random) -> bytes:
+    """Mostly damage to the header (key-value pairs and tensor infos, before the data section ``seed[1]``): an
+    integer field (a count, a length, a type, an offset, a dimension) overwritten with an odd value, bytes flipped
+    or cut; sometimes raw damage anywhere."""
+    raw, head = seed
+    if rng.random() < 0.2:
+        return mutate_bytes(raw, rng)
+    b = bytearray(raw)
+    for _ in range(rng.randint(1, 3)):
+        op = rng.random()
+        i = rng.randrange(4, head)
+        if op < 0.45:
+            width = rng.choice([4, 8])
+            value = rng.choice(_ODD_INTS) % (2 ** (8 * width))
+            b[i:i + width] = value.to_bytes(width, "little")
+        elif op < 0.75:
+            b[i] = rng.randrange(256)
+        elif op < 0.85:
+            del b[i:]
+            break
+        else:
+            j = min(len(b), i + rng.randrange(1, 64))
+            b[i:j] = rng.choice(_RAW_INSERTS)
+    return bytes(b)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -196,8 +228,43 @@ def build_world(d: Path) -> Dict[str, Any]:
     np.save(d / "seed.npy", np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32))
     seeds["data"] = [(d / "seed.npy").read_bytes(), (d / "seed_data.safetensors").read_bytes(),
                      b'{"text": "one"}\n{"text": "two"}\n']
+    _llama_seeds(d, seeds)
     return {"model": model, "seeds": seeds, "dir": d,
             "shapes": {k: tuple(v.shape) for k, v in model.state_dict().items()}}
+
+
+_HF_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _llama_seeds(d: Path, seeds: Dict[str, List[Any]]) -> None:
+    """Seeds made from tiny Llamas with a byte-level BPE tokenizer (tests.test_gguf): GGUF files (K-quant mixes on
+    256-wide rows, Q8_0 with a tied output), compressed-tensors directories (int, FP8, NVFP4, MXFP4), the Hugging
+    Face files GGUF export reads, and a size-budget search record."""
+    import gguf
+    import transformers
+
+    from tests.test_gguf import VOCAB, _tiny_llama
+
+    transformers.utils.logging.disable_progress_bar()
+    wide, narrow = _tiny_llama(d / "wide", False, hidden=256), _tiny_llama(d / "narrow", True)
+    ids = torch.randint(1, VOCAB, (8, 16), generator=torch.Generator().manual_seed(2))
+    save_file({"input_ids": ids}, d / "ids.safetensors")
+    seeds["gguf"] = [(seeds["imatrix"][0], gguf.GGUFReader(d / "imatrix.gguf").data_offset)]
+    for model, recipe in ((wide, "gguf-q4_k_m"), (wide, "gguf-q2_k"), (wide, "gguf-iq4_xs"), (narrow, "gguf-q8_0")):
+        out = d / f"gguf-{model.name}-{recipe}"
+        _qtool("quantize", model, "-c", recipe, "-f", "gguf", "-o", out)
+        seeds["gguf"].append(((out / "model.gguf").read_bytes(), gguf.GGUFReader(out / "model.gguf").data_offset))
+    seeds["compressed_tensors"] = []
+    for recipe in ("w4a16-block32", "w8a8", "fp8", "nvfp4a16", "mxfp4a16"):
+        out = d / f"ct-{recipe}"
+        _qtool("quantize", narrow, "-c", recipe, "-f", "compressed-tensors", "--data", d / "ids.safetensors",
+               "-o", out)
+        seeds["compressed_tensors"].append({f: (out / f).read_bytes() for f in ("config.json", "model.safetensors")})
+    seeds["hf_gguf"] = [{f: (narrow / f).read_bytes() for f in _HF_FILES if (narrow / f).exists()}]
+    out = d / "search"
+    _qtool("quantize", narrow, "--data", d / "ids.safetensors", "--candidates", "w4a16-block32,w8a16",
+           "--target-bpw", "12", "-o", out)
+    seeds["search"] = [(out / "calibration" / "search.json").read_bytes()]
 
 
 def _read_recipe(path: Path, world) -> None:
@@ -262,7 +329,44 @@ def _inspect(path: Path, world) -> None:
     inspect_path(path)
 
 
-# reader -> (seed kind, file name, mutation, call)
+def _read_gguf_file(path: Path, world) -> None:
+    from qtool.inspect import inspect_path
+
+    inspect_path(path)
+
+
+def _read_compressed_tensors(path: Path, world) -> None:
+    from qtool.inspect import inspect_path
+
+    inspect_path(path)
+
+
+def _read_hf_for_gguf(path: Path, world) -> None:
+    """What GGUF export reads from a Hugging Face directory: the config (hyperparameters) and the tokenizer files,
+    onto a GGUF writer that is never written."""
+    import gguf
+
+    from qtool.export.gguf_model import read_gguf_model
+
+    model = read_gguf_model(path)
+    model.add_metadata(gguf.GGUFWriter(path / "never-written.gguf", model.arch), 1, 320)
+
+
+def _read_search(path: Path, world) -> None:
+    from qtool.report import pareto_points, read_search
+
+    pareto_points(read_search(path))
+
+
+def mutate_files(files: Dict[str, bytes], rng: random.Random) -> Dict[str, bytes]:
+    """One file of a directory damaged: JSON files as JSON, safetensors files as safetensors."""
+    files = dict(files)
+    name = rng.choice(sorted(files))
+    files[name] = (mutate_safetensors if name.endswith(".safetensors") else mutate_json_file)(files[name], rng)
+    return files
+
+
+# reader -> (seed kind, file name (a directory's when the seed is a dict of files), mutation, call)
 READERS: Dict[str, tuple] = {
     "recipe": ("recipe", "r.yaml", mutate_bytes, _read_recipe),
     "recipe-structure": ("recipe", "r.yaml", None, _read_recipe),
@@ -274,6 +378,10 @@ READERS: Dict[str, tuple] = {
     "inspect": (None, None, None, _inspect),
     "qtool-float-export": ("float_export", "model.safetensors", mutate_safetensors, _read_float_export),
     "imatrix": ("imatrix", "imatrix.gguf", mutate_bytes, _read_imatrix),
+    "gguf": ("gguf", "model.gguf", mutate_gguf, _read_gguf_file),
+    "compressed-tensors": ("compressed_tensors", "ct-model", mutate_files, _read_compressed_tensors),
+    "hf-for-gguf": ("hf_gguf", "hf-model", mutate_files, _read_hf_for_gguf),
+    "search-record": ("search", "search.json", mutate_json_file, _read_search),
 }
 
 
@@ -310,6 +418,43 @@ def _input_for(reader: str, world, rng: random.Random):
     return name, mutate(rng.choice(seeds[kind]), rng), call
 
 
+def _write_input(path: Path, body) -> Path:
+    """``body`` at ``path``: bytes as a file, a dict of name -> bytes as a directory holding only those files."""
+    if isinstance(body, dict):
+        path.mkdir(exist_ok=True)
+        for old in path.iterdir():
+            old.unlink()
+        for name, data in body.items():
+            (path / name).write_bytes(data)
+    else:
+        path.write_bytes(body)
+    return path
+
+
+def _seed_files(kind: str, world) -> List[Any]:
+    """The seed files of ``kind`` as written (GGUF seeds carry their data offset beside the bytes)."""
+    return [s[0] if kind == "gguf" else s for s in world["seeds"][kind]]
+
+
+def check_writers(world) -> List[Dict[str, Any]]:
+    """Every writer only writes what its own reader accepts: each unmutated seed (a file qtool wrote, or the input
+    it was made from) read by its reader."""
+    out = []
+    case_dir = world["dir"] / "writers"
+    case_dir.mkdir(exist_ok=True)
+    for reader, (kind, name, _, call) in READERS.items():
+        if kind in (None, "recipe", "data"):  # shipped recipes are for other models; data is not written by qtool
+            continue
+        for i, body in enumerate(_seed_files(kind, world)):
+            (case_dir / f"{reader}-{i}").mkdir()
+            try:
+                call(_write_input(case_dir / f"{reader}-{i}" / name, body), world)
+                out.append({"reader": reader, "seed": i, "ok": True})
+            except Exception as e:  # noqa: BLE001 - any refusal of qtool's own output is the finding
+                out.append({"reader": reader, "seed": i, "ok": False, "error": f"{type(e).__name__}: {e}"[:200]})
+    return out
+
+
 def fuzz(reader: str, n: int, seed: int, world, timeout: float, keep: Path = None) -> Dict[str, Any]:
     rng = random.Random(f"{seed}-{reader}")
     counts = {"accepted": 0, "refused": 0, "internal": 0, "hang": 0}
@@ -320,8 +465,7 @@ def fuzz(reader: str, n: int, seed: int, world, timeout: float, keep: Path = Non
     start = time.perf_counter()
     for i in range(n):
         name, body, call = _input_for(reader, world, rng)
-        path = case_dir / name
-        path.write_bytes(body)
+        path = _write_input(case_dir / name, body)
         t0 = time.perf_counter()
         signal.setitimer(signal.ITIMER_REAL, timeout)
         outcome, detail = "accepted", None
@@ -343,7 +487,7 @@ def fuzz(reader: str, n: int, seed: int, world, timeout: float, keep: Path = Non
             failures.append({"input": i, "file": name, "error": detail})
             if keep is not None:
                 keep.mkdir(parents=True, exist_ok=True)
-                (keep / f"{reader}-{i}-{name}").write_bytes(body)
+                _write_input(keep / f"{reader}-{i}-{name}", body)
     return {"reader": reader, "inputs": n, **counts, "slowest_s": round(slowest, 3),
             "seconds": round(time.perf_counter() - start, 1), "failures": failures[:50]}
 
@@ -368,6 +512,11 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="qtool-fuzz-") as tmp:
         world = build_world(Path(tmp))
+        writers = check_writers(world)
+        refused = [w for w in writers if not w["ok"]]
+        print(f"writers: {len(writers) - len(refused)} of {len(writers)} files qtool wrote read back by their reader")
+        for w in refused:
+            print(f"    {w['reader']} seed {w['seed']}: {w['error']}")
         print(f"{'reader':<18}{'inputs':>8}{'accepted':>10}{'refused':>9}{'exit 3':>8}{'hangs':>7}{'slowest s':>11}"
               f"{'total s':>9}")
         for reader in args.only or list(READERS):
@@ -378,9 +527,10 @@ def main() -> None:
             for f in r["failures"][:5]:
                 print(f"    input {f['input']}: {f['error']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"seed": args.seed, "per_reader": args.n, "results": results}, indent=1) + "\n")
+    args.out.write_text(json.dumps({"seed": args.seed, "per_reader": args.n, "writers": writers,
+                                    "results": results}, indent=1) + "\n")
     print(f"wrote {args.out}")
-    if any(r["internal"] or r["hang"] for r in results):
+    if refused or any(r["internal"] or r["hang"] for r in results):
         sys.exit(1)
 
 

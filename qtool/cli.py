@@ -614,10 +614,10 @@ def _pareto_search(pareto, encodings):
     """The search record (search.json beside ``encodings``) ``--pareto OUT`` draws, checked before the report runs."""
     if pareto is None:
         return None
-    import json
     from pathlib import Path
 
     from .errors import UsageError
+    from .report import read_search
 
     if Path(pareto).suffix.lower() not in (".png", ".svg"):
         raise UsageError(f"--pareto {pareto}: give a .png or .svg file name")
@@ -625,12 +625,7 @@ def _pareto_search(pareto, encodings):
     if not found.is_file():
         raise UsageError(f"--pareto: no search.json beside {encodings}; it is written by calibrate/quantize with "
                          "--candidates and --target-bpw/--target-size")
-    try:
-        search = json.loads(found.read_text(encoding="utf-8"))
-        search["frontier"], search["uniform"], search["chosen"]["bits_per_weight"], search["budget"]["flag"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"{found}: not a search record ({type(e).__name__}: {str(e)[:80]})") from None
-    return search
+    return read_search(found)
 
 
 def _suggest_args(suggest, recipe, checkpoint, encodings, data):

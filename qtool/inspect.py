@@ -101,6 +101,36 @@ _CT_PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "we
 _FLOAT_ELEMENTS = {8: "fp8_e4m3", 4: "fp4_e2m1"}
 
 
+def _config_groups(where: Path, qc: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """compressed-tensors' ``config_groups`` checked as far as the listing reads them (targets, weights.num_bits):
+    one error naming the file and the key otherwise."""
+    import re
+
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise UsageError(f"{where}: quantization_config.config_groups must be a JSON object of groups")
+    for name, group in groups.items():
+        key = f"{where}: quantization_config.config_groups.{name}"
+        if not isinstance(group, dict):
+            raise UsageError(f"{key} must be a JSON object")
+        targets = group.get("targets", [])
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise UsageError(f"{key}.targets must be a list of strings")
+        for t in targets:
+            if t.startswith("re:"):
+                try:
+                    re.compile(t[3:])
+                except (re.error, RecursionError, OverflowError) as e:
+                    raise UsageError(f"{key}.targets: bad regular expression {t[:40]!r} ({e})") from None
+        weights = group.get("weights") or {}
+        if not isinstance(weights, dict):
+            raise UsageError(f"{key}.weights must be a JSON object")
+        bits = weights.get("num_bits")
+        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 64):
+            raise UsageError(f"{key}.weights.num_bits must be an integer from 1 to 64 (got {str(bits)[:20]!r})")
+    return list(groups.values())
+
+
 def _compressed_tensors_dir(path: Path, config: Dict[str, Any]) -> Dict[str, Any]:
     import re
 
@@ -118,7 +148,7 @@ def _compressed_tensors_dir(path: Path, config: Dict[str, Any]) -> Dict[str, Any
                 for k in fh.keys():
                     if k.endswith(".weight_shape"):
                         shapes[k.rsplit(".", 1)[0]] = [int(x) for x in fh.get_tensor(k).tolist()]
-    groups = list((qc.get("config_groups") or {}).values())
+    groups = _config_groups(path / "config.json", qc)
 
     def args_for(layer: str) -> Dict[str, Any]:
         found: Dict[str, Any] = {}

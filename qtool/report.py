@@ -29,7 +29,8 @@ from .io.fs import atomic_file
 from .model.insert import has_stored_weight, quantized_modules, set_quantization, without_stored_weight
 from .parallel import Group, shard_bounds
 
-__all__ = ["LayerError", "Report", "Gate", "evaluate", "sensitivity", "sqnr_db", "check_gates", "enforce_gates"]
+__all__ = ["LayerError", "Report", "Gate", "evaluate", "sensitivity", "sqnr_db", "check_gates", "enforce_gates",
+           "read_search", "pareto_points", "plot_pareto"]
 
 
 def grid_summary(entries) -> List[Dict[str, Any]]:
@@ -388,6 +389,56 @@ def plot_sqnr(report: Report, path, title: str = "per-layer SQNR") -> None:
             fig.savefig(tmp, dpi=110, format="png")
     finally:
         plt.close(fig)
+
+
+def _number(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < 1e308:
+        raise UsageError(f"{where} must be a finite number (got {str(value)[:40]!r})")
+    return float(value)
+
+
+def _mapping(where: str, value: Any) -> Dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UsageError(f"{where} must be a JSON object (got {type(value).__name__})")
+    return value
+
+
+def _text(where: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise UsageError(f"{where} must be a string (got {type(value).__name__})")
+    return value
+
+
+def read_search(path) -> Dict[str, Any]:
+    """A size-budget search's record (``search.json``, written by calibrate/quantize with ``--candidates``), with
+    every field :func:`pareto_points` and :func:`plot_pareto` use checked: one ``UsageError`` line naming the file
+    and the key otherwise."""
+    from .io.jsonfile import read_json_object
+
+    search = read_json_object(path, UsageError, "search record", strict=True)
+    where = f"{path}: "
+    _text(where + "format", search.get("format"))
+    _text(where + "damage", search.get("damage"))
+    budget = _mapping(where + "budget", search.get("budget"))
+    _number(where + "budget.bits_per_weight", budget.get("bits_per_weight"))
+    _text(where + "budget.flag", budget.get("flag"))
+    chosen = _mapping(where + "chosen", search.get("chosen"))
+    for key in ("bits_per_weight", "predicted_damage"):
+        _number(f"{where}chosen.{key}", chosen.get(key))
+    if chosen.get("damage") is not None:
+        _number(where + "chosen.damage", chosen["damage"])
+    for section, keys in (("frontier", ("bits_per_weight", "predicted_damage")),
+                          ("uniform", ("bits_per_weight", "damage"))):
+        rows = search.get(section)
+        if not isinstance(rows, list) or not rows:
+            raise UsageError(f"{where}{section} must be a non-empty list")
+        for i, row in enumerate(rows):
+            row = _mapping(f"{where}{section}[{i}]", row)
+            for key in keys:
+                _number(f"{where}{section}[{i}].{key}", row.get(key))
+            if section == "uniform":
+                _text(f"{where}uniform[{i}].candidate", row.get("candidate"))
+    return search
 
 
 def pareto_points(search: Dict[str, Any], rep: Optional[Report] = None) -> Dict[str, Any]:

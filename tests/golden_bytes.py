@@ -7,8 +7,15 @@ Llama whose block encodings go to the sidecar, and the real all-MiniLM-L6-v2), r
 returns ``{relative output path: sha256}``.
 
 ``python -m tests.golden_bytes --write`` records the table in ``tests/golden_bytes.json``. Do that only at a commit
-whose outputs are known to be right (the hashes depend on the pinned torch/transformers versions and this machine
-kind's CPU); a refactor must leave the table alone.
+whose outputs are known to be right (the hashes depend on the pinned torch/transformers versions); a refactor must
+leave the table alone.
+
+The real model's float computations (MiniLM's activation ranges, its report) round differently on CPUs with
+different vector units (torch's ``get_cpu_capability()``: AVX2, AVX512, ...), so the few files whose bytes follow
+the CPU have their hashes for other CPU kinds in ``tests/golden_bytes_cpu.json`` (``{capability: {path: sha256}}``,
+only where they differ from the main table). ``python -m tests.golden_bytes --write-cpu`` records this CPU's
+differences there; ``--write`` drops this CPU's entry (the main table is now this CPU's), and the other kinds'
+entries must then be refreshed on such a machine.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = Path(__file__).with_name("golden_bytes.json")
+CPU_TABLE = Path(__file__).with_name("golden_bytes_cpu.json")
 MLP = "tests.tinymodels:mlp"
 CONV = "tests.tinymodels:convnet"
 WIDE = "tests.golden_bytes:wide"
@@ -203,13 +211,39 @@ def produce(root: Path) -> Dict[str, str]:
         sys.path.remove(str(REPO))
 
 
+def cpu_kind() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def expected() -> Dict[str, str]:
+    """The recorded table as this CPU kind should reproduce it."""
+    table = json.loads(TABLE.read_text())
+    by_cpu = json.loads(CPU_TABLE.read_text()) if CPU_TABLE.is_file() else {}
+    return {**table, **by_cpu.get(cpu_kind(), {})}
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
 if __name__ == "__main__":
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         table = produce(Path(tmp))
+    by_cpu = json.loads(CPU_TABLE.read_text()) if CPU_TABLE.is_file() else {}
     if "--write" in sys.argv:
-        TABLE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {TABLE} ({len(table)} files)")
+        _write_json(TABLE, table)
+        if by_cpu.pop(cpu_kind(), None) is not None:
+            _write_json(CPU_TABLE, by_cpu)
+        print(f"wrote {TABLE} ({len(table)} files) on {cpu_kind()}; refresh {sorted(by_cpu)} in {CPU_TABLE.name} "
+              "on such CPUs" if by_cpu else f"wrote {TABLE} ({len(table)} files) on {cpu_kind()}")
+    elif "--write-cpu" in sys.argv:
+        base = json.loads(TABLE.read_text())
+        if set(base) != set(table):
+            raise SystemExit("the files written differ from the main table's: that is an output change, not a CPU one")
+        by_cpu[cpu_kind()] = {k: v for k, v in table.items() if base[k] != v}
+        _write_json(CPU_TABLE, by_cpu)
+        print(f"wrote {CPU_TABLE} ({len(by_cpu[cpu_kind()])} files differ on {cpu_kind()})")
     else:
         print(json.dumps(table, indent=1, sort_keys=True))

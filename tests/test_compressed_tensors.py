@@ -187,6 +187,41 @@ def test_w4_per_tensor(ckpt, ids, tmp_path):
     assert n == 14 and diff == 0.0
 
 
+def test_inspect_reads_a_compressed_tensors_directory_and_refuses_a_damaged_one(ckpt, tmp_path):
+    """``qtool inspect`` of an exported directory: each tensor's bytes, and one error line for a broken file."""
+    import shutil
+
+    from tests.helpers import error_lines, run_cli
+
+    out = tmp_path / "ct"
+    export_compressed_tensors(ckpt, EncodingsFile.read(_calibrate(ckpt, tmp_path, W8_CH)), out)
+    code, text, err = run_cli("inspect", out, "--json")
+    assert code == 0, err
+    assert json.loads(text)["totals"]["quantized_tensors"] == 14
+    for name, damage, needle in [
+        ("config", lambda d: _edit_json(d / "config.json", ["quantization_config", "config_groups"], [1]),
+         "config_groups"),
+        ("scale", lambda d: _edit_json(d / "config.json", ["quantization_config", "config_groups", "group_0",
+                                                           "weights", "num_bits"], "8"), "num_bits"),
+        ("weights", lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:900]),
+         "model.safetensors"),
+    ]:
+        bad = tmp_path / name
+        shutil.copytree(out, bad)
+        damage(bad)
+        code, _, err = run_cli("inspect", bad)
+        assert code == 2 and len(error_lines(err)) == 1 and needle in err and "Traceback" not in err, (name, err)
+
+
+def _edit_json(path: Path, keys, value) -> None:
+    obj = json.loads(path.read_text())
+    inner = obj
+    for k in keys[:-1]:
+        inner = inner[k]
+    inner[keys[-1]] = value
+    path.write_text(json.dumps(obj))
+
+
 def test_sharded_checkpoint_gives_one_file(ckpt, tmp_path):
     sharded = tmp_path / "sharded"
     transformers.LlamaForCausalLM.from_pretrained(str(ckpt)).save_pretrained(sharded, max_shard_size="100KB")

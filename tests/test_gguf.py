@@ -238,6 +238,48 @@ def test_non_llama_models_are_refused(tmp_path):
     assert len(error_lines(err.split("error:", 1)[1])) == 1
 
 
+def _set_key(name, key, value):
+    def edit(d):
+        obj = json.loads((d / name).read_text())
+        obj[key] = value
+        (d / name).write_text(json.dumps(obj))
+    return edit
+
+
+def _set_vocab_list(d):
+    obj = json.loads((d / "tokenizer.json").read_text())
+    obj["model"]["vocab"] = list(obj["model"]["vocab"])
+    (d / "tokenizer.json").write_text(json.dumps(obj))
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda d: (d / "tokenizer.json").write_bytes((d / "tokenizer.json").read_bytes()[:200]), "tokenizer.json"),
+    (_set_vocab_list, "tokenizer.json: tokenizer not usable for GGUF"),
+    (lambda d: (d / "tokenizer_config.json").write_text("[1, 2]"), "tokenizer_config.json"),
+    (lambda d: (d / "special_tokens_map.json").write_bytes(b"\xff\xfe{"), "special_tokens_map.json"),
+    (_set_key("config.json", "max_position_embeddings", "2048"), "max_position_embeddings must be a positive integer"),
+    (_set_key("config.json", "num_key_value_heads", 0), "num_key_value_heads must be a positive integer"),
+    (_set_key("config.json", "rms_norm_eps", "nan"), "rms_norm_eps must be a finite number"),
+    (_set_key("config.json", "rope_theta", [1]), "rope_theta / rope_scaling must be finite numbers"),
+    (_set_key("config.json", "model_type", ["llama"]), "has no GGUF export"),
+])
+def test_a_damaged_model_directory_is_one_line_before_calibration(llamas, tmp_path, damage, needle):
+    """config.json and the tokenizer files are read as the GGUF export will read them before any calibration: a
+    fault in one is a single error line naming the file, and nothing is written."""
+    import shutil
+
+    src = tmp_path / "m"
+    shutil.copytree(llamas["untied"], src)
+    damage(src)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    code, _, err = run_cli("quantize", src, "-c", CONFIGS / "gguf-q8_0.yaml", "-o", tmp_path / "q", "--format",
+                           "gguf")
+    errors = [line for line in error_lines(err) if line.startswith("error")]
+    assert code == 2 and len(errors) == 1 and needle in errors[0], err
+    assert "Traceback" not in err and "calibrating" not in err and not (tmp_path / "q").exists()
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
 def test_bad_gguf_choices_fail_before_loading(tmp_path):
     code, _, err = run_cli("export", tmp_path / "nothing", "-e", tmp_path / "e.json", "-o", tmp_path / "o",
                            "--format", "gguf", "--gguf-fallback", "bf16")

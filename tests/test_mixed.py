@@ -239,6 +239,56 @@ def test_report_draws_the_searched_curve_beside_the_uniform_candidates(llama, tm
     code, _, err = run_cli("report", ckpt, "-e", tmp_path / "run" / "x" / "encodings.json", "--data", data,
                            "--pareto", tmp_path / "c.png", "-q")
     assert code == 2 and "no search.json" in err
+    record = tmp_path / "run" / "search.json"
+    search = json.loads(record.read_text())
+    search["frontier"][0] = "x"
+    record.write_text(json.dumps(search))
+    code, _, err = run_cli("report", ckpt, "-e", enc, "--data", data, "--pareto", tmp_path / "broken.svg", "-q")
+    assert code == 2 and len(error_lines(err)) == 1 and "search.json: frontier[0] must be a JSON object" in err, err
+    assert not (tmp_path / "broken.svg").exists() and not (tmp_path / "broken.json").exists()
+
+
+_SEARCH = {"format": "qtool", "damage": "mean per-token KL divergence (nats)",
+           "budget": {"bits_per_weight": 6.0, "flag": "--target-bpw 6"},
+           "chosen": {"bits_per_weight": 5.5, "predicted_damage": 0.01, "damage": 0.012},
+           "frontier": [{"bits_per_weight": 4.5, "predicted_damage": 0.03}, {"bits_per_weight": 5.5,
+                                                                            "predicted_damage": 0.01}],
+           "uniform": [{"candidate": "w4a16", "bits_per_weight": 4.5, "damage": 0.03}]}
+
+
+@pytest.mark.parametrize("path,value,needle", [
+    ("frontier/1", "x", "frontier[1] must be a JSON object"),
+    ("frontier", [], "frontier must be a non-empty list"),
+    ("uniform/0/damage", None, "uniform[0].damage must be a finite number"),
+    ("uniform/0/candidate", 7, "uniform[0].candidate must be a string"),
+    ("chosen/bits_per_weight", 10**400, "chosen.bits_per_weight must be a finite number"),
+    ("chosen/damage", "0.1", "chosen.damage must be a finite number"),
+    ("budget", [6], "budget must be a JSON object"),
+    ("budget/flag", False, "budget.flag must be a string"),
+    ("damage", None, "damage must be a string"),
+])
+def test_a_malformed_search_record_is_one_line_naming_the_key(tmp_path, path, value, needle):
+    import copy
+
+    from qtool.errors import UsageError
+    from qtool.report import pareto_points, read_search
+
+    good = tmp_path / "search.json"
+    good.write_text(json.dumps(_SEARCH))
+    assert pareto_points(read_search(good))["curve"][1] == {"bits_per_weight": 5.5, "damage": 0.01}
+    bad = copy.deepcopy(_SEARCH)
+    *parents, last = [int(p) if p.isdigit() else p for p in path.split("/")]
+    obj = bad
+    for p in parents:
+        obj = obj[p]
+    obj[last] = value
+    good.write_text(json.dumps(bad))
+    with pytest.raises(UsageError) as e:
+        read_search(good)
+    assert str(e.value).startswith(f"{good}: ") and needle in str(e.value) and "\n" not in str(e.value)
+    good.write_text(json.dumps(_SEARCH).replace("0.03", "NaN", 1))  # strict JSON: NaN is not a number here
+    with pytest.raises(UsageError):
+        read_search(good)
 
 
 def test_a_swapped_weight_is_computed_with_and_everything_is_restored():

@@ -119,6 +119,7 @@ class GgufExporter(Exporter):
         if not (model.directory / "tokenizer.json").is_file():
             raise CheckpointError(f"{model.directory}: GGUF export needs the tokenizer (tokenizer.json); save it "
                                   "with tokenizer.save_pretrained() beside the model")
+        model.check_tokenizer()
 
     def check_quantizers(self, quantizers, options: "GgufExporter.Options") -> None:
         quantizers = list(quantizers)

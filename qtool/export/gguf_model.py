@@ -10,7 +10,7 @@ with the ``gguf`` package's own readers (``gguf.vocab``), as llama.cpp's convert
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -113,6 +113,16 @@ class GgufModel:
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         return _add_tokenizer(writer, self.directory, vocab_size)
 
+    def check_tokenizer(self) -> None:
+        """Read the tokenizer as :meth:`add_metadata` will, onto a writer that is never written, so a fault in
+        it is one line before calibration instead of after it (skipped when config.json gives no usable
+        ``vocab_size``: the embedding rows are only known once the weights are read)."""
+        import gguf
+
+        rows = self.config.get("vocab_size")
+        if isinstance(rows, int) and not isinstance(rows, bool) and 0 < rows <= 2**24:
+            _add_tokenizer(gguf.GGUFWriter(None, self.arch), self.directory, rows)
+
 
 def _rope(c: Dict[str, Any]) -> Tuple[float, Optional[float]]:
     """(rope theta, linear scaling factor or None); transformers 5 keeps both in ``rope_parameters``."""
@@ -135,20 +145,51 @@ def read_gguf_model(directory: Path) -> GgufModel:
                               "tokenizer.json and the weights)")
     config = read_json_object(directory / "config.json", CheckpointError, "Hugging Face config")
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise CheckpointError(f"{directory}: model_type {str(model_type)[:40]!r} has no GGUF export in qtool "
                               f"(supported: {', '.join(ARCHITECTURES)})")
     arch, permute = ARCHITECTURES[model_type]
+    where = directory / "config.json"
+    n_layers = _positive_int(config, "num_hidden_layers", where)
+    heads = _positive_int(config, "num_attention_heads", where)
+    kv = _positive_int(config, "num_key_value_heads", where, default=heads)
+    for key in ("hidden_size", "intermediate_size"):
+        _positive_int(config, key, where)
+    config = dict(config)  # checked values replace nulls, so add_metadata reads only what passed here
+    for key, default in (("max_position_embeddings", 2048), ("head_dim", None)):
+        config[key] = _positive_int(config, key, where, default)
+    config["rms_norm_eps"] = _finite(config, "rms_norm_eps", where, 1e-6)
     try:
-        n_layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        kv = int(config.get("num_key_value_heads") or heads)
-        for key in ("hidden_size", "intermediate_size"):
-            int(config[key])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{directory / 'config.json'}: missing or invalid {e}") from None
-    _rope(config)
+        theta, factor = _rope(config)
+        for value in (theta, factor):
+            if value is not None and (isinstance(value, bool) or not math.isfinite(float(value))):
+                raise ValueError(value)
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
+        raise CheckpointError(f"{where}: rope_theta / rope_scaling must be finite numbers ({type(e).__name__}: "
+                              f"{str(e)[:60]})") from None
     return GgufModel(directory, config, arch, permute, n_layers, heads, kv, bool(config.get("tie_word_embeddings")))
+
+
+def _positive_int(config: Dict[str, Any], key: str, where: Path, default: Any = ...) -> Optional[int]:
+    """``config[key]`` as a positive integer (``default`` when absent or null; required when no default)."""
+    value = config.get(key)
+    if value is None:
+        if default is ...:
+            raise CheckpointError(f"{where}: missing {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+        raise CheckpointError(f"{where}: {key} must be a positive integer (got {str(value)[:40]!r})")
+    return value
+
+
+def _finite(config: Dict[str, Any], key: str, where: Path, default: float) -> float:
+    """``config[key]`` as a finite float (``default`` when absent or null)."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < 1e308:
+        raise CheckpointError(f"{where}: {key} must be a finite number (got {str(value)[:40]!r})")
+    return float(value)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -171,36 +212,56 @@ def _pre_tokenizer(tokenizer_json: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def _add_tokenizer(writer, directory: Path, n_vocab: int) -> List[str]:
-    import gguf
-    from gguf.vocab import BpeVocab, LlamaHfVocab, SpecialVocab
+# what gguf-py's vocabulary readers raise on a damaged tokenizer file (they index and decode without checks)
+_TOKENIZER_FAULTS = (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError,
+                     OverflowError, AssertionError)
 
+
+def _add_tokenizer(writer, directory: Path, n_vocab: int) -> List[str]:
+    """The tokenizer (tokenizer.json and the special tokens of tokenizer_config.json / special_tokens_map.json)
+    onto ``writer``, read with gguf-py's own readers as llama.cpp's converter does; every fault in those files is
+    one ``CheckpointError`` line naming the tokenizer."""
     path = directory / "tokenizer.json"
     if not path.is_file():
         raise CheckpointError(f"{directory}: GGUF export needs the tokenizer (tokenizer.json); save it with "
                               "tokenizer.save_pretrained() beside the model")
     tj = read_json_object(path, CheckpointError, "tokenizers JSON file")
+    for side in ("tokenizer_config.json", "special_tokens_map.json"):  # one line for a broken file, not a trace
+        if (directory / side).exists():
+            read_json_object(directory / side, CheckpointError, f"tokenizer file ({side})")
     try:
         model = tj["model"]
         byte_fallback = bool(model.get("byte_fallback", False))
         kind = model["type"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not a tokenizers JSON file ({str(e).splitlines()[0][:80]})") from None
-    warnings: List[str] = []
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a tokenizers JSON file ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:80] if str(e) else ''})") from None
+    if kind != "BPE":
+        raise CheckpointError(f"{path}: a {str(kind)[:40]} tokenizer has no GGUF export in qtool (byte-level or "
+                              "byte-fallback BPE only)")
     try:
-        if kind == "BPE" and not byte_fallback:
-            vocab, pre = BpeVocab(directory), _pre_tokenizer(tj)
-            if pre is None:
-                pre = "default"
-                warnings.append(f"{path}: pre-tokenizer not recognized; llama.cpp will split text with its default "
-                                "rules, so its token ids may differ from transformers' on some text")
-        elif kind == "BPE":
-            vocab, pre = LlamaHfVocab(directory), "default"
-        else:
-            raise CheckpointError(f"{path}: a {kind} tokenizer has no GGUF export in qtool (byte-level or "
-                                  "byte-fallback BPE only)")
-    except (FileNotFoundError, TypeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{path}: tokenizer not usable for GGUF ({str(e).splitlines()[0][:120]})") from None
+        return _write_tokenizer(writer, directory, tj, byte_fallback, n_vocab)
+    except CheckpointError:
+        raise
+    except _TOKENIZER_FAULTS as e:
+        why = str(e).splitlines()[0][:120] if str(e) else ""
+        raise CheckpointError(f"{path}: tokenizer not usable for GGUF ({type(e).__name__}: {why})") from None
+
+
+def _write_tokenizer(writer, directory: Path, tj: Dict[str, Any], byte_fallback: bool, n_vocab: int) -> List[str]:
+    import gguf
+    from gguf.vocab import BpeVocab, LlamaHfVocab, SpecialVocab
+
+    path = directory / "tokenizer.json"
+    warnings: List[str] = []
+    if not byte_fallback:
+        vocab, pre = BpeVocab(directory), _pre_tokenizer(tj)
+        if pre is None:
+            pre = "default"
+            warnings.append(f"{path}: pre-tokenizer not recognized; llama.cpp will split text with its default "
+                            "rules, so its token ids may differ from transformers' on some text")
+    else:
+        vocab, pre = LlamaHfVocab(directory), "default"
     tokens, scores, types = [], [], []
     for text, score, ttype in vocab.all_tokens():
         tokens.append(text)
