@@ -3,8 +3,14 @@ of a valid file. A reader may accept an input or refuse it with qtool's typed er
 OSError (exit 2 too); anything else would be exit 3, an internal error, and is counted as a failure, as is an input
 that takes longer than --timeout seconds (a hang). Prints a table and writes bench/results/fuzz_readers.json.
 
-    python bench/fuzz_readers.py                      # all readers, 10,000 inputs each (~15 minutes on 2 cores)
+    python bench/fuzz_readers.py                      # all readers, 10,000 inputs each (~12 minutes on 2 cores)
     python bench/fuzz_readers.py -n 500 --only recipe # a quick look at one reader
+
+Readers: recipes (bytes and structure), qtool encodings, AIMET files, safetensors checkpoints, Hugging Face
+config.json, calibration data, ``qtool inspect`` of any of them, qtool's float exports (FP8/FP4 tensors), imatrix
+files, GGUF files, compressed-tensors directories, the Hugging Face files GGUF export reads (config.json and the
+tokenizer files) and size-search records (search.json). Before fuzzing, every seed qtool wrote is read back by its
+own reader ("writers: N of N"): a writer only writes what its reader accepts.
 
 Mutations are seeded (--seed), so a failure reproduces: the JSON names the reader, the input number and the
 exception, and --keep DIR saves each failing input.

@@ -180,9 +180,10 @@ class _Spec(BaseModel):
     @classmethod
     def _float_element_implies(cls, data):
         """A float element fixes the bit width and symmetry; they need not be written."""
-        if isinstance(data, dict) and data.get("element") in _FLOAT_ELEMENT_BITS:
+        element = data.get("element") if isinstance(data, dict) else None
+        if isinstance(element, str) and element in _FLOAT_ELEMENT_BITS:
             data = dict(data)
-            data.setdefault("bitwidth", _FLOAT_ELEMENT_BITS[data["element"]])
+            data.setdefault("bitwidth", _FLOAT_ELEMENT_BITS[element])
             data.setdefault("symmetric", True)
         return data
 

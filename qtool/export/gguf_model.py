@@ -128,7 +128,10 @@ def _rope(c: Dict[str, Any]) -> Tuple[float, Optional[float]]:
     """(rope theta, linear scaling factor or None); transformers 5 keeps both in ``rope_parameters``."""
     params = c.get("rope_parameters") or {}
     scaling = c.get("rope_scaling") or params
-    theta = c.get("rope_theta", params.get("rope_theta", 10000.0))
+    theta = c.get("rope_theta")
+    if theta is None:  # absent or null: transformers' default
+        theta = params.get("rope_theta")
+    theta = 10000.0 if theta is None else theta
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind in (None, "default"):
         return theta, None

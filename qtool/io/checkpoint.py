@@ -4,6 +4,7 @@ torch loading, and :class:`CheckpointTensors` (read-only access without building
 
 from __future__ import annotations
 
+import math
 import pickle
 import struct
 from pathlib import Path
@@ -78,6 +79,8 @@ def check_safetensors(file: Path) -> None:
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     end = _check_entries(file, header)
+    if _out_of_range(header):
+        raise CheckpointError(f"{file}: corrupt safetensors header (a number past float64's range, such as 1e400)")
     if 8 + n + end > size:
         raise CheckpointError(f"{file}: truncated safetensors file (needs {8 + n + end} bytes, has {size})")
     if 8 + n + end < size:
@@ -88,6 +91,27 @@ def check_safetensors(file: Path) -> None:
 _DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                 "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "C64": 8, "U64": 8, "U32": 4,
                 "U16": 2}
+
+
+_FLOAT64_MAX = 1.7976931348623157e308
+
+
+def _out_of_range(header) -> bool:
+    """Whether a parsed header holds a number the safetensors reader refuses: one past float64's range (a float
+    such as 1e400, which Python reads as infinity, or an integer of 309 digits). Walked without recursion: the
+    header may nest as deep as JSON reading allowed."""
+    todo = [header]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, float) and not math.isfinite(obj):
+            return True
+        if isinstance(obj, int) and abs(obj) > _FLOAT64_MAX:  # the reader holds numbers it does not type as float64
+            return True
+        if isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, list):
+            todo.extend(obj)
+    return False
 
 
 def _check_entries(file: Path, header) -> int:
@@ -107,10 +131,10 @@ def _check_entries(file: Path, header) -> int:
         dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in _DTYPE_SIZES:
             raise CheckpointError(f"{where}: unsupported dtype {str(dtype)[:20]!r}")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**64 for d in shape):
             raise CheckpointError(f"{where}: corrupt header entry (shape must be a list of non-negative integers)")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
+                and 0 <= offsets[0] <= offsets[1] < 2**64):
             raise CheckpointError(f"{where}: corrupt header entry (data_offsets must be [begin, end])")
         numel = 1
         for d in shape:
