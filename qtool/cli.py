@@ -197,6 +197,7 @@ class _Progress:
                                  transient=False, disable=not self.enabled)
         self.tasks: Dict[str, Any] = {}
         self.samples = 0
+        self.warnings_shown: Optional[int] = None  # the plan's warnings printed with it (later ones come at the end)
         self.t0 = None
 
     def __enter__(self):
@@ -216,6 +217,7 @@ class _Progress:
         err.print(_plan_summary(plan))
         for w in plan.warnings:
             err.print(f"[yellow]warning:[/yellow] {_esc(w)}")
+        self.warnings_shown = len(plan.warnings)
 
     def batch(self, done: int, total: int, samples: int) -> None:
         import time
@@ -392,10 +394,15 @@ def _report_target(summary: Dict[str, Any], quiet: bool) -> None:
                                            f"{u['damage']:.4g}" for u in t["uniform"])))
 
 
-def _report_files(summary: Dict[str, Any], quiet: bool) -> None:
+def _report_files(summary: Dict[str, Any], quiet: bool, warnings_shown: Optional[int] = None) -> None:
+    """The end of a command on stderr: warnings not printed yet (calibration's after the first
+    ``warnings_shown``, which went out with the plan), what was written and how large."""
     if quiet:
         return
     _report_target(summary, quiet)
+    if warnings_shown is not None:
+        for w in summary.get("warnings", [])[warnings_shown:]:
+            err.print(f"[yellow]warning:[/yellow] {_esc(w)}")
     for w in summary.get("uncalibrated", []):
         err.print(f"[yellow]warning:[/yellow] {_esc(w)} saw no data (its module never ran) and stays in float")
     for w in summary.get("export_warnings", []):
@@ -465,7 +472,7 @@ def calibrate(
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
             allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix), overwrite, p.hooks(),
             target=target)
-    _report_files(summary, quiet)
+    _report_files(summary, quiet, p.warnings_shown)
     if json_out:
         _emit_json({"ok": True, **summary})
 
@@ -605,7 +612,7 @@ def quantize(
             _eopts(format=format, encoding_version=encoding_version, seq_len=seq_len, pack=not no_pack,
                    ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size),
                    gguf_float=gguf_float, gguf_fallback=gguf_fallback), target=target)
-    _report_files(summary, quiet)
+    _report_files(summary, quiet, p.warnings_shown)
     if json_out:
         _emit_json({"ok": True, **summary})
 

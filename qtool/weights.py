@@ -18,7 +18,7 @@ exporter did by hand before). A rounding algorithm (GPTQ, AdaRound) or a transfo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -44,12 +44,15 @@ def _code_dtype(e: EncodingEntry) -> torch.dtype:
     return AffineEncoding(torch.zeros(()), torch.zeros(()), qmin, qmax, e.symmetric).int_dtype()
 
 
-def write_codes(path: Path, entries: List[EncodingEntry], codes: Dict[str, torch.Tensor],
-                floats: Optional[Dict[str, torch.Tensor]] = None) -> Path:
+def write_codes(path: Path, entries: List[EncodingEntry], codes: Mapping[str, torch.Tensor],
+                floats: Optional[Mapping[str, torch.Tensor]] = None) -> Path:
     """Write stored codes (quantizer name -> integer tensor) and replaced float tensors (checkpoint name ->
     tensor) to ``path``; each code tensor is checked against its entry's grid first."""
     by_name = {e.name: e for e in entries}
-    tensors: Dict[str, torch.Tensor] = {}
+    floats = floats or {}
+    # each tensor is read twice (checked and declared, then written), so a mapping that keeps its tensors on disk
+    # (qtool.io.spill) is never held in memory whole
+    decl = []
     for name in sorted(codes):
         e = by_name.get(name)
         if e is None or e.tensor != "weight":
@@ -58,17 +61,18 @@ def write_codes(path: Path, entries: List[EncodingEntry], codes: Dict[str, torch
         c = codes[name]
         if c.is_floating_point() or (c.numel() and (int(c.min()) < qmin or int(c.max()) > qmax)):
             raise ValueError(f"stored codes for {name!r} must be integers within [{qmin}, {qmax}]")
-        t = c.to(_code_dtype(e)).contiguous()
-        tensors[CODES_PREFIX + name] = t
-    for key in sorted(floats or {}):
+        decl.append((CODES_PREFIX + name, _code_dtype(e), tuple(c.shape)))
+    for key in sorted(floats):
         t = floats[key]
         if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise ValueError(f"replaced tensor {key!r} must hold finite floats")
-        tensors[FLOAT_PREFIX + key] = t.contiguous()
-    decl = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+        decl.append((FLOAT_PREFIX + key, t.dtype, tuple(t.shape)))
     with StreamingSafetensorsWriter(Path(path), decl, metadata={"format": "qtool.codes"}) as w:
-        for k, t in tensors.items():
-            w.write(k, t)
+        for key, dtype, _ in decl:
+            if key.startswith(CODES_PREFIX):
+                w.write(key, codes[key[len(CODES_PREFIX):]].to(dtype).contiguous())
+            else:
+                w.write(key, floats[key[len(FLOAT_PREFIX):]].contiguous())
     return Path(path)
 
 

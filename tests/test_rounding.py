@@ -86,6 +86,61 @@ def test_gptq_dead_input_columns_keep_round_to_nearest_and_per_channel_grids_wor
     assert _output_error(w, x, codes, scale, offset, None) < _output_error(w, x, rtn, scale, offset, None)
 
 
+def _int4_grid(w):
+    mn, mx = adjust_min_max(w.amin(1, keepdim=True), w.amax(1, keepdim=True), 15, True)
+    return min_max_to_scale_offset(mn, mx, -8, 7, True)
+
+
+def test_gptq_on_a_singular_hessian_raises_the_dampening_and_says_so():
+    """Four tokens for 32 inputs, two of them the same column, and no dampening asked for: the Hessian is singular.
+    GPTQ adds dampening tenfold at a time until it factors, says how much, and its codes still beat rounding."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(16, 32, generator=g), torch.randn(4, 32, generator=g)
+    x[:, 1] = x[:, 0]
+    scale, offset = _int4_grid(w)
+    notes = []
+    codes = gptq_codes(w, x.T @ x, scale, offset, -8, 7, None, dampening=0.0, notes=notes)
+    assert notes == ["GPTQ dampening raised from 0 to 0.01 of the mean diagonal: the layer-input Hessian was not "
+                     "positive definite (few or collinear calibration tokens)"]
+    assert codes.dtype == torch.int64 and int(codes.min()) >= -8 and int(codes.max()) <= 7
+    rtn = quantize(w, scale, offset, qmin=-8, qmax=7)
+    assert _output_error(w, x, codes, scale, offset, None) <= _output_error(w, x, rtn, scale, offset, None)
+    notes, fed = [], torch.randn(256, 32, generator=g)  # the default dampening on a well-fed layer: nothing to say
+    gptq_codes(w, fed.T @ fed, scale, offset, -8, 7, None, notes=notes)
+    assert notes == []
+
+
+def test_gptq_on_a_hessian_that_is_not_finite_rounds_to_nearest_and_says_so():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(16, 32, generator=g), torch.randn(64, 32, generator=g)
+    scale, offset = _int4_grid(w)
+    H = x.T @ x
+    H[3, 5] = H[5, 3] = float("inf")  # sums of squares of activations past float32's range
+    notes = []
+    codes = gptq_codes(w, H, scale, offset, -8, 7, None, notes=notes)
+    assert torch.equal(codes.float(), quantize(w, scale, offset, qmin=-8, qmax=7))
+    assert notes == ["the layer-input Hessian is not finite (inputs too large for float32 sums): rounded to "
+                     "nearest, not GPTQ"]
+
+
+def test_calibrate_reports_a_raised_gptq_dampening(tmp_path):
+    """Two samples for a 64-input layer with dampening 0: calibrate finishes, prints the warning and records it in
+    the manifest and the --json summary."""
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    save_file({"x": torch.randn(2, 64, generator=torch.Generator().manual_seed(2))}, tmp_path / "x.safetensors")
+    (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_channel, "
+                                     "rounding: {name: gptq, dampening: 0}}\n  activations: null\n")
+    code, out, err = run_cli("calibrate", tmp_path / "m.safetensors", "-c", tmp_path / "r.yaml", "--model-class",
+                             "tests.tinymodels:mlp", "--data", tmp_path / "x.safetensors", "-o", tmp_path / "run",
+                             "--json")
+    assert code == 0, err
+    raised = [w for w in json.loads(out)["warnings"] if "GPTQ dampening raised from 0 to" in w]
+    assert raised and raised[0].startswith("0.weight: ")
+    assert "GPTQ dampening raised" in err
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["warnings"] == json.loads(out)["warnings"]
+
+
 def test_gptq_refuses_shapes_that_do_not_fit():
     with pytest.raises(ValueError, match="2-D"):
         gptq_codes(torch.zeros(2, 3, 4), torch.eye(3), torch.ones(()), torch.zeros(()), -8, 7)

@@ -23,6 +23,7 @@ from ..encodings import EncodingEntry, SidecarStream
 from ..errors import DataError, UsageError
 from ..hooks import Hooks
 from ..io.checkpoint import detect_kind, tensor_files
+from ..io.spill import SpilledTensors
 from ..parallel import Group
 from .collective import samples_per_rank
 
@@ -131,7 +132,7 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
         hooks.on_plan(plan)
         data = _data(opts, plan, tokenizer, True, hooks)
         hooks.on_stage("calibrating")
-        codes: Dict[str, torch.Tensor] = {}
+        codes = SpilledTensors()  # block by block to disk: they would grow in memory with every block
         floats: Dict[str, torch.Tensor] = {}
         entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block, codes=codes,
                                        group=group, floats=floats)

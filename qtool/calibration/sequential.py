@@ -30,7 +30,7 @@ from ..data import CalibrationData, rejection
 from ..encodings import EncodingEntry
 from ..errors import CheckpointError, DataError, UsageError
 from ..io.checkpoint import CheckpointTensors
-from ..model.insert import insert_quantizers
+from ..model.insert import drop_weight_caches, insert_quantizers
 from ..parallel import Group
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_inputs, shard
 from .rotation import Rotator
@@ -68,6 +68,9 @@ def _materialize(module: nn.Module, prefix: str, src: CheckpointTensors, name_of
 
 
 def _release(module: nn.Module) -> None:
+    """Free a finished part: its parameters and buffers go to the meta device, and the fake-quant weights cached
+    beside them (one float copy of each quantized weight) are dropped, so nothing of it stays in memory."""
+    drop_weight_caches(module)
     module.to("meta")
 
 
@@ -77,7 +80,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
                          group: Optional[Group] = None,
                          floats: Optional[Dict[str, torch.Tensor]] = None) -> List[EncodingEntry]:
     """Calibrate ``plan`` on ``model`` (a meta-device skeleton from ``qtool.model.hf.meta_causal_lm``), block by
-    block. Codes chosen by a rounding algorithm go into ``codes`` (quantizer name -> int64 tensor), tensors a
+    block. Codes chosen by a rounding algorithm go into ``codes`` (quantizer name -> integer tensor), tensors a
     rotation (``plan.rotation``, fused part by part as each part is loaded) changed into ``floats``. With a
     distributed ``group`` this rank carries its shard of the batches through the blocks and the ranks combine
     each block's statistics before the next (:mod:`.collective`); activation entries come back on rank 0 only."""

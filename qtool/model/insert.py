@@ -295,6 +295,14 @@ def quantized_modules(model: nn.Module) -> Dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if hasattr(m, _ATTR)}
 
 
+def drop_weight_caches(model: nn.Module) -> None:
+    """Forget every module's cached fake-quant weight and stored replacement (plain attributes, which moving the
+    module to another device leaves behind): sequential calibration does this as it releases a finished block."""
+    for module in model.modules():
+        module.__dict__.pop("_qtool_weight_cache", None)
+        module.__dict__.pop(_STORED, None)
+
+
 def remove_quantizers(model: nn.Module) -> None:
     """Undo ``insert_quantizers`` on an eager model: original classes, no quantizer submodules."""
     for module in model.modules():

@@ -201,7 +201,8 @@ def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quan
     weights. A weight shared with another module (tied embeddings) keeps round-to-nearest, with a warning:
     changing it would change the other module too; ``tied`` names modules whose weight is tied in the checkpoint
     though the caller loaded a separate copy. With a distributed ``group`` each layer is rounded by one rank
-    (chosen by size) and its codes go to every rank. Returns quantizer name -> int64 codes (CPU)."""
+    (chosen by size) and its codes go to every rank. Returns quantizer name -> integer codes (CPU, in the
+    smallest type that holds them)."""
     group = group or Group()
     tied = set(tied)
     shared: Dict[int, int] = {}
@@ -225,17 +226,31 @@ def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quan
     out: Dict[str, torch.Tensor] = {}
     for window in group.windows(todo, GPTQ_LAYERS_PER_RANK):
         owners = assign([modules[q.module]._parameters["weight"].numel() for q in window], group.world_size)
-        mine = {window[j].name: _codes(window[j], modules, quantizers, stats) for j in group.owned(owners)}
+        mine = {window[j].name: _codes(window[j], modules, quantizers, stats, warnings)
+                for j in group.owned(owners)}
         if group.distributed:  # codes travel in the smallest integer type that holds the grid
             sent = group.all_gather({n: mine[n].to(_wire_dtype(quantizers[n])) for n in sorted(mine)})
             mine = {q.name: sent[o][q.name].to(torch.int64) for q, o in zip(window, owners)}
         for q in window:
             _write_back(q, modules, quantizers[q.name], mine[q.name])
-            out[q.name] = mine[q.name].cpu()
+            out[q.name] = _compact(mine[q.name]).cpu()
     return out
 
 
-def _codes(q: QuantizerPlan, modules, quantizers, stats) -> torch.Tensor:
+def _compact(codes: torch.Tensor) -> torch.Tensor:
+    """``codes`` in the smallest integer type that holds their values (int64 would hold 8 bytes per weight for
+    every layer until the end of calibration)."""
+    if codes.numel() == 0:
+        return codes
+    lo, hi = int(codes.min()), int(codes.max())
+    for dt in (torch.int8, torch.uint8, torch.int16, torch.int32):
+        if torch.iinfo(dt).min <= lo and hi <= torch.iinfo(dt).max:
+            return codes.to(dt)
+    return codes
+
+
+def _codes(q: QuantizerPlan, modules, quantizers, stats, warnings: Optional[List[str]] = None) -> torch.Tensor:
+    """``q``'s codes; what the algorithm had to change to find them (GPTQ's dampening) goes to ``warnings``."""
     quantizer = quantizers[q.name]
     weight = modules[q.module]._parameters["weight"].detach()
     try:
@@ -248,18 +263,24 @@ def _codes(q: QuantizerPlan, modules, quantizers, stats) -> torch.Tensor:
     element = getattr(quantizer, "element", None) or getattr(quantizer, "ggml", None)
     if element is not None:  # a float or GGUF grid (GPTQ only: the recipe refuses AdaRound there)
         args["element"] = element
+    notes: List[str] = []
+    if algorithm is gptq_codes:
+        args["notes"] = notes
     try:
         if not s.groups:
-            return algorithm(weight, s.hessian(), scale, offset, quantizer.qmin, quantizer.qmax, q.block_size,
-                             **args).cpu()
-        # a convolution: one problem per group, on the group's rows (flattened kernels) and its patch Hessian
-        rows = flat_weight(weight, s.groups)
-        grid = [flat_weight(expand_encoding(t.to(weight.device), weight.shape, q.block_size), s.groups)
-                for t in (scale, offset)]
-        codes = algorithm(rows, s.hessian(), grid[0], grid[1], quantizer.qmin, quantizer.qmax, **args)
-        return codes.reshape(weight.shape).cpu()
+            codes = algorithm(weight, s.hessian(), scale, offset, quantizer.qmin, quantizer.qmax, q.block_size,
+                              **args).cpu()
+        else:  # a convolution: one problem per group, on the group's rows (flattened kernels) and its patch Hessian
+            rows = flat_weight(weight, s.groups)
+            grid = [flat_weight(expand_encoding(t.to(weight.device), weight.shape, q.block_size), s.groups)
+                    for t in (scale, offset)]
+            codes = algorithm(rows, s.hessian(), grid[0], grid[1], quantizer.qmin, quantizer.qmax, **args)
+            codes = codes.reshape(weight.shape).cpu()
     except ValueError as e:
         raise DataError(f"{q.name}: {e}") from None
+    if warnings is not None:
+        warnings.extend(f"{q.name}: {note}" for note in notes)
+    return codes
 
 
 def _write_back(q: QuantizerPlan, modules, quantizer: QuantizerBase, codes: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ greedy, and on small layers a row can come out worse. So a layer's output error 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -47,7 +47,7 @@ def expand_encoding(t: torch.Tensor, weight_shape: Sequence[int], block_size: Op
 def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                qmin: int, qmax: int, block_size: Optional[Sequence[int]] = None, *, block_columns: int = 128,
                dampening: float = 0.01, act_order: bool = True,
-               element: Optional[Grid] = None) -> torch.Tensor:
+               element: Optional[Grid] = None, notes: Optional[List[str]] = None) -> torch.Tensor:
     """GPTQ codes (int64, the weight's shape) for ``weight`` ``(out, in)`` on the grid ``scale``/``offset`` (in the
     encoding's shape with ``block_size``, as :func:`qtool.quant.affine.quantize` takes them).
 
@@ -63,7 +63,11 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
 
     A batch of independent problems runs at once: ``weight`` ``(groups, out, in)`` with ``hessian``
     ``(groups, in, in)`` and ``scale``/``offset`` per element ``(groups, out, in)`` (a grouped convolution's rows,
-    qtool.calibration.rounding.conv)."""
+    qtool.calibration.rounding.conv).
+
+    A Hessian that is numerically not positive definite (few or collinear calibration tokens) gets more dampening,
+    tenfold at a time; one that never becomes so (not finite: overflowed inputs) gives round-to-nearest codes.
+    Either way one line saying so is appended to ``notes``."""
     if block_columns < 1 or not 0 <= dampening:
         raise ValueError("block_columns must be >= 1 and dampening >= 0")
     W, H0, S, O = as_problems(weight, hessian, scale, offset, block_size, "GPTQ")
@@ -81,7 +85,21 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
         H = H.gather(1, perm[:, :, None].expand(H.shape)).gather(2, perm[:, None, :].expand(H.shape))
     mean_diag = torch.diagonal(H, dim1=-2, dim2=-1).mean(-1)
     torch.diagonal(H, dim1=-2, dim2=-1).add_(dampening * mean_diag[:, None])
-    U = _upper_inverse_cholesky(H)
+    U, extra = _upper_inverse_cholesky(H)
+    if U is None:
+        if notes is not None:
+            why = "is not finite (inputs too large for float32 sums)" if not bool(torch.isfinite(H).all()) else \
+                "is not positive definite even with 1000 times its mean diagonal added"
+            notes.append(f"the layer-input Hessian {why}: rounded to nearest, not GPTQ")
+        rtn = _levels(W, S, O, qmin, qmax, element)
+        if perm is not None:
+            rtn = rtn.gather(2, torch.argsort(perm, dim=-1)[:, None, :].expand(rtn.shape))
+        ties = torch.eye(cols, dtype=W.dtype, device=W.device).expand(H.shape)  # a finite H: the rows tie, RTN stays
+        return keep_better_rows(weight, ties, rtn, scale, offset, qmin, qmax, block_size, element)
+    if notes is not None and bool((extra > 0).any()):
+        used = dampening + float(extra.max()) * (1 + dampening)  # extra is relative to the dampened diagonal
+        notes.append(f"GPTQ dampening raised from {dampening:g} to {used:.3g} of the mean diagonal: the "
+                     "layer-input Hessian was not positive definite (few or collinear calibration tokens)")
 
     codes = torch.empty_like(W)
     for i1 in range(0, cols, block_columns):
@@ -196,14 +214,17 @@ def _better_rows(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale, o
     return torch.where(keep[..., None], codes, rtn).to(torch.int64)
 
 
-def _upper_inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
-    """``U`` upper-triangular with ``Uᵀ U = H⁻¹`` for each matrix of the batch ``H`` ``(groups, n, n)``; more
-    dampening is added to a matrix that is numerically not positive definite (a layer fed few, nearly collinear
-    tokens)."""
+def _upper_inverse_cholesky(H: torch.Tensor) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """``(U, extra)``: ``U`` upper-triangular with ``Uᵀ U = (H + extra · mean(diag H) · I)⁻¹`` for each matrix of the
+    batch ``H`` ``(groups, n, n)``, where ``extra`` (per matrix) is 0, or 0.01 raised tenfold until the matrix is
+    numerically positive definite (a layer fed few, nearly collinear tokens); ``U`` is None when 1000 is not
+    enough (a Hessian that is not finite)."""
     extra = torch.zeros(len(H), dtype=H.dtype, device=H.device)
+    if not bool(torch.isfinite(H).all()):
+        return None, extra
     mean = torch.diagonal(H, dim1=-2, dim2=-1).mean(-1)
     eye = torch.eye(H.shape[-1], dtype=H.dtype, device=H.device)
-    for _ in range(6):
+    for _ in range(7):  # extra: 0, 0.01, 0.1, ... 1000
         Hd = H + (extra * mean)[:, None, None] * eye
         L, info = torch.linalg.cholesky_ex(Hd)
         ok = info == 0
@@ -211,6 +232,6 @@ def _upper_inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
             U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
             ok = info == 0
             if bool(ok.all()):
-                return U
+                return U, extra
         extra = torch.where(ok, extra, torch.where(extra == 0, torch.full_like(extra, 0.01), extra * 10))
-    raise ValueError("the layer-input Hessian is not positive definite even with dampening 1e4 x its mean diagonal")
+    return None, extra

@@ -1,0 +1,184 @@
+"""Memory and time per decoder block of ``qtool calibrate --sequential`` on a Llama-shaped checkpoint (TinyLlama's
+shape by default: 1.1B parameters, hidden 2048, MLP 5632, 22 layers, 32 heads, 4 KV heads; random fp16 weights),
+with GPTQ W4A16 and W8A8, then a written extrapolation to 8B and 70B shapes.
+
+Not part of ``make bench`` (minutes per block on 2 cores). Run it by hand::
+
+    .venv/bin/python bench/sequential_memory.py                       # 1.1B, both recipes (~30 min on 2 cores)
+    .venv/bin/python bench/sequential_memory.py --layers 4 --recipes w8a8   # a quick look
+
+Each recipe runs in a child process (so its peak RSS, ``ru_maxrss``, is its own) that records, as each block
+finishes, the seconds since calibration started, VmRSS and RssAnon (``/proc/self/status``). What a finished
+block leaves behind shows as RSS growing from block to block; flat RSS means memory is bounded by one block.
+Prints a table and writes ``bench/results/sequential_memory.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from scale import count_params, write_checkpoint  # noqa: E402
+
+GB = 1e9
+TINYLLAMA = {"hidden": 2048, "intermediate": 5632, "heads": 32, "kv_heads": 4, "vocab": 32000, "layers": 22}
+# the shapes the extrapolation is for (public configurations)
+LLAMA3_8B = {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "vocab": 128256, "layers": 32}
+LLAMA3_70B = {"hidden": 8192, "intermediate": 28672, "heads": 64, "kv_heads": 8, "vocab": 128256, "layers": 80}
+
+
+def _status() -> Dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k = line.split(":", 1)[0]
+            if k in ("VmRSS", "RssAnon"):
+                out[k] = int(line.split()[1]) * 1024
+    return out
+
+
+def child(ckpt: str, recipe: str, data: str, out: str) -> None:
+    """Calibrate in this process, printing one JSON line per finished block."""
+    from qtool.hooks import Hooks
+    from qtool.pipeline import CalibrateOptions, run_calibrate
+
+    t0 = [None]
+
+    def stage(text: str) -> None:
+        if text == "calibrating":
+            t0[0] = time.perf_counter()
+
+    def block(done: int, total: int) -> None:
+        print(json.dumps({"block": done, "of": total, "s": time.perf_counter() - t0[0], **_status()}), flush=True)
+
+    run_calibrate(ckpt, recipe, out, CalibrateOptions(data=data, sequential=True),
+                  hooks=Hooks(on_block=block, on_stage=stage))
+    print(json.dumps({"done": True, "s": time.perf_counter() - t0[0], **_status()}), flush=True)
+
+
+def run_recipe(ckpt: Path, recipe: str, data: Path, out: Path) -> Dict[str, object]:
+    t = time.perf_counter()
+    p = subprocess.Popen([sys.executable, __file__, "--child", str(ckpt), recipe, str(data), str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    blocks: List[Dict[str, float]] = []
+    total = None
+    for line in p.stdout:
+        row = json.loads(line)
+        if row.get("done"):
+            total = row
+        else:
+            blocks.append(row)
+            print(f"  {recipe}: block {row['block']}/{row['of']}  {row['s']:.0f} s  RSS {row['VmRSS'] / GB:.2f} GB",
+                  flush=True)
+    _, status, usage = os.wait4(p.pid, 0)
+    err = p.stderr.read()
+    if status != 0:
+        raise SystemExit(f"{recipe}: calibrate failed:\n{err[-2000:]}")
+    rss = [b["VmRSS"] for b in blocks]
+    times = [b["s"] for b in blocks]
+    per_block_s = (times[-1] - times[0]) / max(1, len(times) - 1)
+    growth = (rss[-1] - rss[1]) / max(1, len(rss) - 2) if len(rss) > 2 else 0.0
+    return {"recipe": recipe, "blocks": blocks, "peak_rss_bytes": usage.ru_maxrss * 1024,
+            "wall_s": time.perf_counter() - t, "calibrate_s": total["s"], "seconds_per_block": per_block_s,
+            "rss_growth_per_block_bytes": growth, "rss_after_first_block": rss[0], "rss_after_last_block": rss[-1]}
+
+
+def block_bytes(s: Dict[str, int], samples: int, seq_len: int) -> Dict[str, float]:
+    """What one block needs while it calibrates (float32): its weights, the layer-input Hessians GPTQ keeps (one
+    per distinct input: hidden x hidden for q/k/v and gate/up, hidden x hidden for o, MLP x MLP for down) and the
+    captured hidden states, twice (inputs and outputs)."""
+    h, i = s["hidden"], s["intermediate"]
+    kv = s["kv_heads"] * (h // s["heads"])
+    weights = 4 * (2 * h * h + 2 * kv * h + 3 * h * i)
+    hessians = 4 * (3 * h * h + i * i)
+    activations = 2 * 4 * samples * seq_len * h
+    return {"weights": weights, "hessians": hessians, "activations": activations}
+
+
+def extrapolate(result: Dict[str, object], samples: int, seq_len: int) -> List[Dict[str, object]]:
+    """Per recipe and shape: memory = the measured baseline (RSS after the first block less that block's own
+    needs) + the larger shape's one-block needs (block_bytes); time per block scaled by the block's weight count
+    times its widest input (GPTQ's column loop is O(out x in x in)), from the measured seconds per block."""
+    rows = []
+    base_shape = result["shape"]
+    base = block_bytes(base_shape, samples, seq_len)
+    base_work = _work(base_shape)
+    for r in result["runs"]:
+        floor = r["rss_after_first_block"] - sum(base.values())
+        for name, shape in (("Llama-3-8B", LLAMA3_8B), ("Llama-3-70B", LLAMA3_70B)):
+            need = block_bytes(shape, samples, seq_len)
+            per_block = r["seconds_per_block"] * _work(shape) / base_work
+            rows.append({"recipe": r["recipe"], "model": name, "params": count_params(shape),
+                         "est_peak_rss_gb": (max(floor, 0) + sum(need.values())) / GB,
+                         "est_seconds_per_block": per_block, "est_hours": per_block * shape["layers"] / 3600,
+                         "block_needs_gb": {k: v / GB for k, v in need.items()}})
+    return rows
+
+
+def _work(s: Dict[str, int]) -> float:
+    h, i = s["hidden"], s["intermediate"]
+    kv = s["kv_heads"] * (h // s["heads"])
+    return (2 * h * h + 2 * kv * h + 2 * h * i) * h + h * i * i
+
+
+def main(argv=None) -> Dict[str, object]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=TINYLLAMA["layers"], help="decoder blocks (default 22)")
+    ap.add_argument("--recipes", default="w4a16-block32-gptq,w8a8", help="comma-separated recipes")
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--workdir", default=None, help="where the checkpoint and runs go (default: $TMPDIR)")
+    ap.add_argument("--out", default=str(HERE / "results" / "sequential_memory.json"))
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(*args.child)
+        return {}
+    import torch
+    from safetensors.torch import save_file
+
+    shape = {**TINYLLAMA, "layers": args.layers}
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        work = Path(tmp)
+        info = write_checkpoint(work / "ckpt", shape)
+        ids = torch.randint(0, shape["vocab"], (args.samples, args.seq_len), generator=torch.Generator().manual_seed(0))
+        save_file({"input_ids": ids}, work / "ids.safetensors")
+        print(f"checkpoint: {info['params'] / 1e9:.2f}B parameters, {args.samples} x {args.seq_len} tokens")
+        runs = [run_recipe(work / "ckpt", r, work / "ids.safetensors", work / f"run-{r}") for r in
+                args.recipes.split(",")]
+    result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                          "torch_threads": torch.get_num_threads()},
+              "shape": shape, "params": info["params"], "samples": args.samples, "seq_len": args.seq_len,
+              "runs": runs}
+    result["extrapolation"] = extrapolate(result, args.samples, args.seq_len)
+    print(f"\n{'recipe':<22} {'s/block':>8} {'RSS blk1 GB':>12} {'RSS last GB':>12} {'growth MB/blk':>14} "
+          f"{'peak GB':>8}")
+    for r in runs:
+        print(f"{r['recipe']:<22} {r['seconds_per_block']:>8.1f} {r['rss_after_first_block'] / GB:>12.2f} "
+              f"{r['rss_after_last_block'] / GB:>12.2f} {r['rss_growth_per_block_bytes'] / 1e6:>14.1f} "
+              f"{r['peak_rss_bytes'] / GB:>8.2f}")
+    print(f"\n{'extrapolation':<22} {'model':<12} {'est. peak GB':>13} {'est. s/block':>13} {'est. hours':>11}")
+    for e in result["extrapolation"]:
+        print(f"{e['recipe']:<22} {e['model']:<12} {e['est_peak_rss_gb']:>13.1f} {e['est_seconds_per_block']:>13.0f} "
+              f"{e['est_hours']:>11.1f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

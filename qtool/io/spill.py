@@ -1,0 +1,69 @@
+"""Tensors kept on disk until they are written out: a mapping name -> tensor whose values live in a temporary
+directory, so that what calibration accumulates layer by layer (GPTQ's codes) does not stay in memory.
+
+Sequential calibration holds one decoder block at a time; the codes it chooses are part of the output and are
+only written (``qtool.weights.write_codes``) once every block is done. Kept in a dict they grow by a byte per
+weight (8 as int64) with every block; here each goes to its own raw file as it is chosen and is read back, one
+tensor at a time, when the codes file is written. The directory is removed when the mapping is closed or
+garbage collected, and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Dict, Iterator, MutableMapping, Optional, Tuple
+
+import numpy as np
+import torch
+
+__all__ = ["SpilledTensors"]
+
+
+class SpilledTensors(MutableMapping[str, torch.Tensor]):
+    """A ``dict`` of CPU tensors (any dtype) whose values are stored in files under ``directory`` (a new temporary
+    directory when None)."""
+
+    def __init__(self, directory: Optional[Path] = None):
+        self.directory = Path(tempfile.mkdtemp(prefix="qtool-spill-", dir=directory))
+        self._index: Dict[str, Tuple[Path, torch.dtype, Tuple[int, ...]]] = {}
+        self._count = 0
+        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach().to("cpu").contiguous()
+        path = self.directory / f"{self._count}.bin"
+        self._count += 1
+        t.reshape(-1).view(torch.uint8).numpy().tofile(path)  # raw bytes: any dtype, bfloat16 and FP8 included
+        old = self._index.get(name)
+        self._index[name] = (path, t.dtype, tuple(t.shape))
+        if old is not None:
+            old[0].unlink(missing_ok=True)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path, dtype, shape = self._index[name]
+        raw = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+        if raw.numel() == 0:  # an empty tensor: nothing to view (its stride would not allow it)
+            return torch.empty(shape, dtype=dtype)
+        return raw.view(dtype).reshape(shape)
+
+    def __delitem__(self, name: str) -> None:
+        path, _, _ = self._index.pop(name)
+        path.unlink(missing_ok=True)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def nbytes(self) -> int:
+        """Bytes held on disk."""
+        return sum(p.stat().st_size for p, _, _ in self._index.values())
+
+    def close(self) -> None:
+        """Remove the files now (the mapping is empty afterwards)."""
+        self._index.clear()
+        self._cleanup()
