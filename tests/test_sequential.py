@@ -127,10 +127,11 @@ def _live_cpu_tensor_bytes() -> int:
         if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":  # type(): no lazy module hooks
             try:
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # sparse or wrapper tensors other tests left: no storage
+                ptr = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):  # sparse, fake or functional tensors other tests left
                 continue
-            if storage.data_ptr() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
+            if ptr and ptr not in seen:
+                seen.add(ptr)
                 total += storage.nbytes()
     return total
 

@@ -33,6 +33,7 @@ from ..io.checkpoint import CheckpointTensors
 from ..model.insert import drop_weight_caches, insert_quantizers
 from ..parallel import Group
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_inputs, shard
+from .heap import return_freed_memory
 from .rotation import Rotator
 from .rounding import collect_inputs, importance, round_weights
 
@@ -72,6 +73,7 @@ def _release(module: nn.Module) -> None:
     beside them (one float copy of each quantized weight) are dropped, so nothing of it stays in memory."""
     drop_weight_caches(module)
     module.to("meta")
+    return_freed_memory()
 
 
 def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.device, model: nn.Module,

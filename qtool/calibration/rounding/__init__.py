@@ -26,6 +26,7 @@ from ...parallel import Group, assign
 from ...quant.affine import dequantize
 from ...quant import ggml
 from ...quant.floatgrid import float_dequantize
+from ..heap import return_freed_memory
 from .conv import CONV_TYPES, ConvCall, capture_conv_input, flat_weight, patch_rows
 from .adaround import adaround_codes
 from .gptq import expand_encoding, gptq_codes
@@ -226,14 +227,16 @@ def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quan
     out: Dict[str, torch.Tensor] = {}
     for window in group.windows(todo, GPTQ_LAYERS_PER_RANK):
         owners = assign([modules[q.module]._parameters["weight"].numel() for q in window], group.world_size)
-        mine = {window[j].name: _codes(window[j], modules, quantizers, stats, warnings)
-                for j in group.owned(owners)}
+        mine = {}
+        for j in group.owned(owners):
+            mine[window[j].name] = _compact(_codes(window[j], modules, quantizers, stats, warnings))
+            return_freed_memory(collect=False)  # a layer's GPTQ temporaries: hundreds of MB at 8B widths
         if group.distributed:  # codes travel in the smallest integer type that holds the grid
             sent = group.all_gather({n: mine[n].to(_wire_dtype(quantizers[n])) for n in sorted(mine)})
             mine = {q.name: sent[o][q.name].to(torch.int64) for q, o in zip(window, owners)}
         for q in window:
             _write_back(q, modules, quantizers[q.name], mine[q.name])
-            out[q.name] = _compact(mine[q.name]).cpu()
+            out[q.name] = mine[q.name].cpu()
     return out
 
 
@@ -284,6 +287,7 @@ def _codes(q: QuantizerPlan, modules, quantizers, stats, warnings: Optional[List
 
 
 def _write_back(q: QuantizerPlan, modules, quantizer: QuantizerBase, codes: torch.Tensor) -> None:
+    codes = codes.long()  # held compact (_compact); the dequantizers index and compute with int64
     w = modules[q.module]._parameters["weight"]
     scale, offset = quantizer.get_scale().detach(), quantizer.get_offset().detach()
     element = getattr(quantizer, "element", None)

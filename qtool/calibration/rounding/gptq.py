@@ -96,6 +96,7 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
             rtn = rtn.gather(2, torch.argsort(perm, dim=-1)[:, None, :].expand(rtn.shape))
         ties = torch.eye(cols, dtype=W.dtype, device=W.device).expand(H.shape)  # a finite H: the rows tie, RTN stays
         return keep_better_rows(weight, ties, rtn, scale, offset, qmin, qmax, block_size, element)
+    del H  # only U is needed from here
     if notes is not None and bool((extra > 0).any()):
         used = dampening + float(extra.max()) * (1 + dampening)  # extra is relative to the dampened diagonal
         notes.append(f"GPTQ dampening raised from {dampening:g} to {used:.3g} of the mean diagonal: the "
@@ -117,6 +118,7 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
             W1[:, :, i:] -= err[:, :, None] * U1[:, i, i:][:, None, :]
             E1[:, :, i] = err
         W[:, :, i2:] -= E1 @ U[:, i1:i2, i2:]
+    del W, S, O, U  # freed before the row check below makes its own (out, in) and (in, in) temporaries
     if perm is not None:
         codes = codes.gather(2, torch.argsort(perm, dim=-1)[:, None, :].expand(codes.shape))
     # GPTQ is greedy: on a small or nearly dead layer a row can end up worse than rounding to nearest. Rows are
@@ -223,13 +225,20 @@ def _upper_inverse_cholesky(H: torch.Tensor) -> Tuple[Optional[torch.Tensor], to
     if not bool(torch.isfinite(H).all()):
         return None, extra
     mean = torch.diagonal(H, dim1=-2, dim2=-1).mean(-1)
-    eye = torch.eye(H.shape[-1], dtype=H.dtype, device=H.device)
     for _ in range(7):  # extra: 0, 0.01, 0.1, ... 1000
-        Hd = H + (extra * mean)[:, None, None] * eye
+        # at most two (n, n) matrices beside H at any time: for a 14336-wide MLP input each is 0.8 GB
+        Hd = H
+        if bool((extra > 0).any()):
+            Hd = H.clone()
+            torch.diagonal(Hd, dim1=-2, dim2=-1).add_((extra * mean)[:, None])
         L, info = torch.linalg.cholesky_ex(Hd)
+        del Hd
         ok = info == 0
         if bool(ok.all()):
-            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            inverse = torch.cholesky_inverse(L)
+            del L
+            U, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            del inverse
             ok = info == 0
             if bool(ok.all()):
                 return U, extra
