@@ -109,28 +109,34 @@ def block_bytes(s: Dict[str, int], samples: int, seq_len: int) -> Dict[str, floa
 
 
 def extrapolate(result: Dict[str, object], samples: int, seq_len: int) -> List[Dict[str, object]]:
-    """Per recipe and shape: memory = the measured baseline (RSS after the first block less that block's own
-    needs) + the larger shape's one-block needs (block_bytes); time per block scaled by the block's weight count
-    times its widest input (GPTQ's column loop is O(out x in x in)), from the measured seconds per block."""
+    """Per recipe and shape, an estimate (not a measurement): the runtime's own memory (RSS after the first block
+    less that block's needs) stays; everything above it at the peak (weights, Hessians, activations and the
+    algorithm's temporaries, all sized by the block) scales with the block's needs (block_bytes). Time per block
+    scales with ``_work`` (GPTQ: out x in x in over the block's layers) from the measured seconds per block."""
     rows = []
     base_shape = result["shape"]
-    base = block_bytes(base_shape, samples, seq_len)
-    base_work = _work(base_shape)
+    base_need = sum(block_bytes(base_shape, samples, seq_len).values())
     for r in result["runs"]:
-        floor = r["rss_after_first_block"] - sum(base.values())
+        gptq = "gptq" in r["recipe"]
+        runtime = max(0.0, r["rss_after_first_block"] - base_need)
         for name, shape in (("Llama-3-8B", LLAMA3_8B), ("Llama-3-70B", LLAMA3_70B)):
             need = block_bytes(shape, samples, seq_len)
-            per_block = r["seconds_per_block"] * _work(shape) / base_work
+            per_block = r["seconds_per_block"] * _work(shape, gptq) / _work(base_shape, gptq)
+            peak = runtime + (r["peak_rss_bytes"] - runtime) * sum(need.values()) / base_need
             rows.append({"recipe": r["recipe"], "model": name, "params": count_params(shape),
-                         "est_peak_rss_gb": (max(floor, 0) + sum(need.values())) / GB,
-                         "est_seconds_per_block": per_block, "est_hours": per_block * shape["layers"] / 3600,
+                         "est_peak_rss_gb": peak / GB, "est_seconds_per_block": per_block,
+                         "est_hours": per_block * shape["layers"] / 3600,
                          "block_needs_gb": {k: v / GB for k, v in need.items()}})
     return rows
 
 
-def _work(s: Dict[str, int]) -> float:
+def _work(s: Dict[str, int], gptq: bool) -> float:
+    """A block's cost up to a constant: GPTQ's out x in x in over its layers, else its weight count (a forward
+    pass over the same tokens)."""
     h, i = s["hidden"], s["intermediate"]
     kv = s["kv_heads"] * (h // s["heads"])
+    if not gptq:
+        return 2 * h * h + 2 * kv * h + 3 * h * i
     return (2 * h * h + 2 * kv * h + 2 * h * i) * h + h * i * i
 
 
