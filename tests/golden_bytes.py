@@ -215,11 +215,13 @@ def cpu_kind() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def _by_cpu() -> Dict[str, Dict[str, str]]:
+    return json.loads(CPU_TABLE.read_text()) if CPU_TABLE.is_file() else {}
+
+
 def expected() -> Dict[str, str]:
     """The recorded table as this CPU kind should reproduce it."""
-    table = json.loads(TABLE.read_text())
-    by_cpu = json.loads(CPU_TABLE.read_text()) if CPU_TABLE.is_file() else {}
-    return {**table, **by_cpu.get(cpu_kind(), {})}
+    return {**json.loads(TABLE.read_text()), **_by_cpu().get(cpu_kind(), {})}
 
 
 def _write_json(path: Path, obj) -> None:
@@ -231,13 +233,14 @@ if __name__ == "__main__":
 
     with tempfile.TemporaryDirectory() as tmp:
         table = produce(Path(tmp))
-    by_cpu = json.loads(CPU_TABLE.read_text()) if CPU_TABLE.is_file() else {}
+    by_cpu = _by_cpu()
     if "--write" in sys.argv:
         _write_json(TABLE, table)
         if by_cpu.pop(cpu_kind(), None) is not None:
             _write_json(CPU_TABLE, by_cpu)
-        print(f"wrote {TABLE} ({len(table)} files) on {cpu_kind()}; refresh {sorted(by_cpu)} in {CPU_TABLE.name} "
-              "on such CPUs" if by_cpu else f"wrote {TABLE} ({len(table)} files) on {cpu_kind()}")
+        print(f"wrote {TABLE} ({len(table)} files) on {cpu_kind()}")
+        if by_cpu:
+            print(f"refresh {sorted(by_cpu)} in {CPU_TABLE.name} on such CPUs")
     elif "--write-cpu" in sys.argv:
         base = json.loads(TABLE.read_text())
         if set(base) != set(table):

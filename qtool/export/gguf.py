@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..encodings import EncodingEntry
-from ..errors import CheckpointError, EncodingsError
+from ..errors import EncodingsError
 from ..quant import ggml
 from ..quant.spec import Granularity
 from .base import Exporter, ExportRequest, refuse_float_elements
@@ -115,11 +115,7 @@ class GgufExporter(Exporter):
         gguf_fallback: str = "none"  # quantized weights with no GGUF type: refuse, or write their values as f32/f16
 
     def check_checkpoint(self, checkpoint: Path) -> None:
-        model = read_gguf_model(checkpoint)
-        if not (model.directory / "tokenizer.json").is_file():
-            raise CheckpointError(f"{model.directory}: GGUF export needs the tokenizer (tokenizer.json); save it "
-                                  "with tokenizer.save_pretrained() beside the model")
-        model.check_tokenizer()
+        read_gguf_model(checkpoint).check_tokenizer()
 
     def check_quantizers(self, quantizers, options: "GgufExporter.Options") -> None:
         quantizers = list(quantizers)

@@ -116,9 +116,11 @@ class GgufModel:
     def check_tokenizer(self) -> None:
         """Read the tokenizer as :meth:`add_metadata` will, onto a writer that is never written, so a fault in
         it is one line before calibration instead of after it (skipped when config.json gives no usable
-        ``vocab_size``: the embedding rows are only known once the weights are read)."""
+        ``vocab_size``: the embedding rows are only known once the weights are read; its presence is checked
+        even then)."""
         import gguf
 
+        _tokenizer_path(self.directory)
         rows = self.config.get("vocab_size")
         if isinstance(rows, int) and not isinstance(rows, bool) and 0 < rows <= 2**24:
             _add_tokenizer(gguf.GGUFWriter(None, self.arch), self.directory, rows)
@@ -215,6 +217,15 @@ def _pre_tokenizer(tokenizer_json: Dict[str, Any]) -> Optional[str]:
     return None
 
 
+def _tokenizer_path(directory: Path) -> Path:
+    """``directory``'s tokenizer.json; a ``CheckpointError`` when there is none."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: GGUF export needs the tokenizer (tokenizer.json); save it with "
+                              "tokenizer.save_pretrained() beside the model")
+    return path
+
+
 # what gguf-py's vocabulary readers raise on a damaged tokenizer file (they index and decode without checks)
 _TOKENIZER_FAULTS = (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError,
                      OverflowError, AssertionError)
@@ -224,10 +235,7 @@ def _add_tokenizer(writer, directory: Path, n_vocab: int) -> List[str]:
     """The tokenizer (tokenizer.json and the special tokens of tokenizer_config.json / special_tokens_map.json)
     onto ``writer``, read with gguf-py's own readers as llama.cpp's converter does; every fault in those files is
     one ``CheckpointError`` line naming the tokenizer."""
-    path = directory / "tokenizer.json"
-    if not path.is_file():
-        raise CheckpointError(f"{directory}: GGUF export needs the tokenizer (tokenizer.json); save it with "
-                              "tokenizer.save_pretrained() beside the model")
+    path = _tokenizer_path(directory)
     tj = read_json_object(path, CheckpointError, "tokenizers JSON file")
     for side in ("tokenizer_config.json", "special_tokens_map.json"):  # one line for a broken file, not a trace
         if (directory / side).exists():

@@ -299,8 +299,12 @@ def drop_weight_caches(model: nn.Module) -> None:
     """Forget every module's cached fake-quant weight and stored replacement (plain attributes, which moving the
     module to another device leaves behind): sequential calibration does this as it releases a finished block."""
     for module in model.modules():
-        module.__dict__.pop("_qtool_weight_cache", None)
-        module.__dict__.pop(_STORED, None)
+        _forget_weights(module)
+
+
+def _forget_weights(module: nn.Module) -> None:
+    module.__dict__.pop("_qtool_weight_cache", None)
+    module.__dict__.pop(_STORED, None)
 
 
 def remove_quantizers(model: nn.Module) -> None:
@@ -308,8 +312,7 @@ def remove_quantizers(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, _ATTR):
             del module._modules[_ATTR]
-            module.__dict__.pop("_qtool_weight_cache", None)
-            module.__dict__.pop(_STORED, None)
+            _forget_weights(module)
             module.__class__ = module._qtool_base
 
 

@@ -229,27 +229,16 @@ def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quan
         owners = assign([modules[q.module]._parameters["weight"].numel() for q in window], group.world_size)
         mine = {}
         for j in group.owned(owners):
-            mine[window[j].name] = _compact(_codes(window[j], modules, quantizers, stats, warnings))
+            name = window[j].name  # codes held in the grid's smallest integer type, not int64 (8 B per weight)
+            mine[name] = _codes(window[j], modules, quantizers, stats, warnings).to(_wire_dtype(quantizers[name]))
             return_freed_memory(collect=False)  # a layer's GPTQ temporaries: hundreds of MB at 8B widths
         if group.distributed:  # codes travel in the smallest integer type that holds the grid
-            sent = group.all_gather({n: mine[n].to(_wire_dtype(quantizers[n])) for n in sorted(mine)})
-            mine = {q.name: sent[o][q.name].to(torch.int64) for q, o in zip(window, owners)}
+            sent = group.all_gather(dict(sorted(mine.items())))
+            mine = {q.name: sent[o][q.name] for q, o in zip(window, owners)}
         for q in window:
             _write_back(q, modules, quantizers[q.name], mine[q.name])
             out[q.name] = mine[q.name].cpu()
     return out
-
-
-def _compact(codes: torch.Tensor) -> torch.Tensor:
-    """``codes`` in the smallest integer type that holds their values (int64 would hold 8 bytes per weight for
-    every layer until the end of calibration)."""
-    if codes.numel() == 0:
-        return codes
-    lo, hi = int(codes.min()), int(codes.max())
-    for dt in (torch.int8, torch.uint8, torch.int16, torch.int32):
-        if torch.iinfo(dt).min <= lo and hi <= torch.iinfo(dt).max:
-            return codes.to(dt)
-    return codes
 
 
 def _codes(q: QuantizerPlan, modules, quantizers, stats, warnings: Optional[List[str]] = None) -> torch.Tensor:
@@ -287,7 +276,7 @@ def _codes(q: QuantizerPlan, modules, quantizers, stats, warnings: Optional[List
 
 
 def _write_back(q: QuantizerPlan, modules, quantizer: QuantizerBase, codes: torch.Tensor) -> None:
-    codes = codes.long()  # held compact (_compact); the dequantizers index and compute with int64
+    codes = codes.long()  # held in the grid's smallest type (_wire_dtype); the dequantizers index with int64
     w = modules[q.module]._parameters["weight"]
     scale, offset = quantizer.get_scale().detach(), quantizer.get_offset().detach()
     element = getattr(quantizer, "element", None)
