@@ -12,8 +12,11 @@ per-tensor). Floats are float32 values written with Python's shortest round-trip
 gives the same float32 bits.
 
 Large encodings (more than ``INLINE_LIMIT`` numbers per field, e.g. int4 block-32 weights of a multi-billion
-parameter model: ~94M blocks at 3B) would make a JSON file of many GB that no one can read back in bounded memory.
-Their numbers go to a sidecar ``encodings.safetensors`` beside the JSON instead (schema version 2), and the entry
+parameter model: ~94M blocks at 3B) would make a JSON file of many GB that no one can read back in bounded memory,
+and blockwise ranges are bulk data no one reads by eye, whose decimal text costs more time to write than the
+calibration that chose them (SmolLM2-135M's int4 block-32 ranges: 22 s of a 140 s GPTQ run). So an entry with
+more than ``INLINE_LIMIT`` numbers per field, or a blockwise one with more than ``BLOCK_INLINE_LIMIT``, keeps
+its numbers in a sidecar ``encodings.safetensors`` beside the JSON instead (schema version 2), and the entry
 names the tensors that hold them::
 
     {"name": "...", ..., "data": {"file": "encodings.safetensors", "min": "NAME.min", "max": "NAME.max",
@@ -44,13 +47,22 @@ from .quant.ggml import grid_from_range
 from .quant.spec import Granularity, QuantSpec
 
 __all__ = ["EncodingEntry", "EncodingsFile", "SidecarStream", "SCHEMA", "SCHEMA_VERSION", "INLINE_LIMIT",
-           "SIDECAR"]
+           "BLOCK_INLINE_LIMIT", "SIDECAR", "inline"]
 
 SCHEMA = "qtool.encodings"
 SCHEMA_VERSION = 3  # the newest version this qtool writes and reads
 READS_VERSIONS = (1, 2, 3)
 CODES_FILE = "codes.safetensors"  # integer codes chosen by a rounding algorithm (schema version 3, qtool.weights)
 INLINE_LIMIT = 1 << 16  # numbers per field above which an entry's data goes to the sidecar
+BLOCK_INLINE_LIMIT = 1 << 10  # the same for a blockwise entry (per_block): a tiny model's blocks stay readable
+
+
+def inline(numel: int, granularity: Granularity, inline_limit: Optional[int]) -> bool:
+    """Whether an entry of ``numel`` numbers per field is written in the JSON itself (None: every entry is)."""
+    if inline_limit is None:
+        return True
+    limit = min(inline_limit, BLOCK_INLINE_LIMIT) if granularity == Granularity.PER_BLOCK else inline_limit
+    return numel <= limit
 SIDECAR = "encodings.safetensors"
 
 
@@ -426,12 +438,15 @@ class SidecarStream:
     whole model are never all in memory. ``put`` returns the entry with its numbers replaced by meta tensors
     of the same shape; :meth:`EncodingsFile.write` then only writes the JSON for those."""
 
-    def __init__(self, path: Path, shapes: List[Tuple[str, Tuple[int, ...]]], inline_limit: int = INLINE_LIMIT):
+    def __init__(self, path: Path, shapes: List[Tuple[str, Tuple[int, ...], Granularity]],
+                 inline_limit: int = INLINE_LIMIT):
+        """``shapes``: (name, encoding shape, granularity) of every entry that may be put, in the order they come."""
         from .io.st_writer import StreamingSafetensorsWriter
 
         self.inline_limit = inline_limit
-        self.big = {name for name, shape in shapes if math.prod(int(d) for d in shape) > inline_limit}
-        decl = [(f"{name}.{f}", dt, tuple(shape)) for name, shape in shapes if name in self.big
+        self.big = {name for name, shape, gran in shapes
+                    if not inline(math.prod(int(d) for d in shape), gran, inline_limit)}
+        decl = [(f"{name}.{f}", dt, tuple(shape)) for name, shape, _ in shapes if name in self.big
                 for f, dt in (("min", torch.float32), ("max", torch.float32), ("scale", torch.float32),
                               ("offset", torch.int32))]
         self.path = Path(path)
@@ -470,7 +485,7 @@ class EncodingsFile:
         return {e.name: e for e in self.entries}
 
     def _inline(self, e: EncodingEntry, inline_limit: Optional[int]) -> bool:
-        return inline_limit is None or e.numel() <= inline_limit
+        return inline(e.numel(), e.granularity, inline_limit)
 
     def _entry_json(self, e: EncodingEntry, inline_limit: Optional[int]) -> Dict[str, Any]:
         if self._inline(e, inline_limit):

@@ -15,7 +15,9 @@ different vector units (torch's ``get_cpu_capability()``: AVX2, AVX512, ...), so
 the CPU have their hashes for other CPU kinds in ``tests/golden_bytes_cpu.json`` (``{capability: {path: sha256}}``,
 only where they differ from the main table). ``python -m tests.golden_bytes --write-cpu`` records this CPU's
 differences there; ``--write`` drops this CPU's entry (the main table is now this CPU's), and the other kinds'
-entries must then be refreshed on such a machine.
+entries must then be refreshed on such a machine. ``--update`` records an intentional output change from any CPU
+kind: files that do not follow the CPU go to the main table, those that do to this CPU's entry (and it names them,
+for a refresh on the other kinds).
 """
 
 from __future__ import annotations
@@ -168,6 +170,13 @@ def _commands() -> List[List[str]]:
               "--ct-8bit-format", "pack-quantized"])
     c.append(["quantize", "llama", "-c", "configs/w8a16.yaml", "-o", "llama_w8_ct_int", "-f", "compressed-tensors"])
     c.append(["report", "llama", "-e", "llama_all/encodings.json", "--data", "ids.safetensors", "--json"])
+    # GPTQ codes (q/k/v and gate/up read one input each) on integer, float and GGUF grids
+    c.append(["calibrate", "llama", "-c", "configs/w4a16-block32-gptq.yaml", "--data", "ids.safetensors", "-o",
+              "llama_gptq", "--batch-size", "4", "--sequential"])
+    c.append(["export", "llama", "-e", "llama_gptq/encodings.json", "-o", "llama_gptq_qtool"])
+    for recipe in ("nvfp4a16-gptq", "gguf-q4_0-gptq"):
+        c.append(["calibrate", "llama", "-c", f"configs/{recipe}.yaml", "--data", "ids.safetensors", "-o",
+                  f"llama_{recipe}", "--batch-size", "4"])
     # the streamed sidecar: large block encodings written while calibrating, read lazily by export
     c.append(["quantize", "widellama", "-c", "block8.yaml", "-o", "widellama_q"])
     # the real all-MiniLM-L6-v2 on text
@@ -241,6 +250,21 @@ if __name__ == "__main__":
         print(f"wrote {TABLE} ({len(table)} files) on {cpu_kind()}")
         if by_cpu:
             print(f"refresh {sorted(by_cpu)} in {CPU_TABLE.name} on such CPUs")
+    elif "--update" in sys.argv:  # an intentional output change, recorded from any CPU kind
+        base, mine = json.loads(TABLE.read_text()), by_cpu.get(cpu_kind(), {})
+        follows_cpu = sorted(k for k in table if k in mine and mine[k] != table[k])
+        for k, v in table.items():
+            (mine if k in mine else base)[k] = v
+        for k in set(base) - set(table):
+            del base[k]
+        _write_json(TABLE, base)
+        if mine:
+            by_cpu[cpu_kind()] = {k: v for k, v in mine.items() if k in table}
+            _write_json(CPU_TABLE, by_cpu)
+        print(f"updated {TABLE.name} on {cpu_kind()}: {len(table)} files")
+        if follows_cpu:
+            print(f"changed files whose bytes follow the CPU: {follows_cpu}; refresh them for the other kinds "
+                  f"{sorted(set(by_cpu) - {cpu_kind()})} and the main table's with --write on such a CPU")
     elif "--write-cpu" in sys.argv:
         base = json.loads(TABLE.read_text())
         if set(base) != set(table):

@@ -197,7 +197,7 @@ def test_sidecar_stream_abort_leaves_the_real_error_alone(tmp_path):
     from qtool.encodings import SidecarStream
 
     big, _ = _entries()
-    shapes = [("a.weight", big.shape), ("b.weight", big.shape)]
+    shapes = [("a.weight", big.shape, big.granularity), ("b.weight", big.shape, big.granularity)]
     stream = SidecarStream(tmp_path / SIDECAR, shapes, inline_limit=100)
     stream.put(big)
     stream.abort()  # no exception about the missing second entry

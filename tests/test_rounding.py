@@ -380,3 +380,35 @@ def test_gptq_sequential_on_a_tiny_llama_stores_valid_codes_that_beat_rtn(tmp_pa
     manifest = json.loads((tmp_path / "g1/manifest.json").read_text())
     assert any("tied weights" in w for w in manifest["warnings"])
     assert cos["g1"] > cos["r0"] and cos["g0"] > cos["r0"], cos
+
+
+def test_layers_reading_one_input_share_one_gptq_run_with_each_layers_own_codes(tmp_path, monkeypatch):
+    """q/k/v_proj and gate/up_proj read the same tensor: their rows are stacked into one GPTQ problem (one column
+    loop), and every code equals the one a run per layer chooses (rows are independent given the Hessian)."""
+    import qtool.calibration.rounding as rounding
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "m")
+    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tmp_path / "ids.safetensors")
+    # q/k/v on int4 block 32 asymmetric-free grids of two widths: k_proj int8 cannot join q/v
+    (tmp_path / "g.yaml").write_text(GPTQ.replace("block_size: 16", "block_size: 32") + (
+        "layers:\n  - match: '*k_proj'\n    weights: {bitwidth: 8}\n"))
+    units = []
+    real = rounding._shared_problems
+    monkeypatch.setattr(rounding, "_shared_problems",
+                        lambda rows, *a: units.append([[q.module.split(".")[-1] for q in u] for u in real(rows, *a)])
+                        or real(rows, *a))
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", tmp_path / "g.yaml", "--data",
+                           tmp_path / "ids.safetensors", "-o", tmp_path / "stacked", "--quiet", "--sequential")
+    assert code == 0, err
+    units = [u for u in units if u]
+    block = [["q_proj", "v_proj"], ["k_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]
+    assert units == [block, block, [["lm_head"]]]
+    monkeypatch.setattr(rounding, "_shared_problems", lambda rows, *a: [[q] for q in rows])
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", tmp_path / "g.yaml", "--data",
+                           tmp_path / "ids.safetensors", "-o", tmp_path / "single", "--quiet", "--sequential")
+    assert code == 0, err
+    assert (tmp_path / "stacked/codes.safetensors").read_bytes() == (tmp_path / "single/codes.safetensors").read_bytes()

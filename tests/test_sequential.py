@@ -76,7 +76,7 @@ def test_weight_only_calibration_streams_weights_with_equal_encodings(tmp_path, 
 
 
 def test_streamed_weight_calibration_writes_large_block_encodings_to_the_sidecar_as_it_goes(tmp_path):
-    """int4 blocks of a 2304 x 1024 MLP weight (73,728 blocks) go to encodings.safetensors during calibration;
+    """int4 blocks of every Linear (32,768 to 73,728 blocks each) go to encodings.safetensors during calibration;
     the file reads back to the encodings of a full load, and the export from it is byte-identical to one from
     the same encodings written inline."""
     from qtool.calibration.in_memory import calibrate
@@ -94,9 +94,10 @@ def test_streamed_weight_calibration_writes_large_block_encodings_to_the_sidecar
     assert code == 0, err
     obj = json.loads((tmp_path / "run/encodings.json").read_text())
     in_sidecar = sorted(q["name"] for q in obj["quantizers"] if "data" in q)
-    assert obj["schema_version"] == 2 and in_sidecar == [
-        "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.gate_proj.weight",
-        "model.layers.0.mlp.up_proj.weight"]
+    assert obj["schema_version"] == 2 and in_sidecar == sorted(
+        f"model.layers.0.{m}.weight" for m in ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj",
+                                               "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"))
+    assert all(q["granularity"] != "per_block" for q in obj["quantizers"] if "data" not in q)
     streamed = EncodingsFile.read(tmp_path / "run/encodings.json")
 
     loaded = load_model(tmp_path / "m")

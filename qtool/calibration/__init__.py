@@ -11,6 +11,7 @@ All three give the same encodings for the same inputs (tested).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -134,8 +135,9 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
         hooks.on_stage("calibrating")
         codes = SpilledTensors()  # block by block to disk: they would grow in memory with every block
         floats: Dict[str, torch.Tensor] = {}
-        entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block, codes=codes,
-                                       group=group, floats=floats)
+        with _sidecar_stream(sidecar, plan, group) as sink:  # the block ranges too
+            entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block,
+                                           codes=codes, group=group, floats=floats, sink=sink)
         done = {e.name for e in entries}
         unused = [q.name for q in plan.static_activations if q.name not in done]
         return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", data, unused, codes,
@@ -146,15 +148,8 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
         device = resolve_device(opts.device)
         hooks.on_plan(plan)  # streaming means no --data and a weight-only plan: there is no data to read
         hooks.on_stage("calibrating")
-        stream = SidecarStream(sidecar, [(q.name, tuple(q.shape)) for q in plan.weights]) if group.is_root else None
-        try:
-            entries = calibrate_weights_streaming(checkpoint, plan, skeleton, sink=stream and stream.put, group=group)
-        except BaseException:
-            if stream is not None:
-                stream.abort()
-            raise
-        if stream is not None:
-            stream.close()
+        with _sidecar_stream(sidecar, plan, group) as sink:
+            entries = calibrate_weights_streaming(checkpoint, plan, skeleton, sink=sink, group=group)
         # dynamic activation rows (no data needed) are entries too, in plan order as in the other modes
         by_name = {e.name: e for e in entries}
         by_name.update({q.name: EncodingEntry.from_quantizer(q, None) for q in plan.activations})
@@ -179,6 +174,23 @@ def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Cal
     return CalibrationRun(entries, plan, mode, device, loaded.files, loaded.kind, data, result.unused, result.codes,
                           _checkpoint_names(result.replaced, loaded),
                           samples_per_rank(data if plan.needs_data() else None, group))
+
+
+@contextlib.contextmanager
+def _sidecar_stream(sidecar: Optional[Path], plan: Plan, group: Group):
+    """The sink to which a mode that finishes weights one at a time sends their entries, so that the large ones
+    go to ``sidecar`` at once (None where this rank writes nothing); closed when the run ends, aborted on an
+    error (the output directory is then discarded)."""
+    if sidecar is None or not group.is_root:
+        yield None
+        return
+    stream = SidecarStream(sidecar, [(q.name, tuple(q.shape), q.granularity) for q in plan.weights])
+    try:
+        yield stream.put
+    except BaseException:
+        stream.abort()
+        raise
+    stream.close()
 
 
 def _checkpoint_names(tensors: Dict[str, torch.Tensor], loaded) -> Dict[str, torch.Tensor]:

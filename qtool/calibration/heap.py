@@ -17,9 +17,13 @@ _LIBC = []
 
 
 def return_freed_memory(collect: bool = True) -> None:
-    """Collect garbage (``collect``) and ask glibc to return freed heap memory; nothing on other C libraries."""
+    """Collect young garbage (``collect``) and ask glibc to return freed heap memory; nothing on other C libraries.
+
+    Only the two young generations are collected: what a block or layer left in reference cycles is young, while
+    a full collection walks every object the process holds (torch's and transformers' modules: 0.23 s a call,
+    7 s of a 140 s SmolLM2 GPTQ run)."""
     if collect:
-        gc.collect()
+        gc.collect(1)
     if not _LIBC:
         try:
             _LIBC.append(ctypes.CDLL("libc.so.6").malloc_trim)

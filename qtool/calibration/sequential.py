@@ -76,14 +76,45 @@ def _release(module: nn.Module) -> None:
     return_freed_memory()
 
 
+def _run_to_last_input(block: nn.Module, captured: List[Tuple[tuple, dict]], needed: List[nn.Module]) -> None:
+    """Run ``block`` on every captured batch for its layers' inputs only: once the first batch has shown in
+    which order the ``needed`` layers run (each once), the later batches stop at the last one's input (the
+    statistics hooks, registered before, have seen it), which saves the layers after it (a Llama block's
+    ``down_proj``, a quarter of its multiply-adds)."""
+    order: List[int] = []
+    handles = [m.register_forward_pre_hook(lambda mod, args, i=i: order.append(i)) for i, m in enumerate(needed)]
+    try:
+        for j, (args, kwargs) in enumerate(captured):
+            try:
+                block(*args, **kwargs)
+            except _Stop:
+                pass
+            if j == 0:
+                for h in handles:
+                    h.remove()
+                handles = []
+                if needed and sorted(order) == list(range(len(needed))):  # each ran exactly once
+                    handles = [needed[order[-1]].register_forward_pre_hook(_stop)]
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _stop(module, args):
+    raise _Stop
+
+
 def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.device, model: nn.Module,
                          on_block: Optional[Callable[[int, int], None]] = None,
                          codes: Optional[Dict[str, torch.Tensor]] = None,
                          group: Optional[Group] = None,
-                         floats: Optional[Dict[str, torch.Tensor]] = None) -> List[EncodingEntry]:
+                         floats: Optional[Dict[str, torch.Tensor]] = None,
+                         sink: Optional[Callable[[EncodingEntry], EncodingEntry]] = None) -> List[EncodingEntry]:
     """Calibrate ``plan`` on ``model`` (a meta-device skeleton from ``qtool.model.hf.meta_causal_lm``), block by
     block. Codes chosen by a rounding algorithm go into ``codes`` (quantizer name -> integer tensor), tensors a
-    rotation (``plan.rotation``, fused part by part as each part is loaded) changed into ``floats``. With a
+    rotation (``plan.rotation``, fused part by part as each part is loaded) changed into ``floats``. ``sink``
+    (e.g. :meth:`qtool.encodings.SidecarStream.put`) receives each weight entry as its block finishes, in plan
+    order, and what it returns is kept instead (the block ranges of a large model need not stay in memory). With a
     distributed ``group`` this rank carries its shard of the batches through the blocks and the ranks combine
     each block's statistics before the next (:mod:`.collective`); activation entries come back on rank 0 only."""
     group = group or Group()
@@ -140,7 +171,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         calibrate_activations_dp(sub.static_activations, qs, run, group)
         for q in rows:
             if qs[q.name].is_initialized():
-                entries[q.name] = EncodingEntry.from_quantizer(q, qs[q.name])
+                entry = EncodingEntry.from_quantizer(q, qs[q.name])
+                entries[q.name] = sink(entry) if sink is not None and q.tensor == "weight" else entry
 
     # 1. capture the first block's inputs
     embed = model.get_input_embeddings()
@@ -193,8 +225,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
                 outputs.append(out[0] if isinstance(out, (tuple, list)) else out)
 
         def run_float():
-            for args, kwargs in captured:
-                block(*args, **kwargs)
+            _run_to_last_input(block, captured, [modules[q.module] for q in rows_under(prefix) if q.needs_inputs])
 
         calibrate_rows(rows_under(prefix), run_block, run_float)
         captured = [((outputs[j],) + tuple(args[1:]), kwargs) for j, (args, kwargs) in enumerate(captured)]

@@ -225,30 +225,95 @@ def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quan
             raise DataError(f"{q.module} never ran on the calibration data: {q.rounding} has no inputs for it")
         todo.append(q)
     out: Dict[str, torch.Tensor] = {}
-    for window in group.windows(todo, GPTQ_LAYERS_PER_RANK):
-        owners = assign([modules[q.module]._parameters["weight"].numel() for q in window], group.world_size)
+    units = _shared_problems(todo, modules, quantizers, stats)
+    for window in group.windows(units, GPTQ_LAYERS_PER_RANK):
+        owners = assign([sum(modules[q.module]._parameters["weight"].numel() for q in unit) for unit in window],
+                        group.world_size)
         mine = {}
         for j in group.owned(owners):
-            name = window[j].name  # codes held in the grid's smallest integer type, not int64 (8 B per weight)
-            mine[name] = _codes(window[j], modules, quantizers, stats, warnings).to(_wire_dtype(quantizers[name]))
+            unit = window[j]
+            codes = _codes(unit[0], modules, quantizers, stats, warnings) if len(unit) == 1 else \
+                _shared_codes(unit, modules, quantizers, stats, warnings)
+            for q, c in zip(unit, codes if len(unit) > 1 else [codes]):
+                mine[q.name] = c.to(_wire_dtype(quantizers[q.name]))  # not int64 (8 B per weight)
+            del codes
             return_freed_memory(collect=False)  # a layer's GPTQ temporaries: hundreds of MB at 8B widths
         if group.distributed:  # codes travel in the smallest integer type that holds the grid
             sent = group.all_gather(dict(sorted(mine.items())))
-            mine = {q.name: sent[o][q.name] for q, o in zip(window, owners)}
-        for q in window:
+            mine = {q.name: sent[o][q.name] for unit, o in zip(window, owners) for q in unit}
+        for q in (q for unit in window for q in unit):
             _write_back(q, modules, quantizers[q.name], mine[q.name])
             out[q.name] = mine[q.name].cpu()
     return out
+
+
+def _shared_problems(rows: List[QuantizerPlan], modules, quantizers, stats) -> List[List[QuantizerPlan]]:
+    """``rows`` as GPTQ problems: layers that read the same input (q/k/v_proj, gate/up_proj: equal ``XᵀX``) on the
+    same kind of grid are one problem with their weights' rows stacked. GPTQ treats rows independently given the
+    Hessian, so each layer's codes are bit for bit its own run's, and the column loop runs once, not per layer."""
+    units: List[List[QuantizerPlan]] = []
+    for q in rows:
+        for unit in units:
+            if _same_problem(unit[0], q, modules, quantizers, stats):
+                unit.append(q)
+                break
+        else:
+            units.append([q])
+    return units
+
+
+def _same_problem(a: QuantizerPlan, b: QuantizerPlan, modules, quantizers, stats) -> bool:
+    if a.rounding != "gptq" or b.rounding != "gptq" or a.rounding_args != b.rounding_args:
+        return False
+    sa, sb = stats[a.module], stats[b.module]
+    if sa.groups or sb.groups or sa.xtx.shape != sb.xtx.shape:
+        return False
+    qa, qb = quantizers[a.name], quantizers[b.name]
+    wa, wb = modules[a.module]._parameters["weight"], modules[b.module]._parameters["weight"]
+    grid = (lambda qz: (type(qz), qz.qmin, qz.qmax, getattr(qz, "element", None), getattr(qz, "ggml", None)))
+    return (grid(qa) == grid(qb) and wa.device == wb.device and wa.dim() == wb.dim() == 2
+            and (sa is sb or torch.equal(sa.xtx, sb.xtx)))
+
+
+def _shared_codes(unit: List[QuantizerPlan], modules, quantizers, stats,
+                  warnings: Optional[List[str]] = None) -> List[torch.Tensor]:
+    """The codes of each layer of ``unit`` (see :func:`_shared_problems`), from one GPTQ run on their stacked rows
+    with each row's own scale and offset."""
+    weights, scales, offsets = [], [], []
+    for q in unit:
+        weight = modules[q.module]._parameters["weight"].detach()
+        scale, offset = _grid(q, quantizers[q.name])
+        weights.append(weight)
+        scales.append(expand_encoding(scale.to(weight.device, torch.float32), weight.shape, q.block_size))
+        offsets.append(expand_encoding(offset.to(weight.device, torch.float32), weight.shape, q.block_size))
+    quantizer = quantizers[unit[0].name]
+    args = dict(unit[0].rounding_args)
+    element = getattr(quantizer, "element", None) or getattr(quantizer, "ggml", None)
+    if element is not None:
+        args["element"] = element
+    notes: List[str] = []
+    try:
+        codes = gptq_codes(torch.cat(weights)[None], stats[unit[0].module].hessian()[None], torch.cat(scales)[None],
+                           torch.cat(offsets)[None], quantizer.qmin, quantizer.qmax, notes=notes, **args)[0].cpu()
+    except ValueError as e:
+        raise DataError(f"{', '.join(q.name for q in unit)}: {e}") from None
+    if warnings is not None:
+        warnings.extend(f"{q.name}: {note}" for note in notes for q in unit)
+    return list(codes.split([w.shape[0] for w in weights]))
+
+
+def _grid(q: QuantizerPlan, quantizer: QuantizerBase):
+    try:
+        return quantizer.get_scale().detach(), quantizer.get_offset().detach()
+    except ValueError as e:  # a GGUF grid whose scales float16 cannot hold
+        raise CheckpointError(f"{q.name}: {e}; nothing was written") from None
 
 
 def _codes(q: QuantizerPlan, modules, quantizers, stats, warnings: Optional[List[str]] = None) -> torch.Tensor:
     """``q``'s codes; what the algorithm had to change to find them (GPTQ's dampening) goes to ``warnings``."""
     quantizer = quantizers[q.name]
     weight = modules[q.module]._parameters["weight"].detach()
-    try:
-        scale, offset = quantizer.get_scale().detach(), quantizer.get_offset().detach()
-    except ValueError as e:  # a GGUF grid whose scales float16 cannot hold
-        raise CheckpointError(f"{q.name}: {e}; nothing was written") from None
+    scale, offset = _grid(q, quantizer)
     s = stats[q.module]
     args = dict(q.rounding_args)
     algorithm = adaround_codes if q.rounding == "adaround" else gptq_codes

@@ -102,23 +102,29 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
         notes.append(f"GPTQ dampening raised from {dampening:g} to {used:.3g} of the mean diagonal: the "
                      "layer-input Hessian was not positive definite (few or collinear calibration tokens)")
 
-    codes = torch.empty_like(W)
+    # column-major copies (groups, in, out): a column is one contiguous row, and a block's later columns one
+    # contiguous slab, so the per-column steps below touch contiguous memory (the same float operations)
+    Wt, St, Ot = (t.transpose(1, 2).contiguous() for t in (W, S, O))
+    del W, S, O
+    codes = torch.empty_like(Wt)
     for i1 in range(0, cols, block_columns):
         i2 = min(i1 + block_columns, cols)
-        W1 = W[:, :, i1:i2].clone()
-        E1 = torch.zeros_like(W1)
+        W1 = Wt[:, i1:i2].clone()
+        E1 = torch.zeros(W1.shape[0], W1.shape[2], i2 - i1, dtype=W1.dtype, device=W1.device)  # (groups, out, k)
         U1 = U[:, i1:i2, i1:i2]
+        pivots = torch.diagonal(U1, dim1=-2, dim2=-1)[:, :, None]  # (groups, k, 1)
         for i in range(i2 - i1):
-            w = W1[:, :, i]
-            s, o = S[:, :, i1 + i], O[:, :, i1 + i]
+            w = W1[:, i]
+            s, o = St[:, i1 + i], Ot[:, i1 + i]
             # quantize / dequantize's own float32 steps, inline: this loop runs once per input column
             q = _levels(w, s, o, qmin, qmax, element)
-            codes[:, :, i1 + i] = q
-            err = (w - _value(q, s, o, element)) / U1[:, i, i][:, None]
-            W1[:, :, i:] -= err[:, :, None] * U1[:, i, i:][:, None, :]
+            codes[:, i1 + i] = q
+            err = (w - _value(q, s, o, element)) / pivots[:, i]
+            W1[:, i:] -= U1[:, i, i:, None] * err[:, None, :]
             E1[:, :, i] = err
-        W[:, :, i2:] -= E1 @ U[:, i1:i2, i2:]
-    del W, S, O, U  # freed before the row check below makes its own (out, in) and (in, in) temporaries
+        Wt[:, i2:] -= (E1 @ U[:, i1:i2, i2:]).transpose(1, 2)
+    del Wt, St, Ot, U  # freed before the row check below makes its own (out, in) and (in, in) temporaries
+    codes = codes.transpose(1, 2)
     if perm is not None:
         codes = codes.gather(2, torch.argsort(perm, dim=-1)[:, None, :].expand(codes.shape))
     # GPTQ is greedy: on a small or nearly dead layer a row can end up worse than rounding to nearest. Rows are
@@ -187,20 +193,22 @@ def keep_better_rows(weight: torch.Tensor, H: torch.Tensor, codes: torch.Tensor,
         if weight.dim() == 2:
             S, O = expand_encoding(S, W.shape, block_size), expand_encoding(O, W.shape, block_size)
         rtn = _levels(W, S, O, qmin, qmax, element)
-        keep = _row_error(W, H, _value(codes, S, O, element)) <= _row_error(W, H, _value(rtn, S, O, element))
+        keep = _first_no_worse(W, H, _value(codes, S, O, element), _value(rtn, S, O, element))
         return torch.where(keep[..., None], codes, rtn).to(torch.int64)
     if element is not None:  # levels are element values: compare per element, on the expanded scales
         S = expand_encoding(S, W.shape, block_size) if weight.dim() == 2 else S
         rtn = _levels(W, S, torch.zeros_like(S), qmin, qmax, element)
-        keep = _row_error(W, H, codes * S) <= _row_error(W, H, rtn * S)
+        keep = _first_no_worse(W, H, codes * S, rtn * S)
         return element.codes(torch.where(keep[..., None], codes, rtn))
     return _better_rows(W, H, codes, S, O, qmin, qmax, block_size)
 
 
-def _row_error(W: torch.Tensor, H: torch.Tensor, Wq: torch.Tensor) -> torch.Tensor:
-    """Per output row, ``d H dᵀ`` with ``d = W - Wq`` (float64)."""
-    d = (W - Wq).to(torch.float64)
-    return ((d @ H.to(torch.float64)) * d).sum(dim=-1)
+def _first_no_worse(W: torch.Tensor, H: torch.Tensor, Wq1: torch.Tensor, Wq2: torch.Tensor) -> torch.Tensor:
+    """Per output row, whether ``d1 H d1ᵀ <= d2 H d2ᵀ`` for the weight errors ``d = W - Wq`` (rows of the
+    output error on the calibration inputs, squared and summed). Computed as ``(d1 - d2) H (d1 + d2)ᵀ <= 0`` in
+    float64 (equal for a symmetric ``H``): one matmul, not two; rows with the same codes give exactly 0."""
+    d1, d2 = (W - Wq1).to(torch.float64), (W - Wq2).to(torch.float64)
+    return (((d1 - d2) @ H.to(torch.float64)) * (d1 + d2)).sum(dim=-1) <= 0
 
 
 def _better_rows(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale, offset, qmin: int, qmax: int,
@@ -208,11 +216,8 @@ def _better_rows(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale, o
     """Per output row, ``codes`` or round-to-nearest, whichever has the smaller ``d H dᵀ`` (``d`` the row's
     weight error: the row's squared output error summed over the calibration inputs); ties keep ``codes``."""
     rtn = quantize(W, scale, offset, qmin=qmin, qmax=qmax, block_size=block_size)
-
-    def row_error(c):
-        return _row_error(W, H, dequantize(c, scale, offset, block_size=block_size))
-
-    keep = row_error(codes) <= row_error(rtn)
+    keep = _first_no_worse(W, H, dequantize(codes, scale, offset, block_size=block_size),
+                           dequantize(rtn, scale, offset, block_size=block_size))
     return torch.where(keep[..., None], codes, rtn).to(torch.int64)
 
 
