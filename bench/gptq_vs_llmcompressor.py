@@ -4,8 +4,10 @@ llm-compressor is a reference, never a dependency: it runs from its own virtual 
 
     python3 -m venv /tmp/llmc && /tmp/llmc/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
     .venv/bin/python bench/gptq_vs_llmcompressor.py --prepare           # token windows -> bench/results/gptq-ids
-    /tmp/llmc/bin/python bench/gptq_vs_llmcompressor.py --side llmcompressor
-    .venv/bin/python bench/gptq_vs_llmcompressor.py --side qtool
+    .venv/bin/python bench/gptq_vs_llmcompressor.py --llmc-python /tmp/llmc/bin/python   # both, back to back
+
+(`--side llmcompressor` / `--side qtool` run one side in the current interpreter.) The run of both writes
+bench/results/gptq_vs_llmcompressor.json with each side's seconds and qtool's ratio to llm-compressor.
 
 Model: SmolLM2-135M-Instruct fp32 (bench/smollm2.py). Data: the 32 calibration windows of 256 tokens that
 bench/accuracy.py uses. Grid: int4 symmetric, groups (blocks) of 32 along the input, min-max ranges, every Linear
@@ -99,13 +101,43 @@ def run_qtool() -> float:
         return time.perf_counter() - t0
 
 
+def both(llmc_python: str, repeats: int) -> None:
+    """Each side in its own process (its own interpreter and venv), alternating, ``repeats`` times each."""
+    import subprocess
+
+    runs = {"llmcompressor": [], "qtool": []}
+    for _ in range(repeats):
+        for side, python in (("llmcompressor", llmc_python), ("qtool", sys.executable)):
+            subprocess.run([python, __file__, "--side", side], check=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+            runs[side].append(json.loads((REPO / f"bench/results/gptq-{side}.json").read_text())["seconds"])
+    best = {side: min(t) for side, t in runs.items()}
+    ratio = best["qtool"] / best["llmcompressor"]
+    out = REPO / "bench/results/gptq_vs_llmcompressor.json"
+    out.write_text(json.dumps({"runs": runs, "best": best, "ratio": ratio, "windows": WINDOWS, "seq_len": SEQ_LEN},
+                              indent=2) + "\n")
+    print(f"GPTQ W4 group 32, SmolLM2-135M, {WINDOWS} x {SEQ_LEN} tokens, best of {repeats} (seconds)")
+    print(f"{'side':<16}{'runs':>24}{'best':>8}")
+    for side, t in runs.items():
+        print(f"{side:<16}{' '.join(f'{x:.1f}' for x in t):>24}{best[side]:>8.1f}")
+    print(f"qtool / llm-compressor: {ratio:.2f}x  ({out})")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prepare", action="store_true")
     ap.add_argument("--side", choices=["qtool", "llmcompressor"])
+    ap.add_argument("--llmc-python", default="/tmp/llmc/bin/python",
+                    help="the interpreter of llm-compressor's own venv (runs of both sides)")
+    ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args(argv)
     if args.prepare:
         prepare()
+        return
+    if args.side is None:
+        if not IDS.exists():
+            prepare()
+        both(args.llmc_python, args.repeats)
         return
     import torch
 

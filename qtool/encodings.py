@@ -28,6 +28,7 @@ written as version 1, so readers of version 1 keep working on everything they co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -459,8 +460,7 @@ class SidecarStream:
         for key, t in entry.sidecar_tensors():
             self._writer.write(key, t)
         meta = torch.empty(tuple(entry.shape), device="meta")
-        return EncodingEntry(entry.name, entry.module, entry.tensor, entry.bitwidth, entry.symmetric,
-                             entry.granularity, entry.shape, entry.block_size, entry.analyzer, meta, meta)
+        return dataclasses.replace(entry, min=meta, max=meta, source=None)
 
     def close(self) -> None:
         if self._writer is not None:

@@ -205,3 +205,23 @@ def test_sidecar_stream_abort_leaves_the_real_error_alone(tmp_path):
     stream.put(big)
     with pytest.raises(ValueError, match="only 4 of 8 declared tensors"):
         stream.close()
+
+
+@pytest.mark.parametrize("recipe, element, scale_dtype", [("nvfp4a16", "fp4_e2m1", "fp8_e4m3"),
+                                                          ("gguf-q4_k_m", "int", "q4_k")])
+def test_streamed_sidecar_entries_keep_their_grid(tmp_path, recipe, element, scale_dtype):
+    """A weight-only run on a Hugging Face directory streams its block entries to the sidecar as each weight is
+    done; the JSON must still say which grid they are on (element, scale type), not fall back to integers."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "m")
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", recipe, "-o", tmp_path / "run", "--quiet")
+    assert code == 0, err
+    obj = json.loads((tmp_path / "run/encodings.json").read_text())
+    up = next(q for q in obj["quantizers"] if q["name"] == "model.layers.0.mlp.up_proj.weight")
+    assert "data" in up and up.get("element", "int") == element and up["scale_dtype"] == scale_dtype, up
+    entry = {e.name: e for e in EncodingsFile.read(tmp_path / "run/encodings.json").entries}[up["name"]]
+    assert (entry.element, entry.scale_dtype) == (element, scale_dtype)
