@@ -412,3 +412,12 @@ def test_layers_reading_one_input_share_one_gptq_run_with_each_layers_own_codes(
                            tmp_path / "ids.safetensors", "-o", tmp_path / "single", "--quiet", "--sequential")
     assert code == 0, err
     assert (tmp_path / "stacked/codes.safetensors").read_bytes() == (tmp_path / "single/codes.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("tokens, width", [(1, 385), (7, 400), (300, 577), (2048, 1536), (33, 1153)])
+def test_panelled_gram_matrix_is_the_whole_matmul_bit_for_bit(tokens, width):
+    from qtool.calibration.rounding import _gram
+
+    x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(tokens)) * 3
+    g = _gram(x)
+    assert torch.equal(g, x.T @ x) and torch.equal(g, g.T)

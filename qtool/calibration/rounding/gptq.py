@@ -12,8 +12,9 @@ of the identity no column feeds error to another, and the codes are exactly roun
 
 Steps, for columns in order (or by decreasing ``H_jj`` with ``act_order``), in blocks of ``block_columns``:
 ``H += dampening * mean(diag H) * I``; ``U = chol(H⁻¹)ᵀ`` (upper); for column ``j``: ``q_j = Q(w_j)``,
-``e_j = (w_j - dequant(q_j)) / U_jj``, ``w_k -= e_j U_jk`` for the later columns ``k`` of the block; after the
-block, the later blocks take the block's errors at once (one matmul). Columns whose input is always zero
+``e_j = (w_j - dequant(q_j)) / U_jj``, ``w_k -= e_j U_jk`` for the later columns ``k`` of its sub-block of 32;
+after a sub-block the rest of its block, and after a block the later blocks, take its errors at once (one
+matmul: the paper's lazy batch, on two levels). Columns whose input is always zero
 (``H_jj = 0``) keep round-to-nearest and feed nothing forward. Last, each output row keeps GPTQ's codes or
 round-to-nearest, whichever gives the smaller output error on the calibration inputs (``d H dᵀ``): GPTQ is
 greedy, and on small layers a row can come out worse. So a layer's output error is never above RTN's.
@@ -30,6 +31,10 @@ from ...quant.floatgrid import FloatElement
 from ...quant.ggml import IQ4_TABLE, GgmlType
 
 Grid = Union[FloatElement, GgmlType]  # a grid other than AIMET's integers
+# columns whose errors reach each other one by one inside a block of ``block_columns``; the rest of the block
+# takes a sub-block's errors in one matmul (the same sums in another order: measured on SmolLM2's layers, one
+# code in 1.8M differs, and the column loop is ~1.5x faster on wide layers)
+_SUB_BLOCK = 32
 
 __all__ = ["gptq_codes", "expand_encoding", "as_problems", "keep_better_rows"]
 
@@ -110,19 +115,23 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     for i1 in range(0, cols, block_columns):
         i2 = min(i1 + block_columns, cols)
         W1 = Wt[:, i1:i2].clone()
-        E1 = torch.zeros(W1.shape[0], W1.shape[2], i2 - i1, dtype=W1.dtype, device=W1.device)  # (groups, out, k)
+        E1 = torch.zeros_like(W1)  # (groups, k, out): each column's scaled error, one contiguous row
         U1 = U[:, i1:i2, i1:i2]
         pivots = torch.diagonal(U1, dim1=-2, dim2=-1)[:, :, None]  # (groups, k, 1)
-        for i in range(i2 - i1):
-            w = W1[:, i]
-            s, o = St[:, i1 + i], Ot[:, i1 + i]
-            # quantize / dequantize's own float32 steps, inline: this loop runs once per input column
-            q = _levels(w, s, o, qmin, qmax, element)
-            codes[:, i1 + i] = q
-            err = (w - _value(q, s, o, element)) / pivots[:, i]
-            W1[:, i:] -= U1[:, i, i:, None] * err[:, None, :]
-            E1[:, :, i] = err
-        Wt[:, i2:] -= (E1 @ U[:, i1:i2, i2:]).transpose(1, 2)
+        k = i2 - i1
+        for j1 in range(0, k, _SUB_BLOCK):  # the lazy batch again inside the block: each column's error goes
+            j2 = min(j1 + _SUB_BLOCK, k)   # column by column to its sub-block only, then to the rest at once
+            for i in range(j1, j2):
+                w = W1[:, i]
+                s, o = St[:, i1 + i], Ot[:, i1 + i]
+                # quantize / dequantize's own float32 steps, inline: this loop runs once per input column
+                q = _levels(w, s, o, qmin, qmax, element)
+                codes[:, i1 + i] = q
+                err = torch.div(torch.sub(w, _value(q, s, o, element)), pivots[:, i], out=E1[:, i])
+                W1[:, i + 1:j2] -= U1[:, i, i + 1:j2, None] * err[:, None, :]
+            if j2 < k:
+                W1[:, j2:] -= U1[:, j1:j2, j2:].transpose(1, 2) @ E1[:, j1:j2]
+        Wt[:, i2:] -= U[:, i1:i2, i2:].transpose(1, 2) @ E1
     del Wt, St, Ot, U  # freed before the row check below makes its own (out, in) and (in, in) temporaries
     codes = codes.transpose(1, 2)
     if perm is not None:
