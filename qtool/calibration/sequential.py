@@ -211,6 +211,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         _release(embed)
 
     # 2. block by block
+    tail = [q for q in rows_under(None, outside=True) if q.module != embed_name]
+    rotate_head = rotator is not None and plan.rotation.rotates_head
     done = 0
     for i, block in enumerate(blocks):
         prefix = block_names[i]
@@ -218,25 +220,29 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         if rotator is not None:
             floats.update(rotator.layer(prefix))
         outputs: List[torch.Tensor] = []
+        rows = rows_under(prefix)
+        # the last block's outputs feed nothing unless the parts after it are calibrated or rotated
+        feeds = i + 1 < len(blocks) or bool(tail) or rotate_head
 
         def run_block():
+            if not feeds and not Plan(rows).static_activations:
+                return
             for j, (args, kwargs) in enumerate(captured):
                 out = block(*args, **kwargs)
                 outputs.append(out[0] if isinstance(out, (tuple, list)) else out)
 
         def run_float():
-            _run_to_last_input(block, captured, [modules[q.module] for q in rows_under(prefix) if q.needs_inputs])
+            _run_to_last_input(block, captured, [modules[q.module] for q in rows if q.needs_inputs])
 
-        calibrate_rows(rows_under(prefix), run_block, run_float)
-        captured = [((outputs[j],) + tuple(args[1:]), kwargs) for j, (args, kwargs) in enumerate(captured)]
+        calibrate_rows(rows, run_block, run_float)
+        if feeds:
+            captured = [((outputs[j],) + tuple(args[1:]), kwargs) for j, (args, kwargs) in enumerate(captured)]
         _release(block)
         done += 1
         if on_block:
             on_block(done, len(blocks))
 
     # 3. what comes after the blocks
-    tail = [q for q in rows_under(None, outside=True) if q.module != embed_name]
-    rotate_head = rotator is not None and plan.rotation.rotates_head
     if tail or rotate_head:
         norm = model.model.norm
         lm_head = model.get_output_embeddings()
