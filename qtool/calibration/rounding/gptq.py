@@ -35,6 +35,7 @@ Grid = Union[FloatElement, GgmlType]  # a grid other than AIMET's integers
 # takes a sub-block's errors in one matmul (the same sums in another order: measured on SmolLM2's layers, one
 # code in 1.8M differs, and the column loop is ~1.5x faster on wide layers)
 _SUB_BLOCK = 32
+_ROW_CHUNK_VALUES = 1 << 21  # the row check's float64 work a chunk of rows at a time (16 MB per temporary)
 
 __all__ = ["gptq_codes", "expand_encoding", "as_problems", "keep_better_rows"]
 
@@ -216,8 +217,15 @@ def _first_no_worse(W: torch.Tensor, H: torch.Tensor, Wq1: torch.Tensor, Wq2: to
     """Per output row, whether ``d1 H d1ᵀ <= d2 H d2ᵀ`` for the weight errors ``d = W - Wq`` (rows of the
     output error on the calibration inputs, squared and summed). Computed as ``(d1 - d2) H (d1 + d2)ᵀ <= 0`` in
     float64 (equal for a symmetric ``H``): one matmul, not two; rows with the same codes give exactly 0."""
-    d1, d2 = (W - Wq1).to(torch.float64), (W - Wq2).to(torch.float64)
-    return (((d1 - d2) @ H.to(torch.float64)) * (d1 + d2)).sum(dim=-1) <= 0
+    H = H.to(torch.float64)
+    keep = torch.empty(W.shape[:-1], dtype=torch.bool, device=W.device)
+    step = max(1, _ROW_CHUNK_VALUES // W.shape[-1])  # rows a chunk: its float64 temporaries stay small
+    for r in range(0, W.shape[-2], step):
+        rows = slice(r, r + step)
+        d1 = (W[..., rows, :] - Wq1[..., rows, :]).to(torch.float64)
+        d2 = (W[..., rows, :] - Wq2[..., rows, :]).to(torch.float64)
+        keep[..., rows] = (((d1 - d2) @ H) * (d1 + d2)).sum(dim=-1) <= 0
+    return keep
 
 
 def _better_rows(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale, offset, qmin: int, qmax: int,
