@@ -48,7 +48,7 @@ from .quant.ggml import grid_from_range
 from .quant.spec import Granularity, QuantSpec
 
 __all__ = ["EncodingEntry", "EncodingsFile", "SidecarStream", "SCHEMA", "SCHEMA_VERSION", "INLINE_LIMIT",
-           "BLOCK_INLINE_LIMIT", "SIDECAR", "inline"]
+           "BLOCK_INLINE_LIMIT", "SIDECAR"]
 
 SCHEMA = "qtool.encodings"
 SCHEMA_VERSION = 3  # the newest version this qtool writes and reads
@@ -56,15 +56,15 @@ READS_VERSIONS = (1, 2, 3)
 CODES_FILE = "codes.safetensors"  # integer codes chosen by a rounding algorithm (schema version 3, qtool.weights)
 INLINE_LIMIT = 1 << 16  # numbers per field above which an entry's data goes to the sidecar
 BLOCK_INLINE_LIMIT = 1 << 10  # the same for a blockwise entry (per_block): a tiny model's blocks stay readable
+SIDECAR = "encodings.safetensors"
 
 
-def inline(numel: int, granularity: Granularity, inline_limit: Optional[int]) -> bool:
+def _inline(numel: int, granularity: Granularity, inline_limit: Optional[int]) -> bool:
     """Whether an entry of ``numel`` numbers per field is written in the JSON itself (None: every entry is)."""
     if inline_limit is None:
         return True
     limit = min(inline_limit, BLOCK_INLINE_LIMIT) if granularity == Granularity.PER_BLOCK else inline_limit
     return numel <= limit
-SIDECAR = "encodings.safetensors"
 
 
 def _tolist(t: torch.Tensor):
@@ -446,7 +446,7 @@ class SidecarStream:
 
         self.inline_limit = inline_limit
         self.big = {name for name, shape, gran in shapes
-                    if not inline(math.prod(int(d) for d in shape), gran, inline_limit)}
+                    if not _inline(math.prod(int(d) for d in shape), gran, inline_limit)}
         decl = [(f"{name}.{f}", dt, tuple(shape)) for name, shape, _ in shapes if name in self.big
                 for f, dt in (("min", torch.float32), ("max", torch.float32), ("scale", torch.float32),
                               ("offset", torch.int32))]
@@ -485,7 +485,7 @@ class EncodingsFile:
         return {e.name: e for e in self.entries}
 
     def _inline(self, e: EncodingEntry, inline_limit: Optional[int]) -> bool:
-        return inline(e.numel(), e.granularity, inline_limit)
+        return _inline(e.numel(), e.granularity, inline_limit)
 
     def _entry_json(self, e: EncodingEntry, inline_limit: Optional[int]) -> Dict[str, Any]:
         if self._inline(e, inline_limit):

@@ -223,9 +223,10 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         rows = rows_under(prefix)
         # the last block's outputs feed nothing unless the parts after it are calibrated or rotated
         feeds = i + 1 < len(blocks) or bool(tail) or rotate_head
+        runs = feeds or bool(Plan(rows).static_activations)
 
         def run_block():
-            if not feeds and not Plan(rows).static_activations:
+            if not runs:
                 return
             for j, (args, kwargs) in enumerate(captured):
                 out = block(*args, **kwargs)

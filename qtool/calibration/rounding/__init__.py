@@ -325,8 +325,9 @@ def _temporary_bytes(unit: List[QuantizerPlan], modules) -> int:
 
 def _shared_problems(rows: List[QuantizerPlan], modules, quantizers, stats) -> List[List[QuantizerPlan]]:
     """``rows`` as GPTQ problems: layers that read the same input (q/k/v_proj, gate/up_proj: equal ``XᵀX``) on the
-    same kind of grid are one problem with their weights' rows stacked (up to ``STACK_BYTES`` of temporaries). GPTQ treats rows independently given the
-    Hessian, so each layer's codes are bit for bit its own run's, and the column loop runs once, not per layer."""
+    same kind of grid are one problem with their weights' rows stacked (up to ``STACK_BYTES`` of temporaries).
+    GPTQ treats rows independently given the Hessian, so each layer's codes are bit for bit its own run's, and
+    the column loop runs once, not per layer."""
     units: List[List[QuantizerPlan]] = []
     for q in rows:
         for unit in units:
@@ -352,10 +353,9 @@ def _same_problem(a: QuantizerPlan, b: QuantizerPlan, modules, quantizers, stats
             and (sa is sb or torch.equal(sa.xtx, sb.xtx)))
 
 
-def _shared_codes(unit: List[QuantizerPlan], modules, quantizers, stats,
-                  warnings: Optional[List[str]] = None) -> List[torch.Tensor]:
+def _shared_codes(unit: List[QuantizerPlan], modules, quantizers, stats, warnings: List[str]) -> List[torch.Tensor]:
     """The codes of each layer of ``unit`` (see :func:`_shared_problems`), from one GPTQ run on their stacked rows
-    with each row's own scale and offset."""
+    with each row's own scale and offset; what GPTQ had to change goes to ``warnings`` for each layer."""
     weights, scales, offsets = [], [], []
     for q in unit:
         weight = modules[q.module]._parameters["weight"].detach()
@@ -364,18 +364,14 @@ def _shared_codes(unit: List[QuantizerPlan], modules, quantizers, stats,
         scales.append(expand_encoding(scale.to(weight.device, torch.float32), weight.shape, q.block_size))
         offsets.append(expand_encoding(offset.to(weight.device, torch.float32), weight.shape, q.block_size))
     quantizer = quantizers[unit[0].name]
-    args = dict(unit[0].rounding_args)
-    element = getattr(quantizer, "element", None) or getattr(quantizer, "ggml", None)
-    if element is not None:
-        args["element"] = element
     notes: List[str] = []
     try:
         codes = gptq_codes(torch.cat(weights)[None], stats[unit[0].module].hessian()[None], torch.cat(scales)[None],
-                           torch.cat(offsets)[None], quantizer.qmin, quantizer.qmax, notes=notes, **args)[0].cpu()
+                           torch.cat(offsets)[None], quantizer.qmin, quantizer.qmax, notes=notes,
+                           **_algorithm_args(unit[0], quantizer))[0].cpu()
     except ValueError as e:
         raise DataError(f"{', '.join(q.name for q in unit)}: {e}") from None
-    if warnings is not None:
-        warnings.extend(f"{q.name}: {note}" for note in notes for q in unit)
+    warnings.extend(f"{q.name}: {note}" for note in notes for q in unit)
     return list(codes.split([w.shape[0] for w in weights]))
 
 
@@ -386,17 +382,24 @@ def _grid(q: QuantizerPlan, quantizer: QuantizerBase):
         raise CheckpointError(f"{q.name}: {e}; nothing was written") from None
 
 
-def _codes(q: QuantizerPlan, modules, quantizers, stats, warnings: Optional[List[str]] = None) -> torch.Tensor:
+def _algorithm_args(q: QuantizerPlan, quantizer: QuantizerBase) -> Dict:
+    """The recipe's rounding arguments, and the grid's element when it is a float or GGUF one (GPTQ only: the
+    recipe refuses AdaRound there)."""
+    args = dict(q.rounding_args)
+    element = getattr(quantizer, "element", None) or getattr(quantizer, "ggml", None)
+    if element is not None:
+        args["element"] = element
+    return args
+
+
+def _codes(q: QuantizerPlan, modules, quantizers, stats, warnings: List[str]) -> torch.Tensor:
     """``q``'s codes; what the algorithm had to change to find them (GPTQ's dampening) goes to ``warnings``."""
     quantizer = quantizers[q.name]
     weight = modules[q.module]._parameters["weight"].detach()
     scale, offset = _grid(q, quantizer)
     s = stats[q.module]
-    args = dict(q.rounding_args)
+    args = _algorithm_args(q, quantizer)
     algorithm = adaround_codes if q.rounding == "adaround" else gptq_codes
-    element = getattr(quantizer, "element", None) or getattr(quantizer, "ggml", None)
-    if element is not None:  # a float or GGUF grid (GPTQ only: the recipe refuses AdaRound there)
-        args["element"] = element
     notes: List[str] = []
     if algorithm is gptq_codes:
         args["notes"] = notes
@@ -412,8 +415,7 @@ def _codes(q: QuantizerPlan, modules, quantizers, stats, warnings: Optional[List
             codes = codes.reshape(weight.shape).cpu()
     except ValueError as e:
         raise DataError(f"{q.name}: {e}") from None
-    if warnings is not None:
-        warnings.extend(f"{q.name}: {note}" for note in notes)
+    warnings.extend(f"{q.name}: {note}" for note in notes)
     return codes
 
 
