@@ -15,6 +15,7 @@ torchrun sets (``OMP_NUM_THREADS=1``). On a machine with fewer cores than ``N`` 
 the ratio then shows the overhead, not a speed-up.
 
     .venv/bin/python bench/distributed.py [--nproc 2] [--params 3e9] [--skip-llama] [--out bench/results/distributed.json]
+    python bench/distributed.py --device cuda --nproc 1     # on a GPU machine: torchrun with NCCL (bench/gpu.sh)
 """
 
 from __future__ import annotations
@@ -104,18 +105,48 @@ def llama(tmp: Path, nproc: int, params: float):
             "recipe": "configs/w4a16-block32.yaml (weight-only, streamed)", **res}
 
 
+def smollm2(tmp: Path, nproc: int, device: str):
+    """A random-weight checkpoint of SmolLM2-135M's shape, static W8A8 over 32 x 256 random tokens, on ``device``:
+    the data-parallel forward passes with NCCL as the default group when ``device`` is CUDA."""
+    import torch
+    from safetensors.torch import save_file
+
+    from scale import write_checkpoint
+    from sequential_memory import SMOLLM2
+
+    ckpt = tmp / "smollm2"
+    write_checkpoint(ckpt, SMOLLM2)
+    ids = torch.randint(0, SMOLLM2["vocab"], (32, 256), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, tmp / "ids.safetensors")
+    res = compare("smollm2", [str(ckpt), "-c", "w8a8", "--data", str(tmp / "ids.safetensors"), "--batch-size", "8",
+                              "--device", device], tmp, nproc)
+    return {"model": "SmolLM2-135M's shape, random fp16 weights", "recipe": "configs/w8a8.yaml",
+            "data": "32 x 256 random tokens, batch 8", "device": device, **res}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--params", type=float, default=3e9)
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--device", default=None,
+                    help="cuda: run only the SmolLM2-shaped W8A8 case on the GPU (NCCL default group; one rank per "
+                         "GPU, so --nproc at most the GPU count)")
     ap.add_argument("--out", default=str(REPO / "bench/results/distributed.json"))
     args = ap.parse_args()
     import torch
 
     results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
                "nproc": args.nproc}
+    if args.device:
+        results["machine"]["gpu"] = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None
     with tempfile.TemporaryDirectory(prefix="qtool-dist-") as tmp:
+        if args.device:
+            results["smollm2"] = smollm2(Path(tmp), args.nproc, args.device)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+            print(f"wrote {args.out}")
+            return
         results["minilm"] = minilm(Path(tmp), args.nproc)
         if not args.skip_llama:
             results["llama"] = llama(Path(tmp), args.nproc, args.params)

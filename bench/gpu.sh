@@ -1,13 +1,46 @@
 #!/usr/bin/env bash
 # Benchmarks and the CPU/CUDA equality check on a machine with an NVIDIA GPU.
 # Usage (from the repo root, torch with CUDA installed in .venv or the active Python):
-#   bash bench/gpu.sh
-# Writes bench/results/*.json; paste the printed tables (with the device name) into docs/performance.md.
-set -euo pipefail
+#   bash bench/gpu.sh                 # every step below (~6 minutes on an H200)
+#   GPU_SH_BUDGET=300 bash bench/gpu.sh   # stop starting steps once 300 s have passed
+# Each step runs on its own: a failure is reported and the next step still runs; the exit code is 1 if any failed.
+# Writes bench/results/*cuda*.json; paste the printed tables (with the device name) into docs/performance.md.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
-"$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0), '| torch', torch.__version__)"
-"$PY" bench/quant_speed.py --device cuda --out bench/results/quant_speed_cuda.json
-"$PY" bench/calibrate_overhead.py --device cuda --out bench/results/calibrate_overhead_cuda.json
-"$PY" bench/cuda_check.py
+BUDGET=${GPU_SH_BUDGET:-1800}
+export PYTHONUNBUFFERED=1
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')" || exit 1
+"$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0), '| torch', torch.__version__,
+      '| GPUs', torch.cuda.device_count(), '| CPU cores', __import__('os').cpu_count())"
+failed=()
+step() {  # step NAME SECONDS COMMAND...: run with a time limit that never passes the budget
+    local name=$1 limit=$2; shift 2
+    local left=$((BUDGET - SECONDS))
+    if [ "$left" -lt 20 ]; then echo "== $name: skipped (budget spent)"; failed+=("$name (skipped)"); return; fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "== $name (limit $limit s)"
+    local t0=$SECONDS
+    timeout "$limit" "$@"
+    local rc=$?
+    if [ $rc -eq 0 ]; then echo "-- $name: ok, $((SECONDS - t0)) s"
+    else echo "-- $name: FAILED (exit $rc), $((SECONDS - t0)) s"; failed+=("$name"); fi
+}
+R=bench/results
+# CPU and CUDA give the same weight encodings (MLP, MiniLM where installed, every analyzer)
+step "cuda_check" 150 "$PY" bench/cuda_check.py
+# GPTQ W4A16 block 32, --sequential, on the GPU: SmolLM2-135M's shape, then the 1.1B (TinyLlama) shape with W8A8
+step "GPTQ SmolLM2 shape on CUDA" 150 "$PY" bench/sequential_memory.py --shape smollm2 --device cuda \
+    --recipes w4a16-block32-gptq --out $R/gptq_smollm2_cuda.json
+step "1.1B sequential GPTQ + W8A8 on CUDA" 300 "$PY" bench/sequential_memory.py --device cuda \
+    --out $R/sequential_memory_cuda.json
+# torchrun with --device cuda: NCCL default group, 2 ranks (round-robin over the GPUs there are)
+step "torchrun --device cuda (NCCL)" 180 "$PY" bench/distributed.py --device cuda --nproc 2 \
+    --out $R/distributed_cuda.json
+step "quant_speed" 90 "$PY" bench/quant_speed.py --device cuda --out $R/quant_speed_cuda.json
+step "calibrate_overhead" 150 "$PY" bench/calibrate_overhead.py --device cuda --out $R/calibrate_overhead_cuda.json
+# the CPU figure beside the GPU one, on this machine's cores
+step "GPTQ SmolLM2 shape on this machine's CPU" 200 "$PY" bench/sequential_memory.py --shape smollm2 --device cpu \
+    --recipes w4a16-block32-gptq --out $R/gptq_smollm2_cpu_gpuhost.json
+if [ ${#failed[@]} -gt 0 ]; then printf 'failed: %s\n' "${failed[@]}"; exit 1; fi
+echo "all steps passed ($SECONDS s)"

@@ -38,19 +38,27 @@ TINYLLAMA = {"hidden": 2048, "intermediate": 5632, "heads": 32, "kv_heads": 4, "
 # the shapes the extrapolation is for (public configurations)
 LLAMA3_8B = {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "vocab": 128256, "layers": 32}
 LLAMA3_70B = {"hidden": 8192, "intermediate": 28672, "heads": 64, "kv_heads": 8, "vocab": 128256, "layers": 80}
+# SmolLM2-135M's shape (bench/gptq_vs_llmcompressor.py's model; random weights here, so no download is needed)
+SMOLLM2 = {"hidden": 576, "intermediate": 1536, "heads": 9, "kv_heads": 3, "vocab": 49152, "layers": 30}
+SHAPES = {"tinyllama": TINYLLAMA, "smollm2": SMOLLM2}
 
 
-def _status() -> Dict[str, int]:
+def _status(device: str = "cpu") -> Dict[str, int]:
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
             k = line.split(":", 1)[0]
             if k in ("VmRSS", "RssAnon"):
                 out[k] = int(line.split()[1]) * 1024
+    if device.startswith("cuda"):
+        import torch
+
+        out["cuda_allocated"] = torch.cuda.memory_allocated()
+        out["cuda_peak"] = torch.cuda.max_memory_allocated()
     return out
 
 
-def child(ckpt: str, recipe: str, data: str, out: str) -> None:
+def child(ckpt: str, recipe: str, data: str, out: str, device: str = "cpu") -> None:
     """Calibrate in this process, printing one JSON line per finished block."""
     from qtool.hooks import Hooks
     from qtool.pipeline import CalibrateOptions, run_calibrate
@@ -62,16 +70,19 @@ def child(ckpt: str, recipe: str, data: str, out: str) -> None:
             t0[0] = time.perf_counter()
 
     def block(done: int, total: int) -> None:
-        print(json.dumps({"block": done, "of": total, "s": time.perf_counter() - t0[0], **_status()}), flush=True)
+        print(json.dumps({"block": done, "of": total, "s": time.perf_counter() - t0[0], **_status(device)}),
+              flush=True)
 
-    run_calibrate(ckpt, recipe, out, CalibrateOptions(data=data, sequential=True),
+    t_start = time.perf_counter()
+    run_calibrate(ckpt, recipe, out, CalibrateOptions(data=data, sequential=True, device=device),
                   hooks=Hooks(on_block=block, on_stage=stage))
-    print(json.dumps({"done": True, "s": time.perf_counter() - t0[0], **_status()}), flush=True)
+    print(json.dumps({"done": True, "s": time.perf_counter() - t0[0], "process_s": time.perf_counter() - t_start,
+                      **_status(device)}), flush=True)
 
 
-def run_recipe(ckpt: Path, recipe: str, data: Path, out: Path) -> Dict[str, object]:
+def run_recipe(ckpt: Path, recipe: str, data: Path, out: Path, device: str = "cpu") -> Dict[str, object]:
     t = time.perf_counter()
-    p = subprocess.Popen([sys.executable, __file__, "--child", str(ckpt), recipe, str(data), str(out)],
+    p = subprocess.Popen([sys.executable, __file__, "--child", str(ckpt), recipe, str(data), str(out), device],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     blocks: List[Dict[str, float]] = []
     total = None
@@ -81,8 +92,9 @@ def run_recipe(ckpt: Path, recipe: str, data: Path, out: Path) -> Dict[str, obje
             total = row
         else:
             blocks.append(row)
-            print(f"  {recipe}: block {row['block']}/{row['of']}  {row['s']:.0f} s  RSS {row['VmRSS'] / GB:.2f} GB",
-                  flush=True)
+            gpu = f"  GPU peak {row['cuda_peak'] / GB:.2f} GB" if "cuda_peak" in row else ""
+            print(f"  {recipe}: block {row['block']}/{row['of']}  {row['s']:.0f} s  RSS {row['VmRSS'] / GB:.2f} GB"
+                  f"{gpu}", flush=True)
     _, status, usage = os.wait4(p.pid, 0)
     err = p.stderr.read()
     if status != 0:
@@ -91,8 +103,9 @@ def run_recipe(ckpt: Path, recipe: str, data: Path, out: Path) -> Dict[str, obje
     times = [b["s"] for b in blocks]
     per_block_s = (times[-1] - times[0]) / max(1, len(times) - 1)
     growth = (rss[-1] - rss[1]) / max(1, len(rss) - 2) if len(rss) > 2 else 0.0
-    return {"recipe": recipe, "blocks": blocks, "peak_rss_bytes": usage.ru_maxrss * 1024,
-            "wall_s": time.perf_counter() - t, "calibrate_s": total["s"], "seconds_per_block": per_block_s,
+    return {"recipe": recipe, "device": device, "blocks": blocks, "peak_rss_bytes": usage.ru_maxrss * 1024,
+            "peak_cuda_bytes": total.get("cuda_peak"), "wall_s": time.perf_counter() - t,
+            "calibrate_s": total["s"], "load_and_calibrate_s": total["process_s"], "seconds_per_block": per_block_s,
             "rss_growth_per_block_bytes": growth, "rss_after_first_block": rss[0], "rss_after_last_block": rss[-1]}
 
 
@@ -123,8 +136,10 @@ def extrapolate(result: Dict[str, object], samples: int, seq_len: int) -> List[D
             need = block_bytes(shape, samples, seq_len)
             per_block = r["seconds_per_block"] * _work(shape, gptq) / _work(base_shape, gptq)
             peak = runtime + (r["peak_rss_bytes"] - runtime) * sum(need.values()) / base_need
+            gpu = r.get("peak_cuda_bytes")  # one block's weights, statistics and activations on the GPU
             rows.append({"recipe": r["recipe"], "model": name, "params": count_params(shape),
                          "est_peak_rss_gb": peak / GB, "est_seconds_per_block": per_block,
+                         "est_peak_gpu_gb": None if gpu is None else gpu * sum(need.values()) / base_need / GB,
                          "est_hours": per_block * shape["layers"] / 3600,
                          "block_needs_gb": {k: v / GB for k, v in need.items()}})
     return rows
@@ -142,13 +157,16 @@ def _work(s: Dict[str, int], gptq: bool) -> float:
 
 def main(argv=None) -> Dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=TINYLLAMA["layers"], help="decoder blocks (default 22)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama",
+                    help="tinyllama (1.1B, the default) or smollm2 (135M)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder blocks (default: the shape's, 22 or 30)")
+    ap.add_argument("--device", default="cpu", help="where calibration runs (cpu, cuda)")
     ap.add_argument("--recipes", default="w4a16-block32-gptq,w8a8", help="comma-separated recipes")
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--workdir", default=None, help="where the checkpoint and runs go (default: $TMPDIR)")
     ap.add_argument("--out", default=str(HERE / "results" / "sequential_memory.json"))
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         child(*args.child)
@@ -156,30 +174,37 @@ def main(argv=None) -> Dict[str, object]:
     import torch
     from safetensors.torch import save_file
 
-    shape = {**TINYLLAMA, "layers": args.layers}
+    base = SHAPES[args.shape]
+    shape = {**base, "layers": args.layers or base["layers"]}
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
         info = write_checkpoint(work / "ckpt", shape)
         ids = torch.randint(0, shape["vocab"], (args.samples, args.seq_len), generator=torch.Generator().manual_seed(0))
         save_file({"input_ids": ids}, work / "ids.safetensors")
         print(f"checkpoint: {info['params'] / 1e9:.2f}B parameters, {args.samples} x {args.seq_len} tokens")
-        runs = [run_recipe(work / "ckpt", r, work / "ids.safetensors", work / f"run-{r}") for r in
+        runs = [run_recipe(work / "ckpt", r, work / "ids.safetensors", work / f"run-{r}", args.device) for r in
                 args.recipes.split(",")]
+    gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                          "torch_threads": torch.get_num_threads()},
+                          "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "gpu": gpu},
+              "device": args.device,
               "shape": shape, "params": info["params"], "samples": args.samples, "seq_len": args.seq_len,
               "runs": runs}
     result["extrapolation"] = extrapolate(result, args.samples, args.seq_len)
-    print(f"\n{'recipe':<22} {'s/block':>8} {'RSS blk1 GB':>12} {'RSS last GB':>12} {'growth MB/blk':>14} "
-          f"{'peak GB':>8}")
+    print(f"\n{args.shape} shape, {shape['layers']} blocks, device {args.device}" + (f" ({gpu})" if gpu else ""))
+    print(f"{'recipe':<22} {'s/block':>8} {'calib s':>8} {'RSS blk1 GB':>12} {'RSS last GB':>12} "
+          f"{'growth MB/blk':>14} {'peak GB':>8} {'GPU peak GB':>12}")
     for r in runs:
-        print(f"{r['recipe']:<22} {r['seconds_per_block']:>8.1f} {r['rss_after_first_block'] / GB:>12.2f} "
-              f"{r['rss_after_last_block'] / GB:>12.2f} {r['rss_growth_per_block_bytes'] / 1e6:>14.1f} "
-              f"{r['peak_rss_bytes'] / GB:>8.2f}")
-    print(f"\n{'extrapolation':<22} {'model':<12} {'est. peak GB':>13} {'est. s/block':>13} {'est. hours':>11}")
+        cuda = f"{r['peak_cuda_bytes'] / GB:>12.2f}" if r["peak_cuda_bytes"] is not None else f"{'-':>12}"
+        print(f"{r['recipe']:<22} {r['seconds_per_block']:>8.2f} {r['load_and_calibrate_s']:>8.1f} "
+              f"{r['rss_after_first_block'] / GB:>12.2f} {r['rss_after_last_block'] / GB:>12.2f} "
+              f"{r['rss_growth_per_block_bytes'] / 1e6:>14.1f} {r['peak_rss_bytes'] / GB:>8.2f} {cuda}")
+    print(f"\n{'extrapolation':<22} {'model':<12} {'est. peak GB':>13} {'est. GPU GB':>12} {'est. s/block':>13} "
+          f"{'est. hours':>11}")
     for e in result["extrapolation"]:
-        print(f"{e['recipe']:<22} {e['model']:<12} {e['est_peak_rss_gb']:>13.1f} {e['est_seconds_per_block']:>13.0f} "
-              f"{e['est_hours']:>11.1f}")
+        gpu = f"{e['est_peak_gpu_gb']:>12.1f}" if e["est_peak_gpu_gb"] is not None else f"{'-':>12}"
+        print(f"{e['recipe']:<22} {e['model']:<12} {e['est_peak_rss_gb']:>13.1f} {gpu} "
+              f"{e['est_seconds_per_block']:>13.1f} {e['est_hours']:>11.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -258,7 +258,11 @@ def from_environment(device: str = "cpu") -> Group:
         cuda = str(device).startswith("cuda")
         backend = "nccl" if cuda and dist.is_nccl_available() else "gloo"
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            if not torch.cuda.is_available():
+                raise UsageError("--device cuda but torch sees no CUDA device on this machine")
+            # one GPU per local rank; more ranks than GPUs share them round-robin (qtool's traffic is on gloo,
+            # so NCCL never builds a communicator across two ranks of one GPU, which it refuses)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         try:
             dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError, OSError) as e:

@@ -300,3 +300,18 @@ def test_a_gguf_mix_with_gptq_on_ranks_writes_the_bytes_of_one_process(llama, tm
     one process's encodings and codes."""
     one, many = _one_and_two_ranks(llama, tmp_path, GGUF_MIX)
     assert set(one) == {"encodings.json", "codes.safetensors"} and many == one
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the message of a machine without CUDA")
+def test_ranks_asked_for_cuda_without_a_gpu_get_one_clear_error(monkeypatch):
+    """``--device cuda`` under torchrun on a machine with no GPU: a usage error before any group is joined (torch
+    would otherwise fail inside ``set_device`` with its own message)."""
+    from qtool.errors import UsageError
+    from qtool.parallel import from_environment
+
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(UsageError, match="--device cuda but torch sees no CUDA device"):
+        from_environment("cuda")
+    assert not torch.distributed.is_initialized()

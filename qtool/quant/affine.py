@@ -295,6 +295,17 @@ def quantize_dequantize(
 # --------------------------------------------------------------------------------------------------------------
 # min/max <-> scale/offset
 # --------------------------------------------------------------------------------------------------------------
+def true_div(x: torch.Tensor, d) -> torch.Tensor:
+    """``x / d`` for a number ``d``, the correctly rounded quotient on every device.
+
+    On CUDA, torch divides by a Python number (or a CPU scalar tensor) by multiplying with its reciprocal, which
+    is one bit off the true quotient for about a third of float32 values; CPU (and AIMET) divide. A divisor on
+    ``x``'s own device gets CUDA's true division, so CPU and CUDA encodings are the same bits."""
+    if x.device.type == "cpu":
+        return x / d
+    return x / torch.full((), d, dtype=x.dtype, device=x.device)  # a fill kernel, not a host-to-device copy
+
+
 def _min_scale(num_steps: int) -> float:
     return min(FLOAT32_EPS, 0.01 / num_steps)
 
@@ -309,12 +320,12 @@ def adjust_min_max(stat_min: torch.Tensor, stat_max: torch.Tensor, num_steps: in
     ms = _min_scale(n)
     mn = torch.clamp(stat_min.to(torch.float32), max=0.0)
     mx = torch.clamp(stat_max.to(torch.float32), min=0.0)
-    adj = torch.where((mx - mn) / n < ms, torch.full_like(mx, ms), torch.zeros_like(mx))
+    adj = torch.where(true_div(mx - mn, n) < ms, torch.full_like(mx, ms), torch.zeros_like(mx))
     if symmetric:
         pos, neg = n // 2, math.ceil(n / 2)
         mx = mx + pos * adj
         mn = mn - neg * adj
-        d = torch.maximum(mx / (pos + (1 if n == 3 else 0)), -mn / neg)
+        d = torch.maximum(true_div(mx, pos + (1 if n == 3 else 0)), true_div(-mn, neg))
         mn = -neg * d
         mx = pos * d
     else:
@@ -331,7 +342,7 @@ def min_max_to_scale_offset(
     offset ``clamp(round(min / scale) - qmin, -qmax, -qmin)`` (straight-through round).
     """
     n = qmax - qmin
-    scale = torch.clamp(torch.abs((max - min) / n), min=_min_scale(n))
+    scale = torch.clamp(torch.abs(true_div(max - min, n)), min=_min_scale(n))
     if symmetric:
         offset = torch.full_like(scale, float(-round((qmin + qmax) / 2)))
     else:
@@ -359,7 +370,7 @@ def dynamic_scale_offset(
     with torch.no_grad():
         if symmetric:
             absmax = (x.abs().amax(dim=-1, keepdim=True) if per_token else x.abs().amax()).to(torch.float32)
-            scale = torch.clamp(absmax / (n / 2), min=_min_scale(n), max=_F32_MAX)
+            scale = torch.clamp(true_div(absmax, n / 2), min=_min_scale(n), max=_F32_MAX)
             return scale, torch.full_like(scale, float(-round((qmin + qmax) / 2)))
         # (amin/amax rather than aminmax: the ONNX tracer cannot follow aminmax's tuple inside a custom Function)
         if per_token:

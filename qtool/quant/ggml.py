@@ -26,6 +26,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .affine import true_div
+
 __all__ = ["GgmlType", "GGML_TYPES", "KGrid", "IQ4_TABLE", "ggml_type", "snap", "grid_from_range", "search_range",
            "quantize_codes", "dequantize", "quantize_dequantize", "pack", "type_levels"]
 
@@ -132,7 +134,7 @@ def _quantize_scales(s: torch.Tensor, t: GgmlType, levels: int, negative: bool):
         amax = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
     else:
         amax = blocks.amax(-1)
-    d = _f16(amax / (-levels if negative else levels))
+    d = _f16(true_div(amax, -levels if negative else levels))
     lo, hi = (-levels, levels - 1) if negative else (0, levels)
     safe = torch.where(d == 0, torch.ones_like(d), d)
     lq = torch.round(s / _per_sub(safe, t)).clamp(lo, hi)
@@ -185,12 +187,12 @@ def grid_from_range(mn: torch.Tensor, mx: torch.Tensor, t: GgmlType) -> KGrid:
     qmin, qmax = t.qmin_qmax
     if t.table:
         amax = torch.maximum(-mn, mx).clamp_min(0)
-        return snap(torch.where(mx > -mn, -amax, amax) / -IQ4_TABLE[0], None, t)
+        return snap(true_div(torch.where(mx > -mn, -amax, amax), -IQ4_TABLE[0]), None, t)
     if t.symmetric:  # likewise the larger end takes qmin (a negative step when it is positive): one more level
         amax = torch.maximum(-mn, mx).clamp_min(0)
-        return snap(torch.where(mx > -mn, -amax, amax) / -qmin, None, t)
+        return snap(true_div(torch.where(mx > -mn, -amax, amax), -qmin), None, t)
     low = (-mn).clamp_min(0)
-    return snap(((mx + low) / qmax).clamp_min(0), low, t)
+    return snap(true_div(mx + low, qmax).clamp_min(0), low, t)
 
 
 def _nearest_table(x: torch.Tensor) -> torch.Tensor:
@@ -230,17 +232,17 @@ def search_range(rows: torch.Tensor, t: GgmlType, weights: Optional[torch.Tensor
         mn, mx = full_mn * ratio, full_mx * ratio
         amax = torch.maximum(-mn, mx)
         if t.table:
-            step = sign * amax / (-IQ4_TABLE[0] + 8 * delta)
+            step = true_div(sign * amax, -IQ4_TABLE[0] + 8 * delta)
             safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
             v = _nearest_table(x / safe)
             low = torch.zeros_like(step)
         elif t.symmetric:
-            step = sign * amax / (-qmin + delta)
+            step = true_div(sign * amax, -qmin + delta)
             safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
             v = torch.round(x / safe).clamp(qmin, qmax)
             low = torch.zeros_like(step)
         else:
-            step = (mx - mn) / (qmax + delta)
+            step = true_div(mx - mn, qmax + delta)
             safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
             v = torch.round((x - mn[:, None]) / safe).clamp(0, qmax)
             low = -mn

@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..affine import _min_scale, adjust_min_max
+from ..affine import _min_scale, adjust_min_max, true_div
 from .base import EncodingAnalyzer, NoStatisticsError, StatisticsMergeError, _check_same_type, _encoding_rows
 
 # ==============================================================================================================
@@ -80,7 +80,7 @@ def _edges(lo: torch.Tensor, hi: torch.Tensor, num_bins: int):
     degenerate = lo == hi
     lo_e = torch.where(degenerate, lo - 0.5, lo)
     hi_e = torch.where(degenerate, hi + 0.5, hi)
-    return lo_e, (hi_e - lo_e) / num_bins
+    return lo_e, true_div(hi_e - lo_e, num_bins)
 
 
 def _edge(index: torch.Tensor, lo_e: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -384,7 +384,7 @@ class _Histograms:
         src_bins, src_counts = self._current_entries()
         lo_e, step = _edges(lo, hi, n)
         start = lo_e[:, None] + step[:, None] * src_bins.to(torch.float32)
-        dst_step = torch.where(changed, (new_hi - new_lo) / n, torch.ones_like(new_lo))[:, None]
+        dst_step = torch.where(changed, true_div(new_hi - new_lo, n), torch.ones_like(new_lo))[:, None]
         dst = ((start - new_lo[:, None]) / dst_step).to(torch.int64).clamp_(0, n - 1)
         dst_end = new_lo[:, None] + dst_step * (dst + 1).to(torch.float32)
         stay = torch.minimum(torch.round((dst_end - start) / step[:, None] * src_counts), src_counts)
@@ -468,12 +468,12 @@ def _aimet_adjust_min_max(mn: torch.Tensor, mx: torch.Tensor, num_steps: int, sy
     f32 = torch.finfo(torch.float32)
     mn = torch.clamp(torch.minimum(mn, torch.zeros_like(mn)), min=f32.min, max=0)
     mx = torch.clamp(torch.maximum(mx, torch.zeros_like(mx)), min=0, max=f32.max)
-    tight = (mx - mn) / n < ms
+    tight = true_div(mx - mn, n) < ms
     if symmetric:
         mn = torch.where(tight, mn - ms * math.ceil(n / 2), mn)
         mx = torch.where(tight, mx + ms * math.floor(n / 2), mx)
         pos, neg = n // 2, math.ceil(n / 2)
-        delta = torch.maximum(mx / pos, -mn / neg)
+        delta = torch.maximum(true_div(mx, pos), true_div(-mn, neg))
         return -neg * delta, pos * delta
     return mn, torch.where(tight, mx + ms * n, mx)
 

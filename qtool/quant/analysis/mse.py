@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..affine import adjust_min_max, min_max_to_scale_offset, quantize_dequantize, resolve_grid
+from ..affine import adjust_min_max, min_max_to_scale_offset, quantize_dequantize, resolve_grid, true_div
 from .base import _CHUNK_ELEMENTS, EncodingAnalyzer, NoStatisticsError, StatisticsMergeError, _encoding_rows
 
 
@@ -157,7 +157,7 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
         if k == 1:
             return torch.ones(1, device=device)
         i = torch.arange(k, device=device, dtype=torch.float32)
-        return 1 - (1 - self.min_ratio) * i / (k - 1)
+        return 1 - true_div((1 - self.min_ratio) * i, k - 1)
 
     @torch.no_grad()
     def compute_encodings(self, num_steps: int, is_symmetric: bool):

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..affine import _min_scale
+from ..affine import _min_scale, true_div
 from .base import _CHUNK_ELEMENTS
 from .histogram import _edges, _HistogramAnalyzer, _Histograms
 
@@ -66,15 +66,15 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
         mx = torch.maximum(hi, torch.zeros_like(hi))
         mx = torch.maximum(mx, mn + ms * n)
         if symmetric:
-            cands = _SymmetricCandidates(2 * torch.maximum(mx, -mn) / n, self.sym_delta_candidates, n)
+            cands = _SymmetricCandidates(true_div(2 * torch.maximum(mx, -mn), n), self.sym_delta_candidates, n)
             return cands.deltas(slice(None), torch.arange(cands.num, device=lo.device)[None, :])[:, :, None], \
                 torch.full((1, 1, 1), cands.offset, **f32)
-        max_delta = (mx - mn) / n
+        max_delta = true_div(mx - mn, n)
         obs_offset = torch.round(mn / max_delta)
         obs_min = max_delta * obs_offset
         obs_max = obs_min + max_delta * n
         k = self.asym_delta_candidates
-        deltas = max_delta[:, None] * torch.arange(1, k + 1, **f32)[None, :] / (k - 1)
+        deltas = true_div(max_delta[:, None] * torch.arange(1, k + 1, **f32)[None, :], k - 1)
         num_offsets = min(n + 2, self.num_offset_candidates)
         s = n / (num_offsets - 2)
         offsets = torch.round(torch.arange(-n, s, s, **f32))
@@ -84,7 +84,7 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
         t_max = t_min + deltas[:, :, None] * n
         t_min = torch.maximum(obs_min[:, None, None], t_min)
         t_max = torch.minimum(obs_max[:, None, None], t_max)
-        deltas = torch.maximum((t_max - t_min) / n, torch.tensor(ms, **f32))
+        deltas = torch.maximum(true_div(t_max - t_min, n), torch.tensor(ms, **f32))
         return deltas, torch.round(t_min / deltas)
 
     @staticmethod
@@ -258,7 +258,7 @@ class _SymmetricCandidates:
 
     def deltas(self, rows, cols: torch.Tensor) -> torch.Tensor:
         k = (cols + 1).to(torch.float32)
-        return torch.maximum(self.max_delta[rows][:, None] * k / (self.num - 1), self.min_scale)
+        return torch.maximum(true_div(self.max_delta[rows][:, None] * k, self.num - 1), self.min_scale)
 
     def columns(self, rows, cols: torch.Tensor):
         d = self.deltas(rows, cols)
