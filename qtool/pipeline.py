@@ -6,6 +6,7 @@ Each job returns data (a summary dict) and reports progress through callbacks; i
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import platform
 import sys
@@ -29,6 +30,7 @@ from .export.qtool_st import DEFAULT_MAX_SHARD_BYTES
 from .hooks import Hooks
 from .io.checkpoint import tensor_files
 from .io.fs import atomic_output_dir, check_output_dir, sha256_file
+from .io.jsonfile import dumps_indented
 from .model.apply import apply_encodings, apply_stored_weights, plan_from_encodings
 from .model.load import LoadedModel, load_model
 from .parallel import Group, from_environment
@@ -40,11 +42,9 @@ __all__ = ["CalibrateOptions", "ExportOptions", "Hooks", "plan_for", "run_calibr
 
 def versions() -> Dict[str, str]:
     out = {"qtool": __version__, "torch": torch.__version__, "python": platform.python_version()}
-    try:
-        import transformers
-
-        out["transformers"] = transformers.__version__
-    except ImportError:  # optional extra
+    try:  # the installed distribution's version: importing transformers for it would cost a second per command
+        out["transformers"] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:  # optional extra
         pass
     return out
 
@@ -338,7 +338,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
                 "quantizer(s): AIMET encodings are static; the exported model computes their ranges at run time")
         static_enc = EncodingsFile(static, enc.meta, enc.data_files, enc.codes_file)
         aimet = to_aimet(static_enc.materialized(), eopts.encoding_version, __version__, names=names)
-        (out_dir / "model.encodings").write_text(json.dumps(aimet, indent=1) + "\n")
+        (out_dir / "model.encodings").write_text(dumps_indented(aimet) + "\n")
     elif exporter.aimet_json == "if_small":
         summary["export_warnings"].append(
             f"model.encodings (AIMET JSON) not written: {numbers:,} encodings would make a JSON file of several GB; "

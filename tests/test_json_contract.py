@@ -1,6 +1,7 @@
 """The --json contract: each command prints exactly the keys docs/ci.md documents."""
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -66,3 +67,40 @@ def test_export_says_what_was_gained(tmp_path):
     model = (tmp_path / "q" / "model.safetensors").stat().st_size
     assert f"({ckpt / model:.2f}x smaller)" in line and "quantized weights" in line
     assert 3 < ckpt / model < 8  # int4 blocks of 32 with float32 scales and offsets, biases in float
+
+
+def test_indented_dumps_are_json_dumps_text():
+    """dumps_indented (the encodings file's and AIMET export's writer) gives json.dumps(indent=...)'s exact text on
+    any JSON value: numbers of every kind, strings holding the list separator, nesting, empty containers, keys
+    that are not strings."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from qtool.io.jsonfile import NumberArray, dumps_indented
+
+    scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6) | \
+        st.sampled_from(["a, b", ", ", "\n", "]"])
+    keys = st.text(max_size=4) | st.integers(-3, 3) | st.booleans()
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=6) | st.dictionaries(keys, inner, max_size=4),
+                          max_leaves=40)
+
+    @settings(max_examples=400, deadline=None)
+    @given(values, st.integers(1, 3))
+    def check(obj, indent):
+        assert dumps_indented(obj, indent) == json.dumps(obj, indent=indent)
+
+    check()
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.integers(0, 3), max_size=4), st.integers(0, 3), st.data())
+    def arrays(shape, level, data):
+        """A tensor's numbers given flat with their shape (NumberArray): the text of its nested lists."""
+        t = torch.tensor(data.draw(st.lists(st.floats(allow_nan=False, width=32), min_size=math.prod(shape),
+                                            max_size=math.prod(shape))), dtype=torch.float32).reshape(shape)
+        nested = t.tolist()
+        array = NumberArray(t.reshape(-1).tolist(), tuple(shape))
+        assert array.tolist() == nested
+        assert dumps_indented({"min": array}, 1, level) == json.dumps({"min": nested}, indent=1).replace(
+            "\n", "\n" + " " * level)
+
+    arrays()
