@@ -14,6 +14,7 @@ Nothing here holds state, prints or touches the host: every function works uncha
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence, Tuple
 
@@ -328,7 +329,15 @@ def true_div(x: torch.Tensor, d) -> torch.Tensor:
     ``x``'s own device gets CUDA's true division, so CPU and CUDA encodings are the same bits."""
     if x.device.type == "cpu":
         return x / d
-    return x / torch.full((), d, dtype=x.dtype, device=x.device)  # a fill kernel, not a host-to-device copy
+    return x / _divisor(float(d), x.dtype, x.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _divisor(d: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-dim tensor holding ``d`` on ``device`` (made once: a fill kernel per division costs a GPU launch). A
+    normal tensor even when first asked for under ``inference_mode``, so autograd can later save it."""
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.full((), d, dtype=dtype, device=device)
 
 
 def _min_scale(num_steps: int) -> float:
