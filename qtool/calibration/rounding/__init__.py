@@ -224,7 +224,8 @@ def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quan
     changing it would change the other module too; ``tied`` names modules whose weight is tied in the checkpoint
     though the caller loaded a separate copy. With a distributed ``group`` each layer is rounded by one rank
     (chosen by size) and its codes go to every rank. Returns quantizer name -> integer codes (CPU, in the
-    smallest type that holds them)."""
+    smallest type that holds them). ``stats`` is consumed: a rounded layer's entry is removed when its Hessian
+    is taken, so its float64 sums are gone before the algorithm's temporaries are made."""
     group = group or Group()
     tied = set(tied)
     shared: Dict[int, int] = {}
@@ -365,14 +366,25 @@ def _shared_codes(unit: List[QuantizerPlan], modules, quantizers, stats, warning
         offsets.append(expand_encoding(offset.to(weight.device, torch.float32), weight.shape, q.block_size))
     quantizer = quantizers[unit[0].name]
     notes: List[str] = []
+    hessian = _take_hessian(stats, unit)
     try:
-        codes = gptq_codes(torch.cat(weights)[None], stats[unit[0].module].hessian()[None], torch.cat(scales)[None],
+        codes = gptq_codes(torch.cat(weights)[None], hessian[None], torch.cat(scales)[None],
                            torch.cat(offsets)[None], quantizer.qmin, quantizer.qmax, notes=notes,
                            **_algorithm_args(unit[0], quantizer))[0].cpu()
     except ValueError as e:
         raise DataError(f"{', '.join(q.name for q in unit)}: {e}") from None
     warnings.extend(f"{q.name}: {note}" for note in notes for q in unit)
     return list(codes.split([w.shape[0] for w in weights]))
+
+
+def _take_hessian(stats: Dict[str, InputStatistics], unit: List[QuantizerPlan]) -> torch.Tensor:
+    """The float32 Hessian of ``unit``'s layers (they share one input), their statistics removed from ``stats``:
+    each layer is rounded once, and its float64 sums (0.25 GB for a 5632-wide input) would otherwise stay beside
+    the algorithm's own temporaries at the peak."""
+    hessian = stats[unit[0].module].hessian()
+    for q in unit:
+        stats.pop(q.module, None)
+    return hessian
 
 
 def _grid(q: QuantizerPlan, quantizer: QuantizerBase):
@@ -397,21 +409,22 @@ def _codes(q: QuantizerPlan, modules, quantizers, stats, warnings: List[str]) ->
     quantizer = quantizers[q.name]
     weight = modules[q.module]._parameters["weight"].detach()
     scale, offset = _grid(q, quantizer)
-    s = stats[q.module]
+    groups = stats[q.module].groups
+    hessian = _take_hessian(stats, [q])
     args = _algorithm_args(q, quantizer)
     algorithm = adaround_codes if q.rounding == "adaround" else gptq_codes
     notes: List[str] = []
     if algorithm is gptq_codes:
         args["notes"] = notes
     try:
-        if not s.groups:
-            codes = algorithm(weight, s.hessian(), scale, offset, quantizer.qmin, quantizer.qmax, q.block_size,
+        if not groups:
+            codes = algorithm(weight, hessian, scale, offset, quantizer.qmin, quantizer.qmax, q.block_size,
                               **args).cpu()
         else:  # a convolution: one problem per group, on the group's rows (flattened kernels) and its patch Hessian
-            rows = flat_weight(weight, s.groups)
-            grid = [flat_weight(expand_encoding(t.to(weight.device), weight.shape, q.block_size), s.groups)
+            rows = flat_weight(weight, groups)
+            grid = [flat_weight(expand_encoding(t.to(weight.device), weight.shape, q.block_size), groups)
                     for t in (scale, offset)]
-            codes = algorithm(rows, s.hessian(), grid[0], grid[1], quantizer.qmin, quantizer.qmax, **args)
+            codes = algorithm(rows, hessian, grid[0], grid[1], quantizer.qmin, quantizer.qmax, **args)
             codes = codes.reshape(weight.shape).cpu()
     except ValueError as e:
         raise DataError(f"{q.name}: {e}") from None

@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ...quant.affine import blocked_shapes, dequantize, quantize
+from ...quant.affine import blocked_shapes, dequantize, quantize, resolve_block_size
 from ...quant.floatgrid import FloatElement
 from ...quant.ggml import IQ4_TABLE, GgmlType
 
@@ -76,18 +76,26 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     Either way one line saying so is appended to ``notes``."""
     if block_columns < 1 or not 0 <= dampening:
         raise ValueError("block_columns must be >= 1 and dampening >= 0")
-    W, H0, S, O = as_problems(weight, hessian, scale, offset, block_size, "GPTQ")
+    # S, O: (groups, out, in // width), column j on block j // width (a 2-D weight's encoding is never expanded
+    # to one value per weight: at a 1.1B model's down_proj that was 185 MB of the peak)
+    W, H0, S, O = as_problems(weight, hessian, scale, offset, block_size, "GPTQ", by_column_block=True)
     cols = W.shape[-1]
+    width = cols // S.shape[-1]
     W, H = W.clone(), H0.clone()
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
     dead = diag <= 0
     H.masked_fill_(dead[:, :, None] | dead[:, None, :], 0.0)
     torch.diagonal(H, dim1=-2, dim2=-1).masked_fill_(dead, 1.0)
     perm = None
+    block_of = [j // width for j in range(cols)]  # the scale/offset column of each (visited) input column
     if act_order:
         perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
         cols_of = perm[:, None, :].expand(W.shape)
-        W, S, O = W.gather(2, cols_of), S.gather(2, cols_of), O.gather(2, cols_of)
+        W = W.gather(2, cols_of)
+        if width == 1:  # one value per column (a batch of problems): permuted with the columns
+            S, O = S.gather(2, cols_of), O.gather(2, cols_of)
+        else:  # one problem (2-D weights only come by column block)
+            block_of = (perm[0] // width).tolist()
         H = H.gather(1, perm[:, :, None].expand(H.shape)).gather(2, perm[:, None, :].expand(H.shape))
     mean_diag = torch.diagonal(H, dim1=-2, dim2=-1).mean(-1)
     torch.diagonal(H, dim1=-2, dim2=-1).add_(dampening * mean_diag[:, None])
@@ -97,7 +105,7 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
             why = "is not finite (inputs too large for float32 sums)" if not bool(torch.isfinite(H).all()) else \
                 "is not positive definite even with 1000 times its mean diagonal added"
             notes.append(f"the layer-input Hessian {why}: rounded to nearest, not GPTQ")
-        rtn = _levels(W, S, O, qmin, qmax, element)
+        rtn = _levels(W, S[..., block_of], O[..., block_of], qmin, qmax, element)
         if perm is not None:
             rtn = rtn.gather(2, torch.argsort(perm, dim=-1)[:, None, :].expand(rtn.shape))
         ties = torch.eye(cols, dtype=W.dtype, device=W.device).expand(H.shape)  # a finite H: the rows tie, RTN stays
@@ -124,7 +132,7 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
             j2 = min(j1 + _SUB_BLOCK, k)   # column by column to its sub-block only, then to the rest at once
             for i in range(j1, j2):
                 w = W1[:, i]
-                s, o = St[:, i1 + i], Ot[:, i1 + i]
+                s, o = St[:, block_of[i1 + i]], Ot[:, block_of[i1 + i]]
                 # quantize / dequantize's own float32 steps, inline: this loop runs once per input column
                 q = _levels(w, s, o, qmin, qmax, element)
                 codes[:, i1 + i] = q
@@ -166,10 +174,13 @@ def _value(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, element: Optional[
 
 
 def as_problems(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                block_size, algorithm: str):
+                block_size, algorithm: str, by_column_block: bool = False):
     """``(W, H, S, O)``: a rounding algorithm's inputs checked and made a batch, float32 on the weight's device
     (``W``, ``S``, ``O`` ``(groups, out, in)``, ``H`` ``(groups, in, in)``; a 2-D weight is a batch of one, its
-    encoding expanded to one scale and offset per element). ``W`` and ``H`` may share the caller's storage."""
+    encoding expanded to one scale and offset per element). ``W`` and ``H`` may share the caller's storage.
+
+    ``by_column_block``: a 2-D weight's ``S``/``O`` are ``(1, out, in // width)`` instead, one value per row and
+    block of ``width`` input columns (expanded along rows only, as a view where rows share it)."""
     if weight.dim() not in (2, 3) or hessian.dim() != weight.dim():
         raise ValueError(f"{algorithm} takes a 2-D (out, in) weight, got shape {list(weight.shape)}")
     cols = weight.shape[-1]
@@ -180,9 +191,25 @@ def as_problems(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor
     H = hessian.detach().to(dev, torch.float32)
     if weight.dim() == 3:
         return W, H, scale.to(dev, torch.float32).expand(W.shape), offset.to(dev, torch.float32).expand(W.shape)
+    if by_column_block:
+        S, O = (_by_column_block(t.to(dev, torch.float32), W.shape, block_size) for t in (scale, offset))
+        return W[None], H[None], S[None], O[None]
     S = expand_encoding(scale.to(dev, torch.float32), W.shape, block_size)
     O = expand_encoding(offset.to(dev, torch.float32), W.shape, block_size)
     return W[None], H[None], S[None], O[None]
+
+
+def _by_column_block(t: torch.Tensor, weight_shape, block_size) -> torch.Tensor:
+    """A 2-D weight's encoding tensor as ``(out, in // width)``: row ``r``, column ``j`` of the weight uses
+    ``[r, j // width]``, the value :func:`expand_encoding` puts there."""
+    out, cols = weight_shape
+    blocks = resolve_block_size(weight_shape, t.shape, block_size)  # extents of the encoding's (trailing) dims
+    rows_per = blocks[0] if t.dim() == 2 else out
+    width = blocks[-1] if t.dim() >= 1 else cols
+    t = t.reshape(out // rows_per, cols // width)
+    if rows_per == 1:
+        return t
+    return t.expand(out, cols // width) if t.shape[0] == 1 else t.repeat_interleave(rows_per, dim=0)
 
 
 def keep_better_rows(weight: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
