@@ -309,7 +309,7 @@ def _uniform_offset(offset: torch.Tensor) -> Optional[float]:
 
 
 def _qdq_uniform_offset(x: torch.Tensor, s: torch.Tensor, o: float, qmin: int, qmax: int) -> torch.Tensor:
-    """``(clamp(round(x / s) - o, qmin, qmax) + o) * s`` for a number ``o``, in four passes instead of six:
+    """``(clamp(round(x / s) - o, qmin, qmax) + o) * s`` for a number ``o``, in five passes instead of six:
     ``clamp(r - o, qmin, qmax) + o == clamp(r, qmin + o, qmax + o)`` exactly (codes are integers far below 2^24,
     and an ``r`` beyond that clamps to the same end either way). The last ``+ 0.0`` keeps the bits of the
     six-pass form, which turns a ``-0.0`` code (``round`` of a small negative) into ``+0.0``."""

@@ -35,6 +35,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .affine import true_div
+
 __all__ = [
     "ELEMENTS",
     "FLOAT_SCALE_DTYPES",
@@ -190,7 +192,7 @@ def float_scales(amax: torch.Tensor, element: FloatElement, scale_dtype: str,
     tensor's global scale ``gscale`` (:func:`global_scale`)."""
     a = amax.to(torch.float32)
     if scale_dtype == "float32":
-        s = a / torch.tensor(element.max, dtype=torch.float32, device=a.device)  # CUDA: true division
+        s = true_div(a, element.max)
         s = torch.where(s == 0, torch.tensor(_F32_EPS, dtype=torch.float32, device=s.device), s)
         return s, s
     if scale_dtype == "e8m0":
@@ -200,7 +202,7 @@ def float_scales(amax: torch.Tensor, element: FloatElement, scale_dtype: str,
         if gscale is None:
             raise ValueError("fp8_e4m3 block scales need the tensor's global scale")
         g = gscale.to(torch.float32).reshape(())
-        s = g * (a / torch.tensor(element.max, dtype=torch.float32, device=a.device))
+        s = g * true_div(a, element.max)
         s = s.clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
         s = torch.where(s == 0, torch.tensor(_FP8_SCALE_EPS, dtype=torch.float32, device=s.device), s)
         return s, s / g
