@@ -136,7 +136,8 @@ MINILM_FLOAT = {
     "NVFP4 W4A4 (nvfp4.yaml)": ("configs/nvfp4.yaml", None),
     "NVFP4 W4A4, gptq + weighted mse": ("configs/nvfp4.yaml", GPTQ_WEIGHTED),
 }
-# Hadamard rotations (--rotation): each row with and without `rotate: {rotations: [r1, r2]}`, GPTQ in memory, on
+# Hadamard rotations (--rotation): each row without rotation, with `rotate: {rotations: [r1, r2]}` and with r1 r2 r4,
+# GPTQ in memory, on
 # SmolLM2 with its output layer untied from the embedding table (the same function; R1 needs it)
 ROT = {"rotate": {"rotations": ["r1", "r2"]}}
 PER_TOKEN_A8 = {"activations": {"granularity": "per_token", "dynamic": True}}
@@ -155,10 +156,13 @@ _ROT_BASE = {
 }
 # block-scaled formats: r1 block-diagonal in blocks of the format's block size (each block's outliers stay in it)
 ROT16 = {"rotate": {"rotations": ["r1", "r2"], "block_size": 16}}
+# r4 added: down_proj's input rotated at run time (online), its inverse fused into down_proj
+ROT4 = {"rotate": {"rotations": ["r1", "r2", "r4"]}}
 SMOLLM_ROT = {}
 for _label, (_path, _over, *_options) in _ROT_BASE.items():
     SMOLLM_ROT[_label] = (_path, _over, *_options)
     SMOLLM_ROT[_label + " + rotation r1 r2"] = (_path, {**(_over or {}), **ROT}, *_options)
+    SMOLLM_ROT[_label + " + rotation r1 r2 r4"] = (_path, {**(_over or {}), **ROT4}, *_options)
     if "NVFP4" in _label:
         SMOLLM_ROT[_label + " + rotation r1 (blocks of 16) r2"] = (_path, {**(_over or {}), **ROT16}, *_options)
 # further variants (--extra): how much of the damage an analyzer or the grid choice recovers

@@ -365,10 +365,11 @@ class KvCacheSpec(BaseModel):
 
 
 class RotateSpec(BaseModel):
-    """``rotate: {rotations: [r1, r2], type: hadamard | random-hadamard, seed: 0}``: before anything is
-    calibrated, orthogonal Hadamard rotations fused into the weights of a Llama-family model (QuaRot/SpinQuant's
-    R1: the residual stream, after folding each RMSNorm's weight into the Linears it feeds; R2: each attention
-    head's values, between ``v_proj`` and ``o_proj``). The float model's outputs are unchanged; outlier channels
+    """``rotate: {rotations: [r1, r2, r4], type: hadamard | random-hadamard, seed: 0}``: before anything is
+    calibrated, orthogonal Hadamard rotations put into a Llama-family model (QuaRot/SpinQuant's R1: the residual
+    stream, after folding each RMSNorm's weight into the Linears it feeds; R2: each attention head's values, between
+    ``v_proj`` and ``o_proj``; both fused into the weights. R4: ``down_proj``'s input, rotated at run time (online)
+    with the inverse fused into ``down_proj``'s weight). The float model's outputs are unchanged; outlier channels
     are spread over all channels, so low-bit grids fit the rotated weights and activations better."""
 
     model_config = ConfigDict(extra="forbid")
@@ -382,14 +383,31 @@ class RotateSpec(BaseModel):
 
     @field_validator("rotations")
     @classmethod
-    def _fused_only(cls, v):
-        online = sorted({r for r in v if r in ("r3", "r4")})
-        if online:
-            raise ValueError(f"{', '.join(online)} rotate activations at run time (online), which qtool does not "
-                             "build yet; r1 and r2 are fused into the weights")
+    def _known(cls, v):
+        if "r3" in v:
+            raise ValueError("r3 rotates queries and keys after RoPE at run time (for a quantized KV cache), which "
+                             "qtool does not build yet; r1 and r2 are fused into the weights, r4 runs online")
         if len(set(v)) != len(v):
             raise ValueError("a rotation is listed twice")
         return v
+
+
+@dataclass(frozen=True)
+class OnlineRotation:
+    """A rotation applied to activations at run time: ``modules``' input ``x`` becomes ``x R`` (``R`` the
+    orthogonal rotation of :mod:`qtool.quant.hadamard` over the input width, of ``kind`` and ``seed``) before
+    anything else sees it, while ``W R`` is fused into their weights. Recorded in the encodings file (schema
+    version 4), so every reader of a calibrated model rotates where the calibration did."""
+
+    name: str  # "r4"
+    kind: str  # hadamard | random-hadamard
+    seed: int
+    modules: Tuple[str, ...]
+    location: str = "input"
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"name": self.name, "type": self.kind, "seed": self.seed, "location": self.location,
+                "modules": list(self.modules)}
 
 
 @dataclass(frozen=True)
@@ -412,6 +430,12 @@ class RotationPlan:
     def rotates_head(self) -> bool:
         """Whether r1 folds the final norm into an output layer and rotates it."""
         return "r1" in self.rotations and self.head is not None
+
+    def online(self) -> List[OnlineRotation]:
+        """The rotations that run on activations (r4: every ``down_proj``'s input)."""
+        if "r4" not in self.rotations:
+            return []
+        return [OnlineRotation("r4", self.kind, self.seed, tuple(f"{layer}.mlp.down_proj" for layer in self.layers))]
 
 
 class Recipe(BaseModel):
@@ -1124,6 +1148,12 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         plan.rotation = _rotation_plan(recipe.rotate, model, source)
     if recipe.smoothquant is not None:
         plan.smoothing = _smooth_groups(recipe.smoothquant, named, source)
+        rotated = {m for r in (plan.rotation.online() if plan.rotation else []) for m in r.modules}
+        clash = next((g for g in plan.smoothing if rotated & set(g.balance)), None)
+        if clash is not None:
+            raise ConfigError(f"{source}: smoothquant scales {sorted(rotated & set(clash.balance))[0]}'s input "
+                              "channels, which r4 rotates at run time; leave that mapping out (smoothquant.mappings) "
+                              "or r4 out of rotate")
     if recipe.fold_batch_norms:
         plan.folds = _fold_candidates(named)
         if not plan.folds:
@@ -1187,8 +1217,12 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
     block = spec.block_size or hidden
     if "r1" in spec.rotations and hidden % block:
         raise ConfigError(f"{where}: block_size {block} does not divide the hidden size {hidden}")
+    inner = {modules[f"{layer}.mlp.down_proj"].in_features for layer in layers}
+    if "r4" in spec.rotations and len(inner) != 1:
+        raise ConfigError(f"{where}: r4 rotates down_proj's input, whose width differs between layers "
+                          f"({', '.join(map(str, sorted(inner)))})")
     for r, width, what in (("r1", block, "hidden size" if block == hidden else "block_size"),
-                           ("r2", head_dim, "head_dim")):
+                           ("r2", head_dim, "head_dim"), ("r4", min(inner), "intermediate size")):
         if r in spec.rotations:
             try:
                 hadamard_order(width)

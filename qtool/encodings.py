@@ -38,7 +38,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .choices import GGML_SCALE_DTYPES
-from .config import QuantizerPlan
+from .config import OnlineRotation, QuantizerPlan
 from .errors import EncodingsError
 from .io.jsonfile import NumberArray, dumps_indented, read_json_object
 from .quant import QuantizerBase
@@ -51,8 +51,8 @@ __all__ = ["EncodingEntry", "EncodingsFile", "SidecarStream", "SCHEMA", "SCHEMA_
            "BLOCK_INLINE_LIMIT", "SIDECAR"]
 
 SCHEMA = "qtool.encodings"
-SCHEMA_VERSION = 3  # the newest version this qtool writes and reads
-READS_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 4  # the newest version this qtool writes and reads
+READS_VERSIONS = (1, 2, 3, 4)
 CODES_FILE = "codes.safetensors"  # integer codes chosen by a rounding algorithm (schema version 3, qtool.weights)
 INLINE_LIMIT = 1 << 16  # numbers per field above which an entry's data goes to the sidecar
 BLOCK_INLINE_LIMIT = 1 << 10  # the same for a blockwise entry (per_block): a tiny model's blocks stay readable
@@ -482,6 +482,9 @@ class EncodingsFile:
     data_files: List[Path] = field(default_factory=list)  # sidecar files this was read from
     # file beside the JSON holding stored integer codes / updated float weights (qtool.weights), or None
     codes_file: Optional[str] = None
+    # rotations of activations at run time (r4) the model must apply to compute what the encodings describe;
+    # written as "online_rotations" (schema version 4: a reader that does not know them must refuse the file)
+    online: List[OnlineRotation] = field(default_factory=list)
 
     def by_name(self) -> Dict[str, EncodingEntry]:
         return {e.name: e for e in self.entries}
@@ -497,7 +500,11 @@ class EncodingsFile:
 
     def _head(self, inline_limit: Optional[int]) -> Dict[str, Any]:
         version = 1 if all(self._inline(e, inline_limit) for e in self.entries) else 2
-        meta = {k: v for k, v in self.meta.items() if k not in ("schema", "schema_version", "quantizers", "codes")}
+        meta = {k: v for k, v in self.meta.items() if k not in _RESERVED}
+        if self.online:
+            return {"schema": SCHEMA, "schema_version": 4, **meta,
+                    **({"codes": {"file": self.codes_file}} if self.codes_file is not None else {}),
+                    "online_rotations": [r.to_json() for r in self.online]}
         if self.codes_file is not None:
             return {"schema": SCHEMA, "schema_version": 3, **meta, "codes": {"file": self.codes_file}}
         return {"schema": SCHEMA, "schema_version": version, **meta}
@@ -555,7 +562,8 @@ class EncodingsFile:
 
     def materialized(self) -> "EncodingsFile":
         """Every entry's numbers in memory (after a lazy :meth:`read`)."""
-        return EncodingsFile([e.materialized() for e in self.entries], self.meta, self.data_files, self.codes_file)
+        return EncodingsFile([e.materialized() for e in self.entries], self.meta, self.data_files, self.codes_file,
+                             self.online)
 
     @classmethod
     def read(cls, path: str | Path, lazy: bool = False) -> "EncodingsFile":
@@ -582,7 +590,8 @@ class EncodingsFile:
             seen = set()
             dup = next(n for n in names if n in seen or seen.add(n))
             raise EncodingsError(f"{path}: quantizer {dup!r} appears twice")
-        meta = {k: v for k, v in obj.items() if k not in ("schema", "schema_version", "quantizers", "codes")}
+        meta = {k: v for k, v in obj.items() if k not in _RESERVED}
+        online = _read_online(obj.get("online_rotations"), path) if version >= 4 else []
         codes_file = None
         data_files = [] if sidecar is None else sidecar.files()
         if version >= 3 and obj.get("codes") is not None:
@@ -594,7 +603,40 @@ class EncodingsFile:
                 raise EncodingsError(f"{path.parent / name}: codes file not found (named by {path})")
             codes_file = name
             data_files.append(path.parent / name)
-        return cls(entries, meta, data_files, codes_file)
+        return cls(entries, meta, data_files, codes_file, online)
+
+
+_RESERVED = ("schema", "schema_version", "quantizers", "codes", "online_rotations")
+
+
+def _read_online(raw: Any, path: Path) -> List[OnlineRotation]:
+    """The ``online_rotations`` list of a version-4 file, each checked (the modules they name are checked against
+    the model when the encodings are applied)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise EncodingsError(f"{path}: 'online_rotations' must be a list")
+    out, seen = [], set()
+    for i, r in enumerate(raw):
+        where = f"{path}: online_rotations[{i}]"
+        if not isinstance(r, dict) or set(r) != {"name", "type", "seed", "location", "modules"}:
+            raise EncodingsError(f"{where}: must be an object with name, type, seed, location and modules")
+        mods = r["modules"]
+        if r["type"] not in ("hadamard", "random-hadamard"):
+            raise EncodingsError(f"{where}: type {r['type']!r} is not hadamard or random-hadamard")
+        if r["location"] != "input":
+            raise EncodingsError(f"{where}: location {r['location']!r} is not supported (input)")
+        if not isinstance(r["seed"], int) or isinstance(r["seed"], bool) or not 0 <= r["seed"] < 2**63:
+            raise EncodingsError(f"{where}: seed must be an integer from 0 to 2^63-1")
+        if not isinstance(r["name"], str) or not r["name"]:
+            raise EncodingsError(f"{where}: name must be a non-empty string")
+        if not isinstance(mods, list) or not mods or not all(isinstance(m, str) and m for m in mods):
+            raise EncodingsError(f"{where}: modules must be a non-empty list of module names")
+        twice = next((m for m in mods if m in seen or seen.add(m)), None)
+        if twice is not None:
+            raise EncodingsError(f"{where}: module {twice!r} is rotated twice")
+        out.append(OnlineRotation(r["name"], r["type"], r["seed"], tuple(mods)))
+    return out
 
 
 def _bad_entry(path, i):

@@ -110,7 +110,8 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         return None
     entries, plan, data, device, files, kind, unused = (run.entries, run.plan, run.data, run.device, run.files,
                                                          run.kind, run.unused)
-    enc = EncodingsFile(entries, {"qtool_version": __version__, "recipe": Path(recipe_path).name})
+    enc = EncodingsFile(entries, {"qtool_version": __version__, "recipe": Path(recipe_path).name},
+                        online=plan.rotation.online() if plan.rotation else [])
     if run.codes or run.floats:  # chosen codes and transformed floats: every exporter writes these (qtool.weights)
         write_codes(run_dir / CODES_FILE, entries, run.codes, run.floats)
         enc.codes_file = CODES_FILE
@@ -310,6 +311,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
 
     exporter = eopts.validate()
     options = exporter.options(**asdict(eopts))
+    exporter.check_online(enc.online)  # what the model computes comes before what the checkpoint holds
     exporter.check_checkpoint(Path(checkpoint))
     exporter.check(enc, options)
     hooks.on_stage(f"exporting ({eopts.format})")
@@ -326,7 +328,12 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     summary["export_warnings"] = summary.pop("warnings", [])
     numbers = sum(e.numel() for e in enc.entries)
     floats = [e for e in enc.entries if e.is_float]
-    if floats and exporter.aimet_json != "never":  # AIMET JSON holds integer grids only
+    if enc.online and exporter.aimet_json != "never":  # AIMET JSON has no place for a rotation at run time
+        summary["export_warnings"].append(
+            f"model.encodings (AIMET JSON) not written: the model rotates "
+            f"{sum(len(r.modules) for r in enc.online)} layers' inputs at run time "
+            f"({', '.join(sorted({r.name for r in enc.online}))}, online), which AIMET encodings cannot describe")
+    elif floats and exporter.aimet_json != "never":  # AIMET JSON holds integer grids only
         summary["export_warnings"].append(
             f"model.encodings (AIMET JSON) not written: {len(floats)} quantizer(s) are on float element grids "
             f"(FP8/FP4), which AIMET encodings cannot describe; the exported tensors hold their scales")
@@ -336,7 +343,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
             summary["export_warnings"].append(
                 f"model.encodings (AIMET JSON) leaves out {len(enc.entries) - len(static)} dynamic activation "
                 "quantizer(s): AIMET encodings are static; the exported model computes their ranges at run time")
-        static_enc = EncodingsFile(static, enc.meta, enc.data_files, enc.codes_file)
+        static_enc = EncodingsFile(static, enc.meta, enc.data_files, enc.codes_file, enc.online)
         aimet = to_aimet(static_enc.materialized(), eopts.encoding_version, __version__, names=names)
         (out_dir / "model.encodings").write_text(dumps_indented(aimet) + "\n")
     elif exporter.aimet_json == "if_small":
@@ -450,7 +457,7 @@ def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: Ca
     on_plan = hooks.on_plan
 
     def check_plan(plan):  # a plan the format cannot write fails before calibration, not after it
-        exporter.admit(plan.quantizers, options)
+        exporter.admit(plan.quantizers, options, plan.rotation.online() if plan.rotation else [])
         on_plan(plan)
 
     hooks = Hooks(on_plan=check_plan, on_batch=hooks.on_batch, on_tensor=hooks.on_tensor, on_stage=hooks.on_stage,
@@ -563,7 +570,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     for path in paths:
         plan = resolve_plan(load_recipe(path), loaded.model, source=path, allow_unmatched=opts.allow_unmatched,
                             importance_matrix=opts.imatrix is not None)
-        exporter.admit(plan.quantizers, options)
+        exporter.admit(plan.quantizers, options, plan.rotation.online() if plan.rotation else [])
         plans.append(plan)
 
     def rest(plan):

@@ -49,9 +49,10 @@ def test_a_width_with_no_construction_is_refused(n):
         hadamard_order(n)
 
 
-def _llama(dest, hidden=96, heads=4, kv=2, tied=False, model_type="llama"):
+def _llama(dest, hidden=96, heads=4, kv=2, tied=False, model_type="llama", mlp_outliers=False):
     """A random tiny Llama-family model with a few 30x outlier channels in its residual stream (non-power-of-two
-    widths: 96 = 12·8, head_dim 24 = 12·2)."""
+    widths: 96 = 12·8, head_dim 24 = 12·2, intermediate 192 = 12·16); ``mlp_outliers``: and in ``down_proj``'s
+    input (a few of ``up_proj``'s rows 30x), which only r4 reaches."""
     torch.manual_seed(0)
     kw = dict(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
               num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=128,
@@ -66,6 +67,9 @@ def _llama(dest, hidden=96, heads=4, kv=2, tied=False, model_type="llama"):
             layer.input_layernorm.weight.uniform_(0.5, 1.5)
             layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
         model.model.norm.weight.uniform_(0.5, 1.5)
+        if mlp_outliers:
+            for layer in model.model.layers:
+                layer.mlp.up_proj.weight[:4] *= 30
     model.eval().save_pretrained(dest)
     return dest
 
@@ -78,7 +82,7 @@ def world(tmp_path_factory):
     return d, _llama(d / "llama"), ids
 
 
-ROTATIONS = [["r1"], ["r2"], ["r1", "r2"]]
+ROTATIONS = [["r1"], ["r2"], ["r4"], ["r1", "r2"], ["r1", "r2", "r4"]]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
@@ -100,8 +104,11 @@ def test_every_fused_rotation_leaves_the_float_outputs_unchanged(tmp_path, model
         assert torch.equal(model.model.norm.weight, torch.ones(96))
         assert "model.embed_tokens.weight" in changed and "lm_head.weight" in changed
     else:
-        assert set(changed) == {f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ("v_proj", "o_proj")} \
-            | ({f"model.layers.{i}.self_attn.v_proj.bias" for i in range(2)} if model_type == "qwen2" else set())
+        expected = {f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)} if "r4" in rotations else set()
+        if "r2" in rotations:
+            expected |= {f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ("v_proj", "o_proj")} \
+                | ({f"model.layers.{i}.self_attn.v_proj.bias" for i in range(2)} if model_type == "qwen2" else set())
+        assert set(changed) == expected
 
 
 @pytest.mark.parametrize("block", [12, 24, 48])
@@ -190,7 +197,7 @@ def test_rotation_makes_low_bit_activations_closer_to_float(world, tmp_path):
 
 
 @pytest.mark.parametrize("text, needle", [
-    ("rotate: {rotations: [r4]}", "online"),
+    ("rotate: {rotations: [r3]}", "r3"),
     ("rotate: {rotations: [r1, r1]}", "listed twice"),
     ("rotate: {type: cayley}", "type"),
     ("rotate: {rotations: []}", "rotations"),
@@ -273,7 +280,7 @@ def test_sequential_fuses_the_same_rotations_block_by_block(tmp_path, tied):
     ids = torch.randint(0, 256, (6, 12), generator=torch.Generator().manual_seed(4))
     save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
     recipe = W4A16_ROT.replace("ignore: [lm_head]\n", "").replace("block_size: 32", "block_size: 16")
-    (tmp_path / "r.yaml").write_text(recipe.replace("[r1, r2]", "[r1, r2], type: random-hadamard, seed: 9"))
+    (tmp_path / "r.yaml").write_text(recipe.replace("[r1, r2]", "[r1, r2, r4], type: random-hadamard, seed: 9"))
     runs = {}
     for mode in ("memory", "sequential"):
         code, _, err = run_cli("calibrate", llama, "-c", tmp_path / "r.yaml", "--data", tmp_path / "ids.safetensors",
@@ -286,3 +293,184 @@ def test_sequential_fuses_the_same_rotations_block_by_block(tmp_path, tied):
 
     with safe_open(str(tmp_path / "sequential" / "codes.safetensors"), "pt") as fh:
         assert ("float/lm_head.weight" in fh.keys()) and ("float/model.embed_tokens.weight" in fh.keys())
+
+
+W4A16_R4 = W4A16_ROT.replace("[r1, r2]", "[r1, r2, r4], type: TYPE, seed: 3")
+
+
+@pytest.mark.parametrize("kind, hidden", [("random-hadamard", 96), ("hadamard", 64)])
+def test_r4_runs_online_through_reload_and_compressed_tensors(tmp_path, kind, hidden):
+    """R4: down_proj's weight holds W R and its input is rotated at run time. The encodings file records it
+    (schema version 4), load_calibrated puts the rotation back, the float function is unchanged, and the
+    compressed-tensors export carries it as transform_config plus each layer's matrix: compressed-tensors' own
+    transform applied to the reloaded model gives the fake-quant model's outputs. With a power-of-two width and
+    ``hadamard``, compressed-tensors' own Sylvester matrix is qtool's (its ``hadamard`` type, no matrix needed)."""
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+    from safetensors import safe_open
+
+    from qtool.model.online import online_rotations
+
+    llama = _llama(tmp_path / "m", hidden=hidden, mlp_outliers=True)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    (tmp_path / "r.yaml").write_text(W4A16_R4.replace("TYPE", kind))
+    code, _, err = run_cli("calibrate", llama, "-c", tmp_path / "r.yaml", "-o", tmp_path / "run")
+    assert code == 0, err
+    enc = json.loads((tmp_path / "run" / "encodings.json").read_text())
+    assert enc["schema_version"] == 4
+    assert enc["online_rotations"] == [{"name": "r4", "type": kind, "seed": 3, "location": "input",
+                                        "modules": [f"model.layers.{i}.mlp.down_proj" for i in range(2)]}]
+    fq = qtool.load_calibrated(str(llama), str(tmp_path / "run" / "encodings.json"))
+    assert sorted(online_rotations(fq)) == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(llama)).eval()
+    with torch.no_grad():
+        ref = fq(ids).logits
+        set_quantization(fq, False)
+        a, b = fq(ids).logits, plain(ids).logits
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()  # rotated float model == float model
+
+    code, out, err = run_cli("export", llama, "-e", tmp_path / "run" / "encodings.json", "-o", tmp_path / "ct",
+                             "--format", "compressed-tensors", "--json")
+    assert code == 0, err
+    assert any("transform_config" in w for w in json.loads(out)["export_warnings"])
+    cfg = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]["transform_config"]
+    scheme = TransformConfig.model_validate(cfg).config_groups["R4"]
+    assert scheme.type == ("hadamard" if hidden == 64 else "random-hadamard")
+    assert [(a.location, a.inverse) for a in scheme.apply] == [("input", False), ("weight_input", True)]
+    ct = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ct")).eval()
+    with torch.no_grad():
+        without = ct(ids).logits  # what transformers alone computes: the online part is missing
+    assert (without - ref).abs().max() > 1e-2 * ref.abs().max()
+    online = scheme.model_copy(update={"apply": [a for a in scheme.apply if a.location == "input"]})
+    apply_transform_config(ct, TransformConfig(config_groups={"R4": online}))
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as fh:
+        mats = {k: fh.get_tensor(k) for k in fh.keys() if ".R4_input." in k}
+    assert sorted(mats) == [f"model.layers.{i}.mlp.down_proj.R4_input.weight" for i in range(2)]
+    assert all(set(m.unique().tolist()) == {-1.0, 1.0} for m in mats.values())
+    if kind == "random-hadamard":  # compressed-tensors' own random matrix is not qtool's: the file's is loaded
+        ct.load_state_dict(mats, strict=False)
+    else:
+        assert torch.equal(ct.model.layers[0].mlp.down_proj.R4_input.weight, mats["model.layers.0.mlp.down_proj.R4_input.weight"])
+    with torch.no_grad():
+        got = ct(ids).logits
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+    code, _, err = run_cli("export", llama, "-e", tmp_path / "run" / "encodings.json", "-o", tmp_path / "q",
+                           "--format", "qtool")
+    assert code == 0, err
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as fh:
+        assert json.loads(fh.metadata()["qtool_online_rotations"]) == enc["online_rotations"]
+
+
+def test_formats_that_cannot_run_r4_refuse_it_in_one_line(world, r4_run, tmp_path):
+    d, llama, _ = world
+    (tmp_path / "r.yaml").write_text(W4A16_R4.replace("TYPE", "hadamard"))
+    for fmt in ("aimet", "gguf", "onnx"):
+        code, _, err = run_cli("export", llama, "-e", r4_run / "encodings.json", "-o", tmp_path / fmt,
+                               "--format", fmt, "--data", d / "ids.safetensors")
+        errors = [e for e in error_lines(err) if e.startswith("error")]
+        assert code == 2 and len(errors) == 1 and "rotation of activations at run time" in errors[0], err
+        assert not (tmp_path / fmt).exists()
+    # quantize refuses before calibrating
+    code, _, err = run_cli("quantize", llama, "-c", tmp_path / "r.yaml", "-o", tmp_path / "qz", "--format", "aimet")
+    assert code == 2 and "rotation of activations at run time" in err and not (tmp_path / "qz").exists()
+
+
+def test_r4_makes_4bit_activations_of_down_proj_closer_to_float(tmp_path):
+    """What R4 is for: with outlier channels in down_proj's input (SwiGLU's product), 4-bit dynamic activations
+    there are much closer to the float model after r1 r2 r4 than after r1 r2, which do not reach that input."""
+    llama = _llama(tmp_path / "m", mlp_outliers=True)
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    base = ("version: 1\ndefaults:\n  weights: null\n  activations: null\nlayers:\n"
+            "  - {match: '*down_proj', activations: {bitwidth: 4, granularity: per_token, dynamic: true}}\n")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(llama)).eval()
+    with torch.no_grad():
+        ref = plain(ids).logits
+    errs = {}
+    for name, rot in (("r1r2", "[r1, r2]"), ("r1r2r4", "[r1, r2, r4]")):
+        (tmp_path / f"{name}.yaml").write_text(base + f"rotate: {{rotations: {rot}}}\n")
+        code, _, err = run_cli("calibrate", llama, "-c", tmp_path / f"{name}.yaml", "-o", tmp_path / name)
+        assert code == 0, err
+        fq = qtool.load_calibrated(str(llama), str(tmp_path / name / "encodings.json"))
+        with torch.no_grad():
+            errs[name] = float((fq(ids).logits - ref).pow(2).mean())
+    assert errs["r1r2r4"] < errs["r1r2"] / 4, errs
+
+
+def test_smoothquant_on_a_layer_r4_rotates_is_refused():
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2))
+    recipe = parse_recipe("version: 1\nsmoothquant: {alpha: 0.5}\nrotate: {rotations: [r1, r4]}\n")
+    with pytest.raises(ConfigError, match="r4 rotates at run time"):
+        resolve_plan(recipe, model)
+
+
+@pytest.fixture(scope="module")
+def r4_run(world, tmp_path_factory):
+    """The world's model calibrated W4A16 with r1 r2 r4: its run directory."""
+    d = tmp_path_factory.mktemp("r4run")
+    (d / "r.yaml").write_text(W4A16_R4.replace("TYPE", "hadamard"))
+    code, _, err = run_cli("calibrate", world[1], "-c", d / "r.yaml", "-o", d / "run")
+    assert code == 0, err
+    return d / "run"
+
+
+def _edited(run, tmp_path, edit):
+    """A copy of ``run`` whose first online rotation ``edit`` changed; returns its encodings.json."""
+    import shutil
+
+    shutil.copytree(run, tmp_path / "run")
+    path = tmp_path / "run" / "encodings.json"
+    obj = json.loads(path.read_text())
+    edit(obj["online_rotations"][0])
+    path.write_text(json.dumps(obj))
+    return path
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda r: r.update(type="cayley"), "type"),
+    (lambda r: r.update(location="output"), "location"),
+    (lambda r: r.update(seed=-1), "seed"),
+    (lambda r: r.update(modules=[]), "modules"),
+    (lambda r: r.update(modules=["a", "a"]), "twice"),
+    (lambda r: r.pop("name"), "name"),
+])
+def test_a_bad_online_rotation_in_an_encodings_file_is_one_line(world, r4_run, tmp_path, edit, needle):
+    llama = world[1]
+    path = _edited(r4_run, tmp_path, edit)
+    code, _, err = run_cli("export", llama, "-e", path, "-o", tmp_path / "out", "--format", "qtool")
+    errors = [e for e in error_lines(err) if e.startswith("error")]
+    assert code == 2 and len(errors) == 1 and "online_rotations[0]" in errors[0] and needle in errors[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_online_rotation_of_a_module_the_model_lacks_is_one_line(world, r4_run, tmp_path):
+    llama = world[1]
+    path = _edited(r4_run, tmp_path, lambda r: r["modules"].__setitem__(0, "model.layers.9.mlp.down_proj"))
+    with pytest.raises(qtool.errors.EncodingsError, match="model.layers.9.mlp.down_proj"):
+        qtool.load_calibrated(str(llama), str(path))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rots=st.lists(st.tuples(st.sampled_from(["r4", "rx"]), st.sampled_from(["hadamard", "random-hadamard"]),
+                               st.integers(0, 2**63 - 1), st.lists(st.from_regex(r"[a-z]{1,3}(\.[0-9]{1,2}){0,2}",
+                                                                                 fullmatch=True),
+                                                                   min_size=1, max_size=4, unique=True)),
+                     max_size=3))
+def test_online_rotations_round_trip_through_the_encodings_file(tmp_path_factory, rots):
+    """Whatever online rotations a file lists come back as written (modules unique across the list), and a file
+    with none keeps its old version."""
+    from qtool.config import OnlineRotation
+    from qtool.encodings import EncodingsFile
+
+    seen, online = set(), []
+    for name, kind, seed, mods in rots:
+        mods = [m for m in mods if m not in seen]
+        seen.update(mods)
+        if mods:
+            online.append(OnlineRotation(name, kind, seed, tuple(mods)))
+    path = tmp_path_factory.mktemp("enc") / "encodings.json"
+    EncodingsFile([], {"recipe": "r.yaml"}, online=online).write(path)
+    back = EncodingsFile.read(path)
+    assert back.online == online and back.meta == {"recipe": "r.yaml"}
+    assert json.loads(path.read_text())["schema_version"] == (4 if online else 1)

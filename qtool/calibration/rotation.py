@@ -1,4 +1,4 @@
-"""Hadamard rotations fused into a Llama-family model's weights (QuaRot/SpinQuant's R1 and R2), before calibration.
+"""Hadamard rotations put into a Llama-family model (QuaRot/SpinQuant's R1, R2 and R4), before calibration.
 
 ``R`` is orthogonal (``R Rᵀ = I``, :mod:`qtool.quant.hadamard`), so inserting ``R Rᵀ`` anywhere leaves the float
 model unchanged; fusing each factor into the weight beside it leaves a plain model whose weights and activations
@@ -13,6 +13,9 @@ have their outlier channels spread out.
 * **R2**, each attention head's values (width ``head_dim``): ``v_proj``'s rows of each key/value head become
   ``Rᵀ W_h`` (bias ``b_h R``) and ``o_proj``'s columns of each head ``W_h R``. Attention mixes tokens, never
   channels, so each head's output carries the same ``R`` into ``o_proj``.
+* **R4**, ``down_proj``'s input (width ``intermediate``): ``down_proj``'s weight becomes ``W R`` and its input
+  ``x R`` at run time, by a hook (qtool.model.online), since SwiGLU's product before it is not linear in a
+  rotation. The hook stays on the model; the encodings file records it for every later reader.
 
 All products are taken in float64 and stored in the parameter's dtype. :func:`rotate` changes the model in
 place and returns every changed tensor (stored as ``float/`` replacements in ``codes.safetensors``, so every
@@ -29,6 +32,7 @@ from torch import nn
 
 from ..config import RotationPlan
 from ..model.apply import untie
+from ..model.online import install_online
 from ..quant.hadamard import hadamard_transform
 
 __all__ = ["rotate", "Rotator"]
@@ -112,6 +116,10 @@ class Rotator:
                 store(f"{layer}.self_attn.v_proj.bias", self._rot(v.bias.reshape(-1, d)).reshape(-1))
             wo = o.weight.to(torch.float64).reshape(o.out_features, -1, d)  # (out, heads, d)
             store(f"{layer}.self_attn.o_proj.weight", self._rot(wo).reshape(o.weight.shape))
+        if "r4" in self.plan.rotations:  # down_proj's input: x R at run time, W R fused
+            name = f"{layer}.mlp.down_proj"
+            store(f"{name}.weight", self._rot(mod(name).weight))
+            install_online(self.model, self.plan.online(), only=name)
         return changed
 
     @torch.no_grad()

@@ -58,13 +58,19 @@ class Exporter:
     # whether the format stores llama.cpp's K-quant / IQ4 block types (only GGUF does)
     gguf_types: ClassVar[bool] = False
 
+    # whether the format can carry a rotation of activations at run time (r4: compressed-tensors' transform_config,
+    # qtool's metadata); the others refuse a model that needs one
+    online_rotations: ClassVar[bool] = False
+
     def check(self, encodings: EncodingsFile, options: "Exporter.Options") -> None:
         """Refuse encodings this format cannot express, before any file is written (default: all fit)."""
-        self.admit(encodings.entries, options)
+        self.admit(encodings.entries, options, encodings.online)
 
-    def admit(self, quantizers, options: "Exporter.Options") -> None:
-        """``check_quantizers``, after refusing GGUF's own block types in every format but GGUF."""
+    def admit(self, quantizers, options: "Exporter.Options", online=()) -> None:
+        """``check_quantizers``, after refusing GGUF's own block types in every format but GGUF and online
+        rotations (``config.OnlineRotation``) in every format that cannot run them."""
         quantizers = list(quantizers)
+        self.check_online(online)
         if not self.gguf_types:
             ggml = [q for q in quantizers if q.spec.ggml is not None]
             if ggml:
@@ -73,6 +79,16 @@ class Exporter:
                 raise UsageError(f"{ggml[0].name} is {ggml[0].spec.describe()}, one of llama.cpp's block types "
                                  f"({len(ggml)} quantizer(s) in all): export it with --format gguf")
         self.check_quantizers(quantizers, options)
+
+    def check_online(self, online) -> None:
+        """Refuse online rotations (``config.OnlineRotation``) unless the format can run them."""
+        if online and not self.online_rotations:
+            from ..errors import UsageError
+
+            rot = online[0]
+            raise UsageError(f"--format {self.name} cannot hold a rotation of activations at run time: {rot.name} "
+                             f"rotates {rot.modules[0]}'s input ({sum(len(r.modules) for r in online)} layer(s) in "
+                             "all); export with --format compressed-tensors or qtool, or leave r4 out of rotate")
 
     def check_quantizers(self, quantizers, options: "Exporter.Options") -> None:
         """Refuse quantizers (encodings entries, or plan rows before calibration: each has ``name``, ``tensor``

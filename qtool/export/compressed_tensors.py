@@ -505,6 +505,10 @@ def export_compressed_tensors(
         "transform_config": {},
         "version": _ct_version(),
     }
+    transforms = _online_transforms(encodings, modules, src, keys)
+    if transforms:
+        qconfig["transform_config"] = {"config_groups": {t["scheme"]: t["config"] for t in transforms}}
+        warnings.append(_ONLINE_NOTE)
 
     # ---- tensor layout ---------------------------------------------------------------------------------------
     layout: List[Tuple[str, torch.dtype, Tuple[int, ...]]] = []
@@ -534,6 +538,7 @@ def export_compressed_tensors(
         name = f"{e.module}.{e.tensor[0]}_scale"
         layout.append((name, kv_dtype.get(e.module, torch.float32), (1,) if e.granularity == "per_tensor"
                        else tuple(e.shape)))
+    layout += [(name, dtype, shape) for t in transforms for name, (dtype, shape) in t["tensors"].items()]
     out_dir.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", "qtool_version": __version__, "qtool_export": "compressed-tensors",
                 "qtool": json.dumps(info, sort_keys=True)}
@@ -555,6 +560,9 @@ def export_compressed_tensors(
             name = f"{e.module}.{e.tensor[0]}_scale"
             dtype, shape = declared[name]
             w.write(name, e.scale_offset()[0].to(dtype).reshape(shape).contiguous())
+        for t in transforms:  # each rotated layer's matrix: what vLLM loads (unnormalized ±1, as llm-compressor)
+            for name, (dtype, shape) in t["tensors"].items():
+                w.write(name, t["matrix"].to(dtype))
 
     config["quantization_config"] = qconfig
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -657,11 +665,53 @@ def _write_float_layer(w: StreamingSafetensorsWriter, key: str, t: torch.Tensor,
                 global_scale(torch.tensor(inp.global_amax), element_of(inp.element)).reshape(1))
 
 
+_ONLINE_NOTE = ("the model rotates down_proj's input at run time (r4, transform_config): vLLM applies it; "
+                "transformers 5.23 loads the weights but ignores transform_config, so its outputs are wrong there "
+                "unless compressed-tensors' apply_transform_config adds the online part (see docs/formats.md)")
+
+
+def _online_transforms(encodings: EncodingsFile, modules, src, keys) -> List[Dict[str, Any]]:
+    """compressed-tensors' description of each online rotation (``encodings.online``; r4): a ``transform_config``
+    scheme named like llm-compressor's (``R4``) applied at the module's ``input`` (online) with its inverse at
+    ``weight_input`` (already fused into the stored weights, which vLLM skips), and the matrix each rotated
+    module loads (``<module>.R4_input.weight``, ``R·√n``: entries ±1, normalized by the reader). The type is
+    ``hadamard`` only where qtool's matrix is Sylvester's (a power-of-two width, not randomized), which vLLM
+    computes with its own fast kernel; otherwise ``random-hadamard``, which vLLM applies from the stored
+    matrix."""
+    from ..quant.hadamard import hadamard_order, rotation_matrix
+
+    out = []
+    key_set = set(keys)
+    for rot in encodings.online:
+        widths = {modules[m].in_features for m in rot.modules}
+        if len(widths) != 1:
+            raise EncodingsError(f"online rotation {rot.name}: the rotated layers' input widths differ "
+                                 f"({sorted(widths)})")
+        n = widths.pop()
+        scheme = rot.name.upper()
+        sylvester = rot.kind == "hadamard" and hadamard_order(n)[0] == 1
+        matrix = (rotation_matrix(n, rot.kind, rot.seed) * n ** 0.5).round()
+        tensors = {}
+        for m in rot.modules:
+            key = f"{m}.weight"
+            if key not in key_set:
+                raise EncodingsError(f"online rotation {rot.name}: {m} has no weight {key!r} in the checkpoint")
+            tensors[f"{m}.{scheme}_input.weight"] = (src.shape_dtype(key)[1], (n, n))
+        targets = list(rot.modules)
+        out.append({"scheme": scheme, "matrix": matrix, "tensors": tensors, "config": {
+            "type": "hadamard" if sylvester else "random-hadamard",
+            "apply": [{"targets": targets, "location": "input", "inverse": False, "ignore": []},
+                      {"targets": targets, "location": "weight_input", "inverse": True, "ignore": []}],
+            "randomize": False, "requires_grad": False, "head_dim": None, "precision": "float32"}})
+    return out
+
+
 class CompressedTensorsExporter(Exporter):
     """``--format compressed-tensors`` (see the module docs)."""
 
     name = "compressed-tensors"
     aimet_json = "never"
+    online_rotations = True  # transform_config (r4), as llm-compressor writes it
 
     @dataclass
     class Options:

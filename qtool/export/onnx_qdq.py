@@ -661,7 +661,7 @@ class OnnxExporter(Exporter):
                 check_onnx_float(q)
 
     def check(self, encodings: EncodingsFile, options: "OnnxExporter.Options") -> None:
-        self.admit(encodings.entries, options)
+        self.admit(encodings.entries, options, encodings.online)
         required_opset(encodings)
 
     def write(self, request: ExportRequest, options: "OnnxExporter.Options") -> Dict[str, Any]:

@@ -23,8 +23,10 @@ A weight on a **float element grid** (FP8, NVFP4, MX; ``element`` in its encodin
 No ``_offset`` is written for them, and their metadata entry adds ``element`` and ``scale_dtype``.
 
 Every other tensor is copied unchanged. ``__metadata__["qtool"]`` is a JSON object describing each quantized
-tensor (bitwidth, symmetric, granularity, block_size). Dequantizing gives the calibrated model's fake-quant
-weights bit for bit.
+tensor (bitwidth, symmetric, granularity, block_size). A model that rotates activations at run time (``rotate``'s
+r4) lists those rotations in ``__metadata__["qtool_online_rotations"]`` (the encodings file's
+``online_rotations``: the modules whose input ``x`` becomes ``x R``; their stored weights already hold ``W R``).
+Dequantizing gives the calibrated model's fake-quant weights bit for bit.
 
 Sharding: when the tensors' bytes exceed ``max_shard_bytes`` (default 5 GB, as Hugging Face's ``save_pretrained``)
 the output is ``model-00001-of-0000N.safetensors`` ... plus ``model.safetensors.index.json``
@@ -143,12 +145,13 @@ def export_integer(
     if THREADS:
         torch.set_num_threads(THREADS)
     try:
-        return _write(src, keys, layout, info, by_key, names, weights, out_dir, progress, max_shard_bytes)
+        online = json.dumps([r.to_json() for r in encodings.online]) if encodings.online else None
+        return _write(src, keys, layout, info, by_key, names, weights, out_dir, progress, max_shard_bytes, online)
     finally:
         torch.set_num_threads(threads)
 
 
-def _write(src, keys, layout, info, by_key, names, weights, out_dir, progress, max_shard_bytes):
+def _write(src, keys, layout, info, by_key, names, weights, out_dir, progress, max_shard_bytes, online=None):
     nbytes = {name: _nbytes(dtype, shape) for name, dtype, shape in layout}
     shards = _plan_shards(layout, info, nbytes, max_shard_bytes)
     int_dtypes = {name: dtype for name, dtype, _ in layout}
@@ -165,7 +168,8 @@ def _write(src, keys, layout, info, by_key, names, weights, out_dir, progress, m
         names_in = [name for name, _, _ in shard]
         shard_info = info if len(shards) == 1 else {k: info[k] for k in names_in if k in info}
         metadata = {"format": "qtool.int", "qtool_version": __version__,
-                    "qtool": json.dumps(shard_info, sort_keys=True)}
+                    "qtool": json.dumps(shard_info, sort_keys=True),
+                    **({"qtool_online_rotations": online} if online else {})}
         with StreamingSafetensorsWriter(out_dir / file, shard, metadata) as w:
             for key in names_in:
                 if key in companions:
@@ -491,6 +495,7 @@ class QtoolExporter(Exporter):
 
     name = "qtool"
     lazy_encodings = True
+    online_rotations = True  # listed in the metadata (qtool_online_rotations), as the encodings file has them
 
     @dataclass
     class Options:

@@ -12,7 +12,9 @@ from ..encodings import EncodingsFile
 from ..errors import EncodingsError
 from ..quant import QuantizerBase
 from ..weights import WeightSource
+from ..quant.hadamard import HadamardError, hadamard_order
 from .insert import insert_quantizers, set_stored_weight
+from .online import install_online
 
 __all__ = ["plan_from_encodings", "apply_encodings", "apply_stored_weights", "untie"]
 
@@ -31,10 +33,23 @@ def plan_from_encodings(enc: EncodingsFile, model: nn.Module, source: str) -> Pl
 
 
 def apply_encodings(model: nn.Module, enc: EncodingsFile, source: str) -> Dict[str, QuantizerBase]:
-    """Insert quantizers as ``enc`` describes and set their ranges; returns them by quantizer name."""
+    """Insert quantizers as ``enc`` describes and set their ranges, and put its online rotations on the modules
+    they rotate; returns the quantizers by quantizer name."""
     plan = plan_from_encodings(enc, model, source)
-    quantizers = insert_quantizers(model, plan)
     modules = dict(model.named_modules())
+    for rot in enc.online:
+        missing = next((m for m in rot.modules if not isinstance(modules.get(m), nn.Linear)), None)
+        if missing is not None:
+            raise EncodingsError(f"{source}: online rotation {rot.name}: {missing!r} is not a Linear layer of this "
+                                 "model; were the encodings made for another model?")
+        width = {modules[m].in_features for m in rot.modules}
+        try:
+            for n in width:
+                hadamard_order(n)
+        except HadamardError as e:
+            raise EncodingsError(f"{source}: online rotation {rot.name}: {e}") from None
+    quantizers = insert_quantizers(model, plan)
+    install_online(model, enc.online)  # the rotations run first: before the input quantizers they feed
     for e in enc.entries:
         if e.tensor == "weight":
             w = modules[e.module]._parameters.get("weight")

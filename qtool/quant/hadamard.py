@@ -19,6 +19,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .affine import true_div
+
 __all__ = ["HadamardError", "MAX_BASE_ORDER", "hadamard_order", "hadamard_transform", "rotation_matrix"]
 
 MAX_BASE_ORDER = 256  # the largest Paley order built (its integer matrix is checked; larger ones are not needed)
@@ -104,32 +106,36 @@ def _base(m: int) -> torch.Tensor:
     return b
 
 
-def _signs(n: int, seed: int) -> torch.Tensor:
+@lru_cache(maxsize=32)
+def _signs(n: int, seed: int) -> torch.Tensor:  # cached: an online rotation asks on every call (never mutated)
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 2, (n,), generator=g, dtype=torch.int64).mul(2).sub(1).to(torch.float64)
 
 
-def hadamard_transform(x: torch.Tensor, kind: str = "hadamard", seed: int = 0) -> torch.Tensor:
+def hadamard_transform(x: torch.Tensor, kind: str = "hadamard", seed: int = 0,
+                       compute: torch.dtype = torch.float64) -> torch.Tensor:
     """``x @ R`` over the last dimension (width ``n``) for the orthogonal rotation ``R`` of :func:`rotation_matrix`,
     without forming ``R``: ``H = S ⊗ B`` (Sylvester's ``S`` of order ``2^k``, ``B`` of order ``m``), so ``x`` is
     viewed as ``(…, 2^k, m)``, multiplied by ``B`` and then butterflied over the ``2^k`` axis (a fast
-    Walsh-Hadamard transform): ``O(n (m + log n))`` per row. Computed in float64; returns ``x``'s dtype."""
+    Walsh-Hadamard transform): ``O(n (m + log n))`` per row. Computed in ``compute`` (float64 for weights fused
+    once; an online rotation of activations uses float32, as compressed-tensors does); returns ``x``'s dtype."""
     n = int(x.shape[-1])
     m, k = hadamard_order(n)
-    y = x.to(torch.float64)
+    y = x.to(compute)
     if kind == "random-hadamard":
-        y = y * _signs(n, seed).to(y.device)
+        y = y * _signs(n, seed).to(y.device, compute)
     elif kind != "hadamard":
         raise ValueError(f"unknown rotation type {kind!r}")
     lead = y.shape[:-1]
-    y = y.reshape(-1, k, m) @ _base(m).to(y.device, torch.float64)
+    if m > 1:  # the small factor (an identity for powers of two)
+        y = y.reshape(-1, k, m) @ _base(m).to(y.device, compute)
     h = 1
     while h < k:  # butterflies: pairs (i, i + h) within each block of 2h rows
         y = y.reshape(-1, k // (2 * h), 2, h, m)
         a, b = y[:, :, 0], y[:, :, 1]
         y = torch.stack((a + b, a - b), dim=2)
         h *= 2
-    return (y.reshape(*lead, n) / n ** 0.5).to(x.dtype)
+    return true_div(y.reshape(*lead, n), n ** 0.5).to(x.dtype)
 
 
 def rotation_matrix(n: int, kind: str = "hadamard", seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
