@@ -165,6 +165,9 @@ for _label, (_path, _over, *_options) in _ROT_BASE.items():
     SMOLLM_ROT[_label + " + rotation r1 r2 r4"] = (_path, {**(_over or {}), **ROT4}, *_options)
     if "NVFP4" in _label:
         SMOLLM_ROT[_label + " + rotation r1 (blocks of 16) r2"] = (_path, {**(_over or {}), **ROT16}, *_options)
+    if "A4" in _label:  # 4-bit activations: how much r4 alone does, where r1 r2 do not reach
+        SMOLLM_ROT[_label + " + rotation r4 alone"] = (_path, {**(_over or {}), "rotate": {"rotations": ["r4"]}},
+                                                      *_options)
 # further variants (--extra): how much of the damage an analyzer or the grid choice recovers
 SMOLLM_EXTRA = {
     "W4A16 block 32, sqnr": ("configs/w4a16-block32.yaml", "sqnr"),
