@@ -216,7 +216,7 @@ def test_models_it_cannot_rotate_are_one_line_and_write_nothing(tmp_path):
         (_llama(tmp_path / "heads", hidden=184, heads=4), "rotate: {rotations: [r2]}", "head_dim 46"),
         (_llama(tmp_path / "block", hidden=96, heads=4), "rotate: {block_size: 36}", "does not divide the hidden"),
         (_llama(tmp_path / "block2", hidden=96, heads=4), "rotate: {block_size: 6}", "block_size 6"),
-        (_llama(tmp_path / "inner", hidden=92, heads=4), "rotate: {rotations: [r4]}", "intermediate size 184"),
+        (_llama(tmp_path / "inner", hidden=184, heads=4), "rotate: {rotations: [r4]}", "intermediate size 368"),
     ]
     for i, (model, text, needle) in enumerate(cases):
         recipe = W4A16_ROT.replace("rotate: {rotations: [r1, r2]}", text).replace("block_size: 32", "block_size: 8")
