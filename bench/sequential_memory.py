@@ -6,11 +6,14 @@ Not part of ``make bench`` (minutes per block on 2 cores). Run it by hand::
 
     .venv/bin/python bench/sequential_memory.py                       # 1.1B, both recipes (~30 min on 2 cores)
     .venv/bin/python bench/sequential_memory.py --layers 4 --recipes w8a8   # a quick look
+    .venv/bin/python bench/sequential_memory.py --recipes w8a8,gguf-q4_0 --export qtool,compressed-tensors,gguf
 
 Each recipe runs in a child process (so its peak RSS, ``ru_maxrss``, is its own) that records, as each block
 finishes, the seconds since calibration started, VmRSS and RssAnon (``/proc/self/status``). What a finished
 block leaves behind shows as RSS growing from block to block; flat RSS means memory is bounded by one block.
-Prints a table and writes ``bench/results/sequential_memory.json``.
+With ``--export``, each finished run is then exported (``qtool export``, a child process each) to the formats
+that hold its grid, recording wall time, peak RSS and bytes written. Prints a table and writes
+``bench/results/sequential_memory.json``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -109,6 +113,42 @@ def run_recipe(ckpt: Path, recipe: str, data: Path, out: Path, device: str = "cp
             "rss_growth_per_block_bytes": growth, "rss_after_first_block": rss[0], "rss_after_last_block": rss[-1]}
 
 
+def compatible(recipe: str, fmt: str) -> bool:
+    """GGUF holds llama.cpp's block types (the gguf-* recipes) and only those formats hold them."""
+    return (fmt == "gguf") == recipe.startswith("gguf-")
+
+
+def run_export(ckpt: Path, run: Path, fmt: str, out: Path) -> Dict[str, object]:
+    """``qtool export`` of a finished run in a child process: its wall time, peak RSS and the bytes written."""
+    t = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "qtool", "export", str(ckpt), "-e", str(run / "encodings.json"),
+                          "-o", str(out), "--format", fmt, "--quiet"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    _, status, usage = os.wait4(p.pid, 0)
+    err = p.stderr.read()
+    if status != 0:
+        raise SystemExit(f"export --format {fmt}: failed:\n{err[-2000:]}")
+    written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    return {"format": fmt, "wall_s": time.perf_counter() - t, "peak_rss_bytes": usage.ru_maxrss * 1024,
+            "bytes": written}
+
+
+def _add_tokenizer(ckpt: Path) -> None:
+    """GGUF needs a tokenizer beside the weights: a byte-level BPE trained on Python's own documentation (as
+    tests/test_gguf.py makes one; only the file layout matters here, the bench never runs the GGUF)."""
+    import pydoc_data.topics
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = [v.encode("ascii", "ignore").decode() for v in list(pydoc_data.topics.topics.values())[:100]]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=1000, special_tokens=["<|endoftext|>"]))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                         eos_token="<|endoftext|>").save_pretrained(ckpt)
+
+
 def block_bytes(s: Dict[str, int], samples: int, seq_len: int) -> Dict[str, float]:
     """What one block needs while it calibrates (float32): its weights, the layer-input Hessians GPTQ keeps (one
     per distinct input: hidden x hidden for q/k/v and gate/up, hidden x hidden for o, MLP x MLP for down) and the
@@ -166,6 +206,8 @@ def main(argv=None) -> Dict[str, object]:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--workdir", default=None, help="where the checkpoint and runs go (default: $TMPDIR)")
     ap.add_argument("--out", default=str(HERE / "results" / "sequential_memory.json"))
+    ap.add_argument("--export", default="", help="comma-separated formats each finished run is exported to "
+                    "(qtool, compressed-tensors, gguf: each run to the formats that hold its grid)")
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -182,8 +224,18 @@ def main(argv=None) -> Dict[str, object]:
         ids = torch.randint(0, shape["vocab"], (args.samples, args.seq_len), generator=torch.Generator().manual_seed(0))
         save_file({"input_ids": ids}, work / "ids.safetensors")
         print(f"checkpoint: {info['params'] / 1e9:.2f}B parameters, {args.samples} x {args.seq_len} tokens")
-        runs = [run_recipe(work / "ckpt", r, work / "ids.safetensors", work / f"run-{r}", args.device) for r in
-                args.recipes.split(",")]
+        formats = [f for f in args.export.split(",") if f]
+        if "gguf" in formats:
+            _add_tokenizer(work / "ckpt")
+        runs = []
+        for r in args.recipes.split(","):
+            runs.append(run_recipe(work / "ckpt", r, work / "ids.safetensors", work / f"run-{r}", args.device))
+            runs[-1]["exports"] = [run_export(work / "ckpt", work / f"run-{r}", f, work / f"export-{r}-{f}")
+                                   for f in formats if compatible(r, f)]
+            for e in runs[-1]["exports"]:
+                print(f"  {r}: export --format {e['format']}: {e['wall_s']:.1f} s, peak RSS "
+                      f"{e['peak_rss_bytes'] / GB:.2f} GB, {e['bytes'] / GB:.2f} GB written", flush=True)
+                shutil.rmtree(work / f"export-{r}-{e['format']}")
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "gpu": gpu},
@@ -199,6 +251,12 @@ def main(argv=None) -> Dict[str, object]:
         print(f"{r['recipe']:<22} {r['seconds_per_block']:>8.2f} {r['load_and_calibrate_s']:>8.1f} "
               f"{r['rss_after_first_block'] / GB:>12.2f} {r['rss_after_last_block'] / GB:>12.2f} "
               f"{r['rss_growth_per_block_bytes'] / 1e6:>14.1f} {r['peak_rss_bytes'] / GB:>8.2f} {cuda}")
+    exports = [(r["recipe"], e) for r in runs for e in r.get("exports", [])]
+    if exports:
+        print(f"\n{'export':<22} {'format':<20} {'s':>8} {'peak RSS GB':>12} {'written GB':>11}")
+        for recipe, e in exports:
+            print(f"{recipe:<22} {e['format']:<20} {e['wall_s']:>8.1f} {e['peak_rss_bytes'] / GB:>12.2f} "
+                  f"{e['bytes'] / GB:>11.2f}")
     print(f"\n{'extrapolation':<22} {'model':<12} {'est. peak GB':>13} {'est. GPU GB':>12} {'est. s/block':>13} "
           f"{'est. hours':>11}")
     for e in result["extrapolation"]:

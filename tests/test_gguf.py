@@ -511,3 +511,23 @@ def test_a_weight_whose_gguf_scales_float16_cannot_hold_is_one_line(tmp_path, ro
     errors = [line for line in error_lines(err) if line.startswith("error")]
     assert code == 2 and len(errors) == 1 and "0.weight" in errors[0] and "float16's range (65504)" in errors[0]
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("recipe", ["gguf-q4_1", "gguf-q8_0"])
+def test_large_tensors_are_packed_in_row_chunks_with_the_same_bytes(llamas, tmp_path, monkeypatch, recipe):
+    """A vocabulary-sized table is written a chunk of rows at a time (bounded temporaries): forcing one-row chunks
+    on every tensor gives the bytes of the whole-tensor path."""
+    import qtool.export.gguf as gguf_export
+
+    model = llamas["untied"]
+    code, _, err = run_cli("calibrate", model, "-c", recipe, "-o", tmp_path / "run")
+    assert code == 0, err
+    files = []
+    for chunk in (1 << 24, 64):
+        monkeypatch.setattr(gguf_export, "_CHUNK", chunk)
+        out = tmp_path / f"out{chunk}"
+        code, _, err = run_cli("export", model, "-e", tmp_path / "run" / "encodings.json", "-o", out,
+                               "--format", "gguf", "--gguf-fallback", "f32")
+        assert code == 0, err
+        files.append(next(out.glob("*.gguf")).read_bytes())
+    assert files[0] == files[1]

@@ -254,6 +254,9 @@ def _info(kind: str, shape: Tuple[int, ...]):
     return byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], qtype
 
 
+_CHUNK = 1 << 24  # elements per row chunk of a large tensor (64 MB of float32 temporaries)
+
+
 def _tensor_data(item: _Item, src) -> Tuple[np.ndarray, float]:
     """The bytes of one GGUF tensor, and how far its values are from qtool's fake-quant weights."""
     from ..quant.affine import dequantize
@@ -261,10 +264,16 @@ def _tensor_data(item: _Item, src) -> Tuple[np.ndarray, float]:
     w = src.get(item.key)
     e = item.entry
     if e is None:
-        out = w.to(torch.float32)
         if item.heads:
-            out = permute_rows(out, item.heads)
-        return out.to(torch.float16 if item.kind == "F16" else torch.float32).contiguous().numpy(), 0.0
+            w = permute_rows(w, item.heads)
+        dtype = torch.float16 if item.kind == "F16" else torch.float32
+        if w.dtype == dtype:
+            return w.contiguous().numpy(), 0.0
+        return np.concatenate([c.to(torch.float32).to(dtype).numpy() for c in _row_chunks(w)]) if w.dim() > 1 \
+            else w.to(torch.float32).to(dtype).numpy(), 0.0
+    if (e.spec.ggml is None and item.kind not in ("F32", "F16") and not item.heads and w.dim() == 2
+            and e.granularity == Granularity.PER_BLOCK and w.numel() > _CHUNK):
+        return _chunked_blocks(item, w, src)
     codes = src.codes(e, w)
     if e.spec.ggml is not None:  # a K-quant / IQ4 type: the grid comes from the sub-block ranges
         lo, hi = e.range()
@@ -286,6 +295,43 @@ def _tensor_data(item: _Item, src) -> Tuple[np.ndarray, float]:
     except ValueError:
         raise EncodingsError(f"{e.name}: a scale beyond float16's range (65504) cannot be stored in GGUF") from None
     return blocks, float((values - fake).abs().max()) if values.numel() else 0.0
+
+
+def _row_chunks(t: torch.Tensor):
+    rows = max(1, _CHUNK // max(1, t[0].numel()))
+    return [t[a:a + rows] for a in range(0, t.shape[0], rows)]
+
+
+def _chunked_blocks(item: _Item, w: torch.Tensor, src) -> Tuple[np.ndarray, float]:
+    """:func:`_tensor_data` of a large integer-grid weight (a vocabulary-sized embedding table) a chunk of rows
+    at a time: every step is row by row, so the bytes are the whole tensor's, with temporaries of one chunk
+    (an 8B model's 128256 x 4096 table would otherwise need about 10 GB of them)."""
+    from ..quant.affine import dequantize, quantize
+
+    e = item.entry
+    scale, offset = e.scale_offset()
+    stored = src.stored_codes(e, tuple(w.shape))
+    qmin, qmax = e.qmin_qmax
+    out, deviation, a = None, 0.0, 0
+    for chunk in _row_chunks(w):
+        b = a + chunk.shape[0]
+        s, o = scale[a:b], offset[a:b]
+        if stored is not None:
+            codes = stored[a:b].to(torch.float32)
+        else:
+            codes = quantize(chunk.to(torch.float32), s, o, qmin=qmin, qmax=qmax, block_size=e.block_size)
+        fake = dequantize(codes, s, o, block_size=e.block_size)
+        try:
+            blocks, values = pack_blocks(codes, s, o, item.kind)
+        except ValueError:
+            raise EncodingsError(f"{e.name}: a scale beyond float16's range (65504) cannot be stored in "
+                                 "GGUF") from None
+        if out is None:
+            out = np.empty((w.shape[0], blocks.shape[1]), dtype=blocks.dtype)
+        out[a:b] = blocks
+        deviation = max(deviation, float((values - fake).abs().max()))
+        a = b
+    return out, deviation
 
 
 EXPORTER = GgufExporter()
