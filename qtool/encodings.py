@@ -591,6 +591,8 @@ class EncodingsFile:
             dup = next(n for n in names if n in seen or seen.add(n))
             raise EncodingsError(f"{path}: quantizer {dup!r} appears twice")
         meta = {k: v for k, v in obj.items() if k not in _RESERVED}
+        if version < 4 and "online_rotations" in obj:
+            raise EncodingsError(f"{path}: 'online_rotations' needs schema_version 4 (this file says {version})")
         online = _read_online(obj.get("online_rotations"), path) if version >= 4 else []
         codes_file = None
         data_files = [] if sidecar is None else sidecar.files()

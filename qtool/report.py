@@ -206,13 +206,23 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
     terms: Dict[str, Dict[str, List[float]]] = {k: {n: [] for n in modules} for k in ("sig_c", "noise_c", "sig_i",
                                                                                      "noise_i", "noise_rtn")}
     captured: Dict[str, Any] = {}
+    inputs: Dict[str, Any] = {}
 
-    def keep(name):
-        def hook(mod, args, kwargs, out):
-            captured[name] = (args, kwargs, _first_tensor(out))
+    # a module's input as its call receives it, before any pre-hook (an online rotation, qtool.model.online):
+    # calling the module again on it runs those pre-hooks once more, as the model does
+    def keep_input(name):
+        def hook(mod, args, kwargs):
+            inputs[name] = (args, kwargs)
         return hook
 
-    handles = [mod.register_forward_hook(keep(name), with_kwargs=True) for name, mod in modules.items()]
+    def keep(name):
+        def hook(mod, args, out):
+            captured[name] = (*inputs[name], _first_tensor(out))
+        return hook
+
+    handles = [mod.register_forward_pre_hook(keep_input(name), with_kwargs=True, prepend=True)
+               for name, mod in modules.items()]
+    handles += [mod.register_forward_hook(keep(name)) for name, mod in modules.items()]
     set_quantization(model, False)
     try:
         ref_out = _main_output(model(*b.args, **b.kwargs))

@@ -475,3 +475,49 @@ def test_online_rotations_round_trip_through_the_encodings_file(tmp_path_factory
     back = EncodingsFile.read(path)
     assert back.online == online and back.meta == {"recipe": "r.yaml"}
     assert json.loads(path.read_text())["schema_version"] == (4 if online else 1)
+
+
+def test_report_measures_an_r4_layer_on_its_input_rotated_once(world, tmp_path):
+    """qtool report runs each layer alone on the input the model gave it: with r4, down_proj's isolated SQNR is that
+    of its own quantization (close to the unrotated model's), not of an input rotated twice."""
+    d, llama, _ = world
+    base = ("version: 1\ndefaults:\n  weights: {bitwidth: 8, granularity: per_channel}\n  activations: null\n"
+            "ignore: [lm_head]\nlayers:\n  - {type: Embedding, weights: null}\n")
+    sqnr = {}
+    for name, rot in (("plain", ""), ("r4", "rotate: {rotations: [r4]}\n")):
+        (tmp_path / f"{name}.yaml").write_text(base + rot)
+        code, _, err = run_cli("calibrate", llama, "-c", tmp_path / f"{name}.yaml", "-o", tmp_path / name)
+        assert code == 0, err
+        code, out, err = run_cli("report", llama, "-e", tmp_path / name / "encodings.json", "--data",
+                                 d / "ids.safetensors", "--json")
+        assert code == 0, err
+        layers = json.loads(out)["layers"]
+        sqnr[name] = next(r["sqnr_isolated_db"] for r in layers if r["module"] == "model.layers.0.mlp.down_proj")
+    assert sqnr["r4"] > 30 and abs(sqnr["r4"] - sqnr["plain"]) < 6, sqnr
+
+
+def test_a_version_3_file_with_online_rotations_is_refused(r4_run, tmp_path):
+    import shutil
+
+    from qtool.encodings import EncodingsFile
+
+    shutil.copytree(r4_run, tmp_path / "run")
+    path = tmp_path / "run" / "encodings.json"
+    obj = json.loads(path.read_text())
+    obj["schema_version"] = 3
+    path.write_text(json.dumps(obj))
+    with pytest.raises(qtool.errors.EncodingsError, match="needs schema_version 4"):
+        EncodingsFile.read(path)
+
+
+def test_an_importance_matrix_with_a_rotation_is_one_line(world, tmp_path):
+    """An importance matrix measured the unrotated inputs; with rotate they are other columns: refused."""
+    d, llama, _ = world
+    (tmp_path / "r.yaml").write_text(W4A16_R4.replace("TYPE", "hadamard").replace(
+        "block_size: 32}", "block_size: 32, analyzer: {name: mse, weighting: activations}}"))
+    (tmp_path / "imatrix.gguf").write_bytes(b"GGUF")
+    code, _, err = run_cli("calibrate", llama, "-c", tmp_path / "r.yaml", "-o", tmp_path / "run", "--imatrix",
+                           tmp_path / "imatrix.gguf")
+    errors = [e for e in error_lines(err) if e.startswith("error")]
+    assert code == 2 and len(errors) == 1 and "rotate" in errors[0], err
+    assert not (tmp_path / "run").exists()

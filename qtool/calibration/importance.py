@@ -32,6 +32,10 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
     ``imatrix``, their ``E[x²]`` in ``plan.importances``). ``model`` may be a meta-device skeleton."""
     from ..export.gguf_model import read_gguf_model
 
+    if plan.rotation is not None:  # the file measured the unrotated model: its columns are not the rotated ones
+        raise UsageError(f"--imatrix {path}: an importance matrix measures the model's inputs as they are, but the "
+                         "recipe's rotate changes them; leave one out (without --imatrix, the weighted search "
+                         "measures the rotated inputs from --data)")
     importances = read_imatrix(Path(path))
     try:
         names = read_gguf_model(Path(checkpoint))
