@@ -168,6 +168,17 @@ for _label, (_path, _over, *_options) in _ROT_BASE.items():
     if "A4" in _label:  # 4-bit activations: how much r4 alone does, where r1 r2 do not reach
         SMOLLM_ROT[_label + " + rotation r4 alone"] = (_path, {**(_over or {}), "rotate": {"rotations": ["r4"]}},
                                                       *_options)
+# MiniLM is a post-LayerNorm BERT: r1/r2 do not apply, r4 alone rotates each output.dense's input online
+R4_ONLY = {"rotate": {"rotations": ["r4"]}}
+_MINILM_ROT_BASE = {
+    "W4A8 block 32 gptq, A8 dynamic per-token": ("configs/w4a8-block32.yaml", {**GPTQ, **PER_TOKEN_A8}),
+    "W4A8 (w4a8-gptq.yaml: weighted mse + gptq)": ("configs/w4a8-gptq.yaml", None),
+    "W4A4 block 32 gptq, A4 dynamic per-token": ("configs/w4a8-block32.yaml", {**GPTQ, **PER_TOKEN_A4}),
+}
+MINILM_ROT = {}
+for _label, (_path, _over) in _MINILM_ROT_BASE.items():
+    MINILM_ROT[_label] = (_path, _over)
+    MINILM_ROT[_label + " + rotation r4"] = (_path, {**(_over or {}), **R4_ONLY})
 # further variants (--extra): how much of the damage an analyzer or the grid choice recovers
 SMOLLM_EXTRA = {
     "W4A16 block 32, sqnr": ("configs/w4a16-block32.yaml", "sqnr"),
@@ -351,7 +362,8 @@ def main(argv=None):
     ap.add_argument("--extra", action="store_true", help="SmolLM2: the further analyzer/grid variants instead")
     ap.add_argument("--float", action="store_true", help="the float formats (FP8, NVFP4, MX) instead")
     ap.add_argument("--rotation", action="store_true",
-                    help="SmolLM2 (untied): rows with and without Hadamard rotations r1 r2 instead")
+                    help="rows with and without Hadamard rotations instead (SmolLM2 untied: r1 r2, r1 r2 r4; "
+                         "MiniLM: r4)")
     ap.add_argument("--only", default=None, help="comma-separated substrings: run only recipes whose label has one")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -360,7 +372,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if "minilm" in args.models:
-            results["minilm"] = minilm(tmp, only=only, recipes=MINILM_FLOAT if args.float else None)
+            results["minilm"] = minilm(tmp, only=only, recipes=MINILM_FLOAT if args.float else
+                                       MINILM_ROT if args.rotation else None)
         if "smollm2" in args.models:
             recipes = (SMOLLM_ROT if args.rotation else SMOLLM_FLOAT if args.float else SMOLLM_EXTRA if args.extra
                        else None)

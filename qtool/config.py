@@ -425,6 +425,7 @@ class RotationPlan:
     layers: Tuple[str, ...]  # decoder layer prefixes ("model.layers.0", ...)
     block_size: int = 0  # r1's rotation: block-diagonal with blocks of this width (hidden: one rotation)
     untie: bool = False  # r1 on tied embeddings: the output layer gets its own weight (tie_word_embeddings false)
+    down: str = "mlp.down_proj"  # the MLP's output Linear in each layer, whose input r4 rotates
 
     @property
     def rotates_head(self) -> bool:
@@ -435,7 +436,7 @@ class RotationPlan:
         """The rotations that run on activations (r4: every ``down_proj``'s input)."""
         if "r4" not in self.rotations:
             return []
-        return [OnlineRotation("r4", self.kind, self.seed, tuple(f"{layer}.mlp.down_proj" for layer in self.layers))]
+        return [OnlineRotation("r4", self.kind, self.seed, tuple(f"{layer}.{self.down}" for layer in self.layers))]
 
 
 class Recipe(BaseModel):
@@ -1180,9 +1181,11 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
                     key=lambda n: (len(n), n))
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     config = getattr(model, "config", None)
+    if not layers and list(spec.rotations) == ["r4"]:
+        return _encoder_r4_plan(spec, modules, where)
     if not layers or embed is None or config is None:
         raise ConfigError(f"{where}: the model has no Llama-family decoder layers (model.layers.N.self_attn.v_proj) "
-                          "to rotate")
+                          "to rotate (r4 alone also rotates a BERT-style encoder's MLP output layer)")
     for layer in layers:
         for part in _LAYER_LINEARS:
             if not isinstance(modules.get(f"{layer}.{part}"), nn.Linear):
@@ -1232,6 +1235,32 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
     untie = "r1" in spec.rotations and head_name is not None and head.weight is embed.weight
     return RotationPlan(tuple(spec.rotations), spec.type, spec.seed, hidden, head_dim, embed_name,
                         final_norm or "", head_name, tuple(layers), block, untie)
+
+
+def _encoder_r4_plan(spec: RotateSpec, modules, where: str) -> RotationPlan:
+    """r4 alone on a BERT-style encoder (``encoder.layer.N.intermediate.dense`` → activation →
+    ``encoder.layer.N.output.dense``): the MLP's output Linear gets its input rotated online, as ``down_proj`` does
+    in a Llama. Nothing else changes, so nothing else about the architecture matters."""
+    from torch import nn
+
+    from .quant.hadamard import HadamardError, hadamard_order
+
+    layers = sorted({n[:-len(".intermediate.dense")] for n, m in modules.items()
+                     if n.endswith(".intermediate.dense") and isinstance(m, nn.Linear)
+                     and isinstance(modules.get(n[:-len("intermediate.dense")] + "output.dense"), nn.Linear)},
+                    key=lambda n: (len(n), n))
+    if not layers:
+        raise ConfigError(f"{where}: the model has neither Llama-family decoder layers (model.layers.N.self_attn."
+                          "v_proj) nor BERT-style MLPs (encoder.layer.N.intermediate.dense, output.dense) to rotate")
+    widths = {modules[f"{layer}.output.dense"].in_features for layer in layers}
+    if len(widths) != 1:
+        raise ConfigError(f"{where}: r4 rotates output.dense's input, whose width differs between layers "
+                          f"({', '.join(map(str, sorted(widths)))})")
+    try:
+        hadamard_order(min(widths))
+    except HadamardError as e:
+        raise ConfigError(f"{where}: r4 rotates the intermediate size {min(widths)}: {e}") from None
+    return RotationPlan(("r4",), spec.type, spec.seed, 0, 0, "", "", None, tuple(layers), down="output.dense")
 
 
 def _kv_cache_rows(recipe: Recipe, named, source: str) -> List[QuantizerPlan]:

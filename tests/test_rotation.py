@@ -521,3 +521,35 @@ def test_an_importance_matrix_with_a_rotation_is_one_line(world, tmp_path):
     errors = [e for e in error_lines(err) if e.startswith("error")]
     assert code == 2 and len(errors) == 1 and "rotate" in errors[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_r4_alone_rotates_a_bert_encoders_mlp_output_online(tmp_path):
+    """R4 needs nothing of the architecture but a Linear after the MLP's activation: on a BERT-style encoder
+    (post-LayerNorm, where r1/r2 do not apply) it rotates each output.dense's input, the float outputs stay the
+    same, and the fake-quant model reloads with it."""
+    from qtool.model.online import online_rotations
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=64)
+    transformers.BertModel(cfg).eval().save_pretrained(tmp_path / "bert")
+    ids = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(2))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 8, granularity: per_channel}\n"
+                                     "  activations: {bitwidth: 8, granularity: per_token, dynamic: true}\n"
+                                     "layers:\n  - {type: Embedding, weights: null, activations: null}\n"
+                                     "rotate: {rotations: [r4], type: random-hadamard, seed: 4}\n")
+    code, _, err = run_cli("calibrate", tmp_path / "bert", "-c", tmp_path / "r.yaml", "--data",
+                           tmp_path / "ids.safetensors", "-o", tmp_path / "run")
+    assert code == 0, err
+    enc = json.loads((tmp_path / "run" / "encodings.json").read_text())
+    assert enc["online_rotations"][0]["modules"] == [f"encoder.layer.{i}.output.dense" for i in range(2)]
+    fq = qtool.load_calibrated(str(tmp_path / "bert"), str(tmp_path / "run" / "encodings.json"))
+    assert sorted(online_rotations(fq)) == [f"encoder.layer.{i}.output.dense" for i in range(2)]
+    plain = transformers.AutoModel.from_pretrained(str(tmp_path / "bert")).eval()
+    with torch.no_grad():
+        set_quantization(fq, False)
+        a, b = fq(ids).last_hidden_state, plain(ids).last_hidden_state
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    with pytest.raises(ConfigError, match="Llama-family"):  # r1 still needs a Llama
+        resolve_plan(parse_recipe("version: 1\nrotate: {rotations: [r1, r4]}\n"), plain)

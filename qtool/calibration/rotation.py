@@ -76,8 +76,10 @@ class Rotator:
     def _untie(self) -> None:
         """A tied output layer gets its own copy of the (not yet rotated) table: the final norm folds into it
         alone."""
+        if not self.plan.untie:
+            return
         head, embed = self.modules.get(self.plan.head), self.modules[self.plan.embed]
-        if self.plan.untie and head.weight is embed.weight:
+        if head.weight is embed.weight:
             untie(self.model, head)
 
     @torch.no_grad()
@@ -117,7 +119,7 @@ class Rotator:
             wo = o.weight.to(torch.float64).reshape(o.out_features, -1, d)  # (out, heads, d)
             store(f"{layer}.self_attn.o_proj.weight", self._rot(wo).reshape(o.weight.shape))
         if "r4" in self.plan.rotations:  # down_proj's input: x R at run time, W R fused
-            name = f"{layer}.mlp.down_proj"
+            name = f"{layer}.{self.plan.down}"
             store(f"{name}.weight", self._rot(mod(name).weight))
             install_online(self.model, self.plan.online(), only=name)
         return changed
