@@ -1220,12 +1220,10 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
     block = spec.block_size or hidden
     if "r1" in spec.rotations and hidden % block:
         raise ConfigError(f"{where}: block_size {block} does not divide the hidden size {hidden}")
-    inner = {modules[f"{layer}.mlp.down_proj"].in_features for layer in layers}
-    if "r4" in spec.rotations and len(inner) != 1:
-        raise ConfigError(f"{where}: r4 rotates down_proj's input, whose width differs between layers "
-                          f"({', '.join(map(str, sorted(inner)))})")
+    if "r4" in spec.rotations:
+        _check_r4_width({modules[f"{layer}.mlp.down_proj"].in_features for layer in layers}, "down_proj", where)
     for r, width, what in (("r1", block, "hidden size" if block == hidden else "block_size"),
-                           ("r2", head_dim, "head_dim"), ("r4", min(inner), "intermediate size")):
+                           ("r2", head_dim, "head_dim")):
         if r in spec.rotations:
             try:
                 hadamard_order(width)
@@ -1243,8 +1241,6 @@ def _encoder_r4_plan(spec: RotateSpec, modules, where: str) -> RotationPlan:
     in a Llama. Nothing else changes, so nothing else about the architecture matters."""
     from torch import nn
 
-    from .quant.hadamard import HadamardError, hadamard_order
-
     layers = sorted({n[:-len(".intermediate.dense")] for n, m in modules.items()
                      if n.endswith(".intermediate.dense") and isinstance(m, nn.Linear)
                      and isinstance(modules.get(n[:-len("intermediate.dense")] + "output.dense"), nn.Linear)},
@@ -1252,15 +1248,21 @@ def _encoder_r4_plan(spec: RotateSpec, modules, where: str) -> RotationPlan:
     if not layers:
         raise ConfigError(f"{where}: the model has neither Llama-family decoder layers (model.layers.N.self_attn."
                           "v_proj) nor BERT-style MLPs (encoder.layer.N.intermediate.dense, output.dense) to rotate")
-    widths = {modules[f"{layer}.output.dense"].in_features for layer in layers}
+    _check_r4_width({modules[f"{layer}.output.dense"].in_features for layer in layers}, "output.dense", where)
+    return RotationPlan(("r4",), spec.type, spec.seed, 0, 0, "", "", None, tuple(layers), down="output.dense")
+
+
+def _check_r4_width(widths, part: str, where: str) -> None:
+    """r4 rotates ``part``'s input in every layer: one width, with a Hadamard construction."""
+    from .quant.hadamard import HadamardError, hadamard_order
+
     if len(widths) != 1:
-        raise ConfigError(f"{where}: r4 rotates output.dense's input, whose width differs between layers "
+        raise ConfigError(f"{where}: r4 rotates {part}'s input, whose width differs between layers "
                           f"({', '.join(map(str, sorted(widths)))})")
     try:
         hadamard_order(min(widths))
     except HadamardError as e:
         raise ConfigError(f"{where}: r4 rotates the intermediate size {min(widths)}: {e}") from None
-    return RotationPlan(("r4",), spec.type, spec.seed, 0, 0, "", "", None, tuple(layers), down="output.dense")
 
 
 def _kv_cache_rows(recipe: Recipe, named, source: str) -> List[QuantizerPlan]:

@@ -121,7 +121,7 @@ class Rotator:
         if "r4" in self.plan.rotations:  # down_proj's input: x R at run time, W R fused
             name = f"{layer}.{self.plan.down}"
             store(f"{name}.weight", self._rot(mod(name).weight))
-            install_online(self.model, self.plan.online(), only=name)
+            install_online(self.modules, self.plan.online(), only=name)
         return changed
 
     @torch.no_grad()

@@ -269,8 +269,10 @@ def _tensor_data(item: _Item, src) -> Tuple[np.ndarray, float]:
         dtype = torch.float16 if item.kind == "F16" else torch.float32
         if w.dtype == dtype:
             return w.contiguous().numpy(), 0.0
-        return np.concatenate([c.to(torch.float32).to(dtype).numpy() for c in _row_chunks(w)]) if w.dim() > 1 \
-            else w.to(torch.float32).to(dtype).numpy(), 0.0
+        out = torch.empty(w.shape, dtype=dtype)
+        for rows, chunk in _row_chunks(w):  # float32 temporaries of one chunk, not of the whole table
+            out[rows] = chunk.to(torch.float32)
+        return out.numpy(), 0.0
     if (e.spec.ggml is None and item.kind not in ("F32", "F16") and not item.heads and w.dim() == 2
             and e.granularity == Granularity.PER_BLOCK and w.numel() > _CHUNK):
         return _chunked_blocks(item, w, src)
@@ -298,8 +300,11 @@ def _tensor_data(item: _Item, src) -> Tuple[np.ndarray, float]:
 
 
 def _row_chunks(t: torch.Tensor):
-    rows = max(1, _CHUNK // max(1, t[0].numel()))
-    return [t[a:a + rows] for a in range(0, t.shape[0], rows)]
+    """``(rows, t[rows])`` for consecutive slices of ``t``'s first dimension of about ``_CHUNK`` elements each."""
+    step = max(1, _CHUNK // max(1, t[0].numel())) if t.dim() > 1 else max(1, t.shape[0])
+    for a in range(0, t.shape[0], step):
+        rows = slice(a, a + step)
+        yield rows, t[rows]
 
 
 def _chunked_blocks(item: _Item, w: torch.Tensor, src) -> Tuple[np.ndarray, float]:
@@ -312,12 +317,11 @@ def _chunked_blocks(item: _Item, w: torch.Tensor, src) -> Tuple[np.ndarray, floa
     scale, offset = e.scale_offset()
     stored = src.stored_codes(e, tuple(w.shape))
     qmin, qmax = e.qmin_qmax
-    out, deviation, a = None, 0.0, 0
-    for chunk in _row_chunks(w):
-        b = a + chunk.shape[0]
-        s, o = scale[a:b], offset[a:b]
+    out, deviation = None, 0.0
+    for rows, chunk in _row_chunks(w):
+        s, o = scale[rows], offset[rows]
         if stored is not None:
-            codes = stored[a:b].to(torch.float32)
+            codes = stored[rows].to(torch.float32)
         else:
             codes = quantize(chunk.to(torch.float32), s, o, qmin=qmin, qmax=qmax, block_size=e.block_size)
         fake = dequantize(codes, s, o, block_size=e.block_size)
@@ -328,9 +332,8 @@ def _chunked_blocks(item: _Item, w: torch.Tensor, src) -> Tuple[np.ndarray, floa
                                  "GGUF") from None
         if out is None:
             out = np.empty((w.shape[0], blocks.shape[1]), dtype=blocks.dtype)
-        out[a:b] = blocks
+        out[rows] = blocks
         deviation = max(deviation, float((values - fake).abs().max()))
-        a = b
     return out, deviation
 
 

@@ -11,8 +11,8 @@ from ..config import Plan, QuantizerPlan
 from ..encodings import EncodingsFile
 from ..errors import EncodingsError
 from ..quant import QuantizerBase
-from ..weights import WeightSource
 from ..quant.hadamard import HadamardError, hadamard_order
+from ..weights import WeightSource
 from .insert import insert_quantizers, set_stored_weight
 from .online import install_online
 
@@ -49,7 +49,7 @@ def apply_encodings(model: nn.Module, enc: EncodingsFile, source: str) -> Dict[s
         except HadamardError as e:
             raise EncodingsError(f"{source}: online rotation {rot.name}: {e}") from None
     quantizers = insert_quantizers(model, plan)
-    install_online(model, enc.online)  # the rotations run first: before the input quantizers they feed
+    install_online(modules, enc.online)  # the rotations run first: before the input quantizers they feed
     for e in enc.entries:
         if e.tensor == "weight":
             w = modules[e.module]._parameters.get("weight")

@@ -5,13 +5,13 @@ by ``x R`` before anything else sees it: its input quantizer, the statistics GPT
 maxima. ``R``'s inverse is fused into the module's weight (``W R``, qtool.calibration.rotation), so the float
 function is unchanged. The rotation is computed in float32 with the fast transform (``O(n log n)`` per token).
 Installing is idempotent; a module's hook is found again by its attribute, so calibration, ``load_calibrated``,
-the report and the ONNX trace all run the same code.
+the report and the exporters that load the model all run the same code.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Optional
+from typing import Dict, Iterable, Optional
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from torch import nn
 from ..config import OnlineRotation
 from ..quant.hadamard import hadamard_transform
 
-__all__ = ["install_online", "remove_online", "online_rotations"]
+__all__ = ["install_online", "online_rotations"]
 
 _ATTR = "_qtool_online"
 
@@ -30,10 +30,10 @@ def _rotate_input(kind: str, seed: int, module: nn.Module, args):
     return (hadamard_transform(args[0], kind, seed, compute=torch.float32),) + tuple(args[1:])
 
 
-def install_online(model: nn.Module, rotations: Iterable[OnlineRotation], only: Optional[str] = None) -> None:
+def install_online(modules: Dict[str, nn.Module], rotations: Iterable[OnlineRotation],
+                   only: Optional[str] = None) -> None:
     """Every module each rotation names (or only the one named ``only``) rotates its input from now on (once,
-    however often this is called)."""
-    modules = dict(model.named_modules())
+    however often this is called). ``modules``: the model's ``dict(named_modules())``."""
     for rot in rotations:
         if rot.location != "input":
             raise ValueError(f"online rotation {rot.name}: location {rot.location!r} is not supported")
@@ -48,13 +48,6 @@ def install_online(model: nn.Module, rotations: Iterable[OnlineRotation], only: 
             hook = module.register_forward_pre_hook(functools.partial(_rotate_input, rot.kind, rot.seed),
                                                     prepend=True)
             module.__dict__[_ATTR] = (rot, hook)
-
-
-def remove_online(model: nn.Module) -> None:
-    for module in model.modules():
-        entry = module.__dict__.pop(_ATTR, None)
-        if entry is not None:
-            entry[1].remove()
 
 
 def online_rotations(model: nn.Module) -> dict:
