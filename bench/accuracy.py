@@ -168,6 +168,20 @@ for _label, (_path, _over, *_options) in _ROT_BASE.items():
     if "A4" in _label:  # 4-bit activations: how much r4 alone does, where r1 r2 do not reach
         SMOLLM_ROT[_label + " + rotation r4 alone"] = (_path, {**(_over or {}), "rotate": {"rotations": ["r4"]}},
                                                       *_options)
+# r3: each head's keys rotated where the FP8 KV cache quantizes them (kv_cache), alone (weights and activations
+# float: what the KV cache alone costs) and on top of W8A8 dynamic with r1 r2 r4
+KV_ONLY = {"weights": None, "activations": None}
+for _gran in ("per_tensor", "per_head"):
+    _kv = {**KV_ONLY, "kv_cache": {"granularity": _gran}}
+    SMOLLM_ROT[f"FP8 KV cache {_gran}, weights and activations float"] = ("configs/w8a8-dynamic.yaml", _kv)
+    SMOLLM_ROT[f"FP8 KV cache {_gran}, weights and activations float + rotation r3"] = (
+        "configs/w8a8-dynamic.yaml", {**_kv, "rotate": {"rotations": ["r3"]}})
+_KV_W8A8 = {"kv_cache": {"granularity": "per_tensor"}}
+SMOLLM_ROT["W8A8 dynamic + FP8 KV cache per_tensor"] = ("configs/w8a8-dynamic.yaml", _KV_W8A8)
+SMOLLM_ROT["W8A8 dynamic + FP8 KV cache per_tensor + rotation r1 r2 r4"] = ("configs/w8a8-dynamic.yaml",
+                                                                           {**_KV_W8A8, **ROT4})
+SMOLLM_ROT["W8A8 dynamic + FP8 KV cache per_tensor + rotation r1 r2 r3 r4"] = (
+    "configs/w8a8-dynamic.yaml", {**_KV_W8A8, "rotate": {"rotations": ["r1", "r2", "r3", "r4"]}})
 # MiniLM is a post-LayerNorm BERT: r1/r2 do not apply, r4 alone rotates each output.dense's input online
 R4_ONLY = {"rotate": {"rotations": ["r4"]}}
 _MINILM_ROT_BASE = {

@@ -178,9 +178,9 @@ def _plan_table(plan) -> Table:
 def _plan_summary(plan) -> str:
     from collections import Counter
 
-    kinds = Counter((q.tensor, q.bitwidth, q.granularity + (" dynamic" if q.dynamic else ""))
-                    for q in plan.quantizers)
-    parts = [f"{n} x {t} int{b} {g}" for (t, b, g), n in sorted(kinds.items())]
+    kinds = Counter((q.tensor, f"int{q.bitwidth}" if q.element == "int" else q.element,
+                     q.granularity + (" dynamic" if q.dynamic else "")) for q in plan.quantizers)
+    parts = [f"{n} x {t} {e} {g}" for (t, e, g), n in sorted(kinds.items())]
     return f"plan: {len(plan.quantizers)} quantizers ({'; '.join(parts) or 'none'})"
 
 

@@ -6,6 +6,7 @@ one row per quantizer, with concrete shapes and block sizes. See docs/recipes.md
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 import re
@@ -365,12 +366,13 @@ class KvCacheSpec(BaseModel):
 
 
 class RotateSpec(BaseModel):
-    """``rotate: {rotations: [r1, r2, r4], type: hadamard | random-hadamard, seed: 0}``: before anything is
+    """``rotate: {rotations: [r1, r2, r3, r4], type: hadamard | random-hadamard, seed: 0}``: before anything is
     calibrated, orthogonal Hadamard rotations put into a Llama-family model (QuaRot/SpinQuant's R1: the residual
     stream, after folding each RMSNorm's weight into the Linears it feeds; R2: each attention head's values, between
-    ``v_proj`` and ``o_proj``; both fused into the weights. R4: ``down_proj``'s input, rotated at run time (online)
-    with the inverse fused into ``down_proj``'s weight). The float model's outputs are unchanged; outlier channels
-    are spread over all channels, so low-bit grids fit the rotated weights and activations better."""
+    ``v_proj`` and ``o_proj``; both fused into the weights. R3: each head's queries and keys after RoPE, at run time,
+    so the quantized KV cache (``kv_cache``) holds rotated keys. R4: ``down_proj``'s input, rotated at run time
+    (online) with the inverse fused into ``down_proj``'s weight). The float model's outputs are unchanged; outlier
+    channels are spread over all channels, so low-bit grids fit the rotated weights and activations better."""
 
     model_config = ConfigDict(extra="forbid")
     rotations: List[Literal["r1", "r2", "r3", "r4"]] = Field(["r1", "r2"], min_length=1)
@@ -384,9 +386,6 @@ class RotateSpec(BaseModel):
     @field_validator("rotations")
     @classmethod
     def _known(cls, v):
-        if "r3" in v:
-            raise ValueError("r3 rotates queries and keys after RoPE at run time (for a quantized KV cache), which "
-                             "qtool does not build yet; r1 and r2 are fused into the weights, r4 runs online")
         if len(set(v)) != len(v):
             raise ValueError("a rotation is listed twice")
         return v
@@ -394,12 +393,15 @@ class RotateSpec(BaseModel):
 
 @dataclass(frozen=True)
 class OnlineRotation:
-    """A rotation applied to activations at run time: ``modules``' input ``x`` becomes ``x R`` (``R`` the
-    orthogonal rotation of :mod:`qtool.quant.hadamard` over the input width, of ``kind`` and ``seed``) before
-    anything else sees it, while ``W R`` is fused into their weights. Recorded in the encodings file (schema
-    version 4), so every reader of a calibrated model rotates where the calibration did."""
+    """A rotation applied to activations at run time (``R`` the orthogonal rotation of :mod:`qtool.quant.hadamard`
+    of ``kind`` and ``seed``). ``location`` ``input`` (r4): ``modules``' input ``x`` becomes ``x R`` (over the
+    input width) before anything else sees it, while ``W R`` is fused into their weights. ``k_cache`` (r3):
+    ``modules`` are attention layers whose queries and keys (after RoPE) are rotated per head (width
+    ``head_dim``), so their KV cache quantizers see ``k R``; ``q kᵀ`` is unchanged, nothing is fused. Recorded in
+    the encodings file (schema version 4), so every reader of a calibrated model rotates where the calibration
+    did."""
 
-    name: str  # "r4"
+    name: str  # "r3", "r4"
     kind: str  # hadamard | random-hadamard
     seed: int
     modules: Tuple[str, ...]
@@ -408,6 +410,11 @@ class OnlineRotation:
     def to_json(self) -> Dict[str, Any]:
         return {"name": self.name, "type": self.kind, "seed": self.seed, "location": self.location,
                 "modules": list(self.modules)}
+
+    @property
+    def rotated(self) -> str:
+        """What it rotates on each of its modules, for messages: ``input`` or ``queries and cached keys``."""
+        return "queries and cached keys" if self.location == "k_cache" else "input"
 
 
 @dataclass(frozen=True)
@@ -426,6 +433,7 @@ class RotationPlan:
     block_size: int = 0  # r1's rotation: block-diagonal with blocks of this width (hidden: one rotation)
     untie: bool = False  # r1 on tied embeddings: the output layer gets its own weight (tie_word_embeddings false)
     down: str = "mlp.down_proj"  # the MLP's output Linear in each layer, whose input r4 rotates
+    kv_modules: Tuple[str, ...] = ()  # the attention layers whose keys r3 rotates (those with a quantized KV cache)
 
     @property
     def rotates_head(self) -> bool:
@@ -433,10 +441,15 @@ class RotationPlan:
         return "r1" in self.rotations and self.head is not None
 
     def online(self) -> List[OnlineRotation]:
-        """The rotations that run on activations (r4: every ``down_proj``'s input)."""
-        if "r4" not in self.rotations:
-            return []
-        return [OnlineRotation("r4", self.kind, self.seed, tuple(f"{layer}.{self.down}" for layer in self.layers))]
+        """The rotations that run on activations (r3: every quantized KV cache's keys, with their queries; r4:
+        every ``down_proj``'s input)."""
+        out = []
+        if "r3" in self.rotations:
+            out.append(OnlineRotation("r3", self.kind, self.seed, self.kv_modules, location="k_cache"))
+        if "r4" in self.rotations:
+            out.append(OnlineRotation("r4", self.kind, self.seed,
+                                      tuple(f"{layer}.{self.down}" for layer in self.layers)))
+        return out
 
 
 class Recipe(BaseModel):
@@ -460,6 +473,13 @@ class Recipe(BaseModel):
     def _mix_takes_weights(self):
         if self.gguf_mix is not None and self.defaults.weights is None:
             raise ValueError(f"gguf_mix {self.gguf_mix} quantizes weights: defaults.weights cannot be null")
+        return self
+
+    @model_validator(mode="after")
+    def _r3_needs_a_kv_cache(self):
+        if self.rotate is not None and "r3" in self.rotate.rotations and self.kv_cache is None:
+            raise ValueError("rotate: r3 rotates the keys a quantized KV cache stores, and changes nothing else; "
+                             "add kv_cache (e.g. kv_cache: {granularity: per_head}) or leave r3 out")
         return self
 
     @field_validator("ignore")
@@ -1147,6 +1167,9 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         plan.warnings.append(f"{source}: the recipe puts no quantizer on this model")
     if recipe.rotate is not None:
         plan.rotation = _rotation_plan(recipe.rotate, model, source)
+        if "r3" in plan.rotation.rotations:
+            kv = tuple(q.module for q in plan.quantizers if q.tensor == "k_cache")
+            plan.rotation = dataclasses.replace(plan.rotation, kv_modules=kv)
     if recipe.smoothquant is not None:
         plan.smoothing = _smooth_groups(recipe.smoothquant, named, source)
         rotated = {m for r in (plan.rotation.online() if plan.rotation else []) for m in r.modules}
@@ -1222,8 +1245,11 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
         raise ConfigError(f"{where}: block_size {block} does not divide the hidden size {hidden}")
     if "r4" in spec.rotations:
         _check_r4_width({modules[f"{layer}.mlp.down_proj"].in_features for layer in layers}, "down_proj", where)
+    if "r3" in spec.rotations and not head_dim:
+        raise ConfigError(f"{where}: r3 rotates each attention head's queries and keys, but the model's config "
+                          "gives no head_dim (nor num_attention_heads)")
     for r, width, what in (("r1", block, "hidden size" if block == hidden else "block_size"),
-                           ("r2", head_dim, "head_dim")):
+                           ("r2", head_dim, "head_dim"), ("r3", head_dim, "head_dim")):
         if r in spec.rotations:
             try:
                 hadamard_order(width)

@@ -594,6 +594,12 @@ class EncodingsFile:
         if version < 4 and "online_rotations" in obj:
             raise EncodingsError(f"{path}: 'online_rotations' needs schema_version 4 (this file says {version})")
         online = _read_online(obj.get("online_rotations"), path) if version >= 4 else []
+        kv = {e.module for e in entries if e.tensor == "k_cache"}
+        for i, rot in enumerate(online):
+            bare = next((m for m in rot.modules if m not in kv), None) if rot.location == "k_cache" else None
+            if bare is not None:  # r3 rotates what a KV cache quantizer sees: without one it means nothing
+                raise EncodingsError(f"{path}: online_rotations[{i}]: {bare!r} has no quantized KV cache (no "
+                                     "k_cache quantizer in this file) for its key rotation")
         codes_file = None
         data_files = [] if sidecar is None else sidecar.files()
         if version >= 3 and obj.get("codes") is not None:
@@ -626,8 +632,8 @@ def _read_online(raw: Any, path: Path) -> List[OnlineRotation]:
         mods = r["modules"]
         if r["type"] not in ("hadamard", "random-hadamard"):
             raise EncodingsError(f"{where}: type {r['type']!r} is not hadamard or random-hadamard")
-        if r["location"] != "input":
-            raise EncodingsError(f"{where}: location {r['location']!r} is not supported (input)")
+        if r["location"] not in ("input", "k_cache"):
+            raise EncodingsError(f"{where}: location {r['location']!r} is not supported (input, k_cache)")
         if not isinstance(r["seed"], int) or isinstance(r["seed"], bool) or not 0 <= r["seed"] < 2**63:
             raise EncodingsError(f"{where}: seed must be an integer from 0 to 2^63-1")
         if not isinstance(r["name"], str) or not r["name"]:
@@ -637,7 +643,7 @@ def _read_online(raw: Any, path: Path) -> List[OnlineRotation]:
         twice = next((m for m in mods if m in seen or seen.add(m)), None)
         if twice is not None:
             raise EncodingsError(f"{where}: module {twice!r} is rotated twice")
-        out.append(OnlineRotation(r["name"], r["type"], r["seed"], tuple(mods)))
+        out.append(OnlineRotation(r["name"], r["type"], r["seed"], tuple(mods), r["location"]))
     return out
 
 

@@ -330,8 +330,8 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     floats = [e for e in enc.entries if e.is_float]
     if enc.online and exporter.aimet_json != "never":  # AIMET JSON has no place for a rotation at run time
         summary["export_warnings"].append(
-            f"model.encodings (AIMET JSON) not written: the model rotates "
-            f"{sum(len(r.modules) for r in enc.online)} layers' inputs at run time "
+            f"model.encodings (AIMET JSON) not written: the model rotates activations of "
+            f"{sum(len(r.modules) for r in enc.online)} modules at run time "
             f"({', '.join(sorted({r.name for r in enc.online}))}, online), which AIMET encodings cannot describe")
     elif floats and exporter.aimet_json != "never":  # AIMET JSON holds integer grids only
         summary["export_warnings"].append(

@@ -199,6 +199,9 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, c
     return _fold(records, modules, chosen)
 
 
+_CACHE_KWARGS = ("past_key_values", "past_key_value")
+
+
 def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batch: Batch, device,
                    causal_lm: bool) -> Dict[str, Any]:
     """One batch's contributions, each kept as the list of terms in the order a running sum adds them."""
@@ -235,6 +238,9 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
         args, kwargs, ref = float_io.get(name, (None, None, None))
         if ref is None:
             continue
+        # an attention layer's KV cache already holds this batch's keys from the float pass: called again with
+        # it, the layer would attend to those float keys and its KV cache quantizers would change nothing
+        kwargs = {k: None if k in _CACHE_KWARGS else v for k, v in kwargs.items()}
         set_quantization(model, True, only={name})
         out = _first_tensor(mod(*args, **kwargs))
         terms["sig_i"][name].append(float(ref.float().pow(2).sum()))

@@ -277,13 +277,15 @@ defaults:
 layers:
   - {type: Embedding, weights: null, activations: null}
 ignore: ["lm_head"]
-rotate: {rotations: [r1, r2, r4], type: random-hadamard, seed: 5}
+rotate: {rotations: [r1, r2, r3, r4], type: random-hadamard, seed: 5}
+kv_cache: {granularity: per_head}
 """
 
 
 def test_a_rotated_model_on_ranks_writes_the_bytes_of_one_process(llama, tmp_path):
-    """Every rank fuses the same rotations (r4 online, so GPTQ sees rotated inputs) before GPTQ: two ranks give one
-    process's codes and rotated floats."""
+    """Every rank fuses the same rotations (r4 online, so GPTQ sees rotated inputs; r3 online, so the KV cache
+    ranges merged across ranks are of rotated keys) before GPTQ: two ranks give one process's codes, rotated floats
+    and KV cache scales."""
     one, many = _one_and_two_ranks(llama, tmp_path, ROTATED)
     assert set(one) == {"encodings.json", "codes.safetensors"} and many == one
 

@@ -39,8 +39,11 @@ def test_the_rotation_is_orthogonal_at_every_width_used(n, kind):
        seed=st.integers(0, 2**31), kind=st.sampled_from(["hadamard", "random-hadamard"]))
 def test_the_fast_transform_is_the_dense_product(n, rows, seed, kind):
     x = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    dense = x @ rotation_matrix(n, kind, seed)
-    assert torch.allclose(hadamard_transform(x, kind, seed), dense, atol=1e-12, rtol=0)
+    r = rotation_matrix(n, kind, seed)
+    assert torch.allclose(hadamard_transform(x, kind, seed), x @ r, atol=1e-12, rtol=0)
+    assert torch.allclose(hadamard_transform(x, kind, seed, inverse=True), x @ r.T, atol=1e-12, rtol=0)
+    assert torch.allclose(hadamard_transform(hadamard_transform(x, kind, seed), kind, seed, inverse=True), x,
+                          atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("n", [3, 6, 9, 18, 184, 11008])
@@ -197,7 +200,7 @@ def test_rotation_makes_low_bit_activations_closer_to_float(world, tmp_path):
 
 
 @pytest.mark.parametrize("text, needle", [
-    ("rotate: {rotations: [r3]}", "r3"),
+    ("rotate: {rotations: [r3]}", "r3 rotates the keys a quantized KV cache stores"),  # without kv_cache
     ("rotate: {rotations: [r1, r1]}", "listed twice"),
     ("rotate: {type: cayley}", "type"),
     ("rotate: {rotations: []}", "rotations"),
@@ -217,6 +220,8 @@ def test_models_it_cannot_rotate_are_one_line_and_write_nothing(tmp_path):
         (_llama(tmp_path / "block", hidden=96, heads=4), "rotate: {block_size: 36}", "does not divide the hidden"),
         (_llama(tmp_path / "block2", hidden=96, heads=4), "rotate: {block_size: 6}", "block_size 6"),
         (_llama(tmp_path / "inner", hidden=184, heads=4), "rotate: {rotations: [r4]}", "intermediate size 368"),
+        (_llama(tmp_path / "keys", hidden=72, heads=4), "rotate: {rotations: [r3]}\nkv_cache: {}", "r3 rotates the "
+         "head_dim 18"),
     ]
     for i, (model, text, needle) in enumerate(cases):
         recipe = W4A16_ROT.replace("rotate: {rotations: [r1, r2]}", text).replace("block_size: 32", "block_size: 8")
@@ -281,7 +286,8 @@ def test_sequential_fuses_the_same_rotations_block_by_block(tmp_path, tied):
     ids = torch.randint(0, 256, (6, 12), generator=torch.Generator().manual_seed(4))
     save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
     recipe = W4A16_ROT.replace("ignore: [lm_head]\n", "").replace("block_size: 32", "block_size: 16")
-    (tmp_path / "r.yaml").write_text(recipe.replace("[r1, r2]", "[r1, r2, r4], type: random-hadamard, seed: 9"))
+    (tmp_path / "r.yaml").write_text(recipe.replace("[r1, r2]", "[r1, r2, r3, r4], type: random-hadamard, seed: 9")
+                                     + "kv_cache: {granularity: per_head}\n")
     runs = {}
     for mode in ("memory", "sequential"):
         code, _, err = run_cli("calibrate", llama, "-c", tmp_path / "r.yaml", "--data", tmp_path / "ids.safetensors",
@@ -294,6 +300,22 @@ def test_sequential_fuses_the_same_rotations_block_by_block(tmp_path, tied):
 
     with safe_open(str(tmp_path / "sequential" / "codes.safetensors"), "pt") as fh:
         assert ("float/lm_head.weight" in fh.keys()) and ("float/model.embed_tokens.weight" in fh.keys())
+
+
+def _online_fake_quant_logits(llama, encodings, ids, rotated):
+    """The fake-quant model's logits after load_calibrated, which puts the online rotations back on exactly the
+    ``rotated`` modules; with quantization off, the rotated model computes the float model's function."""
+    from qtool.model.online import online_rotations
+
+    fq = qtool.load_calibrated(str(llama), str(encodings))
+    assert sorted(online_rotations(fq)) == rotated
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(llama)).eval()
+    with torch.no_grad():
+        ref = fq(ids).logits
+        set_quantization(fq, False)
+        a, b = fq(ids).logits, plain(ids).logits
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()  # rotated float model == float model
+    return ref
 
 
 W4A16_R4 = W4A16_ROT.replace("[r1, r2]", "[r1, r2, r4], type: TYPE, seed: 3")
@@ -309,8 +331,6 @@ def test_r4_runs_online_through_reload_and_compressed_tensors(tmp_path, kind, hi
     from compressed_tensors.transform import TransformConfig, apply_transform_config
     from safetensors import safe_open
 
-    from qtool.model.online import online_rotations
-
     llama = _llama(tmp_path / "m", hidden=hidden, mlp_outliers=True)
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
     (tmp_path / "r.yaml").write_text(W4A16_R4.replace("TYPE", kind))
@@ -320,14 +340,8 @@ def test_r4_runs_online_through_reload_and_compressed_tensors(tmp_path, kind, hi
     assert enc["schema_version"] == 4
     assert enc["online_rotations"] == [{"name": "r4", "type": kind, "seed": 3, "location": "input",
                                         "modules": [f"model.layers.{i}.mlp.down_proj" for i in range(2)]}]
-    fq = qtool.load_calibrated(str(llama), str(tmp_path / "run" / "encodings.json"))
-    assert sorted(online_rotations(fq)) == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
-    plain = transformers.AutoModelForCausalLM.from_pretrained(str(llama)).eval()
-    with torch.no_grad():
-        ref = fq(ids).logits
-        set_quantization(fq, False)
-        a, b = fq(ids).logits, plain(ids).logits
-    assert (a - b).abs().max() <= 1e-5 * b.abs().max()  # rotated float model == float model
+    ref = _online_fake_quant_logits(llama, tmp_path / "run" / "encodings.json", ids,
+                                    [f"model.layers.{i}.mlp.down_proj" for i in range(2)])
 
     code, out, err = run_cli("export", llama, "-e", tmp_path / "run" / "encodings.json", "-o", tmp_path / "ct",
                              "--format", "compressed-tensors", "--json")
@@ -553,3 +567,97 @@ def test_r4_alone_rotates_a_bert_encoders_mlp_output_online(tmp_path):
     assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     with pytest.raises(ConfigError, match="Llama-family"):  # r1 still needs a Llama
         resolve_plan(parse_recipe("version: 1\nrotate: {rotations: [r1, r4]}\n"), plain)
+
+
+KV_R3 = ("version: 1\ndefaults:\n  weights: {element: fp8_e4m3, granularity: per_channel}\n  activations: null\n"
+         "layers:\n  - {type: Embedding, weights: null}\nignore: [lm_head]\nkv_cache: {granularity: GRAN}\n")
+
+
+@pytest.mark.parametrize("kind, hidden, gran", [("hadamard", 64, "per_head"), ("random-hadamard", 96, "per_tensor")])
+def test_r3_rotates_the_cached_keys_through_reload_and_compressed_tensors(tmp_path, monkeypatch, kind, hidden, gran):
+    """R3: each attention layer's KV cache quantizer sees its keys rotated per head (k R); q kᵀ is unchanged, so
+    the float function is too. The encodings file records it (location k_cache), load_calibrated puts it back,
+    and the compressed-tensors export writes transform_config R3 (q_attn and k_cache, head_dim) plus the
+    matrices: compressed-tensors' own transforms on the reloaded model give the fake-quant model's logits, and
+    without them the logits move (what a runtime that ignores R3 computes)."""
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+    from safetensors import safe_open
+
+    llama = _llama(tmp_path / "m", hidden=hidden)
+    ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    head_dim, attn = hidden // 4, [f"model.layers.{i}.self_attn" for i in range(2)]
+    scales = {}
+    for name, extra in (("plain", ""), ("r3", f"rotate: {{rotations: [r3], type: {kind}, seed: 2}}\n")):
+        (tmp_path / f"{name}.yaml").write_text(KV_R3.replace("GRAN", gran) + extra)
+        code, _, err = run_cli("calibrate", llama, "-c", tmp_path / f"{name}.yaml", "--data",
+                               tmp_path / "ids.safetensors", "-o", tmp_path / name)
+        assert code == 0, err
+        enc = json.loads((tmp_path / name / "encodings.json").read_text())
+        scales[name] = [q["max"] for q in enc["quantizers"] if q["tensor"] == "k_cache"]
+    assert enc["schema_version"] == 4
+    assert enc["online_rotations"] == [{"name": "r3", "type": kind, "seed": 2, "location": "k_cache",
+                                        "modules": attn}]
+    assert scales["r3"] != scales["plain"]  # the key ranges were measured on rotated keys
+    ref = _online_fake_quant_logits(llama, tmp_path / "r3" / "encodings.json", ids, attn)
+
+    code, out, err = run_cli("export", llama, "-e", tmp_path / "r3" / "encodings.json", "-o", tmp_path / "ct",
+                             "--format", "compressed-tensors", "--json")
+    assert code == 0, err
+    assert any("r3" in w and "vLLM" in w for w in json.loads(out)["export_warnings"])
+    cfg = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    scheme = TransformConfig.model_validate(cfg["transform_config"]).config_groups["R3"]
+    assert scheme.type == ("hadamard" if kind == "hadamard" else "random-hadamard") and scheme.head_dim == head_dim
+    assert [(a.location, a.inverse, a.targets) for a in scheme.apply] == [("q_attn", False, attn),
+                                                                         ("k_cache", False, attn)]
+    ct = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ct")).eval()
+    with torch.no_grad():
+        without = ct(ids).logits
+    assert (without - ref).abs().max() > 1e-4 * ref.abs().max()
+    # compressed-tensors 0.20's hooked attention (which q_attn installs) also quantizes the queries with the KV
+    # cache's scheme and a q_scale; qtool quantizes keys and values only (kv_cache), so that step is left out
+    import compressed_tensors.modeling.attention as ct_attention
+
+    real = ct_attention.forward_quantize
+    monkeypatch.setattr(ct_attention, "forward_quantize",
+                        lambda module, value, base, args: value if base == "q" else real(module, value, base, args))
+    apply_transform_config(ct, TransformConfig(config_groups={"R3": scheme}))
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as fh:
+        mats = {k: fh.get_tensor(k) for k in fh.keys() if ".R3_" in k}
+    assert sorted(mats) == sorted(f"{a}.R3_{loc}.weight" for a in attn for loc in ("k_cache", "q_attn"))
+    assert all(m.shape == (head_dim, head_dim) and set(m.unique().tolist()) == {-1.0, 1.0} for m in mats.values())
+    if kind == "random-hadamard":  # compressed-tensors' own random matrix is not qtool's: the file's is loaded
+        assert not ct.load_state_dict(mats, strict=False).unexpected_keys
+    else:  # a power-of-two head_dim: compressed-tensors' Sylvester matrix is qtool's
+        assert torch.equal(ct.model.layers[0].self_attn.R3_k_cache.weight, mats[f"{attn[0]}.R3_k_cache.weight"])
+    with torch.no_grad():
+        got = ct(ids).logits
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+    code, _, err = run_cli("export", llama, "-e", tmp_path / "r3" / "encodings.json", "-o", tmp_path / "g.gguf",
+                           "--format", "gguf")
+    assert code == 2 and "r3" in err and not (tmp_path / "g.gguf").exists(), err
+
+
+def test_an_r3_rotation_of_a_layer_without_a_quantized_kv_cache_is_refused(tmp_path):
+    llama = _llama(tmp_path / "m", hidden=64)
+    save_file({"input_ids": torch.randint(0, 256, (2, 8))}, tmp_path / "ids.safetensors")
+    (tmp_path / "r.yaml").write_text(KV_R3.replace("GRAN", "per_tensor") + "rotate: {rotations: [r3]}\n")
+    code, _, err = run_cli("calibrate", llama, "-c", tmp_path / "r.yaml", "--data", tmp_path / "ids.safetensors",
+                           "-o", tmp_path / "run")
+    assert code == 0, err
+    path = tmp_path / "run" / "encodings.json"
+    # the report measures an attention layer's KV cache quantizers alone on a fresh cache (it once reused the float
+    # pass's cache, which already held the keys, and printed an isolated SQNR of inf)
+    code, out, err = run_cli("report", llama, "-e", path, "--data", tmp_path / "ids.safetensors", "--json")
+    assert code == 0, err
+    attn = [r for r in json.loads(out)["layers"] if r["module"].endswith("self_attn")]
+    assert len(attn) == 2 and all(isinstance(r["sqnr_isolated_db"], float) and 10 < r["sqnr_isolated_db"] < 80
+                                  for r in attn), attn
+    enc = json.loads(path.read_text())
+    enc["quantizers"] = [q for q in enc["quantizers"] if q["module"] != "model.layers.1.self_attn"]
+    path.write_text(json.dumps(enc))
+    code, _, err = run_cli("export", llama, "-e", path, "-o", tmp_path / "q", "--format", "qtool")
+    errors = [e for e in error_lines(err) if e.startswith("error")]
+    assert code == 2 and len(errors) == 1 and "model.layers.1.self_attn" in errors[0], err
+    assert "no quantized KV cache" in errors[0] and not (tmp_path / "q").exists()

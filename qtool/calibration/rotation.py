@@ -1,4 +1,4 @@
-"""Hadamard rotations put into a Llama-family model (QuaRot/SpinQuant's R1, R2 and R4), before calibration.
+"""Hadamard rotations put into a Llama-family model (QuaRot/SpinQuant's R1 to R4), before calibration.
 
 ``R`` is orthogonal (``R Rᵀ = I``, :mod:`qtool.quant.hadamard`), so inserting ``R Rᵀ`` anywhere leaves the float
 model unchanged; fusing each factor into the weight beside it leaves a plain model whose weights and activations
@@ -16,6 +16,9 @@ have their outlier channels spread out.
 * **R4**, ``down_proj``'s input (width ``intermediate``): ``down_proj``'s weight becomes ``W R`` and its input
   ``x R`` at run time, by a hook (qtool.model.online), since SwiGLU's product before it is not linear in a
   rotation. The hook stays on the model; the encodings file records it for every later reader.
+* **R3**, each attention head's queries and keys after RoPE (width ``head_dim``), at run time: nothing is
+  fused (``(q R)(k R)ᵀ = q kᵀ``); the layer's KV cache quantizer sees ``k R`` (qtool.model.online). Only with a
+  quantized KV cache (``kv_cache``), where it spreads the keys' outlier channels (RoPE's slow dimensions).
 
 All products are taken in float64 and stored in the parameter's dtype. :func:`rotate` changes the model in
 place and returns every changed tensor (stored as ``float/`` replacements in ``codes.safetensors``, so every
@@ -122,6 +125,10 @@ class Rotator:
             name = f"{layer}.{self.plan.down}"
             store(f"{name}.weight", self._rot(mod(name).weight))
             install_online(self.modules, self.plan.online(), only=name)
+        if "r3" in self.plan.rotations:  # the keys the layer's KV cache quantizer sees: k R (nothing fused)
+            for name in self.plan.kv_modules:
+                if name.startswith(layer + "."):
+                    install_online(self.modules, self.plan.online(), only=name)
         return changed
 
     @torch.no_grad()

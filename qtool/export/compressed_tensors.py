@@ -92,6 +92,7 @@ from ..io.checkpoint import detect_kind
 from ..io.jsonfile import read_json_object
 from ..io.st_writer import StreamingSafetensorsWriter
 from ..model.hf import meta_skeleton
+from ..model.online import rotated_width
 from ..quant.floatgrid import element_of, global_scale
 from ..quant.packing import pack_bytes, pack_int32
 from ..weights import WeightSource
@@ -508,7 +509,8 @@ def export_compressed_tensors(
     transforms = _online_transforms(encodings, modules, src, keys)
     if transforms:
         qconfig["transform_config"] = {"config_groups": {t["scheme"]: t["config"] for t in transforms}}
-        warnings.append(_ONLINE_NOTE)
+        warnings += [_ONLINE_NOTE if loc == "input" else _KEY_ROTATION_NOTE
+                     for loc in dict.fromkeys(t["location"] for t in transforms)]
 
     # ---- tensor layout ---------------------------------------------------------------------------------------
     layout: List[Tuple[str, torch.dtype, Tuple[int, ...]]] = []
@@ -668,6 +670,10 @@ def _write_float_layer(w: StreamingSafetensorsWriter, key: str, t: torch.Tensor,
 _ONLINE_NOTE = ("the model rotates down_proj's input at run time (r4, transform_config): vLLM applies it; "
                 "transformers 5.23 loads the weights but ignores transform_config, so its outputs are wrong there "
                 "unless compressed-tensors' apply_transform_config adds the online part (see docs/formats.md)")
+_KEY_ROTATION_NOTE = ("the model rotates each head's queries and keys at run time (r3, transform_config R3 at q_attn "
+                      "and k_cache), and k_scale was calibrated on rotated keys: compressed-tensors' "
+                      "apply_transform_config runs it; vLLM applies transforms to Linear layers only and ignores "
+                      "R3, so there the FP8 KV cache quantizes unrotated keys with those scales (see docs/formats.md)")
 
 
 def _online_transforms(encodings: EncodingsFile, modules, src, keys) -> List[Dict[str, Any]]:
@@ -683,26 +689,31 @@ def _online_transforms(encodings: EncodingsFile, modules, src, keys) -> List[Dic
     out = []
     key_set = set(keys)
     for rot in encodings.online:
-        widths = {modules[m].in_features for m in rot.modules}
+        widths = {rotated_width(modules[m], rot) for m in rot.modules}
         if len(widths) != 1:
-            raise EncodingsError(f"online rotation {rot.name}: the rotated layers' input widths differ "
-                                 f"({sorted(widths)})")
+            raise EncodingsError(f"online rotation {rot.name}: the rotated widths differ ({sorted(widths)})")
         n = widths.pop()
         scheme = rot.name.upper()
         sylvester = rot.kind == "hadamard" and hadamard_order(n)[0] == 1
         matrix = (rotation_matrix(n, rot.kind, rot.seed) * n ** 0.5).round()
+        # r4: the Linear's input online, its inverse already fused (weight_input); r3: each head's queries and the
+        # keys the cache stores, both online (q_attn, k_cache), nothing fused
+        locations = ("input",) if rot.location == "input" else ("q_attn", "k_cache")
         tensors = {}
         for m in rot.modules:
-            key = f"{m}.weight"
+            key = f"{m}.weight" if rot.location == "input" else f"{m}.k_proj.weight"
             if key not in key_set:
                 raise EncodingsError(f"online rotation {rot.name}: {m} has no weight {key!r} in the checkpoint")
-            tensors[f"{m}.{scheme}_input.weight"] = (src.shape_dtype(key)[1], (n, n))
+            for loc in locations:
+                tensors[f"{m}.{scheme}_{loc}.weight"] = (src.shape_dtype(key)[1], (n, n))
         targets = list(rot.modules)
-        out.append({"scheme": scheme, "matrix": matrix, "tensors": tensors, "config": {
-            "type": "hadamard" if sylvester else "random-hadamard",
-            "apply": [{"targets": targets, "location": "input", "inverse": False, "ignore": []},
-                      {"targets": targets, "location": "weight_input", "inverse": True, "ignore": []}],
-            "randomize": False, "requires_grad": False, "head_dim": None, "precision": "float32"}})
+        apply = [{"targets": targets, "location": loc, "inverse": False, "ignore": []} for loc in locations]
+        if rot.location == "input":
+            apply.append({"targets": targets, "location": "weight_input", "inverse": True, "ignore": []})
+        out.append({"scheme": scheme, "matrix": matrix, "tensors": tensors, "location": rot.location, "config": {
+            "type": "hadamard" if sylvester else "random-hadamard", "apply": apply,
+            "randomize": False, "requires_grad": False, "head_dim": None if rot.location == "input" else n,
+            "precision": "float32"}})
     return out
 
 

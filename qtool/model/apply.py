@@ -14,7 +14,7 @@ from ..quant import QuantizerBase
 from ..quant.hadamard import HadamardError, hadamard_order
 from ..weights import WeightSource
 from .insert import insert_quantizers, set_stored_weight
-from .online import install_online
+from .online import install_online, rotated_width
 
 __all__ = ["plan_from_encodings", "apply_encodings", "apply_stored_weights", "untie"]
 
@@ -37,16 +37,16 @@ def apply_encodings(model: nn.Module, enc: EncodingsFile, source: str) -> Dict[s
     they rotate; returns the quantizers by quantizer name."""
     plan = plan_from_encodings(enc, model, source)
     modules = dict(model.named_modules())
-    for rot in enc.online:
-        missing = next((m for m in rot.modules if not isinstance(modules.get(m), nn.Linear)), None)
-        if missing is not None:
-            raise EncodingsError(f"{source}: online rotation {rot.name}: {missing!r} is not a Linear layer of this "
-                                 "model; were the encodings made for another model?")
-        width = {modules[m].in_features for m in rot.modules}
+    for rot in enc.online:  # (an r3 module has a k_cache quantizer: checked when the file was read)
+        if rot.location == "input":
+            missing = next((m for m in rot.modules if not isinstance(modules.get(m), nn.Linear)), None)
+            if missing is not None:
+                raise EncodingsError(f"{source}: online rotation {rot.name}: {missing!r} is not a Linear layer of "
+                                     "this model; were the encodings made for another model?")
         try:
-            for n in width:
+            for n in {rotated_width(modules[m], rot) for m in rot.modules}:
                 hadamard_order(n)
-        except HadamardError as e:
+        except (HadamardError, ValueError) as e:
             raise EncodingsError(f"{source}: online rotation {rot.name}: {e}") from None
     quantizers = insert_quantizers(model, plan)
     install_online(modules, enc.online)  # the rotations run first: before the input quantizers they feed

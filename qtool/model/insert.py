@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..config import Plan, QuantizerPlan
+from .online import key_rotation, rotate_keys
 from ..quant import (DynamicFloatQuantizeDequantize, DynamicQuantizeDequantize, FloatQuantizeDequantize,
                      GgmlQuantizeDequantize, QuantizeDequantize, QuantizerBase)
 
@@ -38,7 +39,7 @@ class QuantizedModuleMixin:
             args = (_plain(qs["input"](args[0])),) + tuple(args[1:])
         if "k_cache" in qs:  # an attention layer: keys and values are quantized where they reach the cache
             key = "past_key_value" if "past_key_value" in kwargs else "past_key_values"
-            kwargs[key] = _QuantizedKV(qs, kwargs.get(key))
+            kwargs[key] = _QuantizedKV(qs, kwargs.get(key), key_rotation(self))
         if "weight" in qs:
             self.__dict__["weight"] = _fake_quant_weight(self, qs["weight"])  # shadows the parameter for this call
             try:
@@ -56,13 +57,18 @@ class _QuantizedKV:
     """Stands in for an attention layer's ``past_key_values`` for one call: ``update(keys, values, ...)`` (what
     Llama-family attention calls after RoPE) fake-quantizes keys and values with the layer's ``k_cache`` /
     ``v_cache`` quantizers, then hands them to the real cache (when there is one) or back to the layer; every other
-    attribute is the real cache's."""
+    attribute is the real cache's. With a key rotation (r3, qtool.model.online) the keys are quantized as
+    ``k R`` and handed on as ``Q(k R) Rᵀ``."""
 
-    def __init__(self, qs, cache):
-        self._qs, self._cache = qs, cache
+    def __init__(self, qs, cache, rotation=None):
+        self._qs, self._cache, self._rotation = qs, cache, rotation
 
     def update(self, key_states, value_states, *args, **kwargs):
-        k = _plain(self._qs["k_cache"](key_states))
+        rot = self._rotation
+        if rot is None:
+            k = _plain(self._qs["k_cache"](key_states))
+        else:
+            k = rotate_keys(rot, _plain(self._qs["k_cache"](rotate_keys(rot, key_states))), inverse=True)
         v = _plain(self._qs["v_cache"](value_states))
         return (k, v) if self._cache is None else self._cache.update(k, v, *args, **kwargs)
 

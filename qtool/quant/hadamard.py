@@ -113,29 +113,35 @@ def _signs(n: int, seed: int) -> torch.Tensor:  # cached: an online rotation ask
 
 
 def hadamard_transform(x: torch.Tensor, kind: str = "hadamard", seed: int = 0,
-                       compute: torch.dtype = torch.float64) -> torch.Tensor:
+                       compute: torch.dtype = torch.float64, inverse: bool = False) -> torch.Tensor:
     """``x @ R`` over the last dimension (width ``n``) for the orthogonal rotation ``R`` of :func:`rotation_matrix`,
     without forming ``R``: ``H = S ⊗ B`` (Sylvester's ``S`` of order ``2^k``, ``B`` of order ``m``), so ``x`` is
     viewed as ``(…, 2^k, m)``, multiplied by ``B`` and then butterflied over the ``2^k`` axis (a fast
     Walsh-Hadamard transform): ``O(n (m + log n))`` per row. Computed in ``compute`` (float64 for weights fused
-    once; an online rotation of activations uses float32, as compressed-tensors does); returns ``x``'s dtype."""
+    once; an online rotation of activations uses float32, as compressed-tensors does); returns ``x``'s dtype.
+    ``inverse``: ``x @ Rᵀ`` (undoes the rotation: ``Bᵀ`` for ``B``, the random signs applied last)."""
     n = int(x.shape[-1])
     m, k = hadamard_order(n)
     y = x.to(compute)
-    if kind == "random-hadamard":
-        y = y * _signs(n, seed).to(y.device, compute)
-    elif kind != "hadamard":
+    if kind not in ("hadamard", "random-hadamard"):
         raise ValueError(f"unknown rotation type {kind!r}")
+    signs = _signs(n, seed).to(y.device, compute) if kind == "random-hadamard" else None
+    if signs is not None and not inverse:
+        y = y * signs
     lead = y.shape[:-1]
     if m > 1:  # the small factor (an identity for powers of two)
-        y = y.reshape(-1, k, m) @ _base(m).to(y.device, compute)
+        base = _base(m).to(y.device, compute)
+        y = y.reshape(-1, k, m) @ (base.T if inverse else base)
     h = 1
     while h < k:  # butterflies: pairs (i, i + h) within each block of 2h rows
         y = y.reshape(-1, k // (2 * h), 2, h, m)
         a, b = y[:, :, 0], y[:, :, 1]
         y = torch.stack((a + b, a - b), dim=2)
         h *= 2
-    return true_div(y.reshape(*lead, n), n ** 0.5).to(x.dtype)
+    y = true_div(y.reshape(*lead, n), n ** 0.5)
+    if signs is not None and inverse:
+        y = y * signs
+    return y.to(x.dtype)
 
 
 def rotation_matrix(n: int, kind: str = "hadamard", seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
