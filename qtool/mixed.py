@@ -28,6 +28,7 @@ from .config import Plan, QuantizerPlan
 from .data import Batch
 from .export.base import layout_bytes
 from .model.insert import computing_with, fake_quant_weight, set_quantization
+from .parallel import Group, shard_bounds
 from .report import _main_output, _per_sample_cosine, _token_kl
 
 __all__ = ["FUSED", "fused_groups", "group_damage", "Costs", "costs", "mixed_recipe"]
@@ -77,7 +78,7 @@ def effective_weights(model: nn.Module, modules: Sequence[str]) -> Dict[str, Opt
 @torch.no_grad()
 def group_damage(model: nn.Module, batches: Sequence[Batch], groups: Sequence[Tuple[str, ...]],
                  options: Sequence[Dict[str, Optional[torch.Tensor]]], device, causal_lm: bool,
-                 progress: Optional[Callable[[int, int, str], None]] = None
+                 progress: Optional[Callable[[int, int, str], None]] = None, group: Optional[Group] = None
                  ) -> Tuple[float, List[List[float]], List[float]]:
     """The damage of the base candidate's calibrated fake-quant ``model`` (everything quantized, as deployed), and,
     for each other candidate's weights (``options[c]``: module -> weight, None for float), the change in damage
@@ -85,13 +86,12 @@ def group_damage(model: nn.Module, batches: Sequence[Batch], groups: Sequence[Tu
 
     Measuring each change against the deployed base rather than a float model keeps the errors every other layer
     makes in the picture, and the base and the swapped model run the same samples, so their difference is far less
-    noisy than either damage."""
+    noisy than either damage. Under torchrun (``group``) each rank runs its share of the batches and every rank gets
+    the sums, added in batch order: the numbers of one process, bit for bit."""
+    group = group or Group()
     named = dict(model.named_modules())
-    base = 0.0
-    deltas = [[0.0] * len(groups) for _ in options]
-    together = [0.0] * len(options)
-    count = 0
-    steps = len(batches) * (1 + len(options) * (len(groups) + 1))
+    start, stop = shard_bounds(len(batches), group.rank, group.world_size)
+    steps = (stop - start) * (1 + len(options) * (len(groups) + 1))
     done = 0
 
     def tick(name):
@@ -100,30 +100,45 @@ def group_damage(model: nn.Module, batches: Sequence[Batch], groups: Sequence[Tu
         if progress:
             progress(done, steps, name)
 
+    records = []  # per batch: (base damage, count, [[change per group] per option], [all groups per option])
     try:
-        for b in batches:
+        for b in batches[start:stop]:
             b = b.to(device)
             set_quantization(model, False)
             ref = _main_output(model(*b.args, **b.kwargs))
             set_quantization(model, True)
             d0, n = _divergence(ref, _main_output(model(*b.args, **b.kwargs)), b, causal_lm)
-            base += d0
-            count += n
             tick("base")
-            for c, weights in enumerate(options):
-                for gi, g in enumerate(groups):
+            changes, together = [], []
+            for weights in options:
+                row = []
+                for g in groups:
                     with computing_with({named[m]: weights[m] for m in g if m in weights}):
                         d, _ = _divergence(ref, _main_output(model(*b.args, **b.kwargs)), b, causal_lm)
-                    deltas[c][gi] += d - d0
+                    row.append(d - d0)
                     tick(g[0])
+                changes.append(row)
                 with computing_with({named[m]: w for m, w in weights.items()}):
                     d, _ = _divergence(ref, _main_output(model(*b.args, **b.kwargs)), b, causal_lm)
-                together[c] += d
+                together.append(d)
                 tick("all groups")
+            records.append((d0, n, changes, together))
     finally:
         set_quantization(model, True)
+    if group.distributed:
+        records = [r for from_rank in group.all_gather(records) for r in from_rank]
+    base, count = 0.0, 0
+    deltas = [[0.0] * len(groups) for _ in options]
+    together_sum = [0.0] * len(options)
+    for d0, n, changes, together in records:
+        base += d0
+        count += n
+        for c, row in enumerate(changes):
+            for gi, x in enumerate(row):
+                deltas[c][gi] += x
+            together_sum[c] += together[c]
     count = max(count, 1)
-    return base / count, [[x / count for x in row] for row in deltas], [t / count for t in together]
+    return base / count, [[x / count for x in row] for row in deltas], [t / count for t in together_sum]
 
 
 @dataclass

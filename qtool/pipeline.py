@@ -160,13 +160,41 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
     return summary
 
 
+@contextlib.contextmanager
+def _rank_dir(target: Optional[TargetOptions]):
+    """A rank other than 0's own scratch directory while it searches (the chosen recipe and the calibrations it
+    measures, copied from rank 0: ranks need not share a filesystem); None when it does not search."""
+    if target is None:
+        yield None
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="qtool-rank-") as d:
+        yield Path(d)
+
+
+def _share_run(group: Group, run_dir: Path) -> None:
+    """Rank 0's calibration files in ``run_dir`` copied into every other rank's ``run_dir``, so each rank can load
+    the calibrated model (one collective step; nothing in one process)."""
+    if not group.distributed:
+        return
+    files = group.all_gather({f.name: f.read_bytes() for f in sorted(run_dir.iterdir()) if f.is_file()}
+                             if group.is_root else None)[0]
+    if not group.is_root:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (run_dir / name).write_bytes(data)
+
+
 def _searched(checkpoint: str, target: TargetOptions, opts: CalibrateOptions, exporter, options, tmp: Path,
-              hooks: Hooks) -> Tuple[str, Dict[str, Any]]:
-    """Run the size-budget search into ``tmp/recipe.yaml``: (its path, the search record)."""
+              hooks: Hooks, group: Optional[Group] = None) -> Tuple[str, Dict[str, Any]]:
+    """Run the size-budget search into ``tmp/recipe.yaml``: (its path, the search record). Under torchrun every
+    rank runs it (each calibrates its shard and measures its share of the search samples) and gets the same
+    choice; ``tmp`` is each rank's own directory."""
     import shutil
 
     work = tmp / ".search"
-    state = measure_candidates(checkpoint, target, opts, exporter, options, work, hooks)
+    state = measure_candidates(checkpoint, target, opts, exporter, options, work, hooks, group=group)
     shutil.rmtree(work, ignore_errors=True)
     text, record = choose_recipe(state, target)
     del state
@@ -180,10 +208,13 @@ def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any
     """Calibrate the searched recipe into ``run_dir`` and measure the chosen model as deployed. Where a uniform
     candidate that fits the budget measured less damage (the per-layer changes did not add up), that candidate is
     calibrated instead and ``recipe.yaml`` becomes it: the search never hands back a model it measured worse than
-    one it could have picked whole. Returns the calibration summary with ``target``."""
-    summary = _calibrate_into(checkpoint, recipe_path, opts, run_dir, hooks, group, search=record)
+    one it could have picked whole. Returns the calibration summary with ``target`` (None on ranks other than 0,
+    whose ``run_dir`` is their own scratch copy of rank 0's files)."""
+    root = group.is_root
+    summary = _calibrate_into(checkpoint, recipe_path, opts, run_dir if root else None, hooks, group, search=record)
+    _share_run(group, run_dir)
     chosen = record["chosen"]
-    chosen["damage"] = _measured_damage(checkpoint, run_dir / "encodings.json", record, target, opts, hooks)
+    chosen["damage"] = _measured_damage(checkpoint, run_dir / "encodings.json", record, target, opts, hooks, group)
     fits = [u for u in record["uniform"] if u["bytes"] <= record["budget"]["bytes"]]
     best = min(fits, key=lambda u: u["damage"], default=None)
     if best is not None and best["damage"] < chosen["damage"]:
@@ -199,11 +230,16 @@ def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any
             f"budget, so it is this candidate.\n" + text, encoding="utf-8")
         for name in ("encodings.json", SIDECAR, CODES_FILE, "manifest.json"):
             (run_dir / name).unlink(missing_ok=True)
+        if not root:
+            _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group, search=record)
+            return None
         record["chosen"] = {"bytes": best["bytes"], "bits_per_weight": best["bits_per_weight"],
                             "predicted_damage": best["predicted_damage"], "damage": best["damage"],
                             "groups": {n: (len(record["groups"]) if n == best["candidate"] else 0)
                                        for n in record["candidates"]}}
         summary = _calibrate_into(checkpoint, recipe_path, opts, run_dir, hooks, group, search=record)
+    if not root:
+        return None
     _write_search(run_dir, record)
     summary["target"] = {k: record[k] for k in ("budget", "format", "candidates", "damage", "chosen", "uniform")}
     if "fallback" in record:
@@ -233,16 +269,18 @@ def run_calibrate(checkpoint: str, recipe_path: Optional[str], out: str, opts: C
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=opts.data,
                                                    imatrix=opts.imatrix))
     with _ranks(opts.device) as group:
-        if target and group.distributed:
-            raise UsageError(f"{target.flag()} runs in one process: run it without torchrun (then calibrate the "
-                             "written recipe.yaml under torchrun if you like)")
-        if not group.is_root:  # calibrates its shard; rank 0 writes
-            _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group)
+        if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes
+            with _rank_dir(target) as tmp:
+                if target:
+                    recipe_path, record = _searched(checkpoint, target, opts, *budget_format, tmp, hooks, group)
+                    _calibrate_searched(checkpoint, recipe_path, record, target, opts, tmp / "run", hooks, group)
+                else:
+                    _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group)
             return {"rank": group.rank, "world_size": group.world_size}
         with atomic_output_dir(Path(out), overwrite) as tmp:
             record = None
             if target:
-                recipe_path, record = _searched(checkpoint, target, opts, *budget_format, tmp, hooks)
+                recipe_path, record = _searched(checkpoint, target, opts, *budget_format, tmp, hooks, group)
             if target:
                 summary = _calibrate_searched(checkpoint, recipe_path, record, target, opts, tmp, hooks, group)
                 summary["outputs"] += ["recipe.yaml", SEARCH_FILE]
@@ -463,18 +501,20 @@ def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: Ca
     hooks = Hooks(on_plan=check_plan, on_batch=hooks.on_batch, on_tensor=hooks.on_tensor, on_stage=hooks.on_stage,
                   on_block=hooks.on_block)
     with _ranks(opts.device) as group:
-        if target and group.distributed:
-            raise UsageError(f"{target.flag()} runs in one process: run it without torchrun (then quantize with "
-                             "the written recipe.yaml under torchrun if you like)")
-        if not group.is_root:  # calibrates its shard; rank 0 writes and exports
-            _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group)
+        if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes, exports
+            with _rank_dir(target) as tmp:
+                if target:
+                    recipe_path, record = _searched(checkpoint, target, opts, exporter, options, tmp, hooks, group)
+                    _calibrate_searched(checkpoint, recipe_path, record, target, opts, tmp / "run", hooks, group)
+                else:
+                    _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group)
             return {"rank": group.rank, "world_size": group.world_size}
         with atomic_output_dir(Path(out), overwrite) as tmp:
             calib_dir = tmp / "calibration"
             calib_dir.mkdir()
             record = None
             if target:
-                recipe_path, record = _searched(checkpoint, target, opts, exporter, options, tmp, hooks)
+                recipe_path, record = _searched(checkpoint, target, opts, exporter, options, tmp, hooks, group)
             if target:
                 csum = _calibrate_searched(checkpoint, recipe_path, record, target, opts, calib_dir, hooks, group)
                 csum["outputs"].append(SEARCH_FILE)
@@ -550,16 +590,20 @@ class Measured:
 
 
 def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOptions, exporter, options,
-                       work: Path, hooks: Optional[Hooks] = None, keep: bool = False) -> Measured:
+                       work: Path, hooks: Optional[Hooks] = None, keep: bool = False,
+                       group: Optional[Group] = None) -> Measured:
     """Calibrate every candidate (in ``work``), cost each weight group in ``exporter``'s format and measure the
     damage of each group's setting alone. Refuses ``target``'s budget before calibrating when no choice can meet
-    it. ``keep``: leave each candidate's calibration in ``work/candidate-<i>``."""
+    it. ``keep``: leave each candidate's calibration in ``work/candidate-<i>``. Under torchrun (``group``) every
+    rank calls it: the candidates calibrate across the ranks, each rank loads rank 0's files and measures its share
+    of the search samples, and all get the same measurements."""
     import shutil
 
     from .io.checkpoint import CheckpointTensors
     from .mixed import costs, effective_weights, fused_groups, group_damage
 
     hooks = hooks or Hooks()
+    group = group or Group()
     paths = _target_candidates(target)
     names = list(target.candidates)
     if opts.data is None:
@@ -607,7 +651,8 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         hooks.on_stage(f"candidate {c + 1}/{len(paths)} ({names[c]}): calibrating")
         cdir = work / f"candidate-{c}"
         cdir.mkdir(parents=True)
-        _calibrate_into(checkpoint, path, opts, cdir, hooks)
+        _calibrate_into(checkpoint, path, opts, cdir if group.is_root else None, hooks, group)
+        _share_run(group, cdir)
         model = load_calibrated(checkpoint, str(cdir / "encodings.json"), opts.model_class, opts.device,
                                 opts.trust_pickle, opts.trust_remote_code)
         if not keep:
@@ -620,7 +665,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         hooks.on_stage(f"candidate {c + 1}/{len(paths)} ({names[c]}): measuring each layer's damage")
         device = next(iter(base.parameters())).device
         base_damage, deltas, together = group_damage(base, batches, groups, [weights], device, loaded.is_causal_lm,
-                                                     hooks.on_tensor)
+                                                     hooks.on_tensor, group)
         del weights
         for g, d in enumerate(deltas[0]):
             state.damage[g][c] = d
@@ -687,7 +732,7 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
 
 
 def _measured_damage(checkpoint: str, encodings: Path, record: Dict[str, Any], target: TargetOptions,
-                     opts: CalibrateOptions, hooks: Hooks) -> float:
+                     opts: CalibrateOptions, hooks: Hooks, group: Optional[Group] = None) -> float:
     """The chosen model's damage, everything quantized at once (what the first candidate's damage plus the changes
     predicted)."""
     from .mixed import group_damage
@@ -698,7 +743,8 @@ def _measured_damage(checkpoint: str, encodings: Path, record: Dict[str, Any], t
     tokenizer = getattr(model, "qtool_tokenizer", None)
     causal = record["damage"].startswith("mean per-token")
     data = load_data(opts.data, opts.batch_size, target.samples, opts.seed, opts.seq_len, tokenizer, pack_text=causal)
-    damage, _, _ = group_damage(model, list(data), [], [], next(iter(model.parameters())).device, causal)
+    damage, _, _ = group_damage(model, list(data), [], [], next(iter(model.parameters())).device, causal,
+                                group=group)
     return damage
 
 

@@ -290,6 +290,37 @@ def test_a_rotated_model_on_ranks_writes_the_bytes_of_one_process(llama, tmp_pat
     assert set(one) == {"encodings.json", "codes.safetensors"} and many == one
 
 
+def test_a_size_budget_search_on_ranks_writes_the_bytes_of_one_process(llama, tmp_path):
+    """--target-bpw under torchrun: every candidate calibrates across the ranks, each rank loads rank 0's files and
+    measures its share of the search samples (3 batches over 2 ranks), and all get the same choice: recipe.yaml,
+    search.json and the chosen model's encodings and codes are one process's bytes."""
+    args = ["calibrate", llama / "m", "--data", llama / "ids.safetensors", "--candidates", "w4a16-block32-gptq,w8a16",
+            "--target-bpw", "11.5", "--search-samples", "6", "--batch-size", "2", "--quiet"]
+    code, _, err = run_cli(*args, "-o", tmp_path / "one")
+    assert code == 0, err
+    code, _, err = _torchrun(2, *args, "-o", tmp_path / "many")
+    assert code == 0, err
+    one, many = _outputs(tmp_path / "one"), _outputs(tmp_path / "many")
+    assert {"recipe.yaml", "search.json", "encodings.json", "codes.safetensors"} <= set(one) and many == one
+    chosen = json.loads(one["search.json"])["chosen"]
+    assert all(n > 0 for n in chosen["groups"].values()), chosen  # a real mix of both candidates
+    manifest = json.loads((tmp_path / "many" / "manifest.json").read_text())
+    assert manifest["distributed"]["world_size"] == 2
+    assert manifest["target"]["chosen"] == {k: v for k, v in chosen.items() if k != "damage"}  # written before it
+
+
+def test_quantize_with_a_size_budget_on_ranks_exports_the_bytes_of_one_process(llama, tmp_path):
+    """The same search under ``quantize``: rank 0 exports the chosen model; the file is one process's."""
+    args = ["quantize", llama / "m", "--data", llama / "ids.safetensors", "--candidates", "w4a16-block32-gptq,w8a16",
+            "--target-bpw", "11.5", "--search-samples", "4", "--batch-size", "2", "-f", "qtool", "--quiet"]
+    code, _, err = run_cli(*args, "-o", tmp_path / "one")
+    assert code == 0, err
+    code, _, err = _torchrun(2, *args, "-o", tmp_path / "many")
+    assert code == 0, err
+    for name in ("model.safetensors", "recipe.yaml", "calibration/encodings.json", "calibration/search.json"):
+        assert (tmp_path / "many" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
 GGUF_MIX = """version: 1
 gguf_mix: q4_k_m
 defaults:
