@@ -923,6 +923,12 @@ def config_list(json_out: bool = _JSON) -> None:
     _console().print(t)
 
 
+def _rotation_json(rotation) -> dict:
+    """A plan's rotations: which, of what type, and the modules each online one runs on."""
+    return {"rotations": list(rotation.rotations), "type": rotation.kind, "seed": rotation.seed,
+            "online": [{**r.to_json(), "rotates": r.rotated} for r in rotation.online()]}
+
+
 def _recipe_text(recipe: str, json_out: bool) -> None:
     """``config show`` without a model: what the recipe says, every default resolved."""
     import yaml
@@ -944,7 +950,7 @@ def _recipe_text(recipe: str, json_out: bool) -> None:
         con.print(_esc(f"gguf_mix: {info['gguf_mix']} (each weight's GGUF type as llama-quantize chooses it; the "
                        "weights defaults below say how its codes are chosen)"))
     con.print(_esc(yaml.safe_dump({k: info[k] for k in ("defaults", "layers", "ignore", "smoothquant",
-                                                        "fold_batch_norms", "kv_cache")
+                                                        "fold_batch_norms", "kv_cache", "rotate")
                                    if info[k] not in (None, [], False)}, sort_keys=False, width=110).rstrip()))
     types = info["default_types"]
     con.print(_esc("by default (layers entries aside) it quantizes: "
@@ -982,6 +988,7 @@ def config_show(
         _emit_json({"ok": True, "quantizers": [asdict(q) for q in plan.quantizers],
                     "smoothquant": [asdict(g) for g in plan.smoothing],
                     **({"batch_norm_folds": [asdict(f) for f in plan.folds]} if plan.folds else {}),
+                    **({"rotation": _rotation_json(plan.rotation)} if plan.rotation else {}),
                     "warnings": plan.warnings})
         return
     console = _console()
@@ -993,6 +1000,13 @@ def config_show(
         console.print(f"fold_batch_norms, before calibration: {len(plan.folds)} batch norms into the convolution "
                       "before each (each pair checked on the first batch), e.g. "
                       + _esc(f"{plan.folds[0].bn} -> {plan.folds[0].conv}"))
+    if plan.rotation:
+        rot = _rotation_json(plan.rotation)
+        fused = [r for r in rot["rotations"] if r in ("r1", "r2")]
+        console.print(_esc(f"rotate ({rot['type']}, seed {rot['seed']}), before calibration: "
+                           + "; ".join(([f"{' '.join(fused)} fused into the weights"] if fused else [])
+                                       + [f"{o['name']} online ({o['rotates']}) on {len(o['modules'])} modules, "
+                                          f"e.g. {o['modules'][0]}" for o in rot["online"]])))
     for w in plan.warnings:
         err.print(f"warning: {w}")
 

@@ -661,3 +661,20 @@ def test_an_r3_rotation_of_a_layer_without_a_quantized_kv_cache_is_refused(tmp_p
     errors = [e for e in error_lines(err) if e.startswith("error")]
     assert code == 2 and len(errors) == 1 and "model.layers.1.self_attn" in errors[0], err
     assert "no quantized KV cache" in errors[0] and not (tmp_path / "q").exists()
+
+
+def test_config_show_names_the_rotations_and_where_each_online_one_runs(tmp_path):
+    llama = _llama(tmp_path / "m", hidden=64)
+    (tmp_path / "r.yaml").write_text(KV_R3.replace("GRAN", "per_head")
+                                     + "rotate: {rotations: [r1, r2, r3, r4], type: random-hadamard, seed: 5}\n")
+    code, out, err = run_cli("config", "show", tmp_path / "r.yaml", "-m", llama, "--json")
+    assert code == 0, err
+    rot = json.loads(out)["rotation"]
+    assert rot["rotations"] == ["r1", "r2", "r3", "r4"] and rot["type"] == "random-hadamard" and rot["seed"] == 5
+    assert [(o["name"], o["location"], o["modules"][0], len(o["modules"])) for o in rot["online"]] == [
+        ("r3", "k_cache", "model.layers.0.self_attn", 2), ("r4", "input", "model.layers.0.mlp.down_proj", 2)]
+    code, out, err = run_cli("config", "show", tmp_path / "r.yaml", "-m", llama)
+    text = " ".join(out.split())
+    assert code == 0 and "r1 r2 fused into the weights" in text and "r3 online (queries and cached keys) on 2" in text
+    code, out, err = run_cli("config", "show", tmp_path / "r.yaml")  # without a model: the recipe's rotate key
+    assert code == 0 and "rotate:" in out and "- r3" in out, out
