@@ -643,6 +643,8 @@ def _read_online(raw: Any, path: Path) -> List[OnlineRotation]:
         twice = next((m for m in mods if m in seen or seen.add(m)), None)
         if twice is not None:
             raise EncodingsError(f"{where}: module {twice!r} is rotated twice")
+        if any(o.name == r["name"] for o in out):  # exporters name a transform after it (compressed-tensors' R4)
+            raise EncodingsError(f"{where}: name {r['name']!r} is used twice")
         out.append(OnlineRotation(r["name"], r["type"], r["seed"], tuple(mods), r["location"]))
     return out
 

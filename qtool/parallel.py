@@ -128,8 +128,14 @@ class Group:
         step and speaks for all. In one process: ``error`` itself."""
         return error
 
-    def calibrated(self) -> None:
-        """A step every rank takes when its calibration is done, before rank 0 writes."""
+    def broadcast(self, value: Any) -> Any:
+        """One step: rank 0's ``value`` on every rank (the others pass anything; only rank 0's is sent)."""
+        return value
+
+    def calibrated(self, last: bool = True) -> None:
+        """A step every rank takes when its calibration is done, before rank 0 writes. ``last``: the others then
+        wait for rank 0 at :meth:`finish` (a failure while rank 0 writes reaches them there); not ``last``: they
+        meet rank 0 again at an ordinary step (a size-budget search reads what it wrote), where it reaches them."""
 
     def finish(self) -> None:
         """Last step: ranks other than 0 wait here while rank 0 writes, then all leave with rank 0's status."""
@@ -217,9 +223,16 @@ class _TorchGroup(Group):
             pass
         return error
 
-    def calibrated(self) -> None:
+    def broadcast(self, value: Any) -> Any:
         self._status(_OK)
-        self._finishing = True
+        box = [value if self.is_root else None]
+        self._collective(lambda: self._dist.broadcast_object_list(box, src=self._global(0), group=self._group),
+                         "receiving rank 0's files")
+        return box[0]
+
+    def calibrated(self, last: bool = True) -> None:
+        self._status(_OK)
+        self._finishing = last
 
     def finish(self) -> None:
         self._status(_OK, self._finish_group)

@@ -96,22 +96,24 @@ def _ranks(device: str):
 
 
 def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, run_dir: Optional[Path],
-                    hooks: Hooks, group: Optional[Group] = None, search: Optional[Dict[str, Any]] = None):
+                    hooks: Hooks, group: Optional[Group] = None, search: Optional[Dict[str, Any]] = None,
+                    last: bool = True):
     """Calibrate and write the run's files into ``run_dir``. In a distributed run every rank calibrates; rank 0
     alone writes (``run_dir`` is None on the others, which return None). ``search``: the record of a size-budget
-    search that wrote this recipe (``recipe.yaml`` in the output directory)."""
+    search that wrote this recipe (``recipe.yaml`` in the output directory). ``last``: no collective step follows
+    but the run's end (a search's intermediate calibrations pass False: :meth:`Group.calibrated`)."""
     group = group or Group()
     recipe_path = str(recipe_file(recipe_path))  # a shipped recipe's name -> its file (hashed in the manifest)
     recipe = load_recipe(recipe_path)
     run = calibrate_checkpoint(checkpoint, recipe, str(recipe_path), opts,
                                run_dir / SIDECAR if run_dir is not None else None, hooks, group)
-    group.calibrated()
+    group.calibrated(last)
     if not group.is_root:
         return None
     entries, plan, data, device, files, kind, unused = (run.entries, run.plan, run.data, run.device, run.files,
                                                          run.kind, run.unused)
     enc = EncodingsFile(entries, {"qtool_version": __version__, "recipe": Path(recipe_path).name},
-                        online=plan.rotation.online() if plan.rotation else [])
+                        online=_online_rotations(plan, entries))
     if run.codes or run.floats:  # chosen codes and transformed floats: every exporter writes these (qtool.weights)
         write_codes(run_dir / CODES_FILE, entries, run.codes, run.floats)
         enc.codes_file = CODES_FILE
@@ -160,26 +162,42 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
     return summary
 
 
+def _online_rotations(plan: Plan, entries) -> list:
+    """The plan's online rotations as the encodings file records them: r3 only on the attention layers whose KV
+    cache quantizer was calibrated (one that saw no data is left out of the file, and so is its rotation)."""
+    kv = {e.module for e in entries if e.tensor == "k_cache"}
+    out = []
+    for rot in plan.rotation.online() if plan.rotation else []:
+        if rot.location == "k_cache":
+            rot = replace(rot, modules=tuple(m for m in rot.modules if m in kv))
+        if rot.modules:
+            out.append(rot)
+    return out
+
+
 @contextlib.contextmanager
-def _rank_dir(target: Optional[TargetOptions]):
+def _rank_dir(target: Optional[TargetOptions], out: str):
     """A rank other than 0's own scratch directory while it searches (the chosen recipe and the calibrations it
-    measures, copied from rank 0: ranks need not share a filesystem); None when it does not search."""
+    measures, copied from rank 0: ranks need not share a filesystem), beside the output directory (where the
+    model's files must fit anyway; the system's temporary directory is often small); None when it does not
+    search."""
     if target is None:
         yield None
         return
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="qtool-rank-") as d:
+    parent = Path(out).resolve().parent
+    with tempfile.TemporaryDirectory(prefix=".qtool-rank-", dir=parent if parent.is_dir() else None) as d:
         yield Path(d)
 
 
 def _share_run(group: Group, run_dir: Path) -> None:
     """Rank 0's calibration files in ``run_dir`` copied into every other rank's ``run_dir``, so each rank can load
-    the calibrated model (one collective step; nothing in one process)."""
+    the calibrated model (one broadcast from rank 0; nothing in one process)."""
     if not group.distributed:
         return
-    files = group.all_gather({f.name: f.read_bytes() for f in sorted(run_dir.iterdir()) if f.is_file()}
-                             if group.is_root else None)[0]
+    files = group.broadcast({f.name: f.read_bytes() for f in sorted(run_dir.iterdir()) if f.is_file()}
+                            if group.is_root else None)
     if not group.is_root:
         run_dir.mkdir(parents=True, exist_ok=True)
         for name, data in files.items():
@@ -211,7 +229,8 @@ def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any
     one it could have picked whole. Returns the calibration summary with ``target`` (None on ranks other than 0,
     whose ``run_dir`` is their own scratch copy of rank 0's files)."""
     root = group.is_root
-    summary = _calibrate_into(checkpoint, recipe_path, opts, run_dir if root else None, hooks, group, search=record)
+    summary = _calibrate_into(checkpoint, recipe_path, opts, run_dir if root else None, hooks, group, search=record,
+                              last=False)
     _share_run(group, run_dir)
     chosen = record["chosen"]
     chosen["damage"] = _measured_damage(checkpoint, run_dir / "encodings.json", record, target, opts, hooks, group)
@@ -230,14 +249,14 @@ def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any
             f"budget, so it is this candidate.\n" + text, encoding="utf-8")
         for name in ("encodings.json", SIDECAR, CODES_FILE, "manifest.json"):
             (run_dir / name).unlink(missing_ok=True)
-        if not root:
-            _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group, search=record)
-            return None
         record["chosen"] = {"bytes": best["bytes"], "bits_per_weight": best["bits_per_weight"],
                             "predicted_damage": best["predicted_damage"], "damage": best["damage"],
                             "groups": {n: (len(record["groups"]) if n == best["candidate"] else 0)
                                        for n in record["candidates"]}}
-        summary = _calibrate_into(checkpoint, recipe_path, opts, run_dir, hooks, group, search=record)
+        summary = _calibrate_into(checkpoint, recipe_path, opts, run_dir if root else None, hooks, group,
+                                  search=record)
+    else:
+        group.calibrated()  # rank 0 writes the search record next: a failure there reaches the others at the end
     if not root:
         return None
     _write_search(run_dir, record)
@@ -270,7 +289,7 @@ def run_calibrate(checkpoint: str, recipe_path: Optional[str], out: str, opts: C
                                                    imatrix=opts.imatrix))
     with _ranks(opts.device) as group:
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes
-            with _rank_dir(target) as tmp:
+            with _rank_dir(target, out) as tmp:
                 if target:
                     recipe_path, record = _searched(checkpoint, target, opts, *budget_format, tmp, hooks, group)
                     _calibrate_searched(checkpoint, recipe_path, record, target, opts, tmp / "run", hooks, group)
@@ -502,7 +521,7 @@ def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: Ca
                   on_block=hooks.on_block)
     with _ranks(opts.device) as group:
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes, exports
-            with _rank_dir(target) as tmp:
+            with _rank_dir(target, out) as tmp:
                 if target:
                     recipe_path, record = _searched(checkpoint, target, opts, exporter, options, tmp, hooks, group)
                     _calibrate_searched(checkpoint, recipe_path, record, target, opts, tmp / "run", hooks, group)
@@ -651,7 +670,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         hooks.on_stage(f"candidate {c + 1}/{len(paths)} ({names[c]}): calibrating")
         cdir = work / f"candidate-{c}"
         cdir.mkdir(parents=True)
-        _calibrate_into(checkpoint, path, opts, cdir if group.is_root else None, hooks, group)
+        _calibrate_into(checkpoint, path, opts, cdir if group.is_root else None, hooks, group, last=False)
         _share_run(group, cdir)
         model = load_calibrated(checkpoint, str(cdir / "encodings.json"), opts.model_class, opts.device,
                                 opts.trust_pickle, opts.trust_remote_code)

@@ -482,13 +482,26 @@ def test_online_rotations_round_trip_through_the_encodings_file(tmp_path_factory
     for name, kind, seed, mods in rots:
         mods = [m for m in mods if m not in seen]
         seen.update(mods)
-        if mods:
+        if mods and all(o.name != name for o in online):
             online.append(OnlineRotation(name, kind, seed, tuple(mods)))
     path = tmp_path_factory.mktemp("enc") / "encodings.json"
     EncodingsFile([], {"recipe": "r.yaml"}, online=online).write(path)
     back = EncodingsFile.read(path)
     assert back.online == online and back.meta == {"recipe": "r.yaml"}
     assert json.loads(path.read_text())["schema_version"] == (4 if online else 1)
+
+
+def test_two_online_rotations_of_one_name_are_refused(tmp_path):
+    """Exporters name a transform after its rotation (compressed-tensors' R3, R4): a second of the same name would
+    silently replace the first there."""
+    from qtool.config import OnlineRotation
+    from qtool.encodings import EncodingsFile
+
+    path = tmp_path / "encodings.json"
+    EncodingsFile([], {}, online=[OnlineRotation("r4", "hadamard", 0, ("a",)),
+                                  OnlineRotation("r4", "hadamard", 0, ("b",))]).write(path)
+    with pytest.raises(qtool.errors.EncodingsError, match=r"online_rotations\[1\]: name 'r4' is used twice"):
+        EncodingsFile.read(path)
 
 
 def test_report_measures_an_r4_layer_on_its_input_rotated_once(world, tmp_path):

@@ -87,8 +87,8 @@ class Exporter:
 
             rot = online[0]
             raise UsageError(f"--format {self.name} cannot hold a rotation of activations at run time: {rot.name} "
-                             f"rotates {rot.modules[0]}'s {rot.rotated} ({sum(len(r.modules) for r in online)} "
-                             "layer(s) in all); export with --format compressed-tensors or qtool, or leave "
+                             f"rotates {rot.modules[0]}'s {rot.rotated} (and {len(rot.modules) - 1} more "
+                             "module(s)); export with --format compressed-tensors or qtool, or leave "
                              f"{' and '.join(sorted({r.name for r in online}))} out of rotate")
 
     def check_quantizers(self, quantizers, options: "Exporter.Options") -> None:

@@ -24,8 +24,10 @@ No ``_offset`` is written for them, and their metadata entry adds ``element`` an
 
 Every other tensor is copied unchanged. ``__metadata__["qtool"]`` is a JSON object describing each quantized
 tensor (bitwidth, symmetric, granularity, block_size). A model that rotates activations at run time (``rotate``'s
-r4) lists those rotations in ``__metadata__["qtool_online_rotations"]`` (the encodings file's
-``online_rotations``: the modules whose input ``x`` becomes ``x R``; their stored weights already hold ``W R``).
+r3, r4) lists those rotations in ``__metadata__["qtool_online_rotations"]`` (the encodings file's
+``online_rotations``: at ``input``, the modules whose input ``x`` becomes ``x R``, whose stored weights already
+hold ``W R``; at ``k_cache``, the attention layers whose cached keys are rotated per head, whose KV cache scales
+are in the run's encodings file, not in this one).
 Dequantizing gives the calibrated model's fake-quant weights bit for bit.
 
 Sharding: when the tensors' bytes exceed ``max_shard_bytes`` (default 5 GB, as Hugging Face's ``save_pretrained``)

@@ -64,11 +64,11 @@ class _QuantizedKV:
         self._qs, self._cache, self._rotation = qs, cache, rotation
 
     def update(self, key_states, value_states, *args, **kwargs):
-        rot = self._rotation
-        if rot is None:
-            k = _plain(self._qs["k_cache"](key_states))
+        rot, kq = self._rotation, self._qs["k_cache"]
+        if rot is None or not kq.enabled:  # (switched off: the float keys as they are, not rotated there and back)
+            k = _plain(kq(key_states))
         else:
-            k = rotate_keys(rot, _plain(self._qs["k_cache"](rotate_keys(rot, key_states))), inverse=True)
+            k = rotate_keys(rot, _plain(kq(rotate_keys(rot, key_states))), inverse=True)
         v = _plain(self._qs["v_cache"](value_states))
         return (k, v) if self._cache is None else self._cache.update(k, v, *args, **kwargs)
 
