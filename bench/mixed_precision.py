@@ -6,6 +6,8 @@ written recipe, exported, and scored on held-out text beside the uniform recipes
 
 * **int** (compressed-tensors, the format counted): candidates ``w4a16-block32-gptq``, ``w8a16`` and a 3-bit
   block-32 GPTQ recipe. Budgets: uniform W4A16-block-32-GPTQ's own size, and half a bit per weight above it.
+* **int-channel** (compressed-tensors): candidates ``w4a16-block32-gptq``, int4 per-channel GPTQ (half a bit
+  per weight cheaper) and ``w8a16``, at uniform W4A16-block-32-GPTQ's own size (``--parts int-channel``).
 * **gguf** (GGUF): candidates Q4_K_M, Q3_K_M, Q2_K and Q6_K mixes, each with GPTQ on the stored grid.
   Budgets: the sizes of uniform Q4_K_M and Q3_K_M (the hand mixes llama-quantize ships).
 
@@ -48,6 +50,11 @@ layers:
     weights: {bitwidth: 8, granularity: per_channel, analyzer: minmax, rounding: nearest}
 ignore: ["lm_head"]
 """
+# int4 with one scale per output channel: half a bit per weight below blocks of 32, what a search can trade for
+# 8-bit layers at uniform W4A16-block-32's own size
+W4_CHANNEL_GPTQ = W3_GPTQ.replace("int3 weights, blocks of 32", "int4 weights, one scale per output channel").replace(
+    "one bit less", "per channel").replace("bitwidth: 3, symmetric: true, granularity: per_block, block_size: 32,",
+                                           "bitwidth: 4, symmetric: true, granularity: per_channel,")
 GGUF_GPTQ = """# bench: llama-quantize's {mix} mix with the weighted search and GPTQ (as gguf-q4_k_m-gptq)
 version: 1
 gguf_mix: {mix}
@@ -250,6 +257,13 @@ def main(argv=None):
                           ("w3a16-block32-gptq", str(tmp / "w3a16-block32-gptq.yaml"))],
             [("W4A16-block32-GPTQ's size", "w4a16-block32-gptq", 0.0),
              ("W4A16-block32-GPTQ + 0.5 bit", "w4a16-block32-gptq", 0.5)],
+            "compressed-tensors", tmp, tmp / "calib.txt", batches, ppl_float, args.samples)
+    if "int-channel" in parts:  # at W4A16-block-32's own size, with a cheaper 4-bit grid to pay for 8-bit layers
+        (tmp / "w4a16-channel-gptq.yaml").write_text(W4_CHANNEL_GPTQ)
+        result["parts"]["int-channel"] = part(
+            "int-channel", ckpt, [("w4a16-block32-gptq", "w4a16-block32-gptq"),
+                                  ("w4a16-channel-gptq", str(tmp / "w4a16-channel-gptq.yaml")), ("w8a16", "w8a16")],
+            [("W4A16-block32-GPTQ's size", "w4a16-block32-gptq", 0.0)],
             "compressed-tensors", tmp, tmp / "calib.txt", batches, ppl_float, args.samples)
     if "gguf" in parts:
         for mix in ("q6_k",):

@@ -673,7 +673,8 @@ _ONLINE_NOTE = ("the model rotates down_proj's input at run time (r4, transform_
 _KEY_ROTATION_NOTE = ("the model rotates each head's queries and keys at run time (r3, transform_config R3 at q_attn "
                       "and k_cache), and k_scale was calibrated on rotated keys: compressed-tensors' "
                       "apply_transform_config runs it; vLLM applies transforms to Linear layers only and ignores "
-                      "R3, so there the FP8 KV cache quantizes unrotated keys with those scales (see docs/formats.md)")
+                      "R3, so there the FP8 KV cache gets unrotated keys, whose outlier channels can pass the range "
+                      "of k_scale and clip; serve with vLLM without r3 (see docs/formats.md)")
 
 
 def _online_transforms(encodings: EncodingsFile, modules, src, keys) -> List[Dict[str, Any]]:
