@@ -181,6 +181,44 @@ def test_a_killed_rank_ends_the_others_with_exit_4(llama, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+FAIL_AFTER_CALIBRATED = """
+import sys, time
+sys.path.insert(0, {root!r})
+from qtool.parallel import from_environment
+
+g = from_environment("cpu")
+t0 = time.perf_counter()
+try:
+    g.calibrated(last={last})
+    if g.rank == 0:
+        raise ValueError("rank 0 could not write a candidate's files")
+    g.all_gather(1)  # where a size-budget search meets rank 0 again (its files are shared next)
+    print("no failure seen")
+except BaseException as e:
+    err = g.abort(e)
+    print(type(err).__name__, getattr(err, "rank", ""), round(time.perf_counter() - t0))
+finally:
+    g.close()
+"""
+
+
+def test_a_rank_failing_after_an_intermediate_calibration_reaches_the_others_at_once(tmp_path):
+    """A size-budget search meets rank 0 again after each candidate's calibration (calibrated(last=False)): when
+    rank 0 fails while writing that calibration, the others hear it at their next step, in seconds, as a
+    PeerFailed naming rank 0 (reported on the finish group instead, they would wait out the timeout)."""
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QTOOL_DIST_TIMEOUT": "60",
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-c", FAIL_AFTER_CALIBRATED.format(root=str(ROOT), last=False)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert outs[0][0] == "ValueError" and outs[1][:2] == ["PeerFailed", "0"], outs
+    assert int(outs[1][2]) < 30, outs  # well within the 60 s timeout
+
+
 def test_collectives_name_quantizers_in_sorted_order(llama, tmp_path):
     """What each step exchanges is keyed in sorted name order and the steps come in the same sequence on every
     rank whatever the hash seed: recorded on rank 0 of a pretend two-rank group in two processes."""
