@@ -175,20 +175,22 @@ def _online_rotations(plan: Plan, entries) -> list:
     return out
 
 
-@contextlib.contextmanager
-def _rank_dir(target: Optional[TargetOptions], out: str):
-    """A rank other than 0's own scratch directory while it searches (the chosen recipe and the calibrations it
-    measures, copied from rank 0: ranks need not share a filesystem), beside the output directory (where the
-    model's files must fit anyway; the system's temporary directory is often small); None when it does not
-    search."""
+def _other_rank(checkpoint: str, recipe_path: Optional[str], opts: CalibrateOptions, out: str, hooks: Hooks,
+                group: Group, target: Optional[TargetOptions], exporter, options) -> Dict[str, Any]:
+    """What a rank other than 0 does in ``calibrate`` and ``quantize``: calibrate its shard, and, searching
+    (``target``), measure its share of the search samples, in its own scratch directory (the chosen recipe and the
+    calibrations it measures, copied from rank 0: ranks need not share a filesystem) beside the output directory
+    (where the model's files must fit anyway; the system's temporary directory is often small). Rank 0 writes."""
     if target is None:
-        yield None
-        return
-    import tempfile
+        _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group)
+    else:
+        import tempfile
 
-    parent = Path(out).resolve().parent
-    with tempfile.TemporaryDirectory(prefix=".qtool-rank-", dir=parent if parent.is_dir() else None) as d:
-        yield Path(d)
+        parent = Path(out).resolve().parent
+        with tempfile.TemporaryDirectory(prefix=".qtool-rank-", dir=parent if parent.is_dir() else None) as d:
+            recipe_path, record = _searched(checkpoint, target, opts, exporter, options, Path(d), hooks, group)
+            _calibrate_searched(checkpoint, recipe_path, record, target, opts, Path(d) / "run", hooks, group)
+    return {"rank": group.rank, "world_size": group.world_size}
 
 
 def _share_run(group: Group, run_dir: Path) -> None:
@@ -289,13 +291,8 @@ def run_calibrate(checkpoint: str, recipe_path: Optional[str], out: str, opts: C
                                                    imatrix=opts.imatrix))
     with _ranks(opts.device) as group:
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes
-            with _rank_dir(target, out) as tmp:
-                if target:
-                    recipe_path, record = _searched(checkpoint, target, opts, *budget_format, tmp, hooks, group)
-                    _calibrate_searched(checkpoint, recipe_path, record, target, opts, tmp / "run", hooks, group)
-                else:
-                    _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group)
-            return {"rank": group.rank, "world_size": group.world_size}
+            return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target,
+                               *(budget_format or (None, None)))
         with atomic_output_dir(Path(out), overwrite) as tmp:
             record = None
             if target:
@@ -521,13 +518,7 @@ def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: Ca
                   on_block=hooks.on_block)
     with _ranks(opts.device) as group:
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes, exports
-            with _rank_dir(target, out) as tmp:
-                if target:
-                    recipe_path, record = _searched(checkpoint, target, opts, exporter, options, tmp, hooks, group)
-                    _calibrate_searched(checkpoint, recipe_path, record, target, opts, tmp / "run", hooks, group)
-                else:
-                    _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group)
-            return {"rank": group.rank, "world_size": group.world_size}
+            return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target, exporter, options)
         with atomic_output_dir(Path(out), overwrite) as tmp:
             calib_dir = tmp / "calibration"
             calib_dir.mkdir()
