@@ -186,6 +186,13 @@ class WeightSource:
         scale, offset = e.scale_offset()
         if e.is_float:
             return float_quantize(weight, scale, element_of(e.element), e.block_size).to(torch.float32)
+        return self.nearest_codes(e, weight, scale, offset)
+
+    @staticmethod
+    def nearest_codes(e: EncodingEntry, weight: torch.Tensor, scale: torch.Tensor,
+                      offset: torch.Tensor) -> torch.Tensor:
+        """Round-to-nearest codes of integer-grid quantizer ``e`` for ``weight`` under ``scale``/``offset`` (all of
+        ``e``'s, or the matching rows of them for a slice of rows: the grid is per row block)."""
         qmin, qmax = e.qmin_qmax
         x = weight if weight.dtype == torch.float64 else weight.to(torch.float32)
         return quantize(x, scale, offset, qmin=qmin, qmax=qmax, block_size=e.block_size)

@@ -292,11 +292,16 @@ def _tensor_data(item: _Item, src) -> Tuple[np.ndarray, float]:
     fake = dequantize(codes, scale, offset, block_size=e.block_size)
     if item.heads:
         codes, scale, offset, fake = (permute_rows(t, item.heads) for t in (codes, scale, offset, fake))
+    blocks, values = _pack(e, codes, scale, offset, item.kind)
+    return blocks, float((values - fake).abs().max()) if values.numel() else 0.0
+
+
+def _pack(e, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, kind: str):
+    """:func:`pack_blocks`, with a scale float16 cannot hold as one error line naming the weight."""
     try:
-        blocks, values = pack_blocks(codes, scale, offset, item.kind)
+        return pack_blocks(codes, scale, offset, kind)
     except ValueError:
         raise EncodingsError(f"{e.name}: a scale beyond float16's range (65504) cannot be stored in GGUF") from None
-    return blocks, float((values - fake).abs().max()) if values.numel() else 0.0
 
 
 def _row_chunks(t: torch.Tensor):
@@ -311,25 +316,18 @@ def _chunked_blocks(item: _Item, w: torch.Tensor, src) -> Tuple[np.ndarray, floa
     """:func:`_tensor_data` of a large integer-grid weight (a vocabulary-sized embedding table) a chunk of rows
     at a time: every step is row by row, so the bytes are the whole tensor's, with temporaries of one chunk
     (an 8B model's 128256 x 4096 table would otherwise need about 10 GB of them)."""
-    from ..quant.affine import dequantize, quantize
+    from ..quant.affine import dequantize
 
     e = item.entry
     scale, offset = e.scale_offset()
-    stored = src.stored_codes(e, tuple(w.shape))
-    qmin, qmax = e.qmin_qmax
+    stored = src.stored_codes(e, tuple(w.shape))  # read once, not per chunk
     out, deviation = None, 0.0
     for rows, chunk in _row_chunks(w):
         s, o = scale[rows], offset[rows]
-        if stored is not None:
-            codes = stored[rows].to(torch.float32)
-        else:
-            codes = quantize(chunk.to(torch.float32), s, o, qmin=qmin, qmax=qmax, block_size=e.block_size)
+        # what WeightSource.codes gives the whole tensor, a chunk of rows at a time
+        codes = stored[rows].to(torch.float32) if stored is not None else src.nearest_codes(e, chunk, s, o)
         fake = dequantize(codes, s, o, block_size=e.block_size)
-        try:
-            blocks, values = pack_blocks(codes, s, o, item.kind)
-        except ValueError:
-            raise EncodingsError(f"{e.name}: a scale beyond float16's range (65504) cannot be stored in "
-                                 "GGUF") from None
+        blocks, values = _pack(e, codes, s, o, item.kind)
         if out is None:
             out = np.empty((w.shape[0], blocks.shape[1]), dtype=blocks.dtype)
         out[rows] = blocks
