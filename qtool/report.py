@@ -26,7 +26,7 @@ from torch import nn
 from .data import Batch, rejection
 from .errors import DataError, GateFailed, UsageError
 from .io.fs import atomic_file
-from .model.insert import has_stored_weight, quantized_modules, set_quantization, without_stored_weight
+from .model.insert import CACHE_KWARGS, has_stored_weight, quantized_modules, set_quantization, without_stored_weight
 from .parallel import Group, shard_bounds
 
 __all__ = ["LayerError", "Report", "Gate", "evaluate", "sensitivity", "sqnr_db", "check_gates", "enforce_gates",
@@ -199,9 +199,6 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, c
     return _fold(records, modules, chosen)
 
 
-_CACHE_KWARGS = ("past_key_values", "past_key_value")
-
-
 def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batch: Batch, device,
                    causal_lm: bool) -> Dict[str, Any]:
     """One batch's contributions, each kept as the list of terms in the order a running sum adds them."""
@@ -240,7 +237,7 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
             continue
         # an attention layer's KV cache already holds this batch's keys from the float pass: called again with
         # it, the layer would attend to those float keys and its KV cache quantizers would change nothing
-        kwargs = {k: None if k in _CACHE_KWARGS else v for k, v in kwargs.items()}
+        kwargs = {k: None if k in CACHE_KWARGS else v for k, v in kwargs.items()}
         set_quantization(model, True, only={name})
         out = _first_tensor(mod(*args, **kwargs))
         terms["sig_i"][name].append(float(ref.float().pow(2).sum()))

@@ -22,6 +22,8 @@ from ..quant import (DynamicFloatQuantizeDequantize, DynamicQuantizeDequantize, 
 __all__ = ["insert_quantizers", "remove_quantizers", "iter_quantizers", "QuantizedModuleMixin"]
 
 _ATTR = "qtool_quantizers"
+# the names an attention layer's cache argument goes by (transformers renamed it; the older first)
+CACHE_KWARGS = ("past_key_value", "past_key_values")
 _CLASS_CACHE: Dict[type, type] = {}
 _STORED = "_qtool_stored_weight"
 
@@ -38,7 +40,7 @@ class QuantizedModuleMixin:
         if "input" in qs and args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
             args = (_plain(qs["input"](args[0])),) + tuple(args[1:])
         if "k_cache" in qs:  # an attention layer: keys and values are quantized where they reach the cache
-            key = "past_key_value" if "past_key_value" in kwargs else "past_key_values"
+            key = next((k for k in CACHE_KWARGS if k in kwargs), CACHE_KWARGS[-1])
             kwargs[key] = _QuantizedKV(qs, kwargs.get(key), key_rotation(self))
         if "weight" in qs:
             self.__dict__["weight"] = _fake_quant_weight(self, qs["weight"])  # shadows the parameter for this call

@@ -61,7 +61,7 @@ def install_online(modules: Dict[str, nn.Module], rotations: Iterable[OnlineRota
 
 
 def online_rotations(model: nn.Module) -> dict:
-    """``{module name: OnlineRotation}`` of every module that rotates its input."""
+    """``{module name: OnlineRotation}`` of every module that rotates its input or its cached keys."""
     return {name: m.__dict__[_ATTR][0] for name, m in model.named_modules() if _ATTR in m.__dict__}
 
 
