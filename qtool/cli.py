@@ -16,8 +16,6 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from . import __version__
 
@@ -57,7 +55,25 @@ app = typer.Typer(
 config_app = typer.Typer(help="Inspect and lint recipes.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 
-err = Console(stderr=True, highlight=False, soft_wrap=True, no_color=bool(os.environ.get("NO_COLOR")))
+class _LazyConsole:
+    """rich's stderr console, made on first use: importing rich costs ~50 ms of every command's start-up, and a
+    quiet command that succeeds never prints."""
+
+    _console = None
+
+    def _get(self):
+        if _LazyConsole._console is None:
+            from rich.console import Console
+
+            _LazyConsole._console = Console(stderr=True, highlight=False, soft_wrap=True,
+                                            no_color=bool(os.environ.get("NO_COLOR")))
+        return _LazyConsole._console
+
+    def __getattr__(self, name):
+        return getattr(self._get(), name)
+
+
+err = _LazyConsole()
 
 
 def _rank() -> int:
@@ -150,8 +166,17 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         fail(3, f"internal error: {type(e).__name__}: {first} (traceback in {log.name}; --debug shows it)")
 
 
-def _console() -> Console:
+def Table(*args, **kwargs):
+    """rich's Table, imported when a command draws one."""
+    from rich.table import Table as _Table
+
+    return _Table(*args, **kwargs)
+
+
+def _console():
     """A console for stdout tables and text (no highlighting; NO_COLOR respected)."""
+    from rich.console import Console
+
     return Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
 
 
@@ -165,7 +190,7 @@ def _emit_json(obj: Dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj, indent=1, default=str) + "\n")
 
 
-def _plan_table(plan) -> Table:
+def _plan_table(plan):
     t = Table(title=f"quantization plan: {len(plan.quantizers)} quantizers", title_justify="left")
     for col in ("module", "tensor", "bits", "sym", "granularity", "analyzer"):
         t.add_column(col, overflow="fold")
@@ -188,24 +213,28 @@ class _Progress:
     """Hooks that draw a rich progress bar on stderr (only when stderr is a terminal and not --quiet)."""
 
     def __init__(self, quiet: bool):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
         self.quiet = quiet
         self.enabled = not quiet and err.is_terminal
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=err,
-                                 transient=False, disable=not self.enabled)
+        self.progress = None  # (--quiet: rich is not even imported)
+        if not quiet:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
+                                     console=err._get(), transient=False, disable=not self.enabled)
         self.tasks: Dict[str, Any] = {}
         self.samples = 0
         self.warnings_shown: Optional[int] = None  # the plan's warnings printed with it (later ones come at the end)
         self.t0 = None
 
     def __enter__(self):
-        self.progress.__enter__()
+        if self.progress is not None:
+            self.progress.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.progress.__exit__(*exc)
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
 
     def stage(self, text: str) -> None:
         if not self.quiet:
@@ -239,6 +268,8 @@ class _Progress:
         self._update("export", "exporting", done, total, "")
 
     def _update(self, key: str, desc: str, done: int, total: int, rate: str) -> None:
+        if self.progress is None:
+            return
         if key not in self.tasks:
             self.tasks[key] = self.progress.add_task(desc, total=total, rate=rate)
         self.progress.update(self.tasks[key], completed=done, rate=rate)
@@ -1054,6 +1085,10 @@ def main() -> None:
     # are never garbage, which the default threshold (a collection every 700 new objects) scans again and
     # again, a tenth of a second or more per command. Collections stay on, a hundred times less often.
     gc.set_threshold(70_000, 10, 10)
+    # pydantic looks for plugins (observability hooks) in every installed package's entry points the first time
+    # it builds a validator: ~25 ms per command for a feature the CLI's own recipe schema has no use for. A user's
+    # explicit setting wins; the library (import qtool) is left alone.
+    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _interrupt)
     app()

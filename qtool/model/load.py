@@ -95,8 +95,54 @@ def _build(spec: str) -> nn.Module:
     return model
 
 
-def _load_state_into(model: nn.Module, state: Dict[str, torch.Tensor], path: Path) -> None:
+def _build_loaded(spec: str, state: Dict[str, torch.Tensor], path: Path) -> nn.Module:
+    """``spec``'s model holding ``state``. Built on the meta device first, so that no memory is allocated and no
+    random initialisation is run for weights the checkpoint replaces (seconds and a second copy of the model for
+    a large one); where that is not safe (:func:`_empty_model` says why) the factory runs again as written."""
+    model = _empty_model(spec)
+    if model is None:
+        model = _build(spec)
+        _load_state_into(model, state, path)
+        return model
     expected = model.state_dict()
+    _check_state(expected, state, path)
+    # load_state_dict copies into the model's own dtype; assign=True takes the tensor as it is, so cast first
+    model.load_state_dict({k: state[k].to(v.dtype) for k, v in expected.items()}, strict=True, assign=True)
+    return model
+
+
+def _empty_model(spec: str) -> Optional[nn.Module]:
+    """The factory's model built under ``torch.device("meta")``, or None when the checkpoint could not give it
+    every tensor it uses: the factory fails there (it computes with tensor values), or the model holds a tensor
+    that is not a parameter or a persistent buffer (a non-persistent buffer, a plain tensor attribute), or one
+    tensor under two names (assigning would untie them)."""
+    factory = _import_factory(spec)
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception:
+        return None
+    if not isinstance(model, nn.Module):
+        return None
+    held = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    held += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    if sorted(held) != sorted(model.state_dict(keep_vars=True)) or len(set(held)) != len(held):
+        return None
+    unique = {id(t) for t in list(model.parameters()) + list(model.buffers())}
+    if len(unique) != len(held):
+        return None
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                continue
+            values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            if any(isinstance(v, torch.Tensor) for v in values):
+                return None
+    return model
+
+
+def _check_state(expected: Dict[str, torch.Tensor], state: Dict[str, torch.Tensor], path: Path) -> None:
+    """One clear error for a checkpoint whose tensors do not fit the model (names, shapes, float-ness)."""
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing:
@@ -114,6 +160,10 @@ def _load_state_into(model: nn.Module, state: Dict[str, torch.Tensor], path: Pat
             raise CheckpointError(  # (an already-quantized checkpoint's packed integers, most likely)
                 f"{path}: tensor {k!r} is {str(state[k].dtype).replace('torch.', '')}, the model expects floats "
                 f"({str(v.dtype).replace('torch.', '')}); qtool quantizes float checkpoints")
+
+
+def _load_state_into(model: nn.Module, state: Dict[str, torch.Tensor], path: Path) -> None:
+    _check_state(model.state_dict(), state, path)
     model.load_state_dict(state, strict=True)
 
 
@@ -148,8 +198,7 @@ def load_model(
     elif kind == "state_dict":
         if model_class is None:
             raise UsageError(f"{path}: a state dict needs --model-class module:callable to build the model")
-        model = _build(model_class)
-        _load_state_into(model, read_state_dict(path), path)
+        model = _build_loaded(model_class, read_state_dict(path), path)
     else:  # .pt / .pth
         try:
             obj = torch_load_safe(path)
@@ -162,9 +211,8 @@ def load_model(
         elif isinstance(obj, dict):
             if model_class is None:
                 raise UsageError(f"{path}: a state dict needs --model-class module:callable to build the model")
-            model = _build(model_class)
+            model = _build_loaded(model_class, read_state_dict(path) if not trust_pickle else obj, path)
             kind = "state_dict"
-            _load_state_into(model, read_state_dict(path) if not trust_pickle else obj, path)
         else:
             raise CheckpointError(f"{path}: expected a state dict or a module, found {type(obj).__name__}")
     model = model.to(dev)
