@@ -158,6 +158,98 @@ with torch.no_grad():
 """
 
 
+# Where the whole MLP process's time goes, on both sides: the same qtool command in-process, with clocks around
+# its phases (imports, model load, data, calibration, writing, hashing), and the float script's phases.
+# argv: checkpoint, data file, batch size.
+PHASES_PROCESS = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from safetensors.torch import load_file
+t_torch = time.perf_counter()
+ckpt, data, bs = sys.argv[1], sys.argv[2], sys.argv[3]
+if sys.argv[4] == "float":
+    layers = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(1024, 1024), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    model.load_state_dict(load_file(ckpt))
+    model.eval()
+    t_load = time.perf_counter()
+    x = load_file(data)["x"]
+    t_data = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, x.shape[0], int(bs)):
+            model(x[i:i + int(bs)])
+    t_end = time.perf_counter()
+    print(json.dumps({"import torch": t_torch - t0, "model load": t_load - t_torch, "data": t_data - t_load,
+                      "calibration / forward": t_end - t_data}))
+    sys.exit(0)
+sys.argv = ["qtool", "calibrate", ckpt, "-c", "w8a8", "--data", data, "--batch-size", bs, "-o", sys.argv[5],
+            "--overwrite", "--quiet", "--model-class", "bench.calibrate_overhead:mlp"]
+import qtool.cli
+t_cli = time.perf_counter()
+import qtool.calibration as C, qtool.calibration.in_memory as IM, qtool.encodings as E, qtool.model.load as L
+import qtool.pipeline as P
+t_lib = time.perf_counter()
+took = {}
+def timed(owner, name, key):
+    fn = getattr(owner, name)
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            took[key] = took.get(key, 0.0) + time.perf_counter() - t
+    setattr(owner, name, wrapper)
+timed(L, "load_model", "model load"); timed(C, "_data", "data"); timed(IM, "calibrate", "calibration / forward")
+timed(E.EncodingsFile, "write", "writing encodings"); timed(P, "_files_digest", "hashing inputs")
+timed(P, "run_calibrate", "run")
+try:
+    qtool.cli.main()
+except SystemExit:
+    pass
+t_end = time.perf_counter()
+run = took.pop("run")
+took["other (plan, manifest, ...)"] = run - sum(took.values())
+print(json.dumps({"import torch": t_torch - t0, "import qtool.cli (typer)": t_cli - t_torch,
+                  "import the library (pydantic, yaml, qtool)": t_lib - t_cli,
+                  "argument parsing": t_end - t_lib - run, **took}))
+"""
+
+
+def phase_rows(repeats: int) -> list:
+    """Median seconds per phase of the MLP's whole process, qtool calibrate against the float script, each run
+    ``repeats`` times alternating (PHASES_PROCESS)."""
+    import statistics
+    import subprocess
+    import sys
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    runs = {"qtool": [], "float": []}
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        save_file(mlp().state_dict(), d / "mlp.safetensors")
+        g = torch.Generator().manual_seed(0)
+        save_file({"x": torch.randn(32 * 64, 1024, generator=g)}, d / "mlp-x.safetensors")
+        for i in range(repeats + 1):
+            for side in runs:
+                out = subprocess.run([sys.executable, "-c", PHASES_PROCESS, str(d / "mlp.safetensors"),
+                                      str(d / "mlp-x.safetensors"), "64", side, str(d / "run")],
+                                     check=True, cwd=repo, capture_output=True, text=True, env=env).stdout
+                if i:  # the first round warms the caches
+                    runs[side].append(json.loads(out.strip().splitlines()[-1]))
+    rows = []
+    for side, samples in runs.items():
+        for phase in samples[0]:
+            rows.append({"side": side, "phase": phase, "median_s": statistics.median(s[phase] for s in samples)})
+    return rows
+
+
 def whole_process_rows(repeats: int, device: str) -> list:
     """Whole commands, start-up to exit: ``qtool calibrate -c w8a8`` (load, calibrate, write the encodings)
     against a plain float pass in its own process over the same batches (FLOAT_PROCESS), best of ``repeats``,
@@ -225,7 +317,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench/results/calibrate_overhead.json")
+    ap.add_argument("--phases", action="store_true",
+                    help="only the MLP whole process's time per phase, qtool beside the float script (medians)")
     args, _ = ap.parse_known_args(argv)
+    if args.phases:
+        rows = phase_rows(max(args.repeats, 5))
+        print(f"{'side':<8}{'phase':<48}{'median s':>10}")
+        for r in rows:
+            print(f"{r['side']:<8}{r['phase']:<48}{r['median_s']:>10.3f}")
+        out = Path(args.out).with_name(Path(args.out).stem + "_phases.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"bench": "calibrate_overhead phases", "rows": rows}, indent=2) + "\n")
+        return {"rows": rows}
     result = run(repeats=args.repeats, device=args.device)
     print(f"calibration overhead, {result['model']}, {result['batches']} x {result['batch_size']} "
           f"({result['device']}, {result['threads']} threads)")
