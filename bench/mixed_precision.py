@@ -8,6 +8,8 @@ written recipe, exported, and scored on held-out text beside the uniform recipes
   block-32 GPTQ recipe. Budgets: uniform W4A16-block-32-GPTQ's own size, and half a bit per weight above it.
 * **int-channel** (compressed-tensors): candidates ``w4a16-block32-gptq``, int4 per-channel GPTQ (half a bit
   per weight cheaper) and ``w8a16``, at uniform W4A16-block-32-GPTQ's own size (``--parts int-channel``).
+* **int-block** (compressed-tensors): the same with int4 in blocks of **64** GPTQ (a quarter bit per weight
+  cheaper, and a grid of the base's own family) instead of per channel (``--parts int-block``).
 * **gguf** (GGUF): candidates Q4_K_M, Q3_K_M, Q2_K and Q6_K mixes, each with GPTQ on the stored grid.
   Budgets: the sizes of uniform Q4_K_M and Q3_K_M (the hand mixes llama-quantize ships).
 
@@ -55,6 +57,9 @@ ignore: ["lm_head"]
 W4_CHANNEL_GPTQ = W3_GPTQ.replace("int3 weights, blocks of 32", "int4 weights, one scale per output channel").replace(
     "one bit less", "per channel").replace("bitwidth: 3, symmetric: true, granularity: per_block, block_size: 32,",
                                            "bitwidth: 4, symmetric: true, granularity: per_channel,")
+W4_B64_GPTQ = W3_GPTQ.replace("int3 weights, blocks of 32", "int4 weights, blocks of 64").replace(
+    "one bit less", "half the scales").replace("bitwidth: 3, symmetric: true, granularity: per_block, block_size: 32,",
+                                                "bitwidth: 4, symmetric: true, granularity: per_block, block_size: 64,")
 GGUF_GPTQ = """# bench: llama-quantize's {mix} mix with the weighted search and GPTQ (as gguf-q4_k_m-gptq)
 version: 1
 gguf_mix: {mix}
@@ -263,6 +268,13 @@ def main(argv=None):
         result["parts"]["int-channel"] = part(
             "int-channel", ckpt, [("w4a16-block32-gptq", "w4a16-block32-gptq"),
                                   ("w4a16-channel-gptq", str(tmp / "w4a16-channel-gptq.yaml")), ("w8a16", "w8a16")],
+            [("W4A16-block32-GPTQ's size", "w4a16-block32-gptq", 0.0)],
+            "compressed-tensors", tmp, tmp / "calib.txt", batches, ppl_float, args.samples)
+    if "int-block" in parts:  # the same, paid for with int4 in blocks of 64: a grid of the same family as the base
+        (tmp / "w4a16-block64-gptq.yaml").write_text(W4_B64_GPTQ)
+        result["parts"]["int-block"] = part(
+            "int-block", ckpt, [("w4a16-block32-gptq", "w4a16-block32-gptq"),
+                                ("w4a16-block64-gptq", str(tmp / "w4a16-block64-gptq.yaml")), ("w8a16", "w8a16")],
             [("W4A16-block32-GPTQ's size", "w4a16-block32-gptq", 0.0)],
             "compressed-tensors", tmp, tmp / "calib.txt", batches, ppl_float, args.samples)
     if "gguf" in parts:
