@@ -1,13 +1,14 @@
-"""Loading a state dict into a ``--model-class`` model: built on the meta device (no random initialisation, no
-second copy of the weights) where the checkpoint gives it every tensor it uses, built as written otherwise; the
-loaded model is the same either way."""
+"""Loading a state dict into a ``--model-class`` model: the factory runs with its parameters on the meta device
+(no random initialisation, no second copy of the weights) and takes the checkpoint's tensors; where that cannot
+work (a tensor derived from a parameter's values, a tied parameter) it runs as written. The loaded model is the
+same either way."""
 
 import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from qtool.model.load import _empty_model, load_model
+from qtool.model.load import _holds_meta, _meta_parameters, load_model
 
 
 def plain() -> nn.Module:
@@ -54,7 +55,7 @@ def tied() -> nn.Module:
 
 
 class _Item(nn.Module):
-    """Computes with a tensor's value while it is built (fails on the meta device)."""
+    """Computes with a (non-parameter) tensor's value while it is built."""
 
     def __init__(self):
         super().__init__()
@@ -67,6 +68,40 @@ class _Item(nn.Module):
 
 def with_item() -> nn.Module:
     return _Item()
+
+
+class _FromWeight(nn.Module):
+    """A non-persistent buffer copied from a parameter's initial values: only the factory as written has it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 4)
+        self.register_buffer("start", self.fc.weight.detach().clone(), persistent=False)
+
+    def forward(self, x):
+        return self.fc(x) + x @ self.start.t()
+
+
+def from_weight() -> nn.Module:
+    return _FromWeight()
+
+
+class _Norm(nn.Module):
+    """Reads a parameter's value as a number while it is built (impossible on the meta device)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 4)
+        self.norm = float(self.fc.weight.detach().norm())
+
+    def forward(self, x):
+        return self.fc(x) / self.norm
+
+
+def reads_weight() -> nn.Module:
+    return _Norm()
 
 
 def half() -> nn.Module:
@@ -87,20 +122,33 @@ def _saved(tmp_path, factory, dtype=None):
     return path, state
 
 
-@pytest.mark.parametrize("factory,meta", [("plain", True), ("with_table", False), ("with_attr", False),
-                                          ("tied", False), ("with_item", False)])
-def test_meta_build_only_where_the_checkpoint_fills_every_tensor(factory, meta):
-    assert (_empty_model(f"tests.test_load:{factory}") is not None) is meta
+@pytest.mark.parametrize("factory,meta", [("plain", True), ("with_table", True), ("with_attr", True),
+                                          ("with_item", True), ("tied", False), ("reads_weight", False)])
+def test_parameters_on_the_meta_device_unless_the_factory_needs_their_values(factory, meta):
+    model = _meta_parameters(f"tests.test_load:{factory}")
+    assert (model is not None) is meta
+    if model is not None:
+        assert all(p.is_meta for p in model.parameters())
+        assert not any(b.is_meta for b in model.buffers())  # buffers are made as the factory makes them
 
 
-@pytest.mark.parametrize("factory", ["plain", "with_table", "with_attr", "with_item"])
+def test_a_tensor_derived_from_a_parameter_sends_the_factory_round_again(tmp_path):
+    model = _meta_parameters("tests.test_load:from_weight")
+    assert model is not None and _holds_meta(model)  # its buffer came from a meta weight
+    path, state = _saved(tmp_path, from_weight)
+    loaded = load_model(path, "tests.test_load:from_weight").model
+    assert not _holds_meta(loaded)
+    assert torch.equal(loaded.start, from_weight().start)  # the factory's own values, as written
+    assert torch.equal(loaded.fc.weight, state["fc.weight"])
+
+
+@pytest.mark.parametrize("factory", ["plain", "with_table", "with_attr", "with_item", "from_weight", "reads_weight"])
 def test_the_loaded_model_holds_the_checkpoint_and_computes_as_built(tmp_path, factory):
     path, state = _saved(tmp_path, globals()[factory])
     model = load_model(path, f"tests.test_load:{factory}").model
+    assert not _holds_meta(model)
     for k, v in model.state_dict().items():
-        assert not v.is_meta, k
-        if k in state:
-            assert torch.equal(v, state[k]), k
+        assert torch.equal(v, state[k]), k
     reference = globals()[factory]()
     reference.load_state_dict(state)
     reference.eval()

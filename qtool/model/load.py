@@ -96,49 +96,59 @@ def _build(spec: str) -> nn.Module:
 
 
 def _build_loaded(spec: str, state: Dict[str, torch.Tensor], path: Path) -> nn.Module:
-    """``spec``'s model holding ``state``. Built on the meta device first, so that no memory is allocated and no
-    random initialisation is run for weights the checkpoint replaces (seconds and a second copy of the model for
-    a large one); where that is not safe (:func:`_empty_model` says why) the factory runs again as written."""
-    model = _empty_model(spec)
-    if model is None:
-        model = _build(spec)
-        _load_state_into(model, state, path)
-        return model
-    expected = model.state_dict()
-    _check_state(expected, state, path)
-    # load_state_dict copies into the model's own dtype; assign=True takes the tensor as it is, so cast first
-    model.load_state_dict({k: state[k].to(v.dtype) for k, v in expected.items()}, strict=True, assign=True)
+    """``spec``'s model holding ``state``. The factory runs with its parameters made on the meta device
+    (:func:`_meta_parameters`), so no random initialisation is run and no memory kept for weights the
+    checkpoint replaces (seconds and a second copy of a large model); where a tensor is still on the meta device
+    after loading (the factory derived one from a parameter's values), or two names share one parameter (loading by
+    assignment would untie them), the factory runs again as written and the checkpoint is copied in."""
+    model = _meta_parameters(spec)
+    if model is not None:
+        expected = model.state_dict()
+        _check_state(expected, state, path)
+        # load_state_dict copies into the model's own dtype; assign=True takes the tensor as it is, so cast first
+        model.load_state_dict({k: state[k].to(v.dtype) for k, v in expected.items()}, strict=True, assign=True)
+        if not _holds_meta(model):
+            return model
+    model = _build(spec)
+    _load_state_into(model, state, path)
     return model
 
 
-def _empty_model(spec: str) -> Optional[nn.Module]:
-    """The factory's model built under ``torch.device("meta")``, or None when the checkpoint could not give it
-    every tensor it uses: the factory fails there (it computes with tensor values), or the model holds a tensor
-    that is not a parameter or a persistent buffer (a non-persistent buffer, a plain tensor attribute), or one
-    tensor under two names (assigning would untie them)."""
+def _meta_parameters(spec: str) -> Optional[nn.Module]:
+    """The factory's model with every parameter it registers moved to the meta device as it is registered (so
+    initialising it computes nothing), buffers and every other tensor made as the factory makes them (accelerate's
+    ``init_empty_weights`` does the same); None when that fails or leaves a parameter real or shared."""
     factory = _import_factory(spec)
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if isinstance(param, nn.Parameter) and not param.is_meta:
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
     try:
-        with torch.device("meta"):
-            model = factory()
-    except Exception:
+        model = factory()
+    except Exception:  # (the factory runs again as written, and fails there with its own error)
         return None
+    finally:
+        nn.Module.register_parameter = register
     if not isinstance(model, nn.Module):
         return None
-    held = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    held += [n for n, _ in model.named_buffers(remove_duplicate=False)]
-    if sorted(held) != sorted(model.state_dict(keep_vars=True)) or len(set(held)) != len(held):
+    named = list(model.named_parameters(remove_duplicate=False))
+    if len({id(p) for _, p in named}) != len(named) or not all(p.is_meta for _, p in named):
         return None
-    unique = {id(t) for t in list(model.parameters()) + list(model.buffers())}
-    if len(unique) != len(held):
-        return None
+    return model
+
+
+def _holds_meta(model: nn.Module) -> bool:
+    """Whether any parameter, buffer or tensor attribute of ``model``'s modules is on the meta device."""
     for module in model.modules():
         for name, value in vars(module).items():
-            if name in ("_parameters", "_buffers", "_modules"):
-                continue
             values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
-            if any(isinstance(v, torch.Tensor) for v in values):
-                return None
-    return model
+            if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+                return True
+    return False
 
 
 def _check_state(expected: Dict[str, torch.Tensor], state: Dict[str, torch.Tensor], path: Path) -> None:
