@@ -95,64 +95,8 @@ def _build(spec: str) -> nn.Module:
     return model
 
 
-def _build_loaded(spec: str, state: Dict[str, torch.Tensor], path: Path) -> nn.Module:
-    """``spec``'s model holding ``state``. The factory runs with its parameters made on the meta device
-    (:func:`_meta_parameters`), so no random initialisation is run and no memory kept for weights the
-    checkpoint replaces (seconds and a second copy of a large model); where a tensor is still on the meta device
-    after loading (the factory derived one from a parameter's values), or two names share one parameter (loading by
-    assignment would untie them), the factory runs again as written and the checkpoint is copied in."""
-    model = _meta_parameters(spec)
-    if model is not None:
-        expected = model.state_dict()
-        _check_state(expected, state, path)
-        # load_state_dict copies into the model's own dtype; assign=True takes the tensor as it is, so cast first
-        model.load_state_dict({k: state[k].to(v.dtype) for k, v in expected.items()}, strict=True, assign=True)
-        if not _holds_meta(model):
-            return model
-    model = _build(spec)
-    _load_state_into(model, state, path)
-    return model
-
-
-def _meta_parameters(spec: str) -> Optional[nn.Module]:
-    """The factory's model with every parameter it registers moved to the meta device as it is registered (so
-    initialising it computes nothing), buffers and every other tensor made as the factory makes them (accelerate's
-    ``init_empty_weights`` does the same); None when that fails or leaves a parameter real or shared."""
-    factory = _import_factory(spec)
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module, name, param):
-        if isinstance(param, nn.Parameter) and not param.is_meta:
-            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        model = factory()
-    except Exception:  # (the factory runs again as written, and fails there with its own error)
-        return None
-    finally:
-        nn.Module.register_parameter = register
-    if not isinstance(model, nn.Module):
-        return None
-    named = list(model.named_parameters(remove_duplicate=False))
-    if len({id(p) for _, p in named}) != len(named) or not all(p.is_meta for _, p in named):
-        return None
-    return model
-
-
-def _holds_meta(model: nn.Module) -> bool:
-    """Whether any parameter, buffer or tensor attribute of ``model``'s modules is on the meta device."""
-    for module in model.modules():
-        for name, value in vars(module).items():
-            values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
-            if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
-                return True
-    return False
-
-
-def _check_state(expected: Dict[str, torch.Tensor], state: Dict[str, torch.Tensor], path: Path) -> None:
-    """One clear error for a checkpoint whose tensors do not fit the model (names, shapes, float-ness)."""
+def _load_state_into(model: nn.Module, state: Dict[str, torch.Tensor], path: Path) -> None:
+    expected = model.state_dict()
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing:
@@ -170,10 +114,6 @@ def _check_state(expected: Dict[str, torch.Tensor], state: Dict[str, torch.Tenso
             raise CheckpointError(  # (an already-quantized checkpoint's packed integers, most likely)
                 f"{path}: tensor {k!r} is {str(state[k].dtype).replace('torch.', '')}, the model expects floats "
                 f"({str(v.dtype).replace('torch.', '')}); qtool quantizes float checkpoints")
-
-
-def _load_state_into(model: nn.Module, state: Dict[str, torch.Tensor], path: Path) -> None:
-    _check_state(model.state_dict(), state, path)
     model.load_state_dict(state, strict=True)
 
 
@@ -208,7 +148,8 @@ def load_model(
     elif kind == "state_dict":
         if model_class is None:
             raise UsageError(f"{path}: a state dict needs --model-class module:callable to build the model")
-        model = _build_loaded(model_class, read_state_dict(path), path)
+        model = _build(model_class)
+        _load_state_into(model, read_state_dict(path), path)
     else:  # .pt / .pth
         try:
             obj = torch_load_safe(path)
@@ -221,8 +162,9 @@ def load_model(
         elif isinstance(obj, dict):
             if model_class is None:
                 raise UsageError(f"{path}: a state dict needs --model-class module:callable to build the model")
-            model = _build_loaded(model_class, read_state_dict(path) if not trust_pickle else obj, path)
+            model = _build(model_class)
             kind = "state_dict"
+            _load_state_into(model, read_state_dict(path) if not trust_pickle else obj, path)
         else:
             raise CheckpointError(f"{path}: expected a state dict or a module, found {type(obj).__name__}")
     model = model.to(dev)
