@@ -148,7 +148,8 @@ def part(name: str, ckpt, candidates, budgets, fmt: str, tmp: Path, data: Path, 
         shutil.copytree(work / f"candidate-{c}", out / "calibration")
         row = {"model": f"uniform {label}", **_score(ckpt, out, batches, state.cost.params, ppl_float),
                "predicted_bytes": state.uniform[c]["bytes"], "search_damage": state.uniform[c]["damage"],
-               "predicted_damage": state.uniform[c]["predicted_damage"]}
+               "predicted_damage": state.uniform[c]["predicted_damage"],
+               "search_perplexity": state.uniform[c].get("perplexity")}
         assert row["bytes"] == row["predicted_bytes"], (row["bytes"], row["predicted_bytes"])
         uniform[label] = row
         rows.append(row)
@@ -167,9 +168,9 @@ def part(name: str, ckpt, candidates, budgets, fmt: str, tmp: Path, data: Path, 
         row = {"model": f"searched at {label}", "budget_bits_per_weight": bpw, **_score(
             ckpt, out, batches, state.cost.params, ppl_float), "seconds": secs,
             "predicted_bytes": record["chosen"]["bytes"], "groups": record["chosen"]["groups"],
-            "predicted_damage": record["chosen"]["predicted_damage"],
-            "search_damage": _measured_damage(str(ckpt), out / "calibration" / "encodings.json", record, target, opts,
-                                              Hooks())}
+            "predicted_damage": record["chosen"]["predicted_damage"]}
+        row["search_damage"], row["search_perplexity"] = _measured_damage(
+            str(ckpt), out / "calibration" / "encodings.json", record, target, opts, Hooks())
         assert row["bytes"] == row["predicted_bytes"], (row["bytes"], row["predicted_bytes"])
         row["paired"] = _paired(row, ref)
         rows.append(row)

@@ -423,6 +423,15 @@ def _report_target(summary: Dict[str, Any], quiet: bool) -> None:
     err.print(_esc(f"damage ({t['damage']}): predicted {ch['predicted_damage']:.4g}, measured {ch['damage']:.4g}; "
                    "uniform: " + ", ".join(f"{u['candidate']} {u['bits_per_weight']:.3f} bits/weight "
                                            f"{u['damage']:.4g}" for u in t["uniform"])))
+    if t.get("float_perplexity") and "perplexity" in ch:  # the text's own measure, which KL need not move alike
+        f = t["float_perplexity"]
+
+        def pct(p):
+            return f"{p:.4g} ({100 * (p / f - 1):+.2f}%)"
+
+        err.print(_esc(f"perplexity of the search samples' text: float {f:.4g}; chosen {pct(ch['perplexity'])}; "
+                       "uniform: " + ", ".join(f"{u['candidate']} {pct(u['perplexity'])}" for u in t["uniform"]
+                                               if "perplexity" in u)))
 
 
 def _report_files(summary: Dict[str, Any], quiet: bool, warnings_shown: Optional[int] = None) -> None:

@@ -29,7 +29,7 @@ from .data import Batch
 from .export.base import layout_bytes
 from .model.insert import computing_with, fake_quant_weight, set_quantization
 from .parallel import Group, shard_bounds
-from .report import _main_output, _per_sample_cosine, _token_kl
+from .report import _main_output, _per_sample_cosine, _token_kl, _token_nll
 
 __all__ = ["FUSED", "fused_groups", "group_damage", "Costs", "costs", "mixed_recipe"]
 
@@ -79,10 +79,13 @@ def effective_weights(model: nn.Module, modules: Sequence[str]) -> Dict[str, Opt
 def group_damage(model: nn.Module, batches: Sequence[Batch], groups: Sequence[Tuple[str, ...]],
                  options: Sequence[Dict[str, Optional[torch.Tensor]]], device, causal_lm: bool,
                  progress: Optional[Callable[[int, int, str], None]] = None, group: Optional[Group] = None
-                 ) -> Tuple[float, List[List[float]], List[float]]:
+                 ) -> Tuple[float, List[List[float]], List[float], Optional[Dict[str, Any]]]:
     """The damage of the base candidate's calibrated fake-quant ``model`` (everything quantized, as deployed), and,
     for each other candidate's weights (``options[c]``: module -> weight, None for float), the change in damage
-    when one group at a time takes that candidate's weights (negative: better), and when every group does.
+    when one group at a time takes that candidate's weights (negative: better), and when every group does. For a
+    causal language model also the perplexity of the batches' own text under the float model, the base and each
+    option with every group (``{"float", "base", "together": [...]}``; None for other models): the damage ranks
+    by closeness to the float model, which need not move the text's perplexity the same way.
 
     Measuring each change against the deployed base rather than a float model keeps the errors every other layer
     makes in the picture, and the base and the swapped model run the same samples, so their difference is far less
@@ -100,16 +103,24 @@ def group_damage(model: nn.Module, batches: Sequence[Batch], groups: Sequence[Tu
         if progress:
             progress(done, steps, name)
 
-    records = []  # per batch: (base damage, count, [[change per group] per option], [all groups per option])
+    def nll(out, b):  # summed NLL of the batch's next tokens and how many (causal LMs)
+        return _token_nll(out, b) if causal_lm else (0.0, 0)
+
+    # per batch: (base damage, count, [[change per group] per option], [all groups per option],
+    #             (float NLL, base NLL, [all groups' NLL per option], tokens))
+    records = []
     try:
         for b in batches[start:stop]:
             b = b.to(device)
             set_quantization(model, False)
             ref = _main_output(model(*b.args, **b.kwargs))
             set_quantization(model, True)
-            d0, n = _divergence(ref, _main_output(model(*b.args, **b.kwargs)), b, causal_lm)
+            out = _main_output(model(*b.args, **b.kwargs))
+            d0, n = _divergence(ref, out, b, causal_lm)
+            (nll_float, tokens), (nll_base, _) = nll(ref, b), nll(out, b)
+            del out
             tick("base")
-            changes, together = [], []
+            changes, together, nll_together = [], [], []
             for weights in options:
                 row = []
                 for g in groups:
@@ -119,10 +130,12 @@ def group_damage(model: nn.Module, batches: Sequence[Batch], groups: Sequence[Tu
                     tick(g[0])
                 changes.append(row)
                 with computing_with({named[m]: w for m, w in weights.items()}):
-                    d, _ = _divergence(ref, _main_output(model(*b.args, **b.kwargs)), b, causal_lm)
+                    out = _main_output(model(*b.args, **b.kwargs))
+                    d, _ = _divergence(ref, out, b, causal_lm)
+                    nll_together.append(nll(out, b)[0])
                 together.append(d)
                 tick("all groups")
-            records.append((d0, n, changes, together))
+            records.append((d0, n, changes, together, (nll_float, nll_base, nll_together, tokens)))
     finally:
         set_quantization(model, True)
     if group.distributed:
@@ -130,15 +143,24 @@ def group_damage(model: nn.Module, batches: Sequence[Batch], groups: Sequence[Tu
     base, count = 0.0, 0
     deltas = [[0.0] * len(groups) for _ in options]
     together_sum = [0.0] * len(options)
-    for d0, n, changes, together in records:
+    nll_sums, nll_together_sums, tokens = [0.0, 0.0], [0.0] * len(options), 0
+    for d0, n, changes, together, (nll_float, nll_base, nll_together, t) in records:
         base += d0
         count += n
         for c, row in enumerate(changes):
             for gi, x in enumerate(row):
                 deltas[c][gi] += x
             together_sum[c] += together[c]
+            nll_together_sums[c] += nll_together[c]
+        nll_sums = [nll_sums[0] + nll_float, nll_sums[1] + nll_base]
+        tokens += t
     count = max(count, 1)
-    return base / count, [[x / count for x in row] for row in deltas], [t / count for t in together_sum]
+    perplexity = None
+    if causal_lm and tokens:
+        perplexity = {"float": math.exp(nll_sums[0] / tokens), "base": math.exp(nll_sums[1] / tokens),
+                      "together": [math.exp(x / tokens) for x in nll_together_sums]}
+    return (base / count, [[x / count for x in row] for row in deltas], [t / count for t in together_sum],
+            perplexity)
 
 
 @dataclass

@@ -235,14 +235,18 @@ def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any
                               last=False)
     _share_run(group, run_dir)
     chosen = record["chosen"]
-    chosen["damage"] = _measured_damage(checkpoint, run_dir / "encodings.json", record, target, opts, hooks, group)
+    chosen["damage"], perplexity = _measured_damage(checkpoint, run_dir / "encodings.json", record, target, opts,
+                                                    hooks, group)
+    if perplexity is not None:
+        chosen["perplexity"] = perplexity
     fits = [u for u in record["uniform"] if u["bytes"] <= record["budget"]["bytes"]]
     best = min(fits, key=lambda u: u["damage"], default=None)
     if best is not None and best["damage"] < chosen["damage"]:
         hooks.on_stage(f"the mix measured {chosen['damage']:.4g}, above uniform {best['candidate']}'s "
                        f"{best['damage']:.4g}: calibrating {best['candidate']} instead")
         record["fallback"] = {"candidate": best["candidate"], "mix_bytes": chosen["bytes"],
-                              "mix_damage": chosen["damage"], "mix_predicted_damage": chosen["predicted_damage"]}
+                              "mix_damage": chosen["damage"], "mix_predicted_damage": chosen["predicted_damage"],
+                              **({"mix_perplexity": chosen["perplexity"]} if "perplexity" in chosen else {})}
         c = record["candidates"].index(best["candidate"])
         text = Path(recipe_file(target.candidates[c])).read_text(encoding="utf-8")
         Path(recipe_path).write_text(
@@ -253,6 +257,7 @@ def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any
             (run_dir / name).unlink(missing_ok=True)
         record["chosen"] = {"bytes": best["bytes"], "bits_per_weight": best["bits_per_weight"],
                             "predicted_damage": best["predicted_damage"], "damage": best["damage"],
+                            **({"perplexity": best["perplexity"]} if "perplexity" in best else {}),
                             "groups": {n: (len(record["groups"]) if n == best["candidate"] else 0)
                                        for n in record["candidates"]}}
         summary = _calibrate_into(checkpoint, recipe_path, opts, run_dir if root else None, hooks, group,
@@ -262,7 +267,8 @@ def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any
     if not root:
         return None
     _write_search(run_dir, record)
-    summary["target"] = {k: record[k] for k in ("budget", "format", "candidates", "damage", "chosen", "uniform")}
+    summary["target"] = {k: record[k] for k in ("budget", "format", "candidates", "damage", "float_perplexity",
+                                                "chosen", "uniform") if k in record}
     if "fallback" in record:
         summary["target"]["fallback"] = record["fallback"]
     return summary
@@ -590,6 +596,7 @@ class Measured:
     samples: int
     opts: CalibrateOptions
     base_damage: float = 0.0  # the first candidate's measured damage
+    float_perplexity: Optional[float] = None  # causal LMs: the float model's on the search samples' text
 
     def bpw(self, nbytes: int) -> float:
         return 8.0 * nbytes / max(self.cost.params, 1)
@@ -656,7 +663,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     state.samples = data.num_samples
     batches = list(data)
     grouped = [m for g in groups for m in g]
-    base = None
+    base, base_ppl = None, None
     for c, path in enumerate(paths):
         hooks.on_stage(f"candidate {c + 1}/{len(paths)} ({names[c]}): calibrating")
         cdir = work / f"candidate-{c}"
@@ -674,14 +681,18 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         del model
         hooks.on_stage(f"candidate {c + 1}/{len(paths)} ({names[c]}): measuring each layer's damage")
         device = next(iter(base.parameters())).device
-        base_damage, deltas, together = group_damage(base, batches, groups, [weights], device, loaded.is_causal_lm,
-                                                     hooks.on_tensor, group)
+        base_damage, deltas, together, ppl = group_damage(base, batches, groups, [weights], device,
+                                                          loaded.is_causal_lm, hooks.on_tensor, group)
         del weights
         for g, d in enumerate(deltas[0]):
             state.damage[g][c] = d
         state.base_damage = base_damage
-        state.uniform.append({"damage": together[0], "predicted_damage": base_damage + sum(deltas[0])})
-    state.uniform.insert(0, {"damage": state.base_damage, "predicted_damage": state.base_damage})
+        state.uniform.append({"damage": together[0], "predicted_damage": base_damage + sum(deltas[0]),
+                              **({"perplexity": ppl["together"][0]} if ppl else {})})
+        if ppl:
+            state.float_perplexity, base_ppl = ppl["float"], ppl["base"]
+    state.uniform.insert(0, {"damage": state.base_damage, "predicted_damage": state.base_damage,
+                             **({"perplexity": base_ppl} if state.float_perplexity is not None else {})})
     for c, u in enumerate(state.uniform):
         nbytes = cost.fixed + sum(opt[c] for opt in cost.groups)
         u.update(candidate=names[c], bytes=nbytes, bits_per_weight=state.bpw(nbytes))
@@ -729,6 +740,7 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
         "budget": {"flag": target.flag(), "bytes": budget, "bits_per_weight": state.bpw(budget)},
         "format": state.exporter, "params": cost.params, "float_bytes": cost.float_bytes,
         "candidates": names, "damage": state.metric, "samples": state.samples,
+        **({"float_perplexity": state.float_perplexity} if state.float_perplexity is not None else {}),
         "chosen": {"bytes": nbytes, "bits_per_weight": state.bpw(nbytes),
                    "predicted_damage": state.base_damage + choice.damage,
                    "groups": {names[c]: sum(k == c for k in choice.options) for c in range(len(names))}},
@@ -742,9 +754,10 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
 
 
 def _measured_damage(checkpoint: str, encodings: Path, record: Dict[str, Any], target: TargetOptions,
-                     opts: CalibrateOptions, hooks: Hooks, group: Optional[Group] = None) -> float:
+                     opts: CalibrateOptions, hooks: Hooks, group: Optional[Group] = None
+                     ) -> Tuple[float, Optional[float]]:
     """The chosen model's damage, everything quantized at once (what the first candidate's damage plus the changes
-    predicted)."""
+    predicted), and for a causal LM its perplexity on the search samples' text (else None)."""
     from .mixed import group_damage
 
     hooks.on_stage("measuring the chosen model")
@@ -753,9 +766,9 @@ def _measured_damage(checkpoint: str, encodings: Path, record: Dict[str, Any], t
     tokenizer = getattr(model, "qtool_tokenizer", None)
     causal = record["damage"].startswith("mean per-token")
     data = load_data(opts.data, opts.batch_size, target.samples, opts.seed, opts.seq_len, tokenizer, pack_text=causal)
-    damage, _, _ = group_damage(model, list(data), [], [], next(iter(model.parameters())).device, causal,
-                                group=group)
-    return damage
+    damage, _, _, ppl = group_damage(model, list(data), [], [], next(iter(model.parameters())).device, causal,
+                                     group=group)
+    return damage, (ppl["base"] if ppl else None)
 
 
 def _write_search(run_dir: Path, record: Dict[str, Any]) -> None:

@@ -4,6 +4,7 @@ format writes, and write a recipe that reproduces the model."""
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,12 @@ def test_the_searched_model_fits_its_budget_in_the_bytes_the_file_holds(llama, t
     assert all(n > 0 for n in target["chosen"]["groups"].values())
     cheap = min(target["uniform"], key=lambda u: u["bytes"])
     assert target["chosen"]["damage"] < cheap["damage"]
+    # beside the KL it ranks by, the text's own perplexity on the search samples: float, each uniform candidate and
+    # the chosen mix; int8 weights move it less than int4 ones
+    f = target["float_perplexity"]
+    assert f > 1 and target["chosen"]["perplexity"] > 1
+    moved = {u["candidate"]: abs(math.log(u["perplexity"] / f)) for u in target["uniform"]}
+    assert 0 < moved["w8a16"] < moved["w4a16-block32-gptq"], moved
     # the written recipe reproduces the model byte for byte
     code, _, err = run_cli(*base, "-c", tmp_path / "mix" / "recipe.yaml", "-o", tmp_path / "again")
     assert code == 0, err
@@ -331,7 +338,11 @@ def test_a_mix_measured_worse_than_a_uniform_candidate_that_fits_falls_back_to_i
 
     ckpt, data = llama
     real = pipeline._measured_damage
-    monkeypatch.setattr(pipeline, "_measured_damage", lambda *a, **k: real(*a, **k) + 1.0)  # the mix: far worse
+    def worse(*a, **k):  # the mix: far worse
+        damage, perplexity = real(*a, **k)
+        return damage + 1.0, perplexity
+
+    monkeypatch.setattr(pipeline, "_measured_damage", worse)
     code, out, err = run_cli("calibrate", ckpt, "--data", data, "--json", "-q", "--candidates",
                              "w4a16-block32-gptq,w8a16", "--target-bpw", "15.5", "-o", tmp_path / "mix")
     assert code == 0, err
@@ -346,3 +357,6 @@ def test_a_mix_measured_worse_than_a_uniform_candidate_that_fits_falls_back_to_i
     assert not (tmp_path / "mix" / "codes.safetensors").exists()  # the mix's GPTQ codes went with it
     search = json.loads((tmp_path / "mix" / "search.json").read_text())
     assert search["fallback"]["mix_damage"] > search["chosen"]["damage"]
+    # the mix's perplexity on the search samples stays on record; the chosen one is uniform w8a16's
+    w8 = next(u for u in search["uniform"] if u["candidate"] == "w8a16")
+    assert search["fallback"]["mix_perplexity"] > 1 and search["chosen"]["perplexity"] == w8["perplexity"]
