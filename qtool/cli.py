@@ -302,6 +302,13 @@ _CANDIDATES = typer.Option(None, "--candidates", help="Recipes (names or files, 
                            "settings each layer chooses among, for the least measured damage within the budget.")
 _SEARCH_SAMPLES = typer.Option(8, "--search-samples", min=1, help="With --candidates: calibration samples the "
                                "damage of each layer's options is measured on.")
+_SEARCH_DATA = typer.Option(None, "--search-data", help="With --candidates: the data the damage is measured on "
+                            "(default: a seeded subset of --data). Text the calibration did not see "
+                            "measures what GPTQ fitted to as it does on new text.")
+_SEARCH_METRIC = typer.Option("kl", "--search-metric", help="With --candidates: what the choice minimizes: kl "
+                              "(closeness to the float model's next-token distribution; 1 - cosine for other "
+                              "models) or nll (the search text's own next-token loss; causal LMs).",
+                              metavar="[kl|nll]")
 _DATA = typer.Option(None, "--data", help="Calibration data: a file or directory (.safetensors .pt .npy .npz .txt .jsonl).")
 _DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or auto.", metavar="[cpu|cuda|cuda:N|auto]",
                        autocompletion=lambda incomplete: [c for c in ("cpu", "cuda", "auto") if c.startswith(incomplete)])
@@ -376,7 +383,7 @@ def _check_early(recipe: Optional[str] = None, device: Optional[str] = None, for
 
 
 def _target(config: Optional[str], candidates: Optional[str], target_bpw: Optional[float],
-            target_size: Optional[str], samples: int):
+            target_size: Optional[str], samples: int, search_data: Optional[str] = None, metric: str = "kl"):
     """``TargetOptions`` from the flags (None without --candidates), after checking they go together."""
     from .errors import UsageError
 
@@ -384,6 +391,8 @@ def _target(config: Optional[str], candidates: Optional[str], target_bpw: Option
     if candidates is None:
         if budget:
             raise UsageError("--target-bpw/--target-size choose among --candidates R1,R2,... (recipe names or files)")
+        if search_data is not None or metric != "kl":
+            raise UsageError("--search-data/--search-metric go with --candidates and a budget")
         if config is None:
             raise UsageError("pass a recipe with -c/--config (qtool config list shows the shipped ones), or "
                              "--candidates with --target-bpw/--target-size")
@@ -403,10 +412,16 @@ def _target(config: Optional[str], candidates: Optional[str], target_bpw: Option
             raise UsageError(f"--target-size {target_size}: give a size such as 4GB or 700MB")
     if target_bpw is not None and not (0 < target_bpw < 64):
         raise UsageError(f"--target-bpw {target_bpw:g}: bits per weight lie between 0 and 64")
+    from .choices import check_choice
     from .pipeline import TargetOptions
 
+    check_choice("--search-metric", metric, ("kl", "nll"))
+    if search_data is not None and not os.path.exists(search_data):
+        from .errors import DataError
+
+        raise DataError(f"{search_data}: --search-data path not found")
     names = [c.strip() for c in candidates.split(",") if c.strip()]
-    return TargetOptions(names, target_bpw, size, samples)
+    return TargetOptions(names, target_bpw, size, samples, search_data, metric)
 
 
 def _report_target(summary: Dict[str, Any], quiet: bool) -> None:
@@ -420,6 +435,8 @@ def _report_target(summary: Dict[str, Any], quiet: bool) -> None:
     if t.get("model_bytes"):
         line += f"; model files {_human(t['model_bytes'])}"
     err.print(_esc(line))
+    if t.get("ranked_by"):
+        err.print(_esc(f"ranked by the {t['ranked_by']}"))
     err.print(_esc(f"damage ({t['damage']}): predicted {ch['predicted_damage']:.4g}, measured {ch['damage']:.4g}; "
                    "uniform: " + ", ".join(f"{u['candidate']} {u['bits_per_weight']:.3f} bits/weight "
                                            f"{u['damage']:.4g}" for u in t["uniform"])))
@@ -493,6 +510,8 @@ def calibrate(
     target_bpw: Optional[float] = _TARGET_BPW,
     target_size: Optional[str] = _TARGET_SIZE,
     search_samples: int = _SEARCH_SAMPLES,
+    search_data: Optional[str] = _SEARCH_DATA,
+    search_metric: str = _SEARCH_METRIC,
     overwrite: bool = _OVERWRITE,
     json_out: bool = _JSON,
     quiet: bool = _QUIET,
@@ -502,7 +521,7 @@ def calibrate(
     quiet = quiet or _rank() != 0  # under torchrun, rank 0 reports
     json_out = json_out and _rank() == 0
     with _errors(debug, json_out), _Progress(quiet) as p:
-        target = _target(config, candidates, target_bpw, target_size, search_samples)
+        target = _target(config, candidates, target_bpw, target_size, search_samples, search_data, search_metric)
         _check_early(config, device, data=data, imatrix=imatrix)
         checkpoint = _checkpoint(checkpoint, revision)
         from .pipeline import run_calibrate
@@ -630,6 +649,8 @@ def quantize(
     target_bpw: Optional[float] = _TARGET_BPW,
     target_size: Optional[str] = _TARGET_SIZE,
     search_samples: int = _SEARCH_SAMPLES,
+    search_data: Optional[str] = _SEARCH_DATA,
+    search_metric: str = _SEARCH_METRIC,
     overwrite: bool = _OVERWRITE,
     json_out: bool = _JSON,
     quiet: bool = _QUIET,
@@ -639,7 +660,7 @@ def quantize(
     quiet = quiet or _rank() != 0  # under torchrun, rank 0 reports
     json_out = json_out and _rank() == 0
     with _errors(debug, json_out), _Progress(quiet) as p:
-        target = _target(config, candidates, target_bpw, target_size, search_samples)
+        target = _target(config, candidates, target_bpw, target_size, search_samples, search_data, search_metric)
         _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback, data,
                      imatrix)
         checkpoint = _checkpoint(checkpoint, revision)

@@ -212,12 +212,14 @@ def load_data(
     seq_len: int = 128,
     tokenizer: Any = None,
     pack_text: bool = False,
+    at_most: bool = False,
 ) -> CalibrationData:
     """Read ``path`` (file or directory), pick a deterministic subset, and cut it into batches.
 
     Text: one sample per paragraph (``.txt``, blank-line separated) or line (``.jsonl``), padded to ``seq_len``;
     with ``pack_text`` (causal LMs) the texts are joined into one token stream cut into full ``seq_len`` windows,
-    and ``num_samples`` counts windows.
+    and ``num_samples`` counts windows. ``at_most``: ``num_samples`` is an upper bound (all of a smaller file),
+    not a count to refuse a smaller file for.
     """
     path = Path(path)
     if batch_size < 1:
@@ -235,12 +237,12 @@ def load_data(
             raise DataError(f"{path}: no text samples (empty file?)")
         if pack_text:
             windows = _pack(texts, tokenizer, seq_len, str(path))
-            order = _subset(len(windows), num_samples, seed,
+            order = _subset(len(windows), num_samples, seed, at_most,
                             f"{path} packs into only {len(windows)} windows of {seq_len} tokens")
             samples = [windows[i] for i in order]
             desc = f"{len(order)} windows of {seq_len} tokens of packed text"
         else:
-            order = _subset(len(texts), num_samples, seed, f"{path} holds only {len(texts)} text samples")
+            order = _subset(len(texts), num_samples, seed, at_most, f"{path} holds only {len(texts)} text samples")
             samples = _tokenize([texts[i] for i in order], tokenizer, seq_len, str(path))
             desc = f"{len(order)} text samples tokenized to {seq_len} tokens"
         names = list(samples[0])
@@ -248,7 +250,8 @@ def load_data(
         all_samples, names = _tensor_samples(files)
         if not all_samples:
             raise DataError(f"{path}: no samples (tensors have a batch dimension of 0)")
-        order = _subset(len(all_samples), num_samples, seed, f"{path} holds only {len(all_samples)} samples")
+        order = _subset(len(all_samples), num_samples, seed, at_most,
+                        f"{path} holds only {len(all_samples)} samples")
         samples = [all_samples[i] for i in order]
         desc = f"{len(order)} tensor samples"
     batches = []
@@ -262,11 +265,14 @@ def load_data(
     return CalibrationData(batches, files, len(samples), desc)
 
 
-def _subset(total: int, num_samples: Optional[int], seed: int, what: str) -> List[int]:
-    """The first ``num_samples`` of a seeded permutation; all samples, in order, without ``num_samples``. Asking
-    for more samples than ``what`` holds is refused rather than silently given fewer."""
+def _subset(total: int, num_samples: Optional[int], seed: int, at_most: bool, what: str) -> List[int]:
+    """The first ``num_samples`` of a seeded permutation; all samples, in order, without ``num_samples`` (or, with
+    ``at_most``, when there are no more). Otherwise asking for more samples than ``what`` holds is refused rather
+    than silently given fewer."""
     if not 0 <= seed < 2**64:
         raise UsageError(f"--seed must be an integer from 0 to 2**64 - 1 (got {str(seed)[:40]})")
+    if at_most and num_samples is not None:
+        num_samples = min(num_samples, total)
     if num_samples is not None and num_samples > total:
         raise DataError(f"--num-samples {num_samples}: {what}; pass at most {total}, or leave --num-samples out to "
                         "use them all")

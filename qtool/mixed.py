@@ -29,9 +29,9 @@ from .data import Batch
 from .export.base import layout_bytes
 from .model.insert import computing_with, fake_quant_weight, set_quantization
 from .parallel import Group, shard_bounds
-from .report import _main_output, _per_sample_cosine, _token_kl, _token_nll
+from .report import _main_output, _per_sample_cosine
 
-__all__ = ["FUSED", "fused_groups", "group_damage", "Costs", "costs", "mixed_recipe"]
+__all__ = ["FUSED", "fused_groups", "group_damage", "next_token_pairs", "Costs", "costs", "mixed_recipe"]
 
 # sibling weights a runtime computes as one matrix (they read the same input): they take one setting together
 FUSED = (frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_proj", "up_proj"}),
@@ -56,12 +56,47 @@ def fused_groups(modules: Sequence[str]) -> List[Tuple[str, ...]]:
     return groups
 
 
-def _divergence(ref: torch.Tensor, out: torch.Tensor, batch: Batch, causal_lm: bool) -> Tuple[float, int]:
-    """Summed damage over the batch's tokens (KL, causal LMs) or samples (1 - cosine), and how many."""
-    if causal_lm:
-        return _token_kl(ref, out, batch)
-    cos = _per_sample_cosine(ref, out, batch)
-    return float((1.0 - cos).sum()), int(cos.numel())
+def next_token_pairs(batch: Batch) -> int:
+    """How many next-token predictions a causal LM's loss scores on ``batch`` (padding excluded)."""
+    ids = batch.kwargs["input_ids"] if "input_ids" in batch.kwargs else batch.args[0]
+    mask = batch.kwargs.get("attention_mask")
+    if mask is None:
+        return int(ids[:, 1:].numel())
+    return int(((mask[:, 1:] > 0) & (mask[:, :-1] > 0)).sum())
+
+
+class _Scorer:
+    """One batch's damage measures against the float model's output ``ref``: :meth:`score` gives an output's summed
+    damage over the batch's tokens (KL, causal LMs) or samples (1 - cosine), how many, and (causal LMs) the summed
+    next-token NLL of the batch's own text. The float model's log-probabilities are computed once per batch, not
+    once per scored output (the same numbers ``report._token_kl`` gives, bit for bit)."""
+
+    def __init__(self, ref: torch.Tensor, batch: Batch, causal_lm: bool):
+        self.batch, self.causal_lm = batch, causal_lm
+        if causal_lm:
+            self.ref_logp = torch.log_softmax(ref.float(), dim=-1)
+            self.ref_p = self.ref_logp.exp()
+            mask = batch.kwargs.get("attention_mask")
+            self.valid = None if mask is None else mask > 0
+            self.float_nll, self.tokens = self._nll(self.ref_logp)
+        else:
+            self.ref, self.float_nll, self.tokens = ref, 0.0, 0
+
+    def _nll(self, logq: torch.Tensor) -> Tuple[float, int]:
+        ids = self.batch.kwargs["input_ids"] if "input_ids" in self.batch.kwargs else self.batch.args[0]
+        nll = -logq[:, :-1].gather(-1, ids[:, 1:].to(logq.device).unsqueeze(-1)).squeeze(-1)
+        if self.valid is not None:
+            nll = nll[self.valid[:, 1:].to(nll.device) & self.valid[:, :-1].to(nll.device)]
+        return float(nll.sum()), int(nll.numel())
+
+    def score(self, out: torch.Tensor) -> Tuple[float, int, float]:
+        if not self.causal_lm:
+            cos = _per_sample_cosine(self.ref, out, self.batch)
+            return float((1.0 - cos).sum()), int(cos.numel()), 0.0
+        logq = torch.log_softmax(out.float(), dim=-1)
+        kl = (self.ref_p * (self.ref_logp - logq)).sum(-1)
+        valid = torch.ones_like(kl, dtype=torch.bool) if self.valid is None else self.valid.to(kl.device)
+        return float(kl[valid].sum()), int(valid.sum()), self._nll(logq)[0]
 
 
 def effective_weights(model: nn.Module, modules: Sequence[str]) -> Dict[str, Optional[torch.Tensor]]:
@@ -84,8 +119,9 @@ def group_damage(model: nn.Module, batches: Sequence[Batch], groups: Sequence[Tu
     for each other candidate's weights (``options[c]``: module -> weight, None for float), the change in damage
     when one group at a time takes that candidate's weights (negative: better), and when every group does. For a
     causal language model also the perplexity of the batches' own text under the float model, the base and each
-    option with every group (``{"float", "base", "together": [...]}``; None for other models): the damage ranks
-    by closeness to the float model, which need not move the text's perplexity the same way.
+    option with every group, and the mean per-token change in the text's NLL when one group at a time takes each
+    option (``{"float", "base", "together": [...], "nll_changes": [[...]]}``; None for other models): the damage
+    ranks by closeness to the float model, which need not move the text's perplexity the same way.
 
     Measuring each change against the deployed base rather than a float model keeps the errors every other layer
     makes in the picture, and the base and the swapped model run the same samples, so their difference is far less
@@ -103,53 +139,52 @@ def group_damage(model: nn.Module, batches: Sequence[Batch], groups: Sequence[Tu
         if progress:
             progress(done, steps, name)
 
-    def nll(out, b):  # summed NLL of the batch's next tokens and how many (causal LMs)
-        return _token_nll(out, b) if causal_lm else (0.0, 0)
-
     # per batch: (base damage, count, [[change per group] per option], [all groups per option],
-    #             (float NLL, base NLL, [all groups' NLL per option], tokens))
+    #             (float NLL, base NLL, [[NLL change per group] per option], [all groups' NLL per option], tokens))
     records = []
     try:
         for b in batches[start:stop]:
             b = b.to(device)
             set_quantization(model, False)
-            ref = _main_output(model(*b.args, **b.kwargs))
+            scorer = _Scorer(_main_output(model(*b.args, **b.kwargs)), b, causal_lm)
             set_quantization(model, True)
-            out = _main_output(model(*b.args, **b.kwargs))
-            d0, n = _divergence(ref, out, b, causal_lm)
-            (nll_float, tokens), (nll_base, _) = nll(ref, b), nll(out, b)
-            del out
+            d0, n, nll_base = scorer.score(_main_output(model(*b.args, **b.kwargs)))
             tick("base")
-            changes, together, nll_together = [], [], []
+            changes, together, nll_changes, nll_together = [], [], [], []
             for weights in options:
-                row = []
+                row, nll_row = [], []
                 for g in groups:
                     with computing_with({named[m]: weights[m] for m in g if m in weights}):
-                        d, _ = _divergence(ref, _main_output(model(*b.args, **b.kwargs)), b, causal_lm)
+                        d, _, nll = scorer.score(_main_output(model(*b.args, **b.kwargs)))
                     row.append(d - d0)
+                    nll_row.append(nll - nll_base)
                     tick(g[0])
                 changes.append(row)
+                nll_changes.append(nll_row)
                 with computing_with({named[m]: w for m, w in weights.items()}):
-                    out = _main_output(model(*b.args, **b.kwargs))
-                    d, _ = _divergence(ref, out, b, causal_lm)
-                    nll_together.append(nll(out, b)[0])
+                    d, _, nll = scorer.score(_main_output(model(*b.args, **b.kwargs)))
                 together.append(d)
+                nll_together.append(nll)
                 tick("all groups")
-            records.append((d0, n, changes, together, (nll_float, nll_base, nll_together, tokens)))
+            records.append((d0, n, changes, together,
+                            (scorer.float_nll, nll_base, nll_changes, nll_together, scorer.tokens)))
+            del scorer
     finally:
         set_quantization(model, True)
     if group.distributed:
         records = [r for from_rank in group.all_gather(records) for r in from_rank]
     base, count = 0.0, 0
     deltas = [[0.0] * len(groups) for _ in options]
+    nll_deltas = [[0.0] * len(groups) for _ in options]
     together_sum = [0.0] * len(options)
     nll_sums, nll_together_sums, tokens = [0.0, 0.0], [0.0] * len(options), 0
-    for d0, n, changes, together, (nll_float, nll_base, nll_together, t) in records:
+    for d0, n, changes, together, (nll_float, nll_base, nll_changes, nll_together, t) in records:
         base += d0
         count += n
         for c, row in enumerate(changes):
             for gi, x in enumerate(row):
                 deltas[c][gi] += x
+                nll_deltas[c][gi] += nll_changes[c][gi]
             together_sum[c] += together[c]
             nll_together_sums[c] += nll_together[c]
         nll_sums = [nll_sums[0] + nll_float, nll_sums[1] + nll_base]
@@ -158,7 +193,8 @@ def group_damage(model: nn.Module, batches: Sequence[Batch], groups: Sequence[Tu
     perplexity = None
     if causal_lm and tokens:
         perplexity = {"float": math.exp(nll_sums[0] / tokens), "base": math.exp(nll_sums[1] / tokens),
-                      "together": [math.exp(x / tokens) for x in nll_together_sums]}
+                      "together": [math.exp(x / tokens) for x in nll_together_sums],
+                      "nll_changes": [[x / tokens for x in row] for row in nll_deltas]}
     return (base / count, [[x / count for x in row] for row in deltas], [t / count for t in together_sum],
             perplexity)
 

@@ -60,6 +60,19 @@ def _inputs(checkpoint: str, **others: Optional[str]) -> List[Tuple[str, Optiona
     return [("checkpoint", checkpoint)] + [(what.replace("_", " "), path) for what, path in others.items()]
 
 
+def _search_inputs(target: Optional["TargetOptions"]) -> List[Tuple[str, Optional[str]]]:
+    """A size-budget search's own inputs for check_output_dir: its --search-data and the candidates' recipe files."""
+    if target is None:
+        return []
+    recipes = []
+    for c in target.candidates:
+        try:
+            recipes.append(("candidate recipe", str(recipe_file(c))))
+        except UsageError:
+            pass  # reported where the candidates are read
+    return [("search data", target.data)] + recipes
+
+
 def _hub(checkpoint) -> Dict[str, Any]:
     """``{"hub": {repo_id, revision, commit}}`` for a checkpoint resolved from a Hugging Face Hub ID, else {}."""
     from .model.hub import origin
@@ -239,19 +252,24 @@ def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any
                                                     hooks, group)
     if perplexity is not None:
         chosen["perplexity"] = perplexity
+    # the measure the choice minimized: KL (or 1 - cosine) from the float model, or the search text's perplexity
+    key = "perplexity" if target.metric == "nll" else "damage"
     fits = [u for u in record["uniform"] if u["bytes"] <= record["budget"]["bytes"]]
-    best = min(fits, key=lambda u: u["damage"], default=None)
-    if best is not None and best["damage"] < chosen["damage"]:
-        hooks.on_stage(f"the mix measured {chosen['damage']:.4g}, above uniform {best['candidate']}'s "
-                       f"{best['damage']:.4g}: calibrating {best['candidate']} instead")
+    best = min(fits, key=lambda u: u[key], default=None)
+    if best is not None and best[key] < chosen[key]:
+        hooks.on_stage(f"the mix measured {key} {chosen[key]:.4g}, above uniform {best['candidate']}'s "
+                       f"{best[key]:.4g}: calibrating {best['candidate']} instead")
         record["fallback"] = {"candidate": best["candidate"], "mix_bytes": chosen["bytes"],
                               "mix_damage": chosen["damage"], "mix_predicted_damage": chosen["predicted_damage"],
+                              **({"mix_predicted_nll_change": chosen["predicted_nll_change"]}
+                                 if "predicted_nll_change" in chosen else {}),
                               **({"mix_perplexity": chosen["perplexity"]} if "perplexity" in chosen else {})}
         c = record["candidates"].index(best["candidate"])
         text = Path(recipe_file(target.candidates[c])).read_text(encoding="utf-8")
+        what = "perplexity on the search text" if key == "perplexity" else "damage"
         Path(recipe_path).write_text(
             f"# qtool {target.flag()} --candidates {','.join(target.candidates)}: the searched mix measured more "
-            f"damage ({chosen['damage']:.4g})\n# than this candidate whole ({best['damage']:.4g}), which fits the "
+            f"{what} ({chosen[key]:.4g})\n# than this candidate whole ({best[key]:.4g}), which fits the "
             f"budget, so it is this candidate.\n" + text, encoding="utf-8")
         for name in ("encodings.json", SIDECAR, CODES_FILE, "manifest.json"):
             (run_dir / name).unlink(missing_ok=True)
@@ -267,8 +285,8 @@ def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any
     if not root:
         return None
     _write_search(run_dir, record)
-    summary["target"] = {k: record[k] for k in ("budget", "format", "candidates", "damage", "float_perplexity",
-                                                "chosen", "uniform") if k in record}
+    summary["target"] = {k: record[k] for k in ("budget", "format", "candidates", "damage", "ranked_by",
+                                                "float_perplexity", "chosen", "uniform") if k in record}
     if "fallback" in record:
         summary["target"]["fallback"] = record["fallback"]
     return summary
@@ -294,7 +312,7 @@ def run_calibrate(checkpoint: str, recipe_path: Optional[str], out: str, opts: C
     hooks = hooks or Hooks()
     budget_format = _budget_exporter(target) if target else None
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=opts.data,
-                                                   imatrix=opts.imatrix))
+                                                   imatrix=opts.imatrix) + _search_inputs(target))
     with _ranks(opts.device) as group:
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes
             return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target,
@@ -512,7 +530,7 @@ def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: Ca
     else:
         load_recipe(recipe_path)
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=eopts.data,
-                                                   imatrix=opts.imatrix))
+                                                   imatrix=opts.imatrix) + _search_inputs(target))
     exporter.check_checkpoint(Path(checkpoint))
     on_plan = hooks.on_plan
 
@@ -557,6 +575,8 @@ class TargetOptions:
     bits_per_weight: Optional[float] = None
     size_bytes: Optional[int] = None
     samples: int = 8  # calibration samples the damage is measured on
+    data: Optional[str] = None  # the text (or tensors) the damage is measured on; None: a seeded subset of --data
+    metric: str = "kl"  # what the choice minimizes: "kl" (closeness to the float model) or "nll" (causal LMs)
 
     def flag(self) -> str:
         return (f"--target-bpw {self.bits_per_weight:g}" if self.bits_per_weight is not None
@@ -597,6 +617,7 @@ class Measured:
     opts: CalibrateOptions
     base_damage: float = 0.0  # the first candidate's measured damage
     float_perplexity: Optional[float] = None  # causal LMs: the float model's on the search samples' text
+    nll_damage: Optional[List[List[float]]] = None  # causal LMs: per group, per candidate, the text's NLL change
 
     def bpw(self, nbytes: int) -> float:
         return 8.0 * nbytes / max(self.cost.params, 1)
@@ -617,7 +638,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     import shutil
 
     from .io.checkpoint import CheckpointTensors
-    from .mixed import costs, effective_weights, fused_groups, group_damage
+    from .mixed import costs, effective_weights, fused_groups, group_damage, next_token_pairs
 
     hooks = hooks or Hooks()
     group = group or Group()
@@ -627,6 +648,9 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         raise DataError(f"{target.flag()} measures each candidate on data: pass --data PATH (text or tensors)")
     hooks.on_stage("loading checkpoint")
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+    if target.metric == "nll" and not loaded.is_causal_lm:
+        raise UsageError("--search-metric nll ranks by the change in the text's next-token loss: causal language "
+                         "models only (this model is not one; use kl)")
     plans = []
     for path in paths:
         plan = resolve_plan(load_recipe(path), loaded.model, source=path, allow_unmatched=opts.allow_unmatched,
@@ -658,9 +682,13 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     state = Measured(target, paths, plans, groups, cost, [[0.0] * len(paths) for _ in groups], [], loaded,
                      exporter.name, metric, 0, opts)
     _check_budget(state, target)
-    data = load_data(opts.data, opts.batch_size, target.samples, opts.seed, opts.seq_len, loaded.tokenizer,
-                     pack_text=loaded.is_causal_lm)
+    data = _search_data(target, opts, loaded.tokenizer, loaded.is_causal_lm)
+    if target.metric == "nll" and not sum(next_token_pairs(b) for b in data):
+        raise DataError(f"--search-metric nll: the search samples ({target.data or opts.data}) hold no next token "
+                        "to score (samples of one token?); use longer samples or --search-metric kl")
     state.samples = data.num_samples
+    if loaded.is_causal_lm:
+        state.nll_damage = [[0.0] * len(paths) for _ in groups]
     batches = list(data)
     grouped = [m for g in groups for m in g]
     base, base_ppl = None, None
@@ -686,6 +714,8 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         del weights
         for g, d in enumerate(deltas[0]):
             state.damage[g][c] = d
+            if ppl:
+                state.nll_damage[g][c] = ppl["nll_changes"][0][g]
         state.base_damage = base_damage
         state.uniform.append({"damage": together[0], "predicted_damage": base_damage + sum(deltas[0]),
                               **({"perplexity": ppl["together"][0]} if ppl else {})})
@@ -697,6 +727,13 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         nbytes = cost.fixed + sum(opt[c] for opt in cost.groups)
         u.update(candidate=names[c], bytes=nbytes, bits_per_weight=state.bpw(nbytes))
     return state
+
+
+def _search_data(target: TargetOptions, opts: CalibrateOptions, tokenizer, causal_lm: bool):
+    """The samples the search measures on: up to ``--search-samples`` of ``--search-data`` (default ``--data``),
+    the same seeded subset every time it is read."""
+    return load_data(target.data or opts.data, opts.batch_size, target.samples, opts.seed, opts.seq_len, tokenizer,
+                     pack_text=causal_lm, at_most=True)
 
 
 def _check_budget(state: Measured, target: TargetOptions) -> None:
@@ -720,7 +757,12 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
     _check_budget(state, target)
     cost, names, opts = state.cost, list(state.target.candidates), state.opts
     budget = state.budget(target)
-    choice = choose(state.damage, cost.groups, budget - cost.fixed)
+    ranking = state.damage if target.metric == "kl" else state.nll_damage
+    if ranking is None:
+        raise UsageError("--search-metric nll ranks by the change in the text's next-token loss: causal language "
+                         "models only")
+    choice = choose(ranking, cost.groups, budget - cost.fixed)
+    predicted = state.base_damage + sum(state.damage[g][k] for g, k in enumerate(choice.options))
     chosen = {m: k for g, k in zip(state.groups, choice.options) for m in g}
     nbytes = cost.fixed + choice.cost
     header = (f"qtool {target.flag()} --candidates {','.join(names)}: each weight's setting chosen among "
@@ -740,14 +782,19 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
         "budget": {"flag": target.flag(), "bytes": budget, "bits_per_weight": state.bpw(budget)},
         "format": state.exporter, "params": cost.params, "float_bytes": cost.float_bytes,
         "candidates": names, "damage": state.metric, "samples": state.samples,
+        **({"ranked_by": "mean per-token change in the search text's NLL (nats)"} if target.metric == "nll" else {}),
+        **({"search_data": target.data} if target.data else {}),
         **({"float_perplexity": state.float_perplexity} if state.float_perplexity is not None else {}),
         "chosen": {"bytes": nbytes, "bits_per_weight": state.bpw(nbytes),
-                   "predicted_damage": state.base_damage + choice.damage,
+                   "predicted_damage": predicted,
+                   **({"predicted_nll_change": sum(ranking[g][k] for g, k in enumerate(choice.options))}
+                      if target.metric == "nll" else {}),
                    "groups": {names[c]: sum(k == c for k in choice.options) for c in range(len(names))}},
         "uniform": state.uniform,
         "frontier": [{"bytes": cost.fixed + f.cost, "bits_per_weight": state.bpw(cost.fixed + f.cost),
                       "predicted_damage": state.base_damage + f.damage} for f in frontier(state.damage, cost.groups)],
-        "groups": [{"modules": list(g), "choice": names[k], "bytes": cost.groups[i], "damage_change": state.damage[i]}
+        "groups": [{"modules": list(g), "choice": names[k], "bytes": cost.groups[i], "damage_change": state.damage[i],
+                    **({"nll_change": ranking[i]} if target.metric == "nll" else {})}
                    for i, (g, k) in enumerate(zip(state.groups, choice.options))],
     }
     return text, record
@@ -765,7 +812,7 @@ def _measured_damage(checkpoint: str, encodings: Path, record: Dict[str, Any], t
                             opts.trust_remote_code)
     tokenizer = getattr(model, "qtool_tokenizer", None)
     causal = record["damage"].startswith("mean per-token")
-    data = load_data(opts.data, opts.batch_size, target.samples, opts.seed, opts.seq_len, tokenizer, pack_text=causal)
+    data = _search_data(target, opts, tokenizer, causal)
     damage, _, _, ppl = group_damage(model, list(data), [], [], next(iter(model.parameters())).device, causal,
                                      group=group)
     return damage, (ppl["base"] if ppl else None)

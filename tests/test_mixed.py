@@ -195,6 +195,11 @@ def test_bad_budgets_are_one_line_exit_2_and_write_nothing(llama, tmp_path, flag
     (["--candidates", "w8a16,w4a8-block32", "--target-bpw", "15"], "differs from w8a16"),
     (["--candidates", "w8a16,no-such-recipe", "--target-bpw", "15"], "no-such-recipe"),
     ([], "pass a recipe with -c"),
+    (["-c", "w8a16", "--search-metric", "nll"], "go with --candidates"),
+    (["--candidates", "w8a16,w4a16-block32", "--target-bpw", "15", "--search-metric", "mse"],
+     "--search-metric must be one of kl, nll"),
+    (["--candidates", "w8a16,w4a16-block32", "--target-bpw", "15", "--search-data", "no/such/file.txt"],
+     "--search-data path not found"),
 ])
 def test_flags_that_do_not_go_together_are_refused(llama, tmp_path, args, message):
     ckpt, data = llama
@@ -360,3 +365,125 @@ def test_a_mix_measured_worse_than_a_uniform_candidate_that_fits_falls_back_to_i
     # the mix's perplexity on the search samples stays on record; the chosen one is uniform w8a16's
     w8 = next(u for u in search["uniform"] if u["candidate"] == "w8a16")
     assert search["fallback"]["mix_perplexity"] > 1 and search["chosen"]["perplexity"] == w8["perplexity"]
+
+
+def test_ranking_by_the_text_loss_on_data_apart_from_the_calibration(llama, tmp_path):
+    """--search-metric nll chooses by each group's change in the search text's next-token loss, and --search-data
+    measures it on data of its own (here 5 samples the calibration never saw, so 5 are measured although
+    --search-samples allows 8); the record says what it ranked by, and the prediction is the chosen changes' sum."""
+    from safetensors.torch import save_file
+
+    ckpt, data = llama
+    apart = tmp_path / "apart.safetensors"
+    save_file({"input_ids": torch.randint(1, 256, (5, 32), generator=torch.Generator().manual_seed(7))}, apart)
+    code, out, err = run_cli("calibrate", ckpt, "--data", data, "--json", "-q", "--candidates",
+                             "w4a16-block32-gptq,w8a16", "--target-bpw", "14", "--search-metric", "nll",
+                             "--search-data", apart, "--search-samples", "8", "-o", tmp_path / "nll")
+    assert code == 0, err
+    target = json.loads(out)["target"]
+    assert target["chosen"]["bytes"] <= target["budget"]["bytes"]
+    assert "NLL" in target["ranked_by"]
+    search = json.loads((tmp_path / "nll" / "search.json").read_text())
+    assert search["samples"] == 5
+    changes = [g["nll_change"] for g in search["groups"]]
+    assert all(c[0] == 0.0 for c in changes) and any(c[1] != 0.0 for c in changes)
+    picked = [g["nll_change"][search["candidates"].index(g["choice"])] for g in search["groups"]]
+    assert search["chosen"]["predicted_nll_change"] == pytest.approx(sum(picked))
+    assert search["search_data"] == str(apart)
+    # the choice is the knapsack's over the NLL changes (not the KL ones) within the budget
+    cands, groups = search["candidates"], search["groups"]
+    fixed = search["chosen"]["bytes"] - sum(g["bytes"][cands.index(g["choice"])] for g in groups)
+    by_nll = choose([g["nll_change"] for g in groups], [g["bytes"] for g in groups], search["budget"]["bytes"] - fixed)
+    assert [cands[k] for k in by_nll.options] == [g["choice"] for g in groups]
+    # the KL prediction stays on record for the same choice
+    kl = [g["damage_change"][search["candidates"].index(g["choice"])] for g in search["groups"]]
+    base = next(u for u in search["uniform"] if u["candidate"] == "w4a16-block32-gptq")["damage"]
+    assert search["chosen"]["predicted_damage"] == pytest.approx(base + sum(kl))
+
+
+def test_ranking_by_the_text_loss_needs_a_language_model(tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.tinymodels import mlp
+
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    save_file({"x": torch.randn(16, 64, generator=torch.Generator().manual_seed(0))}, tmp_path / "x.safetensors")
+    code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "--model-class", "tests.tinymodels:mlp",
+                           "--data", tmp_path / "x.safetensors", "--candidates", "w4a16-block32,w8a16",
+                           "--target-bpw", "12", "--search-metric", "nll", "-q", "-o", tmp_path / "out")
+    assert code == 2, err
+    lines = error_lines(err)
+    assert len(lines) == 1 and "causal language models only" in lines[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_ranked_by_the_text_loss_the_final_check_compares_the_texts_perplexity(llama, tmp_path, monkeypatch):
+    """Under --search-metric nll the check after calibration compares what the choice minimized: a mix whose
+    search-text perplexity measured above a uniform candidate's that fits gives way to that candidate, even where
+    its KL is lower."""
+    import qtool.pipeline as pipeline
+
+    ckpt, data = llama
+    real = pipeline._measured_damage
+
+    def worse_text(*a, **k):  # the mix: less KL, far more perplexity
+        damage, perplexity = real(*a, **k)
+        return damage * 0.5, perplexity * 2.0
+
+    monkeypatch.setattr(pipeline, "_measured_damage", worse_text)
+    code, out, err = run_cli("calibrate", ckpt, "--data", data, "--json", "-q", "--candidates",
+                             "w4a16-block32-gptq,w8a16", "--target-bpw", "15.5", "--search-metric", "nll",
+                             "-o", tmp_path / "mix")
+    assert code == 0, err
+    target = json.loads(out)["target"]
+    fits = [u for u in target["uniform"] if u["bytes"] <= target["budget"]["bytes"]]
+    assert target["fallback"]["candidate"] == min(fits, key=lambda u: u["perplexity"])["candidate"]
+    assert target["chosen"]["groups"][target["fallback"]["candidate"]] > 0
+    assert target["fallback"]["mix_perplexity"] > target["chosen"]["perplexity"]
+    assert "measured more perplexity on the search text" in (tmp_path / "mix" / "recipe.yaml").read_text()
+
+
+def test_one_group_holding_every_weight_changes_the_loss_as_the_whole_option_does(llama, tmp_path):
+    """group_damage's per-group NLL change is the text's own loss change: with one group holding every weight,
+    swapping it is swapping the whole model, so its change is log(perplexity together / perplexity of the base);
+    int8 weights in an int4 model change the loss, and by less than int4 moves it from float."""
+    import qtool
+    from qtool.data import load_data
+    from qtool.mixed import effective_weights, group_damage
+
+    ckpt, data = llama
+    for recipe in ("w4a16-block32", "w8a16"):
+        code, _, err = run_cli("calibrate", ckpt, "--data", data, "-q", "-c", recipe, "-o", tmp_path / recipe)
+        assert code == 0, err
+    base = qtool.load_calibrated(str(ckpt), str(tmp_path / "w4a16-block32" / "encodings.json"))
+    other = qtool.load_calibrated(str(ckpt), str(tmp_path / "w8a16" / "encodings.json"))
+    modules = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    weights = effective_weights(other, modules)
+    batches = list(load_data(data, batch_size=4))
+    damage, changes, together, ppl = group_damage(base, batches, [tuple(modules)], [weights], torch.device("cpu"),
+                                                  True)
+    nll_change = ppl["nll_changes"][0][0]
+    assert nll_change == pytest.approx(math.log(ppl["together"][0] / ppl["base"]), rel=1e-6, abs=1e-9)
+    assert changes[0][0] + damage == pytest.approx(together[0], rel=1e-6)  # the KL side, the same way
+    assert nll_change != 0.0
+    assert abs(math.log(ppl["together"][0] / ppl["float"])) < abs(math.log(ppl["base"] / ppl["float"]))
+
+
+def test_search_data_is_an_input_an_overwrite_never_deletes_and_nll_needs_tokens_to_score(llama, tmp_path):
+    from safetensors.torch import save_file
+
+    ckpt, data = llama
+    out = tmp_path / "run"
+    out.mkdir()
+    inside = out / "apart.safetensors"
+    save_file({"input_ids": torch.randint(1, 256, (4, 32), generator=torch.Generator().manual_seed(3))}, inside)
+    args = ["calibrate", ckpt, "--data", data, "-q", "--candidates", "w4a16-block32-gptq,w8a16", "--target-bpw", "14"]
+    code, _, err = run_cli(*args, "--search-data", inside, "-o", out, "--overwrite")
+    assert code == 2 and "search data" in error_lines(err)[0], err
+    assert inside.is_file()
+    one = tmp_path / "one-token.safetensors"
+    save_file({"input_ids": torch.randint(1, 256, (4, 1), generator=torch.Generator().manual_seed(3))}, one)
+    code, _, err = run_cli(*args, "--search-data", one, "--search-metric", "nll", "-o", tmp_path / "nll")
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1 and "no next token to score" in lines[0], err
+    assert not (tmp_path / "nll").exists()
