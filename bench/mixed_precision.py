@@ -120,12 +120,14 @@ def _best_temperature(model, batches):
 
     import torch
 
+    from qtool.report import next_token_targets
+
     sums, n = [0.0] * len(TEMPERATURES), 0
     with torch.no_grad():
         for b in batches:
             logits = model(**b.kwargs).logits[:, :-1].float()
-            ids = b.kwargs["input_ids"][:, 1:].unsqueeze(-1)
-            valid = (b.kwargs["attention_mask"][:, 1:] > 0) & (b.kwargs["attention_mask"][:, :-1] > 0)
+            ids, valid = next_token_targets(b)
+            ids = ids.unsqueeze(-1)
             for i, t in enumerate(TEMPERATURES):
                 nll = -torch.log_softmax(logits / t, dim=-1).gather(-1, ids).squeeze(-1)
                 sums[i] += float(nll[valid].double().sum())

@@ -29,9 +29,9 @@ from .data import Batch
 from .export.base import layout_bytes
 from .model.insert import computing_with, fake_quant_weight, set_quantization
 from .parallel import Group, shard_bounds
-from .report import _main_output, _per_sample_cosine
+from .report import _main_output, _per_sample_cosine, next_token_targets
 
-__all__ = ["FUSED", "fused_groups", "group_damage", "next_token_pairs", "Costs", "costs", "mixed_recipe"]
+__all__ = ["FUSED", "fused_groups", "group_damage", "Costs", "costs", "mixed_recipe"]
 
 # sibling weights a runtime computes as one matrix (they read the same input): they take one setting together
 FUSED = (frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_proj", "up_proj"}),
@@ -56,15 +56,6 @@ def fused_groups(modules: Sequence[str]) -> List[Tuple[str, ...]]:
     return groups
 
 
-def next_token_pairs(batch: Batch) -> int:
-    """How many next-token predictions a causal LM's loss scores on ``batch`` (padding excluded)."""
-    ids = batch.kwargs["input_ids"] if "input_ids" in batch.kwargs else batch.args[0]
-    mask = batch.kwargs.get("attention_mask")
-    if mask is None:
-        return int(ids[:, 1:].numel())
-    return int(((mask[:, 1:] > 0) & (mask[:, :-1] > 0)).sum())
-
-
 class _Scorer:
     """One batch's damage measures against the float model's output ``ref``: :meth:`score` gives an output's summed
     damage over the batch's tokens (KL, causal LMs) or samples (1 - cosine), how many, and (causal LMs) the summed
@@ -77,16 +68,15 @@ class _Scorer:
             self.ref_logp = torch.log_softmax(ref.float(), dim=-1)
             self.ref_p = self.ref_logp.exp()
             mask = batch.kwargs.get("attention_mask")
-            self.valid = None if mask is None else mask > 0
+            self.valid = None if mask is None else mask > 0  # KL: every unpadded position
+            self.targets, self.scored = next_token_targets(batch)  # NLL: every next token of unpadded pairs
             self.float_nll, self.tokens = self._nll(self.ref_logp)
         else:
             self.ref, self.float_nll, self.tokens = ref, 0.0, 0
 
     def _nll(self, logq: torch.Tensor) -> Tuple[float, int]:
-        ids = self.batch.kwargs["input_ids"] if "input_ids" in self.batch.kwargs else self.batch.args[0]
-        nll = -logq[:, :-1].gather(-1, ids[:, 1:].to(logq.device).unsqueeze(-1)).squeeze(-1)
-        if self.valid is not None:
-            nll = nll[self.valid[:, 1:].to(nll.device) & self.valid[:, :-1].to(nll.device)]
+        nll = -logq[:, :-1].gather(-1, self.targets.to(logq.device).unsqueeze(-1)).squeeze(-1)
+        nll = nll[self.scored.to(nll.device)]
         return float(nll.sum()), int(nll.numel())
 
     def score(self, out: torch.Tensor) -> Tuple[float, int, float]:

@@ -584,6 +584,8 @@ class TargetOptions:
 
 
 SEARCH_FILE = "search.json"
+_NLL_NEEDS_CAUSAL_LM = ("--search-metric nll ranks by the change in the text's next-token loss: causal language models "
+                       "only (this model is not one; use kl)")
 
 
 def _target_candidates(target: TargetOptions) -> List[str]:
@@ -638,7 +640,8 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     import shutil
 
     from .io.checkpoint import CheckpointTensors
-    from .mixed import costs, effective_weights, fused_groups, group_damage, next_token_pairs
+    from .mixed import costs, effective_weights, fused_groups, group_damage
+    from .report import next_token_targets
 
     hooks = hooks or Hooks()
     group = group or Group()
@@ -649,8 +652,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     hooks.on_stage("loading checkpoint")
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
     if target.metric == "nll" and not loaded.is_causal_lm:
-        raise UsageError("--search-metric nll ranks by the change in the text's next-token loss: causal language "
-                         "models only (this model is not one; use kl)")
+        raise UsageError(_NLL_NEEDS_CAUSAL_LM)
     plans = []
     for path in paths:
         plan = resolve_plan(load_recipe(path), loaded.model, source=path, allow_unmatched=opts.allow_unmatched,
@@ -683,7 +685,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
                      exporter.name, metric, 0, opts)
     _check_budget(state, target)
     data = _search_data(target, opts, loaded.tokenizer, loaded.is_causal_lm)
-    if target.metric == "nll" and not sum(next_token_pairs(b) for b in data):
+    if target.metric == "nll" and not sum(int(next_token_targets(b)[1].sum()) for b in data):
         raise DataError(f"--search-metric nll: the search samples ({target.data or opts.data}) hold no next token "
                         "to score (samples of one token?); use longer samples or --search-metric kl")
     state.samples = data.num_samples
@@ -759,8 +761,7 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
     budget = state.budget(target)
     ranking = state.damage if target.metric == "kl" else state.nll_damage
     if ranking is None:
-        raise UsageError("--search-metric nll ranks by the change in the text's next-token loss: causal language "
-                         "models only")
+        raise UsageError(_NLL_NEEDS_CAUSAL_LM)
     choice = choose(ranking, cost.groups, budget - cost.fixed)
     predicted = state.base_damage + sum(state.damage[g][k] for g, k in enumerate(choice.options))
     chosen = {m: k for g, k in zip(state.groups, choice.options) for m in g}

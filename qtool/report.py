@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -131,15 +131,21 @@ def _first_tensor(x):
     return None
 
 
-def token_nlls(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Each scored token's next-token negative log-likelihood, in order (padding excluded). Token ids are the
-    ``input_ids`` keyword, or the one positional input of a single-array tensor file."""
+def next_token_targets(batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The ids a causal LM's next-token loss scores on ``batch`` (``ids[:, 1:]``) and which of those predictions
+    count (both positions unpadded). Token ids are the ``input_ids`` keyword, or the one positional input of a
+    single-array tensor file."""
     ids = batch.kwargs["input_ids"] if "input_ids" in batch.kwargs else batch.args[0]
     mask = batch.kwargs.get("attention_mask", torch.ones_like(ids))
+    return ids[:, 1:], (mask[:, 1:] > 0) & (mask[:, :-1] > 0)
+
+
+def token_nlls(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Each scored token's next-token negative log-likelihood, in order (padding excluded)."""
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    target = ids[:, 1:]
+    target, scored = next_token_targets(batch)
     nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    return nll[(mask[:, 1:] > 0) & (mask[:, :-1] > 0)]
+    return nll[scored]
 
 
 def _token_nll(logits: torch.Tensor, batch: Batch) -> tuple:
