@@ -77,6 +77,28 @@ def test_quiet_prints_nothing_on_success(world, tmp_path):
     assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
 
 
+def test_the_collector_is_skipped_at_exit_and_cleanup_still_runs(world, tmp_path):
+    """main() freezes what is alive when the command ends, so the interpreter's full collections at exit (~0.4 s
+    with torch loaded) skip it; what cleans up at exit still does: a spill directory held only by a reference cycle
+    is removed, and a --json object printed last reaches stdout whole."""
+    d, ckpt, data = world
+    probe = ("import atexit, gc, sys, torch\nfrom qtool.cli import main\nfrom qtool.io.spill import SpilledTensors\n"
+             "s = SpilledTensors(); s['t'] = torch.ones(3); s.me = s\n"  # a cycle: only a collection would free it
+             "print(s.directory, file=sys.stderr)\ndel s\n"
+             "atexit.register(lambda: print('frozen:', gc.get_freeze_count() > 0, file=sys.stderr))\n"
+             "sys.argv = ['qtool'] + sys.argv[1:]\nmain()\n")
+    r = subprocess.run([sys.executable, "-c", probe, "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a16.yaml"),
+                        "--model-class", "tests.tinymodels:mlp", "-o", str(tmp_path / "r"), "--json"],
+                       capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ok"] is True
+    lines = r.stderr.splitlines()
+    spill = Path(lines[0])
+    assert spill.name.startswith("qtool-spill-") and not spill.exists()
+    assert "frozen: True" in lines
+
+
 def test_internal_error_is_one_line_with_a_log(world, tmp_path):
     d, ckpt, data = world
     r = qtool("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class", "tests.tinymodels_slow:broken",
