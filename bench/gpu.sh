@@ -39,6 +39,9 @@ step "torchrun --device cuda (NCCL)" 180 "$PY" bench/distributed.py --device cud
     --out $R/distributed_cuda.json
 step "quant_speed" 90 "$PY" bench/quant_speed.py --device cuda --out $R/quant_speed_cuda.json
 step "calibrate_overhead" 150 "$PY" bench/calibrate_overhead.py --device cuda --out $R/calibrate_overhead_cuda.json
+# q/k/v and gate/up share one calibration call for the tensor they read: W8A8 on SmolLM2's shape, with and without
+step "shared calibration calls on CUDA" 120 "$PY" bench/shared_calls.py --device cuda --layers 30 \
+    --out $R/shared_calls_cuda.json
 # the CPU figure beside the GPU one, on this machine's cores
 step "GPTQ SmolLM2 shape on this machine's CPU" 200 "$PY" bench/sequential_memory.py --shape smollm2 --device cpu \
     --recipes w4a16-block32-gptq --out $R/gptq_smollm2_cpu_gpuhost.json

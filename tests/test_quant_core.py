@@ -222,3 +222,107 @@ def test_dequantize_accepts_integer_codes():
     out = dequantize(q, torch.tensor(0.5), torch.tensor(-128.0))
     assert out.dtype == torch.float32
     assert out.tolist() == [-64.0, 0.0, 63.5]
+
+
+class _Attention(torch.nn.Module):
+    """q, k and v read one tensor (as a transformer's projections do); o reads another."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        return self.o(self.q(x) * self.k(x) + self.v(x))
+
+
+def _calibrated_attention(batches, share: bool, monkeypatch):
+    import qtool.quant.quantizer as quantizer_module
+    from qtool.calibration.in_memory import calibrate
+    from qtool.config import parse_recipe, resolve_plan
+    from qtool.data import Batch, CalibrationData
+    from qtool.model.insert import insert_quantizers
+
+    if not share:
+        monkeypatch.setattr(quantizer_module._LastCalibrationCall, "matching", lambda self, x, key: None)
+    model = _Attention().eval()
+    recipe = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 8, symmetric: true}\n"
+                          "  activations: {bitwidth: 8, symmetric: false, inputs: true, outputs: false}\n")
+    plan = resolve_plan(recipe, model)
+    qs = insert_quantizers(model, plan)
+    data = CalibrationData([Batch(args=(b,)) for b in batches], [], sum(len(b) for b in batches), "random")
+    calibrate(model, plan, qs, data, torch.device("cpu"))
+    monkeypatch.undo()
+    return model, qs
+
+
+def test_quantizers_reading_one_tensor_share_a_calibration_call_with_the_same_bits(monkeypatch):
+    """k and v take q's statistics and fake-quant output for the tensor all three read (one range and one QDQ
+    pass instead of three): the ranges, and what the calibrated model computes, are bit-equal to each quantizer
+    computing its own; o, reading another tensor, still computes its own."""
+    import qtool.quant.quantizer as quantizer_module
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 16, generator=g) * (i + 1) - i for i in range(4)]  # each batch a different range
+    taken = []
+    matching = quantizer_module._LastCalibrationCall.matching
+
+    def counted(self, x, key):
+        call = matching(self, x, key)
+        taken.append(call is not None)
+        return call
+
+    monkeypatch.setattr(quantizer_module._LastCalibrationCall, "matching", counted)
+    shared, shared_qs = _calibrated_attention(batches, True, monkeypatch)
+    assert sum(taken) == 2 * len(batches) and len(taken) == 4 * len(batches)  # k and v took q's call each batch
+    alone, alone_qs = _calibrated_attention(batches, False, monkeypatch)
+    for name, q in alone_qs.items():
+        assert torch.equal(q.min, shared_qs[name].min) and torch.equal(q.max, shared_qs[name].max), name
+    x = torch.randn(5, 16, generator=g)
+    with torch.no_grad():
+        assert torch.equal(shared(x), alone(x))
+    assert quantizer_module._last_call.call is None  # nothing held once calibration is over
+
+
+def test_a_shared_calibration_call_is_taken_only_for_the_same_unchanged_tensor_and_settings():
+    from qtool.quant.quantizer import _last_call
+
+    def q(bits=8, symmetric=False, shape=()):
+        return QuantizeDequantize(shape, bits, symmetric)
+
+    a, b, c, d, e, f = q(), q(), q(bits=4), q(symmetric=True), q(), q()
+    x = torch.linspace(-1, 1, 64)
+    with torch.no_grad(), a.compute_encodings(), b.compute_encodings(), c.compute_encodings(), \
+            d.compute_encodings(), e.compute_encodings(), f.compute_encodings():
+        a(x, output_read_only=True)
+        x.mul_(3)  # in place after a read it: b must see the new values
+        b(x, output_read_only=True)
+        assert c(x, output_read_only=True) is not None and _last_call.call.key[0] == 4  # other settings: its own
+        d(x, output_read_only=True)  # symmetric: its own range
+        out = e(x, output_read_only=True)
+        out.add_(1)  # its output written in place: f computes its own
+        f(x, output_read_only=True)
+        del x, out  # the slot lets go of the call once the tensor it read is gone
+        assert _last_call.call is None
+    assert a.max.item() == pytest.approx(1.0) and b.max.item() == pytest.approx(3.0)
+    assert c.max.item() == pytest.approx(3.0) and d.min.item() == pytest.approx(-3.0 * 128 / 127)
+    assert e.max.item() == pytest.approx(3.0) and f.max.item() == pytest.approx(3.0)
+
+
+def test_a_calibration_call_is_shared_only_when_asked_and_not_under_inference_mode():
+    from qtool.quant.quantizer import _last_call
+
+    x = torch.randn(32, generator=torch.Generator().manual_seed(0))
+    a, b = QuantizeDequantize((), 8, False), QuantizeDequantize((), 8, False)
+    with torch.no_grad(), a.compute_encodings(), b.compute_encodings():
+        wa, wb = a(x), b(x)  # not asked: each its own output
+        assert _last_call.call is None and wa.data_ptr() != wb.data_ptr()
+        wa, wb = a(x, output_read_only=True), b(x, output_read_only=True)
+        assert wa.data_ptr() == wb.data_ptr() and torch.equal(wa.encoding.scale, wb.encoding.scale)
+    with torch.inference_mode():
+        y = torch.randn(32)
+    for context in (torch.inference_mode, torch.no_grad):  # inference tensors have no version counter
+        with context(), a.compute_encodings(), b.compute_encodings():
+            wa, wb = a(y, output_read_only=True), b(y, output_read_only=True)
+            assert _last_call.call is None and wa.data_ptr() != wb.data_ptr()
+        assert torch.equal(a.max, b.max) and a.max.item() == y.max().item()

@@ -38,7 +38,11 @@ class QuantizedModuleMixin:
     def forward(self, *args, **kwargs):  # type: ignore[override]
         qs = getattr(self, _ATTR)
         if "input" in qs and args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
-            args = (_plain(qs["input"](args[0])),) + tuple(args[1:])
+            q = qs["input"]
+            # while calibrating, a Linear's or convolution's input fake-quant may be shared (see QuantizeDequantize)
+            shareable = self._qtool_reads_input_only and isinstance(q, QuantizeDequantize) and q._calibrating
+            x = q(args[0], output_read_only=True) if shareable else q(args[0])
+            args = (_plain(x),) + tuple(args[1:])
         if "k_cache" in qs:  # an attention layer: keys and values are quantized where they reach the cache
             key = next((k for k in CACHE_KWARGS if k in kwargs), CACHE_KWARGS[-1])
             kwargs[key] = _QuantizedKV(qs, kwargs.get(key), key_rotation(self))
@@ -169,9 +173,14 @@ def without_stored_weight(module: nn.Module):
             module.__dict__[_STORED] = stored
 
 
+# forwards that only read their input and drop it (their input's fake-quant may be shared, see QuantizeDequantize)
+_READS_INPUT_ONLY = (nn.Linear.forward, nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward)
+
+
 def _quantized_class(cls: type) -> type:
     if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"Quantized{cls.__name__}", (QuantizedModuleMixin, cls), {"_qtool_base": cls})
+        _CLASS_CACHE[cls] = type(f"Quantized{cls.__name__}", (QuantizedModuleMixin, cls),
+                                 {"_qtool_base": cls, "_qtool_reads_input_only": cls.forward in _READS_INPUT_ONLY})
     return _CLASS_CACHE[cls]
 
 

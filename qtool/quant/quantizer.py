@@ -13,7 +13,8 @@ offset are derived from them on every call (so gradients reach min/max). Calibra
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence
+import weakref
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ from .affine import (
     resolve_block_size,
     snap_to_float16_scale,
 )
-from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer, MseEncodingAnalyzer
+from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer, MinMaxStatistics, MseEncodingAnalyzer
 from .floatgrid import (dynamic_float_scales, element_of, encoding_scales, float_quantize_dequantize,
                         global_scale, search_amax)
 from .ggml import CLIP_RATIOS, GgmlType, KGrid, grid_from_range, search_range
@@ -129,8 +130,10 @@ class QuantizerBase(nn.Module):
             yield self
         except BaseException:
             self._calibrating = False
+            _last_call.clear()
             raise
         self._calibrating = False
+        _last_call.clear()
         if self.encoding_analyzer.has_stats():
             mn, mx = self._calibrated_range()
             with torch.no_grad():
@@ -173,18 +176,103 @@ class QuantizerBase(nn.Module):
         )
 
 
+class _CalibrationCall(NamedTuple):
+    """One calibration call of a min-max ``QuantizeDequantize``: what it read and what it made of it."""
+
+    input: "weakref.ref[torch.Tensor]"
+    input_version: int
+    key: tuple
+    stats: MinMaxStatistics
+    out: torch.Tensor
+    out_version: int
+    encoding: AffineEncoding
+
+
+class _LastCalibrationCall:
+    """The last shareable calibration call of a min-max ``QuantizeDequantize``, for the next quantizer of the same
+    settings that reads the very same tensor (a transformer's q, k and v projections, and gate and up, read one
+    hidden state; AIMET gives each its own quantizer). The statistics and the output of such a call are a function
+    of the tensor and the settings alone, so the next quantizer folds the same statistics and returns the same
+    output (the same storage: callers ask for sharing only where the output is read and dropped, as a Linear's or
+    a convolution's input is) instead of computing them again: the same bits, one range and one fake-quant pass
+    instead of three.
+
+    The tensor must be unchanged since (its version counter: writes through ``.data`` or by foreign kernels do not
+    count, and no qtool path makes them between two layers' reads), and so must the output. The tensor is held
+    weakly, and the call is dropped when the tensor dies, when a quantizer leaves ``compute_encodings``, or at the
+    next shareable call."""
+
+    def __init__(self):
+        self.call: Optional[_CalibrationCall] = None
+
+    def matching(self, x: torch.Tensor, key: tuple) -> Optional[_CalibrationCall]:
+        c = self.call
+        if (c is None or c.input() is not x or c.key != key or c.input_version != x._version
+                or c.out_version != c.out._version):
+            return None
+        return c
+
+    def keep(self, x: torch.Tensor, key: tuple, stats: MinMaxStatistics, out: torch.Tensor,
+             encoding: AffineEncoding) -> None:
+        def dropped(ref):
+            c = self.call
+            if c is not None and c.input is ref:
+                self.call = None
+
+        self.call = _CalibrationCall(weakref.ref(x, dropped), x._version, key, stats, out, out._version, encoding)
+
+    def clear(self) -> None:
+        self.call = None
+
+
+_last_call = _LastCalibrationCall()
+
+
 class QuantizeDequantize(QuantizerBase):
     """Fake quantization: returns ``dequantize(quantize(x))`` as a ``DequantizedTensor`` in ``x``'s dtype."""
 
-    def forward(self, x: torch.Tensor) -> DequantizedTensor:
+    def forward(self, x: torch.Tensor, output_read_only: bool = False) -> DequantizedTensor:
+        """``output_read_only``: the caller only reads the output and drops it (it feeds a Linear or a
+        convolution), so while calibrating the output may be the one an earlier quantizer of the same settings made
+        from the very same tensor (``_LastCalibrationCall``)."""
         if not self.enabled:
             return x
-        x = x.as_subclass(torch.Tensor)
-        mn, mx = self._range_for_call(x)
+        key = self._shared_call_key(x) if output_read_only else None
+        if key is None:
+            x = x.as_subclass(torch.Tensor)
+            mn, mx = self._range_for_call(x)
+            return self._fake_quant(x, mn, mx)[0]
+        call = _last_call.matching(x, key)
+        if call is not None:
+            self.encoding_analyzer.fold(call.stats)
+            return DequantizedTensor.wrap(call.out, call.encoding)
+        given, x = x, x.as_subclass(torch.Tensor)
+        analyzer = self.encoding_analyzer
+        stats = analyzer.collect(x)  # update_stats(x) is fold(collect(x)), and returns batch_range of it
+        analyzer.fold(stats)
+        mn, mx = analyzer.compute_dynamic_encodings(analyzer.batch_range(stats), self.qmax - self.qmin,
+                                                    self.symmetric)
+        wrapped, out, enc = self._fake_quant(x, mn, mx)
+        _last_call.keep(given, key, stats, out, enc)
+        return wrapped
+
+    def _fake_quant(self, x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor):
         scale, offset = self._scale_offset(mn, mx)
         out = quantize_dequantize(x, scale, offset, qmin=self.qmin, qmax=self.qmax, block_size=self.block_size)
         enc = AffineEncoding(scale.detach(), offset.detach(), self.qmin, self.qmax, self.symmetric, self.block_size)
-        return DequantizedTensor.wrap(out, enc)
+        return DequantizedTensor.wrap(out, enc), out, enc
+
+    def _shared_call_key(self, x: torch.Tensor) -> Optional[tuple]:
+        """The settings a calibration call's result depends on besides its input, where that result may be shared
+        with the next quantizer of the same settings (``_LastCalibrationCall``); None where it may not: outside
+        calibration, with gradients or inference tensors (no version counter), a weight, another analyzer (a
+        rank's recorder too) or a subclass."""
+        if (not self._calibrating or torch.is_grad_enabled() or torch.is_inference_mode_enabled()
+                or x.is_inference() or isinstance(x, nn.Parameter) or type(self) is not QuantizeDequantize
+                or type(self.encoding_analyzer) is not MinMaxEncodingAnalyzer):
+            return None
+        analyzer = self.encoding_analyzer
+        return (self.bitwidth, self.symmetric, self.shape, self.block_size, analyzer.shape, analyzer.block_size)
 
 
 class Quantize(QuantizerBase):

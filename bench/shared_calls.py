@@ -1,0 +1,133 @@
+"""What one shared calibration call saves where several quantizers read the same tensor.
+
+A Llama-shaped model's q, k and v projections read one hidden state, gate and up read another: with a W8A8 recipe
+each of the five has its own input quantizer (as in AIMET), and each would compute the same batch range and the
+same fake-quant output. ``QuantizeDequantize`` shares them (``qtool.quant.quantizer._LastCalibrationCall``). This
+bench calibrates a random-weight checkpoint of SmolLM2-135M's shape (``--layers`` blocks, float32, 16 x 256
+random tokens) with ``configs/w8a8.yaml`` in one process, with the sharing and with it switched off, alternating,
+best of ``--repeats``; checks that every range is bit-equal both ways, and reports the float forward over the same
+batches beside both. Prints a table, writes bench/results/shared_calls.json.
+
+    .venv/bin/python bench/shared_calls.py                 # CPU, 8 blocks
+    python bench/shared_calls.py --device cuda --layers 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from scale import write_checkpoint  # noqa: E402
+from sequential_memory import SMOLLM2  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(layers: int, device: str, repeats: int, samples: int = 16, seq_len: int = 256) -> dict:
+    import qtool.quant.quantizer as quantizer_module
+    from qtool.calibration.in_memory import calibrate
+    from qtool.config import load_recipe, resolve_plan
+    from qtool.data import Batch, CalibrationData
+    from qtool.model.insert import insert_quantizers, remove_quantizers
+    from qtool.model.load import load_model
+
+    dev = torch.device(device)
+    with tempfile.TemporaryDirectory() as d:
+        write_checkpoint(Path(d) / "m", {**SMOLLM2, "layers": layers})
+        model = load_model(Path(d) / "m", device=device).model.float()
+    ids = torch.randint(0, SMOLLM2["vocab"], (samples, seq_len), generator=torch.Generator().manual_seed(0))
+    batches = [Batch(kwargs={"input_ids": ids[i:i + 4]}) for i in range(0, samples, 4)]
+    data = CalibrationData(batches, [], samples, "random")
+    recipe = load_recipe(HERE.parent / "configs" / "w8a8.yaml")
+    sharing = quantizer_module._LastCalibrationCall.matching
+    taken = []
+
+    def counted(self, x, key):
+        call = sharing(self, x, key)
+        taken.append(call is not None)
+        return call
+
+    def float_pass() -> float:
+        _sync(dev)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for b in batches:
+                model(**b.to(dev).kwargs)
+        _sync(dev)
+        return time.perf_counter() - t0
+
+    def calib(shared: bool):
+        quantizer_module._LastCalibrationCall.matching = counted if shared else (lambda self, x, key: None)
+        try:
+            plan = resolve_plan(recipe, model)
+            qs = insert_quantizers(model, plan)
+            _sync(dev)
+            t0 = time.perf_counter()
+            calibrate(model, plan, qs, data, dev)
+            _sync(dev)
+            t = time.perf_counter() - t0
+            ranges = {n: (q.min.detach().cpu().clone(), q.max.detach().cpu().clone()) for n, q in qs.items()}
+            remove_quantizers(model)
+            return t, ranges
+        finally:
+            quantizer_module._LastCalibrationCall.matching = sharing
+
+    float_pass()
+    calib(True)  # warm-up
+    times = {"float": [], "shared": [], "alone": []}
+    ranges = {}
+    for _ in range(repeats):
+        times["float"].append(float_pass())
+        for mode in ("shared", "alone"):
+            taken.clear()
+            t, ranges[mode] = calib(mode == "shared")
+            times[mode].append(t)
+            if mode == "shared":
+                calls, shared_calls = len(taken), sum(taken)
+    equal = all(torch.equal(a, b) for n in ranges["alone"] for a, b in zip(ranges["alone"][n], ranges["shared"][n]))
+    best = {k: min(v) for k, v in times.items()}
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    return {"bench": "shared_calls", "model": f"SmolLM2-135M shape, {layers} blocks, random weights, float32",
+            "recipe": "configs/w8a8.yaml", "batches": f"{samples} x {seq_len} tokens, batches of 4",
+            "device": name, "torch": torch.__version__, "repeats": repeats,
+            "activation_calls": calls, "shared_calls": shared_calls, "ranges_equal": equal,
+            "float_s": best["float"], "calibrate_shared_s": best["shared"], "calibrate_alone_s": best["alone"],
+            "ratio_shared": best["shared"] / best["float"], "ratio_alone": best["alone"] / best["float"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(HERE / "results" / "shared_calls.json"))
+    args = ap.parse_args(argv)
+    r = run(args.layers, args.device, args.repeats)
+    print(f"{r['model']}, {r['recipe']}, {r['batches']} ({r['device']})")
+    print(f"activation quantizer calls {r['activation_calls']}, of which shared {r['shared_calls']}; "
+          f"ranges bit-equal with and without: {r['ranges_equal']}")
+    print(f"{'':<28}{'best s':>9}{'x float':>9}")
+    print(f"{'float forward':<28}{r['float_s']:>9.3f}{1.0:>9.2f}")
+    print(f"{'calibrate, shared calls':<28}{r['calibrate_shared_s']:>9.3f}{r['ratio_shared']:>9.2f}")
+    print(f"{'calibrate, each its own':<28}{r['calibrate_alone_s']:>9.3f}{r['ratio_alone']:>9.2f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(r, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if r["ranges_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
