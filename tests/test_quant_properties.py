@@ -158,3 +158,111 @@ def test_torchao_defaults_to_dtype_range_and_per_tensor_block():
     assert q.dtype == torch.int8 and q.tolist() == [[-128, 0, 127]]
     assert math.isclose(float(dequantize_affine(q, x.shape, torch.tensor([1.0]), torch.tensor([0]), torch.int8)[0, 0]),
                         -128.0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# scale_offset_of_numbers: the per-tensor calibration range as numbers, bit for bit the tensor functions
+# --------------------------------------------------------------------------------------------------------------
+_F32 = torch.finfo(torch.float32)
+_SPECIAL = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e-45, -1e-45, _F32.tiny, -_F32.tiny, _F32.eps, -_F32.eps,
+            1e-7, 3.3e-6, 1e-5, 0.5, -0.5, 1.0, -1.0, 3.0, -3.0, 7.7e-3, 123.456, -65504.0, 1e38, -1e38,
+            _F32.max, -_F32.max]
+
+
+def _bits(v) -> bytes:
+    import struct
+
+    return struct.pack("<f", float(v))
+
+
+def _tensor_scale_offset(lo: float, hi: float, qmin: int, qmax: int, symmetric: bool):
+    mn, mx = adjust_min_max(torch.tensor(lo, dtype=torch.float32), torch.tensor(hi, dtype=torch.float32),
+                            qmax - qmin, symmetric)
+    return min_max_to_scale_offset(mn, mx, qmin, qmax, symmetric)
+
+
+def _grid(bitwidth: int, symmetric: bool):
+    return (-(2 ** (bitwidth - 1)), 2 ** (bitwidth - 1) - 1) if symmetric else (0, 2**bitwidth - 1)
+
+
+def _assert_same_bits(lo, hi, bitwidth, symmetric):
+    from qtool.quant.affine import scale_offset_of_numbers
+
+    qmin, qmax = _grid(bitwidth, symmetric)
+    scale, offset = _tensor_scale_offset(lo, hi, qmin, qmax, symmetric)
+    s, o = scale_offset_of_numbers(lo, hi, qmin, qmax, symmetric)
+    assert (_bits(s), _bits(o)) == (_bits(scale.item()), _bits(offset.item())), (lo, hi, bitwidth, symmetric)
+
+
+def test_range_as_numbers_equals_the_tensor_functions_on_every_class_of_value():
+    """Every pair of special float32 values (signed zeros, subnormals, the smallest normal and epsilon, around
+    the minimum scale, infinities, NaN, float32's largest) as a batch's min and max, on 2-, 3- (the symmetric grid
+    that divides by pos + 1), 4-, 8- and 16-bit grids, both symmetries: the same bits."""
+    for bitwidth in (2, 3, 4, 8, 16):
+        for symmetric in (False, True):
+            for lo in _SPECIAL:
+                for hi in _SPECIAL:
+                    if lo == lo and hi == hi:
+                        _assert_same_bits(lo, hi, bitwidth, symmetric)
+
+
+def test_range_as_numbers_equals_the_tensor_functions_at_the_minimum_scale():
+    """Where a range just reaches n steps of the minimum scale (FLOAT32_EPS), the degenerate-range widening starts
+    or stops: ranges a few float32 steps either side of it, from zero and from just below, on every grid."""
+    import numpy as np
+
+    from qtool.quant.affine import FLOAT32_EPS
+
+    for bitwidth in range(2, 17):
+        for symmetric in (False, True):
+            qmin, qmax = _grid(bitwidth, symmetric)
+            edge = np.float32(qmax - qmin) * np.float32(FLOAT32_EPS)
+            for lo in (np.float32(0.0), np.float32(-0.0), -edge / np.float32(3), -edge):
+                for k in range(-4, 5):
+                    hi = edge + lo + np.float32(k) * np.spacing(edge)
+                    _assert_same_bits(float(lo), float(hi), bitwidth, symmetric)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.floats(width=32, allow_nan=False), st.floats(width=32, allow_nan=False), st.integers(2, 16),
+       st.booleans())
+def test_range_as_numbers_equals_the_tensor_functions(lo, hi, bitwidth, symmetric):
+    _assert_same_bits(lo, hi, bitwidth, symmetric)
+
+
+def test_range_as_numbers_refuses_what_it_does_not_reproduce():
+    import pytest
+
+    from qtool.quant.affine import scale_offset_of_numbers
+
+    with pytest.raises(ValueError, match="65536 steps"):
+        scale_offset_of_numbers(-1.0, 1.0, 0, 65536, False)
+    with pytest.raises(ValueError, match="1 steps"):  # a 1-bit grid
+        scale_offset_of_numbers(-1.0, 1.0, -1, 0, True)
+    with pytest.raises(ValueError, match="NaN"):
+        scale_offset_of_numbers(math.nan, 1.0, 0, 255, False)
+
+
+@SETTINGS
+@given(st.lists(st.sampled_from(_SPECIAL) | finite, min_size=1, max_size=24),
+       st.integers(2, 16), st.booleans())
+def test_per_tensor_calibration_calls_give_the_bits_of_the_tensor_path(values, bitwidth, symmetric):
+    """A per-tensor quantizer calibrating on the CPU works its range out as numbers; its outputs and calibrated
+    range equal those of the same calls through the tensor functions, bit for bit (NaN and infinities included,
+    which the pipeline refuses before calibration but a library user may feed)."""
+    from qtool.quant import QuantizeDequantize
+
+    batches = [torch.tensor(values, dtype=torch.float32), torch.tensor(values[::-1], dtype=torch.float32) * 0.5]
+    results = []
+    for numbers in (True, False):
+        q = QuantizeDequantize((), bitwidth, symmetric)
+        if not numbers:
+            q._min_max_numbers = lambda x: False
+        with torch.no_grad(), q.compute_encodings():
+            outs = [q(b).as_subclass(torch.Tensor) for b in batches]
+        results.append((outs, q.min.detach().clone(), q.max.detach().clone()))
+    (a_outs, a_min, a_max), (b_outs, b_min, b_max) = results
+    for a, b in zip(a_outs, b_outs):
+        assert a.view(torch.int32).equal(b.view(torch.int32))
+    assert a_min.view(torch.int32).equal(b_min.view(torch.int32)) and a_max.view(torch.int32).equal(
+        b_max.view(torch.int32))

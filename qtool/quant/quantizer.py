@@ -27,6 +27,7 @@ from .affine import (
     quantize,
     quantize_dequantize,
     resolve_block_size,
+    scale_offset_of_numbers,
     snap_to_float16_scale,
 )
 from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer, MinMaxStatistics, MseEncodingAnalyzer
@@ -240,8 +241,12 @@ class QuantizeDequantize(QuantizerBase):
         key = self._shared_call_key(x) if output_read_only else None
         if key is None:
             x = x.as_subclass(torch.Tensor)
+            if self._min_max_numbers(x):
+                stats = self.encoding_analyzer.collect(x)
+                self.encoding_analyzer.fold(stats)
+                return self._fake_quant(x, *self._scale_offset_of_batch(stats))[0]
             mn, mx = self._range_for_call(x)
-            return self._fake_quant(x, mn, mx)[0]
+            return self._fake_quant(x, *self._scale_offset(mn, mx))[0]
         call = _last_call.matching(x, key)
         if call is not None:
             self.encoding_analyzer.fold(call.stats)
@@ -250,14 +255,35 @@ class QuantizeDequantize(QuantizerBase):
         analyzer = self.encoding_analyzer
         stats = analyzer.collect(x)  # update_stats(x) is fold(collect(x)), and returns batch_range of it
         analyzer.fold(stats)
-        mn, mx = analyzer.compute_dynamic_encodings(analyzer.batch_range(stats), self.qmax - self.qmin,
-                                                    self.symmetric)
-        wrapped, out, enc = self._fake_quant(x, mn, mx)
+        if self._min_max_numbers(x):
+            scale, offset = self._scale_offset_of_batch(stats)
+        else:
+            scale, offset = self._scale_offset(*analyzer.compute_dynamic_encodings(
+                analyzer.batch_range(stats), self.qmax - self.qmin, self.symmetric))
+        wrapped, out, enc = self._fake_quant(x, scale, offset)
         _last_call.keep(given, key, stats, out, enc)
         return wrapped
 
-    def _fake_quant(self, x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor):
-        scale, offset = self._scale_offset(mn, mx)
+    def _min_max_numbers(self, x: torch.Tensor) -> bool:
+        """Whether this calibration call's one range can be worked out as numbers (``scale_offset_of_numbers``,
+        the same bits as the tensor functions): a min-max analyzer with one encoding, on the CPU, without
+        gradients, a grid of 2 to 16 bits."""
+        analyzer = self.encoding_analyzer
+        return (self._calibrating and self.shape == () and self.block_size is None and x.device.type == "cpu"
+                and 2 <= self.bitwidth <= 16 and not torch.is_grad_enabled()
+                and type(analyzer) is MinMaxEncodingAnalyzer and analyzer.shape == () and analyzer.block_size is None)
+
+    def _scale_offset_of_batch(self, stats: MinMaxStatistics):
+        lo, hi = stats.min.item(), stats.max.item()
+        if lo != lo or hi != hi:  # NaN: the tensor functions (scale_offset_of_numbers takes none)
+            mn, mx = self.encoding_analyzer.compute_dynamic_encodings(self.encoding_analyzer.batch_range(stats),
+                                                                      self.qmax - self.qmin, self.symmetric)
+            return self._scale_offset(mn, mx)
+        scale, offset = scale_offset_of_numbers(lo, hi, self.qmin, self.qmax, self.symmetric)
+        return (torch.scalar_tensor(float(scale), dtype=torch.float32),
+                torch.scalar_tensor(float(offset), dtype=torch.float32))
+
+    def _fake_quant(self, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
         out = quantize_dequantize(x, scale, offset, qmin=self.qmin, qmax=self.qmax, block_size=self.block_size)
         enc = AffineEncoding(scale.detach(), offset.detach(), self.qmin, self.qmax, self.symmetric, self.block_size)
         return DequantizedTensor.wrap(out, enc), out, enc
