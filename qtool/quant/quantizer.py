@@ -239,29 +239,20 @@ class QuantizeDequantize(QuantizerBase):
         if not self.enabled:
             return x
         key = self._shared_call_key(x) if output_read_only else None
-        if key is None:
-            x = x.as_subclass(torch.Tensor)
-            if self._min_max_numbers(x):
-                stats = self.encoding_analyzer.collect(x)
-                self.encoding_analyzer.fold(stats)
-                return self._fake_quant(x, *self._scale_offset_of_batch(stats))[0]
+        if key is not None:
+            call = _last_call.matching(x, key)
+            if call is not None:
+                self.encoding_analyzer.fold(call.stats)
+                return DequantizedTensor.wrap(call.out, call.encoding)
+        given, x = x, x.as_subclass(torch.Tensor)
+        if key is None and not self._min_max_numbers(x):
             mn, mx = self._range_for_call(x)
             return self._fake_quant(x, *self._scale_offset(mn, mx))[0]
-        call = _last_call.matching(x, key)
-        if call is not None:
-            self.encoding_analyzer.fold(call.stats)
-            return DequantizedTensor.wrap(call.out, call.encoding)
-        given, x = x, x.as_subclass(torch.Tensor)
-        analyzer = self.encoding_analyzer
-        stats = analyzer.collect(x)  # update_stats(x) is fold(collect(x)), and returns batch_range of it
-        analyzer.fold(stats)
-        if self._min_max_numbers(x):
-            scale, offset = self._scale_offset_of_batch(stats)
-        else:
-            scale, offset = self._scale_offset(*analyzer.compute_dynamic_encodings(
-                analyzer.batch_range(stats), self.qmax - self.qmin, self.symmetric))
-        wrapped, out, enc = self._fake_quant(x, scale, offset)
-        _last_call.keep(given, key, stats, out, enc)
+        stats = self.encoding_analyzer.collect(x)  # update_stats(x) is fold(collect(x)), and returns batch_range
+        self.encoding_analyzer.fold(stats)
+        wrapped, out, enc = self._fake_quant(x, *self._scale_offset_of_batch(x, stats))
+        if key is not None:
+            _last_call.keep(given, key, stats, out, enc)
         return wrapped
 
     def _min_max_numbers(self, x: torch.Tensor) -> bool:
@@ -273,15 +264,18 @@ class QuantizeDequantize(QuantizerBase):
                 and 2 <= self.bitwidth <= 16 and not torch.is_grad_enabled()
                 and type(analyzer) is MinMaxEncodingAnalyzer and analyzer.shape == () and analyzer.block_size is None)
 
-    def _scale_offset_of_batch(self, stats: MinMaxStatistics):
-        lo, hi = stats.min.item(), stats.max.item()
-        if lo != lo or hi != hi:  # NaN: the tensor functions (scale_offset_of_numbers takes none)
-            mn, mx = self.encoding_analyzer.compute_dynamic_encodings(self.encoding_analyzer.batch_range(stats),
-                                                                      self.qmax - self.qmin, self.symmetric)
-            return self._scale_offset(mn, mx)
-        scale, offset = scale_offset_of_numbers(lo, hi, self.qmin, self.qmax, self.symmetric)
-        return (torch.scalar_tensor(float(scale), dtype=torch.float32),
-                torch.scalar_tensor(float(offset), dtype=torch.float32))
+    def _scale_offset_of_batch(self, x: torch.Tensor, stats: MinMaxStatistics):
+        """``(scale, offset)`` of one batch's min-max statistics of ``x``: as numbers where ``_min_max_numbers``
+        allows and the range is not NaN, else by the tensor functions."""
+        if self._min_max_numbers(x):
+            lo, hi = stats.min.item(), stats.max.item()
+            if lo == lo and hi == hi:  # scale_offset_of_numbers takes no NaN
+                scale, offset = scale_offset_of_numbers(lo, hi, self.qmin, self.qmax, self.symmetric)
+                return (torch.scalar_tensor(float(scale), dtype=torch.float32),
+                        torch.scalar_tensor(float(offset), dtype=torch.float32))
+        analyzer = self.encoding_analyzer
+        return self._scale_offset(*analyzer.compute_dynamic_encodings(analyzer.batch_range(stats),
+                                                                      self.qmax - self.qmin, self.symmetric))
 
     def _fake_quant(self, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
         out = quantize_dequantize(x, scale, offset, qmin=self.qmin, qmax=self.qmax, block_size=self.block_size)
