@@ -598,6 +598,9 @@ def export(
     model_class: Optional[str] = _MODEL_CLASS,
     trust_pickle: bool = _TRUST_PICKLE,
     trust_remote_code: bool = _TRUST_CODE,
+    allow_other_checkpoint: bool = typer.Option(
+        False, "--allow-other-checkpoint", help="Export even where the calibration's manifest.json records other "
+        "weights than CHECKPOINT (by default refused: ranges of another model clip or waste this one's grid)."),
     overwrite: bool = _OVERWRITE,
     json_out: bool = _JSON,
     quiet: bool = _QUIET,
@@ -614,7 +617,7 @@ def export(
             format=format, encoding_version=encoding_version, trust_pickle=trust_pickle, model_class=model_class,
             trust_remote_code=trust_remote_code, data=data, seq_len=seq_len, pack=not no_pack,
             ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size), gguf_float=gguf_float,
-            gguf_fallback=gguf_fallback), overwrite, p.hooks())
+            gguf_fallback=gguf_fallback, allow_other_checkpoint=allow_other_checkpoint), overwrite, p.hooks())
     _report_files(summary, quiet)
     if json_out:
         _emit_json({"ok": True, **summary})
@@ -696,6 +699,26 @@ def _pareto_search(pareto, encodings):
     return read_search(found)
 
 
+def _check_report_outputs(checkpoint, encodings, data, recipe, **outputs) -> None:
+    """No file ``report`` writes (``--plot``, ``--pareto`` and its .json, ``--suggest``'s recipe) may be one of its
+    inputs or lie inside an input directory: checked before the (slow) report runs."""
+    from pathlib import Path
+
+    from .encodings import CODES_FILE, SIDECAR
+    from .io.fs import check_output_file
+
+    run = Path(encodings).parent
+    inputs = [("checkpoint", checkpoint), ("encodings", encodings), ("encodings sidecar", str(run / SIDECAR)),
+              ("codes", str(run / CODES_FILE)), ("search record", str(run / "search.json")), ("data", data),
+              ("recipe", recipe)]
+    for flag, out in outputs.items():
+        if out is None:
+            continue
+        check_output_file(Path(out), inputs, flag=f"--{flag}")
+        if flag == "pareto":
+            check_output_file(Path(out).with_suffix(".json"), inputs, flag="--pareto's .json")
+
+
 def _suggest_args(suggest, recipe, checkpoint, encodings, data):
     """``(N, OUT.yaml, base recipe text or None)`` of ``--suggest 'N OUT.yaml'`` and ``--recipe``, checked before
     the (slow) report runs: the base recipe must be valid, and OUT.yaml must not be one of the inputs."""
@@ -710,11 +733,6 @@ def _suggest_args(suggest, recipe, checkpoint, encodings, data):
     if out_yaml is None or not n_text.isdigit() or int(n_text) < 1:
         raise UsageError("--suggest takes 'N OUT.yaml' (quote it as one argument: --suggest '3 keep.yaml')")
     out = Path(out_yaml)
-    for given in (recipe, checkpoint, encodings, data):
-        if given and Path(given).exists() and out.exists() and out.resolve() == Path(given).resolve():
-            raise UsageError(f"--suggest: {out} is one of this command's inputs; write the suggestion elsewhere")
-    if out.is_dir():
-        raise UsageError(f"--suggest: {out} is a directory; give a file name")
     base = None
     if recipe:
         load_recipe(recipe)  # a malformed base is one error naming its file and key, before anything runs
@@ -769,6 +787,7 @@ def report(
             raise UsageError("--suggest takes 'N OUT.yaml' together with --sensitivity")
         suggest_n, suggest_out, base = _suggest_args(suggest, recipe, checkpoint, encodings, data)
         search = _pareto_search(pareto, encodings)
+        _check_report_outputs(checkpoint, encodings, data, recipe, plot=plot, pareto=pareto, suggest=suggest_out)
         for flag, value in (("--min-sqnr", min_sqnr), ("--min-cosine", min_cosine),
                             ("--max-ppl-increase", max_ppl_increase)):
             if value is not None and not math.isfinite(value):

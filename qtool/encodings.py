@@ -184,6 +184,14 @@ class EncodingEntry:
         shared = getattr(quantizer, "global_amax", None)
         if shared is not None:
             floating["global_amax"] = float(shared)
+            if not math.isfinite(floating["global_amax"]):
+                from .errors import CheckpointError, DataError
+
+                what = (CheckpointError, "the checkpoint's weight") if plan.tensor == "weight" else \
+                    (DataError, "the calibration data drive this layer's input to")
+                raise what[0](f"{plan.name}: its largest absolute value {floating['global_amax']:.4g} is not a finite "
+                              f"number a global scale can hold: {what[1]} NaN/Inf or values near float32's "
+                              "limits; nothing was written")
         if plan.dynamic:
             if plan.spec.calibrates and "global_amax" not in floating:
                 from .errors import DataError
@@ -517,13 +525,17 @@ class EncodingsFile:
         """The text of :meth:`dumps` piece by piece, one entry at a time: the same bytes as
         ``json.dumps(to_json(), indent=1) + "\\n"`` without holding every entry's numbers as Python objects at
         once (per-channel encodings of a multi-billion-parameter model are millions of them)."""
-        head = json.dumps(self._head(inline_limit), indent=1)
+        head = json.dumps(self._head(inline_limit), indent=1, allow_nan=False)
         if not self.entries:
             yield head[:-2] + ',\n "quantizers": []\n}\n'
             return
         yield head[:-2] + ',\n "quantizers": [\n'  # head ends with "\n}"
         for i, e in enumerate(self.entries):
-            yield ("" if i == 0 else ",\n") + "  " + dumps_indented(self._entry_json(e, inline_limit, arrays=True), 1, 2)
+            try:
+                text = dumps_indented(self._entry_json(e, inline_limit, arrays=True), 1, 2)
+            except ValueError:  # NaN or an infinity: JSON cannot hold it, and qtool's reader would refuse it
+                raise EncodingsError(f"{e.name}: its encoding holds NaN or infinity; nothing was written") from None
+            yield ("" if i == 0 else ",\n") + "  " + text
         yield "\n ]\n}\n"
 
     def dumps(self, inline_limit: Optional[int] = None) -> str:

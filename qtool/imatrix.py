@@ -11,6 +11,7 @@ name length, name, ncall, nval, nval float32 values that are ``E[x²] · ncall``
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from .errors import EncodingsError
+from .io.finite import storable
 
 __all__ = ["write_imatrix", "read_imatrix"]
 
@@ -35,7 +37,9 @@ def write_imatrix(path: Path, sums: Dict[str, Tuple[torch.Tensor, int]], dataset
     writer.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, int(chunk_size))
     for name in sorted(sums):
         total, count = sums[name]
-        writer.add_tensor(f"{name}.in_sum2", total.to(torch.float32).numpy().reshape(1, -1))
+        total = storable(f"{name}.in_sum2", total, torch.float32,
+                         "the model's weights or the data hold NaN/Inf or values near float32's limits")
+        writer.add_tensor(f"{name}.in_sum2", total.numpy().reshape(1, -1))
         writer.add_tensor(f"{name}.counts", np.array([[float(count)]], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -64,6 +68,15 @@ def read_imatrix(path: Path) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _check_count(path: Path, name: str, count: float) -> None:
+    """An entry's token count divides its sums: one that is not a positive number would make its importances
+    up (llama.cpp reads a count of 0 as "all ones"), so it is refused, naming the entry."""
+    if not (math.isfinite(count) and count > 0):
+        why = "this tensor saw no tokens" if count == 0 else "not a positive number"
+        raise EncodingsError(f"{path}: {name}: a token count of {count:g} ({why}); measure the importance matrix on "
+                             "data that reaches every tensor it names")
+
+
 def _read_gguf(path: Path) -> Dict[str, torch.Tensor]:
     import gguf
 
@@ -82,7 +95,8 @@ def _read_gguf(path: Path) -> Dict[str, torch.Tensor]:
         if c.size != 1 or s.size == 0:
             raise EncodingsError(f"{path}: {name}: qtool reads dense weights' entries (one count), got "
                                  f"{c.size} counts")
-        out[name] = torch.from_numpy((s / c[0]).copy() if c[0] > 0 else np.ones_like(s))
+        _check_count(path, name, float(c[0]))
+        out[name] = torch.from_numpy((s / c[0]).copy())
     return out
 
 
@@ -117,6 +131,7 @@ def _read_dat(path: Path) -> Dict[str, torch.Tensor]:
         if values is None:
             raise EncodingsError(f"{path}: ends inside {name}'s values")
         pos += 4 * nval
-        v = values.astype(np.float32) / ncall if ncall > 0 else values.astype(np.float32)
+        _check_count(path, name, float(ncall))
+        v = values.astype(np.float32) / ncall
         out[name] = torch.from_numpy(v.copy())
     return out

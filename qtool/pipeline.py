@@ -23,13 +23,13 @@ from .choices import AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, GGUF_FALLBACKS, GGUF_
 from .config import Plan, load_recipe, recipe_file, resolve_plan
 from .data import load_data
 from .encodings import CODES_FILE, SIDECAR, EncodingsFile
-from .errors import DataError, UsageError
+from .errors import DataError, EncodingsError, UsageError
 from .export import format_names, get_exporter
 from .export.base import ExportRequest
 from .export.qtool_st import DEFAULT_MAX_SHARD_BYTES
 from .hooks import Hooks
 from .io.checkpoint import tensor_files
-from .io.fs import atomic_output_dir, check_output_dir, sha256_file
+from .io.fs import atomic_output_dir, check_output_dir, check_output_file, sha256_file
 from .io.jsonfile import dumps_indented
 from .model.apply import apply_encodings, apply_stored_weights, plan_from_encodings
 from .model.load import LoadedModel, load_model
@@ -349,6 +349,7 @@ class ExportOptions:
     max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES  # qtool format; None: one file
     gguf_float: str = "f32"  # gguf: dtype of tensors the recipe leaves float
     gguf_fallback: str = "none"  # gguf: weights with no GGUF type are refused, or written as f32/f16 values
+    allow_other_checkpoint: bool = False  # export encodings whose calibration manifest names other weights
 
     def validate(self):
         """The exporter for ``format``, after checking every choice-valued option (no work done yet)."""
@@ -382,8 +383,28 @@ def _example_batch(eopts: ExportOptions):
     return make
 
 
+def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, str]) -> None:
+    """Encodings are applied to the weights they were calibrated on: where the calibration's manifest.json beside
+    ``enc_path`` records its checkpoint's file hashes, the checkpoint given now must hold the same bytes (its path
+    may differ). Ranges from another model of the same shape would clip or waste this one's grid silently."""
+    try:
+        recorded = json.loads((enc_path.parent / "manifest.json").read_text(encoding="utf-8"))
+        hashes = recorded["inputs"]["checkpoint"]["sha256"]
+        then = sorted(str(h) for h in hashes.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # no calibration manifest (or not one of qtool's): nothing recorded to compare with
+    if then and then != sorted(digest.values()):
+        raise EncodingsError(f"{enc_path}: calibrated on other weights than {checkpoint} (its manifest.json records "
+                             f"{recorded['inputs']['checkpoint'].get('path', 'another checkpoint')} with other file "
+                             "hashes); export from that checkpoint, or pass --allow-other-checkpoint if the weights "
+                             "changed on purpose")
+
+
 def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: Path, eopts: ExportOptions,
-                 hooks: Hooks, enc_display: Optional[str] = None) -> Dict[str, Any]:
+                 hooks: Hooks, enc_display: Optional[str] = None,
+                 same_weights: bool = False) -> Dict[str, Any]:
+    """Export ``enc`` of ``checkpoint`` into ``out_dir``; with ``same_weights``, refuse a checkpoint whose bytes differ
+    from those the calibration's manifest records (checked once the checkpoint is known to be readable)."""
     from .aimet_format import to_aimet
     from .weights import WeightSource
 
@@ -395,6 +416,9 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     hooks.on_stage(f"exporting ({eopts.format})")
     summary: Dict[str, Any] = {"format": eopts.format}
     weights = WeightSource(Path(checkpoint), enc, Path(enc_path).parent, trust_pickle=eopts.trust_pickle)
+    digest = _files_digest(tensor_files(Path(checkpoint)))
+    if same_weights:
+        _check_same_checkpoint(Path(enc_path), checkpoint, digest)
     request = ExportRequest(
         Path(checkpoint), enc, weights, out_dir, trust_remote_code=eopts.trust_remote_code, progress=hooks.on_tensor,
         load_model=lambda: load_model(checkpoint, eopts.model_class, "cpu", eopts.trust_pickle,
@@ -436,7 +460,8 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
         "versions": versions(),
         "device": "cpu",
         "inputs": {
-            "checkpoint": {"path": str(checkpoint), "sha256": _files_digest(tensor_files(Path(checkpoint))),
+            "checkpoint": {"path": str(checkpoint),
+                           "sha256": digest,
                            **_hub(checkpoint)},
             "encodings": {"path": enc_display or str(enc_path), "sha256": sha256_file(enc_path)},
             **({"encodings_data": [{"path": f.name, "sha256": sha256_file(f)} for f in enc.data_files]}
@@ -466,7 +491,8 @@ def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[E
     # the integer export reads each weight's block encodings from the sidecar when it gets to that weight
     enc = EncodingsFile.read(encodings_path, lazy=exporter.lazy_encodings)
     with atomic_output_dir(Path(out), overwrite) as tmp:
-        summary = _export_into(checkpoint, enc, Path(encodings_path), tmp, eopts, hooks)
+        summary = _export_into(checkpoint, enc, Path(encodings_path), tmp, eopts, hooks,
+                               same_weights=not eopts.allow_other_checkpoint)
     summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
     return summary
 
@@ -887,12 +913,7 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
 
     hooks = hooks or Hooks()
     target = Path(out)
-    if target.is_dir():
-        raise UsageError(f"{target}: is a directory; -o names the imatrix file to write (e.g. imatrix.gguf)")
-    if target.exists() and not overwrite:
-        raise UsageError(f"{target}: exists; pass --overwrite to replace it")
-    if not target.parent.is_dir():
-        raise UsageError(f"{target.parent}: no such directory for -o")
+    check_output_file(target, _inputs(checkpoint, data=opts.data), overwrite)
     if opts.data is None:
         raise DataError("an importance matrix is measured on text: pass --data PATH")
     gguf_model = read_gguf_model(Path(checkpoint))

@@ -78,7 +78,82 @@ SETUPS = {
     "truncated_data": lambda d, ckpt: _save(d, "x.safetensors", {"x": torch.randn(4, 64)}).write_bytes(
         (d / "x.safetensors").read_bytes()[:-100]) and d / "x.safetensors",
     "ragged_data": lambda d, ckpt: _save(d, "r.safetensors", {"x": torch.randn(4, 64), "y": torch.randn(3, 64)}),
+    "scaled_checkpoint": lambda d, ckpt: _scaled_checkpoint(d),
     "latin1_json": lambda d, ckpt: (d / "l.json").write_bytes('{"schema": "caf\u00e9"}'.encode("latin-1")) and d / "l.json",
+}
+
+
+def _scaled_checkpoint(d: Path) -> Path:
+    """The MLP with every weight 1.7 times larger: the same shapes, other weights than the encodings were made on."""
+    return _save(d, "scaled.safetensors", {k: v * 1.7 for k, v in mlp().state_dict().items()})
+
+
+def _llama_copy(d: Path, llama: Path, weights=None, config=None, drop=()) -> Path:
+    """A copy of the tiny Llama (and its token ids, as ``{dir}/ids.safetensors``) inside the case's directory, so
+    that the snapshot covers it; ``weights(sd)`` edits its tensors in place, ``config(cfg)`` its config.json."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    m = d / "m"
+    shutil.copytree(llama["dir"], m)
+    shutil.copy(llama["ids"], d / "ids.safetensors")
+    if weights is not None or drop:
+        sd = load_file(m / "model.safetensors")
+        for k in drop:
+            sd.pop(k)
+        if weights is not None:
+            weights(sd)
+        save_file(sd, m / "model.safetensors", metadata={"format": "pt"})
+    if config is not None:
+        cfg = json.loads((m / "config.json").read_text())
+        config(cfg)
+        (m / "config.json").write_text(json.dumps(cfg))
+    return m
+
+
+def _set_value(key: str, value: float, whole_row: bool = False):
+    def edit(sd):
+        if whole_row:
+            sd[key][0] = value
+        else:
+            sd[key].view(-1)[0] = value
+    return edit
+
+
+def _imatrix_with_count(d: Path, count: float) -> Path:
+    """A GGUF importance matrix whose one entry has the given token count."""
+    import gguf
+
+    path = d / "counts.imatrix.gguf"
+    w = gguf.GGUFWriter(str(path), arch="imatrix")
+    w.add_type(gguf.GGUFType.IMATRIX)
+    w.add_tensor("blk.0.attn_q.weight.in_sum2", np.ones((1, 64), dtype=np.float32))
+    w.add_tensor("blk.0.attn_q.weight.counts", np.array([[count]], dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+_DOWN0 = "model.layers.0.mlp.down_proj.weight"
+SETUPS_WITH_LLAMA = {  # (case directory, the tiny Llama world) -> the path {made} stands for
+    "llama_copy": lambda d, ll: _llama_copy(d, ll),
+    "llama_huge_down_proj": lambda d, ll: _llama_copy(d, ll, _set_value(_DOWN0, 1e38, whole_row=True)),
+    "llama_nan_o_proj": lambda d, ll: _llama_copy(d, ll, _set_value("model.layers.0.self_attn.o_proj.weight",
+                                                                    float("nan"))),
+    "llama_tied_nan_embedding": lambda d, ll: _llama_copy(
+        d, ll, _set_value("model.embed_tokens.weight", float("nan")), lambda c: c.update(tie_word_embeddings=True),
+        drop=("lm_head.weight",)),
+    "llama_config_hidden_size": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(hidden_size=128)),
+    "llama_config_head_dim": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(head_dim=32)),
+    "llama_config_vocab_size": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(vocab_size=300)),
+    "llama_config_fewer_layers": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(num_hidden_layers=1)),
+    "llama_config_more_layers": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(num_hidden_layers=3)),
+    "imatrix_count_nan": lambda d, ll: _imatrix_with_count(d, float("nan")),
+    "imatrix_count_zero": lambda d, ll: _imatrix_with_count(d, 0.0),
+    "imatrix_count_negative": lambda d, ll: _imatrix_with_count(d, -4.0),
 }
 
 
@@ -203,20 +278,39 @@ def world(tmp_path_factory):
     return {"ckpt": ckpt, "data": data, "enc": d / "run" / "encodings.json", "aimet": d / "aimet" / "model.encodings"}
 
 
+@pytest.fixture(scope="module")
+def llama_world(tmp_path_factory):
+    """A tiny Llama with a byte-level BPE tokenizer (GGUF exports it) and token ids for it; built on first use."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from tests.test_gguf import _tiny_llama
+
+    d = tmp_path_factory.mktemp("llama_world")
+    ids = torch.randint(1, 250, (8, 24), generator=torch.Generator().manual_seed(2))
+    save_file({"input_ids": ids}, d / "ids.safetensors")
+    return {"dir": _tiny_llama(d / "llama", False), "ids": d / "ids.safetensors"}
+
+
 def test_corpus_is_large_enough():
     assert len(CASES) >= 150
     commands = {case["args"][0] for case in CASES.values()}
     assert commands >= {"calibrate", "export", "quantize", "report", "inspect", "import-encodings", "config"}
     for name, case in CASES.items():
         assert set(case) <= {"setup", "files", "edit", "args", "exit", "message", "out_is_made"}, name
-        assert case.get("setup") is None or case["setup"] in SETUPS or case["setup"] in SETUPS_WITH_ENC, name
+        assert case.get("setup") is None or case["setup"] in SETUPS or case["setup"] in SETUPS_WITH_ENC or \
+            case["setup"] in SETUPS_WITH_LLAMA, name
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_input(name, world, tmp_path):
+def test_bad_input(name, world, tmp_path, request):
     case = CASES[name]
     made = None
-    if case.get("setup") in SETUPS:
+    llama = {}
+    if case.get("setup") in SETUPS_WITH_LLAMA or any("{llama" in str(a) for a in case["args"]):
+        llama = request.getfixturevalue("llama_world")
+    if case.get("setup") in SETUPS_WITH_LLAMA:
+        made = SETUPS_WITH_LLAMA[case["setup"]](tmp_path, llama)
+    elif case.get("setup") in SETUPS:
         made = SETUPS[case["setup"]](tmp_path, world["ckpt"])
     elif case.get("setup") in SETUPS_WITH_ENC:
         made = SETUPS_WITH_ENC[case["setup"]](tmp_path, world["enc"])
@@ -226,7 +320,7 @@ def test_bad_input(name, world, tmp_path):
         made = _edited(tmp_path, world, case["edit"])
     out = made if case.get("out_is_made") else tmp_path / "out"
     subs = {"ckpt": world["ckpt"], "data": world["data"], "enc": world["enc"], "aimet": world["aimet"],
-            "mlp": "tests.tinymodels:mlp",
+            "mlp": "tests.tinymodels:mlp", "llama": llama.get("dir"),
             "recipes": CORPUS / "recipes", "configs": CONFIGS, "made": made, "out": out, "dir": tmp_path}
     args = [str(a).format(**subs) for a in case["args"]]
     before = sorted(p.name for p in tmp_path.iterdir())

@@ -164,10 +164,23 @@ def test_lazy_read_keeps_sidecar_numbers_on_disk_until_asked(tmp_path):
 
 
 def test_non_finite_sidecar_numbers_are_an_encodings_error_eager_or_lazy(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from qtool.io.finite import UnstorableValues
+
     big, small = _entries()
-    big.min = big.min.clone()
-    big.min[3, 1] = float("nan")
+    poisoned = big.min.clone()
+    poisoned[3, 1] = float("nan")
     EncodingsFile([big, small], {}).write(tmp_path / "encodings.json", inline_limit=100)
+    big.min = poisoned  # qtool's own writer refuses it, naming the tensor ...
+    with pytest.raises(UnstorableValues, match=r"^a\.weight\.min: holds NaN"):
+        (tmp_path / "again").mkdir()
+        EncodingsFile([big, small], {}).write(tmp_path / "again" / "encodings.json", inline_limit=100)
+    with safe_open(tmp_path / SIDECAR, "pt") as f:  # ... so the file is damaged by hand
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    tensors["a.weight.min"][3, 1] = float("nan")
+    save_file(tensors, str(tmp_path / SIDECAR), metadata=meta)
     with pytest.raises(EncodingsError, match="finite"):
         EncodingsFile.read(tmp_path / "encodings.json")
     lazy = EncodingsFile.read(tmp_path / "encodings.json", lazy=True)

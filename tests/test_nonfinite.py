@@ -139,3 +139,60 @@ def test_aimet_import_refuses_a_name_encoded_twice(mlp_run, tmp_path):
     code, _, err = run_cli("import-encodings", mlp_run / "m.safetensors", bad, "--model-class",
                            "tests.tinymodels:mlp", "-o", tmp_path / "imported")
     assert code == 2 and "has two encodings" in err, err
+
+
+# ---- the writers' own last check: whatever reaches them, a file never holds NaN/Inf ---------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_the_streaming_safetensors_writer_refuses_a_non_finite_tensor_by_name(tmp_path, dtype, bad):
+    from qtool.io.finite import UnstorableValues
+    from qtool.io.st_writer import StreamingSafetensorsWriter
+
+    t = torch.arange(12, dtype=dtype).reshape(3, 4)
+    t[2, 1] = bad
+    w = StreamingSafetensorsWriter(tmp_path / "x.safetensors", [("ok", dtype, (3, 4)), ("layer.weight", dtype, (3, 4))])
+    w.write("ok", torch.zeros(3, 4, dtype=dtype))
+    with pytest.raises(UnstorableValues, match=r"^layer\.weight: holds NaN or infinite values"):
+        w.write("layer.weight", t)
+    assert UnstorableValues.exit_code == 2
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_the_writer_check_reads_float8_nan_and_inf_patterns(dtype):
+    from qtool.io.finite import check_finite, UnstorableValues
+
+    dt = getattr(torch, dtype)
+    fine = torch.tensor([0.0, -448.0 if dtype == "float8_e4m3fn" else -57344.0, 1.5]).to(dt)
+    check_finite("w", fine)  # the largest finite values are not NaN patterns
+    with pytest.raises(UnstorableValues):
+        check_finite("w", torch.tensor([1.0, float("nan")]).to(dt))
+
+
+def test_storable_names_values_beyond_the_stored_type():
+    from qtool.io.finite import UnstorableValues, storable
+
+    assert storable("w", torch.tensor([65504.0, -65519.0]), torch.float16).tolist() == [65504.0, -65504.0]
+    with pytest.raises(UnstorableValues, match=r"^w: holds values beyond float16's range \(±65504\).*hint here"):
+        storable("w", torch.tensor([1.0, 65520.0]), torch.float16, "hint here")
+    with pytest.raises(UnstorableValues, match="NaN or infinite"):
+        storable("w", torch.tensor([1.0, float("nan")]), torch.float16)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_json_files_qtool_writes_refuse_nan_and_infinity(value):
+    from qtool.io.jsonfile import dumps_indented
+
+    for obj in ([1.0, value], {"a": value}, {"a": [[1.0], [value]]}):
+        with pytest.raises(ValueError):
+            dumps_indented(obj)
+
+
+def test_a_float16_scale_grid_reports_an_unrepresentable_range_as_its_weights_fault():
+    from qtool.quant.affine import UnrepresentableScale, snap_to_float16_scale
+
+    with pytest.raises(UnrepresentableScale, match=r"needs a scale of 7\.8\d+e\+35, beyond float16's largest"):
+        snap_to_float16_scale(torch.tensor([-1e38]), torch.tensor([1e38]), -128, 127, True)
+    with pytest.raises(UnrepresentableScale, match="holds NaN or infinity"):
+        snap_to_float16_scale(torch.tensor([float("nan")]), torch.tensor([1.0]), -8, 7, True)
+    lo, hi = snap_to_float16_scale(torch.tensor([-1.0]), torch.tensor([1.0]), -128, 127, True)  # still snaps
+    assert torch.isfinite(lo).all() and torch.isfinite(hi).all()

@@ -31,6 +31,18 @@ def not_a_module():
     return 42
 
 
+def raises() -> nn.Module:
+    """A factory whose own code fails (a missing file, a bad argument...)."""
+    raise RuntimeError("weights.bin not found")
+
+
+def exits() -> nn.Module:
+    """A factory that ends the process instead of returning a model (a script's main() called by mistake)."""
+    import sys
+
+    sys.exit(0)
+
+
 class _DiesOnRank(nn.Module):
     """``mlp`` that kills its own process (SIGKILL, as the out-of-memory killer would) on its second forward call
     when ``RANK`` equals ``QTOOL_TEST_DIE_ON_RANK``: a rank lost in the middle of distributed calibration."""

@@ -21,5 +21,12 @@ def slow() -> nn.Module:
     return Slow(*mlp())
 
 
+class _Broken(nn.Sequential):
+    """Built fine (a factory that fails is the user's error, exit 2), then fails where qtool does not expect it."""
+
+    def state_dict(self, *args, **kwargs):
+        return {}["deliberately missing key"]
+
+
 def broken() -> nn.Module:
-    return {}["deliberately missing key"]
+    return _Broken(*mlp())

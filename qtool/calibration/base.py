@@ -13,9 +13,26 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 
 from ..config import QuantizerPlan
+from ..errors import CheckpointError, DataError
 from ..quant import QuantizerBase
+from ..quant.affine import UnrepresentableScale
 
-__all__ = ["calibrate_weights", "calibrate_activations"]
+__all__ = ["calibrate_weights", "calibrate_activations", "encodings_of"]
+
+
+@contextlib.contextmanager
+def encodings_of(q: QuantizerPlan, quantizer: QuantizerBase):
+    """``quantizer.compute_encodings()``, with a range its grid's scale type cannot hold (a float16 scale past
+    65504, a NaN range) reported as the checkpoint's fault (a weight) or the data's (an activation), naming ``q``."""
+    try:
+        with quantizer.compute_encodings():
+            yield quantizer
+    except UnrepresentableScale as e:
+        if q.tensor == "weight":
+            raise CheckpointError(f"{q.name}: {e}: the checkpoint's weight holds NaN/Inf or values too large for "
+                                  "this grid; nothing was written") from None
+        raise DataError(f"{q.name}: {e}: the calibration data drive this layer's input beyond what the grid can "
+                        "store; nothing was written") from None
 
 
 def calibrate_weights(rows: Iterable[QuantizerPlan], quantizer_for: Callable[[QuantizerPlan], QuantizerBase],
@@ -30,7 +47,7 @@ def calibrate_weights(rows: Iterable[QuantizerPlan], quantizer_for: Callable[[Qu
             quantizer = quantizer_for(q)
             weight = weight_for(q)
             imp = importance_for(q) if importance_for is not None else None
-            with quantizer.compute_encodings():
+            with encodings_of(q, quantizer):
                 quantizer.observe(weight, importance=imp)
             del weight
             if done is not None:
@@ -42,6 +59,6 @@ def calibrate_activations(rows: List[QuantizerPlan], quantizers: Dict[str, Quant
     """Every activation row's quantizer collects statistics while ``run()`` feeds the data through the model."""
     with contextlib.ExitStack() as stack, torch.no_grad():
         for q in rows:
-            stack.enter_context(quantizers[q.name].compute_encodings())
+            stack.enter_context(encodings_of(q, quantizers[q.name]))
         run()
 

@@ -32,7 +32,7 @@ from ..data import CalibrationData
 from ..parallel import Group, assign, shard_bounds
 from ..quant import QuantizerBase
 from ..quant.analyzers import merge_statistics
-from .base import calibrate_activations, calibrate_weights
+from .base import calibrate_activations, calibrate_weights, encodings_of
 from .rounding import InputStatistics
 
 __all__ = ["shard", "samples_per_rank", "calibrate_activations_dp", "merge_inputs", "merge_absmax",
@@ -110,7 +110,7 @@ def calibrate_activations_dp(rows: List[QuantizerPlan], quantizers: Dict[str, Qu
     names = sorted(q.name for q in rows)
     with contextlib.ExitStack() as stack, torch.no_grad():
         for q in rows:
-            stack.enter_context(quantizers[q.name].compute_encodings())
+            stack.enter_context(encodings_of(q, quantizers[q.name]))
         recorders: Dict[str, _Recorder] = {}
         if not group.is_root:
             for name in names:

@@ -89,6 +89,7 @@ from .. import __version__
 from ..encodings import EncodingEntry, EncodingsFile
 from ..errors import CheckpointError, EncodingsError, UsageError
 from ..io.checkpoint import detect_kind
+from ..io.finite import storable
 from ..io.jsonfile import read_json_object
 from ..io.st_writer import StreamingSafetensorsWriter
 from ..model.hf import meta_skeleton
@@ -293,6 +294,9 @@ def _compat_notes(settings) -> List[str]:
                          "(transformers 5.23 / compressed-tensors 0.20)"
                          + ("" if len(settings) == 1 else ", which handles a single config group only"))
     return notes
+
+
+_SCALE_HINT = "compressed-tensors stores scales in the checkpoint's own dtype; convert the checkpoint to float32"
 
 
 def _scale_dtype(weight_dtype: torch.dtype) -> torch.dtype:
@@ -561,7 +565,7 @@ def export_compressed_tensors(
         for e in kv:  # the static FP8 scales of keys and values (what vLLM reads with kv_cache_dtype="fp8")
             name = f"{e.module}.{e.tensor[0]}_scale"
             dtype, shape = declared[name]
-            w.write(name, e.scale_offset()[0].to(dtype).reshape(shape).contiguous())
+            w.write(name, storable(name, e.scale_offset()[0], dtype, _SCALE_HINT).reshape(shape).contiguous())
         for t in transforms:  # each rotated layer's matrix: what vLLM loads (unnormalized ±1, as llm-compressor)
             for name, (dtype, shape) in t["tensors"].items():
                 w.write(name, t["matrix"].to(dtype))
@@ -611,7 +615,8 @@ def _write_layer(w: StreamingSafetensorsWriter, key: str, t: torch.Tensor, e: En
     else:
         w.write(base + "weight_packed", pack_int32(q_ct, b))
     sdtype, sshape = declared[base + "weight_scale"]
-    w.write(base + "weight_scale", scale.detach().to(sdtype).reshape(sshape).contiguous())
+    w.write(base + "weight_scale", storable(base + "weight_scale", scale.detach(), sdtype,
+                                            _SCALE_HINT).reshape(sshape).contiguous())
     if packed:
         w.write(base + "weight_shape", torch.tensor(list(t.shape), dtype=torch.int64))
     if not e.symmetric:

@@ -35,6 +35,7 @@ import torch
 
 from ..encodings import EncodingEntry
 from ..errors import EncodingsError
+from ..io.finite import check_finite, storable
 from ..quant import ggml
 from ..quant.spec import Granularity
 from .base import Exporter, ExportRequest, refuse_float_elements
@@ -267,11 +268,13 @@ def _tensor_data(item: _Item, src) -> Tuple[np.ndarray, float]:
         if item.heads:
             w = permute_rows(w, item.heads)
         dtype = torch.float16 if item.kind == "F16" else torch.float32
+        hint = "write float tensors as F32 (--gguf-float f32)" if item.kind == "F16" else ""
         if w.dtype == dtype:
+            check_finite(item.key, w, hint)
             return w.contiguous().numpy(), 0.0
         out = torch.empty(w.shape, dtype=dtype)
         for rows, chunk in _row_chunks(w):  # float32 temporaries of one chunk, not of the whole table
-            out[rows] = chunk.to(torch.float32)
+            out[rows] = storable(item.key, chunk.to(torch.float32), dtype, hint)
         return out.numpy(), 0.0
     if (e.spec.ggml is None and item.kind not in ("F32", "F16") and not item.heads and w.dim() == 2
             and e.granularity == Granularity.PER_BLOCK and w.numel() > _CHUNK):
@@ -288,7 +291,9 @@ def _tensor_data(item: _Item, src) -> Tuple[np.ndarray, float]:
         values = dequantize(codes, scale, offset, block_size=e.block_size)
         if item.heads:
             values = permute_rows(values, item.heads)
-        return values.to(torch.float16 if item.kind == "F16" else torch.float32).contiguous().numpy(), 0.0
+        hint = "write them as F32 (--gguf-fallback f32)" if item.kind == "F16" else ""
+        return storable(e.name, values, torch.float16 if item.kind == "F16" else torch.float32,
+                        hint).contiguous().numpy(), 0.0
     fake = dequantize(codes, scale, offset, block_size=e.block_size)
     if item.heads:
         codes, scale, offset, fake = (permute_rows(t, item.heads) for t in (codes, scale, offset, fake))

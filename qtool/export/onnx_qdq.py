@@ -33,6 +33,7 @@ from torch import nn
 
 from ..encodings import EncodingsFile
 from ..errors import DataError, UsageError
+from ..io.finite import check_finite
 from ..quant import QuantizeDequantize, quantize, quantize_dequantize
 from ..quant.floatgrid import float_quantize, float_quantize_dequantize
 from ..quant.spec import axis_and_block
@@ -632,9 +633,21 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
     proto = onnx.load(str(path))
     final_opset = max(opset, opset_q)
     names = _rewrite(proto, info, final_opset, stored)
+    _check_initializers(proto)
     onnx.save(proto, str(path))
     return {"onnx_opset": final_opset, "qdq_opset_needed": opset_q, "quantizers": len(names), "names": names,
             "onnx_inputs": input_names, "onnx_outputs": output_names}
+
+
+def _check_initializers(proto) -> None:
+    """No NaN/Inf in the file: every float initializer (weights, constants the tracer folded, scales) is checked
+    last, naming the tensor (a layer the recipe leaves float is copied from the model as it is)."""
+    from onnx import TensorProto, numpy_helper
+
+    floats = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
+    for init in proto.graph.initializer:
+        if init.data_type in floats:
+            check_finite(init.name, torch.from_numpy(np.array(numpy_helper.to_array(init), dtype=np.float32)))
 
 
 def _signature(batch) -> Tuple[Tuple, Dict[str, torch.Tensor], List[str], Dict[str, Dict[int, str]]]:

@@ -17,8 +17,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import UsageError
 
-__all__ = ["atomic_output_dir", "atomic_file", "sha256_file", "check_output_dir", "parse_size", "write_text_atomic",
-           "remove_stale_temporaries"]
+__all__ = ["atomic_output_dir", "atomic_file", "sha256_file", "check_output_dir", "check_output_file", "parse_size",
+           "write_text_atomic", "remove_stale_temporaries"]
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -44,20 +44,28 @@ def parse_size(text: str, what: str) -> Optional[int]:
     return max(1, int(value * _UNITS[unit]))
 
 
+def _existing_inputs(out: Path, inputs: Sequence[Tuple[str, Optional[str]]]):
+    """``(what, path, its real path, out's real path)`` of each input that exists."""
+    target = Path(os.path.realpath(out))
+    for what, path in inputs:
+        if path is not None and Path(path).exists():
+            yield what, path, Path(os.path.realpath(path)), target
+
+
+def _refuse_inside(out: Path, flag: str, what: str, path: str, src: Path, target: Path) -> None:
+    if src.is_dir() and src in target.parents:
+        raise UsageError(f"{out}: {flag} is inside the {what} directory {path}; write outputs elsewhere")
+
+
 def check_output_dir(out: Path, overwrite: bool, inputs: Sequence[Tuple[str, Optional[str]]] = ()) -> None:
     """Refuse an --out that is a file, or an existing directory without --overwrite, before any work; and an --out
     that is, holds or lies inside one of ``inputs`` (``(what, path)`` pairs: the checkpoint, the recipe, the data,
     the encodings), which replacing --out would delete or writing into it would change."""
-    target = Path(os.path.realpath(out))
-    for what, path in inputs:
-        if path is None or not Path(path).exists():
-            continue
-        src = Path(os.path.realpath(path))
+    for what, path, src, target in _existing_inputs(out, inputs):
         if target == src or target in src.parents:
             raise UsageError(f"{out}: --out {'is' if target == src else 'contains'} the {what} {path}; replacing it "
                              "would delete an input: choose another --out")
-        if src.is_dir() and src in target.parents:
-            raise UsageError(f"{out}: --out is inside the {what} directory {path}; write outputs elsewhere")
+        _refuse_inside(out, "--out", what, path, src, target)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: --out is an existing file, not a directory")
     if out.exists() and not overwrite:
@@ -65,6 +73,25 @@ def check_output_dir(out: Path, overwrite: bool, inputs: Sequence[Tuple[str, Opt
     parent = out.parent if str(out.parent) else Path(".")
     if parent.exists() and not parent.is_dir():
         raise UsageError(f"{parent}: parent of --out is not a directory")
+
+
+def check_output_file(out: Path, inputs: Sequence[Tuple[str, Optional[str]]], overwrite: Optional[bool] = None,
+                      flag: str = "--out") -> None:
+    """Refuse, before any work, a file output that is one of ``inputs`` (``(what, path)`` pairs) or lies inside an
+    input directory (writing it would replace or change an input), a directory, a file in a missing directory,
+    and, where ``overwrite`` is False, an existing file."""
+    for what, path, src, target in _existing_inputs(out, inputs):
+        if target == src:
+            raise UsageError(f"{out}: {flag} is the {what} {path}; writing it would replace an input: choose another "
+                             "file")
+        _refuse_inside(out, flag, what, path, src, target)
+    if out.is_dir():
+        raise UsageError(f"{out}: {flag} is a directory; give a file name")
+    if overwrite is False and out.exists():
+        raise UsageError(f"{out}: exists; pass --overwrite to replace it")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{parent}: no such directory for {flag}")
 
 
 _HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"

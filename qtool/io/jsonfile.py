@@ -90,10 +90,10 @@ def _array_text(values: List[Any], shape: Tuple[int, ...], indent: int, level: i
     if not shape or 0 in shape:  # a scalar, or an array with no numbers (nested empty lists): json itself
         return dumps_indented(NumberArray(values, shape).tolist(), indent, level)
     if len(shape) == 1:
-        return "[\n" + inner + json.dumps(values)[1:-1].replace(", ", ",\n" + inner) + "\n" + pad + "]"
+        return "[\n" + inner + json.dumps(values, allow_nan=False)[1:-1].replace(", ", ",\n" + inner) + "\n" + pad + "]"
     if len(shape) == 2 and shape[1] == 1:  # (out, 1): a per-channel range, one C call for every row
         inner2 = inner + " " * indent
-        body = json.dumps(values)[1:-1].replace(", ", "\n" + inner + "],\n" + inner + "[\n" + inner2)
+        body = json.dumps(values, allow_nan=False)[1:-1].replace(", ", "\n" + inner + "],\n" + inner + "[\n" + inner2)
         return "[\n" + inner + "[\n" + inner2 + body + "\n" + inner + "]\n" + pad + "]"
     step = math.prod(shape[1:])
     rows = (_array_text(values[i * step:(i + 1) * step], shape[1:], indent, level + 1) for i in range(shape[0]))
@@ -108,7 +108,7 @@ def dumps_indented(obj: Any, indent: int = 1, level: int = 0) -> str:
     the C encoder on one line, and its ``", "`` separators (which none of those values contains) become the
     indented line breaks; a :class:`NumberArray` (a tensor's numbers, flat, with its shape) is written the same
     way a row at a time, and a per-channel ``(out, 1)`` array in one C call. ``level`` is the nesting depth ``obj``
-    sits at."""
+    sits at. NaN and infinities raise ``ValueError``: a file qtool writes holds numbers JSON can read back."""
     if isinstance(obj, NumberArray):
         return _array_text(list(obj.values), tuple(obj.shape), indent, level)
     pad, inner = " " * (indent * level), " " * (indent * (level + 1))
@@ -117,8 +117,8 @@ def dumps_indented(obj: Any, indent: int = 1, level: int = 0) -> str:
         return "{\n" + inner + (",\n" + inner).join(items) + "\n" + pad + "}"
     if isinstance(obj, (list, tuple)) and obj:
         if _scalars_only(obj):
-            return "[\n" + inner + json.dumps(obj)[1:-1].replace(", ", ",\n" + inner) + "\n" + pad + "]"
+            return "[\n" + inner + json.dumps(obj, allow_nan=False)[1:-1].replace(", ", ",\n" + inner) + "\n" + pad + "]"
         return "[\n" + inner + (",\n" + inner).join(dumps_indented(v, indent, level + 1) for v in obj) + \
             "\n" + pad + "]"
     # anything else (scalars, empty containers, dicts with non-string keys): json itself, re-indented to ``level``
-    return json.dumps(obj, indent=indent).replace("\n", "\n" + pad)
+    return json.dumps(obj, indent=indent, allow_nan=False).replace("\n", "\n" + pad)

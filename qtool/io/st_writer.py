@@ -13,6 +13,8 @@ from typing import BinaryIO, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .finite import check_finite
+
 __all__ = ["StreamingSafetensorsWriter", "DTYPE_NAMES"]
 
 DTYPE_NAMES = {
@@ -65,6 +67,7 @@ class StreamingSafetensorsWriter:
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(f"tensor {name!r}: declared {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}")
         data = tensor.detach().contiguous().cpu()
+        check_finite(name, data)  # never NaN/Inf in a file: the input's fault, named, before a byte of it is written
         if nbytes:
             # safetensors stores little-endian; view the bytes without a copy of the values
             self._fh.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))

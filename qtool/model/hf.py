@@ -7,6 +7,7 @@ transformers is an optional extra (``qtool[hf]``); every entry point here turns 
 from __future__ import annotations
 
 
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -17,7 +18,7 @@ from ..errors import CheckpointError, UsageError
 from ..io.checkpoint import check_safetensors, tensor_files
 from ..io.jsonfile import read_json_object
 
-__all__ = ["load_hf", "hf_name_map", "meta_skeleton", "meta_causal_lm"]
+__all__ = ["load_hf", "hf_name_map", "meta_skeleton", "meta_causal_lm", "check_weights_fit"]
 
 
 def _transformers(path):
@@ -52,6 +53,56 @@ def _config(path, trust_remote_code: bool):
                               f"{first})") from None
 
 
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def check_weights_fit(path, model: nn.Module, files: List[Path]) -> None:
+    """The checkpoint's own tensors are the truth ``config.json`` is checked against: raise ``CheckpointError``
+    (one line) where the model the config describes gives a checkpoint tensor another shape, has no place for
+    one (a layer or expert beyond its counts), or needs one of a repeated kind the checkpoint lacks. Headers only:
+    no weight is read. Names the model's loader renames (fused experts, legacy names) are left to it."""
+    from safetensors import safe_open
+
+    ckpt: Dict[str, Tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                ckpt[k] = tuple(fh.get_slice(k).get_shape())
+    model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def in_model(k: str):
+        for name in (k, f"{prefix}.{k}" if prefix else None,
+                     k[len(prefix) + 1:] if prefix and k.startswith(prefix + ".") else None):
+            if name is not None and name in model_shapes:
+                return name
+        return None
+
+    where = f"{Path(path) / 'config.json'} disagrees with the weights"
+    placed = set()
+    for k in sorted(ckpt, key=_natural):
+        shape, name = ckpt[k], in_model(k)
+        if name is not None:
+            placed.add(name)
+            if model_shapes[name] != shape:
+                raise CheckpointError(f"{where}: {k} is {list(shape)} in the checkpoint, {list(model_shapes[name])} "
+                                      "in the model it describes (a size such as hidden_size, head_dim or vocab_size)")
+    model_kinds = {_INDEX.sub(".*", k) for k in model_shapes}
+    ckpt_kinds = {_INDEX.sub(".*", k) for k in ckpt} | {_INDEX.sub(".*", in_model(k) or k) for k in ckpt}
+    for k in sorted(ckpt, key=_natural):
+        if in_model(k) is None and _INDEX.sub(".*", k) in model_kinds:
+            raise CheckpointError(f"{where}: the checkpoint holds {k}, which the model it describes has no place for "
+                                  "(a count such as num_hidden_layers is smaller than the weights')")
+    for k in sorted(model_shapes, key=_natural):
+        if k not in placed and _INDEX.sub(".*", k) != k and _INDEX.sub(".*", k) in ckpt_kinds:
+            raise CheckpointError(f"{where}: the model it describes needs {k}, which the checkpoint does not hold "
+                                  "(a count such as num_hidden_layers is larger than the weights')")
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in name.split(".")]
+
+
 def meta_skeleton(path, trust_remote_code: bool = False) -> nn.Module:
     """The model class of a Hugging Face directory (``config.architectures``, else ``AutoModel``) built on the meta
     device: module names, types and tied parameters, no memory and no weights read."""
@@ -61,12 +112,19 @@ def meta_skeleton(path, trust_remote_code: bool = False) -> nn.Module:
     cls = getattr(transformers, archs[0], None) if archs else None
     try:
         with torch.device("meta"):
-            if cls is not None:
-                return cls._from_config(config)
-            return transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+            model = cls._from_config(config) if cls is not None else \
+                transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many types for configs it cannot build
         raise CheckpointError(
             f"{path}: transformers cannot build this model's modules ({str(e).splitlines()[0]})") from None
+    _check_fit_if_weights(path, model)
+    return model
+
+
+def _check_fit_if_weights(path, model: nn.Module) -> None:
+    files = tensor_files(Path(path))
+    if files and all(f.exists() for f in files):  # a missing shard is reported where the weights are read
+        check_weights_fit(path, model, files)
 
 
 def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, Any, Any]:
@@ -82,6 +140,7 @@ def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, An
     except Exception as e:
         raise CheckpointError(f"{path}: not a causal language model transformers can build "
                               f"({str(e).splitlines()[0]})") from None
+    _check_fit_if_weights(path, model)
     rot = getattr(getattr(model, "model", None), "rotary_emb", None)
     if rot is not None:
         model.model.rotary_emb = type(rot)(config=config)
@@ -113,7 +172,9 @@ def load_hf(path: Path, trust_remote_code: bool):
             low_cpu_mem_usage=True,
         )
     except Exception as e:  # transformers raises many types for bad weights
+        meta_skeleton(path, trust_remote_code)  # a config that disagrees with the weights: the one line saying how
         raise CheckpointError(f"{path}: transformers could not load the model: {str(e).splitlines()[0]}") from None
+    check_weights_fit(path, model, tensor_files(path))
     tokenizer = None
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))

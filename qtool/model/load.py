@@ -72,6 +72,8 @@ def _import_factory(spec: str):
         obj = importlib.import_module(mod_name)
     except ImportError as e:
         raise UsageError(f"--model-class {spec}: cannot import {mod_name!r}: {e}") from None
+    except (Exception, SystemExit) as e:  # the user's module failed (or exited) while importing: its fault, named
+        raise UsageError(f"--model-class {spec}: importing {mod_name!r} {_failure(e)}") from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -82,14 +84,25 @@ def _import_factory(spec: str):
     return obj
 
 
+def _failure(e: BaseException) -> str:
+    """How user code under --model-class failed, in words (a sys.exit is a failure too: nothing was built)."""
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({e.code!r})"
+    first = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"failed: {type(e).__name__}" + (f": {first}" if first else "")
+
+
 def _build(spec: str) -> nn.Module:
     factory = _import_factory(spec)
     try:
         model = factory()
-    except TypeError as e:  # a class or function that needs arguments (other failures keep their traceback)
+    except TypeError as e:  # a class or function that needs arguments
         first = str(e).splitlines()[0][:200] if str(e) else ""
         raise UsageError(f"--model-class {spec}: calling it with no arguments failed ({type(e).__name__}: {first}); "
                          "point it at a function that builds the model") from None
+    except (Exception, SystemExit) as e:  # user code failing, or exiting, is its fault: one line naming the flag
+        raise UsageError(f"--model-class {spec}: building the model {_failure(e)}"
+                         + (" instead of returning a module" if isinstance(e, SystemExit) else "")) from None
     if not isinstance(model, nn.Module):
         raise UsageError(f"--model-class {spec}: returned {type(model).__name__}, not a torch.nn.Module")
     return model

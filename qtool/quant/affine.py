@@ -34,6 +34,7 @@ __all__ = [
     "min_max_to_scale_offset",
     "adjust_min_max",
     "snap_to_float16_scale",
+    "UnrepresentableScale",
 ]
 
 FLOAT32_EPS = float(torch.finfo(torch.float32).eps)  # 1.1920929e-07
@@ -476,13 +477,19 @@ def dynamic_scale_offset(
 # --------------------------------------------------------------------------------------------------------------
 # float16 scales (GGUF stores its block scales, and Q4_1 its block minimum, as float16)
 # --------------------------------------------------------------------------------------------------------------
+class UnrepresentableScale(ValueError):
+    """A calibrated range whose scale the grid's stored scale type cannot hold (beyond float16's 65504, or NaN).
+    The calibration loop reports it as the data's or checkpoint's fault, naming the quantizer."""
+
+
 _F16_WINDOW = 16  # float16 steps searched each side for an asymmetric grid whose origin is a float16 value
 
 
 def snap_to_float16_scale(min: torch.Tensor, max: torch.Tensor, qmin: int, qmax: int, symmetric: bool):
     """A stored ``(min, max)`` whose derived scale is a float16 value (and, asymmetric, whose ``offset * scale``
     is one too), close to the given range. Round-trip exact: ``min_max_to_scale_offset`` of the result gives
-    that float16 scale and an integer offset. Raises ``ValueError`` where a scale exceeds float16's range.
+    that float16 scale and an integer offset. Raises :class:`UnrepresentableScale` where a scale exceeds
+    float16's range or is NaN.
 
     Symmetric: the scale is rounded to the nearest float16 value. Asymmetric: the nearest float16 scale within
     16 float16 steps for which ``round(min / scale) * scale`` is a float16 value.
@@ -492,8 +499,12 @@ def snap_to_float16_scale(min: torch.Tensor, max: torch.Tensor, qmin: int, qmax:
     scale, offset = min_max_to_scale_offset(lo, hi, qmin, qmax, symmetric)
     floor = _min_scale(n)
     d = scale.to(torch.float16).to(torch.float32)
+    if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
+        raise UnrepresentableScale("its calibrated range holds NaN or infinity")
     if not torch.isfinite(d).all():
-        raise ValueError(f"a scale of {float(scale.max()):.6g} is beyond float16's largest value (65504)")
+        raise UnrepresentableScale(f"its range [{float(lo.min()):.4g}, {float(hi.max()):.4g}] needs a scale of "
+                                   f"{float(scale.max()):.4g}, beyond float16's largest value (65504), which this "
+                                   "grid stores")
     d = torch.where(d < floor, torch.full_like(d, floor), d)
     if symmetric:
         pos, neg = n // 2, math.ceil(n / 2)

@@ -26,7 +26,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .affine import true_div
+from .affine import UnrepresentableScale, true_div
 
 __all__ = ["GgmlType", "GGML_TYPES", "KGrid", "IQ4_TABLE", "ggml_type", "snap", "grid_from_range", "search_range",
            "quantize_codes", "dequantize", "quantize_dequantize", "pack", "type_levels"]
@@ -152,12 +152,12 @@ def snap(step: torch.Tensor, low: Optional[torch.Tensor], t: GgmlType) -> KGrid:
     ``ValueError`` when a step is beyond float16's range (65504)."""
     step = step.to(torch.float32)
     if not bool(torch.isfinite(step).all()) or (low is not None and not bool(torch.isfinite(low).all())):
-        raise ValueError("a scale is not finite")
+        raise UnrepresentableScale("a scale is not finite")
     if t.scale_bits is None:  # legacy and IQ4_NL: one float16 scale (and minimum) per block
         d = _f16(step)
         m = None if low is None else _f16(-low.to(torch.float32))
         if bool(torch.isinf(d).any()) or (m is not None and bool(torch.isinf(m).any())):
-            raise ValueError("a scale is beyond float16's range (65504), which GGUF stores")
+            raise UnrepresentableScale("a scale is beyond float16's range (65504), which GGUF stores")
         return KGrid(t, d, m, None, None, d, torch.zeros_like(d) if m is None else -m)
     if t.signed_scales:
         levels = 1 << (t.scale_bits - 1)
@@ -174,7 +174,7 @@ def snap(step: torch.Tensor, low: Optional[torch.Tensor], t: GgmlType) -> KGrid:
         dmin, m = _quantize_scales(low.to(torch.float32).clamp_min(0), t, levels, negative=False)
         lowq = _per_sub(dmin, t) * m.to(torch.float32)
     if bool(torch.isinf(d).any()) or (dmin is not None and bool(torch.isinf(dmin).any())):
-        raise ValueError("a scale is beyond float16's range (65504), which GGUF stores")
+        raise UnrepresentableScale("a scale is beyond float16's range (65504), which GGUF stores")
     return KGrid(t, d, dmin, sc, m, eff, lowq)
 
 
