@@ -183,11 +183,11 @@ class EncodingEntry:
             floating = {"scale_dtype": plan.scale_dtype}
         shared = getattr(quantizer, "global_amax", None)
         if shared is not None:
-            floating["global_amax"] = float(shared)
+            floating["global_amax"] = float(shared) + 0.0  # (-0.0 -> 0.0: all-zero inputs have no sign)
             if not math.isfinite(floating["global_amax"]):
                 from .errors import CheckpointError, DataError
 
-                what = (CheckpointError, "the checkpoint's weight") if plan.tensor == "weight" else \
+                what = (CheckpointError, "the checkpoint's weight holds") if plan.tensor == "weight" else \
                     (DataError, "the calibration data drive this layer's input to")
                 raise what[0](f"{plan.name}: its largest absolute value {floating['global_amax']:.4g} is not a finite "
                               f"number a global scale can hold: {what[1]} NaN/Inf or values near float32's "
@@ -314,8 +314,8 @@ class EncodingEntry:
         if "global_amax" in obj:
             g = obj["global_amax"]
             if floating["scale_dtype"] != "fp8_e4m3" or isinstance(g, bool) or not isinstance(g, (int, float)) \
-                    or not math.isfinite(g) or g <= 0 or g > 3.4e38:
-                raise EncodingsError(f"{where}: global_amax must be a positive finite number, and only NVFP4 "
+                    or not math.isfinite(g) or g < 0 or g > 3.4e38:
+                raise EncodingsError(f"{where}: global_amax must be a finite number >= 0, and only NVFP4 "
                                      f"(scale_dtype fp8_e4m3) entries have one (got {str(g)[:40]!r})")
             floating["global_amax"] = float(g)
         try:

@@ -25,6 +25,7 @@ import torch
 from .encodings import CODES_FILE, EncodingEntry, EncodingsFile
 from .errors import CheckpointError, EncodingsError
 from .io.checkpoint import CheckpointTensors, ST_DTYPES
+from .io.finite import check_finite
 from .io.st_writer import StreamingSafetensorsWriter
 from .quant.affine import dequantize, quantize
 from .quant import ggml
@@ -64,8 +65,10 @@ def write_codes(path: Path, entries: List[EncodingEntry], codes: Mapping[str, to
         decl.append((CODES_PREFIX + name, _code_dtype(e), tuple(c.shape)))
     for key in sorted(floats):
         t = floats[key]
-        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
-            raise ValueError(f"replaced tensor {key!r} must hold finite floats")
+        if not t.is_floating_point():
+            raise ValueError(f"replaced tensor {key!r} must hold floats")
+        check_finite(key, t, "a rotation, fold or smoothing replaced it from a checkpoint weight that holds NaN/Inf "
+                     "or values near float32's limits")
         decl.append((FLOAT_PREFIX + key, t.dtype, tuple(t.shape)))
     with StreamingSafetensorsWriter(Path(path), decl, metadata={"format": "qtool.codes"}) as w:
         for key, dtype, _ in decl:

@@ -146,6 +146,13 @@ SETUPS_WITH_LLAMA = {  # (case directory, the tiny Llama world) -> the path {mad
     "llama_tied_nan_embedding": lambda d, ll: _llama_copy(
         d, ll, _set_value("model.embed_tokens.weight", float("nan")), lambda c: c.update(tie_word_embeddings=True),
         drop=("lm_head.weight",)),
+    "llama_nan_norm": lambda d, ll: _llama_copy(d, ll, _set_value("model.layers.0.input_layernorm.weight",
+                                                                  float("nan"))),
+    "llama_nan_embedding": lambda d, ll: _llama_copy(d, ll, _set_value("model.embed_tokens.weight", float("nan"),
+                                                                       whole_row=True)),
+    "llama_config_ties_distinct_tensors": lambda d, ll: _llama_copy(
+        d, ll, config=lambda c: c.update(tie_word_embeddings=True)),
+    "llama_config_no_layers": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(num_hidden_layers=0)),
     "llama_config_hidden_size": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(hidden_size=128)),
     "llama_config_head_dim": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(head_dim=32)),
     "llama_config_vocab_size": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(vocab_size=300)),

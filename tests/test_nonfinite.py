@@ -196,3 +196,17 @@ def test_a_float16_scale_grid_reports_an_unrepresentable_range_as_its_weights_fa
         snap_to_float16_scale(torch.tensor([float("nan")]), torch.tensor([1.0]), -8, 7, True)
     lo, hi = snap_to_float16_scale(torch.tensor([-1.0]), torch.tensor([1.0]), -128, 127, True)  # still snaps
     assert torch.isfinite(lo).all() and torch.isfinite(hi).all()
+
+
+def test_nvfp4_activations_that_are_all_zero_calibrate_and_read_back(tmp_path):
+    """A global amax of 0 (an input that is all zeros, or -0.0 from a subnormal weight) is a valid NVFP4 entry:
+    the file qtool writes is one its reader takes back (it was refused on the read-back of quantize)."""
+    from qtool.encodings import EncodingsFile
+
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    save_file({"x": torch.zeros(8, 64)}, tmp_path / "zeros.safetensors")
+    code, _, err = run_cli("quantize", tmp_path / "m.safetensors", "-c", "nvfp4", "--model-class", "tests.tinymodels:mlp",
+                           "--data", tmp_path / "zeros.safetensors", "-o", tmp_path / "q", "--quiet")
+    assert code == 0, err
+    amax = {e.name: e.global_amax for e in EncodingsFile.read(tmp_path / "q" / "calibration" / "encodings.json").entries}
+    assert amax["0.input"] == 0.0 and str(amax["0.input"]) == "0.0"

@@ -89,14 +89,57 @@ def check_weights_fit(path, model: nn.Module, files: List[Path]) -> None:
                                       "in the model it describes (a size such as hidden_size, head_dim or vocab_size)")
     model_kinds = {_INDEX.sub(".*", k) for k in model_shapes}
     ckpt_kinds = {_INDEX.sub(".*", k) for k in ckpt} | {_INDEX.sub(".*", in_model(k) or k) for k in ckpt}
+    lists = {name: len(m) for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))}
     for k in sorted(ckpt, key=_natural):
-        if in_model(k) is None and _INDEX.sub(".*", k) in model_kinds:
+        if in_model(k) is None and (_INDEX.sub(".*", k) in model_kinds or _beyond_a_list(k, lists, prefix)):
             raise CheckpointError(f"{where}: the checkpoint holds {k}, which the model it describes has no place for "
                                   "(a count such as num_hidden_layers is smaller than the weights')")
+    _check_ties(where, model, ckpt, in_model, files)
     for k in sorted(model_shapes, key=_natural):
         if k not in placed and _INDEX.sub(".*", k) != k and _INDEX.sub(".*", k) in ckpt_kinds:
             raise CheckpointError(f"{where}: the model it describes needs {k}, which the checkpoint does not hold "
                                   "(a count such as num_hidden_layers is larger than the weights')")
+
+
+def _check_ties(where: str, model: nn.Module, ckpt: Dict[str, Tuple[int, ...]], in_model, files: List[Path]) -> None:
+    """A config that ties parameters (``tie_word_embeddings``) over a checkpoint holding them as different tensors
+    would silently drop one of them. One row of each is read: tied weights saved twice hold equal values."""
+    from safetensors import safe_open
+
+    groups: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    held = {in_model(k): k for k in ckpt if in_model(k) is not None}
+    where_is = {}
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            where_is.update({k: f for k in fh.keys()})
+    for names in groups.values():
+        keys = [held[n] for n in names if n in held]
+        if len(keys) < 2:
+            continue
+        rows = []
+        for k in keys[:2]:
+            with safe_open(str(where_is[k]), "pt") as fh:
+                sl = fh.get_slice(k)
+                rows.append(sl[0:1] if len(sl.get_shape()) else fh.get_tensor(k))
+        if not torch.equal(rows[0], rows[1]):
+            raise CheckpointError(f"{where}: it ties {keys[1]} to {keys[0]} (tie_word_embeddings), but the checkpoint "
+                                  "holds them as different tensors: one would be dropped")
+
+
+def _beyond_a_list(key: str, lists: Dict[str, int], prefix: str) -> bool:
+    """Whether ``key`` sits at an index past the end of one of the model's module lists (``model.layers.3.*`` where
+    the model has 2 layers, or none)."""
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit() and i:
+            owner = ".".join(parts[:i])
+            for name in (owner, f"{prefix}.{owner}" if prefix else None,
+                         owner[len(prefix) + 1:] if prefix and owner.startswith(prefix + ".") else None):
+                if name in lists and int(part) >= lists[name]:
+                    return True
+    return False
 
 
 def _natural(name: str):
@@ -161,6 +204,7 @@ def load_hf(path: Path, trust_remote_code: bool):
         check_safetensors(f)
     if not tensor_files(path):
         raise CheckpointError(f"{path}: no *.safetensors weights in this directory")
+    meta_skeleton(path, trust_remote_code)  # config.json checked against the weights' headers before any is read
     config = _config(path, trust_remote_code)
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
@@ -172,9 +216,7 @@ def load_hf(path: Path, trust_remote_code: bool):
             low_cpu_mem_usage=True,
         )
     except Exception as e:  # transformers raises many types for bad weights
-        meta_skeleton(path, trust_remote_code)  # a config that disagrees with the weights: the one line saying how
         raise CheckpointError(f"{path}: transformers could not load the model: {str(e).splitlines()[0]}") from None
-    check_weights_fit(path, model, tensor_files(path))
     tokenizer = None
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))

@@ -209,7 +209,12 @@ def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics], weight_shape
     if s is None:
         raise DataError(f"{q.module} never ran on the calibration data: no input statistics to weight "
                          f"{q.name}'s search")
-    return s.importance(weight_shape)
+    imp = s.importance(weight_shape)
+    if not bool(torch.isfinite(imp).all()):  # (an imported matrix is checked by its reader)
+        raise DataError(f"{q.name}: its layer's inputs hold NaN/Inf or values past float32's range on the "
+                        "calibration data (an earlier weight of the checkpoint, or the data, holds NaN/Inf or values "
+                        "near float32's limits); nothing was written")
+    return imp
 
 
 def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quantizers: Dict[str, QuantizerBase],
