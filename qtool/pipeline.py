@@ -376,7 +376,8 @@ def _example_batch(eopts: ExportOptions):
                              seq_len=eopts.seq_len, tokenizer=loaded.tokenizer)
             return data.batches[0]
         if loaded.tokenizer is not None:
-            enc = loaded.tokenizer(["qtool exports this model to ONNX."] * eopts.batch_size, padding="max_length",
+            pad = "max_length" if loaded.tokenizer.pad_token is not None else False  # (equal sentences: equal lengths)
+            enc = loaded.tokenizer(["qtool exports this model to ONNX."] * eopts.batch_size, padding=pad,
                                    truncation=True, max_length=eopts.seq_len, return_tensors="pt")
             return Batch(kwargs={k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc})
         raise UsageError("ONNX export traces the model: pass --data with a few example inputs")

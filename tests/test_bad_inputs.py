@@ -152,6 +152,12 @@ SETUPS_WITH_LLAMA = {  # (case directory, the tiny Llama world) -> the path {mad
                                                                        whole_row=True)),
     "llama_config_ties_distinct_tensors": lambda d, ll: _llama_copy(
         d, ll, config=lambda c: c.update(tie_word_embeddings=True)),
+    "llama_config_a_billion_layers": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(
+        num_hidden_layers=10**9)),
+    "llama_without_its_final_norm": lambda d, ll: _llama_copy(d, ll, drop=("model.norm.weight",)),
+    "llama_config_infinite_eps": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(rms_norm_eps=float("inf"))),
+    "llama_config_nan_rope": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(
+        rope_parameters={**(c.get("rope_parameters") or {"rope_type": "default"}), "rope_theta": float("nan")})),
     "llama_config_no_layers": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(num_hidden_layers=0)),
     "llama_config_hidden_size": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(hidden_size=128)),
     "llama_config_head_dim": lambda d, ll: _llama_copy(d, ll, config=lambda c: c.update(head_dim=32)),

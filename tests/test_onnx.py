@@ -147,3 +147,15 @@ def test_minilm_onnx_runs_in_onnxruntime(tmp_path):
     # and the ONNX model is as faithful to the float model as qtool's fake-quant model is
     assert abs(cos(y, flt).mean() - cos(ref, flt).mean()) < 0.002
     assert cos(y, flt).mean() > 0.99
+
+
+def test_a_causal_lm_whose_tokenizer_has_no_pad_token_exports_without_data(tmp_path):
+    """Without --data the example batch is a sentence through the tokenizer; padding it needs a pad token that
+    byte-level BPE tokenizers often lack (it was an internal error): equal sentences need no padding."""
+    pytest.importorskip("transformers")
+    from tests.test_gguf import _tiny_llama
+
+    model = _tiny_llama(tmp_path / "m", False)
+    code, _, err = run_cli("quantize", model, "-c", "w8a16", "--format", "onnx", "-o", tmp_path / "out", "--quiet")
+    assert code == 0, err
+    assert (tmp_path / "out" / "model.onnx").stat().st_size > 0

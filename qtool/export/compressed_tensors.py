@@ -571,7 +571,8 @@ def export_compressed_tensors(
                 w.write(name, t["matrix"].to(dtype))
 
     config["quantization_config"] = qconfig
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n",
+                                         encoding="utf-8")
     copied = []
     for f in sorted(checkpoint.iterdir()):
         if not f.is_file() or f.name in _SKIP_NAMES or f.name.lower().endswith(_WEIGHT_SUFFIXES):

@@ -7,6 +7,7 @@ transformers is an optional extra (``qtool[hf]``); every entry point here turns 
 from __future__ import annotations
 
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -37,7 +38,9 @@ def _config(path, trust_remote_code: bool):
     if not cfg_file.exists():
         raise CheckpointError(f"{path}: no config.json in this directory")
     # read it ourselves first: transformers turns some malformed files into tracebacks
-    read_json_object(cfg_file, CheckpointError, "Hugging Face config")
+    raw = read_json_object(cfg_file, CheckpointError, "Hugging Face config")
+    _refuse_non_finite(cfg_file, raw)
+    _check_layer_count(path, raw)
     try:
         return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except ValueError as e:
@@ -53,7 +56,52 @@ def _config(path, trust_remote_code: bool):
                               f"{first})") from None
 
 
+def _refuse_non_finite(cfg_file: Path, obj: Any, where: str = "") -> None:
+    """NaN or an infinity anywhere in config.json (Hugging Face's reader takes them): no model has a use for one,
+    and exporters copy the config into their output."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        at = f"{where}.{key}" if where else str(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise CheckpointError(f"{cfg_file}: {at} is {value}; config values must be finite numbers")
+        _refuse_non_finite(cfg_file, value, at)
+
+
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
+
+
+def _headers(files: List[Path]) -> Dict[str, Tuple[Tuple[int, ...], Path]]:
+    """Each tensor's shape and file, from the safetensors headers (checked first: a damaged header is one line)."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in files:
+        check_safetensors(f)
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                out[k] = (tuple(fh.get_slice(k).get_shape()), f)
+    return out
+
+
+def _check_layer_count(path, raw: Dict[str, Any]) -> None:
+    """A ``num_hidden_layers`` beyond the layers the weights hold is refused before a model is built: a count of
+    a billion would otherwise build a billion modules (memory runs out long before any check of the weights)."""
+    counts = [raw.get("num_hidden_layers")]
+    if isinstance(raw.get("text_config"), dict):
+        counts.append(raw["text_config"].get("num_hidden_layers"))
+    counts = [c for c in counts if isinstance(c, int) and not isinstance(c, bool)]
+    files = tensor_files(Path(path))
+    if not counts or not files or not all(f.exists() for f in files):
+        return  # nothing to compare (a missing shard is reported where the weights are read)
+    held = -1
+    for k in _headers(files):
+        m = _LAYER_INDEX.search(k)
+        if m:
+            held = max(held, int(m.group(1)))
+    if held >= 0 and max(counts) > held + 1:
+        raise CheckpointError(f"{Path(path) / 'config.json'} disagrees with the weights: num_hidden_layers "
+                              f"{max(counts)}, but the checkpoint holds {held + 1} layers")
 
 
 def check_weights_fit(path, model: nn.Module, files: List[Path]) -> None:
@@ -61,13 +109,7 @@ def check_weights_fit(path, model: nn.Module, files: List[Path]) -> None:
     (one line) where the model the config describes gives a checkpoint tensor another shape, has no place for
     one (a layer or expert beyond its counts), or needs one of a repeated kind the checkpoint lacks. Headers only:
     no weight is read. Names the model's loader renames (fused experts, legacy names) are left to it."""
-    from safetensors import safe_open
-
-    ckpt: Dict[str, Tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():
-                ckpt[k] = tuple(fh.get_slice(k).get_shape())
+    ckpt = {k: shape for k, (shape, _) in _headers(files).items()}
     model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     prefix = getattr(model, "base_model_prefix", "") or ""
 
@@ -99,6 +141,34 @@ def check_weights_fit(path, model: nn.Module, files: List[Path]) -> None:
         if k not in placed and _INDEX.sub(".*", k) != k and _INDEX.sub(".*", k) in ckpt_kinds:
             raise CheckpointError(f"{where}: the model it describes needs {k}, which the checkpoint does not hold "
                                   "(a count such as num_hidden_layers is larger than the weights')")
+    if _renames_weights(model):
+        return  # fused experts and the like: the loader builds some parameters from differently named tensors
+    tied = {n for names in _tie_groups(model).values() if any(m in placed for m in names) for n in names}
+    ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_missing", None) or [])]
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        if name not in placed and name not in tied and not any(p.search(name) for p in ignored):
+            raise CheckpointError(f"{where}: the model it describes has a parameter {name} that the checkpoint does "
+                                  "not hold (it would start from random values; a bias or norm the config adds, or "
+                                  "another architecture)")
+
+
+def _tie_groups(model: nn.Module) -> Dict[int, List[str]]:
+    """Parameter names by the parameter object they name (tied parameters share one)."""
+    groups: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return groups
+
+
+def _renames_weights(model: nn.Module) -> bool:
+    """Whether transformers builds some of this model's parameters from tensors of other names (beyond its legacy
+    renames): then a parameter with no tensor of its own name is not missing."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        return bool(get_model_conversion_mapping(model, add_legacy=False))
+    except Exception:  # noqa: BLE001 - an older or newer transformers without it: assume renames
+        return True
 
 
 def _check_ties(where: str, model: nn.Module, ckpt: Dict[str, Tuple[int, ...]], in_model, files: List[Path]) -> None:
@@ -106,14 +176,9 @@ def _check_ties(where: str, model: nn.Module, ckpt: Dict[str, Tuple[int, ...]], 
     would silently drop one of them. One row of each is read: tied weights saved twice hold equal values."""
     from safetensors import safe_open
 
-    groups: Dict[int, List[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
+    groups = _tie_groups(model)
     held = {in_model(k): k for k in ckpt if in_model(k) is not None}
-    where_is = {}
-    for f in files:
-        with safe_open(str(f), "pt") as fh:
-            where_is.update({k: f for k in fh.keys()})
+    where_is = {k: f for k, (_, f) in _headers(files).items()}
     for names in groups.values():
         keys = [held[n] for n in names if n in held]
         if len(keys) < 2:
