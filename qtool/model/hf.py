@@ -107,9 +107,11 @@ def _check_layer_count(path, raw: Dict[str, Any]) -> None:
 def check_weights_fit(path, model: nn.Module, files: List[Path]) -> None:
     """The checkpoint's own tensors are the truth ``config.json`` is checked against: raise ``CheckpointError``
     (one line) where the model the config describes gives a checkpoint tensor another shape, has no place for
-    one (a layer or expert beyond its counts), or needs one of a repeated kind the checkpoint lacks. Headers only:
-    no weight is read. Names the model's loader renames (fused experts, legacy names) are left to it."""
-    ckpt = {k: shape for k, (shape, _) in _headers(files).items()}
+    one (a layer or expert beyond its counts), needs one the checkpoint lacks (transformers would start it from
+    random values), or ties two tensors the checkpoint holds as different ones. Headers, and one row of each tied
+    tensor, are read. Names the model's loader renames (fused experts, legacy names) are left to it."""
+    headers = _headers(files)
+    ckpt = {k: shape for k, (shape, _) in headers.items()}
     model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     prefix = getattr(model, "base_model_prefix", "") or ""
 
@@ -136,7 +138,7 @@ def check_weights_fit(path, model: nn.Module, files: List[Path]) -> None:
         if in_model(k) is None and (_INDEX.sub(".*", k) in model_kinds or _beyond_a_list(k, lists, prefix)):
             raise CheckpointError(f"{where}: the checkpoint holds {k}, which the model it describes has no place for "
                                   "(a count such as num_hidden_layers is smaller than the weights')")
-    _check_ties(where, model, ckpt, in_model, files)
+    _check_ties(where, model, headers, in_model)
     for k in sorted(model_shapes, key=_natural):
         if k not in placed and _INDEX.sub(".*", k) != k and _INDEX.sub(".*", k) in ckpt_kinds:
             raise CheckpointError(f"{where}: the model it describes needs {k}, which the checkpoint does not hold "
@@ -171,21 +173,20 @@ def _renames_weights(model: nn.Module) -> bool:
         return True
 
 
-def _check_ties(where: str, model: nn.Module, ckpt: Dict[str, Tuple[int, ...]], in_model, files: List[Path]) -> None:
+def _check_ties(where: str, model: nn.Module, headers: Dict[str, Tuple[Tuple[int, ...], Path]], in_model) -> None:
     """A config that ties parameters (``tie_word_embeddings``) over a checkpoint holding them as different tensors
     would silently drop one of them. One row of each is read: tied weights saved twice hold equal values."""
     from safetensors import safe_open
 
     groups = _tie_groups(model)
-    held = {in_model(k): k for k in ckpt if in_model(k) is not None}
-    where_is = {k: f for k, (_, f) in _headers(files).items()}
+    held = {in_model(k): k for k in headers if in_model(k) is not None}
     for names in groups.values():
         keys = [held[n] for n in names if n in held]
         if len(keys) < 2:
             continue
         rows = []
         for k in keys[:2]:
-            with safe_open(str(where_is[k]), "pt") as fh:
+            with safe_open(str(headers[k][1]), "pt") as fh:
                 sl = fh.get_slice(k)
                 rows.append(sl[0:1] if len(sl.get_shape()) else fh.get_tensor(k))
         if not torch.equal(rows[0], rows[1]):
