@@ -47,8 +47,8 @@ from .quant.floatgrid import element_of, encoding_scales
 from .quant.ggml import grid_from_range
 from .quant.spec import Granularity, QuantSpec
 
-__all__ = ["EncodingEntry", "EncodingsFile", "SidecarStream", "SCHEMA", "SCHEMA_VERSION", "INLINE_LIMIT",
-           "BLOCK_INLINE_LIMIT", "SIDECAR"]
+__all__ = ["EncodingEntry", "EncodingsFile", "SidecarStream", "range_fault", "SCHEMA", "SCHEMA_VERSION",
+           "INLINE_LIMIT", "BLOCK_INLINE_LIMIT", "SIDECAR"]
 
 SCHEMA = "qtool.encodings"
 SCHEMA_VERSION = 4  # the newest version this qtool writes and reads
@@ -65,6 +65,18 @@ def _inline(numel: int, granularity: Granularity, inline_limit: Optional[int]) -
         return True
     limit = min(inline_limit, BLOCK_INLINE_LIMIT) if granularity == Granularity.PER_BLOCK else inline_limit
     return numel <= limit
+
+
+def range_fault(name: str, tensor: str, why: str, limits: str = "near float32's limits") -> Exception:
+    """The one-line error for a quantizer whose range cannot be written (``why``): the checkpoint's fault for a
+    weight, the calibration data's for an activation (``CheckpointError`` / ``DataError``)."""
+    from .errors import CheckpointError, DataError
+
+    if tensor == "weight":
+        return CheckpointError(f"{name}: {why}: the checkpoint's weight holds NaN/Inf or values {limits}; nothing "
+                               "was written")
+    return DataError(f"{name}: {why}: the model produced NaN/Inf or values {limits} on the calibration data; "
+                     "nothing was written")
 
 
 @dataclass
@@ -185,13 +197,8 @@ class EncodingEntry:
         if shared is not None:
             floating["global_amax"] = float(shared) + 0.0  # (-0.0 -> 0.0: all-zero inputs have no sign)
             if not math.isfinite(floating["global_amax"]):
-                from .errors import CheckpointError, DataError
-
-                what = (CheckpointError, "the checkpoint's weight holds") if plan.tensor == "weight" else \
-                    (DataError, "the calibration data drive this layer's input to")
-                raise what[0](f"{plan.name}: its largest absolute value {floating['global_amax']:.4g} is not a finite "
-                              f"number a global scale can hold: {what[1]} NaN/Inf or values near float32's "
-                              "limits; nothing was written")
+                raise range_fault(plan.name, plan.tensor, f"its largest absolute value {floating['global_amax']:.4g} "
+                                  "is not a finite number a global scale can hold")
         if plan.dynamic:
             if plan.spec.calibrates and "global_amax" not in floating:
                 from .errors import DataError
@@ -226,18 +233,14 @@ class EncodingEntry:
     def check_finite(self) -> None:
         """Raise ``CheckpointError`` (a weight) or ``DataError`` (an activation) unless min, max and the derived
         scale are finite."""
-        from .errors import CheckpointError, DataError
+        from .errors import CheckpointError
 
         bad = self.finite_problem()
         if bad is None:
             return
         if self.tensor == "weight" and self._spec.ggml is not None and "float16" in bad:
             raise CheckpointError(f"{self.name}: {bad}; nothing was written")
-        if self.tensor == "weight":
-            raise CheckpointError(f"{self.name}: {bad}: the checkpoint's weight holds NaN/Inf or values near "
-                                  "float32's limits; nothing was written")
-        raise DataError(f"{self.name}: {bad}: the model produced NaN/Inf or values near float32's limits on the "
-                        "calibration data; nothing was written")
+        raise range_fault(self.name, self.tensor, bad)
 
     def check_fits(self, key: str, shape) -> None:
         """Raise ``EncodingsError`` unless this encoding's shape/block_size applies to tensor ``key`` of ``shape``."""

@@ -13,7 +13,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 
 from ..config import QuantizerPlan
-from ..errors import CheckpointError, DataError
+from ..encodings import range_fault
 from ..quant import QuantizerBase
 from ..quant.affine import UnrepresentableScale
 
@@ -28,11 +28,7 @@ def encodings_of(q: QuantizerPlan, quantizer: QuantizerBase):
         with quantizer.compute_encodings():
             yield quantizer
     except UnrepresentableScale as e:
-        if q.tensor == "weight":
-            raise CheckpointError(f"{q.name}: {e}: the checkpoint's weight holds NaN/Inf or values too large for "
-                                  "this grid; nothing was written") from None
-        raise DataError(f"{q.name}: {e}: the calibration data drive this layer's input beyond what the grid can "
-                        "store; nothing was written") from None
+        raise range_fault(q.name, q.tensor, str(e), "too large for this grid") from None
 
 
 def calibrate_weights(rows: Iterable[QuantizerPlan], quantizer_for: Callable[[QuantizerPlan], QuantizerBase],
