@@ -10,6 +10,7 @@ with the ``gguf`` package's own readers (``gguf.vocab``), as llama.cpp's convert
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,16 @@ def permute_rows(t, n_head: int):
     return t.reshape(n_head, 2, rows // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
 
+@functools.lru_cache(maxsize=8)
+def _name_map(arch_name: str, n_layers: int):
+    """gguf-py's checkpoint-name → GGUF-name table for one architecture (building it takes ~25 ms: once per model,
+    not once per tensor)."""
+    import gguf
+
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    return gguf.get_tensor_name_map(arch, n_layers)
+
+
 @dataclass
 class GgufModel:
     """One Hugging Face directory's GGUF description."""
@@ -62,12 +73,9 @@ class GgufModel:
     def tensor_name(self, key: str) -> Optional[str]:
         """The GGUF name of checkpoint tensor ``key`` (None for buffers llama.cpp recomputes, e.g. rotary
         frequencies); raises ``CheckpointError`` for a tensor llama.cpp has no place for."""
-        import gguf
-
         if key.endswith("rotary_emb.inv_freq"):
             return None
-        arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.arch)
-        name = gguf.get_tensor_name_map(arch, self.n_layers).get_name(key, try_suffixes=(".weight", ".bias"))
+        name = _name_map(self.arch, self.n_layers).get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise CheckpointError(f"{self.directory}: tensor {key!r} has no place in a GGUF {self.arch} model")
         return name

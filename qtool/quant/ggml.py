@@ -216,45 +216,68 @@ def search_range(rows: torch.Tensor, t: GgmlType, weights: Optional[torch.Tensor
     clipped by each of ``clip_ratios`` (e.g. :data:`CLIP_RATIOS`) are candidates too, refitted the same way. That
     is for codes GPTQ chooses afterwards, which make up for a clipped extreme: measured on SmolLM2, Q4_K_M with
     GPTQ +0.70 % against +0.88 % without them, while round-to-nearest got worse with them (Q3_K_M +7.10 % against
-    +6.57 %), since a clipped extreme weight then stays clipped."""
+    +6.57 %), since a clipped extreme weight then stays clipped.
+
+    Every candidate of a slice of sub-blocks is evaluated at once, slice by slice, so the temporaries stay
+    cache-sized; each candidate's error is its grid's exact error (codes rounded again on the refitted grid), and
+    the first candidate of least error wins, as if they were tried one after another."""
     x = rows.to(torch.float32)
-    w = torch.ones_like(x) if weights is None else weights.to(torch.float32)
-    qmin, qmax = t.qmin_qmax
-    mn, mx = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
-    # the min-max candidate first, as it is (ties keep it); then steps around it, each refitted
+    w = None if weights is None else weights.to(torch.float32)
     deltas = [0.0] + [d for d in (-1.0 + 2.0 * k / steps for k in range(steps + 1)) if d != 0.0]
-    # clipped spans: the range shrunk toward zero by each ratio, then refitted like the others
     candidates = [(d, 1.0) for d in deltas] + [(0.0, float(r)) for r in clip_ratios]
-    best_err = best_step = best_low = None
-    sign = torch.where(mx > -mn, -1.0, 1.0)  # a symmetric grid's larger end takes its most negative code
-    full_mn, full_mx = mn, mx
-    for i, (delta, ratio) in enumerate(candidates):
-        mn, mx = full_mn * ratio, full_mx * ratio
-        amax = torch.maximum(-mn, mx)
-        if t.table:
-            step = true_div(sign * amax, -IQ4_TABLE[0] + 8 * delta)
-            safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
-            v = _nearest_table(x / safe)
-            low = torch.zeros_like(step)
-        elif t.symmetric:
-            step = true_div(sign * amax, -qmin + delta)
-            safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
-            v = torch.round(x / safe).clamp(qmin, qmax)
-            low = torch.zeros_like(step)
-        else:
-            step = true_div(mx - mn, qmax + delta)
-            safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
-            v = torch.round((x - mn[:, None]) / safe).clamp(0, qmax)
-            low = -mn
-        if i:  # refit the step (and minimum) to these codes
-            step, low = _least_squares(x, w, v, t.symmetric or t.table, step, low)
-        err = _grid_error(x, w, step, low, t)
-        if best_err is None:
-            best_err, best_step, best_low = err, step, low
-            continue
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_step, best_low = torch.where(better, step, best_step), torch.where(better, low, best_low)
+    qmin, qmax = t.qmin_qmax
+    if t.table:
+        base = -IQ4_TABLE[0]
+        denominators = [base + 8 * d for d, _ in candidates]
+    elif t.symmetric:
+        denominators = [-qmin + d for d, _ in candidates]
+    else:
+        denominators = [qmax + d for d, _ in candidates]
+    denom = torch.tensor(denominators, dtype=torch.float32, device=x.device)[:, None]
+    ratio = torch.tensor([r for _, r in candidates], dtype=torch.float32, device=x.device)[:, None]
+    n, width = x.shape
+    mn_out, mx_out = torch.empty(n, device=x.device), torch.empty(n, device=x.device)
+    per = max(1, _SEARCH_ELEMENTS // (len(candidates) * max(width, 1)))
+    # two work buffers for every slice (fresh temporaries per operation cost more in page faults than in maths)
+    bufs = [torch.empty(len(candidates) * min(n, per) * width, device=x.device) for _ in range(2)]
+    for a in range(0, n, per):
+        b = min(n, a + per)
+        work = tuple(buf[:len(candidates) * (b - a) * width].view(len(candidates), b - a, width) for buf in bufs)
+        mn_out[a:b], mx_out[a:b] = _search_slice(x[a:b], None if w is None else w[a:b], t, denom, ratio, work)
+    return mn_out, mx_out
+
+
+_SEARCH_ELEMENTS = 1 << 19  # candidates x values evaluated at once by search_range (cache-sized temporaries)
+
+
+def _search_slice(x, w, t: GgmlType, denom, ratio, work):
+    """:func:`search_range` on the sub-blocks ``x`` ``(e, sub)`` with candidates ``denom``/``ratio`` ``(C, 1)``;
+    ``work``: two ``(C, e, sub)`` buffers it may overwrite."""
+    qmin, qmax = t.qmin_qmax
+    full_mn, full_mx = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
+    mn, mx = full_mn * ratio, full_mx * ratio  # (C, e)
+    sign = torch.where(full_mx > -full_mn, -1.0, 1.0)  # a symmetric grid's larger end takes its most negative code
+    if t.table or t.symmetric:
+        step = sign * torch.maximum(-mn, mx) / denom
+        low = torch.zeros_like(step)
+    else:
+        step = (mx - mn) / denom
+        low = -mn
+    safe = torch.where(step == 0, torch.ones_like(step), step)[..., None]
+    v, tmp = work
+    if t.table:
+        v.copy_(_nearest_table(x / safe))
+    elif t.symmetric:
+        torch.div(x, safe, out=v).round_().clamp_(qmin, qmax)
+    else:
+        torch.sub(x, mn[..., None], out=v).div_(safe).round_().clamp_(0, qmax)
+    # refit the step (and minimum) to these codes; the min-max candidate (the first) stays as it is
+    fit_step, fit_low = _least_squares(x, w, v, t, step, low, tmp)
+    fit_step[0], fit_low[0] = step[0], low[0]
+    err = _grid_error(x, w, fit_step, fit_low, t, work)
+    # the first candidate of least error (torch.min's index is the first; it is several times argmin's speed here)
+    best = torch.min(torch.where(torch.isnan(err), torch.inf, err), dim=0, keepdim=True).indices
+    best_step, best_low = fit_step.gather(0, best)[0], fit_low.gather(0, best)[0]
     if t.table:
         a = best_step.abs()
         return torch.where(best_step < 0, IQ4_TABLE[-1] * -a, IQ4_TABLE[0] * a), torch.where(
@@ -265,16 +288,28 @@ def search_range(rows: torch.Tensor, t: GgmlType, weights: Optional[torch.Tensor
     return -best_low, qmax * best_step - best_low
 
 
-def _least_squares(x, w, v, symmetric: bool, step, low):
-    """The weighted least-squares step (and minimum ≥ 0, value = step·v − low) for codes ``v``; rows where it is
-    degenerate keep ``step``/``low``."""
-    sw, sv, sx = w.sum(1), (w * v).sum(1), (w * x).sum(1)
-    svv, sxv = (w * v * v).sum(1), (w * x * v).sum(1)
+def _least_squares(x, w, v, t: GgmlType, step, low, tmp):
+    """The weighted least-squares step (and minimum ≥ 0, value = step·v − low) for codes ``v`` (``(C, e, sub)``;
+    ``x`` and ``w`` ``(e, sub)``), ``tmp`` a buffer like ``v``; rows where it is degenerate keep ``step``/``low``.
+    (Weighted products are formed in one order, ``(w·v)·v`` and ``(w·x)·v``: their float32 rounding is part of
+    the result.)"""
+    symmetric = t.symmetric or t.table
+    if w is None:
+        svv, sxv = torch.mul(v, v, out=tmp).sum(-1), torch.mul(x, v, out=tmp).sum(-1)
+    else:
+        wv = torch.mul(w, v, out=tmp)
+        sv = None if symmetric else wv.sum(-1)
+        svv = wv.mul_(v).sum(-1)
+        sxv = torch.mul(w * x, v, out=tmp).sum(-1)
     if symmetric:  # the step keeps its sign (codes were rounded with it)
         ok = svv > 0
         new_step = sxv / torch.where(ok, svv, torch.ones_like(svv))
         ok = ok & (new_step * step > 0)
         return torch.where(ok, new_step, step), low
+    if w is None:
+        sw, sv, sx = torch.full_like(x[..., 0], x.shape[-1]), v.sum(-1), x.sum(-1)
+    else:
+        sw, sx = w.sum(-1), (w * x).sum(-1)
     det = sw * svv - sv * sv
     ok = det > 0
     safe = torch.where(ok, det, torch.ones_like(det))
@@ -289,17 +324,22 @@ def _least_squares(x, w, v, symmetric: bool, step, low):
     return torch.where(ok, new_step, step), torch.where(ok, new_low, low)
 
 
-def _grid_error(x, w, step, low, t: GgmlType):
-    """Weighted squared error of rounding ``x`` to the nearest value of the (unquantized) grid ``step``/``low``."""
+def _grid_error(x, w, step, low, t: GgmlType, work):
+    """Weighted squared error of rounding ``x`` (``(e, sub)``) to the nearest value of each (unquantized) grid
+    ``step``/``low`` (``(C, e)``): ``(C, e)``. ``work``: two ``(C, e, sub)`` buffers it may overwrite. A zero
+    step leaves every value at ``-low`` (its codes are multiplied by zero), as the grid holds it."""
     qmin, qmax = t.qmin_qmax
-    safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
+    step, low = step[..., None], low[..., None]
+    safe = torch.where(step == 0, torch.ones_like(step), step)
+    d, tmp = work
     if t.table:
-        values = _nearest_table(x / safe) * step[:, None]
+        d.copy_(_nearest_table(x / safe)).mul_(step)
+    elif t.symmetric:  # (no minimum: a zero's sign changes no squared error)
+        torch.div(x, safe, out=d).round_().clamp_(qmin, qmax).mul_(step)
     else:
-        values = torch.round((x + low[:, None]) / safe).clamp(qmin, qmax) * step[:, None] - low[:, None]
-    values = torch.where(step[:, None] == 0, torch.zeros_like(values) - low[:, None], values)
-    d = values - x
-    return (w * d * d).sum(1)
+        torch.add(x, low, out=d).div_(safe).round_().clamp_(qmin, qmax).mul_(step).sub_(low)
+    d.sub_(x)
+    return (torch.mul(d, d, out=tmp) if w is None else torch.mul(w, d, out=tmp).mul_(d)).sum(-1)
 
 
 def quantize_dequantize(w: torch.Tensor, grid: KGrid) -> torch.Tensor:
