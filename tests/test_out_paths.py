@@ -112,3 +112,32 @@ def test_overwriting_an_out_that_is_a_symlink_replaces_the_link_and_leaves_no_li
     assert link.is_dir() and not link.is_symlink() and (link / "encodings.json").is_file()
     assert sorted(p.name for p in target.iterdir()) == ["keep.txt"] and (target / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "m.safetensors", "out"]
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077, 0o002])
+def test_outputs_carry_the_umasks_permissions(tmp_path, mask):
+    """Output directories and files are made as mkdir and open() would make them under the umask (they used to be
+    private, 0700 / 0600, whatever the umask: a serving container under another uid could not read them)."""
+    import os
+
+    from tests.test_gguf import _tiny_llama
+
+    llama = _tiny_llama(tmp_path / "m", False)
+    ids = tmp_path / "ids.safetensors"
+    save_file({"input_ids": torch.randint(1, 300, (4, 16), generator=torch.Generator().manual_seed(0))}, ids)
+    old = os.umask(mask)
+    try:
+        code, _, err = run_cli("quantize", llama, "-c", "gguf-q8_0", "--format", "gguf", "-o", tmp_path / "out")
+        assert code == 0, err
+        code, _, err = run_cli("imatrix", llama, "--data", ids, "-o", tmp_path / "imatrix.gguf")
+        assert code == 0, err
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    dirs = [out] + [p for p in out.rglob("*") if p.is_dir()]
+    files = [p for p in out.rglob("*") if p.is_file()] + [tmp_path / "imatrix.gguf"]
+    assert len(dirs) >= 2 and len(files) >= 4
+    for d in dirs:
+        assert d.stat().st_mode & 0o777 == 0o777 & ~mask, d
+    for f in files:
+        assert f.stat().st_mode & 0o777 == 0o666 & ~mask, f

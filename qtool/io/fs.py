@@ -186,6 +186,17 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def current_umask() -> int:
+    """The process's file-mode creation mask, read without changing it (Linux's /proc), else set and restored."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``out``; on success it becomes ``out`` in one rename (or one atomic
@@ -201,6 +212,7 @@ def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
         parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(out)
         tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out.name), dir=parent))
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it private; the output is made as mkdir would
     except OSError as e:
         raise UsageError(f"{out}: cannot create output directory: {e.strerror or e}") from None
     try:
@@ -218,7 +230,10 @@ def atomic_file(path: Path) -> Iterator[Path]:
     path = Path(path)
     remove_stale_temporaries(path)
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), dir=str(path.parent.resolve()))
-    os.close(fd)
+    try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes it private; the file is made as open() would
+    finally:
+        os.close(fd)
     try:
         yield Path(tmp)
         os.replace(tmp, path)
