@@ -125,7 +125,9 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         return None
     entries, plan, data, device, files, kind, unused = (run.entries, run.plan, run.data, run.device, run.files,
                                                          run.kind, run.unused)
-    enc = EncodingsFile(entries, {"qtool_version": __version__, "recipe": Path(recipe_path).name},
+    meta = {"qtool_version": __version__, "recipe": Path(recipe_path).name,
+            **({"gguf_mix": recipe.gguf_mix} if recipe.gguf_mix is not None else {})}  # (the GGUF file's type)
+    enc = EncodingsFile(entries, meta,
                         online=_online_rotations(plan, entries))
     if run.codes or run.floats:  # chosen codes and transformed floats: every exporter writes these (qtool.weights)
         write_codes(run_dir / CODES_FILE, entries, run.codes, run.floats)

@@ -531,3 +531,22 @@ def test_large_tensors_are_packed_in_row_chunks_with_the_same_bytes(llamas, tmp_
         assert code == 0, err
         files.append(next(out.glob("*.gguf")).read_bytes())
     assert files[0] == files[1]
+
+
+def test_added_tokens_are_typed_as_llama_cpps_converter_types_them(tmp_path):
+    """Special added tokens are CONTROL even where the base vocabulary holds them too (SmolLM2's <|im_start|> ...:
+    gguf-py's reader left them NORMAL and llama.cpp warned 'control-looking token ... was not control-type');
+    an unmarked one that looks like a control token is CONTROL, any other added token USER_DEFINED."""
+    ckpt = _tiny_llama(tmp_path / "m", False)
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tok.add_tokens(["<|fake|>", "qtoolword"])
+    tok.save_pretrained(ckpt)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|fake|>", "qtoolword")}
+    code, out, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "-o", tmp_path / "q", "--format", "gguf")
+    assert code == 0, err
+    types = gguf.GGUFReader(tmp_path / "q/model.gguf").fields["tokenizer.ggml.token_type"].contents()
+    control, user = int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED)
+    assert [types[ids[t]] for t in ids] == [control, control, control, user]
+    others = [t for i, t in enumerate(types) if i not in ids.values()]
+    assert set(others) <= {int(gguf.TokenType.NORMAL), int(gguf.TokenType.UNUSED)}

@@ -161,3 +161,21 @@ def test_llama_cpp_loads_and_runs_every_shipped_mix(models, tmp_path, recipe):
     assert code == 0, err
     with LlamaCpp(str(tmp_path / "q/model.gguf")) as llama:
         assert 0 <= llama.greedy_next([5, 17, 42, 9]) < 320
+
+
+@pytest.mark.parametrize("mix,file_type", [("q4_k_m", 15), ("q2_k", 10), ("q3_k_m", 12)])
+def test_a_mixs_file_says_the_mix_as_llama_quantize_writes_it(tmp_path, mix, file_type):
+    """general.file_type is the mix's own (LLAMA_FTYPE_MOSTLY_Q4_K_M = 15, ...), not the type most tensors hold
+    (a 64-wide model's Q4_K_M falls back to Q5_0 everywhere, and the file used to say Q5_0)."""
+    import gguf
+
+    from tests.test_gguf import _tiny_llama
+
+    ckpt = _tiny_llama(tmp_path / "m", False)
+    code, out, err = run_cli("quantize", ckpt, "-c", f"gguf-{mix}", "-o", tmp_path / "q", "--format", "gguf",
+                             "--json")
+    assert code == 0, err
+    assert json.loads(out)["gguf"]["file_type"] == mix.upper()
+    reader = gguf.GGUFReader(tmp_path / "q/model.gguf")
+    assert reader.fields["general.file_type"].contents() == file_type
+    assert file_type == int(getattr(gguf.LlamaFileType, f"MOSTLY_{mix.upper()}"))

@@ -148,11 +148,10 @@ class GgufExporter(Exporter):
         if embed_rows is None:
             raise EncodingsError(f"{request.checkpoint}: no embedding table (model.embed_tokens.weight)")
 
-        counts = Counter(i.kind for i in items if i.entry is not None and gguf_type(i.entry) == i.kind)
-        main = counts.most_common(1)[0][0] if counts else ("F16" if options.gguf_float == "f16" else "F32")
+        main, file_type = _file_type(items, request.encodings.meta.get("gguf_mix"), options)
         path = Path(request.out_dir) / GGUF_NAME
         writer = gguf.GGUFWriter(path, model.arch)
-        warnings = model.add_metadata(writer, int(getattr(gguf.LlamaFileType, _FILE_TYPES[main])), int(embed_rows))
+        warnings = model.add_metadata(writer, file_type, int(embed_rows))
         for item in items:
             shape, _ = src.shape_dtype(item.key)
             writer.add_tensor_info(item.name, *_info(item.kind, tuple(shape)))
@@ -184,6 +183,18 @@ class GgufExporter(Exporter):
             "names": names,
             "warnings": warnings,
         }
+
+
+def _file_type(items: List[_Item], mix: Any, options) -> Tuple[str, int]:
+    """The file's type, as its name and ``general.file_type``: a llama-quantize mix's own (Q4_K_M: 15, whatever
+    types its fallbacks hold), else the type most weights have."""
+    import gguf
+
+    if isinstance(mix, str) and hasattr(gguf.LlamaFileType, f"MOSTLY_{mix.upper()}"):
+        return mix.upper(), int(getattr(gguf.LlamaFileType, f"MOSTLY_{mix.upper()}"))
+    counts = Counter(i.kind for i in items if i.entry is not None and gguf_type(i.entry) == i.kind)
+    main = counts.most_common(1)[0][0] if counts else ("F16" if options.gguf_float == "f16" else "F32")
+    return main, int(getattr(gguf.LlamaFileType, _FILE_TYPES[main]))
 
 
 def _plan(model: GgufModel, src, entries: List[EncodingEntry], options) -> Tuple[List[_Item], Dict[str, str]]:

@@ -267,6 +267,28 @@ def _add_tokenizer(writer, directory: Path, n_vocab: int) -> List[str]:
         raise CheckpointError(f"{path}: tokenizer not usable for GGUF ({type(e).__name__}: {why})") from None
 
 
+def _looks_special(text: str) -> bool:
+    """Added tokens llama.cpp's converter makes control tokens though tokenizer.json does not mark them special."""
+    return (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (text.startswith("<|") and text.endswith("|>"))
+            or (text.startswith("<\uff5c") and text.endswith("\uff5c>"))
+            or (text.startswith("<unused") and text.endswith(">")))
+
+
+def _type_added_tokens(types: List[int], tj: Dict[str, Any]) -> None:
+    """Each of tokenizer.json's added tokens typed as llama.cpp's converter types it: CONTROL when it is special
+    (or looks it), USER_DEFINED otherwise, including added tokens the base vocabulary also holds (gguf-py's reader
+    leaves those NORMAL, and llama.cpp then warns that a control-looking token is not control-type)."""
+    import gguf
+
+    for added in tj.get("added_tokens") or []:
+        if not isinstance(added, dict):
+            continue
+        i, text = added.get("id"), added.get("content")
+        if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(types) and isinstance(text, str):
+            special = added.get("special") is True or _looks_special(text)
+            types[i] = int(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
+
+
 def _write_tokenizer(writer, directory: Path, tj: Dict[str, Any], byte_fallback: bool, n_vocab: int) -> List[str]:
     import gguf
     from gguf.vocab import BpeVocab, LlamaHfVocab, SpecialVocab
@@ -286,6 +308,8 @@ def _write_tokenizer(writer, directory: Path, tj: Dict[str, Any], byte_fallback:
         tokens.append(text)
         scores.append(score)
         types.append(int(ttype))
+    if not byte_fallback:
+        _type_added_tokens(types, tj)
     if len(tokens) > n_vocab:
         raise CheckpointError(f"{path}: {len(tokens)} tokens, more than the model's {n_vocab} embedding rows")
     for i in range(len(tokens), n_vocab):  # rows the tokenizer does not use (vocab padded for speed)
