@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import typer
 
 from . import __version__
+from .choices import GGML_SCALE_DTYPES
 
 class _Group(typer.core.TyperGroup):
     """Click's own usage errors (an unknown option, a value out of range) follow the same contract as qtool's: one
@@ -195,16 +196,24 @@ def _plan_table(plan):
     for col in ("module", "tensor", "bits", "sym", "granularity", "analyzer"):
         t.add_column(col, overflow="fold")
     for q in plan.quantizers:
-        t.add_row(q.module, q.tensor, str(q.bitwidth), "yes" if q.symmetric else "no", q.describe_granularity(),
+        bits = str(q.bitwidth) + (f" ({q.scale_dtype.upper()})" if q.scale_dtype in GGML_SCALE_DTYPES else "")
+        t.add_row(q.module, q.tensor, bits, "yes" if q.symmetric else "no", q.describe_granularity(),
                   q.analyzer_label + ("" if q.rounding == "nearest" else f" + {q.rounding}"))
     return t
+
+
+def _grid_label(q) -> str:
+    """A plan row's grid in a word: int4, fp8_e4m3, or a GGUF type's name (Q4_K: not "int4", which it is not)."""
+    if q.scale_dtype in GGML_SCALE_DTYPES:
+        return f"GGUF {q.scale_dtype.upper()}"
+    return f"int{q.bitwidth}" if q.element == "int" else q.element
 
 
 def _plan_summary(plan) -> str:
     from collections import Counter
 
-    kinds = Counter((q.tensor, f"int{q.bitwidth}" if q.element == "int" else q.element,
-                     q.granularity + (" dynamic" if q.dynamic else "")) for q in plan.quantizers)
+    kinds = Counter((q.tensor, _grid_label(q), q.granularity + (" dynamic" if q.dynamic else ""))
+                    for q in plan.quantizers)
     parts = [f"{n} x {t} {e} {g}" for (t, e, g), n in sorted(kinds.items())]
     return f"plan: {len(plan.quantizers)} quantizers ({'; '.join(parts) or 'none'})"
 
@@ -560,8 +569,10 @@ _CT8 = typer.Option("int-quantized", "--ct-8bit-format", metavar="[int-quantized
 _GGUF_FLOAT = typer.Option("f32", "--gguf-float", help="gguf: dtype of the 2-D tensors the recipe leaves float: "
                            "f32 (exactly what qtool's model computes with) or f16.", metavar="[f32|f16]",
                            autocompletion=_complete(("f32", "f16")))
-_GGUF_FALLBACK = typer.Option("none", "--gguf-fallback", help="gguf: a quantized weight with no GGUF type "
-                              "(Q8_0/Q4_0/Q4_1) is refused (none) or written as its fake-quant values in f32/f16.",
+_GGUF_FALLBACK = typer.Option("none", "--gguf-fallback", help="gguf: a quantized weight whose grid no GGUF type "
+                              "holds (GGUF types: Q8_0, Q5_0/Q5_1, Q4_0/Q4_1 per_block 32, or a recipe's gguf_type "
+                              "or gguf_mix: Q2_K ... Q6_K, IQ4_NL, IQ4_XS) is refused (none) or written as its "
+                              "fake-quant values in f32/f16.",
                               metavar="[none|f32|f16]",
                               autocompletion=_complete(("none", "f32", "f16")))
 _SHARD = typer.Option("5GB", "--max-shard-size",
@@ -979,7 +990,7 @@ def inspect(
 @config_app.command("list", epilog="Examples:\n\n\b\n  qtool config list\n  qtool config list --json")
 def config_list(json_out: bool = _JSON) -> None:
     """List the recipes that ship with qtool (use one by name: -c w8a8)."""
-    from .config import load_recipe, recipe_description, recipe_needs_data, shipped_recipes, spec_label
+    from .config import load_recipe, recipe_description, recipe_needs_data, shipped_recipes, spec_label, weights_label
 
     rows = []
     with _errors(False, json_out):
@@ -987,20 +998,31 @@ def config_list(json_out: bool = _JSON) -> None:
             recipe = load_recipe(path)
             description = recipe_description(path.read_text(encoding="utf-8"))
             rows.append({"name": name, "title": description.split(": ", 1)[0].split(". ", 1)[0].rstrip("."),
-                         "weights": spec_label(recipe.defaults.weights),
+                         "weights": weights_label(recipe),
                          "activations": spec_label(recipe.defaults.activations)
                          + (" + smoothquant" if recipe.smoothquant else ""),
                          "needs_data": recipe_needs_data(recipe), "description": description, "path": str(path)})
     if json_out:
         _emit_json({"ok": True, "recipes": rows})
         return
-    t = Table(title="shipped recipes: qtool quantize MODEL -c NAME ...; qtool config show NAME",
-              title_justify="left")
-    for col in ("name", "weights", "activations", "--data", "what"):
-        t.add_column(col, overflow="fold", no_wrap=col == "name")
-    for r in rows:
-        t.add_row(r["name"], r["weights"], r["activations"], "yes" if r["needs_data"] else "no", _esc(r["title"]))
-    _console().print(t)
+    con = _console()
+    title = "shipped recipes: qtool quantize MODEL -c NAME ...; qtool config show NAME"
+    if con.width >= 120:  # one row per recipe
+        t = Table(title=title, title_justify="left")
+        for col in ("name", "weights", "activations", "--data", "what"):
+            t.add_column(col, no_wrap=col == "name")
+        for r in rows:
+            t.add_row(r["name"], r["weights"], r["activations"], "yes" if r["needs_data"] else "no", _esc(r["title"]))
+    else:  # narrow terminals: what it is beneath its grids, so no column is too narrow for its words
+        from rich import box
+
+        t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        t.add_column("name", no_wrap=True)
+        t.add_column("weights | activations | needs --data; what it is")
+        for r in rows:
+            t.add_row(r["name"], _esc(f"{r['weights']} | {r['activations']} | "
+                                      f"{'data' if r['needs_data'] else 'no data'}\n{r['title']}"))
+    con.print(t)
 
 
 def _rotation_json(rotation) -> dict:

@@ -737,8 +737,10 @@ def recipe_file(arg: Union[str, Path]) -> Path:
         raise ConfigError(f"{arg}: is a directory, not a recipe file")
     close = difflib.get_close_matches(name, list(shipped), n=3, cutoff=0.5)
     hint = f"; did you mean {' or '.join(close)}?" if close else ""
-    raise ConfigError(f"{str(arg)[:200]}: recipe file not found, and no shipped recipe has that name "
-                      f"(shipped: {', '.join(shipped)}; `qtool config list` describes them){hint}")
+    families = sorted({n.split("-")[0] for n in shipped})  # the names' stems: w4a16, gguf, fp8 ... (one short line)
+    raise ConfigError(f"{str(arg)[:200]}: recipe file not found, and none of the {len(shipped)} shipped recipes "
+                      f"({', '.join(f'{f}*' if sum(n.split('-')[0] == f for n in shipped) > 1 else f for f in families)}"
+                      f"; `qtool config list` shows them) has that name{hint}")
 
 
 def recipe_description(text: str) -> str:
@@ -787,6 +789,9 @@ def _spec_summary(spec: Optional[_Spec]) -> Optional[Dict[str, Any]]:
     return out
 
 
+_LEGACY_GGUF = {(8, True): "Q8_0", (5, True): "Q5_0", (5, False): "Q5_1", (4, True): "Q4_0", (4, False): "Q4_1"}
+
+
 def spec_label(spec: Optional[_Spec]) -> str:
     """One line for a spec: ``int4 sym per_block 32``, ``uint8 per_tensor``, ``int8 per_token dynamic``, ``float``."""
     if spec is None:
@@ -795,6 +800,10 @@ def spec_label(spec: Optional[_Spec]) -> str:
     if spec.scale_dtype in GGML_SCALE_DTYPES:  # a gguf_type sets its own scale_dtype
         kind = f"GGUF {spec.scale_dtype.upper()}"
     gran = spec.granularity + (f" {spec.block_size}" if spec.block_size else "")
+    legacy = _LEGACY_GGUF.get((spec.bitwidth, spec.symmetric))
+    if (spec.element == "int" and legacy and spec.granularity == "per_block" and spec.block_size in (32, [1, 32])
+            and spec.scale_dtype == "float16"):  # what llama.cpp calls this grid
+        gran += f" (GGUF {legacy})"
     extra = [" dynamic" if getattr(spec, "dynamic", False) else "",
              f" {spec.scale_dtype} scales" if spec.element != "int" and spec.scale_dtype != "float32" else ""]
     rounding = getattr(spec, "rounding", None)
@@ -803,12 +812,39 @@ def spec_label(spec: Optional[_Spec]) -> str:
     return f"{kind} {gran}" + "".join(extra)
 
 
+_GRID_KEYS = ("bitwidth", "symmetric", "granularity", "block_size", "scale_dtype", "element", "gguf_type")
+
+
+def _mix_types(recipe: Recipe) -> List[str]:
+    """The GGUF types a recipe's ``gguf_mix`` gives (upper case; with data-chosen codes, llama-quantize's
+    ``--imatrix`` rules)."""
+    from .gguf_mixes import mix_types
+
+    return [t.upper() for t in mix_types(recipe.gguf_mix, recipe_needs_data(recipe))]
+
+
+def weights_label(recipe: Recipe) -> str:
+    """:func:`spec_label` of the recipe's default weights, or for a ``gguf_mix`` the types the mix writes
+    (``GGUF Q4_K_M: Q4_K, Q6_K``): the defaults' grid keys do not apply to it."""
+    if recipe.gguf_mix is None:
+        return spec_label(recipe.defaults.weights)
+    rounding = recipe.defaults.weights.rounding.name
+    return (f"GGUF {recipe.gguf_mix.upper()}: {', '.join(_mix_types(recipe))}"
+            + (f" {rounding}" if rounding != "nearest" else ""))
+
+
 def describe_recipe(recipe: Recipe) -> Dict[str, Any]:
     """What a recipe means without a model: its defaults with every key resolved, its rules, what it ignores,
     which module types it quantizes by default, and whether it needs calibration data."""
+    defaults = {kind: _spec_summary(spec) for kind, spec in (("weights", recipe.defaults.weights),
+                                                             ("activations", recipe.defaults.activations))}
+    if recipe.gguf_mix is not None:  # the mix sets each weight's grid: the defaults' grid keys do not apply
+        weights = {k: v for k, v in defaults["weights"].items() if k not in _GRID_KEYS}
+        fallbacks = sorted({SUPER_BLOCK_FALLBACK[t.lower()].upper() for t in _mix_types(recipe)
+                            if t.lower() in SUPER_BLOCK_FALLBACK})
+        defaults["weights"] = {"gguf_types": _mix_types(recipe), "row_fallbacks": fallbacks, **weights}
     return {
-        "defaults": {kind: _spec_summary(spec) for kind, spec in (("weights", recipe.defaults.weights),
-                                                                  ("activations", recipe.defaults.activations))},
+        "defaults": defaults,
         "default_types": {"weights": list(DEFAULT_WEIGHT_TYPES) if recipe.defaults.weights else [],
                           "activations": list(DEFAULT_ACTIVATION_TYPES) if recipe.defaults.activations else []},
         "layers": [rule.model_dump(mode="json", exclude_unset=True) for rule in recipe.layers],

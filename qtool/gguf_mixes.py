@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Dict, Optional, Tuple
 
-__all__ = ["MIXES", "tensor_role", "mix_type"]
+__all__ = ["MIXES", "tensor_role", "mix_type", "mix_types"]
 
 # mix -> the type every tensor starts from
 MIXES: Dict[str, str] = {
@@ -93,3 +93,13 @@ def mix_type(mix: str, role: Optional[str], layer: int, n_layers: int, n_gqa: in
             return {"q4_0": "q4_1", "q5_0": "q5_1"}[mix]
         return base
     return base
+
+
+def mix_types(mix: str, has_imatrix: bool = False) -> Tuple[str, ...]:
+    """The GGUF types ``mix`` gives a Llama-family model whose rows are whole super-blocks (any layer count and
+    grouped-query ratio), the mix's own type first, then by bits per weight (before the row-width fallback)."""
+    roles = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd", "output")
+    found = {mix_type(mix, role, layer, n, n_gqa, 4096, has_imatrix)
+             for role in roles for n in (2, 16, 32, 80) for layer in range(n) for n_gqa in (1, 4, 8)}
+    rank = ("q2_k", "q3_k", "iq4_xs", "iq4_nl", "q4_0", "q4_1", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "q8_0")
+    return (MIXES[mix],) + tuple(sorted(found - {MIXES[mix]}, key=rank.index))

@@ -179,3 +179,49 @@ def test_a_mixs_file_says_the_mix_as_llama_quantize_writes_it(tmp_path, mix, fil
     reader = gguf.GGUFReader(tmp_path / "q/model.gguf")
     assert reader.fields["general.file_type"].contents() == file_type
     assert file_type == int(getattr(gguf.LlamaFileType, f"MOSTLY_{mix.upper()}"))
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Rows of 256 and 512 (whole K-quant super-blocks) and token ids to calibrate the -gptq recipes with."""
+    from safetensors.torch import save_file
+
+    from tests.test_gguf import _tiny_llama
+
+    d = tmp_path_factory.mktemp("agree")
+    save_file({"input_ids": torch.randint(1, 300, (4, 32), generator=torch.Generator().manual_seed(0))},
+              d / "ids.safetensors")
+    return _tiny_llama(d / "m", False, hidden=256), d / "ids.safetensors"
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in CONFIGS.glob("gguf-*.yaml")))
+def test_list_show_and_the_written_file_agree_on_every_weights_type(wide, tmp_path, recipe):
+    """What `config list` says a shipped GGUF recipe writes, what `config show --model` plans and what `inspect`
+    finds in the exported file name the same types (the list used to say "int8 per_channel" for every mix, the
+    plan line "int4 per_block" for Q4_K)."""
+    ckpt, ids = wide
+    code, out, err = run_cli("config", "list", "--json")
+    row = next(r for r in json.loads(out)["recipes"] if r["name"] == recipe)
+    code, out, err = run_cli("config", "show", recipe, "--model", ckpt, "--json")
+    assert code == 0, err
+    legacy = {(8, True): "Q8_0", (5, True): "Q5_0", (5, False): "Q5_1", (4, True): "Q4_0", (4, False): "Q4_1"}
+    planned = {q["module"]: q["scale_dtype"].upper() if q["scale_dtype"].startswith(("q", "iq"))
+               else legacy[(q["bitwidth"], q["symmetric"])]
+               for q in json.loads(out)["quantizers"] if q["tensor"] == "weight"}
+    data = ["--data", ids] if row["needs_data"] else []
+    code, out, err = run_cli("quantize", ckpt, "-c", recipe, "-o", tmp_path / "q", "--format", "gguf", *data, "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    code, out, err = run_cli("inspect", tmp_path / "q/model.gguf", "--json")
+    written = {t["name"]: t["dtype"] for t in json.loads(out)["tensors"] if t["quantized"]}
+    names = summary["names"]
+    assert {names[m + ".weight"]: t for m, t in planned.items() if m + ".weight" in names} == written
+    label, kinds = row["weights"], set(written.values())
+    if label.startswith("GGUF "):  # a mix: every type it writes
+        assert all(t in label for t in kinds), (label, kinds)
+    else:  # a grid (its layers rules aside): the type most weights get
+        assert max(kinds, key=list(written.values()).count) in label, (label, kinds)
+    if label.startswith("GGUF "):  # the plan line names the types too (it said int4 / int5 for Q4_K / Q5_0)
+        code, _, err = run_cli("quantize", ckpt, "-c", recipe, "-o", tmp_path / "q2", "--format", "gguf", *data)
+        line = next(x for x in err.splitlines() if x.startswith("plan:"))
+        assert all(f"GGUF {t}" in line for t in kinds) and " int" not in line, line
