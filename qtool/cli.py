@@ -331,6 +331,11 @@ _TRUST_CODE = typer.Option(False, "--trust-remote-code", help="Allow a Hugging F
 _UNMATCHED = typer.Option(False, "--allow-unmatched", help="A layers entry that matches nothing is a warning, not an error.")
 _SEQUENTIAL = typer.Option(False, "--sequential",
                            help="Causal LMs: calibrate one decoder block at a time (models larger than memory).")
+_STRICT_DATA = typer.Option(False, "--strict-data", help="Fail (exit 2, nothing written) where the calibration "
+                            "data is below the documented minimum for what learns from it (512 tokens or 8 samples "
+                            "for activation ranges and weighted searches, 2048 tokens or 16 samples for GPTQ and "
+                            "AdaRound) or an importance matrix weighs a tensor's inputs all zero; without it: a "
+                            "warning.")
 _IMATRIX = typer.Option(None, "--imatrix", help="An importance matrix (llama-imatrix's GGUF or imatrix.dat, or "
                         "qtool imatrix's): weights the searched weights (analyzer mse) of the matrices it names, "
                         "as llama-quantize --imatrix does; no --data needed for it.")
@@ -515,6 +520,7 @@ def calibrate(
     allow_unmatched: bool = _UNMATCHED,
     sequential: bool = _SEQUENTIAL,
     imatrix: Optional[str] = _IMATRIX,
+    strict_data: bool = _STRICT_DATA,
     candidates: Optional[str] = _CANDIDATES,
     target_bpw: Optional[float] = _TARGET_BPW,
     target_size: Optional[str] = _TARGET_SIZE,
@@ -538,7 +544,8 @@ def calibrate(
         summary = run_calibrate(checkpoint, config, out, _opts(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
-            allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix), overwrite, p.hooks(),
+            allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix,
+            strict_data=strict_data), overwrite, p.hooks(),
             target=target)
     _report_files(summary, quiet, p.warnings_shown)
     if json_out:
@@ -652,6 +659,7 @@ def quantize(
     allow_unmatched: bool = _UNMATCHED,
     sequential: bool = _SEQUENTIAL,
     imatrix: Optional[str] = _IMATRIX,
+    strict_data: bool = _STRICT_DATA,
     format: str = _FORMAT,
     encoding_version: str = _ENC_VERSION,
     no_pack: bool = _NO_PACK,
@@ -683,7 +691,8 @@ def quantize(
         summary = run_quantize(checkpoint, config, out, _opts(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
-            allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix), overwrite, p.hooks(),
+            allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix,
+            strict_data=strict_data), overwrite, p.hooks(),
             _eopts(format=format, encoding_version=encoding_version, seq_len=seq_len, pack=not no_pack,
                    ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size),
                    gguf_float=gguf_float, gguf_fallback=gguf_fallback), target=target)

@@ -139,7 +139,8 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         "versions": versions(),
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         # an option added later is recorded only where it is used, so older runs' manifests keep their bytes
-        "options": {k: v for k, v in asdict(opts).items() if not (k == "imatrix" and v is None)},
+        "options": {k: v for k, v in asdict(opts).items()
+                    if not (k == "imatrix" and v is None) and not (k == "strict_data" and not v)},
         "inputs": {
             "checkpoint": {"path": str(checkpoint), "kind": kind, "sha256": _files_digest(files),
                            **_hub(checkpoint)},

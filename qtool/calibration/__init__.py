@@ -27,6 +27,7 @@ from ..io.checkpoint import detect_kind, tensor_files
 from ..io.spill import SpilledTensors
 from ..parallel import Group
 from .collective import samples_per_rank
+from .data_check import shortfalls
 
 __all__ = ["CalibrateOptions", "CalibrationRun", "MODES", "choose_mode", "calibrate_checkpoint"]
 
@@ -47,6 +48,7 @@ class CalibrateOptions:
     allow_unmatched: bool = False
     sequential: bool = False
     imatrix: Optional[str] = None  # an importance matrix file (llama-imatrix's) weighting the searches
+    strict_data: bool = False  # too little data (calibration.data_check) is an error, not a warning
 
 
 def _resolve(recipe: Recipe, model, source: str, opts: CalibrateOptions, checkpoint: str) -> Plan:
@@ -57,7 +59,8 @@ def _resolve(recipe: Recipe, model, source: str, opts: CalibrateOptions, checkpo
         return plan
     from .importance import apply_imatrix
 
-    return apply_imatrix(plan, model, checkpoint, opts.imatrix, have_data=opts.data is not None)
+    return apply_imatrix(plan, model, checkpoint, opts.imatrix, have_data=opts.data is not None,
+                         strict=opts.strict_data)
 
 
 @dataclass
@@ -103,8 +106,13 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
                else "the recipe chooses weights from data (rounding gptq or adaround, or weighting: activations)")
         raise DataError(f"{why}, which needs calibration data: pass --data PATH")
     hooks.on_stage("reading calibration data")
-    return load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, tokenizer,
+    data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, tokenizer,
                      pack_text=causal)
+    short = shortfalls(plan, data)
+    if short and opts.strict_data:
+        raise DataError(f"{opts.data}: {short[0]} (--strict-data)")
+    plan.warnings.extend(short)
+    return data
 
 
 def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: CalibrateOptions,

@@ -21,13 +21,14 @@ import torch
 from torch import nn
 
 from ..config import Plan, QuantizerPlan
-from ..errors import CheckpointError, EncodingsError, UsageError
+from ..errors import CheckpointError, DataError, EncodingsError, UsageError
 from ..imatrix import read_imatrix
 
 __all__ = ["apply_imatrix"]
 
 
-def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have_data: bool) -> Plan:
+def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have_data: bool,
+                  strict: bool = False) -> Plan:
     """``plan`` with its searched weights weighted by the importance matrix at ``path`` (rows marked
     ``imatrix``, their ``E[x²]`` in ``plan.importances``). ``model`` may be a meta-device skeleton."""
     from ..export.gguf_model import read_gguf_model
@@ -60,7 +61,7 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
             raise EncodingsError(f"{path}: {name}: {importances[name].numel()} columns, but {by_gguf[name]} takes "
                                  f"{width} inputs (an importance matrix of another model?)")
     module_entry = {module: name for name, module in by_gguf.items() if name in importances}
-    rows, used, unweighted = [], {}, 0
+    rows, used, unweighted, zero = [], {}, 0, []
     for q in plan.quantizers:
         if q.tensor != "weight" or q.analyzer != "mse" or q.module_type != "Linear":
             rows.append(q)
@@ -74,13 +75,25 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
                 q = dataclasses.replace(q, analyzer_args=tuple(args.items()))
             rows.append(q)
             continue
+        if not bool((importances[entry] != 0).any()):  # nothing to weigh by: the unweighted search instead
+            zero.append(entry)
+            if args.get("weighting") == "activations" and not have_data:
+                args.pop("weighting")
+                q = dataclasses.replace(q, analyzer_args=tuple(args.items()))
+            rows.append(q)
+            continue
         args["weighting"] = "activations"
         rows.append(dataclasses.replace(q, analyzer_args=tuple(args.items()), imatrix=True))
         used[q.module] = _statistics(importances[entry])
+    if zero:
+        why = (f"{path}: every importance of {', '.join(zero[:3])}{' ...' if len(zero) > 3 else ''} is zero (inputs "
+               f"that were all zero in the importance run): {len(zero)} weight(s) searched unweighted")
+        if strict:
+            raise DataError(f"{why} (--strict-data)")
     if not used:
         raise UsageError(f"--imatrix {path}: no weight the recipe searches (analyzer mse) on a matrix the file "
-                         f"names; nothing would use it")
-    warnings = list(plan.warnings)
+                         f"names{' with importances that are not all zero' if zero else ''}; nothing would use it")
+    warnings = list(plan.warnings) + ([why] if zero else [])
     if unweighted:
         warnings.append(f"{unweighted} weight(s) asking for weighting: activations have no entry in {path} and no "
                         f"--data was given: searched unweighted")

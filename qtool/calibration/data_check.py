@@ -1,0 +1,57 @@
+"""Too little calibration data: the documented minimums (docs/recipes.md, "How much data") for each kind of
+quantizer that learns from data, checked once the data is read.
+
+A range, a weighted search or a rounding learned from a handful of tokens fits those tokens: "hello world" as
+--data calibrated W8A8 activations on 4 tokens with no word said. Below a minimum the run warns (``--strict-data``
+makes it an error: exit 2, nothing written).
+
+Text (and token-id tensors) count tokens, padding aside; other data (images, feature tensors) counts samples.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from ..config import Plan
+from ..data import CalibrationData
+
+__all__ = ["MIN_TOKENS", "MIN_SAMPLES", "data_amount", "shortfalls"]
+
+# (static activation ranges, KV cache, SmoothQuant, batch-norm folds, activation-weighted search;
+#  codes from each layer's XᵀX: GPTQ and AdaRound)
+MIN_TOKENS = {"ranges": 512, "rounding": 2048}
+MIN_SAMPLES = {"ranges": 8, "rounding": 16}
+
+
+def data_amount(data: CalibrationData) -> Tuple[int, str]:
+    """``(count, "tokens")`` for data holding token ids (attention-masked padding not counted), else
+    ``(samples, "samples")``."""
+    tokens, has_tokens = 0, False
+    for batch in data.batches:
+        ids = batch.kwargs.get("input_ids")
+        if ids is None:
+            continue
+        has_tokens = True
+        mask = batch.kwargs.get("attention_mask")
+        tokens += int(mask.sum()) if mask is not None else int(ids.numel())
+    return (tokens, "tokens") if has_tokens else (data.num_samples, "samples")
+
+
+def shortfalls(plan: Plan, data: CalibrationData) -> List[str]:
+    """One line for each kind of data-driven quantizer in ``plan`` that ``data`` is too small for."""
+    count, unit = data_amount(data)
+    minimum = MIN_TOKENS if unit == "tokens" else MIN_SAMPLES
+    needs = []
+    if plan.static_activations:
+        needs.append(("ranges", f"{len(plan.static_activations)} activation range(s)"))
+    if plan.smoothing or plan.folds:
+        needs.append(("ranges", "smoothquant" if plan.smoothing else "fold_batch_norms"))
+    weighted = [q for q in plan.weights if dict(q.analyzer_args).get("weighting") == "activations" and not q.imatrix]
+    if weighted:
+        needs.append(("ranges", f"the activation-weighted search of {len(weighted)} weight(s)"))
+    rounded = [q for q in plan.weights if q.rounding != "nearest"]
+    if rounded:
+        needs.append(("rounding", f"{rounded[0].rounding} on {len(rounded)} weight(s)"))
+    return [f"calibration data holds {count} {unit}, fewer than the {minimum[kind]} {what} should learn from "
+            f"(docs/recipes.md, 'How much data'): its result fits those {unit}; pass more --data"
+            for kind, what in needs if count < minimum[kind]]

@@ -1,0 +1,105 @@
+"""Too little calibration data warns (or, with --strict-data, fails with nothing written) below the documented
+minimums of qtool.calibration.data_check; an importance matrix that weighs a tensor's inputs all zero likewise."""
+
+import json
+
+import pytest
+import torch
+
+from qtool.calibration.data_check import MIN_SAMPLES, MIN_TOKENS
+from tests.helpers import error_lines, run_cli
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from tests.test_gguf import _tiny_llama
+
+    return _tiny_llama(tmp_path_factory.mktemp("amount") / "m", False)
+
+
+def _text(path, words):
+    path.write_text(" ".join(f"word{i % 50} {i}." for i in range(words)))
+    return path
+
+
+def test_a_few_tokens_warn_and_strict_data_refuses_them(llama, tmp_path):
+    data = _text(tmp_path / "tiny.txt", 3)
+    code, out, err = run_cli("calibrate", llama, "-c", "w8a8", "--data", data, "--seq-len", "4", "-o",
+                             tmp_path / "run", "--json")
+    assert code == 0, err
+    warnings = [w for w in json.loads(out)["warnings"] if "calibration data holds" in w]
+    assert len(warnings) == 1 and f"fewer than the {MIN_TOKENS['ranges']} " in warnings[0], warnings
+    assert "calibration data holds" in err  # said on the terminal too
+    code, out, err = run_cli("calibrate", llama, "-c", "w8a8", "--data", data, "--seq-len", "4", "-o",
+                             tmp_path / "strict", "--strict-data")
+    assert code == 2 and not (tmp_path / "strict").exists()
+    errors = [line for line in error_lines(err) if line.startswith("error:")]
+    assert len(errors) == 1 and "--strict-data" in errors[0] and "tokens" in errors[0], errors
+
+
+def test_enough_tokens_say_nothing_and_rounding_asks_for_more(llama, tmp_path):
+    data = _text(tmp_path / "enough.txt", 120)  # about 1100 tokens: more than 512, fewer than 2048
+    code, out, err = run_cli("calibrate", llama, "-c", "w8a8", "--data", data, "--seq-len", "64", "-o",
+                             tmp_path / "a", "--json", "--strict-data")
+    assert code == 0, err
+    assert not [w for w in json.loads(out)["warnings"] if "calibration data holds" in w]
+    code, out, err = run_cli("calibrate", llama, "-c", "w4a16-block32-gptq", "--data", data, "--seq-len", "64",
+                             "-o", tmp_path / "b", "--json")
+    assert code == 0, err
+    warnings = [w for w in json.loads(out)["warnings"] if "calibration data holds" in w]
+    assert len(warnings) == 1 and "gptq" in warnings[0] and f"{MIN_TOKENS['rounding']} " in warnings[0]
+
+
+def test_samples_count_where_there_are_no_tokens(tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.tinymodels import mlp
+
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    for n, warned in ((MIN_SAMPLES["ranges"] - 1, True), (MIN_SAMPLES["ranges"], False)):
+        save_file({"x": torch.randn(n, 64)}, tmp_path / f"x{n}.safetensors")
+        code, out, err = run_cli("calibrate", tmp_path / "m.safetensors", "--model-class", "tests.tinymodels:mlp",
+                                 "-c", "w8a8", "--data", tmp_path / f"x{n}.safetensors", "-o", tmp_path / f"r{n}",
+                                 "--json")
+        assert code == 0, err
+        said = [w for w in json.loads(out)["warnings"] if "calibration data holds" in w]
+        assert bool(said) is warned and (not said or f"{n} samples" in said[0])
+
+
+def test_an_importance_matrix_of_zeros_for_a_tensor_is_said_and_searched_unweighted(llama, tmp_path):
+    from safetensors.torch import save_file
+
+    ids = torch.randint(1, 300, (8, 24), generator=torch.Generator().manual_seed(2))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    code, _, err = run_cli("imatrix", llama, "--data", tmp_path / "ids.safetensors", "-o", tmp_path / "im.gguf")
+    assert code == 0, err
+    import gguf
+
+    reader = gguf.GGUFReader(tmp_path / "im.gguf")
+    writer = gguf.GGUFWriter(tmp_path / "zero.gguf", "imatrix")
+    for name, field in reader.fields.items():
+        if name.startswith("imatrix.") and not name.startswith("imatrix.datasets"):
+            value = field.contents()
+            if isinstance(value, int):
+                writer.add_uint32(name, value)
+    writer.add_array("imatrix.datasets", ["x"])
+    writer.add_string("general.type", "imatrix")
+    for t in reader.tensors:
+        data = t.data.copy()
+        if t.name == "blk.0.attn_q.weight.in_sum2":
+            data[:] = 0
+        writer.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    code, out, err = run_cli("quantize", llama, "-c", "gguf-q4_k_m", "--imatrix", tmp_path / "zero.gguf", "-o",
+                             tmp_path / "q", "--format", "gguf", "--json")
+    assert code == 0, err
+    said = [w for w in json.loads(out)["warnings"] if "is zero" in w]
+    assert len(said) == 1 and "blk.0.attn_q.weight" in said[0], json.loads(out)["warnings"]
+    code, _, err = run_cli("quantize", llama, "-c", "gguf-q4_k_m", "--imatrix", tmp_path / "zero.gguf", "-o",
+                           tmp_path / "q2", "--format", "gguf", "--strict-data")
+    assert code == 2 and "--strict-data" in err and not (tmp_path / "q2").exists()

@@ -1,0 +1,72 @@
+"""Every long step reports how far along it is: the weights' range searches (the GGUF sub-block search among
+them) and GPTQ/AdaRound, in every mode; the CLI draws them (a line every tenth with the time left when stderr is
+not a terminal) and --quiet prints nothing."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from qtool.hooks import Hooks
+from qtool.pipeline import CalibrateOptions, run_calibrate
+from tests.helpers import run_cli
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from tests.test_gguf import _tiny_llama
+
+    d = tmp_path_factory.mktemp("progress")
+    save_file({"input_ids": torch.randint(1, 300, (8, 32), generator=torch.Generator().manual_seed(0))},
+              d / "ids.safetensors")
+    return _tiny_llama(d / "m", False), d / "ids.safetensors"
+
+
+def _steps(ckpt, recipe, tmp_path, **opts):
+    seen = {}
+    hooks = Hooks(on_step=lambda name, done, total, item: seen.setdefault(name, []).append((done, total, item)))
+    run_calibrate(str(ckpt), recipe, str(tmp_path / "run"), CalibrateOptions(**opts), hooks=hooks)
+    return seen
+
+
+def _complete(calls, total):
+    """From 0 to ``total``, never backwards, every call naming what it is on."""
+    done = [d for d, _, _ in calls]
+    return done[0] == 0 and done[-1] == total and done == sorted(done) and {t for _, t, _ in calls} == {total} \
+        and all(item for _, _, item in calls)
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_weight_searches_and_gptq_report_every_layer(llama, tmp_path, sequential):
+    ckpt, ids = llama
+    seen = _steps(ckpt, "w4a16-block32-gptq", tmp_path, data=str(ids), sequential=sequential)
+    searches = seen["calibrating weights"]
+    rounding = seen["choosing codes (gptq)"]
+    if sequential:  # block by block: each block's weights are one step of their own
+        assert all(total <= 7 for _, total, _ in searches)
+    else:
+        assert _complete(searches, 14)  # 2 layers x 7 matrices (the embedding and lm_head stay float)
+        assert _complete(rounding, 14)
+    assert sum(1 for d, t, _ in rounding if d == t) >= 1
+
+
+def test_a_data_free_gguf_mix_reports_its_sub_block_search(llama, tmp_path):
+    ckpt, _ = llama
+    seen = _steps(ckpt, "gguf-q4_k_m", tmp_path)
+    assert _complete(seen["calibrating weights"], 16)  # 14 matrices, the embedding, lm_head
+
+
+def test_the_cli_prints_steps_when_not_on_a_terminal_and_nothing_when_quiet(llama, tmp_path):
+    ckpt, ids = llama
+    code, out, err = run_cli("calibrate", ckpt, "-c", "w4a16-block32-gptq", "--data", ids, "-o", tmp_path / "a",
+                             "--json")
+    assert code == 0, err
+    assert "calibrating weights: 0/14" in err and "calibrating weights: 14/14" in err
+    assert "choosing codes (gptq): 14/14" in err and "left" in err
+    assert json.loads(out)["ok"] is True  # stdout stays one JSON object
+    code, out, err = run_cli("calibrate", ckpt, "-c", "w4a16-block32-gptq", "--data", ids, "-o", tmp_path / "b",
+                             "--quiet")
+    assert code == 0 and err.strip() == "" and out.strip() == ""
