@@ -218,8 +218,15 @@ def _plan_summary(plan) -> str:
     return f"plan: {len(plan.quantizers)} quantizers ({'; '.join(parts) or 'none'})"
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min" if seconds < 5400 else \
+        f"{seconds / 3600:.1f} h"
+
+
 class _Progress:
     """Hooks that draw a rich progress bar on stderr (only when stderr is a terminal and not --quiet)."""
+
+    STEP_QUIET_S = 2.0  # a long step's lines (stderr not a terminal) start once it has run this long
 
     def __init__(self, quiet: bool):
         self.quiet = quiet
@@ -234,6 +241,8 @@ class _Progress:
         self.tasks: Dict[str, Any] = {}
         self.samples = 0
         self.warnings_shown: Optional[int] = None  # the plan's warnings printed with it (later ones come at the end)
+        self.step_t0: Dict[str, float] = {}
+        self.step_shown: Dict[str, int] = {}
         self.t0 = None
 
     def __enter__(self):
@@ -273,6 +282,25 @@ class _Progress:
         if not self.enabled and not self.quiet:
             err.print(f"calibrating: block {done}/{total}")
 
+    def step(self, name: str, done: int, total: int, item: str) -> None:
+        """A long step inside calibration: a bar on a terminal; otherwise, once it has run ``STEP_QUIET_S``, a
+        line every tenth and at its end, with the time left (steps shorter than that stay silent)."""
+        import time
+
+        now = time.perf_counter()
+        if done == 0:  # (a step may run again: once per block of a --sequential run)
+            self.step_t0[name], self.step_shown[name] = now, 0
+        start = self.step_t0.setdefault(name, now)
+        self._update(f"step:{name}", name, done, total, item[-40:])
+        if self.enabled or self.quiet or now - start < self.STEP_QUIET_S:
+            return
+        tenth = max(total // 10, 1)
+        if done == total or done // tenth > self.step_shown.get(name, 0):
+            self.step_shown[name] = done // tenth
+            left = (now - start) / done * (total - done) if done else None
+            err.print(_esc(f"{name}: {done}/{total} {item}"
+                           + (f", about {_duration(left)} left" if left is not None and done < total else "")))
+
     def tensor(self, done: int, total: int, name: str) -> None:
         self._update("export", "exporting", done, total, "")
 
@@ -287,7 +315,7 @@ class _Progress:
         from .pipeline import Hooks
 
         return Hooks(on_plan=self.plan, on_batch=self.batch, on_tensor=self.tensor, on_stage=self.stage,
-                     on_block=self.block)
+                     on_block=self.block, on_step=self.step)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -2,16 +2,44 @@
 
 from __future__ import annotations
 
-__all__ = ["Hooks"]
+import contextlib
+import contextvars
+from typing import Iterator, Optional
+
+__all__ = ["Hooks", "reporting", "step"]
 
 
 class Hooks:
     """``on_plan(plan)``, ``on_batch(done, total, samples)``, ``on_tensor(done, total, name)``, ``on_stage(text)``,
-    ``on_block(done, total)``; unset ones do nothing."""
+    ``on_block(done, total)``, ``on_step(step, done, total, item)`` (a long step deep in the library: the weights'
+    range searches, GPTQ/AdaRound, ..., reported through :func:`step`); unset ones do nothing."""
 
-    def __init__(self, on_plan=None, on_batch=None, on_tensor=None, on_stage=None, on_block=None):
+    def __init__(self, on_plan=None, on_batch=None, on_tensor=None, on_stage=None, on_block=None, on_step=None):
+        self.on_step = on_step
         self.on_block = on_block
         self.on_plan = on_plan or (lambda plan: None)
         self.on_batch = on_batch
         self.on_tensor = on_tensor
         self.on_stage = on_stage or (lambda text: None)
+
+
+_ACTIVE: "contextvars.ContextVar[Optional[Hooks]]" = contextvars.ContextVar("qtool_hooks", default=None)
+
+
+@contextlib.contextmanager
+def reporting(hooks: Optional[Hooks]) -> Iterator[None]:
+    """While the block runs, :func:`step` reports to ``hooks`` (a job sets its own; the library's inner loops
+    need not carry them through every call)."""
+    token = _ACTIVE.set(hooks)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def step(name: str, done: int, total: int, item: str = "") -> None:
+    """Progress of a long step (``name``: what it does, e.g. "searching weight ranges"; ``item``: what it is on)
+    to the running job's hooks; nothing when there are none."""
+    hooks = _ACTIVE.get()
+    if hooks is not None and hooks.on_step is not None:
+        hooks.on_step(name, done, total, item)

@@ -569,7 +569,7 @@ def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: Ca
         on_plan(plan)
 
     hooks = Hooks(on_plan=check_plan, on_batch=hooks.on_batch, on_tensor=hooks.on_tensor, on_stage=hooks.on_stage,
-                  on_block=hooks.on_block)
+                  on_block=hooks.on_block, on_step=hooks.on_step)
     with _ranks(opts.device) as group:
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes, exports
             return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target, exporter, options)

@@ -30,7 +30,7 @@ def test_a_few_tokens_warn_and_strict_data_refuses_them(llama, tmp_path):
                              tmp_path / "run", "--json")
     assert code == 0, err
     warnings = [w for w in json.loads(out)["warnings"] if "calibration data holds" in w]
-    assert len(warnings) == 1 and f"fewer than the {MIN_TOKENS['ranges']} " in warnings[0], warnings
+    assert len(warnings) == 1 and f"at least {MIN_TOKENS['ranges']} " in warnings[0], warnings
     assert "calibration data holds" in err  # said on the terminal too
     code, out, err = run_cli("calibrate", llama, "-c", "w8a8", "--data", data, "--seq-len", "4", "-o",
                              tmp_path / "strict", "--strict-data")
@@ -49,7 +49,7 @@ def test_enough_tokens_say_nothing_and_rounding_asks_for_more(llama, tmp_path):
                              "-o", tmp_path / "b", "--json")
     assert code == 0, err
     warnings = [w for w in json.loads(out)["warnings"] if "calibration data holds" in w]
-    assert len(warnings) == 1 and "gptq" in warnings[0] and f"{MIN_TOKENS['rounding']} " in warnings[0]
+    assert len(warnings) == 1 and "gptq" in warnings[0] and f"at least {MIN_TOKENS['rounding']} " in warnings[0]
 
 
 def test_samples_count_where_there_are_no_tokens(tmp_path):

@@ -22,7 +22,7 @@ from ..config import Plan, Recipe, resolve_plan
 from ..data import CalibrationData, load_data
 from ..encodings import EncodingEntry, SidecarStream
 from ..errors import DataError, UsageError
-from ..hooks import Hooks
+from ..hooks import Hooks, reporting
 from ..io.checkpoint import detect_kind, tensor_files
 from ..io.spill import SpilledTensors
 from ..parallel import Group
@@ -118,6 +118,13 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
 def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: CalibrateOptions,
                          sidecar: Optional[Path], hooks: Optional[Hooks] = None,
                          group: Optional[Group] = None) -> CalibrationRun:
+    hooks = hooks or Hooks()
+    with reporting(hooks):  # the long steps inside (weight searches, GPTQ) report to the job's hooks
+        return _calibrate_checkpoint(checkpoint, recipe, source, opts, sidecar, hooks, group)
+
+
+def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: CalibrateOptions,
+                          sidecar: Optional[Path], hooks: Hooks, group: Optional[Group]) -> CalibrationRun:
     """Calibrate ``recipe`` on ``checkpoint``; large block encodings of a streamed run go to ``sidecar`` as each
     weight is done. ``source`` names the recipe in error messages. With a distributed ``group`` (see
     :mod:`qtool.parallel`) every rank calls this with the same arguments and calibrates its shard of the data;

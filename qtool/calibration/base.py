@@ -14,6 +14,7 @@ import torch
 
 from ..config import QuantizerPlan
 from ..encodings import range_fault
+from ..hooks import step
 from ..quant import QuantizerBase
 from ..quant.affine import UnrepresentableScale
 
@@ -38,8 +39,10 @@ def calibrate_weights(rows: Iterable[QuantizerPlan], quantizer_for: Callable[[Qu
     """Each weight row's quantizer observes its weight (statistics only: no fake-quant copy is made); ``done`` is
     called right after, so a streaming caller can write the encoding and drop the weight. ``importance_for``
     gives an activation-weighted search its per-value importance (None: unweighted)."""
+    rows = list(rows)
     with torch.no_grad():
-        for q in rows:
+        for i, q in enumerate(rows):
+            step("calibrating weights", i, len(rows), q.name)
             quantizer = quantizer_for(q)
             weight = weight_for(q)
             imp = importance_for(q) if importance_for is not None else None
@@ -48,6 +51,8 @@ def calibrate_weights(rows: Iterable[QuantizerPlan], quantizer_for: Callable[[Qu
             del weight
             if done is not None:
                 done(q, quantizer)
+    if rows:
+        step("calibrating weights", len(rows), len(rows), rows[-1].name)
 
 
 def calibrate_activations(rows: List[QuantizerPlan], quantizers: Dict[str, QuantizerBase],

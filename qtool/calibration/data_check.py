@@ -24,11 +24,14 @@ MIN_SAMPLES = {"ranges": 8, "rounding": 16}
 
 
 def data_amount(data: CalibrationData) -> Tuple[int, str]:
-    """``(count, "tokens")`` for data holding token ids (attention-masked padding not counted), else
+    """``(count, "tokens")`` for data holding token ids (``input_ids``, or a file of one integer tensor;
+    attention-masked padding not counted), else
     ``(samples, "samples")``."""
     tokens, has_tokens = 0, False
     for batch in data.batches:
         ids = batch.kwargs.get("input_ids")
+        if ids is None and len(batch.args) == 1 and not batch.args[0].is_floating_point():
+            ids = batch.args[0]  # a file of one integer tensor: token ids
         if ids is None:
             continue
         has_tokens = True
@@ -52,6 +55,6 @@ def shortfalls(plan: Plan, data: CalibrationData) -> List[str]:
     rounded = [q for q in plan.weights if q.rounding != "nearest"]
     if rounded:
         needs.append(("rounding", f"{rounded[0].rounding} on {len(rounded)} weight(s)"))
-    return [f"calibration data holds {count} {unit}, fewer than the {minimum[kind]} {what} should learn from "
-            f"(docs/recipes.md, 'How much data'): its result fits those {unit}; pass more --data"
+    return [f"calibration data holds {count} {unit}, and {what} should learn from at least {minimum[kind]} "
+            f"(docs/recipes.md, 'How much data'): with fewer, the result fits those {unit}; pass more --data"
             for kind, what in needs if count < minimum[kind]]

@@ -21,6 +21,7 @@ from torch import nn
 
 from ...config import QuantizerPlan
 from ...errors import CheckpointError, DataError
+from ...hooks import step
 from ...quant import QuantizerBase
 from ...parallel import Group, assign
 from ...quant.affine import dequantize
@@ -293,9 +294,20 @@ def _round_units(units: List[List[QuantizerPlan]], modules, quantizers, stats):
 
     results: List = [None] * len(units)
     small = [i for i, u in enumerate(units) if _runs_beside(u, modules)]
+    what = f"choosing codes ({'/'.join(sorted({q.rounding for unit in units for q in unit}))})"
+    total, done = sum(len(u) for u in units), 0
+
+    def finished(i: int) -> None:
+        nonlocal done
+        done += len(units[i])
+        step(what, done, total, units[i][-1].name)
+
+    if units:
+        step(what, 0, total, units[0][0].name)
     for i, unit in enumerate(units):
         if i not in small:
             results[i] = one(unit)
+            finished(i)
             return_freed_memory(collect=False)  # a layer's GPTQ temporaries: hundreds of MB at 8B widths
     threads = torch.get_num_threads()
     if len(small) > 1 and threads > 1:
@@ -306,11 +318,13 @@ def _round_units(units: List[List[QuantizerPlan]], modules, quantizers, stats):
             with ThreadPoolExecutor(min(threads, len(small))) as pool:
                 for i, r in zip(small, pool.map(lambda i: one(units[i]), small)):
                     results[i] = r
+                    finished(i)
         finally:
             torch.set_num_threads(threads)
     else:
         for i in small:
             results[i] = one(units[i])
+            finished(i)
     return results
 
 
