@@ -241,6 +241,7 @@ class _Progress:
         self.tasks: Dict[str, Any] = {}
         self.samples = 0
         self.warnings_shown: Optional[int] = None  # the plan's warnings printed with it (later ones come at the end)
+        self.doing = "calibrating"
         self.step_t0: Dict[str, float] = {}
         self.step_shown: Dict[str, int] = {}
         self.t0 = None
@@ -255,6 +256,7 @@ class _Progress:
             self.progress.__exit__(*exc)
 
     def stage(self, text: str) -> None:
+        self.doing = "measuring" if text.startswith("measuring") else "calibrating"  # what the batches are for
         if not self.quiet:
             err.print(f"[dim]{text}...[/dim]")
 
@@ -273,9 +275,9 @@ class _Progress:
             self.t0 = time.perf_counter()
         self.samples += samples
         rate = self.samples / max(time.perf_counter() - self.t0, 1e-9)
-        self._update("calibrate", "calibrating", done, total, f"{rate:.1f} samples/s")
+        self._update(self.doing, self.doing, done, total, f"{rate:.1f} samples/s")
         if not self.enabled and not self.quiet and (done == total or done % max(total // 10, 1) == 0):
-            err.print(f"calibrating: batch {done}/{total}")
+            err.print(f"{self.doing}: batch {done}/{total}")
 
     def block(self, done: int, total: int) -> None:
         self._update("block", "calibrating blocks", done, total, "")

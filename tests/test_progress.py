@@ -73,3 +73,13 @@ def test_the_cli_prints_steps_when_not_on_a_terminal_and_nothing_when_quiet(llam
     code, out, err = run_cli("calibrate", ckpt, "-c", "w4a16-block32-gptq", "--data", ids, "-o", tmp_path / "b",
                              "--quiet")
     assert code == 0 and err.strip() == "" and out.strip() == ""
+
+
+def test_report_says_it_is_measuring(llama, tmp_path):
+    """`report` runs batches to measure, not to calibrate: its progress said "calibrating: batch 1/1"."""
+    ckpt, ids = llama
+    code, _, err = run_cli("calibrate", ckpt, "-c", "w8a16", "-o", tmp_path / "run")
+    assert code == 0, err
+    code, _, err = run_cli("report", ckpt, "-e", tmp_path / "run/encodings.json", "--data", ids, "--json")
+    assert code == 0, err
+    assert "measuring: batch 1/1" in err and "calibrating" not in err
