@@ -213,8 +213,11 @@ def _plan_summary(plan) -> str:
     from collections import Counter
 
     kinds = Counter((q.tensor, _grid_label(q), q.granularity + (" dynamic" if q.dynamic else ""))
-                    for q in plan.quantizers)
+                    for q in plan.quantizers if q.name not in plan.left_float)
     parts = [f"{n} x {t} {e} {g}" for (t, e, g), n in sorted(kinds.items())]
+    formats = Counter(plan.left_float.values())
+    parts += [f"{n} x weight left float by --format {fmt} ({next(k for k, v in plan.left_float.items() if v == fmt)}"
+              + (" ..." if n > 1 else "") + ")" for fmt, n in sorted(formats.items())]
     return f"plan: {len(plan.quantizers)} quantizers ({'; '.join(parts) or 'none'})"
 
 

@@ -959,6 +959,8 @@ class Plan:
     importances: Dict[str, Any] = field(default_factory=dict)
     # module -> the resolved recipe spec of its weight (what a ``layers`` entry writes to reproduce that row)
     weight_specs: Dict[str, "WeightSpec"] = field(default_factory=dict)
+    # quantizers the export format will write float (set by the job that exports; the plan line counts them apart)
+    left_float: Dict[str, str] = field(default_factory=dict)  # quantizer name -> the format
 
     @property
     def weights(self) -> List[QuantizerPlan]:

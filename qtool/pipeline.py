@@ -566,6 +566,7 @@ def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: Ca
 
     def check_plan(plan):  # a plan the format cannot write fails before calibration, not after it
         exporter.admit(plan.quantizers, options, plan.rotation.online() if plan.rotation else [])
+        plan.left_float.update((name, exporter.name) for name in exporter.left_float(plan.quantizers, options))
         on_plan(plan)
 
     hooks = Hooks(on_plan=check_plan, on_batch=hooks.on_batch, on_tensor=hooks.on_tensor, on_stage=hooks.on_stage,

@@ -348,3 +348,23 @@ def test_nothing_to_export(ckpt, tmp_path):
     enc.entries = [e for e in enc.entries if not e.module.startswith("model.layers")]
     with pytest.raises(EncodingsError, match="no Linear weight"):
         export_compressed_tensors(ckpt, enc, tmp_path / "ct")
+
+
+def test_the_plan_line_counts_what_the_format_leaves_float(tmp_path):
+    """The recipe quantizes the embedding, compressed-tensors writes it float: the plan line says so before
+    calibrating instead of counting it as an int8 quantizer, and the file holds it float."""
+    from safetensors import safe_open
+
+    from tests.helpers import run_cli
+    from tests.test_gguf import _tiny_llama
+
+    ckpt = _tiny_llama(tmp_path / "m", False)
+    code, _, err = run_cli("quantize", ckpt, "-c", "w4a16-block32", "--format", "compressed-tensors", "-o",
+                           tmp_path / "ct")
+    assert code == 0, err
+    line = next(x for x in err.splitlines() if x.startswith("plan:"))
+    assert "14 x weight int4 per_block" in line and "int8" not in line
+    assert "1 x weight left float by --format compressed-tensors (model.embed_tokens.weight)" in line
+    with safe_open(str(next((tmp_path / "ct").glob("*.safetensors"))), "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").is_floating_point()
+        assert "model.layers.0.mlp.up_proj.weight_packed" in f.keys()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, Optional
+from typing import Any, Callable, ClassVar, Dict, List, Optional
 
 from ..encodings import EncodingsFile
 from ..weights import WeightSource
@@ -90,6 +90,11 @@ class Exporter:
                              f"rotates {rot.modules[0]}'s {rot.rotated} (and {len(rot.modules) - 1} more "
                              "module(s)); export with --format compressed-tensors or qtool, or leave "
                              f"{' and '.join(sorted({r.name for r in online}))} out of rotate")
+
+    def left_float(self, quantizers, options: "Exporter.Options") -> List[str]:
+        """The weight quantizers (plan rows) this format writes as float weights though the recipe quantizes
+        them (default: none), so the plan can say so before calibrating."""
+        return []
 
     def check_quantizers(self, quantizers, options: "Exporter.Options") -> None:
         """Refuse quantizers (encodings entries, or plan rows before calibration: each has ``name``, ``tensor``

@@ -735,6 +735,10 @@ class CompressedTensorsExporter(Exporter):
     class Options:
         ct_eight_bit_format: str = "int-quantized"  # or pack-quantized (what vLLM's weight-only path runs)
 
+    def left_float(self, quantizers, options: "CompressedTensorsExporter.Options") -> List[str]:
+        """Weights of modules other than Linear (embedding tables): the layout quantizes Linear weights only."""
+        return [q.name for q in quantizers if q.tensor == "weight" and q.module_type != "Linear"]
+
     def tensor_bytes(self, quantizer, shape, dtype, options: "CompressedTensorsExporter.Options") -> int:
         """As :func:`export_compressed_tensors` lays the tensor out: a quantized layer's input scales (static
         FP8 / NVFP4 inputs, 4 bytes each) are not counted."""
