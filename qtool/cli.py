@@ -218,7 +218,8 @@ def _plan_summary(plan) -> str:
     formats = Counter(plan.left_float.values())
     parts += [f"{n} x weight left float by --format {fmt} ({next(k for k, v in plan.left_float.items() if v == fmt)}"
               + (" ..." if n > 1 else "") + ")" for fmt, n in sorted(formats.items())]
-    return f"plan: {len(plan.quantizers)} quantizers ({'; '.join(parts) or 'none'})"
+    memory = f"; {plan.memory.describe()}" if getattr(plan, "memory", None) is not None else ""
+    return f"plan: {len(plan.quantizers)} quantizers ({'; '.join(parts) or 'none'}){memory}"
 
 
 def _duration(seconds: float) -> str:
@@ -363,7 +364,10 @@ _TRUST_PICKLE = typer.Option(False, "--trust-pickle", help="Allow loading pickle
 _TRUST_CODE = typer.Option(False, "--trust-remote-code", help="Allow a Hugging Face model's own Python code.")
 _UNMATCHED = typer.Option(False, "--allow-unmatched", help="A layers entry that matches nothing is a warning, not an error.")
 _SEQUENTIAL = typer.Option(False, "--sequential",
-                           help="Causal LMs: calibrate one decoder block at a time (models larger than memory).")
+                           help="Causal LMs: calibrate one decoder block at a time, so memory holds one block, not the "
+                           "model (the plan line estimates both peaks; a run whose in-memory estimate is past the "
+                           "machine's memory stops and asks for it). Also the better GPTQ: each block's statistics "
+                           "come from the quantized blocks before it.")
 _STRICT_DATA = typer.Option(False, "--strict-data", help="Fail (exit 2, nothing written) where the calibration "
                             "data is below the documented minimum for what learns from it (512 tokens or 8 samples "
                             "for activation ranges and weighted searches, 2048 tokens or 16 samples for GPTQ and "
@@ -1126,8 +1130,9 @@ def config_show(
         return
     with _errors(debug, json_out):
         model = _checkpoint(model, None)
-        _, plan = plan_for(model, recipe, _opts(model_class=model_class, trust_pickle=trust_pickle,
-                                                trust_remote_code=trust_remote_code, allow_unmatched=allow_unmatched))
+        loaded, plan = plan_for(model, recipe, _opts(model_class=model_class, trust_pickle=trust_pickle,
+                                                     trust_remote_code=trust_remote_code,
+                                                     allow_unmatched=allow_unmatched))
     if json_out:
         _emit_json({"ok": True, "quantizers": [asdict(q) for q in plan.quantizers],
                     "smoothquant": [asdict(g) for g in plan.smoothing],
@@ -1137,6 +1142,12 @@ def config_show(
         return
     console = _console()
     console.print(_plan_table(plan))
+    from .calibration.memory import estimate_memory
+
+    streams = not plan.needs_data() and plan.rotation is None and loaded.kind == "hf"  # as calibrate would run it
+    estimate = estimate_memory(loaded.model, plan, "streaming" if streams else "in_memory", 8, 128, None,
+                               loaded.is_causal_lm)
+    console.print(f"calibrating it: {estimate.describe()}, at --batch-size 8 --seq-len 128")
     if plan.smoothing:
         console.print(f"smoothquant (alpha {plan.smoothing[0].alpha}), before calibration: {len(plan.smoothing)} "
                       "groups, e.g. " + _esc(f"{plan.smoothing[0].smooth} -> {', '.join(plan.smoothing[0].balance)}"))

@@ -961,6 +961,7 @@ class Plan:
     weight_specs: Dict[str, "WeightSpec"] = field(default_factory=dict)
     # quantizers the export format will write float (set by the job that exports; the plan line counts them apart)
     left_float: Dict[str, str] = field(default_factory=dict)  # quantizer name -> the format
+    memory: Any = None  # calibration.memory.MemoryEstimate of the run about to calibrate it (shown with the plan)
 
     @property
     def weights(self) -> List[QuantizerPlan]:

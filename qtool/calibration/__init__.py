@@ -85,14 +85,35 @@ def choose_mode(checkpoint: str, recipe: Recipe, opts: CalibrateOptions, source:
         if detect_kind(Path(checkpoint)) != "hf":
             raise UsageError("--sequential needs a Hugging Face causal LM directory")
         return "sequential", None, None
-    if opts.data is None and detect_kind(Path(checkpoint)) == "hf":
+    if detect_kind(Path(checkpoint)) == "hf" and (opts.data is None or opts.model_class is None):
         from ..model.hf import meta_skeleton
 
         skeleton = meta_skeleton(checkpoint, opts.trust_remote_code)
         plan = _resolve(recipe, skeleton, source, opts, checkpoint)
-        if not plan.needs_data() and plan.rotation is None:  # a rotation changes the whole model: in memory
+        if opts.data is None and not plan.needs_data() and plan.rotation is None:  # a rotation: in memory
             return "streaming", skeleton, plan
+        _check_memory(_estimate(skeleton, plan, "in_memory", opts))  # before the model is loaded
     return "in_memory", None, None
+
+
+def _estimate(model, plan: Plan, mode: str, opts: CalibrateOptions):
+    from .memory import estimate_memory
+
+    causal = type(model).__name__.endswith("ForCausalLM")
+    return estimate_memory(model, plan, mode, opts.batch_size, opts.seq_len, opts.num_samples, causal)
+
+
+def _check_memory(estimate) -> None:
+    """Refuse an in-memory run whose estimated peak is past the memory the machine has where ``--sequential``
+    would fit: one line naming the flag, before the model is loaded (an OOM kill says nothing)."""
+    from .memory import available_memory
+
+    free = available_memory()
+    if free is None or estimate.peak <= free or estimate.sequential is None or estimate.sequential > free:
+        return
+    raise UsageError(f"calibrating in memory needs about {estimate.peak / 1e9:.1f} GB and this machine has "
+                     f"{free / 1e9:.1f} GB available: pass --sequential (about {estimate.sequential / 1e9:.1f} GB, "
+                     "one decoder block at a time)")
 
 
 def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hooks: Hooks) -> Optional[CalibrationData]:
@@ -142,6 +163,7 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
         device = resolve_device(opts.device)
         model, _, tokenizer = meta_causal_lm(checkpoint, opts.trust_remote_code)
         plan = _resolve(recipe, model, source, opts, checkpoint)
+        plan.memory = _estimate(model, plan, "sequential", opts)
         if plan.smoothing or plan.folds:
             raise UsageError(f"{'smoothquant' if plan.smoothing else 'fold_batch_norms'} runs on the whole model: "
                              "calibrate without --sequential")
@@ -161,6 +183,7 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
         from .streaming import calibrate_weights_streaming
 
         device = resolve_device(opts.device)
+        plan.memory = _estimate(skeleton, plan, "streaming", opts)
         hooks.on_plan(plan)  # streaming means no --data and a weight-only plan: there is no data to read
         hooks.on_stage("calibrating")
         with _sidecar_stream(sidecar, plan, group) as sink:
@@ -178,6 +201,7 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
     plan = _resolve(recipe, loaded.model, source, opts, checkpoint)
     device = next(iter(loaded.model.parameters())).device
+    plan.memory = _estimate(loaded.model, plan, "in_memory", opts)
     hooks.on_plan(plan)
     data = _data(opts, plan, loaded.tokenizer, type(loaded.model).__name__.endswith("ForCausalLM"), hooks)
     hooks.on_stage("calibrating")
