@@ -40,3 +40,19 @@ def tiny_llama(dest, num_hidden_layers=2, tie_word_embeddings=False):
     for f in TOKENIZER_FILES:
         shutil.copy(tok / f, Path(dest) / f)
     return Path(dest)
+
+
+def tiny_llama_and_ids(directory):
+    """tests.test_gguf's tiny Llama (with its byte-level BPE tokenizer) in ``directory / "m"`` and 8 rows of 32
+    seeded token ids beside it (``ids.safetensors``): ``(checkpoint, ids)``."""
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.test_gguf import _tiny_llama
+
+    directory = Path(directory)
+    save_file({"input_ids": torch.randint(1, 300, (8, 32), generator=torch.Generator().manual_seed(0))},
+              directory / "ids.safetensors")
+    return _tiny_llama(directory / "m", False), directory / "ids.safetensors"

@@ -3,23 +3,16 @@ loading the model with one line naming --sequential (the bench holds the estimat
 bench/memory_estimate.py)."""
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from qtool.calibration import memory
-from tests.helpers import error_lines, run_cli
+from tests.helpers import error_lines, run_cli, tiny_llama_and_ids
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    from tests.test_gguf import _tiny_llama
-
-    d = tmp_path_factory.mktemp("memory")
-    save_file({"input_ids": torch.randint(1, 300, (8, 32), generator=torch.Generator().manual_seed(0))},
-              d / "ids.safetensors")
-    return _tiny_llama(d / "m", False), d / "ids.safetensors"
+    return tiny_llama_and_ids(tmp_path_factory.mktemp("memory"))
 
 
 def test_the_plan_line_estimates_the_peak_and_the_sequential_one(llama, tmp_path):

@@ -5,24 +5,17 @@ not a terminal) and --quiet prints nothing."""
 import json
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from qtool.hooks import Hooks
 from qtool.pipeline import CalibrateOptions, run_calibrate
-from tests.helpers import run_cli
+from tests.helpers import run_cli, tiny_llama_and_ids
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    from tests.test_gguf import _tiny_llama
-
-    d = tmp_path_factory.mktemp("progress")
-    save_file({"input_ids": torch.randint(1, 300, (8, 32), generator=torch.Generator().manual_seed(0))},
-              d / "ids.safetensors")
-    return _tiny_llama(d / "m", False), d / "ids.safetensors"
+    return tiny_llama_and_ids(tmp_path_factory.mktemp("progress"))
 
 
 def _steps(ckpt, recipe, tmp_path, **opts):
