@@ -80,7 +80,9 @@ class CalibrationRun:
 
 def choose_mode(checkpoint: str, recipe: Recipe, opts: CalibrateOptions, source: str):
     """``(mode, skeleton model or None, plan or None)``: sequential when asked; streaming when the checkpoint is a
-    Hugging Face directory, no data is given and the recipe resolves to weights only; in memory otherwise."""
+    Hugging Face directory, no data is given and the recipe resolves to weights only; in memory otherwise, after
+    an estimate of its peak on the directory's meta-device skeleton (refused, naming --sequential, where it is
+    past the machine's memory and --sequential would fit)."""
     if opts.sequential:
         if detect_kind(Path(checkpoint)) != "hf":
             raise UsageError("--sequential needs a Hugging Face causal LM directory")
