@@ -1133,8 +1133,15 @@ def config_show(
         loaded, plan = plan_for(model, recipe, _opts(model_class=model_class, trust_pickle=trust_pickle,
                                                      trust_remote_code=trust_remote_code,
                                                      allow_unmatched=allow_unmatched))
+    from .calibration.memory import estimate_memory
+
+    streams = not plan.needs_data() and plan.rotation is None and loaded.kind == "hf"  # as calibrate would run it
+    estimate = estimate_memory(loaded.model, plan, "streaming" if streams else "in_memory", 8, 128, None,
+                               loaded.is_causal_lm)
     if json_out:
         _emit_json({"ok": True, "quantizers": [asdict(q) for q in plan.quantizers],
+                    "memory": {"mode": estimate.mode, "peak_bytes": estimate.peak,
+                               "sequential_bytes": estimate.sequential},
                     "smoothquant": [asdict(g) for g in plan.smoothing],
                     **({"batch_norm_folds": [asdict(f) for f in plan.folds]} if plan.folds else {}),
                     **({"rotation": _rotation_json(plan.rotation)} if plan.rotation else {}),
@@ -1142,11 +1149,6 @@ def config_show(
         return
     console = _console()
     console.print(_plan_table(plan))
-    from .calibration.memory import estimate_memory
-
-    streams = not plan.needs_data() and plan.rotation is None and loaded.kind == "hf"  # as calibrate would run it
-    estimate = estimate_memory(loaded.model, plan, "streaming" if streams else "in_memory", 8, 128, None,
-                               loaded.is_causal_lm)
     console.print(f"calibrating it: {estimate.describe()}, at --batch-size 8 --seq-len 128")
     if plan.smoothing:
         console.print(f"smoothquant (alpha {plan.smoothing[0].alpha}), before calibration: {len(plan.smoothing)} "

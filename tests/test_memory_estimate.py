@@ -67,3 +67,15 @@ def test_config_show_with_a_model_says_the_estimate(llama):
     code, out, err = run_cli("config", "show", "w4a16-block32-gptq", "--model", ckpt)
     assert code == 0, err
     assert "calibrating it: peak memory about" in out and "--sequential: about" in out
+
+
+def test_config_show_json_gives_the_estimate_in_bytes(llama):
+    import json
+
+    ckpt, _ = llama
+    code, out, err = run_cli("config", "show", "w4a16-block32-gptq", "--model", ckpt, "--json")
+    assert code == 0, err
+    memory_json = json.loads(out)["memory"]
+    assert memory_json["mode"] == "in_memory" and memory_json["sequential_bytes"] < memory_json["peak_bytes"]
+    code, out, err = run_cli("config", "show", "gguf-q4_k_m", "--model", ckpt, "--json")
+    assert json.loads(out)["memory"]["mode"] == "streaming"  # weights only, no data: calibrate streams it
