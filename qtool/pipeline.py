@@ -406,16 +406,19 @@ def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, st
 
 def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: Path, eopts: ExportOptions,
                  hooks: Hooks, enc_display: Optional[str] = None,
-                 same_weights: bool = False) -> Dict[str, Any]:
+                 same_weights: bool = False, checkpoint_checked: bool = False) -> Dict[str, Any]:
     """Export ``enc`` of ``checkpoint`` into ``out_dir``; with ``same_weights``, refuse a checkpoint whose bytes differ
-    from those the calibration's manifest records (checked once the checkpoint is known to be readable)."""
+    from those the calibration's manifest records (checked once the checkpoint is known to be readable).
+    ``checkpoint_checked``: the format's checkpoint check already ran in this job (``quantize`` runs it before
+    calibrating)."""
     from .aimet_format import to_aimet
     from .weights import WeightSource
 
     exporter = eopts.validate()
     options = exporter.options(**asdict(eopts))
     exporter.check_online(enc.online)  # what the model computes comes before what the checkpoint holds
-    exporter.check_checkpoint(Path(checkpoint))
+    if not checkpoint_checked:
+        exporter.check_checkpoint(Path(checkpoint))
     exporter.check(enc, options)
     hooks.on_stage(f"exporting ({eopts.format})")
     summary: Dict[str, Any] = {"format": eopts.format}
@@ -587,7 +590,7 @@ def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: Ca
                 csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks, group)
             enc_path = calib_dir / "encodings.json"
             esum = _export_into(checkpoint, EncodingsFile.read(enc_path, lazy=exporter.lazy_encodings), enc_path,
-                                tmp, eopts, hooks,
+                                tmp, eopts, hooks, checkpoint_checked=True,
                                 enc_display="calibration/encodings.json")  # relative: the temp dir name is random
     out_p = Path(out)
     files = [str(out_p / n) for n in esum.pop("outputs") if not n.startswith("calibration/")]
