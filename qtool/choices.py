@@ -8,7 +8,7 @@ from typing import Sequence
 
 from .errors import UsageError
 
-__all__ = ["GGUF_TYPES", "GGML_SCALE_DTYPES", "SUPER_BLOCK_FALLBACK", "AIMET_VERSIONS", "CT_EIGHT_BIT_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_FALLBACKS", "DEVICES", "SCALE_DTYPES",
+__all__ = ["GGUF_TYPES", "GGML_SCALE_DTYPES", "LEGACY_GGUF_TYPES", "SUPER_BLOCK_FALLBACK", "AIMET_VERSIONS", "CT_EIGHT_BIT_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_FALLBACKS", "DEVICES", "SCALE_DTYPES",
            "ELEMENT_NAMES", "FLOAT_SCALE_DTYPES", "check_choice", "check_device", "check_scale_dtype", "check_element"]
 
 AIMET_VERSIONS = ("0.6.1", "1.0.0", "2.0.0")  # the AIMET encodings versions qtool writes
@@ -41,6 +41,8 @@ GGUF_TYPES = {
     "q3_k": (3, True, 16), "q2_k": (2, False, 16), "iq4_nl": (4, True, 32), "iq4_xs": (4, True, 32),
 }
 GGML_SCALE_DTYPES = tuple(GGUF_TYPES)
+# the GGUF block type an integer grid of blocks of 32 along the input is, by (bitwidth, symmetric)
+LEGACY_GGUF_TYPES = {(8, True): "Q8_0", (4, True): "Q4_0", (4, False): "Q4_1", (5, True): "Q5_0", (5, False): "Q5_1"}
 # llama-quantize's fallback for a row that is not a whole number of 256-element super-blocks (llama.cpp's
 # tensor_type_fallback; builds before 2026 sent Q2_K/Q3_K to IQ4_NL)
 SUPER_BLOCK_FALLBACK = {"q6_k": "q8_0", "q5_k": "q5_1", "q4_k": "q5_0", "q3_k": "q4_0", "q2_k": "q4_0",

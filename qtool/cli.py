@@ -218,7 +218,7 @@ def _plan_summary(plan) -> str:
     formats = Counter(plan.left_float.values())
     parts += [f"{n} x weight left float by --format {fmt} ({next(k for k, v in plan.left_float.items() if v == fmt)}"
               + (" ..." if n > 1 else "") + ")" for fmt, n in sorted(formats.items())]
-    memory = f"; {plan.memory.describe()}" if getattr(plan, "memory", None) is not None else ""
+    memory = f"; {plan.memory.describe()}" if plan.memory is not None else ""
     return f"plan: {len(plan.quantizers)} quantizers ({'; '.join(parts) or 'none'}){memory}"
 
 
@@ -1130,14 +1130,14 @@ def config_show(
         return
     with _errors(debug, json_out):
         model = _checkpoint(model, None)
-        loaded, plan = plan_for(model, recipe, _opts(model_class=model_class, trust_pickle=trust_pickle,
-                                                     trust_remote_code=trust_remote_code,
-                                                     allow_unmatched=allow_unmatched))
-    from .calibration.memory import estimate_memory
+        opts = _opts(model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
+                     allow_unmatched=allow_unmatched)
+        loaded, plan = plan_for(model, recipe, opts)
+    from .calibration import estimate_run, streams
 
-    streams = not plan.needs_data() and plan.rotation is None and loaded.kind == "hf"  # as calibrate would run it
-    estimate = estimate_memory(loaded.model, plan, "streaming" if streams else "in_memory", 8, 128, None,
-                               loaded.is_causal_lm)
+    # as calibrate, without --data and at its default batches, would run it
+    estimate = estimate_run(loaded.model, plan, "streaming" if loaded.kind == "hf" and streams(plan, opts)
+                            else "in_memory", opts)
     if json_out:
         _emit_json({"ok": True, "quantizers": [asdict(q) for q in plan.quantizers],
                     "memory": {"mode": estimate.mode, "peak_bytes": estimate.peak,
@@ -1149,7 +1149,8 @@ def config_show(
         return
     console = _console()
     console.print(_plan_table(plan))
-    console.print(f"calibrating it: {estimate.describe()}, at --batch-size 8 --seq-len 128")
+    console.print(f"calibrating it: {estimate.describe()}, at --batch-size {opts.batch_size} --seq-len "
+                  f"{opts.seq_len}")
     if plan.smoothing:
         console.print(f"smoothquant (alpha {plan.smoothing[0].alpha}), before calibration: {len(plan.smoothing)} "
                       "groups, e.g. " + _esc(f"{plan.smoothing[0].smooth} -> {', '.join(plan.smoothing[0].balance)}"))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, 
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
-from .choices import GGML_SCALE_DTYPES, GGUF_TYPES, SUPER_BLOCK_FALLBACK
+from .choices import GGML_SCALE_DTYPES, GGUF_TYPES, LEGACY_GGUF_TYPES, SUPER_BLOCK_FALLBACK
 from .errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported where a plan is made, so that recipes validate without it
@@ -789,9 +789,6 @@ def _spec_summary(spec: Optional[_Spec]) -> Optional[Dict[str, Any]]:
     return out
 
 
-_LEGACY_GGUF = {(8, True): "Q8_0", (5, True): "Q5_0", (5, False): "Q5_1", (4, True): "Q4_0", (4, False): "Q4_1"}
-
-
 def spec_label(spec: Optional[_Spec]) -> str:
     """One line for a spec: ``int4 sym per_block 32``, ``uint8 per_tensor``, ``int8 per_token dynamic``, ``float``."""
     if spec is None:
@@ -800,7 +797,7 @@ def spec_label(spec: Optional[_Spec]) -> str:
     if spec.scale_dtype in GGML_SCALE_DTYPES:  # a gguf_type sets its own scale_dtype
         kind = f"GGUF {spec.scale_dtype.upper()}"
     gran = spec.granularity + (f" {spec.block_size}" if spec.block_size else "")
-    legacy = _LEGACY_GGUF.get((spec.bitwidth, spec.symmetric))
+    legacy = LEGACY_GGUF_TYPES.get((spec.bitwidth, spec.symmetric))
     if (spec.element == "int" and legacy and spec.granularity == "per_block" and spec.block_size in (32, [1, 32])
             and spec.scale_dtype == "float16"):  # what llama.cpp calls this grid
         gran += f" (GGUF {legacy})"
@@ -840,9 +837,9 @@ def describe_recipe(recipe: Recipe) -> Dict[str, Any]:
                                                              ("activations", recipe.defaults.activations))}
     if recipe.gguf_mix is not None:  # the mix sets each weight's grid: the defaults' grid keys do not apply
         weights = {k: v for k, v in defaults["weights"].items() if k not in _GRID_KEYS}
-        fallbacks = sorted({SUPER_BLOCK_FALLBACK[t.lower()].upper() for t in _mix_types(recipe)
-                            if t.lower() in SUPER_BLOCK_FALLBACK})
-        defaults["weights"] = {"gguf_types": _mix_types(recipe), "row_fallbacks": fallbacks, **weights}
+        types = _mix_types(recipe)
+        fallbacks = sorted({SUPER_BLOCK_FALLBACK[t.lower()].upper() for t in types if t.lower() in SUPER_BLOCK_FALLBACK})
+        defaults["weights"] = {"gguf_types": types, "row_fallbacks": fallbacks, **weights}
     return {
         "defaults": defaults,
         "default_types": {"weights": list(DEFAULT_WEIGHT_TYPES) if recipe.defaults.weights else [],

@@ -25,11 +25,13 @@ from ..errors import DataError, UsageError
 from ..hooks import Hooks, reporting
 from ..io.checkpoint import detect_kind, tensor_files
 from ..io.spill import SpilledTensors
+from ..model.load import causal_lm_class
 from ..parallel import Group
 from .collective import samples_per_rank
 from .data_check import shortfalls
 
-__all__ = ["CalibrateOptions", "CalibrationRun", "MODES", "choose_mode", "calibrate_checkpoint"]
+__all__ = ["CalibrateOptions", "CalibrationRun", "MODES", "choose_mode", "calibrate_checkpoint", "streams",
+           "estimate_run"]
 
 MODES = ("in_memory", "streaming", "sequential")
 
@@ -92,17 +94,24 @@ def choose_mode(checkpoint: str, recipe: Recipe, opts: CalibrateOptions, source:
 
         skeleton = meta_skeleton(checkpoint, opts.trust_remote_code)
         plan = _resolve(recipe, skeleton, source, opts, checkpoint)
-        if opts.data is None and not plan.needs_data() and plan.rotation is None:  # a rotation: in memory
+        if streams(plan, opts):
             return "streaming", skeleton, plan
-        _check_memory(_estimate(skeleton, plan, "in_memory", opts))  # before the model is loaded
+        _check_memory(estimate_run(skeleton, plan, "in_memory", opts))  # before the model is loaded
     return "in_memory", None, None
 
 
-def _estimate(model, plan: Plan, mode: str, opts: CalibrateOptions):
+def streams(plan: Plan, opts: CalibrateOptions) -> bool:
+    """Whether a Hugging Face directory's calibration of ``plan`` streams its weights: no --data, weights only,
+    no rotation (a rotation changes the whole model: in memory)."""
+    return opts.data is None and not plan.needs_data() and plan.rotation is None
+
+
+def estimate_run(model, plan: Plan, mode: str, opts: CalibrateOptions):
+    """``calibration.memory.estimate_memory`` for ``plan`` on ``model`` with ``opts``' batches and samples."""
     from .memory import estimate_memory
 
-    causal = type(model).__name__.endswith("ForCausalLM")
-    return estimate_memory(model, plan, mode, opts.batch_size, opts.seq_len, opts.num_samples, causal)
+    return estimate_memory(model, plan, mode, opts.batch_size, opts.seq_len, opts.num_samples,
+                           causal_lm_class(model))
 
 
 def _check_memory(estimate) -> None:
@@ -165,7 +174,7 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
         device = resolve_device(opts.device)
         model, _, tokenizer = meta_causal_lm(checkpoint, opts.trust_remote_code)
         plan = _resolve(recipe, model, source, opts, checkpoint)
-        plan.memory = _estimate(model, plan, "sequential", opts)
+        plan.memory = estimate_run(model, plan, "sequential", opts)
         if plan.smoothing or plan.folds:
             raise UsageError(f"{'smoothquant' if plan.smoothing else 'fold_batch_norms'} runs on the whole model: "
                              "calibrate without --sequential")
@@ -185,7 +194,7 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
         from .streaming import calibrate_weights_streaming
 
         device = resolve_device(opts.device)
-        plan.memory = _estimate(skeleton, plan, "streaming", opts)
+        plan.memory = estimate_run(skeleton, plan, "streaming", opts)
         hooks.on_plan(plan)  # streaming means no --data and a weight-only plan: there is no data to read
         hooks.on_stage("calibrating")
         with _sidecar_stream(sidecar, plan, group) as sink:
@@ -203,9 +212,9 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
     plan = _resolve(recipe, loaded.model, source, opts, checkpoint)
     device = next(iter(loaded.model.parameters())).device
-    plan.memory = _estimate(loaded.model, plan, "in_memory", opts)
+    plan.memory = estimate_run(loaded.model, plan, "in_memory", opts)
     hooks.on_plan(plan)
-    data = _data(opts, plan, loaded.tokenizer, type(loaded.model).__name__.endswith("ForCausalLM"), hooks)
+    data = _data(opts, plan, loaded.tokenizer, causal_lm_class(loaded.model), hooks)
     hooks.on_stage("calibrating")
     quantizers = insert_quantizers(loaded.model, plan)
     result = calibrate(loaded.model, plan, quantizers, data if plan.needs_data() else None, device, hooks.on_batch,

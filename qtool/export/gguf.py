@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..choices import LEGACY_GGUF_TYPES
 from ..encodings import EncodingEntry
 from ..errors import EncodingsError
 from ..io.finite import check_finite, storable
@@ -47,7 +48,6 @@ __all__ = ["GgufExporter", "EXPORTER", "gguf_type", "pack_blocks", "GGUF_NAME"]
 GGUF_NAME = "model.gguf"
 BLOCK = 32
 # (bitwidth, symmetric) -> GGUF block type name, for blocks of 32 along the input dimension
-_TYPES = {(8, True): "Q8_0", (4, True): "Q4_0", (4, False): "Q4_1", (5, True): "Q5_0", (5, False): "Q5_1"}
 _FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0",
                "Q5_1": "MOSTLY_Q5_1", "Q2_K": "MOSTLY_Q2_K", "Q3_K": "MOSTLY_Q3_K_S", "Q4_K": "MOSTLY_Q4_K_S",
                "Q5_K": "MOSTLY_Q5_K_S", "Q6_K": "MOSTLY_Q6_K", "IQ4_NL": "MOSTLY_IQ4_NL", "IQ4_XS": "MOSTLY_IQ4_XS",
@@ -66,7 +66,7 @@ def gguf_type(e) -> Optional[str]:
         return spec.ggml.name
     if spec.axis_and_block() != (1, BLOCK):
         return None
-    return _TYPES.get((spec.bitwidth, spec.symmetric))
+    return LEGACY_GGUF_TYPES.get((spec.bitwidth, spec.symmetric))
 
 
 def _describe(e) -> str:

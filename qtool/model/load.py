@@ -46,7 +46,12 @@ class LoadedModel:
 
     @property
     def is_causal_lm(self) -> bool:
-        return self.kind == "hf" and type(self.model).__name__.endswith("ForCausalLM")
+        return self.kind == "hf" and causal_lm_class(self.model)
+
+
+def causal_lm_class(model) -> bool:
+    """Whether ``model`` is a Hugging Face causal LM class (``...ForCausalLM``)."""
+    return type(model).__name__.endswith("ForCausalLM")
 
 
 def resolve_device(device: str) -> torch.device:
