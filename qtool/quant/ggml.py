@@ -297,10 +297,11 @@ def _least_squares(x, w, v, t: GgmlType, step, low, tmp):
     if w is None:
         svv, sxv = torch.mul(v, v, out=tmp).sum(-1), torch.mul(x, v, out=tmp).sum(-1)
     else:
+        wx = w * x
         wv = torch.mul(w, v, out=tmp)
         sv = None if symmetric else wv.sum(-1)
         svv = wv.mul_(v).sum(-1)
-        sxv = torch.mul(w * x, v, out=tmp).sum(-1)
+        sxv = torch.mul(wx, v, out=tmp).sum(-1)
     if symmetric:  # the step keeps its sign (codes were rounded with it)
         ok = svv > 0
         new_step = sxv / torch.where(ok, svv, torch.ones_like(svv))
@@ -309,7 +310,7 @@ def _least_squares(x, w, v, t: GgmlType, step, low, tmp):
     if w is None:
         sw, sv, sx = torch.full_like(x[..., 0], x.shape[-1]), v.sum(-1), x.sum(-1)
     else:
-        sw, sx = w.sum(-1), (w * x).sum(-1)
+        sw, sx = w.sum(-1), wx.sum(-1)
     det = sw * svv - sv * sv
     ok = det > 0
     safe = torch.where(ok, det, torch.ones_like(det))
