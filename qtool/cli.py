@@ -936,6 +936,95 @@ def report(
         raise typer.Exit(e.exit_code)
 
 
+@app.command("eval", epilog="Examples:\n\n\b\n  qtool eval out/ --data heldout.txt                      (the manifest names the checkpoint and encodings)\n  qtool eval out/model.gguf -r MODEL_DIR -e runs/r1/encodings.json --data heldout.txt\n  qtool eval out/ --data heldout.txt --max-ppl-increase 3 --min-agreement 0.9 --json")
+def eval_(
+    artifact: str = typer.Argument(..., help="What qtool export/quantize wrote: the output directory, or a .gguf / "
+                                             ".onnx file, or a compressed-tensors directory."),
+    reference: Optional[str] = typer.Option(None, "--reference", "-r", help="The float checkpoint (default: the "
+                                            "one the artifact's manifest names)."),
+    encodings: Optional[str] = typer.Option(None, "--encodings", "-e", help="encodings.json of the calibration "
+                                            "(default: the manifest's): the fake-quant model the file is checked "
+                                            "against."),
+    data: Optional[str] = typer.Option(None, "--data", help="Held-out data (text or tensors), not the calibration's."),
+    seq_len: int = typer.Option(256, "--seq-len", min=2, help="Tokens per window."),
+    num_samples: int = typer.Option(8, "--num-samples", min=1, help="Windows to score (at most; fewer if the data "
+                                    "is shorter)."),
+    seed: int = _SEED,
+    generate: int = typer.Option(32, "--generate", min=0, help="Greedy tokens per continuation (0: none)."),
+    prompts: int = typer.Option(4, "--prompts", min=0, help="Continuations, from the first windows' first tokens."),
+    top_k: int = typer.Option(1000, "--top-k", min=1, help="llama.cpp: most likely tokens read per position (its KL "
+                              "is over these plus one bucket for the rest)."),
+    threads: int = typer.Option(0, "--threads", min=0, help="llama.cpp / onnxruntime threads (0: as torch)."),
+    onnx_optimization: str = typer.Option("all", "--onnx-optimization", help="onnxruntime graph optimizations: all "
+                                          "(its default, as users run it), basic or off."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="lm-evaluation-harness tasks, comma-separated, run "
+                                        "on the float model and on the artifact (needs qtool[tasks])."),
+    tasks_path: Optional[str] = typer.Option(None, "--tasks-path", help="A directory of task YAML of your own."),
+    task_limit: Optional[int] = typer.Option(None, "--task-limit", min=1, help="Documents per task (default: all)."),
+    max_ppl_increase: Optional[float] = typer.Option(None, "--max-ppl-increase", help="Gate: the artifact's "
+                                                     "perplexity at most PCT percent above float's."),
+    max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Gate: mean per-token KL from float <= X nats."),
+    min_agreement: Optional[float] = typer.Option(None, "--min-agreement", help="Gate: top-1 agreement with float "
+                                                  ">= X."),
+    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Gate (models that are not causal LMs): "
+                                               "mean output cosine with float >= X."),
+    max_export_gap: Optional[float] = typer.Option(None, "--max-export-gap", help="Gate: the artifact's mean KL from "
+                                                   "the fake-quant model <= X nats (1 - cosine for other models); "
+                                                   "replaces the default export-fault check."),
+    device: str = _DEVICE,
+    model_class: Optional[str] = _MODEL_CLASS,
+    trust_pickle: bool = _TRUST_PICKLE,
+    trust_remote_code: bool = _TRUST_CODE,
+    json_out: bool = _JSON,
+    quiet: bool = _QUIET,
+    debug: bool = _DEBUG,
+) -> None:
+    """Run the exported file where it is served and compare it with float and with qtool's fake-quant model."""
+    import math
+
+    from .errors import GateFailed, UsageError
+
+    with _errors(debug, json_out):
+        _check_early(device=device, data=data)
+        for flag, value in (("--max-ppl-increase", max_ppl_increase), ("--max-kl", max_kl),
+                            ("--min-agreement", min_agreement), ("--min-cosine", min_cosine),
+                            ("--max-export-gap", max_export_gap)):
+            if value is not None and not math.isfinite(value):
+                raise UsageError(f"{flag} must be a finite number (got {value})")
+        if onnx_optimization not in ("all", "basic", "off"):
+            raise UsageError(f"--onnx-optimization must be all, basic or off (got {onnx_optimization!r})")
+        from .evaluation import EvalOptions, check_gates, describe, evaluate_artifact
+
+        opts = EvalOptions(data=data, seq_len=seq_len, num_samples=num_samples, seed=seed, top_k=top_k,
+                           generate=generate, prompts=prompts, threads=threads, onnx_optimization=onnx_optimization,
+                           device=device, model_class=model_class, trust_pickle=trust_pickle,
+                           trust_remote_code=trust_remote_code,
+                           tasks=tuple(t.strip() for t in (tasks or "").split(",") if t.strip()),
+                           tasks_path=tasks_path, task_limit=task_limit)
+        if tasks_path is not None and not os.path.isdir(tasks_path):
+            raise UsageError(f"--tasks-path {tasks_path}: not a directory")
+        with _Progress(quiet) as p:
+            ev = evaluate_artifact(artifact, reference, encodings, opts, hooks=p.hooks())
+        gates = check_gates(ev, max_ppl_increase, max_kl, min_agreement, max_export_gap, min_cosine)
+    from .evaluation import enforce
+
+    failed = [g for g in gates if not g.passed] or ([True] if ev.export_fault and max_export_gap is None else [])
+    if json_out:
+        _emit_json({"ok": not failed, **ev.to_json(),
+                    "gates": [{"gate": g.gate, "threshold": g.threshold, "value": g.value, "passed": g.passed}
+                              for g in gates]})
+    elif not quiet:
+        for line in describe(ev):
+            err.print(_esc(line))
+        for note in ev.notes:
+            err.print(f"[dim]note: {_esc(note)}[/dim]")
+    try:
+        enforce(ev, gates, max_export_gap is not None)
+    except GateFailed as e:
+        err.print(str(e), markup=False)
+        raise typer.Exit(e.exit_code)
+
+
 @app.command(epilog="Examples:\n\n\b\n  qtool imatrix LLAMA_DIR --data calib.txt -o imatrix.gguf\n  llama-quantize --imatrix imatrix.gguf model-f16.gguf model-q4_k_m.gguf Q4_K_M")
 def imatrix(
     checkpoint: str = typer.Argument(..., help="A Llama-family Hugging Face directory (or Hub ID)."),

@@ -31,7 +31,7 @@ from .hooks import Hooks
 from .io.checkpoint import tensor_files
 from .io.fs import atomic_output_dir, check_output_dir, check_output_file, sha256_file
 from .io.jsonfile import dumps_indented
-from .model.apply import apply_encodings, apply_stored_weights, plan_from_encodings
+from .model.apply import apply_encodings, make_fake_quant, plan_from_encodings
 from .model.load import LoadedModel, load_model
 from .parallel import Group, from_environment
 from .weights import write_codes
@@ -857,22 +857,11 @@ def _write_search(run_dir: Path, record: Dict[str, Any]) -> None:
     (run_dir / SEARCH_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
 
-def _apply_stored(model: nn.Module, checkpoint: str, enc: EncodingsFile, encodings: str, trust_pickle: bool) -> None:
-    """Stored codes and replaced tensors (GPTQ, folds) onto the model, so it computes what the files hold."""
-    if enc.codes_file is None:
-        return
-    from .weights import WeightSource
-
-    apply_stored_weights(model, WeightSource(Path(checkpoint), enc, Path(encodings).parent, trust_pickle=trust_pickle))
-
-
 def load_calibrated(checkpoint: str, encodings: str, model_class: Optional[str] = None, device: str = "cpu",
                     trust_pickle: bool = False, trust_remote_code: bool = False) -> nn.Module:
     """The checkpoint's model with fake-quant modules set from ``encodings`` (qtool's encodings.json)."""
     loaded = load_model(checkpoint, model_class, device, trust_pickle, trust_remote_code)
-    enc = EncodingsFile.read(encodings)
-    apply_encodings(loaded.model, enc, str(encodings))
-    _apply_stored(loaded.model, checkpoint, enc, encodings, trust_pickle)
+    make_fake_quant(loaded.model, checkpoint, encodings, trust_pickle)
     loaded.model.qtool_tokenizer = loaded.tokenizer  # handy for evaluation code
     return loaded.model
 
@@ -888,9 +877,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
             raise UsageError("--sensitivity runs in one process: run it without torchrun")
         hooks.on_stage("loading checkpoint")
         loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
-        enc = EncodingsFile.read(encodings)
-        apply_encodings(loaded.model, enc, str(encodings))
-        _apply_stored(loaded.model, checkpoint, enc, encodings, opts.trust_pickle)
+        enc = make_fake_quant(loaded.model, checkpoint, encodings, opts.trust_pickle)
         if opts.data is None:
             raise DataError("qtool report runs the model: pass --data PATH (text or tensors)")
         data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer,

@@ -22,15 +22,18 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 VOCAB = 300
 
 
-def _tiny_llama(dest: Path, tied: bool, model_type: str = "llama", hidden: int = 64) -> Path:
+def _tiny_llama(dest: Path, tied: bool, model_type: str = "llama", hidden: int = 64,
+                init_range: float = 0.02) -> Path:
     """A random tiny Llama (grouped-query attention) with a byte-level BPE tokenizer trained on ASCII text (every
-    token decodes to whole characters, so llama.cpp reports a probability for each)."""
+    token decodes to whole characters, so llama.cpp reports a probability for each). A larger ``init_range`` gives
+    confident next-token distributions, as a trained model's are."""
     import pydoc_data.topics
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     torch.manual_seed(0)
     kw = dict(vocab_size=VOCAB + 20, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied)
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied,
+              initializer_range=init_range)
     if model_type == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
     else:

@@ -49,6 +49,8 @@ def test_json_keys_are_the_documented_ones(tmp_path):
         doc["calibrate"] | doc["export"] | doc["qtool"]
     assert keys("report", ckpt, "-e", enc, "--data", data, *mc) == doc["report"]
     assert keys("inspect", tmp_path / "qtool") == doc["inspect"]
+    for fmt in ("qtool", "onnx"):  # not a causal LM: output cosine (the manifest names the checkpoint)
+        assert keys("eval", tmp_path / fmt, "--data", data, *mc) == doc["eval (other models)"], fmt
     assert keys("import-encodings", ckpt, tmp_path / "qtool" / "model.encodings", *mc, "-o", tmp_path / "i") == \
         doc["import-encodings"]
     assert keys("config", "list") == doc["config list"]

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1] / "qtool"
 LAYERS = [
     ("cli", "__main__", "example"),
     ("pipeline",),
-    ("calibration", "export", "report", "inspect", "imatrix", "mixed"),
+    ("calibration", "export", "report", "inspect", "imatrix", "mixed", "evaluation"),
     ("model",),
     ("config", "gguf_mixes", "encodings", "aimet_format", "data", "weights"),
     ("io", "quant", "hooks", "choices", "parallel"),

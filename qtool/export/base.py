@@ -96,6 +96,11 @@ class Exporter:
         them (default: none), so the plan can say so before calibrating."""
         return []
 
+    def not_written(self, entries, options: "Exporter.Options") -> List[str]:
+        """Every quantizer (encodings entries with ``module_type``) the written model runs in float: what
+        ``left_float`` names, and activation quantizers the format has no place for (default: ``left_float``)."""
+        return self.left_float(entries, options)
+
     def check_quantizers(self, quantizers, options: "Exporter.Options") -> None:
         """Refuse quantizers (encodings entries, or plan rows before calibration: each has ``name``, ``tensor``
         and ``spec``) this format cannot express (default: all fit)."""

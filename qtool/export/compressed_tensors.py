@@ -337,6 +337,17 @@ def _packed_zp_shape(scale_shape: Tuple[int, ...], bits: int) -> Tuple[int, ...]
     return ((rows * bits + 31) // 32, cols)
 
 
+def _written_input(e) -> bool:
+    """A dynamic or FP8 input quantizer: the config group's ``input_activations`` hold it."""
+    return e.tensor == "input" and (e.dynamic or e.is_float)
+
+
+def _unwritten_activations(entries) -> list:
+    """Static integer input and every output quantizer: the layout has no place for them (they run in float)."""
+    written = {e.module for e in entries if _written_input(e)}
+    return [e for e in entries if e.tensor in ("input", "output") and e.module not in written]
+
+
 def export_compressed_tensors(
     checkpoint: Path,
     encodings: EncodingsFile,
@@ -386,9 +397,9 @@ def export_compressed_tensors(
     warnings: List[str] = []
     # dynamic input quantizers become the config group's input_activations (W8A8 with dynamic activations), and
     # so do static FP8 ones (with their input_scale); static integer activations are not written: they run in float
-    dyn_inputs = {e.module: e for e in encodings.entries if e.tensor == "input" and (e.dynamic or e.is_float)}
+    dyn_inputs = {e.module: e for e in encodings.entries if _written_input(e)}
     kv = [e for e in encodings.entries if e.tensor in ("k_cache", "v_cache")]
-    acts = [e for e in encodings.entries if e.tensor in ("input", "output") and e.module not in dyn_inputs]
+    acts = _unwritten_activations(encodings.entries)
     if acts:
         warnings.append(
             f"{len(acts)} activation quantizer(s) not exported: the compressed-tensors export writes dynamic and FP8 "
@@ -738,6 +749,9 @@ class CompressedTensorsExporter(Exporter):
     def left_float(self, quantizers, options: "CompressedTensorsExporter.Options") -> List[str]:
         """Weights of modules other than Linear (embedding tables): the layout quantizes Linear weights only."""
         return [q.name for q in quantizers if q.tensor == "weight" and q.module_type != "Linear"]
+
+    def not_written(self, entries, options: "CompressedTensorsExporter.Options") -> List[str]:
+        return self.left_float(entries, options) + [e.name for e in _unwritten_activations(entries)]
 
     def tensor_bytes(self, quantizer, shape, dtype, options: "CompressedTensorsExporter.Options") -> int:
         """As :func:`export_compressed_tensors` lays the tensor out: a quantized layer's input scales (static

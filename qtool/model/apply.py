@@ -66,6 +66,20 @@ def apply_encodings(model: nn.Module, enc: EncodingsFile, source: str) -> Dict[s
     return quantizers
 
 
+def make_fake_quant(model: nn.Module, checkpoint, encodings, trust_pickle: bool = False) -> EncodingsFile:
+    """Turn ``model`` (the float model of ``checkpoint``) into the fake-quant model ``encodings`` (qtool's
+    encodings.json) describes: its quantizers, online rotations and stored codes or replaced tensors. Returns the
+    encodings read."""
+    from pathlib import Path
+
+    enc = EncodingsFile.read(encodings)
+    apply_encodings(model, enc, str(encodings))
+    if enc.codes_file is not None:
+        apply_stored_weights(model, WeightSource(Path(checkpoint), enc, Path(encodings).parent,
+                                                 trust_pickle=trust_pickle))
+    return enc
+
+
 def apply_stored_weights(model: nn.Module, weights: WeightSource, codes: bool = True) -> None:
     """Put what the encodings' codes file stored into ``model``: a stored-codes weight's fake-quant value becomes its
     dequantized codes (the float weight stays, so the float reference is unchanged; ``codes=False`` leaves them to

@@ -1,0 +1,540 @@
+"""``qtool eval``: an exported artifact run by the program that serves its format, against the float model and
+against qtool's own fake-quant model on held-out data.
+
+Three models see the same token windows, one after the other (only one is in memory at a time, beside the
+reference log-probabilities): the float checkpoint, the fake-quant model its encodings describe, and the artifact
+in its runtime (``runtimes`` / ``llamacpp``). For causal LMs: perplexity, per-token KL divergence from float
+(mean, 99th percentile, max) and top-1 agreement, as llama-perplexity ``--kl-divergence`` reports them; greedy
+continuations and where each first leaves the float model's. The same KL between the fake-quant model and the
+artifact is the *export gap*: what the file and its runtime changed of what calibration chose. A gap beyond what
+the runtime's own arithmetic explains is an export fault. For other models: output cosine (and top-1 for
+classifiers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..data import load_data
+from ..errors import DataError, GateFailed, UsageError
+from ..hooks import Hooks
+from ..model.apply import make_fake_quant
+from ..model.insert import quantized_modules, set_stored_weight
+from ..model.load import load_model
+from ..report import Gate
+from .artifact import Artifact, locate
+from .metrics import Agreement, Distributions, Divergence, agreement, cosine, divergence, perplexity, token_kl
+from .runtimes import OnnxRuntime, TorchRuntime, transformers_reload
+
+__all__ = ["EvalOptions", "Evaluation", "evaluate_artifact", "locate", "Artifact", "check_gates"]
+
+# The export gap (KL of the artifact from the fake-quant model) that a runtime's own arithmetic explains is the
+# runtime's ``gap_share`` of the quantization's own KL from float plus its ``gap_floor`` (nats). torch in float32
+# computes what the fake-quant model computes (share 0); llama.cpp quantizes activations to 8 bits inside its
+# quantized dot products, and onnxruntime's kernels round quantized activations differently from torch's, which
+# 30 layers carry on. Measured on SmolLM2-135M (docs/accuracy.md, "Exported files in their runtimes"): healthy gaps
+# 2e-8 (qtool, transformers), 0.004 / 0.007 (llama.cpp Q8_0 / Q4_K_M), 0.035 (onnxruntime W8A8 dynamic, about the
+# quantization's own 0.036); one tensor's block scales doubled in the Q8_0 file: 0.044.
+MIN_TOKENS = 16
+
+
+@dataclass
+class EvalOptions:
+    data: Optional[str] = None
+    seq_len: int = 256
+    num_samples: int = 8
+    seed: int = 0
+    batch_size: int = 1
+    top_k: int = 1000  # llama.cpp's most likely tokens per position (its KL is over these plus the rest)
+    generate: int = 32  # greedy tokens per continuation (0: none)
+    prompts: int = 4  # continuations
+    prompt_len: int = 32
+    threads: int = 0  # llama.cpp / onnxruntime threads; 0: torch's
+    onnx_optimization: str = "all"
+    device: str = "cpu"
+    model_class: Optional[str] = None
+    trust_pickle: bool = False
+    trust_remote_code: bool = False
+    tasks: Tuple[str, ...] = ()  # lm-eval tasks, run on the float model and on the artifact
+    tasks_path: Optional[str] = None  # a directory of task YAML of one's own
+    task_limit: Optional[int] = None  # documents per task
+    task_max_length: int = 1024  # tokens a task request keeps (its last)
+
+
+@dataclass
+class Evaluation:
+    artifact: str
+    format: str
+    runtime: str
+    reference: str
+    encodings: Optional[str]
+    causal_lm: bool
+    sequences: int
+    tokens: int
+    perplexity: Dict[str, float] = field(default_factory=dict)  # float / fake_quant / artifact
+    vs_float: Dict[str, Agreement] = field(default_factory=dict)  # fake_quant / artifact
+    export_gap: Optional[Agreement] = None  # the artifact against the fake-quant model
+    generations: Dict[str, Divergence] = field(default_factory=dict)
+    cosine: Dict[str, Dict[str, float]] = field(default_factory=dict)  # not causal LMs: mean / min per pair
+    top1: Dict[str, float] = field(default_factory=dict)  # classifiers
+    export_fault: Optional[str] = None
+    notes: List[str] = field(default_factory=list)
+    tasks: Optional[Dict[str, Any]] = None
+
+    @property
+    def perplexity_increase_pct(self) -> Optional[float]:
+        if "artifact" not in self.perplexity:
+            return None
+        return 100.0 * (self.perplexity["artifact"] / self.perplexity["float"] - 1.0)
+
+    def to_json(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {
+            "artifact": self.artifact, "format": self.format, "runtime": self.runtime, "reference": self.reference,
+            "encodings": self.encodings, "causal_lm": self.causal_lm, "sequences": self.sequences,
+            "tokens": self.tokens}
+        if self.causal_lm:
+            out["perplexity"] = dict(self.perplexity)
+            out["perplexity_increase_pct"] = self.perplexity_increase_pct
+            out["vs_float"] = {k: v.to_json() for k, v in self.vs_float.items()}
+            out["export_gap"] = self.export_gap.to_json() if self.export_gap else None
+            out["generations"] = {k: v.to_json() for k, v in self.generations.items()}
+        else:
+            out["cosine"] = dict(self.cosine)
+            if self.top1:
+                out["top1_agreement"] = dict(self.top1)
+        out["export_fault"] = self.export_fault
+        if self.tasks is not None:
+            out["tasks"] = self.tasks
+        out["notes"] = list(self.notes)
+        return out
+
+
+def _threads(opts: EvalOptions) -> int:
+    return opts.threads or torch.get_num_threads()
+
+
+def _open_runtime(art: Artifact, opts: EvalOptions, causal_lm: bool, n_ctx: int, fake_quant=None):
+    """The artifact's runtime. qtool's own format runs in torch: the fake-quant model (or the float model) with
+    the file's dequantized weights in place of the ones calibration computed."""
+    if art.format == "gguf":
+        if not causal_lm:
+            raise UsageError(f"{art.path}: a GGUF file is evaluated against a causal LM checkpoint")
+        from .llamacpp import LlamaCpp
+
+        return LlamaCpp(str(art.path), n_ctx=n_ctx, threads=_threads(opts))
+    if art.format == "onnx":
+        return OnnxRuntime(art.path, opts.onnx_optimization, opts.threads)
+    if art.format == "compressed-tensors":
+        return transformers_reload(art.path, causal_lm, opts.device)
+    return TorchRuntime(_with_export_weights(fake_quant, art.path), "qtool (torch)")
+
+
+def _with_export_weights(model: torch.nn.Module, directory: Path) -> torch.nn.Module:
+    from ..export.qtool_st import read_integer_export
+
+    quantized = quantized_modules(model)
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    for key, value in read_integer_export(directory).items():
+        module, _, attr = key.rpartition(".")
+        if attr == "weight" and module in quantized:
+            set_stored_weight(quantized[module], value.to(params[key].dtype).to(params[key].device)
+                              if key in params else value)
+        elif key in params:
+            if tuple(params[key].shape) != tuple(value.shape):
+                raise UsageError(f"{directory}: tensor {key!r} has shape {list(value.shape)}, the reference model's "
+                                 f"has {list(params[key].shape)}: an export of another model?")
+            with torch.no_grad():
+                params[key].copy_(value.to(params[key].dtype))
+        else:
+            raise UsageError(f"{directory}: tensor {key!r} is not in the reference model: an export of another model?")
+    return model
+
+
+def _same_model(art: Artifact, config) -> None:
+    """Refuse an artifact whose recorded shape (GGUF metadata, a compressed-tensors config) is not the reference
+    model's: width, depth and vocabulary."""
+    if config is None:
+        return
+    want = {k: getattr(config, k, None) for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
+    got = {}
+    if art.format == "gguf":
+        from gguf import GGUFReader
+
+        try:
+            reader = GGUFReader(str(art.path))
+        except (ValueError, OSError, KeyError, IndexError) as e:
+            raise UsageError(f"{art.path}: not a readable GGUF file ({type(e).__name__})") from None
+        arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+
+        def value(key):
+            f = reader.fields.get(key)
+            return None if f is None else int(f.parts[-1][0])
+
+        got = {"hidden_size": value(f"{arch}.embedding_length"), "num_hidden_layers": value(f"{arch}.block_count")}
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            got["vocab_size"] = len(tokens.data)
+    elif art.format == "compressed-tensors":
+        import json
+
+        try:
+            cfg = json.loads((art.path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{art.path / 'config.json'}: not readable ({type(e).__name__})") from None
+        cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+        got = {k: cfg.get(k) for k in want}
+    wrong = [f"{k} {got[k]} (the reference's: {want[k]})" for k in want
+             if got.get(k) is not None and want[k] is not None and got[k] != want[k]]
+    if wrong:
+        raise UsageError(f"{art.path}: not an export of the reference model: {', '.join(wrong)}")
+
+
+def _static_activations(runtime, enc: Optional[Path]) -> None:
+    """onnxruntime's arithmetic departs from torch's only where it rounds quantized activations: without activation
+    quantizers its float32 kernels agree with torch's to about 1e-6, so no share of the quantization's KL is
+    allowed."""
+    if isinstance(runtime, OnnxRuntime) and enc is not None:
+        from ..encodings import EncodingsFile
+
+        if all(e.tensor == "weight" for e in EncodingsFile.read(enc).entries):
+            runtime.gap_share, runtime.gap_floor = 0.0, 1e-3
+
+
+def _as_stored(model: torch.nn.Module, enc, fmt: str, ev: "Evaluation") -> None:
+    """The fake-quant model as the format stores it: quantizers the format runs in float although the recipe has
+    them (compressed-tensors' embedding tables and static integer activations) are switched off, so the export
+    gap measures the file, not a documented limit of its layout."""
+    from ..export import get_exporter
+    from ..model.insert import QUANTIZERS_ATTR
+
+    exporter = get_exporter(fmt)
+    modules = dict(model.named_modules())
+    entries = {e.name: (e, modules[e.module]) for e in enc.entries if e.module in modules}
+    rows = [_Row(e, getattr(m, "_qtool_base", type(m)).__name__) for e, m in entries.values()]
+    off = sorted(set(exporter.not_written(rows, exporter.Options())))
+    for name in off:
+        e, m = entries[name]
+        getattr(m, QUANTIZERS_ATTR)[e.tensor].enabled = False
+    if off:
+        ev.notes.append(f"the fake-quant model runs {len(off)} quantizer(s) in float as --format {fmt} writes them "
+                        f"({', '.join(off[:3])}{', ...' if len(off) > 3 else ''})")
+
+
+class _Row:
+    """An encodings entry with its module's type (what an exporter's ``left_float`` reads)."""
+
+    def __init__(self, entry, module_type: str):
+        self._entry, self.module_type = entry, module_type
+
+    def __getattr__(self, name):
+        return getattr(self._entry, name)
+
+
+def _windows(opts: EvalOptions, tokenizer, causal_lm: bool):
+    if opts.data is None:
+        raise DataError("qtool eval runs the models on held-out data: pass --data PATH (text or tensors)")
+    data = load_data(opts.data, 1 if causal_lm else opts.batch_size, opts.num_samples, opts.seed, opts.seq_len,
+                     tokenizer, pack_text=causal_lm, at_most=True)
+    if not causal_lm:
+        return list(data)
+    seqs = []
+    for b in data:
+        ids = b.kwargs["input_ids"] if "input_ids" in b.kwargs else b.args[0]
+        mask = b.kwargs.get("attention_mask")
+        for r in range(ids.shape[0]):
+            row = ids[r] if mask is None else ids[r][mask[r] > 0]
+            seqs.append([int(t) for t in row])
+    if sum(max(0, len(s) - 1) for s in seqs) < MIN_TOKENS:
+        raise DataError(f"{opts.data}: too little text to score ({sum(len(s) for s in seqs)} tokens; at least "
+                        f"{MIN_TOKENS + 1} are needed, a few thousand give stable figures)")
+    return seqs
+
+
+def _prompts(seqs: List[List[int]], opts: EvalOptions) -> List[List[int]]:
+    if opts.generate <= 0 or opts.prompts <= 0:
+        return []
+    n = max(1, min(opts.prompt_len, min(len(s) for s in seqs) // 2))
+    return [s[:n] for s in seqs[:opts.prompts]]
+
+
+class _Scores:
+    """Reference log-probabilities of every window (float32 on the CPU: tokens × vocabulary × 4 bytes)."""
+
+    def __init__(self):
+        self.logp: List[torch.Tensor] = []
+        self.targets: List[torch.Tensor] = []
+        self.argmax: List[torch.Tensor] = []
+        self.generations: List[List[int]] = []
+
+
+def _score(runtime, seqs, prompts, opts: EvalOptions, hooks: Hooks, label: str, refs: List[_Scores]):
+    """Run ``runtime`` over every window: its own scores, and each reference's KL / top-1 against it."""
+    from ..hooks import step
+
+    mine = _Scores()
+    kls: List[List[torch.Tensor]] = [[] for _ in refs]
+    same: List[List[torch.Tensor]] = [[] for _ in refs]
+    total = len(seqs) + len(prompts)
+    for i, ids in enumerate(seqs):
+        d: Distributions = runtime.distributions(ids, opts.top_k)
+        if d.full is not None:
+            mine.logp.append(d.full.float())
+        mine.targets.append(d.target)
+        mine.argmax.append(d.argmax)
+        for j, ref in enumerate(refs):
+            vocab = ref.logp[i].shape[-1]
+            if (d.full is not None and d.full.shape[-1] != vocab) or int(d.top_ids.max()) >= vocab:
+                raise UsageError(f"{label} predicts over another vocabulary than the reference model's {vocab} "
+                                 f"tokens: an export of another model?")
+            kls[j].append(token_kl(ref.logp[i], d))
+            same[j].append(ref.argmax[i] == d.argmax)
+        step(f"scoring ({label})", i + 1, total)
+    for i, p in enumerate(prompts):
+        mine.generations.append(runtime.greedy(p, opts.generate))
+        step(f"scoring ({label})", len(seqs) + i + 1, total)
+    return mine, [agreement(k, s) for k, s in zip(kls, same)]
+
+
+def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Optional[str], opts: EvalOptions,
+                      hooks: Optional[Hooks] = None) -> Evaluation:
+    """Evaluate ``artifact`` (see :func:`locate`) against the float ``reference`` checkpoint (default: the one its
+    manifest names) and the fake-quant model of ``encodings`` (default: the manifest's), on ``opts.data``."""
+    from ..hooks import reporting
+
+    hooks = hooks or Hooks()
+    art = locate(artifact)
+    reference = reference or art.checkpoint
+    if reference is None:
+        raise UsageError(f"{artifact}: no manifest names the float checkpoint it came from: pass --reference PATH")
+    if not Path(reference).exists():
+        raise UsageError(f"{reference}: the float checkpoint is not there (pass --reference PATH)")
+    enc = Path(encodings) if encodings else art.encodings
+    if enc is not None and not enc.is_file():
+        if encodings:
+            raise UsageError(f"{enc}: no such encodings file")
+        enc = None
+    manager = None
+    if opts.tasks:
+        from .tasks import task_manager
+
+        manager = task_manager(opts.tasks_path, opts.tasks)
+    with reporting(hooks):
+        return _evaluate(art, reference, enc, opts, hooks, manager)
+
+
+def _run_tasks(runtime, tokenizer, opts: EvalOptions, manager, label: str, hooks: Hooks):
+    from .tasks import run_tasks
+
+    hooks.on_stage(f"running tasks on the {label} ({', '.join(opts.tasks)})")
+    return run_tasks(runtime, tokenizer, opts.tasks, manager, opts.task_limit, opts.task_max_length, label)
+
+
+def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOptions, hooks: Hooks,
+              manager=None) -> Evaluation:
+    hooks.on_stage("loading the float checkpoint")
+    loaded = load_model(reference, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+    causal = loaded.is_causal_lm
+    if art.format == "gguf" and not causal:
+        raise UsageError(f"{art.path}: a GGUF file is evaluated against a causal LM checkpoint; {reference} is not one")
+    _same_model(art, loaded.config)
+    if enc is not None:  # another model's encodings: one line now, not after the float model has run
+        from ..encodings import EncodingsFile
+        from ..model.apply import plan_from_encodings
+
+        plan_from_encodings(EncodingsFile.read(enc), loaded.model, str(enc))
+    data = _windows(opts, loaded.tokenizer, causal)
+    ev = Evaluation(str(art.path), art.format, "", str(reference), str(enc) if enc else None, causal,
+                    len(data), 0)
+    if enc is None:
+        ev.notes.append("no encodings: the artifact is compared with the float model only (pass --encodings "
+                        "for the export gap)")
+    if not causal:
+        if opts.tasks:
+            raise UsageError("--tasks runs lm-eval's tasks on causal LMs")
+        return _evaluate_outputs(ev, art, loaded, reference, enc, data, opts, hooks)
+    tokenizer = loaded.tokenizer
+    task_results: Dict[str, Any] = {}
+    seqs = data
+    prompts = _prompts(seqs, opts)
+    ev.tokens = sum(len(s) - 1 for s in seqs)
+    n_ctx = max(max(len(s) for s in seqs), max((len(p) for p in prompts), default=0) + opts.generate) + 8
+    if opts.tasks:
+        n_ctx = max(n_ctx, opts.task_max_length + 8)
+
+    hooks.on_stage("measuring the float model")
+    flt, _ = _score(TorchRuntime(loaded.model, "torch"), seqs, prompts, opts, hooks, "float", [])
+    ev.perplexity["float"] = perplexity(flt.targets)
+    if opts.tasks:
+        task_results["float"] = _run_tasks(TorchRuntime(loaded.model, "torch"), tokenizer, opts, manager,
+                                           "float model", hooks)
+    model = loaded.model
+    del loaded
+    fq = None
+    if enc is not None:
+        hooks.on_stage("measuring the fake-quant model")
+        model = None  # one model in memory at a time
+        model = load_model(reference, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code).model
+        _as_stored(model, make_fake_quant(model, reference, enc, opts.trust_pickle), art.format, ev)
+        fq, (fq_vs_float,) = _score(TorchRuntime(model, "torch"), seqs, prompts, opts, hooks, "fake-quant", [flt])
+        ev.perplexity["fake_quant"] = perplexity(fq.targets)
+        ev.vs_float["fake_quant"] = fq_vs_float
+        if prompts:
+            ev.generations["fake_quant"] = divergence(flt.generations, fq.generations, opts.generate)
+    if art.format != "qtool":
+        model = None  # qtool's format runs in the model just measured, with the file's weights
+    hooks.on_stage(f"opening the artifact ({art.runtime})")
+    runtime = _open_runtime(art, opts, True, n_ctx, model)
+    ev.runtime = runtime.name
+    _static_activations(runtime, enc)
+    try:
+        hooks.on_stage(f"measuring the artifact in {runtime.name}")
+        refs = [flt] + ([fq] if fq is not None else [])
+        got, vs = _score(runtime, seqs, prompts, opts, hooks, runtime.name, refs)
+        if opts.tasks:
+            task_results["artifact"] = _run_tasks(runtime, tokenizer, opts, manager, "artifact", hooks)
+    finally:
+        runtime.close()
+    ev.perplexity["artifact"] = perplexity(got.targets)
+    if opts.tasks:
+        from .tasks import side_by_side
+
+        ev.tasks = side_by_side(task_results)
+    ev.vs_float["artifact"] = vs[0]
+    if prompts:
+        ev.generations["artifact"] = divergence(flt.generations, got.generations, opts.generate)
+    if fq is not None:
+        ev.export_gap = vs[1]
+        quant = ev.vs_float["fake_quant"].kl_mean
+        allowed = runtime.gap_share * quant + runtime.gap_floor
+        if ev.export_gap.kl_mean > allowed:
+            ev.export_fault = (f"the artifact differs from qtool's fake-quant model by KL {ev.export_gap.kl_mean:.4g} "
+                               f"(top-1 agreement {ev.export_gap.top1:.3f}), beyond what {runtime.name}'s own "
+                               f"arithmetic explains ({allowed:.3g}: {runtime.gap_share:g} x the quantization's KL "
+                               f"{quant:.3g} + {runtime.gap_floor:g})")
+    if got.logp == [] and art.format == "gguf":
+        ev.notes.append(f"llama.cpp reports its {opts.top_k} most likely tokens per position: its KL is over those "
+                        f"plus one bucket for the rest of the vocabulary (a lower bound of the full KL)")
+    return ev
+
+
+def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc: Optional[Path], batches,
+                      opts: EvalOptions, hooks: Hooks) -> Evaluation:
+    """Models that are not causal LMs: the main output's cosine (and top-1 of a ``[N, classes]`` output)."""
+    hooks.on_stage("measuring the float model")
+    flt = [TorchRuntime(loaded.model, "torch").outputs(b) for b in batches]
+    model = None
+    fq = None
+    if enc is not None:
+        hooks.on_stage("measuring the fake-quant model")
+        model = load_model(reference, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code).model
+        _as_stored(model, make_fake_quant(model, reference, enc, opts.trust_pickle), art.format, ev)
+        fq = [TorchRuntime(model, "torch").outputs(b) for b in batches]
+    elif art.format == "qtool":
+        model = loaded.model
+    runtime = _open_runtime(art, opts, False, 0, model)
+    ev.runtime = runtime.name
+    _static_activations(runtime, enc)
+    hooks.on_stage(f"measuring the artifact in {runtime.name}")
+    try:
+        got = [runtime.outputs(b) for b in batches]
+    finally:
+        runtime.close()
+    pairs = {"fake_quant": (flt, fq), "artifact": (flt, got), "export_gap": (fq, got)}
+    for name, (a, b) in pairs.items():
+        if a is None or b is None:
+            continue
+        if any(x.shape != y.shape for x, y in zip(a, b)):
+            raise UsageError(f"{art.path}: its outputs have another shape than the reference model's: an export of "
+                             f"another model?")
+        c = torch.cat([cosine(x, y) for x, y in zip(a, b)])
+        ev.cosine[name] = {"mean": float(c.mean()), "min": float(c.min())}
+        if all(x.dim() == 2 for x in a):
+            same = torch.cat([x.argmax(-1) == y.argmax(-1) for x, y in zip(a, b)])
+            ev.top1[name] = float(same.double().mean())
+    ev.tokens = sum(int(b.size) for b in batches)
+    if fq is not None:
+        quant = 1.0 - ev.cosine["fake_quant"]["mean"]
+        gap = 1.0 - ev.cosine["export_gap"]["mean"]
+        allowed = runtime.gap_share * quant + runtime.gap_floor
+        if gap > allowed:
+            ev.export_fault = (f"the artifact's outputs differ from qtool's fake-quant model's (cosine "
+                               f"{ev.cosine['export_gap']['mean']:.5f}) beyond what {runtime.name}'s own arithmetic "
+                               f"explains (1 - cosine {gap:.3g} > {allowed:.3g})")
+    return ev
+
+
+def check_gates(ev: Evaluation, max_ppl_increase: Optional[float] = None, max_kl: Optional[float] = None,
+                min_agreement: Optional[float] = None, max_export_gap: Optional[float] = None,
+                min_cosine: Optional[float] = None) -> List[Gate]:
+    """The gates that are set; ``UsageError`` for one that cannot apply to this model."""
+    gates = []
+    lm_only = {"max-ppl-increase": max_ppl_increase, "max-kl": max_kl, "min-agreement": min_agreement}
+    if not ev.causal_lm and any(v is not None for v in lm_only.values()):
+        raise UsageError(f"--{next(k for k, v in lm_only.items() if v is not None)} needs a causal LM; "
+                         f"use --min-cosine for this model")
+    if max_ppl_increase is not None:
+        v = ev.perplexity_increase_pct
+        gates.append(Gate("max-ppl-increase", max_ppl_increase, v, v <= max_ppl_increase, f"perplexity {v:+.2f}%"))
+    if max_kl is not None:
+        v = ev.vs_float["artifact"].kl_mean
+        gates.append(Gate("max-kl", max_kl, v, v <= max_kl, f"mean KL from float {v:.4g}"))
+    if min_agreement is not None:
+        v = ev.vs_float["artifact"].top1
+        gates.append(Gate("min-agreement", min_agreement, v, v >= min_agreement, f"top-1 agreement {v:.4f}"))
+    if min_cosine is not None:
+        if ev.causal_lm:
+            raise UsageError("--min-cosine is for models that are not causal LMs; use --max-kl / --min-agreement")
+        v = ev.cosine["artifact"]["mean"]
+        gates.append(Gate("min-cosine", min_cosine, v, v >= min_cosine, f"cosine {v:.5f}"))
+    if max_export_gap is not None:
+        if ev.encodings is None:
+            raise UsageError("--max-export-gap compares the artifact with the fake-quant model: pass --encodings")
+        v = ev.export_gap.kl_mean if ev.causal_lm else 1.0 - ev.cosine["export_gap"]["mean"]
+        gates.append(Gate("max-export-gap", max_export_gap, v, v <= max_export_gap, f"export gap {v:.4g}"))
+    return gates
+
+
+def enforce(ev: Evaluation, gates: List[Gate], export_gap_gate: bool) -> None:
+    """``GateFailed`` (exit 1) naming every failed gate and an export fault (unless ``--max-export-gap`` set its
+    own threshold, which then decides)."""
+    lines = [g.line() for g in gates if not g.passed]
+    if ev.export_fault and not export_gap_gate:
+        lines.insert(0, f"export fault: {ev.export_fault}")
+    if lines:
+        raise GateFailed("\n".join(lines))
+
+
+def describe(ev: Evaluation) -> List[str]:
+    """Plain lines for people (the CLI draws them)."""
+    lines = [f"{ev.format} artifact run by {ev.runtime}, against {ev.reference}"]
+    if ev.causal_lm:
+        p = ev.perplexity
+        fq = f", fake-quant {p['fake_quant']:.3f}" if "fake_quant" in p else ""
+        lines.append(f"perplexity on {ev.tokens} held-out tokens ({ev.sequences} windows): float {p['float']:.3f}"
+                     f"{fq}, artifact {p['artifact']:.3f} ({ev.perplexity_increase_pct:+.2f} %)")
+        for name, a in ev.vs_float.items():
+            lines.append(f"{name.replace('_', '-')} vs float: KL mean {a.kl_mean:.4g}, p99 {a.kl_p99:.4g}, "
+                         f"top-1 agreement {a.top1:.3f}")
+        if ev.export_gap is not None:
+            g = ev.export_gap
+            lines.append(f"export gap (artifact vs fake-quant): KL mean {g.kl_mean:.4g}, p99 {g.kl_p99:.4g}, "
+                         f"top-1 agreement {g.top1:.3f}")
+        for name, d in ev.generations.items():
+            lines.append(f"{name.replace('_', '-')} greedy continuations: first leave float's at token {d.mean:.1f} "
+                         f"on average (worst {d.worst}, {d.identical}/{d.prompts} identical for {d.tokens} tokens)")
+        for task, metrics in (ev.tasks or {}).items():
+            lines.append(f"task {task}: " + "; ".join(
+                f"{m} float {v.get('float', float('nan')):.4f}, artifact {v.get('artifact', float('nan')):.4f}"
+                for m, v in metrics.items()))
+    else:
+        for name, c in ev.cosine.items():
+            top = f", top-1 agreement {ev.top1[name]:.3f}" if name in ev.top1 else ""
+            label = {"fake_quant": "fake-quant vs float", "artifact": "artifact vs float",
+                     "export_gap": "artifact vs fake-quant"}[name]
+            lines.append(f"{label}: output cosine mean {c['mean']:.5f}, min {c['min']:.5f}{top}")
+    return lines

@@ -1,0 +1,119 @@
+"""llama.cpp itself (the ``xllamacpp`` CPU wheel, the ``llamacpp`` extra) running a GGUF file: per-position
+log-probabilities, its most likely tokens and greedy continuations of token-id prompts.
+
+Token-id prompts are taken as given (llama.cpp adds no BOS to them), and end-of-generation tokens are scored
+and chosen like any other (the next request simply goes on after them). Log-probabilities are llama.cpp's own
+(softmax of the model's logits before sampling). To read the true next token's log-probability when it is not
+among the most likely, it is forced with a large logit bias: that changes what is sampled, not the reported
+probabilities. Each position is one request on top of the cached prefix (the server has no prompt log-probabilities),
+so scoring costs about one decoded token per position.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Sequence, Tuple
+
+import torch
+
+from ..errors import UsageError
+from .metrics import Distributions
+
+FORCE = 1.0e6
+INSTALL = "pip install 'qtool[llamacpp]' (the xllamacpp wheel)"
+
+
+def _xllamacpp():
+    try:
+        import xllamacpp
+    except ImportError:
+        raise UsageError(f"running a GGUF file needs llama.cpp's Python wheel: {INSTALL}") from None
+    return xllamacpp
+
+
+class LlamaCpp:
+    name = "llama.cpp"
+    gap_share, gap_floor = 0.5, 0.01  # it quantizes activations to 8 bits in its quantized dot products
+
+    def __init__(self, path: str, n_ctx: int = 512, threads: int = 2, verbosity: int = 1):
+        xlc = _xllamacpp()
+        p = xlc.CommonParams()
+        p.model.path = str(path)
+        p.n_parallel = 1
+        p.n_ctx = n_ctx
+        p.n_batch = p.n_ubatch = 512
+        p.n_gpu_layers = 0
+        p.cpuparams.n_threads = p.cpuparams_batch.n_threads = threads
+        p.sampling.temp = 0.0
+        p.sampling.top_k = 1
+        p.sampling.seed = 0
+        p.verbosity = verbosity  # 1: errors only (llama.cpp logs to stderr)
+        p.fit_params = False
+        self.n_ctx = n_ctx
+        try:
+            self._server = xlc.Server(p)
+        except (RuntimeError, ValueError) as e:
+            raise UsageError(f"{path}: llama.cpp cannot load this file ({str(e).splitlines()[0][:160]})") from None
+
+    def _one(self, ids: Sequence[int], n_probs: int = 1, **extra) -> dict:
+        if len(ids) + 1 > self.n_ctx:
+            raise ValueError(f"{len(ids)} tokens do not fit a context of {self.n_ctx}")
+        r = self._server.handle_completions({"prompt": [int(t) for t in ids], "max_tokens": 1, "temperature": 0.0,
+                                             "top_k": 1, "n_probs": n_probs, "post_sampling_probs": False,
+                                             "ignore_eos": False, "cache_prompt": True, **extra})
+        if "choices" not in r:
+            raise RuntimeError(f"llama.cpp: {r.get('error', r)}")
+        return r["choices"][0]["logprobs"]["content"][0]
+
+    def greedy_next(self, ids: Sequence[int]) -> int:
+        return int(self._one(ids)["id"])
+
+    def top(self, ids: Sequence[int], k: int = 5) -> List[Tuple[int, float]]:
+        """The ``k`` most likely next tokens with their log-probabilities, most likely first."""
+        return [(int(t["id"]), float(t["logprob"])) for t in self._one(ids, k)["top_logprobs"]]
+
+    def _forced(self, ids: Sequence[int], i: int, k: int) -> dict:
+        c = self._one(ids[:i], k, logit_bias=[[int(ids[i]), FORCE]])
+        if int(c["id"]) != int(ids[i]):
+            raise RuntimeError(f"llama.cpp could not score token {ids[i]} at position {i}")
+        return c
+
+    def token_logprobs(self, ids: Sequence[int]) -> List[float]:
+        """``log p(ids[i] | ids[:i])`` for i = 1 .. len(ids) - 1 (llama.cpp caches the shared prefix)."""
+        return [float(self._forced(ids, i, 1)["logprob"]) for i in range(1, len(ids))]
+
+    def distributions(self, ids: Sequence[int], k: int, start: int = 1) -> Distributions:
+        """The true-next-token log-probability and top ``k`` of every token from ``ids[start]`` on (``k`` tokens
+        cost no more than one: the server sorts the whole vocabulary anyway)."""
+        target, top_ids, top_lp = [], [], []
+        for i in range(start, len(ids)):
+            c = self._forced(ids, i, k)
+            target.append(float(c["logprob"]))
+            top = c["top_logprobs"]
+            top_ids.append([int(t["id"]) for t in top])
+            top_lp.append([float(t["logprob"]) for t in top])
+        width = min(len(t) for t in top_ids)
+        return Distributions(torch.tensor(target, dtype=torch.float64),
+                             torch.tensor([t[:width] for t in top_ids], dtype=torch.long),
+                             torch.tensor([t[:width] for t in top_lp], dtype=torch.float64))
+
+    def greedy(self, prompt: Sequence[int], n: int) -> List[int]:
+        """``n`` greedy tokens after ``prompt``, one request each on the cached prefix (the server's own answer
+        groups tokens that end inside a UTF-8 character, so its token list is not one entry per token)."""
+        ids = [int(t) for t in prompt]
+        for _ in range(n):
+            ids.append(self.greedy_next(ids))
+        return ids[len(prompt):]
+
+    def perplexity(self, seqs: Iterable[Sequence[int]]) -> float:
+        lps = [lp for s in seqs for lp in self.token_logprobs(s)]
+        return math.exp(-sum(lps) / len(lps))
+
+    def close(self) -> None:
+        self._server = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,145 @@
+"""The programs that run an artifact, behind one small interface: ``distributions(ids, k)`` (next-token
+predictions along one sequence), ``greedy(prompt, n)`` (a greedy continuation) and, for models that are not
+causal LMs, ``outputs(batch)``. torch models (the float reference, qtool's fake-quant model, qtool's own format,
+transformers' reload of a compressed-tensors directory) and onnxruntime hand over whole logits; llama.cpp
+(``evaluation.llamacpp``) its top tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import torch
+from torch import nn
+
+from ..data import Batch
+from ..errors import UsageError
+from .metrics import Distributions
+
+
+def _main_output(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        for key in ("logits", "last_hidden_state"):
+            if key in out and isinstance(out[key], torch.Tensor):
+                return out[key]
+        return next(v for v in out.values() if isinstance(v, torch.Tensor))
+    return next(v for v in out if isinstance(v, torch.Tensor))
+
+
+class TorchRuntime:
+    """A torch module: its logits are the runtime's."""
+
+    def __init__(self, model: nn.Module, name: str, gap_share: float = 0.0, gap_floor: float = 1e-4):
+        self.model = model.eval()
+        self.name = name
+        # float32 torch computes what the fake-quant model computes (see evaluation's export gap)
+        self.gap_share, self.gap_floor = gap_share, gap_floor
+        self.device = next(iter(model.parameters())).device
+
+    @torch.no_grad()
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        return _main_output(self.model(input_ids=x, use_cache=False))[0].float().cpu()
+
+    def distributions(self, ids: Sequence[int], k: int, start: int = 1) -> Distributions:
+        return Distributions.from_logits(self.logits(ids), ids, k, start)
+
+    def greedy(self, prompt: Sequence[int], n: int) -> List[int]:
+        ids = [int(t) for t in prompt]
+        for _ in range(n):  # the whole sequence each step: what any runtime computes, no cache layout in between
+            ids.append(int(self.logits(ids)[-1].argmax()))
+        return ids[len(prompt):]
+
+    @torch.no_grad()
+    def outputs(self, batch: Batch) -> torch.Tensor:
+        b = batch.to(self.device)
+        return _main_output(self.model(*b.args, **b.kwargs)).float().cpu()
+
+    def close(self) -> None:
+        self.model = None
+
+
+class OnnxRuntime:
+    """An ONNX graph in onnxruntime on the CPU, with the graph optimizations users run it with (``all``, its
+    default) unless told otherwise."""
+
+    LEVELS = ("all", "basic", "off")
+    gap_share, gap_floor = 1.0, 0.01  # its kernels round quantized activations differently (docs/formats.md)
+
+    def __init__(self, path: Path, optimization: str = "all", threads: int = 0):
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise UsageError("running an ONNX file needs onnxruntime: pip install onnxruntime") from None
+        so = ort.SessionOptions()
+        so.graph_optimization_level = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+                                       "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                                       "off": ort.GraphOptimizationLevel.ORT_DISABLE_ALL}[optimization]
+        so.log_severity_level = 3
+        if threads:
+            so.intra_op_num_threads = threads
+        try:
+            self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own exception types (Fail, InvalidGraph, ...)
+            raise UsageError(f"{path}: onnxruntime cannot load it ({str(e).splitlines()[0][:160]})") from None
+        self.inputs = [i.name for i in self.session.get_inputs()]
+        self.name = f"onnxruntime {ort.__version__} (optimizations: {optimization})"
+
+    def _run(self, feed: Dict[str, torch.Tensor]) -> torch.Tensor:
+        missing = [n for n in self.inputs if n not in feed]
+        if missing:
+            raise UsageError(f"the ONNX graph needs inputs {missing} that the evaluation data does not give "
+                             f"(it gives {sorted(feed)})")
+        out = self.session.run(None, {n: feed[n].numpy() for n in self.inputs})
+        return torch.from_numpy(out[0]).float()
+
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        x = torch.tensor([list(ids)], dtype=torch.long)
+        return self._run({"input_ids": x, "attention_mask": torch.ones_like(x)})[0]
+
+    def distributions(self, ids: Sequence[int], k: int, start: int = 1) -> Distributions:
+        return Distributions.from_logits(self.logits(ids), ids, k, start)
+
+    def greedy(self, prompt: Sequence[int], n: int) -> List[int]:
+        ids = [int(t) for t in prompt]
+        for _ in range(n):
+            ids.append(int(self.logits(ids)[-1].argmax()))
+        return ids[len(prompt):]
+
+    def outputs(self, batch: Batch) -> torch.Tensor:
+        feed = dict(batch.kwargs)
+        if batch.args:
+            feed.update({n: a for n, a in zip(self.inputs, batch.args)})
+        return self._run(feed)
+
+    def close(self) -> None:
+        self.session = None
+
+
+def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu") -> TorchRuntime:
+    """A compressed-tensors directory as transformers loads it (compressed-tensors decompresses the weights).
+    float32 where the format allows it; FP4 and MX weights decompress to bfloat16 only."""
+    try:
+        import compressed_tensors  # noqa: F401  (transformers needs it to read the quantization config)
+        import transformers
+    except ImportError:
+        raise UsageError("running a compressed-tensors directory needs transformers and compressed-tensors: "
+                         "pip install 'qtool[hf]' compressed-tensors") from None
+    import contextlib
+    import io
+
+    auto = transformers.AutoModelForCausalLM if causal_lm else transformers.AutoModel
+    errors = []
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():  # compressed-tensors draws its own
+                model = auto.from_pretrained(str(directory), dtype=dtype).to(device).eval()  # progress bars, and
+                model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))  # decompresses on first use
+        except (ValueError, RuntimeError, TypeError, OSError, KeyError, NotImplementedError) as e:
+            errors.append(f"{str(dtype).replace('torch.', '')}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
+            continue
+        label = "transformers + compressed-tensors" + ("" if dtype == torch.float32 else " (bfloat16)")
+        return TorchRuntime(model, label, *((0.0, 1e-4) if dtype == torch.float32 else (0.25, 0.01)))
+    raise UsageError(f"{directory}: transformers cannot load it ({'; '.join(errors)})")

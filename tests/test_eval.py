@@ -1,0 +1,262 @@
+"""``qtool eval``: exported files run in their runtimes (llama.cpp, transformers + compressed-tensors, onnxruntime,
+qtool) against float and against qtool's fake-quant model. A correct export passes; one broken on purpose (a GGUF
+tensor's block scales doubled, a compressed-tensors scale transposed, an ONNX zero point shifted, a qtool scale
+doubled) is an export fault: exit 1."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qtool.evaluation.metrics import Distributions, first_divergence, token_kl
+from tests.helpers import error_lines, run_cli
+from tests.test_gguf import _tiny_llama
+
+EVAL = ("--seq-len", "48", "--num-samples", "4", "--generate", "6", "--prompts", "2", "--threads", "1")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny Llama with confident predictions and held-out text it was not calibrated on."""
+    import pydoc_data.topics
+
+    d = tmp_path_factory.mktemp("eval")
+    ckpt = _tiny_llama(d / "m", False, init_range=0.2)
+    topics = [v.encode("ascii", "ignore").decode() for v in pydoc_data.topics.topics.values()]
+    (d / "calib.txt").write_text("\n\n".join(topics[:20]))
+    (d / "held.txt").write_text("\n\n".join(topics[40:60]))
+    return ckpt, d / "calib.txt", d / "held.txt"
+
+
+def _quantize(model, tmp_path, recipe, fmt, name="out"):
+    ckpt, calib, _ = model
+    out = tmp_path / name
+    code, _, err = run_cli("quantize", ckpt, "-c", recipe, "--format", fmt, "-o", out, "--data", calib,
+                           "--seq-len", "32", "-q")
+    assert code == 0, err
+    return out
+
+
+def _eval(model, artifact, *extra):
+    _, _, held = model
+    code, out, err = run_cli("eval", artifact, "--data", held, *EVAL, "--json", *extra)
+    return code, (json.loads(out) if out.strip() else None), err
+
+
+def _healthy(res):
+    assert res["export_fault"] is None
+    assert res["export_gap"]["kl_mean"] < 0.1 * res["vs_float"]["fake_quant"]["kl_mean"] + 0.01
+    vs = res["vs_float"]
+    assert abs(vs["artifact"]["top1_agreement"] - vs["fake_quant"]["top1_agreement"]) < 0.1
+    assert res["tokens"] == 4 * 47
+
+
+def test_gguf_runs_in_llama_cpp_and_a_doubled_scale_is_an_export_fault(model, tmp_path):
+    out = _quantize(model, tmp_path, "gguf-q8_0", "gguf")
+    code, res, err = _eval(model, out)
+    assert code == 0, err
+    from tests.test_json_contract import _documented_keys
+
+    assert set(res) == _documented_keys()["eval (causal LM)"] - {"tasks"}
+    assert res["runtime"] == "llama.cpp" and res["format"] == "gguf"
+    _healthy(res)
+    p = res["perplexity"]
+    assert abs(p["artifact"] / p["fake_quant"] - 1) < 0.02  # llama.cpp runs what calibration chose
+    assert res["generations"]["artifact"]["prompts"] == 2 and res["generations"]["artifact"]["tokens"] == 6
+    assert any("most likely tokens" in n for n in res["notes"])
+
+    from gguf import GGUFReader
+
+    reader = GGUFReader(out / "model.gguf", "r+")
+    t = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
+    blocks = t.data.reshape(t.data.shape[0], -1, 34)  # Q8_0: a float16 scale, then 32 int8 codes
+    scales = blocks[:, :, :2].copy().view(np.float16)
+    blocks[:, :, :2] = (scales * 2).view(np.uint8)
+    del reader
+    code, res, err = _eval(model, out)
+    assert code == 1
+    assert res["export_fault"] and res["ok"] is False
+    assert "export fault" in err
+    assert res["export_gap"]["kl_mean"] > 10 * res["vs_float"]["fake_quant"]["kl_mean"]
+
+
+def test_compressed_tensors_in_transformers_and_a_transposed_scale_is_an_export_fault(model, tmp_path):
+    out = _quantize(model, tmp_path, "w4a16-block32", "compressed-tensors")
+    code, res, err = _eval(model, out)
+    assert code == 0, err
+    assert res["runtime"].startswith("transformers")
+    _healthy(res)
+    assert res["export_gap"]["kl_mean"] < 1e-5  # the same arithmetic as qtool's
+    assert any("runs 1 quantizer(s) in float" in n for n in res["notes"])  # the embedding table, as the format writes it
+
+    from safetensors.torch import load_file, save_file
+
+    f = out / "model.safetensors"
+    tensors = load_file(f)
+    key = "model.layers.1.mlp.down_proj.weight_scale"
+    s = tensors[key]
+    tensors[key] = s.t().contiguous().reshape(s.shape)  # the values in the other order, the shape kept
+    save_file(tensors, f, metadata={"format": "pt"})
+    code, res, err = _eval(model, out)
+    assert code == 1 and res["export_fault"], (res["export_gap"], res["vs_float"])
+
+
+def test_onnx_in_onnxruntime_and_a_shifted_zero_point_is_an_export_fault(model, tmp_path):
+    out = _quantize(model, tmp_path, "w8a16", "onnx")
+    code, res, err = _eval(model, out, "--onnx-optimization", "off")
+    assert code == 0, err
+    assert res["runtime"].startswith("onnxruntime")
+    _healthy(res)
+
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(out / "model.onnx")
+    inits = {i.name: i for i in m.graph.initializer}
+    zp_names = [n.input[2] for n in m.graph.node if n.op_type == "DequantizeLinear" and len(n.input) > 2
+                and "down_proj" in n.input[0] and n.input[0] in inits]
+    assert zp_names
+    for name in zp_names:
+        zp = numpy_helper.to_array(inits[name])
+        inits[name].CopyFrom(numpy_helper.from_array((zp.astype(np.int32) + 3).astype(zp.dtype), name))
+    onnx.save(m, out / "model.onnx")
+    code, res, err = _eval(model, out, "--onnx-optimization", "off")
+    assert code == 1 and res["export_fault"], (res["export_gap"], res["vs_float"])
+
+
+def test_qtool_format_and_a_doubled_scale_is_an_export_fault(model, tmp_path):
+    out = _quantize(model, tmp_path, "w4a16-block32", "qtool")
+    code, res, err = _eval(model, out)
+    assert code == 0, err
+    assert res["export_gap"]["kl_mean"] < 1e-6 and res["export_gap"]["top1_agreement"] == 1.0  # float32 rounding
+    assert res["perplexity"]["artifact"] == pytest.approx(res["perplexity"]["fake_quant"], rel=1e-6)
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    f = out / "model.safetensors"
+    with safe_open(str(f), "pt") as fh:
+        meta = fh.metadata()
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    tensors["model.layers.1.mlp.down_proj.weight_scale"] *= 2
+    save_file(tensors, f, metadata=meta)
+    code, res, err = _eval(model, out)
+    assert code == 1 and res["export_fault"], err
+
+
+def test_gates_human_output_and_explicit_paths(model, tmp_path):
+    ckpt, _, held = model
+    out = _quantize(model, tmp_path, "gguf-q8_0", "gguf")
+    moved = tmp_path / "alone.gguf"
+    shutil.copy(out / "model.gguf", moved)  # no manifest beside it: the reference and encodings are given
+    code, _, err = run_cli("eval", moved, "-r", ckpt, "-e", out / "calibration/encodings.json", "--data", held, *EVAL,
+                           "--max-kl", "0", "--min-agreement", "0.1", "--max-ppl-increase", "1000")
+    assert code == 1
+    assert "gate failed: --max-kl 0" in err and "--min-agreement" not in err and "--max-ppl-increase" not in err
+    assert "perplexity on 188 held-out tokens" in err and "export gap" in err
+    code, _, err = run_cli("eval", moved, "-r", ckpt, "--data", held, *EVAL)  # no encodings: float only
+    assert code == 0, err
+    assert "export gap (artifact vs fake-quant)" not in err and "no encodings" in err
+
+
+def test_bad_input_is_one_line(model, tmp_path):
+    ckpt, _, held = model
+    out = _quantize(model, tmp_path, "gguf-q8_0", "gguf")
+    other = _tiny_llama(tmp_path / "other", False, hidden=96)
+    alone = tmp_path / "alone.gguf"  # no manifest beside it, so no encodings
+    shutil.copy(out / "model.gguf", alone)
+    short = tmp_path / "short.txt"
+    short.write_text("a b")
+    cases = [
+        (("eval", out, "-r", other, "--data", held), "not an export of the reference model"),
+        (("eval", alone, "-r", other, "--data", held), "not an export of the reference model: hidden_size 64"),
+        (("eval", out, "--data", short), "no full sequence"),
+        (("eval", tmp_path / "nothing", "--data", held), "no such artifact"),
+        (("eval", out, "--data", held, "--min-cosine", "0.9"), "--min-cosine"),
+        (("eval", out), "--data"),
+    ]
+    for args, needle in cases:
+        code, _, err = run_cli(*args, *EVAL, "-q")
+        lines = error_lines(err)
+        assert code == 2, (args, err)
+        assert len(lines) == 1 and needle in lines[0], (args, err)
+
+
+def test_a_runtime_that_is_not_installed_names_its_extra(model, tmp_path, monkeypatch):
+    import builtins
+
+    out = _quantize(model, tmp_path, "gguf-q8_0", "gguf")
+    real = builtins.__import__
+
+    def no_llamacpp(name, *args, **kwargs):
+        if name == "xllamacpp":
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_llamacpp)
+    code, _, err = run_cli("eval", out, "--data", model[2], *EVAL)
+    assert code == 2 and error_lines(err)[-1].endswith("pip install 'qtool[llamacpp]' (the xllamacpp wheel)"), err
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 40), st.integers(1, 40), st.integers(0, 2 ** 31), st.floats(0.1, 8.0))
+def test_top_k_kl_is_a_lower_bound_that_is_exact_over_the_whole_vocabulary(vocab, k, seed, temperature):
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.log_softmax(torch.randn(5, vocab, generator=g, dtype=torch.float64) * temperature, -1)
+    logits = torch.randn(5, vocab, generator=g, dtype=torch.float64) * temperature
+    ids = torch.randint(0, vocab, (6,), generator=g).tolist()
+    full = Distributions.from_logits(logits, ids, vocab)
+    exact = (ref.exp() * (ref - full.full)).sum(-1)
+    assert torch.allclose(token_kl(ref, full), exact.clamp_min(0))
+    top = Distributions(full.target, full.top_ids[:, :min(k, vocab)], full.top_logprobs[:, :min(k, vocab)])
+    bound = token_kl(ref, top)
+    assert bool((bound <= exact * (1 + 1e-6) + 1e-9).all())  # (the rest's mass is 1 - sum: rounding)
+    if k >= vocab:
+        assert torch.allclose(bound, exact.clamp_min(0), atol=1e-9)
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([4], [5]) == 0
+
+
+TASK = """task: qtool_tiny_{kind}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: {kind}
+doc_to_text: "{{{{question}}}}"
+{extra}
+"""
+
+
+def test_lm_eval_tasks_run_on_the_artifact_in_its_runtime(model, tmp_path):
+    """A multiple-choice and a generation task in lm-eval's own YAML over a local JSONL file (nothing downloaded),
+    scored on the float model and on the GGUF file in llama.cpp."""
+    pytest.importorskip("lm_eval")
+    out = _quantize(model, tmp_path, "gguf-q8_0", "gguf")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    docs = [{"question": f"The number {i} is", "choices": [" even", " odd"], "answer": i % 2} for i in range(6)]
+    (tasks / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tasks / "mc.yaml").write_text(TASK.format(kind="multiple_choice", data=tasks / "docs.jsonl", extra=(
+        'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc')))
+    (tasks / "gen.yaml").write_text(TASK.format(kind="generate_until", data=tasks / "docs.jsonl", extra=(
+        'doc_to_target: "{{choices[answer]}}"\ngeneration_kwargs:\n  until: ["."]\n  max_gen_toks: 4\n'
+        'metric_list:\n  - metric: exact_match')))
+    code, res, err = _eval(model, out, "--tasks", "qtool_tiny_multiple_choice,qtool_tiny_generate_until",
+                           "--tasks-path", tasks, "--task-limit", "4")
+    assert code == 0, err
+    acc = res["tasks"]["qtool_tiny_multiple_choice"]["acc"]
+    assert set(acc) == {"float", "artifact"} and all(0 <= v <= 1 for v in acc.values())
+    assert set(res["tasks"]["qtool_tiny_generate_until"]["exact_match"]) == {"float", "artifact"}
+    code, _, err = run_cli("eval", out, "--data", model[2], *EVAL, "--tasks", "no_such_task", "-q")
+    assert code == 2 and "lm-eval knows no task 'no_such_task'" in err
