@@ -68,8 +68,8 @@ def main(argv=None):
     from smollm2 import smollm2_dir
 
     ckpt = str(smollm2_dir())
-    recipes = args.recipes.split(",") if args.recipes else sorted(
-        shipped_recipes(), key=lambda r: (any(s in r for s in SLOW_LAST), r))
+    recipes = args.recipes.split(",") if args.recipes else sorted(  # GGUF first, slow algorithms last
+        shipped_recipes(), key=lambda r: (any(s in r for s in SLOW_LAST), not r.startswith("gguf"), r))
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     results = {"model": "SmolLM2-135M-Instruct (fp32 decoded from the PyPI GGUF)", "threads": os.cpu_count(),

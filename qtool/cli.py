@@ -678,7 +678,7 @@ def export(
         _emit_json({"ok": True, **summary})
 
 
-@app.command(epilog="Examples:\n\n\b\n  qtool quantize MODEL_DIR -c w4a16-block32 -o out/\n  qtool quantize MODEL_DIR -c w8a8-dynamic -o out/ --format compressed-tensors\n  qtool quantize LLAMA_DIR -c gguf-q4_0 -o out/ --format gguf")
+@app.command(epilog="Examples:\n\n\b\n  qtool quantize MODEL_DIR -c w4a16-block32 -o out/ --eval heldout.txt\n  qtool quantize MODEL_DIR -c w8a8-dynamic -o out/ --format compressed-tensors\n  qtool quantize LLAMA_DIR -c gguf-q4_0 -o out/ --format gguf")
 def quantize(
     checkpoint: str = typer.Argument(..., help="HF model directory or Hub ID (org/name), .pt2, .safetensors/.pt state dict."),
     revision: Optional[str] = _REVISION,
@@ -711,6 +711,9 @@ def quantize(
     search_data: Optional[str] = _SEARCH_DATA,
     search_metric: str = _SEARCH_METRIC,
     overwrite: bool = _OVERWRITE,
+    eval_data: Optional[str] = typer.Option(None, "--eval", help="Held-out data: then run the written file in its "
+                                            "runtime against float and the fake-quant model (qtool eval's figures, "
+                                            "its defaults; an export fault exits 1)."),
     json_out: bool = _JSON,
     quiet: bool = _QUIET,
     debug: bool = _DEBUG,
@@ -734,8 +737,23 @@ def quantize(
                    ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size),
                    gguf_float=gguf_float, gguf_fallback=gguf_fallback), target=target)
     _report_files(summary, quiet, p.warnings_shown)
+    ev = None
+    if eval_data is not None and _rank() == 0:
+        from .evaluation import EvalOptions, describe, evaluate_artifact
+
+        with _errors(debug, json_out), _Progress(quiet) as p:
+            ev = evaluate_artifact(out, checkpoint, None, EvalOptions(
+                data=eval_data, device=device, model_class=model_class, trust_pickle=trust_pickle,
+                trust_remote_code=trust_remote_code), hooks=p.hooks())
+        if not quiet and not json_out:
+            for line in describe(ev) + [f"note: {n}" for n in ev.notes]:
+                err.print(_esc(line))
     if json_out:
-        _emit_json({"ok": True, **summary})
+        _emit_json({"ok": ev is None or not ev.export_fault, **summary,
+                    **({"eval": ev.to_json()} if ev is not None else {})})
+    if ev is not None and ev.export_fault:
+        err.print(f"export fault: {ev.export_fault}", markup=False)
+        raise typer.Exit(1)
 
 
 def _pareto_search(pareto, encodings):

@@ -2,7 +2,8 @@
 
 1. Writes calibration and held-out text from Python's own documentation (``pydoc_data.topics``).
 2. Runs ``qtool quantize`` (the real CLI) with ``configs/w8a8.yaml``.
-3. Compares float and fake-quant sentence embeddings (mean pooling, L2-normalized) on the held-out text and
+3. Runs ``qtool eval`` on the exported file (float, fake-quant and the file's own weights on held-out text).
+4. Compares float and exported sentence embeddings (mean pooling, L2-normalized) on the held-out text and
    prints ``cosine: 0.99xx``.
 """
 
@@ -65,7 +66,7 @@ def main(argv=None) -> float:
 
     import torch
 
-    import qtool
+    from qtool.evaluation import artifact_model
     from qtool.model.load import load_model
 
     torch.manual_seed(0)
@@ -85,12 +86,20 @@ def main(argv=None) -> float:
     if rc:
         sys.exit(rc)
 
-    print("evaluating float vs fake-quant embeddings on held-out text...", flush=True)
+    (data_dir / "heldout.txt").write_text("\n\n".join(heldout) + "\n")
+    cmd = [sys.executable, "-m", "qtool", "eval", str(out), "--data", str(data_dir / "heldout.txt"),
+           "--num-samples", "64", "--seq-len", "128", "--min-cosine", "0.98"]
+    print("$ qtool " + " ".join(cmd[3:]), flush=True)  # the exported file, run as it is served, against float
+    rc = subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if rc:
+        sys.exit(rc)
+
+    print("sentence embeddings of the exported model vs float on held-out text...", flush=True)
     loaded = load_model(model_dir)
     float_model, loaded_tok = loaded.model, loaded.tokenizer
-    quant_model = qtool.load_calibrated(str(model_dir), str(out / "calibration" / "encodings.json"))
+    exported = artifact_model(str(out))
     ref = embed(float_model, loaded_tok, heldout)
-    got = embed(quant_model, loaded_tok, heldout)
+    got = embed(exported, loaded_tok, heldout)
     cos = (ref * got).sum(-1)
     print(f"held-out sentences: {len(heldout)}, min cosine {cos.min().item():.4f}")
     print(f"cosine: {cos.mean().item():.4f}")

@@ -260,3 +260,13 @@ def test_lm_eval_tasks_run_on_the_artifact_in_its_runtime(model, tmp_path):
     assert set(res["tasks"]["qtool_tiny_generate_until"]["exact_match"]) == {"float", "artifact"}
     code, _, err = run_cli("eval", out, "--data", model[2], *EVAL, "--tasks", "no_such_task", "-q")
     assert code == 2 and "lm-eval knows no task 'no_such_task'" in err
+
+
+def test_quantize_evaluates_what_it_wrote(model, tmp_path):
+    ckpt, calib, held = model
+    code, out, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "--format", "gguf", "-o", tmp_path / "q",
+                             "--data", calib, "--seq-len", "32", "--eval", held, "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["ok"] and res["eval"]["format"] == "gguf" and res["eval"]["export_fault"] is None
+    assert res["eval"]["perplexity"]["artifact"] > 1 and res["gguf"]["file_type"] == "Q8_0"

@@ -25,12 +25,12 @@ from ..hooks import Hooks
 from ..model.apply import make_fake_quant
 from ..model.insert import quantized_modules, set_stored_weight
 from ..model.load import load_model
-from ..report import Gate
+from ..report import Gate, _per_sample_cosine
 from .artifact import Artifact, locate
-from .metrics import Agreement, Distributions, Divergence, agreement, cosine, divergence, perplexity, token_kl
+from .metrics import Agreement, Distributions, Divergence, agreement, divergence, perplexity, token_kl
 from .runtimes import OnnxRuntime, TorchRuntime, transformers_reload
 
-__all__ = ["EvalOptions", "Evaluation", "evaluate_artifact", "locate", "Artifact", "check_gates"]
+__all__ = ["EvalOptions", "Evaluation", "evaluate_artifact", "artifact_model", "locate", "Artifact", "check_gates"]
 
 # The export gap (KL of the artifact from the fake-quant model) that a runtime's own arithmetic explains is the
 # runtime's ``gap_share`` of the quantization's own KL from float plus its ``gap_floor`` (nats). torch in float32
@@ -235,6 +235,25 @@ class _Row:
         return getattr(self._entry, name)
 
 
+def artifact_model(artifact: str, reference: Optional[str] = None, encodings: Optional[str] = None,
+                   opts: Optional[EvalOptions] = None) -> torch.nn.Module:
+    """The artifact as a torch module, for formats that run in torch: qtool's own (the fake-quant model with the
+    file's weights) and compressed-tensors (transformers' reload)."""
+    opts = opts or EvalOptions()
+    art = locate(artifact)
+    reference = reference or art.checkpoint
+    if art.format not in ("qtool", "compressed-tensors") or reference is None:
+        raise UsageError(f"{artifact}: a torch module is made of qtool and compressed-tensors exports with their "
+                         f"reference checkpoint")
+    loaded = load_model(reference, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+    enc = Path(encodings) if encodings else art.encodings
+    if art.format == "compressed-tensors":
+        return transformers_reload(art.path, loaded.is_causal_lm, opts.device).model
+    if enc is not None and enc.is_file():
+        make_fake_quant(loaded.model, reference, enc, opts.trust_pickle)
+    return _with_export_weights(loaded.model, art.path)
+
+
 def _windows(opts: EvalOptions, tokenizer, causal_lm: bool):
     if opts.data is None:
         raise DataError("qtool eval runs the models on held-out data: pass --data PATH (text or tensors)")
@@ -255,6 +274,14 @@ def _windows(opts: EvalOptions, tokenizer, causal_lm: bool):
     return seqs
 
 
+def _stop_tokens(tokenizer, model) -> List[int]:
+    """Where a continuation ends: the tokenizer's end-of-text token and the model's generation config's."""
+    ids = [getattr(tokenizer, "eos_token_id", None)]
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += eos if isinstance(eos, list) else [eos]
+    return sorted({int(i) for i in ids if i is not None})
+
+
 def _prompts(seqs: List[List[int]], opts: EvalOptions) -> List[List[int]]:
     if opts.generate <= 0 or opts.prompts <= 0:
         return []
@@ -272,7 +299,8 @@ class _Scores:
         self.generations: List[List[int]] = []
 
 
-def _score(runtime, seqs, prompts, opts: EvalOptions, hooks: Hooks, label: str, refs: List[_Scores]):
+def _score(runtime, seqs, prompts, opts: EvalOptions, hooks: Hooks, label: str, refs: List[_Scores],
+           stop: List[int]):
     """Run ``runtime`` over every window: its own scores, and each reference's KL / top-1 against it."""
     from ..hooks import step
 
@@ -295,7 +323,7 @@ def _score(runtime, seqs, prompts, opts: EvalOptions, hooks: Hooks, label: str, 
             same[j].append(ref.argmax[i] == d.argmax)
         step(f"scoring ({label})", i + 1, total)
     for i, p in enumerate(prompts):
-        mine.generations.append(runtime.greedy(p, opts.generate))
+        mine.generations.append(runtime.greedy(p, opts.generate, stop))
         step(f"scoring ({label})", len(seqs) + i + 1, total)
     return mine, [agreement(k, s) for k, s in zip(kls, same)]
 
@@ -358,6 +386,7 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
             raise UsageError("--tasks runs lm-eval's tasks on causal LMs")
         return _evaluate_outputs(ev, art, loaded, reference, enc, data, opts, hooks)
     tokenizer = loaded.tokenizer
+    stop = _stop_tokens(tokenizer, loaded.model)
     task_results: Dict[str, Any] = {}
     seqs = data
     prompts = _prompts(seqs, opts)
@@ -367,7 +396,7 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
         n_ctx = max(n_ctx, opts.task_max_length + 8)
 
     hooks.on_stage("measuring the float model")
-    flt, _ = _score(TorchRuntime(loaded.model, "torch"), seqs, prompts, opts, hooks, "float", [])
+    flt, _ = _score(TorchRuntime(loaded.model, "torch"), seqs, prompts, opts, hooks, "float", [], stop)
     ev.perplexity["float"] = perplexity(flt.targets)
     if opts.tasks:
         task_results["float"] = _run_tasks(TorchRuntime(loaded.model, "torch"), tokenizer, opts, manager,
@@ -380,7 +409,8 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
         model = None  # one model in memory at a time
         model = load_model(reference, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code).model
         _as_stored(model, make_fake_quant(model, reference, enc, opts.trust_pickle), art.format, ev)
-        fq, (fq_vs_float,) = _score(TorchRuntime(model, "torch"), seqs, prompts, opts, hooks, "fake-quant", [flt])
+        fq, (fq_vs_float,) = _score(TorchRuntime(model, "torch"), seqs, prompts, opts, hooks, "fake-quant", [flt],
+                                    stop)
         ev.perplexity["fake_quant"] = perplexity(fq.targets)
         ev.vs_float["fake_quant"] = fq_vs_float
         if prompts:
@@ -394,7 +424,7 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     try:
         hooks.on_stage(f"measuring the artifact in {runtime.name}")
         refs = [flt] + ([fq] if fq is not None else [])
-        got, vs = _score(runtime, seqs, prompts, opts, hooks, runtime.name, refs)
+        got, vs = _score(runtime, seqs, prompts, opts, hooks, runtime.name, refs, stop)
         if opts.tasks:
             task_results["artifact"] = _run_tasks(runtime, tokenizer, opts, manager, "artifact", hooks)
     finally:
@@ -451,7 +481,7 @@ def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc
         if any(x.shape != y.shape for x, y in zip(a, b)):
             raise UsageError(f"{art.path}: its outputs have another shape than the reference model's: an export of "
                              f"another model?")
-        c = torch.cat([cosine(x, y) for x, y in zip(a, b)])
+        c = torch.cat([_per_sample_cosine(x, y, batch) for x, y, batch in zip(a, b, batches)]).double()
         ev.cosine[name] = {"mean": float(c.mean()), "min": float(c.min())}
         if all(x.dim() == 2 for x in a):
             same = torch.cat([x.argmax(-1) == y.argmax(-1) for x, y in zip(a, b)])

@@ -97,12 +97,15 @@ class LlamaCpp:
                              torch.tensor([t[:width] for t in top_ids], dtype=torch.long),
                              torch.tensor([t[:width] for t in top_lp], dtype=torch.float64))
 
-    def greedy(self, prompt: Sequence[int], n: int) -> List[int]:
-        """``n`` greedy tokens after ``prompt``, one request each on the cached prefix (the server's own answer
-        groups tokens that end inside a UTF-8 character, so its token list is not one entry per token)."""
+    def greedy(self, prompt: Sequence[int], n: int, stop: Sequence[int] = ()) -> List[int]:
+        """Up to ``n`` greedy tokens after ``prompt``, ending after the first in ``stop``; one request each on the
+        cached prefix (the server's own answer groups tokens that end inside a UTF-8 character, so its token list
+        is not one entry per token)."""
         ids = [int(t) for t in prompt]
         for _ in range(n):
             ids.append(self.greedy_next(ids))
+            if ids[-1] in stop:
+                break
         return ids[len(prompt):]
 
     def perplexity(self, seqs: Iterable[Sequence[int]]) -> float:

@@ -15,8 +15,12 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 # the KL of a top-K runtime is taken over its K tokens plus one bucket for the rest of the vocabulary: a lower
-# bound of the full KL (merging outcomes cannot raise a divergence) that is tight once the rest holds little mass
+# bound of the full KL (merging outcomes cannot raise a divergence) that is tight once the rest holds little mass.
+# The rest's mass is 1 - (the K probabilities' sum), which a runtime's float32 log-probabilities give to about
+# 1e-7: it is taken as at least REST_FLOOR, which can only lower the bucket's term (it falls as the mass grows),
+# so the figure stays a lower bound.
 _TINY = 1e-30
+REST_FLOOR = 1e-6
 
 
 @dataclass
@@ -54,7 +58,7 @@ def token_kl(ref_logp: torch.Tensor, cand: Distributions) -> torch.Tensor:
     p = lp.exp()
     kl = (p * (lp - lq)).sum(-1)
     p_rest = (1.0 - p.sum(-1)).clamp_min(0.0)
-    q_rest = (1.0 - lq.exp().sum(-1)).clamp_min(_TINY)
+    q_rest = (1.0 - lq.exp().sum(-1)).clamp_min(REST_FLOOR)
     rest = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(_TINY).log() - q_rest.log()), torch.zeros_like(p_rest))
     return (kl + rest).clamp_min(0.0)
 
@@ -90,8 +94,9 @@ def perplexity(targets: List[torch.Tensor]) -> float:
 
 
 def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int:
-    """How many generated tokens ``other`` shares with ``reference`` before they first differ (``len`` when they
-    agree all the way)."""
+    """How many generated tokens ``other`` shares with ``reference`` before they first differ. A continuation
+    that ends (at an end-of-text token, or the token budget) where the other goes on differs there; two equal
+    continuations give their length."""
     n = min(len(reference), len(other))
     for i in range(n):
         if int(reference[i]) != int(other[i]):
@@ -116,12 +121,5 @@ class Divergence:
 
 def divergence(reference: List[List[int]], other: List[List[int]], tokens: int) -> Divergence:
     pos = [first_divergence(r, o) for r, o in zip(reference, other)]
-    return Divergence(len(pos), tokens, sum(pos) / max(1, len(pos)), min(pos, default=0),
-                      sum(p >= tokens for p in pos))
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-sample cosine over the flattened outputs ``[N, ...]``."""
-    a = a.double().reshape(a.shape[0], -1)
-    b = b.double().reshape(b.shape[0], -1)
-    return torch.nn.functional.cosine_similarity(a, b, dim=1)
+    same = sum(list(map(int, r)) == list(map(int, o)) for r, o in zip(reference, other))
+    return Divergence(len(pos), tokens, sum(pos) / max(1, len(pos)), min(pos, default=0), same)

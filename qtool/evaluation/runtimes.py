@@ -14,18 +14,18 @@ from torch import nn
 
 from ..data import Batch
 from ..errors import UsageError
+from ..report import _main_output
 from .metrics import Distributions
 
 
-def _main_output(out) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict) or hasattr(out, "keys"):
-        for key in ("logits", "last_hidden_state"):
-            if key in out and isinstance(out[key], torch.Tensor):
-                return out[key]
-        return next(v for v in out.values() if isinstance(v, torch.Tensor))
-    return next(v for v in out if isinstance(v, torch.Tensor))
+def _stepwise(logits, ids: List[int], n: int, stop: Sequence[int]) -> List[int]:
+    """Greedy decoding over the whole sequence at each step (no cache layout in between)."""
+    made: List[int] = []
+    for _ in range(n):
+        made.append(int(logits(ids + made)[-1].argmax()))
+        if made[-1] in stop:
+            break
+    return made
 
 
 class TorchRuntime:
@@ -46,11 +46,25 @@ class TorchRuntime:
     def distributions(self, ids: Sequence[int], k: int, start: int = 1) -> Distributions:
         return Distributions.from_logits(self.logits(ids), ids, k, start)
 
-    def greedy(self, prompt: Sequence[int], n: int) -> List[int]:
+    @torch.no_grad()
+    def greedy(self, prompt: Sequence[int], n: int, stop: Sequence[int] = ()) -> List[int]:
+        """Up to ``n`` greedy tokens, ending after the first token in ``stop``: as transformers serves it
+        (``generate`` with its KV cache); step by step over the whole sequence for modules without it."""
         ids = [int(t) for t in prompt]
-        for _ in range(n):  # the whole sequence each step: what any runtime computes, no cache layout in between
-            ids.append(int(self.logits(ids)[-1].argmax()))
-        return ids[len(prompt):]
+        if n <= 0:
+            return []
+        if not hasattr(self.model, "generate"):
+            return _stepwise(self.logits, ids, n, stop)
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        stop = [int(t) for t in stop]
+        out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, num_beams=1,
+                                  max_new_tokens=n, eos_token_id=stop or None,
+                                  pad_token_id=stop[0] if stop else None)
+        made = [int(t) for t in out[0, len(ids):]]
+        for i, t in enumerate(made):  # (a batch of one is not padded, but be sure)
+            if t in stop:
+                return made[:i + 1]
+        return made
 
     @torch.no_grad()
     def outputs(self, batch: Batch) -> torch.Tensor:
@@ -102,11 +116,8 @@ class OnnxRuntime:
     def distributions(self, ids: Sequence[int], k: int, start: int = 1) -> Distributions:
         return Distributions.from_logits(self.logits(ids), ids, k, start)
 
-    def greedy(self, prompt: Sequence[int], n: int) -> List[int]:
-        ids = [int(t) for t in prompt]
-        for _ in range(n):
-            ids.append(int(self.logits(ids)[-1].argmax()))
-        return ids[len(prompt):]
+    def greedy(self, prompt: Sequence[int], n: int, stop: Sequence[int] = ()) -> List[int]:
+        return _stepwise(self.logits, [int(t) for t in prompt], n, stop)
 
     def outputs(self, batch: Batch) -> torch.Tensor:
         feed = dict(batch.kwargs)

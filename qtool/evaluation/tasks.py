@@ -98,9 +98,11 @@ def _adapter(runtime, tokenizer, max_length: int, label: str):
                 made: List[int] = []
                 text = ""
                 while len(made) < budget:
-                    made += runtime.greedy(ids + made, min(GENERATION_CHUNK, budget - len(made)))
+                    ask = min(GENERATION_CHUNK, budget - len(made))
+                    got = runtime.greedy(ids + made, ask, [eot])
+                    made += got
                     text = tokenizer.decode(made, skip_special_tokens=True)
-                    if any(u and u in text for u in until) or eot in made:
+                    if len(got) < ask or eot in made or any(u and u in text for u in until):
                         break
                 for u in until:
                     if u and u in text:
