@@ -304,7 +304,7 @@ class _Progress:
         if done == total or done // tenth > self.step_shown.get(name, 0):
             self.step_shown[name] = done // tenth
             left = (now - start) / done * (total - done) if done else None
-            err.print(_esc(f"{name}: {done}/{total} {item}"
+            err.print(_esc(f"{name}: {done}/{total}" + (f" {item}" if item else "")
                            + (f", about {_duration(left)} left" if left is not None and done < total else "")))
 
     def tensor(self, done: int, total: int, name: str) -> None:

@@ -212,6 +212,7 @@ def test_example_nightly_workflow_is_valid():
     steps = wf["jobs"]["quantize"]["steps"]
     runs = "\n".join(s.get("run", "") for s in steps)
     assert "qtool config validate" in runs and "qtool quantize" in runs and "--json" in runs
+    assert "qtool eval" in runs
     assert any(s.get("uses", "").startswith("actions/upload-artifact") for s in steps)
 
 

@@ -13,24 +13,26 @@ classifiers).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ..data import load_data
-from ..errors import DataError, GateFailed, UsageError
+from ..errors import DataError, UsageError
 from ..hooks import Hooks
 from ..model.apply import make_fake_quant
 from ..model.insert import quantized_modules, set_stored_weight
 from ..model.load import load_model
-from ..report import Gate, _per_sample_cosine
+from ..report import _per_sample_cosine
 from .artifact import Artifact, locate
-from .metrics import Agreement, Distributions, Divergence, agreement, divergence, perplexity, token_kl
+from .metrics import Distributions, agreement, divergence, perplexity, token_kl
+from .result import Evaluation, check_gates, describe, enforce
 from .runtimes import OnnxRuntime, TorchRuntime, transformers_reload
 
-__all__ = ["EvalOptions", "Evaluation", "evaluate_artifact", "artifact_model", "locate", "Artifact", "check_gates"]
+__all__ = ["EvalOptions", "Evaluation", "evaluate_artifact", "artifact_model", "locate", "Artifact", "check_gates",
+           "enforce", "describe"]
 
 # The export gap (KL of the artifact from the fake-quant model) that a runtime's own arithmetic explains is the
 # runtime's ``gap_share`` of the quantization's own KL from float plus its ``gap_floor`` (nats). torch in float32
@@ -63,54 +65,6 @@ class EvalOptions:
     tasks_path: Optional[str] = None  # a directory of task YAML of one's own
     task_limit: Optional[int] = None  # documents per task
     task_max_length: int = 1024  # tokens a task request keeps (its last)
-
-
-@dataclass
-class Evaluation:
-    artifact: str
-    format: str
-    runtime: str
-    reference: str
-    encodings: Optional[str]
-    causal_lm: bool
-    sequences: int
-    tokens: int
-    perplexity: Dict[str, float] = field(default_factory=dict)  # float / fake_quant / artifact
-    vs_float: Dict[str, Agreement] = field(default_factory=dict)  # fake_quant / artifact
-    export_gap: Optional[Agreement] = None  # the artifact against the fake-quant model
-    generations: Dict[str, Divergence] = field(default_factory=dict)
-    cosine: Dict[str, Dict[str, float]] = field(default_factory=dict)  # not causal LMs: mean / min per pair
-    top1: Dict[str, float] = field(default_factory=dict)  # classifiers
-    export_fault: Optional[str] = None
-    notes: List[str] = field(default_factory=list)
-    tasks: Optional[Dict[str, Any]] = None
-
-    @property
-    def perplexity_increase_pct(self) -> Optional[float]:
-        if "artifact" not in self.perplexity:
-            return None
-        return 100.0 * (self.perplexity["artifact"] / self.perplexity["float"] - 1.0)
-
-    def to_json(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {
-            "artifact": self.artifact, "format": self.format, "runtime": self.runtime, "reference": self.reference,
-            "encodings": self.encodings, "causal_lm": self.causal_lm, "sequences": self.sequences,
-            "tokens": self.tokens}
-        if self.causal_lm:
-            out["perplexity"] = dict(self.perplexity)
-            out["perplexity_increase_pct"] = self.perplexity_increase_pct
-            out["vs_float"] = {k: v.to_json() for k, v in self.vs_float.items()}
-            out["export_gap"] = self.export_gap.to_json() if self.export_gap else None
-            out["generations"] = {k: v.to_json() for k, v in self.generations.items()}
-        else:
-            out["cosine"] = dict(self.cosine)
-            if self.top1:
-                out["top1_agreement"] = dict(self.top1)
-        out["export_fault"] = self.export_fault
-        if self.tasks is not None:
-            out["tasks"] = self.tasks
-        out["notes"] = list(self.notes)
-        return out
 
 
 def _threads(opts: EvalOptions) -> int:
@@ -496,75 +450,3 @@ def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc
                                f"{ev.cosine['export_gap']['mean']:.5f}) beyond what {runtime.name}'s own arithmetic "
                                f"explains (1 - cosine {gap:.3g} > {allowed:.3g})")
     return ev
-
-
-def check_gates(ev: Evaluation, max_ppl_increase: Optional[float] = None, max_kl: Optional[float] = None,
-                min_agreement: Optional[float] = None, max_export_gap: Optional[float] = None,
-                min_cosine: Optional[float] = None) -> List[Gate]:
-    """The gates that are set; ``UsageError`` for one that cannot apply to this model."""
-    gates = []
-    lm_only = {"max-ppl-increase": max_ppl_increase, "max-kl": max_kl, "min-agreement": min_agreement}
-    if not ev.causal_lm and any(v is not None for v in lm_only.values()):
-        raise UsageError(f"--{next(k for k, v in lm_only.items() if v is not None)} needs a causal LM; "
-                         f"use --min-cosine for this model")
-    if max_ppl_increase is not None:
-        v = ev.perplexity_increase_pct
-        gates.append(Gate("max-ppl-increase", max_ppl_increase, v, v <= max_ppl_increase, f"perplexity {v:+.2f}%"))
-    if max_kl is not None:
-        v = ev.vs_float["artifact"].kl_mean
-        gates.append(Gate("max-kl", max_kl, v, v <= max_kl, f"mean KL from float {v:.4g}"))
-    if min_agreement is not None:
-        v = ev.vs_float["artifact"].top1
-        gates.append(Gate("min-agreement", min_agreement, v, v >= min_agreement, f"top-1 agreement {v:.4f}"))
-    if min_cosine is not None:
-        if ev.causal_lm:
-            raise UsageError("--min-cosine is for models that are not causal LMs; use --max-kl / --min-agreement")
-        v = ev.cosine["artifact"]["mean"]
-        gates.append(Gate("min-cosine", min_cosine, v, v >= min_cosine, f"cosine {v:.5f}"))
-    if max_export_gap is not None:
-        if ev.encodings is None:
-            raise UsageError("--max-export-gap compares the artifact with the fake-quant model: pass --encodings")
-        v = ev.export_gap.kl_mean if ev.causal_lm else 1.0 - ev.cosine["export_gap"]["mean"]
-        gates.append(Gate("max-export-gap", max_export_gap, v, v <= max_export_gap, f"export gap {v:.4g}"))
-    return gates
-
-
-def enforce(ev: Evaluation, gates: List[Gate], export_gap_gate: bool) -> None:
-    """``GateFailed`` (exit 1) naming every failed gate and an export fault (unless ``--max-export-gap`` set its
-    own threshold, which then decides)."""
-    lines = [g.line() for g in gates if not g.passed]
-    if ev.export_fault and not export_gap_gate:
-        lines.insert(0, f"export fault: {ev.export_fault}")
-    if lines:
-        raise GateFailed("\n".join(lines))
-
-
-def describe(ev: Evaluation) -> List[str]:
-    """Plain lines for people (the CLI draws them)."""
-    lines = [f"{ev.format} artifact run by {ev.runtime}, against {ev.reference}"]
-    if ev.causal_lm:
-        p = ev.perplexity
-        fq = f", fake-quant {p['fake_quant']:.3f}" if "fake_quant" in p else ""
-        lines.append(f"perplexity on {ev.tokens} held-out tokens ({ev.sequences} windows): float {p['float']:.3f}"
-                     f"{fq}, artifact {p['artifact']:.3f} ({ev.perplexity_increase_pct:+.2f} %)")
-        for name, a in ev.vs_float.items():
-            lines.append(f"{name.replace('_', '-')} vs float: KL mean {a.kl_mean:.4g}, p99 {a.kl_p99:.4g}, "
-                         f"top-1 agreement {a.top1:.3f}")
-        if ev.export_gap is not None:
-            g = ev.export_gap
-            lines.append(f"export gap (artifact vs fake-quant): KL mean {g.kl_mean:.4g}, p99 {g.kl_p99:.4g}, "
-                         f"top-1 agreement {g.top1:.3f}")
-        for name, d in ev.generations.items():
-            lines.append(f"{name.replace('_', '-')} greedy continuations: first leave float's at token {d.mean:.1f} "
-                         f"on average (worst {d.worst}, {d.identical}/{d.prompts} identical for {d.tokens} tokens)")
-        for task, metrics in (ev.tasks or {}).items():
-            lines.append(f"task {task}: " + "; ".join(
-                f"{m} float {v.get('float', float('nan')):.4f}, artifact {v.get('artifact', float('nan')):.4f}"
-                for m, v in metrics.items()))
-    else:
-        for name, c in ev.cosine.items():
-            top = f", top-1 agreement {ev.top1[name]:.3f}" if name in ev.top1 else ""
-            label = {"fake_quant": "fake-quant vs float", "artifact": "artifact vs float",
-                     "export_gap": "artifact vs fake-quant"}[name]
-            lines.append(f"{label}: output cosine mean {c['mean']:.5f}, min {c['min']:.5f}{top}")
-    return lines
