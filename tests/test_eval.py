@@ -127,6 +127,8 @@ def test_onnx_in_onnxruntime_and_a_shifted_zero_point_is_an_export_fault(model, 
     onnx.save(m, out / "model.onnx")
     code, res, err = _eval(model, out, "--onnx-optimization", "off")
     assert code == 1 and res["export_fault"], (res["export_gap"], res["vs_float"])
+    code, res, err = _eval(model, out)  # optimized kernels: the graph as written is run too, and is at fault
+    assert code == 1 and "the graph run as written (optimizations off) too" in res["export_fault"]
 
 
 def test_qtool_format_and_a_doubled_scale_is_an_export_fault(model, tmp_path):
