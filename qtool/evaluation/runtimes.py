@@ -44,7 +44,7 @@ class TorchRuntime:
         return _main_output(self.model(input_ids=x, use_cache=False))[0].float().cpu()
 
     def distributions(self, ids: Sequence[int], k: int, start: int = 1) -> Distributions:
-        return Distributions.from_logits(self.logits(ids), ids, k, start)
+        return Distributions.from_logits(self.logits(ids), ids, 1, start)  # whole logits: the top 1 is enough
 
     @torch.no_grad()
     def greedy(self, prompt: Sequence[int], n: int, stop: Sequence[int] = ()) -> List[int]:
@@ -114,7 +114,7 @@ class OnnxRuntime:
         return self._run({"input_ids": x, "attention_mask": torch.ones_like(x)})[0]
 
     def distributions(self, ids: Sequence[int], k: int, start: int = 1) -> Distributions:
-        return Distributions.from_logits(self.logits(ids), ids, k, start)
+        return Distributions.from_logits(self.logits(ids), ids, 1, start)  # whole logits: the top 1 is enough
 
     def greedy(self, prompt: Sequence[int], n: int, stop: Sequence[int] = ()) -> List[int]:
         return _stepwise(self.logits, [int(t) for t in prompt], n, stop)
