@@ -32,6 +32,7 @@ def check_device(value: str) -> str:
 
 
 SCALE_DTYPES = ("float32", "float16")
+ONNX_OPTIMIZATIONS = ("all", "basic", "off")  # qtool eval: onnxruntime's graph optimization levels
 # llama.cpp's block types by recipe name (``gguf_type``): (bitwidth, symmetric, block length). Each names its own
 # scale_dtype: the grid is what the type stores (float16 block scales, signed, and minima; K-quant sub-block scales
 # quantized under float16 super-block scales; ``qtool.quant.ggml``).

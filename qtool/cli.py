@@ -739,21 +739,45 @@ def quantize(
     _report_files(summary, quiet, p.warnings_shown)
     ev = None
     if eval_data is not None and _rank() == 0:
-        from .evaluation import EvalOptions, describe, evaluate_artifact
+        from .evaluation import EvalOptions, evaluate_artifact
 
         with _errors(debug, json_out), _Progress(quiet) as p:
             ev = evaluate_artifact(out, checkpoint, None, EvalOptions(
                 data=eval_data, device=device, model_class=model_class, trust_pickle=trust_pickle,
                 trust_remote_code=trust_remote_code), hooks=p.hooks())
         if not quiet and not json_out:
-            for line in describe(ev) + [f"note: {n}" for n in ev.notes]:
-                err.print(_esc(line))
+            _print_eval(ev)
     if json_out:
         _emit_json({"ok": ev is None or not ev.export_fault, **summary,
                     **({"eval": ev.to_json()} if ev is not None else {})})
     if ev is not None and ev.export_fault:
         err.print(f"export fault: {ev.export_fault}", markup=False)
         raise typer.Exit(1)
+
+
+def _print_eval(ev) -> None:
+    """What ``qtool eval`` (and ``quantize --eval``) found, for people, on stderr."""
+    from .evaluation import describe
+
+    for line in describe(ev):
+        err.print(_esc(line))
+    for note in ev.notes:
+        err.print(f"[dim]note: {_esc(note)}[/dim]")
+
+
+def _check_gate_values(**gates: Optional[float]) -> None:
+    """The gate flags that are set (``{"--flag": value}``) are finite; a perplexity increase is >= 0 and a cosine
+    within [-1, 1]."""
+    from .errors import UsageError
+
+    for flag, value in gates.items():
+        if value is not None and not math.isfinite(value):
+            raise UsageError(f"{flag} must be a finite number (got {value})")
+    if (gates.get("--max-ppl-increase") or 0) < 0:
+        raise UsageError("--max-ppl-increase must be a percentage >= 0")
+    cosine = gates.get("--min-cosine")
+    if cosine is not None and not -1 <= cosine <= 1:
+        raise UsageError(f"--min-cosine must be from -1 to 1, as a cosine is (got {cosine})")
 
 
 def _pareto_search(pareto, encodings):
@@ -863,14 +887,8 @@ def report(
         suggest_n, suggest_out, base = _suggest_args(suggest, recipe, checkpoint, encodings, data)
         search = _pareto_search(pareto, encodings)
         _check_report_outputs(checkpoint, encodings, data, recipe, plot=plot, pareto=pareto, suggest=suggest_out)
-        for flag, value in (("--min-sqnr", min_sqnr), ("--min-cosine", min_cosine),
-                            ("--max-ppl-increase", max_ppl_increase)):
-            if value is not None and not math.isfinite(value):
-                raise UsageError(f"{flag} must be a finite number (got {value})")
-        if max_ppl_increase is not None and max_ppl_increase < 0:
-            raise UsageError("--max-ppl-increase must be a percentage >= 0")
-        if min_cosine is not None and not -1 <= min_cosine <= 1:
-            raise UsageError(f"--min-cosine must be from -1 to 1, as a cosine is (got {min_cosine})")
+        _check_gate_values(**{"--min-sqnr": min_sqnr, "--min-cosine": min_cosine,
+                              "--max-ppl-increase": max_ppl_increase})
         checkpoint = _checkpoint(checkpoint, revision)
         with _Progress(quiet) as p:
             result = run_report(checkpoint, encodings, _opts(
@@ -998,20 +1016,16 @@ def eval_(
     debug: bool = _DEBUG,
 ) -> None:
     """Run the exported file where it is served and compare it with float and with qtool's fake-quant model."""
-    import math
-
+    from .choices import ONNX_OPTIMIZATIONS, check_choice
     from .errors import GateFailed, UsageError
 
     with _errors(debug, json_out):
         _check_early(device=device, data=data)
-        for flag, value in (("--max-ppl-increase", max_ppl_increase), ("--max-kl", max_kl),
-                            ("--min-agreement", min_agreement), ("--min-cosine", min_cosine),
-                            ("--max-export-gap", max_export_gap)):
-            if value is not None and not math.isfinite(value):
-                raise UsageError(f"{flag} must be a finite number (got {value})")
-        if onnx_optimization not in ("all", "basic", "off"):
-            raise UsageError(f"--onnx-optimization must be all, basic or off (got {onnx_optimization!r})")
-        from .evaluation import EvalOptions, check_gates, describe, evaluate_artifact
+        _check_gate_values(**{"--max-ppl-increase": max_ppl_increase, "--max-kl": max_kl,
+                              "--min-agreement": min_agreement, "--min-cosine": min_cosine,
+                              "--max-export-gap": max_export_gap})
+        check_choice("--onnx-optimization", onnx_optimization, ONNX_OPTIMIZATIONS)
+        from .evaluation import EvalOptions, check_gates, evaluate_artifact
 
         opts = EvalOptions(data=data, seq_len=seq_len, num_samples=num_samples, seed=seed, top_k=top_k,
                            generate=generate, prompts=prompts, threads=threads, onnx_optimization=onnx_optimization,
@@ -1032,10 +1046,7 @@ def eval_(
                     "gates": [{"gate": g.gate, "threshold": g.threshold, "value": g.value, "passed": g.passed}
                               for g in gates]})
     elif not quiet:
-        for line in describe(ev):
-            err.print(_esc(line))
-        for note in ev.notes:
-            err.print(f"[dim]note: {_esc(note)}[/dim]")
+        _print_eval(ev)
     try:
         enforce(ev, gates, max_export_gap is not None)
     except GateFailed as e:

@@ -34,13 +34,6 @@ from .runtimes import OnnxRuntime, TorchRuntime, transformers_reload
 __all__ = ["EvalOptions", "Evaluation", "evaluate_artifact", "artifact_model", "locate", "Artifact", "check_gates",
            "enforce", "describe"]
 
-# The export gap (KL of the artifact from the fake-quant model) that a runtime's own arithmetic explains is the
-# runtime's ``gap_share`` of the quantization's own KL from float plus its ``gap_floor`` (nats). torch in float32
-# computes what the fake-quant model computes (share 0); llama.cpp quantizes activations to 8 bits inside its
-# quantized dot products, and onnxruntime's kernels round quantized activations differently from torch's, which
-# 30 layers carry on. Measured on SmolLM2-135M (docs/accuracy.md, "Exported files in their runtimes"): healthy gaps
-# 2e-8 (qtool, transformers), 0.004 / 0.007 (llama.cpp Q8_0 / Q4_K_M), 0.035 (onnxruntime W8A8 dynamic, about the
-# quantization's own 0.036); one tensor's block scales doubled in the Q8_0 file: 0.044.
 MIN_TOKENS = 16
 
 
@@ -67,13 +60,37 @@ class EvalOptions:
     task_max_length: int = 1024  # tokens a task request keeps (its last)
 
 
+def _allowance(runtime, quant: float) -> float:
+    """The export gap (the artifact's KL from the fake-quant model, or 1 - cosine) that the runtime's own arithmetic
+    explains: its ``gap_share`` of the quantization's own damage plus its ``gap_floor``. torch in float32 computes
+    what the fake-quant model computes (share 0); llama.cpp quantizes activations to 8 bits inside its quantized dot
+    products, and onnxruntime's kernels round quantized activations differently from torch's, which 30 layers carry
+    on. Measured on SmolLM2-135M (docs/accuracy.md, "Exported files in their runtimes"): healthy gaps 1e-8 (torch
+    float32), 0.003-0.009 (llama.cpp), 0.032 (onnxruntime W8A8 dynamic, beside the quantization's own 0.030); one
+    tensor's block scales doubled in a Q8_0 file: 0.044."""
+    return runtime.gap_share * quant + runtime.gap_floor
+
+
+def _load(reference: str, opts: EvalOptions):
+    return load_model(reference, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+
+
+def _fake_quant(reference: str, enc: Path, fmt: str, opts: EvalOptions, ev: "Evaluation") -> torch.nn.Module:
+    """A fresh fake-quant model of ``enc``, as ``fmt`` stores it (:func:`_as_stored`)."""
+    model = _load(reference, opts).model
+    _as_stored(model, make_fake_quant(model, reference, enc, opts.trust_pickle), fmt, ev)
+    return model
+
+
 def _threads(opts: EvalOptions) -> int:
     return opts.threads or torch.get_num_threads()
 
 
-def _open_runtime(art: Artifact, opts: EvalOptions, causal_lm: bool, n_ctx: int, fake_quant=None):
+def _open_runtime(art: Artifact, opts: EvalOptions, causal_lm: bool, n_ctx: int, fake_quant=None,
+                  activations: bool = True):
     """The artifact's runtime. qtool's own format runs in torch: the fake-quant model (or the float model) with
-    the file's dequantized weights in place of the ones calibration computed."""
+    the file's dequantized weights in place of the ones calibration computed. ``activations``: the encodings
+    quantize activations (onnxruntime's allowance depends on it)."""
     if art.format == "gguf":
         if not causal_lm:
             raise UsageError(f"{art.path}: a GGUF file is evaluated against a causal LM checkpoint")
@@ -81,7 +98,7 @@ def _open_runtime(art: Artifact, opts: EvalOptions, causal_lm: bool, n_ctx: int,
 
         return LlamaCpp(str(art.path), n_ctx=n_ctx, threads=_threads(opts))
     if art.format == "onnx":
-        return OnnxRuntime(art.path, opts.onnx_optimization, opts.threads)
+        return OnnxRuntime(art.path, opts.onnx_optimization, opts.threads, activations)
     if art.format == "compressed-tensors":
         return transformers_reload(art.path, causal_lm, opts.device)
     return TorchRuntime(_with_export_weights(fake_quant, art.path), "qtool (torch)")
@@ -117,30 +134,17 @@ def _same_model(art: Artifact, config) -> None:
     want = {k: getattr(config, k, None) for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
     got = {}
     if art.format == "gguf":
-        from gguf import GGUFReader
+        from ..inspect import inspect_path
 
-        try:
-            reader = GGUFReader(str(art.path))
-        except (ValueError, OSError, KeyError, IndexError) as e:
-            raise UsageError(f"{art.path}: not a readable GGUF file ({type(e).__name__})") from None
-        arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
-
-        def value(key):
-            f = reader.fields.get(key)
-            return None if f is None else int(f.parts[-1][0])
-
-        got = {"hidden_size": value(f"{arch}.embedding_length"), "num_hidden_layers": value(f"{arch}.block_count")}
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        if tokens is not None:
-            got["vocab_size"] = len(tokens.data)
+        meta = inspect_path(art.path)["metadata"]
+        arch = meta.get("general.architecture")
+        got = {"hidden_size": meta.get(f"{arch}.embedding_length"), "num_hidden_layers": meta.get(f"{arch}.block_count"),
+               "vocab_size": meta.get("tokenizer.ggml.tokens")}
     elif art.format == "compressed-tensors":
-        import json
+        from ..io.jsonfile import read_json_object
 
-        try:
-            cfg = json.loads((art.path / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise UsageError(f"{art.path / 'config.json'}: not readable ({type(e).__name__})") from None
-        cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+        cfg = read_json_object(art.path / "config.json", UsageError, "Hugging Face config")
+        cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
         got = {k: cfg.get(k) for k in want}
     wrong = [f"{k} {got[k]} (the reference's: {want[k]})" for k in want
              if got.get(k) is not None and want[k] is not None and got[k] != want[k]]
@@ -148,32 +152,22 @@ def _same_model(art: Artifact, config) -> None:
         raise UsageError(f"{art.path}: not an export of the reference model: {', '.join(wrong)}")
 
 
-def _static_activations(runtime, enc: Optional[Path]) -> None:
-    """onnxruntime's arithmetic departs from torch's only where it rounds quantized activations: without activation
-    quantizers its float32 kernels agree with torch's to about 1e-6, so no share of the quantization's KL is
-    allowed."""
-    if isinstance(runtime, OnnxRuntime) and enc is not None:
-        from ..encodings import EncodingsFile
-
-        if all(e.tensor == "weight" for e in EncodingsFile.read(enc).entries):
-            runtime.gap_share, runtime.gap_floor = 0.0, 1e-3
-
-
 def _as_stored(model: torch.nn.Module, enc, fmt: str, ev: "Evaluation") -> None:
     """The fake-quant model as the format stores it: quantizers the format runs in float although the recipe has
     them (compressed-tensors' embedding tables and static integer activations) are switched off, so the export
     gap measures the file, not a documented limit of its layout."""
     from ..export import get_exporter
-    from ..model.insert import QUANTIZERS_ATTR
+    from ..model.insert import iter_quantizers
 
     exporter = get_exporter(fmt)
     modules = dict(model.named_modules())
     entries = {e.name: (e, modules[e.module]) for e in enc.entries if e.module in modules}
     rows = [_Row(e, getattr(m, "_qtool_base", type(m)).__name__) for e, m in entries.values()]
     off = sorted(set(exporter.not_written(rows, exporter.Options())))
+    quantizers = dict(iter_quantizers(model))  # named <module>.<tensor>
     for name in off:
-        e, m = entries[name]
-        getattr(m, QUANTIZERS_ATTR)[e.tensor].enabled = False
+        e, _ = entries[name]
+        quantizers[f"{e.module}.{e.tensor}"].enabled = False
     if off:
         ev.notes.append(f"the fake-quant model runs {len(off)} quantizer(s) in float as --format {fmt} writes them "
                         f"({', '.join(off[:3])}{', ...' if len(off) > 3 else ''})")
@@ -199,7 +193,7 @@ def artifact_model(artifact: str, reference: Optional[str] = None, encodings: Op
     if art.format not in ("qtool", "compressed-tensors") or reference is None:
         raise UsageError(f"{artifact}: a torch module is made of qtool and compressed-tensors exports with their "
                          f"reference checkpoint")
-    loaded = load_model(reference, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+    loaded = _load(reference, opts)
     enc = Path(encodings) if encodings else art.encodings
     if art.format == "compressed-tensors":
         return transformers_reload(art.path, loaded.is_causal_lm, opts.device).model
@@ -254,8 +248,9 @@ class _Scores:
 
 
 def _score(runtime, seqs, prompts, opts: EvalOptions, hooks: Hooks, label: str, refs: List[_Scores],
-           stop: List[int]):
-    """Run ``runtime`` over every window: its own scores, and each reference's KL / top-1 against it."""
+           stop: List[int], keep: bool = True):
+    """Run ``runtime`` over every window: its own scores, and each reference's KL / top-1 against it. ``keep``:
+    hold its whole log-probabilities (it is the reference of a later model)."""
     from ..hooks import step
 
     mine = _Scores()
@@ -264,7 +259,7 @@ def _score(runtime, seqs, prompts, opts: EvalOptions, hooks: Hooks, label: str, 
     total = len(seqs) + len(prompts)
     for i, ids in enumerate(seqs):
         d: Distributions = runtime.distributions(ids, opts.top_k)
-        if d.full is not None:
+        if keep:
             mine.logp.append(d.full.float())
         mine.targets.append(d.target)
         mine.argmax.append(d.argmax)
@@ -319,16 +314,19 @@ def _run_tasks(runtime, tokenizer, opts: EvalOptions, manager, label: str, hooks
 def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOptions, hooks: Hooks,
               manager=None) -> Evaluation:
     hooks.on_stage("loading the float checkpoint")
-    loaded = load_model(reference, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+    loaded = _load(reference, opts)
     causal = loaded.is_causal_lm
     if art.format == "gguf" and not causal:
         raise UsageError(f"{art.path}: a GGUF file is evaluated against a causal LM checkpoint; {reference} is not one")
     _same_model(art, loaded.config)
+    activations = True
     if enc is not None:  # another model's encodings: one line now, not after the float model has run
         from ..encodings import EncodingsFile
         from ..model.apply import plan_from_encodings
 
-        plan_from_encodings(EncodingsFile.read(enc), loaded.model, str(enc))
+        enc_file = EncodingsFile.read(enc)
+        plan_from_encodings(enc_file, loaded.model, str(enc))
+        activations = any(e.tensor != "weight" for e in enc_file.entries)
     data = _windows(opts, loaded.tokenizer, causal)
     ev = Evaluation(str(art.path), art.format, "", str(reference), str(enc) if enc else None, causal,
                     len(data), 0)
@@ -338,7 +336,7 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     if not causal:
         if opts.tasks:
             raise UsageError("--tasks runs lm-eval's tasks on causal LMs")
-        return _evaluate_outputs(ev, art, loaded, reference, enc, data, opts, hooks)
+        return _evaluate_outputs(ev, art, loaded, reference, enc, data, opts, hooks, activations)
     tokenizer = loaded.tokenizer
     stop = _stop_tokens(tokenizer, loaded.model)
     task_results: Dict[str, Any] = {}
@@ -361,8 +359,7 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     if enc is not None:
         hooks.on_stage("measuring the fake-quant model")
         model = None  # one model in memory at a time
-        model = load_model(reference, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code).model
-        _as_stored(model, make_fake_quant(model, reference, enc, opts.trust_pickle), art.format, ev)
+        model = _fake_quant(reference, enc, art.format, opts, ev)
         fq, (fq_vs_float,) = _score(TorchRuntime(model, "torch"), seqs, prompts, opts, hooks, "fake-quant", [flt],
                                     stop)
         ev.perplexity["fake_quant"] = perplexity(fq.targets)
@@ -372,13 +369,12 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     if art.format != "qtool":
         model = None  # qtool's format runs in the model just measured, with the file's weights
     hooks.on_stage(f"opening the artifact ({art.runtime})")
-    runtime = _open_runtime(art, opts, True, n_ctx, model)
+    runtime = _open_runtime(art, opts, True, n_ctx, model, activations)
     ev.runtime = runtime.name
-    _static_activations(runtime, enc)
     try:
         hooks.on_stage(f"measuring the artifact in {runtime.name}")
         refs = [flt] + ([fq] if fq is not None else [])
-        got, vs = _score(runtime, seqs, prompts, opts, hooks, runtime.name, refs, stop)
+        got, vs = _score(runtime, seqs, prompts, opts, hooks, runtime.name, refs, stop, keep=False)
         if opts.tasks:
             task_results["artifact"] = _run_tasks(runtime, tokenizer, opts, manager, "artifact", hooks)
     finally:
@@ -394,31 +390,30 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     if fq is not None:
         ev.export_gap = vs[1]
         quant = ev.vs_float["fake_quant"].kl_mean
-        allowed = runtime.gap_share * quant + runtime.gap_floor
+        allowed = _allowance(runtime, quant)
         if ev.export_gap.kl_mean > allowed:
             ev.export_fault = (f"the artifact differs from qtool's fake-quant model by KL {ev.export_gap.kl_mean:.4g} "
                                f"(top-1 agreement {ev.export_gap.top1:.3f}), beyond what {runtime.name}'s own "
                                f"arithmetic explains ({allowed:.3g}: {runtime.gap_share:g} x the quantization's KL "
                                f"{quant:.3g} + {runtime.gap_floor:g})")
             if isinstance(runtime, OnnxRuntime) and opts.onnx_optimization != "off":
-                _graph_as_written(ev, art, enc, opts, hooks, seqs, fq, stop, allowed)
-    if got.logp == [] and art.format == "gguf":
+                _graph_as_written(ev, art, activations, opts, hooks, seqs, fq, stop, allowed)
+    if art.format == "gguf":
         ev.notes.append(f"llama.cpp reports its {opts.top_k} most likely tokens per position: its KL is over those "
                         f"plus one bucket for the rest of the vocabulary (a lower bound of the full KL)")
     return ev
 
 
-def _graph_as_written(ev: Evaluation, art: Artifact, enc, opts: EvalOptions, hooks: Hooks, seqs, fq, stop,
-                      allowed: float) -> None:
+def _graph_as_written(ev: Evaluation, art: Artifact, activations: bool, opts: EvalOptions, hooks: Hooks, seqs, fq,
+                      stop, allowed: float) -> None:
     """An ONNX gap past the allowance under onnxruntime's optimized kernels: run the graph as written
     (optimizations off). Within the allowance there, the file holds what calibration chose and the gap is the
     optimized kernels' arithmetic (docs/formats.md: fused integer kernels that saturate on CPUs without VNNI):
     said in a note, not an export fault."""
     hooks.on_stage("running the ONNX graph as written (optimizations off) to tell the file from the kernels")
-    plain = OnnxRuntime(art.path, "off", opts.threads)
-    _static_activations(plain, enc)
+    plain = OnnxRuntime(art.path, "off", opts.threads, activations)
     try:
-        _, (graph,) = _score(plain, seqs, [], opts, hooks, plain.name, [fq], stop)
+        _, (graph,) = _score(plain, seqs, [], opts, hooks, plain.name, [fq], stop, keep=False)
     finally:
         plain.close()
     if graph.kl_mean <= allowed:
@@ -431,7 +426,7 @@ def _graph_as_written(ev: Evaluation, art: Artifact, enc, opts: EvalOptions, hoo
 
 
 def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc: Optional[Path], batches,
-                      opts: EvalOptions, hooks: Hooks) -> Evaluation:
+                      opts: EvalOptions, hooks: Hooks, activations: bool) -> Evaluation:
     """Models that are not causal LMs: the main output's cosine (and top-1 of a ``[N, classes]`` output)."""
     hooks.on_stage("measuring the float model")
     flt = [TorchRuntime(loaded.model, "torch").outputs(b) for b in batches]
@@ -439,14 +434,12 @@ def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc
     fq = None
     if enc is not None:
         hooks.on_stage("measuring the fake-quant model")
-        model = load_model(reference, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code).model
-        _as_stored(model, make_fake_quant(model, reference, enc, opts.trust_pickle), art.format, ev)
+        model = _fake_quant(reference, enc, art.format, opts, ev)
         fq = [TorchRuntime(model, "torch").outputs(b) for b in batches]
     elif art.format == "qtool":
         model = loaded.model
-    runtime = _open_runtime(art, opts, False, 0, model)
+    runtime = _open_runtime(art, opts, False, 0, model, activations)
     ev.runtime = runtime.name
-    _static_activations(runtime, enc)
     hooks.on_stage(f"measuring the artifact in {runtime.name}")
     try:
         got = [runtime.outputs(b) for b in batches]
@@ -468,7 +461,7 @@ def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc
     if fq is not None:
         quant = 1.0 - ev.cosine["fake_quant"]["mean"]
         gap = 1.0 - ev.cosine["export_gap"]["mean"]
-        allowed = runtime.gap_share * quant + runtime.gap_floor
+        allowed = _allowance(runtime, quant)
         if gap > allowed:
             ev.export_fault = (f"the artifact's outputs differ from qtool's fake-quant model's (cosine "
                                f"{ev.cosine['export_gap']['mean']:.5f}) beyond what {runtime.name}'s own arithmetic "

@@ -22,7 +22,6 @@ from ..quant import (DynamicFloatQuantizeDequantize, DynamicQuantizeDequantize, 
 __all__ = ["insert_quantizers", "remove_quantizers", "iter_quantizers", "QuantizedModuleMixin"]
 
 _ATTR = "qtool_quantizers"
-QUANTIZERS_ATTR = _ATTR  # a quantized module's ModuleDict of quantizers, by tensor ("weight", "input", ...)
 # the names an attention layer's cache argument goes by (transformers renamed it; the older first)
 CACHE_KWARGS = ("past_key_value", "past_key_values")
 _CLASS_CACHE: Dict[type, type] = {}
