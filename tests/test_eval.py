@@ -270,3 +270,13 @@ def test_quantize_evaluates_what_it_wrote(model, tmp_path):
     res = json.loads(out)
     assert res["ok"] and res["eval"]["format"] == "gguf" and res["eval"]["export_fault"] is None
     assert res["eval"]["perplexity"]["artifact"] > 1 and res["gguf"]["file_type"] == "Q8_0"
+
+
+def test_gate_values_are_checked_before_anything_runs(tmp_path):
+    (tmp_path / "x.txt").write_text("some text")
+    for args, needle in ((("--max-ppl-increase", "-1"), "--max-ppl-increase must be a percentage >= 0"),
+                         (("--min-cosine", "2"), "--min-cosine must be from -1 to 1"),
+                         (("--max-kl", "nan"), "--max-kl must be a finite number"),
+                         (("--onnx-optimization", "most"), "--onnx-optimization must be one of all, basic, off")):
+        code, _, err = run_cli("eval", tmp_path / "nothing", "--data", tmp_path / "x.txt", *args)
+        assert code == 2 and len(error_lines(err)) == 1 and needle in err, (args, err)
