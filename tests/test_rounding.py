@@ -75,6 +75,22 @@ def test_gptq_beats_round_to_nearest_clearly_on_correlated_inputs():
     assert _output_error(w, x, codes, scale, offset, bs) < 0.6 * _output_error(w, x, rtn, scale, offset, bs)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gptq_columns.py on a GPU)")
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_column_loop_replayed_as_a_cuda_graph_gives_the_launched_loops_codes(monkeypatch, act_order):
+    from qtool.calibration.rounding import gptq
+
+    w, x, scale, offset, qmin, qmax, bs = (t.cuda() if isinstance(t, torch.Tensor) else t
+                                           for t in _layer(7, 96, 5, 32, 4, True, 1024))
+    codes = {}
+    for graphs in (False, True):  # blocks of 48 columns: a sub-block of 32 replayed, one of 16 launched
+        monkeypatch.setattr(gptq, "CUDA_GRAPHS", graphs)
+        codes[graphs] = gptq_codes(w, x.T @ x, scale, offset, qmin, qmax, bs, act_order=act_order, block_columns=48)
+    assert torch.equal(codes[False], codes[True])
+    rtn = quantize(w, scale, offset, qmin=qmin, qmax=qmax, block_size=bs)
+    assert not torch.equal(codes[True].to(torch.float32), rtn)  # error feedback reached later columns
+
+
 def test_gptq_dead_input_columns_keep_round_to_nearest_and_per_channel_grids_work():
     w, x, _, _, qmin, qmax, _ = _layer(5, 16, 2, 16, 4, False, 100)
     x[:, 7] = 0  # a channel that never carries signal

@@ -35,6 +35,7 @@ Grid = Union[FloatElement, GgmlType]  # a grid other than AIMET's integers
 # takes a sub-block's errors in one matmul (the same sums in another order: measured on SmolLM2's layers, one
 # code in 1.8M differs, and the column loop is ~1.5x faster on wide layers)
 _SUB_BLOCK = 32
+CUDA_GRAPHS = True  # False: the column loop launches each step itself (bench/cuda_check.py compares the two)
 _ROW_CHUNK_VALUES = 1 << 21  # the row check's float64 work a chunk of rows at a time (16 MB per temporary)
 
 __all__ = ["gptq_codes", "expand_encoding", "as_problems", "keep_better_rows"]
@@ -121,6 +122,9 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     Wt, St, Ot = (t.transpose(1, 2).contiguous() for t in (W, S, O))
     del W, S, O
     codes = torch.empty_like(Wt)
+    graph = _CapturedColumns.make(Wt, qmin, qmax, element)
+    if graph is not None:
+        block_index = torch.tensor(block_of, device=Wt.device)
     for i1 in range(0, cols, block_columns):
         i2 = min(i1 + block_columns, cols)
         W1 = Wt[:, i1:i2].clone()
@@ -130,17 +134,17 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
         k = i2 - i1
         for j1 in range(0, k, _SUB_BLOCK):  # the lazy batch again inside the block: each column's error goes
             j2 = min(j1 + _SUB_BLOCK, k)   # column by column to its sub-block only, then to the rest at once
-            for i in range(j1, j2):
-                w = W1[:, i]
-                s, o = St[:, block_of[i1 + i]], Ot[:, block_of[i1 + i]]
-                # quantize / dequantize's own float32 steps, inline: this loop runs once per input column
-                q = _levels(w, s, o, qmin, qmax, element)
-                codes[:, i1 + i] = q
-                err = torch.div(torch.sub(w, _value(q, s, o, element)), pivots[:, i], out=E1[:, i])
-                W1[:, i + 1:j2] -= U1[:, i, i + 1:j2, None] * err[:, None, :]
+            if graph is not None and j2 - j1 == _SUB_BLOCK:
+                graph.run(W1[:, j1:j2], St, Ot, block_index[i1 + j1:i1 + j2], U1[:, j1:j2, j1:j2],
+                          pivots[:, j1:j2], codes[:, i1 + j1:i1 + j2], E1[:, j1:j2])
+            else:
+                _columns(W1[:, j1:j2], [St[:, block_of[i1 + i]] for i in range(j1, j2)],
+                         [Ot[:, block_of[i1 + i]] for i in range(j1, j2)], U1[:, j1:j2, j1:j2],
+                         pivots[:, j1:j2], codes[:, i1 + j1:i1 + j2], E1[:, j1:j2], qmin, qmax, element)
             if j2 < k:
                 W1[:, j2:] -= U1[:, j1:j2, j2:].transpose(1, 2) @ E1[:, j1:j2]
         Wt[:, i2:] -= U[:, i1:i2, i2:].transpose(1, 2) @ E1
+    del graph
     del Wt, St, Ot, U  # freed before the row check below makes its own (out, in) and (in, in) temporaries
     codes = codes.transpose(1, 2)
     if perm is not None:
@@ -148,6 +152,73 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     # GPTQ is greedy: on a small or nearly dead layer a row can end up worse than rounding to nearest. Rows are
     # independent, so each keeps whichever of the two has the smaller output error on the calibration inputs
     return keep_better_rows(weight, H0, codes, scale, offset, qmin, qmax, block_size, element)
+
+
+def _columns(W: torch.Tensor, S: Sequence[torch.Tensor], O: Sequence[torch.Tensor], U: torch.Tensor,
+             pivots: torch.Tensor, codes: torch.Tensor, errors: torch.Tensor, qmin: int, qmax: int,
+             element: Optional[Grid]) -> None:
+    """GPTQ's column-by-column steps over one sub-block, in place. ``W`` ``(groups, k, out)``: the sub-block's
+    columns (each updated with the errors of the earlier ones); ``S[i]``/``O[i]`` ``(groups, out)``: column ``i``'s
+    scale and offset; ``U`` ``(groups, k, k)``: the sub-block of the inverse Cholesky factor, ``pivots`` its
+    diagonal ``(groups, k, 1)``. Writes each column's codes to ``codes[:, i]`` and its scaled error to
+    ``errors[:, i]`` (both ``(groups, k, out)``)."""
+    for i in range(W.shape[1]):
+        w, s, o = W[:, i], S[i], O[i]
+        # quantize / dequantize's own float32 steps, inline: this runs once per input column
+        q = _levels(w, s, o, qmin, qmax, element)
+        codes[:, i] = q
+        err = torch.div(torch.sub(w, _value(q, s, o, element)), pivots[:, i], out=errors[:, i])
+        W[:, i + 1:] -= U[:, i, i + 1:, None] * err[:, None, :]
+
+
+class _CapturedColumns:
+    """:func:`_columns` over a full sub-block, recorded once per layer as a CUDA graph and replayed for each
+    sub-block. On a GPU the column loop is a few small kernels per input column, so launching them costs far more
+    than running them (about 170 µs a column on an H200, whatever the layer's size); a replay launches the whole
+    sub-block at once. The replayed kernels are the ones the loop launches, on copies of the same values, so the
+    codes are the loop's bit for bit (bench/cuda_check.py compares them)."""
+
+    def __init__(self, groups: int, out: int, like: torch.Tensor, qmin: int, qmax: int, element: Optional[Grid]):
+        k = _SUB_BLOCK
+        self.W, self.S, self.O, self.codes, self.errors = (like.new_ones(groups, k, out) for _ in range(5))
+        self.U = like.new_ones(groups, k, k)
+        self.pivots = like.new_ones(groups, k, 1)
+        S, O = [self.S[:, i] for i in range(k)], [self.O[:, i] for i in range(k)]
+
+        def step():
+            _columns(self.W, S, O, self.U, self.pivots, self.codes, self.errors, qmin, qmax, element)
+
+        side = torch.cuda.Stream(like.device)  # warm-up off the default stream before capture (CUDA graphs' rule)
+        side.wait_stream(torch.cuda.current_stream(like.device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(like.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            step()
+
+    @classmethod
+    def make(cls, Wt: torch.Tensor, qmin: int, qmax: int, element: Optional[Grid]) -> Optional["_CapturedColumns"]:
+        """A recorded sub-block for the columns of ``Wt`` ``(groups, in, out)``, or None where the loop runs as it
+        is: off a GPU, with fewer columns than a sub-block, or for a grid whose rounding reads a table."""
+        if (not CUDA_GRAPHS or Wt.device.type != "cuda" or Wt.shape[1] < _SUB_BLOCK
+                or (isinstance(element, GgmlType) and element.table)):
+            return None
+        with torch.cuda.device(Wt.device):
+            return cls(Wt.shape[0], Wt.shape[2], Wt, qmin, qmax, element)
+
+    def run(self, W: torch.Tensor, St: torch.Tensor, Ot: torch.Tensor, scale_columns: torch.Tensor,
+            U: torch.Tensor, pivots: torch.Tensor, codes: torch.Tensor, errors: torch.Tensor) -> None:
+        """:func:`_columns` on one sub-block: ``W`` its columns, ``St``/``Ot`` ``(groups, in // width, out)`` with
+        ``scale_columns`` (a device tensor) naming each column's row of them."""
+        self.W.copy_(W)
+        torch.index_select(St, 1, scale_columns, out=self.S)
+        torch.index_select(Ot, 1, scale_columns, out=self.O)
+        self.U.copy_(U)
+        self.pivots.copy_(pivots)
+        self.graph.replay()
+        codes.copy_(self.codes)
+        errors.copy_(self.errors)
 
 
 def _levels(w: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: int,
