@@ -27,10 +27,10 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit that never passe
     else echo "-- $name: FAILED (exit $rc), $((SECONDS - t0)) s"; failed+=("$name"); fi
 }
 R=bench/results
-# CPU and CUDA give the same weight encodings (MLP, MiniLM where installed, every analyzer)
-step "cuda_check" 150 "$PY" bench/cuda_check.py
 # GPTQ's column loop replayed as CUDA graphs against launched step by step (codes must be equal), 8B layer shapes
 step "GPTQ column loop on CUDA" 120 "$PY" bench/gptq_columns.py --out $R/gptq_columns_cuda.json
+# CPU and CUDA give the same weight encodings (MLP, MiniLM where installed, every analyzer)
+step "cuda_check" 150 "$PY" bench/cuda_check.py
 # GPTQ W4A16 block 32, --sequential, on the GPU: SmolLM2-135M's shape, then the 1.1B (TinyLlama) shape with W8A8
 step "GPTQ SmolLM2 shape on CUDA" 150 "$PY" bench/sequential_memory.py --shape smollm2 --device cuda \
     --recipes w4a16-block32-gptq --out $R/gptq_smollm2_cuda.json

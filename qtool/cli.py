@@ -368,6 +368,10 @@ _SEQUENTIAL = typer.Option(False, "--sequential",
                            "model (the plan line estimates both peaks; a run whose in-memory estimate is past the "
                            "machine's memory stops and asks for it). Also the better GPTQ: each block's statistics "
                            "come from the quantized blocks before it.")
+_RESUME = typer.Option(False, "--resume", help="With --sequential: continue a run that stopped (crash, kill, "
+                       "Ctrl-C) after its last finished block, from the state it kept in OUT.resume; the output is "
+                       "byte-identical to an uninterrupted run. A state of another run (checkpoint, data, recipe, "
+                       "options, versions or ranks changed) is refused.")
 _STRICT_DATA = typer.Option(False, "--strict-data", help="Fail (exit 2, nothing written) where the calibration "
                             "data is below the documented minimum for what learns from it (512 tokens or 8 samples "
                             "for activation ranges and weighted searches, 2048 tokens or 16 samples for GPTQ and "
@@ -556,6 +560,7 @@ def calibrate(
     trust_remote_code: bool = _TRUST_CODE,
     allow_unmatched: bool = _UNMATCHED,
     sequential: bool = _SEQUENTIAL,
+    resume: bool = _RESUME,
     imatrix: Optional[str] = _IMATRIX,
     strict_data: bool = _STRICT_DATA,
     candidates: Optional[str] = _CANDIDATES,
@@ -582,7 +587,7 @@ def calibrate(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
             allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix,
-            strict_data=strict_data), overwrite, p.hooks(),
+            strict_data=strict_data, resume=resume), overwrite, p.hooks(),
             target=target)
     _report_files(summary, quiet, p.warnings_shown)
     if json_out:
@@ -695,6 +700,7 @@ def quantize(
     trust_remote_code: bool = _TRUST_CODE,
     allow_unmatched: bool = _UNMATCHED,
     sequential: bool = _SEQUENTIAL,
+    resume: bool = _RESUME,
     imatrix: Optional[str] = _IMATRIX,
     strict_data: bool = _STRICT_DATA,
     format: str = _FORMAT,
@@ -732,7 +738,7 @@ def quantize(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
             allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix,
-            strict_data=strict_data), overwrite, p.hooks(),
+            strict_data=strict_data, resume=resume), overwrite, p.hooks(),
             _eopts(format=format, encoding_version=encoding_version, seq_len=seq_len, pack=not no_pack,
                    ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size),
                    gguf_float=gguf_float, gguf_fallback=gguf_fallback), target=target)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
+import shutil
 import platform
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -108,18 +109,41 @@ def _ranks(device: str):
         group.close()
 
 
+def _check_resume(opts: CalibrateOptions, target: Optional["TargetOptions"]) -> None:
+    if opts.resume and not opts.sequential:
+        raise UsageError("--resume continues a --sequential run (the one mode that keeps a state): add --sequential")
+    if opts.resume and target is not None:
+        raise UsageError("--resume does not cover a size-budget search (--target-bpw/--target-size): its "
+                         "calibrations are short; run it again without --resume")
+
+
+def _state_dir(out: str, opts: CalibrateOptions, target: Optional["TargetOptions"]) -> Optional[Path]:
+    """Where a run writing ``out`` keeps its resumable state: ``OUT.resume`` for --sequential runs (each block's
+    results; removed once the output is written), none for the others."""
+    from .calibration.resume import state_dir
+
+    return state_dir(Path(out)) if opts.sequential and target is None else None
+
+
+def _drop_state(out: str, opts: CalibrateOptions, target: Optional["TargetOptions"]) -> None:
+    directory = _state_dir(out, opts, target)
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, run_dir: Optional[Path],
                     hooks: Hooks, group: Optional[Group] = None, search: Optional[Dict[str, Any]] = None,
-                    last: bool = True):
+                    last: bool = True, state: Optional[Path] = None):
     """Calibrate and write the run's files into ``run_dir``. In a distributed run every rank calibrates; rank 0
     alone writes (``run_dir`` is None on the others, which return None). ``search``: the record of a size-budget
     search that wrote this recipe (``recipe.yaml`` in the output directory). ``last``: no collective step follows
-    but the run's end (a search's intermediate calibrations pass False: :meth:`Group.calibrated`)."""
+    but the run's end (a search's intermediate calibrations pass False: :meth:`Group.calibrated`). ``state``: where
+    a sequential run keeps what it has finished (:func:`_state_dir`)."""
     group = group or Group()
     recipe_path = str(recipe_file(recipe_path))  # a shipped recipe's name -> its file (hashed in the manifest)
     recipe = load_recipe(recipe_path)
     run = calibrate_checkpoint(checkpoint, recipe, str(recipe_path), opts,
-                               run_dir / SIDECAR if run_dir is not None else None, hooks, group)
+                               run_dir / SIDECAR if run_dir is not None else None, hooks, group, state)
     group.calibrated(last)
     if not group.is_root:
         return None
@@ -139,8 +163,8 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         "versions": versions(),
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         # an option added later is recorded only where it is used, so older runs' manifests keep their bytes
-        "options": {k: v for k, v in asdict(opts).items()
-                    if not (k == "imatrix" and v is None) and not (k == "strict_data" and not v)},
+        "options": {k: v for k, v in asdict(opts).items()  # (a resumed run writes the bytes of an uninterrupted one)
+                    if not (k == "imatrix" and v is None) and not (k == "strict_data" and not v) and k != "resume"},
         "inputs": {
             "checkpoint": {"path": str(checkpoint), "kind": kind, "sha256": _files_digest(files),
                            **_hub(checkpoint)},
@@ -198,7 +222,7 @@ def _other_rank(checkpoint: str, recipe_path: Optional[str], opts: CalibrateOpti
     calibrations it measures, copied from rank 0: ranks need not share a filesystem) beside the output directory
     (where the model's files must fit anyway; the system's temporary directory is often small). Rank 0 writes."""
     if target is None:
-        _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group)
+        _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group, state=_state_dir(out, opts, target))
     else:
         import tempfile
 
@@ -313,6 +337,7 @@ def run_calibrate(checkpoint: str, recipe_path: Optional[str], out: str, opts: C
     """``qtool calibrate``: write ``out/encodings.json`` and ``out/manifest.json`` atomically. With ``target``,
     the recipe is the one a size-budget search chooses among the candidates (written as ``out/recipe.yaml``)."""
     hooks = hooks or Hooks()
+    _check_resume(opts, target)
     budget_format = _budget_exporter(target) if target else None
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=opts.data,
                                                    imatrix=opts.imatrix) + _search_inputs(target))
@@ -328,7 +353,9 @@ def run_calibrate(checkpoint: str, recipe_path: Optional[str], out: str, opts: C
                 summary = _calibrate_searched(checkpoint, recipe_path, record, target, opts, tmp, hooks, group)
                 summary["outputs"] += ["recipe.yaml", SEARCH_FILE]
             else:
-                summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks, group)
+                summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks, group,
+                                          state=_state_dir(out, opts, target))
+        _drop_state(out, opts, target)
     summary["encodings"] = str(Path(out) / "encodings.json")
     summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
     return summary
@@ -549,6 +576,7 @@ def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: Ca
     the recipe is the one a size-budget search chooses among the candidates, counted in the format written
     (``out/recipe.yaml``; the search's record in ``out/calibration/search.json``)."""
     hooks = hooks or Hooks()
+    _check_resume(opts, target)
     eopts = replace(eopts or ExportOptions(), trust_pickle=opts.trust_pickle, model_class=opts.model_class,
                     trust_remote_code=opts.trust_remote_code, seq_len=opts.seq_len)
     eopts.data = eopts.data or opts.data
@@ -587,11 +615,13 @@ def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: Ca
                 csum = _calibrate_searched(checkpoint, recipe_path, record, target, opts, calib_dir, hooks, group)
                 csum["outputs"].append(SEARCH_FILE)
             else:
-                csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks, group)
+                csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks, group,
+                                       state=_state_dir(out, opts, target))
             enc_path = calib_dir / "encodings.json"
             esum = _export_into(checkpoint, EncodingsFile.read(enc_path, lazy=exporter.lazy_encodings), enc_path,
                                 tmp, eopts, hooks, checkpoint_checked=True,
                                 enc_display="calibration/encodings.json")  # relative: the temp dir name is random
+        _drop_state(out, opts, target)
     out_p = Path(out)
     files = [str(out_p / n) for n in esum.pop("outputs") if not n.startswith("calibration/")]
     calib_files = [str(out_p / "calibration" / n) for n in csum.pop("outputs")]

@@ -12,6 +12,7 @@ All three give the same encodings for the same inputs (tested).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -51,6 +52,7 @@ class CalibrateOptions:
     sequential: bool = False
     imatrix: Optional[str] = None  # an importance matrix file (llama-imatrix's) weighting the searches
     strict_data: bool = False  # too little data (calibration.data_check) is an error, not a warning
+    resume: bool = False  # --sequential: continue the saved state of a stopped run (calibration.resume)
 
 
 def _resolve(recipe: Recipe, model, source: str, opts: CalibrateOptions, checkpoint: str) -> Plan:
@@ -149,18 +151,20 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
 
 def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: CalibrateOptions,
                          sidecar: Optional[Path], hooks: Optional[Hooks] = None,
-                         group: Optional[Group] = None) -> CalibrationRun:
+                         group: Optional[Group] = None, state: Optional[Path] = None) -> CalibrationRun:
     hooks = hooks or Hooks()
     with reporting(hooks):  # the long steps inside (weight searches, GPTQ) report to the job's hooks
-        return _calibrate_checkpoint(checkpoint, recipe, source, opts, sidecar, hooks, group)
+        return _calibrate_checkpoint(checkpoint, recipe, source, opts, sidecar, hooks, group, state)
 
 
 def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: CalibrateOptions,
-                          sidecar: Optional[Path], hooks: Hooks, group: Optional[Group]) -> CalibrationRun:
+                          sidecar: Optional[Path], hooks: Hooks, group: Optional[Group],
+                          state: Optional[Path] = None) -> CalibrationRun:
     """Calibrate ``recipe`` on ``checkpoint``; large block encodings of a streamed run go to ``sidecar`` as each
     weight is done. ``source`` names the recipe in error messages. With a distributed ``group`` (see
     :mod:`qtool.parallel`) every rank calls this with the same arguments and calibrates its shard of the data;
-    the entries are complete on rank 0 (``sidecar`` is only written there: None elsewhere)."""
+    the entries are complete on rank 0 (``sidecar`` is only written there: None elsewhere). ``state``: where a
+    sequential run keeps its resumable state (:mod:`.resume`; ``opts.resume`` continues the one there)."""
     from ..model.load import resolve_device
 
     hooks = hooks or Hooks()
@@ -180,12 +184,13 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
                              "calibrate without --sequential")
         hooks.on_plan(plan)
         data = _data(opts, plan, tokenizer, True, hooks)
+        saved = _resume_state(state, checkpoint, source, opts, data, device, group, hooks)
         hooks.on_stage("calibrating")
         codes = SpilledTensors()  # block by block to disk: they would grow in memory with every block
         floats: Dict[str, torch.Tensor] = {}
         with _sidecar_stream(sidecar, plan, group) as sink:  # the block ranges too
             entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block,
-                                           codes=codes, group=group, floats=floats, sink=sink)
+                                           codes=codes, group=group, floats=floats, sink=sink, state=saved)
         done = {e.name for e in entries}
         unused = [q.name for q in plan.static_activations if q.name not in done]
         return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", data, unused, codes,
@@ -224,6 +229,27 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
     return CalibrationRun(entries, plan, mode, device, loaded.files, loaded.kind, data, result.unused, result.codes,
                           _checkpoint_names(result.replaced, loaded),
                           samples_per_rank(data if plan.needs_data() else None, group))
+
+
+def _resume_state(directory: Optional[Path], checkpoint: str, source: str, opts: CalibrateOptions,
+                  data: CalibrationData, device: torch.device, group: Group, hooks: Hooks):
+    """The resumable state of a sequential run in ``directory`` (None: the run keeps none)."""
+    from .resume import ResumeState, fingerprint
+
+    if directory is None:
+        return None
+    from .. import __version__
+
+    files = tensor_files(Path(checkpoint)) + [f for f in (Path(checkpoint) / "config.json",) if f.is_file()]
+    options = {k: v for k, v in dataclasses.asdict(opts).items() if k != "resume"}
+    stamp = fingerprint(versions={"qtool": __version__, "torch": torch.__version__}, checkpoint_files=files,
+                        data_files=data.files if data is not None else [], recipe=source, imatrix=opts.imatrix, options=options,
+                        world_size=group.world_size, device=str(device))
+    state = ResumeState.open(directory, stamp, group, opts.resume)
+    if opts.resume:
+        hooks.on_stage(f"resuming after block {state.blocks_done}" if state.blocks_done else
+                       "resuming: no block was saved, starting from the first")
+    return state
 
 
 @contextlib.contextmanager

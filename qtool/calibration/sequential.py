@@ -34,6 +34,7 @@ from ..model.insert import drop_weight_caches, insert_quantizers
 from ..parallel import Group
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_inputs, shard
 from .heap import return_freed_memory
+from .resume import BlockResult, ResumeState
 from .rotation import Rotator
 from .rounding import collect_inputs, importance, round_weights
 
@@ -109,14 +110,18 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
                          codes: Optional[Dict[str, torch.Tensor]] = None,
                          group: Optional[Group] = None,
                          floats: Optional[Dict[str, torch.Tensor]] = None,
-                         sink: Optional[Callable[[EncodingEntry], EncodingEntry]] = None) -> List[EncodingEntry]:
+                         sink: Optional[Callable[[EncodingEntry], EncodingEntry]] = None,
+                         state: Optional[ResumeState] = None) -> List[EncodingEntry]:
     """Calibrate ``plan`` on ``model`` (a meta-device skeleton from ``qtool.model.hf.meta_causal_lm``), block by
     block. Codes chosen by a rounding algorithm go into ``codes`` (quantizer name -> integer tensor), tensors a
     rotation (``plan.rotation``, fused part by part as each part is loaded) changed into ``floats``. ``sink``
     (e.g. :meth:`qtool.encodings.SidecarStream.put`) receives each weight entry as its block finishes, in plan
     order, and what it returns is kept instead (the block ranges of a large model need not stay in memory). With a
     distributed ``group`` this rank carries its shard of the batches through the blocks and the ranks combine
-    each block's statistics before the next (:mod:`.collective`); activation entries come back on rank 0 only."""
+    each block's statistics before the next (:mod:`.collective`); activation entries come back on rank 0 only.
+
+    ``state`` (:mod:`.resume`) records each finished block; blocks it holds already (a resumed run) are taken from
+    it instead of being calibrated again, and the next block starts from their saved outputs."""
     group = group or Group()
     codes = {} if codes is None else codes
     floats = {} if floats is None else floats
@@ -143,6 +148,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         return [q for q in plan.quantizers if q.module == prefix or q.module.startswith(prefix + ".")]
 
     entries: Dict[str, EncodingEntry] = {}
+    finished: List[EncodingEntry] = []  # the entries of the block being calibrated, numbers in memory (for state)
 
     def calibrate_rows(rows, run: Callable[[], None], run_float: Optional[Callable[[], None]] = None):
         """Insert and calibrate the quantizers of ``rows``; ``run`` feeds the data. Weights chosen from data
@@ -172,6 +178,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         for q in rows:
             if qs[q.name].is_initialized():
                 entry = EncodingEntry.from_quantizer(q, qs[q.name])
+                finished.append(entry)
                 entries[q.name] = sink(entry) if sink is not None and q.tensor == "weight" else entry
 
     # 1. capture the first block's inputs
@@ -214,11 +221,35 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
     tail = [q for q in rows_under(None, outside=True) if q.module != embed_name]
     rotate_head = rotator is not None and plan.rotation.rotates_head
     done = 0
+    resumed = state.blocks_done if state is not None else 0
+    for i in range(resumed):  # blocks a stopped run finished: their results, not their work
+        if group.is_root:
+            saved = state.block(i)
+            for e in saved.entries:
+                entries[e.name] = sink(e) if sink is not None and e.tensor == "weight" else e
+            codes.update(saved.codes)
+            floats.update(saved.floats)
+            plan.warnings.extend(saved.warnings)
+        done += 1
+        if on_block:
+            on_block(done, len(blocks))
+    if resumed and (resumed < len(blocks) or tail or rotate_head):
+        hidden = state.hidden()
+        if len(hidden) != len(captured):
+            raise UsageError(f"{state.directory}: the saved state holds {len(hidden)} batches' block outputs, this run "
+                             f"has {len(captured)}: run without --resume to start over")
+        captured = [((h.to(device),) + tuple(args[1:]), kwargs) for h, (args, kwargs) in zip(hidden, captured)]
     for i, block in enumerate(blocks):
+        if i < resumed:
+            continue
         prefix = block_names[i]
         _materialize(block, prefix, src, name_of, device)
+        warned = len(plan.warnings)
+        finished.clear()
+        changed = {}
         if rotator is not None:
-            floats.update(rotator.layer(prefix))
+            changed = rotator.layer(prefix)
+            floats.update(changed)
         outputs: List[torch.Tensor] = []
         rows = rows_under(prefix)
         # the last block's outputs feed nothing unless the parts after it are calibrated or rotated
@@ -238,11 +269,17 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         calibrate_rows(rows, run_block, run_float)
         if feeds:
             captured = [((outputs[j],) + tuple(args[1:]), kwargs) for j, (args, kwargs) in enumerate(captured)]
+        if state is not None:
+            names = {q.name for q in rows}
+            state.save(i, BlockResult(list(finished), {n: codes[n] for n in names if n in codes}, changed,
+                                      plan.warnings[warned:]), outputs if feeds else None)
         _release(block)
         done += 1
         if on_block:
             on_block(done, len(blocks))
 
+    if state is not None:
+        state.wait()  # the last block's state is on disk before the run goes on
     # 3. what comes after the blocks
     if tail or rotate_head:
         norm = model.model.norm

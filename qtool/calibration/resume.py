@@ -1,0 +1,264 @@
+"""The resumable state of a ``--sequential`` run: what each finished decoder block produced, kept beside the output
+so that a run stopped by anything (an exception, Ctrl-C, SIGKILL, an OOM kill, a pre-empted node) continues from
+the last finished block with ``--resume`` and writes the bytes an uninterrupted run writes.
+
+``OUT.resume/`` holds:
+
+- ``state.json``: which run this is (its fingerprint: versions, checkpoint and data files, recipe, options, ranks,
+  device) and how many blocks are done;
+- ``block-<i>.safetensors``: block ``i``'s ranges (min/max of each entry, the entry's fields in the metadata),
+  codes, transformed floats and the warnings it added (rank 0);
+- ``hidden-<i>-r<rank>.safetensors``: the outputs of block ``i`` for each of this rank's calibration batches,
+  which are the next block's inputs.
+
+``state.json`` is replaced last and atomically, so it only ever names complete files; a block's files from a run
+killed before its ``state.json`` are written again. Everything else a block needs is recomputed on resume (the
+data, the first block's inputs besides the hidden states: attention masks and rotary embeddings), which costs one
+pass of the embedding. The checkpoint and data files are recognized by size and modification time (hashing a
+large checkpoint at every start would cost minutes), the recipe and importance matrix by their SHA-256.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..encodings import EncodingEntry
+from ..errors import UsageError
+from ..io.fs import sha256_file
+from ..parallel import Group
+
+__all__ = ["BlockResult", "ResumeState", "state_dir", "fingerprint", "file_stamp"]
+
+STATE = "state.json"
+_VERSION = 1
+
+
+def state_dir(out: Path) -> Path:
+    """Where the resumable state of a run writing ``out`` lives: ``OUT.resume`` beside it."""
+    out = Path(out)
+    return out.with_name(out.name + ".resume")
+
+
+def file_stamp(files) -> Dict[str, List[int]]:
+    """Each file's ``[size, mtime_ns]`` (how a resumed run recognizes the checkpoint and data files)."""
+    out = {}
+    for f in files:
+        st = Path(f).stat()
+        out[str(Path(f).resolve())] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def fingerprint(*, versions: Dict[str, str], checkpoint_files, data_files, recipe: Optional[str],
+                imatrix: Optional[str], options: Dict[str, Any], world_size: int, device: str) -> Dict[str, Any]:
+    """What must be equal for a saved state to be trusted, as JSON values (keys name what differs in the error)."""
+    def sha(path):
+        return sha256_file(Path(path)) if path is not None and Path(path).is_file() else path
+
+    return {"versions": dict(versions), "checkpoint": file_stamp(checkpoint_files), "data": file_stamp(data_files),
+            "recipe": sha(recipe), "imatrix": sha(imatrix), "options": dict(options), "ranks": world_size,
+            "device": device}
+
+
+@dataclasses.dataclass
+class BlockResult:
+    """What one finished block produced (on rank 0; other ranks keep only their hidden states)."""
+
+    entries: List[EncodingEntry]  # every entry of the block's quantizers, with its numbers in memory
+    codes: Dict[str, torch.Tensor]
+    floats: Dict[str, torch.Tensor]
+    warnings: List[str]
+
+
+_ENTRY_FIELDS = [f.name for f in dataclasses.fields(EncodingEntry) if f.name not in ("min", "max", "source")]
+
+
+def _entry_fields(e: EncodingEntry) -> Dict[str, Any]:
+    out = {}
+    for name in _ENTRY_FIELDS:
+        v = getattr(e, name)
+        out[name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _entry(fields: Dict[str, Any], mn: Optional[torch.Tensor], mx: Optional[torch.Tensor]) -> EncodingEntry:
+    f = dict(fields)
+    for key in ("shape", "block_size"):
+        if f.get(key) is not None:
+            f[key] = tuple(f[key])
+    return EncodingEntry(**f, min=mn, max=mx)
+
+
+class ResumeState:
+    """The state directory of one ``--sequential`` run. :meth:`open` starts it (fresh, or from a saved state with
+    ``resume``); :meth:`save` records a finished block; :meth:`remove` drops it once the output is written."""
+
+    def __init__(self, directory: Path, print_: Dict[str, Any], group: Group, done: int = 0):
+        self.directory = Path(directory)
+        self.fingerprint = print_
+        self.group = group
+        self.blocks_done = done
+        self._writer: Optional[_Writer] = None
+
+    @classmethod
+    def open(cls, directory: Path, print_: Dict[str, Any], group: Group, resume: bool) -> "ResumeState":
+        """The state for this run. ``resume``: continue the saved one (a state of another run is refused in one
+        line; none at all starts from the first block). Otherwise any saved state is discarded."""
+        directory = Path(directory)
+        done = 0
+        if resume:
+            saved = cls._read(directory)
+            if saved is not None:
+                differs = [k for k in sorted(set(print_) | set(saved["fingerprint"]))
+                           if print_.get(k) != saved["fingerprint"].get(k)]
+                if differs:
+                    raise UsageError(f"{directory}: the saved state is of another run ({', '.join(differs)} "
+                                     "differ): run without --resume to start over")
+                done = int(saved["blocks_done"])
+        if done == 0:
+            if group.is_root:
+                shutil.rmtree(directory, ignore_errors=True)
+                directory.mkdir(parents=True, exist_ok=True)
+            group.all_gather(None)  # the directory is fresh before any rank writes into it
+        return cls(directory, print_, group, done)
+
+    @staticmethod
+    def _read(directory: Path) -> Optional[Dict[str, Any]]:
+        try:
+            saved = json.loads((directory / STATE).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{directory / STATE}: cannot read the saved state ({e}): run without --resume to "
+                             "start over") from None
+        if not (isinstance(saved, dict) and saved.get("version") == _VERSION and isinstance(saved.get("fingerprint"), dict)
+                and isinstance(saved.get("blocks_done"), int) and saved["blocks_done"] >= 0):
+            raise UsageError(f"{directory / STATE}: not a saved state of this qtool version: run without --resume "
+                             "to start over")
+        return saved
+
+    # ---- reading ------------------------------------------------------------------------------------------------
+    def block(self, i: int) -> BlockResult:
+        """What finished block ``i`` produced (rank 0)."""
+        path = self.directory / f"block-{i}.safetensors"
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                meta = json.loads(fh.metadata()["qtool"])
+                entries = [_entry(f, fh.get_tensor(f"entry.{f['name']}.min") if not f["dynamic"] else None,
+                                  fh.get_tensor(f"entry.{f['name']}.max") if not f["dynamic"] else None)
+                           for f in meta["entries"]]
+                codes = {n: fh.get_tensor(f"code.{n}") for n in meta["codes"]}
+                floats = {n: fh.get_tensor(f"float.{n}") for n in meta["floats"]}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"{path}: cannot read the saved block ({e}): run without --resume to start over") from None
+        return BlockResult(entries, codes, floats, list(meta["warnings"]))
+
+    def hidden(self) -> List[torch.Tensor]:
+        """This rank's outputs of the last finished block, one tensor per calibration batch."""
+        path = self._hidden_path(self.blocks_done - 1, self.group.rank)
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                return [fh.get_tensor(f"h.{j}") for j in range(int(fh.metadata()["batches"]))]
+        except (OSError, ValueError, KeyError) as e:
+            raise UsageError(f"{path}: cannot read the saved block outputs ({e}): run without --resume to start "
+                             "over") from None
+
+    # ---- writing ------------------------------------------------------------------------------------------------
+    def save(self, i: int, result: Optional[BlockResult], hidden: Optional[List[torch.Tensor]]) -> None:
+        """Record block ``i`` as finished: its result (rank 0) and this rank's ``hidden`` outputs (None where no
+        later block reads them); ``state.json`` moves on once every file is complete. In one process the files
+        are written by a thread while the next block runs (a 8B model's block outputs over 64 x 2048 tokens are
+        2 GB): :meth:`wait` (called at the next save and at the end) waits for them. With several ranks every rank
+        writes its own outputs and rank 0 the rest, after the others (a collective step per block)."""
+        self.wait()
+        hidden = None if hidden is None else [h.detach().to("cpu") for h in hidden]
+        tensors, meta = self._block_tensors(result) if self.group.is_root and result is not None else (None, None)
+
+        def write(barrier):
+            if hidden is not None:
+                _atomic_save({f"h.{j}": h.contiguous() for j, h in enumerate(hidden)},
+                             self._hidden_path(i, self.group.rank), {"batches": str(len(hidden))})
+            if tensors is not None:
+                _atomic_save(tensors, self.directory / f"block-{i}.safetensors", {"qtool": json.dumps(meta)})
+            barrier()  # every rank's files are complete before the state names them
+            if self.group.is_root:
+                _atomic_write(self.directory / STATE, json.dumps(
+                    {"version": _VERSION, "fingerprint": self.fingerprint, "blocks_done": i + 1}, indent=1) + "\n")
+                for r in range(self.group.world_size):  # the outputs of the block before are read by no one now
+                    self._hidden_path(i - 1, r).unlink(missing_ok=True)
+
+        if self.group.distributed:
+            write(lambda: self.group.all_gather(None))
+        else:
+            self._writer = _Writer(lambda: write(lambda: None))
+        self.blocks_done = i + 1
+
+    def wait(self) -> None:
+        """Wait until the last saved block's files and state are on disk (raising what writing them raised)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join()
+
+    @staticmethod
+    def _block_tensors(result: BlockResult):
+        tensors = {}
+        for e in result.entries:
+            if not e.dynamic:
+                lo, hi = e.range()
+                tensors[f"entry.{e.name}.min"] = lo.detach().cpu().contiguous().clone()
+                tensors[f"entry.{e.name}.max"] = hi.detach().cpu().contiguous().clone()
+        tensors.update({f"code.{n}": t.detach().cpu().contiguous() for n, t in result.codes.items()})
+        tensors.update({f"float.{n}": t.detach().cpu().contiguous().clone() for n, t in result.floats.items()})
+        meta = {"entries": [_entry_fields(e) for e in result.entries], "codes": sorted(result.codes),
+                "floats": sorted(result.floats), "warnings": result.warnings}
+        return tensors, meta
+
+    def remove(self) -> None:
+        """Drop the state (the run's output is written)."""
+        self.wait()
+        if self.group.is_root:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _hidden_path(self, i: int, rank: int) -> Path:
+        return self.directory / f"hidden-{i}-r{rank}.safetensors"
+
+
+class _Writer(threading.Thread):
+    """One block's files, written beside the calibration (file writes release the interpreter lock)."""
+
+    def __init__(self, work):
+        super().__init__(name="qtool-resume-state", daemon=False)
+        self.work, self.error = work, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.work()
+        except BaseException as e:  # raised in the calibrating thread by join()
+            self.error = e
+
+    def join(self, timeout=None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
+
+
+def _atomic_save(tensors: Dict[str, torch.Tensor], path: Path, metadata: Dict[str, str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
