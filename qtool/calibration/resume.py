@@ -180,12 +180,16 @@ class ResumeState:
         2 GB): :meth:`wait` (called at the next save and at the end) waits for them. With several ranks every rank
         writes its own outputs and rank 0 the rest, after the others (a collective step per block)."""
         self.wait()
-        hidden = None if hidden is None else [h.detach().to("cpu") for h in hidden]
+        hidden = None if hidden is None else [h.detach() for h in hidden]
         tensors, meta = self._block_tensors(result) if self.group.is_root and result is not None else (None, None)
+        ready = None
+        if hidden and hidden[0].device.type == "cuda" and not self.group.distributed:
+            ready = torch.cuda.Event()  # the outputs are complete once the calibrating stream passes this point
+            ready.record(torch.cuda.current_stream(hidden[0].device))
 
         def write(barrier):
             if hidden is not None:
-                _atomic_save({f"h.{j}": h.contiguous() for j, h in enumerate(hidden)},
+                _atomic_save({f"h.{j}": h for j, h in enumerate(_on_cpu(hidden, ready))},
                              self._hidden_path(i, self.group.rank), {"batches": str(len(hidden))})
             if tensors is not None:
                 _atomic_save(tensors, self.directory / f"block-{i}.safetensors", {"qtool": json.dumps(meta)})
@@ -230,6 +234,20 @@ class ResumeState:
 
     def _hidden_path(self, i: int, rank: int) -> Path:
         return self.directory / f"hidden-{i}-r{rank}.safetensors"
+
+
+def _on_cpu(tensors: List[torch.Tensor], ready: Optional[torch.cuda.Event]) -> List[torch.Tensor]:
+    """``tensors`` as contiguous CPU tensors. From a GPU (``ready`` recorded after they were made) the copies run
+    on a stream of their own, so the copy engine works beside the next block's kernels instead of between them
+    (a 8B block's outputs over 64 x 2048 tokens took 0.7 s a block on an H200 when copied in line)."""
+    if ready is None:
+        return [t.to("cpu").contiguous() for t in tensors]
+    device = tensors[0].device
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            return [t.to("cpu").contiguous() for t in tensors]
 
 
 class _Writer(threading.Thread):
