@@ -219,7 +219,8 @@ def _plan_summary(plan) -> str:
     parts += [f"{n} x weight left float by --format {fmt} ({next(k for k, v in plan.left_float.items() if v == fmt)}"
               + (" ..." if n > 1 else "") + ")" for fmt, n in sorted(formats.items())]
     memory = f"; {plan.memory.describe()}" if plan.memory is not None else ""
-    return f"plan: {len(plan.quantizers)} quantizers ({'; '.join(parts) or 'none'}){memory}"
+    coverage = f"; {plan.coverage.describe()}" if plan.coverage is not None else ""
+    return f"plan: {len(plan.quantizers)} quantizers ({'; '.join(parts) or 'none'}){coverage}{memory}"
 
 
 def _duration(seconds: float) -> str:
@@ -1264,6 +1265,7 @@ def config_show(
                             else "in_memory", opts)
     if json_out:
         _emit_json({"ok": True, "quantizers": [asdict(q) for q in plan.quantizers],
+                    "weights_quantized": plan.coverage.to_json(),
                     "memory": {"mode": estimate.mode, "peak_bytes": estimate.peak,
                                "sequential_bytes": estimate.sequential},
                     "smoothquant": [asdict(g) for g in plan.smoothing],
@@ -1273,6 +1275,7 @@ def config_show(
         return
     console = _console()
     console.print(_plan_table(plan))
+    console.print(plan.coverage.describe())
     console.print(f"calibrating it: {estimate.describe()}, at --batch-size {opts.batch_size} --seq-len "
                   f"{opts.seq_len}")
     if plan.smoothing:

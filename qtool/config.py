@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence, 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 from .choices import GGML_SCALE_DTYPES, GGUF_TYPES, LEGACY_GGUF_TYPES, SUPER_BLOCK_FALLBACK
+from .coverage import weight_coverage
 from .errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported where a plan is made, so that recipes validate without it
@@ -959,6 +960,7 @@ class Plan:
     # quantizers the export format will write float (set by the job that exports; the plan line counts them apart)
     left_float: Dict[str, str] = field(default_factory=dict)  # quantizer name -> the format
     memory: Any = None  # calibration.memory.MemoryEstimate of the run about to calibrate it (shown with the plan)
+    coverage: Any = None  # coverage.WeightCoverage: how much of the model's weights the plan quantizes
 
     @property
     def weights(self) -> List[QuantizerPlan]:
@@ -1124,6 +1126,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     named = [(n, m) for n, m in model.named_modules() if n]
     # torch.export modules keep only parameters in plain submodules; their classes come from graph metadata
     exported_types = getattr(model, "qtool_module_types", None) or {}
+    candidates = set()  # modules whose weight the recipe could quantize
     for name, module in named:
         tname = exported_types.get(name, type(module).__name__)
         tnames = (tname,) if name in exported_types else _type_names(module)
@@ -1155,6 +1158,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 a_spec = None if rule.activations is None else _merge(
                     a_spec or recipe.defaults.activations, rule.activations, ActivationSpec, f"{where}.activations")
                 rule_a = i
+        if w_cand:
+            candidates.add(name)
         if ignored:
             continue
         if w_spec is not None:
@@ -1205,6 +1210,10 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             plan.warnings.append(msg)
     if recipe.kv_cache is not None:
         plan.quantizers += _kv_cache_rows(recipe, named, source)
+    plan.coverage = weight_coverage(model, {q.module for q in plan.weights}, candidates,
+                                    lambda n: any(name_matches(pat, n) for pat in recipe.ignore))
+    if plan.coverage.warning():
+        plan.warnings.append(plan.coverage.warning())
     if not plan.quantizers:
         plan.warnings.append(f"{source}: the recipe puts no quantizer on this model")
     if recipe.rotate is not None:

@@ -195,6 +195,7 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
     (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     summary = {"encodings": str(enc_path), "quantizers": len(entries), "weights": len(plan.weights),
                "activations": len(plan.activations), "uncalibrated": unused,
+               "weights_quantized": plan.coverage.to_json() if plan.coverage is not None else None,
                "samples": 0 if data is None else data.num_samples, "device": str(device),
                "warnings": plan.warnings, "outputs": [f.name for f in enc_files] + ["manifest.json"],
                **({"world_size": group.world_size, "samples_per_rank": run.samples_per_rank}

@@ -158,3 +158,32 @@ def test_what_sequential_calibration_holds_does_not_grow_with_the_blocks(tmp_pat
     assert growth < 0.1 * block_weights, (held, block_weights)
     codes = tmp_path / "run" / "codes.safetensors"
     assert codes.is_file() == (recipe == "w4a16-block32-gptq")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_sequential_reads_fused_experts_from_per_expert_checkpoint_keys(tmp_path, family):
+    """transformers 5 stacks a checkpoint's per-expert tensors into 3-D expert parameters at load time (and Mixtral
+    renames block_sparse_moe to mlp); --sequential loads blocks the same way, so it writes the in-memory bytes."""
+    torch.manual_seed(0)
+    extra = {"moe_intermediate_size": 32, "num_experts": 4, "head_dim": 16} if family == "qwen3_moe" else \
+        {"num_local_experts": 4}
+    cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=32,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            num_experts_per_tok=2, **extra)
+    transformers.AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(tmp_path / "m")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "m/model.safetensors"), "pt") as f:
+        assert not any(k.endswith("experts.gate_up_proj") for k in f.keys())  # per-expert keys on disk
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    files = {}
+    for seq in (False, True):
+        out = tmp_path / f"run{int(seq)}"
+        code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8", "--data", tmp_path / "ids.safetensors",
+                               "-o", out, "--batch-size", "4", "--quiet", *(["--sequential"] if seq else []))
+        assert code == 0, err
+        files[seq] = (out / "encodings.json").read_bytes()
+        warnings = json.loads((out / "manifest.json").read_text())["warnings"]
+        assert any("experts.gate_up_proj" in w and "have no quantizer" in w for w in warnings)
+    assert files[True] == files[False]

@@ -188,9 +188,14 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
         hooks.on_stage("calibrating")
         codes = SpilledTensors()  # block by block to disk: they would grow in memory with every block
         floats: Dict[str, torch.Tensor] = {}
-        with _sidecar_stream(sidecar, plan, group) as sink:  # the block ranges too
-            entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block,
-                                           codes=codes, group=group, floats=floats, sink=sink, state=saved)
+        try:
+            with _sidecar_stream(sidecar, plan, group) as sink:  # the block ranges too
+                entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block,
+                                               codes=codes, group=group, floats=floats, sink=sink, state=saved)
+        except UsageError:  # bad input fails a resume the same way: its state goes with the rest of the output
+            if saved is not None:
+                saved.remove()
+            raise
         done = {e.name for e in entries}
         unused = [q.name for q in plan.static_activations if q.name not in done]
         return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", data, unused, codes,

@@ -125,10 +125,9 @@ class ResumeState:
                                      "differ): run without --resume to start over")
                 done = int(saved["blocks_done"])
         if done == 0:
-            if group.is_root:
+            if group.is_root:  # (made again when the first block is saved: a run that fails before leaves none)
                 shutil.rmtree(directory, ignore_errors=True)
-                directory.mkdir(parents=True, exist_ok=True)
-            group.all_gather(None)  # the directory is fresh before any rank writes into it
+            group.all_gather(None)  # the old state is gone before any rank writes a new one
         return cls(directory, print_, group, done)
 
     @staticmethod
@@ -180,6 +179,7 @@ class ResumeState:
         2 GB): :meth:`wait` (called at the next save and at the end) waits for them. With several ranks every rank
         writes its own outputs and rank 0 the rest, after the others (a collective step per block)."""
         self.wait()
+        self.directory.mkdir(parents=True, exist_ok=True)
         hidden = None if hidden is None else [h.detach() for h in hidden]
         tensors, meta = self._block_tensors(result) if self.group.is_root and result is not None else (None, None)
         ready = None
@@ -227,10 +227,13 @@ class ResumeState:
         return tensors, meta
 
     def remove(self) -> None:
-        """Drop the state (the run's output is written)."""
-        self.wait()
-        if self.group.is_root:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        """Drop the state (the run's output is written, or its input is bad: a resume would fail the same way, and
+        bad input leaves nothing behind)."""
+        try:
+            self.wait()
+        finally:
+            if self.group.is_root:
+                shutil.rmtree(self.directory, ignore_errors=True)
 
     def _hidden_path(self, i: int, rank: int) -> Path:
         return self.directory / f"hidden-{i}-r{rank}.safetensors"

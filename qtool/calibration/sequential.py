@@ -30,6 +30,7 @@ from ..data import CalibrationData, rejection
 from ..encodings import EncodingEntry
 from ..errors import CheckpointError, DataError, UsageError
 from ..io.checkpoint import CheckpointTensors
+from ..model.checkpoint_map import CheckpointMap
 from ..model.insert import drop_weight_caches, insert_quantizers
 from ..parallel import Group
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_inputs, shard
@@ -54,18 +55,22 @@ def _blocks(model: nn.Module) -> nn.ModuleList:
 
 
 def _materialize(module: nn.Module, prefix: str, src: CheckpointTensors, name_of: Callable[[str], str],
-                 device: torch.device) -> None:
-    """Load ``module``'s parameters and persistent buffers from the checkpoint (as float32 for float tensors)."""
+                 device: torch.device, converted: Optional[CheckpointMap] = None) -> None:
+    """Load ``module``'s parameters and persistent buffers from the checkpoint (as float32 for float tensors);
+    ``converted`` makes those transformers builds from other tensors at load time (fused experts)."""
     module.to_empty(device=device, recurse=True)
     with torch.no_grad():
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
             full = f"{prefix}.{name}" if prefix else name
             key = name_of(full)
-            if key is None:
-                if isinstance(t, nn.Parameter):
-                    raise CheckpointError(f"{src.path}: checkpoint has no tensor for {full}")
+            if key is not None:
+                value = src.get(key)
+            elif converted is not None and full in converted:
+                value = converted.get(full, src.get)
+            elif isinstance(t, nn.Parameter):
+                raise CheckpointError(f"{src.path}: checkpoint has no tensor for {full}")
+            else:
                 continue
-            value = src.get(key)
             t.copy_(value.to(t.dtype) if t.is_floating_point() else value)
 
 
@@ -137,6 +142,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             return "model.embed_tokens.weight"
         return None
 
+    converted = CheckpointMap(model, keys)
     blocks = _blocks(model)
     modules = dict(model.named_modules())
     block_names = [f"model.layers.{i}" for i in range(len(blocks))]
@@ -184,7 +190,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
     # 1. capture the first block's inputs
     embed = model.get_input_embeddings()
     embed_name = next(n for n, m in modules.items() if m is embed)
-    _materialize(embed, embed_name, src, name_of, device)
+    _materialize(embed, embed_name, src, name_of, device, converted)
     rotator = Rotator(model, plan.rotation) if plan.rotation is not None else None
     if rotator is not None:
         floats.update(rotator.embedding())
@@ -243,7 +249,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         if i < resumed:
             continue
         prefix = block_names[i]
-        _materialize(block, prefix, src, name_of, device)
+        _materialize(block, prefix, src, name_of, device, converted)
         warned = len(plan.warnings)
         finished.clear()
         changed = {}
@@ -284,8 +290,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
     if tail or rotate_head:
         norm = model.model.norm
         lm_head = model.get_output_embeddings()
-        _materialize(norm, "model.norm", src, name_of, device)
-        _materialize(lm_head, "lm_head", src, name_of, device)
+        _materialize(norm, "model.norm", src, name_of, device, converted)
+        _materialize(lm_head, "lm_head", src, name_of, device, converted)
         if rotate_head:
             floats.update(rotator.head())
 

@@ -1,0 +1,99 @@
+"""How much of a model's weights a plan quantizes, and which large weights no quantizer can reach.
+
+A weight here is a parameter of two or more dimensions (norms and biases are not), each counted once however
+many modules share it (a tied ``lm_head``). qtool quantizes the weights of the module types a recipe can target
+(``Linear``, convolutions, ``Embedding``, ...); a parameter held any other way (transformers 5 stores a
+mixture-of-experts layer's experts as one module with 3-D ``gate_up_proj``/``down_proj``) has no quantizer, and
+on a real MoE model that is most of the weights. The plan says so instead of leaving them float without a word.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Set, Tuple
+
+from torch import nn
+
+__all__ = ["WeightCoverage", "weight_coverage", "LARGE_SHARE"]
+
+# a weight qtool cannot quantize is named in a warning from this share of the model's weight parameters: a
+# mixture-of-experts layer's fused experts are several percent each, a router or a ViT's position table well under
+LARGE_SHARE = 0.005
+
+
+@dataclass(frozen=True)
+class WeightCoverage:
+    total: int  # weight parameters of the model (tensors of 2+ dimensions, each once)
+    quantized: int  # of which the plan puts a quantizer on
+    # (parameter name, shape, owning module's type) of weights no quantizer can reach and the recipe did not
+    # exclude, largest first
+    unreachable: Tuple[Tuple[str, Tuple[int, ...], str], ...] = ()
+
+    @property
+    def share(self) -> float:
+        return self.quantized / self.total if self.total else 0.0
+
+    def describe(self) -> str:
+        return f"weights quantized: {100 * self.share:.1f} % of {_count(self.total)} parameters"
+
+    def large(self) -> Tuple[Tuple[str, Tuple[int, ...], str], ...]:
+        """The unreachable weights of at least ``LARGE_SHARE`` of the model's weight parameters."""
+        return tuple(u for u in self.unreachable if _numel(u[1]) >= LARGE_SHARE * self.total)
+
+    def warning(self) -> str:
+        """One line naming the large unreachable weights ("" when there are none)."""
+        big = self.large()
+        if not big:
+            return ""
+        share = sum(_numel(s) for _, s, _ in big) / self.total
+        named = ", ".join(f"{n} {list(s)} ({t})" for n, s, t in big[:3])
+        more = f" and {len(big) - 3} more" if len(big) > 3 else ""
+        return (f"{len(big)} weight tensor(s), {100 * share:.1f} % of the model's weight parameters, have no "
+                f"quantizer in qtool and stay float: {named}{more} (a module type qtool cannot quantize yet; list "
+                "them under ignore to acknowledge it)")
+
+    def to_json(self):
+        return {"parameters": self.total, "quantized": self.quantized, "share": round(self.share, 6),
+                "unreachable": [{"name": n, "shape": list(s), "module_type": t} for n, s, t in self.unreachable]}
+
+
+def weight_coverage(model: nn.Module, quantized: Set[str], candidates: Set[str],
+                    ignored: Callable[[str], bool]) -> WeightCoverage:
+    """``quantized``: modules whose ``weight`` the plan quantizes; ``candidates``: modules whose ``weight`` a
+    recipe could quantize (a weight of theirs left float is the recipe's choice); ``ignored(name)``: whether the
+    recipe's ignore list names a module or parameter. Works on meta-device models."""
+    seen: Set[int] = set()
+    total = done = 0
+    unreachable = []
+    for mod_name, module in _named(model):
+        for p_name, p in module.named_parameters(recurse=False):
+            if p.dim() < 2 or id(p) in seen:
+                continue
+            seen.add(id(p))
+            n = p.numel()
+            total += n
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            if p_name == "weight" and mod_name in quantized:
+                done += n
+            elif not (p_name == "weight" and mod_name in candidates) and not ignored(mod_name) and not ignored(full):
+                unreachable.append((full, tuple(int(d) for d in p.shape), type(module).__name__))
+    unreachable.sort(key=lambda u: -_numel(u[1]))
+    return WeightCoverage(total, done, tuple(unreachable))
+
+
+def _named(model: nn.Module) -> Iterable[Tuple[str, nn.Module]]:
+    return model.named_modules(remove_duplicate=True)
+
+
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)

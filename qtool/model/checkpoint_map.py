@@ -1,0 +1,72 @@
+"""Which checkpoint tensors make each parameter of a transformers model, for loading it part by part.
+
+transformers 5 does not always keep a checkpoint's names in memory: a mixture-of-experts layer's experts are one
+module with 3-D ``gate_up_proj``/``down_proj`` parameters, made at load time by stacking the checkpoint's
+per-expert ``experts.<e>.gate_proj.weight`` (and ``up_proj``) tensors, and some families rename parts
+(Mixtral's ``block_sparse_moe`` is ``mlp``). ``from_pretrained`` applies these conversions to the whole checkpoint
+at once; ``--sequential`` loads one decoder block at a time, so it asks :class:`CheckpointMap` for one parameter
+at a time. The conversions are transformers' own (its conversion mapping and converters), not restated here.
+"""
+
+from __future__ import annotations
+
+from copy import deepcopy
+from functools import partial
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["CheckpointMap"]
+
+
+class CheckpointMap:
+    """For a transformers ``model`` (a meta-device skeleton will do) and its checkpoint's tensor ``keys``: the
+    parameters whose value is not one checkpoint tensor of the same name, and how to make them."""
+
+    def __init__(self, model: nn.Module, keys: Iterable[str]):
+        # parameter name -> (the converter, {source pattern: checkpoint keys in order}) or (None, {None: [key]})
+        self._sources: Dict[str, Tuple[object, Dict[Optional[str], List[str]]]] = {}
+        self._model = model
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
+                                                         rename_source_key)
+        except ImportError:  # a transformers without load-time conversions: names are the checkpoint's
+            return
+        try:
+            transforms = get_model_conversion_mapping(model)
+        except Exception:  # a model class transformers does not map (remote code, ...): names as they are
+            return
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        if not (renamings or converters):
+            return
+        names = dict(model.state_dict(keep_vars=True))
+        self._by_pattern = {p: c for c in converters for p in c.source_patterns}
+        for key in sorted(keys, key=dot_natural_key):
+            target, pattern = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None),
+                                                names)
+            if target not in names and key in names:
+                target, pattern = key, None
+            if target == key or target not in names:
+                continue
+            converter, groups = self._sources.setdefault(
+                target, (self._by_pattern.get(pattern) if pattern is not None else None, {}))
+            groups.setdefault(pattern, []).append(key)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._sources
+
+    def get(self, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """Parameter ``name`` made from the checkpoint tensors ``read(key)`` gives, as transformers loads it."""
+        converter, groups = self._sources[name]
+        if converter is None:
+            [[key]] = groups.values()
+            return read(key)
+        converter = deepcopy(converter)
+        for pattern, keys in groups.items():
+            for key in keys:
+                converter.add_tensor(name, key, pattern, partial(read, key))
+        made = converter.convert(name, model=self._model, config=getattr(self._model, "config", None))
+        return made[name]

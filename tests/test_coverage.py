@@ -1,0 +1,100 @@
+"""Nothing is left float without a word: the plan counts the weight parameters it quantizes, and names the large
+weights no quantizer reaches (transformers 5's fused mixture-of-experts tensors)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from qtool.config import load_recipe, parse_recipe, recipe_file, resolve_plan
+from qtool.coverage import weight_coverage
+from tests.helpers import run_cli
+
+transformers = pytest.importorskip("transformers")
+
+
+def _qwen3_moe():
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(
+        "qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+        head_dim=16)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def test_fused_experts_are_named_and_counted_not_silently_left_float():
+    model = _qwen3_moe()
+    plan = resolve_plan(load_recipe(recipe_file("w4a16-block32")), model)
+    cov = plan.coverage
+    weights = {n: p for n, p in model.named_parameters() if p.dim() >= 2}
+    assert cov.total == sum(p.numel() for p in weights.values())
+    # every Linear of this model (the recipe quantizes lm_head too, not the embedding)
+    linear = sum(p.numel() for n, p in weights.items() if "self_attn" in n or n == "lm_head.weight")
+    assert cov.quantized == linear and 0.2 < cov.share < 0.3
+    fused = {f"model.layers.{i}.mlp.experts.{k}" for i in range(2) for k in ("gate_up_proj", "down_proj")}
+    routers = {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}
+    unreachable = {n for n, _, _ in cov.unreachable}
+    # the embedding and lm_head are the recipe's choice (their types can be quantized): not unreachable
+    assert unreachable == fused | routers
+    assert {n for n, _, _ in cov.large()} == fused  # routers are small: counted, not warned about
+    [warning] = [w for w in plan.warnings if "have no quantizer" in w]
+    assert "4 weight tensor(s)" in warning and "Qwen3MoeExperts" in warning
+    assert f"{100 * sum(weights[n].numel() for n in fused) / cov.total:.1f} %" in warning
+
+
+def test_ignoring_the_experts_acknowledges_them():
+    model = _qwen3_moe()
+    recipe = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n"
+                          "ignore: ['lm_head', 're:.*mlp.experts']\n")
+    plan = resolve_plan(recipe, model)
+    assert not [w for w in plan.warnings if "have no quantizer" in w]
+    assert {n for n, _, _ in plan.coverage.unreachable} == {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}
+
+
+def test_a_dense_model_is_covered_and_tied_weights_count_once():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(cfg)
+    plan = resolve_plan(load_recipe(recipe_file("w8a8")), model)
+    embed = 256 * 64
+    total = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2)  # (named_parameters: tied once)
+    assert plan.coverage.total == total and plan.coverage.unreachable == ()
+    assert plan.coverage.quantized == total  # w8a8 quantizes the embedding, which lm_head shares
+    assert not [w for w in plan.warnings if "have no quantizer" in w]
+    recipe = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n"
+                          "ignore: ['lm_head', 'model.embed_tokens']\n")
+    plan = resolve_plan(recipe, model)
+    assert plan.coverage.quantized == total - embed and plan.coverage.unreachable == ()
+
+
+def test_coverage_counts_a_parameter_shared_by_two_modules_once():
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    b.weight = a.weight
+    model = torch.nn.Sequential(a, b)
+    cov = weight_coverage(model, {"0"}, {"0", "1"}, lambda name: False)
+    assert (cov.total, cov.quantized, cov.unreachable) == (16, 16, ())
+
+
+def test_the_plan_line_config_show_and_calibrate_json_say_what_is_quantized(tmp_path):
+    model = _qwen3_moe()
+    model.save_pretrained(tmp_path / "m")
+    code, out, err = run_cli("config", "show", "w4a16-block32", "--model", tmp_path / "m", "--json")
+    assert code == 0, err
+    shown = json.loads(out)["weights_quantized"]
+    assert 0.2 < shown["share"] < 0.3
+    assert {u["module_type"] for u in shown["unreachable"]} == {"Qwen3MoeExperts", "Qwen3MoeTopKRouter"}
+    assert any("have no quantizer" in w for w in json.loads(out)["warnings"])
+    code, out, err = run_cli("config", "show", "w4a16-block32", "--model", tmp_path / "m")
+    assert code == 0 and "weights quantized: 2" in out and "have no quantizer" in err
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    code, out, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8", "--data", tmp_path / "ids.safetensors",
+                             "-o", tmp_path / "run", "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["weights_quantized"]["quantized"] < summary["weights_quantized"]["parameters"]
+    assert "plan: " in err and "weights quantized: " in err
+    manifest = json.loads((tmp_path / "run/manifest.json").read_text())
+    assert any("mlp.experts.gate_up_proj" in w for w in manifest["warnings"])
