@@ -10,9 +10,10 @@ on a real MoE model that is most of the weights. The plan says so instead of lea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Iterable, Set, Tuple
 
-from torch import nn
+if TYPE_CHECKING:  # (config's layer imports no torch at module level: the CLI checks choices before loading it)
+    from torch import nn
 
 __all__ = ["WeightCoverage", "weight_coverage", "LARGE_SHARE"]
 
@@ -57,7 +58,7 @@ class WeightCoverage:
                 "unreachable": [{"name": n, "shape": list(s), "module_type": t} for n, s, t in self.unreachable]}
 
 
-def weight_coverage(model: nn.Module, quantized: Set[str], candidates: Set[str],
+def weight_coverage(model: "nn.Module", quantized: Set[str], candidates: Set[str],
                     ignored: Callable[[str], bool]) -> WeightCoverage:
     """``quantized``: modules whose ``weight`` the plan quantizes; ``candidates``: modules whose ``weight`` a
     recipe could quantize (a weight of theirs left float is the recipe's choice); ``ignored(name)``: whether the
@@ -81,7 +82,7 @@ def weight_coverage(model: nn.Module, quantized: Set[str], candidates: Set[str],
     return WeightCoverage(total, done, tuple(unreachable))
 
 
-def _named(model: nn.Module) -> Iterable[Tuple[str, nn.Module]]:
+def _named(model: "nn.Module") -> Iterable[Tuple[str, "nn.Module"]]:
     return model.named_modules(remove_duplicate=True)
 
 
