@@ -2,7 +2,12 @@
 Llama-3-8B-shaped decoder blocks, the same token ids and the same GPU.
 
 Made to run once on a lent machine with no network (llm-compressor travels as wheels in ``.whl``, never a
-dependency of qtool)::
+dependency of qtool). The wheels (4.3 MB; the machine has torch 2.11, transformers 5.17, accelerate, safetensors,
+numpy, pyarrow but not these), fetched here into a git-ignored ``.whl`` with ``python3 -m pip download --no-deps
+--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d .whl NAME==V``:
+llmcompressor 0.14.0.1, compressed-tensors 0.19.0, datasets 4.8.5, dill 0.4.1, multiprocess 0.70.19, loguru
+0.7.3, pydantic 2.14.3, pydantic-core 2.50.4, annotated-types 0.8.0, typing-inspection 0.4.5,
+typing-extensions 4.16.0 (pydantic and its three are what qtool itself needs there). Then, on the machine::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
         .whl/*.whl && export PYTHONPATH=/tmp/site

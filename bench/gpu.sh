@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Benchmarks and the CPU/CUDA equality check on a machine with an NVIDIA GPU.
 # Usage (from the repo root, torch with CUDA installed in .venv or the active Python):
-#   bash bench/gpu.sh                 # every step below (~6 minutes on an H200)
+#   bash bench/gpu.sh                 # every step below (~8 minutes on an H200; ~10 with llm-compressor)
+# On a lent machine with no network, pydantic (and llm-compressor, for its comparison) travel as wheels installed
+# with --target: the list and the commands are in bench/gptq_gpu_blocks.py's docstring.
 #   GPU_SH_BUDGET=300 bash bench/gpu.sh   # stop starting steps once 300 s have passed
 # Each step runs on its own: a failure is reported and the next step still runs; the exit code is 1 if any failed.
 # Writes bench/results/*cuda*.json; paste the printed tables (with the device name) into docs/performance.md.
@@ -10,6 +12,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 BUDGET=${GPU_SH_BUDGET:-1800}
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # qtool from this tree, beside any carried wheels' --target
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')" || exit 1
 "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0), '| torch', torch.__version__,
       '| GPUs', torch.cuda.device_count(), '| CPU cores', __import__('os').cpu_count())"
@@ -29,6 +32,13 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit that never passe
 R=bench/results
 # GPTQ's column loop replayed as CUDA graphs against launched step by step (codes must be equal), 8B layer shapes
 step "GPTQ column loop on CUDA" 120 "$PY" bench/gptq_columns.py --out $R/gptq_columns_cuda.json
+# W8A8 calibration with the forward replayed as a CUDA graph after two batches: time and equal ranges (a probe)
+step "calibration graph probe" 60 "$PY" bench/calibration_graph_probe.py
+# 8B-shaped blocks, qtool against llm-compressor (only where its wheels are installed: see the script's docstring)
+if "$PY" -c "import llmcompressor" 2>/dev/null; then
+    step "8B blocks against llm-compressor" 300 "$PY" bench/gptq_gpu_blocks.py --side-timeout 140 \
+        --out $R/gptq_gpu_blocks.json
+fi
 # CPU and CUDA give the same weight encodings (MLP, MiniLM where installed, every analyzer)
 step "cuda_check" 150 "$PY" bench/cuda_check.py
 # GPTQ W4A16 block 32, --sequential, on the GPU: SmolLM2-135M's shape, then the 1.1B (TinyLlama) shape with W8A8
