@@ -10,16 +10,16 @@ on a real MoE model that is most of the weights. The plan says so instead of lea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Set, Tuple
 
 if TYPE_CHECKING:  # (config's layer imports no torch at module level: the CLI checks choices before loading it)
     from torch import nn
 
-__all__ = ["WeightCoverage", "weight_coverage", "LARGE_SHARE"]
+__all__ = ["WeightCoverage", "weight_coverage", "WARN_SHARE"]
 
-# a weight qtool cannot quantize is named in a warning from this share of the model's weight parameters: a
-# mixture-of-experts layer's fused experts are several percent each, a router or a ViT's position table well under
-LARGE_SHARE = 0.005
+# weights qtool cannot quantize are named in a warning once together they are this share of the model's weight
+# parameters (a mixture-of-experts model's fused experts are most of it; GPT-2's Conv1D layers too)
+WARN_SHARE = 0.01
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,11 @@ class WeightCoverage:
         return f"weights quantized: {100 * self.share:.1f} % of {_count(self.total)} parameters"
 
     def large(self) -> Tuple[Tuple[str, Tuple[int, ...], str], ...]:
-        """The unreachable weights of at least ``LARGE_SHARE`` of the model's weight parameters."""
-        return tuple(u for u in self.unreachable if _numel(u[1]) >= LARGE_SHARE * self.total)
+        """The unreachable weights a warning names: all of them once they are ``WARN_SHARE`` of the model's weight
+        parameters together, leaving out routers (float by design) and tables whose first dimension is 1 (position
+        embeddings and class tokens, added to activations rather than multiplied with them)."""
+        named = tuple(u for u in self.unreachable if u[1][0] != 1 and "Router" not in u[2])
+        return named if sum(_numel(s) for _, s, _ in named) >= WARN_SHARE * self.total else ()
 
     def warning(self) -> str:
         """One line naming the large unreachable weights ("" when there are none)."""
@@ -63,27 +66,24 @@ def weight_coverage(model: "nn.Module", quantized: Set[str], candidates: Set[str
     """``quantized``: modules whose ``weight`` the plan quantizes; ``candidates``: modules whose ``weight`` a
     recipe could quantize (a weight of theirs left float is the recipe's choice); ``ignored(name)``: whether the
     recipe's ignore list names a module or parameter. Works on meta-device models."""
-    seen: Set[int] = set()
+    holders: Dict[int, List[Tuple[str, str, str, "nn.Parameter"]]] = {}  # parameter -> every (module, name)
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for p_name, p in module.named_parameters(recurse=False):
+            if p.dim() >= 2:
+                holders.setdefault(id(p), []).append((mod_name, p_name, type(module).__name__, p))
     total = done = 0
     unreachable = []
-    for mod_name, module in _named(model):
-        for p_name, p in module.named_parameters(recurse=False):
-            if p.dim() < 2 or id(p) in seen:
-                continue
-            seen.add(id(p))
-            n = p.numel()
-            total += n
-            full = f"{mod_name}.{p_name}" if mod_name else p_name
-            if p_name == "weight" and mod_name in quantized:
-                done += n
-            elif not (p_name == "weight" and mod_name in candidates) and not ignored(mod_name) and not ignored(full):
-                unreachable.append((full, tuple(int(d) for d in p.shape), type(module).__name__))
+    for held in holders.values():
+        n = held[0][3].numel()
+        total += n
+        if any(p_name == "weight" and mod in quantized for mod, p_name, _, _ in held):
+            done += n
+        elif not any((p_name == "weight" and mod in candidates) or ignored(mod)
+                     or ignored(f"{mod}.{p_name}" if mod else p_name) for mod, p_name, _, _ in held):
+            mod, p_name, tname, p = held[0]
+            unreachable.append((f"{mod}.{p_name}" if mod else p_name, tuple(int(d) for d in p.shape), tname))
     unreachable.sort(key=lambda u: -_numel(u[1]))
     return WeightCoverage(total, done, tuple(unreachable))
-
-
-def _named(model: "nn.Module") -> Iterable[Tuple[str, "nn.Module"]]:
-    return model.named_modules(remove_duplicate=True)
 
 
 def _numel(shape) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
-import shutil
 import platform
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -125,10 +124,13 @@ def _state_dir(out: str, opts: CalibrateOptions, target: Optional["TargetOptions
     return state_dir(Path(out)) if opts.sequential and target is None else None
 
 
-def _drop_state(out: str, opts: CalibrateOptions, target: Optional["TargetOptions"]) -> None:
+def _drop_state(out: str, opts: CalibrateOptions, target: Optional["TargetOptions"], group: Group) -> None:
+    """The run's output is written (rank 0) or its calibration is done (the others): its state goes."""
+    from .calibration.resume import remove_state
+
     directory = _state_dir(out, opts, target)
     if directory is not None:
-        shutil.rmtree(directory, ignore_errors=True)
+        remove_state(directory, group.rank, group.is_root)
 
 
 def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, run_dir: Optional[Path],
@@ -224,6 +226,7 @@ def _other_rank(checkpoint: str, recipe_path: Optional[str], opts: CalibrateOpti
     (where the model's files must fit anyway; the system's temporary directory is often small). Rank 0 writes."""
     if target is None:
         _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group, state=_state_dir(out, opts, target))
+        _drop_state(out, opts, target, group)  # (this rank's block outputs: its calibration is done)
     else:
         import tempfile
 
@@ -356,7 +359,7 @@ def run_calibrate(checkpoint: str, recipe_path: Optional[str], out: str, opts: C
             else:
                 summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks, group,
                                           state=_state_dir(out, opts, target))
-        _drop_state(out, opts, target)
+        _drop_state(out, opts, target, group)
     summary["encodings"] = str(Path(out) / "encodings.json")
     summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
     return summary
@@ -622,7 +625,7 @@ def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: Ca
             esum = _export_into(checkpoint, EncodingsFile.read(enc_path, lazy=exporter.lazy_encodings), enc_path,
                                 tmp, eopts, hooks, checkpoint_checked=True,
                                 enc_display="calibration/encodings.json")  # relative: the temp dir name is random
-        _drop_state(out, opts, target)
+        _drop_state(out, opts, target, group)
     out_p = Path(out)
     files = [str(out_p / n) for n in esum.pop("outputs") if not n.startswith("calibration/")]
     calib_files = [str(out_p / "calibration" / n) for n in csum.pop("outputs")]

@@ -98,3 +98,33 @@ def test_the_plan_line_config_show_and_calibrate_json_say_what_is_quantized(tmp_
     assert "plan: " in err and "weights quantized: " in err
     manifest = json.loads((tmp_path / "run/manifest.json").read_text())
     assert any("mlp.experts.gate_up_proj" in w for w in manifest["warnings"])
+
+
+def test_a_tied_weight_counts_as_quantized_through_any_module_that_holds_it():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(cfg)
+    recipe = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n"
+                          "layers:\n  - type: Embedding\n    weights: null\n")
+    plan = resolve_plan(recipe, model)
+    assert "lm_head" in {q.module for q in plan.weights}  # the embedding's table, quantized as lm_head
+    assert plan.coverage.quantized == plan.coverage.total and plan.coverage.share == 1.0
+
+
+def test_gpt2_conv1d_layers_are_named_and_a_position_table_is_not():
+    """transformers' GPT-2 keeps its projections in its own Conv1D class (not torch's Conv1d), which no recipe
+    type reaches: a true warning. Its position table wpe is an Embedding; a table held as a bare parameter with a
+    leading 1 (a ViT's position embeddings) is added to activations, and is not named."""
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
+                                                                n_positions=64))
+    plan = resolve_plan(load_recipe(recipe_file("w8a8")), gpt2)
+    [warning] = [w for w in plan.warnings if "have no quantizer" in w]
+    assert "(Conv1D)" in warning and "8 weight tensor(s)" in warning
+    vit_like = torch.nn.Module()
+    vit_like.proj = torch.nn.Linear(64, 64)
+    vit_like.position_embeddings = torch.nn.Parameter(torch.zeros(1, 197, 64))  # 75 % of this model's weights
+    plan = resolve_plan(load_recipe(recipe_file("w8a16")), vit_like)
+    assert [n for n, _, _ in plan.coverage.unreachable] == ["position_embeddings"]
+    assert not [w for w in plan.warnings if "have no quantizer" in w]

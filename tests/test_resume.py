@@ -152,3 +152,15 @@ def test_two_ranks_killed_after_a_block_resume_to_the_bytes_of_one_process(llama
     assert manifest["distributed"]["world_size"] == 2
     whole.pop("manifest.json")
     assert run == whole
+
+
+def test_a_damaged_saved_block_is_one_line_and_the_state_stays(llama, stopped, tmp_path):
+    d, args = llama
+    shutil.copytree(stopped, tmp_path / "run.resume")
+    block = tmp_path / "run.resume/block-0.safetensors"
+    block.write_bytes(block.read_bytes()[:40])  # truncated: safetensors' own error, not an OSError
+    code, _, err = run_cli(*args, "--resume", "-o", tmp_path / "run")
+    assert code == 2
+    lines = error_lines(err)
+    assert len(lines) == 1 and "cannot read the saved block" in lines[0] and "run without --resume" in lines[0], err
+    assert (tmp_path / "run.resume/state.json").exists() and not (tmp_path / "run").exists()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.metadata
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -193,7 +195,7 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
                 entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block,
                                                codes=codes, group=group, floats=floats, sink=sink, state=saved)
         except UsageError:  # bad input fails a resume the same way: its state goes with the rest of the output
-            if saved is not None:
+            if saved is not None and saved.resumed_from == 0:  # (never a state an earlier run left)
                 saved.remove()
             raise
         done = {e.name for e in entries}
@@ -247,9 +249,17 @@ def _resume_state(directory: Optional[Path], checkpoint: str, source: str, opts:
 
     files = tensor_files(Path(checkpoint)) + [f for f in (Path(checkpoint) / "config.json",) if f.is_file()]
     options = {k: v for k, v in dataclasses.asdict(opts).items() if k != "resume"}
-    stamp = fingerprint(versions={"qtool": __version__, "torch": torch.__version__}, checkpoint_files=files,
-                        data_files=data.files if data is not None else [], recipe=source, imatrix=opts.imatrix, options=options,
-                        world_size=group.world_size, device=str(device))
+    if options.get("data") and Path(options["data"]).exists():  # the same file from another working directory
+        options["data"] = str(Path(options["data"]).resolve())
+    versions = {"qtool": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        versions["transformers"] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    where = str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+    stamp = fingerprint(versions=versions, checkpoint_files=files,
+                        data_files=data.files if data is not None else [], recipe=source, imatrix=opts.imatrix,
+                        options=options, world_size=group.world_size, device=where)
     state = ResumeState.open(directory, stamp, group, opts.resume)
     if opts.resume:
         hooks.on_stage(f"resuming after block {state.blocks_done}" if state.blocks_done else

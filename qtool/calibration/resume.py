@@ -20,6 +20,7 @@ large checkpoint at every start would cost minutes), the recipe and importance m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -37,7 +38,7 @@ from ..errors import UsageError
 from ..io.fs import sha256_file
 from ..parallel import Group
 
-__all__ = ["BlockResult", "ResumeState", "state_dir", "fingerprint", "file_stamp"]
+__all__ = ["BlockResult", "ResumeState", "state_dir", "fingerprint", "file_stamp", "remove_state"]
 
 STATE = "state.json"
 _VERSION = 1
@@ -108,27 +109,43 @@ class ResumeState:
         self.group = group
         self.blocks_done = done
         self._writer: Optional[_Writer] = None
+        self.resumed_from = done  # the blocks this run found done (it keeps a state it did not make: see remove)
 
     @classmethod
     def open(cls, directory: Path, print_: Dict[str, Any], group: Group, resume: bool) -> "ResumeState":
         """The state for this run. ``resume``: continue the saved one (a state of another run is refused in one
-        line; none at all starts from the first block). Otherwise any saved state is discarded."""
+        line; none at all starts from the first block). Otherwise any saved state is discarded. Rank 0 reads and
+        checks the state and tells the other ranks how far it got (each rank's block outputs are its own files,
+        which may live on its own machine's disk)."""
         directory = Path(directory)
-        done = 0
+        verdict: Any = (0, None)
+        if resume and group.is_root:
+            try:
+                saved = cls._read(directory)
+                if saved is not None:
+                    differs = [k for k in sorted(set(print_) | set(saved["fingerprint"]))
+                               if print_.get(k) != saved["fingerprint"].get(k)]
+                    if differs:
+                        raise UsageError(f"{directory}: the saved state is of another run ({', '.join(differs)} "
+                                         "differ): run without --resume to start over")
+                    verdict = (int(saved["blocks_done"]), None)
+            except UsageError as e:
+                verdict = (0, str(e))
         if resume:
-            saved = cls._read(directory)
-            if saved is not None:
-                differs = [k for k in sorted(set(print_) | set(saved["fingerprint"]))
-                           if print_.get(k) != saved["fingerprint"].get(k)]
-                if differs:
-                    raise UsageError(f"{directory}: the saved state is of another run ({', '.join(differs)} "
-                                     "differ): run without --resume to start over")
-                done = int(saved["blocks_done"])
-        if done == 0:
-            if group.is_root:  # (made again when the first block is saved: a run that fails before leaves none)
+            done, why = group.broadcast(verdict)
+            if why is not None:
+                raise UsageError(why)
+        else:
+            done = 0
+        if done == 0:  # a fresh state, made when the first block is saved: a run that fails before leaves none
+            if group.is_root:
                 shutil.rmtree(directory, ignore_errors=True)
+            for old in directory.glob(f"hidden-*-r{group.rank}.safetensors"):  # (this rank's disk, if its own)
+                old.unlink(missing_ok=True)
             group.all_gather(None)  # the old state is gone before any rank writes a new one
-        return cls(directory, print_, group, done)
+        state = cls(directory, print_, group, done)
+        state.resumed_from = done
+        return state
 
     @staticmethod
     def _read(directory: Path) -> Optional[Dict[str, Any]]:
@@ -157,7 +174,7 @@ class ResumeState:
                            for f in meta["entries"]]
                 codes = {n: fh.get_tensor(f"code.{n}") for n in meta["codes"]}
                 floats = {n: fh.get_tensor(f"float.{n}") for n in meta["floats"]}
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except Exception as e:  # (a damaged file: safetensors' own error is none of OSError/ValueError)
             raise UsageError(f"{path}: cannot read the saved block ({e}): run without --resume to start over") from None
         return BlockResult(entries, codes, floats, list(meta["warnings"]))
 
@@ -167,7 +184,7 @@ class ResumeState:
         try:
             with safe_open(str(path), framework="pt") as fh:
                 return [fh.get_tensor(f"h.{j}") for j in range(int(fh.metadata()["batches"]))]
-        except (OSError, ValueError, KeyError) as e:
+        except Exception as e:  # (a damaged file: safetensors' own error is none of OSError/ValueError)
             raise UsageError(f"{path}: cannot read the saved block outputs ({e}): run without --resume to start "
                              "over") from None
 
@@ -197,8 +214,8 @@ class ResumeState:
             if self.group.is_root:
                 _atomic_write(self.directory / STATE, json.dumps(
                     {"version": _VERSION, "fingerprint": self.fingerprint, "blocks_done": i + 1}, indent=1) + "\n")
-                for r in range(self.group.world_size):  # the outputs of the block before are read by no one now
-                    self._hidden_path(i - 1, r).unlink(missing_ok=True)
+            barrier()  # the state names block i: the outputs of the block before are read by no one now
+            self._hidden_path(i - 1, self.group.rank).unlink(missing_ok=True)
 
         if self.group.distributed:
             write(lambda: self.group.all_gather(None))
@@ -228,12 +245,11 @@ class ResumeState:
 
     def remove(self) -> None:
         """Drop the state (the run's output is written, or its input is bad: a resume would fail the same way, and
-        bad input leaves nothing behind)."""
+        bad input leaves nothing behind). Each rank removes its own files; rank 0 the rest."""
         try:
             self.wait()
         finally:
-            if self.group.is_root:
-                shutil.rmtree(self.directory, ignore_errors=True)
+            remove_state(self.directory, self.group.rank, self.group.is_root)
 
     def _hidden_path(self, i: int, rank: int) -> Path:
         return self.directory / f"hidden-{i}-r{rank}.safetensors"
@@ -251,6 +267,17 @@ def _on_cpu(tensors: List[torch.Tensor], ready: Optional[torch.cuda.Event]) -> L
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
             return [t.to("cpu").contiguous() for t in tensors]
+
+
+def remove_state(directory: Path, rank: int, root: bool) -> None:
+    """A state directory gone: this rank's block outputs, and on rank 0 everything."""
+    for f in Path(directory).glob(f"hidden-*-r{rank}.safetensors*"):
+        f.unlink(missing_ok=True)
+    if root:
+        shutil.rmtree(directory, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):  # empty on a disk of this rank's own; else rank 0's to remove
+            Path(directory).rmdir()
 
 
 class _Writer(threading.Thread):

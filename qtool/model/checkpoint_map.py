@@ -17,6 +17,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..errors import CheckpointError
+
 __all__ = ["CheckpointMap"]
 
 
@@ -29,21 +31,25 @@ class CheckpointMap:
         self._sources: Dict[str, Tuple[object, Dict[Optional[str], List[str]]]] = {}
         self._model = model
         try:
+            self._map(model, list(keys))
+        except Exception:  # transformers' loading internals changed, or a model they do not map: names as they are
+            self._sources = {}
+
+    def _map(self, model: nn.Module, keys: List[str]) -> None:
+        try:
             from transformers.conversion_mapping import get_model_conversion_mapping
             from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
                                                          rename_source_key)
         except ImportError:  # a transformers without load-time conversions: names are the checkpoint's
             return
-        try:
-            transforms = get_model_conversion_mapping(model)
-        except Exception:  # a model class transformers does not map (remote code, ...): names as they are
-            return
+        transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        # a converter that splits one tensor into several parameters is not followed here (one parameter at a time)
+        converters = [t for t in transforms if isinstance(t, WeightConverter) and len(t.target_patterns) == 1]
         if not (renamings or converters):
             return
         names = dict(model.state_dict(keep_vars=True))
-        self._by_pattern = {p: c for c in converters for p in c.source_patterns}
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
         for key in sorted(keys, key=dot_natural_key):
             target, pattern = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None),
                                                 names)
@@ -52,7 +58,7 @@ class CheckpointMap:
             if target == key or target not in names:
                 continue
             converter, groups = self._sources.setdefault(
-                target, (self._by_pattern.get(pattern) if pattern is not None else None, {}))
+                target, (by_pattern.get(pattern) if pattern is not None else None, {}))
             groups.setdefault(pattern, []).append(key)
 
     def __contains__(self, name: str) -> bool:
@@ -61,12 +67,21 @@ class CheckpointMap:
     def get(self, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
         """Parameter ``name`` made from the checkpoint tensors ``read(key)`` gives, as transformers loads it."""
         converter, groups = self._sources[name]
-        if converter is None:
-            [[key]] = groups.values()
-            return read(key)
-        converter = deepcopy(converter)
-        for pattern, keys in groups.items():
-            for key in keys:
-                converter.add_tensor(name, key, pattern, partial(read, key))
-        made = converter.convert(name, model=self._model, config=getattr(self._model, "config", None))
-        return made[name]
+        keys = [k for ks in groups.values() for k in ks]
+        try:
+            if converter is None:
+                if len(keys) != 1:
+                    raise ValueError(f"{len(keys)} checkpoint tensors are renamed to it")
+                return read(keys[0])
+            converter = deepcopy(converter)
+            for pattern, ks in groups.items():
+                for key in ks:
+                    converter.add_tensor(name, key, pattern, partial(read, key))
+            made = converter.convert(name, model=self._model, config=getattr(self._model, "config", None))
+            return made[name]
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{name}: cannot build it from the checkpoint's {', '.join(keys[:3])}"
+                                  f"{' ...' if len(keys) > 3 else ''} as transformers does ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None

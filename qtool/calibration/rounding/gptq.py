@@ -194,7 +194,9 @@ class _CapturedColumns:
             step()
         torch.cuda.current_stream(like.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: CUDA calls other threads make meanwhile (the resumable state's writer copies a block's
+        # outputs to the host) are theirs, not this capture's
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             step()
 
     @classmethod
@@ -204,8 +206,11 @@ class _CapturedColumns:
         if (not CUDA_GRAPHS or Wt.device.type != "cuda" or Wt.shape[1] < _SUB_BLOCK
                 or (isinstance(element, GgmlType) and element.table)):
             return None
-        with torch.cuda.device(Wt.device):
-            return cls(Wt.shape[0], Wt.shape[2], Wt, qmin, qmax, element)
+        try:
+            with torch.cuda.device(Wt.device):
+                return cls(Wt.shape[0], Wt.shape[2], Wt, qmin, qmax, element)
+        except RuntimeError:  # a capture the driver refused: the loop as it is (slower, the same codes)
+            return None
 
     def run(self, W: torch.Tensor, St: torch.Tensor, Ot: torch.Tensor, scale_columns: torch.Tensor,
             U: torch.Tensor, pivots: torch.Tensor, codes: torch.Tensor, errors: torch.Tensor) -> None:
