@@ -66,8 +66,10 @@ def _allowance(runtime, quant: float) -> float:
     what the fake-quant model computes (share 0); llama.cpp quantizes activations to 8 bits inside its quantized dot
     products, and onnxruntime's kernels round quantized activations differently from torch's, which 30 layers carry
     on. Measured on SmolLM2-135M (docs/accuracy.md, "Exported files in their runtimes"): healthy gaps 1e-8 (torch
-    float32), 0.003-0.009 (llama.cpp), 0.032 (onnxruntime W8A8 dynamic, beside the quantization's own 0.030); one
-    tensor's block scales doubled in a Q8_0 file: 0.044."""
+    float32), 0.003-0.009 (llama.cpp), 0.032 (onnxruntime W8A8 dynamic, beside the quantization's own 0.030), 0.027
+    (MXFP8 W8A8 in transformers, which runs MX in bfloat16: qtool's own fake-quant model cast to bfloat16 moves
+    0.0265 from its float32 self, activations rounding to a coarse grid from other inputs; weights only, 0.0013);
+    one tensor's block scales doubled in a Q8_0 file: 0.044."""
     return runtime.gap_share * quant + runtime.gap_floor
 
 
@@ -90,7 +92,7 @@ def _open_runtime(art: Artifact, opts: EvalOptions, causal_lm: bool, n_ctx: int,
                   activations: bool = True):
     """The artifact's runtime. qtool's own format runs in torch: the fake-quant model (or the float model) with
     the file's dequantized weights in place of the ones calibration computed. ``activations``: the encodings
-    quantize activations (onnxruntime's allowance depends on it)."""
+    quantize activations (onnxruntime's allowance depends on it, and a bfloat16 transformers run's)."""
     if art.format == "gguf":
         if not causal_lm:
             raise UsageError(f"{art.path}: a GGUF file is evaluated against a causal LM checkpoint")
@@ -100,7 +102,7 @@ def _open_runtime(art: Artifact, opts: EvalOptions, causal_lm: bool, n_ctx: int,
     if art.format == "onnx":
         return OnnxRuntime(art.path, opts.onnx_optimization, opts.threads, activations)
     if art.format == "compressed-tensors":
-        return transformers_reload(art.path, causal_lm, opts.device)
+        return transformers_reload(art.path, causal_lm, opts.device, activations)
     return TorchRuntime(_with_export_weights(fake_quant, art.path), "qtool (torch)")
 
 

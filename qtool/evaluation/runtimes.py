@@ -130,9 +130,11 @@ class OnnxRuntime(_WholeLogits):
         self.session = None
 
 
-def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu") -> TorchRuntime:
+def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
+                        activations: bool = False) -> TorchRuntime:
     """A compressed-tensors directory as transformers loads it (compressed-tensors decompresses the weights).
-    float32 where the format allows it; FP4 and MX weights decompress to bfloat16 only."""
+    float32 where the format allows it; FP4 and MX weights decompress to bfloat16 only. ``activations``: the
+    encodings quantize activations, which in bfloat16 round differently from qtool's float32 (the allowance)."""
     try:
         import compressed_tensors  # noqa: F401  (transformers needs it to read the quantization config)
         import transformers
@@ -153,5 +155,6 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu") -
             errors.append(f"{str(dtype).replace('torch.', '')}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
             continue
         label = "transformers + compressed-tensors" + ("" if dtype == torch.float32 else " (bfloat16)")
-        return TorchRuntime(model, label, *((0.0, 1e-4) if dtype == torch.float32 else (0.25, 0.01)))
+        allowance = (0.0, 1e-4) if dtype == torch.float32 else (1.0, 0.01) if activations else (0.25, 0.01)
+        return TorchRuntime(model, label, *allowance)
     raise UsageError(f"{directory}: transformers cannot load it ({'; '.join(errors)})")
