@@ -1212,8 +1212,9 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         plan.quantizers += _kv_cache_rows(recipe, named, source)
     plan.coverage = weight_coverage(model, {q.module for q in plan.weights}, candidates,
                                     lambda n: any(name_matches(pat, n) for pat in recipe.ignore))
-    if plan.coverage.warning():
-        plan.warnings.append(plan.coverage.warning())
+    unreached = plan.coverage.warning()
+    if unreached:
+        plan.warnings.append(unreached)
     if not plan.quantizers:
         plan.warnings.append(f"{source}: the recipe puts no quantizer on this model")
     if recipe.rotate is not None:

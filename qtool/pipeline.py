@@ -6,9 +6,7 @@ Each job returns data (a summary dict) and reports progress through callbacks; i
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
-import platform
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -34,19 +32,11 @@ from .io.jsonfile import dumps_indented
 from .model.apply import apply_encodings, make_fake_quant, plan_from_encodings
 from .model.load import LoadedModel, load_model
 from .parallel import Group, from_environment
+from .provenance import device_label, versions
 from .weights import write_codes
 
 __all__ = ["CalibrateOptions", "ExportOptions", "Hooks", "plan_for", "run_calibrate", "run_export", "run_quantize",
            "run_import_encodings", "run_report", "load_calibrated", "versions", "apply_encodings"]
-
-
-def versions() -> Dict[str, str]:
-    out = {"qtool": __version__, "torch": torch.__version__, "python": platform.python_version()}
-    try:  # the installed distribution's version: importing transformers for it would cost a second per command
-        out["transformers"] = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:  # optional extra
-        pass
-    return out
 
 
 def _inputs(checkpoint: str, **others: Optional[str]) -> List[Tuple[str, Optional[str]]]:
@@ -163,7 +153,7 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
     manifest = {
         "command": "calibrate",
         "versions": versions(),
-        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        "device": device_label(device),
         # an option added later is recorded only where it is used, so older runs' manifests keep their bytes
         "options": {k: v for k, v in asdict(opts).items()  # (a resumed run writes the bytes of an uninterrupted one)
                     if not (k == "imatrix" and v is None) and not (k == "strict_data" and not v) and k != "resume"},

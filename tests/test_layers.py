@@ -18,7 +18,7 @@ LAYERS = [
     ("calibration", "export", "report", "inspect", "imatrix", "mixed", "evaluation"),
     ("model",),
     ("config", "gguf_mixes", "encodings", "aimet_format", "data", "weights", "coverage"),
-    ("io", "quant", "hooks", "choices", "parallel"),
+    ("io", "quant", "hooks", "choices", "parallel", "provenance"),
     ("errors",),
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}

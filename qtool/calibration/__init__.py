@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.metadata
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -30,6 +28,7 @@ from ..io.checkpoint import detect_kind, tensor_files
 from ..io.spill import SpilledTensors
 from ..model.load import causal_lm_class
 from ..parallel import Group
+from ..provenance import device_label, versions
 from .collective import samples_per_rank
 from .data_check import shortfalls
 
@@ -245,21 +244,13 @@ def _resume_state(directory: Optional[Path], checkpoint: str, source: str, opts:
 
     if directory is None:
         return None
-    from .. import __version__
-
     files = tensor_files(Path(checkpoint)) + [f for f in (Path(checkpoint) / "config.json",) if f.is_file()]
     options = {k: v for k, v in dataclasses.asdict(opts).items() if k != "resume"}
     if options.get("data") and Path(options["data"]).exists():  # the same file from another working directory
         options["data"] = str(Path(options["data"]).resolve())
-    versions = {"qtool": __version__, "torch": torch.__version__, "python": platform.python_version()}
-    try:
-        versions["transformers"] = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    where = str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
-    stamp = fingerprint(versions=versions, checkpoint_files=files,
+    stamp = fingerprint(versions=versions(), checkpoint_files=files,
                         data_files=data.files if data is not None else [], recipe=source, imatrix=opts.imatrix,
-                        options=options, world_size=group.world_size, device=where)
+                        options=options, world_size=group.world_size, device=device_label(device))
     state = ResumeState.open(directory, stamp, group, opts.resume)
     if opts.resume:
         hooks.on_stage(f"resuming after block {state.blocks_done}" if state.blocks_done else

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import shutil
 import threading
 from pathlib import Path
@@ -35,7 +34,7 @@ from safetensors.torch import save_file
 
 from ..encodings import EncodingEntry
 from ..errors import UsageError
-from ..io.fs import sha256_file
+from ..io.fs import atomic_file, sha256_file
 from ..parallel import Group
 
 __all__ = ["BlockResult", "ResumeState", "state_dir", "fingerprint", "file_stamp", "remove_state"]
@@ -143,9 +142,7 @@ class ResumeState:
             for old in directory.glob(f"hidden-*-r{group.rank}.safetensors"):  # (this rank's disk, if its own)
                 old.unlink(missing_ok=True)
             group.all_gather(None)  # the old state is gone before any rank writes a new one
-        state = cls(directory, print_, group, done)
-        state.resumed_from = done
-        return state
+        return cls(directory, print_, group, done)
 
     @staticmethod
     def _read(directory: Path) -> Optional[Dict[str, Any]]:
@@ -212,8 +209,9 @@ class ResumeState:
                 _atomic_save(tensors, self.directory / f"block-{i}.safetensors", {"qtool": json.dumps(meta)})
             barrier()  # every rank's files are complete before the state names them
             if self.group.is_root:
-                _atomic_write(self.directory / STATE, json.dumps(
-                    {"version": _VERSION, "fingerprint": self.fingerprint, "blocks_done": i + 1}, indent=1) + "\n")
+                with atomic_file(self.directory / STATE) as tmp:
+                    tmp.write_text(json.dumps({"version": _VERSION, "fingerprint": self.fingerprint,
+                                               "blocks_done": i + 1}, indent=1) + "\n", encoding="utf-8")
             barrier()  # the state names block i: the outputs of the block before are read by no one now
             self._hidden_path(i - 1, self.group.rank).unlink(missing_ok=True)
 
@@ -271,8 +269,9 @@ def _on_cpu(tensors: List[torch.Tensor], ready: Optional[torch.cuda.Event]) -> L
 
 def remove_state(directory: Path, rank: int, root: bool) -> None:
     """A state directory gone: this rank's block outputs, and on rank 0 everything."""
-    for f in Path(directory).glob(f"hidden-*-r{rank}.safetensors*"):
-        f.unlink(missing_ok=True)
+    for pattern in (f"hidden-*-r{rank}.safetensors", f".hidden-*-r{rank}.safetensors.tmp-*"):  # (and temporaries)
+        for f in Path(directory).glob(pattern):
+            f.unlink(missing_ok=True)
     if root:
         shutil.rmtree(directory, ignore_errors=True)
     else:
@@ -301,12 +300,5 @@ class _Writer(threading.Thread):
 
 
 def _atomic_save(tensors: Dict[str, torch.Tensor], path: Path, metadata: Dict[str, str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)

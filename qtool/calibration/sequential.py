@@ -156,6 +156,10 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
     entries: Dict[str, EncodingEntry] = {}
     finished: List[EncodingEntry] = []  # the entries of the block being calibrated, numbers in memory (for state)
 
+    def keep(entry: EncodingEntry) -> None:
+        """A finished entry, its large weight ranges handed to ``sink`` (which keeps them out of memory)."""
+        entries[entry.name] = sink(entry) if sink is not None and entry.tensor == "weight" else entry
+
     def calibrate_rows(rows, run: Callable[[], None], run_float: Optional[Callable[[], None]] = None):
         """Insert and calibrate the quantizers of ``rows``; ``run`` feeds the data. Weights chosen from data
         (GPTQ, activation weighting) first get their layers' inputs from ``run_float`` (the float block on the
@@ -185,7 +189,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             if qs[q.name].is_initialized():
                 entry = EncodingEntry.from_quantizer(q, qs[q.name])
                 finished.append(entry)
-                entries[q.name] = sink(entry) if sink is not None and q.tensor == "weight" else entry
+                keep(entry)
 
     # 1. capture the first block's inputs
     embed = model.get_input_embeddings()
@@ -232,7 +236,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         if group.is_root:
             saved = state.block(i)
             for e in saved.entries:
-                entries[e.name] = sink(e) if sink is not None and e.tensor == "weight" else e
+                keep(e)
             codes.update(saved.codes)
             floats.update(saved.floats)
             plan.warnings.extend(saved.warnings)

@@ -35,7 +35,7 @@ Grid = Union[FloatElement, GgmlType]  # a grid other than AIMET's integers
 # takes a sub-block's errors in one matmul (the same sums in another order: measured on SmolLM2's layers, one
 # code in 1.8M differs, and the column loop is ~1.5x faster on wide layers)
 _SUB_BLOCK = 32
-CUDA_GRAPHS = True  # False: the column loop launches each step itself (bench/cuda_check.py compares the two)
+CUDA_GRAPHS = True  # False: the column loop launches each step itself (bench/gptq_columns.py compares the two)
 _ROW_CHUNK_VALUES = 1 << 21  # the row check's float64 work a chunk of rows at a time (16 MB per temporary)
 
 __all__ = ["gptq_codes", "expand_encoding", "as_problems", "keep_better_rows"]
@@ -176,7 +176,7 @@ class _CapturedColumns:
     sub-block. On a GPU the column loop is a few small kernels per input column, so launching them costs far more
     than running them (about 170 µs a column on an H200, whatever the layer's size); a replay launches the whole
     sub-block at once. The replayed kernels are the ones the loop launches, on copies of the same values, so the
-    codes are the loop's bit for bit (bench/cuda_check.py compares them)."""
+    codes are the loop's bit for bit (bench/gptq_columns.py compares them)."""
 
     def __init__(self, groups: int, out: int, like: torch.Tensor, qmin: int, qmax: int, element: Optional[Grid]):
         k = _SUB_BLOCK
