@@ -280,3 +280,18 @@ def test_gate_values_are_checked_before_anything_runs(tmp_path):
                          (("--onnx-optimization", "most"), "--onnx-optimization must be one of all, basic, off")):
         code, _, err = run_cli("eval", tmp_path / "nothing", "--data", tmp_path / "x.txt", *args)
         assert code == 2 and len(error_lines(err)) == 1 and needle in err, (args, err)
+
+
+def test_a_bfloat16_transformers_run_is_allowed_the_quantizations_kl_where_activations_are_quantized(model, tmp_path):
+    """transformers runs MX checkpoints in bfloat16 only, where activations round to the grid from other inputs
+    than qtool's float32 ones (docs/accuracy.md, "MX activations in bfloat16"): the export-gap allowance is then the
+    quantization's own KL plus 0.01, as for onnxruntime; weight-only files keep a quarter of it."""
+    from types import SimpleNamespace
+
+    from qtool.evaluation import EvalOptions, _open_runtime
+
+    for recipe, activations, share in (("mxfp8a16", False, 0.25), ("mxfp8", True, 1.0)):
+        out = _quantize(model, tmp_path, recipe, "compressed-tensors", name=recipe)
+        runtime = _open_runtime(SimpleNamespace(format="compressed-tensors", path=out), EvalOptions(data="-"), True,
+                                0, None, activations)
+        assert "bfloat16" in runtime.name and (runtime.gap_share, runtime.gap_floor) == (share, 0.01)
