@@ -1114,6 +1114,12 @@ def _type_names(module: "nn.Module") -> Tuple[str, ...]:
                  and c is not nn.Module and "_qtool_base" not in c.__dict__)
 
 
+# where qtool.model.experts records, on a model, the checkpoint tensor that holds each parameter it made under
+# another name (Mixtral's experts: model.layers.0.block_sparse_moe.experts.0.w1.weight in the checkpoint): a weight
+# row is named after its checkpoint tensor, which is what every exporter reads and writes
+CHECKPOINT_KEYS = "_qtool_checkpoint_keys"
+
+
 def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", allow_unmatched: bool = False,
                  importance_matrix: bool = False) -> Plan:
     """One ``QuantizerPlan`` per quantizer, in module order. Later ``layers`` entries win. ``importance_matrix``:
@@ -1127,6 +1133,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     # torch.export modules keep only parameters in plain submodules; their classes come from graph metadata
     exported_types = getattr(model, "qtool_module_types", None) or {}
     candidates = set()  # modules whose weight the recipe could quantize
+    stored_as = getattr(model, CHECKPOINT_KEYS, None) or {}
     for name, module in named:
         tname = exported_types.get(name, type(module).__name__)
         tnames = (tname,) if name in exported_types else _type_names(module)
@@ -1182,7 +1189,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                                              "Linear and Conv1d/Conv2d layers; this weight's search is unweighted")
                         analyzer_args.pop("weighting")
                 plan.quantizers.append(QuantizerPlan(
-                    f"{name}.weight", name, tname, "weight", w_spec.bitwidth, w_spec.symmetric,
+                    stored_as.get(f"{name}.weight", f"{name}.weight"), name, tname, "weight", w_spec.bitwidth, w_spec.symmetric,
                     w_spec.granularity, shape, block, w_spec.analyzer.name, rule_w,
                     tuple(analyzer_args.items()), w_spec.scale_dtype, rounding.name,
                     tuple(rounding.kwargs().items()), element=w_spec.element))

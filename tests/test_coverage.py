@@ -78,8 +78,11 @@ def test_coverage_counts_a_parameter_shared_by_two_modules_once():
 
 
 def test_the_plan_line_config_show_and_calibrate_json_say_what_is_quantized(tmp_path):
+    """A checkpoint that stores the experts fused (as gpt-oss's do) keeps them fused: qtool names them (one whose
+    checkpoint stores them per expert has them quantized: tests/test_experts.py)."""
     model = _qwen3_moe()
-    model.save_pretrained(tmp_path / "m")
+    model.config.save_pretrained(tmp_path / "m")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "m" / "model.safetensors")
     code, out, err = run_cli("config", "show", "w4a16-block32", "--model", tmp_path / "m", "--json")
     assert code == 0, err
     shown = json.loads(out)["weights_quantized"]

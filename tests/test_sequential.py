@@ -162,8 +162,9 @@ def test_what_sequential_calibration_holds_does_not_grow_with_the_blocks(tmp_pat
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_sequential_reads_fused_experts_from_per_expert_checkpoint_keys(tmp_path, family):
-    """transformers 5 stacks a checkpoint's per-expert tensors into 3-D expert parameters at load time (and Mixtral
-    renames block_sparse_moe to mlp); --sequential loads blocks the same way, so it writes the in-memory bytes."""
+    """qtool makes one Linear per expert from the checkpoint's per-expert tensors (Mixtral's under block_sparse_moe,
+    which transformers renames mlp); --sequential reads each block's experts from those keys and writes the
+    in-memory bytes, every expert quantized."""
     torch.manual_seed(0)
     extra = {"moe_intermediate_size": 32, "num_experts": 4, "head_dim": 16} if family == "qwen3_moe" else \
         {"num_local_experts": 4}
@@ -185,5 +186,7 @@ def test_sequential_reads_fused_experts_from_per_expert_checkpoint_keys(tmp_path
         assert code == 0, err
         files[seq] = (out / "encodings.json").read_bytes()
         warnings = json.loads((out / "manifest.json").read_text())["warnings"]
-        assert any("experts.gate_up_proj" in w and "have no quantizer" in w for w in warnings)
+        assert not any("have no quantizer" in w for w in warnings)
+        names = {e["name"] for e in json.loads(files[seq])["quantizers"]}
+        assert sum(".experts." in n and n.endswith(".weight") for n in names) == 2 * 4 * 3  # every expert's weights
     assert files[True] == files[False]

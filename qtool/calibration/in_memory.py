@@ -16,7 +16,7 @@ from ..quant import QuantizerBase
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_absmax, merge_inputs, shard
 from .folding import adjacent_pairs, fold_batch_norm
 from .rotation import rotate
-from .rounding import collect_inputs, importance, round_weights
+from .rounding import collect_inputs, importance, round_weights, routed_fallbacks
 from .smoothing import activation_absmax, smooth
 
 # SmoothQuant and batch-norm folding must leave the float model's function alone: largest output change allowed,
@@ -100,6 +100,7 @@ def calibrate(
         set_quantization(model, False)
         try:
             stats = merge_inputs(collect_inputs(inputs, modules, run), group)
+            routed_fallbacks(inputs, modules, stats, plan.warnings)
         finally:
             set_quantization(model, True)
     def weight_of(q):

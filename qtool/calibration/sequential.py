@@ -31,13 +31,14 @@ from ..encodings import EncodingEntry
 from ..errors import CheckpointError, DataError, UsageError
 from ..io.checkpoint import CheckpointTensors
 from ..model.checkpoint_map import CheckpointMap
+from ..model.experts import checkpoint_key
 from ..model.insert import drop_weight_caches, insert_quantizers
 from ..parallel import Group
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_inputs, shard
 from .heap import return_freed_memory
 from .resume import BlockResult, ResumeState
 from .rotation import Rotator
-from .rounding import collect_inputs, importance, round_weights
+from .rounding import collect_inputs, importance, round_weights, routed_fallbacks
 
 __all__ = ["calibrate_sequential"]
 
@@ -138,6 +139,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
     def name_of(full: str) -> Optional[str]:
         if full in keys:
             return full
+        if (key := checkpoint_key(model, full)) is not None and key in keys:  # a renamed expert (Mixtral's)
+            return key
         if tied and full == "lm_head.weight" and "model.embed_tokens.weight" in keys:
             return "model.embed_tokens.weight"
         return None
@@ -172,6 +175,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         stats = collect_inputs(sub.weights, modules, run_float or run)
         if any(q.needs_inputs for q in sub.weights):
             stats = merge_inputs(stats, group)
+            routed_fallbacks(sub.weights, modules, stats, plan.warnings)
         qs = insert_quantizers(model, sub)
         def weight_of(q):
             return modules[q.module]._parameters["weight"]
@@ -180,7 +184,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         calibrate_weights_split(sub.weights, sizes, lambda q: qs[q.name], weight_of, group,
                                 importance_for=lambda q: importance(q, stats, weight_of(q).shape, plan.importances))
         # a weight the checkpoint stores under another module's name (a tied lm_head) was loaded as its own copy
-        stored_elsewhere = [q.module for q in sub.weights if name_of(f"{q.module}.weight") != f"{q.module}.weight"
+        stored_elsewhere = [q.module for q in sub.weights if name_of(f"{q.module}.weight") not in (f"{q.module}.weight",
+                                                                                                 q.name)
                             and not (plan.rotation is not None and plan.rotation.untie)]
         codes.update(round_weights([q for q in sub.weights if q.needs_inputs], modules, qs, stats, plan.warnings,
                                    tied=stored_elsewhere, group=group))

@@ -12,6 +12,7 @@ from ..config import Plan
 from ..encodings import EncodingEntry
 from ..errors import CheckpointError
 from ..io.checkpoint import CheckpointTensors
+from ..model.experts import checkpoint_key
 from ..model.insert import make_quantizer
 from ..parallel import Group
 from .collective import calibrate_weights_split, encoding_numel
@@ -43,7 +44,7 @@ def calibrate_weights_streaming(path, plan: Plan, model: nn.Module, sink=None,
         seen[n] = id(p)
 
     def key_of(name: str) -> Optional[str]:
-        candidates = [name]
+        candidates = [name, checkpoint_key(model, name)]
         if prefix and name.startswith(prefix + "."):
             candidates.append(name[len(prefix) + 1:])
         elif prefix:

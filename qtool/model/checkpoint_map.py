@@ -64,6 +64,15 @@ class CheckpointMap:
     def __contains__(self, name: str) -> bool:
         return name in self._sources
 
+    def sources(self, name: str) -> Optional[List[List[str]]]:
+        """The checkpoint keys that make parameter ``name``, one list per source pattern of its converter (in the
+        converter's order; keys in natural order), or None where it is not built from other tensors."""
+        if name not in self._sources:
+            return None
+        converter, groups = self._sources[name]
+        order = list(getattr(converter, "source_patterns", None) or groups)
+        return [list(groups[p]) for p in order if p in groups]
+
     def get(self, name: str, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
         """Parameter ``name`` made from the checkpoint tensors ``read(key)`` gives, as transformers loads it."""
         converter, groups = self._sources[name]

@@ -18,6 +18,7 @@ from torch import nn
 from ..errors import CheckpointError, UsageError
 from ..io.checkpoint import check_safetensors, tensor_files
 from ..io.jsonfile import read_json_object
+from .experts import checkpoint_key, linearize_experts
 
 __all__ = ["load_hf", "hf_name_map", "meta_skeleton", "meta_causal_lm", "check_weights_fit"]
 
@@ -227,7 +228,16 @@ def meta_skeleton(path, trust_remote_code: bool = False) -> nn.Module:
         raise CheckpointError(
             f"{path}: transformers cannot build this model's modules ({str(e).splitlines()[0]})") from None
     _check_fit_if_weights(path, model)
+    _linearize(path, model)
     return model
+
+
+def _linearize(path, model: nn.Module) -> None:
+    """Fused mixture-of-experts modules as one Linear per expert (``qtool.model.experts``), named as the
+    checkpoint names the experts' tensors (headers only are read)."""
+    files = [f for f in tensor_files(Path(path)) if f.exists()]
+    if files:
+        linearize_experts(model, _headers(files))
 
 
 def _check_fit_if_weights(path, model: nn.Module) -> None:
@@ -250,6 +260,7 @@ def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, An
         raise CheckpointError(f"{path}: not a causal language model transformers can build "
                               f"({str(e).splitlines()[0]})") from None
     _check_fit_if_weights(path, model)
+    _linearize(path, model)
     rot = getattr(getattr(model, "model", None), "rotary_emb", None)
     if rot is not None:
         model.model.rotary_emb = type(rot)(config=config)
@@ -283,6 +294,7 @@ def load_hf(path: Path, trust_remote_code: bool):
         )
     except Exception as e:  # transformers raises many types for bad weights
         raise CheckpointError(f"{path}: transformers could not load the model: {str(e).splitlines()[0]}") from None
+    _linearize(path, model)
     tokenizer = None
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
@@ -297,11 +309,11 @@ def hf_name_map(model: nn.Module, files: List[Path]) -> Dict[str, str]:
 
     names = set(model.state_dict())
     prefix = getattr(model, "base_model_prefix", "") or ""
-    out = {}
+    out = {ckpt: name for name in names if (ckpt := checkpoint_key(model, name)) is not None and ckpt != name}
     for f in files:
         with safe_open(str(f), "pt") as fh:
             for k in fh.keys():
-                if k in names:
+                if k in names or k in out:
                     continue
                 if prefix and f"{prefix}.{k}" in names:
                     out[k] = f"{prefix}.{k}"

@@ -34,7 +34,8 @@ from .gptq import expand_encoding, gptq_codes
 
 GPTQ_LAYERS_PER_RANK = 4  # layers each rank rounds per window (Group.windows)
 
-__all__ = ["InputStatistics", "collect_inputs", "collect_module_inputs", "round_weights", "importance", "gptq_codes", "adaround_codes"]
+__all__ = ["InputStatistics", "collect_inputs", "collect_module_inputs", "round_weights", "importance", "gptq_codes",
+           "adaround_codes", "routed_fallbacks"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,6 +198,41 @@ def collect_module_inputs(hessian: Dict[str, bool], modules: Dict[str, nn.Module
         with torch.no_grad():
             run()
     return {name: s for name, c in collectors.items() if (s := c.statistics()) is not None}
+
+
+def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module],
+                     stats: Dict[str, InputStatistics], warnings: Optional[List[str]] = None) -> Dict[str, int]:
+    """Give every mixture-of-experts expert layer (``qtool.model.experts``) among ``rows`` that needs inputs and
+    was routed fewer calibration tokens than its input width data-free statistics instead (``E[x²]`` = 1 and
+    ``XᵀX`` = I: the unweighted search, and GPTQ that reduces to round-to-nearest), with one warning naming
+    them. Fewer tokens than columns leave ``XᵀX`` singular: GPTQ would fit those few tokens, not the expert's
+    inputs. ``stats`` is changed in place (after the ranks' statistics are merged). Returns the tokens each
+    expert layer saw, by module name."""
+    from ...model.experts import routed_layer
+
+    seen: Dict[str, int] = {}
+    short: List[str] = []
+    for q in rows:
+        if not q.needs_inputs or q.module in seen or not routed_layer(modules, q.module):
+            continue
+        s = stats.get(q.module)
+        seen[q.module] = count = 0 if s is None else s.count
+        width = int(modules[q.module].weight.shape[1])
+        if count >= width:
+            continue
+        hessian = any(r.module == q.module and r.rounding != "nearest" for r in rows)
+        device = modules[q.module].weight.device
+        stats[q.module] = InputStatistics(0, torch.ones(width, dtype=torch.float64, device=device),
+                                          torch.eye(width, dtype=torch.float64, device=device) if hessian else None)
+        expert = f"{q.module.rsplit('.', 1)[0]} ({count} tokens)"
+        if expert not in short:
+            short.append(expert)
+    if short and warnings is not None:
+        named = ", ".join(short[:4]) + (f" and {len(short) - 4} more" if len(short) > 4 else "")
+        warnings.append(f"{len(short)} expert(s) were routed fewer calibration tokens than a layer's input width: "
+                        f"{named}; those layers' weights were chosen without data (round-to-nearest on an unweighted "
+                        "range; more or longer calibration samples reach more experts)")
+    return seen
 
 
 def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics], weight_shape,

@@ -1,0 +1,224 @@
+"""Mixture-of-experts layers as one ``nn.Linear`` per expert and projection, so experts are weights like any other.
+
+transformers 5 keeps a MoE layer's experts as one module with 3-D parameters (``gate_up_proj [E, 2I, H]``,
+``down_proj [E, H, I]``, the layout its ``use_experts_implementation`` decorator describes with ``has_gate``,
+``is_transposed``, ``is_concatenated``, ``has_bias``, ``has_post_expert_norm``), built at load time from the
+checkpoint's per-expert tensors (``experts.<e>.gate_proj.weight``, Mixtral's ``w1``/``w3``/``w2``). A recipe
+targets ``nn.Linear``: :func:`linearize_experts` replaces each such module by :class:`LinearExperts`, whose
+expert ``e`` holds ``nn.Linear`` modules named as the checkpoint names its tensors, and whose forward computes
+what the fused module's does (tokens routed to each expert, its gate applied by the fused class's own
+``_apply_gate``, weighted by the router). Every plan, calibration mode, algorithm (GPTQ sees the tokens routed to
+each expert) and exporter then handles the experts through the machinery it has for any Linear, and an exported
+file names them as the checkpoint (and llm-compressor, for vLLM's fused-MoE loader) does.
+
+Only experts whose checkpoint stores them per expert are split (the names the files need come from the
+checkpoint); a checkpoint that stores the fused tensors keeps them fused and ``qtool.coverage`` names them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..config import CHECKPOINT_KEYS
+
+__all__ = ["LinearExperts", "linearize_experts", "fused_layout", "checkpoint_key", "routed_layer", "CHECKPOINT_KEYS"]
+
+
+
+def fused_layout(module: nn.Module) -> Optional[Dict[str, bool]]:
+    """The layout flags of a transformers fused-experts module (None for any other module)."""
+    if not hasattr(module, "is_transposed") or not isinstance(getattr(module, "down_proj", None), nn.Parameter):
+        return None
+    has_gate = bool(getattr(module, "has_gate", True))
+    first = getattr(module, "gate_up_proj" if has_gate else "up_proj", None)
+    if not isinstance(first, nn.Parameter) or first.dim() != 3 or module.down_proj.dim() != 3:
+        return None
+    return {"has_gate": has_gate, "is_transposed": bool(module.is_transposed),
+            "is_concatenated": bool(getattr(module, "is_concatenated", True)),
+            "has_bias": bool(getattr(module, "has_bias", False)),
+            "has_post_expert_norm": bool(getattr(module, "has_post_expert_norm", False))}
+
+
+class _Expert(nn.Module):
+    """One expert's projections, as named attributes (``gate``/``up``/``down`` roles → the checkpoint's names)."""
+
+    def __init__(self, roles: Dict[str, str], shapes: Dict[str, Tuple[int, int]], bias: bool,
+                 device, dtype):
+        super().__init__()
+        self.roles = dict(roles)
+        for role, leaf in roles.items():
+            out_f, in_f = shapes[role]
+            self.add_module(leaf, nn.Linear(in_f, out_f, bias=bias, device=device, dtype=dtype))
+
+    def proj(self, role: str) -> nn.Linear:
+        return getattr(self, self.roles[role])
+
+
+class LinearExperts(nn.Module):
+    """A fused experts module's computation over one ``nn.Linear`` per expert and projection (children ``0``,
+    ``1``, ... each holding its projections under the checkpoint's names)."""
+
+    def __init__(self, fused: nn.Module, layout: Dict[str, bool], roles: Dict[str, str]):
+        super().__init__()
+        self.num_experts = int(fused.down_proj.shape[0])
+        self.layout = dict(layout)
+        first = fused.gate_up_proj if layout["has_gate"] else fused.up_proj
+        device, dtype = first.device, first.dtype
+
+        def out_in(p: torch.Tensor) -> Tuple[int, int]:  # one expert's (out, in) as a Linear stores it
+            a, b = p.shape[1:]
+            return (b, a) if layout["is_transposed"] else (a, b)
+
+        o, i = out_in(first)
+        up_shape = (o // 2, i) if layout["has_gate"] else (o, i)
+        shapes = {"up": up_shape, "gate": up_shape, "down": out_in(fused.down_proj)}
+        for e in range(self.num_experts):
+            self.add_module(str(e), _Expert(roles, shapes, layout["has_bias"], device, dtype))
+        if layout["has_post_expert_norm"]:
+            self.post_expert_norm = fused.post_expert_norm
+        # the fused module, parameters dropped, keeps its gate function and activation (not a child: no weights)
+        for name in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
+            if name in fused._parameters:
+                del fused._parameters[name]
+        self.__dict__["_fused"] = fused
+        self.__dict__["_signature"] = inspect.signature(fused.forward)
+
+    def expert(self, e: int) -> _Expert:
+        return self._modules[str(e)]
+
+    @torch.no_grad()
+    def load_from(self, tensors: Dict[str, torch.Tensor]) -> None:
+        """Copy the fused parameters (``gate_up_proj``, ``down_proj``, biases) into the per-expert Linears."""
+        lay = self.layout
+        first = tensors["gate_up_proj" if lay["has_gate"] else "up_proj"]
+        first_bias = tensors.get("gate_up_proj_bias" if lay["has_gate"] else "up_proj_bias")
+        for e in range(self.num_experts):
+            ex = self.expert(e)
+            w = first[e].t() if lay["is_transposed"] else first[e]
+            b = first_bias[e] if first_bias is not None else None
+            if lay["has_gate"]:
+                if lay["is_concatenated"]:
+                    parts = {"gate": (w.chunk(2, 0)[0], None if b is None else b.chunk(2)[0]),
+                             "up": (w.chunk(2, 0)[1], None if b is None else b.chunk(2)[1])}
+                else:  # interleaved rows: gate, up, gate, up, ...
+                    parts = {"gate": (w[0::2], None if b is None else b[0::2]),
+                             "up": (w[1::2], None if b is None else b[1::2])}
+            else:
+                parts = {"up": (w, b)}
+            d = tensors["down_proj"][e]
+            parts["down"] = (d.t() if lay["is_transposed"] else d,
+                             tensors["down_proj_bias"][e] if "down_proj_bias" in tensors else None)
+            for role, (weight, bias) in parts.items():
+                lin = ex.proj(role)
+                lin.weight.copy_(weight)
+                if bias is not None:
+                    lin.bias.copy_(bias)
+
+    def _gate_up(self, ex: _Expert, x: torch.Tensor) -> torch.Tensor:
+        lay, fused = self.layout, self._fused
+        if not lay["has_gate"]:
+            return fused.act_fn(ex.proj("up")(x))
+        g, u = ex.proj("gate")(x), ex.proj("up")(x)
+        both = torch.cat([g, u], dim=-1) if lay["is_concatenated"] else torch.stack([g, u], dim=-1).flatten(-2)
+        return type(fused)._apply_gate(fused, both)
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        bound = self._signature.bind(*args, **kwargs)
+        hidden, index, weights = list(bound.arguments.values())[:3]
+        out = torch.zeros_like(hidden)
+        with torch.no_grad():
+            mask = torch.nn.functional.one_hot(index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit[:, 0].tolist():
+            if e >= self.num_experts:
+                continue
+            ex = self.expert(e)
+            pos, token = torch.where(mask[e])
+            y = ex.proj("down")(self._gate_up(ex, hidden[token]))
+            if self.layout["has_post_expert_norm"]:
+                y = self.post_expert_norm(y)
+            y = y * weights[token, pos, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+def _roles(name: str, fused: nn.Module, layout: Dict[str, bool], sources) -> Optional[Tuple[Dict[str, str],
+                                                                                           Dict[str, List[str]]]]:
+    """``(role -> the checkpoint's leaf name, role -> the E checkpoint keys in expert order)`` of fused module
+    ``name`` from ``sources(param name)`` (the checkpoint keys per source pattern), None where the checkpoint
+    does not hold them per expert."""
+    n = int(fused.down_proj.shape[0])
+    plan = {"gate_up_proj": ("gate", "up")} if layout["has_gate"] else {"up_proj": ("up",)}
+    plan["down_proj"] = ("down",)
+    leaves: Dict[str, str] = {}
+    keys: Dict[str, List[str]] = {}
+    for param, roles in plan.items():
+        groups = sources(f"{name}.{param}")
+        if groups is None or len(groups) != len(roles):
+            return None
+        for role, group in zip(roles, groups):
+            if len(group) != n:
+                return None
+            parts = [k.split(".") for k in group]
+            if any(len(p) < 3 or p[-1] != "weight" or p[-3] != str(e) for e, p in enumerate(parts)):
+                return None
+            leaf = {p[-2] for p in parts}
+            if len(leaf) != 1:
+                return None
+            leaves[role] = leaf.pop()
+            keys[role] = group
+    if len(set(leaves.values())) != len(leaves):
+        return None
+    return leaves, keys
+
+
+def linearize_experts(model: nn.Module, keys: Iterable[str]) -> List[str]:
+    """Replace every fused experts module of ``model`` whose checkpoint (tensor names ``keys``) stores its experts
+    one by one with :class:`LinearExperts` (parameters copied; on the meta device, shapes only). Records on the
+    model which checkpoint tensor each new weight is (:func:`checkpoint_key`). Returns the replaced modules'
+    names."""
+    fused = [(n, m, lay) for n, m in model.named_modules() if (lay := fused_layout(m)) is not None]
+    if not fused:
+        return []
+    from .checkpoint_map import CheckpointMap
+
+    cmap = CheckpointMap(model, keys)
+    done: List[str] = []
+    table: Dict[str, str] = dict(getattr(model, CHECKPOINT_KEYS, {}))
+    for name, module, layout in fused:
+        found = _roles(name, module, layout, cmap.sources)
+        if found is None:
+            continue
+        leaves, ckpt = found
+        tensors = {k: p for k, p in module.named_parameters(recurse=False)}
+        linear = LinearExperts(module, layout, leaves)
+        if not any(t.is_meta for t in tensors.values()):
+            linear.load_from(tensors)
+        del tensors
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, linear)
+        for role, leaf in leaves.items():
+            for e, key in enumerate(ckpt[role]):
+                table[f"{name}.{e}.{leaf}.weight"] = key
+                if layout["has_bias"]:
+                    table[f"{name}.{e}.{leaf}.bias"] = key[: -len("weight")] + "bias"
+        done.append(name)
+    model.__dict__[CHECKPOINT_KEYS] = table
+    return done
+
+
+def checkpoint_key(model: nn.Module, name: str) -> Optional[str]:
+    """The checkpoint tensor that holds linearized expert parameter ``name`` of ``model`` (None for others)."""
+    return getattr(model, CHECKPOINT_KEYS, {}).get(name)
+
+
+def routed_layer(modules: Dict[str, nn.Module], name: str) -> bool:
+    """Whether module ``name`` (of the name -> module map ``modules``) is an expert's projection, which sees only
+    the tokens the router sends it."""
+    parts = name.rsplit(".", 2)
+    return len(parts) == 3 and isinstance(modules.get(parts[0]), LinearExperts)

@@ -1,0 +1,163 @@
+"""Mixture-of-experts experts are weights like any other: transformers 5's fused 3-D experts become one Linear per
+expert and projection (named as the checkpoint names them), computing what the fused module computes, so every
+plan, calibration mode, algorithm and exporter handles them."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qtool.export.qtool_st import read_integer_export
+from qtool.model.experts import LinearExperts, fused_layout, linearize_experts
+from tests.helpers import run_cli
+
+transformers = pytest.importorskip("transformers")
+
+ROLES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def _config(family, hidden=64, experts=8, layers=2):
+    extra = {"qwen3_moe": {"moe_intermediate_size": 32, "num_experts": experts, "head_dim": 16},
+             "mixtral": {"num_local_experts": experts, "head_dim": 16},
+             "gpt_oss": {"num_local_experts": experts, "head_dim": 16}}[family]
+    cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=hidden, intermediate_size=32,
+                                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                            num_experts_per_tok=2, **extra)
+    return cfg
+
+
+def _saved(tmp_path, family):
+    """A seeded tiny causal LM of ``family`` saved by transformers (per-expert tensors on disk) and 16 x 32 token
+    ids beside it: ``(checkpoint, ids)``."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family)).eval()
+    model.save_pretrained(tmp_path / family)
+    ids = torch.randint(0, 256, (16, 32), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    return tmp_path / family, tmp_path / "ids.safetensors"
+
+
+def _keys(checkpoint):
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_linear_experts_compute_what_the_fused_module_computes(family):
+    """Every layout transformers' experts decorator describes (gpt-oss: transposed, interleaved gate/up, biases,
+    its own clamped gate; Qwen3-MoE: concatenated), against the fused module's eager and batched forwards."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family, hidden=16, experts=4, layers=1)).eval()
+    fused = next(m for m in model.modules() if fused_layout(m) is not None)
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.normal_(std=0.3)
+    x = torch.randn(10, 16)
+    index = torch.stack([torch.randperm(4)[:2] for _ in range(10)])
+    weights = torch.rand(10, 2)
+    refs = []
+    for impl in ("eager", "batched_mm"):
+        fused.config._experts_implementation = impl
+        refs.append(fused(x, index, weights))
+    assert torch.allclose(refs[0], refs[1], atol=1e-5)
+    tensors = {k: p.detach().clone() for k, p in fused.named_parameters(recurse=False)}
+    linear = LinearExperts(fused, fused_layout(fused), ROLES)
+    linear.load_from(tensors)
+    assert linear.expert(3).gate_proj.weight.shape == (32, 16) and linear.expert(3).down_proj.weight.shape == (16, 32)
+    out = linear(x, index, weights)
+    assert torch.allclose(out, refs[0], atol=1e-5) and out.abs().max() > 1
+
+
+@pytest.mark.parametrize("family,leaf,stored", [("qwen3_moe", "gate_proj", "mlp"), ("mixtral", "w1", "block_sparse_moe")])
+def test_linearized_experts_hold_the_checkpoint_tensors_and_the_model_computes_the_same(tmp_path, family, leaf,
+                                                                                         stored):
+    checkpoint, _ = _saved(tmp_path, family)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    ref = model(ids).logits
+    tensors = _keys(checkpoint)
+    assert linearize_experts(model, tensors) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert not any(p.dim() == 3 for p in model.parameters())
+    names = getattr(model, "_qtool_checkpoint_keys")
+    assert len(names) == 2 * 8 * 3
+    assert names[f"model.layers.1.mlp.experts.5.{leaf}.weight"] == f"model.layers.1.{stored}.experts.5.{leaf}.weight"
+    for name, key in names.items():
+        assert torch.equal(model.get_parameter(name), tensors[key]), name
+    assert torch.allclose(model(ids).logits, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,expert", [("qwen3_moe", "model.layers.1.mlp.experts.7.down_proj.weight"),
+                                           ("mixtral", "model.layers.1.block_sparse_moe.experts.7.w2.weight")])
+def test_every_expert_is_quantized_exported_as_the_checkpoint_names_it_and_sequential_writes_the_same(
+        tmp_path, family, expert):
+    checkpoint, ids = _saved(tmp_path, family)
+    code, out, err = run_cli("config", "show", "w4a16-block32", "--model", checkpoint, "--json")
+    assert code == 0, err
+    shown = json.loads(out)
+    # all weights but the embedding (recipe: lm_head ignored, embedding int8), routers and norms: 2 x 8 x 3 experts
+    assert sum(q["name"].endswith((".w1.weight", ".w2.weight", ".w3.weight", "_proj.weight"))
+               and ".experts." in q["name"] for q in shown["quantizers"]) == 48
+    assert not [w for w in shown["warnings"] if "have no quantizer" in w]
+    assert {u["module_type"] for u in shown["weights_quantized"]["unreachable"]} <= {"Qwen3MoeTopKRouter",
+                                                                                     "MixtralTopKRouter"}
+    runs = {}
+    for name, extra in (("memory", []), ("sequential", ["--sequential"])):
+        code, _, err = run_cli("quantize", checkpoint, "-c", "w4a16-block32", "--data", ids, "-o", tmp_path / name,
+                               "--quiet", *extra)
+        assert code == 0, err
+        runs[name] = (tmp_path / name / "model.safetensors").read_bytes()
+    assert runs["memory"] == runs["sequential"]
+    exported = read_integer_export(tmp_path / "memory" / "model.safetensors")
+    float_weight = _keys(checkpoint)[expert]
+    q = exported[expert]
+    assert q.shape == float_weight.shape and not torch.equal(q, float_weight)
+    assert (q - float_weight).abs().max() < 0.25 * float_weight.abs().max()  # 4-bit steps of its own block
+    assert len(torch.unique(q[0, :32])) <= 16
+
+
+def test_compressed_tensors_experts_reload_in_transformers_as_qtool_chose_them(tmp_path):
+    """llm-compressor's per-expert names (what vLLM's fused-MoE loader reads); transformers stacks them back into
+    its fused experts with exactly the values of qtool's own export (GPTQ codes, per expert on its routed tokens)."""
+    checkpoint, ids = _saved(tmp_path, "mixtral")
+    for fmt in ("qtool", "compressed-tensors"):
+        code, _, err = run_cli("quantize", checkpoint, "-c", "w4a16-block32-gptq", "--data", ids, "-o",
+                               tmp_path / fmt, "--format", fmt, "--quiet")
+        assert code == 0, err
+    with safe_open(str(tmp_path / "compressed-tensors" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight_packed" in keys
+    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight_scale" in keys
+    with safe_open(str(tmp_path / "qtool" / "calibration" / "codes.safetensors"), "pt") as f:
+        assert sum(".experts." in k for k in f.keys()) == 48  # GPTQ chose every expert's codes
+    ours = read_integer_export(tmp_path / "qtool" / "model.safetensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "compressed-tensors", dtype=torch.float32)
+    for layer in range(2):
+        fused = model.model.layers[layer].mlp.experts
+        for e in range(8):
+            p = f"model.layers.{layer}.block_sparse_moe.experts.{e}."
+            assert torch.equal(fused.gate_up_proj[e], torch.cat([ours[p + "w1.weight"], ours[p + "w3.weight"]]))
+            assert torch.equal(fused.down_proj[e], ours[p + "w2.weight"])
+
+
+def test_an_expert_routed_too_few_tokens_is_chosen_without_data_and_named(tmp_path):
+    checkpoint, _ = _saved(tmp_path, "qwen3_moe")
+    save_file({"input_ids": torch.randint(0, 256, (1, 3), generator=torch.Generator().manual_seed(0))},
+              tmp_path / "few.safetensors")
+    code, _, err = run_cli("calibrate", checkpoint, "-c", "w4a16-block32-gptq", "--data", tmp_path / "few.safetensors",
+                           "-o", tmp_path / "run", "--quiet")
+    assert code == 0, err
+    [warning] = [w for w in json.loads((tmp_path / "run" / "manifest.json").read_text())["warnings"]
+                 if "expert(s) were routed fewer" in w]
+    assert warning.startswith("16 expert(s)") and "model.layers.0.mlp.experts.0 (" in warning
+    with safe_open(str(tmp_path / "run" / "codes.safetensors"), "pt") as f:
+        codes = {k: f.get_tensor(k) for k in f.keys()}
+    enc = {e["name"]: e for e in json.loads((tmp_path / "run" / "encodings.json").read_text())["quantizers"]}
+    # no data: GPTQ on XᵀX = I is round-to-nearest on the unweighted range
+    name = "model.layers.0.mlp.experts.2.up_proj.weight"
+    w = _keys(checkpoint)[name]
+    lo, hi = torch.tensor(enc[name]["min"]), torch.tensor(enc[name]["max"])
+    scale = (hi - lo) / 15
+    nearest = torch.clamp(torch.round(w.reshape(32, 2, 32) / scale[..., None]), -8, 7).reshape(32, 64)
+    assert torch.equal(codes["codes/" + name].to(torch.float32), nearest)
