@@ -161,3 +161,29 @@ def test_an_expert_routed_too_few_tokens_is_chosen_without_data_and_named(tmp_pa
     scale = (hi - lo) / 15
     nearest = torch.clamp(torch.round(w.reshape(32, 2, 32) / scale[..., None]), -8, 7).reshape(32, 64)
     assert torch.equal(codes["codes/" + name].to(torch.float32), nearest)
+
+
+def test_the_manifest_and_json_give_the_tokens_each_expert_was_routed_and_a_resume_keeps_them(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    checkpoint, ids = _saved(tmp_path, "qwen3_moe")
+    args = ["calibrate", checkpoint, "-c", "w4a16-block32-gptq", "--data", ids, "--sequential"]
+    code, out, err = run_cli(*args, "-o", tmp_path / "whole", "--json")
+    assert code == 0, err
+    tokens = json.loads(out)["expert_tokens"]
+    manifest = json.loads((tmp_path / "whole" / "manifest.json").read_text())
+    assert manifest["expert_tokens"] == tokens
+    assert list(tokens) == [f"model.layers.{i}.mlp.experts.{e}" for i in range(2) for e in range(8)]
+    for layer in range(2):  # 16 x 32 tokens, each routed to 2 of 8 experts
+        assert sum(n for k, n in tokens.items() if k.startswith(f"model.layers.{layer}.")) == 16 * 32 * 2
+    root = Path(__file__).resolve().parents[1]
+    killed = subprocess.run([sys.executable, str(root / "tests/stop_after_block.py"), "1", "--",
+                             *[str(a) for a in args], "--quiet", "-o", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=300, cwd=root)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    code, _, err = run_cli(*args, "--resume", "--quiet", "-o", tmp_path / "run")
+    assert code == 0, err
+    for name in ("manifest.json", "encodings.json", "codes.safetensors"):
+        assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name

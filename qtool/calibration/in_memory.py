@@ -100,7 +100,7 @@ def calibrate(
         set_quantization(model, False)
         try:
             stats = merge_inputs(collect_inputs(inputs, modules, run), group)
-            routed_fallbacks(inputs, modules, stats, plan.warnings)
+            routed_fallbacks(inputs, modules, stats, plan.warnings, plan.expert_tokens)
         finally:
             set_quantization(model, True)
     def weight_of(q):

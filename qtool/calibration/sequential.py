@@ -175,7 +175,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         stats = collect_inputs(sub.weights, modules, run_float or run)
         if any(q.needs_inputs for q in sub.weights):
             stats = merge_inputs(stats, group)
-            routed_fallbacks(sub.weights, modules, stats, plan.warnings)
+            routed_fallbacks(sub.weights, modules, stats, plan.warnings, plan.expert_tokens)
         qs = insert_quantizers(model, sub)
         def weight_of(q):
             return modules[q.module]._parameters["weight"]
@@ -245,6 +245,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             codes.update(saved.codes)
             floats.update(saved.floats)
             plan.warnings.extend(saved.warnings)
+            plan.expert_tokens.update(saved.expert_tokens)
         done += 1
         if on_block:
             on_block(done, len(blocks))
@@ -286,8 +287,9 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             captured = [((outputs[j],) + tuple(args[1:]), kwargs) for j, (args, kwargs) in enumerate(captured)]
         if state is not None:
             names = {q.name for q in rows}
+            routed = {m: n for m, n in plan.expert_tokens.items() if m.startswith(prefix + ".")}
             state.save(i, BlockResult(list(finished), {n: codes[n] for n in names if n in codes}, changed,
-                                      plan.warnings[warned:]), outputs if feeds else None)
+                                      plan.warnings[warned:], routed), outputs if feeds else None)
         _release(block)
         done += 1
         if on_block:

@@ -201,13 +201,14 @@ def collect_module_inputs(hessian: Dict[str, bool], modules: Dict[str, nn.Module
 
 
 def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module],
-                     stats: Dict[str, InputStatistics], warnings: Optional[List[str]] = None) -> Dict[str, int]:
+                     stats: Dict[str, InputStatistics], warnings: Optional[List[str]] = None,
+                     tokens: Optional[Dict[str, int]] = None) -> None:
     """Give every mixture-of-experts expert layer (``qtool.model.experts``) among ``rows`` that needs inputs and
     was routed fewer calibration tokens than its input width data-free statistics instead (``E[x²]`` = 1 and
     ``XᵀX`` = I: the unweighted search, and GPTQ that reduces to round-to-nearest), with one warning naming
     them. Fewer tokens than columns leave ``XᵀX`` singular: GPTQ would fit those few tokens, not the expert's
-    inputs. ``stats`` is changed in place (after the ranks' statistics are merged). Returns the tokens each
-    expert layer saw, by module name."""
+    inputs. ``stats`` is changed in place (after the ranks' statistics are merged). ``tokens`` receives the tokens
+    each expert was routed, by expert module name."""
     from ...model.experts import routed_layer
 
     seen: Dict[str, int] = {}
@@ -217,6 +218,8 @@ def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module
             continue
         s = stats.get(q.module)
         seen[q.module] = count = 0 if s is None else s.count
+        if tokens is not None:
+            tokens[q.module.rsplit(".", 1)[0]] = count
         width = int(modules[q.module].weight.shape[1])
         if count >= width:
             continue
@@ -232,7 +235,6 @@ def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module
         warnings.append(f"{len(short)} expert(s) were routed fewer calibration tokens than a layer's input width: "
                         f"{named}; those layers' weights were chosen without data (round-to-nearest on an unweighted "
                         "range; more or longer calibration samples reach more experts)")
-    return seen
 
 
 def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics], weight_shape,
