@@ -1,8 +1,10 @@
 """llama-quantize's mixes (Q4_K_M, Q3_K_M, …): which GGUF type each tensor of a Llama-family model gets.
 
 ``llama_tensor_get_type`` in llama.cpp's ``src/llama-quant.cpp``, for dense models of the architectures qtool
-writes (Llama, Qwen2, Mistral: no experts, not Falcon, not 70B), restated as data: a mix has a default type, and
-the output matrix, ``attn_v``, ``attn_output`` and ``ffn_down`` get more bits by the rules below. The row-width
+writes (Llama, Qwen2, Qwen3, Mistral; the experts of Qwen3-MoE and Mixtral take their projection's rules, but
+the extra bits llama-quantize gives the attention of 8-expert models are not restated; not Falcon, not 70B),
+restated as data: a mix has a default type, and the output matrix, ``attn_v``, ``attn_output`` and ``ffn_down``
+get more bits by the rules below. The row-width
 fallback for K-quants (Q4_K → Q5_0, …) is applied afterwards by the plan (``config._super_block_fallback``),
 as llama-quantize applies it last. No torch here: the recipe checks run before torch loads.
 """
@@ -22,10 +24,13 @@ MIXES: Dict[str, str] = {
 }
 _BLOCK = {"q4_0": 32, "q5_0": 32, "q8_0": 32, "iq4_nl": 32}  # others: 256-element super-blocks
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|"
-                    r"down_proj)$")
+# a mixture-of-experts layer's experts (mlp.experts.<e>.down_proj, Mixtral's w1/w3/w2) take their projection's
+# rules, as llama-quantize's name matching gives ffn_down_exps ffn_down's
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp(?:\.experts\.\d+)?)\.(q_proj|k_proj|v_proj|o_proj|"
+                    r"gate_proj|up_proj|down_proj|w1|w3|w2)$")
 _ROLES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-          "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+          "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down", "w1": "ffn_gate", "w3": "ffn_up",
+          "w2": "ffn_down"}
 
 
 def tensor_role(module: str) -> Tuple[Optional[str], int]:

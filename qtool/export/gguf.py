@@ -40,7 +40,7 @@ from ..io.finite import check_finite, storable
 from ..quant import ggml
 from ..quant.spec import Granularity
 from .base import Exporter, ExportRequest, refuse_float_elements
-from .gguf_model import GgufModel, permute_rows, read_gguf_model
+from .gguf_model import EXPERT_KEY, GgufModel, permute_rows, read_gguf_model
 from .qtool_st import match_weight_names
 
 __all__ = ["GgufExporter", "EXPORTER", "gguf_type", "pack_blocks", "GGUF_NAME"]
@@ -102,6 +102,12 @@ class _Item:
     kind: str  # "Q8_0" / "Q5_0" / "Q5_1" / "Q4_0" / "Q4_1" / "F32" / "F16"
     entry: Optional[EncodingEntry] = None  # quantized (or fallen back): its encoding
     heads: Optional[int] = None  # rows permuted for llama.cpp's rotary layout
+    experts: Tuple["_Item", ...] = ()  # a stacked expert tensor: one item per expert, in expert order
+
+    def shape(self, src) -> Tuple[int, ...]:
+        if self.experts:
+            return (len(self.experts),) + tuple(src.shape_dtype(self.experts[0].key)[0])
+        return tuple(src.shape_dtype(self.key)[0])
 
 
 class GgufExporter(Exporter):
@@ -153,8 +159,7 @@ class GgufExporter(Exporter):
         writer = gguf.GGUFWriter(path, model.arch)
         warnings = model.add_metadata(writer, file_type, int(embed_rows))
         for item in items:
-            shape, _ = src.shape_dtype(item.key)
-            writer.add_tensor_info(item.name, *_info(item.kind, tuple(shape)))
+            writer.add_tensor_info(item.name, *_info(item.kind, item.shape(src)))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -163,8 +168,7 @@ class GgufExporter(Exporter):
         for n, item in enumerate(items):
             data, dev = _tensor_data(item, src)
             deviation = max(deviation, dev)
-            if item.entry is not None and item.kind in ("F32", "F16"):
-                fallen.append(item.entry.name)
+            fallen += [i.entry.name for i in item.experts or (item,) if i.entry is not None and i.kind in ("F32", "F16")]
             writer.write_tensor_data(data)
             if request.progress:
                 request.progress(n + 1, total, item.name)
@@ -216,16 +220,25 @@ def _plan(model: GgufModel, src, entries: List[EncodingEntry], options) -> Tuple
     items: List[_Item] = []
     names: Dict[str, str] = {}
     embed = None
+    stacked: Dict[str, List[Tuple[int, _Item]]] = {}  # GGUF name -> (expert, its item), in checkpoint order
     for key in keys:
         name = model.tensor_name(key)
         if name is None:
             continue
         it = item(name, key, key)
-        items.append(it)
+        expert = EXPERT_KEY.match(key)
+        if expert is not None:
+            if name not in stacked:
+                stacked[name] = []
+                items.append(_Item(name, key, it.kind))
+            stacked[name].append((int(expert["expert"]), it))
+        else:
+            items.append(it)
         if name == "token_embd.weight":
             embed = it
         if it.entry is not None:
             names[it.entry.name] = name
+    items = [_stack(i, stacked[i.name]) if i.name in stacked else i for i in items]
     if model.tied and "lm_head.weight" not in keyset and embed is not None:
         head = item("output.weight", "lm_head.weight", embed.key)
         if not _same_numbers(head.entry, embed.entry, src):
@@ -233,6 +246,20 @@ def _plan(model: GgufModel, src, entries: List[EncodingEntry], options) -> Tuple
         if head.entry is not None:
             names[head.entry.name] = "output.weight" if head in items else "token_embd.weight"
     return items, names
+
+
+def _stack(first: _Item, experts: List[Tuple[int, _Item]]) -> _Item:
+    """llama.cpp's 3-D expert tensor from its experts' ``(index, item)``: every expert present once, all of one
+    type (and, as the checkpoint's config says, one shape)."""
+    if sorted(e for e, _ in experts) != list(range(len(experts))):
+        raise EncodingsError(f"{first.key}: the checkpoint's experts for {first.name} are not 0..{len(experts) - 1}")
+    order = [i for _, i in sorted(experts, key=lambda pair: pair[0])]
+    kinds = {i.kind for i in order}
+    if len(kinds) > 1:
+        raise EncodingsError(f"{first.name}: GGUF stores its {len(order)} experts as one tensor of one type, and the "
+                             f"encodings give them {' and '.join(sorted(kinds))} (one rule for every expert of a "
+                             "projection)")
+    return _Item(first.name, order[0].key, order[0].kind, experts=tuple(order))
 
 
 def _kind(e, shape, options) -> str:
@@ -262,8 +289,8 @@ def _info(kind: str, shape: Tuple[int, ...]):
         return shape, np.dtype(dt), int(np.prod(shape)) * np.dtype(dt).itemsize, None
     qtype = getattr(gguf.GGMLQuantizationType, kind)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    byte_shape = (shape[0], shape[1] // block * size)
-    return byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], qtype
+    byte_shape = tuple(shape[:-1]) + (shape[-1] // block * size,)
+    return byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), qtype
 
 
 _CHUNK = 1 << 24  # elements per row chunk of a large tensor (64 MB of float32 temporaries)
@@ -272,6 +299,10 @@ _CHUNK = 1 << 24  # elements per row chunk of a large tensor (64 MB of float32 t
 def _tensor_data(item: _Item, src) -> Tuple[np.ndarray, float]:
     """The bytes of one GGUF tensor, and how far its values are from qtool's fake-quant weights."""
     from ..quant.affine import dequantize
+
+    if item.experts:  # each expert's slice as its own tensor, stacked
+        parts = [_tensor_data(i, src) for i in item.experts]
+        return np.stack([p[0] for p in parts]), max(p[1] for p in parts)
 
     w = src.get(item.key)
     e = item.entry

@@ -1,9 +1,12 @@
 """What a GGUF file says about the model besides its tensors: the architecture's hyperparameters, its tensor names
 and the tokenizer, read from a Hugging Face directory (``config.json``, ``tokenizer.json``).
 
-Supported: the Llama family as llama.cpp's own converter treats it (``llama`` and ``mistral`` write the ``llama``
-architecture, with q/k projection rows permuted into llama.cpp's rotary layout; ``qwen2`` writes ``qwen2``,
-unpermuted). Tokenizers: byte-level BPE (``gpt2`` in GGUF; SmolLM, Llama 3, Qwen2) and byte-fallback BPE
+Supported: the Llama family as llama.cpp's own converter treats it (``llama``, ``mistral`` and ``mixtral`` write
+the ``llama`` architecture, with q/k projection rows permuted into llama.cpp's rotary layout; ``qwen2``, ``qwen3``
+and ``qwen3_moe`` write their own, unpermuted). A mixture-of-experts model's per-expert tensors
+(``experts.<e>.gate_proj.weight``) are stacked into llama.cpp's 3-D expert tensors (``ffn_gate_exps``: one
+``[out, in]`` slice per expert), its router is ``ffn_gate_inp``, and the expert counts and width go to the
+metadata as llama.cpp's converter writes them. Tokenizers: byte-level BPE (``gpt2`` in GGUF; SmolLM, Llama 3, Qwen2) and byte-fallback BPE
 (``llama``; Llama 2, Mistral). Anything else is refused with one line. The vocabulary and special tokens are read
 with the ``gguf`` package's own readers (``gguf.vocab``), as llama.cpp's converter does.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -27,8 +31,13 @@ __all__ = ["GgufModel", "read_gguf_model", "permute_rows", "ARCHITECTURES"]
 ARCHITECTURES: Dict[str, Tuple[str, bool]] = {
     "llama": ("llama", True),
     "mistral": ("llama", True),
+    "mixtral": ("llama", True),
     "qwen2": ("qwen2", False),
+    "qwen3": ("qwen3", False),
+    "qwen3_moe": ("qwen3moe", False),
 }
+# a checkpoint's per-expert tensor: llama.cpp stacks experts <stem>.<e>.<leaf> into one tensor named for <stem>.<leaf>
+EXPERT_KEY = re.compile(r"^(?P<stem>.+\.experts)\.(?P<expert>\d+)\.(?P<leaf>[^.]+)\.(?P<kind>weight|bias)$")
 
 # llama.cpp's pre-tokenizer names, recognized from tokenizer.json's pre_tokenizer (llama.cpp src/llama-vocab.cpp):
 # "gpt-2" is the GPT-2 split regex alone, "smollm" splits digits one by one first, "llama-bpe" (Llama 3) and
@@ -75,6 +84,9 @@ class GgufModel:
         frequencies); raises ``CheckpointError`` for a tensor llama.cpp has no place for."""
         if key.endswith("rotary_emb.inv_freq"):
             return None
+        expert = EXPERT_KEY.match(key)
+        if expert is not None:  # one expert's slice of llama.cpp's stacked tensor
+            key = f"{expert['stem']}.{expert['leaf']}.{expert['kind']}"
         name = _name_map(self.arch, self.n_layers).get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise CheckpointError(f"{self.directory}: tensor {key!r} has no place in a GGUF {self.arch} model")
@@ -104,6 +116,12 @@ class GgufModel:
         writer.add_embedding_length(hidden)
         writer.add_block_count(self.n_layers)
         writer.add_feed_forward_length(int(c["intermediate_size"]))
+        experts = c.get("num_experts") or c.get("num_local_experts")
+        if experts:
+            writer.add_expert_count(int(experts))
+            writer.add_expert_used_count(int(c["num_experts_per_tok"]))
+            if c.get("moe_intermediate_size"):
+                writer.add_expert_feed_forward_length(int(c["moe_intermediate_size"]))
         writer.add_head_count(heads)
         writer.add_head_count_kv(self.n_head_kv)
         writer.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
@@ -168,6 +186,14 @@ def read_gguf_model(directory: Path) -> GgufModel:
     kv = _positive_int(config, "num_key_value_heads", where, default=heads)
     for key in ("hidden_size", "intermediate_size"):
         _positive_int(config, key, where)
+    if config.get("num_experts") or config.get("num_local_experts"):
+        _positive_int(config, "num_experts_per_tok", where)
+        if model_type == "qwen3_moe" and not config.get("norm_topk_prob", False):
+            raise CheckpointError(f"{where}: norm_topk_prob is false, and llama.cpp's qwen3moe always normalizes the "
+                                  "routed experts' weights: its GGUF would compute another function")
+        if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
+            raise CheckpointError(f"{where}: dense MLP layers among the MoE ones (mlp_only_layers, "
+                                  "decoder_sparse_step) have no GGUF export in qtool")
     config = dict(config)  # checked values replace nulls, so add_metadata reads only what passed here
     for key, default in (("max_position_embeddings", 2048), ("head_dim", None)):
         config[key] = _positive_int(config, key, where, default)

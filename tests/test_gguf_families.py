@@ -1,0 +1,116 @@
+"""GGUF beyond the Llama family: Qwen3 (q/k norms, its own architecture) and the mixture-of-experts families
+Qwen3-MoE and Mixtral, whose per-expert tensors llama.cpp holds stacked (``ffn_{gate,up,down}_exps``, one
+``[out, in]`` slice per expert) beside the router (``ffn_gate_inp``). The files hold qtool's fake-quant weights
+bit for bit and llama.cpp (xllamacpp) runs them."""
+
+import json
+from pathlib import Path
+from statistics import median
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import error_lines, run_cli
+from tests.test_gguf import VOCAB, _fake_quant_weights, _gguf_values, _tiny_llama
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+# family -> (GGUF architecture, expert leaf names for gate/up/down or None for a dense MLP)
+FAMILIES = {"qwen3": ("qwen3", None), "qwen3_moe": ("qwen3moe", ("gate_proj", "up_proj", "down_proj")),
+            "mixtral": ("llama", ("w1", "w3", "w2"))}
+
+
+def _tiny(dest: Path, family: str, **overrides) -> Path:
+    """A seeded tiny ``family`` causal LM (8 experts, 2 routed, for the MoE ones) with test_gguf's byte-level BPE
+    tokenizer; large enough initial weights for confident next tokens."""
+    _tiny_llama(dest, False)  # the tokenizer (its Llama weights are replaced)
+    for f in dest.glob("model*.safetensors"):
+        f.unlink()
+    kw = dict(vocab_size=VOCAB + 20, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+    extra = {"qwen3": dict(intermediate_size=128, head_dim=16),
+             "qwen3_moe": dict(intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                               head_dim=16, norm_topk_prob=True),
+             "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)}[family]
+    cfg = transformers.AutoConfig.for_model(family, **{**kw, **extra, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(dest)
+    return dest
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def exported(request, tmp_path_factory):
+    family = request.param
+    d = tmp_path_factory.mktemp(family)
+    ckpt = _tiny(d / "m", family)
+    code, out, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "-o", d / "q", "--format", "gguf", "--json")
+    assert code == 0, err
+    return family, ckpt, d / "q", json.loads(out)
+
+
+def test_the_file_holds_every_weight_as_qtools_fake_quant_model_and_the_experts_stacked(exported):
+    import qtool
+
+    family, ckpt, out, summary = exported
+    arch, leaves = FAMILIES[family]
+    reader = gguf.GGUFReader(out / "model.gguf")
+    assert reader.fields["general.architecture"].contents() == arch
+    values = _gguf_values(out / "model.gguf")
+    fq = _fake_quant_weights(qtool.load_calibrated(str(ckpt), str(out / "calibration/encodings.json")))
+    names = summary["names"]
+    assert set(names) == {q["name"] for q in json.loads((out / "calibration/encodings.json").read_text())["quantizers"]}
+    if leaves is None:
+        assert values["blk.1.attn_q_norm.weight"][0] == "F32" and values["blk.1.ffn_down.weight"][0] == "Q8_0"
+        return
+    assert reader.fields[f"{arch}.expert_count"].contents() == 8
+    assert reader.fields[f"{arch}.expert_used_count"].contents() == 2
+    assert values["blk.0.ffn_gate_inp.weight"][0] == "F32"  # the router stays float
+    stored = "block_sparse_moe" if family == "mixtral" else "mlp"
+    for layer in range(2):
+        for gguf_name, leaf in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), leaves):
+            kind, stacked = values[f"blk.{layer}.{gguf_name}.weight"]
+            assert kind == "Q8_0" and stacked.shape[0] == 8
+            for e in range(8):
+                w = fq[f"model.layers.{layer}.mlp.experts.{e}.{leaf}.weight"]
+                assert names[f"model.layers.{layer}.{stored}.experts.{e}.{leaf}.weight"] == \
+                    f"blk.{layer}.{gguf_name}.weight"
+                assert np.array_equal(stacked[e].reshape(w.shape), w.numpy()), (layer, gguf_name, e)
+
+
+def test_llama_cpp_runs_the_file_and_its_next_tokens_are_the_float_models(exported):
+    """Greedy next tokens of llama.cpp on the Q8_0 file against transformers' float model on 40 random prompts, and
+    log-probabilities against qtool's fake-quant model. llama.cpp multiplies with 8-bit activations, so a router
+    whose top experts are nearly tied can route a token otherwise (one Mixtral prompt moves 0.7): the median
+    shows the arithmetic, the agreement that routing holds."""
+    pytest.importorskip("xllamacpp")
+    import qtool
+
+    from tests.llamacpp import LlamaCpp
+
+    family, ckpt, out, _ = exported
+    ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    fq = qtool.load_calibrated(str(ckpt), str(out / "calibration/encodings.json")).eval()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, VOCAB, (int(k),), generator=g).tolist()
+               for k in torch.randint(4, 40, (40,), generator=g)]
+    agree, diffs = 0, []
+    with LlamaCpp(str(out / "model.gguf")) as llama:
+        for p in prompts:
+            with torch.no_grad():
+                top = int(ref(torch.tensor([p])).logits[0, -1].argmax())
+                logp = torch.log_softmax(fq(torch.tensor([p])).logits[0, -1].double(), -1)
+            agree += top == llama.greedy_next(p)
+            diffs.append(max(abs(float(logp[t]) - lp) for t, lp in llama.top(p, 3)))
+    assert agree >= 34, (family, agree)
+    assert median(diffs) < 0.03, (family, sorted(diffs))
+
+
+def test_a_qwen3_moe_router_without_normalized_weights_is_refused_before_calibration(tmp_path):
+    ckpt = _tiny(tmp_path / "m", "qwen3_moe", norm_topk_prob=False)
+    code, _, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "-o", tmp_path / "q", "--format", "gguf")
+    assert code != 0 and "norm_topk_prob" in err and len(error_lines(err)) == 1
+    assert not (tmp_path / "q").exists()
