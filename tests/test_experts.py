@@ -187,3 +187,31 @@ def test_the_manifest_and_json_give_the_tokens_each_expert_was_routed_and_a_resu
     assert code == 0, err
     for name in ("manifest.json", "encodings.json", "codes.safetensors"):
         assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
+def test_an_experts_gate_and_up_projections_share_one_set_of_input_statistics():
+    """They read the very same tensor: one XᵀX for both (a Qwen3-30B-A3B block's 128 experts would otherwise hold
+    4.3 GB of float64 sums twice), equal to what each would have collected alone."""
+    from qtool.calibration.rounding import collect_module_inputs
+    from qtool.model.experts import same_inputs
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config("qwen3_moe")).eval()
+    keys = [f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for i in range(2) for e in range(8)
+            for p in ("gate_proj", "up_proj", "down_proj")]
+    linearize_experts(model, keys)
+    modules = dict(model.named_modules())
+    names = [n for n in modules if n.startswith("model.layers.0.mlp.experts.") and n.endswith("_proj")]
+    aliases = same_inputs(modules, names)
+    assert aliases == {f"model.layers.0.mlp.experts.{e}.up_proj": f"model.layers.0.mlp.experts.{e}.gate_proj"
+                       for e in range(8)}
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        model(ids)
+
+    shared = collect_module_inputs({n: True for n in names}, modules, run, aliases)
+    alone = collect_module_inputs({n: True for n in names}, modules, run)
+    up, gate = "model.layers.0.mlp.experts.3.up_proj", "model.layers.0.mlp.experts.3.gate_proj"
+    assert shared[up] is shared[gate] and alone[up] is not alone[gate]
+    assert shared[up].count == alone[up].count > 0 and torch.equal(shared[up].xtx, alone[up].xtx)

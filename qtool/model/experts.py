@@ -25,7 +25,8 @@ from torch import nn
 
 from ..config import CHECKPOINT_KEYS
 
-__all__ = ["LinearExperts", "linearize_experts", "fused_layout", "checkpoint_key", "routed_layer", "CHECKPOINT_KEYS"]
+__all__ = ["LinearExperts", "linearize_experts", "fused_layout", "checkpoint_key", "routed_layer", "same_inputs",
+           "CHECKPOINT_KEYS"]
 
 
 
@@ -222,3 +223,19 @@ def routed_layer(modules: Dict[str, nn.Module], name: str) -> bool:
     the tokens the router sends it."""
     parts = name.rsplit(".", 2)
     return len(parts) == 3 and isinstance(modules.get(parts[0]), LinearExperts)
+
+
+def same_inputs(modules: Dict[str, nn.Module], names: Iterable[str]) -> Dict[str, str]:
+    """Among module ``names``: each expert's up projection -> its gate projection, which always reads the very
+    same tensor (:meth:`LinearExperts._gate_up`), so their input statistics are one (half the memory of a block's
+    expert statistics: 128 experts of width 2048 hold 4.3 GB of float64 ``XᵀX`` per projection)."""
+    wanted = set(names)
+    out: Dict[str, str] = {}
+    for name in wanted:
+        parent, _, leaf = name.rpartition(".")
+        owner = parent.rpartition(".")[0]
+        ex = modules.get(parent)
+        if isinstance(modules.get(owner), LinearExperts) and isinstance(ex, _Expert) and "gate" in ex.roles \
+                and ex.roles.get("up") == leaf and f"{parent}.{ex.roles['gate']}" in wanted:
+            out[name] = f"{parent}.{ex.roles['gate']}"
+    return out

@@ -174,21 +174,30 @@ def collect_inputs(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module],
     """Input statistics of the layers of ``rows`` that need them (``needs_inputs``), by module name, while
     ``run()`` feeds the data; ``XᵀX`` only where a rounding algorithm asks for it. Empty without running when no
     row needs inputs; a module that never ran is absent from the result."""
+    from ...model.experts import same_inputs
+
     hessian: Dict[str, bool] = {}
     for q in rows:
         if q.needs_inputs:
             hessian[q.module] = hessian.get(q.module, False) or q.rounding != "nearest"
-    return collect_module_inputs(hessian, modules, run)
+    return collect_module_inputs(hessian, modules, run, same_inputs(modules, hessian))
 
 
 def collect_module_inputs(hessian: Dict[str, bool], modules: Dict[str, nn.Module],
-                          run: Callable[[], None]) -> Dict[str, InputStatistics]:
+                          run: Callable[[], None], aliases: Optional[Dict[str, str]] = None
+                          ) -> Dict[str, InputStatistics]:
     """Input statistics of the modules named in ``hessian`` (``XᵀX`` too where its value is True), by module
-    name, while ``run()`` feeds the data. Empty without running for an empty ``hessian``."""
+    name, while ``run()`` feeds the data. Empty without running for an empty ``hessian``. ``aliases`` maps a
+    module to another that always reads the very same input tensor: it gets that one's statistics (the same
+    object), collected once."""
     if not hessian:
         return {}
+    aliases = {a: b for a, b in (aliases or {}).items() if b in hessian and a != b}
+    hessian = dict(hessian)
+    for a, b in aliases.items():
+        hessian[b] = hessian[b] or hessian[a]
     shared = _SharedInput()
-    collectors = {name: _Collector(hessian[name], shared) for name in sorted(hessian)}
+    collectors = {name: _Collector(hessian[name], shared) for name in sorted(hessian) if name not in aliases}
     with contextlib.ExitStack() as stack:
         for name, c in collectors.items():
             if isinstance(modules[name], CONV_TYPES):
@@ -197,7 +206,9 @@ def collect_module_inputs(hessian: Dict[str, bool], modules: Dict[str, nn.Module
                 stack.callback(modules[name].register_forward_pre_hook(c, with_kwargs=True).remove)
         with torch.no_grad():
             run()
-    return {name: s for name, c in collectors.items() if (s := c.statistics()) is not None}
+    out = {name: s for name, c in collectors.items() if (s := c.statistics()) is not None}
+    out.update({a: out[b] for a, b in aliases.items() if b in out})
+    return out
 
 
 def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module],
