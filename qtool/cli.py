@@ -373,6 +373,10 @@ _RESUME = typer.Option(False, "--resume", help="With --sequential: continue a ru
                        "Ctrl-C) after its last finished block, from the state it kept in OUT.resume; the output is "
                        "byte-identical to an uninterrupted run. A state of another run (checkpoint, data, recipe, "
                        "options, versions or ranks changed) is refused.")
+_ALL_EXPERTS = typer.Option(False, "--all-experts", help="Mixture-of-experts models: every expert sees every "
+                            "calibration token (its input statistics, GPTQ and activation ranges), while each "
+                            "layer's output stays routed as the model routes it; default: each expert sees the "
+                            "tokens its router sends it (rarely chosen experts may see too few).")
 _STRICT_DATA = typer.Option(False, "--strict-data", help="Fail (exit 2, nothing written) where the calibration "
                             "data is below the documented minimum for what learns from it (512 tokens or 8 samples "
                             "for activation ranges and weighted searches, 2048 tokens or 16 samples for GPTQ and "
@@ -562,6 +566,7 @@ def calibrate(
     allow_unmatched: bool = _UNMATCHED,
     sequential: bool = _SEQUENTIAL,
     resume: bool = _RESUME,
+    all_experts: bool = _ALL_EXPERTS,
     imatrix: Optional[str] = _IMATRIX,
     strict_data: bool = _STRICT_DATA,
     candidates: Optional[str] = _CANDIDATES,
@@ -588,7 +593,7 @@ def calibrate(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
             allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix,
-            strict_data=strict_data, resume=resume), overwrite, p.hooks(),
+            strict_data=strict_data, resume=resume, all_experts=all_experts), overwrite, p.hooks(),
             target=target)
     _report_files(summary, quiet, p.warnings_shown)
     if json_out:
@@ -702,6 +707,7 @@ def quantize(
     allow_unmatched: bool = _UNMATCHED,
     sequential: bool = _SEQUENTIAL,
     resume: bool = _RESUME,
+    all_experts: bool = _ALL_EXPERTS,
     imatrix: Optional[str] = _IMATRIX,
     strict_data: bool = _STRICT_DATA,
     format: str = _FORMAT,
@@ -739,7 +745,7 @@ def quantize(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
             allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix,
-            strict_data=strict_data, resume=resume), overwrite, p.hooks(),
+            strict_data=strict_data, resume=resume, all_experts=all_experts), overwrite, p.hooks(),
             _eopts(format=format, encoding_version=encoding_version, seq_len=seq_len, pack=not no_pack,
                    ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size),
                    gguf_float=gguf_float, gguf_fallback=gguf_fallback), target=target)

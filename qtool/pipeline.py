@@ -156,7 +156,8 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         "device": device_label(device),
         # an option added later is recorded only where it is used, so older runs' manifests keep their bytes
         "options": {k: v for k, v in asdict(opts).items()  # (a resumed run writes the bytes of an uninterrupted one)
-                    if not (k == "imatrix" and v is None) and not (k == "strict_data" and not v) and k != "resume"},
+                    if not (k == "imatrix" and v is None) and not (k in ("strict_data", "all_experts") and not v)
+                    and k != "resume"},
         "inputs": {
             "checkpoint": {"path": str(checkpoint), "kind": kind, "sha256": _files_digest(files),
                            **_hub(checkpoint)},

@@ -149,7 +149,7 @@ def test_an_expert_routed_too_few_tokens_is_chosen_without_data_and_named(tmp_pa
                            "-o", tmp_path / "run", "--quiet")
     assert code == 0, err
     [warning] = [w for w in json.loads((tmp_path / "run" / "manifest.json").read_text())["warnings"]
-                 if "expert(s) were routed fewer" in w]
+                 if "expert(s) saw fewer" in w]
     assert warning.startswith("16 expert(s)") and "model.layers.0.mlp.experts.0 (" in warning
     with safe_open(str(tmp_path / "run" / "codes.safetensors"), "pt") as f:
         codes = {k: f.get_tensor(k) for k in f.keys()}
@@ -215,3 +215,27 @@ def test_an_experts_gate_and_up_projections_share_one_set_of_input_statistics():
     up, gate = "model.layers.0.mlp.experts.3.up_proj", "model.layers.0.mlp.experts.3.gate_proj"
     assert shared[up] is shared[gate] and alone[up] is not alone[gate]
     assert shared[up].count == alone[up].count > 0 and torch.equal(shared[up].xtx, alone[up].xtx)
+
+
+def test_all_experts_mode_shows_every_expert_every_token_and_keeps_the_output_routed(tmp_path):
+    from qtool.model.experts import route_all_tokens
+
+    checkpoint, ids = _saved(tmp_path, "qwen3_moe")
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    linearize_experts(model, _keys(checkpoint))
+    x = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    routed = model(x).logits
+    assert route_all_tokens(model, True) == 2
+    assert torch.allclose(model(x).logits, routed, atol=1e-5)
+    code, out, err = run_cli("calibrate", checkpoint, "-c", "w4a16-block32-gptq", "--data", ids, "-o",
+                             tmp_path / "run", "--all-experts", "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert set(summary["expert_tokens"].values()) == {16 * 32}
+    assert not [w for w in summary["warnings"] if "saw fewer" in w]
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["options"]["all_experts"] is True
+    code, out, err = run_cli("calibrate", checkpoint, "-c", "w4a16-block32-gptq", "--data", ids, "-o",
+                             tmp_path / "routed", "--json")
+    assert code == 0, err
+    assert "all_experts" not in json.loads((tmp_path / "routed" / "manifest.json").read_text())["options"]
+    assert sum(json.loads(out)["expert_tokens"].values()) == 2 * 16 * 32 * 2

@@ -26,6 +26,7 @@ from ..errors import DataError, UsageError
 from ..hooks import Hooks, reporting
 from ..io.checkpoint import detect_kind, tensor_files
 from ..io.spill import SpilledTensors
+from ..model.experts import all_tokens_routed, route_all_tokens
 from ..model.load import causal_lm_class
 from ..parallel import Group
 from ..provenance import device_label, versions
@@ -54,6 +55,7 @@ class CalibrateOptions:
     imatrix: Optional[str] = None  # an importance matrix file (llama-imatrix's) weighting the searches
     strict_data: bool = False  # too little data (calibration.data_check) is an error, not a warning
     resume: bool = False  # --sequential: continue the saved state of a stopped run (calibration.resume)
+    all_experts: bool = False  # MoE layers: every expert sees every calibration token (outputs stay routed)
 
 
 def _resolve(recipe: Recipe, model, source: str, opts: CalibrateOptions, checkpoint: str) -> Plan:
@@ -66,6 +68,12 @@ def _resolve(recipe: Recipe, model, source: str, opts: CalibrateOptions, checkpo
 
     return apply_imatrix(plan, model, checkpoint, opts.imatrix, have_data=opts.data is not None,
                          strict=opts.strict_data)
+
+
+def _warn_all_experts(plan: Plan, opts: CalibrateOptions, experts: int) -> None:
+    if opts.all_experts and not experts:
+        plan.warnings.append("--all-experts: this model has no mixture-of-experts layer qtool calibrates per expert; "
+                             "it changes nothing")
 
 
 @dataclass
@@ -178,7 +186,9 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
 
         device = resolve_device(opts.device)
         model, _, tokenizer = meta_causal_lm(checkpoint, opts.trust_remote_code)
+        experts = route_all_tokens(model, opts.all_experts)
         plan = _resolve(recipe, model, source, opts, checkpoint)
+        _warn_all_experts(plan, opts, experts)
         plan.memory = estimate_run(model, plan, "sequential", opts)
         if plan.smoothing or plan.folds:
             raise UsageError(f"{'smoothquant' if plan.smoothing else 'fold_batch_norms'} runs on the whole model: "
@@ -222,14 +232,16 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
 
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
     plan = _resolve(recipe, loaded.model, source, opts, checkpoint)
+    _warn_all_experts(plan, opts, route_all_tokens(loaded.model, False))
     device = next(iter(loaded.model.parameters())).device
     plan.memory = estimate_run(loaded.model, plan, "in_memory", opts)
     hooks.on_plan(plan)
     data = _data(opts, plan, loaded.tokenizer, causal_lm_class(loaded.model), hooks)
     hooks.on_stage("calibrating")
     quantizers = insert_quantizers(loaded.model, plan)
-    result = calibrate(loaded.model, plan, quantizers, data if plan.needs_data() else None, device, hooks.on_batch,
-                       group)
+    with all_tokens_routed(loaded.model, opts.all_experts):
+        result = calibrate(loaded.model, plan, quantizers, data if plan.needs_data() else None, device,
+                           hooks.on_batch, group)
     entries = [EncodingEntry.from_quantizer(q, quantizers[q.name]) for q in plan.quantizers
                if quantizers[q.name].is_initialized()]
     return CalibrationRun(entries, plan, mode, device, loaded.files, loaded.kind, data, result.unused, result.codes,

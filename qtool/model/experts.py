@@ -17,6 +17,7 @@ checkpoint); a checkpoint that stores the fused tensors keeps them fused and ``q
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -26,7 +27,7 @@ from torch import nn
 from ..config import CHECKPOINT_KEYS
 
 __all__ = ["LinearExperts", "linearize_experts", "fused_layout", "checkpoint_key", "routed_layer", "same_inputs",
-           "CHECKPOINT_KEYS"]
+           "route_all_tokens", "all_tokens_routed", "CHECKPOINT_KEYS"]
 
 
 
@@ -66,6 +67,9 @@ class LinearExperts(nn.Module):
     def __init__(self, fused: nn.Module, layout: Dict[str, bool], roles: Dict[str, str]):
         super().__init__()
         self.num_experts = int(fused.down_proj.shape[0])
+        # calibration's all-experts mode: every expert runs on every token (its statistics see them all), and only
+        # the routed tokens' outputs reach the layer's output
+        self.all_tokens = False
         self.layout = dict(layout)
         first = fused.gate_up_proj if layout["has_gate"] else fused.up_proj
         device, dtype = first.device, first.dtype
@@ -134,12 +138,16 @@ class LinearExperts(nn.Module):
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        for e in hit[:, 0].tolist():
+        experts = range(self.num_experts) if self.all_tokens else hit[:, 0].tolist()
+        for e in experts:
             if e >= self.num_experts:
                 continue
             ex = self.expert(e)
             pos, token = torch.where(mask[e])
-            y = ex.proj("down")(self._gate_up(ex, hidden[token]))
+            if self.all_tokens:
+                y = ex.proj("down")(self._gate_up(ex, hidden))[token]
+            else:
+                y = ex.proj("down")(self._gate_up(ex, hidden[token]))
             if self.layout["has_post_expert_norm"]:
                 y = self.post_expert_norm(y)
             y = y * weights[token, pos, None]
@@ -239,3 +247,22 @@ def same_inputs(modules: Dict[str, nn.Module], names: Iterable[str]) -> Dict[str
                 and ex.roles.get("up") == leaf and f"{parent}.{ex.roles['gate']}" in wanted:
             out[name] = f"{parent}.{ex.roles['gate']}"
     return out
+
+
+def route_all_tokens(model: nn.Module, on: bool) -> int:
+    """Switch calibration's all-experts mode on (or off) for every :class:`LinearExperts` of ``model``; returns how
+    many there are."""
+    layers = [m for m in model.modules() if isinstance(m, LinearExperts)]
+    for m in layers:
+        m.all_tokens = bool(on)
+    return len(layers)
+
+
+@contextlib.contextmanager
+def all_tokens_routed(model: nn.Module, on: bool):
+    """:func:`route_all_tokens` for the duration of the block, off again after it."""
+    route_all_tokens(model, on)
+    try:
+        yield
+    finally:
+        route_all_tokens(model, False)

@@ -243,9 +243,10 @@ def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module
             short.append(expert)
     if short and warnings is not None:
         named = ", ".join(short[:4]) + (f" and {len(short) - 4} more" if len(short) > 4 else "")
-        warnings.append(f"{len(short)} expert(s) were routed fewer calibration tokens than a layer's input width: "
-                        f"{named}; those layers' weights were chosen without data (round-to-nearest on an unweighted "
-                        "range; more or longer calibration samples reach more experts)")
+        warnings.append(f"{len(short)} expert(s) saw fewer calibration tokens than a layer's input width: {named}; "
+                        "those layers' weights were chosen without data (round-to-nearest on an unweighted range; "
+                        "more or longer calibration samples reach more experts, --all-experts shows every expert "
+                        "every token)")
 
 
 def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics], weight_shape,
