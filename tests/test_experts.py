@@ -239,3 +239,37 @@ def test_all_experts_mode_shows_every_expert_every_token_and_keeps_the_output_ro
     assert code == 0, err
     assert "all_experts" not in json.loads((tmp_path / "routed" / "manifest.json").read_text())["options"]
     assert sum(json.loads(out)["expert_tokens"].values()) == 2 * 16 * 32 * 2
+
+
+def test_nvfp4_experts_share_one_global_scale_per_gate_up_pair_and_decode_to_qtools_weights(tmp_path):
+    """vLLM fuses an expert's gate and up projections (Mixtral's w1/w3: its w13) under one global scale. The
+    per-expert tensors decode, by compressed-tensors' convention (FP4 value x block scale / global scale), to
+    qtool's fake-quant weights exactly. (transformers 5.23 reloads NVFP4 experts wrongly, multiplying by the global
+    scale: values up to 448 x 6; vLLM is the runtime for these files.)"""
+    import qtool
+
+    checkpoint, ids = _saved(tmp_path, "mixtral")
+    code, _, err = run_cli("quantize", checkpoint, "-c", "nvfp4a16", "--data", ids, "-o", tmp_path / "ct",
+                           "--format", "compressed-tensors", "--quiet")
+    assert code == 0, err
+    model = qtool.load_calibrated(str(checkpoint), str(tmp_path / "ct/calibration/encodings.json"))
+    lut = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
+        for e in (0, 5):
+            p = f"model.layers.1.block_sparse_moe.experts.{e}."
+            assert torch.equal(f.get_tensor(p + "w1.weight_global_scale"), f.get_tensor(p + "w3.weight_global_scale"))
+            packed = f.get_tensor(p + "w3.weight_packed")
+            codes = torch.stack([packed & 15, packed >> 4], -1).reshape(32, 64).long()
+            scale = f.get_tensor(p + "w3.weight_scale").float() / f.get_tensor(p + "w3.weight_global_scale")
+            decoded = (lut[codes].reshape(32, 4, 16) * scale[..., None]).reshape(32, 64)
+            layer = model.model.layers[1].mlp.experts.expert(e).w3
+            ours = layer.qtool_quantizers["weight"](layer.weight).as_subclass(torch.Tensor).detach()
+            assert torch.equal(decoded, ours)
+
+
+def test_onnx_export_refuses_a_mixture_of_experts_model_before_calibrating(tmp_path):
+    checkpoint, ids = _saved(tmp_path, "qwen3_moe")
+    code, _, err = run_cli("quantize", checkpoint, "-c", "w8a8", "--data", ids, "-o", tmp_path / "o", "--format",
+                           "onnx")
+    assert code == 2 and "mixture-of-experts" in err and "calibrating" not in err
+    assert not (tmp_path / "o").exists()

@@ -196,9 +196,10 @@ def calibrate_weights_split(rows: Sequence[QuantizerPlan], sizes: Dict[str, int]
                 done(q, quantizer)
 
 
-# sibling layers that runtimes fuse into one matmul (vLLM: q/k/v, gate/up), keyed by the module's last name
+# sibling layers that runtimes fuse into one matmul (vLLM: q/k/v, gate/up; a MoE expert's gate/up, Mixtral's
+# w1/w3, are vLLM's w13), keyed by the module's last name
 _FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "query": "qkv", "key": "qkv", "value": "qkv",
-          "gate_proj": "gate_up", "up_proj": "gate_up"}
+          "gate_proj": "gate_up", "up_proj": "gate_up", "w1": "gate_up", "w3": "gate_up"}
 
 
 def fused_group(q: QuantizerPlan) -> Optional[str]:

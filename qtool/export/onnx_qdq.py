@@ -668,6 +668,21 @@ class OnnxExporter(Exporter):
     class Options:
         pass
 
+    def check_checkpoint(self, checkpoint: Path) -> None:
+        """A mixture-of-experts model is refused: tracing would fix which experts run to the example batch's
+        routing (a graph that is wrong for any other input)."""
+        config = Path(checkpoint) / "config.json"
+        if not config.is_file():
+            return
+        from ..errors import CheckpointError
+        from ..io.jsonfile import read_json_object
+
+        c = read_json_object(config, CheckpointError, "Hugging Face config")
+        c = c.get("text_config") if isinstance(c.get("text_config"), dict) else c
+        if any(c.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            raise UsageError(f"{checkpoint}: ONNX export of mixture-of-experts layers is not supported (a traced graph "
+                             "would keep one batch's routing); use --format compressed-tensors, gguf or qtool")
+
     def check_quantizers(self, quantizers, options: "OnnxExporter.Options") -> None:
         for q in quantizers:
             if q.spec.is_float:
