@@ -273,3 +273,33 @@ def test_onnx_export_refuses_a_mixture_of_experts_model_before_calibrating(tmp_p
                            "onnx")
     assert code == 2 and "mixture-of-experts" in err and "calibrating" not in err
     assert not (tmp_path / "o").exists()
+
+
+MORE_FAMILIES = {
+    # MLA attention, one shared expert, a leading dense layer
+    "deepseek_v3": dict(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1),
+    "qwen2_moe": dict(intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                      shared_expert_intermediate_size=64),
+    "olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+    "phi3": dict(intermediate_size=128, pad_token_id=0),  # fused qkv_proj and gate_up_proj: Linears
+}
+
+
+@pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
+def test_every_weight_but_routers_and_the_ignored_output_layer_is_planned_in_more_families(tmp_path, family):
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, **MORE_FAMILIES[family])
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(tmp_path / "m")
+    code, out, err = run_cli("config", "show", "w8a8", "--model", tmp_path / "m", "--json")
+    assert code == 0, err
+    cov = json.loads(out)["weights_quantized"]
+    routers = [u for u in cov["unreachable"] if "Router" in u["module_type"]]
+    assert routers == cov["unreachable"]
+    assert len(routers) == sum(1 for i in range(2) if family != "phi3" and not (family == "deepseek_v3" and i == 0))
+    head = 256 * 64  # w8a8 ignores lm_head
+    assert cov["quantized"] + head + sum(u["shape"][0] * u["shape"][1] for u in routers) == cov["parameters"]
