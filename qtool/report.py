@@ -26,6 +26,7 @@ from torch import nn
 from .data import Batch, rejection
 from .errors import DataError, GateFailed, UsageError
 from .io.fs import atomic_file
+from .model.experts import routing_of
 from .model.insert import CACHE_KWARGS, has_stored_weight, quantized_modules, set_quantization, without_stored_weight
 from .parallel import Group, shard_bounds
 
@@ -64,7 +65,8 @@ def sqnr_db(signal: float, noise: float) -> float:
 class LayerError:
     module: str
     module_type: str
-    sqnr_cumulative: float
+    # None: a mixture-of-experts expert to which the float and the quantized model never routed one same token
+    sqnr_cumulative: Optional[float]
     sqnr_isolated: float
     # isolated SQNR had the weight been rounded to nearest: only for weights whose codes an algorithm chose (GPTQ)
     sqnr_isolated_rtn: Optional[float] = None
@@ -89,7 +91,8 @@ class Report:
         return 100.0 * (self.perplexity_quant / self.perplexity_float - 1.0)
 
     def worst_first(self) -> List[LayerError]:
-        return sorted(self.layers, key=lambda r: r.sqnr_cumulative)
+        return sorted(self.layers, key=lambda r: (r.sqnr_cumulative is None, r.sqnr_cumulative or 0.0,
+                                                  r.sqnr_isolated))
 
     def to_json(self) -> Dict[str, Any]:
         def num(x):
@@ -236,6 +239,9 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
         for h in handles:
             h.remove()
     float_io = captured
+    everything = dict(model.named_modules())
+    routing = {name: r for name in modules if (r := routing_of(everything, name)) is not None}
+    float_routes = {name: owner.routed_tokens.get(e) for name, (owner, e) in routing.items()}
     # isolated: each quantized module alone, on the float model's input to it
     for name, mod in modules.items():
         args, kwargs, ref = float_io.get(name, (None, None, None))
@@ -259,6 +265,12 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
         def hook(mod, args, out):
             ref = float_io.get(name, (None, None, None))[2]
             out = _first_tensor(out)
+            if name in routing and ref is not None and out is not None:  # an expert: on the tokens both routed it
+                owner, e = routing[name]
+                rows = _common_rows(float_routes[name], owner.routed_tokens.get(e))
+                if rows is None:
+                    return
+                ref, out = ref[rows[0]], out[rows[1]]
             if ref is not None and out is not None:
                 terms["sig_c"][name].append(float(ref.float().pow(2).sum()))
                 terms["noise_c"][name].append(float((ref.float() - out.float()).pow(2).sum()))
@@ -270,7 +282,8 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
     finally:
         for h in handles:
             h.remove()
-    record: Dict[str, Any] = {"terms": terms, "cos": _per_sample_cosine(ref_out, q_out, b).cpu()}
+    record: Dict[str, Any] = {"terms": terms, "cos": _per_sample_cosine(ref_out, q_out, b).cpu(),
+                              "routed": sorted(routing)}
     if causal_lm:
         nf, n = _token_nll(ref_out, b)
         nq, _ = _token_nll(q_out, b)
@@ -279,6 +292,17 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
     elif ref_out.dim() == 2:
         record["top1"] = (int((ref_out.argmax(-1) == q_out.argmax(-1)).sum()), ref_out.shape[0])
     return record
+
+
+def _common_rows(before: Optional[torch.Tensor], now: Optional[torch.Tensor]):
+    """``(rows of before, rows of now)`` holding the tokens both lists hold, in the same token order (each list
+    holds a token at most once: the tokens routed to one expert), or None when they share none."""
+    if before is None or now is None:
+        return None
+    b_tokens, b_rows = before.sort()
+    n_tokens, n_rows = now.sort()
+    b_rows, n_rows = b_rows[torch.isin(b_tokens, n_tokens)], n_rows[torch.isin(n_tokens, b_tokens)]
+    return (b_rows, n_rows) if b_rows.numel() else None
 
 
 def _fold(records: List[Dict[str, Any]], modules: Dict[str, nn.Module], chosen) -> Report:
@@ -302,8 +326,11 @@ def _fold(records: List[Dict[str, Any]], modules: Dict[str, nn.Module], chosen) 
         if "top1" in rec:
             top1_same, top1_total = top1_same + rec["top1"][0], top1_total + rec["top1"][1]
     cos = torch.cat([rec["cos"] for rec in records]) if records else torch.zeros(0)
+    compared = {n for rec in records for n, values in rec["terms"]["sig_c"].items() if values}
+    routed = {n for rec in records for n in rec.get("routed", ())}
     layers = [LayerError(n, type(m).__name__.replace("Quantized", "", 1),
-                         sqnr_db(sums["sig_c"][n], sums["noise_c"][n]), sqnr_db(sums["sig_i"][n], sums["noise_i"][n]),
+                         None if n in routed and n not in compared else sqnr_db(sums["sig_c"][n], sums["noise_c"][n]),
+                         sqnr_db(sums["sig_i"][n], sums["noise_i"][n]),
                          sqnr_db(sums["sig_i"][n], sums["noise_rtn"][n]) if n in chosen else None)
               for n, m in modules.items()]
     rep = Report(layers, float(cos.mean()) if cos.numel() else float("nan"),
@@ -383,7 +410,7 @@ def plot_sqnr(report: Report, path, title: str = "per-layer SQNR") -> None:
 
     rows = report.layers
     cap = 80.0  # equal outputs have infinite SQNR; draw them at the cap
-    cum = [min(r.sqnr_cumulative, cap) for r in rows]
+    cum = [0.0 if r.sqnr_cumulative is None else min(r.sqnr_cumulative, cap) for r in rows]
     iso = [min(r.sqnr_isolated, cap) for r in rows]
     names = [r.module for r in rows]
     height = max(3.0, 0.22 * len(rows) + 1.5)
@@ -536,7 +563,8 @@ def check_gates(rep: Report, min_sqnr: Optional[float] = None, min_cosine: Optio
                 max_ppl_increase: Optional[float] = None) -> List[Gate]:
     """Evaluate the gates that are set; ``UsageError`` for one that cannot apply (perplexity without a causal LM)."""
     gates = []
-    worst = rep.worst_first()[0] if rep.layers else None
+    measured = [r for r in rep.worst_first() if r.sqnr_cumulative is not None]
+    worst = measured[0] if measured else None
     if min_sqnr is not None and worst is not None:
         gates.append(Gate("min-sqnr", min_sqnr, worst.sqnr_cumulative, worst.sqnr_cumulative >= min_sqnr,
                           f"{worst.module} at {worst.sqnr_cumulative:.1f} dB"))

@@ -303,3 +303,25 @@ def test_every_weight_but_routers_and_the_ignored_output_layer_is_planned_in_mor
     assert len(routers) == sum(1 for i in range(2) if family != "phi3" and not (family == "deepseek_v3" and i == 0))
     head = 256 * 64  # w8a8 ignores lm_head
     assert cov["quantized"] + head + sum(u["shape"][0] * u["shape"][1] for u in routers) == cov["parameters"]
+
+
+def test_report_measures_each_expert_on_the_tokens_both_models_routed_to_it(tmp_path):
+    """Quantization can route a token to other experts: an expert's cumulative error compares its float and
+    quantized outputs row by row only for tokens both models sent it (the rest have no counterpart)."""
+    from qtool.report import _common_rows
+
+    before, now = torch.tensor([7, 2, 9, 4]), torch.tensor([4, 11, 7])
+    rows_b, rows_n = _common_rows(before, now)
+    assert before[rows_b].tolist() == now[rows_n].tolist() == [4, 7]
+    assert _common_rows(torch.tensor([1]), torch.tensor([2])) is None
+    checkpoint, ids = _saved(tmp_path, "qwen3_moe")
+    code, _, err = run_cli("calibrate", checkpoint, "-c", "w4a16-block32", "--data", ids, "-o", tmp_path / "run",
+                           "--quiet")
+    assert code == 0, err
+    code, out, err = run_cli("report", checkpoint, "-e", tmp_path / "run" / "encodings.json", "--data", ids, "--json")
+    assert code == 0, err
+    layers = {r["module"]: r for r in json.loads(out)["layers"]}
+    experts = [r for n, r in layers.items() if ".experts." in n]
+    assert len(experts) == 48
+    for r in experts:  # 4-bit weights: tens of dB, below the isolated figure once earlier layers are quantized too
+        assert 5 < r["sqnr_cumulative_db"] < 40 and 10 < r["sqnr_isolated_db"] < 40

@@ -27,7 +27,7 @@ from torch import nn
 from ..config import CHECKPOINT_KEYS
 
 __all__ = ["LinearExperts", "linearize_experts", "fused_layout", "checkpoint_key", "routed_layer", "same_inputs",
-           "route_all_tokens", "all_tokens_routed", "CHECKPOINT_KEYS"]
+           "route_all_tokens", "all_tokens_routed", "routing_of", "CHECKPOINT_KEYS"]
 
 
 
@@ -70,6 +70,9 @@ class LinearExperts(nn.Module):
         # calibration's all-experts mode: every expert runs on every token (its statistics see them all), and only
         # the routed tokens' outputs reach the layer's output
         self.all_tokens = False
+        # expert -> the token rows the last forward routed to it (qtool report compares an expert's outputs
+        # between the float and the quantized model on the tokens both routed to it)
+        self.routed_tokens: Dict[int, torch.Tensor] = {}
         self.layout = dict(layout)
         first = fused.gate_up_proj if layout["has_gate"] else fused.up_proj
         device, dtype = first.device, first.dtype
@@ -139,11 +142,13 @@ class LinearExperts(nn.Module):
             mask = torch.nn.functional.one_hot(index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
         experts = range(self.num_experts) if self.all_tokens else hit[:, 0].tolist()
+        self.routed_tokens = {}
         for e in experts:
             if e >= self.num_experts:
                 continue
             ex = self.expert(e)
             pos, token = torch.where(mask[e])
+            self.routed_tokens[e] = token
             if self.all_tokens:
                 y = ex.proj("down")(self._gate_up(ex, hidden))[token]
             else:
@@ -229,8 +234,7 @@ def checkpoint_key(model: nn.Module, name: str) -> Optional[str]:
 def routed_layer(modules: Dict[str, nn.Module], name: str) -> bool:
     """Whether module ``name`` (of the name -> module map ``modules``) is an expert's projection, which sees only
     the tokens the router sends it."""
-    parts = name.rsplit(".", 2)
-    return len(parts) == 3 and isinstance(modules.get(parts[0]), LinearExperts)
+    return routing_of(modules, name) is not None
 
 
 def same_inputs(modules: Dict[str, nn.Module], names: Iterable[str]) -> Dict[str, str]:
@@ -266,3 +270,10 @@ def all_tokens_routed(model: nn.Module, on: bool):
         yield
     finally:
         route_all_tokens(model, False)
+
+
+def routing_of(modules: Dict[str, nn.Module], name: str) -> Optional[Tuple[LinearExperts, int]]:
+    """``(its LinearExperts, expert index)`` of an expert's projection ``name``, else None."""
+    parts = name.rsplit(".", 2)
+    owner = modules.get(parts[0]) if len(parts) == 3 else None
+    return (owner, int(parts[1])) if isinstance(owner, LinearExperts) else None
