@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 # family -> (GGUF architecture, expert leaf names for gate/up/down or None for a dense MLP)
 FAMILIES = {"qwen3": ("qwen3", None), "qwen3_moe": ("qwen3moe", ("gate_proj", "up_proj", "down_proj")),
-            "mixtral": ("llama", ("w1", "w3", "w2"))}
+            "mixtral": ("llama", ("w1", "w3", "w2")), "qwen2_moe": ("qwen2moe", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def _tiny(dest: Path, family: str, **overrides) -> Path:
@@ -33,7 +33,10 @@ def _tiny(dest: Path, family: str, **overrides) -> Path:
     extra = {"qwen3": dict(intermediate_size=128, head_dim=16),
              "qwen3_moe": dict(intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                head_dim=16, norm_topk_prob=True),
-             "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)}[family]
+             "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+             # a shared expert beside the routed ones (ffn_*_shexp), routed weights not normalized
+             "qwen2_moe": dict(intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                               shared_expert_intermediate_size=64)}[family]
     cfg = transformers.AutoConfig.for_model(family, **{**kw, **extra, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -69,6 +72,9 @@ def test_the_file_holds_every_weight_as_qtools_fake_quant_model_and_the_experts_
     assert reader.fields[f"{arch}.expert_count"].contents() == 8
     assert reader.fields[f"{arch}.expert_used_count"].contents() == 2
     assert values["blk.0.ffn_gate_inp.weight"][0] == "F32"  # the router stays float
+    if family == "qwen2_moe":
+        assert reader.fields[f"{arch}.expert_shared_feed_forward_length"].contents() == 64
+        assert values["blk.1.ffn_down_shexp.weight"][0] == "Q8_0"
     stored = "block_sparse_moe" if family == "mixtral" else "mlp"
     for layer in range(2):
         for gguf_name, leaf in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), leaves):
@@ -109,8 +115,10 @@ def test_llama_cpp_runs_the_file_and_its_next_tokens_are_the_float_models(export
     assert median(diffs) < 0.03, (family, sorted(diffs))
 
 
-def test_a_qwen3_moe_router_without_normalized_weights_is_refused_before_calibration(tmp_path):
-    ckpt = _tiny(tmp_path / "m", "qwen3_moe", norm_topk_prob=False)
+@pytest.mark.parametrize("family,normalized", [("qwen3_moe", False), ("qwen2_moe", True)])
+def test_a_router_normalized_otherwise_than_llama_cpp_normalizes_is_refused_before_calibration(tmp_path, family,
+                                                                                                 normalized):
+    ckpt = _tiny(tmp_path / "m", family, norm_topk_prob=normalized)
     code, _, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "-o", tmp_path / "q", "--format", "gguf")
     assert code != 0 and "norm_topk_prob" in err and len(error_lines(err)) == 1
     assert not (tmp_path / "q").exists()

@@ -2,11 +2,12 @@
 and the tokenizer, read from a Hugging Face directory (``config.json``, ``tokenizer.json``).
 
 Supported: the Llama family as llama.cpp's own converter treats it (``llama``, ``mistral`` and ``mixtral`` write
-the ``llama`` architecture, with q/k projection rows permuted into llama.cpp's rotary layout; ``qwen2``, ``qwen3``
-and ``qwen3_moe`` write their own, unpermuted). A mixture-of-experts model's per-expert tensors
-(``experts.<e>.gate_proj.weight``) are stacked into llama.cpp's 3-D expert tensors (``ffn_gate_exps``: one
-``[out, in]`` slice per expert), its router is ``ffn_gate_inp``, and the expert counts and width go to the
-metadata as llama.cpp's converter writes them. Tokenizers: byte-level BPE (``gpt2`` in GGUF; SmolLM, Llama 3, Qwen2) and byte-fallback BPE
+the ``llama`` architecture, with q/k projection rows permuted into llama.cpp's rotary layout; ``qwen2``,
+``qwen3``, ``qwen2_moe`` and ``qwen3_moe`` write their own, unpermuted; Qwen2-MoE's shared expert is
+``ffn_*_shexp``). A mixture-of-experts model's per-expert tensors (``experts.<e>.gate_proj.weight``) are stacked
+into llama.cpp's 3-D expert tensors (``ffn_gate_exps``: one ``[out, in]`` slice per expert), its router is
+``ffn_gate_inp``, and the expert counts and widths go to the metadata as llama.cpp's converter writes them.
+Tokenizers: byte-level BPE (``gpt2`` in GGUF; SmolLM, Llama 3, Qwen2) and byte-fallback BPE
 (``llama``; Llama 2, Mistral). Anything else is refused with one line. The vocabulary and special tokens are read
 with the ``gguf`` package's own readers (``gguf.vocab``), as llama.cpp's converter does.
 """
@@ -33,9 +34,12 @@ ARCHITECTURES: Dict[str, Tuple[str, bool]] = {
     "mistral": ("llama", True),
     "mixtral": ("llama", True),
     "qwen2": ("qwen2", False),
+    "qwen2_moe": ("qwen2moe", False),
     "qwen3": ("qwen3", False),
     "qwen3_moe": ("qwen3moe", False),
 }
+# whether llama.cpp's architecture normalizes the routed experts' weights (Hugging Face: norm_topk_prob)
+_NORMALIZES_TOP_K = {"qwen3_moe": True, "qwen2_moe": False}
 # a checkpoint's per-expert tensor: llama.cpp stacks experts <stem>.<e>.<leaf> into one tensor named for <stem>.<leaf>
 EXPERT_KEY = re.compile(r"^(?P<stem>.+\.experts)\.(?P<expert>\d+)\.(?P<leaf>[^.]+)\.(?P<kind>weight|bias)$")
 
@@ -122,6 +126,8 @@ class GgufModel:
             writer.add_expert_used_count(int(c["num_experts_per_tok"]))
             if c.get("moe_intermediate_size"):
                 writer.add_expert_feed_forward_length(int(c["moe_intermediate_size"]))
+            if c.get("shared_expert_intermediate_size"):
+                writer.add_expert_shared_feed_forward_length(int(c["shared_expert_intermediate_size"]))
         writer.add_head_count(heads)
         writer.add_head_count_kv(self.n_head_kv)
         writer.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
@@ -188,9 +194,11 @@ def read_gguf_model(directory: Path) -> GgufModel:
         _positive_int(config, key, where)
     if config.get("num_experts") or config.get("num_local_experts"):
         _positive_int(config, "num_experts_per_tok", where)
-        if model_type == "qwen3_moe" and not config.get("norm_topk_prob", False):
-            raise CheckpointError(f"{where}: norm_topk_prob is false, and llama.cpp's qwen3moe always normalizes the "
-                                  "routed experts' weights: its GGUF would compute another function")
+        normalizes = _NORMALIZES_TOP_K.get(model_type)
+        if normalizes is not None and bool(config.get("norm_topk_prob", False)) != normalizes:
+            raise CheckpointError(f"{where}: norm_topk_prob is {str(not normalizes).lower()}, and llama.cpp's {arch} "
+                                  f"{'always' if normalizes else 'never'} normalizes the routed experts' weights: its "
+                                  "GGUF would compute another function")
         if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
             raise CheckpointError(f"{where}: dense MLP layers among the MoE ones (mlp_only_layers, "
                                   "decoder_sparse_step) have no GGUF export in qtool")
