@@ -129,6 +129,10 @@ def test_compressed_tensors_experts_reload_in_transformers_as_qtool_chose_them(t
         keys = set(f.keys())
     assert "model.layers.0.block_sparse_moe.experts.3.w3.weight_packed" in keys
     assert "model.layers.0.block_sparse_moe.experts.3.w3.weight_scale" in keys
+    # the routers stay float and are listed as llm-compressor lists them (by the checkpoint's names)
+    config = json.loads((tmp_path / "compressed-tensors" / "config.json").read_text())["quantization_config"]
+    assert sorted(config["ignore"]) == ["lm_head", "model.layers.0.block_sparse_moe.gate",
+                                        "model.layers.1.block_sparse_moe.gate"]
     with safe_open(str(tmp_path / "qtool" / "calibration" / "codes.safetensors"), "pt") as f:
         assert sum(".experts." in k for k in f.keys()) == 48  # GPTQ chose every expert's codes
     ours = read_integer_export(tmp_path / "qtool" / "model.safetensors")

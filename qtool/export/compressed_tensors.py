@@ -121,6 +121,25 @@ def _ct_version() -> str:
         return CT_VERSION_FALLBACK
 
 
+def _routers(model: nn.Module, modules: Dict[str, nn.Module], keys: List[str]) -> List[str]:
+    """Mixture-of-experts routers (transformers' ``*Router`` modules: a float 2-D weight, not an ``nn.Linear``) by
+    the checkpoint's module names (Mixtral's ``block_sparse_moe.gate``): runtimes build them as Linear layers, so
+    ``ignore`` lists them as llm-compressor does."""
+    from ..model.checkpoint_map import CheckpointMap
+
+    routers = [n for n, m in modules.items() if type(m).__name__.endswith("Router")
+               and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
+    if not routers:
+        return []
+    renamed = CheckpointMap(model, keys)
+    out = []
+    for name in routers:
+        source = renamed.sources(f"{name}.weight")
+        key = source[0][0] if source and len(source) == 1 and len(source[0]) == 1 else f"{name}.weight"
+        out.append(key[: -len(".weight")])
+    return out
+
+
 def _tied_params(model: nn.Module) -> Dict[str, set]:
     """For every parameter shared between modules: its name -> all names of that tensor."""
     groups: Dict[int, set] = {}
@@ -495,6 +514,7 @@ def export_compressed_tensors(
         warnings.append(f"{len(orphans)} dynamic input quantizer(s) on layers whose weight is not exported "
                         f"quantized, so they run in float: {', '.join(orphans)}")
     float_linear = [n for n, m in modules.items() if isinstance(m, nn.Linear) and n not in quantized_modules]
+    float_linear += _routers(model, modules, keys)
     all_plain_linear = all(type(modules[m]) is nn.Linear for m in quantized_modules)
     single = len(settings) == 1 and all_plain_linear
     groups: Dict[str, Any] = {}
