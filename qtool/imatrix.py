@@ -5,7 +5,8 @@ The file (GGUF, ``general.type = imatrix``): per weight, by its GGUF name (``blk
 ``<name>.in_sum2`` float32 ``[n_mat, width]`` (the sum over tokens of each input column's x²) and ``<name>.counts``
 float32 ``[n_mat, 1]`` (the tokens); keys ``imatrix.datasets``, ``imatrix.chunk_count``, ``imatrix.chunk_size``.
 The importance llama-quantize uses is ``in_sum2 / counts``: ``E[x²]`` per column, what qtool's
-``weighting: activations`` uses from calibration data. The older binary ``imatrix.dat`` (int32 count; per entry
+``weighting: activations`` uses from calibration data. A mixture-of-experts tensor (``ffn_down_exps``) has one row
+per expert (``n_mat`` = the experts), each with the tokens routed to that expert. The older binary ``imatrix.dat`` (int32 count; per entry
 name length, name, ncall, nval, nval float32 values that are ``E[x²] · ncall``; a trailer) is read too.
 """
 
@@ -25,9 +26,10 @@ from .io.finite import storable
 __all__ = ["write_imatrix", "read_imatrix"]
 
 
-def write_imatrix(path: Path, sums: Dict[str, Tuple[torch.Tensor, int]], datasets: List[str], chunk_size: int,
-                  chunk_count: int) -> None:
-    """``sums`` (GGUF tensor name -> (sum x² per column, tokens)) as llama-imatrix's GGUF file."""
+def write_imatrix(path: Path, sums: Dict[str, List[Tuple[torch.Tensor, int]]], datasets: List[str],
+                  chunk_size: int, chunk_count: int) -> None:
+    """``sums`` (GGUF tensor name -> one (sum x² per column, tokens) per matrix: one for a dense weight, one per
+    expert in expert order for a stacked expert tensor) as llama-imatrix's GGUF file."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch="imatrix")
@@ -36,11 +38,11 @@ def write_imatrix(path: Path, sums: Dict[str, Tuple[torch.Tensor, int]], dataset
     writer.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, int(chunk_count))
     writer.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, int(chunk_size))
     for name in sorted(sums):
-        total, count = sums[name]
+        total = torch.stack([t.to(torch.float64) for t, _ in sums[name]])
         total = storable(f"{name}.in_sum2", total, torch.float32,
                          "the model's weights or the data hold NaN/Inf or values near float32's limits")
-        writer.add_tensor(f"{name}.in_sum2", total.numpy().reshape(1, -1))
-        writer.add_tensor(f"{name}.counts", np.array([[float(count)]], dtype=np.float32))
+        writer.add_tensor(f"{name}.in_sum2", total.numpy())
+        writer.add_tensor(f"{name}.counts", np.array([[float(c)] for _, c in sums[name]], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -48,7 +50,8 @@ def write_imatrix(path: Path, sums: Dict[str, Tuple[torch.Tensor, int]], dataset
 
 
 def read_imatrix(path: Path) -> Dict[str, torch.Tensor]:
-    """GGUF tensor name -> ``E[x²]`` per input column (float32), from a GGUF imatrix or a legacy ``imatrix.dat``.
+    """GGUF tensor name -> ``E[x²]`` per input column (float32; ``[experts, columns]`` for a stacked expert
+    tensor, all zeros for an expert that saw no token), from a GGUF imatrix or a legacy ``imatrix.dat``.
     Raises ``EncodingsError`` (one line, naming the file) for anything else."""
     path = Path(path)
     try:
@@ -92,11 +95,16 @@ def _read_gguf(path: Path) -> Dict[str, torch.Tensor]:
     out = {}
     for name, s in sums.items():
         s, c = s.reshape(-1), counts[name].reshape(-1)
-        if c.size != 1 or s.size == 0:
-            raise EncodingsError(f"{path}: {name}: qtool reads dense weights' entries (one count), got "
-                                 f"{c.size} counts")
-        _check_count(path, name, float(c[0]))
-        out[name] = torch.from_numpy((s / c[0]).copy())
+        if c.size == 0 or s.size == 0 or s.size % c.size:
+            raise EncodingsError(f"{path}: {name}: {s.size} sums for {c.size} counts (one row per matrix)")
+        if c.size == 1:
+            _check_count(path, name, float(c[0]))
+            out[name] = torch.from_numpy((s / c[0]).copy())
+            continue
+        rows = s.reshape(c.size, -1)  # one row per expert; an expert no token reached keeps zeros
+        if not (np.isfinite(c).all() and (c >= 0).all()) or not (c > 0).any():
+            raise EncodingsError(f"{path}: {name}: per-expert token counts must be non-negative and not all zero")
+        out[name] = torch.from_numpy(np.where(c[:, None] > 0, rows / np.maximum(c[:, None], 1), 0).astype(np.float32))
     return out
 
 

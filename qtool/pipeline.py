@@ -30,6 +30,7 @@ from .io.checkpoint import tensor_files
 from .io.fs import atomic_output_dir, check_output_dir, check_output_file, sha256_file
 from .io.jsonfile import dumps_indented
 from .model.apply import apply_encodings, make_fake_quant, plan_from_encodings
+from .model.experts import checkpoint_key, routing_of
 from .model.load import LoadedModel, load_model
 from .parallel import Group, from_environment
 from .provenance import device_label, versions
@@ -952,7 +953,9 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     modules = dict(loaded.model.named_modules())
     gguf_names = {}  # the decoder matrices: what llama-imatrix collects by default
     for module, m in modules.items():
-        name = gguf_model.tensor_name(f"{module}.weight") if isinstance(m, nn.Linear) else None
+        # (a renamed expert by its checkpoint name: Mixtral's block_sparse_moe)
+        key = checkpoint_key(loaded.model, f"{module}.weight") or f"{module}.weight"
+        name = gguf_model.tensor_name(key) if isinstance(m, nn.Linear) else None
         if name is not None and name.startswith("blk."):
             gguf_names[module] = name
     device = next(iter(loaded.model.parameters())).device
@@ -967,8 +970,16 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
 
     hooks.on_stage("measuring")
     stats = collect_module_inputs({module: False for module in gguf_names}, modules, run)
-    by_name = {gguf_names[module]: (s.sq, s.count) for module, s in stats.items()}
-    tokens = max((n for _, n in by_name.values()), default=0)
+    by_name: Dict[str, List[Tuple[torch.Tensor, int]]] = {}
+    for name in sorted(set(gguf_names.values())):  # an expert tensor: one row per expert, in expert order
+        members = sorted((m for m, n in gguf_names.items() if n == name),
+                         key=lambda m: (routing_of(modules, m) or (None, 0))[1])
+        if all(m not in stats for m in members):
+            continue
+        width = int(modules[members[0]].in_features)
+        by_name[name] = [(stats[m].sq, stats[m].count) if m in stats else (torch.zeros(width, dtype=torch.float64), 0)
+                         for m in members]
+    tokens = max((n for rows in by_name.values() for _, n in rows), default=0)
     with atomic_file(target) as tmp:
         write_imatrix(tmp, by_name, [Path(opts.data).name], opts.seq_len, max(1, tokens // max(1, opts.seq_len)))
     return {"imatrix": str(target), "entries": len(by_name), "tokens": tokens, "bytes": target.stat().st_size}

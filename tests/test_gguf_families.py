@@ -122,3 +122,33 @@ def test_a_router_normalized_otherwise_than_llama_cpp_normalizes_is_refused_befo
     code, _, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "-o", tmp_path / "q", "--format", "gguf")
     assert code != 0 and "norm_topk_prob" in err and len(error_lines(err)) == 1
     assert not (tmp_path / "q").exists()
+
+
+def test_an_importance_matrix_holds_one_row_per_expert_and_each_expert_takes_its_own(exported, tmp_path):
+    """llama-imatrix's layout for a stacked expert tensor: ``in_sum2`` [experts, width] and ``counts`` [experts, 1],
+    each row the tokens routed to that expert (not one expert's sums under the shared name)."""
+    from qtool.calibration.importance import apply_imatrix
+    from qtool.config import load_recipe, recipe_file, resolve_plan
+    from qtool.model.hf import meta_skeleton
+
+    family, ckpt, _, _ = exported
+    if FAMILIES[family][1] is None:
+        pytest.skip("a dense model")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["the value of a list is returned by the function"] * 200))
+    code, _, err = run_cli("imatrix", ckpt, "--data", text, "-o", tmp_path / "im.gguf", "--quiet")
+    assert code == 0, err
+    tensors = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(tmp_path / "im.gguf").tensors}
+    sums, counts = tensors["blk.1.ffn_down_exps.weight.in_sum2"], tensors["blk.1.ffn_down_exps.weight.counts"]
+    assert sums.shape[0] == counts.shape[0] == 8 and counts.shape[1] == 1
+    dense_tokens = float(tensors["blk.1.attn_q.weight.counts"][0, 0])
+    assert counts.sum() == 2 * dense_tokens  # every token is routed to 2 of the 8 experts
+    assert len({tuple(r[:4]) for r in sums}) > 1  # the experts' own sums, not one copied
+    skeleton = meta_skeleton(ckpt)
+    plan = apply_imatrix(resolve_plan(load_recipe(recipe_file("gguf-q4_k_m")), skeleton), skeleton, str(ckpt),
+                         str(tmp_path / "im.gguf"), have_data=False)
+    leaf = FAMILIES[family][1][2]
+    for e in range(8):
+        got = plan.importances[f"model.layers.1.mlp.experts.{e}.{leaf}"].mean_square()
+        want = torch.from_numpy(sums[e] / counts[e, 0]) if counts[e, 0] else torch.zeros(sums.shape[1])
+        assert torch.allclose(got, want.to(torch.float32)), e

@@ -148,8 +148,8 @@ def test_an_imatrix_that_does_not_fit_the_model_is_one_line_and_writes_nothing(l
 
     ckpt, _, _ = llama
     cases = {
-        "other.gguf": ({"blk.7.attn_q.weight": (torch.ones(64), 4)}, "blk.7.attn_q.weight: the model has no such"),
-        "narrow.gguf": ({"blk.0.attn_q.weight": (torch.ones(32), 4)}, "32 columns, but model.layers.0.self_attn"),
+        "other.gguf": ({"blk.7.attn_q.weight": [(torch.ones(64), 4)]}, "blk.7.attn_q.weight: the model has no such"),
+        "narrow.gguf": ({"blk.0.attn_q.weight": [(torch.ones(32), 4)]}, "32 columns, but model.layers.0.self_attn"),
     }
     for name, (sums, needle) in cases.items():
         write_imatrix(tmp_path / name, sums, ["x"], 8, 1)
@@ -157,7 +157,7 @@ def test_an_imatrix_that_does_not_fit_the_model_is_one_line_and_writes_nothing(l
                                "-o", tmp_path / "out")
         assert code == 2 and needle in err and str(tmp_path / name) in err, err
         assert len([e for e in error_lines(err) if e.startswith("error")]) == 1 and not (tmp_path / "out").exists()
-    write_imatrix(tmp_path / "ok.gguf", {"blk.0.attn_q.weight": (torch.ones(64), 4)}, ["x"], 8, 1)
+    write_imatrix(tmp_path / "ok.gguf", {"blk.0.attn_q.weight": [(torch.ones(64), 4)]}, ["x"], 8, 1)
     for recipe, needle in (("w8a16", "nothing would use it"),):
         code, _, err = run_cli("calibrate", ckpt, "-c", recipe, "--imatrix", tmp_path / "ok.gguf",
                                "-o", tmp_path / "out")

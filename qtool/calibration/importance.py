@@ -23,6 +23,7 @@ from torch import nn
 from ..config import Plan, QuantizerPlan
 from ..errors import CheckpointError, DataError, EncodingsError, UsageError
 from ..imatrix import read_imatrix
+from ..model.experts import checkpoint_key, routing_of
 
 __all__ = ["apply_imatrix"]
 
@@ -43,24 +44,33 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
     except CheckpointError as e:
         raise UsageError(f"--imatrix names weights as a GGUF file does, which needs a checkpoint qtool writes as "
                          f"GGUF: {e}") from None
-    by_gguf: Dict[str, str] = {}  # GGUF name -> module, for every matrix of the model
-    for module, m in model.named_modules():
+    everything = dict(model.named_modules())
+    # GGUF name -> matrix row -> module, for every matrix of the model (a stacked expert tensor: one row per expert)
+    by_gguf: Dict[str, Dict[int, str]] = {}
+    for module, m in everything.items():
         if isinstance(m, nn.Linear):
             try:
-                name = names.tensor_name(f"{module}.weight")
+                name = names.tensor_name(checkpoint_key(model, f"{module}.weight") or f"{module}.weight")
             except CheckpointError:
                 continue
             if name is not None:
-                by_gguf.setdefault(name, module)
+                by_gguf.setdefault(name, {}).setdefault((routing_of(everything, module) or (None, 0))[1], module)
     for name in sorted(importances):
         if name not in by_gguf:
             raise EncodingsError(f"{path}: {name}: the model has no such weight (an importance matrix of another "
                                  f"model?)")
-        width = _width(model, by_gguf[name])
-        if importances[name].numel() != width:
-            raise EncodingsError(f"{path}: {name}: {importances[name].numel()} columns, but {by_gguf[name]} takes "
-                                 f"{width} inputs (an importance matrix of another model?)")
-    module_entry = {module: name for name, module in by_gguf.items() if name in importances}
+        first = by_gguf[name][min(by_gguf[name])]
+        width, matrices = _width(model, first), len(by_gguf[name])
+        shape = tuple(importances[name].shape)
+        if shape[-1] != width:
+            raise EncodingsError(f"{path}: {name}: {shape[-1]} columns, but {first} takes {width} inputs (an "
+                                 "importance matrix of another model?)")
+        if len(shape) == 2 and shape[0] != matrices:
+            raise EncodingsError(f"{path}: {name}: {shape[0]} experts' rows, but the model has {matrices} experts "
+                                 "there (an importance matrix of another model?)")
+    # module -> its importances (an expert's row of a stacked tensor's)
+    module_entry = {module: (name, importances[name] if importances[name].dim() == 1 else importances[name][row])
+                    for name, rows in by_gguf.items() if name in importances for row, module in rows.items()}
     rows, used, unweighted, zero = [], {}, 0, []
     for q in plan.quantizers:
         if q.tensor != "weight" or q.analyzer != "mse" or q.module_type != "Linear":
@@ -75,8 +85,9 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
                 q = dataclasses.replace(q, analyzer_args=tuple(args.items()))
             rows.append(q)
             continue
-        if not bool((importances[entry] != 0).any()):  # nothing to weigh by: the unweighted search instead
-            zero.append(entry)
+        entry, values = entry
+        if not bool((values != 0).any()):  # nothing to weigh by (or an expert no token reached): unweighted
+            zero.append(entry if values is importances[entry] else q.module)
             if args.get("weighting") == "activations" and not have_data:
                 args.pop("weighting")
                 q = dataclasses.replace(q, analyzer_args=tuple(args.items()))
@@ -84,7 +95,7 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
             continue
         args["weighting"] = "activations"
         rows.append(dataclasses.replace(q, analyzer_args=tuple(args.items()), imatrix=True))
-        used[q.module] = _statistics(importances[entry])
+        used[q.module] = _statistics(values)
     if zero:
         why = (f"{path}: every importance of {', '.join(zero[:3])}{' ...' if len(zero) > 3 else ''} is zero (inputs "
                f"that were all zero in the importance run): {len(zero)} weight(s) searched unweighted")
