@@ -1065,6 +1065,8 @@ class _Mix:
         embed = next((m for n, m in modules.items() if tensor_role(n)[0] == "token_embd"), None)
         head = next((m for n, m in modules.items() if tensor_role(n)[0] == "output"), None)
         self.tied = embed is not None and (head is None or head.weight is embed.weight)
+        config = getattr(model, "config", None)  # llama-quantize has rules of its own for 8-expert models
+        self.n_expert = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
         w = recipe.defaults.weights
         self.has_imatrix = (importance_matrix or w.rounding.name == "gptq"
                             or w.analyzer.kwargs().get("weighting") == "activations")
@@ -1081,7 +1083,7 @@ class _Mix:
         w = getattr(module, "weight", None)
         width = int(w.shape[1]) if w is not None and w.dim() == 2 else 0
         gguf_type = mix_type(self.name, "output" if tied_table else role, layer, self.n_layers, self.n_gqa, width,
-                             self.has_imatrix)
+                             self.has_imatrix, self.n_expert)
         spec = _merge(base, {"gguf_type": gguf_type}, WeightSpec, f"gguf_mix {self.name}")
         if tied_table:
             self.embed_spec = spec.model_copy(update={"rounding": RoundingSpec()})

@@ -1,9 +1,9 @@
 """llama-quantize's mixes (Q4_K_M, Q3_K_M, …): which GGUF type each tensor of a Llama-family model gets.
 
 ``llama_tensor_get_type`` in llama.cpp's ``src/llama-quant.cpp``, for dense models of the architectures qtool
-writes (Llama, Qwen2, Qwen3, Mistral; the experts of Qwen3-MoE and Mixtral take their projection's rules, but
-the extra bits llama-quantize gives the attention of 8-expert models are not restated; not Falcon, not 70B),
-restated as data: a mix has a default type, and the output matrix, ``attn_v``, ``attn_output`` and ``ffn_down``
+writes (Llama, Qwen2, Qwen3, Mistral; the experts of Qwen2/3-MoE and Mixtral take their projection's rules, and
+models of exactly 8 experts get llama-quantize's extra attention bits: ``attn_v``/``attn_k`` Q8_0, ``attn_output``
+Q5_K in the low mixes; not Falcon, not 70B), restated as data: a mix has a default type, and the output matrix, ``attn_v``, ``attn_output`` and ``ffn_down``
 get more bits by the rules below. The row-width
 fallback for K-quants (Q4_K → Q5_0, …) is applied afterwards by the plan (``config._super_block_fallback``),
 as llama-quantize applies it last. No torch here: the recipe checks run before torch loads.
@@ -52,13 +52,22 @@ def _more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+# llama-quantize's mixes that give an 8-expert model's attn_output Q5_K
+_EIGHT_EXPERT_OUTPUT = ("q2_k", "q3_k_s", "q3_k_m", "iq4_nl", "q4_k_s", "q4_k_m", "iq4_xs")
+
+
 def mix_type(mix: str, role: Optional[str], layer: int, n_layers: int, n_gqa: int, width: int,
-             has_imatrix: bool) -> str:
+             has_imatrix: bool, n_expert: int = 0) -> str:
     """The GGUF type (``gguf_type`` name) of one tensor in ``mix``, before the row-width fallback.
 
     ``role``: from :func:`tensor_role` (a tied embedding table is ``output``); ``width``: its row length;
-    ``has_imatrix``: the codes are chosen from calibration data (llama-quantize's ``--imatrix``)."""
+    ``has_imatrix``: the codes are chosen from calibration data (llama-quantize's ``--imatrix``); ``n_expert``:
+    the model's experts per MoE layer (0 for a dense model)."""
     base = MIXES[mix]
+    if n_expert == 8 and role in ("attn_v", "attn_k"):  # "trades just ~128MB" (llama-quant.cpp)
+        return "q8_0"
+    if n_expert == 8 and role == "attn_output":
+        return "q5_k" if mix in _EIGHT_EXPERT_OUTPUT else base
     if role == "output":  # the output matrix, or the embedding table that serves as it
         if width % _BLOCK.get(base, 256):
             return "q8_0"

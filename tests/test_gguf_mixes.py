@@ -225,3 +225,21 @@ def test_list_show_and_the_written_file_agree_on_every_weights_type(wide, tmp_pa
         code, _, err = run_cli("quantize", ckpt, "-c", recipe, "-o", tmp_path / "q2", "--format", "gguf", *data)
         line = next(x for x in err.splitlines() if x.startswith("plan:"))
         assert all(f"GGUF {t}" in line for t in kinds) and " int" not in line, line
+
+
+def test_eight_expert_models_get_llama_quantizes_extra_attention_bits():
+    """llama-quantize gives a model of exactly 8 experts (Mixtral) Q8_0 attn_v/attn_k and, in the low mixes,
+    Q5_K attn_output; other expert counts and dense models keep the mix's own rules."""
+    from qtool.gguf_mixes import mix_type
+
+    for mix in ("q4_k_m", "q2_k", "q6_k", "q4_0"):
+        assert mix_type(mix, "attn_v", 5, 32, 4, 4096, False, n_expert=8) == "q8_0"
+        assert mix_type(mix, "attn_k", 5, 32, 4, 4096, False, n_expert=8) == "q8_0"
+    assert mix_type("q4_k_m", "attn_output", 5, 32, 4, 4096, False, n_expert=8) == "q5_k"
+    assert mix_type("q5_k_m", "attn_output", 5, 32, 4, 4096, False, n_expert=8) == "q5_k"  # its own type
+    assert mix_type("q2_k", "attn_output", 5, 32, 4, 4096, False, n_expert=8) == "q5_k"  # not q3_k
+    for n_expert in (0, 128):
+        assert mix_type("q4_k_m", "attn_k", 5, 32, 4, 4096, False, n_expert=n_expert) == "q4_k"
+        assert mix_type("q2_k", "attn_output", 5, 32, 4, 4096, False, n_expert=n_expert) == "q3_k"
+    # experts take their projection's rules: ffn_down_exps is ffn_down
+    assert mix_type("q4_k_m", "ffn_down", 0, 32, 4, 4096, False, n_expert=8) == "q6_k"
