@@ -959,7 +959,8 @@ class Plan:
     weight_specs: Dict[str, "WeightSpec"] = field(default_factory=dict)
     # quantizers the export format will write float (set by the job that exports; the plan line counts them apart)
     left_float: Dict[str, str] = field(default_factory=dict)  # quantizer name -> the format
-    # mixture-of-experts expert module -> calibration tokens routed to it (where its layers' inputs were measured)
+    # mixture-of-experts expert module -> calibration tokens routed to it (where its layers' inputs were measured),
+    # in plan (module) order: every mode fills it block by block, a resumed run from its saved blocks first
     expert_tokens: Dict[str, int] = field(default_factory=dict)
     memory: Any = None  # calibration.memory.MemoryEstimate of the run about to calibrate it (shown with the plan)
     coverage: Any = None  # coverage.WeightCoverage: how much of the model's weights the plan quantizes

@@ -182,7 +182,7 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
         **({"target": {"budget": search["budget"], "format": search["format"], "candidates": search["candidates"],
                        "chosen": search["chosen"]}} if search else {}),
         "uncalibrated": unused,
-        **({"expert_tokens": _natural_order(plan.expert_tokens)} if plan.expert_tokens else {}),
+        **({"expert_tokens": plan.expert_tokens} if plan.expert_tokens else {}),
         "warnings": plan.warnings,
         **({"distributed": {"world_size": group.world_size, "backend": group.backend,
                             "samples_per_rank": run.samples_per_rank}} if group.distributed else {}),
@@ -191,18 +191,12 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
     summary = {"encodings": str(enc_path), "quantizers": len(entries), "weights": len(plan.weights),
                "activations": len(plan.activations), "uncalibrated": unused,
                "weights_quantized": plan.coverage.to_json() if plan.coverage is not None else None,
-               "expert_tokens": _natural_order(plan.expert_tokens),
+               "expert_tokens": plan.expert_tokens,
                "samples": 0 if data is None else data.num_samples, "device": str(device),
                "warnings": plan.warnings, "outputs": [f.name for f in enc_files] + ["manifest.json"],
                **({"world_size": group.world_size, "samples_per_rank": run.samples_per_rank}
                   if group.distributed else {})}
     return summary
-
-
-def _natural_order(by_name: Dict[str, Any]) -> Dict[str, Any]:
-    """``by_name`` with its keys in natural order (layer 2 before layer 10)."""
-    return {k: by_name[k] for k in sorted(by_name, key=lambda n: [(0, int(p), "") if p.isdigit() else (1, 0, p)
-                                                                  for p in n.split(".")])}
 
 
 def _online_rotations(plan: Plan, entries) -> list:

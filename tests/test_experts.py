@@ -222,15 +222,17 @@ def test_an_experts_gate_and_up_projections_share_one_set_of_input_statistics():
 
 
 def test_all_experts_mode_shows_every_expert_every_token_and_keeps_the_output_routed(tmp_path):
-    from qtool.model.experts import route_all_tokens
+    from qtool.model.experts import all_tokens_routed
 
     checkpoint, ids = _saved(tmp_path, "qwen3_moe")
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     linearize_experts(model, _keys(checkpoint))
     x = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
     routed = model(x).logits
-    assert route_all_tokens(model, True) == 2
-    assert torch.allclose(model(x).logits, routed, atol=1e-5)
+    with all_tokens_routed(model, True):
+        assert sum(m.all_tokens for m in model.modules() if hasattr(m, "all_tokens")) == 2
+        assert torch.allclose(model(x).logits, routed, atol=1e-5)
+    assert not any(getattr(m, "all_tokens", False) for m in model.modules())
     code, out, err = run_cli("calibrate", checkpoint, "-c", "w4a16-block32-gptq", "--data", ids, "-o",
                              tmp_path / "run", "--all-experts", "--json")
     assert code == 0, err

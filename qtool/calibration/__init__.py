@@ -26,7 +26,7 @@ from ..errors import DataError, UsageError
 from ..hooks import Hooks, reporting
 from ..io.checkpoint import detect_kind, tensor_files
 from ..io.spill import SpilledTensors
-from ..model.experts import all_tokens_routed, route_all_tokens
+from ..model.experts import LinearExperts, all_tokens_routed
 from ..model.load import causal_lm_class
 from ..parallel import Group
 from ..provenance import device_label, versions
@@ -70,8 +70,9 @@ def _resolve(recipe: Recipe, model, source: str, opts: CalibrateOptions, checkpo
                          strict=opts.strict_data)
 
 
-def _warn_all_experts(plan: Plan, opts: CalibrateOptions, experts: int) -> None:
-    if opts.all_experts and not experts:
+def _warn_all_experts(plan: Plan, opts: CalibrateOptions, model) -> None:
+    """--all-experts on a model with no expert layers says so."""
+    if opts.all_experts and not any(isinstance(m, LinearExperts) for m in model.modules()):
         plan.warnings.append("--all-experts: this model has no mixture-of-experts layer qtool calibrates per expert; "
                              "it changes nothing")
 
@@ -186,9 +187,8 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
 
         device = resolve_device(opts.device)
         model, _, tokenizer = meta_causal_lm(checkpoint, opts.trust_remote_code)
-        experts = route_all_tokens(model, opts.all_experts)
         plan = _resolve(recipe, model, source, opts, checkpoint)
-        _warn_all_experts(plan, opts, experts)
+        _warn_all_experts(plan, opts, model)
         plan.memory = estimate_run(model, plan, "sequential", opts)
         if plan.smoothing or plan.folds:
             raise UsageError(f"{'smoothquant' if plan.smoothing else 'fold_batch_norms'} runs on the whole model: "
@@ -200,7 +200,7 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
         codes = SpilledTensors()  # block by block to disk: they would grow in memory with every block
         floats: Dict[str, torch.Tensor] = {}
         try:
-            with _sidecar_stream(sidecar, plan, group) as sink:  # the block ranges too
+            with _sidecar_stream(sidecar, plan, group) as sink, all_tokens_routed(model, opts.all_experts):
                 entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block,
                                                codes=codes, group=group, floats=floats, sink=sink, state=saved)
         except UsageError:  # bad input fails a resume the same way: its state goes with the rest of the output
@@ -232,7 +232,7 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
 
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
     plan = _resolve(recipe, loaded.model, source, opts, checkpoint)
-    _warn_all_experts(plan, opts, route_all_tokens(loaded.model, False))
+    _warn_all_experts(plan, opts, loaded.model)
     device = next(iter(loaded.model.parameters())).device
     plan.memory = estimate_run(loaded.model, plan, "in_memory", opts)
     hooks.on_plan(plan)

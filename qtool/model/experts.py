@@ -26,9 +26,8 @@ from torch import nn
 
 from ..config import CHECKPOINT_KEYS
 
-__all__ = ["LinearExperts", "linearize_experts", "fused_layout", "checkpoint_key", "routed_layer", "same_inputs",
-           "route_all_tokens", "all_tokens_routed", "routing_of", "CHECKPOINT_KEYS"]
-
+__all__ = ["LinearExperts", "linearize_experts", "fused_layout", "checkpoint_key", "routing_of", "same_inputs",
+           "all_tokens_routed", "CHECKPOINT_KEYS"]
 
 
 def fused_layout(module: nn.Module) -> Optional[Dict[str, bool]]:
@@ -102,26 +101,25 @@ class LinearExperts(nn.Module):
     def load_from(self, tensors: Dict[str, torch.Tensor]) -> None:
         """Copy the fused parameters (``gate_up_proj``, ``down_proj``, biases) into the per-expert Linears."""
         lay = self.layout
-        first = tensors["gate_up_proj" if lay["has_gate"] else "up_proj"]
-        first_bias = tensors.get("gate_up_proj_bias" if lay["has_gate"] else "up_proj_bias")
+        first = "gate_up_proj" if lay["has_gate"] else "up_proj"
+
+        def expert_slice(name: str, e: int) -> Optional[torch.Tensor]:  # expert e's [out, in] weight or [out] bias
+            t = tensors.get(name)
+            return None if t is None else t[e].t() if lay["is_transposed"] and t.dim() == 3 else t[e]
+
+        def gate_and_up(t: torch.Tensor):  # concatenated [gate; up] rows, or interleaved gate, up, gate, ...
+            return tuple(t.chunk(2, 0)) if lay["is_concatenated"] else (t[0::2], t[1::2])
+
         for e in range(self.num_experts):
-            ex = self.expert(e)
-            w = first[e].t() if lay["is_transposed"] else first[e]
-            b = first_bias[e] if first_bias is not None else None
+            w, b = expert_slice(first, e), expert_slice(first + "_bias", e)
+            parts = {"down": (expert_slice("down_proj", e), expert_slice("down_proj_bias", e))}
             if lay["has_gate"]:
-                if lay["is_concatenated"]:
-                    parts = {"gate": (w.chunk(2, 0)[0], None if b is None else b.chunk(2)[0]),
-                             "up": (w.chunk(2, 0)[1], None if b is None else b.chunk(2)[1])}
-                else:  # interleaved rows: gate, up, gate, up, ...
-                    parts = {"gate": (w[0::2], None if b is None else b[0::2]),
-                             "up": (w[1::2], None if b is None else b[1::2])}
+                (gw, uw), (gb, ub) = gate_and_up(w), gate_and_up(b) if b is not None else (None, None)
+                parts.update(gate=(gw, gb), up=(uw, ub))
             else:
-                parts = {"up": (w, b)}
-            d = tensors["down_proj"][e]
-            parts["down"] = (d.t() if lay["is_transposed"] else d,
-                             tensors["down_proj_bias"][e] if "down_proj_bias" in tensors else None)
+                parts["up"] = (w, b)
             for role, (weight, bias) in parts.items():
-                lin = ex.proj(role)
+                lin = self.expert(e).proj(role)
                 lin.weight.copy_(weight)
                 if bias is not None:
                     lin.bias.copy_(bias)
@@ -231,12 +229,6 @@ def checkpoint_key(model: nn.Module, name: str) -> Optional[str]:
     return getattr(model, CHECKPOINT_KEYS, {}).get(name)
 
 
-def routed_layer(modules: Dict[str, nn.Module], name: str) -> bool:
-    """Whether module ``name`` (of the name -> module map ``modules``) is an expert's projection, which sees only
-    the tokens the router sends it."""
-    return routing_of(modules, name) is not None
-
-
 def same_inputs(modules: Dict[str, nn.Module], names: Iterable[str]) -> Dict[str, str]:
     """Among module ``names``: each expert's up projection -> its gate projection, which always reads the very
     same tensor (:meth:`LinearExperts._gate_up`), so their input statistics are one (half the memory of a block's
@@ -244,32 +236,28 @@ def same_inputs(modules: Dict[str, nn.Module], names: Iterable[str]) -> Dict[str
     wanted = set(names)
     out: Dict[str, str] = {}
     for name in wanted:
-        parent, _, leaf = name.rpartition(".")
-        owner = parent.rpartition(".")[0]
-        ex = modules.get(parent)
-        if isinstance(modules.get(owner), LinearExperts) and isinstance(ex, _Expert) and "gate" in ex.roles \
-                and ex.roles.get("up") == leaf and f"{parent}.{ex.roles['gate']}" in wanted:
-            out[name] = f"{parent}.{ex.roles['gate']}"
+        routed = routing_of(modules, name)
+        if routed is None:
+            continue
+        roles = routed[0].expert(routed[1]).roles
+        gate = f"{name.rpartition('.')[0]}.{roles.get('gate')}"
+        if "gate" in roles and name.endswith("." + roles["up"]) and gate in wanted:
+            out[name] = gate
     return out
-
-
-def route_all_tokens(model: nn.Module, on: bool) -> int:
-    """Switch calibration's all-experts mode on (or off) for every :class:`LinearExperts` of ``model``; returns how
-    many there are."""
-    layers = [m for m in model.modules() if isinstance(m, LinearExperts)]
-    for m in layers:
-        m.all_tokens = bool(on)
-    return len(layers)
 
 
 @contextlib.contextmanager
 def all_tokens_routed(model: nn.Module, on: bool):
-    """:func:`route_all_tokens` for the duration of the block, off again after it."""
-    route_all_tokens(model, on)
+    """Calibration's all-experts mode (``on``) for every :class:`LinearExperts` of ``model`` for the duration of
+    the block, off again after it."""
+    layers = [m for m in model.modules() if isinstance(m, LinearExperts)]
+    for m in layers:
+        m.all_tokens = bool(on)
     try:
         yield
     finally:
-        route_all_tokens(model, False)
+        for m in layers:
+            m.all_tokens = False
 
 
 def routing_of(modules: Dict[str, nn.Module], name: str) -> Optional[Tuple[LinearExperts, int]]:

@@ -216,6 +216,13 @@ def _natural(name: str):
 def meta_skeleton(path, trust_remote_code: bool = False) -> nn.Module:
     """The model class of a Hugging Face directory (``config.architectures``, else ``AutoModel``) built on the meta
     device: module names, types and tied parameters, no memory and no weights read."""
+    model = _checked_skeleton(path, trust_remote_code)
+    _linearize(path, model)
+    return model
+
+
+def _checked_skeleton(path, trust_remote_code: bool) -> nn.Module:
+    """:func:`meta_skeleton` before its experts are linearized: ``config.json`` checked against the weights."""
     transformers = _transformers(path)
     config = _config(path, trust_remote_code)
     archs = getattr(config, "architectures", None) or []
@@ -228,7 +235,6 @@ def meta_skeleton(path, trust_remote_code: bool = False) -> nn.Module:
         raise CheckpointError(
             f"{path}: transformers cannot build this model's modules ({str(e).splitlines()[0]})") from None
     _check_fit_if_weights(path, model)
-    _linearize(path, model)
     return model
 
 
@@ -281,7 +287,7 @@ def load_hf(path: Path, trust_remote_code: bool):
         check_safetensors(f)
     if not tensor_files(path):
         raise CheckpointError(f"{path}: no *.safetensors weights in this directory")
-    meta_skeleton(path, trust_remote_code)  # config.json checked against the weights' headers before any is read
+    _checked_skeleton(path, trust_remote_code)  # config.json checked against the weights' headers before any is read
     config = _config(path, trust_remote_code)
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None

@@ -220,12 +220,14 @@ def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module
     them. Fewer tokens than columns leave ``XᵀX`` singular: GPTQ would fit those few tokens, not the expert's
     inputs. ``stats`` is changed in place (after the ranks' statistics are merged). ``tokens`` receives the tokens
     each expert was routed, by expert module name."""
-    from ...model.experts import routed_layer
+    from ...model.experts import routing_of
 
+    rows = list(rows)
+    hessians = {r.module for r in rows if r.rounding != "nearest"}
     seen: Dict[str, int] = {}
     short: List[str] = []
     for q in rows:
-        if not q.needs_inputs or q.module in seen or not routed_layer(modules, q.module):
+        if not q.needs_inputs or q.module in seen or routing_of(modules, q.module) is None:
             continue
         s = stats.get(q.module)
         seen[q.module] = count = 0 if s is None else s.count
@@ -234,10 +236,10 @@ def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module
         width = int(modules[q.module].weight.shape[1])
         if count >= width:
             continue
-        hessian = any(r.module == q.module and r.rounding != "nearest" for r in rows)
         device = modules[q.module].weight.device
         stats[q.module] = InputStatistics(0, torch.ones(width, dtype=torch.float64, device=device),
-                                          torch.eye(width, dtype=torch.float64, device=device) if hessian else None)
+                                          torch.eye(width, dtype=torch.float64, device=device)
+                                          if q.module in hessians else None)
         expert = f"{q.module.rsplit('.', 1)[0]} ({count} tokens)"
         if expert not in short:
             short.append(expert)
