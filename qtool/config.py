@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 from .choices import GGML_SCALE_DTYPES, GGUF_TYPES, LEGACY_GGUF_TYPES, SUPER_BLOCK_FALLBACK
 from .coverage import weight_coverage
 from .errors import ConfigError
+from .families import LLAMA_SMOOTH_MAPPINGS, Family, family_of_model, rms_norm_classes
 
 if TYPE_CHECKING:  # torch is imported where a plan is made, so that recipes validate without it
     from torch import nn
@@ -334,20 +335,12 @@ class SmoothMapping(BaseModel):
         return self
 
 
-# Llama-family decoder blocks (Llama, Mistral, Qwen2, SmolLM, ...): each norm feeds the projections after it, and
-# up_proj's output rows scale down_proj's input channels exactly (act(gate) * up is linear in up)
-DEFAULT_SMOOTH_MAPPINGS = (
-    {"smooth": "re:.*input_layernorm", "balance": ["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"]},
-    {"smooth": "re:.*post_attention_layernorm", "balance": ["re:.*gate_proj", "re:.*up_proj"]},
-    {"smooth": "re:.*up_proj", "balance": ["re:.*down_proj"]},
-)
-
-
 class SmoothQuantSpec(BaseModel):
     """``smoothquant: {alpha: 0.5}``: before anything is calibrated, per input channel ``j`` of each balance
     layer, ``s_j = max|x_j|^alpha / max|W[:, j]|^(1 - alpha)`` moves activation range into the weights (the
     smooth module's output divided by ``s``, the balance layers' weight columns multiplied by it); the float
-    model's outputs are unchanged. ``mappings`` default to Llama-family decoder blocks."""
+    model's outputs are unchanged. ``mappings`` default to the model family's (``qtool.families``; Llama-style
+    decoder blocks for a model of no known family)."""
 
     model_config = ConfigDict(extra="forbid")
     alpha: float = Field(0.5, ge=0, le=1)
@@ -1055,14 +1048,15 @@ class _Mix:
 
         self.name = recipe.gguf_mix
         modules = dict(model.named_modules())
-        layers = {layer for n in modules for role, layer in [tensor_role(n)] if role == "attn_v"}
+        layers = {layer for n in modules for role, layer in [tensor_role(n)] if role in ("attn_v", "attn_qkv")}
         if not layers:
             raise ConfigError(f"{source}: gguf_mix {self.name}: the model has no Llama-family decoder layers "
                               "(model.layers.N.self_attn.v_proj); llama-quantize's mixes are defined for those")
         self.n_layers = max(layers) + 1
-        q = next(m for n, m in modules.items() if tensor_role(n) == ("attn_q", min(layers)))
-        k = next(m for n, m in modules.items() if tensor_role(n) == ("attn_k", min(layers)))
-        self.n_gqa = q.out_features // max(1, k.out_features) if isinstance(q, nn.Linear) else 1
+        q = next((m for n, m in modules.items() if tensor_role(n) == ("attn_q", min(layers))), None)
+        k = next((m for n, m in modules.items() if tensor_role(n) == ("attn_k", min(layers))), None)
+        # (only attn_v's rules read it, and a model with fused q/k/v has no attn_v)
+        self.n_gqa = q.out_features // max(1, k.out_features) if isinstance(q, nn.Linear) and k is not None else 1
         embed = next((m for n, m in modules.items() if tensor_role(n)[0] == "token_embd"), None)
         head = next((m for n, m in modules.items() if tensor_role(n)[0] == "output"), None)
         self.tied = embed is not None and (head is None or head.weight is embed.weight)
@@ -1235,7 +1229,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             kv = tuple(q.module for q in plan.quantizers if q.tensor == "k_cache")
             plan.rotation = dataclasses.replace(plan.rotation, kv_modules=kv)
     if recipe.smoothquant is not None:
-        plan.smoothing = _smooth_groups(recipe.smoothquant, named, source)
+        plan.smoothing = _smooth_groups(recipe.smoothquant, named, source, family_of_model(model))
         rotated = {m for r in (plan.rotation.online() if plan.rotation else []) for m in r.modules}
         clash = next((g for g in plan.smoothing if rotated & set(g.balance)), None)
         if clash is not None:
@@ -1249,7 +1243,6 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     return plan
 
 
-_ROTATABLE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # x/rms(x)·w, nothing else
 _LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                   "mlp.up_proj", "mlp.down_proj")
 
@@ -1263,6 +1256,7 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
     from .quant.hadamard import HadamardError, hadamard_order
 
     where = f"{source}: rotate"
+    rms_norms = rms_norm_classes()  # x/rms(x)·w, nothing else
     modules = dict(model.named_modules())
     layers = sorted({n[:-len(".self_attn.v_proj")] for n in modules if n.endswith(".self_attn.v_proj")},
                     key=lambda n: (len(n), n))
@@ -1280,9 +1274,9 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
                                   "decoder layers (Llama, Mistral, Qwen2, Qwen3)")
         for norm in ("input_layernorm", "post_attention_layernorm"):
             got = type(modules.get(f"{layer}.{norm}")).__name__
-            if got not in _ROTATABLE_NORMS:
+            if got not in rms_norms:
                 raise ConfigError(f"{where}: {layer}.{norm} is a {got}, not an RMSNorm qtool can fold "
-                                  f"({', '.join(_ROTATABLE_NORMS)})")
+                                  f"({', '.join(rms_norms)})")
         extra = sorted(n for n, m in modules.items() if n.startswith(layer + ".") and isinstance(m, nn.Linear)
                        and n[len(layer) + 1:] not in _LAYER_LINEARS)
         if extra:
@@ -1292,7 +1286,7 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = next((n for n, m in modules.items() if m is head), None) if isinstance(head, nn.Linear) else None
     final_norm = next((n for n, m in modules.items() if n.endswith("norm") and n.count(".") <= 1
-                       and type(m).__name__ in _ROTATABLE_NORMS and not n.startswith(layers[0])), None)
+                       and type(m).__name__ in rms_norms and not n.startswith(layers[0])), None)
     hidden = int(embed.weight.shape[1])
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
     head_dim = int(getattr(config, "head_dim", None) or (hidden // heads if heads else 0))
@@ -1420,13 +1414,17 @@ def _nearest_modules(rule: LayerRule, named) -> str:
     return f" (module types nearby: {', '.join(close)})" if close else ""
 
 
-def _smooth_groups(spec: SmoothQuantSpec, named, source: str) -> List[SmoothGroup]:
+def _smooth_groups(spec: SmoothQuantSpec, named, source: str, family: Optional[Family]) -> List[SmoothGroup]:
     """Resolve SmoothQuant mappings on the model: every module matching ``smooth`` with the Linear modules of its
     parent's subtree that match ``balance``, in module order. A mapping that pairs nothing is an error when the
-    recipe gave it, and skipped when it is a default (a model without up_proj, say)."""
+    recipe gave it, and skipped when it is a default (a model without up_proj, say). The defaults are the model
+    family's (Llama-style blocks for a model of no known family)."""
     from torch import nn
 
-    mappings = spec.mappings or [SmoothMapping(**m) for m in DEFAULT_SMOOTH_MAPPINGS]
+    defaults = LLAMA_SMOOTH_MAPPINGS if family is None else family.smooth_mappings
+    if not spec.mappings and not defaults:
+        raise ConfigError(f"{source}: smoothquant: {family.no_smoothing}")
+    mappings = spec.mappings or [SmoothMapping(**m) for m in defaults]
     modules = dict(named)
     groups: List[SmoothGroup] = []
     for i, m in enumerate(mappings):
@@ -1451,8 +1449,9 @@ def _smooth_groups(spec: SmoothQuantSpec, named, source: str) -> List[SmoothGrou
             raise ConfigError(f"{source}: smoothquant.mappings[{i}]: smooth {m.smooth!r} with balance {m.balance} "
                               "pairs no modules of this model")
     if not groups:
-        raise ConfigError(f"{source}: smoothquant: none of the default mappings (Llama-family norms and "
-                          "projections) pairs modules of this model; give smoothquant.mappings")
+        raise ConfigError(f"{source}: smoothquant: none of the default mappings "
+                          f"({family.title if family is not None else 'Llama-style'} norms and projections) pairs "
+                          "modules of this model; give smoothquant.mappings")
     return groups
 
 

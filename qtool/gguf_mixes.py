@@ -1,7 +1,8 @@
 """llama-quantize's mixes (Q4_K_M, Q3_K_M, …): which GGUF type each tensor of a Llama-family model gets.
 
 ``llama_tensor_get_type`` in llama.cpp's ``src/llama-quant.cpp``, for dense models of the architectures qtool
-writes (Llama, Qwen2, Qwen3, Mistral; the experts of Qwen2/3-MoE and Mixtral take their projection's rules, and
+writes (Llama, Qwen2, Qwen3, Mistral, Gemma 3, Phi-3 with its fused ``attn_qkv``; the experts of Qwen2/3-MoE and
+Mixtral take their projection's rules, and
 models of exactly 8 experts get llama-quantize's extra attention bits: ``attn_v``/``attn_k`` Q8_0, ``attn_output``
 Q5_K in the low mixes; not Falcon, not 70B), restated as data: a mix has a default type, and the output matrix, ``attn_v``, ``attn_output`` and ``ffn_down``
 get more bits by the rules below. The row-width
@@ -26,11 +27,12 @@ _BLOCK = {"q4_0": 32, "q5_0": 32, "q8_0": 32, "iq4_nl": 32}  # others: 256-eleme
 
 # a mixture-of-experts layer's experts (mlp.experts.<e>.down_proj, Mixtral's w1/w3/w2) take their projection's
 # rules, as llama-quantize's name matching gives ffn_down_exps ffn_down's
+# (Phi-3's fused qkv_proj and gate_up_proj are llama.cpp's attn_qkv and ffn_up)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp(?:\.experts\.\d+)?)\.(q_proj|k_proj|v_proj|o_proj|"
-                    r"gate_proj|up_proj|down_proj|w1|w3|w2)$")
+                    r"qkv_proj|gate_proj|up_proj|gate_up_proj|down_proj|w1|w3|w2)$")
 _ROLES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-          "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down", "w1": "ffn_gate", "w3": "ffn_up",
-          "w2": "ffn_down"}
+          "qkv_proj": "attn_qkv", "gate_proj": "ffn_gate", "up_proj": "ffn_up", "gate_up_proj": "ffn_up",
+          "down_proj": "ffn_down", "w1": "ffn_gate", "w3": "ffn_up", "w2": "ffn_down"}
 
 
 def tensor_role(module: str) -> Tuple[Optional[str], int]:
@@ -88,6 +90,8 @@ def mix_type(mix: str, role: Optional[str], layer: int, n_layers: int, n_gqa: in
         return base
     if role == "attn_output":
         return {"q2_k": "q3_k", "q3_k_m": "q4_k", "q3_k_l": "q5_k"}.get(mix, base)
+    if role == "attn_qkv":  # q, k and v in one matrix (Phi-3)
+        return {"q3_k_m": "q4_k", "q3_k_l": "q4_k", "q4_k_m": "q5_k", "q5_k_m": "q6_k"}.get(mix, base)
     if role == "ffn_down":
         if mix == "q2_k":
             return "q3_k"

@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 # family -> (GGUF architecture, expert leaf names for gate/up/down or None for a dense MLP)
 FAMILIES = {"qwen3": ("qwen3", None), "qwen3_moe": ("qwen3moe", ("gate_proj", "up_proj", "down_proj")),
-            "mixtral": ("llama", ("w1", "w3", "w2")), "qwen2_moe": ("qwen2moe", ("gate_proj", "up_proj", "down_proj"))}
+            "mixtral": ("llama", ("w1", "w3", "w2")), "qwen2_moe": ("qwen2moe", ("gate_proj", "up_proj", "down_proj")),
+            "gemma3_text": ("gemma3", None), "phi3": ("phi3", None)}
 
 
 def _tiny(dest: Path, family: str, **overrides) -> Path:
@@ -36,7 +37,14 @@ def _tiny(dest: Path, family: str, **overrides) -> Path:
              "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
              # a shared expert beside the routed ones (ffn_*_shexp), routed weights not normalized
              "qwen2_moe": dict(intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                               shared_expert_intermediate_size=64)}[family]
+                               shared_expert_intermediate_size=64),
+             # six layers: five with sliding-window attention (a window shorter than the longer prompts) and rotary
+             # base 10000, the sixth global with its own base; norms computing x / rms(x) * (1 + w)
+             "gemma3_text": dict(intermediate_size=128, head_dim=16, query_pre_attn_scalar=16, num_hidden_layers=6,
+                                 sliding_window=12),
+             # fused qkv_proj and gate_up_proj; rotary embedding on half of each head
+             "phi3": dict(intermediate_size=128, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
+                          eos_token_id=2)}[family]
     cfg = transformers.AutoConfig.for_model(family, **{**kw, **extra, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -67,7 +75,19 @@ def test_the_file_holds_every_weight_as_qtools_fake_quant_model_and_the_experts_
     names = summary["names"]
     assert set(names) == {q["name"] for q in json.loads((out / "calibration/encodings.json").read_text())["quantizers"]}
     if leaves is None:
-        assert values["blk.1.attn_q_norm.weight"][0] == "F32" and values["blk.1.ffn_down.weight"][0] == "Q8_0"
+        assert values["blk.1.ffn_down.weight"][0] == "Q8_0"
+        from safetensors.torch import load_file
+
+        stored = load_file(ckpt / "model.safetensors")["model.layers.1.input_layernorm.weight"]
+        kind, norm = values["blk.1.attn_norm.weight"]
+        # Gemma's norms multiply by (1 + w), llama.cpp's by w: the converter's +1, in float32
+        assert kind == "F32" and np.array_equal(norm, (stored.float() + (family == "gemma3_text")).numpy())
+        if family == "phi3":  # fused projections, as llama.cpp's phi3 reads them
+            assert values["blk.1.attn_qkv.weight"][0] == values["blk.1.ffn_up.weight"][0] == "Q8_0"
+            assert values["blk.1.ffn_up.weight"][1].shape[0] == 2 * 128
+            assert reader.fields["phi3.rope.dimension_count"].contents() == 8  # half of each 16-wide head
+        if family == "gemma3_text":
+            assert reader.fields["gemma3.attention.sliding_window"].contents() == 12
         return
     assert reader.fields[f"{arch}.expert_count"].contents() == 8
     assert reader.fields[f"{arch}.expert_used_count"].contents() == 2

@@ -17,7 +17,7 @@ LAYERS = [
     ("pipeline",),
     ("calibration", "export", "report", "inspect", "imatrix", "mixed", "evaluation"),
     ("model",),
-    ("config", "gguf_mixes", "encodings", "aimet_format", "data", "weights", "coverage"),
+    ("config", "families", "gguf_mixes", "encodings", "aimet_format", "data", "weights", "coverage"),
     ("io", "quant", "hooks", "choices", "parallel", "provenance"),
     ("errors",),
 ]

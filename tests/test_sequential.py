@@ -190,3 +190,28 @@ def test_sequential_reads_fused_experts_from_per_expert_checkpoint_keys(tmp_path
         names = {e["name"] for e in json.loads(files[seq])["quantizers"]}
         assert sum(".experts." in n and n.endswith(".weight") for n in names) == 2 * 4 * 3  # every expert's weights
     assert files[True] == files[False]
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3"])
+def test_sequential_gives_each_block_the_inputs_the_model_gives_it(tmp_path, family):
+    """Gemma 3 passes its sliding-window layers other rotary embeddings (base 10000) and another attention mask
+    than its sixth, global layer: --sequential gives every block the keywords the model passes that block, not
+    the first block's, and writes the in-memory encodings (w8a8: every activation range depends on it)."""
+    torch.manual_seed(0)
+    extra = {"gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=6),
+             "phi3": dict(pad_token_id=0, num_hidden_layers=2)}[family]
+    cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=64,
+                                            num_attention_heads=4, num_key_value_heads=2, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(tmp_path / "m")
+    ids = torch.randint(0, 256, (8, 24), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    files = {}
+    for seq in (False, True):
+        out = tmp_path / f"run{int(seq)}"
+        code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8", "--data", tmp_path / "ids.safetensors",
+                               "-o", out, "--batch-size", "4", "--quiet", *(["--sequential"] if seq else []))
+        assert code == 0, err
+        files[seq] = json.loads((out / "encodings.json").read_text())["quantizers"]
+    assert files[True] == files[False]

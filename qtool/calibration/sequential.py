@@ -3,9 +3,11 @@
 ``qtool calibrate --sequential`` never loads the whole model. The model is built on the ``meta`` device (no
 memory), and weights are read from the checkpoint's safetensors files module by module:
 
-1. the embedding table is loaded and the real model runs up to its first decoder block, where a hook captures
-   the block's inputs (hidden states and every keyword the model passes: attention mask, rotary position
-   embeddings, position ids) for every calibration batch, then stops the forward pass;
+1. the embedding table is loaded and the real model runs with each decoder block standing aside (its forward
+   replaced by a recorder that passes the hidden states through): the first block's inputs are captured, and
+   every block's keywords (attention mask, rotary position embeddings, position ids: a model may give its blocks
+   different ones, as Gemma 3 gives its sliding-window and global layers) for every calibration batch; the
+   pass stops at the last block;
 2. for each block in turn: its weights are loaded, its quantizers are inserted and calibrated (weights from the
    weights, activations over all batches with the captured inputs), its outputs become the next block's inputs,
    and the block is dropped again;
@@ -15,12 +17,13 @@ The encodings equal those of a normal run: a block's outputs for the next block 
 calibration pass, with each batch quantized by its own range, exactly as in the all-at-once pass (tested).
 Peak memory is about one block's weights (in float32) plus the captured activations
 (``samples x seq_len x hidden x 4`` bytes) plus the embedding table while step 1 runs.
-Supported: models whose decoder blocks live in ``model.model.layers`` (Llama, Mistral, Qwen2, SmolLM, ...).
+Supported: models whose decoder blocks live in ``model.model.layers`` (Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, the
+mixture-of-experts families, SmolLM, ...).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -58,7 +61,9 @@ def _blocks(model: nn.Module) -> nn.ModuleList:
 def _materialize(module: nn.Module, prefix: str, src: CheckpointTensors, name_of: Callable[[str], str],
                  device: torch.device, converted: Optional[CheckpointMap] = None) -> None:
     """Load ``module``'s parameters and persistent buffers from the checkpoint (as float32 for float tensors);
-    ``converted`` makes those transformers builds from other tensors at load time (fused experts)."""
+    ``converted`` makes those transformers builds from other tensors at load time (fused experts). A buffer the
+    checkpoint does not hold keeps the value the skeleton computed (Gemma's embedding scale)."""
+    computed = {n: b.clone() for n, b in module.named_buffers() if b.device.type != "meta"}
     module.to_empty(device=device, recurse=True)
     with torch.no_grad():
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
@@ -70,6 +75,8 @@ def _materialize(module: nn.Module, prefix: str, src: CheckpointTensors, name_of
                 value = converted.get(full, src.get)
             elif isinstance(t, nn.Parameter):
                 raise CheckpointError(f"{src.path}: checkpoint has no tensor for {full}")
+            elif name in computed:
+                value = computed[name]
             else:
                 continue
             t.copy_(value.to(t.dtype) if t.is_floating_point() else value)
@@ -203,16 +210,27 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
     rotator = Rotator(model, plan.rotation) if plan.rotation is not None else None
     if rotator is not None:
         floats.update(rotator.embedding())
-    captured: List[Tuple[tuple, dict]] = []
+    captured: List[Tuple[tuple, dict]] = []  # per batch: the first block's inputs
+    # per batch, per block: the keywords the model passes that block (a model may give its blocks different ones:
+    # Gemma 3's sliding-window layers get other rotary embeddings and masks than its global ones)
+    block_kwargs: List[List[dict]] = []
 
-    def grab(mod, args, kwargs):
-        captured.append((tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs)))
-        raise _Stop
+    def recorder(i: int):
+        def forward(*args, **kwargs):
+            if i == 0:
+                captured.append((tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs)))
+                block_kwargs.append([])
+            block_kwargs[-1].append(dict(kwargs))
+            if i == len(blocks) - 1:
+                raise _Stop
+            return args[0] if args else kwargs["hidden_states"]  # the block is not run: its keywords are all we need
+        return forward
 
     head_rows = [q for q in rows_under(None, outside=True) if q.module == embed_name]
 
     def capture():
-        handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+        for i, block in enumerate(blocks):
+            block.forward = recorder(i)
         try:
             for batch in data:
                 b = batch.to(device)
@@ -224,11 +242,12 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
                     raise DataError(f"calibration batch {data.first + len(captured)}: the model rejected the data: "
                                     f"{rejection(model, b, e)}") from None
         finally:
-            handle.remove()
+            for block in blocks:
+                del block.forward
 
     calibrate_rows(head_rows, capture)
-    if len(captured) != len(data):
-        raise UsageError("--sequential: the model did not reach its first decoder block for every batch")
+    if len(captured) != len(data) or any(len(k) != len(blocks) for k in block_kwargs):
+        raise UsageError("--sequential: the model did not pass through each of its decoder blocks for every batch")
     if not (tied and any(q.module == "lm_head" for q in plan.quantizers)):
         _release(embed)
 
@@ -272,15 +291,17 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         feeds = i + 1 < len(blocks) or bool(tail) or rotate_head
         runs = feeds or bool(Plan(rows).static_activations)
 
+        inputs = [(args, block_kwargs[j][i]) for j, (args, _) in enumerate(captured)]
+
         def run_block():
             if not runs:
                 return
-            for j, (args, kwargs) in enumerate(captured):
+            for args, kwargs in inputs:
                 out = block(*args, **kwargs)
                 outputs.append(out[0] if isinstance(out, (tuple, list)) else out)
 
         def run_float():
-            _run_to_last_input(block, captured, [modules[q.module] for q in rows if q.needs_inputs])
+            _run_to_last_input(block, inputs, [modules[q.module] for q in rows if q.needs_inputs])
 
         calibrate_rows(rows, run_block, run_float)
         if feeds:

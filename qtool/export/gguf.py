@@ -36,6 +36,7 @@ import torch
 from ..choices import LEGACY_GGUF_TYPES
 from ..encodings import EncodingEntry
 from ..errors import EncodingsError
+from ..families import Family
 from ..io.finite import check_finite, storable
 from ..quant import ggml
 from ..quant.spec import Granularity
@@ -166,7 +167,7 @@ class GgufExporter(Exporter):
 
         deviation, fallen, total = 0.0, [], len(items)
         for n, item in enumerate(items):
-            data, dev = _tensor_data(item, src)
+            data, dev = _tensor_data(item, src, model.family)
             deviation = max(deviation, dev)
             fallen += [i.entry.name for i in item.experts or (item,) if i.entry is not None and i.kind in ("F32", "F16")]
             writer.write_tensor_data(data)
@@ -296,17 +297,19 @@ def _info(kind: str, shape: Tuple[int, ...]):
 _CHUNK = 1 << 24  # elements per row chunk of a large tensor (64 MB of float32 temporaries)
 
 
-def _tensor_data(item: _Item, src) -> Tuple[np.ndarray, float]:
-    """The bytes of one GGUF tensor, and how far its values are from qtool's fake-quant weights."""
+def _tensor_data(item: _Item, src, family: Family) -> Tuple[np.ndarray, float]:
+    """The bytes of one GGUF tensor, and how far its values are from qtool's fake-quant weights (a float tensor
+    as ``family``'s converter writes it: Gemma's norms shifted by one)."""
     from ..quant.affine import dequantize
 
     if item.experts:  # each expert's slice as its own tensor, stacked
-        parts = [_tensor_data(i, src) for i in item.experts]
+        parts = [_tensor_data(i, src, family) for i in item.experts]
         return np.stack([p[0] for p in parts]), max(p[1] for p in parts)
 
     w = src.get(item.key)
     e = item.entry
     if e is None:
+        w = family.gguf_tensor(item.key, w)
         if item.heads:
             w = permute_rows(w, item.heads)
         dtype = torch.float16 if item.kind == "F16" else torch.float32

@@ -1,11 +1,11 @@
 """What a GGUF file says about the model besides its tensors: the architecture's hyperparameters, its tensor names
 and the tokenizer, read from a Hugging Face directory (``config.json``, ``tokenizer.json``).
 
-Supported: the Llama family as llama.cpp's own converter treats it (``llama``, ``mistral`` and ``mixtral`` write
-the ``llama`` architecture, with q/k projection rows permuted into llama.cpp's rotary layout; ``qwen2``,
-``qwen3``, ``qwen2_moe`` and ``qwen3_moe`` write their own, unpermuted; Qwen2-MoE's shared expert is
-``ffn_*_shexp``). A mixture-of-experts model's per-expert tensors (``experts.<e>.gate_proj.weight``) are stacked
-into llama.cpp's 3-D expert tensors (``ffn_gate_exps``: one ``[out, in]`` slice per expert), its router is
+Supported: the model families with a GGUF architecture (``qtool.families``: each family file says what
+llama.cpp's converter writes for it, checks the config against what llama.cpp computes, and transforms tensors as
+the converter does — q/k rows permuted for ``llama``, Gemma's norms shifted by one). Tensor names are gguf-py's
+(``TensorNameMap``). A mixture-of-experts model's per-expert tensors (``experts.<e>.gate_proj.weight``) are
+stacked into llama.cpp's 3-D expert tensors (``ffn_gate_exps``: one ``[out, in]`` slice per expert), its router is
 ``ffn_gate_inp``, and the expert counts and widths go to the metadata as llama.cpp's converter writes them.
 Tokenizers: byte-level BPE (``gpt2`` in GGUF; SmolLM, Llama 3, Qwen2) and byte-fallback BPE
 (``llama``; Llama 2, Mistral). Anything else is refused with one line. The vocabulary and special tokens are read
@@ -15,31 +15,19 @@ with the ``gguf`` package's own readers (``gguf.vocab``), as llama.cpp's convert
 from __future__ import annotations
 
 import functools
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
 from ..errors import CheckpointError
+from ..families import Family, family_of, gguf_model_types
 from ..io.jsonfile import read_json_object
 
-__all__ = ["GgufModel", "read_gguf_model", "permute_rows", "ARCHITECTURES"]
+__all__ = ["GgufModel", "read_gguf_model", "permute_rows"]
 
-# Hugging Face model_type -> (GGUF architecture, q/k rows permuted for llama.cpp's rotary layout)
-ARCHITECTURES: Dict[str, Tuple[str, bool]] = {
-    "llama": ("llama", True),
-    "mistral": ("llama", True),
-    "mixtral": ("llama", True),
-    "qwen2": ("qwen2", False),
-    "qwen2_moe": ("qwen2moe", False),
-    "qwen3": ("qwen3", False),
-    "qwen3_moe": ("qwen3moe", False),
-}
-# whether llama.cpp's architecture normalizes the routed experts' weights (Hugging Face: norm_topk_prob)
-_NORMALIZES_TOP_K = {"qwen3_moe": True, "qwen2_moe": False}
 # a checkpoint's per-expert tensor: llama.cpp stacks experts <stem>.<e>.<leaf> into one tensor named for <stem>.<leaf>
 EXPERT_KEY = re.compile(r"^(?P<stem>.+\.experts)\.(?P<expert>\d+)\.(?P<leaf>[^.]+)\.(?P<kind>weight|bias)$")
 
@@ -75,7 +63,8 @@ class GgufModel:
     """One Hugging Face directory's GGUF description."""
 
     directory: Path
-    config: Dict[str, Any]
+    config: Dict[str, Any]  # config.json as the family checked it
+    family: Family
     arch: str  # GGUF architecture name
     permute_qk: bool
     n_layers: int
@@ -111,35 +100,9 @@ class GgufModel:
         """Hyperparameters and tokenizer onto ``writer``; returns warnings (e.g. an unknown pre-tokenizer)."""
         import gguf
 
-        c = self.config
-        hidden, heads = int(c["hidden_size"]), self.n_head
-        head_dim = int(c.get("head_dim") or hidden // heads)
         writer.add_name(self.directory.name)
         writer.add_type(gguf.GGUFType.MODEL)
-        writer.add_context_length(int(c.get("max_position_embeddings", 2048)))
-        writer.add_embedding_length(hidden)
-        writer.add_block_count(self.n_layers)
-        writer.add_feed_forward_length(int(c["intermediate_size"]))
-        experts = c.get("num_experts") or c.get("num_local_experts")
-        if experts:
-            writer.add_expert_count(int(experts))
-            writer.add_expert_used_count(int(c["num_experts_per_tok"]))
-            if c.get("moe_intermediate_size"):
-                writer.add_expert_feed_forward_length(int(c["moe_intermediate_size"]))
-            if c.get("shared_expert_intermediate_size"):
-                writer.add_expert_shared_feed_forward_length(int(c["shared_expert_intermediate_size"]))
-        writer.add_head_count(heads)
-        writer.add_head_count_kv(self.n_head_kv)
-        writer.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
-        theta, factor = _rope(c)
-        writer.add_rope_freq_base(float(theta))
-        writer.add_rope_dimension_count(head_dim)
-        if head_dim != hidden // heads:
-            writer.add_key_length(head_dim)
-            writer.add_value_length(head_dim)
-        if factor is not None:
-            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            writer.add_rope_scaling_factor(float(factor))
+        self.family.add_gguf_metadata(writer, self.config, self.n_layers)
         writer.add_vocab_size(vocab_size)
         writer.add_file_type(file_type)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -158,22 +121,6 @@ class GgufModel:
             _add_tokenizer(gguf.GGUFWriter(None, self.arch), self.directory, rows)
 
 
-def _rope(c: Dict[str, Any]) -> Tuple[float, Optional[float]]:
-    """(rope theta, linear scaling factor or None); transformers 5 keeps both in ``rope_parameters``."""
-    params = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or params
-    theta = c.get("rope_theta")
-    if theta is None:  # absent or null: transformers' default
-        theta = params.get("rope_theta")
-    theta = 10000.0 if theta is None else theta
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind in (None, "default"):
-        return theta, None
-    if kind == "linear":
-        return theta, float(scaling["factor"])
-    raise CheckpointError(f"rope scaling {kind!r} is not supported by qtool's GGUF export (only none or linear)")
-
-
 def read_gguf_model(directory: Path) -> GgufModel:
     """Read ``config.json``; raises ``CheckpointError`` (one line) for anything GGUF export cannot describe."""
     directory = Path(directory)
@@ -182,61 +129,14 @@ def read_gguf_model(directory: Path) -> GgufModel:
                               "tokenizer.json and the weights)")
     config = read_json_object(directory / "config.json", CheckpointError, "Hugging Face config")
     model_type = config.get("model_type")
-    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
+    family = family_of(model_type)
+    if family is None or family.gguf_arch is None:
         raise CheckpointError(f"{directory}: model_type {str(model_type)[:40]!r} has no GGUF export in qtool "
-                              f"(supported: {', '.join(ARCHITECTURES)})")
-    arch, permute = ARCHITECTURES[model_type]
-    where = directory / "config.json"
-    n_layers = _positive_int(config, "num_hidden_layers", where)
-    heads = _positive_int(config, "num_attention_heads", where)
-    kv = _positive_int(config, "num_key_value_heads", where, default=heads)
-    for key in ("hidden_size", "intermediate_size"):
-        _positive_int(config, key, where)
-    if config.get("num_experts") or config.get("num_local_experts"):
-        _positive_int(config, "num_experts_per_tok", where)
-        normalizes = _NORMALIZES_TOP_K.get(model_type)
-        if normalizes is not None and bool(config.get("norm_topk_prob", False)) != normalizes:
-            raise CheckpointError(f"{where}: norm_topk_prob is {str(not normalizes).lower()}, and llama.cpp's {arch} "
-                                  f"{'always' if normalizes else 'never'} normalizes the routed experts' weights: its "
-                                  "GGUF would compute another function")
-        if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
-            raise CheckpointError(f"{where}: dense MLP layers among the MoE ones (mlp_only_layers, "
-                                  "decoder_sparse_step) have no GGUF export in qtool")
-    config = dict(config)  # checked values replace nulls, so add_metadata reads only what passed here
-    for key, default in (("max_position_embeddings", 2048), ("head_dim", None)):
-        config[key] = _positive_int(config, key, where, default)
-    config["rms_norm_eps"] = _finite(config, "rms_norm_eps", where, 1e-6)
-    try:
-        theta, factor = _rope(config)
-        for value in (theta, factor):
-            if value is not None and (isinstance(value, bool) or not math.isfinite(float(value))):
-                raise ValueError(value)
-    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
-        raise CheckpointError(f"{where}: rope_theta / rope_scaling must be finite numbers ({type(e).__name__}: "
-                              f"{str(e)[:60]})") from None
-    return GgufModel(directory, config, arch, permute, n_layers, heads, kv, bool(config.get("tie_word_embeddings")))
-
-
-def _positive_int(config: Dict[str, Any], key: str, where: Path, default: Any = ...) -> Optional[int]:
-    """``config[key]`` as a positive integer (``default`` when absent or null; required when no default)."""
-    value = config.get(key)
-    if value is None:
-        if default is ...:
-            raise CheckpointError(f"{where}: missing {key!r}")
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
-        raise CheckpointError(f"{where}: {key} must be a positive integer (got {str(value)[:40]!r})")
-    return value
-
-
-def _finite(config: Dict[str, Any], key: str, where: Path, default: float) -> float:
-    """``config[key]`` as a finite float (``default`` when absent or null)."""
-    value = config.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < 1e308:
-        raise CheckpointError(f"{where}: {key} must be a finite number (got {str(value)[:40]!r})")
-    return float(value)
+                              f"(supported: {', '.join(gguf_model_types())})")
+    config = family.check_gguf(config, directory / "config.json")
+    heads = int(config["num_attention_heads"])
+    return GgufModel(directory, config, family, family.gguf_arch, family.permute_qk, int(config["num_hidden_layers"]),
+                     heads, int(config["num_key_value_heads"]), bool(config.get("tie_word_embeddings")))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ transformers is an optional extra (``qtool[hf]``); every entry point here turns 
 
 from __future__ import annotations
 
-
+import contextlib
 import math
 import re
 from pathlib import Path
@@ -252,14 +252,33 @@ def _check_fit_if_weights(path, model: nn.Module) -> None:
         check_weights_fit(path, model, files)
 
 
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside have their parameters on the meta device (no memory, no initialization: a parameter
+    goes there as it is registered, before ``__init__`` initializes it) and their buffers for real: the values
+    ``__init__`` computes from the config and no checkpoint holds (rotary frequencies, Gemma's embedding scale)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, Any, Any]:
-    """``(causal LM on the meta device, config, tokenizer)``; its rotary embedding is built for real (its buffers
-    come from the config, not from the checkpoint)."""
+    """``(causal LM with its parameters on the meta device, config, tokenizer)``; its buffers are real (they come
+    from the config, not from the checkpoint)."""
     transformers = _transformers(path)
     config = _config(path, trust_remote_code)
     config.use_cache = False
     try:
-        with torch.device("meta"):
+        with _parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
                                                                   torch_dtype=torch.float32)
     except Exception as e:
@@ -267,9 +286,6 @@ def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, An
                               f"({str(e).splitlines()[0]})") from None
     _check_fit_if_weights(path, model)
     _linearize(path, model)
-    rot = getattr(getattr(model, "model", None), "rotary_emb", None)
-    if rot is not None:
-        model.model.rotary_emb = type(rot)(config=config)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
     except Exception:  # tensor data needs no tokenizer

@@ -1,0 +1,168 @@
+"""The one class a model family file fills in (:class:`Family`), and what most families share.
+
+A family answers, for one Hugging Face architecture, every question qtool asks that depends on the architecture:
+which norms a rotation or SmoothQuant may fold into, which norm feeds which projections, and how llama.cpp's
+converter writes the model (its GGUF architecture, the checks that the file computes what transformers computes,
+the hyperparameters, any tensor transform). Everything else (every ``nn.Linear``, every fused expert tensor) is
+quantized without a family; only the paths that need one refuse a model that has none.
+No torch here: recipes are checked before torch loads.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from ..errors import CheckpointError
+
+__all__ = ["Family", "LLAMA_SMOOTH_MAPPINGS", "positive_int", "finite", "rope"]
+
+# Llama-style decoder blocks: each norm feeds the projections after it, and up_proj's output rows scale
+# down_proj's input channels exactly (act(gate) * up is linear in up)
+LLAMA_SMOOTH_MAPPINGS: Tuple[Dict[str, Any], ...] = (
+    {"smooth": "re:.*input_layernorm", "balance": ["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"]},
+    {"smooth": "re:.*post_attention_layernorm", "balance": ["re:.*gate_proj", "re:.*up_proj"]},
+    {"smooth": "re:.*up_proj", "balance": ["re:.*down_proj"]},
+)
+
+
+class Family:
+    """One architecture. A family file makes one subclass (or instance) and names it ``FAMILY``."""
+
+    #: Hugging Face ``model_type`` values (config.json) this family describes
+    model_types: Tuple[str, ...] = ()
+    #: its name in messages and docs
+    title: str = ""
+    #: norm classes that compute ``x / rms(x) · w`` and nothing else: rotations fold into them
+    rms_norms: Tuple[str, ...] = ()
+    #: SmoothQuant's default mappings (``()``: none; ``no_smoothing`` says why)
+    smooth_mappings: Tuple[Dict[str, Any], ...] = LLAMA_SMOOTH_MAPPINGS
+    no_smoothing: str = ""
+    #: llama.cpp's architecture (``None``: no GGUF export)
+    gguf_arch: Optional[str] = None
+    #: q/k projection rows permuted into llama.cpp's rotary layout (its converter's ``LlamaModel``)
+    permute_qk: bool = False
+    #: whether llama.cpp's architecture normalizes the routed experts' weights (Hugging Face: norm_topk_prob)
+    normalizes_top_k: Optional[bool] = None
+    #: added to every float ``*norm.weight`` tensor in GGUF (Gemma's norms compute ``x / rms(x) · (1 + w)``)
+    norm_shift: float = 0.0
+
+    # ---- GGUF -----------------------------------------------------------------------------------------------
+    def check_gguf(self, config: Dict[str, Any], where: Path) -> Dict[str, Any]:
+        """``config`` (config.json) checked for what llama.cpp's architecture computes, with checked values in
+        place of absent or null ones; raises ``CheckpointError`` (one line) where the GGUF file would compute
+        another function than transformers does."""
+        positive_int(config, "num_hidden_layers", where)
+        heads = positive_int(config, "num_attention_heads", where)
+        config = dict(config)
+        config["num_key_value_heads"] = positive_int(config, "num_key_value_heads", where, default=heads)
+        for key in ("hidden_size", "intermediate_size"):
+            positive_int(config, key, where)
+        if config.get("num_experts") or config.get("num_local_experts"):
+            positive_int(config, "num_experts_per_tok", where)
+            normalizes = self.normalizes_top_k
+            if normalizes is not None and bool(config.get("norm_topk_prob", False)) != normalizes:
+                raise CheckpointError(f"{where}: norm_topk_prob is {str(not normalizes).lower()}, and llama.cpp's "
+                                      f"{self.gguf_arch} {'always' if normalizes else 'never'} normalizes the routed "
+                                      "experts' weights: its GGUF would compute another function")
+            if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
+                raise CheckpointError(f"{where}: dense MLP layers among the MoE ones (mlp_only_layers, "
+                                      "decoder_sparse_step) have no GGUF export in qtool")
+        for key, default in (("max_position_embeddings", 2048), ("head_dim", None)):
+            config[key] = positive_int(config, key, where, default)
+        config["rms_norm_eps"] = finite(config, "rms_norm_eps", where, 1e-6)
+        try:
+            theta, factor = self.rope(config)
+            for value in (theta, factor):
+                if value is not None and (isinstance(value, bool) or not math.isfinite(float(value))):
+                    raise ValueError(value)
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
+            raise CheckpointError(f"{where}: rope_theta / rope_scaling must be finite numbers ({type(e).__name__}: "
+                                  f"{str(e)[:60]})") from None
+        return config
+
+    def rope(self, config: Dict[str, Any]) -> Tuple[float, Optional[float]]:
+        """(rope theta, linear scaling factor or None) of the attention llama.cpp's ``rope_freq_base`` is for."""
+        return rope(config)
+
+    def add_gguf_metadata(self, writer, config: Dict[str, Any], n_layers: int) -> None:
+        """The hyperparameters llama.cpp's converter writes for this family (``config`` as :meth:`check_gguf`
+        returned it)."""
+        import gguf
+
+        c = config
+        hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        head_dim = int(c.get("head_dim") or hidden // heads)
+        writer.add_context_length(int(c.get("max_position_embeddings", 2048)))
+        writer.add_embedding_length(hidden)
+        writer.add_block_count(n_layers)
+        writer.add_feed_forward_length(int(c["intermediate_size"]))
+        experts = c.get("num_experts") or c.get("num_local_experts")
+        if experts:
+            writer.add_expert_count(int(experts))
+            writer.add_expert_used_count(int(c["num_experts_per_tok"]))
+            if c.get("moe_intermediate_size"):
+                writer.add_expert_feed_forward_length(int(c["moe_intermediate_size"]))
+            if c.get("shared_expert_intermediate_size"):
+                writer.add_expert_shared_feed_forward_length(int(c["shared_expert_intermediate_size"]))
+        writer.add_head_count(heads)
+        writer.add_head_count_kv(int(c["num_key_value_heads"]))
+        writer.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
+        theta, factor = self.rope(c)
+        writer.add_rope_freq_base(float(theta))
+        writer.add_rope_dimension_count(self.rope_dimensions(c))
+        if head_dim != hidden // heads:
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+        if factor is not None:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(factor))
+
+    def rope_dimensions(self, config: Dict[str, Any]) -> int:
+        """How many of each head's dimensions rotate (all of them unless the family says otherwise)."""
+        return int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+
+    def gguf_tensor(self, key: str, tensor):
+        """A float (unquantized) checkpoint tensor as llama.cpp's converter writes it."""
+        if self.norm_shift and key.endswith("norm.weight"):
+            return tensor.float() + self.norm_shift  # in float32, as transformers adds it
+        return tensor
+
+
+def rope(c: Dict[str, Any]) -> Tuple[float, Optional[float]]:
+    """(rope theta, linear scaling factor or None); transformers 5 keeps both in ``rope_parameters``."""
+    params = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or params
+    theta = c.get("rope_theta")
+    if theta is None:  # absent or null: transformers' default
+        theta = params.get("rope_theta")
+    theta = 10000.0 if theta is None else theta
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in (None, "default"):
+        return theta, None
+    if kind == "linear":
+        return theta, float(scaling["factor"])
+    raise CheckpointError(f"rope scaling {kind!r} is not supported by qtool's GGUF export (only none or linear)")
+
+
+def positive_int(config: Dict[str, Any], key: str, where: Path, default: Any = ...) -> Optional[int]:
+    """``config[key]`` as a positive integer (``default`` when absent or null; required when no default)."""
+    value = config.get(key)
+    if value is None:
+        if default is ...:
+            raise CheckpointError(f"{where}: missing {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+        raise CheckpointError(f"{where}: {key} must be a positive integer (got {str(value)[:40]!r})")
+    return value
+
+
+def finite(config: Dict[str, Any], key: str, where: Path, default: float) -> float:
+    """``config[key]`` as a finite float (``default`` when absent or null)."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < 1e308:
+        raise CheckpointError(f"{where}: {key} must be a finite number (got {str(value)[:40]!r})")
+    return float(value)

@@ -1,0 +1,16 @@
+"""Mixtral: Mistral's attention with a mixture-of-experts MLP (checkpoint: ``block_sparse_moe.experts.<e>.w1/w3/w2``
+and the router ``block_sparse_moe.gate``). llama.cpp writes it as ``llama`` with stacked expert tensors and
+always normalizes the routed weights, as Mixtral does."""
+
+from .base import Family
+
+
+class Mixtral(Family):
+    model_types = ("mixtral",)
+    title = "Mixtral"
+    rms_norms = ("MixtralRMSNorm",)
+    gguf_arch = "llama"
+    permute_qk = True
+
+
+FAMILY = Mixtral()

@@ -1,0 +1,87 @@
+"""Model families (qtool/families/): one file per architecture, found by the package, and what each says reaching
+the paths that read it — SmoothQuant's defaults, rotations, GGUF's checks against what llama.cpp computes."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.helpers import error_lines, run_cli
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_every_family_file_is_found_and_claims_its_own_model_types():
+    from pathlib import Path
+
+    import qtool.families as families
+
+    files = {p.stem for p in Path(families.__file__).parent.glob("*.py")} - {"__init__", "base"}
+    claimed = {f.__class__.__module__.rsplit(".", 1)[1] for f in families.FAMILIES.values()}
+    assert claimed == files
+    assert families.family_of("gemma3_text").gguf_arch == "gemma3"
+    assert families.family_of("phi3").rms_norms == ("Phi3RMSNorm",)
+    assert families.family_of("gpt2") is None and families.family_of(None) is None
+    assert set(families.gguf_model_types()) >= {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
+                                                "qwen3_moe", "gemma3_text", "phi3"}
+
+
+def _saved(tmp_path, family, **extra):
+    torch.manual_seed(0)
+    kw = {"gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, num_hidden_layers=2),
+          "phi3": dict(pad_token_id=0, num_hidden_layers=2)}[family]
+    cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=64,
+                                            num_attention_heads=4, num_key_value_heads=2, **{**kw, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(tmp_path / "m")
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    return tmp_path / "m", tmp_path / "ids.safetensors"
+
+
+def test_smoothquant_folds_phi3s_norms_into_its_fused_projections(tmp_path):
+    ckpt, ids = _saved(tmp_path, "phi3")
+    code, out, err = run_cli("calibrate", ckpt, "-c", "w8a8-smoothquant", "--data", ids, "-o", tmp_path / "c",
+                             "--quiet", "--json")
+    assert code == 0, err
+    groups = json.loads((tmp_path / "c" / "manifest.json").read_text())["smoothquant"]["groups"]
+    # each norm folded into the fused projection it feeds (qtool refuses a fold that moves the float output)
+    assert sorted((g["smooth"], tuple(g["balance"])) for g in groups) == sorted(
+        [(f"model.layers.{i}.input_layernorm", (f"model.layers.{i}.self_attn.qkv_proj",)) for i in range(2)]
+        + [(f"model.layers.{i}.post_attention_layernorm", (f"model.layers.{i}.mlp.gate_up_proj",)) for i in range(2)])
+
+
+def test_gemma3_has_no_smoothquant_defaults_and_no_rotations_each_said_in_one_line(tmp_path):
+    ckpt, ids = _saved(tmp_path, "gemma3_text")
+    code, _, err = run_cli("calibrate", ckpt, "-c", "w8a8-smoothquant", "--data", ids, "-o", tmp_path / "c",
+                           "--quiet")
+    assert code != 0 and len(error_lines(err)) == 1 and "(1 + w)" in err, err
+    code, _, err = run_cli("calibrate", ckpt, "-c", "w8a8-dynamic-rot", "--data", ids, "-o", tmp_path / "r",
+                           "--quiet")
+    assert code != 0 and len(error_lines(err)) == 1 and "Gemma3RMSNorm" in err, err
+    assert not (tmp_path / "c").exists() and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("family,extra,says", [
+    ("gemma3_text", dict(query_pre_attn_scalar=32), "query_pre_attn_scalar"),
+    ("gemma3_text", dict(hidden_activation="gelu"), "hidden_activation"),
+    ("gemma3_text", dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention",
+                                                           "sliding_attention"]), "layer_types"),
+    ("phi3", dict(max_position_embeddings=8192, original_max_position_embeddings=4096,
+                  rope_scaling={"rope_type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}),
+     "longrope"),
+])
+def test_a_config_llama_cpp_would_compute_otherwise_is_refused_before_calibration(tmp_path, family, extra, says):
+    from tests.test_gguf import _tiny_llama
+
+    ckpt, ids = _saved(tmp_path, family, **extra)
+    _tiny_llama(tmp_path / "tok", False)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (tmp_path / "tok" / f).exists():
+            (ckpt / f).write_bytes((tmp_path / "tok" / f).read_bytes())
+    code, _, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "-o", tmp_path / "q", "--format", "gguf",
+                           "--quiet")
+    assert code != 0 and len(error_lines(err)) == 1 and says in err, err
+    assert not (tmp_path / "q").exists()
