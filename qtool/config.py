@@ -428,11 +428,22 @@ class RotationPlan:
     untie: bool = False  # r1 on tied embeddings: the output layer gets its own weight (tie_word_embeddings false)
     down: str = "mlp.down_proj"  # the MLP's output Linear in each layer, whose input r4 rotates
     kv_modules: Tuple[str, ...] = ()  # the attention layers whose keys r3 rotates (those with a quantized KV cache)
+    # mixture-of-experts layers: (layer, what reads the residual stream, what writes it), names under the layer
+    # (every expert's gate/up and down, the router, shared experts); a layer not named has a dense Llama MLP
+    moe: Tuple[Tuple[str, Tuple[str, ...], Tuple[str, ...]], ...] = ()
 
     @property
     def rotates_head(self) -> bool:
         """Whether r1 folds the final norm into an output layer and rotates it."""
         return "r1" in self.rotations and self.head is not None
+
+    def mlp(self, layer: str) -> Tuple[List[str], List[str]]:
+        """``(readers, writers)`` of ``layer``'s MLP: the modules whose weight columns read the residual stream
+        after the second norm, and the Linears that write it (r4 rotates their input)."""
+        for name, readers, writers in self.moe:
+            if name == layer:
+                return [f"{layer}.{n}" for n in readers], [f"{layer}.{n}" for n in writers]
+        return [f"{layer}.mlp.gate_proj", f"{layer}.mlp.up_proj"], [f"{layer}.{self.down}"]
 
     def online(self) -> List[OnlineRotation]:
         """The rotations that run on activations (r3: every quantized KV cache's keys, with their queries; r4:
@@ -442,7 +453,7 @@ class RotationPlan:
             out.append(OnlineRotation("r3", self.kind, self.seed, self.kv_modules, location="k_cache"))
         if "r4" in self.rotations:
             out.append(OnlineRotation("r4", self.kind, self.seed,
-                                      tuple(f"{layer}.{self.down}" for layer in self.layers)))
+                                      tuple(n for layer in self.layers for n in self.mlp(layer)[1])))
         return out
 
 
@@ -1243,8 +1254,39 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     return plan
 
 
-_LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                  "mlp.up_proj", "mlp.down_proj")
+_ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_LAYER_LINEARS = _ATTENTION_LINEARS + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _moe_parts(modules, layer: str, hidden: int) -> Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]]:
+    """``(readers, writers)`` under ``layer`` of a mixture-of-experts MLP qtool can rotate: linearized experts
+    (``mlp.experts``, each with gate/up/down roles), a router reading the hidden width (``mlp.gate``), and
+    optionally shared experts (``mlp.shared_expert(s)``, gate/up/down) and a shared expert's gate
+    (``mlp.shared_expert_gate``); None for any other MLP."""
+    from torch import nn
+
+    experts = modules.get(f"{layer}.mlp.experts")
+    router = modules.get(f"{layer}.mlp.gate")
+    if not (hasattr(experts, "num_experts") and hasattr(experts, "expert")):
+        return None
+    w = getattr(router, "weight", None)
+    if w is None or w.dim() != 2 or int(w.shape[1]) != hidden:
+        return None
+    readers, writers = ["mlp.gate"], []
+    for e in range(experts.num_experts):
+        roles = experts.expert(e).roles
+        if "down" not in roles:
+            return None
+        readers += [f"mlp.experts.{e}.{roles[r]}" for r in ("gate", "up") if r in roles]
+        writers.append(f"mlp.experts.{e}.{roles['down']}")
+    for shared in ("mlp.shared_expert", "mlp.shared_experts"):
+        parts = [f"{shared}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+        if all(isinstance(modules.get(f"{layer}.{p}"), nn.Linear) for p in parts):
+            readers += parts[:2]
+            writers.append(parts[2])
+    if isinstance(modules.get(f"{layer}.mlp.shared_expert_gate"), nn.Linear):
+        readers.append("mlp.shared_expert_gate")
+    return tuple(readers), tuple(writers)
 
 
 def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> RotationPlan:
@@ -1267,27 +1309,36 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
     if not layers or embed is None or config is None:
         raise ConfigError(f"{where}: the model has no Llama-family decoder layers (model.layers.N.self_attn.v_proj) "
                           "to rotate (r4 alone also rotates a BERT-style encoder's MLP output layer)")
+    hidden = int(embed.weight.shape[1])
+    moe = []
     for layer in layers:
-        for part in _LAYER_LINEARS:
+        parts = _moe_parts(modules, layer, hidden)
+        known = _LAYER_LINEARS
+        if parts is not None:
+            moe.append((layer,) + parts)
+            known = _ATTENTION_LINEARS + parts[0] + parts[1]
+        for part in _LAYER_LINEARS if parts is None else _ATTENTION_LINEARS:
             if not isinstance(modules.get(f"{layer}.{part}"), nn.Linear):
                 raise ConfigError(f"{where}: {layer}.{part} is not a Linear layer; qtool rotates Llama-family "
-                                  "decoder layers (Llama, Mistral, Qwen2, Qwen3)")
+                                  "decoder layers (Llama, Mistral, Qwen2, Qwen3 and their mixture-of-experts "
+                                  "variants)")
         for norm in ("input_layernorm", "post_attention_layernorm"):
             got = type(modules.get(f"{layer}.{norm}")).__name__
             if got not in rms_norms:
                 raise ConfigError(f"{where}: {layer}.{norm} is a {got}, not an RMSNorm qtool can fold "
                                   f"({', '.join(rms_norms)})")
+        known = set(known)
         extra = sorted(n for n, m in modules.items() if n.startswith(layer + ".") and isinstance(m, nn.Linear)
-                       and n[len(layer) + 1:] not in _LAYER_LINEARS)
+                       and n[len(layer) + 1:] not in known)
         if extra:
             raise ConfigError(f"{where}: {extra[0]} is a Linear layer qtool does not know how to rotate "
-                              "(Llama-family layers have q/k/v/o and gate/up/down only)")
+                              "(Llama-family layers have q/k/v/o and gate/up/down only, or experts, a router and "
+                              "shared experts)")
     embed_name = next(n for n, m in modules.items() if m is embed)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = next((n for n, m in modules.items() if m is head), None) if isinstance(head, nn.Linear) else None
     final_norm = next((n for n, m in modules.items() if n.endswith("norm") and n.count(".") <= 1
                        and type(m).__name__ in rms_norms and not n.startswith(layers[0])), None)
-    hidden = int(embed.weight.shape[1])
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
     head_dim = int(getattr(config, "head_dim", None) or (hidden // heads if heads else 0))
     v = modules[f"{layers[0]}.self_attn.v_proj"]
@@ -1302,7 +1353,10 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
     if "r1" in spec.rotations and hidden % block:
         raise ConfigError(f"{where}: block_size {block} does not divide the hidden size {hidden}")
     if "r4" in spec.rotations:
-        _check_r4_width({modules[f"{layer}.mlp.down_proj"].in_features for layer in layers}, "down_proj", where)
+        moe_writers = {layer: writers for layer, _, writers in moe}
+        widths = {modules[f"{layer}.{n}"].in_features for layer in layers
+                  for n in moe_writers.get(layer, ("mlp.down_proj",))}
+        _check_r4_width(widths, "down_proj", where)
     if "r3" in spec.rotations and not head_dim:
         raise ConfigError(f"{where}: r3 rotates each attention head's queries and keys, but the model's config "
                           "gives no head_dim (nor num_attention_heads)")
@@ -1316,7 +1370,7 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
     # r1 folds the final norm into the output layer alone: a tied output layer gets its own copy first
     untie = "r1" in spec.rotations and head_name is not None and head.weight is embed.weight
     return RotationPlan(tuple(spec.rotations), spec.type, spec.seed, hidden, head_dim, embed_name,
-                        final_norm or "", head_name, tuple(layers), block, untie)
+                        final_norm or "", head_name, tuple(layers), block, untie, moe=tuple(moe))
 
 
 def _encoder_r4_plan(spec: RotateSpec, modules, where: str) -> RotationPlan:

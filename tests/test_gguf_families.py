@@ -20,7 +20,8 @@ transformers = pytest.importorskip("transformers")
 # family -> (GGUF architecture, expert leaf names for gate/up/down or None for a dense MLP)
 FAMILIES = {"qwen3": ("qwen3", None), "qwen3_moe": ("qwen3moe", ("gate_proj", "up_proj", "down_proj")),
             "mixtral": ("llama", ("w1", "w3", "w2")), "qwen2_moe": ("qwen2moe", ("gate_proj", "up_proj", "down_proj")),
-            "gemma3_text": ("gemma3", None), "phi3": ("phi3", None)}
+            "gemma3_text": ("gemma3", None), "phi3": ("phi3", None),
+            "olmoe": ("olmoe", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def _tiny(dest: Path, family: str, **overrides) -> Path:
@@ -42,6 +43,8 @@ def _tiny(dest: Path, family: str, **overrides) -> Path:
              # base 10000, the sixth global with its own base; norms computing x / rms(x) * (1 + w)
              "gemma3_text": dict(intermediate_size=128, head_dim=16, query_pre_attn_scalar=16, num_hidden_layers=6,
                                  sliding_window=12),
+             # q/k norms over the whole projection, routed weights not normalized
+             "olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_key_value_heads=4),
              # fused qkv_proj and gate_up_proj; rotary embedding on half of each head
              "phi3": dict(intermediate_size=128, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
                           eos_token_id=2)}[family]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import qtool
 from qtool.calibration.rotation import rotate
@@ -691,3 +691,46 @@ def test_config_show_names_the_rotations_and_where_each_online_one_runs(tmp_path
     assert code == 0 and "r1 r2 fused into the weights" in text and "r3 online (queries and cached keys) on 2" in text
     code, out, err = run_cli("config", "show", tmp_path / "r.yaml")  # without a model: the recipe's rotate key
     assert code == 0 and "rotate:" in out and "- r3" in out, out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_mixture_of_experts_model_rotates_through_its_router_and_every_expert(tmp_path, family):
+    """r1 reads the residual stream in every expert's gate/up and in the router (the norm folded into all of
+    them) and writes it in every expert's down; r4 rotates each expert's down input online. The float model
+    computes what it did (the same routing), --sequential writes the in-memory bytes, and the fake-quant model
+    reloads from the qtool export (Mixtral's router is block_sparse_moe.gate in the checkpoint)."""
+    from tests.test_experts import _saved
+
+    ckpt, ids = _saved(tmp_path, family)
+    recipe = W4A16_ROT.replace("[r1, r2]", "[r1, r2, r4]")
+    (tmp_path / "r.yaml").write_text(recipe)
+    runs = {}
+    for mode in ("memory", "sequential"):
+        code, _, err = run_cli("calibrate", ckpt, "-c", tmp_path / "r.yaml", "--data", ids, "-o", tmp_path / mode,
+                               "--quiet", *(("--sequential",) if mode == "sequential" else ()))
+        assert code == 0, err
+        runs[mode] = {f.name: f.read_bytes() for f in (tmp_path / mode).iterdir() if f.name != "manifest.json"}
+    assert runs["sequential"] == runs["memory"]
+    online = json.loads(runs["memory"]["encodings.json"])["online_rotations"][0]["modules"]
+    leaf = "w2" if family == "mixtral" else "down_proj"
+    assert f"model.layers.1.mlp.experts.7.{leaf}" in online and len(online) == 2 * 8
+    x = load_file(ids)["input_ids"][:2]
+    fq = qtool.load_calibrated(str(ckpt), str(tmp_path / "memory" / "encodings.json")).eval()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt)).eval()
+    with torch.no_grad():
+        want = fq(x).logits
+        set_quantization(fq, False)
+        a, b = fq(x).logits, plain(x).logits
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()  # rotated float model = the float model
+    code, _, err = run_cli("export", ckpt, "-e", tmp_path / "memory" / "encodings.json", "-o", tmp_path / "q",
+                           "--format", "qtool", "--quiet")
+    assert code == 0, err
+    from qtool.export.qtool_st import read_integer_export
+
+    written = read_integer_export(tmp_path / "q")
+    stored = "block_sparse_moe" if family == "mixtral" else "mlp"
+    fq_params = dict(fq.named_parameters())
+    router = written[f"model.layers.1.{stored}.gate.weight"]  # the rotated router, under its checkpoint name
+    assert torch.equal(router, fq_params["model.layers.1.mlp.gate.weight"])
+    assert not torch.equal(router, plain.state_dict()["model.layers.1.mlp.gate.weight"])
+    del want

@@ -13,7 +13,7 @@ have their outlier channels spread out.
 * **R2**, each attention head's values (width ``head_dim``): ``v_proj``'s rows of each key/value head become
   ``Rᵀ W_h`` (bias ``b_h R``) and ``o_proj``'s columns of each head ``W_h R``. Attention mixes tokens, never
   channels, so each head's output carries the same ``R`` into ``o_proj``.
-* **R4**, ``down_proj``'s input (width ``intermediate``): ``down_proj``'s weight becomes ``W R`` and its input
+* **R4**, ``down_proj``'s input (width ``intermediate``; each expert's): ``down_proj``'s weight becomes ``W R`` and its input
   ``x R`` at run time, by a hook (qtool.model.online), since SwiGLU's product before it is not linear in a
   rotation. The hook stays on the model; the encodings file records it for every later reader.
 * **R3**, each attention head's queries and keys after RoPE (width ``head_dim``), at run time: nothing is
@@ -99,15 +99,15 @@ class Rotator:
         changed: Dict[str, torch.Tensor] = {}
         store = functools.partial(self._store, changed)
         mod = self.modules.__getitem__
+        mlp, writers = self.plan.mlp(layer)
         if "r1" in self.plan.rotations:
             attn = [f"{layer}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
-            mlp = [f"{layer}.mlp.{p}" for p in ("gate_proj", "up_proj")]
             _fold_norm(self.modules, f"{layer}.input_layernorm", attn, store)
             _fold_norm(self.modules, f"{layer}.post_attention_layernorm", mlp, store)
             b = self.plan.block_size
             for name in attn + mlp:
                 store(f"{name}.weight", self._rot(mod(name).weight, block=b))
-            for name in (f"{layer}.self_attn.o_proj", f"{layer}.mlp.down_proj"):
+            for name in [f"{layer}.self_attn.o_proj"] + writers:
                 store(f"{name}.weight", self._rot(mod(name).weight, width_first=True, block=b))
                 if mod(name).bias is not None:
                     store(f"{name}.bias", self._rot(mod(name).bias, block=b))
@@ -121,10 +121,10 @@ class Rotator:
                 store(f"{layer}.self_attn.v_proj.bias", self._rot(v.bias.reshape(-1, d)).reshape(-1))
             wo = o.weight.to(torch.float64).reshape(o.out_features, -1, d)  # (out, heads, d)
             store(f"{layer}.self_attn.o_proj.weight", self._rot(wo).reshape(o.weight.shape))
-        if "r4" in self.plan.rotations:  # down_proj's input: x R at run time, W R fused
-            name = f"{layer}.{self.plan.down}"
-            store(f"{name}.weight", self._rot(mod(name).weight))
-            install_online(self.modules, self.plan.online(), only=name)
+        if "r4" in self.plan.rotations:  # down_proj's input (each expert's): x R at run time, W R fused
+            for name in writers:
+                store(f"{name}.weight", self._rot(mod(name).weight))
+                install_online(self.modules, self.plan.online(), only=name)
         if "r3" in self.plan.rotations:  # the keys the layer's KV cache quantizer sees: k R (nothing fused)
             for name in self.plan.kv_modules:
                 if name.startswith(layer + "."):

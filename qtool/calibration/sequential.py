@@ -153,6 +153,11 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         return None
 
     converted = CheckpointMap(model, keys)
+    renamed = {name: key for key, name in converted.renamed().items()}
+
+    def keyed(changed: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Tensors a rotation changed, by their checkpoint names (as the in-memory run names them)."""
+        return {checkpoint_key(model, n) or renamed.get(n, n): t for n, t in changed.items()}
     blocks = _blocks(model)
     modules = dict(model.named_modules())
     block_names = [f"model.layers.{i}" for i in range(len(blocks))]
@@ -209,7 +214,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
     _materialize(embed, embed_name, src, name_of, device, converted)
     rotator = Rotator(model, plan.rotation) if plan.rotation is not None else None
     if rotator is not None:
-        floats.update(rotator.embedding())
+        floats.update(keyed(rotator.embedding()))
     captured: List[Tuple[tuple, dict]] = []  # per batch: the first block's inputs
     # per batch, per block: the keywords the model passes that block (a model may give its blocks different ones:
     # Gemma 3's sliding-window layers get other rotary embeddings and masks than its global ones)
@@ -283,7 +288,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         finished.clear()
         changed = {}
         if rotator is not None:
-            changed = rotator.layer(prefix)
+            changed = keyed(rotator.layer(prefix))
             floats.update(changed)
         outputs: List[torch.Tensor] = []
         rows = rows_under(prefix)
@@ -325,7 +330,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         _materialize(norm, "model.norm", src, name_of, device, converted)
         _materialize(lm_head, "lm_head", src, name_of, device, converted)
         if rotate_head:
-            floats.update(rotator.head())
+            floats.update(keyed(rotator.head()))
 
         def run_tail():
             for args, _ in captured:

@@ -101,12 +101,26 @@ def apply_stored_weights(model: nn.Module, weights: WeightSource, codes: bool = 
     if weights.replaced():
         state = dict(model.named_parameters())
         state.update(dict(model.named_buffers()))
+        named = _model_names(model, [k for k in weights.replaced() if k not in state])
         for key in weights.replaced():
-            target = state.get(key)
+            target = state.get(named.get(key, key))
             if target is None:
                 raise EncodingsError(f"{weights.path}: replaced tensor {key!r} is not a parameter of this model")
             with torch.no_grad():
                 target.copy_(weights.get(key).to(target.dtype))
+
+
+def _model_names(model: nn.Module, keys) -> Dict[str, str]:
+    """``{checkpoint key: the model's parameter name}`` for checkpoint tensors the model names otherwise (a
+    linearized expert's, one transformers renames at load time such as Mixtral's router)."""
+    from .checkpoint_map import CheckpointMap
+    from .experts import CHECKPOINT_KEYS
+
+    if not keys:
+        return {}
+    out = {ckpt: name for name, ckpt in getattr(model, CHECKPOINT_KEYS, {}).items()}
+    out.update(CheckpointMap(model, keys).renamed())
+    return out
 
 
 def untie(model: nn.Module, owner: nn.Module, attr: str = "weight") -> None:

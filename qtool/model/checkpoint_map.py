@@ -64,6 +64,12 @@ class CheckpointMap:
     def __contains__(self, name: str) -> bool:
         return name in self._sources
 
+    def renamed(self) -> Dict[str, str]:
+        """``{checkpoint key: parameter name}`` of the parameters that are one checkpoint tensor under another
+        name (Mixtral's ``block_sparse_moe.gate.weight`` is the model's ``mlp.gate.weight``)."""
+        return {groups[None][0]: name for name, (converter, groups) in self._sources.items()
+                if converter is None and list(groups) == [None] and len(groups[None]) == 1}
+
     def sources(self, name: str) -> Optional[List[List[str]]]:
         """The checkpoint keys that make parameter ``name``, one list per source pattern of its converter (in the
         converter's order; keys in natural order), or None where it is not built from other tensors."""

@@ -326,19 +326,26 @@ def load_hf(path: Path, trust_remote_code: bool):
 
 
 def hf_name_map(model: nn.Module, files: List[Path]) -> Dict[str, str]:
-    """Map checkpoint tensor names to the model's state_dict names where a base-model prefix differs."""
+    """Map checkpoint tensor names to the model's state_dict names where they differ: a base-model prefix, a
+    linearized expert's checkpoint tensor, a tensor transformers renames at load time."""
     from safetensors import safe_open
+
+    from .checkpoint_map import CheckpointMap
 
     names = set(model.state_dict())
     prefix = getattr(model, "base_model_prefix", "") or ""
     out = {ckpt: name for name in names if (ckpt := checkpoint_key(model, name)) is not None and ckpt != name}
+    keys: List[str] = []
     for f in files:
         with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():
-                if k in names or k in out:
-                    continue
-                if prefix and f"{prefix}.{k}" in names:
-                    out[k] = f"{prefix}.{k}"
-                elif prefix and k.startswith(prefix + ".") and k[len(prefix) + 1:] in names:
-                    out[k] = k[len(prefix) + 1:]
+            keys += list(fh.keys())
+    # a tensor transformers renames at load time (Mixtral's router: block_sparse_moe.gate -> mlp.gate)
+    out.update({k: n for k, n in CheckpointMap(model, keys).renamed().items() if k not in out and k not in names})
+    for k in keys:
+        if k in names or k in out:
+            continue
+        if prefix and f"{prefix}.{k}" in names:
+            out[k] = f"{prefix}.{k}"
+        elif prefix and k.startswith(prefix + ".") and k[len(prefix) + 1:] in names:
+            out[k] = k[len(prefix) + 1:]
     return out
