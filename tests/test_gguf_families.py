@@ -21,7 +21,8 @@ transformers = pytest.importorskip("transformers")
 FAMILIES = {"qwen3": ("qwen3", None), "qwen3_moe": ("qwen3moe", ("gate_proj", "up_proj", "down_proj")),
             "mixtral": ("llama", ("w1", "w3", "w2")), "qwen2_moe": ("qwen2moe", ("gate_proj", "up_proj", "down_proj")),
             "gemma3_text": ("gemma3", None), "phi3": ("phi3", None),
-            "olmoe": ("olmoe", ("gate_proj", "up_proj", "down_proj"))}
+            "olmoe": ("olmoe", ("gate_proj", "up_proj", "down_proj")),
+            "deepseek_v3": ("deepseek2", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def _tiny(dest: Path, family: str, **overrides) -> Path:
@@ -45,6 +46,12 @@ def _tiny(dest: Path, family: str, **overrides) -> Path:
                                  sliding_window=12),
              # q/k norms over the whole projection, routed weights not normalized
              "olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_key_value_heads=4),
+             # latent attention (kv_b_proj split into attn_k_b and attn_v_b), a leading dense layer, sigmoid routing
+             # with a correction bias, a shared expert
+             "deepseek_v3": dict(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                                 num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+                                 kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1,
+                                 topk_group=1, num_key_value_heads=4),
              # fused qkv_proj and gate_up_proj; rotary embedding on half of each head
              "phi3": dict(intermediate_size=128, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
                           eos_token_id=2)}[family]
@@ -94,12 +101,14 @@ def test_the_file_holds_every_weight_as_qtools_fake_quant_model_and_the_experts_
         return
     assert reader.fields[f"{arch}.expert_count"].contents() == 8
     assert reader.fields[f"{arch}.expert_used_count"].contents() == 2
-    assert values["blk.0.ffn_gate_inp.weight"][0] == "F32"  # the router stays float
+    assert values["blk.1.ffn_gate_inp.weight"][0] == "F32"  # the router stays float
     if family == "qwen2_moe":
         assert reader.fields[f"{arch}.expert_shared_feed_forward_length"].contents() == 64
         assert values["blk.1.ffn_down_shexp.weight"][0] == "Q8_0"
     stored = "block_sparse_moe" if family == "mixtral" else "mlp"
-    for layer in range(2):
+    if family == "deepseek_v3":
+        _check_latent_attention(reader, values, fq)
+    for layer in range(1, 2) if family == "deepseek_v3" else range(2):  # (DeepSeek's layer 0 is dense)
         for gguf_name, leaf in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), leaves):
             kind, stacked = values[f"blk.{layer}.{gguf_name}.weight"]
             assert kind == "Q8_0" and stacked.shape[0] == 8
@@ -110,22 +119,44 @@ def test_the_file_holds_every_weight_as_qtools_fake_quant_model_and_the_experts_
                 assert np.array_equal(stacked[e].reshape(w.shape), w.numpy()), (layer, gguf_name, e)
 
 
+def _check_latent_attention(reader, values, fq):
+    """DeepSeek's kv_b_proj as llama.cpp's converter splits it per head: attn_v_b the values' rows in Q8_0,
+    attn_k_b the keys' rows transposed, as F32 fake-quant values."""
+    assert reader.fields["deepseek2.leading_dense_block_count"].contents() == 1
+    assert reader.fields["deepseek2.expert_gating_func"].contents() == 2  # sigmoid
+    assert values["blk.1.exp_probs_b.bias"][0] == "F32"
+    kv_b = fq["model.layers.1.self_attn.kv_b_proj.weight"].reshape(4, 8 + 16, 32)
+    kind, v_b = values["blk.1.attn_v_b.weight"]
+    assert kind == "Q8_0" and np.array_equal(v_b.reshape(4, 16, 32), kv_b[:, 8:].numpy())
+    kind, k_b = values["blk.1.attn_k_b.weight"]
+    assert kind == "F32" and np.array_equal(k_b.reshape(4, 32, 8), kv_b[:, :8].transpose(1, 2).numpy())
+    assert "blk.1.attn_kv_b.weight" not in values
+
+
 def test_llama_cpp_runs_the_file_and_its_next_tokens_are_the_float_models(exported):
     """Greedy next tokens of llama.cpp on the Q8_0 file against transformers' float model on 40 random prompts, and
     log-probabilities against qtool's fake-quant model. llama.cpp multiplies with 8-bit activations, so a router
     whose top experts are nearly tied can route a token otherwise (one Mixtral prompt moves 0.7): the median
     shows the arithmetic, the agreement that routing holds."""
     pytest.importorskip("xllamacpp")
+    family, ckpt, out, _ = exported
+    agree, diffs = _agreement(ckpt, out)
+    assert agree >= 34, (family, agree)
+    assert median(diffs) < 0.03, (family, sorted(diffs))
+
+
+def _agreement(ckpt, out, longest: int = 40):
+    """(prompts of 40 where llama.cpp's greedy next token is transformers' float model's, per prompt the largest
+    log-probability difference of llama.cpp's top 3 tokens from qtool's fake-quant model)."""
     import qtool
 
     from tests.llamacpp import LlamaCpp
 
-    family, ckpt, out, _ = exported
     ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     fq = qtool.load_calibrated(str(ckpt), str(out / "calibration/encodings.json")).eval()
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, VOCAB, (int(k),), generator=g).tolist()
-               for k in torch.randint(4, 40, (40,), generator=g)]
+               for k in torch.randint(4, longest, (40,), generator=g)]
     agree, diffs = 0, []
     with LlamaCpp(str(out / "model.gguf")) as llama:
         for p in prompts:
@@ -134,8 +165,24 @@ def test_llama_cpp_runs_the_file_and_its_next_tokens_are_the_float_models(export
                 logp = torch.log_softmax(fq(torch.tensor([p])).logits[0, -1].double(), -1)
             agree += top == llama.greedy_next(p)
             diffs.append(max(abs(float(logp[t]) - lp) for t, lp in llama.top(p, 3)))
-    assert agree >= 34, (family, agree)
-    assert median(diffs) < 0.03, (family, sorted(diffs))
+    return agree, diffs
+
+
+def test_deepseeks_yarn_long_context_runs_in_llama_cpp_as_in_transformers(tmp_path):
+    """DeepSeek-V3's YaRN rope scaling (factor 4 beyond 64 positions here; its attention scaled by mscale²) is
+    computed by llama.cpp from the metadata as transformers computes it, on prompts longer than the original
+    context too."""
+    pytest.importorskip("xllamacpp")
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    ckpt = _tiny(tmp_path / "m", "deepseek_v3", rope_parameters=yarn, max_position_embeddings=128)
+    code, _, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "-o", tmp_path / "q", "--format", "gguf", "--quiet")
+    assert code == 0, err
+    reader = gguf.GGUFReader(tmp_path / "q" / "model.gguf")
+    assert reader.fields["deepseek2.rope.scaling.type"].contents() == "yarn"
+    agree, diffs = _agreement(ckpt, tmp_path / "q", longest=80)
+    assert agree >= 34, agree
+    assert median(diffs) < 0.03, sorted(diffs)
 
 
 @pytest.mark.parametrize("family,normalized", [("qwen3_moe", False), ("qwen2_moe", True)])
@@ -155,8 +202,8 @@ def test_an_importance_matrix_holds_one_row_per_expert_and_each_expert_takes_its
     from qtool.model.hf import meta_skeleton
 
     family, ckpt, _, _ = exported
-    if FAMILIES[family][1] is None:
-        pytest.skip("a dense model")
+    if FAMILIES[family][1] is None or family == "deepseek_v3":
+        pytest.skip("a dense model" if FAMILIES[family][1] is None else "no llama-quantize mix for deepseek2 in qtool")
     text = tmp_path / "text.txt"
     text.write_text(" ".join(["the value of a list is returned by the function"] * 200))
     code, _, err = run_cli("imatrix", ckpt, "--data", text, "-o", tmp_path / "im.gguf", "--quiet")

@@ -37,6 +37,7 @@ from ..choices import LEGACY_GGUF_TYPES
 from ..encodings import EncodingEntry
 from ..errors import EncodingsError
 from ..families import Family
+from ..families.base import TensorPart
 from ..io.finite import check_finite, storable
 from ..quant import ggml
 from ..quant.spec import Granularity
@@ -104,10 +105,14 @@ class _Item:
     entry: Optional[EncodingEntry] = None  # quantized (or fallen back): its encoding
     heads: Optional[int] = None  # rows permuted for llama.cpp's rotary layout
     experts: Tuple["_Item", ...] = ()  # a stacked expert tensor: one item per expert, in expert order
+    part: Optional[TensorPart] = None  # made from some rows of the checkpoint tensor (DeepSeek's attn_k_b/attn_v_b)
 
     def shape(self, src) -> Tuple[int, ...]:
         if self.experts:
             return (len(self.experts),) + tuple(src.shape_dtype(self.experts[0].key)[0])
+        if self.part is not None:
+            shape = self.part.shape
+            return shape[:-2] + (shape[-1], shape[-2]) if self.part.transpose else shape
         return tuple(src.shape_dtype(self.key)[0])
 
 
@@ -223,6 +228,16 @@ def _plan(model: GgufModel, src, entries: List[EncodingEntry], options) -> Tuple
     embed = None
     stacked: Dict[str, List[Tuple[int, _Item]]] = {}  # GGUF name -> (expert, its item), in checkpoint order
     for key in keys:
+        parts = model.parts(key)
+        if parts:
+            for part in parts:
+                it = item(model.tensor_name(part.key), key, key)
+                # transposed rows have no quantization blocks left: the fake-quant values, as F32
+                kind = "F32" if part.transpose else _kind(it.entry, part.shape, options)
+                items.append(_Item(it.name, key, kind, it.entry, None, part=part))
+                if it.entry is not None and not part.transpose:
+                    names[it.entry.name] = it.name
+            continue
         name = model.tensor_name(key)
         if name is None:
             continue
@@ -308,6 +323,8 @@ def _tensor_data(item: _Item, src, family: Family) -> Tuple[np.ndarray, float]:
 
     w = src.get(item.key)
     e = item.entry
+    if item.part is not None:
+        return _part_data(item, w, src, family)
     if e is None:
         w = family.gguf_tensor(item.key, w)
         if item.heads:
@@ -344,6 +361,39 @@ def _tensor_data(item: _Item, src, family: Family) -> Tuple[np.ndarray, float]:
         codes, scale, offset, fake = (permute_rows(t, item.heads) for t in (codes, scale, offset, fake))
     blocks, values = _pack(e, codes, scale, offset, item.kind)
     return blocks, float((values - fake).abs().max()) if values.numel() else 0.0
+
+
+def _part_data(item: _Item, w: torch.Tensor, src, family: Family) -> Tuple[np.ndarray, float]:
+    """:func:`_tensor_data` of a tensor made from some rows of a checkpoint weight: rows of a quantized weight keep
+    their blocks and are packed as the weight would be; transposed ones are the fake-quant values as F32."""
+    from ..quant.affine import dequantize
+
+    part, e = item.part, item.entry
+    rows = torch.tensor(part.rows, dtype=torch.long)
+    if part.transpose or e is None or item.kind in ("F32", "F16"):
+        if e is None:
+            values = family.gguf_tensor(item.key, w).to(torch.float32)
+        elif e.spec.ggml is not None:
+            lo, hi = e.range()
+            values = ggml.dequantize(src.codes(e, w), ggml.grid_from_range(lo, hi, e.spec.ggml))
+        else:
+            scale, offset = e.scale_offset()
+            values = dequantize(src.codes(e, w), scale, offset, block_size=e.block_size)
+        values = values[rows].reshape(part.shape)
+        if part.transpose:
+            values = values.transpose(-1, -2)
+        dtype = torch.float16 if item.kind == "F16" else torch.float32
+        return storable(item.key, values.contiguous(), dtype, "").numpy(), 0.0
+    codes = src.codes(e, w)
+    if e.spec.ggml is not None:
+        lo, hi = e.range()
+        blocks = ggml.pack(codes[rows].to(torch.int32), ggml.grid_from_range(lo[rows], hi[rows], e.spec.ggml))
+        return blocks.numpy().reshape(part.shape[:-1] + (-1,)), 0.0
+    scale, offset = e.scale_offset()
+    fake = dequantize(codes, scale, offset, block_size=e.block_size)[rows]
+    blocks, values = _pack(e, codes[rows], scale[rows], offset[rows], item.kind)
+    deviation = float((values - fake).abs().max()) if values.numel() else 0.0
+    return blocks.reshape(part.shape[:-1] + (-1,)), deviation
 
 
 def _pack(e, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, kind: str):

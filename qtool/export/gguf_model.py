@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..families import Family, family_of, gguf_model_types
+from ..families.base import TensorPart
 from ..io.jsonfile import read_json_object
 
 __all__ = ["GgufModel", "read_gguf_model", "permute_rows"]
@@ -80,10 +81,15 @@ class GgufModel:
         expert = EXPERT_KEY.match(key)
         if expert is not None:  # one expert's slice of llama.cpp's stacked tensor
             key = f"{expert['stem']}.{expert['leaf']}.{expert['kind']}"
-        name = _name_map(self.arch, self.n_layers).get_name(key, try_suffixes=(".weight", ".bias"))
+        name = _name_map(self.arch, self.n_layers).get_name(self.family.gguf_key(key),
+                                                               try_suffixes=(".weight", ".bias"))
         if name is None:
             raise CheckpointError(f"{self.directory}: tensor {key!r} has no place in a GGUF {self.arch} model")
         return name
+
+    def parts(self, key: str) -> Optional[List[TensorPart]]:
+        """The GGUF tensors llama.cpp's converter makes from parts of ``key`` (None: written whole)."""
+        return self.family.gguf_parts(key, self.config)
 
     def permutation(self, key: str) -> Optional[int]:
         """The head count to permute ``key``'s rows with (q and k projections of a permuted arch), else None."""

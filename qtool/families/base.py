@@ -11,12 +11,25 @@ No torch here: recipes are checked before torch loads.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
 
-__all__ = ["Family", "LLAMA_SMOOTH_MAPPINGS", "positive_int", "finite", "rope"]
+__all__ = ["Family", "TensorPart", "LLAMA_SMOOTH_MAPPINGS", "positive_int", "finite", "rope"]
+
+
+@dataclass(frozen=True)
+class TensorPart:
+    """One GGUF tensor llama.cpp's converter makes from part of a checkpoint tensor: the rows ``rows`` of the
+    ``[out, in]`` weight, reshaped to ``shape`` and, with ``transpose``, its last two dimensions swapped (a
+    transposed quantized weight has no blocks left along its rows: it is written as float values)."""
+
+    key: str  # the name gguf-py's TensorNameMap knows it by (DeepSeek's k_b_proj)
+    rows: Tuple[int, ...]
+    shape: Tuple[int, ...]  # before the transpose
+    transpose: bool = False
 
 # Llama-style decoder blocks: each norm feeds the projections after it, and up_proj's output rows scale
 # down_proj's input channels exactly (act(gate) * up is linear in up)
@@ -122,6 +135,14 @@ class Family:
     def rope_dimensions(self, config: Dict[str, Any]) -> int:
         """How many of each head's dimensions rotate (all of them unless the family says otherwise)."""
         return int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+
+    def gguf_key(self, key: str) -> str:
+        """``key`` as gguf-py's TensorNameMap knows it (the converter's renames before its lookup)."""
+        return key
+
+    def gguf_parts(self, key: str, config: Dict[str, Any]) -> Optional[List[TensorPart]]:
+        """The GGUF tensors the converter splits checkpoint tensor ``key`` into (None: it is written whole)."""
+        return None
 
     def gguf_tensor(self, key: str, tensor):
         """A float (unquantized) checkpoint tensor as llama.cpp's converter writes it."""
