@@ -389,3 +389,30 @@ def test_ranks_asked_for_cuda_without_a_gpu_get_one_clear_error(monkeypatch):
     with pytest.raises(UsageError, match="--device cuda but torch sees no CUDA device"):
         from_environment("cuda")
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3_text"])
+def test_experts_and_per_layer_attention_on_ranks_write_the_bytes_of_one_process(tmp_path, family):
+    """GPTQ per expert on the tokens each rank routed to it (statistics summed over the ranks), and Gemma 3's
+    blocks each given their own rotary embeddings, block by block: two ranks write one process's bytes."""
+    import transformers
+
+    torch.manual_seed(0)
+    extra = {"qwen3_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=16),
+             "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=6)}[family]
+    cfg = transformers.AutoConfig.for_model(family, **{**dict(vocab_size=256, hidden_size=64, intermediate_size=64,
+                                                              num_hidden_layers=2, num_attention_heads=4,
+                                                              num_key_value_heads=2), **extra})
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(tmp_path / "m")
+    ids = torch.randint(0, 256, (8, 24), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    args = ["calibrate", tmp_path / "m", "-c", "w4a16-block32-gptq", "--data", tmp_path / "ids.safetensors",
+            "--batch-size", "2", "--quiet", "--sequential"]
+    code, _, err = run_cli(*args, "-o", tmp_path / "one")
+    assert code == 0, err
+    code, out, err = _torchrun(2, *args, "-o", tmp_path / "many")
+    assert code == 0, err
+    one, many = _outputs(tmp_path / "one"), _outputs(tmp_path / "many")
+    assert set(one) == {"encodings.json", "codes.safetensors"} and many == one

@@ -240,7 +240,7 @@ def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module
         stats[q.module] = InputStatistics(0, torch.ones(width, dtype=torch.float64, device=device),
                                           torch.eye(width, dtype=torch.float64, device=device)
                                           if q.module in hessians else None)
-        expert = f"{q.module.rsplit('.', 1)[0]} ({count} tokens)"
+        expert = f"{q.module.rsplit('.', 1)[0]} ({count} token{'' if count == 1 else 's'})"
         if expert not in short:
             short.append(expert)
     if short and warnings is not None:
