@@ -22,7 +22,8 @@ FAMILIES = {"qwen3": ("qwen3", None), "qwen3_moe": ("qwen3moe", ("gate_proj", "u
             "mixtral": ("llama", ("w1", "w3", "w2")), "qwen2_moe": ("qwen2moe", ("gate_proj", "up_proj", "down_proj")),
             "gemma3_text": ("gemma3", None), "phi3": ("phi3", None),
             "olmoe": ("olmoe", ("gate_proj", "up_proj", "down_proj")),
-            "deepseek_v3": ("deepseek2", ("gate_proj", "up_proj", "down_proj"))}
+            "deepseek_v3": ("deepseek2", ("gate_proj", "up_proj", "down_proj")), "granite": ("granite", None),
+            "smollm3": ("smollm3", None)}
 
 
 def _tiny(dest: Path, family: str, **overrides) -> Path:
@@ -52,6 +53,12 @@ def _tiny(dest: Path, family: str, **overrides) -> Path:
                                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
                                  kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1,
                                  topk_group=1, num_key_value_heads=4),
+             # scalar multipliers on the embeddings, the residual branches, the attention scores and the logits
+             "granite": dict(intermediate_size=128, embedding_multiplier=4.0, residual_multiplier=0.5,
+                             attention_multiplier=0.2, logits_scaling=2.0),
+             # no rotary embedding in every fourth layer
+             "smollm3": dict(intermediate_size=128, num_hidden_layers=4, pad_token_id=0, bos_token_id=1,
+                             eos_token_id=2),
              # fused qkv_proj and gate_up_proj; rotary embedding on half of each head
              "phi3": dict(intermediate_size=128, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
                           eos_token_id=2)}[family]
