@@ -30,7 +30,6 @@ from .io.checkpoint import tensor_files
 from .io.fs import atomic_output_dir, check_output_dir, check_output_file, sha256_file
 from .io.jsonfile import dumps_indented
 from .model.apply import apply_encodings, make_fake_quant, plan_from_encodings
-from .model.experts import checkpoint_key, routing_of
 from .model.load import LoadedModel, load_model
 from .parallel import Group, from_environment
 from .provenance import device_label, versions
@@ -945,13 +944,13 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer,
                      pack_text=True)
     modules = dict(loaded.model.named_modules())
-    gguf_names = {}  # the decoder matrices: what llama-imatrix collects by default
+    # the decoder matrices (what llama-imatrix collects by default): GGUF name -> row -> module (a stacked expert
+    # tensor has one row per expert)
+    matrices: Dict[str, Dict[int, str]] = {}
     for module, m in modules.items():
-        # (a renamed expert by its checkpoint name: Mixtral's block_sparse_moe)
-        key = checkpoint_key(loaded.model, f"{module}.weight") or f"{module}.weight"
-        name = gguf_model.tensor_name(key) if isinstance(m, nn.Linear) else None
+        name, row = gguf_model.matrix(loaded.model, modules, module) if isinstance(m, nn.Linear) else (None, 0)
         if name is not None and name.startswith("blk."):
-            gguf_names[module] = name
+            matrices.setdefault(name, {})[row] = module
     device = next(iter(loaded.model.parameters())).device
     batches = list(data)
 
@@ -963,11 +962,11 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
                 hooks.on_batch(i + 1, len(batches), b.size)
 
     hooks.on_stage("measuring")
-    stats = collect_module_inputs({module: False for module in gguf_names}, modules, run)
+    measured = {m for rows in matrices.values() for m in rows.values()}
+    stats = collect_module_inputs({module: False for module in modules if module in measured}, modules, run)
     by_name: Dict[str, List[Tuple[torch.Tensor, int]]] = {}
-    for name in sorted(set(gguf_names.values())):  # an expert tensor: one row per expert, in expert order
-        members = sorted((m for m, n in gguf_names.items() if n == name),
-                         key=lambda m: (routing_of(modules, m) or (None, 0))[1])
+    for name in sorted(matrices):
+        members = [matrices[name][row] for row in sorted(matrices[name])]
         if all(m not in stats for m in members):
             continue
         width = int(modules[members[0]].in_features)

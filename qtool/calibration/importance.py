@@ -23,7 +23,6 @@ from torch import nn
 from ..config import Plan, QuantizerPlan
 from ..errors import CheckpointError, DataError, EncodingsError, UsageError
 from ..imatrix import read_imatrix
-from ..model.experts import checkpoint_key, routing_of
 
 __all__ = ["apply_imatrix"]
 
@@ -50,11 +49,11 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
     for module, m in everything.items():
         if isinstance(m, nn.Linear):
             try:
-                name = names.tensor_name(checkpoint_key(model, f"{module}.weight") or f"{module}.weight")
+                name, row = names.matrix(model, everything, module)
             except CheckpointError:
                 continue
             if name is not None:
-                by_gguf.setdefault(name, {}).setdefault((routing_of(everything, module) or (None, 0))[1], module)
+                by_gguf.setdefault(name, {}).setdefault(row, module)
     for name in sorted(importances):
         if name not in by_gguf:
             raise EncodingsError(f"{path}: {name}: the model has no such weight (an importance matrix of another "

@@ -131,13 +131,8 @@ def _routers(model: nn.Module, modules: Dict[str, nn.Module], keys: List[str]) -
                and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
     if not routers:
         return []
-    renamed = CheckpointMap(model, keys)
-    out = []
-    for name in routers:
-        source = renamed.sources(f"{name}.weight")
-        key = source[0][0] if source and len(source) == 1 and len(source[0]) == 1 else f"{name}.weight"
-        out.append(key[: -len(".weight")])
-    return out
+    stored = {name: key for key, name in CheckpointMap(model, keys).renamed().items()}
+    return [stored.get(f"{name}.weight", f"{name}.weight")[: -len(".weight")] for name in routers]
 
 
 def _tied_params(model: nn.Module) -> Dict[str, set]:

@@ -373,12 +373,8 @@ def _part_data(item: _Item, w: torch.Tensor, src, family: Family) -> Tuple[np.nd
     if part.transpose or e is None or item.kind in ("F32", "F16"):
         if e is None:
             values = family.gguf_tensor(item.key, w).to(torch.float32)
-        elif e.spec.ggml is not None:
-            lo, hi = e.range()
-            values = ggml.dequantize(src.codes(e, w), ggml.grid_from_range(lo, hi, e.spec.ggml))
         else:
-            scale, offset = e.scale_offset()
-            values = dequantize(src.codes(e, w), scale, offset, block_size=e.block_size)
+            values = src.dequantize_codes(e, src.codes(e, w))
         values = values[rows].reshape(part.shape)
         if part.transpose:
             values = values.transpose(-1, -2)
@@ -389,9 +385,9 @@ def _part_data(item: _Item, w: torch.Tensor, src, family: Family) -> Tuple[np.nd
         lo, hi = e.range()
         blocks = ggml.pack(codes[rows].to(torch.int32), ggml.grid_from_range(lo[rows], hi[rows], e.spec.ggml))
         return blocks.numpy().reshape(part.shape[:-1] + (-1,)), 0.0
-    scale, offset = e.scale_offset()
-    fake = dequantize(codes, scale, offset, block_size=e.block_size)[rows]
-    blocks, values = _pack(e, codes[rows], scale[rows], offset[rows], item.kind)
+    codes, scale, offset = (t[rows] for t in (codes,) + e.scale_offset())
+    fake = dequantize(codes, scale, offset, block_size=e.block_size)
+    blocks, values = _pack(e, codes, scale, offset, item.kind)
     deviation = float((values - fake).abs().max()) if values.numel() else 0.0
     return blocks.reshape(part.shape[:-1] + (-1,)), deviation
 

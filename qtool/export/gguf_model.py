@@ -18,7 +18,7 @@ import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -86,6 +86,16 @@ class GgufModel:
         if name is None:
             raise CheckpointError(f"{self.directory}: tensor {key!r} has no place in a GGUF {self.arch} model")
         return name
+
+    def matrix(self, model, modules, module: str) -> Tuple[Optional[str], int]:
+        """``(GGUF tensor name, row)`` of Linear ``module``'s weight in ``model`` (``modules``: its
+        ``dict(named_modules())``): looked up by the checkpoint's key (Mixtral's experts are stored under
+        ``block_sparse_moe``); the row is the expert's in a stacked expert tensor, else 0. Raises as
+        :meth:`tensor_name` does."""
+        from ..model.experts import checkpoint_key, routing_of
+
+        name = self.tensor_name(checkpoint_key(model, f"{module}.weight") or f"{module}.weight")
+        return name, (routing_of(modules, module) or (None, 0))[1]
 
     def parts(self, key: str) -> Optional[List[TensorPart]]:
         """The GGUF tensors llama.cpp's converter makes from parts of ``key`` (None: written whole)."""

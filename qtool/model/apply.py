@@ -13,6 +13,7 @@ from ..errors import EncodingsError
 from ..quant import QuantizerBase
 from ..quant.hadamard import HadamardError, hadamard_order
 from ..weights import WeightSource
+from .checkpoint_map import checkpoint_names
 from .insert import insert_quantizers, set_stored_weight
 from .online import install_online, rotated_width
 
@@ -101,26 +102,14 @@ def apply_stored_weights(model: nn.Module, weights: WeightSource, codes: bool = 
     if weights.replaced():
         state = dict(model.named_parameters())
         state.update(dict(model.named_buffers()))
-        named = _model_names(model, [k for k in weights.replaced() if k not in state])
+        missing = [k for k in weights.replaced() if k not in state]  # stored under their checkpoint names
+        named = checkpoint_names(model, missing) if missing else {}
         for key in weights.replaced():
             target = state.get(named.get(key, key))
             if target is None:
                 raise EncodingsError(f"{weights.path}: replaced tensor {key!r} is not a parameter of this model")
             with torch.no_grad():
                 target.copy_(weights.get(key).to(target.dtype))
-
-
-def _model_names(model: nn.Module, keys) -> Dict[str, str]:
-    """``{checkpoint key: the model's parameter name}`` for checkpoint tensors the model names otherwise (a
-    linearized expert's, one transformers renames at load time such as Mixtral's router)."""
-    from .checkpoint_map import CheckpointMap
-    from .experts import CHECKPOINT_KEYS
-
-    if not keys:
-        return {}
-    out = {ckpt: name for name, ckpt in getattr(model, CHECKPOINT_KEYS, {}).items()}
-    out.update(CheckpointMap(model, keys).renamed())
-    return out
 
 
 def untie(model: nn.Module, owner: nn.Module, attr: str = "weight") -> None:

@@ -17,9 +17,20 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..config import CHECKPOINT_KEYS
 from ..errors import CheckpointError
 
-__all__ = ["CheckpointMap"]
+__all__ = ["CheckpointMap", "checkpoint_names"]
+
+
+def checkpoint_names(model: nn.Module, keys: Iterable[str]) -> Dict[str, str]:
+    """``{checkpoint key: the model's parameter name}`` where the two differ: a linearized expert's tensor
+    (``config.CHECKPOINT_KEYS``) and one transformers renames at load time (Mixtral's router). ``keys``: the
+    checkpoint tensors to look at for renames."""
+    out = {ckpt: name for name, ckpt in getattr(model, CHECKPOINT_KEYS, {}).items() if ckpt != name}
+    for key, name in CheckpointMap(model, keys).renamed().items():
+        out.setdefault(key, name)
+    return out
 
 
 class CheckpointMap:

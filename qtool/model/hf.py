@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import CheckpointError, UsageError
 from ..io.checkpoint import check_safetensors, tensor_files
 from ..io.jsonfile import read_json_object
-from .experts import checkpoint_key, linearize_experts
+from .experts import linearize_experts
 
 __all__ = ["load_hf", "hf_name_map", "meta_skeleton", "meta_causal_lm", "check_weights_fit"]
 
@@ -330,17 +330,15 @@ def hf_name_map(model: nn.Module, files: List[Path]) -> Dict[str, str]:
     linearized expert's checkpoint tensor, a tensor transformers renames at load time."""
     from safetensors import safe_open
 
-    from .checkpoint_map import CheckpointMap
+    from .checkpoint_map import checkpoint_names
 
     names = set(model.state_dict())
     prefix = getattr(model, "base_model_prefix", "") or ""
-    out = {ckpt: name for name in names if (ckpt := checkpoint_key(model, name)) is not None and ckpt != name}
     keys: List[str] = []
     for f in files:
         with safe_open(str(f), "pt") as fh:
             keys += list(fh.keys())
-    # a tensor transformers renames at load time (Mixtral's router: block_sparse_moe.gate -> mlp.gate)
-    out.update({k: n for k, n in CheckpointMap(model, keys).renamed().items() if k not in out and k not in names})
+    out = {k: n for k, n in checkpoint_names(model, keys).items() if k not in names and n in names}
     for k in keys:
         if k in names or k in out:
             continue
