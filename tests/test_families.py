@@ -85,3 +85,15 @@ def test_a_config_llama_cpp_would_compute_otherwise_is_refused_before_calibratio
                            "--quiet")
     assert code != 0 and len(error_lines(err)) == 1 and says in err, err
     assert not (tmp_path / "q").exists()
+
+
+def test_a_config_without_a_context_length_gets_the_one_llama_cpps_converter_writes():
+    """Gemma 3's converter writes 131072 where config.json names none; the others 2048."""
+    from pathlib import Path
+
+    from qtool.families import family_of
+
+    config = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128, head_dim=16,
+                  query_pre_attn_scalar=16)
+    assert family_of("gemma3_text").check_gguf(config, Path("config.json"))["max_position_embeddings"] == 131072
+    assert family_of("llama").check_gguf(config, Path("config.json"))["max_position_embeddings"] == 2048

@@ -60,6 +60,8 @@ class Family:
     normalizes_top_k: Optional[bool] = None
     #: added to every float ``*norm.weight`` tensor in GGUF (Gemma's norms compute ``x / rms(x) · (1 + w)``)
     norm_shift: float = 0.0
+    #: the context length the converter writes when config.json gives no ``max_position_embeddings``
+    context_length: int = 2048
 
     # ---- GGUF -----------------------------------------------------------------------------------------------
     def check_gguf(self, config: Dict[str, Any], where: Path) -> Dict[str, Any]:
@@ -82,7 +84,7 @@ class Family:
             if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
                 raise CheckpointError(f"{where}: dense MLP layers among the MoE ones (mlp_only_layers, "
                                       "decoder_sparse_step) have no GGUF export in qtool")
-        for key, default in (("max_position_embeddings", 2048), ("head_dim", None)):
+        for key, default in (("max_position_embeddings", self.context_length), ("head_dim", None)):
             config[key] = positive_int(config, key, where, default)
         config["rms_norm_eps"] = finite(config, "rms_norm_eps", where, 1e-6)
         try:
@@ -107,7 +109,7 @@ class Family:
         c = config
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         head_dim = int(c.get("head_dim") or hidden // heads)
-        writer.add_context_length(int(c.get("max_position_embeddings", 2048)))
+        writer.add_context_length(int(c["max_position_embeddings"]))
         writer.add_embedding_length(hidden)
         writer.add_block_count(n_layers)
         writer.add_feed_forward_length(int(c["intermediate_size"]))

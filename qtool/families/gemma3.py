@@ -44,6 +44,7 @@ class Gemma3(Family):
                     "give smoothquant.mappings between Linear layers")
     gguf_arch = "gemma3"
     norm_shift = 1.0
+    context_length = 131072
 
     def rope(self, config: Dict[str, Any]) -> Tuple[float, Optional[float]]:
         full, _ = _split_rope(config)
@@ -84,9 +85,6 @@ class Gemma3(Family):
         return config
 
     def add_gguf_metadata(self, writer, config: Dict[str, Any], n_layers: int) -> None:
-        config = dict(config)
-        if "max_position_embeddings" not in config:
-            config["max_position_embeddings"] = 131072
         super().add_gguf_metadata(writer, config, n_layers)
         head_dim = int(config["head_dim"])
         if head_dim == int(config["hidden_size"]) // int(config["num_attention_heads"]):  # else written above
