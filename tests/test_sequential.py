@@ -160,6 +160,18 @@ def test_what_sequential_calibration_holds_does_not_grow_with_the_blocks(tmp_pat
     assert codes.is_file() == (recipe == "w4a16-block32-gptq")
 
 
+def _w8a8_in_memory_and_sequential(tmp_path):
+    """W8A8 calibration of ``tmp_path/m`` on ``tmp_path/ids.safetensors`` in memory and with --sequential:
+    ``{sequential: run directory}``."""
+    runs = {}
+    for seq in (False, True):
+        out = runs[seq] = tmp_path / f"run{int(seq)}"
+        code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8", "--data", tmp_path / "ids.safetensors",
+                               "-o", out, "--batch-size", "4", "--quiet", *(["--sequential"] if seq else []))
+        assert code == 0, err
+    return runs
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_sequential_reads_fused_experts_from_per_expert_checkpoint_keys(tmp_path, family):
     """qtool makes one Linear per expert from the checkpoint's per-expert tensors (Mixtral's under block_sparse_moe,
@@ -179,11 +191,7 @@ def test_sequential_reads_fused_experts_from_per_expert_checkpoint_keys(tmp_path
     ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
     save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
     files = {}
-    for seq in (False, True):
-        out = tmp_path / f"run{int(seq)}"
-        code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8", "--data", tmp_path / "ids.safetensors",
-                               "-o", out, "--batch-size", "4", "--quiet", *(["--sequential"] if seq else []))
-        assert code == 0, err
+    for seq, out in _w8a8_in_memory_and_sequential(tmp_path).items():
         files[seq] = (out / "encodings.json").read_bytes()
         warnings = json.loads((out / "manifest.json").read_text())["warnings"]
         assert not any("have no quantizer" in w for w in warnings)
@@ -207,11 +215,6 @@ def test_sequential_gives_each_block_the_inputs_the_model_gives_it(tmp_path, fam
     model.save_pretrained(tmp_path / "m")
     ids = torch.randint(0, 256, (8, 24), generator=torch.Generator().manual_seed(1))
     save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
-    files = {}
-    for seq in (False, True):
-        out = tmp_path / f"run{int(seq)}"
-        code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8", "--data", tmp_path / "ids.safetensors",
-                               "-o", out, "--batch-size", "4", "--quiet", *(["--sequential"] if seq else []))
-        assert code == 0, err
-        files[seq] = json.loads((out / "encodings.json").read_text())["quantizers"]
+    files = {seq: json.loads((out / "encodings.json").read_text())["quantizers"]
+             for seq, out in _w8a8_in_memory_and_sequential(tmp_path).items()}
     assert files[True] == files[False]
