@@ -409,9 +409,10 @@ def _checkpoint(arg: str, revision: Optional[str]) -> str:
 def _check_early(recipe: Optional[str] = None, device: Optional[str] = None, format: Optional[str] = None,
                  encoding_version: Optional[str] = None, ct_8bit_format: Optional[str] = None,
                  gguf_float: Optional[str] = None, gguf_fallback: Optional[str] = None,
-                 data: Optional[str] = None, imatrix: Optional[str] = None) -> None:
+                 data: Optional[str] = None, imatrix: Optional[str] = None):
     """Every choice, the data path and the recipe, checked before torch or a model is loaded (a typo costs no
-    calibration)."""
+    calibration). Returns the recipe read (a ``RecipeFile``, or None without one): the run takes it from here, so
+    the file is read once."""
     if data is not None and not os.path.exists(data):
         from .errors import DataError
 
@@ -437,9 +438,10 @@ def _check_early(recipe: Optional[str] = None, device: Optional[str] = None, for
     if device is not None:
         check_device(device)
     if recipe is not None:
-        from .config import load_recipe
+        from .config import read_recipe
 
-        load_recipe(recipe)
+        return read_recipe(recipe)
+    return None
 
 
 def _target(config: Optional[str], candidates: Optional[str], target_bpw: Optional[float],
@@ -585,11 +587,11 @@ def calibrate(
     json_out = json_out and _rank() == 0
     with _errors(debug, json_out), _Progress(quiet) as p:
         target = _target(config, candidates, target_bpw, target_size, search_samples, search_data, search_metric)
-        _check_early(config, device, data=data, imatrix=imatrix)
+        recipe = _check_early(config, device, data=data, imatrix=imatrix)
         checkpoint = _checkpoint(checkpoint, revision)
         from .pipeline import run_calibrate
 
-        summary = run_calibrate(checkpoint, config, out, _opts(
+        summary = run_calibrate(checkpoint, recipe, out, _opts(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
             allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix,
@@ -736,12 +738,12 @@ def quantize(
     json_out = json_out and _rank() == 0
     with _errors(debug, json_out), _Progress(quiet) as p:
         target = _target(config, candidates, target_bpw, target_size, search_samples, search_data, search_metric)
-        _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback, data,
-                     imatrix)
+        recipe = _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback,
+                              data, imatrix)
         checkpoint = _checkpoint(checkpoint, revision)
         from .pipeline import run_quantize
 
-        summary = run_quantize(checkpoint, config, out, _opts(
+        summary = run_quantize(checkpoint, recipe, out, _opts(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
             allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix,

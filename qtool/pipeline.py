@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -18,7 +17,7 @@ from torch import nn
 from . import __version__
 from .calibration import CalibrateOptions, calibrate_checkpoint
 from .choices import AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, GGUF_FALLBACKS, GGUF_FLOAT_TYPES, check_choice
-from .config import Plan, load_recipe, recipe_file, resolve_plan
+from .config import Plan, RecipeFile, load_recipe, read_recipe, recipe_file, resolve_plan
 from .data import load_data
 from .encodings import CODES_FILE, SIDECAR, EncodingsFile
 from .errors import DataError, EncodingsError, UsageError
@@ -42,7 +41,9 @@ __all__ = ["CalibrateOptions", "ExportOptions", "Hooks", "plan_for", "run_calibr
 def _inputs(checkpoint: str, **others: Optional[str]) -> List[Tuple[str, Optional[str]]]:
     """The inputs an --out must not be, hold or lie inside (for check_output_dir); a shipped recipe's name is its
     file."""
-    if others.get("recipe") is not None:
+    if isinstance(others.get("recipe"), RecipeFile):
+        others["recipe"] = others["recipe"].path
+    elif others.get("recipe") is not None:
         try:
             others["recipe"] = str(recipe_file(others["recipe"]))
         except UsageError:
@@ -54,13 +55,7 @@ def _search_inputs(target: Optional["TargetOptions"]) -> List[Tuple[str, Optiona
     """A size-budget search's own inputs for check_output_dir: its --search-data and the candidates' recipe files."""
     if target is None:
         return []
-    recipes = []
-    for c in target.candidates:
-        try:
-            recipes.append(("candidate recipe", str(recipe_file(c))))
-        except UsageError:
-            pass  # reported where the candidates are read
-    return [("search data", target.data)] + recipes
+    return [("search data", target.data)] + [("candidate recipe", r.path) for r in _target_candidates(target)]
 
 
 def _hub(checkpoint) -> Dict[str, Any]:
@@ -123,7 +118,7 @@ def _drop_state(out: str, opts: CalibrateOptions, target: Optional["TargetOption
         remove_state(directory, group.rank, group.is_root)
 
 
-def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, run_dir: Optional[Path],
+def _calibrate_into(checkpoint: str, recipe_path: Union[str, RecipeFile], opts: CalibrateOptions, run_dir: Optional[Path],
                     hooks: Hooks, group: Optional[Group] = None, search: Optional[Dict[str, Any]] = None,
                     last: bool = True, state: Optional[Path] = None):
     """Calibrate and write the run's files into ``run_dir``. In a distributed run every rank calibrates; rank 0
@@ -132,8 +127,8 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
     but the run's end (a search's intermediate calibrations pass False: :meth:`Group.calibrated`). ``state``: where
     a sequential run keeps what it has finished (:func:`_state_dir`)."""
     group = group or Group()
-    recipe_path = str(recipe_file(recipe_path))  # a shipped recipe's name -> its file (hashed in the manifest)
-    recipe = load_recipe(recipe_path)
+    read = read_recipe(recipe_path)  # a shipped recipe's name -> its file (hashed in the manifest)
+    recipe, recipe_path = read.recipe, read.path
     run = calibrate_checkpoint(checkpoint, recipe, str(recipe_path), opts,
                                run_dir / SIDECAR if run_dir is not None else None, hooks, group, state)
     group.calibrated(last)
@@ -162,7 +157,7 @@ def _calibrate_into(checkpoint: str, recipe_path: str, opts: CalibrateOptions, r
             "checkpoint": {"path": str(checkpoint), "kind": kind, "sha256": _files_digest(files),
                            **_hub(checkpoint)},
             "recipe": {"path": "recipe.yaml" if search else str(recipe_path),
-                       "sha256": sha256_file(Path(recipe_path))},
+                       "sha256": read.sha256},
             "data": None if data is None else {"path": str(opts.data), "samples": data.num_samples,
                                                "sha256": _files_digest(data.files)},
             **({"imatrix": {"path": str(opts.imatrix), "sha256": sha256_file(Path(opts.imatrix)),
@@ -211,7 +206,7 @@ def _online_rotations(plan: Plan, entries) -> list:
     return out
 
 
-def _other_rank(checkpoint: str, recipe_path: Optional[str], opts: CalibrateOptions, out: str, hooks: Hooks,
+def _other_rank(checkpoint: str, recipe_path: Optional[RecipeFile], opts: CalibrateOptions, out: str, hooks: Hooks,
                 group: Group, target: Optional[TargetOptions], exporter, options) -> Dict[str, Any]:
     """What a rank other than 0 does in ``calibrate`` and ``quantize``: calibrate its shard, and, searching
     (``target``), measure its share of the search samples, in its own scratch directory (the chosen recipe and the
@@ -289,7 +284,7 @@ def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any
                                  if "predicted_nll_change" in chosen else {}),
                               **({"mix_perplexity": chosen["perplexity"]} if "perplexity" in chosen else {})}
         c = record["candidates"].index(best["candidate"])
-        text = Path(recipe_file(target.candidates[c])).read_text(encoding="utf-8")
+        text = _target_candidates(target)[c].text
         what = "perplexity on the search text" if key == "perplexity" else "damage"
         Path(recipe_path).write_text(
             f"# qtool {target.flag()} --candidates {','.join(target.candidates)}: the searched mix measured more "
@@ -323,18 +318,19 @@ def _budget_exporter(target: TargetOptions):
         return (recipe.gguf_mix is not None or (weights is not None and weights.gguf_type is not None)
                 or any("gguf_type" in (rule.weights or {}) for rule in recipe.layers))
 
-    gguf = any(uses_gguf(load_recipe(p)) for p in _target_candidates(target))
+    gguf = any(uses_gguf(r.recipe) for r in _target_candidates(target))
     exporter = get_exporter("gguf" if gguf else "qtool")
     return exporter, exporter.options()
 
 
-def run_calibrate(checkpoint: str, recipe_path: Optional[str], out: str, opts: CalibrateOptions,
+def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out: str, opts: CalibrateOptions,
                   overwrite: bool = False, hooks: Optional[Hooks] = None,
                   target: Optional[TargetOptions] = None) -> Dict[str, Any]:
     """``qtool calibrate``: write ``out/encodings.json`` and ``out/manifest.json`` atomically. With ``target``,
     the recipe is the one a size-budget search chooses among the candidates (written as ``out/recipe.yaml``)."""
     hooks = hooks or Hooks()
     _check_resume(opts, target)
+    recipe_path, target = _prepared(recipe_path, target)
     budget_format = _budget_exporter(target) if target else None
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=opts.data,
                                                    imatrix=opts.imatrix) + _search_inputs(target))
@@ -566,7 +562,7 @@ def run_import_encodings(checkpoint: str, aimet_path: str, out: str, opts: Calib
             "files": [str(Path(out) / f.name) for f in enc_files] + [str(Path(out) / "manifest.json")]}
 
 
-def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: CalibrateOptions,
+def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out: str, opts: CalibrateOptions,
                  overwrite: bool = False, hooks: Optional[Hooks] = None, eopts: Optional[ExportOptions] = None,
                  target: Optional[TargetOptions] = None) -> Dict[str, Any]:
     """``qtool quantize``: calibrate and export into one directory (encodings.json included). With ``target``,
@@ -579,14 +575,12 @@ def run_quantize(checkpoint: str, recipe_path: Optional[str], out: str, opts: Ca
     eopts.data = eopts.data or opts.data
     exporter = eopts.validate()  # a bad --format fails here, before any calibration
     options = exporter.options(**asdict(eopts))
+    recipe_path, target = _prepared(recipe_path, target)
     if target:
-        _target_candidates(target)
         if exporter.tensor_bytes(None, (1,), torch.float32, options) is None:
             raise UsageError(f"{target.flag()}: --format {exporter.name} keeps the weights float (codes live in its "
                              "encodings), so a size budget cannot be counted in it; use qtool, compressed-tensors "
                              "or gguf")
-    else:
-        load_recipe(recipe_path)
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=eopts.data,
                                                    imatrix=opts.imatrix) + _search_inputs(target))
     exporter.check_checkpoint(Path(checkpoint))
@@ -638,6 +632,7 @@ class TargetOptions:
     samples: int = 8  # calibration samples the damage is measured on
     data: Optional[str] = None  # the text (or tensors) the damage is measured on; None: a seeded subset of --data
     metric: str = "kl"  # what the choice minimizes: "kl" (closeness to the float model) or "nll" (causal LMs)
+    recipes: Tuple[RecipeFile, ...] = ()  # the candidates read (in order), once, by :func:`_prepared`
 
     def flag(self) -> str:
         return (f"--target-bpw {self.bits_per_weight:g}" if self.bits_per_weight is not None
@@ -649,17 +644,26 @@ _NLL_NEEDS_CAUSAL_LM = ("--search-metric nll ranks by the change in the text's n
                        "only (this model is not one; use kl)")
 
 
-def _target_candidates(target: TargetOptions) -> List[str]:
+def _prepared(recipe: Union[None, str, RecipeFile], target: Optional[TargetOptions]
+              ) -> Tuple[Optional[RecipeFile], Optional[TargetOptions]]:
+    """A run's recipe, or its size-budget search's candidates, read once (a malformed one is one error naming its
+    file and key, before anything runs); what the run hands on from here."""
+    if target is not None:
+        return None, replace(target, recipes=tuple(_target_candidates(target)))
+    return read_recipe(recipe), None
+
+
+def _target_candidates(target: TargetOptions) -> List[RecipeFile]:
+    """The candidates, read (once: a prepared ``target`` holds them)."""
+    if target.recipes:
+        return list(target.recipes)
     if len(target.candidates) < 2:
         raise UsageError("--candidates takes two or more recipes (names or files), comma-separated")
     if (target.bits_per_weight is None) == (target.size_bytes is None):
         raise UsageError("--candidates goes with one budget: --target-bpw B or --target-size SIZE")
     if target.samples < 1:
         raise UsageError("--search-samples must be at least 1")
-    paths = [str(recipe_file(c)) for c in target.candidates]
-    for p in paths:
-        load_recipe(p)  # a malformed candidate is one error naming its file and key, before anything runs
-    return paths
+    return [read_recipe(c) for c in target.candidates]
 
 
 @dataclass
@@ -706,7 +710,8 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
 
     hooks = hooks or Hooks()
     group = group or Group()
-    paths = _target_candidates(target)
+    target = replace(target, recipes=tuple(_target_candidates(target)))
+    paths = [r.path for r in target.recipes]
     names = list(target.candidates)
     if opts.data is None:
         raise DataError(f"{target.flag()} measures each candidate on data: pass --data PATH (text or tensors)")
@@ -715,8 +720,8 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     if target.metric == "nll" and not loaded.is_causal_lm:
         raise UsageError(_NLL_NEEDS_CAUSAL_LM)
     plans = []
-    for path in paths:
-        plan = resolve_plan(load_recipe(path), loaded.model, source=path, allow_unmatched=opts.allow_unmatched,
+    for read in target.recipes:
+        plan = resolve_plan(read.recipe, loaded.model, source=read.path, allow_unmatched=opts.allow_unmatched,
                             importance_matrix=opts.imatrix is not None)
         exporter.admit(plan.quantizers, options, plan.rotation.online() if plan.rotation else [])
         plans.append(plan)
@@ -755,11 +760,11 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     batches = list(data)
     grouped = [m for g in groups for m in g]
     base, base_ppl = None, None
-    for c, path in enumerate(paths):
+    for c, read in enumerate(target.recipes):
         hooks.on_stage(f"candidate {c + 1}/{len(paths)} ({names[c]}): calibrating")
         cdir = work / f"candidate-{c}"
         cdir.mkdir(parents=True)
-        _calibrate_into(checkpoint, path, opts, cdir if group.is_root else None, hooks, group, last=False)
+        _calibrate_into(checkpoint, read, opts, cdir if group.is_root else None, hooks, group, last=False)
         _share_run(group, cdir)
         model = load_calibrated(checkpoint, str(cdir / "encodings.json"), opts.model_class, opts.device,
                                 opts.trust_pickle, opts.trust_remote_code)
@@ -831,7 +836,7 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
               f"the candidates'\nfor the least measured damage within {budget} bytes ({state.exporter} format): "
               f"{nbytes} bytes, {state.bpw(nbytes):.3f} bits per weight.\nLater layers entries win; edit and rerun "
               "with -c.")
-    text = mixed_recipe(Path(state.paths[0]).read_text(encoding="utf-8"), state.plans, chosen, header)
+    text = mixed_recipe(state.target.recipes[0].text, state.plans, chosen, header)
     check = resolve_plan(parse_recipe(text, "the chosen recipe"), state.loaded.model, source="the chosen recipe",
                          allow_unmatched=opts.allow_unmatched, importance_matrix=opts.imatrix is not None)
     got = {q.module: replace(q, rule=None) for q in check.weights}

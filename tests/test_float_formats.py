@@ -205,7 +205,7 @@ def test_bad_float_recipes_are_one_line(weights, message):
 def test_a_rule_switching_element_takes_its_bit_width():
     r = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\nlayers:\n"
                      "  - match: 'a*'\n    weights: {element: fp4_e2m1, granularity: per_block, block_size: 16}\n")
-    from qtool.config import WeightSpec, _merge
+    from qtool.config.schema import WeightSpec, _merge
 
     merged = _merge(r.defaults.weights, r.layers[0].weights, WeightSpec, "r")
     assert (merged.element, merged.bitwidth, merged.symmetric) == ("fp4_e2m1", 4, True)

@@ -1,0 +1,191 @@
+"""Loading a recipe: YAML read safely (no aliases, no repeated keys) and validated, with file, key and line in
+every error, and every problem of a file listed at once."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Union
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from ..errors import ConfigError
+from .messages import _describe, _key_path, _short
+from .schema import ActivationSpec, Recipe, WeightSpec, _merge
+from .shipped import recipe_file
+
+
+def _line_of(node, loc: Sequence[Any]) -> Optional[int]:
+    """Line (1-based) of the YAML node at ``loc``, or of the deepest node that exists on the way."""
+    best = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        nxt = None
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == part:
+                    nxt = k if part == loc[-1] else v
+                    break
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            nxt = node.value[part]
+        if nxt is None:
+            break
+        node = nxt
+        best = node.start_mark.line + 1
+    return best
+
+
+def _check_node_graph(node, source: str) -> None:
+    """Refuse what PyYAML would silently expand or drop, before anything is constructed: a reused node (an alias;
+    the graph is walked once per node object) and a key given twice in one mapping (the last would win)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is None:
+            continue
+        if id(n) in seen:
+            raise ConfigError(f"{source}: YAML anchors and aliases (&name / *name) are not allowed in recipes (a "
+                              "few lines of them can expand to billions of values); write the values out")
+        seen.add(id(n))
+        if isinstance(n, yaml.MappingNode):
+            keys = set()
+            for key, _ in n.value:
+                if isinstance(key, yaml.ScalarNode):
+                    if key.value in keys:
+                        raise ConfigError(f"{source}:{key.start_mark.line + 1}: key {_short(key.value)} is given "
+                                          "twice in the same mapping; keep one")
+                    keys.add(key.value)
+            stack.extend(x for pair in n.value for x in pair)
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend(n.value)
+
+
+def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
+    """Parse and validate a recipe; every problem is a ``ConfigError`` naming source, key path and line."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        _check_node_graph(node, source)
+        data = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"{source}: malformed YAML: nested too deep") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{source}{where}: malformed YAML: {_short(problem, 200)[1:-1]}") from None
+    if data is None:  # an empty file (or only comments) is a mistake far more often than a wish for defaults
+        raise ConfigError(f"{source}:1: empty recipe; write at least `version: 1` and what to quantize "
+                          "(`qtool config list` shows the shipped recipes)")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}:1: a recipe is a mapping of keys (version, defaults, layers, ignore)")
+    problems: List[str] = []
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = list(err["loc"])
+            line = _line_of(node, loc)
+            where = f":{line}" if line else ""
+            problems.append(f"{source}{where}: {_key_path(loc) or '(top level)'}: {_describe(err, _fields_at(loc))}")
+        recipe = None
+    if recipe is not None:
+        problems += _rule_problems(recipe, node, source)
+    if problems:
+        shown = problems[:MAX_PROBLEMS]
+        if len(problems) > MAX_PROBLEMS:
+            shown.append(f"{source}: ... and {len(problems) - MAX_PROBLEMS} more problems")
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConfigError(shown[0] + more, shown)
+    return recipe
+
+
+MAX_PROBLEMS = 20  # recipe problems listed at once (the rest are counted)
+
+
+def _fields_at(loc: Sequence[Any]) -> List[str]:
+    """The keys allowed in the mapping that holds the last element of ``loc`` (for did-you-mean hints)."""
+    model: Any = Recipe
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = _model_of(field.annotation)
+        if model is None:
+            return []
+    return list(getattr(model, "model_fields", {}))
+
+
+def _model_of(annotation) -> Any:
+    """The pydantic model inside ``Optional[...]`` / ``List[...]`` (None for anything else)."""
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _rule_problems(recipe: Recipe, node, source: str) -> List[str]:
+    """Each ``layers`` entry's partial weights/activations merged as resolution will merge them (over the defaults,
+    and over every earlier entry's): a value that no merge accepts is a problem now, not on the first model."""
+    problems = []
+    chain = {"weights": recipe.defaults.weights, "activations": recipe.defaults.activations}
+    defaults = dict(chain)
+    cls = {"weights": WeightSpec, "activations": ActivationSpec}
+    for i, rule in enumerate(recipe.layers):
+        for kind in ("weights", "activations"):
+            part = getattr(rule, kind)
+            if not part:
+                continue
+            error = None
+            for base in (defaults[kind], chain[kind]):
+                try:
+                    chain[kind] = _merge(base, part, cls[kind], "")
+                    break
+                except ConfigError as e:
+                    error = error or e
+            else:
+                key = str(error).lstrip(".: ")  # "<key>: <problem>", from _merge with an empty location
+                field = key.split(":", 1)[0].strip()
+                line = _line_of(node, ["layers", i, kind] + ([field] if field in part else []))
+                problems.append(f"{source}{f':{line}' if line else ''}: layers[{i}].{kind}.{key}")
+    return problems
+
+
+@dataclass(frozen=True)
+class RecipeFile:
+    """A recipe read once: the file it came from (a shipped recipe's name resolved to its file), the sha256 of the
+    bytes read, their text and the validated recipe. A run reads its recipe into one of these at its edge and
+    hands it on, so the file is opened once and what is hashed in the manifest is what was parsed."""
+
+    path: str
+    sha256: str
+    text: str
+    recipe: Recipe
+
+
+def read_recipe(arg: Union[str, Path, RecipeFile]) -> RecipeFile:
+    """Read and validate a recipe file, or a shipped recipe by name (see :func:`recipe_file`); a ``RecipeFile``
+    is returned as it is."""
+    if isinstance(arg, RecipeFile):
+        return arg
+    path = recipe_file(arg)
+    try:
+        data = path.read_bytes()
+        text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # as read_text's newlines
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: recipe file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read recipe: {e}") from None
+    return RecipeFile(str(path), hashlib.sha256(data).hexdigest(), text, parse_recipe(text, str(path)))
+
+
+def load_recipe(path: Union[str, Path, RecipeFile]) -> Recipe:
+    """Load and validate a recipe file, or a shipped recipe by name (see :func:`recipe_file`)."""
+    return read_recipe(path).recipe

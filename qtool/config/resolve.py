@@ -1,0 +1,272 @@
+"""Resolution: a recipe and a model make a plan, one row per quantizer with concrete shapes and block sizes
+(layer rules in order, GGUF mixes' per-tensor types, super-block fallbacks, KV cache rows, rotations, folds)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
+
+from ..choices import SUPER_BLOCK_FALLBACK
+from ..coverage import weight_coverage
+from ..errors import ConfigError
+from ..families import family_of_model
+from .layout import _fold_candidates, _kv_cache_rows, _rotation_plan, _smooth_groups
+from .plan import Plan, QuantizerPlan
+from .schema import (_INPUT_WEIGHTED_TYPES, _INTEGER_INPUT_TYPES, DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES,
+                     ActivationSpec, AnalyzerSpec, LayerRule, Recipe, RoundingSpec, WeightSpec, _merge, name_matches)
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str):
+    from torch import nn
+
+    w = getattr(module, "weight", None)
+    if not isinstance(w, nn.Parameter) or w.dim() == 0:
+        return None
+    shp = tuple(w.shape)
+    if spec.granularity == "per_tensor":
+        return (), None
+    if spec.granularity == "per_channel":
+        return (shp[0],) + (1,) * (len(shp) - 1), None
+    b = spec.block_size
+    if len(shp) < 2:
+        raise ConfigError(f"{where}.block_size: {name}.weight has shape {list(shp)}; per_block needs 2+ dims")
+    if isinstance(b, list):  # 2-D tiles of a Linear weight
+        rows, cols = b
+        if len(shp) != 2 or shp[0] % rows or shp[1] % cols:
+            raise ConfigError(f"{where}.block_size: {rows}x{cols} tiles do not divide {name}.weight of shape "
+                              f"{list(shp)}")
+        return (shp[0] // rows, shp[1] // cols), (rows, cols)
+    if shp[1] % b:
+        raise ConfigError(
+            f"{where}.block_size: {b} does not divide the input dimension {shp[1]} of {name}.weight "
+            f"(shape {list(shp)})"
+        )
+    shape = (shp[0], shp[1] // b) + (1,) * (len(shp) - 2)
+    return shape, (1, b) + (-1,) * (len(shp) - 2)
+
+
+class _Mix:
+    """A recipe's ``gguf_mix`` on one model: the GGUF type of each weight, as llama-quantize chooses it."""
+
+    def __init__(self, recipe: Recipe, model: "nn.Module", source: str, importance_matrix: bool = False):
+        from torch import nn
+
+        from ..gguf_mixes import tensor_role
+
+        self.name = recipe.gguf_mix
+        modules = dict(model.named_modules())
+        layers = {layer for n in modules for role, layer in [tensor_role(n)] if role in ("attn_v", "attn_qkv")}
+        if not layers:
+            raise ConfigError(f"{source}: gguf_mix {self.name}: the model has no Llama-family decoder layers "
+                              "(model.layers.N.self_attn.v_proj); llama-quantize's mixes are defined for those")
+        self.n_layers = max(layers) + 1
+        q = next((m for n, m in modules.items() if tensor_role(n) == ("attn_q", min(layers))), None)
+        k = next((m for n, m in modules.items() if tensor_role(n) == ("attn_k", min(layers))), None)
+        # (only attn_v's rules read it, and a model with fused q/k/v has no attn_v)
+        self.n_gqa = q.out_features // max(1, k.out_features) if isinstance(q, nn.Linear) and k is not None else 1
+        embed = next((m for n, m in modules.items() if tensor_role(n)[0] == "token_embd"), None)
+        head = next((m for n, m in modules.items() if tensor_role(n)[0] == "output"), None)
+        self.tied = embed is not None and (head is None or head.weight is embed.weight)
+        config = getattr(model, "config", None)  # llama-quantize has rules of its own for 8-expert models
+        self.n_expert = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+        w = recipe.defaults.weights
+        self.has_imatrix = (importance_matrix or w.rounding.name == "gptq"
+                            or w.analyzer.kwargs().get("weighting") == "activations")
+        self.embed_spec: Optional[WeightSpec] = None
+
+    def spec(self, name: str, module: "nn.Module", base: WeightSpec) -> WeightSpec:
+        from ..gguf_mixes import mix_type, tensor_role
+
+        role, layer = tensor_role(name)
+        if self.tied and role == "output" and self.embed_spec is not None:
+            # the embedding table is the output layer: quantized once, so the file holds one tensor for both
+            return self.embed_spec
+        tied_table = self.tied and role == "token_embd"
+        w = getattr(module, "weight", None)
+        width = int(w.shape[1]) if w is not None and w.dim() == 2 else 0
+        gguf_type = mix_type(self.name, "output" if tied_table else role, layer, self.n_layers, self.n_gqa, width,
+                             self.has_imatrix, self.n_expert)
+        spec = _merge(base, {"gguf_type": gguf_type}, WeightSpec, f"gguf_mix {self.name}")
+        if tied_table:
+            self.embed_spec = spec.model_copy(update={"rounding": RoundingSpec()})
+            if spec.analyzer.kwargs().get("weighting") == "activations":
+                args = {k: v for k, v in spec.analyzer.kwargs().items() if k != "weighting"}
+                self.embed_spec = self.embed_spec.model_copy(
+                    update={"analyzer": AnalyzerSpec(name=spec.analyzer.name, **args)})
+        return spec
+
+
+def _super_block_fallback(module: "nn.Module", spec: WeightSpec, counts: Dict[Tuple[str, str], int]) -> WeightSpec:
+    """``spec``, or the type llama-quantize falls back to when ``module``'s rows are not whole 256-element
+    super-blocks of its K-quant type (Q4_K -> Q5_0, Q6_K -> Q8_0, ...; counted in ``counts``)."""
+    w = getattr(module, "weight", None)
+    if spec.scale_dtype not in SUPER_BLOCK_FALLBACK or w is None or w.dim() != 2 or w.shape[1] % 256 == 0:
+        return spec
+    was, now = spec.scale_dtype, SUPER_BLOCK_FALLBACK[spec.scale_dtype]
+    counts[(was.upper(), now.upper())] = counts.get((was.upper(), now.upper()), 0) + 1
+    return _merge(spec, {"gguf_type": now}, WeightSpec, f"gguf_type {now}")
+
+
+def _type_names(module: "nn.Module") -> Tuple[str, ...]:
+    """The module's class name and its base classes' (so ``type: Conv2d`` and the default types match subclasses
+    such as EfficientNet's ``Conv2dStaticSamePadding``). MultiheadAttention's ``out_proj`` subclass of Linear is
+    not a Linear here: attention reads its weight without calling it, so a quantizer on it would never run."""
+    from torch import nn
+
+    cls = type(module)
+    if cls.__name__ == "NonDynamicallyQuantizableLinear":
+        return (cls.__name__,)
+    return tuple(c.__name__ for c in cls.__mro__ if isinstance(c, type) and issubclass(c, nn.Module)
+                 and c is not nn.Module and "_qtool_base" not in c.__dict__)
+
+
+# where qtool.model.experts records, on a model, the checkpoint tensor that holds each parameter it made under
+# another name (Mixtral's experts: model.layers.0.block_sparse_moe.experts.0.w1.weight in the checkpoint): a weight
+# row is named after its checkpoint tensor, which is what every exporter reads and writes
+CHECKPOINT_KEYS = "_qtool_checkpoint_keys"
+
+
+def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", allow_unmatched: bool = False,
+                 importance_matrix: bool = False) -> Plan:
+    """One ``QuantizerPlan`` per quantizer, in module order. Later ``layers`` entries win. ``importance_matrix``:
+    an importance matrix file will weight the searches (a ``gguf_mix`` then picks types as llama-quantize does
+    with ``--imatrix``)."""
+    plan = Plan()
+    used = [False] * len(recipe.layers)
+    fallbacks: Dict[Tuple[str, str], int] = {}  # (K-quant type, its fallback) -> weights
+    mix = _Mix(recipe, model, source, importance_matrix) if recipe.gguf_mix is not None else None
+    named = [(n, m) for n, m in model.named_modules() if n]
+    # torch.export modules keep only parameters in plain submodules; their classes come from graph metadata
+    exported_types = getattr(model, "qtool_module_types", None) or {}
+    candidates = set()  # modules whose weight the recipe could quantize
+    stored_as = getattr(model, CHECKPOINT_KEYS, None) or {}
+    for name, module in named:
+        tname = exported_types.get(name, type(module).__name__)
+        tnames = (tname,) if name in exported_types else _type_names(module)
+        # ignore patterns are a safety net (recipes list lm_head for every model), so no-match is silent
+        ignored = any(name_matches(pat, name) for pat in recipe.ignore)
+        w_cand = any(t in DEFAULT_WEIGHT_TYPES for t in tnames)
+        a_cand = any(t in DEFAULT_ACTIVATION_TYPES for t in tnames)
+        w_spec = recipe.defaults.weights if w_cand else None
+        if w_spec is not None and mix is not None:
+            w_spec = mix.spec(name, module, w_spec)
+        a_spec = recipe.defaults.activations if a_cand else None
+        rule_w = rule_a = None
+        for i, rule in enumerate(recipe.layers):
+            if rule.match is not None and not name_matches(rule.match, name):
+                continue
+            if rule.types():
+                if not any(t in rule.types() for t in tnames):
+                    continue
+                w_cand = a_cand = True  # naming a type opts modules of that type in
+            if not (w_cand or a_cand):
+                continue  # a name pattern only refines modules that can be quantized
+            used[i] = True
+            where = f"{source}: layers[{i}]"
+            if "weights" in rule.model_fields_set and w_cand:
+                w_spec = None if rule.weights is None else _merge(
+                    w_spec or recipe.defaults.weights, rule.weights, WeightSpec, f"{where}.weights")
+                rule_w = i
+            if "activations" in rule.model_fields_set and a_cand:
+                a_spec = None if rule.activations is None else _merge(
+                    a_spec or recipe.defaults.activations, rule.activations, ActivationSpec, f"{where}.activations")
+                rule_a = i
+        if w_cand:
+            candidates.add(name)
+        if ignored:
+            continue
+        if w_spec is not None:
+            where = f"{source}: layers[{rule_w}].weights" if rule_w is not None else f"{source}: defaults.weights"
+            w_spec = _super_block_fallback(module, w_spec, fallbacks)
+            layout = _weight_layout(module, w_spec, where, name)
+            if layout is not None:
+                shape, block = layout
+                plan.weight_specs[name] = w_spec
+                analyzer_args = w_spec.analyzer.kwargs()
+                rounding = w_spec.rounding
+                if not any(t in _INPUT_WEIGHTED_TYPES for t in tnames):
+                    # GPTQ and activation weighting need a weight that multiplies the input as x @ W.T
+                    if rounding.name != "nearest":
+                        plan.warnings.append(f"{name} ({tname}): rounding {rounding.name} applies to Linear "
+                                             "and Conv1d/Conv2d layers; this weight is rounded to nearest")
+                        rounding = RoundingSpec()
+                    if analyzer_args.get("weighting") == "activations":
+                        plan.warnings.append(f"{name} ({tname}): weighting by activations applies to "
+                                             "Linear and Conv1d/Conv2d layers; this weight's search is unweighted")
+                        analyzer_args.pop("weighting")
+                plan.quantizers.append(QuantizerPlan(
+                    stored_as.get(f"{name}.weight", f"{name}.weight"), name, tname, "weight", w_spec.bitwidth, w_spec.symmetric,
+                    w_spec.granularity, shape, block, w_spec.analyzer.name, rule_w,
+                    tuple(analyzer_args.items()), w_spec.scale_dtype, rounding.name,
+                    tuple(rounding.kwargs().items()), element=w_spec.element))
+        if a_spec is not None:
+            for tensor, on in (("input", a_spec.inputs and tname not in _INTEGER_INPUT_TYPES),
+                               ("output", a_spec.outputs)):
+                if on:
+                    plan.quantizers.append(QuantizerPlan(
+                        f"{name}.{tensor}", name, tname, tensor, a_spec.bitwidth, a_spec.symmetric,
+                        a_spec.granularity, (), (a_spec.block_size,) if a_spec.block_size else None,
+                        "dynamic" if a_spec.dynamic else a_spec.analyzer.name,
+                        rule_a, tuple(a_spec.analyzer.kwargs().items()), a_spec.scale_dtype,
+                        dynamic=a_spec.dynamic, element=a_spec.element))
+    for (was, now), n in sorted(fallbacks.items()):
+        plan.warnings.append(f"{n} weight(s) of {was}: rows not a whole number of 256-element super-blocks, so "
+                             f"{now} as llama-quantize falls back")
+    for i, ok in enumerate(used):
+        if not ok and not recipe.layers[i].optional:
+            rule = recipe.layers[i]
+            sel = " ".join(filter(None, [f"match {rule.match!r}" if rule.match else "",
+                                         f"type {rule.type!r}" if rule.type else ""]))
+            msg = f"{source}: layers[{i}]: {sel} matches no module of the model" + _nearest_modules(rule, named)
+            if not allow_unmatched:
+                raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
+            plan.warnings.append(msg)
+    if recipe.kv_cache is not None:
+        plan.quantizers += _kv_cache_rows(recipe, named, source)
+    plan.coverage = weight_coverage(model, {q.module for q in plan.weights}, candidates,
+                                    lambda n: any(name_matches(pat, n) for pat in recipe.ignore))
+    unreached = plan.coverage.warning()
+    if unreached:
+        plan.warnings.append(unreached)
+    if not plan.quantizers:
+        plan.warnings.append(f"{source}: the recipe puts no quantizer on this model")
+    if recipe.rotate is not None:
+        plan.rotation = _rotation_plan(recipe.rotate, model, source)
+        if "r3" in plan.rotation.rotations:
+            kv = tuple(q.module for q in plan.quantizers if q.tensor == "k_cache")
+            plan.rotation = dataclasses.replace(plan.rotation, kv_modules=kv)
+    if recipe.smoothquant is not None:
+        plan.smoothing = _smooth_groups(recipe.smoothquant, named, source, family_of_model(model))
+        rotated = {m for r in (plan.rotation.online() if plan.rotation else []) for m in r.modules}
+        clash = next((g for g in plan.smoothing if rotated & set(g.balance)), None)
+        if clash is not None:
+            raise ConfigError(f"{source}: smoothquant scales {sorted(rotated & set(clash.balance))[0]}'s input "
+                              "channels, which r4 rotates at run time; leave that mapping out (smoothquant.mappings) "
+                              "or r4 out of rotate")
+    if recipe.fold_batch_norms:
+        plan.folds = _fold_candidates(named)
+        if not plan.folds:
+            plan.warnings.append(f"{source}: fold_batch_norms: no BatchNorm follows a convolution in this model")
+    return plan
+
+
+def _nearest_modules(rule: LayerRule, named) -> str:
+    """A hint for a rule that matched nothing: the module names (or types) closest to what it asked for."""
+    import difflib
+
+    if rule.match is not None:
+        want = re.sub(r"[\^$*?\[\]().+\\]", "", rule.match[3:] if rule.match.startswith("re:") else rule.match)
+        names = [n for n, _ in named]
+        close = difflib.get_close_matches(want, names, n=3, cutoff=0.4)
+        if not close:  # try one more level: compare against name prefixes of the same depth
+            depth = rule.match.count(".") + 1
+            prefixes = sorted({".".join(n.split(".")[:depth]) for n in names})
+            close = difflib.get_close_matches(want, prefixes, n=3, cutoff=0.4)
+        return f" (nearest module names: {', '.join(close)})" if close else ""
+    types = sorted({type(m).__name__ for _, m in named})
+    close = [c for t in rule.types() for c in difflib.get_close_matches(t, types, n=2, cutoff=0.5)]
+    return f" (module types nearby: {', '.join(close)})" if close else ""
