@@ -162,8 +162,9 @@ def part(name: str, ckpt, candidates, budgets, fmt: str, tmp: Path, data: Path, 
     """Measure ``candidates`` once, score each uniform candidate and each budget's searched recipe."""
     from qtool.export import get_exporter
     from qtool.hooks import Hooks
-    from qtool.pipeline import (CalibrateOptions, ExportOptions, TargetOptions, _measured_damage, choose_recipe,
+    from qtool.pipeline import (CalibrateOptions, ExportOptions, TargetOptions, choose_recipe,
                                 measure_candidates, run_export)
+    from qtool.pipeline.search import _measured_damage
 
     opts = CalibrateOptions(data=str(data), seq_len=SEQ_LEN, num_samples=WINDOWS, batch_size=8, sequential=True)
     exporter = get_exporter(fmt)

@@ -339,7 +339,7 @@ def test_a_mix_measured_worse_than_a_uniform_candidate_that_fits_falls_back_to_i
     """The final measurement checks the per-layer prediction: where the calibrated mix measures more damage than a
     candidate whole that fits the budget, that candidate is what gets written (recipe.yaml says so), byte for byte
     what `-c candidate` writes."""
-    import qtool.pipeline as pipeline
+    import qtool.pipeline.search as pipeline
 
     ckpt, data = llama
     real = pipeline._measured_damage
@@ -421,7 +421,7 @@ def test_ranked_by_the_text_loss_the_final_check_compares_the_texts_perplexity(l
     """Under --search-metric nll the check after calibration compares what the choice minimized: a mix whose
     search-text perplexity measured above a uniform candidate's that fits gives way to that candidate, even where
     its KL is lower."""
-    import qtool.pipeline as pipeline
+    import qtool.pipeline.search as pipeline
 
     ckpt, data = llama
     real = pipeline._measured_damage

@@ -1,0 +1,116 @@
+"""One recipe calibrated into a run directory: encodings.json (and its sidecar, chosen codes and transformed
+floats) and the calibration's manifest. Every calibrating job ends here: ``calibrate``, ``quantize``, each
+candidate of a size-budget search."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+from .. import __version__
+from ..calibration import CalibrateOptions, calibrate_checkpoint
+from ..config import Plan, RecipeFile, read_recipe
+from ..encodings import CODES_FILE, SIDECAR, EncodingsFile
+from ..hooks import Hooks
+from ..io.fs import sha256_file
+from ..parallel import Group
+from ..provenance import device_label
+from ..weights import write_codes
+from .manifest import checkpoint_input, digests, manifest, write_manifest
+
+
+def _calibrate_into(checkpoint: str, recipe_path: Union[str, RecipeFile], opts: CalibrateOptions, run_dir: Optional[Path],
+                    hooks: Hooks, group: Optional[Group] = None, search: Optional[Dict[str, Any]] = None,
+                    last: bool = True, state: Optional[Path] = None):
+    """Calibrate and write the run's files into ``run_dir``. In a distributed run every rank calibrates; rank 0
+    alone writes (``run_dir`` is None on the others, which return None). ``search``: the record of a size-budget
+    search that wrote this recipe (``recipe.yaml`` in the output directory). ``last``: no collective step follows
+    but the run's end (a search's intermediate calibrations pass False: :meth:`Group.calibrated`). ``state``: where
+    a sequential run keeps what it has finished (:func:`_state_dir`)."""
+    group = group or Group()
+    read = read_recipe(recipe_path)  # a shipped recipe's name -> its file (hashed in the manifest)
+    recipe, recipe_path = read.recipe, read.path
+    run = calibrate_checkpoint(checkpoint, recipe, str(recipe_path), opts,
+                               run_dir / SIDECAR if run_dir is not None else None, hooks, group, state)
+    group.calibrated(last)
+    if not group.is_root:
+        return None
+    entries, plan, data, device, files, kind, unused = (run.entries, run.plan, run.data, run.device, run.files,
+                                                         run.kind, run.unused)
+    meta = {"qtool_version": __version__, "recipe": Path(recipe_path).name,
+            **({"gguf_mix": recipe.gguf_mix} if recipe.gguf_mix is not None else {})}  # (the GGUF file's type)
+    enc = EncodingsFile(entries, meta,
+                        online=_online_rotations(plan, entries))
+    if run.codes or run.floats:  # chosen codes and transformed floats: every exporter writes these (qtool.weights)
+        write_codes(run_dir / CODES_FILE, entries, run.codes, run.floats)
+        enc.codes_file = CODES_FILE
+    enc_path = run_dir / "encodings.json"
+    enc_files = enc.write(enc_path)
+    inputs = {
+        "checkpoint": checkpoint_input(checkpoint, digests(files), kind),
+        "recipe": {"path": "recipe.yaml" if search else str(recipe_path), "sha256": read.sha256},
+        "data": None if data is None else {"path": str(opts.data), "samples": data.num_samples,
+                                           "sha256": digests(data.files)},
+        **({"imatrix": {"path": str(opts.imatrix), "sha256": sha256_file(Path(opts.imatrix)),
+                        "weights": sum(q.imatrix for q in plan.weights)}} if opts.imatrix else {}),
+    }
+    # an option added later is recorded only where it is used, so older runs' manifests keep their bytes (a resumed
+    # run writes the bytes of an uninterrupted one)
+    options = {k: v for k, v in asdict(opts).items()
+               if not (k == "imatrix" and v is None) and not (k in ("strict_data", "all_experts") and not v)
+               and k != "resume"}
+    write_manifest(run_dir, manifest("calibrate", inputs, digests(enc_files, key=lambda f: f.name),
+                                     device=device_label(device), options=options, tail={
+        "quantizers": len(entries),
+        **({"rounding": {q.name: q.rounding for q in plan.weights if q.name in run.codes}} if run.codes else {}),
+        **({"batch_norm_folds": [{"conv": f.conv, "bn": f.bn} for f in plan.folds]} if plan.folds else {}),
+        **({"rotation": {"rotations": list(plan.rotation.rotations), "type": plan.rotation.kind,
+                         "seed": plan.rotation.seed, "untied": [plan.rotation.head] if plan.rotation.untie else [],
+                         "replaced": len(run.floats)}} if plan.rotation else {}),
+        **({"smoothquant": {"alpha": plan.smoothing[0].alpha,
+                            "groups": [{"smooth": g.smooth, "balance": list(g.balance)} for g in plan.smoothing],
+                            "replaced": sorted(run.floats)}} if plan.smoothing else {}),
+        **({"target": {"budget": search["budget"], "format": search["format"], "candidates": search["candidates"],
+                       "chosen": search["chosen"]}} if search else {}),
+        "uncalibrated": unused,
+        **({"expert_tokens": plan.expert_tokens} if plan.expert_tokens else {}),
+        "warnings": plan.warnings,
+        **({"distributed": {"world_size": group.world_size, "backend": group.backend,
+                            "samples_per_rank": run.samples_per_rank}} if group.distributed else {}),
+    }))
+    summary = {"encodings": str(enc_path), "quantizers": len(entries), "weights": len(plan.weights),
+               "activations": len(plan.activations), "uncalibrated": unused,
+               "weights_quantized": plan.coverage.to_json() if plan.coverage is not None else None,
+               "expert_tokens": plan.expert_tokens,
+               "samples": 0 if data is None else data.num_samples, "device": str(device),
+               "warnings": plan.warnings, "outputs": [f.name for f in enc_files] + ["manifest.json"],
+               **({"world_size": group.world_size, "samples_per_rank": run.samples_per_rank}
+                  if group.distributed else {})}
+    return summary
+
+
+def _online_rotations(plan: Plan, entries) -> list:
+    """The plan's online rotations as the encodings file records them: r3 only on the attention layers whose KV
+    cache quantizer was calibrated (one that saw no data is left out of the file, and so is its rotation)."""
+    kv = {e.module for e in entries if e.tensor == "k_cache"}
+    out = []
+    for rot in plan.rotation.online() if plan.rotation else []:
+        if rot.location == "k_cache":
+            rot = replace(rot, modules=tuple(m for m in rot.modules if m in kv))
+        if rot.modules:
+            out.append(rot)
+    return out
+
+
+def _share_run(group: Group, run_dir: Path) -> None:
+    """Rank 0's calibration files in ``run_dir`` copied into every other rank's ``run_dir``, so each rank can load
+    the calibrated model (one broadcast from rank 0; nothing in one process)."""
+    if not group.distributed:
+        return
+    files = group.broadcast({f.name: f.read_bytes() for f in sorted(run_dir.iterdir()) if f.is_file()}
+                            if group.is_root else None)
+    if not group.is_root:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (run_dir / name).write_bytes(data)

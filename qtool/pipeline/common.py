@@ -1,0 +1,107 @@
+"""What every job shares: the inputs an output must not overwrite, the process group of a run (one process or
+torchrun), the size-budget options, a resumable run's state directory, and the one loader of a calibrated
+model."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from torch import nn
+
+from ..calibration import CalibrateOptions
+from ..config import Plan, RecipeFile, load_recipe, recipe_file, resolve_plan
+from ..errors import UsageError
+from ..model.apply import make_fake_quant
+from ..model.load import LoadedModel, load_model
+from ..parallel import Group, from_environment
+
+
+def _inputs(checkpoint: str, **others: Optional[str]) -> List[Tuple[str, Optional[str]]]:
+    """The inputs an --out must not be, hold or lie inside (for check_output_dir); a shipped recipe's name is its
+    file."""
+    if isinstance(others.get("recipe"), RecipeFile):
+        others["recipe"] = others["recipe"].path
+    elif others.get("recipe") is not None:
+        try:
+            others["recipe"] = str(recipe_file(others["recipe"]))
+        except UsageError:
+            others["recipe"] = None  # reported where the recipe is read
+    return [("checkpoint", checkpoint)] + [(what.replace("_", " "), path) for what, path in others.items()]
+
+
+def plan_for(checkpoint: str, recipe_path: str, opts: CalibrateOptions) -> Tuple[LoadedModel, Plan]:
+    """The checkpoint's model and the plan the recipe resolves to on it."""
+    recipe = load_recipe(recipe_path)  # validate the recipe before the (slow) model load
+    loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+    plan = resolve_plan(recipe, loaded.model, source=str(recipe_path), allow_unmatched=opts.allow_unmatched)
+    return loaded, plan
+
+
+@contextlib.contextmanager
+def _ranks(device: str):
+    """The process group a launcher (torchrun) describes, or one process. A failure on any rank reaches every
+    rank (:meth:`qtool.parallel.Group.abort`): the failing rank raises its own error, marked with ``dist_rank``
+    (the CLI prefixes its line), the others a quiet ``PeerFailed`` with the same exit code."""
+    group = from_environment(device)
+    try:
+        yield group
+        group.finish()
+    except BaseException as e:
+        raise group.abort(e)
+    finally:
+        group.close()
+
+
+def _check_resume(opts: CalibrateOptions, target: Optional["TargetOptions"]) -> None:
+    if opts.resume and not opts.sequential:
+        raise UsageError("--resume continues a --sequential run (the one mode that keeps a state): add --sequential")
+    if opts.resume and target is not None:
+        raise UsageError("--resume does not cover a size-budget search (--target-bpw/--target-size): its "
+                         "calibrations are short; run it again without --resume")
+
+
+def _state_dir(out: str, opts: CalibrateOptions, target: Optional["TargetOptions"]) -> Optional[Path]:
+    """Where a run writing ``out`` keeps its resumable state: ``OUT.resume`` for --sequential runs (each block's
+    results; removed once the output is written), none for the others."""
+    from ..calibration.resume import state_dir
+
+    return state_dir(Path(out)) if opts.sequential and target is None else None
+
+
+def _drop_state(out: str, opts: CalibrateOptions, target: Optional["TargetOptions"], group: Group) -> None:
+    """The run's output is written (rank 0) or its calibration is done (the others): its state goes."""
+    from ..calibration.resume import remove_state
+
+    directory = _state_dir(out, opts, target)
+    if directory is not None:
+        remove_state(directory, group.rank, group.is_root)
+
+
+def load_calibrated(checkpoint: str, encodings: str, model_class: Optional[str] = None, device: str = "cpu",
+                    trust_pickle: bool = False, trust_remote_code: bool = False) -> nn.Module:
+    """The checkpoint's model with fake-quant modules set from ``encodings`` (qtool's encodings.json)."""
+    loaded = load_model(checkpoint, model_class, device, trust_pickle, trust_remote_code)
+    make_fake_quant(loaded.model, checkpoint, encodings, trust_pickle)
+    loaded.model.qtool_tokenizer = loaded.tokenizer  # handy for evaluation code
+    return loaded.model
+
+
+@dataclass
+class TargetOptions:
+    """``--target-bpw`` / ``--target-size`` with ``--candidates``: choose each weight's setting among the
+    candidates' so that the file fits the budget with the least measured damage (``qtool.mixed``)."""
+
+    candidates: List[str]
+    bits_per_weight: Optional[float] = None
+    size_bytes: Optional[int] = None
+    samples: int = 8  # calibration samples the damage is measured on
+    data: Optional[str] = None  # the text (or tensors) the damage is measured on; None: a seeded subset of --data
+    metric: str = "kl"  # what the choice minimizes: "kl" (closeness to the float model) or "nll" (causal LMs)
+    recipes: Tuple[RecipeFile, ...] = ()  # the candidates read (in order), once, by :func:`_prepared`
+
+    def flag(self) -> str:
+        return (f"--target-bpw {self.bits_per_weight:g}" if self.bits_per_weight is not None
+                else f"--target-size {self.size_bytes}")

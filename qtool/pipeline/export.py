@@ -1,0 +1,225 @@
+"""``qtool export`` and ``qtool import-encodings``: calibrated encodings and the checkpoint's weights written in
+a format (plus AIMET's JSON beside it), and an AIMET encodings file brought in as qtool's."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from .. import __version__
+from ..calibration import CalibrateOptions
+from ..choices import AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, GGUF_FALLBACKS, GGUF_FLOAT_TYPES, check_choice
+from ..data import load_data
+from ..encodings import EncodingsFile
+from ..errors import EncodingsError, UsageError
+from ..export import format_names, get_exporter
+from ..export.base import ExportRequest
+from ..export.qtool_st import DEFAULT_MAX_SHARD_BYTES
+from ..hooks import Hooks
+from ..io.checkpoint import tensor_files
+from ..io.fs import atomic_output_dir, check_output_dir, sha256_file
+from ..io.jsonfile import dumps_indented
+from ..model.apply import plan_from_encodings
+from ..model.load import LoadedModel, load_model
+from .common import _inputs
+from .manifest import checkpoint_input, digests, manifest, write_manifest
+
+
+@dataclass
+class ExportOptions:
+    """What ``export`` needs: the format, the AIMET version of ``model.encodings``, how to load the checkpoint, and
+    every format's own flags (each exporter picks its own: see its ``Options``)."""
+
+    format: str = "qtool"  # a name in qtool.export.FORMATS
+    encoding_version: str = "1.0.0"
+    trust_pickle: bool = False
+    model_class: Optional[str] = None
+    trust_remote_code: bool = False
+    data: Optional[str] = None  # example inputs for tracing (onnx)
+    seq_len: int = 128
+    batch_size: int = 2
+    pack: bool = True  # sub-byte codes packed densely in qtool's format
+    ct_eight_bit_format: str = "int-quantized"  # or pack-quantized (what vLLM's weight-only path runs)
+    max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES  # qtool format; None: one file
+    gguf_float: str = "f32"  # gguf: dtype of tensors the recipe leaves float
+    gguf_fallback: str = "none"  # gguf: weights with no GGUF type are refused, or written as f32/f16 values
+    allow_other_checkpoint: bool = False  # export encodings whose calibration manifest names other weights
+
+    def validate(self):
+        """The exporter for ``format``, after checking every choice-valued option (no work done yet)."""
+        check_choice("--format", self.format, format_names())
+        check_choice("--encoding-version", self.encoding_version, AIMET_VERSIONS)
+        check_choice("--ct-8bit-format", self.ct_eight_bit_format, CT_EIGHT_BIT_FORMATS)
+        check_choice("--gguf-float", self.gguf_float, GGUF_FLOAT_TYPES)
+        check_choice("--gguf-fallback", self.gguf_fallback, GGUF_FALLBACKS)
+        return get_exporter(self.format)
+
+
+# beyond this many encoding numbers, the AIMET JSON beside a non-AIMET export is skipped (~100 bytes per number)
+AIMET_JSON_LIMIT = 10_000_000
+
+
+def _example_batch(eopts: ExportOptions):
+    """Example inputs for exporters that trace the model: the first batch of --data, else a sentence through the
+    checkpoint's tokenizer."""
+    def make(loaded: LoadedModel):
+        from ..data import Batch
+
+        if eopts.data:
+            data = load_data(eopts.data, batch_size=eopts.batch_size, num_samples=eopts.batch_size, seed=0,
+                             seq_len=eopts.seq_len, tokenizer=loaded.tokenizer)
+            return data.batches[0]
+        if loaded.tokenizer is not None:
+            pad = "max_length" if loaded.tokenizer.pad_token is not None else False  # (equal sentences: equal lengths)
+            enc = loaded.tokenizer(["qtool exports this model to ONNX."] * eopts.batch_size, padding=pad,
+                                   truncation=True, max_length=eopts.seq_len, return_tensors="pt")
+            return Batch(kwargs={k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc})
+        raise UsageError("ONNX export traces the model: pass --data with a few example inputs")
+    return make
+
+
+def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, str]) -> None:
+    """Encodings are applied to the weights they were calibrated on: where the calibration's manifest.json beside
+    ``enc_path`` records its checkpoint's file hashes, the checkpoint given now must hold the same bytes (its path
+    may differ). Ranges from another model of the same shape would clip or waste this one's grid silently."""
+    try:
+        recorded = json.loads((enc_path.parent / "manifest.json").read_text(encoding="utf-8"))
+        hashes = recorded["inputs"]["checkpoint"]["sha256"]
+        then = sorted(str(h) for h in hashes.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # no calibration manifest (or not one of qtool's): nothing recorded to compare with
+    if then and then != sorted(digest.values()):
+        raise EncodingsError(f"{enc_path}: calibrated on other weights than {checkpoint} (its manifest.json records "
+                             f"{recorded['inputs']['checkpoint'].get('path', 'another checkpoint')} with other file "
+                             "hashes); export from that checkpoint, or pass --allow-other-checkpoint if the weights "
+                             "changed on purpose")
+
+
+def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: Path, eopts: ExportOptions,
+                 hooks: Hooks, enc_display: Optional[str] = None,
+                 same_weights: bool = False, checkpoint_checked: bool = False) -> Dict[str, Any]:
+    """Export ``enc`` of ``checkpoint`` into ``out_dir``; with ``same_weights``, refuse a checkpoint whose bytes differ
+    from those the calibration's manifest records (checked once the checkpoint is known to be readable).
+    ``checkpoint_checked``: the format's checkpoint check already ran in this job (``quantize`` runs it before
+    calibrating)."""
+    from ..aimet_format import to_aimet
+    from ..weights import WeightSource
+
+    exporter = eopts.validate()
+    options = exporter.options(**asdict(eopts))
+    exporter.check_online(enc.online)  # what the model computes comes before what the checkpoint holds
+    if not checkpoint_checked:
+        exporter.check_checkpoint(Path(checkpoint))
+    exporter.check(enc, options)
+    hooks.on_stage(f"exporting ({eopts.format})")
+    summary: Dict[str, Any] = {"format": eopts.format}
+    weights = WeightSource(Path(checkpoint), enc, Path(enc_path).parent, trust_pickle=eopts.trust_pickle)
+    digest = digests(tensor_files(Path(checkpoint)))
+    if same_weights:
+        _check_same_checkpoint(Path(enc_path), checkpoint, digest)
+    request = ExportRequest(
+        Path(checkpoint), enc, weights, out_dir, trust_remote_code=eopts.trust_remote_code, progress=hooks.on_tensor,
+        load_model=lambda: load_model(checkpoint, eopts.model_class, "cpu", eopts.trust_pickle,
+                                      eopts.trust_remote_code),
+        example_batch=_example_batch(eopts))
+    summary.update(exporter.write(request, options))
+    # the tensor names go into model.encodings; a format without it keeps them in its summary (and manifest)
+    names = summary.pop("names", {}) if exporter.aimet_json != "never" else summary.get("names", {})
+    summary["export_warnings"] = summary.pop("warnings", [])
+    numbers = sum(e.numel() for e in enc.entries)
+    floats = [e for e in enc.entries if e.is_float]
+    if enc.online and exporter.aimet_json != "never":  # AIMET JSON has no place for a rotation at run time
+        summary["export_warnings"].append(
+            f"model.encodings (AIMET JSON) not written: the model rotates activations of "
+            f"{sum(len(r.modules) for r in enc.online)} modules at run time "
+            f"({', '.join(sorted({r.name for r in enc.online}))}, online), which AIMET encodings cannot describe")
+    elif floats and exporter.aimet_json != "never":  # AIMET JSON holds integer grids only
+        summary["export_warnings"].append(
+            f"model.encodings (AIMET JSON) not written: {len(floats)} quantizer(s) are on float element grids "
+            f"(FP8/FP4), which AIMET encodings cannot describe; the exported tensors hold their scales")
+    elif exporter.aimet_json == "always" or (exporter.aimet_json == "if_small" and numbers <= AIMET_JSON_LIMIT):
+        static = [e for e in enc.entries if not e.dynamic]
+        if len(static) < len(enc.entries):  # (the aimet format itself refuses them in its check)
+            summary["export_warnings"].append(
+                f"model.encodings (AIMET JSON) leaves out {len(enc.entries) - len(static)} dynamic activation "
+                "quantizer(s): AIMET encodings are static; the exported model computes their ranges at run time")
+        static_enc = EncodingsFile(static, enc.meta, enc.data_files, enc.codes_file, enc.online)
+        aimet = to_aimet(static_enc.materialized(), eopts.encoding_version, __version__, names=names)
+        (out_dir / "model.encodings").write_text(dumps_indented(aimet) + "\n")
+    elif exporter.aimet_json == "if_small":
+        summary["export_warnings"].append(
+            f"model.encodings (AIMET JSON) not written: {numbers:,} encodings would make a JSON file of several GB; "
+            f"the scales and offsets are in the exported tensors (qtool export --format aimet writes it anyway)")
+    outputs = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
+    inputs = {
+        "checkpoint": checkpoint_input(checkpoint, digest),
+        "encodings": {"path": enc_display or str(enc_path), "sha256": sha256_file(enc_path)},
+        **({"encodings_data": [{"path": f.name, "sha256": sha256_file(f)} for f in enc.data_files]}
+           if enc.data_files else {}),
+    }
+    write_manifest(out_dir, manifest("export", inputs, {n: sha256_file(out_dir / n) for n in outputs},
+                                     head={"format": eopts.format, "encoding_version": eopts.encoding_version},
+                                     device="cpu", tail={"summary": summary}))
+    summary["outputs"] = outputs + ["manifest.json"]
+    # what was gained: the checkpoint's weight files against the model files written (encodings and manifests aside)
+    model_files = [n for n in outputs if not n.startswith("calibration/")
+                   and not n.endswith((".json", ".encodings", ".txt", ".model", ".jinja", ".yaml"))]
+    summary["size"] = {"checkpoint_bytes": sum(f.stat().st_size for f in tensor_files(Path(checkpoint))),
+                       "model_bytes": sum((out_dir / n).stat().st_size for n in model_files),
+                       "model_files": model_files}
+    return summary
+
+
+def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[ExportOptions] = None,
+               overwrite: bool = False, hooks: Optional[Hooks] = None) -> Dict[str, Any]:
+    """``qtool export``: the chosen format plus AIMET encodings, written atomically."""
+    hooks = hooks or Hooks()
+    eopts = eopts or ExportOptions()
+    exporter = eopts.validate()
+    check_output_dir(Path(out), overwrite, _inputs(checkpoint, encodings=encodings_path, data=eopts.data))
+    # the integer export reads each weight's block encodings from the sidecar when it gets to that weight
+    enc = EncodingsFile.read(encodings_path, lazy=exporter.lazy_encodings)
+    with atomic_output_dir(Path(out), overwrite) as tmp:
+        summary = _export_into(checkpoint, enc, Path(encodings_path), tmp, eopts, hooks,
+                               same_weights=not eopts.allow_other_checkpoint)
+    summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
+    return summary
+
+
+def run_import_encodings(checkpoint: str, aimet_path: str, out: str, opts: CalibrateOptions,
+                         overwrite: bool = False) -> Dict[str, Any]:
+    """``qtool import-encodings``: an AIMET encodings file (any version) -> qtool's encodings.json."""
+    from ..aimet_format import from_aimet, read_aimet
+
+    check_output_dir(Path(out), overwrite, _inputs(checkpoint, **{"AIMET encodings": aimet_path}))
+    obj = read_aimet(Path(aimet_path))
+    loaded = load_model(checkpoint, opts.model_class, "cpu", opts.trust_pickle, opts.trust_remote_code)
+    params = dict(loaded.model.named_parameters())
+    modules = dict(loaded.model.named_modules())
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    for ckpt_name, model_name in loaded.name_map.items():  # AIMET files name checkpoint tensors
+        if model_name in shapes:
+            shapes[ckpt_name] = shapes[model_name]
+
+    def module_of(tensor_name: str) -> Optional[str]:
+        name = loaded.name_map.get(tensor_name, tensor_name)
+        mod = name.rsplit(".", 1)[0] if "." in name else ""
+        return mod if mod in modules and name.endswith(".weight") else None
+
+    enc, warnings = from_aimet(obj, shapes, str(aimet_path), module_of)
+    for e in enc.entries:  # entries were keyed by checkpoint names; qtool keys by module names
+        if e.tensor == "weight":
+            e.name = f"{e.module}.weight"
+    plan_from_encodings(enc, loaded.model, str(aimet_path))
+    enc.meta["qtool_version"] = __version__
+    with atomic_output_dir(Path(out), overwrite) as tmp:
+        enc_files = enc.write(tmp / "encodings.json")
+        inputs = {"checkpoint": checkpoint_input(checkpoint, digests(loaded.files), hub=False),
+                  "aimet_encodings": {"path": str(aimet_path), "version": str(obj["version"]),
+                                      "sha256": sha256_file(Path(aimet_path))}}
+        write_manifest(tmp, manifest("import-encodings", inputs, digests(enc_files, key=lambda f: f.name),
+                                     tail={"warnings": warnings}))
+    return {"quantizers": len(enc.entries), "warnings": warnings,
+            "files": [str(Path(out) / f.name) for f in enc_files] + [str(Path(out) / "manifest.json")]}

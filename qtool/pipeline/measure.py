@@ -1,0 +1,104 @@
+"""The jobs that measure a model on data and change nothing: ``qtool report`` (per-layer SQNR, end-to-end
+fidelity, sensitivity) and ``qtool imatrix`` (llama.cpp's importance matrix)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..calibration import CalibrateOptions
+from ..data import load_data
+from ..errors import DataError, UsageError
+from ..hooks import Hooks
+from ..io.fs import check_output_file
+from ..model.apply import make_fake_quant
+from ..model.load import load_model
+from .common import _inputs, _ranks
+
+
+def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitivity_analysis: bool = False,
+               hooks: Optional[Hooks] = None) -> Dict[str, Any]:
+    """``qtool report``: per-layer SQNR, end-to-end fidelity and (optionally) layer sensitivity."""
+    from ..report import evaluate, sensitivity
+
+    hooks = hooks or Hooks()
+    with _ranks(opts.device) as group:  # under torchrun: each rank measures its shard; every rank gets the report
+        if sensitivity_analysis and group.distributed:
+            raise UsageError("--sensitivity runs in one process: run it without torchrun")
+        hooks.on_stage("loading checkpoint")
+        loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+        enc = make_fake_quant(loaded.model, checkpoint, encodings, opts.trust_pickle)
+        if opts.data is None:
+            raise DataError("qtool report runs the model: pass --data PATH (text or tensors)")
+        data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer,
+                         pack_text=loaded.is_causal_lm)
+        device = next(iter(loaded.model.parameters())).device
+        hooks.on_stage("measuring")
+        rep = evaluate(loaded.model, data, device, loaded.is_causal_lm, hooks.on_batch, group)
+    from ..report import grid_summary
+
+    out = {"report": rep, "json": {**rep.to_json(), "grids": grid_summary(enc.entries)},
+           "causal_lm": loaded.is_causal_lm, "grids": grid_summary(enc.entries)}
+    if sensitivity_analysis:
+        hooks.on_stage("ranking layer sensitivity")
+        out["sensitivity"] = sensitivity(loaded.model, data, device, loaded.is_causal_lm, hooks.on_tensor)
+        out["json"]["sensitivity"] = out["sensitivity"]
+    return out
+
+
+def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bool = False,
+                hooks: Optional[Hooks] = None) -> Dict[str, Any]:
+    """``qtool imatrix``: llama.cpp's importance matrix of a Llama-family checkpoint over calibration data (per
+    decoder-layer matrix, each input column's sum of x² and the token count, as ``llama-imatrix`` writes it), for
+    ``llama-quantize --imatrix``. Written whole or not at all."""
+    from ..calibration.rounding import collect_module_inputs
+    from ..export.gguf_model import read_gguf_model
+    from ..imatrix import write_imatrix
+    from ..io.fs import atomic_file
+
+    hooks = hooks or Hooks()
+    target = Path(out)
+    check_output_file(target, _inputs(checkpoint, data=opts.data), overwrite)
+    if opts.data is None:
+        raise DataError("an importance matrix is measured on text: pass --data PATH")
+    gguf_model = read_gguf_model(Path(checkpoint))
+    hooks.on_stage("loading checkpoint")
+    loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+    data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer,
+                     pack_text=True)
+    modules = dict(loaded.model.named_modules())
+    # the decoder matrices (what llama-imatrix collects by default): GGUF name -> row -> module (a stacked expert
+    # tensor has one row per expert)
+    matrices: Dict[str, Dict[int, str]] = {}
+    for module, m in modules.items():
+        name, row = gguf_model.matrix(loaded.model, modules, module) if isinstance(m, nn.Linear) else (None, 0)
+        if name is not None and name.startswith("blk."):
+            matrices.setdefault(name, {})[row] = module
+    device = next(iter(loaded.model.parameters())).device
+    batches = list(data)
+
+    def run():
+        for i, batch in enumerate(batches):
+            b = batch.to(device)
+            loaded.model(*b.args, **b.kwargs)
+            if hooks.on_batch:
+                hooks.on_batch(i + 1, len(batches), b.size)
+
+    hooks.on_stage("measuring")
+    measured = {m for rows in matrices.values() for m in rows.values()}
+    stats = collect_module_inputs({module: False for module in modules if module in measured}, modules, run)
+    by_name: Dict[str, List[Tuple[torch.Tensor, int]]] = {}
+    for name in sorted(matrices):
+        members = [matrices[name][row] for row in sorted(matrices[name])]
+        if all(m not in stats for m in members):
+            continue
+        width = int(modules[members[0]].in_features)
+        by_name[name] = [(stats[m].sq, stats[m].count) if m in stats else (torch.zeros(width, dtype=torch.float64), 0)
+                         for m in members]
+    tokens = max((n for rows in by_name.values() for _, n in rows), default=0)
+    with atomic_file(target) as tmp:
+        write_imatrix(tmp, by_name, [Path(opts.data).name], opts.seq_len, max(1, tokens // max(1, opts.seq_len)))
+    return {"imatrix": str(target), "entries": len(by_name), "tokens": tokens, "bytes": target.stat().st_size}

@@ -1,0 +1,133 @@
+"""``qtool calibrate`` and ``qtool quantize``: a recipe (read once, at the edge), or the one a size-budget search
+chooses, calibrated (and, for quantize, exported) into an output directory written whole or not at all, on one
+process or every rank of a torchrun."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+from ..calibration import CalibrateOptions
+from ..config import RecipeFile
+from ..encodings import EncodingsFile
+from ..errors import UsageError
+from ..hooks import Hooks
+from ..io.fs import atomic_output_dir, check_output_dir
+from ..parallel import Group
+from .calibrate import _calibrate_into
+from .common import TargetOptions, _check_resume, _drop_state, _inputs, _ranks, _state_dir
+from .export import ExportOptions, _export_into
+from .search import (SEARCH_FILE, _budget_exporter, _calibrate_searched, _prepared, _search_inputs,
+                     _searched)
+
+
+def _other_rank(checkpoint: str, recipe_path: Optional[RecipeFile], opts: CalibrateOptions, out: str, hooks: Hooks,
+                group: Group, target: Optional[TargetOptions], exporter, options) -> Dict[str, Any]:
+    """What a rank other than 0 does in ``calibrate`` and ``quantize``: calibrate its shard, and, searching
+    (``target``), measure its share of the search samples, in its own scratch directory (the chosen recipe and the
+    calibrations it measures, copied from rank 0: ranks need not share a filesystem) beside the output directory
+    (where the model's files must fit anyway; the system's temporary directory is often small). Rank 0 writes."""
+    if target is None:
+        _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group, state=_state_dir(out, opts, target))
+        _drop_state(out, opts, target, group)  # (this rank's block outputs: its calibration is done)
+    else:
+        import tempfile
+
+        parent = Path(out).resolve().parent
+        with tempfile.TemporaryDirectory(prefix=".qtool-rank-", dir=parent if parent.is_dir() else None) as d:
+            recipe_path, record = _searched(checkpoint, target, opts, exporter, options, Path(d), hooks, group)
+            _calibrate_searched(checkpoint, recipe_path, record, target, opts, Path(d) / "run", hooks, group)
+    return {"rank": group.rank, "world_size": group.world_size}
+
+
+def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out: str, opts: CalibrateOptions,
+                  overwrite: bool = False, hooks: Optional[Hooks] = None,
+                  target: Optional[TargetOptions] = None) -> Dict[str, Any]:
+    """``qtool calibrate``: write ``out/encodings.json`` and ``out/manifest.json`` atomically. With ``target``,
+    the recipe is the one a size-budget search chooses among the candidates (written as ``out/recipe.yaml``)."""
+    hooks = hooks or Hooks()
+    _check_resume(opts, target)
+    recipe_path, target = _prepared(recipe_path, target)
+    budget_format = _budget_exporter(target) if target else None
+    check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=opts.data,
+                                                   imatrix=opts.imatrix) + _search_inputs(target))
+    with _ranks(opts.device) as group:
+        if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes
+            return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target,
+                               *(budget_format or (None, None)))
+        with atomic_output_dir(Path(out), overwrite) as tmp:
+            record = None
+            if target:
+                recipe_path, record = _searched(checkpoint, target, opts, *budget_format, tmp, hooks, group)
+            if target:
+                summary = _calibrate_searched(checkpoint, recipe_path, record, target, opts, tmp, hooks, group)
+                summary["outputs"] += ["recipe.yaml", SEARCH_FILE]
+            else:
+                summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks, group,
+                                          state=_state_dir(out, opts, target))
+        _drop_state(out, opts, target, group)
+    summary["encodings"] = str(Path(out) / "encodings.json")
+    summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
+    return summary
+
+
+def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out: str, opts: CalibrateOptions,
+                 overwrite: bool = False, hooks: Optional[Hooks] = None, eopts: Optional[ExportOptions] = None,
+                 target: Optional[TargetOptions] = None) -> Dict[str, Any]:
+    """``qtool quantize``: calibrate and export into one directory (encodings.json included). With ``target``,
+    the recipe is the one a size-budget search chooses among the candidates, counted in the format written
+    (``out/recipe.yaml``; the search's record in ``out/calibration/search.json``)."""
+    hooks = hooks or Hooks()
+    _check_resume(opts, target)
+    eopts = replace(eopts or ExportOptions(), trust_pickle=opts.trust_pickle, model_class=opts.model_class,
+                    trust_remote_code=opts.trust_remote_code, seq_len=opts.seq_len)
+    eopts.data = eopts.data or opts.data
+    exporter = eopts.validate()  # a bad --format fails here, before any calibration
+    options = exporter.options(**asdict(eopts))
+    recipe_path, target = _prepared(recipe_path, target)
+    if target:
+        if exporter.tensor_bytes(None, (1,), torch.float32, options) is None:
+            raise UsageError(f"{target.flag()}: --format {exporter.name} keeps the weights float (codes live in its "
+                             "encodings), so a size budget cannot be counted in it; use qtool, compressed-tensors "
+                             "or gguf")
+    check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=eopts.data,
+                                                   imatrix=opts.imatrix) + _search_inputs(target))
+    exporter.check_checkpoint(Path(checkpoint))
+    on_plan = hooks.on_plan
+
+    def check_plan(plan):  # a plan the format cannot write fails before calibration, not after it
+        exporter.admit(plan.quantizers, options, plan.rotation.online() if plan.rotation else [])
+        plan.left_float.update((name, exporter.name) for name in exporter.left_float(plan.quantizers, options))
+        on_plan(plan)
+
+    hooks = Hooks(on_plan=check_plan, on_batch=hooks.on_batch, on_tensor=hooks.on_tensor, on_stage=hooks.on_stage,
+                  on_block=hooks.on_block, on_step=hooks.on_step)
+    with _ranks(opts.device) as group:
+        if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes, exports
+            return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target, exporter, options)
+        with atomic_output_dir(Path(out), overwrite) as tmp:
+            calib_dir = tmp / "calibration"
+            calib_dir.mkdir()
+            record = None
+            if target:
+                recipe_path, record = _searched(checkpoint, target, opts, exporter, options, tmp, hooks, group)
+            if target:
+                csum = _calibrate_searched(checkpoint, recipe_path, record, target, opts, calib_dir, hooks, group)
+                csum["outputs"].append(SEARCH_FILE)
+            else:
+                csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks, group,
+                                       state=_state_dir(out, opts, target))
+            enc_path = calib_dir / "encodings.json"
+            esum = _export_into(checkpoint, EncodingsFile.read(enc_path, lazy=exporter.lazy_encodings), enc_path,
+                                tmp, eopts, hooks, checkpoint_checked=True,
+                                enc_display="calibration/encodings.json")  # relative: the temp dir name is random
+        _drop_state(out, opts, target, group)
+    out_p = Path(out)
+    files = [str(out_p / n) for n in esum.pop("outputs") if not n.startswith("calibration/")]
+    calib_files = [str(out_p / "calibration" / n) for n in csum.pop("outputs")]
+    if target:  # what the file really holds, beside the budget it was chosen for
+        csum["target"]["model_bytes"] = esum["size"]["model_bytes"]
+    return {**csum, **esum, "encodings": str(out_p / "calibration" / "encodings.json"), "files": files + calib_files}
