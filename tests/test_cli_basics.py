@@ -22,7 +22,7 @@ def test_console_script_runs():
 
 
 def test_help_lists_choices_and_examples_and_completion_is_on():
-    from qtool.cli import _complete_recipe
+    from qtool.cli.options import _complete_recipe
 
     runner = CliRunner()
     root = runner.invoke(app, ["--help"]).stdout

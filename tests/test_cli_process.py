@@ -250,7 +250,7 @@ def test_an_interrupt_that_surfaces_as_another_error_still_reads_as_an_interrupt
     process received the signal, whatever it raised reads as the interrupt, exit 130/143, not an internal error."""
     import typer
 
-    from qtool import cli
+    from qtool.cli import core as cli
 
     cli._SIGNALLED.append(name)
     try:
@@ -266,7 +266,7 @@ def test_an_interrupt_that_surfaces_as_another_error_still_reads_as_an_interrupt
 def test_without_a_signal_an_error_is_still_internal(capsys):
     import typer
 
-    from qtool import cli
+    from qtool.cli import core as cli
 
     with pytest.raises(typer.Exit) as e:
         with cli._errors():

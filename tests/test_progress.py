@@ -53,7 +53,7 @@ def test_a_data_free_gguf_mix_reports_its_sub_block_search(llama, tmp_path):
 
 
 def test_the_cli_prints_steps_when_not_on_a_terminal_and_nothing_when_quiet(llama, tmp_path, monkeypatch):
-    from qtool.cli import _Progress
+    from qtool.cli.output import _Progress
 
     ckpt, ids = llama
     monkeypatch.setattr(_Progress, "STEP_QUIET_S", 0.0)  # (a tiny model's steps are shorter than the default)

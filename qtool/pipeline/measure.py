@@ -1,8 +1,11 @@
-"""The jobs that measure a model on data and change nothing: ``qtool report`` (per-layer SQNR, end-to-end
-fidelity, sensitivity) and ``qtool imatrix`` (llama.cpp's importance matrix)."""
+"""The jobs that measure a model on data: ``qtool report`` (per-layer SQNR, end-to-end fidelity, sensitivity,
+and the files drawn or written from them: an SQNR chart, a search's Pareto curve, a suggested recipe) and
+``qtool imatrix`` (llama.cpp's importance matrix)."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -10,7 +13,9 @@ import torch
 from torch import nn
 
 from ..calibration import CalibrateOptions
+from ..config import RecipeFile, read_recipe
 from ..data import load_data
+from ..encodings import CODES_FILE, SIDECAR
 from ..errors import DataError, UsageError
 from ..hooks import Hooks
 from ..io.fs import check_output_file
@@ -102,3 +107,73 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     with atomic_file(target) as tmp:
         write_imatrix(tmp, by_name, [Path(opts.data).name], opts.seq_len, max(1, tokens // max(1, opts.seq_len)))
     return {"imatrix": str(target), "entries": len(by_name), "tokens": tokens, "bytes": target.stat().st_size}
+
+
+@dataclass
+class ReportOutputs:
+    """The files ``report`` writes beside its figures, checked before the (slow) report runs
+    (:func:`report_outputs`): ``plot`` (a PNG bar chart of per-layer SQNR), ``pareto`` (the size-budget search's
+    curve, .png or .svg, its data in the .json beside it; ``search`` is the search record it draws), and
+    ``suggest`` (a recipe keeping the ``suggest_n`` most sensitive layers at higher precision, over ``base``)."""
+
+    plot: Optional[str] = None
+    pareto: Optional[str] = None
+    search: Optional[Dict[str, Any]] = None
+    suggest: Optional[Path] = None
+    suggest_n: int = 0
+    base: Optional[RecipeFile] = None
+
+
+def report_outputs(checkpoint: str, encodings: str, data: Optional[str], plot: Optional[str] = None,
+                   pareto: Optional[str] = None, suggest: Optional[Tuple[int, str]] = None,
+                   recipe: Optional[str] = None) -> ReportOutputs:
+    """``report``'s outputs, checked: the base recipe is valid (read once), ``pareto`` is a .png/.svg with a
+    search.json beside the encodings, and no output is one of the inputs or lies inside an input directory."""
+    from ..report import read_search
+
+    outs = ReportOutputs(plot=plot, pareto=pareto)
+    if suggest is not None:
+        outs.suggest_n, outs.suggest = suggest[0], Path(suggest[1])
+        outs.base = read_recipe(recipe) if recipe else None  # a malformed base: one error naming file and key
+    if pareto is not None:
+        if Path(pareto).suffix.lower() not in (".png", ".svg"):
+            raise UsageError(f"--pareto {pareto}: give a .png or .svg file name")
+        found = Path(encodings).parent / "search.json"
+        if not found.is_file():
+            raise UsageError(f"--pareto: no search.json beside {encodings}; it is written by calibrate/quantize "
+                             "with --candidates and --target-bpw/--target-size")
+        outs.search = read_search(found)
+    run = Path(encodings).parent
+    inputs = [("checkpoint", checkpoint), ("encodings", encodings), ("encodings sidecar", str(run / SIDECAR)),
+              ("codes", str(run / CODES_FILE)), ("search record", str(run / "search.json")), ("data", data),
+              ("recipe", recipe)]
+    for flag, out in (("plot", plot), ("pareto", pareto), ("suggest", outs.suggest)):
+        if out is None:
+            continue
+        check_output_file(Path(out), inputs, flag=f"--{flag}")
+        if flag == "pareto":
+            check_output_file(Path(out).with_suffix(".json"), inputs, flag="--pareto's .json")
+    return outs
+
+
+def write_report_outputs(result: Dict[str, Any], checkpoint: str, outs: ReportOutputs) -> None:
+    """Write what ``outs`` asks for from ``run_report``'s ``result`` (each file atomically; the Pareto points
+    also go into ``result["json"]``). The suggested recipe is parsed before it is written: only what ``-c`` will
+    read back."""
+    from ..config import parse_recipe
+    from ..io.fs import write_text_atomic
+    from ..report import pareto_points, plot_pareto, plot_sqnr, suggest_recipe
+
+    rep, name = result["report"], Path(checkpoint).name
+    if outs.plot:
+        plot_sqnr(rep, outs.plot, title=f"per-layer SQNR: {name}")
+    if outs.pareto:
+        points = pareto_points(outs.search, rep)
+        plot_pareto(points, outs.pareto, title=f"{outs.search['budget']['flag']} on {name}: "
+                                               f"{', '.join(outs.search['candidates'])}")
+        write_text_atomic(Path(outs.pareto).with_suffix(".json"), json.dumps(points, indent=1) + "\n")
+        result["json"]["pareto"] = points
+    if outs.suggest is not None:
+        text = suggest_recipe(result["sensitivity"], outs.suggest_n, outs.base.text if outs.base else None)
+        parse_recipe(text, source=str(outs.suggest))
+        write_text_atomic(outs.suggest, text)

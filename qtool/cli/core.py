@@ -1,0 +1,220 @@
+"""The Typer application and its contract: one ``error:`` line and an exit code for every failure (one JSON
+object with ``--json``), signals that leave nothing half-written, and the consoles human output goes to."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional
+
+import typer
+
+from .. import __version__
+
+
+class _Group(typer.core.TyperGroup):
+    """Click's own usage errors (an unknown option, a value out of range) follow the same contract as qtool's: one
+    ``error:`` line naming where help is, exit 2, and one JSON object with --json."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.TyperException as e:  # typer's (vendored) click exceptions all derive from it
+            if type(e).__name__ == "NoArgsIsHelpError" or not hasattr(e, "format_message"):
+                e.show() if hasattr(e, "show") else err.print("interrupted: nothing was written", markup=False)
+                sys.exit(getattr(e, "exit_code", 130))
+            ctx = getattr(e, "ctx", None)
+            where = f" (`{ctx.command_path} --help` lists the options)" if ctx is not None else ""
+            message = f"error: {e.format_message()}{where}"
+            err.print(message, markup=False)
+            if "--json" in argv:
+                _emit_json({"ok": False, "exit_code": e.exit_code, "error": message.split(": ", 1)[-1]})
+            sys.exit(e.exit_code)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+app = typer.Typer(
+    cls=_Group,
+    name="qtool",
+    help="Quantize PyTorch models: calibrate encodings, export integer tensors (AIMET-exact numerics).",
+    no_args_is_help=True,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+config_app = typer.Typer(help="Inspect and lint recipes.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+class _LazyConsole:
+    """rich's stderr console, made on first use: importing rich costs ~50 ms of every command's start-up, and a
+    quiet command that succeeds never prints."""
+
+    _console = None
+
+    def _get(self):
+        if _LazyConsole._console is None:
+            from rich.console import Console
+
+            _LazyConsole._console = Console(stderr=True, highlight=False, soft_wrap=True,
+                                            no_color=bool(os.environ.get("NO_COLOR")))
+        return _LazyConsole._console
+
+    def __getattr__(self, name):
+        return getattr(self._get(), name)
+
+
+err = _LazyConsole()
+
+
+def _rank() -> int:
+    """This process's rank under a launcher such as torchrun (0 when not distributed)."""
+    try:
+        return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+    except ValueError:
+        return 0
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"qtool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Optional[bool] = typer.Option(
+        None, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """qtool: quantize PyTorch models."""
+
+
+_SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is so outputs in progress are cleaned up like on Ctrl-C."""
+
+
+# the signals this process received: an interrupt that lands inside C code (a tensor conversion, say) can come out
+# as another exception (torch turns it into "ValueError: could not determine the shape ..."); it is still an
+# interrupt, and reads as one
+_SIGNALLED: List[str] = []
+
+
+@contextmanager
+def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
+    """Turn every failure into one stderr line and an exit code (and one JSON object with --json)."""
+    from ..errors import QtoolError
+
+    def fail(code: int, message: str, more=(), speak: bool = True) -> None:
+        for line in [message, *more] if speak else []:
+            err.print(line, markup=False)
+        if json_out:  # (only rank 0 has json_out under torchrun; it reports another rank's failure too)
+            _emit_json({"ok": False, "exit_code": code, "error": message.split(": ", 1)[-1],
+                        **({"errors": [m.split(": ", 1)[-1] for m in [message, *more]]} if more else {})})
+        raise typer.Exit(code)
+
+    def interrupted() -> None:
+        if _SIGNALLED:
+            fail(_SIGNAL_EXIT[_SIGNALLED[-1]], f"interrupted: {_SIGNALLED[-1]}; nothing was written")
+
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except QtoolError as e:
+        interrupted()
+        # distributed: a rank that failed on its own says so (dist_rank); an error every rank meets alike (bad
+        # flags, before the ranks connect) is said by rank 0; PeerFailed: another rank already said it
+        dist_rank = getattr(e, "dist_rank", None)
+        speak = not getattr(e, "quiet", False) and (dist_rank is not None or _rank() == 0)
+        where = f"rank {dist_rank}: " if dist_rank is not None else ""
+        problems = getattr(e, "problems", None) or []
+        if len(problems) > 1:  # every problem of a recipe, one line each
+            fail(e.exit_code, f"error: {where}{problems[0]}", [f"error: {p}" for p in problems[1:]], speak)
+        fail(e.exit_code, f"error: {where}{e}", speak=speak)
+    except KeyboardInterrupt as e:
+        name = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
+        fail(_SIGNAL_EXIT[name], f"interrupted: {name}; nothing was written")
+    except OSError as e:  # a full disk, a read-only directory, a path that vanished: the environment, not a bug
+        interrupted()
+        where = f"{e.filename}: " if e.filename else ""
+        fail(2, f"error: {where}{e.strerror or e} (nothing was written)")
+    except Exception as e:  # an internal error: one line, the traceback in a log file
+        interrupted()
+        import tempfile
+
+        with tempfile.NamedTemporaryFile("w", prefix="qtool-error-", suffix=".log", delete=False) as log:
+            traceback.print_exc(file=log)
+        if debug:
+            traceback.print_exc()
+        first = str(e).splitlines()[0] if str(e) else ""
+        fail(3, f"internal error: {type(e).__name__}: {first} (traceback in {log.name}; --debug shows it)")
+
+
+def Table(*args, **kwargs):
+    """rich's Table, imported when a command draws one."""
+    from rich.table import Table as _Table
+
+    return _Table(*args, **kwargs)
+
+
+def _console():
+    """A console for stdout tables and text (no highlighting; NO_COLOR respected)."""
+    from rich.console import Console
+
+    return Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
+
+
+def _esc(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
+def _emit_json(obj: Dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def _terminate(signum, frame):
+    _SIGNALLED.append("SIGTERM")
+    raise _Terminated()
+
+
+def _interrupt(signum, frame):
+    _SIGNALLED.append("SIGINT")
+    raise KeyboardInterrupt()
+
+
+def main() -> None:
+    import gc
+    import signal
+
+    # Start-up imports torch (and transformers for a Hugging Face model): hundreds of thousands of objects that
+    # are never garbage, which the default threshold (a collection every 700 new objects) scans again and
+    # again, a tenth of a second or more per command. Collections stay on, a hundred times less often.
+    gc.set_threshold(70_000, 10, 10)
+    # pydantic looks for plugins (observability hooks) in every installed package's entry points the first time
+    # it builds a validator: ~25 ms per command for a feature the CLI's own recipe schema has no use for. A user's
+    # explicit setting wins; the library (import qtool) is left alone.
+    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        app()
+    finally:
+        # On exit the interpreter searches everything still alive for reference cycles, several times over, to
+        # free memory the operating system takes back anyway: ~0.4 s per command once torch is loaded. Frozen
+        # objects are skipped. By now every output is closed and renamed into place, and what cleans up at exit
+        # (atexit handlers, weakref finalizers such as the spill directory's) still runs.
+        gc.freeze()
