@@ -83,18 +83,17 @@ from typing import Any, Callable, Dict, List, Optional
 
 from torch import nn
 
-from ..encodings import EncodingEntry, EncodingsFile
+from ..encodings import EncodingsFile
 from ..errors import CheckpointError, EncodingsError, UsageError
 from ..io.checkpoint import detect_kind
 from ..io.jsonfile import read_json_object
 from ..model.hf import meta_skeleton
 from ..weights import WeightSource
-from .base import Exporter, ExportRequest, layout_bytes
+from .base import Exporter, ExportRequest, layout_bytes, weight_names
 from .ct_config import (_KEY_ROTATION_NOTE, _ONLINE_NOTE, CT_VERSION_FALLBACK, _compat_notes, _int_format,
                         _online_transforms, config_groups, quantization_config)
 from .ct_modules import _routers, _tied_params, _unwritten_activations, _written_input, select_linear
 from .ct_tensors import _ct_scale_shape, _float_layout, _int_layout, _scale_dtype, tensor_layout, write_tensors
-from .qtool_st import match_weight_names
 
 __all__ = ["export_compressed_tensors", "CT_VERSION_FALLBACK"]
 
@@ -166,7 +165,6 @@ def export_compressed_tensors(
     model = meta_skeleton(checkpoint, trust_remote_code)
     modules = dict(model.named_modules())
     src = weights or WeightSource(checkpoint, encodings, trust_pickle=trust_pickle)
-    keys = src.keys()
     untied = set(src.untied())  # an output layer a transform (rotation) untied from the embedding table
     tied_names = {k: v for k, v in _tied_params(model).items() if k not in untied}
     if untied:
@@ -190,13 +188,12 @@ def export_compressed_tensors(
             "the encodings quantize no Linear weight, so there is nothing to write in a compressed-tensors "
             "(weight-only) format" + (f" ({'; '.join(warnings)})" if warnings else "")
         )
-    names = match_weight_names(linear, keys, str(checkpoint))
-    by_key: Dict[str, EncodingEntry] = {}
+    matched = weight_names(src, linear, str(checkpoint))
+    keys, names, by_key = matched.keys, matched.names, matched.by_key
     for e in linear:
         key = names[e.name]
         if key != "weight" and not key.endswith(".weight"):
             raise EncodingsError(f"{e.name}: checkpoint tensor {key!r} is not a layer's weight")
-        by_key[key] = e
     settings, module_args, module_fmt = config_groups(by_key, src, dyn_inputs, eight_bit_format, warnings)
     warnings += _compat_notes(list(settings.values()))
 
