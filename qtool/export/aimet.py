@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from ..errors import UsageError
-from .base import Exporter, ExportRequest, refuse_float_elements
-from .qtool_st import match_weight_names
+from .base import Exporter, ExportRequest, refuse_float_elements, weight_names
 
 __all__ = ["AimetExporter", "EXPORTER"]
 
@@ -28,8 +27,7 @@ class AimetExporter(Exporter):
                 "use a recipe with static activations")
 
     def write(self, request: ExportRequest, options: Exporter.Options) -> Dict[str, Any]:
-        weights = [e for e in request.encodings.entries if e.tensor == "weight"]
-        return {"names": match_weight_names(weights, request.weights.keys(), str(request.checkpoint))}
+        return {"names": weight_names(request.weights, request.encodings.entries, str(request.checkpoint)).names}
 
 
 EXPORTER = AimetExporter()

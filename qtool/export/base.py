@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Dict, List, Optional
 
-from ..encodings import EncodingsFile
+from ..encodings import EncodingEntry, EncodingsFile
+from ..errors import EncodingsError
 from ..weights import WeightSource
 
-__all__ = ["Exporter", "ExportRequest", "refuse_float_elements"]
+__all__ = ["Exporter", "ExportRequest", "refuse_float_elements", "match_weight_names", "weight_names", "WeightNames"]
 
 
 @dataclass
@@ -140,3 +141,39 @@ def refuse_float_elements(quantizers, fmt: str, why: str) -> None:
         raise UsageError(f"{fmt} cannot hold float element grids ({why}): {q.name} is {q.spec.describe()} "
                          f"({len(floats)} quantizer(s) in all); export FP8/NVFP4/MX recipes with --format "
                          "compressed-tensors or qtool")
+
+
+def match_weight_names(entries: List[EncodingEntry], keys: List[str], source: str) -> Dict[str, str]:
+    """Map each weight encoding to a checkpoint tensor name (exact, else a unique prefix difference)."""
+    keyset = set(keys)
+    out = {}
+    for e in entries:
+        if e.name in keyset:
+            out[e.name] = e.name
+            continue
+        cands = [k for k in keys if k.endswith("." + e.name) or e.name.endswith("." + k)]
+        if len(cands) != 1:
+            raise EncodingsError(
+                f"{source}: has no tensor {e.name!r} named in the encodings; were they made for another model?"
+            )
+        out[e.name] = cands[0]
+    return out
+
+
+@dataclass
+class WeightNames:
+    """What the exporters that write the checkpoint's tensors start from (:func:`weight_names`)."""
+
+    keys: List[str]  # the checkpoint's tensor names (WeightSource.keys: then those a transform untied)
+    entries: List[EncodingEntry]  # the weight encodings matched
+    names: Dict[str, str]  # quantizer name -> checkpoint tensor name
+    by_key: Dict[str, EncodingEntry]  # checkpoint tensor name -> its weight encoding
+
+
+def weight_names(src: WeightSource, entries, source: str) -> WeightNames:
+    """The exporters' shared preamble: the weight encodings among ``entries`` matched to the tensors of ``src``
+    (:func:`match_weight_names`; ``source`` names the checkpoint in its error), both ways."""
+    weights = [e for e in entries if e.tensor == "weight"]
+    keys = src.keys()
+    names = match_weight_names(weights, keys, source)
+    return WeightNames(keys, weights, names, {names[e.name]: e for e in weights})

@@ -41,9 +41,8 @@ from ..families.base import TensorPart
 from ..io.finite import check_finite, storable
 from ..quant import ggml
 from ..quant.spec import Granularity
-from .base import Exporter, ExportRequest, refuse_float_elements
+from .base import Exporter, ExportRequest, match_weight_names, refuse_float_elements
 from .gguf_model import EXPERT_KEY, GgufModel, permute_rows, read_gguf_model
-from .qtool_st import match_weight_names
 
 __all__ = ["GgufExporter", "EXPORTER", "gguf_type", "pack_blocks", "GGUF_NAME"]
 

@@ -63,7 +63,7 @@ from ..quant.affine import blocked_shapes, resolve_block_size
 from ..quant.packing import pack_bytes
 from ..quant.tensor import AffineEncoding
 from ..weights import WeightSource
-from .base import Exporter, ExportRequest, layout_bytes
+from .base import Exporter, ExportRequest, layout_bytes, match_weight_names, weight_names
 from ..io.jsonfile import read_json_object
 from ..io.st_writer import StreamingSafetensorsWriter
 
@@ -85,23 +85,6 @@ _CHUNK_ELEMS = 1 << 23
 THREADS = int(os.environ.get("QTOOL_EXPORT_THREADS", "0") or 0)
 
 
-def match_weight_names(entries: List[EncodingEntry], keys: List[str], source: str) -> Dict[str, str]:
-    """Map each weight encoding to a checkpoint tensor name (exact, else a unique prefix difference)."""
-    keyset = set(keys)
-    out = {}
-    for e in entries:
-        if e.name in keyset:
-            out[e.name] = e.name
-            continue
-        cands = [k for k in keys if k.endswith("." + e.name) or e.name.endswith("." + k)]
-        if len(cands) != 1:
-            raise EncodingsError(
-                f"{source}: has no tensor {e.name!r} named in the encodings; were they made for another model?"
-            )
-        out[e.name] = cands[0]
-    return out
-
-
 def export_integer(
     checkpoint: Path,
     encodings: EncodingsFile,
@@ -116,10 +99,8 @@ def export_integer(
     (tensor counts, bytes, shard files). ``max_shard_bytes=None`` never shards. ``weights``: where values and
     codes come from (default: the checkpoint, round-to-nearest)."""
     src = weights or WeightSource(checkpoint, encodings, tensors=CheckpointTensors(checkpoint, trust_pickle=trust_pickle))
-    keys = src.keys()
-    weights = [e for e in encodings.entries if e.tensor == "weight"]
-    names = match_weight_names(weights, keys, str(checkpoint))
-    by_key = {names[e.name]: e for e in weights}
+    matched = weight_names(src, encodings.entries, str(checkpoint))
+    keys, weights, names, by_key = matched.keys, matched.entries, matched.names, matched.by_key
 
     layout = []
     info = {}

@@ -1,0 +1,327 @@
+"""compressed-tensors' ``quantization_config`` for the compressed-tensors export (see
+``qtool.export.compressed_tensors``): each weight's and input's ``QuantizationArgs``, one config group per distinct
+setting, the KV cache scheme, the ``transform_config`` of online rotations, and the loader notes worth a warning."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..encodings import EncodingEntry, EncodingsFile
+from ..errors import EncodingsError
+from ..model.online import rotated_width
+
+# the compressed-tensors version that wrote the reference files in shared/data/compressed-tensors
+CT_VERSION_FALLBACK = "0.19.0"
+
+
+def _ct_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("compressed-tensors")
+    except Exception:  # not installed: write the version of the reference output
+        return CT_VERSION_FALLBACK
+
+
+def _weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Dict[str, Any]:
+    """compressed-tensors weight ``QuantizationArgs`` for one encoding, checking the layout fits a Linear."""
+    out_f, in_f = shape
+    if e.granularity == "per_tensor":
+        strategy, group_size = "tensor", None
+    elif e.granularity == "per_channel":
+        if tuple(e.shape) != (out_f, 1):
+            raise EncodingsError(
+                f"{e.name}: per_channel encodings of shape {list(e.shape)} on {key} {list(shape)}; compressed-tensors "
+                f"channel quantization needs one scale per output row, shape [{out_f}, 1]"
+            )
+        strategy, group_size = "channel", None
+    elif e.granularity == "per_block":
+        bs = tuple(e.block_size) if e.block_size is not None else None
+        if bs is None or len(bs) != 2 or bs[0] not in (1, -1) or (bs[0] == -1 and e.shape[0] != out_f):
+            raise EncodingsError(
+                f"{e.name}: block_size {None if bs is None else list(bs)} is not supported by the compressed-tensors "
+                "export; it writes groups along the input dimension only (block_size [1, G])"
+            )
+        g = bs[1] if bs[1] != -1 else (in_f // e.shape[1] if e.shape[1] else 0)
+        if g <= 0 or in_f % g:
+            raise EncodingsError(
+                f"{e.name}: group size {g} does not divide the input size {in_f} of {key} (shape {list(shape)}); "
+                "compressed-tensors group quantization (and llm-compressor) needs a group size that divides every "
+                "quantized layer's input size"
+            )
+        strategy, group_size = "group", int(g)
+    else:  # pragma: no cover - EncodingsFile validates granularity by construction
+        raise EncodingsError(f"{e.name}: unknown granularity {e.granularity!r}")
+    e.check_fits(key, shape)
+    return {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "group_size": group_size,
+        "num_bits": int(e.bitwidth),
+        "observer": "memoryless_minmax",  # qtool's minmax over the whole weight is this (static weights)
+        "observer_kwargs": {},
+        "scale_dtype": None,
+        "strategy": strategy,
+        "symmetric": bool(e.symmetric),
+        "type": "int",
+        "zp_dtype": None,
+    }
+
+
+def _input_args(e: EncodingEntry) -> Dict[str, Any]:
+    """compressed-tensors ``input_activations`` for an input quantizer: dynamic (no scale stored: the runtime
+    computes one per token, per call or per block), a static FP8 one (its ``input_scale`` is stored), or NVFP4's
+    block scales computed per call under a stored global scale (``dynamic: local``, ``input_global_scale``)."""
+    if e.is_float and e.granularity == "per_block":
+        nvfp4 = e.scale_dtype == "fp8_e4m3"
+        return {
+            "actorder": None,
+            "block_structure": None,
+            "dynamic": "local" if nvfp4 else True,
+            "group_size": int(e.block_size[0]),
+            "num_bits": int(e.bitwidth),
+            "observer": "static_minmax" if nvfp4 else None,
+            "observer_kwargs": {},
+            "scale_dtype": "torch.float8_e4m3fn" if nvfp4 else "torch.uint8" if e.scale_dtype == "e8m0" else None,
+            "strategy": "tensor_group" if nvfp4 else "group",
+            "symmetric": True,
+            "type": "float",
+            "zp_dtype": None,
+        }
+    return {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": bool(e.dynamic),
+        "group_size": None,
+        "num_bits": int(e.bitwidth),
+        "observer": None if e.dynamic else "static_minmax",
+        "observer_kwargs": {},
+        "scale_dtype": None,
+        "strategy": "token" if e.granularity == "per_token" else "tensor",
+        "symmetric": bool(e.symmetric),
+        "type": "float" if e.is_float else "int",
+        "zp_dtype": None,
+    }
+
+
+# (element, scale_dtype) -> (compressed-tensors format, strategy, scale dtype in the file); the FP8 row's format
+# becomes float-quantized when the layer's inputs are quantized too (llm-compressor's choice)
+_FLOAT_LAYOUTS = {
+    ("fp8_e4m3", "float32"): ("naive-quantized", None, torch.float32),
+    ("fp8_e4m3", "e8m0"): ("mxfp8-quantized", "group", torch.uint8),
+    ("fp4_e2m1", "e8m0"): ("mxfp4-pack-quantized", "group", torch.uint8),
+    ("fp4_e2m1", "fp8_e4m3"): ("nvfp4-pack-quantized", "tensor_group", torch.float8_e4m3fn),
+}
+_SCALE_DTYPE_NAMES = {torch.uint8: "torch.uint8", torch.float8_e4m3fn: "torch.float8_e4m3fn"}
+
+
+def _kv_cache_scheme(kv: List[EncodingEntry]) -> Optional[Dict[str, Any]]:
+    """``kv_cache_scheme`` for static FP8 key/value scales (None without any); one strategy for the model."""
+    if not kv:
+        return None
+    grans = {e.granularity for e in kv}
+    if len(grans) > 1:
+        raise EncodingsError("compressed-tensors has one kv_cache_scheme per model: the k_cache/v_cache quantizers "
+                             "must all be per tensor or all per head")
+    return {"actorder": None, "block_structure": None, "dynamic": False, "group_size": None, "num_bits": 8,
+            "observer": "minmax", "observer_kwargs": {}, "scale_dtype": None,
+            "strategy": "tensor" if grans == {"per_tensor"} else "attn_head", "symmetric": True, "type": "float",
+            "zp_dtype": None}
+
+
+def _float_weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Tuple[Dict[str, Any], str]:
+    """compressed-tensors weight ``QuantizationArgs`` and format for a float element encoding."""
+    layout = _FLOAT_LAYOUTS.get((e.element, e.scale_dtype))
+    if layout is None:
+        raise EncodingsError(f"{e.name}: {e.element} elements with {e.scale_dtype} scales have no compressed-tensors "
+                             "format (FP8 with float32 or e8m0 scales, FP4 with e8m0 (MXFP4) or fp8_e4m3 (NVFP4))")
+    fmt, strategy, sdtype = layout
+    bs = tuple(e.block_size or ())
+    if strategy is None and len(bs) == 2 and bs[0] not in (1, -1):  # 2-D tiles: FP8_BLOCK's 128x128
+        e.check_fits(key, shape)
+        args = {"actorder": None, "block_structure": [int(bs[0]), int(bs[1])], "dynamic": False, "group_size": None,
+                "num_bits": 8, "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": None,
+                "strategy": "block", "symmetric": True, "type": "float", "zp_dtype": None}
+        return args, fmt
+    args = _weight_args(e, shape, key)
+    if strategy is not None:
+        if args["strategy"] != "group":
+            raise EncodingsError(f"{e.name}: {fmt} needs blocks along the input dimension (got {args['strategy']})")
+        args["strategy"] = strategy
+    want = {"nvfp4-pack-quantized": 16, "mxfp4-pack-quantized": 32, "mxfp8-quantized": 32}.get(fmt)
+    if want is not None and args["group_size"] != want:
+        raise EncodingsError(f"{e.name}: {fmt} stores blocks of {want} (got {args['group_size']}); vLLM and "
+                             "compressed-tensors read no other size")
+    args.update(type="float", scale_dtype=_SCALE_DTYPE_NAMES.get(sdtype), observer="memoryless_minmax")
+    return args, fmt
+
+
+def _compat_notes(settings) -> List[str]:
+    """Loader limits worth a warning (read from transformers 5.23 / compressed-tensors 0.20 / vLLM sources)."""
+    notes = []
+    for s in settings:
+        a, fmt, inputs = s["args"], s["format"], s.get("inputs")
+        what = f"{a['num_bits']}-bit {a['strategy']} ({fmt})"
+        if a["type"] == "float":
+            if fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
+                notes.append(f"transformers: {what}: compressed-tensors decompresses FP4 weights in bfloat16; load "
+                             "with from_pretrained(..., dtype=torch.bfloat16)")
+            continue
+        if inputs is not None:  # W8A8 int: vLLM's CompressedTensorsW8A8Int8 scheme
+            if not (a["num_bits"] == 8 and inputs["num_bits"] == 8 and a["symmetric"]
+                    and a["strategy"] in ("channel", "tensor") and fmt == "int-quantized"):
+                notes.append(f"vLLM: {what} weights with {inputs['num_bits']}-bit dynamic activations: vLLM's W8A8 "
+                             "int scheme takes symmetric 8-bit channel/tensor int-quantized weights with 8-bit "
+                             "activations")
+            continue
+        if fmt == "int-quantized":
+            notes.append(f"vLLM: {what}: vLLM runs weight-only int layers only from pack-quantized (its WNA16 "
+                         "scheme); export with eight_bit_format='pack-quantized' for vLLM")
+        if a["strategy"] == "tensor":
+            notes.append(f"vLLM: {what}: vLLM's weight-only int scheme takes channel or group strategies, not tensor")
+        if a["num_bits"] not in (4, 8):
+            notes.append(f"vLLM: {what}: vLLM's weight-only int kernels take 4 or 8 bits")
+        if fmt == "pack-quantized" and not a["symmetric"] and a["strategy"] in ("channel", "group"):
+            notes.append(f"transformers: {what} asymmetric: the packed weight_zero_point loads only with "
+                         "from_pretrained(..., quantization_config=CompressedTensorsConfig(dequantize=True)) "
+                         "(transformers 5.23 / compressed-tensors 0.20)"
+                         + ("" if len(settings) == 1 else ", which handles a single config group only"))
+    return notes
+
+
+def _int_format(bitwidth: int, eight_bit_format: str) -> str:
+    """The compressed-tensors format of an integer weight: 8-bit ones as asked, narrower ones always packed."""
+    return eight_bit_format if bitwidth == 8 else "pack-quantized"
+
+
+def config_groups(by_key: Dict[str, EncodingEntry], src, dyn_inputs: Dict[str, EncodingEntry], eight_bit_format: str,
+                  warnings: List[str]):
+    """Each quantized Linear's weight (and input) args and format, and one setting per distinct pair:
+    ``(settings, module_args, module_fmt)``, with ``settings`` json(args) -> {"args", "inputs", "format",
+    "modules"} in first-seen order. Appends the low-precision scale warning to ``warnings``."""
+    settings: Dict[str, Dict[str, Any]] = {}  # json(args) -> {"args", "format", "modules"}
+    module_args: Dict[str, Dict[str, Any]] = {}
+    module_fmt: Dict[str, str] = {}
+    low_precision_warned = False
+    for key, e in by_key.items():
+        shape, dtype = src.shape_dtype(key)
+        if len(shape) != 2:
+            raise EncodingsError(f"{e.name}: Linear weight {key!r} has shape {list(shape)}, expected 2-D")
+        if e.bitwidth > 8:
+            raise EncodingsError(
+                f"{e.name}: {e.bitwidth}-bit weights have no compressed-tensors integer format (1..8 bits)"
+            )
+        inputs = _input_args(dyn_inputs[e.module]) if e.module in dyn_inputs else None
+        if e.is_float:
+            args, fmt = _float_weight_args(e, tuple(shape), key)
+            if fmt == "naive-quantized" and inputs is not None:
+                fmt = "float-quantized"
+        else:
+            args = _weight_args(e, tuple(shape), key)
+            fmt = _int_format(e.bitwidth, eight_bit_format)
+        if inputs is not None and dyn_inputs[e.module].is_float != e.is_float:
+            raise EncodingsError(f"{e.name}: compressed-tensors has no scheme mixing float and integer grids in one "
+                                 f"layer (its input is {dyn_inputs[e.module].spec.describe()})")
+        sig = json.dumps([args, inputs], sort_keys=True)
+        settings.setdefault(sig, {"args": args, "inputs": inputs, "format": fmt, "modules": []})["modules"].append(
+            e.module)
+        module_args[key] = args
+        module_fmt[key] = fmt
+        if dtype not in (torch.float32, torch.float64) and not low_precision_warned:
+            low_precision_warned = True
+            warnings.append(
+                f"scale_dtype: weights are {str(dtype).replace('torch.', '')}, so scales are stored (and loaded) in "
+                "that dtype as llm-compressor does; dequantized weights may differ from qtool's fake-quant "
+                "weights by the scale's rounding"
+            )
+    return settings, module_args, module_fmt
+
+
+def quantization_config(settings: Dict[str, Dict[str, Any]], modules: Dict[str, nn.Module], quantized_modules,
+                        float_linear: List[str], kv: List[EncodingEntry]) -> Tuple[Dict[str, Any], Dict[str, Any], str]:
+    """``(quantization_config, config groups, top-level format)``: with one setting on plain Linears the group
+    targets ``"Linear"`` (as llm-compressor writes it), otherwise each group names its modules."""
+    all_plain_linear = all(type(modules[m]) is nn.Linear for m in quantized_modules)
+    single = len(settings) == 1 and all_plain_linear
+    groups: Dict[str, Any] = {}
+    for i, s in enumerate(settings.values()):
+        targets = ["Linear"] if single else [f"re:^{re.escape(m)}$" for m in s["modules"]]
+        groups[f"group_{i}"] = {
+            "format": s["format"],
+            "input_activations": s["inputs"],
+            "output_activations": None,
+            "targets": targets,
+            "weights": s["args"],
+        }
+    formats = sorted({s["format"] for s in settings.values()})
+    top_format = formats[0] if len(formats) == 1 else "mixed-precision"
+    qconfig = {
+        "config_groups": groups,
+        "format": top_format,
+        "global_compression_ratio": None,
+        "ignore": float_linear,
+        "kv_cache_scheme": _kv_cache_scheme(kv),
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": _ct_version(),
+    }
+    return qconfig, groups, top_format
+
+
+_ONLINE_NOTE = ("the model rotates down_proj's input at run time (r4, transform_config): vLLM applies it; "
+                "transformers 5.23 loads the weights but ignores transform_config, so its outputs are wrong there "
+                "unless compressed-tensors' apply_transform_config adds the online part (see docs/formats.md)")
+_KEY_ROTATION_NOTE = ("the model rotates each head's queries and keys at run time (r3, transform_config R3 at q_attn "
+                      "and k_cache), and k_scale was calibrated on rotated keys: compressed-tensors' "
+                      "apply_transform_config runs it; vLLM applies transforms to Linear layers only and ignores "
+                      "R3, so there the FP8 KV cache gets unrotated keys, whose outlier channels can pass the range "
+                      "of k_scale and clip; serve with vLLM without r3 (see docs/formats.md)")
+
+
+def _online_transforms(encodings: EncodingsFile, modules, src, keys) -> List[Dict[str, Any]]:
+    """compressed-tensors' description of each online rotation (``encodings.online``; r4): a ``transform_config``
+    scheme named like llm-compressor's (``R4``) applied at the module's ``input`` (online) with its inverse at
+    ``weight_input`` (already fused into the stored weights, which vLLM skips), and the matrix each rotated
+    module loads (``<module>.R4_input.weight``, ``R·√n``: entries ±1, normalized by the reader). The type is
+    ``hadamard`` only where qtool's matrix is Sylvester's (a power-of-two width, not randomized), which vLLM
+    computes with its own fast kernel; otherwise ``random-hadamard``, which vLLM applies from the stored
+    matrix."""
+    from ..quant.hadamard import hadamard_order, rotation_matrix
+
+    out = []
+    key_set = set(keys)
+    for rot in encodings.online:
+        widths = {rotated_width(modules[m], rot) for m in rot.modules}
+        if len(widths) != 1:
+            raise EncodingsError(f"online rotation {rot.name}: the rotated widths differ ({sorted(widths)})")
+        n = widths.pop()
+        scheme = rot.name.upper()
+        sylvester = rot.kind == "hadamard" and hadamard_order(n)[0] == 1
+        matrix = (rotation_matrix(n, rot.kind, rot.seed) * n ** 0.5).round()
+        # r4: the Linear's input online, its inverse already fused (weight_input); r3: each head's queries and the
+        # keys the cache stores, both online (q_attn, k_cache), nothing fused
+        locations = ("input",) if rot.location == "input" else ("q_attn", "k_cache")
+        tensors = {}
+        for m in rot.modules:
+            key = f"{m}.weight" if rot.location == "input" else f"{m}.k_proj.weight"
+            if key not in key_set:
+                raise EncodingsError(f"online rotation {rot.name}: {m} has no weight {key!r} in the checkpoint")
+            for loc in locations:
+                tensors[f"{m}.{scheme}_{loc}.weight"] = (src.shape_dtype(key)[1], (n, n))
+        targets = list(rot.modules)
+        apply = [{"targets": targets, "location": loc, "inverse": False, "ignore": []} for loc in locations]
+        if rot.location == "input":
+            apply.append({"targets": targets, "location": "weight_input", "inverse": True, "ignore": []})
+        out.append({"scheme": scheme, "matrix": matrix, "tensors": tensors, "location": rot.location, "config": {
+            "type": "hadamard" if sylvester else "random-hadamard", "apply": apply,
+            "randomize": False, "requires_grad": False, "head_dim": None if rot.location == "input" else n,
+            "precision": "float32"}})
+    return out
