@@ -432,7 +432,7 @@ def test_layers_reading_one_input_share_one_gptq_run_with_each_layers_own_codes(
 
 @pytest.mark.parametrize("tokens, width", [(1, 385), (7, 400), (300, 577), (2048, 1536), (33, 1153)])
 def test_panelled_gram_matrix_is_the_whole_matmul_bit_for_bit(tokens, width):
-    from qtool.calibration.rounding import _gram
+    from qtool.calibration.rounding.statistics import _gram
 
     x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(tokens)) * 3
     g = _gram(x)

@@ -81,10 +81,10 @@ def onnx_export_mode(quantizers: Dict[str, QuantizeDequantize]):
     ``_DynamicFakeQuantOnnx``)."""
     saved = {}
     for name, q in quantizers.items():
-        if getattr(q, "dynamic", False):
+        if q.spec.dynamic:
             def dyn(x, _q=q, _n=name, _run=q.forward):
                 x = x.as_subclass(torch.Tensor)
-                kind = "fp8" if hasattr(_q, "element") else "symmetric" if _q.symmetric else "asymmetric"
+                kind = "fp8" if _q.spec.is_float else "symmetric" if _q.symmetric else "asymmetric"
                 mode = kind + " " + ("per_token" if _q.per_token else "per_tensor")
                 channels = int(x.shape[-1]) if x.dim() else 1
                 return _DynamicFakeQuantOnnx.apply(x, _run, _n, _q.qmin, _q.qmax, mode, channels)
@@ -92,7 +92,7 @@ def onnx_export_mode(quantizers: Dict[str, QuantizeDequantize]):
             saved[name] = q.forward
             q.forward = dyn
             continue
-        if hasattr(q, "element"):  # a float grid: its effective scales, zero points 0
+        if q.spec.is_float:  # a float grid: its effective scales, zero points 0
             scale = q.scales()[1].detach().clone()
             zp = torch.zeros(scale.shape, dtype=torch.int32)
             gran = "per_block" if q.block_size is not None else ("per_channel" if scale.numel() > 1 else "per_tensor")

@@ -194,12 +194,17 @@ def make_analyzer(q: QuantizerPlan):
 
 
 def make_quantizer(q: QuantizerPlan, device=None) -> QuantizerBase:
+    """The quantizer module of plan row ``q``; it carries ``q.spec`` (``quantizer.spec``), which every consumer
+    reads to know its grid (int, float element, GGUF type; dynamic or not)."""
     per_token = q.granularity == "per_token"
     if q.dynamic:
         if q.element != "int":
             block = q.block_size[0] if q.block_size else None
-            return DynamicFloatQuantizeDequantize(q.element, q.granularity.value, q.scale_dtype, block)
-        return DynamicQuantizeDequantize(q.bitwidth, q.symmetric, per_token=per_token)
+            quantizer = DynamicFloatQuantizeDequantize(q.element, q.granularity.value, q.scale_dtype, block)
+        else:
+            quantizer = DynamicQuantizeDequantize(q.bitwidth, q.symmetric, per_token=per_token)
+        quantizer.spec = q.spec
+        return quantizer
     if q.element != "int":
         quantizer = FloatQuantizeDequantize(q.shape, q.element, q.scale_dtype, make_analyzer(q), q.block_size)
     elif q.spec.ggml is not None:
@@ -209,6 +214,7 @@ def make_quantizer(q: QuantizerPlan, device=None) -> QuantizerBase:
     else:
         quantizer = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric, encoding_analyzer=make_analyzer(q),
                                        block_size=q.block_size, scale_dtype=q.scale_dtype)
+    quantizer.spec = q.spec
     return quantizer.to(device) if device is not None else quantizer
 
 

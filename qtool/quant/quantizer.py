@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from .ggml import CLIP_RATIOS, GgmlType, KGrid, grid_from_range, search_range
 from .ggml import quantize_dequantize as ggml_quantize_dequantize
 from .tensor import AffineEncoding, DequantizedTensor, QuantizedTensor
 
+if TYPE_CHECKING:
+    from .spec import QuantSpec
+
 __all__ = ["QuantizerBase", "QuantizeDequantize", "Quantize", "DynamicQuantizeDequantize",
            "FloatQuantizeDequantize", "DynamicFloatQuantizeDequantize", "GgmlQuantizeDequantize",
            "UninitializedQuantizerError"]
@@ -47,6 +50,8 @@ class UninitializedQuantizerError(RuntimeError):
 
 
 class QuantizerBase(nn.Module):
+    spec: Optional["QuantSpec"] = None  # what grid it is, as the plan row said (set by model.insert.make_quantizer)
+
     def __init__(
         self,
         shape: Sequence[int],
@@ -314,6 +319,7 @@ class DynamicQuantizeDequantize(nn.Module):
     ``x``'s dtype (the encoding differs per token, so there is no one ``AffineEncoding`` to attach)."""
 
     dynamic = True
+    spec: Optional["QuantSpec"] = None  # what grid it is, as the plan row said (set by model.insert.make_quantizer)
 
     def __init__(self, bitwidth: int, symmetric: bool, per_token: bool):
         super().__init__()

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 from ..choices import ELEMENT_NAMES, FLOAT_SCALE_DTYPES, GGML_SCALE_DTYPES, check_element, check_scale_dtype
 from .affine import grid
+from .floatgrid import FloatElement, element_of
 from .ggml import GGML_TYPES, GgmlType
 
 __all__ = ["Granularity", "QuantSpec", "axis_and_block", "check_element", "ELEMENT_NAMES", "FLOAT_SCALE_DTYPES",
@@ -135,6 +136,14 @@ class QuantSpec:
     def ggml(self) -> Optional[GgmlType]:
         """The GGUF K-quant or IQ4 type whose grid this is (``quant.ggml``), or None."""
         return GGML_TYPES[self.scale_dtype.upper()] if self.scale_dtype in GGML_SCALE_DTYPES else None
+
+    @property
+    def element_grid(self) -> Optional[Union[FloatElement, GgmlType]]:
+        """The grid codes are chosen on when it is not a plain integer one: the float element
+        (``quant.floatgrid``) or the GGUF type; None for an integer grid."""
+        if self.ggml is not None:
+            return self.ggml
+        return element_of(self.element) if self.is_float else None
 
     @property
     def qmin_qmax(self) -> Tuple[int, int]:
