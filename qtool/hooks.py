@@ -12,7 +12,8 @@ __all__ = ["Hooks", "reporting", "step"]
 class Hooks:
     """``on_plan(plan)``, ``on_batch(done, total, samples)``, ``on_tensor(done, total, name)``, ``on_stage(text)``,
     ``on_block(done, total)``, ``on_step(step, done, total, item)`` (a long step deep in the library: the weights'
-    range searches, GPTQ/AdaRound, ..., reported through :func:`step`); unset ones do nothing."""
+    range searches, GPTQ/AdaRound, ..., reported through :func:`step`); unset ones do nothing. They only show
+    progress: nothing a job decides (the format's admission of a plan, say) goes through them."""
 
     def __init__(self, on_plan=None, on_batch=None, on_tensor=None, on_stage=None, on_block=None, on_step=None):
         self.on_step = on_step

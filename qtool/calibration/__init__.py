@@ -33,8 +33,8 @@ from ..provenance import device_label, versions
 from .collective import samples_per_rank
 from .data_check import shortfalls
 
-__all__ = ["CalibrateOptions", "CalibrationRun", "MODES", "choose_mode", "calibrate_checkpoint", "streams",
-           "estimate_run"]
+__all__ = ["CalibrateOptions", "CalibrationRun", "MODES", "PreparedRun", "choose_mode", "prepare_calibration",
+           "calibrate_prepared", "calibrate_checkpoint", "streams", "estimate_run"]
 
 MODES = ("in_memory", "streaming", "sequential")
 
@@ -159,31 +159,32 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
     return data
 
 
-def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: CalibrateOptions,
-                         sidecar: Optional[Path], hooks: Optional[Hooks] = None,
-                         group: Optional[Group] = None, state: Optional[Path] = None) -> CalibrationRun:
-    hooks = hooks or Hooks()
-    with reporting(hooks):  # the long steps inside (weight searches, GPTQ) report to the job's hooks
-        return _calibrate_checkpoint(checkpoint, recipe, source, opts, sidecar, hooks, group, state)
+@dataclass
+class PreparedRun:
+    """A calibration resolved before it runs: its mode, the plan (made once, on the model the mode runs: the
+    meta-device skeleton of a sequential or streaming run, the loaded model in memory) and what the mode needs of
+    the model. The job admits the plan to its format here, before any data is read (:func:`prepare_calibration`,
+    then :func:`calibrate_prepared`)."""
+
+    mode: str
+    plan: Plan
+    model: Any  # nn.Module: the skeleton (streaming), the meta-device model (sequential) or the loaded model
+    device: torch.device
+    tokenizer: Any = None
+    loaded: Any = None  # model.load.LoadedModel (in memory)
 
 
-def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: CalibrateOptions,
-                          sidecar: Optional[Path], hooks: Hooks, group: Optional[Group],
-                          state: Optional[Path] = None) -> CalibrationRun:
-    """Calibrate ``recipe`` on ``checkpoint``; large block encodings of a streamed run go to ``sidecar`` as each
-    weight is done. ``source`` names the recipe in error messages. With a distributed ``group`` (see
-    :mod:`qtool.parallel`) every rank calls this with the same arguments and calibrates its shard of the data;
-    the entries are complete on rank 0 (``sidecar`` is only written there: None elsewhere). ``state``: where a
-    sequential run keeps its resumable state (:mod:`.resume`; ``opts.resume`` continues the one there)."""
+def prepare_calibration(checkpoint: str, recipe: Recipe, source: str, opts: CalibrateOptions,
+                        hooks: Optional[Hooks] = None) -> PreparedRun:
+    """Choose the mode, load what it runs on and resolve ``recipe`` to the plan on it (with its memory estimate
+    and warnings). ``source`` names the recipe in error messages."""
     from ..model.load import resolve_device
 
     hooks = hooks or Hooks()
-    group = group or Group()
     hooks.on_stage("loading checkpoint")
     mode, skeleton, plan = choose_mode(checkpoint, recipe, opts, source)
     if mode == "sequential":
         from ..model.hf import meta_causal_lm
-        from .sequential import calibrate_sequential
 
         device = resolve_device(opts.device)
         model, _, tokenizer = meta_causal_lm(checkpoint, opts.trust_remote_code)
@@ -193,8 +194,51 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
         if plan.smoothing or plan.folds:
             raise UsageError(f"{'smoothquant' if plan.smoothing else 'fold_batch_norms'} runs on the whole model: "
                              "calibrate without --sequential")
-        hooks.on_plan(plan)
-        data = _data(opts, plan, tokenizer, True, hooks)
+        return PreparedRun(mode, plan, model, device, tokenizer)
+    if mode == "streaming":
+        plan.memory = estimate_run(skeleton, plan, "streaming", opts)
+        return PreparedRun(mode, plan, skeleton, resolve_device(opts.device))
+    from ..model.load import load_model
+
+    loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
+    plan = _resolve(recipe, loaded.model, source, opts, checkpoint)
+    _warn_all_experts(plan, opts, loaded.model)
+    plan.memory = estimate_run(loaded.model, plan, "in_memory", opts)
+    return PreparedRun(mode, plan, loaded.model, next(iter(loaded.model.parameters())).device, loaded.tokenizer,
+                       loaded)
+
+
+def calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: CalibrateOptions,
+                         sidecar: Optional[Path], hooks: Optional[Hooks] = None,
+                         group: Optional[Group] = None, state: Optional[Path] = None) -> CalibrationRun:
+    """:func:`prepare_calibration` then :func:`calibrate_prepared`, the plan shown through ``hooks.on_plan``."""
+    hooks = hooks or Hooks()
+    prepared = prepare_calibration(checkpoint, recipe, source, opts, hooks)
+    hooks.on_plan(prepared.plan)
+    return calibrate_prepared(checkpoint, prepared, source, opts, sidecar, hooks, group, state)
+
+
+def calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opts: CalibrateOptions,
+                       sidecar: Optional[Path], hooks: Optional[Hooks] = None, group: Optional[Group] = None,
+                       state: Optional[Path] = None) -> CalibrationRun:
+    """Calibrate ``prepared``'s plan on ``checkpoint``; large block encodings of a streamed run go to ``sidecar``
+    as each weight is done. With a distributed ``group`` (see :mod:`qtool.parallel`) every rank calls this with the
+    same arguments and calibrates its shard of the data; the entries are complete on rank 0 (``sidecar`` is only
+    written there: None elsewhere). ``state``: where a sequential run keeps its resumable state (:mod:`.resume`;
+    ``opts.resume`` continues the one there)."""
+    hooks = hooks or Hooks()
+    with reporting(hooks):  # the long steps inside (weight searches, GPTQ) report to the job's hooks
+        return _calibrate_prepared(checkpoint, prepared, source, opts, sidecar, hooks, group or Group(), state)
+
+
+def _calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opts: CalibrateOptions,
+                        sidecar: Optional[Path], hooks: Hooks, group: Group,
+                        state: Optional[Path]) -> CalibrationRun:
+    mode, plan, model, device = prepared.mode, prepared.plan, prepared.model, prepared.device
+    if mode == "sequential":
+        from .sequential import calibrate_sequential
+
+        data = _data(opts, plan, prepared.tokenizer, True, hooks)
         saved = _resume_state(state, checkpoint, source, opts, data, device, group, hooks)
         hooks.on_stage("calibrating")
         codes = SpilledTensors()  # block by block to disk: they would grow in memory with every block
@@ -211,15 +255,12 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
         unused = [q.name for q in plan.static_activations if q.name not in done]
         return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", data, unused, codes,
                               floats, samples_per_rank=samples_per_rank(data, group))
-    if mode == "streaming":
+    if mode == "streaming":  # no --data and a weight-only plan: there is no data to read
         from .streaming import calibrate_weights_streaming
 
-        device = resolve_device(opts.device)
-        plan.memory = estimate_run(skeleton, plan, "streaming", opts)
-        hooks.on_plan(plan)  # streaming means no --data and a weight-only plan: there is no data to read
         hooks.on_stage("calibrating")
         with _sidecar_stream(sidecar, plan, group) as sink:
-            entries = calibrate_weights_streaming(checkpoint, plan, skeleton, sink=sink, group=group)
+            entries = calibrate_weights_streaming(checkpoint, plan, model, sink=sink, group=group)
         # dynamic activation rows (no data needed) are entries too, in plan order as in the other modes
         by_name = {e.name: e for e in entries}
         by_name.update({q.name: EncodingEntry.from_quantizer(q, None) for q in plan.activations})
@@ -227,20 +268,14 @@ def _calibrate_checkpoint(checkpoint: str, recipe: Recipe, source: str, opts: Ca
         return CalibrationRun(entries, plan, mode, device, tensor_files(Path(checkpoint)), "hf", None, [],
                               samples_per_rank=samples_per_rank(None, group))
     from ..model.insert import insert_quantizers
-    from ..model.load import load_model
     from .in_memory import calibrate
 
-    loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
-    plan = _resolve(recipe, loaded.model, source, opts, checkpoint)
-    _warn_all_experts(plan, opts, loaded.model)
-    device = next(iter(loaded.model.parameters())).device
-    plan.memory = estimate_run(loaded.model, plan, "in_memory", opts)
-    hooks.on_plan(plan)
-    data = _data(opts, plan, loaded.tokenizer, causal_lm_class(loaded.model), hooks)
+    loaded = prepared.loaded
+    data = _data(opts, plan, loaded.tokenizer, causal_lm_class(model), hooks)
     hooks.on_stage("calibrating")
-    quantizers = insert_quantizers(loaded.model, plan)
-    with all_tokens_routed(loaded.model, opts.all_experts):
-        result = calibrate(loaded.model, plan, quantizers, data if plan.needs_data() else None, device,
+    quantizers = insert_quantizers(model, plan)
+    with all_tokens_routed(model, opts.all_experts):
+        result = calibrate(model, plan, quantizers, data if plan.needs_data() else None, device,
                            hooks.on_batch, group)
     entries = [EncodingEntry.from_quantizer(q, quantizers[q.name]) for q in plan.quantizers
                if quantizers[q.name].is_initialized()]

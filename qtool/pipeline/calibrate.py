@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 from .. import __version__
-from ..calibration import CalibrateOptions, calibrate_checkpoint
+from ..calibration import CalibrateOptions, calibrate_prepared, prepare_calibration
 from ..config import Plan, RecipeFile, read_recipe
 from ..encodings import CODES_FILE, SIDECAR, EncodingsFile
 from ..hooks import Hooks
@@ -22,17 +22,23 @@ from .manifest import checkpoint_input, digests, manifest, write_manifest
 
 def _calibrate_into(checkpoint: str, recipe_path: Union[str, RecipeFile], opts: CalibrateOptions, run_dir: Optional[Path],
                     hooks: Hooks, group: Optional[Group] = None, search: Optional[Dict[str, Any]] = None,
-                    last: bool = True, state: Optional[Path] = None):
+                    last: bool = True, state: Optional[Path] = None,
+                    admit: Optional[Callable[[Plan], None]] = None):
     """Calibrate and write the run's files into ``run_dir``. In a distributed run every rank calibrates; rank 0
     alone writes (``run_dir`` is None on the others, which return None). ``search``: the record of a size-budget
     search that wrote this recipe (``recipe.yaml`` in the output directory). ``last``: no collective step follows
     but the run's end (a search's intermediate calibrations pass False: :meth:`Group.calibrated`). ``state``: where
-    a sequential run keeps what it has finished (:func:`_state_dir`)."""
+    a sequential run keeps what it has finished (:func:`_state_dir`). ``admit``: the job's check of the plan
+    against the format it will write (a plan the format cannot hold fails before any data is read)."""
     group = group or Group()
     read = read_recipe(recipe_path)  # a shipped recipe's name -> its file (hashed in the manifest)
     recipe, recipe_path = read.recipe, read.path
-    run = calibrate_checkpoint(checkpoint, recipe, str(recipe_path), opts,
-                               run_dir / SIDECAR if run_dir is not None else None, hooks, group, state)
+    prepared = prepare_calibration(checkpoint, recipe, recipe_path, opts, hooks)
+    if admit is not None:
+        admit(prepared.plan)
+    hooks.on_plan(prepared.plan)
+    run = calibrate_prepared(checkpoint, prepared, recipe_path, opts,
+                             run_dir / SIDECAR if run_dir is not None else None, hooks, group, state)
     group.calibrated(last)
     if not group.is_root:
         return None

@@ -25,21 +25,22 @@ from .search import (SEARCH_FILE, _budget_exporter, _calibrate_searched, _prepar
 
 
 def _other_rank(checkpoint: str, recipe_path: Optional[RecipeFile], opts: CalibrateOptions, out: str, hooks: Hooks,
-                group: Group, target: Optional[TargetOptions], exporter, options) -> Dict[str, Any]:
+                group: Group, target: Optional[TargetOptions], exporter, options, admit=None) -> Dict[str, Any]:
     """What a rank other than 0 does in ``calibrate`` and ``quantize``: calibrate its shard, and, searching
     (``target``), measure its share of the search samples, in its own scratch directory (the chosen recipe and the
     calibrations it measures, copied from rank 0: ranks need not share a filesystem) beside the output directory
     (where the model's files must fit anyway; the system's temporary directory is often small). Rank 0 writes."""
     if target is None:
-        _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group, state=_state_dir(out, opts, target))
+        _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group, state=_state_dir(out, opts, target),
+                        admit=admit)
         _drop_state(out, opts, target, group)  # (this rank's block outputs: its calibration is done)
     else:
         import tempfile
 
         parent = Path(out).resolve().parent
         with tempfile.TemporaryDirectory(prefix=".qtool-rank-", dir=parent if parent.is_dir() else None) as d:
-            recipe_path, record = _searched(checkpoint, target, opts, exporter, options, Path(d), hooks, group)
-            _calibrate_searched(checkpoint, recipe_path, record, target, opts, Path(d) / "run", hooks, group)
+            recipe_path, record = _searched(checkpoint, target, opts, exporter, options, Path(d), hooks, group, admit)
+            _calibrate_searched(checkpoint, recipe_path, record, target, opts, Path(d) / "run", hooks, group, admit)
     return {"rank": group.rank, "world_size": group.world_size}
 
 
@@ -96,30 +97,27 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=eopts.data,
                                                    imatrix=opts.imatrix) + _search_inputs(target))
     exporter.check_checkpoint(Path(checkpoint))
-    on_plan = hooks.on_plan
 
-    def check_plan(plan):  # a plan the format cannot write fails before calibration, not after it
+    def admit(plan):  # a plan the format cannot write fails before calibration, not after it
         exporter.admit(plan.quantizers, options, plan.rotation.online() if plan.rotation else [])
         plan.left_float.update((name, exporter.name) for name in exporter.left_float(plan.quantizers, options))
-        on_plan(plan)
 
-    hooks = Hooks(on_plan=check_plan, on_batch=hooks.on_batch, on_tensor=hooks.on_tensor, on_stage=hooks.on_stage,
-                  on_block=hooks.on_block, on_step=hooks.on_step)
     with _ranks(opts.device) as group:
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes, exports
-            return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target, exporter, options)
+            return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target, exporter, options, admit)
         with atomic_output_dir(Path(out), overwrite) as tmp:
             calib_dir = tmp / "calibration"
             calib_dir.mkdir()
             record = None
             if target:
-                recipe_path, record = _searched(checkpoint, target, opts, exporter, options, tmp, hooks, group)
+                recipe_path, record = _searched(checkpoint, target, opts, exporter, options, tmp, hooks, group, admit)
             if target:
-                csum = _calibrate_searched(checkpoint, recipe_path, record, target, opts, calib_dir, hooks, group)
+                csum = _calibrate_searched(checkpoint, recipe_path, record, target, opts, calib_dir, hooks, group,
+                                           admit)
                 csum["outputs"].append(SEARCH_FILE)
             else:
                 csum = _calibrate_into(checkpoint, recipe_path, opts, calib_dir, hooks, group,
-                                       state=_state_dir(out, opts, target))
+                                       state=_state_dir(out, opts, target), admit=admit)
             enc_path = calib_dir / "encodings.json"
             esum = _export_into(checkpoint, EncodingsFile.read(enc_path, lazy=exporter.lazy_encodings), enc_path,
                                 tmp, eopts, hooks, checkpoint_checked=True,

@@ -30,14 +30,14 @@ def _search_inputs(target: Optional["TargetOptions"]) -> List[Tuple[str, Optiona
 
 
 def _searched(checkpoint: str, target: TargetOptions, opts: CalibrateOptions, exporter, options, tmp: Path,
-              hooks: Hooks, group: Optional[Group] = None) -> Tuple[str, Dict[str, Any]]:
+              hooks: Hooks, group: Optional[Group] = None, admit=None) -> Tuple[str, Dict[str, Any]]:
     """Run the size-budget search into ``tmp/recipe.yaml``: (its path, the search record). Under torchrun every
     rank runs it (each calibrates its shard and measures its share of the search samples) and gets the same
     choice; ``tmp`` is each rank's own directory."""
     import shutil
 
     work = tmp / ".search"
-    state = measure_candidates(checkpoint, target, opts, exporter, options, work, hooks, group=group)
+    state = measure_candidates(checkpoint, target, opts, exporter, options, work, hooks, group=group, admit=admit)
     shutil.rmtree(work, ignore_errors=True)
     text, record = choose_recipe(state, target)
     del state
@@ -47,7 +47,8 @@ def _searched(checkpoint: str, target: TargetOptions, opts: CalibrateOptions, ex
 
 
 def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any], target: TargetOptions,
-                        opts: CalibrateOptions, run_dir: Path, hooks: Hooks, group: Group) -> Dict[str, Any]:
+                        opts: CalibrateOptions, run_dir: Path, hooks: Hooks, group: Group,
+                        admit=None) -> Dict[str, Any]:
     """Calibrate the searched recipe into ``run_dir`` and measure the chosen model as deployed. Where a uniform
     candidate that fits the budget measured less damage (the per-layer changes did not add up), that candidate is
     calibrated instead and ``recipe.yaml`` becomes it: the search never hands back a model it measured worse than
@@ -55,7 +56,7 @@ def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any
     whose ``run_dir`` is their own scratch copy of rank 0's files)."""
     root = group.is_root
     summary = _calibrate_into(checkpoint, recipe_path, opts, run_dir if root else None, hooks, group, search=record,
-                              last=False)
+                              last=False, admit=admit)
     _share_run(group, run_dir)
     chosen = record["chosen"]
     chosen["damage"], perplexity = _measured_damage(checkpoint, run_dir / "encodings.json", record, target, opts,
@@ -89,7 +90,7 @@ def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any
                             "groups": {n: (len(record["groups"]) if n == best["candidate"] else 0)
                                        for n in record["candidates"]}}
         summary = _calibrate_into(checkpoint, recipe_path, opts, run_dir if root else None, hooks, group,
-                                  search=record)
+                                  search=record, admit=admit)
     else:
         group.calibrated()  # rank 0 writes the search record next: a failure there reaches the others at the end
     if not root:
@@ -173,7 +174,7 @@ class Measured:
 
 def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOptions, exporter, options,
                        work: Path, hooks: Optional[Hooks] = None, keep: bool = False,
-                       group: Optional[Group] = None) -> Measured:
+                       group: Optional[Group] = None, admit=None) -> Measured:
     """Calibrate every candidate (in ``work``), cost each weight group in ``exporter``'s format and measure the
     damage of each group's setting alone. Refuses ``target``'s budget before calibrating when no choice can meet
     it. ``keep``: leave each candidate's calibration in ``work/candidate-<i>``. Under torchrun (``group``) every
@@ -241,7 +242,8 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         hooks.on_stage(f"candidate {c + 1}/{len(paths)} ({names[c]}): calibrating")
         cdir = work / f"candidate-{c}"
         cdir.mkdir(parents=True)
-        _calibrate_into(checkpoint, read, opts, cdir if group.is_root else None, hooks, group, last=False)
+        _calibrate_into(checkpoint, read, opts, cdir if group.is_root else None, hooks, group, last=False,
+                        admit=admit)
         _share_run(group, cdir)
         model = load_calibrated(checkpoint, str(cdir / "encodings.json"), opts.model_class, opts.device,
                                 opts.trust_pickle, opts.trust_remote_code)
