@@ -157,20 +157,10 @@ def _check_early(recipe: Optional[str] = None, device: Optional[str] = None, for
         from ..errors import UsageError
 
         raise UsageError(f"--imatrix {imatrix}: no such file")
-    from ..choices import (AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, GGUF_FALLBACKS, GGUF_FLOAT_TYPES, check_choice,
-                          check_device)
-    from ..export import format_names
+    from ..choices import check_device
+    from ..export import check_export_choices
 
-    if format is not None:
-        check_choice("--format", format, format_names())
-    if encoding_version is not None:
-        check_choice("--encoding-version", encoding_version, AIMET_VERSIONS)
-    if ct_8bit_format is not None:
-        check_choice("--ct-8bit-format", ct_8bit_format, CT_EIGHT_BIT_FORMATS)
-    if gguf_float is not None:
-        check_choice("--gguf-float", gguf_float, GGUF_FLOAT_TYPES)
-    if gguf_fallback is not None:
-        check_choice("--gguf-fallback", gguf_fallback, GGUF_FALLBACKS)
+    check_export_choices(format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback)
     if device is not None:
         check_device(device)
     if recipe is not None:

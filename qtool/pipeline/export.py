@@ -10,11 +10,10 @@ from typing import Any, Dict, Optional
 
 from .. import __version__
 from ..calibration import CalibrateOptions
-from ..choices import AIMET_VERSIONS, CT_EIGHT_BIT_FORMATS, GGUF_FALLBACKS, GGUF_FLOAT_TYPES, check_choice
 from ..data import load_data
 from ..encodings import EncodingsFile
 from ..errors import EncodingsError, UsageError
-from ..export import format_names, get_exporter
+from ..export import check_export_choices, get_exporter
 from ..export.base import ExportRequest
 from ..export.qtool_st import DEFAULT_MAX_SHARD_BYTES
 from ..hooks import Hooks
@@ -49,11 +48,8 @@ class ExportOptions:
 
     def validate(self):
         """The exporter for ``format``, after checking every choice-valued option (no work done yet)."""
-        check_choice("--format", self.format, format_names())
-        check_choice("--encoding-version", self.encoding_version, AIMET_VERSIONS)
-        check_choice("--ct-8bit-format", self.ct_eight_bit_format, CT_EIGHT_BIT_FORMATS)
-        check_choice("--gguf-float", self.gguf_float, GGUF_FLOAT_TYPES)
-        check_choice("--gguf-fallback", self.gguf_fallback, GGUF_FALLBACKS)
+        check_export_choices(self.format, self.encoding_version, self.ct_eight_bit_format, self.gguf_float,
+                             self.gguf_fallback)
         return get_exporter(self.format)
 
 

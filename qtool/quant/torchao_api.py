@@ -45,6 +45,15 @@ def _block_views(input_shape: Sequence[int], block_size: Sequence[int]):
     return x_view, enc_view
 
 
+def _blocked(input: torch.Tensor, block_size: Sequence[int], scale: torch.Tensor,
+             zero_point: Optional[torch.Tensor]):
+    """``input`` viewed as ``[n0 / b0, b0, n1 / b1, b1, ...]`` and its encoding tensors as ``[n0 / b0, 1, ...]``,
+    so one broadcast applies each block's scale and zero point."""
+    x_view, enc_view = _block_views(input.shape, block_size)
+    return (input.reshape(x_view), scale.reshape(enc_view),
+            None if zero_point is None else zero_point.reshape(enc_view))
+
+
 def _dtype_range(dtype: torch.dtype, quant_min, quant_max):
     if dtype.is_floating_point:
         info = torch.finfo(dtype)
@@ -77,11 +86,7 @@ def quantize_affine(
         raise ValueError(f"quantize_affine takes float32/float16/bfloat16 input, got {input.dtype}")
     domain = _domain(zero_point_domain)
     qmin, qmax = _dtype_range(output_dtype, quant_min, quant_max)
-    x_view, enc_view = _block_views(input.shape, block_size)
-    x = input.reshape(x_view)
-    scale = scale.reshape(enc_view)
-    if zero_point is not None:
-        zero_point = zero_point.reshape(enc_view)
+    x, scale, zero_point = _blocked(input, block_size, scale, zero_point)
     if domain is ZeroPointDomain.INT:
         q = torch.round(x * (1.0 / scale))
         if zero_point is not None:
@@ -117,11 +122,7 @@ def dequantize_affine(
         raise ValueError(f"input dtype {input.dtype} does not match input_dtype {input_dtype}")
     domain = _domain(zero_point_domain)
     qmin, qmax = _dtype_range(input_dtype, quant_min, quant_max)
-    x_view, enc_view = _block_views(input.shape, block_size)
-    q = input.reshape(x_view)
-    scale = scale.reshape(enc_view)
-    if zero_point is not None:
-        zero_point = zero_point.reshape(enc_view)
+    q, scale, zero_point = _blocked(input, block_size, scale, zero_point)
     if domain is ZeroPointDomain.INT:
         dq = q.to(torch.int32)
         if zero_point is not None:
