@@ -106,6 +106,31 @@ def test_compressed_tensors_in_transformers_and_a_transposed_scale_is_an_export_
     assert code == 1 and res["export_fault"], (res["export_gap"], res["vs_float"])
 
 
+def test_a_runtime_that_drops_transform_config_is_named_and_a_bad_weight_is_still_a_fault(model, tmp_path):
+    """transformers loads a compressed-tensors directory's weights but not its transform_config (r4's online
+    rotation of down_proj's input): the gap that leaves is checked again with the rotations applied to the same
+    reload, and named the runtime's limit where that closes it; a damaged weight stays an export fault."""
+    out = _quantize(model, tmp_path, "w8a8-dynamic-rot", "compressed-tensors")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["transform_config"]
+    code, res, err = _eval(model, out)
+    assert code == 0, err
+    assert res["export_fault"] is None
+    note = next(n for n in res["notes"] if "transform_config" in n)
+    assert "r4" in note and "vLLM" in note
+    assert res["export_gap"]["kl_mean"] > 0.1  # transformers alone: rotated weights on unrotated activations
+
+    from safetensors.torch import load_file, save_file
+
+    f = out / "model.safetensors"
+    tensors = load_file(f)
+    key = "model.layers.1.mlp.down_proj.weight_scale"
+    tensors[key] = tensors[key] * 2
+    save_file(tensors, f, metadata={"format": "pt"})
+    code, res, err = _eval(model, out)
+    assert code == 1 and "with its online rotations (r4) applied too" in res["export_fault"], res["export_fault"]
+
+
 def test_onnx_in_onnxruntime_and_a_shifted_zero_point_is_an_export_fault(model, tmp_path):
     out = _quantize(model, tmp_path, "w8a16", "onnx")
     code, res, err = _eval(model, out, "--onnx-optimization", "off")
