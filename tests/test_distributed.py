@@ -328,6 +328,24 @@ def test_a_rotated_model_on_ranks_writes_the_bytes_of_one_process(llama, tmp_pat
     assert set(one) == {"encodings.json", "codes.safetensors"} and many == one
 
 
+AWQ_GPTQ = """version: 1
+defaults:
+  weights: {bitwidth: 4, symmetric: false, granularity: per_block, block_size: 16, rounding: gptq}
+  activations: null
+ignore: ["lm_head", "re:.*embed_tokens"]
+awq: {grid: 8}
+"""
+
+
+def test_awq_then_gptq_on_ranks_writes_the_bytes_of_one_process(llama, tmp_path):
+    """AWQ's scales come from the group inputs' XᵀX summed over the ranks, so every rank folds the same scales
+    before GPTQ: two ranks give one process's folded floats and codes."""
+    one, many = _one_and_two_ranks(llama, tmp_path, AWQ_GPTQ)
+    assert set(one) == {"encodings.json", "codes.safetensors"} and many == one
+    manifest = json.loads((tmp_path / "many" / "manifest.json").read_text())
+    assert any(g["ratio"] is not None for g in manifest["awq"]["groups"])
+
+
 def test_a_size_budget_search_on_ranks_writes_the_bytes_of_one_process(llama, tmp_path):
     """--target-bpw under torchrun: every candidate calibrates across the ranks, each rank loads rank 0's files and
     measures its share of the search samples (3 batches over 2 ranks), and all get the same choice: recipe.yaml,

@@ -145,8 +145,8 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
     if opts.data is None:
         why = ("--sequential runs the model block by block" if opts.sequential
                else "the recipe quantizes activations" if plan.static_activations
-               else "the recipe changes the float model from data (fold_batch_norms, smoothquant)"
-               if plan.folds or plan.smoothing
+               else "the recipe changes the float model from data (fold_batch_norms, smoothquant, awq)"
+               if plan.folds or plan.smoothing or plan.awq is not None
                else "the recipe chooses weights from data (rounding gptq or adaround, or weighting: activations)")
         raise DataError(f"{why}, which needs calibration data: pass --data PATH")
     hooks.on_stage("reading calibration data")
@@ -191,9 +191,9 @@ def prepare_calibration(checkpoint: str, recipe: Recipe, source: str, opts: Cali
         plan = _resolve(recipe, model, source, opts, checkpoint)
         _warn_all_experts(plan, opts, model)
         plan.memory = estimate_run(model, plan, "sequential", opts)
-        if plan.smoothing or plan.folds:
-            raise UsageError(f"{'smoothquant' if plan.smoothing else 'fold_batch_norms'} runs on the whole model: "
-                             "calibrate without --sequential")
+        if plan.smoothing or plan.folds or plan.awq is not None:
+            what = "smoothquant" if plan.smoothing else "awq" if plan.awq is not None else "fold_batch_norms"
+            raise UsageError(f"{what} runs on the whole model: calibrate without --sequential")
         return PreparedRun(mode, plan, model, device, tokenizer)
     if mode == "streaming":
         plan.memory = estimate_run(skeleton, plan, "streaming", opts)
@@ -271,7 +271,7 @@ def _calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opt
     from .in_memory import calibrate
 
     loaded = prepared.loaded
-    data = _data(opts, plan, loaded.tokenizer, causal_lm_class(model), hooks)
+    data = _data(opts, plan, loaded.tokenizer, loaded.is_causal_lm, hooks)
     hooks.on_stage("calibrating")
     quantizers = insert_quantizers(model, plan)
     with all_tokens_routed(model, opts.all_experts):

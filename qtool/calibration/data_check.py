@@ -18,7 +18,7 @@ from ..data import CalibrationData
 __all__ = ["MIN_TOKENS", "MIN_SAMPLES", "data_amount", "shortfalls"]
 
 # (static activation ranges, KV cache, SmoothQuant, batch-norm folds, activation-weighted search;
-#  codes from each layer's XᵀX: GPTQ and AdaRound)
+#  codes or scales from each layer's XᵀX: GPTQ, AdaRound and AWQ)
 MIN_TOKENS = {"ranges": 512, "rounding": 2048}
 MIN_SAMPLES = {"ranges": 8, "rounding": 16}
 
@@ -55,6 +55,8 @@ def shortfalls(plan: Plan, data: CalibrationData) -> List[str]:
     rounded = [q for q in plan.weights if q.rounding != "nearest"]
     if rounded:
         needs.append(("rounding", f"{rounded[0].rounding} on {len(rounded)} weight(s)"))
+    if plan.awq is not None:
+        needs.append(("rounding", f"awq's scales of {len(plan.awq.groups)} group(s)"))
     return [f"calibration data holds {count} {unit}, and {what} should learn from at least {minimum[kind]} "
             f"(docs/recipes.md, 'How much data'): with fewer, the result fits those {unit}; pass more --data"
             for kind, what in needs if count < minimum[kind]]

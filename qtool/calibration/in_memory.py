@@ -17,6 +17,7 @@ from .collective import calibrate_activations_dp, calibrate_weights_split, merge
 from .folding import adjacent_pairs, fold_batch_norm
 from .rotation import rotate
 from .rounding import collect_inputs, importance, round_weights, routed_fallbacks
+from .rounding.statistics import collect_module_inputs
 from .smoothing import activation_absmax, smooth
 
 # SmoothQuant and batch-norm folding must leave the float model's function alone: largest output change allowed,
@@ -59,7 +60,7 @@ def calibrate(
     modules = dict(model.named_modules())
     acts = plan.static_activations  # dynamic ones compute their range at run time
     inputs = [q for q in plan.weights if q.needs_inputs]
-    if (acts or inputs or plan.folds or plan.smoothing) and (data is None or len(data) == 0):
+    if (acts or inputs or plan.folds or plan.smoothing or plan.awq) and (data is None or len(data) == 0):
         raise DataError("the recipe quantizes activations, chooses weights from data or changes the float model "
                         "from data, which needs calibration data: pass --data")
 
@@ -93,6 +94,12 @@ def calibrate(
         set_quantization(model, False)
         try:
             replaced.update(_smooth(model, plan, modules, data, device, run, group))
+        finally:
+            set_quantization(model, True)
+    if plan.awq is not None:
+        set_quantization(model, False)
+        try:
+            replaced.update(_awq(model, plan, modules, data, device, run, group))
         finally:
             set_quantization(model, True)
     stats = {}
@@ -172,6 +179,26 @@ def _rotate(model: nn.Module, plan: Plan, data: Optional[CalibrationData], devic
         if not err <= SMOOTH_TOLERANCE:
             raise UsageError(f"rotate: the rotations changed the float model's outputs (relative error {err:.2g}); "
                              "this model is not one qtool can rotate exactly")
+    return replaced
+
+
+@torch.no_grad()
+def _awq(model: nn.Module, plan: Plan, modules, data: CalibrationData, device, run,
+         group: Group) -> Dict[str, torch.Tensor]:
+    """AWQ on the float model (qtool.calibration.awq): each group's input statistics over the data (every rank's
+    summed), its scales searched against the balance layers' quantized outputs and folded in; the float model's
+    outputs on the first batch must stay what they were."""
+    from .awq import apply_awq
+
+    stats = merge_inputs(collect_module_inputs({g.balance[0]: True for g in plan.awq.groups}, modules, run), group)
+    first = data.batches[0].to(device)
+    before = _output(model, first)
+    rows = {q.module: q for q in plan.weights}
+    replaced = apply_awq(plan.awq, modules, stats, rows, plan.warnings)
+    err = _relative_change(before, _output(model, first))
+    if not err <= SMOOTH_TOLERANCE:
+        raise UsageError(f"awq: folding the scales changes the float model's outputs (relative error {err:.2g}); "
+                         "a mapping does not fit this architecture: give awq.mappings")
     return replaced
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..config import SmoothGroup
 
-__all__ = ["activation_absmax", "smoothing_scales", "smooth"]
+__all__ = ["activation_absmax", "smoothing_scales", "smooth", "fold_scales"]
 
 _MIN_SCALE = 1e-5
 
@@ -62,10 +62,17 @@ def smoothing_scales(act_absmax: torch.Tensor, weights: List[torch.Tensor], alph
 
 @torch.no_grad()
 def smooth(group: SmoothGroup, modules: Dict[str, nn.Module], act_absmax: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """Fold one group's scales into its modules in place; returns ``{parameter name: new value}`` for every changed
-    tensor (the smooth module's weight and bias, each balance layer's weight)."""
+    """Fold one group's SmoothQuant scales into its modules in place (:func:`fold_scales`)."""
     balance = [modules[n] for n in group.balance]
-    s = smoothing_scales(act_absmax, [b.weight for b in balance], group.alpha)
+    return fold_scales(group, modules, smoothing_scales(act_absmax, [b.weight for b in balance], group.alpha))
+
+
+@torch.no_grad()
+def fold_scales(group: SmoothGroup, modules: Dict[str, nn.Module], s: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Per input channel ``j`` of the balance layers: the smooth module's output channel ``j`` divided by ``s_j``
+    (a norm's weight and bias, a Linear's weight row and bias), every balance weight's column ``j`` multiplied by
+    it, in place; returns ``{parameter name: new value}`` for every changed tensor (SmoothQuant's and AWQ's fold)."""
+    balance = [modules[n] for n in group.balance]
     changed: Dict[str, torch.Tensor] = {}
     src = modules[group.smooth]
     if isinstance(src, nn.Linear):

@@ -13,7 +13,7 @@ Torch is imported only where a plan is made, so that recipes validate without it
 """
 
 from .loading import RecipeFile, load_recipe, parse_recipe, read_recipe
-from .plan import BatchNormFold, OnlineRotation, Plan, QuantizerPlan, RotationPlan, SmoothGroup
+from .plan import AwqPlan, BatchNormFold, OnlineRotation, Plan, QuantizerPlan, RotationPlan, SmoothGroup
 from .resolve import CHECKPOINT_KEYS, resolve_plan
 from .schema import (DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES, ActivationSpec, LayerRule, Recipe, RotateSpec,
                      WeightSpec)
@@ -29,6 +29,7 @@ __all__ = [
     "Plan",
     "BatchNormFold",
     "SmoothGroup",
+    "AwqPlan",
     "RotateSpec",
     "RotationPlan",
     "OnlineRotation",

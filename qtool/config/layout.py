@@ -4,12 +4,12 @@ SmoothQuant's groups. Per-family facts come from :mod:`qtool.families`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple, Union
 
 from ..errors import ConfigError
 from ..families import LLAMA_SMOOTH_MAPPINGS, Family, rms_norm_classes
 from .plan import BatchNormFold, QuantizerPlan, RotationPlan, SmoothGroup
-from .schema import Recipe, RotateSpec, SmoothMapping, SmoothQuantSpec, name_matches
+from .schema import AwqSpec, Recipe, RotateSpec, SmoothMapping, SmoothQuantSpec, name_matches
 
 if TYPE_CHECKING:
     from torch import nn
@@ -213,16 +213,18 @@ def _fold_candidates(named) -> List[BatchNormFold]:
     return out
 
 
-def _smooth_groups(spec: SmoothQuantSpec, named, source: str, family: Optional[Family]) -> List[SmoothGroup]:
+def _smooth_groups(spec: Union[SmoothQuantSpec, AwqSpec], named, source: str, family: Optional[Family],
+                   key: str = "smoothquant") -> List[SmoothGroup]:
     """Resolve SmoothQuant mappings on the model: every module matching ``smooth`` with the Linear modules of its
     parent's subtree that match ``balance``, in module order. A mapping that pairs nothing is an error when the
     recipe gave it, and skipped when it is a default (a model without up_proj, say). The defaults are the model
-    family's (Llama-style blocks for a model of no known family)."""
+    family's (Llama-style blocks for a model of no known family). ``spec``: the recipe's ``smoothquant`` or ``awq``
+    (``key``, which errors name)."""
     from torch import nn
 
     defaults = LLAMA_SMOOTH_MAPPINGS if family is None else family.smooth_mappings
     if not spec.mappings and not defaults:
-        raise ConfigError(f"{source}: smoothquant: {family.no_smoothing}")
+        raise ConfigError(f"{source}: {key}: {family.no_smoothing}")
     mappings = spec.mappings or [SmoothMapping(**m) for m in defaults]
     modules = dict(named)
     groups: List[SmoothGroup] = []
@@ -239,18 +241,18 @@ def _smooth_groups(spec: SmoothQuantSpec, named, source: str, family: Optional[F
             width = _output_width(module)
             bad = [n for n in balance if modules[n].in_features != width]
             if width is None or bad:
-                raise ConfigError(f"{source}: smoothquant: {name} ({type(module).__name__}) cannot scale the inputs "
+                raise ConfigError(f"{source}: {key}: {name} ({type(module).__name__}) cannot scale the inputs "
                                   f"of {', '.join(bad or balance)} (its output has no per-channel weight of their "
                                   "input width)")
-            groups.append(SmoothGroup(name, balance, spec.alpha, i))
+            groups.append(SmoothGroup(name, balance, getattr(spec, "alpha", 0.0), i))
             found += 1
         if not found and spec.mappings:
-            raise ConfigError(f"{source}: smoothquant.mappings[{i}]: smooth {m.smooth!r} with balance {m.balance} "
+            raise ConfigError(f"{source}: {key}.mappings[{i}]: smooth {m.smooth!r} with balance {m.balance} "
                               "pairs no modules of this model")
     if not groups:
-        raise ConfigError(f"{source}: smoothquant: none of the default mappings "
+        raise ConfigError(f"{source}: {key}: none of the default mappings "
                           f"({family.title if family is not None else 'Llama-style'} norms and projections) pairs "
-                          "modules of this model; give smoothquant.mappings")
+                          f"modules of this model; give {key}.mappings")
     return groups
 
 

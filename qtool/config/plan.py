@@ -150,6 +150,18 @@ class SmoothGroup:
     mapping: int = 0  # index of the mapping that paired them (errors name it)
 
 
+@dataclass
+class AwqPlan:
+    """A recipe's ``awq`` resolved on a model: the groups (``SmoothGroup``; ``alpha`` unused) in the order they are
+    searched, the grid of ratios and the scale formula; ``chosen`` is filled as each group is searched (the
+    manifest's record: smooth module, ratio, the balance layers' output error before and after)."""
+
+    groups: Tuple[SmoothGroup, ...]
+    grid: int = 20
+    duo_scaling: bool = True
+    chosen: List[Dict[str, Any]] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class BatchNormFold:
     """A BatchNorm (``bn``) that follows a convolution (``conv``) in module order with as many channels: a fold
@@ -165,6 +177,7 @@ class Plan:
     quantizers: List[QuantizerPlan] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)
     smoothing: List[SmoothGroup] = field(default_factory=list)  # SmoothQuant, applied before calibration
+    awq: Optional["AwqPlan"] = None  # AWQ's groups and search, applied before the weights calibrate
     folds: List[BatchNormFold] = field(default_factory=list)  # batch norms folded before calibration
     rotation: Optional[RotationPlan] = None  # Hadamard rotations fused before calibration
     # module -> E[x²] per input column from an importance matrix file (rows with ``imatrix`` weight by it)
@@ -194,5 +207,5 @@ class Plan:
         return [q for q in self.activations if q.spec.calibrates]
 
     def needs_data(self) -> bool:
-        return (bool(self.static_activations) or bool(self.smoothing) or bool(self.folds)
+        return (bool(self.static_activations) or bool(self.smoothing) or bool(self.folds) or self.awq is not None
                 or any(q.needs_inputs for q in self.weights))

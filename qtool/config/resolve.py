@@ -12,7 +12,7 @@ from ..coverage import weight_coverage
 from ..errors import ConfigError
 from ..families import family_of_model
 from .layout import _fold_candidates, _kv_cache_rows, _rotation_plan, _smooth_groups
-from .plan import Plan, QuantizerPlan
+from .plan import AwqPlan, Plan, QuantizerPlan
 from .schema import (_INPUT_WEIGHTED_TYPES, _INTEGER_INPUT_TYPES, DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES,
                      ActivationSpec, AnalyzerSpec, LayerRule, Recipe, RoundingSpec, WeightSpec, _merge, name_matches)
 
@@ -247,6 +247,15 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             raise ConfigError(f"{source}: smoothquant scales {sorted(rotated & set(clash.balance))[0]}'s input "
                               "channels, which r4 rotates at run time; leave that mapping out (smoothquant.mappings) "
                               "or r4 out of rotate")
+    if recipe.awq is not None:
+        groups = _smooth_groups(recipe.awq, named, source, family_of_model(model), key="awq")
+        rotated = {m for r in (plan.rotation.online() if plan.rotation else []) for m in r.modules}
+        clash = next((g for g in groups if rotated & set(g.balance)), None)
+        if clash is not None:
+            raise ConfigError(f"{source}: awq scales {sorted(rotated & set(clash.balance))[0]}'s input channels, "
+                              "which r4 rotates at run time; leave that mapping out (awq.mappings) or r4 out of "
+                              "rotate")
+        plan.awq = AwqPlan(tuple(groups), recipe.awq.grid, recipe.awq.duo_scaling)
     if recipe.fold_batch_norms:
         plan.folds = _fold_candidates(named)
         if not plan.folds:

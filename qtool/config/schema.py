@@ -325,6 +325,21 @@ class SmoothQuantSpec(BaseModel):
     mappings: Optional[List[SmoothMapping]] = None
 
 
+class AwqSpec(BaseModel):
+    """``awq: {grid: 20}``: AWQ (activation-aware weight quantization) before the weights calibrate. Per mapping
+    (the same pairings as SmoothQuant's: a norm or Linear feeding balance Linears), a per-input-channel scale
+    ``s = m_x^r / m_w^(1 - r)`` (``duo_scaling``; ``m_x^r`` without it) moves weight magnitude where the
+    activations are large; ``r`` is searched over ``grid`` points in [0, 1), and no scaling, for the least output
+    error of the balance layers quantized as the recipe says. The smooth module absorbs ``1/s``: the float model
+    is unchanged and the exported files need nothing new (qtool.calibration.awq). ``mappings`` default to the
+    model family's."""
+
+    model_config = ConfigDict(extra="forbid")
+    grid: int = Field(20, ge=2, le=100)
+    duo_scaling: StrictBool = True
+    mappings: Optional[List[SmoothMapping]] = None
+
+
 class KvCacheSpec(BaseModel):
     """``kv_cache: {granularity: per_tensor | per_head}``: static FP8 E4M3 scales for each attention layer's keys
     (after RoPE) and values, calibrated from the data's absolute maximum; the fake-quant model quantizes them where
@@ -371,6 +386,7 @@ class Recipe(BaseModel):
     layers: List[LayerRule] = []
     ignore: List[str] = []
     smoothquant: Optional[SmoothQuantSpec] = None
+    awq: Optional[AwqSpec] = None  # activation-aware scales folded into the float weights before they calibrate
     # fold each BatchNorm into the convolution before it, before anything is calibrated (AIMET's fold_all_batch_norms)
     fold_batch_norms: StrictBool = False
     kv_cache: Optional[KvCacheSpec] = None  # static FP8 scales for attention keys and values
@@ -390,6 +406,14 @@ class Recipe(BaseModel):
                 raise ValueError(f"gguf_mix {self.gguf_mix} chooses each weight's GGUF type, and so its grid: "
                                  f"defaults.weights.{grid[0]} would be ignored; remove it (a layers rule's gguf_type "
                                  "sets one weight's type)")
+        return self
+
+    @model_validator(mode="after")
+    def _one_scale_transform(self):
+        if self.awq is not None and self.smoothquant is not None:
+            raise ValueError("awq and smoothquant both fold per-channel scales into the same layers; use one")
+        if self.awq is not None and self.defaults.weights is None and not any(r.weights for r in self.layers):
+            raise ValueError("awq chooses scales for quantized weights: the recipe quantizes none")
         return self
 
     @model_validator(mode="after")

@@ -56,7 +56,7 @@ def recipe_description(text: str) -> str:
 def recipe_needs_data(recipe: Recipe) -> bool:
     """Whether calibrating ``recipe`` needs calibration data on any model: a static activation quantizer, a
     weight chosen from data (GPTQ, activation weighting) or SmoothQuant, in the defaults or any ``layers`` entry."""
-    if recipe.smoothquant is not None or recipe.fold_batch_norms:
+    if recipe.smoothquant is not None or recipe.awq is not None or recipe.fold_batch_norms:
         return True
     weights = [recipe.defaults.weights] if recipe.defaults.weights is not None else []
     acts = [recipe.defaults.activations] if recipe.defaults.activations is not None else []
@@ -146,6 +146,7 @@ def describe_recipe(recipe: Recipe) -> Dict[str, Any]:
         "layers": [rule.model_dump(mode="json", exclude_unset=True) for rule in recipe.layers],
         "ignore": list(recipe.ignore),
         "smoothquant": None if recipe.smoothquant is None else recipe.smoothquant.model_dump(mode="json"),
+        **({"awq": recipe.awq.model_dump(mode="json")} if recipe.awq is not None else {}),
         "fold_batch_norms": recipe.fold_batch_norms,
         "kv_cache": None if recipe.kv_cache is None else recipe.kv_cache.model_dump(mode="json"),
         "rotate": None if recipe.rotate is None else recipe.rotate.model_dump(mode="json"),

@@ -46,11 +46,15 @@ class LoadedModel:
 
     @property
     def is_causal_lm(self) -> bool:
+        """The one rule every job uses (calibration packs text for it, report and eval score next tokens, the
+        search ranks by text loss): a Hugging Face directory whose class is a causal LM."""
         return self.kind == "hf" and causal_lm_class(self.model)
 
 
 def causal_lm_class(model) -> bool:
-    """Whether ``model`` is a Hugging Face causal LM class (``...ForCausalLM``)."""
+    """Whether ``model`` is a Hugging Face causal LM class (``...ForCausalLM``): for a model with no checkpoint
+    kind yet (a meta-device skeleton, which is always a Hugging Face one); a loaded model asks
+    :attr:`LoadedModel.is_causal_lm`."""
     return type(model).__name__.endswith("ForCausalLM")
 
 

@@ -77,6 +77,8 @@ def _calibrate_into(checkpoint: str, recipe_path: Union[str, RecipeFile], opts: 
         **({"smoothquant": {"alpha": plan.smoothing[0].alpha,
                             "groups": [{"smooth": g.smooth, "balance": list(g.balance)} for g in plan.smoothing],
                             "replaced": sorted(run.floats)}} if plan.smoothing else {}),
+        **({"awq": {"grid": plan.awq.grid, "duo_scaling": plan.awq.duo_scaling, "groups": plan.awq.chosen,
+                    "replaced": sorted(run.floats)}} if plan.awq is not None else {}),
         **({"target": {"budget": search["budget"], "format": search["format"], "candidates": search["candidates"],
                        "chosen": search["chosen"]}} if search else {}),
         "uncalibrated": unused,

@@ -1,0 +1,130 @@
+"""AWQ (activation-aware weight quantization; Lin et al., 2023): scales that move weight magnitude onto the input
+channels where the activations are large, folded into the float model before the weights calibrate.
+
+A group is a SmoothQuant-style mapping (``config.SmoothGroup``): a smooth module (a norm, or a Linear) whose
+output is the one input of its balance Linears. Per input channel ``j`` a scale ``s_j`` multiplies every balance
+weight's column ``j`` and divides the smooth module's output channel ``j`` (``smoothing.fold_scales``), so the
+float model computes what it did; the quantization grid then lands finer where ``x_j`` is large. The scale of
+ratio ``r`` is ``s = m_x^r / (m_w^(1-r) + 1e-4)`` (``duo_scaling``; ``m_x^r`` without it), clamped at 1e-4 and
+divided by ``sqrt(max s · min s)``: ``m_x`` is the channel's RMS over the calibration data (``sqrt E[x²]``), ``m_w``
+the mean over the balance rows of ``|W| / max |W|`` within each value's quantization block. ``r`` runs over
+``grid`` points in [0, 1), and no scaling is a candidate too, so the chosen one is never worse than plain
+rounding on the objective: the balance layers' output error with their weights quantized as the plan says,
+
+    sum_b tr(ΔW_b XᵀX ΔW_bᵀ),   ΔW_b = Q_b(W_b diag(s)) diag(s)⁻¹ - W_b,
+
+exact from the group input's statistics (``rounding.statistics``: ``XᵀX`` sums, which merge by addition, so
+every rank of a distributed run chooses the same scales). ``Q_b`` is the row's own quantizer (any grid: int,
+float element, GGUF type) calibrated on the scaled weight, unweighted.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..config import AwqPlan, QuantizerPlan, SmoothGroup
+from ..hooks import step
+from .base import encodings_of
+from .rounding.statistics import InputStatistics
+from .smoothing import fold_scales
+
+__all__ = ["ratio_scales", "weight_magnitude", "search_scales", "apply_awq"]
+
+_EPS = 1e-4
+
+
+def weight_magnitude(weights: Sequence[torch.Tensor], blocks: Sequence[Optional[int]]) -> torch.Tensor:
+    """``m_w``: per input channel, the mean over every balance weight's rows of ``|W| / max |W|`` over the value's
+    quantization block (``blocks[i]`` columns of a row; the whole row for ``None``), float32 ``(in,)``."""
+    parts = []
+    for w, block in zip(weights, blocks):
+        w = w.detach().to(torch.float32).abs()
+        out, n = w.shape
+        b = block if block and n % block == 0 else n
+        g = w.reshape(out, n // b, b)
+        parts.append((g / g.amax(dim=2, keepdim=True).clamp(min=1e-12)).reshape(out, n))
+    return torch.cat(parts).mean(0)
+
+
+def ratio_scales(m_x: torch.Tensor, m_w: torch.Tensor, ratio: float, duo_scaling: bool = True) -> torch.Tensor:
+    """The scales of one ratio ``r``: ``m_x^r / (m_w^(1-r) + 1e-4)`` (or ``m_x^r``), clamped at 1e-4 and divided
+    by ``sqrt(max · min)`` so they sit around 1 (float32)."""
+    s = m_x.pow(ratio) / (m_w.pow(1 - ratio) + _EPS) if duo_scaling else m_x.pow(ratio)
+    s = s.clamp(min=_EPS)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def _fake_quant(row: QuantizerPlan, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` through a fresh quantizer of ``row`` calibrated on it (what the row's weight calibration gives)."""
+    from ..model.insert import make_quantizer
+
+    quantizer = make_quantizer(row, weight.device)
+    with encodings_of(row, quantizer):
+        quantizer.observe(weight)
+    return quantizer(weight).as_subclass(torch.Tensor)
+
+
+def _block(row: QuantizerPlan) -> Optional[int]:
+    return int(row.block_size[-1]) if row.block_size else None
+
+
+def search_scales(group: SmoothGroup, modules: Dict[str, nn.Module], stats: InputStatistics,
+                  rows: Dict[str, QuantizerPlan], grid: int, duo_scaling: bool,
+                  quantize: Callable[[QuantizerPlan, torch.Tensor], torch.Tensor] = _fake_quant
+                  ) -> Tuple[Optional[torch.Tensor], Optional[float], float, float]:
+    """``(scales or None, ratio or None, error without scaling, error with them)`` of one group: the candidate
+    with the least output error of the quantized balance layers (None: no scaling beats every ratio)."""
+    quantized = [n for n in group.balance if n in rows]
+    weights = {n: modules[n]._parameters["weight"].detach() for n in quantized}
+    if not quantized:
+        return None, None, 0.0, 0.0
+    device = weights[quantized[0]].device
+    h = stats.hessian().to(device)
+    m_x = stats.mean_square().sqrt().to(device)
+    m_w = weight_magnitude([weights[n] for n in quantized], [_block(rows[n]) for n in quantized])
+
+    def error(s: Optional[torch.Tensor]) -> float:
+        total = 0.0
+        for n in quantized:
+            w = weights[n]
+            scaled = w if s is None else w * s.to(w.dtype)  # (what fold_scales leaves in the weight)
+            q = quantize(rows[n], scaled).to(torch.float32)
+            d = (q if s is None else q / s) - w.to(torch.float32)
+            total += float(((d @ h) * d).sum())
+        return total
+
+    plain = error(None)
+    best: Tuple[float, Optional[float], Optional[torch.Tensor]] = (plain, None, None)
+    for i in range(grid):
+        ratio = i / grid
+        s = ratio_scales(m_x, m_w, ratio, duo_scaling)
+        e = error(s)
+        if e < best[0]:
+            best = (e, ratio, s)
+    return best[2], best[1], plain, best[0]
+
+
+@torch.no_grad()
+def apply_awq(awq: AwqPlan, modules: Dict[str, nn.Module], stats: Dict[str, InputStatistics],
+              rows: Dict[str, QuantizerPlan], warnings: List[str]) -> Dict[str, torch.Tensor]:
+    """Search and fold every group of ``awq`` in order (``stats`` keyed by each group's first balance layer);
+    returns ``{parameter name: new value}`` of the changed tensors and records each group in ``awq.chosen``."""
+    replaced: Dict[str, torch.Tensor] = {}
+    for i, g in enumerate(awq.groups):
+        step("choosing scales (awq)", i, len(awq.groups), g.smooth)
+        found = stats.get(g.balance[0])
+        if found is None:
+            warnings.append(f"awq: the calibration data never reached {g.balance[0]}; {g.smooth}'s group is not "
+                            "scaled")
+            continue
+        s, ratio, plain, err = search_scales(g, modules, found, rows, awq.grid, awq.duo_scaling)
+        awq.chosen.append({"smooth": g.smooth, "balance": list(g.balance), "ratio": ratio,
+                           "error_unscaled": plain, "error": err})
+        if s is not None:
+            replaced.update(fold_scales(g, modules, s))
+    if awq.groups:
+        step("choosing scales (awq)", len(awq.groups), len(awq.groups), awq.groups[-1].smooth)
+    return replaced

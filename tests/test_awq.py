@@ -1,0 +1,111 @@
+"""AWQ (``awq:`` in a recipe; qtool.calibration.awq): activation-aware per-channel scales folded into the float
+model before the weights calibrate. The fold leaves the float function alone, the search never ends above plain
+rounding on its objective, the files hold the folded weights, and what cannot be folded is one line."""
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers import error_lines, run_cli
+from tests.test_eval import model  # noqa: F401  (the tiny Llama with text: calibration, held out)
+
+transformers = pytest.importorskip("transformers")
+
+AWQ = """version: 1
+defaults:
+  weights: {bitwidth: 4, symmetric: true, granularity: per_block, block_size: 32%s}
+  activations: null
+ignore: ["re:.*lm_head", "re:.*embed_tokens"]
+awq: {grid: 10%s}
+"""
+
+
+def _recipe(tmp_path, rounding="", extra=""):
+    path = tmp_path / "awq.yaml"
+    path.write_text(AWQ % (rounding, extra))
+    return path
+
+
+def _quantize(model, tmp_path, recipe, name="out", *flags):
+    ckpt, calib, _ = model
+    return run_cli("quantize", ckpt, "-c", recipe, "--data", calib, "--seq-len", "48", "-o", tmp_path / name, "-q",
+                   *flags)
+
+
+def test_the_fold_keeps_the_float_function_and_the_search_never_ends_above_plain_rounding(model, tmp_path):
+    from qtool.calibration.awq import apply_awq
+    from qtool.calibration.rounding.statistics import collect_module_inputs
+    from qtool.config import load_recipe, resolve_plan
+
+    ckpt = model[0]
+    net = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    plan = resolve_plan(load_recipe(_recipe(tmp_path)), net, "awq.yaml")
+    assert [g.smooth.split(".")[-1] for g in plan.awq.groups] == ["input_layernorm"] * 2 + [
+        "post_attention_layernorm"] * 2 + ["up_proj"] * 2  # (the family's mappings, each over every layer)
+    ids = torch.randint(0, 300, (4, 40), generator=torch.Generator().manual_seed(0))
+    modules = dict(net.named_modules())
+    with torch.no_grad():
+        before = net(ids).logits
+        stats = collect_module_inputs({g.balance[0]: True for g in plan.awq.groups}, modules, lambda: net(ids))
+        norm = modules["model.layers.0.input_layernorm"].weight.clone()
+        replaced = apply_awq(plan.awq, modules, stats, {q.module: q for q in plan.weights}, plan.warnings)
+        after = net(ids).logits
+    assert float((after - before).abs().max() / before.abs().max()) < 1e-5
+    chosen = plan.awq.chosen
+    assert len(chosen) == 6 and all(c["error"] <= c["error_unscaled"] for c in chosen)
+    scaled = [c for c in chosen if c["ratio"] is not None]
+    assert scaled and all(c["error"] < c["error_unscaled"] for c in scaled)
+    if chosen[0]["ratio"] is not None:
+        assert not torch.equal(norm, modules["model.layers.0.input_layernorm"].weight)
+        assert torch.equal(replaced["model.layers.0.input_layernorm.weight"],
+                           modules["model.layers.0.input_layernorm"].weight)
+
+
+def test_quantize_writes_the_folded_weights_and_records_the_search(model, tmp_path):
+    code, _, err = _quantize(model, tmp_path, _recipe(tmp_path), "out", "-f", "compressed-tensors")
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "out" / "calibration" / "manifest.json").read_text())
+    awq = manifest["awq"]
+    assert awq["grid"] == 10 and awq["duo_scaling"] is True and len(awq["groups"]) == 6
+    assert "model.layers.0.input_layernorm.weight" in awq["replaced"] or awq["groups"][0]["ratio"] is None
+    # the directory transformers loads holds the folded floats and their codes: it computes the fake-quant model
+    code, out, err = run_cli("eval", tmp_path / "out", "--data", model[2], "--seq-len", "48", "--num-samples", "2",
+                             "--generate", "0", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["export_fault"] is None and res["export_gap"]["kl_mean"] < 1e-5
+    # same inputs, same bytes
+    code, _, err = _quantize(model, tmp_path, _recipe(tmp_path), "again", "-f", "compressed-tensors")
+    assert code == 0, err
+    for f in ("model.safetensors", "calibration/encodings.json", "calibration/codes.safetensors"):
+        assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "again" / f).read_bytes(), f
+
+
+def test_awq_scales_then_gptq_chooses_the_codes(model, tmp_path):
+    code, _, err = _quantize(model, tmp_path, _recipe(tmp_path, rounding=", rounding: gptq"))
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "out" / "calibration" / "manifest.json").read_text())
+    assert manifest["awq"]["groups"] and set(manifest["rounding"].values()) == {"gptq"}
+    assert (tmp_path / "out" / "calibration" / "codes.safetensors").is_file()
+
+
+@pytest.mark.parametrize("extra,flags,message", [
+    (", mappings: [{smooth: 're:.*o_proj', balance: ['re:.*gate_proj']}]", (), "awq.mappings[0]: smooth"),
+    (", mappings: [{smooth: 're:.*input_layernorm', balance: ['re:.*o_proj']}]", (),
+     "awq: folding the scales changes the float model's outputs"),
+    ("", ("--sequential",), "awq runs on the whole model: calibrate without --sequential"),
+])
+def test_what_cannot_be_folded_is_one_line_and_writes_nothing(model, tmp_path, extra, flags, message):
+    code, _, err = _quantize(model, tmp_path, _recipe(tmp_path, extra=extra), "out", *flags)
+    assert code == 2
+    lines = error_lines(err)
+    assert len(lines) == 1 and message in lines[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_awq_beside_smoothquant_is_refused_when_the_recipe_is_read(model, tmp_path):
+    recipe = tmp_path / "both.yaml"
+    recipe.write_text(AWQ % ("", "") + "smoothquant: {alpha: 0.5}\n")
+    code, _, err = _quantize(model, tmp_path, recipe)
+    assert code == 2 and "awq and smoothquant both fold" in err
