@@ -191,6 +191,7 @@ import qtool.cli
 t_cli = time.perf_counter()
 import qtool.calibration as C, qtool.calibration.in_memory as IM, qtool.encodings as E, qtool.model.load as L
 import qtool.pipeline as P
+import qtool.pipeline.calibrate as PC
 t_lib = time.perf_counter()
 took = {}
 def timed(owner, name, key):
@@ -203,7 +204,7 @@ def timed(owner, name, key):
             took[key] = took.get(key, 0.0) + time.perf_counter() - t
     setattr(owner, name, wrapper)
 timed(L, "load_model", "model load"); timed(C, "_data", "data"); timed(IM, "calibrate", "calibration / forward")
-timed(E.EncodingsFile, "write", "writing encodings"); timed(P, "_files_digest", "hashing inputs")
+timed(E.EncodingsFile, "write", "writing encodings"); timed(PC, "digests", "hashing inputs")
 timed(P, "run_calibrate", "run")
 try:
     qtool.cli.main()

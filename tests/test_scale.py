@@ -258,7 +258,7 @@ def test_parse_size_units():
 
 
 def test_huge_encodings_skip_the_aimet_json_beside_a_qtool_export(wide_run, tmp_path, monkeypatch):
-    from qtool import pipeline
+    from qtool.pipeline import export as pipeline
     from tests.helpers import run_cli
 
     monkeypatch.setattr(pipeline, "AIMET_JSON_LIMIT", 1000)
