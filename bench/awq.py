@@ -76,7 +76,7 @@ def main(argv=None):
     (tmp / "licence.txt").write_text(licence.read_text())
     loaded = load_model(ckpt)
     texts = {name: list(load_data(tmp / f, batch_size=8, seq_len=256, tokenizer=loaded.tokenizer, pack_text=True,
-                                  num_samples=16, seed=0))
+                                  num_samples=12, seed=0))
              for name, f in (("python docs (held out)", "docs.txt"), ("CPython LICENSE (another kind)", "licence.txt"))}
     floats = {name: _perplexity(loaded.model, b)[0] for name, b in texts.items()}
     del loaded
