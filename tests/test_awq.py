@@ -94,7 +94,7 @@ def test_awq_scales_then_gptq_chooses_the_codes(model, tmp_path):
     (", mappings: [{smooth: 're:.*o_proj', balance: ['re:.*gate_proj']}]", (), "awq.mappings[0]: smooth"),
     (", mappings: [{smooth: 're:.*input_layernorm', balance: ['re:.*o_proj']}]", (),
      "awq: folding the scales changes the float model's outputs"),
-    ("", ("--sequential",), "awq runs on the whole model: calibrate without --sequential"),
+    ("", ("--sequential", "--resume"), "--resume does not cover awq yet"),
 ])
 def test_what_cannot_be_folded_is_one_line_and_writes_nothing(model, tmp_path, extra, flags, message):
     code, _, err = _quantize(model, tmp_path, _recipe(tmp_path, extra=extra), "out", *flags)
@@ -109,3 +109,16 @@ def test_awq_beside_smoothquant_is_refused_when_the_recipe_is_read(model, tmp_pa
     recipe.write_text(AWQ % ("", "") + "smoothquant: {alpha: 0.5}\n")
     code, _, err = _quantize(model, tmp_path, recipe)
     assert code == 2 and "awq and smoothquant both fold" in err
+
+
+def test_sequential_awq_scales_each_block_on_its_quantized_inputs(model, tmp_path):
+    """--sequential: each block's groups are searched on the float block's inputs (the quantized blocks' outputs
+    before it) and folded before its quantizers go in; the block's output is checked, the folded floats written."""
+    code, _, err = _quantize(model, tmp_path, _recipe(tmp_path, rounding=", rounding: gptq"), "seq", "--sequential")
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "seq" / "calibration" / "manifest.json").read_text())
+    groups = manifest["awq"]["groups"]
+    assert [g["smooth"].split(".")[2] for g in groups] == ["0"] * 3 + ["1"] * 3  # block by block
+    assert all(g["error"] <= g["error_unscaled"] for g in groups)
+    scaled = {t for g in groups if g["ratio"] is not None for t in [g["smooth"] + ".weight"]}
+    assert scaled and scaled <= set(manifest["awq"]["replaced"])

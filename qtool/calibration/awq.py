@@ -71,6 +71,7 @@ def _block(row: QuantizerPlan) -> Optional[int]:
     return int(row.block_size[-1]) if row.block_size else None
 
 
+@torch.no_grad()
 def search_scales(group: SmoothGroup, modules: Dict[str, nn.Module], stats: InputStatistics,
                   rows: Dict[str, QuantizerPlan], grid: int, duo_scaling: bool,
                   quantize: Callable[[QuantizerPlan, torch.Tensor], torch.Tensor] = _fake_quant

@@ -23,6 +23,7 @@ mixture-of-experts families, SmolLM, ...).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -168,6 +169,36 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
                                                           for b in block_names)]
         return [q for q in plan.quantizers if q.module == prefix or q.module.startswith(prefix + ".")]
 
+    def awq_block(prefix: str, block: nn.Module, inputs) -> Dict[str, torch.Tensor]:
+        """AWQ's groups inside the block (qtool.calibration.awq), on the float block's inputs (the quantized
+        blocks' outputs before it), searched and folded before its quantizers are inserted; the block's output on
+        the first input must stay what it was."""
+        from .awq import apply_awq
+        from .in_memory import SMOOTH_TOLERANCE
+        from .rounding.statistics import collect_module_inputs
+
+        groups = tuple(g for g in plan.awq.groups if g.smooth.startswith(prefix + "."))
+        if not groups:
+            return {}
+        needed = [modules[g.balance[0]] for g in groups]
+        stats = merge_inputs(collect_module_inputs({g.balance[0]: True for g in groups}, modules,
+                                                   lambda: _run_to_last_input(block, inputs, needed)), group)
+        args, kwargs = inputs[0]
+
+        def output():
+            out = block(*args, **kwargs)
+            return (out[0] if isinstance(out, (tuple, list)) else out).detach()
+
+        with torch.no_grad():
+            before = output()
+            changed = apply_awq(dataclasses.replace(plan.awq, groups=groups), modules, stats,
+                                {q.module: q for q in plan.weights}, plan.warnings)
+            err = float((output() - before).abs().max() / before.abs().max().clamp(min=1e-12))
+        if not err <= SMOOTH_TOLERANCE:
+            raise UsageError(f"awq: folding the scales changes {prefix}'s outputs (relative error {err:.2g}); a "
+                             "mapping does not fit this architecture: give awq.mappings")
+        return changed
+
     entries: Dict[str, EncodingEntry] = {}
     finished: List[EncodingEntry] = []  # the entries of the block being calibrated, numbers in memory (for state)
 
@@ -308,6 +339,10 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         def run_float():
             _run_to_last_input(block, inputs, [modules[q.module] for q in rows if q.needs_inputs])
 
+        if plan.awq is not None:
+            scaled = keyed(awq_block(prefix, block, inputs))
+            changed.update(scaled)
+            floats.update(scaled)
         calibrate_rows(rows, run_block, run_float)
         if feeds:
             captured = [((outputs[j],) + tuple(args[1:]), kwargs) for j, (args, kwargs) in enumerate(captured)]
