@@ -131,6 +131,20 @@ def test_a_runtime_that_drops_transform_config_is_named_and_a_bad_weight_is_stil
     assert code == 1 and "with its online rotations (r4) applied too" in res["export_fault"], res["export_fault"]
 
 
+def test_an_asymmetric_pack_quantized_directory_transformers_cannot_load_names_the_runtime(model, tmp_path):
+    """compressed-tensors 0.20 makes transformers' empty model with unpacked zero points, so an asymmetric int4
+    directory (zero points packed, as the format says) does not load there: one line that says it is the runtime's
+    known limit, not the file's."""
+    recipe = tmp_path / "asym.yaml"
+    recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, symmetric: false, granularity: per_block, "
+                      "block_size: 32}\n  activations: null\nignore: ['re:.*lm_head', 're:.*embed_tokens']\n")
+    out = _quantize(model, tmp_path, recipe, "compressed-tensors")
+    code, res, err = _eval(model, out)
+    assert code == 2
+    line = [x for x in err.splitlines() if x.startswith("error:")][-1]
+    assert "transformers cannot load it" in line and "issue #1618" in line and "not the file" in line
+
+
 def test_onnx_in_onnxruntime_and_a_shifted_zero_point_is_an_export_fault(model, tmp_path):
     out = _quantize(model, tmp_path, "w8a16", "onnx")
     code, res, err = _eval(model, out, "--onnx-optimization", "off")

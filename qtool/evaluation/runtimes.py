@@ -157,4 +157,24 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
         label = "transformers + compressed-tensors" + ("" if dtype == torch.float32 else " (bfloat16)")
         allowance = (0.0, 1e-4) if dtype == torch.float32 else (1.0, 0.01) if activations else (0.25, 0.01)
         return TorchRuntime(model, label, *allowance)
-    raise UsageError(f"{directory}: transformers cannot load it ({'; '.join(errors)})")
+    raise UsageError(f"{directory}: transformers cannot load it ({'; '.join(errors)})" + _known_limit(directory))
+
+
+def _known_limit(directory: Path) -> str:
+    """Why transformers cannot load a directory where that is a known limit of the runtime, not of the file: an
+    asymmetric ``pack-quantized`` checkpoint (compressed-tensors 0.20 compresses transformers' empty model with
+    the zero points left unpacked, ``[out, groups]``, while the format stores them packed, as its own compress on
+    real tensors does: llm-compressor issue #1618)."""
+    import json
+
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))["quantization_config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    groups = (config.get("config_groups") or {}).values() if isinstance(config, dict) else ()
+    if config.get("format") == "pack-quantized" and any(
+            not ((g.get("weights") or {}).get("symmetric", True)) for g in groups if isinstance(g, dict)):
+        return ("; transformers with compressed-tensors cannot load asymmetric pack-quantized weights (it expects "
+                "the zero points unpacked; llm-compressor issue #1618): a limit of the runtime, not the file. Serve "
+                "it in vLLM, or quantize symmetric weights to check it in transformers")
+    return ""
