@@ -122,3 +122,25 @@ def test_sequential_awq_scales_each_block_on_its_quantized_inputs(model, tmp_pat
     assert all(g["error"] <= g["error_unscaled"] for g in groups)
     scaled = {t for g in groups if g["ratio"] is not None for t in [g["smooth"] + ".weight"]}
     assert scaled and scaled <= set(manifest["awq"]["replaced"])
+
+
+def test_a_norm_feeding_routed_experts_is_not_scaled_and_each_experts_own_group_is(tmp_path):
+    """A mixture-of-experts layer: the norm before the experts feeds each expert only its routed tokens, so no one
+    XᵀX scores that group: it is left unscaled with a warning; each expert's up_proj -> down_proj group is searched
+    on that expert's tokens."""
+    from tests.test_gguf_families import _tiny
+
+    ckpt = _tiny(tmp_path / "moe", "qwen3_moe")
+    save = tmp_path / "ids.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"input_ids": torch.randint(0, 250, (8, 32), generator=torch.Generator().manual_seed(0))}, save)
+    code, _, err = run_cli("quantize", ckpt, "-c", _recipe(tmp_path), "--data", save, "-o", tmp_path / "out", "-q")
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "out" / "calibration" / "manifest.json").read_text())
+    groups = manifest["awq"]["groups"]
+    skipped = [g for g in groups if g.get("skipped") == "routed experts"]
+    assert skipped and all(g["smooth"].endswith("post_attention_layernorm") for g in skipped)
+    own = [g for g in groups if ".experts." in g["smooth"]]
+    assert own and all(g["error"] <= g["error_unscaled"] for g in own)
+    assert any("feeds the experts of a mixture-of-experts layer" in w for w in manifest["warnings"])

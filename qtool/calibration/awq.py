@@ -113,9 +113,20 @@ def apply_awq(awq: AwqPlan, modules: Dict[str, nn.Module], stats: Dict[str, Inpu
               rows: Dict[str, QuantizerPlan], warnings: List[str]) -> Dict[str, torch.Tensor]:
     """Search and fold every group of ``awq`` in order (``stats`` keyed by each group's first balance layer);
     returns ``{parameter name: new value}`` of the changed tensors and records each group in ``awq.chosen``."""
+    from ..model.experts import routing_of
+
     replaced: Dict[str, torch.Tensor] = {}
     for i, g in enumerate(awq.groups):
         step("choosing scales (awq)", i, len(awq.groups), g.smooth)
+        routed = [n for n in g.balance if routing_of(modules, n) is not None]
+        if routed and routing_of(modules, g.smooth) is None:
+            # the experts each see their routed tokens only, not the smooth module's whole output: no one XᵀX
+            # scores the group (an expert's own up_proj -> down_proj group is searched, on its tokens)
+            warnings.append(f"awq: {g.smooth} feeds the experts of a mixture-of-experts layer ({routed[0]} ...), "
+                            "each of which sees only its routed tokens; that group is not scaled")
+            awq.chosen.append({"smooth": g.smooth, "balance": list(g.balance), "ratio": None,
+                               "skipped": "routed experts"})
+            continue
         found = stats.get(g.balance[0])
         if found is None:
             warnings.append(f"awq: the calibration data never reached {g.balance[0]}; {g.smooth}'s group is not "
