@@ -31,7 +31,7 @@ from .base import encodings_of
 from .rounding.statistics import InputStatistics
 from .smoothing import fold_scales
 
-__all__ = ["ratio_scales", "weight_magnitude", "search_scales", "apply_awq"]
+__all__ = ["ratio_scales", "weight_magnitude", "search_scales", "scored_inputs", "apply_awq"]
 
 _EPS = 1e-4
 
@@ -108,20 +108,32 @@ def search_scales(group: SmoothGroup, modules: Dict[str, nn.Module], stats: Inpu
     return best[2], best[1], plain, best[0]
 
 
+def _feeds_routed_experts(group: SmoothGroup, modules: Dict[str, nn.Module]) -> List[str]:
+    """The balance layers of ``group`` that are routed experts fed from outside their expert (a norm before a
+    mixture-of-experts layer): each sees only its routed tokens, so no one ``XᵀX`` scores the group."""
+    from ..model.experts import routing_of
+
+    if routing_of(modules, group.smooth) is not None:
+        return []  # an expert's own up_proj -> down_proj: one expert's tokens throughout
+    return [n for n in group.balance if routing_of(modules, n) is not None]
+
+
+def scored_inputs(groups: Sequence[SmoothGroup], modules: Dict[str, nn.Module]) -> Dict[str, bool]:
+    """The layers whose input statistics (with ``XᵀX``) score ``groups``: each searchable group's first balance
+    layer (``rounding.statistics.collect_module_inputs``' argument)."""
+    return {g.balance[0]: True for g in groups if not _feeds_routed_experts(g, modules)}
+
+
 @torch.no_grad()
 def apply_awq(awq: AwqPlan, modules: Dict[str, nn.Module], stats: Dict[str, InputStatistics],
               rows: Dict[str, QuantizerPlan], warnings: List[str]) -> Dict[str, torch.Tensor]:
     """Search and fold every group of ``awq`` in order (``stats`` keyed by each group's first balance layer);
     returns ``{parameter name: new value}`` of the changed tensors and records each group in ``awq.chosen``."""
-    from ..model.experts import routing_of
-
     replaced: Dict[str, torch.Tensor] = {}
     for i, g in enumerate(awq.groups):
         step("choosing scales (awq)", i, len(awq.groups), g.smooth)
-        routed = [n for n in g.balance if routing_of(modules, n) is not None]
-        if routed and routing_of(modules, g.smooth) is None:
-            # the experts each see their routed tokens only, not the smooth module's whole output: no one XᵀX
-            # scores the group (an expert's own up_proj -> down_proj group is searched, on its tokens)
+        routed = _feeds_routed_experts(g, modules)
+        if routed:
             warnings.append(f"awq: {g.smooth} feeds the experts of a mixture-of-experts layer ({routed[0]} ...), "
                             "each of which sees only its routed tokens; that group is not scaled")
             awq.chosen.append({"smooth": g.smooth, "balance": list(g.balance), "ratio": None,

@@ -188,9 +188,9 @@ def _awq(model: nn.Module, plan: Plan, modules, data: CalibrationData, device, r
     """AWQ on the float model (qtool.calibration.awq): each group's input statistics over the data (every rank's
     summed), its scales searched against the balance layers' quantized outputs and folded in; the float model's
     outputs on the first batch must stay what they were."""
-    from .awq import apply_awq
+    from .awq import apply_awq, scored_inputs
 
-    stats = merge_inputs(collect_module_inputs({g.balance[0]: True for g in plan.awq.groups}, modules, run), group)
+    stats = merge_inputs(collect_module_inputs(scored_inputs(plan.awq.groups, modules), modules, run), group)
     first = data.batches[0].to(device)
     before = _output(model, first)
     rows = {q.module: q for q in plan.weights}

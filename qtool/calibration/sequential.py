@@ -173,16 +173,16 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         """AWQ's groups inside the block (qtool.calibration.awq), on the float block's inputs (the quantized
         blocks' outputs before it), searched and folded before its quantizers are inserted; the block's output on
         the first input must stay what it was."""
-        from .awq import apply_awq
-        from .in_memory import SMOOTH_TOLERANCE
+        from .awq import apply_awq, scored_inputs
+        from .in_memory import SMOOTH_TOLERANCE, _relative_change
         from .rounding.statistics import collect_module_inputs
 
         groups = tuple(g for g in plan.awq.groups if g.smooth.startswith(prefix + "."))
         if not groups:
             return {}
-        needed = [modules[g.balance[0]] for g in groups]
-        stats = merge_inputs(collect_module_inputs({g.balance[0]: True for g in groups}, modules,
-                                                   lambda: _run_to_last_input(block, inputs, needed)), group)
+        scored = scored_inputs(groups, modules)
+        stats = merge_inputs(collect_module_inputs(
+            scored, modules, lambda: _run_to_last_input(block, inputs, [modules[n] for n in scored])), group)
         args, kwargs = inputs[0]
 
         def output():
@@ -193,7 +193,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             before = output()
             changed = apply_awq(dataclasses.replace(plan.awq, groups=groups), modules, stats,
                                 {q.module: q for q in plan.weights}, plan.warnings)
-            err = float((output() - before).abs().max() / before.abs().max().clamp(min=1e-12))
+            err = _relative_change(before, output())
         if not err <= SMOOTH_TOLERANCE:
             raise UsageError(f"awq: folding the scales changes {prefix}'s outputs (relative error {err:.2g}); a "
                              "mapping does not fit this architecture: give awq.mappings")
