@@ -26,7 +26,7 @@ from ..model.apply import make_fake_quant
 from ..model.insert import quantized_modules, set_stored_weight
 from ..model.load import load_model
 from ..report import _per_sample_cosine
-from .artifact import Artifact, locate
+from .artifact import Artifact, locate, quantization_config
 from .metrics import Distributions, agreement, divergence, perplexity, token_kl
 from .result import Evaluation, check_gates, describe, enforce
 from .runtimes import OnnxRuntime, TorchRuntime, transformers_reload
@@ -400,7 +400,8 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
                                f"{quant:.3g} + {runtime.gap_floor:g})")
             if isinstance(runtime, OnnxRuntime) and opts.onnx_optimization != "off":
                 _graph_as_written(ev, art, activations, opts, hooks, seqs, fq, stop, allowed)
-            elif art.format == "compressed-tensors" and _transform_config(art.path) and enc is not None:
+            elif (art.format == "compressed-tensors" and enc is not None
+                  and (quantization_config(art.path) or {}).get("transform_config")):
                 _with_online_rotations(ev, art, enc, activations, opts, hooks, seqs, fq, stop, allowed)
     if art.format == "gguf":
         ev.notes.append(f"llama.cpp reports its {opts.top_k} most likely tokens per position: its KL is over those "
@@ -427,18 +428,6 @@ def _graph_as_written(ev: Evaluation, art: Artifact, activations: bool, opts: Ev
         ev.export_fault = None
     else:
         ev.export_fault += f"; the graph run as written (optimizations off) too: KL {graph.kl_mean:.4g}"
-
-
-def _transform_config(directory: Path) -> bool:
-    """Whether a compressed-tensors directory's ``quantization_config`` holds a ``transform_config`` (online
-    rotations its runtime must apply to activations)."""
-    import json
-
-    try:
-        config = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return bool(((config.get("quantization_config") or {}).get("transform_config")))
 
 
 def _with_online_rotations(ev: Evaluation, art: Artifact, enc: Path, activations: bool, opts: EvalOptions,

@@ -84,7 +84,7 @@ def locate(path: str | Path) -> Artifact:
         art = Artifact("gguf", p / "model.gguf")
     elif (p / "model.onnx").is_file():
         art = Artifact("onnx", p / "model.onnx")
-    elif _has_quantization_config(p):
+    elif quantization_config(p) is not None:
         art = Artifact("compressed-tensors", p)
     elif (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file():
         art = Artifact("qtool", p)
@@ -107,11 +107,14 @@ def _beside(directory: Path):
     return art.checkpoint, art.encodings
 
 
-def _has_quantization_config(directory: Path) -> bool:
-    f = directory / "config.json"
+def quantization_config(directory: Path) -> Optional[dict]:
+    """A Hugging Face directory's ``config.json`` ``quantization_config`` (None where there is none, or no readable
+    config): what says a directory is compressed-tensors, and how (``transform_config``, ``config_groups``)."""
+    f = Path(directory) / "config.json"
     if not f.is_file():
-        return False
+        return None
     try:
-        return isinstance(json.loads(f.read_text()).get("quantization_config"), dict)
+        found = json.loads(f.read_text()).get("quantization_config")
     except (OSError, ValueError, UnicodeDecodeError, AttributeError):
-        return False
+        return None
+    return found if isinstance(found, dict) else None

@@ -15,6 +15,7 @@ from torch import nn
 from ..data import Batch
 from ..errors import UsageError
 from ..report import _main_output
+from .artifact import quantization_config
 from .metrics import Distributions
 
 
@@ -165,13 +166,8 @@ def _known_limit(directory: Path) -> str:
     asymmetric ``pack-quantized`` checkpoint (compressed-tensors 0.20 compresses transformers' empty model with
     the zero points left unpacked, ``[out, groups]``, while the format stores them packed, as its own compress on
     real tensors does: llm-compressor issue #1618)."""
-    import json
-
-    try:
-        config = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))["quantization_config"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
-    groups = (config.get("config_groups") or {}).values() if isinstance(config, dict) else ()
+    config = quantization_config(directory) or {}
+    groups = (config.get("config_groups") or {}).values()
     if config.get("format") == "pack-quantized" and any(
             not ((g.get("weights") or {}).get("symmetric", True)) for g in groups if isinstance(g, dict)):
         return ("; transformers with compressed-tensors cannot load asymmetric pack-quantized weights (it expects "
