@@ -21,7 +21,8 @@ ROLES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 def _config(family, hidden=64, experts=8, layers=2):
     extra = {"qwen3_moe": {"moe_intermediate_size": 32, "num_experts": experts, "head_dim": 16},
              "mixtral": {"num_local_experts": experts, "head_dim": 16},
-             "gpt_oss": {"num_local_experts": experts, "head_dim": 16}}[family]
+             "gpt_oss": {"num_local_experts": experts, "head_dim": 16},
+             "granitemoe": {"num_local_experts": experts}}[family]
     cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=hidden, intermediate_size=32,
                                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                                             num_experts_per_tok=2, **extra)
@@ -88,6 +89,18 @@ def test_linearized_experts_hold_the_checkpoint_tensors_and_the_model_computes_t
     assert torch.allclose(model(ids).logits, ref, atol=1e-5)
 
 
+def _quantized_in_memory_as_sequential(tmp_path, checkpoint, ids):
+    """``quantize -c w4a16-block32`` in memory and with ``--sequential``: the same bytes; the export's weights."""
+    runs = {}
+    for name, extra in (("memory", []), ("sequential", ["--sequential"])):
+        code, _, err = run_cli("quantize", checkpoint, "-c", "w4a16-block32", "--data", ids, "-o", tmp_path / name,
+                               "--quiet", *extra)
+        assert code == 0, err
+        runs[name] = (tmp_path / name / "model.safetensors").read_bytes()
+    assert runs["memory"] == runs["sequential"]
+    return read_integer_export(tmp_path / "memory" / "model.safetensors")
+
+
 @pytest.mark.parametrize("family,expert", [("qwen3_moe", "model.layers.1.mlp.experts.7.down_proj.weight"),
                                            ("mixtral", "model.layers.1.block_sparse_moe.experts.7.w2.weight")])
 def test_every_expert_is_quantized_exported_as_the_checkpoint_names_it_and_sequential_writes_the_same(
@@ -102,14 +115,7 @@ def test_every_expert_is_quantized_exported_as_the_checkpoint_names_it_and_seque
     assert not [w for w in shown["warnings"] if "have no quantizer" in w]
     assert {u["module_type"] for u in shown["weights_quantized"]["unreachable"]} <= {"Qwen3MoeTopKRouter",
                                                                                      "MixtralTopKRouter"}
-    runs = {}
-    for name, extra in (("memory", []), ("sequential", ["--sequential"])):
-        code, _, err = run_cli("quantize", checkpoint, "-c", "w4a16-block32", "--data", ids, "-o", tmp_path / name,
-                               "--quiet", *extra)
-        assert code == 0, err
-        runs[name] = (tmp_path / name / "model.safetensors").read_bytes()
-    assert runs["memory"] == runs["sequential"]
-    exported = read_integer_export(tmp_path / "memory" / "model.safetensors")
+    exported = _quantized_in_memory_as_sequential(tmp_path, checkpoint, ids)
     float_weight = _keys(checkpoint)[expert]
     q = exported[expert]
     assert q.shape == float_weight.shape and not torch.equal(q, float_weight)
@@ -117,14 +123,107 @@ def test_every_expert_is_quantized_exported_as_the_checkpoint_names_it_and_seque
     assert len(torch.unique(q[0, :32])) <= 16
 
 
-def test_compressed_tensors_experts_reload_in_transformers_as_qtool_chose_them(tmp_path):
-    """llm-compressor's per-expert names (what vLLM's fused-MoE loader reads); transformers stacks them back into
-    its fused experts with exactly the values of qtool's own export (GPTQ codes, per expert on its routed tokens)."""
-    checkpoint, ids = _saved(tmp_path, "mixtral")
+def _saved_fused(tmp_path, family):
+    """A tiny ``family`` checkpoint whose file stores each layer's experts fused: gpt-oss and GraniteMoE as
+    transformers saves them, Qwen3-MoE as its state_dict (what a plain ``save_file`` of the model writes)."""
+    if family != "qwen3_moe":
+        return _saved(tmp_path, family)
+    checkpoint, ids = _saved(tmp_path, family)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    (checkpoint / "model.safetensors").unlink()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, checkpoint / "model.safetensors")
+    return checkpoint, ids
+
+
+# family -> (the fused module, how expert e's gate rows sit in the file's tensor, the file's fused tensor names)
+FUSED_ON_DISK = {
+    # [E, H, 2I]: transposed, gate and up columns interleaved, biases
+    "gpt_oss": ("model.layers.1.mlp.experts", lambda t, e: t["model.layers.1.mlp.experts.gate_up_proj"][e].t()[0::2],
+                ("experts.gate_up_proj", "experts.down_proj")),
+    # [E, 2I, H] under another name (input_linear, output_linear), gate rows first
+    "granitemoe": ("model.layers.1.block_sparse_moe.experts",
+                   lambda t, e: t["model.layers.1.block_sparse_moe.input_linear.weight"][e][:32],
+                   ("input_linear", "output_linear")),
+    "qwen3_moe": ("model.layers.1.mlp.experts", lambda t, e: t["model.layers.1.mlp.experts.gate_up_proj"][e][:32],
+                  ("experts.gate_up_proj", "experts.down_proj")),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FUSED_ON_DISK))
+def test_experts_a_checkpoint_stores_fused_are_quantized_one_by_one_and_sequential_writes_the_same(tmp_path,
+                                                                                                   family):
+    """gpt-oss (and GraniteMoE) checkpoints hold the fused 3-D tensors themselves: every expert is still a weight
+    like any other, named as llm-compressor names a linearized gpt-oss, and --sequential reads each expert's slice."""
+    module, gate_rows, fused_names = FUSED_ON_DISK[family]
+    checkpoint, ids = _saved_fused(tmp_path, family)
+    code, out, err = run_cli("config", "show", "w4a16-block32", "--model", checkpoint, "--json")
+    assert code == 0, err
+    shown = json.loads(out)
+    planned = {q["name"] for q in shown["quantizers"]}
+    for e in range(8):
+        for leaf in ROLES.values():
+            assert f"{module}.{e}.{leaf}.weight" in planned
+    assert not [w for w in shown["warnings"] if "have no quantizer" in w]
+    assert all("Router" in u["module_type"] for u in shown["weights_quantized"]["unreachable"])
+    exported = _quantized_in_memory_as_sequential(tmp_path, checkpoint, ids)
+    assert not [k for k in exported if any(f in k for f in fused_names)]
+    floats = _keys(checkpoint)
+    for e in (0, 5):
+        float_gate = gate_rows(floats, e)
+        q = exported[f"{module}.{e}.gate_proj.weight"]
+        assert q.shape == float_gate.shape == (32, 64) and not torch.equal(q, float_gate)
+        assert (q - float_gate).abs().max() < 0.25 * float_gate.abs().max()  # 4-bit steps of its own block
+        assert len(torch.unique(q[0, :32])) <= 16
+
+
+def _gptq_in_both_formats(tmp_path, checkpoint, ids):
+    """``quantize -c w4a16-block32-gptq`` into ``tmp_path/qtool`` and ``tmp_path/compressed-tensors``."""
     for fmt in ("qtool", "compressed-tensors"):
         code, _, err = run_cli("quantize", checkpoint, "-c", "w4a16-block32-gptq", "--data", ids, "-o",
                                tmp_path / fmt, "--format", fmt, "--quiet")
         assert code == 0, err
+
+
+def test_gpt_oss_experts_export_with_llm_compressors_names_and_eval_says_what_transformers_cannot_read(tmp_path):
+    checkpoint, ids = _saved(tmp_path, "gpt_oss")
+    _gptq_in_both_formats(tmp_path, checkpoint, ids)
+    with safe_open(str(tmp_path / "compressed-tensors" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        bias = f.get_tensor("model.layers.0.mlp.experts.3.up_proj.bias")
+    for leaf in ROLES.values():
+        assert {f"model.layers.0.mlp.experts.3.{leaf}.{k}" for k in ("weight_packed", "weight_scale", "bias")} <= keys
+    assert not [k for k in keys if "gate_up_proj" in k or k.endswith("experts.down_proj")]
+    assert torch.equal(bias, _keys(checkpoint)["model.layers.0.mlp.experts.gate_up_proj_bias"][3][1::2])
+    config = json.loads((tmp_path / "compressed-tensors" / "config.json").read_text())["quantization_config"]
+    assert sorted(config["ignore"]) == ["lm_head", "model.layers.0.mlp.router", "model.layers.1.mlp.router"]
+    held = tmp_path / "held.safetensors"
+    save_file({"input_ids": torch.randint(0, 256, (4, 40), generator=torch.Generator().manual_seed(3))}, held)
+    evaluate = ("--data", held, "--seq-len", 32, "--num-samples", 4, "--generate", 0, "--json")
+    code, out, err = run_cli("eval", tmp_path / "qtool", *evaluate)
+    assert code == 0, err
+    assert json.loads(out)["export_gap"]["kl_mean"] < 1e-6
+    # transformers holds gpt-oss's experts fused and would run them at their initial values: refused, not blamed
+    code, out, err = run_cli("eval", tmp_path / "compressed-tensors", *evaluate)
+    assert code == 2 and "transformers leaves" in err and "stored one by one" in err and "export fault" not in err
+
+
+def test_eval_reads_a_qtool_export_whose_experts_transformers_renames(tmp_path):
+    """Mixtral's checkpoint names (block_sparse_moe.experts.<e>.w1) are not its model's (mlp.experts)."""
+    checkpoint, ids = _saved(tmp_path, "mixtral")
+    code, _, err = run_cli("quantize", checkpoint, "-c", "w4a16-block32", "-o", tmp_path / "q", "--quiet")
+    assert code == 0, err
+    code, out, err = run_cli("eval", tmp_path / "q", "--data", ids, "--seq-len", 32, "--num-samples", 4,
+                             "--generate", 0, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["export_gap"]["kl_mean"] < 1e-6 and result["vs_float"]["artifact"]["kl_mean"] > 1e-5
+
+
+def test_compressed_tensors_experts_reload_in_transformers_as_qtool_chose_them(tmp_path):
+    """llm-compressor's per-expert names (what vLLM's fused-MoE loader reads); transformers stacks them back into
+    its fused experts with exactly the values of qtool's own export (GPTQ codes, per expert on its routed tokens)."""
+    checkpoint, ids = _saved(tmp_path, "mixtral")
+    _gptq_in_both_formats(tmp_path, checkpoint, ids)
     with safe_open(str(tmp_path / "compressed-tensors" / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert "model.layers.0.block_sparse_moe.experts.3.w3.weight_packed" in keys

@@ -24,7 +24,7 @@ mixture-of-experts families, SmolLM, ...).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from ..encodings import EncodingEntry
 from ..errors import CheckpointError, DataError, UsageError
 from ..io.checkpoint import CheckpointTensors
 from ..model.checkpoint_map import CheckpointMap
+from ..model.expert_view import ExpertSlices, open_checkpoint
 from ..model.experts import checkpoint_key
 from ..model.insert import drop_weight_caches, insert_quantizers
 from ..parallel import Group
@@ -59,7 +60,7 @@ def _blocks(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _materialize(module: nn.Module, prefix: str, src: CheckpointTensors, name_of: Callable[[str], str],
+def _materialize(module: nn.Module, prefix: str, src: Union[CheckpointTensors, ExpertSlices], name_of: Callable[[str], str],
                  device: torch.device, converted: Optional[CheckpointMap] = None) -> None:
     """Load ``module``'s parameters and persistent buffers from the checkpoint (as float32 for float tensors);
     ``converted`` makes those transformers builds from other tensors at load time (fused experts). A buffer the
@@ -140,7 +141,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
     codes = {} if codes is None else codes
     floats = {} if floats is None else floats
     data = shard(data, group)
-    src = CheckpointTensors(path)
+    src = open_checkpoint(path, model=model)
     keys = set(src.keys())
     tied = getattr(model.config, "tie_word_embeddings", False)
 

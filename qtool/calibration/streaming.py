@@ -11,7 +11,7 @@ from torch import nn
 from ..config import Plan
 from ..encodings import EncodingEntry
 from ..errors import CheckpointError
-from ..io.checkpoint import CheckpointTensors
+from ..model.expert_view import open_checkpoint
 from ..model.experts import checkpoint_key
 from ..model.insert import make_quantizer
 from ..parallel import Group
@@ -32,7 +32,7 @@ def calibrate_weights_streaming(path, plan: Plan, model: nn.Module, sink=None,
     ranks return none.
     """
     group = group or Group()
-    src = CheckpointTensors(path)
+    src = open_checkpoint(path, model=model)
     keys = set(src.keys())
     prefix = getattr(model, "base_model_prefix", "") or ""
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)

@@ -108,11 +108,17 @@ def _open_runtime(art: Artifact, opts: EvalOptions, causal_lm: bool, n_ctx: int,
 
 def _with_export_weights(model: torch.nn.Module, directory: Path) -> torch.nn.Module:
     from ..export.qtool_st import read_integer_export
+    from ..model.checkpoint_map import checkpoint_names
 
     quantized = quantized_modules(model)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
-    for key, value in read_integer_export(directory).items():
+    written = read_integer_export(directory)
+    # names the checkpoint (and so the file) gives parameters the model holds under others (Mixtral's
+    # block_sparse_moe experts and router, GraniteMoE's router.layer)
+    renamed = checkpoint_names(model, [k for k in written if k not in params])
+    for key, value in written.items():
+        key = renamed.get(key, key)
         module, _, attr = key.rpartition(".")
         if attr == "weight" and module in quantized:
             set_stored_weight(quantized[module], value.to(params[key].dtype).to(params[key].device)

@@ -150,15 +150,31 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
     for dtype in (torch.float32, torch.bfloat16):
         try:
             with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():  # compressed-tensors draws its own
-                model = auto.from_pretrained(str(directory), dtype=dtype).to(device).eval()  # progress bars, and
-                model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))  # decompresses on first use
+                model, info = auto.from_pretrained(str(directory), dtype=dtype, output_loading_info=True)
+                model = model.to(device).eval()  # progress bars, and decompresses on first use
+                model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
         except (ValueError, RuntimeError, TypeError, OSError, KeyError, NotImplementedError) as e:
             errors.append(f"{str(dtype).replace('torch.', '')}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
             continue
+        _check_loaded(directory, info)
         label = "transformers + compressed-tensors" + ("" if dtype == torch.float32 else " (bfloat16)")
         allowance = (0.0, 1e-4) if dtype == torch.float32 else (1.0, 0.01) if activations else (0.25, 0.01)
         return TorchRuntime(model, label, *allowance)
     raise UsageError(f"{directory}: transformers cannot load it ({'; '.join(errors)})" + _known_limit(directory))
+
+
+def _check_loaded(directory: Path, info: dict) -> None:
+    """Refuse a load in which transformers left parameters unread (it would run them at their initial values, and
+    the figures would blame the file): a model whose experts transformers holds fused while the file stores them
+    per expert, as llm-compressor does for vLLM (gpt-oss, GraniteMoE)."""
+    missing, unused = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    if not missing:
+        return
+    experts = " (its experts are stored one by one, as vLLM's MoE loaders read them; transformers' model holds " \
+              "them fused and reads no quantized fused experts)" if any(".experts." in k for k in unused) else ""
+    raise UsageError(f"{directory}: transformers leaves {len(missing)} parameters of this model unread "
+                     f"({', '.join(missing[:2])}{' ...' if len(missing) > 2 else ''}){experts}: a limit of the "
+                     "runtime, not the file; evaluate qtool's own format of the same calibration instead")
 
 
 def _known_limit(directory: Path) -> str:

@@ -87,6 +87,7 @@ from ..encodings import EncodingsFile
 from ..errors import CheckpointError, EncodingsError, UsageError
 from ..io.checkpoint import detect_kind
 from ..io.jsonfile import read_json_object
+from ..model.expert_view import open_checkpoint
 from ..model.hf import meta_skeleton
 from ..weights import WeightSource
 from .base import Exporter, ExportRequest, layout_bytes, weight_names
@@ -164,7 +165,8 @@ def export_compressed_tensors(
 
     model = meta_skeleton(checkpoint, trust_remote_code)
     modules = dict(model.named_modules())
-    src = weights or WeightSource(checkpoint, encodings, trust_pickle=trust_pickle)
+    src = weights or WeightSource(checkpoint, encodings,
+                                  tensors=open_checkpoint(checkpoint, trust_pickle, model=model))
     untied = set(src.untied())  # an output layer a transform (rotation) untied from the embedding table
     tied_names = {k: v for k, v in _tied_params(model).items() if k not in untied}
     if untied:

@@ -58,7 +58,7 @@ import torch
 from .. import __version__
 from ..encodings import EncodingEntry, EncodingsFile
 from ..errors import EncodingsError
-from ..io.checkpoint import CheckpointTensors
+from ..model.expert_view import open_checkpoint
 from ..quant.affine import blocked_shapes, resolve_block_size
 from ..quant.packing import pack_bytes
 from ..quant.tensor import AffineEncoding
@@ -98,7 +98,7 @@ def export_integer(
     """Write ``out_dir/model.safetensors`` (or shards plus an index, see the module docs); returns a summary
     (tensor counts, bytes, shard files). ``max_shard_bytes=None`` never shards. ``weights``: where values and
     codes come from (default: the checkpoint, round-to-nearest)."""
-    src = weights or WeightSource(checkpoint, encodings, tensors=CheckpointTensors(checkpoint, trust_pickle=trust_pickle))
+    src = weights or WeightSource(checkpoint, encodings, tensors=open_checkpoint(checkpoint, trust_pickle))
     matched = weight_names(src, encodings.entries, str(checkpoint))
     keys, weights, names, by_key = matched.keys, matched.entries, matched.names, matched.by_key
 

@@ -249,6 +249,15 @@ class CheckpointTensors:
                 return fh.get_tensor(name)
         return self._memory[name]
 
+    def get_index(self, name: str, index: int) -> torch.Tensor:
+        """``get(name)[index]``, reading only that part of a safetensors file (one expert of a fused 3-D tensor)."""
+        if self._files:
+            from safetensors import safe_open
+
+            with safe_open(str(self._files[name]), "pt") as fh:
+                return fh.get_slice(name)[index]
+        return self._memory[name][index]
+
     def shape_dtype(self, name: str):
         if self._files:
             from safetensors import safe_open

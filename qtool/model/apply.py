@@ -14,6 +14,7 @@ from ..quant import QuantizerBase
 from ..quant.hadamard import HadamardError, hadamard_order
 from ..weights import WeightSource
 from .checkpoint_map import checkpoint_names
+from .expert_view import open_checkpoint
 from .insert import insert_quantizers, set_stored_weight
 from .online import install_online, rotated_width
 
@@ -77,7 +78,7 @@ def make_fake_quant(model: nn.Module, checkpoint, encodings, trust_pickle: bool 
     apply_encodings(model, enc, str(encodings))
     if enc.codes_file is not None:
         apply_stored_weights(model, WeightSource(Path(checkpoint), enc, Path(encodings).parent,
-                                                 trust_pickle=trust_pickle))
+                                                 tensors=open_checkpoint(checkpoint, trust_pickle, model=model)))
     return enc
 
 

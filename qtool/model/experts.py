@@ -11,8 +11,10 @@ what the fused module's does (tokens routed to each expert, its gate applied by 
 each expert) and exporter then handles the experts through the machinery it has for any Linear, and an exported
 file names them as the checkpoint (and llm-compressor, for vLLM's fused-MoE loader) does.
 
-Only experts whose checkpoint stores them per expert are split (the names the files need come from the
-checkpoint); a checkpoint that stores the fused tensors keeps them fused and ``qtool.coverage`` names them.
+A checkpoint that stores the fused tensors themselves (gpt-oss's ``experts.gate_up_proj``, GraniteMoE's
+``input_linear.weight``) is split the same way, its experts named as llm-compressor names a linearized gpt-oss
+(``experts.<e>.gate_proj``/``up_proj``/``down_proj``); :mod:`.expert_view` shows such a checkpoint to every reader
+(exporters, ``--sequential``, streaming) under those per-expert names, one expert's slice read at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ from torch import nn
 from ..config import CHECKPOINT_KEYS
 
 __all__ = ["LinearExperts", "linearize_experts", "fused_layout", "checkpoint_key", "routing_of", "same_inputs",
-           "all_tokens_routed", "CHECKPOINT_KEYS"]
+           "all_tokens_routed", "linear_part", "FUSED_SLICES", "CHECKPOINT_KEYS"]
+
+# where linearize_experts records, on a model whose checkpoint stores fused expert tensors, which slice of which
+# checkpoint tensor each per-expert parameter is: {parameter name: (checkpoint key, expert, role, layout)}
+FUSED_SLICES = "_qtool_fused_slices"
+# the per-expert names of experts a checkpoint stores fused (llm-compressor's for a linearized gpt-oss)
+FUSED_LEAVES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 
 def fused_layout(module: nn.Module) -> Optional[Dict[str, bool]]:
@@ -42,6 +50,23 @@ def fused_layout(module: nn.Module) -> Optional[Dict[str, bool]]:
             "is_concatenated": bool(getattr(module, "is_concatenated", True)),
             "has_bias": bool(getattr(module, "has_bias", False)),
             "has_post_expert_norm": bool(getattr(module, "has_post_expert_norm", False))}
+
+
+def _source_param(role: str, layout: Dict[str, bool], bias: bool = False) -> str:
+    """The fused parameter that holds ``role``'s weight (or bias)."""
+    name = "down_proj" if role == "down" else "gate_up_proj" if layout["has_gate"] else "up_proj"
+    return name + "_bias" if bias else name
+
+
+def linear_part(t: torch.Tensor, layout: Dict[str, bool], role: str) -> torch.Tensor:
+    """One expert's slice of a fused parameter (``param[e]``: a weight ``[a, b]`` or a bias ``[n]``) as role
+    ``role``'s ``nn.Linear`` holds it: ``[out, in]`` (or ``[out]``); gate and up rows concatenated or interleaved."""
+    if layout["is_transposed"] and t.dim() == 2:
+        t = t.t()
+    if role == "down" or not layout["has_gate"]:
+        return t
+    gate, up = t.chunk(2, 0) if layout["is_concatenated"] else (t[0::2], t[1::2])
+    return gate if role == "gate" else up
 
 
 class _Expert(nn.Module):
@@ -100,29 +125,14 @@ class LinearExperts(nn.Module):
     @torch.no_grad()
     def load_from(self, tensors: Dict[str, torch.Tensor]) -> None:
         """Copy the fused parameters (``gate_up_proj``, ``down_proj``, biases) into the per-expert Linears."""
-        lay = self.layout
-        first = "gate_up_proj" if lay["has_gate"] else "up_proj"
-
-        def expert_slice(name: str, e: int) -> Optional[torch.Tensor]:  # expert e's [out, in] weight or [out] bias
-            t = tensors.get(name)
-            return None if t is None else t[e].t() if lay["is_transposed"] and t.dim() == 3 else t[e]
-
-        def gate_and_up(t: torch.Tensor):  # concatenated [gate; up] rows, or interleaved gate, up, gate, ...
-            return tuple(t.chunk(2, 0)) if lay["is_concatenated"] else (t[0::2], t[1::2])
-
         for e in range(self.num_experts):
-            w, b = expert_slice(first, e), expert_slice(first + "_bias", e)
-            parts = {"down": (expert_slice("down_proj", e), expert_slice("down_proj_bias", e))}
-            if lay["has_gate"]:
-                (gw, uw), (gb, ub) = gate_and_up(w), gate_and_up(b) if b is not None else (None, None)
-                parts.update(gate=(gw, gb), up=(uw, ub))
-            else:
-                parts["up"] = (w, b)
-            for role, (weight, bias) in parts.items():
-                lin = self.expert(e).proj(role)
-                lin.weight.copy_(weight)
+            ex = self.expert(e)
+            for role in ex.roles:
+                lin = ex.proj(role)
+                lin.weight.copy_(linear_part(tensors[_source_param(role, self.layout)][e], self.layout, role))
+                bias = tensors.get(_source_param(role, self.layout, bias=True))
                 if bias is not None:
-                    lin.bias.copy_(bias)
+                    lin.bias.copy_(linear_part(bias[e], self.layout, role))
 
     def _gate_up(self, ex: _Expert, x: torch.Tensor) -> torch.Tensor:
         lay, fused = self.layout, self._fused
@@ -188,24 +198,41 @@ def _roles(name: str, fused: nn.Module, layout: Dict[str, bool], sources) -> Opt
     return leaves, keys
 
 
+def _stored_fused(name: str, layout: Dict[str, bool], keys, renamed: Dict[str, str]) -> Optional[Dict[str, str]]:
+    """``{fused parameter: the checkpoint key that holds it whole}`` of fused module ``name`` (a key of the same
+    name, or one transformers renames to it: GraniteMoE's ``input_linear.weight``), None where one is missing."""
+    params = ["gate_up_proj" if layout["has_gate"] else "up_proj", "down_proj"]
+    params += [p + "_bias" for p in params] if layout["has_bias"] else []
+    found = {p: f"{name}.{p}" if f"{name}.{p}" in keys else renamed.get(f"{name}.{p}") for p in params}
+    return None if None in found.values() else found
+
+
 def linearize_experts(model: nn.Module, keys: Iterable[str]) -> List[str]:
-    """Replace every fused experts module of ``model`` whose checkpoint (tensor names ``keys``) stores its experts
-    one by one with :class:`LinearExperts` (parameters copied; on the meta device, shapes only). Records on the
-    model which checkpoint tensor each new weight is (:func:`checkpoint_key`). Returns the replaced modules'
-    names."""
+    """Replace every fused experts module of ``model`` with :class:`LinearExperts` (parameters copied; on the meta
+    device, shapes only), given the checkpoint's tensor names ``keys``. Where the checkpoint stores the experts one
+    by one, records on the model which checkpoint tensor each new weight is (:func:`checkpoint_key`); where it
+    stores the fused tensors, which slice of which (``FUSED_SLICES``, read by :mod:`.expert_view`). Returns the
+    replaced modules' names."""
     fused = [(n, m, lay) for n, m in model.named_modules() if (lay := fused_layout(m)) is not None]
     if not fused:
         return []
     from .checkpoint_map import CheckpointMap
 
+    keys = set(keys)
     cmap = CheckpointMap(model, keys)
+    renamed = {param: key for key, param in cmap.renamed().items()}
     done: List[str] = []
     table: Dict[str, str] = dict(getattr(model, CHECKPOINT_KEYS, {}))
+    slices: Dict[str, Tuple[str, int, str, Dict[str, bool]]] = dict(getattr(model, FUSED_SLICES, {}))
     for name, module, layout in fused:
         found = _roles(name, module, layout, cmap.sources)
-        if found is None:
+        whole = None if found is not None else _stored_fused(name, layout, keys, renamed)
+        if found is None and whole is None:
             continue
-        leaves, ckpt = found
+        if found is not None:
+            leaves, ckpt = found
+        else:
+            leaves = {r: leaf for r, leaf in FUSED_LEAVES.items() if layout["has_gate"] or r != "gate"}
         tensors = {k: p for k, p in module.named_parameters(recurse=False)}
         linear = LinearExperts(module, layout, leaves)
         if not any(t.is_meta for t in tensors.values()):
@@ -215,12 +242,20 @@ def linearize_experts(model: nn.Module, keys: Iterable[str]) -> List[str]:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, linear)
         for role, leaf in leaves.items():
-            for e, key in enumerate(ckpt[role]):
-                table[f"{name}.{e}.{leaf}.weight"] = key
+            for e in range(linear.num_experts):
+                own = f"{name}.{e}.{leaf}"
+                if whole is not None:
+                    slices[own + ".weight"] = (whole[_source_param(role, layout)], e, role, layout)
+                    if layout["has_bias"]:
+                        slices[own + ".bias"] = (whole[_source_param(role, layout, bias=True)], e, role, layout)
+                    continue
+                key = ckpt[role][e]
+                table[own + ".weight"] = key
                 if layout["has_bias"]:
-                    table[f"{name}.{e}.{leaf}.bias"] = key[: -len("weight")] + "bias"
+                    table[own + ".bias"] = key[: -len("weight")] + "bias"
         done.append(name)
     model.__dict__[CHECKPOINT_KEYS] = table
+    model.__dict__[FUSED_SLICES] = slices
     return done
 
 

@@ -101,6 +101,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     ``checkpoint_checked``: the format's checkpoint check already ran in this job (``quantize`` runs it before
     calibrating)."""
     from ..aimet_format import to_aimet
+    from ..model.expert_view import open_checkpoint
     from ..weights import WeightSource
 
     exporter = eopts.validate()
@@ -111,7 +112,8 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     exporter.check(enc, options)
     hooks.on_stage(f"exporting ({eopts.format})")
     summary: Dict[str, Any] = {"format": eopts.format}
-    weights = WeightSource(Path(checkpoint), enc, Path(enc_path).parent, trust_pickle=eopts.trust_pickle)
+    weights = WeightSource(Path(checkpoint), enc, Path(enc_path).parent,
+                           tensors=open_checkpoint(checkpoint, eopts.trust_pickle, eopts.trust_remote_code))
     digest = digests(tensor_files(Path(checkpoint)))
     if same_weights:
         _check_same_checkpoint(Path(enc_path), checkpoint, digest)

@@ -182,7 +182,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     of the search samples, and all get the same measurements."""
     import shutil
 
-    from ..io.checkpoint import CheckpointTensors
+    from ..model.expert_view import open_checkpoint
     from ..mixed import costs, effective_weights, fused_groups, group_damage
     from ..report import next_token_targets
 
@@ -214,7 +214,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     modules = list(dict.fromkeys(q.module for plan in plans for q in plan.weights))
     order = {m: i for i, m in enumerate(dict(loaded.model.named_modules()))}
     groups = fused_groups(sorted(modules, key=lambda m: order.get(m, len(order))))
-    src = CheckpointTensors(Path(checkpoint), trust_pickle=opts.trust_pickle)
+    src = open_checkpoint(checkpoint, opts.trust_pickle, model=loaded.model)
     tensors = {k: src.shape_dtype(k) for k in src.keys()}
     first: Dict[int, str] = {}
     tied = {}  # a parameter the checkpoint stores once under another name (a tied output layer)
