@@ -30,7 +30,8 @@ def test_every_family_file_is_found_and_claims_its_own_model_types():
 def _saved(tmp_path, family, **extra):
     torch.manual_seed(0)
     kw = {"gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, num_hidden_layers=2),
-          "phi3": dict(pad_token_id=0, num_hidden_layers=2)}[family]
+          "phi3": dict(pad_token_id=0, num_hidden_layers=2),
+          "gpt_oss": dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, head_dim=16)}[family]
     cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=64,
                                             num_attention_heads=4, num_key_value_heads=2, **{**kw, **extra})
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -72,6 +73,8 @@ def test_gemma3_has_no_smoothquant_defaults_and_no_rotations_each_said_in_one_li
     ("phi3", dict(max_position_embeddings=8192, original_max_position_embeddings=4096,
                   rope_scaling={"rope_type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}),
      "longrope"),
+    ("gpt_oss", dict(swiglu_limit=5.0), "swiglu_limit"),
+    ("gpt_oss", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
 ])
 def test_a_config_llama_cpp_would_compute_otherwise_is_refused_before_calibration(tmp_path, family, extra, says):
     from tests.test_gguf import _tiny_llama
@@ -85,6 +88,26 @@ def test_a_config_llama_cpp_would_compute_otherwise_is_refused_before_calibratio
                            "--quiet")
     assert code != 0 and len(error_lines(err)) == 1 and says in err, err
     assert not (tmp_path / "q").exists()
+
+
+def test_gpt_oss_yarn_without_truncation_is_written_as_llama_cpps_converter_writes_it_and_said(tmp_path):
+    """gpt-oss's own config (truncate: false) is a YaRN llama.cpp rounds otherwise: the file is written (as
+    llama.cpp's converter's is) and the export says so."""
+    from tests.test_gguf_families import _tiny
+
+    ckpt = _tiny(tmp_path / "m", "gpt_oss", rope_parameters={
+        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "original_max_position_embeddings": 64, "truncate": False})
+    code, out, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "-o", tmp_path / "q", "--format", "gguf", "--json")
+    assert code == 0, err
+    [warning] = [w for w in json.loads(out)["export_warnings"] if "truncate" in w]
+    assert "llama.cpp rounds the correction range" in warning
+    import gguf
+
+    fields = gguf.GGUFReader(tmp_path / "q" / "model.gguf").fields
+    assert fields["gpt-oss.rope.scaling.factor"].contents() == 4.0
+    assert fields["gpt-oss.rope.scaling.original_context_length"].contents() == 64
+    assert fields["gpt-oss.rope.scaling.yarn_beta_fast"].contents() == 32.0
 
 
 def test_a_config_without_a_context_length_gets_the_one_llama_cpps_converter_writes():

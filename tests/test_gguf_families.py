@@ -23,7 +23,7 @@ FAMILIES = {"qwen3": ("qwen3", None), "qwen3_moe": ("qwen3moe", ("gate_proj", "u
             "gemma3_text": ("gemma3", None), "phi3": ("phi3", None),
             "olmoe": ("olmoe", ("gate_proj", "up_proj", "down_proj")),
             "deepseek_v3": ("deepseek2", ("gate_proj", "up_proj", "down_proj")), "granite": ("granite", None),
-            "smollm3": ("smollm3", None)}
+            "smollm3": ("smollm3", None), "gpt_oss": ("gpt-oss", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def _tiny(dest: Path, family: str, **overrides) -> Path:
@@ -61,7 +61,14 @@ def _tiny(dest: Path, family: str, **overrides) -> Path:
                              eos_token_id=2),
              # fused qkv_proj and gate_up_proj; rotary embedding on half of each head
              "phi3": dict(intermediate_size=128, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
-                          eos_token_id=2)}[family]
+                          eos_token_id=2),
+             # experts stored fused with interleaved gate/up columns and biases, attention biases and sinks,
+             # sliding-window attention in every other layer (a window shorter than the longer prompts), YaRN (with
+             # the correction range truncated as llama.cpp computes it: gpt-oss's own truncate: false is a warning)
+             "gpt_oss": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16,
+                             sliding_window=12, rope_parameters={
+                                 "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": True})}[family]
     cfg = transformers.AutoConfig.for_model(family, **{**kw, **extra, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -115,6 +122,8 @@ def test_the_file_holds_every_weight_as_qtools_fake_quant_model_and_the_experts_
     stored = "block_sparse_moe" if family == "mixtral" else "mlp"
     if family == "deepseek_v3":
         _check_latent_attention(reader, values, fq)
+    if family == "gpt_oss":
+        _check_gpt_oss(reader, values, ckpt)
     for layer in range(1, 2) if family == "deepseek_v3" else range(2):  # (DeepSeek's layer 0 is dense)
         for gguf_name, leaf in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), leaves):
             kind, stacked = values[f"blk.{layer}.{gguf_name}.weight"]
@@ -124,6 +133,25 @@ def test_the_file_holds_every_weight_as_qtools_fake_quant_model_and_the_experts_
                 assert names[f"model.layers.{layer}.{stored}.experts.{e}.{leaf}.weight"] == \
                     f"blk.{layer}.{gguf_name}.weight"
                 assert np.array_equal(stacked[e].reshape(w.shape), w.numpy()), (layer, gguf_name, e)
+
+
+def _check_gpt_oss(reader, values, ckpt):
+    """The float parts llama.cpp's gpt-oss reads as its converter writes them: each head's sink, the router's and
+    the experts' biases (the interleaved gate/up bias split), the window and YaRN."""
+    from safetensors.torch import load_file
+
+    stored = load_file(ckpt / "model.safetensors")
+    assert reader.fields["gpt-oss.attention.sliding_window"].contents() == 12
+    assert reader.fields["gpt-oss.rope.scaling.type"].contents() == "yarn"
+    assert reader.fields["gpt-oss.expert_feed_forward_length"].contents() == 32
+    kind, sinks = values["blk.1.attn_sinks.weight"]
+    assert kind == "F32" and np.array_equal(sinks, stored["model.layers.1.self_attn.sinks"].numpy())
+    assert np.array_equal(values["blk.1.ffn_gate_inp.bias"][1], stored["model.layers.1.mlp.router.bias"].numpy())
+    bias = stored["model.layers.1.mlp.experts.gate_up_proj_bias"]
+    for gguf_name, part in (("ffn_gate_exps", bias[:, 0::2]), ("ffn_up_exps", bias[:, 1::2])):
+        kind, stacked = values[f"blk.1.{gguf_name}.bias"]
+        assert kind == "F32" and np.array_equal(stacked.reshape(part.shape), part.numpy())
+    assert values["blk.1.attn_q.bias"][0] == values["blk.1.attn_output.bias"][0] == "F32"
 
 
 def _check_latent_attention(reader, values, fq):
@@ -190,6 +218,25 @@ def test_deepseeks_yarn_long_context_runs_in_llama_cpp_as_in_transformers(tmp_pa
     agree, diffs = _agreement(ckpt, tmp_path / "q", longest=80)
     assert agree >= 34, agree
     assert median(diffs) < 0.03, sorted(diffs)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_eval_scores_a_sliding_window_model_in_llama_cpp_as_qtools_fake_quant_model(tmp_path, family):
+    """Window after window on one llama.cpp server: its prefix reuse over a window-sized cache scored every window
+    after the first wrongly (a false export fault, KL 0.07 at Q8_0)."""
+    pytest.importorskip("xllamacpp")
+    from safetensors.torch import save_file
+
+    ckpt = _tiny(tmp_path / "m", family)
+    code, _, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "-o", tmp_path / "q", "--format", "gguf", "--quiet")
+    assert code == 0, err
+    held = tmp_path / "held.safetensors"
+    save_file({"input_ids": torch.randint(1, VOCAB, (4, 40), generator=torch.Generator().manual_seed(4))}, held)
+    code, out, err = run_cli("eval", tmp_path / "q" / "model.gguf", "--data", held, "--seq-len", 32,
+                             "--num-samples", 4, "--generate", 0, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["export_fault"] is None and result["export_gap"]["kl_mean"] < 0.005, result["export_gap"]
 
 
 @pytest.mark.parametrize("family,normalized", [("qwen3_moe", False), ("qwen2_moe", True)])

@@ -6,7 +6,8 @@ and chosen like any other (the next request simply goes on after them). Log-prob
 (softmax of the model's logits before sampling). To read the true next token's log-probability when it is not
 among the most likely, it is forced with a large logit bias: that changes what is sampled, not the reported
 probabilities. Each position is one request on top of the cached prefix (the server has no prompt log-probabilities),
-so scoring costs about one decoded token per position.
+so scoring costs about one decoded token per position. Sliding-window layers get a full-size cache
+(``swa_full``), without which that reuse goes wrong from the second prompt on.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class LlamaCpp:
         p.sampling.seed = 0
         p.verbosity = verbosity  # 1: errors only (llama.cpp logs to stderr)
         p.fit_params = False
+        # sliding-window layers keep every position's keys: with the window-sized cache the server's prefix reuse
+        # scores a second prompt wrongly (Gemma 3, gpt-oss: up to 2.7 nats off at every position)
+        p.swa_full = True
         self.n_ctx = n_ctx
         try:
             self._server = xlc.Server(p)

@@ -122,7 +122,7 @@ class GgufModel:
         writer.add_vocab_size(vocab_size)
         writer.add_file_type(file_type)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        return _add_tokenizer(writer, self.directory, vocab_size)
+        return self.family.gguf_warnings(self.config) + _add_tokenizer(writer, self.directory, vocab_size)
 
     def check_tokenizer(self) -> None:
         """Read the tokenizer as :meth:`add_metadata` will, onto a writer that is never written, so a fault in

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
 
-__all__ = ["Family", "TensorPart", "LLAMA_SMOOTH_MAPPINGS", "positive_int", "finite", "rope"]
+__all__ = ["Family", "TensorPart", "LLAMA_SMOOTH_MAPPINGS", "positive_int", "finite", "rope", "yarn", "check_yarn"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,11 @@ class Family:
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(factor))
 
+    def gguf_warnings(self, config: Dict[str, Any]) -> List[str]:
+        """What the file computes otherwise than transformers by llama.cpp's own rule, which its converter's file
+        shares (written, not refused)."""
+        return []
+
     def rope_dimensions(self, config: Dict[str, Any]) -> int:
         """How many of each head's dimensions rotate (all of them unless the family says otherwise)."""
         return int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
@@ -167,6 +172,28 @@ def rope(c: Dict[str, Any]) -> Tuple[float, Optional[float]]:
     if kind == "linear":
         return theta, float(scaling["factor"])
     raise CheckpointError(f"rope scaling {kind!r} is not supported by qtool's GGUF export (only none or linear)")
+
+
+def yarn(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The YaRN rope parameters (transformers 5's ``rope_parameters`` or the older ``rope_scaling``), else None."""
+    for params in (config.get("rope_parameters"), config.get("rope_scaling")):
+        if isinstance(params, dict) and params.get("rope_type", params.get("type")) == "yarn":
+            return params
+    return None
+
+
+def check_yarn(config: Dict[str, Any], where: Path) -> Optional[Dict[str, Any]]:
+    """:func:`yarn`'s parameters, checked for what llama.cpp reads of them (a factor >= 1 and the original
+    context length); raises ``CheckpointError`` in one line."""
+    params = yarn(config)
+    try:
+        if params is not None and not (float(params["factor"]) >= 1
+                                       and int(params["original_max_position_embeddings"]) > 0):
+            raise ValueError
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{where}: YaRN rope scaling needs a factor >= 1 and a positive "
+                              "original_max_position_embeddings") from None
+    return params
 
 
 def positive_int(config: Dict[str, Any], key: str, where: Path, default: Any = ...) -> Optional[int]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
-from .base import Family, TensorPart, positive_int, rope
+from .base import Family, TensorPart, check_yarn, positive_int, rope, yarn as _yarn
 
 
 class DeepseekV3(Family):
@@ -38,17 +38,13 @@ class DeepseekV3(Family):
         if config.get("n_routed_experts"):
             for key in ("num_experts_per_tok", "moe_intermediate_size"):
                 positive_int(config, key, where)
-        yarn = _yarn(config)
-        if yarn is not None:
-            try:
-                if not (float(yarn["factor"]) >= 1 and int(yarn["original_max_position_embeddings"]) > 0):
-                    raise ValueError
-                if float(yarn.get("mscale") or 1.0) != float(yarn.get("mscale_all_dim") or 1.0):
-                    raise CheckpointError(f"{where}: YaRN mscale differs from mscale_all_dim: llama.cpp's deepseek2 "
-                                          "scales attention by one of them")
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{where}: YaRN rope scaling needs a factor >= 1 and "
-                                      "original_max_position_embeddings") from None
+        yarn = check_yarn(config, where)
+        try:
+            if yarn is not None and float(yarn.get("mscale") or 1.0) != float(yarn.get("mscale_all_dim") or 1.0):
+                raise CheckpointError(f"{where}: YaRN mscale differs from mscale_all_dim: llama.cpp's deepseek2 "
+                                      "scales attention by one of them")
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{where}: YaRN mscale and mscale_all_dim must be numbers") from None
         if config.get("rope_interleave") is False:
             raise CheckpointError(f"{where}: rope_interleave is false; llama.cpp's deepseek2 rotates consecutive "
                                   "pairs (rope_interleave: true)")
@@ -120,14 +116,6 @@ class DeepseekV3(Family):
                            (heads, nope, rank), transpose=True),
                 TensorPart(stem + "v_b_proj.weight", tuple(h * per + nope + j for h in range(heads) for j in range(v)),
                            (heads, v, rank))]
-
-
-def _yarn(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """The YaRN rope parameters (transformers 5's ``rope_parameters`` or the older ``rope_scaling``), else None."""
-    for params in (config.get("rope_parameters"), config.get("rope_scaling")):
-        if isinstance(params, dict) and params.get("rope_type", params.get("type")) == "yarn":
-            return params
-    return None
 
 
 FAMILY = DeepseekV3()
