@@ -409,15 +409,17 @@ def test_ranks_asked_for_cuda_without_a_gpu_get_one_clear_error(monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_experts_and_per_layer_attention_on_ranks_write_the_bytes_of_one_process(tmp_path, family):
     """GPTQ per expert on the tokens each rank routed to it (statistics summed over the ranks), block by block:
-    two ranks write one process's bytes (Gemma 3, whose blocks each get their own rotary embeddings, passed the
-    same check once: its family stays in the parameters' table for a rerun)."""
+    two ranks write one process's bytes (gpt-oss: experts read as slices of the checkpoint's fused tensors; Gemma 3,
+    whose blocks each get their own rotary embeddings, passed the same check once: its family stays in the
+    parameters' table for a rerun)."""
     import transformers
 
     torch.manual_seed(0)
     extra = {"qwen3_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=16),
+             "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16),
              "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=6)}[family]
     cfg = transformers.AutoConfig.for_model(family, **{**dict(vocab_size=256, hidden_size=64, intermediate_size=64,
                                                               num_hidden_layers=2, num_attention_heads=4,
