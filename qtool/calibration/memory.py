@@ -23,6 +23,7 @@ from typing import Optional
 from torch import nn
 
 from ..config import Plan
+from ..model.load import decoder_stack
 
 __all__ = ["MemoryEstimate", "estimate_memory", "available_memory"]
 
@@ -65,10 +66,6 @@ def _layer_stats(plan: Plan, model: nn.Module, within: Optional[str] = None):
     return stored, GPTQ_WORK * widest
 
 
-def _blocks(model: nn.Module):
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    return layers if isinstance(layers, nn.ModuleList) and len(layers) else None
 
 
 def estimate_memory(model: nn.Module, plan: Plan, mode: str, batch_size: int, seq_len: int,
@@ -83,7 +80,8 @@ def estimate_memory(model: nn.Module, plan: Plan, mode: str, batch_size: int, se
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     tokens = batch_size * seq_len
     samples = num_samples if num_samples is not None else batch_size
-    blocks = _blocks(model) if causal else None
+    stack = decoder_stack(model) if causal else None
+    blocks = stack[1].layers if stack is not None else None
 
     def sequential() -> Optional[int]:
         if blocks is None:
@@ -91,7 +89,7 @@ def estimate_memory(model: nn.Module, plan: Plan, mode: str, batch_size: int, se
         block = max(4 * sum(p.numel() for p in b.parameters()) for b in blocks)
         embed = model.get_input_embeddings()
         table = 4 * sum(p.numel() for p in embed.parameters()) if embed is not None else 0
-        stats = max(sum(_layer_stats(plan, model, f"model.layers.{i}.")) for i in range(len(blocks)))
+        stats = max(sum(_layer_stats(plan, model, f"{stack[0]}.layers.{i}.")) for i in range(len(blocks)))
         states = 2 * 4 * samples * seq_len * hidden
         return int(BASE + table + 2 * block + stats + states)
 

@@ -38,6 +38,7 @@ from ..model.checkpoint_map import CheckpointMap
 from ..model.expert_view import ExpertSlices, open_checkpoint
 from ..model.experts import checkpoint_key
 from ..model.insert import drop_weight_caches, insert_quantizers
+from ..model.load import decoder_stack
 from ..parallel import Group
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_inputs, shard
 from .heap import return_freed_memory
@@ -52,12 +53,13 @@ class _Stop(Exception):
     """Raised by the capture hook to end the forward pass at the first decoder block."""
 
 
-def _blocks(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+def _decoder(model: nn.Module) -> Tuple[str, nn.Module]:
+    found = decoder_stack(model)
+    if found is None:
         raise UsageError("--sequential supports causal LMs whose decoder blocks are model.model.layers "
-                         f"(Llama, Mistral, Qwen2, ...); {type(model).__name__} is not one")
-    return layers
+                         f"(Llama, Mistral, Qwen2, ...; a multimodal model's model.model.language_model.layers); "
+                         f"{type(model).__name__} is not one")
+    return found
 
 
 def _materialize(module: nn.Module, prefix: str, src: Union[CheckpointTensors, ExpertSlices], name_of: Callable[[str], str],
@@ -160,9 +162,10 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
     def keyed(changed: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Tensors a rotation changed, by their checkpoint names (as the in-memory run names them)."""
         return {checkpoint_key(model, n) or renamed.get(n, n): t for n, t in changed.items()}
-    blocks = _blocks(model)
+    stack_name, stack = _decoder(model)
+    blocks = stack.layers
     modules = dict(model.named_modules())
-    block_names = [f"model.layers.{i}" for i in range(len(blocks))]
+    block_names = [f"{stack_name}.layers.{i}" for i in range(len(blocks))]
 
     def rows_under(prefix: Optional[str], outside: bool = False):
         if outside:
@@ -361,9 +364,9 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         state.wait()  # the last block's state is on disk before the run goes on
     # 3. what comes after the blocks
     if tail or rotate_head:
-        norm = model.model.norm
+        norm = stack.norm
         lm_head = model.get_output_embeddings()
-        _materialize(norm, "model.norm", src, name_of, device, converted)
+        _materialize(norm, f"{stack_name}.norm", src, name_of, device, converted)
         _materialize(lm_head, "lm_head", src, name_of, device, converted)
         if rotate_head:
             floats.update(keyed(rotator.head()))

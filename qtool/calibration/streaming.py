@@ -49,8 +49,9 @@ def calibrate_weights_streaming(path, plan: Plan, model: nn.Module, sink=None,
             candidates.append(name[len(prefix) + 1:])
         elif prefix:
             candidates.append(f"{prefix}.{name}")
-        if tied and name in seen:
-            candidates += [n for n in shared[seen[name]] if n != name]
+        if tied and name in seen:  # stored once under the other name (itself maybe stored renamed)
+            others = [n for n in shared[seen[name]] if n != name]
+            candidates += others + [checkpoint_key(model, n) for n in others]
         return next((c for c in candidates if c in keys), None)
 
     def weight_for(q):

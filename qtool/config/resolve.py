@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from ..choices import SUPER_BLOCK_FALLBACK
 from ..coverage import weight_coverage
@@ -129,6 +129,21 @@ def _type_names(module: "nn.Module") -> Tuple[str, ...]:
 # row is named after its checkpoint tensor, which is what every exporter reads and writes
 CHECKPOINT_KEYS = "_qtool_checkpoint_keys"
 
+# the image/audio encoders and projectors of a multimodal language model: float unless a layers rule names them (as
+# llm-compressor's recipes ignore them and llama.cpp keeps them in a separate float mmproj file)
+MEDIA_TOWER = re.compile(r"(^|\.)(vision_tower|vision_model|visual|multi_modal_projector|audio_tower|mm_projector|"
+                         r"embed_vision|embed_audio)(\.|$)")
+
+
+def _media_towers(model: "nn.Module") -> bool:
+    """Whether ``model`` generates text (it has an output layer): only then are its media towers float by default
+    (CLIP's vision_model is half of what a user quantizes)."""
+    out = getattr(model, "get_output_embeddings", None)
+    try:
+        return callable(out) and out() is not None
+    except (NotImplementedError, AttributeError):
+        return False
+
 
 def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", allow_unmatched: bool = False,
                  importance_matrix: bool = False) -> Plan:
@@ -144,6 +159,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     exported_types = getattr(model, "qtool_module_types", None) or {}
     candidates = set()  # modules whose weight the recipe could quantize
     stored_as = getattr(model, CHECKPOINT_KEYS, None) or {}
+    towers = _media_towers(model)
+    towered: List[str] = []  # media-tower modules left float by default
     for name, module in named:
         tname = exported_types.get(name, type(module).__name__)
         tnames = (tname,) if name in exported_types else _type_names(module)
@@ -156,9 +173,13 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             w_spec = mix.spec(name, module, w_spec)
         a_spec = recipe.defaults.activations if a_cand else None
         rule_w = rule_a = None
+        tower = towers and MEDIA_TOWER.search(name) is not None
         for i, rule in enumerate(recipe.layers):
             if rule.match is not None and not name_matches(rule.match, name):
                 continue
+            if tower and rule.match is None:
+                used[i] = True  # (it may match nothing else: the plan's warning says why the tower is skipped)
+                continue  # a type rule alone does not reach into a media tower
             if rule.types():
                 if not any(t in rule.types() for t in tnames):
                     continue
@@ -177,6 +198,10 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 rule_a = i
         if w_cand:
             candidates.add(name)
+        if tower and rule_w is None and rule_a is None and not ignored:
+            if w_cand or a_cand:
+                towered.append(name)
+            continue
         if ignored:
             continue
         if w_spec is not None:
@@ -227,8 +252,14 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             plan.warnings.append(msg)
     if recipe.kv_cache is not None:
         plan.quantizers += _kv_cache_rows(recipe, named, source)
+    if towered:
+        roots = sorted({n[:MEDIA_TOWER.search(n).end(2)] for n in towered})
+        plan.warnings.append(f"{len(towered)} module(s) of the model's media encoders stay float ({', '.join(roots[:4])}"
+                             f"{' ...' if len(roots) > 4 else ''}), as llm-compressor's recipes and llama.cpp's mmproj "
+                             "keep them: a layers rule whose match names them quantizes them")
     plan.coverage = weight_coverage(model, {q.module for q in plan.weights}, candidates,
-                                    lambda n: any(name_matches(pat, n) for pat in recipe.ignore))
+                                    lambda n: (towers and MEDIA_TOWER.search(n) is not None)
+                                    or any(name_matches(pat, n) for pat in recipe.ignore))
     unreached = plan.coverage.warning()
     if unreached:
         plan.warnings.append(unreached)

@@ -76,7 +76,7 @@ class GgufModel:
     def tensor_name(self, key: str) -> Optional[str]:
         """The GGUF name of checkpoint tensor ``key`` (None for buffers llama.cpp recomputes, e.g. rotary
         frequencies); raises ``CheckpointError`` for a tensor llama.cpp has no place for."""
-        if key.endswith("rotary_emb.inv_freq"):
+        if key.endswith("rotary_emb.inv_freq") or self.family.gguf_skip(key):
             return None
         expert = EXPERT_KEY.match(key)
         if expert is not None:  # one expert's slice of llama.cpp's stacked tensor

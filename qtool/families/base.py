@@ -143,6 +143,11 @@ class Family:
         """How many of each head's dimensions rotate (all of them unless the family says otherwise)."""
         return int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
 
+    def gguf_skip(self, key: str) -> bool:
+        """Whether llama.cpp's converter leaves checkpoint tensor ``key`` out of the model file (a multimodal
+        model's image encoder goes to a separate mmproj file)."""
+        return False
+
     def gguf_key(self, key: str) -> str:
         """``key`` as gguf-py's TensorNameMap knows it (the converter's renames before its lookup)."""
         return key

@@ -213,16 +213,19 @@ def linearize_experts(model: nn.Module, keys: Iterable[str]) -> List[str]:
     by one, records on the model which checkpoint tensor each new weight is (:func:`checkpoint_key`); where it
     stores the fused tensors, which slice of which (``FUSED_SLICES``, read by :mod:`.expert_view`). Returns the
     replaced modules' names."""
-    fused = [(n, m, lay) for n, m in model.named_modules() if (lay := fused_layout(m)) is not None]
-    if not fused:
-        return []
     from .checkpoint_map import CheckpointMap
 
     keys = set(keys)
     cmap = CheckpointMap(model, keys)
     renamed = {param: key for key, param in cmap.renamed().items()}
+    # a parameter the checkpoint stores under another name (a multimodal model's language_model.model.* for
+    # model.language_model.*): its weight row is named as the checkpoint names it, like a linearized expert's
+    table: Dict[str, str] = {**renamed, **getattr(model, CHECKPOINT_KEYS, {})}
+    model.__dict__[CHECKPOINT_KEYS] = table
+    fused = [(n, m, lay) for n, m in model.named_modules() if (lay := fused_layout(m)) is not None]
+    if not fused:
+        return []
     done: List[str] = []
-    table: Dict[str, str] = dict(getattr(model, CHECKPOINT_KEYS, {}))
     slices: Dict[str, Tuple[str, int, str, Dict[str, bool]]] = dict(getattr(model, FUSED_SLICES, {}))
     for name, module, layout in fused:
         found = _roles(name, module, layout, cmap.sources)

@@ -20,7 +20,7 @@ import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -52,10 +52,27 @@ class LoadedModel:
 
 
 def causal_lm_class(model) -> bool:
-    """Whether ``model`` is a Hugging Face causal LM class (``...ForCausalLM``): for a model with no checkpoint
-    kind yet (a meta-device skeleton, which is always a Hugging Face one); a loaded model asks
-    :attr:`LoadedModel.is_causal_lm`."""
-    return type(model).__name__.endswith("ForCausalLM")
+    """Whether ``model`` is a Hugging Face causal LM class (``...ForCausalLM``, or a multimodal decoder such as
+    Gemma 3's ``...ForConditionalGeneration``, which scores text alone as one; an encoder-decoder such as T5 or
+    Whisper is not): for a model with no checkpoint kind yet (a meta-device skeleton, which is always a Hugging
+    Face one); a loaded model asks :attr:`LoadedModel.is_causal_lm`."""
+    name = type(model).__name__
+    if name.endswith("ForCausalLM"):
+        return True
+    config = getattr(model, "config", None)
+    return (name.endswith("ForConditionalGeneration") and config is not None
+            and not getattr(config, "is_encoder_decoder", False) and hasattr(config, "text_config"))
+
+
+def decoder_stack(model) -> Optional[Tuple[str, nn.Module]]:
+    """``(name, module)`` of the text decoder whose ``layers`` (a non-empty ``ModuleList``) and ``norm`` a causal
+    LM runs: ``model.model``, or a multimodal model's ``model.model.language_model``; None for other models."""
+    inner = getattr(model, "model", None)
+    for name, stack in (("model", inner), ("model.language_model", getattr(inner, "language_model", None))):
+        layers = getattr(stack, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers):
+            return name, stack
+    return None
 
 
 def resolve_device(device: str) -> torch.device:

@@ -1,0 +1,114 @@
+"""Multimodal language models (Gemma 3 4B/12B/27B's ``Gemma3ForConditionalGeneration``): the text model is
+quantized like any causal LM in every format and mode, its checkpoint's names (``language_model.model.*``) kept;
+the image encoder and projector stay float unless a recipe names them; GGUF holds the text model, as llama.cpp's
+converter writes it (the image encoder goes to a separate mmproj file)."""
+
+import json
+from statistics import median
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qtool.config import load_recipe, parse_recipe, recipe_file, resolve_plan
+from tests.helpers import run_cli
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """A seeded tiny Gemma 3 with a SigLIP image encoder, saved by transformers (the checkpoint names its text
+    model language_model.model.*), test_gguf's byte-level BPE tokenizer, and 8 x 32 token ids."""
+    from tests.test_gguf import VOCAB, _tiny_llama
+
+    d = tmp_path_factory.mktemp("gemma3")
+    _tiny_llama(d / "m", False)
+    for f in (d / "m").glob("model*.safetensors"):
+        f.unlink()
+    text = dict(vocab_size=VOCAB + 20, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=128, head_dim=16, query_pre_attn_scalar=16,
+                sliding_window=12, max_position_embeddings=256, initializer_range=0.1)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=VOCAB + 5, boi_token_index=VOCAB + 6, eoi_token_index=VOCAB + 7)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(d / "m")
+    ids = torch.randint(1, VOCAB, (8, 32), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, d / "ids.safetensors")
+    return d / "m", d / "ids.safetensors"
+
+
+def test_the_image_encoder_stays_float_unless_a_rule_names_it(gemma3):
+    checkpoint, _ = gemma3
+    code, out, err = run_cli("config", "show", "w4a16-block32", "--model", checkpoint, "--json")
+    assert code == 0, err  # (the encoder's 3-channel patch convolution has no block of 32 to quantize)
+    shown = json.loads(out)
+    names = {q["name"] for q in shown["quantizers"]}
+    assert "language_model.model.layers.5.mlp.down_proj.weight" in names  # named as the checkpoint names it
+    assert not [n for n in names if "vision" in n or "projector" in n]
+    [note] = [w for w in shown["warnings"] if "media encoders" in w]
+    assert "model.vision_tower" in note
+    assert shown["weights_quantized"]["unreachable"] == []
+    recipe = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\nignore: [lm_head]\n"
+                          "layers:\n  - match: 're:.*vision_tower.*mlp.*'\n    weights: {bitwidth: 4}\n")
+    from qtool.model.hf import meta_skeleton
+
+    plan = resolve_plan(recipe, meta_skeleton(checkpoint))
+    assert {q.module for q in plan.weights if "vision" in q.module} == {
+        f"model.vision_tower.{part}.mlp.{fc}" for part in ("encoder.layers.0", "head") for fc in ("fc1", "fc2")}
+
+
+def test_a_vision_models_own_towers_are_quantized():
+    """CLIP has no output layer: its vision_model is half of what the user quantizes, not a media encoder."""
+    cfg = transformers.CLIPConfig(text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                   num_attention_heads=2, vocab_size=100),
+                                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                     num_attention_heads=2, image_size=28, patch_size=14))
+    plan = resolve_plan(load_recipe(recipe_file("w8a16")), transformers.CLIPModel(cfg))
+    assert any(q.module.startswith("vision_model.") for q in plan.weights)
+    assert not [w for w in plan.warnings if "media encoders" in w]
+
+
+def test_sequential_writes_the_in_memory_bytes_and_the_exports_run_where_they_are_served(gemma3, tmp_path):
+    from tests.test_experts import _quantized_in_memory_as_sequential
+
+    checkpoint, ids = gemma3
+    exported = _quantized_in_memory_as_sequential(tmp_path, checkpoint, ids)
+    assert "language_model.model.layers.5.mlp.up_proj.weight" in exported
+    code, _, err = run_cli("quantize", checkpoint, "-c", "w4a16-block32-gptq", "--data", ids, "-o", tmp_path / "ct",
+                           "--format", "compressed-tensors", "--quiet")
+    assert code == 0, err
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "language_model.model.layers.2.self_attn.q_proj.weight_packed" in keys
+    assert not [k for k in keys if "vision_tower" in k and k.endswith("weight_packed")]
+    # transformers reloads it (Gemma 3 with its image encoder) with qtool's weights
+    code, out, err = run_cli("eval", tmp_path / "ct", "--data", ids, "--seq-len", 32, "--num-samples", 4,
+                             "--generate", 0, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["causal_lm"] and result["export_gap"]["kl_mean"] < 1e-6
+
+
+def test_gguf_holds_the_text_model_and_llama_cpp_runs_it(gemma3, tmp_path):
+    pytest.importorskip("xllamacpp")
+    gguf = pytest.importorskip("gguf")
+    from tests.test_gguf_families import _agreement
+
+    checkpoint, _ = gemma3
+    code, _, err = run_cli("quantize", checkpoint, "-c", "gguf-q8_0", "-o", tmp_path / "q", "--format", "gguf",
+                           "--quiet")
+    assert code == 0, err
+    reader = gguf.GGUFReader(tmp_path / "q" / "model.gguf")
+    assert reader.fields["general.architecture"].contents() == "gemma3"
+    assert reader.fields["gemma3.block_count"].contents() == 6
+    assert reader.fields["gemma3.attention.sliding_window"].contents() == 12
+    names = {t.name for t in reader.tensors}
+    assert "blk.5.ffn_down.weight" in names and not [n for n in names if "v." in n[:2] or "mm" in n]
+    agree, diffs = _agreement(checkpoint, tmp_path / "q")
+    assert agree >= 34 and median(diffs) < 0.03, (agree, sorted(diffs))
