@@ -78,24 +78,23 @@ def test_coverage_counts_a_parameter_shared_by_two_modules_once():
 
 
 def test_the_plan_line_config_show_and_calibrate_json_say_what_is_quantized(tmp_path):
-    """Experts qtool cannot split (Llama 4's, whose module is called with every token already scaled by its
-    routing weight, not with the routing) stay fused and float, and qtool names them; experts it can split are
-    quantized one by one whether the checkpoint stores them per expert or fused (tests/test_experts.py)."""
+    """Experts qtool cannot split (JetMoE's ParallelExperts, with attention experts beside the MLP's) stay fused
+    and float, and qtool names them; experts it can split are quantized one by one whether the checkpoint stores
+    them per expert or fused (tests/test_experts.py)."""
     torch.manual_seed(0)
     cfg = transformers.AutoConfig.for_model(
-        "llama4_text", vocab_size=256, hidden_size=64, intermediate_size=32, intermediate_size_mlp=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
-        num_experts_per_tok=1, head_dim=16, interleave_moe_layer_step=1)
+        "jetmoe", vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, kv_channels=16, num_local_experts=4, num_experts_per_tok=2)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(tmp_path / "m")
-    fused = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    fused = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 3)
     weights = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
     code, out, err = run_cli("config", "show", "w4a16-block32", "--model", tmp_path / "m", "--json")
     assert code == 0, err
     shown = json.loads(out)["weights_quantized"]
     assert shown["parameters"] == weights and shown["quantized"] <= weights - fused
-    assert {u["module_type"] for u in shown["unreachable"]} == {"Llama4TextExperts"}
+    assert {u["module_type"] for u in shown["unreachable"]} == {"JetMoeParallelExperts"}
     assert any("have no quantizer" in w for w in json.loads(out)["warnings"])
     code, out, err = run_cli("config", "show", "w4a16-block32", "--model", tmp_path / "m")
     assert code == 0 and "weights quantized: " in out and "have no quantizer" in err
@@ -108,7 +107,7 @@ def test_the_plan_line_config_show_and_calibrate_json_say_what_is_quantized(tmp_
     assert summary["weights_quantized"]["quantized"] <= weights - fused
     assert "plan: " in err and "weights quantized: " in err
     manifest = json.loads((tmp_path / "run/manifest.json").read_text())
-    assert any("feed_forward.experts.gate_up_proj" in w for w in manifest["warnings"])
+    assert any("mlp.input_linear.weight" in w for w in manifest["warnings"])
 
 
 def test_a_tied_weight_counts_as_quantized_through_any_module_that_holds_it():

@@ -22,7 +22,9 @@ def _config(family, hidden=64, experts=8, layers=2):
     extra = {"qwen3_moe": {"moe_intermediate_size": 32, "num_experts": experts, "head_dim": 16},
              "mixtral": {"num_local_experts": experts, "head_dim": 16},
              "gpt_oss": {"num_local_experts": experts, "head_dim": 16},
-             "granitemoe": {"num_local_experts": experts}}[family]
+             "granitemoe": {"num_local_experts": experts},
+             "llama4_text": {"num_local_experts": experts, "head_dim": 16, "intermediate_size_mlp": 64,
+                             "interleave_moe_layer_step": 1}}[family]
     cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=hidden, intermediate_size=32,
                                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                                             num_experts_per_tok=2, **extra)
@@ -150,6 +152,10 @@ FUSED_ON_DISK = {
                    ("input_linear", "output_linear")),
     "qwen3_moe": ("model.layers.1.mlp.experts", lambda t, e: t["model.layers.1.mlp.experts.gate_up_proj"][e][:32],
                   ("experts.gate_up_proj", "experts.down_proj")),
+    # [E, H, 2I] transposed, gate columns first; its module takes every expert's rows stacked, scaled by routing
+    "llama4_text": ("model.layers.1.feed_forward.experts",
+                    lambda t, e: t["model.layers.1.feed_forward.experts.gate_up_proj"][e].t()[:32],
+                    ("experts.gate_up_proj", "experts.down_proj")),
 }
 
 
@@ -169,6 +175,7 @@ def test_experts_a_checkpoint_stores_fused_are_quantized_one_by_one_and_sequenti
             assert f"{module}.{e}.{leaf}.weight" in planned
     assert not [w for w in shown["warnings"] if "have no quantizer" in w]
     assert all("Router" in u["module_type"] for u in shown["weights_quantized"]["unreachable"])
+    assert not [n for n in planned if "router" in n]  # routers stay float (Llama 4's is a Linear)
     exported = _quantized_in_memory_as_sequential(tmp_path, checkpoint, ids)
     assert not [k for k in exported if any(f in k for f in fused_names)]
     floats = _keys(checkpoint)
@@ -186,6 +193,28 @@ def _gptq_in_both_formats(tmp_path, checkpoint, ids):
         code, _, err = run_cli("quantize", checkpoint, "-c", "w4a16-block32-gptq", "--data", ids, "-o",
                                tmp_path / fmt, "--format", fmt, "--quiet")
         assert code == 0, err
+
+
+def test_llama4_experts_split_compute_what_its_stacked_module_computes_on_the_tokens_routed_to_them(tmp_path):
+    """Llama 4's experts module takes every expert's rows stacked, each token scaled by its routing weight (0 where
+    not routed): split, each expert runs its routed rows only (the only ones its statistics see), and the model's
+    logits are transformers'."""
+    checkpoint, ids = _saved(tmp_path, "llama4_text")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    assert linearize_experts(model, _keys(checkpoint)) == ["model.layers.0.feed_forward.experts",
+                                                           "model.layers.1.feed_forward.experts"]
+    x = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = ref(x).logits, model(x).logits
+    assert torch.allclose(got, want, atol=1e-5) and want.abs().max() > 0.1
+    experts = model.get_submodule("model.layers.1.feed_forward.experts")
+    assert sum(len(t) for t in experts.routed_tokens.values()) == 2 * 12 * 2  # 24 tokens, 2 experts each
+    code, out, err = run_cli("calibrate", checkpoint, "-c", "w4a16-block32-gptq", "--data", ids, "-o",
+                             tmp_path / "run", "--json", "--quiet")
+    assert code == 0, err
+    tokens = json.loads(out)["expert_tokens"]
+    assert sum(n for k, n in tokens.items() if k.startswith("model.layers.1.")) == 16 * 32 * 2
 
 
 def test_gpt_oss_experts_export_with_llm_compressors_names_and_eval_says_what_transformers_cannot_read(tmp_path):

@@ -174,12 +174,14 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         a_spec = recipe.defaults.activations if a_cand else None
         rule_w = rule_a = None
         tower = towers and MEDIA_TOWER.search(name) is not None
+        # a mixture-of-experts router that is a Linear (Llama 4's): float by default, as every other family's
+        router = tname.endswith("Router")
         for i, rule in enumerate(recipe.layers):
             if rule.match is not None and not name_matches(rule.match, name):
                 continue
-            if tower and rule.match is None:
+            if (tower or router) and rule.match is None:
                 used[i] = True  # (it may match nothing else: the plan's warning says why the tower is skipped)
-                continue  # a type rule alone does not reach into a media tower
+                continue  # a type rule alone does not reach into a media tower or a router
             if rule.types():
                 if not any(t in rule.types() for t in tnames):
                     continue
@@ -198,8 +200,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 rule_a = i
         if w_cand:
             candidates.add(name)
-        if tower and rule_w is None and rule_a is None and not ignored:
-            if w_cand or a_cand:
+        if (tower or router) and rule_w is None and rule_a is None and not ignored:
+            if tower and (w_cand or a_cand):
                 towered.append(name)
             continue
         if ignored:

@@ -15,6 +15,8 @@ A checkpoint that stores the fused tensors themselves (gpt-oss's ``experts.gate_
 ``input_linear.weight``) is split the same way, its experts named as llm-compressor names a linearized gpt-oss
 (``experts.<e>.gate_proj``/``up_proj``/``down_proj``); :mod:`.expert_view` shows such a checkpoint to every reader
 (exporters, ``--sequential``, streaming) under those per-expert names, one expert's slice read at a time.
+Llama 4's experts module (``STACKED``: called with every expert's rows stacked, scaled by their routing weights)
+is split too; each expert runs the rows routed to it.
 """
 
 from __future__ import annotations
@@ -38,8 +40,19 @@ FUSED_SLICES = "_qtool_fused_slices"
 FUSED_LEAVES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 
+# fused-experts classes without transformers' experts decorator whose module is called with one tensor, every
+# expert's rows stacked ([E * T, H], each token already scaled by its routing weight, 0 where not routed), and
+# computes act(gate) * up: their layout
+STACKED = {"Llama4TextExperts": {"has_gate": True, "is_transposed": True, "is_concatenated": True,
+                                 "has_bias": False, "has_post_expert_norm": False}}
+
+
 def fused_layout(module: nn.Module) -> Optional[Dict[str, bool]]:
     """The layout flags of a transformers fused-experts module (None for any other module)."""
+    stacked = STACKED.get(type(module).__name__)
+    if stacked is not None and all(isinstance(getattr(module, p, None), nn.Parameter) and getattr(module, p).dim() == 3
+                                   for p in ("gate_up_proj", "down_proj")):
+        return dict(stacked, stacked=True)
     if not hasattr(module, "is_transposed") or not isinstance(getattr(module, "down_proj", None), nn.Parameter):
         return None
     has_gate = bool(getattr(module, "has_gate", True))
@@ -136,13 +149,33 @@ class LinearExperts(nn.Module):
 
     def _gate_up(self, ex: _Expert, x: torch.Tensor) -> torch.Tensor:
         lay, fused = self.layout, self._fused
+        if lay.get("stacked"):
+            return fused.act_fn(ex.proj("gate")(x)) * ex.proj("up")(x)
         if not lay["has_gate"]:
             return fused.act_fn(ex.proj("up")(x))
         g, u = ex.proj("gate")(x), ex.proj("up")(x)
         both = torch.cat([g, u], dim=-1) if lay["is_concatenated"] else torch.stack([g, u], dim=-1).flatten(-2)
         return type(fused)._apply_gate(fused, both)
 
+    def _forward_stacked(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Llama 4's convention: ``[E * T, H]``, expert ``e``'s rows ``e*T .. e*T + T - 1`` scaled by its routing
+        weight (0 where it is not routed: such a row's output is 0, so only routed rows run, and only they reach
+        the statistics)."""
+        stacked = hidden.view(self.num_experts, -1, hidden.shape[-1])
+        out = torch.zeros_like(stacked)
+        self.routed_tokens = {}
+        for e in range(self.num_experts):
+            token = (stacked[e] != 0).any(dim=-1).nonzero()[:, 0]
+            if not len(token):
+                continue
+            self.routed_tokens[e] = token
+            ex = self.expert(e)
+            out[e, token] = ex.proj("down")(self._gate_up(ex, stacked[e, token])).to(out.dtype)
+        return out.view(-1, hidden.shape[-1])
+
     def forward(self, *args, **kwargs) -> torch.Tensor:
+        if self.layout.get("stacked"):
+            return self._forward_stacked(*args, **kwargs)
         bound = self._signature.bind(*args, **kwargs)
         hidden, index, weights = list(bound.arguments.values())[:3]
         out = torch.zeros_like(hidden)
