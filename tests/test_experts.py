@@ -463,3 +463,26 @@ def test_report_measures_each_expert_on_the_tokens_both_models_routed_to_it(tmp_
     assert len(experts) == 48
     for r in experts:  # 4-bit weights: tens of dB, below the isolated figure once earlier layers are quantized too
         assert 5 < r["sqnr_cumulative_db"] < 40 and 10 < r["sqnr_isolated_db"] < 40
+
+
+@pytest.mark.parametrize("family,router", [("hunyuan_v1_moe", "model.layers.1.mlp.gate.wg"),
+                                           ("llama4_text", "model.layers.1.feed_forward.router")])
+def test_a_router_that_is_a_linear_stays_float_unless_a_rule_names_it(family, router):
+    """Hunyuan scores its experts with a plain Linear under mlp.gate, Llama 4 with a Linear subclass: float by
+    default like every family's router; a rule whose match names it quantizes it."""
+    from qtool.config import load_recipe, parse_recipe, recipe_file, resolve_plan
+
+    extra = {"hunyuan_v1_moe": dict(num_experts=8, moe_intermediate_size=32, head_dim=16),
+             "llama4_text": dict(num_local_experts=8, head_dim=16, intermediate_size_mlp=64,
+                                 interleave_moe_layer_step=1)}[family]
+    cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=32,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            num_experts_per_tok=2, **extra)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    plan = resolve_plan(load_recipe(recipe_file("w8a16")), model)
+    assert not [q for q in plan.weights if q.module == router]
+    assert len([q for q in plan.weights if "self_attn.q_proj" in q.module]) == 2  # the rest is quantized
+    named = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n"
+                         f"layers:\n  - match: '{router}'\n    weights: {{bitwidth: 8}}\n")
+    assert [q.module for q in resolve_plan(named, model).weights if q.module == router] == [router]

@@ -135,6 +135,27 @@ MEDIA_TOWER = re.compile(r"(^|\.)(vision_tower|vision_model|visual|multi_modal_p
                          r"embed_vision|embed_audio)(\.|$)")
 
 
+def _expert_count(model: "nn.Module") -> int:
+    """The routed experts per MoE layer the model's config names (0 for a dense model)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return value
+    return 0
+
+
+def _is_router(name: str, module: "nn.Module", tname: str, experts: int) -> bool:
+    """A mixture-of-experts router: a ``*Router`` class (Llama 4's is a Linear), or a Linear scoring the model's
+    experts under a ``gate``/``router`` module name (Hunyuan's ``mlp.gate.wg``, JetMoE's ``router.layer``)."""
+    if tname.endswith("Router"):
+        return True
+    parts = name.split(".")[-2:]
+    return bool(experts) and getattr(module, "out_features", None) == experts and any(
+        p in ("gate", "router") for p in parts)
+
+
 def _media_towers(model: "nn.Module") -> bool:
     """Whether ``model`` generates text (it has an output layer): only then are its media towers float by default
     (CLIP's vision_model is half of what a user quantizes)."""
@@ -160,6 +181,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     candidates = set()  # modules whose weight the recipe could quantize
     stored_as = getattr(model, CHECKPOINT_KEYS, None) or {}
     towers = _media_towers(model)
+    experts = _expert_count(model)
     towered: List[str] = []  # media-tower modules left float by default
     for name, module in named:
         tname = exported_types.get(name, type(module).__name__)
@@ -175,7 +197,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         rule_w = rule_a = None
         tower = towers and MEDIA_TOWER.search(name) is not None
         # a mixture-of-experts router that is a Linear (Llama 4's): float by default, as every other family's
-        router = tname.endswith("Router")
+        router = _is_router(name, module, tname, experts)
         for i, rule in enumerate(recipe.layers):
             if rule.match is not None and not name_matches(rule.match, name):
                 continue
