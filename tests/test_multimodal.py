@@ -17,27 +17,37 @@ from tests.helpers import run_cli
 transformers = pytest.importorskip("transformers")
 
 
+def _saved_multimodal(dest, config_class, model_class, text, vision, **extra):
+    """A seeded tiny ``model_class`` (text settings ``text`` over test_gguf's vocabulary, a small image encoder
+    ``vision``) saved by transformers in ``dest`` with test_gguf's byte-level BPE tokenizer."""
+    from tests.test_gguf import VOCAB, _tiny_llama
+
+    _tiny_llama(dest, False)
+    for f in dest.glob("model*.safetensors"):
+        f.unlink()
+    vision = dict(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       image_size=28, patch_size=14), **vision)
+    torch.manual_seed(0)
+    model = model_class(config_class(text_config=dict(vocab_size=VOCAB + 20, hidden_size=64, num_attention_heads=4,
+                                                      num_key_value_heads=2, head_dim=16, **text),
+                                     vision_config=vision, **extra)).eval()
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(dest)
+    return dest
+
+
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
     """A seeded tiny Gemma 3 with a SigLIP image encoder, saved by transformers (the checkpoint names its text
     model language_model.model.*), test_gguf's byte-level BPE tokenizer, and 8 x 32 token ids."""
-    from tests.test_gguf import VOCAB, _tiny_llama
+    from tests.test_gguf import VOCAB
 
     d = tmp_path_factory.mktemp("gemma3")
-    _tiny_llama(d / "m", False)
-    for f in (d / "m").glob("model*.safetensors"):
-        f.unlink()
-    text = dict(vocab_size=VOCAB + 20, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
-                num_key_value_heads=2, intermediate_size=128, head_dim=16, query_pre_attn_scalar=16,
-                sliding_window=12, max_position_embeddings=256, initializer_range=0.1)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                                    image_token_index=VOCAB + 5, boi_token_index=VOCAB + 6, eoi_token_index=VOCAB + 7)
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
-    model.config.architectures = [type(model).__name__]
-    model.save_pretrained(d / "m")
+    _saved_multimodal(d / "m", transformers.Gemma3Config, transformers.Gemma3ForConditionalGeneration,
+                      dict(num_hidden_layers=6, intermediate_size=128, query_pre_attn_scalar=16, sliding_window=12,
+                           max_position_embeddings=256, initializer_range=0.1), {},
+                      mm_tokens_per_image=4, image_token_index=VOCAB + 5, boi_token_index=VOCAB + 6,
+                      eoi_token_index=VOCAB + 7)
     ids = torch.randint(1, VOCAB, (8, 32), generator=torch.Generator().manual_seed(0))
     save_file({"input_ids": ids}, d / "ids.safetensors")
     return d / "m", d / "ids.safetensors"
@@ -112,3 +122,24 @@ def test_gguf_holds_the_text_model_and_llama_cpp_runs_it(gemma3, tmp_path):
     assert "blk.5.ffn_down.weight" in names and not [n for n in names if "v." in n[:2] or "mm" in n]
     agree, diffs = _agreement(checkpoint, tmp_path / "q")
     assert agree >= 34 and median(diffs) < 0.03, (agree, sorted(diffs))
+
+
+def test_llama4_with_its_image_encoder_quantizes_its_experts_and_ignores_its_output_layer_by_name(tmp_path):
+    """Llama 4's wrapper holds the text model as language_model (its output layer language_model.lm_head, which the
+    recipes' ignore: [lm_head] names as it names any model's); --sequential runs the text model alone and writes the
+    in-memory bytes."""
+    from tests.test_experts import _quantized_in_memory_as_sequential
+    from tests.test_gguf import VOCAB
+
+    _saved_multimodal(tmp_path / "m", transformers.Llama4Config, transformers.Llama4ForConditionalGeneration,
+                      dict(num_hidden_layers=2, intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4,
+                           num_experts_per_tok=1, interleave_moe_layer_step=1),
+                      dict(vision_output_dim=32, projector_input_dim=32, projector_output_dim=32))
+    ids = tmp_path / "ids.safetensors"
+    save_file({"input_ids": torch.randint(1, VOCAB, (8, 32), generator=torch.Generator().manual_seed(0))}, ids)
+    exported = _quantized_in_memory_as_sequential(tmp_path, tmp_path / "m", ids)
+    with safe_open(str(tmp_path / "memory" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "language_model.model.layers.1.feed_forward.experts.3.down_proj.weight_scale" in keys
+    assert "language_model.lm_head.weight_scale" not in keys and "language_model.lm_head.weight" in exported
+    assert not [k for k in keys if k.startswith(("vision_model.", "multi_modal_projector.")) and "scale" in k]

@@ -156,14 +156,19 @@ def _is_router(name: str, module: "nn.Module", tname: str, experts: int) -> bool
         p in ("gate", "router") for p in parts)
 
 
+def _output_layer(model: "nn.Module"):
+    """The model's output layer (transformers' ``get_output_embeddings``), else None."""
+    out = getattr(model, "get_output_embeddings", None)
+    try:
+        return out() if callable(out) else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
 def _media_towers(model: "nn.Module") -> bool:
     """Whether ``model`` generates text (it has an output layer): only then are its media towers float by default
     (CLIP's vision_model is half of what a user quantizes)."""
-    out = getattr(model, "get_output_embeddings", None)
-    try:
-        return callable(out) and out() is not None
-    except (NotImplementedError, AttributeError):
-        return False
+    return _output_layer(model) is not None
 
 
 def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", allow_unmatched: bool = False,
@@ -181,13 +186,16 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     candidates = set()  # modules whose weight the recipe could quantize
     stored_as = getattr(model, CHECKPOINT_KEYS, None) or {}
     towers = _media_towers(model)
+    head = _output_layer(model)
     experts = _expert_count(model)
     towered: List[str] = []  # media-tower modules left float by default
     for name, module in named:
         tname = exported_types.get(name, type(module).__name__)
         tnames = (tname,) if name in exported_types else _type_names(module)
         # ignore patterns are a safety net (recipes list lm_head for every model), so no-match is silent
-        ignored = any(name_matches(pat, name) for pat in recipe.ignore)
+        # the output layer answers to "lm_head" wherever a wrapper puts it (Llama 4's language_model.lm_head)
+        aliases = (name, "lm_head") if module is head and name != "lm_head" else (name,)
+        ignored = any(name_matches(pat, n) for pat in recipe.ignore for n in aliases)
         w_cand = any(t in DEFAULT_WEIGHT_TYPES for t in tnames)
         a_cand = any(t in DEFAULT_ACTIVATION_TYPES for t in tnames)
         w_spec = recipe.defaults.weights if w_cand else None
