@@ -23,7 +23,8 @@ FAMILIES = {"qwen3": ("qwen3", None), "qwen3_moe": ("qwen3moe", ("gate_proj", "u
             "gemma3_text": ("gemma3", None), "phi3": ("phi3", None),
             "olmoe": ("olmoe", ("gate_proj", "up_proj", "down_proj")),
             "deepseek_v3": ("deepseek2", ("gate_proj", "up_proj", "down_proj")), "granite": ("granite", None),
-            "smollm3": ("smollm3", None), "gpt_oss": ("gpt-oss", ("gate_proj", "up_proj", "down_proj"))}
+            "smollm3": ("smollm3", None), "gpt_oss": ("gpt-oss", ("gate_proj", "up_proj", "down_proj")),
+            "granitemoe": ("granitemoe", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def _tiny(dest: Path, family: str, **overrides) -> Path:
@@ -62,6 +63,10 @@ def _tiny(dest: Path, family: str, **overrides) -> Path:
              # fused qkv_proj and gate_up_proj; rotary embedding on half of each head
              "phi3": dict(intermediate_size=128, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
                           eos_token_id=2),
+             # Granite's multipliers, experts stored fused (input_linear: gate rows, then up rows)
+             "granitemoe": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                                embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                                logits_scaling=2.0),
              # experts stored fused with interleaved gate/up columns and biases, attention biases and sinks,
              # sliding-window attention in every other layer (a window shorter than the longer prompts), YaRN (with
              # the correction range truncated as llama.cpp computes it: gpt-oss's own truncate: false is a warning)
@@ -119,7 +124,8 @@ def test_the_file_holds_every_weight_as_qtools_fake_quant_model_and_the_experts_
     if family == "qwen2_moe":
         assert reader.fields[f"{arch}.expert_shared_feed_forward_length"].contents() == 64
         assert values["blk.1.ffn_down_shexp.weight"][0] == "Q8_0"
-    stored = "block_sparse_moe" if family == "mixtral" else "mlp"
+    stored = "block_sparse_moe" if family in ("mixtral", "granitemoe") else "mlp"
+    held = "block_sparse_moe" if family == "granitemoe" else "mlp"  # the module's name in memory
     if family == "deepseek_v3":
         _check_latent_attention(reader, values, fq)
     if family == "gpt_oss":
@@ -129,7 +135,7 @@ def test_the_file_holds_every_weight_as_qtools_fake_quant_model_and_the_experts_
             kind, stacked = values[f"blk.{layer}.{gguf_name}.weight"]
             assert kind == "Q8_0" and stacked.shape[0] == 8
             for e in range(8):
-                w = fq[f"model.layers.{layer}.mlp.experts.{e}.{leaf}.weight"]
+                w = fq[f"model.layers.{layer}.{held}.experts.{e}.{leaf}.weight"]
                 assert names[f"model.layers.{layer}.{stored}.experts.{e}.{leaf}.weight"] == \
                     f"blk.{layer}.{gguf_name}.weight"
                 assert np.array_equal(stacked[e].reshape(w.shape), w.numpy()), (layer, gguf_name, e)
@@ -272,7 +278,8 @@ def test_an_importance_matrix_holds_one_row_per_expert_and_each_expert_takes_its
     plan = apply_imatrix(resolve_plan(load_recipe(recipe_file("gguf-q4_k_m")), skeleton), skeleton, str(ckpt),
                          str(tmp_path / "im.gguf"), have_data=False)
     leaf = FAMILIES[family][1][2]
+    held = "block_sparse_moe" if family == "granitemoe" else "mlp"  # the experts module's name in memory
     for e in range(8):
-        got = plan.importances[f"model.layers.1.mlp.experts.{e}.{leaf}"].mean_square()
+        got = plan.importances[f"model.layers.1.{held}.experts.{e}.{leaf}"].mean_square()
         want = torch.from_numpy(sums[e] / counts[e, 0]) if counts[e, 0] else torch.zeros(sums.shape[1])
         assert torch.allclose(got, want.to(torch.float32)), e
