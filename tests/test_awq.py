@@ -144,3 +144,32 @@ def test_a_norm_feeding_routed_experts_is_not_scaled_and_each_experts_own_group_
     own = [g for g in groups if ".experts." in g["smooth"]]
     assert own and all(g["error"] <= g["error_unscaled"] for g in own)
     assert any("feeds the experts of a mixture-of-experts layer" in w for w in manifest["warnings"])
+
+
+@pytest.mark.parametrize("weights,fmt,packed", [
+    ("{element: fp4_e2m1, granularity: per_block, block_size: 16, scale_dtype: fp8_e4m3}", "compressed-tensors",
+     "weight_global_scale"),  # NVFP4
+    ("{element: fp4_e2m1, granularity: per_block, block_size: 32, scale_dtype: e8m0}", "compressed-tensors",
+     "weight_scale"),  # MXFP4
+    ("{gguf_type: q4_0}", "gguf", None),
+])
+def test_awq_searches_on_every_grid_and_never_ends_above_plain_rounding(model, tmp_path, weights, fmt, packed):
+    """The search quantizes each candidate with the row's own quantizer, so float elements with their scale types
+    and GGUF block types are searched as int grids are; the export needs nothing new (the scales are folded)."""
+    ckpt = model[0]
+    recipe = tmp_path / "awq.yaml"
+    recipe.write_text(f"version: 1\ndefaults:\n  weights: {weights}\n  activations: null\n"
+                      "ignore: ['re:.*lm_head', 're:.*embed_tokens']\nawq: {grid: 10}\n")
+    code, out, err = _quantize(model, tmp_path, recipe, "out", "--format", fmt, "--json")
+    assert code == 0, err
+    record = json.loads((tmp_path / "out" / "calibration" / "manifest.json").read_text())["awq"]
+    chosen = record["groups"]
+    assert len(chosen) == 6 and all(c["error"] <= c["error_unscaled"] for c in chosen)
+    assert any(c["ratio"] is not None and c["error"] < c["error_unscaled"] for c in chosen)
+    if packed is not None:
+        from safetensors import safe_open
+
+        with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+            assert f"model.layers.0.mlp.down_proj.{packed}" in set(f.keys())
+    else:
+        assert (tmp_path / "out" / "model.gguf").stat().st_size > 0
