@@ -94,7 +94,6 @@ def test_awq_scales_then_gptq_chooses_the_codes(model, tmp_path):
     (", mappings: [{smooth: 're:.*o_proj', balance: ['re:.*gate_proj']}]", (), "awq.mappings[0]: smooth"),
     (", mappings: [{smooth: 're:.*input_layernorm', balance: ['re:.*o_proj']}]", (),
      "awq: folding the scales changes the float model's outputs"),
-    ("", ("--sequential", "--resume"), "--resume does not cover awq yet"),
 ])
 def test_what_cannot_be_folded_is_one_line_and_writes_nothing(model, tmp_path, extra, flags, message):
     code, _, err = _quantize(model, tmp_path, _recipe(tmp_path, extra=extra), "out", *flags)
@@ -122,6 +121,31 @@ def test_sequential_awq_scales_each_block_on_its_quantized_inputs(model, tmp_pat
     assert all(g["error"] <= g["error_unscaled"] for g in groups)
     scaled = {t for g in groups if g["ratio"] is not None for t in [g["smooth"] + ".weight"]}
     assert scaled and scaled <= set(manifest["awq"]["replaced"])
+
+
+def test_a_sequential_awq_run_killed_after_a_block_resumes_to_the_bytes_of_an_uninterrupted_one(model, tmp_path):
+    """The finished block's search record is kept with its state (its folded floats already were): a resumed run
+    writes the manifest, encodings and codes of a run never stopped."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ckpt, calib, _ = model
+    recipe = _recipe(tmp_path, rounding=", rounding: gptq")
+    args = ["calibrate", str(ckpt), "-c", str(recipe), "--data", str(calib), "--seq-len", "48", "--sequential",
+            "--quiet"]
+    code, _, err = run_cli(*args, "-o", tmp_path / "whole")
+    assert code == 0, err
+    root = Path(__file__).resolve().parents[1]
+    killed = subprocess.run([sys.executable, str(root / "tests/stop_after_block.py"), "1", "--", *args, "-o",
+                             str(tmp_path / "run")], capture_output=True, text=True, timeout=300, cwd=root)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    code, _, err = run_cli(*args, "--resume", "-o", tmp_path / "run")
+    assert code == 0, err
+    for name in ("manifest.json", "encodings.json", "codes.safetensors"):
+        assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    groups = json.loads((tmp_path / "run" / "manifest.json").read_text())["awq"]["groups"]
+    assert [g["smooth"].split(".")[2] for g in groups] == ["0"] * 3 + ["1"] * 3
 
 
 def test_a_norm_feeding_routed_experts_is_not_scaled_and_each_experts_own_group_is(tmp_path):

@@ -194,9 +194,6 @@ def prepare_calibration(checkpoint: str, recipe: Recipe, source: str, opts: Cali
         if plan.smoothing or plan.folds:
             raise UsageError(f"{'smoothquant' if plan.smoothing else 'fold_batch_norms'} runs on the whole model: "
                              "calibrate without --sequential")
-        if plan.awq is not None and opts.resume:
-            raise UsageError("--resume does not cover awq yet (the search record of the finished blocks is not "
-                             "kept): run it again without --resume")
         return PreparedRun(mode, plan, model, device, tokenizer)
     if mode == "streaming":
         plan.memory = estimate_run(skeleton, plan, "streaming", opts)

@@ -78,6 +78,7 @@ class BlockResult:
     floats: Dict[str, torch.Tensor]
     warnings: List[str]
     expert_tokens: Dict[str, int] = dataclasses.field(default_factory=dict)  # tokens routed to each expert
+    awq: List[Dict[str, Any]] = dataclasses.field(default_factory=list)  # the block's AWQ search record
 
 
 _ENTRY_FIELDS = [f.name for f in dataclasses.fields(EncodingEntry) if f.name not in ("min", "max", "source")]
@@ -174,7 +175,8 @@ class ResumeState:
                 floats = {n: fh.get_tensor(f"float.{n}") for n in meta["floats"]}
         except Exception as e:  # (a damaged file: safetensors' own error is none of OSError/ValueError)
             raise UsageError(f"{path}: cannot read the saved block ({e}): run without --resume to start over") from None
-        return BlockResult(entries, codes, floats, list(meta["warnings"]), dict(meta.get("expert_tokens", {})))
+        return BlockResult(entries, codes, floats, list(meta["warnings"]), dict(meta.get("expert_tokens", {})),
+                           list(meta.get("awq", [])))
 
     def hidden(self) -> List[torch.Tensor]:
         """This rank's outputs of the last finished block, one tensor per calibration batch."""
@@ -239,7 +241,8 @@ class ResumeState:
         tensors.update({f"code.{n}": t.detach().cpu().contiguous() for n, t in result.codes.items()})
         tensors.update({f"float.{n}": t.detach().cpu().contiguous().clone() for n, t in result.floats.items()})
         meta = {"entries": [_entry_fields(e) for e in result.entries], "codes": sorted(result.codes),
-                "floats": sorted(result.floats), "warnings": result.warnings, "expert_tokens": result.expert_tokens}
+                "floats": sorted(result.floats), "warnings": result.warnings, "expert_tokens": result.expert_tokens,
+                "awq": result.awq}
         return tensors, meta
 
     def remove(self) -> None:

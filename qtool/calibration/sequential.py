@@ -305,6 +305,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             floats.update(saved.floats)
             plan.warnings.extend(saved.warnings)
             plan.expert_tokens.update(saved.expert_tokens)
+            if plan.awq is not None:
+                plan.awq.chosen.extend(saved.awq)
         done += 1
         if on_block:
             on_block(done, len(blocks))
@@ -343,6 +345,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         def run_float():
             _run_to_last_input(block, inputs, [modules[q.module] for q in rows if q.needs_inputs])
 
+        searched = len(plan.awq.chosen) if plan.awq is not None else 0
         if plan.awq is not None:
             scaled = keyed(awq_block(prefix, block, inputs))
             changed.update(scaled)
@@ -354,7 +357,9 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             names = {q.name for q in rows}
             routed = {m: n for m, n in plan.expert_tokens.items() if m.startswith(prefix + ".")}
             state.save(i, BlockResult(list(finished), {n: codes[n] for n in names if n in codes}, changed,
-                                      plan.warnings[warned:], routed), outputs if feeds else None)
+                                      plan.warnings[warned:], routed,
+                                      plan.awq.chosen[searched:] if plan.awq is not None else []),
+                       outputs if feeds else None)
         _release(block)
         done += 1
         if on_block:
