@@ -197,3 +197,17 @@ def test_awq_searches_on_every_grid_and_never_ends_above_plain_rounding(model, t
             assert f"model.layers.0.mlp.down_proj.{packed}" in set(f.keys())
     else:
         assert (tmp_path / "out" / "model.gguf").stat().st_size > 0
+
+
+def test_awq_on_a_family_without_default_mappings_asks_for_awq_mappings():
+    """gpt-oss's norms feed its router too: no default groups, and the one line names the key to give."""
+    from qtool.config import parse_recipe, resolve_plan
+    from qtool.errors import ConfigError
+
+    cfg = transformers.AutoConfig.for_model("gpt_oss", vocab_size=256, hidden_size=64, intermediate_size=32,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            num_experts_per_tok=2, num_local_experts=4, head_dim=16)
+    with torch.device("meta"):
+        net = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ConfigError, match=r"awq: gpt-oss's norms feed its routers .* give awq\.mappings"):
+        resolve_plan(parse_recipe(AWQ % ("", "")), net, "awq.yaml")

@@ -224,7 +224,7 @@ def _smooth_groups(spec: Union[SmoothQuantSpec, AwqSpec], named, source: str, fa
 
     defaults = LLAMA_SMOOTH_MAPPINGS if family is None else family.smooth_mappings
     if not spec.mappings and not defaults:
-        raise ConfigError(f"{source}: {key}: {family.no_smoothing}")
+        raise ConfigError(f"{source}: {key}: {family.no_smoothing.replace('smoothquant.mappings', key + '.mappings')}")
     mappings = spec.mappings or [SmoothMapping(**m) for m in defaults]
     modules = dict(named)
     groups: List[SmoothGroup] = []
