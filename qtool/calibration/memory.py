@@ -66,8 +66,6 @@ def _layer_stats(plan: Plan, model: nn.Module, within: Optional[str] = None):
     return stored, GPTQ_WORK * widest
 
 
-
-
 def estimate_memory(model: nn.Module, plan: Plan, mode: str, batch_size: int, seq_len: int,
                     num_samples: Optional[int], causal: bool) -> MemoryEstimate:
     """The estimate for ``plan`` on ``model`` (a meta-device skeleton will do: only shapes are read) calibrated

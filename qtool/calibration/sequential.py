@@ -62,8 +62,9 @@ def _decoder(model: nn.Module) -> Tuple[str, nn.Module]:
     return found
 
 
-def _materialize(module: nn.Module, prefix: str, src: Union[CheckpointTensors, ExpertSlices], name_of: Callable[[str], str],
-                 device: torch.device, converted: Optional[CheckpointMap] = None) -> None:
+def _materialize(module: nn.Module, prefix: str, src: Union[CheckpointTensors, ExpertSlices],
+                 name_of: Callable[[str], str], device: torch.device,
+                 converted: Optional[CheckpointMap] = None) -> None:
     """Load ``module``'s parameters and persistent buffers from the checkpoint (as float32 for float tensors);
     ``converted`` makes those transformers builds from other tensors at load time (fused experts). A buffer the
     checkpoint does not hold keeps the value the skeleton computed (Gemma's embedding scale)."""

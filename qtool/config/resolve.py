@@ -165,12 +165,6 @@ def _output_layer(model: "nn.Module"):
         return None
 
 
-def _media_towers(model: "nn.Module") -> bool:
-    """Whether ``model`` generates text (it has an output layer): only then are its media towers float by default
-    (CLIP's vision_model is half of what a user quantizes)."""
-    return _output_layer(model) is not None
-
-
 def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", allow_unmatched: bool = False,
                  importance_matrix: bool = False) -> Plan:
     """One ``QuantizerPlan`` per quantizer, in module order. Later ``layers`` entries win. ``importance_matrix``:
@@ -185,8 +179,10 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     exported_types = getattr(model, "qtool_module_types", None) or {}
     candidates = set()  # modules whose weight the recipe could quantize
     stored_as = getattr(model, CHECKPOINT_KEYS, None) or {}
-    towers = _media_towers(model)
     head = _output_layer(model)
+    # media towers are float by default only in a model that generates text (CLIP's vision_model is half of what a
+    # user quantizes)
+    towers = head is not None
     experts = _expert_count(model)
     towered: List[str] = []  # media-tower modules left float by default
     for name, module in named:
@@ -286,9 +282,9 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         plan.quantizers += _kv_cache_rows(recipe, named, source)
     if towered:
         roots = sorted({n[:MEDIA_TOWER.search(n).end(2)] for n in towered})
-        plan.warnings.append(f"{len(towered)} module(s) of the model's media encoders stay float ({', '.join(roots[:4])}"
-                             f"{' ...' if len(roots) > 4 else ''}), as llm-compressor's recipes and llama.cpp's mmproj "
-                             "keep them: a layers rule whose match names them quantizes them")
+        plan.warnings.append(f"{len(towered)} module(s) of the model's media encoders stay float "
+                             f"({', '.join(roots[:4])}{' ...' if len(roots) > 4 else ''}), as llm-compressor's recipes "
+                             "and llama.cpp's mmproj keep them: a layers rule whose match names them quantizes them")
     plan.coverage = weight_coverage(model, {q.module for q in plan.weights}, candidates,
                                     lambda n: (towers and MEDIA_TOWER.search(n) is not None)
                                     or any(name_matches(pat, n) for pat in recipe.ignore))

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..io.checkpoint import CheckpointTensors, detect_kind, tensor_files
+from ..io.checkpoint import CheckpointTensors, detect_kind
 from .experts import FUSED_SLICES, linear_part
 
 __all__ = ["ExpertSlices", "open_checkpoint"]
@@ -48,9 +48,6 @@ class ExpertSlices:
         key, expert, role, layout = self.slices[name]
         return linear_part(self.tensors.get_index(key, expert), layout, role).contiguous()
 
-    def get_index(self, name: str, index: int) -> torch.Tensor:
-        return self.get(name)[index] if name in self.slices else self.tensors.get_index(name, index)
-
     def shape_dtype(self, name: str):
         if name not in self.slices:
             return self.tensors.shape_dtype(name)
@@ -76,7 +73,7 @@ def open_checkpoint(path, trust_pickle: bool = False, trust_remote_code: bool = 
 def _may_fuse(tensors: CheckpointTensors) -> bool:
     """Whether the checkpoint could store fused experts: a Hugging Face directory whose config names experts and
     whose weights hold a 3-D tensor (headers only)."""
-    if detect_kind(tensors.path) != "hf" or not tensor_files(tensors.path):
+    if detect_kind(tensors.path) != "hf":  # (its CheckpointTensors has found every shard)
         return False
     try:
         config = json.loads((tensors.path / "config.json").read_text())
@@ -84,7 +81,13 @@ def _may_fuse(tensors: CheckpointTensors) -> bool:
         return False
     if "expert" not in json.dumps(config):
         return False
-    return any(len(tensors.shape_dtype(k)[0]) == 3 for k in tensors.keys())
+    from safetensors import safe_open
+
+    for f in tensors.files:  # one open per file (shape_dtype opens the file for every tensor)
+        with safe_open(str(f), "pt") as fh:
+            if any(len(fh.get_slice(k).get_shape()) == 3 for k in fh.keys()):
+                return True
+    return False
 
 
 @lru_cache(maxsize=4)

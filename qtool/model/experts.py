@@ -234,9 +234,9 @@ def _roles(name: str, fused: nn.Module, layout: Dict[str, bool], sources) -> Opt
 def _stored_fused(name: str, layout: Dict[str, bool], keys, renamed: Dict[str, str]) -> Optional[Dict[str, str]]:
     """``{fused parameter: the checkpoint key that holds it whole}`` of fused module ``name`` (a key of the same
     name, or one transformers renames to it: GraniteMoE's ``input_linear.weight``), None where one is missing."""
-    params = ["gate_up_proj" if layout["has_gate"] else "up_proj", "down_proj"]
-    params += [p + "_bias" for p in params] if layout["has_bias"] else []
-    found = {p: f"{name}.{p}" if f"{name}.{p}" in keys else renamed.get(f"{name}.{p}") for p in params}
+    params = {_source_param(role, layout, bias) for role in ("up", "down")
+              for bias in ((False, True) if layout["has_bias"] else (False,))}
+    found = {p: f"{name}.{p}" if f"{name}.{p}" in keys else renamed.get(f"{name}.{p}") for p in sorted(params)}
     return None if None in found.values() else found
 
 
@@ -244,8 +244,10 @@ def linearize_experts(model: nn.Module, keys: Iterable[str]) -> List[str]:
     """Replace every fused experts module of ``model`` with :class:`LinearExperts` (parameters copied; on the meta
     device, shapes only), given the checkpoint's tensor names ``keys``. Where the checkpoint stores the experts one
     by one, records on the model which checkpoint tensor each new weight is (:func:`checkpoint_key`); where it
-    stores the fused tensors, which slice of which (``FUSED_SLICES``, read by :mod:`.expert_view`). Returns the
-    replaced modules' names."""
+    stores the fused tensors, which slice of which (``FUSED_SLICES``, read by :mod:`.expert_view`). Every other
+    parameter the checkpoint stores under another name (transformers' one-to-one renames) goes into
+    ``CHECKPOINT_KEYS`` too, so every loader records them, fused experts or not. Returns the replaced modules'
+    names."""
     from .checkpoint_map import CheckpointMap
 
     keys = set(keys)
@@ -290,7 +292,6 @@ def linearize_experts(model: nn.Module, keys: Iterable[str]) -> List[str]:
                 if layout["has_bias"]:
                     table[own + ".bias"] = key[: -len("weight")] + "bias"
         done.append(name)
-    model.__dict__[CHECKPOINT_KEYS] = table
     model.__dict__[FUSED_SLICES] = slices
     return done
 
