@@ -1,9 +1,12 @@
-"""AWQ on SmolLM2-135M-Instruct: RTN, AWQ, GPTQ and AWQ + GPTQ for int4 weights (asymmetric, blocks of 64: AWQ's
+"""AWQ and learned rounding on SmolLM2-135M-Instruct: RTN, AWQ, GPTQ, AWQ + GPTQ, SignRound and AWQ + SignRound
+for int4 weights (asymmetric, blocks of 64: AWQ's
 usual scheme at a block size that divides SmolLM2's 576-wide rows; 128 does not), perplexity float beside
 fake-quant on held-out Python documentation (the calibration text's kind) and on CPython's LICENSE (another
 kind), with calibration time and peak RSS per method. Calibration: 32 windows of 256 tokens of Python docs.
+SignRound rows (``rounding: signround``, ``--iterations`` steps per block) run ``--sequential``, as they must.
 
-    .venv/bin/python bench/awq.py [--methods rtn,awq,gptq,awq+gptq] [--bits 4] [--block 64] [--out bench/results/awq.json]
+    .venv/bin/python bench/awq.py [--methods rtn,awq,gptq,awq+gptq,signround,awq+signround] [--bits 4]
+        [--block 64] [--symmetric] [--iterations 200] [--out bench/results/awq.json]
 
 Each method calibrates in a child process (its peak RSS is its own). Rows go to the JSON as they finish.
 """
@@ -23,15 +26,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 METHODS = {"rtn": ("nearest", False), "awq": ("nearest", True), "gptq": ("gptq", False),
-           "awq+gptq": ("gptq", True)}
+           "awq+gptq": ("gptq", True), "signround": ("signround", False), "awq+signround": ("signround", True)}
 
 
-def _recipe(tmp: Path, method: str, bits: int, block: int) -> Path:
+def _recipe(tmp: Path, method: str, bits: int, block: int, symmetric: bool, iterations: int) -> Path:
     rounding, awq = METHODS[method]
+    if rounding == "signround":
+        rounding = f"{{name: signround, iterations: {iterations}}}"
     path = tmp / f"{method.replace('+', '-')}.yaml"
     path.write_text(f"""version: 1
 defaults:
-  weights: {{bitwidth: {bits}, symmetric: false, granularity: per_block, block_size: {block}, rounding: {rounding}}}
+  weights: {{bitwidth: {bits}, symmetric: {str(symmetric).lower()}, granularity: per_block, block_size: {block},
+             rounding: {rounding}}}
   activations: null
 ignore: ["lm_head", "re:.*embed_tokens"]
 """ + ("awq: {grid: 20}\n" if awq else ""))
@@ -43,8 +49,9 @@ def _child(ckpt: str, recipe: str, data: str, out: str) -> None:
     from qtool.pipeline import CalibrateOptions, run_calibrate
 
     t0 = time.perf_counter()
-    run_calibrate(ckpt, recipe, out, CalibrateOptions(data=data, seq_len=256, num_samples=32, batch_size=8),
-                  overwrite=True)
+    sequential = "signround" in Path(recipe).read_text()
+    run_calibrate(ckpt, recipe, out, CalibrateOptions(data=data, seq_len=256, num_samples=32, batch_size=8,
+                                                      sequential=sequential), overwrite=True)
     print(json.dumps({"seconds": time.perf_counter() - t0,
                       "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}))
 
@@ -54,6 +61,8 @@ def main(argv=None):
     ap.add_argument("--methods", default="rtn,awq,gptq,awq+gptq")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--symmetric", action="store_true")
+    ap.add_argument("--iterations", type=int, default=200, help="signround's steps per block")
     ap.add_argument("--out", default=str(REPO / "bench/results/awq.json"))
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -80,11 +89,13 @@ def main(argv=None):
              for name, f in (("python docs (held out)", "docs.txt"), ("CPython LICENSE (another kind)", "licence.txt"))}
     floats = {name: _perplexity(loaded.model, b)[0] for name, b in texts.items()}
     del loaded
-    result = {"model": "SmolLM2-135M-Instruct", "scheme": f"int{args.bits} asymmetric, blocks of {args.block}",
+    kind = "symmetric" if args.symmetric else "asymmetric"
+    result = {"model": "SmolLM2-135M-Instruct", "scheme": f"int{args.bits} {kind}, blocks of {args.block}",
+              "signround_iterations": args.iterations,
               "calibration": "32 windows of 256 tokens of pydoc_data.topics", "float": floats, "rows": []}
     print(f"{'method':<10} {'text':<32} {'ppl float':>9} {'quant':>9} {'increase':>9} {'calib s':>8} {'peak GB':>8}")
     for method in args.methods.split(","):
-        recipe = _recipe(tmp, method, args.bits, args.block)
+        recipe = _recipe(tmp, method, args.bits, args.block, args.symmetric, args.iterations)
         out = tmp / f"run-{method.replace('+', '-')}"
         r = subprocess.run([sys.executable, __file__, "--child", str(ckpt), str(recipe), str(tmp / "calib.txt"),
                             str(out)], capture_output=True, text=True)

@@ -106,10 +106,19 @@ def choose_mode(checkpoint: str, recipe: Recipe, opts: CalibrateOptions, source:
 
         skeleton = meta_skeleton(checkpoint, opts.trust_remote_code)
         plan = _resolve(recipe, skeleton, source, opts, checkpoint)
+        _refuse_learned_rounding(plan)
         if streams(plan, opts):
             return "streaming", skeleton, plan
         _check_memory(estimate_run(skeleton, plan, "in_memory", opts))  # before the model is loaded
     return "in_memory", None, None
+
+
+def _refuse_learned_rounding(plan: Plan) -> None:
+    """signround learns each decoder block on that block's own inputs: only ``--sequential`` runs blocks apart."""
+    learned = [q.name for q in plan.weights if q.learns_rounding]
+    if learned:
+        raise UsageError(f"rounding signround ({learned[0]}{' and others' if len(learned) > 1 else ''}) learns each "
+                         "decoder block on its own inputs: run with --sequential")
 
 
 def streams(plan: Plan, opts: CalibrateOptions) -> bool:
@@ -202,6 +211,7 @@ def prepare_calibration(checkpoint: str, recipe: Recipe, source: str, opts: Cali
 
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
     plan = _resolve(recipe, loaded.model, source, opts, checkpoint)
+    _refuse_learned_rounding(plan)
     _warn_all_experts(plan, opts, loaded.model)
     plan.memory = estimate_run(loaded.model, plan, "in_memory", opts)
     return PreparedRun(mode, plan, loaded.model, next(iter(loaded.model.parameters())).device, loaded.tokenizer,

@@ -79,6 +79,7 @@ class BlockResult:
     warnings: List[str]
     expert_tokens: Dict[str, int] = dataclasses.field(default_factory=dict)  # tokens routed to each expert
     awq: List[Dict[str, Any]] = dataclasses.field(default_factory=list)  # the block's AWQ search record
+    learned: List[Dict[str, Any]] = dataclasses.field(default_factory=list)  # the block's signround record
 
 
 _ENTRY_FIELDS = [f.name for f in dataclasses.fields(EncodingEntry) if f.name not in ("min", "max", "source")]
@@ -176,7 +177,7 @@ class ResumeState:
         except Exception as e:  # (a damaged file: safetensors' own error is none of OSError/ValueError)
             raise UsageError(f"{path}: cannot read the saved block ({e}): run without --resume to start over") from None
         return BlockResult(entries, codes, floats, list(meta["warnings"]), dict(meta.get("expert_tokens", {})),
-                           list(meta.get("awq", [])))
+                           list(meta.get("awq", [])), list(meta.get("learned", [])))
 
     def hidden(self) -> List[torch.Tensor]:
         """This rank's outputs of the last finished block, one tensor per calibration batch."""
@@ -242,7 +243,7 @@ class ResumeState:
         tensors.update({f"float.{n}": t.detach().cpu().contiguous().clone() for n, t in result.floats.items()})
         meta = {"entries": [_entry_fields(e) for e in result.entries], "codes": sorted(result.codes),
                 "floats": sorted(result.floats), "warnings": result.warnings, "expert_tokens": result.expert_tokens,
-                "awq": result.awq}
+                "awq": result.awq, **({"learned": result.learned} if result.learned else {})}
         return tensors, meta
 
     def remove(self) -> None:

@@ -44,7 +44,7 @@ from .collective import calibrate_activations_dp, calibrate_weights_split, merge
 from .heap import return_freed_memory
 from .resume import BlockResult, ResumeState
 from .rotation import Rotator
-from .rounding import collect_inputs, importance, round_weights, routed_fallbacks
+from .rounding import collect_inputs, importance, learn_rounding, round_weights, routed_fallbacks
 
 __all__ = ["calibrate_sequential"]
 
@@ -211,11 +211,13 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         """A finished entry, its large weight ranges handed to ``sink`` (which keeps them out of memory)."""
         entries[entry.name] = sink(entry) if sink is not None and entry.tensor == "weight" else entry
 
-    def calibrate_rows(rows, run: Callable[[], None], run_float: Optional[Callable[[], None]] = None):
+    def calibrate_rows(rows, run: Callable[[], None], run_float: Optional[Callable[[], None]] = None,
+                       block: Optional[nn.Module] = None, inputs=(), prefix: str = ""):
         """Insert and calibrate the quantizers of ``rows``; ``run`` feeds the data. Weights chosen from data
         (GPTQ, activation weighting) first get their layers' inputs from ``run_float`` (the float block on the
         same inputs, before any quantizer is inserted), so each block's statistics come from the quantized
-        outputs of the blocks before it."""
+        outputs of the blocks before it; weights whose rounding is learned (signround) learn it on ``block``
+        (named ``prefix``) over ``inputs``."""
         if not rows:
             run()
             return
@@ -237,6 +239,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
                             and not (plan.rotation is not None and plan.rotation.untie)]
         codes.update(round_weights([q for q in sub.weights if q.needs_inputs], modules, qs, stats, plan.warnings,
                                    tied=stored_elsewhere, group=group))
+        codes.update(learn_rounding([q for q in sub.weights if q.learns_rounding], block, prefix, list(inputs),
+                                    modules, qs, group, plan.warnings, plan.learned))
         calibrate_activations_dp(sub.static_activations, qs, run, group)
         for q in rows:
             if qs[q.name].is_initialized():
@@ -308,6 +312,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             plan.expert_tokens.update(saved.expert_tokens)
             if plan.awq is not None:
                 plan.awq.chosen.extend(saved.awq)
+            plan.learned.extend(saved.learned)
         done += 1
         if on_block:
             on_block(done, len(blocks))
@@ -351,7 +356,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             scaled = keyed(awq_block(prefix, block, inputs))
             changed.update(scaled)
             floats.update(scaled)
-        calibrate_rows(rows, run_block, run_float)
+        learned = len(plan.learned)
+        calibrate_rows(rows, run_block, run_float, block, inputs, prefix)
         if feeds:
             captured = [((outputs[j],) + tuple(args[1:]), kwargs) for j, (args, kwargs) in enumerate(captured)]
         if state is not None:
@@ -359,7 +365,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             routed = {m: n for m, n in plan.expert_tokens.items() if m.startswith(prefix + ".")}
             state.save(i, BlockResult(list(finished), {n: codes[n] for n in names if n in codes}, changed,
                                       plan.warnings[warned:], routed,
-                                      plan.awq.chosen[searched:] if plan.awq is not None else []),
+                                      plan.awq.chosen[searched:] if plan.awq is not None else [],
+                                      plan.learned[learned:]),
                        outputs if feeds else None)
         _release(block)
         done += 1

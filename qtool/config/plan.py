@@ -127,8 +127,13 @@ class QuantizerPlan:
     @property
     def needs_inputs(self) -> bool:
         """True when calibrating this weight needs its layer's input statistics (so calibration data)."""
-        return self.tensor == "weight" and (self.rounding != "nearest" or (
+        return self.tensor == "weight" and (self.rounding in ("gptq", "adaround") or (
             dict(self.analyzer_args).get("weighting") == "activations" and not self.imatrix))
+
+    @property
+    def learns_rounding(self) -> bool:
+        """True when this weight's codes are learned per decoder block on the block's inputs (signround)."""
+        return self.tensor == "weight" and self.rounding == "signround"
 
     @property
     def analyzer_label(self) -> str:
@@ -189,6 +194,8 @@ class Plan:
     # mixture-of-experts expert module -> calibration tokens routed to it (where its layers' inputs were measured),
     # in plan (module) order: every mode fills it block by block, a resumed run from its saved blocks first
     expert_tokens: Dict[str, int] = field(default_factory=dict)
+    # per decoder block whose rounding was learned (signround), in block order: what it chose and the losses
+    learned: List[Dict[str, Any]] = field(default_factory=list)
     memory: Any = None  # calibration.memory.MemoryEstimate of the run about to calibrate it (shown with the plan)
     coverage: Any = None  # coverage.WeightCoverage: how much of the model's weights the plan quantizes
 
@@ -208,4 +215,4 @@ class Plan:
 
     def needs_data(self) -> bool:
         return (bool(self.static_activations) or bool(self.smoothing) or bool(self.folds) or self.awq is not None
-                or any(q.needs_inputs for q in self.weights))
+                or any(q.needs_inputs or q.learns_rounding for q in self.weights))

@@ -91,17 +91,20 @@ def _by_name(value: Any) -> Any:
 
 
 _ROUNDING_PARAMS = {"nearest": (), "gptq": ("block_columns", "dampening", "act_order"),
-                    "adaround": ("iterations", "reg_weight", "warm_start", "learning_rate")}
+                    "adaround": ("iterations", "reg_weight", "warm_start", "learning_rate"),
+                    "signround": ("iterations", "learning_rate", "ranges", "seed")}
 
 
 class RoundingSpec(BaseModel):
     """``rounding: NAME`` or ``rounding: {name: gptq, <parameter>: value, ...}``: how a weight's codes are chosen on
     the grid its analyzer picked. ``nearest`` rounds each value alone; ``gptq`` chooses codes column by column
     from the layer's input statistics (qtool.calibration.rounding.gptq); ``adaround`` learns each value's up/down
-    rounding from them (qtool.calibration.rounding.adaround)."""
+    rounding from them (qtool.calibration.rounding.adaround); ``signround`` learns each value's rounding and each
+    block's range per decoder block, on the block's own inputs and output (qtool.calibration.rounding.signround;
+    ``--sequential``)."""
 
     model_config = ConfigDict(extra="forbid")
-    name: Literal["nearest", "gptq", "adaround"] = "nearest"
+    name: Literal["nearest", "gptq", "adaround", "signround"] = "nearest"
     block_columns: Optional[int] = Field(None, ge=1, le=65536)
     dampening: Optional[float] = Field(None, ge=0, le=10)
     act_order: Optional[StrictBool] = None
@@ -109,6 +112,8 @@ class RoundingSpec(BaseModel):
     reg_weight: Optional[float] = Field(None, ge=0, le=1000)
     warm_start: Optional[float] = Field(None, ge=0, le=1)
     learning_rate: Optional[float] = Field(None, gt=0, le=10)
+    ranges: Optional[StrictBool] = None
+    seed: Optional[int] = Field(None, ge=0, le=2**31 - 1)
 
     @model_validator(mode="after")
     def _params_fit(self):
@@ -230,6 +235,10 @@ class WeightSpec(_Spec):
         if self.scale_dtype in GGML_SCALE_DTYPES and self.rounding.name == "adaround":
             raise ValueError(f"gguf_type {self.scale_dtype}: rounding adaround is not available on GGUF's "
                              "K-quant/IQ4 grids; use gptq or nearest")
+        if self.rounding.name == "signround" and (self.element != "int" or self.scale_dtype != "float32"):
+            grid = f"element {self.element}" if self.element != "int" else f"scale_dtype {self.scale_dtype}"
+            raise ValueError(f"{grid}: rounding signround learns on integer grids with float32 scales so far; use "
+                             "gptq or nearest there")
         return self
 
 

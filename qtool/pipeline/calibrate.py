@@ -79,6 +79,7 @@ def _calibrate_into(checkpoint: str, recipe_path: Union[str, RecipeFile], opts: 
                             "replaced": sorted(run.floats)}} if plan.smoothing else {}),
         **({"awq": {"grid": plan.awq.grid, "duo_scaling": plan.awq.duo_scaling, "groups": plan.awq.chosen,
                     "replaced": sorted(run.floats)}} if plan.awq is not None else {}),
+        **({"signround": {"blocks": plan.learned}} if plan.learned else {}),
         **({"target": {"budget": search["budget"], "format": search["format"], "candidates": search["candidates"],
                        "chosen": search["chosen"]}} if search else {}),
         "uncalibrated": unused,

@@ -25,12 +25,13 @@ from ..heap import return_freed_memory
 from .conv import flat_weight
 from .adaround import adaround_codes
 from .gptq import expand_encoding, gptq_codes
+from .signround import learned_layer, signround_block
 from .statistics import InputStatistics, collect_inputs, collect_module_inputs, importance
 
 GPTQ_LAYERS_PER_RANK = 4  # layers each rank rounds per window (Group.windows)
 
 __all__ = ["InputStatistics", "collect_inputs", "collect_module_inputs", "round_weights", "importance", "gptq_codes",
-           "adaround_codes", "routed_fallbacks"]
+           "adaround_codes", "routed_fallbacks", "learn_rounding"]
 
 
 def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module],
@@ -328,3 +329,53 @@ def _wire_dtype(quantizer: QuantizerBase) -> torch.dtype:
         if info.min <= quantizer.qmin and quantizer.qmax <= info.max:
             return dt
     return torch.int64
+
+
+def learn_rounding(rows: List[QuantizerPlan], block: Optional[nn.Module], block_name: str,
+                   inputs: List, modules: Dict[str, nn.Module], quantizers: Dict[str, QuantizerBase],
+                   group: Optional[Group] = None, warnings: Optional[List[str]] = None,
+                   records: Optional[List[Dict]] = None) -> Dict[str, torch.Tensor]:
+    """Codes for ``rows`` (rounding signround) learned on decoder ``block`` over its calibration ``inputs``
+    (``(args, kwargs)`` per batch, this rank's), their quantizers' ranges set to the learned ones and each
+    layer's weight overwritten with its dequantized codes (as :func:`round_weights` does). Rows outside a
+    decoder block (``block`` None: an embedding, ``lm_head``) stay round-to-nearest, with a warning. The block's
+    record (the candidates' losses, the one chosen) goes to ``records``."""
+    from ...model.insert import computing_with
+
+    if not rows:
+        return {}
+    if block is None:
+        if warnings is not None:
+            warnings.append(f"{', '.join(q.name for q in rows)}: outside the decoder blocks, where signround "
+                            "learns; rounded to nearest")
+        return {}
+    args = dict(rows[0].rounding_args)
+    layers = [learned_layer(q.name, modules[q.module], quantizers[q.name], args.get("ranges", True))
+              for q in rows]
+    learned = {id(layer.module) for layer in layers}
+    others = [m for m in block.modules() if "weight" in getattr(m, "qtool_quantizers", {}) and id(m) not in learned]
+    switched = [q for m in block.modules() for key, q in getattr(m, "qtool_quantizers", {}).items()
+                if key != "weight" and q.enabled]
+    for q in switched:  # the objective is the weights' error: activation quantizers stay off while learning
+        q.enabled = False
+    try:
+        record = signround_block(block, layers, inputs, computing_with, others, iterations=args.get("iterations", 200),
+                                 learning_rate=args.get("learning_rate"), seed=args.get("seed", 0), group=group,
+                                 what=f"learning rounding (signround, {block_name})")
+    except ValueError as e:
+        raise DataError(f"{block_name}: {e}") from None
+    finally:
+        for q in switched:
+            q.enabled = True
+    out: Dict[str, torch.Tensor] = {}
+    for q, layer in zip(rows, layers):
+        quantizer = quantizers[q.name]
+        if layer.lo is not None:
+            mn, mx = layer.range()
+            quantizer.set_range(mn.detach(), mx.detach())
+        out[q.name] = layer.codes().to(_wire_dtype(quantizer)).cpu()
+        _write_back(q, modules, quantizer, out[q.name])
+    if records is not None:
+        records.append({"block": block_name, "chosen": record["chosen"], "losses": record["losses"],
+                        "iterations": record["iterations"]})
+    return out

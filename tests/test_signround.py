@@ -1,0 +1,167 @@
+"""Learned rounding and ranges (``rounding: signround``, qtool.calibration.rounding.signround): per decoder block,
+on the block's own inputs, never worse than round-to-nearest, deterministic, the same bytes resumed and on two
+ranks, refused where it cannot run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import error_lines, run_cli, tiny_llama
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RECIPE = """version: 1
+defaults:
+  weights: {{bitwidth: 3, symmetric: {symmetric}, granularity: per_block, block_size: 16,
+             rounding: {rounding}}}
+  activations: null
+ignore: ["lm_head", "re:.*embed_tokens"]
+"""
+LEARNED = "{name: signround, iterations: 30}"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    d = tmp_path_factory.mktemp("signround")
+    tiny_llama(d / "m", num_hidden_layers=2)
+    ids = torch.randint(0, 256, (16, 16), generator=torch.Generator().manual_seed(5))
+    save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, d / "ids.safetensors")
+    for name, rounding, symmetric in (("learned", LEARNED, "true"), ("nearest", "nearest", "true"),
+                                      ("fixed", "{name: signround, iterations: 30, ranges: false}", "true"),
+                                      ("asym", LEARNED, "false"), ("asym-nearest", "nearest", "false")):
+        (d / f"{name}.yaml").write_text(RECIPE.format(rounding=rounding, symmetric=symmetric))
+    runs = {}
+    for name in ("learned", "nearest", "fixed", "asym", "asym-nearest"):
+        code, _, err = run_cli(*_args(d, name), "-o", d / name)
+        assert code == 0, err
+        runs[name] = d / name
+    return d, runs
+
+
+def _args(d: Path, recipe: str):
+    return ["calibrate", d / "m", "-c", d / f"{recipe}.yaml", "--data", d / "ids.safetensors", "--batch-size", "4",
+            "--sequential", "--quiet"]
+
+
+def _files(run: Path):
+    return {p.name: p.read_bytes() for p in sorted(run.iterdir())}
+
+
+def _entries(run: Path):
+    return {e["name"]: e for e in json.loads((run / "encodings.json").read_text())["quantizers"]}
+
+
+def _logit_error(d: Path, run: Path) -> float:
+    """Mean squared logit error of the calibrated model against the float one, on the calibration ids."""
+    import transformers
+
+    import qtool
+
+    ids = load_file(str(d / "ids.safetensors"))["input_ids"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(d / "m")).eval()
+    model = qtool.load_calibrated(str(d / "m"), str(run / "encodings.json"))
+    with torch.no_grad():
+        return float((model(input_ids=ids).logits - ref(input_ids=ids).logits).pow(2).mean())
+
+
+def test_every_block_ends_at_most_at_nearest_and_the_model_is_closer_to_float(llama):
+    d, runs = llama
+    for name in ("learned", "asym"):
+        blocks = json.loads((runs[name] / "manifest.json").read_text())["signround"]["blocks"]
+        assert [b["block"] for b in blocks] == ["model.layers.0", "model.layers.1"]
+        for b in blocks:
+            assert b["losses"][b["chosen"]] <= b["losses"]["nearest"]
+            assert b["losses"][b["chosen"]] < 0.8 * b["losses"]["nearest"], b  # 3 bits: learning pays
+    # measured from outside: the whole model's logits, float beside each calibrated one
+    assert _logit_error(d, runs["learned"]) < 0.8 * _logit_error(d, runs["nearest"])
+    assert _logit_error(d, runs["asym"]) < 0.8 * _logit_error(d, runs["asym-nearest"])
+
+
+def test_learned_codes_move_at_most_one_step_and_ranges_only_shrink(llama):
+    d, runs = llama
+    codes = load_file(str(runs["fixed"] / "codes.safetensors"))
+    learned, nearest, fixed = _entries(runs["learned"]), _entries(runs["nearest"]), _entries(runs["fixed"])
+    weights = load_file(str(d / "m" / "model.safetensors"))
+    moved = 0
+    for key, c in codes.items():
+        name = key.removeprefix("codes/")
+        # ranges: false keeps the analyzer's grid; the codes are nearest's, give or take one step
+        assert fixed[name]["min"] == nearest[name]["min"] and fixed[name]["max"] == nearest[name]["max"]
+        mx = torch.tensor(nearest[name]["max"])
+        step = (mx / 3).repeat_interleave(16, dim=1)  # int3 symmetric: max = 3 steps
+        rtn = torch.clamp(torch.round(weights[name] / step), -4, 3)
+        delta = c.to(torch.float32) - rtn
+        assert delta.abs().max() <= 1
+        moved += int((delta != 0).sum())
+        # learned ranges: each block's range is the analyzer's times a factor in [MIN_RANGE, 1]
+        ratio = torch.tensor(learned[name]["max"]) / mx
+        assert float(ratio.min()) >= 0.5 - 1e-6 and float(ratio.max()) <= 1 + 1e-6
+    assert moved > 0
+    assert any(learned[n]["max"] != nearest[n]["max"] for n in learned)
+
+
+def test_the_same_inputs_give_the_same_bytes(llama, tmp_path):
+    d, runs = llama
+    code, _, err = run_cli(*_args(d, "learned"), "-o", tmp_path / "again")
+    assert code == 0, err
+    assert _files(tmp_path / "again") == _files(runs["learned"])  # manifest.json included
+
+
+def test_a_run_killed_after_a_block_resumes_to_the_bytes_of_an_uninterrupted_one(llama, tmp_path):
+    d, runs = llama
+    out = tmp_path / "run"
+    args = [str(a) for a in _args(d, "learned")]
+    r = subprocess.run([sys.executable, str(ROOT / "tests/stop_after_block.py"), "1", "--", *args, "-o", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == -9, r.stderr[-2000:]
+    code, _, err = run_cli(*args, "--resume", "-o", out)
+    assert code == 0, err
+    assert _files(out) == _files(runs["learned"])
+
+
+def test_two_ranks_write_the_bytes_of_one_process(llama, tmp_path):
+    d, runs = llama
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "qtool",
+           *[str(a) for a in _args(d, "learned")], "-o", str(tmp_path / "many")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    many, one = _files(tmp_path / "many"), _files(runs["learned"])
+    for name in ("encodings.json", "codes.safetensors"):
+        assert many[name] == one[name]
+    assert json.loads(many["manifest.json"])["signround"] == json.loads(one["manifest.json"])["signround"]
+
+
+def test_without_sequential_it_is_refused_in_one_line(llama, tmp_path):
+    d, _ = llama
+    args = [a for a in _args(d, "learned") if a != "--sequential"]
+    code, _, err = run_cli(*args, "-o", tmp_path / "out")
+    assert code == 2
+    lines = error_lines(err)
+    assert len(lines) == 1 and "signround" in lines[0] and "--sequential" in lines[0], err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("grid", ["element: fp4_e2m1, granularity: per_block, block_size: 16, scale_dtype: fp8_e4m3",
+                                  "gguf_type: q4_0"])
+def test_a_grid_it_does_not_learn_on_is_refused_in_one_line(llama, tmp_path, grid):
+    d, _ = llama
+    (tmp_path / "r.yaml").write_text(f"""version: 1
+defaults:
+  weights: {{{grid}, rounding: signround}}
+  activations: null
+ignore: ["lm_head", "re:.*embed_tokens"]
+""")
+    code, _, err = run_cli("calibrate", d / "m", "-c", tmp_path / "r.yaml", "--data", d / "ids.safetensors",
+                           "--sequential", "-o", tmp_path / "out")
+    assert code == 2
+    lines = error_lines(err)
+    assert len(lines) == 1 and "signround" in lines[0] and "integer grids" in lines[0], err
+    assert not (tmp_path / "out").exists()
