@@ -149,8 +149,7 @@ def test_without_sequential_it_is_refused_in_one_line(llama, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("grid", ["element: fp4_e2m1, granularity: per_block, block_size: 16, scale_dtype: fp8_e4m3",
-                                  "gguf_type: q4_0"])
+@pytest.mark.parametrize("grid", ["bitwidth: 4, granularity: per_channel, scale_dtype: float16", "gguf_type: q4_0"])
 def test_a_grid_it_does_not_learn_on_is_refused_in_one_line(llama, tmp_path, grid):
     d, _ = llama
     (tmp_path / "r.yaml").write_text(f"""version: 1
@@ -165,3 +164,27 @@ ignore: ["lm_head", "re:.*embed_tokens"]
     lines = error_lines(err)
     assert len(lines) == 1 and "signround" in lines[0] and "integer grids" in lines[0], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("grid", ["element: fp4_e2m1, granularity: per_block, block_size: 16, scale_dtype: fp8_e4m3",
+                                  "element: fp4_e2m1, granularity: per_block, block_size: 32, scale_dtype: e8m0"],
+                         ids=["nvfp4", "mxfp4"])
+def test_float_element_grids_learn_rounding_on_the_analyzers_scales(llama, tmp_path, grid):
+    """On NVFP4 and MXFP4 the offsets move codes on the element grid; the scales (FP8, E8M0) stay the analyzer's,
+    and the model ends closer to float than round-to-nearest's."""
+    d, _ = llama
+    for name, rounding in (("learned", LEARNED), ("nearest", "nearest")):
+        (tmp_path / f"{name}.yaml").write_text(f"""version: 1
+defaults:
+  weights: {{{grid}, rounding: {rounding}}}
+  activations: null
+ignore: ["lm_head", "re:.*embed_tokens"]
+""")
+        code, _, err = run_cli("calibrate", d / "m", "-c", tmp_path / f"{name}.yaml", "--data", d / "ids.safetensors",
+                               "--batch-size", "4", "--sequential", "--quiet", "-o", tmp_path / name)
+        assert code == 0, err
+    learned, nearest = _entries(tmp_path / "learned"), _entries(tmp_path / "nearest")
+    assert {n: (e["min"], e["max"]) for n, e in learned.items()} == {n: (e["min"], e["max"]) for n, e in nearest.items()}
+    blocks = json.loads((tmp_path / "learned" / "manifest.json").read_text())["signround"]["blocks"]
+    assert all(b["losses"][b["chosen"]] < b["losses"]["nearest"] for b in blocks), blocks
+    assert _logit_error(d, tmp_path / "learned") < _logit_error(d, tmp_path / "nearest")

@@ -11,7 +11,9 @@ The estimate is a sum of what dominates each mode, as measured (peak resident se
   layer's ``XᵀX`` (float64, ``in²``) and every weighted layer's ``E[x²]``, all held until the weights calibrate;
   GPTQ's work on the widest layer;
 * ``sequential``: the embedding table, one decoder block (and its copy in flight), its layers' statistics, and
-  the hidden states of every calibration sample (the block's inputs and outputs).
+  the hidden states of every calibration sample (the block's inputs and outputs); with ``rounding: signround``
+  also the float block's outputs (the target), the learned parameters with their copies and gradients
+  (``LEARNED_BYTES`` per learned weight) and one batch's forward-and-backward activations.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ __all__ = ["MemoryEstimate", "estimate_memory", "available_memory"]
 BASE = 0.70e9  # the qtool process before any model: Python, torch, transformers, tokenizers (measured)
 STREAM_WORK = 1.5  # the largest weight's float32 copy and its search buffers, in units of that copy
 GPTQ_WORK = 4  # GPTQ's temporaries on one layer, in units of its float64 XᵀX
+# signround, per learned weight: its float copy, the offsets, three saved candidates, the gradient and its sign,
+# and the fake-quant steps autograd keeps (float32 each)
+LEARNED_BYTES = 41
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,23 @@ def estimate_memory(model: nn.Module, plan: Plan, mode: str, batch_size: int, se
         table = 4 * sum(p.numel() for p in embed.parameters()) if embed is not None else 0
         stats = max(sum(_layer_stats(plan, model, f"{stack[0]}.layers.{i}.")) for i in range(len(blocks)))
         states = 2 * 4 * samples * seq_len * hidden
-        return int(BASE + table + 2 * block + stats + states)
+        return int(BASE + table + 2 * block + stats + states + learning())
+
+    def learning() -> int:
+        """signround's state on the block with the most learned weights (0 without signround)."""
+        prefix = stack[0] + ".layers."
+        learned = {}
+        for q in plan.weights:
+            if q.learns_rounding and q.module.startswith(prefix):
+                i = q.module[len(prefix):].split(".", 1)[0]
+                weight = getattr(model.get_submodule(q.module), "weight", None)
+                learned[i] = learned.get(i, 0) + (weight.numel() if weight is not None else 0)
+        if not learned:
+            return 0
+        inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+        heads = int(getattr(config, "num_attention_heads", 0) or 1)
+        activations = 4 * tokens * (20 * hidden + 8 * inter) + 2 * 4 * batch_size * heads * seq_len * seq_len
+        return LEARNED_BYTES * max(learned.values()) + 4 * samples * seq_len * hidden + activations
 
     if mode == "streaming":
         peak = int(BASE + STREAM_WORK * largest)

@@ -235,10 +235,11 @@ class WeightSpec(_Spec):
         if self.scale_dtype in GGML_SCALE_DTYPES and self.rounding.name == "adaround":
             raise ValueError(f"gguf_type {self.scale_dtype}: rounding adaround is not available on GGUF's "
                              "K-quant/IQ4 grids; use gptq or nearest")
-        if self.rounding.name == "signround" and (self.element != "int" or self.scale_dtype != "float32"):
-            grid = f"element {self.element}" if self.element != "int" else f"scale_dtype {self.scale_dtype}"
-            raise ValueError(f"{grid}: rounding signround learns on integer grids with float32 scales so far; use "
-                             "gptq or nearest there")
+        if self.rounding.name == "signround" and (self.scale_dtype in GGML_SCALE_DTYPES or (
+                self.element == "int" and self.scale_dtype != "float32")):
+            grid = "gguf_type" if self.scale_dtype in GGML_SCALE_DTYPES else "scale_dtype"
+            raise ValueError(f"{grid} {self.scale_dtype}: rounding signround learns on integer grids with "
+                             "float32 scales and on float elements (fp8, fp4) so far; use gptq or nearest there")
         return self
 
 

@@ -1,10 +1,12 @@
 """Learned rounding and ranges for one decoder block (SignRound: Cheng et al., 2023, the algorithm of Intel's
-AutoRound), on integer grids.
+AutoRound), on integer grids and float element grids (FP8, NVFP4, MXFP4).
 
 Input: a decoder block whose weight quantizers the analyzer has calibrated, its real inputs (the quantized
 blocks' outputs before it, one entry per calibration batch) and the rows to learn. Output: codes for each row,
 and each row's range shrunk where that helped; the stored scales are then those of the shrunk range, exactly as
-the quantizer computes them (the files hold nothing new).
+the quantizer computes them (the files hold nothing new). On a float element grid the offset is added to the
+scaled weight before it rounds to the element (``round(clamp(W / s + V, ±max))``, ``V`` in ``[-0.5, 0.5]``) and
+the scales stay the analyzer's: they are themselves quantized (FP8, E8M0), so a range factor has no gradient.
 
 Per weight a rounding offset ``V`` in ``[-0.5, 0.5]`` (in steps) and, with ``ranges``, a factor in
 ``[MIN_RANGE, 1]`` on each encoding's minimum and maximum (one factor for a symmetric grid) give the fake-quant
@@ -34,6 +36,7 @@ from torch import nn
 
 from ...parallel import Group
 from ...quant.affine import min_max_to_scale_offset, round_ste
+from ...quant.floatgrid import FloatElement
 from ...hooks import step
 from .gptq import expand_encoding
 
@@ -58,6 +61,8 @@ class LearnedLayer:
     v: torch.Tensor
     lo: Optional[torch.Tensor]  # factor on mn (symmetric: on both ends)
     hi: Optional[torch.Tensor]  # factor on mx (None for a symmetric grid)
+    element: Optional[FloatElement] = None  # a float element grid (its effective scales fixed: ``scale``)
+    scale: Optional[torch.Tensor] = None  # the float grid's effective scales, one per weight
 
     def params(self) -> List[torch.Tensor]:
         return [p for p in (self.v, self.lo, self.hi) if p is not None]
@@ -74,12 +79,19 @@ class LearnedLayer:
         return expand_encoding(scale, shape, self.block_size), expand_encoding(offset, shape, self.block_size)
 
     def fake_quant(self) -> torch.Tensor:
+        if self.element is not None:
+            y = torch.clamp(self.weight / self.scale + self.v, -self.element.max, self.element.max)
+            r = self.element.round(y.detach())
+            return (y + (r - y).detach()) * self.scale  # straight through the element rounding
         s, o = self.grid()
         q = torch.clamp(round_ste(self.weight / s + self.v) - o, self.qmin, self.qmax)
         return (q + o) * s
 
     @torch.no_grad()
     def codes(self) -> torch.Tensor:
+        if self.element is not None:
+            y = torch.clamp(self.weight / self.scale + self.v, -self.element.max, self.element.max)
+            return self.element.codes(self.element.round(y))
         s, o = self.grid()
         return torch.clamp(torch.round(self.weight / s + self.v) - o, self.qmin, self.qmax)
 
@@ -100,14 +112,21 @@ class LearnedLayer:
 
 
 def learned_layer(name: str, module: nn.Module, quantizer, ranges: bool) -> LearnedLayer:
-    """The learning state of ``module``'s weight on ``quantizer``'s calibrated integer grid (start: nearest)."""
+    """The learning state of ``module``'s weight on ``quantizer``'s calibrated grid (start: nearest): an integer
+    grid (``QuantizeDequantize``) or a float element one (``FloatQuantizeDequantize``, ranges never learned)."""
     w = module._parameters["weight"].detach().to(torch.float32).clone()  # (the weight is overwritten later)
     mn, mx = quantizer.min.detach().to(w.device).clone(), quantizer.max.detach().to(w.device).clone()
+    element = getattr(quantizer, "element", None)
+    scale = None
+    if element is not None:
+        ranges = False
+        scale = expand_encoding(quantizer.get_scale().detach().to(w.device, torch.float32), w.shape,
+                                quantizer.block_size)
     ones = (lambda: torch.ones_like(mn, requires_grad=True)) if ranges else (lambda: None)
     lo = ones()
     hi = ones() if not quantizer.symmetric else None
     return LearnedLayer(name, module, quantizer.qmin, quantizer.qmax, quantizer.symmetric, quantizer.block_size,
-                        w, mn, mx, torch.zeros_like(w, requires_grad=True), lo, hi)
+                        w, mn, mx, torch.zeros_like(w, requires_grad=True), lo, hi, element, scale)
 
 
 def signround_block(block: nn.Module, layers: List[LearnedLayer], inputs: List[Tuple[tuple, dict]],
