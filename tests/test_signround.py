@@ -188,3 +188,27 @@ ignore: ["lm_head", "re:.*embed_tokens"]
     blocks = json.loads((tmp_path / "learned" / "manifest.json").read_text())["signround"]["blocks"]
     assert all(b["losses"][b["chosen"]] < b["losses"]["nearest"] for b in blocks), blocks
     assert _logit_error(d, tmp_path / "learned") < _logit_error(d, tmp_path / "nearest")
+
+
+def test_with_weighted_ranges_and_no_steps_the_codes_are_round_to_nearest_on_the_searched_grid(llama, tmp_path):
+    """``weighting: activations`` gives a signround row its layer's input statistics for the range search, and
+    nothing else: no layer-wise algorithm touches its codes, so with no steps they are nearest's on that grid."""
+    d, _ = llama
+    (tmp_path / "r.yaml").write_text("""version: 1
+defaults:
+  weights: {bitwidth: 3, granularity: per_block, block_size: 16, analyzer: {name: mse, weighting: activations},
+            rounding: {name: signround, iterations: 0}}
+  activations: null
+ignore: ["lm_head", "re:.*embed_tokens"]
+""")
+    code, _, err = run_cli("calibrate", d / "m", "-c", tmp_path / "r.yaml", "--data", d / "ids.safetensors",
+                           "--batch-size", "4", "--sequential", "--quiet", "-o", tmp_path / "out")
+    assert code == 0, err
+    weights = load_file(str(d / "m" / "model.safetensors"))
+    entries = _entries(tmp_path / "out")
+    for key, c in load_file(str(tmp_path / "out" / "codes.safetensors")).items():
+        name = key.removeprefix("codes/")
+        step = (torch.tensor(entries[name]["max"]) / 3).repeat_interleave(16, dim=1)
+        assert torch.equal(c.to(torch.float32), torch.clamp(torch.round(weights[name] / step), -4, 3)), name
+    blocks = json.loads((tmp_path / "out" / "manifest.json").read_text())["signround"]["blocks"]
+    assert all(b["chosen"] == "nearest" and b["iterations"] == 0 for b in blocks)

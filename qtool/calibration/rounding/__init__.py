@@ -96,7 +96,7 @@ def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quan
             shared[id(p)] = shared.get(id(p), 0) + 1
     todo: List[QuantizerPlan] = []
     for q in rows:
-        if q.rounding == "nearest":
+        if q.rounding not in ("gptq", "adaround"):  # nearest; signround learns per block (learn_rounding)
             continue
         w = modules[q.module]._parameters["weight"]
         if shared.get(id(w), 0) > 1 or q.module in tied:
