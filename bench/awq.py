@@ -6,7 +6,7 @@ kind), with calibration time and peak RSS per method. Calibration: 32 windows of
 SignRound rows (``rounding: signround``, ``--iterations`` steps per block) run ``--sequential``, as they must.
 
     .venv/bin/python bench/awq.py [--methods rtn,awq,gptq,awq+gptq,signround,awq+signround] [--bits 4]
-        [--block 64] [--symmetric] [--iterations 200] [--out bench/results/awq.json]
+        [--block 64] [--symmetric] [--weighted] [--iterations 200] [--out bench/results/awq.json]
 
 Each method calibrates in a child process (its peak RSS is its own). Rows go to the JSON as they finish.
 """
@@ -29,15 +29,17 @@ METHODS = {"rtn": ("nearest", False), "awq": ("nearest", True), "gptq": ("gptq",
            "awq+gptq": ("gptq", True), "signround": ("signround", False), "awq+signround": ("signround", True)}
 
 
-def _recipe(tmp: Path, method: str, bits: int, block: int, symmetric: bool, iterations: int) -> Path:
+def _recipe(tmp: Path, method: str, bits: int, block: int, symmetric: bool, iterations: int,
+            weighted: bool = False) -> Path:
     rounding, awq = METHODS[method]
+    analyzer = "{name: mse, weighting: activations}" if weighted else "minmax"
     if rounding == "signround":
         rounding = f"{{name: signround, iterations: {iterations}}}"
     path = tmp / f"{method.replace('+', '-')}.yaml"
     path.write_text(f"""version: 1
 defaults:
   weights: {{bitwidth: {bits}, symmetric: {str(symmetric).lower()}, granularity: per_block, block_size: {block},
-             rounding: {rounding}}}
+             analyzer: {analyzer}, rounding: {rounding}}}
   activations: null
 ignore: ["lm_head", "re:.*embed_tokens"]
 """ + ("awq: {grid: 20}\n" if awq else ""))
@@ -70,6 +72,8 @@ def main(argv=None):
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--symmetric", action="store_true")
+    ap.add_argument("--weighted", action="store_true",
+                    help="ranges from the activation-weighted MSE search (the shipped -gptq recipes' analyzer)")
     ap.add_argument("--iterations", type=int, default=200, help="signround's steps per block")
     ap.add_argument("--out", default=str(REPO / "bench/results/awq.json"))
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -98,12 +102,13 @@ def main(argv=None):
     floats = {name: _perplexity(loaded.model, b)[0] for name, b in texts.items()}
     del loaded
     kind = "symmetric" if args.symmetric else "asymmetric"
-    result = {"model": "SmolLM2-135M-Instruct", "scheme": f"int{args.bits} {kind}, blocks of {args.block}",
+    grid = ", weighted MSE ranges" if args.weighted else ", min-max ranges"
+    result = {"model": "SmolLM2-135M-Instruct", "scheme": f"int{args.bits} {kind}, blocks of {args.block}{grid}",
               "signround_iterations": args.iterations,
               "calibration": "32 windows of 256 tokens of pydoc_data.topics", "float": floats, "rows": []}
     print(f"{'method':<10} {'text':<32} {'ppl float':>9} {'quant':>9} {'increase':>9} {'calib s':>8} {'peak GB':>8}")
     for method in args.methods.split(","):
-        recipe = _recipe(tmp, method, args.bits, args.block, args.symmetric, args.iterations)
+        recipe = _recipe(tmp, method, args.bits, args.block, args.symmetric, args.iterations, args.weighted)
         out = tmp / f"run-{method.replace('+', '-')}"
         r = subprocess.run([sys.executable, __file__, "--child", str(ckpt), str(recipe), str(tmp / "calib.txt"),
                             str(out)], capture_output=True, text=True)
