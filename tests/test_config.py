@@ -300,6 +300,7 @@ def test_config_list_describes_every_shipped_recipe():
     assert all(r["description"] and r["title"] for r in rows.values())  # every shipped recipe says what it is
     assert rows["w8a8"]["needs_data"] and not rows["w8a8-dynamic"]["needs_data"]
     assert rows["w4a16-block32-gptq"]["needs_data"] and not rows["w4a16-block32"]["needs_data"]
+    assert rows["w4a16-block32-signround"]["needs_data"]
     assert rows["w8a8-dynamic"]["activations"] == "int8 per_token dynamic"
 
 

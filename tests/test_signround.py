@@ -25,7 +25,7 @@ defaults:
   activations: null
 ignore: ["lm_head", "re:.*embed_tokens"]
 """
-LEARNED = "{name: signround, iterations: 30}"
+LEARNED = "{name: signround, iterations: 20}"
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def llama(tmp_path_factory):
     ids = torch.randint(0, 256, (16, 16), generator=torch.Generator().manual_seed(5))
     save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, d / "ids.safetensors")
     for name, rounding, symmetric in (("learned", LEARNED, "true"), ("nearest", "nearest", "true"),
-                                      ("fixed", "{name: signround, iterations: 30, ranges: false}", "true"),
+                                      ("fixed", "{name: signround, iterations: 20, ranges: false}", "true"),
                                       ("asym", LEARNED, "false"), ("asym-nearest", "nearest", "false")):
         (d / f"{name}.yaml").write_text(RECIPE.format(rounding=rounding, symmetric=symmetric))
     runs = {}
