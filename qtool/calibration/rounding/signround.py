@@ -130,15 +130,16 @@ def learned_layer(name: str, module: nn.Module, quantizer, ranges: bool) -> Lear
 
 
 def signround_block(block: nn.Module, layers: List[LearnedLayer], inputs: List[Tuple[tuple, dict]],
-                    computing_with: Callable, others: Sequence[nn.Module] = (), *, iterations: int = 200, learning_rate: Optional[float] = None,
-                    seed: int = 0, group: Optional[Group] = None, what: str = "learning rounding"
-                    ) -> Dict[str, object]:
+                    computing_with: Callable, others: Sequence[nn.Module] = (), *, iterations: int = 200,
+                    learning_rate: Optional[float] = None, seed: int = 0, group: Optional[Group] = None,
+                    what: str = "learning rounding") -> Dict[str, object]:
     """Learn ``layers``' rounding (and ranges) on ``block`` over ``inputs`` (this rank's batches, ``(args,
     kwargs)`` each); leaves each layer's parameters at the chosen candidate. ``computing_with`` is
     :func:`qtool.model.insert.computing_with`; the block's other quantizers must be as the objective wants them
     (activation quantizers off); ``others``: the block's other weight-quantized modules, float in the target
-    (the float block's output) and quantized as they are while learning. Returns a record: the three candidates' total losses, the one chosen, the steps
-    and the seconds taken."""
+    (the float block's output) and quantized as they are while learning. Returns a record: the three
+    candidates' total losses, the one chosen, the steps and the seconds taken (the last step's progress report
+    says them too)."""
     group = group or Group()
     if iterations < 0 or (learning_rate is not None and learning_rate <= 0):
         raise ValueError("iterations must be >= 0 and learning_rate > 0")
@@ -186,8 +187,9 @@ def signround_block(block: nn.Module, layers: List[LearnedLayer], inputs: List[T
                 with torch.enable_grad():
                     loss = loss_on(j)
                     grads = torch.autograd.grad(loss, params, allow_unused=True)
-                payload = (float(loss.detach()), [torch.zeros_like(p, dtype=torch.int8) if g is None else
-                                         g.sign().to(torch.int8) for p, g in zip(params, grads)])
+                signs = [torch.zeros_like(p, dtype=torch.int8) if g is None else g.sign().to(torch.int8)
+                         for p, g in zip(params, grads)]  # (None: a layer this batch never reached, an expert)
+                payload = (float(loss.detach()), signs)
             loss_value, signs = next(p for p in group.all_gather(payload) if p is not None)
             if loss_value < best_loss:  # the loss of the parameters as they were for this step
                 best, best_loss = [layer.snapshot() for layer in layers], loss_value
@@ -197,7 +199,8 @@ def signround_block(block: nn.Module, layers: List[LearnedLayer], inputs: List[T
                     p.sub_(rate * s.to(p.device, p.dtype))
                 for layer in layers:
                     layer.clamp_()
-            step(what, it + 1, iterations, f"loss {loss_value:.3g}")
+            if it + 1 < iterations:
+                step(what, it + 1, iterations, f"loss {loss_value:.3g}")
         last = [layer.snapshot() for layer in layers]
         scores = []
         for candidate in (start, best, last):
@@ -207,6 +210,9 @@ def signround_block(block: nn.Module, layers: List[LearnedLayer], inputs: List[T
         chosen = min(range(3), key=lambda i: (scores[i], i))
         for layer, saved in zip(layers, (start, best, last)[chosen]):
             layer.restore(saved)
+        if iterations:
+            step(what, iterations, iterations, f"loss {scores[chosen]:.3g} over {total} batches (nearest "
+                 f"{scores[0]:.3g}), {time.perf_counter() - t0:.1f} s")
     finally:
         for p in frozen:
             p.requires_grad_(True)
