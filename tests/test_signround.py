@@ -215,3 +215,26 @@ ignore: ["lm_head", "re:.*embed_tokens"]
         assert torch.equal(c.to(torch.float32), torch.clamp(torch.round(weights[name] / step), -4, 3)), name
     blocks = json.loads((tmp_path / "out" / "manifest.json").read_text())["signround"]["blocks"]
     assert all(b["chosen"] == "nearest" and b["iterations"] == 0 for b in blocks)
+
+
+def test_rows_with_their_own_arguments_learn_as_a_problem_of_their_own(llama, tmp_path):
+    """A ``layers:`` entry that changes signround's arguments for some of a block's layers makes those layers a
+    learning problem of their own (the manifest names its rows); none is left with the first row's arguments."""
+    d, _ = llama
+    (tmp_path / "r.yaml").write_text("""version: 1
+defaults:
+  weights: {bitwidth: 3, granularity: per_block, block_size: 16, rounding: {name: signround, iterations: 20}}
+  activations: null
+layers:
+  - match: "re:.*mlp.*"
+    weights: {bitwidth: 3, granularity: per_block, block_size: 16, rounding: {name: signround, iterations: 5}}
+ignore: ["lm_head", "re:.*embed_tokens"]
+""")
+    code, _, err = run_cli("calibrate", d / "m", "-c", tmp_path / "r.yaml", "--data", d / "ids.safetensors",
+                           "--batch-size", "4", "--sequential", "--quiet", "-o", tmp_path / "out")
+    assert code == 0, err
+    blocks = json.loads((tmp_path / "out" / "manifest.json").read_text())["signround"]["blocks"]
+    assert [(b["block"], b["iterations"]) for b in blocks] == [
+        ("model.layers.0", 20), ("model.layers.0", 5), ("model.layers.1", 20), ("model.layers.1", 5)]
+    assert all(r.split(".")[3] == "mlp" for b in blocks if b["iterations"] == 5 for r in b["rows"])
+    assert all(b["losses"][b["chosen"]] <= b["losses"]["nearest"] for b in blocks)

@@ -340,8 +340,6 @@ def learn_rounding(rows: List[QuantizerPlan], block: Optional[nn.Module], block_
     layer's weight overwritten with its dequantized codes (as :func:`round_weights` does). Rows outside a
     decoder block (``block`` None: an embedding, ``lm_head``) stay round-to-nearest, with a warning. The block's
     record (the candidates' losses, the one chosen) goes to ``records``."""
-    from ...model.insert import computing_with
-
     if not rows:
         return {}
     if block is None:
@@ -349,24 +347,43 @@ def learn_rounding(rows: List[QuantizerPlan], block: Optional[nn.Module], block_
             warnings.append(f"{', '.join(q.name for q in rows)}: outside the decoder blocks, where signround "
                             "learns; rounded to nearest")
         return {}
+    # rows of the block with other arguments (a layers: override) are a learning problem of their own, in plan
+    # order; while one learns, the others compute as they stand (nearest, or what their problem chose)
+    problems: Dict[tuple, List[QuantizerPlan]] = {}
+    for q in rows:
+        problems.setdefault(q.rounding_args, []).append(q)
+    switched = [q for m in block.modules() for key, q in getattr(m, "qtool_quantizers", {}).items()
+                if key != "weight" and q.enabled]
+    for q in switched:  # the objective is the weights' error: activation quantizers stay off while learning
+        q.enabled = False
+    out: Dict[str, torch.Tensor] = {}
+    try:
+        for problem in problems.values():
+            out.update(_learn_problem(problem, block, block_name, inputs, modules, quantizers, group,
+                                      records, len(problems) > 1))
+    finally:
+        for q in switched:
+            q.enabled = True
+    return out
+
+
+def _learn_problem(rows: List[QuantizerPlan], block: nn.Module, block_name: str, inputs: List,
+                   modules: Dict[str, nn.Module], quantizers: Dict[str, QuantizerBase], group: Optional[Group],
+                   records: Optional[List[Dict]], named: bool) -> Dict[str, torch.Tensor]:
+    """:func:`learn_rounding` for rows that share their arguments; ``named``: the record lists the rows."""
+    from ...model.insert import computing_with
+
     args = dict(rows[0].rounding_args)
     layers = [learned_layer(q.name, modules[q.module], quantizers[q.name], args.get("ranges", True))
               for q in rows]
     learned = {id(layer.module) for layer in layers}
     others = [m for m in block.modules() if "weight" in getattr(m, "qtool_quantizers", {}) and id(m) not in learned]
-    switched = [q for m in block.modules() for key, q in getattr(m, "qtool_quantizers", {}).items()
-                if key != "weight" and q.enabled]
-    for q in switched:  # the objective is the weights' error: activation quantizers stay off while learning
-        q.enabled = False
     try:
         record = signround_block(block, layers, inputs, computing_with, others, iterations=args.get("iterations", 200),
                                  learning_rate=args.get("learning_rate"), seed=args.get("seed", 0), group=group,
                                  what=f"learning rounding (signround, {block_name})")
     except ValueError as e:
         raise DataError(f"{block_name}: {e}") from None
-    finally:
-        for q in switched:
-            q.enabled = True
     out: Dict[str, torch.Tensor] = {}
     for q, layer in zip(rows, layers):
         quantizer = quantizers[q.name]
@@ -376,6 +393,6 @@ def learn_rounding(rows: List[QuantizerPlan], block: Optional[nn.Module], block_
         out[q.name] = layer.codes().to(_wire_dtype(quantizer)).cpu()
         _write_back(q, modules, quantizer, out[q.name])
     if records is not None:
-        records.append({"block": block_name, "chosen": record["chosen"], "losses": record["losses"],
-                        "iterations": record["iterations"]})
+        records.append({"block": block_name, **({"rows": [q.name for q in rows]} if named else {}),
+                        "chosen": record["chosen"], "losses": record["losses"], "iterations": record["iterations"]})
     return out
