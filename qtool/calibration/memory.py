@@ -65,8 +65,8 @@ def _layer_stats(plan: Plan, model: nn.Module, within: Optional[str] = None):
         if weight is None or weight.dim() < 2:
             continue
         width = int(weight[0].numel())  # a convolution's patch: in / groups · kernel
-        stored += 8 * width + (8 * width * width if q.rounding != "nearest" else 0)
-        if q.rounding != "nearest":
+        stored += 8 * width + (8 * width * width if q.rounds_layerwise else 0)
+        if q.rounds_layerwise:
             widest = max(widest, 8 * width * width)
     return stored, GPTQ_WORK * widest
 
@@ -98,20 +98,16 @@ def estimate_memory(model: nn.Module, plan: Plan, mode: str, batch_size: int, se
 
     def learning() -> int:
         """signround's state on the block with the most learned weights (0 without signround)."""
-        prefix = stack[0] + ".layers."
-        learned = {}
-        for q in plan.weights:
-            if q.learns_rounding and q.module.startswith(prefix):
-                i = q.module[len(prefix):].split(".", 1)[0]
-                weight = getattr(model.get_submodule(q.module), "weight", None)
-                learned[i] = learned.get(i, 0) + (weight.numel() if weight is not None else 0)
+        learned = [q.module for q in plan.weights if q.learns_rounding]
         if not learned:
             return 0
+        most = max(sum(model.get_submodule(m).weight.numel() for m in learned
+                       if m.startswith(f"{stack[0]}.layers.{i}.")) for i in range(len(blocks)))
         inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
         heads = int(getattr(config, "num_attention_heads", 0) or 1)
         # what autograd keeps of one batch's pass through the block (read off SmolLM2, 8 x 256 tokens)
         activations = 4 * tokens * (8 * hidden + 4 * inter) + 4 * batch_size * heads * seq_len * seq_len
-        return LEARNED_BYTES * max(learned.values()) + 4 * samples * seq_len * hidden + activations
+        return LEARNED_BYTES * most + 4 * samples * seq_len * hidden + activations
 
     if mode == "streaming":
         peak = int(BASE + STREAM_WORK * largest)

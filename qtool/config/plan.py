@@ -127,8 +127,13 @@ class QuantizerPlan:
     @property
     def needs_inputs(self) -> bool:
         """True when calibrating this weight needs its layer's input statistics (so calibration data)."""
-        return self.tensor == "weight" and (self.rounding in ("gptq", "adaround") or (
+        return self.tensor == "weight" and (self.rounds_layerwise or (
             dict(self.analyzer_args).get("weighting") == "activations" and not self.imatrix))
+
+    @property
+    def rounds_layerwise(self) -> bool:
+        """True when this weight's codes come from its layer's ``XᵀX`` (GPTQ, AdaRound): the statistics keep it."""
+        return self.tensor == "weight" and self.rounding in ("gptq", "adaround")
 
     @property
     def learns_rounding(self) -> bool:

@@ -46,7 +46,7 @@ def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module
     from ...model.experts import routing_of
 
     rows = list(rows)
-    hessians = {r.module for r in rows if r.rounding != "nearest"}
+    hessians = {r.module for r in rows if r.rounds_layerwise}
     seen: Dict[str, int] = {}
     short: List[str] = []
     for q in rows:
@@ -96,7 +96,7 @@ def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quan
             shared[id(p)] = shared.get(id(p), 0) + 1
     todo: List[QuantizerPlan] = []
     for q in rows:
-        if q.rounding not in ("gptq", "adaround"):  # nearest; signround learns per block (learn_rounding)
+        if not q.rounds_layerwise:  # nearest; signround learns per block (learn_rounding)
             continue
         w = modules[q.module]._parameters["weight"]
         if shared.get(id(w), 0) > 1 or q.module in tied:
@@ -374,7 +374,7 @@ def _learn_problem(rows: List[QuantizerPlan], block: nn.Module, block_name: str,
     from ...model.insert import computing_with
 
     args = dict(rows[0].rounding_args)
-    layers = [learned_layer(q.name, modules[q.module], quantizers[q.name], args.get("ranges", True))
+    layers = [learned_layer(modules[q.module], quantizers[q.name], args.get("ranges", True))
               for q in rows]
     learned = {id(layer.module) for layer in layers}
     others = [m for m in block.modules() if "weight" in getattr(m, "qtool_quantizers", {}) and id(m) not in learned]

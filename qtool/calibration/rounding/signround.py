@@ -49,7 +49,6 @@ MIN_RANGE = 0.5  # the smallest factor a learned range may apply to the analyzer
 class LearnedLayer:
     """One row's learning state: its float weight, the analyzer's range and the learned parameters."""
 
-    name: str
     module: nn.Module
     qmin: int
     qmax: int
@@ -111,7 +110,7 @@ class LearnedLayer:
             p.copy_(s)
 
 
-def learned_layer(name: str, module: nn.Module, quantizer, ranges: bool) -> LearnedLayer:
+def learned_layer(module: nn.Module, quantizer, ranges: bool) -> LearnedLayer:
     """The learning state of ``module``'s weight on ``quantizer``'s calibrated grid (start: nearest): an integer
     grid (``QuantizeDequantize``) or a float element one (``FloatQuantizeDequantize``, ranges never learned)."""
     w = module._parameters["weight"].detach().to(torch.float32).clone()  # (the weight is overwritten later)
@@ -122,10 +121,9 @@ def learned_layer(name: str, module: nn.Module, quantizer, ranges: bool) -> Lear
         ranges = False
         scale = expand_encoding(quantizer.get_scale().detach().to(w.device, torch.float32), w.shape,
                                 quantizer.block_size)
-    ones = (lambda: torch.ones_like(mn, requires_grad=True)) if ranges else (lambda: None)
-    lo = ones()
-    hi = ones() if not quantizer.symmetric else None
-    return LearnedLayer(name, module, quantizer.qmin, quantizer.qmax, quantizer.symmetric, quantizer.block_size,
+    lo = torch.ones_like(mn, requires_grad=True) if ranges else None
+    hi = torch.ones_like(mx, requires_grad=True) if ranges and not quantizer.symmetric else None
+    return LearnedLayer(module, quantizer.qmin, quantizer.qmax, quantizer.symmetric, quantizer.block_size,
                         w, mn, mx, torch.zeros_like(w, requires_grad=True), lo, hi, element, scale)
 
 

@@ -161,7 +161,7 @@ def collect_inputs(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module],
     hessian: Dict[str, bool] = {}
     for q in rows:
         if q.needs_inputs:
-            hessian[q.module] = hessian.get(q.module, False) or q.rounding != "nearest"
+            hessian[q.module] = hessian.get(q.module, False) or q.rounds_layerwise
     return collect_module_inputs(hessian, modules, run, same_inputs(modules, hessian))
 
 
