@@ -149,8 +149,9 @@ def test_without_sequential_it_is_refused_in_one_line(llama, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("grid", ["bitwidth: 4, granularity: per_channel, scale_dtype: float16", "gguf_type: q4_0"])
-def test_a_grid_it_does_not_learn_on_is_refused_in_one_line(llama, tmp_path, grid):
+@pytest.mark.parametrize("grid, why", [("bitwidth: 4, granularity: per_channel, scale_dtype: float16", "integer grids"),
+                                       ("gguf_type: iq4_nl", "table")])
+def test_a_grid_it_does_not_learn_on_is_refused_in_one_line(llama, tmp_path, grid, why):
     d, _ = llama
     (tmp_path / "r.yaml").write_text(f"""version: 1
 defaults:
@@ -162,8 +163,51 @@ ignore: ["lm_head", "re:.*embed_tokens"]
                            "--sequential", "-o", tmp_path / "out")
     assert code == 2
     lines = error_lines(err)
-    assert len(lines) == 1 and "signround" in lines[0] and "integer grids" in lines[0], err
+    assert len(lines) == 1 and "signround" in lines[0] and why in lines[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_gguf_types_learn_rounding_on_the_grid_the_file_stores(tmp_path):
+    """A GGUF mix (Q2_K: Q2_K with minima, Q3_K signed, sub-block scales under float16 super-block scales) learns
+    codes on the grid the file stores: the ranges stay the search's, every block ends below nearest's loss, the
+    model ends closer to float, and the file llama.cpp reads holds exactly the fake-quant weights."""
+    from tests.test_gguf import _tiny_llama
+
+    _tiny_llama(tmp_path / "m", False, hidden=256)  # K-quants need rows of 256
+    ids = torch.randint(1, 300, (16, 32), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    summaries = {}
+    for name, rounding in (("learned", LEARNED), ("nearest", "nearest")):
+        (tmp_path / f"{name}.yaml").write_text(f"""version: 1
+gguf_mix: q2_k
+defaults:
+  weights: {{analyzer: mse, rounding: {rounding}}}
+  activations: null
+""")
+        code, out, err = run_cli("quantize", tmp_path / "m", "-c", tmp_path / f"{name}.yaml", "--data",
+                                 tmp_path / "ids.safetensors", "--batch-size", "4", "--sequential", "--format", "gguf",
+                                 "--json", "-o", tmp_path / name)
+        assert code == 0, err
+        summaries[name] = json.loads(out)["gguf"]
+    learned, nearest = (tmp_path / "learned" / "calibration", tmp_path / "nearest" / "calibration")
+    assert summaries["learned"]["tensor_types"] == summaries["nearest"]["tensor_types"]
+    assert {"Q2_K", "Q3_K"} <= set(summaries["learned"]["tensor_types"])
+    assert summaries["learned"]["max_weight_deviation"] == 0.0  # the file's weights are the fake-quant model's
+    # the grid is the search's: ranges, scales and offsets as round-to-nearest stores them
+    assert (learned / "encodings.safetensors").read_bytes() == (nearest / "encodings.safetensors").read_bytes()
+    blocks = json.loads((learned / "manifest.json").read_text())["signround"]["blocks"]
+    assert len(blocks) == 2 and all(b["losses"][b["chosen"]] < 0.8 * b["losses"]["nearest"] for b in blocks), blocks
+    import transformers
+
+    import qtool
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m")).eval()
+    errors = {}
+    for name, run in (("learned", learned), ("nearest", nearest)):
+        model = qtool.load_calibrated(str(tmp_path / "m"), str(run / "encodings.json"))
+        with torch.no_grad():
+            errors[name] = float((model(input_ids=ids).logits - ref(input_ids=ids).logits).pow(2).mean())
+    assert errors["learned"] < 0.8 * errors["nearest"], errors
 
 
 @pytest.mark.parametrize("grid", ["element: fp4_e2m1, granularity: per_block, block_size: 16, scale_dtype: fp8_e4m3",

@@ -235,11 +235,14 @@ class WeightSpec(_Spec):
         if self.scale_dtype in GGML_SCALE_DTYPES and self.rounding.name == "adaround":
             raise ValueError(f"gguf_type {self.scale_dtype}: rounding adaround is not available on GGUF's "
                              "K-quant/IQ4 grids; use gptq or nearest")
-        if self.rounding.name == "signround" and (self.scale_dtype in GGML_SCALE_DTYPES or (
-                self.element == "int" and self.scale_dtype != "float32")):
-            grid = "gguf_type" if self.scale_dtype in GGML_SCALE_DTYPES else "scale_dtype"
-            raise ValueError(f"{grid} {self.scale_dtype}: rounding signround learns on integer grids with "
-                             "float32 scales and on float elements (fp8, fp4) so far; use gptq or nearest there")
+        if self.rounding.name == "signround" and self.scale_dtype in ("iq4_nl", "iq4_xs"):
+            raise ValueError(f"gguf_type {self.scale_dtype}: rounding signround learns on evenly spaced grids, and "
+                             "IQ4's 16 levels are a table; use gptq or nearest there")
+        if self.rounding.name == "signround" and self.element == "int" and self.scale_dtype not in (
+                "float32", *GGML_SCALE_DTYPES):
+            raise ValueError(f"scale_dtype {self.scale_dtype}: rounding signround learns on integer grids with "
+                             "float32 scales, GGUF's block types and float elements (fp8, fp4) so far; use gptq or "
+                             "nearest there")
         return self
 
 

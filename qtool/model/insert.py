@@ -208,9 +208,10 @@ def make_quantizer(q: QuantizerPlan, device=None) -> QuantizerBase:
     if q.element != "int":
         quantizer = FloatQuantizeDequantize(q.shape, q.element, q.scale_dtype, make_analyzer(q), q.block_size)
     elif q.spec.ggml is not None:
-        # codes a rounding algorithm (GPTQ) chooses afterwards can make up for clipped extremes: search those too
+        # codes GPTQ chooses afterwards can make up for clipped extremes: search those too (signround's offsets
+        # move a code at most one step, so its start is round-to-nearest's grid, where clipping measured worse)
         quantizer = GgmlQuantizeDequantize(q.shape, q.spec.ggml, make_analyzer(q), q.block_size,
-                                           clip=q.rounding != "nearest")
+                                           clip=q.rounds_layerwise)
     else:
         quantizer = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric, encoding_analyzer=make_analyzer(q),
                                        block_size=q.block_size, scale_dtype=q.scale_dtype)

@@ -1,5 +1,5 @@
 """Learned rounding and ranges for one decoder block (SignRound: Cheng et al., 2023, the algorithm of Intel's
-AutoRound), on integer grids and float element grids (FP8, NVFP4, MXFP4).
+AutoRound), on integer grids, float element grids (FP8, NVFP4, MXFP4) and GGUF's block types.
 
 Input: a decoder block whose weight quantizers the analyzer has calibrated, its real inputs (the quantized
 blocks' outputs before it, one entry per calibration batch) and the rows to learn. Output: codes for each row,
@@ -7,6 +7,9 @@ and each row's range shrunk where that helped; the stored scales are then those 
 the quantizer computes them (the files hold nothing new). On a float element grid the offset is added to the
 scaled weight before it rounds to the element (``round(clamp(W / s + V, ±max))``, ``V`` in ``[-0.5, 0.5]``) and
 the scales stay the analyzer's: they are themselves quantized (FP8, E8M0), so a range factor has no gradient.
+On a GGUF type (Q4_0 … Q8_0, Q2_K … Q6_K) the grid is the one the file stores (sub-block steps and minima already
+quantized under the float16 super-block scales), for the same reason, and the offset is added before rounding
+``(W + low) / step`` to its code; IQ4's table grids are refused by the recipe.
 
 Per weight a rounding offset ``V`` in ``[-0.5, 0.5]`` (in steps) and, with ``ranges``, a factor in
 ``[MIN_RANGE, 1]`` on each encoding's minimum and maximum (one factor for a symmetric grid) give the fake-quant
@@ -37,6 +40,7 @@ from torch import nn
 from ...parallel import Group
 from ...quant.affine import min_max_to_scale_offset, round_ste
 from ...quant.floatgrid import FloatElement
+from ...quant.ggml import GgmlType
 from ...hooks import step
 from .gptq import expand_encoding
 
@@ -61,7 +65,9 @@ class LearnedLayer:
     lo: Optional[torch.Tensor]  # factor on mn (symmetric: on both ends)
     hi: Optional[torch.Tensor]  # factor on mx (None for a symmetric grid)
     element: Optional[FloatElement] = None  # a float element grid (its effective scales fixed: ``scale``)
-    scale: Optional[torch.Tensor] = None  # the float grid's effective scales, one per weight
+    scale: Optional[torch.Tensor] = None  # a fixed grid's effective scales (float, GGUF steps), one per weight
+    ggml: Optional[GgmlType] = None  # a GGUF type: the stored grid ``scale``/``low`` is fixed
+    low: Optional[torch.Tensor] = None  # the GGUF grid's minima (value = step·q − low), one per weight
 
     def params(self) -> List[torch.Tensor]:
         return [p for p in (self.v, self.lo, self.hi) if p is not None]
@@ -82,6 +88,8 @@ class LearnedLayer:
             y = torch.clamp(self.weight / self.scale + self.v, -self.element.max, self.element.max)
             r = self.element.round(y.detach())
             return (y + (r - y).detach()) * self.scale  # straight through the element rounding
+        if self.ggml is not None:
+            return self._ggml_codes(round_ste) * self.scale - self.low
         s, o = self.grid()
         q = torch.clamp(round_ste(self.weight / s + self.v) - o, self.qmin, self.qmax)
         return (q + o) * s
@@ -91,8 +99,15 @@ class LearnedLayer:
         if self.element is not None:
             y = torch.clamp(self.weight / self.scale + self.v, -self.element.max, self.element.max)
             return self.element.codes(self.element.round(y))
+        if self.ggml is not None:
+            return torch.where(self.scale == 0, 0.0, self._ggml_codes(torch.round))
         s, o = self.grid()
         return torch.clamp(torch.round(self.weight / s + self.v) - o, self.qmin, self.qmax)
+
+    def _ggml_codes(self, rounding: Callable) -> torch.Tensor:
+        """A GGUF grid's codes as ``ggml.quantize_codes`` rounds them (a zero step: any code, worth ``-low``)."""
+        safe = torch.where(self.scale == 0, 1.0, self.scale)
+        return torch.clamp(rounding((self.weight + self.low) / safe + self.v), self.qmin, self.qmax)
 
     @torch.no_grad()
     def clamp_(self) -> None:
@@ -112,19 +127,27 @@ class LearnedLayer:
 
 def learned_layer(module: nn.Module, quantizer, ranges: bool) -> LearnedLayer:
     """The learning state of ``module``'s weight on ``quantizer``'s calibrated grid (start: nearest): an integer
-    grid (``QuantizeDequantize``) or a float element one (``FloatQuantizeDequantize``, ranges never learned)."""
+    grid (``QuantizeDequantize``), a float element one (``FloatQuantizeDequantize``) or a GGUF type's
+    (``GgmlQuantizeDequantize``); ranges are learned on the first only."""
     w = module._parameters["weight"].detach().to(torch.float32).clone()  # (the weight is overwritten later)
     mn, mx = quantizer.min.detach().to(w.device).clone(), quantizer.max.detach().to(w.device).clone()
-    element = getattr(quantizer, "element", None)
-    scale = None
+    element, gtype = getattr(quantizer, "element", None), getattr(quantizer, "ggml", None)
+    scale = low = None
     if element is not None:
         ranges = False
         scale = expand_encoding(quantizer.get_scale().detach().to(w.device, torch.float32), w.shape,
                                 quantizer.block_size)
+    if gtype is not None:
+        if gtype.table:
+            raise ValueError(f"GGUF type {gtype.name}: signround learns on evenly spaced grids, not IQ4's table")
+        ranges = False
+        grid = quantizer.grid()
+        scale, low = (expand_encoding(t.to(w.device, torch.float32), w.shape, quantizer.block_size)
+                      for t in (grid.step, grid.low))
     lo = torch.ones_like(mn, requires_grad=True) if ranges else None
     hi = torch.ones_like(mx, requires_grad=True) if ranges and not quantizer.symmetric else None
     return LearnedLayer(module, quantizer.qmin, quantizer.qmax, quantizer.symmetric, quantizer.block_size,
-                        w, mn, mx, torch.zeros_like(w, requires_grad=True), lo, hi, element, scale)
+                        w, mn, mx, torch.zeros_like(w, requires_grad=True), lo, hi, element, scale, gtype, low)
 
 
 def signround_block(block: nn.Module, layers: List[LearnedLayer], inputs: List[Tuple[tuple, dict]],
