@@ -125,7 +125,11 @@ def main(argv=None):
     ap.add_argument("--data-only", action="store_true", help="only qtool's data rows (no llama.cpp, no data-free)")
     ap.add_argument("--weighted", action="store_true",
                     help="data rows with the activation-weighted search before GPTQ instead of gguf-<mix>-gptq")
-    ap.add_argument("--methods", default="gptq", help="data rows: gptq (gguf-<mix>-gptq) and/or signround")
+    ap.add_argument("--methods", default="gptq",
+                    help="data rows: gptq (gguf-<mix>-gptq) and/or signround; 'none': only the data-free qtool row")
+    ap.add_argument("--data-free-analyzer", default="mse",
+                    help="the data-free row's weights analyzer, as a recipe writes it (e.g. '{name: mse, weighting: "
+                         "magnitude}')")
     ap.add_argument("--iterations", type=int, default=50, help="signround's steps per block")
     ap.add_argument("--out", default=str(REPO / "bench/results/gguf_kquants.json"))
     args = ap.parse_args(argv)
@@ -180,9 +184,10 @@ def main(argv=None):
         def shown(entry) -> str:
             return " / ".join(f"{v:+6.2f}%" for v in entry["increase_pct"].values())
 
-        methods = args.methods.split(",")
+        methods = [m for m in args.methods.split(",") if m != "none"]
         for mix in args.mixes.split(","):
             row = {"mix": mix}
+            types = None
             for method in methods:
                 key = "qtool_data" if method == "gptq" else f"qtool_{method}"
                 recipe = REPO / "configs" / f"gguf-{mix}-gptq.yaml"
@@ -207,11 +212,14 @@ def main(argv=None):
                 continue
             if not args.no_data_free:  # the mix with the data-free search (its rules may differ without data)
                 recipe = tmp / f"gguf-{mix}-nodata.yaml"
-                recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: mse}}\n"
-                                  "  activations: null\n")
-                ppl_n, secs_n, _, types_n = qtool_row(recipe, False)
-                row["qtool_no_data"] = {"perplexity": ppl_n, "seconds": secs_n, "same_types": types_n == types}
-            for label, imat in (("llama_cpp", False), ("llama_cpp_imatrix", True)):
+                recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: "
+                                  f"{args.data_free_analyzer}}}\n  activations: null\n")
+                ppl_n, secs_n, summary_n, types_n = qtool_row(recipe, False)
+                row["qtool_no_data"] = {"perplexity": ppl_n, "seconds": secs_n, "same_types": types_n == types,
+                                        "analyzer": args.data_free_analyzer}
+                row.setdefault("bytes", summary_n["bytes"])
+            # (no data rows: no importance matrix row either)
+            for label, imat in (("llama_cpp", False), ("llama_cpp_imatrix", True))[:2 if methods else 1]:
                 # each beside the qtool row with the same rules: without data / with data (an importance matrix)
                 type_of = types if imat else types_n
                 t0 = time.perf_counter()

@@ -241,6 +241,55 @@ def test_weighted_mse_lowers_the_weighted_error_and_needs_importance():
         MseEncodingAnalyzer((32, 2), (1, 32), weighting="activations").update_stats(w)
 
 
+# ---- magnitude-weighted MSE (no data) ---------------------------------------------------------------------------
+def test_magnitude_weighting_is_the_weighted_search_with_rms_plus_abs_of_each_block():
+    """``weighting: magnitude`` is the weighted search with each value weighted by its block's RMS plus its own
+    magnitude, on an integer grid and on a GGUF type's sub-blocks alike."""
+    from qtool.quant import ggml
+    from qtool.quant.quantizer import GgmlQuantizeDequantize
+
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    blocks = w.reshape(16, 2, 32)
+    weights = (blocks.pow(2).mean(-1, keepdim=True).sqrt() + blocks.abs()).reshape(16, 64)
+    magnitude = MseEncodingAnalyzer((16, 2), (1, 32), weighting="magnitude")
+    explicit = MseEncodingAnalyzer((16, 2), (1, 32), weighting="activations")
+    magnitude.update_stats(w)
+    explicit.update_stats(w, importance=weights)
+    for a, b in zip(magnitude.compute_encodings(15, True), explicit.compute_encodings(15, True)):
+        assert torch.equal(a, b)
+    t = ggml.ggml_type("Q4_0")
+    q = GgmlQuantizeDequantize((16, 2), t, MseEncodingAnalyzer((16, 2), (1, 32), weighting="magnitude"), (1, 32))
+    with q.compute_encodings():
+        q(w)
+    mn, mx = ggml.search_range(w.reshape(-1, 32), t, weights.reshape(-1, 32))
+    assert torch.equal(q.min.reshape(-1), mn) and torch.equal(q.max.reshape(-1), mx)
+    plain = ggml.search_range(w.reshape(-1, 32), t)
+    assert not torch.equal(plain[1], mx) or not torch.equal(plain[0], mn)  # the weighting changed the search
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), bits=st.sampled_from([3, 4, 8]), symmetric=st.booleans(),
+       outlier=st.floats(1.0, 20.0))
+def test_magnitude_weighted_search_is_never_worse_than_min_max_on_its_objective(seed, bits, symmetric, outlier):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(8, 64, generator=g)
+    w[:, 5] *= outlier
+    a = MseEncodingAnalyzer((8, 2), (1, 32), weighting="magnitude")
+    a.update_stats(w)
+    qmin, qmax = grid(bits, symmetric)
+    blocks = w.reshape(8, 2, 32)
+    weights = (blocks.pow(2).mean(-1, keepdim=True).sqrt() + blocks.abs()).reshape(8, 64)
+
+    def objective(mn, mx):
+        mn, mx = adjust_min_max(mn, mx, qmax - qmin, symmetric)
+        s, o = min_max_to_scale_offset(mn, mx, qmin, qmax, symmetric)
+        d = w - dequantize(quantize(w, s, o, qmin=qmin, qmax=qmax, block_size=(1, 32)), s, o, block_size=(1, 32))
+        return float((d.pow(2) * weights).sum())
+
+    mn, mx = a.compute_encodings(qmax - qmin, symmetric)
+    assert objective(mn, mx) <= objective(a.min.reshape(8, 2), a.max.reshape(8, 2)) * (1 + 1e-5)
+
+
 # ---- recipes --------------------------------------------------------------------------------------------------
 def test_recipe_rounding_and_weighting_reach_the_plan_and_non_linear_layers_fall_back():
     class Net(torch.nn.Module):

@@ -63,8 +63,9 @@ class AnalyzerSpec(BaseModel):
     offset_candidates: Optional[int] = Field(None, ge=3)
     num_candidates: Optional[int] = Field(None, ge=1, le=1000)
     min_ratio: Optional[float] = Field(None, gt=0, le=1)
-    # "activations": each weight's squared error counts by its input channel's E[x²] (needs --data)
-    weighting: Optional[Literal["none", "activations"]] = None
+    # "activations": each weight's squared error counts by its input channel's E[x²] (needs --data);
+    # "magnitude": by rms + |w| of its block (llama.cpp's K-quant weighting without an importance matrix; no data)
+    weighting: Optional[Literal["none", "activations", "magnitude"]] = None
 
     @model_validator(mode="after")
     def _params_fit_the_analyzer(self):

@@ -12,6 +12,15 @@ from ..affine import adjust_min_max, min_max_to_scale_offset, quantize_dequantiz
 from .base import _CHUNK_ELEMENTS, EncodingAnalyzer, NoStatisticsError, StatisticsMergeError, _encoding_rows
 
 
+WEIGHTINGS = ("none", "activations", "magnitude")
+
+
+def magnitude_weights(rows: torch.Tensor) -> torch.Tensor:
+    """``rms + |x|`` for each value of ``rows`` ``(E, M)`` (float32), ``rms`` its row's root mean square: the
+    data-free weighting of the MSE search (``weighting="magnitude"``)."""
+    return rows.pow(2).mean(dim=1, keepdim=True).sqrt_() + rows.abs()
+
+
 @dataclass(frozen=True, eq=False)
 class MseStatistics:
     """What the MSE search runs on: a weight's values as ``rows`` ``(E, M)`` float32 (one row per encoding
@@ -21,7 +30,7 @@ class MseStatistics:
     rows: torch.Tensor
     min: torch.Tensor
     max: torch.Tensor
-    weights: Optional[torch.Tensor] = None  # (E, M) each value's weight in the error (activation weighting)
+    weights: Optional[torch.Tensor] = None  # (E, M) each value's weight in the error (activations, magnitude)
 
     @staticmethod
     def merge(a, b):
@@ -51,7 +60,11 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
     ``weighting="activations"``: each value's squared error is multiplied by an importance given with the weight
     (``update_stats(w, importance=...)``, broadcastable to ``w``; calibration passes each input channel's mean
     ``x²`` over the calibration data, llama.cpp's importance matrix), so the search minimizes an estimate of the
-    layer's output error instead of the weight's own. Weighted searches are not pruned.
+    layer's output error instead of the weight's own. ``weighting="magnitude"`` (no data): each value's squared
+    error is multiplied by ``rms + |w|``, ``rms`` the root mean square of its encoding element's values — llama.cpp's
+    weighting of its K-quant searches without an importance matrix (``quantize_row_q4_K_ref``'s ``av_x + |x|``,
+    there over a 256-value super-block): a large weight, which carries more of a layer's output, is clipped less.
+    Weighted searches are not pruned.
 
     All encodings (channels, blocks) are searched at once; candidates go in chunks that bound the temporaries.
     A row skips a chunk when no candidate in it can win: a candidate's error is at least the squared error of
@@ -74,8 +87,8 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
         weighting: str = "none",
     ):
         super().__init__(shape, block_size)
-        if weighting not in ("none", "activations"):
-            raise ValueError(f"weighting must be 'none' or 'activations', got {weighting!r}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {', '.join(map(repr, WEIGHTINGS))}, got {weighting!r}")
         self.weighting = weighting
         self._weights: Optional[torch.Tensor] = None
         if int(num_candidates) < 1:
@@ -113,6 +126,8 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
             weights = _encoding_rows(imp.contiguous(), self.shape, self.block_size)
             if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
                 raise ValueError("activation importance must be finite and non-negative")
+        elif self.weighting == "magnitude":
+            weights = magnitude_weights(rows)
         return MseStatistics(rows, mn, mx, weights)
 
     @torch.no_grad()
