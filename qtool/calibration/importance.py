@@ -97,7 +97,8 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
         used[q.module] = _statistics(values)
     if zero:
         why = (f"{path}: every importance of {', '.join(zero[:3])}{' ...' if len(zero) > 3 else ''} is zero (inputs "
-               f"that were all zero in the importance run): {len(zero)} weight(s) searched unweighted")
+               f"that were all zero in the importance run): {len(zero)} weight(s) searched without importances "
+               "(with the recipe's own weighting)")
         if strict:
             raise DataError(f"{why} (--strict-data)")
     if not used:
