@@ -60,6 +60,9 @@ def main(argv=None):
     ap.add_argument("--recipes", default=None, help="comma-separated (default: every shipped recipe)")
     ap.add_argument("--windows", type=int, default=8, help="held-out windows of --seq-len tokens per text")
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--sequential", action="store_true",
+                    help="calibrate every recipe block by block (same bytes, less memory); recipes with learned "
+                         "rounding always do")
     args = ap.parse_args(argv)
 
     from qtool.config import shipped_recipes
@@ -85,7 +88,9 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 try:
                     run_quantize(ckpt, recipe, str(out), CalibrateOptions(data=str(tmp / "calib.txt"), seq_len=256,
-                                                                        num_samples=None),
+                                                                        num_samples=None,
+                                                                        sequential=args.sequential
+                                                                        or "signround" in recipe),
                                  overwrite=True, eopts=ExportOptions(format=fmt))
                 except Exception as e:  # a recipe the format refuses: recorded, the run goes on
                     row = {"recipe": recipe, "format": fmt, "error": str(e).splitlines()[0][:200]}

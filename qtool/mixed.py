@@ -56,6 +56,21 @@ def fused_groups(modules: Sequence[str]) -> List[Tuple[str, ...]]:
     return groups
 
 
+def join_tied(groups: Sequence[Tuple[str, ...]], tied: Dict[str, str]) -> List[Tuple[str, ...]]:
+    """``groups`` with each tied output layer's group joined to its table's (``tied``: a weight the checkpoint does
+    not store -> the stored one it shares), at the first one's place. The two are one tensor: chosen apart, a mix
+    could give them settings that differ only in their analyzer, so that the pair the costs counted as one stored
+    tensor is written twice."""
+    groups = [tuple(g) for g in groups]
+    for name, source in tied.items():
+        a, b = (next((i for i, g in enumerate(groups) if w.rpartition(".")[0] in g), None) for w in (name, source))
+        if a is None or b is None or a == b:
+            continue
+        first, second = min(a, b), max(a, b)
+        groups[first] += groups.pop(second)
+    return groups
+
+
 class _Scorer:
     """One batch's damage measures against the float model's output ``ref``: :meth:`score` gives an output's summed
     damage over the batch's tokens (KL, causal LMs) or samples (1 - cosine), how many, and (causal LMs) the summed

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qtool.mixed import fused_groups
+from qtool.mixed import fused_groups, join_tied
 from qtool.quant.knapsack import choose, frontier
 
 from tests.helpers import error_lines, run_cli, tiny_llama
@@ -90,6 +90,15 @@ def test_fused_siblings_share_one_group():
     # BERT's query/key/value; an unrelated q_proj under another parent stays apart
     assert fused_groups(["a.query", "a.key", "a.value", "b.q_proj"]) == [("a.query", "a.key", "a.value"),
                                                                           ("b.q_proj",)]
+
+
+def test_a_tied_output_layer_takes_its_tables_choice():
+    groups = [("model.embed_tokens",), ("model.layers.0.mlp.down_proj",), ("lm_head",)]
+    tied = {"lm_head.weight": "model.embed_tokens.weight"}
+    assert join_tied(groups, tied) == [("model.embed_tokens", "lm_head"), ("model.layers.0.mlp.down_proj",)]
+    # a table no candidate quantizes (not in a group) leaves the output layer's group alone
+    assert join_tied(groups[1:], tied) == groups[1:]
+    assert join_tied(groups, {}) == groups
 
 
 # ---- end to end -----------------------------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     import shutil
 
     from ..model.expert_view import open_checkpoint
-    from ..mixed import costs, effective_weights, fused_groups, group_damage
+    from ..mixed import costs, effective_weights, fused_groups, group_damage, join_tied
     from ..report import next_token_targets
 
     hooks = hooks or Hooks()
@@ -213,7 +213,6 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
                              "(activations, rotation, SmoothQuant or folds); candidates may differ in weights only")
     modules = list(dict.fromkeys(q.module for plan in plans for q in plan.weights))
     order = {m: i for i, m in enumerate(dict(loaded.model.named_modules()))}
-    groups = fused_groups(sorted(modules, key=lambda m: order.get(m, len(order))))
     src = open_checkpoint(checkpoint, opts.trust_pickle, model=loaded.model)
     tensors = {k: src.shape_dtype(k) for k in src.keys()}
     first: Dict[int, str] = {}
@@ -222,6 +221,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         if id(param) in first and name not in tensors:
             tied[name] = first[id(param)]
         first.setdefault(id(param), name)
+    groups = join_tied(fused_groups(sorted(modules, key=lambda m: order.get(m, len(order)))), tied)
     cost = costs(tensors, plans, groups, lambda q, shape, dtype: exporter.tensor_bytes(q, shape, dtype, options),
                  tied)
     metric = "mean per-token KL divergence (nats)" if loaded.is_causal_lm else "mean 1 - cosine of the outputs"
