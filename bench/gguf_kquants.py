@@ -5,6 +5,8 @@ For each llama-quantize mix (Q4_K_M, Q3_K_M, Q2_K, Q4_0, ...):
 * **qtool, data**: ``gguf-<mix>-gptq`` (least-squares scale search + GPTQ on the stored grid), calibrated on
   the calibration windows with ``--sequential``, exported to GGUF; with ``--methods gptq,signround`` also the
   mix with learned rounding (``rounding: {name: signround, iterations: N}``, on the grid the file stores);
+  ``--methods weighted`` rounds to nearest on the search weighted by importance x magnitude (what llama.cpp does
+  with an importance matrix), ``weighted-gptq`` runs GPTQ on that grid;
 * **qtool, no data**: the mix with ``analyzer: mse`` (least-squares scale search, round to nearest), as
   ``gguf-<mix>``;
 * **llama.cpp**: every weight quantized by llama.cpp's own ``ggml_quantize_chunk`` (the function llama-quantize
@@ -126,7 +128,9 @@ def main(argv=None):
     ap.add_argument("--weighted", action="store_true",
                     help="data rows with the activation-weighted search before GPTQ instead of gguf-<mix>-gptq")
     ap.add_argument("--methods", default="gptq",
-                    help="data rows: gptq (gguf-<mix>-gptq) and/or signround; 'none': only the data-free qtool row")
+                    help="data rows: gptq (gguf-<mix>-gptq), signround, weighted (round to nearest on the search "
+                         "weighted by importance x magnitude, llama.cpp's imatrix weighting), weighted-gptq (GPTQ on "
+                         "that grid); 'none': only the data-free qtool row")
     ap.add_argument("--data-free-analyzer", default="mse",
                     help="the data-free row's weights analyzer, as a recipe writes it (e.g. '{name: mse, weighting: "
                          "magnitude}')")
@@ -195,12 +199,18 @@ def main(argv=None):
                     recipe = tmp / f"gguf-{mix}-signround.yaml"
                     recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: mse, rounding: "
                                       f"{{name: signround, iterations: {args.iterations}}}}}\n  activations: null\n")
+                elif method in ("weighted", "weighted-gptq"):  # llama.cpp's imatrix weighting: importance x magnitude
+                    recipe = tmp / f"gguf-{mix}-{method}.yaml"
+                    rounding = "gptq" if method == "weighted-gptq" else "nearest"
+                    recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: {{name: mse, "
+                                      f"weighting: activations_magnitude}}, rounding: {rounding}}}\n"
+                                      "  activations: null\n")
                 elif args.weighted:
                     recipe = tmp / f"gguf-{mix}-weighted.yaml"
                     recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: {{name: mse, "
                                       "weighting: activations}, rounding: gptq}\n  activations: null\n")
                 elif method != "gptq":
-                    raise SystemExit(f"unknown method {method!r} (gptq, signround)")
+                    raise SystemExit(f"unknown method {method!r} (gptq, signround, weighted, weighted-gptq)")
                 ppl_q, secs, gguf_summary, types = qtool_row(recipe, True)
                 row.update(bytes=gguf_summary["bytes"], tensor_types=gguf_summary["tensor_types"])
                 row[key] = {"perplexity": ppl_q, "increase_pct": increase(ppl_q), "seconds": secs}
@@ -242,7 +252,8 @@ def main(argv=None):
                     print(f"{mix:8s} {key:15s} {shown(row[key])}", flush=True)
             _write(args, ppl_float, rows)  # after every mix: a long run stopped early keeps what it measured
     print(f"\nSmolLM2-135M GGUF mixes, perplexity increase over float: {TEXTS[0]} / {TEXTS[1]}")
-    keys = [k for k in ("qtool_data", "qtool_signround", "llama_cpp_imatrix", "qtool_no_data", "llama_cpp")
+    keys = [k for k in ("qtool_data", "qtool_signround", "qtool_weighted", "qtool_weighted-gptq", "llama_cpp_imatrix",
+                        "qtool_no_data", "llama_cpp")
             if any(k in r for r in rows)]
     print(f"{'mix':8s} " + " ".join(f"{k:>20s}" for k in keys))
     for r in rows:

@@ -9,13 +9,35 @@ from typing import Sequence
 from .errors import UsageError
 
 __all__ = ["GGUF_TYPES", "GGML_SCALE_DTYPES", "LEGACY_GGUF_TYPES", "SUPER_BLOCK_FALLBACK", "AIMET_VERSIONS", "CT_EIGHT_BIT_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_FALLBACKS", "DEVICES", "SCALE_DTYPES",
-           "ELEMENT_NAMES", "FLOAT_SCALE_DTYPES", "check_choice", "check_device", "check_scale_dtype", "check_element"]
+           "ELEMENT_NAMES", "FLOAT_SCALE_DTYPES", "check_choice", "check_device", "check_scale_dtype", "check_element",
+           "WEIGHTINGS", "weighs_activations", "without_activations", "with_activations"]
 
 AIMET_VERSIONS = ("0.6.1", "1.0.0", "2.0.0")  # the AIMET encodings versions qtool writes
 CT_EIGHT_BIT_FORMATS = ("int-quantized", "pack-quantized")
 GGUF_FLOAT_TYPES = ("f32", "f16")  # --gguf-float: tensors a recipe leaves float
 GGUF_FALLBACKS = ("none", "f32", "f16")  # --gguf-fallback: quantized weights with no GGUF block type
 DEVICES = ("cpu", "cuda", "auto")  # and cuda:N
+# the MSE search's weightings of each value's squared error: by its input channel's E[x²] (activations, from data or
+# an importance matrix), by its own size (magnitude: block rms + |w|, no data), or by both multiplied
+# (activations_magnitude: llama.cpp's qw·sqrt(σ² + x²) with an importance matrix)
+WEIGHTINGS = ("none", "activations", "magnitude", "activations_magnitude")
+
+
+def weighs_activations(weighting) -> bool:
+    """Whether a search with this ``weighting`` reads each input channel's importance (data or an imatrix)."""
+    return weighting in ("activations", "activations_magnitude")
+
+
+def without_activations(weighting):
+    """The weighting left where no importance can be had (no data, a layer that is not a Linear): the magnitude
+    part of ``activations_magnitude`` stays, ``activations`` becomes unweighted (None)."""
+    return "magnitude" if weighting == "activations_magnitude" else None if weighting == "activations" else weighting
+
+
+def with_activations(weighting) -> str:
+    """The weighting once importances are given (``--imatrix``): ``magnitude`` becomes ``activations_magnitude``,
+    as llama.cpp multiplies its magnitude term by the importance matrix; anything else becomes ``activations``."""
+    return "activations_magnitude" if weighting in ("magnitude", "activations_magnitude") else "activations"
 _DEVICE = re.compile(r"(cpu|cuda|auto|cuda:\d{1,3})")
 
 

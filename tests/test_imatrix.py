@@ -107,8 +107,9 @@ def _searches(run_dir):
 
 
 def test_an_imatrix_weights_the_search_exactly_as_the_same_data_would(llama, tmp_path):
-    """``--imatrix`` (no data) gives each decoder matrix the weighted search ``weighting: activations`` gives from
-    the data the file was measured on; matrices the file does not name (the output layer) stay unweighted."""
+    """``--imatrix`` (no data) gives each decoder matrix the weighted search an activation weighting gives from the
+    data the file was measured on (``gguf-q4_k_m`` weights by magnitude, so by importance x magnitude, as llama.cpp
+    does); matrices the file does not name (the output layer) keep the recipe's own weighting."""
     ckpt, data, _ = llama
     assert run_cli("imatrix", ckpt, "--data", data, "-o", tmp_path / "im.gguf")[0] == 0
     code, out, err = run_cli("calibrate", ckpt, "-c", "gguf-q4_k_m", "--imatrix", tmp_path / "im.gguf",
@@ -117,14 +118,14 @@ def test_an_imatrix_weights_the_search_exactly_as_the_same_data_would(llama, tmp
     assert json.loads(out)["samples"] == 0  # no data was read
     recipe = tmp_path / "weighted.yaml"
     recipe.write_text("version: 1\ngguf_mix: q4_k_m\ndefaults:\n  weights: {analyzer: {name: mse, weighting: "
-                      "activations}}\n  activations: null\n")
+                      "activations_magnitude}}\n  activations: null\n")
     assert run_cli("calibrate", ckpt, "-c", recipe, "--data", data, "-o", tmp_path / "data")[0] == 0
     assert run_cli("calibrate", ckpt, "-c", "gguf-q4_k_m", "-o", tmp_path / "plain")[0] == 0
     file, measured, plain = (_searches(tmp_path / d) for d in ("file", "data", "plain"))
     blocks = [n for n in file if n.startswith("model.layers.")]
     assert len(blocks) == 14
     for n in blocks:
-        assert file[n] == measured[n] and file[n][0] == "mse(weighting=activations)"
+        assert file[n] == measured[n] and file[n][0] == "mse(weighting=activations_magnitude)"
         assert file[n][1:] != plain[n][1:]  # the weighting changed the search
     assert file["lm_head.weight"] == plain["lm_head.weight"]
     # every calibration mode weights the same way: streamed (above), block by block, whole model in memory

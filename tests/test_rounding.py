@@ -290,6 +290,39 @@ def test_magnitude_weighted_search_is_never_worse_than_min_max_on_its_objective(
     assert objective(mn, mx) <= objective(a.min.reshape(8, 2), a.max.reshape(8, 2)) * (1 + 1e-5)
 
 
+def test_activations_magnitude_weights_each_value_by_importance_times_magnitude():
+    """``weighting: activations_magnitude`` is the weighted search with each value weighted by its input's
+    importance times (its block's RMS plus its own magnitude), on an int grid and on a GGUF type; it needs the
+    importances."""
+    from qtool.quant import ggml
+    from qtool.quant.quantizer import GgmlQuantizeDequantize
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(16, 64, generator=g)
+    imp = torch.rand(64, generator=g) * 4
+    blocks = w.reshape(16, 2, 32)
+    weights = (blocks.pow(2).mean(-1, keepdim=True).sqrt() + blocks.abs()).reshape(16, 64) * imp
+    both = MseEncodingAnalyzer((16, 2), (1, 32), weighting="activations_magnitude")
+    explicit = MseEncodingAnalyzer((16, 2), (1, 32), weighting="activations")
+    both.update_stats(w, importance=imp)
+    explicit.update_stats(w, importance=weights)
+    for a, b in zip(both.compute_encodings(15, False), explicit.compute_encodings(15, False)):
+        assert torch.equal(a, b)
+    alone = MseEncodingAnalyzer((16, 2), (1, 32), weighting="activations")
+    alone.update_stats(w, importance=imp)
+    assert not all(torch.equal(a, b) for a, b in zip(both.compute_encodings(15, False),
+                                                     alone.compute_encodings(15, False)))
+    t = ggml.ggml_type("Q4_1")
+    q = GgmlQuantizeDequantize((16, 2), t, MseEncodingAnalyzer((16, 2), (1, 32), weighting="activations_magnitude"),
+                               (1, 32))
+    with q.compute_encodings():
+        q.observe(w, importance=imp)
+    mn, mx = ggml.search_range(w.reshape(-1, 32), t, weights.reshape(-1, 32))
+    assert torch.equal(q.min.reshape(-1), mn) and torch.equal(q.max.reshape(-1), mx)
+    with pytest.raises(ValueError, match="activations_magnitude needs each value's importance"):
+        MseEncodingAnalyzer((16, 2), (1, 32), weighting="activations_magnitude").update_stats(w)
+
+
 # ---- recipes --------------------------------------------------------------------------------------------------
 def test_recipe_rounding_and_weighting_reach_the_plan_and_non_linear_layers_fall_back():
     class Net(torch.nn.Module):
@@ -307,6 +340,19 @@ def test_recipe_rounding_and_weighting_reach_the_plan_and_non_linear_layers_fall
     assert dict(fc.analyzer_args) == {"weighting": "activations"} and fc.needs_inputs
     assert emb.rounding == "nearest" and not emb.needs_inputs and dict(emb.analyzer_args) == {}
     assert any("emb (Embedding): rounding gptq applies to Linear" in w for w in plan.warnings)
+    assert plan.needs_data()
+
+
+def test_a_layer_without_importances_keeps_the_magnitude_part_of_its_weighting():
+    net = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 32), "fc": torch.nn.Linear(32, 32)})
+    r = parse_recipe("defaults:\n  weights: {bitwidth: 4, analyzer: {name: mse, weighting: activations_magnitude}}\n"
+                     "  activations: null\n")
+    plan = resolve_plan(r, net)
+    rows = {q.module: q for q in plan.quantizers}
+    assert dict(rows["fc"].analyzer_args) == {"weighting": "activations_magnitude"} and rows["fc"].needs_inputs
+    assert dict(rows["emb"].analyzer_args) == {"weighting": "magnitude"} and not rows["emb"].needs_inputs
+    assert any("emb (Embedding): weighting by activations" in w and "weighted by magnitude only" in w
+               for w in plan.warnings)
     assert plan.needs_data()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+from ..choices import weighs_activations
 from ..config import Plan
 from ..data import CalibrationData
 
@@ -49,7 +50,8 @@ def shortfalls(plan: Plan, data: CalibrationData) -> List[str]:
         needs.append(("ranges", f"{len(plan.static_activations)} activation range(s)"))
     if plan.smoothing or plan.folds:
         needs.append(("ranges", "smoothquant" if plan.smoothing else "fold_batch_norms"))
-    weighted = [q for q in plan.weights if dict(q.analyzer_args).get("weighting") == "activations" and not q.imatrix]
+    weighted = [q for q in plan.weights if weighs_activations(dict(q.analyzer_args).get("weighting"))
+                and not q.imatrix]
     if weighted:
         needs.append(("ranges", f"the activation-weighted search of {len(weighted)} weight(s)"))
     rounded = [q for q in plan.weights if q.rounding != "nearest"]

@@ -2,9 +2,11 @@
 
 ``--imatrix FILE`` does what ``llama-quantize --imatrix`` does: every searched weight (analyzer ``mse``) of a
 decoder matrix the file names is searched weighted by the file's ``E[x²]`` per input column, with no calibration
-data needed for it. Weights the file does not name (the embedding, the output layer unless ``llama-imatrix
---process-output`` collected it) keep their own setting: measured from ``--data`` where they ask for
-``weighting: activations`` and data is given, unweighted otherwise (a plan warning says how many).
+data needed for it; a row the recipe weights by ``magnitude`` is searched by both multiplied
+(``activations_magnitude``, as llama.cpp multiplies its magnitude term by the importances). Weights the file does
+not name (the embedding, the output layer unless ``llama-imatrix --process-output`` collected it) keep their own
+setting: measured from ``--data`` where they ask for an activation weighting and data is given, without the
+importances otherwise (``activations_magnitude`` keeps its magnitude part; a plan warning says how many).
 
 The file names tensors as a GGUF file does (``blk.0.attn_q.weight``), so the checkpoint must be one qtool writes
 as GGUF (a Hugging Face Llama-family directory). A file whose entries name tensors the model does not have, or
@@ -20,6 +22,7 @@ from typing import Dict
 import torch
 from torch import nn
 
+from ..choices import weighs_activations, with_activations, without_activations
 from ..config import Plan, QuantizerPlan
 from ..errors import CheckpointError, DataError, EncodingsError, UsageError
 from ..imatrix import read_imatrix
@@ -78,8 +81,8 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
         args = dict(q.analyzer_args)
         entry = module_entry.get(q.module)
         if entry is None:
-            if args.get("weighting") == "activations" and not have_data:
-                args.pop("weighting")
+            if weighs_activations(args.get("weighting")) and not have_data:
+                _drop_activations(args)
                 unweighted += 1
                 q = dataclasses.replace(q, analyzer_args=tuple(args.items()))
             rows.append(q)
@@ -87,12 +90,12 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
         entry, values = entry
         if not bool((values != 0).any()):  # nothing to weigh by (or an expert no token reached): unweighted
             zero.append(entry if values is importances[entry] else q.module)
-            if args.get("weighting") == "activations" and not have_data:
-                args.pop("weighting")
+            if weighs_activations(args.get("weighting")) and not have_data:
+                _drop_activations(args)
                 q = dataclasses.replace(q, analyzer_args=tuple(args.items()))
             rows.append(q)
             continue
-        args["weighting"] = "activations"
+        args["weighting"] = with_activations(args.get("weighting"))
         rows.append(dataclasses.replace(q, analyzer_args=tuple(args.items()), imatrix=True))
         used[q.module] = _statistics(values)
     if zero:
@@ -109,6 +112,13 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
         warnings.append(f"{unweighted} weight(s) asking for weighting: activations have no entry in {path} and no "
                         f"--data was given: searched unweighted")
     return dataclasses.replace(plan, quantizers=rows, warnings=warnings, importances=used)
+
+
+def _drop_activations(args: Dict) -> None:
+    """``args`` (a row's analyzer arguments) without the part of its weighting that needs importances."""
+    left = without_activations(args.pop("weighting"))
+    if left is not None:
+        args["weighting"] = left
 
 
 def _width(model: nn.Module, module: str) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Tuple
 
+from ..choices import weighs_activations
 from ..errors import ConfigError
 from .schema import WeightSpec
 
@@ -128,7 +129,7 @@ class QuantizerPlan:
     def needs_inputs(self) -> bool:
         """True when calibrating this weight needs its layer's input statistics (so calibration data)."""
         return self.tensor == "weight" and (self.rounds_layerwise or (
-            dict(self.analyzer_args).get("weighting") == "activations" and not self.imatrix))
+            weighs_activations(dict(self.analyzer_args).get("weighting")) and not self.imatrix))
 
     @property
     def rounds_layerwise(self) -> bool:

@@ -7,7 +7,7 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from ..choices import SUPER_BLOCK_FALLBACK
+from ..choices import SUPER_BLOCK_FALLBACK, weighs_activations, without_activations
 from ..coverage import weight_coverage
 from ..errors import ConfigError
 from ..families import family_of_model
@@ -75,7 +75,7 @@ class _Mix:
         self.n_expert = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
         w = recipe.defaults.weights
         self.has_imatrix = (importance_matrix or w.rounding.name == "gptq"
-                            or w.analyzer.kwargs().get("weighting") == "activations")
+                            or weighs_activations(w.analyzer.kwargs().get("weighting")))
         self.embed_spec: Optional[WeightSpec] = None
 
     def spec(self, name: str, module: "nn.Module", base: WeightSpec) -> WeightSpec:
@@ -93,8 +93,11 @@ class _Mix:
         spec = _merge(base, {"gguf_type": gguf_type}, WeightSpec, f"gguf_mix {self.name}")
         if tied_table:
             self.embed_spec = spec.model_copy(update={"rounding": RoundingSpec()})
-            if spec.analyzer.kwargs().get("weighting") == "activations":
+            weighting = spec.analyzer.kwargs().get("weighting")
+            if weighs_activations(weighting):
                 args = {k: v for k, v in spec.analyzer.kwargs().items() if k != "weighting"}
+                if without_activations(weighting) is not None:
+                    args["weighting"] = without_activations(weighting)
                 self.embed_spec = self.embed_spec.model_copy(
                     update={"analyzer": AnalyzerSpec(name=spec.analyzer.name, **args)})
         return spec
@@ -247,10 +250,15 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                         plan.warnings.append(f"{name} ({tname}): rounding {rounding.name} applies to Linear "
                                              "and Conv1d/Conv2d layers; this weight is rounded to nearest")
                         rounding = RoundingSpec()
-                    if analyzer_args.get("weighting") == "activations":
+                    weighting = analyzer_args.get("weighting")
+                    if weighs_activations(weighting):
+                        left = without_activations(weighting)
                         plan.warnings.append(f"{name} ({tname}): weighting by activations applies to "
-                                             "Linear and Conv1d/Conv2d layers; this weight's search is unweighted")
+                                             "Linear and Conv1d/Conv2d layers; this weight's search is "
+                                             + ("unweighted" if left is None else f"weighted by {left} only"))
                         analyzer_args.pop("weighting")
+                        if left is not None:
+                            analyzer_args["weighting"] = left
                 plan.quantizers.append(QuantizerPlan(
                     stored_as.get(f"{name}.weight", f"{name}.weight"), name, tname, "weight", w_spec.bitwidth, w_spec.symmetric,
                     w_spec.granularity, shape, block, w_spec.analyzer.name, rule_w,

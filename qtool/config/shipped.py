@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from ..choices import GGML_SCALE_DTYPES, LEGACY_GGUF_TYPES, SUPER_BLOCK_FALLBACK
+from ..choices import GGML_SCALE_DTYPES, LEGACY_GGUF_TYPES, SUPER_BLOCK_FALLBACK, weighs_activations
 from ..errors import ConfigError
 from .schema import DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES, ActivationSpec, Recipe, WeightSpec, _merge, _Spec
 
@@ -67,7 +67,7 @@ def recipe_needs_data(recipe: Recipe) -> bool:
             acts.append(_merge(recipe.defaults.activations, rule.activations, ActivationSpec,
                                f"layers[{i}].activations"))
     return (recipe.kv_cache is not None or any(not a.dynamic or a.scale_dtype == "fp8_e4m3" for a in acts)
-            or any(w.rounding.name != "nearest" or w.analyzer.kwargs().get("weighting") == "activations"
+            or any(w.rounding.name != "nearest" or weighs_activations(w.analyzer.kwargs().get("weighting"))
                    for w in weights))
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ...config import QuantizerPlan
+from ...choices import weighs_activations
 from ...errors import DataError
 from .conv import CONV_TYPES, ConvCall, capture_conv_input, patch_rows
 
@@ -198,7 +199,7 @@ def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics], weight_shape
     """The weight's per-value importance for an activation-weighted search (``E[x²]`` of the input each value
     multiplies, broadcastable to ``weight_shape``), or None where the row's search is unweighted. A row marked
     ``imatrix`` takes it from ``imported`` (an importance matrix file: ``Plan.importances``)."""
-    if dict(q.analyzer_args).get("weighting") != "activations":
+    if not weighs_activations(dict(q.analyzer_args).get("weighting")):
         return None
     s = (imported or {}).get(q.module) if q.imatrix else stats.get(q.module)
     if s is None:

@@ -8,11 +8,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from ...choices import WEIGHTINGS, weighs_activations
 from ..affine import adjust_min_max, min_max_to_scale_offset, quantize_dequantize, resolve_grid, true_div
 from .base import _CHUNK_ELEMENTS, EncodingAnalyzer, NoStatisticsError, StatisticsMergeError, _encoding_rows
-
-
-WEIGHTINGS = ("none", "activations", "magnitude")
 
 
 def magnitude_weights(rows: torch.Tensor) -> torch.Tensor:
@@ -64,6 +62,9 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
     error is multiplied by ``rms + |w|``, ``rms`` the root mean square of its encoding element's values — llama.cpp's
     weighting of its K-quant searches without an importance matrix (``quantize_row_q4_K_ref``'s ``av_x + |x|``,
     there over a 256-value super-block): a large weight, which carries more of a layer's output, is clipped less.
+    ``weighting="activations_magnitude"``: the two multiplied, as llama.cpp weights its searches with an importance
+    matrix (``quant_weights[j] * sqrt(sigma2 + x[j]²)``): the importance says which inputs matter, the magnitude
+    which of a block's weights carry the most of them.
     Weighted searches are not pruned.
 
     All encodings (channels, blocks) are searched at once; candidates go in chunks that bound the temporaries.
@@ -118,14 +119,16 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
         rows = _encoding_rows(x, self.shape, self.block_size).to(torch.float32)
         mn, mx = torch.aminmax(rows, dim=1)
         weights = None
-        if self.weighting == "activations":
+        if weighs_activations(self.weighting):
             if importance is None:
-                raise ValueError("analyzer mse with weighting: activations needs each value's importance "
+                raise ValueError(f"analyzer mse with weighting: {self.weighting} needs each value's importance "
                                  "(the layer's input statistics from calibration data)")
             imp = torch.as_tensor(importance).detach().to(x.device, torch.float32).expand(x.shape)
             weights = _encoding_rows(imp.contiguous(), self.shape, self.block_size)
             if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
                 raise ValueError("activation importance must be finite and non-negative")
+            if self.weighting == "activations_magnitude":
+                weights = weights * magnitude_weights(rows)
         elif self.weighting == "magnitude":
             weights = magnitude_weights(rows)
         return MseStatistics(rows, mn, mx, weights)
