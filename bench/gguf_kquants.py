@@ -5,8 +5,8 @@ For each llama-quantize mix (Q4_K_M, Q3_K_M, Q2_K, Q4_0, ...):
 * **qtool, data**: ``gguf-<mix>-gptq`` (least-squares scale search + GPTQ on the stored grid), calibrated on
   the calibration windows with ``--sequential``, exported to GGUF; with ``--methods gptq,signround`` also the
   mix with learned rounding (``rounding: {name: signround, iterations: N}``, on the grid the file stores);
-  ``--methods weighted`` rounds to nearest on the search weighted by importance x magnitude (what llama.cpp does
-  with an importance matrix), ``weighted-gptq`` runs GPTQ on that grid;
+  ``--methods weighted`` rounds to nearest on the search weighted by importance x magnitude (the kind of weighting
+  llama.cpp uses with an importance matrix), ``weighted-gptq`` runs GPTQ on that grid;
 * **qtool, no data**: the mix with ``analyzer: mse`` (least-squares scale search, round to nearest), as
   ``gguf-<mix>``;
 * **llama.cpp**: every weight quantized by llama.cpp's own ``ggml_quantize_chunk`` (the function llama-quantize
@@ -129,8 +129,8 @@ def main(argv=None):
                     help="data rows with the activation-weighted search before GPTQ instead of gguf-<mix>-gptq")
     ap.add_argument("--methods", default="gptq",
                     help="data rows: gptq (gguf-<mix>-gptq), signround, weighted (round to nearest on the search "
-                         "weighted by importance x magnitude, llama.cpp's imatrix weighting), weighted-gptq (GPTQ on "
-                         "that grid); 'none': only the data-free qtool row")
+                         "weighted by importance x magnitude, the kind llama.cpp uses with an imatrix), "
+                         "weighted-gptq (GPTQ on that grid); 'none': only the data-free qtool row")
     ap.add_argument("--data-free-analyzer", default="mse",
                     help="the data-free row's weights analyzer, as a recipe writes it (e.g. '{name: mse, weighting: "
                          "magnitude}')")
@@ -199,7 +199,7 @@ def main(argv=None):
                     recipe = tmp / f"gguf-{mix}-signround.yaml"
                     recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: mse, rounding: "
                                       f"{{name: signround, iterations: {args.iterations}}}}}\n  activations: null\n")
-                elif method in ("weighted", "weighted-gptq"):  # llama.cpp's imatrix weighting: importance x magnitude
+                elif method in ("weighted", "weighted-gptq"):  # importance x magnitude
                     recipe = tmp / f"gguf-{mix}-{method}.yaml"
                     rounding = "gptq" if method == "weighted-gptq" else "nearest"
                     recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: {{name: mse, "

@@ -19,7 +19,8 @@ GGUF_FALLBACKS = ("none", "f32", "f16")  # --gguf-fallback: quantized weights wi
 DEVICES = ("cpu", "cuda", "auto")  # and cuda:N
 # the MSE search's weightings of each value's squared error: by its input channel's E[x²] (activations, from data or
 # an importance matrix), by its own size (magnitude: block rms + |w|, no data), or by both multiplied
-# (activations_magnitude: llama.cpp's qw·sqrt(σ² + x²) with an importance matrix)
+# (activations_magnitude: importance x (rms + |w|), the kind of product llama.cpp uses with an importance matrix,
+# qw·sqrt(σ² + x²))
 WEIGHTINGS = ("none", "activations", "magnitude", "activations_magnitude")
 
 

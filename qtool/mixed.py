@@ -63,6 +63,8 @@ def join_tied(groups: Sequence[Tuple[str, ...]], tied: Dict[str, str]) -> List[T
     tensor is written twice."""
     groups = [tuple(g) for g in groups]
     for name, source in tied.items():
+        if not name.endswith(".weight"):  # a tied bias costs and chooses nothing
+            continue
         a, b = (next((i for i, g in enumerate(groups) if w.rpartition(".")[0] in g), None) for w in (name, source))
         if a is None or b is None or a == b:
             continue

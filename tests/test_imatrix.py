@@ -144,6 +144,21 @@ def test_an_imatrix_weights_the_search_exactly_as_the_same_data_would(llama, tmp
     assert all(gptq[n][0] == "mse(weighting=activations)" for n in blocks)
 
 
+def test_a_weight_the_imatrix_does_not_name_keeps_the_magnitude_part_without_data(llama, tmp_path):
+    ckpt, data, _ = llama
+    assert run_cli("imatrix", ckpt, "--data", data, "-o", tmp_path / "im.gguf")[0] == 0
+    recipe = tmp_path / "both.yaml"
+    recipe.write_text("version: 1\ngguf_mix: q4_k_m\ndefaults:\n  weights: {analyzer: {name: mse, weighting: "
+                      "activations_magnitude}}\n  activations: null\n")
+    code, out, err = run_cli("calibrate", ckpt, "-c", recipe, "--imatrix", tmp_path / "im.gguf", "-o",
+                             tmp_path / "run", "--json")
+    assert code == 0, err
+    searches = _searches(tmp_path / "run")
+    assert searches["lm_head.weight"][0] == "mse(weighting=magnitude)"  # no entry in the file, no data
+    assert searches["model.layers.0.mlp.down_proj.weight"][0] == "mse(weighting=activations_magnitude)"
+    assert "activations_magnitude keeps its magnitude part" in " ".join(json.loads(out)["warnings"])
+
+
 def test_an_imatrix_that_does_not_fit_the_model_is_one_line_and_writes_nothing(llama, tmp_path):
     from qtool.imatrix import write_imatrix
 

@@ -156,7 +156,8 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
                else "the recipe quantizes activations" if plan.static_activations
                else "the recipe changes the float model from data (fold_batch_norms, smoothquant, awq)"
                if plan.folds or plan.smoothing or plan.awq is not None
-               else "the recipe chooses weights from data (rounding gptq or adaround, or weighting: activations)")
+               else "the recipe chooses weights from data (rounding gptq or adaround, or weighting: activations or "
+                     "activations_magnitude)")
         raise DataError(f"{why}, which needs calibration data: pass --data PATH")
     hooks.on_stage("reading calibration data")
     data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, tokenizer,

@@ -109,8 +109,9 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
                          f"names{' with importances that are not all zero' if zero else ''}; nothing would use it")
     warnings = list(plan.warnings) + ([why] if zero else [])
     if unweighted:
-        warnings.append(f"{unweighted} weight(s) asking for weighting: activations have no entry in {path} and no "
-                        f"--data was given: searched unweighted")
+        warnings.append(f"{unweighted} weight(s) asking for an activation weighting have no entry in {path} and no "
+                        f"--data was given: searched without importances (activations_magnitude keeps its "
+                        "magnitude part)")
     return dataclasses.replace(plan, quantizers=rows, warnings=warnings, importances=used)
 
 

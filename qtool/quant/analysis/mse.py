@@ -62,9 +62,10 @@ class MseEncodingAnalyzer(EncodingAnalyzer):
     error is multiplied by ``rms + |w|``, ``rms`` the root mean square of its encoding element's values — llama.cpp's
     weighting of its K-quant searches without an importance matrix (``quantize_row_q4_K_ref``'s ``av_x + |x|``,
     there over a 256-value super-block): a large weight, which carries more of a layer's output, is clipped less.
-    ``weighting="activations_magnitude"``: the two multiplied, as llama.cpp weights its searches with an importance
-    matrix (``quant_weights[j] * sqrt(sigma2 + x[j]²)``): the importance says which inputs matter, the magnitude
-    which of a block's weights carry the most of them.
+    ``weighting="activations_magnitude"``: the two multiplied. llama.cpp's searches with an importance matrix
+    multiply the importance by a magnitude term too (``quant_weights[j] * sqrt(sigma2 + x[j]²)``, ``sigma2`` a mean
+    ``x²`` over the super-block or row); this uses the same ``rms + |w|`` term as ``"magnitude"``, so the weighted
+    and data-free searches differ only by the importance.
     Weighted searches are not pruned.
 
     All encodings (channels, blocks) are searched at once; candidates go in chunks that bound the temporaries.
