@@ -10,7 +10,7 @@ from .errors import UsageError
 
 __all__ = ["GGUF_TYPES", "GGML_SCALE_DTYPES", "LEGACY_GGUF_TYPES", "SUPER_BLOCK_FALLBACK", "AIMET_VERSIONS", "CT_EIGHT_BIT_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_FALLBACKS", "DEVICES", "SCALE_DTYPES",
            "ELEMENT_NAMES", "FLOAT_SCALE_DTYPES", "check_choice", "check_device", "check_scale_dtype", "check_element",
-           "WEIGHTINGS", "weighs_activations", "without_activations", "with_activations"]
+           "WEIGHTINGS", "weighs_activations", "without_activations", "drop_activations", "with_activations"]
 
 AIMET_VERSIONS = ("0.6.1", "1.0.0", "2.0.0")  # the AIMET encodings versions qtool writes
 CT_EIGHT_BIT_FORMATS = ("int-quantized", "pack-quantized")
@@ -35,10 +35,22 @@ def without_activations(weighting):
     return "magnitude" if weighting == "activations_magnitude" else None if weighting == "activations" else weighting
 
 
+def drop_activations(args: dict) -> dict:
+    """A row's analyzer arguments ``args`` with its weighting reduced to what needs no importance
+    (:func:`without_activations`; no ``weighting`` key where nothing is left)."""
+    out = {k: v for k, v in args.items() if k != "weighting"}
+    left = without_activations(args.get("weighting"))
+    if left is not None:
+        out["weighting"] = left
+    return out
+
+
 def with_activations(weighting) -> str:
     """The weighting once importances are given (``--imatrix``): ``magnitude`` becomes ``activations_magnitude``,
     as llama.cpp multiplies its magnitude term by the importance matrix; anything else becomes ``activations``."""
     return "activations_magnitude" if weighting in ("magnitude", "activations_magnitude") else "activations"
+
+
 _DEVICE = re.compile(r"(cpu|cuda|auto|cuda:\d{1,3})")
 
 

@@ -22,7 +22,7 @@ from typing import Dict
 import torch
 from torch import nn
 
-from ..choices import weighs_activations, with_activations, without_activations
+from ..choices import drop_activations, weighs_activations, with_activations
 from ..config import Plan, QuantizerPlan
 from ..errors import CheckpointError, DataError, EncodingsError, UsageError
 from ..imatrix import read_imatrix
@@ -82,7 +82,7 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
         entry = module_entry.get(q.module)
         if entry is None:
             if weighs_activations(args.get("weighting")) and not have_data:
-                _drop_activations(args)
+                args = drop_activations(args)
                 unweighted += 1
                 q = dataclasses.replace(q, analyzer_args=tuple(args.items()))
             rows.append(q)
@@ -91,7 +91,7 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
         if not bool((values != 0).any()):  # nothing to weigh by (or an expert no token reached): unweighted
             zero.append(entry if values is importances[entry] else q.module)
             if weighs_activations(args.get("weighting")) and not have_data:
-                _drop_activations(args)
+                args = drop_activations(args)
                 q = dataclasses.replace(q, analyzer_args=tuple(args.items()))
             rows.append(q)
             continue
@@ -113,13 +113,6 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
                         f"--data was given: searched without importances (activations_magnitude keeps its "
                         "magnitude part)")
     return dataclasses.replace(plan, quantizers=rows, warnings=warnings, importances=used)
-
-
-def _drop_activations(args: Dict) -> None:
-    """``args`` (a row's analyzer arguments) without the part of its weighting that needs importances."""
-    left = without_activations(args.pop("weighting"))
-    if left is not None:
-        args["weighting"] = left
 
 
 def _width(model: nn.Module, module: str) -> int:

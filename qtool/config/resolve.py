@@ -7,7 +7,7 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from ..choices import SUPER_BLOCK_FALLBACK, weighs_activations, without_activations
+from ..choices import SUPER_BLOCK_FALLBACK, drop_activations, weighs_activations, without_activations
 from ..coverage import weight_coverage
 from ..errors import ConfigError
 from ..families import family_of_model
@@ -93,11 +93,8 @@ class _Mix:
         spec = _merge(base, {"gguf_type": gguf_type}, WeightSpec, f"gguf_mix {self.name}")
         if tied_table:
             self.embed_spec = spec.model_copy(update={"rounding": RoundingSpec()})
-            weighting = spec.analyzer.kwargs().get("weighting")
-            if weighs_activations(weighting):
-                args = {k: v for k, v in spec.analyzer.kwargs().items() if k != "weighting"}
-                if without_activations(weighting) is not None:
-                    args["weighting"] = without_activations(weighting)
+            if weighs_activations(spec.analyzer.kwargs().get("weighting")):
+                args = drop_activations(spec.analyzer.kwargs())
                 self.embed_spec = self.embed_spec.model_copy(
                     update={"analyzer": AnalyzerSpec(name=spec.analyzer.name, **args)})
         return spec
@@ -256,9 +253,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                         plan.warnings.append(f"{name} ({tname}): weighting by activations applies to "
                                              "Linear and Conv1d/Conv2d layers; this weight's search is "
                                              + ("unweighted" if left is None else f"weighted by {left} only"))
-                        analyzer_args.pop("weighting")
-                        if left is not None:
-                            analyzer_args["weighting"] = left
+                        analyzer_args = drop_activations(analyzer_args)
                 plan.quantizers.append(QuantizerPlan(
                     stored_as.get(f"{name}.weight", f"{name}.weight"), name, tname, "weight", w_spec.bitwidth, w_spec.symmetric,
                     w_spec.granularity, shape, block, w_spec.analyzer.name, rule_w,

@@ -65,7 +65,8 @@ class AnalyzerSpec(BaseModel):
     min_ratio: Optional[float] = Field(None, gt=0, le=1)
     # "activations": each weight's squared error counts by its input channel's E[x²] (needs --data);
     # "magnitude": by rms + |w| of its block (llama.cpp's K-quant weighting without an importance matrix; no data)
-    # "activations_magnitude": by both multiplied (llama.cpp's weighting with an importance matrix; needs --data)
+    # "activations_magnitude": by both multiplied (the kind of product llama.cpp weights by with an importance
+    # matrix; needs --data or --imatrix)
     weighting: Optional[Literal["none", "activations", "magnitude", "activations_magnitude"]] = None
 
     @model_validator(mode="after")

@@ -15,8 +15,8 @@ from typing import Callable, Dict, Iterable, Optional
 import torch
 from torch import nn
 
-from ...config import QuantizerPlan
 from ...choices import weighs_activations
+from ...config import QuantizerPlan
 from ...errors import DataError
 from .conv import CONV_TYPES, ConvCall, capture_conv_input, patch_rows
 
