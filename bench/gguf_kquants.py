@@ -38,6 +38,7 @@ from typing import Dict, Optional
 
 import numpy as np
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -135,6 +136,9 @@ def main(argv=None):
                     help="the data-free row's weights analyzer, as a recipe writes it (e.g. '{name: mse, weighting: "
                          "magnitude}')")
     ap.add_argument("--iterations", type=int, default=50, help="signround's steps per block")
+    ap.add_argument("--dampening", type=float, default=None,
+                    help="GPTQ's dampening (fraction of the Hessian's mean diagonal) for the gptq and weighted-gptq "
+                         "rows (default: the recipe's)")
     ap.add_argument("--out", default=str(REPO / "bench/results/gguf_kquants.json"))
     args = ap.parse_args(argv)
 
@@ -201,7 +205,8 @@ def main(argv=None):
                                       f"{{name: signround, iterations: {args.iterations}}}}}\n  activations: null\n")
                 elif method in ("weighted", "weighted-gptq"):  # importance x magnitude
                     recipe = tmp / f"gguf-{mix}-{method}.yaml"
-                    rounding = "gptq" if method == "weighted-gptq" else "nearest"
+                    rounding = ("gptq" if args.dampening is None else f"{{name: gptq, dampening: {args.dampening}}}") \
+                        if method == "weighted-gptq" else "nearest"
                     recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: {{name: mse, "
                                       f"weighting: activations_magnitude}}, rounding: {rounding}}}\n"
                                       "  activations: null\n")
@@ -211,9 +216,15 @@ def main(argv=None):
                                       "weighting: activations}, rounding: gptq}\n  activations: null\n")
                 elif method != "gptq":
                     raise SystemExit(f"unknown method {method!r} (gptq, signround, weighted, weighted-gptq)")
+                elif args.dampening is not None:  # the shipped mix with another dampening
+                    spec = yaml.safe_load(recipe.read_text())
+                    spec["defaults"]["weights"]["rounding"] = {"name": "gptq", "dampening": args.dampening}
+                    recipe = tmp / f"gguf-{mix}-gptq-d{args.dampening}.yaml"
+                    recipe.write_text(yaml.safe_dump(spec))
                 ppl_q, secs, gguf_summary, types = qtool_row(recipe, True)
                 row.update(bytes=gguf_summary["bytes"], tensor_types=gguf_summary["tensor_types"])
-                row[key] = {"perplexity": ppl_q, "increase_pct": increase(ppl_q), "seconds": secs}
+                row[key] = {"perplexity": ppl_q, "increase_pct": increase(ppl_q), "seconds": secs,
+                            "dampening": args.dampening}
                 print(f"{mix:8s} qtool {method:9s} {shown(row[key])}  ({secs:.0f} s)", flush=True)
             types_n = types
             if args.data_only:
