@@ -121,6 +121,23 @@ def _types(encodings: Path) -> Dict[str, str]:
     return {e.module: gguf_type(e) for e in EncodingsFile.read(encodings).entries if e.tensor == "weight"}
 
 
+def scoring_texts(tmp: Path, tok):
+    """Writes ``calib.txt`` (the calibration text), ``held.txt`` and ``licence.txt`` under ``tmp``; returns the
+    calibration batches and ``{TEXTS[i]: batches}`` of the two held-out texts (Python docs; CPython's LICENSE)."""
+    from qtool.data import load_data
+    from qtool.example import text_split
+
+    calib, held = text_split(300, 300)
+    (tmp / "calib.txt").write_text("\n\n".join(calib))
+    (tmp / "held.txt").write_text("\n\n".join(held))
+    licence = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "LICENSE.txt"
+    (tmp / "licence.txt").write_text(licence.read_text())
+    opts = dict(batch_size=8, seq_len=SEQ_LEN, tokenizer=tok, pack_text=True, num_samples=WINDOWS, seed=0)
+    return list(load_data(tmp / "calib.txt", **opts)), {
+        TEXTS[0]: list(load_data(tmp / "held.txt", **opts)),
+        TEXTS[1]: list(load_data(tmp / "licence.txt", **{**opts, "num_samples": OTHER_WINDOWS}))}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mixes", default="q4_k_m,q3_k_m,q2_k,q4_0")
@@ -145,8 +162,6 @@ def main(argv=None):
     import transformers
 
     import qtool
-    from qtool.data import load_data
-    from qtool.example import text_split
     from qtool.pipeline import CalibrateOptions, ExportOptions, run_quantize
     from smollm2 import smollm2_dir
 
@@ -157,15 +172,7 @@ def main(argv=None):
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        calib, held = text_split(300, 300)
-        (tmp / "calib.txt").write_text("\n\n".join(calib))
-        (tmp / "held.txt").write_text("\n\n".join(held))
-        licence = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "LICENSE.txt"
-        (tmp / "licence.txt").write_text(licence.read_text())
-        opts = dict(batch_size=8, seq_len=SEQ_LEN, tokenizer=tok, pack_text=True, num_samples=WINDOWS, seed=0)
-        calib_batches = list(load_data(tmp / "calib.txt", **opts))
-        texts = {TEXTS[0]: list(load_data(tmp / "held.txt", **opts)),
-                 TEXTS[1]: list(load_data(tmp / "licence.txt", **{**opts, "num_samples": OTHER_WINDOWS}))}
+        calib_batches, texts = scoring_texts(tmp, tok)
         ppl_float = perplexities(float_model, texts)
         print(f"float perplexity {ppl_float[TEXTS[0]]:.3f} / {ppl_float[TEXTS[1]]:.3f} ({WINDOWS} held-out windows, "
               f"{OTHER_WINDOWS} of another kind, {SEQ_LEN} tokens)", flush=True)
