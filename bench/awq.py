@@ -5,8 +5,15 @@ fake-quant on held-out Python documentation (the calibration text's kind) and on
 kind), with calibration time and peak RSS per method. Calibration: 32 windows of 256 tokens of Python docs.
 SignRound rows (``rounding: signround``, ``--iterations`` steps per block) run ``--sequential``, as they must.
 
-    .venv/bin/python bench/awq.py [--methods rtn,awq,gptq,awq+gptq,signround,awq+signround] [--bits 4]
-        [--block 64] [--symmetric] [--weighted] [--iterations 200] [--out bench/results/awq.json]
+``llmc-awq`` is llm-compressor's ``AWQModifier`` (a reference, never a dependency: it runs from its own venv, given
+by ``--llmc-python``) on the same checkpoint, the same token windows qtool calibrates on, and the same scheme
+(bits, block, symmetry, min-max observer, lm_head ignored, the embedding left float as llm-compressor leaves every
+non-Linear); its fake-quant weights and folded norms are scored by the same code as qtool's rows.
+
+    python3 -m venv /tmp/llmc && /tmp/llmc/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
+    .venv/bin/python bench/awq.py [--methods rtn,awq,gptq,awq+gptq,signround,awq+signround,llmc-awq] [--bits 4]
+        [--block 64] [--symmetric] [--weighted] [--iterations 200] [--llmc-python /tmp/llmc/bin/python]
+        [--out bench/results/awq.json]
 
 Each method calibrates in a child process (its peak RSS is its own). Rows go to the JSON as they finish.
 """
@@ -21,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -29,16 +37,24 @@ METHODS = {"rtn": ("nearest", False), "awq": ("nearest", True), "gptq": ("gptq",
            "awq+gptq": ("gptq", True), "signround": ("signround", False), "awq+signround": ("signround", True)}
 
 
+# the FP4 grids (``--element``): element, block and scale type as the shipped nvfp4a16 / mxfp4a16 recipes have
+# them, and the compressed-tensors preset llm-compressor quantizes the same way
+FP4 = {"nvfp4": ("block_size: 16, scale_dtype: fp8_e4m3", "NVFP4A16"),
+       "mxfp4": ("block_size: 32, scale_dtype: e8m0", "MXFP4A16")}
+
+
 def _recipe(tmp: Path, method: str, bits: int, block: int, symmetric: bool, iterations: int,
-            weighted: bool = False) -> Path:
+            weighted: bool = False, element: Optional[str] = None) -> Path:
     rounding, awq = METHODS[method]
     analyzer = "{name: mse, weighting: activations}" if weighted else "minmax"
     if rounding == "signround":
         rounding = f"{{name: signround, iterations: {iterations}}}"
+    grid = (f"element: fp4_e2m1, granularity: per_block, {FP4[element][0]}" if element else
+            f"bitwidth: {bits}, symmetric: {str(symmetric).lower()}, granularity: per_block, block_size: {block}")
     path = tmp / f"{method.replace('+', '-')}.yaml"
     path.write_text(f"""version: 1
 defaults:
-  weights: {{bitwidth: {bits}, symmetric: {str(symmetric).lower()}, granularity: per_block, block_size: {block},
+  weights: {{{grid},
              analyzer: {analyzer}, rounding: {rounding}}}
   activations: null
 ignore: ["lm_head", "re:.*embed_tokens"]
@@ -57,6 +73,96 @@ def _child(ckpt: str, recipe: str, data: str, out: str) -> None:
     print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_gb": _peak_rss() / 1e9}))
 
 
+def _llmc_child(ckpt: str, ids: str, out: str, bits: str, block: str, symmetric: str, element: str) -> None:
+    """llm-compressor's AWQ in its own venv (no qtool import here): write every parameter of the model it leaves,
+    each quantized Linear's weight fake-quantized by compressed-tensors, and print the seconds and peak RSS."""
+    import torch
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    if not torch.cuda.is_available():  # 0.14's AWQ pins its cached batches, which needs an accelerator; a CPU run
+        from llmcompressor.pipelines.cache import IntermediatesCache  # only loses the faster host-to-GPU copies
+
+        IntermediatesCache.pin_memory = lambda self, *a, **k: None
+    torch.manual_seed(0)
+    windows = load_file(ids)
+    ds = Dataset.from_dict({k: v.tolist() for k, v in windows.items()})
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    weights = {"num_bits": int(bits), "type": "int", "symmetric": symmetric == "true", "strategy": "group",
+               "group_size": int(block), "observer": "minmax"}
+    scheme = ({"scheme": FP4[element][1], "targets": ["Linear"]} if element in FP4 else
+              {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}})
+    recipe = [AWQModifier(duo_scaling=True, n_grid=20), QuantizationModifier(**scheme, ignore=["lm_head"])]
+    oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=len(ds),
+            max_seq_length=windows["input_ids"].shape[1])
+    seconds = time.perf_counter() - t0
+    keep = set(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict())
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items() if k in keep}
+    quantized = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            scheme = getattr(module, "quantization_scheme", None)
+            if scheme is not None and scheme.weights is not None and hasattr(module, "weight_scale"):
+                state[f"{name}.weight"] = fake_quantize(
+                    module.weight, module.weight_scale, getattr(module, "weight_zero_point", None), scheme.weights,
+                    global_scale=getattr(module, "weight_global_scale", None)).contiguous()
+                quantized += 1
+    save_file(state, out)
+    print(json.dumps({"seconds": seconds, "peak_rss_gb": _peak_rss() / 1e9, "quantized_linears": quantized}))
+
+
+def _qtool_run(method: str, ckpt, tmp: Path, args):
+    """Calibrate one qtool method in a child process; its fake-quant model and cost (plus AWQ's group counts)."""
+    import qtool
+
+    recipe = _recipe(tmp, method, args.bits, args.block, args.symmetric, args.iterations, args.weighted,
+                     args.element)
+    out = tmp / f"run-{method.replace('+', '-')}"
+    r = subprocess.run([sys.executable, __file__, "--child", str(ckpt), str(recipe), str(tmp / "calib.txt"),
+                        str(out)], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
+    cost = json.loads(r.stdout.strip().splitlines()[-1])
+    manifest = json.loads((out / "manifest.json").read_text())
+    if "awq" in manifest:
+        groups = manifest["awq"]["groups"]
+        cost["awq_scaled_groups"] = sum(g["ratio"] is not None for g in groups)
+        cost["awq_groups"] = len(groups)
+    return qtool.load_calibrated(str(ckpt), str(out / "encodings.json")), cost
+
+
+def _llmc_run(llmc_python: str, ckpt, tmp: Path, args):
+    """Run llm-compressor's AWQ on the calibration windows qtool reads; its model (float32) and cost."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from qtool.data import load_data
+    from qtool.model.load import load_model
+
+    loaded = load_model(ckpt)
+    batches = list(load_data(tmp / "calib.txt", batch_size=8, num_samples=32, seed=0, seq_len=256,
+                             tokenizer=loaded.tokenizer, pack_text=True))  # what run_calibrate reads
+    ids = tmp / "llmc-ids.safetensors"
+    save_file({k: torch.cat([b.kwargs[k] for b in batches]).contiguous() for k in ("input_ids", "attention_mask")}, str(ids))
+    out = tmp / "llmc-awq.safetensors"
+    r = subprocess.run([llmc_python, __file__, "--llmc-child", str(ckpt), str(ids), str(out), str(args.bits),
+                        str(args.block), str(args.symmetric).lower(), str(args.element)], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
+    cost = json.loads(r.stdout.strip().splitlines()[-1])
+    state = load_file(str(out))
+    missing, unexpected = loaded.model.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:
+        raise RuntimeError(f"llm-compressor's state does not fit the model: {unexpected[:3]} {missing[:3]}")
+    return loaded.model, cost
+
+
 def _peak_rss() -> int:
     """This process's peak resident set size in bytes: VmHWM, which starts afresh at exec (``ru_maxrss`` keeps the
     peak of the forked parent's pages from before it, here the parent's loaded float model)."""
@@ -72,16 +178,22 @@ def main(argv=None):
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--symmetric", action="store_true")
+    ap.add_argument("--element", choices=sorted(FP4), default=None,
+                    help="an FP4 grid (the shipped nvfp4a16 / mxfp4a16 recipes' weights) instead of int --bits")
     ap.add_argument("--weighted", action="store_true",
                     help="ranges from the activation-weighted MSE search (the shipped -gptq recipes' analyzer)")
     ap.add_argument("--iterations", type=int, default=200, help="signround's steps per block")
+    ap.add_argument("--llmc-python", default="/tmp/llmc/bin/python",
+                    help="the interpreter of llm-compressor's own venv (the llmc-awq row)")
     ap.add_argument("--out", default=str(REPO / "bench/results/awq.json"))
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--llmc-child", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return _child(*args.child)
+    if args.llmc_child:
+        return _llmc_child(*args.llmc_child)
 
-    import qtool
     from accuracy import _perplexity
     from qtool.data import load_data
     from qtool.example import text_split
@@ -103,36 +215,28 @@ def main(argv=None):
     del loaded
     kind = "symmetric" if args.symmetric else "asymmetric"
     grid = ", weighted MSE ranges" if args.weighted else ", min-max ranges"
-    result = {"model": "SmolLM2-135M-Instruct", "scheme": f"int{args.bits} {kind}, blocks of {args.block}{grid}",
+    scheme = f"{args.element}a16" if args.element else f"int{args.bits} {kind}, blocks of {args.block}"
+    result = {"model": "SmolLM2-135M-Instruct", "scheme": scheme + grid,
               "signround_iterations": args.iterations,
               "calibration": "32 windows of 256 tokens of pydoc_data.topics", "float": floats, "rows": []}
     print(f"{'method':<10} {'text':<32} {'ppl float':>9} {'quant':>9} {'increase':>9} {'calib s':>8} {'peak GB':>8}")
     for method in args.methods.split(","):
-        recipe = _recipe(tmp, method, args.bits, args.block, args.symmetric, args.iterations, args.weighted)
-        out = tmp / f"run-{method.replace('+', '-')}"
-        r = subprocess.run([sys.executable, __file__, "--child", str(ckpt), str(recipe), str(tmp / "calib.txt"),
-                            str(out)], capture_output=True, text=True)
-        if r.returncode:
-            print(f"{method}: failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+        try:
+            model, row = (_llmc_run(args.llmc_python, ckpt, tmp, args) if method == "llmc-awq"
+                          else _qtool_run(method, ckpt, tmp, args))
+        except RuntimeError as e:
+            print(f"{method}: failed: {e}")
             continue
-        cost = json.loads(r.stdout.strip().splitlines()[-1])
-        model = qtool.load_calibrated(str(ckpt), str(out / "encodings.json"))
-        row = {"method": method, **cost, "perplexity": {}}
-        manifest = json.loads((out / "manifest.json").read_text())
-        if "awq" in manifest:
-            groups = manifest["awq"]["groups"]
-            row["awq_scaled_groups"] = sum(g["ratio"] is not None for g in groups)
-            row["awq_groups"] = len(groups)
+        row = {"method": method, **row, "perplexity": {}}
         for name, batches in texts.items():
             ppl = _perplexity(model, batches)[0]
             row["perplexity"][name] = ppl
             print(f"{method:<10} {name:<32} {floats[name]:>9.3f} {ppl:>9.3f} {100 * (ppl / floats[name] - 1):>+8.2f}% "
-                  f"{cost['seconds']:>8.1f} {cost['peak_rss_gb']:>8.2f}", flush=True)
+                  f"{row['seconds']:>8.1f} {row['peak_rss_gb']:>8.2f}", flush=True)
         result["rows"].append(row)
         del model
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-
 
 if __name__ == "__main__":
     main()

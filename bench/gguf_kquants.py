@@ -156,8 +156,13 @@ def main(argv=None):
     ap.add_argument("--dampening", type=float, default=None,
                     help="GPTQ's dampening (fraction of the Hessian's mean diagonal) for the gptq and weighted-gptq "
                          "rows (default: the recipe's)")
+    ap.add_argument("--bounded", action="store_true",
+                    help="GPTQ keeps each code at one of the two grid levels around its float weight (gptq and "
+                         "weighted-gptq rows)")
     ap.add_argument("--out", default=str(REPO / "bench/results/gguf_kquants.json"))
     args = ap.parse_args(argv)
+    gptq = {"name": "gptq", **({} if args.dampening is None else {"dampening": args.dampening}),
+            **({"bounded": True} if args.bounded else {})}  # the gptq rows' rounding, as a recipe writes it
 
     import transformers
 
@@ -212,8 +217,7 @@ def main(argv=None):
                                       f"{{name: signround, iterations: {args.iterations}}}}}\n  activations: null\n")
                 elif method in ("weighted", "weighted-gptq"):  # importance x magnitude
                     recipe = tmp / f"gguf-{mix}-{method}.yaml"
-                    rounding = ("gptq" if args.dampening is None else f"{{name: gptq, dampening: {args.dampening}}}") \
-                        if method == "weighted-gptq" else "nearest"
+                    rounding = json.dumps(gptq) if method == "weighted-gptq" else "nearest"
                     recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: {{name: mse, "
                                       f"weighting: activations_magnitude}}, rounding: {rounding}}}\n"
                                       "  activations: null\n")
@@ -223,15 +227,15 @@ def main(argv=None):
                                       "weighting: activations}, rounding: gptq}\n  activations: null\n")
                 elif method != "gptq":
                     raise SystemExit(f"unknown method {method!r} (gptq, signround, weighted, weighted-gptq)")
-                elif args.dampening is not None:  # the shipped mix with another dampening
+                elif len(gptq) > 1:  # the shipped mix with other GPTQ parameters
                     spec = yaml.safe_load(recipe.read_text())
-                    spec["defaults"]["weights"]["rounding"] = {"name": "gptq", "dampening": args.dampening}
-                    recipe = tmp / f"gguf-{mix}-gptq-d{args.dampening}.yaml"
+                    spec["defaults"]["weights"]["rounding"] = gptq
+                    recipe = tmp / f"gguf-{mix}-gptq-{len(gptq)}.yaml"
                     recipe.write_text(yaml.safe_dump(spec))
                 ppl_q, secs, gguf_summary, types = qtool_row(recipe, True)
                 row.update(bytes=gguf_summary["bytes"], tensor_types=gguf_summary["tensor_types"])
                 row[key] = {"perplexity": ppl_q, "increase_pct": increase(ppl_q), "seconds": secs,
-                            "dampening": args.dampening}
+                            "dampening": args.dampening, "bounded": args.bounded}
                 print(f"{mix:8s} qtool {method:9s} {shown(row[key])}  ({secs:.0f} s)", flush=True)
             types_n = types
             if args.data_only:

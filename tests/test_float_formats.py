@@ -447,6 +447,30 @@ def test_gptq_on_float_grids(element, scale_dtype, block):
 
 @pytest.mark.parametrize("element, scale_dtype, block", [(FP4, "e8m0", 32), (FP4, "fp8_e4m3", 16),
                                                          (FP8, "float32", 32)])
+def test_bounded_gptq_on_float_grids_rounds_each_value_down_or_up_only(element, scale_dtype, block):
+    from qtool.calibration.rounding.gptq import gptq_codes
+
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(24, 64, generator=g)
+    amax = W.abs().unflatten(-1, (64 // block, block)).amax(-1)
+    _, eff, _ = encoding_scales(amax, element, scale_dtype)
+    X = torch.randn(512, 8, generator=g) @ torch.randn(8, 64, generator=g) + 0.1 * torch.randn(512, 64, generator=g)
+    codes = gptq_codes(W, X.T @ X, eff, torch.zeros_like(eff), 0, element.num_codes - 1, (1, block),
+                       element=element, bounded=True)
+    # the element's representable values, and each weight's neighbours among them (in units of its block's scale)
+    levels = torch.unique(element.values(torch.arange(element.num_codes)))
+    levels = levels[torch.isfinite(levels) & (levels.abs() <= element.max)]
+    x = (W / eff.repeat_interleave(block, dim=1)).clamp(-element.max, element.max)
+    chosen = element.values(codes)
+    below = torch.where(levels <= x[..., None], levels, -torch.inf).amax(-1)
+    above = torch.where(levels >= x[..., None], levels, torch.inf).amin(-1)
+    assert bool(((chosen == below) | (chosen == above)).all())
+    rtn = float_quantize(W, eff, element, (1, block))
+    assert not torch.equal(codes, rtn)  # it still chose: some values went the other way
+
+
+@pytest.mark.parametrize("element, scale_dtype, block", [(FP4, "e8m0", 32), (FP4, "fp8_e4m3", 16),
+                                                         (FP8, "float32", 32)])
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2 ** 31 - 1), weighted=st.booleans())
 def test_scale_search_is_never_worse_than_minmax(element, scale_dtype, block, seed, weighted):

@@ -130,3 +130,38 @@ def test_a_gptq_row_searches_clipped_spans_and_a_nearest_row_does_not():
                               "\n  activations: null\n")
         row = resolve_plan(recipe, model).weights[0]
         assert make_quantizer(row).clip is clip
+
+
+@pytest.mark.parametrize("gguf_type", ["q4_k", "q3_k", "q5_0", "iq4_xs"])
+def test_bounded_gptq_on_gguf_grids_rounds_each_value_down_or_up_only(gguf_type):
+    from qtool.calibration.rounding.gptq import expand_encoding, gptq_codes
+    from qtool.config import parse_recipe, resolve_plan
+    from qtool.model.insert import make_quantizer
+    from qtool.quant.ggml import IQ4_TABLE
+
+    g = torch.Generator().manual_seed(2)
+    layer = torch.nn.Linear(256, 16)
+    w = torch.randn(16, 256, generator=g)
+    layer.weight.data = w.clone()
+    recipe = parse_recipe(f"version: 1\ndefaults:\n  weights: {{gguf_type: {gguf_type}, rounding: gptq}}\n"
+                          "  activations: null\n")
+    row = resolve_plan(recipe, torch.nn.Sequential(layer)).weights[0]
+    quantizer = make_quantizer(row)
+    with quantizer.compute_encodings():
+        quantizer.observe(w)
+    s, o = (expand_encoding(t.detach(), w.shape, row.block_size) for t in (quantizer.get_scale(), quantizer.get_offset()))
+    x = torch.randn(1024, 16, generator=g) @ torch.randn(16, 256, generator=g) + 0.1 * torch.randn(1024, 256, generator=g)
+    codes = gptq_codes(w, x.T @ x, s, o, quantizer.qmin, quantizer.qmax, bounded=True,
+                       element=quantizer.spec.element_grid).to(torch.float32)
+    if gguf_type == "iq4_xs":  # codes index the sorted table: the value just below or just above w / s
+        table = torch.tensor(IQ4_TABLE, dtype=torch.float32)
+        position = w / s
+        below = (torch.bucketize(position, table, right=True) - 1).clamp(0, 15) - 8
+        above = torch.bucketize(position, table).clamp(0, 15) - 8
+    else:
+        position = w / s - o
+        below = position.floor().clamp(quantizer.qmin, quantizer.qmax)
+        above = position.ceil().clamp(quantizer.qmin, quantizer.qmax)
+    assert bool(((codes == below) | (codes == above)).all())
+    free = gptq_codes(w, x.T @ x, s, o, quantizer.qmin, quantizer.qmax, element=quantizer.spec.element_grid)
+    assert not bool(((free == below) | (free == above)).all())  # unbounded GPTQ moves some codes further

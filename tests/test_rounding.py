@@ -75,6 +75,30 @@ def test_gptq_beats_round_to_nearest_clearly_on_correlated_inputs():
     assert _output_error(w, x, codes, scale, offset, bs) < 0.6 * _output_error(w, x, rtn, scale, offset, bs)
 
 
+@settings(max_examples=40, deadline=None)
+@given(layers, st.booleans())
+def test_bounded_gptq_keeps_every_code_beside_its_weight_and_is_never_above_round_to_nearest(layer, act_order):
+    w, x, scale, offset, qmin, qmax, bs = _layer(*layer)
+    rtn = quantize(w, scale, offset, qmin=qmin, qmax=qmax, block_size=bs)
+    codes = gptq_codes(w, x.T @ x, scale, offset, qmin, qmax, bs, act_order=act_order, block_columns=8,
+                       bounded=True)
+    position = w / expand_encoding(scale, w.shape, bs) - expand_encoding(offset, w.shape, bs)
+    low, high = position.floor().clamp(qmin, qmax), position.ceil().clamp(qmin, qmax)
+    assert bool(((codes >= low) & (codes <= high)).all())  # down or up from its own weight, never further
+    assert _output_error(w, x, codes, scale, offset, bs) <= _output_error(w, x, rtn, scale, offset, bs) * (1 + 1e-5)
+
+
+def test_bounded_gptq_gives_up_only_part_of_gptqs_gain_and_moves_fewer_codes():
+    w, x, scale, offset, qmin, qmax, bs = _layer(3, 128, 8, 32, 4, True, 2048)
+    rtn = quantize(w, scale, offset, qmin=qmin, qmax=qmax, block_size=bs)
+    free = gptq_codes(w, x.T @ x, scale, offset, qmin, qmax, bs)
+    bounded = gptq_codes(w, x.T @ x, scale, offset, qmin, qmax, bs, bounded=True)
+    errors = [_output_error(w, x, c, scale, offset, bs) for c in (rtn, free, bounded)]
+    assert errors[1] < errors[2] < 0.8 * errors[0]
+    far = [int(((c - rtn).abs() > 1).sum()) for c in (free, bounded)]
+    assert far[0] > 0 and far[1] == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gptq_columns.py on a GPU)")
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_column_loop_replayed_as_a_cuda_graph_gives_the_launched_loops_codes(monkeypatch, act_order):

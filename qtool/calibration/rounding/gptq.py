@@ -53,7 +53,7 @@ def expand_encoding(t: torch.Tensor, weight_shape: Sequence[int], block_size: Op
 @torch.no_grad()
 def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                qmin: int, qmax: int, block_size: Optional[Sequence[int]] = None, *, block_columns: int = 128,
-               dampening: float = 0.01, act_order: bool = True,
+               dampening: float = 0.01, act_order: bool = True, bounded: bool = False,
                element: Optional[Grid] = None, notes: Optional[List[str]] = None) -> torch.Tensor:
     """GPTQ codes (int64, the weight's shape) for ``weight`` ``(out, in)`` on the grid ``scale``/``offset`` (in the
     encoding's shape with ``block_size``, as :func:`qtool.quant.affine.quantize` takes them).
@@ -61,7 +61,9 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     ``hessian`` ``(in, in)`` is ``sum(x xᵀ)`` over the layer's inputs (any positive multiple gives the same codes
     up to float rounding). Computed in float32 on the weight's device; ``block_columns`` only trades speed for
     memory; ``dampening`` is the fraction of the mean diagonal added to it; ``act_order`` visits columns by
-    decreasing ``H_jj`` (the grid stays the analyzer's, so this changes codes, never scales).
+    decreasing ``H_jj`` (the grid stays the analyzer's, so this changes codes, never scales). ``bounded``: each
+    code stays at one of the two grid levels around its float weight (round down or up, as AdaRound and SignRound
+    choose), however far the earlier columns' errors moved the weight GPTQ rounds.
 
     ``element``: a float element grid (``quant.floatgrid``; ``scale`` is then the effective scale and ``offset``
     zero): each column rounds to the nearest element value, and the codes returned are the element's codes. A
@@ -122,7 +124,8 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     Wt, St, Ot = (t.transpose(1, 2).contiguous() for t in (W, S, O))
     del W, S, O
     codes = torch.empty_like(Wt)
-    graph = _CapturedColumns.make(Wt, qmin, qmax, element)
+    W0 = Wt.clone() if bounded else None  # the float weights the bounds are around
+    graph = None if bounded else _CapturedColumns.make(Wt, qmin, qmax, element)
     if graph is not None:
         block_index = torch.tensor(block_of, device=Wt.device)
     for i1 in range(0, cols, block_columns):
@@ -140,11 +143,12 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
             else:
                 _columns(W1[:, j1:j2], [St[:, block_of[i1 + i]] for i in range(j1, j2)],
                          [Ot[:, block_of[i1 + i]] for i in range(j1, j2)], U1[:, j1:j2, j1:j2],
-                         pivots[:, j1:j2], codes[:, i1 + j1:i1 + j2], E1[:, j1:j2], qmin, qmax, element)
+                         pivots[:, j1:j2], codes[:, i1 + j1:i1 + j2], E1[:, j1:j2], qmin, qmax, element,
+                         None if W0 is None else W0[:, i1 + j1:i1 + j2])
             if j2 < k:
                 W1[:, j2:] -= U1[:, j1:j2, j2:].transpose(1, 2) @ E1[:, j1:j2]
         Wt[:, i2:] -= U[:, i1:i2, i2:].transpose(1, 2) @ E1
-    del graph
+    del graph, W0
     del Wt, St, Ot, U  # freed before the row check below makes its own (out, in) and (in, in) temporaries
     codes = codes.transpose(1, 2)
     if perm is not None:
@@ -156,16 +160,20 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
 
 def _columns(W: torch.Tensor, S: Sequence[torch.Tensor], O: Sequence[torch.Tensor], U: torch.Tensor,
              pivots: torch.Tensor, codes: torch.Tensor, errors: torch.Tensor, qmin: int, qmax: int,
-             element: Optional[Grid]) -> None:
+             element: Optional[Grid], W0: Optional[torch.Tensor] = None) -> None:
     """GPTQ's column-by-column steps over one sub-block, in place. ``W`` ``(groups, k, out)``: the sub-block's
     columns (each updated with the errors of the earlier ones); ``S[i]``/``O[i]`` ``(groups, out)``: column ``i``'s
     scale and offset; ``U`` ``(groups, k, k)``: the sub-block of the inverse Cholesky factor, ``pivots`` its
     diagonal ``(groups, k, 1)``. Writes each column's codes to ``codes[:, i]`` and its scaled error to
-    ``errors[:, i]`` (both ``(groups, k, out)``)."""
+    ``errors[:, i]`` (both ``(groups, k, out)``). ``W0``: the columns' float weights, to keep each code at one of
+    the two levels around its own (``bounded``)."""
     for i in range(W.shape[1]):
         w, s, o = W[:, i], S[i], O[i]
         # quantize / dequantize's own float32 steps, inline: this runs once per input column
         q = _levels(w, s, o, qmin, qmax, element)
+        if W0 is not None:
+            low, high = _bracket(W0[:, i], s, o, qmin, qmax, element)
+            q = torch.minimum(torch.maximum(q, low), high)
         codes[:, i] = q
         err = torch.div(torch.sub(w, _value(q, s, o, element)), pivots[:, i], out=errors[:, i])
         W[:, i + 1:] -= U[:, i, i + 1:, None] * err[:, None, :]
@@ -240,6 +248,27 @@ def _levels(w: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: 
             return (torch.bucketize(w / safe, (table[1:] + table[:-1]) / 2) - 8).to(w.dtype)
         return torch.round(w / safe - o).clamp_(qmin, qmax)
     return element.round(torch.clamp(w / s, -element.max, element.max))
+
+
+def _bracket(w: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: int,
+             element: Optional[Grid]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The grid levels just below and just above ``w`` (both the same where ``w`` is a level, or past the grid's
+    end), in :func:`_levels`' terms: codes, or a float element's values."""
+    if element is not None and not (isinstance(element, GgmlType) and not element.table):
+        if isinstance(element, GgmlType):  # IQ4: codes index a sorted table
+            table = torch.tensor(IQ4_TABLE, dtype=w.dtype, device=w.device)
+            x = w / torch.where(s == 0, torch.ones_like(s), s)
+            below = (torch.bucketize(x, table, right=True) - 1).clamp_(0, len(IQ4_TABLE) - 1)
+            above = torch.bucketize(x, table).clamp_(0, len(IQ4_TABLE) - 1)
+            return (below - 8).to(w.dtype), (above - 8).to(w.dtype)
+        values = element.values(torch.arange(element.num_codes, device=w.device))
+        levels = torch.unique(values[torch.isfinite(values) & (values.abs() <= element.max)])  # sorted
+        x = torch.clamp(w / s, -element.max, element.max)
+        below = (torch.bucketize(x, levels, right=True) - 1).clamp_(0, len(levels) - 1)
+        above = torch.bucketize(x, levels).clamp_(0, len(levels) - 1)
+        return levels[below], levels[above]
+    x = w / (s if element is None else torch.where(s == 0, torch.ones_like(s), s)) - o
+    return torch.floor(x).clamp_(qmin, qmax), torch.ceil(x).clamp_(qmin, qmax)
 
 
 def _value(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, element: Optional[Grid]) -> torch.Tensor:
