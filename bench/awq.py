@@ -7,8 +7,10 @@ SignRound rows (``rounding: signround``, ``--iterations`` steps per block) run `
 
 ``llmc-awq`` is llm-compressor's ``AWQModifier`` (a reference, never a dependency: it runs from its own venv, given
 by ``--llmc-python``) on the same checkpoint, the same token windows qtool calibrates on, and the same scheme
-(bits, block, symmetry, min-max observer, lm_head ignored, the embedding left float as llm-compressor leaves every
-non-Linear); its fake-quant weights and folded norms are scored by the same code as qtool's rows.
+(asymmetric int bits and block, or the FP4 ``--element`` preset; min-max ranges; lm_head ignored, the embedding left
+float as llm-compressor leaves every non-Linear; refused with ``--symmetric``, whose int grid compressed-tensors
+spans by max/7.5 where qtool's uses max/7, and with ``--weighted``); its fake-quant weights and folded norms are
+scored by the same code as qtool's rows. On a machine without an accelerator its batch pinning is turned off.
 
     python3 -m venv /tmp/llmc && /tmp/llmc/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
     .venv/bin/python bench/awq.py [--methods rtn,awq,gptq,awq+gptq,signround,awq+signround,llmc-awq] [--bits 4]
@@ -189,6 +191,10 @@ def main(argv=None):
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--llmc-child", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if "llmc-awq" in args.methods.split(",") and (args.weighted or args.symmetric):
+        # llm-compressor's observer is min-max, and its symmetric int grid divides the maximum by 7.5 (AIMET's
+        # and qtool's by 7): the llmc row would be another scheme than qtool's rows
+        ap.error("llmc-awq compares on the same scheme only: asymmetric int or an FP4 --element, min-max ranges")
     if args.child:
         return _child(*args.child)
     if args.llmc_child:

@@ -224,18 +224,19 @@ def main(argv=None):
                 elif args.weighted:
                     recipe = tmp / f"gguf-{mix}-weighted.yaml"
                     recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: {{name: mse, "
-                                      "weighting: activations}, rounding: gptq}\n  activations: null\n")
+                                      f"weighting: activations}}, rounding: {json.dumps(gptq)}}}\n  activations: null\n")
                 elif method != "gptq":
                     raise SystemExit(f"unknown method {method!r} (gptq, signround, weighted, weighted-gptq)")
                 elif len(gptq) > 1:  # the shipped mix with other GPTQ parameters
                     spec = yaml.safe_load(recipe.read_text())
                     spec["defaults"]["weights"]["rounding"] = gptq
-                    recipe = tmp / f"gguf-{mix}-gptq-{len(gptq)}.yaml"
+                    recipe = tmp / f"gguf-{mix}-gptq-params.yaml"
                     recipe.write_text(yaml.safe_dump(spec))
                 ppl_q, secs, gguf_summary, types = qtool_row(recipe, True)
                 row.update(bytes=gguf_summary["bytes"], tensor_types=gguf_summary["tensor_types"])
-                row[key] = {"perplexity": ppl_q, "increase_pct": increase(ppl_q), "seconds": secs,
-                            "dampening": args.dampening, "bounded": args.bounded}
+                row[key] = {"perplexity": ppl_q, "increase_pct": increase(ppl_q), "seconds": secs}
+                if method in ("gptq", "weighted-gptq"):
+                    row[key]["gptq"] = gptq
                 print(f"{mix:8s} qtool {method:9s} {shown(row[key])}  ({secs:.0f} s)", flush=True)
             types_n = types
             if args.data_only:

@@ -5,8 +5,10 @@ Same calibration text (Python documentation, 32 windows of 256 tokens), held-out
 
 * ``layers``: per Linear layer, the grid the weighted search chooses (``activations_magnitude``, importances from
   the calibration inputs), then round-to-nearest, llama.cpp's quantizer with the same importances and GPTQ at each
-  ``--dampening`` (optionally with the clipped spans GPTQ's search tries, ``--clip``); each scored by its relative
-  output error ``tr(D H Dᵀ) / tr(W H Wᵀ)`` under the Hessian of the float model's inputs on each text.
+  ``--dampening`` (optionally with the clipped spans GPTQ's search tries, ``--clip``, and bounded to the two levels
+  around each weight, ``--bounded``); each scored by its relative output error ``tr(D H Dᵀ) / tr(W H Wᵀ)`` under
+  the Hessian of the float model's inputs on each text, with the share of GPTQ's codes two or more levels away
+  from round-to-nearest's.
 * ``swap``: the whole model through qtool (``--sequential``, exported to GGUF) with GPTQ and with round-to-nearest
   on the same weighted grid, then GPTQ's weights with one layer type, or one range of blocks, taken from the
   nearest file instead; perplexity increase on both texts (the file's weights, dequantized by gguf-py).
@@ -71,7 +73,7 @@ def layers(args, model, sets):
     lib = _ggml()
     t = ggml.ggml_type(args.type)
     qmin, qmax = t.qmin_qmax
-    totals = {}
+    totals, moved = {}, {}
 
     def error(d, h, w):
         return float(torch.einsum("oi,ij,oj->", d.double(), h, d.double())
@@ -91,10 +93,16 @@ def layers(args, model, sets):
             grid = ggml.grid_from_range(mn.reshape(w.shape[0], -1), mx.reshape(w.shape[0], -1), t)
             scale, offset = grid.step_offset((w.shape[0], w.shape[1] // t.sub))
             tag = " clipped" if clip else ""
-            found[f"nearest{tag}"] = ggml.dequantize(ggml.quantize_codes(w, grid), grid)
+            rtn = ggml.quantize_codes(w, grid)
+            found[f"nearest{tag}"] = ggml.dequantize(rtn, grid)
             for damp in map(float, args.dampening.split(",")):
-                codes = gptq_codes(w, h_cal.float(), scale, offset, qmin, qmax, (1, t.sub), dampening=damp, element=t)
-                found[f"gptq {damp:g}{tag}"] = ggml.dequantize(codes.to(torch.int32), grid)
+                for bounded in ((False, True) if args.bounded else (False,)):
+                    codes = gptq_codes(w, h_cal.float(), scale, offset, qmin, qmax, (1, t.sub), dampening=damp,
+                                       element=t, bounded=bounded)
+                    key = f"gptq {damp:g}{' bounded' if bounded else ''}{tag}"
+                    found[key] = ggml.dequantize(codes.to(torch.int32), grid)
+                    far = (codes - rtn).abs() > 1  # codes two or more levels from round-to-nearest's
+                    moved.setdefault(key, []).append(float(far.float().mean()))
         cells = []
         for key, q in found.items():
             errs = [error(w - q, hessians[s][n], w) for s in ("cal", "docs", "licence")]
@@ -105,7 +113,8 @@ def layers(args, model, sets):
         print(f"{n}: " + ", ".join(cells), flush=True)
     print(f"\n{args.type}: mean relative output error, calibration / held-out docs / LICENSE inputs")
     for key, acc in totals.items():
-        print(f"{key:24s} " + " ".join(f"{v / acc[3]:.5f}" for v in acc[:3]))
+        far = f"   codes 2+ levels from nearest: {100 * sum(moved[key]) / len(moved[key]):.2f} %" if key in moved else ""
+        print(f"{key:24s} " + " ".join(f"{v / acc[3]:.5f}" for v in acc[:3]) + far)
 
 
 def swap(args, model, sets, tmp: Path):
@@ -173,6 +182,8 @@ def main(argv=None):
     ap.add_argument("--type", default="Q4_0", help="layers: the GGUF type")
     ap.add_argument("--dampening", default="0.01,0.1,0.3,1,3", help="layers: GPTQ dampenings")
     ap.add_argument("--clip", action="store_true", help="layers: also with the clipped spans")
+    ap.add_argument("--bounded", action="store_true",
+                    help="layers: also GPTQ with each code kept at one of the two levels around its weight")
     ap.add_argument("--mix", default="q4_0", help="swap: the GGUF mix")
     args = ap.parse_args(argv)
 

@@ -465,8 +465,12 @@ def test_bounded_gptq_on_float_grids_rounds_each_value_down_or_up_only(element, 
     below = torch.where(levels <= x[..., None], levels, -torch.inf).amax(-1)
     above = torch.where(levels >= x[..., None], levels, torch.inf).amin(-1)
     assert bool(((chosen == below) | (chosen == above)).all())
-    rtn = float_quantize(W, eff, element, (1, block))
-    assert not torch.equal(codes, rtn)  # it still chose: some values went the other way
+    # it still chose (values, not codes: +0 and -0 are two codes): its output error is well below nearest's
+
+    def out_err(c):
+        return float(((X @ (W - float_dequantize(c, eff, element, (1, block))).T) ** 2).sum())
+
+    assert out_err(codes) < 0.9 * out_err(float_quantize(W, eff, element, (1, block)))
 
 
 @pytest.mark.parametrize("element, scale_dtype, block", [(FP4, "e8m0", 32), (FP4, "fp8_e4m3", 16),

@@ -134,7 +134,7 @@ def test_a_gptq_row_searches_clipped_spans_and_a_nearest_row_does_not():
 
 @pytest.mark.parametrize("gguf_type", ["q4_k", "q3_k", "q5_0", "iq4_xs"])
 def test_bounded_gptq_on_gguf_grids_rounds_each_value_down_or_up_only(gguf_type):
-    from qtool.calibration.rounding.gptq import expand_encoding, gptq_codes
+    from qtool.calibration.rounding.gptq import _levels, _value, expand_encoding, gptq_codes
     from qtool.config import parse_recipe, resolve_plan
     from qtool.model.insert import make_quantizer
     from qtool.quant.ggml import IQ4_TABLE
@@ -165,3 +165,9 @@ def test_bounded_gptq_on_gguf_grids_rounds_each_value_down_or_up_only(gguf_type)
     assert bool(((codes == below) | (codes == above)).all())
     free = gptq_codes(w, x.T @ x, s, o, quantizer.qmin, quantizer.qmax, element=quantizer.spec.element_grid)
     assert not bool(((free == below) | (free == above)).all())  # unbounded GPTQ moves some codes further
+    # and within its bounds it still feeds the errors forward: well below round-to-nearest's output error
+    element = quantizer.spec.element_grid
+    rtn = _levels(w, s, o, quantizer.qmin, quantizer.qmax, element)
+    errors = [float((x @ (w - _value(c.to(torch.float32), s, o, element)).T).pow(2).sum()) for c in (rtn, codes)]
+    assert errors[1] < 0.9 * errors[0], errors
+

@@ -193,10 +193,11 @@ def _runs_beside(unit: List[QuantizerPlan], modules) -> bool:
 
 def _temporary_bytes(unit: List[QuantizerPlan], modules) -> int:
     """About what GPTQ allocates for ``unit`` (float32 weight copies, grids, codes, float64 row errors, the
-    Hessian's factors)."""
+    Hessian's factors; ``bounded``'s two-byte limits)."""
     weights = [modules[q.module]._parameters["weight"] for q in unit]
     cols = int(weights[0].shape[-1])
-    return 48 * sum(w.numel() for w in weights) + 16 * cols * cols
+    per_value = 52 if dict(unit[0].rounding_args).get("bounded") else 48
+    return per_value * sum(w.numel() for w in weights) + 16 * cols * cols
 
 
 def _shared_problems(rows: List[QuantizerPlan], modules, quantizers, stats) -> List[List[QuantizerPlan]]:

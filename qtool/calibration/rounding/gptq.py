@@ -124,7 +124,7 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     Wt, St, Ot = (t.transpose(1, 2).contiguous() for t in (W, S, O))
     del W, S, O
     codes = torch.empty_like(Wt)
-    W0 = Wt.clone() if bounded else None  # the float weights the bounds are around
+    bounds = _bounds(Wt, St, Ot, block_of, block_columns, qmin, qmax, element) if bounded else None
     graph = None if bounded else _CapturedColumns.make(Wt, qmin, qmax, element)
     if graph is not None:
         block_index = torch.tensor(block_of, device=Wt.device)
@@ -144,11 +144,11 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
                 _columns(W1[:, j1:j2], [St[:, block_of[i1 + i]] for i in range(j1, j2)],
                          [Ot[:, block_of[i1 + i]] for i in range(j1, j2)], U1[:, j1:j2, j1:j2],
                          pivots[:, j1:j2], codes[:, i1 + j1:i1 + j2], E1[:, j1:j2], qmin, qmax, element,
-                         None if W0 is None else W0[:, i1 + j1:i1 + j2])
+                         None if bounds is None else tuple(b[:, i1 + j1:i1 + j2] for b in bounds))
             if j2 < k:
                 W1[:, j2:] -= U1[:, j1:j2, j2:].transpose(1, 2) @ E1[:, j1:j2]
         Wt[:, i2:] -= U[:, i1:i2, i2:].transpose(1, 2) @ E1
-    del graph, W0
+    del graph, bounds
     del Wt, St, Ot, U  # freed before the row check below makes its own (out, in) and (in, in) temporaries
     codes = codes.transpose(1, 2)
     if perm is not None:
@@ -160,20 +160,19 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
 
 def _columns(W: torch.Tensor, S: Sequence[torch.Tensor], O: Sequence[torch.Tensor], U: torch.Tensor,
              pivots: torch.Tensor, codes: torch.Tensor, errors: torch.Tensor, qmin: int, qmax: int,
-             element: Optional[Grid], W0: Optional[torch.Tensor] = None) -> None:
+             element: Optional[Grid], bounds: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     """GPTQ's column-by-column steps over one sub-block, in place. ``W`` ``(groups, k, out)``: the sub-block's
     columns (each updated with the errors of the earlier ones); ``S[i]``/``O[i]`` ``(groups, out)``: column ``i``'s
     scale and offset; ``U`` ``(groups, k, k)``: the sub-block of the inverse Cholesky factor, ``pivots`` its
     diagonal ``(groups, k, 1)``. Writes each column's codes to ``codes[:, i]`` and its scaled error to
-    ``errors[:, i]`` (both ``(groups, k, out)``). ``W0``: the columns' float weights, to keep each code at one of
-    the two levels around its own (``bounded``)."""
+    ``errors[:, i]`` (both ``(groups, k, out)``). ``bounds``: the lowest and highest level each column's codes may
+    take (``bounded``), like ``codes``."""
     for i in range(W.shape[1]):
         w, s, o = W[:, i], S[i], O[i]
         # quantize / dequantize's own float32 steps, inline: this runs once per input column
         q = _levels(w, s, o, qmin, qmax, element)
-        if W0 is not None:
-            low, high = _bracket(W0[:, i], s, o, qmin, qmax, element)
-            q = torch.minimum(torch.maximum(q, low), high)
+        if bounds is not None:
+            q = torch.minimum(torch.maximum(q, bounds[0][:, i].to(q.dtype)), bounds[1][:, i].to(q.dtype))
         codes[:, i] = q
         err = torch.div(torch.sub(w, _value(q, s, o, element)), pivots[:, i], out=errors[:, i])
         W[:, i + 1:] -= U[:, i, i + 1:, None] * err[:, None, :]
@@ -248,6 +247,21 @@ def _levels(w: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: 
             return (torch.bucketize(w / safe, (table[1:] + table[:-1]) / 2) - 8).to(w.dtype)
         return torch.round(w / safe - o).clamp_(qmin, qmax)
     return element.round(torch.clamp(w / s, -element.max, element.max))
+
+
+def _bounds(Wt: torch.Tensor, St: torch.Tensor, Ot: torch.Tensor, block_of: List[int], chunk: int, qmin: int,
+            qmax: int, element: Optional[Grid]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``bounded``'s limits: each weight's levels just below and above its own float value, like ``Wt``
+    ``(groups, in, out)``, kept in two bytes a value (codes fit int8; float elements' values, FP8's included, are
+    exact in bfloat16), computed ``chunk`` columns at a time."""
+    dtype = torch.bfloat16 if isinstance(element, FloatElement) else torch.int8
+    low, high = (torch.empty(Wt.shape, dtype=dtype, device=Wt.device) for _ in range(2))
+    for a in range(0, Wt.shape[1], chunk):
+        b = min(a + chunk, Wt.shape[1])
+        cols = block_of[a:b]
+        below, above = _bracket(Wt[:, a:b], St[:, cols], Ot[:, cols], qmin, qmax, element)
+        low[:, a:b], high[:, a:b] = below, above
+    return low, high
 
 
 def _bracket(w: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: int,
