@@ -1,5 +1,5 @@
-"""AWQ and learned rounding on SmolLM2-135M-Instruct: RTN, AWQ, GPTQ, AWQ + GPTQ, SignRound and AWQ + SignRound
-for int4 weights (asymmetric, blocks of 64: AWQ's
+"""AWQ and learned rounding on SmolLM2-135M-Instruct: RTN, AWQ, GPTQ, AWQ + GPTQ, GPTQ bounded to the two levels
+around each weight (``gptq-bounded``), SignRound and AWQ + SignRound for int4 weights (asymmetric, blocks of 64: AWQ's
 usual scheme at a block size that divides SmolLM2's 576-wide rows; 128 does not), perplexity float beside
 fake-quant on held-out Python documentation (the calibration text's kind) and on CPython's LICENSE (another
 kind), with calibration time and peak RSS per method. Calibration: 32 windows of 256 tokens of Python docs.
@@ -13,7 +13,8 @@ spans by max/7.5 where qtool's uses max/7, and with ``--weighted``); its fake-qu
 scored by the same code as qtool's rows. On a machine without an accelerator its batch pinning is turned off.
 
     python3 -m venv /tmp/llmc && /tmp/llmc/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
-    .venv/bin/python bench/awq.py [--methods rtn,awq,gptq,awq+gptq,signround,awq+signround,llmc-awq] [--bits 4]
+    .venv/bin/python bench/awq.py [--methods rtn,awq,gptq,awq+gptq,gptq-bounded,signround,awq+signround,llmc-awq]
+        [--bits 4]
         [--block 64] [--symmetric] [--weighted] [--iterations 200] [--llmc-python /tmp/llmc/bin/python]
         [--out bench/results/awq.json]
 
@@ -36,7 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 METHODS = {"rtn": ("nearest", False), "awq": ("nearest", True), "gptq": ("gptq", False),
-           "awq+gptq": ("gptq", True), "signround": ("signround", False), "awq+signround": ("signround", True)}
+           "awq+gptq": ("gptq", True), "signround": ("signround", False), "awq+signround": ("signround", True),
+           "gptq-bounded": ("{name: gptq, bounded: true}", False), "awq+gptq-bounded": ("{name: gptq, bounded: true}", True)}
 
 
 # the FP4 grids (``--element``): element, block and scale type as the shipped nvfp4a16 / mxfp4a16 recipes have
