@@ -98,6 +98,7 @@ def _llmc_child(ckpt: str, ids: str, out: str, bits: str, block: str, symmetric:
     ds = Dataset.from_dict({k: v.tolist() for k, v in windows.items()})
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    keep = set(model.state_dict())  # the model's own parameters, not the scales quantization adds
     weights = {"num_bits": int(bits), "type": "int", "symmetric": symmetric == "true", "strategy": "group",
                "group_size": int(block), "observer": "minmax"}
     scheme = ({"scheme": FP4[element][1], "targets": ["Linear"]} if element in FP4 else
@@ -106,7 +107,6 @@ def _llmc_child(ckpt: str, ids: str, out: str, bits: str, block: str, symmetric:
     oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=len(ds),
             max_seq_length=windows["input_ids"].shape[1])
     seconds = time.perf_counter() - t0
-    keep = set(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict())
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items() if k in keep}
     quantized = 0
     with torch.no_grad():
@@ -121,6 +121,15 @@ def _llmc_child(ckpt: str, ids: str, out: str, bits: str, block: str, symmetric:
     print(json.dumps({"seconds": seconds, "peak_rss_gb": _peak_rss() / 1e9, "quantized_linears": quantized}))
 
 
+def _run_child(command) -> dict:
+    """Run a child process of this bench; the JSON of its last stdout line (its cost), or RuntimeError with its
+    last stderr line."""
+    r = subprocess.run([str(c) for c in command], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def _qtool_run(method: str, ckpt, tmp: Path, args):
     """Calibrate one qtool method in a child process; its fake-quant model and cost (plus AWQ's group counts)."""
     import qtool
@@ -128,11 +137,7 @@ def _qtool_run(method: str, ckpt, tmp: Path, args):
     recipe = _recipe(tmp, method, args.bits, args.block, args.symmetric, args.iterations, args.weighted,
                      args.element)
     out = tmp / f"run-{method.replace('+', '-')}"
-    r = subprocess.run([sys.executable, __file__, "--child", str(ckpt), str(recipe), str(tmp / "calib.txt"),
-                        str(out)], capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
-    cost = json.loads(r.stdout.strip().splitlines()[-1])
+    cost = _run_child([sys.executable, __file__, "--child", ckpt, recipe, tmp / "calib.txt", out])
     manifest = json.loads((out / "manifest.json").read_text())
     if "awq" in manifest:
         groups = manifest["awq"]["groups"]
@@ -155,11 +160,8 @@ def _llmc_run(llmc_python: str, ckpt, tmp: Path, args):
     ids = tmp / "llmc-ids.safetensors"
     save_file({k: torch.cat([b.kwargs[k] for b in batches]).contiguous() for k in ("input_ids", "attention_mask")}, str(ids))
     out = tmp / "llmc-awq.safetensors"
-    r = subprocess.run([llmc_python, __file__, "--llmc-child", str(ckpt), str(ids), str(out), str(args.bits),
-                        str(args.block), str(args.symmetric).lower(), str(args.element)], capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
-    cost = json.loads(r.stdout.strip().splitlines()[-1])
+    cost = _run_child([llmc_python, __file__, "--llmc-child", ckpt, ids, out, args.bits, args.block,
+                       str(args.symmetric).lower(), args.element])
     state = load_file(str(out))
     missing, unexpected = loaded.model.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if "lm_head" not in k]:

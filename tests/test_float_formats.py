@@ -418,31 +418,38 @@ def test_float_encodings_round_trip_through_json(ckpt, data, tmp_path):
 
 
 # ---- GPTQ on float grids -------------------------------------------------------------------------------------------
+def _float_gptq_layer(element, scale_dtype, block, seed):
+    """A 24 x 64 weight, its blocks' effective scales on ``element``, and correlated inputs (512 x 64)."""
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(24, 64, generator=g)
+    amax = W.abs().unflatten(-1, (64 // block, block)).amax(-1)
+    _, eff, _ = encoding_scales(amax, element, scale_dtype)
+    X = torch.randn(512, 8, generator=g) @ torch.randn(8, 64, generator=g) + 0.1 * torch.randn(512, 64, generator=g)
+    return W, eff, X
+
+
+def _row_output_errors(X, W, codes, eff, element, block):
+    """Each output row's squared error on the inputs ``X`` with ``codes`` for ``W``."""
+    return ((X @ (W - float_dequantize(codes, eff, element, (1, block))).T) ** 2).sum(0)
+
+
 @pytest.mark.parametrize("element, scale_dtype, block", [(FP4, "e8m0", 32), (FP4, "fp8_e4m3", 16),
                                                          (FP8, "float32", 32)])
 def test_gptq_on_float_grids(element, scale_dtype, block):
     from qtool.calibration.rounding.gptq import gptq_codes
 
-    g = torch.Generator().manual_seed(0)
-    W = torch.randn(24, 64, generator=g)
-    amax = W.abs().unflatten(-1, (64 // block, block)).amax(-1)
-    _, eff, _ = encoding_scales(amax, element, scale_dtype)
+    W, eff, X = _float_gptq_layer(element, scale_dtype, block, seed=0)
     rtn = float_quantize(W, eff, element, (1, block))
     # with H a multiple of the identity no column feeds another: exactly round-to-nearest, codes included
     same = gptq_codes(W, torch.eye(64) * 3.0, eff, torch.zeros_like(eff), 0, element.num_codes - 1, (1, block),
                       element=element)
     assert torch.equal(same, rtn)
     # correlated inputs: GPTQ's output error is below round-to-nearest's on every row (never above)
-    X = torch.randn(512, 8, generator=g) @ torch.randn(8, 64, generator=g) + 0.1 * torch.randn(512, 64, generator=g)
-    H = X.T @ X
-    codes = gptq_codes(W, H, eff, torch.zeros_like(eff), 0, element.num_codes - 1, (1, block), element=element)
+    codes = gptq_codes(W, X.T @ X, eff, torch.zeros_like(eff), 0, element.num_codes - 1, (1, block), element=element)
     assert int(codes.min()) >= 0 and int(codes.max()) < element.num_codes
-
-    def out_err(c):
-        return ((X @ (W - float_dequantize(c, eff, element, (1, block))).T) ** 2).sum(0)
-
-    assert (out_err(codes) <= out_err(rtn) * (1 + 1e-6)).all()
-    assert out_err(codes).sum() < 0.8 * out_err(rtn).sum()
+    errors, errors_rtn = (_row_output_errors(X, W, c, eff, element, block) for c in (codes, rtn))
+    assert (errors <= errors_rtn * (1 + 1e-6)).all()
+    assert errors.sum() < 0.8 * errors_rtn.sum()
 
 
 @pytest.mark.parametrize("element, scale_dtype, block", [(FP4, "e8m0", 32), (FP4, "fp8_e4m3", 16),
@@ -450,11 +457,7 @@ def test_gptq_on_float_grids(element, scale_dtype, block):
 def test_bounded_gptq_on_float_grids_rounds_each_value_down_or_up_only(element, scale_dtype, block):
     from qtool.calibration.rounding.gptq import gptq_codes
 
-    g = torch.Generator().manual_seed(1)
-    W = torch.randn(24, 64, generator=g)
-    amax = W.abs().unflatten(-1, (64 // block, block)).amax(-1)
-    _, eff, _ = encoding_scales(amax, element, scale_dtype)
-    X = torch.randn(512, 8, generator=g) @ torch.randn(8, 64, generator=g) + 0.1 * torch.randn(512, 64, generator=g)
+    W, eff, X = _float_gptq_layer(element, scale_dtype, block, seed=1)
     codes = gptq_codes(W, X.T @ X, eff, torch.zeros_like(eff), 0, element.num_codes - 1, (1, block),
                        element=element, bounded=True)
     # the element's representable values, and each weight's neighbours among them (in units of its block's scale)
@@ -466,11 +469,9 @@ def test_bounded_gptq_on_float_grids_rounds_each_value_down_or_up_only(element, 
     above = torch.where(levels >= x[..., None], levels, torch.inf).amin(-1)
     assert bool(((chosen == below) | (chosen == above)).all())
     # it still chose (values, not codes: +0 and -0 are two codes): its output error is well below nearest's
-
-    def out_err(c):
-        return float(((X @ (W - float_dequantize(c, eff, element, (1, block))).T) ** 2).sum())
-
-    assert out_err(codes) < 0.9 * out_err(float_quantize(W, eff, element, (1, block)))
+    rtn = float_quantize(W, eff, element, (1, block))
+    errors, errors_rtn = (float(_row_output_errors(X, W, c, eff, element, block).sum()) for c in (codes, rtn))
+    assert errors < 0.9 * errors_rtn
 
 
 @pytest.mark.parametrize("element, scale_dtype, block", [(FP4, "e8m0", 32), (FP4, "fp8_e4m3", 16),

@@ -268,21 +268,24 @@ def _bracket(w: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax:
              element: Optional[Grid]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The grid levels just below and just above ``w`` (both the same where ``w`` is a level, or past the grid's
     end), in :func:`_levels`' terms: codes, or a float element's values."""
-    if element is not None and not (isinstance(element, GgmlType) and not element.table):
-        if isinstance(element, GgmlType):  # IQ4: codes index a sorted table
-            table = torch.tensor(IQ4_TABLE, dtype=w.dtype, device=w.device)
-            x = w / torch.where(s == 0, torch.ones_like(s), s)
-            below = (torch.bucketize(x, table, right=True) - 1).clamp_(0, len(IQ4_TABLE) - 1)
-            above = torch.bucketize(x, table).clamp_(0, len(IQ4_TABLE) - 1)
-            return (below - 8).to(w.dtype), (above - 8).to(w.dtype)
+    if isinstance(element, FloatElement):
         values = element.values(torch.arange(element.num_codes, device=w.device))
         levels = torch.unique(values[torch.isfinite(values) & (values.abs() <= element.max)])  # sorted
-        x = torch.clamp(w / s, -element.max, element.max)
-        below = (torch.bucketize(x, levels, right=True) - 1).clamp_(0, len(levels) - 1)
-        above = torch.bucketize(x, levels).clamp_(0, len(levels) - 1)
+        below, above = _neighbours(torch.clamp(w / s, -element.max, element.max), levels)
         return levels[below], levels[above]
-    x = w / (s if element is None else torch.where(s == 0, torch.ones_like(s), s)) - o
+    safe = s if element is None else torch.where(s == 0, torch.ones_like(s), s)
+    if isinstance(element, GgmlType) and element.table:  # IQ4: code q stands for the sorted table's q + 8
+        below, above = _neighbours(w / safe, torch.tensor(IQ4_TABLE, dtype=w.dtype, device=w.device))
+        return (below - 8).to(w.dtype), (above - 8).to(w.dtype)
+    x = w / safe - o
     return torch.floor(x).clamp_(qmin, qmax), torch.ceil(x).clamp_(qmin, qmax)
+
+
+def _neighbours(x: torch.Tensor, levels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Indices into the sorted ``levels`` of the last one ``<= x`` and the first one ``>= x`` (the end one past
+    either end)."""
+    last = len(levels) - 1
+    return (torch.bucketize(x, levels, right=True) - 1).clamp_(0, last), torch.bucketize(x, levels).clamp_(0, last)
 
 
 def _value(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, element: Optional[Grid]) -> torch.Tensor:
