@@ -6,7 +6,8 @@ For each llama-quantize mix (``gguf-<mix>``, no data):
   (Python start, checkpoint load, the sub-block scale search, snapping, packing, writing the file);
 * **qtool, quantizer**: per weight, with the GGUF type qtool's file holds for it, what calibration and export do
   to that tensor in-process: the least-squares sub-block search (``GgmlQuantizeDequantize`` with the ``mse``
-  analyzer), the stored grid, the codes and the packed bytes;
+  analyzer weighted by magnitude, as the data-free recipes have it), the stored grid, the codes and the packed
+  bytes;
 * **llama.cpp**: ``ggml_quantize_chunk`` (what llama-quantize calls; from the ``xllamacpp`` wheel, through
   ctypes) on the same tensor and type without an importance matrix, its rows split over as many threads as torch
   uses here (llama-quantize splits rows over threads the same way).
@@ -67,9 +68,10 @@ def qtool_quantizer(w: torch.Tensor, type_name: str) -> np.ndarray:
 
     t = ggml.ggml_type(type_name)
     shape = (w.shape[0], w.shape[1] // t.sub)
-    q = GgmlQuantizeDequantize(shape, t, MseEncodingAnalyzer(shape, (1, t.sub)), (1, t.sub))
+    # the data-free mixes' analyzer (gguf-q4_k_m.yaml, gguf-q2_k.yaml): mse weighted by magnitude
+    q = GgmlQuantizeDequantize(shape, t, MseEncodingAnalyzer(shape, (1, t.sub), weighting="magnitude"), (1, t.sub))
     with q.compute_encodings():
-        q(w)
+        q.observe(w)  # as calibration feeds a weight: statistics only
     grid = q.grid()
     return ggml.pack(ggml.quantize_codes(w, grid), grid).numpy()
 

@@ -100,24 +100,104 @@ def test_scales_beyond_float16_are_refused():
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31), outlier=st.floats(4.0, 30.0))
-def test_clipped_candidates_never_raise_the_search_error_and_clip_an_outlier(seed, outlier):
-    """search_range(clip_ratios=...) only adds candidates: its sub-block error (before scales are quantized) is
-    never above the plain search's, and a sub-block with one far outlier gets a span narrower than its min-max."""
-    t = ggml.ggml_type("q4_1")
-    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed))
+@given(seed=st.integers(0, 2**31), outlier=st.floats(4.0, 30.0), name=st.sampled_from(["q4_1", "q4_0", "q2_k"]))
+def test_clipped_candidates_never_raise_the_search_error_and_clip_an_outlier(seed, outlier, name):
+    """search_range(clip_ratios=...) only adds candidates: the error it scores (before scales are quantized) is
+    never above the plain search's, that score is never below the returned grid's own error with its nearest
+    codes, and a sub-block with one far outlier gets a span narrower than its min-max."""
+    t = ggml.ggml_type(name)
+    qmin, qmax = t.qmin_qmax
+    x = torch.randn(64, t.sub, generator=torch.Generator().manual_seed(seed))
     x[:, 7] = outlier * x[:, 7].sign()
     x[32:, 7] = 0.0  # half the rows without the outlier
 
-    def error(mn, mx):  # Q4_1's grid for the range (codes 0..15 from the minimum), unquantized step
-        step = ((mx - mn) / 15).clamp(min=1e-12)[:, None]
-        return ((torch.round((x - mn[:, None]) / step).clamp(0, 15) * step + mn[:, None] - x) ** 2).sum(1)
+    def error(mn, mx):  # the grid for the range, unquantized step
+        step, low = t.wished_step(mn, mx)
+        step, low = step[:, None], (torch.zeros_like(step) if low is None else low)[:, None]
+        safe = torch.where(step == 0, torch.ones_like(step), step)
+        return ((torch.round((x + low) / safe).clamp(qmin, qmax) * step - low - x) ** 2).sum(1).double()
 
-    plain = ggml.search_range(x, t)
-    clipped = ggml.search_range(x, t, clip_ratios=ggml.CLIP_RATIOS)
-    assert bool((error(*clipped) <= error(*plain) * (1 + 1e-5) + 1e-7).all())
-    span = clipped[1] - clipped[0]
-    assert bool((span[:32] < (x[:32].amax(1) - x[:32].amin(1).clamp(max=0)) - 1e-6).any())
+    plain = ggml.search_range(x, t, with_error=True)
+    clipped = ggml.search_range(x, t, clip_ratios=ggml.CLIP_RATIOS, with_error=True)
+    assert bool((clipped[2] <= plain[2] * (1 + 1e-9) + 1e-12).all())
+    for mn, mx, scored in (plain, clipped):
+        assert bool((error(mn, mx) <= scored * (1 + 1e-4) + 1e-6).all())  # (the range is float32)
+    if t.symmetric:  # the grid's farther end, against the largest |x|
+        reach, full = torch.maximum(-clipped[0], clipped[1]), x.abs().amax(1)
+    else:
+        reach, full = clipped[1] - clipped[0], x.amax(1) - x.amin(1).clamp(max=0)
+    assert bool((reach[:32] < full[:32] - 1e-6).any())
+
+
+def _candidate_scores(x, w, t, rounding=torch.round, steps=20):
+    """Every candidate of search_range scored the slow way, in float64: each candidate step's codes by rounding
+    every value (``rounding``), their least-squares step (and minimum ≥ 0) refitted, the weighted squared error;
+    the min-max grid unrefitted. ``(rows, candidates)``."""
+    x, w = x.double(), w.double()
+    qmin, qmax = t.qmin_qmax
+    mn, mx = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
+    if t.symmetric:
+        amax = torch.maximum(-mn, mx)
+        span, low = torch.where(mx > -mn, -amax, amax), torch.zeros_like(mn)
+    else:
+        span, low = mx - mn, -mn
+    d0 = t.search_denominator(0.0)
+    # each value's place in its span, z = (x + low) / span, as the search forms it (float32); codes round z·D
+    inverse = torch.where(span == 0, 0.0, 1.0 / torch.where(span == 0, 1.0, span.float()))
+    z = ((x.float() + low.float()[:, None]) * inverse[:, None]).double()
+    scores = []
+    for k, d in enumerate([None] + [t.search_denominator(-1.0 + 2.0 * k / steps) for k in range(steps + 1)]):
+        step = span / (d0 if d is None else d)
+        q = rounding(z * (d0 if d is None else d)).clamp(qmin, qmax)
+        if d is not None:  # refit: s (and l ≥ 0) minimizing Σw(x - s·q + l)²
+            sw, sx, sq = w.sum(1), (w * x).sum(1), (w * q).sum(1)
+            qq, xq = (w * q * q).sum(1), (w * x * q).sum(1)
+            alone = xq / qq.clamp(min=1e-300)
+            if t.symmetric:
+                ok = (xq * torch.sign(span) > 0)
+                step, low_k = torch.where(ok, alone, torch.nan), torch.zeros_like(alone)
+            else:
+                det = sw * qq - sq * sq
+                s2, l2 = (sw * xq - sx * sq) / det, (sq * xq - qq * sx) / det
+                both = (det > 0) & (l2 >= 0) & (s2 > 0)
+                step = torch.where(both, s2, torch.where(xq > 0, alone, torch.nan))
+                low_k = torch.where(both, l2, torch.zeros_like(l2))
+        else:
+            low_k = low
+        err = (w * (x - (step[:, None] * q - low_k[:, None])) ** 2).sum(1)
+        scores.append(torch.where(torch.isnan(err), torch.inf, err))
+    return torch.stack(scores, 1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), name=st.sampled_from(["q4_0", "q8_0", "q3_k", "q6_k", "q4_1", "q4_k", "q2_k"]),
+       weighted=st.booleans(), spread=st.floats(0.1, 10.0))
+def test_search_scores_every_candidate_as_rounding_each_value_would(seed, name, weighted, spread):
+    """The integer grids' search gets every candidate's codes from where each value's code moves on, not by
+    rounding every value per candidate: the least error it reports is, sub-block by sub-block, the least of the
+    candidates scored the slow way (a value exactly halfway between two codes, as a block's largest is at every
+    fifth candidate, takes the one farther from zero), and the range it returns is the winner's."""
+    t = ggml.ggml_type(name)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(200, t.sub, generator=g) * torch.rand(200, 1, generator=g).mul(spread)
+    x[::9, 3] *= 8.0  # outliers
+    x[5] = 0.0  # an all-zero sub-block
+    x[6] = 0.25  # a constant one
+    w = torch.rand(200, t.sub, generator=g) + 0.05 if weighted else torch.ones_like(x)
+    mn, mx, least = ggml.search_range(x, t, w if weighted else None, with_error=True)
+    slow = _candidate_scores(x, w, t, rounding=lambda v: torch.sign(v) * torch.floor(v.abs() + 0.5)).amin(1)
+    # (float32 products summed in float64 agree to about 1e-7 of Σw·x²; one code one level off moves the score by
+    # about 1e-3 of it at 4 bits, 1e-6 at 8)
+    scale = (w.double() * x.double() ** 2).sum(1) + 1e-30
+    assert torch.allclose(least / scale, slow / scale, rtol=0, atol=1e-6), ((least - slow) / scale).abs().max()
+    # the range is that grid's: its own error (nearest codes, unquantized step) is at most the score
+    qmin, qmax = t.qmin_qmax
+    step, low = t.wished_step(mn, mx)
+    low = torch.zeros_like(step) if low is None else low
+    safe = torch.where(step == 0, torch.ones_like(step), step)[:, None]
+    values = torch.round((x + low[:, None]) / safe).clamp(qmin, qmax) * step[:, None] - low[:, None]
+    own = (w * (values - x) ** 2).sum(1).double()
+    assert bool((own <= least * (1 + 1e-4) + 1e-6 * scale).all())
 
 
 def test_a_gptq_row_searches_clipped_spans_and_a_nearest_row_does_not():

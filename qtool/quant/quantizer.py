@@ -516,7 +516,7 @@ class GgmlQuantizeDequantize(QuantizerBase):
             return stats.min.clamp(max=0), stats.max.clamp(min=0)
         if not isinstance(self.encoding_analyzer, MseEncodingAnalyzer):
             return super()._calibrated_range()
-        stats = self.encoding_analyzer.statistics()
+        stats = self.encoding_analyzer.kept()
         mn, mx = search_range(stats.rows, self.ggml, stats.weights, clip_ratios=CLIP_RATIOS if self.clip else ())
         return mn.reshape(self.shape), mx.reshape(self.shape)
 

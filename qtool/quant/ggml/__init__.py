@@ -95,10 +95,25 @@ def type_levels(grid: KGrid) -> torch.Tensor:
     return grid.type.levels(grid)
 
 
+_ROW_CHUNK_VALUES = 1 << 20  # values per slice of rows in quantize_codes / pack (cache-sized temporaries)
+
+
+def _row_chunks(shape):
+    """Row ranges of a ``[rows, cols]`` weight, about :data:`_ROW_CHUNK_VALUES` values each."""
+    rows, cols = shape
+    per = max(1, _ROW_CHUNK_VALUES // max(cols, 1))
+    return [(a, min(rows, a + per)) for a in range(0, rows, per)]
+
+
 def quantize_codes(w: torch.Tensor, grid: KGrid) -> torch.Tensor:
     """Round-to-nearest codes of ``w`` (``[rows, cols]``) on ``grid``: ``int32``, signed for a symmetric type
-    (for the IQ4 types ``q`` stands for ``IQ4_TABLE[q + 8]``)."""
-    return grid.type.codes(_sub_view(w.to(torch.float32), grid.type.sub), grid).reshape(w.shape)
+    (for the IQ4 types ``q`` stands for ``IQ4_TABLE[q + 8]``). Slice by slice of rows (each row's codes depend on
+    that row alone)."""
+    out = torch.empty(w.shape, dtype=torch.int32, device=w.device)
+    for a, b in _row_chunks(w.shape):
+        part = w[a:b].to(torch.float32)
+        out[a:b] = grid.type.codes(_sub_view(part, grid.type.sub), grid.rows(a, b)).reshape(part.shape)
+    return out
 
 
 def dequantize(codes: torch.Tensor, grid: KGrid) -> torch.Tensor:
@@ -112,5 +127,8 @@ def pack(codes: torch.Tensor, grid: KGrid) -> torch.Tensor:
     t = grid.type
     rows, cols = codes.shape
     nb = cols // t.block
-    parts = [p.reshape(rows, nb, -1) for p in t.block_parts(Blocks.of(codes, grid))]
-    return torch.cat(parts, -1).reshape(rows, nb * t.nbytes)
+    out = torch.empty(rows, nb * t.nbytes, dtype=torch.uint8, device=codes.device)
+    for a, b in _row_chunks(codes.shape):
+        parts = [p.reshape(b - a, nb, -1) for p in t.block_parts(Blocks.of(codes[a:b], grid.rows(a, b)))]
+        torch.cat(parts, -1, out=out[a:b].view(b - a, nb, t.nbytes))
+    return out

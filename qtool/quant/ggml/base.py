@@ -128,6 +128,12 @@ class KGrid:
     step: torch.Tensor
     low: torch.Tensor
 
+    def rows(self, start: int, stop: int) -> "KGrid":
+        """The grid of rows ``start:stop`` of the weight."""
+        part = lambda v: None if v is None else v[start:stop]
+        return KGrid(self.type, part(self.d), part(self.dmin), part(self.sc), part(self.m), part(self.step),
+                     part(self.low))
+
     def step_offset(self, shape) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(step, offset)`` in ``shape`` (the encoding's): the effective step, and the minimum in steps
         (``-low / step``; not an integer for Q4_K) as AIMET's ``(scale, offset)`` would put them."""

@@ -18,9 +18,10 @@ def _low_nibbles(u: torch.Tensor) -> torch.Tensor:
 
 
 def _fifth_bits(u: torch.Tensor) -> torch.Tensor:
-    """Q5_0/Q5_1's ``qh``: the fifth bit of element ``j`` at bit ``j`` of a little-endian uint32."""
-    bits = ((u >> 4).to(torch.int64) << torch.arange(32, dtype=torch.int64, device=u.device)).sum(-1)
-    return ((bits[..., None] >> torch.tensor([0, 8, 16, 24], device=u.device)) & 0xFF).to(torch.uint8)
+    """Q5_0/Q5_1's ``qh``: the fifth bit of element ``j`` at bit ``j`` of a little-endian uint32, i.e. bit
+    ``j % 8`` of byte ``j // 8``."""
+    bits = (u >> 4).reshape(*u.shape[:-1], 4, 8)
+    return (bits << torch.arange(8, dtype=u.dtype, device=u.device)).sum(-1).to(torch.uint8)
 
 
 class Q8_0(SignedGrid, BlockScale):
