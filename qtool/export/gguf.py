@@ -340,13 +340,16 @@ def _tensor_data(item: _Item, src, family: Family) -> Tuple[np.ndarray, float]:
     if (e.spec.ggml is None and item.kind not in ("F32", "F16") and not item.heads and w.dim() == 2
             and e.granularity == Granularity.PER_BLOCK and w.numel() > _CHUNK):
         return _chunked_blocks(item, w, src)
-    codes = src.codes(e, w)
     if e.spec.ggml is not None:  # a K-quant / IQ4 type: the grid comes from the sub-block ranges
         lo, hi = e.range()
+        grid = ggml.grid_from_range(lo, hi, e.spec.ggml)
+        stored = src.stored_codes(e, tuple(w.shape))  # else round to nearest (int32 throughout)
+        codes = ggml.quantize_codes(w, grid) if stored is None else stored.to(torch.int32)
         if item.heads:
             codes, lo, hi = (permute_rows(t, item.heads) for t in (codes, lo, hi))
-        grid = ggml.grid_from_range(lo, hi, e.spec.ggml)
-        return ggml.pack(codes.to(torch.int32), grid).numpy(), 0.0
+            grid = ggml.grid_from_range(lo, hi, e.spec.ggml)
+        return ggml.pack(codes, grid).numpy(), 0.0
+    codes = src.codes(e, w)
     scale, offset = e.scale_offset()
     if item.kind in ("F32", "F16"):  # a fallback: the fake-quant values, as floats
         values = dequantize(codes, scale, offset, block_size=e.block_size)
