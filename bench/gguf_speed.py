@@ -12,7 +12,9 @@ For each llama-quantize mix (``gguf-<mix>``, no data):
   ctypes) on the same tensor and type without an importance matrix, its rows split over as many threads as torch
   uses here (llama-quantize splits rows over threads the same way).
 
-Ratios are measured in one run (absolute times drift on a shared machine). ``--gptq`` adds the ``-gptq`` mixes'
+Beside each type's times, the magnitude-weighted squared error (the data-free search's objective, sub-blocks of
+32) of both quantizers' bytes against the float weights, dequantized by gguf-py. Ratios are measured in one run
+(absolute times drift on a shared machine). ``--gptq`` adds the ``-gptq`` mixes'
 command times (calibration data, ``--sequential``) to the table. Prints a table and writes
 bench/results/gguf_speed.json.
 
@@ -76,6 +78,18 @@ def qtool_quantizer(w: torch.Tensor, type_name: str) -> np.ndarray:
     return ggml.pack(ggml.quantize_codes(w, grid), grid).numpy()
 
 
+def weighted_error(w: torch.Tensor, packed: np.ndarray, type_name: str) -> float:
+    """``Σ (rms + |w|)·(dequantized − w)²`` over every sub-block of 32 (``rms`` the sub-block's): the data-free
+    search's own objective, for bytes of either quantizer, dequantized by gguf-py."""
+    import gguf
+
+    from qtool.quant.analysis.mse import magnitude_weights
+
+    values = torch.from_numpy(gguf.quants.dequantize(packed, getattr(gguf.GGMLQuantizationType, type_name)))
+    rows = w.reshape(-1, 32)
+    return float((magnitude_weights(rows) * (values.reshape(-1, 32) - rows) ** 2).sum(dtype=torch.float64))
+
+
 def llama_cpp_quantizer(lib, w: torch.Tensor, type_name: str, pool: ThreadPoolExecutor, threads: int) -> np.ndarray:
     import gguf
 
@@ -129,15 +143,18 @@ def main(argv=None):
             for key, type_name in types.items():
                 w = state[key].to(torch.float32).contiguous()
                 t0 = time.perf_counter()
-                qtool_quantizer(w, type_name)
+                ours = qtool_quantizer(w, type_name)
                 t1 = time.perf_counter()
-                llama_cpp_quantizer(lib, w, type_name, pool, threads)
+                llamas = llama_cpp_quantizer(lib, w, type_name, pool, threads)
                 t2 = time.perf_counter()
                 mine, theirs = mine + (t1 - t0), theirs + (t2 - t1)
-                acc = by_type.setdefault(type_name, [0, 0, 0.0, 0.0])
+                acc = by_type.setdefault(type_name, [0, 0, 0.0, 0.0, 0.0, 0.0])
                 acc[0], acc[1], acc[2], acc[3] = acc[0] + 1, acc[1] + w.numel(), acc[2] + t1 - t0, acc[3] + t2 - t1
+                acc[4] += weighted_error(w, ours, type_name)
+                acc[5] += weighted_error(w, llamas, type_name)
             per_type = {k: {"tensors": a[0], "weights": a[1], "qtool_s": a[2], "llama_cpp_s": a[3],
-                            "ratio": a[2] / a[3]} for k, a in sorted(by_type.items())}
+                            "ratio": a[2] / a[3], "qtool_error": a[4], "llama_cpp_error": a[5],
+                            "error_ratio": a[4] / a[5] if a[5] else float("nan")} for k, a in sorted(by_type.items())}
             row = {"mix": mix, "per_type": per_type, "llama_cpp_s": theirs, "qtool_quantizer_s": mine,
                    "qtool_command_s": command, "quantizer_ratio": mine / theirs, "command_ratio": command / theirs}
             if args.gptq:
@@ -150,7 +167,8 @@ def main(argv=None):
             rows.append(row)
             for k, a in per_type.items():
                 print(f"  {k:7s} {a['tensors']:4d} tensors {a['weights'] / 1e6:6.1f} M weights: llama.cpp "
-                      f"{a['llama_cpp_s']:.2f} s, qtool {a['qtool_s']:.2f} s ({a['ratio']:.1f}x)")
+                      f"{a['llama_cpp_s']:.2f} s, qtool {a['qtool_s']:.2f} s ({a['ratio']:.1f}x); weighted error "
+                      f"qtool / llama.cpp {a['qtool_error']:.4g} / {a['llama_cpp_error']:.4g} = {a['error_ratio']:.3f}")
             print(f"{mix}: llama.cpp {theirs:.2f} s, qtool quantizer {mine:.2f} s ({mine / theirs:.2f}x), "
                   f"qtool command {command:.1f} s ({command / theirs:.1f}x)", flush=True)
 
