@@ -105,7 +105,8 @@ def test_scales_beyond_float16_are_refused():
 def test_clipped_candidates_never_raise_the_search_error_and_clip_an_outlier(seed, outlier, name, exact):
     """search_range(clip_ratios=...) only adds candidates, either way of scoring them: the error it scores (before
     scales are quantized) is never above the plain search's, that score is never below the returned grid's own
-    error with its nearest codes, and a sub-block with one far outlier gets a span narrower than its min-max."""
+    error with its nearest codes, and on Q4_1 a sub-block with one far outlier gets a span narrower than its
+    min-max."""
     t = ggml.ggml_type(name)
     qmin, qmax = t.qmin_qmax
     x = torch.randn(64, t.sub, generator=torch.Generator().manual_seed(seed))
@@ -123,11 +124,9 @@ def test_clipped_candidates_never_raise_the_search_error_and_clip_an_outlier(see
     assert bool((clipped[2] <= plain[2] * (1 + 1e-9) + 1e-12).all())
     for mn, mx, scored in (plain, clipped):
         assert bool((error(mn, mx) <= scored * (1 + 1e-4) + 1e-6).all())  # (the range is float32)
-    if t.symmetric:  # the grid's farther end, against the largest |x|
-        reach, full = torch.maximum(-clipped[0], clipped[1]), x.abs().amax(1)
-    else:
+    if name == "q4_1":  # (at 2 bits, or with the outlier on the grid's extra level, keeping it can be best)
         reach, full = clipped[1] - clipped[0], x.amax(1) - x.amin(1).clamp(max=0)
-    assert bool((reach[:32] < full[:32] - 1e-6).any())
+        assert bool((reach[:32] < full[:32] - 1e-6).any())
 
 
 def _candidate_scores(x, w, t, rounding=torch.round, steps=20):
