@@ -310,10 +310,21 @@ def _refit(xq, qq, sq, sw, sx, sign):
     alone = (xq * sign).clamp_(min=0).mul_(sign).div_(qq.clamp(min=1e-300))
     if sq is None:
         return alone, torch.zeros_like(alone)
-    step_num, low_num, det = sw * xq - sx * sq, sq * xq - qq * sx, sw * qq - sq * sq
-    both = (det > 0) & (low_num >= 0) & (step_num > 0)
+    det, low_num, step_num, both = _two_parameter(xq, qq, sq, sw, sx, [torch.empty_like(xq) for _ in range(4)])
     safe = det.clamp(min=1e-300)
     return torch.where(both, step_num / safe, alone), torch.where(both, low_num / safe, torch.zeros_like(alone))
+
+
+def _two_parameter(xq, qq, sq, sw, sx, bufs):
+    """The two-parameter least-squares fit's determinant and the numerators of its minimum and step (written into
+    the first three of ``bufs``, four buffers like ``xq``), and where that fit stands: a positive determinant, a
+    minimum not above zero, a positive step. :func:`_refit` and :func:`_refit_error` share it, so that the grid
+    a candidate is scored on is the one it gets."""
+    e1, e2, e3, e4 = bufs
+    det = torch.mul(sw, qq, out=e1).sub_(torch.mul(sq, sq, out=e2))
+    low_num = torch.mul(sq, xq, out=e2).sub_(torch.mul(qq, sx, out=e3))
+    step_num = torch.mul(sw, xq, out=e3).sub_(torch.mul(sx, sq, out=e4))
+    return det, low_num, step_num, (det > 0) & (low_num >= 0) & (step_num > 0)
 
 
 def _refit_error(xq, qq, sq, sw, sx, sign, out, bufs):
@@ -325,10 +336,7 @@ def _refit_error(xq, qq, sq, sw, sx, sign, out, bufs):
     out.mul_(out).div_(torch.clamp(qq, min=1e-300, out=e1)).neg_()  # the step alone
     if sq is None:
         return out
-    det = torch.mul(sw, qq, out=e1).sub_(torch.mul(sq, sq, out=e2))
-    low_num = torch.mul(sq, xq, out=e2).sub_(torch.mul(qq, sx, out=e3))
-    step_num = torch.mul(sw, xq, out=e3).sub_(torch.mul(sx, sq, out=e4))
-    both = (det > 0) & (low_num >= 0) & (step_num > 0)
+    det, _, _, both = _two_parameter(xq, qq, sq, sw, sx, bufs)
     # −(Σw·(Σwxq)² − 2Σwx·Σwq·Σwxq + Σwq²·(Σwx)²) / det, the error of the two-parameter fit
     two = torch.mul(sx, sq, out=e2).mul_(xq).mul_(-2).add_(torch.mul(xq, xq, out=e3).mul_(sw))
     two.add_(torch.mul(qq, sx * sx, out=e3)).div_(det.clamp_(min=1e-300)).neg_()
