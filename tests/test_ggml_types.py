@@ -252,3 +252,94 @@ def test_bounded_gptq_on_gguf_grids_rounds_each_value_down_or_up_only(gguf_type)
     errors = [float((x @ (w - _value(c.to(torch.float32), s, o, element)).T).pow(2).sum()) for c in (rtn, codes)]
     assert errors[1] < 0.9 * errors[0], errors
 
+
+
+# ---- the importance-weighted super-block scale (ggml.weighted_steps) ---------------------------------------------
+def _value_error(w, imp, grid, t):
+    """Per super-block, the ``imp``-weighted squared error of ``w`` rounded to its nearest values on ``grid``."""
+    err = (imp * (ggml.quantize_dequantize(w, grid) - w).pow(2)).reshape(w.shape[0], -1, t.block).sum(-1)
+    return err.double()
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(TYPES), seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 4), nb=st.integers(1, 3),
+       log_scale=st.integers(-10, 6), spread=st.floats(0.0, 3.0), zero_weights=st.booleans())
+def test_weighted_super_block_scales_snap_back_and_never_raise_the_weighted_error(name, seed, rows, nb, log_scale,
+                                                                                spread, zero_weights):
+    """The steps ``weighted_steps`` returns are a grid the type stores (its range snaps back to exactly those steps
+    and minima), and per super-block the weighted squared error of the values rounded to it is at most that of
+    today's ``max / levels`` scales; a type whose llama.cpp search does not weigh the super-block scale gets its
+    steps back unchanged."""
+    t = ggml.GGML_TYPES[name]
+    g = torch.Generator().manual_seed(seed)
+    cols = nb * t.block
+    w = torch.randn(rows, cols, generator=g) * 2.0 ** log_scale
+    w = w * torch.exp(spread * torch.randn(rows, cols // t.sub, 1, generator=g)).repeat_interleave(t.sub, -1).reshape(
+        rows, cols)
+    imp = (torch.rand(cols, generator=g) ** 3 * 10).expand(rows, cols).contiguous()
+    if zero_weights:
+        imp[0] = 0
+    step, low = _wished(w, t)
+    new_step, new_low = ggml.weighted_steps(w, imp, step, low, t)
+    if not t.weighted_scales:
+        assert new_step is step and new_low is low
+        return
+    mn, mx = t.range_of(new_step, torch.zeros_like(new_step) if new_low is None else new_low)
+    grid = ggml.grid_from_range(mn, mx, t)
+    assert torch.equal(grid.step, new_step)
+    if new_low is not None:
+        assert torch.equal(grid.low, new_low)
+    today = ggml.snap(step, low, t)
+    ours, theirs = _value_error(w, imp, grid, t), _value_error(w, imp, today, t)
+    assert bool((ours <= theirs * (1 + 1e-6) + 1e-30).all()), (ours - theirs).max()
+
+
+def test_weighted_super_block_scales_lower_the_weighted_error_of_importance_weighted_rows():
+    """On rows whose sub-blocks differ in importance, the weighted search of the super-block scales lowers the
+    importance-weighted squared error of the dequantized weights (Q2_K's 4-bit scales most), and a quantizer weighted
+    by activations stores that grid while one weighted by magnitude alone (no data) keeps today's."""
+    from qtool.quant.analysis.mse import MseEncodingAnalyzer, magnitude_weights
+    from qtool.quant.quantizer import GgmlQuantizeDequantize
+
+    g = torch.Generator().manual_seed(3)
+    for name in ("q2_k", "q3_k", "q4_k", "q5_k"):
+        t = ggml.ggml_type(name)
+        rows, cols = 32, 1024
+        spread = torch.rand(rows, cols // t.sub, 1, generator=g).repeat_interleave(t.sub, -1).reshape(rows, cols)
+        w = torch.randn(rows, cols, generator=g) * spread * 3
+        imp = torch.rand(cols, generator=g) ** 4 * 10
+        shape = (rows, cols // t.sub)
+        errors = {}
+        for weighting in ("activations", "magnitude"):
+            q = GgmlQuantizeDequantize(shape, t, MseEncodingAnalyzer(shape, (1, t.sub), weighting=weighting),
+                                       (1, t.sub))
+            with q.compute_encodings():
+                q.observe(w, importance=imp if weighting == "activations" else None)
+            sub = w.reshape(-1, t.sub)
+            weights = (imp.expand(rows, cols).reshape(-1, t.sub) if weighting == "activations"
+                       else magnitude_weights(sub))
+            searched = ggml.search_range(sub, t, weights)
+            plain = ggml.grid_from_range(searched[0].reshape(shape), searched[1].reshape(shape), t)
+            errors[weighting] = [float((imp * (ggml.quantize_dequantize(w, grid) - w).pow(2)).sum())
+                                 for grid in (q.grid(), plain)]
+            if weighting == "magnitude":
+                assert torch.equal(q.grid().step, plain.step) and torch.equal(q.grid().low, plain.low)
+        ours, today = errors["activations"]
+        assert ours < today * 0.999, (name, ours, today)
+
+
+@pytest.mark.parametrize("name", ["q2_k", "q3_k"])
+def test_weighted_super_block_scales_are_the_same_searched_row_slice_by_row_slice(name, monkeypatch):
+    """The search runs over slices of rows (bounded temporaries); each super-block's choice is its own, so one row
+    at a time gives the same steps as all at once."""
+    from qtool.quant.ggml import superblock
+
+    t = ggml.ggml_type(name)
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(6, 2 * t.block, generator=g) * torch.rand(6, 1, generator=g)
+    imp = (torch.rand(2 * t.block, generator=g) ** 3).expand(6, -1).contiguous()
+    step, low = _wished(w, t)
+    whole = ggml.weighted_steps(w, imp, step, low, t)
+    monkeypatch.setattr(superblock, "_SLICE_VALUES", 1)
+    sliced = ggml.weighted_steps(w, imp, step, low, t)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced) if a is not None)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from ..choices import check_scale_dtype
+from ..choices import check_scale_dtype, weighs_activations
 from .affine import (
     dynamic_scale_offset,
     grid,
@@ -33,7 +33,7 @@ from .affine import (
 from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer, MinMaxStatistics, MseEncodingAnalyzer
 from .floatgrid import (dynamic_float_scales, element_of, encoding_scales, float_quantize_dequantize,
                         global_scale, search_amax)
-from .ggml import CLIP_RATIOS, GgmlType, KGrid, grid_from_range, search_range
+from .ggml import CLIP_RATIOS, GgmlType, KGrid, grid_from_range, search_range, weighted_steps
 from .ggml import quantize_dequantize as ggml_quantize_dequantize
 from .tensor import AffineEncoding, DequantizedTensor, QuantizedTensor
 
@@ -518,7 +518,14 @@ class GgmlQuantizeDequantize(QuantizerBase):
             return super()._calibrated_range()
         stats = self.encoding_analyzer.kept()
         mn, mx = search_range(stats.rows, self.ggml, stats.weights, clip_ratios=CLIP_RATIOS if self.clip else ())
-        return mn.reshape(self.shape), mx.reshape(self.shape)
+        mn, mx = mn.reshape(self.shape), mx.reshape(self.shape)
+        if (self.ggml.weighted_scales and stats.weights is not None
+                and weighs_activations(self.encoding_analyzer.weighting)):
+            # with importances the K-quants' super-block scales are searched too (ggml.weighted_steps)
+            step, low = self.ggml.wished_step(mn, mx)
+            step, low = weighted_steps(stats.rows, stats.weights, step, low, self.ggml)
+            mn, mx = self.ggml.range_of(step, torch.zeros_like(step) if low is None else low)
+        return mn, mx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:

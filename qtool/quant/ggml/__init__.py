@@ -37,10 +37,11 @@ from .base import IQ4_TABLE, QK_K, Blocks, GgmlType, KGrid
 from .kquants import IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from .legacy import IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 from .search import CLIP_RATIOS, search_range
+from .superblock import weighted_steps
 
 __all__ = ["GgmlType", "GGML_TYPES", "KGrid", "IQ4_TABLE", "QK_K", "CLIP_RATIOS", "ggml_type", "snap",
-           "grid_from_range", "search_range", "quantize_codes", "dequantize", "quantize_dequantize", "pack",
-           "type_levels"]
+           "grid_from_range", "search_range", "weighted_steps", "quantize_codes", "dequantize", "quantize_dequantize",
+           "pack", "type_levels"]
 
 GGML_TYPES: Dict[str, GgmlType] = {t.name: t for t in (
     Q8_0(), Q5_0(), Q5_1(), Q4_0(), Q4_1(), Q2_K(), Q3_K(), Q4_K(), Q5_K(), Q6_K(), IQ4_NL(), IQ4_XS(),

@@ -33,6 +33,7 @@ class GgmlType:
     scale_bits: Optional[int] = None
     signed_scales: bool = False  # sub-block scales stored with a bias (Q3_K, IQ4_XS) or as int8 (Q6_K)
     table: bool = False  # code q is IQ4_TABLE[q + 8]
+    weighted_scales: bool = False  # with importances, the super-block scale is searched (superblock.py)
 
     @property
     def name(self) -> str:

@@ -60,6 +60,7 @@ class Q2_K(MinGrid, ScalesAndMins):
 
     __slots__ = ()
     bits, sub, block, nbytes, scale_bits = 2, 16, QK_K, 84, 4
+    weighted_scales = True
 
     def block_parts(self, b):
         scales = nibbles(b.per_block(b.grid.sc), b.per_block(b.grid.m))
@@ -71,6 +72,7 @@ class Q3_K(SignedGrid, SignedScales):
 
     __slots__ = ()
     bits, sub, block, nbytes, scale_bits, scale_bias = 3, 16, QK_K, 110, 6, 32
+    weighted_scales = True
 
     def block_parts(self, b):
         return [_high_bits(b.u >> 2), _bit_planes(b.u & 3), _q3_scales(b.per_block(b.grid.sc)), b.d]
@@ -81,6 +83,7 @@ class Q4_K(MinGrid, ScalesAndMins):
 
     __slots__ = ()
     bits, sub, block, nbytes, scale_bits = 4, 32, QK_K, 144, 6
+    weighted_scales = True
 
     def block_parts(self, b):
         return _q45_k_parts(b, [])
@@ -91,6 +94,7 @@ class Q5_K(MinGrid, ScalesAndMins):
 
     __slots__ = ()
     bits, sub, block, nbytes, scale_bits = 5, 32, QK_K, 176, 6
+    weighted_scales = True
 
     def block_parts(self, b):
         return _q45_k_parts(b, [_high_bits(b.u >> 4)])
