@@ -56,13 +56,13 @@ def _weighted_rows(xs, ws, step, low, t: GgmlType):
     low = None if low is None else low.to(torch.float32).clamp_min(0)
     today_low = None if low is None else _candidates(low, sw, t, levels, negative=False)[0]
 
-    def error_with_steps(s):
-        return _error(xs, ws, s, today_low, t)
-
-    stored = _best(_candidates(step, sw, t, levels, negative=t.signed_scales), error_with_steps, t)
+    buf = torch.empty_like(xs)
+    stored = _best(_candidates(step, sw, t, levels, negative=t.signed_scales),
+                   lambda s: _error(xs, ws, s, today_low, t, buf), t)
     if low is None:
         return stored, None
-    return stored, _best(_candidates(low, sw, t, levels, negative=False), lambda m: _error(xs, ws, stored, m, t), t)
+    return stored, _best(_candidates(low, sw, t, levels, negative=False),
+                         lambda m: _error(xs, ws, stored, m, t, buf), t)
 
 
 def _candidates(s: torch.Tensor, sw: torch.Tensor, t: GgmlType, levels: int, negative: bool):
@@ -94,15 +94,19 @@ def _candidates(s: torch.Tensor, sw: torch.Tensor, t: GgmlType, levels: int, neg
     return out
 
 
-def _error(xs, ws, step, low, t: GgmlType) -> torch.Tensor:
+def _error(xs, ws, step, low, t: GgmlType, buf) -> torch.Tensor:
     """Per super-block ``[rows, nb]``, the weighted squared error of the values ``xs`` ``[rows, nsub, sub]``
-    rounded to their nearest level of the grid ``step``/``low`` (``[rows, nsub]``)."""
+    rounded to their nearest level of the grid ``step``/``low`` (``[rows, nsub]``); ``buf``: a work buffer like
+    ``xs``."""
     qmin, qmax = t.qmin_qmax
     st = step.unsqueeze(-1)
-    lw = torch.zeros_like(st) if low is None else low.unsqueeze(-1)
     safe = torch.where(st == 0, torch.ones_like(st), st)
-    q = torch.round((xs + lw) / safe).clamp_(qmin, qmax)
-    err = (ws * (st * q - lw - xs).pow(2)).sum(-1)
+    if low is None:
+        d = torch.div(xs, safe, out=buf).round_().clamp_(qmin, qmax).mul_(st)
+    else:
+        lw = low.unsqueeze(-1)
+        d = torch.add(xs, lw, out=buf).div_(safe).round_().clamp_(qmin, qmax).mul_(st).sub_(lw)
+    err = d.sub_(xs).mul_(d).mul_(ws).sum(-1)
     per = t.block // t.sub
     return err.reshape(err.shape[0], -1, per).sum(-1)
 
