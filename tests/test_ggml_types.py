@@ -253,7 +253,6 @@ def test_bounded_gptq_on_gguf_grids_rounds_each_value_down_or_up_only(gguf_type)
     assert errors[1] < 0.9 * errors[0], errors
 
 
-
 # ---- the importance-weighted super-block scale (ggml.weighted_steps) ---------------------------------------------
 def _value_error(w, imp, grid, t):
     """Per super-block, the ``imp``-weighted squared error of ``w`` rounded to its nearest values on ``grid``."""

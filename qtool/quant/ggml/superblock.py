@@ -22,8 +22,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..affine import true_div
-from .base import GgmlType, f16
+from .base import GgmlType, f16, per_sub
+from .grids import _quantize_scales
 
 _OFFSETS = tuple(0.1 * k for k in range(-4, 5) if k)  # candidate D − levels (make_qp_quants' nine, less today's)
 _SLICE_VALUES = 1 << 20
@@ -54,20 +54,25 @@ def _weighted_rows(xs, ws, step, low, t: GgmlType):
     sw = ws.sum(-1)
     step = step.to(torch.float32)
     low = None if low is None else low.to(torch.float32).clamp_min(0)
-    today_low = None if low is None else _candidates(low, sw, t, levels, negative=False)[0]
+    today_low = None if low is None else _today(low, t, levels, negative=False)
 
     buf = torch.empty_like(xs)
-    stored = _best(_candidates(step, sw, t, levels, negative=t.signed_scales),
+    stored = _best([_today(step, t, levels, t.signed_scales)] + _candidates(step, sw, t, levels, t.signed_scales),
                    lambda s: _error(xs, ws, s, today_low, t, buf), t)
     if low is None:
         return stored, None
-    return stored, _best(_candidates(low, sw, t, levels, negative=False),
+    return stored, _best([today_low] + _candidates(low, sw, t, levels, negative=False),
                          lambda m: _error(xs, ws, stored, m, t, buf), t)
 
 
+def _today(s: torch.Tensor, t: GgmlType, levels: int, negative: bool) -> torch.Tensor:
+    """``d·l`` per sub-block with ``d`` from the largest step: what the type's ``store`` keeps today."""
+    d, l = _quantize_scales(s, t, levels, negative)
+    return per_sub(d, t) * l.to(torch.float32)
+
+
 def _candidates(s: torch.Tensor, sw: torch.Tensor, t: GgmlType, levels: int, negative: bool):
-    """``d·l`` per sub-block (``[rows, nsub]``) for today's ``d`` (first) and each candidate of the module
-    docstring; ``negative``: signed scales, ``d`` sending the step of largest magnitude to ``-levels`` (ggml's
+    """``d·l`` per sub-block (``[rows, nsub]``) for each candidate of the module docstring; ``negative``: signed scales, ``d`` sending the step of largest magnitude to ``-levels`` (ggml's
     rule), else unsigned ``0..levels``."""
     rows, nsub = s.shape
     per = t.block // t.sub
@@ -81,8 +86,7 @@ def _candidates(s: torch.Tensor, sw: torch.Tensor, t: GgmlType, levels: int, neg
         safe = torch.where(d == 0, torch.ones_like(d), d)
         return torch.where(d == 0, 0.0, torch.round(bs / safe).clamp(lo, hi))
 
-    today = f16(true_div(amax, extreme))
-    out = [(today * integers(today)).reshape(rows, nsub)]
+    out = []
     for offset in _OFFSETS:
         d = amax / (extreme + (-offset if negative else offset))
         l = integers(d).scatter_(-1, idx, extreme)
@@ -98,14 +102,9 @@ def _error(xs, ws, step, low, t: GgmlType, buf) -> torch.Tensor:
     """Per super-block ``[rows, nb]``, the weighted squared error of the values ``xs`` ``[rows, nsub, sub]``
     rounded to their nearest level of the grid ``step``/``low`` (``[rows, nsub]``); ``buf``: a work buffer like
     ``xs``."""
-    qmin, qmax = t.qmin_qmax
     st = step.unsqueeze(-1)
     safe = torch.where(st == 0, torch.ones_like(st), st)
-    if low is None:
-        d = torch.div(xs, safe, out=buf).round_().clamp_(qmin, qmax).mul_(st)
-    else:
-        lw = low.unsqueeze(-1)
-        d = torch.add(xs, lw, out=buf).div_(safe).round_().clamp_(qmin, qmax).mul_(st).sub_(lw)
+    d = t.values_into(xs, st, None if low is None else low.unsqueeze(-1), safe, buf)
     err = d.sub_(xs).mul_(d).mul_(ws).sum(-1)
     per = t.block // t.sub
     return err.reshape(err.shape[0], -1, per).sum(-1)
