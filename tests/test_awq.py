@@ -91,7 +91,10 @@ def test_awq_scales_then_gptq_chooses_the_codes(model, tmp_path):
 
 
 @pytest.mark.parametrize("extra,flags,message", [
-    (", mappings: [{smooth: 're:.*o_proj', balance: ['re:.*gate_proj']}]", (), "awq.mappings[0]: smooth"),
+    (", mappings: [{smooth: 're:.*o_proj', balance: ['re:.*no_such_proj']}]", (), "awq.mappings[0]: smooth"),
+    # paired through the block (the nearest enclosing module holding a gate_proj), refused by the fold check
+    (", mappings: [{smooth: 're:.*o_proj', balance: ['re:.*gate_proj']}]", (),
+     "awq: folding the scales changes the float model's outputs"),
     (", mappings: [{smooth: 're:.*input_layernorm', balance: ['re:.*o_proj']}]", (),
      "awq: folding the scales changes the float model's outputs"),
 ])

@@ -120,3 +120,47 @@ def test_a_config_without_a_context_length_gets_the_one_llama_cpps_converter_wri
                   query_pre_attn_scalar=16)
     assert family_of("gemma3_text").check_gguf(config, Path("config.json"))["max_position_embeddings"] == 131072
     assert family_of("llama").check_gguf(config, Path("config.json"))["max_position_embeddings"] == 2048
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_an_encoders_value_projection_folds_into_its_attention_output_and_its_post_norms_are_refused(tmp_path, kind):
+    """BERT's post-norm LayerNorm output is also the residual: the default AWQ / SmoothQuant mapping is the value
+    projection into attention.output.dense (found through its grandparent), the fold keeps the float function,
+    and a mapping from a LayerNorm is refused by the fold check: one line, exit 2, nothing written."""
+    from qtool.calibration.awq import apply_awq
+    from qtool.calibration.rounding.statistics import collect_module_inputs
+    from qtool.config import parse_recipe, resolve_plan
+
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(kind, vocab_size=128, hidden_size=48, intermediate_size=96,
+                                            num_hidden_layers=2, num_attention_heads=4)
+    net = transformers.AutoModel.from_config(cfg).eval()
+    net.save_pretrained(tmp_path / "m")
+    ids = torch.randint(3, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    recipe = ("version: 1\ndefaults:\n  weights: {bitwidth: 3, symmetric: false, granularity: per_block, "
+              "block_size: 16}\n  activations: null\nawq: {grid: 10%s}\n")
+    plan = resolve_plan(parse_recipe(recipe % ""), net, "awq.yaml")
+    prefix = "encoder.layer"
+    assert [(g.smooth, g.balance) for g in plan.awq.groups] == [
+        (f"{prefix}.{i}.attention.self.value", (f"{prefix}.{i}.attention.output.dense",)) for i in range(2)]
+    modules = dict(net.named_modules())
+    with torch.no_grad():
+        before = net(ids).last_hidden_state
+        stats = collect_module_inputs({g.balance[0]: True for g in plan.awq.groups}, modules, lambda: net(ids))
+        apply_awq(plan.awq, modules, stats, {q.module: q for q in plan.weights}, plan.warnings)
+        after = net(ids).last_hidden_state
+    assert any(c["ratio"] is not None for c in plan.awq.chosen)  # a scale moved the weights...
+    assert float((after - before).abs().max() / before.abs().max()) < 1e-5  # ...and the function stayed
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8-smoothquant", "--data", tmp_path / "ids.safetensors",
+                           "-o", tmp_path / "s", "--quiet")
+    assert code == 0, err
+    groups = json.loads((tmp_path / "s" / "manifest.json").read_text())["smoothquant"]["groups"]
+    assert [g["smooth"].split(".", 3)[-1] for g in groups] == ["attention.self.value"] * 2
+    # the norm whose output feeds the MLP (found through its block) is also the residual the block adds back
+    (tmp_path / "ln.yaml").write_text(recipe % ", mappings: [{smooth: 're:.*attention.output.LayerNorm', balance: "
+                                                "['re:.*intermediate.dense']}]")
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", tmp_path / "ln.yaml", "--data",
+                           tmp_path / "ids.safetensors", "-o", tmp_path / "ln", "--quiet")
+    assert code == 2 and len(error_lines(err)) == 1 and "folding the scales changes" in err, err
+    assert not (tmp_path / "ln").exists()

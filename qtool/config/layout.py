@@ -215,8 +215,10 @@ def _fold_candidates(named) -> List[BatchNormFold]:
 
 def _smooth_groups(spec: Union[SmoothQuantSpec, AwqSpec], named, source: str, family: Optional[Family],
                    key: str = "smoothquant") -> List[SmoothGroup]:
-    """Resolve SmoothQuant mappings on the model: every module matching ``smooth`` with the Linear modules of its
-    parent's subtree that match ``balance``, in module order. A mapping that pairs nothing is an error when the
+    """Resolve SmoothQuant mappings on the model: every module matching ``smooth`` with the Linear modules that
+    match ``balance`` in the nearest enclosing module that holds any: its parent, else its grandparent (a BERT
+    value projection's ``attention.self`` beside the ``attention.output.dense`` it feeds), and so on up to its
+    block (an element of a module list, whose parent holds every other block too), in module order. A mapping that pairs nothing is an error when the
     recipe gave it, and skipped when it is a default (a model without up_proj, say). The defaults are the model
     family's (Llama-style blocks for a model of no known family). ``spec``: the recipe's ``smoothquant`` or ``awq``
     (``key``, which errors name)."""
@@ -233,10 +235,13 @@ def _smooth_groups(spec: Union[SmoothQuantSpec, AwqSpec], named, source: str, fa
         for name, module in named:
             if not name_matches(m.smooth, name):
                 continue
-            parent = name.rsplit(".", 1)[0] + "." if "." in name else ""
-            balance = tuple(n for n, mod in named if n.startswith(parent) and n != name and isinstance(mod, nn.Linear)
-                            and any(name_matches(p, n) for p in m.balance))
-            if not balance:
+            balance = ()
+            for parent in _ancestors(name):
+                balance = tuple(n for n, mod in named if n.startswith(parent) and n != name
+                                and isinstance(mod, nn.Linear) and any(name_matches(p, n) for p in m.balance))
+                if balance:
+                    break
+            else:
                 continue
             width = _output_width(module)
             bad = [n for n in balance if modules[n].in_features != width]
@@ -254,6 +259,18 @@ def _smooth_groups(spec: Union[SmoothQuantSpec, AwqSpec], named, source: str, fa
                           f"({family.title if family is not None else 'Llama-style'} norms and projections) pairs "
                           f"modules of this model; give {key}.mappings")
     return groups
+
+
+def _ancestors(name: str) -> List[str]:
+    """The prefixes of ``name``'s parent, grandparent, ... up to the root or to the first element of a module list
+    (``layers.3.``: a block), nearest first."""
+    parts = name.split(".")[:-1]
+    out = []
+    while True:
+        out.append(".".join(parts) + "." if parts else "")
+        if not parts or parts[-1].isdigit():
+            return out
+        parts = parts[:-1]
 
 
 def _output_width(module: "nn.Module") -> Optional[int]:
