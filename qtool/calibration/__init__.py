@@ -118,7 +118,7 @@ def _refuse_learned_rounding(plan: Plan) -> None:
     learned = [q.name for q in plan.weights if q.learns_rounding]
     if learned:
         raise UsageError(f"rounding signround ({learned[0]}{' and others' if len(learned) > 1 else ''}) learns each "
-                         "decoder block on its own inputs: run with --sequential")
+                         "decoder block of a causal language model on its own inputs: run with --sequential")
 
 
 def streams(plan: Plan, opts: CalibrateOptions) -> bool:

@@ -277,6 +277,11 @@ def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, An
     transformers = _transformers(path)
     config = _config(path, trust_remote_code)
     config.use_cache = False
+    archs = getattr(config, "architectures", None) or []
+    if archs and _bare_backbone(transformers, archs[0]):
+        # an encoder such as BertModel: AutoModelForCausalLM would add a head its checkpoint does not hold
+        raise CheckpointError(f"{path}: --sequential runs a causal language model block by block, and config.json "
+                              f"says this is a {archs[0][:60]} (no language-model head): run without --sequential")
     try:
         with _parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
@@ -292,6 +297,16 @@ def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, An
         tokenizer = None
     model.eval()
     return model, config, tokenizer
+
+
+def _bare_backbone(transformers, arch: str) -> bool:
+    """Whether ``arch`` (config.json's ``architectures[0]``) is one of transformers' own classes without a
+    language-model head (``BertModel``); remote-code classes (ChatGLM names its causal LM ``ChatGLMModel``) are
+    not judged by their name."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return (arch.endswith("Model") and getattr(transformers, arch, None) is not None
+            and arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()))
 
 
 def load_hf(path: Path, trust_remote_code: bool):
