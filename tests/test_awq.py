@@ -179,6 +179,10 @@ def test_a_norm_feeding_routed_experts_is_not_scaled_and_each_experts_own_group_
     ("{element: fp4_e2m1, granularity: per_block, block_size: 32, scale_dtype: e8m0}", "compressed-tensors",
      "weight_scale"),  # MXFP4
     ("{gguf_type: q4_0}", "gguf", None),
+    # searches weighted by activations: each candidate's quantizer weighted by its scaled inputs' E[x²] / s²
+    ("{gguf_type: q4_0, analyzer: {name: mse, weighting: activations_magnitude}}", "gguf", None),
+    ("{element: fp4_e2m1, granularity: per_block, block_size: 32, scale_dtype: e8m0, analyzer: {name: mse, "
+     "weighting: activations}}", "compressed-tensors", "weight_scale"),
 ])
 def test_awq_searches_on_every_grid_and_never_ends_above_plain_rounding(model, tmp_path, weights, fmt, packed):
     """The search quantizes each candidate with the row's own quantizer, so float elements with their scale types
@@ -200,6 +204,40 @@ def test_awq_searches_on_every_grid_and_never_ends_above_plain_rounding(model, t
             assert f"model.layers.0.mlp.down_proj.{packed}" in set(f.keys())
     else:
         assert (tmp_path / "out" / "model.gguf").stat().st_size > 0
+
+
+def test_a_search_weighted_by_activations_scores_each_candidate_with_its_scaled_inputs_importance(model, tmp_path):
+    """A candidate's quantizer sees the importance the weights' calibration will see after the fold: the inputs
+    of ``W diag(s)`` are ``x / s``, so ``E[x²] / s²``; unweighted rows get none."""
+    from qtool.calibration.awq import _fake_quant, ratio_scales, search_scales, weight_magnitude
+    from qtool.calibration.rounding.statistics import collect_module_inputs
+    from qtool.config import load_recipe, resolve_plan
+
+    recipe = _recipe(tmp_path, rounding=", analyzer: {name: mse, weighting: activations}")
+    net = transformers.AutoModelForCausalLM.from_pretrained(model[0]).eval()
+    plan = resolve_plan(load_recipe(recipe), net, "awq.yaml")
+    group = plan.awq.groups[0]  # input_layernorm -> q, k, v
+    modules = dict(net.named_modules())
+    ids = torch.randint(0, 300, (4, 40), generator=torch.Generator().manual_seed(0))
+    stats = collect_module_inputs({group.balance[0]: True}, modules, lambda: net(ids))[group.balance[0]]
+    rows = {q.module: q for q in plan.weights}
+    seen = []
+
+    def spy(row, weight, importance=None):
+        seen.append(importance)
+        return _fake_quant(row, weight, importance)
+
+    search_scales(group, modules, stats, rows, 4, True, quantize=spy)
+    ms = stats.mean_square()[None, :]
+    assert len(seen) == 3 * 5  # q, k, v: unscaled, then 4 ratios
+    assert all(torch.equal(imp, ms) for imp in seen[:3])
+    m_w = weight_magnitude([modules[n].weight for n in group.balance], [32] * 3)
+    s = ratio_scales(stats.mean_square().sqrt(), m_w, 0.5)  # the third ratio of 4: 0, 0.25, 0.5, 0.75
+    torch.testing.assert_close(seen[3 * 3], ms / s.square(), rtol=1e-6, atol=0)
+    unweighted = resolve_plan(load_recipe(_recipe(tmp_path)), net, "awq.yaml")
+    seen.clear()
+    search_scales(group, modules, stats, {q.module: q for q in unweighted.weights}, 2, True, quantize=spy)
+    assert seen and all(imp is None for imp in seen)
 
 
 def test_awq_on_a_family_without_default_mappings_asks_for_awq_mappings():

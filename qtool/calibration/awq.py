@@ -15,7 +15,9 @@ rounding on the objective: the balance layers' output error with their weights q
 
 exact from the group input's statistics (``rounding.statistics``: ``XᵀX`` sums, which merge by addition, so
 every rank of a distributed run chooses the same scales). ``Q_b`` is the row's own quantizer (any grid: int,
-float element, GGUF type) calibrated on the scaled weight, unweighted.
+float element, GGUF type) calibrated on the scaled weight; a search weighted by activations (``weighting:
+activations`` / ``activations_magnitude``) gets the importance the scaled layer's inputs will have, ``E[x²] / s²``
+from the same statistics, as the weights' calibration after the fold computes it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..choices import weighs_activations
 from ..config import AwqPlan, QuantizerPlan, SmoothGroup
 from ..hooks import step
 from .base import encodings_of
@@ -57,13 +60,14 @@ def ratio_scales(m_x: torch.Tensor, m_w: torch.Tensor, ratio: float, duo_scaling
     return s / (s.max() * s.min()).sqrt()
 
 
-def _fake_quant(row: QuantizerPlan, weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` through a fresh quantizer of ``row`` calibrated on it (what the row's weight calibration gives)."""
+def _fake_quant(row: QuantizerPlan, weight: torch.Tensor, importance: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``weight`` through a fresh quantizer of ``row`` calibrated on it (what the row's weight calibration gives;
+    ``importance``: its inputs' ``E[x²]``, broadcastable to the weight, for a search weighted by activations)."""
     from ..model.insert import make_quantizer
 
     quantizer = make_quantizer(row, weight.device)
     with encodings_of(row, quantizer):
-        quantizer.observe(weight)
+        quantizer.observe(weight, importance=importance)
     return quantizer(weight).as_subclass(torch.Tensor)
 
 
@@ -74,7 +78,7 @@ def _block(row: QuantizerPlan) -> Optional[int]:
 @torch.no_grad()
 def search_scales(group: SmoothGroup, modules: Dict[str, nn.Module], stats: InputStatistics,
                   rows: Dict[str, QuantizerPlan], grid: int, duo_scaling: bool,
-                  quantize: Callable[[QuantizerPlan, torch.Tensor], torch.Tensor] = _fake_quant
+                  quantize: Callable[..., torch.Tensor] = _fake_quant
                   ) -> Tuple[Optional[torch.Tensor], Optional[float], float, float]:
     """``(scales or None, ratio or None, error without scaling, error with them)`` of one group: the candidate
     with the least output error of the quantized balance layers (None: no scaling beats every ratio)."""
@@ -86,13 +90,18 @@ def search_scales(group: SmoothGroup, modules: Dict[str, nn.Module], stats: Inpu
     h = stats.hessian().to(device)
     m_x = stats.mean_square().sqrt().to(device)
     m_w = weight_magnitude([weights[n] for n in quantized], [_block(rows[n]) for n in quantized])
+    weighted = {n for n in quantized if weighs_activations(dict(rows[n].analyzer_args).get("weighting"))}
+    mean_square = stats.mean_square().to(device)[None, :] if weighted else None
 
     def error(s: Optional[torch.Tensor]) -> float:
         total = 0.0
         for n in quantized:
             w = weights[n]
             scaled = w if s is None else w * s.to(w.dtype)  # (what fold_scales leaves in the weight)
-            q = quantize(rows[n], scaled).to(torch.float32)
+            imp = None
+            if n in weighted:  # the scaled layer's inputs are x / s
+                imp = mean_square if s is None else mean_square / s.square()
+            q = quantize(rows[n], scaled, imp).to(torch.float32)
             d = (q if s is None else q / s) - w.to(torch.float32)
             total += float(((d @ h) * d).sum())
         return total
