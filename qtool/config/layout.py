@@ -218,10 +218,10 @@ def _smooth_groups(spec: Union[SmoothQuantSpec, AwqSpec], named, source: str, fa
     """Resolve SmoothQuant mappings on the model: every module matching ``smooth`` with the Linear modules that
     match ``balance`` in the nearest enclosing module that holds any: its parent, else its grandparent (a BERT
     value projection's ``attention.self`` beside the ``attention.output.dense`` it feeds), and so on up to its
-    block (an element of a module list, whose parent holds every other block too), in module order. A mapping that pairs nothing is an error when the
-    recipe gave it, and skipped when it is a default (a model without up_proj, say). The defaults are the model
-    family's (Llama-style blocks for a model of no known family). ``spec``: the recipe's ``smoothquant`` or ``awq``
-    (``key``, which errors name)."""
+    block (an element of a module list, whose parent holds every other block too), in module order. A mapping
+    that pairs nothing is an error when the recipe gave it, and skipped when it is a default (a model without
+    up_proj, say). The defaults are the model family's (Llama-style blocks for a model of no known family).
+    ``spec``: the recipe's ``smoothquant`` or ``awq`` (``key``, which errors name)."""
     from torch import nn
 
     defaults = LLAMA_SMOOTH_MAPPINGS if family is None else family.smooth_mappings
