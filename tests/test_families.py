@@ -152,8 +152,8 @@ def test_an_encoders_value_projection_folds_into_its_attention_output_and_its_po
         after = net(ids).last_hidden_state
     assert any(c["ratio"] is not None for c in plan.awq.chosen)  # a scale moved the weights...
     assert float((after - before).abs().max() / before.abs().max()) < 1e-5  # ...and the function stayed
-    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8-smoothquant", "--data", tmp_path / "ids.safetensors",
-                           "-o", tmp_path / "s", "--quiet")
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8-smoothquant", "--data",
+                           tmp_path / "ids.safetensors", "-o", tmp_path / "s", "--quiet")
     assert code == 0, err
     groups = json.loads((tmp_path / "s" / "manifest.json").read_text())["smoothquant"]["groups"]
     assert [g["smooth"].split(".", 3)[-1] for g in groups] == ["attention.self.value"] * 2
