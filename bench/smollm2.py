@@ -34,12 +34,12 @@ def smollm2_dir() -> Path:
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(str(pkg), gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(pkg), gguf_file=gguf.name, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(pkg), gguf_file=gguf.name, dtype=torch.float32)
     # a model loaded from GGUF refuses save_pretrained; copy its (already float32) weights into a plain model
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    plain = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
     tmp = CACHE.with_name(CACHE.name + ".tmp")
     plain.save_pretrained(tmp)
@@ -61,7 +61,7 @@ def smollm2_untied_dir() -> Path:
     import transformers
 
     src = smollm2_dir()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(src), torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     model.config.tie_word_embeddings = False
     model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
     tmp = target.with_name(target.name + ".tmp")
