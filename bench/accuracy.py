@@ -117,6 +117,9 @@ SMOLLM_FLOAT = {
     "NVFP4 W4A4, gptq + weighted mse (sequential)": ("configs/nvfp4.yaml", GPTQ_WEIGHTED, SEQUENTIAL),
     # what limits W4A4: the activations alone, and SmoothQuant moving their outliers into the weights
     "NVFP4 activations only, weights float": ("configs/nvfp4.yaml", {"weights": None}),
+    # ... and of their error, what the E2M1 grid costs by itself: exact float32 block scales (no runtime's format)
+    "NVFP4 activations only, float32 block scales": ("configs/nvfp4.yaml",
+                                                     {"weights": None, "activations": {"scale_dtype": "float32"}}),
     "NVFP4 W4A4 + smoothquant 0.8, gptq + weighted mse": ("configs/nvfp4.yaml",
                                                          {**GPTQ_WEIGHTED, "smoothquant": {"alpha": 0.8}}),
 }
