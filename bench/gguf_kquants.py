@@ -158,6 +158,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     gptq = {"name": "gptq", **({} if args.dampening is None else {"dampening": args.dampening}),
             **({"bounded": True} if args.bounded else {})}  # the gptq rows' rounding, as a recipe writes it
+    awq = {"grid": 20} if args.awq else None  # the data rows' awq: section, as a recipe writes it
 
     import transformers
 
@@ -228,9 +229,9 @@ def main(argv=None):
                     spec["defaults"]["weights"]["rounding"] = gptq
                     recipe = tmp / f"gguf-{mix}-gptq-params.yaml"
                     recipe.write_text(yaml.safe_dump(spec))
-                if args.awq:
+                if awq:
                     spec = yaml.safe_load(recipe.read_text())
-                    spec["awq"] = {"grid": 20}
+                    spec["awq"] = awq
                     recipe = tmp / f"{recipe.stem}-awq.yaml"
                     recipe.write_text(yaml.safe_dump(spec))
                     key += "_awq"
@@ -239,9 +240,9 @@ def main(argv=None):
                 row[key] = {"perplexity": ppl_q, "increase_pct": increase(ppl_q), "seconds": secs}
                 if method in ("gptq", "weighted-gptq"):
                     row[key]["gptq"] = gptq
-                if args.awq:
-                    row[key]["awq"] = {"grid": 20}
-                print(f"{mix:8s} qtool {method + ('+awq' if args.awq else ''):13s} {shown(row[key])}  ({secs:.0f} s)",
+                if awq:
+                    row[key]["awq"] = awq
+                print(f"{mix:8s} qtool {method + ('+awq' if awq else ''):13s} {shown(row[key])}  ({secs:.0f} s)",
                       flush=True)
             types_n = types
             if args.data_only:
