@@ -76,7 +76,7 @@ def run_llmcompressor() -> float:
     data = load_file(str(IDS))
     ds = Dataset.from_dict({k: v.tolist() for k, v in data.items()})
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(_model_dir()), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(_model_dir()), dtype=torch.float32)
     recipe = GPTQModifier(
         config_groups={"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,

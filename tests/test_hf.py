@@ -90,3 +90,14 @@ def test_real_minilm_w8a8_keeps_embeddings(tmp_path, minilm, text_file):
     cos = (embed(loaded.model, loaded.tokenizer, heldout, 64) * embed(quant, loaded.tokenizer, heldout, 64)).sum(-1)
     assert float(cos.mean()) >= 0.99
     assert float(cos.min()) >= 0.95
+
+
+@pytest.mark.parametrize("version,keyword", [("4.45.2", "torch_dtype"), ("4.55.4", "torch_dtype"),
+                                             ("4.56.0.dev0", "dtype"), ("5.23.0", "dtype"), ("10.1.0rc1", "dtype")])
+def test_float32_keyword_follows_the_transformers_version(version, keyword):
+    """transformers 4.56 renamed ``torch_dtype`` to ``dtype`` (and warns on the old name); the floor still needs it."""
+    from types import SimpleNamespace
+
+    from qtool.model.hf import _float32
+
+    assert _float32(SimpleNamespace(__version__=version)) == {keyword: torch.float32}

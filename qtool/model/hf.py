@@ -33,6 +33,13 @@ def _transformers(path):
     return transformers
 
 
+def _float32(transformers) -> Dict[str, Any]:
+    """The keyword that asks transformers for float32 weights: ``dtype`` from 4.56, which deprecates the
+    ``torch_dtype`` the declared floor (4.45) still needs."""
+    major, minor = (int(re.match(r"\d+", p).group()) for p in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
+
+
 def _config(path, trust_remote_code: bool):
     transformers = _transformers(path)
     cfg_file = Path(path) / "config.json"
@@ -285,7 +292,7 @@ def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, An
     try:
         with _parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
-                                                                  torch_dtype=torch.float32)
+                                                                  **_float32(transformers))
     except Exception as e:
         raise CheckpointError(f"{path}: not a causal language model transformers can build "
                               f"({str(e).splitlines()[0]})") from None
@@ -326,8 +333,8 @@ def load_hf(path: Path, trust_remote_code: bool):
         cls = transformers.AutoModel
     try:
         model = cls.from_pretrained(
-            str(path), config=config, trust_remote_code=trust_remote_code, torch_dtype=torch.float32,
-            low_cpu_mem_usage=True,
+            str(path), config=config, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True,
+            **_float32(transformers),
         )
     except Exception as e:  # transformers raises many types for bad weights
         raise CheckpointError(f"{path}: transformers could not load the model: {str(e).splitlines()[0]}") from None
