@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -77,6 +77,7 @@ def test_gptq_beats_round_to_nearest_clearly_on_correlated_inputs():
 
 @settings(max_examples=40, deadline=None)
 @given(layers, st.booleans())
+@example((744, 2, 2, 8, 8, False, 1), False)  # 8-bit asymmetric: codes 0..255 overflowed int8 bounds once
 def test_bounded_gptq_keeps_every_code_beside_its_weight_and_is_never_above_round_to_nearest(layer, act_order):
     w, x, scale, offset, qmin, qmax, bs = _layer(*layer)
     rtn = quantize(w, scale, offset, qmin=qmin, qmax=qmax, block_size=bs)

@@ -252,9 +252,11 @@ def _levels(w: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: 
 def _bounds(Wt: torch.Tensor, St: torch.Tensor, Ot: torch.Tensor, block_of: List[int], chunk: int, qmin: int,
             qmax: int, element: Optional[Grid]) -> Tuple[torch.Tensor, torch.Tensor]:
     """``bounded``'s limits: each weight's levels just below and above its own float value, like ``Wt``
-    ``(groups, in, out)``, kept in two bytes a value (codes fit int8; float elements' values, FP8's included, are
-    exact in bfloat16), computed ``chunk`` columns at a time."""
-    dtype = torch.bfloat16 if isinstance(element, FloatElement) else torch.int8
+    ``(groups, in, out)``, kept in one or two bytes a value (int8 where the codes fit it, int16 for 8-bit
+    asymmetric grids' 0..255; float elements' values, FP8's included, are exact in bfloat16), computed ``chunk``
+    columns at a time."""
+    dtype = (torch.bfloat16 if isinstance(element, FloatElement) else
+             torch.int8 if -128 <= qmin and qmax <= 127 else torch.int16)
     low, high = (torch.empty(Wt.shape, dtype=dtype, device=Wt.device) for _ in range(2))
     for a in range(0, Wt.shape[1], chunk):
         b = min(a + chunk, Wt.shape[1])
