@@ -22,6 +22,7 @@ scored by the same code as qtool's rows. On a machine without an accelerator its
     .venv/bin/python bench/awq.py [--methods rtn,awq,gptq,awq+gptq,gptq-bounded,signround,awq+signround,llmc-awq]
         [--bits 4]
         [--block 64] [--symmetric] [--weighted] [--iterations 200] [--windows 32] [--llmc-python /tmp/llmc/bin/python]
+        [--objective layers|outputs] [--sequential]
         [--model minilm]
         [--out bench/results/awq.json]
 
@@ -55,7 +56,8 @@ FP4 = {"nvfp4": ("block_size: 16, scale_dtype: fp8_e4m3", "NVFP4A16"),
 
 
 def _recipe(tmp: Path, method: str, bits: int, block: int, symmetric: bool, iterations: int,
-            weighted: bool = False, element: Optional[str] = None, causal: bool = True) -> Path:
+            weighted: bool = False, element: Optional[str] = None, causal: bool = True,
+            objective: str = "layers") -> Path:
     rounding, awq = METHODS[method]
     analyzer = "{name: mse, weighting: activations}" if weighted else "minmax"
     if rounding == "signround":
@@ -68,17 +70,17 @@ defaults:
   weights: {{{grid},
              analyzer: {analyzer}, rounding: {rounding}}}
   activations: null
-""" + ('ignore: ["lm_head", "re:.*embed_tokens"]\n' if causal else "") + ("awq: {grid: 20}\n" if awq else ""))
+""" + ('ignore: ["lm_head", "re:.*embed_tokens"]\n' if causal else "") + (f"awq: {{grid: 20, objective: {objective}}}\n" if awq else ""))
     return path
 
 
-def _child(ckpt: str, recipe: str, data: str, out: str, seq_len: str, samples: str) -> None:
-    """Calibrate in this process (``samples`` "0": every sample of ``data``); print the seconds and the peak RSS
-    as one JSON line."""
+def _child(ckpt: str, recipe: str, data: str, out: str, seq_len: str, samples: str, sequential: str) -> None:
+    """Calibrate in this process (``samples`` "0": every sample of ``data``; ``sequential`` "1": block by block);
+    print the seconds and the peak RSS as one JSON line."""
     from qtool.pipeline import CalibrateOptions, run_calibrate
 
     t0 = time.perf_counter()
-    sequential = "signround" in Path(recipe).read_text()
+    sequential = sequential == "1" or "signround" in Path(recipe).read_text()
     run_calibrate(ckpt, recipe, out, CalibrateOptions(data=data, seq_len=int(seq_len), num_samples=int(samples) or None,
                                                       batch_size=8, sequential=sequential), overwrite=True)
     print(json.dumps({"seconds": time.perf_counter() - t0, "peak_rss_gb": _peak_rss() / 1e9}))
@@ -143,10 +145,10 @@ def _qtool_run(method: str, ckpt, tmp: Path, args):
 
     minilm = args.model == "minilm"
     recipe = _recipe(tmp, method, args.bits, args.block, args.symmetric, args.iterations, args.weighted,
-                     args.element, causal=not minilm)
+                     args.element, causal=not minilm, objective=args.objective)
     out = tmp / f"run-{method.replace('+', '-')}"
     cost = _run_child([sys.executable, __file__, "--child", ckpt, recipe, tmp / "calib.txt", out,
-                       128 if minilm else 256, 0 if minilm else args.windows])
+                       128 if minilm else 256, 0 if minilm else args.windows, int(args.sequential)])
     manifest = json.loads((out / "manifest.json").read_text())
     if "awq" in manifest:
         groups = manifest["awq"]["groups"]
@@ -207,7 +209,11 @@ def main(argv=None):
     ap.add_argument("--llmc-python", default="/tmp/llmc/bin/python",
                     help="the interpreter of llm-compressor's own venv (the llmc-awq row)")
     ap.add_argument("--out", default=str(REPO / "bench/results/awq.json"))
-    ap.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--objective", choices=("layers", "outputs"), default="layers",
+                    help="AWQ's objective (awq: {objective: ...}): the balance layers' output error from XᵀX, or "
+                         "the parent module's (attention, MLP) output error on the data, as llm-compressor scores")
+    ap.add_argument("--sequential", action="store_true", help="calibrate every row block by block")
+    ap.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     ap.add_argument("--llmc-child", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if "llmc-awq" in args.methods.split(",") and (args.weighted or args.symmetric):
@@ -265,7 +271,8 @@ def _scheme(args) -> str:
     """The weights' scheme as the results name it."""
     kind = "symmetric" if args.symmetric else "asymmetric"
     grid = ", weighted MSE ranges" if args.weighted else ", min-max ranges"
-    return (f"{args.element}a16" if args.element else f"int{args.bits} {kind}, blocks of {args.block}") + grid
+    return ((f"{args.element}a16" if args.element else f"int{args.bits} {kind}, blocks of {args.block}") + grid
+            + f", AWQ objective {args.objective}" + (", --sequential" if args.sequential else ""))
 
 
 def _minilm(args) -> None:

@@ -62,12 +62,74 @@ def test_the_fold_keeps_the_float_function_and_the_search_never_ends_above_plain
                            modules["model.layers.0.input_layernorm"].weight)
 
 
+def test_the_outputs_objective_is_the_parent_modules_squared_output_error(model, tmp_path):
+    """``objective: outputs``: q/k/v are scored through the attention, gate/up through the MLP, a lone balance
+    layer by its own output; a group's unscaled error is the summed squared change of that module's output with
+    the balance weights rounded to nearest, measured here on the whole model's forward, and the search never
+    ends above it."""
+    from qtool.calibration.awq import _fake_quant, apply_awq, output_objective, parent_name
+    from qtool.calibration.rounding.statistics import collect_module_inputs
+    from qtool.config import load_recipe, resolve_plan
+    from qtool.parallel import Group
+
+    net = transformers.AutoModelForCausalLM.from_pretrained(model[0]).eval()
+    plan = resolve_plan(load_recipe(_recipe(tmp_path, extra=", objective: outputs")), net, "awq.yaml")
+    assert plan.awq.objective == "outputs"
+    assert [parent_name(g) for g in plan.awq.groups[::2]] == [
+        "model.layers.0.self_attn", "model.layers.0.mlp", "model.layers.0.mlp.down_proj"]
+    modules = dict(net.named_modules())
+    rows = {q.module: q for q in plan.weights}
+    batches = [torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    attention = modules["model.layers.1.self_attn"]
+    group = next(g for g in plan.awq.groups if parent_name(g) == "model.layers.1.self_attn")
+
+    def attention_outputs():
+        seen = []
+        handle = attention.register_forward_hook(lambda m, a, out: seen.append(out[0].detach()))
+        with torch.no_grad():
+            for ids in batches:
+                net(ids)
+        handle.remove()
+        return seen
+
+    floats = attention_outputs()
+    saved = {n: modules[n].weight.data.clone() for n in group.balance}
+    for n in group.balance:
+        modules[n].weight.data = _fake_quant(rows[n], saved[n])
+    rounded = attention_outputs()
+    for n in group.balance:
+        modules[n].weight.data = saved[n]
+    expected = sum(float((r - f).double().square().sum()) for r, f in zip(rounded, floats))
+
+    with torch.no_grad():
+        stats = collect_module_inputs({g.balance[0]: False for g in plan.awq.groups}, modules,
+                                      lambda: [net(ids) for ids in batches])
+        objective = output_objective(group, modules, [lambda ids=ids: net(ids) for ids in batches], Group())
+        assert objective({n: modules[n].weight for n in group.balance}) == 0.0  # the float weights: no error
+        plan.awq.groups = (group,)
+        apply_awq(plan.awq, modules, stats, rows, plan.warnings, lambda g: objective)
+    chosen = plan.awq.chosen[0]
+    assert chosen["error_unscaled"] == pytest.approx(expected, rel=1e-6)
+    assert chosen["error"] <= chosen["error_unscaled"]
+
+
+@pytest.mark.parametrize("flags", [(), ("--sequential",)])
+def test_the_outputs_objective_in_memory_and_block_by_block(model, tmp_path, flags):
+    code, _, err = _quantize(model, tmp_path, _recipe(tmp_path, extra=", objective: outputs"), "out", *flags)
+    assert code == 0, err
+    awq = json.loads((tmp_path / "out" / "calibration" / "manifest.json").read_text())["awq"]
+    assert awq["objective"] == "outputs" and len(awq["groups"]) == 6
+    assert all(g["error"] <= g["error_unscaled"] for g in awq["groups"])
+    assert any(g["ratio"] is not None for g in awq["groups"])
+
+
 def test_quantize_writes_the_folded_weights_and_records_the_search(model, tmp_path):
     code, _, err = _quantize(model, tmp_path, _recipe(tmp_path), "out", "-f", "compressed-tensors")
     assert code == 0, err
     manifest = json.loads((tmp_path / "out" / "calibration" / "manifest.json").read_text())
     awq = manifest["awq"]
-    assert awq["grid"] == 10 and awq["duo_scaling"] is True and len(awq["groups"]) == 6
+    assert awq["grid"] == 10 and awq["duo_scaling"] is True and awq["objective"] == "layers"
+    assert len(awq["groups"]) == 6
     assert "model.layers.0.input_layernorm.weight" in awq["replaced"] or awq["groups"][0]["ratio"] is None
     # the directory transformers loads holds the folded floats and their codes: it computes the fake-quant model
     code, out, err = run_cli("eval", tmp_path / "out", "--data", model[2], "--seq-len", "48", "--num-samples", "2",
@@ -232,7 +294,8 @@ def test_a_search_weighted_by_activations_scores_each_candidate_with_its_scaled_
     assert len(seen) == 3 * 5  # q, k, v: unscaled, then 4 ratios
     assert all(torch.equal(imp, ms) for imp in seen[:3])
     m_w = weight_magnitude([modules[n].weight for n in group.balance], [32] * 3)
-    s = ratio_scales(stats.mean_square().sqrt(), m_w, 0.5)  # the third ratio of 4: 0, 0.25, 0.5, 0.75
+    # the third ratio of 4 (0, 0.25, 0.5, 0.75), from each channel's mean magnitude E|x| (AWQ's m_x)
+    s = ratio_scales(stats.mean_absolute(), m_w, 0.5)
     torch.testing.assert_close(seen[3 * 3], ms / s.square(), rtol=1e-6, atol=0)
     unweighted = resolve_plan(load_recipe(_recipe(tmp_path)), net, "awq.yaml")
     seen.clear()

@@ -289,11 +289,11 @@ kv_cache: {granularity: per_head}
 """
 
 
-def _one_and_two_ranks(llama, tmp_path, recipe: str):
+def _one_and_two_ranks(llama, tmp_path, recipe: str, *flags):
     """The outputs (manifest aside) of one process and of two ranks calibrating ``recipe`` on the tiny Llama."""
     (tmp_path / "recipe.yaml").write_text(recipe)
     args = ["calibrate", llama / "m", "-c", tmp_path / "recipe.yaml", "--data", llama / "ids.safetensors",
-            "--batch-size", "2", "--quiet"]
+            "--batch-size", "2", "--quiet", *flags]
     code, _, err = run_cli(*args, "-o", tmp_path / "one")
     assert code == 0, err
     code, out, err = _torchrun(2, *args, "-o", tmp_path / "many")
@@ -333,14 +333,16 @@ defaults:
   weights: {bitwidth: 4, symmetric: false, granularity: per_block, block_size: 16, rounding: gptq}
   activations: null
 ignore: ["lm_head", "re:.*embed_tokens"]
-awq: {grid: 8}
+awq: {grid: 8, objective: %s}
 """
 
 
-def test_awq_then_gptq_on_ranks_writes_the_bytes_of_one_process(llama, tmp_path):
-    """AWQ's scales come from the group inputs' XᵀX summed over the ranks, so every rank folds the same scales
-    before GPTQ: two ranks give one process's folded floats and codes."""
-    one, many = _one_and_two_ranks(llama, tmp_path, AWQ_GPTQ)
+@pytest.mark.parametrize("objective,flags", [("layers", ()), ("outputs", ("--sequential",))])
+def test_awq_then_gptq_on_ranks_writes_the_bytes_of_one_process(llama, tmp_path, objective, flags):
+    """AWQ's scales come from the group inputs' XᵀX summed over the ranks, or from each batch's parent-module
+    error gathered and added in batch order, so every rank folds the same scales before GPTQ: two ranks give one
+    process's folded floats and codes."""
+    one, many = _one_and_two_ranks(llama, tmp_path, AWQ_GPTQ % objective, *flags)
     assert set(one) == {"encodings.json", "codes.safetensors"} and many == one
     manifest = json.loads((tmp_path / "many" / "manifest.json").read_text())
     assert any(g["ratio"] is not None for g in manifest["awq"]["groups"])

@@ -211,16 +211,18 @@ def test_input_statistics_are_sums_and_merge_by_addition():
     torch.testing.assert_close(stats.hessian(), rows.T @ rows)
     assert stats.hessian().dtype == stats.mean_square().dtype == torch.float32
     torch.testing.assert_close(stats.mean_square(), rows.pow(2).mean(0))
+    torch.testing.assert_close(stats.mean_absolute(), rows.abs().mean(0))
     a = collect_inputs([weighted], {"l": lin}, lambda: lin(xs[0]))["l"]
     b = collect_inputs([weighted], {"l": lin}, lambda: lin(xs[1]))["l"]
     merged = InputStatistics.merge(a, b)
     assert merged.xtx is None and merged.count == 22
     torch.testing.assert_close(merged.sq, stats.sq)
+    torch.testing.assert_close(merged.absolute, stats.absolute)
 
 
 def test_input_statistics_of_shards_merge_to_the_same_bits_in_any_grouping():
     """Batches summed in float32, accumulated in float64: one pass over batches 0..4 and the merge of shards
-    (0,1) and (2,3,4) (what two ranks do) give bit-identical float32 Hessians and E[x²]."""
+    (0,1) and (2,3,4) (what two ranks do) give bit-identical float32 Hessians, E[x²] and E|x|."""
     lin = torch.nn.Linear(48, 3)
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(7, 48, generator=g) * s for s in (1.0, 30.0, 0.01, 5.0, 1e3)]
@@ -233,6 +235,7 @@ def test_input_statistics_of_shards_merge_to_the_same_bits_in_any_grouping():
     whole = run(xs)
     merged = InputStatistics.merge(run(xs[:2]), run(xs[2:]))
     assert torch.equal(merged.hessian(), whole.hessian()) and torch.equal(merged.mean_square(), whole.mean_square())
+    assert torch.equal(merged.mean_absolute(), whole.mean_absolute())
 
 
 # ---- activation-weighted MSE -----------------------------------------------------------------------------------

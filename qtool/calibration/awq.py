@@ -6,15 +6,24 @@ output is the one input of its balance Linears. Per input channel ``j`` a scale 
 weight's column ``j`` and divides the smooth module's output channel ``j`` (``smoothing.fold_scales``), so the
 float model computes what it did; the quantization grid then lands finer where ``x_j`` is large. The scale of
 ratio ``r`` is ``s = m_x^r / (m_w^(1-r) + 1e-4)`` (``duo_scaling``; ``m_x^r`` without it), clamped at 1e-4 and
-divided by ``sqrt(max s · min s)``: ``m_x`` is the channel's RMS over the calibration data (``sqrt E[x²]``), ``m_w``
-the mean over the balance rows of ``|W| / max |W|`` within each value's quantization block. ``r`` runs over
+divided by ``sqrt(max s · min s)``: ``m_x`` is the channel's mean magnitude over the calibration data (``E|x|``,
+as AWQ's authors and llm-compressor take it; the RMS, which outliers pull up further, measured worse on
+SmolLM2: docs/accuracy.md), ``m_w`` the mean over the balance rows of ``|W| / max |W|`` within each value's
+quantization block. ``r`` runs over
 ``grid`` points in [0, 1), and no scaling is a candidate too, so the chosen one is never worse than plain
 rounding on the objective: the balance layers' output error with their weights quantized as the plan says,
 
     sum_b tr(ΔW_b XᵀX ΔW_bᵀ),   ΔW_b = Q_b(W_b diag(s)) diag(s)⁻¹ - W_b,
 
 exact from the group input's statistics (``rounding.statistics``: ``XᵀX`` sums, which merge by addition, so
-every rank of a distributed run chooses the same scales). ``Q_b`` is the row's own quantizer (any grid: int,
+every rank of a distributed run chooses the same scales).
+
+``objective: outputs`` scores the candidates instead as AWQ's authors and llm-compressor do: the squared error of
+the group's parent module's output (the balance layers' lowest common ancestor: the attention for q/k/v, the MLP
+for gate/up, the layer itself for a lone balance Linear) over the calibration batches, with the balance weights
+quantized and the rest of the parent float. It sees what the linear objective cannot (the softmax after q and k,
+the gate after gate_proj); it costs a forward of the parent per candidate and batch. Each batch's error is a
+float64 sum, gathered from every rank and added in batch order, so ranks choose what one process chooses. ``Q_b`` is the row's own quantizer (any grid: int,
 float element, GGUF type) calibrated on the scaled weight; a search weighted by activations (``weighting:
 activations`` / ``activations_magnitude``) gets the importance the scaled layer's inputs will have, ``E[x²] / s²``
 from the same statistics, as the weights' calibration after the fold computes it.
@@ -34,7 +43,10 @@ from .base import encodings_of
 from .rounding.statistics import InputStatistics
 from .smoothing import fold_scales
 
-__all__ = ["ratio_scales", "weight_magnitude", "search_scales", "scored_inputs", "apply_awq"]
+__all__ = ["ratio_scales", "weight_magnitude", "search_scales", "scored_inputs", "parent_name", "output_objective",
+           "apply_awq"]
+
+Objective = Callable[[Dict[str, torch.Tensor]], float]  # {balance layer: candidate weight} -> error
 
 _EPS = 1e-4
 
@@ -78,23 +90,24 @@ def _block(row: QuantizerPlan) -> Optional[int]:
 @torch.no_grad()
 def search_scales(group: SmoothGroup, modules: Dict[str, nn.Module], stats: InputStatistics,
                   rows: Dict[str, QuantizerPlan], grid: int, duo_scaling: bool,
-                  quantize: Callable[..., torch.Tensor] = _fake_quant
+                  quantize: Callable[..., torch.Tensor] = _fake_quant, objective: Optional[Objective] = None
                   ) -> Tuple[Optional[torch.Tensor], Optional[float], float, float]:
     """``(scales or None, ratio or None, error without scaling, error with them)`` of one group: the candidate
-    with the least output error of the quantized balance layers (None: no scaling beats every ratio)."""
+    with the least output error of the quantized balance layers (None: no scaling beats every ratio); with
+    ``objective`` (:func:`output_objective`), the least error it gives for the candidate's dequantized weights."""
     quantized = [n for n in group.balance if n in rows]
     weights = {n: modules[n]._parameters["weight"].detach() for n in quantized}
     if not quantized:
         return None, None, 0.0, 0.0
     device = weights[quantized[0]].device
-    h = stats.hessian().to(device)
-    m_x = stats.mean_square().sqrt().to(device)
+    h = stats.hessian().to(device) if objective is None else None
+    m_x = (stats.mean_square().sqrt() if stats.absolute is None else stats.mean_absolute()).to(device)
     m_w = weight_magnitude([weights[n] for n in quantized], [_block(rows[n]) for n in quantized])
     weighted = {n for n in quantized if weighs_activations(dict(rows[n].analyzer_args).get("weighting"))}
     mean_square = stats.mean_square().to(device)[None, :] if weighted else None
 
     def error(s: Optional[torch.Tensor]) -> float:
-        total = 0.0
+        total, candidate = 0.0, {}
         for n in quantized:
             w = weights[n]
             scaled = w if s is None else w * s.to(w.dtype)  # (what fold_scales leaves in the weight)
@@ -102,9 +115,12 @@ def search_scales(group: SmoothGroup, modules: Dict[str, nn.Module], stats: Inpu
             if n in weighted:  # the scaled layer's inputs are x / s
                 imp = mean_square if s is None else mean_square / s.square()
             q = quantize(rows[n], scaled, imp).to(torch.float32)
+            if objective is not None:
+                candidate[n] = (q if s is None else q / s).to(w.dtype)
+                continue
             d = (q if s is None else q / s) - w.to(torch.float32)
             total += float(((d @ h) * d).sum())
-        return total
+        return total if objective is None else objective(candidate)
 
     plain = error(None)
     best: Tuple[float, Optional[float], Optional[torch.Tensor]] = (plain, None, None)
@@ -127,17 +143,89 @@ def _feeds_routed_experts(group: SmoothGroup, modules: Dict[str, nn.Module]) -> 
     return [n for n in group.balance if routing_of(modules, n) is not None]
 
 
-def scored_inputs(groups: Sequence[SmoothGroup], modules: Dict[str, nn.Module]) -> Dict[str, bool]:
-    """The layers whose input statistics (with ``XᵀX``) score ``groups``: each searchable group's first balance
-    layer (``rounding.statistics.collect_module_inputs``' argument)."""
-    return {g.balance[0]: True for g in groups if not _feeds_routed_experts(g, modules)}
+def scored_inputs(groups: Sequence[SmoothGroup], modules: Dict[str, nn.Module],
+                  hessian: bool = True) -> Dict[str, bool]:
+    """The layers whose input statistics (with ``XᵀX`` where ``hessian``: the linear objective) score ``groups``:
+    each searchable group's first balance layer (``rounding.statistics.collect_module_inputs``' argument)."""
+    return {g.balance[0]: hessian for g in groups if not _feeds_routed_experts(g, modules)}
+
+
+def parent_name(group: SmoothGroup) -> str:
+    """The balance layers' lowest common ancestor (the layer itself when there is one): the module whose output
+    ``objective: outputs`` compares."""
+    if len(group.balance) == 1:
+        return group.balance[0]
+    common = []
+    for level in zip(*(n.split(".") for n in group.balance)):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+_CACHES = ("past_key_values", "past_key_value", "layer_past")  # transformers' names of the KV cache argument
+
+
+class _Captured(Exception):
+    """Raised once the parent's inputs are recorded: the rest of the batch's forward is not needed."""
+
+
+def _first(out) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def output_objective(group: SmoothGroup, modules: Dict[str, nn.Module], batches: Sequence[Callable[[], object]],
+                     ranks) -> Objective:
+    """The objective of ``objective: outputs`` for ``group``: the parent module's inputs are recorded on each of
+    this rank's ``batches`` (each a call that runs one batch forward, the block's or the model's, up to the
+    parent's first call) and its float outputs kept; a candidate's error is ``sum (parent(x) - float)²`` over every
+    rank's batches (``ranks``, a :class:`qtool.parallel.Group`), with the balance weights replaced."""
+    parent = modules[parent_name(group)]
+    calls = []  # (this rank's batch index, args, kwargs) of the batches that reach the parent (a routed expert's
+    batch = [0]  # may not)
+
+    def capture(module, args, kwargs):
+        # a KV cache would grow with every candidate's call: the parent runs on the batch alone, as it did
+        kwargs = {k: None if k in _CACHES else v for k, v in kwargs.items()}
+        calls.append((batch[0], args, kwargs))
+        raise _Captured
+
+    handle = parent.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        for j, run in enumerate(batches):
+            batch[0] = j
+            try:
+                run()
+            except _Captured:
+                pass
+    finally:
+        handle.remove()
+    floats = [_first(parent(*a, **k)).detach().to(torch.float32) for _, a, k in calls]
+
+    def error(weights: Dict[str, torch.Tensor]) -> float:
+        params = {n: modules[n]._parameters["weight"] for n in weights}
+        saved = {n: p.data for n, p in params.items()}
+        try:  # (the float parameter itself: the model's quantizers are off or not yet inserted while AWQ runs)
+            for n, p in params.items():
+                p.data = weights[n].to(p.dtype)
+            local = [((ranks.rank, j), float((_first(parent(*a, **k)).to(torch.float32) - ref).double().square()
+                                             .sum())) for (j, a, k), ref in zip(calls, floats)]
+        finally:
+            for n, p in params.items():
+                p.data = saved[n]
+        errors = dict(e for part in ranks.all_gather(local) for e in part)
+        return sum(errors[key] for key in sorted(errors))  # in batch order: the same sum on every rank
+
+    return error
 
 
 @torch.no_grad()
 def apply_awq(awq: AwqPlan, modules: Dict[str, nn.Module], stats: Dict[str, InputStatistics],
-              rows: Dict[str, QuantizerPlan], warnings: List[str]) -> Dict[str, torch.Tensor]:
-    """Search and fold every group of ``awq`` in order (``stats`` keyed by each group's first balance layer);
-    returns ``{parameter name: new value}`` of the changed tensors and records each group in ``awq.chosen``."""
+              rows: Dict[str, QuantizerPlan], warnings: List[str],
+              objective_of: Optional[Callable[[SmoothGroup], Objective]] = None) -> Dict[str, torch.Tensor]:
+    """Search and fold every group of ``awq`` in order (``stats`` keyed by each group's first balance layer;
+    ``objective_of``: each group's :func:`output_objective` for ``objective: outputs``); returns ``{parameter
+    name: new value}`` of the changed tensors and records each group in ``awq.chosen``."""
     replaced: Dict[str, torch.Tensor] = {}
     for i, g in enumerate(awq.groups):
         step("choosing scales (awq)", i, len(awq.groups), g.smooth)
@@ -153,7 +241,8 @@ def apply_awq(awq: AwqPlan, modules: Dict[str, nn.Module], stats: Dict[str, Inpu
             warnings.append(f"awq: the calibration data never reached {g.balance[0]}; {g.smooth}'s group is not "
                             "scaled")
             continue
-        s, ratio, plain, err = search_scales(g, modules, found, rows, awq.grid, awq.duo_scaling)
+        s, ratio, plain, err = search_scales(g, modules, found, rows, awq.grid, awq.duo_scaling,
+                                                objective=None if objective_of is None else objective_of(g))
         awq.chosen.append({"smooth": g.smooth, "balance": list(g.balance), "ratio": ratio,
                            "error_unscaled": plain, "error": err})
         if s is not None:

@@ -140,7 +140,8 @@ def merge_inputs(stats: Dict[str, InputStatistics], group: Group) -> Dict[str, I
                 total = from_rank[name] if total is None else InputStatistics.merge(total, from_rank[name])
         device = stats[name].sq.device if name in stats else total.sq.device
         out[name] = InputStatistics(total.count, total.sq.to(device),
-                                    None if total.xtx is None else total.xtx.to(device), total.groups)
+                                    None if total.xtx is None else total.xtx.to(device), total.groups,
+                                    None if total.absolute is None else total.absolute.to(device))
     return out
 
 

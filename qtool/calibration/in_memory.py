@@ -188,13 +188,17 @@ def _awq(model: nn.Module, plan: Plan, modules, data: CalibrationData, device, r
     """AWQ on the float model (qtool.calibration.awq): each group's input statistics over the data (every rank's
     summed), its scales searched against the balance layers' quantized outputs and folded in; the float model's
     outputs on the first batch must stay what they were."""
-    from .awq import apply_awq, scored_inputs
+    from .awq import apply_awq, output_objective, scored_inputs
 
-    stats = merge_inputs(collect_module_inputs(scored_inputs(plan.awq.groups, modules), modules, run), group)
+    outputs = plan.awq.objective == "outputs"
+    stats = merge_inputs(collect_module_inputs(scored_inputs(plan.awq.groups, modules, hessian=not outputs),
+                                               modules, run), group)
     first = data.batches[0].to(device)
     before = _output(model, first)
     rows = {q.module: q for q in plan.weights}
-    replaced = apply_awq(plan.awq, modules, stats, rows, plan.warnings)
+    batches = [lambda b=b: _output(model, b.to(device)) for b in shard(data, group)]
+    replaced = apply_awq(plan.awq, modules, stats, rows, plan.warnings,
+                         (lambda g: output_objective(g, modules, batches, group)) if outputs else None)
     err = _relative_change(before, _output(model, first))
     if not err <= SMOOTH_TOLERANCE:
         raise UsageError(f"awq: folding the scales changes the float model's outputs (relative error {err:.2g}); "

@@ -178,14 +178,15 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         """AWQ's groups inside the block (qtool.calibration.awq), on the float block's inputs (the quantized
         blocks' outputs before it), searched and folded before its quantizers are inserted; the block's output on
         the first input must stay what it was."""
-        from .awq import apply_awq, scored_inputs
+        from .awq import apply_awq, output_objective, scored_inputs
         from .in_memory import SMOOTH_TOLERANCE, _relative_change
         from .rounding.statistics import collect_module_inputs
 
         groups = tuple(g for g in plan.awq.groups if g.smooth.startswith(prefix + "."))
         if not groups:
             return {}
-        scored = scored_inputs(groups, modules)
+        outputs = plan.awq.objective == "outputs"
+        scored = scored_inputs(groups, modules, hessian=not outputs)
         stats = merge_inputs(collect_module_inputs(
             scored, modules, lambda: _run_to_last_input(block, inputs, [modules[n] for n in scored])), group)
         args, kwargs = inputs[0]
@@ -196,8 +197,10 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
 
         with torch.no_grad():
             before = output()
+            batches = [lambda a=a, k=k: block(*a, **k) for a, k in inputs]
             changed = apply_awq(dataclasses.replace(plan.awq, groups=groups), modules, stats,
-                                {q.module: q for q in plan.weights}, plan.warnings)
+                                {q.module: q for q in plan.weights}, plan.warnings,
+                                (lambda g: output_objective(g, modules, batches, group)) if outputs else None)
             err = _relative_change(before, output())
         if not err <= SMOOTH_TOLERANCE:
             raise UsageError(f"awq: folding the scales changes {prefix}'s outputs (relative error {err:.2g}); a "

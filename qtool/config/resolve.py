@@ -317,7 +317,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             raise ConfigError(f"{source}: awq scales {sorted(rotated & set(clash.balance))[0]}'s input channels, "
                               "which r4 rotates at run time; leave that mapping out (awq.mappings) or r4 out of "
                               "rotate")
-        plan.awq = AwqPlan(tuple(groups), recipe.awq.grid, recipe.awq.duo_scaling)
+        plan.awq = AwqPlan(tuple(groups), recipe.awq.grid, recipe.awq.duo_scaling, recipe.awq.objective)
     if recipe.fold_batch_norms:
         plan.folds = _fold_candidates(named)
         if not plan.folds:

@@ -24,8 +24,8 @@ from .conv import CONV_TYPES, ConvCall, capture_conv_input, patch_rows
 @dataclass(frozen=True, eq=False)
 class InputStatistics:
     """A layer's inputs over the calibration data: ``count`` input rows (tokens; a convolution's output
-    positions), ``sq`` = ``sum x²`` per input column, and ``xtx`` = ``sum x xᵀ`` (or None where no algorithm asked
-    for it). A Linear's columns are its input features: ``sq`` ``(in,)``, ``xtx`` ``(in, in)``. A convolution's are
+    positions), ``sq`` = ``sum x²`` and ``absolute`` = ``sum |x|`` per input column, and ``xtx`` = ``sum x xᵀ`` (or
+    None where no algorithm asked for it). A Linear's columns are its input features: ``sq`` ``(in,)``, ``xtx`` ``(in, in)``. A convolution's are
     its patches (qtool.calibration.rounding.conv), per group: ``sq`` ``(groups · in/groups·prod(kernel),)`` and
     ``xtx`` ``(groups, d, d)``. Sums in float64 (each batch's in float32), so shards summed in any grouping give
     the same float32 values."""
@@ -34,18 +34,25 @@ class InputStatistics:
     sq: torch.Tensor
     xtx: Optional[torch.Tensor] = None
     groups: int = 0  # 0: a Linear layer; else a convolution with this many groups
+    absolute: Optional[torch.Tensor] = None  # sum |x| per input column (None: statistics made without the data)
 
     @staticmethod
     def merge(a: "InputStatistics", b: "InputStatistics") -> "InputStatistics":
         """The statistics of both shards' inputs (sums add; ``a`` first, so a fixed order gives fixed bytes)."""
-        if (a.xtx is None) != (b.xtx is None) or a.sq.shape != b.sq.shape or a.groups != b.groups:
+        if ((a.xtx is None) != (b.xtx is None) or (a.absolute is None) != (b.absolute is None)
+                or a.sq.shape != b.sq.shape or a.groups != b.groups):
             raise ValueError("input statistics of different layers or kinds cannot be merged")
         return InputStatistics(a.count + b.count, a.sq + b.sq.to(a.sq.device),
-                               None if a.xtx is None else a.xtx + b.xtx.to(a.xtx.device), a.groups)
+                               None if a.xtx is None else a.xtx + b.xtx.to(a.xtx.device), a.groups,
+                               None if a.absolute is None else a.absolute + b.absolute.to(a.absolute.device))
 
     def mean_square(self) -> torch.Tensor:
         """``E[x²]`` per input column (float32)."""
         return (self.sq / max(self.count, 1)).to(torch.float32)
+
+    def mean_absolute(self) -> torch.Tensor:
+        """``E[|x|]`` per input column (float32)."""
+        return (self.absolute / max(self.count, 1)).to(torch.float32)
 
     def hessian(self) -> torch.Tensor:
         """``sum x xᵀ`` (float32): ``(in, in)``, or ``(groups, d, d)`` for a convolution."""
@@ -63,13 +70,13 @@ class InputStatistics:
 
 
 def _batch_sums(rows: torch.Tensor, hessian: bool):
-    """``(n, sum x² (groups·d,), sum x xᵀ (groups, d, d) or None)`` of one batch's ``rows`` ``(n, groups, d)``,
-    in float32."""
+    """``(n, sum x² (groups·d,), sum x xᵀ (groups, d, d) or None, sum |x| (groups·d,))`` of one batch's ``rows``
+    ``(n, groups, d)``, in float32."""
     n, g, d = rows.shape
     xtx = None
     if hessian:
         xtx = torch.einsum("ngi,ngj->gij", rows, rows) if g > 1 else _gram(rows[:, 0])[None]
-    return n, rows.square().sum(dim=0).reshape(-1), xtx
+    return n, rows.square().sum(dim=0).reshape(-1), xtx, rows.abs().sum(dim=0).reshape(-1)
 
 
 _PANEL = 192
@@ -105,8 +112,8 @@ class _SharedInput:
         if self.x is not x or (hessian and self.sums[2] is None):
             rows = x.detach().as_subclass(torch.Tensor).reshape(-1, 1, x.shape[-1]).to(torch.float32)
             self.x, self.sums = x, _batch_sums(rows, hessian)
-        n, sq, xtx = self.sums
-        return n, sq, xtx if hessian else None
+        n, sq, xtx, absolute = self.sums
+        return n, sq, xtx if hessian else None, absolute
 
 
 class _Collector:
@@ -117,6 +124,7 @@ class _Collector:
         self.groups = 0
         self.sq: Optional[torch.Tensor] = None
         self.xtx: Optional[torch.Tensor] = None
+        self.absolute: Optional[torch.Tensor] = None
 
     def __call__(self, module: nn.Module, args, kwargs) -> None:
         """A Linear's forward pre-hook."""
@@ -133,15 +141,17 @@ class _Collector:
         for rows in patch_rows(call):
             self._add(*_batch_sums(rows, self.hessian))
 
-    def _add(self, n: int, sq: torch.Tensor, xtx: Optional[torch.Tensor]) -> None:
+    def _add(self, n: int, sq: torch.Tensor, xtx: Optional[torch.Tensor], absolute: torch.Tensor) -> None:
         if self.sq is None:
             self.sq = torch.zeros(sq.shape, dtype=torch.float64, device=sq.device)
+            self.absolute = torch.zeros(sq.shape, dtype=torch.float64, device=sq.device)
             if self.hessian:
                 self.xtx = torch.zeros(xtx.shape, dtype=torch.float64, device=sq.device)
         self.count += n
         # each batch's sums in float32, accumulated in float64: adding float32 numbers in float64 is exact unless
         # they span ~2^29 in magnitude, so the total hardly ever depends on how batches are grouped (shards)
         self.sq += sq
+        self.absolute += absolute
         if self.hessian:
             self.xtx += xtx
 
@@ -149,7 +159,7 @@ class _Collector:
         if self.sq is None:
             return None
         xtx = self.xtx if self.xtx is None or self.groups else self.xtx[0]
-        return InputStatistics(self.count, self.sq, xtx, self.groups)
+        return InputStatistics(self.count, self.sq, xtx, self.groups, self.absolute)
 
 
 def collect_inputs(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module],
