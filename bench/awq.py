@@ -22,7 +22,7 @@ scored by the same code as qtool's rows. On a machine without an accelerator its
     .venv/bin/python bench/awq.py [--methods rtn,awq,gptq,awq+gptq,gptq-bounded,signround,awq+signround,llmc-awq]
         [--bits 4]
         [--block 64] [--symmetric] [--weighted] [--iterations 200] [--windows 32] [--llmc-python /tmp/llmc/bin/python]
-        [--objective layers|outputs] [--sequential]
+        [--grid 19] [--objective outputs|layers] [--sequential]
         [--model minilm]
         [--out bench/results/awq.json]
 
@@ -57,7 +57,7 @@ FP4 = {"nvfp4": ("block_size: 16, scale_dtype: fp8_e4m3", "NVFP4A16"),
 
 def _recipe(tmp: Path, method: str, bits: int, block: int, symmetric: bool, iterations: int,
             weighted: bool = False, element: Optional[str] = None, causal: bool = True,
-            objective: str = "layers") -> Path:
+            objective: str = "outputs", awq_grid: int = 19) -> Path:
     rounding, awq = METHODS[method]
     analyzer = "{name: mse, weighting: activations}" if weighted else "minmax"
     if rounding == "signround":
@@ -70,7 +70,8 @@ defaults:
   weights: {{{grid},
              analyzer: {analyzer}, rounding: {rounding}}}
   activations: null
-""" + ('ignore: ["lm_head", "re:.*embed_tokens"]\n' if causal else "") + (f"awq: {{grid: 20, objective: {objective}}}\n" if awq else ""))
+""" + ('ignore: ["lm_head", "re:.*embed_tokens"]\n' if causal else "")
+                    + (f"awq: {{grid: {awq_grid}, objective: {objective}}}\n" if awq else ""))
     return path
 
 
@@ -145,7 +146,7 @@ def _qtool_run(method: str, ckpt, tmp: Path, args):
 
     minilm = args.model == "minilm"
     recipe = _recipe(tmp, method, args.bits, args.block, args.symmetric, args.iterations, args.weighted,
-                     args.element, causal=not minilm, objective=args.objective)
+                     args.element, causal=not minilm, objective=args.objective, awq_grid=args.grid)
     out = tmp / f"run-{method.replace('+', '-')}"
     cost = _run_child([sys.executable, __file__, "--child", ckpt, recipe, tmp / "calib.txt", out,
                        128 if minilm else 256, 0 if minilm else args.windows, int(args.sequential)])
@@ -209,7 +210,10 @@ def main(argv=None):
     ap.add_argument("--llmc-python", default="/tmp/llmc/bin/python",
                     help="the interpreter of llm-compressor's own venv (the llmc-awq row)")
     ap.add_argument("--out", default=str(REPO / "bench/results/awq.json"))
-    ap.add_argument("--objective", choices=("layers", "outputs"), default="layers",
+    ap.add_argument("--grid", type=int, default=19,
+                    help="AWQ's ratios (awq: {grid: N}); 19 is llm-compressor's n_grid=20 candidate set, which the "
+                         "llmc-awq row searches")
+    ap.add_argument("--objective", choices=("layers", "outputs"), default="outputs",
                     help="AWQ's objective (awq: {objective: ...}): the balance layers' output error from XᵀX, or "
                          "the parent module's (attention, MLP) output error on the data, as llm-compressor scores")
     ap.add_argument("--sequential", action="store_true", help="calibrate every row block by block")
@@ -272,7 +276,7 @@ def _scheme(args) -> str:
     kind = "symmetric" if args.symmetric else "asymmetric"
     grid = ", weighted MSE ranges" if args.weighted else ", min-max ranges"
     return ((f"{args.element}a16" if args.element else f"int{args.bits} {kind}, blocks of {args.block}") + grid
-            + f", AWQ objective {args.objective}" + (", --sequential" if args.sequential else ""))
+            + f", AWQ grid {args.grid}, objective {args.objective}" + (", --sequential" if args.sequential else ""))
 
 
 def _minilm(args) -> None:

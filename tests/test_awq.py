@@ -128,7 +128,7 @@ def test_quantize_writes_the_folded_weights_and_records_the_search(model, tmp_pa
     assert code == 0, err
     manifest = json.loads((tmp_path / "out" / "calibration" / "manifest.json").read_text())
     awq = manifest["awq"]
-    assert awq["grid"] == 10 and awq["duo_scaling"] is True and awq["objective"] == "layers"
+    assert awq["grid"] == 10 and awq["duo_scaling"] is True and awq["objective"] == "outputs"
     assert len(awq["groups"]) == 6
     assert "model.layers.0.input_layernorm.weight" in awq["replaced"] or awq["groups"][0]["ratio"] is None
     # the directory transformers loads holds the folded floats and their codes: it computes the fake-quant model
@@ -294,8 +294,8 @@ def test_a_search_weighted_by_activations_scores_each_candidate_with_its_scaled_
     assert len(seen) == 3 * 5  # q, k, v: unscaled, then 4 ratios
     assert all(torch.equal(imp, ms) for imp in seen[:3])
     m_w = weight_magnitude([modules[n].weight for n in group.balance], [32] * 3)
-    # the third ratio of 4 (0, 0.25, 0.5, 0.75), from each channel's mean magnitude E|x| (AWQ's m_x)
-    s = ratio_scales(stats.mean_absolute(), m_w, 0.5)
+    # the third ratio of 4 (0, 1/3, 2/3, 1), from each channel's mean magnitude E|x| (AWQ's m_x)
+    s = ratio_scales(stats.mean_absolute(), m_w, 2 / 3)
     torch.testing.assert_close(seen[3 * 3], ms / s.square(), rtol=1e-6, atol=0)
     unweighted = resolve_plan(load_recipe(_recipe(tmp_path)), net, "awq.yaml")
     seen.clear()

@@ -9,24 +9,28 @@ ratio ``r`` is ``s = m_x^r / (m_w^(1-r) + 1e-4)`` (``duo_scaling``; ``m_x^r`` wi
 divided by ``sqrt(max s · min s)``: ``m_x`` is the channel's mean magnitude over the calibration data (``E|x|``,
 as AWQ's authors and llm-compressor take it; the RMS, which outliers pull up further, measured worse on
 SmolLM2: docs/accuracy.md), ``m_w`` the mean over the balance rows of ``|W| / max |W|`` within each value's
-quantization block. ``r`` runs over
-``grid`` points in [0, 1), and no scaling is a candidate too, so the chosen one is never worse than plain
-rounding on the objective: the balance layers' output error with their weights quantized as the plan says,
+quantization block. ``r`` runs over ``grid`` points spread over [0, 1] (``grid: 19`` is llm-compressor's
+``n_grid=20``, whose 20th candidate is no scaling), and no scaling is a candidate too, so the chosen one is never
+worse than plain rounding on the objective. Each candidate's weights are ``Q_b(W_b diag(s))
+diag(s)⁻¹``: ``Q_b`` is the row's own quantizer (any grid: int, float element, GGUF type) calibrated on the
+scaled weight; a search weighted by activations (``weighting: activations`` / ``activations_magnitude``) gets the
+importance the scaled layer's inputs will have, ``E[x²] / s²`` from the group input's statistics, as the weights'
+calibration after the fold computes it.
+
+``objective: outputs`` (the default) scores the candidates as AWQ's authors and llm-compressor do: the squared
+error of the group's parent module's output (the balance layers' lowest common ancestor: the attention for
+q/k/v, the MLP for gate/up, the layer itself for a lone balance Linear) over the calibration batches, with the
+balance weights quantized and the rest of the parent float. It sees what the linear objective cannot (the
+softmax after q and k, the gate after gate_proj); it costs a forward of the parent per candidate and batch. Each
+batch's error is a float64 sum, gathered from every rank and added in batch order, so ranks choose what one
+process chooses.
+
+``objective: layers`` scores them by the balance layers' own output error,
 
     sum_b tr(ΔW_b XᵀX ΔW_bᵀ),   ΔW_b = Q_b(W_b diag(s)) diag(s)⁻¹ - W_b,
 
 exact from the group input's statistics (``rounding.statistics``: ``XᵀX`` sums, which merge by addition, so
 every rank of a distributed run chooses the same scales).
-
-``objective: outputs`` scores the candidates instead as AWQ's authors and llm-compressor do: the squared error of
-the group's parent module's output (the balance layers' lowest common ancestor: the attention for q/k/v, the MLP
-for gate/up, the layer itself for a lone balance Linear) over the calibration batches, with the balance weights
-quantized and the rest of the parent float. It sees what the linear objective cannot (the softmax after q and k,
-the gate after gate_proj); it costs a forward of the parent per candidate and batch. Each batch's error is a
-float64 sum, gathered from every rank and added in batch order, so ranks choose what one process chooses. ``Q_b`` is the row's own quantizer (any grid: int,
-float element, GGUF type) calibrated on the scaled weight; a search weighted by activations (``weighting:
-activations`` / ``activations_magnitude``) gets the importance the scaled layer's inputs will have, ``E[x²] / s²``
-from the same statistics, as the weights' calibration after the fold computes it.
 """
 
 from __future__ import annotations
@@ -125,7 +129,7 @@ def search_scales(group: SmoothGroup, modules: Dict[str, nn.Module], stats: Inpu
     plain = error(None)
     best: Tuple[float, Optional[float], Optional[torch.Tensor]] = (plain, None, None)
     for i in range(grid):
-        ratio = i / grid
+        ratio = i / (grid - 1)
         s = ratio_scales(m_x, m_w, ratio, duo_scaling)
         e = error(s)
         if e < best[0]:

@@ -170,7 +170,7 @@ class AwqPlan:
     groups: Tuple[SmoothGroup, ...]
     grid: int = 20
     duo_scaling: bool = True
-    objective: str = "layers"  # or "outputs": each group's parent module's output error (qtool.calibration.awq)
+    objective: str = "outputs"  # each group's parent module's output error, or "layers" (qtool.calibration.awq)
     chosen: List[Dict[str, Any]] = field(default_factory=list)
 
 

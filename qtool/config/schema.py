@@ -346,17 +346,17 @@ class AwqSpec(BaseModel):
     """``awq: {grid: 20}``: AWQ (activation-aware weight quantization) before the weights calibrate. Per mapping
     (the same pairings as SmoothQuant's: a norm or Linear feeding balance Linears), a per-input-channel scale
     ``s = m_x^r / m_w^(1 - r)`` (``duo_scaling``; ``m_x^r`` without it) moves weight magnitude where the
-    activations are large; ``r`` is searched over ``grid`` points in [0, 1), and no scaling, for the least output
-    error of the balance layers quantized as the recipe says (``objective: layers``, from the inputs' ``XᵀX``) or
-    of the module that holds them (``outputs``: the attention for q/k/v, the MLP for gate/up, run on the data for
-    every candidate, as AWQ's authors and llm-compressor score them). The smooth module absorbs ``1/s``: the float
-    model is unchanged and the exported files need nothing new (qtool.calibration.awq). ``mappings`` default to
-    the model family's."""
+    activations are large; ``r`` is searched over ``grid`` points spread over [0, 1], and no scaling, for the
+    least output error of the module that holds the balance layers quantized as the recipe says (``objective:
+    outputs``, the default: the attention for q/k/v, the MLP for gate/up, run on the data for every candidate, as
+    AWQ's authors and llm-compressor score them) or of the balance layers alone (``layers``: from their inputs'
+    ``XᵀX``). The smooth module absorbs ``1/s``: the float model is unchanged and the exported files need nothing
+    new (qtool.calibration.awq). ``mappings`` default to the model family's."""
 
     model_config = ConfigDict(extra="forbid")
     grid: int = Field(20, ge=2, le=100)
     duo_scaling: StrictBool = True
-    objective: Literal["layers", "outputs"] = "layers"
+    objective: Literal["layers", "outputs"] = "outputs"
     mappings: Optional[List[SmoothMapping]] = None
 
 
