@@ -315,3 +315,11 @@ def test_awq_on_a_family_without_default_mappings_asks_for_awq_mappings():
         net = transformers.AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(ConfigError, match=r"awq: gpt-oss's norms feed its routers .* give awq\.mappings"):
         resolve_plan(parse_recipe(AWQ % ("", "")), net, "awq.yaml")
+
+
+def test_the_defaults_are_llm_compressors_candidates_scored_on_the_parent_modules_output():
+    """``awq: {}``: 19 ratios over [0, 1] plus no scaling (llm-compressor's ``n_grid=20``), ``objective: outputs``."""
+    from qtool.config.schema import AwqSpec
+
+    spec = AwqSpec()
+    assert (spec.grid, spec.duo_scaling, spec.objective) == (19, True, "outputs")

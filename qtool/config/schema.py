@@ -343,7 +343,7 @@ class SmoothQuantSpec(BaseModel):
 
 
 class AwqSpec(BaseModel):
-    """``awq: {grid: 20}``: AWQ (activation-aware weight quantization) before the weights calibrate. Per mapping
+    """``awq: {grid: 19}``: AWQ (activation-aware weight quantization) before the weights calibrate. Per mapping
     (the same pairings as SmoothQuant's: a norm or Linear feeding balance Linears), a per-input-channel scale
     ``s = m_x^r / m_w^(1 - r)`` (``duo_scaling``; ``m_x^r`` without it) moves weight magnitude where the
     activations are large; ``r`` is searched over ``grid`` points spread over [0, 1], and no scaling, for the
@@ -354,7 +354,7 @@ class AwqSpec(BaseModel):
     new (qtool.calibration.awq). ``mappings`` default to the model family's."""
 
     model_config = ConfigDict(extra="forbid")
-    grid: int = Field(20, ge=2, le=100)
+    grid: int = Field(19, ge=2, le=100)  # llm-compressor's n_grid=20 candidates: a comparison gets its choices
     duo_scaling: StrictBool = True
     objective: Literal["layers", "outputs"] = "outputs"
     mappings: Optional[List[SmoothMapping]] = None
