@@ -43,7 +43,7 @@ from torch import nn
 from ..choices import weighs_activations
 from ..config import AwqPlan, QuantizerPlan, SmoothGroup
 from ..hooks import step
-from .base import encodings_of
+from .base import encodings_of, first_tensor
 from .rounding.statistics import InputStatistics
 from .smoothing import fold_scales
 
@@ -174,10 +174,6 @@ class _Captured(Exception):
     """Raised once the parent's inputs are recorded: the rest of the batch's forward is not needed."""
 
 
-def _first(out) -> torch.Tensor:
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
 def output_objective(group: SmoothGroup, modules: Dict[str, nn.Module], batches: Sequence[Callable[[], object]],
                      ranks) -> Objective:
     """The objective of ``objective: outputs`` for ``group``: the parent module's inputs are recorded on each of
@@ -204,7 +200,7 @@ def output_objective(group: SmoothGroup, modules: Dict[str, nn.Module], batches:
                 pass
     finally:
         handle.remove()
-    floats = [_first(parent(*a, **k)).detach().to(torch.float32) for _, a, k in calls]
+    floats = [first_tensor(parent(*a, **k)).detach().to(torch.float32) for _, a, k in calls]
 
     def error(weights: Dict[str, torch.Tensor]) -> float:
         params = {n: modules[n]._parameters["weight"] for n in weights}
@@ -212,8 +208,8 @@ def output_objective(group: SmoothGroup, modules: Dict[str, nn.Module], batches:
         try:  # (the float parameter itself: the model's quantizers are off or not yet inserted while AWQ runs)
             for n, p in params.items():
                 p.data = weights[n].to(p.dtype)
-            local = [((ranks.rank, j), float((_first(parent(*a, **k)).to(torch.float32) - ref).double().square()
-                                             .sum())) for (j, a, k), ref in zip(calls, floats)]
+            local = [((ranks.rank, j), float((first_tensor(parent(*a, **k)).to(torch.float32) - ref).double()
+                                             .square().sum())) for (j, a, k), ref in zip(calls, floats)]
         finally:
             for n, p in params.items():
                 p.data = saved[n]

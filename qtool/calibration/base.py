@@ -18,7 +18,15 @@ from ..hooks import step
 from ..quant import QuantizerBase
 from ..quant.affine import UnrepresentableScale
 
-__all__ = ["calibrate_weights", "calibrate_activations", "encodings_of"]
+__all__ = ["calibrate_weights", "calibrate_activations", "encodings_of", "first_tensor"]
+
+
+def first_tensor(out) -> torch.Tensor:
+    """A module's (first) output tensor: the tensor itself, or the first one of a tuple, list or dict output."""
+    if isinstance(out, torch.Tensor):
+        return out
+    values = out.values() if isinstance(out, dict) else out
+    return next(v for v in values if isinstance(v, torch.Tensor))
 
 
 @contextlib.contextmanager

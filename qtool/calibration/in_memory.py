@@ -13,6 +13,7 @@ from ..errors import DataError, UsageError
 from ..model.insert import set_quantization
 from ..parallel import Group
 from ..quant import QuantizerBase
+from .base import first_tensor
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_absmax, merge_inputs, shard
 from .folding import adjacent_pairs, fold_batch_norm
 from .rotation import rotate
@@ -124,16 +125,9 @@ def calibrate(
     return CalibrationResult(unused, codes, replaced)
 
 
-def _first_tensor(out) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    values = out.values() if isinstance(out, dict) else out
-    return next(v for v in values if isinstance(v, torch.Tensor))
-
-
 def _output(model: nn.Module, batch) -> torch.Tensor:
     """The model's (first) output on ``batch``, detached: what the float-equivalence checks compare."""
-    return _first_tensor(model(*batch.args, **batch.kwargs)).detach()
+    return first_tensor(model(*batch.args, **batch.kwargs)).detach()
 
 
 def _relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
@@ -150,7 +144,7 @@ def _fold(model: nn.Module, plan: Plan, modules, data: CalibrationData, device) 
     outputs = []  # the pairs are checked on the same call that gives the outputs before folding
     confirmed, refused = adjacent_pairs(plan.folds, modules,
                                         lambda: outputs.append(model(*first.args, **first.kwargs)))
-    before = _first_tensor(outputs[0]).detach()
+    before = first_tensor(outputs[0]).detach()
     for f in refused:
         plan.warnings.append(f"fold_batch_norms: {f.bn} does not take {f.conv}'s output as its input; not folded")
     plan.folds = confirmed
