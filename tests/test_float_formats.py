@@ -9,6 +9,7 @@ import json
 import math
 import warnings
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ from qtool.errors import ConfigError
 from qtool.model.insert import _fake_quant_weight, iter_quantizers
 from qtool.pipeline import CalibrateOptions, run_calibrate
 from qtool.quant.floatgrid import (ELEMENTS, e2m1_codes, e2m1_values, encoding_scales, float_dequantize,
-                                   float_quantize, float_quantize_dequantize, round_to_e2m1)
+                                   float_quantize, float_quantize_dequantize, float_scales, global_scale,
+                                   round_to_e2m1)
 from tests.helpers import run_cli, tiny_llama
 
 ct = pytest.importorskip("compressed_tensors")
@@ -497,6 +499,48 @@ def test_scale_search_is_never_worse_than_minmax(element, scale_dtype, block, se
     if scale_dtype == "fp8_e4m3":  # the stored maxima derive the global scale the search used
         assert torch.equal(chosen.max(), amax.max())
     assert (err(chosen) <= err(amax)).all()
+
+
+def _search_every_candidate(rows, amax, element, scale_dtype, ratios, weights):
+    """search_amax's definition, candidate by candidate over every row: the first ratio (widest) of least error."""
+    gscale = global_scale(amax, element) if scale_dtype == "fp8_e4m3" else None
+    pinned = amax == amax.max() if gscale is not None else torch.zeros_like(amax, dtype=torch.bool)
+    best, best_err = amax.clone(), None
+    for r in ratios:
+        a = torch.where(pinned, amax, amax * r)
+        eff = float_scales(a, element, scale_dtype, gscale)[1][:, None]
+        d = (element.round(torch.clamp(rows / eff, -element.max, element.max)) * eff - rows) ** 2
+        err = (d if weights is None else d * weights).sum(1)
+        if best_err is not None:
+            best = torch.where(err < best_err, a, best)
+        best_err = err if best_err is None else torch.minimum(err, best_err)
+    return best
+
+
+@pytest.mark.parametrize("element, scale_dtype, width", [(FP4, "e8m0", 32), (FP4, "fp8_e4m3", 16),
+                                                         (FP8, "float32", 32), (FP4, "e8m0", 200)])
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2 ** 31 - 1), weighted=st.booleans(), n=st.integers(1, 1500),
+       candidates=st.sampled_from([1, 2, 7, 81]))
+def test_the_scale_search_picks_what_trying_every_candidate_on_every_row_picks(element, scale_dtype, width, seed,
+                                                                               weighted, n, candidates):
+    """search_amax evaluates only the candidates whose representable scale moved, in chunks of rows
+    (``_SEARCH_TABLE``, ``_SEARCH_VALUES`` made small here so that several chunks run): the same bits."""
+    from qtool.quant import floatgrid
+
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(n, width, generator=g) * torch.rand(n, 1, generator=g).pow(3) * 10
+    rows[torch.rand(n, width, generator=g) < 0.2] = 0
+    rows[torch.rand(n, generator=g) < 0.05] = 0  # whole zero rows
+    w = torch.rand(n, width, generator=g) if weighted else None
+    amax = rows.abs().amax(1)
+    ratios = (1 - 0.8 * torch.arange(candidates, dtype=torch.float32) / max(candidates - 1, 1)).tolist()
+    expected = _search_every_candidate(rows, amax, element, scale_dtype, ratios, w)
+    with patch.object(floatgrid, "_SEARCH_TABLE", 1000), patch.object(floatgrid, "_SEARCH_VALUES", 3000):
+        chunked = floatgrid.search_amax(rows, amax, element, scale_dtype, ratios, w)
+    assert torch.equal(chunked.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(floatgrid.search_amax(rows, amax, element, scale_dtype, ratios, w).view(torch.int32),
+                       expected.view(torch.int32))
 
 
 def test_fp8_block_tiles_reload_with_qtools_logits(tmp_path, ids):

@@ -61,6 +61,8 @@ __all__ = [
 _F32_EPS = float(torch.finfo(torch.float32).eps)
 _FP8_MAX = 448.0
 _FP8_SCALE_EPS = 0.125  # compressed-tensors' replacement for a zero FP8 block scale
+_SEARCH_TABLE = 1 << 21  # candidate scales tabled at once by search_amax (candidates x rows)
+_SEARCH_VALUES = 1 << 20  # values it evaluates at once
 
 
 @dataclass(frozen=True)
@@ -231,32 +233,39 @@ def search_amax(rows: torch.Tensor, amax: torch.Tensor, element: FloatElement, s
     ``ratio · amax`` whose *representable* scales give the least (``weights``-weighted) squared error of the
     fake-quantized values; the widest wins ties, and ``ratio = 1`` (min-max) is always a candidate, so the error is
     never above min-max's. With fp8_e4m3 block scales the global scale stays the unclipped tensor's (the rows
-    holding the tensor's maximum keep it), so what is stored derives the global scale the search used."""
+    holding the tensor's maximum keep it), so what is stored derives the global scale the search used.
+
+    A representable scale changes in steps (E8M0: powers of two, FP8: 8 per octave), so of a row's candidates only
+    those whose scale differs from the previous candidate's can change its error: every candidate's scale is
+    computed at once, and only those (a few per row, not ``len(ratios)``) are evaluated, in chunks of rows."""
     rows = rows.to(torch.float32)
     amax = amax.to(torch.float32).reshape(-1)
     gscale = global_scale(amax, element) if scale_dtype == "fp8_e4m3" else None
     pinned = amax == amax.max() if gscale is not None else torch.zeros_like(amax, dtype=torch.bool)
-    best, best_err, last = amax.clone(), None, None
-    for r in ratios:
-        a = torch.where(pinned, amax, amax * float(r))
+    ratio = torch.tensor([float(r) for r in ratios], dtype=torch.float32, device=amax.device)[:, None]
+    best = amax.clone()
+    per = max(1, _SEARCH_VALUES // max(rows.shape[1], 1))  # candidate rows evaluated at once
+    step = max(1, _SEARCH_TABLE // len(ratios))  # rows whose candidates' scales are tabled at once
+    for lo in range(0, amax.numel(), step):
+        hi = min(lo + step, amax.numel())
+        a = torch.where(pinned[None, lo:hi], amax[None, lo:hi], amax[None, lo:hi] * ratio)  # (candidates, rows)
         eff = float_scales(a, element, scale_dtype, gscale)[1]
-        # a representable scale changes in steps (E8M0: powers of two, FP8: 8 per octave): only rows whose scale
-        # moved since the last candidate can change their error, so only they are evaluated
-        idx = None if last is None else torch.nonzero(eff != last).reshape(-1)
-        last = eff
-        if idx is not None and idx.numel() == 0:
-            continue
-        sub = rows if idx is None else rows[idx]
-        s = (eff if idx is None else eff[idx])[:, None]
-        d = element.round(torch.clamp(sub / s, -element.max, element.max)) * s - sub
-        d = d * d if weights is None else d * d * (weights if idx is None else weights[idx])
-        err = d.sum(dim=1)
-        if best_err is None:
-            best_err = err
-            continue
-        better = err < best_err[idx]
-        best[idx] = torch.where(better, a[idx], best[idx])
-        best_err[idx] = torch.where(better, err, best_err[idx])
+        moved = torch.ones_like(eff, dtype=torch.bool)
+        moved[1:] = eff[1:] != eff[:-1]
+        cands, idx = torch.nonzero(moved, as_tuple=True)
+        err = torch.full_like(eff, math.inf)
+        for p in range(0, cands.numel(), per):
+            c, i = cands[p:p + per], idx[p:p + per]
+            sub = rows[lo + i]
+            s = eff[c, i][:, None]
+            d = element.round(torch.clamp(sub / s, -element.max, element.max)) * s - sub
+            d = d * d if weights is None else d * d * weights[lo + i]
+            err[c, i] = d.sum(dim=1)
+        # the first candidate's error is the bar (a NaN one is never beaten), a later one wins only below it
+        err[0] = torch.nan_to_num(err[0], nan=-math.inf)
+        err[1:] = torch.nan_to_num(err[1:], nan=math.inf)
+        pick = torch.argmin(err, dim=0)  # the first of equal errors: the widest
+        best[lo:hi] = torch.where(pick == 0, amax[lo:hi], a.gather(0, pick[None])[0])
     return best
 
 
