@@ -153,12 +153,13 @@ def main(argv=None):
                     help="GPTQ keeps each code at one of the two grid levels around its float weight (gptq and "
                          "weighted-gptq rows)")
     ap.add_argument("--awq", action="store_true",
-                    help="AWQ's scales (awq: {grid: 20}) folded before every data row's weights calibrate")
+                    help="AWQ's scales (awq: {}, its defaults: grid 19, objective outputs) folded before every data "
+                         "row's weights calibrate")
     ap.add_argument("--out", default=str(REPO / "bench/results/gguf_kquants.json"))
     args = ap.parse_args(argv)
     gptq = {"name": "gptq", **({} if args.dampening is None else {"dampening": args.dampening}),
             **({"bounded": True} if args.bounded else {})}  # the gptq rows' rounding, as a recipe writes it
-    awq = {"grid": 20} if args.awq else None  # the data rows' awq: section, as a recipe writes it
+    awq = {} if args.awq else None  # the data rows' awq: section, as a recipe writes it (the defaults)
 
     import transformers
 
@@ -229,7 +230,7 @@ def main(argv=None):
                     spec["defaults"]["weights"]["rounding"] = gptq
                     recipe = tmp / f"gguf-{mix}-gptq-params.yaml"
                     recipe.write_text(yaml.safe_dump(spec))
-                if awq:
+                if awq is not None:
                     spec = yaml.safe_load(recipe.read_text())
                     spec["awq"] = awq
                     recipe = tmp / f"{recipe.stem}-awq.yaml"
@@ -240,10 +241,10 @@ def main(argv=None):
                 row[key] = {"perplexity": ppl_q, "increase_pct": increase(ppl_q), "seconds": secs}
                 if method in ("gptq", "weighted-gptq"):
                     row[key]["gptq"] = gptq
-                if awq:
+                if awq is not None:
                     row[key]["awq"] = awq
-                print(f"{mix:8s} qtool {method + ('+awq' if awq else ''):13s} {shown(row[key])}  ({secs:.0f} s)",
-                      flush=True)
+                label = method + ("+awq" if awq is not None else "")
+                print(f"{mix:8s} qtool {label:13s} {shown(row[key])}  ({secs:.0f} s)", flush=True)
             types_n = types
             if args.data_only:
                 rows.append(row)

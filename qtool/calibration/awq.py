@@ -203,16 +203,11 @@ def output_objective(group: SmoothGroup, modules: Dict[str, nn.Module], batches:
     floats = [first_tensor(parent(*a, **k)).detach().to(torch.float32) for _, a, k in calls]
 
     def error(weights: Dict[str, torch.Tensor]) -> float:
-        params = {n: modules[n]._parameters["weight"] for n in weights}
-        saved = {n: p.data for n, p in params.items()}
-        try:  # (the float parameter itself: the model's quantizers are off or not yet inserted while AWQ runs)
-            for n, p in params.items():
-                p.data = weights[n].to(p.dtype)
+        from ..model.insert import computing_with
+
+        with computing_with({modules[n]: w for n, w in weights.items()}):
             local = [((ranks.rank, j), float((first_tensor(parent(*a, **k)).to(torch.float32) - ref).double()
                                              .square().sum())) for (j, a, k), ref in zip(calls, floats)]
-        finally:
-            for n, p in params.items():
-                p.data = saved[n]
         errors = dict(e for part in ranks.all_gather(local) for e in part)
         return sum(errors[key] for key in sorted(errors))  # in batch order: the same sum on every rank
 

@@ -127,18 +127,20 @@ def fake_quant_weight(module: nn.Module) -> Optional[torch.Tensor]:
 @contextlib.contextmanager
 def computing_with(weights: Dict[nn.Module, Optional[torch.Tensor]]):
     """Inside the block each module computes with the given weight (None: its float weight) in place of its own
-    (fake-quant or float) one, whether or not it has a weight quantizer; all is restored after."""
+    (fake-quant or float) one, whether or not it has a weight quantizer and whether or not that is switched on
+    (AWQ scores candidates with the quantizers off); all is restored after."""
     saved = []
     try:
         for mod, w in weights.items():
             qs = getattr(mod, _ATTR, None)
             value = mod._parameters["weight"] if w is None else w
-            if isinstance(qs, nn.ModuleDict) and "weight" in qs:  # the stored slot wins while quantized
+            if isinstance(qs, nn.ModuleDict) and "weight" in qs and qs["weight"].enabled:  # the stored slot wins
                 saved.append((mod, True, mod.__dict__.get(_STORED)))
                 mod.__dict__[_STORED] = value
             else:
                 saved.append((mod, False, mod._parameters["weight"].data))
-                mod._parameters["weight"].data = value.to(mod._parameters["weight"].dtype)
+                if w is not None:
+                    mod._parameters["weight"].data = w.to(mod._parameters["weight"].dtype)
         yield
     finally:
         for mod, stored_slot, old in reversed(saved):
