@@ -122,6 +122,11 @@ SMOLLM_FLOAT = {
                                                      {"weights": None, "activations": {"scale_dtype": "float32"}}),
     "NVFP4 W4A4 + smoothquant 0.8, gptq + weighted mse": ("configs/nvfp4.yaml",
                                                          {**GPTQ_WEIGHTED, "smoothquant": {"alpha": 0.8}}),
+    # what limits MXFP4 weights: the power-of-two block scales (exact float32 ones instead), the block of 32
+    "MXFP4 weights, A16, gptq + weighted mse, float32 block scales (sequential)": (
+        "configs/mxfp4a16-gptq.yaml", {"weights": {"scale_dtype": "float32"}}, SEQUENTIAL),
+    "MXFP4 weights, A16, gptq + weighted mse, blocks of 16 (sequential)": (
+        "configs/mxfp4a16-gptq.yaml", {"weights": {"block_size": 16}}, SEQUENTIAL),
 }
 MINILM_FLOAT = {
     "FP8 W8A8 dynamic per-token (fp8-dynamic.yaml)": ("configs/fp8-dynamic.yaml", None),
