@@ -43,6 +43,7 @@ from torch import nn
 from ..choices import weighs_activations
 from ..config import AwqPlan, QuantizerPlan, SmoothGroup
 from ..hooks import step
+from ..model.insert import computing_with, make_quantizer
 from .base import encodings_of, first_tensor
 from .rounding.statistics import InputStatistics
 from .smoothing import fold_scales
@@ -79,8 +80,6 @@ def ratio_scales(m_x: torch.Tensor, m_w: torch.Tensor, ratio: float, duo_scaling
 def _fake_quant(row: QuantizerPlan, weight: torch.Tensor, importance: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``weight`` through a fresh quantizer of ``row`` calibrated on it (what the row's weight calibration gives;
     ``importance``: its inputs' ``E[x²]``, broadcastable to the weight, for a search weighted by activations)."""
-    from ..model.insert import make_quantizer
-
     quantizer = make_quantizer(row, weight.device)
     with encodings_of(row, quantizer):
         quantizer.observe(weight, importance=importance)
@@ -203,8 +202,6 @@ def output_objective(group: SmoothGroup, modules: Dict[str, nn.Module], batches:
     floats = [first_tensor(parent(*a, **k)).detach().to(torch.float32) for _, a, k in calls]
 
     def error(weights: Dict[str, torch.Tensor]) -> float:
-        from ..model.insert import computing_with
-
         with computing_with({modules[n]: w for n, w in weights.items()}):
             local = [((ranks.rank, j), float((first_tensor(parent(*a, **k)).to(torch.float32) - ref).double()
                                              .square().sum())) for (j, a, k), ref in zip(calls, floats)]

@@ -168,9 +168,9 @@ class AwqPlan:
     manifest's record: smooth module, ratio, the balance layers' output error before and after)."""
 
     groups: Tuple[SmoothGroup, ...]
-    grid: int = 19
-    duo_scaling: bool = True
-    objective: str = "outputs"  # each group's parent module's output error, or "layers" (qtool.calibration.awq)
+    grid: int  # (the defaults are AwqSpec's, in one place)
+    duo_scaling: bool
+    objective: str  # "outputs": each group's parent module's output error, or "layers" (qtool.calibration.awq)
     chosen: List[Dict[str, Any]] = field(default_factory=list)
 
 

@@ -240,6 +240,8 @@ def search_amax(rows: torch.Tensor, amax: torch.Tensor, element: FloatElement, s
     computed at once, and only those (a few per row, not ``len(ratios)``) are evaluated, in chunks of rows."""
     rows = rows.to(torch.float32)
     amax = amax.to(torch.float32).reshape(-1)
+    if not len(ratios):
+        return amax.clone()
     gscale = global_scale(amax, element) if scale_dtype == "fp8_e4m3" else None
     pinned = amax == amax.max() if gscale is not None else torch.zeros_like(amax, dtype=torch.bool)
     ratio = torch.tensor([float(r) for r in ratios], dtype=torch.float32, device=amax.device)[:, None]
