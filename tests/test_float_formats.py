@@ -541,6 +541,7 @@ def test_the_scale_search_picks_what_trying_every_candidate_on_every_row_picks(e
     assert torch.equal(chunked.view(torch.int32), expected.view(torch.int32))
     assert torch.equal(floatgrid.search_amax(rows, amax, element, scale_dtype, ratios, w).view(torch.int32),
                        expected.view(torch.int32))
+    assert torch.equal(floatgrid.search_amax(rows, amax, element, scale_dtype, [], w), amax)  # nothing to try
 
 
 def test_fp8_block_tiles_reload_with_qtools_logits(tmp_path, ids):
