@@ -22,7 +22,7 @@ scored by the same code as qtool's rows. On a machine without an accelerator its
     .venv/bin/python bench/awq.py [--methods rtn,awq,gptq,awq+gptq,gptq-bounded,signround,awq+signround,llmc-awq]
         [--bits 4]
         [--block 64] [--symmetric] [--weighted] [--iterations 200] [--windows 32] [--llmc-python /tmp/llmc/bin/python]
-        [--grid 19] [--objective outputs|layers] [--sequential]
+        [--grid 19] [--objective outputs|layers] [--sequential] [--shrinkage S] [--selection]
         [--model minilm]
         [--out bench/results/awq.json]
 
@@ -57,8 +57,11 @@ FP4 = {"nvfp4": ("block_size: 16, scale_dtype: fp8_e4m3", "NVFP4A16"),
 
 def _recipe(tmp: Path, method: str, bits: int, block: int, symmetric: bool, iterations: int,
             weighted: bool = False, element: Optional[str] = None, causal: bool = True,
-            objective: str = "outputs", awq_grid: int = 19) -> Path:
+            objective: str = "outputs", awq_grid: int = 19, shrinkage: Optional[float] = None) -> Path:
     rounding, awq = METHODS[method]
+    if shrinkage is not None and "gptq" in rounding:  # GPTQ's Hessian shrunk toward its diagonal
+        rounding = ("{name: gptq, bounded: true, " if "bounded" in rounding else "{name: gptq, ") + \
+            f"shrinkage: {shrinkage}}}"
     analyzer = "{name: mse, weighting: activations}" if weighted else "minmax"
     if rounding == "signround":
         rounding = f"{{name: signround, iterations: {iterations}}}"
@@ -146,7 +149,8 @@ def _qtool_run(method: str, ckpt, tmp: Path, args):
 
     minilm = args.model == "minilm"
     recipe = _recipe(tmp, method, args.bits, args.block, args.symmetric, args.iterations, args.weighted,
-                     args.element, causal=not minilm, objective=args.objective, awq_grid=args.grid)
+                     args.element, causal=not minilm, objective=args.objective, awq_grid=args.grid,
+                     shrinkage=args.shrinkage)
     out = tmp / f"run-{method.replace('+', '-')}"
     cost = _run_child([sys.executable, __file__, "--child", ckpt, recipe, tmp / "calib.txt", out,
                        128 if minilm else 256, 0 if minilm else args.windows, int(args.sequential)])
@@ -217,6 +221,10 @@ def main(argv=None):
                     help="AWQ's objective (awq: {objective: ...}): the balance layers' output error from XᵀX, or "
                          "the parent module's (attention, MLP) output error on the data, as llm-compressor scores")
     ap.add_argument("--sequential", action="store_true", help="calibrate every row block by block")
+    ap.add_argument("--shrinkage", type=float, default=None,
+                    help="GPTQ rows: the Hessian shrunk toward its diagonal (rounding: {name: gptq, shrinkage: S})")
+    ap.add_argument("--selection", action="store_true",
+                    help="also score IDLE's notes (bench/texts.py), the text a sweep chooses a setting on")
     ap.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     ap.add_argument("--llmc-child", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -245,6 +253,10 @@ def main(argv=None):
     _, held = held_out_texts(tmp)  # writes calib.txt, which the runs read
     loaded = load_model(ckpt)
     texts = {name: windows(path, loaded.tokenizer, 12) for name, path in held.items()}
+    if args.selection:
+        from texts import SELECTION, selection_text
+
+        texts[SELECTION] = windows(selection_text(tmp), loaded.tokenizer, 12)
     floats = {name: _perplexity(loaded.model, b)[0] for name, b in texts.items()}
     del loaded
     result = {"model": "SmolLM2-135M-Instruct", "scheme": _scheme(args),
@@ -276,7 +288,8 @@ def _scheme(args) -> str:
     kind = "symmetric" if args.symmetric else "asymmetric"
     grid = ", weighted MSE ranges" if args.weighted else ", min-max ranges"
     return ((f"{args.element}a16" if args.element else f"int{args.bits} {kind}, blocks of {args.block}") + grid
-            + f", AWQ grid {args.grid}, objective {args.objective}" + (", --sequential" if args.sequential else ""))
+            + f", AWQ grid {args.grid}, objective {args.objective}" + (", --sequential" if args.sequential else "")
+            + ("" if args.shrinkage is None else f", GPTQ shrinkage {args.shrinkage}"))
 
 
 def _minilm(args) -> None:

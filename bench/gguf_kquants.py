@@ -149,16 +149,22 @@ def main(argv=None):
     ap.add_argument("--dampening", type=float, default=None,
                     help="GPTQ's dampening (fraction of the Hessian's mean diagonal) for the gptq and weighted-gptq "
                          "rows (default: the recipe's)")
+    ap.add_argument("--shrinkage", type=float, default=None,
+                    help="GPTQ's shrinkage of the Hessian toward its diagonal (0: none, 1: weighted round-to-nearest) "
+                         "for the gptq and weighted-gptq rows (default: the recipe's)")
     ap.add_argument("--bounded", action="store_true",
                     help="GPTQ keeps each code at one of the two grid levels around its float weight (gptq and "
                          "weighted-gptq rows)")
     ap.add_argument("--awq", action="store_true",
                     help="AWQ's scales (awq: {}, its defaults: grid 19, objective outputs) folded before every data "
                          "row's weights calibrate")
+    ap.add_argument("--selection", action="store_true",
+                    help="also score IDLE's notes (bench/texts.py), the text a sweep chooses a setting on")
     ap.add_argument("--out", default=str(REPO / "bench/results/gguf_kquants.json"))
     args = ap.parse_args(argv)
     gptq = {"name": "gptq", **({} if args.dampening is None else {"dampening": args.dampening}),
-            **({"bounded": True} if args.bounded else {})}  # the gptq rows' rounding, as a recipe writes it
+            **({"bounded": True} if args.bounded else {}),
+            **({} if args.shrinkage is None else {"shrinkage": args.shrinkage})}  # the gptq rows' rounding, as a recipe writes it
     awq = {} if args.awq else None  # the data rows' awq: section, as a recipe writes it (the defaults)
 
     import transformers
@@ -176,6 +182,10 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         calib_batches, texts = scoring_texts(tmp, tok)
+        if args.selection:
+            from texts import SELECTION, batches, selection_text
+
+            texts[SELECTION] = batches(selection_text(tmp), tok, OTHER_WINDOWS, SEQ_LEN)
         ppl_float = perplexities(float_model, texts)
         print(f"float perplexity {header(ppl_float)}: " + " / ".join(f"{v:.3f}" for v in ppl_float.values()) +
               f" ({WINDOWS} held-out windows, {OTHER_WINDOWS} of each other kind, {SEQ_LEN} tokens)", flush=True)

@@ -6,6 +6,9 @@
   2.x change log ``idlelib/NEWS2x.txt`` (terse bug-report English), both shipped with every CPython
   installation, so the benchmarks run offline. A distribution that leaves one out (some split ``idlelib`` into
   its own package) scores on the others; ``held_out_texts`` says which.
+* for choosing a setting (``selection_text``), a fourth text of another kind that no table scores: IDLE's notes
+  (``idlelib/README.txt``, ``TODO.txt``, ``extend.txt``, ``CREDITS.txt``: informal developer English). A sweep
+  picks its value on this text, then reports the two texts above, which chose nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ LICENSE = "CPython LICENSE (another kind)"
 CHANGELOG = "IDLE change log (another kind)"
 _STDLIB = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
 OTHER_KINDS = {LICENSE: _STDLIB / "LICENSE.txt", CHANGELOG: _STDLIB / "idlelib" / "NEWS2x.txt"}
-SHORT = {DOCS: "docs", LICENSE: "LICENSE", CHANGELOG: "NEWS2x"}  # table headers
+SELECTION = "IDLE notes (another kind, for choosing)"
+SELECTION_SOURCES = [_STDLIB / "idlelib" / name for name in ("README.txt", "TODO.txt", "extend.txt", "CREDITS.txt")]
+SHORT = {DOCS: "docs", LICENSE: "LICENSE", CHANGELOG: "NEWS2x", SELECTION: "notes*"}  # table headers
 
 
 def _installed_other_kinds() -> Dict[str, Path]:
@@ -46,6 +51,16 @@ def held_out_texts(tmp: Path) -> Tuple[Path, Dict[str, Path]]:
         texts[name] = tmp / f"other{i}.txt"
         texts[name].write_text(source.read_text(encoding="utf-8"))
     return tmp / "calib.txt", texts
+
+
+def selection_text(tmp: Path) -> Path:
+    """Writes the text a sweep chooses its setting on (IDLE's notes, joined) under ``tmp``; returns the file."""
+    missing = [str(p) for p in SELECTION_SOURCES if not p.is_file()]
+    if missing:
+        raise SystemExit(f"the selection text needs {', '.join(missing)}, which this Python does not have")
+    out = tmp / "selection.txt"
+    out.write_text("\n\n".join(p.read_text(encoding="utf-8") for p in SELECTION_SOURCES))
+    return out
 
 
 def batches(path: Path, tokenizer, windows: int, seq_len: int = 256) -> List:

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import qtool
 from qtool.calibration.rounding import InputStatistics, collect_inputs
-from qtool.calibration.rounding.gptq import expand_encoding, gptq_codes
+from qtool.calibration.rounding.gptq import expand_encoding, gptq_codes, shrunk_hessian
 from qtool.config import QuantizerPlan, parse_recipe, resolve_plan
 from qtool.export.qtool_st import read_integer_export
 from qtool.model.insert import _fake_quant_weight, iter_quantizers
@@ -100,6 +100,51 @@ def test_bounded_gptq_gives_up_only_part_of_gptqs_gain_and_moves_fewer_codes():
     assert far[0] > 0 and far[1] == 0
 
 
+@settings(max_examples=40, deadline=None)
+@given(layers, st.booleans(), st.booleans())
+def test_gptq_with_the_hessian_shrunk_all_the_way_to_its_diagonal_is_round_to_nearest(layer, act_order, bounded):
+    w, x, scale, offset, qmin, qmax, bs = _layer(*layer)
+    rtn = quantize(w, scale, offset, qmin=qmin, qmax=qmax, block_size=bs)
+    codes = gptq_codes(w, x.T @ x, scale, offset, qmin, qmax, bs, act_order=act_order, bounded=bounded,
+                       shrinkage=1.0, block_columns=8)
+    assert torch.equal(codes.to(torch.float32), rtn)
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers, st.floats(0, 1), st.booleans())
+def test_gptq_with_a_shrunk_hessian_is_never_above_round_to_nearest_on_the_shrunk_objective(layer, shrinkage, bounded):
+    w, x, scale, offset, qmin, qmax, bs = _layer(*layer)
+    H = x.T @ x
+    Hs = shrunk_hessian(H, shrinkage)
+    assert torch.equal(torch.diagonal(Hs), torch.diagonal(H))
+    assert torch.allclose(Hs - torch.diag(torch.diagonal(Hs)), (1 - shrinkage) * (H - torch.diag(torch.diagonal(H))))
+    rtn = quantize(w, scale, offset, qmin=qmin, qmax=qmax, block_size=bs)
+    codes = gptq_codes(w, H, scale, offset, qmin, qmax, bs, shrinkage=shrinkage, bounded=bounded, block_columns=8)
+
+    def error(c):  # d Hs dᵀ summed over rows: the objective the shrunk Hessian defines
+        d = (w - dequantize(c.to(torch.float32), scale, offset, block_size=bs)).to(torch.float64)
+        return float(((d @ Hs.to(torch.float64)) * d).sum())
+
+    assert error(codes) <= error(rtn) * (1 + 1e-5) + 1e-9
+
+
+def test_shrinking_the_hessian_trades_calibration_fit_for_codes_nearer_round_to_nearest():
+    w, x, scale, offset, qmin, qmax, bs = _layer(3, 128, 8, 32, 4, True, 2048)
+    rtn = quantize(w, scale, offset, qmin=qmin, qmax=qmax, block_size=bs)
+    codes = [gptq_codes(w, x.T @ x, scale, offset, qmin, qmax, bs, shrinkage=s) for s in (0.0, 0.5, 0.9)]
+    errors = [_output_error(w, x, c, scale, offset, bs) for c in codes]
+    moved = [int((c.to(torch.float32) != rtn).sum()) for c in codes]
+    assert errors[0] < errors[1] < errors[2] < _output_error(w, x, rtn, scale, offset, bs)
+    assert moved[0] > moved[1] > moved[2] > 0
+    assert torch.equal(codes[0], gptq_codes(w, x.T @ x, scale, offset, qmin, qmax, bs))  # 0 is plain GPTQ
+
+
+def test_gptq_shrinkage_outside_zero_to_one_is_refused():
+    w, x, scale, offset, qmin, qmax, bs = _layer(1, 4, 1, 8, 4, True, 16)
+    with pytest.raises(ValueError, match="shrinkage must be between 0 and 1"):
+        gptq_codes(w, x.T @ x, scale, offset, qmin, qmax, bs, shrinkage=1.5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gptq_columns.py on a GPU)")
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_column_loop_replayed_as_a_cuda_graph_gives_the_launched_loops_codes(monkeypatch, act_order):
@@ -180,6 +225,31 @@ def test_calibrate_reports_a_raised_gptq_dampening(tmp_path):
     assert "GPTQ dampening raised" in err
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["warnings"] == json.loads(out)["warnings"]
+
+
+def test_a_recipes_gptq_shrinkage_reaches_the_codes(tmp_path):
+    """Through calibrate: shrinkage 1 writes round-to-nearest's weights on GPTQ's grid, 0.5 codes between."""
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    save_file({"x": torch.randn(256, 64, generator=torch.Generator().manual_seed(4)) @
+               (torch.eye(64) + 0.5 * torch.randn(64, 64, generator=torch.Generator().manual_seed(5)))},
+              tmp_path / "x.safetensors")
+    weights = {}
+    for label, rounding in (("rtn", "nearest"), ("gptq", "gptq"), ("half", "{name: gptq, shrinkage: 0.5}"),
+                            ("one", "{name: gptq, shrinkage: 1}")):
+        (tmp_path / f"{label}.yaml").write_text(
+            "version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_channel, rounding: "
+            f"{rounding}}}\n  activations: null\n")
+        code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "-c", tmp_path / f"{label}.yaml",
+                               "--model-class", MLP, "--data", tmp_path / "x.safetensors", "-o", tmp_path / label)
+        assert code == 0, err
+        model = qtool.load_calibrated(str(tmp_path / "m.safetensors"), str(tmp_path / label / "encodings.json"),
+                                      model_class=MLP)
+        with torch.no_grad():
+            weights[label] = _fake_quant_weight(dict(model.named_modules())["0"],
+                                                dict(iter_quantizers(model))["0.weight"])
+    assert torch.equal(weights["one"], weights["rtn"])
+    assert not torch.equal(weights["gptq"], weights["rtn"])
+    assert not torch.equal(weights["half"], weights["gptq"]) and not torch.equal(weights["half"], weights["rtn"])
 
 
 def test_gptq_refuses_shapes_that_do_not_fit():
@@ -392,6 +462,8 @@ def test_a_layer_without_importances_keeps_the_magnitude_part_of_its_weighting()
     ("weights: {rounding: {name: adaround, dampening: 0.1}}", "rounding adaround does not take 'dampening'"),
     ("weights: {rounding: {name: gptq, iterations: 10}}", "rounding gptq does not take 'iterations'"),
     ("weights: {rounding: {name: adaround, warm_start: 2}}", "warm_start"),
+    ("weights: {rounding: {name: gptq, shrinkage: 1.5}}", "shrinkage"),
+    ("weights: {rounding: {name: signround, shrinkage: 0.5}}", "rounding signround does not take 'shrinkage'"),
 ])
 def test_bad_rounding_recipes_are_one_clear_error(text, needle):
     from qtool.errors import ConfigError

@@ -93,7 +93,7 @@ def _by_name(value: Any) -> Any:
     return value
 
 
-_ROUNDING_PARAMS = {"nearest": (), "gptq": ("block_columns", "dampening", "act_order", "bounded"),
+_ROUNDING_PARAMS = {"nearest": (), "gptq": ("block_columns", "dampening", "act_order", "bounded", "shrinkage"),
                     "adaround": ("iterations", "reg_weight", "warm_start", "learning_rate"),
                     "signround": ("iterations", "learning_rate", "ranges", "seed")}
 
@@ -112,6 +112,7 @@ class RoundingSpec(BaseModel):
     dampening: Optional[float] = Field(None, ge=0, le=10)
     act_order: Optional[StrictBool] = None
     bounded: Optional[StrictBool] = None
+    shrinkage: Optional[float] = Field(None, ge=0, le=1)
     iterations: Optional[int] = Field(None, ge=0, le=100000)
     reg_weight: Optional[float] = Field(None, ge=0, le=1000)
     warm_start: Optional[float] = Field(None, ge=0, le=1)

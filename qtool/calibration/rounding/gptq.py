@@ -53,7 +53,7 @@ def expand_encoding(t: torch.Tensor, weight_shape: Sequence[int], block_size: Op
 @torch.no_grad()
 def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                qmin: int, qmax: int, block_size: Optional[Sequence[int]] = None, *, block_columns: int = 128,
-               dampening: float = 0.01, act_order: bool = True, bounded: bool = False,
+               dampening: float = 0.01, act_order: bool = True, bounded: bool = False, shrinkage: float = 0.0,
                element: Optional[Grid] = None, notes: Optional[List[str]] = None) -> torch.Tensor:
     """GPTQ codes (int64, the weight's shape) for ``weight`` ``(out, in)`` on the grid ``scale``/``offset`` (in the
     encoding's shape with ``block_size``, as :func:`qtool.quant.affine.quantize` takes them).
@@ -79,12 +79,14 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     Either way one line saying so is appended to ``notes``."""
     if block_columns < 1 or not 0 <= dampening:
         raise ValueError("block_columns must be >= 1 and dampening >= 0")
+    if not 0 <= shrinkage <= 1:
+        raise ValueError("shrinkage must be between 0 and 1")
     # S, O: (groups, out, in // width), column j on block j // width (a 2-D weight's encoding is never expanded
     # to one value per weight: at a 1.1B model's down_proj that was 185 MB of the peak)
     W, H0, S, O = as_problems(weight, hessian, scale, offset, block_size, "GPTQ", by_column_block=True)
     cols = W.shape[-1]
     width = cols // S.shape[-1]
-    W, H = W.clone(), H0.clone()
+    W, H = W.clone(), (shrunk_hessian(H0, shrinkage) if shrinkage else H0.clone())
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
     dead = diag <= 0
     H.masked_fill_(dead[:, :, None] | dead[:, None, :], 0.0)
@@ -155,7 +157,7 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
         codes = codes.gather(2, torch.argsort(perm, dim=-1)[:, None, :].expand(codes.shape))
     # GPTQ is greedy: on a small or nearly dead layer a row can end up worse than rounding to nearest. Rows are
     # independent, so each keeps whichever of the two has the smaller output error on the calibration inputs
-    return keep_better_rows(weight, H0, codes, scale, offset, qmin, qmax, block_size, element)
+    return keep_better_rows(weight, H0, codes, scale, offset, qmin, qmax, block_size, element, shrinkage)
 
 
 def _columns(W: torch.Tensor, S: Sequence[torch.Tensor], O: Sequence[torch.Tensor], U: torch.Tensor,
@@ -323,6 +325,15 @@ def as_problems(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor
     return W[None], H[None], S[None], O[None]
 
 
+def shrunk_hessian(H: torch.Tensor, shrinkage: float) -> torch.Tensor:
+    """``(1 - shrinkage) · H + shrinkage · diag(H)`` (a new tensor): the input correlations ``H``'s off-diagonal
+    holds, scaled down, each column's own importance kept."""
+    diag = torch.diagonal(H, dim1=-2, dim2=-1).clone()
+    out = H * (1.0 - shrinkage)
+    torch.diagonal(out, dim1=-2, dim2=-1).copy_(diag)
+    return out
+
+
 def _by_column_block(t: torch.Tensor, weight_shape, block_size) -> torch.Tensor:
     """A 2-D weight's encoding tensor as ``(out, in // width)``: row ``r``, column ``j`` of the weight uses
     ``[r, j // width]``, the value :func:`expand_encoding` puts there."""
@@ -338,10 +349,11 @@ def _by_column_block(t: torch.Tensor, weight_shape, block_size) -> torch.Tensor:
 
 def keep_better_rows(weight: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                      offset: torch.Tensor, qmin: int, qmax: int, block_size,
-                     element: Optional[Grid] = None) -> torch.Tensor:
+                     element: Optional[Grid] = None, shrinkage: float = 0.0) -> torch.Tensor:
     """A batch of codes (from :func:`as_problems`' shapes) back in the weight's shape, each output row keeping them
-    or round-to-nearest's, whichever has the smaller ``d H dᵀ`` on the calibration inputs. For a float
-    ``element`` ``codes`` holds element values (grid levels), and the result is the element's codes."""
+    or round-to-nearest's, whichever has the smaller ``d H dᵀ`` on the calibration inputs (``H`` shrunk toward
+    its diagonal by ``shrinkage``, as GPTQ's objective was). For a float ``element`` ``codes`` holds element
+    values (grid levels), and the result is the element's codes."""
     dev = weight.device
     if weight.dim() == 3:
         S, O = scale.to(dev, torch.float32).expand(weight.shape), offset.to(dev, torch.float32).expand(weight.shape)
@@ -354,38 +366,45 @@ def keep_better_rows(weight: torch.Tensor, H: torch.Tensor, codes: torch.Tensor,
         if weight.dim() == 2:
             S, O = expand_encoding(S, W.shape, block_size), expand_encoding(O, W.shape, block_size)
         rtn = _levels(W, S, O, qmin, qmax, element)
-        keep = _first_no_worse(W, H, _value(codes, S, O, element), _value(rtn, S, O, element))
+        keep = _first_no_worse(W, H, _value(codes, S, O, element), _value(rtn, S, O, element), shrinkage)
         return torch.where(keep[..., None], codes, rtn).to(torch.int64)
     if element is not None:  # levels are element values: compare per element, on the expanded scales
         S = expand_encoding(S, W.shape, block_size) if weight.dim() == 2 else S
         rtn = _levels(W, S, torch.zeros_like(S), qmin, qmax, element)
-        keep = _first_no_worse(W, H, codes * S, rtn * S)
+        keep = _first_no_worse(W, H, codes * S, rtn * S, shrinkage)
         return element.codes(torch.where(keep[..., None], codes, rtn))
-    return _better_rows(W, H, codes, S, O, qmin, qmax, block_size)
+    return _better_rows(W, H, codes, S, O, qmin, qmax, block_size, shrinkage)
 
 
-def _first_no_worse(W: torch.Tensor, H: torch.Tensor, Wq1: torch.Tensor, Wq2: torch.Tensor) -> torch.Tensor:
+def _first_no_worse(W: torch.Tensor, H: torch.Tensor, Wq1: torch.Tensor, Wq2: torch.Tensor,
+                    shrinkage: float = 0.0) -> torch.Tensor:
     """Per output row, whether ``d1 H d1ᵀ <= d2 H d2ᵀ`` for the weight errors ``d = W - Wq`` (rows of the
-    output error on the calibration inputs, squared and summed). Computed as ``(d1 - d2) H (d1 + d2)ᵀ <= 0`` in
-    float64 (equal for a symmetric ``H``): one matmul, not two; rows with the same codes give exactly 0."""
+    output error on the calibration inputs, squared and summed; ``H`` shrunk toward its diagonal by
+    ``shrinkage``). Computed as ``(d1 - d2) H (d1 + d2)ᵀ <= 0`` in float64 (equal for a symmetric ``H``): one
+    matmul, not two; rows with the same codes give exactly 0."""
     H = H.to(torch.float64)
+    if shrinkage:  # (d1 - d2) Hs = (1 - s) (d1 - d2) H + s (d1 - d2) diag(H), without a shrunk copy of H
+        diag = torch.diagonal(H, dim1=-2, dim2=-1)[..., None, :] * shrinkage
     keep = torch.empty(W.shape[:-1], dtype=torch.bool, device=W.device)
     step = max(1, _ROW_CHUNK_VALUES // W.shape[-1])  # rows a chunk: its float64 temporaries stay small
     for r in range(0, W.shape[-2], step):
         rows = slice(r, r + step)
         d1 = (W[..., rows, :] - Wq1[..., rows, :]).to(torch.float64)
         d2 = (W[..., rows, :] - Wq2[..., rows, :]).to(torch.float64)
-        keep[..., rows] = (((d1 - d2) @ H) * (d1 + d2)).sum(dim=-1) <= 0
+        dH = (d1 - d2) @ H
+        if shrinkage:
+            dH = dH * (1.0 - shrinkage) + (d1 - d2) * diag
+        keep[..., rows] = (dH * (d1 + d2)).sum(dim=-1) <= 0
     return keep
 
 
 def _better_rows(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, scale, offset, qmin: int, qmax: int,
-                 block_size) -> torch.Tensor:
+                 block_size, shrinkage: float = 0.0) -> torch.Tensor:
     """Per output row, ``codes`` or round-to-nearest, whichever has the smaller ``d H dᵀ`` (``d`` the row's
     weight error: the row's squared output error summed over the calibration inputs); ties keep ``codes``."""
     rtn = quantize(W, scale, offset, qmin=qmin, qmax=qmax, block_size=block_size)
     keep = _first_no_worse(W, H, dequantize(codes, scale, offset, block_size=block_size),
-                           dequantize(rtn, scale, offset, block_size=block_size))
+                           dequantize(rtn, scale, offset, block_size=block_size), shrinkage)
     return torch.where(keep[..., None], codes, rtn).to(torch.int64)
 
 
