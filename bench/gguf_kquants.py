@@ -162,9 +162,10 @@ def main(argv=None):
                     help="also score IDLE's notes (bench/texts.py), the text a sweep chooses a setting on")
     ap.add_argument("--out", default=str(REPO / "bench/results/gguf_kquants.json"))
     args = ap.parse_args(argv)
+    # the gptq rows' rounding, as a recipe writes it
     gptq = {"name": "gptq", **({} if args.dampening is None else {"dampening": args.dampening}),
             **({"bounded": True} if args.bounded else {}),
-            **({} if args.shrinkage is None else {"shrinkage": args.shrinkage})}  # the gptq rows' rounding, as a recipe writes it
+            **({} if args.shrinkage is None else {"shrinkage": args.shrinkage})}
     awq = {} if args.awq else None  # the data rows' awq: section, as a recipe writes it (the defaults)
 
     import transformers
