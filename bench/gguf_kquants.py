@@ -96,20 +96,28 @@ def importance(model, batches) -> Dict[str, torch.Tensor]:
     return {n: (sums[n] / counts[n]).to(torch.float32) for n in sums}
 
 
-@torch.no_grad()
-def perplexity(model, batches) -> float:
-    """Held-out perplexity as bench/accuracy.py and `qtool report` count it."""
-    from qtool.report import _token_nll
+def perplexities(model, texts, windows: Optional[Dict[str, dict]] = None) -> Dict[str, float]:
+    """Each text's held-out perplexity as bench/accuracy.py and `qtool report` count it; with ``windows``, each
+    text's summed NLL and scored tokens per window are stored there too, as ``{"nll": [...], "tokens": [...]}``
+    (bench/paired.py compares two rows with them)."""
+    from paired import window_nlls
 
-    nll, n = 0.0, 0
-    for b in batches:
-        a, c = _token_nll(model(**b.kwargs).logits, b)
-        nll, n = nll + a, n + c
-    return math.exp(nll / n)
+    out = {}
+    for name, batches in texts.items():
+        sums, counts = window_nlls(model, batches)
+        if windows is not None:
+            windows[name] = {"nll": sums, "tokens": counts}
+        out[name] = math.exp(sum(sums) / sum(counts))
+    return out
 
 
-def perplexities(model, texts) -> Dict[str, float]:
-    return {name: perplexity(model, batches) for name, batches in texts.items()}
+def against(row: dict, other: dict) -> Dict[str, dict]:
+    """Per text, ``row``'s perplexity over ``other``'s, minus one (percent), with its paired-bootstrap interval
+    over the windows both were scored on (bench/paired.py)."""
+    from paired import paired_interval
+
+    return {name: paired_interval(w["nll"], other["windows"][name]["nll"], w["tokens"])
+            for name, w in row["windows"].items()}
 
 
 def _types(encodings: Path) -> Dict[str, str]:
@@ -173,7 +181,8 @@ def main(argv=None):
     import qtool
     from qtool.pipeline import CalibrateOptions, ExportOptions, run_quantize
     from smollm2 import smollm2_dir
-    from texts import header
+    from paired import verdict
+    from texts import SHORT, header
 
     ckpt = smollm2_dir()
     lib = _ggml()
@@ -203,9 +212,10 @@ def main(argv=None):
             summary = run_quantize(str(ckpt), str(recipe), str(out), copts, eopts=ExportOptions(format="gguf"))
             secs = time.perf_counter() - t0
             model = qtool.load_calibrated(str(ckpt), str(out / "calibration/encodings.json")).eval()
-            ppl = perplexities(model, texts)
+            windows = {}
+            ppl = perplexities(model, texts, windows)
             del model
-            return ppl, secs, summary["gguf"], _types(out / "calibration/encodings.json")
+            return ppl, secs, summary["gguf"], _types(out / "calibration/encodings.json"), windows
 
         def increase(ppl: Dict[str, float]) -> Dict[str, float]:
             return {name: 100 * (ppl[name] / ppl_float[name] - 1) for name in ppl}
@@ -247,9 +257,10 @@ def main(argv=None):
                     recipe = tmp / f"{recipe.stem}-awq.yaml"
                     recipe.write_text(yaml.safe_dump(spec))
                     key += "_awq"
-                ppl_q, secs, gguf_summary, types = qtool_row(recipe, True)
+                ppl_q, secs, gguf_summary, types, windows_q = qtool_row(recipe, True)
                 row.update(bytes=gguf_summary["bytes"], tensor_types=gguf_summary["tensor_types"])
-                row[key] = {"perplexity": ppl_q, "increase_pct": increase(ppl_q), "seconds": secs}
+                row[key] = {"perplexity": ppl_q, "increase_pct": increase(ppl_q), "seconds": secs,
+                            "windows": windows_q}
                 if method in ("gptq", "weighted-gptq"):
                     row[key]["gptq"] = gptq
                 if awq is not None:
@@ -265,7 +276,7 @@ def main(argv=None):
                 recipe = tmp / f"gguf-{mix}-nodata.yaml"
                 recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: "
                                   f"{args.data_free_analyzer}}}\n  activations: null\n")
-                ppl_n, secs_n, summary_n, types_n = qtool_row(recipe, False)
+                ppl_n, secs_n, summary_n, types_n, _ = qtool_row(recipe, False)
                 row["qtool_no_data"] = {"perplexity": ppl_n, "seconds": secs_n, "same_types": types_n == types,
                                         "analyzer": args.data_free_analyzer}
                 row.setdefault("bytes", summary_n["bytes"])
@@ -282,7 +293,9 @@ def main(argv=None):
                         w = modules[module].weight
                         w.copy_(llama_cpp_values(lib, state[f"{module}.weight"], type_name,
                                                  imatrix.get(module) if imat else None))
-                row[label] = {"perplexity": perplexities(float_model, texts), "seconds": time.perf_counter() - t0}
+                windows_l = {}
+                row[label] = {"perplexity": perplexities(float_model, texts, windows_l),
+                              "seconds": time.perf_counter() - t0, "windows": windows_l}
                 float_model.load_state_dict(state)
             for key in ("qtool_no_data", "llama_cpp", "llama_cpp_imatrix"):
                 if key in row:
@@ -291,6 +304,13 @@ def main(argv=None):
             for key in ("qtool_no_data", "llama_cpp", "llama_cpp_imatrix"):
                 if key in row:
                     print(f"{mix:8s} {key:15s} {shown(row[key])}", flush=True)
+            for key in [k for k in row if k.startswith("qtool_") and "windows" in row[k]]:
+                if "llama_cpp_imatrix" in row:  # a qtool data row against llama.cpp with the same importances
+                    row[key]["vs_llama_cpp_imatrix"] = against(row[key], row["llama_cpp_imatrix"])
+                    print(f"{mix:8s} {key} against llama_cpp_imatrix, perplexity ratio - 1 [95 % paired "
+                          f"bootstrap over windows]: " + " / ".join(
+                              f"{SHORT.get(t, t)} {v['pct']:+.2f}% [{v['low']:+.2f}, {v['high']:+.2f}] {verdict(v)}"
+                              for t, v in row[key]["vs_llama_cpp_imatrix"].items()), flush=True)
             _write(args, ppl_float, rows)  # after every mix: a long run stopped early keeps what it measured
     print(f"\nSmolLM2-135M GGUF mixes, perplexity increase over float: {header(ppl_float)}")
     data_keys = dict.fromkeys(k for r in rows for k in r if k.startswith("qtool_") and k != "qtool_no_data")
