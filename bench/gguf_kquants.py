@@ -304,13 +304,13 @@ def main(argv=None):
             for key in ("qtool_no_data", "llama_cpp", "llama_cpp_imatrix"):
                 if key in row:
                     print(f"{mix:8s} {key:15s} {shown(row[key])}", flush=True)
-            for key in [k for k in row if k.startswith("qtool_") and "windows" in row[k]]:
-                if "llama_cpp_imatrix" in row:  # a qtool data row against llama.cpp with the same importances
-                    row[key]["vs_llama_cpp_imatrix"] = against(row[key], row["llama_cpp_imatrix"])
-                    print(f"{mix:8s} {key} against llama_cpp_imatrix, perplexity ratio - 1 [95 % paired "
-                          f"bootstrap over windows]: " + " / ".join(
-                              f"{SHORT.get(t, t)} {v['pct']:+.2f}% [{v['low']:+.2f}, {v['high']:+.2f}] {verdict(v)}"
-                              for t, v in row[key]["vs_llama_cpp_imatrix"].items()), flush=True)
+            data_rows = [k for k in row if k.startswith("qtool_") and "windows" in row[k]]
+            for key in data_rows if "llama_cpp_imatrix" in row else []:  # against llama.cpp, same importances
+                row[key]["vs_llama_cpp_imatrix"] = against(row[key], row["llama_cpp_imatrix"])
+                print(f"{mix:8s} {key} against llama_cpp_imatrix, perplexity ratio - 1 [95 % paired bootstrap over "
+                      f"windows]: " + " / ".join(
+                          f"{SHORT.get(t, t)} {v['pct']:+.2f}% [{v['low']:+.2f}, {v['high']:+.2f}] {verdict(v)}"
+                          for t, v in row[key]["vs_llama_cpp_imatrix"].items()), flush=True)
             _write(args, ppl_float, rows)  # after every mix: a long run stopped early keeps what it measured
     print(f"\nSmolLM2-135M GGUF mixes, perplexity increase over float: {header(ppl_float)}")
     data_keys = dict.fromkeys(k for r in rows for k in r if k.startswith("qtool_") and k != "qtool_no_data")

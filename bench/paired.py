@@ -17,13 +17,11 @@ import torch
 def window_nlls(model, batches) -> Tuple[List[float], List[int]]:
     """Each window's summed next-token negative log-likelihood and its scored-token count (padding excluded), in
     the order of ``batches``; their totals give the perplexity bench/gguf_kquants.py reports."""
-    from qtool.report import next_token_targets
+    from qtool.report import next_token_nll_grid
 
     sums, counts = [], []
     for b in batches:
-        logp = torch.log_softmax(model(**b.kwargs).logits[:, :-1].float(), dim=-1)
-        target, scored = next_token_targets(b)
-        nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        nll, scored = next_token_nll_grid(model(**b.kwargs).logits, b)
         sums += (nll * scored).double().sum(-1).tolist()
         counts += scored.sum(-1).tolist()
     return sums, counts

@@ -143,11 +143,17 @@ def next_token_targets(batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
     return ids[:, 1:], (mask[:, 1:] > 0) & (mask[:, :-1] > 0)
 
 
-def token_nlls(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Each scored token's next-token negative log-likelihood, in order (padding excluded)."""
+def next_token_nll_grid(logits: torch.Tensor, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every position's next-token negative log-likelihood ``(B, T - 1)`` and which of them count (padding
+    excluded), with each sequence's row kept apart."""
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     target, scored = next_token_targets(batch)
-    nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    return -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1), scored
+
+
+def token_nlls(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Each scored token's next-token negative log-likelihood, in order (padding excluded)."""
+    nll, scored = next_token_nll_grid(logits, batch)
     return nll[scored]
 
 
