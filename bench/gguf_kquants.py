@@ -6,7 +6,8 @@ For each llama-quantize mix (Q4_K_M, Q3_K_M, Q2_K, Q4_0, ...):
   the calibration windows with ``--sequential``, exported to GGUF; with ``--methods gptq,signround`` also the
   mix with learned rounding (``rounding: {name: signround, iterations: N}``, on the grid the file stores);
   ``--methods weighted`` rounds to nearest on the search weighted by importance x magnitude (the kind of weighting
-  llama.cpp uses with an importance matrix), ``weighted-gptq`` runs GPTQ on that grid;
+  llama.cpp uses with an importance matrix), ``weighted-gptq`` runs GPTQ on that grid and ``weighted-signround``
+  learns the rounding on it;
 * **qtool, no data**: the mix with ``analyzer: mse`` (least-squares scale search, round to nearest), as
   ``gguf-<mix>``;
 * **llama.cpp**: every weight quantized by llama.cpp's own ``ggml_quantize_chunk`` (the function llama-quantize
@@ -150,7 +151,8 @@ def main(argv=None):
     ap.add_argument("--methods", default="gptq",
                     help="data rows: gptq (gguf-<mix>-gptq), signround, weighted (round to nearest on the search "
                          "weighted by importance x magnitude, the kind llama.cpp uses with an imatrix), "
-                         "weighted-gptq (GPTQ on that grid); 'none': only the data-free qtool row")
+                         "weighted-gptq (GPTQ on that grid), weighted-signround (signround on it); 'none': only "
+                         "the data-free qtool row")
     ap.add_argument("--data-free-analyzer", default="mse",
                     help="the data-free row's weights analyzer, as a recipe writes it (e.g. '{name: mse, weighting: "
                          "magnitude}')")
@@ -248,9 +250,11 @@ def main(argv=None):
                     recipe = tmp / f"gguf-{mix}-signround.yaml"
                     recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: mse, rounding: "
                                       f"{{name: signround, iterations: {args.iterations}}}}}\n  activations: null\n")
-                elif method in ("weighted", "weighted-gptq"):  # importance x magnitude
+                elif method in ("weighted", "weighted-gptq", "weighted-signround"):  # importance x magnitude
                     recipe = tmp / f"gguf-{mix}-{method}.yaml"
-                    rounding = json.dumps(gptq) if method == "weighted-gptq" else "nearest"
+                    rounding = {"weighted": "nearest", "weighted-gptq": json.dumps(gptq),
+                                "weighted-signround": json.dumps({"name": "signround",
+                                                                  "iterations": args.iterations})}[method]
                     recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: {{name: mse, "
                                       f"weighting: activations_magnitude}}, rounding: {rounding}}}\n"
                                       "  activations: null\n")
@@ -259,7 +263,8 @@ def main(argv=None):
                     recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: {{name: mse, "
                                       f"weighting: activations}}, rounding: {json.dumps(gptq)}}}\n  activations: null\n")
                 elif method != "gptq":
-                    raise SystemExit(f"unknown method {method!r} (gptq, signround, weighted, weighted-gptq)")
+                    raise SystemExit(f"unknown method {method!r} (gptq, signround, weighted, weighted-gptq, "
+                                     "weighted-signround)")
                 elif len(gptq) > 1:  # the shipped mix with other GPTQ parameters
                     spec = yaml.safe_load(recipe.read_text())
                     spec["defaults"]["weights"]["rounding"] = gptq
