@@ -180,6 +180,13 @@ def main(argv=None):
     ap.add_argument("--extra-windows", type=int, default=48, help="windows of each --extra-text (default 48)")
     ap.add_argument("--out", default=str(REPO / "bench/results/gguf_kquants.json"))
     args = ap.parse_args(argv)
+    extra = {}  # the --extra-text files by the name their rows are keyed by, checked before the model loads
+    for path in map(Path, args.extra_text):
+        if not path.is_file():
+            ap.error(f"--extra-text {path}: no such file")
+        if path.name in extra:
+            ap.error(f"--extra-text {path}: another file of the same name ({extra[path.name]}) is scored already")
+        extra[path.name] = path
     # the gptq rows' rounding, as a recipe writes it
     gptq = {"name": "gptq", **({} if args.dampening is None else {"dampening": args.dampening}),
             **({"bounded": True} if args.bounded else {}),
@@ -208,10 +215,8 @@ def main(argv=None):
         calib_batches, texts = scoring_texts(tmp, tok)
         if args.selection:
             texts[SELECTION] = batches(selection_text(tmp), tok, OTHER_WINDOWS, SEQ_LEN)
-        for path in args.extra_text:
-            if not Path(path).is_file():
-                raise SystemExit(f"--extra-text {path}: no such file")
-            texts[Path(path).name] = batches(Path(path), tok, args.extra_windows, SEQ_LEN)
+        for name, path in extra.items():
+            texts[name] = batches(path, tok, args.extra_windows, SEQ_LEN)
         ppl_float = perplexities(float_model, texts)
         print(f"float perplexity {header(ppl_float)}: " + " / ".join(f"{v:.3f}" for v in ppl_float.values()) +
               f" ({WINDOWS} held-out windows, {OTHER_WINDOWS} of each other kind, {SEQ_LEN} tokens)", flush=True)
