@@ -191,6 +191,7 @@ def main(argv=None):
     gptq = {"name": "gptq", **({} if args.dampening is None else {"dampening": args.dampening}),
             **({"bounded": True} if args.bounded else {}),
             **({} if args.shrinkage is None else {"shrinkage": args.shrinkage})}
+    signround = {"name": "signround", "iterations": args.iterations}  # the signround rows' rounding, likewise
     awq = {} if args.awq else None  # the data rows' awq: section, as a recipe writes it (the defaults)
     if args.no_clip:  # a measurement switch, not a recipe setting: the quantizer reads the candidates from here
         import qtool.quant.quantizer
@@ -254,12 +255,11 @@ def main(argv=None):
                 if method == "signround":
                     recipe = tmp / f"gguf-{mix}-signround.yaml"
                     recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: mse, rounding: "
-                                      f"{{name: signround, iterations: {args.iterations}}}}}\n  activations: null\n")
+                                      f"{json.dumps(signround)}}}\n  activations: null\n")
                 elif method in ("weighted", "weighted-gptq", "weighted-signround"):  # importance x magnitude
                     recipe = tmp / f"gguf-{mix}-{method}.yaml"
                     rounding = {"weighted": "nearest", "weighted-gptq": json.dumps(gptq),
-                                "weighted-signround": json.dumps({"name": "signround",
-                                                                  "iterations": args.iterations})}[method]
+                                "weighted-signround": json.dumps(signround)}[method]
                     recipe.write_text(f"version: 1\ngguf_mix: {mix}\ndefaults:\n  weights: {{analyzer: {{name: mse, "
                                       f"weighting: activations_magnitude}}, rounding: {rounding}}}\n"
                                       "  activations: null\n")
