@@ -85,8 +85,11 @@ _PANEL = 192
 def _gram(x: torch.Tensor) -> torch.Tensor:
     """``xᵀx`` of ``x`` ``(n, d)``, a panel of columns at a time, each only against the columns from its own on;
     the lower triangle is the mirror (xᵀx is symmetric). Each value is the same dot product over the ``n`` rows as
-    in the one whole matmul (measured: the same bits, tokens 1-8192, widths 385-4096), with ~40 % fewer
-    multiply-adds where it matters (a 1536-wide input over 2048 tokens: 67 -> 47 ms)."""
+    in the one whole matmul, with ~40 % fewer multiply-adds where it matters (a 1536-wide input over 2048 tokens:
+    67 -> 47 ms). The same bits as the whole matmul where the BLAS sums both in one order (measured on the earlier
+    machines: tokens 1-8192, widths 385-4096). oneMKL on a 2-core Xeon with AMX sums some shapes otherwise (on 2
+    threads it splits a narrow panel's rows between them; on one, 2048 x 4096 differs too): a float32 step apart,
+    and there the bits follow the thread count."""
     d = x.shape[1]
     if d <= 2 * _PANEL:
         return x.T @ x
