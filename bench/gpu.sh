@@ -32,8 +32,12 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit that never passe
 R=bench/results
 # GPTQ's column loop replayed as CUDA graphs against launched step by step (codes must be equal), 8B layer shapes
 step "GPTQ column loop on CUDA" 120 "$PY" bench/gptq_columns.py --out $R/gptq_columns_cuda.json
-# W8A8 calibration with the forward replayed as a CUDA graph after two batches: time and equal ranges (a probe)
-step "calibration graph probe" 60 "$PY" bench/calibration_graph_probe.py
+# the CUDA-only tests: the activation pass replayed as a CUDA graph (MLP, a forward with a host sync, a tiny
+# Llama: the eager ranges bit for bit) and GPTQ's replayed column loop
+step "CUDA tests" 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_rounding.py \
+    -k "cuda or gpu"
+# W8A8 calibration of the reference MLP, eager against replayed as a CUDA graph: times and equal ranges
+step "calibration graph replay" 60 "$PY" bench/calibration_graph_probe.py
 # 8B-shaped blocks, qtool against llm-compressor (only where its wheels are installed: see the script's docstring)
 if "$PY" -c "import llmcompressor" 2>/dev/null; then
     step "8B blocks against llm-compressor" 300 "$PY" bench/gptq_gpu_blocks.py --side-timeout 140 \
@@ -51,9 +55,10 @@ step "torchrun --device cuda (NCCL)" 180 "$PY" bench/distributed.py --device cud
     --out $R/distributed_cuda.json
 step "quant_speed" 90 "$PY" bench/quant_speed.py --device cuda --out $R/quant_speed_cuda.json
 step "calibrate_overhead" 150 "$PY" bench/calibrate_overhead.py --device cuda --out $R/calibrate_overhead_cuda.json
-# q/k/v and gate/up share one calibration call for the tensor they read: W8A8 on SmolLM2's shape, with and without
-step "shared calibration calls on CUDA" 120 "$PY" bench/shared_calls.py --device cuda --layers 30 \
-    --out $R/shared_calls_cuda.json
+# W8A8 on SmolLM2's shape (#53: at most 2x a float pass): as shipped (shared calls, the pass replayed as a CUDA
+# graph), without the replay, and without the shared calls; 64 samples, 16 batches
+step "W8A8 calibration of SmolLM2's shape on CUDA" 150 "$PY" bench/shared_calls.py --device cuda --layers 30 \
+    --samples 64 --out $R/shared_calls_cuda.json
 # the CPU figure beside the GPU one, on this machine's cores
 step "GPTQ SmolLM2 shape on this machine's CPU" 200 "$PY" bench/sequential_memory.py --shape smollm2 --device cpu \
     --recipes w4a16-block32-gptq --out $R/gptq_smollm2_cpu_gpuhost.json

@@ -16,6 +16,7 @@ from ..quant import QuantizerBase
 from .base import first_tensor
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_absmax, merge_inputs, shard
 from .folding import adjacent_pairs, fold_batch_norm
+from .graphs import replayer
 from .rotation import rotate
 from .rounding import collect_inputs, importance, round_weights, routed_fallbacks
 from .rounding.statistics import collect_module_inputs
@@ -67,11 +68,11 @@ def calibrate(
 
     local = shard(data, group)
 
-    def run():
+    def run(forward: Callable = model):
         for i, batch in enumerate(local):
             b = batch.to(device)
             try:
-                model(*b.args, **b.kwargs)
+                forward(*b.args, **b.kwargs)
             except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
                 raise DataError(f"calibration batch {local.first + i}: the model rejected the data: "
                                 f"{rejection(model, b, e)}") from None
@@ -120,7 +121,8 @@ def calibrate(
     codes = round_weights(inputs, modules, quantizers, stats, plan.warnings, group=group)
     unused = []
     if acts:
-        calibrate_activations_dp(acts, quantizers, run, group)
+        replay = replayer(model, acts, quantizers, device, group)  # a GPU's pass as a CUDA graph (.graphs)
+        calibrate_activations_dp(acts, quantizers, run if replay is None else lambda: run(replay), group)
         unused = [q.name for q in acts if not quantizers[q.name].is_initialized()]
     return CalibrationResult(unused, codes, replaced)
 

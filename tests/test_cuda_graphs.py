@@ -1,0 +1,200 @@
+"""The activation pass replayed as a CUDA graph (qtool.calibration.graphs): when it is used, what it relies on
+(checked on the CPU), and on a GPU that it gives the eager pass's ranges bit for bit."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from qtool.calibration import graphs
+from qtool.calibration.in_memory import calibrate
+from qtool.config import parse_recipe, resolve_plan
+from qtool.data import Batch, CalibrationData
+from qtool.model.insert import insert_quantizers
+from qtool.parallel import Group
+from qtool.quant.analyzers import MinMaxEncodingAnalyzer
+from tests.tinymodels import mlp
+
+W8A8 = """version: 1
+defaults:
+  weights: {bitwidth: 8, symmetric: true, granularity: per_channel}
+  activations: {bitwidth: 8, symmetric: false, inputs: true, outputs: true}
+"""
+PERCENTILE = W8A8 + """layers:
+  - match: "2"
+    activations: {analyzer: {name: percentile, percentile: 99.9}}
+"""
+CUDA = torch.device("cuda")
+
+
+def _plan(recipe, model):
+    plan = resolve_plan(parse_recipe(recipe), model)
+    return plan, insert_quantizers(model, plan)
+
+
+def test_a_batch_is_keyed_by_its_tensors_shapes_and_a_non_tensor_argument_is_never_replayed():
+    a, b = torch.zeros(4, 8), torch.ones(4, 8)
+    assert graphs.signature((a,), {"mask": a}) == graphs.signature((b,), {"mask": b})
+    assert graphs.signature((a,), {}) != graphs.signature((torch.zeros(3, 8),), {})
+    assert graphs.signature((a,), {}) != graphs.signature((a.double(),), {})
+    assert graphs.signature((a,), {"x": a}) != graphs.signature((a,), {"y": a})
+    assert graphs.signature((a,), {"use_cache": False}) is None
+
+
+def test_only_a_cuda_pass_of_min_max_quantizers_in_one_process_is_replayed(monkeypatch):
+    model = mlp()
+    plan, qs = _plan(W8A8, model)
+    acts = plan.static_activations
+    assert graphs.replayable(acts, qs, CUDA)
+    assert not graphs.replayable(acts, qs, torch.device("cpu"))
+    two = Group()
+    two.world_size = 2  # a rank of two: each keeps its batches' statistics for the exchange
+    assert not graphs.replayable(acts, qs, CUDA, two)
+    assert not graphs.replayable([], qs, CUDA)
+    monkeypatch.setattr(graphs, "ENABLED", False)
+    assert not graphs.replayable(acts, qs, CUDA)
+    monkeypatch.undo()
+    plan, qs = _plan(PERCENTILE, mlp())  # a histogram keeps each batch in Python: never replayed
+    assert not graphs.replayable(plan.static_activations, qs, CUDA)
+    assert graphs.replayer(model, plan.static_activations, qs, torch.device("cpu")) is None
+
+
+_floats = st.floats(width=32, allow_nan=True, allow_infinity=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_floats, min_size=1, max_size=6), st.lists(_floats, min_size=1, max_size=6))
+def test_folding_one_batch_twice_leaves_a_min_max_range_as_once(first, second):
+    """The warm-up before a capture runs its batch once more: the running range must not notice."""
+    once, twice = MinMaxEncodingAnalyzer(), MinMaxEncodingAnalyzer()
+    x, y = torch.tensor(first), torch.tensor(second)
+    for a in (once, twice):
+        a.update_stats(x)
+        a.update_stats(y)
+    twice.update_stats(y)
+    assert torch.equal(once.min, twice.min) or (once.min.isnan().all() and twice.min.isnan().all())
+    assert torch.equal(once.max, twice.max) or (once.max.isnan().all() and twice.max.isnan().all())
+    assert once.min.signbit() == twice.min.signbit() and once.max.signbit() == twice.max.signbit()
+
+
+class _HostSyncs(TorchDispatchMode):
+    """The operations that copy a device value to the host (a capture refuses them)."""
+
+    SYNCS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.is_nonzero.default",
+             "aten.equal.default", "aten.nonzero.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in self.SYNCS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_calibrating_forward_on_the_gpus_path_makes_no_host_sync(monkeypatch):
+    """On the CPU a per-tensor range is worked out as numbers; on a GPU it stays in tensors. Forced onto that
+    path here, a whole calibrating forward of W8A8 quantizers copies nothing to the host, so a capture can hold it."""
+    from qtool.quant import affine
+    from qtool.quant.quantizer import QuantizeDequantize
+
+    monkeypatch.setattr(QuantizeDequantize, "_min_max_numbers", lambda self, x: False)
+    monkeypatch.setattr(affine, "_uniform_offset", lambda offset: None)
+    model = mlp()
+    plan, qs = _plan(W8A8, model)
+    data = CalibrationData([Batch(args=(torch.randn(8, 64, generator=torch.Generator().manual_seed(i)),))
+                            for i in range(3)], [], 24, "random")
+    calibrate(model, plan, qs, data, torch.device("cpu"))  # weights and the first batches' state, eagerly
+    acts = [qs[q.name] for q in plan.static_activations]
+    with torch.no_grad(), _HostSyncs() as syncs:
+        for q in acts:
+            q.encoding_analyzer.reset_stats()
+            q._calibrating = True
+        try:
+            model(data.batches[0].args[0])  # the first batch creates each analyzer's state
+            model(data.batches[1].args[0])  # a later one: what a capture records
+        finally:
+            for q in acts:
+                q._calibrating = False
+    assert syncs.seen == [], syncs.seen
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu.sh runs it)")
+
+
+def _ranges(qs):
+    return {n: (q.min.detach().cpu(), q.max.detach().cpu()) for n, q in qs.items() if q.is_initialized()}
+
+
+def _calibrated(make_model, recipe, data, replay, monkeypatch):
+    from qtool.calibration import in_memory
+
+    monkeypatch.setattr(graphs, "ENABLED", replay)
+    made = []
+
+    def kept(*args, **kwargs):
+        made.append(graphs.replayer(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(in_memory, "replayer", kept)
+    model = make_model().to(CUDA)
+    plan, qs = _plan(recipe, model)
+    calibrate(model, plan, qs, data, CUDA)
+    return _ranges(qs), made
+
+
+@needs_cuda
+@pytest.mark.parametrize("last", [16, 7])  # all batches one shape; a shorter last batch (a second graph)
+def test_on_a_gpu_the_replayed_pass_gives_the_eager_ranges_bit_for_bit(monkeypatch, last):
+    g = torch.Generator().manual_seed(0)
+    data = CalibrationData([Batch(args=(torch.randn(16 if i < 5 else last, 64, generator=g),)) for i in range(6)],
+                           [], 80 + last, "random")
+    eager, _ = _calibrated(mlp, W8A8, data, False, monkeypatch)
+    replayed, made = _calibrated(mlp, W8A8, data, True, monkeypatch)
+    assert len(made) == 1 and made[0].replays == (5 if last == 16 else 4) and not made[0].refused
+    assert eager.keys() == replayed.keys() and len(eager) > 0
+    for n in eager:
+        assert torch.equal(eager[n][0], replayed[n][0]) and torch.equal(eager[n][1], replayed[n][1]), n
+
+
+@needs_cuda
+def test_on_a_gpu_a_forward_with_a_host_sync_runs_eagerly_with_the_same_ranges(monkeypatch):
+    class Synced(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = mlp()
+
+        def forward(self, x):
+            if bool((x > 1e9).any()):  # a host sync: the capture is refused
+                x = x.clamp(max=1e9)
+            return self.body(x)
+
+    g = torch.Generator().manual_seed(1)
+    data = CalibrationData([Batch(args=(torch.randn(16, 64, generator=g),)) for _ in range(5)], [], 80, "random")
+    eager, _ = _calibrated(Synced, W8A8, data, False, monkeypatch)
+    replayed, made = _calibrated(Synced, W8A8, data, True, monkeypatch)
+    assert made[0].refused and made[0].replays == 0
+    assert eager.keys() == replayed.keys() and len(eager) > 0
+    for n in eager:
+        assert torch.equal(eager[n][0], replayed[n][0]) and torch.equal(eager[n][1], replayed[n][1]), n
+
+
+@needs_cuda
+def test_on_a_gpu_a_tiny_llama_calibrates_to_the_eager_ranges(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    ids = torch.randint(1, 256, (4, 4, 16), generator=torch.Generator().manual_seed(2))
+    data = CalibrationData([Batch(args=(ids[i],)) for i in range(4)], [], 16, "random")
+
+    def make():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(cfg).eval()
+
+    eager, _ = _calibrated(make, W8A8, data, False, monkeypatch)
+    replayed, made = _calibrated(make, W8A8, data, True, monkeypatch)
+    assert made[0] is not None  # replayed, or refused by a host sync in transformers' forward: the same ranges
+    assert eager.keys() == replayed.keys() and len(eager) > 0
+    for n in eager:
+        assert torch.equal(eager[n][0], replayed[n][0]) and torch.equal(eager[n][1], replayed[n][1]), n
