@@ -9,22 +9,24 @@ bench/calibration_graph_probe.py before this module: 2.9x and 3.8x a float pass 
 
 It is used only where a replay gives the eager pass's bits:
 
-- a CUDA device and one process (a rank's recorder keeps each batch's statistics in Python);
+- a CUDA device, one process (a rank's recorder keeps each batch's statistics in Python), a model in eval mode;
 - every calibrating quantizer a :class:`~qtool.quant.QuantizeDequantize` with a min-max analyzer: its statistics
   fold in place into tensors that exist after the first batch, with no host sync and nothing kept in Python per
   call, and folding one batch twice leaves them as once (the warm-up before a capture repeats the batch);
-- batches whose tensors alone vary (a :class:`~qtool.data.Batch` holds nothing else).
+- batches whose tensors alone vary (a :class:`~qtool.data.Batch` holds nothing else), keyed by shape and strides.
 
-The first batch of each shape runs eagerly (analyzers create their state, caches fill); the second is run once on
-a side stream (CUDA graphs' rule before a capture), recorded and replayed. A forward the driver refuses to record
-(a host sync inside it: a mask checked on the host, routing by ``nonzero``) runs eagerly from that batch on, with
-the same result. At most :data:`MAX_GRAPHS` shapes are recorded (one forward's activations each); others run
-eagerly.
+The first batch of each shape runs eagerly (analyzers create their state, caches fill). The second runs once more
+on a side stream with host syncs made errors (a forward that syncs, such as a mask checked on the host or routing
+by ``nonzero``, is found there, before any capture starts), is recorded on that stream and replayed; the replay's
+output must equal the warm-up's bit for bit (a library may take another path while a capture runs: transformers
+builds explicit masks then), else the analyzers go back to their state before the replay. Any refusal leaves the
+pass eager from that batch on, with the same result. At most :data:`MAX_GRAPHS` shapes are recorded (one
+forward's activations each); others run eagerly.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,22 +34,24 @@ from ..config import QuantizerPlan
 from ..parallel import Group
 from ..quant import QuantizeDequantize, QuantizerBase
 from ..quant.analyzers import MinMaxEncodingAnalyzer
+from ..quant.quantizer import _last_call
+from .base import first_tensor
 
-__all__ = ["ENABLED", "MAX_GRAPHS", "Replayer", "replayer", "signature"]
+__all__ = ["ENABLED", "MAX_GRAPHS", "Refused", "Replayer", "record", "replayer", "signature"]
 
 ENABLED = True  # False: every batch runs eagerly (bench/calibration_graph_probe.py compares the two)
 MAX_GRAPHS = 2  # batch shapes recorded (a last, shorter batch is the usual second one)
 
-Signature = Tuple[Tuple[str, Tuple[int, ...], torch.dtype, torch.device], ...]
+Signature = Tuple[Tuple[str, Tuple[int, ...], Tuple[int, ...], torch.dtype, torch.device], ...]
 
 
 def signature(args: tuple, kwargs: dict) -> Optional[Signature]:
-    """What a recorded forward is keyed by: each tensor's place, shape, dtype and device. None where an argument
+    """What a recorded forward is keyed by: each tensor's place, shape, strides, dtype and device. None where an argument
     is not a tensor (its value could steer the forward in ways a replay would not follow)."""
     items = [(str(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
     if not all(isinstance(v, torch.Tensor) for _, v in items):
         return None
-    return tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in items)
+    return tuple((k, tuple(v.shape), v.stride(), v.dtype, v.device) for k, v in items)
 
 
 def replayable(rows: List[QuantizerPlan], quantizers: Dict[str, QuantizerBase], device: torch.device,
@@ -59,24 +63,69 @@ def replayable(rows: List[QuantizerPlan], quantizers: Dict[str, QuantizerBase], 
                and type(quantizers[q.name].encoding_analyzer) is MinMaxEncodingAnalyzer for q in rows)
 
 
+class Refused(RuntimeError):
+    """A forward that cannot be recorded: a host sync in its warm-up, a capture the driver refused, or a replay
+    whose output is not the eager one's."""
+
+
+def record(step: Callable[[], object], device: torch.device, find_syncs: bool = True):
+    """``(graph, warm, captured)``: ``step()`` run once on a side stream (``warm``: its result), then recorded as a
+    CUDA graph on that same stream (``captured``: its result, which each replay overwrites). Raises
+    :class:`Refused` if the driver refuses the capture or, with ``find_syncs``, the warm-up syncs with the host.
+
+    ``find_syncs`` runs the warm-up with torch's sync debug mode set to "error", so a host sync is found before
+    any capture starts: a capture that fails leaves the allocator and the current stream in states some torch
+    releases do not restore (the stream is restored here in any case). That mode is the whole process's: leave it
+    off where another thread may sync meanwhile (a state writer's copies to the host). Warm-up and capture share
+    one stream, so what CUDA creates per stream (cuBLAS workspaces) exists before the capture."""
+    device = torch.device(device)
+    before = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(before)
+    mode = torch.cuda.get_sync_debug_mode()
+    try:
+        with torch.cuda.stream(side):
+            if find_syncs:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                warm = step()
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
+        before.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads' CUDA calls (a state writer's copies to the host) are not this capture's
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            captured = step()
+    except Exception as e:
+        torch.cuda.set_stream(before)  # torch.cuda.graph leaves its stream current when its capture_end raises
+        raise Refused(f"{type(e).__name__}: {e}") from e
+    return graph, warm, captured
+
+
 class _Recorded:
     """One batch shape's forward, recorded: the inputs it reads and the graph that replays it."""
 
-    def __init__(self, forward: Callable, args: tuple, kwargs: dict):
+    def __init__(self, forward: Callable, args: tuple, kwargs: dict, analyzers: List[MinMaxEncodingAnalyzer]):
         self.args = tuple(a.clone() for a in args)
         self.kwargs = {k: v.clone() for k, v in kwargs.items()}
         device = self.args[0].device if self.args else next(iter(self.kwargs.values())).device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # the warm-up: this batch once more (min-max folds are idempotent)
-            forward(*self.args, **self.kwargs)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # a private memory pool per shape: two graphs sharing one may reuse each other's memory, which is safe only
-        # when they are replayed in their capture's order; thread_local: other threads' CUDA calls are not this
-        # capture's
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            forward(*self.args, **self.kwargs)
+
+        def step():
+            _last_call.clear()  # a call shared across two forwards would be recorded as a constant
+            out = forward(*self.args, **self.kwargs)
+            _last_call.clear()
+            return first_tensor(out).as_subclass(torch.Tensor)
+
+        # the warm-up runs this batch once more (min-max folds are idempotent); the replay below folds it again,
+        # on the state as the warm-up left it, kept here in case the replay is not the eager forward
+        self.graph, warm, self.out = record(step, device)
+        kept = [(a.min.clone(), a.max.clone()) for a in analyzers]
+        self.graph.replay()
+        if not torch.equal(self.out, warm):  # e.g. a library that takes another path while a capture runs
+            for a, (mn, mx) in zip(analyzers, kept):
+                a.min.copy_(mn)
+                a.max.copy_(mx)
+            raise Refused("the replayed forward's output is not the eager forward's")
 
     def replay(self, args: tuple, kwargs: dict) -> None:
         for mine, given in zip(self.args, args):
@@ -88,13 +137,15 @@ class _Recorded:
 
 class Replayer:
     """``forward(*args, **kwargs)`` for each batch of a calibration pass, replayed where recorded; returns nothing
-    (the pass reads the quantizers' statistics, not the outputs)."""
+    (the pass reads the quantizers' statistics, not the outputs). ``analyzers``: the calibrating quantizers'
+    min-max analyzers, restored if a recorded forward's check fails."""
 
-    def __init__(self, forward: Callable):
+    def __init__(self, forward: Callable, analyzers: Sequence[MinMaxEncodingAnalyzer] = ()):
         self.forward = forward
+        self.analyzers = list(analyzers)
         self.recorded: Dict[Signature, _Recorded] = {}
         self.seen: Dict[Signature, int] = {}
-        self.refused = False  # the driver refused a capture: eager from then on
+        self.refused: Optional[str] = None  # why a recording failed: eager from then on
         self.replays = 0
 
     def __call__(self, *args, **kwargs) -> None:
@@ -108,24 +159,22 @@ class Replayer:
             if self.seen[key] == 1 or len(self.recorded) >= MAX_GRAPHS:
                 self.forward(*args, **kwargs)
                 return
-            recorded = self._record(key, args, kwargs)
-            if recorded is None:
+            try:  # the recording runs and replays this batch
+                self.recorded[key] = _Recorded(self.forward, args, kwargs, self.analyzers)
+            except Refused as e:
+                self.refused = str(e)
                 self.forward(*args, **kwargs)
                 return
+            self.replays += 1
+            return
         recorded.replay(args, kwargs)
         self.replays += 1
-
-    def _record(self, key: Signature, args: tuple, kwargs: dict) -> Optional[_Recorded]:
-        try:
-            recorded = _Recorded(self.forward, args, kwargs)
-        except RuntimeError:  # a host sync in the forward (or a driver without graphs): the eager pass
-            self.refused = True
-            return None
-        self.recorded[key] = recorded
-        return recorded
 
 
 def replayer(forward: Callable, rows: List[QuantizerPlan], quantizers: Dict[str, QuantizerBase],
              device: torch.device, group: Optional[Group] = None) -> Optional[Replayer]:
-    """A :class:`Replayer` of ``forward`` where the activation pass of ``rows`` may be replayed, else None."""
-    return Replayer(forward) if replayable(rows, quantizers, device, group) else None
+    """A :class:`Replayer` of ``forward`` (a module in eval mode) where the activation pass of ``rows`` may be
+    replayed, else None."""
+    if getattr(forward, "training", False) or not replayable(rows, quantizers, device, group):
+        return None  # (training: dropout draws other numbers on a replay, batch norms count the warm-up)
+    return Replayer(forward, [quantizers[q.name].encoding_analyzer for q in rows])

@@ -331,6 +331,9 @@ def true_div(x: torch.Tensor, d) -> torch.Tensor:
     ``x``'s own device gets CUDA's true division, so CPU and CUDA encodings are the same bits."""
     if x.device.type == "cpu":
         return x / d
+    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # made inside a CUDA graph's capture, its fill is recorded, not run: the graph's own, never the cache's
+        return x / torch.full((), float(d), dtype=x.dtype, device=x.device)
     return x / _divisor(float(d), x.dtype, x.device)
 
 

@@ -29,6 +29,7 @@ import torch
 from ...quant.affine import blocked_shapes, dequantize, quantize, resolve_block_size
 from ...quant.floatgrid import FloatElement
 from ...quant.ggml import IQ4_TABLE, GgmlType
+from ..graphs import record
 
 Grid = Union[FloatElement, GgmlType]  # a grid other than AIMET's integers
 # columns whose errors reach each other one by one inside a block of ``block_columns``; the rest of the block
@@ -197,16 +198,9 @@ class _CapturedColumns:
         def step():
             _columns(self.W, S, O, self.U, self.pivots, self.codes, self.errors, qmin, qmax, element)
 
-        side = torch.cuda.Stream(like.device)  # warm-up off the default stream before capture (CUDA graphs' rule)
-        side.wait_stream(torch.cuda.current_stream(like.device))
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream(like.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls other threads make meanwhile (the resumable state's writer copies a block's
-        # outputs to the host) are theirs, not this capture's
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            step()
+        # a warm-up on a side stream, then the capture on that stream (qtool.calibration.graphs.record); the loop
+        # has no host sync, and the resumable state's writer thread may copy to the host meanwhile
+        self.graph, _, _ = record(step, like.device, find_syncs=False)
 
     @classmethod
     def make(cls, Wt: torch.Tensor, qmin: int, qmax: int, element: Optional[Grid]) -> Optional["_CapturedColumns"]:
@@ -218,7 +212,8 @@ class _CapturedColumns:
         try:
             with torch.cuda.device(Wt.device):
                 return cls(Wt.shape[0], Wt.shape[2], Wt, qmin, qmax, element)
-        except RuntimeError:  # a capture the driver refused: the loop as it is (slower, the same codes)
+        except RuntimeError:  # a capture refused (graphs.Refused), or no memory for it: the loop as it is (slower,
+            # the same codes)
             return None
 
     def run(self, W: torch.Tensor, St: torch.Tensor, Ot: torch.Tensor, scale_columns: torch.Tensor,
