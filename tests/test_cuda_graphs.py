@@ -55,9 +55,11 @@ def test_only_a_cuda_pass_of_min_max_quantizers_in_one_process_is_replayed(monke
     monkeypatch.setattr(graphs, "ENABLED", False)
     assert not graphs.replayable(acts, qs, CUDA)
     monkeypatch.undo()
+    assert graphs.replayer(model.eval(), acts, qs, CUDA) is not None
+    assert graphs.replayer(model.train(), acts, qs, CUDA) is None  # dropout would draw other numbers
+    assert graphs.replayer(model.eval(), acts, qs, torch.device("cpu")) is None
     plan, qs = _plan(PERCENTILE, mlp())  # a histogram keeps each batch in Python: never replayed
     assert not graphs.replayable(plan.static_activations, qs, CUDA)
-    assert graphs.replayer(model, plan.static_activations, qs, torch.device("cpu")) is None
 
 
 _floats = st.floats(width=32, allow_nan=True, allow_infinity=True)
@@ -139,9 +141,10 @@ def _calibrated(make_model, recipe, data, replay, monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(in_memory, "replayer", kept)
-    model = make_model().to(CUDA)
+    model = make_model().to(CUDA).eval()
     plan, qs = _plan(recipe, model)
     calibrate(model, plan, qs, data, CUDA)
+    assert len(made) == 1 and (made[0] is None) == (not replay)
     return _ranges(qs), made
 
 

@@ -35,7 +35,6 @@ from ..parallel import Group
 from ..quant import QuantizeDequantize, QuantizerBase
 from ..quant.analyzers import MinMaxEncodingAnalyzer
 from ..quant.quantizer import _last_call
-from .base import first_tensor
 
 __all__ = ["ENABLED", "MAX_GRAPHS", "Refused", "Replayer", "record", "replayer", "signature"]
 
@@ -84,14 +83,16 @@ def record(step: Callable[[], object], device: torch.device, find_syncs: bool = 
     side.wait_stream(before)
     mode = torch.cuda.get_sync_debug_mode()
     try:
-        with torch.cuda.stream(side):
-            if find_syncs:
-                torch.cuda.set_sync_debug_mode("error")
-            try:
-                warm = step()
-            finally:
-                torch.cuda.set_sync_debug_mode(mode)
-        before.wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                if find_syncs:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    warm = step()
+                finally:
+                    torch.cuda.set_sync_debug_mode(mode)
+        finally:  # also after a failed warm-up: its kernels may still be reading what the caller frees next
+            before.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads' CUDA calls (a state writer's copies to the host) are not this capture's
         with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
@@ -103,29 +104,50 @@ def record(step: Callable[[], object], device: torch.device, find_syncs: bool = 
 
 
 class _Recorded:
-    """One batch shape's forward, recorded: the inputs it reads and the graph that replays it."""
+    """One batch shape's forward, recorded: the inputs it reads and the graph that replays it.
 
-    def __init__(self, forward: Callable, args: tuple, kwargs: dict, analyzers: List[MinMaxEncodingAnalyzer]):
+    Recording checks the replay against the eager forward quantizer by quantizer: each analyzer's running range is
+    set empty (+inf, -inf) before the warm-up and again before a first replay of the same batch, and both must
+    leave the same bits in every analyzer (a library may take another path while a capture runs: transformers
+    builds explicit attention masks then). The ranges kept before are then put back (on a failure too) and the
+    batch is replayed once more into them, folded call by call as the eager pass folds it."""
+
+    def __init__(self, forward: Callable, args: tuple, kwargs: dict, analyzers: List[MinMaxEncodingAnalyzer],
+                 device: torch.device):
         self.args = tuple(a.clone() for a in args)
         self.kwargs = {k: v.clone() for k, v in kwargs.items()}
-        device = self.args[0].device if self.args else next(iter(self.kwargs.values())).device
+        live = [a for a in analyzers if a.min is not None]  # (a quantizer the first batch never reached has none)
+        kept = [(a.min.clone(), a.max.clone()) for a in live]
+
+        def empty():
+            for a in live:
+                a.min.fill_(float("inf"))
+                a.max.fill_(float("-inf"))
+
+        def ranges():
+            return [(a.min.view(torch.int32).clone(), a.max.view(torch.int32).clone()) for a in live]
 
         def step():
             _last_call.clear()  # a call shared across two forwards would be recorded as a constant
-            out = forward(*self.args, **self.kwargs)
+            forward(*self.args, **self.kwargs)
             _last_call.clear()
-            return first_tensor(out).as_subclass(torch.Tensor)
 
-        # the warm-up runs this batch once more (min-max folds are idempotent); the replay below folds it again,
-        # on the state as the warm-up left it, kept here in case the replay is not the eager forward
-        self.graph, warm, self.out = record(step, device)
-        kept = [(a.min.clone(), a.max.clone()) for a in analyzers]
-        self.graph.replay()
-        if not torch.equal(self.out, warm):  # e.g. a library that takes another path while a capture runs
-            for a, (mn, mx) in zip(analyzers, kept):
+        def restore():
+            for a, (mn, mx) in zip(live, kept):
                 a.min.copy_(mn)
                 a.max.copy_(mx)
-            raise Refused("the replayed forward's output is not the eager forward's")
+
+        try:
+            empty()
+            self.graph, _, _ = record(step, device)
+            eager = ranges()
+            empty()
+            self.graph.replay()
+            if any(not torch.equal(e, r) for pair in zip(eager, ranges()) for e, r in zip(*pair)):
+                raise Refused("a replayed forward's ranges are not the eager forward's")
+        finally:
+            restore()
+        self.graph.replay()  # the batch folded into the kept ranges call by call, as the eager pass folds it
 
     def replay(self, args: tuple, kwargs: dict) -> None:
         for mine, given in zip(self.args, args):
@@ -159,10 +181,12 @@ class Replayer:
             if self.seen[key] == 1 or len(self.recorded) >= MAX_GRAPHS:
                 self.forward(*args, **kwargs)
                 return
-            try:  # the recording runs and replays this batch
-                self.recorded[key] = _Recorded(self.forward, args, kwargs, self.analyzers)
-            except Refused as e:
-                self.refused = str(e)
+            device = next(v.device for v in list(args) + list(kwargs.values()))
+            try:  # the recording runs this batch (warm-up and a first replay)
+                with torch.cuda.device(device):  # (a refusal restores the stream, and so the device, it began on)
+                    self.recorded[key] = _Recorded(self.forward, args, kwargs, self.analyzers, device)
+            except Exception as e:  # refused, or no memory for it: this batch and the rest eagerly
+                self.refused = f"{type(e).__name__}: {e}" if not isinstance(e, Refused) else str(e)
                 self.forward(*args, **kwargs)
                 return
             self.replays += 1
@@ -175,6 +199,7 @@ def replayer(forward: Callable, rows: List[QuantizerPlan], quantizers: Dict[str,
              device: torch.device, group: Optional[Group] = None) -> Optional[Replayer]:
     """A :class:`Replayer` of ``forward`` (a module in eval mode) where the activation pass of ``rows`` may be
     replayed, else None."""
-    if getattr(forward, "training", False) or not replayable(rows, quantizers, device, group):
+    modules = forward.modules() if isinstance(forward, torch.nn.Module) else ()
+    if any(m.training for m in modules) or not replayable(rows, quantizers, device, group):
         return None  # (training: dropout draws other numbers on a replay, batch norms count the warm-up)
     return Replayer(forward, [quantizers[q.name].encoding_analyzer for q in rows])
