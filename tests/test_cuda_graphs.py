@@ -224,3 +224,18 @@ def test_on_a_gpu_a_tiny_llama_calibrates_to_the_eager_ranges(monkeypatch):
     # replayed, or refused where transformers' forward syncs or takes another path under capture: the same ranges
     print(f"tiny Llama: {made[0].replays} batches replayed; refused: {made[0].refused}")
     _equal(eager, replayed)
+
+
+@pytest.mark.parametrize("value, on", [(None, True), ("0", False), (" Off ", False)])
+def test_qtool_cuda_graphs_in_the_environment_turns_both_uses_off(value, on):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != graphs.ENV}
+    if value is not None:
+        env[graphs.ENV] = value
+    out = subprocess.run([sys.executable, "-c", "from qtool.calibration import graphs; "
+                          "from qtool.calibration.rounding import gptq; print(graphs.ENABLED, gptq.CUDA_GRAPHS)"],
+                         env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(on), str(on)]

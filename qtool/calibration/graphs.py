@@ -21,11 +21,12 @@ by ``nonzero``, is found there, before any capture starts), is recorded on that 
 output must equal the warm-up's bit for bit (a library may take another path while a capture runs: transformers
 builds explicit masks then), else the analyzers go back to their state before the replay. Any refusal leaves the
 pass eager from that batch on, with the same result. At most :data:`MAX_GRAPHS` shapes are recorded (one
-forward's activations each); others run eagerly.
+forward's activations each); others run eagerly. ``QTOOL_CUDA_GRAPHS=0`` turns CUDA graphs off in qtool.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,9 +37,16 @@ from ..quant import QuantizeDequantize, QuantizerBase
 from ..quant.analyzers import MinMaxEncodingAnalyzer
 from ..quant.quantizer import _last_call
 
-__all__ = ["ENABLED", "MAX_GRAPHS", "Refused", "Replayer", "record", "replayer", "signature"]
+__all__ = ["ENABLED", "ENV", "MAX_GRAPHS", "Refused", "Replayer", "record", "replayer", "signature"]
 
-ENABLED = True  # False: every batch runs eagerly (bench/calibration_graph_probe.py compares the two)
+ENV = "QTOOL_CUDA_GRAPHS"  # 0 / false / no / off: no CUDA graphs anywhere in qtool (this pass, GPTQ's column loop)
+
+
+def enabled_by_environment() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+ENABLED = enabled_by_environment()  # False: every batch runs eagerly (calibration_graph_probe.py compares the two)
 MAX_GRAPHS = 2  # batch shapes recorded (a last, shorter batch is the usual second one)
 
 Signature = Tuple[Tuple[str, Tuple[int, ...], Tuple[int, ...], torch.dtype, torch.device], ...]

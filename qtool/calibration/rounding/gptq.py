@@ -29,14 +29,15 @@ import torch
 from ...quant.affine import blocked_shapes, dequantize, quantize, resolve_block_size
 from ...quant.floatgrid import FloatElement
 from ...quant.ggml import IQ4_TABLE, GgmlType
-from ..graphs import record
+from ..graphs import enabled_by_environment, record
 
 Grid = Union[FloatElement, GgmlType]  # a grid other than AIMET's integers
 # columns whose errors reach each other one by one inside a block of ``block_columns``; the rest of the block
 # takes a sub-block's errors in one matmul (the same sums in another order: measured on SmolLM2's layers, one
 # code in 1.8M differs, and the column loop is ~1.5x faster on wide layers)
 _SUB_BLOCK = 32
-CUDA_GRAPHS = True  # False: the column loop launches each step itself (bench/gptq_columns.py compares the two)
+# False (or QTOOL_CUDA_GRAPHS=0): the column loop launches each step itself (bench/gptq_columns.py compares the two)
+CUDA_GRAPHS = enabled_by_environment()
 _ROW_CHUNK_VALUES = 1 << 21  # the row check's float64 work a chunk of rows at a time (16 MB per temporary)
 
 __all__ = ["gptq_codes", "expand_encoding", "as_problems", "keep_better_rows"]
