@@ -38,7 +38,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(layers: int, device: str, repeats: int, samples: int = 16, seq_len: int = 256) -> dict:
+def run(layers: int, device: str, repeats: int, samples: int = 16, seq_len: int = 256, mask: bool = False) -> dict:
     import qtool.quant.quantizer as quantizer_module
     from qtool.calibration import graphs, in_memory
     from qtool.calibration.in_memory import calibrate
@@ -52,7 +52,9 @@ def run(layers: int, device: str, repeats: int, samples: int = 16, seq_len: int 
         write_checkpoint(Path(d) / "m", {**SMOLLM2, "layers": layers})
         model = load_model(Path(d) / "m", device=device).model.float()
     ids = torch.randint(0, SMOLLM2["vocab"], (samples, seq_len), generator=torch.Generator().manual_seed(0))
-    batches = [Batch(kwargs={"input_ids": ids[i:i + 4]}) for i in range(0, samples, 4)]
+    # mask: the all-ones attention mask qtool's packed text windows carry (transformers checks it on the host)
+    batches = [Batch(kwargs={"input_ids": ids[i:i + 4], **({"attention_mask": torch.ones_like(ids[i:i + 4])}
+                                                          if mask else {})}) for i in range(0, samples, 4)]
     data = CalibrationData(batches, [], samples, "random")
     recipe = load_recipe(HERE.parent / "configs" / "w8a8.yaml")
     sharing = quantizer_module._LastCalibrationCall.matching
@@ -116,7 +118,9 @@ def run(layers: int, device: str, repeats: int, samples: int = 16, seq_len: int 
                 for a, b in zip(ranges["alone"][n], ranges[m][n]))
     best = {k: min(v) for k, v in times.items()}
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    refused = next((r.refused for r in replayers if r is not None and r.refused), None)
     return {"bench": "shared_calls", "model": f"SmolLM2-135M shape, {layers} blocks, random weights, float32",
+            "attention_mask": mask, "replay_refused": refused,
             "recipe": "configs/w8a8.yaml", "batches": f"{samples} x {seq_len} tokens, batches of 4",
             "device": name, "torch": torch.__version__, "repeats": repeats,
             "activation_calls": calls, "shared_calls": shared_calls, "ranges_equal": equal,
@@ -132,13 +136,16 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--samples", type=int, default=16, help="calibration samples of 256 tokens, in batches of 4")
+    ap.add_argument("--attention-mask", action="store_true",
+                    help="batches carry an all-ones attention mask, as qtool's packed text windows do")
     ap.add_argument("--out", default=str(HERE / "results" / "shared_calls.json"))
     args = ap.parse_args(argv)
-    r = run(args.layers, args.device, args.repeats, samples=args.samples)
+    r = run(args.layers, args.device, args.repeats, samples=args.samples, mask=args.attention_mask)
     print(f"{r['model']}, {r['recipe']}, {r['batches']} ({r['device']})")
     print(f"activation quantizer calls {r['activation_calls']}, of which shared {r['shared_calls']}; "
           f"batches replayed as a CUDA graph {r['batches_replayed']} of {len(range(0, args.samples, 4))}; "
-          f"ranges bit-equal every way: {r['ranges_equal']}")
+          f"ranges bit-equal every way: {r['ranges_equal']}"
+          + (f"; attention mask given; replay refused: {r['replay_refused']}" if r["attention_mask"] else ""))
     print(f"{'':<28}{'best s':>9}{'x float':>9}")
     print(f"{'float forward':<28}{r['float_s']:>9.3f}{1.0:>9.2f}")
     print(f"{'calibrate (as shipped)':<28}{r['calibrate_shared_s']:>9.3f}{r['ratio_shared']:>9.2f}")

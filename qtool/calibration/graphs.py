@@ -22,6 +22,11 @@ output must equal the warm-up's bit for bit (a library may take another path whi
 builds explicit masks then), else the analyzers go back to their state before the replay. Any refusal leaves the
 pass eager from that batch on, with the same result. At most :data:`MAX_GRAPHS` shapes are recorded (one
 forward's activations each); others run eagerly. ``QTOOL_CUDA_GRAPHS=0`` turns CUDA graphs off in qtool.
+
+Where it does not reach yet: transformers (5.23) reads an attention mask on the host when it decides whether sdpa
+may skip it (``padding_mask.all()``), and qtool's packed text windows carry an all-ones mask, so a causal LM
+calibrated on text is refused at the warm-up and runs eagerly; batches of token ids alone (a tensor file) are
+replayed. The sequential mode's block passes are not replayed.
 """
 
 from __future__ import annotations
