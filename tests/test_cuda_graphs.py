@@ -55,11 +55,63 @@ def test_only_a_cuda_pass_of_min_max_quantizers_in_one_process_is_replayed(monke
     monkeypatch.setattr(graphs, "ENABLED", False)
     assert not graphs.replayable(acts, qs, CUDA)
     monkeypatch.undo()
+    loaded = mlp().eval()  # as qtool runs: the model put in eval mode when loaded, the quantizers inserted after
+    plan_l, qs_l = _plan(W8A8, loaded)
+    assert graphs.replayer(loaded, plan_l.static_activations, qs_l, CUDA) is not None
     assert graphs.replayer(model.eval(), acts, qs, CUDA) is not None
     assert graphs.replayer(model.train(), acts, qs, CUDA) is None  # dropout would draw other numbers
     assert graphs.replayer(model.eval(), acts, qs, torch.device("cpu")) is None
     plan, qs = _plan(PERCENTILE, mlp())  # a histogram keeps each batch in Python: never replayed
     assert not graphs.replayable(plan.static_activations, qs, CUDA)
+
+
+def _tiny_causal_lm(family: str):
+    transformers = pytest.importorskip("transformers")
+    small = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**small)).eval()
+    if family == "mistral":  # a sliding window shorter than the sequence
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**small, sliding_window=6)).eval()
+    cfg = transformers.Qwen3Config(**small, head_dim=16)
+    return transformers.Qwen3ForCausalLM(cfg).eval()
+
+
+def test_a_full_attention_mask_is_left_out_of_a_replayed_causal_lms_batches_only():
+    lm = _tiny_causal_lm("llama")
+    plan, qs = _plan(W8A8, lm)
+    acts = plan.static_activations
+    ids = torch.randint(1, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    full, padded = torch.ones_like(ids), torch.ones_like(ids)
+    padded[0, :3] = 0
+    replay = graphs.replayer(lm, acts, qs, CUDA)
+    assert replay.drop_full_masks and graphs.reads_none_as_full_mask(lm)
+    assert set(replay.inputs(Batch(kwargs={"input_ids": ids, "attention_mask": full})).kwargs) == {"input_ids"}
+    assert set(replay.inputs(Batch(kwargs={"input_ids": ids, "attention_mask": padded})).kwargs) == {
+        "input_ids", "attention_mask"}
+    model = mlp().eval()
+    plan, qs = _plan(W8A8, model)
+    assert not graphs.replayer(model, plan.static_activations, qs, CUDA).drop_full_masks
+    bert = pytest.importorskip("transformers").BertModel(pytest.importorskip("transformers").BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    assert not graphs.reads_none_as_full_mask(bert)  # an encoder: its batches keep what they carry
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+def test_a_causal_lm_calibrates_to_the_same_ranges_with_a_full_attention_mask_or_none(family):
+    """What leaving the mask out relies on: transformers reads None as the mask of all ones, to the bit."""
+    ids = torch.randint(1, 256, (3, 2, 16), generator=torch.Generator().manual_seed(4))
+    ranges = []
+    for mask in (True, False):
+        lm = _tiny_causal_lm(family)
+        plan, qs = _plan(W8A8, lm)
+        data = CalibrationData([Batch(kwargs={"input_ids": ids[i], **({"attention_mask": torch.ones_like(ids[i])}
+                                                                      if mask else {})}) for i in range(3)],
+                               [], 6, "random")
+        calibrate(lm, plan, qs, data, torch.device("cpu"))
+        ranges.append(_ranges(qs))
+    _equal(*ranges)
 
 
 _floats = st.floats(width=32, allow_nan=True, allow_infinity=True)
@@ -96,27 +148,37 @@ class _HostSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_calibrating_forward_on_the_gpus_path_makes_no_host_sync(monkeypatch):
+def _mlp_batches():
+    return mlp().eval(), [Batch(args=(torch.randn(8, 64, generator=torch.Generator().manual_seed(i)),))
+                          for i in range(3)]
+
+
+def _llama_batches():  # packed text's batches as the replay feeds them: token ids, the full mask left out
+    ids = torch.randint(1, 256, (3, 2, 16), generator=torch.Generator().manual_seed(5))
+    return _tiny_causal_lm("llama"), [Batch(kwargs={"input_ids": ids[i]}) for i in range(3)]
+
+
+@pytest.mark.parametrize("make", [_mlp_batches, _llama_batches], ids=["mlp", "tiny-llama"])
+def test_a_calibrating_forward_on_the_gpus_path_makes_no_host_sync(monkeypatch, make):
     """On the CPU a per-tensor range is worked out as numbers; on a GPU it stays in tensors. Forced onto that
-    path here, a whole calibrating forward of W8A8 quantizers copies nothing to the host, so a capture can hold it."""
+    path here, a whole calibrating forward of W8A8 quantizers (and transformers' own forward, given no mask)
+    copies nothing to the host, so a capture can hold it."""
     from qtool.quant import affine
     from qtool.quant.quantizer import QuantizeDequantize
 
     monkeypatch.setattr(QuantizeDequantize, "_min_max_numbers", lambda self, x: False)
     monkeypatch.setattr(affine, "_uniform_offset", lambda offset: None)
-    model = mlp()
+    model, batches = make()
     plan, qs = _plan(W8A8, model)
-    data = CalibrationData([Batch(args=(torch.randn(8, 64, generator=torch.Generator().manual_seed(i)),))
-                            for i in range(3)], [], 24, "random")
-    calibrate(model, plan, qs, data, torch.device("cpu"))  # weights and the first batches' state, eagerly
+    calibrate(model, plan, qs, CalibrationData(batches, [], 3, "random"), torch.device("cpu"))  # weights, eagerly
     acts = [qs[q.name] for q in plan.static_activations]
     with torch.no_grad(), _HostSyncs() as syncs:
         for q in acts:
             q.encoding_analyzer.reset_stats()
             q._calibrating = True
         try:
-            model(data.batches[0].args[0])  # the first batch creates each analyzer's state
-            model(data.batches[1].args[0])  # a later one: what a capture records
+            for b in batches[:2]:  # the first batch creates each analyzer's state; a later one is what is recorded
+                model(*b.args, **b.kwargs)
         finally:
             for q in acts:
                 q._calibrating = False
@@ -208,21 +270,15 @@ def test_on_a_gpu_a_forward_that_cannot_be_replayed_runs_eagerly_with_the_same_r
 
 
 @needs_cuda
-def test_on_a_gpu_a_tiny_llama_calibrates_to_the_eager_ranges(monkeypatch):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+def test_on_a_gpu_a_tiny_llama_on_packed_text_replays_to_the_eager_ranges(monkeypatch):
+    """Batches as qtool's packed text windows give them (token ids and a mask of all ones): the mask is left out,
+    so transformers has no mask to read on the host, and the pass replays."""
     ids = torch.randint(1, 256, (4, 4, 16), generator=torch.Generator().manual_seed(2))
-    data = CalibrationData([Batch(args=(ids[i],)) for i in range(4)], [], 16, "random")
-
-    def make():
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(cfg).eval()
-
-    eager, _ = _calibrated(make, W8A8, data, False, monkeypatch)
-    replayed, made = _calibrated(make, W8A8, data, True, monkeypatch)
-    # replayed, or refused where transformers' forward syncs or takes another path under capture: the same ranges
-    print(f"tiny Llama: {made[0].replays} batches replayed; refused: {made[0].refused}")
+    data = CalibrationData([Batch(kwargs={"input_ids": ids[i], "attention_mask": torch.ones_like(ids[i])})
+                            for i in range(4)], [], 16, "random")
+    eager, _ = _calibrated(lambda: _tiny_causal_lm("llama"), W8A8, data, False, monkeypatch)
+    replayed, made = _calibrated(lambda: _tiny_causal_lm("llama"), W8A8, data, True, monkeypatch)
+    assert made[0].refused is None and made[0].replays == 3, made[0].refused
     _equal(eager, replayed)
 
 

@@ -23,10 +23,10 @@ builds explicit masks then), else the analyzers go back to their state before th
 pass eager from that batch on, with the same result. At most :data:`MAX_GRAPHS` shapes are recorded (one
 forward's activations each); others run eagerly. ``QTOOL_CUDA_GRAPHS=0`` turns CUDA graphs off in qtool.
 
-Where it does not reach yet: transformers (5.23) reads an attention mask on the host when it decides whether sdpa
-may skip it (``padding_mask.all()``), and qtool's packed text windows carry an all-ones mask, so a causal LM
-calibrated on text is refused at the warm-up and runs eagerly; batches of token ids alone (a tensor file) are
-replayed. The sequential mode's block passes are not replayed.
+A transformers causal LM given an attention mask of all ones (qtool's packed text windows carry one) gets None
+instead in this pass (:meth:`Replayer.inputs`): transformers (5.23) reads a given mask on the host when deciding
+whether sdpa may skip it, a sync the warm-up would refuse, and it reads None as that very mask. The sequential
+mode's block passes are not replayed.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..config import QuantizerPlan
+from ..data import Batch
+from ..model.insert import QUANTIZERS_ATTR, iter_quantizers
 from ..parallel import Group
 from ..quant import QuantizeDequantize, QuantizerBase
 from ..quant.analyzers import MinMaxEncodingAnalyzer
@@ -54,6 +56,7 @@ def enabled_by_environment() -> bool:
 ENABLED = enabled_by_environment()  # False: every batch runs eagerly (calibration_graph_probe.py compares the two)
 MAX_GRAPHS = 2  # batch shapes recorded (a last, shorter batch is the usual second one)
 
+MASK = "attention_mask"
 Signature = Tuple[Tuple[str, Tuple[int, ...], Tuple[int, ...], torch.dtype, torch.device], ...]
 
 
@@ -175,13 +178,24 @@ class Replayer:
     (the pass reads the quantizers' statistics, not the outputs). ``analyzers``: the calibrating quantizers'
     min-max analyzers, restored if a recorded forward's check fails."""
 
-    def __init__(self, forward: Callable, analyzers: Sequence[MinMaxEncodingAnalyzer] = ()):
+    def __init__(self, forward: Callable, analyzers: Sequence[MinMaxEncodingAnalyzer] = (),
+                 drop_full_masks: bool = False):
         self.forward = forward
         self.analyzers = list(analyzers)
+        self.drop_full_masks = drop_full_masks
         self.recorded: Dict[Signature, _Recorded] = {}
         self.seen: Dict[Signature, int] = {}
         self.refused: Optional[str] = None  # why a recording failed: eager from then on
         self.replays = 0
+
+    def inputs(self, batch: Batch) -> Batch:
+        """``batch`` (still on the CPU) as this pass feeds it: with ``drop_full_masks``, an attention mask of all
+        ones is left out (a transformers model reads None as that mask; read on the host here, it costs no sync,
+        where transformers' own check of it is a sync the capture refuses)."""
+        mask = batch.kwargs.get(MASK)
+        if self.drop_full_masks and isinstance(mask, torch.Tensor) and mask.device.type == "cpu" and bool(mask.all()):
+            return Batch(batch.args, {k: v for k, v in batch.kwargs.items() if k != MASK})
+        return batch
 
     def __call__(self, *args, **kwargs) -> None:
         key = None if self.refused else signature(args, kwargs)
@@ -212,7 +226,28 @@ def replayer(forward: Callable, rows: List[QuantizerPlan], quantizers: Dict[str,
              device: torch.device, group: Optional[Group] = None) -> Optional[Replayer]:
     """A :class:`Replayer` of ``forward`` (a module in eval mode) where the activation pass of ``rows`` may be
     replayed, else None."""
-    modules = forward.modules() if isinstance(forward, torch.nn.Module) else ()
-    if any(m.training for m in modules) or not replayable(rows, quantizers, device, group):
+    if in_training(forward) or not replayable(rows, quantizers, device, group):
         return None  # (training: dropout draws other numbers on a replay, batch norms count the warm-up)
-    return Replayer(forward, [quantizers[q.name].encoding_analyzer for q in rows])
+    return Replayer(forward, [quantizers[q.name].encoding_analyzer for q in rows], reads_none_as_full_mask(forward))
+
+
+def in_training(model) -> bool:
+    """Whether any module of ``model`` but qtool's own (its quantizers and the dicts holding them, made in training
+    mode and indifferent to it) is in training mode."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    own = {id(m) for _, q in iter_quantizers(model) for m in q.modules()}
+    own.update(id(getattr(m, QUANTIZERS_ATTR)) for m in model.modules() if hasattr(m, QUANTIZERS_ATTR))
+    return any(m.training for m in model.modules() if id(m) not in own)
+
+
+def reads_none_as_full_mask(model) -> bool:
+    """Whether ``model`` is a transformers decoder-only model, whose forward reads ``attention_mask=None`` as a
+    mask of all ones (the same masks, the same numbers: tests/test_cuda_graphs.py compares the ranges)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    config = getattr(model, "config", None)
+    return isinstance(model, PreTrainedModel) and not getattr(config, "is_encoder_decoder", False) and bool(
+        getattr(config, "is_decoder", False) or type(model).__name__.endswith("ForCausalLM"))

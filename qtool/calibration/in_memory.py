@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..config import Plan
-from ..data import CalibrationData, rejection
+from ..data import Batch, CalibrationData, rejection
 from ..errors import DataError, UsageError
 from ..model.insert import set_quantization
 from ..parallel import Group
@@ -68,9 +68,9 @@ def calibrate(
 
     local = shard(data, group)
 
-    def run(forward: Callable = model):
+    def run(forward: Callable = model, inputs: Callable[[Batch], Batch] = lambda batch: batch):
         for i, batch in enumerate(local):
-            b = batch.to(device)
+            b = inputs(batch).to(device)
             try:
                 forward(*b.args, **b.kwargs)
             except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
@@ -122,7 +122,7 @@ def calibrate(
     unused = []
     if acts:
         replay = replayer(model, acts, quantizers, device, group)  # a GPU's pass as a CUDA graph (.graphs)
-        calibrate_activations_dp(acts, quantizers, run if replay is None else lambda: run(replay), group)
+        calibrate_activations_dp(acts, quantizers, run if replay is None else lambda: run(replay, replay.inputs), group)
         unused = [q.name for q in acts if not quantizers[q.name].is_initialized()]
     return CalibrationResult(unused, codes, replaced)
 

@@ -19,9 +19,9 @@ from .online import key_rotation, rotate_keys
 from ..quant import (DynamicFloatQuantizeDequantize, DynamicQuantizeDequantize, FloatQuantizeDequantize,
                      GgmlQuantizeDequantize, QuantizeDequantize, QuantizerBase)
 
-__all__ = ["insert_quantizers", "remove_quantizers", "iter_quantizers", "QuantizedModuleMixin"]
+__all__ = ["insert_quantizers", "remove_quantizers", "iter_quantizers", "QuantizedModuleMixin", "QUANTIZERS_ATTR"]
 
-_ATTR = "qtool_quantizers"
+_ATTR = QUANTIZERS_ATTR = "qtool_quantizers"  # the ModuleDict a quantized module holds its quantizers in
 # the names an attention layer's cache argument goes by (transformers renamed it; the older first)
 CACHE_KWARGS = ("past_key_value", "past_key_values")
 _CLASS_CACHE: Dict[type, type] = {}
