@@ -78,24 +78,68 @@ def _tiny_causal_lm(family: str):
     return transformers.Qwen3ForCausalLM(cfg).eval()
 
 
-def test_a_full_attention_mask_is_left_out_of_a_replayed_causal_lms_batches_only():
-    lm = _tiny_causal_lm("llama")
-    plan, qs = _plan(W8A8, lm)
-    acts = plan.static_activations
+def test_only_token_ids_with_a_2d_mask_of_ones_of_a_transformers_causal_lm_count_as_a_full_mask():
+    transformers = pytest.importorskip("transformers")
     ids = torch.randint(1, 256, (2, 12), generator=torch.Generator().manual_seed(3))
-    full, padded = torch.ones_like(ids), torch.ones_like(ids)
+    ones = torch.ones_like(ids)
+    padded = ones.clone()
     padded[0, :3] = 0
-    replay = graphs.replayer(lm, acts, qs, CUDA)
-    assert replay.drop_full_masks and graphs.reads_none_as_full_mask(lm)
-    assert set(replay.inputs(Batch(kwargs={"input_ids": ids, "attention_mask": full})).kwargs) == {"input_ids"}
-    assert set(replay.inputs(Batch(kwargs={"input_ids": ids, "attention_mask": padded})).kwargs) == {
-        "input_ids", "attention_mask"}
-    model = mlp().eval()
-    plan, qs = _plan(W8A8, model)
-    assert not graphs.replayer(model, plan.static_activations, qs, CUDA).drop_full_masks
-    bert = pytest.importorskip("transformers").BertModel(pytest.importorskip("transformers").BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    assert graphs.full_mask(Batch(kwargs={"input_ids": ids, "attention_mask": ones}))
+    assert graphs.full_mask(Batch(kwargs={"input_ids": ids, "attention_mask": ones.bool()}))
+    for kwargs in ({"attention_mask": padded}, {"attention_mask": ones * 2},  # values other than 1 build positions
+                   {"attention_mask": ones[:, None, None, :]},  # a 4-D mask of ones means no causal mask at all
+                   {"attention_mask": torch.ones(2, 16, dtype=ids.dtype)},  # longer than the ids
+                   {"attention_mask": ones, "position_ids": torch.arange(12).expand(2, 12)}, {}):
+        assert not graphs.full_mask(Batch(kwargs={"input_ids": ids, **kwargs})), kwargs
+    lm = _tiny_causal_lm("llama")
+    assert graphs.reads_none_as_full_mask(lm)
+    lm.config.use_cache = False  # then None makes transformers look for packed sequences (a sync, other masks)
+    assert not graphs.reads_none_as_full_mask(lm)
+    assert not graphs.reads_none_as_full_mask(mlp())
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                          num_attention_heads=2, intermediate_size=64))
     assert not graphs.reads_none_as_full_mask(bert)  # an encoder: its batches keep what they carry
+
+
+class _MaskedDiffers(torch.nn.Module):
+    """A causal LM that is not transformers' reading of None: without its mask its numbers move."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = _tiny_causal_lm("llama")
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.lm(input_ids=input_ids if attention_mask is not None else (input_ids + 1) % 256)
+
+
+@pytest.mark.parametrize("make, agree", [(lambda: _tiny_causal_lm("llama"), True), (_MaskedDiffers, False)],
+                         ids=["llama", "a-model-that-needs-its-mask"])
+def test_a_pass_fed_through_the_replayer_keeps_the_ranges_of_the_eager_pass_with_its_masks(make, agree):
+    """On the CPU the recording is refused, so this is the mask rule alone: the first batch of each shape is run
+    with its full mask and without, and the mask is left out only where the two leave the same range bits."""
+    ids = torch.randint(1, 256, (5, 2, 16), generator=torch.Generator().manual_seed(6))
+    short = torch.randint(1, 256, (2, 8), generator=torch.Generator().manual_seed(7))
+    batches = [Batch(kwargs={"input_ids": x, "attention_mask": torch.ones_like(x)}) for x in list(ids) + [short]]
+    eager_model = make().eval()
+    plan, qs = _plan(W8A8, eager_model)
+    calibrate(eager_model, plan, qs, CalibrationData(batches, [], 12, "random"), torch.device("cpu"))
+    eager = _ranges(qs)
+
+    model = make().eval()
+    plan, qs = _plan(W8A8, model)
+    replay = graphs.Replayer(model, [qs[q.name].encoding_analyzer for q in plan.static_activations],
+                             torch.device("cpu"), drop_full_masks=True)
+    from qtool.calibration import in_memory
+
+    real = in_memory.replayer
+    in_memory.replayer = lambda *a, **k: replay
+    try:
+        calibrate(model, plan, qs, CalibrationData(batches, [], 12, "random"), torch.device("cpu"))
+    finally:
+        in_memory.replayer = real
+    assert replay.masks_agree is agree and replay.replays == 0 and replay.refused  # no CUDA here
+    assert replay.mask_shapes == ({(2, 16), (2, 8)} if agree else {(2, 16)})
+    _equal(eager, _ranges(qs))
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
@@ -112,6 +156,18 @@ def test_a_causal_lm_calibrates_to_the_same_ranges_with_a_full_attention_mask_or
         calibrate(lm, plan, qs, data, torch.device("cpu"))
         ranges.append(_ranges(qs))
     _equal(*ranges)
+
+
+def test_a_checkpoint_as_qtool_loads_it_would_be_replayed_with_its_full_masks_left_out(tmp_path):
+    """The real path: the loader puts the model in eval mode, the quantizers (in training mode) come after."""
+    pytest.importorskip("transformers")
+    from qtool.model.load import load_model
+    from tests.helpers import tiny_llama
+
+    model = load_model(tiny_llama(tmp_path / "m")).model
+    plan, qs = _plan(W8A8, model)
+    replay = graphs.replayer(model, plan.static_activations, qs, CUDA)
+    assert replay is not None and replay.drop_full_masks
 
 
 _floats = st.floats(width=32, allow_nan=True, allow_infinity=True)

@@ -24,9 +24,11 @@ pass eager from that batch on, with the same result. At most :data:`MAX_GRAPHS` 
 forward's activations each); others run eagerly. ``QTOOL_CUDA_GRAPHS=0`` turns CUDA graphs off in qtool.
 
 A transformers causal LM given an attention mask of all ones (qtool's packed text windows carry one) gets None
-instead in this pass (:meth:`Replayer.inputs`): transformers (5.23) reads a given mask on the host when deciding
-whether sdpa may skip it, a sync the warm-up would refuse, and it reads None as that very mask. The sequential
-mode's block passes are not replayed.
+instead in this pass (:meth:`Replayer.feed`): transformers (5.23) reads a given mask on the host when deciding
+whether sdpa may skip it, a sync the warm-up would refuse, and it reads None as that very mask. That is checked on
+the first batch of each shape (run with the mask and without, every analyzer's range bits compared); where they
+differ the mask stays for the whole pass (and the pass stays eager). The sequential mode's block passes are not
+replayed.
 """
 
 from __future__ import annotations
@@ -179,23 +181,82 @@ class Replayer:
     min-max analyzers, restored if a recorded forward's check fails."""
 
     def __init__(self, forward: Callable, analyzers: Sequence[MinMaxEncodingAnalyzer] = (),
-                 drop_full_masks: bool = False):
+                 device: Optional[torch.device] = None, drop_full_masks: bool = False):
         self.forward = forward
         self.analyzers = list(analyzers)
+        self.device = device
         self.drop_full_masks = drop_full_masks
+        self.masks_agree: Optional[bool] = None  # None: not tried yet; False: the mask stays for the whole pass
+        self.mask_shapes: set = set()
         self.recorded: Dict[Signature, _Recorded] = {}
         self.seen: Dict[Signature, int] = {}
         self.refused: Optional[str] = None  # why a recording failed: eager from then on
         self.replays = 0
 
-    def inputs(self, batch: Batch) -> Batch:
-        """``batch`` (still on the CPU) as this pass feeds it: with ``drop_full_masks``, an attention mask of all
-        ones is left out (a transformers model reads None as that mask; read on the host here, it costs no sync,
-        where transformers' own check of it is a sync the capture refuses)."""
-        mask = batch.kwargs.get(MASK)
-        if self.drop_full_masks and isinstance(mask, torch.Tensor) and mask.device.type == "cpu" and bool(mask.all()):
-            return Batch(batch.args, {k: v for k, v in batch.kwargs.items() if k != MASK})
-        return batch
+    def feed(self, batch: Batch) -> None:
+        """One batch (on the CPU) of the pass: moved to the device and run, replayed where recorded. With
+        ``drop_full_masks``, a full attention mask (:func:`full_mask`) is left out, once the first batch of each
+        shape has shown that leaving it out gives every analyzer the same range bits (:meth:`_masks_agree`)."""
+        if self.drop_full_masks and self.masks_agree is not False and full_mask(batch):
+            without = Batch(batch.args, {k: v for k, v in batch.kwargs.items() if k != MASK})
+            shape = tuple(batch.kwargs[MASK].shape)
+            if shape not in self.mask_shapes:
+                self.mask_shapes.add(shape)
+                moved = without.to(self.device)
+                self.masks_agree = self._masks_agree(batch.to(self.device), moved)
+                if self.masks_agree:  # this batch ran eagerly: the next one of its shape is recorded
+                    key = signature(moved.args, moved.kwargs)
+                    self.seen[key] = max(self.seen.get(key, 0), 1)
+                return
+            if self.masks_agree:
+                batch = without
+        b = batch.to(self.device)
+        self(*b.args, **b.kwargs)
+
+    def _masks_agree(self, with_mask: Batch, without: Batch) -> bool:
+        """Whether ``without`` (the batch with its full mask left out) leaves the same bits in every analyzer as
+        ``with_mask``, each run from empty ranges; either way the batch is then folded as the eager pass folds it
+        (with its mask, into the ranges as they were)."""
+        before = {id(a): (a.min.clone(), a.max.clone()) for a in self.analyzers if a.min is not None}
+
+        def empty():
+            for a in self.analyzers:
+                if a.min is not None:
+                    a.min.fill_(float("inf"))
+                    a.max.fill_(float("-inf"))
+
+        def ranges():
+            return {id(a): (a.min.view(torch.int32).clone(), a.max.view(torch.int32).clone())
+                    for a in self.analyzers if a.min is not None}
+
+        def run(b: Batch):
+            _last_call.clear()
+            self.forward(*b.args, **b.kwargs)
+            _last_call.clear()
+
+        agree = False
+        try:
+            empty()
+            run(with_mask)
+            masked = ranges()
+            empty()
+            try:
+                run(without)
+            except Exception:  # the model needs its mask: keep it
+                pass
+            else:
+                got = ranges()
+                agree = masked.keys() == got.keys() and all(
+                    torch.equal(x, y) for k in masked for x, y in zip(masked[k], got[k]))
+        finally:
+            for a in self.analyzers:
+                if id(a) in before:
+                    a.min.copy_(before[id(a)][0])
+                    a.max.copy_(before[id(a)][1])
+                else:
+                    a.reset_stats()
+        run(with_mask)
+        return agree
 
     def __call__(self, *args, **kwargs) -> None:
         key = None if self.refused else signature(args, kwargs)
@@ -228,7 +289,8 @@ def replayer(forward: Callable, rows: List[QuantizerPlan], quantizers: Dict[str,
     replayed, else None."""
     if in_training(forward) or not replayable(rows, quantizers, device, group):
         return None  # (training: dropout draws other numbers on a replay, batch norms count the warm-up)
-    return Replayer(forward, [quantizers[q.name].encoding_analyzer for q in rows], reads_none_as_full_mask(forward))
+    return Replayer(forward, [quantizers[q.name].encoding_analyzer for q in rows], torch.device(device),
+                    reads_none_as_full_mask(forward))
 
 
 def in_training(model) -> bool:
@@ -242,12 +304,25 @@ def in_training(model) -> bool:
 
 
 def reads_none_as_full_mask(model) -> bool:
-    """Whether ``model`` is a transformers decoder-only model, whose forward reads ``attention_mask=None`` as a
-    mask of all ones (the same masks, the same numbers: tests/test_cuda_graphs.py compares the ranges)."""
+    """Whether ``model`` is one of transformers' own decoder-only models (no remote code) with a cache, whose
+    forward reads ``attention_mask=None`` as a mask of all ones (without a cache, transformers looks for packed
+    sequences when given None, which is a host sync and other masks). :meth:`Replayer._masks_agree` checks it on
+    the data all the same."""
     try:
         from transformers import PreTrainedModel
     except ImportError:
         return False
     config = getattr(model, "config", None)
-    return isinstance(model, PreTrainedModel) and not getattr(config, "is_encoder_decoder", False) and bool(
-        getattr(config, "is_decoder", False) or type(model).__name__.endswith("ForCausalLM"))
+    return (isinstance(model, PreTrainedModel) and type(model).__module__.startswith("transformers.models.")
+            and not getattr(config, "is_encoder_decoder", False) and getattr(config, "use_cache", True) is not False
+            and bool(getattr(config, "is_decoder", False) or type(model).__name__.endswith("ForCausalLM")))
+
+
+def full_mask(batch: Batch) -> bool:
+    """Whether ``batch`` is token ids and a 2-D attention mask of ones of their shape, and nothing else (a 4-D mask
+    of ones means no causal mask; values other than 1 build positions in some models; given positions change what
+    None means)."""
+    mask, ids = batch.kwargs.get(MASK), batch.kwargs.get("input_ids")
+    return (not batch.args and set(batch.kwargs) == {"input_ids", MASK} and isinstance(mask, torch.Tensor)
+            and isinstance(ids, torch.Tensor) and mask.device.type == "cpu" and mask.dim() == 2
+            and mask.shape == ids.shape and bool((mask == 1).all()))

@@ -68,11 +68,14 @@ def calibrate(
 
     local = shard(data, group)
 
-    def run(forward: Callable = model, inputs: Callable[[Batch], Batch] = lambda batch: batch):
+    def run(feed: Optional[Callable[[Batch], None]] = None):
         for i, batch in enumerate(local):
-            b = inputs(batch).to(device)
+            b = batch.to(device) if feed is None else batch
             try:
-                forward(*b.args, **b.kwargs)
+                if feed is None:
+                    model(*b.args, **b.kwargs)
+                else:
+                    feed(batch)
             except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
                 raise DataError(f"calibration batch {local.first + i}: the model rejected the data: "
                                 f"{rejection(model, b, e)}") from None
@@ -122,7 +125,7 @@ def calibrate(
     unused = []
     if acts:
         replay = replayer(model, acts, quantizers, device, group)  # a GPU's pass as a CUDA graph (.graphs)
-        calibrate_activations_dp(acts, quantizers, run if replay is None else lambda: run(replay, replay.inputs), group)
+        calibrate_activations_dp(acts, quantizers, run if replay is None else lambda: run(replay.feed), group)
         unused = [q.name for q in acts if not quantizers[q.name].is_initialized()]
     return CalibrationResult(unused, codes, replaced)
 
