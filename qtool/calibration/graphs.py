@@ -46,7 +46,8 @@ from ..quant import QuantizeDequantize, QuantizerBase
 from ..quant.analyzers import MinMaxEncodingAnalyzer
 from ..quant.quantizer import _last_call
 
-__all__ = ["ENABLED", "ENV", "MAX_GRAPHS", "Refused", "Replayer", "record", "replayer", "signature"]
+__all__ = ["ENABLED", "ENV", "MAX_GRAPHS", "Refused", "Replayer", "full_mask", "in_training", "reads_none_as_full_mask",
+           "record", "replayer", "signature"]
 
 ENV = "QTOOL_CUDA_GRAPHS"  # 0 / false / no / off: no CUDA graphs anywhere in qtool (this pass, GPTQ's column loop)
 
@@ -63,8 +64,8 @@ Signature = Tuple[Tuple[str, Tuple[int, ...], Tuple[int, ...], torch.dtype, torc
 
 
 def signature(args: tuple, kwargs: dict) -> Optional[Signature]:
-    """What a recorded forward is keyed by: each tensor's place, shape, strides, dtype and device. None where an argument
-    is not a tensor (its value could steer the forward in ways a replay would not follow)."""
+    """What a recorded forward is keyed by: each tensor's place, shape, strides, dtype and device. None where an
+    argument is not a tensor (its value could steer the forward in ways a replay would not follow)."""
     items = [(str(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
     if not all(isinstance(v, torch.Tensor) for _, v in items):
         return None
@@ -82,7 +83,7 @@ def replayable(rows: List[QuantizerPlan], quantizers: Dict[str, QuantizerBase], 
 
 class Refused(RuntimeError):
     """A forward that cannot be recorded: a host sync in its warm-up, a capture the driver refused, or a replay
-    whose output is not the eager one's."""
+    that leaves other ranges than the eager forward."""
 
 
 def record(step: Callable[[], object], device: torch.device, find_syncs: bool = True):
