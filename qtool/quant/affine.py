@@ -359,7 +359,11 @@ def adjust_min_max(stat_min: torch.Tensor, stat_max: torch.Tensor, num_steps: in
     ms = _min_scale(n)
     mn = torch.clamp(stat_min.to(torch.float32), max=0.0)
     mx = torch.clamp(stat_max.to(torch.float32), min=0.0)
-    adj = torch.where(true_div(mx - mn, n) < ms, torch.full_like(mx, ms), torch.zeros_like(mx))
+    # a degenerate range widens by the minimum scale: the comparison times ms, 0.0 or float32(ms) exactly as a where()
+    # of two fills gives them, in two kernels instead of four (a GPU's calibration call is bound by its launches)
+    adj = (true_div(mx - mn, n) < ms) * ms
+    if adj.dtype != torch.float32:  # (a default dtype other than float32)
+        adj = adj.to(torch.float32)
     if symmetric:
         pos, neg = n // 2, math.ceil(n / 2)
         mx = mx + pos * adj
