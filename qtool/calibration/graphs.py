@@ -17,11 +17,11 @@ It is used only where a replay gives the eager pass's bits:
 
 The first batch of each shape runs eagerly (analyzers create their state, caches fill). The second runs once more
 on a side stream with host syncs made errors (a forward that syncs, such as a mask checked on the host or routing
-by ``nonzero``, is found there, before any capture starts), is recorded on that stream and replayed; the replay's
-output must equal the warm-up's bit for bit (a library may take another path while a capture runs: transformers
-builds explicit masks then), else the analyzers go back to their state before the replay. Any refusal leaves the
-pass eager from that batch on, with the same result. At most :data:`MAX_GRAPHS` shapes are recorded (one
-forward's activations each); others run eagerly. ``QTOOL_CUDA_GRAPHS=0`` turns CUDA graphs off in qtool.
+by ``nonzero``, is found there, before any capture starts), is recorded on that stream and checked: from empty
+ranges, the warm-up and a first replay must leave the same bits in every analyzer (a library may take another path
+while a capture runs: transformers builds explicit masks then). Any refusal leaves the pass eager from that batch
+on, with the same result. At most :data:`MAX_GRAPHS` shapes are recorded (one forward's activations each); others
+run eagerly. ``QTOOL_CUDA_GRAPHS=0`` turns CUDA graphs off in qtool.
 
 A transformers causal LM given an attention mask of all ones (qtool's packed text windows carry one) gets None
 instead in this pass (:meth:`Replayer.feed`): transformers (5.23) reads a given mask on the host when deciding
@@ -86,9 +86,8 @@ class Refused(RuntimeError):
     that leaves other ranges than the eager forward."""
 
 
-def record(step: Callable[[], object], device: torch.device, find_syncs: bool = True):
-    """``(graph, warm, captured)``: ``step()`` run once on a side stream (``warm``: its result), then recorded as a
-    CUDA graph on that same stream (``captured``: its result, which each replay overwrites). Raises
+def record(step: Callable[[], None], device: torch.device, find_syncs: bool = True) -> torch.cuda.CUDAGraph:
+    """``step()`` run once on a side stream, then recorded as a CUDA graph on that same stream. Raises
     :class:`Refused` if the driver refuses the capture or, with ``find_syncs``, the warm-up syncs with the host.
 
     ``find_syncs`` runs the warm-up with torch's sync debug mode set to "error", so a host sync is found before
@@ -107,7 +106,7 @@ def record(step: Callable[[], object], device: torch.device, find_syncs: bool = 
                 if find_syncs:
                     torch.cuda.set_sync_debug_mode("error")
                 try:
-                    warm = step()
+                    step()
                 finally:
                     torch.cuda.set_sync_debug_mode(mode)
         finally:  # also after a failed warm-up: its kernels may still be reading what the caller frees next
@@ -115,11 +114,54 @@ def record(step: Callable[[], object], device: torch.device, find_syncs: bool = 
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads' CUDA calls (a state writer's copies to the host) are not this capture's
         with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-            captured = step()
+            step()
     except Exception as e:
         torch.cuda.set_stream(before)  # torch.cuda.graph leaves its stream current when its capture_end raises
         raise Refused(f"{type(e).__name__}: {e}") from e
-    return graph, warm, captured
+    return graph
+
+
+# The calibrating analyzers' running ranges, as the recording check and the mask check handle them: kept and put
+# back, emptied (+inf, -inf) so one forward's ranges show alone, and read as bits. Only analyzers with state take
+# part: one the first batch never reached has none.
+def _kept(analyzers: Sequence[MinMaxEncodingAnalyzer]) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
+    return {id(a): (a.min.clone(), a.max.clone()) for a in analyzers if a.min is not None}
+
+
+def _put_back(analyzers: Sequence[MinMaxEncodingAnalyzer], kept: Dict[int, Tuple[torch.Tensor, torch.Tensor]],
+              drop_new: bool) -> None:
+    """The ranges ``kept`` into their analyzers' own tensors (a recorded graph folds into those); with
+    ``drop_new``, an analyzer that had none then loses the state it gained since."""
+    for a in analyzers:
+        if id(a) in kept:
+            a.min.copy_(kept[id(a)][0])
+            a.max.copy_(kept[id(a)][1])
+        elif drop_new:
+            a.reset_stats()
+
+
+def _empty(analyzers: Sequence[MinMaxEncodingAnalyzer]) -> None:
+    for a in analyzers:
+        if a.min is not None:
+            a.min.fill_(float("inf"))
+            a.max.fill_(float("-inf"))
+
+
+def _range_bits(analyzers: Sequence[MinMaxEncodingAnalyzer]) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
+    return {id(a): (a.min.view(torch.int32).clone(), a.max.view(torch.int32).clone())
+            for a in analyzers if a.min is not None}
+
+
+def _same_bits(a: Dict[int, Tuple[torch.Tensor, torch.Tensor]], b: Dict[int, Tuple[torch.Tensor, torch.Tensor]]):
+    return a.keys() == b.keys() and all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
+
+
+def _run_alone(forward: Callable, args: tuple, kwargs: dict) -> None:
+    """One forward whose calibration calls share nothing with another forward's (``_LastCalibrationCall``: a call
+    shared across two forwards would be recorded as a constant)."""
+    _last_call.clear()
+    forward(*args, **kwargs)
+    _last_call.clear()
 
 
 class _Recorded:
@@ -135,37 +177,17 @@ class _Recorded:
                  device: torch.device):
         self.args = tuple(a.clone() for a in args)
         self.kwargs = {k: v.clone() for k, v in kwargs.items()}
-        live = [a for a in analyzers if a.min is not None]  # (a quantizer the first batch never reached has none)
-        kept = [(a.min.clone(), a.max.clone()) for a in live]
-
-        def empty():
-            for a in live:
-                a.min.fill_(float("inf"))
-                a.max.fill_(float("-inf"))
-
-        def ranges():
-            return [(a.min.view(torch.int32).clone(), a.max.view(torch.int32).clone()) for a in live]
-
-        def step():
-            _last_call.clear()  # a call shared across two forwards would be recorded as a constant
-            forward(*self.args, **self.kwargs)
-            _last_call.clear()
-
-        def restore():
-            for a, (mn, mx) in zip(live, kept):
-                a.min.copy_(mn)
-                a.max.copy_(mx)
-
+        kept = _kept(analyzers)
         try:
-            empty()
-            self.graph, _, _ = record(step, device)
-            eager = ranges()
-            empty()
+            _empty(analyzers)
+            self.graph = record(lambda: _run_alone(forward, self.args, self.kwargs), device)
+            eager = _range_bits(analyzers)
+            _empty(analyzers)
             self.graph.replay()
-            if any(not torch.equal(e, r) for pair in zip(eager, ranges()) for e, r in zip(*pair)):
+            if not _same_bits(eager, _range_bits(analyzers)):
                 raise Refused("a replayed forward's ranges are not the eager forward's")
         finally:
-            restore()
+            _put_back(analyzers, kept, drop_new=False)
         self.graph.replay()  # the batch folded into the kept ranges call by call, as the eager pass folds it
 
     def replay(self, args: tuple, kwargs: dict) -> None:
@@ -218,45 +240,22 @@ class Replayer:
         """Whether ``without`` (the batch with its full mask left out) leaves the same bits in every analyzer as
         ``with_mask``, each run from empty ranges; either way the batch is then folded as the eager pass folds it
         (with its mask, into the ranges as they were)."""
-        before = {id(a): (a.min.clone(), a.max.clone()) for a in self.analyzers if a.min is not None}
-
-        def empty():
-            for a in self.analyzers:
-                if a.min is not None:
-                    a.min.fill_(float("inf"))
-                    a.max.fill_(float("-inf"))
-
-        def ranges():
-            return {id(a): (a.min.view(torch.int32).clone(), a.max.view(torch.int32).clone())
-                    for a in self.analyzers if a.min is not None}
-
-        def run(b: Batch):
-            _last_call.clear()
-            self.forward(*b.args, **b.kwargs)
-            _last_call.clear()
-
+        kept = _kept(self.analyzers)
         agree = False
         try:
-            empty()
-            run(with_mask)
-            masked = ranges()
-            empty()
+            _empty(self.analyzers)
+            _run_alone(self.forward, with_mask.args, with_mask.kwargs)
+            masked = _range_bits(self.analyzers)
+            _empty(self.analyzers)
             try:
-                run(without)
+                _run_alone(self.forward, without.args, without.kwargs)
             except Exception:  # the model needs its mask: keep it
                 pass
             else:
-                got = ranges()
-                agree = masked.keys() == got.keys() and all(
-                    torch.equal(x, y) for k in masked for x, y in zip(masked[k], got[k]))
+                agree = _same_bits(masked, _range_bits(self.analyzers))
         finally:
-            for a in self.analyzers:
-                if id(a) in before:
-                    a.min.copy_(before[id(a)][0])
-                    a.max.copy_(before[id(a)][1])
-                else:
-                    a.reset_stats()
-        run(with_mask)
+            _put_back(self.analyzers, kept, drop_new=True)
+        _run_alone(self.forward, with_mask.args, with_mask.kwargs)
         return agree
 
     def __call__(self, *args, **kwargs) -> None:

@@ -201,7 +201,7 @@ class _CapturedColumns:
 
         # a warm-up on a side stream, then the capture on that stream (qtool.calibration.graphs.record); the loop
         # has no host sync, and the resumable state's writer thread may copy to the host meanwhile
-        self.graph, _, _ = record(step, like.device, find_syncs=False)
+        self.graph = record(step, like.device, find_syncs=False)
 
     @classmethod
     def make(cls, Wt: torch.Tensor, qmin: int, qmax: int, element: Optional[Grid]) -> Optional["_CapturedColumns"]:
