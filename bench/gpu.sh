@@ -59,7 +59,7 @@ step "calibrate_overhead" 150 "$PY" bench/calibrate_overhead.py --device cuda --
 # graph), without the replay, and without the shared calls; 64 samples, 16 batches
 step "W8A8 calibration of SmolLM2's shape on CUDA" 150 "$PY" bench/shared_calls.py --device cuda --layers 30 \
     --samples 64 --out $R/shared_calls_cuda.json
-# the same with the all-ones attention mask qtool's packed text gives (transformers may check it on the host)
+# the same with the all-ones attention mask qtool's packed text gives (the replay leaves it out once shown equal)
 step "... with an attention mask" 150 "$PY" bench/shared_calls.py --device cuda --layers 30 --samples 64 \
     --attention-mask --out $R/shared_calls_mask_cuda.json
 # the CPU figure beside the GPU one, on this machine's cores

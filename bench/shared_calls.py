@@ -40,7 +40,7 @@ def _sync(device: torch.device) -> None:
 
 def run(layers: int, device: str, repeats: int, samples: int = 16, seq_len: int = 256, mask: bool = False) -> dict:
     import qtool.quant.quantizer as quantizer_module
-    from qtool.calibration import graphs, in_memory
+    from qtool.calibration import graphs
     from qtool.calibration.in_memory import calibrate
     from qtool.config import load_recipe, resolve_plan
     from qtool.data import Batch, CalibrationData
@@ -52,7 +52,7 @@ def run(layers: int, device: str, repeats: int, samples: int = 16, seq_len: int 
         write_checkpoint(Path(d) / "m", {**SMOLLM2, "layers": layers})
         model = load_model(Path(d) / "m", device=device).model.float()
     ids = torch.randint(0, SMOLLM2["vocab"], (samples, seq_len), generator=torch.Generator().manual_seed(0))
-    # mask: the all-ones attention mask qtool's packed text windows carry (transformers checks it on the host)
+    # mask: the all-ones attention mask qtool's packed text windows carry (graphs.Replayer.feed leaves it out)
     batches = [Batch(kwargs={"input_ids": ids[i:i + 4], **({"attention_mask": torch.ones_like(ids[i:i + 4])}
                                                           if mask else {})}) for i in range(0, samples, 4)]
     data = CalibrationData(batches, [], samples, "random")
@@ -75,21 +75,16 @@ def run(layers: int, device: str, repeats: int, samples: int = 16, seq_len: int 
         return time.perf_counter() - t0
 
     replayers = []
-    real_replayer = in_memory.replayer
-
-    def kept(*a, **k):
-        replayers.append(real_replayer(*a, **k))
-        return replayers[-1]
 
     def calib(shared: bool, replay: bool = True):
         quantizer_module._LastCalibrationCall.matching = counted if shared else (lambda self, x, key: None)
-        graphs.ENABLED, in_memory.replayer = replay, kept
+        graphs.ENABLED = replay
         try:
             plan = resolve_plan(recipe, model)
             qs = insert_quantizers(model, plan)
             _sync(dev)
             t0 = time.perf_counter()
-            calibrate(model, plan, qs, data, dev)
+            replayers.append(calibrate(model, plan, qs, data, dev).replay)
             _sync(dev)
             t = time.perf_counter() - t0
             ranges = {n: (q.min.detach().cpu().clone(), q.max.detach().cpu().clone()) for n, q in qs.items()}
@@ -97,7 +92,7 @@ def run(layers: int, device: str, repeats: int, samples: int = 16, seq_len: int 
             return t, ranges
         finally:
             quantizer_module._LastCalibrationCall.matching = sharing
-            graphs.ENABLED, in_memory.replayer = True, real_replayer
+            graphs.ENABLED = True
 
     float_pass()
     calib(True)  # warm-up

@@ -114,7 +114,8 @@ class _MaskedDiffers(torch.nn.Module):
 
 @pytest.mark.parametrize("make, agree", [(lambda: _tiny_causal_lm("llama"), True), (_MaskedDiffers, False)],
                          ids=["llama", "a-model-that-needs-its-mask"])
-def test_a_pass_fed_through_the_replayer_keeps_the_ranges_of_the_eager_pass_with_its_masks(make, agree):
+def test_a_pass_fed_through_the_replayer_keeps_the_ranges_of_the_eager_pass_with_its_masks(monkeypatch, make,
+                                                                                            agree):
     """On the CPU the recording is refused, so this is the mask rule alone: the first batch of each shape is run
     with its full mask and without, and the mask is left out only where the two leave the same range bits."""
     ids = torch.randint(1, 256, (5, 2, 16), generator=torch.Generator().manual_seed(6))
@@ -131,13 +132,9 @@ def test_a_pass_fed_through_the_replayer_keeps_the_ranges_of_the_eager_pass_with
                              torch.device("cpu"), drop_full_masks=True)
     from qtool.calibration import in_memory
 
-    real = in_memory.replayer
-    in_memory.replayer = lambda *a, **k: replay
-    try:
-        calibrate(model, plan, qs, CalibrationData(batches, [], 12, "random"), torch.device("cpu"))
-    finally:
-        in_memory.replayer = real
-    assert replay.masks_agree is agree and replay.replays == 0 and replay.refused  # no CUDA here
+    monkeypatch.setattr(in_memory, "replayer", lambda *a, **k: replay)  # the CPU has no replayer of its own
+    got = calibrate(model, plan, qs, CalibrationData(batches, [], 12, "random"), torch.device("cpu")).replay
+    assert got is replay and replay.masks_agree is agree and replay.replays == 0 and replay.refused  # no CUDA here
     assert replay.mask_shapes == ({(2, 16), (2, 8)} if agree else {(2, 16)})
     _equal(eager, _ranges(qs))
 
@@ -250,20 +247,11 @@ def _ranges(qs):
 
 
 def _calibrated(make_model, recipe, data, replay, monkeypatch):
-    from qtool.calibration import in_memory
-
     monkeypatch.setattr(graphs, "ENABLED", replay)
-    made = []
-
-    def kept(*args, **kwargs):
-        made.append(graphs.replayer(*args, **kwargs))
-        return made[-1]
-
-    monkeypatch.setattr(in_memory, "replayer", kept)
     model = make_model().to(CUDA).eval()
     plan, qs = _plan(recipe, model)
-    calibrate(model, plan, qs, data, CUDA)
-    assert len(made) == 1 and (made[0] is None) == (not replay)
+    made = [calibrate(model, plan, qs, data, CUDA).replay]
+    assert (made[0] is None) == (not replay)
     return _ranges(qs), made
 
 

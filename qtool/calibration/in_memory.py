@@ -16,7 +16,7 @@ from ..quant import QuantizerBase
 from .base import first_tensor
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_absmax, merge_inputs, shard
 from .folding import adjacent_pairs, fold_batch_norm
-from .graphs import replayer
+from .graphs import Replayer, replayer
 from .rotation import rotate
 from .rounding import collect_inputs, importance, round_weights, routed_fallbacks
 from .rounding.statistics import collect_module_inputs
@@ -34,10 +34,11 @@ Progress = Optional[Callable[[int, int, int], None]]
 
 class CalibrationResult:
     def __init__(self, unused: List[str], codes: Optional[Dict[str, torch.Tensor]] = None,
-                 replaced: Optional[Dict[str, torch.Tensor]] = None):
+                 replaced: Optional[Dict[str, torch.Tensor]] = None, replay: Optional[Replayer] = None):
         self.unused = unused  # activation quantizers whose module never ran
         self.codes = codes or {}  # weight quantizer name -> codes chosen by a rounding algorithm (GPTQ)
         self.replaced = replaced or {}  # tensor name -> float value a transform (fold, SmoothQuant) gave it
+        self.replay = replay  # how the activation pass was replayed as CUDA graphs (.graphs), None where it was not
 
 
 def calibrate(
@@ -122,12 +123,12 @@ def calibrate(
     calibrate_weights_split(plan.weights, sizes, lambda q: quantizers[q.name], weight_of, group,
                             importance_for=lambda q: importance(q, stats, weight_of(q).shape, plan.importances))
     codes = round_weights(inputs, modules, quantizers, stats, plan.warnings, group=group)
-    unused = []
+    unused, replay = [], None
     if acts:
         replay = replayer(model, acts, quantizers, device, group)  # a GPU's pass as a CUDA graph (.graphs)
         calibrate_activations_dp(acts, quantizers, run if replay is None else lambda: run(replay.feed), group)
         unused = [q.name for q in acts if not quantizers[q.name].is_initialized()]
-    return CalibrationResult(unused, codes, replaced)
+    return CalibrationResult(unused, codes, replaced, replay)
 
 
 def _output(model: nn.Module, batch) -> torch.Tensor:
