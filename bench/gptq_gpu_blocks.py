@@ -37,6 +37,11 @@ blocks' outputs.
   (``--llmc-dtype``) so both sides run the blocks in the same precision (``float16``: the checkpoint's own).
   With ``--device cpu`` its child runs with ``CUDA_VISIBLE_DEVICES=""`` so it calibrates on the CPU.
 
+``--matmul-precision high`` (TF32 on a GPU; ``medium``: bfloat16 products on a CPU with AMX) runs both sides'
+float32 products lower: qtool's model passes through its ``--matmul-precision`` (its statistics' sums and GPTQ
+solve stay float32), llm-compressor's whole run through ``torch.set_float32_matmul_precision`` (it has no finer
+switch, so its Hessian sums run lower too). The default ``highest`` compares float32 with float32.
+
 Each side runs in its own child process (a fresh CUDA context, its own peak GPU memory) with its libraries
 imported before the clock starts. Seconds per block come from one time stamp per finished block, leaving out the
 first block (warm-up): ``(t_last - t_first) / (n - 1)``. qtool's stamps come from its ``on_block`` hook.
@@ -79,6 +84,7 @@ LLAMA3_8B_BLOCKS = 32
 SHAPES = {
     "llama3-8b": {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8},
     "tiny": {"hidden": 256, "intermediate": 512, "heads": 4, "kv_heads": 2},
+    "tinyllama": {"hidden": 2048, "intermediate": 5632, "heads": 32, "kv_heads": 4},  # 1.1B's, for a CPU
 }
 SIDES = ("qtool", "llmcompressor")
 QTOOL_RECIPE = ("version: 1\ndefaults:\n  weights: {bitwidth: 4, symmetric: true, granularity: per_block, "
@@ -112,7 +118,8 @@ def _per_block(stamps: List[float], calibrate_s: float, blocks: int) -> Dict[str
     return {"seconds_per_block": calibrate_s / max(1, blocks), "per_block_from": "calibrate seconds / blocks"}
 
 
-def child_qtool(ckpt: str, ids: str, device: str, batch_size: int, workdir: str) -> Dict[str, object]:
+def child_qtool(ckpt: str, ids: str, device: str, batch_size: int, workdir: str,
+                precision: str) -> Dict[str, object]:
     import torch
     from transformers import AutoModelForCausalLM  # noqa: F401 - imported before the clock, as the other side does
 
@@ -140,7 +147,8 @@ def child_qtool(ckpt: str, ids: str, device: str, batch_size: int, workdir: str)
     saves = _time_state_saves(device)
     t0 = time.perf_counter()
     run_calibrate(ckpt, str(recipe), str(Path(workdir) / "qtool-run"),
-                  CalibrateOptions(data=ids, sequential=True, device=device, batch_size=batch_size),
+                  CalibrateOptions(data=ids, sequential=True, device=device, batch_size=batch_size,
+                                   matmul_precision=precision),
                   overwrite=True, hooks=Hooks(on_block=block, on_stage=stage))
     _sync(device)
     t1 = time.perf_counter()
@@ -177,7 +185,8 @@ def _time_state_saves(device: str) -> Optional[List[float]]:
     return seconds
 
 
-def child_llmcompressor(ckpt: str, ids: str, device: str, batch_size: int, dtype: str) -> Dict[str, object]:
+def child_llmcompressor(ckpt: str, ids: str, device: str, batch_size: int, dtype: str,
+                        precision: str) -> Dict[str, object]:
     import importlib.metadata
 
     import torch
@@ -192,6 +201,7 @@ def child_llmcompressor(ckpt: str, ids: str, device: str, batch_size: int, dtype
     if device.startswith("cuda"):
         torch.cuda.init()
         torch.cuda.reset_peak_memory_stats()
+    torch.set_float32_matmul_precision(precision)  # every product of the run, its Hessians' too (no finer switch)
     torch.manual_seed(0)
     data = load_file(ids)
     samples, seq_len = data["input_ids"].shape
@@ -287,13 +297,14 @@ def _llmc_main_device():
         return f"unknown ({e})"
 
 
-def child(side: str, ckpt: str, ids: str, device: str, batch_size: str, dtype: str, workdir: str) -> None:
+def child(side: str, ckpt: str, ids: str, device: str, batch_size: str, dtype: str, workdir: str,
+          precision: str) -> None:
     import torch
 
     if side == "qtool":
-        r = child_qtool(ckpt, ids, device, int(batch_size), workdir)
+        r = child_qtool(ckpt, ids, device, int(batch_size), workdir, precision)
     else:
-        r = child_llmcompressor(ckpt, ids, device, int(batch_size), dtype)
+        r = child_llmcompressor(ckpt, ids, device, int(batch_size), dtype, precision)
     r.update({"torch": torch.__version__, "torch_threads": torch.get_num_threads(), "device": device})
     print("RESULT " + json.dumps(r), flush=True)
 
@@ -308,7 +319,7 @@ def run_side(side: str, ckpt: Path, ids: Path, args, work: Path) -> Dict[str, ob
     if not args.device.startswith("cuda"):
         env["CUDA_VISIBLE_DEVICES"] = ""  # llm-compressor onloads to the GPU whenever it sees one
     cmd = [sys.executable, __file__, "--child", side, str(ckpt), str(ids), args.device, str(args.batch_size),
-           args.llmc_dtype, str(work)]
+           args.llmc_dtype, str(work), args.matmul_precision]
     t = time.perf_counter()
     log = work / f"{side}.log"
     with open(log, "w") as err:
@@ -374,6 +385,7 @@ def table(result: Dict[str, object]) -> None:
     gpu = result.get("gpu") or "-"
     print(f"\nGPTQ W4A16 group 32, {result['shape_name']} blocks (hidden {s['hidden']}, MLP {s['intermediate']}), "
           f"{s['layers']} blocks, {result['samples']} x {result['seq_len']} tokens, batch {result['batch_size']}, "
+          f"matmul precision {result.get('matmul_precision', 'highest')}, "
           f"device {result['device']} ({gpu}), torch {result['torch']}")
     ratio = result.get("ratio_qtool_over_llmcompressor", {})
     print(f"{'side':<15}{'s/block':>9}{'calibrate s':>13}{'load+calib s':>14}{'GPU peak GB':>13}"
@@ -418,7 +430,11 @@ def main(argv=None) -> Dict[str, object]:
     ap.add_argument("--workdir", default=None, help="where the checkpoint goes (default: $TMPDIR)")
     ap.add_argument("--out", default=str(HERE / "results" / "gptq_gpu_blocks.json"))
     ap.add_argument("--verbose", action="store_true", help="show the children's whole output")
-    ap.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
+    ap.add_argument("--matmul-precision", default="highest", choices=["highest", "high", "medium"],
+                    help="float32 products on both sides: qtool's --matmul-precision (its model passes; its own "
+                    "sums stay float32), torch.set_float32_matmul_precision for llm-compressor's whole run "
+                    "(default highest; high = TF32 on a GPU)")
+    ap.add_argument("--child", nargs=8, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         child(*args.child)
@@ -441,7 +457,7 @@ def main(argv=None) -> Dict[str, object]:
                     "python": platform.python_version()},
         "gpu": gpu, "device": args.device, "torch": torch.__version__, "shape_name": args.shape, "shape": shape,
         "samples": args.samples, "seq_len": args.seq_len, "batch_size": args.batch_size,
-        "llmc_dtype": args.llmc_dtype,
+        "llmc_dtype": args.llmc_dtype, "matmul_precision": args.matmul_precision,
         "grid": "int4 symmetric, group 32, minmax; GPTQ block 128, dampening 0.01, static act order; lm_head ignored",
         "runs": []}
     out = Path(args.out)

@@ -42,7 +42,13 @@ step "calibration graph replay" 60 "$PY" bench/calibration_graph_probe.py
 if "$PY" -c "import llmcompressor" 2>/dev/null; then
     step "8B blocks against llm-compressor" 300 "$PY" bench/gptq_gpu_blocks.py --side-timeout 140 \
         --out $R/gptq_gpu_blocks.json
+    # the same with TF32 products on both sides (qtool --matmul-precision high; llm-compressor's whole run)
+    step "8B blocks against llm-compressor, TF32" 240 "$PY" bench/gptq_gpu_blocks.py --side-timeout 110 \
+        --matmul-precision high --out $R/gptq_gpu_blocks_tf32.json
 fi
+# one decoder block's forward at float32 and TF32 products (SmolLM2, 1.1B and 8B shapes)
+step "block forward, float32 against TF32" 60 "$PY" bench/matmul_precision.py --device cuda --skip-calibration \
+    --out $R/matmul_precision_cuda.json
 # CPU and CUDA give the same weight encodings (MLP, MiniLM where installed, every analyzer)
 step "cuda_check" 150 "$PY" bench/cuda_check.py
 # GPTQ W4A16 block 32, --sequential, on the GPU: SmolLM2-135M's shape, then the 1.1B (TinyLlama) shape with W8A8

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from .errors import UsageError
 
-__all__ = ["GGUF_TYPES", "GGML_SCALE_DTYPES", "LEGACY_GGUF_TYPES", "SUPER_BLOCK_FALLBACK", "AIMET_VERSIONS", "CT_EIGHT_BIT_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_FALLBACKS", "DEVICES", "SCALE_DTYPES",
+__all__ = ["GGUF_TYPES", "GGML_SCALE_DTYPES", "LEGACY_GGUF_TYPES", "SUPER_BLOCK_FALLBACK", "AIMET_VERSIONS", "CT_EIGHT_BIT_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_FALLBACKS", "DEVICES", "MATMUL_PRECISIONS", "SCALE_DTYPES",
            "ELEMENT_NAMES", "FLOAT_SCALE_DTYPES", "check_choice", "check_device", "check_scale_dtype", "check_element",
            "WEIGHTINGS", "weighs_activations", "without_activations", "drop_activations", "with_activations"]
 
@@ -17,6 +17,7 @@ CT_EIGHT_BIT_FORMATS = ("int-quantized", "pack-quantized")
 GGUF_FLOAT_TYPES = ("f32", "f16")  # --gguf-float: tensors a recipe leaves float
 GGUF_FALLBACKS = ("none", "f32", "f16")  # --gguf-fallback: quantized weights with no GGUF block type
 DEVICES = ("cpu", "cuda", "auto")  # and cuda:N
+MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's (calibration.precision)
 # the MSE search's weightings of each value's squared error: by its input channel's E[x²] (activations, from data or
 # an importance matrix), by its own size (magnitude: block rms + |w|, no data), or by both multiplied
 # (activations_magnitude: importance x (rms + |w|), the kind of product llama.cpp uses with an importance matrix,

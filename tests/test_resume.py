@@ -91,7 +91,7 @@ def stopped(llama, tmp_path_factory):
     return out.with_name("run.resume")
 
 
-@pytest.mark.parametrize("change", ["recipe", "data", "model", "options"])
+@pytest.mark.parametrize("change", ["recipe", "data", "model", "options", "precision"])
 def test_a_state_of_another_run_is_refused_in_one_line(llama, stopped, tmp_path, change):
     d, args = llama
     out = tmp_path / "run"
@@ -110,13 +110,16 @@ def test_a_state_of_another_run_is_refused_in_one_line(llama, stopped, tmp_path,
         weights = m / "model.safetensors"
         os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
         args[1] = str(m)
+    elif change == "precision":  # other bytes: the model's products at another precision
+        args += ["--matmul-precision", "medium"]
     else:
         args[args.index("--batch-size") + 1] = "3"
     code, _, err = run_cli(*args, "--resume", "-o", out)
     assert code == 2
     lines = error_lines(err)
     assert len(lines) == 1 and "the saved state is of another run" in lines[0], err
-    assert {"recipe": "recipe", "data": "data", "model": "checkpoint", "options": "options"}[change] in lines[0]
+    assert {"recipe": "recipe", "data": "data", "model": "checkpoint", "options": "options",
+            "precision": "options"}[change] in lines[0]
     assert "run without --resume" in lines[0]
     assert not out.exists() and (tmp_path / "run.resume/state.json").exists()  # the state stays for a rerun
     if change == "options":

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..choices import MATMUL_PRECISIONS, check_choice
 from ..config import Plan, Recipe, resolve_plan
 from ..data import CalibrationData, load_data
 from ..encodings import EncodingEntry, SidecarStream
@@ -32,6 +33,7 @@ from ..parallel import Group
 from ..provenance import device_label, versions
 from .collective import samples_per_rank
 from .data_check import shortfalls
+from .precision import emulated, unsupported
 
 __all__ = ["CalibrateOptions", "CalibrationRun", "MODES", "PreparedRun", "choose_mode", "prepare_calibration",
            "calibrate_prepared", "calibrate_checkpoint", "streams", "estimate_run"]
@@ -56,6 +58,7 @@ class CalibrateOptions:
     strict_data: bool = False  # too little data (calibration.data_check) is an error, not a warning
     resume: bool = False  # --sequential: continue the saved state of a stopped run (calibration.resume)
     all_experts: bool = False  # MoE layers: every expert sees every calibration token (outputs stay routed)
+    matmul_precision: str = "highest"  # the model's float32 products in the data passes (.precision)
 
 
 def _resolve(recipe: Recipe, model, source: str, opts: CalibrateOptions, checkpoint: str) -> Plan:
@@ -246,6 +249,12 @@ def _calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opt
                         sidecar: Optional[Path], hooks: Hooks, group: Group,
                         state: Optional[Path]) -> CalibrationRun:
     mode, plan, model, device = prepared.mode, prepared.plan, prepared.model, prepared.device
+    check_choice("matmul_precision", opts.matmul_precision, MATMUL_PRECISIONS)
+    if (why := unsupported(opts.matmul_precision, device)) is not None:
+        plan.warnings.append(f"--matmul-precision {opts.matmul_precision}: {why}; the model's products stay float32")
+    elif emulated(opts.matmul_precision, device):
+        plan.warnings.append("--matmul-precision medium: this CPU has no bfloat16 units (AMX, AVX512-BF16); oneDNN "
+                             "emulates the bfloat16 products, which can be slower than float32's")
     if mode == "sequential":
         from .sequential import calibrate_sequential
 
@@ -257,7 +266,8 @@ def _calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opt
         try:
             with _sidecar_stream(sidecar, plan, group) as sink, all_tokens_routed(model, opts.all_experts):
                 entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block,
-                                               codes=codes, group=group, floats=floats, sink=sink, state=saved)
+                                               codes=codes, group=group, floats=floats, sink=sink, state=saved,
+                                               precision=opts.matmul_precision)
         except UsageError:  # bad input fails a resume the same way: its state goes with the rest of the output
             if saved is not None and saved.resumed_from == 0:  # (never a state an earlier run left)
                 saved.remove()
@@ -287,7 +297,7 @@ def _calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opt
     quantizers = insert_quantizers(model, plan)
     with all_tokens_routed(model, opts.all_experts):
         result = calibrate(model, plan, quantizers, data if plan.needs_data() else None, device,
-                           hooks.on_batch, group)
+                           hooks.on_batch, group, opts.matmul_precision)
     entries = [EncodingEntry.from_quantizer(q, quantizers[q.name]) for q in plan.quantizers
                if quantizers[q.name].is_initialized()]
     return CalibrationRun(entries, plan, mode, device, loaded.files, loaded.kind, data, result.unused, result.codes,
@@ -303,7 +313,8 @@ def _resume_state(directory: Optional[Path], checkpoint: str, source: str, opts:
     if directory is None:
         return None
     files = tensor_files(Path(checkpoint)) + [f for f in (Path(checkpoint) / "config.json",) if f.is_file()]
-    options = {k: v for k, v in dataclasses.asdict(opts).items() if k != "resume"}
+    options = {k: v for k, v in dataclasses.asdict(opts).items()
+               if k != "resume" and not (k == "matmul_precision" and v == "highest")}  # (states saved before it)
     if options.get("data") and Path(options["data"]).exists():  # the same file from another working directory
         options["data"] = str(Path(options["data"]).resolve())
     stamp = fingerprint(versions=versions(), checkpoint_files=files,

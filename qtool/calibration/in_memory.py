@@ -17,6 +17,7 @@ from .base import first_tensor
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_absmax, merge_inputs, shard
 from .folding import adjacent_pairs, fold_batch_norm
 from .graphs import Replayer, replayer
+from .precision import model_matmuls
 from .rotation import rotate
 from .rounding import collect_inputs, importance, round_weights, routed_fallbacks
 from .rounding.statistics import collect_module_inputs
@@ -49,6 +50,7 @@ def calibrate(
     device: torch.device,
     progress: Progress = None,
     group: Optional[Group] = None,
+    precision: str = "highest",
 ) -> CalibrationResult:
     """Weights from the weights themselves, then activations from the data (AIMET's order and semantics).
 
@@ -58,7 +60,8 @@ def calibrate(
     refused where its entry is made (``EncodingEntry.from_quantizer``), as in every mode.
 
     With a distributed ``group`` this rank runs its shard of the batches and the ranks combine their statistics
-    (:mod:`.collective`); activation ranges are then set on rank 0 only."""
+    (:mod:`.collective`); activation ranges are then set on rank 0 only. ``precision``: the model's float32
+    products in the data passes (:mod:`.precision`)."""
     group = group or Group()
     modules = dict(model.named_modules())
     acts = plan.static_activations  # dynamic ones compute their range at run time
@@ -73,10 +76,11 @@ def calibrate(
         for i, batch in enumerate(local):
             b = batch.to(device) if feed is None else batch
             try:
-                if feed is None:
-                    model(*b.args, **b.kwargs)
-                else:
-                    feed(batch)
+                with model_matmuls(precision):
+                    if feed is None:
+                        model(*b.args, **b.kwargs)
+                    else:
+                        feed(batch)
             except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
                 raise DataError(f"calibration batch {local.first + i}: the model rejected the data: "
                                 f"{rejection(model, b, e)}") from None

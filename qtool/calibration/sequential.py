@@ -42,6 +42,7 @@ from ..model.load import decoder_stack
 from ..parallel import Group
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_inputs, shard
 from .heap import return_freed_memory
+from .precision import model_matmuls
 from .resume import BlockResult, ResumeState
 from .rotation import Rotator
 from .rounding import collect_inputs, importance, learn_rounding, round_weights, routed_fallbacks
@@ -129,7 +130,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
                          group: Optional[Group] = None,
                          floats: Optional[Dict[str, torch.Tensor]] = None,
                          sink: Optional[Callable[[EncodingEntry], EncodingEntry]] = None,
-                         state: Optional[ResumeState] = None) -> List[EncodingEntry]:
+                         state: Optional[ResumeState] = None, precision: str = "highest") -> List[EncodingEntry]:
     """Calibrate ``plan`` on ``model`` (a meta-device skeleton from ``qtool.model.hf.meta_causal_lm``), block by
     block. Codes chosen by a rounding algorithm go into ``codes`` (quantizer name -> integer tensor), tensors a
     rotation (``plan.rotation``, fused part by part as each part is loaded) changed into ``floats``. ``sink``
@@ -139,7 +140,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
     each block's statistics before the next (:mod:`.collective`); activation entries come back on rank 0 only.
 
     ``state`` (:mod:`.resume`) records each finished block; blocks it holds already (a resumed run) are taken from
-    it instead of being calibrated again, and the next block starts from their saved outputs."""
+    it instead of being calibrated again, and the next block starts from their saved outputs. ``precision``: the
+    model's float32 products in the data passes (:mod:`.precision`)."""
     group = group or Group()
     codes = {} if codes is None else codes
     floats = {} if floats is None else floats
@@ -174,6 +176,13 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
                                                           for b in block_names)]
         return [q for q in plan.quantizers if q.module == prefix or q.module.startswith(prefix + ".")]
 
+    def reduced(run: Callable[[], None]) -> Callable[[], None]:
+        """``run``, a data pass, with the model's products at ``precision``."""
+        def pass_():
+            with model_matmuls(precision):
+                run()
+        return pass_
+
     def awq_block(prefix: str, block: nn.Module, inputs) -> Dict[str, torch.Tensor]:
         """AWQ's groups inside the block (qtool.calibration.awq), on the float block's inputs (the quantized
         blocks' outputs before it), searched and folded before its quantizers are inserted; the block's output on
@@ -188,7 +197,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         outputs = plan.awq.objective == "outputs"
         scored = scored_inputs(groups, modules, hessian=not outputs)
         stats = merge_inputs(collect_module_inputs(
-            scored, modules, lambda: _run_to_last_input(block, inputs, [modules[n] for n in scored])), group)
+            scored, modules, reduced(lambda: _run_to_last_input(block, inputs, [modules[n] for n in scored]))), group)
         args, kwargs = inputs[0]
 
         def output():
@@ -293,7 +302,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             for block in blocks:
                 del block.forward
 
-    calibrate_rows(head_rows, capture)
+    calibrate_rows(head_rows, reduced(capture))
     if len(captured) != len(data) or any(len(k) != len(blocks) for k in block_kwargs):
         raise UsageError("--sequential: the model did not pass through each of its decoder blocks for every batch")
     if not (tied and any(q.module == "lm_head" for q in plan.quantizers)):
@@ -360,7 +369,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             changed.update(scaled)
             floats.update(scaled)
         learned = len(plan.learned)
-        calibrate_rows(rows, run_block, run_float, block, inputs, prefix)
+        calibrate_rows(rows, reduced(run_block), reduced(run_float), block, inputs, prefix)
         if feeds:
             captured = [((outputs[j],) + tuple(args[1:]), kwargs) for j, (args, kwargs) in enumerate(captured)]
         if state is not None:
@@ -391,7 +400,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             for args, _ in captured:
                 lm_head(norm(args[0]))
 
-        calibrate_rows(tail, run_tail)
+        calibrate_rows(tail, reduced(run_tail))
         _release(norm)
         _release(lm_head)
     _release(embed)

@@ -101,6 +101,14 @@ _ALL_EXPERTS = typer.Option(False, "--all-experts", help="Mixture-of-experts mod
                             "tokens its router sends it (rarely chosen experts may see too few).")
 
 
+_MATMUL_PRECISION = typer.Option(
+    "highest", "--matmul-precision", metavar="[highest|high|medium]",
+    help="The model's float32 matrix products in the calibration passes, as torch.set_float32_matmul_precision: "
+    "highest (float32; the default), high (TF32: CUDA GPUs from Ampere on, CPUs with AMX-FP16), medium (also "
+    "bfloat16 on CPUs with AMX or AVX512-BF16). Faster passes for other bytes: the ranges and statistics come "
+    "from activations rounded so. qtool's own sums, searches and solves stay float32.")
+
+
 _STRICT_DATA = typer.Option(False, "--strict-data", help="Fail (exit 2, nothing written) where the calibration "
                             "data is below the documented minimum for what learns from it (512 tokens or 8 samples "
                             "for activation ranges and weighted searches, 2048 tokens or 16 samples for GPTQ and "
@@ -145,7 +153,8 @@ def _checkpoint(arg: str, revision: Optional[str]) -> str:
 def _check_early(recipe: Optional[str] = None, device: Optional[str] = None, format: Optional[str] = None,
                  encoding_version: Optional[str] = None, ct_8bit_format: Optional[str] = None,
                  gguf_float: Optional[str] = None, gguf_fallback: Optional[str] = None,
-                 data: Optional[str] = None, imatrix: Optional[str] = None):
+                 data: Optional[str] = None, imatrix: Optional[str] = None,
+                 matmul_precision: Optional[str] = None):
     """Every choice, the data path and the recipe, checked before torch or a model is loaded (a typo costs no
     calibration). Returns the recipe read (a ``RecipeFile``, or None without one): the run takes it from here, so
     the file is read once."""
@@ -161,6 +170,10 @@ def _check_early(recipe: Optional[str] = None, device: Optional[str] = None, for
     from ..export import check_export_choices
 
     check_export_choices(format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback)
+    if matmul_precision is not None:
+        from ..choices import MATMUL_PRECISIONS, check_choice
+
+        check_choice("--matmul-precision", matmul_precision, MATMUL_PRECISIONS)
     if device is not None:
         check_device(device)
     if recipe is not None:

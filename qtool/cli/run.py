@@ -8,10 +8,11 @@ import typer
 
 from .core import _emit_json, _errors, _rank, app, err
 from .options import (_ALL_EXPERTS, _BATCH, _CANDIDATES, _CONFIG_OR_SEARCH, _CT8, _DATA, _DEBUG, _DEVICE,
-                      _ENC_VERSION, _FORMAT, _GGUF_FALLBACK, _GGUF_FLOAT, _IMATRIX, _JSON, _MODEL_CLASS, _NO_PACK,
-                      _NUM, _OVERWRITE, _QUIET, _RESUME, _REVISION, _SEARCH_DATA, _SEARCH_METRIC, _SEARCH_SAMPLES,
-                      _SEED, _SEQ, _SEQUENTIAL, _SHARD, _STRICT_DATA, _TARGET_BPW, _TARGET_SIZE, _TRUST_CODE,
-                      _TRUST_PICKLE, _UNMATCHED, _check_early, _checkpoint, _eopts, _opts, _shard_bytes, _target)
+                      _ENC_VERSION, _FORMAT, _GGUF_FALLBACK, _GGUF_FLOAT, _IMATRIX, _JSON, _MATMUL_PRECISION,
+                      _MODEL_CLASS, _NO_PACK, _NUM, _OVERWRITE, _QUIET, _RESUME, _REVISION, _SEARCH_DATA,
+                      _SEARCH_METRIC, _SEARCH_SAMPLES, _SEED, _SEQ, _SEQUENTIAL, _SHARD, _STRICT_DATA, _TARGET_BPW,
+                      _TARGET_SIZE, _TRUST_CODE, _TRUST_PICKLE, _UNMATCHED, _check_early, _checkpoint, _eopts, _opts,
+                      _shard_bytes, _target)
 from .output import _Progress, _print_eval, _report_files
 
 
@@ -36,6 +37,7 @@ def calibrate(
     all_experts: bool = _ALL_EXPERTS,
     imatrix: Optional[str] = _IMATRIX,
     strict_data: bool = _STRICT_DATA,
+    matmul_precision: str = _MATMUL_PRECISION,
     candidates: Optional[str] = _CANDIDATES,
     target_bpw: Optional[float] = _TARGET_BPW,
     target_size: Optional[str] = _TARGET_SIZE,
@@ -52,7 +54,7 @@ def calibrate(
     json_out = json_out and _rank() == 0
     with _errors(debug, json_out), _Progress(quiet) as p:
         target = _target(config, candidates, target_bpw, target_size, search_samples, search_data, search_metric)
-        recipe = _check_early(config, device, data=data, imatrix=imatrix)
+        recipe = _check_early(config, device, data=data, imatrix=imatrix, matmul_precision=matmul_precision)
         checkpoint = _checkpoint(checkpoint, revision)
         from ..pipeline import run_calibrate
 
@@ -60,7 +62,8 @@ def calibrate(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
             allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix,
-            strict_data=strict_data, resume=resume, all_experts=all_experts), overwrite, p.hooks(),
+            strict_data=strict_data, resume=resume, all_experts=all_experts,
+            matmul_precision=matmul_precision), overwrite, p.hooks(),
             target=target)
     _report_files(summary, quiet, p.warnings_shown)
     if json_out:
@@ -131,6 +134,7 @@ def quantize(
     all_experts: bool = _ALL_EXPERTS,
     imatrix: Optional[str] = _IMATRIX,
     strict_data: bool = _STRICT_DATA,
+    matmul_precision: str = _MATMUL_PRECISION,
     format: str = _FORMAT,
     encoding_version: str = _ENC_VERSION,
     no_pack: bool = _NO_PACK,
@@ -158,7 +162,7 @@ def quantize(
     with _errors(debug, json_out), _Progress(quiet) as p:
         target = _target(config, candidates, target_bpw, target_size, search_samples, search_data, search_metric)
         recipe = _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback,
-                              data, imatrix)
+                              data, imatrix, matmul_precision)
         checkpoint = _checkpoint(checkpoint, revision)
         from ..pipeline import run_quantize
 
@@ -166,7 +170,8 @@ def quantize(
             data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len, seed=seed,
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
             allow_unmatched=allow_unmatched, sequential=sequential, imatrix=imatrix,
-            strict_data=strict_data, resume=resume, all_experts=all_experts), overwrite, p.hooks(),
+            strict_data=strict_data, resume=resume, all_experts=all_experts,
+            matmul_precision=matmul_precision), overwrite, p.hooks(),
             _eopts(format=format, encoding_version=encoding_version, seq_len=seq_len, pack=not no_pack,
                    ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size),
                    gguf_float=gguf_float, gguf_fallback=gguf_fallback), target=target)

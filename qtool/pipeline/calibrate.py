@@ -65,7 +65,7 @@ def _calibrate_into(checkpoint: str, recipe_path: Union[str, RecipeFile], opts: 
     # run writes the bytes of an uninterrupted one)
     options = {k: v for k, v in asdict(opts).items()
                if not (k == "imatrix" and v is None) and not (k in ("strict_data", "all_experts") and not v)
-               and k != "resume"}
+               and not (k == "matmul_precision" and v == "highest") and k != "resume"}
     write_manifest(run_dir, manifest("calibrate", inputs, digests(enc_files, key=lambda f: f.name),
                                      device=device_label(device), options=options, tail={
         "quantizers": len(entries),
@@ -95,6 +95,7 @@ def _calibrate_into(checkpoint: str, recipe_path: Union[str, RecipeFile], opts: 
                "expert_tokens": plan.expert_tokens,
                "samples": 0 if data is None else data.num_samples, "device": str(device),
                "warnings": plan.warnings, "outputs": [f.name for f in enc_files] + ["manifest.json"],
+               **({"matmul_precision": opts.matmul_precision} if opts.matmul_precision != "highest" else {}),
                **({"world_size": group.world_size, "samples_per_rank": run.samples_per_rank}
                   if group.distributed else {})}
     return summary

@@ -18,6 +18,7 @@ from torch import nn
 from ...choices import weighs_activations
 from ...config import QuantizerPlan
 from ...errors import DataError
+from ..precision import exact
 from .conv import CONV_TYPES, ConvCall, capture_conv_input, patch_rows
 
 
@@ -75,7 +76,8 @@ def _batch_sums(rows: torch.Tensor, hessian: bool):
     n, g, d = rows.shape
     xtx = None
     if hessian:
-        xtx = torch.einsum("ngi,ngj->gij", rows, rows) if g > 1 else _gram(rows[:, 0])[None]
+        with exact():  # float32 products even inside a pass whose model runs at a lower --matmul-precision
+            xtx = torch.einsum("ngi,ngj->gij", rows, rows) if g > 1 else _gram(rows[:, 0])[None]
     return n, rows.square().sum(dim=0).reshape(-1), xtx, rows.abs().sum(dim=0).reshape(-1)
 
 
