@@ -1,5 +1,5 @@
 """``--matmul-precision``: calibration with the model's products at torch's lower precisions, time and accuracy
-beside float32 products (qtool.calibration.precision), on this machine or a GPU.
+beside float32 products (qtool.quant.precision), on this machine or a GPU.
 
 1. **One decoder block's forward** (random weights, 4 x 512 tokens) at each precision, for SmolLM2-135M's,
    TinyLlama 1.1B's and Llama-3-8B's shapes: what a calibration pass can gain.
@@ -42,7 +42,7 @@ RECIPES = {"w4a16-block32-gptq --sequential": ("w4a16-block32-gptq", True), "w8a
 
 
 def _precisions(device: torch.device):
-    from qtool.calibration.precision import unsupported
+    from qtool.quant.precision import unsupported
 
     return ["highest"] + [p for p in ("high", "medium") if unsupported(p, device) is None
                           and not (device.type == "cuda" and p == "medium")]  # (on CUDA medium is TF32 too)
@@ -56,7 +56,7 @@ def _sync(device):
 def block_forward(device, precisions):
     import transformers
 
-    from qtool.calibration.precision import model_matmuls
+    from qtool.quant.precision import model_matmuls
 
     rows = []
     for name, (h, mlp, heads, kv) in SHAPES.items():
@@ -179,7 +179,7 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     precisions = _precisions(device)
     if len(precisions) == 1:
-        raise SystemExit(f"{device}: no lower precision has units here (qtool.calibration.precision.unsupported)")
+        raise SystemExit(f"{device}: no lower precision has units here (qtool.quant.precision.unsupported)")
     result = {"device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
               "threads": torch.get_num_threads(), "precisions": precisions}
     if not args.skip_blocks:

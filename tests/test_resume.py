@@ -74,6 +74,19 @@ def test_a_run_killed_after_any_block_resumes_to_the_same_bytes(llama, tmp_path,
     assert not out.with_name("run.resume").exists()  # the state goes once the output is written
 
 
+def test_a_run_at_a_lower_matmul_precision_resumes_to_its_own_bytes(llama, tmp_path):
+    """The passes' products at bfloat16 (on a CPU with AMX; elsewhere float32, with a warning) are as repeatable
+    as float32's: a stopped run resumes to the bytes of an uninterrupted one at the same setting."""
+    d, args = llama
+    args = args + ["--matmul-precision", "medium"]
+    code, _, err = run_cli(*args, "-o", tmp_path / "whole")
+    assert code == 0, err
+    _killed(args, tmp_path / "run", 1)
+    code, _, err = run_cli(*args, "--resume", "-o", tmp_path / "run")
+    assert code == 0, err
+    assert _files(tmp_path / "run") == _files(tmp_path / "whole")
+
+
 def test_resume_without_a_saved_state_starts_from_the_first_block(llama, tmp_path):
     d, args = llama
     code, out, err = run_cli(*args[:-1], "--resume", "-o", tmp_path / "run")

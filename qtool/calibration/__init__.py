@@ -31,9 +31,9 @@ from ..model.experts import LinearExperts, all_tokens_routed
 from ..model.load import causal_lm_class
 from ..parallel import Group
 from ..provenance import device_label, versions
+from ..quant.precision import exact, unsupported
 from .collective import samples_per_rank
 from .data_check import shortfalls
-from .precision import emulated, unsupported
 
 __all__ = ["CalibrateOptions", "CalibrationRun", "MODES", "PreparedRun", "choose_mode", "prepare_calibration",
            "calibrate_prepared", "calibrate_checkpoint", "streams", "estimate_run"]
@@ -58,7 +58,7 @@ class CalibrateOptions:
     strict_data: bool = False  # too little data (calibration.data_check) is an error, not a warning
     resume: bool = False  # --sequential: continue the saved state of a stopped run (calibration.resume)
     all_experts: bool = False  # MoE layers: every expert sees every calibration token (outputs stay routed)
-    matmul_precision: str = "highest"  # the model's float32 products in the data passes (.precision)
+    matmul_precision: str = "highest"  # the model's float32 products in the data passes (quant.precision)
 
 
 def _resolve(recipe: Recipe, model, source: str, opts: CalibrateOptions, checkpoint: str) -> Plan:
@@ -241,7 +241,9 @@ def calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opts
     written there: None elsewhere). ``state``: where a sequential run keeps its resumable state (:mod:`.resume`;
     ``opts.resume`` continues the one there)."""
     hooks = hooks or Hooks()
-    with reporting(hooks):  # the long steps inside (weight searches, GPTQ) report to the job's hooks
+    # the long steps inside (weight searches, GPTQ) report to the job's hooks; qtool's own products are float32
+    # whatever a library caller set (the data passes take opts.matmul_precision inside)
+    with reporting(hooks), exact():
         return _calibrate_prepared(checkpoint, prepared, source, opts, sidecar, hooks, group or Group(), state)
 
 
@@ -250,11 +252,10 @@ def _calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opt
                         state: Optional[Path]) -> CalibrationRun:
     mode, plan, model, device = prepared.mode, prepared.plan, prepared.model, prepared.device
     check_choice("matmul_precision", opts.matmul_precision, MATMUL_PRECISIONS)
-    if (why := unsupported(opts.matmul_precision, device)) is not None:
-        plan.warnings.append(f"--matmul-precision {opts.matmul_precision}: {why}; the model's products stay float32")
-    elif emulated(opts.matmul_precision, device):
-        plan.warnings.append("--matmul-precision medium: this CPU has no bfloat16 units (AMX, AVX512-BF16); oneDNN "
-                             "emulates the bfloat16 products, which can be slower than float32's")
+    precision = opts.matmul_precision  # the model's products in the data passes
+    if (why := unsupported(precision, device)) is not None:
+        plan.warnings.append(f"--matmul-precision {precision}: {why}; the model's products stay float32")
+        precision = "highest"
     if mode == "sequential":
         from .sequential import calibrate_sequential
 
@@ -267,7 +268,7 @@ def _calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opt
             with _sidecar_stream(sidecar, plan, group) as sink, all_tokens_routed(model, opts.all_experts):
                 entries = calibrate_sequential(checkpoint, plan, data, device, model, on_block=hooks.on_block,
                                                codes=codes, group=group, floats=floats, sink=sink, state=saved,
-                                               precision=opts.matmul_precision)
+                                               precision=precision)
         except UsageError:  # bad input fails a resume the same way: its state goes with the rest of the output
             if saved is not None and saved.resumed_from == 0:  # (never a state an earlier run left)
                 saved.remove()
@@ -297,7 +298,7 @@ def _calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opt
     quantizers = insert_quantizers(model, plan)
     with all_tokens_routed(model, opts.all_experts):
         result = calibrate(model, plan, quantizers, data if plan.needs_data() else None, device,
-                           hooks.on_batch, group, opts.matmul_precision)
+                           hooks.on_batch, group, precision)
     entries = [EncodingEntry.from_quantizer(q, quantizers[q.name]) for q in plan.quantizers
                if quantizers[q.name].is_initialized()]
     return CalibrationRun(entries, plan, mode, device, loaded.files, loaded.kind, data, result.unused, result.codes,

@@ -13,11 +13,11 @@ from ..errors import DataError, UsageError
 from ..model.insert import set_quantization
 from ..parallel import Group
 from ..quant import QuantizerBase
+from ..quant.precision import model_matmuls
 from .base import first_tensor
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_absmax, merge_inputs, shard
 from .folding import adjacent_pairs, fold_batch_norm
 from .graphs import Replayer, replayer
-from .precision import model_matmuls
 from .rotation import rotate
 from .rounding import collect_inputs, importance, round_weights, routed_fallbacks
 from .rounding.statistics import collect_module_inputs
@@ -75,15 +75,15 @@ def calibrate(
     def run(feed: Optional[Callable[[Batch], None]] = None):
         for i, batch in enumerate(local):
             b = batch.to(device) if feed is None else batch
-            try:
-                with model_matmuls(precision):
+            with model_matmuls(precision):
+                try:
                     if feed is None:
                         model(*b.args, **b.kwargs)
                     else:
                         feed(batch)
-            except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
-                raise DataError(f"calibration batch {local.first + i}: the model rejected the data: "
-                                f"{rejection(model, b, e)}") from None
+                except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
+                    raise DataError(f"calibration batch {local.first + i}: the model rejected the data: "
+                                    f"{rejection(model, b, e)}") from None
             if progress:
                 progress(i + 1, len(local), b.size)
 

@@ -40,9 +40,9 @@ from ..model.experts import checkpoint_key
 from ..model.insert import drop_weight_caches, insert_quantizers
 from ..model.load import decoder_stack
 from ..parallel import Group
+from ..quant.precision import model_matmuls
 from .collective import calibrate_activations_dp, calibrate_weights_split, merge_inputs, shard
 from .heap import return_freed_memory
-from .precision import model_matmuls
 from .resume import BlockResult, ResumeState
 from .rotation import Rotator
 from .rounding import collect_inputs, importance, learn_rounding, round_weights, routed_fallbacks

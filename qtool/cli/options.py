@@ -105,8 +105,9 @@ _MATMUL_PRECISION = typer.Option(
     "highest", "--matmul-precision", metavar="[highest|high|medium]",
     help="The model's float32 matrix products in the calibration passes, as torch.set_float32_matmul_precision: "
     "highest (float32; the default), high (TF32: CUDA GPUs from Ampere on, CPUs with AMX-FP16), medium (also "
-    "bfloat16 on CPUs with AMX or AVX512-BF16). Faster passes for other bytes: the ranges and statistics come "
-    "from activations rounded so. qtool's own sums, searches and solves stay float32.")
+    "bfloat16 on CPUs with AMX). Faster passes for other bytes: the ranges and statistics come from activations "
+    "rounded so. qtool's own sums, searches and solves stay float32; a device without the units warns and runs "
+    "float32.")
 
 
 _STRICT_DATA = typer.Option(False, "--strict-data", help="Fail (exit 2, nothing written) where the calibration "

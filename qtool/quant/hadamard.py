@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from .affine import true_div
+from .precision import exact
 
 __all__ = ["HadamardError", "MAX_BASE_ORDER", "hadamard_order", "hadamard_transform", "rotation_matrix"]
 
@@ -131,7 +132,8 @@ def hadamard_transform(x: torch.Tensor, kind: str = "hadamard", seed: int = 0,
     lead = y.shape[:-1]
     if m > 1:  # the small factor (an identity for powers of two)
         base = _base(m).to(y.device, compute)
-        y = y.reshape(-1, k, m) @ (base.T if inverse else base)
+        with exact():  # float32 products even inside a data pass at a lower --matmul-precision
+            y = y.reshape(-1, k, m) @ (base.T if inverse else base)
     h = 1
     while h < k:  # butterflies: pairs (i, i + h) within each block of 2h rows
         y = y.reshape(-1, k // (2 * h), 2, h, m)

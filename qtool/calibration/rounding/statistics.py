@@ -18,7 +18,7 @@ from torch import nn
 from ...choices import weighs_activations
 from ...config import QuantizerPlan
 from ...errors import DataError
-from ..precision import exact
+from ...quant.precision import exact
 from .conv import CONV_TYPES, ConvCall, capture_conv_input, patch_rows
 
 

@@ -1,0 +1,69 @@
+"""How precisely float32 matrix products run: the model's in calibration's data passes (``--matmul-precision``),
+qtool's own always at float32.
+
+A calibration pass is mostly the model's forward: on a long run its matrix products are most of the time (on a
+GPU, two float32 passes per block decide a sequential GPTQ run's speed). torch can run them with fewer mantissa
+bits where the hardware has units for it (the precisions of ``torch.set_float32_matmul_precision``):
+
+* ``highest`` (the default): float32 products; the bytes qtool writes are those it always wrote;
+* ``high``: TF32 inputs (10 mantissa bits, float32 sums) on CUDA GPUs from Ampere on and CPUs with AMX-FP16;
+* ``medium``: as ``high`` on a GPU; bfloat16 inputs (8 bits, float32 sums) on CPUs with AMX.
+
+The calibration modes wrap their data passes in :func:`model_matmuls` (the activations the ranges and input
+statistics come from, and the outputs the next block of a sequential run reads) and the whole run in
+:func:`exact`; what qtool computes inside a pass puts float32 back with :func:`exact` (the input statistics'
+``XᵀX``, an online Hadamard rotation's small factor). Tensors stay float32 throughout, so memory is unchanged.
+
+torch's per-backend settings (``torch.backends.{cuda,mkldnn}.matmul.fp32_precision``) are set and restored
+directly: its one-word getter refuses to answer once a program has mixed its old and new switches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+
+from ..choices import MATMUL_PRECISIONS
+
+__all__ = ["MATMUL_PRECISIONS", "model_matmuls", "exact", "unsupported"]
+
+# torch.set_float32_matmul_precision's mapping of each precision onto the two backends
+_BACKENDS = {"highest": ("ieee", "ieee"), "high": ("tf32", "tf32"), "medium": ("tf32", "bf16")}  # (cuda, mkldnn)
+
+
+@contextlib.contextmanager
+def model_matmuls(precision: str) -> Iterator[None]:
+    """float32 matrix products at ``precision`` inside the block, torch's settings restored after."""
+    cuda, mkldnn = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
+    before = cuda.fp32_precision, mkldnn.fp32_precision
+    cuda.fp32_precision, mkldnn.fp32_precision = _BACKENDS[precision]
+    try:
+        yield
+    finally:
+        cuda.fp32_precision, mkldnn.fp32_precision = before
+
+
+def exact() -> contextlib.AbstractContextManager:
+    """float32 products inside the block, whatever the model's passes (or a library caller) set: qtool's own
+    arithmetic."""
+    return model_matmuls("highest")
+
+
+def unsupported(precision: str, device: torch.device) -> Optional[str]:
+    """Why ``precision`` would not run lower products on ``device`` (the passes then run at ``highest``), or None
+    where it applies. On a CPU, oneDNN's bfloat16 products are taken only with AMX: on other AVX512 CPUs it runs
+    float32-accurate products in another order (other bytes, no gain)."""
+    if precision == "highest":
+        return None
+    if device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        return None if major >= 8 else f"{torch.cuda.get_device_name(device)} has no TF32 (Ampere or later)"
+    if device.type != "cpu":
+        return f"{device.type} devices are not covered"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN"
+    if precision == "medium":
+        return None if torch.cpu._is_amx_tile_supported() else "this CPU has no AMX (bfloat16 matrix units)"
+    return None if torch.cpu._is_amx_fp16_supported() else "this CPU has no AMX-FP16 (TF32 matrix units)"
