@@ -2,6 +2,9 @@
 qtool's own sums kept float32, recorded where used, refused when misspelt (qtool.quant.precision)."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +56,39 @@ def test_input_statistics_are_float32_products_inside_a_lower_precision_pass():
     if BF16:
         ref = x[:, 0].double().T @ x[:, 0].double()
         assert (plain - ref).abs().max() > 100 * (got[2][0] - ref).abs().max()
+
+
+def test_exact_keeps_onednn_convolutions_float32_too():
+    """A CNN's calibration computes nothing of qtool's in convolutions, but the whole run is exact(): a caller's
+    bfloat16 setting for oneDNN's convolutions must not change a default run's activations either."""
+    conv = torch.nn.Conv2d(16, 32, 3)
+    x = torch.randn(2, 16, 24, 24, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = conv(x)
+        before = torch.backends.mkldnn.conv.fp32_precision
+        try:
+            torch.backends.mkldnn.conv.fp32_precision = "bf16"
+            with exact():
+                got = conv(x)
+            lowered = conv(x)
+        finally:
+            torch.backends.mkldnn.conv.fp32_precision = before
+    assert torch.equal(got, want)
+    if BF16:
+        assert not torch.equal(lowered, want)  # (the caller's setting does bite outside)
+
+
+def test_torch_releases_before_per_backend_switches_use_the_one_word_setting():
+    """torch 2.4-2.8 (the declared range starts at 2.4) has only torch.set_float32_matmul_precision: the same
+    contexts go through it there (checked in a fresh process, as such a torch would start)."""
+    code = ("import torch\nfrom qtool.quant import precision as p\np._PER_OP = False\n"
+            "with p.model_matmuls('medium'):\n    assert torch.get_float32_matmul_precision() == 'medium'\n"
+            "    with p.exact():\n        assert torch.get_float32_matmul_precision() == 'highest'\n"
+            "    assert torch.get_float32_matmul_precision() == 'medium'\n"
+            "assert torch.get_float32_matmul_precision() == 'highest'\nprint('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -113,15 +149,17 @@ def test_a_library_caller_s_lower_setting_changes_no_byte_of_a_default_run(llama
     d, args = llama
     code, _, err = run_cli(*args, "-o", tmp_path / "plain")
     assert code == 0, err
-    before = _backends()
+    before, legacy = _backends(), torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.mkldnn.matmul.fp32_precision = "bf16"
         torch.backends.cuda.matmul.allow_tf32 = True
         run_calibrate(str(d / "m"), str(d / "r.yaml"), str(tmp_path / "lib"),
                       CalibrateOptions(data=str(d / "ids.safetensors"), batch_size=4))
         assert _backends() == ("tf32", "bf16")  # the caller's settings are left as they were
-    finally:
+    finally:  # the old switch first: the new ones then leave torch as unmixed as it was
+        torch.backends.cuda.matmul.allow_tf32 = legacy
         torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = before
+    assert torch.get_float32_matmul_precision() == "highest"
     for f in ("encodings.json", "codes.safetensors"):
         assert (tmp_path / "lib" / f).read_bytes() == (tmp_path / "plain" / f).read_bytes()
 

@@ -14,8 +14,8 @@ statistics come from, and the outputs the next block of a sequential run reads) 
 :func:`exact`; what qtool computes inside a pass puts float32 back with :func:`exact` (the input statistics'
 ``XᵀX``, an online Hadamard rotation's small factor). Tensors stay float32 throughout, so memory is unchanged.
 
-torch's per-backend settings (``torch.backends.{cuda,mkldnn}.matmul.fp32_precision``) are set and restored
-directly: its one-word getter refuses to answer once a program has mixed its old and new switches.
+torch's per-backend settings (``torch.backends.{cuda,mkldnn}.matmul.fp32_precision``, torch >= 2.9) are set and
+restored directly: its one-word getter refuses to answer once a program has mixed its old and new switches.
 """
 
 from __future__ import annotations
@@ -29,25 +29,42 @@ from ..choices import MATMUL_PRECISIONS
 
 __all__ = ["MATMUL_PRECISIONS", "model_matmuls", "exact", "unsupported"]
 
-# torch.set_float32_matmul_precision's mapping of each precision onto the two backends
-_BACKENDS = {"highest": ("ieee", "ieee"), "high": ("tf32", "tf32"), "medium": ("tf32", "bf16")}  # (cuda, mkldnn)
+# torch >= 2.9 keeps a precision per backend and op (and raises from its one-word getter once a program mixed the
+# two kinds of switch); earlier releases have only the one-word setting
+_PER_OP = hasattr(torch._C, "_get_fp32_precision_getter")
+# (backend, op) switches qtool sets: the two matmul ones the precisions change (as torch.set_float32_matmul_precision
+# maps them), and oneDNN's convolutions and RNNs, kept at float32 (cuDNN's keep torch's TF32 default)
+_OPS = (("cuda", "matmul"), ("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn"))
+_SETTINGS = {"highest": ("ieee", "ieee", "ieee", "ieee"), "high": ("tf32", "tf32", "ieee", "ieee"),
+             "medium": ("tf32", "bf16", "ieee", "ieee")}
 
 
 @contextlib.contextmanager
 def model_matmuls(precision: str) -> Iterator[None]:
-    """float32 matrix products at ``precision`` inside the block, torch's settings restored after."""
-    cuda, mkldnn = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
-    before = cuda.fp32_precision, mkldnn.fp32_precision
-    cuda.fp32_precision, mkldnn.fp32_precision = _BACKENDS[precision]
+    """float32 matrix products at ``precision`` inside the block, torch's settings restored after (a switch that
+    inherited its value from its backend's inherits again)."""
+    if not _PER_OP:
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(precision)
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(before)
+        return
+    get, put = torch._C._get_fp32_precision_getter, torch._C._set_fp32_precision_setter
+    before = [(backend, op, get(backend, op), get(backend, "all")) for backend, op in _OPS]
+    for (backend, op), value in zip(_OPS, _SETTINGS[precision]):
+        put(backend, op, value)
     try:
         yield
     finally:
-        cuda.fp32_precision, mkldnn.fp32_precision = before
+        for backend, op, value, inherited in before:
+            put(backend, op, "none" if value == inherited else value)
 
 
 def exact() -> contextlib.AbstractContextManager:
-    """float32 products inside the block, whatever the model's passes (or a library caller) set: qtool's own
-    arithmetic."""
+    """float32 products inside the block, whatever the model's passes (or a library caller, through torch's
+    precision switches) set: qtool's own arithmetic."""
     return model_matmuls("highest")
 
 
@@ -58,12 +75,14 @@ def unsupported(precision: str, device: torch.device) -> Optional[str]:
     if precision == "highest":
         return None
     if device.type == "cuda":
+        if torch.version.hip is not None:
+            return "ROCm GPUs are not covered (their TF32 needs HIPBLASLT_ALLOW_TF32)"
         major, _ = torch.cuda.get_device_capability(device)
         return None if major >= 8 else f"{torch.cuda.get_device_name(device)} has no TF32 (Ampere or later)"
     if device.type != "cpu":
         return f"{device.type} devices are not covered"
-    if not torch.backends.mkldnn.is_available():
-        return "this torch build has no oneDNN"
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return "oneDNN is not available or turned off in this torch"
     if precision == "medium":
         return None if torch.cpu._is_amx_tile_supported() else "this CPU has no AMX (bfloat16 matrix units)"
     return None if torch.cpu._is_amx_fp16_supported() else "this CPU has no AMX-FP16 (TF32 matrix units)"
