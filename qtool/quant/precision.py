@@ -84,5 +84,10 @@ def unsupported(precision: str, device: torch.device) -> Optional[str]:
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return "oneDNN is not available or turned off in this torch"
     if precision == "medium":
-        return None if torch.cpu._is_amx_tile_supported() else "this CPU has no AMX (bfloat16 matrix units)"
-    return None if torch.cpu._is_amx_fp16_supported() else "this CPU has no AMX-FP16 (TF32 matrix units)"
+        return None if _cpu_has("amx_tile") else "this CPU has no AMX (bfloat16 matrix units)"
+    return None if _cpu_has("amx_fp16") else "this CPU has no AMX-FP16 (TF32 matrix units)"
+
+
+def _cpu_has(feature: str) -> bool:
+    """torch's own CPU feature check (absent from some releases of the declared range: then no)."""
+    return bool(getattr(torch.cpu, f"_is_{feature}_supported", lambda: False)())
