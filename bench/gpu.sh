@@ -33,9 +33,10 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit that never passe
 }
 R=bench/results
 # the CUDA-only tests: the activation pass replayed as a CUDA graph (MLP, a forward with a host sync, a tiny
-# Llama: the eager ranges bit for bit) and GPTQ's replayed column loop
+# Llama: the eager ranges bit for bit, at float32 and TF32 products), GPTQ's replayed column loop, and the input
+# statistics staying float32 inside a TF32 pass
 step "CUDA tests" 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_rounding.py \
-    -k "cuda or gpu"
+    tests/test_matmul_precision.py -k "cuda or gpu"
 # W8A8 calibration of the reference MLP, eager against replayed as a CUDA graph: times and equal ranges
 step "calibration graph replay" 60 "$PY" bench/calibration_graph_probe.py
 # W8A8 on SmolLM2's shape (#53: at most 2x a float pass): as shipped (shared calls, the pass replayed as a CUDA

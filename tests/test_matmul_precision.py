@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from qtool.quant.precision import exact, model_matmuls, unsupported
 from qtool.calibration.rounding.statistics import _batch_sums
-from tests.helpers import error_lines, run_cli, tiny_llama
+from tests.helpers import error_lines, run_cli
 
 BF16 = unsupported("medium", torch.device("cpu")) is None  # this CPU runs bfloat16 products (AMX)
 
@@ -93,9 +93,12 @@ def test_torch_releases_before_per_backend_switches_use_the_one_word_setting():
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("precision")
-    tiny_llama(d / "m", num_hidden_layers=2)
+    torch.manual_seed(0)  # tests.helpers.tiny_llama's model, without the tokenizer it copies (the data is token ids)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(d / "m")
     ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
     save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, d / "ids.safetensors")
     (d / "r.yaml").write_text(RECIPE)
@@ -170,3 +173,50 @@ def test_a_misspelt_precision_is_one_line_before_anything_runs(llama, tmp_path):
     assert code == 2
     assert error_lines(err) == ["error: --matmul-precision must be one of highest, high, medium (got 'bf16')"]
     assert not (tmp_path / "r").exists()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu.sh runs it)")
+
+
+@needs_cuda
+def test_cuda_input_statistics_stay_float32_inside_a_tf32_pass():
+    x = torch.randn(4096, 1, 1024, generator=torch.Generator().manual_seed(0)).cuda()
+    want = _batch_sums(x, True)
+    with model_matmuls("high"):
+        got = _batch_sums(x, True)
+        plain = x[:, 0].T @ x[:, 0]
+    for a, b in zip(want[1:], got[1:]):
+        assert torch.equal(a, b)
+    if unsupported("high", x.device) is None:  # TF32 products: errors far above float32's
+        ref = x[:, 0].double().T @ x[:, 0].double()
+        assert (plain - ref).abs().max() > 10 * (got[2][0] - ref).abs().max()
+
+
+@needs_cuda
+def test_cuda_tf32_passes_replayed_as_graphs_keep_the_eager_ranges(llama, tmp_path, monkeypatch):
+    """At TF32 the activation pass is still recorded and replayed as a CUDA graph (qtool.calibration.graphs),
+    and it leaves the ranges of the eager pass at TF32, bit for bit; both near float32's."""
+    from qtool.calibration import graphs, in_memory
+    from qtool.pipeline import CalibrateOptions, run_calibrate
+
+    d, _ = llama
+    made = []
+
+    def recorded(*args, **kwargs):
+        made.append(graphs.replayer(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(in_memory, "replayer", recorded)
+    runs = {}
+    for name, precision, replay in (("highest", "highest", True), ("replayed", "high", True),
+                                    ("eager", "high", False)):
+        monkeypatch.setattr(graphs, "ENABLED", replay)
+        run_calibrate(str(d / "m"), str(d / "r.yaml"), str(tmp_path / name), CalibrateOptions(
+            data=str(d / "ids.safetensors"), batch_size=2, device="cuda", matmul_precision=precision))
+        runs[name] = _ranges(tmp_path / name)
+    assert made[1] is not None and made[1].refused is None and made[1].replays > 0  # the TF32 pass was replayed
+    assert made[2] is None  # and the other one was not
+    assert runs["replayed"] == runs["eager"]
+    for name, (lo, hi) in runs["highest"].items():
+        for x, y in zip((lo, hi), runs["replayed"][name]):
+            assert abs(x - y) <= 0.05 * max(abs(x), abs(y), 1e-3), name
