@@ -43,19 +43,25 @@ def test_the_setting_is_torch_s_per_backend_inside_and_restored_after():
     assert _backends() == before
 
 
-def test_input_statistics_are_float32_products_inside_a_lower_precision_pass():
-    """XᵀX (GPTQ's Hessian) is taken inside the model's forward, so it must put float32 back: the same bits as
-    outside any pass, where the pass's own products (on a CPU with AMX) are bfloat16's, errors ~1000x larger."""
-    x = torch.randn(512, 1, 448, generator=torch.Generator().manual_seed(0))
+def _statistics_stay_float32(x: torch.Tensor, precision: str, bites: bool, factor: float) -> None:
+    """``_batch_sums`` of ``x`` inside a pass at ``precision`` gives the bits it gives outside one; where the
+    setting ``bites``, the pass's own ``xᵀx`` is over ``factor`` times further from float64's."""
     want = _batch_sums(x, True)
-    with model_matmuls("medium"):
+    with model_matmuls(precision):
         got = _batch_sums(x, True)
         plain = x[:, 0].T @ x[:, 0]
     for a, b in zip(want[1:], got[1:]):
         assert torch.equal(a, b)
-    if BF16:
+    if bites:
         ref = x[:, 0].double().T @ x[:, 0].double()
-        assert (plain - ref).abs().max() > 100 * (got[2][0] - ref).abs().max()
+        assert (plain - ref).abs().max() > factor * (got[2][0] - ref).abs().max()
+
+
+def test_input_statistics_are_float32_products_inside_a_lower_precision_pass():
+    """XᵀX (GPTQ's Hessian) is taken inside the model's forward, so it must put float32 back: the same bits as
+    outside any pass, where the pass's own products (on a CPU with AMX) are bfloat16's, errors ~1000x larger."""
+    _statistics_stay_float32(torch.randn(512, 1, 448, generator=torch.Generator().manual_seed(0)), "medium", BF16,
+                             100)
 
 
 def test_exact_keeps_onednn_convolutions_float32_too():
@@ -181,15 +187,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 def test_cuda_input_statistics_stay_float32_inside_a_tf32_pass():
     x = torch.randn(4096, 1, 1024, generator=torch.Generator().manual_seed(0)).cuda()
-    want = _batch_sums(x, True)
-    with model_matmuls("high"):
-        got = _batch_sums(x, True)
-        plain = x[:, 0].T @ x[:, 0]
-    for a, b in zip(want[1:], got[1:]):
-        assert torch.equal(a, b)
-    if unsupported("high", x.device) is None:  # TF32 products: errors far above float32's
-        ref = x[:, 0].double().T @ x[:, 0].double()
-        assert (plain - ref).abs().max() > 10 * (got[2][0] - ref).abs().max()
+    _statistics_stay_float32(x, "high", unsupported("high", x.device) is None, 10)  # TF32: errors far above float32's
 
 
 @needs_cuda

@@ -60,6 +60,13 @@ class CalibrateOptions:
     all_experts: bool = False  # MoE layers: every expert sees every calibration token (outputs stay routed)
     matmul_precision: str = "highest"  # the model's float32 products in the data passes (quant.precision)
 
+    def recorded(self) -> Dict[str, Any]:
+        """The options a manifest and a resumable state record: one added later only where it is used (so earlier
+        records keep their bytes), and never ``resume`` (a resumed run writes an uninterrupted one's bytes)."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if not (k == "imatrix" and v is None) and not (k in ("strict_data", "all_experts") and not v)
+                and not (k == "matmul_precision" and v == "highest") and k != "resume"}
+
 
 def _resolve(recipe: Recipe, model, source: str, opts: CalibrateOptions, checkpoint: str) -> Plan:
     """The recipe's plan on ``model``, weighted by ``opts.imatrix`` where one is given."""
@@ -314,8 +321,7 @@ def _resume_state(directory: Optional[Path], checkpoint: str, source: str, opts:
     if directory is None:
         return None
     files = tensor_files(Path(checkpoint)) + [f for f in (Path(checkpoint) / "config.json",) if f.is_file()]
-    options = {k: v for k, v in dataclasses.asdict(opts).items()
-               if k != "resume" and not (k == "matmul_precision" and v == "highest")}  # (states saved before it)
+    options = opts.recorded()
     if options.get("data") and Path(options["data"]).exists():  # the same file from another working directory
         options["data"] = str(Path(options["data"]).resolve())
     stamp = fingerprint(versions=versions(), checkpoint_files=files,

@@ -61,7 +61,7 @@ def calibrate(
 
     With a distributed ``group`` this rank runs its shard of the batches and the ranks combine their statistics
     (:mod:`.collective`); activation ranges are then set on rank 0 only. ``precision``: the model's float32
-    products in the data passes (:mod:`.precision`)."""
+    products in the data passes (:mod:`qtool.quant.precision`)."""
     group = group or Group()
     modules = dict(model.named_modules())
     acts = plan.static_activations  # dynamic ones compute their range at run time

@@ -141,7 +141,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
 
     ``state`` (:mod:`.resume`) records each finished block; blocks it holds already (a resumed run) are taken from
     it instead of being calibrated again, and the next block starts from their saved outputs. ``precision``: the
-    model's float32 products in the data passes (:mod:`.precision`)."""
+    model's float32 products in the data passes (:mod:`qtool.quant.precision`)."""
     group = group or Group()
     codes = {} if codes is None else codes
     floats = {} if floats is None else floats

@@ -4,7 +4,7 @@ candidate of a size-budget search."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Union
 
@@ -61,11 +61,7 @@ def _calibrate_into(checkpoint: str, recipe_path: Union[str, RecipeFile], opts: 
         **({"imatrix": {"path": str(opts.imatrix), "sha256": sha256_file(Path(opts.imatrix)),
                         "weights": sum(q.imatrix for q in plan.weights)}} if opts.imatrix else {}),
     }
-    # an option added later is recorded only where it is used, so older runs' manifests keep their bytes (a resumed
-    # run writes the bytes of an uninterrupted one)
-    options = {k: v for k, v in asdict(opts).items()
-               if not (k == "imatrix" and v is None) and not (k in ("strict_data", "all_experts") and not v)
-               and not (k == "matmul_precision" and v == "highest") and k != "resume"}
+    options = opts.recorded()
     write_manifest(run_dir, manifest("calibrate", inputs, digests(enc_files, key=lambda f: f.name),
                                      device=device_label(device), options=options, tail={
         "quantizers": len(entries),

@@ -25,9 +25,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..choices import MATMUL_PRECISIONS
-
-__all__ = ["MATMUL_PRECISIONS", "model_matmuls", "exact", "unsupported"]
+__all__ = ["model_matmuls", "exact", "unsupported"]
 
 # torch >= 2.9 keeps a precision per backend and op (and raises from its one-word getter once a program mixed the
 # two kinds of switch); earlier releases have only the one-word setting
