@@ -39,6 +39,8 @@ step "CUDA tests" 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_gra
     tests/test_matmul_precision.py -k "cuda or gpu"
 # W8A8 calibration of the reference MLP, eager against replayed as a CUDA graph: times and equal ranges
 step "calibration graph replay" 60 "$PY" bench/calibration_graph_probe.py
+# the same pass eager: tensor operations (kernels) per activation quantizer call, and time against a float pass
+step "calibration call kernels" 60 "$PY" bench/calibration_calls.py --device cuda
 # W8A8 on SmolLM2's shape (#53: at most 2x a float pass): as shipped (shared calls, the pass replayed as a CUDA
 # graph), without the replay, and without the shared calls; 64 samples, 16 batches
 step "W8A8 calibration of SmolLM2's shape on CUDA" 150 "$PY" bench/shared_calls.py --device cuda --layers 30 \

@@ -222,6 +222,7 @@ def test_a_calibrating_forward_on_the_gpus_path_makes_no_host_sync(monkeypatch, 
 
     monkeypatch.setattr(QuantizeDequantize, "_min_max_numbers", lambda self, x: False)
     monkeypatch.setattr(affine, "_uniform_offset", lambda offset: None)
+    monkeypatch.setattr(affine, "_launch_bound", lambda device: True)
     model, batches = make()
     plan, qs = _plan(W8A8, model)
     calibrate(model, plan, qs, CalibrationData(batches, [], 3, "random"), torch.device("cpu"))  # weights, eagerly
@@ -261,12 +262,15 @@ def _equal(eager, replayed):
         assert torch.equal(eager[n][0], replayed[n][0]) and torch.equal(eager[n][1], replayed[n][1]), n
 
 
+SHAPES = [  # rows per batch, then the batches replayed (a recording runs its batch as a replay) and graphs made
+    ([16] * 6, 6, 1),  # one shape: the first batch recorded on sight, the rest replayed
+    ([16] * 5 + [7], 5, 1),  # a last, shorter batch seen once: eager
+    ([16] * 3 + [7] * 3, 5, 2),  # a second shape is recorded on its second batch
+]
+
+
 @needs_cuda
-@pytest.mark.parametrize("rows, replays, graphs_made", [
-    ([16] * 6, 5, 1),  # one shape: the first batch eager, the second recorded and replayed, the rest replayed
-    ([16] * 5 + [7], 4, 1),  # a last, shorter batch seen once: eager
-    ([16] * 3 + [7] * 3, 4, 2),  # two shapes, each recorded on its second batch
-])
+@pytest.mark.parametrize("rows, replays, graphs_made", SHAPES)
 def test_on_a_gpu_the_replayed_pass_gives_the_eager_ranges_bit_for_bit(monkeypatch, rows, replays, graphs_made):
     g = torch.Generator().manual_seed(0)
     data = CalibrationData([Batch(args=(torch.randn(n, 64, generator=g),)) for n in rows], [], sum(rows), "random")
@@ -276,6 +280,85 @@ def test_on_a_gpu_the_replayed_pass_gives_the_eager_ranges_bit_for_bit(monkeypat
     assert (made[0].replays, len(made[0].recorded)) == (replays, graphs_made)
     _equal(eager, replayed)
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+class _StandInGraph:
+    """What ``graphs.record`` returns, made without CUDA: ``step`` run at the warm-up and again at each replay
+    (a recorded forward repeats its kernels), ``skew`` added to every calibrating range after a replay when the
+    replay is to differ from the eager forward (a path taken only while a capture runs)."""
+
+    def __init__(self, step, analyzers, skew):
+        self.step, self.analyzers, self.skew = step, analyzers, skew
+
+    def replay(self):
+        self.step()
+        for a in self.analyzers:
+            if self.skew and a.min is not None:
+                a.min.sub_(self.skew)
+
+
+def _eager_and_stand_in(monkeypatch, data, refusals=()):
+    """The MLP's W8A8 ranges calibrated eagerly, then through a Replayer on the CPU with ``graphs.record`` stood in
+    for: the n-th recording (from 0) is refused at its warm-up, or its replay differs from the eager forward, as
+    ``refusals[n]`` says ("warm-up", "differs" or None). Returns both ranges, the replayer and what each recording
+    was told."""
+    import contextlib
+
+    from qtool.calibration import in_memory
+
+    model = mlp().eval()
+    plan, qs = _plan(W8A8, model)
+    calibrate(model, plan, qs, data, torch.device("cpu"))
+    eager = _ranges(qs)
+    model = mlp().eval()
+    plan, qs = _plan(W8A8, model)
+    analyzers = [qs[q.name].encoding_analyzer for q in plan.static_activations]
+    attempts = []
+
+    def record(step, device, find_syncs=True):
+        how = refusals[len(attempts)] if len(attempts) < len(refusals) else None
+        attempts.append(how)
+        step()
+        if how == "warm-up":
+            raise graphs.Refused("RuntimeError: a host sync in the warm-up")
+        return _StandInGraph(step, analyzers, 0.5 if how == "differs" else 0.0)
+
+    monkeypatch.setattr(graphs, "record", record)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    replay = graphs.Replayer(model, analyzers, torch.device("cpu"))
+    monkeypatch.setattr(in_memory, "replayer", lambda *a, **k: replay)
+    assert calibrate(model, plan, qs, data, torch.device("cpu")).replay is replay
+    return eager, _ranges(qs), replay, attempts
+
+
+@pytest.mark.parametrize("rows, replays, graphs_made", SHAPES)
+def test_the_first_batch_is_recorded_on_sight_and_another_shape_when_it_repeats(monkeypatch, rows, replays,
+                                                                                graphs_made):
+    """Which batches are recorded and replayed (the GPU test above checks the same counts on CUDA), and the
+    calibrated ranges those of the eager pass: on the CPU, with a recording that runs its forward eagerly."""
+    g = torch.Generator().manual_seed(0)
+    data = CalibrationData([Batch(args=(torch.randn(n, 64, generator=g),)) for n in rows], [], sum(rows), "random")
+    eager, replayed, replay, _ = _eager_and_stand_in(monkeypatch, data)
+    assert (replay.replays, len(replay.recorded), replay.refused) == (replays, graphs_made, None)
+    _equal(eager, replayed)
+
+
+@pytest.mark.parametrize("refusals, replays, first_refused, refused", [
+    (["warm-up"], 5, True, False),  # the first batch's recording refused once: the second batch's is made
+    (["differs"], 5, True, False),
+    (["warm-up", "warm-up"], 0, True, True),  # refused twice: the pass is eager from the second batch on
+    (["differs", "differs"], 0, True, True),
+])
+def test_a_refused_recording_leaves_the_eager_passs_ranges(monkeypatch, refusals, replays, first_refused, refused):
+    """A refusal (a sync in the warm-up, or a replay whose ranges differ from the eager forward's) leaves every
+    range as the eager pass leaves it: what the failed recording folded into an analyzer that had no state before
+    is dropped, ranges kept before are put back. The first batch's recording is tried once more on the second."""
+    g = torch.Generator().manual_seed(2)
+    data = CalibrationData([Batch(args=(torch.randn(16, 64, generator=g),)) for _ in range(6)], [], 96, "random")
+    eager, replayed, replay, attempts = _eager_and_stand_in(monkeypatch, data, refusals)
+    assert attempts == (list(refusals) + [None])[:2] and replay.replays == replays
+    assert (replay.first_refused is not None, replay.refused is not None) == (first_refused, refused)
+    _equal(eager, replayed)
 
 
 class _Synced(torch.nn.Module):
@@ -340,3 +423,78 @@ def test_qtool_cuda_graphs_in_the_environment_turns_both_uses_off(value, on):
                           "from qtool.calibration.rounding import gptq; print(graphs.ENABLED, gptq.CUDA_GRAPHS)"],
                          env=env, capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(on), str(on)]
+
+
+class _Kernels(TorchDispatchMode):
+    """The tensor operations that run a kernel (views and detaches only describe memory)."""
+
+    FREE = {"aten.view.default", "aten.detach.default", "aten._unsafe_view.default", "aten.alias.default",
+            "aten.expand.default", "aten.select.int", "aten.t.default", "aten.unsqueeze.default"}
+
+    def __enter__(self):
+        self.ops = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) not in self.FREE:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("symmetric, most", [(False, 20), (True, 27)])
+def test_a_calibration_call_on_the_gpus_path_runs_few_kernels(monkeypatch, symmetric, most):
+    """On a GPU a calibrating min-max quantizer call is bound by its kernel launches (#53): the batch's range (1),
+    the running range (2), the batch's scale and offset (``batch_scale_offset``: 12 asymmetric, 18 symmetric)
+    and the fake-quant (``_qdq_few_launches``: 4 passes over the tensor, 1 or 2 for the clamp's ends): 20 and 27,
+    where the two steps and the six-pass fake-quant took 27 and 32. None reads a number back to the host."""
+    from qtool.quant import affine
+    from qtool.quant.quantizer import QuantizeDequantize
+
+    monkeypatch.setattr(QuantizeDequantize, "_min_max_numbers", lambda self, x: False)
+    monkeypatch.setattr(affine, "_uniform_offset", lambda offset: None)
+    monkeypatch.setattr(affine, "_launch_bound", lambda device: True)
+    q = QuantizeDequantize((), 8, symmetric)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), q.compute_encodings():
+        q(x.clone(), output_read_only=True)  # the first call creates the analyzer's state
+        with _Kernels() as kernels:
+            out = q(x, output_read_only=True)
+    assert "aten._local_scalar_dense.default" not in kernels.ops
+    assert len(kernels.ops) <= most, kernels.ops
+    scale, offset = out.encoding.scale, out.encoding.offset  # and the bits of the six-pass fake-quant
+    want = (torch.clamp(torch.round(x / scale) - offset, q.qmin, q.qmax) + offset) * scale
+    assert out.as_subclass(torch.Tensor).view(torch.int32).equal(want.view(torch.int32))
+
+
+@needs_cuda
+def test_the_gpus_fewer_kernels_give_the_bits_of_the_longer_forms():
+    """On CUDA's own kernels (their clamps, minimum/maximum and add-with-alpha are not the CPU's):
+    ``batch_scale_offset`` equals the two steps on every pair of special float32 values and every grid, and the
+    four-pass fake-quant with tensor offsets equals the six-pass form, NaN where that is NaN."""
+    import math
+
+    from qtool.quant import affine
+    from qtool.quant.affine import adjust_min_max, batch_scale_offset, min_max_to_scale_offset, quantize_dequantize
+
+    f32 = torch.finfo(torch.float32)
+    special = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e-45, -1e-45, f32.tiny, -f32.tiny, f32.eps, -f32.eps, 1e-7,
+               3.3e-6, 0.5, -0.5, 1.0, -3.0, 7.7e-3, 123.456, -65504.0, 1e38, -1e38, f32.max, -f32.max]
+
+    def same(a, b):
+        nan = torch.isnan(a)
+        return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+    lo = torch.tensor([a for a in special for _ in special], device=CUDA)
+    hi = torch.tensor([b for _ in special for b in special], device=CUDA)
+    x = torch.cat([torch.tensor(special), torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 4]).to(CUDA)
+    for bitwidth in range(2, 17):
+        for symmetric in (False, True):
+            qmin, qmax = (-(2 ** (bitwidth - 1)), 2 ** (bitwidth - 1) - 1) if symmetric else (0, 2**bitwidth - 1)
+            want = min_max_to_scale_offset(*adjust_min_max(lo, hi, qmax - qmin, symmetric), qmin, qmax, symmetric)
+            got = batch_scale_offset(lo, hi, qmin, qmax, symmetric)
+            assert same(want[0], got[0]) and same(want[1], got[1]), (bitwidth, symmetric)
+            scale, offset = min_max_to_scale_offset(*adjust_min_max(x.min(), x.max() / 3, qmax - qmin, symmetric),
+                                                    qmin, qmax, symmetric)
+            six = (torch.clamp(torch.round(x / scale) - offset, qmin, qmax) + offset) * scale
+            assert affine._uniform_offset(offset) is None  # a GPU's offset stays a tensor
+            assert same(six, quantize_dequantize(x, scale, offset, qmin=qmin, qmax=qmax)), (bitwidth, symmetric)

@@ -266,3 +266,99 @@ def test_per_tensor_calibration_calls_give_the_bits_of_the_tensor_path(values, b
         assert a.view(torch.int32).equal(b.view(torch.int32))
     assert a_min.view(torch.int32).equal(b_min.view(torch.int32)) and a_max.view(torch.int32).equal(
         b_max.view(torch.int32))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the per-batch encoding and the fake-quant in fewer tensor operations (GPU kernel launches, #53)
+# --------------------------------------------------------------------------------------------------------------
+def _same_bits_or_both_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+def _assert_batch_encoding_is_the_two_steps(lo: torch.Tensor, hi: torch.Tensor, bitwidth: int, symmetric: bool):
+    from qtool.quant.affine import batch_scale_offset
+
+    qmin, qmax = _grid(bitwidth, symmetric)
+    want = min_max_to_scale_offset(*adjust_min_max(lo, hi, qmax - qmin, symmetric), qmin, qmax, symmetric)
+    got = batch_scale_offset(lo, hi, qmin, qmax, symmetric)
+    for w, g in zip(want, got):
+        assert g.dtype == torch.float32 and g.shape == w.shape
+        assert _same_bits_or_both_nan(w, g), (bitwidth, symmetric, lo[(w != g) & ~torch.isnan(w)][:4],
+                                              hi[(w != g) & ~torch.isnan(w)][:4])
+
+
+def test_batch_encoding_is_the_two_steps_on_every_class_of_value():
+    """Every pair of special float32 values (NaN included) as one encoding each of a per-channel range, on every
+    grid from 2 to 16 bits, both symmetries: ``batch_scale_offset`` gives the bits of ``adjust_min_max`` then
+    ``min_max_to_scale_offset``, NaN where they give NaN."""
+    lo = torch.tensor([a for a in _SPECIAL for _ in _SPECIAL], dtype=torch.float32)
+    hi = torch.tensor([b for _ in _SPECIAL for b in _SPECIAL], dtype=torch.float32)
+    for bitwidth in range(2, 17):
+        for symmetric in (False, True):
+            _assert_batch_encoding_is_the_two_steps(lo, hi, bitwidth, symmetric)
+            _assert_batch_encoding_is_the_two_steps(lo[17], hi[17], bitwidth, symmetric)  # 0-dim: per tensor
+
+
+def test_batch_encoding_is_the_two_steps_at_the_minimum_scale():
+    """Around the degenerate-range widening's edge (n steps of FLOAT32_EPS), where its ``add(alpha=)`` acts."""
+    import numpy as np
+
+    from qtool.quant.affine import FLOAT32_EPS
+
+    for bitwidth in range(2, 17):
+        for symmetric in (False, True):
+            qmin, qmax = _grid(bitwidth, symmetric)
+            edge = np.float32(qmax - qmin) * np.float32(FLOAT32_EPS)
+            pairs = [(lo, edge + lo + np.float32(k) * np.spacing(edge))
+                     for lo in (np.float32(0.0), np.float32(-0.0), -edge / np.float32(3), -edge) for k in range(-4, 5)]
+            _assert_batch_encoding_is_the_two_steps(torch.tensor([float(a) for a, _ in pairs]),
+                                                    torch.tensor([float(b) for _, b in pairs]), bitwidth, symmetric)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(width=32), st.floats(width=32)), min_size=1, max_size=16), st.integers(2, 16),
+       st.booleans())
+def test_batch_encoding_is_the_two_steps(pairs, bitwidth, symmetric):
+    _assert_batch_encoding_is_the_two_steps(torch.tensor([a for a, _ in pairs], dtype=torch.float32),
+                                            torch.tensor([b for _, b in pairs], dtype=torch.float32),
+                                            bitwidth, symmetric)
+
+
+def _six_pass_qdq(x, scale, offset, qmin, qmax):
+    q = torch.clamp(torch.round(x / scale) - offset, qmin, qmax)
+    return (q + offset) * scale
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(_SPECIAL) | st.floats(width=32), min_size=1, max_size=32),
+       st.lists(st.floats(0.0, exclude_min=True, allow_infinity=False, width=32)
+                | st.sampled_from([_F32.eps, _F32.tiny, 1e-40, 0.01, 0.5]),
+                min_size=3, max_size=3),
+       st.integers(2, 16), st.booleans(), st.data())
+def test_fake_quant_in_fewer_passes_is_the_six_pass_form(values, scales, bitwidth, symmetric, data):
+    """``quantize_dequantize`` without gradients clamps to ``[qmin + offset, qmax + offset]``: the bits of
+    ``(clamp(round(x / s) - o, qmin, qmax) + o) * s`` for any float32 input (NaN where that is NaN), any positive
+    scale and any integer offset on the grid, with the offset as a number (one offset for the tensor on the CPU:
+    five passes), as a tensor on the CPU (per channel: the six passes) and as a GPU takes it (a tensor, and four
+    kernels that end in one ``addcmul``)."""
+    from qtool.quant import affine
+
+    qmin, qmax = _grid(bitwidth, symmetric)
+    offsets = [float(data.draw(st.integers(-qmax, -qmin))) for _ in scales]
+    x = torch.tensor(values, dtype=torch.float32).repeat(3, 1)
+    s = torch.tensor(scales, dtype=torch.float32)[:, None]
+    o = torch.tensor(offsets, dtype=torch.float32)[:, None]
+    for i in range(3):  # one offset for the tensor: the numbers path on the CPU
+        assert _same_bits_or_both_nan(_six_pass_qdq(x[i], s[i], o[i], qmin, qmax),
+                                      quantize_dequantize(x[i], s[i, 0], o[i, 0], qmin=qmin, qmax=qmax))
+    want = _six_pass_qdq(x, s, o, qmin, qmax)
+    assert _same_bits_or_both_nan(want, quantize_dequantize(x, s, o, qmin=qmin, qmax=qmax))  # per channel
+    originals = affine._uniform_offset, affine._launch_bound
+    affine._uniform_offset = lambda offset: None  # as on a GPU: an offset stays a tensor, and a kernel saved counts
+    affine._launch_bound = lambda device: True
+    try:
+        assert _same_bits_or_both_nan(want, quantize_dequantize(x, s, o, qmin=qmin, qmax=qmax))
+        assert _same_bits_or_both_nan(want[0], quantize_dequantize(x[0], s[0, 0], o[0, 0], qmin=qmin, qmax=qmax))
+    finally:
+        affine._uniform_offset, affine._launch_bound = originals

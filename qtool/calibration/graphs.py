@@ -15,13 +15,16 @@ It is used only where a replay gives the eager pass's bits:
   call, and folding one batch twice leaves them as once (the warm-up before a capture repeats the batch);
 - batches whose tensors alone vary (a :class:`~qtool.data.Batch` holds nothing else), keyed by shape and strides.
 
-The first batch of each shape runs eagerly (analyzers create their state, caches fill). The second runs once more
-on a side stream with host syncs made errors (a forward that syncs, such as a mask checked on the host or routing
-by ``nonzero``, is found there, before any capture starts), is recorded on that stream and checked: from empty
-ranges, the warm-up and a first replay must leave the same bits in every analyzer (a library may take another path
-while a capture runs: transformers builds explicit masks then). Any refusal leaves the pass eager from that batch
-on, with the same result. At most :data:`MAX_GRAPHS` shapes are recorded (one forward's activations each); others
-run eagerly. ``QTOOL_CUDA_GRAPHS=0`` turns CUDA graphs off in qtool.
+The pass's first batch is recorded on sight, and any other shape on its second batch (a shape seen once, such as a
+last, shorter batch, runs eagerly: a recording costs about two eager forwards). A batch to record runs on a side
+stream with host syncs made errors (a forward that syncs, such as a mask checked on the host or routing by
+``nonzero``, is found there, before any capture starts; this warm-up also creates the analyzers' state and fills
+the caches the capture reads), is recorded on that stream and checked: from empty ranges, the warm-up and a first
+replay must leave the same bits in every analyzer (a library may take another path while a capture runs:
+transformers builds explicit masks then). A refusal leaves the pass eager from that batch on, with the same result;
+only a refusal of the first batch's recording is tried once more, on the next batch of its shape (what a first
+forward alone does, such as filling a cache, may have caused it). At most :data:`MAX_GRAPHS` shapes are recorded
+(one forward's activations each); others run eagerly. ``QTOOL_CUDA_GRAPHS=0`` turns CUDA graphs off in qtool.
 
 A transformers causal LM given an attention mask of all ones (qtool's packed text windows carry one) gets None
 instead in this pass (:meth:`Replayer.feed`): transformers (5.23) reads a given mask on the host when deciding
@@ -57,7 +60,7 @@ def enabled_by_environment() -> bool:
 
 
 ENABLED = enabled_by_environment()  # False: every batch runs eagerly (calibration_graph_probe.py compares the two)
-MAX_GRAPHS = 2  # batch shapes recorded (a last, shorter batch is the usual second one)
+MAX_GRAPHS = 2  # batch shapes recorded (the first batch's and one more that repeats)
 
 MASK = "attention_mask"
 Signature = Tuple[Tuple[str, Tuple[int, ...], Tuple[int, ...], torch.dtype, torch.device], ...]
@@ -170,14 +173,16 @@ class _Recorded:
     Recording checks the replay against the eager forward quantizer by quantizer: each analyzer's running range is
     set empty (+inf, -inf) before the warm-up and again before a first replay of the same batch, and both must
     leave the same bits in every analyzer (a library may take another path while a capture runs: transformers
-    builds explicit attention masks then). The ranges kept before are then put back (on a failure too) and the
-    batch is replayed once more into them, folded call by call as the eager pass folds it."""
+    builds explicit attention masks then). The ranges kept before are then put back (on a failure too, when an
+    analyzer that had none loses what the warm-up and the replay left) and the batch is replayed once more into
+    them, folded call by call as the eager pass folds it."""
 
     def __init__(self, forward: Callable, args: tuple, kwargs: dict, analyzers: List[MinMaxEncodingAnalyzer],
                  device: torch.device):
         self.args = tuple(a.clone() for a in args)
         self.kwargs = {k: v.clone() for k, v in kwargs.items()}
         kept = _kept(analyzers)
+        checked = False
         try:
             _empty(analyzers)
             self.graph = record(lambda: _run_alone(forward, self.args, self.kwargs), device)
@@ -186,8 +191,9 @@ class _Recorded:
             self.graph.replay()
             if not _same_bits(eager, _range_bits(analyzers)):
                 raise Refused("a replayed forward's ranges are not the eager forward's")
-        finally:
-            _put_back(analyzers, kept, drop_new=False)
+            checked = True
+        finally:  # (an analyzer this batch gave its first state keeps it only if the graph folds into it)
+            _put_back(analyzers, kept, drop_new=not checked)
         self.graph.replay()  # the batch folded into the kept ranges call by call, as the eager pass folds it
 
     def replay(self, args: tuple, kwargs: dict) -> None:
@@ -214,6 +220,7 @@ class Replayer:
         self.recorded: Dict[Signature, _Recorded] = {}
         self.seen: Dict[Signature, int] = {}
         self.refused: Optional[str] = None  # why a recording failed: eager from then on
+        self.first_refused: Optional[str] = None  # why the first batch's recording failed: tried again on the next
         self.replays = 0
 
     def feed(self, batch: Batch) -> None:
@@ -266,15 +273,20 @@ class Replayer:
         recorded = self.recorded.get(key)
         if recorded is None:
             self.seen[key] = self.seen.get(key, 0) + 1
-            if self.seen[key] == 1 or len(self.recorded) >= MAX_GRAPHS:
+            on_sight = len(self.seen) == 1 and self.first_refused is None  # the pass's first batch
+            if (self.seen[key] == 1 and not on_sight) or len(self.recorded) >= MAX_GRAPHS:
                 self.forward(*args, **kwargs)
                 return
             device = next(v.device for v in list(args) + list(kwargs.values()))
             try:  # the recording runs this batch (warm-up and a first replay)
                 with torch.cuda.device(device):  # (a refusal restores the stream, and so the device, it began on)
                     self.recorded[key] = _Recorded(self.forward, args, kwargs, self.analyzers, device)
-            except Exception as e:  # refused, or no memory for it: this batch and the rest eagerly
-                self.refused = f"{type(e).__name__}: {e}" if not isinstance(e, Refused) else str(e)
+            except Exception as e:  # refused, or no memory for it: this batch eagerly (folding it again is as once)
+                why = f"{type(e).__name__}: {e}" if not isinstance(e, Refused) else str(e)
+                if self.seen[key] == 1:  # something the first forward alone does (a cache it fills): once more
+                    self.first_refused = why
+                else:  # and the rest eagerly
+                    self.refused = why
                 self.forward(*args, **kwargs)
                 return
             self.replays += 1

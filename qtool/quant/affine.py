@@ -32,6 +32,7 @@ __all__ = [
     "dequantize",
     "quantize_dequantize",
     "min_max_to_scale_offset",
+    "batch_scale_offset",
     "adjust_min_max",
     "snap_to_float16_scale",
     "UnrepresentableScale",
@@ -290,10 +291,13 @@ def quantize_dequantize(
     else:
         def fn(x, s, o):
             lo = _uniform_offset(o)
-            if lo is None:
+            if lo is not None:
+                return _qdq_uniform_offset(x, s, lo, qmin, qmax)
+            if not _launch_bound(x.device) or torch.jit.is_tracing():  # (an exported graph holds these six passes)
                 q = _quantize_raw(x, s, o, qmin, qmax)
                 return q.add_(o.to(q.dtype)).mul_(s.to(q.dtype))
-            return _qdq_uniform_offset(x, s, lo, qmin, qmax)
+            o = o.to(_compute_dtype(x))  # the clamp's ends as tensors: exact sums (integer offsets)
+            return _qdq_few_launches(x, s, o if qmin == 0 else o + qmin, o + qmax)
 
     return _apply_blocked(fn, tensor, scale, offset, block_size).to(out_dtype)
 
@@ -320,6 +324,31 @@ def _qdq_uniform_offset(x: torch.Tensor, s: torch.Tensor, o: float, qmin: int, q
     return q.mul_(s.to(dt)).add_(0.0)
 
 
+def _launch_bound(device: torch.device) -> bool:
+    """Whether each tensor operation on ``device`` costs a kernel launch worth saving (a GPU), rather than a pass
+    that only pays when vectorized (a CPU: its kernels vectorize one broadcast operand at most, so a clamp between
+    two 0-dim tensors or an ``addcmul`` of two takes 5-13x the time of the plain passes it replaces)."""
+    return device.type != "cpu"
+
+
+def _qdq_few_launches(x: torch.Tensor, s: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``(clamp(round(x / s) - o, qmin, qmax) + o) * s`` given tensors ``lo = qmin + o`` and ``hi = qmax + o``
+    (broadcasting against ``x``), in four kernels instead of six, bit for bit (tests/test_quant_properties.py):
+
+    * ``clamp(r - o, qmin, qmax) + o == clamp(r, qmin + o, qmax + o)``: offsets are integers (AIMET's; every
+      qtool path rounds them) and codes are integers far below 2^24, so no sum rounds; an ``r`` beyond that clamps
+      to the same end either way;
+    * the six-pass form never ends in ``-0.0`` (``q + o`` is ``+0.0`` whenever it is zero), and neither does
+      ``0 + q * s``, one ``addcmul`` (one rounding of the product either way; ``0 +`` turns ``-0.0`` into
+      ``+0.0``), which replaces the add and the multiply.
+
+    For a GPU, where each pass is a launch and a trip through memory (#53)."""
+    dt = _compute_dtype(x)
+    s = s.to(dt)
+    q = torch.div(x.to(dt), s).round_().clamp_(lo, hi)
+    return torch.addcmul(device_scalar(0.0, dt, q.device), q, s, out=q)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # min/max <-> scale/offset
 # --------------------------------------------------------------------------------------------------------------
@@ -331,18 +360,24 @@ def true_div(x: torch.Tensor, d) -> torch.Tensor:
     ``x``'s own device gets CUDA's true division, so CPU and CUDA encodings are the same bits."""
     if x.device.type == "cpu":
         return x / d
-    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # made inside a CUDA graph's capture, its fill is recorded, not run: the graph's own, never the cache's
-        return x / torch.full((), float(d), dtype=x.dtype, device=x.device)
-    return x / _divisor(float(d), x.dtype, x.device)
+    return x / device_scalar(float(d), x.dtype, x.device)
+
+
+def device_scalar(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-dim tensor holding ``value`` on ``device``, made once per value, dtype and device (a fill kernel per
+    use costs a GPU launch). Inside a CUDA graph's capture a fresh one is made: its fill is recorded, not run, so
+    a cached one made there would hold nothing until the graph replays. Read it, never write it."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.full((), value, dtype=dtype, device=device)
+    return _cached_scalar(value, dtype, device)
 
 
 @functools.lru_cache(maxsize=256)
-def _divisor(d: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 0-dim tensor holding ``d`` on ``device`` (made once: a fill kernel per division costs a GPU launch). A
-    normal tensor even when first asked for under ``inference_mode``, so autograd can later save it."""
+def _cached_scalar(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(:func:`device_scalar`) A normal tensor even when first asked for under ``inference_mode``, so autograd
+    can later save it."""
     with torch.inference_mode(False), torch.no_grad():
-        return torch.full((), d, dtype=dtype, device=device)
+        return torch.full((), value, dtype=dtype, device=device)
 
 
 def _min_scale(num_steps: int) -> float:
@@ -391,6 +426,46 @@ def min_max_to_scale_offset(
     else:
         offset = torch.clamp(round_ste(min / scale) - qmin, -qmax, -qmin)
     return scale, offset
+
+
+def batch_scale_offset(stat_min: torch.Tensor, stat_max: torch.Tensor, qmin: int, qmax: int, symmetric: bool):
+    """``min_max_to_scale_offset(*adjust_min_max(stat_min, stat_max, qmax - qmin, symmetric), qmin, qmax,
+    symmetric)`` without gradients, in 12 tensor operations instead of 18 (asymmetric) and 18 instead of 23
+    (symmetric): a calibrating min-max quantizer's per-batch encoding on a GPU, where each of them is a kernel
+    launch (#53). The same bits wherever the result is not NaN (tests/test_quant_properties.py, every class of
+    float32 value), and NaN where it is:
+
+    * the widening of a degenerate range adds ``k * adj`` with ``adj`` either 0 or the minimum scale, i.e. adds
+      the float32 product ``k * min_scale`` or ``+0.0``: one ``add(..., alpha=)`` of the comparison;
+    * asymmetric: the clamps to zero and to float32's largest value are one clamp each (an infinite end only
+      moves to float32's largest value before, not after, a comparison that is false either way), and ``- qmin``
+      is left out where qmin is 0 (``v - 0`` is ``v``, its zero's sign included);
+    * the scale's ``abs`` is left out: ``max >= 0 >= min`` after the clamps, so ``max - min`` is ``+0.0`` or more
+      (or NaN, whose sign bit ``abs`` would clear);
+    * symmetric: ``-mn / neg`` is ``mn / -neg``.
+    """
+    n = qmax - qmin
+    ms = _min_scale(n)
+    f32 = np.float32
+    with torch.no_grad():
+        if not symmetric:
+            mn = torch.clamp(stat_min.to(torch.float32), -_F32_MAX, 0.0)
+            mx = torch.clamp(stat_max.to(torch.float32), 0.0, _F32_MAX)
+            mx = torch.add(mx, true_div(mx - mn, n) < ms, alpha=float(f32(n) * f32(ms)))
+            scale = torch.clamp(true_div(mx - mn, n), min=ms)
+            code = torch.round(mn / scale)
+            return scale, torch.clamp(code - qmin if qmin else code, -qmax, -qmin)
+        pos, neg = n // 2, math.ceil(n / 2)
+        mn = torch.clamp(stat_min.to(torch.float32), max=0.0)
+        mx = torch.clamp(stat_max.to(torch.float32), min=0.0)
+        degenerate = true_div(mx - mn, n) < ms
+        mx = torch.add(mx, degenerate, alpha=float(f32(pos) * f32(ms)))
+        mn = torch.add(mn, degenerate, alpha=-float(f32(neg) * f32(ms)))  # (a bool cannot be subtracted)
+        d = torch.maximum(true_div(mx, pos + (1 if n == 3 else 0)), true_div(mn, -neg))
+        mn = torch.clamp(d * -neg, min=-_F32_MAX)
+        mx = torch.clamp(d * pos, max=_F32_MAX)
+        scale = torch.clamp(true_div(mx - mn, n), min=ms)
+        return scale, torch.full_like(scale, float(-round((qmin + qmax) / 2)))
 
 
 # One range as numbers: the arithmetic of adjust_min_max and min_max_to_scale_offset on 0-dim float32 CPU tensors,
