@@ -117,7 +117,9 @@ class _MaskedDiffers(torch.nn.Module):
 def test_a_pass_fed_through_the_replayer_keeps_the_ranges_of_the_eager_pass_with_its_masks(monkeypatch, make,
                                                                                             agree):
     """On the CPU the recording is refused, so this is the mask rule alone: the first batch of each shape is run
-    with its full mask and without, and the mask is left out only where the two leave the same range bits."""
+    with its full mask and without, and the mask is left out only where the two leave the same range bits. The
+    pass's first batch runs twice where they agree (nothing to fold it into: the runs left the eager ranges), a
+    later shape's first batch three times (folded with its mask into the ranges before)."""
     ids = torch.randint(1, 256, (5, 2, 16), generator=torch.Generator().manual_seed(6))
     short = torch.randint(1, 256, (2, 8), generator=torch.Generator().manual_seed(7))
     batches = [Batch(kwargs={"input_ids": x, "attention_mask": torch.ones_like(x)}) for x in list(ids) + [short]]
@@ -133,9 +135,14 @@ def test_a_pass_fed_through_the_replayer_keeps_the_ranges_of_the_eager_pass_with
     from qtool.calibration import in_memory
 
     monkeypatch.setattr(in_memory, "replayer", lambda *a, **k: replay)  # the CPU has no replayer of its own
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     got = calibrate(model, plan, qs, CalibrationData(batches, [], 12, "random"), torch.device("cpu")).replay
     assert got is replay and replay.masks_agree is agree and replay.replays == 0 and replay.refused  # no CUDA here
     assert replay.mask_shapes == ({(2, 16), (2, 8)} if agree else {(2, 16)})
+    # the first batch 2 or 3 times, the next four once each (the second's recording refused before it ran), the
+    # short one 3 times where the masks agree (its shape's check) and once where they do not
+    assert len(forwards) == (2 + 4 + 3 if agree else 3 + 4 + 1)
     _equal(eager, _ranges(qs))
 
 
@@ -263,9 +270,12 @@ def _equal(eager, replayed):
 
 
 SHAPES = [  # rows per batch, then the batches replayed (a recording runs its batch as a replay) and graphs made
-    ([16] * 6, 6, 1),  # one shape: the first batch recorded on sight, the rest replayed
-    ([16] * 5 + [7], 5, 1),  # a last, shorter batch seen once: eager
-    ([16] * 3 + [7] * 3, 5, 2),  # a second shape is recorded on its second batch
+    ([16] * 6, 6, 1),  # one shape: its first batch recorded, the rest replayed
+    ([16] * 5 + [7], 5, 1),  # a last, shorter batch the pass holds once: eager
+    ([16] * 3 + [7] * 3, 6, 2),  # two shapes that repeat, each recorded on its first batch
+    ([7, 9, 9] + [16] * 5, 7, 2),  # the two most frequent repeating shapes: 16 and 9; 7 once, eager
+    ([7, 9, 11, 16], 0, 0),  # no shape repeats: nothing recorded
+    ([5, 5, 6, 6, 6, 7, 7, 7, 7], 7, 2),  # three shapes repeat: the two most frequent are recorded
 ]
 
 
@@ -297,11 +307,11 @@ class _StandInGraph:
                 a.min.sub_(self.skew)
 
 
-def _eager_and_stand_in(monkeypatch, data, refusals=()):
+def _eager_and_stand_in(monkeypatch, data, refusals=(), counted=True):
     """The MLP's W8A8 ranges calibrated eagerly, then through a Replayer on the CPU with ``graphs.record`` stood in
     for: the n-th recording (from 0) is refused at its warm-up, or its replay differs from the eager forward, as
-    ``refusals[n]`` says ("warm-up", "differs" or None). Returns both ranges, the replayer and what each recording
-    was told."""
+    ``refusals[n]`` says ("warm-up", "differs" or None); ``counted``: the replayer knows the pass's batch counts,
+    as qtool's own does. Returns both ranges, the replayer and what each recording was told."""
     import contextlib
 
     from qtool.calibration import in_memory
@@ -325,7 +335,8 @@ def _eager_and_stand_in(monkeypatch, data, refusals=()):
 
     monkeypatch.setattr(graphs, "record", record)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    replay = graphs.Replayer(model, analyzers, torch.device("cpu"))
+    replay = graphs.Replayer(model, analyzers, torch.device("cpu"), counts=graphs.counts(data.batches, False)
+                             if counted else None)
     monkeypatch.setattr(in_memory, "replayer", lambda *a, **k: replay)
     assert calibrate(model, plan, qs, data, torch.device("cpu")).replay is replay
     return eager, _ranges(qs), replay, attempts
@@ -335,29 +346,35 @@ def _eager_and_stand_in(monkeypatch, data, refusals=()):
 def test_the_first_batch_is_recorded_on_sight_and_another_shape_when_it_repeats(monkeypatch, rows, replays,
                                                                                 graphs_made):
     """Which batches are recorded and replayed (the GPU test above checks the same counts on CUDA), and the
-    calibrated ranges those of the eager pass: on the CPU, with a recording that runs its forward eagerly."""
+    calibrated ranges those of the eager pass: on the CPU, with a recording that runs its forward eagerly. Without
+    the pass's counts, a shape is recorded on its second batch."""
     g = torch.Generator().manual_seed(0)
     data = CalibrationData([Batch(args=(torch.randn(n, 64, generator=g),)) for n in rows], [], sum(rows), "random")
     eager, replayed, replay, _ = _eager_and_stand_in(monkeypatch, data)
     assert (replay.replays, len(replay.recorded), replay.refused) == (replays, graphs_made, None)
     _equal(eager, replayed)
+    if rows == [16] * 3 + [7] * 3:
+        monkeypatch.undo()
+        eager, replayed, replay, _ = _eager_and_stand_in(monkeypatch, data, counted=False)
+        assert (replay.replays, len(replay.recorded)) == (4, 2)  # each shape's second batch recorded
+        _equal(eager, replayed)
 
 
-@pytest.mark.parametrize("refusals, replays, first_refused, refused", [
-    (["warm-up"], 5, True, False),  # the first batch's recording refused once: the second batch's is made
-    (["differs"], 5, True, False),
-    (["warm-up", "warm-up"], 0, True, True),  # refused twice: the pass is eager from the second batch on
-    (["differs", "differs"], 0, True, True),
+@pytest.mark.parametrize("refusals, replays", [
+    (["warm-up"], 0),  # the first recording refused: no analyzer had state before it
+    (["differs"], 0),
+    ([None, "warm-up"], 3),  # the second shape's refused: the first shape's three batches were replayed
+    ([None, "differs"], 3),
 ])
-def test_a_refused_recording_leaves_the_eager_passs_ranges(monkeypatch, refusals, replays, first_refused, refused):
+def test_a_refused_recording_leaves_the_eager_passs_ranges(monkeypatch, refusals, replays):
     """A refusal (a sync in the warm-up, or a replay whose ranges differ from the eager forward's) leaves every
     range as the eager pass leaves it: what the failed recording folded into an analyzer that had no state before
-    is dropped, ranges kept before are put back. The first batch's recording is tried once more on the second."""
+    is dropped, ranges kept before are put back; the pass is eager from then on."""
     g = torch.Generator().manual_seed(2)
-    data = CalibrationData([Batch(args=(torch.randn(16, 64, generator=g),)) for _ in range(6)], [], 96, "random")
+    data = CalibrationData([Batch(args=(torch.randn(n, 64, generator=g),)) for n in [16] * 3 + [7] * 3], [], 69,
+                           "random")
     eager, replayed, replay, attempts = _eager_and_stand_in(monkeypatch, data, refusals)
-    assert attempts == (list(refusals) + [None])[:2] and replay.replays == replays
-    assert (replay.first_refused is not None, replay.refused is not None) == (first_refused, refused)
+    assert attempts == list(refusals) and replay.replays == replays and replay.refused is not None
     _equal(eager, replayed)
 
 
@@ -386,7 +403,7 @@ class _OtherUnderCapture(torch.nn.Module):
 
 
 @needs_cuda
-@pytest.mark.parametrize("model, why", [(_Synced, "synchroniz"), (_OtherUnderCapture, "output")])
+@pytest.mark.parametrize("model, why", [(_Synced, "synchroniz"), (_OtherUnderCapture, "eager forward's")])
 def test_on_a_gpu_a_forward_that_cannot_be_replayed_runs_eagerly_with_the_same_ranges(monkeypatch, model, why):
     g = torch.Generator().manual_seed(1)
     data = CalibrationData([Batch(args=(torch.randn(16, 64, generator=g),)) for _ in range(5)], [], 80, "random")
@@ -487,14 +504,19 @@ def test_the_gpus_fewer_kernels_give_the_bits_of_the_longer_forms():
     lo = torch.tensor([a for a in special for _ in special], device=CUDA)
     hi = torch.tensor([b for _ in special for b in special], device=CUDA)
     x = torch.cat([torch.tensor(special), torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 4]).to(CUDA)
+    finite = x[torch.isfinite(x) & (x.abs() < 1e4)]
+    x = x.repeat(4, 1)  # four channels, each with its own range: offsets that differ per channel
     for bitwidth in range(2, 17):
         for symmetric in (False, True):
             qmin, qmax = (-(2 ** (bitwidth - 1)), 2 ** (bitwidth - 1) - 1) if symmetric else (0, 2**bitwidth - 1)
             want = min_max_to_scale_offset(*adjust_min_max(lo, hi, qmax - qmin, symmetric), qmin, qmax, symmetric)
             got = batch_scale_offset(lo, hi, qmin, qmax, symmetric)
             assert same(want[0], got[0]) and same(want[1], got[1]), (bitwidth, symmetric)
-            scale, offset = min_max_to_scale_offset(*adjust_min_max(x.min(), x.max() / 3, qmax - qmin, symmetric),
-                                                    qmin, qmax, symmetric)
+            ends = torch.tensor([[1.0, 1.0], [0.3, 0.05], [0.01, 1.0], [0.0, 0.4]], device=CUDA)
+            scale, offset = min_max_to_scale_offset(*adjust_min_max(finite.min() * ends[:, :1],
+                                                                    finite.max() * ends[:, 1:], qmax - qmin,
+                                                                    symmetric), qmin, qmax, symmetric)
             six = (torch.clamp(torch.round(x / scale) - offset, qmin, qmax) + offset) * scale
             assert affine._uniform_offset(offset) is None  # a GPU's offset stays a tensor
+            assert (~torch.isnan(six)).sum() > 16000  # (a range from the finite values: a real comparison)
             assert same(six, quantize_dequantize(x, scale, offset, qmin=qmin, qmax=qmax)), (bitwidth, symmetric)

@@ -15,16 +15,16 @@ It is used only where a replay gives the eager pass's bits:
   call, and folding one batch twice leaves them as once (the warm-up before a capture repeats the batch);
 - batches whose tensors alone vary (a :class:`~qtool.data.Batch` holds nothing else), keyed by shape and strides.
 
-The pass's first batch is recorded on sight, and any other shape on its second batch (a shape seen once, such as a
-last, shorter batch, runs eagerly: a recording costs about two eager forwards). A batch to record runs on a side
-stream with host syncs made errors (a forward that syncs, such as a mask checked on the host or routing by
-``nonzero``, is found there, before any capture starts; this warm-up also creates the analyzers' state and fills
-the caches the capture reads), is recorded on that stream and checked: from empty ranges, the warm-up and a first
-replay must leave the same bits in every analyzer (a library may take another path while a capture runs:
-transformers builds explicit masks then). A refusal leaves the pass eager from that batch on, with the same result;
-only a refusal of the first batch's recording is tried once more, on the next batch of its shape (what a first
-forward alone does, such as filling a cache, may have caused it). At most :data:`MAX_GRAPHS` shapes are recorded
-(one forward's activations each); others run eagerly. ``QTOOL_CUDA_GRAPHS=0`` turns CUDA graphs off in qtool.
+Which batches are recorded: the pass's batches are counted by shape before it starts, and the :data:`MAX_GRAPHS`
+most frequent shapes that repeat are recorded on their first batch; a shape the pass holds once runs eagerly (a
+recording costs about two eager forwards). Where the counts are unknown (a Replayer made without them, or a full
+mask kept after all) a shape is recorded on its second batch. A batch to record runs on a side stream with host
+syncs made errors (a forward that syncs, such as a mask checked on the host or routing by ``nonzero``, is found
+there, before any capture starts; this warm-up also creates the analyzers' state and fills the caches the capture
+reads), is recorded on that stream and checked: from empty ranges, the warm-up and a first replay must leave the
+same bits in every analyzer (a library may take another path while a capture runs: transformers builds explicit
+masks then). A refusal leaves the pass eager from that batch on, with the same result (what the refused recording
+folded is dropped or put back). ``QTOOL_CUDA_GRAPHS=0`` turns CUDA graphs off in qtool.
 
 A transformers causal LM given an attention mask of all ones (qtool's packed text windows carry one) gets None
 instead in this pass (:meth:`Replayer.feed`): transformers (5.23) reads a given mask on the host when deciding
@@ -36,6 +36,7 @@ replayed.
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -60,19 +61,19 @@ def enabled_by_environment() -> bool:
 
 
 ENABLED = enabled_by_environment()  # False: every batch runs eagerly (calibration_graph_probe.py compares the two)
-MAX_GRAPHS = 2  # batch shapes recorded (the first batch's and one more that repeats)
+MAX_GRAPHS = 2  # batch shapes recorded (one forward's activations each)
 
 MASK = "attention_mask"
-Signature = Tuple[Tuple[str, Tuple[int, ...], Tuple[int, ...], torch.dtype, torch.device], ...]
+Signature = Tuple[Tuple[str, Tuple[int, ...], Tuple[int, ...], torch.dtype], ...]
 
 
 def signature(args: tuple, kwargs: dict) -> Optional[Signature]:
-    """What a recorded forward is keyed by: each tensor's place, shape, strides, dtype and device. None where an
-    argument is not a tensor (its value could steer the forward in ways a replay would not follow)."""
+    """What a recorded forward is keyed by: each tensor's place, shape, strides and dtype. None where an argument
+    is not a tensor (its value could steer the forward in ways a replay would not follow)."""
     items = [(str(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
     if not all(isinstance(v, torch.Tensor) for _, v in items):
         return None
-    return tuple((k, tuple(v.shape), v.stride(), v.dtype, v.device) for k, v in items)
+    return tuple((k, tuple(v.shape), v.stride(), v.dtype) for k, v in items)  # (one pass runs on one device)
 
 
 def replayable(rows: List[QuantizerPlan], quantizers: Dict[str, QuantizerBase], device: torch.device,
@@ -143,6 +144,17 @@ def _put_back(analyzers: Sequence[MinMaxEncodingAnalyzer], kept: Dict[int, Tuple
             a.reset_stats()
 
 
+def _read_here(analyzers: Sequence[MinMaxEncodingAnalyzer], kept: Dict[int, Tuple[torch.Tensor, torch.Tensor]]):
+    """State a recording's warm-up made (on its side stream) is read on the current stream from now on: told to
+    the caching allocator, so its memory is not handed to the side stream's next allocation while this stream
+    may still read it."""
+    for a in analyzers:
+        if id(a) not in kept and a.min is not None and a.min.is_cuda:
+            stream = torch.cuda.current_stream(a.min.device)
+            a.min.record_stream(stream)
+            a.max.record_stream(stream)
+
+
 def _empty(analyzers: Sequence[MinMaxEncodingAnalyzer]) -> None:
     for a in analyzers:
         if a.min is not None:
@@ -193,6 +205,7 @@ class _Recorded:
                 raise Refused("a replayed forward's ranges are not the eager forward's")
             checked = True
         finally:  # (an analyzer this batch gave its first state keeps it only if the graph folds into it)
+            _read_here(analyzers, kept)
             _put_back(analyzers, kept, drop_new=not checked)
         self.graph.replay()  # the batch folded into the kept ranges call by call, as the eager pass folds it
 
@@ -210,7 +223,8 @@ class Replayer:
     min-max analyzers, restored if a recorded forward's check fails."""
 
     def __init__(self, forward: Callable, analyzers: Sequence[MinMaxEncodingAnalyzer] = (),
-                 device: Optional[torch.device] = None, drop_full_masks: bool = False):
+                 device: Optional[torch.device] = None, drop_full_masks: bool = False,
+                 counts: Optional[Dict[Signature, int]] = None):
         self.forward = forward
         self.analyzers = list(analyzers)
         self.device = device
@@ -220,8 +234,12 @@ class Replayer:
         self.recorded: Dict[Signature, _Recorded] = {}
         self.seen: Dict[Signature, int] = {}
         self.refused: Optional[str] = None  # why a recording failed: eager from then on
-        self.first_refused: Optional[str] = None  # why the first batch's recording failed: tried again on the next
         self.replays = 0
+        # how many batches of each signature the pass holds (:func:`counts`), where known: the MAX_GRAPHS most
+        # frequent of those that repeat are recorded on sight, the rest never; an uncounted one on its second batch
+        self.counts = dict(counts) if counts is not None else None
+        repeated = sorted((k for k, n in (counts or {}).items() if n >= 2), key=lambda k: -counts[k])
+        self.preferred = set(repeated[:MAX_GRAPHS])
 
     def feed(self, batch: Batch) -> None:
         """One batch (on the CPU) of the pass: moved to the device and run, replayed where recorded. With
@@ -234,21 +252,30 @@ class Replayer:
                 self.mask_shapes.add(shape)
                 moved = without.to(self.device)
                 self.masks_agree = self._masks_agree(batch.to(self.device), moved)
-                if self.masks_agree:  # this batch ran eagerly: the next one of its shape is recorded
-                    key = signature(moved.args, moved.kwargs)
-                    self.seen[key] = max(self.seen.get(key, 0), 1)
+                kept = moved.kwargs if self.masks_agree else batch.kwargs  # this batch ran eagerly, as it goes on
+                key = signature(moved.args, kept)
+                self.seen[key] = max(self.seen.get(key, 0), 1)
                 return
             if self.masks_agree:
                 batch = without
         b = batch.to(self.device)
         self(*b.args, **b.kwargs)
 
+    def _records(self, key: Signature) -> bool:
+        """Whether a batch of signature ``key``, not recorded yet, is recorded now: on sight if it is one of the
+        pass's most frequent repeating signatures, never if the pass holds it once or it lost to those, on its
+        second batch if the pass's counts are unknown or do not hold it (a full mask kept after all)."""
+        if self.counts is not None and key in self.counts:
+            return key in self.preferred
+        return self.seen[key] >= 2
+
     def _masks_agree(self, with_mask: Batch, without: Batch) -> bool:
         """Whether ``without`` (the batch with its full mask left out) leaves the same bits in every analyzer as
         ``with_mask``, each run from empty ranges; either way the batch is then folded as the eager pass folds it
-        (with its mask, into the ranges as they were)."""
+        (with its mask, into the ranges as they were). On the pass's first batch, where no analyzer had a range,
+        agreeing runs have left just that: the batch is not run a third time."""
         kept = _kept(self.analyzers)
-        agree = False
+        agree = first = False
         try:
             _empty(self.analyzers)
             _run_alone(self.forward, with_mask.args, with_mask.kwargs)
@@ -260,9 +287,12 @@ class Replayer:
                 pass
             else:
                 agree = _same_bits(masked, _range_bits(self.analyzers))
+                first = agree and not kept
         finally:
-            _put_back(self.analyzers, kept, drop_new=True)
-        _run_alone(self.forward, with_mask.args, with_mask.kwargs)
+            if not first:
+                _put_back(self.analyzers, kept, drop_new=True)
+        if not first:
+            _run_alone(self.forward, with_mask.args, with_mask.kwargs)
         return agree
 
     def __call__(self, *args, **kwargs) -> None:
@@ -273,21 +303,16 @@ class Replayer:
         recorded = self.recorded.get(key)
         if recorded is None:
             self.seen[key] = self.seen.get(key, 0) + 1
-            on_sight = len(self.seen) == 1 and self.first_refused is None  # the pass's first batch
-            if (self.seen[key] == 1 and not on_sight) or len(self.recorded) >= MAX_GRAPHS:
+            if len(self.recorded) >= MAX_GRAPHS or not self._records(key):
                 self.forward(*args, **kwargs)
                 return
             device = next(v.device for v in list(args) + list(kwargs.values()))
             try:  # the recording runs this batch (warm-up and a first replay)
                 with torch.cuda.device(device):  # (a refusal restores the stream, and so the device, it began on)
                     self.recorded[key] = _Recorded(self.forward, args, kwargs, self.analyzers, device)
-            except Exception as e:  # refused, or no memory for it: this batch eagerly (folding it again is as once)
-                why = f"{type(e).__name__}: {e}" if not isinstance(e, Refused) else str(e)
-                if self.seen[key] == 1:  # something the first forward alone does (a cache it fills): once more
-                    self.first_refused = why
-                else:  # and the rest eagerly
-                    self.refused = why
-                self.forward(*args, **kwargs)
+            except Exception as e:  # refused, or no memory for it: this batch and the rest eagerly
+                self.refused = f"{type(e).__name__}: {e}" if not isinstance(e, Refused) else str(e)
+                self.forward(*args, **kwargs)  # (what the recording folded is dropped or put back: once, as eager)
                 return
             self.replays += 1
             return
@@ -295,14 +320,28 @@ class Replayer:
         self.replays += 1
 
 
+def counts(batches: Sequence[Batch], drop_full_masks: bool) -> Dict[Signature, int]:
+    """How many of ``batches`` (on the CPU) a replayed pass meets under each signature (a full mask left out where
+    ``drop_full_masks``; ``Batch.to`` keeps strides)."""
+    keys = []
+    for b in batches:
+        if drop_full_masks and full_mask(b):
+            b = Batch(b.args, {k: v for k, v in b.kwargs.items() if k != MASK})
+        keys.append(signature(b.args, b.kwargs))
+    return dict(collections.Counter(k for k in keys if k is not None))
+
+
 def replayer(forward: Callable, rows: List[QuantizerPlan], quantizers: Dict[str, QuantizerBase],
-             device: torch.device, group: Optional[Group] = None) -> Optional[Replayer]:
+             device: torch.device, group: Optional[Group] = None,
+             batches: Optional[Sequence[Batch]] = None) -> Optional[Replayer]:
     """A :class:`Replayer` of ``forward`` (a module in eval mode) where the activation pass of ``rows`` may be
-    replayed, else None."""
+    replayed, else None. ``batches``: the pass's batches (on the CPU), whose most frequent repeating shapes are
+    then recorded on sight (without them, a shape on its second batch)."""
     if in_training(forward) or not replayable(rows, quantizers, device, group):
         return None  # (training: dropout draws other numbers on a replay, batch norms count the warm-up)
-    return Replayer(forward, [quantizers[q.name].encoding_analyzer for q in rows], torch.device(device),
-                    reads_none_as_full_mask(forward))
+    drop = reads_none_as_full_mask(forward)
+    return Replayer(forward, [quantizers[q.name].encoding_analyzer for q in rows], torch.device(device), drop,
+                    counts(batches, drop) if batches is not None else None)
 
 
 def in_training(model) -> bool:

@@ -129,7 +129,7 @@ def calibrate(
     codes = round_weights(inputs, modules, quantizers, stats, plan.warnings, group=group)
     unused, replay = [], None
     if acts:
-        replay = replayer(model, acts, quantizers, device, group)  # a GPU's pass as a CUDA graph (.graphs)
+        replay = replayer(model, acts, quantizers, device, group, list(local))  # a GPU's pass as a CUDA graph
         calibrate_activations_dp(acts, quantizers, run if replay is None else lambda: run(replay.feed), group)
         unused = [q.name for q in acts if not quantizers[q.name].is_initialized()]
     return CalibrationResult(unused, codes, replaced, replay)

@@ -279,7 +279,10 @@ def quantize_dequantize(
     """``dequantize(quantize(x))`` in one pass, returned in the input's dtype.
 
     Differentiable: straight-through for the input inside the grid, and exact autograd through scale and
-    offset (and so through a quantizer's min/max).
+    offset (and so through a quantizer's min/max). Without gradients the bits are those of
+    ``(clamp(round(x / scale) - offset, qmin, qmax) + offset) * scale`` for integer offsets and positive scales
+    (AIMET's, and all qtool makes), in fewer passes; a fractional offset may come out one float32 step apart from
+    that form where one offset serves the whole tensor on the CPU, or on a GPU.
     """
     qmin, qmax = resolve_grid(bitwidth, signed, num_steps=num_steps, qmin=qmin, qmax=qmax)
     scale, offset = _check_scale_offset(tensor, scale, offset, block_size)

@@ -276,7 +276,8 @@ class QuantizeDequantize(QuantizerBase):
         bits)."""
         return (self._calibrating and not torch.is_grad_enabled()
                 and type(self.encoding_analyzer) is MinMaxEncodingAnalyzer
-                and type(self)._scale_offset is QuantizerBase._scale_offset)
+                and type(self)._scale_offset is QuantizerBase._scale_offset
+                and type(self)._range_for_call is QuantizerBase._range_for_call)
 
     def _scale_offset_of_batch(self, x: torch.Tensor, stats: MinMaxStatistics):
         """``(scale, offset)`` of one batch's min-max statistics of ``x``: as numbers where ``_min_max_numbers``
