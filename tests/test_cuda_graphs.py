@@ -273,7 +273,7 @@ SHAPES = [  # rows per batch, then the batches replayed (a recording runs its ba
     ([16] * 6, 6, 1),  # one shape: its first batch recorded, the rest replayed
     ([16] * 5 + [7], 5, 1),  # a last, shorter batch the pass holds once: eager
     ([16] * 3 + [7] * 3, 6, 2),  # two shapes that repeat, each recorded on its first batch
-    ([7, 9, 9] + [16] * 5, 7, 2),  # the two most frequent repeating shapes: 16 and 9; 7 once, eager
+    ([7, 9, 9] + [16] * 5, 7, 2),  # 9 and 16 repeat; 7 once, eager
     ([7, 9, 11, 16], 0, 0),  # no shape repeats: nothing recorded
     ([5, 5, 6, 6, 6, 7, 7, 7, 7], 7, 2),  # three shapes repeat: the two most frequent are recorded
 ]
@@ -307,20 +307,21 @@ class _StandInGraph:
                 a.min.sub_(self.skew)
 
 
-def _eager_and_stand_in(monkeypatch, data, refusals=(), counted=True):
+def _eager_and_stand_in(monkeypatch, data, refusals=(), counted=True, make=mlp, drop_full_masks=False):
     """The MLP's W8A8 ranges calibrated eagerly, then through a Replayer on the CPU with ``graphs.record`` stood in
     for: the n-th recording (from 0) is refused at its warm-up, or its replay differs from the eager forward, as
     ``refusals[n]`` says ("warm-up", "differs" or None); ``counted``: the replayer knows the pass's batch counts,
-    as qtool's own does. Returns both ranges, the replayer and what each recording was told."""
+    as qtool's own does; ``make``: the model (the MLP); ``drop_full_masks``: as for a transformers causal LM.
+    Returns both ranges, the replayer and what each recording was told."""
     import contextlib
 
     from qtool.calibration import in_memory
 
-    model = mlp().eval()
+    model = make().eval()
     plan, qs = _plan(W8A8, model)
     calibrate(model, plan, qs, data, torch.device("cpu"))
     eager = _ranges(qs)
-    model = mlp().eval()
+    model = make().eval()
     plan, qs = _plan(W8A8, model)
     analyzers = [qs[q.name].encoding_analyzer for q in plan.static_activations]
     attempts = []
@@ -335,16 +336,16 @@ def _eager_and_stand_in(monkeypatch, data, refusals=(), counted=True):
 
     monkeypatch.setattr(graphs, "record", record)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    replay = graphs.Replayer(model, analyzers, torch.device("cpu"), counts=graphs.counts(data.batches, False)
-                             if counted else None)
+    replay = graphs.Replayer(model, analyzers, torch.device("cpu"), drop_full_masks,
+                             graphs.counts(data.batches, drop_full_masks) if counted else None)
     monkeypatch.setattr(in_memory, "replayer", lambda *a, **k: replay)
     assert calibrate(model, plan, qs, data, torch.device("cpu")).replay is replay
     return eager, _ranges(qs), replay, attempts
 
 
 @pytest.mark.parametrize("rows, replays, graphs_made", SHAPES)
-def test_the_first_batch_is_recorded_on_sight_and_another_shape_when_it_repeats(monkeypatch, rows, replays,
-                                                                                graphs_made):
+def test_the_most_frequent_repeating_shapes_are_recorded_on_their_first_batch(monkeypatch, rows, replays,
+                                                                               graphs_made):
     """Which batches are recorded and replayed (the GPU test above checks the same counts on CUDA), and the
     calibrated ranges those of the eager pass: on the CPU, with a recording that runs its forward eagerly. Without
     the pass's counts, a shape is recorded on its second batch."""
@@ -360,22 +361,66 @@ def test_the_first_batch_is_recorded_on_sight_and_another_shape_when_it_repeats(
         _equal(eager, replayed)
 
 
-@pytest.mark.parametrize("refusals, replays", [
-    (["warm-up"], 0),  # the first recording refused: no analyzer had state before it
-    (["differs"], 0),
-    ([None, "warm-up"], 3),  # the second shape's refused: the first shape's three batches were replayed
-    ([None, "differs"], 3),
+class _Branchy(torch.nn.Module):
+    """The MLP, and for batches of fewer than 10 rows one more Linear: a shape that reaches quantizers the first
+    shape never reached."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+        self.extra = torch.nn.Linear(10, 10)
+
+    def forward(self, x):
+        y = self.body(x)
+        return self.extra(y) if x.shape[0] < 10 else y
+
+
+@pytest.mark.parametrize("rows, refusals, replays, retried, refused", [
+    ([16] * 6, ["warm-up"], 5, True, False),  # the pass's first forward refused: its next batch is tried once more
+    ([16] * 6, ["differs"], 5, True, False),
+    ([16] * 6, ["warm-up", "warm-up"], 0, True, True),  # refused again: eager from then on
+    ([16] * 3 + [7] * 3, [None, "warm-up"], 3, False, True),  # a later shape's refusal is final
+    ([16] * 3 + [7] * 3, [None, "differs"], 3, False, True),
 ])
-def test_a_refused_recording_leaves_the_eager_passs_ranges(monkeypatch, refusals, replays):
+@pytest.mark.parametrize("make", [mlp, _Branchy], ids=["mlp", "a-shape-that-reaches-more-quantizers"])
+def test_a_refused_recording_leaves_the_eager_passs_ranges(monkeypatch, make, rows, refusals, replays, retried,
+                                                           refused):
     """A refusal (a sync in the warm-up, or a replay whose ranges differ from the eager forward's) leaves every
-    range as the eager pass leaves it: what the failed recording folded into an analyzer that had no state before
-    is dropped, ranges kept before are put back; the pass is eager from then on."""
+    range as the eager pass leaves it: ranges kept before are put back, and what the refused recording folded into
+    an analyzer that had none (one its batch reached first) is dropped. Only a refusal of the pass's first forward
+    is tried once more."""
     g = torch.Generator().manual_seed(2)
-    data = CalibrationData([Batch(args=(torch.randn(n, 64, generator=g),)) for n in [16] * 3 + [7] * 3], [], 69,
-                           "random")
-    eager, replayed, replay, attempts = _eager_and_stand_in(monkeypatch, data, refusals)
-    assert attempts == list(refusals) and replay.replays == replays and replay.refused is not None
+    data = CalibrationData([Batch(args=(torch.randn(n, 64, generator=g),)) for n in rows], [], sum(rows), "random")
+    eager, replayed, replay, attempts = _eager_and_stand_in(monkeypatch, data, refusals, make=make)
+    assert attempts == (list(refusals) + [None])[:len(refusals) + (1 if retried and len(refusals) == 1 else 0)]
+    assert (replay.replays, replay.first_refused is not None, replay.refused is not None) == (replays, retried,
+                                                                                            refused)
     _equal(eager, replayed)
+
+
+@pytest.mark.parametrize("make, replays, graphs_made", [
+    (lambda: _tiny_causal_lm("llama"), 3, 1),  # masks left out: the (2, 8) shape's second batch is its last
+    (_MaskedDiffers, 4, 2),  # masks kept: each shape recorded on its second batch (the counts do not hold them)
+], ids=["masks-left-out", "masks-kept"])
+def test_the_mask_check_and_the_counts_record_what_repeats_after_it(monkeypatch, make, replays, graphs_made):
+    """qtool's own combination on packed text: the pass's counts leave out the batch each mask shape's check runs,
+    so a shape is recorded only where batches of it are still to come; where the masks are kept, the signatures
+    carry them and are recorded on their second batch. The eager ranges either way."""
+    ids = torch.randint(1, 256, (4, 2, 16), generator=torch.Generator().manual_seed(8))
+    short = torch.randint(1, 256, (2, 2, 8), generator=torch.Generator().manual_seed(9))
+    data = CalibrationData([Batch(kwargs={"input_ids": x, "attention_mask": torch.ones_like(x)})
+                            for x in list(ids) + list(short)], [], 12, "random")
+    eager, replayed, replay, _ = _eager_and_stand_in(monkeypatch, data, make=make, drop_full_masks=True)
+    assert (replay.replays, len(replay.recorded)) == (replays, graphs_made)
+    _equal(eager, replayed)
+
+
+def test_the_counts_see_batches_as_the_device_will():
+    """A batch that is not dense arrives on the device contiguous: it is counted under that signature, so five
+    such batches and one dense one of the same shape count as six of one signature."""
+    big = torch.randn(6, 8, 128)
+    batches = [Batch(args=(torch.randn(8, 64),))] + [Batch(args=(big[i, :, :64],)) for i in range(5)]
+    assert list(graphs.counts(batches, False).values()) == [6]
 
 
 class _Synced(torch.nn.Module):

@@ -24,13 +24,15 @@ there, before any capture starts; this warm-up also creates the analyzers' state
 reads), is recorded on that stream and checked: from empty ranges, the warm-up and a first replay must leave the
 same bits in every analyzer (a library may take another path while a capture runs: transformers builds explicit
 masks then). A refusal leaves the pass eager from that batch on, with the same result (what the refused recording
-folded is dropped or put back). ``QTOOL_CUDA_GRAPHS=0`` turns CUDA graphs off in qtool.
+folded is dropped or put back); only where the refused forward was the pass's first (a first call may fill a
+cache), the next batch of its shape is tried once more. ``QTOOL_CUDA_GRAPHS=0`` turns CUDA graphs off in qtool.
 
 A transformers causal LM given an attention mask of all ones (qtool's packed text windows carry one) gets None
 instead in this pass (:meth:`Replayer.feed`): transformers (5.23) reads a given mask on the host when deciding
 whether sdpa may skip it, a sync the warm-up would refuse, and it reads None as that very mask. That is checked on
 the first batch of each shape (run with the mask and without, every analyzer's range bits compared); where they
-differ the mask stays for the whole pass (and the pass stays eager). The sequential mode's block passes are not
+differ the mask stays for the whole pass (transformers then reads it on the host, so a recording is refused and
+the pass goes on eagerly). The sequential mode's block passes are not
 replayed.
 """
 
@@ -50,8 +52,8 @@ from ..quant import QuantizeDequantize, QuantizerBase
 from ..quant.analyzers import MinMaxEncodingAnalyzer
 from ..quant.quantizer import _last_call
 
-__all__ = ["ENABLED", "ENV", "MAX_GRAPHS", "Refused", "Replayer", "full_mask", "in_training", "reads_none_as_full_mask",
-           "record", "replayer", "signature"]
+__all__ = ["ENABLED", "ENV", "MAX_GRAPHS", "Refused", "Replayer", "counts", "full_mask", "in_training",
+           "reads_none_as_full_mask", "record", "replayer", "signature"]
 
 ENV = "QTOOL_CUDA_GRAPHS"  # 0 / false / no / off: no CUDA graphs anywhere in qtool (this pass, GPTQ's column loop)
 
@@ -234,6 +236,7 @@ class Replayer:
         self.recorded: Dict[Signature, _Recorded] = {}
         self.seen: Dict[Signature, int] = {}
         self.refused: Optional[str] = None  # why a recording failed: eager from then on
+        self.first_refused: Optional[str] = None  # why the recording of the pass's first forward failed (retried)
         self.replays = 0
         # how many batches of each signature the pass holds (:func:`counts`), where known: the MAX_GRAPHS most
         # frequent of those that repeat are recorded on sight, the rest never; an uncounted one on its second batch
@@ -310,8 +313,12 @@ class Replayer:
             try:  # the recording runs this batch (warm-up and a first replay)
                 with torch.cuda.device(device):  # (a refusal restores the stream, and so the device, it began on)
                     self.recorded[key] = _Recorded(self.forward, args, kwargs, self.analyzers, device)
-            except Exception as e:  # refused, or no memory for it: this batch and the rest eagerly
-                self.refused = f"{type(e).__name__}: {e}" if not isinstance(e, Refused) else str(e)
+            except Exception as e:  # refused, or no memory for it: this batch eagerly, and the rest
+                why = f"{type(e).__name__}: {e}" if not isinstance(e, Refused) else str(e)
+                if self.first_refused is None and len(self.seen) == 1 and self.seen[key] == 1:
+                    self.first_refused = why  # the model's first forward (a cache it fills?): once more, next batch
+                else:
+                    self.refused = why
                 self.forward(*args, **kwargs)  # (what the recording folded is dropped or put back: once, as eager)
                 return
             self.replays += 1
@@ -321,14 +328,26 @@ class Replayer:
 
 
 def counts(batches: Sequence[Batch], drop_full_masks: bool) -> Dict[Signature, int]:
-    """How many of ``batches`` (on the CPU) a replayed pass meets under each signature (a full mask left out where
-    ``drop_full_masks``; ``Batch.to`` keeps strides)."""
-    keys = []
+    """How many of ``batches`` (on the CPU) reach a replayed pass's recording under each signature: with
+    ``drop_full_masks``, a full mask left out, and the first batch of each mask shape not counted (the mask check
+    runs it, :meth:`Replayer.feed`). Signatures are taken of the tensors as ``Batch.to`` makes them (a tensor that
+    is not dense arrives contiguous)."""
+    keys, checked = [], set()
     for b in batches:
         if drop_full_masks and full_mask(b):
+            shape = tuple(b.kwargs[MASK].shape)
+            if shape not in checked:
+                checked.add(shape)
+                continue
             b = Batch(b.args, {k: v for k, v in b.kwargs.items() if k != MASK})
-        keys.append(signature(b.args, b.kwargs))
+        keys.append(signature(tuple(_moved(a) for a in b.args), {k: _moved(v) for k, v in b.kwargs.items()}))
     return dict(collections.Counter(k for k in keys if k is not None))
+
+
+def _moved(v):
+    """What ``v.to(another device)`` gives, as a layout without memory (the same rule: strides kept where the tensor
+    is dense and does not overlap, else contiguous); a non-tensor as it is."""
+    return torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
 
 
 def replayer(forward: Callable, rows: List[QuantizerPlan], quantizers: Dict[str, QuantizerBase],
