@@ -63,7 +63,7 @@ def _sync():
 def forms(dev: torch.device, rounds: int = 15, calls: int = 200) -> list:
     """One call's scale, offset and fake-quant from a batch's range, the longer forms (``adjust_min_max``, then
     ``min_max_to_scale_offset``, then six passes) against the short ones (``batch_scale_offset``, then
-    ``_qdq_few_launches``), alternating in one process: median microseconds per call (the same bits, checked)."""
+    ``_qdq_clamped``), alternating in one process: median microseconds per call (the same bits, checked)."""
     import statistics
 
     rows = []
@@ -81,7 +81,7 @@ def forms(dev: torch.device, rounds: int = 15, calls: int = 200) -> list:
 
             def shorter():
                 s, o = affine.batch_scale_offset(mn, mx, qmin, qmax, symmetric)
-                return affine._qdq_few_launches(x, s, o if qmin == 0 else o + qmin, o + qmax)
+                return affine._qdq_clamped(x, s, o if qmin == 0 else o + qmin, o + qmax)
 
             assert torch.equal(longer().view(torch.int32), shorter().view(torch.int32))
             times = {"longer": [], "shorter": []}

@@ -507,7 +507,7 @@ class _Kernels(TorchDispatchMode):
 def test_a_calibration_call_on_the_gpus_path_runs_few_kernels(monkeypatch, symmetric, most):
     """On a GPU a calibrating min-max quantizer call is bound by its kernel launches (#53): the batch's range (1),
     the running range (2), the batch's scale and offset (``batch_scale_offset``: 12 asymmetric, 18 symmetric)
-    and the fake-quant (``_qdq_few_launches``: 4 passes over the tensor, 1 or 2 for the clamp's ends): 20 and 27,
+    and the fake-quant (``_qdq_clamped``: 4 passes over the tensor, 1 or 2 for the clamp's ends): 20 and 27,
     where the two steps and the six-pass fake-quant took 27 and 32. None reads a number back to the host."""
     from qtool.quant import affine
     from qtool.quant.quantizer import QuantizeDequantize

@@ -249,7 +249,7 @@ class Replayer:
         ``drop_full_masks``, a full attention mask (:func:`full_mask`) is left out, once the first batch of each
         shape has shown that leaving it out gives every analyzer the same range bits (:meth:`_masks_agree`)."""
         if self.drop_full_masks and self.masks_agree is not False and full_mask(batch):
-            without = Batch(batch.args, {k: v for k, v in batch.kwargs.items() if k != MASK})
+            without = _without_mask(batch)
             shape = tuple(batch.kwargs[MASK].shape)
             if shape not in self.mask_shapes:
                 self.mask_shapes.add(shape)
@@ -339,9 +339,13 @@ def counts(batches: Sequence[Batch], drop_full_masks: bool) -> Dict[Signature, i
             if shape not in checked:
                 checked.add(shape)
                 continue
-            b = Batch(b.args, {k: v for k, v in b.kwargs.items() if k != MASK})
+            b = _without_mask(b)
         keys.append(signature(tuple(_moved(a) for a in b.args), {k: _moved(v) for k, v in b.kwargs.items()}))
     return dict(collections.Counter(k for k in keys if k is not None))
+
+
+def _without_mask(batch: Batch) -> Batch:
+    return Batch(batch.args, {k: v for k, v in batch.kwargs.items() if k != MASK})
 
 
 def _moved(v):

@@ -294,13 +294,13 @@ def quantize_dequantize(
     else:
         def fn(x, s, o):
             lo = _uniform_offset(o)
-            if lo is not None:
-                return _qdq_uniform_offset(x, s, lo, qmin, qmax)
+            if lo is not None:  # one offset for the tensor, on the CPU: a number
+                return _qdq_clamped(x, s, qmin + lo, qmax + lo)
             if not _launch_bound(x.device) or torch.jit.is_tracing():  # (an exported graph holds these six passes)
                 q = _quantize_raw(x, s, o, qmin, qmax)
                 return q.add_(o.to(q.dtype)).mul_(s.to(q.dtype))
             o = o.to(_compute_dtype(x))  # the clamp's ends as tensors: exact sums (integer offsets)
-            return _qdq_few_launches(x, s, o if qmin == 0 else o + qmin, o + qmax)
+            return _qdq_clamped(x, s, o if qmin == 0 else o + qmin, o + qmax)
 
     return _apply_blocked(fn, tensor, scale, offset, block_size).to(out_dtype)
 
@@ -317,16 +317,6 @@ def _uniform_offset(offset: torch.Tensor) -> Optional[float]:
     return float(first)
 
 
-def _qdq_uniform_offset(x: torch.Tensor, s: torch.Tensor, o: float, qmin: int, qmax: int) -> torch.Tensor:
-    """``(clamp(round(x / s) - o, qmin, qmax) + o) * s`` for a number ``o``, in five passes instead of six:
-    ``clamp(r - o, qmin, qmax) + o == clamp(r, qmin + o, qmax + o)`` exactly (codes are integers far below 2^24,
-    and an ``r`` beyond that clamps to the same end either way). The last ``+ 0.0`` keeps the bits of the
-    six-pass form, which turns a ``-0.0`` code (``round`` of a small negative) into ``+0.0``."""
-    dt = _compute_dtype(x)
-    q = torch.div(x.to(dt), s.to(dt)).round_().clamp_(qmin + o, qmax + o)
-    return q.mul_(s.to(dt)).add_(0.0)
-
-
 def _launch_bound(device: torch.device) -> bool:
     """Whether each tensor operation on ``device`` costs a kernel launch worth saving (a GPU), rather than a pass
     that only pays when vectorized (a CPU: its kernels vectorize one broadcast operand at most, so a clamp between
@@ -334,22 +324,23 @@ def _launch_bound(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def _qdq_few_launches(x: torch.Tensor, s: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """``(clamp(round(x / s) - o, qmin, qmax) + o) * s`` given tensors ``lo = qmin + o`` and ``hi = qmax + o``
-    (broadcasting against ``x``), in four kernels instead of six, bit for bit (tests/test_quant_properties.py):
+def _qdq_clamped(x: torch.Tensor, s: torch.Tensor, lo, hi) -> torch.Tensor:
+    """``(clamp(round(x / s) - o, qmin, qmax) + o) * s`` given ``lo = qmin + o`` and ``hi = qmax + o`` (numbers, or
+    on a GPU tensors that broadcast against ``x``), bit for bit (tests/test_quant_properties.py):
 
     * ``clamp(r - o, qmin, qmax) + o == clamp(r, qmin + o, qmax + o)``: offsets are integers (AIMET's; every
       qtool path rounds them) and codes are integers far below 2^24, so no sum rounds; an ``r`` beyond that clamps
       to the same end either way;
     * the six-pass form never ends in ``-0.0`` (``q + o`` is ``+0.0`` whenever it is zero), and neither does
-      ``0 + q * s``, one ``addcmul`` (one rounding of the product either way; ``0 +`` turns ``-0.0`` into
-      ``+0.0``), which replaces the add and the multiply.
-
-    For a GPU, where each pass is a launch and a trip through memory (#53)."""
+      ``q * s + 0.0``; on a GPU that is one ``addcmul`` with zero (one rounding of the product either way), four
+      kernels instead of six (#53: each pass a launch and a trip through memory); on a CPU a multiply and an add,
+      five vectorized passes."""
     dt = _compute_dtype(x)
     s = s.to(dt)
     q = torch.div(x.to(dt), s).round_().clamp_(lo, hi)
-    return torch.addcmul(device_scalar(0.0, dt, q.device), q, s, out=q)
+    if _launch_bound(q.device):
+        return torch.addcmul(device_scalar(0.0, dt, q.device), q, s, out=q)
+    return q.mul_(s).add_(0.0)
 
 
 # --------------------------------------------------------------------------------------------------------------
