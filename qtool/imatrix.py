@@ -80,11 +80,18 @@ def _check_count(path: Path, name: str, count: float) -> None:
                              "data that reaches every tensor it names")
 
 
+def _entry_name(path: Path, name: str) -> str:
+    """An entry's tensor name as read from the file, refused unless printable (errors name it on one line)."""
+    if not name.isprintable():
+        raise EncodingsError(f"{path}: an entry name that is not printable text ({name[:40]!r})")
+    return name
+
+
 def _read_gguf(path: Path) -> Dict[str, torch.Tensor]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    tensors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
+    tensors = {_entry_name(path, t.name): np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
     sums = {n[:-len(".in_sum2")]: v for n, v in tensors.items() if n.endswith(".in_sum2")}
     counts = {n[:-len(".counts")]: v for n, v in tensors.items() if n.endswith(".counts")}
     if set(sums) != set(counts):
@@ -130,7 +137,7 @@ def _read_dat(path: Path) -> Dict[str, torch.Tensor]:
         (length,) = take("<i")
         if not 0 < length <= 4096:
             raise EncodingsError(f"{path}: an entry name of length {length}")
-        name = data[pos:pos + length].decode("utf-8")
+        name = _entry_name(path, data[pos:pos + length].decode("utf-8"))
         pos += length
         ncall, nval = take("<ii")
         if not 0 < nval <= 1 << 26:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from qtool.errors import EncodingsError
@@ -72,6 +72,7 @@ def test_a_legacy_imatrix_dat_reads_as_the_mean_of_x_squared(tmp_path):
 
 @settings(max_examples=200, deadline=None)
 @given(data=st.binary(max_size=200), cut=st.integers(0, 80))
+@example(data=struct.pack("<ii", 1, 3) + b"\0\0\n" + struct.pack("<ii", 1, 0), cut=0)  # a name with a newline
 def test_any_bytes_read_as_an_importance_matrix_or_one_clear_error(tmp_path_factory, data, cut):
     good = struct.pack("<i", 1) + struct.pack("<i", 3) + b"abc" + struct.pack("<ii", 1, 2) + b"\0" * 8
     for blob in (data, good[:cut] + data, b"GGUF" + data):
