@@ -159,12 +159,15 @@ def read_aimet(path: Path) -> Dict[str, Any]:
     return obj
 
 
-def _granularity_from_count(count: int, wshape: Tuple[int, ...], block: Optional[int], axis: Optional[int]):
-    """(granularity, shape, block_size) for ``count`` encodings of a weight of shape ``wshape``."""
+def _granularity_from_count(count: int, wshape: Tuple[int, ...], block: Optional[int], axis: Optional[int],
+                            per_channel: bool = False):
+    """(granularity, shape, block_size) for ``count`` encodings of a weight of shape ``wshape``; ``per_channel``:
+    the file says so (1.0.0's enc_type, 2.0.0's axis without a block), which decides a weight of one output
+    channel (0.6.1 cannot tell it from per-tensor)."""
     nd = len(wshape)
     if block is not None and (type(block) is not int or block < 1):
         raise EncodingsError(f"block_size must be a positive integer (got {str(block)[:40]!r})")
-    if count == 1 and block is None:
+    if count == 1 and block is None and not (per_channel and wshape[0] == 1):
         return "per_tensor", (), None
     if block is None and count == wshape[0]:
         return "per_channel", (wshape[0],) + (1,) * (nd - 1), None
@@ -210,7 +213,8 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                 zp = zp.reshape(-1)[0].expand(scale.shape) if zp.numel() == 1 else zp.reshape(scale.shape)
                 rows.append(("any", str(item["name"]), {"bits": bits, "signed": signed, "scale": scale,
                                                          "offset": -zp, "axis": item.get("axis"),
-                                                         "block": item.get("block_size")}))
+                                                         "block": item.get("block_size"),
+                                                         "per_channel": "axis" in item and "block_size" not in item}))
         else:
             for kind, key in (("param", "param_encodings"), ("act", "activation_encodings")):
                 section = obj.get(key, [] if version == "1.0.0" else {})
@@ -242,8 +246,10 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                         raise EncodingsError(f"{source}: {name}: bitwidth {str(bits)[:20]} is outside "
                                              f"{MIN_BITWIDTH}..{MAX_BITWIDTH}")
                     qmin, _ = grid(bits, signed=sym)
+                    per_channel = version == "1.0.0" and item.get("enc_type") == "PER_CHANNEL"
                     rows.append((kind, str(name), {"bits": bits, "signed": sym, "sym": sym, "scale": scale,
-                                                   "offset": off - qmin, "axis": None, "block": block}))
+                                                   "offset": off - qmin, "axis": None, "block": block,
+                                                   "per_channel": per_channel}))
     except EncodingsError:
         raise
     except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError) as e:
@@ -282,7 +288,7 @@ def _entry_from_row(name: str, r: Dict[str, Any], weight_shapes: Dict[str, Tuple
         count = r["scale"].numel()
         axis = None if r["axis"] is None else int(r["axis"]) % len(wshape)
         try:
-            gran, shape, block_size = _granularity_from_count(count, wshape, r["block"], axis)
+            gran, shape, block_size = _granularity_from_count(count, wshape, r["block"], axis, r["per_channel"])
         except EncodingsError as e:
             raise EncodingsError(f"{source}: {name}: {e}") from None
         tensor = "weight"

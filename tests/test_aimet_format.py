@@ -111,3 +111,19 @@ def test_range_for_scale_offset_handles_awkward_scales():
 def test_malformed_aimet_file_is_a_clear_error():
     with pytest.raises(EncodingsError, match="malformed AIMET 1.0.0"):
         from_aimet({"version": "1.0.0", "param_encodings": [{"name": "x"}]}, {}, "f", lambda n: n)
+
+
+@pytest.mark.parametrize("version, kept", [("0.6.1", "per_tensor"), ("1.0.0", "per_channel"),
+                                           ("2.0.0", "per_channel")])
+def test_a_weight_of_one_output_channel_keeps_its_granularity(version, kept):
+    """Linear(4, 1) per channel is one encoding, as per-tensor is: 1.0.0's enc_type and 2.0.0's axis say which
+    (0.6.1 writes the two alike); per-tensor stays per-tensor in every version."""
+    shapes = {"m.weight": (1, 4)}
+    for gran, shape, expect in (("per_channel", (1, 1), kept), ("per_tensor", (), "per_tensor")):
+        e = EncodingEntry("m.weight", "m", "weight", 8, False, gran, shape, None, "minmax",
+                          torch.full(shape, -0.5), torch.full(shape, 1.5))
+        obj = json.loads(json.dumps(to_aimet(EncodingsFile([e], {}), version, "t")))
+        back, warnings = from_aimet(obj, shapes, "f", lambda n: n.rsplit(".", 1)[0])
+        (b,) = back.entries
+        assert not warnings and b.granularity == expect and b.shape == ((1, 1) if expect == "per_channel" else ())
+        assert torch.equal(b.scale_offset()[0].reshape(-1), e.scale_offset()[0].reshape(-1))
