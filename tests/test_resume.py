@@ -104,6 +104,28 @@ def stopped(llama, tmp_path_factory):
     return out.with_name("run.resume")
 
 
+def test_calibration_batches_changed_behind_the_files_stamps_are_refused(llama, tmp_path):
+    """Files are recognized by size and modification time; what the blocks read is checked by its digest, so a
+    state is refused when the batches differ though every stamp agrees (a tokenizer edited in place gives other
+    ids from the same text; here the data file is rewritten with its size and time kept)."""
+    d, args = llama
+    data = tmp_path / "ids.safetensors"
+    shutil.copy(d / "ids.safetensors", data)
+    args = list(args)
+    args[args.index("--data") + 1] = str(data)
+    _killed(args, tmp_path / "run", 1)
+    stamp = data.stat()
+    ids = torch.randint(0, 256, (12, 16), generator=torch.Generator().manual_seed(5))
+    save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, data)
+    assert data.stat().st_size == stamp.st_size
+    os.utime(data, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    code, _, err = run_cli(*args, "--resume", "-o", tmp_path / "run")
+    assert code == 2
+    lines = error_lines(err)
+    assert len(lines) == 1 and "(calibration batches differ)" in lines[0], err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("change", ["recipe", "data", "model", "options", "precision"])
 def test_a_state_of_another_run_is_refused_in_one_line(llama, stopped, tmp_path, change):
     d, args = llama

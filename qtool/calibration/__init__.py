@@ -316,7 +316,7 @@ def _calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opt
 def _resume_state(directory: Optional[Path], checkpoint: str, source: str, opts: CalibrateOptions,
                   data: CalibrationData, device: torch.device, group: Group, hooks: Hooks):
     """The resumable state of a sequential run in ``directory`` (None: the run keeps none)."""
-    from .resume import ResumeState, fingerprint
+    from .resume import ResumeState, batches_digest, fingerprint
 
     if directory is None:
         return None
@@ -326,7 +326,8 @@ def _resume_state(directory: Optional[Path], checkpoint: str, source: str, opts:
         options["data"] = str(Path(options["data"]).resolve())
     stamp = fingerprint(versions=versions(), checkpoint_files=files,
                         data_files=data.files if data is not None else [], recipe=source, imatrix=opts.imatrix,
-                        options=options, world_size=group.world_size, device=device_label(device))
+                        options=options, world_size=group.world_size, device=device_label(device),
+                        batches=group.all_gather(batches_digest(data.batches) if data is not None else None))
     state = ResumeState.open(directory, stamp, group, opts.resume)
     if opts.resume:
         hooks.on_stage(f"resuming after block {state.blocks_done}" if state.blocks_done else

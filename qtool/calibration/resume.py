@@ -5,7 +5,7 @@ the last finished block with ``--resume`` and writes the bytes an uninterrupted 
 ``OUT.resume/`` holds:
 
 - ``state.json``: which run this is (its fingerprint: versions, checkpoint and data files, recipe, options, ranks,
-  device) and how many blocks are done;
+  device, a digest of each rank's calibration batches) and how many blocks are done;
 - ``block-<i>.safetensors``: block ``i``'s ranges (min/max of each entry, the entry's fields in the metadata),
   codes, transformed floats and the warnings it added (rank 0);
 - ``hidden-<i>-r<rank>.safetensors``: the outputs of block ``i`` for each of this rank's calibration batches,
@@ -15,29 +15,32 @@ the last finished block with ``--resume`` and writes the bytes an uninterrupted 
 killed before its ``state.json`` are written again. Everything else a block needs is recomputed on resume (the
 data, the first block's inputs besides the hidden states: attention masks and rotary embeddings), which costs one
 pass of the embedding. The checkpoint and data files are recognized by size and modification time (hashing a
-large checkpoint at every start would cost minutes), the recipe and importance matrix by their SHA-256.
+large checkpoint at every start would cost minutes), the recipe and importance matrix by their SHA-256, and the
+calibration batches themselves by theirs (a tokenizer edited in place changes them, not the tensor files).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..data import Batch
 from ..encodings import EncodingEntry
 from ..errors import UsageError
 from ..io.fs import atomic_file, sha256_file
 from ..parallel import Group
 
-__all__ = ["BlockResult", "ResumeState", "state_dir", "fingerprint", "file_stamp", "remove_state"]
+__all__ = ["BlockResult", "ResumeState", "state_dir", "fingerprint", "file_stamp", "batches_digest", "remove_state"]
 
 STATE = "state.json"
 _VERSION = 1
@@ -58,15 +61,31 @@ def file_stamp(files) -> Dict[str, List[int]]:
     return out
 
 
+def batches_digest(batches: Sequence[Batch]) -> str:
+    """SHA-256 of calibration batches as the blocks read them (every tensor's name, dtype, shape and bytes, in
+    order): what the data files, the tokenizer (its files are not the checkpoint's tensors) and the sampling made
+    of them, which a resumed run must feed its remaining blocks unchanged."""
+    h = hashlib.sha256()
+    for batch in batches:
+        for name, t in [(str(i), a) for i, a in enumerate(batch.args)] + sorted(batch.kwargs.items()):
+            t = t.detach().contiguous().cpu()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(b"|")
+    return h.hexdigest()
+
+
 def fingerprint(*, versions: Dict[str, str], checkpoint_files, data_files, recipe: Optional[str],
-                imatrix: Optional[str], options: Dict[str, Any], world_size: int, device: str) -> Dict[str, Any]:
-    """What must be equal for a saved state to be trusted, as JSON values (keys name what differs in the error)."""
+                imatrix: Optional[str], options: Dict[str, Any], world_size: int, device: str,
+                batches: Optional[List[str]] = None) -> Dict[str, Any]:
+    """What must be equal for a saved state to be trusted, as JSON values (keys name what differs in the error).
+    ``batches``: each rank's :func:`batches_digest`."""
     def sha(path):
         return sha256_file(Path(path)) if path is not None and Path(path).is_file() else path
 
     return {"versions": dict(versions), "checkpoint": file_stamp(checkpoint_files), "data": file_stamp(data_files),
             "recipe": sha(recipe), "imatrix": sha(imatrix), "options": dict(options), "ranks": world_size,
-            "device": device}
+            "device": device, "calibration batches": batches}
 
 
 @dataclasses.dataclass
