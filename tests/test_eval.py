@@ -220,12 +220,20 @@ def test_bad_input_is_one_line(model, tmp_path):
         (("eval", tmp_path / "nothing", "--data", held), "no such artifact"),
         (("eval", out, "--data", held, "--min-cosine", "0.9"), "--min-cosine"),
         (("eval", out), "--data"),
+        (("eval", out, "--data", held, "--min-agreement", "1.5"), "--min-agreement must be from 0 to 1"),
+        (("eval", out, "--data", held, "--min-agreement", "-5"), "--min-agreement must be from 0 to 1"),
+        (("eval", out, "--data", held, "--max-kl", "-1"), "--max-kl must be >= 0"),
+        (("eval", out, "--data", held, "--max-export-gap", "-0.1"), "--max-export-gap must be >= 0"),
     ]
     for args, needle in cases:
         code, _, err = run_cli(*args, *EVAL, "-q")
         lines = error_lines(err)
         assert code == 2, (args, err)
         assert len(lines) == 1 and needle in lines[0], (args, err)
+    # a gate that cannot apply to this model is refused once the reference is loaded, before any model runs
+    code, _, err = run_cli("eval", out, "--data", held, *EVAL, "--min-cosine", "0.9")
+    assert code == 2 and "--min-cosine is for models that are not causal LMs" in err
+    assert "loading the float checkpoint" in err and "measuring" not in err, err
 
 
 def test_a_runtime_that_is_not_installed_names_its_extra(model, tmp_path, monkeypatch):
@@ -334,3 +342,35 @@ def test_a_bfloat16_transformers_run_is_allowed_the_quantizations_kl_where_activ
         runtime = _open_runtime(SimpleNamespace(format="compressed-tensors", path=out), EvalOptions(data="-"), True,
                                 0, None, activations)
         assert "bfloat16" in runtime.name and (runtime.gap_share, runtime.gap_floor) == (share, 0.01)
+
+
+def test_the_manifests_paths_are_found_by_their_hashes_from_any_directory(model, tmp_path, monkeypatch):
+    """A manifest records the checkpoint and encodings paths as given where the job ran: eval run from another
+    directory finds them beside the output's directory, and takes a file only if it has the recorded sha256, so a
+    different model at the same relative path is refused in one line instead of being measured as the float."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt, calib, held = model
+    shutil.copytree(ckpt, tmp_path / "m")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli("quantize", "m", "-c", "w8a16", "-o", "out", "--data", calib, "--seq-len", "32", "-q")
+    assert code == 0, err
+    code, _, err = run_cli("export", "m", "-e", "out/calibration/encodings.json", "-o", "exp", "-q")
+    assert code == 0, err
+    other = tmp_path / "elsewhere"
+    shutil.copytree(ckpt, other / "m")  # the same shapes, one weight changed
+    weights = load_file(other / "m/model.safetensors")
+    weights["model.layers.0.mlp.down_proj.weight"] *= 1.5
+    save_file(weights, other / "m/model.safetensors", metadata={"format": "pt"})
+    monkeypatch.chdir(other)
+    for artifact in ("../out", "../exp"):  # exp's manifest: "out/calibration/encodings.json", from tmp_path
+        code, res, err = _eval(model, artifact)
+        assert code == 0, err
+        assert Path(res["reference"]).resolve() == (tmp_path / "m").resolve()
+        assert res["export_gap"] is not None and res["export_fault"] is None
+    code, res, err = _eval(model, "../out", "-r", "m")  # given: used as it is, with a note
+    assert code in (0, 1) and any("holds other weights" in n for n in res["notes"]), err
+    shutil.rmtree(tmp_path / "m")
+    code, _, err = run_cli("eval", "../out", "--data", held, *EVAL, "-q")
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1 and "not the float checkpoint ../out was made from" in lines[0], err

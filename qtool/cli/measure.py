@@ -17,8 +17,8 @@ from .output import _Progress, _print_eval
 
 
 def _check_gate_values(**gates: Optional[float]) -> None:
-    """The gate flags that are set (``{"--flag": value}``) are finite; a perplexity increase is >= 0 and a cosine
-    within [-1, 1]."""
+    """The gate flags that are set (``{"--flag": value}``) are finite; a perplexity increase, a KL and an export gap
+    are >= 0, an agreement within [0, 1] and a cosine within [-1, 1]."""
     from ..errors import UsageError
 
     for flag, value in gates.items():
@@ -26,6 +26,12 @@ def _check_gate_values(**gates: Optional[float]) -> None:
             raise UsageError(f"{flag} must be a finite number (got {value})")
     if (gates.get("--max-ppl-increase") or 0) < 0:
         raise UsageError("--max-ppl-increase must be a percentage >= 0")
+    for flag in ("--max-kl", "--max-export-gap"):
+        if (gates.get(flag) or 0) < 0:
+            raise UsageError(f"{flag} must be >= 0, as a divergence is (got {gates[flag]})")
+    agreement = gates.get("--min-agreement")
+    if agreement is not None and not 0 <= agreement <= 1:
+        raise UsageError(f"--min-agreement must be from 0 to 1, as a share of tokens is (got {agreement})")
     cosine = gates.get("--min-cosine")
     if cosine is not None and not -1 <= cosine <= 1:
         raise UsageError(f"--min-cosine must be from -1 to 1, as a cosine is (got {cosine})")
@@ -207,7 +213,10 @@ def eval_(
                            device=device, model_class=model_class, trust_pickle=trust_pickle,
                            trust_remote_code=trust_remote_code,
                            tasks=tuple(t.strip() for t in (tasks or "").split(",") if t.strip()),
-                           tasks_path=tasks_path, task_limit=task_limit)
+                           tasks_path=tasks_path, task_limit=task_limit,
+                           gates=tuple(g for g, v in (("max-ppl-increase", max_ppl_increase), ("max-kl", max_kl),
+                                                      ("min-agreement", min_agreement), ("min-cosine", min_cosine),
+                                                      ("max-export-gap", max_export_gap)) if v is not None))
         if tasks_path is not None and not os.path.isdir(tasks_path):
             raise UsageError(f"--tasks-path {tasks_path}: not a directory")
         with _Progress(quiet) as p:

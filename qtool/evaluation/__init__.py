@@ -26,9 +26,9 @@ from ..model.apply import make_fake_quant
 from ..model.insert import quantized_modules, set_stored_weight
 from ..model.load import load_model
 from ..report import _per_sample_cosine
-from .artifact import Artifact, locate, quantization_config
+from .artifact import Artifact, locate, places, quantization_config
 from .metrics import Distributions, agreement, divergence, perplexity, token_kl
-from .result import Evaluation, check_gates, describe, enforce
+from .result import Evaluation, check_gate_use, check_gates, describe, enforce
 from .runtimes import OnnxRuntime, TorchRuntime, transformers_reload
 
 __all__ = ["EvalOptions", "Evaluation", "evaluate_artifact", "artifact_model", "locate", "Artifact", "check_gates",
@@ -58,6 +58,8 @@ class EvalOptions:
     tasks_path: Optional[str] = None  # a directory of task YAML of one's own
     task_limit: Optional[int] = None  # documents per task
     task_max_length: int = 1024  # tokens a task request keeps (its last)
+    gates: Tuple[str, ...] = ()  # the gates set (max-kl, min-cosine, ...): refused before any model runs if they
+    # cannot apply to this model
 
 
 def _allowance(runtime, quant: float) -> float:
@@ -197,7 +199,8 @@ def artifact_model(artifact: str, reference: Optional[str] = None, encodings: Op
     file's weights) and compressed-tensors (transformers' reload)."""
     opts = opts or EvalOptions()
     art = locate(artifact)
-    reference = reference or art.checkpoint
+    if art.format in ("qtool", "compressed-tensors") and (reference or art.checkpoint):
+        reference = _reference(art, reference, artifact)[0]
     if art.format not in ("qtool", "compressed-tensors") or reference is None:
         raise UsageError(f"{artifact}: a torch module is made of qtool and compressed-tensors exports with their "
                          f"reference checkpoint")
@@ -293,23 +296,58 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
 
     hooks = hooks or Hooks()
     art = locate(artifact)
-    reference = reference or art.checkpoint
-    if reference is None:
-        raise UsageError(f"{artifact}: no manifest names the float checkpoint it came from: pass --reference PATH")
-    if not Path(reference).exists():
-        raise UsageError(f"{reference}: the float checkpoint is not there (pass --reference PATH)")
+    reference, notes = _reference(art, reference, artifact)
     enc = Path(encodings) if encodings else art.encodings
-    if enc is not None and not enc.is_file():
-        if encodings:
-            raise UsageError(f"{enc}: no such encodings file")
-        enc = None
+    if encodings and not enc.is_file():
+        raise UsageError(f"{enc}: no such encodings file")
+    if not encodings and art.encodings_missing is not None:
+        notes.append(f"the encodings the manifest names ({art.encodings_missing}) are not here or beside "
+                     f"{art.directory} with the sha256 it records")
     manager = None
     if opts.tasks:
         from .tasks import task_manager
 
         manager = task_manager(opts.tasks_path, opts.tasks)
     with reporting(hooks):
-        return _evaluate(art, reference, enc, opts, hooks, manager)
+        return _evaluate(art, reference, enc, opts, hooks, manager, notes)
+
+
+def _weight_hashes(checkpoint: Path) -> Optional[List[str]]:
+    """The sorted sha256 of a checkpoint's weight files, as manifests record them (None: none to read)."""
+    from ..errors import CheckpointError
+    from ..io.checkpoint import tensor_files
+    from ..pipeline.manifest import digests
+
+    try:
+        return sorted(digests(tensor_files(checkpoint)).values()) or None
+    except (CheckpointError, OSError):
+        return None
+
+
+def _reference(art: Artifact, given: Optional[str], artifact: str) -> Tuple[str, List[str]]:
+    """The float checkpoint to compare with, and notes: ``given``, else the one the manifest names, found (its path
+    is as given where the job ran: see ``places``) where its weight files have the sha256 the manifest records, so
+    that another model at that path is never taken for it."""
+    if given is not None:
+        if not Path(given).exists():
+            raise UsageError(f"{given}: the float checkpoint is not there (pass --reference PATH)")
+        if art.checkpoint_sha256 and _weight_hashes(Path(given)) != art.checkpoint_sha256:
+            return given, [f"{given} holds other weights than the checkpoint the artifact's manifest records "
+                           f"({art.checkpoint}): the float and fake-quant models are {given}'s"]
+        return given, []
+    if art.checkpoint is None:
+        raise UsageError(f"{artifact}: no manifest names the float checkpoint it came from: pass --reference PATH")
+    there = [c for c in places(art.checkpoint, art.directory or Path(".")) if c.exists()]
+    if not there:
+        raise UsageError(f"{art.checkpoint}: the float checkpoint is not there, nor beside {art.directory} (pass "
+                         "--reference PATH)")
+    if not art.checkpoint_sha256:
+        return str(there[0]), []
+    for c in there:
+        if _weight_hashes(c) == art.checkpoint_sha256:
+            return str(c), []
+    raise UsageError(f"{there[0]}: not the float checkpoint {artifact} was made from (its weight files' sha256 are "
+                     "not those its manifest records): pass --reference PATH")
 
 
 def _run_tasks(runtime, tokenizer, opts: EvalOptions, manager, label: str, hooks: Hooks):
@@ -320,13 +358,14 @@ def _run_tasks(runtime, tokenizer, opts: EvalOptions, manager, label: str, hooks
 
 
 def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOptions, hooks: Hooks,
-              manager=None) -> Evaluation:
+              manager=None, notes: Tuple[str, ...] = ()) -> Evaluation:
     hooks.on_stage("loading the float checkpoint")
     loaded = _load(reference, opts)
     causal = loaded.is_causal_lm
     if art.format == "gguf" and not causal:
         raise UsageError(f"{art.path}: a GGUF file is evaluated against a causal LM checkpoint; {reference} is not one")
     _same_model(art, loaded.config)
+    check_gate_use(opts.gates, causal, enc is not None)
     activations = True
     if enc is not None:  # another model's encodings: one line now, not after the float model has run
         from ..encodings import EncodingsFile
@@ -338,6 +377,7 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     data = _windows(opts, loaded.tokenizer, causal)
     ev = Evaluation(str(art.path), art.format, "", str(reference), str(enc) if enc else None, causal,
                     len(data), 0)
+    ev.notes.extend(notes)
     if enc is None:
         ev.notes.append("no encodings: the artifact is compared with the float model only (pass --encodings "
                         "for the export gap)")

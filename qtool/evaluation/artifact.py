@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from ..errors import UsageError
+from ..io.fs import sha256_file
 
 # the formats a runtime can run, and what runs them
 RUNTIMES = {"qtool": "qtool (torch)", "compressed-tensors": "transformers + compressed-tensors",
@@ -19,8 +20,11 @@ RUNTIMES = {"qtool": "qtool (torch)", "compressed-tensors": "transformers + comp
 class Artifact:
     format: str
     path: Path  # the file (GGUF, ONNX) or directory (qtool, compressed-tensors) the runtime opens
-    checkpoint: Optional[str] = None  # the float checkpoint the manifest names
-    encodings: Optional[Path] = None  # the encodings.json the manifest names
+    checkpoint: Optional[str] = None  # the float checkpoint the manifest names, as given where the job ran
+    encodings: Optional[Path] = None  # the encodings.json the manifest names, where it was found with its sha256
+    checkpoint_sha256: Optional[List[str]] = None  # the manifest's hashes of the checkpoint's weight files
+    encodings_missing: Optional[str] = None  # the encodings the manifest names, where no file has its sha256
+    directory: Optional[Path] = None  # where the manifest is
 
     @property
     def runtime(self) -> str:
@@ -47,11 +51,15 @@ def _from_manifest(directory: Path, m: dict) -> Artifact:
         raise UsageError(f"{directory}: format '{fmt}' has no runtime to evaluate in (evaluated formats: "
                          f"{', '.join(RUNTIMES)}); qtool report measures the encodings themselves")
     inputs = m.get("inputs") if isinstance(m.get("inputs"), dict) else {}
-    ckpt = (inputs.get("checkpoint") or {}).get("path") if isinstance(inputs.get("checkpoint"), dict) else None
-    enc = (inputs.get("encodings") or {}).get("path") if isinstance(inputs.get("encodings"), dict) else None
-    enc_path = None
+    ckpt_in = inputs.get("checkpoint") if isinstance(inputs.get("checkpoint"), dict) else {}
+    enc_in = inputs.get("encodings") if isinstance(inputs.get("encodings"), dict) else {}
+    ckpt, enc = ckpt_in.get("path"), enc_in.get("path")
+    hashes = ckpt_in.get("sha256")
+    hashes = sorted(str(h) for h in hashes.values()) if isinstance(hashes, dict) and hashes else None
+    enc_path = enc_missing = None
     if isinstance(enc, str):
-        enc_path = Path(enc) if Path(enc).is_absolute() else directory / enc
+        enc_path = _found(enc, directory, enc_in.get("sha256"))
+        enc_missing = None if enc_path is not None else enc
     summary = m.get("summary") if isinstance(m.get("summary"), dict) else {}
     path = directory
     if fmt == "gguf":
@@ -59,7 +67,29 @@ def _from_manifest(directory: Path, m: dict) -> Artifact:
         path = directory / (name if isinstance(name, str) and Path(name).name == name else "model.gguf")
     elif fmt == "onnx":
         path = directory / "model.onnx"
-    return Artifact(fmt, path, ckpt if isinstance(ckpt, str) else None, enc_path)
+    return Artifact(fmt, path, ckpt if isinstance(ckpt, str) else None, enc_path, hashes, enc_missing, directory)
+
+
+def places(recorded: str, directory: Path) -> List[Path]:
+    """Where a path a manifest records may be now: it is as it was given where the job ran, so (unless absolute)
+    it reads from here, from the manifest's directory, or from that directory's parent (a job run beside its
+    output directory)."""
+    p = Path(recorded)
+    if p.is_absolute():
+        return [p]
+    out: List[Path] = []
+    for c in (p, directory / p, directory.parent / p):
+        if not any(c.resolve() == o.resolve() for o in out):
+            out.append(c)
+    return out
+
+
+def _found(recorded: str, directory: Path, sha256) -> Optional[Path]:
+    """The first of :func:`places` that is a file with the recorded ``sha256`` (any file where none is recorded)."""
+    for c in places(recorded, directory):
+        if c.is_file() and (not isinstance(sha256, str) or sha256_file(c) == sha256):
+            return c
+    return None
 
 
 def locate(path: str | Path) -> Artifact:
@@ -97,14 +127,15 @@ def locate(path: str | Path) -> Artifact:
 
 
 def _beside(directory: Path):
+    """What the manifest beside a .gguf or .onnx file says it came from (Artifact's fields after ``path``)."""
     m = _manifest(directory)
     if m is None:
-        return None, None
+        return ()
     try:
         art = _from_manifest(directory, m)
     except UsageError:
-        return None, None
-    return art.checkpoint, art.encodings
+        return ()
+    return art.checkpoint, art.encodings, art.checkpoint_sha256, art.encodings_missing, art.directory
 
 
 def quantization_config(directory: Path) -> Optional[dict]:

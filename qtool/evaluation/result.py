@@ -63,10 +63,9 @@ def check_gates(ev: Evaluation, max_ppl_increase: Optional[float] = None, max_kl
                 min_cosine: Optional[float] = None) -> List[Gate]:
     """The gates that are set; ``UsageError`` for one that cannot apply to this model."""
     gates = []
-    lm_only = {"max-ppl-increase": max_ppl_increase, "max-kl": max_kl, "min-agreement": min_agreement}
-    if not ev.causal_lm and any(v is not None for v in lm_only.values()):
-        raise UsageError(f"--{next(k for k, v in lm_only.items() if v is not None)} needs a causal LM; "
-                         f"use --min-cosine for this model")
+    set_gates = {k for k, v in {"max-ppl-increase": max_ppl_increase, "max-kl": max_kl, "min-agreement": min_agreement,
+                                "min-cosine": min_cosine, "max-export-gap": max_export_gap}.items() if v is not None}
+    check_gate_use(set_gates, ev.causal_lm, ev.encodings is not None)
     if max_ppl_increase is not None:
         v = ev.perplexity_increase_pct
         gates.append(Gate("max-ppl-increase", max_ppl_increase, v, v <= max_ppl_increase, f"perplexity {v:+.2f}%"))
@@ -77,16 +76,24 @@ def check_gates(ev: Evaluation, max_ppl_increase: Optional[float] = None, max_kl
         v = ev.vs_float["artifact"].top1
         gates.append(Gate("min-agreement", min_agreement, v, v >= min_agreement, f"top-1 agreement {v:.4f}"))
     if min_cosine is not None:
-        if ev.causal_lm:
-            raise UsageError("--min-cosine is for models that are not causal LMs; use --max-kl / --min-agreement")
         v = ev.cosine["artifact"]["mean"]
         gates.append(Gate("min-cosine", min_cosine, v, v >= min_cosine, f"cosine {v:.5f}"))
     if max_export_gap is not None:
-        if ev.encodings is None:
-            raise UsageError("--max-export-gap compares the artifact with the fake-quant model: pass --encodings")
         v = ev.export_gap.kl_mean if ev.causal_lm else 1.0 - ev.cosine["export_gap"]["mean"]
         gates.append(Gate("max-export-gap", max_export_gap, v, v <= max_export_gap, f"export gap {v:.4g}"))
     return gates
+
+
+def check_gate_use(gates, causal_lm: bool, has_encodings: bool) -> None:
+    """``UsageError`` for a gate (named without its dashes) that cannot apply to this model: checked once the
+    reference is loaded, before any model runs, and again by :func:`check_gates`."""
+    lm_only = [g for g in ("max-ppl-increase", "max-kl", "min-agreement") if g in gates]
+    if not causal_lm and lm_only:
+        raise UsageError(f"--{lm_only[0]} needs a causal LM; use --min-cosine for this model")
+    if causal_lm and "min-cosine" in gates:
+        raise UsageError("--min-cosine is for models that are not causal LMs; use --max-kl / --min-agreement")
+    if "max-export-gap" in gates and not has_encodings:
+        raise UsageError("--max-export-gap compares the artifact with the fake-quant model: pass --encodings")
 
 
 def enforce(ev: Evaluation, gates: List[Gate], export_gap_gate: bool) -> None:
