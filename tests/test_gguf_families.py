@@ -283,3 +283,21 @@ def test_an_importance_matrix_holds_one_row_per_expert_and_each_expert_takes_its
         got = plan.importances[f"model.layers.1.{held}.experts.{e}.{leaf}"].mean_square()
         want = torch.from_numpy(sums[e] / counts[e, 0]) if counts[e, 0] else torch.zeros(sums.shape[1])
         assert torch.allclose(got, want.to(torch.float32)), e
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "gpt_oss", "qwen3"])
+def test_a_tied_models_file_loads_in_llama_cpp(tmp_path, family):
+    """Tied embeddings leave lm_head out of the checkpoint. llama.cpp's qwen2moe, olmoe and gpt-oss loaders need an
+    ``output.weight`` (they fail with "tensor 'output.weight' not found", where qwen3 and the others fall back to
+    ``token_embd``): their files store the embedding table again as the output layer."""
+    pytest.importorskip("xllamacpp")
+    from qtool.families import FAMILIES as BY_TYPE
+
+    ckpt = _tiny(tmp_path / "m", family, tie_word_embeddings=True)
+    code, _, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "-o", tmp_path / "q", "--format", "gguf", "--quiet")
+    assert code == 0, err
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "q" / "model.gguf").tensors}
+    assert ("output.weight" in names) == BY_TYPE[family].gguf_needs_output
+    agree, diffs = _agreement(ckpt, tmp_path / "q")
+    assert agree >= 34, agree
+    assert median(diffs) < 0.03, sorted(diffs)

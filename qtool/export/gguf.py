@@ -20,7 +20,8 @@ refused, naming it, unless ``--gguf-fallback f16|f32`` writes its fake-quant val
 
 Tied embeddings: llama.cpp uses ``token_embd`` as the output matrix when the file has no ``output.weight``; it is
 written only when the output layer's numbers differ from the embedding table's (a recipe quantizing one but not
-the other). Memory: one tensor at a time (two passes over the checkpoint: sizes, then data).
+the other), or where the architecture's loader has no such fallback (``Family.gguf_needs_output``: olmoe,
+qwen2moe, gpt-oss). Memory: one tensor at a time (two passes over the checkpoint: sizes, then data).
 """
 
 from __future__ import annotations
@@ -256,7 +257,7 @@ def _plan(model: GgufModel, src, entries: List[EncodingEntry], options) -> Tuple
     items = [_stack(i, stacked[i.name]) if i.name in stacked else i for i in items]
     if model.tied and "lm_head.weight" not in keyset and embed is not None:
         head = item("output.weight", "lm_head.weight", embed.key)
-        if not _same_numbers(head.entry, embed.entry, src):
+        if model.family.gguf_needs_output or not _same_numbers(head.entry, embed.entry, src):
             items.append(head)
         if head.entry is not None:
             names[head.entry.name] = "output.weight" if head in items else "token_embd.weight"

@@ -54,6 +54,9 @@ class Family:
     no_smoothing: str = ""
     #: llama.cpp's architecture (``None``: no GGUF export)
     gguf_arch: Optional[str] = None
+    #: llama.cpp's loader for the architecture needs ``output.weight`` (it does not fall back to ``token_embd`` for a
+    #: tied output layer): a tied model's GGUF then stores the embedding table twice
+    gguf_needs_output: bool = False
     #: q/k projection rows permuted into llama.cpp's rotary layout (its converter's ``LlamaModel``)
     permute_qk: bool = False
     #: whether llama.cpp's architecture normalizes the routed experts' weights (Hugging Face: norm_topk_prob)

@@ -29,6 +29,7 @@ class GptOss(Family):
     no_smoothing = ("gpt-oss's norms feed its routers too (a scaled norm reroutes tokens); give smoothquant.mappings "
                     "between Linear layers")
     gguf_arch = "gpt-oss"
+    gguf_needs_output = True  # (its loader has no token_embd fallback for a tied output layer)
     context_length = 131072
 
     def check_gguf(self, config: Dict[str, Any], where: Path) -> Dict[str, Any]:

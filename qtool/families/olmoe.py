@@ -14,6 +14,7 @@ class Olmoe(Family):
     title = "OLMoE"
     rms_norms = ("OlmoeRMSNorm",)
     gguf_arch = "olmoe"
+    gguf_needs_output = True  # (its loader has no token_embd fallback for a tied output layer)
     normalizes_top_k = False
 
     def check_gguf(self, config: Dict[str, Any], where: Path) -> Dict[str, Any]:

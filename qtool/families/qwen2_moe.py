@@ -9,6 +9,7 @@ class Qwen2Moe(Family):
     title = "Qwen2-MoE"
     rms_norms = ("Qwen2MoeRMSNorm",)
     gguf_arch = "qwen2moe"
+    gguf_needs_output = True  # (its loader has no token_embd fallback for a tied output layer)
     normalizes_top_k = False
 
 
