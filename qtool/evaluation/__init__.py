@@ -316,10 +316,10 @@ def _weight_hashes(checkpoint: Path) -> Optional[List[str]]:
     """The sorted sha256 of a checkpoint's weight files, as manifests record them (None: none to read)."""
     from ..errors import CheckpointError
     from ..io.checkpoint import tensor_files
-    from ..pipeline.manifest import digests
+    from ..io.fs import sha256_file
 
     try:
-        return sorted(digests(tensor_files(checkpoint)).values()) or None
+        return sorted(sha256_file(f) for f in tensor_files(checkpoint)) or None
     except (CheckpointError, OSError):
         return None
 
