@@ -55,6 +55,28 @@ def test_aimet_round_trip_through_the_cli_is_exact(world, tmp_path, recipe, vers
     assert (tmp_path / "x1/model.safetensors").read_bytes() == (tmp_path / "x2/model.safetensors").read_bytes()
 
 
+def test_aimet_encodings_alone_refuse_a_calibration_that_changed_the_weights(world, tmp_path):
+    """model.encodings applies to the checkpoint's own weights: codes a rounding algorithm chose (or weights a
+    rotation, SmoothQuant, AWQ or a batch-norm fold changed) would be lost, so --format aimet refuses them in one
+    line, before calibrating (quantize) and from a calibration's codes file (export); nothing is written."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, symmetric: true, granularity: per_channel, "
+                      "rounding: gptq}\n  activations: null\n")
+    args = (world / "m.safetensors", "--data", world / "data.safetensors", "--model-class", MLP)
+    code, _, err = run_cli("quantize", *args, "-c", recipe, "-o", tmp_path / "q", "--format", "aimet")
+    lines = [line for line in err.splitlines() if line.startswith("error")]
+    assert code == 2 and len(lines) == 1 and "this calibration changes them (gptq codes)" in lines[0], err
+    assert not (tmp_path / "q").exists() and "calibrating" not in err
+    code, _, err = run_cli("calibrate", *args, "-c", recipe, "-o", tmp_path / "c")
+    assert code == 0, err
+    code, _, err = run_cli("export", world / "m.safetensors", "-e", tmp_path / "c/encodings.json", "-o",
+                           tmp_path / "a", "--format", "aimet", "--model-class", MLP)
+    assert code == 2 and "weights or codes stored in codes.safetensors" in err and not (tmp_path / "a").exists()
+    code, _, err = run_cli("export", world / "m.safetensors", "-e", tmp_path / "c/encodings.json", "-o",
+                           tmp_path / "x", "--model-class", MLP)  # a format that writes the codes takes them
+    assert code == 0, err
+
+
 def test_import_real_aimet_sample_for_a_matching_model(tmp_path):
     """AIMET's own blockwise export of a Linear(64,32)-ReLU-Linear(32,16) model imports onto that model."""
     sample = Path(__file__).resolve().parents[2] / "shared/data/aimet/encodings-samples/blockwise_v1.0.0.encodings"

@@ -1,6 +1,8 @@
 """``--format aimet``: AIMET encodings alone (``model.encodings``, written by the pipeline for every format that
 wants it, in the ``--encoding-version`` asked for; see ``qtool.aimet_format``). Parameters are keyed by the
-checkpoint's tensor names."""
+checkpoint's tensor names, and the encodings apply to the checkpoint's own weights: a calibration that changed
+them (rotations, SmoothQuant, AWQ, folded batch norms, codes chosen by GPTQ / AdaRound / SignRound) is refused,
+since the file alone would quantize the unchanged weights with ranges and codes made for the changed ones."""
 
 from __future__ import annotations
 
@@ -25,6 +27,17 @@ class AimetExporter(Exporter):
                 f"AIMET encodings are static, and {dynamic[0].name} ({len(dynamic)} quantizer(s) in all) is dynamic "
                 f"({dynamic[0].spec.granularity.value}): export with --format qtool, onnx or compressed-tensors, or "
                 "use a recipe with static activations")
+
+    def check(self, encodings, options: Exporter.Options) -> None:
+        super().check(encodings, options)
+        if encodings.codes_file is not None:
+            self.check_weight_changes([f"weights or codes stored in {encodings.codes_file}"])
+
+    def check_weight_changes(self, changes) -> None:
+        if changes:
+            raise UsageError(f"--format aimet writes encodings alone, for the checkpoint's own weights, and this "
+                             f"calibration changes them ({', '.join(changes)}): export with --format qtool, onnx or "
+                             "compressed-tensors, which write the weights too")
 
     def write(self, request: ExportRequest, options: Exporter.Options) -> Dict[str, Any]:
         return {"names": weight_names(request.weights, request.encodings.entries, str(request.checkpoint)).names}

@@ -81,6 +81,10 @@ class Exporter:
                                  f"({len(ggml)} quantizer(s) in all): export it with --format gguf")
         self.check_quantizers(quantizers, options)
 
+    def check_weight_changes(self, changes: List[str]) -> None:
+        """Refuse what calibration changes in the weights (:func:`weight_changes` of a plan) where the format does
+        not write weights (default: it writes them, as calibration left them)."""
+
     def check_online(self, online) -> None:
         """Refuse online rotations (``config.OnlineRotation``) unless the format can run them."""
         if online and not self.online_rotations:
@@ -168,6 +172,24 @@ class WeightNames:
     entries: List[EncodingEntry]  # the weight encodings matched
     names: Dict[str, str]  # quantizer name -> checkpoint tensor name
     by_key: Dict[str, EncodingEntry]  # checkpoint tensor name -> its weight encoding
+
+
+def weight_changes(plan) -> List[str]:
+    """What calibrating ``plan`` changes in the model's weights besides choosing ranges: fused rotations, SmoothQuant,
+    AWQ, folded batch norms, codes chosen by a rounding algorithm (empty: the checkpoint's weights stay as they are)."""
+    changes = []
+    if plan.rotation is not None:
+        changes.append(f"rotation {'/'.join(plan.rotation.rotations)}")
+    if plan.smoothing:
+        changes.append("SmoothQuant")
+    if plan.awq is not None:
+        changes.append("AWQ")
+    if plan.folds:
+        changes.append("batch norms folded")
+    rounding = sorted({q.rounding for q in plan.weights if q.rounding != "nearest"})
+    if rounding:
+        changes.append(f"{'/'.join(rounding)} codes")
+    return changes
 
 
 def weight_names(src: WeightSource, entries, source: str) -> WeightNames:

@@ -14,6 +14,7 @@ from ..calibration import CalibrateOptions
 from ..config import RecipeFile
 from ..encodings import EncodingsFile
 from ..errors import UsageError
+from ..export.base import weight_changes
 from ..hooks import Hooks
 from ..io.fs import atomic_output_dir, check_output_dir
 from ..parallel import Group
@@ -100,6 +101,7 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
 
     def admit(plan):  # a plan the format cannot write fails before calibration, not after it
         exporter.admit(plan.quantizers, options, plan.rotation.online() if plan.rotation else [])
+        exporter.check_weight_changes(weight_changes(plan))
         plan.left_float.update((name, exporter.name) for name in exporter.left_float(plan.quantizers, options))
 
     with _ranks(opts.device) as group:
