@@ -277,6 +277,23 @@ def test_compressed_tensors_experts_reload_in_transformers_as_qtool_chose_them(t
             assert torch.equal(fused.down_proj[e], ours[p + "w2.weight"])
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_eval_of_dynamic_activations_on_experts_compares_what_transformers_runs(tmp_path, family):
+    """transformers runs a compressed-tensors MoE's experts fused, without quantizing their inputs (compressed-
+    tensors quantizes a Linear's input; vLLM's MoE kernels quantize the experts'), so eval's fake-quant model runs
+    those quantizers in float too and says so: FP8 dynamic activations were a false export fault (KL 6e-4)."""
+    checkpoint, ids = _saved(tmp_path, family)
+    code, _, err = run_cli("quantize", checkpoint, "-c", "fp8-dynamic", "--format", "compressed-tensors", "-o",
+                           tmp_path / "ct", "--data", ids, "--quiet")
+    assert code == 0, err
+    code, out, err = run_cli("eval", tmp_path / "ct", "--data", ids, "--seq-len", "32", "--num-samples", "4",
+                             "--generate", "0", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["export_fault"] is None and res["export_gap"]["kl_mean"] < 1e-6, res["export_gap"]
+    assert any("routed experts' 48 activation quantizer(s) in float" in n for n in res["notes"]), res["notes"]
+
+
 def test_an_expert_routed_too_few_tokens_is_chosen_without_data_and_named(tmp_path):
     checkpoint, _ = _saved(tmp_path, "qwen3_moe")
     save_file({"input_ids": torch.randint(0, 256, (1, 3), generator=torch.Generator().manual_seed(0))},

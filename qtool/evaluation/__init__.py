@@ -169,18 +169,29 @@ def _as_stored(model: torch.nn.Module, enc, fmt: str, ev: "Evaluation") -> None:
     from ..export import get_exporter
     from ..model.insert import iter_quantizers
 
+    from ..model.experts import routing_of
+
     exporter = get_exporter(fmt)
     modules = dict(model.named_modules())
     entries = {e.name: (e, modules[e.module]) for e in enc.entries if e.module in modules}
     rows = [_Row(e, getattr(m, "_qtool_base", type(m)).__name__) for e, m in entries.values()]
     off = sorted(set(exporter.not_written(rows, exporter.Options())))
+    # transformers reloads a compressed-tensors MoE's experts fused (3-D parameters, no Linear per expert), and
+    # compressed-tensors quantizes the inputs of Linear modules only: the runtime runs the experts' inputs in float
+    # (vLLM's MoE kernels apply them; the file holds them)
+    unapplied = sorted(e.name for e, _ in entries.values() if fmt == "compressed-tensors" and e.tensor != "weight"
+                       and e.name not in off and routing_of(modules, e.module) is not None)
     quantizers = dict(iter_quantizers(model))  # named <module>.<tensor>
-    for name in off:
+    for name in off + unapplied:
         e, _ = entries[name]
         quantizers[f"{e.module}.{e.tensor}"].enabled = False
     if off:
         ev.notes.append(f"the fake-quant model runs {len(off)} quantizer(s) in float as --format {fmt} writes them "
                         f"({', '.join(off[:3])}{', ...' if len(off) > 3 else ''})")
+    if unapplied:
+        ev.notes.append(f"the fake-quant model runs the routed experts' {len(unapplied)} activation quantizer(s) in "
+                        "float, as transformers runs the file (its experts fused, their inputs not quantized; vLLM "
+                        "quantizes them)")
 
 
 class _Row:
