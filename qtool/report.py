@@ -437,7 +437,7 @@ def plot_sqnr(report: Report, path, title: str = "per-layer SQNR") -> None:
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     try:
-        with atomic_file(path) as tmp:
+        with atomic_file(path, output=True) as tmp:
             fig.savefig(tmp, dpi=110, format="png")
     finally:
         plt.close(fig)
@@ -545,7 +545,7 @@ def plot_pareto(points: Dict[str, Any], path, title: str = "size against damage"
     fig.tight_layout()
     fmt = "svg" if str(path).lower().endswith(".svg") else "png"
     try:
-        with atomic_file(path) as tmp:
+        with atomic_file(path, output=True) as tmp:
             fig.savefig(tmp, dpi=110, format=fmt)
     finally:
         plt.close(fig)

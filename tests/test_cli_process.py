@@ -272,3 +272,46 @@ def test_without_a_signal_an_error_is_still_internal(capsys):
         with cli._errors():
             raise ValueError("a real bug")
     assert e.value.exit_code == 3 and "internal error: ValueError: a real bug" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new", "replaced"])
+def test_an_interrupt_after_the_output_is_in_place_says_it_was_written(tmp_path, overwrite, capsys):
+    """An interrupt that lands once the output directory is renamed into place (while the summary is printed, or
+    the old output is removed) leaves the new output whole: the exit code still says interrupted, and the line says
+    what was written instead of "nothing was written"."""
+    import typer
+
+    from qtool.cli import core as cli
+    from qtool.io.fs import atomic_output_dir, forget_published
+
+    out = tmp_path / "out"
+    if overwrite:
+        out.mkdir()
+        (out / "old").write_text("old")
+    forget_published()
+    with pytest.raises(typer.Exit) as e:
+        with cli._errors():
+            with atomic_output_dir(out, overwrite) as tmp:
+                (tmp / "new").write_text("new")
+            raise KeyboardInterrupt
+    assert e.value.exit_code == 130 and sorted(p.name for p in out.iterdir()) == ["new"]
+    assert capsys.readouterr().err.strip() == f"interrupted: SIGINT; {out} had been written in full before it"
+    forget_published()
+    with pytest.raises(typer.Exit):
+        with cli._errors():
+            raise KeyboardInterrupt
+    assert capsys.readouterr().err.strip() == "interrupted: SIGINT; nothing was written"
+
+
+def test_a_signal_during_the_interpreters_exit_is_ignored(world, tmp_path):
+    """Once the command is over, a SIGINT would only interrupt an atexit handler, with a traceback (exit 0 all the
+    same): it is ignored from then on."""
+    d, ckpt, data = world
+    probe = ("import atexit, os, signal, sys\nfrom qtool.cli import main\n"
+             "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
+             "sys.argv = ['qtool'] + sys.argv[1:]\nmain()\n")
+    r = subprocess.run([sys.executable, "-c", probe, "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a16.yaml"),
+                        "--model-class", "tests.tinymodels:mlp", "-o", str(tmp_path / "r"), "--quiet"],
+                       capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr

@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import typer
 
 from .. import __version__
+from ..io.fs import forget_published, published
 
 
 class _Group(typer.core.TyperGroup):
@@ -23,11 +24,12 @@ class _Group(typer.core.TyperGroup):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         argv = list(sys.argv[1:] if args is None else args)
+        forget_published()  # (an earlier command of this process, under a test runner)
         try:
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except typer.TyperException as e:  # typer's (vendored) click exceptions all derive from it
             if type(e).__name__ == "NoArgsIsHelpError" or not hasattr(e, "format_message"):
-                e.show() if hasattr(e, "show") else err.print("interrupted: nothing was written", markup=False)
+                e.show() if hasattr(e, "show") else err.print(f"interrupted: {_written()}", markup=False)
                 sys.exit(getattr(e, "exit_code", 130))
             ctx = getattr(e, "ctx", None)
             where = f" (`{ctx.command_path} --help` lists the options)" if ctx is not None else ""
@@ -126,7 +128,7 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
 
     def interrupted() -> None:
         if _SIGNALLED:
-            fail(_SIGNAL_EXIT[_SIGNALLED[-1]], f"interrupted: {_SIGNALLED[-1]}; nothing was written")
+            fail(_SIGNAL_EXIT[_SIGNALLED[-1]], f"interrupted: {_SIGNALLED[-1]}; {_written()}")
 
     try:
         yield
@@ -145,7 +147,7 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         fail(e.exit_code, f"error: {where}{e}", speak=speak)
     except KeyboardInterrupt as e:
         name = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
-        fail(_SIGNAL_EXIT[name], f"interrupted: {name}; nothing was written")
+        fail(_SIGNAL_EXIT[name], f"interrupted: {name}; {_written()}")
     except OSError as e:  # a full disk, a read-only directory, a path that vanished: the environment, not a bug
         interrupted()
         where = f"{e.filename}: " if e.filename else ""
@@ -160,6 +162,15 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
             traceback.print_exc()
         first = str(e).splitlines()[0] if str(e) else ""
         fail(3, f"internal error: {type(e).__name__}: {first} (traceback in {log.name}; --debug shows it)")
+
+
+def _written() -> str:
+    """What an interrupt leaves: nothing, or the outputs already put in place whole (an interrupt that lands after
+    the output directory's rename, while the summary is printed)."""
+    done = published()
+    if not done:
+        return "nothing was written"
+    return f"{', '.join(str(p) for p in done)} had been written in full before it"
 
 
 def Table(*args, **kwargs):
@@ -213,6 +224,10 @@ def main() -> None:
     try:
         app()
     finally:
+        # the command is over (its outputs closed and in place, its exit code chosen): a signal now would only
+        # interrupt the interpreter's exit, with a traceback from whatever atexit handler it lands in
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # On exit the interpreter searches everything still alive for reference cycles, several times over, to
         # free memory the operating system takes back anyway: ~0.4 s per command once torch is loaded. Frozen
         # objects are skipped. By now every output is closed and renamed into place, and what cleans up at exit

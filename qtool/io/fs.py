@@ -156,6 +156,20 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     raise OSError(err, os.strerror(err), str(dst))
 
 
+# the outputs this process has put in place (a command's --out directory or file), so that an interrupt arriving
+# after them does not claim that nothing was written; the CLI forgets them at the start of each command
+_PUBLISHED: List[Path] = []
+
+
+def published() -> List[Path]:
+    """The outputs put in place since :func:`forget_published`, in order."""
+    return list(_PUBLISHED)
+
+
+def forget_published() -> None:
+    _PUBLISHED.clear()
+
+
 def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
     """Move the finished ``tmp`` to ``out``. A new ``out`` appears in one rename, never over a directory another
     process created meanwhile unless ``overwrite``; an existing ``out`` is swapped with ``tmp`` in one atomic
@@ -165,6 +179,7 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
             if out.exists():
                 raise FileExistsError(errno.EEXIST, "exists", str(out))
             os.rename(tmp, out)
+        _PUBLISHED.append(out)
         return
     except FileExistsError:
         if not overwrite:
@@ -177,6 +192,7 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
         os.replace(out, old / out.name)
         os.replace(tmp, out)
         tmp = old
+    _PUBLISHED.append(out)
     # after the exchange ``tmp`` holds the previous output: a directory, or the symbolic link --out was (the link
     # itself goes; what it pointed to is never touched)
     if tmp.is_symlink():
@@ -224,9 +240,10 @@ def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[Path]:
+def atomic_file(path: Path, output: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside ``path`` to write; on success it replaces ``path`` in one rename, on failure it
-    is removed. What a killed run left beside ``path`` is removed first."""
+    is removed. What a killed run left beside ``path`` is removed first. ``output``: a file the command was asked
+    to write (:func:`published` lists it once in place), not state kept on the way."""
     path = Path(path)
     remove_stale_temporaries(path)
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), dir=str(path.parent.resolve()))
@@ -240,11 +257,13 @@ def atomic_file(path: Path) -> Iterator[Path]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if output:
+        _PUBLISHED.append(path)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a small text file whole or not at all."""
-    with atomic_file(path) as tmp:
+def write_text_atomic(path: Path, text: str, output: bool = False) -> None:
+    """Write a small text file whole or not at all (``output``: as :func:`atomic_file`)."""
+    with atomic_file(path, output) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
 

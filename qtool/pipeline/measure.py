@@ -104,7 +104,7 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
         by_name[name] = [(stats[m].sq, stats[m].count) if m in stats else (torch.zeros(width, dtype=torch.float64), 0)
                          for m in members]
     tokens = max((n for rows in by_name.values() for _, n in rows), default=0)
-    with atomic_file(target) as tmp:
+    with atomic_file(target, output=True) as tmp:
         write_imatrix(tmp, by_name, [Path(opts.data).name], opts.seq_len, max(1, tokens // max(1, opts.seq_len)))
     return {"imatrix": str(target), "entries": len(by_name), "tokens": tokens, "bytes": target.stat().st_size}
 
@@ -171,9 +171,9 @@ def write_report_outputs(result: Dict[str, Any], checkpoint: str, outs: ReportOu
         points = pareto_points(outs.search, rep)
         plot_pareto(points, outs.pareto, title=f"{outs.search['budget']['flag']} on {name}: "
                                                f"{', '.join(outs.search['candidates'])}")
-        write_text_atomic(Path(outs.pareto).with_suffix(".json"), json.dumps(points, indent=1) + "\n")
+        write_text_atomic(Path(outs.pareto).with_suffix(".json"), json.dumps(points, indent=1) + "\n", output=True)
         result["json"]["pareto"] = points
     if outs.suggest is not None:
         text = suggest_recipe(result["sensitivity"], outs.suggest_n, outs.base.text if outs.base else None)
         parse_recipe(text, source=str(outs.suggest))
-        write_text_atomic(outs.suggest, text)
+        write_text_atomic(outs.suggest, text, output=True)
