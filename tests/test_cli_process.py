@@ -77,6 +77,14 @@ def test_quiet_prints_nothing_on_success(world, tmp_path):
     assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
 
 
+def _calibrate_under(probe: str, ckpt, out, *flags):
+    """``qtool calibrate`` (w8a16 on the MLP) run by the Python program ``probe``, which calls main()."""
+    return subprocess.run([sys.executable, "-c", probe, "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a16.yaml"),
+                           "--model-class", "tests.tinymodels:mlp", "-o", str(out), *flags],
+                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          timeout=300)
+
+
 def test_the_collector_is_skipped_at_exit_and_cleanup_still_runs(world, tmp_path):
     """main() freezes what is alive when the command ends, so the interpreter's full collections at exit (~0.4 s
     with torch loaded) skip it; what cleans up at exit still does: a spill directory held only by a reference cycle
@@ -87,10 +95,7 @@ def test_the_collector_is_skipped_at_exit_and_cleanup_still_runs(world, tmp_path
              "print(s.directory, file=sys.stderr)\ndel s\n"
              "atexit.register(lambda: print('frozen:', gc.get_freeze_count() > 0, file=sys.stderr))\n"
              "sys.argv = ['qtool'] + sys.argv[1:]\nmain()\n")
-    r = subprocess.run([sys.executable, "-c", probe, "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a16.yaml"),
-                        "--model-class", "tests.tinymodels:mlp", "-o", str(tmp_path / "r"), "--json"],
-                       capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                       timeout=300)
+    r = _calibrate_under(probe, ckpt, tmp_path / "r", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["ok"] is True
     lines = r.stderr.splitlines()
@@ -310,8 +315,5 @@ def test_a_signal_during_the_interpreters_exit_is_ignored(world, tmp_path):
     probe = ("import atexit, os, signal, sys\nfrom qtool.cli import main\n"
              "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
              "sys.argv = ['qtool'] + sys.argv[1:]\nmain()\n")
-    r = subprocess.run([sys.executable, "-c", probe, "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a16.yaml"),
-                        "--model-class", "tests.tinymodels:mlp", "-o", str(tmp_path / "r"), "--quiet"],
-                       capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                       timeout=300)
+    r = _calibrate_under(probe, ckpt, tmp_path / "r", "--quiet")
     assert r.returncode == 0 and r.stderr == "", r.stderr
