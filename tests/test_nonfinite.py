@@ -51,6 +51,20 @@ def test_a_poisoned_weight_is_refused_in_every_mode(llama, tmp_path, poison, mes
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("recipe", ["nvfp4a16", "mxfp4a16"])
+def test_a_float_grid_weight_at_float32s_largest_value_is_refused(llama, tmp_path, recipe):
+    """A block scale rounded up to its stored type (FP8 for NVFP4, a power of two for MX) times the element's
+    largest value decodes a weight of float32's largest magnitude to infinity: NVFP4 wrote it, with exit 0."""
+    d, src = llama
+    big = float(torch.finfo(torch.float32).max)
+    ckpt = _poisoned(d, src, "poison-max", (big, -big))
+    code, _, err = run_cli("quantize", ckpt, "-c", recipe, "-o", tmp_path / "q", "--quiet")
+    assert code == 2, err
+    errors = [line for line in error_lines(err) if line.startswith("error:")]
+    assert len(errors) == 1 and "model.layers.1.mlp.up_proj.weight" in errors[0], errors
+    assert not (tmp_path / "q").exists()
+
+
 def test_a_state_dict_with_nan_is_refused(tmp_path):
     state = mlp().state_dict()
     state["2.weight"][1, 1] = float("nan")

@@ -69,6 +69,11 @@ class EntryGrid:
                         "scales beyond float16's range (65504), which GGUF stores")
             return (f"its range [{float(lo.min()):.4g}, {float(hi.max()):.4g}] overflows float32 when divided into "
                     "steps (an infinite scale)")
+        if self.is_float and not torch.isfinite(scale * element_of(self.element).max).all():
+            # the block scale rounded up (to FP8 or a power of two) times the element's largest value: a weight
+            # within a few steps of float32's largest decodes to infinity
+            return (f"its range [{float(lo.min()):.4g}, {float(hi.max()):.4g}] decodes beyond float32's largest "
+                    f"value on the {self.element} grid (its scales round up)")
         return None
 
     def check_finite(self) -> None:
