@@ -193,3 +193,26 @@ def test_compressed_tensors_through_the_cli_loads_in_transformers(tiny_llama, tm
     rows = {r["name"]: r for r in rep["tensors"]}
     assert rows["model.layers.0.mlp.down_proj.weight"]["bitwidth"] == 4
     assert rows["model.layers.0.mlp.down_proj.weight"]["shape"] == [64, 128]
+
+
+def test_a_quantized_tied_output_layer_is_refused_before_calibrating_where_the_format_cannot_write_it(tmp_path):
+    """A tied lm_head is the embedding table, which the checkpoint stores once: the qtool and AIMET formats write
+    tensors by the checkpoint's names and have no place for it. They failed after calibrating ("has no tensor
+    'lm_head.weight'... another model?"); now one line before, naming the tie and what to do. GGUF writes it."""
+    from tests.helpers import tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m", tie_word_embeddings=True)
+    recipe = tmp_path / "all.yaml"
+    recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n")
+    for fmt in ("qtool", "aimet"):
+        code, _, err = run_cli("quantize", ckpt, "-c", recipe, "-o", tmp_path / fmt, "--format", fmt)
+        lines = [line for line in err.splitlines() if line.startswith("error")]
+        assert code == 2 and len(lines) == 1 and "lm_head.weight is the tensor model.embed_tokens.weight" in lines[0]
+        assert "calibrating" not in err and not (tmp_path / fmt).exists()
+    code, _, err = run_cli("quantize", ckpt, "-c", recipe, "-o", tmp_path / "ct", "--format", "compressed-tensors",
+                           "-q")
+    assert code == 0, err
+    code, _, err = run_cli("calibrate", ckpt, "-c", recipe, "-o", tmp_path / "cal", "-q")
+    assert code == 0, err
+    code, _, err = run_cli("export", ckpt, "-e", tmp_path / "cal/encodings.json", "-o", tmp_path / "x")
+    assert code == 2 and "an output layer tied to the embedding table is not stored" in err

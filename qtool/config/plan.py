@@ -198,6 +198,9 @@ class Plan:
     weight_specs: Dict[str, "WeightSpec"] = field(default_factory=dict)
     # quantizers the export format will write float (set by the job that exports; the plan line counts them apart)
     left_float: Dict[str, str] = field(default_factory=dict)  # quantizer name -> the format
+    # weight quantizers on a parameter the model shares with another name (tied embeddings), which a checkpoint
+    # stores once, under the first name: quantizer name -> that name (not set where a rotation unties them)
+    tied: Dict[str, str] = field(default_factory=dict)
     # mixture-of-experts expert module -> calibration tokens routed to it (where its layers' inputs were measured),
     # in plan (module) order: every mode fills it block by block, a resumed run from its saved blocks first
     expert_tokens: Dict[str, int] = field(default_factory=dict)

@@ -322,7 +322,21 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         plan.folds = _fold_candidates(named)
         if not plan.folds:
             plan.warnings.append(f"{source}: fold_batch_norms: no BatchNorm follows a convolution in this model")
+    if plan.rotation is None or not plan.rotation.untie:
+        plan.tied = _tied_weights(model, plan.weights)
     return plan
+
+
+def _tied_weights(model: "nn.Module", weights) -> Dict[str, str]:
+    """``{quantizer name: the parameter's first name}`` of weight rows whose parameter the model also holds under
+    an earlier name (a tied output layer: the checkpoint stores the embedding table)."""
+    first: Dict[int, str] = {}
+    later: Dict[str, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        stored = first.setdefault(id(p), n)
+        if stored != n:
+            later[n] = stored
+    return {q.name: later[f"{q.module}.weight"] for q in weights if f"{q.module}.weight" in later}
 
 
 def _nearest_modules(rule: LayerRule, named) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from ..errors import UsageError
-from .base import Exporter, ExportRequest, refuse_float_elements, weight_names
+from .base import Exporter, ExportRequest, refuse_float_elements, refuse_tied, weight_names
 
 __all__ = ["AimetExporter", "EXPORTER"]
 
@@ -32,6 +32,9 @@ class AimetExporter(Exporter):
         super().check(encodings, options)
         if encodings.codes_file is not None:
             self.check_weight_changes([f"weights or codes stored in {encodings.codes_file}"])
+
+    def check_tied(self, tied) -> None:
+        refuse_tied(self.name, tied)
 
     def check_weight_changes(self, changes) -> None:
         if changes:

@@ -81,6 +81,10 @@ class Exporter:
                                  f"({len(ggml)} quantizer(s) in all): export it with --format gguf")
         self.check_quantizers(quantizers, options)
 
+    def check_tied(self, tied: Dict[str, str]) -> None:
+        """Refuse weight quantizers on a tied parameter's later name (``Plan.tied``) where the format cannot write
+        them (default: it can)."""
+
     def check_weight_changes(self, changes: List[str]) -> None:
         """Refuse what calibration changes in the weights (:func:`weight_changes` of a plan) where the format does
         not write weights (default: it writes them, as calibration left them)."""
@@ -157,8 +161,10 @@ def match_weight_names(entries: List[EncodingEntry], keys: List[str], source: st
             continue
         cands = [k for k in keys if k.endswith("." + e.name) or e.name.endswith("." + k)]
         if len(cands) != 1:
+            tied = (" (an output layer tied to the embedding table is not stored under its own name: calibrate with "
+                    "it in ignore, or export with --format gguf or compressed-tensors)") if "lm_head" in e.name else ""
             raise EncodingsError(
-                f"{source}: has no tensor {e.name!r} named in the encodings; were they made for another model?"
+                f"{source}: has no tensor {e.name!r} named in the encodings; were they made for another model?{tied}"
             )
         out[e.name] = cands[0]
     return out
@@ -172,6 +178,19 @@ class WeightNames:
     entries: List[EncodingEntry]  # the weight encodings matched
     names: Dict[str, str]  # quantizer name -> checkpoint tensor name
     by_key: Dict[str, EncodingEntry]  # checkpoint tensor name -> its weight encoding
+
+
+def refuse_tied(fmt: str, tied: Dict[str, str]) -> None:
+    """``UsageError`` for the first of ``tied`` (``Plan.tied``): a format that writes the checkpoint's tensors by
+    name has no tensor for a weight the checkpoint stores under another name."""
+    if tied:
+        from ..errors import UsageError
+
+        name, stored = next(iter(tied.items()))
+        module = name.rsplit(".", 1)[0]
+        raise UsageError(f"{name} is the tensor {stored} (tied embeddings), which the checkpoint stores once: --format "
+                         f"{fmt} writes the checkpoint's tensors by name and has no place for it; add '{module}' to "
+                         "ignore, or export with --format gguf or compressed-tensors")
 
 
 def weight_changes(plan) -> List[str]:

@@ -63,7 +63,7 @@ from ..quant.affine import blocked_shapes, resolve_block_size
 from ..quant.packing import pack_bytes
 from ..quant.tensor import AffineEncoding
 from ..weights import WeightSource
-from .base import Exporter, ExportRequest, layout_bytes, match_weight_names, weight_names
+from .base import Exporter, ExportRequest, layout_bytes, match_weight_names, refuse_tied, weight_names
 from ..io.jsonfile import read_json_object
 from ..io.st_writer import StreamingSafetensorsWriter
 
@@ -484,6 +484,9 @@ class QtoolExporter(Exporter):
     class Options:
         pack: bool = True  # sub-byte codes packed densely
         max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES  # None: one file
+
+    def check_tied(self, tied) -> None:
+        refuse_tied(self.name, tied)
 
     def tensor_bytes(self, quantizer, shape, dtype, options: "QtoolExporter.Options") -> int:
         layout = [("", dtype, tuple(shape))] if quantizer is None else weight_layout("", quantizer.spec, shape,
