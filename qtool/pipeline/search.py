@@ -202,6 +202,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         plan = resolve_plan(read.recipe, loaded.model, source=read.path, allow_unmatched=opts.allow_unmatched,
                             importance_matrix=opts.imatrix is not None)
         exporter.admit(plan.quantizers, options, plan.rotation.online() if plan.rotation else [])
+        exporter.check_tied(plan.tied)
         plans.append(plan)
 
     def rest(plan):
