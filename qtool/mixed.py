@@ -18,6 +18,7 @@ The choice itself is :func:`qtool.quant.knapsack.choose`.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -38,14 +39,22 @@ FUSED = (frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_proj", "up_
          frozenset({"query", "key", "value"}), frozenset({"w1", "w3"}))
 
 
+_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+$")
+
+
 def fused_groups(modules: Sequence[str]) -> List[Tuple[str, ...]]:
     """``modules`` (in model order) grouped: siblings under one parent whose names fall in one ``FUSED`` set form
-    one group (at the first member's place); every other module is a group of its own."""
+    one group (at the first member's place), and so do one projection's modules across a mixture-of-experts
+    layer's experts (``<...>.experts.<e>.<leaf>``: GGUF stacks them into one tensor of one type, and vLLM's MoE
+    kernels run one scheme for all experts); every other module is a group of its own."""
     groups: List[Tuple[str, ...]] = []
-    where: Dict[Tuple[str, int], int] = {}
+    where: Dict[Tuple[str, Any], int] = {}
     for m in modules:
         parent, _, leaf = m.rpartition(".")
-        kind = next((i for i, names in enumerate(FUSED) if leaf in names), None)
+        kind: Any = next((i for i, names in enumerate(FUSED) if leaf in names), None)
+        expert = _EXPERT.match(parent)
+        if expert is not None:
+            parent, kind = expert["experts"], leaf if kind is None else kind
         if kind is None:
             groups.append((m,))
         elif (parent, kind) in where:
@@ -229,11 +238,12 @@ def _same_numbers(a: Optional[QuantizerPlan], b: Optional[QuantizerPlan]) -> boo
 
 def costs(tensors: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], plans: Sequence[Plan],
           groups: Sequence[Tuple[str, ...]], tensor_bytes: Callable[[Optional[QuantizerPlan], Any, Any], int],
-          tied: Optional[Dict[str, str]] = None) -> Costs:
+          tied: Optional[Dict[str, str]] = None, tied_apart: bool = False) -> Costs:
     """``tensors``: the checkpoint's stored tensors (name -> shape, dtype). A grouped module's weight is
     ``<module>.weight``. One the checkpoint does not store (``tied``: an output layer's weight -> the stored
     embedding table's) costs nothing where its setting gives the table's numbers, else its own tensor (GGUF then
-    writes it apart)."""
+    writes it apart); with ``tied_apart`` (the format writes it apart always: GGUF for an architecture whose
+    loader needs ``output.weight``) it costs its own tensor, quantized or float."""
     tied = tied or {}
     rows = [{q.module: q for q in plan.weights} for plan in plans]
     grouped = {f"{m}.weight" for g in groups for m in g}
@@ -250,11 +260,16 @@ def costs(tensors: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], plans: Sequen
                     total += tensor_bytes(row, shape, dtype)
                 elif row is not None:
                     source = tied.get(key)
-                    if source is None or not _same_numbers(row, by_module.get(source.rpartition(".")[0])):
+                    if tied_apart or source is None or not _same_numbers(row, by_module.get(source.rpartition(".")[0])):
                         total += tensor_bytes(row, row_shape(row), torch.float32)
+                elif tied_apart and key in tied:  # left float in this candidate: the table's copy, float
+                    total += tensor_bytes(None, *tensors[tied[key]])
             options.append(total)
         per_group.append(options)
     fixed = sum(tensor_bytes(None, shape, dtype) for k, (shape, dtype) in tensors.items() if k not in grouped)
+    if tied_apart:  # a tied weight no candidate quantizes: written float beside its table
+        fixed += sum(tensor_bytes(None, *tensors[source]) for name, source in tied.items()
+                     if name not in grouped and name.endswith(".weight") and source in tensors)
     float_bytes = layout_bytes([(k, dtype, shape) for k, (shape, dtype) in tensors.items()])
     return Costs(per_group, fixed, float_bytes, sum(math.prod(shape) for shape, _ in tensors.values()))
 

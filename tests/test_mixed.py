@@ -92,6 +92,22 @@ def test_fused_siblings_share_one_group():
                                                                           ("b.q_proj",)]
 
 
+def test_one_projection_of_every_expert_is_one_group():
+    """GGUF stacks a layer's experts into one tensor per projection, of one type (and vLLM's MoE kernels run one
+    scheme for them): a mix that chose per expert was refused at export, after the search."""
+    experts = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(3) for p in ("gate_proj", "up_proj", "down_proj")]
+    groups = fused_groups(["model.layers.0.self_attn.o_proj", *experts, "model.layers.0.mlp.shared_expert.down_proj",
+                           "model.layers.1.mlp.experts.0.w1", "model.layers.1.mlp.experts.0.w3",
+                           "model.layers.1.mlp.experts.1.w1", "model.layers.1.mlp.experts.0.w2"])
+    assert groups == [("model.layers.0.self_attn.o_proj",),
+                      tuple(m for m in experts if not m.endswith("down_proj")),
+                      tuple(m for m in experts if m.endswith("down_proj")),
+                      ("model.layers.0.mlp.shared_expert.down_proj",),
+                      ("model.layers.1.mlp.experts.0.w1", "model.layers.1.mlp.experts.0.w3",
+                       "model.layers.1.mlp.experts.1.w1"),
+                      ("model.layers.1.mlp.experts.0.w2",)]
+
+
 def test_a_tied_output_layer_takes_its_tables_choice():
     groups = [("model.embed_tokens",), ("model.layers.0.mlp.down_proj",), ("lm_head",)]
     tied = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -236,6 +252,26 @@ def test_gguf_counts_llama_cpp_blocks_and_a_tied_output_layer(tmp_path):
     reader = gguf.GGUFReader(tmp_path / "out" / "model.gguf")
     assert target["chosen"]["bytes"] == sum(int(t.n_bytes) for t in reader.tensors) <= target["budget"]["bytes"]
     assert len([g for g in target["chosen"]["groups"].values() if g]) >= 2
+
+
+def test_a_tied_moe_models_gguf_budget_counts_the_output_layer_it_writes(tmp_path):
+    """qwen2moe's llama.cpp loader needs output.weight, so GGUF writes the tied table twice: the budget counts the
+    copy (it was counted free, and the file went over), and each expert projection takes one type."""
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import save_file
+
+    from tests.test_gguf_families import _tiny
+
+    ckpt = _tiny(tmp_path / "m", "qwen2_moe", tie_word_embeddings=True)
+    ids = torch.randint(1, 200, (8, 32), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    code, out, err = run_cli("quantize", ckpt, "--data", tmp_path / "ids.safetensors", "-f", "gguf", "--json", "-q",
+                             "--candidates", "gguf-q8_0,gguf-q4_0", "--target-size", "200KB", "-o", tmp_path / "out")
+    assert code == 0, err
+    target = json.loads(out)["target"]
+    reader = gguf.GGUFReader(tmp_path / "out" / "model.gguf")
+    assert "output.weight" in {t.name for t in reader.tensors}
+    assert target["chosen"]["bytes"] == sum(int(t.n_bytes) for t in reader.tensors) <= 200_000
 
 
 def test_report_draws_the_searched_curve_beside_the_uniform_candidates(llama, tmp_path):

@@ -81,6 +81,11 @@ class Exporter:
                                  f"({len(ggml)} quantizer(s) in all): export it with --format gguf")
         self.check_quantizers(quantizers, options)
 
+    def writes_tied_apart(self, model) -> bool:
+        """Whether the file holds a tied output layer as a tensor of its own even where it has the embedding
+        table's numbers (what a size budget counts; default: no)."""
+        return False
+
     def check_tied(self, tied: Dict[str, str]) -> None:
         """Refuse weight quantizers on a tied parameter's later name (``Plan.tied``) where the format cannot write
         them (default: it can)."""

@@ -130,6 +130,12 @@ class GgufExporter(Exporter):
     def check_checkpoint(self, checkpoint: Path) -> None:
         read_gguf_model(checkpoint).check_tokenizer()
 
+    def writes_tied_apart(self, model) -> bool:
+        from ..families import family_of_model
+
+        family = family_of_model(model)
+        return family is not None and family.gguf_needs_output
+
     def check_quantizers(self, quantizers, options: "GgufExporter.Options") -> None:
         quantizers = list(quantizers)
         refuse_float_elements(quantizers, "GGUF", "qtool writes llama.cpp's integer block types")

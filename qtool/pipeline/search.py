@@ -224,7 +224,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         first.setdefault(id(param), name)
     groups = join_tied(fused_groups(sorted(modules, key=lambda m: order.get(m, len(order)))), tied)
     cost = costs(tensors, plans, groups, lambda q, shape, dtype: exporter.tensor_bytes(q, shape, dtype, options),
-                 tied)
+                 tied, exporter.writes_tied_apart(loaded.model))
     metric = "mean per-token KL divergence (nats)" if loaded.is_causal_lm else "mean 1 - cosine of the outputs"
     state = Measured(target, paths, plans, groups, cost, [[0.0] * len(paths) for _ in groups], [], loaded,
                      exporter.name, metric, 0, opts)
