@@ -317,3 +317,28 @@ def test_a_signal_during_the_interpreters_exit_is_ignored(world, tmp_path):
              "sys.argv = ['qtool'] + sys.argv[1:]\nmain()\n")
     r = _calibrate_under(probe, ckpt, tmp_path / "r", "--quiet")
     assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+@pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_an_interrupt_while_the_summary_prints_names_the_signal_and_the_output(world, tmp_path, monkeypatch, name,
+                                                                                 code):
+    """The summary is printed after the command's error handling; an interrupt there came out as a bare exit 130
+    whatever the signal, with nothing said (and no JSON object with --json)."""
+    from qtool.cli import core as cli
+    from qtool.cli import run as cli_run
+    from tests.helpers import run_cli
+
+    d, ckpt, data = world
+
+    def interrupted(*args, **kwargs):
+        cli._SIGNALLED.append(name)
+        raise cli._Terminated() if name == "SIGTERM" else KeyboardInterrupt()
+
+    monkeypatch.setattr(cli_run, "_report_files", interrupted)
+    out = tmp_path / "r"
+    status, stdout, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class",
+                                  "tests.tinymodels:mlp", "-o", out, "--json")
+    assert status == code and (out / "encodings.json").is_file()
+    assert f"interrupted: {name}; {out} had been written in full before it" in err
+    assert json.loads(stdout) == {"ok": False, "exit_code": code,
+                                  "error": f"{name}; {out} had been written in full before it"}

@@ -368,6 +368,10 @@ def test_the_manifests_paths_are_found_by_their_hashes_from_any_directory(model,
         assert code == 0, err
         assert Path(res["reference"]).resolve() == (tmp_path / "m").resolve()
         assert res["export_gap"] is not None and res["export_fault"] is None
+    monkeypatch.chdir(tmp_path / "out")  # from inside the output: its parent is the job's directory
+    code, res, err = _eval(model, ".")
+    assert code == 0 and res["export_gap"] is not None, err
+    monkeypatch.chdir(other)
     code, res, err = _eval(model, "../out", "-r", "m")  # given: used as it is, with a note
     assert code in (0, 1) and any("holds other weights" in n for n in res["notes"]), err
     shutil.rmtree(tmp_path / "m")

@@ -25,6 +25,8 @@ class _Group(typer.core.TyperGroup):
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         argv = list(sys.argv[1:] if args is None else args)
         forget_published()  # (an earlier command of this process, under a test runner)
+        _SIGNALLED.clear()
+        _SAID.clear()
         try:
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except typer.TyperException as e:  # typer's (vendored) click exceptions all derive from it
@@ -38,6 +40,13 @@ class _Group(typer.core.TyperGroup):
             if "--json" in argv:
                 _emit_json({"ok": False, "exit_code": e.exit_code, "error": message.split(": ", 1)[-1]})
             sys.exit(e.exit_code)
+        if _SIGNALLED and not _SAID:  # an interrupt outside the command's _errors (while its summary is printed)
+            name = _SIGNALLED[-1]
+            message = f"interrupted: {name}; {_written()}"
+            err.print(message, markup=False)
+            if "--json" in argv:
+                _emit_json({"ok": False, "exit_code": _SIGNAL_EXIT[name], "error": message.split(": ", 1)[-1]})
+            sys.exit(_SIGNAL_EXIT[name])
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
@@ -111,6 +120,7 @@ class _Terminated(KeyboardInterrupt):
 # as another exception (torch turns it into "ValueError: could not determine the shape ..."); it is still an
 # interrupt, and reads as one
 _SIGNALLED: List[str] = []
+_SAID: List[int] = []  # the exit codes a command's _errors has reported (said and, with --json, printed)
 
 
 @contextmanager
@@ -119,6 +129,7 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
     from ..errors import QtoolError
 
     def fail(code: int, message: str, more=(), speak: bool = True) -> None:
+        _SAID.append(code)
         for line in [message, *more] if speak else []:
             err.print(line, markup=False)
         if json_out:  # (only rank 0 has json_out under torchrun; it reports another rank's failure too)

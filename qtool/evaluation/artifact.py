@@ -78,7 +78,7 @@ def places(recorded: str, directory: Path) -> List[Path]:
     if p.is_absolute():
         return [p]
     out: List[Path] = []
-    for c in (p, directory / p, directory.parent / p):
+    for c in (p, directory / p, directory.resolve().parent / p):  # (the parent of "." is ".")
         if not any(c.resolve() == o.resolve() for o in out):
             out.append(c)
     return out
