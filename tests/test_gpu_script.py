@@ -2,7 +2,8 @@
 
 A lent GPU is scarce (minutes per session) and an earlier run lost two steps to a script that could not import
 qtool. This runs each step as gpu.sh would, from the repository root with its PYTHONPATH, up to the end of argument
-parsing (a script without arguments: up to the end of its imports), on the CPU, in one process."""
+parsing (a script without arguments: up to the end of its imports), on the CPU, in one process; and every import
+of qtool or of a bench module anywhere in the script (inside functions too) must resolve."""
 
 from __future__ import annotations
 
@@ -30,9 +31,35 @@ def parsed_then_stop(self, args=None, namespace=None):
         raise SystemExit(f"unknown arguments {unknown}")
     raise Parsed
 argparse.ArgumentParser.parse_known_args = parsed_then_stop
+import ast, importlib, os
+def own_imports(script):
+    # every import of qtool or of a bench module anywhere in the script (functions included: several import
+    # inside main, after parsing), as (module, names) that must resolve
+    bench = os.path.dirname(os.path.abspath(script))
+    for node in ast.walk(ast.parse(open(script).read())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            mods = [(node.module, [a.name for a in node.names if a.name != "*"])]
+        elif isinstance(node, ast.Import):
+            mods = [(a.name, []) for a in node.names]
+        else:
+            continue
+        for module, names in mods:
+            top = module.split(".")[0]
+            if top == "qtool" or os.path.isfile(os.path.join(bench, top + ".py")):
+                yield module, names
 results = {}
 base_path = list(sys.path)
 for script, argv, as_main in json.load(sys.stdin):
+    sys.path[:] = [os.path.dirname(os.path.abspath(script))] + base_path
+    try:
+        for module, names in own_imports(script):
+            m = importlib.import_module(module)
+            for n in names:
+                if not hasattr(m, n):
+                    importlib.import_module(module + "." + n)  # a submodule, else ImportError
+    except Exception as e:
+        results[script + " " + " ".join(argv)] = f"import: {type(e).__name__}: {e}"
+        continue
     sys.argv = [script] + argv
     sys.path[:] = base_path
     try:
