@@ -503,3 +503,23 @@ def test_a_router_that_is_a_linear_stays_float_unless_a_rule_names_it(family, ro
     named = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n"
                          f"layers:\n  - match: '{router}'\n    weights: {{bitwidth: 8}}\n")
     assert [q.module for q in resolve_plan(named, model).weights if q.module == router] == [router]
+
+
+def test_eval_of_a_shared_experts_per_token_activations_compares_what_compressed_tensors_runs(tmp_path):
+    """Qwen2-MoE's shared expert reads its input flattened to tokens x hidden; compressed-tensors' dynamic "token"
+    strategy keeps an input's first two dimensions, so in transformers that 2-D input gets one scale (vLLM: one per
+    token). eval's fake-quant model does the same there: FP8 dynamic was a false export fault (KL 6e-4)."""
+    from tests.test_gguf_families import _tiny
+
+    checkpoint = _tiny(tmp_path / "m", "qwen2_moe")
+    ids = torch.randint(1, 200, (8, 32), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    code, _, err = run_cli("quantize", checkpoint, "-c", "fp8-dynamic", "--format", "compressed-tensors", "-o",
+                           tmp_path / "ct", "--quiet")
+    assert code == 0, err
+    code, out, err = run_cli("eval", tmp_path / "ct", "--data", tmp_path / "ids.safetensors", "--seq-len", "32",
+                             "--num-samples", "4", "--generate", "0", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["export_fault"] is None and res["export_gap"]["kl_mean"] < 1e-6, res["export_gap"]
+    assert any("one scale for a 2-D input" in n for n in res["notes"]), res["notes"]

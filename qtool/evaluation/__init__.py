@@ -192,6 +192,29 @@ def _as_stored(model: torch.nn.Module, enc, fmt: str, ev: "Evaluation") -> None:
         ev.notes.append(f"the fake-quant model runs the routed experts' {len(unapplied)} activation quantizer(s) in "
                         "float, as transformers runs the file (its experts fused, their inputs not quantized; vLLM "
                         "quantizes them)")
+    # compressed-tensors' dynamic "token" strategy keeps an input's first two dimensions: a 2-D input (a shared
+    # expert's, flattened to tokens x hidden by the MoE block) gets one scale for all its tokens in transformers
+    per_token = [quantizers[f"{e.module}.{e.tensor}"] for e, _ in entries.values()
+                 if fmt == "compressed-tensors" and e.dynamic and e.granularity == "per_token"
+                 and e.name not in off and e.name not in unapplied]
+    for q in per_token:
+        _per_tensor_on_2d_inputs(q)
+    if per_token:
+        ev.notes.append("the fake-quant model's per-token activation quantizers take one scale for a 2-D input (a "
+                        "shared expert's), as compressed-tensors quantizes it in transformers (vLLM: per token)")
+
+
+def _per_tensor_on_2d_inputs(quantizer: torch.nn.Module) -> None:
+    """``quantizer`` (per token) quantizes a 2-D input as one token: one range for the whole tensor."""
+    def before(module, args):
+        module._qtool_2d_shape = args[0].shape if args[0].dim() == 2 else None
+        return None if module._qtool_2d_shape is None else (args[0].reshape(1, -1), *args[1:])
+
+    def after(module, args, out):
+        return None if module._qtool_2d_shape is None else out.reshape(module._qtool_2d_shape)
+
+    quantizer.register_forward_pre_hook(before)
+    quantizer.register_forward_hook(after)
 
 
 class _Row:
