@@ -192,26 +192,34 @@ def _as_stored(model: torch.nn.Module, enc, fmt: str, ev: "Evaluation") -> None:
         ev.notes.append(f"the fake-quant model runs the routed experts' {len(unapplied)} activation quantizer(s) in "
                         "float, as transformers runs the file (its experts fused, their inputs not quantized; vLLM "
                         "quantizes them)")
-    # compressed-tensors' dynamic "token" strategy keeps an input's first two dimensions: a 2-D input (a shared
-    # expert's, flattened to tokens x hidden by the MoE block) gets one scale for all its tokens in transformers
+    # compressed-tensors' dynamic "token" strategy takes one range per index of an input's first two dimensions:
+    # per token for batch x tokens x hidden, but one for a 2-D input (a shared expert's, its tokens flattened by
+    # the MoE block) and one per sequence for a 4-D one (DeepSeek's latent keys, batch x 1 x tokens x rank)
     per_token = [quantizers[f"{e.module}.{e.tensor}"] for e, _ in entries.values()
                  if fmt == "compressed-tensors" and e.dynamic and e.granularity == "per_token"
                  and e.name not in off and e.name not in unapplied]
     for q in per_token:
-        _per_tensor_on_2d_inputs(q)
+        _tokens_as_compressed_tensors_counts_them(q)
     if per_token:
-        ev.notes.append("the fake-quant model's per-token activation quantizers take one scale for a 2-D input (a "
-                        "shared expert's), as compressed-tensors quantizes it in transformers (vLLM: per token)")
+        ev.notes.append("the fake-quant model's per-token activation quantizers take one range per index of an "
+                        "input's first two dimensions, as compressed-tensors does in transformers (one for a 2-D "
+                        "input such as a shared expert's; vLLM: per token)")
 
 
-def _per_tensor_on_2d_inputs(quantizer: torch.nn.Module) -> None:
-    """``quantizer`` (per token) quantizes a 2-D input as one token: one range for the whole tensor."""
+def _tokens_as_compressed_tensors_counts_them(quantizer: torch.nn.Module) -> None:
+    """``quantizer`` (one range per position of every dimension but the last) takes one per index of its input's
+    first two dimensions instead: the whole of a 2-D input is one, a 4-D input's last two dimensions are one."""
     def before(module, args):
-        module._qtool_2d_shape = args[0].shape if args[0].dim() == 2 else None
-        return None if module._qtool_2d_shape is None else (args[0].reshape(1, -1), *args[1:])
+        x = args[0]
+        module._qtool_shape = x.shape if x.dim() != 3 else None
+        if x.dim() == 2:
+            return (x.reshape(1, -1), *args[1:])
+        if x.dim() > 3:
+            return (x.reshape(x.shape[0], x.shape[1], -1), *args[1:])
+        return None
 
     def after(module, args, out):
-        return None if module._qtool_2d_shape is None else out.reshape(module._qtool_2d_shape)
+        return None if module._qtool_shape is None else out.reshape(module._qtool_shape)
 
     quantizer.register_forward_pre_hook(before)
     quantizer.register_forward_hook(after)
