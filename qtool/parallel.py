@@ -268,6 +268,9 @@ def from_environment(device: str = "cpu") -> Group:
         if missing:
             raise UsageError(f"WORLD_SIZE={world_size} but {', '.join(missing)} is not set: launch with torchrun "
                              "(docs/distributed.md)")
+        rank = os.environ["RANK"]
+        if not (rank.strip().isdigit() and int(rank) < world_size):  # (else every rank waits for one never coming)
+            raise UsageError(f"RANK={rank!r} is not a rank of WORLD_SIZE={world_size} (0 to {world_size - 1})")
         cuda = str(device).startswith("cuda")
         backend = "nccl" if cuda and dist.is_nccl_available() else "gloo"
         if cuda:

@@ -91,19 +91,24 @@ class Report:
         return 100.0 * (self.perplexity_quant / self.perplexity_float - 1.0)
 
     def worst_first(self) -> List[LayerError]:
-        return sorted(self.layers, key=lambda r: (r.sqnr_cumulative is None, r.sqnr_cumulative or 0.0,
-                                                  r.sqnr_isolated))
+        """Lowest cumulative SQNR first; a NaN one (a layer whose outputs hold NaN) before every number."""
+        def key(r):
+            c, i = r.sqnr_cumulative, r.sqnr_isolated
+            return (c is None, not _nan(c), c if c is not None and not _nan(c) else 0.0, not _nan(i),
+                    0.0 if _nan(i) else i)
+        return sorted(self.layers, key=key)
 
     def to_json(self) -> Dict[str, Any]:
-        def num(x):
-            return None if x is None else (str(x) if isinstance(x, float) and math.isinf(x) else x)
+        def num(x):  # JSON has no infinity or NaN: "inf", "-inf", "nan"
+            return None if x is None else (str(x) if isinstance(x, float) and not math.isfinite(x) else x)
 
         return {
             "samples": self.samples,
-            "end_to_end": {"cosine_mean": self.cosine, "cosine_min": self.cosine_min,
-                           "perplexity_float": self.perplexity_float, "perplexity_quant": self.perplexity_quant,
-                           "perplexity_increase_pct": self.perplexity_increase_pct,
-                           "kl_divergence": self.kl_divergence, "top1_agreement": self.top1_agreement},
+            "end_to_end": {"cosine_mean": num(self.cosine), "cosine_min": num(self.cosine_min),
+                           "perplexity_float": num(self.perplexity_float),
+                           "perplexity_quant": num(self.perplexity_quant),
+                           "perplexity_increase_pct": num(self.perplexity_increase_pct),
+                           "kl_divergence": num(self.kl_divergence), "top1_agreement": num(self.top1_agreement)},
             "layers": [{"module": r.module, "type": r.module_type, "sqnr_cumulative_db": num(r.sqnr_cumulative),
                         "sqnr_isolated_db": num(r.sqnr_isolated),
                         **({} if r.sqnr_isolated_rtn is None else {"sqnr_isolated_rtn_db": num(r.sqnr_isolated_rtn)})}
@@ -438,7 +443,7 @@ def plot_sqnr(report: Report, path, title: str = "per-layer SQNR") -> None:
     fig.tight_layout()
     try:
         with atomic_file(path, output=True) as tmp:
-            fig.savefig(tmp, dpi=110, format="png")
+            fig.savefig(tmp, dpi=110, format="svg" if str(path).lower().endswith(".svg") else "png")
     finally:
         plt.close(fig)
 
@@ -563,6 +568,10 @@ class Gate:
 
     def line(self) -> str:
         return f"gate failed: --{self.gate} {self.threshold}: {self.detail}"
+
+
+def _nan(x) -> bool:
+    return isinstance(x, float) and math.isnan(x)
 
 
 def check_gates(rep: Report, min_sqnr: Optional[float] = None, min_cosine: Optional[float] = None,

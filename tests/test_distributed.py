@@ -141,7 +141,7 @@ def test_a_failing_rank_stops_every_rank_with_one_line(llama, tmp_path):
     code, out, err = _torchrun(2, "calibrate", llama / "m", "-c", "w8a8", "--data", tmp_path / "bad.safetensors",
                                "--batch-size", "2", "-o", tmp_path / "run", "--quiet")
     assert code != 0
-    assert _ours(err) == ["error: rank 1: calibration batch 3: the model rejected the data: token id 5000 is past "
+    assert _ours(err) == ["error: rank 1: calibration batch 4: the model rejected the data: token id 5000 is past "
                           "the model's vocabulary (256 embeddings): the tokenizer (or the id file) belongs to another "
                           "model"]
     assert "exitcode  : 2" in err  # the failing rank's own exit code, as torchrun reports it
@@ -439,3 +439,17 @@ def test_experts_and_per_layer_attention_on_ranks_write_the_bytes_of_one_process
     assert code == 0, err
     one, many = _outputs(tmp_path / "one"), _outputs(tmp_path / "many")
     assert set(one) == {"encodings.json", "codes.safetensors"} and many == one
+
+
+@pytest.mark.parametrize("rank", ["5", "2", "-1", "one"])
+def test_a_rank_outside_the_world_is_one_clear_error(monkeypatch, rank):
+    """Ranks launched by hand (docs/distributed.md's CI recipe) with a RANK past WORLD_SIZE waited on the store for
+    the whole timeout (600 s): refused before any group is joined."""
+    from qtool.errors import UsageError
+    from qtool.parallel import from_environment
+
+    for k, v in {"WORLD_SIZE": "2", "RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(UsageError, match=r"is not a rank of WORLD_SIZE=2 \(0 to 1\)"):
+        from_environment("cpu")
+    assert not torch.distributed.is_initialized()

@@ -200,6 +200,8 @@ def test_more_budget_never_predicts_more_damage(llama, tmp_path):
     (["--target-size", "1KB"], "below the smallest the candidates can make"),
     (["--target-bpw", "-1"], "bits per weight lie between 0 and 64"),
     (["--target-size", "lots"], "--target-size"),
+    (["--target-size", "0"], "is not a size above zero"),
+    (["--target-size", "-5MB"], "'-5MB' is not a size like 5GB, 500MB or 2GiB"),
     (["--target-bpw", "15", "-f", "onnx"], "keeps the weights float"),
 ])
 def test_bad_budgets_are_one_line_exit_2_and_write_nothing(llama, tmp_path, flags, message):
@@ -209,6 +211,7 @@ def test_bad_budgets_are_one_line_exit_2_and_write_nothing(llama, tmp_path, flag
     assert code == 2
     lines = error_lines(err)
     assert len(lines) == 1 and message in lines[0], err
+    assert "no limit" not in err  # (--max-shard-size's hint: a budget has one)
     assert not (tmp_path / "out").exists()
 
 

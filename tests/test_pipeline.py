@@ -307,7 +307,7 @@ def test_empty_data_directory(tmp_path, mlp_ckpt):
 def test_wrong_shape_data_names_the_batch(tmp_path, mlp_ckpt):
     np.save(tmp_path / "x.npy", np.zeros((4, 63), dtype=np.float32))
     code, _, err = calibrate(mlp_ckpt, tmp_path / "run", "w8a8.yaml", tmp_path / "x.npy")
-    assert code == 2 and "calibration batch 0: the model rejected the data" in err
+    assert code == 2 and "calibration batch 1: the model rejected the data" in err
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -384,7 +384,7 @@ def test_static_shape_export_rejects_other_batch_sizes_clearly(tmp_path, mlp_dat
     torch.export.save(torch.export.export(mlp(), (torch.randn(2, 64),)), pt2)
     code, _, err = run_cli("calibrate", pt2, "-c", CONFIGS / "w8a8.yaml", "--data", mlp_data, "-o", tmp_path / "r")
     assert code == 2
-    assert "calibration batch 0: the model rejected the data: Guard failed" in error_lines(err)[-1]
+    assert "calibration batch 1: the model rejected the data: Guard failed" in error_lines(err)[-1]
 
 
 def test_fake_quant_weight_cache_follows_weight_and_range_changes():

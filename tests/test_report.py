@@ -72,6 +72,14 @@ def test_report_cli_json_gates_and_plot(world, tmp_path):
     sqnrs = [layer["sqnr_cumulative_db"] for layer in rep["layers"]]
     assert sqnrs == sorted(sqnrs)  # worst first
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # an .svg name gets an SVG (it got PNG bytes), another suffix one line before anything runs
+    code, _, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
+                           world / "data.safetensors", "--model-class", MLP, "--plot", tmp_path / "r.svg", "-q")
+    assert code == 0, err
+    assert (tmp_path / "r.svg").read_text().lstrip().startswith("<?xml")
+    code, _, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
+                           world / "data.safetensors", "--model-class", MLP, "--plot", tmp_path / "r.pdf", "-q")
+    assert code == 2 and "--plot" in err and ".png or .svg" in err and not (tmp_path / "r.pdf").exists()
     # gates: a failing one exits 1 and names itself; a passing one exits 0
     worst = sqnrs[0]
     code, out, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
@@ -178,3 +186,22 @@ def test_token_ids_past_the_vocabulary_are_one_line(tmp_path, command):
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(lines) == 1, err
     assert "past the model's vocabulary (256 embeddings)" in lines[0], lines[0]
+
+
+def test_a_layer_whose_sqnr_is_nan_fails_the_gate_and_the_json_stays_json(capsys):
+    """NaN sorted anywhere (it compares false both ways), so the --min-sqnr gate read a finite layer and passed
+    over NaN ones; and --json wrote bare NaN tokens, which strict parsers refuse."""
+    from qtool.cli.core import _emit_json
+    from qtool.report import LayerError, Report, check_gates
+
+    nan = float("nan")
+    rep = Report([LayerError("a", "Linear", 30.0, 31.0), LayerError("b", "Linear", nan, nan),
+                  LayerError("c", "Linear", 25.0, 40.0), LayerError("d", "Linear", None, 12.0)], nan, nan)
+    assert [r.module for r in rep.worst_first()] == ["b", "c", "a", "d"]
+    (gate,) = check_gates(rep, min_sqnr=20.0)
+    assert not gate.passed and math.isnan(gate.value)
+    assert not check_gates(rep, min_cosine=0.5)[0].passed
+    _emit_json({"report": rep.to_json(), "value": gate.value, "inf": [float("inf"), -math.inf]})
+    out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"bare {c} in the JSON"))
+    assert out["report"]["end_to_end"]["cosine_mean"] == "nan" and out["value"] == "nan"
+    assert out["report"]["layers"][0]["sqnr_cumulative_db"] == "nan" and out["inf"] == ["inf", "-inf"]

@@ -82,7 +82,7 @@ def calibrate(
                     else:
                         feed(batch)
                 except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
-                    raise DataError(f"calibration batch {local.first + i}: the model rejected the data: "
+                    raise DataError(f"calibration batch {local.first + i + 1}: the model rejected the data: "
                                     f"{rejection(model, b, e)}") from None
             if progress:
                 progress(i + 1, len(local), b.size)

@@ -296,7 +296,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
                 except _Stop:
                     pass
                 except (TypeError, RuntimeError, ValueError, IndexError) as e:
-                    raise DataError(f"calibration batch {data.first + len(captured)}: the model rejected the data: "
+                    raise DataError(f"calibration batch {data.first + len(captured) + 1}: the model rejected the data: "
                                     f"{rejection(model, b, e)}") from None
         finally:
             for block in blocks:

@@ -4,6 +4,7 @@ object with ``--json``), signals that leave nothing half-written, and the consol
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -205,7 +206,19 @@ def _esc(text: str) -> str:
 
 
 def _emit_json(obj: Dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj, indent=1, default=str) + "\n")
+    """One JSON object on stdout; a float that is not finite is written as "nan", "inf" or "-inf" (JSON has no
+    such numbers, and strict parsers refuse the bare tokens)."""
+    sys.stdout.write(json.dumps(_json_safe(obj), indent=1, default=str) + "\n")
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _terminate(signum, frame):

@@ -58,7 +58,7 @@ def report(
     encodings: str = typer.Option(..., "--encodings", "-e", help="encodings.json from qtool calibrate."),
     data: Optional[str] = typer.Option(None, "--data", help="Evaluation data (held-out text or tensors)."),
     json_out: bool = _JSON,
-    plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG bar chart of per-layer SQNR here."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="OUT.png or OUT.svg: a bar chart of per-layer SQNR."),
     pareto: Optional[str] = typer.Option(
         None, "--pareto", help="OUT.png or OUT.svg: the size-budget search's Pareto curve (needs search.json beside "
                                "the encodings, from --target-bpw/--target-size), with this model's held-out damage; "

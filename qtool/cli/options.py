@@ -209,9 +209,7 @@ def _target(config: Optional[str], candidates: Optional[str], target_bpw: Option
     if target_size is not None:
         from ..io.fs import parse_size
 
-        size = parse_size(target_size, "--target-size")
-        if size is None:
-            raise UsageError(f"--target-size {target_size}: give a size such as 4GB or 700MB")
+        size = parse_size(target_size, "--target-size", unlimited=False)
     if target_bpw is not None and not (0 < target_bpw < 64):
         raise UsageError(f"--target-bpw {target_bpw:g}: bits per weight lie between 0 and 64")
     from ..choices import check_choice

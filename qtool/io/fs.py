@@ -25,11 +25,12 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
-def parse_size(text: str, what: str) -> Optional[int]:
-    """'5GB', '500MB', '2GiB', '123' (bytes) -> bytes; '0' or 'none' -> None (no limit). Units as Hugging Face's
-    ``max_shard_size``: KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2."""
+def parse_size(text: str, what: str, unlimited: bool = True) -> Optional[int]:
+    """'5GB', '500MB', '2GiB', '123' (bytes) -> bytes; '0' or 'none' -> None (no limit; refused unless
+    ``unlimited``). Units as Hugging Face's ``max_shard_size``: KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2."""
+    hint = " (0 or none: no limit)" if unlimited else ""
     t = text.strip().upper().replace(" ", "")
-    if t in ("0", "NONE"):
+    if t in ("0", "NONE") and unlimited:
         return None
     num = t.rstrip("KMGTIB")
     unit = t[len(num):]
@@ -38,8 +39,10 @@ def parse_size(text: str, what: str) -> Optional[int]:
     except ValueError:
         value = -1.0
     if unit not in _UNITS or not value >= 0 or value == float("inf"):
-        raise UsageError(f"{what}: {text!r} is not a size like 5GB, 500MB or 2GiB (0 or none: no limit)")
+        raise UsageError(f"{what}: {text!r} is not a size like 5GB, 500MB or 2GiB{hint}")
     if value == 0:
+        if not unlimited:
+            raise UsageError(f"{what}: {text!r} is not a size above zero, like 5GB, 500MB or 2GiB")
         return None
     return max(1, int(value * _UNITS[unit]))
 

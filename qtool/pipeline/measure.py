@@ -153,6 +153,8 @@ def report_outputs(checkpoint: str, encodings: str, data: Optional[str], plot: O
         check_output_file(Path(out), inputs, flag=f"--{flag}")
         if flag == "pareto":
             check_output_file(Path(out).with_suffix(".json"), inputs, flag="--pareto's .json")
+    if plot is not None and Path(plot).suffix.lower() not in (".png", ".svg"):
+        raise UsageError(f"--plot {plot}: give a .png or .svg file name")
     return outs
 
 
