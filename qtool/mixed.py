@@ -18,7 +18,6 @@ The choice itself is :func:`qtool.quant.knapsack.choose`.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 from .config import Plan, QuantizerPlan
+from .config.fused import FUSED, fused_groups
 from .data import Batch
 from .export.base import layout_bytes
 from .model.insert import computing_with, fake_quant_weight, set_quantization
@@ -35,36 +35,6 @@ from .report import _main_output, _per_sample_cosine, next_token_targets
 __all__ = ["FUSED", "fused_groups", "group_damage", "Costs", "costs", "mixed_recipe"]
 
 # sibling weights a runtime computes as one matrix (they read the same input): they take one setting together
-FUSED = (frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_proj", "up_proj"}),
-         frozenset({"query", "key", "value"}), frozenset({"w1", "w3"}))
-
-
-_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+$")
-
-
-def fused_groups(modules: Sequence[str]) -> List[Tuple[str, ...]]:
-    """``modules`` (in model order) grouped: siblings under one parent whose names fall in one ``FUSED`` set form
-    one group (at the first member's place), and so do one projection's modules across a mixture-of-experts
-    layer's experts (``<...>.experts.<e>.<leaf>``: GGUF stacks them into one tensor of one type, and vLLM's MoE
-    kernels run one scheme for all experts); every other module is a group of its own."""
-    groups: List[Tuple[str, ...]] = []
-    where: Dict[Tuple[str, Any], int] = {}
-    for m in modules:
-        parent, _, leaf = m.rpartition(".")
-        kind: Any = next((i for i, names in enumerate(FUSED) if leaf in names), None)
-        expert = _EXPERT.match(parent)
-        if expert is not None:
-            parent, kind = expert["experts"], leaf if kind is None else kind
-        if kind is None:
-            groups.append((m,))
-        elif (parent, kind) in where:
-            groups[where[(parent, kind)]] += (m,)
-        else:
-            where[(parent, kind)] = len(groups)
-            groups.append((m,))
-    return groups
-
-
 def join_tied(groups: Sequence[Tuple[str, ...]], tied: Dict[str, str]) -> List[Tuple[str, ...]]:
     """``groups`` with each tied output layer's group joined to its table's (``tied``: a weight the checkpoint does
     not store -> the stored one it shares), at the first one's place. The two are one tensor: chosen apart, a mix

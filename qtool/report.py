@@ -391,18 +391,28 @@ def sensitivity(model: nn.Module, batches: Iterable[Batch], device: torch.device
 
 
 def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optional[str] = None) -> str:
-    """A recipe that keeps the ``n`` most sensitive modules at 8-bit per-channel weights and 16-bit activations."""
+    """A recipe that keeps the ``n`` most sensitive modules (``rows``, most sensitive first) at 8-bit per-channel
+    weights and, where they have them, 16-bit activations; each with the modules runtimes fuse with it
+    (``config.fused.fused_groups``: q/k/v, gate/up, one projection of every expert), which one setting must cover."""
     import yaml
 
-    rules = []
+    from .config.fused import fused_groups
+
+    by_module = {r["module"]: r for r in rows}
+    group_of = {m: g for g in fused_groups(list(by_module)) for m in g}
+    chosen: List[str] = []
     for r in rows[:n]:
-        rule: Dict[str, Any] = {"match": r["module"], "weights": {"bitwidth": 8, "granularity": "per_channel"}}
-        if r.get("has_activations"):
+        chosen += [m for m in group_of.get(r["module"], (r["module"],)) if m not in chosen]
+    rules = []
+    for m in chosen:
+        rule: Dict[str, Any] = {"match": m, "weights": {"bitwidth": 8, "granularity": "per_channel"}}
+        if by_module.get(m, {}).get("has_activations"):
             rule["activations"] = {"bitwidth": 16}
         rules.append(rule)
-    keep = [r["match"] for r in rules]
-    header = (f"# qtool report --sensitivity: the {len(keep)} most sensitive layers kept at higher precision\n"
-              "# (8-bit per-channel weights, 16-bit activations). Later layers entries win.\n")
+    fused = f", with {len(rules) - min(n, len(rows))} layers fused with them," if len(rules) > min(n, len(rows)) else ""
+    kept = "8-bit per-channel weights" + (", 16-bit activations" if any("activations" in r for r in rules) else "")
+    header = (f"# qtool report --sensitivity: the {min(n, len(rows))} most sensitive layers{fused} kept at higher "
+              f"precision\n# ({kept}). Later layers entries win.\n")
     if base_recipe_text is not None:
         base = yaml.safe_load(base_recipe_text) or {}
         base.setdefault("version", 1)

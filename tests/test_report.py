@@ -205,3 +205,21 @@ def test_a_layer_whose_sqnr_is_nan_fails_the_gate_and_the_json_stays_json(capsys
     out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"bare {c} in the JSON"))
     assert out["report"]["end_to_end"]["cosine_mean"] == "nan" and out["value"] == "nan"
     assert out["report"]["layers"][0]["sqnr_cumulative_db"] == "nan" and out["inf"] == ["inf", "-inf"]
+
+
+def test_a_suggestion_keeps_fused_layers_together_and_says_what_it_keeps():
+    """Runtimes fuse q/k/v and gate/up (one tensor, one setting): keeping only the most sensitive of them at 8 bits
+    wrote a mix no fused kernel runs; and a recipe without activations was told of 16-bit ones."""
+    import yaml
+
+    from qtool.report import suggest_recipe
+
+    rows = [{"module": "model.layers.1.self_attn.v_proj"}, {"module": "model.layers.0.mlp.up_proj"},
+            {"module": "model.layers.0.mlp.gate_proj"}, {"module": "model.layers.1.self_attn.q_proj"},
+            {"module": "model.layers.1.self_attn.k_proj"}, {"module": "model.layers.1.self_attn.o_proj"}]
+    text = suggest_recipe(rows, 2)
+    kept = [r["match"] for r in yaml.safe_load(text)["layers"]]
+    assert kept == ["model.layers.1.self_attn.v_proj", "model.layers.1.self_attn.q_proj",
+                    "model.layers.1.self_attn.k_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.gate_proj"]
+    assert "the 2 most sensitive layers, with 3 layers fused with them" in text and "activations" not in text
+    assert "16-bit activations" in suggest_recipe([{"module": "fc", "has_activations": True}], 1)

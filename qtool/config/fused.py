@@ -1,0 +1,41 @@
+"""Which weights runtimes fuse into one tensor, so that one quantization setting must cover them all: a decoder
+layer's q/k/v projections (BERT's query/key/value), its gate/up projections (Mixtral's w1/w3), and one
+projection across a mixture-of-experts layer's experts (GGUF stacks them into one tensor of one type; vLLM's MoE
+kernels run one scheme for them). The size-budget search chooses per group, and report's suggestions keep a group
+together."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Sequence, Tuple
+
+__all__ = ["FUSED", "fused_groups"]
+
+FUSED = (frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_proj", "up_proj"}),
+         frozenset({"query", "key", "value"}), frozenset({"w1", "w3"}))
+
+
+_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+$")
+
+
+def fused_groups(modules: Sequence[str]) -> List[Tuple[str, ...]]:
+    """``modules`` (in model order) grouped: siblings under one parent whose names fall in one ``FUSED`` set form
+    one group (at the first member's place), and so do one projection's modules across a mixture-of-experts
+    layer's experts (``<...>.experts.<e>.<leaf>``: GGUF stacks them into one tensor of one type, and vLLM's MoE
+    kernels run one scheme for all experts); every other module is a group of its own."""
+    groups: List[Tuple[str, ...]] = []
+    where: Dict[Tuple[str, Any], int] = {}
+    for m in modules:
+        parent, _, leaf = m.rpartition(".")
+        kind: Any = next((i for i, names in enumerate(FUSED) if leaf in names), None)
+        expert = _EXPERT.match(parent)
+        if expert is not None:
+            parent, kind = expert["experts"], leaf if kind is None else kind
+        if kind is None:
+            groups.append((m,))
+        elif (parent, kind) in where:
+            groups[where[(parent, kind)]] += (m,)
+        else:
+            where[(parent, kind)] = len(groups)
+            groups.append((m,))
+    return groups
