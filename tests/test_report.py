@@ -223,3 +223,17 @@ def test_a_suggestion_keeps_fused_layers_together_and_says_what_it_keeps():
                     "model.layers.1.self_attn.k_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.gate_proj"]
     assert "the 2 most sensitive layers, with 3 layers fused with them" in text and "activations" not in text
     assert "16-bit activations" in suggest_recipe([{"module": "fc", "has_activations": True}], 1)
+
+
+def test_a_checkpoint_holding_nan_is_refused_before_it_is_measured(world, tmp_path):
+    """Its float outputs are NaN, and so is every figure: report exited 0 with cosine nan (calibrate refuses such
+    a checkpoint); one line naming the tensor, exit 2."""
+    sd = mlp().state_dict()
+    name = next(iter(sd))
+    sd[name].view(-1)[3] = float("nan")
+    save_file(sd, tmp_path / "nan.safetensors")
+    code, out, err = run_cli("report", tmp_path / "nan.safetensors", "-e", world / "run/encodings.json", "--data",
+                             world / "data.safetensors", "--model-class", MLP, "--json", "-q")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and f"{name} holds NaN or infinity" in lines[0], err
+    assert json.loads(out)["ok"] is False
