@@ -32,9 +32,9 @@ from .model.insert import computing_with, fake_quant_weight, set_quantization
 from .parallel import Group, shard_bounds
 from .report import _main_output, _per_sample_cosine, next_token_targets
 
-__all__ = ["FUSED", "fused_groups", "group_damage", "Costs", "costs", "mixed_recipe"]
+__all__ = ["FUSED", "fused_groups", "group_damage", "Costs", "costs", "mixed_recipe"]  # (FUSED: config.fused's)
 
-# sibling weights a runtime computes as one matrix (they read the same input): they take one setting together
+
 def join_tied(groups: Sequence[Tuple[str, ...]], tied: Dict[str, str]) -> List[Tuple[str, ...]]:
     """``groups`` with each tied output layer's group joined to its table's (``tied``: a weight the checkpoint does
     not store -> the stored one it shares), at the first one's place. The two are one tensor: chosen apart, a mix

@@ -202,9 +202,9 @@ def eval_(
 
     with _errors(debug, json_out):
         _check_early(device=device, data=data)
-        _check_gate_values(**{"--max-ppl-increase": max_ppl_increase, "--max-kl": max_kl,
-                              "--min-agreement": min_agreement, "--min-cosine": min_cosine,
-                              "--max-export-gap": max_export_gap})
+        gate_flags = {"--max-ppl-increase": max_ppl_increase, "--max-kl": max_kl, "--min-agreement": min_agreement,
+                      "--min-cosine": min_cosine, "--max-export-gap": max_export_gap}
+        _check_gate_values(**gate_flags)
         check_choice("--onnx-optimization", onnx_optimization, ONNX_OPTIMIZATIONS)
         from ..evaluation import EvalOptions, check_gates, evaluate_artifact
 
@@ -214,9 +214,7 @@ def eval_(
                            trust_remote_code=trust_remote_code,
                            tasks=tuple(t.strip() for t in (tasks or "").split(",") if t.strip()),
                            tasks_path=tasks_path, task_limit=task_limit,
-                           gates=tuple(g for g, v in (("max-ppl-increase", max_ppl_increase), ("max-kl", max_kl),
-                                                      ("min-agreement", min_agreement), ("min-cosine", min_cosine),
-                                                      ("max-export-gap", max_export_gap)) if v is not None))
+                           gates=tuple(flag[2:] for flag, v in gate_flags.items() if v is not None))
         if tasks_path is not None and not os.path.isdir(tasks_path):
             raise UsageError(f"--tasks-path {tasks_path}: not a directory")
         with _Progress(quiet) as p:

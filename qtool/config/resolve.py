@@ -327,15 +327,21 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     return plan
 
 
-def _tied_weights(model: "nn.Module", weights) -> Dict[str, str]:
-    """``{quantizer name: the parameter's first name}`` of weight rows whose parameter the model also holds under
-    an earlier name (a tied output layer: the checkpoint stores the embedding table)."""
+def tied_parameters(model: "nn.Module") -> Dict[str, str]:
+    """``{parameter name: its first name}`` of every parameter the model also holds under an earlier name (a tied
+    output layer's weight -> the embedding table, the name a checkpoint stores it under)."""
     first: Dict[int, str] = {}
     later: Dict[str, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         stored = first.setdefault(id(p), n)
         if stored != n:
             later[n] = stored
+    return later
+
+
+def _tied_weights(model: "nn.Module", weights) -> Dict[str, str]:
+    """``{quantizer name: the parameter's first name}`` of weight rows on a tied parameter (:func:`tied_parameters`)."""
+    later = tied_parameters(model)
     return {q.name: later[f"{q.module}.weight"] for q in weights if f"{q.module}.weight" in later}
 
 

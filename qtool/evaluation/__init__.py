@@ -167,43 +167,42 @@ def _as_stored(model: torch.nn.Module, enc, fmt: str, ev: "Evaluation") -> None:
     them (compressed-tensors' embedding tables and static integer activations) are switched off, so the export
     gap measures the file, not a documented limit of its layout."""
     from ..export import get_exporter
-    from ..model.insert import iter_quantizers
-
     from ..model.experts import routing_of
+    from ..model.insert import iter_quantizers
 
     exporter = get_exporter(fmt)
     modules = dict(model.named_modules())
     entries = {e.name: (e, modules[e.module]) for e in enc.entries if e.module in modules}
     rows = [_Row(e, getattr(m, "_qtool_base", type(m)).__name__) for e, m in entries.values()]
     off = sorted(set(exporter.not_written(rows, exporter.Options())))
-    # transformers reloads a compressed-tensors MoE's experts fused (3-D parameters, no Linear per expert), and
-    # compressed-tensors quantizes the inputs of Linear modules only: the runtime runs the experts' inputs in float
-    # (vLLM's MoE kernels apply them; the file holds them)
-    unapplied = sorted(e.name for e, _ in entries.values() if fmt == "compressed-tensors" and e.tensor != "weight"
-                       and e.name not in off and routing_of(modules, e.module) is not None)
     quantizers = dict(iter_quantizers(model))  # named <module>.<tensor>
-    for name in off + unapplied:
-        e, _ = entries[name]
-        quantizers[f"{e.module}.{e.tensor}"].enabled = False
     if off:
         ev.notes.append(f"the fake-quant model runs {len(off)} quantizer(s) in float as --format {fmt} writes them "
                         f"({', '.join(off[:3])}{', ...' if len(off) > 3 else ''})")
-    if unapplied:
-        ev.notes.append(f"the fake-quant model runs the routed experts' {len(unapplied)} activation quantizer(s) in "
-                        "float, as transformers runs the file (its experts fused, their inputs not quantized; vLLM "
-                        "quantizes them)")
-    # compressed-tensors' dynamic "token" strategy takes one range per index of an input's first two dimensions:
-    # per token for batch x tokens x hidden, but one for a 2-D input (a shared expert's, its tokens flattened by
-    # the MoE block) and one per sequence for a 4-D one (DeepSeek's latent keys, batch x 1 x tokens x rank)
-    per_token = [quantizers[f"{e.module}.{e.tensor}"] for e, _ in entries.values()
-                 if fmt == "compressed-tensors" and e.dynamic and e.granularity == "per_token"
-                 and e.name not in off and e.name not in unapplied]
-    for q in per_token:
-        _tokens_as_compressed_tensors_counts_them(q)
-    if per_token:
-        ev.notes.append("the fake-quant model's per-token activation quantizers take one range per index of an "
-                        "input's first two dimensions, as compressed-tensors does in transformers (one for a 2-D "
-                        "input such as a shared expert's; vLLM: per token)")
+    if fmt == "compressed-tensors":  # what transformers runs of the file, not what the file holds (vLLM runs that)
+        written = [e for e, _ in entries.values() if e.name not in off and e.tensor != "weight"]
+        # it reloads a MoE's routed experts fused (3-D parameters, no Linear per expert), and compressed-tensors
+        # quantizes the inputs of Linear modules only: the experts' inputs run in float
+        unapplied = sorted(e.name for e in written if routing_of(modules, e.module) is not None)
+        off += unapplied
+        if unapplied:
+            ev.notes.append(f"the fake-quant model runs the routed experts' {len(unapplied)} activation quantizer(s) "
+                            "in float, as transformers runs the file (its experts fused, their inputs not quantized; "
+                            "vLLM quantizes them)")
+        # compressed-tensors' dynamic "token" strategy takes one range per index of an input's first two dimensions:
+        # per token for batch x tokens x hidden, but one for a 2-D input (a shared expert's, its tokens flattened by
+        # the MoE block) and one per sequence for a 4-D one (DeepSeek's latent keys, batch x 1 x tokens x rank)
+        per_token = [quantizers[f"{e.module}.{e.tensor}"] for e in written
+                     if e.dynamic and e.granularity == "per_token" and e.name not in unapplied]
+        for q in per_token:
+            _tokens_as_compressed_tensors_counts_them(q)
+        if per_token:
+            ev.notes.append("the fake-quant model's per-token activation quantizers take one range per index of an "
+                            "input's first two dimensions, as compressed-tensors does in transformers (one for a "
+                            "2-D input such as a shared expert's; vLLM: per token)")
+    for name in off:
+        e, _ = entries[name]
+        quantizers[f"{e.module}.{e.tensor}"].enabled = False
 
 
 def _tokens_as_compressed_tensors_counts_them(quantizer: torch.nn.Module) -> None:
@@ -241,11 +240,10 @@ def artifact_model(artifact: str, reference: Optional[str] = None, encodings: Op
     file's weights) and compressed-tensors (transformers' reload)."""
     opts = opts or EvalOptions()
     art = locate(artifact)
-    if art.format in ("qtool", "compressed-tensors") and (reference or art.checkpoint):
-        reference = _reference(art, reference, artifact)[0]
-    if art.format not in ("qtool", "compressed-tensors") or reference is None:
+    if art.format not in ("qtool", "compressed-tensors") or (reference or art.checkpoint) is None:
         raise UsageError(f"{artifact}: a torch module is made of qtool and compressed-tensors exports with their "
                          f"reference checkpoint")
+    reference = _reference(art, reference, artifact)[0]
     loaded = _load(reference, opts)
     enc = Path(encodings) if encodings else art.encodings
     if art.format == "compressed-tensors":

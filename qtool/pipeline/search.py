@@ -183,6 +183,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     import shutil
 
     from ..model.expert_view import open_checkpoint
+    from ..config.resolve import tied_parameters
     from ..mixed import costs, effective_weights, fused_groups, group_damage, join_tied
     from ..report import next_token_targets
 
@@ -216,12 +217,8 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     order = {m: i for i, m in enumerate(dict(loaded.model.named_modules()))}
     src = open_checkpoint(checkpoint, opts.trust_pickle, model=loaded.model)
     tensors = {k: src.shape_dtype(k) for k in src.keys()}
-    first: Dict[int, str] = {}
-    tied = {}  # a parameter the checkpoint stores once under another name (a tied output layer)
-    for name, param in loaded.model.named_parameters(remove_duplicate=False):
-        if id(param) in first and name not in tensors:
-            tied[name] = first[id(param)]
-        first.setdefault(id(param), name)
+    # a parameter the checkpoint stores once under another name (a tied output layer)
+    tied = {n: stored for n, stored in tied_parameters(loaded.model).items() if n not in tensors}
     groups = join_tied(fused_groups(sorted(modules, key=lambda m: order.get(m, len(order)))), tied)
     cost = costs(tensors, plans, groups, lambda q, shape, dtype: exporter.tensor_bytes(q, shape, dtype, options),
                  tied, exporter.writes_tied_apart(loaded.model))
