@@ -142,6 +142,13 @@ def test_block_size_must_divide_input_dim():
         ("version: 1\ndefaults:\n  weights: {bitwidth: 1}\n", r"r.yaml:3: defaults.weights.bitwidth: .*greater than or equal to 2"),
         ("version: 1\ndefaults:\n  weights: {bitwidth: 17}\n", r"defaults.weights.bitwidth: .*less than or equal to 16"),
         ("version: 1\ndefaults:\n  weights: {bitwidth: eight}\n", r"defaults.weights.bitwidth: .*integer"),
+        # a number written as a string, or a float where a count goes, is a mistake to name, not to coerce
+        ("version: 1\ndefaults:\n  weights: {bitwidth: '8'}\n", r"defaults.weights.bitwidth: .*integer \(got '8'\)"),
+        ("version: 1\ndefaults:\n  weights: {bitwidth: 8.0}\n", r"defaults.weights.bitwidth: .*integer \(got 8.0\)"),
+        ("version: 1\ndefaults:\n  weights: {analyzer: {name: percentile, percentile: '99.9'}}\n",
+         r"defaults.weights.analyzer.percentile: .*valid number \(got '99.9'\)"),
+        ("version: 1\nsmoothquant: {alpha: true}\n", r"smoothquant.alpha: .*valid number"),
+        ("version: 1\nlayers:\n  - match: '*'\n    weights: {bitwidth: '4'}\n", r"layers\[0\].weights.bitwidth"),
         ("version: 1\ndefaults:\n  weights: {symmetric: maybe}\n", r"defaults.weights.symmetric"),
         ("version: 1\ndefaults:\n  weights: {granularity: per_row}\n", r"defaults.weights.granularity"),
         ("version: 1\ndefaults:\n  weights: {granularity: per_block}\n", r"needs block_size"),

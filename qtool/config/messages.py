@@ -32,7 +32,7 @@ def _describe(err: Dict[str, Any], fields: Sequence[str] = ()) -> str:
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     if err["type"] in ("literal_error", "int_parsing", "bool_parsing", "greater_than_equal", "less_than_equal",
-                       "int_type", "bool_type", "string_type", "list_type", "dict_type", "model_type",
+                       "int_type", "float_type", "bool_type", "string_type", "list_type", "dict_type", "model_type",
                        "greater_than", "int_from_float"):
         msg = f"{msg} (got {_short(err.get('input'))})"
     return msg

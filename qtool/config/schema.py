@@ -8,7 +8,7 @@ import functools
 import re
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator, model_validator
 
 from ..choices import GGML_SCALE_DTYPES, GGUF_TYPES
 from ..errors import ConfigError
@@ -55,14 +55,14 @@ class AnalyzerSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     name: Literal["minmax", "percentile", "sqnr", "tf_enhanced", "mse"] = "minmax"
-    percentile: Optional[float] = Field(None, ge=50, le=100)
-    num_bins: Optional[int] = Field(None, ge=8, le=65536)
-    gamma: Optional[float] = Field(None, gt=0)
-    asymmetric_delta_candidates: Optional[int] = Field(None, ge=2)
-    symmetric_delta_candidates: Optional[int] = Field(None, ge=2)
-    offset_candidates: Optional[int] = Field(None, ge=3)
-    num_candidates: Optional[int] = Field(None, ge=1, le=1000)
-    min_ratio: Optional[float] = Field(None, gt=0, le=1)
+    percentile: Optional[StrictFloat] = Field(None, ge=50, le=100)
+    num_bins: Optional[StrictInt] = Field(None, ge=8, le=65536)
+    gamma: Optional[StrictFloat] = Field(None, gt=0)
+    asymmetric_delta_candidates: Optional[StrictInt] = Field(None, ge=2)
+    symmetric_delta_candidates: Optional[StrictInt] = Field(None, ge=2)
+    offset_candidates: Optional[StrictInt] = Field(None, ge=3)
+    num_candidates: Optional[StrictInt] = Field(None, ge=1, le=1000)
+    min_ratio: Optional[StrictFloat] = Field(None, gt=0, le=1)
     # "activations": each weight's squared error counts by its input channel's E[x²] (needs --data);
     # "magnitude": by rms + |w| of its block (llama.cpp's K-quant weighting without an importance matrix; no data)
     # "activations_magnitude": by both multiplied (the kind of product llama.cpp weights by with an importance
@@ -108,17 +108,17 @@ class RoundingSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     name: Literal["nearest", "gptq", "adaround", "signround"] = "nearest"
-    block_columns: Optional[int] = Field(None, ge=1, le=65536)
-    dampening: Optional[float] = Field(None, ge=0, le=10)
+    block_columns: Optional[StrictInt] = Field(None, ge=1, le=65536)
+    dampening: Optional[StrictFloat] = Field(None, ge=0, le=10)
     act_order: Optional[StrictBool] = None
     bounded: Optional[StrictBool] = None
-    shrinkage: Optional[float] = Field(None, ge=0, le=1)
-    iterations: Optional[int] = Field(None, ge=0, le=100000)
-    reg_weight: Optional[float] = Field(None, ge=0, le=1000)
-    warm_start: Optional[float] = Field(None, ge=0, le=1)
-    learning_rate: Optional[float] = Field(None, gt=0, le=10)
+    shrinkage: Optional[StrictFloat] = Field(None, ge=0, le=1)
+    iterations: Optional[StrictInt] = Field(None, ge=0, le=100000)
+    reg_weight: Optional[StrictFloat] = Field(None, ge=0, le=1000)
+    warm_start: Optional[StrictFloat] = Field(None, ge=0, le=1)
+    learning_rate: Optional[StrictFloat] = Field(None, gt=0, le=10)
     ranges: Optional[StrictBool] = None
-    seed: Optional[int] = Field(None, ge=0, le=2**31 - 1)
+    seed: Optional[StrictInt] = Field(None, ge=0, le=2**31 - 1)
 
     @model_validator(mode="after")
     def _params_fit(self):
@@ -137,7 +137,7 @@ class RoundingSpec(BaseModel):
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    bitwidth: int = Field(8, ge=2, le=16)
+    bitwidth: StrictInt = Field(8, ge=2, le=16)
     symmetric: StrictBool = True
     granularity: GranularityName = "per_tensor"
     # one length (blocks along the input dimension), or, for weights, [rows, columns] (2-D tiles, e.g. FP8 128x128)
@@ -339,7 +339,7 @@ class SmoothQuantSpec(BaseModel):
     decoder blocks for a model of no known family)."""
 
     model_config = ConfigDict(extra="forbid")
-    alpha: float = Field(0.5, ge=0, le=1)
+    alpha: StrictFloat = Field(0.5, ge=0, le=1)
     mappings: Optional[List[SmoothMapping]] = None
 
 
@@ -355,7 +355,7 @@ class AwqSpec(BaseModel):
     new (qtool.calibration.awq). ``mappings`` default to the model family's."""
 
     model_config = ConfigDict(extra="forbid")
-    grid: int = Field(19, ge=2, le=100)  # llm-compressor's n_grid=20 candidates: a comparison gets its choices
+    grid: StrictInt = Field(19, ge=2, le=100)  # llm-compressor's n_grid=20 candidates: a comparison gets its choices
     duo_scaling: StrictBool = True
     objective: Literal["layers", "outputs"] = "outputs"
     mappings: Optional[List[SmoothMapping]] = None
@@ -385,11 +385,11 @@ class RotateSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rotations: List[Literal["r1", "r2", "r3", "r4"]] = Field(["r1", "r2"], min_length=1)
     type: Literal["hadamard", "random-hadamard"] = "hadamard"
-    seed: int = Field(0, ge=0, le=2**63 - 1)
+    seed: StrictInt = Field(0, ge=0, le=2**63 - 1)
     # r1 block-diagonal with blocks of this many channels (None: one rotation of the whole width). Small blocks
     # suit block-scaled formats (NVFP4, MXFP4), whose block scales already isolate an outlier channel: a rotation
     # of the whole width would spread it into every block
-    block_size: Optional[int] = Field(None, ge=1, le=65536)
+    block_size: Optional[StrictInt] = Field(None, ge=1, le=65536)
 
     @field_validator("rotations")
     @classmethod
