@@ -6,6 +6,7 @@ import torch
 from qtool.quant import (
     AffineEncoding,
     DequantizedTensor,
+    DynamicQuantizeDequantize,
     Quantize,
     QuantizeDequantize,
     QuantizedTensor,
@@ -326,3 +327,35 @@ def test_a_calibration_call_is_shared_only_when_asked_and_not_under_inference_mo
             wa, wb = a(y, output_read_only=True), b(y, output_read_only=True)
             assert _last_call.call is None and wa.data_ptr() != wb.data_ptr()
         assert torch.equal(a.max, b.max) and a.max.item() == y.max().item()
+
+
+def test_a_narrowing_cast_drops_the_encoding_its_codes_no_longer_fit():
+    q = Quantize((), 16, False)
+    q.set_range(torch.tensor(0.0), torch.tensor(65535.0))
+    codes = q(torch.tensor([257.0, 1001.0, 65535.0, 40000.0]))
+    assert codes.quantized_repr().tolist() == [257, 1001, 65535, 40000]
+    for dtype in (torch.bfloat16, torch.float16):
+        # bfloat16 holds 257 as 256 and 65535 as 65536: a kept encoding would give codes off the grid
+        assert type(codes.to(dtype)) is torch.Tensor
+    wide = codes.to(torch.float64)
+    assert isinstance(wide, QuantizedTensor) and wide.quantized_repr().tolist() == [257, 1001, 65535, 40000]
+
+
+@pytest.mark.parametrize("bitwidth", [1, 17, 64, 8.5, True])
+def test_quantizer_modules_take_the_recipe_bitwidths_only(bitwidth):
+    # 1-bit symmetric calibrated to a NaN range (no positive step); 64-bit asymmetric overflowed
+    with pytest.raises(ValueError, match="bitwidth must be an integer from 2 to 16"):
+        QuantizeDequantize((), bitwidth, True)
+    with pytest.raises(ValueError, match="bitwidth must be an integer from 2 to 16"):
+        DynamicQuantizeDequantize(bitwidth, False, True)
+
+
+def test_a_float16_grid_whose_minimum_float16_cannot_hold_is_an_unrepresentable_scale():
+    from qtool.quant.affine import UnrepresentableScale
+
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 1] = -66265.0, 5.0
+    q = QuantizeDequantize((1, 1), 2, False, block_size=(1, 32), scale_dtype="float16")
+    # (calibration turns this class into the "range too large for this grid" error naming the weight)
+    with pytest.raises(UnrepresentableScale, match="no float16 scale"), torch.no_grad(), q.compute_encodings():
+        q.encoding_analyzer.update_stats(w)

@@ -526,15 +526,19 @@ def dynamic_scale_offset(
     position of every dimension but the last, shape ``(..., 1)``) or one for the whole tensor (shape ``()``).
 
     AIMET has no dynamic quantizers, so the rule is the one of the runtimes that execute them (compressed-tensors
-    as transformers loads it, torchao), which a reloaded model then reproduces exactly:
+    as transformers loads it, torchao), which a reloaded model then reproduces exactly on every token whose range
+    is above the minimum scale (below, see the last paragraph):
 
     * symmetric: ``scale = max|x| / ((qmax - qmin) / 2)`` (127.5 for 8 bits; the largest value may clip by half a
       step), offset 0 on the signed grid;
     * asymmetric: the min-max rule of static quantizers (range widened to contain zero, ``scale = (max - min) /
       (qmax - qmin)``, offset ``round(min / scale) - qmin``).
 
-    A scale is never below the minimum scale of :func:`min_max_to_scale_offset` (an all-zero token). The
-    statistics carry no gradient: a dynamic range has nothing to learn."""
+    A scale is never below the minimum scale of :func:`min_max_to_scale_offset` (float32's eps for 8 bits), as
+    torchao floors it. compressed-tensors puts eps only where a scale is exactly 0, so on a token of all-tiny
+    values (8-bit symmetric: max|x| under 127.5 x eps, about 1.5e-5) it keeps the smaller scale and the two
+    differ there, by less than eps per value. The statistics carry no gradient: a dynamic range has
+    nothing to learn."""
     n = qmax - qmin
     with torch.no_grad():
         if symmetric:
@@ -593,8 +597,11 @@ def snap_to_float16_scale(min: torch.Tensor, max: torch.Tensor, qmin: int, qmax:
     off = torch.clamp(torch.round(lo.unsqueeze(-1) / cand) - qmin, -qmax, -qmin)
     origin = off * cand
     ok = origin.to(torch.float16).to(torch.float32) == origin
-    if not ok.any(-1).all():  # cannot happen for <= 5 bits: one of 33 consecutive float16 values ends in 5 zero bits
-        raise ValueError("no float16 scale near the range puts the grid's minimum on a float16 value")
+    if not ok.any(-1).all():
+        # one of 33 consecutive float16 values ends in 5 zero bits, so for <= 5 bits this happens only where the
+        # grid's minimum itself is beyond float16 (a 2-bit grid's three steps below -65504)
+        raise UnrepresentableScale(f"its range [{float(lo.min()):.4g}, {float(hi.max()):.4g}] has no float16 scale "
+                                   "whose grid minimum is a float16 value, which this grid stores")
     pick = ok.to(torch.int8).argmax(-1, keepdim=True)
     d = cand.gather(-1, pick).squeeze(-1)
     o = off.gather(-1, pick).squeeze(-1)

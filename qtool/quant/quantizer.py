@@ -50,6 +50,17 @@ class UninitializedQuantizerError(RuntimeError):
     """A quantizer was used before its range was calibrated or set."""
 
 
+def _module_grid(bitwidth, symmetric: bool):
+    """``(qmin, qmax)`` of a quantizer module's grid, whose bit width is a recipe's (2 to 16): a 1-bit symmetric
+    grid has no positive step (its range would divide by zero), and beyond 16 bits float32 no longer holds every
+    code and offset sum exactly."""
+    from .spec import MAX_BITWIDTH, MIN_BITWIDTH
+
+    if isinstance(bitwidth, bool) or int(bitwidth) != bitwidth or not MIN_BITWIDTH <= bitwidth <= MAX_BITWIDTH:
+        raise ValueError(f"bitwidth must be an integer from {MIN_BITWIDTH} to {MAX_BITWIDTH}, got {str(bitwidth)[:40]}")
+    return grid(int(bitwidth), signed=bool(symmetric))
+
+
 class QuantizerBase(nn.Module):
     spec: Optional["QuantSpec"] = None  # what grid it is, as the plan row said (set by model.insert.make_quantizer)
 
@@ -65,9 +76,9 @@ class QuantizerBase(nn.Module):
         super().__init__()
         shape = tuple(int(d) for d in shape)
         self.shape = shape
+        self.qmin, self.qmax = _module_grid(bitwidth, symmetric)
         self.bitwidth = int(bitwidth)
         self.symmetric = bool(symmetric)
-        self.qmin, self.qmax = grid(self.bitwidth, signed=self.symmetric)
         if block_size is not None:
             block_size = tuple(int(b) for b in block_size)
             if len(block_size) != len(shape):
@@ -335,10 +346,10 @@ class DynamicQuantizeDequantize(nn.Module):
 
     def __init__(self, bitwidth: int, symmetric: bool, per_token: bool):
         super().__init__()
+        self.qmin, self.qmax = _module_grid(bitwidth, symmetric)
         self.bitwidth = int(bitwidth)
         self.symmetric = bool(symmetric)
         self.per_token = bool(per_token)
-        self.qmin, self.qmax = grid(self.bitwidth, signed=self.symmetric)
         self.shape = ()
         self.block_size = None
         self.scale_dtype = "float32"

@@ -109,7 +109,8 @@ class _EncodedTensor(torch.Tensor):
                 enc = enc.to(result.device)
             if enc is not None and func in (torch.Tensor.detach, torch.detach):
                 enc = enc.detach()
-            if result.is_floating_point():
+            # a cast to a narrower float (bfloat16, float16) no longer holds every code or grid value exactly
+            if result.is_floating_point() and result.dtype in (args[0].dtype, torch.float64):
                 return type(args[0]).wrap(result, enc)
         return _strip(result)
 
