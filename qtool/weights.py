@@ -25,7 +25,7 @@ import torch
 from .encodings import CODES_FILE, EncodingEntry, EncodingsFile
 from .errors import CheckpointError, EncodingsError
 from .io.checkpoint import CheckpointTensors, ST_DTYPES
-from .io.finite import check_finite
+from .io.finite import all_finite, check_finite
 from .io.st_writer import StreamingSafetensorsWriter
 from .quant.affine import dequantize, quantize
 from .quant import ggml
@@ -151,9 +151,8 @@ class WeightSource:
                                      f"{key} {list(shape)}")
             return t.to(dtype)
         t = self.tensors.get(key)
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
-            raise CheckpointError(f"{self.checkpoint}: tensor {key!r} holds {bad} NaN/Inf values; an export would "
+        if not all_finite(t):
+            raise CheckpointError(f"{self.checkpoint}: tensor {key!r} holds NaN/Inf values; an export would "
                                   "write them, so nothing was written")
         return t
 

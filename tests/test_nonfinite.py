@@ -224,3 +224,40 @@ def test_nvfp4_activations_that_are_all_zero_calibrate_and_read_back(tmp_path):
     assert code == 0, err
     amax = {e.name: e.global_amax for e in EncodingsFile.read(tmp_path / "q" / "calibration" / "encodings.json").entries}
     assert amax["0.input"] == 0.0 and str(amax["0.input"]) == "0.0"
+
+
+def _with_extras(d, src, name, extras):
+    import shutil
+
+    dest = d / name
+    if not dest.exists():
+        shutil.copytree(src, dest)
+        t = load_file(str(dest / "model.safetensors"))
+        t.update(extras)
+        save_file(t, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+@pytest.mark.parametrize("fmt", ["qtool", "compressed-tensors"])
+def test_float8_and_complex_tensors_a_checkpoint_keeps_are_copied_as_they_are(llama, tmp_path, fmt):
+    """An FP8 checkpoint's scales, or any float8/complex tensor the model does not quantize, reach the file with
+    their dtype and bytes: export stopped with an internal error (exit 3) after calibrating."""
+    d, src = llama
+    extras = {"extra.e4m3": torch.tensor([1.0, -2.0, 448.0, 0.0]).to(torch.float8_e4m3fn),
+              "extra.e5m2": torch.tensor([1.0, 57344.0]).to(torch.float8_e5m2),
+              "extra.c64": torch.tensor([1 + 2j, -3j], dtype=torch.complex64)}
+    ckpt = _with_extras(d, src, "extras", extras)
+    code, _, err = run_cli("quantize", ckpt, "-c", "w8a16", "-o", tmp_path / "out", "--format", fmt)
+    assert code == 0, err
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for k, v in extras.items():
+        assert out[k].dtype == v.dtype and torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_a_float8_tensor_holding_nan_is_refused_naming_it(llama, tmp_path):
+    d, src = llama
+    bad = torch.tensor([1.0, float("inf")]).to(torch.float8_e5m2)  # (E5M2 has infinities)
+    ckpt = _with_extras(d, src, "extras-inf", {"extra.e5m2": bad})
+    code, _, err = run_cli("quantize", ckpt, "-c", "w8a16", "-o", tmp_path / "out")
+    assert code == 2, err
+    assert "'extra.e5m2' holds NaN/Inf values" in err and not (tmp_path / "out").exists()

@@ -272,5 +272,8 @@ class CheckpointTensors:
 ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2, "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "C64": torch.complex64,
 }
+assert set(ST_DTYPES) == set(_DTYPE_SIZES)  # every dtype the header check admits has a torch dtype

@@ -25,6 +25,9 @@ DTYPE_NAMES = {
 if hasattr(torch, "float8_e4m3fn"):
     DTYPE_NAMES[torch.float8_e4m3fn] = "F8_E4M3"
     DTYPE_NAMES[torch.float8_e5m2] = "F8_E5M2"
+    DTYPE_NAMES[torch.float8_e4m3fnuz] = "F8_E4M3FNUZ"
+    DTYPE_NAMES[torch.float8_e5m2fnuz] = "F8_E5M2FNUZ"
+DTYPE_NAMES[torch.complex64] = "C64"
 
 
 class StreamingSafetensorsWriter:
