@@ -256,7 +256,9 @@ def test_an_interrupt_that_surfaces_as_another_error_still_reads_as_an_interrupt
     import typer
 
     from qtool.cli import core as cli
+    from qtool.io.fs import forget_published
 
+    forget_published()  # (outputs an earlier test's command put in place, in this process)
     cli._SIGNALLED.append(name)
     try:
         with pytest.raises(typer.Exit) as e:

@@ -141,3 +141,50 @@ def test_outputs_carry_the_umasks_permissions(tmp_path, mask):
         assert d.stat().st_mode & 0o777 == 0o777 & ~mask, d
     for f in files:
         assert f.stat().st_mode & 0o777 == 0o666 & ~mask, f
+
+
+def test_an_out_where_an_input_directorys_links_point_is_refused(world):
+    """A Hugging Face cache snapshot's files are links into its blobs directory: --out blobs --overwrite deleted
+    the checkpoint's weights with exit 0 (only the input directory itself was compared), as it did a --data
+    directory's linked files."""
+    import os
+    import shutil
+
+    root, llama, _ = world
+    blobs, snap = root / "blobs", root / "snap"
+    blobs.mkdir()
+    shutil.copytree(llama, snap)
+    (snap / "model.safetensors").rename(blobs / "abc123")
+    os.symlink("../blobs/abc123", snap / "model.safetensors")
+    data, store = root / "data", root / "store"
+    data.mkdir()
+    store.mkdir()
+    (store / "c.txt").write_text("some text to calibrate on " * 40)
+    os.symlink("../store/c.txt", data / "c.txt")
+    before = _digest(root)
+    code, _, err = run_cli("quantize", snap, "-c", "w8a16", "-o", blobs, "--overwrite")
+    _refused(code, err, root, before, f"contains the checkpoint {snap / 'model.safetensors'}")
+    code, _, err = run_cli("calibrate", llama, "-c", "w8a8", "--data", data, "-o", store, "--overwrite")
+    _refused(code, err, root, before, f"contains the data {data / 'c.txt'}")
+
+
+def test_a_directory_named_like_the_sequential_state_is_never_removed_unless_it_is_one(world):
+    """--sequential keeps its state in OUT.resume and replaced whatever was there: the checkpoint, the data
+    directory, or a user's own directory (exit 0, the directory gone)."""
+    import shutil
+
+    root, llama, _ = world
+    ckpt = root / "victim.resume"
+    shutil.copytree(llama, ckpt)
+    (root / "mine.resume").mkdir()
+    (root / "mine.resume" / "thesis.tex").write_text("precious")
+    (root / "data.resume").mkdir()
+    (root / "data.resume" / "c.txt").write_text("some text to calibrate on " * 40)
+    before = _digest(root)
+    seq = ("--sequential", "--num-samples", "2", "--seq-len", "16")
+    code, _, err = run_cli("calibrate", ckpt, "-c", "w8a8", "--data", root / "data.resume", *seq, "-o", root / "victim")
+    _refused(code, err, root, before, "OUT.resume (where --sequential keeps its state) is the checkpoint")
+    code, _, err = run_cli("quantize", llama, "-c", "w8a8", "--data", root / "data.resume", *seq, "-o", root / "data")
+    _refused(code, err, root, before, "OUT.resume (where --sequential keeps its state) is the data")
+    code, _, err = run_cli("calibrate", llama, "-c", "w8a8", "--data", root / "data.resume", *seq, "-o", root / "mine")
+    _refused(code, err, root, before, "holds 'thesis.tex', which no --sequential run's state holds")

@@ -25,10 +25,12 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
+import re
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from safetensors import safe_open
@@ -37,10 +39,11 @@ from safetensors.torch import save_file
 from ..data import Batch
 from ..encodings import EncodingEntry
 from ..errors import UsageError
-from ..io.fs import atomic_file, sha256_file
+from ..io.fs import atomic_file, check_apart_from_inputs, sha256_file
 from ..parallel import Group
 
-__all__ = ["BlockResult", "ResumeState", "state_dir", "fingerprint", "file_stamp", "batches_digest", "remove_state"]
+__all__ = ["BlockResult", "ResumeState", "state_dir", "check_state_dir", "fingerprint", "file_stamp", "batches_digest",
+           "remove_state"]
 
 STATE = "state.json"
 _VERSION = 1
@@ -50,6 +53,29 @@ def state_dir(out: Path) -> Path:
     """Where the resumable state of a run writing ``out`` lives: ``OUT.resume`` beside it."""
     out = Path(out)
     return out.with_name(out.name + ".resume")
+
+
+_STATE_NAMES = r"(state\.json|block-\d+\.safetensors|hidden-\d+-r\d+\.safetensors)"
+# what a state directory holds: its files, and the temporaries atomic_file writes them through (".NAME.tmp-...")
+_IN_A_STATE = re.compile(rf"{_STATE_NAMES}|\.{_STATE_NAMES}\.tmp-.+")
+
+
+def check_state_dir(directory: Path, inputs: Sequence[Tuple[str, Optional[str]]]) -> None:
+    """Refuse, before any work, a ``directory`` a --sequential run would replace and remove that is not a state of
+    one: an input (or one that holds or lies inside an input: ``(what, path)`` pairs), a file or a link, or a
+    directory holding anything else (``OUT.resume`` is a name a user's own directory may have)."""
+    directory = Path(directory)
+    check_apart_from_inputs(directory, "OUT.resume (where --sequential keeps its state)", inputs)
+    if not os.path.lexists(directory):
+        return
+    move = "move it away or choose another --out"
+    if directory.is_symlink() or not directory.is_dir():
+        raise UsageError(f"{directory}: exists and is not a --sequential run's state, which a run writing "
+                         f"{directory.name[:-len('.resume')]} keeps there: {move}")
+    for p in sorted(directory.iterdir()):
+        if not _IN_A_STATE.fullmatch(p.name) or p.is_symlink() or not p.is_file():
+            raise UsageError(f"{directory}: holds {p.name!r}, which no --sequential run's state holds (a run writing "
+                             f"{directory.name[:-len('.resume')]} keeps its state there and removes it): {move}")
 
 
 def file_stamp(files) -> Dict[str, List[int]]:

@@ -7,6 +7,7 @@ import ctypes
 import errno
 import glob
 import hashlib
+import itertools
 import os
 import re
 import shutil
@@ -17,7 +18,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import UsageError
 
-__all__ = ["atomic_output_dir", "atomic_file", "sha256_file", "check_output_dir", "check_output_file", "parse_size",
+__all__ = ["atomic_output_dir", "atomic_file", "sha256_file", "check_apart_from_inputs", "check_output_dir",
+           "check_output_file", "parse_size",
            "write_text_atomic", "remove_stale_temporaries"]
 
 
@@ -47,12 +49,29 @@ def parse_size(text: str, what: str, unlimited: bool = True) -> Optional[int]:
     return max(1, int(value * _UNITS[unit]))
 
 
+_LINKS_LOOKED_AT = 100_000  # entries of an input directory searched for links (a data tree may be large)
+
+
 def _existing_inputs(out: Path, inputs: Sequence[Tuple[str, Optional[str]]]):
-    """``(what, path, its real path, out's real path)`` of each input that exists."""
+    """``(what, path, its real path, out's real path)`` of each input that exists, and of each link inside an
+    input directory (a Hugging Face cache snapshot's files are links into its ``blobs``: replacing a directory a
+    link points into deletes that input's file as surely as replacing the input's own directory)."""
     target = Path(os.path.realpath(out))
     for what, path in inputs:
-        if path is not None and Path(path).exists():
-            yield what, path, Path(os.path.realpath(path)), target
+        if path is None or not Path(path).exists():
+            continue
+        real = Path(os.path.realpath(path))
+        yield what, path, real, target
+        if real.is_dir():
+            for link in itertools.islice(_links_under(real), _LINKS_LOOKED_AT):
+                yield what, os.path.join(path, link.relative_to(real)), Path(os.path.realpath(link)), target
+
+
+def _links_under(directory: Path):
+    for root, dirs, files in os.walk(directory):  # (links to directories are listed in dirs, not followed)
+        for name in dirs + files:
+            if os.path.islink(os.path.join(root, name)):
+                yield Path(root) / name
 
 
 def _refuse_inside(out: Path, flag: str, what: str, path: str, src: Path, target: Path) -> None:
@@ -64,11 +83,7 @@ def check_output_dir(out: Path, overwrite: bool, inputs: Sequence[Tuple[str, Opt
     """Refuse an --out that is a file, or an existing directory without --overwrite, before any work; and an --out
     that is, holds or lies inside one of ``inputs`` (``(what, path)`` pairs: the checkpoint, the recipe, the data,
     the encodings), which replacing --out would delete or writing into it would change."""
-    for what, path, src, target in _existing_inputs(out, inputs):
-        if target == src or target in src.parents:
-            raise UsageError(f"{out}: --out {'is' if target == src else 'contains'} the {what} {path}; replacing it "
-                             "would delete an input: choose another --out")
-        _refuse_inside(out, "--out", what, path, src, target)
+    check_apart_from_inputs(out, "--out", inputs)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: --out is an existing file, not a directory")
     if out.exists() and not overwrite:
@@ -76,6 +91,16 @@ def check_output_dir(out: Path, overwrite: bool, inputs: Sequence[Tuple[str, Opt
     parent = out.parent if str(out.parent) else Path(".")
     if parent.exists() and not parent.is_dir():
         raise UsageError(f"{parent}: parent of --out is not a directory")
+
+
+def check_apart_from_inputs(directory: Path, flag: str, inputs: Sequence[Tuple[str, Optional[str]]]) -> None:
+    """Refuse a directory qtool replaces or removes (``flag`` says which) that is, holds or lies inside one of
+    ``inputs`` (``(what, path)`` pairs)."""
+    for what, path, src, target in _existing_inputs(directory, inputs):
+        if target == src or target in src.parents:
+            raise UsageError(f"{directory}: {flag} {'is' if target == src else 'contains'} the {what} {path}; "
+                             f"replacing it would delete an input: choose another --out")
+        _refuse_inside(directory, flag, what, path, src, target)
 
 
 def check_output_file(out: Path, inputs: Sequence[Tuple[str, Optional[str]]], overwrite: Optional[bool] = None,

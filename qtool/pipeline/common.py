@@ -71,6 +71,16 @@ def _state_dir(out: str, opts: CalibrateOptions, target: Optional["TargetOptions
     return state_dir(Path(out)) if opts.sequential and target is None else None
 
 
+def _check_state(out: str, opts: CalibrateOptions, target: Optional["TargetOptions"],
+                 inputs: List[Tuple[str, Optional[str]]]) -> None:
+    """Before any work: the state directory this run would replace is one (or none), and no input."""
+    from ..calibration.resume import check_state_dir
+
+    directory = _state_dir(out, opts, target)
+    if directory is not None:
+        check_state_dir(directory, inputs)
+
+
 def _drop_state(out: str, opts: CalibrateOptions, target: Optional["TargetOptions"], group: Group) -> None:
     """The run's output is written (rank 0) or its calibration is done (the others): its state goes."""
     from ..calibration.resume import remove_state

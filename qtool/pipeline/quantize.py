@@ -19,7 +19,7 @@ from ..hooks import Hooks
 from ..io.fs import atomic_output_dir, check_output_dir
 from ..parallel import Group
 from .calibrate import _calibrate_into
-from .common import TargetOptions, _check_resume, _drop_state, _inputs, _ranks, _state_dir
+from .common import TargetOptions, _check_resume, _check_state, _drop_state, _inputs, _ranks, _state_dir
 from .export import ExportOptions, _export_into
 from .search import (SEARCH_FILE, _budget_exporter, _calibrate_searched, _prepared, _search_inputs,
                      _searched)
@@ -54,8 +54,9 @@ def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], ou
     _check_resume(opts, target)
     recipe_path, target = _prepared(recipe_path, target)
     budget_format = _budget_exporter(target) if target else None
-    check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=opts.data,
-                                                   imatrix=opts.imatrix) + _search_inputs(target))
+    inputs = _inputs(checkpoint, recipe=recipe_path, data=opts.data, imatrix=opts.imatrix) + _search_inputs(target)
+    check_output_dir(Path(out), overwrite, inputs)
+    _check_state(out, opts, target, inputs)
     with _ranks(opts.device) as group:
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes
             return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target,
@@ -95,8 +96,10 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
             raise UsageError(f"{target.flag()}: --format {exporter.name} keeps the weights float (codes live in its "
                              "encodings), so a size budget cannot be counted in it; use qtool, compressed-tensors "
                              "or gguf")
-    check_output_dir(Path(out), overwrite, _inputs(checkpoint, recipe=recipe_path, data=eopts.data,
-                                                   imatrix=opts.imatrix) + _search_inputs(target))
+    inputs = _inputs(checkpoint, recipe=recipe_path, data=opts.data, imatrix=opts.imatrix,
+                     export_data=eopts.data) + _search_inputs(target)
+    check_output_dir(Path(out), overwrite, inputs)
+    _check_state(out, opts, target, inputs)
     exporter.check_checkpoint(Path(checkpoint))
 
     def admit(plan):  # a plan the format cannot write fails before calibration, not after it
