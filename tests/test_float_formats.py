@@ -620,3 +620,27 @@ def test_fp8_kv_cache_scales_reload_with_qtools_logits(granularity, ckpt, data, 
         without = fq(ids).logits
     assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
     assert not torch.allclose(without, want, rtol=0, atol=1e-5)
+
+
+def test_a_kv_cache_kept_float_in_some_attention_layers_is_refused_for_compressed_tensors(ckpt, data, tmp_path):
+    """compressed-tensors' one kv_cache_scheme quantizes every attention layer's cache where transformers and vLLM
+    load it: a recipe ignoring one attention layer wrote a file whose runtime quantized that layer with no scales
+    (exit 0). Refused before calibrating (quantize) and from encodings (export); qtool's own format writes it."""
+    recipe = tmp_path / "kv.yaml"
+    recipe.write_text((Path(__file__).resolve().parents[1] / "configs" / "fp8-dynamic.yaml").read_text()
+                      .replace('ignore: ["lm_head"]', "ignore: [lm_head, model.layers.0.self_attn]")
+                      + "kv_cache: {granularity: per_tensor}\n")
+    assert "model.layers.0.self_attn]" in recipe.read_text()
+    needle = "model.layers.0.self_attn: its KV cache is kept float (1 attention layer(s) in all"
+    code, out, err = run_cli("quantize", ckpt, "-c", recipe, "--data", data, "-o", tmp_path / "q", "--format",
+                             "compressed-tensors", "--quiet")
+    assert code == 2 and needle in err and "calibrat" not in out, err
+    run = tmp_path / "run"
+    run_calibrate(str(ckpt), str(recipe), str(run), CalibrateOptions(data=str(data)))
+    kv = {e["name"] for e in json.loads((run / "encodings.json").read_text())["quantizers"] if "_cache" in e["name"]}
+    assert kv == {"model.layers.1.self_attn.k_cache", "model.layers.1.self_attn.v_cache"}
+    code, _, err = run_cli("export", ckpt, "-e", run / "encodings.json", "-o", tmp_path / "ct", "--format",
+                           "compressed-tensors", "--quiet")
+    assert code == 2 and needle in err and not (tmp_path / "ct").exists(), err
+    code, _, err = run_cli("export", ckpt, "-e", run / "encodings.json", "-o", tmp_path / "qt", "--quiet")
+    assert code == 0, err

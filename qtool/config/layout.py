@@ -166,18 +166,26 @@ def _check_r4_width(widths, part: str, where: str) -> None:
         raise ConfigError(f"{where}: r4 rotates the intermediate size {min(widths)}: {e}") from None
 
 
+def attention_modules(named) -> List[str]:
+    """The modules whose keys and values a ``kv_cache`` quantizes: those with ``k_proj`` and ``v_proj`` Linear
+    children (Llama-family attention)."""
+    from torch import nn
+
+    return [name for name, module in named if isinstance(getattr(module, "k_proj", None), nn.Linear)
+            and isinstance(getattr(module, "v_proj", None), nn.Linear)]
+
+
 def _kv_cache_rows(recipe: Recipe, named, source: str) -> List[QuantizerPlan]:
     """A ``k_cache`` and a ``v_cache`` row for every attention module with ``k_proj``/``v_proj`` children (not
     ignored): per tensor, or per KV head (encoding shape ``(heads, 1, 1)`` over ``(batch, heads, tokens, dim)``)."""
-    from torch import nn
-
     spec = recipe.kv_cache
     rows: List[QuantizerPlan] = []
-    for name, module in named:
-        k, v = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
-        if not (isinstance(k, nn.Linear) and isinstance(v, nn.Linear)) or any(name_matches(p, name)
-                                                                                for p in recipe.ignore):
+    modules = dict(named)
+    for name in attention_modules(named):
+        if any(name_matches(p, name) for p in recipe.ignore):
             continue
+        module = modules[name]
+        k = module.k_proj
         head_dim = getattr(module, "head_dim", None)
         if spec.granularity == "per_head":
             if not isinstance(head_dim, int) or k.out_features % head_dim:

@@ -201,6 +201,8 @@ class Plan:
     # weight quantizers on a parameter the model shares with another name (tied embeddings), which a checkpoint
     # stores once, under the first name: quantizer name -> that name (not set where a rotation unties them)
     tied: Dict[str, str] = field(default_factory=dict)
+    # with a kv_cache: the attention modules whose keys and values stay float (ignored), in module order
+    kv_float: List[str] = field(default_factory=list)
     # mixture-of-experts expert module -> calibration tokens routed to it (where its layers' inputs were measured),
     # in plan (module) order: every mode fills it block by block, a resumed run from its saved blocks first
     expert_tokens: Dict[str, int] = field(default_factory=dict)

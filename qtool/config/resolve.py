@@ -11,7 +11,7 @@ from ..choices import SUPER_BLOCK_FALLBACK, drop_activations, weighs_activations
 from ..coverage import weight_coverage
 from ..errors import ConfigError
 from ..families import family_of_model
-from .layout import _fold_candidates, _kv_cache_rows, _rotation_plan, _smooth_groups
+from .layout import _fold_candidates, _kv_cache_rows, _rotation_plan, _smooth_groups, attention_modules
 from .plan import AwqPlan, Plan, QuantizerPlan
 from .schema import (_INPUT_WEIGHTED_TYPES, _INTEGER_INPUT_TYPES, DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES,
                      ActivationSpec, AnalyzerSpec, LayerRule, Recipe, RoundingSpec, WeightSpec, _merge, name_matches)
@@ -283,6 +283,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             plan.warnings.append(msg)
     if recipe.kv_cache is not None:
         plan.quantizers += _kv_cache_rows(recipe, named, source)
+        kv = {q.module for q in plan.quantizers if q.tensor in ("k_cache", "v_cache")}
+        plan.kv_float = [n for n in attention_modules(named) if n not in kv]
     if towered:
         roots = sorted({n[:MEDIA_TOWER.search(n).end(2)] for n in towered})
         plan.warnings.append(f"{len(towered)} module(s) of the model's media encoders stay float "

@@ -90,6 +90,10 @@ class Exporter:
         """Refuse weight quantizers on a tied parameter's later name (``Plan.tied``) where the format cannot write
         them (default: it can)."""
 
+    def check_kv_cache(self, float_attention: List[str]) -> None:
+        """Refuse a KV cache quantized in some attention layers only (``Plan.kv_float``: those left float) where
+        the format has one KV-cache scheme for the whole model (default: it can write the layers apart)."""
+
     def check_weight_changes(self, changes: List[str]) -> None:
         """Refuse what calibration changes in the weights (:func:`weight_changes` of a plan) where the format does
         not write weights (default: it writes them, as calibration left them)."""

@@ -83,6 +83,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from torch import nn
 
+from ..config.layout import attention_modules
 from ..encodings import EncodingsFile
 from ..errors import CheckpointError, EncodingsError, UsageError
 from ..io.checkpoint import detect_kind
@@ -177,6 +178,9 @@ def export_compressed_tensors(
     # so do static FP8 ones (with their input_scale); static integer activations are not written: they run in float
     dyn_inputs = {e.module: e for e in encodings.entries if _written_input(e)}
     kv = [e for e in encodings.entries if e.tensor in ("k_cache", "v_cache")]
+    if kv:
+        refuse_partial_kv_cache([n for n in attention_modules(modules.items()) if n not in {e.module for e in kv}],
+                                EncodingsError)
     acts = _unwritten_activations(encodings.entries)
     if acts:
         warnings.append(
@@ -240,6 +244,16 @@ def export_compressed_tensors(
     }
 
 
+def refuse_partial_kv_cache(float_attention: List[str], error) -> None:
+    """compressed-tensors has one ``kv_cache_scheme`` for the model, which transformers and vLLM apply to every
+    attention layer: a layer whose keys and values the recipe keeps float would run quantized with no scales."""
+    if float_attention:
+        raise error(f"{float_attention[0]}: its KV cache is kept float ({len(float_attention)} attention layer(s) in "
+                    "all: ignored), but compressed-tensors' kv_cache_scheme quantizes every attention layer's cache, "
+                    "as transformers and vLLM run it (this one with no scales): quantize them all, or export with "
+                    "--format qtool")
+
+
 class CompressedTensorsExporter(Exporter):
     """``--format compressed-tensors`` (see the module docs)."""
 
@@ -270,6 +284,9 @@ class CompressedTensorsExporter(Exporter):
         strategy = {"per_tensor": "tensor", "per_channel": "channel"}.get(spec.granularity.value, "group")
         packed = _int_format(spec.bitwidth, options.ct_eight_bit_format) == "pack-quantized"
         return layout_bytes(_int_layout("", spec, shape, _scale_dtype(dtype), packed, strategy))
+
+    def check_kv_cache(self, float_attention: List[str]) -> None:
+        refuse_partial_kv_cache(float_attention, UsageError)
 
     def write(self, request: ExportRequest, options: "CompressedTensorsExporter.Options") -> Dict[str, object]:
         return export_compressed_tensors(request.checkpoint, request.encodings, request.out_dir,

@@ -106,6 +106,7 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
         exporter.admit(plan.quantizers, options, plan.rotation.online() if plan.rotation else [])
         exporter.check_weight_changes(weight_changes(plan))
         exporter.check_tied(plan.tied)
+        exporter.check_kv_cache(plan.kv_float)
         plan.left_float.update((name, exporter.name) for name in exporter.left_float(plan.quantizers, options))
 
     with _ranks(opts.device) as group:

@@ -204,6 +204,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
                             importance_matrix=opts.imatrix is not None)
         exporter.admit(plan.quantizers, options, plan.rotation.online() if plan.rotation else [])
         exporter.check_tied(plan.tied)
+        exporter.check_kv_cache(plan.kv_float)
         plans.append(plan)
 
     def rest(plan):
