@@ -483,15 +483,20 @@ def test_report_measures_each_expert_on_the_tokens_both_models_routed_to_it(tmp_
 
 
 @pytest.mark.parametrize("family,router", [("hunyuan_v1_moe", "model.layers.1.mlp.gate.wg"),
-                                           ("llama4_text", "model.layers.1.feed_forward.router")])
-def test_a_router_that_is_a_linear_stays_float_unless_a_rule_names_it(family, router):
-    """Hunyuan scores its experts with a plain Linear under mlp.gate, Llama 4 with a Linear subclass: float by
-    default like every family's router; a rule whose match names it quantizes it."""
+                                           ("llama4_text", "model.layers.1.feed_forward.router"),
+                                           ("qwen3_moe", "model.layers.1.mlp.gate"),
+                                           ("mixtral", "model.layers.1.mlp.gate")])
+def test_a_router_stays_float_unless_a_rule_names_it(family, router):
+    """Hunyuan scores its experts with a plain Linear under mlp.gate, Llama 4 with a Linear subclass, Qwen3-MoE and
+    Mixtral with a *TopKRouter holding a bare weight: float by default; a rule whose match names it quantizes it
+    (a TopKRouter's name alone was "matches no module", naming the module as the nearest)."""
     from qtool.config import load_recipe, parse_recipe, recipe_file, resolve_plan
 
     extra = {"hunyuan_v1_moe": dict(num_experts=8, moe_intermediate_size=32, head_dim=16),
              "llama4_text": dict(num_local_experts=8, head_dim=16, intermediate_size_mlp=64,
-                                 interleave_moe_layer_step=1)}[family]
+                                 interleave_moe_layer_step=1),
+             "qwen3_moe": dict(num_experts=8, moe_intermediate_size=32, head_dim=16),
+             "mixtral": dict(num_local_experts=8, head_dim=16)}[family]
     cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=32,
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                             num_experts_per_tok=2, **extra)

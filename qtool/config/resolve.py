@@ -212,6 +212,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 if not any(t in rule.types() for t in tnames):
                     continue
                 w_cand = a_cand = True  # naming a type opts modules of that type in
+            elif router:
+                w_cand = a_cand = True  # so does naming a router (transformers' *TopKRouter holds a bare weight)
             if not (w_cand or a_cand):
                 continue  # a name pattern only refines modules that can be quantized
             used[i] = True
@@ -352,6 +354,10 @@ def _nearest_modules(rule: LayerRule, named) -> str:
     import difflib
 
     if rule.match is not None:
+        hits = [(n, type(m).__name__) for n, m in named if name_matches(rule.match, n)]
+        if hits:
+            return (f" that a quantizer can take ({hits[0][0]} is a {hits[0][1]}, which a name alone does not opt in: "
+                    f"add type: {hits[0][1]} to the rule)")
         want = re.sub(r"[\^$*?\[\]().+\\]", "", rule.match[3:] if rule.match.startswith("re:") else rule.match)
         names = [n for n, _ in named]
         close = difflib.get_close_matches(want, names, n=3, cutoff=0.4)
