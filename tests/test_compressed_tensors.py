@@ -368,3 +368,22 @@ def test_the_plan_line_counts_what_the_format_leaves_float(tmp_path):
     with safe_open(str(next((tmp_path / "ct").glob("*.safetensors"))), "pt") as f:
         assert f.get_tensor("model.embed_tokens.weight").is_floating_point()
         assert "model.layers.0.mlp.up_proj.weight_packed" in f.keys()
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "qtool"])
+def test_the_size_summary_counts_weight_files_only(ckpt, tmp_path, fmt):
+    """A Hub model directory's README.md and .gitattributes are copied beside the weights; the summary counted
+    them as model files (model_bytes, and the 'checkpoint -> ...' line)."""
+    import shutil
+
+    from tests.helpers import run_cli
+
+    src = tmp_path / "hub"
+    shutil.copytree(ckpt, src)
+    (src / "README.md").write_text("# a model card\n" * 500)
+    (src / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+    code, out, err = run_cli("quantize", src, "-c", "w8a16", "-o", tmp_path / "out", "--format", fmt, "--json")
+    assert code == 0, err
+    size = json.loads(out)["size"]
+    assert size["model_files"] == ["model.safetensors"]
+    assert size["model_bytes"] == (tmp_path / "out" / "model.safetensors").stat().st_size

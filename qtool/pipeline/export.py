@@ -161,13 +161,16 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
                                      head={"format": eopts.format, "encoding_version": eopts.encoding_version},
                                      device="cpu", tail={"summary": summary}))
     summary["outputs"] = outputs + ["manifest.json"]
-    # what was gained: the checkpoint's weight files against the model files written (encodings and manifests aside)
-    model_files = [n for n in outputs if not n.startswith("calibration/")
-                   and not n.endswith((".json", ".encodings", ".txt", ".model", ".jinja", ".yaml"))]
+    # what was gained: the checkpoint's weight files against the model files written (not the encodings, manifests
+    # or the files copied beside the weights: a tokenizer, a README, .gitattributes)
+    model_files = [n for n in outputs if not n.startswith("calibration/") and n.endswith(_MODEL_SUFFIXES)]
     summary["size"] = {"checkpoint_bytes": sum(f.stat().st_size for f in tensor_files(Path(checkpoint))),
                        "model_bytes": sum((out_dir / n).stat().st_size for n in model_files),
                        "model_files": model_files}
     return summary
+
+
+_MODEL_SUFFIXES = (".safetensors", ".onnx", ".gguf")  # what every format writes its weights as
 
 
 def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[ExportOptions] = None,
