@@ -378,3 +378,15 @@ def test_the_manifests_paths_are_found_by_their_hashes_from_any_directory(model,
     code, _, err = run_cli("eval", "../out", "--data", held, *EVAL, "-q")
     lines = error_lines(err)
     assert code == 2 and len(lines) == 1 and "not the float checkpoint ../out was made from" in lines[0], err
+
+
+def test_tokens_of_a_model_that_is_not_a_causal_lm_are_the_ones_its_masks_keep():
+    """(eval's `tokens` for an encoder counted samples: 8 BERT windows of hundreds of tokens said 8)"""
+    from qtool.data import Batch
+    from qtool.evaluation import _text_tokens
+
+    ids = torch.ones(2, 5, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    assert _text_tokens([Batch(kwargs={"input_ids": ids, "attention_mask": mask})] * 2) == 16
+    assert _text_tokens([Batch(kwargs={"input_ids": ids})]) == 10
+    assert _text_tokens([Batch(args=(torch.randn(4, 3, 8, 8),))]) is None

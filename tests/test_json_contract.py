@@ -51,6 +51,8 @@ def test_json_keys_are_the_documented_ones(tmp_path):
     assert keys("inspect", tmp_path / "qtool") == doc["inspect"]
     for fmt in ("qtool", "onnx"):  # not a causal LM: output cosine (the manifest names the checkpoint)
         assert keys("eval", tmp_path / fmt, "--data", data, *mc) == doc["eval (other models)"], fmt
+    code, out, err = run_cli("eval", tmp_path / "qtool", "--data", data, *mc, "--json")
+    assert code == 0 and json.loads(out)["tokens"] is None, err  # feature inputs have no tokens (it said 16)
     assert keys("import-encodings", ckpt, tmp_path / "qtool" / "model.encodings", *mc, "-o", tmp_path / "i") == \
         doc["import-encodings"]
     assert keys("config", "list") == doc["config list"]

@@ -364,6 +364,16 @@ def _weight_hashes(checkpoint: Path) -> Optional[List[str]]:
         return None
 
 
+def _text_tokens(batches) -> Optional[int]:
+    """The tokens a model of text read (those its attention masks keep, else every input id); None for other
+    inputs (images, features), which have none."""
+    if all("attention_mask" in b.kwargs for b in batches):
+        return sum(int(b.kwargs["attention_mask"].sum()) for b in batches)
+    if all("input_ids" in b.kwargs for b in batches):
+        return sum(int(b.kwargs["input_ids"].numel()) for b in batches)
+    return None
+
+
 def _reference(art: Artifact, given: Optional[str], artifact: str) -> Tuple[str, List[str]]:
     """The float checkpoint to compare with, and notes: ``given``, else the one the manifest names, found (its path
     is as given where the job ran: see ``places``) where its weight files have the sha256 the manifest records, so
@@ -580,7 +590,7 @@ def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc
         if all(x.dim() == 2 for x in a):
             same = torch.cat([x.argmax(-1) == y.argmax(-1) for x, y in zip(a, b)])
             ev.top1[name] = float(same.double().mean())
-    ev.tokens = sum(int(b.size) for b in batches)
+    ev.tokens = _text_tokens(batches)
     if fq is not None:
         quant = 1.0 - ev.cosine["fake_quant"]["mean"]
         gap = 1.0 - ev.cosine["export_gap"]["mean"]

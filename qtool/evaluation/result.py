@@ -19,7 +19,7 @@ class Evaluation:
     encodings: Optional[str]
     causal_lm: bool
     sequences: int
-    tokens: int
+    tokens: Optional[int]  # text inputs' tokens (None for images and other inputs)
     perplexity: Dict[str, float] = field(default_factory=dict)  # float / fake_quant / artifact
     vs_float: Dict[str, Agreement] = field(default_factory=dict)  # fake_quant / artifact
     export_gap: Optional[Agreement] = None  # the artifact against the fake-quant model
