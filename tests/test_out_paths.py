@@ -188,3 +188,37 @@ def test_a_directory_named_like_the_sequential_state_is_never_removed_unless_it_
     _refused(code, err, root, before, "OUT.resume (where --sequential keeps its state) is the data")
     code, _, err = run_cli("calibrate", llama, "-c", "w8a8", "--data", root / "data.resume", *seq, "-o", root / "mine")
     _refused(code, err, root, before, "holds 'thesis.tex', which no --sequential run's state holds")
+
+
+def test_an_out_that_is_a_link_to_nothing_is_refused_before_any_work(world):
+    """It ran the whole job, then said the directory "was created by another process while this run was
+    writing"."""
+    import os
+
+    root, llama, _ = world
+    os.symlink(root / "nowhere", root / "dangling")
+    before = _digest(root)
+    code, _, err = run_cli("quantize", llama, "-c", "w8a16", "-o", root / "dangling")
+    _refused(code, err, root, before, "already exists (a link to nothing); pass --overwrite")
+    code, _, err = run_cli("quantize", llama, "-c", "w8a16", "-o", root / "dangling", "--overwrite")
+    assert code == 0, err
+    assert (root / "dangling").is_dir() and not (root / "dangling").is_symlink()
+
+
+def test_a_long_out_name_within_the_filesystems_limit_is_written(world):
+    """A 250-byte name is legal; its temporary's name (host, pid and a random tail added) went past 255 bytes:
+    "File name too long"."""
+    root, llama, _ = world
+    out = root / ("q" * 250)
+    code, _, err = run_cli("quantize", llama, "-c", "w8a16", "-o", out)
+    assert code == 0, err
+    assert (out / "model.safetensors").is_file()
+    assert [p.name for p in root.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_a_path_that_is_not_utf8_is_one_line(world):
+    """Bytes the locale cannot decode (kept as surrogates) reached safetensors' reader: an internal error, exit 3."""
+    root, llama, _ = world
+    code, out, err = run_cli("quantize", str(root / "nu\udcff"), "-c", "w8a16", "-o", root / "x", "--json")
+    assert code == 2 and "not a valid UTF-8 name" in err, err
+    assert '"ok": false' in out and not (root / "x").exists()

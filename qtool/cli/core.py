@@ -25,6 +25,17 @@ class _Group(typer.core.TyperGroup):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         argv = list(sys.argv[1:] if args is None else args)
+        for arg in argv:
+            try:
+                arg.encode("utf-8")
+            except UnicodeEncodeError:  # (bytes the locale could not decode, kept as surrogates)
+                shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+                message = (f"error: {shown}: not a valid UTF-8 name; the files qtool reads and writes "
+                           "(safetensors, JSON) name paths in UTF-8: rename it")
+                err.print(message, markup=False)
+                if "--json" in argv:
+                    _emit_json({"ok": False, "exit_code": 2, "error": message.split(": ", 1)[-1]})
+                sys.exit(2)
         forget_published()  # (an earlier command of this process, under a test runner)
         _SIGNALLED.clear()
         _SAID.clear()

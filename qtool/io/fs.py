@@ -86,8 +86,9 @@ def check_output_dir(out: Path, overwrite: bool, inputs: Sequence[Tuple[str, Opt
     check_apart_from_inputs(out, "--out", inputs)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: --out is an existing file, not a directory")
-    if out.exists() and not overwrite:
-        raise UsageError(f"{out}: already exists; pass --overwrite to replace it")
+    if os.path.lexists(out) and not overwrite:  # (a link to nothing too: the run would end refused)
+        raise UsageError(f"{out}: already exists{'' if out.exists() else ' (a link to nothing)'}; pass --overwrite "
+                         "to replace it")
     parent = out.parent if str(out.parent) else Path(".")
     if parent.exists() and not parent.is_dir():
         raise UsageError(f"{parent}: parent of --out is not a directory")
@@ -129,7 +130,21 @@ _TEMP_NAME = re.compile(r"\.tmp-(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)-[^/]*$")
 def _temp_prefix(name: str) -> str:
     """Temporary names carry the writer's host and pid, so that a later run can tell whether their writer is gone
     (SIGKILL leaves them behind) and remove them."""
-    return f".{name}.tmp-{_HOST}-{os.getpid()}-"
+    return f".{_temp_stem(name)}.tmp-{_HOST}-{os.getpid()}-"
+
+
+_STEM_BYTES = 150  # of a temporary's name, which must stay within 255 bytes with the host, pid and random tail
+
+
+def _temp_stem(name: str) -> str:
+    """``name``, or for a long one its start and a hash of the whole (a legal 250-byte --out name was refused
+    with "File name too long": its temporary's name went past 255 bytes)."""
+    if len(name.encode("utf-8", "surrogateescape")) <= _STEM_BYTES:
+        return name
+    head = name
+    while len(head.encode("utf-8", "surrogateescape")) > _STEM_BYTES - 17:
+        head = head[:-1]
+    return f"{head}~{hashlib.sha256(name.encode('utf-8', 'surrogateescape')).hexdigest()[:16]}"
 
 
 def _writer_is_gone(host: str, pid: int) -> bool:
@@ -150,7 +165,7 @@ def remove_stale_temporaries(target: Path) -> List[Path]:
     parent = target.parent if str(target.parent) else Path(".")
     removed = []
     try:
-        candidates = list(parent.glob(f".{glob.escape(target.name)}.tmp-*"))
+        candidates = list(parent.glob(f".{glob.escape(_temp_stem(target.name))}.tmp-*"))
     except OSError:
         return removed
     for p in candidates:
