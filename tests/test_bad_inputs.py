@@ -52,6 +52,7 @@ SETUPS = {
     "hf_config_list": lambda d, ckpt: _hf_dir(d, "[1, 2]"),
     "hf_config_deep": lambda d, ckpt: _hf_dir(d, "[" * 100000 + "]" * 100000),
     "hf_weight_map_list": lambda d, ckpt: _hf_dir(d, None, index='{"weight_map": [1, 2]}'),
+    "hf_weight_map_empty": lambda d, ckpt: _hf_dir(d, None, index='{"weight_map": {}}'),
     "hf_weight_map_escapes": lambda d, ckpt: _hf_dir(d, None, index='{"weight_map": {"a": "../../etc/x.safetensors"}}'),
     "encodings_deep": lambda d, ckpt: (d / "deep.json").write_text("[" * 100000 + "]" * 100000) and d / "deep.json",
     "data_65_channels": lambda d, ckpt: _save(d, "x65.safetensors", {"x": torch.randn(4, 65)}),

@@ -344,3 +344,18 @@ def test_an_interrupt_while_the_summary_prints_names_the_signal_and_the_output(w
     assert f"interrupted: {name}; {out} had been written in full before it" in err
     assert json.loads(stdout) == {"ok": False, "exit_code": code,
                                   "error": f"{name}; {out} had been written in full before it"}
+
+
+def test_a_write_the_disk_refuses_names_the_output(world, tmp_path):
+    """A full disk or a file-size limit fails a write() that names no file: the line said "File too large" and no
+    more. It names the output now, and nothing is left of it."""
+    import resource
+
+    d, ckpt, data = world
+    out = tmp_path / "out"
+    r = qtool("quantize", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class", "tests.tinymodels:mlp", "-o", out,
+              env={"PYTHONDONTWRITEBYTECODE": "1"},
+              preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048)))
+    assert r.returncode == 2, r.stderr
+    assert f"error: {out}: File too large (nothing was written)" in r.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -101,3 +101,23 @@ def test_float32_keyword_follows_the_transformers_version(version, keyword):
     from qtool.model.hf import _float32
 
     assert _float32(SimpleNamespace(__version__=version)) == {keyword: torch.float32}
+
+
+def test_a_tokenizer_that_does_not_load_is_named_where_text_needs_it(tmp_path):
+    """A corrupt tokenizer.json read as "this checkpoint has none"; tensor data, which needs no tokenizer, still
+    calibrates."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.helpers import run_cli, tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m")
+    (ckpt / "tokenizer.json").write_text("garbage")
+    (tmp_path / "t.txt").write_text("some text to calibrate on. " * 200)
+    code, _, err = run_cli("calibrate", ckpt, "-c", "w8a8", "--data", tmp_path / "t.txt", "--seq-len", "16",
+                           "-o", tmp_path / "a")
+    assert code == 2 and f"{ckpt / 'tokenizer.json'}: the checkpoint's tokenizer cannot be loaded" in err, err
+    save_file({"input_ids": torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))},
+              tmp_path / "ids.safetensors")
+    code, _, err = run_cli("calibrate", ckpt, "-c", "w8a8", "--data", tmp_path / "ids.safetensors", "-o", tmp_path / "b")
+    assert code == 0, err

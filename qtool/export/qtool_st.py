@@ -402,6 +402,8 @@ def export_files(path: Path) -> List[Path]:
                 isinstance(f, str) and f and Path(f).name == f for f in weight_map.values()):
             raise EncodingsError(f"{path}: not a valid safetensors index ('weight_map' must map tensor names to "
                                  f"file names beside it)")
+        if not weight_map:
+            raise EncodingsError(f"{path}: weight_map names no tensor")
         return [path.parent / f for f in sorted(set(weight_map.values()))]
     return [path]
 

@@ -46,6 +46,8 @@ def tensor_files(path: Path) -> List[Path]:
             weight_map = read_json_object(index, CheckpointError, "safetensors index", strict=True).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+            if not weight_map:  # (else "no weights in this directory", beside the shards it should name)
+                raise CheckpointError(f"{index}: weight_map names no tensor")
             shards = sorted(set(weight_map.values()))
             bad = [f for f in shards if Path(f).name != f or not f.endswith(".safetensors")]
             if bad:

@@ -256,6 +256,13 @@ def current_umask() -> int:
     return mask
 
 
+def _name_the_output(e: BaseException, out: Path) -> None:
+    """A write that failed without naming a file (a full disk, a file-size limit: the error of a write() call) is
+    told as the output's (the error line said "File too large" and no more)."""
+    if isinstance(e, OSError) and not e.filename:
+        e.filename = str(out)
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``out``; on success it becomes ``out`` in one rename (or one atomic
@@ -277,8 +284,9 @@ def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         _publish(tmp, out, overwrite)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        _name_the_output(e, out)
         raise
 
 
@@ -297,7 +305,8 @@ def atomic_file(path: Path, output: bool = False) -> Iterator[Path]:
     try:
         yield Path(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        _name_the_output(e, path)
         Path(tmp).unlink(missing_ok=True)
         raise
     if output:

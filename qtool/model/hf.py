@@ -298,10 +298,7 @@ def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, An
                               f"({str(e).splitlines()[0]})") from None
     _check_fit_if_weights(path, model)
     _linearize(path, model)
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    except Exception:  # tensor data needs no tokenizer
-        tokenizer = None
+    tokenizer = _tokenizer(transformers, path)
     model.eval()
     return model, config, tokenizer
 
@@ -339,12 +336,43 @@ def load_hf(path: Path, trust_remote_code: bool):
     except Exception as e:  # transformers raises many types for bad weights
         raise CheckpointError(f"{path}: transformers could not load the model: {str(e).splitlines()[0]}") from None
     _linearize(path, model)
-    tokenizer = None
+    return model, _tokenizer(transformers, path), config
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
+
+
+class TokenizerError(CheckpointError, AttributeError):
+    """A checkpoint's tokenizer that transformers could not load, met where it is used (an AttributeError too, so
+    that ``getattr(tokenizer, name, default)`` still answers the default)."""
+
+
+class UnreadableTokenizer:
+    """Stands for a tokenizer whose files are there but do not load: tensor data needs none, so nothing fails
+    until it is used, and then with why (text data said "this checkpoint has none")."""
+
+    def __init__(self, why: str):
+        self._why = why
+
+    def __getattr__(self, name):
+        raise TokenizerError(self._why)
+
+    def __call__(self, *args, **kwargs):
+        raise TokenizerError(self._why)
+
+
+def _tokenizer(transformers, path: Path):
+    """The checkpoint's tokenizer; None where it has none; an :class:`UnreadableTokenizer` where its files do not
+    load."""
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    except Exception:  # a model without a tokenizer is fine for tensor data
-        tokenizer = None
-    return model, tokenizer, config
+        return transformers.AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        files = [f for f in _TOKENIZER_FILES if (Path(path) / f).is_file()]
+        if not files:
+            return None
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return UnreadableTokenizer(f"{Path(path) / files[0]}: the checkpoint's tokenizer cannot be loaded "
+                                   f"({reason[:200]})")
 
 
 def hf_name_map(model: nn.Module, files: List[Path]) -> Dict[str, str]:
