@@ -412,3 +412,29 @@ def test_a_sentence_transformers_model_keeps_its_module_folders(tmp_path):
             sentences, convert_to_tensor=True)
     assert got.shape == want.shape
     assert torch.nn.functional.cosine_similarity(got, want).min() > 0.95
+
+
+def test_layers_runtimes_fuse_but_the_recipe_splits_are_named(ckpt, tmp_path):
+    """vLLM runs q/k/v (and gate/up) as one layer with one scheme and refuses a file that quantizes them apart;
+    transformers holds a mixture-of-experts layer's experts fused and cannot load them quantized apart. The export
+    was silent; it warns now, naming the pair."""
+    from qtool.export.ct_config import fused_mixes
+
+    extra = "  - match: \"*.k_proj\"\n    weights: {bitwidth: 8, granularity: per_channel}\n"
+    enc_path = _calibrate(ckpt, tmp_path, W4_G32, extra_layers=extra)
+    summary = export_compressed_tensors(ckpt, EncodingsFile.read(enc_path), tmp_path / "ct")
+    mixes = [w for w in summary["warnings"] if "run fused" in w]
+    assert len(mixes) == 2 and mixes[0].startswith(
+        "vLLM: model.layers.0.self_attn.q_proj (4-bit int group) and model.layers.0.self_attn.k_proj (8-bit int "
+        "channel) run fused"), mixes
+    (tmp_path / "b").mkdir()
+    summary = export_compressed_tensors(ckpt, EncodingsFile.read(_calibrate(ckpt, tmp_path / "b", W4_G32)),
+                                        tmp_path / "ct2")
+    assert not [w for w in summary["warnings"] if "run fused" in w]
+    a = {"num_bits": 4, "type": "int", "strategy": "group"}
+    settings = {"s": {"args": a, "modules": ["m.experts.0.up_proj", "m.experts.1.up_proj", "m.experts.0.down_proj"]}}
+    linear = ["m.experts.0.up_proj", "m.experts.0.down_proj", "m.experts.1.up_proj", "m.experts.1.down_proj"]
+    assert fused_mixes(settings, linear) == [
+        "vLLM and transformers: m.experts.0.down_proj (4-bit int group) and m.experts.1.down_proj (float) run fused, "
+        "with one scheme for all of them, and this file quantizes them differently: neither loads it; quantize them "
+        "alike (one rule)"]

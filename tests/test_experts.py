@@ -530,3 +530,22 @@ def test_eval_of_per_token_activations_compares_what_compressed_tensors_runs(tmp
     res = json.loads(out)
     assert res["export_fault"] is None and res["export_gap"]["kl_mean"] < 1e-6, res["export_gap"]
     assert any("one for a 2-D input" in n for n in res["notes"]), res["notes"]
+
+
+def test_experts_quantized_apart_are_named_in_the_export_and_by_eval(tmp_path):
+    """One expert left float beside its quantized siblings: transformers (and vLLM) hold a layer's experts fused
+    with one scheme. The export warned of nothing, and eval's error was transformers' "For details look at the
+    above report!" with no report shown."""
+    checkpoint, ids = _saved(tmp_path, "qwen3_moe")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, block_size: 32}\n"
+                      "  activations: null\nlayers:\n  - match: 're:model\\.layers\\.1\\.mlp\\.experts\\.2\\..*'\n"
+                      "    weights: null\nignore: [lm_head]\n")
+    code, out, err = run_cli("quantize", checkpoint, "-c", recipe, "-o", tmp_path / "ct", "--format",
+                             "compressed-tensors", "--json", "--quiet")
+    assert code == 0, err
+    fused = [w for w in json.loads(out)["export_warnings"] if "run fused" in w]
+    assert fused and all("model.layers.1.mlp.experts.2." in w and "(float)" in w for w in fused), fused
+    code, _, err = run_cli("eval", tmp_path / "ct", "--data", ids, "--seq-len", 32, "--num-samples", 4,
+                           "--generate", 0)
+    assert code == 2 and "transformers cannot load its experts" in err and "above report" not in err, err

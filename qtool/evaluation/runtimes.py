@@ -154,6 +154,11 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
                 model = model.to(device).eval()  # progress bars, and decompresses on first use
                 model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
         except (ValueError, RuntimeError, TypeError, OSError, KeyError, NotImplementedError) as e:
+            if "ignore_mismatched_sizes" in str(e) and _experts_apart(directory):
+                # (its "above report" is transformers' own log: the message alone names nothing)
+                raise UsageError(f"{directory}: transformers cannot load its experts: {_EXPERTS_FUSED}: a limit "
+                                 "of the runtime, not the file; evaluate qtool's own format of the same "
+                                 "calibration instead") from None
             errors.append(f"{str(dtype).replace('torch.', '')}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
             continue
         _check_loaded(directory, info)
@@ -163,6 +168,28 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
     raise UsageError(f"{directory}: transformers cannot load it ({'; '.join(errors)})" + _known_limit(directory))
 
 
+_EXPERTS_FUSED = ("its experts are stored one by one, as vLLM's MoE loaders read them; transformers' model holds "
+                  "them fused and reads no quantized fused experts")
+
+
+def _experts_apart(directory: Path) -> bool:
+    """Whether a directory's weights store mixture-of-experts experts one by one (``...experts.3.up_proj...``)."""
+    import re
+
+    from ..io.checkpoint import tensor_files
+
+    try:
+        from safetensors import safe_open
+
+        for f in tensor_files(Path(directory)):
+            with safe_open(str(f), "pt") as fh:
+                if any(re.search(r"\.experts\.\d+\.", k) for k in fh.keys()):
+                    return True
+    except Exception:  # (a damaged file: the load's own error stands)
+        return False
+    return False
+
+
 def _check_loaded(directory: Path, info: dict) -> None:
     """Refuse a load in which transformers left parameters unread (it would run them at their initial values, and
     the figures would blame the file): a model whose experts transformers holds fused while the file stores them
@@ -170,8 +197,7 @@ def _check_loaded(directory: Path, info: dict) -> None:
     missing, unused = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
     if not missing:
         return
-    experts = " (its experts are stored one by one, as vLLM's MoE loaders read them; transformers' model holds " \
-              "them fused and reads no quantized fused experts)" if any(".experts." in k for k in unused) else ""
+    experts = f" ({_EXPERTS_FUSED})" if any(".experts." in k for k in unused) else ""
     raise UsageError(f"{directory}: transformers leaves {len(missing)} parameters of this model unread "
                      f"({', '.join(missing[:2])}{' ...' if len(missing) > 2 else ''}){experts}: a limit of the "
                      "runtime, not the file; evaluate qtool's own format of the same calibration instead")

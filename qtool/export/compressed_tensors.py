@@ -93,7 +93,7 @@ from ..model.hf import meta_skeleton
 from ..weights import WeightSource
 from .base import Exporter, ExportRequest, layout_bytes, weight_names
 from .ct_config import (_KEY_ROTATION_NOTE, _ONLINE_NOTE, CT_VERSION_FALLBACK, _compat_notes, _int_format,
-                        _online_transforms, config_groups, quantization_config)
+                        _online_transforms, config_groups, fused_mixes, quantization_config)
 from .ct_modules import _routers, _tied_params, _unwritten_activations, _written_input, select_linear
 from .ct_tensors import _ct_scale_shape, _float_layout, _int_layout, _scale_dtype, tensor_layout, write_tensors
 
@@ -229,6 +229,7 @@ def export_compressed_tensors(
                         f"quantized, so they run in float: {', '.join(orphans)}")
     float_linear = [n for n, m in modules.items() if isinstance(m, nn.Linear) and n not in quantized_modules]
     float_linear += _routers(model, modules, keys)
+    warnings += fused_mixes(settings, [n for n, m in modules.items() if isinstance(m, nn.Linear)])
     qconfig, groups, top_format = quantization_config(settings, modules, quantized_modules, float_linear, kv)
     transforms = _online_transforms(encodings, modules, src, keys)
     if transforms:

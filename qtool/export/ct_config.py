@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -192,6 +192,34 @@ def _compat_notes(settings) -> List[str]:
                          "from_pretrained(..., quantization_config=CompressedTensorsConfig(dequantize=True)) "
                          "(transformers 5.23 / compressed-tensors 0.20)"
                          + ("" if len(settings) == 1 else ", which handles a single config group only"))
+    return notes
+
+
+def fused_mixes(settings: Dict[str, Dict[str, Any]], linear: Sequence[str]) -> List[str]:
+    """A warning for each group of Linears (``linear``, in model order) that runtimes fuse into one layer (q/k/v,
+    gate/up, one projection across a mixture-of-experts layer's experts: ``config.fused``) and that this file
+    quantizes with more than one scheme, or partly float: vLLM refuses such a layer, and transformers, which holds a
+    mixture-of-experts layer's experts fused, cannot load those."""
+    from ..config.fused import fused_groups
+
+    scheme = {m: sig for sig, setting in settings.items() for m in setting["modules"]}
+    short = {sig: f"{st['args']['num_bits']}-bit {st['args']['type']} {st['args']['strategy']}"
+             for sig, st in settings.items()}
+    mixed = []
+    for group in fused_groups(list(linear)):
+        first = scheme.get(group[0])
+        odd = next((m for m in group if scheme.get(m) != first), None)
+        if odd is not None:
+            mixed.append((group[0], first, odd, scheme.get(odd)))
+    notes = []
+    for a, sa, b, sb in mixed[:3]:
+        experts = ".experts." in a
+        notes.append(f"vLLM{' and transformers' if experts else ''}: {a} ({short.get(sa, 'float')}) and {b} "
+                     f"({short.get(sb, 'float')}) run fused, with one scheme for all of them, and this file "
+                     f"quantizes them differently: {'neither loads' if experts else 'vLLM refuses'} it; quantize "
+                     "them alike (one rule)")
+    if len(mixed) > 3:
+        notes.append(f"... and {len(mixed) - 3} more such fused groups quantized differently")
     return notes
 
 
