@@ -26,6 +26,7 @@ from torch import nn
 
 from .config import Plan, QuantizerPlan
 from .config.fused import FUSED, fused_groups
+from .config.loading import load_yaml
 from .data import Batch
 from .export.base import layout_bytes
 from .model.insert import computing_with, fake_quant_weight, set_quantization
@@ -273,7 +274,7 @@ def mixed_recipe(base_text: str, plans: Sequence[Plan], chosen: Dict[str, int], 
     candidate (``chosen``: module -> candidate index) sets it differently from the first candidate."""
     import yaml
 
-    recipe = yaml.safe_load(base_text) or {}
+    recipe = load_yaml(base_text) or {}
     recipe.setdefault("version", 1)
     base_specs = plans[0].weight_specs
     rules = []

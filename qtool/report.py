@@ -397,6 +397,7 @@ def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optiona
     import yaml
 
     from .config.fused import fused_groups
+    from .config.loading import load_yaml
 
     by_module = {r["module"]: r for r in rows}
     group_of = {m: g for g in fused_groups(list(by_module)) for m in g}
@@ -414,7 +415,7 @@ def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optiona
     header = (f"# qtool report --sensitivity: the {min(n, len(rows))} most sensitive layers{fused} kept at higher "
               f"precision\n# ({kept}). Later layers entries win.\n")
     if base_recipe_text is not None:
-        base = yaml.safe_load(base_recipe_text) or {}
+        base = load_yaml(base_recipe_text) or {}
         base.setdefault("version", 1)
         base["layers"] = list(base.get("layers") or []) + rules
         return header + yaml.safe_dump(base, sort_keys=False)

@@ -167,6 +167,16 @@ def test_bad_recipes_give_one_clear_error(text, needle):
         parse_recipe(text, "r.yaml")
 
 
+def test_floats_in_exponent_form_are_numbers():
+    """YAML 1.1 (PyYAML) reads 1e-3 as a string, which the stricter number fields then refused; a quoted one
+    still is."""
+    recipe = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_channel, rounding: "
+                          "{name: gptq, dampening: 1e-2}}\nsmoothquant: {alpha: 5E-1}\n", "r.yaml")
+    assert recipe.defaults.weights.rounding.dampening == 0.01 and recipe.smoothquant.alpha == 0.5
+    with pytest.raises(ConfigError, match=r"dampening: Input should be a valid number \(got '1e-2'\)"):
+        parse_recipe("version: 1\ndefaults:\n  weights: {rounding: {name: gptq, dampening: '1e-2'}}\n", "r.yaml")
+
+
 def test_rule_override_errors_name_the_rule():
     text = "version: 1\nlayers:\n  - match: '*.attn'\n    weights: {bitwidth: 99}\n"
     with pytest.raises(ConfigError, match=r"layers\[0\].weights.bitwidth"):
@@ -349,6 +359,14 @@ def test_a_rule_that_matches_nothing_names_the_nearest_modules():
     assert "matches no module" in str(e.value) and "nearest module names: encoder.layer" in str(e.value)
     with pytest.raises(ConfigError, match=r"module types nearby: Linear"):
         resolve_plan(parse_recipe("version: 1\nlayers:\n  - type: Linaer\n    weights: {bitwidth: 4}\n"), model)
+    # a name that hits only a container, or a norm: what to write instead (it named the very module "nearest")
+    enc.norm = nn.LayerNorm(4)
+    with pytest.raises(ConfigError, match=r"that a quantizer can take \(encoder.layer is a ModuleList; match "
+                                          r"'encoder.layer.\*' names the layers inside it\)"):
+        resolve_plan(parse_recipe("version: 1\nlayers:\n  - match: 'encoder.layer'\n    weights: {bitwidth: 4}\n"),
+                     model)
+    with pytest.raises(ConfigError, match=r"that a quantizer can take \(encoder.norm is a LayerNorm\)"):
+        resolve_plan(parse_recipe("version: 1\nlayers:\n  - match: '*.norm'\n    weights: {bitwidth: 4}\n"), model)
 
 
 # ---- hostile recipes (#14): no hang, no enormous error line ---------------------------------------------------

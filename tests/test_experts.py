@@ -508,6 +508,10 @@ def test_a_router_stays_float_unless_a_rule_names_it(family, router):
     named = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n"
                          f"layers:\n  - match: '{router}'\n    weights: {{bitwidth: 8}}\n")
     assert [q.module for q in resolve_plan(named, model).weights if q.module == router] == [router]
+    # a pattern that reaches it by wildcards alone leaves it float (a 4-bit router would be a silent change)
+    wide = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n"
+                        "layers:\n  - match: '*'\n    weights: {bitwidth: 4}\n")
+    assert not [q for q in resolve_plan(wide, model).weights if q.module == router]
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])

@@ -121,3 +121,20 @@ def test_a_tokenizer_that_does_not_load_is_named_where_text_needs_it(tmp_path):
               tmp_path / "ids.safetensors")
     code, _, err = run_cli("calibrate", ckpt, "-c", "w8a8", "--data", tmp_path / "ids.safetensors", "-o", tmp_path / "b")
     assert code == 0, err
+
+
+def test_a_tokenizer_that_does_not_load_copies_and_pickles():
+    """(copy.deepcopy of a model holding one recursed without end: the copy's first lookup had no reason yet)"""
+    import copy
+    import pickle
+
+    from qtool.model.hf import TokenizerError, UnreadableTokenizer
+
+    t = UnreadableTokenizer("tokenizer.json: the checkpoint's tokenizer cannot be loaded (x)")
+    m = torch.nn.Linear(2, 2)
+    m.qtool_tokenizer = t
+    for other in (copy.copy(t), copy.deepcopy(m).qtool_tokenizer, pickle.loads(pickle.dumps(t))):
+        assert other.reason == t.reason
+        with pytest.raises(TokenizerError, match="cannot be loaded"):
+            other.pad_token
+    assert getattr(t, "eos_token_id", None) is None

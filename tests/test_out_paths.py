@@ -222,3 +222,11 @@ def test_a_path_that_is_not_utf8_is_one_line(world):
     code, out, err = run_cli("quantize", str(root / "nu\udcff"), "-c", "w8a16", "-o", root / "x", "--json")
     assert code == 2 and "not a valid UTF-8 name" in err, err
     assert '"ok": false' in out and not (root / "x").exists()
+
+
+def test_a_sequential_run_whose_state_name_would_be_too_long_is_refused_before_any_work(world):
+    root, llama, _ = world
+    (root / "ids.txt").write_text("some text " * 50)
+    before = _digest(root)
+    code, _, err = run_cli("calibrate", llama, "-c", "w8a16", "--sequential", "-o", root / ("q" * 250))
+    _refused(code, err, root, before, "too long for the state a --sequential run keeps beside it")

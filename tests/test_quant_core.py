@@ -339,6 +339,17 @@ def test_a_narrowing_cast_drops_the_encoding_its_codes_no_longer_fit():
         assert type(codes.to(dtype)) is torch.Tensor
     wide = codes.to(torch.float64)
     assert isinstance(wide, QuantizedTensor) and wide.quantized_repr().tolist() == [257, 1001, 65535, 40000]
+    # 8-bit codes fit bfloat16; a widening cast of fake-quant values keeps them exact
+    q8 = Quantize((), 8, False)
+    q8.set_range(torch.tensor(0.0), torch.tensor(255.0))
+    small = q8(torch.tensor([0.0, 17.0, 255.0])).to(torch.bfloat16)
+    assert isinstance(small, QuantizedTensor) and small.quantized_repr().tolist() == [0, 17, 255]
+    qdq = QuantizeDequantize((), 8, True)
+    qdq.set_range(-1.0, 1.0)
+    with torch.no_grad():
+        half = qdq(torch.linspace(-1, 1, 9, dtype=torch.float16))
+    assert isinstance(half.to(torch.float32), DequantizedTensor)
+    assert type(qdq(torch.linspace(-1, 1, 9)).to(torch.bfloat16)) is torch.Tensor
 
 
 @pytest.mark.parametrize("bitwidth", [1, 17, 64, 8.5, True])

@@ -57,7 +57,8 @@ def state_dir(out: Path) -> Path:
 
 _STATE_NAMES = r"(state\.json|block-\d+\.safetensors|hidden-\d+-r\d+\.safetensors)"
 # what a state directory holds: its files, and the temporaries atomic_file writes them through (".NAME.tmp-...")
-_IN_A_STATE = re.compile(rf"{_STATE_NAMES}|\.{_STATE_NAMES}\.tmp-.+")
+# (and NFS's ".nfsXXXX": a file removed while a killed process still held it open)
+_IN_A_STATE = re.compile(rf"{_STATE_NAMES}|\.{_STATE_NAMES}\.tmp-.+|\.nfs[0-9A-Fa-f]+")
 
 
 def check_state_dir(directory: Path, inputs: Sequence[Tuple[str, Optional[str]]]) -> None:
@@ -65,6 +66,9 @@ def check_state_dir(directory: Path, inputs: Sequence[Tuple[str, Optional[str]]]
     one: an input (or one that holds or lies inside an input: ``(what, path)`` pairs), a file or a link, or a
     directory holding anything else (``OUT.resume`` is a name a user's own directory may have)."""
     directory = Path(directory)
+    if len(directory.name.encode("utf-8", "surrogateescape")) > 255:
+        raise UsageError(f"{directory.name[:40]}...: --out's name is too long for the state a --sequential run keeps "
+                         "beside it (OUT.resume, 255 bytes at most): choose a shorter --out")
     check_apart_from_inputs(directory, "OUT.resume (where --sequential keeps its state)", inputs)
     if not os.path.lexists(directory):
         return

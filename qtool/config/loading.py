@@ -4,6 +4,7 @@ every error, and every problem of a file listed at once."""
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Union
@@ -61,12 +62,29 @@ def _check_node_graph(node, source: str) -> None:
             stack.extend(n.value)
 
 
+class RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader reading floats as YAML 1.2 does: ``1e-3`` is a number (YAML 1.1 wants ``1.0e-3``, so
+    PyYAML read it as a string, which the recipe's number fields refuse)."""
+
+
+RecipeLoader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def load_yaml(text: str):
+    """A recipe's YAML (or any recipe-shaped YAML qtool reads) as data, with :class:`RecipeLoader`."""
+    return yaml.load(text, Loader=RecipeLoader)  # noqa: S506  (a SafeLoader subclass)
+
+
 def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
     """Parse and validate a recipe; every problem is a ``ConfigError`` naming source, key path and line."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=RecipeLoader)
         _check_node_graph(node, source)
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except RecursionError:
         raise ConfigError(f"{source}: malformed YAML: nested too deep") from None
     except yaml.YAMLError as e:

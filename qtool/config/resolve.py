@@ -156,6 +156,13 @@ def _is_router(name: str, module: "nn.Module", tname: str, experts: int) -> bool
         p in ("gate", "router") for p in parts)
 
 
+def _names_leaf(pattern: str, name: str) -> bool:
+    """Whether ``pattern`` spells ``name``'s last component as a word of its own (``*.mlp.gate``,
+    ``re:.*\\.gate$``), rather than reaching it by wildcards alone."""
+    leaf = re.escape(name.rpartition(".")[2])
+    return re.search(rf"(?<![A-Za-z0-9_]){leaf}(?![A-Za-z0-9_])", pattern) is not None
+
+
 def _output_layer(model: "nn.Module"):
     """The model's output layer (transformers' ``get_output_embeddings``), else None."""
     out = getattr(model, "get_output_embeddings", None)
@@ -208,12 +215,14 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             if (tower or router) and rule.match is None:
                 used[i] = True  # (it may match nothing else: the plan's warning says why the tower is skipped)
                 continue  # a type rule alone does not reach into a media tower or a router
+            if router and not rule.types():
+                if not _names_leaf(rule.match, name):
+                    continue  # a pattern reaches a router only where it names it: not "*" or "re:.*mlp.*"
+                w_cand = a_cand = True  # (transformers' *TopKRouter holds a bare weight, not a Linear)
             if rule.types():
                 if not any(t in rule.types() for t in tnames):
                     continue
                 w_cand = a_cand = True  # naming a type opts modules of that type in
-            elif router:
-                w_cand = a_cand = True  # so does naming a router (transformers' *TopKRouter holds a bare weight)
             if not (w_cand or a_cand):
                 continue  # a name pattern only refines modules that can be quantized
             used[i] = True
@@ -354,10 +363,20 @@ def _nearest_modules(rule: LayerRule, named) -> str:
     import difflib
 
     if rule.match is not None:
-        hits = [(n, type(m).__name__) for n, m in named if name_matches(rule.match, n)]
-        if hits:
-            return (f" that a quantizer can take ({hits[0][0]} is a {hits[0][1]}, which a name alone does not opt in: "
-                    f"add type: {hits[0][1]} to the rule)")
+        from torch import nn
+
+        hit = next(((n, m) for n, m in named if name_matches(rule.match, n)), None)
+        if hit is not None:
+            n, m = hit
+            kind = type(m).__name__
+            if any(True for _ in m.children()):  # (a container: the rule most likely means what it holds)
+                inside = f"{rule.match}.*" if not rule.match.startswith("re:") else f"{n}.*"
+                return f" that a quantizer can take ({n} is a {kind}; match '{inside}' names the layers inside it)"
+            w = getattr(m, "weight", None)
+            if isinstance(w, nn.Parameter) and w.dim() >= 2:  # (a matrix: a router; not a norm's scale vector)
+                return (f" that a quantizer can take ({n} is a {kind}, which a name alone does not opt in: add "
+                        f"type: {kind} to the rule)")
+            return f" that a quantizer can take ({n} is a {kind})"
         want = re.sub(r"[\^$*?\[\]().+\\]", "", rule.match[3:] if rule.match.startswith("re:") else rule.match)
         names = [n for n, _ in named]
         close = difflib.get_close_matches(want, names, n=3, cutoff=0.4)

@@ -7,7 +7,6 @@ import ctypes
 import errno
 import glob
 import hashlib
-import itertools
 import os
 import re
 import shutil
@@ -49,7 +48,7 @@ def parse_size(text: str, what: str, unlimited: bool = True) -> Optional[int]:
     return max(1, int(value * _UNITS[unit]))
 
 
-_LINKS_LOOKED_AT = 100_000  # entries of an input directory searched for links (a data tree may be large)
+_ENTRIES_LOOKED_AT = 100_000  # entries of an input directory searched for links (a data tree may be huge)
 
 
 def _existing_inputs(out: Path, inputs: Sequence[Tuple[str, Optional[str]]]):
@@ -57,19 +56,26 @@ def _existing_inputs(out: Path, inputs: Sequence[Tuple[str, Optional[str]]]):
     input directory (a Hugging Face cache snapshot's files are links into its ``blobs``: replacing a directory a
     link points into deletes that input's file as surely as replacing the input's own directory)."""
     target = Path(os.path.realpath(out))
+    walked = set()
     for what, path in inputs:
         if path is None or not Path(path).exists():
             continue
         real = Path(os.path.realpath(path))
         yield what, path, real, target
-        if real.is_dir():
-            for link in itertools.islice(_links_under(real), _LINKS_LOOKED_AT):
+        if real.is_dir() and real not in walked:
+            walked.add(real)
+            for link in _links_under(real, _ENTRIES_LOOKED_AT):
                 yield what, os.path.join(path, link.relative_to(real)), Path(os.path.realpath(link)), target
 
 
-def _links_under(directory: Path):
+def _links_under(directory: Path, at_most: int):
+    """The links in ``directory``'s tree, among its first ``at_most`` entries."""
+    seen = 0
     for root, dirs, files in os.walk(directory):  # (links to directories are listed in dirs, not followed)
         for name in dirs + files:
+            seen += 1
+            if seen > at_most:
+                return
             if os.path.islink(os.path.join(root, name)):
                 yield Path(root) / name
 

@@ -351,14 +351,16 @@ class UnreadableTokenizer:
     """Stands for a tokenizer whose files are there but do not load: tensor data needs none, so nothing fails
     until it is used, and then with why (text data said "this checkpoint has none")."""
 
-    def __init__(self, why: str):
-        self._why = why
+    def __init__(self, reason: str):
+        self.reason = reason
 
     def __getattr__(self, name):
-        raise TokenizerError(self._why)
+        if name.startswith("__") or name == "reason":  # (copy and pickle probe these on a bare instance)
+            raise AttributeError(name)
+        raise TokenizerError(self.reason)
 
     def __call__(self, *args, **kwargs):
-        raise TokenizerError(self._why)
+        raise TokenizerError(self.reason)
 
 
 def _tokenizer(transformers, path: Path):

@@ -67,6 +67,11 @@ def _example_batch(eopts: ExportOptions):
             data = load_data(eopts.data, batch_size=eopts.batch_size, num_samples=eopts.batch_size, seed=0,
                              seq_len=eopts.seq_len, tokenizer=loaded.tokenizer)
             return data.batches[0]
+        from ..model.hf import UnreadableTokenizer
+
+        if isinstance(loaded.tokenizer, UnreadableTokenizer):
+            raise UsageError(f"ONNX export traces the model: pass --data with a few example inputs (no sentence "
+                             f"through the tokenizer: {loaded.tokenizer.reason})")
         if loaded.tokenizer is not None:
             pad = "max_length" if loaded.tokenizer.pad_token is not None else False  # (equal sentences: equal lengths)
             enc = loaded.tokenizer(["qtool exports this model to ONNX."] * eopts.batch_size, padding=pad,
@@ -163,7 +168,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     summary["outputs"] = outputs + ["manifest.json"]
     # what was gained: the checkpoint's weight files against the model files written (not the encodings, manifests
     # or the files copied beside the weights: a tokenizer, a README, .gitattributes)
-    model_files = [n for n in outputs if not n.startswith("calibration/") and n.endswith(_MODEL_SUFFIXES)]
+    model_files = [n for n in outputs if "/" not in n and n.endswith(_MODEL_SUFFIXES)]  # (not a copied module's)
     summary["size"] = {"checkpoint_bytes": sum(f.stat().st_size for f in tensor_files(Path(checkpoint))),
                        "model_bytes": sum((out_dir / n).stat().st_size for n in model_files),
                        "model_files": model_files}

@@ -109,10 +109,16 @@ class _EncodedTensor(torch.Tensor):
                 enc = enc.to(result.device)
             if enc is not None and func in (torch.Tensor.detach, torch.detach):
                 enc = enc.detach()
-            # a cast to a narrower float (bfloat16, float16) no longer holds every code or grid value exactly
-            if result.is_floating_point() and result.dtype in (args[0].dtype, torch.float64):
+            if result.is_floating_point() and (enc is None or args[0]._holds(enc, args[0].dtype, result.dtype)):
                 return type(args[0]).wrap(result, enc)
         return _strip(result)
+
+    @staticmethod
+    def _holds(enc: AffineEncoding, src: torch.dtype, dst: torch.dtype) -> bool:
+        """Whether values of ``src`` cast to ``dst`` keep the meaning ``enc`` gives them: every ``src`` value exact
+        in ``dst`` (the same dtype, or a wider float)."""
+        a, b = torch.finfo(src), torch.finfo(dst)
+        return src == dst or (b.eps <= a.eps and b.max >= a.max and b.smallest_normal <= a.smallest_normal)
 
     def quantized_repr(self) -> torch.Tensor:
         raise NotImplementedError  # pragma: no cover - abstract
@@ -133,6 +139,11 @@ def _strip(obj):
 
 class QuantizedTensor(_EncodedTensor):
     """Integer codes of ``encoding`` stored as floats (AIMET's representation)."""
+
+    @staticmethod
+    def _holds(enc: AffineEncoding, src: torch.dtype, dst: torch.dtype) -> bool:
+        """Integer codes survive any float that holds every integer of the grid (bfloat16: 8-bit grids)."""
+        return max(abs(enc.qmin), abs(enc.qmax)) <= 2 / torch.finfo(dst).eps
 
     def quantize(self) -> "QuantizedTensor":
         return self
