@@ -390,3 +390,37 @@ def test_tokens_of_a_model_that_is_not_a_causal_lm_are_the_ones_its_masks_keep()
     assert _text_tokens([Batch(kwargs={"input_ids": ids, "attention_mask": mask})] * 2) == 16
     assert _text_tokens([Batch(kwargs={"input_ids": ids})]) == 10
     assert _text_tokens([Batch(args=(torch.randn(4, 3, 8, 8),))]) is None
+
+
+def test_a_4bit_gguf_with_a_doubled_scale_is_still_an_export_fault(model, tmp_path):
+    """llama.cpp's allowance was half the quantization's own KL: at 4 bits that hid a tensor with doubled block
+    scales (SmolLM2 Q4_0: gap 0.165 nats against a healthy 0.004, exit 0)."""
+    out = _quantize(model, tmp_path, "gguf-q4_0", "gguf")
+    code, res, err = _eval(model, out)
+    assert code == 0, err
+    healthy = res["export_gap"]["kl_mean"]
+    from gguf import GGUFReader
+
+    reader = GGUFReader(out / "model.gguf", "r+")
+    t = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
+    blocks = t.data.reshape(t.data.shape[0], -1, 18)  # Q4_0: a float16 scale, then 16 bytes of 4-bit codes
+    scales = blocks[:, :, :2].copy().view(np.float16)
+    blocks[:, :, :2] = (scales * 2).view(np.uint8)
+    del reader
+    code, res, err = _eval(model, out)
+    assert code == 1 and res["export_fault"], (healthy, res["export_gap"], res["vs_float"]["fake_quant"])
+
+
+def test_a_reference_with_other_weights_is_named_in_the_export_fault(model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ckpt = model[0]
+    out = _quantize(model, tmp_path, "w8a16", "qtool")
+    other = tmp_path / "other"
+    shutil.copytree(ckpt, other)
+    t = load_file(str(other / "model.safetensors"))
+    t["model.layers.0.mlp.down_proj.weight"] = t["model.layers.0.mlp.down_proj.weight"].flip(0)
+    save_file(t, str(other / "model.safetensors"), metadata={"format": "pt"})
+    code, res, err = _eval(model, out, "-r", other)
+    assert code == 1 and "holds other weights than the checkpoint the artifact's manifest records" in \
+        res["export_fault"], err

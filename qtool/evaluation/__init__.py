@@ -71,7 +71,8 @@ def _allowance(runtime, quant: float) -> float:
     float32), 0.003-0.009 (llama.cpp), 0.032 (onnxruntime W8A8 dynamic, beside the quantization's own 0.030), 0.027
     (MXFP8 W8A8 in transformers, which runs MX in bfloat16: qtool's own fake-quant model cast to bfloat16 moves
     0.0265 from its float32 self, activations rounding to a coarse grid from other inputs; weights only, 0.0013);
-    one tensor's block scales doubled in a Q8_0 file: 0.044."""
+    one tensor's block scales doubled in a Q8_0 file: 0.044, in a Q4_0 file 0.165 (beside a quantization KL of
+    0.344, which llama.cpp's former share of 0.5 let pass)."""
     return runtime.gap_share * quant + runtime.gap_floor
 
 
@@ -337,6 +338,7 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
     hooks = hooks or Hooks()
     art = locate(artifact)
     reference, notes = _reference(art, reference, artifact)
+    other_weights = bool(notes)  # (_reference's one note: a --reference with other weights than the manifest's)
     enc = Path(encodings) if encodings else art.encodings
     if encodings and not enc.is_file():
         raise UsageError(f"{enc}: no such encodings file")
@@ -349,7 +351,12 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
 
         manager = task_manager(opts.tasks_path, opts.tasks)
     with reporting(hooks):
-        return _evaluate(art, reference, enc, opts, hooks, manager, notes)
+        ev = _evaluate(art, reference, enc, opts, hooks, manager, notes)
+    if ev.export_fault and other_weights:
+        ev.export_fault += (f"; but {reference} holds other weights than the checkpoint the artifact's manifest "
+                            f"records ({art.checkpoint}), so the fake-quant model is of other weights: evaluate "
+                            "against that checkpoint before blaming the file")
+    return ev
 
 
 def _weight_hashes(checkpoint: Path) -> Optional[List[str]]:
