@@ -67,8 +67,7 @@ class RecipeLoader(yaml.SafeLoader):
     PyYAML read it as a string, which the recipe's number fields refuse)."""
 
 
-RecipeLoader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-RecipeLoader.add_implicit_resolver(
+RecipeLoader.add_implicit_resolver(  # (on a copy of SafeLoader's resolvers: PyYAML copies them for a subclass)
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"))

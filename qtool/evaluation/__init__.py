@@ -337,8 +337,8 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
 
     hooks = hooks or Hooks()
     art = locate(artifact)
-    reference, notes = _reference(art, reference, artifact)
-    other_weights = bool(notes)  # (_reference's one note: a --reference with other weights than the manifest's)
+    reference, other_weights = _reference(art, reference, artifact)
+    notes = [other_weights] if other_weights else []
     enc = Path(encodings) if encodings else art.encodings
     if encodings and not enc.is_file():
         raise UsageError(f"{enc}: no such encodings file")
@@ -381,17 +381,18 @@ def _text_tokens(batches) -> Optional[int]:
     return None
 
 
-def _reference(art: Artifact, given: Optional[str], artifact: str) -> Tuple[str, List[str]]:
-    """The float checkpoint to compare with, and notes: ``given``, else the one the manifest names, found (its path
-    is as given where the job ran: see ``places``) where its weight files have the sha256 the manifest records, so
-    that another model at that path is never taken for it."""
+def _reference(art: Artifact, given: Optional[str], artifact: str) -> Tuple[str, Optional[str]]:
+    """The float checkpoint to compare with, and a note where it is a ``given`` one with other weights than the
+    manifest records: ``given``, else the one the manifest names, found (its path is as given where the job ran: see
+    ``places``) where its weight files have the sha256 the manifest records, so that another model at that path is
+    never taken for it."""
     if given is not None:
         if not Path(given).exists():
             raise UsageError(f"{given}: the float checkpoint is not there (pass --reference PATH)")
         if art.checkpoint_sha256 and _weight_hashes(Path(given)) != art.checkpoint_sha256:
-            return given, [f"{given} holds other weights than the checkpoint the artifact's manifest records "
-                           f"({art.checkpoint}): the float and fake-quant models are {given}'s"]
-        return given, []
+            return given, (f"{given} holds other weights than the checkpoint the artifact's manifest records "
+                           f"({art.checkpoint}): the float and fake-quant models are {given}'s")
+        return given, None
     if art.checkpoint is None:
         raise UsageError(f"{artifact}: no manifest names the float checkpoint it came from: pass --reference PATH")
     there = [c for c in places(art.checkpoint, art.directory or Path(".")) if c.exists()]
@@ -399,10 +400,10 @@ def _reference(art: Artifact, given: Optional[str], artifact: str) -> Tuple[str,
         raise UsageError(f"{art.checkpoint}: the float checkpoint is not there, nor beside {art.directory} (pass "
                          "--reference PATH)")
     if not art.checkpoint_sha256:
-        return str(there[0]), []
+        return str(there[0]), None
     for c in there:
         if _weight_hashes(c) == art.checkpoint_sha256:
-            return str(c), []
+            return str(c), None
     raise UsageError(f"{there[0]}: not the float checkpoint {artifact} was made from (its weight files' sha256 are "
                      "not those its manifest records): pass --reference PATH")
 

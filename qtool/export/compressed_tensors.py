@@ -197,8 +197,8 @@ def export_compressed_tensors(
     dyn_inputs = {e.module: e for e in encodings.entries if _written_input(e)}
     kv = [e for e in encodings.entries if e.tensor in ("k_cache", "v_cache")]
     if kv:
-        refuse_partial_kv_cache([n for n in attention_modules(modules.items()) if n not in {e.module for e in kv}],
-                                EncodingsError)
+        with_kv = {e.module for e in kv}
+        refuse_partial_kv_cache([n for n in attention_modules(modules.items()) if n not in with_kv], EncodingsError)
     acts = _unwritten_activations(encodings.entries)
     if acts:
         warnings.append(
@@ -227,9 +227,9 @@ def export_compressed_tensors(
         acts += [dyn_inputs[m] for m in orphans]
         warnings.append(f"{len(orphans)} dynamic input quantizer(s) on layers whose weight is not exported "
                         f"quantized, so they run in float: {', '.join(orphans)}")
-    float_linear = [n for n, m in modules.items() if isinstance(m, nn.Linear) and n not in quantized_modules]
-    float_linear += _routers(model, modules, keys)
-    warnings += fused_mixes(settings, [n for n, m in modules.items() if isinstance(m, nn.Linear)])
+    linear_names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+    float_linear = [n for n in linear_names if n not in quantized_modules] + _routers(model, modules, keys)
+    warnings += fused_mixes(settings, linear_names)
     qconfig, groups, top_format = quantization_config(settings, modules, quantized_modules, float_linear, kv)
     transforms = _online_transforms(encodings, modules, src, keys)
     if transforms:

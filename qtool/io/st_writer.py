@@ -13,21 +13,12 @@ from typing import BinaryIO, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .checkpoint import ST_DTYPES
 from .finite import check_finite
 
 __all__ = ["StreamingSafetensorsWriter", "DTYPE_NAMES"]
 
-DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}
-if hasattr(torch, "float8_e4m3fn"):
-    DTYPE_NAMES[torch.float8_e4m3fn] = "F8_E4M3"
-    DTYPE_NAMES[torch.float8_e5m2] = "F8_E5M2"
-    DTYPE_NAMES[torch.float8_e4m3fnuz] = "F8_E4M3FNUZ"
-    DTYPE_NAMES[torch.float8_e5m2fnuz] = "F8_E5M2FNUZ"
-DTYPE_NAMES[torch.complex64] = "C64"
+DTYPE_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}  # (the reader's table, turned round)
 
 
 class StreamingSafetensorsWriter:

@@ -18,6 +18,7 @@ from ..data import load_data
 from ..encodings import CODES_FILE, SIDECAR
 from ..errors import CheckpointError, DataError, UsageError
 from ..hooks import Hooks
+from ..io.finite import all_finite
 from ..io.fs import check_output_file
 from ..model.apply import make_fake_quant
 from ..model.load import load_model
@@ -35,7 +36,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
             raise UsageError("--sensitivity runs in one process: run it without torchrun")
         hooks.on_stage("loading checkpoint")
         loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
-        bad = next((n for n, p in loaded.model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+        bad = next((n for n, p in loaded.model.named_parameters() if not all_finite(p.detach())), None)
         if bad is not None:  # (its outputs would be NaN: every figure, and so every gate, meaningless)
             raise CheckpointError(f"{checkpoint}: {bad} holds NaN or infinity, so the float model is no reference "
                                   "to measure against")
