@@ -138,3 +138,23 @@ def test_a_tokenizer_that_does_not_load_copies_and_pickles():
         with pytest.raises(TokenizerError, match="cannot be loaded"):
             other.pad_token
     assert getattr(t, "eos_token_id", None) is None
+
+
+@pytest.mark.parametrize("sequential", [False, True], ids=["in-memory", "sequential"])
+def test_a_config_whose_model_type_and_architecture_disagree_is_refused(tmp_path, sequential):
+    """model_type qwen3 with architectures [LlamaForCausalLM]: in memory qtool built Llama, --sequential Qwen3 (as
+    transformers' Auto classes do), and vLLM runs Llama; now one line naming both, before any work."""
+    from tests.helpers import run_cli, tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["model_type"] = "qwen3"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "t.txt").write_text("some text to calibrate on. " * 200)
+    args = ["calibrate", ckpt, "-c", "w8a16", "--data", tmp_path / "t.txt", "--seq-len", "16", "-o", tmp_path / "a"]
+    code, _, err = run_cli(*args, *(["--sequential"] if sequential else []))
+    assert code == 2, err
+    assert [line for line in err.splitlines() if "error" in line] == [
+        f"error: {ckpt / 'config.json'}: model_type 'qwen3' but architectures[0] LlamaForCausalLM is a 'llama' "
+        f"model (transformers builds the one, vLLM the other): make them agree"], err
+    assert not (tmp_path / "a").exists()

@@ -50,7 +50,7 @@ def _config(path, trust_remote_code: bool):
     _refuse_non_finite(cfg_file, raw)
     _check_layer_count(path, raw)
     try:
-        return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except ValueError as e:
         msg = str(e).splitlines()[0][:240] if str(e) else type(e).__name__
         if "trust_remote_code" in str(e):
@@ -62,6 +62,21 @@ def _config(path, trust_remote_code: bool):
         first = str(e).splitlines()[0][:160] if str(e) else ""
         raise CheckpointError(f"{cfg_file}: transformers cannot read this config ({type(e).__name__}: "
                               f"{first})") from None
+    _check_architecture(transformers, cfg_file, config)
+    return config
+
+
+def _check_architecture(transformers, cfg_file: Path, config) -> None:
+    """``architectures[0]``, when it is one of transformers' own classes, built for ``model_type``'s config.
+    transformers' Auto classes follow ``model_type`` and vLLM follows ``architectures``: where they disagree the
+    exported file runs one model in one runtime and another in the other, and qtool would calibrate one of them."""
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs and isinstance(archs[0], str) else None
+    wanted = getattr(getattr(cls, "config_class", None), "model_type", "")
+    if isinstance(wanted, str) and wanted and wanted != getattr(config, "model_type", wanted):
+        raise CheckpointError(
+            f"{cfg_file}: model_type {config.model_type!r} but architectures[0] {archs[0]} is a {wanted!r} "
+            f"model (transformers builds the one, vLLM the other): make them agree")
 
 
 def _refuse_non_finite(cfg_file: Path, obj: Any, where: str = "") -> None:
