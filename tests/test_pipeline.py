@@ -387,6 +387,32 @@ def test_static_shape_export_rejects_other_batch_sizes_clearly(tmp_path, mlp_dat
     assert "calibration batch 1: the model rejected the data: Guard failed" in error_lines(err)[-1]
 
 
+def test_a_model_with_quantizers_pickles_whole():
+    """torch.save(model) and multiprocessing pickle a model; the quantized module classes qtool makes at run time
+    could not be found by name ("attribute lookup QuantizedLinear on qtool.model.insert failed")."""
+    import io
+
+    from qtool.config import parse_recipe, resolve_plan
+    from qtool.model.insert import insert_quantizers, iter_quantizers
+
+    model = mlp()
+    qs = insert_quantizers(model, resolve_plan(parse_recipe("version: 1\ndefaults: {activations: null}\n"), model))
+    for q in list(qs.values())[1:]:
+        q.set_range(-0.2, 0.2)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    back = torch.load(buffer, weights_only=False)
+    assert type(back[0]) is type(model[0]) and type(back[0]).__name__ == "QuantizedLinear"
+    states = {n: q.is_initialized() for n, q in iter_quantizers(back)}
+    assert states == {n: q.is_initialized() for n, q in qs.items()} and list(states.values()).count(False) == 1
+    qs[next(iter(qs))].set_range(-0.2, 0.2)
+    dict(iter_quantizers(back))[next(iter(qs))].set_range(-0.2, 0.2)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert torch.equal(back(x), model(x))
+
+
 def test_fake_quant_weight_cache_follows_weight_and_range_changes():
     from qtool.config import parse_recipe, resolve_plan
     from qtool.model.insert import insert_quantizers

@@ -121,6 +121,63 @@ def test_initialization_survives_dtype_and_device_moves():
     assert q.is_initialized()
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_is_initialized_exactly_where_the_original_is(how):
+    """A copy of an uncalibrated quantizer said it was initialized (its parameters were new objects) and turned
+    every input into 0 or one step above it with min = max = 0."""
+    import copy
+    import pickle
+
+    def copied(q):
+        return copy.deepcopy(q) if how == "deepcopy" else pickle.loads(pickle.dumps(q))
+
+    x = torch.tensor([-1.0, 0.5, 2.0])
+    fresh = copied(QuantizeDequantize((), 8, False))
+    assert not fresh.is_initialized()
+    with pytest.raises(UninitializedQuantizerError):
+        fresh(x)
+    half = QuantizeDequantize((), 8, False)
+    half.min = torch.nn.Parameter(torch.tensor(-1.0))
+    assert not copied(half).is_initialized()
+    done = QuantizeDequantize((), 8, False)
+    done.set_range(-1.0, 3.0)
+    again = copied(done)
+    assert again.is_initialized() and torch.equal(again(x), done(x))
+    fresh.set_range(-1.0, 3.0)
+    assert fresh.is_initialized() and torch.equal(fresh(x), done(x))
+
+
+def test_quantizers_build_under_inference_mode():
+    """("Inference tensors do not track version counter": the uninitialized mark read the parameters' version)"""
+    x = torch.tensor([-1.0, 0.5, 2.0])
+    with torch.inference_mode():
+        q = QuantizeDequantize((), 8, False)
+        assert not q.is_initialized()
+        with q.compute_encodings():
+            q(x)
+        assert q.is_initialized()
+    assert q.get_offset().item() == -85
+
+
+@pytest.mark.parametrize("shape", [(), (8,)], ids=["per_tensor", "per_channel"])
+def test_an_empty_batch_while_calibrating_learns_nothing(shape):
+    """(torch's "cannot compute aminmax over an empty dimension": a user's expert that no token reached)"""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    ref, q = QuantizeDequantize(shape, 8, False), QuantizeDequantize(shape, 8, False)
+    with ref.compute_encodings():
+        ref(x)
+    with q.compute_encodings():
+        assert q(torch.empty(0, 8)).shape == (0, 8)
+        q.observe(torch.empty(0, 8))
+        q(x)
+        q(torch.empty(0, 8))
+    assert torch.equal(q.min, ref.min) and torch.equal(q.max, ref.max)
+    empty = QuantizeDequantize(shape, 8, False)
+    with empty.compute_encodings():
+        empty(torch.empty(0, 8))
+    assert not empty.is_initialized()
+
+
 def test_compute_encodings_with_no_data_leaves_uninitialized():
     q = QuantizeDequantize((), 8, False)
     with q.compute_encodings():

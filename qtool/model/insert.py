@@ -35,6 +35,11 @@ def _plain(t):
 class QuantizedModuleMixin:
     """Forward with fake-quantized first input, weight and output."""
 
+    def __reduce_ex__(self, protocol):
+        # the class is made at run time, one per wrapped type (_quantized_class): pickle (torch.save of a whole
+        # model, multiprocessing) finds it by the type it wraps
+        return _new_quantized, (self._qtool_base,), self.__getstate__()
+
     def forward(self, *args, **kwargs):  # type: ignore[override]
         qs = getattr(self, _ATTR)
         if "input" in qs and args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
@@ -184,6 +189,11 @@ def _quantized_class(cls: type) -> type:
         _CLASS_CACHE[cls] = type(f"Quantized{cls.__name__}", (QuantizedModuleMixin, cls),
                                  {"_qtool_base": cls, "_qtool_reads_input_only": cls.forward in _READS_INPUT_ONLY})
     return _CLASS_CACHE[cls]
+
+
+def _new_quantized(cls: type):
+    quantized = _quantized_class(cls)
+    return quantized.__new__(quantized)
 
 
 def make_analyzer(q: QuantizerPlan):

@@ -87,8 +87,9 @@ class QuantizerBase(nn.Module):
         check_scale_dtype(scale_dtype, self.bitwidth, self.symmetric)
         self.scale_dtype = scale_dtype  # "float16": calibrated ranges are snapped to float16 scales
         self.encoding_analyzer = encoding_analyzer or MinMaxEncodingAnalyzer(shape, block_size)
-        self.min = nn.Parameter(torch.zeros(shape))
-        self.max = nn.Parameter(torch.zeros(shape))
+        with torch.inference_mode(False):  # (built under inference_mode they would have no version to mark)
+            self.min = nn.Parameter(torch.zeros(shape))
+            self.max = nn.Parameter(torch.zeros(shape))
         self._calibrating = False
         self.enabled = True  # False: pass inputs through unchanged (for error analysis)
         self._mark_uninitialized()
@@ -103,6 +104,17 @@ class QuantizerBase(nn.Module):
 
     def is_initialized(self) -> bool:
         return all(self._param_marker(n) != m for n, m in self._uninit_markers.items())
+
+    # a copy or an unpickled quantizer holds new parameters (new ids): which were set travels by name instead
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_uninit_markers"] = [n for n, m in self._uninit_markers.items() if self._param_marker(n) == m]
+        return state
+
+    def __setstate__(self, state):
+        unset = state.pop("_uninit_markers")
+        super().__setstate__(state)
+        self._uninit_markers = {name: self._param_marker(name) for name in unset}
 
     @torch.no_grad()
     def set_range(self, min: torch.Tensor, max: torch.Tensor) -> None:
@@ -174,6 +186,8 @@ class QuantizerBase(nn.Module):
         if not self._calibrating:
             raise RuntimeError("observe() is only meaningful inside compute_encodings()")
         self.check_input(x)
+        if x.numel() == 0:
+            return
         if importance is None:
             self.encoding_analyzer.update_stats(x)
         else:
@@ -253,8 +267,8 @@ class QuantizeDequantize(QuantizerBase):
         """``output_read_only``: the caller only reads the output and drops it (it feeds a Linear or a
         convolution), so while calibrating the output may be the one an earlier quantizer of the same settings made
         from the very same tensor (``_LastCalibrationCall``)."""
-        if not self.enabled:
-            return x
+        if not self.enabled or (self._calibrating and x.numel() == 0):
+            return x  # (an empty batch, such as a mixture-of-experts expert no token reached, has no range to learn)
         key = self._shared_call_key(x) if output_read_only else None
         if key is not None:
             call = _last_call.matching(x, key)
