@@ -4,8 +4,10 @@ Whatever the bytes, they either parse or raise qtool's own error (one clear mess
 """
 
 import json
+import re
 import string
 
+import pytest
 import torch
 import yaml
 from hypothesis import HealthCheck, given, settings
@@ -15,7 +17,7 @@ from safetensors.torch import save
 from qtool.config import parse_recipe, resolve_plan
 from qtool.data import load_data
 from qtool.encodings import EncodingsFile
-from qtool.errors import QtoolError
+from qtool.errors import EncodingsError, QtoolError
 from qtool.io.checkpoint import read_state_dict
 
 from tests.tinymodels import mlp
@@ -112,6 +114,19 @@ def test_float_encodings_with_a_mutated_field_parse_or_raise(tmp_path_factory, w
 def test_the_float_seed_is_valid(tmp_path):
     (tmp_path / "e.json").write_text(json.dumps(_good_float_encodings()))
     assert [e.global_amax for e in EncodingsFile.read(tmp_path / "e.json").entries] == [2.0, 3.0]
+
+
+@pytest.mark.parametrize("block_size", [[], [1], [1, 1, 1]])
+def test_a_block_size_of_another_rank_than_the_shape_is_refused_where_read(tmp_path, block_size):
+    """(read accepted [] on a per-channel entry; applying it raised a bare ValueError)"""
+    obj = _good_encodings()
+    entry = obj["quantizers"][0]
+    del entry["scale"], entry["offset"]
+    entry.update(granularity="per_channel", shape=[4, 1], block_size=block_size, min=[[-1.0]] * 4, max=[[1.0]] * 4)
+    (tmp_path / "e.json").write_text(json.dumps(obj))
+    with pytest.raises(EncodingsError, match=re.escape(f"quantizers[0]: block_size {block_size} needs one entry per "
+                                                       "dimension of [4, 1]")):
+        EncodingsFile.read(tmp_path / "e.json")
 
 
 @FUZZ

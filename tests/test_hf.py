@@ -158,3 +158,25 @@ def test_a_config_whose_model_type_and_architecture_disagree_is_refused(tmp_path
         f"error: {ckpt / 'config.json'}: model_type 'qwen3' but architectures[0] LlamaForCausalLM is a 'llama' "
         f"model (transformers builds the one, vLLM the other): make them agree"], err
     assert not (tmp_path / "a").exists()
+
+
+def test_the_library_leaves_transformers_logging_as_the_user_set_it(tmp_path):
+    """Loading a checkpoint turned transformers' warnings and progress bars off for the rest of the user's process;
+    the CLI quiets them for its own terminal instead."""
+    from transformers.utils import logging
+
+    from qtool.model.load import load_model
+    from tests.helpers import tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m")
+    before = (logging.get_verbosity(), logging.is_progress_bar_enabled())
+    logging.set_verbosity_info()
+    logging.enable_progress_bar()
+    try:
+        load_model(str(ckpt), None, "cpu", False, False)
+        assert (logging.get_verbosity(), logging.is_progress_bar_enabled()) == (logging.INFO, True)
+        run_cli("inspect", ckpt)  # (any command: the quieting comes before it runs)
+        assert (logging.get_verbosity(), logging.is_progress_bar_enabled()) == (logging.ERROR, False)
+    finally:
+        logging.set_verbosity(before[0])
+        (logging.enable_progress_bar if before[1] else logging.disable_progress_bar)()

@@ -17,6 +17,20 @@ from .. import __version__
 from ..io.fs import forget_published, published
 
 
+def _quiet_transformers() -> None:
+    """The CLI draws its own progress: transformers' and the Hub's bars and warnings stay off its terminal (the
+    library leaves them as the user set them). A user's own TRANSFORMERS_VERBOSITY or HF_HUB_DISABLE_PROGRESS_BARS
+    wins; transformers reads both when imported, and one imported already (a test runner) is told directly."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        logging = sys.modules["transformers"].utils.logging
+        if os.environ["TRANSFORMERS_VERBOSITY"] == "error":
+            logging.set_verbosity_error()
+        if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+            logging.disable_progress_bar()
+
+
 class _Group(typer.core.TyperGroup):
     """Click's own usage errors (an unknown option, a value out of range) follow the same contract as qtool's: one
     ``error:`` line naming where help is, exit 2, and one JSON object with --json."""
@@ -36,6 +50,7 @@ class _Group(typer.core.TyperGroup):
                 if "--json" in argv:
                     _emit_json({"ok": False, "exit_code": 2, "error": message.split(": ", 1)[-1]})
                 sys.exit(2)
+        _quiet_transformers()
         forget_published()  # (an earlier command of this process, under a test runner)
         _SIGNALLED.clear()
         _SAID.clear()

@@ -28,8 +28,6 @@ def _transformers(path):
         import transformers
     except ImportError:
         raise UsageError(f"{path}: Hugging Face checkpoints need transformers: pip install 'qtool[hf]'") from None
-    transformers.utils.logging.disable_progress_bar()  # the library never draws on the user's terminal
-    transformers.utils.logging.set_verbosity_error()
     return transformers
 
 

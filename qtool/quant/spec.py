@@ -111,6 +111,8 @@ class QuantSpec:
         object.__setattr__(self, "shape", shape)
         if self.block_size is not None:
             object.__setattr__(self, "block_size", tuple(int(b) for b in self.block_size))
+            if not blocks_at_run_time and len(self.block_size) != len(shape):
+                raise ValueError(f"block_size {list(self.block_size)} needs one entry per dimension of {list(shape)}")
         if self.granularity is Granularity.PER_BLOCK and not blocks_at_run_time:
             if self.block_size is None or len(self.block_size) != len(shape):
                 raise ValueError(f"a per_block encoding needs one block_size entry per dimension of {list(shape)}")
