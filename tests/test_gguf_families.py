@@ -301,3 +301,82 @@ def test_a_tied_models_file_loads_in_llama_cpp(tmp_path, family):
     agree, diffs = _agreement(ckpt, tmp_path / "q")
     assert agree >= 34, agree
     assert median(diffs) < 0.03, sorted(diffs)
+
+
+_CONFIG = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, hidden_size=64,
+               intermediate_size=128, max_position_embeddings=8192)
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+_DEEPSEEK = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, q_lora_rank=32,
+                 n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+@pytest.mark.parametrize("model_type,extra,needle", [
+    ("qwen3", {"attention_bias": True}, "attention_bias is True, and llama.cpp's qwen3 has no attention biases"),
+    ("qwen3_moe", {**_MOE, "norm_topk_prob": True, "attention_bias": True}, "qwen3moe has no attention biases"),
+    ("olmoe", {**_MOE, "attention_bias": True}, "olmoe has no attention biases"),
+    ("olmoe", {**_MOE, "clip_qkv": 8.0}, "clip_qkv is 8.0, and llama.cpp's olmoe has no clipping of q/k/v"),
+    ("smollm3", {"mlp_bias": True}, "mlp_bias is True, and llama.cpp's smollm3 has no MLP biases"),
+    ("gemma3_text", {"attention_bias": True}, "gemma3 has no attention biases"),
+    ("deepseek_v3", {**_DEEPSEEK, "attention_bias": True}, "deepseek2 has no attention biases"),
+    ("phi3", {"head_dim": 32}, "head_dim 32 is not hidden_size / num_attention_heads (64 / 4)"),
+    # the older keys transformers turns into the lists (the checks read only the lists)
+    ("gemma3_text", {"sliding_window": 8, "sliding_window_pattern": 2}, "layer_types differ from llama.cpp's gemma3"),
+    ("smollm3", {"no_rope_layer_interval": 2}, "no_rope_layers differ from llama.cpp's smollm3"),
+    # no mscale: transformers scales the rotary part by 0.1 ln(factor) + 1, llama.cpp nothing
+    ("deepseek_v3", {**_DEEPSEEK, "rope_scaling": {"rope_type": "yarn", "factor": 40.0,
+                                                   "original_max_position_embeddings": 32}},
+     "YaRN mscale None and mscale_all_dim None"),
+    ("deepseek_v3", {**_DEEPSEEK, "rope_scaling": {"rope_type": "yarn", "factor": 40.0, "mscale": 0.0,
+                                                   "mscale_all_dim": 0.0, "original_max_position_embeddings": 32}},
+     "YaRN mscale 0.0 and mscale_all_dim 0.0"),
+])
+def test_a_config_whose_gguf_llama_cpp_would_not_load_or_would_compute_otherwise_is_refused(model_type, extra,
+                                                                                           needle):
+    """Each exported with exit 0: llama.cpp refused the biases ("wrong number of tensors") and Phi-3's wider heads
+    ("wrong shape"), and ran the others with another function (agreement with transformers 1-8 of 20 prompts)."""
+    import re
+
+    from qtool.errors import CheckpointError
+    from qtool.families import family_of
+
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        family_of(model_type).check_gguf({**_CONFIG, **extra}, Path("config.json"))
+
+
+@pytest.mark.parametrize("model_type,extra,layers", [
+    ("mistral", {}, 4),  # no sliding_window key: transformers' MistralConfig default, 4096 (Mistral-7B-v0.1's)
+    ("mistral", {"sliding_window": None}, 0),
+    ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 1024}, 4),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 1024, "max_window_layers": 1}, 3),
+    ("qwen2", {"sliding_window": 1024}, 0),  # (use_sliding_window false: transformers ignores the window)
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 1024,
+               "layer_types": ["full_attention"] * 3 + ["sliding_attention"]}, 1),
+    ("qwen2_moe", {**_MOE, "use_sliding_window": True, "sliding_window": 1024, "max_window_layers": 4}, 2),
+    ("qwen3_moe", {**_MOE, "norm_topk_prob": True, "use_sliding_window": True, "sliding_window": 1024}, 4),
+    ("phi3", {"sliding_window": 2047}, 4),
+    ("phi3", {"sliding_window": 262144}, 0),  # (no text is longer than the context)
+])
+def test_a_sliding_window_llama_cpp_does_not_run_is_a_warning(model_type, extra, layers):
+    """The file computes what llama.cpp's converter's does, full attention; transformers windows those layers."""
+    from qtool.families import family_of
+
+    family = family_of(model_type)
+    warnings = family.gguf_warnings(family.check_gguf({**_CONFIG, **extra}, Path("config.json")))
+    if not layers:
+        assert warnings == []
+        return
+    [warning] = warnings
+    window = extra.get("sliding_window", 4096)
+    assert warning.startswith(f"sliding_window {window}: transformers attends to the last {window} tokens in "
+                              f"{layers} of 4 layers, llama.cpp's {family.gguf_arch} to the whole context")
+
+
+def test_a_sliding_window_warning_reaches_the_export_summary_and_a_refusal_writes_nothing(tmp_path):
+    ckpt = _tiny(tmp_path / "w", "qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    code, out, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "-o", tmp_path / "q", "--format", "gguf", "--json")
+    assert code == 0, err
+    assert [w for w in json.loads(out)["export_warnings"] if w.startswith("sliding_window 8: ")]
+    ckpt = _tiny(tmp_path / "b", "qwen3", attention_bias=True)
+    code, _, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "-o", tmp_path / "r", "--format", "gguf")
+    assert code == 2 and "attention_bias is True" in err and len(error_lines(err)) == 1, err
+    assert not (tmp_path / "r").exists()

@@ -17,7 +17,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
 
-__all__ = ["Family", "TensorPart", "LLAMA_SMOOTH_MAPPINGS", "positive_int", "finite", "rope", "yarn", "check_yarn"]
+__all__ = ["Family", "TensorPart", "LLAMA_SMOOTH_MAPPINGS", "positive_int", "finite", "rope", "yarn", "check_yarn",
+           "windowed"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class Family:
     norm_shift: float = 0.0
     #: the context length the converter writes when config.json gives no ``max_position_embeddings``
     context_length: int = 2048
+    #: config.json keys for what llama.cpp's architecture has no tensor or step for (key -> what): set (true, a
+    #: number), its GGUF would not load (a bias tensor it does not expect) or would compute another function
+    gguf_absent: Dict[str, str] = {}
 
     # ---- GGUF -----------------------------------------------------------------------------------------------
     def check_gguf(self, config: Dict[str, Any], where: Path) -> Dict[str, Any]:
@@ -73,6 +77,10 @@ class Family:
         another function than transformers does."""
         positive_int(config, "num_hidden_layers", where)
         heads = positive_int(config, "num_attention_heads", where)
+        for key, what in self.gguf_absent.items():
+            if config.get(key) not in (None, False, 0):
+                raise CheckpointError(f"{where}: {key} is {str(config[key])[:20]}, and llama.cpp's {self.gguf_arch} "
+                                      f"has no {what}: its GGUF would not load or would compute another function")
         config = dict(config)
         config["num_key_value_heads"] = positive_int(config, "num_key_value_heads", where, default=heads)
         for key in ("hidden_size", "intermediate_size"):
@@ -140,7 +148,17 @@ class Family:
     def gguf_warnings(self, config: Dict[str, Any]) -> List[str]:
         """What the file computes otherwise than transformers by llama.cpp's own rule, which its converter's file
         shares (written, not refused)."""
-        return []
+        window, layers = self.attention_window(config)
+        if not layers or window >= int(config["max_position_embeddings"]):
+            return []
+        return [f"sliding_window {window}: transformers attends to the last {window} tokens in {layers} of "
+                f"{config['num_hidden_layers']} layers, llama.cpp's {self.gguf_arch} to the whole context (as in "
+                f"the file of its own converter): outputs differ on text longer than {window} tokens"]
+
+    def attention_window(self, config: Dict[str, Any]) -> Tuple[int, int]:
+        """(window, layers using it) of a sliding-window attention transformers runs and llama.cpp's architecture
+        does not ((0, 0): none)."""
+        return 0, 0
 
     def rope_dimensions(self, config: Dict[str, Any]) -> int:
         """How many of each head's dimensions rotate (all of them unless the family says otherwise)."""
@@ -202,6 +220,19 @@ def check_yarn(config: Dict[str, Any], where: Path) -> Optional[Dict[str, Any]]:
         raise CheckpointError(f"{where}: YaRN rope scaling needs a factor >= 1 and a positive "
                               "original_max_position_embeddings") from None
     return params
+
+
+def windowed(config: Dict[str, Any], window: Any, sliding) -> Tuple[int, int]:
+    """``(window, layers)`` for :meth:`Family.attention_window`: ``window`` (config.json's, as the family's
+    transformers config reads it) on the layers config.json's ``layer_types`` name sliding, else on those layer
+    indices ``sliding(i)`` holds for."""
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        return 0, 0
+    types = config.get("layer_types")
+    n = int(config["num_hidden_layers"])
+    layers = sum(t == "sliding_attention" for t in types) if isinstance(types, list) else \
+        sum(bool(sliding(i)) for i in range(n))
+    return (window, layers) if layers else (0, 0)
 
 
 def positive_int(config: Dict[str, Any], key: str, where: Path, default: Any = ...) -> Optional[int]:

@@ -26,6 +26,7 @@ class DeepseekV3(Family):
     no_smoothing = ("DeepSeek-V3's attention reads its norm through low-rank projections qtool has no default "
                     "mappings for; give smoothquant.mappings")
     gguf_arch = "deepseek2"
+    gguf_absent = {"attention_bias": "attention biases"}
 
     def check_gguf(self, config: Dict[str, Any], where: Path) -> Dict[str, Any]:
         config = super().check_gguf(config, where)
@@ -40,9 +41,14 @@ class DeepseekV3(Family):
                 positive_int(config, key, where)
         yarn = check_yarn(config, where)
         try:
-            if yarn is not None and float(yarn.get("mscale") or 1.0) != float(yarn.get("mscale_all_dim") or 1.0):
-                raise CheckpointError(f"{where}: YaRN mscale differs from mscale_all_dim: llama.cpp's deepseek2 "
-                                      "scales attention by one of them")
+            # transformers scales the rotary part by mscale / mscale_all_dim's terms where both are set, else by
+            # 0.1 ln(factor) + 1; llama.cpp's deepseek2 cancels its own such term and scales the whole attention by
+            # mscale_all_dim's: the same function only where the two are set and equal
+            if yarn is not None and (not yarn.get("mscale") or not yarn.get("mscale_all_dim")
+                                     or float(yarn["mscale"]) != float(yarn["mscale_all_dim"])):
+                raise CheckpointError(f"{where}: YaRN mscale {yarn.get('mscale')} and mscale_all_dim "
+                                      f"{yarn.get('mscale_all_dim')}: llama.cpp's deepseek2 computes transformers' "
+                                      "attention scale only where both are set and equal (DeepSeek-V3's: 1.0)")
         except (TypeError, ValueError):
             raise CheckpointError(f"{where}: YaRN mscale and mscale_all_dim must be numbers") from None
         if config.get("rope_interleave") is False:

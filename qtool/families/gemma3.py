@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from ..errors import CheckpointError
-from .base import Family, rope
+from .base import Family, positive_int, rope
 
 _LOCAL_THETA = 10000.0  # llama.cpp: rope_freq_base_train_swa
 _PATTERN = 6  # llama.cpp: set_swa_pattern(6), every sixth layer full attention
@@ -44,6 +44,7 @@ class Gemma3(Family):
                     "give smoothquant.mappings between Linear layers")
     gguf_arch = "gemma3"
     norm_shift = 1.0
+    gguf_absent = {"attention_bias": "attention biases"}
     context_length = 131072
 
     def rope(self, config: Dict[str, Any]) -> Tuple[float, Optional[float]]:
@@ -62,7 +63,10 @@ class Gemma3(Family):
             raise CheckpointError(f"{where}: bidirectional attention (an embedding model) has no GGUF export in qtool")
         n = int(config["num_hidden_layers"])
         types = config.get("layer_types")
-        if config.get("sliding_window") and types is not None:
+        if types is None:  # (older configs: transformers makes the list from sliding_window_pattern, 6 by default)
+            pattern = positive_int(config, "sliding_window_pattern", where, 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        if config.get("sliding_window"):
             want = ["full_attention" if (i + 1) % _PATTERN == 0 else "sliding_attention" for i in range(n)]
             if list(types) != want:
                 raise CheckpointError(f"{where}: layer_types differ from llama.cpp's gemma3 (sliding attention in "

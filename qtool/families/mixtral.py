@@ -2,7 +2,9 @@
 and the router ``block_sparse_moe.gate``). llama.cpp writes it as ``llama`` with stacked expert tensors and
 always normalizes the routed weights, as Mixtral does."""
 
-from .base import Family
+from typing import Any, Dict, Tuple
+
+from .base import Family, windowed
 
 
 class Mixtral(Family):
@@ -11,6 +13,10 @@ class Mixtral(Family):
     rms_norms = ("MixtralRMSNorm",)
     gguf_arch = "llama"
     permute_qk = True
+
+    def attention_window(self, config: Dict[str, Any]) -> Tuple[int, int]:
+        # (a sliding_window, every layer, as Mistral's; llama.cpp's llama attends to the whole context)
+        return windowed({**config, "layer_types": None}, config.get("sliding_window"), lambda i: True)
 
 
 FAMILY = Mixtral()

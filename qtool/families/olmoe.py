@@ -16,6 +16,7 @@ class Olmoe(Family):
     gguf_arch = "olmoe"
     gguf_needs_output = True  # (its loader has no token_embd fallback for a tied output layer)
     normalizes_top_k = False
+    gguf_absent = {"attention_bias": "attention biases", "clip_qkv": "clipping of q/k/v (its graph does not clamp)"}
 
     def check_gguf(self, config: Dict[str, Any], where: Path) -> Dict[str, Any]:
         config = super().check_gguf(config, where)

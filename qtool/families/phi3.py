@@ -7,10 +7,10 @@ projections after them.
 """
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 from ..errors import CheckpointError
-from .base import Family
+from .base import Family, windowed
 
 _SMOOTH = (
     {"smooth": "re:.*input_layernorm", "balance": ["re:.*qkv_proj"]},
@@ -31,11 +31,18 @@ class Phi3(Family):
             raise CheckpointError(f"{where}: longrope scaling (long_factor / short_factor) has no GGUF export in qtool "
                                   "yet")
         config = super().check_gguf(config, where)
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        if config["head_dim"] is not None and config["head_dim"] * heads != hidden:
+            raise CheckpointError(f"{where}: head_dim {config['head_dim']} is not hidden_size / num_attention_heads "
+                                  f"({hidden} / {heads}), and llama.cpp's phi3 splits attn_qkv by hidden_size")
         factor = config.get("partial_rotary_factor", (params or {}).get("partial_rotary_factor", 1.0))
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
             raise CheckpointError(f"{where}: partial_rotary_factor must be in (0, 1] (got {str(factor)[:20]!r})")
         config["partial_rotary_factor"] = float(factor)
         return config
+
+    def attention_window(self, config: Dict[str, Any]) -> Tuple[int, int]:
+        return windowed({**config, "layer_types": None}, config.get("sliding_window"), lambda i: True)
 
     def rope_dimensions(self, config: Dict[str, Any]) -> int:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])

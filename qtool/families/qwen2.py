@@ -1,6 +1,8 @@
 """Qwen2 (and Qwen2.5): a Llama block with q/k/v biases; llama.cpp's ``qwen2`` keeps q/k unpermuted."""
 
-from .base import Family
+from typing import Any, Dict, Tuple
+
+from .base import Family, windowed
 
 
 class Qwen2(Family):
@@ -8,6 +10,12 @@ class Qwen2(Family):
     title = "Qwen2"
     rms_norms = ("Qwen2RMSNorm",)
     gguf_arch = "qwen2"
+
+
+    def attention_window(self, config: Dict[str, Any]) -> Tuple[int, int]:
+        if not config.get("use_sliding_window"):
+            return 0, 0  # (transformers ignores sliding_window then)
+        return windowed(config, config.get("sliding_window", 4096), lambda i: i >= config.get("max_window_layers", 28))
 
 
 FAMILY = Qwen2()
