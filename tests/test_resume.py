@@ -74,6 +74,39 @@ def test_a_run_killed_after_any_block_resumes_to_the_same_bytes(llama, tmp_path,
     assert not out.with_name("run.resume").exists()  # the state goes once the output is written
 
 
+def test_a_kill_inside_the_safetensors_writer_still_resumes(llama, tmp_path):
+    """safetensors writes a file through its own temporary (".tmpXXXXXX", Rust's tempfile) beside it; a kill that
+    lands there (as it will in a real block's gigabytes of hidden states) left one that made --resume refuse the
+    state as "holds '.tmp46W1kI', which no --sequential run's state holds"."""
+    d, args = llama
+    out = tmp_path / "run"
+    _killed(args, out, 1)
+    (out.with_name("run.resume") / ".tmp46W1kI").write_bytes(b"\0" * 4096)  # what the killed writer left
+    code, _, err = run_cli(*args, "--resume", "-o", out)
+    assert code == 0, err
+    assert _files(out) == _files(d / "whole")
+    assert not out.with_name("run.resume").exists()
+
+
+def test_a_full_disk_while_the_state_is_written_is_one_line(llama, tmp_path):
+    """safetensors' writer raises its own SafetensorError for a failed write ("File too large (os error 27)"): it
+    was an internal error (exit 3, a traceback log) where the same failure in the export is one line, exit 2."""
+    import resource
+
+    d, args = llama
+    out = tmp_path / "run"
+
+    def limit():  # (Python ignores SIGXFSZ: a write past the limit fails with EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    r = subprocess.run([sys.executable, "-m", "qtool", *args[:-1], "-o", str(out)], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, preexec_fn=limit, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    [line] = [x for x in error_lines(r.stderr) if x.startswith("error")]
+    assert "File too large" in line and "run.resume" in line, line
+    assert "internal error" not in r.stderr and not out.exists()
+
+
 def test_a_run_at_a_lower_matmul_precision_resumes_to_its_own_bytes(llama, tmp_path):
     """The passes' products at bfloat16 (on a CPU with AMX; elsewhere float32, with a warning) are as repeatable
     as float32's: a stopped run resumes to the bytes of an uninterrupted one at the same setting."""

@@ -56,9 +56,11 @@ def state_dir(out: Path) -> Path:
 
 
 _STATE_NAMES = r"(state\.json|block-\d+\.safetensors|hidden-\d+-r\d+\.safetensors)"
-# what a state directory holds: its files, and the temporaries atomic_file writes them through (".NAME.tmp-...")
-# (and NFS's ".nfsXXXX": a file removed while a killed process still held it open)
-_IN_A_STATE = re.compile(rf"{_STATE_NAMES}|\.{_STATE_NAMES}\.tmp-.+|\.nfs[0-9A-Fa-f]+")
+# what a state directory holds: its files, the temporaries atomic_file writes them through (".NAME.tmp-..."), the
+# one safetensors' writer writes those through in turn (".tmpXXXXXX", Rust's tempfile: left where a kill lands
+# inside save_file, as it will in a large block's hidden states), and NFS's ".nfsXXXX" (a file removed while a
+# killed process still held it open)
+_IN_A_STATE = re.compile(rf"{_STATE_NAMES}|\.{_STATE_NAMES}\.tmp-.+|\.tmp[0-9A-Za-z]{{6}}|\.nfs[0-9A-Fa-f]+")
 
 
 def check_state_dir(directory: Path, inputs: Sequence[Tuple[str, Optional[str]]]) -> None:
@@ -354,5 +356,13 @@ class _Writer(threading.Thread):
 
 
 def _atomic_save(tensors: Dict[str, torch.Tensor], path: Path, metadata: Dict[str, str]) -> None:
+    from safetensors import SafetensorError
+
     with atomic_file(path) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except SafetensorError as e:  # (its own type for a failed write: a full disk, a file-size limit)
+            code = re.search(r"os error (\d+)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
