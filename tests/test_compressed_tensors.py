@@ -384,7 +384,11 @@ def test_the_size_summary_counts_weight_files_only(ckpt, tmp_path, fmt):
     (src / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
     code, out, err = run_cli("quantize", src, "-c", "w8a16", "-o", tmp_path / "out", "--format", fmt, "--json")
     assert code == 0, err
-    size = json.loads(out)["size"]
+    summary = json.loads(out)
+    # (compressed-tensors' own "format", int-quantized, overwrote the export's: docs/ci.md names it ct_format)
+    assert summary["format"] == fmt
+    assert summary.get("ct_format") == ("int-quantized" if fmt == "compressed-tensors" else None)
+    size = summary["size"]
     assert size["model_files"] == ["model.safetensors"]
     assert size["model_bytes"] == (tmp_path / "out" / "model.safetensors").stat().st_size
 

@@ -246,7 +246,7 @@ def export_compressed_tensors(
                                          encoding="utf-8")
     copied = _copy_side_files(checkpoint, out_dir)
     return {
-        "format": top_format,
+        "ct_format": top_format,
         "tensors": len(layout),
         "source_tensors": len(keys),
         "quantized": len(by_key),

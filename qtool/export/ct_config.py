@@ -182,7 +182,7 @@ def _compat_notes(settings) -> List[str]:
             continue
         if fmt == "int-quantized":
             notes.append(f"vLLM: {what}: vLLM runs weight-only int layers only from pack-quantized (its WNA16 "
-                         "scheme); export with eight_bit_format='pack-quantized' for vLLM")
+                         "scheme); export with --ct-8bit-format pack-quantized for vLLM")
         if a["strategy"] == "tensor":
             notes.append(f"vLLM: {what}: vLLM's weight-only int scheme takes channel or group strategies, not tensor")
         if a["num_bits"] not in (4, 8):
