@@ -346,6 +346,28 @@ def test_an_interrupt_while_the_summary_prints_names_the_signal_and_the_output(w
                                   "error": f"{name}; {out} had been written in full before it"}
 
 
+@pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_an_interrupt_after_the_json_summary_adds_no_second_object(world, tmp_path, monkeypatch, name, code):
+    """stdout held the summary and then {"ok": false, "exit_code": 143}: two objects no JSON parser reads."""
+    from qtool.cli import core as cli
+    from qtool.cli import run as cli_run
+    from tests.helpers import run_cli
+
+    d, ckpt, data = world
+
+    def printed_then_interrupted(obj):
+        cli._emit_json(obj)
+        cli._SIGNALLED.append(name)
+        raise cli._Terminated() if name == "SIGTERM" else KeyboardInterrupt()
+
+    monkeypatch.setattr(cli_run, "_emit_json", printed_then_interrupted)
+    out = tmp_path / "r"
+    status, stdout, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class",
+                                  "tests.tinymodels:mlp", "-o", out, "--json")
+    assert status == code and json.loads(stdout)["ok"] is True
+    assert f"interrupted: {name}; {out} had been written in full before it" in err
+
+
 def test_a_write_the_disk_refuses_names_the_output(world, tmp_path):
     """A full disk or a file-size limit fails a write() that names no file: the line said "File too large" and no
     more. It names the output now, and nothing is left of it."""

@@ -54,6 +54,7 @@ class _Group(typer.core.TyperGroup):
         forget_published()  # (an earlier command of this process, under a test runner)
         _SIGNALLED.clear()
         _SAID.clear()
+        _EMITTED.clear()
         try:
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except typer.TyperException as e:  # typer's (vendored) click exceptions all derive from it
@@ -71,7 +72,7 @@ class _Group(typer.core.TyperGroup):
             name = _SIGNALLED[-1]
             message = f"interrupted: {name}; {_written()}"
             err.print(message, markup=False)
-            if "--json" in argv:
+            if "--json" in argv and not _EMITTED:  # (stdout holds one JSON object: the summary, if it got out)
                 _emit_json({"ok": False, "exit_code": _SIGNAL_EXIT[name], "error": message.split(": ", 1)[-1]})
             sys.exit(_SIGNAL_EXIT[name])
         sys.exit(rv if isinstance(rv, int) else 0)
@@ -147,6 +148,7 @@ class _Terminated(KeyboardInterrupt):
 # as another exception (torch turns it into "ValueError: could not determine the shape ..."); it is still an
 # interrupt, and reads as one
 _SIGNALLED: List[str] = []
+_EMITTED: List[bool] = []  # a JSON object went to stdout (a command prints one at most)
 _SAID: List[int] = []  # the exit codes a command's _errors has reported (said and, with --json, printed)
 
 
@@ -159,7 +161,7 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         _SAID.append(code)
         for line in [message, *more] if speak else []:
             err.print(line, markup=False)
-        if json_out:  # (only rank 0 has json_out under torchrun; it reports another rank's failure too)
+        if json_out and not _EMITTED:  # (only rank 0 has json_out under torchrun; it reports another rank's too)
             _emit_json({"ok": False, "exit_code": code, "error": message.split(": ", 1)[-1],
                         **({"errors": [m.split(": ", 1)[-1] for m in [message, *more]]} if more else {})})
         raise typer.Exit(code)
@@ -235,6 +237,7 @@ def _emit_json(obj: Dict[str, Any]) -> None:
     """One JSON object on stdout; a float that is not finite is written as "nan", "inf" or "-inf" (JSON has no
     such numbers, and strict parsers refuse the bare tokens)."""
     sys.stdout.write(json.dumps(_json_safe(obj), indent=1, default=str) + "\n")
+    _EMITTED.append(True)
 
 
 def _json_safe(value: Any) -> Any:
