@@ -88,6 +88,27 @@ def test_a_kill_inside_the_safetensors_writer_still_resumes(llama, tmp_path):
     assert not out.with_name("run.resume").exists()
 
 
+@pytest.mark.parametrize("command", ["calibrate", "quantize"])
+def test_an_interrupt_right_after_the_output_is_in_place_still_removes_the_state(llama, tmp_path, monkeypatch,
+                                                                                  command):
+    """The state was removed after the output's rename: an interrupt between the two left it, and every retry with
+    --resume then failed on the output that exists."""
+    import qtool.io.fs as fs
+
+    d, args = llama
+    publish = fs._publish
+
+    def published_then_interrupted(*a, **kw):
+        publish(*a, **kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fs, "_publish", published_then_interrupted)
+    out = tmp_path / "run"
+    code, _, err = run_cli(command, *args[1:], "-o", out)
+    assert code == 130 and "had been written in full before it" in err, err
+    assert out.is_dir() and not out.with_name("run.resume").exists()
+
+
 def test_a_full_disk_while_the_state_is_written_is_one_line(llama, tmp_path):
     """safetensors' writer raises its own SafetensorError for a failed write ("File too large (os error 27)"): it
     was an internal error (exit 3, a traceback log) where the same failure in the export is one line, exit 2."""

@@ -14,6 +14,7 @@ from torch import nn
 from ..calibration import CalibrateOptions
 from ..config import Plan, RecipeFile, load_recipe, recipe_file, resolve_plan
 from ..errors import UsageError
+from ..io.fs import atomic_output_dir, published
 from ..model.apply import make_fake_quant
 from ..model.load import LoadedModel, load_model
 from ..parallel import Group, from_environment
@@ -79,6 +80,21 @@ def _check_state(out: str, opts: CalibrateOptions, target: Optional["TargetOptio
     directory = _state_dir(out, opts, target)
     if directory is not None:
         check_state_dir(directory, inputs)
+
+
+@contextlib.contextmanager
+def _output_dir_then_no_state(out: str, overwrite: bool, opts: CalibrateOptions, target: Optional["TargetOptions"],
+                              group: Group):
+    """``atomic_output_dir(out)``; once the output is in place the run's state goes, even where an interrupt lands
+    between the two (a state left beside a written output made every retry with --resume fail: the output
+    exists)."""
+    before = len(published())
+    try:
+        with atomic_output_dir(Path(out), overwrite) as tmp:
+            yield tmp
+    finally:
+        if Path(out) in published()[before:]:
+            _drop_state(out, opts, target, group)
 
 
 def _drop_state(out: str, opts: CalibrateOptions, target: Optional["TargetOptions"], group: Group) -> None:

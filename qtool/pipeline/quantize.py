@@ -16,10 +16,11 @@ from ..encodings import EncodingsFile
 from ..errors import UsageError
 from ..export.base import weight_changes
 from ..hooks import Hooks
-from ..io.fs import atomic_output_dir, check_output_dir
+from ..io.fs import check_output_dir
 from ..parallel import Group
 from .calibrate import _calibrate_into
-from .common import TargetOptions, _check_resume, _check_state, _drop_state, _inputs, _ranks, _state_dir
+from .common import (TargetOptions, _check_resume, _check_state, _drop_state, _inputs, _output_dir_then_no_state,
+                     _ranks, _state_dir)
 from .export import ExportOptions, _export_into
 from .search import (SEARCH_FILE, _budget_exporter, _calibrate_searched, _prepared, _search_inputs,
                      _searched)
@@ -61,7 +62,7 @@ def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], ou
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes
             return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target,
                                *(budget_format or (None, None)))
-        with atomic_output_dir(Path(out), overwrite) as tmp:
+        with _output_dir_then_no_state(out, overwrite, opts, target, group) as tmp:
             record = None
             if target:
                 recipe_path, record = _searched(checkpoint, target, opts, *budget_format, tmp, hooks, group)
@@ -71,7 +72,6 @@ def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], ou
             else:
                 summary = _calibrate_into(checkpoint, recipe_path, opts, tmp, hooks, group,
                                           state=_state_dir(out, opts, target))
-        _drop_state(out, opts, target, group)
     summary["encodings"] = str(Path(out) / "encodings.json")
     summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
     return summary
@@ -112,7 +112,7 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
     with _ranks(opts.device) as group:
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes, exports
             return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target, exporter, options, admit)
-        with atomic_output_dir(Path(out), overwrite) as tmp:
+        with _output_dir_then_no_state(out, overwrite, opts, target, group) as tmp:
             calib_dir = tmp / "calibration"
             calib_dir.mkdir()
             record = None
@@ -129,7 +129,6 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
             esum = _export_into(checkpoint, EncodingsFile.read(enc_path, lazy=exporter.lazy_encodings), enc_path,
                                 tmp, eopts, hooks, checkpoint_checked=True,
                                 enc_display="calibration/encodings.json")  # relative: the temp dir name is random
-        _drop_state(out, opts, target, group)
     out_p = Path(out)
     files = [str(out_p / n) for n in esum.pop("outputs") if not n.startswith("calibration/")]
     calib_files = [str(out_p / "calibration" / n) for n in csum.pop("outputs")]
