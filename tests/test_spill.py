@@ -43,3 +43,26 @@ def test_replacing_and_deleting_remove_the_old_file_and_collection_removes_the_d
     del store
     gc.collect()
     assert not directory.exists()
+
+
+def test_a_killed_runs_directory_is_removed_by_the_next_one_and_no_other(tmp_path):
+    """A SIGKILLed --sequential run's codes (gigabytes for a large model) stayed in /tmp for good: nothing could tell
+    whose they were. Names now carry the host and pid; the next mapping removes those whose process is gone."""
+    import os
+    import subprocess
+    import sys
+
+    from qtool.io.fs import _HOST
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"qtool-spill-{_HOST}-{int(dead.stdout)}-abc_123"
+    alive = tmp_path / f"qtool-spill-{_HOST}-{os.getpid()}-def456"  # (this process: still running)
+    other = tmp_path / f"qtool-spill-another.host-{int(dead.stdout)}-ghi789"  # (a shared disk: not ours to judge)
+    unnamed = tmp_path / "qtool-spill-jkl012"  # (an older qtool's)
+    for d in (stale, alive, other, unnamed):
+        d.mkdir()
+        (d / "0.bin").write_bytes(b"\0" * 64)
+    s = SpilledTensors(tmp_path)
+    assert s.directory.name.startswith(f"qtool-spill-{_HOST}-{os.getpid()}-")
+    assert not stale.exists() and alive.exists() and other.exists() and unnamed.exists()
+    s.close()

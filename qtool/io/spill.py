@@ -5,21 +5,42 @@ Sequential calibration holds one decoder block at a time; the codes it chooses a
 only written (``qtool.weights.write_codes``) once every block is done. Kept in a dict they grow by a byte per
 weight (8 as int64) with every block; here each goes to its own raw file as it is chosen and is read back, one
 tensor at a time, when the codes file is written. The directory is removed when the mapping is closed or
-garbage collected, and at interpreter exit.
+garbage collected, and at interpreter exit; its name carries the host and pid of its process, so that the next
+mapping made removes those a killed run left (a pre-empted --sequential run's codes: gigabytes).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import tempfile
 import weakref
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Dict, Iterator, MutableMapping, Optional, Tuple
 
 import numpy as np
 import torch
 
+from .fs import _HOST, _writer_is_gone
+
 __all__ = ["SpilledTensors"]
+
+_PREFIX = "qtool-spill-"
+_NAME = re.compile(rf"{_PREFIX}(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)-[A-Za-z0-9_]+")
+
+
+def _remove_stale(parent: Path) -> None:
+    """The spill directories under ``parent`` whose process, on this host, is gone."""
+    try:
+        found = list(parent.glob(f"{_PREFIX}{glob_escape(_HOST)}-*"))
+    except OSError:
+        return
+    for p in found:
+        m = _NAME.fullmatch(p.name)
+        if m is not None and m["host"] == _HOST and _writer_is_gone(m["host"], int(m["pid"])):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 class SpilledTensors(MutableMapping[str, torch.Tensor]):
@@ -27,7 +48,9 @@ class SpilledTensors(MutableMapping[str, torch.Tensor]):
     directory when None)."""
 
     def __init__(self, directory: Optional[Path] = None):
-        self.directory = Path(tempfile.mkdtemp(prefix="qtool-spill-", dir=directory))
+        parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+        _remove_stale(parent)
+        self.directory = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{_HOST}-{os.getpid()}-", dir=parent))
         self._index: Dict[str, Tuple[Path, torch.dtype, Tuple[int, ...]]] = {}
         self._count = 0
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
