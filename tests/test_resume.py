@@ -256,3 +256,21 @@ def test_a_damaged_saved_block_is_one_line_and_the_state_stays(llama, stopped, t
     lines = error_lines(err)
     assert len(lines) == 1 and "cannot read the saved block" in lines[0] and "run without --resume" in lines[0], err
     assert (tmp_path / "run.resume/state.json").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("damage", ["shape", "dtype"])
+def test_saved_block_outputs_of_another_shape_or_dtype_are_one_line(llama, stopped, tmp_path, damage):
+    """(an internal error from deep inside the next block: apply_rotary_pos_emb's shapes, a matmul's dtypes)"""
+    from safetensors import safe_open
+
+    d, args = llama
+    shutil.copytree(stopped, tmp_path / "run.resume")
+    [path] = (tmp_path / "run.resume").glob("hidden-*-r0.safetensors")
+    with safe_open(str(path), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    tensors["h.1"] = tensors["h.1"][:, :8].contiguous() if damage == "shape" else tensors["h.1"].double()
+    save_file(tensors, path, metadata=meta)
+    code, _, err = run_cli(*args, "--resume", "-o", tmp_path / "run")
+    assert code == 2, err
+    [line] = error_lines(err)
+    assert "the saved block outputs of batch 1 are" in line and "run without --resume" in line, line

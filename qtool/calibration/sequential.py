@@ -333,6 +333,11 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         if len(hidden) != len(captured):
             raise UsageError(f"{state.directory}: the saved state holds {len(hidden)} batches' block outputs, this run "
                              f"has {len(captured)}: run without --resume to start over")
+        for j, (h, (args, _)) in enumerate(zip(hidden, captured)):  # (a block's outputs are shaped as its inputs)
+            if h.shape != args[0].shape or h.dtype != args[0].dtype:
+                raise UsageError(f"{state.directory}: the saved block outputs of batch {j} are {h.dtype} "
+                                 f"{list(h.shape)}, this run's blocks read {args[0].dtype} {list(args[0].shape)}: "
+                                 "run without --resume to start over")
         captured = [((h.to(device),) + tuple(args[1:]), kwargs) for h, (args, kwargs) in zip(hidden, captured)]
     for i, block in enumerate(blocks):
         if i < resumed:
