@@ -399,11 +399,14 @@ def test_a_model_with_quantizers_pickles_whole():
     qs = insert_quantizers(model, resolve_plan(parse_recipe("version: 1\ndefaults: {activations: null}\n"), model))
     for q in list(qs.values())[1:]:
         q.set_range(-0.2, 0.2)
+    with torch.no_grad():
+        model[2](torch.randn(2, model[2].in_features))  # (fills its fake-quant weight cache: not pickled)
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
     back = torch.load(buffer, weights_only=False)
     assert type(back[0]) is type(model[0]) and type(back[0]).__name__ == "QuantizedLinear"
+    assert "_qtool_weight_cache" in model[2].__dict__ and "_qtool_weight_cache" not in back[2].__dict__
     states = {n: q.is_initialized() for n, q in iter_quantizers(back)}
     assert states == {n: q.is_initialized() for n, q in qs.items()} and list(states.values()).count(False) == 1
     qs[next(iter(qs))].set_range(-0.2, 0.2)

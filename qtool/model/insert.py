@@ -38,7 +38,9 @@ class QuantizedModuleMixin:
     def __reduce_ex__(self, protocol):
         # the class is made at run time, one per wrapped type (_quantized_class): pickle (torch.save of a whole
         # model, multiprocessing) finds it by the type it wraps
-        return _new_quantized, (self._qtool_base,), self.__getstate__()
+        state = self.__getstate__()
+        state.pop("_qtool_weight_cache", None)  # (the fake-quant weight, made again on the next call)
+        return _new_quantized, (self._qtool_base,), state
 
     def forward(self, *args, **kwargs):  # type: ignore[override]
         qs = getattr(self, _ATTR)

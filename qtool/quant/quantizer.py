@@ -112,7 +112,9 @@ class QuantizerBase(nn.Module):
         return state
 
     def __setstate__(self, state):
-        unset = state.pop("_uninit_markers")
+        unset = state.pop("_uninit_markers", [])
+        if isinstance(unset, dict):  # (a quantizer pickled before names were kept: it came back initialized)
+            unset = []
         super().__setstate__(state)
         self._uninit_markers = {name: self._param_marker(name) for name in unset}
 
@@ -341,6 +343,8 @@ class Quantize(QuantizerBase):
     """Quantization: returns the integer codes (as floats) in a ``QuantizedTensor``."""
 
     def forward(self, x: torch.Tensor) -> QuantizedTensor:
+        if self._calibrating and x.numel() == 0:
+            return x  # (an empty batch has no range to learn)
         x = x.as_subclass(torch.Tensor)
         mn, mx = self._range_for_call(x)
         scale, offset = self._scale_offset(mn, mx)
@@ -435,7 +439,7 @@ class FloatQuantizeDequantize(QuantizerBase):
         return -amax, amax
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.enabled:
+        if not self.enabled or (self._calibrating and x.numel() == 0):
             return x
         x = x.as_subclass(torch.Tensor)
         if self._calibrating:
@@ -502,7 +506,7 @@ class DynamicFloatQuantizeDequantize(DynamicQuantizeDequantize):
                              f"{x.shape[-1] if x.dim() else 0}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.enabled:
+        if not self.enabled or (self._calibrating and x.numel() == 0):
             return x
         x = x.as_subclass(torch.Tensor)
         gscale = None
@@ -565,7 +569,7 @@ class GgmlQuantizeDequantize(QuantizerBase):
         return mn, mx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.enabled:
+        if not self.enabled or (self._calibrating and x.numel() == 0):
             return x
         x = x.as_subclass(torch.Tensor)
         mn, mx = self._range_for_call(x)
