@@ -180,3 +180,17 @@ def test_the_library_leaves_transformers_logging_as_the_user_set_it(tmp_path):
     finally:
         logging.set_verbosity(before[0])
         (logging.enable_progress_bar if before[1] else logging.disable_progress_bar)()
+
+
+@pytest.mark.parametrize("model_type,arch,auto_map", [("internlm3", "LlamaForCausalLM", None),
+                                                      ("kimi_k2", "DeepseekV3ForCausalLM", {"AutoConfig": "x.Config"})])
+def test_a_model_type_that_names_another_class_on_purpose_is_not_refused(model_type, arch, auto_map):
+    """transformers' own mapping builds LlamaForCausalLM for internlm3, and a remote-code config (Kimi K2's) names
+    the class it runs: both runtimes build the same model."""
+    from types import SimpleNamespace
+
+    from qtool.model.hf import _check_architecture
+
+    config = SimpleNamespace(model_type=model_type, architectures=[arch],
+                             **({"auto_map": auto_map} if auto_map else {}))
+    _check_architecture(transformers, Path("config.json"), config)

@@ -69,12 +69,28 @@ def _check_architecture(transformers, cfg_file: Path, config) -> None:
     transformers' Auto classes follow ``model_type`` and vLLM follows ``architectures``: where they disagree the
     exported file runs one model in one runtime and another in the other, and qtool would calibrate one of them."""
     archs = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, archs[0], None) if archs and isinstance(archs[0], str) else None
+    if not archs or not isinstance(archs[0], str) or getattr(config, "auto_map", None):
+        return  # (a remote-code config names its own classes: Kimi K2's kimi_k2 runs DeepseekV3ForCausalLM)
+    cls = getattr(transformers, archs[0], None)
     wanted = getattr(getattr(cls, "config_class", None), "model_type", "")
-    if isinstance(wanted, str) and wanted and wanted != getattr(config, "model_type", wanted):
+    if isinstance(wanted, str) and wanted and wanted != getattr(config, "model_type", wanted) \
+            and archs[0] not in _auto_classes(getattr(config, "model_type", None)):
         raise CheckpointError(
             f"{cfg_file}: model_type {config.model_type!r} but architectures[0] {archs[0]} is a {wanted!r} "
             f"model (transformers builds the one, vLLM the other): make them agree")
+
+
+def _auto_classes(model_type) -> set:
+    """The classes transformers' Auto mappings build for ``model_type`` (internlm3's is LlamaForCausalLM)."""
+    from transformers.models.auto import modeling_auto
+
+    found = set()
+    for name in dir(modeling_auto):
+        table = getattr(modeling_auto, name)
+        if name.endswith("_MAPPING_NAMES") and isinstance(table, dict):
+            value = table.get(model_type)
+            found.update(value if isinstance(value, (list, tuple)) else [value] if value else [])
+    return found
 
 
 def _refuse_non_finite(cfg_file: Path, obj: Any, where: str = "") -> None:
