@@ -367,7 +367,8 @@ def test_a_sliding_window_llama_cpp_does_not_run_is_a_warning(model_type, extra,
         return
     [warning] = warnings
     window = extra.get("sliding_window", 4096)
-    assert warning.startswith(f"sliding_window {window}: transformers attends to the last {window} tokens in "
+    default = "" if "sliding_window" in extra else " (transformers' default: config.json names none)"
+    assert warning.startswith(f"sliding_window {window}{default}: transformers attends to the last {window} tokens in "
                               f"{layers} of 4 layers, llama.cpp's {family.gguf_arch} to the whole context")
 
 
@@ -380,3 +381,21 @@ def test_a_sliding_window_warning_reaches_the_export_summary_and_a_refusal_write
     code, _, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "-o", tmp_path / "r", "--format", "gguf")
     assert code == 2 and "attention_bias is True" in err and len(error_lines(err)) == 1, err
     assert not (tmp_path / "r").exists()
+
+
+def test_the_window_warning_says_when_the_window_is_transformers_default_and_bad_window_keys_are_one_line():
+    from qtool.errors import CheckpointError
+    from qtool.families import family_of
+
+    mistral = family_of("mistral")
+    [warning] = mistral.gguf_warnings(mistral.check_gguf(dict(_CONFIG), Path("config.json")))
+    assert warning.startswith("sliding_window 4096 (transformers' default: config.json names none): ")
+    with pytest.raises(CheckpointError, match="sliding_window / max_window_layers must be integers"):
+        family_of("qwen2").check_gguf({**_CONFIG, "use_sliding_window": True, "sliding_window": 8,
+                                       "max_window_layers": None}, Path("config.json"))
+    yarn = {"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": 32}
+    family_of("deepseek_v3").check_gguf({**_CONFIG, **_DEEPSEEK, "rope_scaling": yarn}, Path("config.json"))
+    with pytest.raises(CheckpointError, match="attention_factor is set"):
+        family_of("deepseek_v3").check_gguf({**_CONFIG, **_DEEPSEEK, "rope_scaling": {
+            **yarn, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0, "attention_factor": 1.2}},
+            Path("config.json"))

@@ -106,6 +106,10 @@ class Family:
         except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
             raise CheckpointError(f"{where}: rope_theta / rope_scaling must be finite numbers ({type(e).__name__}: "
                                   f"{str(e)[:60]})") from None
+        try:
+            self.attention_window(config)
+        except (TypeError, ValueError):  # (max_window_layers null: transformers cannot build the model either)
+            raise CheckpointError(f"{where}: sliding_window / max_window_layers must be integers") from None
         return config
 
     def rope(self, config: Dict[str, Any]) -> Tuple[float, Optional[float]]:
@@ -151,7 +155,8 @@ class Family:
         window, layers = self.attention_window(config)
         if not layers or window >= int(config["max_position_embeddings"]):
             return []
-        return [f"sliding_window {window}: transformers attends to the last {window} tokens in {layers} of "
+        default = " (transformers' default: config.json names none)" if "sliding_window" not in config else ""
+        return [f"sliding_window {window}{default}: transformers attends to the last {window} tokens in {layers} of "
                 f"{config['num_hidden_layers']} layers, llama.cpp's {self.gguf_arch} to the whole context (as in "
                 f"the file of its own converter): outputs differ on text longer than {window} tokens"]
 

@@ -44,8 +44,11 @@ class DeepseekV3(Family):
             # transformers scales the rotary part by mscale / mscale_all_dim's terms where both are set, else by
             # 0.1 ln(factor) + 1; llama.cpp's deepseek2 cancels its own such term and scales the whole attention by
             # mscale_all_dim's: the same function only where the two are set and equal
-            if yarn is not None and (not yarn.get("mscale") or not yarn.get("mscale_all_dim")
-                                     or float(yarn["mscale"]) != float(yarn["mscale_all_dim"])):
+            if yarn is not None and yarn.get("attention_factor") is not None:
+                raise CheckpointError(f"{where}: YaRN attention_factor is set, and llama.cpp's deepseek2 has none")
+            if yarn is not None and float(yarn["factor"]) > 1 and (
+                    not yarn.get("mscale") or not yarn.get("mscale_all_dim")
+                    or float(yarn["mscale"]) != float(yarn["mscale_all_dim"])):
                 raise CheckpointError(f"{where}: YaRN mscale {yarn.get('mscale')} and mscale_all_dim "
                                       f"{yarn.get('mscale_all_dim')}: llama.cpp's deepseek2 computes transformers' "
                                       "attention scale only where both are set and equal (DeepSeek-V3's: 1.0)")
