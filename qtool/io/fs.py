@@ -19,7 +19,7 @@ from ..errors import UsageError
 
 __all__ = ["atomic_output_dir", "atomic_file", "sha256_file", "check_apart_from_inputs", "check_output_dir",
            "check_output_file", "parse_size",
-           "write_text_atomic", "remove_stale_temporaries"]
+           "write_text_atomic", "remove_stale_temporaries", "remove_orphans", "writer_tag"]
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -136,7 +136,7 @@ _TEMP_NAME = re.compile(r"\.tmp-(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)-[^/]*$")
 def _temp_prefix(name: str) -> str:
     """Temporary names carry the writer's host and pid, so that a later run can tell whether their writer is gone
     (SIGKILL leaves them behind) and remove them."""
-    return f".{_temp_stem(name)}.tmp-{_HOST}-{os.getpid()}-"
+    return f".{_temp_stem(name)}.tmp-{writer_tag()}-"
 
 
 _STEM_BYTES = 150  # of a temporary's name, which must stay within 255 bytes with the host, pid and random tail
@@ -165,17 +165,29 @@ def _writer_is_gone(host: str, pid: int) -> bool:
     return False
 
 
+def writer_tag() -> str:
+    """``HOST-PID`` of this process, as the names of what it writes on the way carry it (see :func:`remove_orphans`)."""
+    return f"{_HOST}-{os.getpid()}"
+
+
 def remove_stale_temporaries(target: Path) -> List[Path]:
     """Remove the temporary files and directories beside ``target`` that a killed run writing it left behind
     (their writer, named in their name, no longer runs on this host). Returns what was removed."""
     parent = target.parent if str(target.parent) else Path(".")
-    removed = []
+    return remove_orphans(parent, f".{glob.escape(_temp_stem(target.name))}.tmp-*", _TEMP_NAME)
+
+
+def remove_orphans(parent: Path, pattern: str, name: "re.Pattern[str]") -> List[Path]:
+    """Remove the files and directories in ``parent`` matching the glob ``pattern`` whose name (``name``'s ``host``
+    and ``pid`` groups, a :func:`writer_tag`) says a process of this host made them that no longer runs (SIGKILL
+    leaves them behind). Returns what was removed."""
+    removed: List[Path] = []
     try:
-        candidates = list(parent.glob(f".{glob.escape(_temp_stem(target.name))}.tmp-*"))
+        candidates = list(parent.glob(pattern))
     except OSError:
         return removed
     for p in candidates:
-        m = _TEMP_NAME.search(p.name)
+        m = name.search(p.name)
         if m is None or not _writer_is_gone(m["host"], int(m["pid"])):
             continue
         if p.is_dir() and not p.is_symlink():

@@ -11,36 +11,22 @@ mapping made removes those a killed run left (a pre-empted --sequential run's co
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import tempfile
 import weakref
-from glob import escape as glob_escape
 from pathlib import Path
 from typing import Dict, Iterator, MutableMapping, Optional, Tuple
 
 import numpy as np
 import torch
 
-from .fs import _HOST, _writer_is_gone
+from .fs import remove_orphans, writer_tag
 
 __all__ = ["SpilledTensors"]
 
 _PREFIX = "qtool-spill-"
-_NAME = re.compile(rf"{_PREFIX}(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)-[A-Za-z0-9_]+")
-
-
-def _remove_stale(parent: Path) -> None:
-    """The spill directories under ``parent`` whose process, on this host, is gone."""
-    try:
-        found = list(parent.glob(f"{_PREFIX}{glob_escape(_HOST)}-*"))
-    except OSError:
-        return
-    for p in found:
-        m = _NAME.fullmatch(p.name)
-        if m is not None and m["host"] == _HOST and _writer_is_gone(m["host"], int(m["pid"])):
-            shutil.rmtree(p, ignore_errors=True)
+_NAME = re.compile(rf"^{_PREFIX}(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)-[A-Za-z0-9_]+$")
 
 
 class SpilledTensors(MutableMapping[str, torch.Tensor]):
@@ -49,8 +35,8 @@ class SpilledTensors(MutableMapping[str, torch.Tensor]):
 
     def __init__(self, directory: Optional[Path] = None):
         parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
-        _remove_stale(parent)
-        self.directory = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{_HOST}-{os.getpid()}-", dir=parent))
+        remove_orphans(parent, f"{_PREFIX}*", _NAME)
+        self.directory = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{writer_tag()}-", dir=parent))
         self._index: Dict[str, Tuple[Path, torch.dtype, Tuple[int, ...]]] = {}
         self._count = 0
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
