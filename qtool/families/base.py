@@ -227,16 +227,17 @@ def check_yarn(config: Dict[str, Any], where: Path) -> Optional[Dict[str, Any]]:
     return params
 
 
-def windowed(config: Dict[str, Any], window: Any, sliding) -> Tuple[int, int]:
+def windowed(config: Dict[str, Any], window: Any, sliding=None) -> Tuple[int, int]:
     """``(window, layers)`` for :meth:`Family.attention_window`: ``window`` (config.json's, as the family's
     transformers config reads it) on the layers config.json's ``layer_types`` name sliding, else on those layer
-    indices ``sliding(i)`` holds for."""
+    indices ``sliding(i)`` holds for; ``sliding`` None: on every layer (the family's attention reads no
+    ``layer_types``)."""
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         return 0, 0
-    types = config.get("layer_types")
+    types = config.get("layer_types") if sliding is not None else None
     n = int(config["num_hidden_layers"])
     layers = sum(t == "sliding_attention" for t in types) if isinstance(types, list) else \
-        sum(bool(sliding(i)) for i in range(n))
+        n if sliding is None else sum(bool(sliding(i)) for i in range(n))
     return (window, layers) if layers else (0, 0)
 
 

@@ -15,7 +15,7 @@ class Mistral(Family):
     permute_qk = True
 
     def attention_window(self, config: Dict[str, Any]) -> Tuple[int, int]:
-        return windowed({**config, "layer_types": None}, config.get("sliding_window", 4096), lambda i: True)
+        return windowed(config, config.get("sliding_window", 4096))
 
 
 FAMILY = Mistral()

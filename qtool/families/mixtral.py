@@ -16,7 +16,7 @@ class Mixtral(Family):
 
     def attention_window(self, config: Dict[str, Any]) -> Tuple[int, int]:
         # (a sliding_window, every layer, as Mistral's; llama.cpp's llama attends to the whole context)
-        return windowed({**config, "layer_types": None}, config.get("sliding_window"), lambda i: True)
+        return windowed(config, config.get("sliding_window"))
 
 
 FAMILY = Mixtral()

@@ -42,7 +42,7 @@ class Phi3(Family):
         return config
 
     def attention_window(self, config: Dict[str, Any]) -> Tuple[int, int]:
-        return windowed({**config, "layer_types": None}, config.get("sliding_window"), lambda i: True)
+        return windowed(config, config.get("sliding_window"))
 
     def rope_dimensions(self, config: Dict[str, Any]) -> int:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])

@@ -3,7 +3,8 @@
 
 from typing import Any, Dict, Tuple
 
-from .base import Family, windowed
+from .base import Family
+from .qwen2 import qwen_window
 
 
 class Qwen2Moe(Family):
@@ -14,13 +15,9 @@ class Qwen2Moe(Family):
     gguf_needs_output = True  # (its loader has no token_embd fallback for a tied output layer)
     normalizes_top_k = False
 
-
     def attention_window(self, config: Dict[str, Any]) -> Tuple[int, int]:
-        if not config.get("use_sliding_window"):
-            return 0, 0
         # (transformers' Qwen2-MoE windows every other layer below max_window_layers)
-        return windowed(config, config.get("sliding_window", 4096),
-                        lambda i: (i + 1) % 2 and i < config.get("max_window_layers", 28))
+        return qwen_window(config, lambda i: (i + 1) % 2 and i < config.get("max_window_layers", 28))
 
 
 FAMILY = Qwen2Moe()

@@ -2,7 +2,8 @@
 
 from typing import Any, Dict, Tuple
 
-from .base import Family, windowed
+from .base import Family
+from .qwen2 import qwen_window
 
 
 class Qwen3Moe(Family):
@@ -14,9 +15,7 @@ class Qwen3Moe(Family):
     gguf_absent = {"attention_bias": "attention biases"}
 
     def attention_window(self, config: Dict[str, Any]) -> Tuple[int, int]:
-        if not config.get("use_sliding_window"):
-            return 0, 0
-        return windowed({**config, "layer_types": None}, config.get("sliding_window", 4096), lambda i: True)
+        return qwen_window(config)  # (every layer: its attention reads no layer_types)
 
 
 FAMILY = Qwen3Moe()
