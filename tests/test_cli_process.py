@@ -321,11 +321,9 @@ def test_a_signal_during_the_interpreters_exit_is_ignored(world, tmp_path):
     assert r.returncode == 0 and r.stderr == "", r.stderr
 
 
-@pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_an_interrupt_while_the_summary_prints_names_the_signal_and_the_output(world, tmp_path, monkeypatch, name,
-                                                                                 code):
-    """The summary is printed after the command's error handling; an interrupt there came out as a bare exit 130
-    whatever the signal, with nothing said (and no JSON object with --json)."""
+def _calibrate_interrupted(world, tmp_path, monkeypatch, name: str, where: str, first=None):
+    """``qtool calibrate --json`` whose ``qtool.cli.run.<where>`` (after ``first``, the real one, where given)
+    meets the signal ``name``: (exit code, stdout, stderr, --out)."""
     from qtool.cli import core as cli
     from qtool.cli import run as cli_run
     from tests.helpers import run_cli
@@ -333,13 +331,24 @@ def test_an_interrupt_while_the_summary_prints_names_the_signal_and_the_output(w
     d, ckpt, data = world
 
     def interrupted(*args, **kwargs):
+        if first is not None:
+            first(*args, **kwargs)
         cli._SIGNALLED.append(name)
         raise cli._Terminated() if name == "SIGTERM" else KeyboardInterrupt()
 
-    monkeypatch.setattr(cli_run, "_report_files", interrupted)
+    monkeypatch.setattr(cli_run, where, interrupted)
     out = tmp_path / "r"
     status, stdout, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class",
                                   "tests.tinymodels:mlp", "-o", out, "--json")
+    return status, stdout, err, out
+
+
+@pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_an_interrupt_while_the_summary_prints_names_the_signal_and_the_output(world, tmp_path, monkeypatch, name,
+                                                                                 code):
+    """The summary is printed after the command's error handling; an interrupt there came out as a bare exit 130
+    whatever the signal, with nothing said (and no JSON object with --json)."""
+    status, stdout, err, out = _calibrate_interrupted(world, tmp_path, monkeypatch, name, "_report_files")
     assert status == code and (out / "encodings.json").is_file()
     assert f"interrupted: {name}; {out} had been written in full before it" in err
     assert json.loads(stdout) == {"ok": False, "exit_code": code,
@@ -350,20 +359,9 @@ def test_an_interrupt_while_the_summary_prints_names_the_signal_and_the_output(w
 def test_an_interrupt_after_the_json_summary_adds_no_second_object(world, tmp_path, monkeypatch, name, code):
     """stdout held the summary and then {"ok": false, "exit_code": 143}: two objects no JSON parser reads."""
     from qtool.cli import core as cli
-    from qtool.cli import run as cli_run
-    from tests.helpers import run_cli
 
-    d, ckpt, data = world
-
-    def printed_then_interrupted(obj):
-        cli._emit_json(obj)
-        cli._SIGNALLED.append(name)
-        raise cli._Terminated() if name == "SIGTERM" else KeyboardInterrupt()
-
-    monkeypatch.setattr(cli_run, "_emit_json", printed_then_interrupted)
-    out = tmp_path / "r"
-    status, stdout, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class",
-                                  "tests.tinymodels:mlp", "-o", out, "--json")
+    status, stdout, err, out = _calibrate_interrupted(world, tmp_path, monkeypatch, name, "_emit_json",
+                                                      first=cli._emit_json)
     assert status == code and json.loads(stdout)["ok"] is True
     assert f"interrupted: {name}; {out} had been written in full before it" in err
 
