@@ -246,16 +246,51 @@ def test_two_ranks_killed_after_a_block_resume_to_the_bytes_of_one_process(llama
     assert run == whole
 
 
-def test_a_damaged_saved_block_is_one_line_and_the_state_stays(llama, stopped, tmp_path):
+def _restamp(path: Path) -> None:
+    """Record ``path``'s present bytes in its state's ``state.json`` (a state edited consistently)."""
+    from qtool.io.fs import sha256_file
+
+    state = path.parent / "state.json"
+    saved = json.loads(state.read_text())
+    saved["files"][path.name] = sha256_file(path)
+    state.write_text(json.dumps(saved))
+
+
+@pytest.mark.parametrize("restamped", [False, True])
+def test_a_damaged_saved_block_is_one_line_and_the_state_stays(llama, stopped, tmp_path, restamped):
     d, args = llama
     shutil.copytree(stopped, tmp_path / "run.resume")
     block = tmp_path / "run.resume/block-0.safetensors"
     block.write_bytes(block.read_bytes()[:40])  # truncated: safetensors' own error, not an OSError
+    if restamped:
+        _restamp(block)
     code, _, err = run_cli(*args, "--resume", "-o", tmp_path / "run")
     assert code == 2
     lines = error_lines(err)
-    assert len(lines) == 1 and "cannot read the saved block" in lines[0] and "run without --resume" in lines[0], err
+    assert len(lines) == 1 and "run without --resume" in lines[0], err
+    assert ("cannot read the saved block" if restamped else "the saved block changed after it was written") in lines[0]
     assert (tmp_path / "run.resume/state.json").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("what", ["block", "outputs"])
+def test_a_saved_file_edited_in_place_is_refused_not_used(llama, stopped, tmp_path, what):
+    """A range or a block output changed to another readable value of the same shape (a flipped bit, an edit) was
+    used as it read: the state records each file's SHA-256."""
+    from safetensors import safe_open
+
+    d, args = llama
+    shutil.copytree(stopped, tmp_path / "run.resume")
+    [path] = (tmp_path / "run.resume").glob("block-0.safetensors" if what == "block" else "hidden-*-r0.safetensors")
+    with safe_open(str(path), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    key = sorted(k for k in tensors if k.endswith(".max") or k.startswith("h."))[0]
+    tensors[key] = tensors[key] * 2
+    save_file(tensors, path, metadata=meta)
+    code, _, err = run_cli(*args, "--resume", "-o", tmp_path / "run")
+    assert code == 2, err
+    [line] = error_lines(err)
+    assert path.name in line and "changed after it was written" in line and "run without --resume" in line, line
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("damage", ["shape", "dtype"])
@@ -270,7 +305,19 @@ def test_saved_block_outputs_of_another_shape_or_dtype_are_one_line(llama, stopp
         tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
     tensors["h.1"] = tensors["h.1"][:, :8].contiguous() if damage == "shape" else tensors["h.1"].double()
     save_file(tensors, path, metadata=meta)
+    _restamp(path)
     code, _, err = run_cli(*args, "--resume", "-o", tmp_path / "run")
     assert code == 2, err
     [line] = error_lines(err)
     assert "the saved block outputs of batch 1 are" in line and "run without --resume" in line, line
+
+
+@pytest.mark.parametrize("done", [True, -1, "1", 1.0])
+def test_a_state_json_whose_count_is_not_a_count_is_refused(tmp_path, done):
+    from qtool.calibration.resume import ResumeState
+    from qtool.errors import UsageError
+
+    (tmp_path / "state.json").write_text(json.dumps({"version": 2, "fingerprint": {}, "blocks_done": done,
+                                                     "files": {}}))
+    with pytest.raises(UsageError, match="not a saved state of this qtool version"):
+        ResumeState._read(tmp_path)

@@ -5,7 +5,9 @@ the last finished block with ``--resume`` and writes the bytes an uninterrupted 
 ``OUT.resume/`` holds:
 
 - ``state.json``: which run this is (its fingerprint: versions, checkpoint and data files, recipe, options, ranks,
-  device, a digest of each rank's calibration batches) and how many blocks are done;
+  device, a digest of each rank's calibration batches), how many blocks are done, and the SHA-256 of every file it
+  names (a file damaged or edited since it was written is refused, not read: an edited range would otherwise be
+  used as it reads);
 - ``block-<i>.safetensors``: block ``i``'s ranges (min/max of each entry, the entry's fields in the metadata),
   codes, transformed floats and the warnings it added (rank 0);
 - ``hidden-<i>-r<rank>.safetensors``: the outputs of block ``i`` for each of this rank's calibration batches,
@@ -46,7 +48,7 @@ __all__ = ["BlockResult", "ResumeState", "state_dir", "check_state_dir", "finger
            "remove_state"]
 
 STATE = "state.json"
-_VERSION = 1
+_VERSION = 2  # 2: state.json names each file's SHA-256
 
 
 def state_dir(out: Path) -> Path:
@@ -156,11 +158,13 @@ class ResumeState:
     """The state directory of one ``--sequential`` run. :meth:`open` starts it (fresh, or from a saved state with
     ``resume``); :meth:`save` records a finished block; :meth:`remove` drops it once the output is written."""
 
-    def __init__(self, directory: Path, print_: Dict[str, Any], group: Group, done: int = 0):
+    def __init__(self, directory: Path, print_: Dict[str, Any], group: Group, done: int = 0,
+                 files: Optional[Dict[str, str]] = None):
         self.directory = Path(directory)
         self.fingerprint = print_
         self.group = group
         self.blocks_done = done
+        self.files: Dict[str, str] = dict(files or {})  # each file state.json names: its SHA-256
         self._writer: Optional[_Writer] = None
         self.resumed_from = done  # the blocks this run found done (it keeps a state it did not make: see remove)
 
@@ -171,7 +175,7 @@ class ResumeState:
         checks the state and tells the other ranks how far it got (each rank's block outputs are its own files,
         which may live on its own machine's disk)."""
         directory = Path(directory)
-        verdict: Any = (0, None)
+        verdict: Any = (0, None, {})
         if resume and group.is_root:
             try:
                 saved = cls._read(directory)
@@ -181,11 +185,12 @@ class ResumeState:
                     if differs:
                         raise UsageError(f"{directory}: the saved state is of another run ({', '.join(differs)} "
                                          "differ): run without --resume to start over")
-                    verdict = (int(saved["blocks_done"]), None)
+                    verdict = (saved["blocks_done"], None, saved["files"])
             except UsageError as e:
-                verdict = (0, str(e))
+                verdict = (0, str(e), {})
+        files: Dict[str, str] = {}
         if resume:
-            done, why = group.broadcast(verdict)
+            done, why, files = group.broadcast(verdict)
             if why is not None:
                 raise UsageError(why)
         else:
@@ -196,7 +201,7 @@ class ResumeState:
             for old in directory.glob(f"hidden-*-r{group.rank}.safetensors"):  # (this rank's disk, if its own)
                 old.unlink(missing_ok=True)
             group.all_gather(None)  # the old state is gone before any rank writes a new one
-        return cls(directory, print_, group, done)
+        return cls(directory, print_, group, done, files if done else None)
 
     @staticmethod
     def _read(directory: Path) -> Optional[Dict[str, Any]]:
@@ -208,15 +213,28 @@ class ResumeState:
             raise UsageError(f"{directory / STATE}: cannot read the saved state ({e}): run without --resume to "
                              "start over") from None
         if not (isinstance(saved, dict) and saved.get("version") == _VERSION and isinstance(saved.get("fingerprint"), dict)
-                and isinstance(saved.get("blocks_done"), int) and saved["blocks_done"] >= 0):
+                and type(saved.get("blocks_done")) is int and saved["blocks_done"] >= 0
+                and isinstance(saved.get("files"), dict)):
             raise UsageError(f"{directory / STATE}: not a saved state of this qtool version: run without --resume "
                              "to start over")
         return saved
 
     # ---- reading ------------------------------------------------------------------------------------------------
+    def _check_unchanged(self, path: Path, what: str) -> None:
+        """Refuse ``path`` unless its bytes are those its SHA-256 in ``state.json`` names."""
+        try:
+            same = sha256_file(path) == self.files.get(path.name)
+        except OSError as e:
+            raise UsageError(f"{path}: cannot read the saved {what} ({e.strerror or e}): run without --resume to "
+                             "start over") from None
+        if not same:
+            raise UsageError(f"{path}: the saved {what} changed after it was written (its SHA-256 is not the one "
+                             f"{STATE} records): run without --resume to start over")
+
     def block(self, i: int) -> BlockResult:
         """What finished block ``i`` produced (rank 0)."""
         path = self.directory / f"block-{i}.safetensors"
+        self._check_unchanged(path, "block")
         try:
             with safe_open(str(path), framework="pt") as fh:
                 meta = json.loads(fh.metadata()["qtool"])
@@ -233,6 +251,7 @@ class ResumeState:
     def hidden(self) -> List[torch.Tensor]:
         """This rank's outputs of the last finished block, one tensor per calibration batch."""
         path = self._hidden_path(self.blocks_done - 1, self.group.rank)
+        self._check_unchanged(path, "block outputs")
         try:
             with safe_open(str(path), framework="pt") as fh:
                 return [fh.get_tensor(f"h.{j}") for j in range(int(fh.metadata()["batches"]))]
@@ -256,24 +275,34 @@ class ResumeState:
             ready = torch.cuda.Event()  # the outputs are complete once the calibrating stream passes this point
             ready.record(torch.cuda.current_stream(hidden[0].device))
 
-        def write(barrier):
+        def write(gather):
+            written = {}
             if hidden is not None:
-                _atomic_save({f"h.{j}": h for j, h in enumerate(_on_cpu(hidden, ready))},
-                             self._hidden_path(i, self.group.rank), {"batches": str(len(hidden))})
+                path = self._hidden_path(i, self.group.rank)
+                _atomic_save({f"h.{j}": h for j, h in enumerate(_on_cpu(hidden, ready))}, path,
+                             {"batches": str(len(hidden))})
+                written[path.name] = sha256_file(path)  # (read back from the page cache, beside the next block)
             if tensors is not None:
-                _atomic_save(tensors, self.directory / f"block-{i}.safetensors", {"qtool": json.dumps(meta)})
-            barrier()  # every rank's files are complete before the state names them
+                path = self.directory / f"block-{i}.safetensors"
+                _atomic_save(tensors, path, {"qtool": json.dumps(meta)})
+                written[path.name] = sha256_file(path)
+            every = gather(written)  # every rank's files are complete before the state names them
             if self.group.is_root:
+                before = {n for r in range(self.group.world_size) for n in [self._hidden_path(i - 1, r).name]}
+                self.files = {n: h for n, h in self.files.items() if n not in before}
+                for w in every:
+                    self.files.update(w)
                 with atomic_file(self.directory / STATE) as tmp:
                     tmp.write_text(json.dumps({"version": _VERSION, "fingerprint": self.fingerprint,
-                                               "blocks_done": i + 1}, indent=1) + "\n", encoding="utf-8")
-            barrier()  # the state names block i: the outputs of the block before are read by no one now
+                                               "blocks_done": i + 1, "files": dict(sorted(self.files.items()))},
+                                              indent=1) + "\n", encoding="utf-8")
+            gather(None)  # the state names block i: the outputs of the block before are read by no one now
             self._hidden_path(i - 1, self.group.rank).unlink(missing_ok=True)
 
         if self.group.distributed:
-            write(lambda: self.group.all_gather(None))
+            write(self.group.all_gather)
         else:
-            self._writer = _Writer(lambda: write(lambda: None))
+            self._writer = _Writer(lambda: write(lambda x: [x]))
         self.blocks_done = i + 1
 
     def wait(self) -> None:
