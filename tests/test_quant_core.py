@@ -67,6 +67,10 @@ def test_block_size_that_does_not_divide_is_a_clear_error():
         quantize(x, torch.ones(4, 3), torch.zeros(4, 3), 8)
     with pytest.raises(ValueError, match="block_size"):
         QuantizeDequantize((4, 2), 8, True, block_size=(1,))
+    with pytest.raises(ValueError, match="whole numbers"):  # (was truncated to 15, then "does not divide")
+        quantize(x, torch.ones(4, 2), torch.zeros(4, 2), 8, block_size=(1, 15.5))
+    assert torch.equal(quantize(x, torch.ones(4, 2), torch.zeros(4, 2), 8, block_size=(1.0, 15.0)),
+                       quantize(x, torch.ones(4, 2), torch.zeros(4, 2), 8, block_size=(1, 15)))
 
 
 def test_block_size_minus_one_means_whole_remaining_dim():

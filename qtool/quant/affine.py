@@ -112,6 +112,8 @@ def resolve_block_size(input_shape: Sequence[int], shape: Sequence[int], block_s
                 )
             out.append(n if s == 1 else 1)
         return tuple(out)
+    if any(isinstance(b, bool) or int(b) != b for b in block_size):  # (int() would truncate 2.5 to 2)
+        raise ValueError(f"block_size entries must be whole numbers, got {tuple(block_size)}")
     block_size = tuple(int(b) for b in block_size)
     if len(block_size) != len(shape):
         raise ValueError(f"block_size {block_size} must have one entry per encoding dim {shape}")
