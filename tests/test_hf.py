@@ -1,6 +1,7 @@
 """Hugging Face checkpoints: a small BERT the test builds (sharded and not), and the real all-MiniLM-L6-v2."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -160,9 +161,9 @@ def test_a_config_whose_model_type_and_architecture_disagree_is_refused(tmp_path
     assert not (tmp_path / "a").exists()
 
 
-def test_the_library_leaves_transformers_logging_as_the_user_set_it(tmp_path):
+def test_the_library_leaves_transformers_logging_as_the_user_set_it(tmp_path, monkeypatch):
     """Loading a checkpoint turned transformers' warnings and progress bars off for the rest of the user's process;
-    the CLI quiets them for its own terminal instead."""
+    the CLI quiets them for its own terminal while a command runs instead."""
     from transformers.utils import logging
 
     from qtool.model.load import load_model
@@ -175,8 +176,22 @@ def test_the_library_leaves_transformers_logging_as_the_user_set_it(tmp_path):
     try:
         load_model(str(ckpt), None, "cpu", False, False)
         assert (logging.get_verbosity(), logging.is_progress_bar_enabled()) == (logging.INFO, True)
-        run_cli("inspect", ckpt)  # (any command: the quieting comes before it runs)
-        assert (logging.get_verbosity(), logging.is_progress_bar_enabled()) == (logging.ERROR, False)
+        import qtool.inspect
+
+        seen, real = [], qtool.inspect.inspect_path
+
+        def inspect_path(*a, **k):
+            seen.append((logging.get_verbosity(), logging.is_progress_bar_enabled(),
+                         os.environ.get("TRANSFORMERS_VERBOSITY")))
+            return real(*a, **k)
+
+        monkeypatch.setattr(qtool.inspect, "inspect_path", inspect_path)
+        monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+        assert run_cli("inspect", ckpt)[0] == 0  # (any command)
+        assert seen[0] == (logging.ERROR, False, "error")  # quiet while it runs
+        # and as the user left them afterwards (a command called in-process: a notebook, a test runner)
+        assert (logging.get_verbosity(), logging.is_progress_bar_enabled()) == (logging.INFO, True)
+        assert "TRANSFORMERS_VERBOSITY" not in os.environ
     finally:
         logging.set_verbosity(before[0])
         (logging.enable_progress_bar if before[1] else logging.disable_progress_bar)()

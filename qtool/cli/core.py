@@ -17,18 +17,48 @@ from .. import __version__
 from ..io.fs import forget_published, published
 
 
-def _quiet_transformers() -> None:
-    """The CLI draws its own progress: transformers' and the Hub's bars and warnings stay off its terminal (the
-    library leaves them as the user set them). A user's own TRANSFORMERS_VERBOSITY or HF_HUB_DISABLE_PROGRESS_BARS
-    wins; transformers reads both when imported, and one imported already (a test runner) is told directly."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if "transformers" in sys.modules:
-        logging = sys.modules["transformers"].utils.logging
-        if os.environ["TRANSFORMERS_VERBOSITY"] == "error":
-            logging.set_verbosity_error()
-        if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
-            logging.disable_progress_bar()
+_QUIET = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+@contextmanager
+def _transformers_quieted() -> Iterator[None]:
+    """The CLI draws its own progress: transformers' and the Hub's bars and warnings stay off its terminal while a
+    command runs, and are as they were afterwards (a command called in-process: a notebook, a test runner). A
+    user's own TRANSFORMERS_VERBOSITY or HF_HUB_DISABLE_PROGRESS_BARS wins; transformers reads both when imported,
+    and one imported already is told directly."""
+    env = {k: os.environ.get(k) for k in _QUIET}
+    for k, v in _QUIET.items():
+        os.environ.setdefault(k, v)
+    logging = _transformers_logging()
+    before = None if logging is None else (logging.get_verbosity(), logging.is_progress_bar_enabled())
+    if logging is not None:
+        _quiet(logging)
+    try:
+        yield
+    finally:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+        logging = _transformers_logging()
+        if logging is not None and before is not None:
+            logging.set_verbosity(before[0])
+            (logging.enable_progress_bar if before[1] else logging.disable_progress_bar)()
+        elif logging is not None:  # imported by the command, under our defaults: what it imports as without them
+            if env["TRANSFORMERS_VERBOSITY"] is None:
+                logging.set_verbosity_warning()
+            if env["HF_HUB_DISABLE_PROGRESS_BARS"] is None:
+                logging.enable_progress_bar()
+
+
+def _transformers_logging():
+    return sys.modules["transformers"].utils.logging if "transformers" in sys.modules else None
+
+
+def _quiet(logging) -> None:
+    if os.environ["TRANSFORMERS_VERBOSITY"] == "error":
+        logging.set_verbosity_error()
+    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        logging.disable_progress_bar()
 
 
 class _Group(typer.core.TyperGroup):
@@ -50,7 +80,10 @@ class _Group(typer.core.TyperGroup):
                 if "--json" in argv:
                     _emit_json({"ok": False, "exit_code": 2, "error": message.split(": ", 1)[-1]})
                 sys.exit(2)
-        _quiet_transformers()
+        with _transformers_quieted():
+            self._run(argv, prog_name, complete_var, **extra)
+
+    def _run(self, argv, prog_name, complete_var, **extra):
         forget_published()  # (an earlier command of this process, under a test runner)
         _SIGNALLED.clear()
         _SAID.clear()
