@@ -89,25 +89,29 @@ def entry_to_aimet(e: EncodingEntry, version: str) -> Any:
 
 
 def to_aimet(enc: EncodingsFile, version: str, producer_version: str,
-             names: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
-    """A whole AIMET encodings file. ``names`` renames quantizers (e.g. to checkpoint or ONNX tensor names)."""
+             names: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """A whole AIMET encodings file. ``names`` renames quantizers (e.g. to checkpoint or ONNX tensor names); a
+    list of names writes the encoding once under each (an activation quantizer of a module called twice)."""
     names = names or {}
     producer = {"package": "qtool", "version": producer_version}
     params = [e for e in enc.entries if e.tensor == "weight"]
     acts = [e for e in enc.entries if e.tensor != "weight"]
+
+    def named(entries):
+        for e in entries:
+            item, name = entry_to_aimet(e, version), names.get(e.name, e.name)
+            for n in name if isinstance(name, list) else [name]:
+                yield n, item
+
     if version == "2.0.0":
-        items = []
-        for e in params + acts:
-            item = entry_to_aimet(e, version)
-            item["name"] = names.get(e.name, e.name)
-            items.append(item)
-        return {"producer": producer, "version": "2.0.0", "encodings": items}
+        return {"producer": producer, "version": "2.0.0",
+                "encodings": [dict(item, name=n) for n, item in named(params + acts)]}
     if version == "0.6.1":
-        p = {names.get(e.name, e.name): entry_to_aimet(e, version) for e in params}
-        a = {names.get(e.name, e.name): entry_to_aimet(e, version) for e in acts}
+        p: Any = {n: item for n, item in named(params)}
+        a: Any = {n: item for n, item in named(acts)}
     else:
-        p = [dict(entry_to_aimet(e, version), name=names.get(e.name, e.name)) for e in params]
-        a = [dict(entry_to_aimet(e, version), name=names.get(e.name, e.name)) for e in acts]
+        p = [dict(item, name=n) for n, item in named(params)]
+        a = [dict(item, name=n) for n, item in named(acts)]
     return {"producer": producer, "version": version, "activation_encodings": a, "param_encodings": p,
             "excluded_layers": [], "quantizer_args": {}}
 

@@ -80,6 +80,45 @@ def test_mlp_onnx_matches_fake_quant(mlp_world, tmp_path, recipe):
     assert all(e["name"] in names for e in aimet["encodings"])
 
 
+@pytest.mark.parametrize("recipe", ["static", "dynamic", "weights"])
+def test_a_module_called_twice_and_a_tied_weight_export_and_run(tmp_path, recipe):
+    """A quantizer traced at two calls wrote its scales twice under one name, and two quantizers of one tied
+    weight their codes: the checker refused the graph after calibration (exit 3)."""
+    from tests.tinymodels import reused
+
+    save_file({k: v.clone() for k, v in reused().state_dict().items()}, tmp_path / "m.safetensors")
+    save_file({"ids": torch.randint(0, 20, (16, 5), generator=torch.Generator().manual_seed(0))},
+              tmp_path / "ids.safetensors")
+    acts = {"static": "{inputs: true, outputs: true}", "dynamic": "{inputs: true, dynamic: true}",
+            "weights": "null"}[recipe]
+    (tmp_path / "r.yaml").write_text(f"version: 1\ndefaults:\n  activations: {acts}\n")
+    code, out, err = run_cli("quantize", tmp_path / "m.safetensors", "-c", tmp_path / "r.yaml", "--data",
+                             tmp_path / "ids.safetensors", "--model-class", "tests.tinymodels:reused", "-o",
+                             tmp_path / "q", "--format", "onnx", "--encoding-version", "2.0.0", "--json")
+    assert code == 0, err
+    model = qtool.load_calibrated(str(tmp_path / "m.safetensors"), str(tmp_path / "q/calibration/encodings.json"),
+                                  model_class="tests.tinymodels:reused")
+    ids = torch.randint(0, 20, (3, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).numpy()
+    session = _session(tmp_path / "q/model.onnx", ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    y = session.run(None, {session.get_inputs()[0].name: ids.numpy()})[0]
+    assert np.abs(y - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+    proto = onnx.load(str(tmp_path / "q/model.onnx"))
+    inits = {i.name for i in proto.graph.initializer}
+    assert "fc.weight" in inits and "fc.weight_quantized" not in inits  # fc's codes once, under its own name
+    tensors = {n for node in proto.graph.node for n in list(node.input) + list(node.output)} | inits
+    aimet = json.loads((tmp_path / "q/model.encodings").read_text())["encodings"]
+    assert all(e["name"] in tensors for e in aimet)
+    assert len({e["name"] for e in aimet}) == len(aimet)
+    quantizers = json.loads((tmp_path / "q/calibration/encodings.json").read_text())["quantizers"]
+    static = [q for q in quantizers if not q.get("dynamic")]
+    # fc's activation quantizers at both calls: each encoding names the tensor of each call
+    assert len(aimet) == len(static) + sum(q["name"].startswith("fc.") and q["tensor"] != "weight" for q in static)
+    # the table and the output layer have codes of their own, and no float copy of the table is left
+    assert {"emb.weight_quantized", "head.weight_quantized"} <= inits and "emb.weight" not in inits
+
+
 def test_conv_per_channel_and_blocked(tmp_path):
     save_file(convnet().state_dict(), tmp_path / "c.safetensors")
     np.save(tmp_path / "imgs.npy", np.random.default_rng(0).standard_normal((8, 3, 16, 16)).astype(np.float32))

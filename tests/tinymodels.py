@@ -111,3 +111,22 @@ class BNNet(nn.Module):
 
 def bnnet() -> nn.Module:
     return BNNet()
+
+
+class Reused(nn.Module):
+    """One Linear called twice in forward (a shared block), beside an embedding tied to the output layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.fc = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 20, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.fc(torch.relu(self.fc(self.emb(ids)))))
+
+
+def reused() -> nn.Module:
+    torch.manual_seed(0)
+    return Reused()

@@ -38,8 +38,9 @@ def _int_tensor(name: str, values, bits: int, signed: bool):
 
 
 def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
-             stored: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, str]:
-    """Expand every qtool::FakeQuant node; returns quantizer name -> ONNX tensor name."""
+             stored: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, Any]:
+    """Expand every qtool::FakeQuant node; returns quantizer name -> ONNX tensor name (a list of them for an
+    activation quantizer of a module the model calls more than once: the tensor of each call)."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -65,30 +66,49 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
             return numpy_helper.to_array(inits[name])
         return consts[name]
 
-    uses: Dict[str, int] = {}
-    for n in graph.node:
+    def quantizer(node) -> Optional[str]:
+        if node.op_type not in ("FakeQuant", "DynamicFakeQuant"):
+            return None
+        name = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "name")
+        return name.decode() if isinstance(name, bytes) else name
+
+    # how many consumers read each tensor, a quantizer's calls counting once (a module called twice quantizes its
+    # weight twice: it is not shared, as a weight tied to another layer's is)
+    consumers: Dict[str, set] = {}
+    for k, n in enumerate(graph.node):
         for name in n.input:
-            uses[name] = uses.get(name, 0) + 1
-    names: Dict[str, str] = {}
+            consumers.setdefault(name, set()).add(quantizer(n) or k)
+    uses = {name: len(c) for name, c in consumers.items()}
+    names: Dict[str, Any] = {}
+    first: Dict[str, Any] = {}  # quantizer -> (input, output, nodes) of its first call
     new_nodes: List[Any] = []
     new_inits: List[Any] = []
     drop_inits = set()
     for node in graph.node:
-        if node.op_type == "DynamicFakeQuant":
-            qname = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "name")
-            names[qname.decode() if isinstance(qname, bytes) else qname] = node.input[0]
-            new_nodes += _dynamic_qdq(node, opset, new_inits)
-            continue
-        if node.op_type != "FakeQuant":
+        qname = quantizer(node)
+        if qname is None:
             new_nodes.append(node)
             continue
+        if qname in first:  # another call of the same module: the first call's scales and codes, this call's tensors
+            calls = names[qname] if isinstance(names[qname], list) else [names[qname]]
+            new_nodes += _again(first[qname], node, len(calls))
+            if node.input[0] not in calls:
+                names[qname] = calls + [node.input[0]]
+            continue
+        start = len(new_nodes)
+        first[qname] = (node.input[0], node.output[0])
+        if node.op_type == "DynamicFakeQuant":
+            names[qname] = node.input[0]
+            new_nodes += _dynamic_qdq(node, opset, new_inits)
+            first[qname] += (new_nodes[start:],)
+            continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        qname = attrs["name"].decode() if isinstance(attrs["name"], bytes) else attrs["name"]
         info = quantizer_info[qname]
         bits, signed = info["bitwidth"], info["qmin"] < 0
         if info.get("element"):
             new_nodes += _float_qdq(node, attrs, qname, info, inits, uses, value, stored, new_inits, drop_inits)
-            names[qname] = node.input[0]
+            names[qname] = new_nodes[-1].input[0] if len(new_nodes) - start == 1 else node.input[0]
+            first[qname] += (new_nodes[start:],)
             continue
         axis, block = int(attrs["axis"]), int(attrs["block"])
         x, s_name, z_name = node.input
@@ -116,11 +136,15 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
         new_nodes += _qdq_nodes(node, qname, is_weight, scale, axis, block,
                                 lambda n: _int_tensor(n, zp, bits, signed),
                                 lambda n: _int_tensor(n, codes.numpy(), bits, signed), uses, new_inits, drop_inits)
-        names[qname] = x
+        names[qname] = new_nodes[-1].input[0] if is_weight else x  # (a shared weight: the tensor of its codes)
+        first[qname] += (new_nodes[start:],)
     used = {i for n in new_nodes for i in n.input}
     keep_nodes = [n for n in new_nodes if not (n.op_type == "Constant" and not (set(n.output) & used))]
     del graph.node[:]
     graph.node.extend(keep_nodes)
+    # a weight every reader of which quantized it (a table tied to a quantized output layer) has no float use left
+    drop_inits |= {n for n, c in consumers.items() if n in inits and n not in used and all(
+        isinstance(q, str) and quantizer_info.get(q, {}).get("tensor") == "weight" for q in c)}
     kept = [i for i in graph.initializer if i.name not in drop_inits]
     del graph.initializer[:]
     graph.initializer.extend(kept + new_inits)
@@ -130,6 +154,28 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
         model.ir_version = 10
     onnx.checker.check_model(model)
     return names
+
+
+def _again(first, node, call: int) -> List[Any]:
+    """The nodes of a quantizer's ``first`` call (its input, output and nodes) made again for ``node``, its call
+    number ``call`` (from 1): the same scales, zero points and codes, this call's input and output, and the
+    intermediate tensors and nodes named apart (``_<call>``)."""
+    import copy
+
+    x0, y0, nodes = first
+    inner = {t for n in nodes for t in n.output} - {y0}
+
+    def renamed(t: str) -> str:
+        return node.input[0] if t == x0 else node.output[0] if t == y0 else f"{t}_{call}" if t in inner else t
+
+    out = []
+    for n in nodes:
+        c = copy.deepcopy(n)
+        c.input[:] = [renamed(t) for t in n.input]
+        c.output[:] = [renamed(t) for t in n.output]
+        c.name = f"{n.name}_{call}"
+        out.append(c)
+    return out
 
 
 def _fp8_tensor(name: str, codes: np.ndarray):
@@ -186,7 +232,10 @@ def _qdq_nodes(node, qname: str, is_weight: bool, scale: np.ndarray, axis: int, 
     from onnx import helper, numpy_helper
 
     x = node.input[0]
-    base = x if is_weight else qname
+    # a weight read elsewhere too (tied to another layer's, quantized or not) keeps its float initializer, and
+    # this quantizer's codes and scales are named by the quantizer (two may quantize it)
+    shared = is_weight and uses.get(x, 0) > 1
+    base = x if is_weight and not shared else qname
     s_init = numpy_helper.from_array(scale, f"{base}_scale")
     z_init = zero_point_init(f"{base}_zero_point")
     new_inits += [s_init, z_init]
@@ -198,13 +247,12 @@ def _qdq_nodes(node, qname: str, is_weight: bool, scale: np.ndarray, axis: int, 
     if is_weight:
         # the codes take the parameter's own name, as AIMET's encodings key parameters by it, unless the float
         # parameter is used elsewhere too (a tied weight), which then keeps it
-        shared = uses.get(x, 0) > 1
-        q_init = codes_init(f"{x}_quantized" if shared else x)
+        q_init = codes_init(f"{qname}_quantized" if shared else x)
         new_inits.append(q_init)
         if not shared:
             drop_inits.add(x)
         return [helper.make_node("DequantizeLinear", [q_init.name, s_init.name, z_init.name], list(node.output),
-                                 name=f"{x}_dequantize", **q_attrs)]
+                                 name=f"{base}_dequantize", **q_attrs)]
     q_out = f"{qname}_q"
     return [helper.make_node("QuantizeLinear", [x, s_init.name, z_init.name], [q_out], name=f"{qname}_quantize",
                              **q_attrs),
