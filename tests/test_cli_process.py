@@ -77,6 +77,19 @@ def test_quiet_prints_nothing_on_success(world, tmp_path):
     assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
 
 
+def test_quiet_prints_nothing_for_a_hugging_face_model_either(tmp_path):
+    """transformers and the Hub are loaded by the command: a warning of theirs (the Hub's "cannot enable progress
+    bars" when the command's quieting was undone) broke --quiet and the one-line error."""
+    pytest.importorskip("transformers")
+    from tests.helpers import tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m")
+    r = qtool("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "r", "--quiet")
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == "", r.stderr
+    r = qtool("calibrate", ckpt, "-c", CONFIGS / "w8a8.yaml", "-o", tmp_path / "r2", "--quiet")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+
+
 def _calibrate_under(probe: str, ckpt, out, *flags):
     """``qtool calibrate`` (w8a16 on the MLP) run by the Python program ``probe``, which calls main()."""
     return subprocess.run([sys.executable, "-c", probe, "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a16.yaml"),

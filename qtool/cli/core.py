@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import traceback
+import warnings
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -40,14 +41,16 @@ def _transformers_quieted() -> Iterator[None]:
             if v is None:
                 os.environ.pop(k, None)
         logging = _transformers_logging()
-        if logging is not None and before is not None:
-            logging.set_verbosity(before[0])
-            (logging.enable_progress_bar if before[1] else logging.disable_progress_bar)()
-        elif logging is not None:  # imported by the command, under our defaults: what it imports as without them
-            if env["TRANSFORMERS_VERBOSITY"] is None:
-                logging.set_verbosity_warning()
-            if env["HF_HUB_DISABLE_PROGRESS_BARS"] is None:
-                logging.enable_progress_bar()
+        with warnings.catch_warnings():  # (the Hub, imported under our default, says it cannot enable its bars)
+            warnings.simplefilter("ignore")
+            if logging is not None and before is not None:
+                logging.set_verbosity(before[0])
+                (logging.enable_progress_bar if before[1] else logging.disable_progress_bar)()
+            elif logging is not None:  # imported by the command, under our defaults: as it imports without them
+                if env["TRANSFORMERS_VERBOSITY"] is None:
+                    logging.set_verbosity_warning()
+                if env["HF_HUB_DISABLE_PROGRESS_BARS"] is None:
+                    logging.enable_progress_bar()
 
 
 def _transformers_logging():
