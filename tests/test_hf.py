@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import qtool
 from qtool.export.qtool_st import read_integer_export
@@ -139,6 +140,50 @@ def test_a_tokenizer_that_does_not_load_copies_and_pickles():
         with pytest.raises(TokenizerError, match="cannot be loaded"):
             other.pad_token
     assert getattr(t, "eos_token_id", None) is None
+
+
+@pytest.mark.parametrize("sequential", [False, True], ids=["in-memory", "sequential"])
+def test_another_safetensors_file_beside_the_model_is_not_read_as_its_weights(tmp_path, sequential):
+    """A backup (or an adapter) beside model.safetensors: the export took its tensors (the last file read won) while
+    transformers, and calibration, used model.safetensors'; exit 0, no warning."""
+    from safetensors.torch import load_file
+
+    from qtool.export.qtool_st import read_integer_export
+    from tests.helpers import run_cli, tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m")
+    real = load_file(ckpt / "model.safetensors")
+    save_file({k: torch.full_like(v, 0.5) for k, v in real.items()}, ckpt / "model_backup.safetensors")
+    save_file({"base_model.model.lora_A.weight": torch.ones(2, 2)}, ckpt / "adapter_model.safetensors")
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tmp_path / "ids.safetensors")
+    code, _, err = run_cli("quantize", ckpt, "-c", "w8a16", "-o", tmp_path / "q", "--quiet",
+                           *(["--sequential", "--data", tmp_path / "ids.safetensors"] if sequential else []))
+    assert code == 0, err
+    out = load_file(tmp_path / "q/model.safetensors")
+    assert not any(k.startswith("base_model") for k in out)  # (the adapter's tensors were copied in)
+    assert torch.equal(out["model.norm.weight"], real["model.norm.weight"])  # a float tensor, copied
+    w = read_integer_export(tmp_path / "q")["model.layers.0.mlp.down_proj.weight"]
+    assert (w - real["model.layers.0.mlp.down_proj.weight"]).abs().max() < 0.02
+
+
+def test_a_tensor_in_two_files_of_a_directory_without_an_index_is_refused(tmp_path):
+    from safetensors.torch import load_file
+
+    from tests.helpers import run_cli, tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m")
+    real = load_file(ckpt / "model.safetensors")
+    names = sorted(real)
+    save_file({k: real[k] for k in names[:3]}, ckpt / "a.safetensors")
+    save_file({k: real[k] for k in names[2:]}, ckpt / "b.safetensors")
+    (ckpt / "model.safetensors").unlink()
+    code, _, err = run_cli("quantize", ckpt, "-c", "w8a16", "-o", tmp_path / "q")
+    assert code == 2
+    assert [line for line in err.splitlines() if "error" in line] == [
+        f"error: {ckpt / 'b.safetensors'}: holds tensor {names[2]!r}, which a.safetensors holds too: which is the "
+        "model's? (move the other file out of the checkpoint directory)"], err
+    assert not (tmp_path / "q").exists()
 
 
 @pytest.mark.parametrize("sequential", [False, True], ids=["in-memory", "sequential"])

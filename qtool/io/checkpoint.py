@@ -8,7 +8,7 @@ import math
 import pickle
 import struct
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -39,7 +39,8 @@ def detect_kind(path: Path) -> str:
 
 
 def tensor_files(path: Path) -> List[Path]:
-    """The safetensors files of a checkpoint (sharded HF directories included), in a stable order."""
+    """The safetensors files of a checkpoint, in a stable order: a directory's index names its shards, else its
+    ``model.safetensors``, else every ``*.safetensors`` in it."""
     if path.is_dir():
         index = path / "model.safetensors.index.json"
         if index.exists():
@@ -54,8 +55,27 @@ def tensor_files(path: Path) -> List[Path]:
                 raise CheckpointError(f"{index}: shard {bad[0][:80]!r} is not a .safetensors file name in this "
                                       "directory")
             return [path / f for f in shards]
+        if (path / "model.safetensors").is_file():  # what transformers loads: another file beside it (a backup, an
+            return [path / "model.safetensors"]     # adapter) is not the model's
         return sorted(path.glob("*.safetensors"))
     return [path]
+
+
+def safetensors_index(files: List[Path]) -> Dict[str, Tuple[Tuple[int, ...], Path]]:
+    """Each tensor's shape and file, from the safetensors headers (each checked first: a damaged header is one
+    line). A name in two files is refused: which one a reader takes would depend on its order."""
+    from safetensors import safe_open
+
+    out: Dict[str, Tuple[Tuple[int, ...], Path]] = {}
+    for f in files:
+        check_safetensors(f)
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                if k in out:
+                    raise CheckpointError(f"{f}: holds tensor {k!r}, which {out[k][1].name} holds too: which is the "
+                                          "model's? (move the other file out of the checkpoint directory)")
+                out[k] = (tuple(fh.get_slice(k).get_shape()), f)
+    return out
 
 
 _MAX_HEADER = 100_000_000  # the safetensors reader's own limit
@@ -209,18 +229,13 @@ class CheckpointTensors:
         self._files: Dict[str, Path] = {}
         self._memory: Dict[str, torch.Tensor] = {}
         if kind == "hf" or (kind == "state_dict" and self.path.suffix.lower() == ".safetensors"):
-            from safetensors import safe_open
-
             files = tensor_files(self.path)
             if not files:
                 raise CheckpointError(f"{self.path}: no *.safetensors weights in this directory")
             for f in files:
                 if not f.exists():
                     raise CheckpointError(f"{self.path}: shard {f.name} is missing")
-                check_safetensors(f)
-                with safe_open(str(f), "pt") as fh:
-                    for k in fh.keys():
-                        self._files[k] = f
+            self._files = {k: f for k, (_, f) in safetensors_index(files).items()}
             self.files = files
         elif kind == "pt2":
             try:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, UsageError
-from ..io.checkpoint import check_safetensors, tensor_files
+from ..io.checkpoint import check_safetensors, safetensors_index, tensor_files
 from ..io.jsonfile import read_json_object
 from .experts import linearize_experts
 
@@ -110,15 +110,7 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 
 def _headers(files: List[Path]) -> Dict[str, Tuple[Tuple[int, ...], Path]]:
     """Each tensor's shape and file, from the safetensors headers (checked first: a damaged header is one line)."""
-    from safetensors import safe_open
-
-    out = {}
-    for f in files:
-        check_safetensors(f)
-        with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():
-                out[k] = (tuple(fh.get_slice(k).get_shape()), f)
-    return out
+    return safetensors_index(files)
 
 
 def _check_layer_count(path, raw: Dict[str, Any]) -> None:
