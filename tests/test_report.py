@@ -237,3 +237,16 @@ def test_a_checkpoint_holding_nan_is_refused_before_it_is_measured(world, tmp_pa
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and f"{name} holds NaN or infinity" in lines[0], err
     assert json.loads(out)["ok"] is False
+
+
+def test_the_cosine_of_a_language_models_logits_is_exact_to_1e_6():
+    """float32 over one sample's 128 x 49,152 logits read 1.0004 for identical outputs (and passed a --min-cosine
+    0.9999 gate that the exact 0.9998 fails)."""
+    from qtool.report import _per_sample_cosine
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 128, 49152, generator=g) * 4
+    b = a + 0.1 * torch.randn(2, 128, 49152, generator=g)
+    exact = torch.nn.functional.cosine_similarity(a.double().reshape(2, -1), b.double().reshape(2, -1), dim=1)
+    assert (_per_sample_cosine(a, a) - 1).abs().max() < 1e-6
+    assert (_per_sample_cosine(a, b).double() - exact).abs().max() < 1e-6
