@@ -116,6 +116,9 @@ def _with_export_weights(model: torch.nn.Module, directory: Path) -> torch.nn.Mo
     quantized = quantized_modules(model)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
+    holders: Dict[int, int] = {}  # parameter -> how many modules hold it (2: an embedding tied to the output layer)
+    for _, p in model.named_parameters(remove_duplicate=False):
+        holders[id(p)] = holders.get(id(p), 0) + 1
     written = read_integer_export(directory)
     # names the checkpoint (and so the file) gives parameters the model holds under others (Mixtral's
     # block_sparse_moe experts and router, GraniteMoE's router.layer)
@@ -126,6 +129,9 @@ def _with_export_weights(model: torch.nn.Module, directory: Path) -> torch.nn.Mo
         if attr == "weight" and module in quantized:
             set_stored_weight(quantized[module], value.to(params[key].dtype).to(params[key].device)
                               if key in params else value)
+            if key in params and holders.get(id(params[key]), 1) > 1:  # the file holds one table for both: a
+                with torch.no_grad():                                   # runtime ties the dequantized one
+                    params[key].copy_(value.to(params[key].dtype))
         elif key in params:
             if tuple(params[key].shape) != tuple(value.shape):
                 raise UsageError(f"{directory}: tensor {key!r} has shape {list(value.shape)}, the reference model's "
