@@ -451,3 +451,9 @@ def test_a_qtool_file_of_a_tied_model_is_run_as_its_one_table_makes_it(tmp_path)
         out = model(input_ids=ids).logits
         hidden = model.model(input_ids=ids).last_hidden_state
     assert torch.allclose(out, hidden @ table.T, atol=1e-5)
+    # and the fake-quant model eval compares it with is the file's too: a healthy export, no fault
+    (tmp_path / "held.txt").write_text("\n\n".join(list(pydoc_data.topics.topics.values())[40:50]))
+    code, out, err = run_cli("eval", tmp_path / "q", "--data", tmp_path / "held.txt", *EVAL, "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["export_fault"] is None and res["export_gap"]["kl_mean"] < 1e-6, res

@@ -116,9 +116,7 @@ def _with_export_weights(model: torch.nn.Module, directory: Path) -> torch.nn.Mo
     quantized = quantized_modules(model)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
-    holders: Dict[int, int] = {}  # parameter -> how many modules hold it (2: an embedding tied to the output layer)
-    for _, p in model.named_parameters(remove_duplicate=False):
-        holders[id(p)] = holders.get(id(p), 0) + 1
+    tied = _tied(model)
     written = read_integer_export(directory)
     # names the checkpoint (and so the file) gives parameters the model holds under others (Mixtral's
     # block_sparse_moe experts and router, GraniteMoE's router.layer)
@@ -129,7 +127,7 @@ def _with_export_weights(model: torch.nn.Module, directory: Path) -> torch.nn.Mo
         if attr == "weight" and module in quantized:
             set_stored_weight(quantized[module], value.to(params[key].dtype).to(params[key].device)
                               if key in params else value)
-            if key in params and holders.get(id(params[key]), 1) > 1:  # the file holds one table for both: a
+            if key in params and id(params[key]) in tied:  # the file holds one table for both: a
                 with torch.no_grad():                                   # runtime ties the dequantized one
                     params[key].copy_(value.to(params[key].dtype))
         elif key in params:
@@ -210,6 +208,22 @@ def _as_stored(model: torch.nn.Module, enc, fmt: str, ev: "Evaluation") -> None:
     for name in off:
         e, _ = entries[name]
         quantizers[f"{e.module}.{e.tensor}"].enabled = False
+    if fmt == "qtool":  # one table of a weight tied to another module, quantized: a runtime ties the file's to both
+        tied = _tied(model)
+        for e, m in entries.values():
+            q = quantizers.get(f"{e.module}.weight")
+            p = getattr(m, "weight", None)
+            if e.tensor == "weight" and q is not None and q.enabled and p is not None and id(p) in tied:
+                with torch.no_grad():
+                    p.copy_(q(p))
+
+
+def _tied(model: torch.nn.Module) -> set:
+    """The parameters (their ids) that more than one module holds (an embedding tied to the output layer)."""
+    seen, out = set(), set()
+    for _, p in model.named_parameters(remove_duplicate=False):
+        (out if id(p) in seen else seen).add(id(p))
+    return out
 
 
 def _tokens_as_compressed_tensors_counts_them(quantizer: torch.nn.Module) -> None:
