@@ -189,6 +189,24 @@ def test_pickle_without_trust_is_refused(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_trusted_pickle_whose_class_cannot_be_imported_is_one_line(tmp_path):
+    """A module saved from a script (its class in __main__) was an internal error (exit 3) with --trust-pickle."""
+    script = tmp_path / "save.py"
+    script.write_text("import torch\nclass Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                      "        self.l = torch.nn.Linear(16, 8)\n    def forward(self, x):\n        return self.l(x)\n"
+                      f"torch.save(Net(), {str(tmp_path / 'net.pt')!r})\n")
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, str(script)], check=True, cwd=tmp_path)
+    code, _, err = run_cli("calibrate", tmp_path / "net.pt", "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "run",
+                           "--trust-pickle")
+    assert code == 2, err
+    (line,) = error_lines(err)[-1:]
+    assert "the pickle names a class that cannot be imported here" in line and "Net" in line, line
+    assert not (tmp_path / "run").exists()
+
+
 def test_conv_model_blockwise(tmp_path):
     ckpt = tmp_path / "c.safetensors"
     save_file(convnet().state_dict(), ckpt)

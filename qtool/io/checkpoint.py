@@ -61,6 +61,23 @@ def tensor_files(path: Path) -> List[Path]:
     return [path]
 
 
+def load_pickle(path: Path):
+    """A full pickle (``--trust-pickle``): the classes it names are imported from the working directory too, as
+    ``--model-class`` imports them; one that cannot be is one line naming it."""
+    import sys
+
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=False)
+    except (ImportError, AttributeError) as e:  # (a class gone, or one defined in the script that saved it)
+        raise CheckpointError(f"{path}: the pickle names a class that cannot be imported here ({e}): run where its "
+                              "module is importable, or save a state dict and pass --model-class") from None
+    except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path}: cannot unpickle ({first[:200]})") from None
+
+
 def safetensors_index(files: List[Path]) -> Dict[str, Tuple[Tuple[int, ...], Path]]:
     """Each tensor's shape and file, from the safetensors headers (each checked first: a damaged header is one
     line). A name in two files is refused: which one a reader takes would depend on its order."""
@@ -250,7 +267,7 @@ class CheckpointTensors:
             except CheckpointError:
                 if not trust_pickle:
                     raise
-                obj = torch.load(str(self.path), map_location="cpu", weights_only=False)
+                obj = load_pickle(self.path)
                 state = obj.state_dict() if isinstance(obj, nn.Module) else obj
                 self._memory = {k: v.detach() for k, v in state.items() if isinstance(v, torch.Tensor)}
             self.files = [self.path]

@@ -27,8 +27,8 @@ from torch import nn
 
 from ..errors import CheckpointError, UsageError
 from .hf import hf_name_map, load_hf
-from ..io.checkpoint import (CheckpointTensors, check_safetensors, detect_kind, read_state_dict, tensor_files,
-                             torch_load_safe)
+from ..io.checkpoint import (CheckpointTensors, check_safetensors, detect_kind, load_pickle, read_state_dict,
+                             tensor_files, torch_load_safe)
 
 __all__ = ["LoadedModel", "load_model", "detect_kind", "resolve_device", "tensor_files", "read_state_dict"]
 
@@ -195,7 +195,7 @@ def load_model(
         except CheckpointError:
             if not trust_pickle:
                 raise
-            obj = torch.load(str(path), map_location="cpu", weights_only=False)
+            obj = load_pickle(path)
         if isinstance(obj, nn.Module):
             model, kind = obj, "pickle"
         elif isinstance(obj, dict):
