@@ -167,6 +167,24 @@ def test_another_safetensors_file_beside_the_model_is_not_read_as_its_weights(tm
     assert (w - real["model.layers.0.mlp.down_proj.weight"]).abs().max() < 0.02
 
 
+def test_a_config_without_architectures_whose_weights_hold_a_head_is_refused(tmp_path):
+    """transformers' bare AutoModel (LlamaModel) dropped lm_head.weight without a word: the plan, the text windows
+    and the export followed an encoder's rules (exit 0)."""
+    from tests.helpers import run_cli, tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m", tie_word_embeddings=False)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["architectures"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli("quantize", ckpt, "-c", "w8a16", "-o", tmp_path / "q")
+    assert code == 2
+    assert [line for line in err.splitlines() if "error" in line] == [
+        f"error: {ckpt / 'config.json'}: names no architectures, so transformers builds a LlamaModel, which has no "
+        "place for the checkpoint's lm_head.weight: add \"architectures\": [\"LlamaForCausalLM\"] (the class the "
+        "weights are for)"], err
+    assert not (tmp_path / "q").exists()
+
+
 def test_a_tensor_in_two_files_of_a_directory_without_an_index_is_refused(tmp_path):
     from safetensors.torch import load_file
 
