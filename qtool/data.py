@@ -163,6 +163,10 @@ def _tokenize(texts: List[str], tokenizer, seq_len: int, where: str) -> List[Dic
         raise DataError(f"{where}: text data needs a tokenizer, and this checkpoint has none")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    special = tokenizer.num_special_tokens_to_add() if hasattr(tokenizer, "num_special_tokens_to_add") else 0
+    if seq_len <= special:  # (the tokenizer's own error: "Unable to create tensor, ... activate truncation")
+        raise DataError(f"{where}: --seq-len {seq_len} leaves no room for text beside the tokenizer's {special} "
+                        f"special tokens: use --seq-len {special + 1} or more")
     enc = tokenizer(texts, truncation=True, max_length=seq_len, padding="max_length", return_tensors="pt")
     keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
     return [{k: enc[k][i] for k in keys} for i in range(len(texts))]

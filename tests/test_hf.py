@@ -272,3 +272,19 @@ def test_a_model_type_that_names_another_class_on_purpose_is_not_refused(model_t
     config = SimpleNamespace(model_type=model_type, architectures=[arch],
                              **({"auto_map": auto_map} if auto_map else {}))
     _check_architecture(transformers, Path("config.json"), config)
+
+
+def test_a_seq_len_with_no_room_beside_an_encoders_special_tokens_is_one_line(tmp_path, minilm, text_file):
+    """--seq-len 1 with BERT's [CLS] ... [SEP]: the tokenizer's own error, exit 3."""
+    from tests.helpers import run_cli
+
+    code, _, err = run_cli("calibrate", minilm, "-c", "w8a8", "--data", text_file, "--seq-len", "2",
+                           "--num-samples", "4", "-o", tmp_path / "r")
+    assert code == 2
+    assert [line for line in err.splitlines() if "error" in line] == [
+        f"error: {text_file}: --seq-len 2 leaves no room for text beside the tokenizer's 2 special tokens: use "
+        "--seq-len 3 or more"], err
+    assert not (tmp_path / "r").exists()
+    code, _, err = run_cli("calibrate", minilm, "-c", "w8a8", "--data", text_file, "--seq-len", "3",
+                           "--num-samples", "4", "-o", tmp_path / "r")
+    assert code == 0, err
