@@ -225,6 +225,10 @@ def test_bad_input_is_one_line(model, tmp_path):
         (("eval", out, "--data", held, "--max-kl", "-1"), "--max-kl must be >= 0"),
         (("eval", out, "--data", held, "--max-export-gap", "-0.1"), "--max-export-gap must be >= 0"),
     ]
+    ct = _quantize(model, tmp_path, "w8a16", "compressed-tensors", name="ct")  # truncated: transformers' own error,
+    with open(ct / "model.safetensors", "r+b") as f:                          # exit 3, once both models had run
+        f.truncate(f.seek(0, 2) // 2)
+    cases.append((("eval", ct, "--data", held), "model.safetensors: truncated safetensors file"))
     for args, needle in cases:
         code, _, err = run_cli(*args, *EVAL, "-q")
         lines = error_lines(err)

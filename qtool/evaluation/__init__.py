@@ -156,8 +156,11 @@ def _same_model(art: Artifact, config) -> None:
         got = {"hidden_size": meta.get(f"{arch}.embedding_length"), "num_hidden_layers": meta.get(f"{arch}.block_count"),
                "vocab_size": meta.get("tokenizer.ggml.tokens")}
     elif art.format == "compressed-tensors":
+        from ..io.checkpoint import check_safetensors, tensor_files
         from ..io.jsonfile import read_json_object
 
+        for f in tensor_files(art.path):  # (a damaged file: transformers' own error, once both models have run)
+            check_safetensors(f)
         cfg = read_json_object(art.path / "config.json", UsageError, "Hugging Face config")
         cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
         got = {k: cfg.get(k) for k in want}
