@@ -108,3 +108,16 @@ def test_indented_dumps_are_json_dumps_text():
             "\n", "\n" + " " * level)
 
     arrays()
+
+
+def test_a_file_larger_than_what_it_is_compared_with_is_said_to_be_larger(tmp_path):
+    """inspect of a float32 file read "float16 3,856 (0.50x smaller)"; an export larger than its checkpoint
+    "0.44x smaller"."""
+    from qtool.cli.output import ratio_words
+
+    assert ratio_words(400, 100) == "4.00x smaller" and ratio_words(100, 250) == "2.50x larger"
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    code, out, err = run_cli("inspect", tmp_path / "m.safetensors")
+    assert code == 0, err
+    text = " ".join((out + err).split())  # (the console wraps the line)
+    assert "float32 68,904 (1.00x smaller); float16 34,452 (2.00x larger)" in text, text

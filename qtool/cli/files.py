@@ -10,7 +10,7 @@ import typer
 from .core import Table, _console, _emit_json, _errors, _esc, app, err
 from .options import (_DEBUG, _JSON, _MODEL_CLASS, _OVERWRITE, _QUIET, _REVISION, _TRUST_CODE, _TRUST_PICKLE,
                       _checkpoint, _opts)
-from .output import _report_files
+from .output import _report_files, ratio_words
 
 
 @app.command("import-encodings", epilog="Examples:\n\n\b\n  qtool import-encodings MODEL_DIR model.encodings -o runs/from-aimet")
@@ -69,8 +69,9 @@ def inspect(
     lines = [f"quantized tensors: {tot['quantized_tensors']} of {tot['tensors']}"]
     if tot.get("bytes") is not None:
         lines.append(f"size: {tot['bytes']:,} bytes; float32 {tot['float32_bytes']:,} "
-                     f"({tot['ratio_vs_float32']:.2f}x smaller); float16 {tot['float16_bytes']:,} "
-                     f"({tot['ratio_vs_float16']:.2f}x smaller); {tot['bits_per_weight']:.2f} bits per weight")
+                     f"({ratio_words(tot['float32_bytes'], tot['bytes'])}); float16 {tot['float16_bytes']:,} "
+                     f"({ratio_words(tot['float16_bytes'], tot['bytes'])}); {tot['bits_per_weight']:.2f} bits per "
+                     "weight")
     for key, value in (report.get("metadata") or {}).items():
         lines.append(f"{key}: {value}")
     for line in lines:

@@ -189,12 +189,18 @@ def _report_files(summary: Dict[str, Any], quiet: bool, warnings_shown: Optional
     size = summary.get("size")
     if size and size.get("model_bytes"):
         line = (f"size: {_human(size['checkpoint_bytes'])} checkpoint -> {_human(size['model_bytes'])} "
-                f"{', '.join(size['model_files'])} ({size['checkpoint_bytes'] / size['model_bytes']:.2f}x smaller)")
+                f"{', '.join(size['model_files'])} ({ratio_words(size['checkpoint_bytes'], size['model_bytes'])})")
         if summary.get("quantized_bytes"):
             line += (f"; quantized weights {_human(summary['original_bytes_of_quantized'])} -> "
                      f"{_human(summary['quantized_bytes'])} "
                      f"({summary['original_bytes_of_quantized'] / summary['quantized_bytes']:.2f}x)")
         err.print(_esc(line))
+
+
+def ratio_words(before: float, after: float) -> str:
+    """``"2.00x smaller"``, or ``"1.50x larger"`` where ``after`` is the larger (a float16 checkpoint's float32
+    export, a small model's graph)."""
+    return f"{before / after:.2f}x smaller" if after <= before else f"{after / before:.2f}x larger"
 
 
 def _human(n: float) -> str:
