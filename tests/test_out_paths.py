@@ -230,3 +230,20 @@ def test_a_sequential_run_whose_state_name_would_be_too_long_is_refused_before_a
     before = _digest(root)
     code, _, err = run_cli("calibrate", llama, "-c", "w8a16", "--sequential", "-o", root / ("q" * 250))
     _refused(code, err, root, before, "too long for the state a --sequential run keeps beside it")
+
+
+def test_an_empty_out_or_the_working_directory_is_refused_before_any_work(world, monkeypatch):
+    """-o "" (an unset shell variable) read as "."; with --overwrite the whole calibration ran, then renaming the
+    working directory failed ("Device or resource busy"); a working directory that could be renamed away would
+    have been replaced."""
+    root, llama, run = world
+    work = root / "work"
+    work.mkdir()
+    (work / "mine.txt").write_text("the user's file")
+    monkeypatch.chdir(work)
+    before = _digest(root)
+    for out, what in (("", "--out is the working directory"), (".", "--out is the working directory"),
+                      ("..", "--out holds the working directory")):
+        code, _, err = run_cli("calibrate", llama, "-c", "w8a16", "-o", out, "--overwrite")
+        _refused(code, err, root, before, what)
+        assert "calibrating" not in err

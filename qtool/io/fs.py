@@ -88,7 +88,12 @@ def _refuse_inside(out: Path, flag: str, what: str, path: str, src: Path, target
 def check_output_dir(out: Path, overwrite: bool, inputs: Sequence[Tuple[str, Optional[str]]] = ()) -> None:
     """Refuse an --out that is a file, or an existing directory without --overwrite, before any work; and an --out
     that is, holds or lies inside one of ``inputs`` (``(what, path)`` pairs: the checkpoint, the recipe, the data,
-    the encodings), which replacing --out would delete or writing into it would change."""
+    the encodings), which replacing --out would delete or writing into it would change; and the working directory
+    or one holding it (an empty --out, an unset shell variable, reads as ".")."""
+    here = Path.cwd()
+    if out.exists() and (out.resolve() == here or out.resolve() in here.parents):
+        raise UsageError(f"{str(out) or '.'}: --out {'is' if out.resolve() == here else 'holds'} the working "
+                         "directory, which replacing it would delete (an empty --out means '.'): choose another")
     check_apart_from_inputs(out, "--out", inputs)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: --out is an existing file, not a directory")
