@@ -117,6 +117,8 @@ def test_a_module_called_twice_and_a_tied_weight_export_and_run(tmp_path, recipe
     assert len(aimet) == len(static) + sum(q["name"].startswith("fc.") and q["tensor"] != "weight" for q in static)
     # the table and the output layer have codes of their own, and no float copy of the table is left
     assert {"emb.weight_quantized", "head.weight_quantized"} <= inits and "emb.weight" not in inits
+    code, out, err = run_cli("inspect", tmp_path / "q", "--json")  # (an ONNX export directory: its model.encodings)
+    assert code == 0 and json.loads(out)["totals"]["tensors"] == len(aimet), err
 
 
 def test_conv_per_channel_and_blocked(tmp_path):
