@@ -249,3 +249,28 @@ def test_adaround_beats_round_to_nearest_and_reaches_the_files(bn_files):
     assert loss["a"] < 0.95 * loss["r"], loss
     code, out, err = run_cli("config", "show", t / "a.yaml", "--model", t / "bn.safetensors", "--model-class", BN)
     assert code == 0 and "+ adaround" in out, err
+
+
+def test_a_transposed_convolution_per_channel_is_refused_and_per_tensor_runs(tmp_path):
+    """An explicit rule quantized ConvTranspose2d per_channel along its weight's dim 0, its input channels (docs:
+    output channels), and wrote it so to ONNX and AIMET (axis 0)."""
+    from tests.helpers import error_lines, run_cli
+    from tests.tinymodels import upnet
+
+    save_file(upnet().state_dict(), tmp_path / "u.safetensors")
+    save_file({"x": torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))}, tmp_path / "x.safetensors")
+    for granularity, ok in (("per_channel", False), ("per_tensor", True)):
+        (tmp_path / "r.yaml").write_text(f"version: 1\nlayers:\n  - type: ConvTranspose2d\n    weights: "
+                                         f"{{granularity: {granularity}}}\n")
+        code, _, err = run_cli("calibrate", tmp_path / "u.safetensors", "--model-class", "tests.tinymodels:upnet",
+                               "-c", tmp_path / "r.yaml", "--data", tmp_path / "x.safetensors", "-o",
+                               tmp_path / granularity)
+        if ok:
+            assert code == 0, err
+            enc = json.loads((tmp_path / granularity / "encodings.json").read_text())
+            assert any(q["name"] == "up.weight" for q in enc["quantizers"])
+        else:
+            assert code == 2
+            assert "up is a ConvTranspose2d, whose weight's first dimension is its input channels" in \
+                error_lines(err)[-1], err
+            assert not (tmp_path / granularity).exists()

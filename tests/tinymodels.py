@@ -130,3 +130,20 @@ class Reused(nn.Module):
 def reused() -> nn.Module:
     torch.manual_seed(0)
     return Reused()
+
+
+class UpNet(nn.Module):
+    """A convolution, then a transposed one (weight [in, out, kh, kw]: its first dim is the input channels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+
+    def forward(self, x):
+        return self.up(torch.relu(self.conv(x)))
+
+
+def upnet() -> nn.Module:
+    torch.manual_seed(0)
+    return UpNet()

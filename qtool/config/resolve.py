@@ -29,6 +29,10 @@ def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str)
     shp = tuple(w.shape)
     if spec.granularity == "per_tensor":
         return (), None
+    if isinstance(module, nn.modules.conv._ConvTransposeNd):  # (its weight is [in, out / groups, kernel...])
+        raise ConfigError(f"{where}.granularity: {name} is a {type(module).__name__}, whose weight's first dimension "
+                          f"is its input channels: {spec.granularity} there would share scales across input, not "
+                          "output, channels; use per_tensor")
     if spec.granularity == "per_channel":
         return (shp[0],) + (1,) * (len(shp) - 1), None
     b = spec.block_size
