@@ -182,3 +182,24 @@ def test_an_imatrix_that_does_not_fit_the_model_is_one_line_and_writes_nothing(l
     code, _, err = run_cli("calibrate", ckpt, "-c", "gguf-q4_k_m", "--imatrix", tmp_path / "none.gguf",
                            "-o", tmp_path / "out")
     assert code == 2 and "no such file" in err and not (tmp_path / "out").exists()
+
+
+def test_an_imatrix_that_names_only_some_decoder_layers_is_said_or_refused_with_strict_data(llama, tmp_path):
+    """A file measured on a model with fewer layers covered the first ones and the rest were searched without it,
+    without a word."""
+    from qtool.imatrix import write_imatrix
+
+    ckpt, data, _ = llama
+    assert run_cli("imatrix", ckpt, "--data", data, "-o", tmp_path / "im.gguf")[0] == 0
+    full = read_imatrix(tmp_path / "im.gguf")
+    first = {n: [(v * 8, 8)] for n, v in full.items() if n.startswith("blk.0.")}
+    later = sorted(n for n in full if not n.startswith("blk.0."))
+    assert first and later
+    write_imatrix(tmp_path / "part.gguf", first, ["x"], 8, 1)
+    args = ("calibrate", ckpt, "-c", "gguf-q4_k_m", "--imatrix", tmp_path / "part.gguf")
+    code, out, err = run_cli(*args, "-o", tmp_path / "run", "--json")
+    assert code == 0, err
+    [said] = [w for w in json.loads(out)["warnings"] if "has no entry for" in w]
+    assert f"has no entry for {len(later)} decoder matrices the recipe searches ({later[0]}" in said, said
+    code, _, err = run_cli(*args, "-o", tmp_path / "strict", "--strict-data")
+    assert code == 2 and "has no entry for" in err and not (tmp_path / "strict").exists(), err

@@ -73,13 +73,16 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
     # module -> its importances (an expert's row of a stacked tensor's)
     module_entry = {module: (name, importances[name] if importances[name].dim() == 1 else importances[name][row])
                     for name, rows in by_gguf.items() if name in importances for row, module in rows.items()}
-    rows, used, unweighted, zero = [], {}, 0, []
+    gguf_of = {module: name for name, rows in by_gguf.items() for module in rows.values()}
+    rows, used, unweighted, zero, missing = [], {}, 0, [], []
     for q in plan.quantizers:
         if q.tensor != "weight" or q.analyzer != "mse" or q.module_type != "Linear":
             rows.append(q)
             continue
         args = dict(q.analyzer_args)
         entry = module_entry.get(q.module)
+        if entry is None and gguf_of.get(q.module, "").startswith("blk."):  # a decoder matrix: the file should
+            missing.append(gguf_of[q.module])                               # name it (llama-imatrix does)
         if entry is None:
             if weighs_activations(args.get("weighting")) and not have_data:
                 args = drop_activations(args)
@@ -107,12 +110,23 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
     if not used:
         raise UsageError(f"--imatrix {path}: no weight the recipe searches (analyzer mse) on a matrix the file "
                          f"names{' with importances that are not all zero' if zero else ''}; nothing would use it")
-    warnings = list(plan.warnings) + ([why] if zero else [])
+    if missing:
+        missing = sorted(set(missing), key=_natural)
+        lacks = (f"{path} has no entry for {len(missing)} decoder matri{'x' if len(missing) == 1 else 'ces'} the recipe "
+                 f"searches ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}): searched without "
+                 "importances (an importance matrix of a model with fewer layers?)")
+        if strict:
+            raise DataError(f"{lacks} (--strict-data)")
+    warnings = list(plan.warnings) + ([why] if zero else []) + ([lacks] if missing else [])
     if unweighted:
         warnings.append(f"{unweighted} weight(s) asking for an activation weighting have no entry in {path} and no "
                         f"--data was given: searched without importances (activations_magnitude keeps its "
                         "magnitude part)")
     return dataclasses.replace(plan, quantizers=rows, warnings=warnings, importances=used)
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in name.split(".")]
 
 
 def _width(model: nn.Module, module: str) -> int:
