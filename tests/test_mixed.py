@@ -238,6 +238,21 @@ def test_flags_that_do_not_go_together_are_refused(llama, tmp_path, args, messag
     assert not (tmp_path / "out").exists()
 
 
+def test_a_later_candidate_quantizing_a_layer_the_first_ignores_is_refused_before_any_calibration(llama, tmp_path):
+    """The conflict was found once every candidate had been calibrated and measured (hours on a real model)."""
+    ckpt, data = llama
+    (tmp_path / "a.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, "
+                                     "block_size: 32}\n  activations: null\nignore: ['*.q_proj', lm_head]\n")
+    (tmp_path / "b.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n"
+                                     "ignore: [lm_head]\n")
+    code, _, err = run_cli("calibrate", ckpt, "--data", data, "--candidates", f"{tmp_path / 'a.yaml'},"
+                           f"{tmp_path / 'b.yaml'}", "--target-bpw", "12", "-o", tmp_path / "out")
+    assert code == 2, err
+    assert "model.layers.0.self_attn.q_proj's setting from" in error_lines(err)[-1]
+    assert "put the recipe that quantizes most layers first" in error_lines(err)[-1]
+    assert "candidate 1/2" not in err and not (tmp_path / "out").exists(), err
+
+
 def test_gguf_counts_llama_cpp_blocks_and_a_tied_output_layer(tmp_path):
     gguf = pytest.importorskip("gguf")
     from safetensors.torch import save_file

@@ -210,10 +210,12 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     def rest(plan):
         return ([(q.name, q.spec) for q in plan.activations], plan.rotation, plan.smoothing, plan.folds)
 
-    for plan, name in zip(plans[1:], names[1:]):
+    for c, (plan, name) in enumerate(zip(plans[1:], names[1:]), 1):
         if rest(plan) != rest(plans[0]):
             raise UsageError(f"--candidates: {name} differs from {names[0]} in more than its weight settings "
                              "(activations, rotation, SmoothQuant or folds); candidates may differ in weights only")
+        # every layer on this candidate's setting must be writable over the first's, before any is calibrated
+        _written(target.recipes[0].text, plans, {q.module: c for q in plan.weights}, names, loaded.model, opts)
     modules = list(dict.fromkeys(q.module for plan in plans for q in plan.weights))
     order = {m: i for i, m in enumerate(dict(loaded.model.named_modules()))}
     src = open_checkpoint(checkpoint, opts.trust_pickle, model=loaded.model)
@@ -293,11 +295,28 @@ def _check_budget(state: Measured, target: TargetOptions) -> None:
                          f"{state.bpw(floor):.3f} bits per weight in {state.exporter}'s format)")
 
 
+def _written(text: str, plans: List[Plan], chosen: Dict[str, int], names: List[str], model, opts: CalibrateOptions,
+             header: str = "") -> str:
+    """The recipe that gives each module in ``chosen`` its candidate's setting over the first candidate's recipe
+    ``text``; refused where a setting cannot be written so (a layer the first candidate ignores)."""
+    from ..config import parse_recipe
+    from ..mixed import mixed_recipe
+
+    mixed = mixed_recipe(text, plans, chosen, header)
+    check = resolve_plan(parse_recipe(mixed, "the chosen recipe"), model, source="the chosen recipe",
+                         allow_unmatched=opts.allow_unmatched, importance_matrix=opts.imatrix is not None)
+    got = {q.module: replace(q, rule=None) for q in check.weights}
+    for m, c in chosen.items():
+        want = next((replace(q, rule=None) for q in plans[c].weights if q.module == m), None)
+        if got.get(m) != want:
+            raise UsageError(f"--candidates: {m}'s setting from {names[c]} cannot be written over {names[0]} "
+                             "(is it ignored there?); put the recipe that quantizes most layers first")
+    return mixed
+
+
 def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str, Any]]:
     """The recipe that fits ``target``'s budget with the least predicted damage, and the search's record (budget,
     choice, the uniform candidates, the Pareto curve)."""
-    from ..config import parse_recipe
-    from ..mixed import mixed_recipe
     from ..quant.knapsack import choose, frontier
 
     _check_budget(state, target)
@@ -314,15 +333,7 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
               f"the candidates'\nfor the least measured damage within {budget} bytes ({state.exporter} format): "
               f"{nbytes} bytes, {state.bpw(nbytes):.3f} bits per weight.\nLater layers entries win; edit and rerun "
               "with -c.")
-    text = mixed_recipe(state.target.recipes[0].text, state.plans, chosen, header)
-    check = resolve_plan(parse_recipe(text, "the chosen recipe"), state.loaded.model, source="the chosen recipe",
-                         allow_unmatched=opts.allow_unmatched, importance_matrix=opts.imatrix is not None)
-    got = {q.module: replace(q, rule=None) for q in check.weights}
-    for m, c in chosen.items():
-        want = next((replace(q, rule=None) for q in state.plans[c].weights if q.module == m), None)
-        if got.get(m) != want:
-            raise UsageError(f"--candidates: {m}'s setting from {names[c]} cannot be written over {names[0]} "
-                             "(is it ignored there?); put the recipe that quantizes most layers first")
+    text = _written(state.target.recipes[0].text, state.plans, chosen, names, state.loaded.model, opts, header)
     record = {
         "budget": {"flag": target.flag(), "bytes": budget, "bits_per_weight": state.bpw(budget)},
         "format": state.exporter, "params": cost.params, "float_bytes": cost.float_bytes,
