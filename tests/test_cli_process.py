@@ -90,6 +90,16 @@ def test_quiet_prints_nothing_for_a_hugging_face_model_either(tmp_path):
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
 
 
+def test_a_damaged_torch_export_archive_is_one_line_on_stderr(world, tmp_path):
+    """torch logged its own traceback of the failed read (a dozen lines) before qtool's error, --quiet or not."""
+    d, ckpt, data = world
+    (tmp_path / "junk.pt2").write_bytes(b"junk\n")
+    r = qtool("calibrate", tmp_path / "junk.pt2", "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "r", "--quiet")
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [f"error: {tmp_path / 'junk.pt2'}: cannot read torch.export archive: File is "
+                                     "not a zip file"], r.stderr
+
+
 def _calibrate_under(probe: str, ckpt, out, *flags):
     """``qtool calibrate`` (w8a16 on the MLP) run by the Python program ``probe``, which calls main()."""
     return subprocess.run([sys.executable, "-c", probe, "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a16.yaml"),

@@ -61,6 +61,21 @@ def tensor_files(path: Path) -> List[Path]:
     return [path]
 
 
+def load_exported(path: Path):
+    """A ``torch.export`` archive (``.pt2``); a damaged one is one line (torch logs its own traceback of a failed
+    read as a warning first: kept off the terminal)."""
+    import logging
+
+    log = logging.getLogger("torch.export")
+    disabled, log.disabled = log.disabled, True
+    try:
+        return torch.export.load(str(path))
+    except Exception as e:  # (the exporter raises many types)
+        raise CheckpointError(f"{path}: cannot read torch.export archive: {str(e).splitlines()[0]}") from None
+    finally:
+        log.disabled = disabled
+
+
 def load_pickle(path: Path):
     """A full pickle (``--trust-pickle``): the classes it names are imported from the working directory too, as
     ``--model-class`` imports them; one that cannot be is one line naming it."""
@@ -255,11 +270,7 @@ class CheckpointTensors:
             self._files = {k: f for k, (_, f) in safetensors_index(files).items()}
             self.files = files
         elif kind == "pt2":
-            try:
-                ep = torch.export.load(str(self.path))
-            except Exception as e:
-                raise CheckpointError(f"{self.path}: cannot read torch.export archive: {str(e).splitlines()[0]}") from None
-            self._memory = {k: v.detach() for k, v in ep.module().state_dict().items()}
+            self._memory = {k: v.detach() for k, v in load_exported(self.path).module().state_dict().items()}
             self.files = [self.path]
         else:
             try:

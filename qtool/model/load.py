@@ -27,8 +27,8 @@ from torch import nn
 
 from ..errors import CheckpointError, UsageError
 from .hf import hf_name_map, load_hf
-from ..io.checkpoint import (CheckpointTensors, check_safetensors, detect_kind, load_pickle, read_state_dict,
-                             tensor_files, torch_load_safe)
+from ..io.checkpoint import (CheckpointTensors, check_safetensors, detect_kind, load_exported, load_pickle,
+                             read_state_dict, tensor_files, torch_load_safe)
 
 __all__ = ["LoadedModel", "load_model", "detect_kind", "resolve_device", "tensor_files", "read_state_dict"]
 
@@ -177,10 +177,7 @@ def load_model(
         files = tensor_files(path)
         name_map = hf_name_map(model, files)
     elif kind == "pt2":
-        try:
-            model = torch.export.load(str(path)).module()
-        except Exception as e:
-            raise CheckpointError(f"{path}: cannot read torch.export archive: {str(e).splitlines()[0]}") from None
+        model = load_exported(path).module()
         from .insert import exported_module_types
 
         model.qtool_module_types = exported_module_types(model)
