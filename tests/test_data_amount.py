@@ -52,6 +52,18 @@ def test_enough_tokens_say_nothing_and_rounding_asks_for_more(llama, tmp_path):
     assert len(warnings) == 1 and "gptq" in warnings[0] and f"at least {MIN_TOKENS['rounding']} " in warnings[0]
 
 
+def test_data_whose_attention_masks_keep_no_token_is_refused(llama, tmp_path):
+    """Every mask 0 was a warning ("holds 0 tokens") and encodings were written from positions all masked out."""
+    from safetensors.torch import save_file
+
+    ids = torch.randint(1, 200, (16, 64), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids, "attention_mask": torch.zeros_like(ids)}, tmp_path / "ids.safetensors")
+    code, _, err = run_cli("calibrate", llama, "-c", "w8a8", "--data", tmp_path / "ids.safetensors", "-o",
+                           tmp_path / "run")
+    assert code == 2 and not (tmp_path / "run").exists()
+    assert "holds no token its attention_mask keeps" in error_lines(err)[-1], err
+
+
 def test_samples_count_where_there_are_no_tokens(tmp_path):
     from safetensors.torch import save_file
 

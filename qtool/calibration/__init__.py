@@ -33,7 +33,7 @@ from ..parallel import Group
 from ..provenance import device_label, versions
 from ..quant.precision import exact, unsupported
 from .collective import samples_per_rank
-from .data_check import shortfalls
+from .data_check import data_amount, shortfalls
 
 __all__ = ["CalibrateOptions", "CalibrationRun", "MODES", "PreparedRun", "choose_mode", "prepare_calibration",
            "calibrate_prepared", "calibrate_checkpoint", "streams", "estimate_run"]
@@ -173,6 +173,9 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
     data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, tokenizer,
                      pack_text=causal)
     short = shortfalls(plan, data)
+    if short and data_amount(data) == (0, "tokens"):  # (every attention_mask all zero): not little, nothing
+        raise DataError(f"{opts.data}: the calibration data holds no token its attention_mask keeps (every mask is "
+                        "0): nothing to calibrate on")
     if short and opts.strict_data:
         raise DataError(f"{opts.data}: {short[0]} (--strict-data)")
     plan.warnings.extend(short)
