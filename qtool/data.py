@@ -137,7 +137,7 @@ def _tensor_samples(files: Sequence[Path]) -> Tuple[List[Dict[str, torch.Tensor]
 def text_samples(path: Path) -> List[str]:
     """Paragraphs of a ``.txt`` file (blank-line separated) or the ``text`` field of each ``.jsonl`` line."""
     try:
-        raw = path.read_text(encoding="utf-8")
+        raw = path.read_text(encoding="utf-8-sig")  # (a byte-order mark, as some editors write, is not text)
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read text: {e}") from None
     if path.suffix.lower() == ".jsonl":
@@ -297,8 +297,11 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
         table = None
     n = getattr(table, "num_embeddings", None)
     if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.numel() and isinstance(n, int):
-        top = int(ids.max())
+        top, bottom = int(ids.max()), int(ids.min())
         if top >= n:
             return (f"token id {top} is past the model's vocabulary ({n} embeddings): the tokenizer (or the id file) "
                     "belongs to another model")
+        if bottom < 0:
+            return (f"token id {bottom} is negative (a padding marker such as -100 for labels?): ids run from 0 to "
+                    f"{n - 1}; mask padding with attention_mask instead")
     return str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -287,6 +287,12 @@ def test_text_formats(tmp_path, minilm_tokenizer):
     for x, y in zip(a, b):
         assert torch.equal(x.kwargs["input_ids"], y.kwargs["input_ids"])
     assert a.batches[0].kwargs["input_ids"].shape == (2, 16)
+    # a byte-order mark (some editors write one) was a JSON error on .jsonl's first line and a word of .txt's
+    for name in ("a.txt", "b.jsonl"):
+        (tmp_path / f"bom-{name}").write_bytes(b"\xef\xbb\xbf" + (tmp_path / name).read_bytes())
+        c = load_data(tmp_path / f"bom-{name}", batch_size=2, seq_len=16, tokenizer=minilm_tokenizer)
+        for x, y in zip(a, c):
+            assert torch.equal(x.kwargs["input_ids"], y.kwargs["input_ids"])
 
 
 @pytest.mark.parametrize(

@@ -188,6 +188,22 @@ def test_token_ids_past_the_vocabulary_are_one_line(tmp_path, command):
     assert "past the model's vocabulary (256 embeddings)" in lines[0], lines[0]
 
 
+def test_negative_token_ids_are_one_line_naming_them(tmp_path):
+    """Labels' -100 padding as ids read "index out of range in self"."""
+    from safetensors.torch import save_file
+
+    from tests.helpers import run_cli, tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "llama")
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    ids[:, -3:] = -100
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    code, _, err = run_cli("calibrate", ckpt, "-c", "w8a8", "--data", tmp_path / "ids.safetensors", "-o",
+                           tmp_path / "out", "--quiet")
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "token id -100 is negative" in lines[0], err
+
+
 def test_a_layer_whose_sqnr_is_nan_fails_the_gate_and_the_json_stays_json(capsys):
     """NaN sorted anywhere (it compares false both ways), so the --min-sqnr gate read a finite layer and passed
     over NaN ones; and --json wrote bare NaN tokens, which strict parsers refuse."""
