@@ -304,4 +304,11 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
         if bottom < 0:
             return (f"token id {bottom} is negative (a padding marker such as -100 for labels?): ids run from 0 to "
                     f"{n - 1}; mask padding with attention_mask instead")
+    floats = {t.dtype for t in list(batch.args) + list(batch.kwargs.values())
+              if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if own is not None and floats - {own}:  # (NumPy's default float64 beside float32 weights: "mat1 and mat2 ...")
+        other = sorted(str(d).replace("torch.", "") for d in floats - {own})[0]
+        return (f"the data is {other} and the model {str(own).replace('torch.', '')}: save the data as the model's "
+                f"type (NumPy: x.astype('{str(own).replace('torch.', '')}'))")
     return str(err).splitlines()[0] if str(err) else type(err).__name__

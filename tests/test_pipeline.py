@@ -488,3 +488,14 @@ def test_text_packing_for_causal_lms(tmp_path, minilm_tokenizer):
 
     with pytest.raises(DataError, match="make no full sequence"):
         load_data(tmp_path / "a.txt", seq_len=100000, tokenizer=tok, pack_text=True)
+
+
+def test_data_of_another_float_type_than_the_model_is_named(tmp_path):
+    """NumPy's default float64 beside float32 weights read "mat1 and mat2 must have the same dtype"."""
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((16, 64)))  # float64
+    code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "--model-class", "tests.tinymodels:mlp", "-c",
+                           "w8a8", "--data", tmp_path / "x.npy", "-o", tmp_path / "r")
+    assert code == 2 and not (tmp_path / "r").exists()
+    assert "the data is float64 and the model float32: save the data as the model's type (NumPy: " \
+           "x.astype('float32'))" in error_lines(err)[-1], err
