@@ -80,18 +80,19 @@ def test_mlp_onnx_matches_fake_quant(mlp_world, tmp_path, recipe):
     assert all(e["name"] in names for e in aimet["encodings"])
 
 
-@pytest.mark.parametrize("recipe", ["static", "dynamic", "weights"])
-def test_a_module_called_twice_and_a_tied_weight_export_and_run(tmp_path, recipe):
-    """A quantizer traced at two calls wrote its scales twice under one name, and two quantizers of one tied
-    weight their codes: the checker refused the graph after calibration (exit 3)."""
+@pytest.mark.parametrize("recipe", ["static", "dynamic", "weights", "head"])
+def test_a_module_called_thrice_and_a_tied_weight_export_and_run(tmp_path, recipe):
+    """A quantizer traced at several calls wrote its scales once per call under one name, and two quantizers of
+    one tied weight their codes: the checker refused the graph after calibration (exit 3)."""
     from tests.tinymodels import reused
 
     save_file({k: v.clone() for k, v in reused().state_dict().items()}, tmp_path / "m.safetensors")
     save_file({"ids": torch.randint(0, 20, (16, 5), generator=torch.Generator().manual_seed(0))},
               tmp_path / "ids.safetensors")
     acts = {"static": "{inputs: true, outputs: true}", "dynamic": "{inputs: true, dynamic: true}",
-            "weights": "null"}[recipe]
-    (tmp_path / "r.yaml").write_text(f"version: 1\ndefaults:\n  activations: {acts}\n")
+            "weights": "null", "head": "null"}[recipe]
+    (tmp_path / "r.yaml").write_text(f"version: 1\ndefaults:\n  activations: {acts}\n" + (
+        "layers:\n  - type: Embedding\n    weights: null\n" if recipe == "head" else ""))
     code, out, err = run_cli("quantize", tmp_path / "m.safetensors", "-c", tmp_path / "r.yaml", "--data",
                              tmp_path / "ids.safetensors", "--model-class", "tests.tinymodels:reused", "-o",
                              tmp_path / "q", "--format", "onnx", "--encoding-version", "2.0.0", "--json")
@@ -107,14 +108,19 @@ def test_a_module_called_twice_and_a_tied_weight_export_and_run(tmp_path, recipe
     proto = onnx.load(str(tmp_path / "q/model.onnx"))
     inits = {i.name for i in proto.graph.initializer}
     assert "fc.weight" in inits and "fc.weight_quantized" not in inits  # fc's codes once, under its own name
+    assert sum(n.op_type == "DequantizeLinear" and n.input[0] == "fc.weight" for n in proto.graph.node) == 3
     tensors = {n for node in proto.graph.node for n in list(node.input) + list(node.output)} | inits
     aimet = json.loads((tmp_path / "q/model.encodings").read_text())["encodings"]
     assert all(e["name"] in tensors for e in aimet)
     assert len({e["name"] for e in aimet}) == len(aimet)
     quantizers = json.loads((tmp_path / "q/calibration/encodings.json").read_text())["quantizers"]
     static = [q for q in quantizers if not q.get("dynamic")]
-    # fc's activation quantizers at both calls: each encoding names the tensor of each call
-    assert len(aimet) == len(static) + sum(q["name"].startswith("fc.") and q["tensor"] != "weight" for q in static)
+    # fc's activation quantizers at each call: each encoding names each call's tensor (fc.input's last two are one)
+    assert len(aimet) == len(static) + {"static": 1 + 2}.get(recipe, 0)
+    if recipe == "head":  # the table read by the output layer's quantizer alone keeps its float copy and names
+        assert {"emb.weight", "emb.weight_quantized", "emb.weight_scale"} <= inits
+        assert [e["name"] for e in aimet if e["name"].startswith("emb")] == ["emb.weight"]
+        return
     # the table and the output layer have codes of their own, and no float copy of the table is left
     assert {"emb.weight_quantized", "head.weight_quantized"} <= inits and "emb.weight" not in inits
     code, out, err = run_cli("inspect", tmp_path / "q", "--json")  # (an ONNX export directory: its model.encodings)

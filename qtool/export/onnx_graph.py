@@ -79,8 +79,11 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
         for name in n.input:
             consumers.setdefault(name, set()).add(quantizer(n) or k)
     uses = {name: len(c) for name, c in consumers.items()}
+    # tensors two quantizers read (an embedding table quantized by itself and by the output layer tied to it)
+    crowded = {name for name, c in consumers.items() if sum(isinstance(q, str) for q in c) > 1}
     names: Dict[str, Any] = {}
     first: Dict[str, Any] = {}  # quantizer -> (input, output, nodes) of its first call
+    calls: Dict[str, int] = {}  # quantizer -> its calls met so far
     new_nodes: List[Any] = []
     new_inits: List[Any] = []
     drop_inits = set()
@@ -90,11 +93,13 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
             new_nodes.append(node)
             continue
         if qname in first:  # another call of the same module: the first call's scales and codes, this call's tensors
-            calls = names[qname] if isinstance(names[qname], list) else [names[qname]]
-            new_nodes += _again(first[qname], node, len(calls))
-            if node.input[0] not in calls:
-                names[qname] = calls + [node.input[0]]
+            calls[qname] += 1
+            new_nodes += _again(first[qname], node, calls[qname] - 1)
+            seen = names[qname] if isinstance(names[qname], list) else [names[qname]]
+            if node.input[0] not in seen:
+                names[qname] = seen + [node.input[0]]
             continue
+        calls[qname] = 1
         start = len(new_nodes)
         first[qname] = (node.input[0], node.output[0])
         if node.op_type == "DynamicFakeQuant":
@@ -106,8 +111,9 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
         info = quantizer_info[qname]
         bits, signed = info["bitwidth"], info["qmin"] < 0
         if info.get("element"):
-            new_nodes += _float_qdq(node, attrs, qname, info, inits, uses, value, stored, new_inits, drop_inits)
-            names[qname] = new_nodes[-1].input[0] if len(new_nodes) - start == 1 else node.input[0]
+            new_nodes += _float_qdq(node, attrs, qname, info, inits, uses, crowded, value, stored, new_inits,
+                                    drop_inits)
+            names[qname] = _named(new_nodes, node, info, inits, crowded)
             first[qname] += (new_nodes[start:],)
             continue
         axis, block = int(attrs["axis"]), int(attrs["block"])
@@ -135,8 +141,9 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
                 scale, zp = scale.reshape(()), zp.reshape(())
         new_nodes += _qdq_nodes(node, qname, is_weight, scale, axis, block,
                                 lambda n: _int_tensor(n, zp, bits, signed),
-                                lambda n: _int_tensor(n, codes.numpy(), bits, signed), uses, new_inits, drop_inits)
-        names[qname] = new_nodes[-1].input[0] if is_weight else x  # (a shared weight: the tensor of its codes)
+                                lambda n: _int_tensor(n, codes.numpy(), bits, signed), uses, crowded, new_inits,
+                                drop_inits)
+        names[qname] = _named(new_nodes, node, info, inits, crowded)
         first[qname] += (new_nodes[start:],)
     used = {i for n in new_nodes for i in n.input}
     keep_nodes = [n for n in new_nodes if not (n.op_type == "Constant" and not (set(n.output) & used))]
@@ -154,6 +161,13 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
         model.ir_version = 10
     onnx.checker.check_model(model)
     return names
+
+
+def _named(new_nodes, node, info, inits, crowded) -> str:
+    """The ONNX tensor an encoding is keyed by: the quantized tensor, or for a weight two quantizers read (a table
+    tied to a quantized output layer) each one's codes (``new_nodes[-1]``: its DequantizeLinear)."""
+    x = node.input[0]
+    return new_nodes[-1].input[0] if x in crowded and x in inits and info["tensor"] == "weight" else x
 
 
 def _again(first, node, call: int) -> List[Any]:
@@ -197,7 +211,7 @@ def _weight_and_block(init, axis: int, block: int):
     return w, tuple(block if d == axis else (1 if d == 0 else -1) for d in range(w.dim()))
 
 
-def _float_qdq(node, attrs, qname, info, inits, uses, value, stored, new_inits, drop_inits) -> List[Any]:
+def _float_qdq(node, attrs, qname, info, inits, uses, crowded, value, stored, new_inits, drop_inits) -> List[Any]:
     """The nodes replacing one float-grid ``qtool::FakeQuant`` (FP8 under float32 scales): a weight's FP8 codes as
     a float8e4m3fn initializer + DequantizeLinear, an activation's QuantizeLinear + DequantizeLinear, each with a
     float8 zero point 0 (QuantizeLinear saturates, as qtool clamps to ±448 before rounding)."""
@@ -220,11 +234,11 @@ def _float_qdq(node, attrs, qname, info, inits, uses, value, stored, new_inits, 
         scale = scale.reshape(-1) if scale.size > 1 else scale.reshape(())
     return _qdq_nodes(node, qname, is_weight, scale, axis, block,
                       lambda n: _fp8_tensor(n, np.zeros(scale.shape, dtype=np.uint8)),
-                      lambda n: _fp8_tensor(n, codes), uses, new_inits, drop_inits)
+                      lambda n: _fp8_tensor(n, codes), uses, crowded, new_inits, drop_inits)
 
 
 def _qdq_nodes(node, qname: str, is_weight: bool, scale: np.ndarray, axis: int, block: int, zero_point_init,
-               codes_init, uses: Dict[str, int], new_inits: List[Any], drop_inits: set) -> List[Any]:
+               codes_init, uses: Dict[str, int], crowded: set, new_inits: List[Any], drop_inits: set) -> List[Any]:
     """The nodes replacing one ``qtool::FakeQuant`` once its scale is laid out: the scale and zero point
     (``zero_point_init(name)``) as initializers, then a weight's codes (``codes_init(name)``) + DequantizeLinear,
     or an activation's QuantizeLinear + DequantizeLinear (``axis`` where the scale has several values,
@@ -232,10 +246,10 @@ def _qdq_nodes(node, qname: str, is_weight: bool, scale: np.ndarray, axis: int, 
     from onnx import helper, numpy_helper
 
     x = node.input[0]
-    # a weight read elsewhere too (tied to another layer's, quantized or not) keeps its float initializer, and
-    # this quantizer's codes and scales are named by the quantizer (two may quantize it)
+    # a weight read elsewhere too (tied to another layer's) keeps its float initializer and its codes are
+    # <name>_quantized; one two quantizers read has each one's codes and scales named by the quantizer
     shared = is_weight and uses.get(x, 0) > 1
-    base = x if is_weight and not shared else qname
+    base = qname if not is_weight or x in crowded else x
     s_init = numpy_helper.from_array(scale, f"{base}_scale")
     z_init = zero_point_init(f"{base}_zero_point")
     new_inits += [s_init, z_init]
@@ -247,7 +261,7 @@ def _qdq_nodes(node, qname: str, is_weight: bool, scale: np.ndarray, axis: int, 
     if is_weight:
         # the codes take the parameter's own name, as AIMET's encodings key parameters by it, unless the float
         # parameter is used elsewhere too (a tied weight), which then keeps it
-        q_init = codes_init(f"{qname}_quantized" if shared else x)
+        q_init = codes_init(f"{qname if x in crowded else x}_quantized" if shared else x)
         new_inits.append(q_init)
         if not shared:
             drop_inits.add(x)
