@@ -167,6 +167,31 @@ def test_another_safetensors_file_beside_the_model_is_not_read_as_its_weights(tm
     assert (w - real["model.layers.0.mlp.down_proj.weight"]).abs().max() < 0.02
 
 
+def test_an_index_decides_a_name_two_shards_hold_and_model_safetensors_comes_before_an_index(tmp_path):
+    """As transformers reads a directory: model.safetensors first (an index beside it is of an older save), and an
+    index's weight_map says which shard holds each name."""
+    from safetensors.torch import load_file
+
+    from qtool.io.checkpoint import CheckpointTensors
+    from tests.helpers import tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m")
+    real = load_file(ckpt / "model.safetensors")
+    names = sorted(real)
+    stale = {k: torch.zeros_like(v) for k, v in real.items()}
+    save_file(stale, ckpt / "old-00001-of-00001.safetensors")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "old-00001-of-00001.safetensors" for k in names}}))
+    assert torch.equal(CheckpointTensors(ckpt).get(names[0]), real[names[0]])  # model.safetensors'
+    (ckpt / "model.safetensors").unlink()
+    save_file({k: real[k] for k in names[:3]}, ckpt / "a.safetensors")
+    save_file({k: real[k] for k in names[2:]}, ckpt / "b.safetensors")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "a.safetensors" if i < 2 else "b.safetensors" for i, k in enumerate(names)}}))
+    tensors = CheckpointTensors(ckpt)
+    assert all(torch.equal(tensors.get(k), real[k]) for k in names)
+
+
 def test_a_config_without_architectures_whose_weights_hold_a_head_is_refused(tmp_path):
     """transformers' bare AutoModel (LlamaModel) dropped lm_head.weight without a word: the plan, the text windows
     and the export followed an encoder's rules (exit 0)."""
@@ -180,9 +205,19 @@ def test_a_config_without_architectures_whose_weights_hold_a_head_is_refused(tmp
     assert code == 2
     assert [line for line in err.splitlines() if "error" in line] == [
         f"error: {ckpt / 'config.json'}: names no architectures, so transformers builds a LlamaModel, which has no "
-        "place for the checkpoint's lm_head.weight: add \"architectures\": [\"LlamaForCausalLM\"] (the class the "
-        "weights are for)"], err
+        "place for the checkpoint's lm_head.weight: add \"architectures\": [\"LlamaForCausalLM\"]"], err
     assert not (tmp_path / "q").exists()
+
+
+def test_an_encoder_without_architectures_whose_checkpoint_holds_a_buffer_still_loads(tmp_path, minilm):
+    """all-MiniLM-L6-v2 holds embeddings.position_ids, a buffer BertModel does not save: not a head left out."""
+    from qtool.model.hf import meta_skeleton
+
+    shutil.copytree(minilm, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m/config.json").read_text())
+    del cfg["architectures"]
+    (tmp_path / "m/config.json").write_text(json.dumps(cfg))
+    assert type(meta_skeleton(tmp_path / "m")).__name__ == "BertModel"
 
 
 def test_a_tensor_in_two_files_of_a_directory_without_an_index_is_refused(tmp_path):

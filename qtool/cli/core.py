@@ -24,9 +24,10 @@ _QUIET = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"
 @contextmanager
 def _transformers_quieted() -> Iterator[None]:
     """The CLI draws its own progress: transformers' and the Hub's bars and warnings stay off its terminal while a
-    command runs, and are as they were afterwards (a command called in-process: a notebook, a test runner). A
-    user's own TRANSFORMERS_VERBOSITY or HF_HUB_DISABLE_PROGRESS_BARS wins; transformers reads both when imported,
-    and one imported already is told directly."""
+    command runs, and transformers' are as they were afterwards (a command called in-process: a notebook, a test
+    runner; the Hub, if the command imported it, reads its setting once and keeps its bars off). A user's own
+    TRANSFORMERS_VERBOSITY or HF_HUB_DISABLE_PROGRESS_BARS wins; transformers reads both when imported, and one
+    imported already is told directly."""
     env = {k: os.environ.get(k) for k in _QUIET}
     for k, v in _QUIET.items():
         os.environ.setdefault(k, v)

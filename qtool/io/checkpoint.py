@@ -39,10 +39,12 @@ def detect_kind(path: Path) -> str:
 
 
 def tensor_files(path: Path) -> List[Path]:
-    """The safetensors files of a checkpoint, in a stable order: a directory's index names its shards, else its
-    ``model.safetensors``, else every ``*.safetensors`` in it."""
+    """The safetensors files of a checkpoint, in a stable order: a directory's ``model.safetensors``, else the
+    shards its index names (transformers' order), else every ``*.safetensors`` in it."""
     if path.is_dir():
         index = path / "model.safetensors.index.json"
+        if (path / "model.safetensors").is_file():  # what transformers loads: another file beside it (a backup, an
+            return [path / "model.safetensors"]     # adapter, an index of an older save) is not the model's
         if index.exists():
             weight_map = read_json_object(index, CheckpointError, "safetensors index", strict=True).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
@@ -55,8 +57,6 @@ def tensor_files(path: Path) -> List[Path]:
                 raise CheckpointError(f"{index}: shard {bad[0][:80]!r} is not a .safetensors file name in this "
                                       "directory")
             return [path / f for f in shards]
-        if (path / "model.safetensors").is_file():  # what transformers loads: another file beside it (a backup, an
-            return [path / "model.safetensors"]     # adapter) is not the model's
         return sorted(path.glob("*.safetensors"))
     return [path]
 
@@ -95,14 +95,23 @@ def load_pickle(path: Path):
 
 def safetensors_index(files: List[Path]) -> Dict[str, Tuple[Tuple[int, ...], Path]]:
     """Each tensor's shape and file, from the safetensors headers (each checked first: a damaged header is one
-    line). A name in two files is refused: which one a reader takes would depend on its order."""
+    line). A name in two files is refused (which one a reader took would depend on its order), unless an index
+    names the shard that holds it."""
     from safetensors import safe_open
 
+    index = files[0].parent / "model.safetensors.index.json" if files else None
+    owner: Dict[str, str] = {}  # an index's weight_map decides which shard holds a name two of them hold
+    if index is not None and index.is_file() and not (index.parent / "model.safetensors").is_file():
+        owner = read_json_object(index, CheckpointError, "safetensors index", strict=True).get("weight_map") or {}
     out: Dict[str, Tuple[Tuple[int, ...], Path]] = {}
     for f in files:
         check_safetensors(f)
         with safe_open(str(f), "pt") as fh:
             for k in fh.keys():
+                if k in out and k in owner:
+                    if owner[k] == f.name:
+                        out[k] = (tuple(fh.get_slice(k).get_shape()), f)
+                    continue
                 if k in out:
                     raise CheckpointError(f"{f}: holds tensor {k!r}, which {out[k][1].name} holds too: which is the "
                                           "model's? (move the other file out of the checkpoint directory)")

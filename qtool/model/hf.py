@@ -263,7 +263,7 @@ def _checked_skeleton(path, trust_remote_code: bool) -> nn.Module:
         raise CheckpointError(
             f"{path}: transformers cannot build this model's modules ({str(e).splitlines()[0]})") from None
     _check_fit_if_weights(path, model)
-    if cls is None:
+    if not archs:
         _check_no_head_left_out(path, config, model)
     return model
 
@@ -276,16 +276,18 @@ def _check_no_head_left_out(path, config, model: nn.Module) -> None:
     if not files or not all(f.exists() for f in files):
         return
     names, prefix = set(model.state_dict()), getattr(model, "base_model_prefix", "") or ""
-    left = [k for k in safetensors_index(files) if k not in names and f"{prefix}.{k}" not in names
-            and not (prefix and k.startswith(prefix + ".") and k[len(prefix) + 1:] in names)]
+    # a head: a weight outside the backbone (not a buffer a checkpoint may carry, such as position_ids)
+    left = [k for k in safetensors_index(files) if k.endswith((".weight", ".bias")) and k not in names
+            and f"{prefix}.{k}" not in names and not (prefix and k.startswith(prefix + "."))]
     if left:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        guess = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None), "...")
+        causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
+        guess = f'"architectures": ["{causal}"]' if causal and left[0].startswith("lm_head.") else \
+            '"architectures" with the class the weights are for'
         raise CheckpointError(f"{Path(path) / 'config.json'}: names no architectures, so transformers builds a "
                               f"{type(model).__name__}, which has no place for the checkpoint's {left[0]}"
-                              f"{f' (and {len(left) - 1} more)' if len(left) > 1 else ''}: add "
-                              f'"architectures": ["{guess}"] (the class the weights are for)')
+                              f"{f' (and {len(left) - 1} more)' if len(left) > 1 else ''}: add {guess}")
 
 
 def _linearize(path, model: nn.Module) -> None:
