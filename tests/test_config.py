@@ -129,6 +129,19 @@ def test_unmatched_rule_is_error_or_warning():
     assert any("matches no module" in w for w in plan.warnings)
 
 
+def test_a_rule_whose_types_have_no_weight_is_an_error_or_a_warning():
+    """type: GELU with weights quantized nothing, with no word (LlamaRotaryEmbedding's the same)."""
+    text = "version: 1\nlayers:\n  - type: GELU\n    weights: {bitwidth: 4}\n"
+    with pytest.raises(ConfigError, match=r"r.yaml: layers\[0\]: type 'GELU' matches only modules with no weight, "
+                                          "so its weights quantize nothing"):
+        plan_of(text)
+    assert any("matches only modules with no weight" in w for w in plan_of(text, allow_unmatched=True).warnings)
+    # a rule that also sets activations, that turns weights off, or that is optional is not refused
+    for rule in ("    weights: {bitwidth: 4}\n    activations: {bitwidth: 8}\n", "    weights: null\n",
+                 "    optional: true\n    weights: {bitwidth: 4}\n"):
+        assert not [w for w in plan_of(f"version: 1\nlayers:\n  - type: GELU\n{rule}").warnings if "no weight" in w]
+
+
 def test_block_size_must_divide_input_dim():
     text = "version: 1\ndefaults:\n  weights: {granularity: per_block, block_size: 48}\n"
     with pytest.raises(ConfigError, match=r"defaults.weights.block_size: 48 does not divide the input dimension 64"):

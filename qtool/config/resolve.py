@@ -181,8 +181,11 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     """One ``QuantizerPlan`` per quantizer, in module order. Later ``layers`` entries win. ``importance_matrix``:
     an importance matrix file will weight the searches (a ``gguf_mix`` then picks types as llama-quantize does
     with ``--imatrix``)."""
+    from torch import nn
+
     plan = Plan()
     used = [False] * len(recipe.layers)
+    weighted = [False] * len(recipe.layers)  # the rule reached a module with a weight
     fallbacks: Dict[Tuple[str, str], int] = {}  # (K-quant type, its fallback) -> weights
     mix = _Mix(recipe, model, source, importance_matrix) if recipe.gguf_mix is not None else None
     named = [(n, m) for n, m in model.named_modules() if n]
@@ -230,6 +233,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             if not (w_cand or a_cand):
                 continue  # a name pattern only refines modules that can be quantized
             used[i] = True
+            weighted[i] = weighted[i] or isinstance(getattr(module, "weight", None), nn.Parameter)
             where = f"{source}: layers[{i}]"
             if "weights" in rule.model_fields_set and w_cand:
                 w_spec = None if rule.weights is None else _merge(
@@ -293,6 +297,16 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             sel = " ".join(filter(None, [f"match {rule.match!r}" if rule.match else "",
                                          f"type {rule.type!r}" if rule.type else ""]))
             msg = f"{source}: layers[{i}]: {sel} matches no module of the model" + _nearest_modules(rule, named)
+            if not allow_unmatched:
+                raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
+            plan.warnings.append(msg)
+        rule = recipe.layers[i]
+        if ok and not weighted[i] and rule.weights is not None and "weights" in rule.model_fields_set \
+                and rule.activations is None and not rule.optional:  # (LlamaRotaryEmbedding: nothing to quantize)
+            sel = " ".join(filter(None, [f"match {rule.match!r}" if rule.match else "",
+                                         f"type {rule.type!r}" if rule.type else ""]))
+            msg = (f"{source}: layers[{i}]: {sel} matches only modules with no weight, so its weights quantize "
+                   "nothing")
             if not allow_unmatched:
                 raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
             plan.warnings.append(msg)
