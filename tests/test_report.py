@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,15 @@ def test_the_cosine_of_a_language_models_logits_is_exact_to_1e_6():
     exact = torch.nn.functional.cosine_similarity(a.double().reshape(2, -1), b.double().reshape(2, -1), dim=1)
     assert (_per_sample_cosine(a, a) - 1).abs().max() < 1e-6
     assert (_per_sample_cosine(a, b).double() - exact).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("value,needle", [("0 k.yaml", "--suggest 0: N is how many of the most damaging layers"),
+                                          ("-1 k.yaml", "--suggest -1: N is how many"),
+                                          ("k.yaml", "--suggest takes 'N OUT.yaml'")])
+def test_a_suggest_count_below_one_says_what_n_is(value, needle):
+    from qtool.cli.measure import _suggest_flag
+    from qtool.errors import UsageError
+
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        _suggest_flag([value], True)
+    assert _suggest_flag(["2 k.yaml"], True) == (2, "k.yaml")

@@ -46,8 +46,11 @@ def _suggest_flag(suggest: Optional[List[str]], sensitivity: bool):
     if not suggest:
         return None
     n_text, out_yaml = suggest[0].split(None, 1) if " " in suggest[0] else (suggest[0], None)
-    if out_yaml is None or not n_text.isdigit() or int(n_text) < 1:
+    if out_yaml is None or not n_text.lstrip("-").isdigit():
         raise UsageError("--suggest takes 'N OUT.yaml' (quote it as one argument: --suggest '3 keep.yaml')")
+    if int(n_text) < 1:
+        raise UsageError(f"--suggest {n_text}: N is how many of the most damaging layers to keep in higher precision: "
+                         "1 or more")
     return int(n_text), out_yaml
 
 
