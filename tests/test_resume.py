@@ -109,6 +109,30 @@ def test_an_interrupt_right_after_the_output_is_in_place_still_removes_the_state
     assert out.is_dir() and not out.with_name("run.resume").exists()
 
 
+def test_an_interrupt_after_a_block_says_the_state_is_kept_and_how_to_go_on(llama, tmp_path, monkeypatch):
+    """Ctrl-C said "nothing was written" while OUT.resume kept the finished blocks."""
+    from qtool.calibration.resume import ResumeState
+
+    d, args = llama
+    save = ResumeState.save
+
+    def saved_then_interrupted(self, i, *a, **kw):
+        save(self, i, *a, **kw)
+        self.wait()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ResumeState, "save", saved_then_interrupted)
+    out = tmp_path / "run"
+    code, _, err = run_cli(*args, "-o", out)
+    state = out.with_name("run.resume")
+    assert code == 130 and state.is_dir(), err
+    assert (f"interrupted: SIGINT; nothing was written; {state} keeps the blocks finished so far: the same command "
+            "with --resume continues") in err, err
+    monkeypatch.setattr(ResumeState, "save", save)
+    code, _, err = run_cli(*args, "--resume", "-o", out)
+    assert code == 0 and _files(out) == _files(d / "whole"), err
+
+
 def test_a_full_disk_while_the_state_is_written_is_one_line(llama, tmp_path):
     """safetensors' writer raises its own SafetensorError for a failed write ("File too large (os error 27)"): it
     was an internal error (exit 3, a traceback log) where the same failure in the export is one line, exit 2."""

@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 from ..data import Batch
 from ..encodings import EncodingEntry
 from ..errors import UsageError
-from ..io.fs import atomic_file, check_apart_from_inputs, sha256_file
+from ..io.fs import atomic_file, check_apart_from_inputs, resumable, sha256_file
 from ..parallel import Group
 
 __all__ = ["BlockResult", "ResumeState", "state_dir", "check_state_dir", "fingerprint", "file_stamp", "batches_digest",
@@ -201,6 +201,8 @@ class ResumeState:
             for old in directory.glob(f"hidden-*-r{group.rank}.safetensors"):  # (this rank's disk, if its own)
                 old.unlink(missing_ok=True)
             group.all_gather(None)  # the old state is gone before any rank writes a new one
+        if done:
+            resumable(directory)
         return cls(directory, print_, group, done, files if done else None)
 
     @staticmethod
@@ -298,6 +300,7 @@ class ResumeState:
                                               indent=1) + "\n", encoding="utf-8")
             gather(None)  # the state names block i: the outputs of the block before are read by no one now
             self._hidden_path(i - 1, self.group.rank).unlink(missing_ok=True)
+            resumable(self.directory)
 
         if self.group.distributed:
             write(self.group.all_gather)
@@ -357,6 +360,7 @@ def remove_state(directory: Path, rank: int, root: bool) -> None:
     for pattern in (f"hidden-*-r{rank}.safetensors", f".hidden-*-r{rank}.safetensors.tmp-*"):  # (and temporaries)
         for f in Path(directory).glob(pattern):
             f.unlink(missing_ok=True)
+    resumable(Path(directory), kept=False)
     if root:
         shutil.rmtree(directory, ignore_errors=True)
     else:

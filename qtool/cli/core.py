@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import typer
 
 from .. import __version__
-from ..io.fs import forget_published, published
+from ..io.fs import forget_published, published, resumable
 
 
 _QUIET = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -244,9 +244,10 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
 def _written() -> str:
     """What an interrupt leaves: nothing, or the outputs already put in place whole (an interrupt that lands after
     the output directory's rename, while the summary is printed)."""
-    done = published()
+    done, kept = published(), resumable()
     if not done:
-        return "nothing was written"
+        return "nothing was written" + "".join(
+            f"; {k} keeps the blocks finished so far: the same command with --resume continues" for k in kept)
     return f"{', '.join(str(p) for p in done)} had been written in full before it"
 
 

@@ -234,6 +234,21 @@ def published() -> List[Path]:
 
 def forget_published() -> None:
     _PUBLISHED.clear()
+    _RESUMABLE.clear()
+
+
+_RESUMABLE: List[Path] = []  # the state directories of --sequential runs that hold finished blocks now
+
+
+def resumable(directory: Optional[Path] = None, kept: bool = True) -> List[Path]:
+    """The resumable states kept now (what an interrupt leaves besides the outputs); with ``directory``, record it
+    as kept (``kept``) or gone first."""
+    if directory is not None:
+        if directory in _RESUMABLE:
+            _RESUMABLE.remove(directory)
+        if kept:
+            _RESUMABLE.append(directory)
+    return list(_RESUMABLE)
 
 
 def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
