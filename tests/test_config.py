@@ -1,6 +1,7 @@
 """Recipes: schema, errors with file/key/line, precedence, resolution against real module trees."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,17 @@ def test_a_tied_parameter_quantized_two_ways_is_said_at_plan_time():
         "give both names one setting" in said, said
     same = "version: 1\ndefaults:\n  activations: null\n"
     assert not [w for w in plan_of(same, model).warnings if "(tied)" in w]
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_a_weight_with_no_values_is_named_with_its_own_shape():
+    """nn.Linear(4, 0) read "shape [0, 1] has a dimension below 1" (the encoding's shape, not the weight's)."""
+    model = Tiny()
+    model.empty = nn.Linear(4, 0)
+    with pytest.raises(ConfigError, match=re.escape("empty.weight has shape [0, 4], no values to quantize: add "
+                                                    "'empty' to ignore")):
+        plan_of("version: 1\n", model)
+    assert "empty.weight" not in rows(plan_of("version: 1\nignore: [empty]\n", model))
 
 
 def test_block_size_must_divide_input_dim():

@@ -27,6 +27,9 @@ def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str)
     if not isinstance(w, nn.Parameter) or w.dim() == 0:
         return None
     shp = tuple(w.shape)
+    if w.numel() == 0:
+        raise ConfigError(f"{where}: {name}.weight has shape {list(shp)}, no values to quantize: add '{name}' to "
+                          "ignore")
     if spec.granularity == "per_tensor":
         return (), None
     if isinstance(module, nn.modules.conv._ConvTransposeNd):  # (its weight is [in, out / groups, kernel...])
