@@ -118,7 +118,9 @@ layers:
     type: Embedding
     weights: {bitwidth: 4}
 """
-    with pytest.raises(ConfigError, match=r"layers\[0\].*matches no module"):
+    # (the hint said to add type: Linear to a rule that names Embedding)
+    with pytest.raises(ConfigError, match=r"layers\[0\].*matches no module of the model \(the modules match "
+                                          r"'blocks.\*' names are .*Linear.*, none a Embedding\)"):
         plan_of(text)
 
 

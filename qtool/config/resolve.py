@@ -402,6 +402,10 @@ def _nearest_modules(rule: LayerRule, named) -> str:
         from torch import nn
 
         hit = next(((n, m) for n, m in named if name_matches(rule.match, n)), None)
+        if hit is not None and rule.types():  # the names match: the types do not
+            kinds = sorted({type(m).__name__ for n, m in named if name_matches(rule.match, n)})
+            return (f" (the modules match '{rule.match}' names are {', '.join(kinds[:4])}"
+                    f"{' ...' if len(kinds) > 4 else ''}, none a {' or '.join(rule.types())})")
         if hit is not None:
             n, m = hit
             kind = type(m).__name__
