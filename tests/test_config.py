@@ -120,7 +120,7 @@ layers:
 """
     # (the hint said to add type: Linear to a rule that names Embedding)
     with pytest.raises(ConfigError, match=r"layers\[0\].*matches no module of the model \(the modules match "
-                                          r"'blocks.\*' names are .*Linear.*, none a Embedding\)"):
+                                          r"'blocks.\*' names are .*Linear.*, none of type Embedding\)"):
         plan_of(text)
 
 

@@ -405,7 +405,7 @@ def _nearest_modules(rule: LayerRule, named) -> str:
         if hit is not None and rule.types():  # the names match: the types do not
             kinds = sorted({type(m).__name__ for n, m in named if name_matches(rule.match, n)})
             return (f" (the modules match '{rule.match}' names are {', '.join(kinds[:4])}"
-                    f"{' ...' if len(kinds) > 4 else ''}, none a {' or '.join(rule.types())})")
+                    f"{' ...' if len(kinds) > 4 else ''}, none of type {' or '.join(rule.types())})")
         if hit is not None:
             n, m = hit
             kind = type(m).__name__
