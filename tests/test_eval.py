@@ -85,6 +85,20 @@ def test_gguf_runs_in_llama_cpp_and_a_doubled_scale_is_an_export_fault(model, tm
     assert res["export_gap"]["kl_mean"] > 10 * res["vs_float"]["fake_quant"]["kl_mean"]
 
 
+def test_gguf_scores_tokens_that_end_inside_a_utf8_character(model, tmp_path):
+    """Byte pieces of CJK characters and emoji (the llama.cpp server withholds their log-probabilities, holding the
+    partial character back) were an internal error (exit 3); now scored from the whole vocabulary's."""
+    ckpt = _tiny_llama(tmp_path / "m", False, init_range=0.2, every_byte=True)
+    held = tmp_path / "utf8.txt"
+    held.write_text("Hello 日本語 😀 world. The quick brown fox, ünïcödé. " * 30)
+    world = (ckpt, model[1], held)
+    out = _quantize(world, tmp_path, "gguf-q8_0", "gguf")
+    code, res, err = _eval(world, out)
+    assert code == 0, err
+    _healthy(res)
+    assert abs(res["perplexity"]["artifact"] / res["perplexity"]["fake_quant"] - 1) < 0.02
+
+
 def test_compressed_tensors_in_transformers_and_a_transposed_scale_is_an_export_fault(model, tmp_path):
     out = _quantize(model, tmp_path, "w4a16-block32", "compressed-tensors")
     code, res, err = _eval(model, out)

@@ -23,10 +23,10 @@ VOCAB = 300
 
 
 def _tiny_llama(dest: Path, tied: bool, model_type: str = "llama", hidden: int = 64,
-                init_range: float = 0.02) -> Path:
+                init_range: float = 0.02, every_byte: bool = False) -> Path:
     """A random tiny Llama (grouped-query attention) with a byte-level BPE tokenizer trained on ASCII text (every
-    token decodes to whole characters, so llama.cpp reports a probability for each). A larger ``init_range`` gives
-    confident next-token distributions, as a trained model's are."""
+    token decodes to whole characters; ``every_byte``: the 256 bytes are tokens too, so other text becomes pieces
+    of characters). A larger ``init_range`` gives confident next-token distributions, as a trained model's are."""
     import pydoc_data.topics
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -43,7 +43,9 @@ def _tiny_llama(dest: Path, tied: bool, model_type: str = "llama", hidden: int =
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     text = [v.encode("ascii", "ignore").decode() for v in list(pydoc_data.topics.topics.values())[:100]]
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"]))
+    tok.train_from_iterator(text, trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if every_byte else []))
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
                                          eos_token="<|endoftext|>").save_pretrained(dest)
     return dest

@@ -8,6 +8,11 @@ among the most likely, it is forced with a large logit bias: that changes what i
 probabilities. Each position is one request on top of the cached prefix (the server has no prompt log-probabilities),
 so scoring costs about one decoded token per position. Sliding-window layers get a full-size cache
 (``swa_full``), without which that reuse goes wrong from the second prompt on.
+
+A token whose text ends inside a UTF-8 character (a byte-level piece of a CJK character or an emoji) comes back
+with no log-probabilities at all: the server holds a partial character back, and its probabilities with it. There
+a token whose text is whole is forced instead and the whole vocabulary's log-probabilities are read (the
+distribution does not depend on the token sampled after it): slower, the same numbers.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class LlamaCpp:
         # scores a second prompt wrongly (Gemma 3, gpt-oss: up to 2.7 nats off at every position)
         p.swa_full = True
         self.n_ctx = n_ctx
+        self._whole_token = None  # a token whose text is whole UTF-8 (found when first needed)
         try:
             self._server = xlc.Server(p)
         except (RuntimeError, ValueError) as e:
@@ -67,17 +73,41 @@ class LlamaCpp:
                                              "ignore_eos": False, "cache_prompt": True, **extra})
         if "choices" not in r:
             raise RuntimeError(f"llama.cpp: {r.get('error', r)}")
-        return r["choices"][0]["logprobs"]["content"][0]
+        logprobs = r["choices"][0]["logprobs"]
+        return None if logprobs is None else logprobs["content"][0]  # (None: a token ending inside a character)
+
+    def _whole(self, ids: Sequence[int]) -> List[dict]:
+        """Every token's log-probability after ``ids``, most likely first, read under a forced token whose text
+        is whole (where the sampled or wanted one ends inside a UTF-8 character)."""
+        if self._whole_token is None:
+            for t in range(1024):  # (byte-level vocabularies begin with the printable ASCII bytes)
+                c = self._one(ids[:1], 1, logit_bias=[[t, FORCE]])
+                if c is not None and int(c["id"]) == t:
+                    self._whole_token = t
+                    break
+            else:
+                raise RuntimeError("llama.cpp: no token among the first 1024 has whole UTF-8 text")
+        c = self._one(ids, 1 << 24, logit_bias=[[self._whole_token, FORCE]])  # (the server takes the vocabulary)
+        return c["top_logprobs"]
 
     def greedy_next(self, ids: Sequence[int]) -> int:
-        return int(self._one(ids)["id"])
+        c = self._one(ids)
+        return int(c["id"]) if c is not None else int(self._whole(ids)[0]["id"])
 
     def top(self, ids: Sequence[int], k: int = 5) -> List[Tuple[int, float]]:
         """The ``k`` most likely next tokens with their log-probabilities, most likely first."""
-        return [(int(t["id"]), float(t["logprob"])) for t in self._one(ids, k)["top_logprobs"]]
+        c = self._one(ids, k)
+        top = c["top_logprobs"] if c is not None else self._whole(ids)[:k]
+        return [(int(t["id"]), float(t["logprob"])) for t in top]
 
     def _forced(self, ids: Sequence[int], i: int, k: int) -> dict:
         c = self._one(ids[:i], k, logit_bias=[[int(ids[i]), FORCE]])
+        if c is None:
+            every = self._whole(ids[:i])
+            want = next((t for t in every if int(t["id"]) == int(ids[i])), None)
+            if want is None:
+                raise RuntimeError(f"llama.cpp could not score token {ids[i]} at position {i}")
+            return {"id": int(ids[i]), "logprob": want["logprob"], "top_logprobs": every[:k]}
         if int(c["id"]) != int(ids[i]):
             raise RuntimeError(f"llama.cpp could not score token {ids[i]} at position {i}")
         return c
