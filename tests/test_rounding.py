@@ -195,17 +195,21 @@ def test_gptq_on_a_singular_hessian_raises_the_dampening_and_says_so():
     assert notes == []
 
 
-def test_gptq_on_a_hessian_that_is_not_finite_rounds_to_nearest_and_says_so():
+@pytest.mark.parametrize("name", ["GPTQ", "AdaRound"])
+def test_rounding_on_a_hessian_that_is_not_finite_rounds_to_nearest_and_says_so(name):
+    """(AdaRound kept round-to-nearest through a NaN loss without a word)"""
+    from qtool.calibration.rounding import adaround_codes
+
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(16, 32, generator=g), torch.randn(64, 32, generator=g)
     scale, offset = _int4_grid(w)
     H = x.T @ x
     H[3, 5] = H[5, 3] = float("inf")  # sums of squares of activations past float32's range
     notes = []
-    codes = gptq_codes(w, H, scale, offset, -8, 7, None, notes=notes)
-    assert torch.equal(codes.float(), quantize(w, scale, offset, qmin=-8, qmax=7))
+    codes = (gptq_codes if name == "GPTQ" else adaround_codes)(w, H, scale, offset, -8, 7, None, notes=notes)
+    assert codes.dtype == torch.int64 and torch.equal(codes.float(), quantize(w, scale, offset, qmin=-8, qmax=7))
     assert notes == ["the layer-input Hessian is not finite (inputs too large for float32 sums): rounded to "
-                     "nearest, not GPTQ"]
+                     f"nearest, not {name}"]
 
 
 def test_calibrate_reports_a_raised_gptq_dampening(tmp_path):

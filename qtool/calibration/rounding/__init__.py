@@ -289,8 +289,7 @@ def _codes(q: QuantizerPlan, modules, quantizers, stats, warnings: List[str]) ->
     args = _algorithm_args(q, quantizer)
     algorithm = adaround_codes if q.rounding == "adaround" else gptq_codes
     notes: List[str] = []
-    if algorithm is gptq_codes:
-        args["notes"] = notes
+    args["notes"] = notes
     try:
         if not groups:
             codes = algorithm(weight, hessian, scale, offset, quantizer.qmin, quantizer.qmax, q.block_size,

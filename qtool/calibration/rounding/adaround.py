@@ -21,7 +21,7 @@ Last, codes are ``floor + (h >= 0.5)``, and each row keeps them or round-to-near
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -40,14 +40,22 @@ def _soft(v: torch.Tensor) -> torch.Tensor:
 def adaround_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                    qmin: int, qmax: int, block_size: Optional[Sequence[int]] = None, *,
                    iterations: int = 1000, reg_weight: float = 3.0, warm_start: float = 0.2,
-                   learning_rate: float = 0.01) -> torch.Tensor:
+                   learning_rate: float = 0.01, notes: Optional[List[str]] = None) -> torch.Tensor:
     """AdaRound codes (int64, the weight's shape) for ``weight`` on the grid ``scale``/``offset`` (see the module
     docstring); ``hessian`` is ``sum(x xᵀ)`` over the calibration inputs (any positive multiple gives the same
     codes up to float rounding). Deterministic for fixed inputs: a full-batch loss, no sampling, float32 on the
-    weight's device."""
+    weight's device. ``notes`` gets a line where the rounding could not be learned (a Hessian that is not
+    finite: round-to-nearest codes)."""
     if iterations < 0 or reg_weight < 0 or not 0 <= warm_start <= 1 or learning_rate <= 0:
         raise ValueError("iterations and reg_weight must be >= 0, warm_start in [0, 1], learning_rate > 0")
     W0, H, S, O = as_problems(weight, hessian, scale, offset, block_size, "AdaRound")
+    if not bool(torch.isfinite(H).all()):  # (a NaN loss would keep round-to-nearest without a word)
+        if notes is not None:
+            notes.append("the layer-input Hessian is not finite (inputs too large for float32 sums): rounded to "
+                         "nearest, not AdaRound")
+        rtn = quantize(W0, S, O, qmin=qmin, qmax=qmax)
+        ties = torch.eye(H.shape[-1], dtype=W0.dtype, device=W0.device).expand(H.shape)  # (finite: RTN stays)
+        return keep_better_rows(weight, ties, rtn, scale, offset, qmin, qmax, block_size)
     base = torch.floor(W0 / S)
     rest = (W0 / S - base).clamp(0, 1)
     v = torch.logit(((rest - _GAMMA) / (_ZETA - _GAMMA)).clamp(1e-4, 1 - 1e-4)).requires_grad_(True)

@@ -223,6 +223,7 @@ def importance(q: QuantizerPlan, stats: Dict[str, InputStatistics], weight_shape
     imp = s.importance(weight_shape)
     if not bool(torch.isfinite(imp).all()):  # (an imported matrix is checked by its reader)
         raise DataError(f"{q.name}: its layer's inputs hold NaN/Inf or values past float32's range on the "
-                        "calibration data (an earlier weight of the checkpoint, or the data, holds NaN/Inf or values "
-                        "near float32's limits); nothing was written")
+                        "calibration data, or values whose squares are (above about 1e19: their mean square, which "
+                        "weights the search, overflows); an earlier weight of the checkpoint or the data holds them; "
+                        "nothing was written")
     return imp
