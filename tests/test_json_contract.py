@@ -121,3 +121,11 @@ def test_a_file_larger_than_what_it_is_compared_with_is_said_to_be_larger(tmp_pa
     assert code == 0, err
     text = " ".join((out + err).split())  # (the console wraps the line)
     assert "float32 68,904 (1.00x smaller); float16 34,452 (2.00x larger)" in text, text
+
+
+def test_a_failing_config_validate_object_carries_its_exit_code(tmp_path):
+    """Every other failure object has exit_code (docs/ci.md); config validate's had only ok and errors."""
+    (tmp_path / "bad.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 40}\n")
+    code, out, _ = run_cli("config", "validate", tmp_path / "bad.yaml", "--json")
+    obj = json.loads(out)
+    assert code == 2 and obj["ok"] is False and obj["exit_code"] == 2 and obj["errors"][0]["recipe"]

@@ -170,6 +170,6 @@ def config_validate(
             for problem in e.problems:
                 err.print(f"error: {problem}", markup=False)
     if json_out:
-        _emit_json({"ok": not failed, "errors": failed})
+        _emit_json({"ok": not failed, **({"exit_code": 2} if failed else {}), "errors": failed})
     if failed:
         raise typer.Exit(2)
