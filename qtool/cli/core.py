@@ -99,7 +99,8 @@ class _Group(typer.core.TyperGroup):
                 e.show() if hasattr(e, "show") else err.print(f"interrupted: {_written()}", markup=False)
                 sys.exit(getattr(e, "exit_code", 130))
             ctx = getattr(e, "ctx", None)
-            where = f" (`{ctx.command_path} --help` lists the options)" if ctx is not None else ""
+            what = "commands" if "No such command" in e.format_message() else "options"
+            where = f" (`{ctx.command_path} --help` lists the {what})" if ctx is not None else ""
             message = f"error: {e.format_message()}{where}"
             err.print(message, markup=False)
             if "--json" in argv:

@@ -58,7 +58,7 @@ _DEVICE = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or auto.", met
                        autocompletion=lambda incomplete: [c for c in ("cpu", "cuda", "auto") if c.startswith(incomplete)])
 
 
-_BATCH = typer.Option(8, "--batch-size", min=1, help="Samples per calibration batch.")
+_BATCH = typer.Option(8, "--batch-size", min=1, help="Samples per batch the model runs.")
 
 
 _NUM = typer.Option(None, "--num-samples", min=1, help="Use a seeded random subset of this many samples.")
@@ -112,8 +112,8 @@ _MATMUL_PRECISION = typer.Option(
 
 _STRICT_DATA = typer.Option(False, "--strict-data", help="Fail (exit 2, nothing written) where the calibration "
                             "data is below the documented minimum for what learns from it (512 tokens or 8 samples "
-                            "for activation ranges and weighted searches, 2048 tokens or 16 samples for GPTQ and "
-                            "AdaRound) or an importance matrix weighs a tensor's inputs all zero; without it: a "
+                            "for activation ranges and weighted searches, 2048 tokens or 16 samples for GPTQ, "
+                            "AdaRound, SignRound and AWQ) or an importance matrix weighs a tensor's inputs all zero; without it: a "
                             "warning.")
 
 
