@@ -402,3 +402,15 @@ def test_a_write_the_disk_refuses_names_the_output(world, tmp_path):
     assert r.returncode == 2, r.stderr
     assert f"error: {out}: File too large (nothing was written)" in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_table_piped_to_a_file_keeps_each_name_on_one_line(world, tmp_path):
+    """Not a terminal, rich drew tables 80 columns wide and split long module names over two lines (grep in a CI
+    log missed them)."""
+    d, ckpt, data = world
+    long = {f"a_module_with_a_rather_long_name_{i}.weight": torch.zeros(4, 4) for i in range(2)}
+    save_file(long, tmp_path / "long.safetensors")
+    r = qtool("inspect", tmp_path / "long.safetensors", env={"COLUMNS": ""})
+    assert r.returncode == 0, r.stderr
+    assert sum("a_module_with_a_rather_long_name_" in line and ".weight" in line
+               for line in r.stdout.splitlines()) == 2, r.stdout

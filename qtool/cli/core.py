@@ -260,10 +260,13 @@ def Table(*args, **kwargs):
 
 
 def _console():
-    """A console for stdout tables and text (no highlighting; NO_COLOR respected)."""
+    """A console for stdout tables and text (no highlighting; NO_COLOR respected). Not a terminal (a pipe, a CI
+    log): as wide as its lines (rich's 80 columns split module names, which grep then misses), unless COLUMNS
+    says otherwise."""
     from rich.console import Console
 
-    return Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
+    wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 1000
+    return Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")), width=wide)
 
 
 def _esc(text: str) -> str:
