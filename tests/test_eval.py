@@ -475,3 +475,22 @@ def test_a_qtool_file_of_a_tied_model_is_run_as_its_one_table_makes_it(tmp_path)
     assert code == 0, err
     res = json.loads(out)
     assert res["export_fault"] is None and res["export_gap"]["kl_mean"] < 1e-6, res
+
+
+def test_progress_counts_each_runtimes_own_steps(model, tmp_path):
+    """A window and a 32-token continuation were one step each: the time left read 14 s where 3 minutes were
+    left. Steps are now forward passes (a continuation: one per token), in llama.cpp scored positions."""
+    from qtool.evaluation import EvalOptions, evaluate_artifact
+    from qtool.hooks import Hooks
+
+    out = _quantize(model, tmp_path, "gguf-q8_0", "gguf")
+    _, _, held = model
+    steps = []
+    opts = EvalOptions(data=str(held), seq_len=48, num_samples=2, generate=5, prompts=2, threads=1)
+    evaluate_artifact(str(out), None, None, opts, Hooks(on_step=lambda *a: steps.append(a)))
+    last = {}
+    for name, done, total, item in steps:
+        last[name] = (done, total, item)
+    assert last["scoring (float)"] == (2 + 2 * 5, 2 + 2 * 5, "continuation 2/2")  # 2 passes, then 2 x 5 tokens
+    assert last["scoring (llama.cpp)"][:2] == (2 * 48 + 2 * 5,) * 2  # a request per position
+    assert ("scoring (float)", 1, 12, "window 1/2") in steps

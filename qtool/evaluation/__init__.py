@@ -331,7 +331,11 @@ def _score(runtime, seqs, prompts, opts: EvalOptions, hooks: Hooks, label: str, 
     mine = _Scores()
     kls: List[List[torch.Tensor]] = [[] for _ in refs]
     same: List[List[torch.Tensor]] = [[] for _ in refs]
-    total = len(seqs) + len(prompts)
+    # progress in the runtime's own steps, so that its time-left estimate holds: a forward pass (a window; each
+    # generated token, which recomputes its sequence), or for llama.cpp one position (a request each)
+    per_position = getattr(runtime, "steps_per_position", False)
+    window = [len(ids) if per_position else 1 for ids in seqs]
+    total, done = sum(window) + len(prompts) * opts.generate, 0
     for i, ids in enumerate(seqs):
         d: Distributions = runtime.distributions(ids, opts.top_k)
         if keep:
@@ -345,10 +349,12 @@ def _score(runtime, seqs, prompts, opts: EvalOptions, hooks: Hooks, label: str, 
                                  f"tokens: an export of another model?")
             kls[j].append(token_kl(ref.logp[i], d))
             same[j].append(ref.argmax[i] == d.argmax)
-        step(f"scoring ({label})", i + 1, total)
+        done += window[i]
+        step(f"scoring ({label})", done, total, f"window {i + 1}/{len(seqs)}")
     for i, p in enumerate(prompts):
         mine.generations.append(runtime.greedy(p, opts.generate, stop))
-        step(f"scoring ({label})", len(seqs) + i + 1, total)
+        done += opts.generate
+        step(f"scoring ({label})", done, total, f"continuation {i + 1}/{len(prompts)}")
     return mine, [agreement(k, s) for k, s in zip(kls, same)]
 
 

@@ -40,6 +40,7 @@ def _xllamacpp():
 class LlamaCpp:
     name = "llama.cpp"
     gap_share, gap_floor = 0.1, 0.01  # it quantizes activations to 8 bits in its quantized dot products
+    steps_per_position = True  # a request per scored position (progress counts them)
 
     def __init__(self, path: str, n_ctx: int = 512, threads: int = 2, verbosity: int = 1):
         xlc = _xllamacpp()
