@@ -70,6 +70,9 @@ def test_a_run_killed_after_any_block_resumes_to_the_same_bytes(llama, tmp_path,
     code, text, err = run_cli(*args[:-1], "--resume", "-o", out)  # (not --quiet: the stage line shows)
     assert code == 0, err
     assert f"resuming after block {after}" in text + err
+    # the blocks read back are one line, not one each as if calibrated again
+    assert [line for line in err.splitlines() if line.startswith("calibrating: block")] == [
+        f"calibrating: block {k}/{BLOCKS}" for k in range(after, BLOCKS + 1)], err
     assert _files(out) == _files(d / "whole")  # manifest.json included
     assert not out.with_name("run.resume").exists()  # the state goes once the output is written
 

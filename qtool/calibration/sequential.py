@@ -326,8 +326,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
                 plan.awq.chosen.extend(saved.awq)
             plan.learned.extend(saved.learned)
         done += 1
-        if on_block:
-            on_block(done, len(blocks))
+    if resumed and on_block:  # one line for them all (one per block read as if each were calibrated again)
+        on_block(done, len(blocks))
     if resumed and (resumed < len(blocks) or tail or rotate_head):
         hidden = state.hidden()
         if len(hidden) != len(captured):
