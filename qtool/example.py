@@ -63,6 +63,9 @@ def main(argv=None) -> float:
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--heldout-samples", type=int, default=128)
     args = ap.parse_args(argv)
+    # the last step loads both models here, in this process: quiet as the qtool command is (no bars in a log)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     import torch
 
