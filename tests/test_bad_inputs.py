@@ -196,10 +196,11 @@ def _edit_header(d: Path, ckpt: Path, change) -> Path:
 
 
 def _hf_dir(d: Path, config, index=None) -> Path:
-    """A Hugging Face-style directory (a tiny MLP's weights) with the given config.json text and index."""
+    """A Hugging Face-style directory (a tiny MLP's weights) with the given config.json text and index (then the
+    weights are a shard of it: a model.safetensors beside an index is what transformers, and qtool, read)."""
     hf = d / "hf"
     hf.mkdir()
-    _save(hf, "model.safetensors", mlp().state_dict())
+    _save(hf, "model.safetensors" if index is None else "model-00001-of-00002.safetensors", mlp().state_dict())
     (hf / "config.json").write_text(config if config is not None else '{"model_type": "llama"}')
     if index is not None:
         (hf / "model.safetensors.index.json").write_text(index)
