@@ -167,29 +167,30 @@ def test_another_safetensors_file_beside_the_model_is_not_read_as_its_weights(tm
     assert (w - real["model.layers.0.mlp.down_proj.weight"]).abs().max() < 0.02
 
 
-def test_an_index_decides_a_name_two_shards_hold_and_model_safetensors_comes_before_an_index(tmp_path):
-    """As transformers reads a directory: model.safetensors first (an index beside it is of an older save), and an
-    index's weight_map says which shard holds each name."""
+def test_model_safetensors_comes_before_an_index_and_a_name_in_two_shards_is_refused(tmp_path):
+    """As transformers reads a directory: model.safetensors first (an index beside it is of an older save); a name
+    two shards hold is refused even where an index names one (transformers takes the later shard's copy)."""
     from safetensors.torch import load_file
 
+    from qtool.errors import CheckpointError
     from qtool.io.checkpoint import CheckpointTensors
     from tests.helpers import tiny_llama
 
     ckpt = tiny_llama(tmp_path / "m")
     real = load_file(ckpt / "model.safetensors")
     names = sorted(real)
-    stale = {k: torch.zeros_like(v) for k, v in real.items()}
-    save_file(stale, ckpt / "old-00001-of-00001.safetensors")
+    save_file({k: torch.zeros_like(v) for k, v in real.items()}, ckpt / "old-00001-of-00001.safetensors")
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {k: "old-00001-of-00001.safetensors" for k in names}}))
     assert torch.equal(CheckpointTensors(ckpt).get(names[0]), real[names[0]])  # model.safetensors'
     (ckpt / "model.safetensors").unlink()
+    (ckpt / "old-00001-of-00001.safetensors").unlink()
     save_file({k: real[k] for k in names[:3]}, ckpt / "a.safetensors")
-    save_file({k: real[k] for k in names[2:]}, ckpt / "b.safetensors")
+    save_file({k: real[k] + 7 if k == names[2] else real[k] for k in names[2:]}, ckpt / "b.safetensors")
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {k: "a.safetensors" if i < 2 else "b.safetensors" for i, k in enumerate(names)}}))
-    tensors = CheckpointTensors(ckpt)
-    assert all(torch.equal(tensors.get(k), real[k]) for k in names)
+        {"weight_map": {k: "a.safetensors" if i < 3 else "b.safetensors" for i, k in enumerate(names)}}))
+    with pytest.raises(CheckpointError, match=f"holds tensor {names[2]!r}, which a.safetensors holds too"):
+        CheckpointTensors(ckpt)
 
 
 def test_a_config_without_architectures_whose_weights_hold_a_head_is_refused(tmp_path):
@@ -235,7 +236,7 @@ def test_a_tensor_in_two_files_of_a_directory_without_an_index_is_refused(tmp_pa
     assert code == 2
     assert [line for line in err.splitlines() if "error" in line] == [
         f"error: {ckpt / 'b.safetensors'}: holds tensor {names[2]!r}, which a.safetensors holds too: which is the "
-        "model's? (move the other file out of the checkpoint directory)"], err
+        "model's? (keep one copy: readers differ in which they take)"], err
     assert not (tmp_path / "q").exists()
 
 

@@ -95,26 +95,18 @@ def load_pickle(path: Path):
 
 def safetensors_index(files: List[Path]) -> Dict[str, Tuple[Tuple[int, ...], Path]]:
     """Each tensor's shape and file, from the safetensors headers (each checked first: a damaged header is one
-    line). A name in two files is refused (which one a reader took would depend on its order), unless an index
-    names the shard that holds it."""
+    line). A name in two files is refused: which copy a reader takes depends on the reader (transformers takes the
+    later shard's whatever an index says), so calibration and export could read different ones."""
     from safetensors import safe_open
 
-    index = files[0].parent / "model.safetensors.index.json" if files else None
-    owner: Dict[str, str] = {}  # an index's weight_map decides which shard holds a name two of them hold
-    if index is not None and index.is_file() and not (index.parent / "model.safetensors").is_file():
-        owner = read_json_object(index, CheckpointError, "safetensors index", strict=True).get("weight_map") or {}
     out: Dict[str, Tuple[Tuple[int, ...], Path]] = {}
     for f in files:
         check_safetensors(f)
         with safe_open(str(f), "pt") as fh:
             for k in fh.keys():
-                if k in out and k in owner:
-                    if owner[k] == f.name:
-                        out[k] = (tuple(fh.get_slice(k).get_shape()), f)
-                    continue
                 if k in out:
                     raise CheckpointError(f"{f}: holds tensor {k!r}, which {out[k][1].name} holds too: which is the "
-                                          "model's? (move the other file out of the checkpoint directory)")
+                                          "model's? (keep one copy: readers differ in which they take)")
                 out[k] = (tuple(fh.get_slice(k).get_shape()), f)
     return out
 
