@@ -145,20 +145,6 @@ def test_a_rule_whose_types_have_no_weight_is_an_error_or_a_warning():
         assert not [w for w in plan_of(f"version: 1\nlayers:\n  - type: GELU\n{rule}").warnings if "no weight" in w]
 
 
-def test_a_tied_parameter_quantized_two_ways_is_said_at_plan_time():
-    """lm_head int4 beside its tied table int8: config show listed both rows and said nothing; the qtool format then
-    refused it after calibration and compressed-tensors wrote both float."""
-    model = Tiny()
-    model.lm_head.weight = model.embed.weight
-    text = ("version: 1\ndefaults:\n  activations: null\nlayers:\n  - match: lm_head\n    weights: {bitwidth: 4, "
-            "granularity: per_block, block_size: 32}\n")
-    [said] = [w for w in plan_of(text, model).warnings if "(tied)" in w]
-    assert said.startswith("lm_head.weight is the tensor embed.weight (tied), which the plan quantizes as ") and \
-        "give both names one setting" in said, said
-    same = "version: 1\ndefaults:\n  activations: null\n"
-    assert not [w for w in plan_of(same, model).warnings if "(tied)" in w]
-
-
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
 def test_a_weight_with_no_values_is_named_with_its_own_shape():
     """nn.Linear(4, 0) read "shape [0, 1] has a dimension below 1" (the encoding's shape, not the weight's)."""

@@ -358,22 +358,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             plan.warnings.append(f"{source}: fold_batch_norms: no BatchNorm follows a convolution in this model")
     if plan.rotation is None or not plan.rotation.untie:
         plan.tied = _tied_weights(model, plan.weights)
-        plan.warnings += _tied_apart(plan)
     return plan
-
-
-def _tied_apart(plan: Plan) -> List[str]:
-    """A tied parameter whose two names the plan quantizes differently (lm_head int4, the embedding table int8):
-    one tensor, two settings, which no file that stores it once can hold."""
-    rows = {q.name: q for q in plan.weights}
-    out = []
-    for name, first in plan.tied.items():
-        a, b = rows.get(first), rows[name]
-        if a is not None and a.spec != b.spec:
-            out.append(f"{b.name} is the tensor {first} (tied), which the plan quantizes as {a.spec.describe()} "
-                       f"there and as {b.spec.describe()} here: a file stores the tensor once (qtool and aimet "
-                       f"refuse it, compressed-tensors writes it float); give both names one setting")
-    return out
 
 
 def tied_parameters(model: "nn.Module") -> Dict[str, str]:
