@@ -208,6 +208,11 @@ def test_a_config_without_architectures_whose_weights_hold_a_head_is_refused(tmp
         f"error: {ckpt / 'config.json'}: names no architectures, so transformers builds a LlamaModel, which has no "
         "place for the checkpoint's lm_head.weight: add \"architectures\": [\"LlamaForCausalLM\"]"], err
     assert not (tmp_path / "q").exists()
+    cfg["architectures"] = ["LlamaForCausalLm"]  # (a class this transformers does not have: the bare model too)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli("quantize", ckpt, "-c", "w8a16", "-o", tmp_path / "q")
+    assert code == 2 and "names architectures[0] LlamaForCausalLm, which this transformers does not have, so " \
+        "transformers builds a LlamaModel, which has no place for the checkpoint's lm_head.weight" in err, err
 
 
 def test_an_encoder_without_architectures_whose_checkpoint_holds_a_buffer_still_loads(tmp_path, minilm):

@@ -263,12 +263,12 @@ def _checked_skeleton(path, trust_remote_code: bool) -> nn.Module:
         raise CheckpointError(
             f"{path}: transformers cannot build this model's modules ({str(e).splitlines()[0]})") from None
     _check_fit_if_weights(path, model)
-    if not archs:
-        _check_no_head_left_out(path, config, model)
+    if cls is None:  # (no architectures, or one the installed transformers lacks: the bare AutoModel)
+        _check_no_head_left_out(path, config, model, archs[0] if archs else None)
     return model
 
 
-def _check_no_head_left_out(path, config, model: nn.Module) -> None:
+def _check_no_head_left_out(path, config, model: nn.Module, arch=None) -> None:
     """A config.json naming no ``architectures`` builds transformers' bare ``AutoModel`` (LlamaModel), which drops a
     head the weights hold (``lm_head.weight``) without a word: the plan, the text windows and the export then
     follow an encoder's rules. Refused, naming the class to add."""
@@ -285,7 +285,9 @@ def _check_no_head_left_out(path, config, model: nn.Module) -> None:
         causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
         guess = f'"architectures": ["{causal}"]' if causal and left[0].startswith("lm_head.") else \
             '"architectures" with the class the weights are for'
-        raise CheckpointError(f"{Path(path) / 'config.json'}: names no architectures, so transformers builds a "
+        why = "names no architectures," if arch is None else \
+            f"names architectures[0] {str(arch)[:60]}, which this transformers does not have,"
+        raise CheckpointError(f"{Path(path) / 'config.json'}: {why} so transformers builds a "
                               f"{type(model).__name__}, which has no place for the checkpoint's {left[0]}"
                               f"{f' (and {len(left) - 1} more)' if len(left) > 1 else ''}: add {guess}")
 
