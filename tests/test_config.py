@@ -145,6 +145,22 @@ def test_a_rule_whose_types_have_no_weight_is_an_error_or_a_warning():
         assert not [w for w in plan_of(f"version: 1\nlayers:\n  - type: GELU\n{rule}").warnings if "no weight" in w]
 
 
+def test_a_type_rule_that_reaches_only_a_media_tower_is_not_said_to_reach_weightless_modules():
+    """(the weightless-rule check, on review: a tower's Conv2d has a weight, which the rule does not reach)"""
+    class Vlm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vision_tower = nn.Sequential(nn.Conv2d(3, 8, 3))
+            self.embed = nn.Embedding(100, 64)
+            self.lm_head = nn.Linear(64, 100)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    plan = plan_of("version: 1\nlayers:\n  - type: Conv2d\n    weights: {bitwidth: 4}\n", Vlm())
+    assert "vision_tower.0.weight" not in rows(plan) and any("media encoders stay float" in w for w in plan.warnings)
+
+
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
 def test_a_weight_with_no_values_is_named_with_its_own_shape():
     """nn.Linear(4, 0) read "shape [0, 1] has a dimension below 1" (the encoding's shape, not the weight's)."""

@@ -271,7 +271,8 @@ def test_the_cosine_of_a_language_models_logits_is_exact_to_1e_6():
 
 @pytest.mark.parametrize("value,needle", [("0 k.yaml", "--suggest 0: N is how many of the most damaging layers"),
                                           ("-1 k.yaml", "--suggest -1: N is how many"),
-                                          ("k.yaml", "--suggest takes 'N OUT.yaml'")])
+                                          ("k.yaml", "--suggest takes 'N OUT.yaml'"),
+                                          ("--3 k.yaml", "--suggest takes 'N OUT.yaml'")])
 def test_a_suggest_count_below_one_says_what_n_is(value, needle):
     from qtool.cli.measure import _suggest_flag
     from qtool.errors import UsageError

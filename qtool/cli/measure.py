@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import List, Optional
 
 import typer
@@ -46,7 +47,7 @@ def _suggest_flag(suggest: Optional[List[str]], sensitivity: bool):
     if not suggest:
         return None
     n_text, out_yaml = suggest[0].split(None, 1) if " " in suggest[0] else (suggest[0], None)
-    if out_yaml is None or not n_text.lstrip("-").isdigit():
+    if out_yaml is None or not re.fullmatch(r"-?\d+", n_text):
         raise UsageError("--suggest takes 'N OUT.yaml' (quote it as one argument: --suggest '3 keep.yaml')")
     if int(n_text) < 1:
         raise UsageError(f"--suggest {n_text}: N is how many of the most damaging layers to keep in higher precision: "

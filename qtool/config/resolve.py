@@ -223,8 +223,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             if rule.match is not None and not name_matches(rule.match, name):
                 continue
             if (tower or router) and rule.match is None:
-                used[i] = True  # (it may match nothing else: the plan's warning says why the tower is skipped)
-                continue  # a type rule alone does not reach into a media tower or a router
+                used[i] = weighted[i] = True  # (it may match nothing else: the plan's warning says why the tower
+                continue  # is skipped; a type rule alone does not reach into a media tower or a router)
             if router and not rule.types():
                 if not _names_leaf(rule.match, name):
                     continue  # a pattern reaches a router only where it names it: not "*" or "re:.*mlp.*"
@@ -299,7 +299,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             rule = recipe.layers[i]
             sel = " ".join(filter(None, [f"match {rule.match!r}" if rule.match else "",
                                          f"type {rule.type!r}" if rule.type else ""]))
-            msg = f"{source}: layers[{i}]: {sel} matches no module of the model" + _nearest_modules(rule, named)
+            msg = f"{source}: layers[{i}]: {sel} matches no module of the model" + _nearest_modules(
+                rule, named, exported_types)
             if not allow_unmatched:
                 raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
             plan.warnings.append(msg)
@@ -379,8 +380,9 @@ def _tied_weights(model: "nn.Module", weights) -> Dict[str, str]:
     return {q.name: later[f"{q.module}.weight"] for q in weights if f"{q.module}.weight" in later}
 
 
-def _nearest_modules(rule: LayerRule, named) -> str:
-    """A hint for a rule that matched nothing: the module names (or types) closest to what it asked for."""
+def _nearest_modules(rule: LayerRule, named, exported_types=None) -> str:
+    """A hint for a rule that matched nothing: the module names (or types) closest to what it asked for
+    (``exported_types``: a torch.export module's types, by name)."""
     import difflib
 
     if rule.match is not None:
@@ -388,7 +390,8 @@ def _nearest_modules(rule: LayerRule, named) -> str:
 
         hit = next(((n, m) for n, m in named if name_matches(rule.match, n)), None)
         if hit is not None and rule.types():  # the names match: the types do not
-            kinds = sorted({type(m).__name__ for n, m in named if name_matches(rule.match, n)})
+            kinds = sorted({(exported_types or {}).get(n, type(m).__name__) for n, m in named
+                            if name_matches(rule.match, n)})
             return (f" (the modules match '{rule.match}' names are {', '.join(kinds[:4])}"
                     f"{' ...' if len(kinds) > 4 else ''}, none of type {' or '.join(rule.types())})")
         if hit is not None:
