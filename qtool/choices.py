@@ -57,7 +57,11 @@ _DEVICE = re.compile(r"(cpu|cuda|auto|cuda:\d{1,3})")
 
 def check_choice(flag: str, value: str, choices: Sequence[str]) -> str:
     if value not in choices:
-        raise UsageError(f"{flag} must be one of {', '.join(choices)} (got {str(value)[:40]!r})")
+        import difflib
+
+        near = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        raise UsageError(f"{flag} must be one of {', '.join(choices)} (got {str(value)[:40]!r}{hint})")
     return value
 
 

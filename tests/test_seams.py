@@ -137,6 +137,7 @@ def test_registry_is_what_the_cli_offers():
     (["calibrate", "nope", "-c", "configs/w8a8.yaml", "-o", "OUT", "--device", "tpu"], "--device must be"),
     (["quantize", "nope", "-c", "missing.yaml", "-o", "OUT"], "missing.yaml: recipe file not found"),
     (["export", "nope", "-e", "e.json", "-o", "OUT", "-f", "gguff"], "--format must be one of"),
+    (["export", "nope", "-e", "e.json", "-o", "OUT", "-f", "ggfu"], "(got 'ggfu'; did you mean gguf?)"),
 ])
 def test_bad_choices_fail_before_torch_is_imported(args, message, tmp_path):
     """The check runs before any model, data or even torch is loaded (so it takes a fraction of a second)."""
