@@ -357,6 +357,8 @@ def test_config_list_describes_every_shipped_recipe():
     assert code == 0, err
     rows = {r["name"]: r for r in json.loads(out)["recipes"]}
     assert set(rows) == set(shipped_recipes())
+    names = list(rows)  # a recipe before its variants (fp8 came after fp8-block: ".yaml" sorts after "-")
+    assert names == sorted(names) and names.index("w8a8") < names.index("w8a8-dynamic")
     assert all(r["description"] and r["title"] for r in rows.values())  # every shipped recipe says what it is
     assert rows["w8a8"]["needs_data"] and not rows["w8a8-dynamic"]["needs_data"]
     assert rows["w4a16-block32-gptq"]["needs_data"] and not rows["w4a16-block32"]["needs_data"]

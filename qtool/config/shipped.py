@@ -16,7 +16,7 @@ RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # the shipped rec
 
 def shipped_recipes() -> Dict[str, Path]:
     """``{name: path}`` of the recipes that ship with qtool (``w8a8``, ``w4a16-block32``, ...)."""
-    return {p.stem: p for p in sorted(RECIPES_DIR.glob("*.yaml"))}
+    return {p.stem: p for p in sorted(RECIPES_DIR.glob("*.yaml"), key=lambda p: p.stem)}  # (fp8 before fp8-block)
 
 
 def recipe_file(arg: Union[str, Path]) -> Path:
