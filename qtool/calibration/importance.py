@@ -26,6 +26,7 @@ from ..choices import drop_activations, weighs_activations, with_activations
 from ..config import Plan, QuantizerPlan
 from ..errors import CheckpointError, DataError, EncodingsError, UsageError
 from ..imatrix import read_imatrix
+from ..model.hf import natural_key
 
 __all__ = ["apply_imatrix"]
 
@@ -111,9 +112,9 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
         raise UsageError(f"--imatrix {path}: no weight the recipe searches (analyzer mse) on a matrix the file "
                          f"names{' with importances that are not all zero' if zero else ''}; nothing would use it")
     if missing:
-        missing = sorted(set(missing), key=_natural)
-        lacks = (f"{path} has no entry for {len(missing)} decoder matri{'x' if len(missing) == 1 else 'ces'} the recipe "
-                 f"searches ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}): searched without "
+        missing = sorted(set(missing), key=natural_key)
+        lacks = (f"{path} has no entry for {len(missing)} decoder matri{'x' if len(missing) == 1 else 'ces'} the "
+                 f"recipe searches ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}): searched without "
                  "importances (an importance matrix of a model with fewer layers?)")
         if strict:
             raise DataError(f"{lacks} (--strict-data)")
@@ -123,10 +124,6 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
                         f"--data was given: searched without importances (activations_magnitude keeps its "
                         "magnitude part)")
     return dataclasses.replace(plan, quantizers=rows, warnings=warnings, importances=used)
-
-
-def _natural(name: str):
-    return [int(p) if p.isdigit() else p for p in name.split(".")]
 
 
 def _width(model: nn.Module, module: str) -> int:

@@ -10,7 +10,7 @@ import contextlib
 import math
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -108,11 +108,6 @@ _INDEX = re.compile(r"\.\d+(?=\.|$)")
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 
 
-def _headers(files: List[Path]) -> Dict[str, Tuple[Tuple[int, ...], Path]]:
-    """Each tensor's shape and file, from the safetensors headers (checked first: a damaged header is one line)."""
-    return safetensors_index(files)
-
-
 def _check_layer_count(path, raw: Dict[str, Any]) -> None:
     """A ``num_hidden_layers`` beyond the layers the weights hold is refused before a model is built: a count of
     a billion would otherwise build a billion modules (memory runs out long before any check of the weights)."""
@@ -124,7 +119,7 @@ def _check_layer_count(path, raw: Dict[str, Any]) -> None:
     if not counts or not files or not all(f.exists() for f in files):
         return  # nothing to compare (a missing shard is reported where the weights are read)
     held = -1
-    for k in _headers(files):
+    for k in safetensors_index(files):
         m = _LAYER_INDEX.search(k)
         if m:
             held = max(held, int(m.group(1)))
@@ -133,13 +128,14 @@ def _check_layer_count(path, raw: Dict[str, Any]) -> None:
                               f"{max(counts)}, but the checkpoint holds {held + 1} layers")
 
 
-def check_weights_fit(path, model: nn.Module, files: List[Path]) -> None:
+def check_weights_fit(path, model: nn.Module, files: List[Path],
+                      headers: Optional[Dict[str, Tuple[Tuple[int, ...], Path]]] = None) -> None:
     """The checkpoint's own tensors are the truth ``config.json`` is checked against: raise ``CheckpointError``
     (one line) where the model the config describes gives a checkpoint tensor another shape, has no place for
     one (a layer or expert beyond its counts), needs one the checkpoint lacks (transformers would start it from
     random values), or ties two tensors the checkpoint holds as different ones. Headers, and one row of each tied
     tensor, are read. Names the model's loader renames (fused experts, legacy names) are left to it."""
-    headers = _headers(files)
+    headers = safetensors_index(files) if headers is None else headers  # (given: ``files``' own, already read)
     ckpt = {k: shape for k, (shape, _) in headers.items()}
     model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -153,7 +149,7 @@ def check_weights_fit(path, model: nn.Module, files: List[Path]) -> None:
 
     where = f"{Path(path) / 'config.json'} disagrees with the weights"
     placed = set()
-    for k in sorted(ckpt, key=_natural):
+    for k in sorted(ckpt, key=natural_key):
         shape, name = ckpt[k], in_model(k)
         if name is not None:
             placed.add(name)
@@ -163,12 +159,12 @@ def check_weights_fit(path, model: nn.Module, files: List[Path]) -> None:
     model_kinds = {_INDEX.sub(".*", k) for k in model_shapes}
     ckpt_kinds = {_INDEX.sub(".*", k) for k in ckpt} | {_INDEX.sub(".*", in_model(k) or k) for k in ckpt}
     lists = {name: len(m) for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))}
-    for k in sorted(ckpt, key=_natural):
+    for k in sorted(ckpt, key=natural_key):
         if in_model(k) is None and (_INDEX.sub(".*", k) in model_kinds or _beyond_a_list(k, lists, prefix)):
             raise CheckpointError(f"{where}: the checkpoint holds {k}, which the model it describes has no place for "
                                   "(a count such as num_hidden_layers is smaller than the weights')")
     _check_ties(where, model, headers, in_model)
-    for k in sorted(model_shapes, key=_natural):
+    for k in sorted(model_shapes, key=natural_key):
         if k not in placed and _INDEX.sub(".*", k) != k and _INDEX.sub(".*", k) in ckpt_kinds:
             raise CheckpointError(f"{where}: the model it describes needs {k}, which the checkpoint does not hold "
                                   "(a count such as num_hidden_layers is larger than the weights')")
@@ -237,7 +233,8 @@ def _beyond_a_list(key: str, lists: Dict[str, int], prefix: str) -> bool:
     return False
 
 
-def _natural(name: str):
+def natural_key(name: str):
+    """A dotted name's sort key with its numbers as numbers (layers.2 before layers.10)."""
     return [int(p) if p.isdigit() else p for p in name.split(".")]
 
 
@@ -262,22 +259,19 @@ def _checked_skeleton(path, trust_remote_code: bool) -> nn.Module:
     except Exception as e:  # transformers raises many types for configs it cannot build
         raise CheckpointError(
             f"{path}: transformers cannot build this model's modules ({str(e).splitlines()[0]})") from None
-    _check_fit_if_weights(path, model)
-    if cls is None:  # (no architectures, or one the installed transformers lacks: the bare AutoModel)
-        _check_no_head_left_out(path, config, model, archs[0] if archs else None)
+    headers = _check_fit_if_weights(path, model)
+    if cls is None and headers is not None:  # (no architectures, or one this transformers lacks: the bare model)
+        _check_no_head_left_out(path, config, model, headers, archs[0] if archs else None)
     return model
 
 
-def _check_no_head_left_out(path, config, model: nn.Module, arch=None) -> None:
+def _check_no_head_left_out(path, config, model: nn.Module, headers, arch=None) -> None:
     """A config.json naming no ``architectures`` builds transformers' bare ``AutoModel`` (LlamaModel), which drops a
     head the weights hold (``lm_head.weight``) without a word: the plan, the text windows and the export then
-    follow an encoder's rules. Refused, naming the class to add."""
-    files = tensor_files(Path(path))
-    if not files or not all(f.exists() for f in files):
-        return
+    follow an encoder's rules. Refused, naming the class to add (``headers``: the checkpoint's, as read)."""
     names, prefix = set(model.state_dict()), getattr(model, "base_model_prefix", "") or ""
     # a head: a weight outside the backbone (not a buffer a checkpoint may carry, such as position_ids)
-    left = [k for k in safetensors_index(files) if k.endswith((".weight", ".bias")) and k not in names
+    left = [k for k in headers if k.endswith((".weight", ".bias")) and k not in names
             and f"{prefix}.{k}" not in names and not (prefix and k.startswith(prefix + "."))]
     if left:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -297,13 +291,18 @@ def _linearize(path, model: nn.Module) -> None:
     checkpoint names the experts' tensors (headers only are read)."""
     files = [f for f in tensor_files(Path(path)) if f.exists()]
     if files:
-        linearize_experts(model, _headers(files))
+        linearize_experts(model, safetensors_index(files))
 
 
-def _check_fit_if_weights(path, model: nn.Module) -> None:
+def _check_fit_if_weights(path, model: nn.Module) -> Optional[Dict[str, Tuple[Tuple[int, ...], Path]]]:
+    """:func:`check_weights_fit` where the weights are all there (a missing shard is reported where they are
+    read); returns the headers it read (None where it read none)."""
     files = tensor_files(Path(path))
-    if files and all(f.exists() for f in files):  # a missing shard is reported where the weights are read
-        check_weights_fit(path, model, files)
+    if not files or not all(f.exists() for f in files):
+        return None
+    headers = safetensors_index(files)
+    check_weights_fit(path, model, files, headers)
+    return headers
 
 
 @contextlib.contextmanager
