@@ -294,26 +294,22 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     for (was, now), n in sorted(fallbacks.items()):
         plan.warnings.append(f"{n} weight(s) of {was}: rows not a whole number of 256-element super-blocks, so "
                              f"{now} as llama-quantize falls back")
-    for i, ok in enumerate(used):
-        if not ok and not recipe.layers[i].optional:
-            rule = recipe.layers[i]
-            sel = " ".join(filter(None, [f"match {rule.match!r}" if rule.match else "",
-                                         f"type {rule.type!r}" if rule.type else ""]))
-            msg = f"{source}: layers[{i}]: {sel} matches no module of the model" + _nearest_modules(
-                rule, named, exported_types)
-            if not allow_unmatched:
-                raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
-            plan.warnings.append(msg)
-        rule = recipe.layers[i]
-        if ok and not weighted[i] and rule.weights is not None and "weights" in rule.model_fields_set \
-                and rule.activations is None and not rule.optional:  # (LlamaRotaryEmbedding: nothing to quantize)
-            sel = " ".join(filter(None, [f"match {rule.match!r}" if rule.match else "",
-                                         f"type {rule.type!r}" if rule.type else ""]))
-            msg = (f"{source}: layers[{i}]: {sel} matches only modules with no weight, so its weights quantize "
-                   "nothing")
-            if not allow_unmatched:
-                raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
-            plan.warnings.append(msg)
+    for i, (rule, ok) in enumerate(zip(recipe.layers, used)):
+        if rule.optional:
+            continue
+        if not ok:
+            reached = "matches no module of the model" + _nearest_modules(rule, named, exported_types)
+        elif not weighted[i] and rule.weights is not None and "weights" in rule.model_fields_set \
+                and rule.activations is None:  # (LlamaRotaryEmbedding: nothing to quantize)
+            reached = "matches only modules with no weight, so its weights quantize nothing"
+        else:
+            continue
+        sel = " ".join(filter(None, [f"match {rule.match!r}" if rule.match else "",
+                                     f"type {rule.type!r}" if rule.type else ""]))
+        msg = f"{source}: layers[{i}]: {sel} {reached}"
+        if not allow_unmatched:
+            raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
+        plan.warnings.append(msg)
     if recipe.kv_cache is not None:
         plan.quantizers += _kv_cache_rows(recipe, named, source)
         kv = {q.module for q in plan.quantizers if q.tensor in ("k_cache", "v_cache")}
