@@ -284,8 +284,8 @@ def _inspect(p: Path) -> Dict[str, Any]:
             return _inspect(p / "encodings.json")
         if (p / "model.encodings").exists():  # an ONNX or AIMET export: its encodings are what it quantized
             return _inspect(p / "model.encodings")
-        raise UsageError(f"{p}: no model.safetensors, model.gguf, encodings.json, model.encodings or compressed-tensors "
-                         "config.json here")
+        raise UsageError(f"{p}: no model.safetensors, model.gguf, encodings.json, model.encodings or "
+                         "compressed-tensors config.json here")
     if p.suffix == ".gguf":
         return _gguf_file(p)
     if p.suffix == ".safetensors":

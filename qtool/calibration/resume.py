@@ -290,7 +290,7 @@ class ResumeState:
                 written[path.name] = sha256_file(path)
             every = gather(written)  # every rank's files are complete before the state names them
             if self.group.is_root:
-                before = {n for r in range(self.group.world_size) for n in [self._hidden_path(i - 1, r).name]}
+                before = {self._hidden_path(i - 1, r).name for r in range(self.group.world_size)}
                 self.files = {n: h for n, h in self.files.items() if n not in before}
                 for w in every:
                     self.files.update(w)

@@ -113,8 +113,8 @@ _MATMUL_PRECISION = typer.Option(
 _STRICT_DATA = typer.Option(False, "--strict-data", help="Fail (exit 2, nothing written) where the calibration "
                             "data is below the documented minimum for what learns from it (512 tokens or 8 samples "
                             "for activation ranges and weighted searches, 2048 tokens or 16 samples for GPTQ, "
-                            "AdaRound, SignRound and AWQ) or an importance matrix weighs a tensor's inputs all zero; without it: a "
-                            "warning.")
+                            "AdaRound, SignRound and AWQ) or an importance matrix weighs a tensor's inputs all "
+                            "zero; without it: a warning.")
 
 
 _IMATRIX = typer.Option(None, "--imatrix", help="An importance matrix (llama-imatrix's GGUF or imatrix.dat, or "

@@ -127,8 +127,8 @@ def _with_export_weights(model: torch.nn.Module, directory: Path) -> torch.nn.Mo
         if attr == "weight" and module in quantized:
             set_stored_weight(quantized[module], value.to(params[key].dtype).to(params[key].device)
                               if key in params else value)
-            if key in params and id(params[key]) in tied:  # the file holds one table for both: a
-                with torch.no_grad():                                   # runtime ties the dequantized one
+            if key in params and id(params[key]) in tied:  # one table in the file for both: a runtime ties it
+                with torch.no_grad():
                     params[key].copy_(value.to(params[key].dtype))
         elif key in params:
             if tuple(params[key].shape) != tuple(value.shape):
