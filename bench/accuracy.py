@@ -294,7 +294,22 @@ def _perplexity(model, batches):
     return math.exp(nll / n), n
 
 
-def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256, recipes=None, only=None, untied=False):
+def _head_on_quantized_table(model) -> bool:
+    """Make a tied output layer compute with the table its embedding quantizes, as a qtool file stores the one
+    table (the fake-quant model runs it on the float table, as a GGUF file does); False where nothing is tied so."""
+    from qtool.model.insert import fake_quant_weight
+    from qtool.report import tied_notes
+
+    if not any("qtool file" in n for n in tied_notes(model)):
+        return False
+    table = model.get_input_embeddings()
+    with torch.no_grad():  # the embedding's fake-quant of a table already on its grid is the same table
+        table.weight.copy_(fake_quant_weight(table))
+    return True
+
+
+def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256, recipes=None, only=None, untied=False,
+            qtool_head=False):
     import qtool
     from qtool.data import load_data
     from qtool.example import text_split
@@ -328,6 +343,12 @@ def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256, recipes=None, only=
                      "eval_vs_float": ev / float_eval})
         print(f"smollm2 {label:<34} perplexity {ppl:.3f} ({inc:+.2f}%)  calibrate {secs:.1f}s  "
               f"fake-quant eval {ev / float_eval:.2f}x float", flush=True)
+        if qtool_head and _head_on_quantized_table(q):
+            ppl_file, _ = _perplexity(q, batches)
+            rows[-1]["perplexity_qtool_file"] = ppl_file
+            rows[-1]["increase_pct_qtool_file"] = 100 * (ppl_file / ppl_float - 1)
+            print(f"smollm2 {'':<34} lm_head on the quantized table (a qtool file): perplexity {ppl_file:.3f} "
+                  f"({rows[-1]['increase_pct_qtool_file']:+.2f}%)", flush=True)
         del q
     return {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 weights, dequantized to fp32 = the float reference)"
                      + (", output layer untied from the embedding table" if untied else ""),
@@ -386,6 +407,9 @@ def main(argv=None):
     ap.add_argument("--rotation", action="store_true",
                     help="rows with and without Hadamard rotations instead (SmolLM2 untied: r1 r2, r1 r2 r4; "
                          "MiniLM: r4)")
+    ap.add_argument("--qtool-head", action="store_true",
+                    help="SmolLM2 (tied): each row also with lm_head on the quantized embedding table, as a qtool "
+                         "file stores it (the main figure runs it on the float table, as a GGUF file stores it)")
     ap.add_argument("--only", default=None, help="comma-separated substrings: run only recipes whose label has one")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -399,7 +423,8 @@ def main(argv=None):
         if "smollm2" in args.models:
             recipes = (SMOLLM_ROT if args.rotation else SMOLLM_FLOAT if args.float else SMOLLM_EXTRA if args.extra
                        else None)
-            results["smollm2"] = smollm2(tmp, recipes=recipes, only=only, untied=args.rotation)
+            results["smollm2"] = smollm2(tmp, recipes=recipes, only=only, untied=args.rotation,
+                                         qtool_head=args.qtool_head)
         if "efficientnet" in args.models:
             results["efficientnet"] = efficientnet(tmp, only=only)
     out = Path(args.out)

@@ -27,11 +27,12 @@ from .data import Batch, rejection
 from .errors import DataError, GateFailed, UsageError
 from .io.fs import atomic_file
 from .model.experts import routing_of
-from .model.insert import CACHE_KWARGS, has_stored_weight, quantized_modules, set_quantization, without_stored_weight
+from .model.insert import (QUANTIZERS_ATTR, CACHE_KWARGS, has_stored_weight, quantized_modules, set_quantization,
+                           without_stored_weight)
 from .parallel import Group, shard_bounds
 
 __all__ = ["LayerError", "Report", "Gate", "evaluate", "sensitivity", "sqnr_db", "check_gates", "enforce_gates",
-           "read_search", "pareto_points", "plot_pareto"]
+           "read_search", "pareto_points", "plot_pareto", "tied_notes"]
 
 
 def grid_summary(entries) -> List[Dict[str, Any]]:
@@ -115,6 +116,29 @@ class Report:
                        for r in self.worst_first()],
             "notes": self.notes,
         }
+
+
+def tied_notes(model: nn.Module) -> List[str]:
+    """A sentence per tied weight (one tensor two modules compute with: an output layer and the embedding table)
+    that one of them quantizes and the other does not: the fake-quant model runs the other on the float tensor,
+    which is what a GGUF file stores (the output layer written apart), not what a qtool or AIMET file does."""
+    first: Dict[int, str] = {}
+    notes = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        earlier = first.setdefault(id(p), name)
+        if earlier == name:
+            continue
+        holders = [n.rpartition(".")[0] for n in (earlier, name)]
+        quantizes = [n for n in holders if "weight" in getattr(model.get_submodule(n), QUANTIZERS_ATTR, {})]
+        if len(quantizes) != 1:
+            continue
+        other = next(n for n in holders if n not in quantizes)
+        note = (f"{other} computes with {earlier} (tied), which the encodings quantize for {quantizes[0]} only: "
+                f"measured with {other} on the float tensor, as a GGUF file stores it")
+        if quantizes[0] == holders[0]:
+            note += "; a qtool file holds the one quantized tensor for both (qtool eval FILE measures that)"
+        notes.append(note)
+    return notes
 
 
 def _main_output(out) -> torch.Tensor:

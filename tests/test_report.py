@@ -141,6 +141,28 @@ def test_causal_lm_perplexity(tmp_path):
     assert e2e["perplexity_quant"] > 0 and e2e["perplexity_increase_pct"] is not None
 
 
+def test_a_tied_table_quantized_for_one_module_says_the_other_runs_it_in_float(tmp_path):
+    """SmolLM2's lm_head is its embedding table; a recipe quantizing the table (lm_head ignored) was reported
+    without a word that the figures run lm_head on the float table (a qtool file holds one quantized table)."""
+    from tests.helpers import tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m", tie_word_embeddings=True)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tmp_path / "ids.safetensors")
+    code, _, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "run", "-q")
+    assert code == 0, err
+    code, out, err = run_cli("report", ckpt, "-e", tmp_path / "run/encodings.json", "--data",
+                             tmp_path / "ids.safetensors", "--json")
+    assert code == 0, err
+    notes = json.loads(out)["notes"]
+    assert len(notes) == 1 and "qtool file" in notes[0]
+    assert notes[0].startswith("lm_head computes with model.embed_tokens.weight (tied), which the encodings quantize "
+                               "for model.embed_tokens only")
+    code, out, _ = run_cli("report", ckpt, "-e", tmp_path / "run/encodings.json", "--data",
+                           tmp_path / "ids.safetensors")
+    assert code == 0 and "note: lm_head computes with model.embed_tokens.weight (tied)" in " ".join(out.split())
+
+
 def test_report_refuses_data_the_model_cannot_run_in_one_line(tmp_path):
     """Token ids beyond the vocabulary (a tokenizer that does not match the model) used to end in an IndexError
     traceback; now one line naming the batch, exit 2."""

@@ -139,6 +139,8 @@ def report(
                       f"({rep.perplexity_increase_pct:+.2f}%)")
         if rep.top1_agreement is not None:
             con.print(f"top-1 agreement: {rep.top1_agreement:.4f}")
+        for note in rep.notes:
+            con.print(f"[dim]note: {_esc(note)}[/dim]")
         if result.get("sensitivity"):
             st = Table(title="sensitivity: damage of quantizing each layer alone", title_justify="left")
             for col in ("module", "cosine", "damage"):

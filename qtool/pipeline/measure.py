@@ -28,7 +28,7 @@ from .common import _inputs, _ranks
 def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitivity_analysis: bool = False,
                hooks: Optional[Hooks] = None) -> Dict[str, Any]:
     """``qtool report``: per-layer SQNR, end-to-end fidelity and (optionally) layer sensitivity."""
-    from ..report import evaluate, sensitivity
+    from ..report import evaluate, sensitivity, tied_notes
 
     hooks = hooks or Hooks()
     with _ranks(opts.device) as group:  # under torchrun: each rank measures its shard; every rank gets the report
@@ -48,6 +48,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
         device = next(iter(loaded.model.parameters())).device
         hooks.on_stage("measuring")
         rep = evaluate(loaded.model, data, device, loaded.is_causal_lm, hooks.on_batch, group)
+        rep.notes += tied_notes(loaded.model)
     from ..report import grid_summary
 
     out = {"report": rep, "json": {**rep.to_json(), "grids": grid_summary(enc.entries)},
