@@ -25,11 +25,12 @@ MIXES: Dict[str, str] = {
 }
 _BLOCK = {"q4_0": 32, "q5_0": 32, "q8_0": 32, "iq4_nl": 32}  # others: 256-element super-blocks
 
-# a mixture-of-experts layer's experts (mlp.experts.<e>.down_proj, Mixtral's w1/w3/w2) take their projection's
-# rules, as llama-quantize's name matching gives ffn_down_exps ffn_down's
+# a mixture-of-experts layer's experts (mlp.experts.<e>.down_proj, Mixtral's w1/w3/w2) and its shared experts
+# (Qwen2-MoE's mlp.shared_expert, DeepSeek's mlp.shared_experts) take their projection's rules, as llama-quantize's
+# name matching gives ffn_down_exps and ffn_down_shexp ffn_down's
 # (Phi-3's fused qkv_proj and gate_up_proj are llama.cpp's attn_qkv and ffn_up)
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp(?:\.experts\.\d+)?)\.(q_proj|k_proj|v_proj|o_proj|"
-                    r"qkv_proj|gate_proj|up_proj|gate_up_proj|down_proj|w1|w3|w2)$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp(?:\.experts\.\d+|\.shared_experts?)?)\."
+                    r"(q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|down_proj|w1|w3|w2)$")
 _ROLES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
           "qkv_proj": "attn_qkv", "gate_proj": "ffn_gate", "up_proj": "ffn_up", "gate_up_proj": "ffn_up",
           "down_proj": "ffn_down", "w1": "ffn_gate", "w3": "ffn_up", "w2": "ffn_down"}

@@ -21,6 +21,12 @@ def test_roles_of_hugging_face_llama_names():
     assert tensor_role("model.embed_tokens") == ("token_embd", -1)
     assert tensor_role("lm_head") == ("output", -1)
     assert tensor_role("model.layers.0.input_layernorm") == (None, -1)
+    # experts, routed or shared, take their projection's rules: llama-quantize matches "ffn_down" in
+    # ffn_down_exps and ffn_down_shexp (a Q4_K_M shared expert's down projection was Q4_K in every layer)
+    assert tensor_role("model.layers.3.mlp.experts.5.down_proj") == ("ffn_down", 3)
+    assert tensor_role("model.layers.3.mlp.shared_expert.down_proj") == ("ffn_down", 3)
+    assert tensor_role("model.layers.6.mlp.shared_experts.gate_proj") == ("ffn_gate", 6)
+    assert tensor_role("model.layers.6.mlp.shared_expert_gate") == (None, -1)
 
 
 def _layers_with(mix: str, role: str, n: int, n_gqa: int = 3, imatrix: bool = False) -> dict:
