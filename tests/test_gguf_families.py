@@ -103,6 +103,8 @@ def test_the_file_holds_every_weight_as_qtools_fake_quant_model_and_the_experts_
     fq = _fake_quant_weights(qtool.load_calibrated(str(ckpt), str(out / "calibration/encodings.json")))
     names = summary["names"]
     assert set(names) == {q["name"] for q in json.loads((out / "calibration/encodings.json").read_text())["quantizers"]}
+    # every weight has its GGUF type: DeepSeek's attn_k_b, F32 by design, was reported as a fallback
+    assert summary["gguf"]["fallback"] == [] and not any("no GGUF type" in w for w in summary["warnings"])
     if leaves is None:
         assert values["blk.1.ffn_down.weight"][0] == "Q8_0"
         from safetensors.torch import load_file

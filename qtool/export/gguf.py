@@ -180,7 +180,9 @@ class GgufExporter(Exporter):
         for n, item in enumerate(items):
             data, dev = _tensor_data(item, src, model.family)
             deviation = max(deviation, dev)
-            fallen += [i.entry.name for i in item.experts or (item,) if i.entry is not None and i.kind in ("F32", "F16")]
+            # (a transposed part, DeepSeek's attn_k_b, is F32 by design: no blocks left along its rows)
+            fallen += [i.entry.name for i in item.experts or (item,) if i.entry is not None
+                       and i.kind in ("F32", "F16") and not (i.part is not None and i.part.transpose)]
             writer.write_tensor_data(data)
             if request.progress:
                 request.progress(n + 1, total, item.name)
