@@ -163,3 +163,59 @@ def test_gates_are_library_code_raising_gate_failed():
     enforce_gates(check_gates(rep, min_cosine=0.9))  # passes: no error
     with pytest.raises(UsageError, match="causal language model"):
         check_gates(rep, max_ppl_increase=5)
+
+
+def _mlp_run(tmp_path):
+    ckpt, data = tmp_path / "mlp.safetensors", tmp_path / "x.safetensors"
+    if not ckpt.exists():
+        save_file(mlp().state_dict(), ckpt)
+        save_file({"x": torch.randn(16, 64, generator=torch.Generator().manual_seed(0))}, data)
+    return str(ckpt), CalibrateOptions(data=str(data), model_class=MLP)
+
+
+def test_a_library_call_computes_in_float32_whatever_the_callers_default_dtype(tmp_path):
+    """A caller's torch.set_default_dtype(float64) made calibration compute its ranges in float64: encodings
+    that differed from the CLI's and that export then refused ("the stored scale disagrees...")."""
+    ckpt, opts = _mlp_run(tmp_path)
+    run_calibrate(ckpt, "w8a8", str(tmp_path / "f32"), opts)
+    for dtype in (torch.float64, torch.bfloat16):
+        torch.set_default_dtype(dtype)
+        try:
+            run_calibrate(ckpt, "w8a8", str(tmp_path / str(dtype)), opts)
+            assert torch.get_default_dtype() == dtype  # the caller's setting is back
+        finally:
+            torch.set_default_dtype(torch.float32)
+        assert (tmp_path / str(dtype) / "encodings.json").read_bytes() == (tmp_path / "f32/encodings.json").read_bytes()
+    run_export(ckpt, str(tmp_path / "torch.float64/encodings.json"), str(tmp_path / "x"),
+               ExportOptions(model_class=MLP))
+
+
+def test_library_calls_from_two_threads_run_one_after_the_other(tmp_path):
+    """Each job sets torch's process-wide precision switches for its passes; two threads at once read each other's
+    (a 'highest' run's bytes changed beside a 'medium' one). The second call now waits for the first."""
+    import threading
+    import time
+
+    from qtool.hooks import Hooks
+
+    ckpt, opts = _mlp_run(tmp_path)
+    first_running, release, second_started = threading.Event(), threading.Event(), threading.Event()
+
+    def hold(text):
+        first_running.set()
+        release.wait(30)
+
+    a = threading.Thread(target=run_calibrate, args=(ckpt, "w8a8", str(tmp_path / "a"), opts),
+                         kwargs={"hooks": Hooks(on_stage=hold)})
+    b = threading.Thread(target=run_calibrate, args=(ckpt, "w8a8", str(tmp_path / "b"), opts),
+                         kwargs={"hooks": Hooks(on_stage=lambda text: second_started.set())})
+    a.start()
+    assert first_running.wait(30)
+    b.start()
+    time.sleep(1.5)
+    started_meanwhile = second_started.is_set()
+    release.set()
+    a.join(60)
+    b.join(60)
+    assert not started_meanwhile and second_started.is_set()
+    assert (tmp_path / "a/encodings.json").read_bytes() == (tmp_path / "b/encodings.json").read_bytes()

@@ -22,7 +22,7 @@ from ..io.fs import atomic_output_dir, check_output_dir, sha256_file
 from ..io.jsonfile import dumps_indented
 from ..model.apply import plan_from_encodings
 from ..model.load import LoadedModel, load_model
-from .common import _inputs
+from .common import _inputs, one_at_a_time
 from .manifest import checkpoint_input, digests, manifest, write_manifest
 
 
@@ -178,6 +178,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
 _MODEL_SUFFIXES = (".safetensors", ".onnx", ".gguf")  # what every format writes its weights as
 
 
+@one_at_a_time
 def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[ExportOptions] = None,
                overwrite: bool = False, hooks: Optional[Hooks] = None) -> Dict[str, Any]:
     """``qtool export``: the chosen format plus AIMET encodings, written atomically."""
@@ -194,6 +195,7 @@ def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[E
     return summary
 
 
+@one_at_a_time
 def run_import_encodings(checkpoint: str, aimet_path: str, out: str, opts: CalibrateOptions,
                          overwrite: bool = False) -> Dict[str, Any]:
     """``qtool import-encodings``: an AIMET encodings file (any version) -> qtool's encodings.json."""

@@ -22,9 +22,10 @@ from ..io.finite import all_finite
 from ..io.fs import check_output_file
 from ..model.apply import make_fake_quant
 from ..model.load import load_model
-from .common import _inputs, _ranks
+from .common import _inputs, _ranks, one_at_a_time
 
 
+@one_at_a_time
 def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitivity_analysis: bool = False,
                hooks: Optional[Hooks] = None) -> Dict[str, Any]:
     """``qtool report``: per-layer SQNR, end-to-end fidelity and (optionally) layer sensitivity."""
@@ -60,6 +61,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
     return out
 
 
+@one_at_a_time
 def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bool = False,
                 hooks: Optional[Hooks] = None) -> Dict[str, Any]:
     """``qtool imatrix``: llama.cpp's importance matrix of a Llama-family checkpoint over calibration data (per

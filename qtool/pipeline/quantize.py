@@ -20,7 +20,7 @@ from ..io.fs import check_output_dir
 from ..parallel import Group
 from .calibrate import _calibrate_into
 from .common import (TargetOptions, _check_resume, _check_state, _drop_state, _inputs, _output_dir_then_no_state,
-                     _ranks, _state_dir)
+                     _ranks, _state_dir, one_at_a_time)
 from .export import ExportOptions, _export_into
 from .search import (SEARCH_FILE, _budget_exporter, _calibrate_searched, _prepared, _search_inputs,
                      _searched)
@@ -46,6 +46,7 @@ def _other_rank(checkpoint: str, recipe_path: Optional[RecipeFile], opts: Calibr
     return {"rank": group.rank, "world_size": group.world_size}
 
 
+@one_at_a_time
 def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out: str, opts: CalibrateOptions,
                   overwrite: bool = False, hooks: Optional[Hooks] = None,
                   target: Optional[TargetOptions] = None) -> Dict[str, Any]:
@@ -77,6 +78,7 @@ def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], ou
     return summary
 
 
+@one_at_a_time
 def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out: str, opts: CalibrateOptions,
                  overwrite: bool = False, hooks: Optional[Hooks] = None, eopts: Optional[ExportOptions] = None,
                  target: Optional[TargetOptions] = None) -> Dict[str, Any]:

@@ -19,7 +19,7 @@ from ..hooks import Hooks
 from ..model.load import LoadedModel, load_model
 from ..parallel import Group
 from .calibrate import _calibrate_into, _share_run
-from .common import TargetOptions, load_calibrated
+from .common import TargetOptions, load_calibrated, one_at_a_time
 
 
 def _search_inputs(target: Optional["TargetOptions"]) -> List[Tuple[str, Optional[str]]]:
@@ -172,6 +172,7 @@ class Measured:
                 else int(target.size_bytes))
 
 
+@one_at_a_time
 def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOptions, exporter, options,
                        work: Path, hooks: Optional[Hooks] = None, keep: bool = False,
                        group: Optional[Group] = None, admit=None) -> Measured:
