@@ -189,6 +189,20 @@ def test_pickle_without_trust_is_refused(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_torchscript_archive_is_refused_in_one_line_trusted_or_not(tmp_path):
+    """torch.jit.save's archive: without --trust-pickle torch's own warnings and a wrong "pickled objects" line; with
+    it exit 0 and a 'quantized' model holding no quantized tensor."""
+    script = tmp_path / "m.pt"
+    torch.jit.save(torch.jit.script(mlp().eval()), str(script))
+    for extra in ([], ["--trust-pickle"], ["--model-class", MLP]):
+        code, _, err = run_cli("calibrate", script, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "run", *extra)
+        assert code == 2, (extra, err)
+        assert error_lines(err)[1:] == [f"error: {script}: a TorchScript archive (torch.jit.save), whose compiled modules "
+                                        "qtool cannot quantize; save the eager model's state_dict() (with "
+                                        "--model-class), or a torch.export program (.pt2), instead"], err
+        assert "Warning" not in err and not (tmp_path / "run").exists()
+
+
 def test_a_trusted_pickle_whose_class_cannot_be_imported_is_one_line(tmp_path):
     """A module saved from a script (its class in __main__) was an internal error (exit 3) with --trust-pickle."""
     script = tmp_path / "save.py"

@@ -76,10 +76,28 @@ def load_exported(path: Path):
         log.disabled = disabled
 
 
+def _refuse_torchscript(path: Path) -> None:
+    """A TorchScript archive (``torch.jit.save``) runs compiled code, not the eager modules qtool puts quantizers on:
+    loaded, it quantized nothing and wrote the model float."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            script = any(n == "constants.pkl" or n.endswith("/constants.pkl") for n in z.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return  # (torch.load says what is wrong with it)
+    if script:
+        raise CheckpointError(f"{path}: a TorchScript archive (torch.jit.save), whose compiled modules qtool cannot "
+                              "quantize; save the eager model's state_dict() (with --model-class), or a torch.export "
+                              "program (.pt2), instead")
+
+
 def load_pickle(path: Path):
     """A full pickle (``--trust-pickle``): the classes it names are imported from the working directory too, as
     ``--model-class`` imports them; one that cannot be is one line naming it."""
     import sys
+
+    _refuse_torchscript(path)
 
     if "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")
@@ -239,6 +257,7 @@ def torch_load_safe(path: Path):
     if magic[:2] != b"PK" and magic[:1] != b"\x80":  # torch.save writes a zip file; the legacy format is a pickle
         raise CheckpointError(f"{path}: not a torch checkpoint (torch.save writes a zip archive); for weights use "
                               ".safetensors, .pt/.pth from torch.save, or a Hugging Face directory")
+    _refuse_torchscript(path)
     try:
         return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, AttributeError) as e:
