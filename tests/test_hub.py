@@ -54,6 +54,13 @@ def test_offline_and_not_cached_is_one_clear_line(hf_home, tmp_path):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: qtool-test/not-there: not in the Hugging Face cache") and len(lines) <= 2
     assert not (tmp_path / "c").exists()
+    # a cached repository at a revision the cache lacks: the line named the repository only
+    r = _qtool(hf_home, "calibrate", "qtool-test/tiny-llama", "--revision", "v2", "-c", "w8a16", "-o", tmp_path / "c")
+    assert r.returncode == 2 and "error: qtool-test/tiny-llama: revision 'v2' not in the Hugging Face cache" in r.stderr
+    # a mistyped path under a directory that exists here read as a Hub ID only
+    r = _qtool(hf_home, "calibrate", "tests/no-such-model", "-c", "w8a16", "-o", tmp_path / "c")
+    assert r.returncode == 2 and ("error: tests/no-such-model: no such file or directory in tests, and not in the "
+                                  "Hugging Face cache") in r.stderr
 
 
 def test_a_missing_path_is_not_called_an_unknown_type(tmp_path):
@@ -61,6 +68,8 @@ def test_a_missing_path_is_not_called_an_unknown_type(tmp_path):
         resolve_checkpoint(str(tmp_path / "nope.safetensors"))
     with pytest.raises(UsageError, match="--revision applies to a Hugging Face Hub ID"):
         resolve_checkpoint(str(tmp_path), revision="v1")
+    with pytest.raises(UsageError, match="CHECKPOINT is empty"):  # (it was the working directory)
+        resolve_checkpoint("")
 
 
 @pytest.mark.parametrize("arg, hub", [("org/name", True), ("HuggingFaceTB/SmolLM2-135M", True),

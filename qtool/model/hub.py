@@ -32,6 +32,8 @@ def resolve_checkpoint(arg: str, revision: Optional[str] = None) -> str:
     """A local checkpoint path for ``arg``: the path itself when it exists, else the Hub snapshot of the
     repository ``arg`` names (downloaded into the cache, or found there offline). Raises ``CheckpointError`` with
     one line saying what was tried."""
+    if not arg.strip():  # (Path("") is the working directory)
+        raise UsageError("CHECKPOINT is empty: pass a file, a directory or a Hugging Face Hub ID like org/name")
     if Path(arg).exists():
         if revision is not None:
             raise UsageError(f"--revision applies to a Hugging Face Hub ID; {arg} is a local path")
@@ -59,15 +61,23 @@ def resolve_checkpoint(arg: str, revision: Optional[str] = None) -> str:
     except RevisionNotFoundError:
         raise CheckpointError(f"{arg}: revision {revision!r} not found on the Hugging Face Hub") from None
     except RepositoryNotFoundError:
-        raise CheckpointError(f"{arg}: no such model on the Hugging Face Hub (or it is private: log in with "
-                              "HF_TOKEN or `hf auth login`)") from None
+        raise CheckpointError(f"{arg}: {_not_local(arg)}no such model on the Hugging Face Hub (or it is private: log "
+                              "in with HF_TOKEN or `hf auth login`)") from None
     except LocalEntryNotFoundError:
-        raise CheckpointError(f"{arg}: not in the Hugging Face cache, and the Hub cannot be reached (HF_HUB_OFFLINE "
-                              "set, or no network); download it once online, or pass a local directory") from None
+        what = "" if revision is None else f"revision {revision!r} "
+        raise CheckpointError(f"{arg}: {_not_local(arg)}{what}not in the Hugging Face cache, and the Hub cannot be "
+                              "reached (HF_HUB_OFFLINE set, or no network); download it once online, or pass a local "
+                              "directory") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise CheckpointError(f"{arg}: could not fetch from the Hugging Face Hub: {str(e).splitlines()[0]}") from None
     _ORIGINS[str(local)] = {"repo_id": arg, "revision": revision or "main", "commit": Path(local).name}
     return str(local)
+
+
+def _not_local(arg: str) -> str:
+    """What to say first when a Hub ID is also a path whose directory exists here (a mistyped local path)."""
+    parent = Path(arg).parent
+    return f"no such file or directory in {parent}, and " if str(parent) != "." and parent.is_dir() else ""
 
 
 def origin(path) -> Optional[Dict[str, str]]:
