@@ -184,6 +184,18 @@ def test_onnx_in_onnxruntime_and_a_shifted_zero_point_is_an_export_fault(model, 
     assert code == 1 and "the graph run as written (optimizations off) too" in res["export_fault"]
 
 
+def test_an_fp8_onnx_file_at_the_default_optimizations_names_the_level_that_runs_it(model, tmp_path):
+    """onnxruntime's level-all fusions refuse float8 Q/DQ: eval of qtool's own FP8 ONNX file ended in a cut-off
+    'This is an invalid model...' line with no hint."""
+    out = _quantize(model, tmp_path, "fp8-dynamic", "onnx")
+    code, _, err = _eval(model, out)
+    assert code == 2 and error_lines(err)[-1] == (f"error: {out / 'model.onnx'}: onnxruntime's graph optimizations "
+                                                  "at level all refuse its float8 Q/DQ nodes: run it with "
+                                                  "--onnx-optimization basic (or off)"), err
+    code, res, err = _eval(model, out, "--onnx-optimization", "basic")
+    assert code == 0 and res["export_fault"] is None, err
+
+
 def test_qtool_format_and_a_doubled_scale_is_an_export_fault(model, tmp_path):
     out = _quantize(model, tmp_path, "w4a16-block32", "qtool")
     code, res, err = _eval(model, out)

@@ -105,7 +105,11 @@ class OnnxRuntime(_WholeLogits):
         try:
             self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types (Fail, InvalidGraph, ...)
-            raise UsageError(f"{path}: onnxruntime cannot load it ({str(e).splitlines()[0][:160]})") from None
+            text = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if "float8" in text and optimization == "all":  # (its fusions of the extended level type-check them)
+                raise UsageError(f"{path}: onnxruntime's graph optimizations at level all refuse its float8 Q/DQ "
+                                 "nodes: run it with --onnx-optimization basic (or off)") from None
+            raise UsageError(f"{path}: onnxruntime cannot load it ({text[:300]})") from None
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.name = f"onnxruntime {ort.__version__} (optimizations: {optimization})"
 
