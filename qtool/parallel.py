@@ -149,6 +149,9 @@ def _describe(error: BaseException) -> Tuple[int, str]:
         return error.exit_code, str(error)
     if isinstance(error, KeyboardInterrupt):
         return 130, "interrupted"
+    if isinstance(error, OSError):  # a full disk, a read-only directory: the environment, as in one process
+        where = f"{error.filename}: " if error.filename else ""
+        return 2, f"{where}{error.strerror or error}"
     first = str(error).splitlines()[0] if str(error) else ""
     return 3, f"internal error: {type(error).__name__}: {first}"
 
@@ -245,6 +248,13 @@ class _TorchGroup(Group):
                 pass
 
 
+def _said_here(error: UsageError) -> UsageError:
+    """An error of this process's own launch (torchrun sets every variable it reads): said by this rank, whatever
+    its rank, rather than left to a rank 0 that may not exist."""
+    error.dist_rank = os.environ.get("RANK", "0")
+    return error
+
+
 def from_environment(device: str = "cpu") -> Group:
     """The process group the environment describes (``WORLD_SIZE`` > 1), joined; else the one-process
     :class:`Group`. The default group uses NCCL when ``device`` is CUDA and gloo otherwise; an already
@@ -254,7 +264,9 @@ def from_environment(device: str = "cpu") -> Group:
         world_size = int(world)
     except ValueError:
         raise UsageError(f"WORLD_SIZE={world!r} is not a number of processes") from None
-    if world_size <= 1:
+    if world_size < 1:
+        raise UsageError(f"WORLD_SIZE={world!r} is not a number of processes (1 or more)")
+    if world_size == 1:
         return Group()
     import torch
     import torch.distributed as dist
@@ -266,11 +278,12 @@ def from_environment(device: str = "cpu") -> Group:
     if own:
         missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
-            raise UsageError(f"WORLD_SIZE={world_size} but {', '.join(missing)} is not set: launch with torchrun "
-                             "(docs/distributed.md)")
+            raise _said_here(UsageError(f"WORLD_SIZE={world_size} but {', '.join(missing)} is not set: launch with "
+                                        "torchrun (docs/distributed.md)"))
         rank = os.environ["RANK"]
         if not (rank.strip().isdigit() and int(rank) < world_size):  # (else every rank waits for one never coming)
-            raise UsageError(f"RANK={rank!r} is not a rank of WORLD_SIZE={world_size} (0 to {world_size - 1})")
+            raise _said_here(UsageError(f"RANK={rank!r} is not a rank of WORLD_SIZE={world_size} (0 to "
+                                        f"{world_size - 1})"))
         cuda = str(device).startswith("cuda")
         backend = "nccl" if cuda and dist.is_nccl_available() else "gloo"
         if cuda:

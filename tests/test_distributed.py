@@ -453,3 +453,66 @@ def test_a_rank_outside_the_world_is_one_clear_error(monkeypatch, rank):
     with pytest.raises(UsageError, match=r"is not a rank of WORLD_SIZE=2 \(0 to 1\)"):
         from_environment("cpu")
     assert not torch.distributed.is_initialized()
+
+
+def test_an_error_every_rank_meets_is_said_by_rank_0_before_torchrun_stops_it(llama, tmp_path):
+    """A missing --data path: rank 1 (which does not speak) exited first and torchrun's SIGTERM stopped rank 0
+    before it printed; 7 runs of 10 ended in 'interrupted: SIGTERM' or nothing at all."""
+    code, out, err = _torchrun(2, "calibrate", llama / "m", "-c", "w8a8", "--data", tmp_path / "nope.txt",
+                               "-o", tmp_path / "run", "--json")
+    assert _ours(err) == [f"error: {tmp_path / 'nope.txt'}: data path not found"], err
+    assert json.loads(out)["exit_code"] == 2 and "exitcode  : 2" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_rank_other_than_0_waits_for_rank_0_to_say_an_error_they_share(monkeypatch):
+    """(the race above, made certain) the quiet rank waits; the rank that says it, or a rank's own error, does not"""
+    import typer
+
+    from qtool.cli import core
+    from qtool.errors import DataError
+
+    waited = []
+    monkeypatch.setattr(core, "_let_rank_0_speak", lambda: waited.append(os.environ["RANK"]))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, own in (("1", False), ("0", False), ("1", True)):
+        monkeypatch.setenv("RANK", rank)
+        e = DataError("nope.txt: data path not found")
+        if own:
+            e.dist_rank = 1
+        with pytest.raises(typer.Exit):
+            with core._errors():
+                raise e
+    assert waited == ["1"]
+
+
+def test_a_launch_error_of_a_rank_other_than_0_is_said_by_it(llama, tmp_path):
+    """WORLD_SIZE=2 RANK=1 without MASTER_ADDR/MASTER_PORT exited 2 without a word (only rank 0 spoke)."""
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for k in ("MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, "-m", "qtool", "calibrate", str(llama / "m"), "-c", "w8a16", "-o",
+                        str(tmp_path / "x")], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "error: rank 1: WORLD_SIZE=2 but MASTER_ADDR, MASTER_PORT is not set: launch with torchrun "
+        "(docs/distributed.md)"), r.stderr
+
+
+@pytest.mark.parametrize("world", ["0", "-1"])
+def test_a_world_size_below_one_is_refused(monkeypatch, world):
+    from qtool.errors import UsageError
+    from qtool.parallel import from_environment
+
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(UsageError, match=r"is not a number of processes \(1 or more\)"):
+        from_environment("cpu")
+
+
+def test_a_full_disk_on_one_rank_is_exit_2_not_an_internal_error():
+    """An OSError on one rank reached the others as 'internal error: OSError ...', exit 3."""
+    import errno
+
+    from qtool.parallel import _describe
+
+    code, text = _describe(OSError(errno.ENOSPC, "No space left on device", "/out.resume/block-1.safetensors"))
+    assert (code, text) == (2, "/out.resume/block-1.safetensors: No space left on device")

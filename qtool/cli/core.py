@@ -195,10 +195,12 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
     """Turn every failure into one stderr line and an exit code (and one JSON object with --json)."""
     from ..errors import QtoolError
 
-    def fail(code: int, message: str, more=(), speak: bool = True) -> None:
+    def fail(code: int, message: str, more=(), speak: bool = True, alike: bool = False) -> None:
         _SAID.append(code)
         for line in [message, *more] if speak else []:
             err.print(line, markup=False)
+        if alike and _rank() != 0:
+            _let_rank_0_speak()
         if json_out and not _EMITTED:  # (only rank 0 has json_out under torchrun; it reports another rank's too)
             _emit_json({"ok": False, "exit_code": code, "error": message.split(": ", 1)[-1],
                         **({"errors": [m.split(": ", 1)[-1] for m in [message, *more]]} if more else {})})
@@ -218,18 +220,21 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         # flags, before the ranks connect) is said by rank 0; PeerFailed: another rank already said it
         dist_rank = getattr(e, "dist_rank", None)
         speak = not getattr(e, "quiet", False) and (dist_rank is not None or _rank() == 0)
+        alike = dist_rank is None and not getattr(e, "quiet", False)
         where = f"rank {dist_rank}: " if dist_rank is not None else ""
         problems = getattr(e, "problems", None) or []
         if len(problems) > 1:  # every problem of a recipe, one line each
-            fail(e.exit_code, f"error: {where}{problems[0]}", [f"error: {p}" for p in problems[1:]], speak)
-        fail(e.exit_code, f"error: {where}{e}", speak=speak)
+            fail(e.exit_code, f"error: {where}{problems[0]}", [f"error: {p}" for p in problems[1:]], speak, alike)
+        fail(e.exit_code, f"error: {where}{e}", speak=speak, alike=alike)
     except KeyboardInterrupt as e:
         name = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
         fail(_SIGNAL_EXIT[name], f"interrupted: {name}; {_written()}")
     except OSError as e:  # a full disk, a read-only directory, a path that vanished: the environment, not a bug
         interrupted()
-        where = f"{e.filename}: " if e.filename else ""
-        fail(2, f"error: {where}{e.strerror or e} (nothing was written)")
+        dist_rank = getattr(e, "dist_rank", None)
+        where = (f"rank {dist_rank}: " if dist_rank is not None else "") + (f"{e.filename}: " if e.filename else "")
+        fail(2, f"error: {where}{e.strerror or e} ({_written()})", speak=dist_rank is not None or _rank() == 0,
+             alike=dist_rank is None)
     except Exception as e:  # an internal error: one line, the traceback in a log file
         interrupted()
         import tempfile
@@ -240,6 +245,18 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
             traceback.print_exc()
         first = str(e).splitlines()[0] if str(e) else ""
         fail(3, f"internal error: {type(e).__name__}: {first} (traceback in {log.name}; --debug shows it)")
+
+
+def _let_rank_0_speak(seconds: float = 10.0) -> None:
+    """A rank other than 0 that met an error every rank meets alike (rank 0 says it) waits a little before it
+    exits: torchrun stops every rank once one exits non-zero, and rank 0 stopped before it printed would leave the
+    run with no line saying what was wrong. Its own SIGTERM from torchrun ends the wait quietly."""
+    import time
+
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        pass
 
 
 def _written() -> str:
