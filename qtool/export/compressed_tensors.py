@@ -93,7 +93,7 @@ from ..model.hf import meta_skeleton
 from ..weights import WeightSource
 from .base import Exporter, ExportRequest, layout_bytes, weight_names
 from .ct_config import (_KEY_ROTATION_NOTE, _ONLINE_NOTE, CT_VERSION_FALLBACK, _compat_notes, _int_format,
-                        _online_transforms, config_groups, fused_mixes, quantization_config)
+                        _online_transforms, check_layout, config_groups, fused_mixes, quantization_config)
 from .ct_modules import _routers, _tied_params, _unwritten_activations, _written_input, select_linear
 from .ct_tensors import _ct_scale_shape, _float_layout, _int_layout, _scale_dtype, tensor_layout, write_tensors
 
@@ -283,6 +283,14 @@ class CompressedTensorsExporter(Exporter):
     @dataclass
     class Options:
         ct_eight_bit_format: str = "int-quantized"  # or pack-quantized (what vLLM's weight-only path runs)
+
+    def check_quantizers(self, quantizers, options: "CompressedTensorsExporter.Options") -> None:
+        """What no layout holds, known from a plan's rows before calibrating (the layout quantizes Linear weights
+        only; an encodings file's entries, which do not name their module's type, are checked as they are
+        written)."""
+        for q in quantizers:
+            if q.tensor == "weight" and getattr(q, "module_type", None) == "Linear":
+                check_layout(q)
 
     def left_float(self, quantizers, options: "CompressedTensorsExporter.Options") -> List[str]:
         """Weights of modules other than Linear (embedding tables): the layout quantizes Linear weights only."""

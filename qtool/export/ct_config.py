@@ -135,13 +135,39 @@ def _kv_cache_scheme(kv: List[EncodingEntry]) -> Optional[Dict[str, Any]]:
             "zp_dtype": None}
 
 
+_BLOCKS = {"nvfp4-pack-quantized": 16, "mxfp4-pack-quantized": 32, "mxfp8-quantized": 32}  # the one size each holds
+
+
+def check_layout(e) -> None:
+    """Refuse a Linear weight's encoding, or its plan row before calibration (``name``, ``element``,
+    ``scale_dtype``, ``granularity``, ``block_size``), that no compressed-tensors layout holds, whatever the
+    weight's shape: a float element without a format, 2-D blocks other than FP8's tiles, a float format's other
+    block size. (What depends on the shape is checked as each weight is written.)"""
+    layout = None
+    if e.element != "int":
+        layout = _FLOAT_LAYOUTS.get((e.element, e.scale_dtype))
+        if layout is None:
+            raise EncodingsError(f"{e.name}: {e.element} elements with {e.scale_dtype} scales have no "
+                                 "compressed-tensors format (FP8 with float32 or e8m0 scales, FP4 with e8m0 (MXFP4) or "
+                                 "fp8_e4m3 (NVFP4))")
+    bs = tuple(e.block_size or ())
+    if e.granularity == "per_block" and (len(bs) != 2 or bs[0] not in (1, -1)):
+        if not (layout is not None and layout[1] is None and len(bs) == 2):  # (FP8's tiles: strategy block)
+            raise EncodingsError(f"{e.name}: block_size {list(bs) or None} is not supported by the compressed-tensors "
+                                 "export; it writes groups along the input dimension only (block_size [1, G])")
+    if layout is not None and layout[1] is not None:
+        if e.granularity != "per_block":
+            got = {"per_tensor": "tensor", "per_channel": "channel"}.get(e.granularity, e.granularity)
+            raise EncodingsError(f"{e.name}: {layout[0]} needs blocks along the input dimension (got {got})")
+        if bs[1] != -1 and bs[1] != _BLOCKS[layout[0]]:
+            raise EncodingsError(f"{e.name}: {layout[0]} stores blocks of {_BLOCKS[layout[0]]} (got {bs[1]}); vLLM and "
+                                 "compressed-tensors read no other size")
+
+
 def _float_weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Tuple[Dict[str, Any], str]:
     """compressed-tensors weight ``QuantizationArgs`` and format for a float element encoding."""
-    layout = _FLOAT_LAYOUTS.get((e.element, e.scale_dtype))
-    if layout is None:
-        raise EncodingsError(f"{e.name}: {e.element} elements with {e.scale_dtype} scales have no compressed-tensors "
-                             "format (FP8 with float32 or e8m0 scales, FP4 with e8m0 (MXFP4) or fp8_e4m3 (NVFP4))")
-    fmt, strategy, sdtype = layout
+    check_layout(e)
+    fmt, strategy, sdtype = _FLOAT_LAYOUTS[(e.element, e.scale_dtype)]
     bs = tuple(e.block_size or ())
     if strategy is None and len(bs) == 2 and bs[0] not in (1, -1):  # 2-D tiles: FP8_BLOCK's 128x128
         e.check_fits(key, shape)
@@ -151,11 +177,9 @@ def _float_weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Tu
         return args, fmt
     args = _weight_args(e, shape, key)
     if strategy is not None:
-        if args["strategy"] != "group":
-            raise EncodingsError(f"{e.name}: {fmt} needs blocks along the input dimension (got {args['strategy']})")
         args["strategy"] = strategy
-    want = {"nvfp4-pack-quantized": 16, "mxfp4-pack-quantized": 32, "mxfp8-quantized": 32}.get(fmt)
-    if want is not None and args["group_size"] != want:
+    want = _BLOCKS.get(fmt)
+    if want is not None and args["group_size"] != want:  # (block_size [1, -1]: the group size the shape gives)
         raise EncodingsError(f"{e.name}: {fmt} stores blocks of {want} (got {args['group_size']}); vLLM and "
                              "compressed-tensors read no other size")
     args.update(type="float", scale_dtype=_SCALE_DTYPE_NAMES.get(sdtype), observer="memoryless_minmax")
