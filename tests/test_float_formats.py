@@ -422,6 +422,13 @@ def test_float_encodings_round_trip_through_json(ckpt, data, tmp_path):
     bad.write_text(json.dumps(obj))
     code, _, err = run_cli("export", ckpt, "-e", bad, "-o", tmp_path / "o", "--format", "compressed-tensors", "--quiet")
     assert code == 2 and "a float element's range is symmetric: min must be -max" in err, err
+    # a global_amax below the blocks' own (hand-edited) saturated every block scale and clipped the weight ~80x
+    obj = json.loads((tmp_path / "run" / "encodings.json").read_text())
+    obj["quantizers"][0]["global_amax"] = 1e-3
+    bad.write_text(json.dumps(obj))
+    code, _, err = run_cli("export", ckpt, "-e", bad, "-o", tmp_path / "o", "--format", "compressed-tensors", "--quiet")
+    assert code == 2 and "quantizers[0]: global_amax 0.001 is below the largest amax of its blocks" in err, err
+    assert not (tmp_path / "o").exists()
 
 
 # ---- GPTQ on float grids -------------------------------------------------------------------------------------------
