@@ -203,6 +203,27 @@ def test_a_torchscript_archive_is_refused_in_one_line_trusted_or_not(tmp_path):
         assert "Warning" not in err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_a_checkpoint_quantized_already_is_refused_in_one_line(tmp_path, where):
+    """DeepSeek-V3's block FP8 (float8 weights beside weight_scale_inv): a w4a16 run exited 0 with ranges 2000x the
+    real weights', read from the codes; a compressed-tensors export given as CHECKPOINT was an internal error."""
+    from tests.helpers import tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    qc = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    if where == "top":
+        cfg["quantization_config"] = qc
+    else:
+        cfg["text_config"] = {"quantization_config": qc}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "run")
+    assert code == 2 and error_lines(err)[-1] == (
+        f"error: {ckpt / 'config.json'}: the checkpoint is quantized already (quantization_config, quant_method "
+        "'fp8'): qtool calibrates float weights; pass the float checkpoint it was made from, or dequantize it first")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_trusted_pickle_whose_class_cannot_be_imported_is_one_line(tmp_path):
     """A module saved from a script (its class in __main__) was an internal error (exit 3) with --trust-pickle."""
     script = tmp_path / "save.py"

@@ -46,6 +46,7 @@ def _config(path, trust_remote_code: bool):
     # read it ourselves first: transformers turns some malformed files into tracebacks
     raw = read_json_object(cfg_file, CheckpointError, "Hugging Face config")
     _refuse_non_finite(cfg_file, raw)
+    _refuse_quantized(cfg_file, raw)
     _check_layer_count(path, raw)
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
@@ -62,6 +63,19 @@ def _config(path, trust_remote_code: bool):
                               f"{first})") from None
     _check_architecture(transformers, cfg_file, config)
     return config
+
+
+def _refuse_quantized(cfg_file: Path, raw: dict) -> None:
+    """A checkpoint quantized already (DeepSeek-V3's block FP8 with its weight_scale_inv, a compressed-tensors or
+    GPTQ export): its weights are codes beside scales that qtool would read as float values (a w4a16 run of a
+    block-FP8 checkpoint exited 0 with ranges 2000x the real weights')."""
+    for cfg in (raw, raw.get("text_config")):
+        qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+        if isinstance(qc, dict):
+            method = str(qc.get("quant_method", qc.get("format", "unknown")))[:40]
+            raise CheckpointError(f"{cfg_file}: the checkpoint is quantized already (quantization_config, quant_method "
+                                  f"{method!r}): qtool calibrates float weights; pass the float checkpoint it was made "
+                                  "from, or dequantize it first")
 
 
 def _check_architecture(transformers, cfg_file: Path, config) -> None:
