@@ -442,3 +442,21 @@ def test_layers_runtimes_fuse_but_the_recipe_splits_are_named(ckpt, tmp_path):
         "vLLM and transformers: m.experts.0.down_proj (4-bit int group) and m.experts.1.down_proj (float) run fused, "
         "with one scheme for all of them, and this file quantizes them differently: neither loads it; quantize them "
         "alike (one rule)"]
+
+
+def test_the_16_bit_scale_warning_is_said_of_integer_grids_only(tmp_path):
+    """A bfloat16 checkpoint's FP8 and NVFP4 exports said 'scales are stored in bfloat16'; their scales are float32
+    and float8 (the float layouts' own). Integer grids' scales do take the checkpoint's dtype."""
+    import transformers
+
+    from tests.helpers import run_cli
+
+    ckpt = tiny_llama(tmp_path / "m")
+    transformers.LlamaForCausalLM.from_pretrained(ckpt).to(torch.bfloat16).save_pretrained(ckpt)
+    said = {}
+    for recipe in ("fp8-dynamic", "w8a16"):
+        code, out, err = run_cli("quantize", ckpt, "-c", recipe, "-o", tmp_path / recipe, "--format",
+                                 "compressed-tensors", "--json", "-q")
+        assert code == 0, err
+        said[recipe] = [w for w in json.loads(out)["export_warnings"] if w.startswith("scale_dtype:")]
+    assert said["fp8-dynamic"] == [] and len(said["w8a16"]) == 1 and "bfloat16" in said["w8a16"][0]

@@ -285,12 +285,13 @@ def config_groups(by_key: Dict[str, EncodingEntry], src, dyn_inputs: Dict[str, E
             e.module)
         module_args[key] = args
         module_fmt[key] = fmt
-        if dtype not in (torch.float32, torch.float64) and not low_precision_warned:
+        # (an integer grid's scales take a 16-bit checkpoint's dtype; a float grid's have their own, ct_tensors)
+        if not e.is_float and dtype in (torch.float16, torch.bfloat16) and not low_precision_warned:
             low_precision_warned = True
             warnings.append(
-                f"scale_dtype: weights are {str(dtype).replace('torch.', '')}, so scales are stored (and loaded) in "
-                "that dtype as llm-compressor does; dequantized weights may differ from qtool's fake-quant "
-                "weights by the scale's rounding"
+                f"scale_dtype: weights are {str(dtype).replace('torch.', '')}, so integer weights' scales are stored "
+                "(and loaded) in that dtype as llm-compressor does; dequantized weights may differ from qtool's "
+                "fake-quant weights by the scale's rounding"
             )
     return settings, module_args, module_fmt
 
