@@ -70,6 +70,14 @@ def test_a_missing_path_is_not_called_an_unknown_type(tmp_path):
         resolve_checkpoint(str(tmp_path), revision="v1")
     with pytest.raises(UsageError, match="CHECKPOINT is empty"):  # (it was the working directory)
         resolve_checkpoint("")
+    # in Python a Hub ID is no path: run_calibrate said "unknown checkpoint type (no suffix)"
+    from qtool.pipeline import CalibrateOptions, load_calibrated, run_calibrate
+
+    for call in (lambda: run_calibrate("qtool-test/nope", "w8a16", str(tmp_path / "o"), CalibrateOptions()),
+                 lambda: load_calibrated("qtool-test/nope", str(tmp_path / "e.json"))):
+        with pytest.raises(CheckpointError, match=r"qtool-test/nope: checkpoint not found \(no such file or directory; "
+                                                  r"for a Hugging Face Hub ID, qtool.model.hub.resolve_checkpoint"):
+            call()
 
 
 @pytest.mark.parametrize("arg, hub", [("org/name", True), ("HuggingFaceTB/SmolLM2-135M", True),

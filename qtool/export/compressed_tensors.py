@@ -86,7 +86,7 @@ from torch import nn
 from ..config.layout import attention_modules
 from ..encodings import EncodingsFile
 from ..errors import CheckpointError, EncodingsError, UsageError
-from ..io.checkpoint import detect_kind
+from ..io.checkpoint import detect_kind, not_found
 from ..io.jsonfile import read_json_object
 from ..model.expert_view import open_checkpoint
 from ..model.hf import meta_skeleton
@@ -112,7 +112,7 @@ def _read_config(checkpoint: Path, out_dir: Path, eight_bit_format: str) -> Dict
     if eight_bit_format not in ("int-quantized", "pack-quantized"):
         raise UsageError(f"eight_bit_format must be int-quantized or pack-quantized, got {eight_bit_format!r}")
     if not checkpoint.exists():
-        raise CheckpointError(f"{checkpoint}: checkpoint not found")
+        raise not_found(checkpoint)
     if out_dir.exists() and checkpoint.is_dir() and out_dir.resolve() == checkpoint.resolve():
         raise UsageError(f"{out_dir}: the output directory must not be the checkpoint directory")
     if detect_kind(checkpoint) != "hf":

@@ -16,11 +16,19 @@ from torch import nn
 from ..errors import CheckpointError
 from .jsonfile import loads_strict, read_json_object
 
-__all__ = ["detect_kind", "tensor_files", "check_safetensors", "read_state_dict", "torch_load_safe",
+__all__ = ["not_found", "detect_kind", "tensor_files", "check_safetensors", "read_state_dict", "torch_load_safe",
            "CheckpointTensors", "ST_DTYPES"]
 
 
+def not_found(path) -> CheckpointError:
+    """A checkpoint path that does not exist (in Python; the CLI resolves a Hub ID before a path is read)."""
+    return CheckpointError(f"{path}: checkpoint not found (no such file or directory; for a Hugging Face Hub ID, "
+                           "qtool.model.hub.resolve_checkpoint(ID, revision) gives the local path)")
+
+
 def detect_kind(path: Path) -> str:
+    if not path.exists():
+        raise not_found(path)
     if path.is_dir():
         if (path / "config.json").exists():
             return "hf"

@@ -28,7 +28,7 @@ from torch import nn
 from ..errors import CheckpointError, UsageError
 from .hf import hf_name_map, load_hf
 from ..io.checkpoint import (CheckpointTensors, check_safetensors, detect_kind, load_exported, load_pickle,
-                             read_state_dict, tensor_files, torch_load_safe)
+                             not_found, read_state_dict, tensor_files, torch_load_safe)
 
 __all__ = ["LoadedModel", "load_model", "detect_kind", "resolve_device", "tensor_files", "read_state_dict"]
 
@@ -166,7 +166,7 @@ def load_model(
     """Load any supported checkpoint into an eval-mode float module on ``device``."""
     path = Path(checkpoint)
     if not path.exists():
-        raise CheckpointError(f"{path}: checkpoint not found")
+        raise not_found(path)
     dev = resolve_device(device)
     kind = detect_kind(path)
     tokenizer = config = None
