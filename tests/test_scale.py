@@ -255,6 +255,11 @@ def test_parse_size_units():
     assert parse_size("5GB", "x") == 5 * 10**9 and parse_size("2GiB", "x") == 2 << 30
     assert parse_size("1.5 mb", "x") == 1_500_000 and parse_size("123", "x") == 123
     assert parse_size("0", "x") is None and parse_size("None", "x") is None and parse_size("0GB", "x") is None
+    from qtool.errors import UsageError
+
+    for huge in ("1e308GB", "1e300TB", "inf"):  # (the first two were an OverflowError: internal error, exit 3)
+        with pytest.raises(UsageError, match="is not a size like 5GB"):
+            parse_size(huge, "--max-shard-size")
 
 
 def test_huge_encodings_skip_the_aimet_json_beside_a_qtool_export(wide_run, tmp_path, monkeypatch):

@@ -39,7 +39,7 @@ def parse_size(text: str, what: str, unlimited: bool = True) -> Optional[int]:
         value = float(num)
     except ValueError:
         value = -1.0
-    if unit not in _UNITS or not value >= 0 or value == float("inf"):
+    if unit not in _UNITS or not value >= 0 or value * _UNITS.get(unit, 1) == float("inf"):  # (1e308GB too)
         raise UsageError(f"{what}: {text!r} is not a size like 5GB, 500MB or 2GiB{hint}")
     if value == 0:
         if not unlimited:
