@@ -393,6 +393,25 @@ def test_bad_checkpoints(tmp_path, mlp_ckpt):
     assert not (tmp_path / "r").exists()
 
 
+def test_other_weights_of_the_same_shapes_take_the_ranges_but_never_another_models_codes(tmp_path, mlp_ckpt,
+                                                                                        mlp_data):
+    """--allow-other-checkpoint with GPTQ encodings wrote the calibrated model's codes for the other checkpoint
+    (exit 0, no warning): a file of one model's layers beside the other's tables."""
+    torch.manual_seed(7)
+    other = tmp_path / "other.safetensors"
+    save_file({k: v + 0.01 * torch.randn_like(v) for k, v in mlp().state_dict().items()}, other)
+    assert calibrate(mlp_ckpt, tmp_path / "rtn", "w4a8-block32.yaml", mlp_data)[0] == 0
+    assert calibrate(mlp_ckpt, tmp_path / "gptq", "w4a16-block32-gptq.yaml", mlp_data)[0] == 0
+    code, out, err = run_cli("export", other, "-e", tmp_path / "rtn/encodings.json", "-o", tmp_path / "x",
+                             "--model-class", MLP, "--allow-other-checkpoint", "--json")
+    assert code == 0, err
+    assert json.loads(out)["export_warnings"][0].startswith("--allow-other-checkpoint: the ranges were calibrated "
+                                                            "on other weights")
+    code, _, err = run_cli("export", other, "-e", tmp_path / "gptq/encodings.json", "-o", tmp_path / "y",
+                           "--model-class", MLP, "--allow-other-checkpoint")
+    assert code == 2 and "holds tensors made from those weights" in err and not (tmp_path / "y").exists()
+
+
 def test_encodings_for_another_model_are_refused(tmp_path, mlp_ckpt):
     assert calibrate(mlp_ckpt, tmp_path / "run", "w8a16.yaml")[0] == 0
     other = tmp_path / "conv.safetensors"

@@ -81,28 +81,51 @@ def _example_batch(eopts: ExportOptions):
     return make
 
 
-def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, str]) -> None:
+def _other_checkpoint(enc_path: Path, digest: Dict[str, str]) -> Optional[str]:
     """Encodings are applied to the weights they were calibrated on: where the calibration's manifest.json beside
-    ``enc_path`` records its checkpoint's file hashes, the checkpoint given now must hold the same bytes (its path
-    may differ). Ranges from another model of the same shape would clip or waste this one's grid silently."""
+    ``enc_path`` records its checkpoint's file hashes and the checkpoint given now holds other bytes (its path may
+    differ), the path the manifest records (else None). Ranges from another model of the same shape would clip or
+    waste this one's grid silently."""
     try:
         recorded = json.loads((enc_path.parent / "manifest.json").read_text(encoding="utf-8"))
         hashes = recorded["inputs"]["checkpoint"]["sha256"]
         then = sorted(str(h) for h in hashes.values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return  # no calibration manifest (or not one of qtool's): nothing recorded to compare with
+        return None  # no calibration manifest (or not one of qtool's): nothing recorded to compare with
     if then and then != sorted(digest.values()):
+        return str(recorded["inputs"]["checkpoint"].get("path", "another checkpoint"))
+    return None
+
+
+def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, str], enc: EncodingsFile,
+                           allow_other: bool) -> Optional[str]:
+    """Refuse encodings calibrated on other weights (:func:`_other_checkpoint`) unless ``allow_other``, and even
+    then where they carry tensors made from those weights (codes a rounding algorithm chose, smoothed or rotated
+    tensors): written for this checkpoint, they would be the other model's. Returns the warning an allowed one
+    gets (None: the same weights, or none recorded)."""
+    other = _other_checkpoint(enc_path, digest)
+    if other is None:
+        return None
+    if not allow_other:
         raise EncodingsError(f"{enc_path}: calibrated on other weights than {checkpoint} (its manifest.json records "
-                             f"{recorded['inputs']['checkpoint'].get('path', 'another checkpoint')} with other file "
-                             "hashes); export from that checkpoint, or pass --allow-other-checkpoint if the weights "
-                             "changed on purpose")
+                             f"{other} with other file hashes); export from that checkpoint, or pass "
+                             "--allow-other-checkpoint if the weights changed on purpose")
+    if enc.codes_file is not None:
+        raise EncodingsError(f"{enc_path}: calibrated on other weights than {checkpoint} ({other}), and its "
+                             f"{enc.codes_file} holds tensors made from those weights (codes a rounding algorithm "
+                             "chose, or smoothed or rotated weights): --allow-other-checkpoint would write the other "
+                             "model's; calibrate this checkpoint instead")
+    return (f"--allow-other-checkpoint: the ranges were calibrated on other weights ({other}) than {checkpoint}'s, "
+            "and are applied to these as they are")
 
 
 def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: Path, eopts: ExportOptions,
                  hooks: Hooks, enc_display: Optional[str] = None,
-                 same_weights: bool = False, checkpoint_checked: bool = False) -> Dict[str, Any]:
+                 same_weights: bool = False, checkpoint_checked: bool = False,
+                 allow_other: bool = False) -> Dict[str, Any]:
     """Export ``enc`` of ``checkpoint`` into ``out_dir``; with ``same_weights``, refuse a checkpoint whose bytes differ
-    from those the calibration's manifest records (checked once the checkpoint is known to be readable).
+    from those the calibration's manifest records (checked once the checkpoint is known to be readable), unless
+    ``allow_other`` (then a warning, and still refused where the encodings carry tensors made from those weights).
     ``checkpoint_checked``: the format's checkpoint check already ran in this job (``quantize`` runs it before
     calibrating)."""
     from ..aimet_format import to_aimet
@@ -120,8 +143,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     weights = WeightSource(Path(checkpoint), enc, Path(enc_path).parent,
                            tensors=open_checkpoint(checkpoint, eopts.trust_pickle, eopts.trust_remote_code))
     digest = digests(tensor_files(Path(checkpoint)))
-    if same_weights:
-        _check_same_checkpoint(Path(enc_path), checkpoint, digest)
+    other = _check_same_checkpoint(Path(enc_path), checkpoint, digest, enc, allow_other) if same_weights else None
     request = ExportRequest(
         Path(checkpoint), enc, weights, out_dir, trust_remote_code=eopts.trust_remote_code, progress=hooks.on_tensor,
         load_model=lambda: load_model(checkpoint, eopts.model_class, "cpu", eopts.trust_pickle,
@@ -130,7 +152,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     summary.update(exporter.write(request, options))
     # the tensor names go into model.encodings; a format without it keeps them in its summary (and manifest)
     names = summary.pop("names", {}) if exporter.aimet_json != "never" else summary.get("names", {})
-    summary["export_warnings"] = summary.pop("warnings", [])
+    summary["export_warnings"] = ([other] if other else []) + summary.pop("warnings", [])
     numbers = sum(e.numel() for e in enc.entries)
     floats = [e for e in enc.entries if e.is_float]
     if enc.online and exporter.aimet_json != "never":  # AIMET JSON has no place for a rotation at run time
@@ -190,7 +212,7 @@ def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[E
     enc = EncodingsFile.read(encodings_path, lazy=exporter.lazy_encodings)
     with atomic_output_dir(Path(out), overwrite) as tmp:
         summary = _export_into(checkpoint, enc, Path(encodings_path), tmp, eopts, hooks,
-                               same_weights=not eopts.allow_other_checkpoint)
+                               same_weights=True, allow_other=eopts.allow_other_checkpoint)
     summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
     return summary
 
