@@ -412,6 +412,24 @@ def test_other_weights_of_the_same_shapes_take_the_ranges_but_never_another_mode
     assert code == 2 and "holds tensors made from those weights" in err and not (tmp_path / "y").exists()
 
 
+def test_aimet_encodings_that_do_not_fit_the_checkpoints_shapes_are_refused(tmp_path):
+    """--format aimet wrote m1's 256-wide block encodings for a 128-wide model (exit 0) where every other format
+    refuses: its file holds no weights, but its encodings are for the checkpoint's tensors."""
+    import transformers
+
+    for name, width in (("a", 64), ("b", 32)):
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=width, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2)
+        transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / name)
+    code, _, err = run_cli("calibrate", tmp_path / "a", "-c", CONFIGS / "w4a16-block32.yaml", "-o", tmp_path / "r",
+                           "-q")
+    assert code == 0, err
+    code, _, err = run_cli("export", tmp_path / "b", "-e", tmp_path / "r/encodings.json", "-o", tmp_path / "x",
+                           "--format", "aimet", "--allow-other-checkpoint")
+    assert code == 2 and "does not fit tensor" in err and "were they made for another model?" in err, err
+    assert not (tmp_path / "x").exists()
+
+
 def test_encodings_for_another_model_are_refused(tmp_path, mlp_ckpt):
     assert calibrate(mlp_ckpt, tmp_path / "run", "w8a16.yaml")[0] == 0
     other = tmp_path / "conv.safetensors"

@@ -43,7 +43,11 @@ class AimetExporter(Exporter):
                              "compressed-tensors, which write the weights too")
 
     def write(self, request: ExportRequest, options: Exporter.Options) -> Dict[str, Any]:
-        return {"names": weight_names(request.weights, request.encodings.entries, str(request.checkpoint)).names}
+        matched = weight_names(request.weights, request.encodings.entries, str(request.checkpoint))
+        for e in matched.entries:  # (the file holds no weights, but its encodings are for these tensors' shapes)
+            key = matched.names[e.name]
+            e.check_fits(key, request.weights.shape_dtype(key)[0])
+        return {"names": matched.names}
 
 
 EXPORTER = AimetExporter()
