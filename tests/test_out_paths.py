@@ -56,6 +56,20 @@ def test_calibrate_and_quantize_refuse_an_out_over_or_inside_an_input(world):
         _refused(code, err, root, before, "inside the checkpoint directory")
 
 
+def test_an_out_holding_a_link_named_as_an_input_is_refused(world):
+    """CHECKPOINT given as holder/ck, a link to the model, with -o holder --overwrite: the link was deleted (only
+    the paths links resolve to were compared)."""
+    import os
+
+    root, llama, run = world
+    holder = root / "holder"
+    holder.mkdir()
+    os.symlink(llama, holder / "ck")
+    code, _, err = run_cli("export", holder / "ck", "-e", run / "encodings.json", "-o", holder, "--overwrite")
+    assert code == 2 and "contains the checkpoint" in err, err
+    assert os.path.islink(holder / "ck")
+
+
 def test_an_out_holding_the_recipe_or_the_data_is_refused(tmp_path):
     save_file(mlp().state_dict(), tmp_path / "m.safetensors")
     work = tmp_path / "work"

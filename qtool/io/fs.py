@@ -62,6 +62,9 @@ def _existing_inputs(out: Path, inputs: Sequence[Tuple[str, Optional[str]]]):
             continue
         real = Path(os.path.realpath(path))
         yield what, path, real, target
+        if os.path.islink(path):  # the link as named is an input too: an --out holding it would delete it
+            named = os.path.abspath(path)
+            yield what, path, Path(os.path.realpath(os.path.dirname(named))) / os.path.basename(named), target
         if real.is_dir() and real not in walked:
             walked.add(real)
             for link in _links_under(real, _ENTRIES_LOOKED_AT):
