@@ -516,3 +516,11 @@ def test_a_full_disk_on_one_rank_is_exit_2_not_an_internal_error():
 
     code, text = _describe(OSError(errno.ENOSPC, "No space left on device", "/out.resume/block-1.safetensors"))
     assert (code, text) == (2, "/out.resume/block-1.safetensors: No space left on device")
+
+
+def test_a_bad_flag_under_torchrun_is_said_once(llama, tmp_path):
+    """Every rank parses the flags: the error line came once per rank, and --json put two objects on stdout."""
+    code, out, err = _torchrun(2, "calibrate", llama / "m", "-c", "w8a8", "--batch-size", "0", "-o", tmp_path / "x",
+                               "--json")
+    assert len([line for line in err.splitlines() if line.startswith("error: Invalid value for '--batch-size'")]) == 1
+    assert json.loads(out)["exit_code"] == 2, out  # (two objects: json's "Extra data")

@@ -102,6 +102,9 @@ class _Group(typer.core.TyperGroup):
             what = "commands" if "No such command" in e.format_message() else "options"
             where = f" (`{ctx.command_path} --help` lists the {what})" if ctx is not None else ""
             message = f"error: {e.format_message()}{where}"
+            if _rank() != 0:  # under torchrun every rank parses the same flags: rank 0 says it, once
+                _let_rank_0_speak()
+                sys.exit(e.exit_code)
             err.print(message, markup=False)
             if "--json" in argv:
                 _emit_json({"ok": False, "exit_code": e.exit_code, "error": message.split(": ", 1)[-1]})
