@@ -224,6 +224,27 @@ def test_a_checkpoint_quantized_already_is_refused_in_one_line(tmp_path, where):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("recipe", ["w8a16", "w8a8"])
+def test_a_weights_link_to_nothing_is_named_before_any_plan(tmp_path, recipe):
+    """A Hub-cache-like model.safetensors link whose blob is gone, no index: w8a8 named an index that does not
+    exist; w8a16 (streamed weights) said 'shard model.safetensors is missing' after the plan and 'calibrating'."""
+    import os
+
+    from tests.helpers import tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m")
+    (ckpt / "model.safetensors").unlink()
+    os.symlink(tmp_path / "blobs" / "gone", ckpt / "model.safetensors")
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    code, _, err = run_cli("calibrate", ckpt, "-c", recipe, "--data", tmp_path / "ids.safetensors", "-o",
+                           tmp_path / "run") if recipe == "w8a8" else \
+        run_cli("calibrate", ckpt, "-c", recipe, "-o", tmp_path / "run")
+    assert code == 2 and error_lines(err)[-1] == (f"error: {ckpt}: model.safetensors is a link to "
+                                                  f"{tmp_path / 'blobs' / 'gone'}, which does not exist"), err
+    assert "calibrating" not in err and "quantizers" not in err
+
+
 def test_a_trusted_pickle_whose_class_cannot_be_imported_is_one_line(tmp_path):
     """A module saved from a script (its class in __main__) was an internal error (exit 3) with --trust-pickle."""
     script = tmp_path / "save.py"

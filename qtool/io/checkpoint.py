@@ -5,6 +5,7 @@ torch loading, and :class:`CheckpointTensors` (read-only access without building
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import struct
 from pathlib import Path
@@ -16,7 +17,7 @@ from torch import nn
 from ..errors import CheckpointError
 from .jsonfile import loads_strict, read_json_object
 
-__all__ = ["not_found", "detect_kind", "tensor_files", "check_safetensors", "read_state_dict", "torch_load_safe",
+__all__ = ["not_found", "check_files_there", "detect_kind", "tensor_files", "check_safetensors", "read_state_dict", "torch_load_safe",
            "CheckpointTensors", "ST_DTYPES"]
 
 
@@ -24,6 +25,19 @@ def not_found(path) -> CheckpointError:
     """A checkpoint path that does not exist (in Python; the CLI resolves a Hub ID before a path is read)."""
     return CheckpointError(f"{path}: checkpoint not found (no such file or directory; for a Hugging Face Hub ID, "
                            "qtool.model.hub.resolve_checkpoint(ID, revision) gives the local path)")
+
+
+def check_files_there(path: Path, files: List[Path]) -> None:
+    """Refuse a checkpoint whose tensor files (``tensor_files``) are not all there, saying which and why: a link to
+    nothing (a Hub cache's blob gone), or a shard the index names."""
+    for f in files:
+        if f.exists():
+            continue
+        if os.path.islink(f):
+            raise CheckpointError(f"{path}: {f.name} is a link to {os.readlink(f)}, which does not exist")
+        named = (Path(path) / "model.safetensors.index.json").exists()
+        raise CheckpointError(f"{path}: {'shard ' if named else ''}{f.name}"
+                              f"{' named in model.safetensors.index.json' if named else ''} is missing")
 
 
 def detect_kind(path: Path) -> str:
@@ -292,9 +306,7 @@ class CheckpointTensors:
             files = tensor_files(self.path)
             if not files:
                 raise CheckpointError(f"{self.path}: no *.safetensors weights in this directory")
-            for f in files:
-                if not f.exists():
-                    raise CheckpointError(f"{self.path}: shard {f.name} is missing")
+            check_files_there(self.path, files)
             self._files = {k: f for k, (_, f) in safetensors_index(files).items()}
             self.files = files
         elif kind == "pt2":

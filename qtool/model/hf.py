@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, UsageError
-from ..io.checkpoint import check_safetensors, safetensors_index, tensor_files
+from ..io.checkpoint import check_files_there, check_safetensors, safetensors_index, tensor_files
 from ..io.jsonfile import read_json_object
 from .experts import linearize_experts
 
@@ -309,11 +309,12 @@ def _linearize(path, model: nn.Module) -> None:
 
 
 def _check_fit_if_weights(path, model: nn.Module) -> Optional[Dict[str, Tuple[Tuple[int, ...], Path]]]:
-    """:func:`check_weights_fit` where the weights are all there (a missing shard is reported where they are
-    read); returns the headers it read (None where it read none)."""
+    """:func:`check_weights_fit` where there are weights (a missing file is refused here, before any plan); returns
+    the headers it read (None where it read none)."""
     files = tensor_files(Path(path))
-    if not files or not all(f.exists() for f in files):
+    if not files:
         return None
+    check_files_there(path, files)
     headers = safetensors_index(files)
     check_weights_fit(path, model, files, headers)
     return headers
@@ -376,9 +377,8 @@ def _bare_backbone(transformers, arch: str) -> bool:
 def load_hf(path: Path, trust_remote_code: bool):
     """``(model, tokenizer or None, config)`` of a Hugging Face directory, float32 on the CPU."""
     transformers = _transformers(path)
+    check_files_there(path, tensor_files(path))
     for f in tensor_files(path):
-        if not f.exists():
-            raise CheckpointError(f"{path}: shard {f.name} named in model.safetensors.index.json is missing")
         check_safetensors(f)
     if not tensor_files(path):
         raise CheckpointError(f"{path}: no *.safetensors weights in this directory")
