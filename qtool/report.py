@@ -197,7 +197,7 @@ def _token_kl(ref: torch.Tensor, out: torch.Tensor, batch: Batch) -> tuple:
     excluded), and how many tokens."""
     logp = torch.log_softmax(ref.float(), dim=-1)
     logq = torch.log_softmax(out.float(), dim=-1)
-    kl = (logp.exp() * (logp - logq)).sum(-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1).clamp_min(0.0)  # (float32 rounding: -1e-8 for equal outputs)
     mask = batch.kwargs.get("attention_mask")
     valid = torch.ones_like(kl, dtype=torch.bool) if mask is None else mask.to(kl.device) > 0
     return float(kl[valid].sum()), int(valid.sum())

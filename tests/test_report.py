@@ -278,6 +278,21 @@ def test_a_checkpoint_holding_nan_is_refused_before_it_is_measured(world, tmp_pa
     assert json.loads(out)["ok"] is False
 
 
+def test_the_kl_of_nearly_equal_outputs_is_never_below_zero():
+    """float32 rounding made a report's KL -8e-9 for outputs the quantization left unchanged; KL is >= 0 (eval's
+    own clamps each position at 0 too)."""
+    from qtool.data import Batch
+    from qtool.report import _token_kl
+
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(2, 8, 1000, generator=g) * 3
+    out = ref + 1e-6 * torch.randn(2, 8, 1000, generator=g)
+    logp, logq = torch.log_softmax(ref, -1), torch.log_softmax(out, -1)
+    assert float((logp.exp() * (logp - logq)).sum()) < 0  # what the positions' sum was
+    total, n = _token_kl(ref, out, Batch(kwargs={"input_ids": torch.zeros(2, 8, dtype=torch.long)}))
+    assert n == 16 and 0.0 <= total < 1e-6
+
+
 def test_the_cosine_of_a_language_models_logits_is_exact_to_1e_6():
     """float32 over one sample's 128 x 49,152 logits read 1.0004 for identical outputs (and passed a --min-cosine
     0.9999 gate that the exact 0.9998 fails)."""
