@@ -475,8 +475,13 @@ def test_a_rank_other_than_0_waits_for_rank_0_to_say_an_error_they_share(monkeyp
     waited = []
     monkeypatch.setattr(core, "_let_rank_0_speak", lambda: waited.append(os.environ["RANK"]))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for rank, own in (("1", False), ("0", False), ("1", True)):
+    for launcher, rank, own in (("torchrun", "1", False), ("torchrun", "0", False), ("torchrun", "1", True),
+                                (None, "1", False)):  # (a RANK inherited from elsewhere: nobody to wait for)
         monkeypatch.setenv("RANK", rank)
+        if launcher:
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+        else:
+            monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
         e = DataError("nope.txt: data path not found")
         if own:
             e.dist_rank = 1

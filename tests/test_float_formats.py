@@ -429,6 +429,13 @@ def test_float_encodings_round_trip_through_json(ckpt, data, tmp_path):
     code, _, err = run_cli("export", ckpt, "-e", bad, "-o", tmp_path / "o", "--format", "compressed-tensors", "--quiet")
     assert code == 2 and "quantizers[0]: global_amax 0.001 is below the largest amax of its blocks" in err, err
     assert not (tmp_path / "o").exists()
+    # a decimal global_amax that is the largest block amax once read as float32 (the file's numbers) is that amax
+    top = float(torch.tensor(obj["quantizers"][0]["max"]).max())
+    obj["quantizers"][0]["global_amax"] = top - math.ulp(top) * 2 ** 27  # (a quarter of a float32 ulp below)
+    assert float(torch.tensor(obj["quantizers"][0]["global_amax"], dtype=torch.float32)) == top
+    bad.write_text(json.dumps(obj))
+    code, _, err = run_cli("export", ckpt, "-e", bad, "-o", tmp_path / "o", "--format", "compressed-tensors", "--quiet")
+    assert code == 0, err
 
 
 # ---- GPTQ on float grids -------------------------------------------------------------------------------------------

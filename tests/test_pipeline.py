@@ -222,6 +222,15 @@ def test_a_checkpoint_quantized_already_is_refused_in_one_line(tmp_path, where):
         f"error: {ckpt / 'config.json'}: the checkpoint is quantized already (quantization_config, quant_method "
         "'fp8'): qtool calibrates float weights; pass the float checkpoint it was made from, or dequantize it first")
     assert not (tmp_path / "run").exists()
+    # float weights under a quantization_config that quantizes nothing are calibrated as before
+    for qc in ({}, {"quant_method": "compressed-tensors", "config_groups": {}, "format": "dense",
+                    "sparsity_config": {"format": "dense", "sparsity_structure": "2:4"}}):
+        cfg["quantization_config"] = qc
+        cfg.pop("text_config", None)
+        (ckpt / "config.json").write_text(json.dumps(cfg))
+        code, _, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "run", "-q",
+                               "--overwrite")
+        assert code == 0, (qc, err)
 
 
 @pytest.mark.parametrize("recipe", ["w8a16", "w8a8"])
@@ -414,10 +423,9 @@ def test_bad_checkpoints(tmp_path, mlp_ckpt):
     assert not (tmp_path / "r").exists()
 
 
-def test_other_weights_of_the_same_shapes_take_the_ranges_but_never_another_models_codes(tmp_path, mlp_ckpt,
-                                                                                        mlp_data):
+def test_other_weights_exported_with_the_flag_say_so_and_what_the_codes_are(tmp_path, mlp_ckpt, mlp_data):
     """--allow-other-checkpoint with GPTQ encodings wrote the calibrated model's codes for the other checkpoint
-    (exit 0, no warning): a file of one model's layers beside the other's tables."""
+    (exit 0, no warning): a file of one model's layers beside the other's tables, without a word."""
     torch.manual_seed(7)
     other = tmp_path / "other.safetensors"
     save_file({k: v + 0.01 * torch.randn_like(v) for k, v in mlp().state_dict().items()}, other)
@@ -428,9 +436,10 @@ def test_other_weights_of_the_same_shapes_take_the_ranges_but_never_another_mode
     assert code == 0, err
     assert json.loads(out)["export_warnings"][0].startswith("--allow-other-checkpoint: the ranges were calibrated "
                                                             "on other weights")
-    code, _, err = run_cli("export", other, "-e", tmp_path / "gptq/encodings.json", "-o", tmp_path / "y",
-                           "--model-class", MLP, "--allow-other-checkpoint")
-    assert code == 2 and "holds tensors made from those weights" in err and not (tmp_path / "y").exists()
+    code, out, err = run_cli("export", other, "-e", tmp_path / "gptq/encodings.json", "-o", tmp_path / "y",
+                             "--model-class", MLP, "--allow-other-checkpoint", "--json")
+    assert code == 0, err  # (a re-saved copy of the same tensors has other file bytes too: not refused)
+    assert "codes.safetensors holds tensors made from those weights" in json.loads(out)["export_warnings"][0]
 
 
 def test_aimet_encodings_that_do_not_fit_the_checkpoints_shapes_are_refused(tmp_path):

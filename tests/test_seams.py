@@ -194,7 +194,6 @@ def test_library_calls_from_two_threads_run_one_after_the_other(tmp_path):
     """Each job sets torch's process-wide precision switches for its passes; two threads at once read each other's
     (a 'highest' run's bytes changed beside a 'medium' one). The second call now waits for the first."""
     import threading
-    import time
 
     from qtool.hooks import Hooks
 
@@ -212,8 +211,7 @@ def test_library_calls_from_two_threads_run_one_after_the_other(tmp_path):
     a.start()
     assert first_running.wait(30)
     b.start()
-    time.sleep(1.5)
-    started_meanwhile = second_started.is_set()
+    started_meanwhile = second_started.wait(8)  # (without the lock: within a fraction of a second)
     release.set()
     a.join(60)
     b.join(60)

@@ -102,7 +102,7 @@ class _Group(typer.core.TyperGroup):
             what = "commands" if "No such command" in e.format_message() else "options"
             where = f" (`{ctx.command_path} --help` lists the {what})" if ctx is not None else ""
             message = f"error: {e.format_message()}{where}"
-            if _rank() != 0:  # under torchrun every rank parses the same flags: rank 0 says it, once
+            if _rank() != 0 and _under_torchrun():  # every rank parses the same flags: rank 0 says it, once
                 _let_rank_0_speak()
                 sys.exit(e.exit_code)
             err.print(message, markup=False)
@@ -202,7 +202,7 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         _SAID.append(code)
         for line in [message, *more] if speak else []:
             err.print(line, markup=False)
-        if alike and _rank() != 0:
+        if alike and _rank() != 0 and _under_torchrun():
             _let_rank_0_speak()
         if json_out and not _EMITTED:  # (only rank 0 has json_out under torchrun; it reports another rank's too)
             _emit_json({"ok": False, "exit_code": code, "error": message.split(": ", 1)[-1],
@@ -236,8 +236,7 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         interrupted()
         dist_rank = getattr(e, "dist_rank", None)
         where = (f"rank {dist_rank}: " if dist_rank is not None else "") + (f"{e.filename}: " if e.filename else "")
-        fail(2, f"error: {where}{e.strerror or e} ({_written()})", speak=dist_rank is not None or _rank() == 0,
-             alike=dist_rank is None)
+        fail(2, f"error: {where}{e.strerror or e} ({_written()})")  # (every rank says its own: a rank's own disk)
     except Exception as e:  # an internal error: one line, the traceback in a log file
         interrupted()
         import tempfile
@@ -248,6 +247,12 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
             traceback.print_exc()
         first = str(e).splitlines()[0] if str(e) else ""
         fail(3, f"internal error: {type(e).__name__}: {first} (traceback in {log.name}; --debug shows it)")
+
+
+def _under_torchrun() -> bool:
+    """Launched by torchrun (its agent sets TORCHELASTIC_RUN_ID), which stops every rank once one exits non-zero; a
+    RANK inherited from elsewhere, or ranks launched by hand, are not."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def _let_rank_0_speak(seconds: float = 10.0) -> None:

@@ -144,7 +144,8 @@ class EntryJson:
             raise EncodingsError(f"{where}: {problem}")
         # NVFP4's global scale puts the largest block's scale at FP8's largest value: a global_amax below a block's
         # amax saturates those scales and clips the weights (vLLM fuses q/k/v on the largest of their global scales)
-        if source is None and entry.global_amax is not None and float(entry.max.max()) > entry.global_amax:
+        if source is None and entry.global_amax is not None and \
+                float(entry.max.max()) > float(torch.tensor(entry.global_amax, dtype=torch.float32)):
             raise EncodingsError(f"{where}: global_amax {entry.global_amax:.6g} is below the largest amax of its blocks "
                                  f"({float(entry.max.max()):.6g}); it is the absolute maximum of the weight (and of "
                                  "the weights fused with it)")

@@ -71,11 +71,16 @@ def _refuse_quantized(cfg_file: Path, raw: dict) -> None:
     block-FP8 checkpoint exited 0 with ranges 2000x the real weights')."""
     for cfg in (raw, raw.get("text_config")):
         qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-        if isinstance(qc, dict):
-            method = str(qc.get("quant_method", qc.get("format", "unknown")))[:40]
-            raise CheckpointError(f"{cfg_file}: the checkpoint is quantized already (quantization_config, quant_method "
-                                  f"{method!r}): qtool calibrates float weights; pass the float checkpoint it was made "
-                                  "from, or dequantize it first")
+        if not isinstance(qc, dict) or not qc:
+            continue
+        method = str(qc.get("quant_method", qc.get("format", "unknown")))[:40]
+        sparsity = qc.get("sparsity_config") if isinstance(qc.get("sparsity_config"), dict) else {}
+        if method == "compressed-tensors" and not qc.get("config_groups") and qc.get("format") in (None, "dense") \
+                and sparsity.get("format") in (None, "dense"):
+            continue  # (no quantization groups, weights stored dense: float weights, llm-compressor's sparsity pass)
+        raise CheckpointError(f"{cfg_file}: the checkpoint is quantized already (quantization_config, quant_method "
+                              f"{method!r}): qtool calibrates float weights; pass the float checkpoint it was made "
+                              "from, or dequantize it first")
 
 
 def _check_architecture(transformers, cfg_file: Path, config) -> None:

@@ -99,10 +99,10 @@ def _other_checkpoint(enc_path: Path, digest: Dict[str, str]) -> Optional[str]:
 
 def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, str], enc: EncodingsFile,
                            allow_other: bool) -> Optional[str]:
-    """Refuse encodings calibrated on other weights (:func:`_other_checkpoint`) unless ``allow_other``, and even
-    then where they carry tensors made from those weights (codes a rounding algorithm chose, smoothed or rotated
-    tensors): written for this checkpoint, they would be the other model's. Returns the warning an allowed one
-    gets (None: the same weights, or none recorded)."""
+    """Refuse encodings calibrated on other weights (:func:`_other_checkpoint`: other file bytes, which a re-saved
+    copy of the same tensors has too) unless ``allow_other``. Returns the warning an allowed one gets, which says
+    so loudly where they carry tensors made from those weights (codes a rounding algorithm chose, smoothed or
+    rotated tensors), written as they are (None: the same weights, or none recorded)."""
     other = _other_checkpoint(enc_path, digest)
     if other is None:
         return None
@@ -110,13 +110,13 @@ def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, st
         raise EncodingsError(f"{enc_path}: calibrated on other weights than {checkpoint} (its manifest.json records "
                              f"{other} with other file hashes); export from that checkpoint, or pass "
                              "--allow-other-checkpoint if the weights changed on purpose")
+    warning = (f"--allow-other-checkpoint: the ranges were calibrated on other weights ({other}) than "
+               f"{checkpoint}'s, and are applied to these as they are")
     if enc.codes_file is not None:
-        raise EncodingsError(f"{enc_path}: calibrated on other weights than {checkpoint} ({other}), and its "
-                             f"{enc.codes_file} holds tensors made from those weights (codes a rounding algorithm "
-                             "chose, or smoothed or rotated weights): --allow-other-checkpoint would write the other "
-                             "model's; calibrate this checkpoint instead")
-    return (f"--allow-other-checkpoint: the ranges were calibrated on other weights ({other}) than {checkpoint}'s, "
-            "and are applied to these as they are")
+        warning += (f"; {enc.codes_file} holds tensors made from those weights (codes a rounding algorithm chose, or "
+                    "smoothed or rotated weights), written as they are: where these weights differ, the file holds "
+                    "the other model's there (calibrate this checkpoint for its own)")
+    return warning
 
 
 def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: Path, eopts: ExportOptions,
@@ -125,7 +125,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
                  allow_other: bool = False) -> Dict[str, Any]:
     """Export ``enc`` of ``checkpoint`` into ``out_dir``; with ``same_weights``, refuse a checkpoint whose bytes differ
     from those the calibration's manifest records (checked once the checkpoint is known to be readable), unless
-    ``allow_other`` (then a warning, and still refused where the encodings carry tensors made from those weights).
+    ``allow_other`` (then a warning).
     ``checkpoint_checked``: the format's checkpoint check already ran in this job (``quantize`` runs it before
     calibrating)."""
     from ..aimet_format import to_aimet
