@@ -251,7 +251,8 @@ class _TorchGroup(Group):
 def _said_here(error: UsageError) -> UsageError:
     """An error of this process's own launch (torchrun sets every variable it reads): said by this rank, whatever
     its rank, rather than left to a rank 0 that may not exist."""
-    error.dist_rank = os.environ.get("RANK", "0")
+    if "RANK" in os.environ:  # (without one, this process is rank 0 to the CLI, which says it)
+        error.dist_rank = os.environ["RANK"]
     return error
 
 

@@ -231,6 +231,16 @@ def test_a_checkpoint_quantized_already_is_refused_in_one_line(tmp_path, where):
         code, _, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "run", "-q",
                                "--overwrite")
         assert code == 0, (qc, err)
+    # FP8 codes beside their scales under a config that lost its quantization_config (the review's case)
+    from safetensors.torch import load_file
+
+    state = load_file(ckpt / "model.safetensors")
+    w = "model.layers.0.self_attn.q_proj.weight"
+    state[w] = (state[w] * 1000).to(torch.float8_e4m3fn)
+    state[w + "_scale_inv"] = torch.full((1, 1), 1e-3)
+    save_file(state, ckpt / "model.safetensors")
+    code, _, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "r2")
+    assert code == 2 and f"{w} holds float8 codes beside their scales ({w}_scale_inv)" in error_lines(err)[-1], err
 
 
 @pytest.mark.parametrize("recipe", ["w8a16", "w8a8"])
