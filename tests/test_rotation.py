@@ -734,3 +734,15 @@ def test_a_mixture_of_experts_model_rotates_through_its_router_and_every_expert(
     assert torch.equal(router, fq_params["model.layers.1.mlp.gate.weight"])
     assert not torch.equal(router, plain.state_dict()["model.layers.1.mlp.gate.weight"])
     del want
+
+
+def test_a_rotation_of_a_layer_without_the_mlp_it_needs_says_the_module_does_not_exist(tmp_path):
+    """gpt-oss's experts are fused, with no mlp.gate_proj: the refusal called that module 'not a Linear layer'."""
+    from tests.helpers import run_cli
+    from tests.test_gguf_families import _tiny
+
+    ckpt = _tiny(tmp_path / "m", "gpt_oss")
+    code, _, err = run_cli("calibrate", ckpt, "-c", "w8a8-dynamic-rot", "-o", tmp_path / "run")
+    lines = [line for line in err.splitlines() if line.startswith("error")]
+    assert code == 2 and len(lines) == 1, err
+    assert "model.layers.0.mlp.gate_proj does not exist; qtool rotates" in lines[0], err

@@ -81,10 +81,11 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
             moe.append((layer,) + parts)
             known = _ATTENTION_LINEARS + parts[0] + parts[1]
         for part in _LAYER_LINEARS if parts is None else _ATTENTION_LINEARS:
-            if not isinstance(modules.get(f"{layer}.{part}"), nn.Linear):
-                raise ConfigError(f"{where}: {layer}.{part} is not a Linear layer; qtool rotates Llama-family "
-                                  "decoder layers (Llama, Mistral, Qwen2, Qwen3 and their mixture-of-experts "
-                                  "variants)")
+            found = modules.get(f"{layer}.{part}")
+            if not isinstance(found, nn.Linear):  # (gpt-oss's and GraniteMoE's fused experts have no such module)
+                what = "does not exist" if found is None else f"is a {type(found).__name__}, not a Linear layer"
+                raise ConfigError(f"{where}: {layer}.{part} {what}; qtool rotates Llama-family decoder layers "
+                                  "(Llama, Mistral, Qwen2, Qwen3 and their mixture-of-experts variants)")
         for norm in ("input_layernorm", "post_attention_layernorm"):
             got = type(modules.get(f"{layer}.{norm}")).__name__
             if got not in rms_norms:
