@@ -241,6 +241,29 @@ def test_a_checkpoint_quantized_already_is_refused_in_one_line(tmp_path, where):
     save_file(state, ckpt / "model.safetensors")
     code, _, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "r2")
     assert code == 2 and f"{w} holds float8 codes beside their scales ({w}_scale_inv)" in error_lines(err)[-1], err
+    # int8 codes (compressed-tensors' int-quantized layout) beside a scale in another shard
+    state = load_file(ckpt / "model.safetensors")
+    del state[w + "_scale_inv"]
+    state[w] = torch.randint(-127, 128, state[w].shape, dtype=torch.int8)
+    (ckpt / "model.safetensors").unlink()
+    save_file(state, ckpt / "model-1.safetensors")
+    save_file({w + "_scale": torch.full((64, 1), 1e-3)}, ckpt / "model-2.safetensors")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        **{k: "model-1.safetensors" for k in state}, w + "_scale": "model-2.safetensors"}}))
+    code, _, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "r2")
+    assert code == 2 and f"{w} holds int8 codes beside their scales ({w}_scale)" in error_lines(err)[-1], err
+
+
+def test_a_truncated_file_of_a_model_without_num_hidden_layers_is_one_line(tmp_path):
+    """GPT-2 names its depth n_layer: the streamed path read the headers before checking them (internal error)."""
+    import transformers
+
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                                         n_positions=32)).save_pretrained(tmp_path / "g")
+    f = tmp_path / "g" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    code, _, err = run_cli("calibrate", tmp_path / "g", "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "r")
+    assert code == 2 and error_lines(err)[-1].startswith(f"error: {f}: truncated safetensors file"), err
 
 
 @pytest.mark.parametrize("recipe", ["w8a16", "w8a8"])

@@ -90,7 +90,8 @@ def export(
     trust_remote_code: bool = _TRUST_CODE,
     allow_other_checkpoint: bool = typer.Option(
         False, "--allow-other-checkpoint", help="Export even where the calibration's manifest.json records other "
-        "weights than CHECKPOINT (by default refused: ranges of another model clip or waste this one's grid)."),
+        "weights than CHECKPOINT (by default refused: ranges of another model clip or waste this one's grid; codes "
+        "GPTQ chose, or smoothed or rotated tensors, are written as they are, with a warning)."),
     overwrite: bool = _OVERWRITE,
     json_out: bool = _JSON,
     quiet: bool = _QUIET,

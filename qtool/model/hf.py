@@ -83,22 +83,25 @@ def _refuse_quantized(cfg_file: Path, raw: dict) -> None:
                               "from, or dequantize it first")
 
 
-def _refuse_scaled_float8(files) -> None:
-    """FP8 codes beside their scales (a block-FP8 checkpoint whose config.json lost its quantization_config): read as
-    float weights they are the codes, hundreds of times the weights' values."""
+def _refuse_scaled_codes(files) -> None:
+    """Codes beside their scales (a block-FP8 or int8 checkpoint whose config.json lost its quantization_config):
+    read as float weights they are the codes, hundreds of times the weights' values."""
     from safetensors import safe_open
 
+    dtypes, where = {}, {}
     for f in files:
+        check_safetensors(f)  # (a damaged header is one line, before safetensors reads it)
         with safe_open(str(f), "pt") as fh:
-            keys = set(fh.keys())
-            for k in sorted(keys):
-                if not k.endswith(".weight") or not fh.get_slice(k).get_dtype().startswith("F8"):
-                    continue
-                scale = next((k + s for s in ("_scale_inv", "_scale") if k + s in keys), None)
-                if scale is not None:
-                    raise CheckpointError(f"{f}: {k} holds float8 codes beside their scales ({scale}): the checkpoint "
-                                          "is quantized already; qtool calibrates float weights: pass the float "
-                                          "checkpoint it was made from, or dequantize it first")
+            for k in fh.keys():
+                dtypes[k], where[k] = fh.get_slice(k).get_dtype(), f
+    for k in sorted(dtypes):
+        if k.endswith(".weight") and (dtypes[k].startswith("F8") or dtypes[k] == "I8"):
+            scale = next((k + s for s in ("_scale_inv", "_scale") if k + s in dtypes), None)
+            if scale is not None:
+                kind = "float8" if dtypes[k].startswith("F8") else "int8"
+                raise CheckpointError(f"{where[k]}: {k} holds {kind} codes beside their scales ({scale}): the "
+                                      "checkpoint is quantized already; qtool calibrates float weights: pass the "
+                                      "float checkpoint it was made from, or dequantize it first")
 
 
 def _check_architecture(transformers, cfg_file: Path, config) -> None:
@@ -338,7 +341,7 @@ def _check_fit_if_weights(path, model: nn.Module) -> Optional[Dict[str, Tuple[Tu
     if not files:
         return None
     check_files_there(path, files)
-    _refuse_scaled_float8(files)
+    _refuse_scaled_codes(files)
     headers = safetensors_index(files)
     check_weights_fit(path, model, files, headers)
     return headers
