@@ -298,14 +298,14 @@ def _head_on_quantized_table(model) -> bool:
     """Make a tied output layer compute with the table its embedding quantizes, as a qtool file stores the one
     table (the fake-quant model runs it on the float table, as a GGUF file does); False where nothing is tied so."""
     from qtool.model.insert import fake_quant_weight
-    from qtool.report import tied_notes
+    from qtool.report import tied_one_way
 
-    if not any("qtool file" in n for n in tied_notes(model)):
-        return False
-    table = model.get_input_embeddings()
-    with torch.no_grad():  # the embedding's fake-quant of a table already on its grid is the same table
-        table.weight.copy_(fake_quant_weight(table))
-    return True
+    tables = [q for tensor, q, _ in tied_one_way(model) if q == tensor.rpartition(".")[0]]
+    for name in tables:
+        table = model.get_submodule(name)
+        with torch.no_grad():  # the table's fake-quant of a table already on its grid is the same table
+            table.weight.copy_(fake_quant_weight(table))
+    return bool(tables)
 
 
 def smollm2(tmp: Path, n_calib=300, n_held=300, seq_len=256, recipes=None, only=None, untied=False,

@@ -32,7 +32,7 @@ from .model.insert import (QUANTIZERS_ATTR, CACHE_KWARGS, has_stored_weight, qua
 from .parallel import Group, shard_bounds
 
 __all__ = ["LayerError", "Report", "Gate", "evaluate", "sensitivity", "sqnr_db", "check_gates", "enforce_gates",
-           "read_search", "pareto_points", "plot_pareto", "tied_notes"]
+           "read_search", "pareto_points", "plot_pareto", "tied_notes", "tied_one_way"]
 
 
 def grid_summary(entries) -> List[Dict[str, Any]]:
@@ -118,24 +118,29 @@ class Report:
         }
 
 
-def tied_notes(model: nn.Module) -> List[str]:
-    """A sentence per tied weight (one tensor two modules compute with: an output layer and the embedding table)
-    that one of them quantizes and the other does not: the fake-quant model runs the other on the float tensor,
-    which is what a GGUF file stores (the output layer written apart), not what a qtool or AIMET file does."""
-    first: Dict[int, str] = {}
-    notes = []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        earlier = first.setdefault(id(p), name)
-        if earlier == name:
-            continue
-        holders = [n.rpartition(".")[0] for n in (earlier, name)]
+def tied_one_way(model: nn.Module) -> List[Tuple[str, str, str]]:
+    """``(tensor, quantizing module, other module)`` for each tied weight (one tensor two modules compute with: an
+    output layer and the embedding table; ``tensor`` its first name, the one a checkpoint stores) that one of its
+    modules quantizes and the other does not."""
+    from .config.resolve import tied_parameters
+
+    out = []
+    for later, first in tied_parameters(model).items():
+        holders = [n.rpartition(".")[0] for n in (first, later)]
         quantizes = [n for n in holders if "weight" in getattr(model.get_submodule(n), QUANTIZERS_ATTR, {})]
-        if len(quantizes) != 1:
-            continue
-        other = next(n for n in holders if n not in quantizes)
-        note = (f"{other} computes with {earlier} (tied), which the encodings quantize for {quantizes[0]} only: "
+        if len(quantizes) == 1:
+            out.append((first, quantizes[0], next(n for n in holders if n != quantizes[0])))
+    return out
+
+
+def tied_notes(model: nn.Module) -> List[str]:
+    """A sentence per :func:`tied_one_way` weight: the fake-quant model runs the other module on the float tensor,
+    which is what a GGUF file stores (the output layer written apart), not what a qtool file does."""
+    notes = []
+    for tensor, quantizing, other in tied_one_way(model):
+        note = (f"{other} computes with {tensor} (tied), which the encodings quantize for {quantizing} only: "
                 f"measured with {other} on the float tensor, as a GGUF file stores it")
-        if quantizes[0] == holders[0]:
+        if quantizing == tensor.rpartition(".")[0]:  # (the table the checkpoint stores: one tensor in a qtool file)
             note += "; a qtool file holds the one quantized tensor for both (qtool eval FILE measures that)"
         notes.append(note)
     return notes
