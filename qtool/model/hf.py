@@ -83,25 +83,24 @@ def _refuse_quantized(cfg_file: Path, raw: dict) -> None:
                               "from, or dequantize it first")
 
 
-def _refuse_scaled_codes(files) -> None:
+def _refuse_scaled_codes(headers: Dict[str, Tuple[Tuple[int, ...], Path]]) -> None:
     """Codes beside their scales (a block-FP8 or int8 checkpoint whose config.json lost its quantization_config):
-    read as float weights they are the codes, hundreds of times the weights' values."""
+    read as float weights they are the codes, hundreds of times the weights' values. ``headers``: the checkpoint's
+    (``safetensors_index``); only the files holding a weight beside a scale are opened for its dtype."""
     from safetensors import safe_open
 
-    dtypes, where = {}, {}
-    for f in files:
-        check_safetensors(f)  # (a damaged header is one line, before safetensors reads it)
+    pairs = {k: next(k + s for s in ("_scale_inv", "_scale") if k + s in headers) for k in headers
+             if k.endswith(".weight") and (k + "_scale_inv" in headers or k + "_scale" in headers)}
+    dtypes = {}
+    for f in sorted({headers[k][1] for k in pairs}):
         with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():
-                dtypes[k], where[k] = fh.get_slice(k).get_dtype(), f
-    for k in sorted(dtypes):
-        if k.endswith(".weight") and (dtypes[k].startswith("F8") or dtypes[k] == "I8"):
-            scale = next((k + s for s in ("_scale_inv", "_scale") if k + s in dtypes), None)
-            if scale is not None:
-                kind = "float8" if dtypes[k].startswith("F8") else "int8"
-                raise CheckpointError(f"{where[k]}: {k} holds {kind} codes beside their scales ({scale}): the "
-                                      "checkpoint is quantized already; qtool calibrates float weights: pass the "
-                                      "float checkpoint it was made from, or dequantize it first")
+            dtypes.update({k: fh.get_slice(k).get_dtype() for k in pairs if headers[k][1] == f})
+    for k in sorted(pairs):
+        if dtypes[k].startswith("F8") or dtypes[k] == "I8":
+            kind = "float8" if dtypes[k].startswith("F8") else "int8"
+            raise CheckpointError(f"{headers[k][1]}: {k} holds {kind} codes beside their scales ({pairs[k]}): the "
+                                  "checkpoint is quantized already; qtool calibrates float weights: pass the float "
+                                  "checkpoint it was made from, or dequantize it first")
 
 
 def _check_architecture(transformers, cfg_file: Path, config) -> None:
@@ -341,8 +340,8 @@ def _check_fit_if_weights(path, model: nn.Module) -> Optional[Dict[str, Tuple[Tu
     if not files:
         return None
     check_files_there(path, files)
-    _refuse_scaled_codes(files)
     headers = safetensors_index(files)
+    _refuse_scaled_codes(headers)
     check_weights_fit(path, model, files, headers)
     return headers
 
