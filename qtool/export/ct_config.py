@@ -28,6 +28,17 @@ def _ct_version() -> str:
         return CT_VERSION_FALLBACK
 
 
+def _not_along_inputs(e) -> EncodingsError:
+    bs = None if e.block_size is None else list(e.block_size)
+    return EncodingsError(f"{e.name}: block_size {bs or None} is not supported by the compressed-tensors export; it "
+                          "writes groups along the input dimension only (block_size [1, G])")
+
+
+def _other_block_size(e, fmt: str, got) -> EncodingsError:
+    return EncodingsError(f"{e.name}: {fmt} stores blocks of {_BLOCKS[fmt]} (got {got}); vLLM and compressed-tensors "
+                          "read no other size")
+
+
 def _weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Dict[str, Any]:
     """compressed-tensors weight ``QuantizationArgs`` for one encoding, checking the layout fits a Linear."""
     out_f, in_f = shape
@@ -43,10 +54,7 @@ def _weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Dict[str
     elif e.granularity == "per_block":
         bs = tuple(e.block_size) if e.block_size is not None else None
         if bs is None or len(bs) != 2 or bs[0] not in (1, -1) or (bs[0] == -1 and e.shape[0] != out_f):
-            raise EncodingsError(
-                f"{e.name}: block_size {None if bs is None else list(bs)} is not supported by the compressed-tensors "
-                "export; it writes groups along the input dimension only (block_size [1, G])"
-            )
+            raise _not_along_inputs(e)
         g = bs[1] if bs[1] != -1 else (in_f // e.shape[1] if e.shape[1] else 0)
         if g <= 0 or in_f % g:
             raise EncodingsError(
@@ -153,15 +161,13 @@ def check_layout(e) -> None:
     bs = tuple(e.block_size or ())
     if e.granularity == "per_block" and (len(bs) != 2 or bs[0] not in (1, -1)):
         if not (layout is not None and layout[1] is None and len(bs) == 2):  # (FP8's tiles: strategy block)
-            raise EncodingsError(f"{e.name}: block_size {list(bs) or None} is not supported by the compressed-tensors "
-                                 "export; it writes groups along the input dimension only (block_size [1, G])")
+            raise _not_along_inputs(e)
     if layout is not None and layout[1] is not None:
         if e.granularity != "per_block":
             got = {"per_tensor": "tensor", "per_channel": "channel"}.get(e.granularity, e.granularity)
             raise EncodingsError(f"{e.name}: {layout[0]} needs blocks along the input dimension (got {got})")
         if bs[1] != -1 and bs[1] != _BLOCKS[layout[0]]:
-            raise EncodingsError(f"{e.name}: {layout[0]} stores blocks of {_BLOCKS[layout[0]]} (got {bs[1]}); vLLM and "
-                                 "compressed-tensors read no other size")
+            raise _other_block_size(e, layout[0], bs[1])
 
 
 def _float_weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Tuple[Dict[str, Any], str]:
@@ -180,8 +186,7 @@ def _float_weight_args(e: EncodingEntry, shape: Tuple[int, ...], key: str) -> Tu
         args["strategy"] = strategy
     want = _BLOCKS.get(fmt)
     if want is not None and args["group_size"] != want:  # (block_size [1, -1]: the group size the shape gives)
-        raise EncodingsError(f"{e.name}: {fmt} stores blocks of {want} (got {args['group_size']}); vLLM and "
-                             "compressed-tensors read no other size")
+        raise _other_block_size(e, fmt, args["group_size"])
     args.update(type="float", scale_dtype=_SCALE_DTYPE_NAMES.get(sdtype), observer="memoryless_minmax")
     return args, fmt
 

@@ -17,8 +17,8 @@ from torch import nn
 from ..errors import CheckpointError
 from .jsonfile import loads_strict, read_json_object
 
-__all__ = ["not_found", "check_files_there", "detect_kind", "tensor_files", "check_safetensors", "read_state_dict", "torch_load_safe",
-           "CheckpointTensors", "ST_DTYPES"]
+__all__ = ["not_found", "check_files_there", "detect_kind", "tensor_files", "check_safetensors", "read_state_dict",
+           "torch_load_safe", "CheckpointTensors", "ST_DTYPES"]
 
 
 def not_found(path) -> CheckpointError:
