@@ -199,10 +199,48 @@ def test_a_lazily_read_range_whose_scale_overflows_is_an_encodings_error(tmp_pat
     tensors["a.weight.min"][0, 0], tensors["a.weight.max"][0, 0] = -3e38, 3e38  # finite, but /7 steps overflows
     save_file(tensors, str(tmp_path / SIDECAR), metadata=meta)
     lazy = EncodingsFile.read(tmp_path / "encodings.json", lazy=True)
-    with pytest.raises(EncodingsError, match="a.weight.min/a.weight.max: the range overflows float32"):
+    with pytest.raises(EncodingsError, match=r"a.weight.min/a.weight.max: its range \[.*\] overflows float32"):
         lazy.entries[0].scale_offset()
     with pytest.raises(EncodingsError, match="overflows float32"):
         EncodingsFile.read(tmp_path / "encodings.json")
+
+
+def test_a_lazily_read_range_gets_the_checks_of_one_read_whole(tmp_path):
+    """Entries kept in the sidecar are read when their numbers are asked for (export --format qtool of a large
+    model): they are refused for what refuses an entry read whole (here min above max)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    big, small = _entries()
+    EncodingsFile([big, small], {}).write(tmp_path / "encodings.json", inline_limit=100)
+    with safe_open(tmp_path / SIDECAR, "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    tensors["a.weight.min"][5, 2] = tensors["a.weight.max"][5, 2] + 1
+    save_file(tensors, str(tmp_path / SIDECAR), metadata=meta)
+    with pytest.raises(EncodingsError, match="min is above max"):
+        EncodingsFile.read(tmp_path / "encodings.json")
+    lazy = EncodingsFile.read(tmp_path / "encodings.json", lazy=True)
+    with pytest.raises(EncodingsError, match="a.weight.min/a.weight.max: min is above max"):
+        lazy.entries[0].range()
+
+
+def test_an_nvfp4_global_amax_below_its_blocks_is_refused_from_the_sidecar_too(tmp_path):
+    """The qtool format reads a large entry lazily; a hand-edited global_amax below its blocks' amax (every block
+    scale saturated, the weight clipped) was exported there without a word, where the other formats refuse it."""
+    ckpt = tmp_path / "wide.safetensors"
+    save_file(wide().state_dict(), ckpt)
+    assert run_cli("calibrate", ckpt, "-c", "nvfp4a16", "-o", tmp_path / "run", "--model-class", WIDE)[0] == 0
+    obj = json.loads((tmp_path / "run" / "encodings.json").read_text())
+    assert "data" in obj["quantizers"][0]  # in the sidecar
+    obj["quantizers"][0]["global_amax"] = 1e-3  # (recorded where a runtime fuses layers, e.g. q/k/v)
+    (tmp_path / "run" / "encodings.json").write_text(json.dumps(obj))
+    for fmt in ("qtool", "compressed-tensors"):
+        code, _, err = run_cli("export", ckpt, "-e", tmp_path / "run" / "encodings.json", "-o", tmp_path / fmt,
+                               "--format", fmt, "--model-class", WIDE)
+        lines = [line for line in error_lines(err) if line.startswith("error")]
+        assert code == 2 and len(lines) == 1 and "global_amax 0.001 is below the largest amax of its blocks" in \
+            lines[0], (fmt, err)
+        assert not (tmp_path / fmt).exists()
 
 
 def test_sidecar_stream_abort_leaves_the_real_error_alone(tmp_path):

@@ -14,7 +14,7 @@ from ..errors import EncodingsError
 from ..quant import QuantizerBase
 from ..quant.affine import resolve_block_size
 from ..quant.spec import Granularity, QuantSpec
-from .entry_json import EntryJson
+from .entry_json import EntryJson, range_problem
 from .grid import EntryGrid
 from .schema import range_fault
 from .sidecar import read_lazy_range
@@ -63,13 +63,20 @@ class EncodingEntry(EntryGrid, EntryJson):
             raise ValueError(f"{self.name} is dynamic: its range is computed from each call's values at run time")
         if self.source is None or self.min.device.type != "meta":
             return self.min, self.max
-        return read_lazy_range(self)
+        lo, hi = read_lazy_range(self.source)
+        problem = range_problem(self._with_range(lo, hi))  # the checks an entry read whole gets when it is read
+        if problem is not None:
+            file, kmin, kmax = self.source
+            raise EncodingsError(f"{file}: {kmin}/{kmax}: {problem}")
+        return lo, hi
 
     def materialized(self) -> "EncodingEntry":
         """This entry with its numbers in memory."""
         if self.source is None or self.min.device.type != "meta":
             return self
-        lo, hi = self.range()
+        return self._with_range(*self.range())
+
+    def _with_range(self, lo: torch.Tensor, hi: torch.Tensor) -> "EncodingEntry":
         return EncodingEntry(self.name, self.module, self.tensor, self.bitwidth, self.symmetric, self.granularity,
                              self.shape, self.block_size, self.analyzer, lo, hi, element=self.element,
                              scale_dtype=self.scale_dtype, global_amax=self.global_amax)

@@ -133,25 +133,33 @@ class EntryJson:
             raise EncodingsError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise EncodingsError(f"{where}: malformed entry ({str(e).splitlines()[0]})") from None
-        if source is None and not (torch.isfinite(entry.min).all() and torch.isfinite(entry.max).all()):
-            raise EncodingsError(f"{where}: min/max must be finite numbers")
-        if source is None and bool((entry.min > entry.max).any()):
-            raise EncodingsError(f"{where}: min is above max")
-        if source is None and entry.is_float and not torch.equal(-entry.min, entry.max):
-            raise EncodingsError(f"{where}: a float element's range is symmetric: min must be -max")
-        problem = entry.finite_problem() if source is None else None
+        problem = range_problem(entry) if source is None else None  # a lazy entry is checked when it is read
         if problem is not None:
             raise EncodingsError(f"{where}: {problem}")
-        # NVFP4's global scale puts the largest block's scale at FP8's largest value: a global_amax below a block's
-        # amax saturates those scales and clips the weights (vLLM fuses q/k/v on the largest of their global scales)
-        if source is None and entry.global_amax is not None and \
-                float(entry.max.max()) > float(torch.tensor(entry.global_amax, dtype=torch.float32)):
-            raise EncodingsError(f"{where}: global_amax {entry.global_amax:.6g} is below the largest amax of its blocks "
-                                 f"({float(entry.max.max()):.6g}); it is the absolute maximum of the weight (and of "
-                                 "the weights fused with it)")
         if source is None and ("scale" in obj or "offset" in obj):
             _check_stored_scale_offset(entry, obj, where)
         return entry
+
+
+def range_problem(entry) -> Optional[str]:
+    """Why the range a file gives ``entry`` (its numbers in memory) cannot be used, or None."""
+    if not (torch.isfinite(entry.min).all() and torch.isfinite(entry.max).all()):
+        return "min/max must be finite numbers"
+    if bool((entry.min > entry.max).any()):
+        return "min is above max"
+    if entry.is_float and not torch.equal(-entry.min, entry.max):
+        return "a float element's range is symmetric: min must be -max"
+    problem = entry.finite_problem()
+    if problem is not None:
+        return problem
+    # NVFP4's global scale puts the largest block's scale at FP8's largest value: a global_amax below a block's
+    # amax saturates those scales and clips the weights (vLLM fuses q/k/v on the largest of their global scales)
+    if entry.global_amax is not None and \
+            float(entry.max.max()) > float(torch.tensor(entry.global_amax, dtype=torch.float32)):
+        return (f"global_amax {entry.global_amax:.6g} is below the largest amax of its blocks "
+                f"({float(entry.max.max()):.6g}); it is the absolute maximum of the weight (and of the weights fused "
+                "with it)")
+    return None
 
 
 def _check_stored_scale_offset(entry, obj: Dict[str, Any], where: str) -> None:

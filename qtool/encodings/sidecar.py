@@ -11,22 +11,14 @@ import torch
 from ..errors import EncodingsError
 
 
-def read_lazy_range(entry) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(min, max)`` of an entry read lazily, read from the sidecar its ``source`` names now (not kept), and
-    checked: finite, and a scale that does not overflow float32."""
+def read_lazy_range(source: Tuple[str, str, str]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of an entry read lazily, from the sidecar file and keys its ``source`` names (checked by the
+    entry, :meth:`qtool.encodings.EncodingEntry.range`)."""
     from safetensors import safe_open
 
-    file, kmin, kmax = entry.source
+    file, kmin, kmax = source
     with safe_open(file, framework="pt") as fh:
-        lo, hi = fh.get_tensor(kmin), fh.get_tensor(kmax)
-    if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
-        raise EncodingsError(f"{file}: {kmin}/{kmax}: min/max must be finite numbers")
-    with torch.no_grad():
-        scale, _ = entry._scale_offset_of(lo.to(torch.float32), hi.to(torch.float32))
-    if not torch.isfinite(scale).all():
-        raise EncodingsError(f"{file}: {kmin}/{kmax}: the range overflows float32 when divided into steps (an "
-                             "infinite scale)")
-    return lo, hi
+        return fh.get_tensor(kmin), fh.get_tensor(kmax)
 
 
 class _Sidecar:
