@@ -163,10 +163,15 @@ def test_lazy_read_keeps_sidecar_numbers_on_disk_until_asked(tmp_path):
         EncodingsFile.read(tmp_path / "encodings.json", lazy=True)
 
 
-def test_non_finite_sidecar_numbers_are_an_encodings_error_eager_or_lazy(tmp_path):
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+def _edit_sidecar(run, edit) -> None:
+    """Change the sidecar's tensors in place by ``edit`` (a hand edit, metadata kept)."""
+    with safe_open(run / SIDECAR, "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    edit(tensors)
+    save_file(tensors, str(run / SIDECAR), metadata=meta)
 
+
+def test_non_finite_sidecar_numbers_are_an_encodings_error_eager_or_lazy(tmp_path):
     from qtool.io.finite import UnstorableValues
 
     big, small = _entries()
@@ -177,10 +182,7 @@ def test_non_finite_sidecar_numbers_are_an_encodings_error_eager_or_lazy(tmp_pat
     with pytest.raises(UnstorableValues, match=r"^a\.weight\.min: holds NaN"):
         (tmp_path / "again").mkdir()
         EncodingsFile([big, small], {}).write(tmp_path / "again" / "encodings.json", inline_limit=100)
-    with safe_open(tmp_path / SIDECAR, "pt") as f:  # ... so the file is damaged by hand
-        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-    tensors["a.weight.min"][3, 1] = float("nan")
-    save_file(tensors, str(tmp_path / SIDECAR), metadata=meta)
+    _edit_sidecar(tmp_path, lambda t: t["a.weight.min"].__setitem__((3, 1), float("nan")))  # ... so by hand
     with pytest.raises(EncodingsError, match="finite"):
         EncodingsFile.read(tmp_path / "encodings.json")
     lazy = EncodingsFile.read(tmp_path / "encodings.json", lazy=True)
@@ -189,15 +191,12 @@ def test_non_finite_sidecar_numbers_are_an_encodings_error_eager_or_lazy(tmp_pat
 
 
 def test_a_lazily_read_range_whose_scale_overflows_is_an_encodings_error(tmp_path):
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     big, small = _entries()
     EncodingsFile([big, small], {}).write(tmp_path / "encodings.json", inline_limit=100)
-    with safe_open(tmp_path / SIDECAR, "pt") as f:
-        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-    tensors["a.weight.min"][0, 0], tensors["a.weight.max"][0, 0] = -3e38, 3e38  # finite, but /7 steps overflows
-    save_file(tensors, str(tmp_path / SIDECAR), metadata=meta)
+
+    def overflow(t):  # finite, but /7 steps overflows
+        t["a.weight.min"][0, 0], t["a.weight.max"][0, 0] = -3e38, 3e38
+    _edit_sidecar(tmp_path, overflow)
     lazy = EncodingsFile.read(tmp_path / "encodings.json", lazy=True)
     with pytest.raises(EncodingsError, match=r"a.weight.min/a.weight.max: its range \[.*\] overflows float32"):
         lazy.entries[0].scale_offset()
@@ -208,15 +207,9 @@ def test_a_lazily_read_range_whose_scale_overflows_is_an_encodings_error(tmp_pat
 def test_a_lazily_read_range_gets_the_checks_of_one_read_whole(tmp_path):
     """Entries kept in the sidecar are read when their numbers are asked for (export --format qtool of a large
     model): they are refused for what refuses an entry read whole (here min above max)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     big, small = _entries()
     EncodingsFile([big, small], {}).write(tmp_path / "encodings.json", inline_limit=100)
-    with safe_open(tmp_path / SIDECAR, "pt") as f:
-        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-    tensors["a.weight.min"][5, 2] = tensors["a.weight.max"][5, 2] + 1
-    save_file(tensors, str(tmp_path / SIDECAR), metadata=meta)
+    _edit_sidecar(tmp_path, lambda t: t["a.weight.min"].__setitem__((5, 2), float(t["a.weight.max"][5, 2]) + 1))
     with pytest.raises(EncodingsError, match="min is above max"):
         EncodingsFile.read(tmp_path / "encodings.json")
     lazy = EncodingsFile.read(tmp_path / "encodings.json", lazy=True)
