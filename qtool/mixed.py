@@ -31,7 +31,7 @@ from .data import Batch
 from .export.base import layout_bytes
 from .model.insert import computing_with, fake_quant_weight, set_quantization
 from .parallel import Group, shard_bounds
-from .report import _main_output, _per_sample_cosine, next_token_targets
+from .report import _main_output, _one_number_each, _per_sample_cosine, next_token_targets
 
 __all__ = ["FUSED", "fused_groups", "group_damage", "Costs", "costs", "mixed_recipe"]  # (FUSED: config.fused's)
 
@@ -77,6 +77,12 @@ class _Scorer:
         return float(nll.sum()), int(nll.numel())
 
     def score(self, out: torch.Tensor) -> Tuple[float, int, float]:
+        if not self.causal_lm and _one_number_each(self.ref):
+            # one number per sample, whose cosine is its sign: the squared error against the float outputs' mean
+            # square, per sample
+            ref, out = self.ref.double().reshape(-1), out.double().reshape(-1)
+            scale = max(float(ref.pow(2).mean()), torch.finfo(torch.float32).tiny)
+            return float((ref - out).pow(2).sum()) / scale, int(ref.numel()), 0.0
         if not self.causal_lm:
             cos = _per_sample_cosine(self.ref, out, self.batch)
             return float((1.0 - cos).sum()), int(cos.numel()), 0.0

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from .model.insert import (QUANTIZERS_ATTR, CACHE_KWARGS, has_stored_weight, qua
 from .parallel import Group, shard_bounds
 
 __all__ = ["LayerError", "Report", "Gate", "evaluate", "sensitivity", "sqnr_db", "check_gates", "enforce_gates",
-           "read_search", "pareto_points", "plot_pareto", "tied_notes", "tied_one_way"]
+           "read_search", "pareto_points", "plot_pareto", "tied_notes", "tied_one_way", "output_cosines"]
 
 
 def grid_summary(entries) -> List[Dict[str, Any]]:
@@ -222,6 +222,27 @@ def _per_sample_cosine(a: torch.Tensor, b: torch.Tensor, batch: Optional[Batch] 
     return torch.nn.functional.cosine_similarity(a, b, dim=1).float()
 
 
+def _one_number_each(out: torch.Tensor) -> bool:
+    """Whether each sample's main output is one number (a regression or reranker head, ``[N, 1]`` or ``[N]``)."""
+    return out.dim() >= 1 and out.shape[0] > 0 and out.numel() == out.shape[0]
+
+
+def output_cosines(refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                   batches: Sequence[Optional[Batch]]) -> torch.Tensor:
+    """The main outputs' cosines, per sample (:func:`_per_sample_cosine`). Where each sample's output is one number
+    its cosine would be its sign (1.0 whatever the error): the column of every sample's number is compared
+    instead, one value (a constant error moves it only as far as it turns that column)."""
+    if refs and all(_one_number_each(r) for r in refs):
+        a = torch.cat([r.reshape(-1) for r in refs]).double()
+        b = torch.cat([o.reshape(-1) for o in outs]).double()
+        return torch.nn.functional.cosine_similarity(a, b, dim=0).float().reshape(1)
+    return torch.cat([_per_sample_cosine(r, o, b).cpu() for r, o, b in zip(refs, outs, batches)])
+
+
+ONE_NUMBER_NOTE = ("the model gives one number per sample: its cosine is taken over the samples (the column of "
+                   "their numbers), and top-1 agreement does not apply")
+
+
 # float32's cosine of n numbers is within about 1e-6 of the exact one up to 2**16 of them (measured: 9e-7 at 32,768),
 # and drifts past it beyond (a causal LM's 256 x 49,152 logits per sample read 1.0004 for identical outputs, above
 # a 0.9999 gate that the exact 0.9998 fails): larger samples are summed in float64. (Small ones stay in float32,
@@ -331,14 +352,17 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
     finally:
         for h in handles:
             h.remove()
-    record: Dict[str, Any] = {"terms": terms, "cos": _per_sample_cosine(ref_out, q_out, b).cpu(),
-                              "routed": sorted(routing)}
+    record: Dict[str, Any] = {"terms": terms, "routed": sorted(routing)}
+    if _one_number_each(ref_out):  # compared over every batch's samples (output_cosines)
+        record["column"] = (ref_out.float().reshape(-1).cpu(), q_out.float().reshape(-1).cpu())
+    else:
+        record["cos"] = _per_sample_cosine(ref_out, q_out, b).cpu()
     if causal_lm:
         nf, n = _token_nll(ref_out, b)
         nq, _ = _token_nll(q_out, b)
         record["nll"] = (nf, nq, n)
         record["kl"] = _token_kl(ref_out, q_out, b)
-    elif ref_out.dim() == 2:
+    elif ref_out.dim() == 2 and ref_out.shape[-1] > 1:
         record["top1"] = (int((ref_out.argmax(-1) == q_out.argmax(-1)).sum()), ref_out.shape[0])
     return record
 
@@ -374,7 +398,13 @@ def _fold(records: List[Dict[str, Any]], modules: Dict[str, nn.Module], chosen) 
             kl_sum, kl_tokens = kl_sum + rec["kl"][0], kl_tokens + rec["kl"][1]
         if "top1" in rec:
             top1_same, top1_total = top1_same + rec["top1"][0], top1_total + rec["top1"][1]
-    cos = torch.cat([rec["cos"] for rec in records]) if records else torch.zeros(0)
+    columns = [rec["column"] for rec in records if "column" in rec]
+    if columns:
+        cos = output_cosines([c[0] for c in columns], [c[1] for c in columns], [None] * len(columns))
+        samples = sum(c[0].numel() for c in columns)
+    else:
+        cos = torch.cat([rec["cos"] for rec in records]) if records else torch.zeros(0)
+        samples = int(cos.numel())
     compared = {n for rec in records for n, values in rec["terms"]["sig_c"].items() if values}
     routed = {n for rec in records for n in rec.get("routed", ())}
     layers = [LayerError(n, type(m).__name__.replace("Quantized", "", 1),
@@ -383,7 +413,9 @@ def _fold(records: List[Dict[str, Any]], modules: Dict[str, nn.Module], chosen) 
                          sqnr_db(sums["sig_i"][n], sums["noise_rtn"][n]) if n in chosen else None)
               for n, m in modules.items()]
     rep = Report(layers, float(cos.mean()) if cos.numel() else float("nan"),
-                 float(cos.min()) if cos.numel() else float("nan"), samples=int(cos.numel()))
+                 float(cos.min()) if cos.numel() else float("nan"), samples=samples)
+    if columns:
+        rep.notes.append(ONE_NUMBER_NOTE + "; the SQNR of the layer that gives it measures the error in size")
     if tokens:
         rep.perplexity_float = math.exp(nll_f / tokens)
         rep.perplexity_quant = math.exp(nll_q / tokens)
@@ -413,7 +445,7 @@ def sensitivity(model: nn.Module, batches: Iterable[Batch], device: torch.device
     for i, name in enumerate(modules):
         set_quantization(model, True, only={name})
         outs = [_main_output(model(*b.args, **b.kwargs)) for b in batches]
-        cos = float(torch.cat([_per_sample_cosine(r, o, b).cpu() for r, o, b in zip(refs, outs, batches)]).mean())
+        cos = float(output_cosines(refs, outs, batches).mean())
         row = {"module": name, "cosine": cos, "damage": 1.0 - cos,
                "has_activations": any(k != "weight" for k in getattr(dict(model.named_modules())[name],
                                                                        "qtool_quantizers", {}))}

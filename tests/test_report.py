@@ -317,3 +317,47 @@ def test_a_suggest_count_below_one_says_what_n_is(value, needle):
     with pytest.raises(UsageError, match=re.escape(needle)):
         _suggest_flag([value], True)
     assert _suggest_flag(["2 k.yaml"], True) == (2, "k.yaml")
+
+
+def test_a_model_giving_one_number_per_sample_is_compared_over_the_samples(tmp_path):
+    """One number's cosine is its sign: a regression head's report read cosine 1.0 and top-1 1.0 whatever the
+    error, and --min-cosine always passed. The column of every sample's number is compared instead."""
+    from qtool.mixed import _Scorer
+    from tests.tinymodels import regressor
+
+    spec = "tests.tinymodels:regressor"
+    save_file(regressor().state_dict(), tmp_path / "m.safetensors")
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    save_file({"x": x}, tmp_path / "data.safetensors")
+    recipe = tmp_path / "w2.yaml"  # crude enough that the outputs move
+    recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 2, symmetric: false, granularity: per_tensor}\n"
+                      "  activations: {bitwidth: 4, symmetric: false}\n")
+    assert run_cli("calibrate", tmp_path / "m.safetensors", "-c", recipe, "--data", tmp_path / "data.safetensors",
+                   "--model-class", spec, "-o", tmp_path / "run")[0] == 0
+    code, out, err = run_cli("report", tmp_path / "m.safetensors", "-e", tmp_path / "run/encodings.json", "--data",
+                             tmp_path / "data.safetensors", "--model-class", spec, "--json", "-q")
+    assert code == 0, err
+    rep = json.loads(out)
+    end = rep["end_to_end"]
+    model = qtool.load_calibrated(str(tmp_path / "m.safetensors"), str(tmp_path / "run/encodings.json"),
+                                  model_class=spec)
+    with torch.no_grad():
+        set_quantization(model, False)
+        ref = model(x)
+        set_quantization(model, True)
+        got = model(x)
+    assert torch.nn.functional.cosine_similarity(ref, got, dim=1).abs().eq(1).all()  # each sample's: its sign
+    want = float(torch.nn.functional.cosine_similarity(ref.reshape(-1).double(), got.reshape(-1).double(), dim=0))
+    assert want < 0.999
+    assert end["cosine_mean"] == pytest.approx(want, abs=1e-6) and end["cosine_min"] == end["cosine_mean"]
+    assert end["top1_agreement"] is None
+    assert rep["samples"] == 64 and any("one number per sample" in n for n in rep["notes"])
+    code, _, err = run_cli("report", tmp_path / "m.safetensors", "-e", tmp_path / "run/encodings.json", "--data",
+                           tmp_path / "data.safetensors", "--model-class", spec, "--min-cosine", 0.999, "-q")
+    assert code == 1 and "gate failed: --min-cosine" in err, err
+    # the size-budget search's damage: the squared error over the float outputs' mean square, not 1 - cosine
+    batch = next(iter(load_data(tmp_path / "data.safetensors", batch_size=64)))
+    scorer = _Scorer(ref, batch, causal_lm=False)
+    damage, n, _ = scorer.score(got)
+    assert n == 64 and damage == pytest.approx(float((ref - got).pow(2).sum() / ref.pow(2).mean()), rel=1e-6)
+    assert damage > 0 and scorer.score(ref)[0] == 0.0

@@ -9,6 +9,12 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
+def regressor() -> nn.Module:
+    """One number per sample (a regression or reranker head)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
 class ConvNet(nn.Module):
     def __init__(self):
         super().__init__()

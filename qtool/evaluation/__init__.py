@@ -25,7 +25,7 @@ from ..hooks import Hooks
 from ..model.apply import make_fake_quant
 from ..model.insert import quantized_modules, set_stored_weight
 from ..model.load import load_model
-from ..report import _per_sample_cosine
+from ..report import ONE_NUMBER_NOTE, _one_number_each, output_cosines
 from .artifact import Artifact, locate, places, quantization_config
 from .metrics import Distributions, agreement, divergence, perplexity, token_kl
 from .result import Evaluation, check_gate_use, check_gates, describe, enforce
@@ -622,12 +622,14 @@ def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc
         if any(x.shape != y.shape for x, y in zip(a, b)):
             raise UsageError(f"{art.path}: its outputs have another shape than the reference model's: an export of "
                              f"another model?")
-        c = torch.cat([_per_sample_cosine(x, y, batch) for x, y, batch in zip(a, b, batches)]).double()
+        c = output_cosines(a, b, batches).double()
         ev.cosine[name] = {"mean": float(c.mean()), "min": float(c.min())}
-        if all(x.dim() == 2 for x in a):
+        if all(x.dim() == 2 and x.shape[-1] > 1 for x in a):
             same = torch.cat([x.argmax(-1) == y.argmax(-1) for x, y in zip(a, b)])
             ev.top1[name] = float(same.double().mean())
     ev.tokens = _text_tokens(batches)
+    if all(_one_number_each(x) for x in flt):
+        ev.notes.append(ONE_NUMBER_NOTE)
     if fq is not None:
         quant = 1.0 - ev.cosine["fake_quant"]["mean"]
         gap = 1.0 - ev.cosine["export_gap"]["mean"]
