@@ -506,3 +506,23 @@ def test_progress_counts_each_runtimes_own_steps(model, tmp_path):
     assert last["scoring (float)"] == (2 + 2 * 5, 2 + 2 * 5, "continuation 2/2")  # 2 passes, then 2 x 5 tokens
     assert last["scoring (llama.cpp)"][:2] == (2 * 48 + 2 * 5,) * 2  # a request per position
     assert ("scoring (float)", 1, 12, "window 1/2") in steps
+
+
+def test_encodings_given_that_were_calibrated_on_other_weights_are_said(model, tmp_path):
+    """``-e`` with another model's encodings (same shapes): the fake-quant model was of other ranges, and a healthy
+    file was blamed in an export fault without a word of why."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt, calib, _ = model
+    out = _quantize(model, tmp_path, "w8a16", "qtool")
+    other = tmp_path / "other"
+    shutil.copytree(ckpt, other)
+    t = load_file(str(other / "model.safetensors"))
+    t["model.layers.0.mlp.down_proj.weight"] = t["model.layers.0.mlp.down_proj.weight"].flip(0) * 3
+    save_file(t, str(other / "model.safetensors"), metadata={"format": "pt"})
+    code, _, err = run_cli("calibrate", other, "-c", "w8a16", "-o", tmp_path / "other_run", "--data", calib,
+                           "--seq-len", "32", "-q")
+    assert code == 0, err
+    code, res, err = _eval(model, out, "-e", tmp_path / "other_run/encodings.json")
+    assert any("were calibrated on other weights" in n for n in res["notes"]), (code, res["notes"], err)
+    assert code == 0 or "were calibrated on other weights than" in res["export_fault"], res["export_fault"]

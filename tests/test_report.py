@@ -361,3 +361,19 @@ def test_a_model_giving_one_number_per_sample_is_compared_over_the_samples(tmp_p
     damage, n, _ = scorer.score(got)
     assert n == 64 and damage == pytest.approx(float((ref - got).pow(2).sum() / ref.pow(2).mean()), rel=1e-6)
     assert damage > 0 and scorer.score(ref)[0] == 0.0
+
+
+def test_encodings_calibrated_on_other_weights_are_refused(world, tmp_path):
+    """Encodings of one model measured on another of the same shapes: every figure was of ranges (and codes) chosen
+    for other numbers, exit 0 without a word. The calibration's manifest records its weights, as export checks."""
+    other = {k: v * 1.5 for k, v in mlp().state_dict().items()}
+    save_file(other, tmp_path / "other.safetensors")
+    code, out, err = run_cli("report", tmp_path / "other.safetensors", "-e", world / "run/encodings.json", "--data",
+                             world / "data.safetensors", "--model-class", MLP, "--json")
+    assert code == 2 and "calibrated on other weights than" in json.loads(out)["error"], out
+    assert "m.safetensors" in json.loads(out)["error"]
+    # a byte-identical copy elsewhere is the same checkpoint
+    (tmp_path / "copy.safetensors").write_bytes((world / "m.safetensors").read_bytes())
+    code, _, err = run_cli("report", tmp_path / "copy.safetensors", "-e", world / "run/encodings.json", "--data",
+                           world / "data.safetensors", "--model-class", MLP, "-q")
+    assert code == 0, err

@@ -204,6 +204,18 @@ class EncodingsFile:
         return cls(entries, meta, data_files, codes_file, online)
 
 
+def calibrated_on(enc_path: Path) -> Optional[Tuple[str, List[str]]]:
+    """The checkpoint an encodings file was calibrated on, as the calibration's ``manifest.json`` beside it records
+    it: its path and its weight files' sorted sha256 (None: no such manifest, or it records no hashes)."""
+    try:
+        recorded = json.loads((Path(enc_path).parent / "manifest.json").read_text(encoding="utf-8"))
+        checkpoint = recorded["inputs"]["checkpoint"]
+        hashes = sorted(str(h) for h in checkpoint["sha256"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # no calibration manifest (or not one of qtool's): nothing recorded to compare with
+    return (str(checkpoint.get("path", "another checkpoint")), hashes) if hashes else None
+
+
 def _read_online(raw: Any, path: Path) -> List[OnlineRotation]:
     """The ``online_rotations`` list of a version-4 file, each checked (the modules they name are checked against
     the model when the encodings are applied)."""

@@ -371,6 +371,9 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
     enc = Path(encodings) if encodings else art.encodings
     if encodings and not enc.is_file():
         raise UsageError(f"{enc}: no such encodings file")
+    other_encodings = _calibrated_elsewhere(enc, reference) if encodings else None
+    if other_encodings:
+        notes.append(other_encodings)
     if not encodings and art.encodings_missing is not None:
         notes.append(f"the encodings the manifest names ({art.encodings_missing}) are not here or beside "
                      f"{art.directory} with the sha256 it records")
@@ -385,7 +388,22 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
         ev.export_fault += (f"; but {reference} holds other weights than the checkpoint the artifact's manifest "
                             f"records ({art.checkpoint}), so the fake-quant model is of other weights: evaluate "
                             "against that checkpoint before blaming the file")
+    elif ev.export_fault and other_encodings:
+        ev.export_fault += (f"; but the encodings given ({enc}) were calibrated on other weights than {reference}, "
+                            "so the fake-quant model is not what the file was made from: pass the encodings it was "
+                            "exported from before blaming the file")
     return ev
+
+
+def _calibrated_elsewhere(enc: Path, reference: str) -> Optional[str]:
+    """A note where the calibration manifest beside ``enc`` records other weights than ``reference``'s."""
+    from ..encodings import calibrated_on
+
+    recorded = calibrated_on(enc)
+    if recorded is None or _weight_hashes(Path(reference)) in (None, recorded[1]):
+        return None
+    return (f"the encodings given ({enc}) were calibrated on other weights ({recorded[0]}) than the float checkpoint "
+            f"{reference}: the fake-quant model applies them to {reference}'s")
 
 
 def _weight_hashes(checkpoint: Path) -> Optional[List[str]]:

@@ -3,7 +3,6 @@ a format (plus AIMET's JSON beside it), and an AIMET encodings file brought in a
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -11,7 +10,7 @@ from typing import Any, Dict, Optional
 from .. import __version__
 from ..calibration import CalibrateOptions
 from ..data import load_data
-from ..encodings import EncodingsFile
+from ..encodings import EncodingsFile, calibrated_on
 from ..errors import EncodingsError, UsageError
 from ..export import check_export_choices, get_exporter
 from ..export.base import ExportRequest
@@ -86,14 +85,9 @@ def _other_checkpoint(enc_path: Path, digest: Dict[str, str]) -> Optional[str]:
     ``enc_path`` records its checkpoint's file hashes and the checkpoint given now holds other bytes (its path may
     differ), the path the manifest records (else None). Ranges from another model of the same shape would clip or
     waste this one's grid silently."""
-    try:
-        recorded = json.loads((enc_path.parent / "manifest.json").read_text(encoding="utf-8"))
-        hashes = recorded["inputs"]["checkpoint"]["sha256"]
-        then = sorted(str(h) for h in hashes.values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None  # no calibration manifest (or not one of qtool's): nothing recorded to compare with
-    if then and then != sorted(digest.values()):
-        return str(recorded["inputs"]["checkpoint"].get("path", "another checkpoint"))
+    recorded = calibrated_on(enc_path)
+    if recorded is not None and recorded[1] != sorted(digest.values()):
+        return recorded[0]
     return None
 
 

@@ -15,14 +15,16 @@ from torch import nn
 from ..calibration import CalibrateOptions
 from ..config import RecipeFile, read_recipe
 from ..data import load_data
-from ..encodings import CODES_FILE, SIDECAR
-from ..errors import CheckpointError, DataError, UsageError
+from ..encodings import CODES_FILE, SIDECAR, calibrated_on
+from ..errors import CheckpointError, DataError, EncodingsError, UsageError
 from ..hooks import Hooks
+from ..io.checkpoint import tensor_files
 from ..io.finite import all_finite
 from ..io.fs import check_output_file
 from ..model.apply import make_fake_quant
 from ..model.load import load_model
 from .common import _inputs, _ranks, one_at_a_time
+from .manifest import digests
 
 
 @one_at_a_time
@@ -41,6 +43,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
         if bad is not None:  # (its outputs would be NaN: every figure, and so every gate, meaningless)
             raise CheckpointError(f"{checkpoint}: {bad} holds NaN or infinity, so the float model is no reference "
                                   "to measure against")
+        _check_calibrated_on(Path(encodings), checkpoint)
         enc = make_fake_quant(loaded.model, checkpoint, encodings, opts.trust_pickle)
         if opts.data is None:
             raise DataError("qtool report runs the model: pass --data PATH (text or tensors)")
@@ -59,6 +62,21 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
         out["sensitivity"] = sensitivity(loaded.model, data, device, loaded.is_causal_lm, hooks.on_tensor)
         out["json"]["sensitivity"] = out["sensitivity"]
     return out
+
+
+def _check_calibrated_on(enc_path: Path, checkpoint: str) -> None:
+    """Refuse encodings whose calibration manifest records other weights than ``checkpoint``'s (same shapes, other
+    numbers: every figure would measure one model's ranges, and codes, on another), as ``export`` does."""
+    recorded = calibrated_on(enc_path)
+    if recorded is None:
+        return
+    try:
+        hashes = sorted(digests(tensor_files(Path(checkpoint))).values())
+    except (CheckpointError, OSError):
+        return
+    if hashes != recorded[1]:
+        raise EncodingsError(f"{enc_path}: calibrated on other weights than {checkpoint} (its manifest.json records "
+                             f"{recorded[0]} with other file hashes): report on that checkpoint, or calibrate this one")
 
 
 @one_at_a_time
