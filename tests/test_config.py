@@ -451,3 +451,43 @@ def test_config_list_fits_the_terminal_without_breaking_a_word(monkeypatch, widt
         assert all(word in tokens for word in r["title"].split()), r["title"]
     if width == 80:
         assert len(lines) < 130
+
+
+@pytest.mark.parametrize("pattern, message", [
+    ("blocks.0", "'blocks.0' names blocks.0, a Block that no quantizer takes, and the layers inside it (blocks.0.attn "
+                 "...) stay quantized: 'blocks.0.*' names them"),
+    ("*.mlp", "'*.mlp' names blocks.0.mlp, a Sequential that no quantizer takes, and the layers inside it"),
+    ("Embedding", "'Embedding' is a module type, and ignore takes module names: a layers rule {type: Embedding, "
+                  "weights: null, activations: null} keeps that type float"),
+    ("lm_haed", "'lm_haed' matches no module (did you mean 'lm_head'?)"),
+    ("embed.weight", "'embed.weight' is a parameter's name, and ignore takes module names: 'embed'"),
+])
+def test_an_ignore_entry_that_keeps_nothing_float_it_names_is_refused(pattern, message):
+    """A container, a type's name or a misspelt name in ignore left every layer quantized without a word."""
+    text = f"version: 1\ndefaults:\n  activations: null\nignore: [{pattern!r}]\n"
+    with pytest.raises(ConfigError, match=re.escape(f"r.yaml: ignore[0]: {message}")):
+        plan_of(text)
+    plan = plan_of(text, allow_unmatched=True)  # a warning then, and the plan as the recipe says
+    assert any(message in w for w in plan.warnings) and "blocks.0.attn.weight" in rows(plan)
+
+
+def test_ignore_entries_that_do_their_job_or_name_nothing_near_are_quiet():
+    text = "version: 1\ndefaults:\n  activations: null\nignore: ['blocks.0.*', 're:.*mlp[.]2', 'output', '*.norm']\n"
+    plan = plan_of(text)
+    assert not plan.warnings
+    names = rows(plan)
+    assert "blocks.0.attn.weight" not in names and "blocks.1.attn.weight" in names
+    assert "blocks.1.mlp.0.weight" in names and "blocks.1.mlp.2.weight" not in names
+    plan = plan_of("version: 1\ndefaults:\n  activations: null\nignore: [lm_head]\n", mlp())  # the safety net
+    assert not plan.warnings and len(rows(plan)) == 3
+
+
+@pytest.mark.parametrize("rule, message", [
+    ("{match: null, type: [], weights: {bitwidth: 4}}", "type: [] names no module class"),  # was: every module
+    ("{match: '*.attn', type: [], weights: {bitwidth: 4}}", "type: [] names no module class"),
+    ("{type: '  ', weights: {bitwidth: 4}}", "type: an empty class name"),
+    ("{match: '', weights: {bitwidth: 4}}", "match: '' is an empty pattern"),
+])
+def test_an_empty_type_or_pattern_is_refused(rule, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        plan_of(f"version: 1\nlayers:\n  - {rule}\n")

@@ -189,6 +189,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     plan = Plan()
     used = [False] * len(recipe.layers)
     weighted = [False] * len(recipe.layers)  # the rule reached a module with a weight
+    ignore_named: List[Optional[str]] = [None] * len(recipe.ignore)  # the first module each ignore pattern names
+    ignore_removed = [False] * len(recipe.ignore)  # it kept a module that could be quantized float
     fallbacks: Dict[Tuple[str, str], int] = {}  # (K-quant type, its fallback) -> weights
     mix = _Mix(recipe, model, source, importance_matrix) if recipe.gguf_mix is not None else None
     named = [(n, m) for n, m in model.named_modules() if n]
@@ -208,7 +210,10 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         # ignore patterns are a safety net (recipes list lm_head for every model), so no-match is silent
         # the output layer answers to "lm_head" wherever a wrapper puts it (Llama 4's language_model.lm_head)
         aliases = (name, "lm_head") if module is head and name != "lm_head" else (name,)
-        ignored = any(name_matches(pat, n) for pat in recipe.ignore for n in aliases)
+        hits = [j for j, pat in enumerate(recipe.ignore) if any(name_matches(pat, n) for n in aliases)]
+        ignored = bool(hits)
+        for j in hits:
+            ignore_named[j] = ignore_named[j] or name
         w_cand = any(t in DEFAULT_WEIGHT_TYPES for t in tnames)
         a_cand = any(t in DEFAULT_ACTIVATION_TYPES for t in tnames)
         w_spec = recipe.defaults.weights if w_cand else None
@@ -253,6 +258,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 towered.append(name)
             continue
         if ignored:
+            for j in hits:
+                ignore_removed[j] = ignore_removed[j] or w_cand or a_cand
             continue
         if w_spec is not None:
             where = f"{source}: layers[{rule_w}].weights" if rule_w is not None else f"{source}: defaults.weights"
@@ -307,6 +314,15 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         sel = " ".join(filter(None, [f"match {rule.match!r}" if rule.match else "",
                                      f"type {rule.type!r}" if rule.type else ""]))
         msg = f"{source}: layers[{i}]: {sel} {reached}"
+        if not allow_unmatched:
+            raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
+        plan.warnings.append(msg)
+    for j, pat in enumerate(recipe.ignore):
+        problem = _ignore_problem(pat, ignore_named[j], ignore_removed[j], named, exported_types,
+                                  {q.module for q in plan.quantizers})
+        if problem is None:
+            continue
+        msg = f"{source}: ignore[{j}]: {pat!r} {problem}"
         if not allow_unmatched:
             raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
         plan.warnings.append(msg)
@@ -374,6 +390,37 @@ def _tied_weights(model: "nn.Module", weights) -> Dict[str, str]:
     """``{quantizer name: the parameter's first name}`` of weight rows on a tied parameter (:func:`tied_parameters`)."""
     later = tied_parameters(model)
     return {q.name: later[f"{q.module}.weight"] for q in weights if f"{q.module}.weight" in later}
+
+
+def _ignore_problem(pattern: str, first: Optional[str], removed: bool, named, exported_types,
+                    quantized) -> Optional[str]:
+    """Why an ``ignore`` pattern keeps nothing float that it looks meant to, or None. A pattern that names no module
+    is the documented safety net (``lm_head`` on a model without one) unless it is a type's name or close to a
+    module's; one that names only modules holding quantized layers (a decoder block, ``*.mlp``) left those layers
+    quantized. (Naming a module no quantizer takes, a norm or fused experts, is fine: the coverage counts them.)"""
+    import difflib
+
+    if first is not None:
+        inside = next((m for m in sorted(quantized) if m.startswith(first + ".")), None)
+        if removed or inside is None:
+            return None
+        hint = f"{pattern}.*" if not pattern.startswith("re:") else f"{first}.*"
+        return (f"names {first}, a {type(dict(named)[first]).__name__} that no quantizer takes, and the layers "
+                f"inside it ({inside} ...) stay quantized: '{hint}' names them")
+    kinds = {(exported_types or {}).get(n, type(m).__name__) for n, m in named}
+    if pattern in kinds:
+        return (f"is a module type, and ignore takes module names: a layers rule {{type: {pattern}, weights: null, "
+                "activations: null} keeps that type float")
+    if pattern.startswith("re:") or any(c in pattern for c in "*?["):
+        return None
+    names = [n for n, _ in named]
+    owner, _, leaf = pattern.rpartition(".")
+    if leaf in ("weight", "bias") and owner in names:
+        return f"is a parameter's name, and ignore takes module names: '{owner}'"
+    near = difflib.get_close_matches(pattern, names + sorted({n.rpartition(".")[2] for n in names}), n=1, cutoff=0.8)
+    if near and near[0] != pattern:
+        return f"matches no module (did you mean '{near[0]}'?)"
+    return None
 
 
 def _nearest_modules(rule: LayerRule, named, exported_types=None) -> str:

@@ -299,6 +299,12 @@ class LayerRule(BaseModel):
     def _needs_a_selector(self):
         if self.match is None and self.type is None:
             raise ValueError("a layers entry needs 'match' (name pattern) or 'type' (module class)")
+        if self.type is not None and not self.types():  # ([] selected every module: no type to filter by)
+            raise ValueError("type: [] names no module class; give one or more, or leave type out")
+        if isinstance(self.type, str) and not self.type.strip() or any(not t.strip() for t in self.types()):
+            raise ValueError("type: an empty class name")
+        if self.match is not None and not self.match:
+            raise ValueError("match: '' is an empty pattern (a module's name, a glob such as '*.q_proj', or 're:...')")
         if self.match is not None:
             _compile_pattern(self.match)
         return self
