@@ -460,10 +460,33 @@ def sensitivity(model: nn.Module, batches: Iterable[Batch], device: torch.device
     return sorted(rows, key=lambda r: -r["damage"])
 
 
+def _kept_specs(base_recipe_text: Optional[str]) -> Tuple[Optional[Dict[str, Any]], Optional[Dict[str, Any]], str]:
+    """What a kept layer's ``weights`` and ``activations`` become over the base recipe (None: float), and in
+    words: a grid above the recipe's that its format still writes (GGUF: Q8_0; integers: 8-bit symmetric weights
+    in the recipe's granularity, 16-bit activations), float where the recipe's grid is a float element or 8 bits
+    or more already (a setting at or below the recipe's would keep nothing). Without a recipe: 8-bit per-channel
+    weights, 16-bit activations, to append to whatever was calibrated."""
+    if base_recipe_text is None:
+        return {"bitwidth": 8, "granularity": "per_channel"}, {"bitwidth": 16}, "8-bit per-channel weights"
+    from .config import parse_recipe
+
+    recipe = parse_recipe(base_recipe_text, "--recipe")
+    w, a = recipe.defaults.weights, recipe.defaults.activations
+    if recipe.gguf_mix is not None or (w is not None and w.gguf_type is not None):
+        weights, words = {"gguf_type": "q8_0"}, "Q8_0 weights"
+    elif w is None or w.element != "int" or w.bitwidth >= 8:
+        weights, words = None, "float weights"
+    else:  # (the recipe's blocks and scale dtype kept: a legacy GGUF grid becomes Q8_0's)
+        weights, words = {"bitwidth": 8, "symmetric": True}, f"8-bit symmetric {w.granularity} weights"
+    activations = None if a is None or a.element != "int" or a.dynamic or a.bitwidth >= 16 else {"bitwidth": 16}
+    return weights, activations, words
+
+
 def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optional[str] = None) -> str:
-    """A recipe that keeps the ``n`` most sensitive modules (``rows``, most sensitive first) at 8-bit per-channel
-    weights and, where they have them, 16-bit activations; each with the modules runtimes fuse with it
-    (``config.fused.fused_groups``: q/k/v, gate/up, one projection of every expert), which one setting must cover."""
+    """A recipe that keeps the ``n`` most sensitive modules (``rows``, most sensitive first) at a higher precision
+    than the base recipe's (:func:`_kept_specs`) and, where they have them, their activations too; each with the
+    modules runtimes fuse with it (``config.fused.fused_groups``: q/k/v, gate/up, one projection of every expert),
+    which one setting must cover."""
     import yaml
 
     from .config.fused import fused_groups
@@ -474,14 +497,18 @@ def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optiona
     chosen: List[str] = []
     for r in rows[:n]:
         chosen += [m for m in group_of.get(r["module"], (r["module"],)) if m not in chosen]
+    weights, activations, kept = _kept_specs(base_recipe_text)
     rules = []
     for m in chosen:
-        rule: Dict[str, Any] = {"match": m, "weights": {"bitwidth": 8, "granularity": "per_channel"}}
+        rule: Dict[str, Any] = {"match": m, "weights": weights}
         if by_module.get(m, {}).get("has_activations"):
-            rule["activations"] = {"bitwidth": 16}
+            rule["activations"] = activations
         rules.append(rule)
     fused = f", with {len(rules) - min(n, len(rows))} layers fused with them," if len(rules) > min(n, len(rows)) else ""
-    kept = "8-bit per-channel weights" + (", 16-bit activations" if any("activations" in r for r in rules) else "")
+    if any(r.get("activations") for r in rules):
+        kept += ", 16-bit activations"
+    elif any("activations" in r for r in rules):
+        kept += ", float activations"
     header = (f"# qtool report --sensitivity: the {min(n, len(rows))} most sensitive layers{fused} kept at higher "
               f"precision\n# ({kept}). Later layers entries win.\n")
     if base_recipe_text is not None:

@@ -377,3 +377,36 @@ def test_encodings_calibrated_on_other_weights_are_refused(world, tmp_path):
     code, _, err = run_cli("report", tmp_path / "copy.safetensors", "-e", world / "run/encodings.json", "--data",
                            world / "data.safetensors", "--model-class", MLP, "-q")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("base, weights, activations", [
+    ("nvfp4a16", None, None),  # 8-bit over an FP4 element was an invalid recipe, written after the whole run
+    ("fp8-dynamic", None, None),
+    ("w8a16", None, None),  # 8-bit per-channel over 8-bit per-channel kept nothing
+    ("w8a8", None, {"bitwidth": 16}),
+    ("gguf-q4_k_m", {"gguf_type": "q8_0"}, None),  # 8-bit per-channel has no GGUF type
+    ("gguf-q4_0", {"bitwidth": 8, "symmetric": True}, None),  # its blocks of 32, float16 scales: Q8_0
+    ("w4a8-block32", {"bitwidth": 8, "symmetric": True}, {"bitwidth": 16}),
+])
+def test_a_suggestion_is_above_the_base_recipe_in_its_own_format(base, weights, activations):
+    from qtool.config import parse_recipe, resolve_plan
+    from qtool.config.shipped import recipe_file
+    from qtool.report import suggest_recipe
+
+    text = suggest_recipe([{"module": "2", "has_activations": True}], 1, Path(recipe_file(base)).read_text())
+    rule = parse_recipe(text, "s.yaml").layers[-1]
+    assert (rule.match, rule.weights, rule.activations) == ("2", weights, activations)
+    if base == "gguf-q4_0":
+        row = next(q for q in resolve_plan(parse_recipe(text, "s.yaml"), mlp()).weights if q.module == "2")
+        assert (row.bitwidth, row.block_size, row.scale_dtype) == (8, (1, 32), "float16")
+
+
+def test_two_outputs_of_one_name_are_refused_before_anything_runs(world, tmp_path):
+    """--pareto cc.svg with --suggest '2 cc.json' (the curve's points) or --plot x.svg with --pareto x.svg: one file
+    overwrote the other, exit 0."""
+    same = tmp_path / "same.svg"
+    code, _, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
+                           world / "data.safetensors", "--model-class", MLP, "--plot", same, "--sensitivity",
+                           "--suggest", f"1 {same}")
+    assert code == 2 and f"--suggest {same}: --plot writes that file too" in err, err
+    assert "measuring" not in err and not same.exists()

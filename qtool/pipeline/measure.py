@@ -173,12 +173,15 @@ def report_outputs(checkpoint: str, encodings: str, data: Optional[str], plot: O
     inputs = [("checkpoint", checkpoint), ("encodings", encodings), ("encodings sidecar", str(run / SIDECAR)),
               ("codes", str(run / CODES_FILE)), ("search record", str(run / "search.json")), ("data", data),
               ("recipe", recipe)]
-    for flag, out in (("plot", plot), ("pareto", pareto), ("suggest", outs.suggest)):
+    written: Dict[Path, str] = {}
+    for flag, out in (("--plot", plot), ("--pareto", pareto), ("--pareto's .json", pareto and Path(pareto).with_suffix(
+            ".json")), ("--suggest", outs.suggest)):
         if out is None:
             continue
-        check_output_file(Path(out), inputs, flag=f"--{flag}")
-        if flag == "pareto":
-            check_output_file(Path(out).with_suffix(".json"), inputs, flag="--pareto's .json")
+        check_output_file(Path(out), inputs, flag=flag)
+        same = written.setdefault(Path(out).resolve(), flag)
+        if same != flag:  # (one would overwrite the other)
+            raise UsageError(f"{flag} {out}: {same} writes that file too; give each output its own name")
     if plot is not None and Path(plot).suffix.lower() not in (".png", ".svg"):
         raise UsageError(f"--plot {plot}: give a .png or .svg file name")
     return outs
