@@ -242,6 +242,9 @@ def test_bad_input_is_one_line(model, tmp_path):
     cases = [
         (("eval", out, "-r", other, "--data", held), "not an export of the reference model"),
         (("eval", alone, "-r", other, "--data", held), "not an export of the reference model: hidden_size 64"),
+        # a Qwen2 of the Llama's very shape: the file was run as if it were that model's
+        (("eval", alone, "-r", _tiny_llama(tmp_path / "qwen2", False, "qwen2"), "--data", held),
+         "not an export of the reference model: general.architecture llama (the reference's: qwen2)"),
         (("eval", out, "--data", short), "no full sequence"),
         (("eval", tmp_path / "nothing", "--data", held), "no such artifact"),
         (("eval", out, "--data", held, "--min-cosine", "0.9"), "--min-cosine"),

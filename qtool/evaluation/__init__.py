@@ -155,6 +155,11 @@ def _same_model(art: Artifact, config) -> None:
         arch = meta.get("general.architecture")
         got = {"hidden_size": meta.get(f"{arch}.embedding_length"), "num_hidden_layers": meta.get(f"{arch}.block_count"),
                "vocab_size": meta.get("tokenizer.ggml.tokens")}
+        from ..families import family_of
+
+        family = family_of(getattr(config, "model_type", None))
+        if family is not None and family.gguf_arch is not None:  # (a Llama file run against a Qwen2 of its shape)
+            want["general.architecture"], got["general.architecture"] = family.gguf_arch, arch
     elif art.format == "compressed-tensors":
         from ..io.checkpoint import check_safetensors, tensor_files
         from ..io.jsonfile import read_json_object
