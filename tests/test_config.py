@@ -491,3 +491,15 @@ def test_ignore_entries_that_do_their_job_or_name_nothing_near_are_quiet():
 def test_an_empty_type_or_pattern_is_refused(rule, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         plan_of(f"version: 1\nlayers:\n  - {rule}\n")
+
+
+def test_a_number_past_pythons_digit_limit_is_one_line(tmp_path):
+    """PyYAML's int() of a 5000-digit number raised ValueError: config validate printed a traceback (exit 1), other
+    commands an internal error (exit 3)."""
+    path = tmp_path / "r.yaml"
+    path.write_text("version: 1\ndefaults:\n  weights: {bitwidth: " + "9" * 5000 + "}\n")
+    for args in (("config", "validate", path), ("config", "show", path)):
+        code, _, err = run_cli(*args)
+        lines = error_lines(err)
+        assert code == 2 and len(lines) == 1 and f"{path}:3: malformed YAML: a number of more than 4000 digits" in \
+            lines[0], (args, err)

@@ -160,15 +160,16 @@ def config_validate(
     from ..errors import ConfigError
 
     failed = []
-    for r in recipes:
-        try:
-            load_recipe(r)
-            if not json_out:
-                err.print(f"ok: {r}")
-        except ConfigError as e:
-            failed.append({"recipe": r, "error": str(e), "problems": e.problems})
-            for problem in e.problems:
-                err.print(f"error: {problem}", markup=False)
+    with _errors(False, json_out):  # (anything but a recipe's own problems: one line, exit 3, as elsewhere)
+        for r in recipes:
+            try:
+                load_recipe(r)
+                if not json_out:
+                    err.print(f"ok: {r}")
+            except ConfigError as e:
+                failed.append({"recipe": r, "error": str(e), "problems": e.problems})
+                for problem in e.problems:
+                    err.print(f"error: {problem}", markup=False)
     if json_out:
         _emit_json({"ok": not failed, **({"exit_code": 2} if failed else {}), "errors": failed})
     if failed:

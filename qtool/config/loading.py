@@ -73,6 +73,19 @@ RecipeLoader.add_implicit_resolver(  # (on a copy of SafeLoader's resolvers: PyY
     list("-+0123456789"))
 
 
+def _scalars(node):
+    """Every scalar node under ``node`` (a composed YAML document), in document order."""
+    if isinstance(node, yaml.ScalarNode):
+        yield node
+    elif isinstance(node, yaml.SequenceNode):
+        for child in node.value:
+            yield from _scalars(child)
+    elif isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            yield from _scalars(key)
+            yield from _scalars(value)
+
+
 def load_yaml(text: str):
     """A recipe's YAML (or any recipe-shaped YAML qtool reads) as data, with :class:`RecipeLoader`."""
     return yaml.load(text, Loader=RecipeLoader)  # noqa: S506  (a SafeLoader subclass)
@@ -86,6 +99,10 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
         data = load_yaml(text)
     except RecursionError:
         raise ConfigError(f"{source}: malformed YAML: nested too deep") from None
+    except ValueError:  # (PyYAML's int() of a number past Python's 4300-digit limit)
+        line = next((n.start_mark.line + 1 for n in _scalars(node) if len(n.value) > 4000), None)
+        raise ConfigError(f"{source}{f':{line}' if line else ''}: malformed YAML: a number of more than 4000 digits "
+                          "(no recipe value is that large)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""

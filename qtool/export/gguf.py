@@ -143,12 +143,12 @@ class GgufExporter(Exporter):
         if acts:
             raise EncodingsError(f"GGUF holds weights only (llama.cpp quantizes activations itself): "
                                  f"{len(acts)} activation quantizer(s) such as {acts[0]!r}; calibrate with a "
-                                 f"weight-only recipe (e.g. configs/gguf-q4_0.yaml)")
+                                 f"weight-only recipe (e.g. the shipped gguf-q4_0)")
         if options.gguf_fallback == "none":
             for e in quantizers:
                 if gguf_type(e) is None:
                     raise EncodingsError(f"{e.name}: {_describe(e)} has no GGUF type ({_MAPS}); use a recipe such "
-                                         f"as configs/gguf-q4_0.yaml, or --gguf-fallback f16 to write it as floats")
+                                         f"as the shipped gguf-q4_0, or --gguf-fallback f16 to write it as floats")
 
     def tensor_bytes(self, quantizer, shape, dtype, options: "GgufExporter.Options") -> int:
         """The tensor's data in the file (each tensor's start is aligned to 32 bytes in the file; the padding is
@@ -189,7 +189,7 @@ class GgufExporter(Exporter):
         writer.close()
         if deviation > 0:
             warnings.append(f"scales rounded to float16 (GGUF stores them so) moved quantized weights by up to "
-                            f"{deviation:.3g}; calibrate with scale_dtype: float16 (as configs/gguf-*.yaml do) for "
+                            f"{deviation:.3g}; calibrate with scale_dtype: float16 (as the shipped gguf-* recipes do) for "
                             "a file that equals qtool's model exactly")
         if fallen:
             warnings.append(f"{len(fallen)} weight(s) with no GGUF type written as {options.gguf_fallback} floats "
