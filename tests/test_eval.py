@@ -529,3 +529,13 @@ def test_encodings_given_that_were_calibrated_on_other_weights_are_said(model, t
     code, res, err = _eval(model, out, "-e", tmp_path / "other_run/encodings.json")
     assert any("were calibrated on other weights" in n for n in res["notes"]), (code, res["notes"], err)
     assert code == 0 or "were calibrated on other weights than" in res["export_fault"], res["export_fault"]
+
+
+def test_windows_past_a_gguf_files_context_are_one_line_before_any_model_runs(model, tmp_path):
+    """llama.cpp refused them once the float and fake-quant models had run: internal error, exit 3."""
+    _, _, held = model
+    out = _quantize(model, tmp_path, "gguf-q8_0", "gguf")
+    code, _, err = run_cli("eval", out, "--data", held, "--seq-len", "400", "--num-samples", "1", "--generate", "0",
+                           "-q")
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1 and "its context is 256 tokens, and scoring needs 400" in lines[0], err

@@ -175,6 +175,21 @@ def _same_model(art: Artifact, config) -> None:
         raise UsageError(f"{art.path}: not an export of the reference model: {', '.join(wrong)}")
 
 
+def _check_context(art: Artifact, n_ctx: int) -> None:
+    """A GGUF file runs in llama.cpp within the context its metadata records: longer windows (``--seq-len``, a
+    prompt and its ``--generate`` tokens, ``--task-max-length``) are one line before any model runs, not an error
+    from llama.cpp once the torch models have."""
+    if art.format != "gguf":
+        return
+    from ..inspect import inspect_path
+
+    meta = inspect_path(art.path)["metadata"]
+    limit = meta.get(f"{meta.get('general.architecture')}.context_length")
+    if isinstance(limit, int) and n_ctx - 8 > limit:
+        raise UsageError(f"{art.path}: its context is {limit} tokens, and scoring needs {n_ctx - 8} (--seq-len, or a "
+                         "prompt and its --generate tokens, or --task-max-length): give a shorter --seq-len")
+
+
 def _as_stored(model: torch.nn.Module, enc, fmt: str, ev: "Evaluation") -> None:
     """The fake-quant model as the format stores it: quantizers the format runs in float although the recipe has
     them (compressed-tensors' embedding tables and static integer activations) are switched off, so the export
@@ -504,6 +519,7 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     n_ctx = max(max(len(s) for s in seqs), max((len(p) for p in prompts), default=0) + opts.generate) + 8
     if opts.tasks:
         n_ctx = max(n_ctx, opts.task_max_length + 8)
+    _check_context(art, n_ctx)
 
     hooks.on_stage("measuring the float model")
     flt, _ = _score(TorchRuntime(loaded.model, "torch"), seqs, prompts, opts, hooks, "float", [], stop)
