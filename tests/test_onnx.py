@@ -206,3 +206,17 @@ def test_a_causal_lm_whose_tokenizer_has_no_pad_token_exports_without_data(tmp_p
     code, _, err = run_cli("quantize", model, "-c", "w8a16", "--format", "onnx", "-o", tmp_path / "out", "--quiet")
     assert code == 0, err
     assert (tmp_path / "out" / "model.onnx").stat().st_size > 0
+
+
+def test_data_of_one_sample_is_enough_to_trace(mlp_world, tmp_path):
+    """ONNX export takes the first --batch-size samples of --data as its example input: a file of one sample was
+    refused with '--num-samples 2: ... holds only 1 samples', a flag export does not have."""
+    save_file({"x": torch.randn(1, 64, generator=torch.Generator().manual_seed(1))}, tmp_path / "one.safetensors")
+    (tmp_path / "r.yaml").write_text(RECIPES["asym_w8a16"][0])
+    code, _, err = run_cli("calibrate", mlp_world / "m.safetensors", "-c", tmp_path / "r.yaml", "--model-class",
+                           "tests.tinymodels:mlp", "-o", tmp_path / "run", "-q")
+    assert code == 0, err
+    code, _, err = run_cli("export", mlp_world / "m.safetensors", "-e", tmp_path / "run/encodings.json", "--data",
+                           tmp_path / "one.safetensors", "--model-class", "tests.tinymodels:mlp", "-o",
+                           tmp_path / "q", "--format", "onnx", "-q")
+    assert code == 0 and (tmp_path / "q/model.onnx").is_file(), err

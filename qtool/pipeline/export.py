@@ -64,7 +64,7 @@ def _example_batch(eopts: ExportOptions):
 
         if eopts.data:
             data = load_data(eopts.data, batch_size=eopts.batch_size, num_samples=eopts.batch_size, seed=0,
-                             seq_len=eopts.seq_len, tokenizer=loaded.tokenizer)
+                             seq_len=eopts.seq_len, tokenizer=loaded.tokenizer, at_most=True)  # (1 sample is enough)
             return data.batches[0]
         from ..model.hf import UnreadableTokenizer
 
