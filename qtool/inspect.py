@@ -208,9 +208,11 @@ def _encodings_listing(path: Path, obj: Dict[str, Any]) -> Dict[str, Any]:
                     if isinstance(e, list):
                         bits, n = e[0].get("bitwidth"), len(e)
                         gran = "per_tensor" if n == 1 else "per_channel/block"
-                    else:
-                        bits, gran = e.get("bw"), str(e.get("enc_type", "")).lower()
-                    rows.append(_row(name, f"int{bits}", bits, gran, [], None, True))
+                        sym = str(e[0].get("is_symmetric")).lower() == "true"
+                    else:  # (LPBQ: the codes' bits are compressed_bw, bw the per-block scales')
+                        bits, gran = e.get("compressed_bw", e.get("bw")), str(e.get("enc_type", "")).lower()
+                        sym = e.get("is_sym") is True
+                    rows.append(_row(name, f"{'int' if sym else 'uint'}{bits}", bits, gran, [], None, True))
         kind = f"AIMET encodings {version}"
     return {"kind": kind, "path": str(path), "tensors": rows, "totals": _totals(rows, None)}
 

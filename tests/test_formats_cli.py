@@ -216,3 +216,19 @@ def test_a_quantized_tied_output_layer_is_refused_before_calibrating_where_the_f
     assert code == 0, err
     code, _, err = run_cli("export", ckpt, "-e", tmp_path / "cal/encodings.json", "-o", tmp_path / "x")
     assert code == 2 and "an output layer tied to the embedding table is not stored" in err
+
+
+def test_inspect_lists_an_aimet_files_dtypes_alike_in_every_version():
+    """0.6.1 and 1.0.0 files' asymmetric activations were listed as int8 (2.0.0's output_dtype says uint8), and a
+    1.0.0 LPBQ weight as 8-bit (its codes are compressed_bw, 4)."""
+    samples = Path(__file__).resolve().parents[2] / "shared" / "data" / "aimet" / "encodings-samples"
+    listed = {}
+    for version in ("0.6.1", "1.0.0", "2.0.0"):
+        code, out, err = run_cli("inspect", samples / f"pertensor_v{version}.encodings", "--json")
+        assert code == 0, err
+        listed[version] = {t["name"]: t["dtype"] for t in json.loads(out)["tensors"]}
+    assert listed["0.6.1"]["/relu0/Relu_output_0"] == listed["1.0.0"]["/relu0/Relu_output_0"] == \
+        listed["2.0.0"]["/relu0/Relu_output_0"] == "uint8"
+    assert listed["0.6.1"]["conv.weight"] == listed["1.0.0"]["conv.weight"] == "int8"
+    code, out, _ = run_cli("inspect", samples / "lpbq_v1.0.0.encodings", "--json")
+    assert {t["name"]: (t["dtype"], t["bitwidth"]) for t in json.loads(out)["tensors"]}["0.weight"] == ("int4", 4)
