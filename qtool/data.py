@@ -286,6 +286,14 @@ def _subset(total: int, num_samples: Optional[int], seed: int, at_most: bool, wh
     return sorted(torch.randperm(total, generator=g)[:num_samples].tolist())
 
 
+def model_rejected(err: BaseException) -> bool:
+    """Whether ``err``, raised by a model's forward, says the data does not fit the model (a shape, dtype or index
+    the model cannot take, or an input it needs that the data does not give: ``None.shape``)."""
+    if isinstance(err, AttributeError):
+        return "'NoneType' object has no attribute" in str(err)
+    return isinstance(err, (TypeError, RuntimeError, ValueError, IndexError, AssertionError))
+
+
 def rejection(model, batch: "Batch", err: BaseException) -> str:
     """Why ``model`` rejected ``batch``, in one line: token ids past the model's vocabulary are named as such (the
     tokenizer belongs to another model), anything else is the error's first line."""
@@ -311,4 +319,8 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
         other = sorted(str(d).replace("torch.", "") for d in floats - {own})[0]
         return (f"the data is {other} and the model {str(own).replace('torch.', '')}: save the data as the model's "
                 f"type (NumPy: x.astype('{str(own).replace('torch.', '')}'))")
+    if isinstance(err, AttributeError):
+        given = ", ".join(batch.kwargs) or "one tensor"
+        return (f"it needs an input the data does not give (the data gives {given}; an image model takes "
+                f"pixel_values, a speech model input_features): {str(err).splitlines()[0]}")
     return str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from .data import Batch, rejection
+from .data import Batch, model_rejected, rejection
 from .errors import DataError, GateFailed, UsageError
 from .io.fs import atomic_file
 from .model.experts import routing_of
@@ -267,7 +267,9 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, c
     for bi in range(start, stop):
         try:
             records.append(_measure_batch(model, modules, chosen, batches[bi], device, causal_lm))
-        except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
+        except Exception as e:
+            if not model_rejected(e):
+                raise
             raise DataError(f"evaluation batch {bi}: the model rejected the data: "
                             f"{rejection(model, batches[bi], e)}") from None
         if progress:

@@ -410,3 +410,21 @@ def test_two_outputs_of_one_name_are_refused_before_anything_runs(world, tmp_pat
                            "--suggest", f"1 {same}")
     assert code == 2 and f"--suggest {same}: --plot writes that file too" in err, err
     assert "measuring" not in err and not same.exists()
+
+
+@pytest.mark.parametrize("command", ["calibrate", "report"])
+def test_data_missing_an_input_the_model_needs_is_bad_data_not_an_internal_error(tmp_path, command):
+    """CLIP given text (no pixel_values), Whisper given text (no input_features): the model's None.shape was
+    'internal error', exit 3."""
+    from tests.tinymodels import needs_two
+
+    spec = "tests.tinymodels:needs_two"
+    save_file(needs_two().state_dict(), tmp_path / "m.safetensors")
+    save_file({"x": torch.randn(4, 64)}, tmp_path / "d.safetensors")
+    args = ("calibrate", tmp_path / "m.safetensors", "-c", "w8a8", "-o", tmp_path / "run")
+    if command == "report":
+        assert run_cli("calibrate", tmp_path / "m.safetensors", "-c", "w8a16", "-o", tmp_path / "r2",
+                       "--model-class", spec)[0] == 0
+        args = ("report", tmp_path / "m.safetensors", "-e", tmp_path / "r2/encodings.json")
+    code, _, err = run_cli(*args, "--data", tmp_path / "d.safetensors", "--model-class", spec, "-q")
+    assert code == 2 and "it needs an input the data does not give" in err, err

@@ -15,6 +15,22 @@ def regressor() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1))
 
 
+class NeedsTwo(nn.Module):
+    """A model with a second input the data may not give (as CLIP's pixel_values beside text)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(64, 8)
+
+    def forward(self, x, scale=None):
+        return self.fc(x) * scale.shape[-1]
+
+
+def needs_two() -> nn.Module:
+    return NeedsTwo()
+
+
 class ConvNet(nn.Module):
     def __init__(self):
         super().__init__()

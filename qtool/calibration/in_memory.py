@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..config import Plan
-from ..data import Batch, CalibrationData, rejection
+from ..data import Batch, CalibrationData, model_rejected, rejection
 from ..errors import DataError, UsageError
 from ..model.insert import set_quantization
 from ..parallel import Group
@@ -81,7 +81,9 @@ def calibrate(
                         model(*b.args, **b.kwargs)
                     else:
                         feed(batch)
-                except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
+                except Exception as e:
+                    if not model_rejected(e):
+                        raise
                     raise DataError(f"calibration batch {local.first + i + 1}: the model rejected the data: "
                                     f"{rejection(model, b, e)}") from None
             if progress:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..config import Plan
-from ..data import CalibrationData, rejection
+from ..data import CalibrationData, model_rejected, rejection
 from ..encodings import EncodingEntry
 from ..errors import CheckpointError, DataError, UsageError
 from ..io.checkpoint import CheckpointTensors
@@ -295,7 +295,9 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
                     model(*b.args, **{**b.kwargs, "use_cache": False})
                 except _Stop:
                     pass
-                except (TypeError, RuntimeError, ValueError, IndexError) as e:
+                except Exception as e:
+                    if not model_rejected(e):
+                        raise
                     raise DataError(f"calibration batch {data.first + len(captured) + 1}: the model rejected the data: "
                                     f"{rejection(model, b, e)}") from None
         finally:

@@ -33,6 +33,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
+from ..data import model_rejected
 from ..encodings import EncodingsFile
 from ..errors import DataError, UsageError
 from ..io.finite import check_finite
@@ -123,7 +124,9 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
     with torch.no_grad():
         try:
             out = model(*args, **kwargs)
-        except (TypeError, RuntimeError, ValueError, IndexError, AssertionError) as e:
+        except Exception as e:
+            if not model_rejected(e):
+                raise
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(f"--data: the model rejected the sample batch ONNX export traces with: {first[:200]}") \
                 from None
