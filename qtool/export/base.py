@@ -170,8 +170,10 @@ def match_weight_names(entries: List[EncodingEntry], keys: List[str], source: st
             continue
         cands = [k for k in keys if k.endswith("." + e.name) or e.name.endswith("." + k)]
         if len(cands) != 1:
-            tied = (" (an output layer tied to the embedding table is not stored under its own name: calibrate with "
-                    "it in ignore, or export with --format gguf or compressed-tensors)") if "lm_head" in e.name else ""
+            # (T5's encoder/decoder embed_tokens are its shared table; an output layer tied to the embedding table)
+            tied = (" (a weight tied to another tensor, as an output layer or an embedding table shared with it, is "
+                    "stored only under that tensor's name: calibrate with it in ignore, or export with --format "
+                    "compressed-tensors)") if "lm_head" in e.name or "embed" in e.name else ""
             raise EncodingsError(
                 f"{source}: has no tensor {e.name!r} named in the encodings; were they made for another model?{tied}"
             )
