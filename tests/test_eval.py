@@ -539,3 +539,25 @@ def test_windows_past_a_gguf_files_context_are_one_line_before_any_model_runs(mo
                            "-q")
     lines = error_lines(err)
     assert code == 2 and len(lines) == 1 and "its context is 256 tokens, and scoring needs 400" in lines[0], err
+
+
+def test_a_compressed_tensors_classifier_is_reloaded_with_its_head(tmp_path):
+    """transformers reloaded every non-causal-LM directory as AutoModel: a classifier lost its head ('outputs of
+    another shape: an export of another model?'), T5 its decoder, and a smoke call with input_ids broke CLIP."""
+    import transformers
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, num_labels=3)
+    transformers.BertForSequenceClassification(cfg).eval().save_pretrained(tmp_path / "cls")
+    g = torch.Generator().manual_seed(0)
+    save_file({"input_ids": torch.randint(0, 100, (4, 16), generator=g), "attention_mask": torch.ones(4, 16,
+               dtype=torch.long)}, tmp_path / "d.safetensors")
+    code, _, err = run_cli("quantize", tmp_path / "cls", "-c", "w8a16", "-o", tmp_path / "ct", "--format",
+                           "compressed-tensors", "-q")
+    assert code == 0, err
+    code, out, err = run_cli("eval", tmp_path / "ct", "--data", tmp_path / "d.safetensors", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["export_fault"] is None and res["cosine"]["export_gap"]["mean"] > 0.9999, res

@@ -177,8 +177,8 @@ def _same_model(art: Artifact, config) -> None:
 
 def _check_context(art: Artifact, n_ctx: int) -> None:
     """A GGUF file runs in llama.cpp within the context its metadata records: longer windows (``--seq-len``, a
-    prompt and its ``--generate`` tokens, ``--task-max-length``) are one line before any model runs, not an error
-    from llama.cpp once the torch models have."""
+    prompt and its ``--generate`` tokens) are one line before any model runs, not an error from llama.cpp once the
+    torch models have."""
     if art.format != "gguf":
         return
     from ..inspect import inspect_path
@@ -187,7 +187,7 @@ def _check_context(art: Artifact, n_ctx: int) -> None:
     limit = meta.get(f"{meta.get('general.architecture')}.context_length")
     if isinstance(limit, int) and n_ctx - 8 > limit:
         raise UsageError(f"{art.path}: its context is {limit} tokens, and scoring needs {n_ctx - 8} (--seq-len, or a "
-                         "prompt and its --generate tokens, or --task-max-length): give a shorter --seq-len")
+                         "prompt and its --generate tokens): give a shorter --seq-len")
 
 
 def _as_stored(model: torch.nn.Module, enc, fmt: str, ev: "Evaluation") -> None:
@@ -517,9 +517,9 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     prompts = _prompts(seqs, opts)
     ev.tokens = sum(len(s) - 1 for s in seqs)
     n_ctx = max(max(len(s) for s in seqs), max((len(p) for p in prompts), default=0) + opts.generate) + 8
+    _check_context(art, n_ctx)
     if opts.tasks:
         n_ctx = max(n_ctx, opts.task_max_length + 8)
-    _check_context(art, n_ctx)
 
     hooks.on_stage("measuring the float model")
     flt, _ = _score(TorchRuntime(loaded.model, "torch"), seqs, prompts, opts, hooks, "float", [], stop)

@@ -149,14 +149,15 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
     import contextlib
     import io
 
-    auto = transformers.AutoModelForCausalLM if causal_lm else transformers.AutoModel
+    auto = transformers.AutoModelForCausalLM if causal_lm else _architecture_class(directory, transformers)
     errors = []
     for dtype in (torch.float32, torch.bfloat16):
         try:
             with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():  # compressed-tensors draws its own
                 model, info = auto.from_pretrained(str(directory), dtype=dtype, output_loading_info=True)
                 model = model.to(device).eval()  # progress bars, and decompresses on first use
-                model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
+                if causal_lm:  # (other models take other inputs: the held-out batches try them)
+                    model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
         except (ValueError, RuntimeError, TypeError, OSError, KeyError, NotImplementedError) as e:
             if "ignore_mismatched_sizes" in str(e) and _experts_apart(directory):
                 # (its "above report" is transformers' own log: the message alone names nothing)
@@ -170,6 +171,20 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
         allowance = (0.0, 1e-4) if dtype == torch.float32 else (1.0, 0.01) if activations else (0.25, 0.01)
         return TorchRuntime(model, label, *allowance)
     raise UsageError(f"{directory}: transformers cannot load it ({'; '.join(errors)})" + _known_limit(directory))
+
+
+def _architecture_class(directory: Path, transformers):
+    """The class config.json's ``architectures`` names (a classifier keeps its head, T5 its decoder, as the reference
+    model qtool loaded has them), else ``AutoModel``."""
+    from ..io.jsonfile import read_json_object
+
+    try:
+        names = read_json_object(directory / "config.json", UsageError, "Hugging Face config").get("architectures")
+    except UsageError:
+        names = None
+    found = getattr(transformers, names[0], None) if isinstance(names, list) and names and \
+        isinstance(names[0], str) else None
+    return found if isinstance(found, type) and hasattr(found, "from_pretrained") else transformers.AutoModel
 
 
 _EXPERTS_FUSED = ("its experts are stored one by one, as vLLM's MoE loaders read them; transformers' model holds "
