@@ -220,3 +220,26 @@ def test_data_of_one_sample_is_enough_to_trace(mlp_world, tmp_path):
                            tmp_path / "one.safetensors", "--model-class", "tests.tinymodels:mlp", "-o",
                            tmp_path / "q", "--format", "onnx", "-q")
     assert code == 0 and (tmp_path / "q/model.onnx").is_file(), err
+
+
+def test_a_decoders_inputs_get_their_own_sequence_length(tmp_path):
+    """T5's decoder_input_ids shared the encoder's 'sequence' dimension: onnxruntime refused a decoder length other
+    than the encoder's (the calibration data's own 32 against 16 included)."""
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2)).save_pretrained(tmp_path / "t5")
+    g = torch.Generator().manual_seed(0)
+    save_file({"input_ids": torch.randint(0, 64, (2, 12), generator=g), "attention_mask": torch.ones(2, 12,
+               dtype=torch.long), "decoder_input_ids": torch.randint(0, 64, (2, 5), generator=g)},
+              tmp_path / "d.safetensors")
+    code, _, err = run_cli("quantize", tmp_path / "t5", "-c", "w8a8", "--data", tmp_path / "d.safetensors", "-o",
+                           tmp_path / "q", "--format", "onnx", "-q")
+    assert code == 0, err
+    session = ort.InferenceSession(str(tmp_path / "q/model.onnx"))
+    dims = {i.name: i.shape for i in session.get_inputs()}
+    assert dims["input_ids"][1] == "sequence" and dims["decoder_input_ids"][1] == "decoder_sequence"
+    ids = np.full((1, 20), 7, np.int64)
+    session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids),
+                       "decoder_input_ids": np.full((1, 3), 7, np.int64)})

@@ -175,5 +175,14 @@ def _signature(batch) -> Tuple[Tuple, Dict[str, torch.Tensor], List[str], Dict[s
     if batch.args:
         return batch.args, batch.kwargs, ["input"], {"input": {0: "batch"}}
     names = list(batch.kwargs)
-    dyn = {k: ({0: "batch", 1: "sequence"} if v.dim() >= 2 else {0: "batch"}) for k, v in batch.kwargs.items()}
+    dyn = {k: _dynamic_axes(k, v) for k, v in batch.kwargs.items()}
     return batch.args, batch.kwargs, names, dyn
+
+
+def _dynamic_axes(name: str, value: torch.Tensor) -> Dict[int, str]:
+    """The batch, and for token tensors (integer ``[batch, tokens]``) the sequence, whose length is its own for a
+    decoder's inputs (T5's ``decoder_input_ids`` run at another length than the encoder's). Float inputs (an image's
+    channels and pixels, a spectrogram's bins) keep their other sizes."""
+    if value.dim() < 2 or value.is_floating_point():
+        return {0: "batch"}
+    return {0: "batch", 1: "decoder_sequence" if name.startswith("decoder_") else "sequence"}
