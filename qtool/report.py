@@ -685,7 +685,7 @@ def _nan(x) -> bool:
 
 
 def check_gates(rep: Report, min_sqnr: Optional[float] = None, min_cosine: Optional[float] = None,
-                max_ppl_increase: Optional[float] = None) -> List[Gate]:
+                max_ppl_increase: Optional[float] = None, causal_lm: bool = False) -> List[Gate]:
     """Evaluate the gates that are set; ``UsageError`` for one that cannot apply (perplexity without a causal LM)."""
     gates = []
     measured = [r for r in rep.worst_first() if r.sqnr_cumulative is not None]
@@ -697,6 +697,9 @@ def check_gates(rep: Report, min_sqnr: Optional[float] = None, min_cosine: Optio
         gates.append(Gate("min-cosine", min_cosine, rep.cosine, rep.cosine >= min_cosine, f"cosine {rep.cosine:.4f}"))
     if max_ppl_increase is not None:
         inc = rep.perplexity_increase_pct
+        if inc is None and causal_lm:
+            raise UsageError("--max-ppl-increase: no next token was scored (a window of one token has nothing to "
+                             "predict): give a longer --seq-len")
         if inc is None:
             raise UsageError("--max-ppl-increase needs a causal language model checkpoint")
         gates.append(Gate("max-ppl-increase", max_ppl_increase, inc, inc <= max_ppl_increase,

@@ -561,3 +561,13 @@ def test_a_compressed_tensors_classifier_is_reloaded_with_its_head(tmp_path):
     assert code == 0, err
     res = json.loads(out)
     assert res["export_fault"] is None and res["cosine"]["export_gap"]["mean"] > 0.9999, res
+
+
+def test_too_few_tokens_to_score_says_what_was_counted(model, tmp_path):
+    """The line counted every token (18) against the next tokens needed (17) and blamed the file for what was the
+    window size."""
+    _, _, held = model
+    out = _quantize(model, tmp_path, "w8a16", "qtool")
+    code, _, err = run_cli("eval", out, "--data", held, "--seq-len", "2", "--num-samples", "9", "--generate", "0",
+                           "-q")
+    assert code == 2 and "9 window(s) of up to --seq-len 2 predict 9 next tokens, and at least 16" in err, err

@@ -428,3 +428,20 @@ def test_data_missing_an_input_the_model_needs_is_bad_data_not_an_internal_error
         args = ("report", tmp_path / "m.safetensors", "-e", tmp_path / "r2/encodings.json")
     code, _, err = run_cli(*args, "--data", tmp_path / "d.safetensors", "--model-class", spec, "-q")
     assert code == 2 and "it needs an input the data does not give" in err, err
+
+
+def test_flags_that_would_do_nothing_or_mislead_are_one_line(tmp_path):
+    """--recipe without --suggest was ignored without a word; --max-ppl-increase on windows of one token said the
+    checkpoint was no causal LM."""
+    from tests.helpers import tiny_llama_and_ids
+
+    ckpt, ids = tiny_llama_and_ids(tmp_path)
+    code, _, err = run_cli("calibrate", ckpt, "-c", "w8a16", "-o", tmp_path / "run", "-q")
+    assert code == 0, err
+    base = ("report", ckpt, "-e", tmp_path / "run/encodings.json", "--data", ids, "-q")
+    code, _, err = run_cli(*base, "--recipe", "w8a16")
+    assert code == 2 and "--recipe is the recipe --suggest extends" in err, err
+    (tmp_path / "t.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    code, _, err = run_cli("report", ckpt, "-e", tmp_path / "run/encodings.json", "--data", tmp_path / "t.txt",
+                           "--seq-len", "1", "--num-samples", "4", "--max-ppl-increase", "5", "-q")
+    assert code == 2 and "no next token was scored" in err, err

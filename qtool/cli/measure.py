@@ -111,7 +111,7 @@ def report(
     from ..report import check_gates, enforce_gates
 
     with _errors(debug, json_out):
-        gates = check_gates(rep, min_sqnr, min_cosine, max_ppl_increase)
+        gates = check_gates(rep, min_sqnr, min_cosine, max_ppl_increase, result["causal_lm"])
     failed = [g for g in gates if not g.passed]
     if not root:
         raise typer.Exit(1 if failed else 0)

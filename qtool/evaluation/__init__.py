@@ -311,9 +311,11 @@ def _windows(opts: EvalOptions, tokenizer, causal_lm: bool):
         for r in range(ids.shape[0]):
             row = ids[r] if mask is None else ids[r][mask[r] > 0]
             seqs.append([int(t) for t in row])
-    if sum(max(0, len(s) - 1) for s in seqs) < MIN_TOKENS:
-        raise DataError(f"{opts.data}: too little text to score ({sum(len(s) for s in seqs)} tokens; at least "
-                        f"{MIN_TOKENS + 1} are needed, a few thousand give stable figures)")
+    scored = sum(max(0, len(s) - 1) for s in seqs)  # (a window's first token has nothing before it to predict)
+    if scored < MIN_TOKENS:
+        raise DataError(f"{opts.data}: too few tokens to score: {len(seqs)} window(s) of up to --seq-len "
+                        f"{opts.seq_len} predict {scored} next tokens, and at least {MIN_TOKENS} are needed (a few "
+                        "thousand give stable figures): give more text, or a longer --seq-len or more --num-samples")
     return seqs
 
 

@@ -158,6 +158,8 @@ def report_outputs(checkpoint: str, encodings: str, data: Optional[str], plot: O
     from ..report import read_search
 
     outs = ReportOutputs(plot=plot, pareto=pareto)
+    if recipe is not None and suggest is None:
+        raise UsageError("--recipe is the recipe --suggest extends: give it with --sensitivity --suggest 'N OUT.yaml'")
     if suggest is not None:
         outs.suggest_n, outs.suggest = suggest[0], Path(suggest[1])
         outs.base = read_recipe(recipe) if recipe else None  # a malformed base: one error naming file and key
