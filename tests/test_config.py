@@ -503,3 +503,13 @@ def test_a_number_past_pythons_digit_limit_is_one_line(tmp_path):
         lines = error_lines(err)
         assert code == 2 and len(lines) == 1 and f"{path}:3: malformed YAML: a number of more than 4000 digits" in \
             lines[0], (args, err)
+
+
+def test_a_rule_whose_activations_reach_no_tensor_is_refused():
+    """type: Embedding with activations made no quantizer and no warning (an Embedding's inputs are token ids)."""
+    text = "version: 1\nlayers:\n  - {type: Embedding, activations: {bitwidth: 8}}\n"
+    with pytest.raises(ConfigError, match=re.escape("r.yaml: layers[0]: type 'Embedding' matches only modules whose "
+                                                    "inputs are integers (token ids)")):
+        plan_of(text)
+    plan = plan_of("version: 1\nlayers:\n  - {type: Embedding, activations: {bitwidth: 8, outputs: true}}\n")
+    assert rows(plan)["embed.output"].bitwidth == 8 and "embed.input" not in rows(plan)

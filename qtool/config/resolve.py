@@ -189,6 +189,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     plan = Plan()
     used = [False] * len(recipe.layers)
     weighted = [False] * len(recipe.layers)  # the rule reached a module with a weight
+    activated = [False] * len(recipe.layers)  # its activations reached a tensor a quantizer can take
     ignore_named: List[Optional[str]] = [None] * len(recipe.ignore)  # the first module each ignore pattern names
     ignore_removed = [False] * len(recipe.ignore)  # it kept a module that could be quantized float
     fallbacks: Dict[Tuple[str, str], int] = {}  # (K-quant type, its fallback) -> weights
@@ -251,6 +252,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 a_spec = None if rule.activations is None else _merge(
                     a_spec or recipe.defaults.activations, rule.activations, ActivationSpec, f"{where}.activations")
                 rule_a = i
+                if a_spec is not None and ((a_spec.inputs and tname not in _INTEGER_INPUT_TYPES) or a_spec.outputs):
+                    activated[i] = True
         if w_cand:
             candidates.add(name)
         if (tower or router) and rule_w is None and rule_a is None and not ignored:
@@ -309,6 +312,9 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         elif not weighted[i] and rule.weights is not None and "weights" in rule.model_fields_set \
                 and rule.activations is None:  # (LlamaRotaryEmbedding: nothing to quantize)
             reached = "matches only modules with no weight, so its weights quantize nothing"
+        elif not activated[i] and rule.activations is not None and "activations" in rule.model_fields_set:
+            reached = ("matches only modules whose inputs are integers (token ids), so its activations quantize "
+                       "nothing (outputs: true quantizes their outputs)")
         else:
             continue
         sel = " ".join(filter(None, [f"match {rule.match!r}" if rule.match else "",
