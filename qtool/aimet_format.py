@@ -15,6 +15,7 @@ by qtool's ``<module>.input`` / ``<module>.output``.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -27,7 +28,8 @@ from .io.jsonfile import read_json_object
 from .quant.affine import grid
 from .quant.spec import MAX_BITWIDTH, MIN_BITWIDTH
 
-__all__ = ["VERSIONS", "entry_to_aimet", "to_aimet", "read_aimet", "from_aimet", "range_for_scale_offset"]
+__all__ = ["VERSIONS", "block_problem", "entry_to_aimet", "to_aimet", "read_aimet", "from_aimet",
+           "range_for_scale_offset"]
 
 VERSIONS = AIMET_VERSIONS
 READ_VERSIONS = VERSIONS + ("2.1.0",)  # 2.1.0 adds LPBQ/vector types; its int entries read like 2.0.0
@@ -45,6 +47,17 @@ def _axis(e: EncodingEntry) -> Optional[int]:
 
 def _block(e: EncodingEntry) -> Optional[int]:
     return e.spec.axis_and_block()[1]
+
+
+def block_problem(spec) -> Optional[str]:
+    """Why AIMET encodings cannot hold a quantizer's blocks (``spec``: a ``QuantSpec``), or None: AIMET's blockwise
+    encodings block the input dimension (axis 1) alone, one row of blocks per output channel."""
+    if spec.granularity != "per_block" or spec.block_size is None:
+        return None
+    blocked = [d for d, b in enumerate(spec.block_size) if b not in (1, -1)]
+    if blocked == [1] and spec.block_size[0] == 1 and all(s == 1 for s in spec.shape[2:]):
+        return None
+    return f"blocks of {list(spec.block_size)}"
 
 
 def entry_to_aimet(e: EncodingEntry, version: str) -> Any:
@@ -175,6 +188,9 @@ def _granularity_from_count(count: int, wshape: Tuple[int, ...], block: Optional
         return "per_tensor", (), None
     if block is None and count == wshape[0]:
         return "per_channel", (wshape[0],) + (1,) * (nd - 1), None
+    if per_channel and block is None:
+        raise EncodingsError(f"{count} per-channel encodings for a weight of shape {list(wshape)} (one per output "
+                             "channel, along axis 0)")
     ax = 1 if axis is None else axis
     if block is None and count % wshape[0] == 0 and nd >= 2:
         per_row = count // wshape[0]
@@ -206,17 +222,27 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
     try:
         if version in ("2.0.0", "2.1.0"):
             for item in obj["encodings"]:
+                if "per_block_int_scale" in item or isinstance(item.get("y_scale"), dict):
+                    raise EncodingsError(f"{source}: {item['name']}: LPBQ and vector encodings are not supported "
+                                         "(only integer per-tensor, per-channel and blockwise ones import)")
                 dt = str(item["output_dtype"])
-                signed = dt.startswith("int")
-                bits = int(dt[3:] if signed else dt[4:])
+                dtype = re.fullmatch(r"(u?)int([0-9]{1,4})", dt)
+                if dtype is None:
+                    raise EncodingsError(f"{source}: {item['name']}: output_dtype {dt[:40]!r} is not supported "
+                                         "(integer types import: int8, uint8, int4, ...)")
+                signed, bits = not dtype.group(1), int(dtype.group(2))
                 scale = torch.tensor(item["y_scale"], dtype=torch.float32)
                 zp = torch.tensor(item.get("y_zero_point", 0), dtype=torch.float32)
                 if zp.numel() != 1 and zp.numel() != scale.numel():
                     raise EncodingsError(f"{source}: {item['name']}: {zp.numel()} offsets for {scale.numel()} "
                                          "scales (give one y_zero_point per y_scale, or one for all)")
+                if zp.numel() != 1 and zp.dim() > 1 and _squeezed(zp.shape) != _squeezed(scale.shape):
+                    raise EncodingsError(f"{source}: {item['name']}: y_zero_point is nested as {list(zp.shape)}, "
+                                         f"y_scale as {list(scale.shape)} (give them the same shape)")
                 zp = zp.reshape(-1)[0].expand(scale.shape) if zp.numel() == 1 else zp.reshape(scale.shape)
                 rows.append(("any", str(item["name"]), {"bits": bits, "signed": signed, "scale": scale,
-                                                         "offset": -zp, "axis": item.get("axis"),
+                                                         "offset": -zp, "declared_sym": False,
+                                                         "axis": item.get("axis"),
                                                          "block": item.get("block_size"),
                                                          "per_channel": "axis" in item and "block_size" not in item}))
         else:
@@ -251,7 +277,7 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                                              f"{MIN_BITWIDTH}..{MAX_BITWIDTH}")
                     qmin, _ = grid(bits, signed=sym)
                     per_channel = version == "1.0.0" and item.get("enc_type") == "PER_CHANNEL"
-                    rows.append((kind, str(name), {"bits": bits, "signed": sym, "sym": sym, "scale": scale,
+                    rows.append((kind, str(name), {"bits": bits, "signed": sym, "declared_sym": sym, "scale": scale,
                                                    "offset": off - qmin, "axis": None, "block": block,
                                                    "per_channel": per_channel}))
     except EncodingsError:
@@ -268,21 +294,50 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
         raise EncodingsError(f"{source}: {dup!r} has two encodings")
     for kind, name, r in rows:
         try:
-            entry = _entry_from_row(name, r, weight_shapes, module_of, source, warnings)
+            entry = _entry_from_row(name, r, weight_shapes, module_of, source, warnings, kind)
         except (TypeError, ValueError, ZeroDivisionError, OverflowError, RuntimeError) as e:
             raise EncodingsError(f"{source}: {name}: malformed encoding ({type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
         if entry is not None:
             entries.append(entry)
+    if not entries:
+        where = "encodings" if version in ("2.0.0", "2.1.0") else "param_encodings / activation_encodings"
+        what = (f"none of its {len(rows)} entries (e.g. {rows[0][1][:80]!r}) names a weight of this checkpoint or "
+                "a <module>.input / .output; were they made for another model?" if rows else
+                f"the file holds no encodings (AIMET {version} keeps them in {where})")
+        raise EncodingsError(f"{source}: nothing to import: {what}")
     return EncodingsFile(entries, {"imported_from": f"AIMET {version}"}), warnings
+
+
+def _squeezed(shape) -> Tuple[int, ...]:
+    """A shape without its size-1 dimensions (which leave the row-major order of the numbers alone)."""
+    return tuple(d for d in shape if d != 1)
+
+
+def _file_axis(axis: Any, nd: int, per_channel: bool) -> Optional[int]:
+    """2.0.0's ``axis`` as a non-negative dimension, or a one-line reason it cannot be imported (ValueError)."""
+    if axis is None:
+        return None
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise ValueError(f"axis must be an integer (got {str(axis)[:40]!r})")
+    if not -nd <= axis < nd:
+        raise ValueError(f"axis {axis} is outside a {nd}-D weight")
+    axis %= nd
+    if per_channel and axis != 0:
+        raise ValueError(f"per-channel encodings along axis {axis} are not supported: qtool's per-channel "
+                         "weights are along axis 0 (output channels)")
+    if not per_channel and axis != 1:
+        raise ValueError(f"blockwise encodings along axis {axis} are not supported: qtool imports blocks "
+                         "along axis 1 (input channels) only")
+    return axis
 
 
 def _entry_from_row(name: str, r: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]],
                     module_of: Callable[[str], Optional[str]], source: str,
-                    warnings: List[str]) -> Optional[EncodingEntry]:
+                    warnings: List[str], kind: str = "any") -> Optional[EncodingEntry]:
     """One checked qtool entry from a normalized AIMET row, or None (with a warning) for what is skipped."""
-    # a signed grid with a zero offset is AIMET's symmetric encoding
-    symmetric = r.get("sym", r["signed"] and bool((r["offset"] == 0).all()))
+    from .quant.affine import _min_scale, min_max_to_scale_offset
+
     if name in weight_shapes:
         module = module_of(name)
         wshape = tuple(weight_shapes[name])
@@ -290,11 +345,14 @@ def _entry_from_row(name: str, r: Dict[str, Any], weight_shapes: Dict[str, Tuple
             warnings.append(f"{name}: not a module weight (bias or buffer); skipped")
             return None
         count = r["scale"].numel()
-        axis = None if r["axis"] is None else int(r["axis"]) % len(wshape)
         try:
+            axis = _file_axis(r["axis"], len(wshape), r["per_channel"])
             gran, shape, block_size = _granularity_from_count(count, wshape, r["block"], axis, r["per_channel"])
-        except EncodingsError as e:
+        except (EncodingsError, ValueError) as e:
             raise EncodingsError(f"{source}: {name}: {e}") from None
+        if r["scale"].dim() > 1 and _squeezed(r["scale"].shape) != _squeezed(shape):
+            raise EncodingsError(f"{source}: {name}: y_scale is nested as {list(r['scale'].shape)}; a weight of "
+                                 f"shape {list(wshape)} needs {list(shape)}")
         tensor = "weight"
         qname = f"{module}.weight"
     elif name.endswith(".input") or name.endswith(".output"):
@@ -303,16 +361,19 @@ def _entry_from_row(name: str, r: Dict[str, Any], weight_shapes: Dict[str, Tuple
         if r["scale"].numel() != 1:
             raise EncodingsError(f"{source}: {name}: activation encodings must be per-tensor")
     else:
-        warnings.append(f"{name}: no tensor of that name in the checkpoint (an ONNX activation name?); skipped")
+        why = {"param": "", "act": " (an ONNX activation name?)"}.get(kind, " (an ONNX activation name, or "
+                                                                              "another model's tensor?)")
+        warnings.append(f"{name}: no tensor of that name in the checkpoint{why}; skipped")
         return None
-    if not MIN_BITWIDTH <= r["bits"] <= MAX_BITWIDTH:  # (a skipped bias may be 32-bit)
-        raise EncodingsError(f"{source}: {name}: bitwidth {r['bits']} is outside {MIN_BITWIDTH}..{MAX_BITWIDTH}")
-    qmin, qmax = grid(r["bits"], signed=r["signed"])  # (after the check: 2**bits of a hostile bits never ends)
+    bits = r["bits"]
+    if not MIN_BITWIDTH <= bits <= MAX_BITWIDTH:  # (a skipped bias may be 32-bit)
+        raise EncodingsError(f"{source}: {name}: bitwidth {bits} is outside {MIN_BITWIDTH}..{MAX_BITWIDTH}")
+    qmin, qmax = grid(bits, signed=r["signed"])  # (after the check: 2**bits of a hostile bits never ends)
     if r["offset"].numel() != r["scale"].numel():
         raise EncodingsError(f"{source}: {name}: {r['offset'].numel()} offsets for {r['scale'].numel()} scales "
                              "(give one offset per scale)")
     scale = r["scale"].reshape(shape)
-    offset = r["offset"].reshape(shape)
+    offset = r["offset"].reshape(shape)  # on the file's grid (signed or not): real = (q + offset) * scale
     if not (torch.isfinite(scale).all() and (scale > 0).all()):
         bad = scale[~(torch.isfinite(scale) & (scale > 0))].flatten()[0]
         raise EncodingsError(f"{source}: {name}: every scale must be a finite number above 0 (got {float(bad)})")
@@ -321,15 +382,29 @@ def _entry_from_row(name: str, r: Dict[str, Any], weight_shapes: Dict[str, Tuple
     if ((offset < -qmax) | (offset > -qmin)).any():
         bad = offset[(offset < -qmax) | (offset > -qmin)].flatten()[0]
         raise EncodingsError(f"{source}: {name}: its offset puts zero at code {int(-bad)}, outside the "
-                             f"{r['bits']}-bit grid [{qmin}, {qmax}]")
-    if r["signed"] != (qmin < 0) or (symmetric and not r["signed"]):
-        raise EncodingsError(f"{source}: {name}: symmetric encodings must use a signed grid")
+                             f"{bits}-bit grid [{qmin}, {qmax}]")
+    # qtool's symmetric grid is the signed one with offset 0; an encoding the file calls symmetric with other
+    # offsets (AIMET's unsigned symmetric after a ReLU: [0, 255 * scale]) is the same grid as an asymmetric one
+    symmetric = r["signed"] and bool((offset == 0).all())
+    if r["declared_sym"] and not symmetric:
+        warnings.append(f"{name}: symmetric, but its offsets are not those of the signed symmetric grid; imported "
+                        "as asymmetric with the file's scales and offsets")
+    if not symmetric and r["signed"]:  # the same grid on qtool's unsigned one
+        offset, qmin, qmax = offset + qmin, 0, qmax - qmin
+    smallest = torch.tensor(_min_scale(qmax - qmin), dtype=torch.float32)  # (what qtool clamps a scale to)
+    if (scale < smallest).any():
+        raise EncodingsError(f"{source}: {name}: scale {float(scale[scale < smallest].flatten()[0]):.4g} is below "
+                             f"the smallest qtool's {bits}-bit grids have ({float(smallest):.4g}); the range cannot "
+                             "be represented")
     mn, mx = range_for_scale_offset(scale, offset, qmin, qmax, symmetric)
-    from .quant.affine import min_max_to_scale_offset
-
-    s2, _ = min_max_to_scale_offset(mn, mx, qmin, qmax, symmetric)
+    if not (torch.isfinite(mn).all() and torch.isfinite(mx).all()):
+        raise EncodingsError(f"{source}: {name}: its range overflows float32 (scale up to "
+                             f"{float(scale.max()):.4g}); the range cannot be represented")
+    s2, o2 = min_max_to_scale_offset(mn, mx, qmin, qmax, symmetric)
+    if not torch.equal(o2, offset):
+        raise EncodingsError(f"{source}: {name}: no float32 range gives its scales and offsets; the range cannot "
+                             "be represented")
     if not torch.equal(s2, scale):
         warnings.append(f"{name}: {int((s2 != scale).sum())} scale(s) cannot come from any float32 range and "
                         "are one ulp off after import")
-    return EncodingEntry(qname, module, tensor, r["bits"], symmetric, gran, shape, block_size, "imported", mn, mx)
-
+    return EncodingEntry(qname, module, tensor, bits, symmetric, gran, shape, block_size, "imported", mn, mx)

@@ -127,3 +127,135 @@ def test_a_weight_of_one_output_channel_keeps_its_granularity(version, kept):
         (b,) = back.entries
         assert not warnings and b.granularity == expect and b.shape == ((1, 1) if expect == "per_channel" else ())
         assert torch.equal(b.scale_offset()[0].reshape(-1), e.scale_offset()[0].reshape(-1))
+
+
+# ---- files whose numbers qtool must not change on import, and files it must refuse ---------------------------
+def _mod(n):
+    return n.rsplit(".", 1)[0]
+
+
+def _v1(params=(), acts=()):
+    return {"version": "1.0.0", "param_encodings": list(params), "activation_encodings": list(acts)}
+
+
+def _v1_entry(name, scale, offset, is_sym, enc_type="PER_CHANNEL", bw=8):
+    return {"name": name, "dtype": "INT", "bw": bw, "is_sym": is_sym, "scale": scale, "offset": offset,
+            "enc_type": enc_type}
+
+
+@pytest.mark.parametrize("version", ["0.6.1", "1.0.0"])
+def test_unsigned_symmetric_encodings_keep_their_range(version):
+    """AIMET's unsigned symmetric activations (after a ReLU: is_sym true, offset 0) cover [0, 255 * scale]: they
+    import as that asymmetric grid, with a warning, not as the signed [-128, 127] * scale."""
+    if version == "0.6.1":
+        obj = {"version": "0.6.1", "param_encodings": {}, "activation_encodings": {"fc1.input": [
+            {"min": 0.0, "max": 2.55, "scale": 0.01, "offset": 0, "bitwidth": 8, "dtype": "int",
+             "is_symmetric": "True"}]}}
+    else:
+        obj = _v1(acts=[_v1_entry("fc1.input", [0.01], [0], True, "PER_TENSOR")])
+    enc, warnings = from_aimet(obj, {}, "f", _mod)
+    (e,) = enc.entries
+    assert not e.symmetric and e.qmin_qmax == (0, 255)
+    scale, offset = e.scale_offset()
+    assert float(scale) == float(torch.tensor(0.01)) and float(offset) == 0
+    assert float(e.min) == 0 and abs(float(e.max) - 2.55) < 1e-6
+    assert any(w.startswith("fc1.input: symmetric, but its offsets") for w in warnings)
+    again = to_aimet(enc, version, "t")["activation_encodings"]
+    back = again["fc1.input"][0] if version == "0.6.1" else again[0]
+    assert back["offset"] in (0, [0]) and back["scale"] in (float(torch.tensor(0.01)), [float(torch.tensor(0.01))])
+
+
+def test_symmetric_per_channel_with_another_offset_keeps_every_offset():
+    scale = [0.01 * (i + 1) for i in range(4)]
+    offset = [-128, -128, -100, -128]
+    enc, warnings = from_aimet(_v1([_v1_entry("m.weight", scale, offset, True)]), {"m.weight": (4, 8)}, "f", _mod)
+    (e,) = enc.entries
+    assert not e.symmetric and e.granularity == "per_channel" and any("m.weight: symmetric" in w for w in warnings)
+    back = to_aimet(enc, "1.0.0", "t")["param_encodings"][0]
+    assert back["offset"] == offset and back["scale"] == [float(torch.tensor(s)) for s in scale]
+
+
+def _v2(entry):
+    return {"version": "2.0.0", "encodings": [dict({"name": "a.weight", "output_dtype": "int8"}, **entry)]}
+
+
+@pytest.mark.parametrize("shape, entry, message", [
+    ((16, 16), {"y_scale": [0.01] * 16, "axis": 1}, "f: a.weight: per-channel encodings along axis 1 are not"),
+    ((16, 32), {"y_scale": [0.01] * 16, "axis": 1}, "f: a.weight: per-channel encodings along axis 1 are not"),
+    ((16, 16), {"y_scale": [0.01] * 16, "axis": 5}, "f: a.weight: axis 5 is outside a 2-D weight"),
+    ((16, 16), {"y_scale": [0.01] * 16, "axis": "0"}, "f: a.weight: axis must be an integer"),
+    ((8, 64), {"y_scale": [[0.01] * 8] * 4, "axis": 0, "block_size": 2}, "blockwise encodings along axis 0"),
+])
+def test_an_axis_qtool_cannot_hold_is_refused(shape, entry, message):
+    with pytest.raises(EncodingsError, match=message):
+        from_aimet(_v2(entry), {"a.weight": shape}, "f", _mod)
+
+
+@pytest.mark.parametrize("axis", [0, -2])
+def test_per_channel_along_axis_0_imports(axis):
+    enc, _ = from_aimet(_v2({"y_scale": [0.01] * 16, "axis": axis}), {"a.weight": (16, 16)}, "f", _mod)
+    (e,) = enc.entries
+    assert e.granularity == "per_channel" and e.shape == (16, 1)
+
+
+def test_a_transposed_blocked_y_scale_is_refused():
+    scales = [[0.01 * (i + 1)] * 32 for i in range(4)]  # 4 x 32 where a (32, 64) weight in blocks of 16 has 32 x 4
+    with pytest.raises(EncodingsError, match=r"f: a.weight: y_scale is nested as \[4, 32\]; a weight of shape "
+                                             r"\[32, 64\] needs \[32, 4\]"):
+        from_aimet(_v2({"output_dtype": "int4", "y_scale": scales, "axis": 1, "block_size": 16}),
+                   {"a.weight": (32, 64)}, "f", _mod)
+
+
+def test_aimet_export_refuses_tiles_of_blocks():
+    from qtool.aimet_format import block_problem
+    from qtool.errors import UsageError
+    from qtool.export.aimet import EXPORTER
+
+    def entry(shape, block):
+        return EncodingEntry("m.weight", "m", "weight", 4, True, "per_block", shape, block, "minmax",
+                             -torch.ones(shape), torch.ones(shape))
+
+    assert block_problem(entry((16, 2), (1, 16)).spec) is None
+    assert block_problem(entry((8, 4, 1, 1), (1, 8, -1, -1)).spec) is None
+    with pytest.raises(UsageError, match=r"AIMET encodings block the input dimension alone .* m.weight has blocks "
+                                         r"of \[8, 16\]"):
+        EXPORTER.check_quantizers([entry((4, 2), (8, 16))], EXPORTER.options())
+
+
+@pytest.mark.parametrize("obj, message", [
+    (_v1([_v1_entry("fc9.weight", [0.01], [-128], True, "PER_TENSOR")]),
+     r"f: nothing to import: none of its 1 entries \(e.g. 'fc9.weight'\) names a weight of this checkpoint"),
+    (_v1(), "f: nothing to import: the file holds no encodings"),
+    ({"version": "2.0.0", "encodings": {}}, "f: nothing to import: the file holds no encodings"),
+    ({"version": "1.0.0", "encodings": [{"name": "a.weight", "output_dtype": "int8", "y_scale": 0.01}]},
+     "f: nothing to import: the file holds no encodings .AIMET 1.0.0 keeps them in param_encodings"),
+])
+def test_a_file_with_nothing_for_this_model_is_refused(obj, message):
+    with pytest.raises(EncodingsError, match=message):
+        from_aimet(obj, {"a.weight": (4, 8)}, "f", _mod)
+
+
+def test_an_unmatched_param_entry_is_not_called_an_activation():
+    obj = _v1([_v1_entry("fc9.weight", [0.01], [-128], True, "PER_TENSOR"),
+               _v1_entry("a.weight", [0.01], [-128], True, "PER_TENSOR")])
+    _, warnings = from_aimet(obj, {"a.weight": (4, 8)}, "f", _mod)
+    assert warnings == ["fc9.weight: no tensor of that name in the checkpoint; skipped"]
+
+
+@pytest.mark.parametrize("tiny", [1e-45, 1e-40, 1e-8])
+def test_a_scale_below_qtools_smallest_is_refused(tiny):
+    obj = _v1([_v1_entry("a.weight", [0.01, tiny, 0.01, 0.01], [-128] * 4, True)])
+    with pytest.raises(EncodingsError, match="f: a.weight: scale .* is below the smallest .* cannot be represented"):
+        from_aimet(obj, {"a.weight": (4, 8)}, "f", _mod)
+
+
+@pytest.mark.parametrize("sample", ["lpbq_v2.0.0.encodings", "lpbq_v2.1.0.encodings"])
+def test_lpbq_files_say_lpbq(sample):
+    obj = json.loads((SAMPLES / sample).read_text())
+    with pytest.raises(EncodingsError, match=f"{sample}: 0.weight: LPBQ and vector encodings are not supported"):
+        from_aimet(obj, {"0.weight": (32, 64), "2.weight": (16, 32)}, sample, _mod)
+
+
+def test_a_float_output_dtype_is_named():
+    with pytest.raises(EncodingsError, match="f: a.weight: output_dtype 'float16' is not supported"):
+        from_aimet(_v2({"output_dtype": "float16", "y_scale": 0.01}), {"a.weight": (4, 8)}, "f", _mod)

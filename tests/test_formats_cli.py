@@ -246,3 +246,19 @@ def test_t5s_shared_embedding_is_named_as_tied_when_exported_by_name(tmp_path):
     assert code == 0, err
     code, _, err = run_cli("export", tmp_path / "t5", "-e", tmp_path / "cal/encodings.json", "-o", tmp_path / "x")
     assert code == 2 and "embed_tokens.weight" in err and "is stored only under that tensor's name" in err, err
+
+
+def test_model_encodings_beside_an_export_leaves_out_tiles_of_blocks(tmp_path):
+    """The AIMET JSON written beside a qtool export held weights in 2-D tiles as one-dimensional blocks, which no
+    reader (qtool's import included) could take; they are left out with a warning, as dynamic activations are."""
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, "
+                                     "block_size: [8, 16]}\n  activations: null\nlayers:\n  - match: '4'\n"
+                                     "    weights: {bitwidth: 8, granularity: per_channel}\n")
+    code, out, err = run_cli("quantize", tmp_path / "m.safetensors", "-c", tmp_path / "r.yaml", "--model-class", MLP,
+                             "-o", tmp_path / "q", "--json")
+    assert code == 0, err
+    assert any("leaves out 2 weight(s) in blocks of [8, 16]" in w for w in json.loads(out)["export_warnings"]), out
+    aimet = json.loads((tmp_path / "q/model.encodings").read_text())
+    assert sorted(aimet["param_encodings"] if isinstance(aimet["param_encodings"], dict) else
+                  [e["name"] for e in aimet["param_encodings"]]) == ["4.weight"]

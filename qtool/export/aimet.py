@@ -27,6 +27,14 @@ class AimetExporter(Exporter):
                 f"AIMET encodings are static, and {dynamic[0].name} ({len(dynamic)} quantizer(s) in all) is dynamic "
                 f"({dynamic[0].spec.granularity.value}): export with --format qtool, onnx or compressed-tensors, or "
                 "use a recipe with static activations")
+        from ..aimet_format import block_problem
+
+        tiles = [(q, block_problem(q.spec)) for q in quantizers]
+        tiles = [(q, why) for q, why in tiles if why]
+        if tiles:
+            raise UsageError(f"AIMET encodings block the input dimension alone (block_size [1, B]), and "
+                             f"{tiles[0][0].name} has {tiles[0][1]} ({len(tiles)} quantizer(s) in all): export with "
+                             "--format qtool, or use a recipe with an integer block_size")
 
     def check(self, encodings, options: Exporter.Options) -> None:
         super().check(encodings, options)

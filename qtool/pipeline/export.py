@@ -122,7 +122,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     ``allow_other`` (then a warning).
     ``checkpoint_checked``: the format's checkpoint check already ran in this job (``quantize`` runs it before
     calibrating)."""
-    from ..aimet_format import to_aimet
+    from ..aimet_format import block_problem, to_aimet
     from ..model.expert_view import open_checkpoint
     from ..weights import WeightSource
 
@@ -164,6 +164,13 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
             summary["export_warnings"].append(
                 f"model.encodings (AIMET JSON) leaves out {len(enc.entries) - len(static)} dynamic activation "
                 "quantizer(s): AIMET encodings are static; the exported model computes their ranges at run time")
+        tiles = [e for e in static if block_problem(e.spec)]
+        if tiles:  # (as are they: AIMET blocks the input dimension alone)
+            static = [e for e in static if not block_problem(e.spec)]
+            summary["export_warnings"].append(
+                f"model.encodings (AIMET JSON) leaves out {len(tiles)} weight(s) in blocks of "
+                f"{list(tiles[0].spec.block_size)} ({tiles[0].name} ...): AIMET encodings block the input "
+                "dimension alone; the exported tensors hold their scales")
         static_enc = EncodingsFile(static, enc.meta, enc.data_files, enc.codes_file, enc.online)
         aimet = to_aimet(static_enc.materialized(), eopts.encoding_version, __version__, names=names)
         (out_dir / "model.encodings").write_text(dumps_indented(aimet) + "\n")
