@@ -571,3 +571,16 @@ def test_too_few_tokens_to_score_says_what_was_counted(model, tmp_path):
     code, _, err = run_cli("eval", out, "--data", held, "--seq-len", "2", "--num-samples", "9", "--generate", "0",
                            "-q")
     assert code == 2 and "9 window(s) of up to --seq-len 2 predict 9 next tokens, and at least 16" in err, err
+
+
+def test_the_json_keeps_every_models_key_without_encodings(model, tmp_path):
+    """docs/ci.md lists perplexity (float, fake_quant, artifact) and vs_float (fake_quant, artifact): without
+    encodings the fake_quant keys were missing, and a script reading them met a KeyError."""
+    ckpt, _, held = model
+    out = _quantize(model, tmp_path, "gguf-q8_0", "gguf")
+    moved = tmp_path / "alone.gguf"
+    shutil.copy(out / "model.gguf", moved)
+    code, res, err = _eval(model, moved, "-r", ckpt)
+    assert code == 0, err
+    assert list(res["perplexity"]) == ["float", "fake_quant", "artifact"] and res["perplexity"]["fake_quant"] is None
+    assert res["vs_float"]["fake_quant"] is None and res["vs_float"]["artifact"]["kl_mean"] >= 0

@@ -42,9 +42,11 @@ class Evaluation:
             "encodings": self.encodings, "causal_lm": self.causal_lm, "sequences": self.sequences,
             "tokens": self.tokens}
         if self.causal_lm:
-            out["perplexity"] = dict(self.perplexity)
+            # (every model's key, null where it was not run: no encodings, no fake-quant model)
+            out["perplexity"] = {k: self.perplexity.get(k) for k in ("float", "fake_quant", "artifact")}
             out["perplexity_increase_pct"] = self.perplexity_increase_pct
-            out["vs_float"] = {k: v.to_json() for k, v in self.vs_float.items()}
+            out["vs_float"] = {k: self.vs_float[k].to_json() if k in self.vs_float else None
+                               for k in ("fake_quant", "artifact")}
             out["export_gap"] = self.export_gap.to_json() if self.export_gap else None
             out["generations"] = {k: v.to_json() for k, v in self.generations.items()}
         else:
