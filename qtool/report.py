@@ -219,7 +219,8 @@ def _per_sample_cosine(a: torch.Tensor, b: torch.Tensor, batch: Optional[Batch] 
     b = b.reshape(b.shape[0], -1)
     if a.shape[1] > _FLOAT32_COSINE_MAX:
         a, b = a.double(), b.double()
-    return torch.nn.functional.cosine_similarity(a, b, dim=1).float()
+    # (float32 rounding can put equal outputs' cosine a few ulps above 1, which no gate or reader expects)
+    return torch.nn.functional.cosine_similarity(a, b, dim=1).float().clamp(-1.0, 1.0)
 
 
 def _one_number_each(out: torch.Tensor) -> bool:
@@ -235,7 +236,7 @@ def output_cosines(refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
     if refs and all(_one_number_each(r) for r in refs):
         a = torch.cat([r.reshape(-1) for r in refs]).double()
         b = torch.cat([o.reshape(-1) for o in outs]).double()
-        return torch.nn.functional.cosine_similarity(a, b, dim=0).float().reshape(1)
+        return torch.nn.functional.cosine_similarity(a, b, dim=0).float().clamp(-1.0, 1.0).reshape(1)
     return torch.cat([_per_sample_cosine(r, o, b).cpu() for r, o, b in zip(refs, outs, batches)])
 
 

@@ -445,3 +445,13 @@ def test_flags_that_would_do_nothing_or_mislead_are_one_line(tmp_path):
     code, _, err = run_cli("report", ckpt, "-e", tmp_path / "run/encodings.json", "--data", tmp_path / "t.txt",
                            "--seq-len", "1", "--num-samples", "4", "--max-ppl-increase", "5", "-q")
     assert code == 2 and "no next token was scored" in err, err
+
+
+def test_the_cosine_of_equal_outputs_is_never_above_one():
+    """float32 rounding gave 1.0000001 for identical outputs (a 16-bit run's report read cosine above 1)."""
+    from qtool.report import _per_sample_cosine, output_cosines
+
+    a = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    assert (torch.nn.functional.cosine_similarity(a, a.clone(), dim=1) > 1).any()  # what torch gives
+    assert _per_sample_cosine(a, a.clone()).max() == 1.0
+    assert output_cosines([a[:, :1]], [a[:, :1].clone()], [None]).max() <= 1.0
