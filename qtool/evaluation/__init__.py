@@ -577,7 +577,8 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
             elif (art.format == "compressed-tensors" and enc is not None
                   and (quantization_config(art.path) or {}).get("transform_config")):
                 _with_online_rotations(ev, art, enc, activations, opts, hooks, seqs, fq, stop, allowed)
-    if art.format == "gguf":
+    vocab = flt.logp[0].shape[-1] if flt.logp else None
+    if art.format == "gguf" and (vocab is None or opts.top_k < vocab):  # (a smaller vocabulary: the full KL)
         ev.notes.append(f"llama.cpp reports its {opts.top_k} most likely tokens per position: its KL is over those "
                         f"plus one bucket for the rest of the vocabulary (a lower bound of the full KL)")
     return ev
