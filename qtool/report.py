@@ -16,6 +16,7 @@ SQNR = 10 log10(sum(ref^2) / sum((ref - out)^2)), summed over all samples; infin
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -502,10 +503,10 @@ def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optiona
         chosen += [m for m in group_of.get(r["module"], (r["module"],)) if m not in chosen]
     weights, activations, kept = _kept_specs(base_recipe_text)
     rules = []
-    for m in chosen:
-        rule: Dict[str, Any] = {"match": m, "weights": weights}
+    for m in chosen:  # (a dict of its own each: yaml would write one shared dict as anchors, which recipes refuse)
+        rule: Dict[str, Any] = {"match": m, "weights": copy.deepcopy(weights)}
         if by_module.get(m, {}).get("has_activations"):
-            rule["activations"] = activations
+            rule["activations"] = copy.deepcopy(activations)
         rules.append(rule)
     fused = f", with {len(rules) - min(n, len(rows))} layers fused with them," if len(rules) > min(n, len(rows)) else ""
     if any(r.get("activations") for r in rules):

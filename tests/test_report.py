@@ -372,6 +372,10 @@ def test_encodings_calibrated_on_other_weights_are_refused(world, tmp_path):
                              world / "data.safetensors", "--model-class", MLP, "--json")
     assert code == 2 and "calibrated on other weights than" in json.loads(out)["error"], out
     assert "m.safetensors" in json.loads(out)["error"]
+    code, out, err = run_cli("report", tmp_path / "other.safetensors", "-e", world / "run/encodings.json", "--data",
+                             world / "data.safetensors", "--model-class", MLP, "--json", "--allow-other-checkpoint")
+    assert code == 0 and any(n.startswith("--allow-other-checkpoint: the encodings were calibrated on other weights")
+                             for n in json.loads(out)["notes"]), out
     # a byte-identical copy elsewhere is the same checkpoint
     (tmp_path / "copy.safetensors").write_bytes((world / "m.safetensors").read_bytes())
     code, _, err = run_cli("report", tmp_path / "copy.safetensors", "-e", world / "run/encodings.json", "--data",
@@ -455,3 +459,16 @@ def test_the_cosine_of_equal_outputs_is_never_above_one():
     assert (torch.nn.functional.cosine_similarity(a, a.clone(), dim=1) > 1).any()  # what torch gives
     assert _per_sample_cosine(a, a.clone()).max() == 1.0
     assert output_cosines([a[:, :1]], [a[:, :1].clone()], [None]).max() <= 1.0
+
+
+@pytest.mark.parametrize("base", [None, "w8a8", "w4a16-block32", "gguf-q4_0"])
+def test_a_suggestion_of_several_layers_is_a_recipe_qtool_reads(base):
+    """One spec dict shared by every kept layer was written as YAML anchors, which recipes refuse: the report's
+    suggestion failed after the whole measurement (review)."""
+    from qtool.config import parse_recipe
+    from qtool.config.shipped import recipe_file
+    from qtool.report import suggest_recipe
+
+    rows = [{"module": m, "has_activations": True} for m in ("0", "2", "4")]
+    text = suggest_recipe(rows, 3, Path(recipe_file(base)).read_text() if base else None)
+    assert "&id" not in text and [r.match for r in parse_recipe(text, "s.yaml").layers][-3:] == ["0", "2", "4"]

@@ -76,6 +76,10 @@ def report(
         None, "--suggest", help="With --sensitivity: N OUT.yaml, a recipe keeping the N most sensitive layers "
                                 "at higher precision.", show_default=False),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe to extend with --suggest's entries."),
+    allow_other_checkpoint: bool = typer.Option(
+        False, "--allow-other-checkpoint", help="Measure even where the calibration's manifest.json records other "
+                                                "weights than CHECKPOINT's (a fine-tune, a re-saved copy): a note "
+                                                "says so."),
     device: str = _DEVICE,
     batch_size: int = _BATCH,
     num_samples: Optional[int] = _NUM,
@@ -104,7 +108,7 @@ def report(
             result = run_report(checkpoint, encodings, _opts(
                 data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len,
                 seed=seed, model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code),
-                sensitivity_analysis=sensitivity, hooks=p.hooks())
+                sensitivity_analysis=sensitivity, hooks=p.hooks(), allow_other_checkpoint=allow_other_checkpoint)
         rep = result["report"]
         if root:
             write_report_outputs(result, checkpoint, outs)

@@ -29,8 +29,9 @@ from .manifest import digests
 
 @one_at_a_time
 def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitivity_analysis: bool = False,
-               hooks: Optional[Hooks] = None) -> Dict[str, Any]:
-    """``qtool report``: per-layer SQNR, end-to-end fidelity and (optionally) layer sensitivity."""
+               hooks: Optional[Hooks] = None, allow_other_checkpoint: bool = False) -> Dict[str, Any]:
+    """``qtool report``: per-layer SQNR, end-to-end fidelity and (optionally) layer sensitivity. Encodings
+    calibrated on other weights are refused unless ``allow_other_checkpoint`` (then a note)."""
     from ..report import evaluate, sensitivity, tied_notes
 
     hooks = hooks or Hooks()
@@ -43,7 +44,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
         if bad is not None:  # (its outputs would be NaN: every figure, and so every gate, meaningless)
             raise CheckpointError(f"{checkpoint}: {bad} holds NaN or infinity, so the float model is no reference "
                                   "to measure against")
-        _check_calibrated_on(Path(encodings), checkpoint)
+        other = _check_calibrated_on(Path(encodings), checkpoint, allow_other_checkpoint)
         enc = make_fake_quant(loaded.model, checkpoint, encodings, opts.trust_pickle)
         if opts.data is None:
             raise DataError("qtool report runs the model: pass --data PATH (text or tensors)")
@@ -52,7 +53,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
         device = next(iter(loaded.model.parameters())).device
         hooks.on_stage("measuring")
         rep = evaluate(loaded.model, data, device, loaded.is_causal_lm, hooks.on_batch, group)
-        rep.notes += tied_notes(loaded.model)
+        rep.notes += tied_notes(loaded.model) + ([other] if other else [])
     from ..report import grid_summary
 
     out = {"report": rep, "json": {**rep.to_json(), "grids": grid_summary(enc.entries)},
@@ -64,19 +65,26 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
     return out
 
 
-def _check_calibrated_on(enc_path: Path, checkpoint: str) -> None:
+def _check_calibrated_on(enc_path: Path, checkpoint: str, allow_other: bool) -> Optional[str]:
     """Refuse encodings whose calibration manifest records other weights than ``checkpoint``'s (same shapes, other
-    numbers: every figure would measure one model's ranges, and codes, on another), as ``export`` does."""
+    numbers: every figure would measure one model's ranges, and codes, on another), as ``export`` does, unless
+    ``allow_other``: then the note that says so (None: the same weights, or none recorded)."""
     recorded = calibrated_on(enc_path)
     if recorded is None:
-        return
+        return None
     try:
         hashes = sorted(digests(tensor_files(Path(checkpoint))).values())
     except (CheckpointError, OSError):
-        return
-    if hashes != recorded[1]:
+        return None
+    if hashes == recorded[1]:
+        return None
+    if not allow_other:
         raise EncodingsError(f"{enc_path}: calibrated on other weights than {checkpoint} (its manifest.json records "
-                             f"{recorded[0]} with other file hashes): report on that checkpoint, or calibrate this one")
+                             f"{recorded[0]} with other file hashes): report on that checkpoint, calibrate this one, "
+                             "or pass --allow-other-checkpoint if the weights changed on purpose (a re-saved copy's "
+                             "files differ too)")
+    return (f"--allow-other-checkpoint: the encodings were calibrated on other weights ({recorded[0]}) than "
+            f"{checkpoint}'s; these figures are their ranges (and any codes they carry) on {checkpoint}")
 
 
 @one_at_a_time
