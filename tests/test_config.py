@@ -513,3 +513,36 @@ def test_a_rule_whose_activations_reach_no_tensor_is_refused():
         plan_of(text)
     plan = plan_of("version: 1\nlayers:\n  - {type: Embedding, activations: {bitwidth: 8, outputs: true}}\n")
     assert rows(plan)["embed.output"].bitwidth == 8 and "embed.input" not in rows(plan)
+
+
+def test_activation_rules_on_embedding_subclasses_and_inputs_off():
+    """Review: 'inputs: false' on a Linear was refused as if its inputs were token ids; and a subclass of Embedding
+    (Gemma 3's scaled table) got an input quantizer on token ids, and passed the rule's check."""
+    class Scaled(nn.Embedding):
+        pass
+
+    model = Tiny()
+    model.embed = Scaled(100, 64)
+    plan = plan_of("version: 1\nlayers:\n  - {match: blocks.0.attn, activations: {inputs: false}}\n", model)
+    assert "blocks.0.attn.input" not in rows(plan) and "blocks.1.attn.input" in rows(plan)
+    assert "embed.input" not in rows(plan_of("version: 1\n", model))  # the defaults' activations
+    with pytest.raises(ConfigError, match="inputs are integers"):
+        plan_of("version: 1\nlayers:\n  - {type: Embedding, activations: {bitwidth: 8}}\n", model)
+
+
+def test_ignore_hints_name_only_whole_module_names():
+    """Review: a leaf name was offered ('did you mean embed_tokens?' for model.embed_tokens on a wrapped model), which
+    no whole name matches, and a safety-net entry close to a leaf (text_projection beside ViT's projection) was
+    refused."""
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.language_model = nn.Module()
+            self.model.language_model.embed_tokens = nn.Embedding(10, 8)
+            self.vision = nn.Module()
+            self.vision.projection = nn.Linear(8, 8)
+
+    plan = plan_of("version: 1\ndefaults:\n  activations: null\nignore: [model.embed_tokens, text_projection]\n",
+                   Wrapped())
+    assert not plan.warnings and "vision.projection.weight" in rows(plan)

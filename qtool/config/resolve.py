@@ -190,6 +190,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     used = [False] * len(recipe.layers)
     weighted = [False] * len(recipe.layers)  # the rule reached a module with a weight
     activated = [False] * len(recipe.layers)  # its activations reached a tensor a quantizer can take
+    token_inputs = [False] * len(recipe.layers)  # it asked for the inputs of a module that takes token ids
     ignore_named: List[Optional[str]] = [None] * len(recipe.ignore)  # the first module each ignore pattern names
     ignore_removed = [False] * len(recipe.ignore)  # it kept a module that could be quantized float
     fallbacks: Dict[Tuple[str, str], int] = {}  # (K-quant type, its fallback) -> weights
@@ -252,8 +253,10 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 a_spec = None if rule.activations is None else _merge(
                     a_spec or recipe.defaults.activations, rule.activations, ActivationSpec, f"{where}.activations")
                 rule_a = i
-                if a_spec is not None and ((a_spec.inputs and tname not in _INTEGER_INPUT_TYPES) or a_spec.outputs):
-                    activated[i] = True
+                if a_spec is not None:
+                    takes_ids = any(t in _INTEGER_INPUT_TYPES for t in tnames)
+                    activated[i] = activated[i] or (a_spec.inputs and not takes_ids) or a_spec.outputs
+                    token_inputs[i] = token_inputs[i] or (a_spec.inputs and takes_ids)
         if w_cand:
             candidates.add(name)
         if (tower or router) and rule_w is None and rule_a is None and not ignored:
@@ -292,7 +295,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                     tuple(analyzer_args.items()), w_spec.scale_dtype, rounding.name,
                     tuple(rounding.kwargs().items()), element=w_spec.element))
         if a_spec is not None:
-            for tensor, on in (("input", a_spec.inputs and tname not in _INTEGER_INPUT_TYPES),
+            for tensor, on in (("input", a_spec.inputs and not any(t in _INTEGER_INPUT_TYPES for t in tnames)),
                                ("output", a_spec.outputs)):
                 if on:
                     plan.quantizers.append(QuantizerPlan(
@@ -312,7 +315,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         elif not weighted[i] and rule.weights is not None and "weights" in rule.model_fields_set \
                 and rule.activations is None:  # (LlamaRotaryEmbedding: nothing to quantize)
             reached = "matches only modules with no weight, so its weights quantize nothing"
-        elif not activated[i] and rule.activations is not None and "activations" in rule.model_fields_set:
+        elif not activated[i] and token_inputs[i]:
             reached = ("matches only modules whose inputs are integers (token ids), so its activations quantize "
                        "nothing (outputs: true quantizes their outputs)")
         else:
@@ -423,7 +426,7 @@ def _ignore_problem(pattern: str, first: Optional[str], removed: bool, named, ex
     owner, _, leaf = pattern.rpartition(".")
     if leaf in ("weight", "bias") and owner in names:
         return f"is a parameter's name, and ignore takes module names: '{owner}'"
-    near = difflib.get_close_matches(pattern, names + sorted({n.rpartition(".")[2] for n in names}), n=1, cutoff=0.8)
+    near = difflib.get_close_matches(pattern, names, n=1, cutoff=0.8)  # (whole names: what a pattern matches)
     if near and near[0] != pattern:
         return f"matches no module (did you mean '{near[0]}'?)"
     return None
