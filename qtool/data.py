@@ -289,9 +289,16 @@ def _subset(total: int, num_samples: Optional[int], seed: int, at_most: bool, wh
 def model_rejected(err: BaseException) -> bool:
     """Whether ``err``, raised by a model's forward, says the data does not fit the model (a shape, dtype or index
     the model cannot take, or an input it needs that the data does not give: ``None.shape``)."""
-    if isinstance(err, AttributeError):
-        return "'NoneType' object has no attribute" in str(err)
+    if isinstance(err, AttributeError):  # (raised by the model's own code, not by qtool's hooks: a bug there)
+        tb = err.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        inside_qtool = tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE)
+        return "'NoneType' object has no attribute" in str(err) and not inside_qtool
     return isinstance(err, (TypeError, RuntimeError, ValueError, IndexError, AssertionError))
+
+
+_PACKAGE = Path(__file__).resolve().parent
 
 
 def rejection(model, batch: "Batch", err: BaseException) -> str:

@@ -232,17 +232,25 @@ def _one_number_each(out: torch.Tensor) -> bool:
 def output_cosines(refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
                    batches: Sequence[Optional[Batch]]) -> torch.Tensor:
     """The main outputs' cosines, per sample (:func:`_per_sample_cosine`). Where each sample's output is one number
-    its cosine would be its sign (1.0 whatever the error): the column of every sample's number is compared
-    instead, one value (a constant error moves it only as far as it turns that column)."""
+    its cosine would be its sign (1.0 whatever the error): the columns of every sample's number are compared
+    instead, centred (their correlation: scores near a common mean compare by how they vary, not by that mean),
+    one value; NaN for fewer than two samples or a constant column."""
     if refs and all(_one_number_each(r) for r in refs):
         a = torch.cat([r.reshape(-1) for r in refs]).double()
         b = torch.cat([o.reshape(-1) for o in outs]).double()
-        return torch.nn.functional.cosine_similarity(a, b, dim=0).float().clamp(-1.0, 1.0).reshape(1)
+        if a.numel() < 2:
+            return torch.tensor([float("nan")])
+        a, b = a - a.mean(), b - b.mean()
+        norm = float(a.norm() * b.norm())
+        if norm == 0.0:
+            return torch.tensor([float("nan")])
+        return torch.tensor([float(a @ b) / norm]).float().clamp(-1.0, 1.0)
     return torch.cat([_per_sample_cosine(r, o, b).cpu() for r, o, b in zip(refs, outs, batches)])
 
 
-ONE_NUMBER_NOTE = ("the model gives one number per sample: its cosine is taken over the samples (the column of "
-                   "their numbers), and top-1 agreement does not apply")
+ONE_NUMBER_NOTE = ("the model gives one number per sample: its cosine is the correlation of the samples' numbers "
+                   "(the centred columns; an error common to every sample does not move it), and top-1 agreement "
+                   "does not apply")
 
 
 # float32's cosine of n numbers is within about 1e-6 of the exact one up to 2**16 of them (measured: 9e-7 at 32,768),

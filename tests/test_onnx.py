@@ -243,3 +243,16 @@ def test_a_decoders_inputs_get_their_own_sequence_length(tmp_path):
     ids = np.full((1, 20), 7, np.int64)
     session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids),
                        "decoder_input_ids": np.full((1, 3), 7, np.int64)})
+
+
+def test_which_input_dimensions_are_dynamic():
+    """Review: a waveform's samples ([batch, samples] float, wav2vec2's input_values) and inputs_embeds lost their
+    dynamic length when float inputs were made fixed for images' channels."""
+    from qtool.export.onnx_trace import _dynamic_axes
+
+    assert _dynamic_axes("input_values", torch.zeros(1, 160)) == {0: "batch", 1: "sequence"}
+    assert _dynamic_axes("inputs_embeds", torch.zeros(1, 5, 8)) == {0: "batch", 1: "sequence"}
+    assert _dynamic_axes("decoder_input_ids", torch.zeros(1, 5, dtype=torch.long)) == {0: "batch",
+                                                                                       1: "decoder_sequence"}
+    assert _dynamic_axes("pixel_values", torch.zeros(1, 3, 8, 8)) == {0: "batch"}
+    assert _dynamic_axes("input_features", torch.zeros(1, 80, 30)) == {0: "batch"}
