@@ -249,8 +249,8 @@ def output_cosines(refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
 
 
 ONE_NUMBER_NOTE = ("the model gives one number per sample: its cosine is the correlation of the samples' numbers "
-                   "(the centred columns; an error common to every sample does not move it), and top-1 agreement "
-                   "does not apply")
+                   "(the centred columns; an offset or a scale common to every sample does not move it), and top-1 "
+                   "agreement does not apply")
 
 
 # float32's cosine of n numbers is within about 1e-6 of the exact one up to 2**16 of them (measured: 9e-7 at 32,768),
@@ -522,7 +522,7 @@ def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optiona
     elif any("activations" in r for r in rules):
         kept += ", float activations"
     header = (f"# qtool report --sensitivity: the {min(n, len(rows))} most sensitive layers{fused} kept at higher "
-              f"precision\n# ({kept}). Later layers entries win.\n")
+              f"precision\n# ({kept}). Later `layers` entries win.\n")
     if base_recipe_text is not None:
         base = load_yaml(base_recipe_text) or {}
         base.setdefault("version", 1)

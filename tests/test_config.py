@@ -533,7 +533,7 @@ def test_activation_rules_on_embedding_subclasses_and_inputs_off():
 def test_ignore_hints_name_only_whole_module_names():
     """Review: a leaf name was offered ('did you mean embed_tokens?' for model.embed_tokens on a wrapped model), which
     no whole name matches, and a safety-net entry close to a leaf (text_projection beside ViT's projection) was
-    refused."""
+    refused. The hint names the wrapped table's whole name; text_projection (another last part) stays quiet."""
     class Wrapped(nn.Module):
         def __init__(self):
             super().__init__()
@@ -543,6 +543,8 @@ def test_ignore_hints_name_only_whole_module_names():
             self.vision = nn.Module()
             self.vision.projection = nn.Linear(8, 8)
 
-    plan = plan_of("version: 1\ndefaults:\n  activations: null\nignore: [model.embed_tokens, text_projection]\n",
-                   Wrapped())
+    plan = plan_of("version: 1\ndefaults:\n  activations: null\nignore: [text_projection]\n", Wrapped())
     assert not plan.warnings and "vision.projection.weight" in rows(plan)
+    with pytest.raises(ConfigError, match=re.escape("'model.embed_tokens' matches no module (did you mean "
+                                                    "'model.language_model.embed_tokens'?)")):
+        plan_of("version: 1\ndefaults:\n  activations: null\nignore: [model.embed_tokens]\n", Wrapped())

@@ -586,3 +586,4 @@ def test_the_json_keeps_every_models_key_without_encodings(model, tmp_path):
     assert code == 0, err
     assert list(res["perplexity"]) == ["float", "fake_quant", "artifact"] and res["perplexity"]["fake_quant"] is None
     assert res["vs_float"]["fake_quant"] is None and res["vs_float"]["artifact"]["kl_mean"] >= 0
+    assert res["generations"]["fake_quant"] is None and res["generations"]["artifact"]["prompts"] == 2

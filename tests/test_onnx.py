@@ -256,3 +256,4 @@ def test_which_input_dimensions_are_dynamic():
                                                                                        1: "decoder_sequence"}
     assert _dynamic_axes("pixel_values", torch.zeros(1, 3, 8, 8)) == {0: "batch"}
     assert _dynamic_axes("input_features", torch.zeros(1, 80, 30)) == {0: "batch"}
+    assert _dynamic_axes("features", torch.zeros(1, 64)) == {0: "batch"}  # a table's width stays (second review)

@@ -503,3 +503,19 @@ def test_a_none_dereference_in_qtools_own_code_stays_an_internal_error():
         exec(compile("None.shape", "/site-packages/transformers/models/clip/modeling_clip.py", "exec"))
     except AttributeError as e:
         assert model_rejected(e)
+
+
+def test_a_suggestion_from_damage_that_is_nan_is_refused(tmp_path):
+    """Second review: one sample of a one-number model gives every layer NaN damage; --suggest wrote 'the 1 most
+    sensitive layers' in an arbitrary order, exit 0."""
+    from tests.tinymodels import regressor
+
+    spec = "tests.tinymodels:regressor"
+    save_file(regressor().state_dict(), tmp_path / "m.safetensors")
+    save_file({"x": torch.randn(1, 64, generator=torch.Generator().manual_seed(0))}, tmp_path / "d.safetensors")
+    assert run_cli("calibrate", tmp_path / "m.safetensors", "-c", "w8a16", "-o", tmp_path / "run",
+                   "--model-class", spec)[0] == 0
+    code, _, err = run_cli("report", tmp_path / "m.safetensors", "-e", tmp_path / "run/encodings.json", "--data",
+                           tmp_path / "d.safetensors", "--model-class", spec, "--sensitivity", "--suggest",
+                           f"1 {tmp_path / 'k.yaml'}", "-q")
+    assert code == 2 and "the layers' damage is NaN" in err and not (tmp_path / "k.yaml").exists(), err

@@ -426,7 +426,10 @@ def _ignore_problem(pattern: str, first: Optional[str], removed: bool, named, ex
     owner, _, leaf = pattern.rpartition(".")
     if leaf in ("weight", "bias") and owner in names:
         return f"is a parameter's name, and ignore takes module names: '{owner}'"
-    near = difflib.get_close_matches(pattern, names, n=1, cutoff=0.8)  # (whole names: what a pattern matches)
+    # whole names only (what a pattern matches): one ending in the pattern's last part (a wrapper's
+    # model.language_model.embed_tokens for model.embed_tokens), else one a letter or two off
+    near = [n for n in names if n.rpartition(".")[2] == leaf] or difflib.get_close_matches(pattern, names, n=1,
+                                                                                           cutoff=0.8)
     if near and near[0] != pattern:
         return f"matches no module (did you mean '{near[0]}'?)"
     return None

@@ -48,11 +48,12 @@ class Evaluation:
             out["vs_float"] = {k: self.vs_float[k].to_json() if k in self.vs_float else None
                                for k in ("fake_quant", "artifact")}
             out["export_gap"] = self.export_gap.to_json() if self.export_gap else None
-            out["generations"] = {k: v.to_json() for k, v in self.generations.items()}
+            out["generations"] = {k: self.generations[k].to_json() if k in self.generations else None
+                                  for k in ("fake_quant", "artifact")} if self.generations else {}
         else:
-            out["cosine"] = dict(self.cosine)
+            out["cosine"] = {k: self.cosine.get(k) for k in ("fake_quant", "artifact", "export_gap")}
             if self.top1:
-                out["top1_agreement"] = dict(self.top1)
+                out["top1_agreement"] = {k: self.top1.get(k) for k in ("fake_quant", "artifact", "export_gap")}
         out["export_fault"] = self.export_fault
         if self.tasks is not None:
             out["tasks"] = self.tasks

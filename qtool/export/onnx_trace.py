@@ -180,10 +180,10 @@ def _signature(batch) -> Tuple[Tuple, Dict[str, torch.Tensor], List[str], Dict[s
 
 
 def _dynamic_axes(name: str, value: torch.Tensor) -> Dict[int, str]:
-    """The batch, and the sequence of a token tensor (integer ``[batch, tokens]``), a waveform (float ``[batch,
-    samples]``) or ``inputs_embeds``, whose length is its own for a decoder's inputs (T5's ``decoder_input_ids`` run
-    at another length than the encoder's). Other float inputs (an image's channels and pixels, a spectrogram's
-    bins) keep their sizes."""
-    if value.dim() < 2 or (value.is_floating_point() and value.dim() > 2 and not name.endswith("inputs_embeds")):
+    """The batch, and the sequence of a token tensor (integer ``[batch, tokens]``), a waveform (``input_values``) or
+    ``inputs_embeds``, whose length is its own for a decoder's inputs (T5's ``decoder_input_ids`` run at another
+    length than the encoder's). Other float inputs (an image's channels and pixels, a spectrogram's bins, a table's
+    features) keep their sizes."""
+    if value.dim() < 2 or (value.is_floating_point() and name != "input_values" and not name.endswith("inputs_embeds")):
         return {0: "batch"}
     return {0: "batch", 1: "decoder_sequence" if name.startswith("decoder_") else "sequence"}

@@ -215,6 +215,10 @@ def write_report_outputs(result: Dict[str, Any], checkpoint: str, outs: ReportOu
         write_text_atomic(Path(outs.pareto).with_suffix(".json"), json.dumps(points, indent=1) + "\n", output=True)
         result["json"]["pareto"] = points
     if outs.suggest is not None:
+        if any(r["damage"] != r["damage"] for r in result["sensitivity"]):  # NaN: no order to choose from
+            raise DataError(f"--suggest: the layers' damage is NaN (a model that gives one number per sample, "
+                            f"measured on fewer than two samples or constant outputs), so nothing ranks them; give "
+                            f"more --num-samples; {outs.suggest} not written")
         text = suggest_recipe(result["sensitivity"], outs.suggest_n, outs.base.text if outs.base else None)
         parse_recipe(text, source=str(outs.suggest))
         write_text_atomic(outs.suggest, text, output=True)
