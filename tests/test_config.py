@@ -548,3 +548,15 @@ def test_ignore_hints_name_only_whole_module_names():
     with pytest.raises(ConfigError, match=re.escape("'model.embed_tokens' matches no module (did you mean "
                                                     "'model.language_model.embed_tokens'?)")):
         plan_of("version: 1\ndefaults:\n  activations: null\nignore: [model.embed_tokens]\n", Wrapped())
+
+
+def test_ignoring_an_attention_layer_keeps_its_kv_cache_float_without_a_word():
+    """CI: an attention layer in ignore is how a recipe keeps one layer's KV cache float (compressed-tensors then
+    refuses the mix); it was refused as a container whose layers stay quantized."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2))
+    plan = plan_of("version: 1\ndefaults:\n  activations: null\nkv_cache: {granularity: per_tensor}\n"
+                   "ignore: [lm_head, model.layers.0.self_attn]\n", model)
+    assert plan.kv_float == ["model.layers.0.self_attn"] and not plan.warnings

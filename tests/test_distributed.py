@@ -529,3 +529,21 @@ def test_a_bad_flag_under_torchrun_is_said_once(llama, tmp_path):
                                "--json")
     assert len([line for line in err.splitlines() if line.startswith("error: Invalid value for '--batch-size'")]) == 1
     assert json.loads(out)["exit_code"] == 2, out  # (two objects: json's "Extra data")
+
+
+@pytest.mark.parametrize("rank, said", [("0", True), ("1", False)])
+def test_under_torchrun_an_interrupt_is_said_by_rank_0_alone(monkeypatch, capsys, rank, said):
+    """torchrun stops the other ranks with SIGTERM once one fails: a rank that had not yet met the same error printed
+    'interrupted: SIGTERM' beside rank 0's line (seen in CI under load)."""
+    import typer
+
+    from qtool.cli.core import _errors, _Terminated
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(typer.Exit) as e:
+        with _errors():
+            raise _Terminated()
+    assert e.value.exit_code != 0
+    assert ("interrupted: SIGTERM" in capsys.readouterr().err) == said

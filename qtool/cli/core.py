@@ -209,9 +209,14 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
                         **({"errors": [m.split(": ", 1)[-1] for m in [message, *more]]} if more else {})})
         raise typer.Exit(code)
 
+    # under torchrun an interrupt reaches every rank (a Ctrl-C, or torchrun stopping the others once one rank
+    # failed, perhaps before this one met the same error): rank 0 says it
+    quiet_interrupt = _under_torchrun() and _rank() != 0
+
     def interrupted() -> None:
         if _SIGNALLED:
-            fail(_SIGNAL_EXIT[_SIGNALLED[-1]], f"interrupted: {_SIGNALLED[-1]}; {_written()}")
+            fail(_SIGNAL_EXIT[_SIGNALLED[-1]], f"interrupted: {_SIGNALLED[-1]}; {_written()}",
+                 speak=not quiet_interrupt)
 
     try:
         yield
@@ -231,7 +236,7 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         fail(e.exit_code, f"error: {where}{e}", speak=speak, alike=alike)
     except KeyboardInterrupt as e:
         name = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
-        fail(_SIGNAL_EXIT[name], f"interrupted: {name}; {_written()}")
+        fail(_SIGNAL_EXIT[name], f"interrupted: {name}; {_written()}", speak=not quiet_interrupt)
     except OSError as e:  # a full disk, a read-only directory, a path that vanished: the environment, not a bug
         interrupted()
         dist_rank = getattr(e, "dist_rank", None)

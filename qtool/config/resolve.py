@@ -326,9 +326,10 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         if not allow_unmatched:
             raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
         plan.warnings.append(msg)
+    kv_layers = set(attention_modules(named)) if recipe.kv_cache is not None else set()  # (ignore keeps a cache float)
     for j, pat in enumerate(recipe.ignore):
         problem = _ignore_problem(pat, ignore_named[j], ignore_removed[j], named, exported_types,
-                                  {q.module for q in plan.quantizers})
+                                  {q.module for q in plan.quantizers}, kv_layers)
         if problem is None:
             continue
         msg = f"{source}: ignore[{j}]: {pat!r} {problem}"
@@ -402,7 +403,7 @@ def _tied_weights(model: "nn.Module", weights) -> Dict[str, str]:
 
 
 def _ignore_problem(pattern: str, first: Optional[str], removed: bool, named, exported_types,
-                    quantized) -> Optional[str]:
+                    quantized, kv_layers=()) -> Optional[str]:
     """Why an ``ignore`` pattern keeps nothing float that it looks meant to, or None. A pattern that names no module
     is the documented safety net (``lm_head`` on a model without one) unless it is a type's name or close to a
     module's; one that names only modules holding quantized layers (a decoder block, ``*.mlp``) left those layers
@@ -411,7 +412,7 @@ def _ignore_problem(pattern: str, first: Optional[str], removed: bool, named, ex
 
     if first is not None:
         inside = next((m for m in sorted(quantized) if m.startswith(first + ".")), None)
-        if removed or inside is None:
+        if removed or inside is None or first in kv_layers:  # (an attention layer whose KV cache it keeps float)
             return None
         hint = f"{pattern}.*" if not pattern.startswith("re:") else f"{first}.*"
         return (f"names {first}, a {type(dict(named)[first]).__name__} that no quantizer takes, and the layers "
