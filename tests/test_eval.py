@@ -587,3 +587,25 @@ def test_the_json_keeps_every_models_key_without_encodings(model, tmp_path):
     assert list(res["perplexity"]) == ["float", "fake_quant", "artifact"] and res["perplexity"]["fake_quant"] is None
     assert res["vs_float"]["fake_quant"] is None and res["vs_float"]["artifact"]["kl_mean"] >= 0
     assert res["generations"]["fake_quant"] is None and res["generations"]["artifact"]["prompts"] == 2
+
+
+@pytest.mark.parametrize("damage", ["inf_norm", "nan_scale"])
+def test_a_gguf_whose_tensors_decode_to_nan_or_inf_is_one_line_before_any_model_runs(model, tmp_path, damage):
+    """An Inf norm was 'llama.cpp could not score token ...' (exit 3); a NaN Q8_0 block scale an export fault beside
+    a made-up perplexity below float's."""
+    from gguf import GGUFReader
+
+    out = _quantize(model, tmp_path, "gguf-q8_0", "gguf")
+    reader = GGUFReader(out / "model.gguf", "r+")
+    if damage == "inf_norm":
+        t = next(t for t in reader.tensors if t.name == "output_norm.weight")
+        t.data[3] = np.inf
+    else:
+        t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+        blocks = t.data.reshape(t.data.shape[0], -1, 34)  # Q8_0: a float16 scale, then 32 int8 codes
+        blocks[0, 0, :2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    del reader
+    _, _, held = model
+    code, _, err = run_cli("eval", out, "--data", held, *EVAL, "-q")
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1 and f"tensor {t.name}" in lines[0] and "NaN or infinity" in lines[0], err

@@ -175,6 +175,27 @@ def _same_model(art: Artifact, config) -> None:
         raise UsageError(f"{art.path}: not an export of the reference model: {', '.join(wrong)}")
 
 
+def _check_gguf_finite(path: Path, hooks: Hooks) -> None:
+    """Refuse a GGUF file whose tensors decode to NaN or infinity (a damaged or hand-edited scale or norm), before any
+    model runs: llama.cpp would score it with made-up figures, or fail on a token deep in the run."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    hooks.on_stage("checking the file's tensors")
+    for t in GGUFReader(path).tensors:
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            values = np.asarray(t.data)
+        else:
+            try:
+                values = dequantize(t.data, t.tensor_type)
+            except (NotImplementedError, ValueError):  # (a type gguf-py cannot decode: llama.cpp's to judge)
+                continue
+        if not np.isfinite(values).all():
+            raise UsageError(f"{path}: tensor {t.name} ({t.tensor_type.name}) decodes to NaN or infinity: a damaged "
+                             "file (qtool writes none)")
+
+
 def _check_context(art: Artifact, n_ctx: int) -> None:
     """A GGUF file runs in llama.cpp within the context its metadata records: longer windows (``--seq-len``, a
     prompt and its ``--generate`` tokens) are one line before any model runs, not an error from llama.cpp once the
@@ -492,6 +513,8 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     if art.format == "gguf" and not causal:
         raise UsageError(f"{art.path}: a GGUF file is evaluated against a causal LM checkpoint; {reference} is not one")
     _same_model(art, loaded.config)
+    if art.format == "gguf":
+        _check_gguf_finite(art.path, hooks)
     check_gate_use(opts.gates, causal, enc is not None)
     activations = True
     if enc is not None:  # another model's encodings: one line now, not after the float model has run
