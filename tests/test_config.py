@@ -560,3 +560,17 @@ def test_ignoring_an_attention_layer_keeps_its_kv_cache_float_without_a_word():
     plan = plan_of("version: 1\ndefaults:\n  activations: null\nkv_cache: {granularity: per_tensor}\n"
                    "ignore: [lm_head, model.layers.0.self_attn]\n", model)
     assert plan.kv_float == ["model.layers.0.self_attn"] and not plan.warnings
+
+
+def test_config_show_says_what_the_activation_defaults_reach():
+    """'activations of ..., Embedding' for every recipe (an Embedding's input is token ids); a recipe whose
+    activations quantize neither inputs nor outputs said it needs calibration data."""
+    from qtool.config import describe_recipe
+
+    info = describe_recipe(parse_recipe("version: 1\n", "r.yaml"))
+    assert "Linear" in info["default_types"]["activations"] and "Embedding" not in info["default_types"]["activations"]
+    info = describe_recipe(parse_recipe("version: 1\ndefaults:\n  activations: {outputs: true}\n", "r.yaml"))
+    assert "Embedding" in info["default_types"]["activations"]
+    info = describe_recipe(parse_recipe("version: 1\ndefaults:\n  weights: null\n  activations: {inputs: false, "
+                                        "outputs: false}\n", "r.yaml"))
+    assert info["default_types"]["activations"] == [] and info["needs_data"] is False

@@ -8,7 +8,8 @@ from typing import Any, Dict, List, Optional, Union
 
 from ..choices import GGML_SCALE_DTYPES, LEGACY_GGUF_TYPES, SUPER_BLOCK_FALLBACK, weighs_activations
 from ..errors import ConfigError
-from .schema import DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES, ActivationSpec, Recipe, WeightSpec, _merge, _Spec
+from .schema import (_INTEGER_INPUT_TYPES, DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES, ActivationSpec, Recipe,
+                     WeightSpec, _merge, _Spec)
 
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # the shipped recipes (package data)
@@ -66,6 +67,7 @@ def recipe_needs_data(recipe: Recipe) -> bool:
         if rule.activations:
             acts.append(_merge(recipe.defaults.activations, rule.activations, ActivationSpec,
                                f"layers[{i}].activations"))
+    acts = [a for a in acts if a.inputs or a.outputs]  # (inputs: false, outputs: false quantizes nothing)
     return (recipe.kv_cache is not None or any(not a.dynamic or a.scale_dtype == "fp8_e4m3" for a in acts)
             or any(w.rounding.name != "nearest" or weighs_activations(w.analyzer.kwargs().get("weighting"))
                    for w in weights))
@@ -129,6 +131,14 @@ def weights_label(recipe: Recipe) -> str:
             + (f" {rounding}" if rounding != "nearest" else ""))
 
 
+def _activation_types(spec: Optional[ActivationSpec]) -> List[str]:
+    """The module types whose activations ``spec`` (the defaults') quantizes: a module taking token ids
+    (Embedding) has only its output to quantize."""
+    if spec is None or not (spec.inputs or spec.outputs):
+        return []
+    return [t for t in DEFAULT_ACTIVATION_TYPES if spec.outputs or t not in _INTEGER_INPUT_TYPES]
+
+
 def describe_recipe(recipe: Recipe) -> Dict[str, Any]:
     """What a recipe means without a model: its defaults with every key resolved, its rules, what it ignores,
     which module types it quantizes by default, and whether it needs calibration data."""
@@ -142,7 +152,7 @@ def describe_recipe(recipe: Recipe) -> Dict[str, Any]:
     return {
         "defaults": defaults,
         "default_types": {"weights": list(DEFAULT_WEIGHT_TYPES) if recipe.defaults.weights else [],
-                          "activations": list(DEFAULT_ACTIVATION_TYPES) if recipe.defaults.activations else []},
+                          "activations": _activation_types(recipe.defaults.activations)},
         "layers": [rule.model_dump(mode="json", exclude_unset=True) for rule in recipe.layers],
         "ignore": list(recipe.ignore),
         "smoothquant": None if recipe.smoothquant is None else recipe.smoothquant.model_dump(mode="json"),
