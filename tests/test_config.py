@@ -574,3 +574,11 @@ def test_config_show_says_what_the_activation_defaults_reach():
     info = describe_recipe(parse_recipe("version: 1\ndefaults:\n  weights: null\n  activations: {inputs: false, "
                                         "outputs: false}\n", "r.yaml"))
     assert info["default_types"]["activations"] == [] and info["needs_data"] is False
+
+
+@pytest.mark.parametrize("value, read", [("010", 8), ("0x4", 4), ("1_0", 10), ("1:20", 80)])
+def test_a_recipe_integer_is_read_only_in_decimal(value, read):
+    """YAML 1.1 (PyYAML) read bitwidth: 010 as 8 without a word."""
+    with pytest.raises(ConfigError, match=re.escape(f"r.yaml:3: malformed YAML: '{value}' is not a decimal integer "
+                                                    f"(YAML 1.1 would read it as {read})")):
+        parse_recipe(f"version: 1\ndefaults:\n  weights: {{bitwidth: {value}}}\n", "r.yaml")

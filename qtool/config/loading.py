@@ -73,6 +73,21 @@ RecipeLoader.add_implicit_resolver(  # (on a copy of SafeLoader's resolvers: PyY
     list("-+0123456789"))
 
 
+def _decimal_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """An integer only as written in decimal: YAML 1.1 (PyYAML) reads ``010`` as 8, ``0x10`` as 16, ``1_0`` as 10
+    and ``1:20`` as 80, which a recipe's ``bitwidth: 010`` would become without a word."""
+    value = loader.construct_scalar(node)
+    if not re.fullmatch(r"[-+]?(?:0|[1-9][0-9]*)", value):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{value!r} is not a decimal integer (YAML 1.1 would read it as "
+                        f"{yaml.SafeLoader.construct_yaml_int(loader, node)}): write the number in decimal",
+            node.start_mark)
+    return int(value)
+
+
+RecipeLoader.add_constructor("tag:yaml.org,2002:int", _decimal_int)
+
+
 def _scalars(node):
     """Every scalar node under ``node`` (a composed YAML document), in document order."""
     if isinstance(node, yaml.ScalarNode):
