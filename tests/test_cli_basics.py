@@ -35,6 +35,12 @@ def test_help_lists_choices_and_examples_and_completion_is_on():
     assert "[qtool|aimet|onnx|compressed-tensors|gguf]" in export and "[0.6.1|1.0.0|2.0.0]" in export
     assert "[int-quantized|pack-quantized]" in export and "[none|f32|f16]" in export
     assert set(_complete_recipe("w8a8")) == {"w8a8", "w8a8-dynamic", "w8a8-dynamic-rot", "w8a8-smoothquant"}
+    import click
+    import typer.main
+
+    show = typer.main.get_command(app).commands["config"].commands["show"]  # (config show w8a<TAB> offered nothing)
+    recipe = next(p for p in show.params if p.name == "recipe")
+    assert {c.value for c in recipe.shell_complete(click.Context(show), "w8a8")} == set(_complete_recipe("w8a8"))
 
 
 def test_packaging_metadata_gives_setuptools_nothing_to_warn_about():

@@ -8,7 +8,8 @@ from typing import List, Optional
 import typer
 
 from .core import Table, _console, _emit_json, _errors, _esc, config_app, err
-from .options import _DEBUG, _JSON, _MODEL_CLASS, _TRUST_CODE, _TRUST_PICKLE, _UNMATCHED, _checkpoint, _opts
+from .options import (_DEBUG, _JSON, _MODEL_CLASS, _TRUST_CODE, _TRUST_PICKLE, _UNMATCHED, _checkpoint,
+                      _complete_recipe, _opts)
 from .output import _plan_table
 
 
@@ -89,7 +90,8 @@ def _recipe_text(recipe: str, json_out: bool) -> None:
 
 @config_app.command("show", epilog="Examples:\n\n\b\n  qtool config show w8a8                        (the recipe, every default resolved)\n  qtool config show my.yaml --model MODEL_DIR   (the plan: one row per quantizer)")
 def config_show(
-    recipe: str = typer.Argument(..., help="Recipe YAML, or a shipped recipe's name (qtool config list)."),
+    recipe: str = typer.Argument(..., help="Recipe YAML, or a shipped recipe's name (qtool config list).",
+                                 autocompletion=_complete_recipe),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Checkpoint to resolve the recipe against "
                                         "(without it: the recipe's rules with every default resolved)."),
     model_class: Optional[str] = _MODEL_CLASS,
