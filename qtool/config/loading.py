@@ -78,9 +78,12 @@ def _decimal_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     and ``1:20`` as 80, which a recipe's ``bitwidth: 010`` would become without a word."""
     value = loader.construct_scalar(node)
     if not re.fullmatch(r"[-+]?(?:0|[1-9][0-9]*)", value):
+        try:
+            read = f"YAML 1.1 would read it as {yaml.SafeLoader.construct_yaml_int(loader, node)}"
+        except (ValueError, IndexError):  # (!!int abc, !!int '')
+            read = "not an integer at all"
         raise yaml.constructor.ConstructorError(
-            None, None, f"{value!r} is not a decimal integer (YAML 1.1 would read it as "
-                        f"{yaml.SafeLoader.construct_yaml_int(loader, node)}): write the number in decimal",
+            None, None, f"{value[:40]!r} is not a decimal integer ({read}): write the number in decimal",
             node.start_mark)
     return int(value)
 

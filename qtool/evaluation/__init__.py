@@ -184,16 +184,20 @@ def _check_gguf_finite(path: Path, hooks: Hooks) -> None:
 
     hooks.on_stage("checking the file's tensors")
     for t in GGUFReader(path).tensors:
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            values = np.asarray(t.data)
-        else:
+        data = np.asarray(t.data)
+        rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
+        step = max(1, (1 << 24) // max(1, rows[0].nbytes))  # (about 16 MB of the file a slice: bounded memory)
+        for start in range(0, rows.shape[0], step):
+            part = rows[start:start + step]
             try:
-                values = dequantize(t.data, t.tensor_type)
+                with np.errstate(all="ignore"):  # (inf * 0 codes warns: the refusal below is the one line)
+                    values = part if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) \
+                        else dequantize(part, t.tensor_type)
             except (NotImplementedError, ValueError):  # (a type gguf-py cannot decode: llama.cpp's to judge)
-                continue
-        if not np.isfinite(values).all():
-            raise UsageError(f"{path}: tensor {t.name} ({t.tensor_type.name}) decodes to NaN or infinity: a damaged "
-                             "file (qtool writes none)")
+                break
+            if not np.isfinite(values).all():
+                raise UsageError(f"{path}: tensor {t.name} ({t.tensor_type.name}) decodes to NaN or infinity: a "
+                                 "damaged file (qtool writes none)")
 
 
 def _check_context(art: Artifact, n_ctx: int) -> None:
@@ -513,8 +517,6 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     if art.format == "gguf" and not causal:
         raise UsageError(f"{art.path}: a GGUF file is evaluated against a causal LM checkpoint; {reference} is not one")
     _same_model(art, loaded.config)
-    if art.format == "gguf":
-        _check_gguf_finite(art.path, hooks)
     check_gate_use(opts.gates, causal, enc is not None)
     activations = True
     if enc is not None:  # another model's encodings: one line now, not after the float model has run
@@ -543,6 +545,8 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     ev.tokens = sum(len(s) - 1 for s in seqs)
     n_ctx = max(max(len(s) for s in seqs), max((len(p) for p in prompts), default=0) + opts.generate) + 8
     _check_context(art, n_ctx)
+    if art.format == "gguf":  # (after the cheap checks: decoding a large file takes a while)
+        _check_gguf_finite(art.path, hooks)
     if opts.tasks:
         n_ctx = max(n_ctx, opts.task_max_length + 8)
 
