@@ -9,7 +9,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -204,16 +204,18 @@ class EncodingsFile:
         return cls(entries, meta, data_files, codes_file, online)
 
 
-def calibrated_on(enc_path: Path) -> Optional[Tuple[str, List[str]]]:
-    """The checkpoint an encodings file was calibrated on, as the calibration's ``manifest.json`` beside it records
-    it: its path and its weight files' sorted sha256 (None: no such manifest, or it records no hashes)."""
+def calibrated_elsewhere(enc_path: Path, hashes: Iterable[str]) -> Optional[str]:
+    """Encodings are applied to the weights they were calibrated on: where the calibration's ``manifest.json``
+    beside ``enc_path`` records its checkpoint's weight-file sha256 and they are not ``hashes`` (the checkpoint
+    given now: other bytes, whatever its path), the path the manifest records; else None (the same weights, or no
+    manifest of qtool's to compare with). Ranges from another model of the same shape clip or waste its grid."""
     try:
         recorded = json.loads((Path(enc_path).parent / "manifest.json").read_text(encoding="utf-8"))
         checkpoint = recorded["inputs"]["checkpoint"]
-        hashes = sorted(str(h) for h in checkpoint["sha256"].values())
+        then = sorted(str(h) for h in checkpoint["sha256"].values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None  # no calibration manifest (or not one of qtool's): nothing recorded to compare with
-    return (str(checkpoint.get("path", "another checkpoint")), hashes) if hashes else None
+        return None
+    return str(checkpoint.get("path", "another checkpoint")) if then and then != sorted(hashes) else None
 
 
 def _read_online(raw: Any, path: Path) -> List[OnlineRotation]:

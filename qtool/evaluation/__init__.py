@@ -22,6 +22,7 @@ import torch
 from ..data import load_data
 from ..errors import DataError, UsageError
 from ..hooks import Hooks
+from ..io.checkpoint import weight_file_hashes
 from ..model.apply import make_fake_quant
 from ..model.insert import quantized_modules, set_stored_weight
 from ..model.load import load_model
@@ -444,25 +445,14 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
 
 def _calibrated_elsewhere(enc: Path, reference: str) -> Optional[str]:
     """A note where the calibration manifest beside ``enc`` records other weights than ``reference``'s."""
-    from ..encodings import calibrated_on
+    from ..encodings import calibrated_elsewhere
 
-    recorded = calibrated_on(enc)
-    if recorded is None or _weight_hashes(Path(reference)) in (None, recorded[1]):
+    hashes = weight_file_hashes(Path(reference))
+    other = calibrated_elsewhere(enc, hashes) if hashes is not None else None
+    if other is None:
         return None
-    return (f"the encodings given ({enc}) were calibrated on other weights ({recorded[0]}) than the float checkpoint "
+    return (f"the encodings given ({enc}) were calibrated on other weights ({other}) than the float checkpoint "
             f"{reference}: the fake-quant model applies them to {reference}'s")
-
-
-def _weight_hashes(checkpoint: Path) -> Optional[List[str]]:
-    """The sorted sha256 of a checkpoint's weight files, as manifests record them (None: none to read)."""
-    from ..errors import CheckpointError
-    from ..io.checkpoint import tensor_files
-    from ..io.fs import sha256_file
-
-    try:
-        return sorted(sha256_file(f) for f in tensor_files(checkpoint)) or None
-    except (CheckpointError, OSError):
-        return None
 
 
 def _text_tokens(batches) -> Optional[int]:
@@ -483,7 +473,7 @@ def _reference(art: Artifact, given: Optional[str], artifact: str) -> Tuple[str,
     if given is not None:
         if not Path(given).exists():
             raise UsageError(f"{given}: the float checkpoint is not there (pass --reference PATH)")
-        if art.checkpoint_sha256 and _weight_hashes(Path(given)) != art.checkpoint_sha256:
+        if art.checkpoint_sha256 and weight_file_hashes(Path(given)) != art.checkpoint_sha256:
             return given, (f"{given} holds other weights than the checkpoint the artifact's manifest records "
                            f"({art.checkpoint}): the float and fake-quant models are {given}'s")
         return given, None
@@ -496,7 +486,7 @@ def _reference(art: Artifact, given: Optional[str], artifact: str) -> Tuple[str,
     if not art.checkpoint_sha256:
         return str(there[0]), None
     for c in there:
-        if _weight_hashes(c) == art.checkpoint_sha256:
+        if weight_file_hashes(c) == art.checkpoint_sha256:
             return str(c), None
     raise UsageError(f"{there[0]}: not the float checkpoint {artifact} was made from (its weight files' sha256 are "
                      "not those its manifest records): pass --reference PATH")

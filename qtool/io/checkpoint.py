@@ -9,7 +9,7 @@ import os
 import pickle
 import struct
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -81,6 +81,17 @@ def tensor_files(path: Path) -> List[Path]:
             return [path / f for f in shards]
         return sorted(path.glob("*.safetensors"))
     return [path]
+
+
+def weight_file_hashes(path: Path) -> Optional[List[str]]:
+    """The sorted sha256 of a checkpoint's weight files (:func:`tensor_files`), as manifests record them (None: none
+    to read)."""
+    from .fs import sha256_file
+
+    try:
+        return sorted(sha256_file(f) for f in tensor_files(path)) or None
+    except (CheckpointError, OSError):
+        return None
 
 
 def load_exported(path: Path):

@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional
 from .. import __version__
 from ..calibration import CalibrateOptions
 from ..data import load_data
-from ..encodings import EncodingsFile, calibrated_on
+from ..encodings import EncodingsFile, calibrated_elsewhere
 from ..errors import EncodingsError, UsageError
 from ..export import check_export_choices, get_exporter
 from ..export.base import ExportRequest
@@ -80,24 +80,13 @@ def _example_batch(eopts: ExportOptions):
     return make
 
 
-def _other_checkpoint(enc_path: Path, digest: Dict[str, str]) -> Optional[str]:
-    """Encodings are applied to the weights they were calibrated on: where the calibration's manifest.json beside
-    ``enc_path`` records its checkpoint's file hashes and the checkpoint given now holds other bytes (its path may
-    differ), the path the manifest records (else None). Ranges from another model of the same shape would clip or
-    waste this one's grid silently."""
-    recorded = calibrated_on(enc_path)
-    if recorded is not None and recorded[1] != sorted(digest.values()):
-        return recorded[0]
-    return None
-
-
 def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, str], enc: EncodingsFile,
                            allow_other: bool) -> Optional[str]:
-    """Refuse encodings calibrated on other weights (:func:`_other_checkpoint`: other file bytes, which a re-saved
+    """Refuse encodings calibrated on other weights (``encodings.calibrated_elsewhere``: other file bytes, which a re-saved
     copy of the same tensors has too) unless ``allow_other``. Returns the warning an allowed one gets, which says
     so loudly where they carry tensors made from those weights (codes a rounding algorithm chose, smoothed or
     rotated tensors), written as they are (None: the same weights, or none recorded)."""
-    other = _other_checkpoint(enc_path, digest)
+    other = calibrated_elsewhere(enc_path, digest.values())
     if other is None:
         return None
     if not allow_other:

@@ -15,16 +15,15 @@ from torch import nn
 from ..calibration import CalibrateOptions
 from ..config import RecipeFile, read_recipe
 from ..data import load_data
-from ..encodings import CODES_FILE, SIDECAR, calibrated_on
+from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
 from ..errors import CheckpointError, DataError, EncodingsError, UsageError
 from ..hooks import Hooks
-from ..io.checkpoint import tensor_files
+from ..io.checkpoint import weight_file_hashes
 from ..io.finite import all_finite
 from ..io.fs import check_output_file
 from ..model.apply import make_fake_quant
 from ..model.load import load_model
 from .common import _inputs, _ranks, one_at_a_time
-from .manifest import digests
 
 
 @one_at_a_time
@@ -69,21 +68,16 @@ def _check_calibrated_on(enc_path: Path, checkpoint: str, allow_other: bool) -> 
     """Refuse encodings whose calibration manifest records other weights than ``checkpoint``'s (same shapes, other
     numbers: every figure would measure one model's ranges, and codes, on another), as ``export`` does, unless
     ``allow_other``: then the note that says so (None: the same weights, or none recorded)."""
-    recorded = calibrated_on(enc_path)
-    if recorded is None:
-        return None
-    try:
-        hashes = sorted(digests(tensor_files(Path(checkpoint))).values())
-    except (CheckpointError, OSError):
-        return None
-    if hashes == recorded[1]:
+    hashes = weight_file_hashes(Path(checkpoint))
+    other = calibrated_elsewhere(enc_path, hashes) if hashes is not None else None
+    if other is None:
         return None
     if not allow_other:
         raise EncodingsError(f"{enc_path}: calibrated on other weights than {checkpoint} (its manifest.json records "
-                             f"{recorded[0]} with other file hashes): report on that checkpoint, calibrate this one, "
+                             f"{other} with other file hashes): report on that checkpoint, calibrate this one, "
                              "or pass --allow-other-checkpoint if the weights changed on purpose (a re-saved copy's "
                              "files differ too)")
-    return (f"--allow-other-checkpoint: the encodings were calibrated on other weights ({recorded[0]}) than "
+    return (f"--allow-other-checkpoint: the encodings were calibrated on other weights ({other}) than "
             f"{checkpoint}'s; these figures are their ranges (and any codes they carry) on {checkpoint}")
 
 
