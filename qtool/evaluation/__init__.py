@@ -142,17 +142,23 @@ def _with_export_weights(model: torch.nn.Module, directory: Path) -> torch.nn.Mo
     return model
 
 
-def _same_model(art: Artifact, config) -> None:
-    """Refuse an artifact whose recorded shape (GGUF metadata, a compressed-tensors config) is not the reference
-    model's: width, depth and vocabulary."""
+def _gguf_metadata(art: Artifact) -> Dict[str, Any]:
+    """A GGUF artifact's metadata (``{}`` for other formats), read once for the checks below."""
+    if art.format != "gguf":
+        return {}
+    from ..inspect import inspect_path
+
+    return inspect_path(art.path)["metadata"]
+
+
+def _same_model(art: Artifact, config, meta: Dict[str, Any]) -> None:
+    """Refuse an artifact whose recorded shape (GGUF metadata ``meta``, a compressed-tensors config) is not the
+    reference model's: width, depth and vocabulary (and a GGUF file's architecture)."""
     if config is None:
         return
     want = {k: getattr(config, k, None) for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
     got = {}
     if art.format == "gguf":
-        from ..inspect import inspect_path
-
-        meta = inspect_path(art.path)["metadata"]
         arch = meta.get("general.architecture")
         got = {"hidden_size": meta.get(f"{arch}.embedding_length"), "num_hidden_layers": meta.get(f"{arch}.block_count"),
                "vocab_size": meta.get("tokenizer.ggml.tokens")}
@@ -201,15 +207,12 @@ def _check_gguf_finite(path: Path, hooks: Hooks) -> None:
                                  "damaged file (qtool writes none)")
 
 
-def _check_context(art: Artifact, n_ctx: int) -> None:
-    """A GGUF file runs in llama.cpp within the context its metadata records: longer windows (``--seq-len``, a
-    prompt and its ``--generate`` tokens) are one line before any model runs, not an error from llama.cpp once the
-    torch models have."""
+def _check_context(art: Artifact, n_ctx: int, meta: Dict[str, Any]) -> None:
+    """A GGUF file runs in llama.cpp within the context its metadata (``meta``) records: longer windows
+    (``--seq-len``, a prompt and its ``--generate`` tokens) are one line before any model runs, not an error from
+    llama.cpp once the torch models have."""
     if art.format != "gguf":
         return
-    from ..inspect import inspect_path
-
-    meta = inspect_path(art.path)["metadata"]
     limit = meta.get(f"{meta.get('general.architecture')}.context_length")
     if isinstance(limit, int) and n_ctx - 8 > limit:
         raise UsageError(f"{art.path}: its context is {limit} tokens, and scoring needs {n_ctx - 8} (--seq-len, or a "
@@ -506,7 +509,8 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     causal = loaded.is_causal_lm
     if art.format == "gguf" and not causal:
         raise UsageError(f"{art.path}: a GGUF file is evaluated against a causal LM checkpoint; {reference} is not one")
-    _same_model(art, loaded.config)
+    meta = _gguf_metadata(art)
+    _same_model(art, loaded.config, meta)
     check_gate_use(opts.gates, causal, enc is not None)
     activations = True
     if enc is not None:  # another model's encodings: one line now, not after the float model has run
@@ -534,7 +538,7 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     prompts = _prompts(seqs, opts)
     ev.tokens = sum(len(s) - 1 for s in seqs)
     n_ctx = max(max(len(s) for s in seqs), max((len(p) for p in prompts), default=0) + opts.generate) + 8
-    _check_context(art, n_ctx)
+    _check_context(art, n_ctx, meta)
     if art.format == "gguf":  # (after the cheap checks: decoding a large file takes a while)
         _check_gguf_finite(art.path, hooks)
     if opts.tasks:
