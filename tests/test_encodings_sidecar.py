@@ -171,50 +171,38 @@ def _edit_sidecar(run, edit) -> None:
     save_file(tensors, str(run / SIDECAR), metadata=meta)
 
 
-def test_non_finite_sidecar_numbers_are_an_encodings_error_eager_or_lazy(tmp_path):
+def test_qtools_own_writer_refuses_non_finite_sidecar_numbers(tmp_path):
     from qtool.io.finite import UnstorableValues
 
     big, small = _entries()
-    poisoned = big.min.clone()
-    poisoned[3, 1] = float("nan")
-    EncodingsFile([big, small], {}).write(tmp_path / "encodings.json", inline_limit=100)
-    big.min = poisoned  # qtool's own writer refuses it, naming the tensor ...
-    with pytest.raises(UnstorableValues, match=r"^a\.weight\.min: holds NaN"):
-        (tmp_path / "again").mkdir()
-        EncodingsFile([big, small], {}).write(tmp_path / "again" / "encodings.json", inline_limit=100)
-    _edit_sidecar(tmp_path, lambda t: t["a.weight.min"].__setitem__((3, 1), float("nan")))  # ... so by hand
-    with pytest.raises(EncodingsError, match="finite"):
-        EncodingsFile.read(tmp_path / "encodings.json")
-    lazy = EncodingsFile.read(tmp_path / "encodings.json", lazy=True)
-    with pytest.raises(EncodingsError, match="a.weight.min/a.weight.max: min/max must be finite"):
-        lazy.entries[0].scale_offset()
+    big.min = big.min.clone()
+    big.min[3, 1] = float("nan")
+    with pytest.raises(UnstorableValues, match=r"^a\.weight\.min: holds NaN"):  # naming the tensor
+        EncodingsFile([big, small], {}).write(tmp_path / "encodings.json", inline_limit=100)
 
 
-def test_a_lazily_read_range_whose_scale_overflows_is_an_encodings_error(tmp_path):
+def _overflow(t):  # finite, but /7 steps overflows
+    t["a.weight.min"][0, 0], t["a.weight.max"][0, 0] = -3e38, 3e38
+
+
+@pytest.mark.parametrize("edit, whole, lazy, ask", [
+    (lambda t: t["a.weight.min"].__setitem__((3, 1), float("nan")), "finite",
+     "a.weight.min/a.weight.max: min/max must be finite", "scale_offset"),
+    (_overflow, "overflows float32", r"a.weight.min/a.weight.max: its range \[.*\] overflows float32", "scale_offset"),
+    # entries kept in the sidecar are read when their numbers are asked for (export --format qtool of a large model):
+    # they are refused for what refuses an entry read whole
+    (lambda t: t["a.weight.min"].__setitem__((5, 2), float(t["a.weight.max"][5, 2]) + 1), "min is above max",
+     "a.weight.min/a.weight.max: min is above max", "range"),
+], ids=["nan", "overflow", "min_above_max"])
+def test_a_hand_edited_sidecar_is_an_encodings_error_read_whole_or_lazily(tmp_path, edit, whole, lazy, ask):
     big, small = _entries()
     EncodingsFile([big, small], {}).write(tmp_path / "encodings.json", inline_limit=100)
-
-    def overflow(t):  # finite, but /7 steps overflows
-        t["a.weight.min"][0, 0], t["a.weight.max"][0, 0] = -3e38, 3e38
-    _edit_sidecar(tmp_path, overflow)
-    lazy = EncodingsFile.read(tmp_path / "encodings.json", lazy=True)
-    with pytest.raises(EncodingsError, match=r"a.weight.min/a.weight.max: its range \[.*\] overflows float32"):
-        lazy.entries[0].scale_offset()
-    with pytest.raises(EncodingsError, match="overflows float32"):
+    _edit_sidecar(tmp_path, edit)
+    with pytest.raises(EncodingsError, match=whole):
         EncodingsFile.read(tmp_path / "encodings.json")
-
-
-def test_a_lazily_read_range_gets_the_checks_of_one_read_whole(tmp_path):
-    """Entries kept in the sidecar are read when their numbers are asked for (export --format qtool of a large
-    model): they are refused for what refuses an entry read whole (here min above max)."""
-    big, small = _entries()
-    EncodingsFile([big, small], {}).write(tmp_path / "encodings.json", inline_limit=100)
-    _edit_sidecar(tmp_path, lambda t: t["a.weight.min"].__setitem__((5, 2), float(t["a.weight.max"][5, 2]) + 1))
-    with pytest.raises(EncodingsError, match="min is above max"):
-        EncodingsFile.read(tmp_path / "encodings.json")
-    lazy = EncodingsFile.read(tmp_path / "encodings.json", lazy=True)
-    with pytest.raises(EncodingsError, match="a.weight.min/a.weight.max: min is above max"):
-        lazy.entries[0].range()
+    entry = EncodingsFile.read(tmp_path / "encodings.json", lazy=True).entries[0]
+    with pytest.raises(EncodingsError, match=lazy):
+        getattr(entry, ask)()
 
 
 def test_an_nvfp4_global_amax_below_its_blocks_is_refused_from_the_sidecar_too(tmp_path):
