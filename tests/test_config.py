@@ -132,6 +132,41 @@ def test_unmatched_rule_is_error_or_warning():
     assert any("matches no module" in w for w in plan.warnings)
 
 
+def _shadowed(plan):
+    return [w for w in plan.warnings if "changes nothing" in w]
+
+
+@pytest.mark.parametrize("layers, warned", [
+    # the narrow rule before the broad one: the broad one sets bitwidth again on every module the first reaches
+    ("  - match: 'blocks.0.*'\n    weights: {bitwidth: 8}\n  - match: 'blocks.*'\n    weights: {bitwidth: 6}\n",
+     "layers[0] (match 'blocks.0.*') changes nothing: layers[1]"),
+    # a later null disables, and a partial rule after a null merges over the defaults, not over the null
+    ("  - type: Linear\n    weights: {bitwidth: 8}\n  - match: '*'\n    weights: null\n",
+     "layers[0] (type 'Linear') changes nothing: layers[1]"),
+    ("  - match: 'blocks.*'\n    weights: null\n  - type: Linear\n    weights: {bitwidth: 8}\n",
+     "layers[0] (match 'blocks.*') changes nothing: layers[1]"),
+    # what survives somewhere, or on other keys, or in the other field, is no shadow
+    ("  - match: 'blocks.*'\n    weights: {bitwidth: 8}\n  - match: 'blocks.0.*'\n    weights: {bitwidth: 6}\n", None),
+    ("  - match: 'blocks.*'\n    weights: {bitwidth: 8}\n  - match: 'blocks.*'\n    weights: {symmetric: false}\n",
+     None),
+    ("  - match: 'blocks.*'\n    weights: {bitwidth: 8}\n  - match: 'blocks.*'\n    activations: {bitwidth: 16}\n",
+     None),
+])
+def test_a_rule_that_later_rules_undo_everywhere_is_a_warning(layers, warned):
+    plan = plan_of("version: 1\nlayers:\n" + layers)
+    assert [warned in w for w in _shadowed(plan)] == ([True] if warned else []), plan.warnings
+
+
+def test_shipped_recipes_have_no_rule_that_changes_nothing():
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        recipe = load_recipe(path)
+        try:
+            plan = resolve_plan(recipe, Tiny(), str(path), allow_unmatched=True)
+        except ConfigError:  # (a mix needs Llama layers; 128x128 tiles do not fit this model)
+            continue
+        assert not _shadowed(plan), path
+
+
 def test_a_rule_whose_types_have_no_weight_is_an_error_or_a_warning():
     """type: GELU with weights quantized nothing, with no word (LlamaRotaryEmbedding's the same)."""
     text = "version: 1\nlayers:\n  - type: GELU\n    weights: {bitwidth: 4}\n"

@@ -137,6 +137,31 @@ def test_a_users_rule_overrides_the_mix(models, tmp_path):
     assert types["blk.0.ffn_up.weight"] == "Q8_0" and types["blk.0.ffn_gate.weight"] == "Q4_K"
 
 
+@pytest.mark.parametrize("defaults, rule, grid", [
+    ("gguf_mix: q4_k_m\ndefaults:\n  weights: {analyzer: minmax}", "{bitwidth: 8}", "8-bit asymmetric blocks of 32"),
+    ("defaults:\n  weights: {bitwidth: 4, symmetric: true, granularity: per_block, block_size: 32, "
+     "scale_dtype: float16}", "{bitwidth: 6}", "6-bit symmetric blocks of 32"),
+    ("defaults:\n  weights: {gguf_type: q4_k}", "{granularity: per_channel}", "per_channel"),
+])
+def test_a_rule_that_leaves_ggufs_grids_is_a_warning_before_calibration(models, tmp_path, defaults, rule, grid):
+    # a rule's own grid keys leave the GGUF type (the merge rule); export --format gguf refused it only at the end
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"version: 1\n{defaults}\n  activations: null\nlayers:\n  - match: '*.mlp.up_proj'\n"
+                      f"    weights: {rule}\n  - match: '*.mlp.gate_proj'\n    weights: {{gguf_type: q8_0}}\n")
+    code, out, err = run_cli("config", "show", recipe, "-m", models["wide"], "--json")
+    assert code == 0, err
+    off = [w for w in json.loads(out)["warnings"] if "no GGUF type" in w]
+    assert len(off) == 1, off
+    assert "layers[0] gives 2 weight(s) such as model.layers.0.mlp.up_proj" in off[0] and grid in off[0]
+
+
+@pytest.mark.parametrize("recipe", ["gguf-q4_0", "gguf-q4_k_m", "gguf-q6_k", "w4a16-block32"])
+def test_shipped_recipes_give_no_grid_outside_gguf_warning(models, recipe):
+    code, out, err = run_cli("config", "show", recipe, "-m", models["wide"], "--json")
+    assert code == 0, err
+    assert not [w for w in json.loads(out)["warnings"] if "no GGUF type" in w]
+
+
 def test_a_mix_on_a_model_without_llama_layers_is_one_line(tmp_path):
     from safetensors.torch import save_file
 

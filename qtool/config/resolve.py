@@ -7,7 +7,8 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from ..choices import SUPER_BLOCK_FALLBACK, drop_activations, weighs_activations, without_activations
+from ..choices import (GGML_SCALE_DTYPES, LEGACY_GGUF_TYPES, SUPER_BLOCK_FALLBACK, drop_activations,
+                       weighs_activations, without_activations)
 from ..coverage import weight_coverage
 from ..errors import ConfigError
 from ..families import family_of_model
@@ -206,6 +207,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     towers = head is not None
     experts = _expert_count(model)
     towered: List[str] = []  # media-tower modules left float by default
+    effective = [False] * len(recipe.layers)  # the rule's weights or activations survive on some module
+    shadowed_by: Dict[int, int] = {}  # rule -> a later rule that set again what it set
     for name, module in named:
         tname = exported_types.get(name, type(module).__name__)
         tnames = (tname,) if name in exported_types else _type_names(module)
@@ -226,6 +229,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         tower = towers and MEDIA_TOWER.search(name) is not None
         # a mixture-of-experts router that is a Linear (Llama 4's): float by default, as every other family's
         router = _is_router(name, module, tname, experts)
+        applied: List[Tuple[int, str]] = []  # (rule, "weights" / "activations") in rule order
         for i, rule in enumerate(recipe.layers):
             if rule.match is not None and not name_matches(rule.match, name):
                 continue
@@ -249,16 +253,20 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 w_spec = None if rule.weights is None else _merge(
                     w_spec or recipe.defaults.weights, rule.weights, WeightSpec, f"{where}.weights")
                 rule_w = i
+                applied.append((i, "weights"))
             if "activations" in rule.model_fields_set and a_cand:
                 a_spec = None if rule.activations is None else _merge(
                     a_spec or recipe.defaults.activations, rule.activations, ActivationSpec, f"{where}.activations")
                 rule_a = i
+                applied.append((i, "activations"))
                 if a_spec is not None:
                     takes_ids = any(t in _INTEGER_INPUT_TYPES for t in tnames)
                     activated[i] = activated[i] or (a_spec.inputs and not takes_ids) or a_spec.outputs
                     token_inputs[i] = token_inputs[i] or (a_spec.inputs and takes_ids)
         if w_cand:
             candidates.add(name)
+        if not ignored:
+            _note_shadows(recipe.layers, applied, effective, shadowed_by)
         if (tower or router) and rule_w is None and rule_a is None and not ignored:
             if tower and (w_cand or a_cand):
                 towered.append(name)
@@ -304,6 +312,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                         "dynamic" if a_spec.dynamic else a_spec.analyzer.name,
                         rule_a, tuple(a_spec.analyzer.kwargs().items()), a_spec.scale_dtype,
                         dynamic=a_spec.dynamic, element=a_spec.element))
+    if _aims_at_gguf(recipe):
+        plan.warnings += _grids_outside_gguf(plan.quantizers, source)
     for (was, now), n in sorted(fallbacks.items()):
         plan.warnings.append(f"{n} weight(s) of {was}: rows not a whole number of 256-element super-blocks, so "
                              f"{now} as llama-quantize falls back")
@@ -320,12 +330,15 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                        "nothing (outputs: true quantizes their outputs)")
         else:
             continue
-        sel = " ".join(filter(None, [f"match {rule.match!r}" if rule.match else "",
-                                     f"type {rule.type!r}" if rule.type else ""]))
-        msg = f"{source}: layers[{i}]: {sel} {reached}"
+        msg = f"{source}: layers[{i}]: {_selector(rule)} {reached}"
         if not allow_unmatched:
             raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
         plan.warnings.append(msg)
+    for i, j in sorted(shadowed_by.items()):
+        if not effective[i]:
+            plan.warnings.append(f"{source}: layers[{i}] ({_selector(recipe.layers[i])}) changes nothing: layers[{j}] "
+                                 "(later rules win) sets again what it sets on every module it reaches; put the "
+                                 "narrower rule after the broader one")
     kv_layers = set(attention_modules(named)) if recipe.kv_cache is not None else set()  # (ignore keeps a cache float)
     for j, pat in enumerate(recipe.ignore):
         problem = _ignore_problem(pat, ignore_named[j], ignore_removed[j], named, exported_types,
@@ -382,6 +395,56 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     if plan.rotation is None or not plan.rotation.untie:
         plan.tied = _tied_weights(model, plan.weights)
     return plan
+
+
+def _selector(rule: LayerRule) -> str:
+    return " ".join(filter(None, [f"match {rule.match!r}" if rule.match else "",
+                                  f"type {rule.type!r}" if rule.type else ""]))
+
+
+def _note_shadows(rules: List[LayerRule], applied: List[Tuple[int, str]], effective: List[bool],
+                  shadowed_by: Dict[int, int]) -> None:
+    """Which of the rules that shaped one module left something on it: a rule's weights (or activations) are set
+    again by a later rule that gives every key it gave, or null, or after its null (a partial rule merges over the
+    defaults, not over a null). ``effective[i]`` marks a rule that left something; ``shadowed_by[i]`` is a later
+    rule that undid it."""
+    for k, (i, field) in enumerate(applied):
+        mine = getattr(rules[i], field)
+        later = next((j for j, f in applied[k + 1:] if f == field and (
+            mine is None or getattr(rules[j], field) is None or set(mine) <= set(getattr(rules[j], field)))), None)
+        if later is None:
+            effective[i] = True
+        else:
+            shadowed_by.setdefault(i, later)
+
+
+def _aims_at_gguf(recipe: Recipe) -> bool:
+    """True for a recipe written for GGUF: a ``gguf_mix``, a default ``gguf_type``, or default weights on a legacy
+    GGUF grid with the float16 scales only GGUF recipes ask for."""
+    w = recipe.defaults.weights
+    if recipe.gguf_mix is not None or (w is not None and w.scale_dtype in GGML_SCALE_DTYPES):
+        return True
+    return (w is not None and w.scale_dtype == "float16" and w.element == "int" and w.granularity == "per_block"
+            and w.block_size == 32 and (w.bitwidth, w.symmetric) in LEGACY_GGUF_TYPES)
+
+
+def _grids_outside_gguf(quantizers: List[QuantizerPlan], source: str) -> List[str]:
+    """One warning per layers rule of a GGUF recipe that gives weights a grid no GGUF type holds (a rule's own
+    ``bitwidth`` leaves the GGUF type, as the merge rule says), which ``export --format gguf`` refuses at the end."""
+    off: Dict[int, List[QuantizerPlan]] = {}
+    for q in quantizers:
+        if q.tensor == "weight" and q.rule is not None and q.spec.gguf_block_type is None:
+            off.setdefault(q.rule, []).append(q)
+    return [f"{source}: layers[{i}] gives {len(qs)} weight(s) such as {qs[0].module} a grid no GGUF type holds "
+            f"({_grid_words(qs[0].spec)}): export --format gguf refuses them (--gguf-fallback writes them as floats); "
+            "a gguf_type in the rule (gguf_type: q8_0) keeps them GGUF blocks" for i, qs in sorted(off.items())]
+
+
+def _grid_words(spec) -> str:
+    axis, block = spec.axis_and_block()
+    layout = f"blocks of {block} along dim {axis}" if block is not None else str(spec.granularity)
+    kind = "symmetric" if spec.symmetric else "asymmetric"
+    return f"{spec.bitwidth}-bit {kind} {spec.element if spec.is_float else ''} {layout}".replace("  ", " ")
 
 
 def tied_parameters(model: "nn.Module") -> Dict[str, str]:

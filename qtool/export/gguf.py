@@ -34,7 +34,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..choices import LEGACY_GGUF_TYPES
 from ..encodings import EncodingEntry
 from ..errors import EncodingsError
 from ..families import Family
@@ -61,14 +60,7 @@ _MAPS = ("8-bit symmetric -> Q8_0, 5-bit -> Q5_0 (symmetric) / Q5_1, 4-bit -> Q4
 def gguf_type(e) -> Optional[str]:
     """The GGUF block type that holds weight quantizer ``e`` (an encodings entry or a plan row) exactly, or
     None."""
-    spec = e.spec
-    if e.tensor != "weight" or spec.granularity is not Granularity.PER_BLOCK or len(spec.shape) != 2:
-        return None
-    if spec.ggml is not None:
-        return spec.ggml.name
-    if spec.axis_and_block() != (1, BLOCK):
-        return None
-    return LEGACY_GGUF_TYPES.get((spec.bitwidth, spec.symmetric))
+    return e.spec.gguf_block_type if e.tensor == "weight" else None
 
 
 def _describe(e) -> str:

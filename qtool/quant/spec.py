@@ -12,7 +12,8 @@ import enum
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
-from ..choices import ELEMENT_NAMES, FLOAT_SCALE_DTYPES, GGML_SCALE_DTYPES, check_element, check_scale_dtype
+from ..choices import (ELEMENT_NAMES, FLOAT_SCALE_DTYPES, GGML_SCALE_DTYPES, LEGACY_GGUF_TYPES, check_element,
+                       check_scale_dtype)
 from .affine import grid
 from .floatgrid import FloatElement, element_of
 from .ggml import GGML_TYPES, GgmlType
@@ -156,6 +157,19 @@ class QuantSpec:
 
     def axis_and_block(self) -> Tuple[Optional[int], Optional[int]]:
         return axis_and_block(self.granularity, self.shape, self.block_size)
+
+    @property
+    def gguf_block_type(self) -> Optional[str]:
+        """The GGUF block type that holds a weight of this grid exactly, or None: its K-quant or IQ4 type, or
+        the legacy type of its bit width and symmetry for integer blocks of 32 along the input dimension (the
+        float16 rounding of the scales is the exporter's to report)."""
+        if self.granularity is not Granularity.PER_BLOCK or len(self.shape) != 2 or self.is_float:
+            return None
+        if self.ggml is not None:
+            return self.ggml.name
+        if self.axis_and_block() != (1, 32):
+            return None
+        return LEGACY_GGUF_TYPES.get((self.bitwidth, self.symmetric))
 
     @property
     def calibrates(self) -> bool:
