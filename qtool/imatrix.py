@@ -58,6 +58,11 @@ def read_imatrix(path: Path) -> Dict[str, torch.Tensor]:
         head = path.read_bytes()[:4]
     except OSError as e:
         raise EncodingsError(f"{path}: cannot read the importance matrix: {e.strerror or e}") from None
+    if not head:
+        raise EncodingsError(f"{path}: an empty file, not a llama.cpp importance matrix (GGUF or imatrix.dat)")
+    if head != b"GGUF" and path.suffix.lower() == ".gguf":
+        raise EncodingsError(f"{path}: not a GGUF file (it does not start with GGUF's magic), so not an importance "
+                             "matrix that llama-imatrix or qtool imatrix writes")
     try:
         out = _read_gguf(path) if head == b"GGUF" else _read_dat(path)
     except EncodingsError:

@@ -4,6 +4,7 @@ Qwen3-MoE and Mixtral, whose per-expert tensors llama.cpp holds stacked (``ffn_{
 bit for bit and llama.cpp (xllamacpp) runs them."""
 
 import json
+import struct
 from pathlib import Path
 from statistics import median
 
@@ -284,6 +285,19 @@ def test_an_importance_matrix_holds_one_row_per_expert_and_each_expert_takes_its
     for e in range(8):
         got = plan.importances[f"model.layers.1.{held}.experts.{e}.{leaf}"].mean_square()
         want = torch.from_numpy(sums[e] / counts[e, 0]) if counts[e, 0] else torch.zeros(sums.shape[1])
+        assert torch.allclose(got, want.to(torch.float32)), e
+    # the older imatrix.dat holds the experts' rows one after another in one entry of experts x width values
+    # (llama-imatrix's legacy writer: E[x²] x ncall, and 1.0 for an expert no token reached)
+    dat = tmp_path / "imatrix.dat"
+    ncall = 7
+    body = struct.pack("<i", 1) + struct.pack("<i", len(b"blk.1.ffn_down_exps.weight")) + b"blk.1.ffn_down_exps.weight"
+    values = np.where(counts > 0, sums / np.maximum(counts, 1) * ncall, 1.0).astype(np.float32).reshape(-1)
+    dat.write_bytes(body + struct.pack("<ii", ncall, values.size) + values.tobytes())
+    plan = apply_imatrix(resolve_plan(load_recipe(recipe_file("gguf-q4_k_m")), skeleton), skeleton, str(ckpt),
+                         str(dat), have_data=False)
+    for e in range(8):
+        got = plan.importances[f"model.layers.1.{held}.experts.{e}.{leaf}"].mean_square()
+        want = torch.from_numpy(sums[e] / counts[e, 0]) if counts[e, 0] else torch.full((sums.shape[1],), 1 / ncall)
         assert torch.allclose(got, want.to(torch.float32)), e
 
 

@@ -41,6 +41,8 @@ def test_the_file_holds_each_decoder_matrixs_input_sums_as_llama_imatrix_writes_
     reader = gguf.GGUFReader(tmp_path / "imatrix.gguf")
     assert bytes(reader.fields["general.type"].parts[-1]).decode() == "imatrix"
     assert {"imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size"} <= set(reader.fields)
+    # the chunks are the data's own windows (8 rows of 24 token ids), not --seq-len's
+    assert (reader.fields["imatrix.chunk_count"].contents(), reader.fields["imatrix.chunk_size"].contents()) == (8, 24)
     tensors = {t.name: t for t in reader.tensors}
     assert len(tensors) == 28
     t = tensors["blk.1.ffn_down.weight.in_sum2"]
@@ -182,6 +184,14 @@ def test_an_imatrix_that_does_not_fit_the_model_is_one_line_and_writes_nothing(l
     code, _, err = run_cli("calibrate", ckpt, "-c", "gguf-q4_k_m", "--imatrix", tmp_path / "none.gguf",
                            "-o", tmp_path / "out")
     assert code == 2 and "no such file" in err and not (tmp_path / "out").exists()
+    # an empty file, or a .gguf that is not GGUF, was described as a truncated imatrix.dat
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "text.gguf").write_text("blk.0.attn_q.weight 1 2 3\n")
+    for name, needle in (("empty.gguf", "an empty file"), ("text.gguf", "not a GGUF file")):
+        code, _, err = run_cli("calibrate", ckpt, "-c", "gguf-q4_k_m", "--imatrix", tmp_path / name,
+                               "-o", tmp_path / "out")
+        assert code == 2 and needle in err and "imatrix.dat" not in err.replace("(GGUF or imatrix.dat)", ""), err
+        assert not (tmp_path / "out").exists()
 
 
 def test_an_imatrix_that_names_only_some_decoder_layers_is_said_or_refused_with_strict_data(llama, tmp_path):

@@ -64,6 +64,9 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
                                  f"model?)")
         first = by_gguf[name][min(by_gguf[name])]
         width, matrices = _width(model, first), len(by_gguf[name])
+        if importances[name].dim() == 1 and matrices > 1 and importances[name].numel() == matrices * width:
+            # imatrix.dat stores a stacked expert tensor's rows one after another (llama-quantize slices them)
+            importances[name] = importances[name].reshape(matrices, width)
         shape = tuple(importances[name].shape)
         if shape[-1] != width:
             raise EncodingsError(f"{path}: {name}: {shape[-1]} columns, but {first} takes {width} inputs (an "

@@ -132,8 +132,11 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
         by_name[name] = [(stats[m].sq, stats[m].count) if m in stats else (torch.zeros(width, dtype=torch.float64), 0)
                          for m in members]
     tokens = max((n for rows in by_name.values() for _, n in rows), default=0)
+    # llama-imatrix's chunks are its context windows: the data's own (a token-id file's windows are its rows)
+    firsts = [b.args[0] if b.args else next(iter(b.kwargs.values())) for b in batches]
+    chunk_size = max((int(t.shape[-1]) for t in firsts if t.dim() >= 2), default=opts.seq_len)
     with atomic_file(target, output=True) as tmp:
-        write_imatrix(tmp, by_name, [Path(opts.data).name], opts.seq_len, max(1, tokens // max(1, opts.seq_len)))
+        write_imatrix(tmp, by_name, [Path(opts.data).name], chunk_size, max(1, sum(b.size for b in batches)))
     return {"imatrix": str(target), "entries": len(by_name), "tokens": tokens, "bytes": target.stat().st_size}
 
 
