@@ -460,6 +460,25 @@ def test_bad_checkpoints(tmp_path, mlp_ckpt):
     assert not (tmp_path / "r").exists()
 
 
+def test_the_library_refuses_encodings_of_other_weights_as_the_cli_does(tmp_path, mlp_ckpt, mlp_data):
+    """qtool.load_calibrated returned one model's weights with another's ranges (and rotated or GPTQ tensors) without
+    a word, where export and report refuse the pair."""
+    from qtool.errors import EncodingsError
+
+    torch.manual_seed(7)
+    other = tmp_path / "other.safetensors"
+    save_file({k: v + 0.01 * torch.randn_like(v) for k, v in mlp().state_dict().items()}, other)
+    assert calibrate(mlp_ckpt, tmp_path / "run", "w8a8.yaml", mlp_data)[0] == 0
+    enc = str(tmp_path / "run/encodings.json")
+    with pytest.raises(EncodingsError, match=r"calibrated on other weights than .*other.safetensors.*"
+                                             r"allow_other_checkpoint=True"):
+        qtool.load_calibrated(str(other), enc, model_class=MLP)
+    allowed = qtool.load_calibrated(str(other), enc, model_class=MLP, allow_other_checkpoint=True)
+    own = qtool.load_calibrated(str(mlp_ckpt), enc, model_class=MLP)
+    x = torch.randn(3, 64)
+    assert not torch.equal(allowed(x), own(x))  # the other weights, under the run's ranges
+
+
 def test_other_weights_exported_with_the_flag_say_so_and_what_the_codes_are(tmp_path, mlp_ckpt, mlp_data):
     """--allow-other-checkpoint with GPTQ encodings wrote the calibrated model's codes for the other checkpoint
     (exit 0, no warning): a file of one model's layers beside the other's tables, without a word."""

@@ -16,7 +16,9 @@ from torch import nn
 
 from ..calibration import CalibrateOptions
 from ..config import Plan, RecipeFile, load_recipe, recipe_file, resolve_plan
-from ..errors import UsageError
+from ..encodings import calibrated_elsewhere
+from ..errors import EncodingsError, UsageError
+from ..io.checkpoint import weight_file_hashes
 from ..io.fs import atomic_output_dir, published
 from ..model.apply import make_fake_quant
 from ..model.load import LoadedModel, load_model
@@ -133,8 +135,19 @@ def _drop_state(out: str, opts: CalibrateOptions, target: Optional["TargetOption
 
 @one_at_a_time
 def load_calibrated(checkpoint: str, encodings: str, model_class: Optional[str] = None, device: str = "cpu",
-                    trust_pickle: bool = False, trust_remote_code: bool = False) -> nn.Module:
-    """The checkpoint's model with fake-quant modules set from ``encodings`` (qtool's encodings.json)."""
+                    trust_pickle: bool = False, trust_remote_code: bool = False,
+                    allow_other_checkpoint: bool = False) -> nn.Module:
+    """The checkpoint's model with fake-quant modules set from ``encodings`` (qtool's encodings.json). Encodings
+    whose calibration ``manifest.json`` records other weights than ``checkpoint``'s raise ``EncodingsError``, as
+    ``qtool export`` and ``qtool report`` refuse them, unless ``allow_other_checkpoint`` (weights changed on
+    purpose: the ranges, and any codes or rotated tensors the encodings carry, are applied to these as they are)."""
+    if not allow_other_checkpoint:
+        hashes = weight_file_hashes(Path(checkpoint))
+        other = calibrated_elsewhere(Path(encodings), hashes) if hashes is not None else None
+        if other is not None:
+            raise EncodingsError(f"{encodings}: calibrated on other weights than {checkpoint} (its manifest.json "
+                                 f"records {other} with other file hashes): load that checkpoint, calibrate this "
+                                 "one, or pass allow_other_checkpoint=True if the weights changed on purpose")
     loaded = load_model(checkpoint, model_class, device, trust_pickle, trust_remote_code)
     make_fake_quant(loaded.model, checkpoint, encodings, trust_pickle)
     loaded.model.qtool_tokenizer = loaded.tokenizer  # handy for evaluation code

@@ -248,7 +248,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
                         admit=admit)
         _share_run(group, cdir)
         model = load_calibrated(checkpoint, str(cdir / "encodings.json"), opts.model_class, opts.device,
-                                opts.trust_pickle, opts.trust_remote_code)
+                                opts.trust_pickle, opts.trust_remote_code, allow_other_checkpoint=True)  # (its own)
         if not keep:
             shutil.rmtree(cdir)
         if base is None:  # the first candidate, deployed as it is: every other option is measured against it
