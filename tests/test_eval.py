@@ -147,6 +147,33 @@ def test_a_runtime_that_drops_transform_config_is_named_and_a_bad_weight_is_stil
     assert code == 1 and "with its online rotations (r4) applied too" in res["export_fault"], res["export_fault"]
 
 
+def test_a_mixture_of_experts_r4_directory_exports_and_its_rotations_are_applied_to_the_reload(model, tmp_path):
+    """Mixtral with r4 calibrated, then failed at export ("experts.0.w2 has no weight ... in the checkpoint": the
+    checkpoint names the experts under block_sparse_moe, qtool's model under mlp). transform_config now names the
+    checkpoint's modules, and eval applies the rotations to transformers' reload, whose experts are fused 3-D
+    tensors, as qtool's loader splits them: the file holds what calibration chose."""
+    from tests.test_gguf_families import _tiny
+
+    _, calib, held = model
+    ckpt = _tiny(tmp_path / "mixtral", "mixtral")
+    recipe = tmp_path / "w4r4.yaml"  # (pack-quantized: transformers' conversion refuses int8 experts beside scales)
+    recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, block_size: 32}\n"
+                      "  activations: null\nlayers:\n  - {type: Embedding, weights: null}\nignore: [lm_head]\n"
+                      "rotate: {rotations: [r1, r2, r4]}\n")
+    out = tmp_path / "ct"
+    code, _, err = run_cli("quantize", ckpt, "-c", recipe, "--format", "compressed-tensors", "-o", out,
+                           "--data", calib, "--seq-len", "32", "-q")
+    assert code == 0, err
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["transform_config"]["config_groups"]
+    targets = groups["R4"]["apply"][0]["targets"]
+    assert "model.layers.0.block_sparse_moe.experts.0.w2" in targets and len(targets) == 2 * (8 + 0)
+    code, out_json, err = run_cli("eval", out, "--data", held, *EVAL, "--json")
+    assert code == 0, err
+    res = json.loads(out_json)
+    assert res["export_fault"] is None
+    assert any("transform_config" in n and "vLLM" in n for n in res["notes"]), res["notes"]
+
+
 def test_an_asymmetric_pack_quantized_directory_transformers_cannot_load_names_the_runtime(model, tmp_path):
     """compressed-tensors 0.20 makes transformers' empty model with unpacked zero points, so an asymmetric int4
     directory (zero points packed, as the format says) does not load there: one line that says it is the runtime's

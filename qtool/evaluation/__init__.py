@@ -13,6 +13,7 @@ classifiers).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -642,7 +643,14 @@ def _with_online_rotations(ev: Evaluation, art: Artifact, enc: Path, activations
     hooks.on_stage("running the directory with its online rotations applied, to tell the file from the runtime")
     rotated = transformers_reload(art.path, True, opts.device, activations)
     try:
-        install_online(dict(rotated.model.named_modules()), online)
+        modules = _experts_as_linears(rotated.model, art.path)
+        missing = sorted({m for r in online for m in r.modules} - set(modules))
+        if missing:
+            ev.notes.append(f"could not apply the file's online rotations to transformers' reload: it has no module "
+                            f"{missing[0]} (of {len(missing)}), so the export gap is not told apart from the "
+                            "runtime's missing transform support")
+            return
+        install_online(modules, online)
         _, (gap,) = _score(rotated, seqs, [], opts, hooks, rotated.name, [fq], stop, keep=False)
     finally:
         rotated.close()
@@ -656,6 +664,19 @@ def _with_online_rotations(ev: Evaluation, art: Artifact, enc: Path, activations
         ev.export_fault = None
     else:
         ev.export_fault += f"; with its online rotations ({names}) applied too: KL {gap.kl_mean:.4g}"
+
+
+def _experts_as_linears(model, directory: Path) -> Dict[str, Any]:
+    """``model``'s modules, with fused mixture-of-experts modules replaced by one Linear per expert as qtool's own
+    loader makes them (``model.experts``), so that a rotation of an expert's input, named as qtool names it, has a
+    module to sit on. The experts are found from the directory's tensor names (compressed-tensors' packed ones read
+    as the weight they hold)."""
+    from ..io.checkpoint import safetensors_index, tensor_files
+    from ..model.experts import linearize_experts
+
+    keys = {re.sub(r"\.weight_packed$", ".weight", k) for k in safetensors_index(tensor_files(Path(directory)))}
+    linearize_experts(model, keys)
+    return dict(model.named_modules())
 
 
 def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc: Optional[Path], batches,

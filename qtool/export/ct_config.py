@@ -356,6 +356,10 @@ def _online_transforms(encodings: EncodingsFile, modules, src, keys) -> List[Dic
 
     out = []
     key_set = set(keys)
+    # a module's checkpoint name, which a reader's module carries (Mixtral's experts live under block_sparse_moe
+    # in the checkpoint and under mlp in memory)
+    stored = {e.module: e.name[:-len(".weight")] for e in encodings.entries
+              if e.tensor == "weight" and e.name.endswith(".weight")}
     for rot in encodings.online:
         widths = {rotated_width(modules[m], rot) for m in rot.modules}
         if len(widths) != 1:
@@ -367,14 +371,15 @@ def _online_transforms(encodings: EncodingsFile, modules, src, keys) -> List[Dic
         # r4: the Linear's input online, its inverse already fused (weight_input); r3: each head's queries and the
         # keys the cache stores, both online (q_attn, k_cache), nothing fused
         locations = ("input",) if rot.location == "input" else ("q_attn", "k_cache")
-        tensors = {}
+        tensors, targets = {}, []
         for m in rot.modules:
-            key = f"{m}.weight" if rot.location == "input" else f"{m}.k_proj.weight"
+            target = stored.get(m, m) if rot.location == "input" else m
+            key = f"{target}.weight" if rot.location == "input" else f"{m}.k_proj.weight"
             if key not in key_set:
                 raise EncodingsError(f"online rotation {rot.name}: {m} has no weight {key!r} in the checkpoint")
             for loc in locations:
-                tensors[f"{m}.{scheme}_{loc}.weight"] = (src.shape_dtype(key)[1], (n, n))
-        targets = list(rot.modules)
+                tensors[f"{target}.{scheme}_{loc}.weight"] = (src.shape_dtype(key)[1], (n, n))
+            targets.append(target)
         apply = [{"targets": targets, "location": loc, "inverse": False, "ignore": []} for loc in locations]
         if rot.location == "input":
             apply.append({"targets": targets, "location": "weight_input", "inverse": True, "ignore": []})
