@@ -171,12 +171,14 @@ def match_weight_names(entries: List[EncodingEntry], keys: List[str], source: st
         cands = [k for k in keys if k.endswith("." + e.name) or e.name.endswith("." + k)]
         if len(cands) != 1:
             # (T5's encoder/decoder embed_tokens are its shared table; an output layer tied to the embedding table)
-            tied = (" (a weight tied to another tensor, as an output layer or an embedding table shared with it, is "
-                    "stored only under that tensor's name: calibrate with it in ignore, or export with --format "
-                    "compressed-tensors)") if "lm_head" in e.name or "embed" in e.name else ""
+            if "lm_head" in e.name or "embed" in e.name:  # (the likelier cause first: these are made on the model)
+                raise EncodingsError(
+                    f"{source}: has no tensor {e.name!r}, which the encodings name: a weight tied to another tensor "
+                    "(an output layer or an embedding table shared with it) is stored only under that tensor's name, "
+                    "and this format writes tensors by name: calibrate with it in ignore, or export with --format "
+                    "compressed-tensors or gguf (if it is not tied, the encodings were made for another model)")
             raise EncodingsError(
-                f"{source}: has no tensor {e.name!r} named in the encodings; were they made for another model?{tied}"
-            )
+                f"{source}: has no tensor {e.name!r} named in the encodings; were they made for another model?")
         out[e.name] = cands[0]
     return out
 
