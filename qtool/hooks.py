@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
-__all__ = ["Hooks", "reporting", "step"]
+__all__ = ["Hooks", "reporting", "step", "step_progress"]
 
 
 class Hooks:
@@ -44,3 +44,12 @@ def step(name: str, done: int, total: int, item: str = "") -> None:
     hooks = _ACTIVE.get()
     if hooks is not None and hooks.on_step is not None:
         hooks.on_step(name, done, total, item)
+
+
+def step_progress(hooks: Optional["Hooks"], name: str) -> Optional[Callable[[int, int, str], None]]:
+    """``progress(done, total, item)`` for a library function, reported as long step ``name`` to ``hooks``
+    (a line every tenth with the time left where no bar is drawn), or None."""
+    if hooks is None or hooks.on_step is None:
+        return None
+    return lambda done, total, item="": hooks.on_step(name, done, total, item)
+

@@ -259,7 +259,9 @@ def row_shape(row: QuantizerPlan) -> Tuple[int, ...]:
     return tuple(int(s) * abs(int(b)) for s, b in zip(spec.shape, spec.block_size))
 
 
-def _spec_dict(spec) -> Optional[Dict[str, Any]]:
+def _spec_dict(spec, under_float: bool = False) -> Optional[Dict[str, Any]]:
+    """A rule's ``weights`` for ``spec``; ``under_float``: the spec it merges over has a float element, which an
+    integer grid must name (a rule's keys merge, so ``bitwidth: 8`` alone would keep ``fp4_e2m1``)."""
     if spec is None:
         return None
     out = spec.model_dump(mode="json", exclude_none=True)
@@ -270,7 +272,7 @@ def _spec_dict(spec) -> Optional[Dict[str, Any]]:
     if out.get("gguf_type"):  # the type sets the grid: write it alone
         for key in ("bitwidth", "symmetric", "granularity", "block_size", "scale_dtype", "element"):
             out.pop(key, None)
-    elif out.get("element") == "int":
+    elif out.get("element") == "int" and not under_float:
         out.pop("element")
     return out
 
@@ -283,13 +285,15 @@ def mixed_recipe(base_text: str, plans: Sequence[Plan], chosen: Dict[str, int], 
     recipe = load_yaml(base_text) or {}
     recipe.setdefault("version", 1)
     base_specs = plans[0].weight_specs
+    defaults = ((recipe.get("defaults") or {}).get("weights") or {}) if isinstance(recipe.get("defaults"), dict) else {}
     rules = []
     for module, c in chosen.items():
         spec = plans[c].weight_specs.get(module)
         base = base_specs.get(module)
         if (None if spec is None else spec.model_dump()) == (None if base is None else base.model_dump()):
             continue
-        rules.append({"match": module, "weights": _spec_dict(spec)})
+        under_float = base.element != "int" if base is not None else defaults.get("element", "int") != "int"
+        rules.append({"match": module, "weights": _spec_dict(spec, under_float)})
     recipe["layers"] = list(recipe.get("layers") or []) + rules
     body = yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None, width=120)
     return "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + body

@@ -661,7 +661,12 @@ def plot_pareto(points: Dict[str, Any], path, title: str = "size against damage"
         ax.plot([ch["bits_per_weight"]], [ch["held_out_damage"]], "D", color="#27ae60",
                 label="chosen, held-out data")
     ax.axvline(points["budget_bits_per_weight"], color="#c0392b", alpha=0.3, linestyle="--", label="budget")
-    ax.set_yscale("log")
+    shown = [c["damage"] for c in curve] + [u["damage"] for u in points["uniform"]]
+    positive = [v for v in shown if v is not None and v > 0]
+    if positive and min(v for v in shown if v is not None) <= 0:  # (a predicted 0 would fall off a log axis)
+        ax.set_yscale("symlog", linthresh=min(positive))
+    else:
+        ax.set_yscale("log")
     ax.set_xlabel(points["x"])
     ax.set_ylabel(points["y"] + ", lower is better")
     ax.set_title(title, fontsize=10)

@@ -108,6 +108,26 @@ def test_one_projection_of_every_expert_is_one_group():
                       ("model.layers.1.mlp.experts.0.w2",)]
 
 
+@pytest.mark.parametrize("first, other", [("nvfp4a16", "w8a16"), ("mxfp4a16", "w4a16-block32"),
+                                          ("w8a16", "nvfp4a16")])
+def test_the_written_recipe_gives_each_layer_its_candidates_grid_over_a_float_element_base(first, other):
+    """An FP4 first candidate with an integer one: the written rule said bitwidth 8 and merged over fp4_e2m1 (one
+    error line per layer, after the whole search)."""
+    from qtool.config import load_recipe, parse_recipe, recipe_file, resolve_plan
+    from qtool.mixed import mixed_recipe
+    from tests.test_config import Tiny
+
+    torch.manual_seed(0)
+    model = Tiny()
+    paths = [recipe_file(first), recipe_file(other)]
+    plans = [resolve_plan(load_recipe(p), model, str(p)) for p in paths]
+    chosen = {m: (1 if m.startswith("blocks.0.") else 0) for m in plans[0].weight_specs}
+    text = mixed_recipe(Path(paths[0]).read_text(), plans, chosen, "test")
+    mixed = resolve_plan(parse_recipe(text, "chosen.yaml"), model, "chosen.yaml").weight_specs
+    for m, c in chosen.items():
+        assert mixed[m] == plans[c].weight_specs[m], m
+
+
 def test_a_tied_output_layer_takes_its_tables_choice():
     groups = [("model.embed_tokens",), ("model.layers.0.mlp.down_proj",), ("lm_head",)]
     tied = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -222,6 +242,8 @@ def test_bad_budgets_are_one_line_exit_2_and_write_nothing(llama, tmp_path, flag
     (["--candidates", "w8a16", "--target-bpw", "15"], "two or more recipes"),
     (["--candidates", "w8a16,w4a8-block32", "--target-bpw", "15"], "differs from w8a16"),
     (["--candidates", "w8a16,no-such-recipe", "--target-bpw", "15"], "no-such-recipe"),
+    (["--candidates", "w4a16-block32,w8a16,w8a16.yaml", "--target-bpw", "15"],
+     "w8a16 and w8a16.yaml are the same recipe"),
     ([], "pass a recipe with -c"),
     (["-c", "w8a16", "--search-metric", "nll"], "go with --candidates"),
     (["--candidates", "w8a16,w4a16-block32", "--target-bpw", "15", "--search-metric", "mse"],

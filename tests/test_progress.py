@@ -76,3 +76,19 @@ def test_report_says_it_is_measuring(llama, tmp_path):
     code, _, err = run_cli("report", ckpt, "-e", tmp_path / "run/encodings.json", "--data", ids, "--json")
     assert code == 0, err
     assert "measuring: batch 1/1" in err and "calibrating" not in err
+
+
+def test_the_size_search_and_the_sensitivity_ranking_report_their_progress(llama, tmp_path, monkeypatch):
+    """Both ran for half an hour on SmolLM2 with no line on a log (their progress went to the export bar, drawn only
+    on a terminal, as "exporting")."""
+    from qtool.cli.output import _Progress
+
+    ckpt, ids = llama
+    monkeypatch.setattr(_Progress, "STEP_QUIET_S", 0.0)
+    code, _, err = run_cli("calibrate", ckpt, "--candidates", "w4a16-block32,w8a16", "--target-bpw", "14",
+                           "--data", ids, "-o", tmp_path / "mix")
+    assert code == 0, err
+    assert "measuring damage: " in err and "left" in err
+    code, _, err = run_cli("report", ckpt, "-e", tmp_path / "mix/encodings.json", "--data", ids, "--sensitivity")
+    assert code == 0, err
+    assert "ranking layer sensitivity: " in err

@@ -17,7 +17,7 @@ from ..config import RecipeFile, read_recipe
 from ..data import load_data
 from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
 from ..errors import CheckpointError, DataError, EncodingsError, UsageError
-from ..hooks import Hooks
+from ..hooks import Hooks, step_progress
 from ..io.checkpoint import weight_file_hashes
 from ..io.finite import all_finite
 from ..io.fs import check_output_file
@@ -59,7 +59,8 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
            "causal_lm": loaded.is_causal_lm, "grids": grid_summary(enc.entries)}
     if sensitivity_analysis:
         hooks.on_stage("ranking layer sensitivity")
-        out["sensitivity"] = sensitivity(loaded.model, data, device, loaded.is_causal_lm, hooks.on_tensor)
+        out["sensitivity"] = sensitivity(loaded.model, data, device, loaded.is_causal_lm,
+                                         step_progress(hooks, "ranking layer sensitivity"))
         out["json"]["sensitivity"] = out["sensitivity"]
     return out
 

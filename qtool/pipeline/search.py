@@ -15,7 +15,7 @@ from ..data import load_data
 from ..encodings import CODES_FILE, SIDECAR
 from ..errors import DataError, UsageError
 from ..export import get_exporter
-from ..hooks import Hooks
+from ..hooks import Hooks, step_progress
 from ..model.load import LoadedModel, load_model
 from ..parallel import Group
 from .calibrate import _calibrate_into, _share_run
@@ -141,7 +141,14 @@ def _target_candidates(target: TargetOptions) -> List[RecipeFile]:
         raise UsageError("--candidates goes with one budget: --target-bpw B or --target-size SIZE")
     if target.samples < 1:
         raise UsageError("--search-samples must be at least 1")
-    return [read_recipe(c) for c in target.candidates]
+    read = [read_recipe(c) for c in target.candidates]
+    first: Dict[str, str] = {}
+    for name, r in zip(target.candidates, read):
+        if r.sha256 in first:  # (calibrated and measured twice, and counted under one name)
+            raise UsageError(f"--candidates: {first[r.sha256]} and {name} are the same recipe (the same bytes); list "
+                             "each option once")
+        first[r.sha256] = name
+    return read
 
 
 @dataclass
@@ -259,14 +266,15 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         hooks.on_stage(f"candidate {c + 1}/{len(paths)} ({names[c]}): measuring each layer's damage")
         device = next(iter(base.parameters())).device
         base_damage, deltas, together, ppl = group_damage(base, batches, groups, [weights], device,
-                                                          loaded.is_causal_lm, hooks.on_tensor, group)
+                                                          loaded.is_causal_lm,
+                                                          step_progress(hooks, "measuring damage"), group)
         del weights
         for g, d in enumerate(deltas[0]):
             state.damage[g][c] = d
             if ppl:
                 state.nll_damage[g][c] = ppl["nll_changes"][0][g]
         state.base_damage = base_damage
-        state.uniform.append({"damage": together[0], "predicted_damage": base_damage + sum(deltas[0]),
+        state.uniform.append({"damage": together[0], "predicted_damage": max(0.0, base_damage + sum(deltas[0])),
                               **({"perplexity": ppl["together"][0]} if ppl else {})})
         if ppl:
             state.float_perplexity, base_ppl = ppl["float"], ppl["base"]
@@ -327,7 +335,8 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
     if ranking is None:
         raise UsageError(_NLL_NEEDS_CAUSAL_LM)
     choice = choose(ranking, cost.groups, budget - cost.fixed)
-    predicted = state.base_damage + sum(state.damage[g][k] for g, k in enumerate(choice.options))
+    # (the sum of measured changes can pass below zero, which a KL or 1 - cosine cannot)
+    predicted = max(0.0, state.base_damage + sum(state.damage[g][k] for g, k in enumerate(choice.options)))
     chosen = {m: k for g, k in zip(state.groups, choice.options) for m in g}
     nbytes = cost.fixed + choice.cost
     header = (f"qtool {target.flag()} --candidates {','.join(names)}: each weight's setting chosen among "
@@ -349,7 +358,8 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
                    "groups": {names[c]: sum(k == c for k in choice.options) for c in range(len(names))}},
         "uniform": state.uniform,
         "frontier": [{"bytes": cost.fixed + f.cost, "bits_per_weight": state.bpw(cost.fixed + f.cost),
-                      "predicted_damage": state.base_damage + f.damage} for f in frontier(state.damage, cost.groups)],
+                      "predicted_damage": max(0.0, state.base_damage + f.damage)}
+                     for f in frontier(state.damage, cost.groups)],
         "groups": [{"modules": list(g), "choice": names[k], "bytes": cost.groups[i], "damage_change": state.damage[i],
                     **({"nll_change": ranking[i]} if target.metric == "nll" else {})}
                    for i, (g, k) in enumerate(zip(state.groups, choice.options))],
