@@ -572,3 +572,22 @@ def test_search_data_is_an_input_an_overwrite_never_deletes_and_nll_needs_tokens
     lines = error_lines(err)
     assert code == 2 and len(lines) == 1 and "no next token to score" in lines[0], err
     assert not (tmp_path / "nll").exists()
+
+
+def test_a_budget_met_in_one_format_and_exported_in_another_says_how_far_over_it_is(llama, tmp_path):
+    """calibrate --candidates counts qtool's format; compressed-tensors keeps the embedding float and ONNX every
+    weight, and exporting in them missed the budget by up to 4.6x without a word."""
+    ckpt, data = llama
+    code, _, err = run_cli("calibrate", ckpt, "--candidates", "w4a16-block32,w8a16", "--target-bpw", "14",
+                           "--data", data, "-o", tmp_path / "cal", "-q")
+    assert code == 0, err
+    enc = tmp_path / "cal" / "encodings.json"
+    code, out, err = run_cli("export", ckpt, "-e", enc, "-o", tmp_path / "ct", "-f", "compressed-tensors", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    over = [w for w in res["export_warnings"] if "the size budget" in w]
+    assert len(over) == 1 and "was met in the qtool format" in over[0] and "--target-bpw 14" in over[0], over
+    assert res["size"]["model_bytes"] > json.loads((tmp_path / "cal" / "search.json").read_text())["budget"]["bytes"]
+    code, out, err = run_cli("export", ckpt, "-e", enc, "-o", tmp_path / "q", "--json")
+    assert code == 0, err
+    assert not [w for w in json.loads(out)["export_warnings"] if "the size budget" in w]

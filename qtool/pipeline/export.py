@@ -3,6 +3,7 @@ a format (plus AIMET's JSON beside it), and an AIMET encodings file brought in a
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -168,6 +169,13 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
             f"model.encodings (AIMET JSON) not written: {numbers:,} encodings would make a JSON file of several GB; "
             f"the scales and offsets are in the exported tensors (qtool export --format aimet writes it anyway)")
     outputs = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
+    # what was gained: the checkpoint's weight files against the model files written (not the encodings, manifests
+    # or the files copied beside the weights: a tokenizer, a README, .gitattributes)
+    model_files = [n for n in outputs if "/" not in n and n.endswith(_MODEL_SUFFIXES)]  # (not a copied module's)
+    model_bytes = sum((out_dir / n).stat().st_size for n in model_files)
+    missed = _budget_missed(Path(enc_path), eopts.format, model_bytes)
+    if missed:
+        summary["export_warnings"].append(missed)
     inputs = {
         "checkpoint": checkpoint_input(checkpoint, digest),
         "encodings": {"path": enc_display or str(enc_path), "sha256": sha256_file(enc_path)},
@@ -178,13 +186,26 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
                                      head={"format": eopts.format, "encoding_version": eopts.encoding_version},
                                      device="cpu", tail={"summary": summary}))
     summary["outputs"] = outputs + ["manifest.json"]
-    # what was gained: the checkpoint's weight files against the model files written (not the encodings, manifests
-    # or the files copied beside the weights: a tokenizer, a README, .gitattributes)
-    model_files = [n for n in outputs if "/" not in n and n.endswith(_MODEL_SUFFIXES)]  # (not a copied module's)
     summary["size"] = {"checkpoint_bytes": sum(f.stat().st_size for f in tensor_files(Path(checkpoint))),
-                       "model_bytes": sum((out_dir / n).stat().st_size for n in model_files),
-                       "model_files": model_files}
+                       "model_bytes": model_bytes, "model_files": model_files}
     return summary
+
+
+def _budget_missed(enc_path: Path, fmt: str, model_bytes: int) -> Optional[str]:
+    """The warning for encodings a size-budget search chose (its ``search.json`` beside them) exported in another
+    format than the one it counted, into more bytes than the budget (a format that keeps the embedding float, or
+    ONNX's float weights); None otherwise."""
+    try:
+        search = json.loads((enc_path.parent / "search.json").read_text(encoding="utf-8"))
+        counted, budget, flag = search["format"], int(search["budget"]["bytes"]), str(search["budget"]["flag"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if counted == fmt or model_bytes <= budget:
+        return None
+    return (f"the size budget ({flag}: {budget} bytes, in {enc_path.parent / 'search.json'}) was met in the "
+            f"{counted} format; this {fmt} export's model files hold {model_bytes} bytes, "
+            f"{model_bytes / budget:.2f}x the budget (export with --format {counted}, or run the search as quantize --format {fmt}, which counts that format's "
+            "bytes)")
 
 
 _MODEL_SUFFIXES = (".safetensors", ".onnx", ".gguf")  # what every format writes its weights as
