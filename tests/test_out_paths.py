@@ -202,6 +202,12 @@ def test_a_directory_named_like_the_sequential_state_is_never_removed_unless_it_
     _refused(code, err, root, before, "OUT.resume (where --sequential keeps its state) is the data")
     code, _, err = run_cli("calibrate", llama, "-c", "w8a8", "--data", root / "data.resume", *seq, "-o", root / "mine")
     _refused(code, err, root, before, "holds 'thesis.tex', which no --sequential run's state holds")
+    # a file of the state's own name that no run wrote (the directory was removed, exit 0)
+    (root / "notes.resume").mkdir()
+    (root / "notes.resume" / "state.json").write_text('{"my": "notes"}')
+    before = _digest(root)
+    code, _, err = run_cli("calibrate", llama, "-c", "w8a8", "--data", root / "data.resume", *seq, "-o", root / "notes")
+    _refused(code, err, root, before, "state.json: is not the state.json a --sequential run writes")
 
 
 def test_an_out_that_is_a_link_to_nothing_is_refused_before_any_work(world):

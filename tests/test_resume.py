@@ -207,8 +207,8 @@ def test_calibration_batches_changed_behind_the_files_stamps_are_refused(llama, 
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("change", ["recipe", "data", "model", "options", "precision"])
-def test_a_state_of_another_run_is_refused_in_one_line(llama, stopped, tmp_path, change):
+@pytest.mark.parametrize("change", ["recipe", "data", "model", "options", "precision", "threads"])
+def test_a_state_of_another_run_is_refused_in_one_line(llama, stopped, tmp_path, change, monkeypatch):
     d, args = llama
     out = tmp_path / "run"
     shutil.copytree(stopped, tmp_path / "run.resume")
@@ -228,6 +228,9 @@ def test_a_state_of_another_run_is_refused_in_one_line(llama, stopped, tmp_path,
         args[1] = str(m)
     elif change == "precision":  # other bytes: the model's products at another precision
         args += ["--matmul-precision", "medium"]
+    elif change == "threads":  # other bytes: CPU kernels split their sums by the thread count (a node of other cores)
+        threads = torch.get_num_threads()
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
     else:
         args[args.index("--batch-size") + 1] = "3"
     code, _, err = run_cli(*args, "--resume", "-o", out)
@@ -235,7 +238,7 @@ def test_a_state_of_another_run_is_refused_in_one_line(llama, stopped, tmp_path,
     lines = error_lines(err)
     assert len(lines) == 1 and "the saved state is of another run" in lines[0], err
     assert {"recipe": "recipe", "data": "data", "model": "checkpoint", "options": "options",
-            "precision": "options"}[change] in lines[0]
+            "precision": "options", "threads": "(CPU threads differ) (the stopped run had"}[change] in lines[0]
     assert "run without --resume" in lines[0]
     assert not out.exists() and (tmp_path / "run.resume/state.json").exists()  # the state stays for a rerun
     if change == "options":

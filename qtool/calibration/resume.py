@@ -84,6 +84,18 @@ def check_state_dir(directory: Path, inputs: Sequence[Tuple[str, Optional[str]]]
         if not _IN_A_STATE.fullmatch(p.name) or p.is_symlink() or not p.is_file():
             raise UsageError(f"{directory}: holds {p.name!r}, which no --sequential run's state holds (a run writing "
                              f"{directory.name[:-len('.resume')]} keeps its state there and removes it): {move}")
+    if (directory / STATE).is_file() and not _a_state(directory / STATE):
+        raise UsageError(f"{directory / STATE}: is not the state.json a --sequential run writes (no version and "
+                         f"fingerprint), and a run writing {directory.name[:-len('.resume')]} would remove it: {move}")
+
+
+def _a_state(path: Path) -> bool:
+    """Whether ``path`` is a state.json a --sequential run wrote (of any qtool version)."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and "version" in saved and isinstance(saved.get("fingerprint"), dict)
 
 
 def file_stamp(files) -> Dict[str, List[int]]:
@@ -111,15 +123,19 @@ def batches_digest(batches: Sequence[Batch]) -> str:
 
 def fingerprint(*, versions: Dict[str, str], checkpoint_files, data_files, recipe: Optional[str],
                 imatrix: Optional[str], options: Dict[str, Any], world_size: int, device: str,
-                batches: Optional[List[str]] = None) -> Dict[str, Any]:
+                batches: Optional[List[str]] = None, threads: Optional[List[int]] = None) -> Dict[str, Any]:
     """What must be equal for a saved state to be trusted, as JSON values (keys name what differs in the error).
-    ``batches``: each rank's :func:`batches_digest`."""
+    ``batches``: each rank's :func:`batches_digest`; ``threads``: each rank's ``torch.get_num_threads()`` (CPU
+    kernels split their sums by it, so blocks computed with another count hold other last bits)."""
     def sha(path):
         return sha256_file(Path(path)) if path is not None and Path(path).is_file() else path
 
     return {"versions": dict(versions), "checkpoint": file_stamp(checkpoint_files), "data": file_stamp(data_files),
             "recipe": sha(recipe), "imatrix": sha(imatrix), "options": dict(options), "ranks": world_size,
-            "device": device, "calibration batches": batches}
+            "device": device, "calibration batches": batches, _THREADS: threads}
+
+
+_THREADS = "CPU threads"
 
 
 @dataclasses.dataclass
@@ -183,8 +199,12 @@ class ResumeState:
                     differs = [k for k in sorted(set(print_) | set(saved["fingerprint"]))
                                if print_.get(k) != saved["fingerprint"].get(k)]
                     if differs:
+                        then = saved["fingerprint"].get(_THREADS)
+                        hint = (f" (the stopped run had {then[0]} CPU threads: OMP_NUM_THREADS={then[0]} resumes it "
+                                "with the same bytes)") if differs == [_THREADS] and isinstance(then, list) and then \
+                            and len(set(map(str, then))) == 1 else ""
                         raise UsageError(f"{directory}: the saved state is of another run ({', '.join(differs)} "
-                                         "differ): run without --resume to start over")
+                                         f"differ){hint}: run without --resume to start over")
                     verdict = (saved["blocks_done"], None, saved["files"])
             except UsageError as e:
                 verdict = (0, str(e), {})
