@@ -316,6 +316,29 @@ def test_an_expert_routed_too_few_tokens_is_chosen_without_data_and_named(tmp_pa
     assert torch.equal(codes["codes/" + name].to(torch.float32), nearest)
 
 
+def test_under_signround_an_expert_routed_a_few_tokens_is_said_to_learn_from_them(tmp_path):
+    """The warning said such experts were "chosen without data (round-to-nearest on an unweighted range)", while
+    signround, which learns on the block's outputs, moved their codes; an expert no token reached is rounded to
+    nearest, as said."""
+    checkpoint, _ = _saved(tmp_path, "qwen3_moe")
+    save_file({"input_ids": torch.randint(0, 256, (1, 3), generator=torch.Generator().manual_seed(0))},
+              tmp_path / "few.safetensors")
+    code, out, err = run_cli("calibrate", checkpoint, "-c", "w4a16-block32-signround", "--data",
+                             tmp_path / "few.safetensors", "--sequential", "-o", tmp_path / "run", "--json")
+    assert code == 0, err
+    tokens = json.loads(out)["expert_tokens"]
+    warnings = json.loads((tmp_path / "run" / "manifest.json").read_text())["warnings"]
+    learned = [w for w in warnings if "signround learned their rounding" in w]
+    nearest = [w for w in warnings if "chosen without data" in w]
+    some = sum(1 for n in tokens.values() if 0 < n)
+    none = sum(1 for n in tokens.values() if n == 0)
+    assert some and none, tokens
+    # (one warning per block of the --sequential run)
+    assert sum(int(w.split(" ", 1)[0]) for w in learned) == some, learned
+    assert sum(int(w.split(" ", 1)[0]) for w in nearest) == none and all(" (0 tokens)" in w for w in nearest), nearest
+    assert not any(" (0 tokens)" in w for w in learned)
+
+
 def test_the_manifest_and_json_give_the_tokens_each_expert_was_routed_and_a_resume_keeps_them(tmp_path):
     import subprocess
     import sys

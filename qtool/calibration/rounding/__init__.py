@@ -49,6 +49,7 @@ def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module
     hessians = {r.module for r in rows if r.rounds_layerwise}
     seen: Dict[str, int] = {}
     short: List[str] = []
+    learned: List[str] = []  # signround learns on the block's outputs: an expert's few tokens still move its codes
     for q in rows:
         if not q.needs_inputs or q.module in seen or routing_of(modules, q.module) is None:
             continue
@@ -64,8 +65,15 @@ def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module
                                           torch.eye(width, dtype=torch.float64, device=device)
                                           if q.module in hessians else None)
         expert = f"{q.module.rsplit('.', 1)[0]} ({count} token{'' if count == 1 else 's'})"
-        if expert not in short:
-            short.append(expert)
+        into = learned if q.rounding == "signround" and count > 0 else short
+        if expert not in into:
+            into.append(expert)
+    if learned and warnings is not None:
+        named = ", ".join(learned[:4]) + (f" and {len(learned) - 4} more" if len(learned) > 4 else "")
+        warnings.append(f"{len(learned)} expert(s) saw fewer calibration tokens than a layer's input width: {named}; "
+                        "those layers' ranges were searched unweighted, and signround learned their rounding from "
+                        "those few tokens alone (more or longer calibration samples reach more experts, "
+                        "--all-experts shows every expert every token)")
     if short and warnings is not None:
         named = ", ".join(short[:4]) + (f" and {len(short) - 4} more" if len(short) > 4 else "")
         warnings.append(f"{len(short)} expert(s) saw fewer calibration tokens than a layer's input width: {named}; "
