@@ -47,6 +47,21 @@ def test_sequential_needs_a_causal_lm_directory(tmp_path):
     assert code == 2 and "--sequential needs a Hugging Face causal LM directory" in err
 
 
+def test_sequential_on_an_encoder_decoder_says_so(tmp_path):
+    """BART's config also builds a BartForCausalLM (its decoder alone): --sequential said config.json "disagrees
+    with the weights" of a checkpoint that calibrates in memory."""
+    torch.manual_seed(0)
+    transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64)).save_pretrained(tmp_path / "bart")
+    save_file({"input_ids": torch.randint(3, 64, (4, 8), generator=torch.Generator().manual_seed(0))},
+              tmp_path / "ids.safetensors")
+    code, _, err = run_cli("calibrate", tmp_path / "bart", "-c", "w8a16", "--data", tmp_path / "ids.safetensors",
+                           "-o", tmp_path / "r", "--sequential", "--quiet")
+    assert code == 2 and "is an encoder-decoder (BartForConditionalGeneration): run without --sequential" in err, err
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("recipe", ["w8a16.yaml", "w4a16-block32.yaml"])
 def test_weight_only_calibration_streams_weights_with_equal_encodings(tmp_path, recipe):
     """A weight-only recipe on an HF directory never builds the model; the encodings equal a full load's."""

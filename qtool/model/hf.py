@@ -376,6 +376,11 @@ def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, An
         # an encoder such as BertModel: AutoModelForCausalLM would add a head its checkpoint does not hold
         raise CheckpointError(f"{path}: --sequential runs a causal language model block by block, and config.json "
                               f"says this is a {archs[0][:60]} (no language-model head): run without --sequential")
+    if getattr(config, "is_encoder_decoder", False):
+        # (BART's config also builds a BartForCausalLM: its decoder alone, which the checkpoint's names do not fit)
+        raise CheckpointError(f"{path}: --sequential runs a causal language model block by block, and config.json "
+                              f"says this is an encoder-decoder ({(archs or [config.model_type])[0][:60]}): run "
+                              "without --sequential")
     try:
         with _parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
