@@ -185,7 +185,9 @@ def test_the_searched_model_fits_its_budget_in_the_bytes_the_file_holds(llama, t
     f = target["float_perplexity"]
     assert f > 1 and target["chosen"]["perplexity"] > 1
     moved = {u["candidate"]: abs(math.log(u["perplexity"] / f)) for u in target["uniform"]}
-    assert 0 < moved["w8a16"] < moved["w4a16-block32-gptq"], moved
+    assert all(m > 0 for m in moved.values()), moved
+    if fmt == "qtool":  # (compressed-tensors keeps the embedding float: moves of 1e-5 on this model, in any order)
+        assert moved["w8a16"] < moved["w4a16-block32-gptq"], moved
     # the written recipe reproduces the model byte for byte
     code, _, err = run_cli(*base, "-c", tmp_path / "mix" / "recipe.yaml", "-o", tmp_path / "again")
     assert code == 0, err
@@ -591,3 +593,20 @@ def test_a_budget_met_in_one_format_and_exported_in_another_says_how_far_over_it
     code, out, err = run_cli("export", ckpt, "-e", enc, "-o", tmp_path / "q", "--json")
     assert code == 0, err
     assert not [w for w in json.loads(out)["export_warnings"] if "the size budget" in w]
+
+
+def test_compressed_tensors_damage_is_measured_with_the_layers_it_writes_float(llama, tmp_path):
+    """compressed-tensors keeps the embedding table float and its bytes were counted so, but the damage ranked was
+    measured with the table at int8: bit for bit the qtool format's figures."""
+    ckpt, data = llama
+    damage = {}
+    for fmt, bpw in (("qtool", "14"), ("compressed-tensors", "29")):
+        code, out, err = run_cli("quantize", ckpt, "--candidates", "w4a16-block32,w8a16", "--target-bpw", bpw,
+                                 "--data", data, "-f", fmt, "-o", tmp_path / fmt, "--json", "-q")
+        assert code == 0, err
+        damage[fmt] = {u["candidate"]: u["damage"] for u in json.loads(out)["target"]["uniform"]}
+    # the same calibrations; only the table's quantizer differs (int8 in qtool's file, float in compressed-tensors')
+    for c in ("w4a16-block32", "w8a16"):
+        assert damage["compressed-tensors"][c] != damage["qtool"][c], damage
+    # what the export measures against the float model for the chosen file agrees with the float table
+    assert damage["compressed-tensors"]["w8a16"] < damage["qtool"]["w8a16"], damage

@@ -16,6 +16,7 @@ from ..encodings import CODES_FILE, SIDECAR
 from ..errors import DataError, UsageError
 from ..export import get_exporter
 from ..hooks import Hooks, step_progress
+from ..model.insert import QUANTIZERS_ATTR
 from ..model.load import LoadedModel, load_model
 from ..parallel import Group
 from .calibrate import _calibrate_into, _share_run
@@ -120,6 +121,31 @@ SEARCH_FILE = "search.json"
 
 _NLL_NEEDS_CAUSAL_LM = ("--search-metric nll ranks by the change in the text's next-token loss: causal language models "
                        "only (this model is not one; use kl)")
+
+
+def _as_written(model, encodings: Path, exporter, options) -> None:
+    """A calibrated model as the format writes it: quantizers the format runs in float (compressed-tensors'
+    embedding tables) taken out, so that the damage ranked is the file's, as the bytes counted are."""
+    from ..encodings import EncodingsFile
+
+    modules = dict(model.named_modules())
+    rows = [_Typed(e, getattr(modules[e.module], "_qtool_base", type(modules[e.module])).__name__)
+            for e in EncodingsFile.read(encodings, lazy=True).entries if e.module in modules]
+    off = set(exporter.not_written(rows, options))
+    for q in rows:
+        held = getattr(modules[q.module], QUANTIZERS_ATTR, None)
+        if q.name in off and held is not None and q.tensor in held:
+            del held[q.tensor]  # (gone, not off: the damage measurement switches every quantizer on and off)
+
+
+class _Typed:
+    """An encodings entry with its module's type (what an exporter's ``not_written`` reads)."""
+
+    def __init__(self, entry, module_type: str):
+        self._entry, self.module_type = entry, module_type
+
+    def __getattr__(self, name):
+        return getattr(self._entry, name)
 
 
 def _prepared(recipe: Union[None, str, RecipeFile], target: Optional[TargetOptions]
@@ -256,6 +282,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         _share_run(group, cdir)
         model = load_calibrated(checkpoint, str(cdir / "encodings.json"), opts.model_class, opts.device,
                                 opts.trust_pickle, opts.trust_remote_code, allow_other_checkpoint=True)  # (its own)
+        _as_written(model, cdir / "encodings.json", exporter, options)
         if not keep:
             shutil.rmtree(cdir)
         if base is None:  # the first candidate, deployed as it is: every other option is measured against it
@@ -377,6 +404,8 @@ def _measured_damage(checkpoint: str, encodings: Path, record: Dict[str, Any], t
     hooks.on_stage("measuring the chosen model")
     model = load_calibrated(checkpoint, str(encodings), opts.model_class, opts.device, opts.trust_pickle,
                             opts.trust_remote_code)
+    exporter = get_exporter(record["format"])
+    _as_written(model, Path(encodings), exporter, exporter.Options())  # (measured as the candidates were)
     tokenizer = getattr(model, "qtool_tokenizer", None)
     causal = record["damage"].startswith("mean per-token")
     data = _search_data(target, opts, tokenizer, causal)
