@@ -172,6 +172,13 @@ def test_a_mixture_of_experts_r4_directory_exports_and_its_rotations_are_applied
     res = json.loads(out_json)
     assert res["export_fault"] is None
     assert any("transform_config" in n and "vLLM" in n for n in res["notes"]), res["notes"]
+    # experts left float have no encodings entry to name their checkpoint module: the model's own map does
+    recipe.write_text(recipe.read_text().replace("layers:\n", "layers:\n  - {match: '*.experts.*', weights: null}\n"))
+    code, _, err = run_cli("quantize", ckpt, "-c", recipe, "--format", "compressed-tensors", "-o", tmp_path / "ct2",
+                           "--data", calib, "--seq-len", "32", "-q")
+    assert code == 0, err
+    groups = json.loads((tmp_path / "ct2" / "config.json").read_text())["quantization_config"]["transform_config"]
+    assert "model.layers.1.block_sparse_moe.experts.7.w2" in groups["config_groups"]["R4"]["apply"][0]["targets"]
 
 
 def test_an_asymmetric_pack_quantized_directory_transformers_cannot_load_names_the_runtime(model, tmp_path):

@@ -231,7 +231,7 @@ def export_compressed_tensors(
     float_linear = [n for n in linear_names if n not in quantized_modules] + _routers(model, modules, keys)
     warnings += fused_mixes(settings, linear_names)
     qconfig, groups, top_format = quantization_config(settings, modules, quantized_modules, float_linear, kv)
-    transforms = _online_transforms(encodings, modules, src, keys)
+    transforms = _online_transforms(encodings, modules, src, keys, model)
     if transforms:
         qconfig["transform_config"] = {"config_groups": {t["scheme"]: t["config"] for t in transforms}}
         warnings += [_ONLINE_NOTE if loc == "input" else _KEY_ROTATION_NOTE

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..config import CHECKPOINT_KEYS
 from ..encodings import EncodingEntry, EncodingsFile
 from ..errors import EncodingsError
 from ..model.online import rotated_width
@@ -344,7 +345,7 @@ _KEY_ROTATION_NOTE = ("the model rotates each head's queries and keys at run tim
                       "of k_scale and clip; serve with vLLM without r3 (see docs/formats.md)")
 
 
-def _online_transforms(encodings: EncodingsFile, modules, src, keys) -> List[Dict[str, Any]]:
+def _online_transforms(encodings: EncodingsFile, modules, src, keys, model=None) -> List[Dict[str, Any]]:
     """compressed-tensors' description of each online rotation (``encodings.online``; r4): a ``transform_config``
     scheme named like llm-compressor's (``R4``) applied at the module's ``input`` (online) with its inverse at
     ``weight_input`` (already fused into the stored weights, which vLLM skips), and the matrix each rotated
@@ -358,8 +359,11 @@ def _online_transforms(encodings: EncodingsFile, modules, src, keys) -> List[Dic
     key_set = set(keys)
     # a module's checkpoint name, which a reader's module carries (Mixtral's experts live under block_sparse_moe
     # in the checkpoint and under mlp in memory)
-    stored = {e.module: e.name[:-len(".weight")] for e in encodings.entries
-              if e.tensor == "weight" and e.name.endswith(".weight")}
+    renamed = getattr(model, CHECKPOINT_KEYS, None) or {}  # (a float expert's too: it has no entry)
+    stored = {p[:-len(".weight")]: k[:-len(".weight")] for p, k in renamed.items()
+              if p.endswith(".weight") and k.endswith(".weight")}
+    stored.update({e.module: e.name[:-len(".weight")] for e in encodings.entries
+                   if e.tensor == "weight" and e.name.endswith(".weight")})
     for rot in encodings.online:
         widths = {rotated_width(modules[m], rot) for m in rot.modules}
         if len(widths) != 1:
