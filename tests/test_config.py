@@ -133,18 +133,24 @@ def test_unmatched_rule_is_error_or_warning():
 
 
 def _shadowed(plan):
-    return [w for w in plan.warnings if "changes nothing" in w]
+    return [w for w in plan.warnings if "change nothing" in w]
 
 
 @pytest.mark.parametrize("layers, warned", [
     # the narrow rule before the broad one: the broad one sets bitwidth again on every module the first reaches
     ("  - match: 'blocks.0.*'\n    weights: {bitwidth: 8}\n  - match: 'blocks.*'\n    weights: {bitwidth: 6}\n",
-     "layers[0] (match 'blocks.0.*') changes nothing: layers[1]"),
+     "layers[0] (match 'blocks.0.*'): its weights change nothing: layers[1]"),
     # a later null disables, and a partial rule after a null merges over the defaults, not over the null
     ("  - type: Linear\n    weights: {bitwidth: 8}\n  - match: '*'\n    weights: null\n",
-     "layers[0] (type 'Linear') changes nothing: layers[1]"),
+     "layers[0] (type 'Linear'): its weights change nothing: layers[1]"),
     ("  - match: 'blocks.*'\n    weights: null\n  - type: Linear\n    weights: {bitwidth: 8}\n",
-     "layers[0] (match 'blocks.*') changes nothing: layers[1]"),
+     "layers[0] (match 'blocks.*'): its weights change nothing: layers[1]"),
+    # a null after an earlier rule resets to the defaults, which a later partial rule then merges over
+    ("  - match: 'blocks.*'\n    weights: {bitwidth: 8}\n  - match: 'blocks.0.*'\n    weights: null\n"
+     "  - match: 'blocks.0.*'\n    weights: {symmetric: false}\n", None),
+    # field by field: the weights undone everywhere, the activations kept
+    ("  - match: 'blocks.*'\n    weights: {bitwidth: 8}\n    activations: {bitwidth: 16}\n"
+     "  - match: 'blocks.*'\n    weights: {bitwidth: 6}\n", "layers[0] (match 'blocks.*'): its weights change nothing"),
     # what survives somewhere, or on other keys, or in the other field, is no shadow
     ("  - match: 'blocks.*'\n    weights: {bitwidth: 8}\n  - match: 'blocks.0.*'\n    weights: {bitwidth: 6}\n", None),
     ("  - match: 'blocks.*'\n    weights: {bitwidth: 8}\n  - match: 'blocks.*'\n    weights: {symmetric: false}\n",

@@ -155,6 +155,18 @@ def test_a_rule_that_leaves_ggufs_grids_is_a_warning_before_calibration(models, 
     assert "layers[0] gives 2 weight(s) such as model.layers.0.mlp.up_proj" in off[0] and grid in off[0]
 
 
+def test_a_job_writing_another_format_leaves_the_gguf_grid_warning_out(models, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, symmetric: true, granularity: per_block, "
+                      "block_size: 32, scale_dtype: float16}\n  activations: null\nlayers:\n"
+                      "  - match: '*.mlp.up_proj'\n    weights: {granularity: per_channel}\n")
+    for fmt, warned in (("qtool", False), ("gguf", True)):
+        code, out, err = run_cli("quantize", models["wide"], "-c", recipe, "-o", tmp_path / fmt, "--format", fmt,
+                                 "--json", "--gguf-fallback", "f16")
+        assert code == 0, err
+        assert any("no GGUF type" in w for w in json.loads(out)["warnings"]) == warned, err
+
+
 @pytest.mark.parametrize("recipe", ["gguf-q4_0", "gguf-q4_k_m", "gguf-q6_k", "w4a16-block32"])
 def test_shipped_recipes_give_no_grid_outside_gguf_warning(models, recipe):
     code, out, err = run_cli("config", "show", recipe, "-m", models["wide"], "--json")

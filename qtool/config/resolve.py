@@ -207,8 +207,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     towers = head is not None
     experts = _expert_count(model)
     towered: List[str] = []  # media-tower modules left float by default
-    effective = [False] * len(recipe.layers)  # the rule's weights or activations survive on some module
-    shadowed_by: Dict[int, int] = {}  # rule -> a later rule that set again what it set
+    effective: set = set()  # (rule, "weights" / "activations") that survive on some module
+    shadowed_by: Dict[Tuple[int, str], int] = {}  # (rule, field) -> a later rule that set again what it set
     for name, module in named:
         tname = exported_types.get(name, type(module).__name__)
         tnames = (tname,) if name in exported_types else _type_names(module)
@@ -334,10 +334,10 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         if not allow_unmatched:
             raise ConfigError(msg + " (pass --allow-unmatched to make this a warning)")
         plan.warnings.append(msg)
-    for i, j in sorted(shadowed_by.items()):
-        if not effective[i]:
-            plan.warnings.append(f"{source}: layers[{i}] ({_selector(recipe.layers[i])}) changes nothing: layers[{j}] "
-                                 "(later rules win) sets again what it sets on every module it reaches; put the "
+    for (i, field), j in sorted(shadowed_by.items()):
+        if (i, field) not in effective:
+            plan.warnings.append(f"{source}: layers[{i}] ({_selector(recipe.layers[i])}): its {field} change nothing: "
+                                 f"layers[{j}] (later rules win) sets them again on every module it reaches; put the "
                                  "narrower rule after the broader one")
     kv_layers = set(attention_modules(named)) if recipe.kv_cache is not None else set()  # (ignore keeps a cache float)
     for j, pat in enumerate(recipe.ignore):
@@ -402,20 +402,26 @@ def _selector(rule: LayerRule) -> str:
                                   f"type {rule.type!r}" if rule.type else ""]))
 
 
-def _note_shadows(rules: List[LayerRule], applied: List[Tuple[int, str]], effective: List[bool],
-                  shadowed_by: Dict[int, int]) -> None:
-    """Which of the rules that shaped one module left something on it: a rule's weights (or activations) are set
-    again by a later rule that gives every key it gave, or null, or after its null (a partial rule merges over the
-    defaults, not over a null). ``effective[i]`` marks a rule that left something; ``shadowed_by[i]`` is a later
-    rule that undid it."""
+def _note_shadows(rules: List[LayerRule], applied: List[Tuple[int, str]], effective: set,
+                  shadowed_by: Dict[Tuple[int, str], int]) -> None:
+    """Which of the rules that shaped one module left something on it, field by field: a rule's weights (or
+    activations) are set again by a later rule that gives every key it gave, or null. A null is undone by any later
+    rule (a partial rule merges over the defaults, not over a null) only where no earlier rule had set that field:
+    otherwise the null is what resets it to the defaults. ``effective`` gets each (rule, field) that left
+    something; ``shadowed_by`` a later rule that undid one."""
     for k, (i, field) in enumerate(applied):
         mine = getattr(rules[i], field)
+        resets = mine is None and any(f == field for _, f in applied[:k])
         later = next((j for j, f in applied[k + 1:] if f == field and (
-            mine is None or getattr(rules[j], field) is None or set(mine) <= set(getattr(rules[j], field)))), None)
+            getattr(rules[j], field) is None or (mine is None and not resets)
+            or (mine is not None and set(mine) <= set(getattr(rules[j], field))))), None)
         if later is None:
-            effective[i] = True
+            effective.add((i, field))
         else:
-            shadowed_by.setdefault(i, later)
+            shadowed_by.setdefault((i, field), later)
+
+
+GGUF_GRID_NOTE = "a grid no GGUF type holds"  # (in the warning a job writing another format leaves out)
 
 
 def _aims_at_gguf(recipe: Recipe) -> bool:
@@ -435,7 +441,7 @@ def _grids_outside_gguf(quantizers: List[QuantizerPlan], source: str) -> List[st
     for q in quantizers:
         if q.tensor == "weight" and q.rule is not None and q.spec.gguf_block_type is None:
             off.setdefault(q.rule, []).append(q)
-    return [f"{source}: layers[{i}] gives {len(qs)} weight(s) such as {qs[0].module} a grid no GGUF type holds "
+    return [f"{source}: layers[{i}] gives {len(qs)} weight(s) such as {qs[0].module} {GGUF_GRID_NOTE} "
             f"({_grid_words(qs[0].spec)}): export --format gguf refuses them (--gguf-fallback writes them as floats); "
             "a gguf_type in the rule (gguf_type: q8_0) keeps them GGUF blocks" for i, qs in sorted(off.items())]
 

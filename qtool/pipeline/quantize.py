@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 from ..calibration import CalibrateOptions
-from ..config import RecipeFile
+from ..config import GGUF_GRID_NOTE, RecipeFile
 from ..encodings import EncodingsFile
 from ..errors import UsageError
 from ..export.base import weight_changes
@@ -110,6 +110,8 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
         exporter.check_tied(plan.tied)
         exporter.check_kv_cache(plan.kv_float)
         plan.left_float.update((name, exporter.name) for name in exporter.left_float(plan.quantizers, options))
+        if exporter.name != "gguf":  # (a GGUF recipe's rule off GGUF's grids matters to a GGUF export alone)
+            plan.warnings[:] = [w for w in plan.warnings if GGUF_GRID_NOTE not in w]
 
     with _ranks(opts.device) as group:
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes, exports
