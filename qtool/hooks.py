@@ -52,4 +52,3 @@ def step_progress(hooks: Optional["Hooks"], name: str) -> Optional[Callable[[int
     if hooks is None or hooks.on_step is None:
         return None
     return lambda done, total, item="": hooks.on_step(name, done, total, item)
-

@@ -60,11 +60,16 @@ def read_imatrix(path: Path) -> Dict[str, torch.Tensor]:
         raise EncodingsError(f"{path}: cannot read the importance matrix: {e.strerror or e}") from None
     if not head:
         raise EncodingsError(f"{path}: an empty file, not a llama.cpp importance matrix (GGUF or imatrix.dat)")
-    if head != b"GGUF" and path.suffix.lower() == ".gguf":
-        raise EncodingsError(f"{path}: not a GGUF file (it does not start with GGUF's magic), so not an importance "
-                             "matrix that llama-imatrix or qtool imatrix writes")
     try:
-        out = _read_gguf(path) if head == b"GGUF" else _read_dat(path)
+        if head != b"GGUF" and path.suffix.lower() == ".gguf":
+            try:  # (llama-imatrix writes imatrix.dat under any name it is given)
+                out = _read_dat(path)
+            except EncodingsError:
+                raise EncodingsError(f"{path}: not a GGUF file (it does not start with GGUF's magic) nor an "
+                                     "imatrix.dat, so not an importance matrix llama-imatrix or qtool imatrix "
+                                     "writes") from None
+        else:
+            out = _read_gguf(path) if head == b"GGUF" else _read_dat(path)
     except EncodingsError:
         raise
     except Exception as e:  # noqa: BLE001 - gguf-py's reader raises many kinds on a damaged file: one line each

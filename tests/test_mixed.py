@@ -593,6 +593,12 @@ def test_a_budget_met_in_one_format_and_exported_in_another_says_how_far_over_it
     code, out, err = run_cli("export", ckpt, "-e", enc, "-o", tmp_path / "q", "--json")
     assert code == 0, err
     assert not [w for w in json.loads(out)["export_warnings"] if "the size budget" in w]
+    # (ONNX cannot count a budget: the line does not send the user to a search that is refused)
+    from qtool.pipeline.export import _budget_missed
+
+    over = _budget_missed(enc, "onnx", 10 ** 9)
+    assert "--format onnx keeps weights float" in over and "quantize --format onnx" not in over, over
+    assert "quantize --format compressed-tensors" in _budget_missed(enc, "compressed-tensors", 10 ** 9)
 
 
 def test_compressed_tensors_damage_is_measured_with_the_layers_it_writes_float(llama, tmp_path):

@@ -344,10 +344,10 @@ def test_saved_block_outputs_of_another_shape_or_dtype_are_one_line(llama, stopp
 
 @pytest.mark.parametrize("done", [True, -1, "1", 1.0])
 def test_a_state_json_whose_count_is_not_a_count_is_refused(tmp_path, done):
-    from qtool.calibration.resume import ResumeState
+    from qtool.calibration.resume import _VERSION, ResumeState
     from qtool.errors import UsageError
 
-    (tmp_path / "state.json").write_text(json.dumps({"version": 2, "fingerprint": {}, "blocks_done": done,
+    (tmp_path / "state.json").write_text(json.dumps({"version": _VERSION, "fingerprint": {}, "blocks_done": done,
                                                      "files": {}}))
     with pytest.raises(UsageError, match="not a saved state of this qtool version"):
         ResumeState._read(tmp_path)

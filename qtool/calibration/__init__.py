@@ -331,7 +331,7 @@ def _resume_state(directory: Optional[Path], checkpoint: str, source: str, opts:
                         data_files=data.files if data is not None else [], recipe=source, imatrix=opts.imatrix,
                         options=options, world_size=group.world_size, device=device_label(device),
                         batches=group.all_gather(batches_digest(data.batches) if data is not None else None),
-                        threads=group.all_gather(torch.get_num_threads()))
+                        threads=group.all_gather(torch.get_num_threads()) if device.type == "cpu" else None)
     state = ResumeState.open(directory, stamp, group, opts.resume)
     if opts.resume:
         hooks.on_stage(f"resuming after block {state.blocks_done}" if state.blocks_done else

@@ -48,7 +48,7 @@ __all__ = ["BlockResult", "ResumeState", "state_dir", "check_state_dir", "finger
            "remove_state"]
 
 STATE = "state.json"
-_VERSION = 2  # 2: state.json names each file's SHA-256
+_VERSION = 3  # 2: state.json names each file's SHA-256; 3: the CPU thread count of a CPU run
 
 
 def state_dir(out: Path) -> Path:
@@ -90,9 +90,13 @@ def check_state_dir(directory: Path, inputs: Sequence[Tuple[str, Optional[str]]]
 
 
 def _a_state(path: Path) -> bool:
-    """Whether ``path`` is a state.json a --sequential run wrote (of any qtool version)."""
+    """Whether ``path`` may be a state.json a --sequential run wrote (of any qtool version), or what a crash left
+    of one (an empty file: a rename that reached the disk before its data)."""
     try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        if not text.strip():
+            return True
+        saved = json.loads(text)
     except (OSError, ValueError):
         return False
     return isinstance(saved, dict) and "version" in saved and isinstance(saved.get("fingerprint"), dict)

@@ -171,7 +171,7 @@ def match_weight_names(entries: List[EncodingEntry], keys: List[str], source: st
         cands = [k for k in keys if k.endswith("." + e.name) or e.name.endswith("." + k)]
         if len(cands) != 1:
             # (T5's encoder/decoder embed_tokens are its shared table; an output layer tied to the embedding table)
-            if "lm_head" in e.name or "embed" in e.name:  # (the likelier cause first: these are made on the model)
+            if not cands and ("lm_head" in e.name or "embed_tokens" in e.name):  # (the likelier cause first)
                 raise EncodingsError(
                     f"{source}: has no tensor {e.name!r}, which the encodings name: a weight tied to another tensor "
                     "(an output layer or an embedding table shared with it) is stored only under that tensor's name, "

@@ -403,7 +403,7 @@ def _measured_damage(checkpoint: str, encodings: Path, record: Dict[str, Any], t
 
     hooks.on_stage("measuring the chosen model")
     model = load_calibrated(checkpoint, str(encodings), opts.model_class, opts.device, opts.trust_pickle,
-                            opts.trust_remote_code)
+                            opts.trust_remote_code, allow_other_checkpoint=True)  # (calibrated here, just now)
     exporter = get_exporter(record["format"])
     _as_written(model, Path(encodings), exporter, exporter.Options())  # (measured as the candidates were)
     tokenizer = getattr(model, "qtool_tokenizer", None)
