@@ -277,6 +277,18 @@ def test_compressed_tensors_experts_reload_in_transformers_as_qtool_chose_them(t
             assert torch.equal(fused.down_proj[e], ours[p + "w2.weight"])
 
 
+def test_eval_of_nvfp4_experts_names_transformers_reload_as_the_limit(tmp_path):
+    """transformers stacks NVFP4 experts into its fused ones multiplied by the global scale instead of divided
+    (docs/formats.md): eval called the file an export fault (KL 0.49, exit 1) though it decodes to qtool's weights."""
+    checkpoint, ids = _saved(tmp_path, "qwen3_moe")
+    code, _, err = run_cli("quantize", checkpoint, "-c", "nvfp4a16", "--format", "compressed-tensors", "-o",
+                           tmp_path / "ct", "--quiet")
+    assert code == 0, err
+    code, out, err = run_cli("eval", tmp_path / "ct", "--data", ids, "--seq-len", "32", "--num-samples", "4",
+                             "--generate", "0", "--json")
+    assert code == 2 and "transformers reloads NVFP4 experts wrongly" in err and "not the file" in err, err
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_eval_of_dynamic_activations_on_experts_compares_what_transformers_runs(tmp_path, family):
     """transformers runs a compressed-tensors MoE's experts fused, without quantizing their inputs (compressed-
@@ -480,7 +492,8 @@ def test_every_weight_but_routers_and_the_ignored_output_layer_is_planned_in_mor
     assert routers == cov["unreachable"]
     assert len(routers) == sum(1 for i in range(2) if family != "phi3" and not (family == "deepseek_v3" and i == 0))
     head = 256 * 64  # w8a8 ignores lm_head
-    assert cov["quantized"] + head + sum(u["shape"][0] * u["shape"][1] for u in routers) == cov["parameters"]
+    gates = 2 * 64 if family == "qwen2_moe" else 0  # the shared experts' one-output gates: float, as routers
+    assert cov["quantized"] + head + gates + sum(u["shape"][0] * u["shape"][1] for u in routers) == cov["parameters"]
 
 
 def test_report_measures_each_expert_on_the_tokens_both_models_routed_to_it(tmp_path):
@@ -508,7 +521,10 @@ def test_report_measures_each_expert_on_the_tokens_both_models_routed_to_it(tmp_
 @pytest.mark.parametrize("family,router", [("hunyuan_v1_moe", "model.layers.1.mlp.gate.wg"),
                                            ("llama4_text", "model.layers.1.feed_forward.router"),
                                            ("qwen3_moe", "model.layers.1.mlp.gate"),
-                                           ("mixtral", "model.layers.1.mlp.gate")])
+                                           ("mixtral", "model.layers.1.mlp.gate"),
+                                           # the shared expert's one-output gate (compressed-tensors wrote it
+                                           # quantized, where vLLM builds a plain Linear; llama.cpp keeps it F32)
+                                           ("qwen2_moe", "model.layers.1.mlp.shared_expert_gate")])
 def test_a_router_stays_float_unless_a_rule_names_it(family, router):
     """Hunyuan scores its experts with a plain Linear under mlp.gate, Llama 4 with a Linear subclass, Qwen3-MoE and
     Mixtral with a *TopKRouter holding a bare weight: float by default; a rule whose match names it quantizes it
@@ -519,7 +535,8 @@ def test_a_router_stays_float_unless_a_rule_names_it(family, router):
              "llama4_text": dict(num_local_experts=8, head_dim=16, intermediate_size_mlp=64,
                                  interleave_moe_layer_step=1),
              "qwen3_moe": dict(num_experts=8, moe_intermediate_size=32, head_dim=16),
-             "mixtral": dict(num_local_experts=8, head_dim=16)}[family]
+             "mixtral": dict(num_local_experts=8, head_dim=16),
+             "qwen2_moe": dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=64)}[family]
     cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=32,
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                             num_experts_per_tok=2, **extra)

@@ -127,6 +127,7 @@ def test_the_file_holds_every_weight_as_qtools_fake_quant_model_and_the_experts_
     if family == "qwen2_moe":
         assert reader.fields[f"{arch}.expert_shared_feed_forward_length"].contents() == 64
         assert values["blk.1.ffn_down_shexp.weight"][0] == "Q8_0"
+        assert values["blk.1.ffn_gate_inp_shexp.weight"][0] == "F32"  # the shared expert's gate: a router too
     stored = "block_sparse_moe" if family in ("mixtral", "granitemoe") else "mlp"
     held = "block_sparse_moe" if family == "granitemoe" else "mlp"  # the module's name in memory
     if family == "deepseek_v3":

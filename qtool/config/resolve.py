@@ -155,13 +155,17 @@ def _expert_count(model: "nn.Module") -> int:
 
 
 def _is_router(name: str, module: "nn.Module", tname: str, experts: int) -> bool:
-    """A mixture-of-experts router: a ``*Router`` class (Llama 4's is a Linear), or a Linear scoring the model's
-    experts under a ``gate``/``router`` module name (Hunyuan's ``mlp.gate.wg``, JetMoE's ``router.layer``)."""
+    """A mixture-of-experts router: a ``*Router`` class (Llama 4's is a Linear), a Linear scoring the model's
+    experts under a ``gate``/``router`` module name (Hunyuan's ``mlp.gate.wg``, JetMoE's ``router.layer``), or the
+    one-output gate of a shared expert (Qwen2-MoE's ``shared_expert_gate``: float in llm-compressor's recipes, a
+    plain Linear in vLLM, F32 in llama.cpp)."""
     if tname.endswith("Router"):
         return True
     parts = name.split(".")[-2:]
-    return bool(experts) and getattr(module, "out_features", None) == experts and any(
-        p in ("gate", "router") for p in parts)
+    out = getattr(module, "out_features", None)
+    if experts and out == 1 and parts[-1] == "shared_expert_gate":
+        return True
+    return bool(experts) and out == experts and any(p in ("gate", "router") for p in parts)
 
 
 def _names_leaf(pattern: str, name: str) -> bool:

@@ -167,6 +167,11 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
             errors.append(f"{str(dtype).replace('torch.', '')}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
             continue
         _check_loaded(directory, info)
+        if _experts_apart(directory, r"\.experts\.\d+\..*\.weight_global_scale$") and _fused_experts(model):
+            raise UsageError(f"{directory}: transformers reloads NVFP4 experts wrongly (it stacks them into its fused "
+                             "experts with each value multiplied by the global scale instead of divided): a limit of "
+                             "the runtime, not the file; serve it in vLLM, or evaluate qtool's own format of the "
+                             "same calibration instead")
         label = "transformers + compressed-tensors" + ("" if dtype == torch.float32 else " (bfloat16)")
         allowance = (0.0, 1e-4) if dtype == torch.float32 else (1.0, 0.01) if activations else (0.25, 0.01)
         return TorchRuntime(model, label, *allowance)
@@ -191,8 +196,16 @@ _EXPERTS_FUSED = ("its experts are stored one by one, as vLLM's MoE loaders read
                   "them fused and reads no quantized fused experts")
 
 
-def _experts_apart(directory: Path) -> bool:
-    """Whether a directory's weights store mixture-of-experts experts one by one (``...experts.3.up_proj...``)."""
+def _fused_experts(model) -> bool:
+    """Whether a loaded model holds some mixture-of-experts experts as fused 3-D parameters (transformers 5)."""
+    from ..model.experts import fused_layout
+
+    return any(fused_layout(m) is not None for m in model.modules())
+
+
+def _experts_apart(directory: Path, pattern: str = r"\.experts\.\d+\.") -> bool:
+    """Whether a directory's weights store mixture-of-experts experts one by one (``...experts.3.up_proj...``;
+    ``pattern``: a tensor name of theirs to look for)."""
     import re
 
     from ..io.checkpoint import tensor_files
@@ -202,7 +215,7 @@ def _experts_apart(directory: Path) -> bool:
 
         for f in tensor_files(Path(directory)):
             with safe_open(str(f), "pt") as fh:
-                if any(re.search(r"\.experts\.\d+\.", k) for k in fh.keys()):
+                if any(re.search(pattern, k) for k in fh.keys()):
                     return True
     except Exception:  # (a damaged file: the load's own error stands)
         return False
