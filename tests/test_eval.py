@@ -145,6 +145,9 @@ def test_a_runtime_that_drops_transform_config_is_named_and_a_bad_weight_is_stil
     save_file(tensors, f, metadata={"format": "pt"})
     code, res, err = _eval(model, out)
     assert code == 1 and "with its online rotations (r4) applied too" in res["export_fault"], res["export_fault"]
+    # (a file edited after the export is named as such: the swapped graph of another recipe passed as the export)
+    assert any("model.safetensors in " in n and "not the bytes the export's manifest records" in n
+               for n in res["notes"]), res["notes"]
 
 
 def test_a_mixture_of_experts_r4_directory_exports_and_its_rotations_are_applied_to_the_reload(model, tmp_path):

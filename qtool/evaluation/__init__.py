@@ -426,6 +426,9 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
     other_encodings = _calibrated_elsewhere(enc, reference) if encodings else None
     if other_encodings:
         notes.append(other_encodings)
+    if art.changed:
+        notes.append(f"{', '.join(art.changed)} in {art.directory}: not the bytes the export's manifest records (a "
+                     "file replaced or edited since qtool wrote it): the figures are this file's, not the export's")
     if not encodings and art.encodings_missing is not None:
         notes.append(f"the encodings the manifest names ({art.encodings_missing}) are not here or beside "
                      f"{art.directory} with the sha256 it records")

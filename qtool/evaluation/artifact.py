@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ..errors import UsageError
 from ..io.fs import sha256_file
@@ -25,6 +25,7 @@ class Artifact:
     checkpoint_sha256: Optional[List[str]] = None  # the manifest's hashes of the checkpoint's weight files
     encodings_missing: Optional[str] = None  # the encodings the manifest names, where no file has its sha256
     directory: Optional[Path] = None  # where the manifest is
+    changed: Tuple[str, ...] = ()  # model files whose bytes are not those the manifest records (edited since)
 
     @property
     def runtime(self) -> str:
@@ -67,7 +68,22 @@ def _from_manifest(directory: Path, m: dict) -> Artifact:
         path = directory / (name if isinstance(name, str) and Path(name).name == name else "model.gguf")
     elif fmt == "onnx":
         path = directory / "model.onnx"
-    return Artifact(fmt, path, ckpt if isinstance(ckpt, str) else None, enc_path, hashes, enc_missing, directory)
+    return Artifact(fmt, path, ckpt if isinstance(ckpt, str) else None, enc_path, hashes, enc_missing, directory,
+                    _changed(directory, m.get("outputs")))
+
+
+_MODEL_FILES = (".onnx", ".gguf", ".safetensors")
+
+
+def _changed(directory: Path, outputs) -> Tuple[str, ...]:
+    """The model files the manifest's ``outputs`` record whose bytes now differ (a file replaced or edited after
+    the export: what runs is then not what qtool wrote, whatever the verdict says of it)."""
+    if not isinstance(outputs, dict):
+        return ()
+    return tuple(name for name, sha in sorted(outputs.items())
+                 if isinstance(name, str) and isinstance(sha, str) and name.endswith(_MODEL_FILES)
+                 and Path(name).name == name and (directory / name).is_file()
+                 and sha256_file(directory / name) != sha)
 
 
 def places(recorded: str, directory: Path) -> List[Path]:
@@ -135,7 +151,7 @@ def _beside(directory: Path):
         art = _from_manifest(directory, m)
     except UsageError:
         return ()
-    return art.checkpoint, art.encodings, art.checkpoint_sha256, art.encodings_missing, art.directory
+    return art.checkpoint, art.encodings, art.checkpoint_sha256, art.encodings_missing, art.directory, art.changed
 
 
 def quantization_config(directory: Path) -> Optional[dict]:
