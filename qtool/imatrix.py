@@ -61,13 +61,11 @@ def read_imatrix(path: Path) -> Dict[str, torch.Tensor]:
     if not head:
         raise EncodingsError(f"{path}: an empty file, not a llama.cpp importance matrix (GGUF or imatrix.dat)")
     try:
-        if head != b"GGUF" and path.suffix.lower() == ".gguf":
-            try:  # (llama-imatrix writes imatrix.dat under any name it is given)
-                out = _read_dat(path)
-            except EncodingsError:
-                raise EncodingsError(f"{path}: not a GGUF file (it does not start with GGUF's magic) nor an "
-                                     "imatrix.dat, so not an importance matrix llama-imatrix or qtool imatrix "
-                                     "writes") from None
+        if head != b"GGUF" and path.suffix.lower() == ".gguf" and not _dat_count(head):
+            # (llama-imatrix writes imatrix.dat under any name it is given: one starting with an entry count is read)
+            raise EncodingsError(f"{path}: not a GGUF file (it does not start with GGUF's magic) nor an imatrix.dat "
+                                 "(an entry count first), so not an importance matrix llama-imatrix or qtool imatrix "
+                                 "writes")
         else:
             out = _read_gguf(path) if head == b"GGUF" else _read_dat(path)
     except EncodingsError:
@@ -79,6 +77,11 @@ def read_imatrix(path: Path) -> Dict[str, torch.Tensor]:
         if not bool(torch.isfinite(v).all()) or bool((v < 0).any()):
             raise EncodingsError(f"{path}: {name}: importances must be finite and non-negative")
     return out
+
+
+def _dat_count(head: bytes) -> bool:
+    """Whether a file's first 4 bytes are an imatrix.dat's entry count."""
+    return len(head) == 4 and 0 < struct.unpack("<i", head)[0] <= 1_000_000
 
 
 def _check_count(path: Path, name: str, count: float) -> None:

@@ -155,6 +155,18 @@ def test_a_rule_that_leaves_ggufs_grids_is_a_warning_before_calibration(models, 
     assert "layers[0] gives 2 weight(s) such as model.layers.0.mlp.up_proj" in off[0] and grid in off[0]
 
 
+def test_a_null_under_a_mix_resets_the_mix_type_and_is_no_shadow(models, tmp_path):
+    """Under a gguf_mix a weight starts from its mix type: a null then a partial rule leaves the defaults plus that
+    rule, which is not what the mix gave: the null changed something."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\ngguf_mix: q4_k_m\ndefaults:\n  weights: {analyzer: minmax}\n  activations: null\n"
+                      "layers:\n  - match: '*.mlp.up_proj'\n    weights: null\n  - match: '*.mlp.up_proj'\n"
+                      "    weights: {analyzer: mse}\n")
+    code, out, err = run_cli("config", "show", recipe, "-m", models["wide"], "--json")
+    assert code == 0, err
+    assert not [w for w in json.loads(out)["warnings"] if "change nothing" in w], out
+
+
 def test_a_job_writing_another_format_leaves_the_gguf_grid_warning_out(models, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, symmetric: true, granularity: per_block, "

@@ -72,6 +72,10 @@ def test_a_legacy_imatrix_dat_reads_as_the_mean_of_x_squared(tmp_path):
     assert list(got) == ["blk.0.attn_q.weight"] and np.allclose(got["blk.0.attn_q.weight"].numpy(), mean)
     (tmp_path / "named.gguf").write_bytes(body)  # (llama-imatrix writes this format under any name it is given)
     assert torch.equal(read_imatrix(tmp_path / "named.gguf")["blk.0.attn_q.weight"], got["blk.0.attn_q.weight"])
+    # and its entries' own faults are named as in a .dat (not "nor an imatrix.dat")
+    (tmp_path / "zero.gguf").write_bytes(body.replace(struct.pack("<ii", ncall, 4), struct.pack("<ii", 0, 4)))
+    with pytest.raises(EncodingsError, match="a token count of 0"):
+        read_imatrix(tmp_path / "zero.gguf")
 
 
 @settings(max_examples=200, deadline=None)

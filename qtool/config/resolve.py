@@ -269,8 +269,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                     token_inputs[i] = token_inputs[i] or (a_spec.inputs and takes_ids)
         if w_cand:
             candidates.add(name)
-        if not ignored:
-            _note_shadows(recipe.layers, applied, effective, shadowed_by)
+        if not ignored:  # (under a mix a weight starts from its mix type, which a null resets as well)
+            _note_shadows(recipe.layers, applied, effective, shadowed_by, mix is not None and w_cand)
         if (tower or router) and rule_w is None and rule_a is None and not ignored:
             if tower and (w_cand or a_cand):
                 towered.append(name)
@@ -407,15 +407,17 @@ def _selector(rule: LayerRule) -> str:
 
 
 def _note_shadows(rules: List[LayerRule], applied: List[Tuple[int, str]], effective: set,
-                  shadowed_by: Dict[Tuple[int, str], int]) -> None:
+                  shadowed_by: Dict[Tuple[int, str], int], weights_start_set: bool = False) -> None:
     """Which of the rules that shaped one module left something on it, field by field: a rule's weights (or
     activations) are set again by a later rule that gives every key it gave, or null. A null is undone by any later
     rule (a partial rule merges over the defaults, not over a null) only where no earlier rule had set that field:
-    otherwise the null is what resets it to the defaults. ``effective`` gets each (rule, field) that left
+    otherwise the null is what resets it to the defaults (``weights_start_set``: the weights start from a spec of
+    their own, a GGUF mix's type, which a null resets too). ``effective`` gets each (rule, field) that left
     something; ``shadowed_by`` a later rule that undid one."""
     for k, (i, field) in enumerate(applied):
         mine = getattr(rules[i], field)
-        resets = mine is None and any(f == field for _, f in applied[:k])
+        resets = mine is None and (any(f == field for _, f in applied[:k])
+                                   or (field == "weights" and weights_start_set))
         later = next((j for j, f in applied[k + 1:] if f == field and (
             getattr(rules[j], field) is None or (mine is None and not resets)
             or (mine is not None and set(mine) <= set(getattr(rules[j], field))))), None)

@@ -28,7 +28,7 @@ from ..model.apply import make_fake_quant
 from ..model.insert import quantized_modules, set_stored_weight
 from ..model.load import load_model
 from ..report import ONE_NUMBER_NOTE, _one_number_each, output_cosines
-from .artifact import Artifact, locate, places, quantization_config
+from .artifact import Artifact, changed_files, locate, places, quantization_config
 from .metrics import Distributions, agreement, divergence, perplexity, token_kl
 from .result import Evaluation, check_gate_use, check_gates, describe, enforce
 from .runtimes import OnnxRuntime, TorchRuntime, transformers_reload
@@ -426,8 +426,9 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
     other_encodings = _calibrated_elsewhere(enc, reference) if encodings else None
     if other_encodings:
         notes.append(other_encodings)
-    if art.changed:
-        notes.append(f"{', '.join(art.changed)} in {art.directory}: not the bytes the export's manifest records (a "
+    changed = changed_files(art)
+    if changed:
+        notes.append(f"{', '.join(changed)} in {art.directory}: not the bytes the export's manifest records (a "
                      "file replaced or edited since qtool wrote it): the figures are this file's, not the export's")
     if not encodings and art.encodings_missing is not None:
         notes.append(f"the encodings the manifest names ({art.encodings_missing}) are not here or beside "

@@ -25,7 +25,6 @@ class Artifact:
     checkpoint_sha256: Optional[List[str]] = None  # the manifest's hashes of the checkpoint's weight files
     encodings_missing: Optional[str] = None  # the encodings the manifest names, where no file has its sha256
     directory: Optional[Path] = None  # where the manifest is
-    changed: Tuple[str, ...] = ()  # model files whose bytes are not those the manifest records (edited since)
 
     @property
     def runtime(self) -> str:
@@ -68,22 +67,33 @@ def _from_manifest(directory: Path, m: dict) -> Artifact:
         path = directory / (name if isinstance(name, str) and Path(name).name == name else "model.gguf")
     elif fmt == "onnx":
         path = directory / "model.onnx"
-    return Artifact(fmt, path, ckpt if isinstance(ckpt, str) else None, enc_path, hashes, enc_missing, directory,
-                    _changed(directory, m.get("outputs")))
+    return Artifact(fmt, path, ckpt if isinstance(ckpt, str) else None, enc_path, hashes, enc_missing, directory)
 
 
 _MODEL_FILES = (".onnx", ".gguf", ".safetensors")
 
 
-def _changed(directory: Path, outputs) -> Tuple[str, ...]:
-    """The model files the manifest's ``outputs`` record whose bytes now differ (a file replaced or edited after
-    the export: what runs is then not what qtool wrote, whatever the verdict says of it)."""
+def changed_files(art: Artifact) -> Tuple[str, ...]:
+    """The model files of ``art`` that run (the file itself, or a directory's weight files) whose bytes are not
+    those its export's manifest records (replaced or edited since: what runs is then not what qtool wrote,
+    whatever the verdict says of it). Read whole, so asked for only where a verdict is made."""
+    if art.directory is None:
+        return ()
+    outputs = (_manifest(art.directory) or {}).get("outputs")
     if not isinstance(outputs, dict):
         return ()
-    return tuple(name for name, sha in sorted(outputs.items())
-                 if isinstance(name, str) and isinstance(sha, str) and name.endswith(_MODEL_FILES)
-                 and Path(name).name == name and (directory / name).is_file()
-                 and sha256_file(directory / name) != sha)
+    runs = {art.path.name} if art.path.is_file() else None
+    out = []
+    for name, sha in sorted(outputs.items()):
+        if not (isinstance(name, str) and isinstance(sha, str) and name.endswith(_MODEL_FILES)
+                and Path(name).name == name and (runs is None or name in runs)):
+            continue
+        try:
+            if sha256_file(art.directory / name) != sha:
+                out.append(name)
+        except OSError:  # (gone or unreadable: the runtime's own error says so)
+            continue
+    return tuple(out)
 
 
 def places(recorded: str, directory: Path) -> List[Path]:
@@ -151,7 +161,7 @@ def _beside(directory: Path):
         art = _from_manifest(directory, m)
     except UsageError:
         return ()
-    return art.checkpoint, art.encodings, art.checkpoint_sha256, art.encodings_missing, art.directory, art.changed
+    return art.checkpoint, art.encodings, art.checkpoint_sha256, art.encodings_missing, art.directory
 
 
 def quantization_config(directory: Path) -> Optional[dict]:

@@ -177,6 +177,9 @@ def match_weight_names(entries: List[EncodingEntry], keys: List[str], source: st
                     "(an output layer or an embedding table shared with it) is stored only under that tensor's name, "
                     "and this format writes tensors by name: calibrate with it in ignore, or export with --format "
                     "compressed-tensors or gguf (if it is not tied, the encodings were made for another model)")
+            if cands:
+                raise EncodingsError(f"{source}: the encodings' {e.name!r} could be any of {len(cands)} tensors "
+                                     f"({', '.join(sorted(cands)[:3])}); were they made for another model?")
             raise EncodingsError(
                 f"{source}: has no tensor {e.name!r} named in the encodings; were they made for another model?")
         out[e.name] = cands[0]

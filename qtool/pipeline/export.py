@@ -207,7 +207,7 @@ def _budget_missed(enc_path: Path, fmt: str, model_bytes: int) -> Optional[str]:
     exporter = get_exporter(fmt)
     counts = exporter.tensor_bytes(None, (1, 1), torch.float32, exporter.Options()) is not None
     instead = (f"or run the search as quantize --format {fmt}, which counts that format's bytes" if counts else
-               f"--format {fmt} keeps weights float and cannot hold a budget")
+               f"the search does not count --format {fmt}'s bytes, so it cannot hold a budget")
     return (f"the size budget ({flag}: {budget} bytes, in {enc_path.parent / 'search.json'}) was met in the "
             f"{counted} format; this {fmt} export's model files hold {model_bytes} bytes, "
             f"{model_bytes / budget:.2f}x the budget (export with --format {counted}; {instead})")

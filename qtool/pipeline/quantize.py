@@ -95,9 +95,8 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
     recipe_path, target = _prepared(recipe_path, target)
     if target:
         if exporter.tensor_bytes(None, (1,), torch.float32, options) is None:
-            raise UsageError(f"{target.flag()}: --format {exporter.name} keeps the weights float (codes live in its "
-                             "encodings), so a size budget cannot be counted in it; use qtool, compressed-tensors "
-                             "or gguf")
+            raise UsageError(f"{target.flag()}: the search does not count --format {exporter.name}'s bytes, so a "
+                             "size budget cannot be held in it; use qtool, compressed-tensors or gguf")
     inputs = _inputs(checkpoint, recipe=recipe_path, data=opts.data, imatrix=opts.imatrix,
                      export_data=eopts.data) + _search_inputs(target)
     check_output_dir(Path(out), overwrite, inputs)
