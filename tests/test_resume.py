@@ -52,8 +52,11 @@ def _killed(args, out: Path, after: int, torchrun: int = 0):
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}",
                *cmd[1:]]
+    # (the resume runs in this process, on its thread count, which the state records: a stop and a resume on one
+    # node; torchrun gives each rank one thread, the resume's ranks too)
+    threads = "1" if torchrun else str(torch.get_num_threads())
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": threads})
     assert r.returncode != 0, r.stderr[-2000:]
     if not torchrun:
         assert r.returncode == -9, r.stderr[-2000:]
