@@ -204,11 +204,14 @@ class EncodingsFile:
         return cls(entries, meta, data_files, codes_file, online)
 
 
-def calibrated_elsewhere(enc_path: Path, hashes: Iterable[str]) -> Optional[str]:
+def calibrated_elsewhere(enc_path: Path, hashes: Optional[Iterable[str]]) -> Optional[str]:
     """Encodings are applied to the weights they were calibrated on: where the calibration's ``manifest.json``
     beside ``enc_path`` records its checkpoint's weight-file sha256 and they are not ``hashes`` (the checkpoint
-    given now: other bytes, whatever its path), the path the manifest records; else None (the same weights, or no
-    manifest of qtool's to compare with). Ranges from another model of the same shape clip or waste its grid."""
+    given now: other bytes, whatever its path; None, as ``io.checkpoint.weight_file_hashes`` gives for no weight
+    files, compares nothing), the path the manifest records; else None (the same weights, or no manifest of qtool's
+    to compare with). Ranges from another model of the same shape clip or waste its grid."""
+    if hashes is None:
+        return None
     try:
         recorded = json.loads((Path(enc_path).parent / "manifest.json").read_text(encoding="utf-8"))
         checkpoint = recorded["inputs"]["checkpoint"]

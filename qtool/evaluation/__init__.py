@@ -225,13 +225,14 @@ def _as_stored(model: torch.nn.Module, enc, fmt: str, ev: "Evaluation") -> None:
     them (compressed-tensors' embedding tables and static integer activations) are switched off, so the export
     gap measures the file, not a documented limit of its layout."""
     from ..export import get_exporter
+    from ..export.base import with_module_types
     from ..model.experts import routing_of
     from ..model.insert import iter_quantizers
 
     exporter = get_exporter(fmt)
     modules = dict(model.named_modules())
     entries = {e.name: (e, modules[e.module]) for e in enc.entries if e.module in modules}
-    rows = [_Row(e, getattr(m, "_qtool_base", type(m)).__name__) for e, m in entries.values()]
+    rows = with_module_types([e for e, _ in entries.values()], modules)
     off = sorted(set(exporter.not_written(rows, exporter.Options())))
     quantizers = dict(iter_quantizers(model))  # named <module>.<tensor>
     if off:
@@ -296,16 +297,6 @@ def _tokens_as_compressed_tensors_counts_them(quantizer: torch.nn.Module) -> Non
 
     quantizer.register_forward_pre_hook(before)
     quantizer.register_forward_hook(after)
-
-
-class _Row:
-    """An encodings entry with its module's type (what an exporter's ``left_float`` reads)."""
-
-    def __init__(self, entry, module_type: str):
-        self._entry, self.module_type = entry, module_type
-
-    def __getattr__(self, name):
-        return getattr(self._entry, name)
 
 
 def artifact_model(artifact: str, reference: Optional[str] = None, encodings: Optional[str] = None,
@@ -455,8 +446,7 @@ def _calibrated_elsewhere(enc: Path, reference: str) -> Optional[str]:
     """A note where the calibration manifest beside ``enc`` records other weights than ``reference``'s."""
     from ..encodings import calibrated_elsewhere
 
-    hashes = weight_file_hashes(Path(reference))
-    other = calibrated_elsewhere(enc, hashes) if hashes is not None else None
+    other = calibrated_elsewhere(enc, weight_file_hashes(Path(reference)))
     if other is None:
         return None
     return (f"the encodings given ({enc}) were calibrated on other weights ({other}) than the float checkpoint "

@@ -90,6 +90,12 @@ class Exporter:
         """Refuse weight quantizers on a tied parameter's later name (``Plan.tied``) where the format cannot write
         them (default: it can)."""
 
+    def counts_bytes(self, options: "Exporter.Options") -> bool:
+        """Whether a size budget can be counted in this format (:meth:`tensor_bytes` gives its bytes)."""
+        import torch
+
+        return self.tensor_bytes(None, (1,), torch.float32, options) is not None
+
     def check_kv_cache(self, float_attention: List[str]) -> None:
         """Refuse a KV cache quantized in some attention layers only (``Plan.kv_float``: those left float) where
         the format has one KV-cache scheme for the whole model (default: it can write the layers apart)."""
@@ -145,6 +151,23 @@ def layout_bytes(layout) -> int:
             n *= int(d)
         total += n * torch.empty((), dtype=dtype).element_size()
     return total
+
+
+class TypedEntry:
+    """An encodings entry with its module's type: what :meth:`Exporter.not_written` and ``left_float`` read."""
+
+    def __init__(self, entry, module_type: str):
+        self._entry, self.module_type = entry, module_type
+
+    def __getattr__(self, name):
+        return getattr(self._entry, name)
+
+
+def with_module_types(entries, modules) -> List[TypedEntry]:
+    """``entries`` whose module ``modules`` (name -> module) holds, each with that module's type (a quantized
+    module's, the type it wraps)."""
+    return [TypedEntry(e, getattr(modules[e.module], "_qtool_base", type(modules[e.module])).__name__)
+            for e in entries if e.module in modules]
 
 
 def refuse_float_elements(quantizers, fmt: str, why: str) -> None:

@@ -142,8 +142,7 @@ def load_calibrated(checkpoint: str, encodings: str, model_class: Optional[str] 
     ``qtool export`` and ``qtool report`` refuse them, unless ``allow_other_checkpoint`` (weights changed on
     purpose: the ranges, and any codes or rotated tensors the encodings carry, are applied to these as they are)."""
     if not allow_other_checkpoint:
-        hashes = weight_file_hashes(Path(checkpoint))
-        other = calibrated_elsewhere(Path(encodings), hashes) if hashes is not None else None
+        other = calibrated_elsewhere(Path(encodings), weight_file_hashes(Path(checkpoint)))
         if other is not None:
             raise EncodingsError(f"{encodings}: calibrated on other weights than {checkpoint} (its manifest.json "
                                  f"records {other} with other file hashes): load that checkpoint, calibrate this "

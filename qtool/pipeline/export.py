@@ -8,8 +8,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-import torch
-
 from .. import __version__
 from ..calibration import CalibrateOptions
 from ..data import load_data
@@ -205,8 +203,8 @@ def _budget_missed(enc_path: Path, fmt: str, model_bytes: int) -> Optional[str]:
     if counted == fmt or model_bytes <= budget:
         return None
     exporter = get_exporter(fmt)
-    counts = exporter.tensor_bytes(None, (1, 1), torch.float32, exporter.Options()) is not None
-    instead = (f"or run the search as quantize --format {fmt}, which counts that format's bytes" if counts else
+    instead = (f"or run the search as quantize --format {fmt}, which counts that format's bytes"
+               if exporter.counts_bytes(exporter.Options()) else
                f"the search does not count --format {fmt}'s bytes, so it cannot hold a budget")
     return (f"the size budget ({flag}: {budget} bytes, in {enc_path.parent / 'search.json'}) was met in the "
             f"{counted} format; this {fmt} export's model files hold {model_bytes} bytes, "

@@ -69,8 +69,7 @@ def _check_calibrated_on(enc_path: Path, checkpoint: str, allow_other: bool) -> 
     """Refuse encodings whose calibration manifest records other weights than ``checkpoint``'s (same shapes, other
     numbers: every figure would measure one model's ranges, and codes, on another), as ``export`` does, unless
     ``allow_other``: then the note that says so (None: the same weights, or none recorded)."""
-    hashes = weight_file_hashes(Path(checkpoint))
-    other = calibrated_elsewhere(enc_path, hashes) if hashes is not None else None
+    other = calibrated_elsewhere(enc_path, weight_file_hashes(Path(checkpoint)))
     if other is None:
         return None
     if not allow_other:

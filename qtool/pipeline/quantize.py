@@ -8,8 +8,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
-import torch
-
 from ..calibration import CalibrateOptions
 from ..config import GGUF_GRID_NOTE, RecipeFile
 from ..encodings import EncodingsFile
@@ -94,7 +92,7 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
     options = exporter.options(**asdict(eopts))
     recipe_path, target = _prepared(recipe_path, target)
     if target:
-        if exporter.tensor_bytes(None, (1,), torch.float32, options) is None:
+        if not exporter.counts_bytes(options):
             raise UsageError(f"{target.flag()}: the search does not count --format {exporter.name}'s bytes, so a "
                              "size budget cannot be held in it; use qtool, compressed-tensors or gguf")
     inputs = _inputs(checkpoint, recipe=recipe_path, data=opts.data, imatrix=opts.imatrix,

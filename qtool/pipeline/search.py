@@ -127,25 +127,15 @@ def _as_written(model, encodings: Path, exporter, options) -> None:
     """A calibrated model as the format writes it: quantizers the format runs in float (compressed-tensors'
     embedding tables) taken out, so that the damage ranked is the file's, as the bytes counted are."""
     from ..encodings import EncodingsFile
+    from ..export.base import with_module_types
 
     modules = dict(model.named_modules())
-    rows = [_Typed(e, getattr(modules[e.module], "_qtool_base", type(modules[e.module])).__name__)
-            for e in EncodingsFile.read(encodings, lazy=True).entries if e.module in modules]
+    rows = with_module_types(EncodingsFile.read(encodings, lazy=True).entries, modules)
     off = set(exporter.not_written(rows, options))
     for q in rows:
         held = getattr(modules[q.module], QUANTIZERS_ATTR, None)
         if q.name in off and held is not None and q.tensor in held:
             del held[q.tensor]  # (gone, not off: the damage measurement switches every quantizer on and off)
-
-
-class _Typed:
-    """An encodings entry with its module's type (what an exporter's ``not_written`` reads)."""
-
-    def __init__(self, entry, module_type: str):
-        self._entry, self.module_type = entry, module_type
-
-    def __getattr__(self, name):
-        return getattr(self._entry, name)
 
 
 def _prepared(recipe: Union[None, str, RecipeFile], target: Optional[TargetOptions]

@@ -68,18 +68,15 @@ def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module
         into = learned if q.rounding == "signround" and count > 0 else short
         if expert not in into:
             into.append(expert)
-    if learned and warnings is not None:
-        named = ", ".join(learned[:4]) + (f" and {len(learned) - 4} more" if len(learned) > 4 else "")
-        warnings.append(f"{len(learned)} expert(s) saw fewer calibration tokens than a layer's input width: {named}; "
-                        "those layers' ranges were searched unweighted, and signround learned their rounding from "
-                        "those few tokens alone (more or longer calibration samples reach more experts, "
-                        "--all-experts shows every expert every token)")
-    if short and warnings is not None:
-        named = ", ".join(short[:4]) + (f" and {len(short) - 4} more" if len(short) > 4 else "")
-        warnings.append(f"{len(short)} expert(s) saw fewer calibration tokens than a layer's input width: {named}; "
-                        "those layers' weights were chosen without data (round-to-nearest on an unweighted range; "
-                        "more or longer calibration samples reach more experts, --all-experts shows every expert "
-                        "every token)")
+    for experts, what in (
+            (learned, "those layers' ranges were searched unweighted, and signround learned their rounding from those "
+                      "few tokens alone ("),
+            (short, "those layers' weights were chosen without data (round-to-nearest on an unweighted range; ")):
+        if experts and warnings is not None:
+            named = ", ".join(experts[:4]) + (f" and {len(experts) - 4} more" if len(experts) > 4 else "")
+            warnings.append(f"{len(experts)} expert(s) saw fewer calibration tokens than a layer's input width: "
+                            f"{named}; {what}more or longer calibration samples reach more experts, --all-experts "
+                            "shows every expert every token)")
 
 
 def round_weights(rows: List[QuantizerPlan], modules: Dict[str, nn.Module], quantizers: Dict[str, QuantizerBase],
