@@ -142,7 +142,7 @@ def _read_dat(path: Path) -> Dict[str, torch.Tensor]:
         return vals
 
     (n,) = take("<i")
-    if not 0 < n <= 1_000_000:
+    if not _dat_count(data[:4]):
         raise EncodingsError(f"{path}: not a llama.cpp importance matrix (GGUF, or imatrix.dat starting with an "
                              f"entry count; got {n})")
     out = {}
