@@ -531,6 +531,28 @@ def test_a_qtool_file_of_a_tied_model_is_run_as_its_one_table_makes_it(tmp_path)
     assert res["export_fault"] is None and res["export_gap"]["kl_mean"] < 1e-6, res
 
 
+def test_a_tied_output_layer_compressed_tensors_keeps_float_is_run_float_by_the_fake_quant_model(tmp_path):
+    """compressed-tensors writes a tied lm_head float (compressing it would untie it on load), and the recipe
+    quantizes it: the fake-quant model ran it quantized, so eval called the healthy file an export fault (gap KL
+    1e-4, exit 1). The plan line counts it left float before calibrating."""
+    import pydoc_data.topics
+
+    ckpt = _tiny_llama(tmp_path / "m", True, init_range=0.2)
+    (tmp_path / "calib.txt").write_text("\n\n".join(list(pydoc_data.topics.topics.values())[:5]))
+    (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, symmetric: true, "
+                                     "granularity: per_block, block_size: 32}\n  activations: null\n")
+    code, _, err = run_cli("quantize", ckpt, "-c", tmp_path / "r.yaml", "--data", tmp_path / "calib.txt",
+                           "-o", tmp_path / "ct", "--format", "compressed-tensors")
+    assert code == 0, err
+    assert "2 x weight left float by --format compressed-tensors" in err, err
+    (tmp_path / "held.txt").write_text("\n\n".join(list(pydoc_data.topics.topics.values())[40:50]))
+    code, out, err = run_cli("eval", tmp_path / "ct", "--data", tmp_path / "held.txt", *EVAL, "--json")
+    res = json.loads(out)
+    assert code == 0 and res["export_fault"] is None, (err, res)
+    assert res["export_gap"]["kl_mean"] < 1e-6, res
+    assert any("lm_head.weight" in n for n in res["notes"]), res["notes"]
+
+
 def test_progress_counts_each_runtimes_own_steps(model, tmp_path):
     """A window and a 32-token continuation were one step each: the time left read 14 s where 3 minutes were
     left. Steps are now forward passes (a continuation: one per token), in llama.cpp scored positions."""

@@ -115,15 +115,16 @@ class Exporter:
                              "module(s)); export with --format compressed-tensors or qtool, or leave "
                              f"{' and '.join(sorted({r.name for r in online}))} out of rotate")
 
-    def left_float(self, quantizers, options: "Exporter.Options") -> List[str]:
+    def left_float(self, quantizers, options: "Exporter.Options", tied=()) -> List[str]:
         """The weight quantizers (plan rows) this format writes as float weights though the recipe quantizes
-        them (default: none), so the plan can say so before calibrating."""
+        them (default: none), so the plan can say so before calibrating. ``tied``: the names of weight quantizers
+        on a parameter the model also holds under another name (``Plan.tied``, :func:`tied_parameters`)."""
         return []
 
-    def not_written(self, entries, options: "Exporter.Options") -> List[str]:
+    def not_written(self, entries, options: "Exporter.Options", tied=()) -> List[str]:
         """Every quantizer (encodings entries with ``module_type``) the written model runs in float: what
         ``left_float`` names, and activation quantizers the format has no place for (default: ``left_float``)."""
-        return self.left_float(entries, options)
+        return self.left_float(entries, options, tied)
 
     def check_quantizers(self, quantizers, options: "Exporter.Options") -> None:
         """Refuse quantizers (encodings entries, or plan rows before calibration: each has ``name``, ``tensor``

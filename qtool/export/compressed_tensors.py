@@ -292,12 +292,13 @@ class CompressedTensorsExporter(Exporter):
             if q.tensor == "weight" and getattr(q, "module_type", None) == "Linear":
                 check_layout(q)
 
-    def left_float(self, quantizers, options: "CompressedTensorsExporter.Options") -> List[str]:
-        """Weights of modules other than Linear (embedding tables): the layout quantizes Linear weights only."""
-        return [q.name for q in quantizers if q.tensor == "weight" and q.module_type != "Linear"]
+    def left_float(self, quantizers, options: "CompressedTensorsExporter.Options", tied=()) -> List[str]:
+        """Weights of modules other than Linear (embedding tables): the layout quantizes Linear weights only; and
+        a Linear's weight shared with another module (a tied ``lm_head``), which compressing would untie."""
+        return [q.name for q in quantizers if q.tensor == "weight" and (q.module_type != "Linear" or q.name in tied)]
 
-    def not_written(self, entries, options: "CompressedTensorsExporter.Options") -> List[str]:
-        return self.left_float(entries, options) + [e.name for e in _unwritten_activations(entries)]
+    def not_written(self, entries, options: "CompressedTensorsExporter.Options", tied=()) -> List[str]:
+        return self.left_float(entries, options, tied) + [e.name for e in _unwritten_activations(entries)]
 
     def tensor_bytes(self, quantizer, shape, dtype, options: "CompressedTensorsExporter.Options") -> int:
         """As :func:`export_compressed_tensors` lays the tensor out: a quantized layer's input scales (static

@@ -106,7 +106,8 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
         exporter.check_weight_changes(weight_changes(plan))
         exporter.check_tied(plan.tied)
         exporter.check_kv_cache(plan.kv_float)
-        plan.left_float.update((name, exporter.name) for name in exporter.left_float(plan.quantizers, options))
+        floats = exporter.left_float(plan.quantizers, options, plan.tied)
+        plan.left_float.update((name, exporter.name) for name in floats)
         if exporter.name != "gguf":  # (a GGUF recipe's rule off GGUF's grids matters to a GGUF export alone)
             plan.warnings[:] = [w for w in plan.warnings if GGUF_GRID_NOTE not in w]
 
