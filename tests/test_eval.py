@@ -143,10 +143,12 @@ def test_a_runtime_that_drops_transform_config_is_named_and_a_bad_weight_is_stil
     key = "model.layers.1.mlp.down_proj.weight_scale"
     tensors[key] = tensors[key] * 2
     save_file(tensors, f, metadata={"format": "pt"})
+    config["edited"] = True  # (config.json holds the scheme the runtime reads: an edit there is named too)
+    (out / "config.json").write_text(json.dumps(config))
     code, res, err = _eval(model, out)
     assert code == 1 and "with its online rotations (r4) applied too" in res["export_fault"], res["export_fault"]
     # (a file edited after the export is named as such: the swapped graph of another recipe passed as the export)
-    assert any("model.safetensors in " in n and "not the bytes the export's manifest records" in n
+    assert any("config.json, model.safetensors in " in n and "not the bytes the export's manifest records" in n
                for n in res["notes"]), res["notes"]
 
 

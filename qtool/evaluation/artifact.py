@@ -71,12 +71,13 @@ def _from_manifest(directory: Path, m: dict) -> Artifact:
 
 
 _MODEL_FILES = (".onnx", ".gguf", ".safetensors")
+_DIRECTORY_FILES = ("config.json",)  # what a directory's runtime also reads (compressed-tensors' scheme is there)
 
 
 def changed_files(art: Artifact) -> Tuple[str, ...]:
-    """The model files of ``art`` that run (the file itself, or a directory's weight files) whose bytes are not
-    those its export's manifest records (replaced or edited since: what runs is then not what qtool wrote,
-    whatever the verdict says of it). Read whole, so asked for only where a verdict is made."""
+    """The model files of ``art`` that run (the file itself, or a directory's weight files and config.json) whose
+    bytes are not those its export's manifest records (replaced or edited since: what runs is then not what qtool
+    wrote, whatever the verdict says of it). Read whole, so asked for only where a verdict is made."""
     if art.directory is None:
         return ()
     outputs = (_manifest(art.directory) or {}).get("outputs")
@@ -85,8 +86,8 @@ def changed_files(art: Artifact) -> Tuple[str, ...]:
     runs = {art.path.name} if art.path.is_file() else None
     out = []
     for name, sha in sorted(outputs.items()):
-        if not (isinstance(name, str) and isinstance(sha, str) and name.endswith(_MODEL_FILES)
-                and Path(name).name == name and (runs is None or name in runs)):
+        if not (isinstance(name, str) and isinstance(sha, str) and Path(name).name == name
+                and (name in runs if runs is not None else name.endswith(_MODEL_FILES) or name in _DIRECTORY_FILES)):
             continue
         try:
             if sha256_file(art.directory / name) != sha:
