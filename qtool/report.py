@@ -67,9 +67,10 @@ def sqnr_db(signal: float, noise: float) -> float:
 class LayerError:
     module: str
     module_type: str
-    # None: a mixture-of-experts expert to which the float and the quantized model never routed one same token
+    # None: a module the data never ran (an expert routed no token), or, cumulative only, an expert to which the
+    # float and the quantized model never routed one same token
     sqnr_cumulative: Optional[float]
-    sqnr_isolated: float
+    sqnr_isolated: Optional[float]
     # isolated SQNR had the weight been rounded to nearest: only for weights whose codes an algorithm chose (GPTQ)
     sqnr_isolated_rtn: Optional[float] = None
 
@@ -96,8 +97,8 @@ class Report:
         """Lowest cumulative SQNR first; a NaN one (a layer whose outputs hold NaN) before every number."""
         def key(r):
             c, i = r.sqnr_cumulative, r.sqnr_isolated
-            return (c is None, not _nan(c), c if c is not None and not _nan(c) else 0.0, not _nan(i),
-                    0.0 if _nan(i) else i)
+            return (c is None, not _nan(c), c if c is not None and not _nan(c) else 0.0, i is None, not _nan(i),
+                    0.0 if i is None or _nan(i) else i)
         return sorted(self.layers, key=key)
 
     def to_json(self) -> Dict[str, Any]:
@@ -248,6 +249,8 @@ def output_cosines(refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
     return torch.cat([_per_sample_cosine(r, o, b).cpu() for r, o, b in zip(refs, outs, batches)])
 
 
+NEEDS_CAUSAL_LM = "--max-ppl-increase needs a causal language model checkpoint"
+
 ONE_NUMBER_NOTE = ("the model gives one number per sample: its cosine is the correlation of the samples' numbers "
                    "(the centred columns; an offset or a scale common to every sample does not move it), and top-1 "
                    "agreement does not apply")
@@ -327,19 +330,19 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
     # isolated: each quantized module alone, on the float model's input to it
     for name, mod in modules.items():
         args, kwargs, ref = float_io.get(name, (None, None, None))
-        if ref is None:
+        if ref is None or not ref.numel():  # (not run, or an expert called on no token)
             continue
         # an attention layer's KV cache already holds this batch's keys from the float pass: called again with
         # it, the layer would attend to those float keys and its KV cache quantizers would change nothing
         kwargs = {k: None if k in CACHE_KWARGS else v for k, v in kwargs.items()}
         set_quantization(model, True, only={name})
         out = _first_tensor(mod(*args, **kwargs))
-        terms["sig_i"][name].append(float(ref.float().pow(2).sum()))
-        terms["noise_i"][name].append(float((ref.float() - out.float()).pow(2).sum()))
+        terms["sig_i"][name].append(_energy(ref))
+        terms["noise_i"][name].append(_energy(ref, out))
         if name in chosen:  # what round-to-nearest would have given this layer, for comparison
             with without_stored_weight(mod):
                 out = _first_tensor(mod(*args, **kwargs))
-            terms["noise_rtn"][name].append(float((ref.float() - out.float()).pow(2).sum()))
+            terms["noise_rtn"][name].append(_energy(ref, out))
     # cumulative: the whole model quantized
     set_quantization(model, True)
 
@@ -353,9 +356,9 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
                 if rows is None:
                     return
                 ref, out = ref[rows[0]], out[rows[1]]
-            if ref is not None and out is not None:
-                terms["sig_c"][name].append(float(ref.float().pow(2).sum()))
-                terms["noise_c"][name].append(float((ref.float() - out.float()).pow(2).sum()))
+            if ref is not None and out is not None and ref.numel():
+                terms["sig_c"][name].append(_energy(ref))
+                terms["noise_c"][name].append(_energy(ref, out))
         return hook
 
     handles = [mod.register_forward_hook(compare(name)) for name, mod in modules.items()]
@@ -364,7 +367,7 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
     finally:
         for h in handles:
             h.remove()
-    record: Dict[str, Any] = {"terms": terms, "routed": sorted(routing)}
+    record: Dict[str, Any] = {"terms": terms}
     if _one_number_each(ref_out):  # compared over every batch's samples (output_cosines)
         record["column"] = (ref_out.float().reshape(-1).cpu(), q_out.float().reshape(-1).cpu())
     else:
@@ -377,6 +380,12 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
     elif ref_out.dim() == 2 and ref_out.shape[-1] > 1:
         record["top1"] = (int((ref_out.argmax(-1) == q_out.argmax(-1)).sum()), ref_out.shape[0])
     return record
+
+
+def _energy(ref: torch.Tensor, out: Optional[torch.Tensor] = None) -> float:
+    """``sum(ref^2)``, or ``sum((ref - out)^2)``, in float64 (outputs near 1e19 and up overflow a float32 sum)."""
+    x = ref.double() if out is None else ref.double() - out.double()
+    return float(x.pow(2).sum())
 
 
 def _common_rows(before: Optional[torch.Tensor], now: Optional[torch.Tensor]):
@@ -417,12 +426,14 @@ def _fold(records: List[Dict[str, Any]], modules: Dict[str, nn.Module], chosen) 
     else:
         cos = torch.cat([rec["cos"] for rec in records]) if records else torch.zeros(0)
         samples = int(cos.numel())
+    # a module the data never ran (an expert routed no token, T5's `shared` table that only its encoder's and
+    # decoder's copies run) has no figure: not an infinite SQNR, which would say it loses nothing
     compared = {n for rec in records for n, values in rec["terms"]["sig_c"].items() if values}
-    routed = {n for rec in records for n in rec.get("routed", ())}
+    isolated = {n for rec in records for n, values in rec["terms"]["sig_i"].items() if values}
     layers = [LayerError(n, type(m).__name__.replace("Quantized", "", 1),
-                         None if n in routed and n not in compared else sqnr_db(sums["sig_c"][n], sums["noise_c"][n]),
-                         sqnr_db(sums["sig_i"][n], sums["noise_i"][n]),
-                         sqnr_db(sums["sig_i"][n], sums["noise_rtn"][n]) if n in chosen else None)
+                         sqnr_db(sums["sig_c"][n], sums["noise_c"][n]) if n in compared else None,
+                         sqnr_db(sums["sig_i"][n], sums["noise_i"][n]) if n in isolated else None,
+                         sqnr_db(sums["sig_i"][n], sums["noise_rtn"][n]) if n in chosen and n in isolated else None)
               for n, m in modules.items()]
     rep = Report(layers, float(cos.mean()) if cos.numel() else float("nan"),
                  float(cos.min()) if cos.numel() else float("nan"), samples=samples)
@@ -542,7 +553,7 @@ def plot_sqnr(report: Report, path, title: str = "per-layer SQNR") -> None:
     rows = report.layers
     cap = 80.0  # equal outputs have infinite SQNR; draw them at the cap
     cum = [0.0 if r.sqnr_cumulative is None else min(r.sqnr_cumulative, cap) for r in rows]
-    iso = [min(r.sqnr_isolated, cap) for r in rows]
+    iso = [0.0 if r.sqnr_isolated is None else min(r.sqnr_isolated, cap) for r in rows]
     names = [r.module for r in rows]
     height = max(3.0, 0.22 * len(rows) + 1.5)
     fig, ax = plt.subplots(figsize=(10, height))
@@ -699,6 +710,19 @@ def _nan(x) -> bool:
     return isinstance(x, float) and math.isnan(x)
 
 
+def shown(value: float, threshold: float, spec: str) -> str:
+    """``value`` formatted as ``spec`` (".4f", "+.2f", ".4g"), with as many more digits as it takes (up to 15) to
+    read apart from ``threshold`` so formatted: a failed gate's value never prints as its threshold or past it
+    (cosine 0.99988883734 against --min-cosine 0.99988884 read "0.9999")."""
+    sign, digits, kind = spec[:-1].split(".")[0], int(spec[:-1].split(".")[1]), spec[-1]
+    while True:
+        text = format(value, f"{sign}.{digits}{kind}")
+        if (digits >= 15 or not math.isfinite(value) or value == threshold
+                or text != format(threshold, f"{sign}.{digits}{kind}")):
+            return text
+        digits += 1
+
+
 def check_gates(rep: Report, min_sqnr: Optional[float] = None, min_cosine: Optional[float] = None,
                 max_ppl_increase: Optional[float] = None, causal_lm: bool = False) -> List[Gate]:
     """Evaluate the gates that are set; ``UsageError`` for one that cannot apply (perplexity without a causal LM)."""
@@ -707,18 +731,19 @@ def check_gates(rep: Report, min_sqnr: Optional[float] = None, min_cosine: Optio
     worst = measured[0] if measured else None
     if min_sqnr is not None and worst is not None:
         gates.append(Gate("min-sqnr", min_sqnr, worst.sqnr_cumulative, worst.sqnr_cumulative >= min_sqnr,
-                          f"{worst.module} at {worst.sqnr_cumulative:.1f} dB"))
+                          f"{worst.module} at {shown(worst.sqnr_cumulative, min_sqnr, '.1f')} dB"))
     if min_cosine is not None:
-        gates.append(Gate("min-cosine", min_cosine, rep.cosine, rep.cosine >= min_cosine, f"cosine {rep.cosine:.4f}"))
+        gates.append(Gate("min-cosine", min_cosine, rep.cosine, rep.cosine >= min_cosine,
+                          f"cosine {shown(rep.cosine, min_cosine, '.4f')}"))
     if max_ppl_increase is not None:
         inc = rep.perplexity_increase_pct
         if inc is None and causal_lm:
             raise UsageError("--max-ppl-increase: no next token was scored (a window of one token has nothing to "
                              "predict): give a longer --seq-len")
         if inc is None:
-            raise UsageError("--max-ppl-increase needs a causal language model checkpoint")
+            raise UsageError(NEEDS_CAUSAL_LM)
         gates.append(Gate("max-ppl-increase", max_ppl_increase, inc, inc <= max_ppl_increase,
-                          f"perplexity +{inc:.2f}%"))
+                          f"perplexity {shown(inc, max_ppl_increase, '+.2f')}%"))
     return gates
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import qtool
 from qtool.data import load_data
@@ -93,8 +93,55 @@ def test_report_cli_json_gates_and_plot(world, tmp_path):
                              "--min-cosine", 0.5, "--quiet")
     assert code == 0, err
     code, _, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
-                           world / "data.safetensors", "--model-class", MLP, "--max-ppl-increase", 1)
+                           world / "data.safetensors", "--model-class", MLP, "--max-ppl-increase", 1,
+                           "--plot", tmp_path / "p.png")
     assert code == 2 and "needs a causal language model" in err
+    assert "measuring" not in err and not (tmp_path / "p.png").exists()  # (refused once loaded: nothing ran)
+
+
+def test_a_module_never_run_has_no_figure_and_huge_outputs_are_measured(tmp_path):
+    """A module the data never runs read an isolated SQNR of "inf" (lossless) where docs/report.md promises none;
+    and outputs near 1e21, finite, read NaN and inf (the sums of squares were float32)."""
+    from tests.tinymodels import spare
+
+    spec = "tests.tinymodels:spare"
+    weights = spare().state_dict()
+    weights["body.0.weight"] = weights["body.0.weight"] * 1e20
+    save_file(weights, tmp_path / "m.safetensors")
+    save_file({"x": torch.randn(32, 64, generator=torch.Generator().manual_seed(0))}, tmp_path / "data.safetensors")
+    args = ("--data", tmp_path / "data.safetensors", "--model-class", spec)
+    assert run_cli("calibrate", tmp_path / "m.safetensors", "-c", CONFIGS / "w8a8.yaml", *args, "-o",
+                   tmp_path / "run")[0] == 0
+    code, out, err = run_cli("report", tmp_path / "m.safetensors", "-e", tmp_path / "run/encodings.json", *args,
+                             "--json", "-q")
+    assert code == 0, err
+    rows = {r["module"]: r for r in json.loads(out)["layers"]}
+    assert rows["spare"]["sqnr_cumulative_db"] is None and rows["spare"]["sqnr_isolated_db"] is None
+    model = qtool.load_calibrated(str(tmp_path / "m.safetensors"), str(tmp_path / "run/encodings.json"),
+                                  model_class=spec)
+    x = load_file(tmp_path / "data.safetensors")["x"]
+    with torch.no_grad():
+        set_quantization(model, False)
+        ref = model.body[0](x).double()
+        set_quantization(model, True)
+        q = model.body[0](x).double()
+    assert ref.abs().max() > 1e19 and torch.isfinite(ref).all()
+    expect = sqnr_db(float(ref.pow(2).sum()), float((ref - q).pow(2).sum()))
+    assert 20 < expect < 80 and rows["body.0"]["sqnr_isolated_db"] == pytest.approx(expect, abs=1e-6)
+
+
+def test_a_failed_gates_value_never_prints_as_its_threshold():
+    """cosine 0.99988883734 against --min-cosine 0.99988884 printed "cosine 0.9999", which reads as passing; a
+    perplexity that fell printed "+-0.07%"."""
+    from qtool.report import LayerError, Report, check_gates
+
+    rep = Report([LayerError("a", "Linear", 28.21, 30.0)], 0.99988883734, 0.9998, perplexity_float=100.0,
+                 perplexity_quant=99.93)
+    sqnr, cos, ppl = (g.line() for g in check_gates(rep, min_sqnr=28.214, min_cosine=0.99988884,
+                                                     max_ppl_increase=-0.08))
+    assert cos.endswith("cosine 0.999888837") and sqnr.endswith("a at 28.210 dB"), (cos, sqnr)
+    assert ppl.endswith("perplexity -0.07%"), ppl
+    assert check_gates(rep, min_cosine=0.5)[0].detail == "cosine 0.9999"  # (the usual precision where it tells)
 
 
 def test_sensitivity_ranks_layers_and_the_suggestion_helps(world, tmp_path):

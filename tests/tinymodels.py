@@ -171,3 +171,21 @@ class UpNet(nn.Module):
 def upnet() -> nn.Module:
     torch.manual_seed(0)
     return UpNet()
+
+
+class Spare(nn.Module):
+    """An MLP beside a Linear its forward never calls (as T5's ``shared`` table, which only its encoder's and
+    decoder's copies run, or an expert routed no token)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+        self.spare = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def spare() -> nn.Module:
+    torch.manual_seed(0)
+    return Spare()

@@ -28,10 +28,12 @@ from .common import _inputs, _ranks, one_at_a_time
 
 @one_at_a_time
 def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitivity_analysis: bool = False,
-               hooks: Optional[Hooks] = None, allow_other_checkpoint: bool = False) -> Dict[str, Any]:
+               hooks: Optional[Hooks] = None, allow_other_checkpoint: bool = False,
+               perplexity_gate: bool = False) -> Dict[str, Any]:
     """``qtool report``: per-layer SQNR, end-to-end fidelity and (optionally) layer sensitivity. Encodings
-    calibrated on other weights are refused unless ``allow_other_checkpoint`` (then a note)."""
-    from ..report import evaluate, sensitivity, tied_notes
+    calibrated on other weights are refused unless ``allow_other_checkpoint`` (then a note); a
+    ``perplexity_gate`` on a model that is not a causal LM, once it is loaded (before anything is measured)."""
+    from ..report import NEEDS_CAUSAL_LM, evaluate, sensitivity, tied_notes
 
     hooks = hooks or Hooks()
     with _ranks(opts.device) as group:  # under torchrun: each rank measures its shard; every rank gets the report
@@ -43,6 +45,8 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
         if bad is not None:  # (its outputs would be NaN: every figure, and so every gate, meaningless)
             raise CheckpointError(f"{checkpoint}: {bad} holds NaN or infinity, so the float model is no reference "
                                   "to measure against")
+        if perplexity_gate and not loaded.is_causal_lm:
+            raise UsageError(NEEDS_CAUSAL_LM)
         other = _check_calibrated_on(Path(encodings), checkpoint, allow_other_checkpoint)
         enc = make_fake_quant(loaded.model, checkpoint, encodings, opts.trust_pickle)
         if opts.data is None:
