@@ -337,11 +337,13 @@ awq: {grid: 8, objective: %s}
 """
 
 
-@pytest.mark.parametrize("objective,flags", [("layers", ()), ("outputs", ("--sequential",))])
+@pytest.mark.parametrize("objective,flags", [("layers", ()), ("outputs", ("--sequential",)),
+                                             ("layers", ("--sequential", "--batch-size", "14"))])
 def test_awq_then_gptq_on_ranks_writes_the_bytes_of_one_process(llama, tmp_path, objective, flags):
     """AWQ's scales come from the group inputs' XᵀX summed over the ranks, or from each batch's parent-module
     error gathered and added in batch order, so every rank folds the same scales before GPTQ: two ranks give one
-    process's folded floats and codes."""
+    process's folded floats and codes. With one batch, rank 1 has none: --sequential AWQ's check of the block's
+    output on a rank's first input was an IndexError there (exit 3)."""
     one, many = _one_and_two_ranks(llama, tmp_path, AWQ_GPTQ % objective, *flags)
     assert set(one) == {"encodings.json", "codes.safetensors"} and many == one
     manifest = json.loads((tmp_path / "many" / "manifest.json").read_text())

@@ -198,9 +198,11 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         scored = scored_inputs(groups, modules, hessian=not outputs)
         stats = merge_inputs(collect_module_inputs(
             scored, modules, reduced(lambda: _run_to_last_input(block, inputs, [modules[n] for n in scored]))), group)
-        args, kwargs = inputs[0]
 
-        def output():
+        def output():  # (on the first input; a rank given no batch under torchrun has none, and checks nothing)
+            if not inputs:
+                return None
+            args, kwargs = inputs[0]
             out = block(*args, **kwargs)
             return (out[0] if isinstance(out, (tuple, list)) else out).detach()
 
@@ -210,7 +212,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             changed = apply_awq(dataclasses.replace(plan.awq, groups=groups), modules, stats,
                                 {q.module: q for q in plan.weights}, plan.warnings,
                                 (lambda g: output_objective(g, modules, batches, group)) if outputs else None)
-            err = _relative_change(before, output())
+            err = 0.0 if before is None else _relative_change(before, output())
         if not err <= SMOOTH_TOLERANCE:
             raise UsageError(f"awq: folding the scales changes {prefix}'s outputs (relative error {err:.2g}); a "
                              "mapping does not fit this architecture: give awq.mappings")
