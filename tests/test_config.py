@@ -453,6 +453,13 @@ def test_a_rule_that_matches_nothing_names_the_nearest_modules():
                      model)
     with pytest.raises(ConfigError, match=r"that a quantizer can take \(encoder.norm is a LayerNorm\)"):
         resolve_plan(parse_recipe("version: 1\nlayers:\n  - match: '*.norm'\n    weights: {bitwidth: 4}\n"), model)
+    # a container of no layer a quantizer takes (DBRX's experts hold bare 3-D parameters): its ".*" was suggested,
+    # which then suggested ".*.*"
+    enc.experts = nn.Sequential(nn.SiLU())
+    with pytest.raises(ConfigError, match=r"\(encoder.experts is a Sequential, and no module inside it is a layer "
+                                          r"type a quantizer takes\)"):
+        resolve_plan(parse_recipe("version: 1\nlayers:\n  - match: '*.experts'\n    weights: {bitwidth: 4}\n"),
+                     model)
 
 
 # ---- hostile recipes (#14): no hang, no enormous error line ---------------------------------------------------

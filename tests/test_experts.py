@@ -524,7 +524,9 @@ def test_report_measures_each_expert_on_the_tokens_both_models_routed_to_it(tmp_
                                            ("mixtral", "model.layers.1.mlp.gate"),
                                            # the shared expert's one-output gate (compressed-tensors wrote it
                                            # quantized, where vLLM builds a plain Linear; llama.cpp keeps it F32)
-                                           ("qwen2_moe", "model.layers.1.mlp.shared_expert_gate")])
+                                           ("qwen2_moe", "model.layers.1.mlp.shared_expert_gate"),
+                                           # (its expert count lives in a sub-config, ffn_config: it was quantized)
+                                           ("dbrx", "transformer.blocks.1.ffn.router.layer")])
 def test_a_router_stays_float_unless_a_rule_names_it(family, router):
     """Hunyuan scores its experts with a plain Linear under mlp.gate, Llama 4 with a Linear subclass, Qwen3-MoE and
     Mixtral with a *TopKRouter holding a bare weight: float by default; a rule whose match names it quantizes it
@@ -536,15 +538,22 @@ def test_a_router_stays_float_unless_a_rule_names_it(family, router):
                                  interleave_moe_layer_step=1),
              "qwen3_moe": dict(num_experts=8, moe_intermediate_size=32, head_dim=16),
              "mixtral": dict(num_local_experts=8, head_dim=16),
-             "qwen2_moe": dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=64)}[family]
-    cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=32,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                            num_experts_per_tok=2, **extra)
+             "qwen2_moe": dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+             "dbrx": {}}[family]
+    if family == "dbrx":
+        cfg = transformers.DbrxConfig(vocab_size=256, d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
+                                      attn_config=dict(kv_n_heads=2, rope_theta=10000.0),
+                                      ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2))
+    else:
+        cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=32,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                num_experts_per_tok=2, **extra)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     plan = resolve_plan(load_recipe(recipe_file("w8a16")), model)
     assert not [q for q in plan.weights if q.module == router]
-    assert len([q for q in plan.weights if "self_attn.q_proj" in q.module]) == 2  # the rest is quantized
+    attention = "norm_attn_norm.attn.Wqkv" if family == "dbrx" else "self_attn.q_proj"
+    assert len([q for q in plan.weights if attention in q.module]) == 2  # the rest is quantized
     named = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n"
                          f"layers:\n  - match: '{router}'\n    weights: {{bitwidth: 8}}\n")
     assert [q.module for q in resolve_plan(named, model).weights if q.module == router] == [router]

@@ -147,10 +147,13 @@ def _expert_count(model: "nn.Module") -> int:
     """The routed experts per MoE layer the model's config names (0 for a dense model)."""
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config
-    for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            return value
+    # (DBRX keeps its count in a sub-config, ffn_config)
+    nested = [v for v in vars(config).values() if hasattr(v, "to_dict") or isinstance(v, dict)] if config else []
+    for cfg in [config, *nested]:
+        for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+            value = cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+                return value
     return 0
 
 
@@ -528,9 +531,13 @@ def _nearest_modules(rule: LayerRule, named, exported_types=None) -> str:
         if hit is not None:
             n, m = hit
             kind = type(m).__name__
-            if any(True for _ in m.children()):  # (a container: the rule most likely means what it holds)
-                inside = f"{rule.match}.*" if not rule.match.startswith("re:") else f"{n}.*"
+            held = [d for _, d in m.named_modules() if d is not m]
+            if any(t in DEFAULT_WEIGHT_TYPES for d in held for t in _type_names(d)):  # (a container: the rule most
+                inside = f"{rule.match}.*" if not rule.match.startswith("re:") else f"{n}.*"  # likely means those)
                 return f" that a quantizer can take ({n} is a {kind}; match '{inside}' names the layers inside it)"
+            if held:  # (DBRX's experts: modules holding bare 3-D parameters; the plan's coverage names them)
+                return (f" that a quantizer can take ({n} is a {kind}, and no module inside it is a layer type a "
+                        "quantizer takes)")
             w = getattr(m, "weight", None)
             if isinstance(w, nn.Parameter) and w.dim() >= 2:  # (a matrix: a router; not a norm's scale vector)
                 return (f" that a quantizer can take ({n} is a {kind}, which a name alone does not opt in: add "
