@@ -168,7 +168,7 @@ class _TorchGroup(Group):
         self._failed = False
         self._finishing = False
 
-    def _collective(self, fn: Callable[[], Any], what: str):
+    def _collective(self, fn: Callable[[], Any], what: str, outcome: str = "nothing was written"):
         try:
             return fn()
         except (RuntimeError, ConnectionError, OSError) as e:  # gloo: a closed connection or a timeout
@@ -176,14 +176,15 @@ class _TorchGroup(Group):
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             lost = PeerLost(f"lost contact with the other ranks while {what} (a rank was killed, ran out of "
                             f"memory, or was slower than {ENV_TIMEOUT}={self.timeout_s:g} s): {first[:160]}; "
-                            "nothing was written")
+                            f"{outcome}")
             lost.dist_rank = self.rank  # every surviving rank says it: it cannot know which of them speaks
             raise lost from None
 
-    def _status(self, status, group=None) -> None:
+    def _status(self, status, group=None, what: str = "exchanging statistics",
+                outcome: str = "nothing was written") -> None:
         out: List[Any] = [None] * self.world_size
-        self._collective(lambda: self._dist.all_gather_object(out, status, group=group or self._group),
-                         "exchanging statistics")
+        self._collective(lambda: self._dist.all_gather_object(out, status, group=group or self._group), what,
+                         outcome)
         for r, s in enumerate(out):
             if s != _OK and r != self.rank:
                 self._failed = True
@@ -238,7 +239,11 @@ class _TorchGroup(Group):
         self._finishing = last
 
     def finish(self) -> None:
-        self._status(_OK, self._finish_group)
+        if self.is_root:  # (it has written the output, whole, before this last exchange)
+            self._status(_OK, self._finish_group, "telling them the output is written",
+                         "the output was written whole before this")
+        else:
+            self._status(_OK, self._finish_group, "waiting for rank 0 to write the output")
 
     def close(self) -> None:
         if self._own_default and self._dist.is_initialized():

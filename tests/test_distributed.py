@@ -219,6 +219,40 @@ def test_a_rank_failing_after_an_intermediate_calibration_reaches_the_others_at_
     assert int(outs[1][2]) < 30, outs  # well within the 60 s timeout
 
 
+LOST_AFTER_WRITING = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from qtool.parallel import from_environment
+
+g = from_environment("cpu")
+g.calibrated()
+if g.rank == 1:
+    os._exit(9)  # (killed while rank 0 writes the output)
+time.sleep(2)
+try:
+    g.finish()
+except BaseException as e:
+    print(type(e).__name__, "|", e)
+"""
+
+
+def test_a_rank_lost_after_rank_0_wrote_the_output_is_not_called_nothing_written(tmp_path):
+    """Another rank killed while rank 0 exported: rank 0 said "nothing was written" (exit 4) over a whole output,
+    and a retry that believed it met "already exists"."""
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QTOOL_DIST_TIMEOUT": "60",
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-c", LOST_AFTER_WRITING.format(root=str(ROOT))],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = procs[0].communicate(timeout=120)[0]
+    procs[1].communicate(timeout=120)
+    assert out.startswith("PeerLost | ") and "the output was written whole before this" in out, out
+    assert "nothing was written" not in out
+
+
 def test_collectives_name_quantizers_in_sorted_order(llama, tmp_path):
     """What each step exchanges is keyed in sorted name order and the steps come in the same sequence on every
     rank whatever the hash seed: recorded on rank 0 of a pretend two-rank group in two processes."""
