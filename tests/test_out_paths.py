@@ -83,6 +83,26 @@ def test_an_out_holding_the_recipe_or_the_data_is_refused(tmp_path):
     code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "-c", "w8a8", "--data", work / "x.safetensors",
                            "--model-class", "tests.tinymodels:mlp", "-o", work, "--overwrite")
     _refused(code, err, tmp_path, before, "contains the data")
+    # quantize --eval's held-out data: the run wrote over it, then could not read it (exit 2)
+    code, _, err = run_cli("quantize", tmp_path / "m.safetensors", "-c", "w8a16", "--eval", work / "x.safetensors",
+                           "--model-class", "tests.tinymodels:mlp", "-o", work, "--overwrite")
+    _refused(code, err, tmp_path, before, "contains the eval data")
+    # and a missing one is one line before the run (the output was written whole, then "data path not found")
+    code, _, err = run_cli("quantize", tmp_path / "m.safetensors", "-c", "w8a16", "--eval", work / "nope.txt",
+                           "--model-class", "tests.tinymodels:mlp", "-o", tmp_path / "q")
+    _refused(code, err, tmp_path, before, "--eval")
+
+
+def test_a_file_output_that_is_a_device_or_a_pipe_is_refused(tmp_path):
+    """imatrix -o /dev/null --overwrite renamed a regular file over the device (the output is written beside it)."""
+    import os
+
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    os.mkfifo(tmp_path / "plot.svg")
+    code, _, err = run_cli("report", tmp_path / "m.safetensors", "-e", tmp_path / "none.json", "--model-class",
+                           "tests.tinymodels:mlp", "--data", tmp_path / "m.safetensors", "--plot", tmp_path / "plot.svg")
+    assert code == 2 and "plot.svg: --plot is not a regular file" in err, err
+    assert (tmp_path / "plot.svg").is_fifo()
 
 
 def test_import_encodings_refuses_an_out_holding_the_aimet_file(world):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -164,6 +165,10 @@ def quantize(
         target = _target(config, candidates, target_bpw, target_size, search_samples, search_data, search_metric)
         recipe = _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback,
                               data, imatrix, matmul_precision)
+        if eval_data is not None and not Path(eval_data).exists():  # (read once the output is written)
+            from ..errors import DataError
+
+            raise DataError(f"--eval {eval_data}: data path not found")
         checkpoint = _checkpoint(checkpoint, revision)
         from ..pipeline import run_quantize
 
@@ -175,7 +180,7 @@ def quantize(
             matmul_precision=matmul_precision), overwrite, p.hooks(),
             _eopts(format=format, encoding_version=encoding_version, seq_len=seq_len, pack=not no_pack,
                    ct_eight_bit_format=ct_8bit_format, max_shard_bytes=_shard_bytes(max_shard_size),
-                   gguf_float=gguf_float, gguf_fallback=gguf_fallback), target=target)
+                   gguf_float=gguf_float, gguf_fallback=gguf_fallback), target=target, eval_data=eval_data)
     _report_files(summary, quiet, p.warnings_shown)
     ev = None
     if eval_data is not None and _rank() == 0:

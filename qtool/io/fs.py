@@ -130,11 +130,16 @@ def check_output_file(out: Path, inputs: Sequence[Tuple[str, Optional[str]]], ov
         _refuse_inside(out, flag, what, path, src, target)
     if out.is_dir():
         raise UsageError(f"{out}: {flag} is a directory; give a file name")
+    if out.exists() and not out.is_file():  # (the file is written beside it and renamed over it: /dev/null would go)
+        raise UsageError(f"{out}: {flag} is not a regular file (a device, a pipe or a socket), which writing the "
+                         "output would replace; give a file name")
     if overwrite is False and out.exists():
         raise UsageError(f"{out}: exists; pass --overwrite to replace it")
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"{parent}: no such directory for {flag}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{parent}: cannot write {flag} {out.name} there (not writable)")
 
 
 _HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"

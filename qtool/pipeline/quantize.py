@@ -79,10 +79,11 @@ def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], ou
 @one_at_a_time
 def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out: str, opts: CalibrateOptions,
                  overwrite: bool = False, hooks: Optional[Hooks] = None, eopts: Optional[ExportOptions] = None,
-                 target: Optional[TargetOptions] = None) -> Dict[str, Any]:
+                 target: Optional[TargetOptions] = None, eval_data: Optional[str] = None) -> Dict[str, Any]:
     """``qtool quantize``: calibrate and export into one directory (encodings.json included). With ``target``,
     the recipe is the one a size-budget search chooses among the candidates, counted in the format written
-    (``out/recipe.yaml``; the search's record in ``out/calibration/search.json``)."""
+    (``out/recipe.yaml``; the search's record in ``out/calibration/search.json``). ``eval_data``: what a caller
+    reads next (``--eval``), which the output must not replace either."""
     hooks = hooks or Hooks()
     _check_resume(opts, target)
     eopts = replace(eopts or ExportOptions(), trust_pickle=opts.trust_pickle, model_class=opts.model_class,
@@ -96,7 +97,7 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
             raise UsageError(f"{target.flag()}: the search does not count --format {exporter.name}'s bytes, so a "
                              "size budget cannot be held in it; use qtool, compressed-tensors or gguf")
     inputs = _inputs(checkpoint, recipe=recipe_path, data=opts.data, imatrix=opts.imatrix,
-                     export_data=eopts.data) + _search_inputs(target)
+                     export_data=eopts.data, eval_data=eval_data) + _search_inputs(target)
     check_output_dir(Path(out), overwrite, inputs)
     _check_state(out, opts, target, inputs)
     exporter.check_checkpoint(Path(checkpoint))
