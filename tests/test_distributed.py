@@ -477,6 +477,22 @@ def test_experts_and_per_layer_attention_on_ranks_write_the_bytes_of_one_process
     assert set(one) == {"encodings.json", "codes.safetensors"} and many == one
 
 
+@pytest.mark.parametrize("command", [["export", "m", "-e", "enc.json", "-o", "out"],
+                                     ["eval", "out", "--data", "held.txt"],
+                                     ["imatrix", "m", "--data", "held.txt", "-o", "i.gguf"],
+                                     ["import-encodings", "m", "a.encodings", "-o", "out"]])
+def test_a_command_that_runs_in_one_process_refuses_ranks(monkeypatch, tmp_path, command):
+    """torchrun ... export: one rank wrote the output, the other failed on "already exists"; eval --json printed
+    two JSON documents; imatrix did the whole work twice."""
+    monkeypatch.chdir(tmp_path)
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    code, out, err = run_cli(*command, "--json")
+    assert code == 2 and json.loads(out)["error"] == (f"qtool {command[0]} runs in one process (WORLD_SIZE=2): run "
+                                                      "it without torchrun"), (out, err)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("rank", ["5", "2", "-1", "one"])
 def test_a_rank_outside_the_world_is_one_clear_error(monkeypatch, rank):
     """Ranks launched by hand (docs/distributed.md's CI recipe) with a RANK past WORLD_SIZE waited on the store for

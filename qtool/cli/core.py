@@ -163,6 +163,19 @@ def _rank() -> int:
         return 0
 
 
+def _one_process(command: str) -> None:
+    """Refuse a launch on several ranks (torchrun) of a command that runs in one process: every rank would do the
+    whole of it, write the same output (one then failing on "already exists") and print its own summary."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if world > 1:
+        from ..errors import UsageError
+
+        raise UsageError(f"qtool {command} runs in one process (WORLD_SIZE={world}): run it without torchrun")
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"qtool {__version__}")

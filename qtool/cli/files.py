@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .core import Table, _console, _emit_json, _errors, _esc, app, err
+from .core import Table, _console, _emit_json, _errors, _esc, _one_process, app, err
 from .options import (_DEBUG, _JSON, _MODEL_CLASS, _OVERWRITE, _QUIET, _REVISION, _TRUST_CODE, _TRUST_PICKLE,
                       _checkpoint, _opts)
 from .output import _report_files, ratio_words
@@ -31,6 +31,7 @@ def import_encodings(
     from ..pipeline import run_import_encodings
 
     with _errors(debug, json_out):
+        _one_process("import-encodings")
         checkpoint = _checkpoint(checkpoint, revision)
         summary = run_import_encodings(checkpoint, encodings_file, out, _opts(
             model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code), overwrite)

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import typer
 
-from .core import Table, _console, _emit_json, _errors, _esc, _rank, app, err
+from .core import Table, _console, _emit_json, _errors, _esc, _one_process, _rank, app, err
 from .options import (_BATCH, _DEBUG, _DEVICE, _JSON, _MODEL_CLASS, _NUM, _QUIET, _REVISION, _SEED, _SEQ,
                       _TRUST_CODE, _TRUST_PICKLE, _check_early, _checkpoint, _opts)
 from .output import _Progress, _print_eval
@@ -211,6 +211,7 @@ def eval_(
     from ..errors import GateFailed, UsageError
 
     with _errors(debug, json_out):
+        _one_process("eval")
         _check_early(device=device, data=data)
         gate_flags = {"--max-ppl-increase": max_ppl_increase, "--max-kl": max_kl, "--min-agreement": min_agreement,
                       "--min-cosine": min_cosine, "--max-export-gap": max_export_gap}
@@ -267,6 +268,7 @@ def imatrix(
     from ..pipeline import run_imatrix
 
     with _errors(debug, json_out):
+        _one_process("imatrix")
         _check_early(device=device, data=data)
         checkpoint = _checkpoint(checkpoint, revision)
         with _Progress(quiet or json_out) as p:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .core import _emit_json, _errors, _rank, app, err
+from .core import _emit_json, _errors, _one_process, _rank, app, err
 from .options import (_ALL_EXPERTS, _BATCH, _CANDIDATES, _CONFIG_OR_SEARCH, _CT8, _DATA, _DEBUG, _DEVICE,
                       _ENC_VERSION, _FORMAT, _GGUF_FALLBACK, _GGUF_FLOAT, _IMATRIX, _JSON, _MATMUL_PRECISION,
                       _MODEL_CLASS, _NO_PACK, _NUM, _OVERWRITE, _QUIET, _RESUME, _REVISION, _SEARCH_DATA,
@@ -100,6 +100,7 @@ def export(
 ) -> None:
     """Write the quantized model in FORMAT plus AIMET encodings (model.encodings) and a manifest."""
     with _errors(debug, json_out), _Progress(quiet) as p:
+        _one_process("export")
         _check_early(format=format, encoding_version=encoding_version, ct_8bit_format=ct_8bit_format,
                      gguf_float=gguf_float, gguf_fallback=gguf_fallback, data=data)
         checkpoint = _checkpoint(checkpoint, revision)
