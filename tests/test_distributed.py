@@ -543,6 +543,28 @@ def test_a_rank_other_than_0_waits_for_rank_0_to_say_an_error_they_share(monkeyp
     assert waited == ["1"]
 
 
+def test_an_error_rank_0_did_not_meet_is_said_by_the_rank_that_met_it(monkeypatch, capsys):
+    """A --data file missing on one node only, or QTOOL_DIST_TIMEOUT=abc in one rank's environment: no rank said
+    it (rank 1 left it to rank 0, which never met it; torchrun showed only "exitcode : 2"). Once its wait for rank 0
+    runs out (torchrun did not stop it: rank 0 did not fail), rank 1 says it; ranks launched by hand say it at
+    once."""
+    import typer
+
+    from qtool.cli import core
+    from qtool.errors import DataError
+
+    monkeypatch.setattr(core, "_let_rank_0_speak", lambda: True)
+    for k, v in {"WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_RUN_ID": "test"}.items():
+        monkeypatch.setenv(k, v)
+    for launcher in ("torchrun", None):
+        if launcher is None:
+            monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+        with pytest.raises(typer.Exit):
+            with core._errors():
+                raise DataError("nope.txt: data path not found")
+        assert capsys.readouterr().err.strip() == "error: rank 1: nope.txt: data path not found"
+
+
 def test_a_launch_error_of_a_rank_other_than_0_is_said_by_it(llama, tmp_path):
     """WORLD_SIZE=2 RANK=1 without MASTER_ADDR/MASTER_PORT exited 2 without a word (only rank 0 spoke)."""
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}

@@ -213,10 +213,13 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
 
     def fail(code: int, message: str, more=(), speak: bool = True, alike: bool = False) -> None:
         _SAID.append(code)
-        for line in [message, *more] if speak else []:
+        lines = [message, *more]
+        if alike and _rank() != 0 and (not _under_torchrun() or _let_rank_0_speak()):
+            # rank 0 did not meet it (torchrun would have stopped this rank meanwhile: a data file missing on this
+            # node only, its own environment), or no launcher stops the ranks: this rank says it
+            lines, speak = [line.replace(": ", f": rank {_rank()}: ", 1) for line in lines], True
+        for line in lines if speak else []:
             err.print(line, markup=False)
-        if alike and _rank() != 0 and _under_torchrun():
-            _let_rank_0_speak()
         if json_out and not _EMITTED:  # (only rank 0 has json_out under torchrun; it reports another rank's too)
             _emit_json({"ok": False, "exit_code": code, "error": message.split(": ", 1)[-1],
                         **({"errors": [m.split(": ", 1)[-1] for m in [message, *more]]} if more else {})})
@@ -273,16 +276,18 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def _let_rank_0_speak(seconds: float = 10.0) -> None:
+def _let_rank_0_speak(seconds: float = 10.0) -> bool:
     """A rank other than 0 that met an error every rank meets alike (rank 0 says it) waits a little before it
     exits: torchrun stops every rank once one exits non-zero, and rank 0 stopped before it printed would leave the
-    run with no line saying what was wrong. Its own SIGTERM from torchrun ends the wait quietly."""
+    run with no line saying what was wrong. Its own SIGTERM from torchrun ends the wait quietly (False); True: the
+    wait ran out, so rank 0 did not meet the error."""
     import time
 
     try:
         time.sleep(seconds)
     except KeyboardInterrupt:
-        pass
+        return False
+    return True
 
 
 def _written() -> str:
