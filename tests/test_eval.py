@@ -626,6 +626,27 @@ def test_a_compressed_tensors_classifier_is_reloaded_with_its_head(tmp_path):
     assert res["export_fault"] is None and res["cosine"]["export_gap"]["mean"] > 0.9999, res
 
 
+def test_a_t5_that_transformers_cannot_reload_packed_is_a_runtime_limit_in_one_line(tmp_path):
+    """T5's own weight initialization reads a Linear's weight, which a pack-quantized Linear replaced by
+    weight_packed: eval was an internal error (AttributeError, exit 3) on a file quantize wrote with exit 0."""
+    import transformers
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, num_layers=1, num_heads=2, d_kv=32)
+    transformers.T5ForConditionalGeneration(cfg).eval().save_pretrained(tmp_path / "t5")
+    g = torch.Generator().manual_seed(0)
+    save_file({"input_ids": torch.randint(0, 128, (4, 16), generator=g),
+               "decoder_input_ids": torch.randint(0, 128, (4, 8), generator=g)}, tmp_path / "d.safetensors")
+    code, _, err = run_cli("quantize", tmp_path / "t5", "-c", "w4a16-block32", "-o", tmp_path / "ct", "--format",
+                           "compressed-tensors", "-q")
+    assert code == 0, err
+    code, out, err = run_cli("eval", tmp_path / "ct", "--data", tmp_path / "d.safetensors", "-q")
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1 and "transformers cannot load it" in lines[0], err
+    assert "reads a Linear's weight while loading" in lines[0] and "a limit of the runtime" in lines[0]
+
+
 def test_too_few_tokens_to_score_says_what_was_counted(model, tmp_path):
     """The line counted every token (18) against the next tokens needed (17) and blamed the file for what was the
     window size."""

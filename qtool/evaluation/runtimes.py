@@ -158,7 +158,7 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
                 model = model.to(device).eval()  # progress bars, and decompresses on first use
                 if causal_lm:  # (other models take other inputs: the held-out batches try them)
                     model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
-        except (ValueError, RuntimeError, TypeError, OSError, KeyError, NotImplementedError) as e:
+        except (ValueError, RuntimeError, TypeError, OSError, KeyError, NotImplementedError, AttributeError) as e:
             if "ignore_mismatched_sizes" in str(e) and _experts_apart(directory):
                 # (its "above report" is transformers' own log: the message alone names nothing)
                 raise UsageError(f"{directory}: transformers cannot load its experts: {_EXPERTS_FUSED}: a limit "
@@ -177,7 +177,7 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
         label = "transformers + compressed-tensors" + ("" if dtype == torch.float32 else " (bfloat16)")
         allowance = (0.0, 1e-4) if dtype == torch.float32 else (1.0, 0.01) if activations else (0.25, 0.01)
         return TorchRuntime(model, label, *allowance)
-    raise UsageError(f"{directory}: transformers cannot load it ({'; '.join(errors)})" + _known_limit(directory))
+    raise UsageError(f"{directory}: transformers cannot load it ({'; '.join(errors)})" + _known_limit(directory, errors))
 
 
 def _architecture_class(directory: Path, transformers):
@@ -246,11 +246,16 @@ def _check_loaded(directory: Path, info: dict) -> None:
                      "runtime, not the file; evaluate qtool's own format of the same calibration instead")
 
 
-def _known_limit(directory: Path) -> str:
+def _known_limit(directory: Path, errors=()) -> str:
     """Why transformers cannot load a directory where that is a known limit of the runtime, not of the file: an
     asymmetric ``pack-quantized`` checkpoint (compressed-tensors 0.20 compresses transformers' empty model with
     the zero points left unpacked, ``[out, groups]``, while the format stores them packed, as its own compress on
-    real tensors does: llm-compressor issue #1618)."""
+    real tensors does: llm-compressor issue #1618); a model whose own loading code reads a quantized Linear's
+    ``weight`` (T5's and Mamba's weight initialization), which compressed-tensors replaced."""
+    if any("object has no attribute 'weight'" in e for e in errors):
+        return ("; this model's own transformers code reads a Linear's weight while loading, where a packed "
+                "Linear holds weight_packed (T5, Mamba): a limit of the runtime, not the file (8-bit int-quantized "
+                "weights load); evaluate qtool's own format of the same calibration instead")
     config = quantization_config(directory) or {}
     groups = (config.get("config_groups") or {}).values()
     if config.get("format") == "pack-quantized" and any(
