@@ -110,6 +110,21 @@ layers:
     assert p["blocks.0.norm.weight"].shape == ()
 
 
+def test_a_type_rule_with_no_spec_opts_modules_in_with_the_defaults():
+    """'- type: ConvTranspose2d' alone quantized nothing (the module kept no spec to refine), and hid the coverage
+    warning that named its weight; that warning called such a layer a type qtool cannot quantize."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ConvTranspose2d(8, 64, 2, stride=2))
+    base = "version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_tensor}\n  activations: null\n"
+    plan = plan_of(base, model)
+    assert list(rows(plan)) == ["0.weight"]
+    assert any("1.weight [8, 64, 2, 2] (ConvTranspose2d) (a layer type the defaults leave float: a layers rule with "
+               "type: ConvTranspose2d opts it in" in w for w in plan.warnings), plan.warnings
+    plan = plan_of(base + "layers:\n  - type: ConvTranspose2d\n", model)
+    p = rows(plan)
+    assert list(p) == ["0.weight", "1.weight"] and p["1.weight"].bitwidth == 4 and p["1.weight"].rule is None
+    assert not [w for w in plan.warnings if "have no quantizer" in w]
+
+
 def test_type_and_match_combine():
     text = """
 version: 1

@@ -228,9 +228,10 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             ignore_named[j] = ignore_named[j] or name
         w_cand = any(t in DEFAULT_WEIGHT_TYPES for t in tnames)
         a_cand = any(t in DEFAULT_ACTIVATION_TYPES for t in tnames)
-        w_spec = recipe.defaults.weights if w_cand else None
-        if w_spec is not None and mix is not None:
-            w_spec = mix.spec(name, module, w_spec)
+        def _mixed(spec):
+            return mix.spec(name, module, spec) if spec is not None and mix is not None else spec
+
+        w_spec = _mixed(recipe.defaults.weights) if w_cand else None
         a_spec = recipe.defaults.activations if a_cand else None
         rule_w = rule_a = None
         tower = towers and MEDIA_TOWER.search(name) is not None
@@ -250,7 +251,10 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             if rule.types():
                 if not any(t in rule.types() for t in tnames):
                     continue
-                w_cand = a_cand = True  # naming a type opts modules of that type in
+                if not (w_cand and a_cand) and not applied:  # naming a type opts modules of that type in, from the
+                    w_spec = w_spec if w_cand else _mixed(recipe.defaults.weights)  # defaults (what a field left
+                    a_spec = a_spec if a_cand else recipe.defaults.activations  # out of the rule means)
+                w_cand = a_cand = True
             if not (w_cand or a_cand):
                 continue  # a name pattern only refines modules that can be quantized
             used[i] = True
