@@ -482,6 +482,21 @@ def test_data_missing_an_input_the_model_needs_is_bad_data_not_an_internal_error
     assert code == 2 and "it needs an input the data does not give" in err, err
 
 
+def test_an_encoder_decoder_given_only_encoder_inputs_is_told_what_is_missing(tmp_path):
+    """T5 given text: "You must specify exactly one of input_ids or inputs_embeds", where the data gave input_ids
+    and the decoder's were missing."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=128, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)
+    transformers.T5ForConditionalGeneration(cfg).eval().save_pretrained(tmp_path / "t5")
+    save_file({"input_ids": torch.randint(0, 128, (4, 16))}, tmp_path / "d.safetensors")
+    code, _, err = run_cli("calibrate", tmp_path / "t5", "-c", "w8a8", "--data", tmp_path / "d.safetensors", "-o",
+                           tmp_path / "run", "-q")
+    assert code == 2 and "an encoder-decoder model (T5ForConditionalGeneration) runs its decoder on " \
+        "decoder_input_ids, which the data does not give (it gives one tensor)" in err, err
+
+
 def test_flags_that_would_do_nothing_or_mislead_are_one_line(tmp_path):
     """--recipe without --suggest was ignored without a word; --max-ppl-increase on windows of one token said the
     checkpoint was no causal LM."""
