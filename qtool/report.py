@@ -543,6 +543,20 @@ def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optiona
     return header + yaml.safe_dump({"version": 1, "layers": rules}, sort_keys=False)
 
 
+def _save_figure(fig, path) -> None:
+    """``fig`` written atomically as SVG or PNG (by ``path``'s suffix), then closed; the same figure gives the same
+    bytes (an SVG holds no date, and its element ids come from a fixed salt, not a random one)."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    svg = str(path).lower().endswith(".svg")
+    try:
+        with matplotlib.rc_context({"svg.hashsalt": "qtool"}), atomic_file(path, output=True) as tmp:
+            fig.savefig(tmp, dpi=110, format="svg" if svg else "png", metadata={"Date": None} if svg else None)
+    finally:
+        plt.close(fig)
+
+
 def plot_sqnr(report: Report, path, title: str = "per-layer SQNR") -> None:
     """A horizontal bar chart of cumulative and isolated SQNR per layer (model order), written atomically."""
     import matplotlib
@@ -572,11 +586,7 @@ def plot_sqnr(report: Report, path, title: str = "per-layer SQNR") -> None:
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    try:
-        with atomic_file(path, output=True) as tmp:
-            fig.savefig(tmp, dpi=110, format="svg" if str(path).lower().endswith(".svg") else "png")
-    finally:
-        plt.close(fig)
+    _save_figure(fig, path)
 
 
 def _number(where: str, value: Any) -> float:
@@ -684,12 +694,7 @@ def plot_pareto(points: Dict[str, Any], path, title: str = "size against damage"
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fmt = "svg" if str(path).lower().endswith(".svg") else "png"
-    try:
-        with atomic_file(path, output=True) as tmp:
-            fig.savefig(tmp, dpi=110, format=fmt)
-    finally:
-        plt.close(fig)
+    _save_figure(fig, path)
 
 
 @dataclass

@@ -79,6 +79,10 @@ def test_report_cli_json_gates_and_plot(world, tmp_path):
     assert code == 0, err
     assert (tmp_path / "r.svg").read_text().lstrip().startswith("<?xml")
     code, _, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
+                           world / "data.safetensors", "--model-class", MLP, "--plot", tmp_path / "r2.svg", "-q")
+    # the same figure, the same bytes (the SVG held its date and random element ids)
+    assert code == 0 and (tmp_path / "r2.svg").read_bytes() == (tmp_path / "r.svg").read_bytes()
+    code, _, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
                            world / "data.safetensors", "--model-class", MLP, "--plot", tmp_path / "r.pdf", "-q")
     assert code == 2 and "--plot" in err and ".png or .svg" in err and not (tmp_path / "r.pdf").exists()
     # gates: a failing one exits 1 and names itself; a passing one exits 0
