@@ -77,7 +77,10 @@ def _qtool_safetensors(path: Path, headers: List[Dict[str, Any]]) -> Dict[str, A
             shape = v["shape"]
             rows.append(_row(name, v["dtype"], None, None, shape, size[name], False))
         numels.append(_numel(shape))
-    kind = "qtool integer safetensors" + (f" ({len(headers)} shards)" if len(headers) > 1 else "")
+    grids = "float" if any(m.get("element") for m in meta.values() if isinstance(m, dict)) else "integer"
+    if grids == "float" and any(isinstance(m, dict) and not m.get("element") for m in meta.values()):
+        grids = "integer and float"
+    kind = f"qtool {grids} safetensors" + (f" ({len(headers)} shards)" if len(headers) > 1 else "")
     return {"kind": kind, "path": str(path), "tensors": rows, "totals": _totals(rows, numels)}
 
 
@@ -218,7 +221,7 @@ def _encodings_listing(path: Path, obj: Dict[str, Any]) -> Dict[str, Any]:
 
 
 # GGUF block types qtool's grids do not cover: bits per weight code
-_GGUF_BITS = {"Q8_1": 8}
+_GGUF_BITS = {"Q8_1": 8, "F32": 32, "F64": 64, "MXFP4": 4, "I8": 8, "I16": 16, "I32": 32, "I64": 64}
 _GGUF_META = ("general.architecture", "general.name", "general.file_type", "general.quantization_version")
 
 

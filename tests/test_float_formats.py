@@ -663,3 +663,5 @@ def test_a_kv_cache_kept_float_in_some_attention_layers_is_refused_for_compresse
     assert code == 2 and needle in err and not (tmp_path / "ct").exists(), err
     code, _, err = run_cli("export", ckpt, "-e", run / "encodings.json", "-o", tmp_path / "qt", "--quiet")
     assert code == 0, err
+    code, listing, err = run_cli("inspect", tmp_path / "qt", "--json")  # (an FP8 file was "qtool integer ...")
+    assert code == 0 and json.loads(listing)["kind"] == "qtool float safetensors", listing

@@ -191,6 +191,7 @@ def test_inspect_reads_gguf(llamas, tmp_path):
     # a Q4_1 block of 32 weights is 20 bytes: 4-bit codes plus a float16 scale and minimum, 5 bits per weight
     assert rows["blk.1.ffn_up.weight"]["bitwidth"] == 4
     assert rows["blk.1.ffn_up.weight"]["granularity"] == "per_block 32, 5 bits/weight"
+    assert rows["blk.1.attn_norm.weight"]["dtype"] == "F32" and rows["blk.1.attn_norm.weight"]["bitwidth"] == 32
     numel = sum(math.prod(r["shape"]) for r in rep["tensors"])
     assert rep["totals"]["bits_per_weight"] == pytest.approx(8 * rep["totals"]["bytes"] / numel)
     assert rep["metadata"]["general.architecture"] == "llama" and rep["metadata"]["tokenizer.ggml.pre"] == "gpt-2"
