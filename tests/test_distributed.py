@@ -181,6 +181,26 @@ def test_a_killed_rank_ends_the_others_with_exit_4(llama, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_ranks_launched_with_other_options_are_refused_by_rank_0(llama, tmp_path):
+    """A launch script giving each rank its own arguments: other --batch-size values wrote encodings of a sample
+    set no rank chose (exit 0, one sample never seen); other recipes hung to the timeout."""
+    port = _free_port()
+    procs = []
+    for rank, extra in enumerate((("--batch-size", "2"), ("--batch-size", "7"))):
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QTOOL_DIST_TIMEOUT": "60",
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "qtool", "calibrate", str(llama / "m"), "-c", "w8a8", "--data",
+             str(llama / "ids.safetensors"), *extra, "-o", str(tmp_path / "run"), "--quiet"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert _ours(errs[0]) == ["error: rank 0: rank 1 was launched with another --batch-size than rank 0 (7, rank 0 "
+                              "2): every rank runs the same command"], errs
+    assert not _ours(errs[1]) and not (tmp_path / "run").exists()
+
+
 FAIL_AFTER_CALIBRATED = """
 import sys, time
 sys.path.insert(0, {root!r})

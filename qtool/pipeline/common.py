@@ -83,6 +83,25 @@ def _ranks(device: str):
         group.close()
 
 
+def _same_command(group: Group, opts: CalibrateOptions, recipe=None, target: Optional["TargetOptions"] = None,
+                  **more) -> None:
+    """Refuse ranks launched with other options than rank 0's (a launch script that gives each rank its own
+    arguments): the first exchange would gather statistics of other batches, or wait for a collective another
+    recipe never reaches. Every rank raises; rank 0's line names the first difference."""
+    if not group.distributed:
+        return
+    mine = {**{f"--{k.replace('_', '-')}": v for k, v in opts.recorded().items()},
+            "recipe": f"{recipe.path} (sha256 {recipe.sha256[:12]})" if isinstance(recipe, RecipeFile) else recipe,
+            **({} if target is None else {f"size search {k}": str(v) for k, v in vars(target).items()
+                                          if k != "recipes"}), **more}
+    every = group.all_gather(mine)
+    for rank, theirs in enumerate(every):
+        if theirs != every[0]:
+            key = next(k for k in [*every[0], *theirs] if theirs.get(k) != every[0].get(k))
+            raise UsageError(f"rank {rank} was launched with another {key} than rank 0 ({theirs.get(key)!r}, rank 0 "
+                             f"{every[0].get(key)!r}): every rank runs the same command")
+
+
 def _check_resume(opts: CalibrateOptions, target: Optional["TargetOptions"]) -> None:
     if opts.resume and not opts.sequential:
         raise UsageError("--resume continues a --sequential run (the one mode that keeps a state): add --sequential")

@@ -23,7 +23,7 @@ from ..io.finite import all_finite
 from ..io.fs import check_output_file
 from ..model.apply import make_fake_quant
 from ..model.load import load_model
-from .common import _inputs, _ranks, one_at_a_time
+from .common import _inputs, _ranks, _same_command, one_at_a_time
 
 
 @one_at_a_time
@@ -37,6 +37,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
 
     hooks = hooks or Hooks()
     with _ranks(opts.device) as group:  # under torchrun: each rank measures its shard; every rank gets the report
+        _same_command(group, opts, encodings=str(encodings), checkpoint=str(checkpoint))
         if sensitivity_analysis and group.distributed:
             raise UsageError("--sensitivity runs in one process: run it without torchrun")
         hooks.on_stage("loading checkpoint")

@@ -18,7 +18,7 @@ from ..io.fs import check_output_dir
 from ..parallel import Group
 from .calibrate import _calibrate_into
 from .common import (TargetOptions, _check_resume, _check_state, _drop_state, _inputs, _output_dir_then_no_state,
-                     _ranks, _state_dir, one_at_a_time)
+                     _ranks, _same_command, _state_dir, one_at_a_time)
 from .export import ExportOptions, _export_into
 from .search import (SEARCH_FILE, _budget_exporter, _calibrate_searched, _prepared, _search_inputs,
                      _searched)
@@ -58,6 +58,7 @@ def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], ou
     check_output_dir(Path(out), overwrite, inputs)
     _check_state(out, opts, target, inputs)
     with _ranks(opts.device) as group:
+        _same_command(group, opts, recipe_path, target, checkpoint=str(checkpoint), out=str(out))
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes
             return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target,
                                *(budget_format or (None, None)))
@@ -113,6 +114,8 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
             plan.warnings[:] = [w for w in plan.warnings if GGUF_GRID_NOTE not in w]
 
     with _ranks(opts.device) as group:
+        _same_command(group, opts, recipe_path, target, checkpoint=str(checkpoint), out=str(out),
+                      export=str(sorted(asdict(eopts).items())))
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes, exports
             return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target, exporter, options, admit)
         with _output_dir_then_no_state(out, overwrite, opts, target, group) as tmp:
