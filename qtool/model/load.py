@@ -81,7 +81,10 @@ def resolve_device(device: str) -> torch.device:
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise UsageError(f"--device must be cpu, cuda or auto (got {device!r})")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available to this torch build")
+        raise UsageError(f"--device {device}: no CUDA device is available to this torch build")
+    if device.startswith("cuda:") and device[5:].isdigit() and int(device[5:]) >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise UsageError(f"--device {device}: this machine has {n} CUDA device(s) (cuda:0 to cuda:{n - 1})")
     return torch.device(device)
 
 
