@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from qtool.families import family_of
 from tests.helpers import error_lines, run_cli
 from tests.test_gguf import VOCAB, _fake_quant_weights, _gguf_values, _tiny_llama
 
@@ -112,8 +113,11 @@ def test_the_file_holds_every_weight_as_qtools_fake_quant_model_and_the_experts_
 
         stored = load_file(ckpt / "model.safetensors")["model.layers.1.input_layernorm.weight"]
         kind, norm = values["blk.1.attn_norm.weight"]
-        # Gemma's norms multiply by (1 + w), llama.cpp's by w: the converter's +1, in float32
-        assert kind == "F32" and np.array_equal(norm, (stored.float() + (family == "gemma3_text")).numpy())
+        # Gemma's norms multiply by (1 + w), llama.cpp's by w: the converter's +1 (the family's norm_shift), in
+        # float32 (read from the family, so a new family file with a shift passes as it is)
+        shift = family_of(family).norm_shift
+        assert shift == (family == "gemma3_text")
+        assert kind == "F32" and np.array_equal(norm, (stored.float() + shift).numpy())
         if family == "phi3":  # fused projections, as llama.cpp's phi3 reads them
             assert values["blk.1.attn_qkv.weight"][0] == values["blk.1.ffn_up.weight"][0] == "Q8_0"
             assert values["blk.1.ffn_up.weight"][1].shape[0] == 2 * 128

@@ -226,8 +226,12 @@ def _target(config: Optional[str], candidates: Optional[str], target_bpw: Option
 
 def _format_help() -> str:
     from ..export import FORMATS
+    from ..families import FAMILIES
 
-    return "; ".join(f"{name}: {text}" for name, (_, text) in FORMATS.items()) + "."
+    titles = dict.fromkeys(f.title for f in FAMILIES.values() if f.gguf_arch is not None and f.title)
+    text = {**{n: t for n, (_, t) in FORMATS.items()},
+            "gguf": FORMATS["gguf"][1] + f" for the families of qtool.families: {', '.join(titles)}"}
+    return "; ".join(f"{name}: {t}" for name, t in text.items()) + "."
 
 
 def _complete(choices):

@@ -17,7 +17,8 @@ FORMATS: Dict[str, Tuple[str, str]] = {
     "aimet": ("aimet", "AIMET encodings only (model.encodings)"),
     "onnx": ("onnx_qdq", "ONNX graph with QuantizeLinear/DequantizeLinear"),
     "compressed-tensors": ("compressed_tensors", "Hugging Face directory that transformers and vLLM load"),
-    "gguf": ("gguf", "one model.gguf that llama.cpp runs (Q8_0, Q5_0/1, Q4_0/1, K-quants Q2_K-Q6_K, IQ4_NL/XS and llama-quantize's mixes; the families of qtool.families: Llama, Mistral, Mixtral, Qwen2/Qwen3 and their MoE, Gemma 3, Phi-3, OLMoE, DeepSeek-V3, Granite, SmolLM3)"),
+    "gguf": ("gguf", "one model.gguf that llama.cpp runs (Q8_0, Q5_0/1, Q4_0/1, K-quants Q2_K-Q6_K, IQ4_NL/XS and "
+                     "llama-quantize's mixes)"),
 }
 
 
