@@ -414,3 +414,34 @@ def test_a_table_piped_to_a_file_keeps_each_name_on_one_line(world, tmp_path):
     assert r.returncode == 0, r.stderr
     assert sum("a_module_with_a_rather_long_name_" in line and ".weight" in line
                for line in r.stdout.splitlines()) == 2, r.stdout
+
+
+SIGNAL_WHILE_THE_CLI_IMPORTS = """
+import importlib.abc, os, signal, sys
+sys.argv = ["qtool", "calibrate", "m", "-c", "w8a8", "-o", "out", "--json"]
+import qtool.entry as entry
+
+
+class Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "qtool.cli":  # (the signal lands while the CLI is being imported)
+            os.kill(os.getpid(), signal.{sig})
+        return None
+
+
+sys.meta_path.insert(0, Interrupt())
+entry.main()
+"""
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_while_the_cli_is_imported_is_one_line_and_one_json_object(tmp_path, sig, code):
+    """Ctrl-C in the first few tenths of a second (typer, rich and the commands importing) was a traceback from
+    inside an import, and --json printed nothing."""
+    r = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_THE_CLI_IMPORTS.format(sig=sig)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == code, r.stderr
+    assert r.stderr == f"interrupted: {sig}; nothing was written\n"
+    assert json.loads(r.stdout) == {"ok": False, "exit_code": code, "error": f"{sig}; nothing was written"}
+    assert not list(tmp_path.iterdir())

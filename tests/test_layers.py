@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1] / "qtool"
 
 # top to bottom; a module may import its own layer or any layer below
 LAYERS = [
-    ("cli", "__main__", "example"),
+    ("cli", "__main__", "entry", "example"),
     ("pipeline",),
     ("calibration", "export", "report", "inspect", "imatrix", "mixed", "evaluation"),
     ("model",),

@@ -1,0 +1,31 @@
+"""The ``qtool`` command's entry point: signal handlers first, then the CLI.
+
+Importing the CLI (typer, rich, every command) takes a few tenths of a second; a Ctrl-C or SIGTERM in that time
+raised a traceback from inside an import, and ``--json`` printed nothing. Nothing has been read or written then.
+"""
+
+import json
+import os
+import signal
+import sys
+
+_EXIT = {signal.SIGINT: ("SIGINT", 130), signal.SIGTERM: ("SIGTERM", 143)}
+
+
+def _before_the_cli(signum, frame):
+    name, code = _EXIT[signum]
+    sys.stderr.write(f"interrupted: {name}; nothing was written\n")
+    if "--json" in sys.argv[1:]:
+        sys.stdout.write(json.dumps({"ok": False, "exit_code": code, "error": f"{name}; nothing was written"},
+                                    indent=1) + "\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main() -> None:
+    for signum in _EXIT:
+        signal.signal(signum, _before_the_cli)
+    from .cli import main as cli_main  # (installs the CLI's own handlers)
+
+    cli_main()
