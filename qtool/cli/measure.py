@@ -271,7 +271,7 @@ def imatrix(
         _one_process("imatrix")
         _check_early(device=device, data=data)
         checkpoint = _checkpoint(checkpoint, revision)
-        with _Progress(quiet or json_out) as p:
+        with _Progress(quiet) as p:  # (--json: its stages on stderr too, as every command's)
             result = run_imatrix(checkpoint, out, _opts(
                 data=data, device=device, batch_size=batch_size, num_samples=num_samples, seq_len=seq_len,
                 seed=seed, trust_remote_code=trust_remote_code), overwrite=overwrite, hooks=p.hooks())
