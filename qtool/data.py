@@ -327,12 +327,13 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
         return (f"the data is {other} and the model {str(own).replace('torch.', '')}: save the data as the model's "
                 f"type (NumPy: x.astype('{str(own).replace('torch.', '')}'))")
     config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False) and not any(k.startswith("decoder_") for k in batch.kwargs):
+    said = str(err).splitlines()[0] if str(err) else ""
+    if getattr(config, "is_encoder_decoder", False) and not any(k.startswith("decoder_") for k in batch.kwargs) \
+            and "input_ids or inputs_embeds" in said:  # (T5's decoder found neither; BART makes its own)
         return (f"an encoder-decoder model ({type(model).__name__}) runs its decoder on decoder_input_ids, which the "
                 f"data does not give (it gives {', '.join(batch.kwargs) or 'one tensor'}): pass a .safetensors file "
                 "holding the encoder's inputs (input_ids, or a speech model's input_features) and "
-                "decoder_input_ids (the model said: "
-                f"{str(err).splitlines()[0] if str(err) else type(err).__name__})")
+                f"decoder_input_ids (the model said: {said})")
     if isinstance(err, AttributeError):
         given = ", ".join(batch.kwargs) or "one tensor"
         return (f"it needs an input the data does not give (the data gives {given}; an image model takes "

@@ -383,9 +383,13 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
 
 
 def _energy(ref: torch.Tensor, out: Optional[torch.Tensor] = None) -> float:
-    """``sum(ref^2)``, or ``sum((ref - out)^2)``, in float64 (outputs near 1e19 and up overflow a float32 sum)."""
-    x = ref.double() if out is None else ref.double() - out.double()
-    return float(x.pow(2).sum())
+    """``sum(ref^2)``, or ``sum((ref - out)^2)``, in float32; where finite values' squares pass float32's range
+    (outputs near 1e19 and up: it read inf or NaN), the same sum in float64, a slice at a time."""
+    x = ref.float() if out is None else ref.float() - out.float()
+    total = float(x.pow(2).sum())
+    if math.isfinite(total) or not bool(torch.isfinite(x).all()):
+        return total
+    return float(sum(part.double().pow(2).sum() for part in x.reshape(-1).split(1 << 22)))
 
 
 def _common_rows(before: Optional[torch.Tensor], now: Optional[torch.Tensor]):
@@ -566,8 +570,9 @@ def plot_sqnr(report: Report, path, title: str = "per-layer SQNR") -> None:
 
     rows = report.layers
     cap = 80.0  # equal outputs have infinite SQNR; draw them at the cap
-    cum = [0.0 if r.sqnr_cumulative is None else min(r.sqnr_cumulative, cap) for r in rows]
-    iso = [0.0 if r.sqnr_isolated is None else min(r.sqnr_isolated, cap) for r in rows]
+    nan = float("nan")  # (no bar: a module with no figure is not 0 dB of damage)
+    cum = [nan if r.sqnr_cumulative is None else min(r.sqnr_cumulative, cap) for r in rows]
+    iso = [nan if r.sqnr_isolated is None else min(r.sqnr_isolated, cap) for r in rows]
     names = [r.module for r in rows]
     height = max(3.0, 0.22 * len(rows) + 1.5)
     fig, ax = plt.subplots(figsize=(10, height))
@@ -722,9 +727,10 @@ def shown(value: float, threshold: float, spec: str) -> str:
     sign, digits, kind = spec[:-1].split(".")[0], int(spec[:-1].split(".")[1]), spec[-1]
     while True:
         text = format(value, f"{sign}.{digits}{kind}")
-        if (digits >= 15 or not math.isfinite(value) or value == threshold
-                or text != format(threshold, f"{sign}.{digits}{kind}")):
+        if not math.isfinite(value) or value == threshold or text != format(threshold, f"{sign}.{digits}{kind}"):
             return text
+        if digits >= 15:  # (0.9999999999999999 against 1.0: the shortest text that is the value)
+            return f"{'+' if sign == '+' and value >= 0 else ''}{value!r}"
         digits += 1
 
 

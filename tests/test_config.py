@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from qtool.config import load_recipe, parse_recipe, resolve_plan
@@ -117,12 +118,48 @@ def test_a_type_rule_with_no_spec_opts_modules_in_with_the_defaults():
     base = "version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_tensor}\n  activations: null\n"
     plan = plan_of(base, model)
     assert list(rows(plan)) == ["0.weight"]
-    assert any("1.weight [8, 64, 2, 2] (ConvTranspose2d) (a layer type the defaults leave float: a layers rule with "
-               "type: ConvTranspose2d opts it in" in w for w in plan.warnings), plan.warnings
+    assert any("1.weight [8, 64, 2, 2] (ConvTranspose2d) (a layer type the defaults leave float: a layers rule "
+               "{type: ConvTranspose2d, weights: {granularity: per_tensor}} opts it in" in w for w in plan.warnings), \
+        plan.warnings
     plan = plan_of(base + "layers:\n  - type: ConvTranspose2d\n", model)
     p = rows(plan)
     assert list(p) == ["0.weight", "1.weight"] and p["1.weight"].bitwidth == 4 and p["1.weight"].rule is None
     assert not [w for w in plan.warnings if "have no quantizer" in w]
+    # a rule that sets one field sets that field alone (a LayerNorm's output quantizer did not bring its weight)
+    plan = plan_of("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: {bitwidth: 8}\nlayers:\n"
+                   "  - type: LayerNorm\n    activations: {outputs: true, inputs: false}\n",
+                   nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
+    assert sorted(rows(plan)) == ["0.input", "0.weight", "1.output"]
+
+
+def test_a_layer_whose_parent_reads_its_weight_without_calling_it_stays_float():
+    """Mamba's conv1d (and dt_proj): transformers' kernels take the weight as a tensor, so a weight quantizer,
+    which applies when its layer is called, never ran: calibration, report and eval measured it float while the
+    file stored it quantized (Jamba's logits moved by 2.07 once the stored values were put in)."""
+    import transformers
+
+    from tests.tinymodels import ReadsItsConv
+
+    plan = plan_of("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n", ReadsItsConv())
+    assert list(rows(plan)) == ["in_proj.weight"]
+    assert any(w.startswith("conv1d: its ReadsItsConv reads the weight without calling the layer") for w in
+               plan.warnings), plan.warnings
+    cfg = transformers.MambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2)
+    with torch.device("meta"):
+        model = transformers.MambaForCausalLM(cfg)
+    weights = {q.module.rsplit(".", 1)[-1] for q in plan_of("version: 1\n", model).weights}
+    assert weights == {"embeddings", "in_proj", "x_proj", "out_proj", "lm_head"}, weights  # (conv1d, dt_proj: float)
+
+
+def test_gpt2s_conv1d_takes_per_tensor_weights_only():
+    """transformers' Conv1D (GPT-2) stores its weight [in, out]: per_channel scales went per input channel."""
+    from transformers.pytorch_utils import Conv1D
+
+    rule = "version: 1\nlayers:\n  - type: Conv1D\n    weights: {bitwidth: 8, granularity: %s}\n"
+    with pytest.raises(ConfigError, match=r"0 is a Conv1D, whose weight's first dimension is its input channels: "
+                                          r"per_channel there would share scales across input, not output"):
+        plan_of(rule % "per_channel", nn.Sequential(Conv1D(8, 4)))
+    assert rows(plan_of(rule % "per_tensor", nn.Sequential(Conv1D(8, 4))))["0.weight"].shape == ()
 
 
 def test_type_and_match_combine():

@@ -196,8 +196,8 @@ def test_ranks_launched_with_other_options_are_refused_by_rank_0(llama, tmp_path
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [2, 2], errs
-    assert _ours(errs[0]) == ["error: rank 0: rank 1 was launched with another --batch-size than rank 0 (7, rank 0 "
-                              "2): every rank runs the same command"], errs
+    assert _ours(errs[0]) == ["error: rank 0: launched with another --batch-size than rank 1 (rank 0: 2; rank 1: "
+                              "7): every rank must run the same command"], errs
     assert not _ours(errs[1]) and not (tmp_path / "run").exists()
 
 

@@ -189,3 +189,19 @@ class Spare(nn.Module):
 def spare() -> nn.Module:
     torch.manual_seed(0)
     return Spare()
+
+
+class ReadsItsConv(nn.Module):
+    """A mixer that passes its depthwise convolution's weight to a function instead of calling the layer (as
+    transformers' Mamba kernels take ``self.conv1d.weight``), beside a Linear it calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_proj = nn.Linear(8, 8)
+        self.conv1d = nn.Conv1d(8, 8, 4, groups=8, padding=3)
+
+    def forward(self, x):
+        h = self.in_proj(x).transpose(1, 2)
+        dtype = self.conv1d.weight.dtype  # (reading its dtype is not reading the weight)
+        out = torch.nn.functional.conv1d(h, self.conv1d.weight.to(dtype), self.conv1d.bias, padding=3, groups=8)
+        return out[..., :x.shape[1]].transpose(1, 2)

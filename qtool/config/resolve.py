@@ -33,7 +33,8 @@ def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str)
                           "ignore")
     if spec.granularity == "per_tensor":
         return (), None
-    if isinstance(module, nn.modules.conv._ConvTransposeNd):  # (its weight is [in, out / groups, kernel...])
+    # a transposed convolution's weight is [in, out / groups, kernel...], transformers' Conv1D's (GPT-2) [in, out]
+    if isinstance(module, nn.modules.conv._ConvTransposeNd) or type(module).__name__ == "Conv1D":
         raise ConfigError(f"{where}.granularity: {name} is a {type(module).__name__}, whose weight's first dimension "
                           f"is its input channels: {spec.granularity} there would share scales across input, not "
                           "output, channels; use per_tensor")
@@ -119,6 +120,38 @@ def _super_block_fallback(module: "nn.Module", spec: WeightSpec, counts: Dict[Tu
     return _merge(spec, {"gguf_type": now}, WeightSpec, f"gguf_type {now}")
 
 
+_NOT_A_READ = r"(?!\.(?:dtype|device|shape|size|ndim|numel|requires_grad|is_meta)\b)"
+
+
+def _weights_read_directly(named) -> Dict[str, str]:
+    """``{module: its parent's class}`` of layers whose parent's code reads their ``weight`` and never calls them
+    (Mamba's and Qwen3-Next's ``conv1d``, which transformers' reference kernels take as a tensor; Mamba's
+    ``dt_proj``): a weight quantizer applies when its layer is called, so on these it would never run while the
+    file stored the weight quantized. From the parent class's source (a class without one reads as none)."""
+    import inspect
+
+    from torch import nn
+
+    sources: Dict[type, str] = {}
+    out: Dict[str, str] = {}
+    for name, module in named:
+        children = [c for c, m in module.named_children() if isinstance(getattr(m, "weight", None), nn.Parameter)]
+        if not children:
+            continue
+        cls = type(module)
+        if cls not in sources:
+            try:
+                sources[cls] = inspect.getsource(cls)
+            except (OSError, TypeError):
+                sources[cls] = ""
+        src = sources[cls]
+        for child in children:
+            attr = re.escape(child)
+            if re.search(rf"self\.{attr}\.weight\b{_NOT_A_READ}", src) and not re.search(rf"self\.{attr}\s*\(", src):
+                out[f"{name}.{child}" if name else child] = cls.__name__
+    return out
+
+
 def _type_names(module: "nn.Module") -> Tuple[str, ...]:
     """The module's class name and its base classes' (so ``type: Conv2d`` and the default types match subclasses
     such as EfficientNet's ``Conv2dStaticSamePadding``). MultiheadAttention's ``out_proj`` subclass of Linear is
@@ -147,8 +180,9 @@ def _expert_count(model: "nn.Module") -> int:
     """The routed experts per MoE layer the model's config names (0 for a dense model)."""
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config
-    # (DBRX keeps its count in a sub-config, ffn_config)
-    nested = [v for v in vars(config).values() if hasattr(v, "to_dict") or isinstance(v, dict)] if config else []
+    # (DBRX keeps its count in a sub-config, ffn_config; a plain model's config may be a dict)
+    fields = config if isinstance(config, dict) else getattr(config, "__dict__", {})
+    nested = [v for v in fields.values() if hasattr(v, "to_dict") or isinstance(v, dict)]
     for cfg in [config, *nested]:
         for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
             value = cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
@@ -216,6 +250,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     towered: List[str] = []  # media-tower modules left float by default
     effective: set = set()  # (rule, "weights" / "activations") that survive on some module
     shadowed_by: Dict[Tuple[int, str], int] = {}  # (rule, field) -> a later rule that set again what it set
+    read_directly = _weights_read_directly([("", model), *named])
+    read_float: List[Tuple[str, str]] = []  # (module, its parent's class) of weights left float for that
     for name, module in named:
         tname = exported_types.get(name, type(module).__name__)
         tnames = (tname,) if name in exported_types else _type_names(module)
@@ -251,9 +287,11 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             if rule.types():
                 if not any(t in rule.types() for t in tnames):
                     continue
-                if not (w_cand and a_cand) and not applied:  # naming a type opts modules of that type in, from the
-                    w_spec = w_spec if w_cand else _mixed(recipe.defaults.weights)  # defaults (what a field left
-                    a_spec = a_spec if a_cand else recipe.defaults.activations  # out of the rule means)
+                # naming a type opts modules of that type in; a rule that sets neither field takes the defaults for
+                # them (it said nothing else), one that sets a field sets that field alone
+                if not rule.model_fields_set & {"weights", "activations"} and not applied:
+                    w_spec = w_spec if w_cand else _mixed(recipe.defaults.weights)
+                    a_spec = a_spec if a_cand else recipe.defaults.activations
                 w_cand = a_cand = True
             if not (w_cand or a_cand):
                 continue  # a name pattern only refines modules that can be quantized
@@ -286,6 +324,9 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             for j in hits:
                 ignore_removed[j] = ignore_removed[j] or w_cand or a_cand
             continue
+        if w_spec is not None and name in read_directly:
+            read_float.append((name, read_directly[name]))
+            w_spec = None
         if w_spec is not None:
             where = f"{source}: layers[{rule_w}].weights" if rule_w is not None else f"{source}: defaults.weights"
             w_spec = _super_block_fallback(module, w_spec, fallbacks)
@@ -364,6 +405,11 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         plan.quantizers += _kv_cache_rows(recipe, named, source)
         kv = {q.module for q in plan.quantizers if q.tensor in ("k_cache", "v_cache")}
         plan.kv_float = [n for n in attention_modules(named) if n not in kv]
+    if read_float:
+        (first, parent), more = read_float[0], len(read_float) - 1
+        plan.warnings.append(f"{first}{f' (and {more} more)' if more else ''}: its {parent} reads the weight without "
+                             "calling the layer, so a weight quantizer there would never run while the file stored "
+                             "the weight quantized: left float")
     if towered:
         roots = sorted({n[:MEDIA_TOWER.search(n).end(2)] for n in towered})
         plan.warnings.append(f"{len(towered)} module(s) of the model's media encoders stay float "

@@ -71,19 +71,22 @@ def check_gates(ev: Evaluation, max_ppl_increase: Optional[float] = None, max_kl
     check_gate_use(set_gates, ev.causal_lm, ev.encodings is not None)
     if max_ppl_increase is not None:
         v = ev.perplexity_increase_pct
-        gates.append(Gate("max-ppl-increase", max_ppl_increase, v, v <= max_ppl_increase, f"perplexity {shown(v, max_ppl_increase, '+.2f')}%"))
+        gates.append(Gate("max-ppl-increase", max_ppl_increase, v, v <= max_ppl_increase,
+                          f"perplexity {shown(v, max_ppl_increase, '+.2f')}%"))
     if max_kl is not None:
         v = ev.vs_float["artifact"].kl_mean
         gates.append(Gate("max-kl", max_kl, v, v <= max_kl, f"mean KL from float {shown(v, max_kl, '.4g')}"))
     if min_agreement is not None:
         v = ev.vs_float["artifact"].top1
-        gates.append(Gate("min-agreement", min_agreement, v, v >= min_agreement, f"top-1 agreement {shown(v, min_agreement, '.4f')}"))
+        gates.append(Gate("min-agreement", min_agreement, v, v >= min_agreement,
+                          f"top-1 agreement {shown(v, min_agreement, '.4f')}"))
     if min_cosine is not None:
         v = ev.cosine["artifact"]["mean"]
         gates.append(Gate("min-cosine", min_cosine, v, v >= min_cosine, f"cosine {shown(v, min_cosine, '.5f')}"))
     if max_export_gap is not None:
         v = ev.export_gap.kl_mean if ev.causal_lm else 1.0 - ev.cosine["export_gap"]["mean"]
-        gates.append(Gate("max-export-gap", max_export_gap, v, v <= max_export_gap, f"export gap {shown(v, max_export_gap, '.4g')}"))
+        gates.append(Gate("max-export-gap", max_export_gap, v, v <= max_export_gap,
+                          f"export gap {shown(v, max_export_gap, '.4g')}"))
     return gates
 
 

@@ -159,6 +159,8 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
                 if causal_lm:  # (other models take other inputs: the held-out batches try them)
                     model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
         except (ValueError, RuntimeError, TypeError, OSError, KeyError, NotImplementedError, AttributeError) as e:
+            if isinstance(e, AttributeError) and "has no attribute 'weight'" not in str(e):
+                raise  # (only the known limit below: any other is a fault to report, not the file's)
             if "ignore_mismatched_sizes" in str(e) and _experts_apart(directory):
                 # (its "above report" is transformers' own log: the message alone names nothing)
                 raise UsageError(f"{directory}: transformers cannot load its experts: {_EXPERTS_FUSED}: a limit "

@@ -117,8 +117,8 @@ class Exporter:
 
     def left_float(self, quantizers, options: "Exporter.Options", tied=()) -> List[str]:
         """The weight quantizers (plan rows) this format writes as float weights though the recipe quantizes
-        them (default: none), so the plan can say so before calibrating. ``tied``: the names of weight quantizers
-        on a parameter the model also holds under another name (``Plan.tied``, :func:`tied_parameters`)."""
+        them (default: none), so the plan can say so before calibrating. ``tied``: the weights the model holds
+        under two names, ``{later name: first name}`` (``Plan.tied``, :func:`tied_parameters`)."""
         return []
 
     def not_written(self, entries, options: "Exporter.Options", tied=()) -> List[str]:

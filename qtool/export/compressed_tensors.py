@@ -294,8 +294,10 @@ class CompressedTensorsExporter(Exporter):
 
     def left_float(self, quantizers, options: "CompressedTensorsExporter.Options", tied=()) -> List[str]:
         """Weights of modules other than Linear (embedding tables): the layout quantizes Linear weights only; and
-        a Linear's weight shared with another module (a tied ``lm_head``), which compressing would untie."""
-        return [q.name for q in quantizers if q.tensor == "weight" and (q.module_type != "Linear" or q.name in tied)]
+        a Linear's weight shared with another module (a tied ``lm_head``, under either of its names), which
+        compressing would untie."""
+        shared = {*tied, *tied.values()} if isinstance(tied, dict) else set(tied)
+        return [q.name for q in quantizers if q.tensor == "weight" and (q.module_type != "Linear" or q.name in shared)]
 
     def not_written(self, entries, options: "CompressedTensorsExporter.Options", tied=()) -> List[str]:
         return self.left_float(entries, options, tied) + [e.name for e in _unwritten_activations(entries)]

@@ -90,16 +90,21 @@ def _same_command(group: Group, opts: CalibrateOptions, recipe=None, target: Opt
     recipe never reaches. Every rank raises; rank 0's line names the first difference."""
     if not group.distributed:
         return
-    mine = {**{f"--{k.replace('_', '-')}": v for k, v in opts.recorded().items()},
-            "recipe": f"{recipe.path} (sha256 {recipe.sha256[:12]})" if isinstance(recipe, RecipeFile) else recipe,
-            **({} if target is None else {f"size search {k}": str(v) for k, v in vars(target).items()
-                                          if k != "recipes"}), **more}
+
+    def sha(r):  # (a recipe by its bytes: each node may install qtool, and its shipped recipes, elsewhere)
+        return f"sha256 {r.sha256[:12]}" if isinstance(r, RecipeFile) else r
+
+    options = {**opts.recorded(), "resume": opts.resume}
+    options["device"] = str(options["device"]).split(":")[0]  # (cuda:LOCAL_RANK per rank is a launch's choice)
+    searched = {} if target is None else {**{f"size search {k}": str(v) for k, v in vars(target).items()
+                                              if k != "recipes"}, "candidates' bytes": [sha(r) for r in target.recipes]}
+    mine = {**{f"--{k.replace('_', '-')}": v for k, v in options.items()}, "recipe": sha(recipe), **searched, **more}
     every = group.all_gather(mine)
     for rank, theirs in enumerate(every):
         if theirs != every[0]:
             key = next(k for k in [*every[0], *theirs] if theirs.get(k) != every[0].get(k))
-            raise UsageError(f"rank {rank} was launched with another {key} than rank 0 ({theirs.get(key)!r}, rank 0 "
-                             f"{every[0].get(key)!r}): every rank runs the same command")
+            raise UsageError(f"launched with another {key} than rank {rank} (rank 0: {every[0].get(key)!r}; rank "
+                             f"{rank}: {theirs.get(key)!r}): every rank must run the same command")
 
 
 def _check_resume(opts: CalibrateOptions, target: Optional["TargetOptions"]) -> None:
