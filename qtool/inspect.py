@@ -262,6 +262,38 @@ def _gguf_file(path: Path) -> Dict[str, Any]:
             "totals": _totals(rows, numels), "metadata": meta}
 
 
+# bits per element of the ONNX initializer types an export holds
+_ONNX_BITS = {"INT4": 4, "UINT4": 4, "INT8": 8, "UINT8": 8, "INT16": 16, "UINT16": 16, "FLOAT16": 16, "BFLOAT16": 16,
+              "FLOAT": 32, "INT32": 32, "UINT32": 32, "FLOAT8E4M3FN": 8, "INT64": 64, "DOUBLE": 64}
+
+
+def _onnx_file(path: Path) -> Dict[str, Any]:
+    """An ONNX graph's initializers: each one's type, shape and stored bytes; the integer ones a DequantizeLinear
+    reads are the quantized weights (external data is not read)."""
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends: not an ONNX model
+        raise UsageError(f"{path}: not a readable ONNX model ({type(e).__name__})") from None
+    if not model.ir_version or not model.graph.node:  # (protobuf reads most bytes as some message)
+        raise UsageError(f"{path}: not a readable ONNX model (no graph)")
+    dequantized = {n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input}
+    rows, numels = [], []
+    for t in model.graph.initializer:
+        kind = onnx.TensorProto.DataType.Name(t.data_type)
+        bits = _ONNX_BITS.get(kind)
+        shape = [int(d) for d in t.dims]
+        external = {e.key: e.value for e in t.external_data}
+        nbytes = (int(external["length"]) if "length" in external else len(t.raw_data) if t.raw_data
+                  else (_numel(shape) * bits + 7) // 8 if bits else 0)
+        quantized = t.name in dequantized and kind.startswith(("INT", "UINT", "FLOAT8"))
+        rows.append(_row(t.name, kind.lower(), bits, None, shape, nbytes, quantized))
+        numels.append(_numel(shape))
+    return {"kind": f"ONNX (opset {max((o.version for o in model.opset_import), default=0)})", "path": str(path),
+            "tensors": rows, "totals": _totals(rows, numels)}
+
+
 def inspect_path(path: str | Path) -> Dict[str, Any]:
     """What ``path`` holds (a listing of tensors or encodings). Files whose structure is not what their kind
     promises (missing keys, wrong types, nesting too deep) are one error naming the file."""
@@ -306,8 +338,11 @@ def _inspect(p: Path) -> Dict[str, Any]:
         if all(h.get("__metadata__", {}).get("format") == "qtool.int" for h in headers):
             return _qtool_safetensors(p, headers)
         return _plain_safetensors(files, "sharded safetensors", p)
+    if p.suffix == ".onnx":
+        return _onnx_file(p)
     if p.suffix not in (".json", ".encodings"):
-        raise UsageError(f"{p}: not a safetensors, GGUF, encodings (.json, .encodings) file or a model directory")
+        raise UsageError(f"{p}: not a safetensors, GGUF, ONNX, encodings (.json, .encodings) file or a model "
+                         "directory")
     obj = read_json_object(p, UsageError, "encodings file", strict=True)
     if not (obj.get("schema") == "qtool.encodings" or "version" in obj):
         raise UsageError(f"{p}: JSON, but neither qtool encodings nor an AIMET encodings file")

@@ -125,6 +125,19 @@ def test_a_module_called_thrice_and_a_tied_weight_export_and_run(tmp_path, recip
     assert {"emb.weight_quantized", "head.weight_quantized"} <= inits and "emb.weight" not in inits
     code, out, err = run_cli("inspect", tmp_path / "q", "--json")  # (an ONNX export directory: its model.encodings)
     assert code == 0 and json.loads(out)["totals"]["tensors"] == len(aimet), err
+    # the graph itself: every initializer with its stored bytes, the codes DequantizeLinear reads counted quantized
+    # (model.onnx was "not a safetensors, GGUF, encodings ... file")
+    code, out, err = run_cli("inspect", tmp_path / "q/model.onnx", "--json")
+    listing = json.loads(out)
+    rows = {r["name"]: r for r in listing["tensors"]}
+    assert code == 0 and listing["kind"].startswith("ONNX (opset") and set(rows) == inits, err
+    from onnx import numpy_helper
+
+    assert sum(numpy_helper.to_array(t).nbytes for t in proto.graph.initializer) == listing["totals"]["bytes"]
+    assert rows["head.weight_quantized"]["quantized"] and not rows["emb.weight_scale"]["quantized"]
+    (tmp_path / "bad.onnx").write_bytes(b"\x08" * 10)
+    code, _, err = run_cli("inspect", tmp_path / "bad.onnx")
+    assert code == 2 and "bad.onnx: not a readable ONNX model" in err, err
 
 
 def test_conv_per_channel_and_blocked(tmp_path):

@@ -200,6 +200,8 @@ def _report_files(summary: Dict[str, Any], quiet: bool, warnings_shown: Optional
 def ratio_words(before: float, after: float) -> str:
     """``"2.00x smaller"``, or ``"1.50x larger"`` where ``after`` is the larger (a float16 checkpoint's float32
     export, a small model's graph)."""
+    if not before or not after:  # (a listing of no tensor)
+        return "no ratio: nothing to compare"
     return f"{before / after:.2f}x smaller" if after <= before else f"{after / before:.2f}x larger"
 
 
