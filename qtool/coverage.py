@@ -52,11 +52,14 @@ class WeightCoverage:
         share = sum(_numel(s) for _, s, _ in big) / self.total
         named = ", ".join(f"{n} {list(s)} ({t})" for n, s, t in big[:3])
         more = f" and {len(big) - 3} more" if len(big) > 3 else ""
-        # (a transposed convolution or GPT-2's Conv1D, whose weight is [in, out, ...], takes per_tensor weights)
-        transposed = sorted({t for n, _, t in big if t.startswith("ConvTranspose") or t == "Conv1D"})
-        why = (f"a layer type the defaults leave float: a layers rule {{type: {transposed[0]}, weights: "
-               "{granularity: per_tensor}} opts it in" if len(transposed) == len({t for _, _, t in big}) else
-               "a module type qtool cannot quantize yet")
+        layers = sorted({t for n, _, t in big if n.rsplit(".", 1)[-1] == "weight"})
+        if len(layers) == len({t for _, _, t in big}):  # (layers holding a weight: a type rule can opt them in)
+            # (a transposed convolution's or GPT-2's Conv1D's weight is [in, out, ...]: per_tensor scales only)
+            transposed = [t for t in layers if t.startswith("ConvTranspose") or t == "Conv1D"]
+            why = (f"a layer type the defaults leave float: a layers rule with type: {layers[0]} opts it in"
+                   + (f" ({', '.join(transposed)}: with per_tensor weights)" if transposed else ""))
+        else:
+            why = "a module type qtool cannot quantize yet"
         return (f"{len(big)} weight tensor(s), {100 * share:.1f} % of the model's weight parameters, have no "
                 f"quantizer in qtool and stay float: {named}{more} ({why}; list them under ignore to acknowledge "
                 "it)")

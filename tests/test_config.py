@@ -119,8 +119,8 @@ def test_a_type_rule_with_no_spec_opts_modules_in_with_the_defaults():
     plan = plan_of(base, model)
     assert list(rows(plan)) == ["0.weight"]
     assert any("1.weight [8, 64, 2, 2] (ConvTranspose2d) (a layer type the defaults leave float: a layers rule "
-               "{type: ConvTranspose2d, weights: {granularity: per_tensor}} opts it in" in w for w in plan.warnings), \
-        plan.warnings
+               "with type: ConvTranspose2d opts it in (ConvTranspose2d: with per_tensor weights)" in w
+               for w in plan.warnings), plan.warnings
     plan = plan_of(base + "layers:\n  - type: ConvTranspose2d\n", model)
     p = rows(plan)
     assert list(p) == ["0.weight", "1.weight"] and p["1.weight"].bitwidth == 4 and p["1.weight"].rule is None
@@ -142,8 +142,14 @@ def test_a_layer_whose_parent_reads_its_weight_without_calling_it_stays_float():
 
     plan = plan_of("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n", ReadsItsConv())
     assert list(rows(plan)) == ["in_proj.weight"]
-    assert any(w.startswith("conv1d: its ReadsItsConv reads the weight without calling the layer") for w in
-               plan.warnings), plan.warnings
+    assert any(w.startswith("conv1d (in a ReadsItsConv): the model's code reads the weight without calling the "
+                            "layer") for w in plan.warnings), plan.warnings
+    from tests.tinymodels import CallsItsLayerAnotherWay, Derived
+
+    for model, want in ((CallsItsLayerAnotherWay(), ["proj.weight", "q.weight", "k.weight"]),
+                        (Derived(), ["fc.weight"])):
+        plan = plan_of("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n", model)
+        assert list(rows(plan)) == want and not [w for w in plan.warnings if "without calling" in w]
     cfg = transformers.MambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2)
     with torch.device("meta"):
         model = transformers.MambaForCausalLM(cfg)

@@ -205,3 +205,32 @@ class ReadsItsConv(nn.Module):
         dtype = self.conv1d.weight.dtype  # (reading its dtype is not reading the weight)
         out = torch.nn.functional.conv1d(h, self.conv1d.weight.to(dtype), self.conv1d.bias, padding=3, groups=8)
         return out[..., :x.shape[1]].transpose(1, 2)
+
+
+class CallsItsLayerAnotherWay(nn.Module):
+    """Reads its layers' weights (to initialize them) and calls them by an alias, in a loop, or from a base class's
+    forward: they run, so they are quantized (the first source check left them float)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        torch.nn.init.xavier_uniform_(self.proj.weight)
+        torch.nn.init.xavier_uniform_(self.q.weight)
+
+    def forward(self, x):
+        proj = self.proj
+        return sum(m(proj(x)) for m in (self.q, self.k))
+
+
+class _Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class Derived(_Base):
+    def reset(self):
+        torch.nn.init.normal_(self.fc.weight)

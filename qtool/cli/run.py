@@ -166,7 +166,7 @@ def quantize(
         target = _target(config, candidates, target_bpw, target_size, search_samples, search_data, search_metric)
         recipe = _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback,
                               data, imatrix, matmul_precision)
-        if eval_data is not None and _rank() == 0 and not Path(eval_data).exists():  # (rank 0 reads it later)
+        if eval_data is not None and not Path(eval_data).exists():  # (rank 0 reads it once the output is written)
             from ..errors import DataError
 
             raise DataError(f"--eval {eval_data}: data path not found")

@@ -120,14 +120,17 @@ def _super_block_fallback(module: "nn.Module", spec: WeightSpec, counts: Dict[Tu
     return _merge(spec, {"gguf_type": now}, WeightSpec, f"gguf_type {now}")
 
 
-_NOT_A_READ = r"(?!\.(?:dtype|device|shape|size|ndim|numel|requires_grad|is_meta)\b)"
+# what reading a layer's weight as a tensor looks like, as opposed to asking its dtype or device
+_NOT_A_READ = r"(?!\.(?:dtype|device|shape|size|ndim|numel|requires_grad_?|is_meta)\b)"
 
 
 def _weights_read_directly(named) -> Dict[str, str]:
-    """``{module: its parent's class}`` of layers whose parent's code reads their ``weight`` and never calls them
-    (Mamba's and Qwen3-Next's ``conv1d``, which transformers' reference kernels take as a tensor; Mamba's
+    """``{module: its parent's class}`` of layers whose parent's code reads their ``weight`` and does nothing else
+    with them (Mamba's and Qwen3-Next's ``conv1d``, which transformers' reference kernels take as a tensor; Mamba's
     ``dt_proj``): a weight quantizer applies when its layer is called, so on these it would never run while the
-    file stored the weight quantized. From the parent class's source (a class without one reads as none)."""
+    file stored the weight quantized. From the sources of the parent's classes (its bases' too): a layer that the
+    code calls, takes by ``getattr``, or hands on bare (``proj = self.proj``, ``for m in (self.q, self.k)``)
+    anywhere is not one; a class without source reads as none."""
     import inspect
 
     from torch import nn
@@ -140,14 +143,22 @@ def _weights_read_directly(named) -> Dict[str, str]:
             continue
         cls = type(module)
         if cls not in sources:
-            try:
-                sources[cls] = inspect.getsource(cls)
-            except (OSError, TypeError):
-                sources[cls] = ""
+            parts = []
+            for c in cls.__mro__:
+                if c.__module__.startswith("torch.") or c is object:
+                    continue
+                try:
+                    parts.append(inspect.getsource(c))
+                except (OSError, TypeError):
+                    pass
+            sources[cls] = "\n".join(parts)
         src = sources[cls]
         for child in children:
             attr = re.escape(child)
-            if re.search(rf"self\.{attr}\.weight\b{_NOT_A_READ}", src) and not re.search(rf"self\.{attr}\s*\(", src):
+            uses = re.findall(rf"(?<![\w.])self\.{attr}\b(\.\w+|\s*=(?!=))?", src)
+            if (re.search(rf"(?<![\w.])self\.{attr}\.weight\b{_NOT_A_READ}", src)
+                    and all(u and u not in (".forward", ".__call__") for u in uses)
+                    and not re.search(rf"getattr\(\s*self\s*,\s*[\"']{attr}[\"']", src)):
                 out[f"{name}.{child}" if name else child] = cls.__name__
     return out
 
@@ -324,9 +335,9 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             for j in hits:
                 ignore_removed[j] = ignore_removed[j] or w_cand or a_cand
             continue
-        if w_spec is not None and name in read_directly:
+        if (w_spec is not None or a_spec is not None) and name in read_directly:
             read_float.append((name, read_directly[name]))
-            w_spec = None
+            w_spec = a_spec = None  # (its input quantizer would never run either)
         if w_spec is not None:
             where = f"{source}: layers[{rule_w}].weights" if rule_w is not None else f"{source}: defaults.weights"
             w_spec = _super_block_fallback(module, w_spec, fallbacks)
@@ -406,10 +417,11 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         kv = {q.module for q in plan.quantizers if q.tensor in ("k_cache", "v_cache")}
         plan.kv_float = [n for n in attention_modules(named) if n not in kv]
     if read_float:
-        (first, parent), more = read_float[0], len(read_float) - 1
-        plan.warnings.append(f"{first}{f' (and {more} more)' if more else ''}: its {parent} reads the weight without "
-                             "calling the layer, so a weight quantizer there would never run while the file stored "
-                             "the weight quantized: left float")
+        named_here = ", ".join(f"{n} (in a {parent})" for n, parent in read_float[:3])
+        more = f" and {len(read_float) - 3} more" if len(read_float) > 3 else ""
+        plan.warnings.append(f"{named_here}{more}: the model's code reads the weight without calling the layer, so a "
+                             "quantizer there would never run while the file stored the weight quantized: left "
+                             "float")
     if towered:
         roots = sorted({n[:MEDIA_TOWER.search(n).end(2)] for n in towered})
         plan.warnings.append(f"{len(towered)} module(s) of the model's media encoders stay float "

@@ -97,7 +97,8 @@ def _same_command(group: Group, opts: CalibrateOptions, recipe=None, target: Opt
     options = {**opts.recorded(), "resume": opts.resume}
     options["device"] = str(options["device"]).split(":")[0]  # (cuda:LOCAL_RANK per rank is a launch's choice)
     searched = {} if target is None else {**{f"size search {k}": str(v) for k, v in vars(target).items()
-                                              if k != "recipes"}, "candidates' bytes": [sha(r) for r in target.recipes]}
+                                              if k not in ("recipes", "candidates")},  # (paths: by their bytes)
+                                           "candidates' bytes": [sha(r) for r in target.recipes]}
     mine = {**{f"--{k.replace('_', '-')}": v for k, v in options.items()}, "recipe": sha(recipe), **searched, **more}
     every = group.all_gather(mine)
     for rank, theirs in enumerate(every):
