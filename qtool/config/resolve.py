@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
@@ -124,6 +125,27 @@ def _super_block_fallback(module: "nn.Module", spec: WeightSpec, counts: Dict[Tu
 _NOT_A_READ = r"(?!\.(?:dtype|device|shape|size|ndim|numel|requires_grad_?|is_meta)\b)"
 
 
+@functools.lru_cache(maxsize=None)
+def _class_source(cls: type) -> str:
+    """The source of ``cls`` and of its module bases, once per class (finding a class's source parses its whole
+    file): torch's own classes and transformers' ``PreTrainedModel`` (thousands of lines, no layer of a model's own)
+    left out; a class without source reads as none."""
+    import inspect
+
+    from torch import nn
+
+    parts = []
+    for c in cls.__mro__:
+        if not (isinstance(c, type) and issubclass(c, nn.Module)) or c.__module__.startswith(
+                ("torch.", "transformers.modeling_utils")):
+            continue
+        try:
+            parts.append(inspect.getsource(c))
+        except (OSError, TypeError):
+            pass
+    return "\n".join(parts)
+
+
 def _weights_read_directly(named) -> Dict[str, str]:
     """``{module: its parent's class}`` of layers whose parent's code reads their ``weight`` and does nothing else
     with them (Mamba's and Qwen3-Next's ``conv1d``, which transformers' reference kernels take as a tensor; Mamba's
@@ -131,36 +153,28 @@ def _weights_read_directly(named) -> Dict[str, str]:
     file stored the weight quantized. From the sources of the parent's classes (its bases' too): a layer that the
     code calls, takes by ``getattr``, or hands on bare (``proj = self.proj``, ``for m in (self.q, self.k)``)
     anywhere is not one; a class without source reads as none."""
-    import inspect
-
     from torch import nn
 
-    sources: Dict[type, str] = {}
     out: Dict[str, str] = {}
     for name, module in named:
         children = [c for c, m in module.named_children() if isinstance(getattr(m, "weight", None), nn.Parameter)]
         if not children:
             continue
-        cls = type(module)
-        if cls not in sources:
-            parts = []
-            for c in cls.__mro__:
-                if c.__module__.startswith("torch.") or c is object:
-                    continue
-                try:
-                    parts.append(inspect.getsource(c))
-                except (OSError, TypeError):
-                    pass
-            sources[cls] = "\n".join(parts)
-        src = sources[cls]
         for child in children:
-            attr = re.escape(child)
-            uses = re.findall(rf"(?<![\w.])self\.{attr}\b(\.\w+|\s*=(?!=))?", src)
-            if (re.search(rf"(?<![\w.])self\.{attr}\.weight\b{_NOT_A_READ}", src)
-                    and all(u and u not in (".forward", ".__call__") for u in uses)
-                    and not re.search(rf"getattr\(\s*self\s*,\s*[\"']{attr}[\"']", src)):
-                out[f"{name}.{child}" if name else child] = cls.__name__
+            if _reads_only(type(module), child):
+                out[f"{name}.{child}" if name else child] = type(module).__name__
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _reads_only(cls: type, child: str) -> bool:
+    """Whether ``cls``'s code reads ``self.<child>.weight`` and does nothing with ``self.<child>`` but read its
+    attributes or assign it (see :func:`_weights_read_directly`)."""
+    src, attr = _class_source(cls), re.escape(child)
+    uses = re.findall(rf"(?<![\w.])self\.{attr}\b(\.\w+|\s*=(?!=))?", src)
+    return bool(re.search(rf"(?<![\w.])self\.{attr}\.weight\b{_NOT_A_READ}", src)
+                and all(u and u not in (".forward", ".__call__") for u in uses)
+                and not re.search(rf"getattr\(\s*self\s*,\s*[\"']{attr}[\"']", src))
 
 
 def _type_names(module: "nn.Module") -> Tuple[str, ...]:
