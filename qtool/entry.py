@@ -14,6 +14,8 @@ _EXIT = {signal.SIGINT: ("SIGINT", 130), signal.SIGTERM: ("SIGTERM", 143)}
 
 def _before_the_cli(signum, frame):
     name, code = _EXIT[signum]
+    if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("RANK", "0") != "0":
+        os._exit(code)  # (torchrun stops every rank once one exits: rank 0 says why, and one JSON object is its)
     sys.stderr.write(f"interrupted: {name}; nothing was written\n")
     if "--json" in sys.argv[1:]:
         sys.stdout.write(json.dumps({"ok": False, "exit_code": code, "error": f"{name}; nothing was written"},

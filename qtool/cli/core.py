@@ -111,6 +111,8 @@ class _Group(typer.core.TyperGroup):
             sys.exit(e.exit_code)
         if _SIGNALLED and not _SAID:  # an interrupt outside the command's _errors (while its summary is printed)
             name = _SIGNALLED[-1]
+            if _under_torchrun() and _rank() != 0:  # (rank 0 says it; stdout holds rank 0's one JSON object)
+                sys.exit(_SIGNAL_EXIT[name])
             message = f"interrupted: {name}; {_written()}"
             err.print(message, markup=False)
             if "--json" in argv and not _EMITTED:  # (stdout holds one JSON object: the summary, if it got out)
