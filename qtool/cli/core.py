@@ -157,10 +157,19 @@ class _LazyConsole:
 err = _LazyConsole()
 
 
+def _world_size() -> int:
+    """The ranks a launcher such as torchrun started (1 when not distributed, or when WORLD_SIZE is no number: the
+    process group's own check names it)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
 def _rank() -> int:
     """This process's rank under a launcher such as torchrun (0 when not distributed)."""
     try:
-        return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+        return int(os.environ.get("RANK", "0")) if _world_size() > 1 else 0
     except ValueError:
         return 0
 
@@ -168,10 +177,7 @@ def _rank() -> int:
 def _one_process(command: str) -> None:
     """Refuse a launch on several ranks (torchrun) of a command that runs in one process: every rank would do the
     whole of it, write the same output (one then failing on "already exists") and print its own summary."""
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return
+    world = _world_size()
     if world > 1:
         from ..errors import UsageError
 

@@ -155,14 +155,15 @@ def _check_early(recipe: Optional[str] = None, device: Optional[str] = None, for
                  encoding_version: Optional[str] = None, ct_8bit_format: Optional[str] = None,
                  gguf_float: Optional[str] = None, gguf_fallback: Optional[str] = None,
                  data: Optional[str] = None, imatrix: Optional[str] = None,
-                 matmul_precision: Optional[str] = None):
+                 matmul_precision: Optional[str] = None, eval_data: Optional[str] = None):
     """Every choice, the data path and the recipe, checked before torch or a model is loaded (a typo costs no
     calibration). Returns the recipe read (a ``RecipeFile``, or None without one): the run takes it from here, so
     the file is read once."""
-    if data is not None and not os.path.exists(data):
-        from ..errors import DataError
+    for given, flag in ((data, ""), (eval_data, "--eval ")):  # (--eval's: rank 0 reads it after the output)
+        if given is not None and not os.path.exists(given):
+            from ..errors import DataError
 
-        raise DataError(f"{data}: data path not found")
+            raise DataError(f"{flag}{given}: data path not found")
     if imatrix is not None and not os.path.isfile(imatrix):
         from ..errors import UsageError
 

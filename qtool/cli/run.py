@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -165,11 +164,7 @@ def quantize(
     with _errors(debug, json_out), _Progress(quiet) as p:
         target = _target(config, candidates, target_bpw, target_size, search_samples, search_data, search_metric)
         recipe = _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback,
-                              data, imatrix, matmul_precision)
-        if eval_data is not None and not Path(eval_data).exists():  # (rank 0 reads it once the output is written)
-            from ..errors import DataError
-
-            raise DataError(f"--eval {eval_data}: data path not found")
+                              data, imatrix, matmul_precision, eval_data)
         checkpoint = _checkpoint(checkpoint, revision)
         from ..pipeline import run_quantize
 

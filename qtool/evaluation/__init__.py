@@ -224,17 +224,15 @@ def _as_stored(model: torch.nn.Module, enc, fmt: str, ev: "Evaluation") -> None:
     """The fake-quant model as the format stores it: quantizers the format runs in float although the recipe has
     them (compressed-tensors' embedding tables and static integer activations) are switched off, so the export
     gap measures the file, not a documented limit of its layout."""
-    from ..config.resolve import tied_parameters
     from ..export import get_exporter
-    from ..export.base import with_module_types
+    from ..export.base import written_float
     from ..model.experts import routing_of
     from ..model.insert import iter_quantizers
 
     exporter = get_exporter(fmt)
     modules = dict(model.named_modules())
     entries = {e.name: (e, modules[e.module]) for e in enc.entries if e.module in modules}
-    rows = with_module_types([e for e, _ in entries.values()], modules)
-    off = sorted(set(exporter.not_written(rows, exporter.Options(), tied_parameters(model))))
+    off = sorted(written_float(exporter, exporter.Options(), [e for e, _ in entries.values()], model, modules))
     quantizers = dict(iter_quantizers(model))  # named <module>.<tensor>
     if off:
         ev.notes.append(f"the fake-quant model runs {len(off)} quantizer(s) in float as --format {fmt} writes them "

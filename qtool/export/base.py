@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, List, Optional
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Set
 
 from ..encodings import EncodingEntry, EncodingsFile
 from ..errors import EncodingsError
@@ -169,6 +169,15 @@ def with_module_types(entries, modules) -> List[TypedEntry]:
     module's, the type it wraps)."""
     return [TypedEntry(e, getattr(modules[e.module], "_qtool_base", type(modules[e.module])).__name__)
             for e in entries if e.module in modules]
+
+
+def written_float(exporter: "Exporter", options, entries, model, modules) -> Set[str]:
+    """The names of ``entries``' quantizers that ``exporter`` writes float for ``model`` (``modules``: its
+    ``named_modules()``): :meth:`Exporter.not_written` given each entry's module type and the model's tied
+    weights, what a fake-quant model switches off to run as the file does (eval, the size search)."""
+    from ..config.resolve import tied_parameters
+
+    return set(exporter.not_written(with_module_types(entries, modules), options, tied_parameters(model)))
 
 
 def refuse_float_elements(quantizers, fmt: str, why: str) -> None:

@@ -126,14 +126,13 @@ _NLL_NEEDS_CAUSAL_LM = ("--search-metric nll ranks by the change in the text's n
 def _as_written(model, encodings: Path, exporter, options) -> None:
     """A calibrated model as the format writes it: quantizers the format runs in float (compressed-tensors'
     embedding tables) taken out, so that the damage ranked is the file's, as the bytes counted are."""
-    from ..config.resolve import tied_parameters
     from ..encodings import EncodingsFile
-    from ..export.base import with_module_types
+    from ..export.base import written_float
 
     modules = dict(model.named_modules())
-    rows = with_module_types(EncodingsFile.read(encodings, lazy=True).entries, modules)
-    off = set(exporter.not_written(rows, options, tied_parameters(model)))
-    for q in rows:
+    entries = [e for e in EncodingsFile.read(encodings, lazy=True).entries if e.module in modules]
+    off = written_float(exporter, options, entries, model, modules)
+    for q in entries:
         held = getattr(modules[q.module], QUANTIZERS_ATTR, None)
         if q.name in off and held is not None and q.tensor in held:
             del held[q.tensor]  # (gone, not off: the damage measurement switches every quantizer on and off)
