@@ -55,6 +55,18 @@ def _ours(stderr):
     return [line for line in stderr.splitlines() if line.startswith(("error:", "internal error:", "interrupted:"))]
 
 
+def _by_hand(commands, env=None):
+    """Ranks launched without torchrun, as docs/distributed.md's CI recipe does: rank r runs ``commands[r]`` (an
+    argv) with the process group's variables set, ``env`` added."""
+    port = _free_port()
+    return [subprocess.Popen([str(c) for c in argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True,
+                             env={**os.environ, "WORLD_SIZE": str(len(commands)), "RANK": str(rank),
+                                  "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                  "QTOOL_DIST_TIMEOUT": "60", "OMP_NUM_THREADS": "1", **(env or {})})
+            for rank, argv in enumerate(commands)]
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     d = tmp_path_factory.mktemp("dist")
@@ -161,17 +173,10 @@ def test_a_killed_rank_ends_the_others_with_exit_4(llama, tmp_path):
 
     save_file({"x": torch.randn(16, 64)}, tmp_path / "x.safetensors")
     save_file(dies_on_rank().state_dict(), tmp_path / "m.safetensors")
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QTOOL_DIST_TIMEOUT": "60",
-               "QTOOL_TEST_DIE_ON_RANK": "1", "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "qtool", "calibrate", str(tmp_path / "m.safetensors"), "--model-class",
-             "tests.tinymodels:dies_on_rank", "-c", "w8a8", "--data", str(tmp_path / "x.safetensors"),
-             "--batch-size", "2", "-o", str(tmp_path / "run"), "--quiet"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    argv = [sys.executable, "-m", "qtool", "calibrate", tmp_path / "m.safetensors", "--model-class",
+            "tests.tinymodels:dies_on_rank", "-c", "w8a8", "--data", tmp_path / "x.safetensors", "--batch-size", "2",
+            "-o", tmp_path / "run", "--quiet"]
+    procs = _by_hand([argv, argv], {"QTOOL_TEST_DIE_ON_RANK": "1"})
     results = [p.communicate(timeout=120) for p in procs]
     assert procs[1].returncode == -9
     assert procs[0].returncode == 4, results[0][1]
@@ -184,16 +189,9 @@ def test_a_killed_rank_ends_the_others_with_exit_4(llama, tmp_path):
 def test_ranks_launched_with_other_options_are_refused_by_rank_0(llama, tmp_path):
     """A launch script giving each rank its own arguments: other --batch-size values wrote encodings of a sample
     set no rank chose (exit 0, one sample never seen); other recipes hung to the timeout."""
-    port = _free_port()
-    procs = []
-    for rank, extra in enumerate((("--batch-size", "2"), ("--batch-size", "7"))):
-        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QTOOL_DIST_TIMEOUT": "60",
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "qtool", "calibrate", str(llama / "m"), "-c", "w8a8", "--data",
-             str(llama / "ids.safetensors"), *extra, "-o", str(tmp_path / "run"), "--quiet"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    argv = [sys.executable, "-m", "qtool", "calibrate", llama / "m", "-c", "w8a8", "--data", llama / "ids.safetensors",
+            "-o", tmp_path / "run", "--quiet", "--batch-size"]
+    procs = _by_hand([argv + ["2"], argv + ["7"]])
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [2, 2], errs
     assert _ours(errs[0]) == ["error: rank 0: launched with another --batch-size than rank 1 (rank 0: 2; rank 1: "
@@ -226,14 +224,7 @@ def test_a_rank_failing_after_an_intermediate_calibration_reaches_the_others_at_
     """A size-budget search meets rank 0 again after each candidate's calibration (calibrated(last=False)): when
     rank 0 fails while writing that calibration, the others hear it at their next step, in seconds, as a
     PeerFailed naming rank 0 (reported on the finish group instead, they would wait out the timeout)."""
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QTOOL_DIST_TIMEOUT": "60",
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-c", FAIL_AFTER_CALIBRATED.format(root=str(ROOT), last=False)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    procs = _by_hand([[sys.executable, "-c", FAIL_AFTER_CALIBRATED.format(root=str(ROOT), last=False)]] * 2)
     outs = [p.communicate(timeout=120)[0].split() for p in procs]
     assert outs[0][0] == "ValueError" and outs[1][:2] == ["PeerFailed", "0"], outs
     assert int(outs[1][2]) < 30, outs  # well within the 60 s timeout
@@ -259,14 +250,7 @@ except BaseException as e:
 def test_a_rank_lost_after_rank_0_wrote_the_output_is_not_called_nothing_written(tmp_path):
     """Another rank killed while rank 0 exported: rank 0 said "nothing was written" (exit 4) over a whole output,
     and a retry that believed it met "already exists"."""
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QTOOL_DIST_TIMEOUT": "60",
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-c", LOST_AFTER_WRITING.format(root=str(ROOT))],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    procs = _by_hand([[sys.executable, "-c", LOST_AFTER_WRITING.format(root=str(ROOT))]] * 2)
     out = procs[0].communicate(timeout=120)[0]
     procs[1].communicate(timeout=120)
     assert out.startswith("PeerLost | ") and "the output was written whole before this" in out, out
