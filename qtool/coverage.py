@@ -9,8 +9,8 @@ on a real MoE model that is most of the weights. The plan says so instead of lea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Set, Tuple
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Set, Tuple
 
 if TYPE_CHECKING:  # (config's layer imports no torch at module level: the CLI checks choices before loading it)
     from torch import nn
@@ -29,6 +29,15 @@ class WeightCoverage:
     # (parameter name, shape, owning module's type) of weights no quantizer can reach and the recipe did not
     # exclude, largest first
     unreachable: Tuple[Tuple[str, Tuple[int, ...], str], ...] = ()
+    # (modules whose quantizer takes the parameter, its size) of each quantized weight parameter
+    quantized_by: Tuple[Tuple[FrozenSet[str], int], ...] = ()
+
+    def without(self, modules: Set[str]) -> "WeightCoverage":
+        """The coverage once ``modules``' weights are written float after all (a format that cannot hold them):
+        a parameter still counts where another module's quantizer takes it."""
+        kept = tuple((mods - modules, n) for mods, n in self.quantized_by)
+        return replace(self, quantized=sum(n for mods, n in kept if mods),
+                       quantized_by=tuple(k for k in kept if k[0]))
 
     @property
     def share(self) -> float:
@@ -81,17 +90,20 @@ def weight_coverage(model: "nn.Module", quantized: Set[str], candidates: Set[str
                 holders.setdefault(id(p), []).append((mod_name, p_name, type(module).__name__, p))
     total = done = 0
     unreachable = []
+    quantized_by = []
     for held in holders.values():
         n = held[0][3].numel()
         total += n
-        if any(p_name == "weight" and mod in quantized for mod, p_name, _, _ in held):
+        takers = frozenset(mod for mod, p_name, _, _ in held if p_name == "weight" and mod in quantized)
+        if takers:
             done += n
+            quantized_by.append((takers, n))
         elif not any((p_name == "weight" and mod in candidates) or ignored(mod)
                      or ignored(f"{mod}.{p_name}" if mod else p_name) for mod, p_name, _, _ in held):
             mod, p_name, tname, p = held[0]
             unreachable.append((f"{mod}.{p_name}" if mod else p_name, tuple(int(d) for d in p.shape), tname))
     unreachable.sort(key=lambda u: -_numel(u[1]))
-    return WeightCoverage(total, done, tuple(unreachable))
+    return WeightCoverage(total, done, tuple(unreachable), tuple(quantized_by))
 
 
 def _numel(shape) -> int:

@@ -367,7 +367,14 @@ def test_the_plan_line_counts_what_the_format_leaves_float(tmp_path):
     assert "1 x weight left float by --format compressed-tensors (model.embed_tokens.weight)" in line
     with safe_open(str(next((tmp_path / "ct").glob("*.safetensors"))), "pt") as f:
         assert f.get_tensor("model.embed_tokens.weight").is_floating_point()
+        # the coverage counts the weights the file holds quantized, not the embedding the format left float
+        packed = sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] * 8
+                     for k in f.keys() if k.endswith(".weight_packed"))
+        floats = sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1]
+                     for k in f.keys() if k.endswith(".weight") and len(f.get_slice(k).get_shape()) == 2)
         assert "model.layers.0.mlp.up_proj.weight_packed" in f.keys()
+    assert f"weights quantized: {100 * packed / (packed + floats):.1f} % of" in line, (line, packed, floats)
+    assert packed / (packed + floats) < 0.9
 
 
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "qtool"])

@@ -110,6 +110,9 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
         exporter.check_kv_cache(plan.kv_float)
         floats = exporter.left_float(plan.quantizers, options, plan.tied)
         plan.left_float.update((name, exporter.name) for name in floats)
+        if plan.coverage is not None and floats:  # (the share of weights the file holds quantized)
+            plan.coverage = plan.coverage.without({q.module for q in plan.quantizers
+                                                   if q.name in plan.left_float and q.tensor == "weight"})
         if exporter.name != "gguf":  # (a GGUF recipe's rule off GGUF's grids matters to a GGUF export alone)
             plan.warnings[:] = [w for w in plan.warnings if GGUF_GRID_NOTE not in w]
 
