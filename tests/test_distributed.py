@@ -199,6 +199,38 @@ def test_ranks_launched_with_other_options_are_refused_by_rank_0(llama, tmp_path
     assert not _ours(errs[1]) and not (tmp_path / "run").exists()
 
 
+def test_ranks_given_other_checkpoints_are_refused_and_copies_are_not(llama, tmp_path):
+    """A node's stale copy of a re-saved model (same names and shapes, other weights) gave rank 1 other statistics
+    to merge, exit 0; a copy with the same bytes at another path (a node-local cache) is the same model."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    copy, stale = tmp_path / "copy", tmp_path / "stale"
+    shutil.copytree(llama / "m", copy)
+    shutil.copytree(llama / "m", stale)
+    weights = load_file(stale / "model.safetensors")
+    weights["model.layers.0.mlp.up_proj.weight"] *= 1.5
+    save_file(weights, stale / "model.safetensors", metadata={"format": "pt"})
+    assert (stale / "model.safetensors").stat().st_size == (llama / "m" / "model.safetensors").stat().st_size
+
+    def argv(ckpt, out):
+        return [sys.executable, "-m", "qtool", "calibrate", ckpt, "-c", "w8a8", "--data", llama / "ids.safetensors",
+                "--batch-size", "2", "-o", tmp_path / out, "--quiet"]
+
+    procs = _by_hand([argv(llama / "m", "bad"), argv(stale, "bad")])
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    (line,) = _ours(errs[0])
+    assert line.startswith("error: rank 0: launched with another checkpoint's bytes than rank 1 (rank 0: 'sampled "
+                           "sha256 "), line
+    assert not (tmp_path / "bad").exists()
+    procs = _by_hand([argv(llama / "m", "good"), argv(copy, "good")])
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert (tmp_path / "good" / "encodings.json").is_file()
+
+
 FAIL_AFTER_CALIBRATED = """
 import sys, time
 sys.path.insert(0, {root!r})

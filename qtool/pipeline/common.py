@@ -19,7 +19,7 @@ from ..config import Plan, RecipeFile, load_recipe, recipe_file, resolve_plan
 from ..encodings import calibrated_elsewhere
 from ..errors import EncodingsError, UsageError
 from ..io.checkpoint import weight_file_hashes
-from ..io.fs import atomic_output_dir, published
+from ..io.fs import atomic_output_dir, published, sampled_sha256
 from ..model.apply import make_fake_quant
 from ..model.load import LoadedModel, load_model
 from ..parallel import Group, from_environment
@@ -83,8 +83,8 @@ def _ranks(device: str):
         group.close()
 
 
-def _same_command(group: Group, opts: CalibrateOptions, recipe=None, target: Optional["TargetOptions"] = None,
-                  **more) -> None:
+def _same_command(group: Group, checkpoint: Optional[str], opts: CalibrateOptions, recipe=None,
+                  target: Optional["TargetOptions"] = None, **more) -> None:
     """Refuse ranks launched with other options than rank 0's (a launch script that gives each rank its own
     arguments): the first exchange would gather statistics of other batches, or wait for a collective another
     recipe never reaches. Every rank raises; rank 0's line names the first difference."""
@@ -100,6 +100,10 @@ def _same_command(group: Group, opts: CalibrateOptions, recipe=None, target: Opt
                                               if k not in ("recipes", "candidates")},  # (paths: by their bytes)
                                            "candidates' bytes": [sha(r) for r in target.recipes]}
     mine = {**{f"--{k.replace('_', '-')}": v for k, v in options.items()}, "recipe": sha(recipe), **searched, **more}
+    # a path names the same file on every node only by its bytes (a node's stale copy of a re-saved model)
+    for key, path in (("checkpoint", checkpoint), ("--data", opts.data)):
+        if path is not None and Path(path).exists():
+            mine[f"{key}'s bytes"] = f"sampled sha256 {sampled_sha256(Path(path))[:12]}"
     every = group.all_gather(mine)
     for rank, theirs in enumerate(every):
         if theirs != every[0]:

@@ -58,7 +58,7 @@ def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], ou
     check_output_dir(Path(out), overwrite, inputs)
     _check_state(out, opts, target, inputs)
     with _ranks(opts.device) as group:
-        _same_command(group, opts, recipe_path, target, out=str(out))
+        _same_command(group, checkpoint, opts, recipe_path, target, out=str(out))
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes
             return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target,
                                *(budget_format or (None, None)))
@@ -117,7 +117,8 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
             plan.warnings[:] = [w for w in plan.warnings if GGUF_GRID_NOTE not in w]
 
     with _ranks(opts.device) as group:  # (every rank admits the plan to the format, and a search counts in it)
-        _same_command(group, opts, recipe_path, target, out=str(out), export=str(sorted(asdict(eopts).items())))
+        _same_command(group, checkpoint, opts, recipe_path, target, out=str(out),
+                      export=str(sorted(asdict(eopts).items())))
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes, exports
             return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target, exporter, options, admit)
         with _output_dir_then_no_state(out, overwrite, opts, target, group) as tmp:
