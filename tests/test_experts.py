@@ -602,3 +602,16 @@ def test_experts_quantized_apart_are_named_in_the_export_and_by_eval(tmp_path):
     code, _, err = run_cli("eval", tmp_path / "ct", "--data", ids, "--seq-len", 32, "--num-samples", 4,
                            "--generate", 0)
     assert code == 2 and "transformers cannot load its experts" in err and "above report" not in err, err
+
+
+def test_eval_of_int8_experts_names_the_runtimes_limit(tmp_path):
+    """An int-quantized (8-bit) MoE directory: transformers' expert fusion finds no tensor to concatenate, and eval
+    said "cannot load it (... look at the `CONVERSION` entries of the above report!)", a report it had hidden,
+    for the README's own W8A8 example on every MoE family (docs/formats.md names the limit)."""
+    checkpoint, ids = _saved(tmp_path, "qwen3_moe")
+    code, _, err = run_cli("quantize", checkpoint, "-c", "w8a8-dynamic", "-o", tmp_path / "ct", "--format",
+                           "compressed-tensors", "--quiet")
+    assert code == 0, err
+    code, _, err = run_cli("eval", tmp_path / "ct", "--data", ids, "--seq-len", 32, "--num-samples", 4,
+                           "--generate", 0)
+    assert code == 2 and "transformers cannot load its experts" in err and "above report" not in err, err

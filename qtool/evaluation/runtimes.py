@@ -161,7 +161,10 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
         except (ValueError, RuntimeError, TypeError, OSError, KeyError, NotImplementedError, AttributeError) as e:
             if isinstance(e, AttributeError) and "has no attribute 'weight'" not in str(e):
                 raise  # (only the known limit below: any other is a fault to report, not the file's)
-            if "ignore_mismatched_sizes" in str(e) and _experts_apart(directory):
+            # (transformers says "mismatched sizes" where a fused expert's shape differs, "automatic conversion"
+            # where it found no expert to concatenate: Jamba's)
+            if any(m in str(e) for m in ("ignore_mismatched_sizes", "automatic conversion of the weights")) and \
+                    _experts_apart(directory):
                 # (its "above report" is transformers' own log: the message alone names nothing)
                 raise UsageError(f"{directory}: transformers cannot load its experts: {_EXPERTS_FUSED}: a limit "
                                  "of the runtime, not the file; evaluate qtool's own format of the same "
