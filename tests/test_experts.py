@@ -561,6 +561,17 @@ def test_a_router_stays_float_unless_a_rule_names_it(family, router):
     wide = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n"
                         "layers:\n  - match: '*'\n    weights: {bitwidth: 4}\n")
     assert not [q for q in resolve_plan(wide, model).weights if q.module == router]
+    # a type rule naming the router's own class opts it in; one naming Linear does not reach it; one naming no
+    # class of the model matches nothing (every type rule counted as used once a router was met: no error)
+    own = type(dict(model.named_modules())[router]).__name__
+    typed = "version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\nlayers:\n  - type: %s\n"
+    routers = [q.module for q in resolve_plan(parse_recipe(typed % own), model).weights if q.module == router]
+    assert routers == ([] if own == "Linear" else [router]), own
+    assert not [q for q in resolve_plan(parse_recipe(typed % "Linear"), model).weights if q.module == router]
+    from qtool.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"layers\[0\].*NoSuchRouter.* matches no module"):
+        resolve_plan(parse_recipe(typed % "NoSuchRouter"), model)
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])

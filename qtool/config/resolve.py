@@ -299,12 +299,17 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         # a mixture-of-experts router that is a Linear (Llama 4's): float by default, as every other family's
         router = _is_router(name, module, tname, experts)
         applied: List[Tuple[int, str]] = []  # (rule, "weights" / "activations") in rule order
+        opted_in = False  # a type rule that set neither field took the defaults for it
         for i, rule in enumerate(recipe.layers):
             if rule.match is not None and not name_matches(rule.match, name):
                 continue
-            if (tower or router) and rule.match is None:
-                used[i] = weighted[i] = True  # (it may match nothing else: the plan's warning says why the tower
-                continue  # is skipped; a type rule alone does not reach into a media tower or a router)
+            # a type rule alone does not reach into a media tower or a router (type: Linear is not meant for them),
+            # unless it names the router's own class (type: Qwen3MoeTopKRouter)
+            if (tower or router) and rule.match is None and not (
+                    router and tname in rule.types() and tname not in DEFAULT_WEIGHT_TYPES):
+                if any(t in rule.types() for t in tnames):  # (so it matched something: the plan's warning says
+                    used[i] = weighted[i] = True  # why the tower is skipped)
+                continue
             if router and not rule.types():
                 if not _names_leaf(rule.match, name):
                     continue  # a pattern reaches a router only where it names it: not "*" or "re:.*mlp.*"
@@ -317,6 +322,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 if not rule.model_fields_set & {"weights", "activations"} and not applied:
                     w_spec = w_spec if w_cand else _mixed(recipe.defaults.weights)
                     a_spec = a_spec if a_cand else recipe.defaults.activations
+                    opted_in = True
                 w_cand = a_cand = True
             if not (w_cand or a_cand):
                 continue  # a name pattern only refines modules that can be quantized
@@ -341,7 +347,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             candidates.add(name)
         if not ignored:  # (under a mix a weight starts from its mix type, which a null resets as well)
             _note_shadows(recipe.layers, applied, effective, shadowed_by, mix is not None and w_cand)
-        if (tower or router) and rule_w is None and rule_a is None and not ignored:
+        if (tower or router) and rule_w is None and rule_a is None and not opted_in and not ignored:
             if tower and (w_cand or a_cand):
                 towered.append(name)
             continue
