@@ -277,6 +277,25 @@ def test_block_size_must_divide_input_dim():
         plan_of(text)
 
 
+
+def test_activation_block_size_must_divide_the_last_dimension():
+    """An FP8 per-block activation block of 48 on 64-wide layers linted clean, calibrated and exported; eval then
+    failed with an internal error and report blamed the data."""
+    act = "  activations: {element: fp8_e4m3, granularity: per_block, block_size: %d, dynamic: true%s}\n"
+    text = "version: 1\ndefaults:\n  weights: null\n" + act
+    model = nn.Sequential(nn.Linear(64, 96), nn.LayerNorm(96))
+    with pytest.raises(ConfigError, match=r"r.yaml: defaults.activations.block_size: 48 does not divide the last "
+                                          r"dimension 64 of 0's inputs"):
+        plan_of(text % (48, ""), model)
+    with pytest.raises(ConfigError, match=r"does not divide the last dimension 96 of 0's outputs"):
+        plan_of(text % (64, ", outputs: true"), model)
+    rule = "layers:\n  - type: LayerNorm\n    activations: {element: fp8_e4m3, granularity: per_block, " \
+           "block_size: 64, dynamic: true}\n"
+    with pytest.raises(ConfigError, match=r"layers\[0\].activations.block_size: 64 does not divide the last "
+                                          r"dimension 96 of 1's inputs"):
+        plan_of(text % (32, "") + rule, model)
+    assert sorted(rows(plan_of(text % (16, ", outputs: true"), model))) == ["0.input", "0.output"]
+
 @pytest.mark.parametrize(
     "text, needle",
     [

@@ -59,6 +59,21 @@ def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str)
     return shape, (1, b) + (-1,) * (len(shp) - 2)
 
 
+def _check_activation_blocks(module: "nn.Module", spec: ActivationSpec, tensor: str, where: str, name: str) -> None:
+    """Per-block activations take blocks along their last dimension: refuse a block length that does not divide
+    it where the module says how wide that is (a Linear's features, an Embedding's width, a norm's weight)."""
+    if spec.granularity != "per_block":
+        return
+    width = {"input": getattr(module, "in_features", None),
+             "output": getattr(module, "out_features", None) or getattr(module, "embedding_dim", None)}[tensor]
+    w = getattr(module, "weight", None)
+    if width is None and w is not None and w.dim() == 1:  # (a norm: its weight is as wide as its input)
+        width = int(w.shape[0])
+    if isinstance(width, int) and width % spec.block_size:
+        raise ConfigError(f"{where}.block_size: {spec.block_size} does not divide the last dimension {width} of "
+                          f"{name}'s {tensor}s")
+
+
 class _Mix:
     """A recipe's ``gguf_mix`` on one model: the GGUF type of each weight, as llama-quantize chooses it."""
 
@@ -389,6 +404,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             for tensor, on in (("input", a_spec.inputs and not any(t in _INTEGER_INPUT_TYPES for t in tnames)),
                                ("output", a_spec.outputs)):
                 if on:
+                    _check_activation_blocks(module, a_spec, tensor, f"{source}: layers[{rule_a}].activations"
+                                             if rule_a is not None else f"{source}: defaults.activations", name)
                     plan.quantizers.append(QuantizerPlan(
                         f"{name}.{tensor}", name, tname, tensor, a_spec.bitwidth, a_spec.symmetric,
                         a_spec.granularity, (), (a_spec.block_size,) if a_spec.block_size else None,
