@@ -212,6 +212,46 @@ def _int(value: Any, what: str) -> int:
     return int(value)
 
 
+_MALFORMED = (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError)
+
+
+def _a_mapping(item: Any) -> Dict[str, Any]:
+    if not isinstance(item, dict):
+        raise TypeError(f"an encoding is a mapping of its fields (got {str(item)[:40]!r})")
+    return item
+
+
+def _missing(e: Exception) -> str:
+    """A malformed entry's problem in words: the key it lacks, or the error's own line."""
+    if isinstance(e, KeyError):
+        return f"no {e.args[0]!r} key" if e.args else "a key is missing"
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def _row_0_6_1(source: str, name: str, item: Any) -> Tuple[int, bool, torch.Tensor, torch.Tensor]:
+    """(bitwidth, symmetric, scales, offsets) of a 0.6.1 entry: a list of one encoding per channel, which share
+    one bitwidth, symmetry and dtype (one quantizer); a float one (``dtype: float``) is refused."""
+    if not isinstance(item, list) or not item or not all(isinstance(i, dict) for i in item):
+        raise EncodingsError(f"{source}: {name}: a 0.6.1 entry is a list of encodings, one per channel (got "
+                             f"{str(item)[:40]!r})")
+    dtypes = [str(i.get("dtype", "int")).lower() for i in item]
+    if any(d != "int" for d in dtypes):
+        raise EncodingsError(f"{source}: {name}: dtype {next(d for d in dtypes if d != 'int')[:20]!r}: only integer encodings "
+                             "can be imported")
+    for key in ("bitwidth", "is_symmetric"):
+        other = next((k for k, i in enumerate(item) if str(i.get(key)) != str(item[0].get(key))), None)
+        if other is not None:
+            raise EncodingsError(f"{source}: {name}: channel {other}'s {key} {str(item[other].get(key))[:20]} differs from "
+                                 f"channel 0's {str(item[0].get(key))[:20]} (one quantizer has one)")
+    bits = _int(item[0]["bitwidth"], f"{name}.bitwidth")
+    if str(item[0]["is_symmetric"]) not in ("True", "False"):
+        raise EncodingsError(f"{source}: {name}: is_symmetric must be \"True\" or \"False\" "
+                             f"(got {str(item[0]['is_symmetric'])[:40]!r})")
+    scale = torch.tensor([float(i["scale"]) for i in item], dtype=torch.float32)
+    off = torch.tensor([float(i["offset"]) for i in item], dtype=torch.float32)
+    return bits, str(item[0]["is_symmetric"]) == "True", scale, off
+
+
 def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], source: str,
                module_of: Callable[[str], Optional[str]]) -> Tuple[EncodingsFile, List[str]]:
     """qtool encodings from an AIMET file. ``weight_shapes`` maps checkpoint tensor names to shapes;
@@ -219,9 +259,13 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
     (entries skipped, e.g. activations keyed by ONNX tensor names, or biases)."""
     version = str(obj["version"])
     rows: List[Tuple[str, str, Dict[str, Any]]] = []  # (kind, name, normalized)
+    current = None  # the entry being read, for a malformed one's line
     try:
         if version in ("2.0.0", "2.1.0"):
-            for item in obj["encodings"]:
+            for k, item in enumerate(obj["encodings"]):
+                current = f"encodings[{k}]"
+                _a_mapping(item)
+                current = str(item["name"])
                 if "per_block_int_scale" in item or isinstance(item.get("y_scale"), dict):
                     raise EncodingsError(f"{source}: {item['name']}: LPBQ and vector encodings are not supported "
                                          "(only integer per-tensor, per-channel and blockwise ones import)")
@@ -248,16 +292,15 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
         else:
             for kind, key in (("param", "param_encodings"), ("act", "activation_encodings")):
                 section = obj.get(key, [] if version == "1.0.0" else {})
-                items = section.items() if version == "0.6.1" else ((i["name"], i) for i in section)
-                for name, item in items:
+                if not isinstance(section, list if version == "1.0.0" else dict):
+                    raise EncodingsError(f"{source}: {key} must be a {'list' if version == '1.0.0' else 'mapping'} "
+                                         f"of encodings in AIMET {version} (got {type(section).__name__})")
+                for k, entry in enumerate(section.items() if version == "0.6.1" else section):
+                    current = f"{key}[{k}]"
+                    name, item = entry if version == "0.6.1" else (_a_mapping(entry)["name"], entry)
+                    current = str(name)
                     if version == "0.6.1":
-                        bits = _int(item[0]["bitwidth"], f"{name}.bitwidth")
-                        if str(item[0]["is_symmetric"]) not in ("True", "False"):
-                            raise EncodingsError(f"{source}: {name}: is_symmetric must be \"True\" or \"False\" "
-                                                 f"(got {str(item[0]['is_symmetric'])[:40]!r})")
-                        sym = str(item[0]["is_symmetric"]) == "True"
-                        scale = torch.tensor([float(i["scale"]) for i in item], dtype=torch.float32)
-                        off = torch.tensor([float(i["offset"]) for i in item], dtype=torch.float32)
+                        bits, sym, scale, off = _row_0_6_1(source, name, item)
                         block = None
                     else:
                         if str(item.get("dtype", "INT")).upper() != "INT":
@@ -282,8 +325,9 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                                                    "per_channel": per_channel}))
     except EncodingsError:
         raise
-    except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError) as e:
-        raise EncodingsError(f"{source}: malformed AIMET {version} encodings ({type(e).__name__}: {e})") from None
+    except _MALFORMED as e:
+        where = f"{current}: malformed AIMET {version} entry" if current else f"malformed AIMET {version} encodings"
+        raise EncodingsError(f"{source}: {where} ({_missing(e)})") from None
 
     entries: List[EncodingEntry] = []
     warnings: List[str] = []

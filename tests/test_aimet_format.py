@@ -109,8 +109,27 @@ def test_range_for_scale_offset_handles_awkward_scales():
 
 
 def test_malformed_aimet_file_is_a_clear_error():
-    with pytest.raises(EncodingsError, match="malformed AIMET 1.0.0"):
+    with pytest.raises(EncodingsError, match=r"^f: x: malformed AIMET 1.0.0 entry \(no 'bw' key\)$"):
         from_aimet({"version": "1.0.0", "param_encodings": [{"name": "x"}]}, {}, "f", lambda n: n)
+
+
+@pytest.mark.parametrize("entry, message", [
+    # an empty list, a channel without its offset: raw IndexError / KeyError naming no entry
+    ([], "0.weight: a 0.6.1 entry is a list of encodings, one per channel"),
+    ([{"bitwidth": 8, "is_symmetric": "True", "scale": 0.1}], r"0.weight: malformed AIMET 0.6.1 entry \(no 'offset' key\)"),
+    # AIMET 0.6.1's float encoding: an int16 grid when it held the integer keys too, else KeyError 'is_symmetric'
+    ([{"bitwidth": 16, "dtype": "float"}], "0.weight: dtype 'float': only integer encodings can be imported"),
+    ([{"bitwidth": 16, "dtype": "float", "is_symmetric": "False", "scale": 0.1, "offset": -3}],
+     "0.weight: dtype 'float': only integer encodings"),
+    # channels that disagree imported as channel 0 said
+    ([{"bitwidth": 8, "is_symmetric": "True", "scale": 0.1, "offset": -128}] * 2
+     + [{"bitwidth": 4, "is_symmetric": "True", "scale": 0.1, "offset": -8}],
+     r"0.weight: channel 2's bitwidth 4 differs from channel 0's 8 \(one quantizer has one\)"),
+])
+def test_a_malformed_0_6_1_entry_is_named(entry, message):
+    with pytest.raises(EncodingsError, match="^f: " + message):
+        from_aimet({"version": "0.6.1", "param_encodings": {"0.weight": entry}}, {"0.weight": (3, 4)}, "f",
+                   lambda n: n.rsplit(".", 1)[0])
 
 
 @pytest.mark.parametrize("version, kept", [("0.6.1", "per_tensor"), ("1.0.0", "per_channel"),
