@@ -240,8 +240,10 @@ def test_a_state_of_another_run_is_refused_in_one_line(llama, stopped, tmp_path,
     assert code == 2
     lines = error_lines(err)
     assert len(lines) == 1 and "the saved state is of another run" in lines[0], err
-    assert {"recipe": "recipe", "data": "data", "model": "checkpoint", "options": "options",
-            "precision": "options", "threads": "(CPU threads differ) (the stopped run had"}[change] in lines[0]
+    assert {"recipe": "(recipe differs)", "data": "(calibration batches, data, options: --data differ)",
+            "model": "(checkpoint differs)",
+            "options": "options: --batch-size differ", "precision": "(options: --matmul-precision differs)",
+            "threads": "(CPU threads differ) (the stopped run had"}[change] in lines[0], lines
     assert "run without --resume" in lines[0]
     assert not out.exists() and (tmp_path / "run.resume/state.json").exists()  # the state stays for a rerun
     if change == "options":
@@ -354,3 +356,39 @@ def test_a_state_json_whose_count_is_not_a_count_is_refused(tmp_path, done):
                                                      "files": {}}))
     with pytest.raises(UsageError, match="not a saved state of this qtool version"):
         ResumeState._read(tmp_path)
+
+
+def test_an_empty_state_json_starts_over_under_resume(llama, stopped, tmp_path):
+    """An empty state.json is what a crash can leave of a run's own state (check_state_dir takes it so): a retry
+    wrapper that always passes --resume met "cannot read the saved state" on every retry."""
+    d, args = llama
+    shutil.copytree(stopped, tmp_path / "run.resume")
+    (tmp_path / "run.resume/state.json").write_text("")
+    code, _, err = run_cli(*args, "--resume", "-o", tmp_path / "run")
+    assert code == 0, err
+    assert _files(tmp_path / "run") == _files(d / "whole") and not (tmp_path / "run.resume").exists()
+
+
+def test_an_imatrix_spelled_another_way_resumes(llama, tmp_path):
+    """The same --imatrix file given by another path (a retry from another directory) was "options differ",
+    naming no option, while --data spelled another way resumed."""
+    d, args = llama
+    imat = tmp_path / "imat.gguf"
+    code, _, err = run_cli("imatrix", d / "m", "--data", d / "ids.safetensors", "-o", imat, "--quiet")
+    assert code == 0, err
+    (tmp_path / "mse.yaml").write_text(RECIPE.replace("rounding: gptq", "analyzer: mse"))
+    args = list(args)
+    args[args.index("-c") + 1] = str(tmp_path / "mse.yaml")  # (the analyzer an importance matrix weights)
+    args = [*args, "--imatrix", str(imat)]
+    code, _, err = run_cli(*args, "-o", tmp_path / "whole")
+    assert code == 0, err
+    _killed(args, tmp_path / "run", 1)
+    spelled = [f"{tmp_path}/./imat.gguf" if a == str(imat) else a for a in args]
+    code, _, err = run_cli(*spelled, "--resume", "-o", tmp_path / "run")
+    assert code == 0, err
+    assert _files(tmp_path / "run")["encodings.json"] == _files(tmp_path / "whole")["encodings.json"]
+    # another batch size: the line names the option
+    spelled[spelled.index("--batch-size") + 1] = "3"
+    _killed(args, tmp_path / "again", 1)
+    code, _, err = run_cli(*spelled, "--resume", "-o", tmp_path / "again")
+    assert code == 2 and "options: --batch-size differ" in err, err

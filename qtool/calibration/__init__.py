@@ -325,8 +325,9 @@ def _resume_state(directory: Optional[Path], checkpoint: str, source: str, opts:
         return None
     files = tensor_files(Path(checkpoint)) + [f for f in (Path(checkpoint) / "config.json",) if f.is_file()]
     options = opts.recorded()
-    if options.get("data") and Path(options["data"]).exists():  # the same file from another working directory
-        options["data"] = str(Path(options["data"]).resolve())
+    for key in ("data", "imatrix"):  # the same file from another working directory (or spelled another way)
+        if options.get(key) and Path(options[key]).exists():
+            options[key] = str(Path(options[key]).resolve())
     stamp = fingerprint(versions=versions(), checkpoint_files=files,
                         data_files=data.files if data is not None else [], recipe=source, imatrix=opts.imatrix,
                         options=options, world_size=group.world_size, device=device_label(device),

@@ -140,6 +140,15 @@ def fingerprint(*, versions: Dict[str, str], checkpoint_files, data_files, recip
 
 
 _THREADS = "CPU threads"
+_PLURAL = ("versions", "ranks", "calibration batches", _THREADS)  # fingerprint keys that read as plural nouns
+
+
+def _what_differs(key: str, now: Any, then: Any) -> str:
+    """A fingerprint key that differs, in words: the options by name (``options: --batch-size``)."""
+    if key == "options" and isinstance(now, dict) and isinstance(then, dict):
+        names = [f"--{k.replace('_', '-')}" for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k)]
+        return f"options: {', '.join(names)}"
+    return key
 
 
 @dataclasses.dataclass
@@ -204,11 +213,14 @@ class ResumeState:
                                if print_.get(k) != saved["fingerprint"].get(k)]
                     if differs:
                         then = saved["fingerprint"].get(_THREADS)
-                        hint = (f" (the stopped run had {then[0]} CPU threads: OMP_NUM_THREADS={then[0]} resumes it "
-                                "with the same bytes)") if differs == [_THREADS] and isinstance(then, list) and then \
+                        hint = (f" (the stopped run had {then[0]} CPU thread{'s' if then[0] != 1 else ''}: "
+                                f"OMP_NUM_THREADS={then[0]} resumes it with the same bytes)") \
+                            if differs == [_THREADS] and isinstance(then, list) and then \
                             and len(set(map(str, then))) == 1 else ""
-                        raise UsageError(f"{directory}: the saved state is of another run ({', '.join(differs)} "
-                                         f"differ){hint}: run without --resume to start over")
+                        named = [_what_differs(k, print_.get(k), saved["fingerprint"].get(k)) for k in differs]
+                        one = len(named) == 1 and differs[0] not in _PLURAL and "," not in named[0]
+                        raise UsageError(f"{directory}: the saved state is of another run ({', '.join(named)} "
+                                         f"differ{'s' if one else ''}){hint}: run without --resume to start over")
                     verdict = (saved["blocks_done"], None, saved["files"])
             except UsageError as e:
                 verdict = (0, str(e), {})
@@ -232,9 +244,16 @@ class ResumeState:
     @staticmethod
     def _read(directory: Path) -> Optional[Dict[str, Any]]:
         try:
-            saved = json.loads((directory / STATE).read_text(encoding="utf-8"))
+            text = (directory / STATE).read_text(encoding="utf-8")
         except FileNotFoundError:
             return None
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{directory / STATE}: cannot read the saved state ({e}): run without --resume to "
+                             "start over") from None
+        if not text:  # (what a crash can leave of a run's own state, as check_state_dir says: nothing to resume)
+            return None
+        try:
+            saved = json.loads(text)
         except (OSError, ValueError) as e:
             raise UsageError(f"{directory / STATE}: cannot read the saved state ({e}): run without --resume to "
                              "start over") from None
