@@ -298,3 +298,21 @@ def test_eight_expert_models_get_llama_quantizes_extra_attention_bits():
         assert mix_type("q2_k", "attn_output", 5, 32, 4, 4096, False, n_expert=n_expert) == "q3_k"
     # experts take their projection's rules: ffn_down_exps is ffn_down
     assert mix_type("q4_k_m", "ffn_down", 0, 32, 4, 4096, False, n_expert=8) == "q6_k"
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "mixtral", "qwen3_moe"])
+def test_every_moe_familys_expert_down_projections_take_ffn_downs_rules(family, tmp_path):
+    """GraniteMoE's split experts live under block_sparse_moe (not mlp): the mix gave them its base type (Q4_K where
+    llama-quantize gives the last layer's ffn_down_exps Q6_K), under llama-quantize's Q4_K_M label. (These tiny
+    rows are no whole 256-element super-blocks: Q6_K falls back to Q8_0, Q4_K to Q5_0, as llama-quantize's do.)"""
+    from qtool.config import load_recipe, recipe_file, resolve_plan
+    from qtool.model.hf import meta_skeleton
+    from tests.test_gguf_families import _tiny
+
+    skeleton = meta_skeleton(_tiny(tmp_path / "m", family))
+    plan = resolve_plan(load_recipe(recipe_file("gguf-q4_k_m")), skeleton)
+    down = {q.module: q.scale_dtype for q in plan.weights
+            if q.module.endswith(("down_proj", ".w2")) and ".experts." in q.module}
+    assert len(down) == 16, sorted(down)
+    for module, kind in down.items():  # use_more_bits: the last layer of two
+        assert kind == ("q8_0" if ".layers.1." in module else "q5_0"), (module, kind)

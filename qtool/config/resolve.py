@@ -80,8 +80,12 @@ class _Mix:
     def __init__(self, recipe: Recipe, model: "nn.Module", source: str, importance_matrix: bool = False):
         from torch import nn
 
-        from ..gguf_mixes import tensor_role
+        from ..families import family_of_model
 
+        family = family_of_model(model)
+        # a module's name as the family's GGUF table knows it (GraniteMoE's block_sparse_moe experts are mlp's)
+        self._gguf_name = family.gguf_key if family is not None else (lambda n: n)
+        tensor_role = self.role
         self.name = recipe.gguf_mix
         modules = dict(model.named_modules())
         layers = {layer for n in modules for role, layer in [tensor_role(n)] if role in ("attn_v", "attn_qkv")}
@@ -103,10 +107,16 @@ class _Mix:
                             or weighs_activations(w.analyzer.kwargs().get("weighting")))
         self.embed_spec: Optional[WeightSpec] = None
 
-    def spec(self, name: str, module: "nn.Module", base: WeightSpec) -> WeightSpec:
-        from ..gguf_mixes import mix_type, tensor_role
+    def role(self, name: str) -> Tuple[Optional[str], int]:
+        """``(role, layer)`` of module ``name`` in llama-quantize's rules (:func:`gguf_mixes.tensor_role`)."""
+        from ..gguf_mixes import tensor_role
 
-        role, layer = tensor_role(name)
+        return tensor_role(self._gguf_name(name))
+
+    def spec(self, name: str, module: "nn.Module", base: WeightSpec) -> WeightSpec:
+        from ..gguf_mixes import mix_type
+
+        role, layer = self.role(name)
         if self.tied and role == "output" and self.embed_spec is not None:
             # the embedding table is the output layer: quantized once, so the file holds one tensor for both
             return self.embed_spec
