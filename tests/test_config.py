@@ -86,6 +86,33 @@ ignore: ["lm_head"]
     assert not any(n.startswith("lm_head") for n in p)
 
 
+def test_a_rules_analyzer_and_rounding_merge_over_the_same_algorithms():
+    """A rule's rounding: {dampening: 0.1} over gptq defaults was "rounding nearest takes no parameters", and
+    naming gptq again dropped act_order without a word: the docs say an entry only names what it changes."""
+    text = """
+version: 1
+defaults:
+  weights: {bitwidth: 4, rounding: {name: gptq, dampening: 0.05, act_order: true},
+            analyzer: {name: mse, num_candidates: 20}}
+  activations: null
+layers:
+  - match: "blocks.0.mlp.0"
+    weights: {rounding: {dampening: 0.1}, analyzer: {num_candidates: 40}}
+  - match: "blocks.0.mlp.2"
+    weights: {rounding: {name: gptq, block_columns: 16}}
+  - match: "blocks.1.mlp.0"
+    weights: {rounding: adaround, analyzer: minmax}
+"""
+    p = rows(plan_of(text))
+    q = p["blocks.0.mlp.0.weight"]
+    assert (q.rounding, dict(q.rounding_args)) == ("gptq", {"dampening": 0.1, "act_order": True})
+    assert (q.analyzer, dict(q.analyzer_args)) == ("mse", {"num_candidates": 40})
+    q = p["blocks.0.mlp.2.weight"]
+    assert dict(q.rounding_args) == {"dampening": 0.05, "act_order": True, "block_columns": 16}
+    q = p["blocks.1.mlp.0.weight"]  # another algorithm: its own defaults, none of gptq's parameters
+    assert (q.rounding, q.rounding_args, q.analyzer, q.analyzer_args) == ("adaround", (), "minmax", ())
+
+
 def test_null_defaults_disable_a_kind_and_rules_can_reenable():
     text = """
 version: 1
