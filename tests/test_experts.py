@@ -81,7 +81,10 @@ def test_linearized_experts_hold_the_checkpoint_tensors_and_the_model_computes_t
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
     ref = model(ids).logits
     tensors = _keys(checkpoint)
+    rng = torch.random.get_rng_state()
     assert linearize_experts(model, tensors) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    # (each expert's Linear was initialized at random first: a user's seeded draws after loading an MoE differed)
+    assert torch.equal(torch.random.get_rng_state(), rng)
     assert not any(p.dim() == 3 for p in model.parameters())
     names = getattr(model, "_qtool_checkpoint_keys")
     assert len([n for n in names if ".experts." in n]) == 2 * 8 * 3

@@ -92,3 +92,23 @@ def test_the_size_search_and_the_sensitivity_ranking_report_their_progress(llama
     code, _, err = run_cli("report", ckpt, "-e", tmp_path / "mix/encodings.json", "--data", ids, "--sensitivity")
     assert code == 0, err
     assert "ranking layer sensitivity: " in err
+
+
+def test_quantizers_that_saw_no_data_are_one_line_that_does_not_blame_the_module(tmp_path):
+    """An attention module takes hidden_states by keyword and returns a tuple: its activation quantizers saw no
+    data, and each got a line saying "its module never ran", which it did (an MoE printed thousands of lines)."""
+    from tests.helpers import tiny_llama_and_ids
+
+    ckpt, ids = tiny_llama_and_ids(tmp_path)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\ndefaults:\n  weights: null\n  activations: null\nlayers:\n"
+                      "  - type: LlamaAttention\n    activations: {bitwidth: 8, outputs: true}\n")
+    code, out, err = run_cli("calibrate", ckpt, "-c", recipe, "--data", ids, "-o", tmp_path / "c", "--json")
+    assert code == 0, err
+    assert json.loads(out)["uncalibrated"] == [f"model.layers.{i}.self_attn.{t}" for i in range(2)
+                                               for t in ("input", "output")]
+    lines = [x for x in err.splitlines() if "saw no data" in x]
+    assert lines == ["warning: model.layers.0.self_attn.input, model.layers.0.self_attn.output, "
+                     "model.layers.1.self_attn.input and 1 more saw no data and stay float: the module never ran (an "
+                     "expert no token reached), or takes its input by keyword or returns no tensor, where an "
+                     "activation quantizer cannot reach (the list: uncalibrated in --json)"], err

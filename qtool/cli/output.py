@@ -179,8 +179,12 @@ def _report_files(summary: Dict[str, Any], quiet: bool, warnings_shown: Optional
     if warnings_shown is not None:
         for w in summary.get("warnings", [])[warnings_shown:]:
             err.print(f"[yellow]warning:[/yellow] {_esc(w)}")
-    for w in summary.get("uncalibrated", []):
-        err.print(f"[yellow]warning:[/yellow] {_esc(w)} saw no data (its module never ran) and stays in float")
+    idle = summary.get("uncalibrated", [])
+    if idle:  # (one line: a large mixture-of-experts model has thousands of experts no calibration token reached)
+        named = ", ".join(idle[:3]) + (f" and {len(idle) - 3} more" if len(idle) > 3 else "")
+        err.print(f"[yellow]warning:[/yellow] {_esc(named)} saw no data and stay{'s' if len(idle) == 1 else ''} "
+                  "float: the module never ran (an expert no token reached), or takes its input by keyword or "
+                  "returns no tensor, where an activation quantizer cannot reach (the list: uncalibrated in --json)")
     for w in summary.get("export_warnings", []):
         err.print(f"[yellow]warning:[/yellow] {_esc(w)}")
     err.print("wrote:")

@@ -91,7 +91,10 @@ class _Expert(nn.Module):
         self.roles = dict(roles)
         for role, leaf in roles.items():
             out_f, in_f = shapes[role]
-            self.add_module(leaf, nn.Linear(in_f, out_f, bias=bias, device=device, dtype=dtype))
+            # uninitialized: every value is the fused tensor's (LinearExperts.load_from) or the checkpoint's, and
+            # Linear's random init would draw from the user's generator (and take seconds on a large MoE)
+            self.add_module(leaf, torch.nn.utils.skip_init(nn.Linear, in_f, out_f, bias=bias, device=device,
+                                                           dtype=dtype))
 
     def proj(self, role: str) -> nn.Linear:
         return getattr(self, self.roles[role])
