@@ -629,3 +629,25 @@ def test_eval_of_int8_experts_names_the_runtimes_limit(tmp_path):
     code, _, err = run_cli("eval", tmp_path / "ct", "--data", ids, "--seq-len", 32, "--num-samples", 4,
                            "--generate", 0)
     assert code == 2 and "transformers cannot load its experts" in err and "above report" not in err, err
+
+
+def test_patterns_may_name_experts_by_the_checkpoints_names(tmp_path):
+    """Mixtral's experts are mlp.experts.<e>.w1 in memory, block_sparse_moe.experts.<e>.w1 in the checkpoint, the
+    encodings and the export: an ignore written with the names qtool itself writes matched nothing, silently, and
+    a layers rule with them was "matches no module"."""
+    from qtool.config import parse_recipe, resolve_plan
+    from qtool.model.hf import meta_skeleton
+
+    checkpoint, _ = _saved(tmp_path, "mixtral")
+    model = meta_skeleton(checkpoint)
+    text = ("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n"
+            "layers:\n  - match: 're:model\\.layers\\.0\\.block_sparse_moe\\.experts\\.\\d+\\.w2'\n"
+            "    weights: {bitwidth: 4}\n"
+            "ignore: [lm_head, 're:model\\.layers\\.1\\.block_sparse_moe\\.experts\\..*']\n")
+    rows = {q.module: q for q in resolve_plan(parse_recipe(text), model).weights}
+    assert not [m for m in rows if m.startswith("model.layers.1.mlp.experts.")]
+    assert sorted(m for m in rows if m.startswith("model.layers.0.mlp.experts.")) == sorted(
+        f"model.layers.0.mlp.experts.{e}.{w}" for e in range(8) for w in ("w1", "w2", "w3"))
+    assert {m: q.bitwidth for m, q in rows.items() if ".experts.0." in m} == {
+        "model.layers.0.mlp.experts.0.w1": 8, "model.layers.0.mlp.experts.0.w2": 4,
+        "model.layers.0.mlp.experts.0.w3": 8}

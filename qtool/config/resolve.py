@@ -307,7 +307,12 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         tnames = (tname,) if name in exported_types else _type_names(module)
         # ignore patterns are a safety net (recipes list lm_head for every model), so no-match is silent
         # the output layer answers to "lm_head" wherever a wrapper puts it (Llama 4's language_model.lm_head)
-        aliases = (name, "lm_head") if module is head and name != "lm_head" else (name,)
+        # and a module held under another name than the checkpoint's (Mixtral's experts: mlp.experts.3.w1 in
+        # memory, block_sparse_moe.experts.3.w1 in the checkpoint, the encodings and the export) to both
+        stored = stored_as.get(f"{name}.weight", "")
+        names = (name, stored[:-len(".weight")]) if stored.endswith(".weight") and stored != f"{name}.weight" \
+            else (name,)
+        aliases = names + (("lm_head",) if module is head and name != "lm_head" else ())
         hits = [j for j, pat in enumerate(recipe.ignore) if any(name_matches(pat, n) for n in aliases)]
         ignored = bool(hits)
         for j in hits:
@@ -326,7 +331,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         applied: List[Tuple[int, str]] = []  # (rule, "weights" / "activations") in rule order
         opted_in = False  # a type rule that set neither field took the defaults for it
         for i, rule in enumerate(recipe.layers):
-            if rule.match is not None and not name_matches(rule.match, name):
+            if rule.match is not None and not any(name_matches(rule.match, n) for n in names):
                 continue
             # a type rule alone does not reach into a media tower or a router (type: Linear is not meant for them),
             # unless it names the router's own class (type: Qwen3MoeTopKRouter)
