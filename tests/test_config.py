@@ -493,6 +493,16 @@ def test_validate_checks_layers_entries_as_resolution_merges_them(tmp_path):
     good.write_text("version: 1\nlayers:\n  - match: 'x'\n    weights: {granularity: per_block, block_size: 32}\n"
                     "  - match: 'x'\n    weights: {block_size: 64}\n")
     assert run_cli("config", "validate", good)[0] == 0
+    # config show without a model reads it as validate does ("error: layers[1].weights: scale_dtype e8m0 is for
+    # float elements", naming no file, on a recipe that validated and calibrated), and sees the data it needs
+    mx = tmp_path / "mx.yaml"
+    mx.write_text("version: 1\nlayers:\n  - match: '*.q_proj'\n    weights: {element: fp8_e4m3}\n"
+                  "  - match: '*.q_proj'\n    weights: {granularity: per_block, block_size: 32, scale_dtype: e8m0,"
+                  " rounding: gptq}\n")
+    assert run_cli("config", "validate", mx)[0] == 0
+    code, out, err = run_cli("config", "show", mx, "--json")
+    assert code == 0, err
+    assert json.loads(out)["needs_data"] is True
 
 
 def test_config_list_describes_every_shipped_recipe():

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..errors import ConfigError
 from .messages import _describe, _key_path, _short
-from .schema import ActivationSpec, Recipe, WeightSpec, _merge
+from .schema import Recipe, rule_specs
 from .shipped import recipe_file
 
 
@@ -187,26 +187,13 @@ def _rule_problems(recipe: Recipe, node, source: str) -> List[str]:
     """Each ``layers`` entry's partial weights/activations merged as resolution will merge them (over the defaults,
     and over every earlier entry's): a value that no merge accepts is a problem now, not on the first model."""
     problems = []
-    chain = {"weights": recipe.defaults.weights, "activations": recipe.defaults.activations}
-    defaults = dict(chain)
-    cls = {"weights": WeightSpec, "activations": ActivationSpec}
-    for i, rule in enumerate(recipe.layers):
-        for kind in ("weights", "activations"):
-            part = getattr(rule, kind)
-            if not part:
-                continue
-            error = None
-            for base in (defaults[kind], chain[kind]):
-                try:
-                    chain[kind] = _merge(base, part, cls[kind], "")
-                    break
-                except ConfigError as e:
-                    error = error or e
-            else:
-                key = str(error).lstrip(".: ")  # "<key>: <problem>", from _merge with an empty location
-                field = key.split(":", 1)[0].strip()
-                line = _line_of(node, ["layers", i, kind] + ([field] if field in part else []))
-                problems.append(f"{source}{f':{line}' if line else ''}: layers[{i}].{kind}.{key}")
+    for i, kind, _, error in rule_specs(recipe):
+        if error is not None:
+            part = getattr(recipe.layers[i], kind)
+            key = str(error).lstrip(".: ")  # "<key>: <problem>", from _merge with an empty location
+            field = key.split(":", 1)[0].strip()
+            line = _line_of(node, ["layers", i, kind] + ([field] if field in part else []))
+            problems.append(f"{source}{f':{line}' if line else ''}: layers[{i}].{kind}.{key}")
     return problems
 
 

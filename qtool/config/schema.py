@@ -484,6 +484,28 @@ def name_matches(pattern: str, name: str) -> bool:
 _GGUF_IMPLIED = ("bitwidth", "symmetric", "granularity", "block_size", "scale_dtype", "element")
 
 
+def rule_specs(recipe: "Recipe"):
+    """Each ``layers`` entry's partial weights/activations merged as resolution may merge them, without a model:
+    over the defaults, else over every earlier entry's (a rule may need what an earlier one set).
+    Yields ``(index, "weights" | "activations", spec or None, the first merge's ConfigError or None)``."""
+    chain = {"weights": recipe.defaults.weights, "activations": recipe.defaults.activations}
+    defaults = dict(chain)
+    cls = {"weights": WeightSpec, "activations": ActivationSpec}
+    for i, rule in enumerate(recipe.layers):
+        for kind in ("weights", "activations"):
+            part = getattr(rule, kind)
+            if not part:
+                continue
+            spec, error = None, None
+            for base in (defaults[kind], chain[kind]):
+                try:
+                    spec = chain[kind] = _merge(base, part, cls[kind], "")
+                    break
+                except ConfigError as e:
+                    error = error or e
+            yield i, kind, spec, None if spec is not None else error
+
+
 def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
     """Apply one rule's partial spec on top of the current one (or the schema defaults when there is none)."""
     start = base.model_dump() if base is not None else cls().model_dump()

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Union
 from ..choices import GGML_SCALE_DTYPES, LEGACY_GGUF_TYPES, SUPER_BLOCK_FALLBACK, weighs_activations
 from ..errors import ConfigError
 from .schema import (_INTEGER_INPUT_TYPES, DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES, ActivationSpec, Recipe,
-                     WeightSpec, _merge, _Spec)
+                     _Spec, rule_specs)
 
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # the shipped recipes (package data)
@@ -61,12 +61,9 @@ def recipe_needs_data(recipe: Recipe) -> bool:
         return True
     weights = [recipe.defaults.weights] if recipe.defaults.weights is not None else []
     acts = [recipe.defaults.activations] if recipe.defaults.activations is not None else []
-    for i, rule in enumerate(recipe.layers):
-        if rule.weights:
-            weights.append(_merge(recipe.defaults.weights, rule.weights, WeightSpec, f"layers[{i}].weights"))
-        if rule.activations:
-            acts.append(_merge(recipe.defaults.activations, rule.activations, ActivationSpec,
-                               f"layers[{i}].activations"))
+    for _, kind, spec, _ in rule_specs(recipe):  # (a recipe read by parse_recipe: every entry merges somewhere)
+        if spec is not None:
+            (weights if kind == "weights" else acts).append(spec)
     acts = [a for a in acts if a.inputs or a.outputs]  # (inputs: false, outputs: false quantizes nothing)
     return (recipe.kv_cache is not None or any(not a.dynamic or a.scale_dtype == "fp8_e4m3" for a in acts)
             or any(w.rounding.name != "nearest" or weighs_activations(w.analyzer.kwargs().get("weighting"))
