@@ -115,3 +115,20 @@ def test_an_importance_matrix_of_zeros_for_a_tensor_is_said_and_searched_unweigh
     code, _, err = run_cli("quantize", llama, "-c", "gguf-q4_k_m", "--imatrix", tmp_path / "zero.gguf", "-o",
                            tmp_path / "q2", "--format", "gguf", "--strict-data")
     assert code == 2 and "--strict-data" in err and not (tmp_path / "q2").exists()
+
+
+def test_a_recipe_mixing_algorithms_counts_each_in_the_shortfall():
+    """AdaRound on two layers, GPTQ on one: the line said "adaround on 3 weight(s)"."""
+    from torch import nn
+
+    from qtool.calibration.data_check import shortfalls
+    from qtool.config import parse_recipe, resolve_plan
+    from qtool.data import Batch, CalibrationData
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    recipe = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 4, rounding: adaround}\n  activations: null\n"
+                          "layers:\n  - match: '2'\n    weights: {rounding: gptq}\n")
+    data = CalibrationData([Batch(kwargs={"input_ids": torch.zeros(2, 16, dtype=torch.long)})], [], 2, "ids")
+    (line,) = shortfalls(resolve_plan(recipe, model), data)
+    assert line.startswith("calibration data holds 32 tokens, and adaround on 2 weight(s) and gptq on 1 weight(s) "
+                           f"should learn from at least {MIN_TOKENS['rounding']}"), line

@@ -10,6 +10,7 @@ Text (and token-id tensors) count tokens, padding aside; other data (images, fea
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import List, Tuple
 
 from ..choices import weighs_activations
@@ -54,9 +55,9 @@ def shortfalls(plan: Plan, data: CalibrationData) -> List[str]:
                 and not q.imatrix]
     if weighted:
         needs.append(("ranges", f"the activation-weighted search of {len(weighted)} weight(s)"))
-    rounded = [q for q in plan.weights if q.rounding != "nearest"]
-    if rounded:
-        needs.append(("rounding", f"{rounded[0].rounding} on {len(rounded)} weight(s)"))
+    rounded = Counter(q.rounding for q in plan.weights if q.rounding != "nearest")
+    if rounded:  # (each algorithm by its own count: a recipe may mix them)
+        needs.append(("rounding", " and ".join(f"{name} on {n} weight(s)" for name, n in sorted(rounded.items()))))
     if plan.awq is not None:
         needs.append(("rounding", f"awq's scales of {len(plan.awq.groups)} group(s)"))
     return [f"calibration data holds {count} {unit}, and {what} should learn from at least {minimum[kind]} "
