@@ -10,7 +10,7 @@ on a real MoE model that is most of the weights. The plan says so instead of lea
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 if TYPE_CHECKING:  # (config's layer imports no torch at module level: the CLI checks choices before loading it)
     from torch import nn
@@ -79,10 +79,12 @@ class WeightCoverage:
 
 
 def weight_coverage(model: "nn.Module", quantized: Set[str], candidates: Set[str],
-                    ignored: Callable[[str], bool]) -> WeightCoverage:
+                    ignored: Callable[[str], bool], stored_as: Optional[Dict[str, str]] = None) -> WeightCoverage:
     """``quantized``: modules whose ``weight`` the plan quantizes; ``candidates``: modules whose ``weight`` a
     recipe could quantize (a weight of theirs left float is the recipe's choice); ``ignored(name)``: whether the
-    recipe's ignore list names a module or parameter. Works on meta-device models."""
+    recipe's ignore list names a module or parameter; ``stored_as``: the checkpoint's name of a parameter held
+    under another (an unreachable weight is named as the checkpoint and the export name it). Works on meta-device
+    models."""
     holders: Dict[int, List[Tuple[str, str, str, "nn.Parameter"]]] = {}  # parameter -> every (module, name)
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for p_name, p in module.named_parameters(recurse=False):
@@ -101,7 +103,8 @@ def weight_coverage(model: "nn.Module", quantized: Set[str], candidates: Set[str
         elif not any((p_name == "weight" and mod in candidates) or ignored(mod)
                      or ignored(f"{mod}.{p_name}" if mod else p_name) for mod, p_name, _, _ in held):
             mod, p_name, tname, p = held[0]
-            unreachable.append((f"{mod}.{p_name}" if mod else p_name, tuple(int(d) for d in p.shape), tname))
+            name = f"{mod}.{p_name}" if mod else p_name
+            unreachable.append(((stored_as or {}).get(name, name), tuple(int(d) for d in p.shape), tname))
     unreachable.sort(key=lambda u: -_numel(u[1]))
     return WeightCoverage(total, done, tuple(unreachable), tuple(quantized_by))
 

@@ -644,8 +644,12 @@ def test_patterns_may_name_experts_by_the_checkpoints_names(tmp_path):
             "layers:\n  - match: 're:model\\.layers\\.0\\.block_sparse_moe\\.experts\\.\\d+\\.w2'\n"
             "    weights: {bitwidth: 4}\n"
             "ignore: [lm_head, 're:model\\.layers\\.1\\.block_sparse_moe\\.experts\\..*']\n")
-    rows = {q.module: q for q in resolve_plan(parse_recipe(text), model).weights}
+    plan = resolve_plan(parse_recipe(text), model)
+    rows = {q.module: q for q in plan.weights}
     assert not [m for m in rows if m.startswith("model.layers.1.mlp.experts.")]
+    # the routers a plan lists as unreachable go by those names too (they read model.layers.0.mlp.gate.weight)
+    assert [u[0] for u in plan.coverage.unreachable] == [f"model.layers.{i}.block_sparse_moe.gate.weight"
+                                                         for i in range(2)]
     assert sorted(m for m in rows if m.startswith("model.layers.0.mlp.experts.")) == sorted(
         f"model.layers.0.mlp.experts.{e}.{w}" for e in range(8) for w in ("w1", "w2", "w3"))
     assert {m: q.bitwidth for m, q in rows.items() if ".experts.0." in m} == {

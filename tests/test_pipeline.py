@@ -87,6 +87,11 @@ def test_calibrate_then_export_round_trips_bit_for_bit(tmp_path, mlp_ckpt, mlp_d
 def test_calibrated_model_matches_manual_fake_quant(tmp_path, mlp_ckpt, mlp_data):
     run = tmp_path / "run"
     assert calibrate(mlp_ckpt, run, "w8a8.yaml", mlp_data)[0] == 0
+    from qtool.errors import UsageError
+
+    # a library caller's device is an argument, not a flag (the error said "--device", and left out cuda:N)
+    with pytest.raises(UsageError, match=r"^device must be cpu, cuda, cuda:N or auto \(got 'tpu'\)$"):
+        qtool.load_calibrated(str(mlp_ckpt), str(run / "encodings.json"), model_class=MLP, device="tpu")
     model = qtool.load_calibrated(str(mlp_ckpt), str(run / "encodings.json"), model_class=MLP)
     enc = {q["name"]: q for q in json.loads((run / "encodings.json").read_text())["quantizers"]}
     ref = mlp()

@@ -481,7 +481,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                              "and llama.cpp's mmproj keep them: a layers rule whose match names them quantizes them")
     plan.coverage = weight_coverage(model, {q.module for q in plan.weights}, candidates,
                                     lambda n: (towers and MEDIA_TOWER.search(n) is not None)
-                                    or any(name_matches(pat, n) for pat in recipe.ignore))
+                                    or any(name_matches(pat, n) for pat in recipe.ignore), stored_as)
     unreached = plan.coverage.warning()
     if unreached:
         plan.warnings.append(unreached)

@@ -79,7 +79,7 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise UsageError(f"--device must be cpu, cuda or auto (got {device!r})")
+        raise UsageError(f"device must be cpu, cuda, cuda:N or auto (got {str(device)[:40]!r})")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {device}: no CUDA device is available to this torch build")
     if device.startswith("cuda:") and device[5:].isdigit() and int(device[5:]) >= torch.cuda.device_count():
