@@ -184,6 +184,34 @@ def test_a_layer_whose_parent_reads_its_weight_without_calling_it_stays_float():
     assert weights == {"embeddings", "in_proj", "x_proj", "out_proj", "lm_head"}, weights  # (conv1d, dt_proj: float)
 
 
+def test_a_layer_the_model_calls_once_quantized_runs_its_quantizer():
+    """Jamba's dt_proj: its mixer reads self.dt_proj.weight, or calls self.dt_proj "in case the model has been
+    quantized" (config._is_quantized, which transformers sets loading a quantized file). The fake-quant model took
+    the read, so calibration, report and eval ran dt_proj float while the file stored it, and its runtime ran it,
+    quantized. qtool marks the configs while quantizers are in, as transformers does."""
+    import transformers
+
+    from qtool.model.insert import insert_quantizers, remove_quantizers, set_quantization
+
+    cfg = transformers.JambaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_experts=1,
+                                   num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8,
+                                   mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8)
+    model = transformers.JambaForCausalLM(cfg).eval()
+    plan = plan_of("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n", model)
+    assert "model.layers.0.mamba.dt_proj.weight" in rows(plan)
+    assert "model.layers.0.mamba.conv1d.weight" not in rows(plan)  # (read only: left float, as before)
+    called = []
+    model.model.layers[0].mamba.dt_proj.register_forward_hook(lambda *a: called.append(1))
+    insert_quantizers(model, plan)
+    set_quantization(model, False)  # (uncalibrated: the call is what is asked)
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 8)))
+    assert called and model.config._is_quantized
+    remove_quantizers(model)
+    assert not hasattr(model.config, "_is_quantized")
+
+
 def test_gpt2s_conv1d_takes_per_tensor_weights_only():
     """transformers' Conv1D (GPT-2) stores its weight [in, out]: per_channel scales went per input channel."""
     from transformers.pytorch_utils import Conv1D

@@ -255,7 +255,28 @@ def insert_quantizers(model: nn.Module, plan: Plan) -> Dict[str, QuantizerBase]:
         out[q.name] = quantizer
     if graph_mode:
         _wire_graph(model, plan)
+    elif out:
+        _mark_quantized(model)
     return out
+
+
+_MARKED = "_qtool_marked_configs"  # the configs insert_quantizers marked quantized (remove_quantizers unmarks)
+
+
+def _mark_quantized(model: nn.Module) -> None:
+    """Mark the model's Hugging Face configs quantized, as transformers marks a model it loads quantized: its
+    model code then calls a layer it would otherwise read the weight of (Jamba's and Falcon-Mamba's ``dt_proj``:
+    ``self.dt_proj.weight @ x``, or ``self.dt_proj(x)`` "in case the model has been quantized"), so the fake-quant
+    model runs the branch the quantized file runs where it is served, with the layer's quantizers in it."""
+    marked = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if hasattr(config, "to_json_string") and not hasattr(config, "_is_quantized") and \
+                not any(config is c for c in marked):
+            config._is_quantized = True  # (transformers never writes it to config.json)
+            marked.append(config)
+    if marked:
+        model.__dict__.setdefault(_MARKED, []).extend(marked)
 
 
 def is_exported_graph(model: nn.Module) -> bool:
@@ -352,6 +373,8 @@ def remove_quantizers(model: nn.Module) -> None:
             del module._modules[_ATTR]
             _forget_weights(module)
             module.__class__ = module._qtool_base
+    for config in model.__dict__.pop(_MARKED, []):
+        config.__dict__.pop("_is_quantized", None)
 
 
 def iter_quantizers(model: nn.Module) -> Iterator[Tuple[str, QuantizerBase]]:
