@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .errors import DataError, UsageError
 
-__all__ = ["Batch", "CalibrationData", "load_data", "text_samples", "TENSOR_SUFFIXES", "TEXT_SUFFIXES"]
+__all__ = ["Batch", "CalibrationData", "load_data", "data_files", "text_samples", "TENSOR_SUFFIXES", "TEXT_SUFFIXES"]
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth", ".npy", ".npz")
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -206,6 +206,11 @@ def _collect(path: Path) -> Tuple[List[Path], str]:
     if len(kinds) > 1:
         raise DataError(f"{path}: mixes text and tensor files; use one kind per data directory")
     return files, kinds.pop()
+
+
+def data_files(path: Union[str, Path]) -> List[Path]:
+    """The files ``--data PATH`` reads: the file, or a directory's data files (by suffix); DataError otherwise."""
+    return _collect(Path(path))[0]
 
 
 def load_data(

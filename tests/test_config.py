@@ -350,6 +350,18 @@ def test_activation_block_size_must_divide_the_last_dimension():
                                           r"dimension 96 of 1's inputs"):
         plan_of(text % (32, "") + rule, model)
     assert sorted(rows(plan_of(text % (16, ", outputs: true"), model))) == ["0.input", "0.output"]
+    # a BatchNorm's weight is as long as its channels, not its input's last dimension (an image's width): no
+    # refusal there; GPT-2's Conv1D (no in_features) is checked by its weight's [in, out]
+    from transformers.pytorch_utils import Conv1D
+
+    bn = "layers:\n  - type: BatchNorm2d\n    activations: {element: fp8_e4m3, granularity: per_block, " \
+         "block_size: 16, dynamic: true}\n"
+    assert "0.input" in rows(plan_of(text % (16, "") + bn, nn.Sequential(nn.BatchNorm2d(24))))
+    conv1d = "layers:\n  - type: Conv1D\n    activations: {element: fp8_e4m3, granularity: per_block, " \
+             "block_size: 48, dynamic: true}\n"
+    with pytest.raises(ConfigError, match=r"48 does not divide the last dimension 64 of 0's inputs"):
+        plan_of("version: 1\ndefaults:\n  weights: null\n  activations: null\n" + conv1d,
+                nn.Sequential(Conv1D(96, 64)))
 
 @pytest.mark.parametrize(
     "text, needle",

@@ -55,11 +55,12 @@ def _ours(stderr):
     return [line for line in stderr.splitlines() if line.startswith(("error:", "internal error:", "interrupted:"))]
 
 
-def _by_hand(commands, env=None):
+def _by_hand(commands, env=None, cwds=None):
     """Ranks launched without torchrun, as docs/distributed.md's CI recipe does: rank r runs ``commands[r]`` (an
-    argv) with the process group's variables set, ``env`` added."""
+    argv) with the process group's variables set, ``env`` added, in ``cwds[r]`` (default: the repository)."""
     port = _free_port()
-    return [subprocess.Popen([str(c) for c in argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return [subprocess.Popen([str(c) for c in argv], cwd=(cwds or {}).get(rank, ROOT), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE,
                              text=True,
                              env={**os.environ, "WORLD_SIZE": str(len(commands)), "RANK": str(rank),
                                   "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -208,6 +209,7 @@ def test_ranks_given_other_checkpoints_are_refused_and_copies_are_not(llama, tmp
 
     copy, stale = tmp_path / "copy", tmp_path / "stale"
     shutil.copytree(llama / "m", copy)
+    (copy / "README.md").write_text("a node's own notes beside the same weights\n")  # (not read: not compared)
     shutil.copytree(llama / "m", stale)
     weights = load_file(stale / "model.safetensors")
     weights["model.layers.0.mlp.up_proj.weight"] *= 1.5
@@ -229,6 +231,44 @@ def test_ranks_given_other_checkpoints_are_refused_and_copies_are_not(llama, tmp
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errs
     assert (tmp_path / "good" / "encodings.json").is_file()
+
+
+def test_report_ranks_compare_the_encodings_by_their_bytes(llama, tmp_path):
+    """Each rank in its own directory with its own c/encodings.json (calibrated on other data): compared by the
+    path as given, the ranks merged a report of two calibrations, exit 0."""
+    import shutil
+
+    for rank, seed in ((0, 1), (1, 2)):
+        ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(seed))
+        save_file({"input_ids": ids}, tmp_path / f"ids{rank}.safetensors")
+        code, _, err = run_cli("calibrate", llama / "m", "-c", "w8a8", "--data", tmp_path / f"ids{rank}.safetensors",
+                               "-o", tmp_path / f"n{rank}" / "c", "--quiet")
+        assert code == 0, err
+    argv = [sys.executable, "-m", "qtool", "report", llama / "m", "-e", "c/encodings.json", "--data",
+            llama / "ids.safetensors", "--json"]
+    procs = _by_hand([argv, argv], cwds={0: tmp_path / "n0", 1: tmp_path / "n1"})
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert "launched with another --encodings's bytes than rank 1" in _ours(errs[0])[0], errs
+    shutil.copytree(tmp_path / "n0" / "c", tmp_path / "n1" / "c", dirs_exist_ok=True)  # the same bytes: one report
+    procs = _by_hand([argv, argv], cwds={0: tmp_path / "n0", 1: tmp_path / "n1"})
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+
+
+def test_the_sampled_hash_reads_a_files_first_middle_and_last_mib(tmp_path):
+    from qtool.io.fs import sampled_sha256
+
+    def digest(at=None):
+        data = bytearray(8 << 20)
+        if at is not None:
+            data[at] = 1
+        (tmp_path / "w.safetensors").write_bytes(bytes(data))
+        return sampled_sha256([tmp_path / "w.safetensors"])
+
+    same = digest()
+    assert digest(0) != same and digest(4 << 20) != same and digest((8 << 20) - 1) != same
+    assert digest(6 << 20) == same  # (between the samples: the documented limit, cheap on many GB)
 
 
 FAIL_AFTER_CALIBRATED = """

@@ -650,6 +650,9 @@ def test_patterns_may_name_experts_by_the_checkpoints_names(tmp_path):
     # the routers a plan lists as unreachable go by those names too (they read model.layers.0.mlp.gate.weight)
     assert [u[0] for u in plan.coverage.unreachable] == [f"model.layers.{i}.block_sparse_moe.gate.weight"
                                                          for i in range(2)]
+    # and an ignore naming them so, as the warning asks, acknowledges them
+    acknowledged = text.replace("ignore: [lm_head, ", "ignore: [lm_head, 'model.layers.*.block_sparse_moe.gate', ")
+    assert not resolve_plan(parse_recipe(acknowledged), model).coverage.unreachable
     assert sorted(m for m in rows if m.startswith("model.layers.0.mlp.experts.")) == sorted(
         f"model.layers.0.mlp.experts.{e}.{w}" for e in range(8) for w in ("w1", "w2", "w3"))
     assert {m: q.bitwidth for m, q in rows.items() if ".experts.0." in m} == {

@@ -242,7 +242,7 @@ def test_a_state_of_another_run_is_refused_in_one_line(llama, stopped, tmp_path,
     assert len(lines) == 1 and "the saved state is of another run" in lines[0], err
     assert {"recipe": "(recipe differs)", "data": "(calibration batches, data, options: --data differ)",
             "model": "(checkpoint differs)",
-            "options": "options: --batch-size differ", "precision": "(options: --matmul-precision differs)",
+            "options": "(calibration batches, options: --batch-size differ)", "precision": "(options: --matmul-precision differs)",
             "threads": "(CPU threads differ) (the stopped run had"}[change] in lines[0], lines
     assert "run without --resume" in lines[0]
     assert not out.exists() and (tmp_path / "run.resume/state.json").exists()  # the state stays for a rerun

@@ -245,18 +245,15 @@ class ResumeState:
     def _read(directory: Path) -> Optional[Dict[str, Any]]:
         try:
             text = (directory / STATE).read_text(encoding="utf-8")
+            # (empty: what a crash can leave of a run's own state, as check_state_dir says: nothing to resume)
+            saved = json.loads(text) if text else None
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
             raise UsageError(f"{directory / STATE}: cannot read the saved state ({e}): run without --resume to "
                              "start over") from None
-        if not text:  # (what a crash can leave of a run's own state, as check_state_dir says: nothing to resume)
+        if saved is None:
             return None
-        try:
-            saved = json.loads(text)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"{directory / STATE}: cannot read the saved state ({e}): run without --resume to "
-                             "start over") from None
         if not (isinstance(saved, dict) and saved.get("version") == _VERSION and isinstance(saved.get("fingerprint"), dict)
                 and type(saved.get("blocks_done")) is int and saved["blocks_done"] >= 0
                 and isinstance(saved.get("files"), dict)):

@@ -13,6 +13,7 @@ from ..choices import (GGML_SCALE_DTYPES, LEGACY_GGUF_TYPES, SUPER_BLOCK_FALLBAC
 from ..coverage import weight_coverage
 from ..errors import ConfigError
 from ..families import family_of_model
+from ..gguf_mixes import mix_type, tensor_role
 from .layout import _fold_candidates, _kv_cache_rows, _rotation_plan, _smooth_groups, attention_modules
 from .plan import AwqPlan, Plan, QuantizerPlan
 from .schema import (_INPUT_WEIGHTED_TYPES, _INTEGER_INPUT_TYPES, DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES,
@@ -59,17 +60,31 @@ def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str)
     return shape, (1, b) + (-1,) * (len(shp) - 2)
 
 
+def _last_dimension(module: "nn.Module", tensor: str) -> Optional[int]:
+    """How wide the last dimension of a module's input or output is, where the module says so: a Linear's
+    features, GPT-2's Conv1D's weight ([in, out]), an Embedding's width, a LayerNorm's or RMSNorm's (hidden states
+    last); None elsewhere (a BatchNorm's channels are not the last dimension of an image)."""
+    from torch import nn
+
+    if isinstance(module, nn.Linear):
+        return module.in_features if tensor == "input" else module.out_features
+    if type(module).__name__ == "Conv1D":
+        return int(module.weight.shape[0 if tensor == "input" else 1])
+    if isinstance(module, nn.Embedding):
+        return module.embedding_dim if tensor == "output" else None
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return int(module.normalized_shape[-1])
+    w = getattr(module, "weight", None)
+    if type(module).__name__.endswith("RMSNorm") and w is not None and w.dim() == 1:  # (transformers' own)
+        return int(w.shape[0])
+    return None
+
+
 def _check_activation_blocks(module: "nn.Module", spec: ActivationSpec, tensor: str, where: str, name: str) -> None:
     """Per-block activations take blocks along their last dimension: refuse a block length that does not divide
-    it where the module says how wide that is (a Linear's features, an Embedding's width, a norm's weight)."""
-    if spec.granularity != "per_block":
-        return
-    width = {"input": getattr(module, "in_features", None),
-             "output": getattr(module, "out_features", None) or getattr(module, "embedding_dim", None)}[tensor]
-    w = getattr(module, "weight", None)
-    if width is None and w is not None and w.dim() == 1:  # (a norm: its weight is as wide as its input)
-        width = int(w.shape[0])
-    if isinstance(width, int) and width % spec.block_size:
+    it where the module says how wide that is (:func:`_last_dimension`)."""
+    width = _last_dimension(module, tensor) if spec.granularity == "per_block" else None
+    if width is not None and width % spec.block_size:
         raise ConfigError(f"{where}.block_size: {spec.block_size} does not divide the last dimension {width} of "
                           f"{name}'s {tensor}s")
 
@@ -80,25 +95,22 @@ class _Mix:
     def __init__(self, recipe: Recipe, model: "nn.Module", source: str, importance_matrix: bool = False):
         from torch import nn
 
-        from ..families import family_of_model
-
         family = family_of_model(model)
         # a module's name as the family's GGUF table knows it (GraniteMoE's block_sparse_moe experts are mlp's)
         self._gguf_name = family.gguf_key if family is not None else (lambda n: n)
-        tensor_role = self.role
         self.name = recipe.gguf_mix
         modules = dict(model.named_modules())
-        layers = {layer for n in modules for role, layer in [tensor_role(n)] if role in ("attn_v", "attn_qkv")}
+        layers = {layer for n in modules for role, layer in [self.role(n)] if role in ("attn_v", "attn_qkv")}
         if not layers:
             raise ConfigError(f"{source}: gguf_mix {self.name}: the model has no Llama-family decoder layers "
                               "(model.layers.N.self_attn.v_proj); llama-quantize's mixes are defined for those")
         self.n_layers = max(layers) + 1
-        q = next((m for n, m in modules.items() if tensor_role(n) == ("attn_q", min(layers))), None)
-        k = next((m for n, m in modules.items() if tensor_role(n) == ("attn_k", min(layers))), None)
+        q = next((m for n, m in modules.items() if self.role(n) == ("attn_q", min(layers))), None)
+        k = next((m for n, m in modules.items() if self.role(n) == ("attn_k", min(layers))), None)
         # (only attn_v's rules read it, and a model with fused q/k/v has no attn_v)
         self.n_gqa = q.out_features // max(1, k.out_features) if isinstance(q, nn.Linear) and k is not None else 1
-        embed = next((m for n, m in modules.items() if tensor_role(n)[0] == "token_embd"), None)
-        head = next((m for n, m in modules.items() if tensor_role(n)[0] == "output"), None)
+        embed = next((m for n, m in modules.items() if self.role(n)[0] == "token_embd"), None)
+        head = next((m for n, m in modules.items() if self.role(n)[0] == "output"), None)
         self.tied = embed is not None and (head is None or head.weight is embed.weight)
         config = getattr(model, "config", None)  # llama-quantize has rules of its own for 8-expert models
         self.n_expert = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
@@ -109,13 +121,9 @@ class _Mix:
 
     def role(self, name: str) -> Tuple[Optional[str], int]:
         """``(role, layer)`` of module ``name`` in llama-quantize's rules (:func:`gguf_mixes.tensor_role`)."""
-        from ..gguf_mixes import tensor_role
-
         return tensor_role(self._gguf_name(name))
 
     def spec(self, name: str, module: "nn.Module", base: WeightSpec) -> WeightSpec:
-        from ..gguf_mixes import mix_type
-
         role, layer = self.role(name)
         if self.tied and role == "output" and self.embed_spec is not None:
             # the embedding table is the output layer: quantized once, so the file holds one tensor for both
@@ -200,6 +208,14 @@ def _reads_only(cls: type, child: str) -> bool:
     return bool(re.search(rf"(?<![\w.])self\.{attr}\.weight\b{_NOT_A_READ}", src)
                 and all(u and u not in (".forward", ".__call__") for u in uses)
                 and not re.search(rf"getattr\(\s*self\s*,\s*[\"']{attr}[\"']", src))
+
+
+def _both_names(name: str, stored_as: Dict[str, str]) -> Tuple[str, ...]:
+    """A module's (or parameter's) name, and the checkpoint's where the model holds it under another (Mixtral's
+    experts: mlp.experts.3.w1 in memory, block_sparse_moe.experts.3.w1 in the checkpoint, the encodings and the
+    export): a pattern may name it either way."""
+    stored = stored_as.get(name) or stored_as.get(f"{name}.weight", "")[:-len(".weight")] or name
+    return (name,) if stored == name else (name, stored)
 
 
 def _type_names(module: "nn.Module") -> Tuple[str, ...]:
@@ -307,11 +323,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         tnames = (tname,) if name in exported_types else _type_names(module)
         # ignore patterns are a safety net (recipes list lm_head for every model), so no-match is silent
         # the output layer answers to "lm_head" wherever a wrapper puts it (Llama 4's language_model.lm_head)
-        # and a module held under another name than the checkpoint's (Mixtral's experts: mlp.experts.3.w1 in
-        # memory, block_sparse_moe.experts.3.w1 in the checkpoint, the encodings and the export) to both
-        stored = stored_as.get(f"{name}.weight", "")
-        names = (name, stored[:-len(".weight")]) if stored.endswith(".weight") and stored != f"{name}.weight" \
-            else (name,)
+        names = _both_names(name, stored_as)
         aliases = names + (("lm_head",) if module is head and name != "lm_head" else ())
         hits = [j for j, pat in enumerate(recipe.ignore) if any(name_matches(pat, n) for n in aliases)]
         ignored = bool(hits)
@@ -481,7 +493,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                              "and llama.cpp's mmproj keep them: a layers rule whose match names them quantizes them")
     plan.coverage = weight_coverage(model, {q.module for q in plan.weights}, candidates,
                                     lambda n: (towers and MEDIA_TOWER.search(n) is not None)
-                                    or any(name_matches(pat, n) for pat in recipe.ignore), stored_as)
+                                    or any(name_matches(pat, m) for pat in recipe.ignore
+                                           for m in _both_names(n, stored_as)), stored_as)
     unreached = plan.coverage.warning()
     if unreached:
         plan.warnings.append(unreached)

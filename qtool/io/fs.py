@@ -365,13 +365,10 @@ def write_text_atomic(path: Path, text: str, output: bool = False) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
-def sampled_sha256(path: Path, sample: int = 1 << 20) -> str:
-    """SHA-256 of what a file or a directory's files (not its subdirectories': a model's or a data directory's
-    files lie at its top) hold, sampled: each file's name, size, and its first, middle and last ``sample`` bytes
-    (the whole of a file up to three samples long). Cheap on a model of many GB, and different for two fine-tunes
-    of one model (their weights differ everywhere); not a proof of equal bytes."""
-    root = Path(path)
-    files = sorted(p for p in root.iterdir() if p.is_file()) if root.is_dir() else [root]
+def sampled_sha256(files: Sequence[Path], sample: int = 1 << 20) -> str:
+    """SHA-256 of what ``files`` hold, sampled: each file's name, size, and its first, middle and last ``sample``
+    bytes (the whole of a file up to three samples long). Cheap on a model of many GB, and different for two
+    fine-tunes of one model (their weights differ everywhere); not a proof of equal bytes."""
     h = hashlib.sha256()
     for f in files:
         size = f.stat().st_size

@@ -17,7 +17,7 @@ from torch import nn
 from ..calibration import CalibrateOptions
 from ..config import Plan, RecipeFile, load_recipe, recipe_file, resolve_plan
 from ..encodings import calibrated_elsewhere
-from ..errors import EncodingsError, UsageError
+from ..errors import EncodingsError, QtoolError, UsageError
 from ..io.checkpoint import weight_file_hashes
 from ..io.fs import atomic_output_dir, published, sampled_sha256
 from ..model.apply import make_fake_quant
@@ -99,17 +99,40 @@ def _same_command(group: Group, checkpoint: Optional[str], opts: CalibrateOption
     searched = {} if target is None else {**{f"size search {k}": str(v) for k, v in vars(target).items()
                                               if k not in ("recipes", "candidates")},  # (paths: by their bytes)
                                            "candidates' bytes": [sha(r) for r in target.recipes]}
-    mine = {**{f"--{k.replace('_', '-')}": v for k, v in options.items()}, "recipe": sha(recipe), **searched, **more}
-    # a path names the same file on every node only by its bytes (a node's stale copy of a re-saved model)
-    for key, path in (("checkpoint", checkpoint), ("--data", opts.data)):
-        if path is not None and Path(path).exists():
-            mine[f"{key}'s bytes"] = f"sampled sha256 {sampled_sha256(Path(path))[:12]}"
+    mine = {**{f"--{k.replace('_', '-')}": v for k, v in options.items()}, "recipe": sha(recipe), **searched,
+            **{k: v for k, v in more.items() if not isinstance(v, Path)}}
+    # an input names the same file on every node only by its bytes (a node's stale copy of a re-saved model)
+    inputs = {"checkpoint": checkpoint, "--data": opts.data, "--imatrix": opts.imatrix,
+              **{f"--{k}": v for k, v in more.items() if isinstance(v, Path)}}
+    for key, path in inputs.items():
+        files = _files_read(key, path)
+        if files is not None:
+            mine[f"{key}'s bytes"] = f"sampled sha256 {sampled_sha256(files)[:12]}"
     every = group.all_gather(mine)
     for rank, theirs in enumerate(every):
         if theirs != every[0]:
             key = next(k for k in [*every[0], *theirs] if theirs.get(k) != every[0].get(k))
             raise UsageError(f"launched with another {key} than rank {rank} (rank 0: {every[0].get(key)!r}; rank "
                              f"{rank}: {theirs.get(key)!r}): every rank must run the same command")
+
+
+def _files_read(what: str, path) -> Optional[List[Path]]:
+    """The files a run reads of input ``what`` at ``path`` (a checkpoint's weights and config, the data files),
+    or None where there is nothing to read yet (an error the reading says)."""
+    from ..data import data_files
+    from ..io.checkpoint import tensor_files
+
+    if path is None or not Path(path).exists():
+        return None
+    p = Path(path)
+    try:
+        if what == "checkpoint" and p.is_dir():
+            files = tensor_files(p) + [f for f in (p / "config.json",) if f.is_file()]
+        else:
+            files = data_files(p) if what == "--data" else [p]
+        return files if all(f.is_file() for f in files) else None
+    except QtoolError:
+        return None
 
 
 def _check_resume(opts: CalibrateOptions, target: Optional["TargetOptions"]) -> None:

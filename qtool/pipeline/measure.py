@@ -37,7 +37,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
 
     hooks = hooks or Hooks()
     with _ranks(opts.device) as group:  # under torchrun: each rank measures its shard; every rank gets the report
-        _same_command(group, checkpoint, opts, encodings=str(encodings))
+        _same_command(group, checkpoint, opts, encodings=Path(encodings))
         if sensitivity_analysis and group.distributed:
             raise UsageError("--sensitivity runs in one process: run it without torchrun")
         hooks.on_stage("loading checkpoint")
