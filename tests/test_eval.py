@@ -255,6 +255,12 @@ def test_qtool_format_and_a_doubled_scale_is_an_export_fault(model, tmp_path):
     save_file(tensors, f, metadata=meta)
     code, res, err = _eval(model, out)
     assert code == 1 and res["export_fault"], err
+    # a file that lacks a tensor ran with the reference's value there and read as healthy (exit 0)
+    del tensors["model.norm.weight"]
+    save_file(tensors, f, metadata=meta)
+    code, _, err = run_cli("eval", out, "--data", model[2], *EVAL, "-q")
+    assert code == 2 and error_lines(err) == [f"error: {out}: the file holds no 'model.norm.weight' of the model: not "
+                                              "a whole export of it"], err
 
 
 def test_gates_human_output_and_explicit_paths(model, tmp_path):

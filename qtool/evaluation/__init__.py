@@ -25,7 +25,7 @@ from ..errors import DataError, UsageError
 from ..hooks import Hooks
 from ..io.checkpoint import weight_file_hashes
 from ..model.apply import make_fake_quant
-from ..model.insert import quantized_modules, set_stored_weight
+from ..model.insert import QUANTIZERS_ATTR, quantized_modules, set_stored_weight
 from ..model.load import load_model
 from ..report import ONE_NUMBER_NOTE, _one_number_each, output_cosines
 from .artifact import Artifact, changed_files, locate, places, quantization_config
@@ -123,8 +123,11 @@ def _with_export_weights(model: torch.nn.Module, directory: Path) -> torch.nn.Mo
     # names the checkpoint (and so the file) gives parameters the model holds under others (Mixtral's
     # block_sparse_moe experts and router, GraniteMoE's router.layer)
     renamed = checkpoint_names(model, [k for k in written if k not in params])
+    covered = set()  # the parameters the file holds
     for key, value in written.items():
         key = renamed.get(key, key)
+        if key in params:
+            covered.add(id(params[key]))
         module, _, attr = key.rpartition(".")
         if attr == "weight" and module in quantized:
             set_stored_weight(quantized[module], value.to(params[key].dtype).to(params[key].device)
@@ -140,6 +143,12 @@ def _with_export_weights(model: torch.nn.Module, directory: Path) -> torch.nn.Mo
                 params[key].copy_(value.to(params[key].dtype))
         else:
             raise UsageError(f"{directory}: tensor {key!r} is not in the reference model: an export of another model?")
+    # a parameter the file lacks would run with the reference's value, and the file read as healthy
+    missing = [n for n, p in model.named_parameters() if id(p) not in covered and f".{QUANTIZERS_ATTR}." not in n]
+    if missing:
+        more = f" and {len(missing) - 1} more parameter(s)" if len(missing) > 1 else ""
+        raise UsageError(f"{directory}: the file holds no {missing[0]!r}{more} of the model: not a whole export of "
+                         "it")
     return model
 
 
