@@ -616,3 +616,26 @@ def test_compressed_tensors_damage_is_measured_with_the_layers_it_writes_float(l
         assert damage["compressed-tensors"][c] != damage["qtool"][c], damage
     # what the export measures against the float model for the chosen file agrees with the float table
     assert damage["compressed-tensors"]["w8a16"] < damage["qtool"]["w8a16"], damage
+
+
+def test_a_searched_recipes_plan_warnings_name_it_as_the_output_holds_it(tmp_path):
+    """The chosen recipe's warnings named its temporary path (.OUT.tmp-HOST-PID-.../recipe.yaml) in the manifest,
+    the --json summary and stderr: two identical runs wrote different manifests."""
+    import pydoc_data.topics
+
+    from tests.test_gguf import _tiny_llama
+
+    ckpt = _tiny_llama(tmp_path / "m", False)  # (a byte-level BPE tokenizer, which GGUF takes)
+    data = tmp_path / "calib.txt"
+    data.write_text(" ".join(list(pydoc_data.topics.topics.values())[:30]))
+    args = ["quantize", ckpt, "--data", data, "--candidates", "gguf-q4_0,w8a16", "--target-bpw", "12", "-f", "gguf",
+            "--gguf-fallback", "f16", "-o", tmp_path / "o", "--json", "-q"]
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    warnings = json.loads(out)["warnings"]
+    first = (tmp_path / "o" / "calibration" / "manifest.json").read_bytes()
+    assert any(w.startswith("recipe.yaml: layers[") for w in warnings), warnings
+    assert not [w for w in warnings if ".tmp-" in w], warnings
+    code, _, err = run_cli(*args, "--overwrite")
+    assert code == 0, err
+    assert (tmp_path / "o" / "calibration" / "manifest.json").read_bytes() == first

@@ -33,7 +33,9 @@ def _calibrate_into(checkpoint: str, recipe_path: Union[str, RecipeFile], opts: 
     group = group or Group()
     read = read_recipe(recipe_path)  # a shipped recipe's name -> its file (hashed in the manifest)
     recipe, recipe_path = read.recipe, read.path
-    prepared = prepare_calibration(checkpoint, recipe, recipe_path, opts, hooks)
+    # (a searched recipe is named as the output holds it: its temporary path would put a run's own directory name,
+    # host and process id into the plan's warnings and the manifest)
+    prepared = prepare_calibration(checkpoint, recipe, "recipe.yaml" if search else recipe_path, opts, hooks)
     if admit is not None:
         admit(prepared.plan)
     hooks.on_plan(prepared.plan)
