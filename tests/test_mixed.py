@@ -639,3 +639,20 @@ def test_a_searched_recipes_plan_warnings_name_it_as_the_output_holds_it(tmp_pat
     code, _, err = run_cli(*args, "--overwrite")
     assert code == 0, err
     assert (tmp_path / "o" / "calibration" / "manifest.json").read_bytes() == first
+
+
+def test_the_smallest_size_a_refusal_names_is_a_budget_that_fits(llama, tmp_path):
+    """"--target-bpw 19.924: below the smallest ... (N bytes, 19.924 bits per weight)": the figure was rounded
+    down; and N bytes written in GB (0.03207424GB) parsed one byte short (float arithmetic) and was refused."""
+    import re
+
+    ckpt, data = llama
+    base = ["quantize", ckpt, "--data", data, "-f", "compressed-tensors", "--candidates", "w4a16-block32-gptq,w8a16",
+            "-q"]
+    code, _, err = run_cli(*base, "--target-bpw", "4", "-o", tmp_path / "no")
+    assert code == 2, err
+    nbytes, bpw = re.search(r"\((\d+) bytes, ([\d.]+) bits per weight", err).groups()
+    code, _, err = run_cli(*base, "--target-bpw", bpw, "-o", tmp_path / "bpw")
+    assert code == 0, err
+    code, _, err = run_cli(*base, "--target-size", f"{int(nbytes) / 1e9}GB", "-o", tmp_path / "size")
+    assert code == 0, err

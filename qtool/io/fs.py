@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import errno
 import glob
+import decimal
 import hashlib
 import os
 import re
@@ -35,11 +36,11 @@ def parse_size(text: str, what: str, unlimited: bool = True) -> Optional[int]:
         return None
     num = t.rstrip("KMGTIB")
     unit = t[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1.0
-    if unit not in _UNITS or not value >= 0 or value * _UNITS.get(unit, 1) == float("inf"):  # (1e308GB too)
+    try:  # (in decimal: 0.03207424GB is 32074240 bytes, where float arithmetic gave one byte less)
+        value = decimal.Decimal(num)
+    except decimal.InvalidOperation:
+        value = decimal.Decimal(-1)
+    if unit not in _UNITS or not value.is_finite() or value < 0 or value * _UNITS[unit] > 2 ** 63:
         raise UsageError(f"{what}: {text!r} is not a size like 5GB, 500MB or 2GiB{hint}")
     if value == 0:
         if not unlimited:

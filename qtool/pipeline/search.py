@@ -5,6 +5,7 @@ candidate, measure each weight group's damage under each, choose the mix that fi
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -317,8 +318,10 @@ def _check_budget(state: Measured, target: TargetOptions) -> None:
         raise UsageError(f"{target.flag()}: at or above the float checkpoint ({cost.float_bytes} bytes, "
                          f"{state.bpw(cost.float_bytes):.2f} bits per weight); nothing needs quantizing to fit")
     if budget < floor:
+        # (rounded up: the printed figure is a budget that fits, not "19.924 is below 19.924")
         raise UsageError(f"{target.flag()}: below the smallest the candidates can make ({floor} bytes, "
-                         f"{state.bpw(floor):.3f} bits per weight in {state.exporter}'s format)")
+                         f"{math.ceil(state.bpw(floor) * 1000) / 1000:.3f} bits per weight in {state.exporter}'s "
+                         "format)")
 
 
 def _written(text: str, plans: List[Plan], chosen: Dict[str, int], names: List[str], model, opts: CalibrateOptions,
