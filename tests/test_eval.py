@@ -301,6 +301,14 @@ def test_bad_input_is_one_line(model, tmp_path):
         (("eval", out, "--data", held, "--max-kl", "-1"), "--max-kl must be >= 0"),
         (("eval", out, "--data", held, "--max-export-gap", "-0.1"), "--max-export-gap must be >= 0"),
     ]
+    # token ids calibrate refuses crashed eval (exit 3) inside the float model or the window cutting
+    import numpy as np
+
+    np.save(tmp_path / "past.npy", np.full((2, 64), 100000, dtype=np.int64))
+    np.save(tmp_path / "flat.npy", np.arange(1000, dtype=np.int64) % 200)
+    cases += [(("eval", out, "--data", tmp_path / "past.npy"), "token id 100000 is outside the model's vocabulary"),
+              (("eval", out, "--data", tmp_path / "flat.npy"), "token ids must be integers of shape [sequences, "
+                                                                 "tokens] (got int64 of shape [")]
     ct = _quantize(model, tmp_path, "w8a16", "compressed-tensors", name="ct")  # truncated: transformers' own error,
     with open(ct / "model.safetensors", "r+b") as f:                          # exit 3, once both models had run
         f.truncate(f.seek(0, 2) // 2)

@@ -326,7 +326,9 @@ def artifact_model(artifact: str, reference: Optional[str] = None, encodings: Op
     return _with_export_weights(loaded.model, art.path)
 
 
-def _windows(opts: EvalOptions, tokenizer, causal_lm: bool):
+def _windows(opts: EvalOptions, tokenizer, causal_lm: bool, vocab: Optional[int] = None):
+    """The held-out windows: token id lists for a causal LM (checked against its ``vocab`` embeddings, as
+    calibration checks them, before any model runs), else the batches."""
     if opts.data is None:
         raise DataError("qtool eval runs the models on held-out data: pass --data PATH (text or tensors)")
     data = load_data(opts.data, 1 if causal_lm else opts.batch_size, opts.num_samples, opts.seed, opts.seq_len,
@@ -336,6 +338,13 @@ def _windows(opts: EvalOptions, tokenizer, causal_lm: bool):
     seqs = []
     for b in data:
         ids = b.kwargs["input_ids"] if "input_ids" in b.kwargs else b.args[0]
+        if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
+            raise DataError(f"{opts.data}: token ids must be integers of shape [sequences, tokens] (got "
+                            f"{str(ids.dtype).replace('torch.', '')} of shape {list(ids.shape)})")
+        if ids.numel() and vocab and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
+            bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
+            raise DataError(f"{opts.data}: token id {bad} is outside the model's vocabulary ({vocab} embeddings): "
+                            "the tokenizer (or the id file) belongs to another model")
         mask = b.kwargs.get("attention_mask")
         for r in range(ids.shape[0]):
             row = ids[r] if mask is None else ids[r][mask[r] > 0]
@@ -523,7 +532,11 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
         enc_file = EncodingsFile.read(enc)
         plan_from_encodings(enc_file, loaded.model, str(enc))
         activations = any(e.tensor != "weight" for e in enc_file.entries)
-    data = _windows(opts, loaded.tokenizer, causal)
+    try:
+        vocab = getattr(loaded.model.get_input_embeddings(), "num_embeddings", None)
+    except (AttributeError, NotImplementedError):
+        vocab = None
+    data = _windows(opts, loaded.tokenizer, causal, vocab)
     ev = Evaluation(str(art.path), art.format, "", str(reference), str(enc) if enc else None, causal,
                     len(data), 0)
     ev.notes.extend(notes)
