@@ -120,6 +120,12 @@ def test_compressed_tensors_in_transformers_and_a_transposed_scale_is_an_export_
     save_file(tensors, f, metadata={"format": "pt"})
     code, res, err = _eval(model, out)
     assert code == 1 and res["export_fault"], (res["export_gap"], res["vs_float"])
+    # tensors the file lacks were "a limit of the runtime, not the file"
+    del tensors["model.layers.0.self_attn.q_proj.weight_packed"], tensors["model.norm.weight"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    code, _, err = run_cli("eval", out, "--data", model[2], *EVAL, "-q")
+    assert code == 2 and error_lines(err) == [f"error: {out}: the file holds no 'model.layers.0.self_attn.q_proj."
+                                              "weight_packed' and 1 more of the model: not a whole export of it"], err
 
 
 def test_a_runtime_that_drops_transform_config_is_named_and_a_bad_weight_is_still_a_fault(model, tmp_path):

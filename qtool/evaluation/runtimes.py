@@ -224,18 +224,23 @@ def _experts_apart(directory: Path, pattern: str = r"\.experts\.\d+\.") -> bool:
     ``pattern``: a tensor name of theirs to look for)."""
     import re
 
+    return any(re.search(pattern, k) for k in _tensor_names(directory))
+
+
+def _tensor_names(directory: Path) -> set:
+    """The names of the tensors a directory's safetensors files hold (empty where they cannot be read)."""
+    from safetensors import safe_open
+
     from ..io.checkpoint import tensor_files
 
+    names: set = set()
     try:
-        from safetensors import safe_open
-
         for f in tensor_files(Path(directory)):
             with safe_open(str(f), "pt") as fh:
-                if any(re.search(pattern, k) for k in fh.keys()):
-                    return True
+                names.update(fh.keys())
     except Exception:  # (a damaged file: the load's own error stands)
-        return False
-    return False
+        return set()
+    return names
 
 
 def _check_loaded(directory: Path, info: dict) -> None:
@@ -245,6 +250,12 @@ def _check_loaded(directory: Path, info: dict) -> None:
     missing, unused = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
     if not missing:
         return
+    names = _tensor_names(directory)
+    absent = [k for k in missing if k not in names] if names else []
+    if absent and not unused:  # (nothing in the file went unread: the tensors are not there)
+        more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
+        raise UsageError(f"{directory}: the file holds no {absent[0]!r}{more} of the model: not a whole export "
+                         "of it")
     experts = f" ({_EXPERTS_FUSED})" if any(".experts." in k for k in unused) else ""
     raise UsageError(f"{directory}: transformers leaves {len(missing)} parameters of this model unread "
                      f"({', '.join(missing[:2])}{' ...' if len(missing) > 2 else ''}){experts}: a limit of the "
