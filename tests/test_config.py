@@ -86,31 +86,17 @@ ignore: ["lm_head"]
     assert not any(n.startswith("lm_head") for n in p)
 
 
-def test_a_rules_analyzer_and_rounding_merge_over_the_same_algorithms():
-    """A rule's rounding: {dampening: 0.1} over gptq defaults was "rounding nearest takes no parameters", and
-    naming gptq again dropped act_order without a word: the docs say an entry only names what it changes."""
-    text = """
-version: 1
-defaults:
-  weights: {bitwidth: 4, rounding: {name: gptq, dampening: 0.05, act_order: true},
-            analyzer: {name: mse, num_candidates: 20}}
-  activations: null
-layers:
-  - match: "blocks.0.mlp.0"
-    weights: {rounding: {dampening: 0.1}, analyzer: {num_candidates: 40}}
-  - match: "blocks.0.mlp.2"
-    weights: {rounding: {name: gptq, block_columns: 16}}
-  - match: "blocks.1.mlp.0"
-    weights: {rounding: adaround, analyzer: minmax}
-"""
-    p = rows(plan_of(text))
-    q = p["blocks.0.mlp.0.weight"]
-    assert (q.rounding, dict(q.rounding_args)) == ("gptq", {"dampening": 0.1, "act_order": True})
-    assert (q.analyzer, dict(q.analyzer_args)) == ("mse", {"num_candidates": 40})
-    q = p["blocks.0.mlp.2.weight"]
-    assert dict(q.rounding_args) == {"dampening": 0.05, "act_order": True, "block_columns": 16}
-    q = p["blocks.1.mlp.0.weight"]  # another algorithm: its own defaults, none of gptq's parameters
-    assert (q.rounding, q.rounding_args, q.analyzer, q.analyzer_args) == ("adaround", (), "minmax", ())
+def test_a_rules_analyzer_and_rounding_replace_the_ones_before_and_name_their_algorithm():
+    """rounding: {dampening: 0.1} over gptq defaults said "rounding nearest takes no parameters", naming an
+    algorithm the entry never wrote: a rule's rounding (and analyzer) replaces the one before whole."""
+    head = ("version: 1\ndefaults:\n  weights: {bitwidth: 4, rounding: {name: gptq, dampening: 0.05, act_order: true}}"
+            "\n  activations: null\nlayers:\n  - match: 'blocks.0.mlp.0'\n    weights: {rounding: %s}\n")
+    with pytest.raises(ConfigError, match=r"r.yaml:\d+: layers\[0\].weights.rounding: an entry's rounding replaces "
+                                          r"the one before whole, so it names its algorithm \(rounding: \{name: \.\.\., "
+                                          r"dampening: \.\.\.\}\)"):
+        plan_of(head % "{dampening: 0.1}")
+    q = rows(plan_of(head % "{name: gptq, dampening: 0.1}"))["blocks.0.mlp.0.weight"]
+    assert (q.rounding, dict(q.rounding_args)) == ("gptq", {"dampening": 0.1})  # (act_order: as docs/recipes.md says)
 
 
 def test_null_defaults_disable_a_kind_and_rules_can_reenable():

@@ -520,18 +520,16 @@ def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
         start.pop("gguf_type")  # a rule that writes its own grid leaves the GGUF type (and its scale type)
         if start.get("scale_dtype") in GGML_SCALE_DTYPES and "scale_dtype" not in override:
             start.pop("scale_dtype")
-    had = {key: start.get(key) for key in ("analyzer", "rounding")}
     start.update(override)
     if "granularity" in override and override["granularity"] != "per_block" and "block_size" not in override:
         start["block_size"] = None
     for key in ("analyzer", "rounding"):
         if key in override:
-            new, old = _by_name(override[key]), had[key]
-            # the same algorithm's parameters merge over the ones it had (an entry names what it changes); another
-            # algorithm starts from its own defaults
-            if isinstance(new, dict) and isinstance(old, dict) and new.get("name", old.get("name")) == old.get("name"):
-                new = {**{k: v for k, v in old.items() if v is not None}, **new}
-            start[key] = new
+            start[key] = _by_name(override[key])
+            if isinstance(start[key], dict) and start[key] and "name" not in start[key]:
+                # (merged over its default name, the error named an algorithm the entry never wrote)
+                raise ConfigError(f"{where}.{key}: an entry's {key} replaces the one before whole, so it names its "
+                                  f"algorithm ({key}: {{name: ..., {', '.join(start[key])}: ...}})")
     try:
         return cls.model_validate(start)
     except ValidationError as e:
