@@ -612,6 +612,14 @@ def test_encodings_given_that_were_calibrated_on_other_weights_are_said(model, t
     code, res, err = _eval(model, out, "-e", tmp_path / "other_run/encodings.json")
     assert any("were calibrated on other weights" in n for n in res["notes"]), (code, res["notes"], err)
     assert code == 0 or "were calibrated on other weights than" in res["export_fault"], res["export_fault"]
+    # another recipe's encodings of the same weights: an export fault blamed the file, with no note
+    code, _, err = run_cli("calibrate", ckpt, "-c", "w4a16-block32", "-o", tmp_path / "w4_run", "--data", calib,
+                           "--seq-len", "32", "-q")
+    assert code == 0, err
+    code, res, err = _eval(model, out, "-e", tmp_path / "w4_run/encodings.json")
+    assert code == 1 and "are not the ones the file was exported from, so the fake-quant model is not what the file " \
+        "was made from" in res["export_fault"], (code, res)
+    assert any("are not the ones the file was exported from (its manifest records sha256" in n for n in res["notes"])
 
 
 def test_windows_past_a_gguf_files_context_are_one_line_before_any_model_runs(model, tmp_path):

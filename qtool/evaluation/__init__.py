@@ -24,6 +24,7 @@ from ..data import load_data
 from ..errors import DataError, UsageError
 from ..hooks import Hooks
 from ..io.checkpoint import weight_file_hashes
+from ..io.fs import sha256_file
 from ..model.apply import make_fake_quant
 from ..model.insert import QUANTIZERS_ATTR, quantized_modules, set_stored_weight
 from ..model.load import load_model
@@ -432,6 +433,12 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
     if encodings and not enc.is_file():
         raise UsageError(f"{enc}: no such encodings file")
     other_encodings = _calibrated_elsewhere(enc, reference) if encodings else None
+    # (what an export fault's line then adds: the fault may be the encodings', not the file's)
+    other_why = f"the encodings given ({enc}) were calibrated on other weights than {reference}"
+    if encodings and not other_encodings and art.encodings_sha256 and sha256_file(enc) != art.encodings_sha256:
+        other_why = f"the encodings given ({enc}) are not the ones the file was exported from"
+        other_encodings = (f"{other_why} (its manifest records sha256 {art.encodings_sha256[:12]}): the fake-quant "
+                           "model is another calibration's")
     if other_encodings:
         notes.append(other_encodings)
     changed = changed_files(art)
@@ -453,9 +460,8 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
                             f"records ({art.checkpoint}), so the fake-quant model is of other weights: evaluate "
                             "against that checkpoint before blaming the file")
     elif ev.export_fault and other_encodings:
-        ev.export_fault += (f"; but the encodings given ({enc}) were calibrated on other weights than {reference}, "
-                            "so the fake-quant model is not what the file was made from: pass the encodings it was "
-                            "exported from before blaming the file")
+        ev.export_fault += (f"; but {other_why}, so the fake-quant model is not what the file was made from: pass "
+                            "the encodings it was exported from before blaming the file")
     return ev
 
 

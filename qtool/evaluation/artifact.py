@@ -25,6 +25,7 @@ class Artifact:
     checkpoint_sha256: Optional[List[str]] = None  # the manifest's hashes of the checkpoint's weight files
     encodings_missing: Optional[str] = None  # the encodings the manifest names, where no file has its sha256
     directory: Optional[Path] = None  # where the manifest is
+    encodings_sha256: Optional[str] = None  # the manifest's hash of the encodings the file was exported from
 
     @property
     def runtime(self) -> str:
@@ -67,7 +68,9 @@ def _from_manifest(directory: Path, m: dict) -> Artifact:
         path = directory / (name if isinstance(name, str) and Path(name).name == name else "model.gguf")
     elif fmt == "onnx":
         path = directory / "model.onnx"
-    return Artifact(fmt, path, ckpt if isinstance(ckpt, str) else None, enc_path, hashes, enc_missing, directory)
+    enc_sha = enc_in.get("sha256") if isinstance(enc_in.get("sha256"), str) else None
+    return Artifact(fmt, path, ckpt if isinstance(ckpt, str) else None, enc_path, hashes, enc_missing, directory,
+                    enc_sha)
 
 
 _MODEL_FILES = (".onnx", ".gguf", ".safetensors")
