@@ -312,6 +312,18 @@ def test_bad_input_is_one_line(model, tmp_path):
 
     np.save(tmp_path / "past.npy", np.full((2, 64), 100000, dtype=np.int64))
     np.save(tmp_path / "flat.npy", np.arange(1000, dtype=np.int64) % 200)
+    # padding the attention mask leaves out is not checked (it is dropped); a negative id it keeps is said as such
+    from safetensors.torch import save_file
+
+    ids = torch.randint(1, 200, (4, 64), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    ids[:, 56:], mask[:, 56:] = -100, 0
+    save_file({"input_ids": ids, "attention_mask": mask}, tmp_path / "padded.safetensors")
+    code, _, err = run_cli("eval", out, "--data", tmp_path / "padded.safetensors", *EVAL, "-q")
+    assert code == 0, err
+    save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tmp_path / "unmasked.safetensors")
+    cases += [(("eval", out, "--data", tmp_path / "unmasked.safetensors"), "token id -100 is negative (a padding "
+                                                                            "marker such as -100?")]
     cases += [(("eval", out, "--data", tmp_path / "past.npy"), "token id 100000 is outside the model's vocabulary"),
               (("eval", out, "--data", tmp_path / "flat.npy"), "token ids must be integers of shape [sequences, "
                                                                  "tokens] (got int64 of shape [")]

@@ -656,3 +656,18 @@ def test_the_smallest_size_a_refusal_names_is_a_budget_that_fits(llama, tmp_path
     assert code == 0, err
     code, _, err = run_cli(*base, "--target-size", f"{int(nbytes) / 1e9}GB", "-o", tmp_path / "size")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("params,floor", [(1000, 1001), (8_000_000, 8_008_000), (3_000_000, 423_000)])
+def test_a_bits_per_weight_budget_is_counted_in_decimal(params, floor):
+    """The refusal's floor rounded up (8.008 bits) was turned back into bytes in float arithmetic, one byte short
+    of the floor it printed: the same refusal again."""
+    import math
+    from types import SimpleNamespace
+
+    from qtool.pipeline.common import TargetOptions
+    from qtool.pipeline.search import Measured
+
+    state = SimpleNamespace(cost=SimpleNamespace(params=params))
+    printed = float(f"{math.ceil(Measured.bpw(state, floor) * 1000) / 1000:.3f}")
+    assert Measured.budget(state, TargetOptions(["a", "b"], bits_per_weight=printed)) >= floor

@@ -255,9 +255,11 @@ def test_parse_size_units():
     assert parse_size("5GB", "x") == 5 * 10**9 and parse_size("2GiB", "x") == 2 << 30
     assert parse_size("1.5 mb", "x") == 1_500_000 and parse_size("123", "x") == 123
     assert parse_size("0", "x") is None and parse_size("None", "x") is None and parse_size("0GB", "x") is None
+    assert parse_size("0.03207424GB", "x") == 32_074_240  # (float arithmetic: one byte short)
     from qtool.errors import UsageError
 
-    for huge in ("1e308GB", "1e300TB", "inf"):  # (the first two were an OverflowError: internal error, exit 3)
+    for huge in ("1e308GB", "1e300TB", "inf", "1e1000000GB", "1e-1000000GB"):  # (OverflowError, decimal.Overflow:
+        # internal errors, exit 3)
         with pytest.raises(UsageError, match="is not a size like 5GB"):
             parse_size(huge, "--max-shard-size")
 

@@ -342,11 +342,14 @@ def _windows(opts: EvalOptions, tokenizer, causal_lm: bool, vocab: Optional[int]
         if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
             raise DataError(f"{opts.data}: token ids must be integers of shape [sequences, tokens] (got "
                             f"{str(ids.dtype).replace('torch.', '')} of shape {list(ids.shape)})")
-        if ids.numel() and vocab and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
-            bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
-            raise DataError(f"{opts.data}: token id {bad} is outside the model's vocabulary ({vocab} embeddings): "
-                            "the tokenizer (or the id file) belongs to another model")
         mask = b.kwargs.get("attention_mask")
+        kept = ids if mask is None or tuple(mask.shape) != tuple(ids.shape) else ids[mask > 0]  # (padding: dropped)
+        if kept.numel() and int(kept.min()) < 0:
+            raise DataError(f"{opts.data}: token id {int(kept.min())} is negative (a padding marker such as -100? an "
+                            "attention_mask of 0 there leaves it out)")
+        if kept.numel() and vocab and int(kept.max()) >= vocab:
+            raise DataError(f"{opts.data}: token id {int(kept.max())} is outside the model's vocabulary ({vocab} "
+                            "embeddings): the tokenizer (or the id file) belongs to another model")
         for r in range(ids.shape[0]):
             row = ids[r] if mask is None else ids[r][mask[r] > 0]
             seqs.append([int(t) for t in row])

@@ -38,6 +38,8 @@ def parse_size(text: str, what: str, unlimited: bool = True) -> Optional[int]:
     unit = t[len(num):]
     try:  # (in decimal: 0.03207424GB is 32074240 bytes, where float arithmetic gave one byte less)
         value = decimal.Decimal(num)
+        if value.is_finite() and not -30 < value.adjusted() < 30:  # (1e1000000GB: past any size, and past what
+            value = decimal.Decimal(-1)                              # decimal's context multiplies)
     except decimal.InvalidOperation:
         value = decimal.Decimal(-1)
     if unit not in _UNITS or not value.is_finite() or value < 0 or value * _UNITS[unit] > 2 ** 63:

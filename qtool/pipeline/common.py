@@ -16,7 +16,7 @@ from torch import nn
 
 from ..calibration import CalibrateOptions
 from ..config import Plan, RecipeFile, load_recipe, recipe_file, resolve_plan
-from ..encodings import calibrated_elsewhere
+from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
 from ..errors import EncodingsError, QtoolError, UsageError
 from ..io.checkpoint import weight_file_hashes
 from ..io.fs import atomic_output_dir, published, sampled_sha256
@@ -128,6 +128,8 @@ def _files_read(what: str, path) -> Optional[List[Path]]:
     try:
         if what == "checkpoint" and p.is_dir():
             files = tensor_files(p) + [f for f in (p / "config.json",) if f.is_file()]
+        elif what == "--encodings":  # (and the chosen codes and sidecar the fake-quant model reads beside it)
+            files = [p] + [f for f in (p.parent / CODES_FILE, p.parent / SIDECAR) if f.is_file()]
         else:
             files = data_files(p) if what == "--data" else [p]
         return files if all(f.is_file() for f in files) else None

@@ -4,6 +4,7 @@ candidate, measure each weight group's damage under each, choose the mix that fi
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 from dataclasses import dataclass, replace
@@ -192,8 +193,9 @@ class Measured:
         return 8.0 * nbytes / max(self.cost.params, 1)
 
     def budget(self, target: TargetOptions) -> int:
-        return (int(target.bits_per_weight * self.cost.params / 8) if target.bits_per_weight is not None
-                else int(target.size_bytes))
+        # (in decimal, as written: 8.008 bits of 1000 parameters are 1001 bytes, where float arithmetic gave 1000)
+        return (int(decimal.Decimal(repr(target.bits_per_weight)) * self.cost.params / 8)
+                if target.bits_per_weight is not None else int(target.size_bytes))
 
 
 @one_at_a_time
