@@ -236,13 +236,13 @@ def _row_0_6_1(source: str, name: str, item: Any) -> Tuple[int, bool, torch.Tens
                              f"{str(item)[:40]!r})")
     dtypes = [str(i.get("dtype", "int")).lower() for i in item]
     if any(d != "int" for d in dtypes):
-        raise EncodingsError(f"{source}: {name}: dtype {next(d for d in dtypes if d != 'int')[:20]!r}: only integer encodings "
-                             "can be imported")
+        other = next(d for d in dtypes if d != "int")
+        raise EncodingsError(f"{source}: {name}: dtype {other[:20]!r}: only integer encodings can be imported")
     for key in ("bitwidth", "is_symmetric"):
         other = next((k for k, i in enumerate(item) if str(i.get(key)) != str(item[0].get(key))), None)
         if other is not None:
-            raise EncodingsError(f"{source}: {name}: channel {other}'s {key} {str(item[other].get(key))[:20]} differs from "
-                                 f"channel 0's {str(item[0].get(key))[:20]} (one quantizer has one)")
+            raise EncodingsError(f"{source}: {name}: channel {other}'s {key} {str(item[other].get(key))[:20]} "
+                                 f"differs from channel 0's {str(item[0].get(key))[:20]} (one quantizer has one)")
     bits = _int(item[0]["bitwidth"], f"{name}.bitwidth")
     if str(item[0]["is_symmetric"]) not in ("True", "False"):
         raise EncodingsError(f"{source}: {name}: is_symmetric must be \"True\" or \"False\" "

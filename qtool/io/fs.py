@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import decimal
 import errno
 import glob
-import decimal
 import hashlib
 import os
 import re
@@ -18,8 +18,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import UsageError
 
-__all__ = ["atomic_output_dir", "atomic_file", "sha256_file", "sampled_sha256", "check_apart_from_inputs", "check_output_dir",
-           "check_output_file", "parse_size",
+__all__ = ["atomic_output_dir", "atomic_file", "sha256_file", "sampled_sha256", "check_apart_from_inputs",
+           "check_output_dir", "check_output_file", "parse_size",
            "write_text_atomic", "remove_stale_temporaries", "remove_orphans", "writer_tag"]
 
 
