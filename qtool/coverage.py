@@ -25,19 +25,22 @@ WARN_SHARE = 0.01
 @dataclass(frozen=True)
 class WeightCoverage:
     total: int  # weight parameters of the model (tensors of 2+ dimensions, each once)
-    quantized: int  # of which the plan puts a quantizer on
+    # (modules whose quantizer takes the parameter, its size) of each weight parameter the plan quantizes
+    quantized_by: Tuple[Tuple[FrozenSet[str], int], ...] = ()
     # (parameter name, shape, owning module's type) of weights no quantizer can reach and the recipe did not
     # exclude, largest first
     unreachable: Tuple[Tuple[str, Tuple[int, ...], str], ...] = ()
-    # (modules whose quantizer takes the parameter, its size) of each quantized weight parameter
-    quantized_by: Tuple[Tuple[FrozenSet[str], int], ...] = ()
+
+    @property
+    def quantized(self) -> int:
+        """The weight parameters the plan puts a quantizer on."""
+        return sum(n for _, n in self.quantized_by)
 
     def without(self, modules: Set[str]) -> "WeightCoverage":
         """The coverage once ``modules``' weights are written float after all (a format that cannot hold them):
         a parameter still counts where another module's quantizer takes it."""
-        kept = tuple((mods - modules, n) for mods, n in self.quantized_by)
-        return replace(self, quantized=sum(n for mods, n in kept if mods),
-                       quantized_by=tuple(k for k in kept if k[0]))
+        kept = ((mods - modules, n) for mods, n in self.quantized_by)
+        return replace(self, quantized_by=tuple((mods, n) for mods, n in kept if mods))
 
     @property
     def share(self) -> float:
@@ -90,7 +93,7 @@ def weight_coverage(model: "nn.Module", quantized: Set[str], candidates: Set[str
         for p_name, p in module.named_parameters(recurse=False):
             if p.dim() >= 2:
                 holders.setdefault(id(p), []).append((mod_name, p_name, type(module).__name__, p))
-    total = done = 0
+    total = 0
     unreachable = []
     quantized_by = []
     for held in holders.values():
@@ -98,7 +101,6 @@ def weight_coverage(model: "nn.Module", quantized: Set[str], candidates: Set[str
         total += n
         takers = frozenset(mod for mod, p_name, _, _ in held if p_name == "weight" and mod in quantized)
         if takers:
-            done += n
             quantized_by.append((takers, n))
         elif not any((p_name == "weight" and mod in candidates) or ignored(mod)
                      or ignored(f"{mod}.{p_name}" if mod else p_name) for mod, p_name, _, _ in held):
@@ -106,7 +108,7 @@ def weight_coverage(model: "nn.Module", quantized: Set[str], candidates: Set[str
             name = f"{mod}.{p_name}" if mod else p_name
             unreachable.append(((stored_as or {}).get(name, name), tuple(int(d) for d in p.shape), tname))
     unreachable.sort(key=lambda u: -_numel(u[1]))
-    return WeightCoverage(total, done, tuple(unreachable), tuple(quantized_by))
+    return WeightCoverage(total, tuple(quantized_by), tuple(unreachable))
 
 
 def _numel(shape) -> int:

@@ -25,7 +25,7 @@ from ..data import CalibrationData, load_data
 from ..encodings import EncodingEntry, SidecarStream
 from ..errors import DataError, UsageError
 from ..hooks import Hooks, reporting
-from ..io.checkpoint import detect_kind, tensor_files
+from ..io.checkpoint import detect_kind, files_read, tensor_files
 from ..io.spill import SpilledTensors
 from ..model.experts import LinearExperts, all_tokens_routed
 from ..model.load import causal_lm_class
@@ -323,7 +323,7 @@ def _resume_state(directory: Optional[Path], checkpoint: str, source: str, opts:
 
     if directory is None:
         return None
-    files = tensor_files(Path(checkpoint)) + [f for f in (Path(checkpoint) / "config.json",) if f.is_file()]
+    files = files_read(Path(checkpoint))
     options = opts.recorded()
     for key in ("data", "imatrix"):  # the same file from another working directory (or spelled another way)
         if options.get(key) and Path(options[key]).exists():

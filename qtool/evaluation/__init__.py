@@ -343,16 +343,15 @@ def _windows(opts: EvalOptions, tokenizer, causal_lm: bool, vocab: Optional[int]
             raise DataError(f"{opts.data}: token ids must be integers of shape [sequences, tokens] (got "
                             f"{str(ids.dtype).replace('torch.', '')} of shape {list(ids.shape)})")
         mask = b.kwargs.get("attention_mask")
-        kept = ids if mask is None or tuple(mask.shape) != tuple(ids.shape) else ids[mask > 0]  # (padding: dropped)
+        rows = [ids[r] if mask is None else ids[r][mask[r] > 0] for r in range(ids.shape[0])]  # (padding: dropped)
+        kept = torch.cat(rows) if rows else ids.reshape(-1)
         if kept.numel() and int(kept.min()) < 0:
             raise DataError(f"{opts.data}: token id {int(kept.min())} is negative (a padding marker such as -100? an "
                             "attention_mask of 0 there leaves it out)")
         if kept.numel() and vocab and int(kept.max()) >= vocab:
             raise DataError(f"{opts.data}: token id {int(kept.max())} is outside the model's vocabulary ({vocab} "
                             "embeddings): the tokenizer (or the id file) belongs to another model")
-        for r in range(ids.shape[0]):
-            row = ids[r] if mask is None else ids[r][mask[r] > 0]
-            seqs.append([int(t) for t in row])
+        seqs += [row.tolist() for row in rows]
     scored = sum(max(0, len(s) - 1) for s in seqs)  # (a window's first token has nothing before it to predict)
     if scored < MIN_TOKENS:
         raise DataError(f"{opts.data}: too few tokens to score: {len(seqs)} window(s) of up to --seq-len "

@@ -17,8 +17,8 @@ from torch import nn
 from ..errors import CheckpointError
 from .jsonfile import loads_strict, read_json_object
 
-__all__ = ["not_found", "check_files_there", "detect_kind", "tensor_files", "check_safetensors", "read_state_dict",
-           "torch_load_safe", "CheckpointTensors", "ST_DTYPES"]
+__all__ = ["not_found", "check_files_there", "detect_kind", "tensor_files", "files_read", "check_safetensors",
+           "read_state_dict", "torch_load_safe", "CheckpointTensors", "ST_DTYPES"]
 
 
 def not_found(path) -> CheckpointError:
@@ -81,6 +81,12 @@ def tensor_files(path: Path) -> List[Path]:
             return [path / f for f in shards]
         return sorted(path.glob("*.safetensors"))
     return [path]
+
+
+def files_read(path: Path) -> List[Path]:
+    """What a run reads of a checkpoint: its tensor files (:func:`tensor_files`) and a directory's ``config.json``
+    (what a resumed run's state and the ranks of one run compare)."""
+    return tensor_files(path) + [f for f in (Path(path) / "config.json",) if f.is_file()]
 
 
 def weight_file_hashes(path: Path) -> Optional[List[str]]:

@@ -271,8 +271,8 @@ def _mark_quantized(model: nn.Module) -> None:
     marked = []
     for module in model.modules():
         config = getattr(module, "config", None)
-        if hasattr(config, "to_json_string") and not hasattr(config, "_is_quantized") and \
-                not any(config is c for c in marked):
+        # (a config many modules share is marked once: the mark itself says it is done)
+        if hasattr(config, "to_json_string") and not hasattr(config, "_is_quantized"):
             config._is_quantized = True  # (transformers never writes it to config.json)
             marked.append(config)
     if marked:

@@ -18,7 +18,7 @@ from ..calibration import CalibrateOptions
 from ..config import Plan, RecipeFile, load_recipe, recipe_file, resolve_plan
 from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
 from ..errors import EncodingsError, QtoolError, UsageError
-from ..io.checkpoint import weight_file_hashes
+from ..io.checkpoint import files_read, weight_file_hashes
 from ..io.fs import atomic_output_dir, published, sampled_sha256
 from ..model.apply import make_fake_quant
 from ..model.load import LoadedModel, load_model
@@ -120,14 +120,13 @@ def _files_read(what: str, path) -> Optional[List[Path]]:
     """The files a run reads of input ``what`` at ``path`` (a checkpoint's weights and config, the data files),
     or None where there is nothing to read yet (an error the reading says)."""
     from ..data import data_files
-    from ..io.checkpoint import tensor_files
 
     if path is None or not Path(path).exists():
         return None
     p = Path(path)
     try:
-        if what == "checkpoint" and p.is_dir():
-            files = tensor_files(p) + [f for f in (p / "config.json",) if f.is_file()]
+        if what == "checkpoint":
+            files = files_read(p)
         elif what == "--encodings":  # (and the chosen codes and sidecar the fake-quant model reads beside it)
             files = [p] + [f for f in (p.parent / CODES_FILE, p.parent / SIDECAR) if f.is_file()]
         else:
