@@ -210,13 +210,18 @@ def _token_kl(ref: torch.Tensor, out: torch.Tensor, batch: Batch) -> tuple:
     return float(kl[valid].sum()), int(valid.sum())
 
 
-def _per_sample_cosine(a: torch.Tensor, b: torch.Tensor, batch: Optional[Batch] = None) -> torch.Tensor:
-    """Cosine per sample over the flattened output; padded token positions (attention_mask 0) are left out."""
-    a, b = a.float(), b.float()
+def _masked(a: torch.Tensor, b: torch.Tensor, batch: Optional[Batch]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` with padded token positions (attention_mask 0) zeroed."""
     mask = batch.kwargs.get("attention_mask") if batch is not None else None
     if mask is not None and a.dim() >= 2 and tuple(a.shape[:2]) == tuple(mask.shape):
         m = (mask > 0).to(a.dtype).reshape(tuple(mask.shape) + (1,) * (a.dim() - 2))
         a, b = a * m, b * m
+    return a, b
+
+
+def _per_sample_cosine(a: torch.Tensor, b: torch.Tensor, batch: Optional[Batch] = None) -> torch.Tensor:
+    """Cosine per sample over the flattened output; padded token positions (attention_mask 0) are left out."""
+    a, b = _masked(a.float(), b.float(), batch)
     a = a.reshape(a.shape[0], -1)
     b = b.reshape(b.shape[0], -1)
     if a.shape[1] > _FLOAT32_COSINE_MAX:
@@ -247,6 +252,29 @@ def output_cosines(refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
             return torch.tensor([float("nan")])
         return torch.tensor([float(a @ b) / norm]).float().clamp(-1.0, 1.0)
     return torch.cat([_per_sample_cosine(r, o, b).cpu() for r, o, b in zip(refs, outs, batches)])
+
+
+def output_relative_errors(refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                           batches: Sequence[Optional[Batch]]) -> torch.Tensor:
+    """The main outputs' relative errors ``|out - ref| / |ref|``, per sample over the flattened output (padded token
+    positions left out, as :func:`output_cosines` does): what a cosine cannot see, an output scaled or offset as a
+    whole. Where each sample's output is one number, one value over the column of every sample's number; NaN where
+    the reference is all zeros."""
+    def relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ref = a.norm(dim=1)
+        err = (b - a).norm(dim=1)
+        nan = torch.full_like(ref, float("nan"))
+        return torch.where(ref > 0, err / ref.clamp_min(torch.finfo(ref.dtype).tiny), nan)
+
+    if refs and all(_one_number_each(r) for r in refs):
+        a = torch.cat([r.reshape(-1) for r in refs]).double().reshape(1, -1)
+        b = torch.cat([o.reshape(-1) for o in outs]).double().reshape(1, -1)
+        return relative(a, b).float()
+    rows = []
+    for ref, out, batch in zip(refs, outs, batches):
+        a, b = _masked(ref.double(), out.double(), batch)
+        rows.append(relative(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)).float().cpu())
+    return torch.cat(rows)
 
 
 NEEDS_CAUSAL_LM = "--max-ppl-increase needs a causal language model checkpoint"

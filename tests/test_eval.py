@@ -666,6 +666,44 @@ def test_a_compressed_tensors_classifier_is_reloaded_with_its_head(tmp_path):
     assert res["export_fault"] is None and res["cosine"]["export_gap"]["mean"] > 0.9999, res
 
 
+def test_a_classifier_whose_logits_are_scaled_as_a_whole_is_an_export_fault(tmp_path):
+    """Models that are not causal LMs were compared by cosine alone: a file whose classifier scale was tripled
+    (every logit 3x the fake-quant model's, cosine 0.99999999) read as healthy, exit 0. The relative error sees it."""
+    import transformers
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, num_labels=3)
+    transformers.BertForSequenceClassification(cfg).eval().save_pretrained(tmp_path / "cls")
+    g = torch.Generator().manual_seed(0)
+    save_file({"input_ids": torch.randint(0, 100, (4, 16), generator=g), "attention_mask": torch.ones(4, 16,
+               dtype=torch.long)}, tmp_path / "d.safetensors")
+    out = tmp_path / "q"
+    code, _, err = run_cli("quantize", tmp_path / "cls", "-c", "w8a16", "-o", out, "-q")
+    assert code == 0, err
+    code, text, err = run_cli("eval", out, "--data", tmp_path / "d.safetensors", "--json")
+    res = json.loads(text)
+    assert code == 0 and res["export_fault"] is None, res
+    assert res["relative_error"]["export_gap"]["max"] < 1e-5 and res["relative_error"]["fake_quant"]["mean"] > 0
+
+    f = out / "model.safetensors"
+    with safe_open(str(f), "pt") as fh:
+        meta = fh.metadata()
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    tensors["classifier.weight_scale"] *= 3
+    tensors["classifier.bias"] *= 3
+    save_file(tensors, f, metadata=meta)
+    code, text, err = run_cli("eval", out, "--data", tmp_path / "d.safetensors", "--json")
+    res = json.loads(text)
+    assert res["cosine"]["export_gap"]["min"] > 0.9999  # what the cosine alone saw
+    assert res["relative_error"]["export_gap"]["mean"] == pytest.approx(2.0, rel=1e-3)
+    assert code == 1 and "relative error 2" in res["export_fault"], res
+    code, text, err = run_cli("eval", out, "--data", tmp_path / "d.safetensors", "--max-export-gap", "0.5")
+    assert code == 1 and "export gap 2" in text + err, text + err
+
+
 def test_a_t5_that_transformers_cannot_reload_packed_is_a_runtime_limit_in_one_line(tmp_path):
     """T5's own weight initialization reads a Linear's weight, which a pack-quantized Linear replaced by
     weight_packed: eval was an internal error (AttributeError, exit 3) on a file quantize wrote with exit 0."""
@@ -685,6 +723,20 @@ def test_a_t5_that_transformers_cannot_reload_packed_is_a_runtime_limit_in_one_l
     lines = error_lines(err)
     assert code == 2 and len(lines) == 1 and "transformers cannot load it" in lines[0], err
     assert "reads a Linear's weight while loading" in lines[0] and "a limit of the runtime" in lines[0]
+
+
+def test_a_float_checkpoint_is_refused_before_any_model_runs(model, tmp_path, monkeypatch):
+    """A plain float directory given as the artifact ran the float reference's scoring (a minute on a real model),
+    then said "not a readable qtool export (KeyError: 'qtool')"."""
+    import qtool.evaluation as evaluation
+
+    ckpt, _, held = model
+    monkeypatch.setattr(evaluation, "_load", lambda *a: pytest.fail("a model was loaded"))
+    code, _, err = run_cli("eval", ckpt, "--reference", ckpt, "--data", held, *EVAL, "-q")
+    assert code == 2 and error_lines(err) == [
+        f"error: {ckpt}: a checkpoint with no quantization (no manifest, no compressed-tensors config, no qtool "
+        "metadata in model.safetensors), not an export qtool can evaluate; pass the directory `qtool export` "
+        "wrote"], err
 
 
 def test_too_few_tokens_to_score_says_what_was_counted(model, tmp_path):

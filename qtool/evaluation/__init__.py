@@ -28,7 +28,7 @@ from ..io.fs import sha256_file
 from ..model.apply import make_fake_quant
 from ..model.insert import QUANTIZERS_ATTR, quantized_modules, set_stored_weight
 from ..model.load import load_model
-from ..report import ONE_NUMBER_NOTE, _one_number_each, output_cosines
+from ..report import ONE_NUMBER_NOTE, _one_number_each, output_cosines, output_relative_errors
 from .artifact import Artifact, changed_files, locate, places, quantization_config
 from .metrics import Distributions, agreement, divergence, perplexity, token_kl
 from .result import Evaluation, check_gate_use, check_gates, describe, enforce
@@ -731,6 +731,8 @@ def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc
                              f"another model?")
         c = output_cosines(a, b, batches).double()
         ev.cosine[name] = {"mean": float(c.mean()), "min": float(c.min())}
+        r = output_relative_errors(a, b, batches).double()
+        ev.relative_error[name] = {"mean": float(r.mean()), "max": float(r.max()), "squared": float((r * r).mean())}
         if all(x.dim() == 2 and x.shape[-1] > 1 for x in a):
             same = torch.cat([x.argmax(-1) == y.argmax(-1) for x, y in zip(a, b)])
             ev.top1[name] = float(same.double().mean())
@@ -738,11 +740,12 @@ def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc
     if all(_one_number_each(x) for x in flt):
         ev.notes.append(ONE_NUMBER_NOTE)
     if fq is not None:
-        quant = 1.0 - ev.cosine["fake_quant"]["mean"]
-        gap = 1.0 - ev.cosine["export_gap"]["mean"]
+        quant = ev.output_gap("fake_quant")
+        gap = ev.output_gap("export_gap")
         allowed = _allowance(runtime, quant)
         if gap > allowed:
             ev.export_fault = (f"the artifact's outputs differ from qtool's fake-quant model's (cosine "
-                               f"{ev.cosine['export_gap']['mean']:.5f}) beyond what {runtime.name}'s own arithmetic "
-                               f"explains (1 - cosine {gap:.3g} > {allowed:.3g})")
+                               f"{ev.cosine['export_gap']['mean']:.5f}, relative error "
+                               f"{ev.relative_error['export_gap']['mean']:.3g}) beyond what {runtime.name}'s own "
+                               f"arithmetic explains (gap {gap:.3g} > {allowed:.3g})")
     return ev

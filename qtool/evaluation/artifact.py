@@ -148,12 +148,34 @@ def locate(path: str | Path) -> Artifact:
         art = Artifact("compressed-tensors", p)
     elif (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file():
         art = Artifact("qtool", p)
+        _check_qtool_export(p)
     else:
         raise UsageError(f"{p}: no model.gguf, model.onnx, compressed-tensors config.json or qtool "
                          f"model.safetensors here")
     if not art.path.exists():
         raise UsageError(f"{art.path}: the manifest names it, but it is missing")
     return art
+
+
+def _check_qtool_export(directory: Path) -> None:
+    """A directory of safetensors with neither a manifest nor a quantization config is qtool's format only where its
+    first file's header says so: a float checkpoint is refused here, before any model runs (it was refused once the
+    float reference had been scored, as 'not a readable qtool export (KeyError)')."""
+    from safetensors import safe_open
+
+    from ..errors import CheckpointError
+    from ..io.checkpoint import tensor_files
+
+    try:
+        first = tensor_files(directory)[0]
+        with safe_open(str(first), "pt") as fh:
+            metadata = fh.metadata() or {}
+    except (CheckpointError, IndexError, OSError, ValueError, RuntimeError):
+        return  # (the runtime's own open names what is wrong with the files)
+    if "qtool" not in metadata:
+        raise UsageError(f"{directory}: a checkpoint with no quantization (no manifest, no compressed-tensors "
+                         f"config, no qtool metadata in {first.name}), not an export qtool can evaluate; pass the "
+                         f"directory `qtool export` wrote")
 
 
 def _beside(directory: Path):

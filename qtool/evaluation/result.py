@@ -25,6 +25,8 @@ class Evaluation:
     export_gap: Optional[Agreement] = None  # the artifact against the fake-quant model
     generations: Dict[str, Divergence] = field(default_factory=dict)
     cosine: Dict[str, Dict[str, float]] = field(default_factory=dict)  # not causal LMs: mean / min per pair
+    # not causal LMs: |out - ref| / |ref| per sample, mean / max / mean of its square per pair
+    relative_error: Dict[str, Dict[str, float]] = field(default_factory=dict)
     top1: Dict[str, float] = field(default_factory=dict)  # classifiers
     export_fault: Optional[str] = None
     notes: List[str] = field(default_factory=list)
@@ -35,6 +37,12 @@ class Evaluation:
         if "artifact" not in self.perplexity:
             return None
         return 100.0 * (self.perplexity["artifact"] / self.perplexity["float"] - 1.0)
+
+    def output_gap(self, pair: str) -> float:
+        """How far apart a pair's outputs are, for models that are not causal LMs: ``1 - cosine``, or half the mean
+        squared relative error where that is larger (outputs that differ by a scale or an offset as a whole, which
+        the cosine cannot see; for small errors of no common direction the two agree)."""
+        return max(1.0 - self.cosine[pair]["mean"], 0.5 * self.relative_error[pair]["squared"])
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {
@@ -52,6 +60,9 @@ class Evaluation:
                                   for k in ("fake_quant", "artifact")} if self.generations else {}
         else:
             out["cosine"] = {k: self.cosine.get(k) for k in ("fake_quant", "artifact", "export_gap")}
+            out["relative_error"] = {k: {m: v for m, v in self.relative_error[k].items() if m != "squared"}
+                                     if k in self.relative_error else None
+                                     for k in ("fake_quant", "artifact", "export_gap")}
             if self.top1:
                 out["top1_agreement"] = {k: self.top1.get(k) for k in ("fake_quant", "artifact", "export_gap")}
         out["export_fault"] = self.export_fault
@@ -84,7 +95,7 @@ def check_gates(ev: Evaluation, max_ppl_increase: Optional[float] = None, max_kl
         v = ev.cosine["artifact"]["mean"]
         gates.append(Gate("min-cosine", min_cosine, v, v >= min_cosine, f"cosine {shown(v, min_cosine, '.5f')}"))
     if max_export_gap is not None:
-        v = ev.export_gap.kl_mean if ev.causal_lm else 1.0 - ev.cosine["export_gap"]["mean"]
+        v = ev.export_gap.kl_mean if ev.causal_lm else ev.output_gap("export_gap")
         gates.append(Gate("max-export-gap", max_export_gap, v, v <= max_export_gap,
                           f"export gap {shown(v, max_export_gap, '.4g')}"))
     return gates
@@ -139,5 +150,7 @@ def describe(ev: Evaluation) -> List[str]:
             top = f", top-1 agreement {ev.top1[name]:.3f}" if name in ev.top1 else ""
             label = {"fake_quant": "fake-quant vs float", "artifact": "artifact vs float",
                      "export_gap": "artifact vs fake-quant"}[name]
-            lines.append(f"{label}: output cosine mean {c['mean']:.5f}, min {c['min']:.5f}{top}")
+            rel = ev.relative_error.get(name)
+            err = f", relative error mean {rel['mean']:.3g}, max {rel['max']:.3g}" if rel else ""
+            lines.append(f"{label}: output cosine mean {c['mean']:.5f}, min {c['min']:.5f}{err}{top}")
     return lines
