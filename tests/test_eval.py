@@ -644,9 +644,8 @@ def test_windows_past_a_gguf_files_context_are_one_line_before_any_model_runs(mo
     assert code == 2 and len(lines) == 1 and "its context is 256 tokens, and scoring needs 400" in lines[0], err
 
 
-def test_a_compressed_tensors_classifier_is_reloaded_with_its_head(tmp_path):
-    """transformers reloaded every non-causal-LM directory as AutoModel: a classifier lost its head ('outputs of
-    another shape: an export of another model?'), T5 its decoder, and a smoke call with input_ids broke CLIP."""
+def _tiny_classifier(tmp_path):
+    """A BERT classifier of 3 labels in ``tmp_path/cls`` and 4 token samples in ``tmp_path/d.safetensors``."""
     import transformers
     from safetensors.torch import save_file
 
@@ -657,6 +656,12 @@ def test_a_compressed_tensors_classifier_is_reloaded_with_its_head(tmp_path):
     g = torch.Generator().manual_seed(0)
     save_file({"input_ids": torch.randint(0, 100, (4, 16), generator=g), "attention_mask": torch.ones(4, 16,
                dtype=torch.long)}, tmp_path / "d.safetensors")
+
+
+def test_a_compressed_tensors_classifier_is_reloaded_with_its_head(tmp_path):
+    """transformers reloaded every non-causal-LM directory as AutoModel: a classifier lost its head ('outputs of
+    another shape: an export of another model?'), T5 its decoder, and a smoke call with input_ids broke CLIP."""
+    _tiny_classifier(tmp_path)
     code, _, err = run_cli("quantize", tmp_path / "cls", "-c", "w8a16", "-o", tmp_path / "ct", "--format",
                            "compressed-tensors", "-q")
     assert code == 0, err
@@ -669,17 +674,10 @@ def test_a_compressed_tensors_classifier_is_reloaded_with_its_head(tmp_path):
 def test_a_classifier_whose_logits_are_scaled_as_a_whole_is_an_export_fault(tmp_path):
     """Models that are not causal LMs were compared by cosine alone: a file whose classifier scale was tripled
     (every logit 3x the fake-quant model's, cosine 0.99999999) read as healthy, exit 0. The relative error sees it."""
-    import transformers
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=64, num_labels=3)
-    transformers.BertForSequenceClassification(cfg).eval().save_pretrained(tmp_path / "cls")
-    g = torch.Generator().manual_seed(0)
-    save_file({"input_ids": torch.randint(0, 100, (4, 16), generator=g), "attention_mask": torch.ones(4, 16,
-               dtype=torch.long)}, tmp_path / "d.safetensors")
+    _tiny_classifier(tmp_path)
     out = tmp_path / "q"
     code, _, err = run_cli("quantize", tmp_path / "cls", "-c", "w8a16", "-o", out, "-q")
     assert code == 0, err
