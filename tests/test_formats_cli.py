@@ -150,6 +150,23 @@ def test_inspect_reports_sizes(world, tmp_path):
     assert code == 2 and "not found" in err
 
 
+def test_names_and_paths_are_printed_as_they_are_not_as_markup(tmp_path):
+    """Tensor names and paths went to rich as markup: '[/b]' in one was a MarkupError traceback (exit 1, the gate
+    failure's code), '[bold]' vanished from the listing; `config validate` of 'r[/x].yaml' was an internal error."""
+    d = tmp_path / "d[/x]"
+    d.mkdir(parents=True)
+    save_file({"layer[/b].weight": torch.zeros(2, 2), "model.layers[bold].0.weight": torch.zeros(2)},
+              d / "close.safetensors", metadata={"name": "my [red]model"})
+    code, out, err = run_cli("inspect", d / "close.safetensors")
+    assert code == 0, err
+    assert "layer[/b].weight" in out and "model.layers[bold].0.weight" in out and "d[/x]" in out, out
+    recipe = tmp_path / "r[/x].yaml"
+    recipe.parent.mkdir()
+    recipe.write_text((CONFIGS / "w8a16.yaml").read_text())
+    code, _, err = run_cli("config", "validate", recipe)
+    assert code == 0 and err.strip() == f"ok: {recipe}", err
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     transformers = pytest.importorskip("transformers")

@@ -58,12 +58,12 @@ def inspect(
     if json_out:
         _emit_json({"ok": True, **report})
         return
-    t = Table(title=f"{report['kind']}: {report['path']}", title_justify="left")
+    t = Table(title=_esc(f"{report['kind']}: {report['path']}"), title_justify="left")
     for col in ("tensor", "dtype", "bits", "granularity", "shape", "bytes"):
         t.add_column(col, overflow="fold", justify="right" if col in ("bits", "bytes") else "left")
     for r in report["tensors"]:
-        t.add_row(r["name"], r["dtype"], str(r["bitwidth"] or ""), r["granularity"] or "", str(r["shape"]),
-                  f"{r['bytes']:,}" if r["bytes"] is not None else "")
+        t.add_row(_esc(r["name"]), _esc(r["dtype"]), str(r["bitwidth"] or ""), _esc(r["granularity"] or ""),
+                  str(r["shape"]), f"{r['bytes']:,}" if r["bytes"] is not None else "")
     con = _console()
     con.print(t)
     tot = report["totals"]
@@ -76,4 +76,4 @@ def inspect(
     for key, value in (report.get("metadata") or {}).items():
         lines.append(f"{key}: {value}")
     for line in lines:
-        con.print(line)
+        con.print(line, markup=False)

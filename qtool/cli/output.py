@@ -81,12 +81,12 @@ class _Progress:
     def stage(self, text: str) -> None:
         self.doing = "measuring" if text.startswith("measuring") else "calibrating"  # what the batches are for
         if not self.quiet:
-            err.print(f"[dim]{text}...[/dim]")
+            err.print(f"[dim]{_esc(text)}...[/dim]")
 
     def plan(self, plan) -> None:
         if self.quiet:
             return
-        err.print(_plan_summary(plan))
+        err.print(_plan_summary(plan), markup=False)
         for w in plan.warnings:
             err.print(f"[yellow]warning:[/yellow] {_esc(w)}")
         self.warnings_shown = len(plan.warnings)

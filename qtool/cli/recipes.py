@@ -149,7 +149,7 @@ def config_show(
                                        + [f"{o['name']} online ({o['rotates']}) on {len(o['modules'])} modules, "
                                           f"e.g. {o['modules'][0]}" for o in rot["online"]])))
     for w in plan.warnings:
-        err.print(f"warning: {w}")
+        err.print(f"warning: {w}", markup=False)
 
 
 @config_app.command("validate", epilog="Examples:\n\n\b\n  qtool config validate my.yaml other.yaml")
@@ -167,7 +167,7 @@ def config_validate(
             try:
                 load_recipe(r)
                 if not json_out:
-                    err.print(f"ok: {r}")
+                    err.print(f"ok: {r}", markup=False)
             except ConfigError as e:
                 failed.append({"recipe": r, "error": str(e), "problems": e.problems})
                 for problem in e.problems:
