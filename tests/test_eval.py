@@ -702,6 +702,30 @@ def test_a_classifier_whose_logits_are_scaled_as_a_whole_is_an_export_fault(tmp_
     assert code == 1 and "export gap 2" in text + err, text + err
 
 
+def test_windows_past_a_models_positions_are_one_line_naming_them(tmp_path):
+    """A BERT of 8 positions given 16-token samples: eval was an internal error (RuntimeError: the size of tensor a
+    (16) must match the size of tensor b (8), exit 3); calibrate named only torch's words."""
+    import transformers
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=8)
+    transformers.BertModel(cfg).eval().save_pretrained(tmp_path / "bert")
+    g = torch.Generator().manual_seed(0)
+    for n in (8, 16):
+        save_file({"input_ids": torch.randint(0, 100, (4, n), generator=g)}, tmp_path / f"d{n}.safetensors")
+    code, _, err = run_cli("quantize", tmp_path / "bert", "-c", "w8a8", "-o", tmp_path / "q", "--data",
+                           tmp_path / "d8.safetensors", "-q")
+    assert code == 0, err
+    said = "16 tokens per sample are past the model's 8 positions: pass --seq-len 8 or less"
+    code, _, err = run_cli("eval", tmp_path / "q", "--data", tmp_path / "d16.safetensors", "-q")
+    assert code == 2 and error_lines(err) == [f"error: evaluation batch 0: the model rejected the data: {said}"], err
+    code, _, err = run_cli("calibrate", tmp_path / "bert", "-c", "w8a8", "-o", tmp_path / "c", "--data",
+                           tmp_path / "d16.safetensors", "-q")
+    assert code == 2 and said in err and not (tmp_path / "c").exists(), err
+
+
 def test_a_t5_that_transformers_cannot_reload_packed_is_a_runtime_limit_in_one_line(tmp_path):
     """T5's own weight initialization reads a Linear's weight, which a pack-quantized Linear replaced by
     weight_packed: eval was an internal error (AttributeError, exit 3) on a file quantize wrote with exit 0."""

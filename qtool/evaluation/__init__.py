@@ -702,11 +702,28 @@ def _experts_as_linears(model, directory: Path) -> Dict[str, Any]:
     return dict(model.named_modules())
 
 
+def _float_outputs(model, batches) -> List[torch.Tensor]:
+    """The float model's main output of each batch; data the model cannot take (a BERT's 128 positions under a
+    window of 256) is one line naming the batch, before any artifact runs."""
+    from ..data import model_rejected, rejection
+
+    runtime = TorchRuntime(model, "torch")
+    out = []
+    for i, b in enumerate(batches):
+        try:
+            out.append(runtime.outputs(b))
+        except Exception as e:
+            if not model_rejected(e):
+                raise
+            raise DataError(f"evaluation batch {i}: the model rejected the data: {rejection(model, b, e)}") from None
+    return out
+
+
 def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc: Optional[Path], batches,
                       opts: EvalOptions, hooks: Hooks, activations: bool) -> Evaluation:
     """Models that are not causal LMs: the main output's cosine (and top-1 of a ``[N, classes]`` output)."""
     hooks.on_stage("measuring the float model")
-    flt = [TorchRuntime(loaded.model, "torch").outputs(b) for b in batches]
+    flt = _float_outputs(loaded.model, batches)
     model = None
     fq = None
     if enc is not None:
