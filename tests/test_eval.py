@@ -425,6 +425,17 @@ def test_quantize_evaluates_what_it_wrote(model, tmp_path):
     assert res["eval"]["perplexity"]["artifact"] > 1 and res["gguf"]["file_type"] == "Q8_0"
 
 
+def test_held_out_data_quantize_cannot_evaluate_is_refused_before_calibrating(model, tmp_path):
+    """`quantize --eval` of two tokens calibrated and wrote the whole output, then exited 2 ("bad input, nothing
+    written"), its summary lost and a retry refused for the output that now existed."""
+    ckpt, calib, _ = model
+    (tmp_path / "tiny.txt").write_text("hi")
+    code, out, err = run_cli("quantize", ckpt, "-c", "w8a16", "-o", tmp_path / "q", "--data", calib, "--seq-len",
+                             "32", "--eval", tmp_path / "tiny.txt", "--json")
+    assert code == 2 and "make no full sequence" in json.loads(out)["error"], out
+    assert not (tmp_path / "q").exists()
+
+
 def test_gate_values_are_checked_before_anything_runs(tmp_path):
     (tmp_path / "x.txt").write_text("some text")
     for args, needle in ((("--max-ppl-increase", "-1"), "--max-ppl-increase must be a percentage >= 0"),

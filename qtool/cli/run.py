@@ -166,6 +166,10 @@ def quantize(
         recipe = _check_early(config, device, format, encoding_version, ct_8bit_format, gguf_float, gguf_fallback,
                               data, imatrix, matmul_precision, eval_data)
         checkpoint = _checkpoint(checkpoint, revision)
+        if eval_data is not None:  # (before a calibration that --eval's data would then refuse)
+            from ..evaluation import EvalOptions, check_held_out
+
+            check_held_out(checkpoint, EvalOptions(data=eval_data, trust_remote_code=trust_remote_code))
         from ..pipeline import run_quantize
 
         summary = run_quantize(checkpoint, recipe, out, _opts(

@@ -34,8 +34,8 @@ from .metrics import Distributions, agreement, divergence, perplexity, token_kl
 from .result import Evaluation, check_gate_use, check_gates, describe, enforce
 from .runtimes import OnnxRuntime, TorchRuntime, transformers_reload
 
-__all__ = ["EvalOptions", "Evaluation", "evaluate_artifact", "artifact_model", "locate", "Artifact", "check_gates",
-           "enforce", "describe"]
+__all__ = ["EvalOptions", "Evaluation", "evaluate_artifact", "check_held_out", "artifact_model", "locate", "Artifact",
+           "check_gates", "enforce", "describe"]
 
 MIN_TOKENS = 16
 
@@ -325,6 +325,19 @@ def artifact_model(artifact: str, reference: Optional[str] = None, encodings: Op
     if enc is not None and enc.is_file():
         make_fake_quant(loaded.model, reference, enc, opts.trust_pickle)
     return _with_export_weights(loaded.model, art.path)
+
+
+def check_held_out(checkpoint: str, opts: EvalOptions) -> None:
+    """The checks of the held-out data that need no weights (text too short for a window, ids of another shape),
+    for a caller about to spend a calibration before evaluating (``quantize --eval``): a Hugging Face directory's
+    tokenizer and model class alone. (Other checkpoints' data is checked when their model runs.)"""
+    from ..io.checkpoint import detect_kind
+    from ..model.hf import meta_skeleton, tokenizer_of
+    from ..model.load import causal_lm_class
+
+    path = Path(checkpoint)
+    if detect_kind(path) == "hf":
+        _windows(opts, tokenizer_of(path), causal_lm_class(meta_skeleton(path, opts.trust_remote_code)))
 
 
 def _windows(opts: EvalOptions, tokenizer, causal_lm: bool, vocab: Optional[int] = None):

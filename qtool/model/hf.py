@@ -454,6 +454,11 @@ class UnreadableTokenizer:
         raise TokenizerError(self.reason)
 
 
+def tokenizer_of(path) -> Any:
+    """A Hugging Face directory's tokenizer, without its model (:func:`_tokenizer`)."""
+    return _tokenizer(_transformers(path), Path(path))
+
+
 def _tokenizer(transformers, path: Path):
     """The checkpoint's tokenizer; None where it has none; an :class:`UnreadableTokenizer` where its files do not
     load."""
