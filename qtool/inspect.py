@@ -72,6 +72,7 @@ def _qtool_safetensors(path: Path, headers: List[Dict[str, Any]]) -> Dict[str, A
             kind = m["element"] if m.get("element") else ("int" if m["qmin"] < 0 else "uint") + str(m["bitwidth"])
             dtype = ("packed " if m.get("packed") else "") + kind
             shape = m.get("shape", v["shape"])
+            _check_codes_fit(path, name, shape, m["bitwidth"], v)
             rows.append(_row(name, dtype, m["bitwidth"], m["granularity"], shape, nbytes, True))
         else:
             shape = v["shape"]
@@ -82,6 +83,23 @@ def _qtool_safetensors(path: Path, headers: List[Dict[str, Any]]) -> Dict[str, A
         grids = "integer and float"
     kind = f"qtool {grids} safetensors" + (f" ({len(headers)} shards)" if len(headers) > 1 else "")
     return {"kind": kind, "path": str(path), "tensors": rows, "totals": _totals(rows, numels)}
+
+
+# bytes per element of the safetensors dtypes codes are stored in
+_ITEMSIZE = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4,
+             "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _check_codes_fit(path: Path, name: str, shape, bits: int, stored: Dict[str, Any]) -> None:
+    """The weight shape the metadata gives must be one the stored codes can hold: at least ``bits`` per weight
+    (packed), at most one stored element per weight (one code a byte). A header that lies was listed as it said:
+    4e12 weights in 8 bytes, 0.00 bits per weight."""
+    n = _numel(shape)
+    nbytes = stored["data_offsets"][1] - stored["data_offsets"][0]
+    most = n * _ITEMSIZE.get(stored.get("dtype"), 8)
+    if not (n * int(bits) + 7) // 8 <= nbytes <= most:
+        raise UsageError(f"{path}: '{name}': its metadata's shape {list(shape)} ({n:,} weights of {bits} bits) does "
+                         f"not fit the {nbytes:,} bytes stored")
 
 
 def _headers(files: List[Path]) -> Dict[str, Any]:
@@ -138,7 +156,10 @@ def _compressed_tensors_dir(path: Path, config: Dict[str, Any]) -> Dict[str, Any
     import re
 
     qc = config["quantization_config"]
+    groups = _config_groups(path / "config.json", qc)
     files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"{path}: a compressed-tensors config.json, and no *.safetensors beside it")
     headers = _headers(files)
     size = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in headers.items()}
     layers = sorted({k.rsplit(".", 1)[0] for k in headers if k.endswith((".weight_packed", ".weight_scale"))})
@@ -151,7 +172,6 @@ def _compressed_tensors_dir(path: Path, config: Dict[str, Any]) -> Dict[str, Any
                 for k in fh.keys():
                     if k.endswith(".weight_shape"):
                         shapes[k.rsplit(".", 1)[0]] = [int(x) for x in fh.get_tensor(k).tolist()]
-    groups = _config_groups(path / "config.json", qc)
 
     def args_for(layer: str) -> Dict[str, Any]:
         found: Dict[str, Any] = {}
@@ -174,6 +194,9 @@ def _compressed_tensors_dir(path: Path, config: Dict[str, Any]) -> Dict[str, Any
             packed = headers.get(f"{layer}.weight_packed", {}).get("shape")
             if not shape and packed and len(packed) == 2 and bits == 4:  # two FP4 codes a byte
                 shape = [packed[0], packed[1] * 2]
+        if not shape:  # (pack-quantized int codes: 32 // bits a column of int32, the true width in weight_shape)
+            raise UsageError(f"{path}: '{layer}' has no weight_shape beside its packed codes: the weight's shape "
+                             "is not in the file")
         rows.append(_row(f"{layer}.weight", dtype, bits, a.get("strategy"), shape, sum(size[p] for p in parts), True))
         numels.append(_numel(shape))
     for k, v in headers.items():
@@ -187,10 +210,13 @@ def _compressed_tensors_dir(path: Path, config: Dict[str, Any]) -> Dict[str, Any
 def _encodings_listing(path: Path, obj: Dict[str, Any]) -> Dict[str, Any]:
     rows = []
     if obj.get("schema") == "qtool.encodings":
+        from .choices import GGML_SCALE_DTYPES
         from .encodings import EncodingsFile
 
         for e in EncodingsFile.read(path, lazy=True).entries:  # the checks export makes: what lists, exports
             dtype = e.element if e.is_float else ("int" if e.symmetric else "uint") + str(e.bitwidth)
+            if e.scale_dtype in GGML_SCALE_DTYPES:  # (IQ4_NL's grid is not int4, nor Q4_K's a uint4 one)
+                dtype = f"GGUF {e.scale_dtype.upper()}"
             gran = str(e.granularity) + (f", {e.scale_dtype} scales" if e.is_float and e.scale_dtype != "float32"
                                          else "") + (", dynamic" if e.dynamic else "")
             rows.append(_row(e.name, dtype, e.bitwidth, gran, list(e.shape), None, True))

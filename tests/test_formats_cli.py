@@ -167,6 +167,43 @@ def test_names_and_paths_are_printed_as_they_are_not_as_markup(tmp_path):
     assert code == 0 and err.strip() == f"ok: {recipe}", err
 
 
+def test_inspect_refuses_what_a_file_cannot_hold_and_names_gguf_grids(world, tmp_path):
+    """A qtool file whose metadata gave a weight 1e12 elements over 8 stored bytes listed "0.00 bits per weight";
+    a compressed-tensors config with no weight files was "ok: true", 0 tensors; a GGUF recipe's encodings listed
+    IQ4_NL as int4."""
+    from tests.helpers import error_lines
+
+    enc = world / "w4a8-block32" / "encodings.json"
+    assert run_cli("export", world / "m.safetensors", "-e", enc, "-o", tmp_path / "p")[0] == 0
+    f = tmp_path / "p" / "model.safetensors"
+    with safe_open(str(f), "pt") as fh:
+        meta, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}
+    qmeta = json.loads(meta["qtool"])
+    for shape, said in (([1000000, 1000000], "1,000,000,000,000 weights of 4 bits"), ([2, 2], "4 weights of 4 bits")):
+        qmeta["0.weight"]["shape"] = shape
+        save_file(tensors, f, metadata={**meta, "qtool": json.dumps(qmeta)})
+        code, _, err = run_cli("inspect", f)
+        assert code == 2 and error_lines(err) == [
+            f"error: {f}: '0.weight': its metadata's shape {shape} ({said}) does not fit the 4,096 bytes stored"], err
+    (tmp_path / "ct").mkdir()
+    (tmp_path / "ct" / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}}))
+    code, _, err = run_cli("inspect", tmp_path / "ct")
+    assert code == 2 and "no *.safetensors" in err, err
+    save_file({"l.weight_packed": torch.zeros(4, 1, dtype=torch.int32), "l.weight_scale": torch.ones(4, 1)},
+              tmp_path / "ct" / "model.safetensors")
+    code, _, err = run_cli("inspect", tmp_path / "ct")  # (its shape was [], at 13,772 bits per weight)
+    assert code == 2 and "'l' has no weight_shape beside its packed codes" in err, err
+
+
+def test_inspect_names_a_gguf_recipes_grids_by_their_gguf_type(tiny_llama, tmp_path):
+    recipe = tmp_path / "iq.yaml"
+    recipe.write_text("version: 1\ndefaults:\n  weights: {gguf_type: iq4_nl}\n  activations: null\n")
+    assert run_cli("calibrate", tiny_llama / "m", "-c", recipe, "-o", tmp_path / "c")[0] == 0
+    code, out, err = run_cli("inspect", tmp_path / "c" / "encodings.json", "--json")
+    assert code == 0 and {t["dtype"] for t in json.loads(out)["tensors"]} == {"GGUF IQ4_NL"}, out
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
