@@ -239,6 +239,27 @@ def test_a_model_that_is_not_llama_family_is_refused():
         resolve_plan(parse_recipe("version: 1\nrotate: {}\n"), mlp())
 
 
+def test_refusals_name_what_the_model_has():
+    """OLMo-2 (norms after attention and the MLP) read "input_layernorm is a NoneType, not an RMSNorm"; a Qwen2-MoE
+    whose shared expert is wider than its routed ones, alike in every layer, "width differs between layers"."""
+    cfg = transformers.Olmo2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    olmo = transformers.Olmo2ForCausalLM(cfg)
+    with pytest.raises(ConfigError, match="model.layers.0.input_layernorm does not exist; qtool rotates pre-norm"):
+        resolve_plan(parse_recipe("version: 1\nrotate: {rotations: [r1]}\n"), olmo)
+    cfg = transformers.Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                      shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
+    from qtool.model.experts import linearize_experts
+
+    moe = transformers.Qwen2MoeForCausalLM(cfg)
+    linearize_experts(moe, [n for n, _ in moe.named_parameters()])
+    with pytest.raises(ConfigError, match=r"r4 rotates every down_proj's input by one Hadamard order, and their "
+                       r"widths differ: 16 \(model.layers.0.mlp.experts.0.down_proj\); 32 "
+                       r"\(model.layers.0.mlp.shared_expert.down_proj\)"):
+        resolve_plan(parse_recipe("version: 1\nrotate: {rotations: [r4]}\n"), moe)
+
+
 def test_r1_unties_a_tied_output_layer_and_every_format_writes_it(tmp_path):
     """Tied embeddings (SmolLM2's case): the final norm folds into the output layer alone, so r1 gives it a weight
     of its own; the fake-quant model, compressed-tensors (tie_word_embeddings false) and GGUF (output.weight) all

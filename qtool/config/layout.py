@@ -4,7 +4,7 @@ SmoothQuant's groups. Per-family facts come from :mod:`qtool.families`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 from ..errors import ConfigError
 from ..families import LLAMA_SMOOTH_MAPPINGS, Family, rms_norm_classes
@@ -87,10 +87,13 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
                 raise ConfigError(f"{where}: {layer}.{part} {what}; qtool rotates Llama-family decoder layers "
                                   "(Llama, Mistral, Qwen2, Qwen3 and their mixture-of-experts variants)")
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            got = type(modules.get(f"{layer}.{norm}")).__name__
-            if got not in rms_norms:
-                raise ConfigError(f"{where}: {layer}.{norm} is a {got}, not an RMSNorm qtool can fold "
-                                  f"({', '.join(rms_norms)})")
+            found = modules.get(f"{layer}.{norm}")
+            if found is None:  # (OLMo-2 normalizes after attention and the MLP, not before)
+                raise ConfigError(f"{where}: {layer}.{norm} does not exist; qtool rotates pre-norm Llama-family "
+                                  "layers (an RMSNorm before attention and one before the MLP)")
+            if type(found).__name__ not in rms_norms:
+                raise ConfigError(f"{where}: {layer}.{norm} is a {type(found).__name__}, not an RMSNorm qtool can "
+                                  f"fold ({', '.join(rms_norms)})")
         known = set(known)
         extra = sorted(n for n, m in modules.items() if n.startswith(layer + ".") and isinstance(m, nn.Linear)
                        and n[len(layer) + 1:] not in known)
@@ -118,8 +121,10 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
         raise ConfigError(f"{where}: block_size {block} does not divide the hidden size {hidden}")
     if "r4" in spec.rotations:
         moe_writers = {layer: writers for layer, _, writers in moe}
-        widths = {modules[f"{layer}.{n}"].in_features for layer in layers
-                  for n in moe_writers.get(layer, ("mlp.down_proj",))}
+        widths: Dict[int, str] = {}
+        for layer in layers:
+            for n in moe_writers.get(layer, ("mlp.down_proj",)):
+                widths.setdefault(modules[f"{layer}.{n}"].in_features, f"{layer}.{n}")
         _check_r4_width(widths, "down_proj", where)
     if "r3" in spec.rotations and not head_dim:
         raise ConfigError(f"{where}: r3 rotates each attention head's queries and keys, but the model's config "
@@ -150,17 +155,22 @@ def _encoder_r4_plan(spec: RotateSpec, modules, where: str) -> RotationPlan:
     if not layers:
         raise ConfigError(f"{where}: the model has neither Llama-family decoder layers (model.layers.N.self_attn."
                           "v_proj) nor BERT-style MLPs (encoder.layer.N.intermediate.dense, output.dense) to rotate")
-    _check_r4_width({modules[f"{layer}.output.dense"].in_features for layer in layers}, "output.dense", where)
+    widths: Dict[int, str] = {}
+    for layer in layers:
+        widths.setdefault(modules[f"{layer}.output.dense"].in_features, f"{layer}.output.dense")
+    _check_r4_width(widths, "output.dense", where)
     return RotationPlan(("r4",), spec.type, spec.seed, 0, 0, "", "", None, tuple(layers), down="output.dense")
 
 
-def _check_r4_width(widths, part: str, where: str) -> None:
-    """r4 rotates ``part``'s input in every layer: one width, with a Hadamard construction."""
+def _check_r4_width(widths: Dict[int, str], part: str, where: str) -> None:
+    """r4 rotates the input of every ``part`` (each layer's, each expert's and shared expert's) by one Hadamard
+    order: one width, with a Hadamard construction. ``widths``: each width found, with a module that has it."""
     from ..quant.hadamard import HadamardError, hadamard_order
 
-    if len(widths) != 1:
-        raise ConfigError(f"{where}: r4 rotates {part}'s input, whose width differs between layers "
-                          f"({', '.join(map(str, sorted(widths)))})")
+    if len(widths) != 1:  # (a Qwen2-MoE's shared expert wider than its routed ones, in every layer alike)
+        found = "; ".join(f"{w} ({name})" for w, name in sorted(widths.items()))
+        raise ConfigError(f"{where}: r4 rotates every {part}'s input by one Hadamard order, and their widths "
+                          f"differ: {found}")
     try:
         hadamard_order(min(widths))
     except HadamardError as e:
