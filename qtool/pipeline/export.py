@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional
 
 from .. import __version__
 from ..calibration import CalibrateOptions
+from ..config import CHECKPOINT_KEYS
 from ..data import load_data
 from ..encodings import EncodingsFile, calibrated_elsewhere
 from ..errors import EncodingsError, UsageError
@@ -253,9 +254,10 @@ def run_import_encodings(checkpoint: str, aimet_path: str, out: str, opts: Calib
         return mod if mod in modules and name.endswith(".weight") else None
 
     enc, warnings = from_aimet(obj, shapes, str(aimet_path), module_of)
-    for e in enc.entries:  # entries were keyed by checkpoint names; qtool keys by module names
-        if e.tensor == "weight":
-            e.name = f"{e.module}.weight"
+    stored_as = getattr(loaded.model, CHECKPOINT_KEYS, None) or {}
+    for e in enc.entries:  # a weight's entry is named as calibrate names it: by its checkpoint tensor (a ViT's
+        if e.tensor == "weight":  # vit.encoder.layer.0.attention.attention.query.weight, not the module's name)
+            e.name = stored_as.get(f"{e.module}.weight", f"{e.module}.weight")
     plan_from_encodings(enc, loaded.model, str(aimet_path))
     enc.meta["qtool_version"] = __version__
     with atomic_output_dir(Path(out), overwrite) as tmp:
