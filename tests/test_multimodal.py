@@ -143,3 +143,23 @@ def test_llama4_with_its_image_encoder_quantizes_its_experts_and_ignores_its_out
     assert "language_model.model.layers.1.feed_forward.experts.3.down_proj.weight_scale" in keys
     assert "language_model.lm_head.weight_scale" not in keys and "language_model.lm_head.weight" in exported
     assert not [k for k in keys if k.startswith(("vision_model.", "multi_modal_projector.")) and "scale" in k]
+
+
+def test_a_llava_compressed_tensors_directory_is_evaluated_in_transformers(tmp_path):
+    """AutoModelForCausalLM builds no LLaVA (nor Qwen2-VL, Idefics3): eval said "transformers cannot load it" of a
+    directory transformers loads by its architectures class."""
+    from tests.test_gguf import VOCAB
+
+    m = _saved_multimodal(tmp_path / "m", transformers.LlavaConfig, transformers.LlavaForConditionalGeneration,
+                          dict(model_type="llama", num_hidden_layers=2, intermediate_size=128),
+                          dict(model_type="clip_vision_model", projection_dim=32), image_token_index=VOCAB + 5)
+    ids = tmp_path / "ids.safetensors"
+    save_file({"input_ids": torch.randint(1, VOCAB, (8, 32), generator=torch.Generator().manual_seed(0))}, ids)
+    code, _, err = run_cli("quantize", m, "-c", "w8a8-dynamic", "-o", tmp_path / "ct", "--format",
+                           "compressed-tensors", "-q")
+    assert code == 0, err
+    code, out, err = run_cli("eval", tmp_path / "ct", "--data", ids, "--seq-len", 32, "--num-samples", 4,
+                             "--generate", 0, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["runtime"] == "transformers + compressed-tensors" and result["export_gap"]["kl_mean"] < 1e-6

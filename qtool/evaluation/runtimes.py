@@ -149,7 +149,8 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
     import contextlib
     import io
 
-    auto = transformers.AutoModelForCausalLM if causal_lm else _architecture_class(directory, transformers)
+    auto = transformers.AutoModelForCausalLM if causal_lm and _auto_causal_lm(directory) else \
+        _architecture_class(directory, transformers)
     errors = []
     for dtype in (torch.float32, torch.bfloat16):
         try:
@@ -183,6 +184,20 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
         allowance = (0.0, 1e-4) if dtype == torch.float32 else (1.0, 0.01) if activations else (0.25, 0.01)
         return TorchRuntime(model, label, *allowance)
     raise UsageError(f"{directory}: transformers cannot load it ({'; '.join(errors)})" + _known_limit(directory, errors))
+
+
+def _auto_causal_lm(directory: Path) -> bool:
+    """Whether AutoModelForCausalLM builds the directory's model type: it builds Gemma 3's and Mllama's
+    multimodal models, not LLaVA's, Qwen2-VL's or Idefics3's (those load by their ``architectures`` class)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from ..io.jsonfile import read_json_object
+
+    try:
+        model_type = read_json_object(directory / "config.json", UsageError, "Hugging Face config").get("model_type")
+    except UsageError:
+        return True
+    return not isinstance(model_type, str) or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def _architecture_class(directory: Path, transformers):
