@@ -249,6 +249,29 @@ def test_half_precision_inputs(dtype):
     assert torch.equal(out.as_subclass(torch.Tensor), ref.to(dtype))
 
 
+def test_a_float16_result_past_float16s_range_saturates():
+    """An asymmetric grid's rounded offset put its top point at 65609.9, past float16's 65504: the float16 result
+    was inf (a 4-bit per-channel grid made every value but the minimum inf)."""
+    x = torch.tensor([-887.0, 0.0, 65504.0], dtype=torch.float16)
+    q = QuantizeDequantize((), 8, False)
+    with q.compute_encodings():
+        q(x)
+    with torch.no_grad():
+        assert float(q(x.float()).as_subclass(torch.Tensor)[2]) > 65504  # the grid's top point, in float32
+        out = q(x).as_subclass(torch.Tensor)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all() and float(out[2]) == 65504.0
+    w = torch.full((2, 4), 65504.0, dtype=torch.float16)
+    w[:, 0] = -100
+    qs = QuantizeDequantize((2, 1), 4, False)
+    with qs.compute_encodings():
+        qs(w)
+    with torch.no_grad():
+        assert torch.isfinite(qs(w).as_subclass(torch.Tensor)).all()
+    half = quantize_dequantize(x, q.get_scale(), q.get_offset(), 8, False)
+    assert torch.equal(half, quantize_dequantize(x.float(), q.get_scale(), q.get_offset(), 8, False).clamp(
+        -65504, 65504).half())
+
+
 def test_tensor_subclasses_keep_encoding_only_where_meaning_is_kept():
     q = QuantizeDequantize((), 8, False)
     q.set_range(-1.0, 3.0)

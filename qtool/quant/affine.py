@@ -31,6 +31,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "quantize_dequantize",
+    "to_input_dtype",
     "min_max_to_scale_offset",
     "batch_scale_offset",
     "adjust_min_max",
@@ -278,7 +279,7 @@ def quantize_dequantize(
     qmin: Optional[int] = None,
     qmax: Optional[int] = None,
 ) -> torch.Tensor:
-    """``dequantize(quantize(x))`` in one pass, returned in the input's dtype.
+    """``dequantize(quantize(x))`` in one pass, returned in the input's dtype (saturated to its finite range).
 
     Differentiable: straight-through for the input inside the grid, and exact autograd through scale and
     offset (and so through a quantizer's min/max). Without gradients the bits are those of
@@ -304,7 +305,19 @@ def quantize_dequantize(
             o = o.to(_compute_dtype(x))  # the clamp's ends as tensors: exact sums (integer offsets)
             return _qdq_clamped(x, s, o if qmin == 0 else o + qmin, o + qmax)
 
-    return _apply_blocked(fn, tensor, scale, offset, block_size).to(out_dtype)
+    return to_input_dtype(_apply_blocked(fn, tensor, scale, offset, block_size), out_dtype)
+
+
+def to_input_dtype(result: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 fake-quant result in the input's ``dtype``, saturated to its finite range: a grid's top point may
+    lie past the input's largest value (an asymmetric grid's rounded offset moves it up), which float16 cannot
+    hold past 65504 (it became inf)."""
+    if result.dtype == dtype:
+        return result
+    if dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(result.dtype).max:
+        info = torch.finfo(dtype)
+        result = result.clamp(info.min, info.max)
+    return result.to(dtype)
 
 
 def _uniform_offset(offset: torch.Tensor) -> Optional[float]:

@@ -30,6 +30,7 @@ from .affine import (
     resolve_block_size,
     scale_offset_of_numbers,
     snap_to_float16_scale,
+    to_input_dtype,
 )
 from .analyzers import EncodingAnalyzer, MinMaxEncodingAnalyzer, MinMaxStatistics, MseEncodingAnalyzer
 from .floatgrid import (dynamic_float_scales, element_of, encoding_scales, float_quantize_dequantize,
@@ -573,7 +574,7 @@ class GgmlQuantizeDequantize(QuantizerBase):
             return x
         x = x.as_subclass(torch.Tensor)
         mn, mx = self._range_for_call(x)
-        return ggml_quantize_dequantize(x.to(torch.float32), self.grid(mn, mx)).to(x.dtype)
+        return to_input_dtype(ggml_quantize_dequantize(x.to(torch.float32), self.grid(mn, mx)), x.dtype)
 
     def extra_repr(self) -> str:
         return f"shape={self.shape}, gguf_type={self.ggml.name}, block_size={self.block_size}"
