@@ -28,7 +28,7 @@ from .io.jsonfile import read_json_object
 from .quant.affine import grid
 from .quant.spec import MAX_BITWIDTH, MIN_BITWIDTH
 
-__all__ = ["VERSIONS", "block_problem", "entry_to_aimet", "to_aimet", "read_aimet", "from_aimet",
+__all__ = ["VERSIONS", "block_problem", "entry_to_aimet", "to_aimet", "shared_names", "read_aimet", "from_aimet",
            "range_for_scale_offset"]
 
 VERSIONS = AIMET_VERSIONS
@@ -111,10 +111,13 @@ def to_aimet(enc: EncodingsFile, version: str, producer_version: str,
     acts = [e for e in enc.entries if e.tensor != "weight"]
 
     def named(entries):
+        seen = set()
         for e in entries:
             item, name = entry_to_aimet(e, version), names.get(e.name, e.name)
             for n in name if isinstance(name, list) else [name]:
-                yield n, item
+                if n not in seen:  # (one tensor read by several quantizers: the first's, see shared_names)
+                    seen.add(n)
+                    yield n, item
 
     if version == "2.0.0":
         return {"producer": producer, "version": "2.0.0",
@@ -127,6 +130,21 @@ def to_aimet(enc: EncodingsFile, version: str, producer_version: str,
         a = [dict(item, name=n) for n, item in named(acts)]
     return {"producer": producer, "version": version, "activation_encodings": a, "param_encodings": p,
             "excluded_layers": [], "quantizer_args": {}}
+
+
+def shared_names(enc: EncodingsFile, version: str,
+                 names: Optional[Dict[str, Any]] = None) -> List[Tuple[str, List[str]]]:
+    """The tensor names :func:`to_aimet` writes for several quantizers whose encodings differ, each with those
+    quantizers (first the one written): an AIMET file holds one encoding per tensor name, and a tensor several
+    modules read (a BERT's LayerNorm output, the input of its query, key and value) can have one per reader."""
+    names = names or {}
+    by_name: Dict[str, List[Tuple[str, Any]]] = {}
+    for e in enc.entries:
+        name = names.get(e.name, e.name)
+        for n in name if isinstance(name, list) else [name]:
+            by_name.setdefault(n, []).append((e.name, entry_to_aimet(e, version)))
+    return [(n, [q for q, _ in found]) for n, found in by_name.items()
+            if any(item != found[0][1] for _, item in found[1:])]
 
 
 # --------------------------------------------------------------------------------------------------------------

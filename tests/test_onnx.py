@@ -80,7 +80,7 @@ def test_mlp_onnx_matches_fake_quant(mlp_world, tmp_path, recipe):
     assert all(e["name"] in names for e in aimet["encodings"])
 
 
-@pytest.mark.parametrize("recipe", ["static", "dynamic", "weights", "head"])
+@pytest.mark.parametrize("recipe", ["static", "dynamic", "symmetric dynamic", "weights", "head"])
 def test_a_module_called_thrice_and_a_tied_weight_export_and_run(tmp_path, recipe):
     """A quantizer traced at several calls wrote its scales once per call under one name, and two quantizers of
     one tied weight their codes: the checker refused the graph after calibration (exit 3)."""
@@ -90,6 +90,7 @@ def test_a_module_called_thrice_and_a_tied_weight_export_and_run(tmp_path, recip
     save_file({"ids": torch.randint(0, 20, (16, 5), generator=torch.Generator().manual_seed(0))},
               tmp_path / "ids.safetensors")
     acts = {"static": "{inputs: true, outputs: true}", "dynamic": "{inputs: true, dynamic: true}",
+            "symmetric dynamic": "{inputs: true, dynamic: true, symmetric: true, granularity: per_token}",
             "weights": "null", "head": "null"}[recipe]
     (tmp_path / "r.yaml").write_text(f"version: 1\ndefaults:\n  activations: {acts}\n" + (
         "layers:\n  - type: Embedding\n    weights: null\n" if recipe == "head" else ""))
@@ -108,6 +109,8 @@ def test_a_module_called_thrice_and_a_tied_weight_export_and_run(tmp_path, recip
     proto = onnx.load(str(tmp_path / "q/model.onnx"))
     inits = {i.name for i in proto.graph.initializer}
     assert "fc.weight" in inits and "fc.weight_quantized" not in inits  # fc's codes once, under its own name
+    # (a symmetric dynamic quantizer left two constants no node reads: a warning each time onnxruntime loads one)
+    assert inits <= {n for node in proto.graph.node for n in node.input}
     assert sum(n.op_type == "DequantizeLinear" and n.input[0] == "fc.weight" for n in proto.graph.node) == 3
     tensors = {n for node in proto.graph.node for n in list(node.input) + list(node.output)} | inits
     aimet = json.loads((tmp_path / "q/model.encodings").read_text())["encodings"]
@@ -256,6 +259,40 @@ def test_a_decoders_inputs_get_their_own_sequence_length(tmp_path):
     ids = np.full((1, 20), 7, np.int64)
     session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids),
                        "decoder_input_ids": np.full((1, 3), 7, np.int64)})
+
+
+def test_a_bert_read_by_quantizers_of_two_grids_and_token_ids_of_one_tensor(tmp_path):
+    """The query, key and value read one ONNX tensor: with the key's input at 16 bits, model.encodings listed that
+    tensor three times with two encodings (a consumer keeps one), silently. Token ids given as a file's one tensor
+    traced a fixed sequence length (onnxruntime refused any other), where input_ids keep theirs."""
+    import json
+
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.BertModel(transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=64)).save_pretrained(
+        tmp_path / "bert")
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tmp_path / "d.safetensors")
+    (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: {bitwidth: 8, "
+                                     "symmetric: false}\nlayers:\n  - match: '*.self.key'\n    activations: "
+                                     "{bitwidth: 16}\n")
+    code, out, err = run_cli("quantize", tmp_path / "bert", "-c", tmp_path / "r.yaml", "--data",
+                             tmp_path / "d.safetensors", "-o", tmp_path / "q", "--format", "onnx", "--json")
+    assert code == 0, err
+    said = [w for w in json.loads(out)["export_warnings"] if "one encoding per tensor" in w]
+    assert len(said) == 1 and "encoder.layer.0.attention.self.key.input" in said[0], said
+    acts = json.loads((tmp_path / "q/model.encodings").read_text())["activation_encodings"]
+    names = [a["name"] for a in acts]
+    assert len(names) == len(set(names)), names
+    np.save(tmp_path / "ids.npy", ids.numpy())
+    code, _, err = run_cli("export", tmp_path / "bert", "-e", tmp_path / "q/calibration/encodings.json", "-o",
+                           tmp_path / "o", "--format", "onnx", "--data", tmp_path / "ids.npy", "-q")
+    assert code == 0, err
+    session = ort.InferenceSession(str(tmp_path / "o/model.onnx"))
+    assert session.get_inputs()[0].shape == ["batch", "sequence"]
+    session.run(None, {session.get_inputs()[0].name: np.full((1, 30), 7, np.int64)})
 
 
 def test_which_input_dimensions_are_dynamic():

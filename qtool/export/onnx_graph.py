@@ -303,7 +303,7 @@ def _dynamic_qdq(node, opset: int, inits: List[Any]) -> List[Any]:
         nodes.append(helper.make_node(kind, inputs, [out], name=out, **kw))
         return out
 
-    zero, n_c, ms_c = const("zero", 0.0), const("n", float(n)), const("min_scale", ms)
+    ms_c = const("min_scale", ms)
     f32max = const("f32max", float(np.finfo(np.float32).max))
     reduce_kw: Dict[str, Any] = {"keepdims": 1 if per_token else 0}
     axes: List[str] = []
@@ -317,6 +317,8 @@ def _dynamic_qdq(node, opset: int, inits: List[Any]) -> List[Any]:
         scale = op("Min", [op("Max", [op("Div", [absmax, const("half_n", n / 2)], "raw_scale"), ms_c], "scale_min"),
                            f32max], "scale")
     else:  # the static min-max rule (qtool.quant.affine.adjust_min_max, min_max_to_scale_offset)
+        # (constants made here alone: an initializer no node reads is a warning each time onnxruntime loads it)
+        zero, n_c = const("zero", 0.0), const("n", float(n))
         mn = op("Min", [op("ReduceMin", [x] + axes, "stat_min", **reduce_kw), zero], "min0")
         mx = op("Max", [op("ReduceMax", [x] + axes, "stat_max", **reduce_kw), zero], "max0")
         # a degenerate range is widened to the minimum scale

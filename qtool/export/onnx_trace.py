@@ -172,8 +172,8 @@ def _flatten(out) -> Tuple[List[str], Tuple[torch.Tensor, ...]]:
 
 def _signature(batch) -> Tuple[Tuple, Dict[str, torch.Tensor], List[str], Dict[str, Dict[int, str]]]:
     """(args, kwargs, input names, dynamic axes) of an example batch."""
-    if batch.args:
-        return batch.args, batch.kwargs, ["input"], {"input": {0: "batch"}}
+    if batch.args:  # (a one-tensor data file: token ids keep their dynamic length, as input_ids do)
+        return batch.args, batch.kwargs, ["input"], {"input": _dynamic_axes("input", batch.args[0])}
     names = list(batch.kwargs)
     dyn = {k: _dynamic_axes(k, v) for k, v in batch.kwargs.items()}
     return batch.args, batch.kwargs, names, dyn

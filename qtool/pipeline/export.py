@@ -113,7 +113,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     ``allow_other`` (then a warning).
     ``checkpoint_checked``: the format's checkpoint check already ran in this job (``quantize`` runs it before
     calibrating)."""
-    from ..aimet_format import block_problem, to_aimet
+    from ..aimet_format import block_problem, shared_names, to_aimet
     from ..model.expert_view import open_checkpoint
     from ..weights import WeightSource
 
@@ -162,8 +162,15 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
                 f"model.encodings (AIMET JSON) leaves out {len(tiles)} weight(s) in blocks of "
                 f"{list(tiles[0].spec.block_size)} ({tiles[0].name} ...): AIMET encodings block the input "
                 "dimension alone; the exported tensors hold their scales")
-        static_enc = EncodingsFile(static, enc.meta, enc.data_files, enc.codes_file, enc.online)
-        aimet = to_aimet(static_enc.materialized(), eopts.encoding_version, __version__, names=names)
+        static_enc = EncodingsFile(static, enc.meta, enc.data_files, enc.codes_file, enc.online).materialized()
+        shared = shared_names(static_enc, eopts.encoding_version, names)
+        if shared:
+            tensor, readers = shared[0]
+            summary["export_warnings"].append(
+                f"model.encodings (AIMET JSON) holds one encoding per tensor, and {len(shared)} tensor(s) are read "
+                f"by quantizers with different encodings ({tensor}: {', '.join(readers)}): it holds the first's; "
+                f"the exported model quantizes each reader its own way")
+        aimet = to_aimet(static_enc, eopts.encoding_version, __version__, names=names)
         (out_dir / "model.encodings").write_text(dumps_indented(aimet) + "\n")
     elif exporter.aimet_json == "if_small":
         summary["export_warnings"].append(
