@@ -61,3 +61,15 @@ def test_packaging_metadata_gives_setuptools_nothing_to_warn_about():
     assert [str(w.message).splitlines()[0] for w in caught] == []
     assert dist.metadata.license_expression == "Apache-2.0"
     assert "recipes/*.yaml" in str(dist.package_data)  # the shipped recipes are package data
+
+
+def test_the_plan_line_names_an_asymmetric_grid_unsigned():
+    """W8A8's asymmetric activations read "int8" on the plan line, where inspect, the encodings and every exported
+    file have them unsigned."""
+    from qtool.cli.output import _plan_summary
+    from qtool.config import load_recipe, resolve_plan
+    from tests.tinymodels import mlp
+
+    line = _plan_summary(resolve_plan(load_recipe("w8a8"), mlp()))
+    assert "3 x input uint8 per_tensor; 3 x weight int8 per_channel" in line, line
+    assert "3 x input int8 per_token dynamic" in _plan_summary(resolve_plan(load_recipe("w8a8-dynamic"), mlp()))

@@ -21,10 +21,11 @@ def _plan_table(plan):
 
 
 def _grid_label(q) -> str:
-    """A plan row's grid in a word: int4, fp8_e4m3, or a GGUF type's name (Q4_K: not "int4", which it is not)."""
+    """A plan row's grid in a word: int4, uint8 (asymmetric: the codes are unsigned, as inspect and the exported
+    files have them), fp8_e4m3, or a GGUF type's name (Q4_K: not "int4", which it is not)."""
     if q.scale_dtype in GGML_SCALE_DTYPES:
         return f"GGUF {q.scale_dtype.upper()}"
-    return f"int{q.bitwidth}" if q.element == "int" else q.element
+    return f"{'int' if q.symmetric else 'uint'}{q.bitwidth}" if q.element == "int" else q.element
 
 
 def _plan_summary(plan) -> str:
