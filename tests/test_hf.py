@@ -193,6 +193,31 @@ def test_model_safetensors_comes_before_an_index_and_a_name_in_two_shards_is_ref
         CheckpointTensors(ckpt)
 
 
+def test_an_index_that_maps_a_tensor_to_a_shard_without_it_is_named(tmp_path):
+    """An index mapping a tensor to a shard that does not hold it (the shard that does then named by nothing) was
+    "config.json disagrees with the weights: the model it describes has a parameter ... the checkpoint does not
+    hold"."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import error_lines, run_cli, tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m")
+    real = load_file(ckpt / "model.safetensors")
+    (ckpt / "model.safetensors").unlink()
+    save_file({"model.embed_tokens.weight": real["model.embed_tokens.weight"]}, ckpt / "b.safetensors")
+    save_file({k: v for k, v in real.items() if k != "model.embed_tokens.weight"}, ckpt / "a.safetensors")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "a.safetensors" for k in real}}))
+    code, _, err = run_cli("quantize", ckpt, "-c", "w8a16", "-o", tmp_path / "q", "-q")
+    assert code == 2 and error_lines(err) == [
+        f"error: {ckpt / 'model.safetensors.index.json'}: maps model.embed_tokens.weight to a.safetensors, which "
+        "does not hold it, and no shard it names does (an index edited, or left from another save)"], err
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict(
+        {k: "a.safetensors" for k in real}, **{"model.norm.weight": "b.safetensors"})}))
+    code, _, err = run_cli("quantize", ckpt, "-c", "w8a16", "-o", tmp_path / "q")
+    assert code == 2 and "maps model.embed_tokens.weight to a.safetensors, which does not hold it: b.safetensors " \
+        "does" in err, err
+
+
 def test_a_config_without_architectures_whose_weights_hold_a_head_is_refused(tmp_path):
     """transformers' bare AutoModel (LlamaModel) dropped lm_head.weight without a word: the plan, the text windows
     and the export followed an encoder's rules (exit 0)."""

@@ -168,6 +168,23 @@ def safetensors_index(files: List[Path]) -> Dict[str, Tuple[Tuple[int, ...], Pat
     return out
 
 
+def check_index_places(path: Path, headers: Dict[str, Tuple[Tuple[int, ...], Path]]) -> None:
+    """Every tensor a directory's ``model.safetensors.index.json`` maps is in the shard it names (``headers``: the
+    shards' own, from :func:`safetensors_index`): an index edited or left from another save made the tensor
+    "missing", and the config was blamed."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if not path.is_dir() or (path / "model.safetensors").is_file() or not index.is_file():
+        return  # (tensor_files reads model.safetensors alone where there is one)
+    weight_map = read_json_object(index, CheckpointError, "safetensors index", strict=True).get("weight_map") or {}
+    for name, file in weight_map.items():
+        found = headers.get(name)
+        if found is None or found[1].name != file:
+            where = f": {found[1].name} does" if found is not None else ", and no shard it names does"
+            raise CheckpointError(f"{index}: maps {name} to {file}, which does not hold it{where} (an index edited, "
+                                  "or left from another save)")
+
+
 _MAX_HEADER = 100_000_000  # the safetensors reader's own limit
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, UsageError
-from ..io.checkpoint import check_files_there, check_safetensors, safetensors_index, tensor_files
+from ..io.checkpoint import check_files_there, check_index_places, check_safetensors, safetensors_index, tensor_files
 from ..io.jsonfile import read_json_object
 from .experts import linearize_experts
 
@@ -341,6 +341,7 @@ def _check_fit_if_weights(path, model: nn.Module) -> Optional[Dict[str, Tuple[Tu
         return None
     check_files_there(path, files)
     headers = safetensors_index(files)
+    check_index_places(path, headers)
     _refuse_scaled_codes(headers)
     check_weights_fit(path, model, files, headers)
     return headers
