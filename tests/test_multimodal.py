@@ -122,6 +122,14 @@ def test_gguf_holds_the_text_model_and_llama_cpp_runs_it(gemma3, tmp_path):
     assert "blk.5.ffn_down.weight" in names and not [n for n in names if "v." in n[:2] or "mm" in n]
     agree, diffs = _agreement(checkpoint, tmp_path / "q")
     assert agree >= 34 and median(diffs) < 0.03, (agree, sorted(diffs))
+    # a rule that opts the image encoder in: calibrated, not in the file, and said (it was dropped without a word)
+    (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  weights: {gguf_type: q8_0}\n  activations: null\n"
+                                     "layers:\n  - match: 're:.*vision_tower.*mlp.*'\n    weights: {gguf_type: q8_0}\n")
+    code, out, err = run_cli("quantize", checkpoint, "-c", tmp_path / "r.yaml", "-o", tmp_path / "t", "--format",
+                             "gguf", "--json")
+    assert code == 0, err
+    said = [w for w in json.loads(out)["export_warnings"] if "not in the GGUF file" in w]
+    assert len(said) == 1 and said[0].startswith("4 quantized weight(s)") and "vision_tower" in said[0], said
 
 
 def test_llama4_with_its_image_encoder_quantizes_its_experts_and_ignores_its_output_layer_by_name(tmp_path):

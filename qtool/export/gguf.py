@@ -186,6 +186,11 @@ class GgufExporter(Exporter):
         if fallen:
             warnings.append(f"{len(fallen)} weight(s) with no GGUF type written as {options.gguf_fallback} floats "
                             f"(their fake-quant values): {', '.join(fallen[:5])}" + (" ..." if len(fallen) > 5 else ""))
+        left = [e.name for e in request.encodings.entries if e.tensor == "weight" and e.name not in names]
+        if left:  # (a recipe's rule that opted an image encoder in: calibrated, and not in this file)
+            warnings.append(f"{len(left)} quantized weight(s) are not in the GGUF file, which llama.cpp's converter "
+                            f"writes without them (a multimodal model's image encoder goes to a separate mmproj file, "
+                            f"which qtool does not write): {', '.join(left[:3])}" + (" ..." if len(left) > 3 else ""))
         return {
             "gguf": {"file": GGUF_NAME, "architecture": model.arch, "file_type": main,
                      "tensor_types": dict(sorted(Counter(i.kind for i in items).items())),
