@@ -84,6 +84,23 @@ def test_a_vision_models_own_towers_are_quantized():
     assert not [w for w in plan.warnings if "media encoders" in w]
 
 
+def test_idefics3s_connector_stays_float_as_a_projector():
+    """Idefics3's (and SmolVLM's) projector is model.connector: it was quantized by default, unlike every other
+    family's projector, and with activations its input never ran on text ("saw no data")."""
+    cfg = transformers.Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14), image_token_id=120, scale_factor=2)
+    with torch.device("meta"):
+        model = transformers.Idefics3ForConditionalGeneration(cfg)
+    plan = resolve_plan(load_recipe(recipe_file("w8a8")), model)
+    assert not [q.module for q in plan.quantizers if "connector" in q.module or "vision" in q.module]
+    assert any(q.module.startswith("model.text_model.") for q in plan.weights)
+    [note] = [w for w in plan.warnings if "media encoders" in w]
+    assert "model.connector" in note, note
+
+
 def test_sequential_writes_the_in_memory_bytes_and_the_exports_run_where_they_are_served(gemma3, tmp_path):
     from tests.test_experts import _quantized_in_memory_as_sequential
 

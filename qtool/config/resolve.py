@@ -239,7 +239,7 @@ CHECKPOINT_KEYS = "_qtool_checkpoint_keys"
 # the image/audio encoders and projectors of a multimodal language model: float unless a layers rule names them (as
 # llm-compressor's recipes ignore them and llama.cpp keeps them in a separate float mmproj file)
 MEDIA_TOWER = re.compile(r"(^|\.)(vision_tower|vision_model|visual|multi_modal_projector|audio_tower|mm_projector|"
-                         r"embed_vision|embed_audio)(\.|$)")
+                         r"connector|embed_vision|embed_audio)(\.|$)")  # (connector: Idefics3's and SmolVLM's)
 
 
 def _expert_count(model: "nn.Module") -> int:
