@@ -93,7 +93,7 @@ def _read_tensor_file(path: Path) -> Dict[str, torch.Tensor]:
 def _check_finite(name: str, t: torch.Tensor, where: str) -> None:
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
-        raise DataError(f"{where}: tensor {name!r} has {bad} NaN/Inf values; calibration data must be finite")
+        raise DataError(f"{where}: tensor {name!r} has {bad} NaN/Inf values; the data a model runs on must be finite")
 
 
 def _tensor_samples(files: Sequence[Path]) -> Tuple[List[Dict[str, torch.Tensor]], List[str]]:
