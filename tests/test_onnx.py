@@ -295,6 +295,24 @@ def test_a_bert_read_by_quantizers_of_two_grids_and_token_ids_of_one_tensor(tmp_
     session.run(None, {session.get_inputs()[0].name: np.full((1, 30), 7, np.int64)})
 
 
+def test_a_checkpoint_with_nothing_to_trace_on_is_refused_before_calibrating(tmp_path, monkeypatch):
+    """A ViT (no tokenizer) under a data-free recipe: calibrated, then "pass --data" once nothing was left to do."""
+    import transformers
+
+    import qtool.pipeline.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "calibrate_prepared", lambda *a, **k: pytest.fail("calibrated"))
+    torch.manual_seed(0)
+    transformers.ViTModel(transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                 intermediate_size=64, image_size=16, patch_size=8)).save_pretrained(
+        tmp_path / "vit")
+    code, _, err = run_cli("quantize", tmp_path / "vit", "-c", "w8a8-dynamic", "-o", tmp_path / "q", "--format",
+                           "onnx", "-q")
+    assert code == 2 and err.strip() == ("error: ONNX export traces the model: pass --data with a few example "
+                                         "inputs (the checkpoint has no tokenizer to make one)"), err
+    assert not (tmp_path / "q").exists()
+
+
 def test_which_input_dimensions_are_dynamic():
     """Review: a waveform's samples ([batch, samples] float, wav2vec2's input_values) and inputs_embeds lost their
     dynamic length when float inputs were made fixed for images' channels."""

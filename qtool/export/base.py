@@ -56,6 +56,10 @@ class Exporter:
         """Refuse a checkpoint this format cannot describe (e.g. an architecture it has no layout for), before
         calibration or writing (default: any)."""
 
+    def check_example_inputs(self, checkpoint: Path, data: Optional[str]) -> None:
+        """Refuse, before calibration, a run that will have no inputs to trace the model on where the format
+        traces it (default: it does not)."""
+
     # whether the format stores llama.cpp's K-quant / IQ4 block types (only GGUF does)
     gguf_types: ClassVar[bool] = False
 

@@ -61,11 +61,7 @@ def required_opset(enc: EncodingsFile) -> int:
             check_onnx_float(e)
             need = max(need, 21 if e.granularity in ("per_block", "per_token") else 19)
             continue
-        if e.bitwidth not in (4, 8, 16):
-            raise UsageError(
-                f"{e.name}: ONNX QuantizeLinear has no {e.bitwidth}-bit type (4, 8 and 16 bits only); "
-                "export this recipe with --format qtool or aimet"
-            )
+        _check_onnx_bits(e)
         if e.bitwidth != 8 or e.granularity in ("per_block", "per_token"):
             need = max(need, 21)
         elif e.granularity == "per_channel":
@@ -170,6 +166,13 @@ def _check_initializers(proto) -> None:
             check_finite(init.name, torch.from_numpy(np.array(numpy_helper.to_array(init), dtype=np.float32)))
 
 
+def _check_onnx_bits(q) -> None:
+    """ONNX's integer QuantizeLinear types: 4, 8 and 16 bits."""
+    if q.spec.bitwidth not in (4, 8, 16):
+        raise UsageError(f"{q.name}: ONNX QuantizeLinear has no {q.spec.bitwidth}-bit type (4, 8 and 16 bits only); "
+                         "export this recipe with --format qtool or aimet")
+
+
 class OnnxExporter(Exporter):
     """``--format onnx``: traces the calibrated fake-quant model (so it needs the model and example inputs)."""
 
@@ -178,6 +181,15 @@ class OnnxExporter(Exporter):
     @dataclass
     class Options:
         pass
+
+    def check_example_inputs(self, checkpoint: Path, data: Optional[str]) -> None:
+        """Tracing runs the model on --data, else on a sentence through the checkpoint's tokenizer: a checkpoint
+        with neither (a ViT, a CNN's state dict under a data-free recipe) was refused once calibrated."""
+        from ..model.hf import TOKENIZER_FILES
+
+        if data is None and not (checkpoint.is_dir() and any((checkpoint / f).is_file() for f in TOKENIZER_FILES)):
+            raise UsageError("ONNX export traces the model: pass --data with a few example inputs (the checkpoint "
+                             "has no tokenizer to make one)")
 
     def check_checkpoint(self, checkpoint: Path) -> None:
         """A mixture-of-experts model is refused: tracing would fix which experts run to the example batch's
@@ -195,9 +207,11 @@ class OnnxExporter(Exporter):
                              "would keep one batch's routing); use --format compressed-tensors, gguf or qtool")
 
     def check_quantizers(self, quantizers, options: "OnnxExporter.Options") -> None:
-        for q in quantizers:
+        for q in quantizers:  # (a plan's, before calibration, or an encodings file's)
             if q.spec.is_float:
                 check_onnx_float(q)
+            else:
+                _check_onnx_bits(q)
 
     def check(self, encodings: EncodingsFile, options: "OnnxExporter.Options") -> None:
         self.admit(encodings.entries, options, encodings.online)

@@ -431,7 +431,7 @@ def load_hf(path: Path, trust_remote_code: bool):
     return model, _tokenizer(transformers, path), config
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
 
 
 class TokenizerError(CheckpointError, AttributeError):
@@ -466,7 +466,7 @@ def _tokenizer(transformers, path: Path):
     try:
         return transformers.AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
-        files = [f for f in _TOKENIZER_FILES if (Path(path) / f).is_file()]
+        files = [f for f in TOKENIZER_FILES if (Path(path) / f).is_file()]
         if not files:
             return None
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -108,6 +108,7 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
         exporter.check_weight_changes(weight_changes(plan))
         exporter.check_tied(plan.tied)
         exporter.check_kv_cache(plan.kv_float)
+        exporter.check_example_inputs(Path(checkpoint), eopts.data)
         floats = exporter.left_float(plan.quantizers, options, plan.tied)
         plan.left_float.update((name, exporter.name) for name in floats)
         if plan.coverage is not None and floats:  # (the share of weights the file holds quantized)
