@@ -267,6 +267,13 @@ def test_a_float16_result_past_float16s_range_saturates():
         qs(w)
     with torch.no_grad():
         assert torch.isfinite(qs(w).as_subclass(torch.Tensor)).all()
+    from qtool.quant.floatgrid import dynamic_float_scales, element_of, float_quantize_dequantize
+
+    block = torch.tensor([[65504.0, 60000.0, 1000.0, -65504.0] * 8], dtype=torch.float16)
+    for element in ("fp4_e2m1", "fp8_e4m3"):  # (an MX block's power-of-two scale puts the top past 65504 too)
+        eff, bs = dynamic_float_scales(block, element_of(element), "e8m0", "per_block", 32)
+        out = float_quantize_dequantize(block, eff, element_of(element), bs)
+        assert torch.isfinite(out).all() and float(out.abs().max()) == 65504.0, (element, out)
     half = quantize_dequantize(x, q.get_scale(), q.get_offset(), 8, False)
     assert torch.equal(half, quantize_dequantize(x.float(), q.get_scale(), q.get_offset(), 8, False).clamp(
         -65504, 65504).half())

@@ -35,7 +35,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .affine import true_div
+from .affine import to_input_dtype, true_div
 
 __all__ = [
     "ELEMENTS",
@@ -300,13 +300,14 @@ def float_dequantize(codes: torch.Tensor, eff: torch.Tensor, element: FloatEleme
 def float_quantize_dequantize(x: torch.Tensor, eff: torch.Tensor, element: FloatElement,
                               block_size: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Fake quantization on the float grid: ``round(clamp(x / eff, ±emax)) · eff`` in float32, returned in
-    ``x``'s dtype. Gradients pass straight through inside the clamp (as for the integer grids)."""
+    ``x``'s dtype (saturated to its range: an MX block's power-of-two scale can put the top past float16's).
+    Gradients pass straight through inside the clamp (as for the integer grids)."""
     xv, sv = _blocked(x.to(torch.float32), eff.to(torch.float32), block_size)
     y = torch.clamp(xv / sv, -element.max, element.max)
     r = element.round(y.detach())
     if torch.is_grad_enabled() and y.requires_grad:
         r = y + (r - y).detach()
-    return (r * sv).reshape(x.shape).to(x.dtype)
+    return to_input_dtype((r * sv).reshape(x.shape), x.dtype)
 
 
 def dynamic_float_scales(x: torch.Tensor, element: FloatElement, scale_dtype: str, granularity: str,
