@@ -335,9 +335,11 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
     said = str(err).splitlines()[0] if str(err) else ""
     positions = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
                       if isinstance(getattr(config, k, None), int)), None)
-    if isinstance(ids, torch.Tensor) and ids.dim() >= 2 and positions is not None and ids.shape[-1] > positions:
+    learned = positions is not None and any(isinstance(m, torch.nn.Embedding) and m.num_embeddings == positions
+                                            for m in model.modules())  # (a table of positions: rotary ones run on)
+    if learned and isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[-1] > positions:
         return (f"{ids.shape[-1]} tokens per sample are past the model's {positions} positions: pass --seq-len "
-                f"{positions} or less")
+                f"{positions} or less for text, or save token samples of at most {positions}")
     if getattr(config, "is_encoder_decoder", False) and not any(k.startswith("decoder_") for k in batch.kwargs) \
             and "input_ids or inputs_embeds" in said:  # (T5's decoder found neither; BART makes its own)
         return (f"an encoder-decoder model ({type(model).__name__}) runs its decoder on decoder_input_ids, which the "

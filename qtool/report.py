@@ -254,27 +254,23 @@ def output_cosines(refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
     return torch.cat([_per_sample_cosine(r, o, b).cpu() for r, o, b in zip(refs, outs, batches)])
 
 
-def output_relative_errors(refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-                           batches: Sequence[Optional[Batch]]) -> torch.Tensor:
-    """The main outputs' relative errors ``|out - ref| / |ref|``, per sample over the flattened output (padded token
-    positions left out, as :func:`output_cosines` does): what a cosine cannot see, an output scaled or offset as a
-    whole. Where each sample's output is one number, one value over the column of every sample's number; NaN where
-    the reference is all zeros."""
-    def relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        ref = a.norm(dim=1)
-        err = (b - a).norm(dim=1)
-        nan = torch.full_like(ref, float("nan"))
-        return torch.where(ref > 0, err / ref.clamp_min(torch.finfo(ref.dtype).tiny), nan)
-
+def output_errors(refs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                  batches: Sequence[Optional[Batch]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(|out - ref|², |ref|²)`` per sample over the flattened main output (float64; padded token positions left
+    out, as :func:`output_cosines` does): the relative error they give sees what a cosine cannot, an output scaled
+    or offset as a whole. Where each sample's output is one number, one pair over the column of every sample's
+    number."""
     if refs and all(_one_number_each(r) for r in refs):
-        a = torch.cat([r.reshape(-1) for r in refs]).double().reshape(1, -1)
-        b = torch.cat([o.reshape(-1) for o in outs]).double().reshape(1, -1)
-        return relative(a, b).float()
-    rows = []
+        a = torch.cat([r.reshape(-1) for r in refs]).double()
+        b = torch.cat([o.reshape(-1) for o in outs]).double()
+        return ((b - a) ** 2).sum().reshape(1), (a ** 2).sum().reshape(1)
+    errors, norms = [], []
     for ref, out, batch in zip(refs, outs, batches):
         a, b = _masked(ref.double(), out.double(), batch)
-        rows.append(relative(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)).float().cpu())
-    return torch.cat(rows)
+        a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+        errors.append(((b - a) ** 2).sum(1).cpu())
+        norms.append((a ** 2).sum(1).cpu())
+    return torch.cat(errors), torch.cat(norms)
 
 
 NEEDS_CAUSAL_LM = "--max-ppl-increase needs a causal language model checkpoint"

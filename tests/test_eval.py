@@ -729,12 +729,30 @@ def test_windows_past_a_models_positions_are_one_line_naming_them(tmp_path):
     code, _, err = run_cli("quantize", tmp_path / "bert", "-c", "w8a8", "-o", tmp_path / "q", "--data",
                            tmp_path / "d8.safetensors", "-q")
     assert code == 0, err
-    said = "16 tokens per sample are past the model's 8 positions: pass --seq-len 8 or less"
+    said = ("16 tokens per sample are past the model's 8 positions: pass --seq-len 8 or less for text, or save token "
+            "samples of at most 8")
     code, _, err = run_cli("eval", tmp_path / "q", "--data", tmp_path / "d16.safetensors", "-q")
     assert code == 2 and error_lines(err) == [f"error: evaluation batch 0: the model rejected the data: {said}"], err
     code, _, err = run_cli("calibrate", tmp_path / "bert", "-c", "w8a8", "-o", tmp_path / "c", "--data",
                            tmp_path / "d16.safetensors", "-q")
     assert code == 2 and said in err and not (tmp_path / "c").exists(), err
+
+
+def test_the_relative_error_of_outputs_near_or_at_zero():
+    """Review: one sample whose reference output was all zeros made every figure NaN (and the scale check silent);
+    one near zero (an ambiguous two-class logit pair) made the mean of squared relative errors 1.25 where the
+    cosine's gap was 0.0024, a false fault where a runtime's allowance is a floor."""
+    from qtool.evaluation import _relative_error
+    from qtool.report import output_errors
+
+    refs = [torch.tensor([[2.0, -1.0]] * 15 + [[0.002, -0.001]])]
+    outs = [refs[0] + 0.01]
+    rel = _relative_error(*output_errors(refs, outs, [None]))
+    assert rel["pooled"] == pytest.approx(16 * 2e-4 / (15 * 5 + 5e-6), rel=1e-4)  # not dominated by the one sample
+    assert rel["max"] == pytest.approx(0.01 * 2 ** 0.5 / 5e-6 ** 0.5, rel=1e-3)  # (its own figure is still shown)
+    zeros = [torch.cat([refs[0][:15] * 3, torch.zeros(1, 2)])]
+    rel = _relative_error(*output_errors([torch.cat([refs[0][:15], torch.zeros(1, 2)])], zeros, [None]))
+    assert rel["mean"] == pytest.approx(2.0) and rel["max"] == pytest.approx(2.0) and rel["pooled"] == pytest.approx(4.0)
 
 
 def test_a_t5_that_transformers_cannot_reload_packed_is_a_runtime_limit_in_one_line(tmp_path):

@@ -196,8 +196,9 @@ def eval_(
     min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Gate (models that are not causal LMs): "
                                                "mean output cosine with float >= X."),
     max_export_gap: Optional[float] = typer.Option(None, "--max-export-gap", help="Gate: the artifact's mean KL from "
-                                                   "the fake-quant model <= X nats (1 - cosine for other models); "
-                                                   "replaces the default export-fault check."),
+                                                   "the fake-quant model <= X nats (for other models 1 - cosine, or "
+                                                   "half the pooled squared relative error where larger); replaces "
+                                                   "the default export-fault check."),
     device: str = _DEVICE,
     model_class: Optional[str] = _MODEL_CLASS,
     trust_pickle: bool = _TRUST_PICKLE,

@@ -28,7 +28,7 @@ from ..io.fs import sha256_file
 from ..model.apply import make_fake_quant
 from ..model.insert import QUANTIZERS_ATTR, quantized_modules, set_stored_weight
 from ..model.load import load_model
-from ..report import ONE_NUMBER_NOTE, _one_number_each, output_cosines, output_relative_errors
+from ..report import ONE_NUMBER_NOTE, _one_number_each, output_cosines, output_errors
 from .artifact import Artifact, changed_files, locate, places, quantization_config
 from .metrics import Distributions, agreement, divergence, perplexity, token_kl
 from .result import Evaluation, check_gate_use, check_gates, describe, enforce
@@ -66,16 +66,16 @@ class EvalOptions:
 
 
 def _allowance(runtime, quant: float) -> float:
-    """The export gap (the artifact's KL from the fake-quant model, or 1 - cosine) that the runtime's own arithmetic
-    explains: its ``gap_share`` of the quantization's own damage plus its ``gap_floor``. torch in float32 computes
-    what the fake-quant model computes (share 0); llama.cpp quantizes activations to 8 bits inside its quantized dot
-    products, and onnxruntime's kernels round quantized activations differently from torch's, which 30 layers carry
-    on. Measured on SmolLM2-135M (docs/accuracy.md, "Exported files in their runtimes"): healthy gaps 1e-8 (torch
-    float32), 0.003-0.009 (llama.cpp), 0.032 (onnxruntime W8A8 dynamic, beside the quantization's own 0.030), 0.027
-    (MXFP8 W8A8 in transformers, which runs MX in bfloat16: qtool's own fake-quant model cast to bfloat16 moves
-    0.0265 from its float32 self, activations rounding to a coarse grid from other inputs; weights only, 0.0013);
-    one tensor's block scales doubled in a Q8_0 file: 0.044, in a Q4_0 file 0.165 (beside a quantization KL of
-    0.344, which llama.cpp's former share of 0.5 let pass)."""
+    """The export gap (the artifact's KL from the fake-quant model, or :meth:`Evaluation.output_gap`) that the runtime's
+    own arithmetic explains: its ``gap_share`` of the quantization's own damage plus its ``gap_floor``. torch in float32
+    computes what the fake-quant model computes (share 0); llama.cpp quantizes activations to 8 bits inside its
+    quantized dot products, and onnxruntime's kernels round quantized activations differently from torch's, which 30
+    layers carry on. Measured on SmolLM2-135M (docs/accuracy.md, "Exported files in their runtimes"): healthy gaps 1e-8
+    (torch float32), 0.003-0.009 (llama.cpp), 0.032 (onnxruntime W8A8 dynamic, beside the quantization's own 0.030),
+    0.027 (MXFP8 W8A8 in transformers, which runs MX in bfloat16: qtool's own fake-quant model cast to bfloat16 moves
+    0.0265 from its float32 self, activations rounding to a coarse grid from other inputs; weights only, 0.0013); one
+    tensor's block scales doubled in a Q8_0 file: 0.044, in a Q4_0 file 0.165 (beside a quantization KL of 0.344, which
+    llama.cpp's former share of 0.5 let pass)."""
     return runtime.gap_share * quant + runtime.gap_floor
 
 
@@ -715,6 +715,17 @@ def _experts_as_linears(model, directory: Path) -> Dict[str, Any]:
     return dict(model.named_modules())
 
 
+def _relative_error(errors: torch.Tensor, norms: torch.Tensor) -> Dict[str, float]:
+    """Mean and max of the samples' ``|out - ref| / |ref|`` (samples whose reference output is all zeros have none),
+    and ``pooled``, ``Σ|out - ref|² / Σ|ref|²`` over every sample (one sample near zero cannot dominate it)."""
+    kept = norms > 0
+    rel = (errors[kept] / norms[kept]).sqrt()
+    total = float(norms.sum())
+    return {"mean": float(rel.mean()) if rel.numel() else float("nan"),
+            "max": float(rel.max()) if rel.numel() else float("nan"),
+            "pooled": float(errors.sum()) / total if total > 0 else float("nan")}
+
+
 def _float_outputs(model, batches) -> List[torch.Tensor]:
     """The float model's main output of each batch; data the model cannot take (a BERT's 128 positions under a
     window of 256) is one line naming the batch, before any artifact runs."""
@@ -761,8 +772,7 @@ def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc
                              f"another model?")
         c = output_cosines(a, b, batches).double()
         ev.cosine[name] = {"mean": float(c.mean()), "min": float(c.min())}
-        r = output_relative_errors(a, b, batches).double()
-        ev.relative_error[name] = {"mean": float(r.mean()), "max": float(r.max()), "squared": float((r * r).mean())}
+        ev.relative_error[name] = _relative_error(*output_errors(a, b, batches))
         if all(x.dim() == 2 and x.shape[-1] > 1 for x in a):
             same = torch.cat([x.argmax(-1) == y.argmax(-1) for x, y in zip(a, b)])
             ev.top1[name] = float(same.double().mean())
