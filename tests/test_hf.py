@@ -218,6 +218,22 @@ def test_an_index_that_maps_a_tensor_to_a_shard_without_it_is_named(tmp_path):
         "does" in err, err
 
 
+def test_a_directory_with_a_pickle_checkpoint_only_names_it(tmp_path):
+    """A pytorch_model.bin directory read "no *.safetensors weights in this directory", naming nothing it holds."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import error_lines, run_cli, tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m")
+    torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
+    (ckpt / "model.safetensors").unlink()
+    code, _, err = run_cli("calibrate", ckpt, "-c", "w8a16", "-o", tmp_path / "c", "-q", "--trust-pickle")
+    assert code == 2 and error_lines(err) == [
+        f"error: {ckpt}: no *.safetensors weights in this directory, only pytorch_model.bin (a pickle, which qtool "
+        "does not read from a model directory): save the model as safetensors (transformers: "
+        "model.save_pretrained(DIR), its default)"], err
+
+
 def test_a_config_without_architectures_whose_weights_hold_a_head_is_refused(tmp_path):
     """transformers' bare AutoModel (LlamaModel) dropped lm_head.weight without a word: the plan, the text windows
     and the export followed an encoder's rules (exit 0)."""

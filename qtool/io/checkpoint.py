@@ -168,6 +168,17 @@ def safetensors_index(files: List[Path]) -> Dict[str, Tuple[Tuple[int, ...], Pat
     return out
 
 
+def no_safetensors(path: Path) -> CheckpointError:
+    """The error for a model directory without safetensors weights, naming a pickle one where that is what it has
+    (a pytorch_model.bin checkpoint: qtool reads no pickle from a directory, --trust-pickle or not)."""
+    pickles = sorted(f.name for f in Path(path).glob("*.bin")) if Path(path).is_dir() else []
+    if pickles:
+        return CheckpointError(f"{path}: no *.safetensors weights in this directory, only {pickles[0]} (a pickle, "
+                               "which qtool does not read from a model directory): save the model as safetensors "
+                               "(transformers: model.save_pretrained(DIR), its default)")
+    return CheckpointError(f"{path}: no *.safetensors weights in this directory")
+
+
 def check_index_places(path: Path, headers: Dict[str, Tuple[Tuple[int, ...], Path]]) -> None:
     """Every tensor a directory's ``model.safetensors.index.json`` maps is in the shard it names (``headers``: the
     shards' own, from :func:`safetensors_index`): an index edited or left from another save made the tensor
@@ -339,7 +350,7 @@ class CheckpointTensors:
         if kind == "hf" or (kind == "state_dict" and self.path.suffix.lower() == ".safetensors"):
             files = tensor_files(self.path)
             if not files:
-                raise CheckpointError(f"{self.path}: no *.safetensors weights in this directory")
+                raise no_safetensors(self.path)
             check_files_there(self.path, files)
             self._files = {k: f for k, (_, f) in safetensors_index(files).items()}
             self.files = files

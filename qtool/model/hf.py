@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, UsageError
-from ..io.checkpoint import check_files_there, check_index_places, check_safetensors, safetensors_index, tensor_files
+from ..io.checkpoint import (check_files_there, check_index_places, check_safetensors, no_safetensors,
+                             safetensors_index, tensor_files)
 from ..io.jsonfile import read_json_object
 from .experts import linearize_experts
 
@@ -413,7 +414,7 @@ def load_hf(path: Path, trust_remote_code: bool):
     for f in tensor_files(path):
         check_safetensors(f)
     if not tensor_files(path):
-        raise CheckpointError(f"{path}: no *.safetensors weights in this directory")
+        raise no_safetensors(path)
     _checked_skeleton(path, trust_remote_code)  # config.json checked against the weights' headers before any is read
     config = _config(path, trust_remote_code)
     archs = getattr(config, "architectures", None) or []
