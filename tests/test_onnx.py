@@ -168,6 +168,21 @@ def test_conv_per_channel_and_blocked(tmp_path):
     assert dq["conv1.weight_dequantize"] == {"axis": 0}
 
 
+def test_float64_example_inputs_trace_a_graph_of_the_models_type(mlp_world, tmp_path):
+    """NumPy's float64 example data traced a graph whose input is float64 (a ViT, which casts its pixels, exported
+    one that onnxruntime refuses float32 images for; a plain MLP was refused at the trace)."""
+    code, _, err = run_cli("calibrate", mlp_world / "m.safetensors", "-c", "w8a8", "--data",
+                           mlp_world / "data.safetensors", "--model-class", "tests.tinymodels:mlp", "-o", tmp_path / "c")
+    assert code == 0, err
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((4, 64)))  # float64
+    code, _, err = run_cli("export", mlp_world / "m.safetensors", "-e", tmp_path / "c/encodings.json", "--data",
+                           tmp_path / "x.npy", "--model-class", "tests.tinymodels:mlp", "-o", tmp_path / "q",
+                           "--format", "onnx", "-q")
+    assert code == 0, err
+    session = ort.InferenceSession(str(tmp_path / "q/model.onnx"))
+    assert session.get_inputs()[0].type == "tensor(float)"
+
+
 def test_bitwidths_onnx_cannot_hold_are_refused(mlp_world, tmp_path):
     (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 6}\n  activations: null\n")
     code, _, err = run_cli("quantize", mlp_world / "m.safetensors", "-c", tmp_path / "r.yaml", "--model-class",

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+import torch
+
 from .. import __version__
 from ..calibration import CalibrateOptions
 from ..config import CHECKPOINT_KEYS
@@ -67,7 +69,10 @@ def _example_batch(eopts: ExportOptions):
         if eopts.data:
             data = load_data(eopts.data, batch_size=eopts.batch_size, num_samples=eopts.batch_size, seed=0,
                              seq_len=eopts.seq_len, tokenizer=loaded.tokenizer, at_most=True)  # (1 sample is enough)
-            return data.batches[0]
+            # float inputs in the model's own type: NumPy's float64 images traced a graph that takes float64 alone
+            own = next((p.dtype for p in loaded.model.parameters() if p.is_floating_point()), torch.float32)
+            b = data.batches[0]
+            return Batch(tuple(_as(a, own) for a in b.args), {k: _as(v, own) for k, v in b.kwargs.items()})
         from ..model.hf import UnreadableTokenizer
 
         if isinstance(loaded.tokenizer, UnreadableTokenizer):
@@ -80,6 +85,10 @@ def _example_batch(eopts: ExportOptions):
             return Batch(kwargs={k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc})
         raise UsageError("ONNX export traces the model: pass --data with a few example inputs")
     return make
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
 
 
 def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, str], enc: EncodingsFile,
