@@ -335,8 +335,10 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
     said = str(err).splitlines()[0] if str(err) else ""
     positions = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
                       if isinstance(getattr(config, k, None), int)), None)
-    learned = positions is not None and any(isinstance(m, torch.nn.Embedding) and m.num_embeddings == positions
-                                            for m in model.modules())  # (a table of positions: rotary ones run on)
+    # a table of positions (rotary ones run on past the config's count); OPT's and BART's hold 2 rows more
+    learned = positions is not None and any(
+        isinstance(m, torch.nn.Embedding) and positions <= m.num_embeddings <= positions + 2
+        and ("pos" in n.rsplit(".", 1)[-1] or n.endswith("wpe")) for n, m in model.named_modules())
     if learned and isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[-1] > positions:
         return (f"{ids.shape[-1]} tokens per sample are past the model's {positions} positions: pass --seq-len "
                 f"{positions} or less for text, or save token samples of at most {positions}")

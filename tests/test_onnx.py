@@ -172,7 +172,8 @@ def test_float64_example_inputs_trace_a_graph_of_the_models_type(mlp_world, tmp_
     """NumPy's float64 example data traced a graph whose input is float64 (a ViT, which casts its pixels, exported
     one that onnxruntime refuses float32 images for; a plain MLP was refused at the trace)."""
     code, _, err = run_cli("calibrate", mlp_world / "m.safetensors", "-c", "w8a8", "--data",
-                           mlp_world / "data.safetensors", "--model-class", "tests.tinymodels:mlp", "-o", tmp_path / "c")
+                           mlp_world / "data.safetensors", "--model-class", "tests.tinymodels:mlp", "-o",
+                           tmp_path / "c")
     assert code == 0, err
     np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((4, 64)))  # float64
     code, _, err = run_cli("export", mlp_world / "m.safetensors", "-e", tmp_path / "c/encodings.json", "--data",
@@ -181,6 +182,14 @@ def test_float64_example_inputs_trace_a_graph_of_the_models_type(mlp_world, tmp_
     assert code == 0, err
     session = ort.InferenceSession(str(tmp_path / "q/model.onnx"))
     assert session.get_inputs()[0].type == "tensor(float)"
+    # and eval's runtime feeds it float64 data (review: a ViT, which casts its pixels, calibrated and exported on
+    # float64 images; onnxruntime then refused eval's double feed, internal error, exit 3)
+    from qtool.data import Batch
+    from qtool.evaluation.runtimes import OnnxRuntime
+
+    x = torch.from_numpy(np.load(tmp_path / "x.npy"))
+    runtime = OnnxRuntime(tmp_path / "q/model.onnx", "off")
+    assert torch.equal(runtime.outputs(Batch((x,))), runtime.outputs(Batch((x.float(),))))
 
 
 def test_bitwidths_onnx_cannot_hold_are_refused(mlp_world, tmp_path):

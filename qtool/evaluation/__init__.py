@@ -717,13 +717,13 @@ def _experts_as_linears(model, directory: Path) -> Dict[str, Any]:
 
 def _relative_error(errors: torch.Tensor, norms: torch.Tensor) -> Dict[str, float]:
     """Mean and max of the samples' ``|out - ref| / |ref|`` (samples whose reference output is all zeros have none),
-    and ``pooled``, ``Σ|out - ref|² / Σ|ref|²`` over every sample (one sample near zero cannot dominate it)."""
+    and ``pooled``, ``sqrt(Σ|out - ref|² / Σ|ref|²)`` over every sample (one sample near zero cannot dominate it)."""
     kept = norms > 0
     rel = (errors[kept] / norms[kept]).sqrt()
     total = float(norms.sum())
     return {"mean": float(rel.mean()) if rel.numel() else float("nan"),
             "max": float(rel.max()) if rel.numel() else float("nan"),
-            "pooled": float(errors.sum()) / total if total > 0 else float("nan")}
+            "pooled": (float(errors.sum()) / total) ** 0.5 if total > 0 else float("nan")}
 
 
 def _float_outputs(model, batches) -> List[torch.Tensor]:
@@ -785,7 +785,7 @@ def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc
         allowed = _allowance(runtime, quant)
         if gap > allowed:
             ev.export_fault = (f"the artifact's outputs differ from qtool's fake-quant model's (cosine "
-                               f"{ev.cosine['export_gap']['mean']:.5f}, relative error "
-                               f"{ev.relative_error['export_gap']['mean']:.3g}) beyond what {runtime.name}'s own "
+                               f"{ev.cosine['export_gap']['mean']:.5f}, pooled relative error "
+                               f"{ev.relative_error['export_gap']['pooled']:.3g}) beyond what {runtime.name}'s own "
                                f"arithmetic explains (gap {gap:.3g} > {allowed:.3g})")
     return ev

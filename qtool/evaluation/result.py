@@ -25,7 +25,7 @@ class Evaluation:
     export_gap: Optional[Agreement] = None  # the artifact against the fake-quant model
     generations: Dict[str, Divergence] = field(default_factory=dict)
     cosine: Dict[str, Dict[str, float]] = field(default_factory=dict)  # not causal LMs: mean / min per pair
-    # not causal LMs: |out - ref| / |ref| per sample, mean / max, and pooled Σ|out - ref|² / Σ|ref|², per pair
+    # not causal LMs: |out - ref| / |ref| per sample, mean / max, and pooled sqrt(Σ|out - ref|² / Σ|ref|²), per pair
     relative_error: Dict[str, Dict[str, float]] = field(default_factory=dict)
     top1: Dict[str, float] = field(default_factory=dict)  # classifiers
     export_fault: Optional[str] = None
@@ -43,7 +43,7 @@ class Evaluation:
         pooled squared relative error where that is larger (outputs that differ by a scale or an offset as a whole,
         which the cosine cannot see; for small errors of no common direction the two agree)."""
         pooled = self.relative_error[pair]["pooled"]
-        return max(1.0 - self.cosine[pair]["mean"], 0.5 * pooled if pooled == pooled else 0.0)
+        return max(1.0 - self.cosine[pair]["mean"], 0.5 * pooled * pooled if pooled == pooled else 0.0)
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {
@@ -61,9 +61,7 @@ class Evaluation:
                                   for k in ("fake_quant", "artifact")} if self.generations else {}
         else:
             out["cosine"] = {k: self.cosine.get(k) for k in ("fake_quant", "artifact", "export_gap")}
-            out["relative_error"] = {k: {m: v for m, v in self.relative_error[k].items() if m != "pooled"}
-                                     if k in self.relative_error else None
-                                     for k in ("fake_quant", "artifact", "export_gap")}
+            out["relative_error"] = {k: self.relative_error.get(k) for k in ("fake_quant", "artifact", "export_gap")}
             if self.top1:
                 out["top1_agreement"] = {k: self.top1.get(k) for k in ("fake_quant", "artifact", "export_gap")}
         out["export_fault"] = self.export_fault

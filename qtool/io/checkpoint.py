@@ -171,29 +171,37 @@ def safetensors_index(files: List[Path]) -> Dict[str, Tuple[Tuple[int, ...], Pat
 def no_safetensors(path: Path) -> CheckpointError:
     """The error for a model directory without safetensors weights, naming a pickle one where that is what it has
     (a pytorch_model.bin checkpoint: qtool reads no pickle from a directory, --trust-pickle or not)."""
-    pickles = sorted(f.name for f in Path(path).glob("*.bin")) if Path(path).is_dir() else []
-    if pickles:
-        return CheckpointError(f"{path}: no *.safetensors weights in this directory, only {pickles[0]} (a pickle, "
+    pickles = sorted(f.name for f in Path(path).glob("pytorch_model*.bin")) if Path(path).is_dir() else []
+    if pickles:  # (an optimizer's or training arguments' .bin holds no weights)
+        which = pickles[0] if len(pickles) == 1 else f"{len(pickles)} pytorch_model*.bin shards"
+        return CheckpointError(f"{path}: no *.safetensors weights in this directory, only {which} (a pickle, "
                                "which qtool does not read from a model directory): save the model as safetensors "
                                "(transformers: model.save_pretrained(DIR), its default)")
     return CheckpointError(f"{path}: no *.safetensors weights in this directory")
 
 
 def check_index_places(path: Path, headers: Dict[str, Tuple[Tuple[int, ...], Path]]) -> None:
-    """Every tensor a directory's ``model.safetensors.index.json`` maps is in the shard it names (``headers``: the
-    shards' own, from :func:`safetensors_index`): an index edited or left from another save made the tensor
-    "missing", and the config was blamed."""
+    """Every tensor a directory's ``model.safetensors.index.json`` maps to a shard that does not hold it, while
+    another file of the directory does, is refused naming both (``headers``: the indexed shards' own, from
+    :func:`safetensors_index`): an index edited or left from another save made the tensor "missing", and the config
+    was blamed. An entry no file holds is left to the model's own check (transformers ignores a stale buffer's)."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if not path.is_dir() or (path / "model.safetensors").is_file() or not index.is_file():
         return  # (tensor_files reads model.safetensors alone where there is one)
     weight_map = read_json_object(index, CheckpointError, "safetensors index", strict=True).get("weight_map") or {}
-    for name, file in weight_map.items():
-        found = headers.get(name)
-        if found is None or found[1].name != file:
-            where = f": {found[1].name} does" if found is not None else ", and no shard it names does"
-            raise CheckpointError(f"{index}: maps {name} to {file}, which does not hold it{where} (an index edited, "
-                                  "or left from another save)")
+    misplaced = {name: file for name, file in weight_map.items()
+                 if name not in headers or headers[name][1].name != file}
+    if not misplaced:
+        return
+    named = {f.name for _, f in headers.values()}
+    others = [f for f in sorted(path.glob("*.safetensors")) if f.name not in named]
+    for name, file in misplaced.items():
+        found = headers[name][1].name if name in headers else next(
+            (f.name for f in others if name in safetensors_index([f])), None)
+        if found is not None:
+            raise CheckpointError(f"{index}: maps {name} to {file}, which does not hold it: {found} does (an index "
+                                  "edited, or left from another save)")
 
 
 _MAX_HEADER = 100_000_000  # the safetensors reader's own limit

@@ -314,7 +314,7 @@ def to_input_dtype(result: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     hold past 65504 (it became inf)."""
     if result.dtype == dtype:
         return result
-    if dtype.is_floating_point and torch.finfo(dtype).max < 1e38:  # (bfloat16 has float32's range: no pass spent)
+    if dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(result.dtype).max:
         info = torch.finfo(dtype)
         result = result.clamp(info.min, info.max)
     return result.to(dtype)
