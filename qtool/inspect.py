@@ -39,8 +39,9 @@ def _numel(shape) -> int:
     return out
 
 
-def _row(name, dtype, bitwidth, granularity, shape, nbytes, quantized):
-    return {"name": name, "dtype": dtype, "bitwidth": bitwidth, "granularity": granularity, "shape": list(shape),
+def _row(name, dtype, bitwidth, granularity, shape, nbytes, quantized, block_size=None):
+    return {"name": name, "dtype": dtype, "bitwidth": bitwidth, "granularity": granularity,
+            "block_size": [int(b) for b in block_size] if block_size else None, "shape": list(shape),
             "bytes": nbytes, "quantized": quantized}
 
 
@@ -73,7 +74,7 @@ def _qtool_safetensors(path: Path, headers: List[Dict[str, Any]]) -> Dict[str, A
             dtype = ("packed " if m.get("packed") else "") + kind
             shape = m.get("shape", v["shape"])
             _check_codes_fit(path, name, shape, m["bitwidth"], v)
-            rows.append(_row(name, dtype, m["bitwidth"], m["granularity"], shape, nbytes, True))
+            rows.append(_row(name, dtype, m["bitwidth"], m["granularity"], shape, nbytes, True, m.get("block_size")))
         else:
             shape = v["shape"]
             rows.append(_row(name, v["dtype"], None, None, shape, size[name], False))
@@ -197,7 +198,10 @@ def _compressed_tensors_dir(path: Path, config: Dict[str, Any]) -> Dict[str, Any
         if not shape:  # (pack-quantized int codes: 32 // bits a column of int32, the true width in weight_shape)
             raise UsageError(f"{path}: '{layer}' has no weight_shape beside its packed codes: the weight's shape "
                              "is not in the file")
-        rows.append(_row(f"{layer}.weight", dtype, bits, a.get("strategy"), shape, sum(size[p] for p in parts), True))
+        group = a.get("group_size")
+        block = a.get("block_structure") or ([1, group] if isinstance(group, int) and group > 0 else None)
+        rows.append(_row(f"{layer}.weight", dtype, bits, a.get("strategy"), shape, sum(size[p] for p in parts), True,
+                         block))
         numels.append(_numel(shape))
     for k, v in headers.items():
         if k not in used:
@@ -219,7 +223,7 @@ def _encodings_listing(path: Path, obj: Dict[str, Any]) -> Dict[str, Any]:
                 dtype = f"GGUF {e.scale_dtype.upper()}"
             gran = str(e.granularity) + (f", {e.scale_dtype} scales" if e.is_float and e.scale_dtype != "float32"
                                          else "") + (", dynamic" if e.dynamic else "")
-            rows.append(_row(e.name, dtype, e.bitwidth, gran, list(e.shape), None, True))
+            rows.append(_row(e.name, dtype, e.bitwidth, gran, list(e.shape), None, True, e.block_size))
         kind = "qtool encodings"
     else:
         version = str(obj.get("version"))

@@ -133,6 +133,7 @@ def test_inspect_reports_sizes(world, tmp_path):
     rep = json.loads(out)
     rows = {r["name"]: r for r in rep["tensors"]}
     assert rows["0.weight"]["bitwidth"] == 4 and rows["0.weight"]["granularity"] == "per_block"
+    assert rows["0.weight"]["block_size"] == [1, 32] and rows["0.bias"]["block_size"] is None  # (it was never shown)
     assert rows["0.weight"]["bytes"] == 128 * 64 // 2 + 128 * 2 * 4 + 128 * 2 * 4  # codes + scale + offset
     assert rows["0.bias"]["quantized"] is False
     tot = rep["totals"]
@@ -142,7 +143,7 @@ def test_inspect_reports_sizes(world, tmp_path):
     assert tot["ratio_vs_float32"] == pytest.approx(4 * numel / tot["bytes"])
     # the human table too
     code, out, err = run_cli("inspect", tmp_path / "p")
-    assert code == 0 and "0.weight" in out and "smaller" in out
+    assert code == 0 and "0.weight" in out and "smaller" in out and "per_block [1, 32]" in out
     for path, kind in ((enc, "qtool encodings"), (tmp_path / "p/model.encodings", "AIMET encodings 1.0.0")):
         code, out, err = run_cli("inspect", path, "--json")
         assert code == 0 and json.loads(out)["kind"] == kind
@@ -249,6 +250,8 @@ def test_compressed_tensors_through_the_cli_loads_in_transformers(tiny_llama, tm
     code, out, err = run_cli("quantize", tiny_llama / "m", "-c", CONFIGS / "w4a16-block32.yaml", "-o",
                              tmp_path / "ct0", "--format", "compressed-tensors", "--json")
     assert code == 0, err
+    listed = json.loads(run_cli("inspect", tmp_path / "ct0", "--json")[1])
+    assert {r["block_size"] and tuple(r["block_size"]) for r in listed["tensors"] if r["quantized"]} == {(1, 32)}
     # compressed-tensors has no quantized embeddings: the recipe's int8 embedding table is reported, left in float
     assert any("model.embed_tokens" in w for w in json.loads(out)["export_warnings"])
     assert "model.embed_tokens" in err

@@ -62,8 +62,9 @@ def inspect(
     for col in ("tensor", "dtype", "bits", "granularity", "shape", "bytes"):
         t.add_column(col, overflow="fold", justify="right" if col in ("bits", "bytes") else "left")
     for r in report["tensors"]:
-        t.add_row(_esc(r["name"]), _esc(r["dtype"]), str(r["bitwidth"] or ""), _esc(r["granularity"] or ""),
-                  str(r["shape"]), f"{r['bytes']:,}" if r["bytes"] is not None else "")
+        granularity = (r["granularity"] or "") + (f" {r['block_size']}" if r.get("block_size") else "")
+        t.add_row(_esc(r["name"]), _esc(r["dtype"]), str(r["bitwidth"] or ""), _esc(granularity), str(r["shape"]),
+                  f"{r['bytes']:,}" if r["bytes"] is not None else "")
     con = _console()
     con.print(t)
     tot = report["totals"]
