@@ -308,7 +308,8 @@ def _onnx_file(path: Path) -> Dict[str, Any]:
         raise UsageError(f"{path}: not a readable ONNX model ({type(e).__name__})") from None
     if not model.ir_version or not model.graph.node:  # (protobuf reads most bytes as some message)
         raise UsageError(f"{path}: not a readable ONNX model (no graph)")
-    dequantized = {n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input}
+    dequantized = {n.input[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input}
+    scales = {t.name: [int(d) for d in t.dims] for t in model.graph.initializer}
     rows, numels = [], []
     for t in model.graph.initializer:
         kind = onnx.TensorProto.DataType.Name(t.data_type)
@@ -318,10 +319,28 @@ def _onnx_file(path: Path) -> Dict[str, Any]:
         nbytes = (int(external["length"]) if "length" in external else len(t.raw_data) if t.raw_data
                   else (_numel(shape) * bits + 7) // 8 if bits else 0)
         quantized = t.name in dequantized and kind.startswith(("INT", "UINT", "FLOAT8"))
-        rows.append(_row(t.name, kind.lower(), bits, None, shape, nbytes, quantized))
+        granularity, block = _dequantized_layout(dequantized[t.name], scales, len(shape)) if quantized else (None, None)
+        rows.append(_row(t.name, kind.lower(), bits, granularity, shape, nbytes, quantized, block))
         numels.append(_numel(shape))
     return {"kind": f"ONNX (opset {max((o.version for o in model.opset_import), default=0)})", "path": str(path),
             "tensors": rows, "totals": _totals(rows, numels)}
+
+
+def _dequantized_layout(node, scales: Dict[str, List[int]], rank: int):
+    """``(granularity, block_size)`` of the codes a DequantizeLinear ``node`` reads, from its ``block_size`` and
+    ``axis`` and its scale initializer's shape (``scales``): one scale is per_tensor, a vector per_channel."""
+    import onnx
+
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    block, axis = int(attrs.get("block_size", 0) or 0), int(attrs.get("axis", 1))
+    if block > 0 and rank:
+        sizes = [1] * rank
+        sizes[axis % rank] = block
+        return "per_block", sizes
+    scale = scales.get(node.input[1]) if len(node.input) > 1 else None
+    if scale is None:
+        return None, None
+    return ("per_tensor" if _numel(scale) == 1 else "per_channel"), None
 
 
 def inspect_path(path: str | Path) -> Dict[str, Any]:

@@ -58,6 +58,11 @@ def test_mlp_onnx_matches_fake_quant(mlp_world, tmp_path, recipe):
     # integer weights are stored as initializers under the parameter names; no float copy is left
     assert onnx.helper.tensor_dtype_to_np_dtype(inits["0.weight"].data_type).name == wdtype
     assert all(i.data_type != onnx.TensorProto.FLOAT or "scale" in i.name or "bias" in i.name for i in inits.values())
+    # inspect reads each weight's layout off its DequantizeLinear (its rows had no granularity)
+    listed = {r["name"]: r for r in json.loads(run_cli("inspect", tmp_path / "q/model.onnx", "--json")[1])["tensors"]}
+    want = {"per_tensor_w8a8": ("per_tensor", None), "block32_w4a8": ("per_block", [1, 32])}.get(
+        recipe, ("per_channel", None))
+    assert (listed["0.weight"]["granularity"], listed["0.weight"]["block_size"]) == want, listed["0.weight"]
     model = qtool.load_calibrated(str(mlp_world / "m.safetensors"),
                                   str(tmp_path / "q" / "calibration" / "encodings.json"),
                                   model_class="tests.tinymodels:mlp")
