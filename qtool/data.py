@@ -7,6 +7,7 @@ inputs (``input_ids``, ``attention_mask``, ...). Text goes through the checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,6 +305,18 @@ def model_rejected(err: BaseException) -> bool:
 
 
 _PACKAGE = Path(__file__).resolve().parent
+
+
+@contextlib.contextmanager
+def model_takes(model, batch: "Batch", where: str) -> Iterator[None]:
+    """Around a run of ``model`` on ``batch``: data it rejects (:func:`model_rejected`) is one ``DataError``,
+    "``where``: the model rejected the data: " and :func:`rejection`'s reason; any other error stands."""
+    try:
+        yield
+    except Exception as e:
+        if not model_rejected(e):
+            raise
+        raise DataError(f"{where}: the model rejected the data: {rejection(model, batch, e)}") from None
 
 
 def rejection(model, batch: "Batch", err: BaseException) -> str:

@@ -24,8 +24,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from .data import Batch, model_rejected, rejection
-from .errors import DataError, GateFailed, UsageError
+from .data import Batch, model_takes
+from .errors import GateFailed, UsageError
 from .io.fs import atomic_file
 from .model.experts import routing_of
 from .model.insert import (QUANTIZERS_ATTR, CACHE_KWARGS, has_stored_weight, quantized_modules, set_quantization,
@@ -302,13 +302,8 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, c
     start, stop = shard_bounds(len(batches), group.rank, group.world_size)
     records = []
     for bi in range(start, stop):
-        try:
+        with model_takes(model, batches[bi], f"evaluation batch {bi}"):
             records.append(_measure_batch(model, modules, chosen, batches[bi], device, causal_lm))
-        except Exception as e:
-            if not model_rejected(e):
-                raise
-            raise DataError(f"evaluation batch {bi}: the model rejected the data: "
-                            f"{rejection(model, batches[bi], e)}") from None
         if progress:
             progress(bi - start + 1, stop - start, batches[bi].size)
     set_quantization(model, True)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..config import Plan
-from ..data import Batch, CalibrationData, model_rejected, rejection
+from ..data import Batch, CalibrationData, model_takes
 from ..errors import DataError, UsageError
 from ..model.insert import set_quantization
 from ..parallel import Group
@@ -75,17 +75,11 @@ def calibrate(
     def run(feed: Optional[Callable[[Batch], None]] = None):
         for i, batch in enumerate(local):
             b = batch.to(device) if feed is None else batch
-            with model_matmuls(precision):
-                try:
-                    if feed is None:
-                        model(*b.args, **b.kwargs)
-                    else:
-                        feed(batch)
-                except Exception as e:
-                    if not model_rejected(e):
-                        raise
-                    raise DataError(f"calibration batch {local.first + i + 1}: the model rejected the data: "
-                                    f"{rejection(model, b, e)}") from None
+            with model_matmuls(precision), model_takes(model, b, f"calibration batch {local.first + i + 1}"):
+                if feed is None:
+                    model(*b.args, **b.kwargs)
+                else:
+                    feed(batch)
             if progress:
                 progress(i + 1, len(local), b.size)
 

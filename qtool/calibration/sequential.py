@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from ..config import Plan
-from ..data import CalibrationData, model_rejected, rejection
+from ..data import CalibrationData, model_takes
 from ..encodings import EncodingEntry
-from ..errors import CheckpointError, DataError, UsageError
+from ..errors import CheckpointError, UsageError
 from ..io.checkpoint import CheckpointTensors
 from ..model.checkpoint_map import CheckpointMap
 from ..model.expert_view import ExpertSlices, open_checkpoint
@@ -293,15 +293,12 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         try:
             for batch in data:
                 b = batch.to(device)
-                try:
-                    model(*b.args, **{**b.kwargs, "use_cache": False})
-                except _Stop:
-                    pass
-                except Exception as e:
-                    if not model_rejected(e):
-                        raise
-                    raise DataError(f"calibration batch {data.first + len(captured) + 1}: the model rejected the data: "
-                                    f"{rejection(model, b, e)}") from None
+                # (the recorder stops the pass once the first block's inputs are captured)
+                with model_takes(model, b, f"calibration batch {data.first + len(captured) + 1}"):
+                    try:
+                        model(*b.args, **{**b.kwargs, "use_cache": False})
+                    except _Stop:
+                        pass
         finally:
             for block in blocks:
                 del block.forward

@@ -729,17 +729,13 @@ def _relative_error(errors: torch.Tensor, norms: torch.Tensor) -> Dict[str, floa
 def _float_outputs(model, batches) -> List[torch.Tensor]:
     """The float model's main output of each batch; data the model cannot take (a BERT's 128 positions under a
     window of 256) is one line naming the batch, before any artifact runs."""
-    from ..data import model_rejected, rejection
+    from ..data import model_takes
 
     runtime = TorchRuntime(model, "torch")
     out = []
     for i, b in enumerate(batches):
-        try:
+        with model_takes(model, b, f"evaluation batch {i}"):
             out.append(runtime.outputs(b))
-        except Exception as e:
-            if not model_rejected(e):
-                raise
-            raise DataError(f"evaluation batch {i}: the model rejected the data: {rejection(model, b, e)}") from None
     return out
 
 
