@@ -83,6 +83,9 @@ class TorchRuntime(_WholeLogits):
         self.model = None
 
 
+_ORT_FLOATS = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(double)": torch.float64}
+
+
 class OnnxRuntime(_WholeLogits):
     """An ONNX graph in onnxruntime on the CPU, with the graph optimizations users run it with (``all``, its
     default) unless told otherwise. ``activations``: the graph quantizes activations. Its kernels round them
@@ -111,7 +114,9 @@ class OnnxRuntime(_WholeLogits):
                                  "nodes: run it with --onnx-optimization basic (or off)") from None
             raise UsageError(f"{path}: onnxruntime cannot load it ({text[:300]})") from None
         self.inputs = [i.name for i in self.session.get_inputs()]
-        self._input_types = {i.name: i.type for i in self.session.get_inputs()}
+        # the float type each input takes (the export traces float inputs in the model's type, so float64 data
+        # that calibrated a model of float32 runs it as float32)
+        self._float_inputs = {i.name: _ORT_FLOATS[i.type] for i in self.session.get_inputs() if i.type in _ORT_FLOATS}
         self.name = f"onnxruntime {ort.__version__} (optimizations: {optimization})"
 
     def _run(self, feed: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -119,15 +124,9 @@ class OnnxRuntime(_WholeLogits):
         if missing:
             raise UsageError(f"the ONNX graph needs inputs {missing} that the evaluation data does not give "
                              f"(it gives {sorted(feed)})")
-        out = self.session.run(None, {n: self._as_input(n, feed[n]) for n in self.inputs})
+        out = self.session.run(None, {n: (feed[n].to(self._float_inputs[n]) if n in self._float_inputs and
+                                          feed[n].is_floating_point() else feed[n]).numpy() for n in self.inputs})
         return torch.from_numpy(out[0]).float()
-
-    def _as_input(self, name: str, value: torch.Tensor):
-        """``value`` for graph input ``name``: floats in the type the graph takes (the export traces float inputs in
-        the model's type, so float64 data that calibrated a model of float32 runs it as float32)."""
-        types = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(double)": torch.float64}
-        want = types.get(self._input_types.get(name, ""))
-        return (value.to(want) if want is not None and value.is_floating_point() else value).numpy()
 
     def logits(self, ids: Sequence[int]) -> torch.Tensor:
         x = torch.tensor([list(ids)], dtype=torch.long)

@@ -195,10 +195,11 @@ def check_index_places(path: Path, headers: Dict[str, Tuple[Tuple[int, ...], Pat
     if not misplaced:
         return
     named = {f.name for _, f in headers.values()}
-    others = [f for f in sorted(path.glob("*.safetensors")) if f.name not in named]
+    # (each other file's header read once: a shard the index names for nothing may hold what it misplaced)
+    others = {f.name: set(safetensors_index([f])) for f in sorted(path.glob("*.safetensors")) if f.name not in named}
     for name, file in misplaced.items():
         found = headers[name][1].name if name in headers else next(
-            (f.name for f in others if name in safetensors_index([f])), None)
+            (other for other, held in others.items() if name in held), None)
         if found is not None:
             raise CheckpointError(f"{index}: maps {name} to {file}, which does not hold it: {found} does (an index "
                                   "edited, or left from another save)")
