@@ -138,13 +138,17 @@ def shared_names(enc: EncodingsFile, version: str,
     quantizers (first the one written): an AIMET file holds one encoding per tensor name, and a tensor several
     modules read (a BERT's LayerNorm output, the input of its query, key and value) can have one per reader."""
     names = names or {}
-    by_name: Dict[str, List[Tuple[str, Any]]] = {}
+    by_name: Dict[str, List[EncodingEntry]] = {}
     for e in enc.entries:
         name = names.get(e.name, e.name)
         for n in name if isinstance(name, list) else [name]:
-            by_name.setdefault(n, []).append((e.name, entry_to_aimet(e, version)))
-    return [(n, [q for q, _ in found]) for n, found in by_name.items()
-            if any(item != found[0][1] for _, item in found[1:])]
+            by_name.setdefault(n, []).append(e)
+    shared = []
+    for n, found in by_name.items():  # (only a name several quantizers share is converted to compare)
+        items = [entry_to_aimet(e, version) for e in found] if len(found) > 1 else []
+        if any(item != items[0] for item in items[1:]):
+            shared.append((n, [e.name for e in found]))
+    return shared
 
 
 # --------------------------------------------------------------------------------------------------------------
