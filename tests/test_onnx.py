@@ -201,7 +201,15 @@ def test_bitwidths_onnx_cannot_hold_are_refused(mlp_world, tmp_path):
     (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 6}\n  activations: null\n")
     code, _, err = run_cli("quantize", mlp_world / "m.safetensors", "-c", tmp_path / "r.yaml", "--model-class",
                            "tests.tinymodels:mlp", "-o", tmp_path / "q", "--format", "onnx", "--quiet")
-    assert code == 2 and "ONNX QuantizeLinear has no 6-bit type" in err
+    assert code == 2 and "ONNX QuantizeLinear has no 6-bit type" in err and "gguf" not in err
+    assert not (tmp_path / "q").exists()
+
+
+def test_onnx_refusal_of_a_llama_cpp_grid_names_gguf(mlp_world, tmp_path):
+    # a recipe of GGUF's grids (gguf-q5_0: 5-bit blocks of 32) can be written as GGUF, and the refusal says so
+    code, _, err = run_cli("quantize", mlp_world / "m.safetensors", "-c", "gguf-q5_0", "--model-class",
+                           "tests.tinymodels:mlp", "-o", tmp_path / "q", "--format", "onnx", "--quiet")
+    assert code == 2 and "no 5-bit type" in err and "--format qtool, gguf or aimet" in err, err
     assert not (tmp_path / "q").exists()
 
 

@@ -169,8 +169,9 @@ def _check_initializers(proto) -> None:
 def _check_onnx_bits(q) -> None:
     """ONNX's integer QuantizeLinear types: 4, 8 and 16 bits."""
     if q.spec.bitwidth not in (4, 8, 16):
+        gguf = q.tensor == "weight" and q.spec.gguf_block_type is not None  # (a llama.cpp grid: Q5_0, Q6_K, ...)
         raise UsageError(f"{q.name}: ONNX QuantizeLinear has no {q.spec.bitwidth}-bit type (4, 8 and 16 bits only); "
-                         "export this recipe with --format qtool or aimet")
+                         f"export this recipe with --format qtool{', gguf' if gguf else ''} or aimet")
 
 
 class OnnxExporter(Exporter):
