@@ -245,7 +245,8 @@ def test_refusals_name_what_the_model_has():
     cfg = transformers.Olmo2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=2)
     olmo = transformers.Olmo2ForCausalLM(cfg)
-    with pytest.raises(ConfigError, match="model.layers.0.input_layernorm does not exist; qtool rotates pre-norm"):
+    with pytest.raises(ConfigError, match="model.layers.0.input_layernorm does not exist; r1 folds the norms of "
+                       "pre-norm Llama-family layers"):
         resolve_plan(parse_recipe("version: 1\nrotate: {rotations: [r1]}\n"), olmo)
     cfg = transformers.Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                                       shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
@@ -767,3 +768,27 @@ def test_a_rotation_of_a_layer_without_the_mlp_it_needs_says_the_module_does_not
     lines = [line for line in err.splitlines() if line.startswith("error")]
     assert code == 2 and len(lines) == 1, err
     assert "model.layers.0.mlp.gate_proj does not exist; qtool rotates" in lines[0], err
+
+
+@pytest.mark.parametrize("family", ["gemma3", "olmo2"])
+@pytest.mark.parametrize("rotations", [["r2"], ["r4"], ["r2", "r4"]])
+def test_rotations_that_fold_no_norm_run_on_families_whose_norms_r1_cannot_fold(family, rotations):
+    """Gemma 3's ``1 + w`` norms and OLMo-2's post-norms stop r1 alone: r2 and r4 rotate between two Linears (an
+    r4-only Gemma 3 recipe was refused as "not an RMSNorm qtool can fold")."""
+    torch.manual_seed(0)
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    if family == "gemma3":
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **kw, num_key_value_heads=1, head_dim=16, sliding_window=8)).eval()
+    else:
+        model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**kw, num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+    plan = resolve_plan(parse_recipe(f"version: 1\nrotate: {{rotations: {rotations}}}\n"), model)
+    changed = rotate(model, plan.rotation)
+    with torch.no_grad():
+        after = model(ids).logits
+    assert changed and (after - before).abs().max() <= 1e-5 * before.abs().max()
+    with pytest.raises(ConfigError, match="r2, r3 and r4 alone fold none"):
+        resolve_plan(parse_recipe("version: 1\nrotate: {rotations: [r1, r4]}\n"), model)

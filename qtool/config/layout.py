@@ -86,14 +86,15 @@ def _rotation_plan(spec: RotateSpec, model: "nn.Module", source: str) -> Rotatio
                 what = "does not exist" if found is None else f"is a {type(found).__name__}, not a Linear layer"
                 raise ConfigError(f"{where}: {layer}.{part} {what}; qtool rotates Llama-family decoder layers "
                                   "(Llama, Mistral, Qwen2, Qwen3 and their mixture-of-experts variants)")
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            found = modules.get(f"{layer}.{norm}")
+        for norm in ("input_layernorm", "post_attention_layernorm") if "r1" in spec.rotations else ():
+            found = modules.get(f"{layer}.{norm}")  # (only r1 folds norms; r2-r4 rotate between two Linears)
             if found is None:  # (OLMo-2 normalizes after attention and the MLP, not before)
-                raise ConfigError(f"{where}: {layer}.{norm} does not exist; qtool rotates pre-norm Llama-family "
-                                  "layers (an RMSNorm before attention and one before the MLP)")
+                raise ConfigError(f"{where}: {layer}.{norm} does not exist; r1 folds the norms of pre-norm "
+                                  "Llama-family layers (an RMSNorm before attention and one before the MLP); r2, r3 "
+                                  "and r4 alone fold none")
             if type(found).__name__ not in rms_norms:
-                raise ConfigError(f"{where}: {layer}.{norm} is a {type(found).__name__}, not an RMSNorm qtool can "
-                                  f"fold ({', '.join(rms_norms)})")
+                raise ConfigError(f"{where}: {layer}.{norm} is a {type(found).__name__}, not an RMSNorm r1 can "
+                                  f"fold ({', '.join(rms_norms)}); r2, r3 and r4 alone fold none")
         known = set(known)
         extra = sorted(n for n, m in modules.items() if n.startswith(layer + ".") and isinstance(m, nn.Linear)
                        and n[len(layer) + 1:] not in known)
