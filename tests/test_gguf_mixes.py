@@ -176,7 +176,14 @@ def test_a_job_writing_another_format_leaves_the_gguf_grid_warning_out(models, t
         code, out, err = run_cli("quantize", models["wide"], "-c", recipe, "-o", tmp_path / fmt, "--format", fmt,
                                  "--json", "--gguf-fallback", "f16")
         assert code == 0, err
-        assert any("no GGUF type" in w for w in json.loads(out)["warnings"]) == warned, err
+        summary = json.loads(out)
+        assert any("no GGUF type" in w for w in summary["warnings"] + summary["export_warnings"]) == warned, err
+        # the fallback's weights are stored as floats: the plan line counts them apart, the coverage leaves them
+        # out, and the recipe warning's "export --format gguf refuses them" is not said of a run that writes them
+        assert ("2 x weight stored as floats by --format gguf (model.layers.0.mlp.up_proj.weight ...)" in err) == warned
+        assert ("export --format gguf refuses them" in err) is False, err
+        share = json.loads(out)["weights_quantized"]["share"]
+        assert (share < 0.95) == warned, share
 
 
 @pytest.mark.parametrize("recipe", ["gguf-q4_0", "gguf-q4_k_m", "gguf-q6_k", "w4a16-block32"])

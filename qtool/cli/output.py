@@ -35,8 +35,8 @@ def _plan_summary(plan) -> str:
                     for q in plan.quantizers if q.name not in plan.left_float)
     parts = [f"{n} x {t} {e} {g}" for (t, e, g), n in sorted(kinds.items())]
     formats = Counter(plan.left_float.values())
-    parts += [f"{n} x weight left float by --format {fmt} ({next(k for k, v in plan.left_float.items() if v == fmt)}"
-              + (" ..." if n > 1 else "") + ")" for fmt, n in sorted(formats.items())]
+    parts += [f"{n} x weight {how} ({next(k for k, v in plan.left_float.items() if v == how)}"
+              + (" ..." if n > 1 else "") + ")" for how, n in sorted(formats.items())]
     memory = f"; {plan.memory.describe()}" if plan.memory is not None else ""
     coverage = f"; {plan.coverage.describe()}" if plan.coverage is not None else ""
     return f"plan: {len(plan.quantizers)} quantizers ({'; '.join(parts) or 'none'}){coverage}{memory}"

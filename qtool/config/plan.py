@@ -197,7 +197,8 @@ class Plan:
     # module -> the resolved recipe spec of its weight (what a ``layers`` entry writes to reproduce that row)
     weight_specs: Dict[str, "WeightSpec"] = field(default_factory=dict)
     # quantizers the export format will write float (set by the job that exports; the plan line counts them apart)
-    left_float: Dict[str, str] = field(default_factory=dict)  # quantizer name -> the format
+    # quantizer name -> what the format does ("left float by --format compressed-tensors")
+    left_float: Dict[str, str] = field(default_factory=dict)
     # weight quantizers on a parameter the model shares with another name (tied embeddings), which a checkpoint
     # stores once, under the first name: quantizer name -> that name (not set where a rotation unties them)
     tied: Dict[str, str] = field(default_factory=dict)

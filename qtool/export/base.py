@@ -119,6 +119,9 @@ class Exporter:
                              "module(s)); export with --format compressed-tensors or qtool, or leave "
                              f"{' and '.join(sorted({r.name for r in online}))} out of rotate")
 
+    # how the plan line says what ``left_float`` names ("2 x weight left float by --format compressed-tensors")
+    left_float_words: ClassVar[str] = "left float"
+
     def left_float(self, quantizers, options: "Exporter.Options", tied=()) -> List[str]:
         """The weight quantizers (plan rows) this format writes as float weights though the recipe quantizes
         them (default: none), so the plan can say so before calibrating. ``tied``: the weights the model holds

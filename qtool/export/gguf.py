@@ -142,6 +142,20 @@ class GgufExporter(Exporter):
                     raise EncodingsError(f"{e.name}: {_describe(e)} has no GGUF type ({_MAPS}); use a recipe such "
                                          f"as the shipped gguf-q4_0, or --gguf-fallback f16 to write it as floats")
 
+    left_float_words = "stored as floats"
+
+    def left_float(self, quantizers, options: "GgufExporter.Options", tied=()) -> List[str]:
+        """With ``--gguf-fallback``: the weights no GGUF type holds, whose fake-quant values the file stores as
+        F16/F32 (the file holds them unquantized; the plan's coverage counts them so)."""
+        if options.gguf_fallback == "none":
+            return []
+        return [q.name for q in quantizers if q.tensor == "weight" and gguf_type(q) is None]
+
+    def not_written(self, entries, options: "GgufExporter.Options", tied=()) -> List[str]:
+        """None: a fallback weight's floats are its fake-quant values, so the file computes what qtool's model
+        does."""
+        return []
+
     def tensor_bytes(self, quantizer, shape, dtype, options: "GgufExporter.Options") -> int:
         """The tensor's data in the file (each tensor's start is aligned to 32 bytes in the file; the padding is
         not counted)."""

@@ -110,11 +110,12 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
         exporter.check_kv_cache(plan.kv_float)
         exporter.check_example_inputs(Path(checkpoint), eopts.data)
         floats = exporter.left_float(plan.quantizers, options, plan.tied)
-        plan.left_float.update((name, exporter.name) for name in floats)
+        plan.left_float.update((name, f"{exporter.left_float_words} by --format {exporter.name}") for name in floats)
         if plan.coverage is not None and floats:  # (the share of weights the file holds quantized)
             plan.coverage = plan.coverage.without({q.module for q in plan.quantizers
                                                    if q.name in plan.left_float and q.tensor == "weight"})
-        if exporter.name != "gguf":  # (a GGUF recipe's rule off GGUF's grids matters to a GGUF export alone)
+        if exporter.name != "gguf" or floats:  # (a rule off GGUF's grids matters to a GGUF export alone, and
+            # there the plan line counts what --gguf-fallback stores as floats)
             plan.warnings[:] = [w for w in plan.warnings if GGUF_GRID_NOTE not in w]
 
     with _ranks(opts.device) as group:  # (every rank admits the plan to the format, and a search counts in it)
