@@ -78,6 +78,29 @@ def test_device_agnostic_path_matches_aimet(analyzer_ref, kind, monkeypatch):
     _run_golden(meta, tensors, kind)
 
 
+@pytest.mark.parametrize("percentile", [99.0, 99.9, 90.0])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_a_constant_row_in_one_batch_keeps_its_value(percentile, symmetric, monkeypatch):
+    """A constant row's histogram is widened by 0.5 each way and its values sit in the middle bin: the first-batch
+    fast path took the lower percentile's bin as bin 0 (a row of -0.25 got min -0.75), while the same row fed in
+    two halves, or through the general path, got -0.25. (Percentile 100 takes the histogram's outer edges, as
+    AIMET does.)"""
+    rows = torch.tensor([[-0.25] * 64, [1e-8] * 64, [0.0] * 64, [3.0] * 64])
+    rows = torch.cat([rows, torch.linspace(-1, 2, 64)[None]])  # (and an ordinary row, unchanged by the fix)
+
+    def encodings(*batches):
+        analyzer = PercentileEncodingAnalyzer((5, 1), percentile=percentile)
+        for b in batches:
+            analyzer.update_stats(b)
+        return analyzer.compute_encodings(255, symmetric)
+
+    fast = encodings(rows)
+    assert torch.equal(torch.stack(fast), torch.stack(encodings(rows[:, :32], rows[:, 32:])))
+    monkeypatch.setattr(histogram, "_maybe_nonfinite", lambda lo, hi: True)
+    assert torch.equal(torch.stack(fast), torch.stack(encodings(rows)))
+    assert fast[0][0].item() == -0.25 and fast[1][3].item() == 3.0
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Blockwise: one batched pass equals the per-tensor analyzer run on each block
 # --------------------------------------------------------------------------------------------------------------

@@ -353,10 +353,12 @@ class _Histograms:
             out = []
             for t in (float(m * (1 - percentile / 100)), float(m * percentile / 100)):
                 k = min(max(math.ceil(t) - 1, 0), width - 1)
-                if t <= 0 or k == 0:
+                if t <= 0:
                     out.append(torch.zeros_like(self.lo, dtype=torch.int64))
                     continue
-                v = self.hi if k == width - 1 else torch.kthvalue(self.raw, k + 1, dim=1).values
+                # (the smallest value is in bin 0 unless the row is constant: its edges are widened by 0.5 each
+                # way, and its values sit in the middle bin)
+                v = self.lo if k == 0 else self.hi if k == width - 1 else torch.kthvalue(self.raw, k + 1, dim=1).values
                 out.append(_bin_index(v[:, None], lo_e, right, n, clean=True)[:, 0])
             return out
         total = self.total()
