@@ -132,3 +132,24 @@ def test_a_recipe_mixing_algorithms_counts_each_in_the_shortfall():
     (line,) = shortfalls(resolve_plan(recipe, model), data)
     assert line.startswith("calibration data holds 32 tokens, and adaround on 2 weight(s) and gptq on 1 weight(s) "
                            f"should learn from at least {MIN_TOKENS['rounding']}"), line
+
+
+@pytest.mark.parametrize("images", [torch.zeros(3, 3, 16, 16, dtype=torch.uint8),
+                                    torch.zeros(3, 3, 16, 16, dtype=torch.int32),
+                                    torch.zeros(3, 16, 16, dtype=torch.uint8)])
+def test_integer_images_count_as_samples_not_tokens(images):
+    """Three uint8 images (3·3·16·16 values) read as 2304 tokens: past the 2048 GPTQ asks for, so --strict-data
+    let 3 images through."""
+    from torch import nn
+
+    from qtool.calibration.data_check import data_amount, shortfalls
+    from qtool.config import parse_recipe, resolve_plan
+    from qtool.data import Batch, CalibrationData
+
+    data = CalibrationData([Batch((images,))], [], 3, "images")
+    assert data_amount(data) == (3, "samples")
+    recipe = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 4, rounding: gptq}\n  activations: null\n")
+    (line,) = shortfalls(resolve_plan(recipe, nn.Sequential(nn.Linear(8, 8))), data)
+    assert line.startswith("calibration data holds 3 samples"), line
+    ids = CalibrationData([Batch((torch.zeros(2, 16, dtype=torch.long),))], [], 2, "ids")
+    assert data_amount(ids) == (32, "tokens")

@@ -26,20 +26,28 @@ MIN_SAMPLES = {"ranges": 8, "rounding": 16}
 
 
 def data_amount(data: CalibrationData) -> Tuple[int, str]:
-    """``(count, "tokens")`` for data holding token ids (``input_ids``, or a file of one integer tensor;
-    attention-masked padding not counted), else
-    ``(samples, "samples")``."""
+    """``(count, "tokens")`` for data holding token ids (``input_ids``, or a file of one integer tensor of one or
+    two dimensions; attention-masked padding not counted), else ``(samples, "samples")`` (images are samples,
+    uint8 ones too)."""
     tokens, has_tokens = 0, False
     for batch in data.batches:
         ids = batch.kwargs.get("input_ids")
-        if ids is None and len(batch.args) == 1 and not batch.args[0].is_floating_point():
-            ids = batch.args[0]  # a file of one integer tensor: token ids
+        if ids is None and len(batch.args) == 1 and _ids_like(batch.args[0]):
+            ids = batch.args[0]  # a file of one integer tensor [batch, seq]: token ids
         if ids is None:
             continue
         has_tokens = True
         mask = batch.kwargs.get("attention_mask")
         tokens += int(mask.sum()) if mask is not None else int(ids.numel())
     return (tokens, "tokens") if has_tokens else (data.num_samples, "samples")
+
+
+def _ids_like(x) -> bool:
+    """Whether a lone input tensor reads as token ids: integers (not bytes or booleans) of rank 1 or 2; a uint8 or
+    3-4-D integer tensor is images."""
+    import torch
+
+    return not x.is_floating_point() and x.dtype not in (torch.uint8, torch.bool) and x.dim() <= 2
 
 
 def shortfalls(plan: Plan, data: CalibrationData) -> List[str]:
