@@ -101,6 +101,29 @@ def test_a_constant_row_in_one_batch_keeps_its_value(percentile, symmetric, monk
     assert fast[0][0].item() == -0.25 and fast[1][3].item() == 3.0
 
 
+@pytest.mark.parametrize("kind", ["sqnr", "tf_enhanced"])
+@pytest.mark.parametrize("num_steps,symmetric", [(15, False), (15, True), (255, False)])
+def test_sqnr_search_on_huge_rows_is_the_search_scaled(kind, num_steps, symmetric):
+    """Rows of about 1e20 overflowed the float32 noise sums (every candidate inf, the first kept: a row of +-2e20
+    came out [-2.6e19, 0]); they are searched scaled by a power of two, which picks what the search picks on the
+    row at its normal size, and rows of ordinary size keep their bits."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g)
+    x[2, 5] = 7.0  # (a clipped outlier, so the search has something to weigh)
+    huge = torch.cat([x[:1], torch.ldexp(x[1:], torch.tensor(66))])  # rows 1-2 about 1e20
+
+    def encodings(rows):
+        analyzer = _make(kind, (3, 1))
+        analyzer.update_stats(rows)
+        return analyzer.compute_encodings(num_steps, symmetric)
+
+    (mn, mx), (hmn, hmx) = encodings(x), encodings(huge)
+    assert torch.equal(hmn[0], mn[0]) and torch.equal(hmx[0], mx[0])
+    assert torch.equal(hmn[1:], torch.ldexp(mn[1:], torch.tensor(66)))
+    assert torch.equal(hmx[1:], torch.ldexp(mx[1:], torch.tensor(66)))
+    assert bool((hmx[1:] > 0).all())
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Blockwise: one batched pass equals the per-tensor analyzer run on each block
 # --------------------------------------------------------------------------------------------------------------

@@ -120,10 +120,21 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
     @torch.no_grad()
     def compute_encodings(self, num_steps: int, is_symmetric: bool):
         n = self._check(num_steps)
-        mid, counts, cands = self._search_inputs(n, is_symmetric)
-        delta, offset = self._search(mid, counts, cands, n, is_symmetric, prune=True)
+        h = self._hist
+        shift = _huge_row_shift(h.lo, h.hi)
+        kept = h.lo, h.hi, h.raw
+        if shift is not None:  # searched at a power of two smaller: the same pick, without float32 overflow
+            h.lo, h.hi = torch.ldexp(h.lo, -shift), torch.ldexp(h.hi, -shift)
+            h.raw = None if h.raw is None else torch.ldexp(h.raw, -shift[:, None])
+        try:
+            mid, counts, cands = self._search_inputs(n, is_symmetric)
+            delta, offset = self._search(mid, counts, cands, n, is_symmetric, prune=True)
+        finally:
+            h.lo, h.hi, h.raw = kept
         mn = offset * delta
         mx = mn + n * delta
+        if shift is not None:
+            mn, mx = torch.ldexp(mn, shift), torch.ldexp(mx, shift)
         return mn.reshape(self.shape), mx.reshape(self.shape)
 
     def _search_inputs(self, n: int, is_symmetric: bool):
@@ -244,6 +255,23 @@ class SqnrEncodingAnalyzer(_HistogramAnalyzer):
         per_delta = num_cand // self.asym_delta_candidates
         # delta index A - 2 is the observed range's delta; the last offset column is the observed offset
         return [(self.asym_delta_candidates - 2) * per_delta + per_delta - 1]
+
+
+# rows whose range passes 2**50 are searched scaled to about 2**40: their squared errors, times counts and gamma,
+# summed over 2048 bins, overflow float32 from about 1e17 (every candidate's noise inf: the first one won, and a
+# row of +-2e20 came out [-2.6e19, 0]). Scaling by a power of two is exact, so the search picks what it would
+# in exact float32 arithmetic; rows below keep AIMET's bits.
+_HUGE_ROW, _SEARCH_EXPONENT = 2.0 ** 50, 40
+
+
+def _huge_row_shift(lo: torch.Tensor, hi: torch.Tensor) -> Optional[torch.Tensor]:
+    """Per row, the power of two to divide a huge row's values by before the search (0 for the others), or None
+    when no row is huge."""
+    amax = torch.maximum(lo.abs(), hi.abs())
+    huge = torch.isfinite(amax) & (amax > _HUGE_ROW)
+    if not bool(huge.any()):
+        return None
+    return torch.where(huge, torch.frexp(amax).exponent - _SEARCH_EXPONENT, 0)
 
 
 class _SymmetricCandidates:
