@@ -337,6 +337,11 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
         if bottom < 0:
             return (f"token id {bottom} is negative (a padding marker such as -100 for labels?): ids run from 0 to "
                     f"{n - 1}; mask padding with attention_mask instead")
+    # token ids saved as floats: torch's "Expected tensor for argument #1 'indices' to have one of ... Long, Int"
+    if isinstance(ids, torch.Tensor) and ids.is_floating_point() and isinstance(table, torch.nn.Embedding) \
+            and "indices" in str(err):
+        return (f"token ids must be integers, and the data holds {str(ids.dtype).replace('torch.', '')} numbers: save "
+                "them as integers (NumPy: x.astype('int64'))")
     floats = {t.dtype for t in list(batch.args) + list(batch.kwargs.values())
               if isinstance(t, torch.Tensor) and t.is_floating_point()}
     own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)

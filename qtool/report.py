@@ -302,7 +302,7 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, c
     start, stop = shard_bounds(len(batches), group.rank, group.world_size)
     records = []
     for bi in range(start, stop):
-        with model_takes(model, batches[bi], f"evaluation batch {bi}"):
+        with model_takes(model, batches[bi], f"evaluation batch {bi + 1}"):
             records.append(_measure_batch(model, modules, chosen, batches[bi], device, causal_lm))
         if progress:
             progress(bi - start + 1, stop - start, batches[bi].size)

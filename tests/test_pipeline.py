@@ -662,3 +662,21 @@ def test_data_of_another_float_type_than_the_model_is_named(tmp_path):
     assert code == 2 and not (tmp_path / "r").exists()
     assert "the data is float64 and the model float32: save the data as the model's type (NumPy: " \
            "x.astype('float32'))" in error_lines(err)[-1], err
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_token_ids_saved_as_floats_are_told_to_be_integers(tmp_path, dtype):
+    """Ids saved as floats were told "save the data as the model's type (x.astype('float32'))", which fails next
+    with torch's "Expected tensor for argument #1 'indices'"."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 64, (4, 16)).astype(dtype))
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8", "--data", tmp_path / "ids.npy", "-o",
+                           tmp_path / "r")
+    assert code == 2 and not (tmp_path / "r").exists()
+    assert error_lines(err)[-1] == (f"error: calibration batch 1: the model rejected the data: token ids must be "
+                                    f"integers, and the data holds {dtype} numbers: save them as integers (NumPy: "
+                                    "x.astype('int64'))"), err

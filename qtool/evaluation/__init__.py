@@ -734,7 +734,7 @@ def _float_outputs(model, batches) -> List[torch.Tensor]:
     runtime = TorchRuntime(model, "torch")
     out = []
     for i, b in enumerate(batches):
-        with model_takes(model, b, f"evaluation batch {i}"):
+        with model_takes(model, b, f"evaluation batch {i + 1}"):  # (1-based, as calibration's)
             out.append(runtime.outputs(b))
     return out
 
