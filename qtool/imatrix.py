@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import struct
+import textwrap
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -68,11 +69,12 @@ def read_imatrix(path: Path) -> Dict[str, torch.Tensor]:
                                  "writes")
         else:
             out = _read_gguf(path) if head == b"GGUF" else _read_dat(path)
-    except EncodingsError:
+    except (EncodingsError, ImportError):  # (gguf not installed: the CLI names the extra, not the file)
         raise
     except Exception as e:  # noqa: BLE001 - gguf-py's reader raises many kinds on a damaged file: one line each
-        raise EncodingsError(f"{path}: not a readable llama.cpp importance matrix ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:100] if str(e) else ''})") from None
+        said = textwrap.shorten(str(e).splitlines()[0], 100, placeholder=" ...") if str(e) else ""
+        raise EncodingsError(f"{path}: not a readable llama.cpp importance matrix (damaged or cut short? "
+                             f"{type(e).__name__}: {said})") from None
     for name, v in out.items():
         if not bool(torch.isfinite(v).all()) or bool((v < 0).any()):
             raise EncodingsError(f"{path}: {name}: importances must be finite and non-negative")

@@ -3,6 +3,7 @@ each input column's sum of x² and the token count), and the reader takes it or 
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -219,3 +220,34 @@ def test_an_imatrix_that_names_only_some_decoder_layers_is_said_or_refused_with_
     assert f"has no entry for {len(later)} decoder matrices the recipe searches ({later[0]}" in said, said
     code, _, err = run_cli(*args, "-o", tmp_path / "strict", "--strict-data")
     assert code == 2 and "has no entry for" in err and not (tmp_path / "strict").exists(), err
+
+
+def test_data_the_model_rejects_is_one_line(llama, tmp_path):
+    """imatrix ran the model without calibration's check: ids past the vocabulary were an internal error (exit 3)."""
+    from safetensors.torch import save_file
+
+    ckpt, _, ids = llama
+    bad = ids.clone()
+    bad[1, 3] = 60000
+    save_file({"input_ids": bad}, tmp_path / "bad.safetensors")
+    code, _, err = run_cli("imatrix", ckpt, "--data", tmp_path / "bad.safetensors", "-o", tmp_path / "m.gguf")
+    assert code == 2 and not (tmp_path / "m.gguf").exists()
+    assert error_lines(err)[-1].startswith("error: importance batch 1: the model rejected the data: token id 60000 "
+                                           "is past the model's vocabulary"), err
+
+
+def test_without_the_gguf_package_commands_name_the_extra(llama, tmp_path, monkeypatch):
+    """gguf missing read as an internal error (imatrix, a GGUF export) or as a damaged importance matrix."""
+    ckpt, data, _ = llama
+    code, _, err = run_cli("imatrix", ckpt, "--data", data, "-o", tmp_path / "m.gguf")
+    assert code == 0, err
+    monkeypatch.setitem(sys.modules, "gguf", None)  # (as if not installed)
+    for args in (("imatrix", ckpt, "--data", data, "-o", tmp_path / "m2.gguf"),
+                 ("quantize", ckpt, "-c", "gguf-q8_0", "-o", tmp_path / "q", "--format", "gguf"),
+                 ("calibrate", ckpt, "-c", "gguf-q4_k_m", "--imatrix", tmp_path / "m.gguf", "-o", tmp_path / "c")):
+        code, _, err = run_cli(*args)
+        assert code == 2, err
+        assert [e for e in error_lines(err) if e.startswith("error")] == [
+            "error: this needs the optional package gguf: pip install 'qtool[gguf]' (nothing was written)"], err
+        assert "measuring" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]

@@ -3,6 +3,7 @@
 import json
 import math
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from qtool.data import load_data
 from qtool.model.insert import set_quantization
 from qtool.report import evaluate, sqnr_db
 
-from tests.helpers import run_cli
+from tests.helpers import error_lines, run_cli
 from tests.tinymodels import mlp
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -585,3 +586,20 @@ def test_a_suggestion_from_damage_that_is_nan_is_refused(tmp_path):
                            tmp_path / "d.safetensors", "--model-class", spec, "--sensitivity", "--suggest",
                            f"1 {tmp_path / 'k.yaml'}", "-q")
     assert code == 2 and "the layers' damage is NaN" in err and not (tmp_path / "k.yaml").exists(), err
+
+
+def test_a_plot_without_matplotlib_is_one_line_before_measuring_and_written_files_are_named(world, tmp_path,
+                                                                                            monkeypatch):
+    """--plot without matplotlib measured the whole report, then failed as an internal error (exit 3); and
+    --suggest's recipe was written without a word."""
+    args = ["report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
+            world / "data.safetensors", "--model-class", MLP]
+    code, _, err = run_cli(*args, "--plot", tmp_path / "r.svg", "--sensitivity", "--suggest",
+                           f"1 {tmp_path / 's.yaml'}")
+    assert code == 0, err
+    assert f"wrote: {tmp_path / 'r.svg'}" in err and f"wrote: {tmp_path / 's.yaml'}" in err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (as if not installed)
+    code, _, err = run_cli(*args, "--plot", tmp_path / "p.png")
+    assert code == 2 and error_lines(err) == ["error: --plot draws with matplotlib, which is not installed: pip "
+                                              "install 'qtool[report]'"], err
+    assert "measuring" not in err and not (tmp_path / "p.png").exists()

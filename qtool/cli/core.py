@@ -200,6 +200,10 @@ def _root(
 
 
 _SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
+# the optional packages (pyproject's extras) a command imports when it needs them: their absence is one line
+_EXTRAS = {"gguf": "'qtool[gguf]'", "matplotlib": "'qtool[report]'", "xllamacpp": "'qtool[llamacpp]'",
+           "lm_eval": "'qtool[tasks]'", "transformers": "'qtool[hf]'", "huggingface_hub": "'qtool[hf]'",
+           "onnxruntime": "onnxruntime", "compressed_tensors": "compressed-tensors"}
 
 
 class _Terminated(KeyboardInterrupt):
@@ -268,6 +272,10 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         fail(2, f"error: {where}{e.strerror or e} ({_written()})")  # (every rank says its own: a rank's own disk)
     except Exception as e:  # an internal error: one line, the traceback in a log file
         interrupted()
+        extra = _EXTRAS.get((getattr(e, "name", None) or "").split(".")[0]) if isinstance(e, ImportError) else None
+        if extra is not None:  # an optional package not installed: the environment, not a bug
+            fail(2, f"error: this needs the optional package {e.name.split('.')[0]}: pip install {extra} "
+                    f"({_written()})")
         import tempfile
 
         with tempfile.NamedTemporaryFile("w", prefix="qtool-error-", suffix=".log", delete=False) as log:

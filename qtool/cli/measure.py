@@ -152,8 +152,9 @@ def report(
             for r in result["sensitivity"]:
                 st.add_row(r["module"], f"{r['cosine']:.5f}", f"{r['damage']:.4g}")
             con.print(st)
-        if plot and not quiet:
-            err.print(f"wrote: {_esc(plot)}")
+        if not quiet:
+            for path in outs.files():
+                err.print(f"wrote: {_esc(path)}")
     from ..errors import GateFailed
 
     try:

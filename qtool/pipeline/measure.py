@@ -14,7 +14,7 @@ from torch import nn
 
 from ..calibration import CalibrateOptions
 from ..config import RecipeFile, read_recipe
-from ..data import load_data
+from ..data import load_data, model_takes
 from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
 from ..errors import CheckpointError, DataError, EncodingsError, UsageError
 from ..hooks import Hooks, step_progress
@@ -102,6 +102,8 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     check_output_file(target, _inputs(checkpoint, data=opts.data), overwrite)
     if opts.data is None:
         raise DataError("an importance matrix is measured on text: pass --data PATH")
+    import gguf  # noqa: F401  (it writes the file: not installed, the CLI says so before anything is measured)
+
     gguf_model = read_gguf_model(Path(checkpoint))
     hooks.on_stage("loading checkpoint")
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
@@ -121,7 +123,8 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     def run():
         for i, batch in enumerate(batches):
             b = batch.to(device)
-            loaded.model(*b.args, **b.kwargs)
+            with model_takes(loaded.model, b, f"importance batch {i + 1}"):
+                loaded.model(*b.args, **b.kwargs)
             if hooks.on_batch:
                 hooks.on_batch(i + 1, len(batches), b.size)
 
@@ -158,6 +161,11 @@ class ReportOutputs:
     suggest: Optional[Path] = None
     suggest_n: int = 0
     base: Optional[RecipeFile] = None
+
+    def files(self) -> List[str]:
+        """Every file these outputs write, in the order they are written."""
+        pareto = [self.pareto, str(Path(self.pareto).with_suffix(".json"))] if self.pareto else []
+        return [str(p) for p in [self.plot, *pareto, self.suggest] if p is not None]
 
 
 def report_outputs(checkpoint: str, encodings: str, data: Optional[str], plot: Optional[str] = None,
@@ -196,6 +204,12 @@ def report_outputs(checkpoint: str, encodings: str, data: Optional[str], plot: O
             raise UsageError(f"{flag} {out}: {same} writes that file too; give each output its own name")
     if plot is not None and Path(plot).suffix.lower() not in (".png", ".svg"):
         raise UsageError(f"--plot {plot}: give a .png or .svg file name")
+    drawn = next((flag for flag, out in (("--plot", plot), ("--pareto", pareto)) if out is not None), None)
+    if drawn is not None:  # (before measuring, which can take an hour)
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UsageError(f"{drawn} draws with matplotlib, which is not installed: pip install 'qtool[report]'")
     return outs
 
 
