@@ -665,3 +665,20 @@ def test_a_kv_cache_kept_float_in_some_attention_layers_is_refused_for_compresse
     assert code == 0, err
     code, listing, err = run_cli("inspect", tmp_path / "qt", "--json")  # (an FP8 file was "qtool integer ...")
     assert code == 0 and json.loads(listing)["kind"] == "qtool float safetensors", listing
+
+
+def test_a_kv_cache_alone_says_per_head_and_where_it_can_be_written(ckpt, data, tmp_path):
+    """A recipe of a per-head KV cache alone: the plan line said "per_channel", and the compressed-tensors refusal
+    called the format weight-only (it carries input and KV-cache schemes)."""
+    recipe = tmp_path / "kv.yaml"
+    recipe.write_text("version: 1\ndefaults:\n  weights: null\n  activations: null\n"
+                      "kv_cache: {granularity: per_head}\n")
+    code, _, err = run_cli("calibrate", ckpt, "-c", recipe, "--data", data, "-o", tmp_path / "run")
+    plan = next(line for line in err.splitlines() if line.startswith("plan:"))
+    assert code == 0 and "x k_cache fp8_e4m3 per_head" in plan and "per_channel" not in plan, err
+    code, _, err = run_cli("export", ckpt, "-e", tmp_path / "run/encodings.json", "-o", tmp_path / "ct", "--format",
+                           "compressed-tensors")
+    assert code == 2 and not (tmp_path / "ct").exists()
+    assert "quantize no Linear weight" in err and "export with --format qtool" in err and "weight-only" not in err
+    code, _, err = run_cli("export", ckpt, "-e", tmp_path / "run/encodings.json", "-o", tmp_path / "qt", "--quiet")
+    assert code == 0, err

@@ -209,8 +209,9 @@ def export_compressed_tensors(
 
     if not linear:
         raise EncodingsError(
-            "the encodings quantize no Linear weight, so there is nothing to write in a compressed-tensors "
-            "(weight-only) format" + (f" ({'; '.join(warnings)})" if warnings else "")
+            "the encodings quantize no Linear weight, and qtool's compressed-tensors files are quantized Linear "
+            "weights (their input and KV-cache schemes beside them): export with --format qtool"
+            + (f" ({'; '.join(warnings)})" if warnings else "")
         )
     matched = weight_names(src, linear, str(checkpoint))
     keys, names, by_key = matched.keys, matched.names, matched.by_key
