@@ -292,6 +292,28 @@ def _subset(total: int, num_samples: Optional[int], seed: int, at_most: bool, wh
     return sorted(torch.randperm(total, generator=g)[:num_samples].tolist())
 
 
+def past_positions(config, tokens: int) -> Optional[str]:
+    """A warning where samples of ``tokens`` tokens run past the positions the model's ``config`` was trained
+    for (a rotary model runs on past them without an error; a learned table's refusal is :func:`rejection`'s)."""
+    positions = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
+                      if isinstance(getattr(config, k, None), int)), None)
+    if positions is None or tokens <= positions:
+        return None
+    return (f"samples of {tokens} tokens run past the model's {positions} positions (max_position_embeddings): what "
+            f"is measured there describes positions the model was not trained for; pass --seq-len {positions} or "
+            "less")
+
+
+def longest_sample(batches) -> int:
+    """The most tokens of any sample of ``batches`` (0 where they hold no token ids)."""
+    longest = 0
+    for b in batches:
+        ids = b.kwargs.get("input_ids", b.args[0] if b.args else None)
+        if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dim() >= 1:
+            longest = max(longest, int(ids.shape[-1]))
+    return longest
+
+
 def model_rejected(err: BaseException) -> bool:
     """Whether ``err``, raised by a model's forward, says the data does not fit the model (a shape, dtype or index
     the model cannot take, or an input it needs that the data does not give: ``None.shape``)."""

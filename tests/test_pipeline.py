@@ -680,3 +680,25 @@ def test_token_ids_saved_as_floats_are_told_to_be_integers(tmp_path, dtype):
     assert error_lines(err)[-1] == (f"error: calibration batch 1: the model rejected the data: token ids must be "
                                     f"integers, and the data holds {dtype} numbers: save them as integers (NumPy: "
                                     "x.astype('int64'))"), err
+
+
+def test_samples_past_the_models_positions_are_said(tmp_path):
+    """A rotary model runs on past max_position_embeddings without an error: --seq-len 512 on a model of 64
+    positions calibrated and evaluated without a word."""
+    import transformers
+    from safetensors.torch import save_file as save
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    for tokens, said in ((64, False), (96, True)):
+        ids = torch.randint(0, 64, (8, tokens), generator=torch.Generator().manual_seed(0))
+        save({"input_ids": ids}, tmp_path / f"ids{tokens}.safetensors")
+        for extra in ((), ("--sequential",)):
+            code, out, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8", "--data",
+                                     tmp_path / f"ids{tokens}.safetensors", "-o", tmp_path / f"r{tokens}{extra}",
+                                     "--json", *extra)
+            assert code == 0, err
+            past = [w for w in json.loads(out)["warnings"] if "past the model's 64 positions" in w]
+            assert bool(past) is said, out
+            assert not past or past[0].startswith("samples of 96 tokens run past the model's 64 positions")

@@ -21,7 +21,7 @@ import torch
 
 from ..choices import MATMUL_PRECISIONS, check_choice
 from ..config import Plan, Recipe, resolve_plan
-from ..data import CalibrationData, load_data
+from ..data import CalibrationData, load_data, longest_sample, past_positions
 from ..encodings import EncodingEntry, SidecarStream
 from ..errors import DataError, UsageError
 from ..hooks import Hooks, reporting
@@ -158,7 +158,8 @@ def _check_memory(estimate) -> None:
                      "one decoder block at a time)")
 
 
-def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hooks: Hooks) -> Optional[CalibrationData]:
+def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hooks: Hooks,
+          config: Any = None) -> Optional[CalibrationData]:
     if not (plan.needs_data() or opts.data or opts.sequential):
         return None
     if opts.data is None:
@@ -179,6 +180,9 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
     if short and opts.strict_data:
         raise DataError(f"{opts.data}: {short[0]} (--strict-data)")
     plan.warnings.extend(short)
+    past = past_positions(config, longest_sample(data.batches))
+    if past is not None:
+        plan.warnings.append(past)
     return data
 
 
@@ -269,7 +273,7 @@ def _calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opt
     if mode == "sequential":
         from .sequential import calibrate_sequential
 
-        data = _data(opts, plan, prepared.tokenizer, True, hooks)
+        data = _data(opts, plan, prepared.tokenizer, True, hooks, getattr(model, "config", None))
         saved = _resume_state(state, checkpoint, source, opts, data, device, group, hooks)
         hooks.on_stage("calibrating")
         codes = SpilledTensors()  # block by block to disk: they would grow in memory with every block
@@ -303,7 +307,7 @@ def _calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opt
     from .in_memory import calibrate
 
     loaded = prepared.loaded
-    data = _data(opts, plan, loaded.tokenizer, loaded.is_causal_lm, hooks)
+    data = _data(opts, plan, loaded.tokenizer, loaded.is_causal_lm, hooks, getattr(model, "config", None))
     hooks.on_stage("calibrating")
     quantizers = insert_quantizers(model, plan)
     with all_tokens_routed(model, opts.all_experts):

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..data import load_data
+from ..data import load_data, longest_sample, past_positions
 from ..errors import DataError, UsageError
 from ..hooks import Hooks
 from ..io.checkpoint import weight_file_hashes
@@ -561,6 +561,10 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     ev = Evaluation(str(art.path), art.format, "", str(reference), str(enc) if enc else None, causal,
                     len(data), 0)
     ev.notes.extend(notes)
+    past = past_positions(getattr(loaded.model, "config", None),
+                          max((len(s) for s in data), default=0) if causal else longest_sample(data))
+    if past is not None:
+        ev.notes.append(past)
     if enc is None:
         ev.notes.append("no encodings: the artifact is compared with the float model only (pass --encodings "
                         "for the export gap)")
