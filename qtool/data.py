@@ -174,18 +174,39 @@ def _tokenize(texts: List[str], tokenizer, seq_len: int, where: str) -> List[Dic
 
 
 def _pack(texts: List[str], tokenizer, seq_len: int, where: str) -> List[Dict[str, torch.Tensor]]:
-    """Causal LMs: the texts as one token stream (EOS between them) cut into full ``seq_len`` windows."""
+    """Causal LMs: the texts as one token stream (EOS between them) cut into full ``seq_len`` windows, each
+    opened by the BOS token where the tokenizer starts a text with one (Llama, Gemma, Mistral: as llama.cpp's
+    perplexity and imatrix open each chunk; the first position carries activations no other position has)."""
     if tokenizer is None:
         raise DataError(f"{where}: text data needs a tokenizer, and this checkpoint has none")
     sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    bos = _opening_bos(tokenizer)
+    body = seq_len - len(bos)
+    if body < 1:
+        raise DataError(f"{where}: --seq-len {seq_len} leaves no room for text after the BOS token each window "
+                        f"opens with: use --seq-len {len(bos) + 1} or more")
     stream: List[int] = []
     for t in texts:
         stream += tokenizer(t, add_special_tokens=False)["input_ids"] + sep
-    n = len(stream) // seq_len
+    n = len(stream) // body
     if n == 0:
         raise DataError(f"{where}: {len(stream)} tokens of text make no full sequence of --seq-len {seq_len}")
-    ids = torch.tensor(stream[: n * seq_len], dtype=torch.long).reshape(n, seq_len)
+    ids = torch.tensor(stream[: n * body], dtype=torch.long).reshape(n, body)
+    if bos:
+        ids = torch.cat([torch.full((n, 1), bos[0], dtype=torch.long), ids], dim=1)
     return [{"input_ids": ids[i], "attention_mask": torch.ones(seq_len, dtype=torch.long)} for i in range(n)]
+
+
+def _opening_bos(tokenizer) -> List[int]:
+    """``[bos_token_id]`` where the tokenizer puts it before a text of its own accord, else ``[]``."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return []
+    try:
+        first = tokenizer("a")["input_ids"][:1]
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say: no BOS, as before
+        return []
+    return [bos] if first == [bos] else []
 
 
 # --------------------------------------------------------------------------------------------------------------

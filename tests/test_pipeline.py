@@ -635,6 +635,39 @@ def test_fake_quant_weight_cache_follows_weight_and_range_changes():
     assert qs["0.weight"].max.grad is not None
 
 
+def _bos_tokenizer():
+    """A word-level tokenizer that opens every text with <s> (as Llama's and Gemma's do)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = ["<s>", "</s>", "<unk>"] + "paragraph number has a few words in it".split() + [str(i) for i in range(20)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>")
+
+
+def test_windows_open_with_bos_where_the_tokenizer_adds_one(tmp_path):
+    """Packed windows had no BOS (the text was tokenized without special tokens), while llama.cpp's perplexity and
+    imatrix, and every runtime, put one before the text: the first position's large activations never reached the
+    ranges."""
+    tok = _bos_tokenizer()
+    assert tok("a few")["input_ids"][0] == 0
+    (tmp_path / "a.txt").write_text("\n\n".join(f"paragraph number {i} has a few words in it" for i in range(20)))
+    d = load_data(tmp_path / "a.txt", batch_size=4, seq_len=16, tokenizer=tok, pack_text=True)
+    ids = torch.cat([b.kwargs["input_ids"] for b in d])
+    stream = []
+    for i in range(20):
+        stream += tok(f"paragraph number {i} has a few words in it", add_special_tokens=False)["input_ids"] + [1]
+    assert ids.shape[1] == 16 and bool((ids[:, 0] == 0).all()) and d.num_samples == len(stream) // 15
+    assert ids[:, 1:].reshape(-1).tolist() == stream[: ids.shape[0] * 15]  # (the stream, 15 tokens a window)
+    from qtool.errors import DataError
+
+    with pytest.raises(DataError, match="leaves no room for text after the BOS token"):
+        load_data(tmp_path / "a.txt", seq_len=1, tokenizer=tok, pack_text=True)
+
+
 def test_text_packing_for_causal_lms(tmp_path, minilm_tokenizer):
     tok = minilm_tokenizer
     (tmp_path / "a.txt").write_text("\n\n".join(f"paragraph number {i} has a few words in it" for i in range(20)))
