@@ -16,7 +16,6 @@ SQNR = 10 log10(sum(ref^2) / sum((ref - out)^2)), summed over all samples; infin
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -462,6 +461,8 @@ def _fold(records: List[Dict[str, Any]], modules: Dict[str, nn.Module], chosen) 
                  float(cos.min()) if cos.numel() else float("nan"), samples=samples)
     if columns:
         rep.notes.append(ONE_NUMBER_NOTE + "; the SQNR of the layer that gives it measures the error in size")
+    if not modules:
+        rep.notes.append("no module is quantized: the encodings leave every layer float (nothing to measure per layer)")
     if tokens:
         rep.perplexity_float = math.exp(nll_f / tokens)
         rep.perplexity_quant = math.exp(nll_q / tokens)
@@ -506,33 +507,66 @@ def sensitivity(model: nn.Module, batches: Iterable[Batch], device: torch.device
     return sorted(rows, key=lambda r: -r["damage"])
 
 
-def _kept_specs(base_recipe_text: Optional[str]) -> Tuple[Optional[Dict[str, Any]], Optional[Dict[str, Any]], str]:
-    """What a kept layer's ``weights`` and ``activations`` become over the base recipe (None: float), and in
-    words: a grid above the recipe's that its format still writes (GGUF: Q8_0; integers: 8-bit symmetric weights
-    in the recipe's granularity, 16-bit activations), float where the recipe's grid is a float element or 8 bits
-    or more already (a setting at or below the recipe's would keep nothing). Without a recipe: 8-bit per-channel
-    weights, 16-bit activations, to append to whatever was calibrated."""
-    if base_recipe_text is None:
-        return {"bitwidth": 8, "granularity": "per_channel"}, {"bitwidth": 16}, "8-bit per-channel weights"
-    from .config import parse_recipe
+@dataclass(frozen=True)
+class _Grid:
+    """What :func:`_kept` reads of a weight's or an activation's grid (a recipe's defaults or a calibrated
+    encoding)."""
 
-    recipe = parse_recipe(base_recipe_text, "--recipe")
-    w, a = recipe.defaults.weights, recipe.defaults.activations
-    if recipe.gguf_mix is not None or (w is not None and w.gguf_type is not None):
+    element: str  # "int", or a float element
+    bitwidth: int
+    granularity: str
+    gguf: bool = False  # one of llama.cpp's K-quant / IQ4 types (a recipe's gguf_type or gguf_mix)
+    dynamic: bool = False
+
+
+def _kept(w: Optional[_Grid], a: Optional[_Grid]) -> Tuple[Optional[Dict[str, Any]], Optional[Dict[str, Any]], str]:
+    """What a kept layer's ``weights`` and ``activations`` become over grids ``w`` and ``a`` (None: float), and in
+    words: a grid above them that their format still writes (GGUF: Q8_0; integers: 8-bit symmetric weights in
+    their granularity, 16-bit activations), float where the grid is a float element or 8 bits or more already (a
+    setting at or below it would keep nothing)."""
+    if w is not None and w.gguf:
         weights, words = {"gguf_type": "q8_0"}, "Q8_0 weights"
     elif w is None or w.element != "int" or w.bitwidth >= 8:
         weights, words = None, "float weights"
-    else:  # (the recipe's blocks and scale dtype kept: a legacy GGUF grid becomes Q8_0's)
+    else:  # (the blocks and scale dtype kept by the merge: a legacy GGUF grid becomes Q8_0's)
         weights, words = {"bitwidth": 8, "symmetric": True}, f"8-bit symmetric {w.granularity} weights"
     activations = None if a is None or a.element != "int" or a.dynamic or a.bitwidth >= 16 else {"bitwidth": 16}
     return weights, activations, words
 
 
-def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optional[str] = None) -> str:
+def _recipe_grids(base_recipe_text: str) -> Tuple[Optional[_Grid], Optional[_Grid]]:
+    """The base recipe's default weight and activation grids."""
+    from .config import parse_recipe
+
+    recipe = parse_recipe(base_recipe_text, "--recipe")
+    w, a = recipe.defaults.weights, recipe.defaults.activations
+    gguf = recipe.gguf_mix is not None or (w is not None and w.gguf_type is not None)
+    return (None if w is None else _Grid(w.element, w.bitwidth, w.granularity, gguf),
+            None if a is None else _Grid(a.element, a.bitwidth, a.granularity, dynamic=a.dynamic))
+
+
+def encoding_grids(entries) -> Dict[str, Tuple[Optional[_Grid], Optional[_Grid]]]:
+    """Each module's calibrated weight grid and first activation grid (encodings entries), what
+    :func:`suggest_recipe` keeps a layer above without a base recipe."""
+    out: Dict[str, List[Optional[_Grid]]] = {}
+    for e in entries:
+        s = e.spec
+        grid = _Grid(s.element, s.bitwidth, s.granularity.value, s.ggml is not None, s.dynamic)
+        slot = out.setdefault(e.module, [None, None])
+        if e.tensor == "weight":
+            slot[0] = grid
+        elif e.tensor in ("input", "output") and slot[1] is None:
+            slot[1] = grid
+    return {m: (w, a) for m, (w, a) in out.items()}
+
+
+def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optional[str] = None,
+                   grids: Optional[Dict[str, Tuple[Optional[_Grid], Optional[_Grid]]]] = None) -> str:
     """A recipe that keeps the ``n`` most sensitive modules (``rows``, most sensitive first) at a higher precision
-    than the base recipe's (:func:`_kept_specs`) and, where they have them, their activations too; each with the
-    modules runtimes fuse with it (``config.fused.fused_groups``: q/k/v, gate/up, one projection of every expert),
-    which one setting must cover."""
+    (:func:`_kept`) than the base recipe's grids or, without one, than each module's calibrated ``grids``
+    (:func:`encoding_grids`), and, where they have them, their activations too; each with the modules runtimes
+    fuse with it (``config.fused.fused_groups``: q/k/v, gate/up, one projection of every expert), which one
+    setting must cover."""
     import yaml
 
     from .config.fused import fused_groups
@@ -543,13 +577,16 @@ def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optiona
     chosen: List[str] = []
     for r in rows[:n]:
         chosen += [m for m in group_of.get(r["module"], (r["module"],)) if m not in chosen]
-    weights, activations, kept = _kept_specs(base_recipe_text)
-    rules = []
+    base = _recipe_grids(base_recipe_text) if base_recipe_text is not None else None
+    rules, said = [], []
     for m in chosen:  # (a dict of its own each: yaml would write one shared dict as anchors, which recipes refuse)
-        rule: Dict[str, Any] = {"match": m, "weights": copy.deepcopy(weights)}
+        weights, activations, words = _kept(*(base or (grids or {}).get(m, (None, None))))
+        said += [words] if words not in said else []
+        rule: Dict[str, Any] = {"match": m, "weights": weights}
         if by_module.get(m, {}).get("has_activations"):
-            rule["activations"] = copy.deepcopy(activations)
+            rule["activations"] = activations
         rules.append(rule)
+    kept = " or ".join(said)
     fused = f", with {len(rules) - min(n, len(rows))} layers fused with them," if len(rules) > min(n, len(rows)) else ""
     if any(r.get("activations") for r in rules):
         kept += ", 16-bit activations"
@@ -727,7 +764,7 @@ class Gate:
 
     gate: str  # "min-sqnr", "min-cosine", "max-ppl-increase"
     threshold: float
-    value: float
+    value: Optional[float]  # (None: min-sqnr where no layer has a cumulative figure)
     passed: bool
     detail: str
 
@@ -762,6 +799,9 @@ def check_gates(rep: Report, min_sqnr: Optional[float] = None, min_cosine: Optio
     if min_sqnr is not None and worst is not None:
         gates.append(Gate("min-sqnr", min_sqnr, worst.sqnr_cumulative, worst.sqnr_cumulative >= min_sqnr,
                           f"{worst.module} at {shown(worst.sqnr_cumulative, min_sqnr, '.1f')} dB"))
+    elif min_sqnr is not None:  # (listed, not dropped: nothing quantized ran on the data, so nothing fell short)
+        gates.append(Gate("min-sqnr", min_sqnr, None, True, "no layer has a cumulative SQNR (no quantized module "
+                          "ran on the data)"))
     if min_cosine is not None:
         gates.append(Gate("min-cosine", min_cosine, rep.cosine, rep.cosine >= min_cosine,
                           f"cosine {shown(rep.cosine, min_cosine, '.4f')}"))

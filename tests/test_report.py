@@ -313,7 +313,52 @@ def test_a_suggestion_keeps_fused_layers_together_and_says_what_it_keeps():
     assert kept == ["model.layers.1.self_attn.v_proj", "model.layers.1.self_attn.q_proj",
                     "model.layers.1.self_attn.k_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.gate_proj"]
     assert "the 2 most sensitive layers, with 3 layers fused with them" in text and "activations" not in text
-    assert "16-bit activations" in suggest_recipe([{"module": "fc", "has_activations": True}], 1)
+    from qtool.report import _Grid
+
+    grids = {"fc": (_Grid("int", 4, "per_channel"), _Grid("int", 8, "per_tensor"))}
+    assert "16-bit activations" in suggest_recipe([{"module": "fc", "has_activations": True}], 1, grids=grids)
+
+
+def test_without_a_recipe_a_suggestion_keeps_each_layer_above_its_own_calibrated_grid(world, tmp_path):
+    """Without --recipe every kept layer got 8-bit per-channel weights whatever the run used: over a Q8_0 run a
+    lower precision (and a grid GGUF cannot hold), over a w8a8 run the same grid, under "kept at higher
+    precision"."""
+    import yaml
+
+    args = ["report", world / "m.safetensors", "--data", world / "data.safetensors", "--model-class", MLP,
+            "--sensitivity", "-q"]
+    code, _, err = run_cli(*args, "-e", world / "run/encodings.json", "--suggest", f"2 {tmp_path / 'w4.yaml'}")
+    assert code == 0, err  # (the world's run is w4a8-block32: 4-bit blocks, static 8-bit activations)
+    rules = yaml.safe_load((tmp_path / "w4.yaml").read_text())["layers"]
+    assert [r["weights"] for r in rules] == [{"bitwidth": 8, "symmetric": True}] * 2
+    assert all(r["activations"] == {"bitwidth": 16} for r in rules)
+    assert "8-bit symmetric per_block weights" in (tmp_path / "w4.yaml").read_text()
+    code, _, err = run_cli("calibrate", world / "m.safetensors", "-c", "gguf-q8_0", "--model-class", MLP, "-o",
+                           tmp_path / "q8")
+    assert code == 0, err
+    code, _, err = run_cli(*args, "-e", tmp_path / "q8/encodings.json", "--suggest", f"1 {tmp_path / 'q8.yaml'}")
+    assert code == 0, err
+    (rule,) = yaml.safe_load((tmp_path / "q8.yaml").read_text())["layers"]
+    assert rule["weights"] is None and "(float weights)" in (tmp_path / "q8.yaml").read_text()
+
+
+def test_a_run_that_quantizes_nothing_keeps_its_gate_and_suggests_nothing(world, tmp_path):
+    """--min-sqnr vanished from the gates and --suggest wrote an empty recipe of "the 0 most sensitive layers"."""
+    (tmp_path / "float.yaml").write_text("version: 1\ndefaults:\n  weights: null\n  activations: null\n")
+    code, _, err = run_cli("calibrate", world / "m.safetensors", "-c", tmp_path / "float.yaml", "--model-class",
+                           MLP, "-o", tmp_path / "f")
+    assert code == 0, err
+    args = ["report", world / "m.safetensors", "-e", tmp_path / "f/encodings.json", "--data",
+            world / "data.safetensors", "--model-class", MLP, "--min-sqnr", "30"]
+    code, out, err = run_cli(*args, "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["gates"] == [{"gate": "min-sqnr", "threshold": 30.0, "value": None, "passed": True}]
+    assert any(n.startswith("no module is quantized") for n in got["notes"]), got["notes"]
+    code, _, err = run_cli(*args, "--sensitivity", "--suggest", f"1 {tmp_path / 's.yaml'}", "--plot",
+                           tmp_path / "p.svg")
+    assert code == 2 and "--suggest: the encodings quantize no module" in err, err
+    assert not (tmp_path / "s.yaml").exists() and not (tmp_path / "p.svg").exists()
 
 
 def test_a_checkpoint_holding_nan_is_refused_before_it_is_measured(world, tmp_path):

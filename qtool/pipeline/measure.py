@@ -161,6 +161,7 @@ class ReportOutputs:
     suggest: Optional[Path] = None
     suggest_n: int = 0
     base: Optional[RecipeFile] = None
+    encodings: Optional[str] = None  # (the calibrated grids a suggestion without a base recipe keeps layers above)
 
     def files(self) -> List[str]:
         """Every file these outputs write, in the order they are written."""
@@ -175,7 +176,7 @@ def report_outputs(checkpoint: str, encodings: str, data: Optional[str], plot: O
     search.json beside the encodings, and no output is one of the inputs or lies inside an input directory."""
     from ..report import read_search
 
-    outs = ReportOutputs(plot=plot, pareto=pareto)
+    outs = ReportOutputs(plot=plot, pareto=pareto, encodings=encodings)
     if recipe is not None and suggest is None:
         raise UsageError("--recipe is the recipe --suggest extends: give it with --sensitivity --suggest 'N OUT.yaml'")
     if suggest is not None:
@@ -219,9 +220,22 @@ def write_report_outputs(result: Dict[str, Any], checkpoint: str, outs: ReportOu
     read back."""
     from ..config import parse_recipe
     from ..io.fs import write_text_atomic
-    from ..report import pareto_points, plot_pareto, plot_sqnr, suggest_recipe
+    from ..encodings import EncodingsFile
+    from ..report import encoding_grids, pareto_points, plot_pareto, plot_sqnr, suggest_recipe
 
     rep, name = result["report"], Path(checkpoint).name
+    text = None
+    if outs.suggest is not None:  # (made and checked first: a refusal writes none of the files)
+        if not result["sensitivity"]:
+            raise UsageError(f"--suggest: the encodings quantize no module, so no layer can be kept at a higher "
+                             f"precision; {outs.suggest} not written")
+        if any(r["damage"] != r["damage"] for r in result["sensitivity"]):  # NaN: no order to choose from
+            raise DataError(f"--suggest: the layers' damage is NaN (a model that gives one number per sample, "
+                            f"measured on fewer than two samples or constant outputs), so nothing ranks them; give "
+                            f"more --num-samples; {outs.suggest} not written")
+        grids = None if outs.base else encoding_grids(EncodingsFile.read(outs.encodings, lazy=True).entries)
+        text = suggest_recipe(result["sensitivity"], outs.suggest_n, outs.base.text if outs.base else None, grids)
+        parse_recipe(text, source=str(outs.suggest))
     if outs.plot:
         plot_sqnr(rep, outs.plot, title=f"per-layer SQNR: {name}")
     if outs.pareto:
@@ -230,11 +244,5 @@ def write_report_outputs(result: Dict[str, Any], checkpoint: str, outs: ReportOu
                                                f"{', '.join(outs.search['candidates'])}")
         write_text_atomic(Path(outs.pareto).with_suffix(".json"), json.dumps(points, indent=1) + "\n", output=True)
         result["json"]["pareto"] = points
-    if outs.suggest is not None:
-        if any(r["damage"] != r["damage"] for r in result["sensitivity"]):  # NaN: no order to choose from
-            raise DataError(f"--suggest: the layers' damage is NaN (a model that gives one number per sample, "
-                            f"measured on fewer than two samples or constant outputs), so nothing ranks them; give "
-                            f"more --num-samples; {outs.suggest} not written")
-        text = suggest_recipe(result["sensitivity"], outs.suggest_n, outs.base.text if outs.base else None)
-        parse_recipe(text, source=str(outs.suggest))
+    if text is not None:
         write_text_atomic(outs.suggest, text, output=True)
