@@ -207,6 +207,11 @@ def test_gpt2s_conv1d_takes_per_tensor_weights_only():
                                           r"per_channel there would share scales across input, not output"):
         plan_of(rule % "per_channel", nn.Sequential(Conv1D(8, 4)))
     assert rows(plan_of(rule % "per_tensor", nn.Sequential(Conv1D(8, 4))))["0.weight"].shape == ()
+    # GPTQ there is rounded to nearest: the warning named Linear and "Conv1d" to a user whose layer is Conv1D
+    plan = resolve_plan(parse_recipe("version: 1\nlayers:\n  - type: Conv1D\n    weights: {bitwidth: 4, "
+                                     "granularity: per_tensor, rounding: gptq}\n"), nn.Sequential(Conv1D(8, 4)))
+    assert plan.warnings == ["0 (Conv1D): rounding gptq applies to Linear and Conv1d/Conv2d layers (transformers' "
+                             "Conv1D, GPT-2's Linear stored transposed, is not one); this weight is rounded to nearest"]
 
 
 def test_type_and_match_combine():

@@ -138,3 +138,14 @@ def test_gpt2_conv1d_layers_are_named_and_a_position_table_is_not():
     plan = resolve_plan(load_recipe(recipe_file("w8a16")), vit_like)
     assert [n for n, _, _ in plan.coverage.unreachable] == ["position_embeddings"]
     assert not [w for w in plan.warnings if "have no quantizer" in w]
+
+
+def test_sequential_on_a_model_it_cannot_walk_is_refused_before_the_plan_line(tmp_path):
+    """GPT-2 under --sequential printed "plan: ... peak memory about 0 MB (sequential)", then the refusal."""
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=2,
+                                                         n_positions=64)).save_pretrained(tmp_path / "gpt2")
+    save_file({"input_ids": torch.randint(0, 256, (4, 16))}, tmp_path / "ids.safetensors")
+    code, _, err = run_cli("calibrate", tmp_path / "gpt2", "-c", "w8a16", "--data", tmp_path / "ids.safetensors",
+                           "--sequential", "-o", tmp_path / "o")
+    assert code == 2 and "GPT2LMHeadModel is not one" in err and "plan:" not in err, err
+    assert not (tmp_path / "o").exists()

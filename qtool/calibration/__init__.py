@@ -214,7 +214,10 @@ def prepare_calibration(checkpoint: str, recipe: Recipe, source: str, opts: Cali
         from ..model.hf import meta_causal_lm
 
         device = resolve_device(opts.device)
+        from .sequential import sequential_decoder
+
         model, _, tokenizer = meta_causal_lm(checkpoint, opts.trust_remote_code)
+        sequential_decoder(model)  # (a model it cannot walk: refused before the plan and its estimate are shown)
         plan = _resolve(recipe, model, source, opts, checkpoint)
         _warn_all_experts(plan, opts, model)
         plan.memory = estimate_run(model, plan, "sequential", opts)

@@ -47,14 +47,16 @@ from .resume import BlockResult, ResumeState
 from .rotation import Rotator
 from .rounding import collect_inputs, importance, learn_rounding, round_weights, routed_fallbacks
 
-__all__ = ["calibrate_sequential"]
+__all__ = ["calibrate_sequential", "sequential_decoder"]
 
 
 class _Stop(Exception):
     """Raised by the capture hook to end the forward pass at the first decoder block."""
 
 
-def _decoder(model: nn.Module) -> Tuple[str, nn.Module]:
+def sequential_decoder(model: nn.Module) -> Tuple[str, nn.Module]:
+    """``(name, module)`` of the decoder stack ``--sequential`` walks block by block; ``UsageError`` for a model
+    it cannot walk."""
     found = decoder_stack(model)
     if found is None:
         raise UsageError("--sequential supports causal LMs whose decoder blocks are model.model.layers "
@@ -165,7 +167,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
     def keyed(changed: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Tensors a rotation changed, by their checkpoint names (as the in-memory run names them)."""
         return {checkpoint_key(model, n) or renamed.get(n, n): t for n, t in changed.items()}
-    stack_name, stack = _decoder(model)
+    stack_name, stack = sequential_decoder(model)
     blocks = stack.layers
     modules = dict(model.named_modules())
     block_names = [f"{stack_name}.layers.{i}" for i in range(len(blocks))]

@@ -411,15 +411,17 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 rounding = w_spec.rounding
                 if not any(t in _INPUT_WEIGHTED_TYPES for t in tnames):
                     # GPTQ and activation weighting need a weight that multiplies the input as x @ W.T
+                    not_one = (" (transformers' Conv1D, GPT-2's Linear stored transposed, is not one)"
+                               if tname == "Conv1D" else "")
                     if rounding.name != "nearest":
                         plan.warnings.append(f"{name} ({tname}): rounding {rounding.name} applies to Linear "
-                                             "and Conv1d/Conv2d layers; this weight is rounded to nearest")
+                                             f"and Conv1d/Conv2d layers{not_one}; this weight is rounded to nearest")
                         rounding = RoundingSpec()
                     weighting = analyzer_args.get("weighting")
                     if weighs_activations(weighting):
                         left = without_activations(weighting)
                         plan.warnings.append(f"{name} ({tname}): weighting by activations applies to "
-                                             "Linear and Conv1d/Conv2d layers; this weight's search is "
+                                             f"Linear and Conv1d/Conv2d layers{not_one}; this weight's search is "
                                              + ("unweighted" if left is None else f"weighted by {left} only"))
                         analyzer_args = drop_activations(analyzer_args)
                 plan.quantizers.append(QuantizerPlan(
