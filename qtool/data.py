@@ -69,11 +69,22 @@ def _read_tensor_file(path: Path) -> Dict[str, torch.Tensor]:
                 raise DataError(str(e)) from None
             return dict(load_file(str(path)))
         if suffix in (".pt", ".pth"):
-            obj = torch.load(str(path), map_location="cpu", weights_only=True)
+            try:
+                obj = torch.load(str(path), map_location="cpu", weights_only=True)
+            except Exception as e:  # (torch's advice, "re-run with weights_only=False", is no way to read data)
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                first = ("not a torch file of tensors (torch.save of a tensor or a dict of tensors)"
+                         if "Weights only load failed" in first else f"not a readable torch file ({first})")
+                raise DataError(f"{path}: cannot read calibration data: {first}") from None
             if isinstance(obj, torch.Tensor):
                 return {"input": obj}
-            if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            other = ([k for k, v in obj.items() if not isinstance(v, torch.Tensor)] if isinstance(obj, dict)
+                     else None)
+            if other == []:
                 return dict(obj)
+            if other:
+                raise DataError(f"{path}: expected a tensor or a dict of tensors, and key {other[0]!r} holds a "
+                                f"{type(obj[other[0]]).__name__}")
             raise DataError(f"{path}: expected a tensor or a dict of tensors, found {type(obj).__name__}")
         import numpy as np
 
@@ -216,6 +227,9 @@ def _collect(path: Path) -> Tuple[List[Path], str]:
     if not path.exists():
         raise DataError(f"{path}: data path not found")
     if path.is_dir():
+        broken = sorted(p for p in path.iterdir() if p.is_symlink() and not p.exists())
+        if broken:  # (skipped, the run would use the other files without a word)
+            raise DataError(f"{broken[0]}: a link to nothing (its target is missing, or the links loop)")
         files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in TENSOR_SUFFIXES + TEXT_SUFFIXES)
         if not files:
             raise DataError(f"{path}: no data files (expected {', '.join(TENSOR_SUFFIXES + TEXT_SUFFIXES)})")
@@ -409,6 +423,13 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
                 f"data does not give (it gives {', '.join(batch.kwargs) or 'one tensor'}): pass a .safetensors file "
                 "holding the encoder's inputs (input_ids, or a speech model's input_features) and "
                 f"decoder_input_ids (the model said: {said})")
+    if "input_ids or inputs_embeds" in said and batch.kwargs and "input_ids" not in batch.kwargs:
+        return (f"the data's tensors are named {', '.join(batch.kwargs)}, and none is input_ids (np.savez without "
+                "names writes arr_0, arr_1, ...): name them, e.g. np.savez(f, input_ids=ids, attention_mask=mask)")
+    if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dim() == 1 \
+            and isinstance(table, torch.nn.Embedding):
+        return ("the token ids file has one dimension, so each sample is a single token: save ids as [samples, "
+                f"tokens] (NumPy: x[None] for one sample; the model said: {said})")
     if isinstance(err, AttributeError):
         given = ", ".join(batch.kwargs) or "one tensor"
         return (f"it needs an input the data does not give (the data gives {given}; an image model takes "

@@ -79,6 +79,10 @@ SETUPS = {
     "truncated_data": lambda d, ckpt: _save(d, "x.safetensors", {"x": torch.randn(4, 64)}).write_bytes(
         (d / "x.safetensors").read_bytes()[:-100]) and d / "x.safetensors",
     "ragged_data": lambda d, ckpt: _save(d, "r.safetensors", {"x": torch.randn(4, 64), "y": torch.randn(3, 64)}),
+    "pt_dict_with_a_string": lambda d, ckpt: torch.save({"x": torch.randn(4, 64), "name": "run 3"}, d / "s.pt")
+    or d / "s.pt",
+    "dangling_link_in_data_dir": lambda d, ckpt: (d / "data").mkdir() or _save(d / "data", "a.safetensors", {
+        "x": torch.randn(16, 64)}) and (d / "data" / "b.safetensors").symlink_to(d / "gone.safetensors") or d / "data",
     "scaled_checkpoint": lambda d, ckpt: _scaled_checkpoint(d),
     "latin1_json": lambda d, ckpt: (d / "l.json").write_bytes('{"schema": "caf\u00e9"}'.encode("latin-1")) and d / "l.json",
 }

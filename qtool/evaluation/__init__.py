@@ -354,7 +354,7 @@ def _windows(opts: EvalOptions, tokenizer, causal_lm: bool, vocab: Optional[int]
         ids = b.kwargs["input_ids"] if "input_ids" in b.kwargs else b.args[0]
         if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
             raise DataError(f"{opts.data}: token ids must be integers of shape [sequences, tokens] (got "
-                            f"{str(ids.dtype).replace('torch.', '')} of shape {list(ids.shape)})")
+                            f"{str(ids.dtype).replace('torch.', '')} samples of shape {list(ids.shape[1:])})")
         mask = b.kwargs.get("attention_mask")
         rows = [ids[r] if mask is None else ids[r][mask[r] > 0] for r in range(ids.shape[0])]  # (padding: dropped)
         kept = torch.cat(rows) if rows else ids.reshape(-1)
