@@ -506,6 +506,15 @@ def test_every_problem_is_listed_with_its_line_and_a_hint(tmp_path):
     assert problems[1].startswith(f"{bad}:4: defaults.activations.granularity:") and "did you mean 'per_tensor'" \
         in problems[1]
     assert problems[2] == f"{bad}:6: layers[0].name: unknown key (did you mean 'match'?)"
+    # weights at the top level (a first recipe's slip) read "unknown key" with no hint
+    bad.write_text("version: 1\nweights: {bitwidth: 4}\nactivation: null\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(bad)
+    assert e.value.problems == [
+        f"{bad}:2: weights: unknown key at the top level (did you mean 'defaults.weights'? weights sit under "
+        "defaults, or under a layers entry)",
+        f"{bad}:3: activation: unknown key at the top level (did you mean 'defaults.activations'? activations sit "
+        "under defaults, or under a layers entry)"]
 
 
 def test_validate_checks_layers_entries_as_resolution_merges_them(tmp_path):

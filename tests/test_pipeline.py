@@ -536,6 +536,20 @@ def test_encodings_for_another_model_are_refused(tmp_path, mlp_ckpt):
     assert code == 2 and "not a qtool encodings file" in err
 
 
+def test_a_run_directory_or_an_aimet_file_given_as_encodings_says_where_the_encodings_are(tmp_path, mlp_ckpt):
+    """-e OUT (a quantize output) read "is a directory; expected the encodings file"; -e OUT/model.encodings
+    (AIMET JSON) "not a qtool encodings file", neither saying where to look."""
+    code, _, err = run_cli("quantize", mlp_ckpt, "-c", "w8a16", "--model-class", "tests.tinymodels:mlp", "-o",
+                           tmp_path / "q", "--quiet")
+    assert code == 0, err
+    for given, said in ((tmp_path / "q", f"is a directory; the encodings file is "
+                                         f"{tmp_path / 'q/calibration/encodings.json'}: pass that"),
+                        (tmp_path / "q/model.encodings", "(an AIMET file: qtool import-encodings turns it into one)")):
+        code, _, err = run_cli("export", mlp_ckpt, "-e", given, "--model-class", "tests.tinymodels:mlp", "-o",
+                               tmp_path / "x")
+        assert code == 2 and said in err and not (tmp_path / "x").exists(), err
+
+
 def test_out_that_is_a_file(tmp_path, mlp_ckpt):
     f = tmp_path / "file"
     f.write_text("x")

@@ -25,7 +25,12 @@ def _key_path(loc: Sequence[Any]) -> str:
 def _describe(err: Dict[str, Any], fields: Sequence[str] = ()) -> str:
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
-        return "unknown key" + _did_you_mean(err["loc"][-1] if err["loc"] else None, fields)
+        word = err["loc"][-1] if err["loc"] else None
+        nested = _SYNONYMS.get(word, word) if len(err["loc"]) == 1 else None
+        if nested in ("weights", "activations"):  # (a recipe's top level holds defaults and layers, not these)
+            return (f"unknown key at the top level (did you mean 'defaults.{nested}'? {nested} sit under defaults, "
+                    "or under a layers entry)")
+        return "unknown key" + _did_you_mean(word, fields)
     if err["type"] == "literal_error":
         expected = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
         return f"{msg} (got {_short(err.get('input'))}){_did_you_mean(err.get('input'), expected)}"

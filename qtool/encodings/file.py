@@ -160,9 +160,15 @@ class EncodingsFile:
         """Read an encodings file. ``lazy``: entries kept in the sidecar are read when their numbers are asked
         for (``scale_offset``, ``range``, ``materialized``), one at a time, instead of all now."""
         path = Path(path)
+        inside = next((f for f in (path / "encodings.json", path / "calibration" / "encodings.json") if f.is_file()),
+                      None) if path.is_dir() else None
+        if inside is not None:  # (a calibrate run, or a quantize/export output with its calibration beside it)
+            raise EncodingsError(f"{path}: is a directory; the encodings file is {inside}: pass that")
         obj = read_json_object(path, EncodingsError, "encodings file", strict=True)
         if obj.get("schema") != SCHEMA:
-            raise EncodingsError(f"{path}: not a qtool encodings file (expected \"schema\": \"{SCHEMA}\")")
+            hint = " (an AIMET file: qtool import-encodings turns it into one)" if path.name.endswith(".encodings") \
+                else ""
+            raise EncodingsError(f"{path}: not a qtool encodings file (expected \"schema\": \"{SCHEMA}\"){hint}")
         version = obj.get("schema_version")
         if version not in READS_VERSIONS or isinstance(version, bool):
             raise EncodingsError(
