@@ -174,7 +174,10 @@ def test_an_imatrix_that_does_not_fit_the_model_is_one_line_and_writes_nothing(l
 
     ckpt, _, _ = llama
     cases = {
-        "other.gguf": ({"blk.7.attn_q.weight": [(torch.ones(64), 4)]}, "blk.7.attn_q.weight: the model has no such"),
+        "other.gguf": ({"blk.7.attn_q.weight": [(torch.ones(64), 4)]}, "blk.7.attn_q.weight: no Linear layer of the "
+                       "model has that GGUF name"),
+        # (the model has an embedding table by that name, which is not a Linear: it read "has no such weight")
+        "embd.gguf": ({"token_embd.weight": [(torch.ones(64), 4)]}, "token_embd.weight: no Linear layer"),
         "narrow.gguf": ({"blk.0.attn_q.weight": [(torch.ones(32), 4)]}, "32 columns, but model.layers.0.self_attn"),
     }
     for name, (sums, needle) in cases.items():

@@ -60,8 +60,8 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
                 by_gguf.setdefault(name, {}).setdefault(row, module)
     for name in sorted(importances):
         if name not in by_gguf:
-            raise EncodingsError(f"{path}: {name}: the model has no such weight (an importance matrix of another "
-                                 f"model?)")
+            raise EncodingsError(f"{path}: {name}: no Linear layer of the model has that GGUF name (an importance "
+                                 "matrix weighs Linear layers' inputs; is it another model's?)")
         first = by_gguf[name][min(by_gguf[name])]
         width, matrices = _width(model, first), len(by_gguf[name])
         if importances[name].dim() == 1 and matrices > 1 and importances[name].numel() == matrices * width:
