@@ -749,3 +749,26 @@ def test_samples_past_the_models_positions_are_said(tmp_path):
             past = [w for w in json.loads(out)["warnings"] if "past the model's 64 positions" in w]
             assert bool(past) is said, out
             assert not past or past[0].startswith("samples of 96 tokens run past the model's 64 positions")
+
+
+def test_a_huge_paragraph_is_tokenized_in_pieces_to_the_same_ids(tmp_path, monkeypatch, minilm_tokenizer):
+    """One 50 MB line was tokenized whole (6.6 GB peak for 16 windows); in pieces cut before a space the ids are
+    the whole text's (WordPiece here; byte-level BPE alike)."""
+    import qtool.data as data
+
+    words = " ".join(f"word{i % 97} and more text" for i in range(3000))
+    (tmp_path / "a.txt").write_text(words)
+    whole = load_data(tmp_path / "a.txt", seq_len=32, tokenizer=minilm_tokenizer, pack_text=True)
+    monkeypatch.setattr(data, "_PIECE_CHARS", 1000)
+    calls = []
+    real = minilm_tokenizer.__class__.__call__
+
+    def counting(self, text, *a, **k):
+        calls.append(len(text) if isinstance(text, str) else 0)
+        return real(self, text, *a, **k)
+
+    monkeypatch.setattr(minilm_tokenizer.__class__, "__call__", counting)
+    pieces = load_data(tmp_path / "a.txt", seq_len=32, tokenizer=minilm_tokenizer, pack_text=True)
+    assert max(calls) <= 1000 and len(calls) > len(words) // 1000
+    assert torch.equal(torch.cat([b.kwargs["input_ids"] for b in whole]),
+                       torch.cat([b.kwargs["input_ids"] for b in pieces]))
