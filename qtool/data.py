@@ -352,7 +352,7 @@ def past_positions(config, tokens: int) -> Optional[str]:
     for (a rotary model runs on past them without an error; a learned table's refusal is :func:`rejection`'s)."""
     positions = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
                       if isinstance(getattr(config, k, None), int)), None)
-    if positions is None or tokens <= positions:
+    if positions is None or positions <= 0 or tokens <= positions:  # (XLNet's -1: no limit)
         return None
     return (f"samples of {tokens} tokens run past the model's {positions} positions (max_position_embeddings): what "
             f"is measured there describes positions the model was not trained for; pass --seq-len {positions} or "

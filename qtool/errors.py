@@ -38,3 +38,12 @@ class GateFailed(QtoolError):
     """A quality gate failed (exit code 1)."""
 
     exit_code = 1
+
+
+def cut(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters for an error line: cut at a word with " ..." (another library's
+    message that runs on), or, one unbroken word, at ``width``."""
+    import textwrap
+
+    short = textwrap.shorten(text, width, placeholder=" ...")
+    return short if short.strip(" .") else text[:width]

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import math
 import struct
-import textwrap
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 import numpy as np
 import torch
 
-from .errors import EncodingsError
+from .errors import EncodingsError, cut
 from .io.finite import storable
 
 __all__ = ["write_imatrix", "read_imatrix"]
@@ -72,7 +71,7 @@ def read_imatrix(path: Path) -> Dict[str, torch.Tensor]:
     except (EncodingsError, ImportError):  # (gguf not installed: the CLI names the extra, not the file)
         raise
     except Exception as e:  # noqa: BLE001 - gguf-py's reader raises many kinds on a damaged file: one line each
-        said = textwrap.shorten(str(e).splitlines()[0], 100, placeholder=" ...") if str(e) else ""
+        said = cut(str(e).splitlines()[0], 100) if str(e) else ""
         raise EncodingsError(f"{path}: not a readable llama.cpp importance matrix (damaged or cut short? "
                              f"{type(e).__name__}: {said})") from None
     for name, v in out.items():

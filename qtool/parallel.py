@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import datetime
 import os
-import textwrap
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
-from .errors import QtoolError, UsageError
+from .errors import QtoolError, UsageError, cut
 
 __all__ = ["Group", "PeerFailed", "PeerLost", "from_environment", "shard_bounds", "assign", "ENV_TIMEOUT",
            "DEFAULT_TIMEOUT_S"]
@@ -51,12 +50,6 @@ class PeerLost(QtoolError):
     """Another rank stopped answering (killed, crashed, out of memory, or slower than the timeout)."""
 
     exit_code = 4
-
-
-def _cut(text: str, width: int = 160) -> str:
-    """``text`` in at most ``width`` characters, cut at a word with " ..." where it is longer (gloo's messages
-    run on)."""
-    return textwrap.shorten(text, width, placeholder=" ...")
 
 
 def _timeout_s() -> float:
@@ -182,7 +175,7 @@ class _TorchGroup(Group):
             self._failed = True
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             lost = PeerLost(f"lost contact with the other ranks while {what} (a rank was killed, ran out of "
-                            f"memory, or was slower than {ENV_TIMEOUT}={self.timeout_s:g} s): {_cut(first)}; "
+                            f"memory, or was slower than {ENV_TIMEOUT}={self.timeout_s:g} s): {cut(first, 160)}; "
                             f"{outcome}")
             lost.dist_rank = self.rank  # every surviving rank says it: it cannot know which of them speaks
             raise lost from None
@@ -309,7 +302,7 @@ def from_environment(device: str = "cpu") -> Group:
             dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError, OSError) as e:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise PeerLost(f"could not join the process group ({_cut(first)}); check MASTER_ADDR/MASTER_PORT and "
+            raise PeerLost(f"could not join the process group ({cut(first, 160)}); check MASTER_ADDR/MASTER_PORT and "
                            "that every rank was started") from None
     backend = dist.get_backend()
     return _TorchGroup(dist.get_rank(), dist.get_world_size(), backend, timeout_s, own)

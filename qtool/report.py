@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
+from .config import granularity_word
 from .data import Batch, model_takes
 from .errors import GateFailed, UsageError
 from .io.fs import atomic_file
@@ -44,7 +45,8 @@ def grid_summary(entries) -> List[Dict[str, Any]]:
         kind = spec.element if spec.is_float else ("int" if spec.symmetric else "uint") + str(spec.bitwidth)
         block = spec.block_size if spec.block_size else ()
         length = [b for b in block if b not in (1, -1)]
-        gran = spec.granularity.value + (" " + "x".join(str(b) for b in length) if length else "")
+        gran = granularity_word(e.tensor, spec.granularity.value)
+        gran += " " + "x".join(str(b) for b in length) if length else ""
         scales = f", {spec.scale_dtype} scales" if spec.scale_dtype != "float32" else ""
         label = f"{kind} {gran}{scales}" + (", dynamic" if spec.dynamic else "")
         if spec.ggml is not None:

@@ -697,3 +697,13 @@ def test_under_torchrun_an_interrupt_is_said_by_rank_0_alone(monkeypatch, capsys
             raise _Terminated()
     assert e.value.exit_code != 0
     assert ("interrupted: SIGTERM" in capsys.readouterr().err) == said
+
+
+def test_a_long_message_is_cut_at_a_word_and_an_unbroken_one_keeps_its_start():
+    """Lost-contact lines cut gloo's text mid-word; textwrap alone cut one long word to nothing but ' ...'."""
+    from qtool.errors import cut
+
+    text = "Connection reset by peer. This is typically caused by a remote peer dying " * 4
+    said = cut(text, 160)
+    assert len(said) <= 160 and said.endswith(" ...") and said[:-4].split()[-1] in text.split(), said
+    assert cut("x" * 170, 160) == "x" * 160 and cut("short", 160) == "short"

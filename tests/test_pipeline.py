@@ -743,12 +743,22 @@ def test_samples_past_the_models_positions_are_said(tmp_path):
         save({"input_ids": ids}, tmp_path / f"ids{tokens}.safetensors")
         for extra in ((), ("--sequential",)):
             code, out, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8", "--data",
-                                     tmp_path / f"ids{tokens}.safetensors", "-o", tmp_path / f"r{tokens}{extra}",
+                                     tmp_path / f"ids{tokens}.safetensors", "-o", tmp_path / f"r{tokens}{''.join(extra)}",
                                      "--json", *extra)
             assert code == 0, err
             past = [w for w in json.loads(out)["warnings"] if "past the model's 64 positions" in w]
             assert bool(past) is said, out
             assert not past or past[0].startswith("samples of 96 tokens run past the model's 64 positions")
+    # report and imatrix run the same windows (review: they said nothing)
+    code, out, err = run_cli("report", tmp_path / "m", "-e", tmp_path / "r64/encodings.json", "--data",
+                             tmp_path / "ids96.safetensors", "--json")
+    assert code == 0 and any("past the model's 64 positions" in n for n in json.loads(out)["notes"]), out
+    code, out, err = run_cli("imatrix", tmp_path / "m", "--data", tmp_path / "ids96.safetensors", "-o",
+                             tmp_path / "im.gguf", "--json")
+    assert code == 0 and json.loads(out)["warnings"][0].startswith("samples of 96 tokens run past"), err
+    from qtool.data import past_positions
+
+    assert past_positions(transformers.XLNetConfig(), 16) is None  # (-1: no limit)
 
 
 def test_a_huge_paragraph_is_tokenized_in_pieces_to_the_same_ids(tmp_path, monkeypatch, minilm_tokenizer):

@@ -280,4 +280,6 @@ def imatrix(
     if json_out:
         _emit_json({"ok": True, **result})
     elif not quiet:
+        for w in result["warnings"]:
+            err.print(f"[yellow]warning:[/yellow] {_esc(w)}")
         err.print(f"wrote: {_esc(result['imatrix'])} ({result['entries']} matrices, {result['tokens']} tokens)")

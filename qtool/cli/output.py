@@ -28,17 +28,15 @@ def _grid_label(q) -> str:
     return f"{'int' if q.symmetric else 'uint'}{q.bitwidth}" if q.element == "int" else q.element
 
 
-def _granularity_label(q) -> str:
-    """The recipe's word for a row's granularity: a KV cache's per-head scales are per_channel over the heads
-    axis in the encodings, per_head in the recipe."""
-    return "per_head" if q.tensor in ("k_cache", "v_cache") and q.granularity == "per_channel" else q.granularity
-
-
 def _plan_summary(plan) -> str:
     from collections import Counter
 
-    kinds = Counter((q.tensor, _grid_label(q), _granularity_label(q) + (" dynamic" if q.dynamic else ""))
-                    for q in plan.quantizers if q.name not in plan.left_float)
+    from ..config import granularity_word
+
+    def layout(q) -> str:
+        return granularity_word(q.tensor, q.granularity) + (" dynamic" if q.dynamic else "")
+
+    kinds = Counter((q.tensor, _grid_label(q), layout(q)) for q in plan.quantizers if q.name not in plan.left_float)
     parts = [f"{n} x {t} {e} {g}" for (t, e, g), n in sorted(kinds.items())]
     formats = Counter(plan.left_float.values())
     parts += [f"{n} x weight {how} ({next(k for k, v in plan.left_float.items() if v == how)}"

@@ -13,7 +13,8 @@ Torch is imported only where a plan is made, so that recipes validate without it
 """
 
 from .loading import RecipeFile, load_recipe, parse_recipe, read_recipe
-from .plan import AwqPlan, BatchNormFold, OnlineRotation, Plan, QuantizerPlan, RotationPlan, SmoothGroup
+from .plan import (AwqPlan, BatchNormFold, OnlineRotation, Plan, QuantizerPlan, RotationPlan, SmoothGroup,
+                   granularity_word)
 from .resolve import CHECKPOINT_KEYS, GGUF_GRID_NOTE, resolve_plan
 from .schema import (DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES, ActivationSpec, LayerRule, Recipe, RotateSpec,
                      WeightSpec)
@@ -35,6 +36,7 @@ __all__ = [
     "OnlineRotation",
     "CHECKPOINT_KEYS",
     "GGUF_GRID_NOTE",
+    "granularity_word",
     "load_recipe",
     "read_recipe",
     "RecipeFile",

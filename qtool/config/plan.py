@@ -14,6 +14,15 @@ if TYPE_CHECKING:
     from ..quant.spec import Granularity, QuantSpec
 
 
+KV_CACHE_TENSORS = ("k_cache", "v_cache")
+
+
+def granularity_word(tensor: str, granularity: str) -> str:
+    """The recipe's word for a quantizer's granularity: a KV cache's per-head scales are ``per_channel`` over the
+    heads axis in the encodings, ``per_head`` in the recipe (``kv_cache: {granularity: per_head}``)."""
+    return "per_head" if tensor in KV_CACHE_TENSORS and granularity == "per_channel" else granularity
+
+
 @dataclass(frozen=True)
 class OnlineRotation:
     """A rotation applied to activations at run time (``R`` the orthogonal rotation of :mod:`qtool.quant.hadamard`
@@ -148,7 +157,9 @@ class QuantizerPlan:
         return f"{self.analyzer}(" + ", ".join(f"{k}={v}" for k, v in self.analyzer_args) + ")"
 
     def describe_granularity(self) -> str:
-        return self._spec.describe()
+        said = self._spec.describe()
+        word = granularity_word(self.tensor, self.granularity)
+        return said.replace(self.granularity, word, 1) if word != self.granularity else said
 
 
 @dataclass(frozen=True)

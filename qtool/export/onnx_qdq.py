@@ -171,7 +171,8 @@ def _check_onnx_bits(q) -> None:
     if q.spec.bitwidth not in (4, 8, 16):
         gguf = q.tensor == "weight" and q.spec.gguf_block_type is not None  # (a llama.cpp grid: Q5_0, Q6_K, ...)
         raise UsageError(f"{q.name}: ONNX QuantizeLinear has no {q.spec.bitwidth}-bit type (4, 8 and 16 bits only); "
-                         f"export this recipe with --format qtool{', gguf' if gguf else ''} or aimet")
+                         "export this recipe with --format qtool or aimet"
+                         + (" (or gguf, for a Hugging Face model of a family llama.cpp runs)" if gguf else ""))
 
 
 class OnnxExporter(Exporter):

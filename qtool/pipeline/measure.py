@@ -14,7 +14,7 @@ from torch import nn
 
 from ..calibration import CalibrateOptions
 from ..config import RecipeFile, read_recipe
-from ..data import load_data, model_takes
+from ..data import load_data, longest_sample, model_takes, past_positions
 from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
 from ..errors import CheckpointError, DataError, EncodingsError, UsageError
 from ..hooks import Hooks, step_progress
@@ -58,6 +58,8 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
         hooks.on_stage("measuring")
         rep = evaluate(loaded.model, data, device, loaded.is_causal_lm, hooks.on_batch, group)
         rep.notes += tied_notes(loaded.model) + ([other] if other else [])
+        past = past_positions(getattr(loaded.model, "config", None), longest_sample(data.batches))
+        rep.notes += [past] if past else []
     from ..report import grid_summary
 
     out = {"report": rep, "json": {**rep.to_json(), "grids": grid_summary(enc.entries)},
@@ -145,7 +147,9 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     chunk_size = max((int(t.shape[-1]) for t in firsts if t.dim() >= 2), default=opts.seq_len)
     with atomic_file(target, output=True) as tmp:
         write_imatrix(tmp, by_name, [Path(opts.data).name], chunk_size, max(1, sum(b.size for b in batches)))
-    return {"imatrix": str(target), "entries": len(by_name), "tokens": tokens, "bytes": target.stat().st_size}
+    past = past_positions(getattr(loaded.model, "config", None), longest_sample(batches))
+    return {"imatrix": str(target), "entries": len(by_name), "tokens": tokens, "bytes": target.stat().st_size,
+            "warnings": [past] if past else []}
 
 
 @dataclass
