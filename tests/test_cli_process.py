@@ -213,6 +213,16 @@ def test_full_disk_is_one_clear_line(world, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "File too large" in lines[0]
     assert list(tmp_path.iterdir()) == []
+    # ONNX's export wrote through torch.onnx, whose failure read "torch.onnx could not export this model"
+    r = qtool("calibrate", ckpt, "-c", CONFIGS / "w8a8.yaml", "--model-class", "tests.tinymodels:mlp", "--data",
+              data, "-o", tmp_path / "cal", "--quiet")
+    assert r.returncode == 0, r.stderr
+    r = qtool("export", ckpt, "-e", tmp_path / "cal/encodings.json", "--model-class", "tests.tinymodels:mlp",
+              "--data", data, "-o", tmp_path / "o", "--format", "onnx", "--quiet", preexec_fn=limit)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "File too large" in lines[0], r.stderr
+    assert "torch.onnx" not in lines[0] and "model.onnx" in lines[0], r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["cal"]
 
 
 @pytest.mark.parametrize("no_color", [True, False])
@@ -342,6 +352,21 @@ def test_a_signal_during_the_interpreters_exit_is_ignored(world, tmp_path):
              "sys.argv = ['qtool'] + sys.argv[1:]\nmain()\n")
     r = _calibrate_under(probe, ckpt, tmp_path / "r", "--quiet")
     assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def test_a_signal_while_the_handlers_are_being_ignored_keeps_the_commands_exit(world, tmp_path):
+    """A SIGTERM landing as main() replaced the handlers (the moment the output was renamed into place) raised from
+    the still-installed handler: a traceback and exit 1 after a finished command."""
+    d, ckpt, data = world
+    probe = ("import os, signal, sys\nfrom qtool.cli import main\nreal = signal.signal\nsent = []\n"
+             "def replacing(sig, handler):\n"
+             "    if handler is signal.SIG_IGN and not sent:\n"
+             "        sent.append(1)\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+             "    return real(sig, handler)\n"
+             "signal.signal = replacing\nsys.argv = ['qtool'] + sys.argv[1:]\nmain()\n")
+    r = _calibrate_under(probe, ckpt, tmp_path / "r", "--quiet")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert (tmp_path / "r" / "encodings.json").is_file()
 
 
 def _calibrate_interrupted(world, tmp_path, monkeypatch, name: str, where: str, first=None):

@@ -182,6 +182,7 @@ def test_a_job_writing_another_format_leaves_the_gguf_grid_warning_out(models, t
         # out, and the recipe warning's "export --format gguf refuses them" is not said of a run that writes them
         assert ("2 x weight stored as floats by --format gguf (model.layers.0.mlp.up_proj.weight ...)" in err) == warned
         assert ("export --format gguf refuses them" in err) is False, err
+        assert ("this run's --gguf-fallback stores them as floats" in err) == warned, err
         share = json.loads(out)["weights_quantized"]["share"]
         assert (share < 0.95) == warned, share
 

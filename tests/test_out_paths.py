@@ -291,3 +291,22 @@ def test_an_empty_out_or_the_working_directory_is_refused_before_any_work(world,
         code, _, err = run_cli("calibrate", llama, "-c", "w8a16", "-o", out, "--overwrite")
         _refused(code, err, root, before, what)
         assert "calibrating" not in err
+
+
+@pytest.mark.parametrize("kind", ["dir", "file"])
+def test_an_interrupt_as_the_temporary_is_made_leaves_nothing(tmp_path, monkeypatch, kind):
+    """A SIGTERM between mkdtemp and its chmod left an empty private .OUT.tmp-* behind ("nothing was written")."""
+    import qtool.io.fs as fs
+
+    def interrupted():
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(fs, "current_umask", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        if kind == "dir":
+            with fs.atomic_output_dir(tmp_path / "out"):
+                pass
+        else:
+            with fs.atomic_file(tmp_path / "out.json"):
+                pass
+    assert list(tmp_path.iterdir()) == []

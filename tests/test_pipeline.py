@@ -536,6 +536,28 @@ def test_encodings_for_another_model_are_refused(tmp_path, mlp_ckpt):
     assert code == 2 and "not a qtool encodings file" in err
 
 
+def test_encodings_without_their_manifest_say_nothing_was_compared_and_a_damaged_one_is_refused(tmp_path,
+                                                                                                  mlp_ckpt):
+    """A missing or garbage manifest.json read as "no record": encodings exported onto other weights silently."""
+    import shutil
+
+    assert calibrate(mlp_ckpt, tmp_path / "run", "w8a16.yaml")[0] == 0
+    for name, manifest in (("lone", None), ("damaged", "garbage")):
+        (tmp_path / name).mkdir()
+        shutil.copy(tmp_path / "run/encodings.json", tmp_path / name)
+        if manifest is not None:
+            (tmp_path / name / "manifest.json").write_text(manifest)
+    code, out, err = run_cli("export", mlp_ckpt, "-e", tmp_path / "lone/encodings.json", "--model-class",
+                             "tests.tinymodels:mlp", "-o", tmp_path / "x1", "--json")
+    assert code == 0 and any(w.startswith(f"no manifest.json beside {tmp_path / 'lone/encodings.json'}: the weights "
+                                          "the encodings were made on are not compared")
+                             for w in json.loads(out)["export_warnings"]), out
+    code, _, err = run_cli("export", mlp_ckpt, "-e", tmp_path / "damaged/encodings.json", "--model-class",
+                           "tests.tinymodels:mlp", "-o", tmp_path / "x2")
+    assert code == 2 and "damaged/manifest.json: not a readable calibration manifest" in err, err
+    assert not (tmp_path / "x2").exists()
+
+
 def test_a_run_directory_or_an_aimet_file_given_as_encodings_says_where_the_encodings_are(tmp_path, mlp_ckpt):
     """-e OUT (a quantize output) read "is a directory; expected the encodings file"; -e OUT/model.encodings
     (AIMET JSON) "not a qtool encodings file", neither saying where to look."""

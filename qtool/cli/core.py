@@ -366,6 +366,24 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt()
 
 
+def _ignore_signals() -> None:
+    """SIGINT and SIGTERM ignored from here on. One that lands while this runs raises from its handler (a
+    traceback and exit 1 after a finished command, seen under SIGTERM at the moment the output was renamed into
+    place): the calls are repeated until they run through, so the command's own exit stands."""
+    import signal
+
+    both = {signal.SIGINT, signal.SIGTERM}
+    while True:
+        try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, both)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, both)  # (one pending meanwhile is discarded: ignored)
+            return
+        except KeyboardInterrupt:  # (_Terminated too)
+            continue
+
+
 def main() -> None:
     import gc
     import signal
@@ -385,8 +403,7 @@ def main() -> None:
     finally:
         # the command is over (its outputs closed and in place, its exit code chosen): a signal now would only
         # interrupt the interpreter's exit, with a traceback from whatever atexit handler it lands in
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _ignore_signals()
         # On exit the interpreter searches everything still alive for reference cycles, several times over, to
         # free memory the operating system takes back anyway: ~0.4 s per command once torch is loaded. Frozen
         # objects are skipped. By now every output is closed and renamed into place, and what cleans up at exit

@@ -15,7 +15,7 @@ Torch is imported only where a plan is made, so that recipes validate without it
 from .loading import RecipeFile, load_recipe, parse_recipe, read_recipe
 from .plan import (AwqPlan, BatchNormFold, OnlineRotation, Plan, QuantizerPlan, RotationPlan, SmoothGroup,
                    granularity_word)
-from .resolve import CHECKPOINT_KEYS, GGUF_GRID_NOTE, resolve_plan
+from .resolve import CHECKPOINT_KEYS, GGUF_GRID_NOTE, GGUF_GRID_REFUSED, GGUF_GRID_STORED, resolve_plan
 from .schema import (DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES, ActivationSpec, LayerRule, Recipe, RotateSpec,
                      WeightSpec)
 from .shipped import (describe_recipe, recipe_description, recipe_file, recipe_needs_data, shipped_recipes,
@@ -36,6 +36,8 @@ __all__ = [
     "OnlineRotation",
     "CHECKPOINT_KEYS",
     "GGUF_GRID_NOTE",
+    "GGUF_GRID_REFUSED",
+    "GGUF_GRID_STORED",
     "granularity_word",
     "load_recipe",
     "read_recipe",

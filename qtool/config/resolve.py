@@ -560,6 +560,8 @@ def _note_shadows(rules: List[LayerRule], applied: List[Tuple[int, str]], effect
 
 
 GGUF_GRID_NOTE = "a grid no GGUF type holds"  # (in the warning a job writing another format leaves out)
+GGUF_GRID_REFUSED = "export --format gguf refuses them (--gguf-fallback writes them as floats)"
+GGUF_GRID_STORED = "this run's --gguf-fallback stores them as floats"  # (what a GGUF job with the fallback says)
 
 
 def _aims_at_gguf(recipe: Recipe) -> bool:
@@ -580,7 +582,7 @@ def _grids_outside_gguf(quantizers: List[QuantizerPlan], source: str) -> List[st
         if q.tensor == "weight" and q.rule is not None and q.spec.gguf_block_type is None:
             off.setdefault(q.rule, []).append(q)
     return [f"{source}: layers[{i}] gives {len(qs)} weight(s) such as {qs[0].module} {GGUF_GRID_NOTE} "
-            f"({_grid_words(qs[0].spec)}): export --format gguf refuses them (--gguf-fallback writes them as floats); "
+            f"({_grid_words(qs[0].spec)}): {GGUF_GRID_REFUSED}; "
             "a gguf_type in the rule (gguf_type: q8_0) keeps them GGUF blocks" for i, qs in sorted(off.items())]
 
 

@@ -218,11 +218,16 @@ def calibrated_elsewhere(enc_path: Path, hashes: Optional[Iterable[str]]) -> Opt
     to compare with). Ranges from another model of the same shape clip or waste its grid."""
     if hashes is None:
         return None
+    manifest = Path(enc_path).parent / "manifest.json"
+    if not manifest.is_file():
+        return None
+    # (a damaged one is refused: read as "no record", it let encodings meet other weights without a word)
+    recorded = read_json_object(manifest, EncodingsError, "calibration manifest (it records the weights the "
+                                "encodings were made on)")
     try:
-        recorded = json.loads((Path(enc_path).parent / "manifest.json").read_text(encoding="utf-8"))
         checkpoint = recorded["inputs"]["checkpoint"]
         then = sorted(str(h) for h in checkpoint["sha256"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError):
         return None
     return str(checkpoint.get("path", "another checkpoint")) if then and then != sorted(hashes) else None
 

@@ -25,6 +25,7 @@ the QDQ nodes in ``onnx_graph``.
 
 from __future__ import annotations
 
+import errno
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +143,10 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
                                   output_names=output_names, dynamic_axes=dynamic_axes, opset_version=opset,
                                   dynamo=False, custom_opsets={"qtool": 1}, do_constant_folding=True)
             break
+        except OSError as e:  # (a full disk, a file-size limit: the output, not the model; the CLI names the path)
+            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES):
+                raise OSError(e.errno, e.strerror, e.filename or str(path)) from None
+            last_error = e
         except Exception as e:  # the exporter raises many types; try the next opset
             last_error = e
     else:

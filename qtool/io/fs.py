@@ -327,10 +327,13 @@ def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
         parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(out)
         tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out.name), dir=parent))
-        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it private; the output is made as mkdir would
     except OSError as e:
         raise UsageError(f"{out}: cannot create output directory: {e.strerror or e}") from None
     try:
+        try:  # (inside the cleanup: an interrupt here left the empty temporary behind)
+            os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it private; the output is made as mkdir would
+        except OSError as e:
+            raise UsageError(f"{out}: cannot create output directory: {e.strerror or e}") from None
         yield tmp
         _publish(tmp, out, overwrite)
     except BaseException as e:
@@ -348,10 +351,10 @@ def atomic_file(path: Path, output: bool = False) -> Iterator[Path]:
     remove_stale_temporaries(path)
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), dir=str(path.parent.resolve()))
     try:
-        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes it private; the file is made as open() would
-    finally:
-        os.close(fd)
-    try:
+        try:  # (inside the cleanup, as atomic_output_dir's)
+            os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes it private; the file is made as open() would
+        finally:
+            os.close(fd)
         yield Path(tmp)
         os.replace(tmp, path)
     except BaseException as e:

@@ -96,7 +96,11 @@ def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, st
     """Refuse encodings calibrated on other weights (``encodings.calibrated_elsewhere``: other file bytes, which a re-saved
     copy of the same tensors has too) unless ``allow_other``. Returns the warning an allowed one gets, which says
     so loudly where they carry tensors made from those weights (codes a rounding algorithm chose, smoothed or
-    rotated tensors), written as they are (None: the same weights, or none recorded)."""
+    rotated tensors), written as they are, or the warning that nothing was compared where no manifest.json lies
+    beside the encodings (None: the same weights, or no weights recorded)."""
+    if not (Path(enc_path).parent / "manifest.json").is_file():
+        return (f"no manifest.json beside {enc_path}: the weights the encodings were made on are not compared with "
+                f"{checkpoint}'s (encodings applied to other weights clip or waste their grids)")
     other = calibrated_elsewhere(enc_path, digest.values())
     if other is None:
         return None

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 from ..calibration import CalibrateOptions
-from ..config import GGUF_GRID_NOTE, RecipeFile
+from ..config import GGUF_GRID_NOTE, GGUF_GRID_REFUSED, GGUF_GRID_STORED, RecipeFile
 from ..encodings import EncodingsFile
 from ..errors import UsageError
 from ..export.base import weight_changes
@@ -114,9 +114,10 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
         if plan.coverage is not None and floats:  # (the share of weights the file holds quantized)
             plan.coverage = plan.coverage.without({q.module for q in plan.quantizers
                                                    if q.name in plan.left_float and q.tensor == "weight"})
-        if exporter.name != "gguf" or floats:  # (a rule off GGUF's grids matters to a GGUF export alone, and
-            # there the plan line counts what --gguf-fallback stores as floats)
+        if exporter.name != "gguf":  # (a rule off GGUF's grids matters to a GGUF export alone)
             plan.warnings[:] = [w for w in plan.warnings if GGUF_GRID_NOTE not in w]
+        elif floats:  # (not refused: written as floats)
+            plan.warnings[:] = [w.replace(GGUF_GRID_REFUSED, GGUF_GRID_STORED) for w in plan.warnings]
 
     with _ranks(opts.device) as group:  # (every rank admits the plan to the format, and a search counts in it)
         _same_command(group, checkpoint, opts, recipe_path, target, out=str(out),
