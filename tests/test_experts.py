@@ -658,3 +658,18 @@ def test_patterns_may_name_experts_by_the_checkpoints_names(tmp_path):
     assert {m: q.bitwidth for m, q in rows.items() if ".experts.0." in m} == {
         "model.layers.0.mlp.experts.0.w1": 8, "model.layers.0.mlp.experts.0.w2": 4,
         "model.layers.0.mlp.experts.0.w3": 8}
+
+
+@pytest.mark.parametrize("family,warned", [("granitemoe", True), ("gpt_oss", True), ("qwen3_moe", False)])
+def test_the_export_says_where_transformers_cannot_read_per_expert_tensors(tmp_path, family, warned):
+    """transformers' gpt-oss and GraniteMoE models read their experts fused only: from_pretrained loaded the
+    per-expert file with random experts (logits off, top-1 agreement 0.08-0.7) and the export said nothing."""
+    checkpoint, _ = _saved(tmp_path, family)
+    code, out, err = run_cli("quantize", checkpoint, "-c", "w4a16-block32", "-o", tmp_path / "ct", "--format",
+                             "compressed-tensors", "--json")
+    assert code == 0, err
+    said = [w for w in json.loads(out)["export_warnings"] if "reads its experts fused only" in w]
+    assert bool(said) is warned, out
+    assert not said or said[0].startswith(f"transformers' {'GraniteMoE' if family == 'granitemoe' else 'gpt-oss'} "
+                                          "model reads its experts fused only: from_pretrained loads this "
+                                          "directory's 48 per-expert layers as randomly initialized experts")  # (2 x 8 x 3)

@@ -86,6 +86,7 @@ from torch import nn
 from ..config.layout import attention_modules
 from ..encodings import EncodingsFile
 from ..errors import CheckpointError, EncodingsError, UsageError
+from ..families import family_of_model
 from ..io.checkpoint import detect_kind, not_found
 from ..io.jsonfile import read_json_object
 from ..model.expert_view import open_checkpoint
@@ -223,6 +224,13 @@ def export_compressed_tensors(
     warnings += _compat_notes(list(settings.values()))
 
     quantized_modules = {e.module for e in by_key.values()}
+    family = family_of_model(model)
+    experts = [m for m in quantized_modules if ".experts." in m]
+    if experts and family is not None and not family.transformers_reads_split_experts:
+        warnings.append(f"transformers' {family.title} model reads its experts fused only: from_pretrained loads "
+                        f"this directory's {len(experts)} per-expert layers as randomly initialized experts (its "
+                        "load report lists them MISSING), so run the file in a runtime that reads llm-compressor's "
+                        "per-expert layout (qtool eval refuses the transformers reload in one line)")
     orphans = sorted(set(dyn_inputs) - quantized_modules)
     if orphans:
         acts += [dyn_inputs[m] for m in orphans]

@@ -66,6 +66,10 @@ class Family:
     norm_shift: float = 0.0
     #: the context length the converter writes when config.json gives no ``max_position_embeddings``
     context_length: int = 2048
+    #: transformers' model of the family reads experts stored one by one (its loader stacks them into its fused
+    #: module, as Qwen3-MoE's does); False where its checkpoints store them fused and its loader reads only that
+    #: (gpt-oss, GraniteMoE): a compressed-tensors file's per-expert tensors then load as random experts
+    transformers_reads_split_experts: bool = True
     #: config.json keys for what llama.cpp's architecture has no tensor or step for (key -> what): set (true, a
     #: number), its GGUF would not load (a bias tensor it does not expect) or would compute another function
     gguf_absent: Dict[str, str] = {}

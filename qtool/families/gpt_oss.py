@@ -24,6 +24,7 @@ _ALPHA, _LIMIT = 1.702, 7.0  # llama.cpp: ggml_swiglu_oai(..., 1.702f, 7.0f)
 class GptOss(Family):
     model_types = ("gpt_oss",)
     title = "gpt-oss"
+    transformers_reads_split_experts = False
     rms_norms = ("GptOssRMSNorm",)
     smooth_mappings = ()
     no_smoothing = ("gpt-oss's norms feed its routers too (a scaled norm reroutes tokens); give smoothquant.mappings "

@@ -13,6 +13,7 @@ class GraniteMoe(Granite):
     title = "GraniteMoE"
     rms_norms = ("GraniteMoeRMSNorm",)
     gguf_arch = "granitemoe"
+    transformers_reads_split_experts = False
 
     def gguf_key(self, key: str) -> str:
         # qtool's per-expert names, stacked, as gguf-py's table knows expert tensors
