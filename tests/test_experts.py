@@ -673,3 +673,13 @@ def test_the_export_says_where_transformers_cannot_read_per_expert_tensors(tmp_p
     assert not said or said[0].startswith(f"transformers' {'GraniteMoE' if family == 'granitemoe' else 'gpt-oss'} "
                                           "model reads its experts fused only: from_pretrained loads this "
                                           "directory's 48 per-expert layers as randomly initialized experts")  # (2 x 8 x 3)
+
+
+def test_an_nvfp4_moe_export_says_transformers_reloads_its_experts_wrongly(tmp_path):
+    """The export's only transformers note said to load NVFP4 in bfloat16, which on a mixture of experts gives a
+    wrong model (top-1 agreement 0.000): transformers multiplies the experts' global scale instead of dividing."""
+    checkpoint, _ = _saved(tmp_path, "qwen3_moe")
+    code, out, err = run_cli("quantize", checkpoint, "-c", "nvfp4a16", "-o", tmp_path / "ct", "--format",
+                             "compressed-tensors", "--json")
+    assert code == 0, err
+    assert any(w.startswith("transformers reloads NVFP4 experts wrongly") for w in json.loads(out)["export_warnings"])

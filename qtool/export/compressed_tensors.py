@@ -231,6 +231,10 @@ def export_compressed_tensors(
                         f"this directory's {len(experts)} per-expert layers as randomly initialized experts (its "
                         "load report lists them MISSING), so run the file in a runtime that reads llm-compressor's "
                         "per-expert layout (qtool eval refuses the transformers reload in one line)")
+    elif any(module_fmt[k] == "nvfp4-pack-quantized" for k, e in by_key.items() if ".experts." in e.module):
+        warnings.append("transformers reloads NVFP4 experts wrongly (their values multiplied by the global scale "
+                        "instead of divided; dense layers reload right): the bfloat16 reload of this file is not "
+                        "the model it holds (vLLM reads it; qtool eval says so in one line)")
     orphans = sorted(set(dyn_inputs) - quantized_modules)
     if orphans:
         acts += [dyn_inputs[m] for m in orphans]
