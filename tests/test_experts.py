@@ -672,7 +672,7 @@ def test_the_export_says_where_transformers_cannot_read_per_expert_tensors(tmp_p
     assert bool(said) is warned, out
     assert not said or said[0].startswith(f"transformers' {'GraniteMoE' if family == 'granitemoe' else 'gpt-oss'} "
                                           "model reads its experts fused only: from_pretrained loads this "
-                                          "directory's 48 per-expert layers as randomly initialized experts")  # (2 x 8 x 3)
+                                          "directory's 48 per-expert layers as randomly initialized experts")
 
 
 def test_an_nvfp4_moe_export_says_transformers_reloads_its_experts_wrongly(tmp_path):
