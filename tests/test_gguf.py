@@ -556,3 +556,21 @@ def test_added_tokens_are_typed_as_llama_cpps_converter_types_them(tmp_path):
     assert [types[ids[t]] for t in ids] == [control, control, control, user]
     others = [t for i, t in enumerate(types) if i not in ids.values()]
     assert set(others) <= {int(gguf.TokenType.NORMAL), int(gguf.TokenType.UNUSED)}
+
+
+def test_general_name_does_not_depend_on_how_the_path_is_spelled(llamas, tmp_path):
+    """general.name was the path's last part: "link" through a symlink, absent for ".", a Hub snapshot's commit
+    hash; the same weights gave other bytes."""
+    from qtool.export.gguf_model import model_name
+
+    (tmp_path / "link").symlink_to(llamas["untied"])
+    names = set()
+    for given in (llamas["untied"], tmp_path / "link"):
+        out = tmp_path / f"q{len(names)}-{given.name}"
+        code, _, err = run_cli("quantize", given, "-c", "gguf-q8_0", "-o", out, "--format", "gguf", "--quiet")
+        assert code == 0, err
+        names.add(gguf.GGUFReader(out / "model.gguf").fields["general.name"].contents())
+    assert names == {Path(llamas["untied"]).resolve().name}
+    snapshot = tmp_path / "hub/models--org--TinyLlama-x/snapshots/0123456789abcdef0123456789abcdef01234567"
+    snapshot.mkdir(parents=True)
+    assert model_name(snapshot) == "TinyLlama-x"

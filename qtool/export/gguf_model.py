@@ -39,6 +39,14 @@ _LLAMA3_DIGITS = r"\p{N}{1,3}"
 _QWEN2_DIGITS = r"|\p{N}|"
 
 
+def model_name(directory: Path) -> str:
+    """``general.name``: the model directory's own name however the path was spelled (".", a symlink), and a Hugging
+    Face cache snapshot's repository name (``models--org--name/snapshots/<commit>``: ``name``), not its commit."""
+    real = Path(directory).resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent.name.split("--")[-1]
+    return real.name
+
 def permute_rows(t, n_head: int):
     """llama.cpp's rotary layout for q/k projections: within each head, the two halves of the rotary pairs are
     interleaved (``reshape(n_head, 2, rows / n_head / 2, ...)``, swap the middle axes). Works on anything indexed
@@ -116,7 +124,7 @@ class GgufModel:
         """Hyperparameters and tokenizer onto ``writer``; returns warnings (e.g. an unknown pre-tokenizer)."""
         import gguf
 
-        writer.add_name(self.directory.name)
+        writer.add_name(model_name(self.directory))
         writer.add_type(gguf.GGUFType.MODEL)
         self.family.add_gguf_metadata(writer, self.config, self.n_layers)
         writer.add_vocab_size(vocab_size)
