@@ -347,16 +347,18 @@ def _subset(total: int, num_samples: Optional[int], seed: int, at_most: bool, wh
     return sorted(torch.randperm(total, generator=g)[:num_samples].tolist())
 
 
-def past_positions(config, tokens: int) -> Optional[str]:
+def past_positions(config, tokens: int, files: Sequence[Path] = ()) -> Optional[str]:
     """A warning where samples of ``tokens`` tokens run past the positions the model's ``config`` was trained
-    for (a rotary model runs on past them without an error; a learned table's refusal is :func:`rejection`'s)."""
+    for (a rotary model runs on past them without an error; a learned table's refusal is :func:`rejection`'s);
+    ``files``: the data's, whose kind says what shortens a sample (--seq-len cuts text, not token-id files)."""
     positions = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
                       if isinstance(getattr(config, k, None), int)), None)
     if positions is None or positions <= 0 or tokens <= positions:  # (XLNet's -1: no limit)
         return None
+    text = not files or any(Path(f).suffix.lower() in TEXT_SUFFIXES for f in files)
+    how = (f"pass --seq-len {positions} or less" if text else f"save token samples of at most {positions}")
     return (f"samples of {tokens} tokens run past the model's {positions} positions (max_position_embeddings): what "
-            f"is measured there describes positions the model was not trained for; pass --seq-len {positions} or "
-            "less")
+            f"is measured there describes positions the model was not trained for; {how}")
 
 
 def longest_sample(batches) -> int:

@@ -555,7 +555,11 @@ def test_encodings_without_their_manifest_say_nothing_was_compared_and_a_damaged
     code, _, err = run_cli("export", mlp_ckpt, "-e", tmp_path / "damaged/encodings.json", "--model-class",
                            "tests.tinymodels:mlp", "-o", tmp_path / "x2")
     assert code == 2 and "damaged/manifest.json: not a readable calibration manifest" in err, err
-    assert not (tmp_path / "x2").exists()
+    assert "restore it, or pass --allow-other-checkpoint" in err and not (tmp_path / "x2").exists()
+    code, out, err = run_cli("export", mlp_ckpt, "-e", tmp_path / "damaged/encodings.json", "--model-class",
+                             "tests.tinymodels:mlp", "-o", tmp_path / "x3", "--allow-other-checkpoint", "--json")
+    assert code == 0 and any("not a readable calibration manifest" in w and "are not compared" in w
+                             for w in json.loads(out)["export_warnings"]), out
 
 
 def test_a_run_directory_or_an_aimet_file_given_as_encodings_says_where_the_encodings_are(tmp_path, mlp_ckpt):
@@ -770,7 +774,9 @@ def test_samples_past_the_models_positions_are_said(tmp_path):
             assert code == 0, err
             past = [w for w in json.loads(out)["warnings"] if "past the model's 64 positions" in w]
             assert bool(past) is said, out
-            assert not past or past[0].startswith("samples of 96 tokens run past the model's 64 positions")
+            assert not past or past[0] == ("samples of 96 tokens run past the model's 64 positions "
+                                           "(max_position_embeddings): what is measured there describes positions "
+                                           "the model was not trained for; save token samples of at most 64")
     # report and imatrix run the same windows (review: they said nothing)
     code, out, err = run_cli("report", tmp_path / "m", "-e", tmp_path / "r64/encodings.json", "--data",
                              tmp_path / "ids96.safetensors", "--json")

@@ -180,7 +180,7 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
     if short and opts.strict_data:
         raise DataError(f"{opts.data}: {short[0]} (--strict-data)")
     plan.warnings.extend(short)
-    past = past_positions(config, longest_sample(data.batches))
+    past = past_positions(config, longest_sample(data.batches), data.files)
     if past is not None:
         plan.warnings.append(past)
     return data

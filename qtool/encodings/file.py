@@ -210,20 +210,35 @@ class EncodingsFile:
         return cls(entries, meta, data_files, codes_file, online)
 
 
-def calibrated_elsewhere(enc_path: Path, hashes: Optional[Iterable[str]]) -> Optional[str]:
+def calibration_manifest(enc_path: Path) -> Tuple[Optional[Dict[str, Any]], str]:
+    """``(the manifest.json beside enc_path, "")``, or ``(None, why not)``: "no manifest.json beside ..." or the
+    reader's one line for a damaged one."""
+    manifest = Path(enc_path).parent / "manifest.json"
+    if not manifest.is_file():
+        return None, f"no manifest.json beside {enc_path}"
+    try:
+        return read_json_object(manifest, EncodingsError, "calibration manifest"), ""
+    except EncodingsError as e:
+        return None, str(e)
+
+
+def calibrated_elsewhere(enc_path: Path, hashes: Optional[Iterable[str]],
+                         unreadable_ok: bool = False) -> Optional[str]:
     """Encodings are applied to the weights they were calibrated on: where the calibration's ``manifest.json``
     beside ``enc_path`` records its checkpoint's weight-file sha256 and they are not ``hashes`` (the checkpoint
     given now: other bytes, whatever its path; None, as ``io.checkpoint.weight_file_hashes`` gives for no weight
     files, compares nothing), the path the manifest records; else None (the same weights, or no manifest of qtool's
-    to compare with). Ranges from another model of the same shape clip or waste its grid."""
+    to compare with). Ranges from another model of the same shape clip or waste its grid. A damaged manifest is
+    refused unless ``unreadable_ok`` (--allow-other-checkpoint; then None): read as "no record", it let encodings
+    meet other weights without a word."""
     if hashes is None:
         return None
-    manifest = Path(enc_path).parent / "manifest.json"
-    if not manifest.is_file():
-        return None
-    # (a damaged one is refused: read as "no record", it let encodings meet other weights without a word)
-    recorded = read_json_object(manifest, EncodingsError, "calibration manifest (it records the weights the "
-                                "encodings were made on)")
+    recorded, why = calibration_manifest(enc_path)
+    if recorded is None:
+        if unreadable_ok or why.startswith("no manifest.json"):
+            return None
+        raise EncodingsError(f"{why}; it records the weights the encodings were made on: restore it, or pass "
+                             "--allow-other-checkpoint to apply the encodings unchecked")
     try:
         checkpoint = recorded["inputs"]["checkpoint"]
         then = sorted(str(h) for h in checkpoint["sha256"].values())

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..data import load_data, longest_sample, past_positions
+from ..data import data_files, load_data, longest_sample, past_positions
 from ..errors import DataError, UsageError
 from ..hooks import Hooks
 from ..io.checkpoint import weight_file_hashes
@@ -484,7 +484,7 @@ def _calibrated_elsewhere(enc: Path, reference: str) -> Optional[str]:
     """A note where the calibration manifest beside ``enc`` records other weights than ``reference``'s."""
     from ..encodings import calibrated_elsewhere
 
-    other = calibrated_elsewhere(enc, weight_file_hashes(Path(reference)))
+    other = calibrated_elsewhere(enc, weight_file_hashes(Path(reference)), unreadable_ok=True)  # (a note at most)
     if other is None:
         return None
     return (f"the encodings given ({enc}) were calibrated on other weights ({other}) than the float checkpoint "
@@ -562,7 +562,8 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
                     len(data), 0)
     ev.notes.extend(notes)
     past = past_positions(getattr(loaded.model, "config", None),
-                          max((len(s) for s in data), default=0) if causal else longest_sample(data))
+                          max((len(s) for s in data), default=0) if causal else longest_sample(data),
+                          data_files(opts.data))
     if past is not None:
         ev.notes.append(past)
     if enc is None:

@@ -145,7 +145,7 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
             break
         except OSError as e:  # (a full disk, a file-size limit: the output, not the model; the CLI names the path)
             if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES):
-                raise OSError(e.errno, e.strerror, e.filename or str(path)) from None
+                raise
             last_error = e
         except Exception as e:  # the exporter raises many types; try the next opset
             last_error = e

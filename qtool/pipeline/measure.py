@@ -58,7 +58,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
         hooks.on_stage("measuring")
         rep = evaluate(loaded.model, data, device, loaded.is_causal_lm, hooks.on_batch, group)
         rep.notes += tied_notes(loaded.model) + ([other] if other else [])
-        past = past_positions(getattr(loaded.model, "config", None), longest_sample(data.batches))
+        past = past_positions(getattr(loaded.model, "config", None), longest_sample(data.batches), data.files)
         rep.notes += [past] if past else []
     from ..report import grid_summary
 
@@ -76,7 +76,7 @@ def _check_calibrated_on(enc_path: Path, checkpoint: str, allow_other: bool) -> 
     """Refuse encodings whose calibration manifest records other weights than ``checkpoint``'s (same shapes, other
     numbers: every figure would measure one model's ranges, and codes, on another), as ``export`` does, unless
     ``allow_other``: then the note that says so (None: the same weights, or none recorded)."""
-    other = calibrated_elsewhere(enc_path, weight_file_hashes(Path(checkpoint)))
+    other = calibrated_elsewhere(enc_path, weight_file_hashes(Path(checkpoint)), unreadable_ok=allow_other)
     if other is None:
         return None
     if not allow_other:
@@ -147,7 +147,7 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     chunk_size = max((int(t.shape[-1]) for t in firsts if t.dim() >= 2), default=opts.seq_len)
     with atomic_file(target, output=True) as tmp:
         write_imatrix(tmp, by_name, [Path(opts.data).name], chunk_size, max(1, sum(b.size for b in batches)))
-    past = past_positions(getattr(loaded.model, "config", None), longest_sample(batches))
+    past = past_positions(getattr(loaded.model, "config", None), longest_sample(batches), data.files)
     return {"imatrix": str(target), "entries": len(by_name), "tokens": tokens, "bytes": target.stat().st_size,
             "warnings": [past] if past else []}
 
