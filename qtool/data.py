@@ -362,11 +362,13 @@ def past_positions(config, tokens: int, files: Sequence[Path] = ()) -> Optional[
 
 
 def longest_sample(batches) -> int:
-    """The most tokens of any sample of ``batches`` (0 where they hold no token ids)."""
+    """The most tokens of any sample of ``batches`` (0 where they hold no token ids: integer images, uint8 or of
+    three or four dimensions, are not)."""
     longest = 0
     for b in batches:
         ids = b.kwargs.get("input_ids", b.args[0] if b.args else None)
-        if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dim() >= 1:
+        if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and 1 <= ids.dim() <= 2 \
+                and ids.dtype not in (torch.uint8, torch.bool):
             longest = max(longest, int(ids.shape[-1]))
     return longest
 
