@@ -272,10 +272,11 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         fail(2, f"error: {where}{e.strerror or e} ({_written()})")  # (every rank says its own: a rank's own disk)
     except Exception as e:  # an internal error: one line, the traceback in a log file
         interrupted()
-        extra = _EXTRAS.get((getattr(e, "name", None) or "").split(".")[0]) if isinstance(e, ImportError) else None
-        if extra is not None:  # an optional package not installed: the environment, not a bug
-            fail(2, f"error: this needs the optional package {e.name.split('.')[0]}: pip install {extra} "
-                    f"({_written()})")
+        # an optional package not installed: the environment, not a bug (the package itself missing: not a name
+        # it lacks, nor one of its modules, which say another version)
+        extra = _EXTRAS.get(getattr(e, "name", None) or "") if isinstance(e, ModuleNotFoundError) else None
+        if extra is not None:
+            fail(2, f"error: this needs the optional package {e.name}: pip install {extra} ({_written()})")
         import tempfile
 
         with tempfile.NamedTemporaryFile("w", prefix="qtool-error-", suffix=".log", delete=False) as log:
