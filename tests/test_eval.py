@@ -326,7 +326,7 @@ def test_bad_input_is_one_line(model, tmp_path):
                                                                             "marker such as -100?")]
     cases += [(("eval", out, "--data", tmp_path / "past.npy"), "token id 100000 is outside the model's vocabulary"),
               (("eval", out, "--data", tmp_path / "flat.npy"), "token ids must be integers of shape [sequences, "
-                                                                 "tokens] (got int64 of shape [")]
+                                                                 "tokens] (got int64 samples of shape [])")]
     ct = _quantize(model, tmp_path, "w8a16", "compressed-tensors", name="ct")  # truncated: transformers' own error,
     with open(ct / "model.safetensors", "r+b") as f:                          # exit 3, once both models had run
         f.truncate(f.seek(0, 2) // 2)

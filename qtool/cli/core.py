@@ -367,19 +367,21 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt()
 
 
+def _ignored(signum, frame) -> None:
+    """SIGINT's and SIGTERM's handler once the command is over: nothing (SIG_IGN itself would make one that
+    another thread had already caught print "Signal 15 ignored due to race condition")."""
+
+
 def _ignore_signals() -> None:
-    """SIGINT and SIGTERM ignored from here on. One that lands while this runs raises from its handler (a
+    """SIGINT and SIGTERM do nothing from here on. One that lands while this runs raises from its handler (a
     traceback and exit 1 after a finished command, seen under SIGTERM at the moment the output was renamed into
     place): the calls are repeated until they run through, so the command's own exit stands."""
     import signal
 
-    both = {signal.SIGINT, signal.SIGTERM}
     while True:
         try:
-            signal.pthread_sigmask(signal.SIG_BLOCK, both)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, both)  # (one pending meanwhile is discarded: ignored)
+            signal.signal(signal.SIGINT, _ignored)
+            signal.signal(signal.SIGTERM, _ignored)
             return
         except KeyboardInterrupt:  # (_Terminated too)
             continue
