@@ -361,14 +361,18 @@ def past_positions(config, tokens: int, files: Sequence[Path] = ()) -> Optional[
             f"is measured there describes positions the model was not trained for; {how}")
 
 
+def ids_like(x: torch.Tensor) -> bool:
+    """Whether a batch's lone input tensor reads as token ids: integers (not bytes or booleans) of one or two
+    dimensions; a uint8 tensor, or an integer one of three or four dimensions, is images."""
+    return not x.is_floating_point() and x.dtype not in (torch.uint8, torch.bool) and 1 <= x.dim() <= 2
+
+
 def longest_sample(batches) -> int:
-    """The most tokens of any sample of ``batches`` (0 where they hold no token ids: integer images, uint8 or of
-    three or four dimensions, are not)."""
+    """The most tokens of any sample of ``batches`` (0 where they hold no token ids, :func:`ids_like`)."""
     longest = 0
     for b in batches:
         ids = b.kwargs.get("input_ids", b.args[0] if b.args else None)
-        if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and 1 <= ids.dim() <= 2 \
-                and ids.dtype not in (torch.uint8, torch.bool):
+        if isinstance(ids, torch.Tensor) and ids_like(ids):
             longest = max(longest, int(ids.shape[-1]))
     return longest
 

@@ -15,7 +15,7 @@ from typing import List, Tuple
 
 from ..choices import weighs_activations
 from ..config import Plan
-from ..data import CalibrationData
+from ..data import CalibrationData, ids_like
 
 __all__ = ["MIN_TOKENS", "MIN_SAMPLES", "data_amount", "shortfalls"]
 
@@ -32,7 +32,7 @@ def data_amount(data: CalibrationData) -> Tuple[int, str]:
     tokens, has_tokens = 0, False
     for batch in data.batches:
         ids = batch.kwargs.get("input_ids")
-        if ids is None and len(batch.args) == 1 and _ids_like(batch.args[0]):
+        if ids is None and len(batch.args) == 1 and ids_like(batch.args[0]):
             ids = batch.args[0]  # a file of one integer tensor [batch, seq]: token ids
         if ids is None:
             continue
@@ -40,14 +40,6 @@ def data_amount(data: CalibrationData) -> Tuple[int, str]:
         mask = batch.kwargs.get("attention_mask")
         tokens += int(mask.sum()) if mask is not None else int(ids.numel())
     return (tokens, "tokens") if has_tokens else (data.num_samples, "samples")
-
-
-def _ids_like(x) -> bool:
-    """Whether a lone input tensor reads as token ids: integers (not bytes or booleans) of rank 1 or 2; a uint8 or
-    3-4-D integer tensor is images."""
-    import torch
-
-    return not x.is_floating_point() and x.dtype not in (torch.uint8, torch.bool) and x.dim() <= 2
 
 
 def shortfalls(plan: Plan, data: CalibrationData) -> List[str]:
