@@ -211,15 +211,35 @@ class EncodingsFile:
 
 
 def calibration_manifest(enc_path: Path) -> Tuple[Optional[Dict[str, Any]], str]:
-    """``(the manifest.json beside enc_path, "")``, or ``(None, why not)``: "no manifest.json beside ..." or the
-    reader's one line for a damaged one."""
+    """``(the manifest.json beside enc_path, "")``; ``(None, "")`` where there is none; ``(None, the reader's one
+    line)`` for a damaged one."""
     manifest = Path(enc_path).parent / "manifest.json"
     if not manifest.is_file():
-        return None, f"no manifest.json beside {enc_path}"
+        return None, ""
     try:
         return read_json_object(manifest, EncodingsError, "calibration manifest"), ""
     except EncodingsError as e:
         return None, str(e)
+
+
+def recorded_elsewhere(recorded: Optional[Dict[str, Any]], hashes: Optional[Iterable[str]]) -> Optional[str]:
+    """The checkpoint path a calibration manifest ``recorded`` names where its weight-file sha256 are not
+    ``hashes`` (None: the same weights, no weights recorded, or nothing to compare)."""
+    if recorded is None or hashes is None:
+        return None
+    try:
+        checkpoint = recorded["inputs"]["checkpoint"]
+        then = sorted(str(h) for h in checkpoint["sha256"].values())
+    except (KeyError, TypeError, AttributeError):
+        return None
+    return str(checkpoint.get("path", "another checkpoint")) if then and then != sorted(hashes) else None
+
+
+def refuse_damaged_manifest(why: str) -> None:
+    """A damaged manifest (``calibration_manifest``'s reason) is refused: read as "no record", it let encodings
+    meet other weights without a word."""
+    raise EncodingsError(f"{why}; it records the weights the encodings were made on: restore it, or pass "
+                         "--allow-other-checkpoint to apply the encodings unchecked")
 
 
 def calibrated_elsewhere(enc_path: Path, hashes: Optional[Iterable[str]],
@@ -234,17 +254,9 @@ def calibrated_elsewhere(enc_path: Path, hashes: Optional[Iterable[str]],
     if hashes is None:
         return None
     recorded, why = calibration_manifest(enc_path)
-    if recorded is None:
-        if unreadable_ok or why.startswith("no manifest.json"):
-            return None
-        raise EncodingsError(f"{why}; it records the weights the encodings were made on: restore it, or pass "
-                             "--allow-other-checkpoint to apply the encodings unchecked")
-    try:
-        checkpoint = recorded["inputs"]["checkpoint"]
-        then = sorted(str(h) for h in checkpoint["sha256"].values())
-    except (KeyError, TypeError, AttributeError):
-        return None
-    return str(checkpoint.get("path", "another checkpoint")) if then and then != sorted(hashes) else None
+    if why and not unreadable_ok:
+        refuse_damaged_manifest(why)
+    return recorded_elsewhere(recorded, hashes)
 
 
 def _read_online(raw: Any, path: Path) -> List[OnlineRotation]:

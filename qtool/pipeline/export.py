@@ -14,7 +14,7 @@ from .. import __version__
 from ..calibration import CalibrateOptions
 from ..config import CHECKPOINT_KEYS
 from ..data import load_data
-from ..encodings import EncodingsFile, calibrated_elsewhere, calibration_manifest
+from ..encodings import EncodingsFile, calibration_manifest, recorded_elsewhere, refuse_damaged_manifest
 from ..errors import EncodingsError, UsageError
 from ..export import check_export_choices, get_exporter
 from ..export.base import ExportRequest
@@ -98,11 +98,13 @@ def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, st
     so loudly where they carry tensors made from those weights (codes a rounding algorithm chose, smoothed or
     rotated tensors), written as they are, or the warning that nothing was compared where no manifest.json lies
     beside the encodings (None: the same weights, or no weights recorded)."""
-    other = calibrated_elsewhere(enc_path, digest.values(), unreadable_ok=allow_other)
-    recorded, why = calibration_manifest(enc_path)
+    recorded, why = calibration_manifest(enc_path)  # (read once: the comparison and the warnings both need it)
+    if why and not allow_other:
+        refuse_damaged_manifest(why)
     if recorded is None:
-        return (f"{why}: the weights the encodings were made on are not compared with {checkpoint}'s (encodings "
-                "applied to other weights clip or waste their grids)")
+        return (f"{why or f'no manifest.json beside {enc_path}'}: the weights the encodings were made on are not "
+                f"compared with {checkpoint}'s (encodings applied to other weights clip or waste their grids)")
+    other = recorded_elsewhere(recorded, digest.values())
     if other is None:
         return None
     if not allow_other:
