@@ -88,20 +88,25 @@ def world(tmp_path_factory):
 ROTATIONS = [["r1"], ["r2"], ["r4"], ["r1", "r2"], ["r1", "r2", "r4"]]
 
 
+def _rotated(model, rotate_spec: str, vocab: int = 256):
+    """``(logits before, logits after, changed tensors)`` of fusing ``rotate: ROTATE_SPEC`` into ``model``, on
+    two fixed windows of 12 token ids."""
+    ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+    changed = rotate(model, resolve_plan(parse_recipe(f"version: 1\nrotate: {rotate_spec}\n"), model).rotation)
+    with torch.no_grad():
+        after = model(ids).logits
+    return before, after, changed
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 @pytest.mark.parametrize("rotations", ROTATIONS)
 @pytest.mark.parametrize("kind", ["hadamard", "random-hadamard"])
 def test_every_fused_rotation_leaves_the_float_outputs_unchanged(tmp_path, model_type, rotations, kind):
     path = _llama(tmp_path / "m", model_type=model_type)
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        before = model(ids).logits
-    recipe = parse_recipe(f"version: 1\nrotate: {{rotations: {rotations}, type: {kind}, seed: 3}}\n")
-    plan = resolve_plan(recipe, model)
-    changed = rotate(model, plan.rotation)
-    with torch.no_grad():
-        after = model(ids).logits
+    before, after, changed = _rotated(model, f"{{rotations: {rotations}, type: {kind}, seed: 3}}")
     assert (after - before).abs().max() <= 1e-5 * before.abs().max()
     if "r1" in rotations:
         assert torch.equal(model.model.norm.weight, torch.ones(96))
@@ -117,13 +122,7 @@ def test_every_fused_rotation_leaves_the_float_outputs_unchanged(tmp_path, model
 @pytest.mark.parametrize("block", [12, 24, 48])
 def test_a_block_diagonal_r1_leaves_the_float_outputs_unchanged(tmp_path, block):
     model = transformers.AutoModelForCausalLM.from_pretrained(_llama(tmp_path / "m", tied=True)).eval()
-    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        before = model(ids).logits
-    plan = resolve_plan(parse_recipe(f"version: 1\nrotate: {{block_size: {block}, type: random-hadamard}}\n"), model)
-    changed = rotate(model, plan.rotation)
-    with torch.no_grad():
-        after = model(ids).logits
+    before, after, changed = _rotated(model, f"{{block_size: {block}, type: random-hadamard}}")
     assert (after - before).abs().max() <= 1e-5 * before.abs().max()
     # each block of channels is rotated on its own: the first block of the table mixes only its own columns
     e = changed["model.embed_tokens.weight"]
@@ -782,13 +781,7 @@ def test_rotations_that_fold_no_norm_run_on_families_whose_norms_r1_cannot_fold(
             **kw, num_key_value_heads=1, head_dim=16, sliding_window=8)).eval()
     else:
         model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**kw, num_key_value_heads=2)).eval()
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        before = model(ids).logits
-    plan = resolve_plan(parse_recipe(f"version: 1\nrotate: {{rotations: {rotations}}}\n"), model)
-    changed = rotate(model, plan.rotation)
-    with torch.no_grad():
-        after = model(ids).logits
+    before, after, changed = _rotated(model, f"{{rotations: {rotations}}}", vocab=64)
     assert changed and (after - before).abs().max() <= 1e-5 * before.abs().max()
     with pytest.raises(ConfigError, match="r2, r3 and r4 alone fold none"):
         resolve_plan(parse_recipe("version: 1\nrotate: {rotations: [r1, r4]}\n"), model)
