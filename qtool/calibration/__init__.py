@@ -212,10 +212,9 @@ def prepare_calibration(checkpoint: str, recipe: Recipe, source: str, opts: Cali
     mode, skeleton, plan = choose_mode(checkpoint, recipe, opts, source)
     if mode == "sequential":
         from ..model.hf import meta_causal_lm
-
-        device = resolve_device(opts.device)
         from .sequential import sequential_decoder
 
+        device = resolve_device(opts.device)
         model, _, tokenizer = meta_causal_lm(checkpoint, opts.trust_remote_code)
         sequential_decoder(model)  # (a model it cannot walk: refused before the plan and its estimate are shown)
         plan = _resolve(recipe, model, source, opts, checkpoint)

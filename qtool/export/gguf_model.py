@@ -47,6 +47,7 @@ def model_name(directory: Path) -> str:
         return real.parent.parent.name.split("--")[-1]
     return real.name
 
+
 def permute_rows(t, n_head: int):
     """llama.cpp's rotary layout for q/k projections: within each head, the two halves of the rotary pairs are
     interleaved (``reshape(n_head, 2, rows / n_head / 2, ...)``, swap the middle axes). Works on anything indexed

@@ -18,7 +18,8 @@ A weight on a **float element grid** (FP8, NVFP4, MX; ``element`` in its encodin
   in the low nibble, as a flat ``uint8`` tensor (one code per byte with ``pack=False``);
 * ``<name>_scale``: the block scale as the format stores it: ``float32`` (``scale_dtype: float32``), ``uint8``
   biased E8M0 exponents (``2 ** (e - 127)``, MX) or ``float8_e4m3fn`` (NVFP4), in the encoding shape;
-* ``<name>_global_scale`` (NVFP4): ``float32 [1]``, the global scale ``G``; the value is ``element · (s / G)`` (in that order).
+* ``<name>_global_scale`` (NVFP4): ``float32 [1]``, the global scale ``G``; the value is ``element · (s / G)``
+  (in that order).
 
 No ``_offset`` is written for them, and their metadata entry adds ``element`` and ``scale_dtype``.
 
