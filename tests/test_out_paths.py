@@ -249,6 +249,24 @@ def test_an_out_that_is_a_link_to_nothing_is_refused_before_any_work(world):
     assert (root / "dangling").is_dir() and not (root / "dangling").is_symlink()
 
 
+def test_overwriting_a_mount_point_is_refused_before_any_work(world, monkeypatch):
+    """A mount point cannot be renamed: --overwrite onto one calibrated, then failed with "Device or resource
+    busy". (os.path.ismount stands in for a mount, which a test cannot make without privileges.)"""
+    import os
+
+    root, llama, _ = world
+    mounted = root / "mnt"
+    mounted.mkdir()
+    (mounted / "user-file").write_text("keep")
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mounted or real(p))
+    before = _digest(root)
+    code, _, err = run_cli("quantize", llama, "-c", "w8a16", "-o", mounted, "--overwrite")
+    _refused(code, err, root, before, "is a mount point, which qtool cannot replace")
+    code, _, err = run_cli("quantize", llama, "-c", "w8a16", "-o", mounted / "q")
+    assert code == 0, err
+
+
 def test_a_long_out_name_within_the_filesystems_limit_is_written(world):
     """A 250-byte name is legal; its temporary's name (host, pid and a random tail added) went past 255 bytes:
     "File name too long"."""

@@ -106,6 +106,9 @@ def check_output_dir(out: Path, overwrite: bool, inputs: Sequence[Tuple[str, Opt
     if os.path.lexists(out) and not overwrite:  # (a link to nothing too: the run would end refused)
         raise UsageError(f"{out}: already exists{'' if out.exists() else ' (a link to nothing)'}; pass --overwrite "
                          "to replace it")
+    if out.is_dir() and not out.is_symlink() and os.path.ismount(out):  # (found after the work, as "busy")
+        raise UsageError(f"{out}: --out is a mount point, which qtool cannot replace (it publishes a finished output "
+                         "in one rename); give a directory inside it")
     parent = out.parent if str(out.parent) else Path(".")
     if parent.exists() and not parent.is_dir():
         raise UsageError(f"{parent}: parent of --out is not a directory")
