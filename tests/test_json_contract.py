@@ -116,11 +116,13 @@ def test_a_file_larger_than_what_it_is_compared_with_is_said_to_be_larger(tmp_pa
     from qtool.cli.output import ratio_words
 
     assert ratio_words(400, 100) == "4.00x smaller" and ratio_words(100, 250) == "2.50x larger"
+    assert ratio_words(1000, 1000) == "the same size" and ratio_words(1000, 1004) == "about the same size"
+    assert ratio_words(1000, 1006) == "1.01x larger"  # (an equal size read "1.00x smaller" or "1.00x larger")
     save_file(mlp().state_dict(), tmp_path / "m.safetensors")
     code, out, err = run_cli("inspect", tmp_path / "m.safetensors")
     assert code == 0, err
     text = " ".join((out + err).split())  # (the console wraps the line)
-    assert "float32 68,904 (1.00x smaller); float16 34,452 (2.00x larger)" in text, text
+    assert "float32 68,904 (the same size); float16 34,452 (2.00x larger)" in text, text
 
 
 def test_a_failing_config_validate_object_carries_its_exit_code(tmp_path):

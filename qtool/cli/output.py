@@ -208,9 +208,11 @@ def _report_files(summary: Dict[str, Any], quiet: bool, warnings_shown: Optional
 
 def ratio_words(before: float, after: float) -> str:
     """``"2.00x smaller"``, or ``"1.50x larger"`` where ``after`` is the larger (a float16 checkpoint's float32
-    export, a small model's graph)."""
+    export, a small model's graph); ``"the same size"`` where the ratio reads 1.00."""
     if not before or not after:  # (a listing of no tensor)
         return "no ratio: nothing to compare"
+    if f"{max(before, after) / min(before, after):.2f}" == "1.00":  # ("1.00x larger" read as a contradiction)
+        return "the same size" if before == after else "about the same size"
     return f"{before / after:.2f}x smaller" if after <= before else f"{after / before:.2f}x larger"
 
 
