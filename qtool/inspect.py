@@ -215,13 +215,14 @@ def _encodings_listing(path: Path, obj: Dict[str, Any]) -> Dict[str, Any]:
     rows = []
     if obj.get("schema") == "qtool.encodings":
         from .choices import GGML_SCALE_DTYPES
+        from .config import granularity_word
         from .encodings import EncodingsFile
 
         for e in EncodingsFile.read(path, lazy=True).entries:  # the checks export makes: what lists, exports
             dtype = e.element if e.is_float else ("int" if e.symmetric else "uint") + str(e.bitwidth)
             if e.scale_dtype in GGML_SCALE_DTYPES:  # (IQ4_NL's grid is not int4, nor Q4_K's a uint4 one)
                 dtype = f"GGUF {e.scale_dtype.upper()}"
-            gran = str(e.granularity) + (f", {e.scale_dtype} scales" if e.is_float and e.scale_dtype != "float32"
+            gran = granularity_word(e.tensor, str(e.granularity)) + (f", {e.scale_dtype} scales" if e.is_float and e.scale_dtype != "float32"
                                          else "") + (", dynamic" if e.dynamic else "")
             rows.append(_row(e.name, dtype, e.bitwidth, gran, list(e.shape), None, True, e.block_size))
         kind = "qtool encodings"

@@ -680,6 +680,8 @@ def test_a_kv_cache_alone_says_per_head_and_where_it_can_be_written(ckpt, data, 
     assert code == 0 and "fp8_e4m3 per_head (" in out and "per_channel" not in out, out
     code, out, err = run_cli("report", ckpt, "-e", tmp_path / "run/encodings.json", "--data", data, "--json")
     assert code == 0 and [g["grid"] for g in json.loads(out)["grids"]] == ["fp8_e4m3 per_head"], out
+    code, out, err = run_cli("inspect", tmp_path / "run/encodings.json", "--json")  # (read "per_channel")
+    assert code == 0 and {t["granularity"] for t in json.loads(out)["tensors"]} == {"per_head"}, out
     code, _, err = run_cli("export", ckpt, "-e", tmp_path / "run/encodings.json", "-o", tmp_path / "ct", "--format",
                            "compressed-tensors")
     assert code == 2 and not (tmp_path / "ct").exists()
