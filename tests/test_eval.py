@@ -643,6 +643,14 @@ def test_encodings_given_that_were_calibrated_on_other_weights_are_said(model, t
     assert code == 1 and "are not the ones the file was exported from, so the fake-quant model is not what the file " \
         "was made from" in res["export_fault"], (code, res)
     assert any("are not the ones the file was exported from (its manifest records sha256" in n for n in res["notes"])
+    # encodings with no calibration manifest beside them: nothing compared, and nothing was said
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    shutil.copy(tmp_path / "other_run/encodings.json", lone)
+    code, res, err = _eval(model, out, "-e", lone / "encodings.json")
+    assert any(n.startswith(f"no manifest.json beside {lone / 'encodings.json'}: the weights the encodings were "
+                            "made on are not compared") for n in res["notes"]), res["notes"]
+    assert not any("were calibrated on other weights" in n for n in res["notes"])
 
 
 def test_windows_past_a_gguf_files_context_are_one_line_before_any_model_runs(model, tmp_path):

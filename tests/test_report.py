@@ -3,6 +3,7 @@
 import json
 import math
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -73,6 +74,15 @@ def test_report_cli_json_gates_and_plot(world, tmp_path):
     assert rep["ok"] is True and rep["samples"] == 64 and len(rep["layers"]) == 3
     sqnrs = [layer["sqnr_cumulative_db"] for layer in rep["layers"]]
     assert sqnrs == sorted(sqnrs)  # worst first
+    assert not any("not compared" in n for n in rep["notes"]), rep["notes"]  # (its manifest.json lies beside)
+    lone = tmp_path / "lone"  # encodings alone: nothing compared, and nothing was said
+    lone.mkdir()
+    shutil.copy(world / "run/encodings.json", lone)
+    code, out, err = run_cli("report", world / "m.safetensors", "-e", lone / "encodings.json", "--data",
+                             world / "data.safetensors", "--model-class", MLP, "--json")
+    assert code == 0 and any(n.startswith(f"no manifest.json beside {lone / 'encodings.json'}: the weights the "
+                                          "encodings were made on are not compared")
+                             for n in json.loads(out)["notes"]), out
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # an .svg name gets an SVG (it got PNG bytes), another suffix one line before anything runs
     code, _, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",

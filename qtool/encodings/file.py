@@ -235,6 +235,13 @@ def recorded_elsewhere(recorded: Optional[Dict[str, Any]], hashes: Optional[Iter
     return str(checkpoint.get("path", "another checkpoint")) if then and then != sorted(hashes) else None
 
 
+def weights_not_compared(enc_path: Path, checkpoint: str, why: str = "") -> str:
+    """What is said where no calibration manifest lies beside ``enc_path`` (``why``: a damaged one's reader line,
+    where it is let through) to compare the weights the encodings were made on with ``checkpoint``'s."""
+    return (f"{why or f'no manifest.json beside {enc_path}'}: the weights the encodings were made on are not "
+            f"compared with {checkpoint}'s (encodings applied to other weights clip or waste their grids)")
+
+
 def refuse_damaged_manifest(why: str) -> None:
     """A damaged manifest (``calibration_manifest``'s reason) is refused: read as "no record", it let encodings
     meet other weights without a word."""

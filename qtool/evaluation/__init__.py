@@ -447,7 +447,9 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
     enc = Path(encodings) if encodings else art.encodings
     if encodings and not enc.is_file():
         raise UsageError(f"{enc}: no such encodings file")
-    other_encodings = _calibrated_elsewhere(enc, reference) if encodings else None
+    other_encodings, unchecked = _calibrated_elsewhere(enc, reference) if encodings else (None, None)
+    if unchecked:
+        notes.append(unchecked)
     # (what an export fault's line then adds: the fault may be the encodings', not the file's)
     other_why = f"the encodings given ({enc}) were calibrated on other weights than {reference}"
     if encodings and not other_encodings and art.encodings_sha256 and sha256_file(enc) != art.encodings_sha256:
@@ -480,15 +482,22 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
     return ev
 
 
-def _calibrated_elsewhere(enc: Path, reference: str) -> Optional[str]:
-    """A note where the calibration manifest beside ``enc`` records other weights than ``reference``'s."""
-    from ..encodings import calibrated_elsewhere
+def _calibrated_elsewhere(enc: Path, reference: str) -> Tuple[Optional[str], Optional[str]]:
+    """``(a note where the calibration manifest beside ``enc`` records other weights than ``reference``'s, a note
+    where no readable manifest lies there to compare with)``: notes at most, as a --reference of other weights."""
+    from ..encodings import calibration_manifest, recorded_elsewhere, weights_not_compared
 
-    other = calibrated_elsewhere(enc, weight_file_hashes(Path(reference)), unreadable_ok=True)  # (a note at most)
+    hashes = weight_file_hashes(Path(reference))
+    if hashes is None:
+        return None, None
+    recorded, why = calibration_manifest(enc)
+    if recorded is None:
+        return None, weights_not_compared(enc, reference, why)
+    other = recorded_elsewhere(recorded, hashes)
     if other is None:
-        return None
+        return None, None
     return (f"the encodings given ({enc}) were calibrated on other weights ({other}) than the float checkpoint "
-            f"{reference}: the fake-quant model applies them to {reference}'s")
+            f"{reference}: the fake-quant model applies them to {reference}'s"), None
 
 
 def _text_tokens(batches) -> Optional[int]:

@@ -14,7 +14,8 @@ from .. import __version__
 from ..calibration import CalibrateOptions
 from ..config import CHECKPOINT_KEYS
 from ..data import load_data
-from ..encodings import EncodingsFile, calibration_manifest, recorded_elsewhere, refuse_damaged_manifest
+from ..encodings import (EncodingsFile, calibration_manifest, recorded_elsewhere, refuse_damaged_manifest,
+                         weights_not_compared)
 from ..errors import EncodingsError, UsageError
 from ..export import check_export_choices, get_exporter
 from ..export.base import ExportRequest
@@ -102,8 +103,7 @@ def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, st
     if why and not allow_other:
         refuse_damaged_manifest(why)
     if recorded is None:
-        return (f"{why or f'no manifest.json beside {enc_path}'}: the weights the encodings were made on are not "
-                f"compared with {checkpoint}'s (encodings applied to other weights clip or waste their grids)")
+        return weights_not_compared(enc_path, checkpoint, why)
     other = recorded_elsewhere(recorded, digest.values())
     if other is None:
         return None

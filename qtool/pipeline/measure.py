@@ -15,7 +15,8 @@ from torch import nn
 from ..calibration import CalibrateOptions
 from ..config import RecipeFile, read_recipe
 from ..data import load_data, longest_sample, model_takes, past_positions
-from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
+from ..encodings import (CODES_FILE, SIDECAR, calibration_manifest, recorded_elsewhere, refuse_damaged_manifest,
+                         weights_not_compared)
 from ..errors import CheckpointError, DataError, EncodingsError, UsageError
 from ..hooks import Hooks, step_progress
 from ..io.checkpoint import weight_file_hashes
@@ -75,8 +76,17 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
 def _check_calibrated_on(enc_path: Path, checkpoint: str, allow_other: bool) -> Optional[str]:
     """Refuse encodings whose calibration manifest records other weights than ``checkpoint``'s (same shapes, other
     numbers: every figure would measure one model's ranges, and codes, on another), as ``export`` does, unless
-    ``allow_other``: then the note that says so (None: the same weights, or none recorded)."""
-    other = calibrated_elsewhere(enc_path, weight_file_hashes(Path(checkpoint)), unreadable_ok=allow_other)
+    ``allow_other``: then the note that says so; the note that nothing was compared where no manifest.json lies
+    beside the encodings (None: the same weights, or no weight files to compare)."""
+    hashes = weight_file_hashes(Path(checkpoint))
+    if hashes is None:
+        return None
+    recorded, why = calibration_manifest(enc_path)
+    if why and not allow_other:
+        refuse_damaged_manifest(why)
+    if recorded is None:
+        return weights_not_compared(enc_path, checkpoint, why)
+    other = recorded_elsewhere(recorded, hashes)
     if other is None:
         return None
     if not allow_other:
