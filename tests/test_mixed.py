@@ -462,11 +462,16 @@ def test_ranking_by_the_text_loss_on_data_apart_from_the_calibration(llama, tmp_
 
     ckpt, data = llama
     apart = tmp_path / "apart.safetensors"
-    save_file({"input_ids": torch.randint(1, 256, (5, 32), generator=torch.Generator().manual_seed(7))}, apart)
+    # (samples of 80 tokens, past the model's 64 positions: calibration checks --data, and nothing checked these)
+    save_file({"input_ids": torch.randint(1, 256, (5, 80), generator=torch.Generator().manual_seed(7))}, apart)
     code, out, err = run_cli("calibrate", ckpt, "--data", data, "--json", "-q", "--candidates",
                              "w4a16-block32-gptq,w8a16", "--target-bpw", "14", "--search-metric", "nll",
                              "--search-data", apart, "--search-samples", "8", "-o", tmp_path / "nll")
     assert code == 0, err
+    past = f"--search-data {apart}: samples of 80 tokens run past the model's 64 positions"
+    assert [w for w in json.loads(out)["warnings"] if w.startswith("--search-data")] == [
+        w for w in json.loads((tmp_path / "nll" / "search.json").read_text())["warnings"]], out
+    assert any(w.startswith(past) for w in json.loads(out)["warnings"]), out
     target = json.loads(out)["target"]
     assert target["chosen"]["bytes"] <= target["budget"]["bytes"]
     assert "NLL" in target["ranked_by"]

@@ -7,13 +7,13 @@ from __future__ import annotations
 import decimal
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..calibration import CalibrateOptions
 from ..config import Plan, RecipeFile, read_recipe, resolve_plan
-from ..data import load_data
+from ..data import load_data, longest_sample, past_positions
 from ..encodings import CODES_FILE, SIDECAR
 from ..errors import DataError, UsageError
 from ..export import get_exporter
@@ -99,6 +99,7 @@ def _calibrate_searched(checkpoint: str, recipe_path: str, record: Dict[str, Any
     if not root:
         return None
     _write_search(run_dir, record)
+    summary["warnings"] = summary.get("warnings", []) + record.get("warnings", [])
     summary["target"] = {k: record[k] for k in ("budget", "format", "candidates", "damage", "ranked_by",
                                                 "float_perplexity", "chosen", "uniform") if k in record}
     if "fallback" in record:
@@ -188,6 +189,7 @@ class Measured:
     base_damage: float = 0.0  # the first candidate's measured damage
     float_perplexity: Optional[float] = None  # causal LMs: the float model's on the search samples' text
     nll_damage: Optional[List[List[float]]] = None  # causal LMs: per group, per candidate, the text's NLL change
+    warnings: List[str] = field(default_factory=list)  # about --search-data (calibration checks --data itself)
 
     def bpw(self, nbytes: int) -> float:
         return 8.0 * nbytes / max(self.cost.params, 1)
@@ -261,6 +263,9 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         raise DataError(f"--search-metric nll: the search samples ({target.data or opts.data}) hold no next token "
                         "to score (samples of one token?); use longer samples or --search-metric kl")
     state.samples = data.num_samples
+    past = past_positions(getattr(loaded.model, "config", None), longest_sample(data.batches), data.files)
+    if target.data and past:
+        state.warnings.append(f"--search-data {target.data}: {past}")
     if loaded.is_causal_lm:
         state.nll_damage = [[0.0] * len(paths) for _ in groups]
     batches = list(data)
@@ -372,6 +377,7 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
         "candidates": names, "damage": state.metric, "samples": state.samples,
         **({"ranked_by": "mean per-token change in the search text's NLL (nats)"} if target.metric == "nll" else {}),
         **({"search_data": target.data} if target.data else {}),
+        **({"warnings": state.warnings} if state.warnings else {}),
         **({"float_perplexity": state.float_perplexity} if state.float_perplexity is not None else {}),
         "chosen": {"bytes": nbytes, "bits_per_weight": state.bpw(nbytes),
                    "predicted_damage": predicted,
