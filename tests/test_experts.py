@@ -675,6 +675,39 @@ def test_the_export_says_where_transformers_cannot_read_per_expert_tensors(tmp_p
                                           "directory's 48 per-expert layers as randomly initialized experts")
 
 
+def test_a_granitemoe_compressed_tensors_file_names_its_experts_as_vllm_reads_them(tmp_path):
+    """vLLM's GraniteMoE loader splits input_linear into Mixtral's per-expert w1 (gate rows) and w3 (up rows),
+    output_linear into w2, and reads a per-expert file under those names only: the file named them gate_proj /
+    up_proj / down_proj (gpt-oss's), which neither vLLM nor transformers read."""
+    import re
+
+    unpack_from_int32 = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers").unpack_from_int32
+    checkpoint, _ = _saved(tmp_path, "granitemoe")
+    code, out, err = run_cli("quantize", checkpoint, "-c", "w4a16-block32", "-o", tmp_path / "ct", "--format",
+                             "compressed-tensors", "--json")
+    assert code == 0, err
+    t = _keys(tmp_path / "ct")
+    experts = {k for k in t if ".experts." in k}
+    assert experts and all(re.fullmatch(r"model\.layers\.\d\.block_sparse_moe\.experts\.\d\.w[123]\.weight_(packed|"
+                                        r"scale|shape)", k) for k in experts), sorted(experts)[:6]
+    fused = _keys(checkpoint)
+    halves = {"w1": lambda e, w: w[e, :32], "w3": lambda e, w: w[e, 32:]}  # (input_linear: [E, 2I, H], gate first)
+    for e in (0, 5):
+        for leaf, part in halves.items():
+            base = f"model.layers.1.block_sparse_moe.experts.{e}.{leaf}."
+            codes = unpack_from_int32(t[base + "weight_packed"], 4, torch.Size(t[base + "weight_shape"].tolist()))
+            weight = codes.float() * t[base + "weight_scale"].repeat_interleave(32, dim=1).float()
+            source = part(e, fused["model.layers.1.block_sparse_moe.input_linear.weight"])
+            other = halves["w3" if leaf == "w1" else "w1"](
+                e, fused["model.layers.1.block_sparse_moe.input_linear.weight"])
+            err_own, err_other = (weight - source).abs().max(), (weight - other).abs().max()
+            assert err_own <= t[base + "weight_scale"].max() / 2 + 1e-6 < err_other, (leaf, e, err_own, err_other)
+        down = f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight_shape"
+        assert t[down].tolist() == list(fused["model.layers.1.block_sparse_moe.output_linear.weight"][e].shape)
+    config = json.loads((tmp_path / "ct/config.json").read_text())["quantization_config"]
+    assert not any("_proj" in n for n in config["ignore"] if ".experts." in n)
+
+
 def test_an_nvfp4_moe_export_says_transformers_reloads_its_experts_wrongly(tmp_path):
     """The export's only transformers note said to load NVFP4 in bfloat16, which on a mixture of experts gives a
     wrong model (top-1 agreement 0.000): transformers multiplies the experts' global scale instead of dividing."""

@@ -243,7 +243,9 @@ def export_compressed_tensors(
     linear_names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
     float_linear = [n for n in linear_names if n not in quantized_modules] + _routers(model, modules, keys)
     warnings += fused_mixes(settings, linear_names)
-    qconfig, groups, top_format = quantization_config(settings, modules, quantized_modules, float_linear, kv)
+    # (the names vLLM's loader for the family reads: GraniteMoE's experts are Mixtral's w1/w3/w2 there)
+    rename = family.compressed_tensors_name if family is not None else str
+    qconfig, groups, top_format = quantization_config(settings, modules, quantized_modules, float_linear, kv, rename)
     transforms = _online_transforms(encodings, modules, src, keys, model)
     if transforms:
         qconfig["transform_config"] = {"config_groups": {t["scheme"]: t["config"] for t in transforms}}
@@ -252,7 +254,7 @@ def export_compressed_tensors(
     layout, info = tensor_layout(keys, src, by_key, dyn_inputs, module_fmt, module_args, kv, transforms)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.safetensors"
-    write_tensors(path, layout, info, keys, src, by_key, dyn_inputs, kv, transforms, progress)
+    write_tensors(path, layout, info, keys, src, by_key, dyn_inputs, kv, transforms, progress, rename)
 
     config["quantization_config"] = qconfig
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n",
@@ -265,7 +267,7 @@ def export_compressed_tensors(
         "quantized": len(by_key),
         "quantized_layers": sorted(quantized_modules),
         "config_groups": len(groups),
-        "ignore": float_linear,
+        "ignore": qconfig["ignore"],
         "float_embeddings": float_embeddings,
         "skipped": skipped,
         "activation_quantizers_skipped": len(acts),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -303,14 +303,16 @@ def config_groups(by_key: Dict[str, EncodingEntry], src, dyn_inputs: Dict[str, E
 
 
 def quantization_config(settings: Dict[str, Dict[str, Any]], modules: Dict[str, nn.Module], quantized_modules,
-                        float_linear: List[str], kv: List[EncodingEntry]) -> Tuple[Dict[str, Any], Dict[str, Any], str]:
+                        float_linear: List[str], kv: List[EncodingEntry],
+                        rename: Callable[[str], str] = str) -> Tuple[Dict[str, Any], Dict[str, Any], str]:
     """``(quantization_config, config groups, top-level format)``: with one setting on plain Linears the group
-    targets ``"Linear"`` (as llm-compressor writes it), otherwise each group names its modules."""
+    targets ``"Linear"`` (as llm-compressor writes it), otherwise each group names its modules. ``rename``: a
+    module's name in the file (``Family.compressed_tensors_name``)."""
     all_plain_linear = all(type(modules[m]) is nn.Linear for m in quantized_modules)
     single = len(settings) == 1 and all_plain_linear
     groups: Dict[str, Any] = {}
     for i, s in enumerate(settings.values()):
-        targets = ["Linear"] if single else [f"re:^{re.escape(m)}$" for m in s["modules"]]
+        targets = ["Linear"] if single else [f"re:^{re.escape(rename(m))}$" for m in s["modules"]]
         groups[f"group_{i}"] = {
             "format": s["format"],
             "input_activations": s["inputs"],
@@ -324,7 +326,7 @@ def quantization_config(settings: Dict[str, Dict[str, Any]], modules: Dict[str, 
         "config_groups": groups,
         "format": top_format,
         "global_compression_ratio": None,
-        "ignore": float_linear,
+        "ignore": [rename(m) for m in float_linear],
         "kv_cache_scheme": _kv_cache_scheme(kv),
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -97,13 +97,14 @@ def tensor_layout(keys: List[str], src, by_key: Dict[str, EncodingEntry], dyn_in
 
 def write_tensors(path: Path, layout: Layout, info: Dict[str, Any], keys: List[str], src,
                   by_key: Dict[str, EncodingEntry], dyn_inputs: Dict[str, EncodingEntry], kv: List[EncodingEntry],
-                  transforms: List[Dict[str, Any]], progress) -> None:
+                  transforms: List[Dict[str, Any]], progress, rename: Callable[[str], str] = str) -> None:
     """Stream ``layout`` into ``path``: float tensors copied, quantized layers packed, then the KV cache scales
-    and rotation matrices."""
+    and rotation matrices; each under ``rename`` of its name (``Family.compressed_tensors_name``)."""
     metadata = {"format": "pt", "qtool_version": __version__, "qtool_export": "compressed-tensors",
-                "qtool": json.dumps(info, sort_keys=True)}
+                "qtool": json.dumps({rename(k): v for k, v in info.items()}, sort_keys=True)}
     declared = {n: (d, s) for n, d, s in layout}
-    with StreamingSafetensorsWriter(path, layout, metadata) as w:
+    with StreamingSafetensorsWriter(path, [(rename(n), d, s) for n, d, s in layout], metadata) as file:
+        w = _Renamed(file, rename)
         for i, key in enumerate(keys):
             t = src.get(key)
             e = by_key.get(key)
@@ -122,6 +123,16 @@ def write_tensors(path: Path, layout: Layout, info: Dict[str, Any], keys: List[s
         for t in transforms:  # each rotated layer's matrix: what vLLM loads (unnormalized ±1, as llm-compressor)
             for name, (dtype, shape) in t["tensors"].items():
                 w.write(name, t["matrix"].to(dtype))
+
+
+class _Renamed:
+    """A writer that stores each tensor under ``rename`` of the name it is written by."""
+
+    def __init__(self, writer: StreamingSafetensorsWriter, rename: Callable[[str], str]):
+        self.writer, self.rename = writer, rename
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self.writer.write(self.rename(name), tensor)
 
 
 def _write_layer(w: StreamingSafetensorsWriter, key: str, t: torch.Tensor, e: EncodingEntry,

@@ -178,6 +178,13 @@ class Family:
         model's image encoder goes to a separate mmproj file)."""
         return False
 
+    # ---- compressed-tensors ----------------------------------------------------------------------------------
+    def compressed_tensors_name(self, name: str) -> str:
+        """A tensor's or module's ``name`` as a compressed-tensors file of the family holds it: the per-expert
+        names vLLM's loader for the family reads (by default the names qtool quantizes, the checkpoint's or
+        llm-compressor's ``experts.<e>.gate_proj``)."""
+        return name
+
     def gguf_key(self, key: str) -> str:
         """``key`` as gguf-py's TensorNameMap knows it (the converter's renames before its lookup)."""
         return key
