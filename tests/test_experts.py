@@ -270,6 +270,9 @@ def test_compressed_tensors_experts_reload_in_transformers_as_qtool_chose_them(t
                                         "model.layers.1.block_sparse_moe.gate"]
     with safe_open(str(tmp_path / "qtool" / "calibration" / "codes.safetensors"), "pt") as f:
         assert sum(".experts." in k for k in f.keys()) == 48  # GPTQ chose every expert's codes
+    # the tokens each expert was routed, named as the encodings name its weights (they said mlp.experts.3)
+    tokens = json.loads((tmp_path / "qtool" / "calibration" / "manifest.json").read_text())["expert_tokens"]
+    assert list(tokens) == [f"model.layers.{i}.block_sparse_moe.experts.{e}" for i in range(2) for e in range(8)]
     ours = read_integer_export(tmp_path / "qtool" / "model.safetensors")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "compressed-tensors", dtype=torch.float32)
     for layer in range(2):

@@ -46,6 +46,7 @@ def _calibrate_into(checkpoint: str, recipe_path: Union[str, RecipeFile], opts: 
         return None
     entries, plan, data, device, files, kind, unused = (run.entries, run.plan, run.data, run.device, run.files,
                                                          run.kind, run.unused)
+    expert_tokens = _as_stored(plan)
     meta = {"qtool_version": __version__, "recipe": Path(recipe_path).name,
             **({"gguf_mix": recipe.gguf_mix} if recipe.gguf_mix is not None else {})}  # (the GGUF file's type)
     enc = EncodingsFile(entries, meta,
@@ -82,7 +83,7 @@ def _calibrate_into(checkpoint: str, recipe_path: Union[str, RecipeFile], opts: 
         **({"target": {"budget": search["budget"], "format": search["format"], "candidates": search["candidates"],
                        "chosen": search["chosen"]}} if search else {}),
         "uncalibrated": unused,
-        **({"expert_tokens": plan.expert_tokens} if plan.expert_tokens else {}),
+        **({"expert_tokens": expert_tokens} if expert_tokens else {}),
         "warnings": plan.warnings,
         **({"distributed": {"world_size": group.world_size, "backend": group.backend,
                             "samples_per_rank": run.samples_per_rank}} if group.distributed else {}),
@@ -90,13 +91,21 @@ def _calibrate_into(checkpoint: str, recipe_path: Union[str, RecipeFile], opts: 
     summary = {"encodings": str(enc_path), "quantizers": len(entries), "weights": len(plan.weights),
                "activations": len(plan.activations), "uncalibrated": unused,
                "weights_quantized": plan.coverage.to_json() if plan.coverage is not None else None,
-               "expert_tokens": plan.expert_tokens,
+               "expert_tokens": expert_tokens,
                "samples": 0 if data is None else data.num_samples, "device": str(device),
                "warnings": plan.warnings, "outputs": [f.name for f in enc_files] + ["manifest.json"],
                **({"matmul_precision": opts.matmul_precision} if opts.matmul_precision != "highest" else {}),
                **({"world_size": group.world_size, "samples_per_rank": run.samples_per_rank}
                   if group.distributed else {})}
     return summary
+
+
+def _as_stored(plan: Plan) -> Dict[str, int]:
+    """``plan.expert_tokens`` keyed by each expert's name in the checkpoint, as the encodings name its weights
+    (Mixtral's ``block_sparse_moe.experts.3``, which transformers loads as ``mlp.experts.3``)."""
+    stored = {q.module.rsplit(".", 1)[0]: q.name[: -len(".weight")].rsplit(".", 1)[0]
+              for q in plan.weights if q.name.endswith(".weight") and "." in q.module}
+    return {stored.get(m, m): n for m, n in plan.expert_tokens.items()}
 
 
 def _online_rotations(plan: Plan, entries) -> list:
