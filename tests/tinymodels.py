@@ -58,6 +58,17 @@ def raises() -> nn.Module:
     raise RuntimeError("weights.bin not found")
 
 
+def on_meta() -> nn.Module:
+    """A factory that builds the model on the meta device (to save memory, as a big model's code does)."""
+    with torch.device("meta"):
+        return mlp()
+
+
+def compiled() -> nn.Module:
+    """A factory that returns the model wrapped by torch.compile (its state dict's keys gain ``_orig_mod.``)."""
+    return torch.compile(mlp())
+
+
 def exits() -> nn.Module:
     """A factory that ends the process instead of returning a model (a script's main() called by mistake)."""
     import sys

@@ -4,12 +4,14 @@ torch loading, and :class:`CheckpointTensors` (read-only access without building
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
 import struct
+import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -131,17 +133,29 @@ def _refuse_torchscript(path: Path) -> None:
                               "program (.pt2), instead")
 
 
+@contextlib.contextmanager
+def working_directory_importable() -> Iterator[None]:
+    """Modules in the working directory importable while it lasts (a user's ``--model-class`` module, the classes
+    a pickle names), as ``python`` makes them for a script; ``sys.path`` is left as it was after (a library
+    caller's process keeps importing what it imported before)."""
+    added = "" not in sys.path and "." not in sys.path
+    if added:
+        sys.path.insert(0, "")
+    try:
+        yield
+    finally:
+        if added and "" in sys.path:
+            sys.path.remove("")
+
+
 def load_pickle(path: Path):
     """A full pickle (``--trust-pickle``): the classes it names are imported from the working directory too, as
     ``--model-class`` imports them; one that cannot be is one line naming it."""
-    import sys
-
     _refuse_torchscript(path)
 
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")
     try:
-        return torch.load(str(path), map_location="cpu", weights_only=False)
+        with working_directory_importable():
+            return torch.load(str(path), map_location="cpu", weights_only=False)
     except (ImportError, AttributeError) as e:  # (a class gone, or one defined in the script that saved it)
         raise CheckpointError(f"{path}: the pickle names a class that cannot be imported here ({e}): run where its "
                               "module is importable, or save a state dict and pass --model-class") from None

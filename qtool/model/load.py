@@ -17,7 +17,6 @@ import json
 import pickle
 import re
 import struct
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -28,7 +27,7 @@ from torch import nn
 from ..errors import CheckpointError, UsageError
 from .hf import hf_name_map, load_hf
 from ..io.checkpoint import (CheckpointTensors, check_safetensors, detect_kind, load_exported, load_pickle,
-                             not_found, read_state_dict, tensor_files, torch_load_safe)
+                             not_found, read_state_dict, tensor_files, torch_load_safe, working_directory_importable)
 
 __all__ = ["LoadedModel", "load_model", "detect_kind", "resolve_device", "tensor_files", "read_state_dict"]
 
@@ -95,8 +94,6 @@ def _import_factory(spec: str):
     if not _FACTORY.fullmatch(spec):
         raise UsageError(f"--model-class must look like 'package.module:callable' (got {spec[:200]!r})")
     mod_name, attr = spec.split(":", 1)
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")  # let users point at a module in the working directory
     try:
         obj = importlib.import_module(mod_name)
     except ImportError as e:
@@ -122,7 +119,11 @@ def _failure(e: BaseException) -> str:
 
 
 def _build(spec: str) -> nn.Module:
-    factory = _import_factory(spec)
+    with working_directory_importable():  # (users point at a module in the working directory)
+        return _checked_module(spec, _import_factory(spec))
+
+
+def _checked_module(spec: str, factory) -> nn.Module:
     try:
         model = factory()
     except TypeError as e:  # a class or function that needs arguments
@@ -134,6 +135,16 @@ def _build(spec: str) -> nn.Module:
                          + (" instead of returning a module" if isinstance(e, SystemExit) else "")) from None
     if not isinstance(model, nn.Module):
         raise UsageError(f"--model-class {spec}: returned {type(model).__name__}, not a torch.nn.Module")
+    wrapped = getattr(model, "_orig_mod", None) if type(model).__name__ == "OptimizedModule" else (
+        getattr(model, "module", None) if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel))
+        else None)
+    if isinstance(wrapped, nn.Module):  # (its state dict's keys gain _orig_mod. / module.: "checkpoint is missing")
+        raise UsageError(f"--model-class {spec}: returned a wrapper ({type(model).__name__}) around the model; "
+                         "return the model itself (qtool inserts its quantizers into the module's own layers)")
+    meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if meta is not None:  # (load_state_dict into meta tensors does nothing, and .to() then fails inside torch)
+        raise UsageError(f"--model-class {spec}: the model it built holds {meta!r} on the meta device, which no "
+                         "weight can be loaded into; build it with real tensors (on the CPU)")
     return model
 
 

@@ -146,7 +146,13 @@ def _prepared(recipe: Union[None, str, RecipeFile], target: Optional[TargetOptio
     """A run's recipe, or its size-budget search's candidates, read once (a malformed one is one error naming its
     file and key, before anything runs); what the run hands on from here."""
     if target is not None:
+        if recipe is not None:  # (the library's callers: the CLI refuses -c with --candidates)
+            raise UsageError("a recipe and a size-budget search's candidates exclude each other: the search writes "
+                             "the recipe (pass recipe None with target)")
         return None, replace(target, recipes=tuple(_target_candidates(target)))
+    if recipe is None:
+        raise UsageError("no recipe: pass one (a shipped name, a file or a RecipeFile), or a size-budget target "
+                         "whose search chooses it")
     return read_recipe(recipe), None
 
 
