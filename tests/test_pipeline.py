@@ -838,3 +838,27 @@ def test_library_callers_get_one_typed_error_for_a_recipe_beside_a_target_or_non
         assert sys.path == without
     finally:
         sys.path[:] = before
+
+
+def test_a_tied_weight_a_torch_state_dict_stores_under_both_names_is_written_by_name(tmp_path):
+    """torch.save(model.state_dict()) keeps a tied output layer's tensor under its own name too: quantize refused it
+    as "stored once" and named formats that refuse any state dict (gguf, compressed-tensors)."""
+    from tests.tinymodels import tied_lm
+
+    torch.save(tied_lm().state_dict(), tmp_path / "tied.pt")
+    save_file({"ids": torch.randint(0, 100, (16, 12), generator=torch.Generator().manual_seed(0))},
+              tmp_path / "ids.safetensors")
+    code, _, err = run_cli("quantize", tmp_path / "tied.pt", "-c", "w8a8", "--data", tmp_path / "ids.safetensors",
+                           "--model-class", "tests.tinymodels:tied_lm", "-o", tmp_path / "q", "--quiet")
+    assert code == 0, err
+    written = read_integer_export(tmp_path / "q" / "model.safetensors")
+    assert torch.equal(written["head.weight"], written["emb.weight"])  # (one tensor, one grid)
+    # a file that stores it once (safetensors' save_model drops the duplicate) is still refused, as documented
+    from safetensors.torch import save_model
+
+    save_model(tied_lm(), str(tmp_path / "once.safetensors"))
+    code, _, err = run_cli("quantize", tmp_path / "once.safetensors", "-c", "w8a8", "--data",
+                           tmp_path / "ids.safetensors", "--model-class", "tests.tinymodels:tied_lm", "-o",
+                           tmp_path / "q1")
+    assert code == 2 and not (tmp_path / "q1").exists(), err  # (it said "checkpoint is missing 'head.weight'")
+    assert "head.weight is the tensor emb.weight (tied embeddings), which the checkpoint stores once" in err, err

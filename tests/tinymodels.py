@@ -58,6 +58,26 @@ def raises() -> nn.Module:
     raise RuntimeError("weights.bin not found")
 
 
+class TiedLM(nn.Module):
+    """Token ids -> logits through an embedding table the output layer shares (a torch state dict keeps the shared
+    tensor under both names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 32)
+        self.mid = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 100, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.mid(self.emb(ids))))
+
+
+def tied_lm() -> nn.Module:
+    torch.manual_seed(3)
+    return TiedLM()
+
+
 def on_meta() -> nn.Module:
     """A factory that builds the model on the meta device (to save memory, as a big model's code does)."""
     with torch.device("meta"):

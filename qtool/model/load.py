@@ -150,6 +150,16 @@ def _checked_module(spec: str, factory) -> nn.Module:
 
 def _load_state_into(model: nn.Module, state: Dict[str, torch.Tensor], path: Path) -> None:
     expected = model.state_dict()
+    # a parameter the model holds under several names (a tied output layer) may be stored under one of them
+    # (safetensors' save_model keeps one): the others take it
+    names: Dict[int, List[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    state = dict(state)
+    for group in names.values():
+        stored = next((n for n in group if n in state), None)
+        for n in group if stored is not None else ():
+            state.setdefault(n, state[stored])
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing:

@@ -9,7 +9,7 @@ import functools
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple, TypeVar
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from ..calibration import CalibrateOptions
 from ..config import Plan, RecipeFile, load_recipe, recipe_file, resolve_plan
 from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
 from ..errors import EncodingsError, QtoolError, UsageError
-from ..io.checkpoint import files_read, weight_file_hashes
+from ..io.checkpoint import CheckpointTensors, files_read, weight_file_hashes
 from ..io.fs import atomic_output_dir, published, sampled_sha256
 from ..model.apply import make_fake_quant
 from ..model.load import LoadedModel, load_model
@@ -66,6 +66,16 @@ def plan_for(checkpoint: str, recipe_path: str, opts: CalibrateOptions) -> Tuple
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
     plan = resolve_plan(recipe, loaded.model, source=str(recipe_path), allow_unmatched=opts.allow_unmatched)
     return loaded, plan
+
+
+def stored_once(checkpoint: str, tied: Dict[str, str], trust_pickle: bool = False) -> Dict[str, str]:
+    """``tied`` (``Plan.tied``: a tied weight's quantizer name -> the name its tensor is stored under) less the
+    weights the checkpoint holds under their own name too, as a torch state dict does (it keeps a tied weight
+    under both names): what a format that writes the checkpoint's tensors by name has no tensor for."""
+    if not tied:
+        return tied
+    keys = set(CheckpointTensors(Path(checkpoint), trust_pickle=trust_pickle).keys())
+    return {name: stored for name, stored in tied.items() if name not in keys}
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from ..io.fs import check_output_dir
 from ..parallel import Group
 from .calibrate import _calibrate_into
 from .common import (TargetOptions, _check_resume, _check_state, _drop_state, _inputs, _output_dir_then_no_state,
-                     _ranks, _same_command, _state_dir, one_at_a_time)
+                     _ranks, _same_command, _state_dir, one_at_a_time, stored_once)
 from .export import ExportOptions, _export_into
 from .search import (SEARCH_FILE, _budget_exporter, _calibrate_searched, _prepared, _search_inputs,
                      _searched)
@@ -106,10 +106,11 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
     def admit(plan):  # a plan the format cannot write fails before calibration, not after it
         exporter.admit(plan.quantizers, options, plan.rotation.online() if plan.rotation else [])
         exporter.check_weight_changes(weight_changes(plan))
-        exporter.check_tied(plan.tied)
+        tied = stored_once(checkpoint, plan.tied, opts.trust_pickle)
+        exporter.check_tied(tied)
         exporter.check_kv_cache(plan.kv_float)
         exporter.check_example_inputs(Path(checkpoint), eopts.data)
-        floats = exporter.left_float(plan.quantizers, options, plan.tied)
+        floats = exporter.left_float(plan.quantizers, options, tied)
         plan.left_float.update((name, f"{exporter.left_float_words} by --format {exporter.name}") for name in floats)
         if plan.coverage is not None and floats:  # (the share of weights the file holds quantized)
             plan.coverage = plan.coverage.without({q.module for q in plan.quantizers

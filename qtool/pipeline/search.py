@@ -22,7 +22,7 @@ from ..model.insert import QUANTIZERS_ATTR
 from ..model.load import LoadedModel, load_model
 from ..parallel import Group
 from .calibrate import _calibrate_into, _share_run
-from .common import TargetOptions, load_calibrated, one_at_a_time
+from .common import TargetOptions, load_calibrated, one_at_a_time, stored_once
 
 
 def _search_inputs(target: Optional["TargetOptions"]) -> List[Tuple[str, Optional[str]]]:
@@ -238,7 +238,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
         plan = resolve_plan(read.recipe, loaded.model, source=read.path, allow_unmatched=opts.allow_unmatched,
                             importance_matrix=opts.imatrix is not None)
         exporter.admit(plan.quantizers, options, plan.rotation.online() if plan.rotation else [])
-        exporter.check_tied(plan.tied)
+        exporter.check_tied(stored_once(checkpoint, plan.tied, opts.trust_pickle))
         exporter.check_kv_cache(plan.kv_float)
         plans.append(plan)
 
