@@ -321,6 +321,42 @@ def test_formats_that_cannot_hold_a_float_grid_refuse_in_one_line(fmt, recipe, m
     assert not out.exists()
 
 
+def test_an_onnx_per_head_kv_cache_quantizes_each_head_on_its_own_axis(ckpt, data, tmp_path):
+    """A KV cache's per-head scales ([heads, 1, 1]) on [batch, heads, tokens, head_dim]: the QDQ pairs took axis 0,
+    the batch: onnxruntime refused every batch size but the head count, and quantized that one by the wrong
+    scales (identical rows gave different logits)."""
+    import onnx
+    import onnxruntime as ort
+    from safetensors.torch import save_file
+
+    recipe = tmp_path / "kv.yaml"
+    recipe.write_text("version: 1\ndefaults:\n  weights: null\n  activations: null\n"
+                      "kv_cache: {granularity: per_head}\n")
+    run, out = tmp_path / "run", tmp_path / "onnx"
+    run_calibrate(str(ckpt), str(recipe), str(run), CalibrateOptions(data=str(data)))
+    ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(3))
+    ids[2] = ids[0]
+    example = tmp_path / "ids.safetensors"
+    save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, example)
+    code, _, err = run_cli("export", ckpt, "-e", run / "encodings.json", "-o", out, "--format", "onnx", "--data",
+                           example, "--quiet")
+    assert code == 0, err
+    axes = {n.name: a.i for n in onnx.load(str(out / "model.onnx")).graph.node if "_cache_" in n.name
+            for a in n.attribute if a.name == "axis"}
+    assert axes and set(axes.values()) == {1}, axes
+    fq = qtool.load_calibrated(str(ckpt), str(run / "encodings.json"))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(str(out / "model.onnx"), so, providers=["CPUExecutionProvider"])
+    feed = {i.name: {"input_ids": ids, "attention_mask": torch.ones_like(ids)}[i.name].numpy()
+            for i in sess.get_inputs()}
+    got = torch.from_numpy(sess.run(None, feed)[0])
+    with torch.no_grad():
+        want = fq(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    assert torch.allclose(got, want, rtol=0, atol=1e-4), (got - want).abs().max()
+    assert torch.equal(got[0], got[2])
+
+
 @pytest.mark.parametrize("recipe", ["fp8-dynamic", "fp8"])
 def test_onnx_fp8_runs_in_onnxruntime_with_qtools_logits(recipe, ckpt, data, tmp_path):
     """FP8 weights as float8e4m3fn initializers + DequantizeLinear, FP8 activations as float8 QuantizeLinear /

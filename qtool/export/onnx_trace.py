@@ -75,6 +75,13 @@ class _DynamicFakeQuantOnnx(torch.autograd.Function):
         return out
 
 
+def _on(x: torch.Tensor, scale: torch.Tensor, axis: int) -> int:
+    """``axis`` of an encoding of ``scale``'s shape as an axis of ``x``: the encoding lines up with the tensor's
+    last dimensions (a KV cache's per-head ``[heads, 1, 1]`` scales on ``[batch, heads, tokens, head_dim]``: its
+    axis 0 is the tensor's axis 1, where axis 0 quantized across the batch)."""
+    return axis + max(x.dim() - scale.dim(), 0)
+
+
 @contextlib.contextmanager
 def onnx_export_mode(quantizers: Dict[str, QuantizeDequantize]):
     """Make every quantizer call ``_FakeQuantOnnx`` with constant scale/zero point while tracing (a dynamic one:
@@ -99,8 +106,8 @@ def onnx_export_mode(quantizers: Dict[str, QuantizeDequantize]):
             axis, block = axis_and_block(gran, tuple(scale.shape), q.block_size)
 
             def ffwd(x, _q=q, _s=scale, _z=zp, _n=name, _a=axis or 0, _b=block or 0):
-                return _FloatFakeQuantOnnx.apply(x.as_subclass(torch.Tensor), _s, _z, _n, 0, 255, _a, _b, _q.element,
-                                                 _q.block_size)
+                return _FloatFakeQuantOnnx.apply(x.as_subclass(torch.Tensor), _s, _z, _n, 0, 255, _on(x, _s, _a), _b,
+                                                 _q.element, _q.block_size)
 
             saved[name] = q.forward
             q.forward = ffwd
@@ -113,7 +120,7 @@ def onnx_export_mode(quantizers: Dict[str, QuantizeDequantize]):
         axis, block = axis or 0, block or 0
 
         def fwd(x, _q=q, _s=scale, _z=zp, _n=name, _a=axis, _b=block):
-            return _FakeQuantOnnx.apply(x.as_subclass(torch.Tensor), _s, _z, _n, _q.qmin, _q.qmax, _a, _b)
+            return _FakeQuantOnnx.apply(x.as_subclass(torch.Tensor), _s, _z, _n, _q.qmin, _q.qmax, _on(x, _s, _a), _b)
 
         saved[name] = q.forward
         q.forward = fwd
