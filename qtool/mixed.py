@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .config import Plan, QuantizerPlan
+from .config import Plan, QuantizerPlan, exact_pattern
 from .config.fused import FUSED, fused_groups
 from .config.loading import load_yaml
 from .data import Batch
@@ -293,7 +293,7 @@ def mixed_recipe(base_text: str, plans: Sequence[Plan], chosen: Dict[str, int], 
         if (None if spec is None else spec.model_dump()) == (None if base is None else base.model_dump()):
             continue
         under_float = base.element != "int" if base is not None else defaults.get("element", "int") != "int"
-        rules.append({"match": module, "weights": _spec_dict(spec, under_float)})
+        rules.append({"match": exact_pattern(module), "weights": _spec_dict(spec, under_float)})
     recipe["layers"] = list(recipe.get("layers") or []) + rules
-    body = yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None, width=120)
+    body = yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None, width=120, allow_unicode=True)
     return "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + body

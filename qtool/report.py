@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from .config import granularity_word
+from .config import exact_pattern, granularity_word
 from .data import Batch, model_takes
 from .errors import GateFailed, UsageError
 from .io.fs import atomic_file
@@ -584,7 +584,7 @@ def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optiona
     for m in chosen:  # (a dict of its own each: yaml would write one shared dict as anchors, which recipes refuse)
         weights, activations, words = _kept(*(base or (grids or {}).get(m, (None, None))))
         said += [words] if words not in said else []
-        rule: Dict[str, Any] = {"match": m, "weights": weights}
+        rule: Dict[str, Any] = {"match": exact_pattern(m), "weights": weights}
         if by_module.get(m, {}).get("has_activations"):
             rule["activations"] = activations
         rules.append(rule)
@@ -600,9 +600,9 @@ def suggest_recipe(rows: List[Dict[str, Any]], n: int, base_recipe_text: Optiona
         base = load_yaml(base_recipe_text) or {}
         base.setdefault("version", 1)
         base["layers"] = list(base.get("layers") or []) + rules
-        return header + yaml.safe_dump(base, sort_keys=False)
+        return header + yaml.safe_dump(base, sort_keys=False, allow_unicode=True)
     header += "# Append these entries to the `layers` of the recipe you calibrated with (or pass --recipe).\n"
-    return header + yaml.safe_dump({"version": 1, "layers": rules}, sort_keys=False)
+    return header + yaml.safe_dump({"version": 1, "layers": rules}, sort_keys=False, allow_unicode=True)
 
 
 def _save_figure(fig, path) -> None:

@@ -787,3 +787,38 @@ def test_a_recipe_integer_is_read_only_in_decimal(value, read):
     with pytest.raises(ConfigError, match=re.escape("r.yaml:3: malformed YAML: ") + ".* is not a decimal integer " +
                        re.escape(f"({read})")):
         parse_recipe(f"version: 1\ndefaults:\n  weights: {{bitwidth: {value}}}\n", "r.yaml")
+
+
+def test_a_module_named_with_glob_characters_is_matched_by_its_name_and_written_recipes_name_it_alone():
+    """ignore: ["x[0]"] named a module exactly yet left it quantized without a word (a glob's [0] is a class), and
+    report --suggest / the size search wrote `match: x[0]`, which the next run refused (and `ß*?` would have
+    matched every module starting with ß)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from qtool.config import exact_pattern
+    from qtool.config.schema import name_matches
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            for n in ("x[0]", "x0", "ß*?", "ßa", "a b"):
+                self.add_module(n, nn.Linear(4, 4))
+
+    recipe = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n"
+                          "ignore: ['x[0]', 'ß*?']\n")
+    plan = resolve_plan(recipe, Odd())
+    assert sorted(q.module for q in plan.weights) == ["a b"]  # (x[0] by its name; as globs they name x0 and ßa)
+    exact = parse_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 8}\n  activations: null\n"
+                         f"ignore: [{json.dumps(exact_pattern('x[0]'))}, {json.dumps(exact_pattern('ß*?'))}]\n")
+    assert sorted(q.module for q in resolve_plan(exact, Odd()).weights) == ["a b", "x0", "ßa"]
+
+    names = st.text(st.sampled_from("ab.*?[]!-\\^$re:0ß"), min_size=1, max_size=12)
+
+    @settings(max_examples=300, deadline=None)
+    @given(names, names)
+    def exactly(name, other):
+        assert name_matches(exact_pattern(name), name)
+        assert name_matches(exact_pattern(name), other) == (name == other)
+
+    exactly()

@@ -17,7 +17,7 @@ from .plan import (AwqPlan, BatchNormFold, OnlineRotation, Plan, QuantizerPlan, 
                    granularity_word)
 from .resolve import CHECKPOINT_KEYS, GGUF_GRID_NOTE, GGUF_GRID_REFUSED, GGUF_GRID_STORED, resolve_plan
 from .schema import (DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES, ActivationSpec, LayerRule, Recipe, RotateSpec,
-                     WeightSpec)
+                     WeightSpec, exact_pattern)
 from .shipped import (describe_recipe, recipe_description, recipe_file, recipe_needs_data, shipped_recipes,
                       spec_label, weights_label)
 
@@ -39,6 +39,7 @@ __all__ = [
     "GGUF_GRID_REFUSED",
     "GGUF_GRID_STORED",
     "granularity_word",
+    "exact_pattern",
     "load_recipe",
     "read_recipe",
     "RecipeFile",

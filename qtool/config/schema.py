@@ -477,8 +477,14 @@ def _compile_pattern(pattern: str):
 
 
 def name_matches(pattern: str, name: str) -> bool:
-    """Glob on the whole module name, or a regex (full match) after ``re:``."""
-    return _compile_pattern(pattern).fullmatch(name) is not None
+    """Glob on the whole module name, or a regex (full match) after ``re:``. A module's name written out in full
+    matches it whatever glob characters it holds (``x[0]``, which as a glob would be ``x0``)."""
+    return (pattern == name and not pattern.startswith("re:")) or _compile_pattern(pattern).fullmatch(name) is not None
+
+
+def exact_pattern(name: str) -> str:
+    """A recipe pattern that matches module ``name`` and nothing else (what written recipes name a module by)."""
+    return "re:" + re.escape(name) if any(c in name for c in "*?[") or name.startswith("re:") else name
 
 
 _GGUF_IMPLIED = ("bitwidth", "symmetric", "granularity", "block_size", "scale_dtype", "element")
