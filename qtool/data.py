@@ -154,7 +154,7 @@ def text_samples(path: Path) -> List[str]:
         raise DataError(f"{path}: cannot read text: {e}") from None
     if path.suffix.lower() == ".jsonl":
         out = []
-        for i, line in enumerate(raw.splitlines(), 1):
+        for i, line in enumerate(raw.split("\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -247,10 +247,12 @@ def _collect(path: Path) -> Tuple[List[Path], str]:
     if not path.exists():
         raise DataError(f"{path}: data path not found")
     if path.is_dir():
-        broken = sorted(p for p in path.iterdir() if p.is_symlink() and not p.exists())
+        # hidden files are not data: macOS's ._a.txt metadata, an editor's .#a.txt lock (a dangling link), .a.txt.swp
+        entries = [p for p in path.iterdir() if not p.name.startswith(".")]
+        broken = sorted(p for p in entries if p.is_symlink() and not p.exists())
         if broken:  # (skipped, the run would use the other files without a word)
             raise DataError(f"{broken[0]}: a link to nothing (its target is missing, or the links loop)")
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in TENSOR_SUFFIXES + TEXT_SUFFIXES)
+        files = sorted(p for p in entries if p.is_file() and p.suffix.lower() in TENSOR_SUFFIXES + TEXT_SUFFIXES)
         if not files:
             raise DataError(f"{path}: no data files (expected {', '.join(TENSOR_SUFFIXES + TEXT_SUFFIXES)})")
     else:

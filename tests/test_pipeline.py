@@ -862,3 +862,33 @@ def test_a_tied_weight_a_torch_state_dict_stores_under_both_names_is_written_by_
                            tmp_path / "q1")
     assert code == 2 and not (tmp_path / "q1").exists(), err  # (it said "checkpoint is missing 'head.weight'")
     assert "head.weight is the tensor emb.weight (tied embeddings), which the checkpoint stores once" in err, err
+
+
+def test_jsonl_lines_are_split_at_newlines_only(tmp_path):
+    """json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 as they are, inside a string: splitlines()
+    cut such a valid line in two ("not valid JSON (Unterminated string...)")."""
+    from qtool.data import text_samples
+
+    texts = ["one\u2028two", "three\u2029four", "five\x85six", "plain"]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+    assert text_samples(path) == texts
+    crlf = tmp_path / "crlf.jsonl"  # (CRLF files keep reading as before)
+    crlf.write_bytes(b'{"text": "a"}\r\n{"text": "b"}\r\n')
+    assert text_samples(crlf) == ["a", "b"]
+
+
+def test_hidden_files_in_a_data_directory_are_not_data(tmp_path):
+    """macOS's ._a.txt metadata was read as a text sample, and an editor's lock link .#a.txt (a link to nothing)
+    stopped the run."""
+    import os
+
+    from qtool.data import data_files
+
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.txt").write_text("some text\n")
+    (d / "._a.txt").write_bytes(b"Mac OS X        \x00\x00 ATTR")
+    (d / ".hidden.txt").write_text("not this\n")
+    os.symlink("user@host.1234:1700000000", d / ".#a.txt")
+    assert data_files(d) == [d / "a.txt"]
