@@ -145,10 +145,18 @@ def shared_names(enc: EncodingsFile, version: str,
             by_name.setdefault(n, []).append(e)
     shared = []
     for n, found in by_name.items():  # (only a name several quantizers share is converted to compare)
-        items = [entry_to_aimet(e, version) for e in found] if len(found) > 1 else []
+        # (without the quantizer's own name, which 1.0.0 and 2.0.0 items carry and every reader's differs in)
+        items = [_unnamed(entry_to_aimet(e, version)) for e in found] if len(found) > 1 else []
         if any(item != items[0] for item in items[1:]):
             shared.append((n, [e.name for e in found]))
     return shared
+
+
+def _unnamed(item: Any) -> Any:
+    """An AIMET encoding (a dict, or 0.6.1's list of dicts) without its ``name`` keys."""
+    if isinstance(item, list):
+        return [_unnamed(i) for i in item]
+    return {k: v for k, v in item.items() if k != "name"} if isinstance(item, dict) else item
 
 
 # --------------------------------------------------------------------------------------------------------------

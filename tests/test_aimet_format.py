@@ -278,3 +278,18 @@ def test_lpbq_files_say_lpbq(sample):
 def test_a_float_output_dtype_is_named():
     with pytest.raises(EncodingsError, match="f: a.weight: output_dtype 'float16' is not supported"):
         from_aimet(_v2({"output_dtype": "float16", "y_scale": 0.01}), {"a.weight": (4, 8)}, "f", _mod)
+
+
+@pytest.mark.parametrize("version", ["0.6.1", "1.0.0", "2.0.0"])
+def test_quantizers_reading_one_tensor_alike_are_not_said_to_differ(version):
+    """A BERT's query, key and value read one LayerNorm output with bit-identical encodings: 1.0.0 and 2.0.0 said
+    "read by quantizers with different encodings", comparing items that carry each quantizer's own name."""
+    from qtool.aimet_format import shared_names
+
+    acts = [_v1_entry(f"{m}.input", [0.0322], [-129], False, "PER_TENSOR") for m in ("q", "k", "v")]
+    enc, _ = from_aimet(_v1(acts=acts), {}, "f", _mod)
+    names = {f"{m}.input": "ln_out" for m in ("q", "k", "v")}
+    assert shared_names(enc, version, names) == []
+    acts[2] = _v1_entry("v.input", [0.0323], [-129], False, "PER_TENSOR")
+    enc, _ = from_aimet(_v1(acts=acts), {}, "f", _mod)
+    assert shared_names(enc, version, names) == [("ln_out", ["q.input", "k.input", "v.input"])]

@@ -162,9 +162,14 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
             f"{sum(len(r.modules) for r in enc.online)} modules at run time "
             f"({', '.join(sorted({r.name for r in enc.online}))}, online), which AIMET encodings cannot describe")
     elif floats and exporter.aimet_json != "never":  # AIMET JSON holds integer grids only
+        # (the qtool format stores weights: a float activation's or KV cache's scale lives in the encodings alone)
+        unheld = 0 if exporter.name == "onnx" else sum(e.tensor != "weight" for e in floats)
+        held = ("the exported tensors hold their scales" if not unheld else
+                f"the exported tensors hold the weights' scales; the {unheld} activation and KV-cache scales are in "
+                f"{enc_display or enc_path} only (--format compressed-tensors writes FP8 input and KV-cache scales)")
         summary["export_warnings"].append(
             f"model.encodings (AIMET JSON) not written: {len(floats)} quantizer(s) are on float element grids "
-            f"(FP8/FP4), which AIMET encodings cannot describe; the exported tensors hold their scales")
+            f"(FP8/FP4), which AIMET encodings cannot describe; {held}")
     elif exporter.aimet_json == "always" or (exporter.aimet_json == "if_small" and numbers <= AIMET_JSON_LIMIT):
         static = [e for e in enc.entries if not e.dynamic]
         if len(static) < len(enc.entries):  # (the aimet format itself refuses them in its check)
