@@ -598,12 +598,26 @@ def test_a_budget_met_in_one_format_and_exported_in_another_says_how_far_over_it
     code, out, err = run_cli("export", ckpt, "-e", enc, "-o", tmp_path / "q", "--json")
     assert code == 0, err
     assert not [w for w in json.loads(out)["export_warnings"] if "the size budget" in w]
+    # the same format with other options than the search counted: --no-pack's byte a 4-bit code went over silently
+    code, out, err = run_cli("calibrate", ckpt, "--candidates", "w4a16-block32,w8a16", "--target-bpw", "10.6", "--data",
+                             data, "-o", tmp_path / "tight", "-q")
+    assert code == 0, err
+    code, out, err = run_cli("export", ckpt, "-e", tmp_path / "tight" / "encodings.json", "-o", tmp_path / "unpacked",
+                             "--no-pack", "--json")
+    assert code == 0, err
+    over = [w for w in json.loads(out)["export_warnings"] if "the size budget" in w]
+    assert len(over) == 1 and 'was met in the qtool format with {"pack": true}' in over[0], over
     # (ONNX cannot count a budget: the line does not send the user to a search that is refused)
+    from qtool.export import get_exporter
     from qtool.pipeline.export import _budget_missed
 
-    over = _budget_missed(enc, "onnx", 10 ** 9)
+    big = tmp_path / "big.onnx"
+    with open(big, "wb") as f:
+        f.truncate(10 ** 9)
+    over = _budget_missed(enc, "onnx", get_exporter("onnx").Options(), [big])
     assert "does not count --format onnx's bytes" in over and "quantize --format onnx" not in over, over
-    assert "quantize --format compressed-tensors" in _budget_missed(enc, "compressed-tensors", 10 ** 9)
+    ct = get_exporter("compressed-tensors")
+    assert "quantize --format compressed-tensors" in _budget_missed(enc, "compressed-tensors", ct.Options(), [big])
 
 
 def test_compressed_tensors_damage_is_measured_with_the_layers_it_writes_float(llama, tmp_path):

@@ -4,9 +4,10 @@ a format (plus AIMET's JSON beside it), and an AIMET encodings file brought in a
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -202,7 +203,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     # or the files copied beside the weights: a tokenizer, a README, .gitattributes)
     model_files = [n for n in outputs if "/" not in n and n.endswith(_MODEL_SUFFIXES)]  # (not a copied module's)
     model_bytes = sum((out_dir / n).stat().st_size for n in model_files)
-    missed = _budget_missed(Path(enc_path), eopts.format, model_bytes)
+    missed = _budget_missed(Path(enc_path), eopts.format, options, [out_dir / n for n in model_files])
     if missed:
         summary["export_warnings"].append(missed)
     inputs = {
@@ -220,18 +221,28 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     return summary
 
 
-def _budget_missed(enc_path: Path, fmt: str, model_bytes: int) -> Optional[str]:
+def _budget_missed(enc_path: Path, fmt: str, options, model_files: List[Path]) -> Optional[str]:
     """The warning for encodings a size-budget search chose (its ``search.json`` beside them) exported in another
-    format than the one it counted, into more bytes than the budget (a format that keeps the embedding float, or
-    ONNX's float weights); None otherwise."""
+    format, or with other options, than it counted (a format that keeps the embedding float, ONNX's float weights,
+    --no-pack's byte a code), into more tensor bytes than the budget; None otherwise."""
+    exporter = get_exporter(fmt)
     try:
         search = json.loads((enc_path.parent / "search.json").read_text(encoding="utf-8"))
         counted, budget, flag = search["format"], int(search["budget"]["bytes"]), str(search["budget"]["flag"])
-    except (OSError, ValueError, KeyError, TypeError):
+        # (a record from before format_options was written counted the format's default options)
+        counted_options = search.get("format_options") or asdict(get_exporter(counted).Options())
+    except (OSError, ValueError, KeyError, TypeError, UsageError):
         return None
-    if counted == fmt or model_bytes <= budget:
+    if counted == fmt and _byte_options(counted_options) == _byte_options(asdict(options)):
         return None
-    exporter = get_exporter(fmt)
+    model_bytes = sum(_tensor_bytes(f) for f in model_files)
+    if model_bytes <= budget:
+        return None
+    if counted == fmt:
+        return (f"the size budget ({flag}: {budget} bytes, in {enc_path.parent / 'search.json'}) was met in the "
+                f"{counted} format with {json.dumps(_byte_options(counted_options), sort_keys=True)}; this export's "
+                f"tensors hold {model_bytes} bytes, {model_bytes / budget:.2f}x the budget (export with those "
+                "options)")
     instead = (f"or run the search as quantize --format {fmt}, which counts that format's bytes"
                if exporter.counts_bytes(exporter.Options()) else
                f"the search does not count --format {fmt}'s bytes, so it cannot hold a budget")
@@ -241,6 +252,24 @@ def _budget_missed(enc_path: Path, fmt: str, model_bytes: int) -> Optional[str]:
 
 
 _MODEL_SUFFIXES = (".safetensors", ".onnx", ".gguf")  # what every format writes its weights as
+
+
+def _byte_options(options: Dict[str, Any]) -> Dict[str, Any]:
+    """A format's options that change how many bytes its tensors take (how a file is sharded does not)."""
+    return {k: v for k, v in options.items() if k != "max_shard_bytes"}
+
+
+def _tensor_bytes(path: Path) -> int:
+    """The bytes a model file's tensors take, what a size budget counts: a safetensors file's data, a GGUF file's
+    tensors (not its metadata, a tokenizer's vocabulary among it); an ONNX file whole."""
+    if path.suffix == ".safetensors":
+        with open(path, "rb") as f:
+            return path.stat().st_size - 8 - struct.unpack("<Q", f.read(8))[0]
+    if path.suffix == ".gguf":
+        import gguf
+
+        return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    return path.stat().st_size
 
 
 @one_at_a_time

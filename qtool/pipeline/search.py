@@ -4,6 +4,7 @@ candidate, measure each weight group's damage under each, choose the mix that fi
 
 from __future__ import annotations
 
+import dataclasses
 import decimal
 import json
 import math
@@ -196,6 +197,7 @@ class Measured:
     float_perplexity: Optional[float] = None  # causal LMs: the float model's on the search samples' text
     nll_damage: Optional[List[List[float]]] = None  # causal LMs: per group, per candidate, the text's NLL change
     warnings: List[str] = field(default_factory=list)  # about --search-data (calibration checks --data itself)
+    format_options: Dict[str, Any] = field(default_factory=dict)  # the format's options the bytes were counted in
 
     def bpw(self, nbytes: int) -> float:
         return 8.0 * nbytes / max(self.cost.params, 1)
@@ -262,7 +264,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
                  tied, exporter.writes_tied_apart(loaded.model))
     metric = "mean per-token KL divergence (nats)" if loaded.is_causal_lm else "mean 1 - cosine of the outputs"
     state = Measured(target, paths, plans, groups, cost, [[0.0] * len(paths) for _ in groups], [], loaded,
-                     exporter.name, metric, 0, opts)
+                     exporter.name, metric, 0, opts, format_options=dataclasses.asdict(options))
     _check_budget(state, target)
     data = _search_data(target, opts, loaded.tokenizer, loaded.is_causal_lm)
     if target.metric == "nll" and not sum(int(next_token_targets(b)[1].sum()) for b in data):
@@ -379,7 +381,8 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
     text = _written(state.target.recipes[0].text, state.plans, chosen, names, state.loaded.model, opts, header)
     record = {
         "budget": {"flag": target.flag(), "bytes": budget, "bits_per_weight": state.bpw(budget)},
-        "format": state.exporter, "params": cost.params, "float_bytes": cost.float_bytes,
+        "format": state.exporter, "format_options": state.format_options, "params": cost.params,
+        "float_bytes": cost.float_bytes,
         "candidates": names, "damage": state.metric, "samples": state.samples,
         **({"ranked_by": "mean per-token change in the search text's NLL (nats)"} if target.metric == "nll" else {}),
         **({"search_data": target.data} if target.data else {}),
