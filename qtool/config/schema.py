@@ -460,6 +460,8 @@ class Recipe(BaseModel):
 
 # a repeated group that itself repeats, e.g. (a+)+ or (x*)*: Python's re can backtrack exponentially on it
 _NESTED_QUANTIFIER = re.compile(r"\((?:[^()\\]|\\.)*[+*}](?:[^()\\]|\\.)*\)(?:[+*]|\{\d*,)")
+# a repeated group of alternatives, e.g. (.|.)* or (a|ab)+: where they overlap, as exponential
+_REPEATED_ALTERNATIVES = re.compile(r"\((?:[^()\\]|\\.)*\|(?:[^()\\]|\\.)*\)(?:[+*]|\{\d*,)")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -469,6 +471,10 @@ def _compile_pattern(pattern: str):
         if _NESTED_QUANTIFIER.search(pattern[3:]):
             raise ValueError(f"regular expression {_short(pattern[3:])} repeats a group that itself repeats "
                              "(like (a+)+), which can take minutes to match; write it without the nested repetition")
+        if _REPEATED_ALTERNATIVES.search(pattern[3:]):
+            raise ValueError(f"regular expression {_short(pattern[3:])} repeats a group of alternatives (like "
+                             "(a|b)*), which can take minutes to match where they overlap; use a character class "
+                             "([ab]*) or write it without the repetition")
         try:
             return re.compile(pattern[3:])
         except re.error as e:
