@@ -719,3 +719,19 @@ def test_an_nvfp4_moe_export_says_transformers_reloads_its_experts_wrongly(tmp_p
                              "compressed-tensors", "--json")
     assert code == 0, err
     assert any(w.startswith("transformers reloads NVFP4 experts wrongly") for w in json.loads(out)["export_warnings"])
+
+
+def test_smoothquants_default_mappings_leave_a_norm_feeding_a_router_alone(tmp_path):
+    """w8a8-smoothquant on a mixture of experts folded the post-attention norm's scale into the experts, which the
+    router reads too: the plan passed, calibration ran, then stopped with a line naming every expert (836
+    characters for 8 experts). The attention and each expert's up -> down are smoothed; the norm is left, said."""
+    checkpoint, ids = _saved(tmp_path, "qwen3_moe")
+    code, out, err = run_cli("calibrate", checkpoint, "-c", "w8a8-smoothquant", "--data", ids, "-o", tmp_path / "sq",
+                             "--json")
+    assert code == 0, err
+    said = [w for w in json.loads(out)["warnings"] if "feeding mixture-of-experts layers left unsmoothed" in w]
+    assert len(said) == 1 and "2 norm(s)" in said[0] and "post_attention_layernorm" in said[0], said
+    groups = json.loads((tmp_path / "sq" / "manifest.json").read_text())["smoothquant"]["groups"]
+    assert not any("post_attention_layernorm" in g["smooth"] for g in groups)
+    assert sum("input_layernorm" in g["smooth"] for g in groups) == 2
+    assert sum(g["smooth"].endswith(".up_proj") and ".experts." in g["smooth"] for g in groups) == 16

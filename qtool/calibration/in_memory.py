@@ -226,7 +226,8 @@ def _smooth(model: nn.Module, plan: Plan, modules, data: CalibrationData, device
         err = _relative_change(before, after)
         if not err <= SMOOTH_TOLERANCE:
             g = next(g for g in plan.smoothing if g.mapping == mapping)
-            raise UsageError(f"smoothquant: folding scales from {g.smooth} into {', '.join(g.balance)} changes the "
+            named = ", ".join(g.balance[:4]) + (f" and {len(g.balance) - 4} more" if len(g.balance) > 4 else "")
+            raise UsageError(f"smoothquant: folding scales from {g.smooth} into {named} changes the "
                              f"float model's outputs (relative error {err:.2g}); this mapping does not fit this "
                              "architecture: give smoothquant.mappings")
         before = after
