@@ -506,6 +506,12 @@ def test_every_problem_is_listed_with_its_line_and_a_hint(tmp_path):
     assert problems[1].startswith(f"{bad}:4: defaults.activations.granularity:") and "did you mean 'per_tensor'" \
         in problems[1]
     assert problems[2] == f"{bad}:6: layers[0].name: unknown key (did you mean 'match'?)"
+    # a misspelt key inside a layers entry's rounding or analyzer: the hint came from the weights' own keys
+    bad.write_text("version: 1\ndefaults: {weights: {bitwidth: 4}}\nlayers:\n  - match: '*'\n"
+                   "    weights: {rounding: {name: gptq, dampning: 0.1}}\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(bad)
+    assert str(e.value) == f"{bad}:5: layers[0].weights.rounding.dampning: unknown key (did you mean 'dampening'?)"
     # weights at the top level (a first recipe's slip) read "unknown key" with no hint
     bad.write_text("version: 1\nweights: {bitwidth: 4}\nactivation: null\n")
     with pytest.raises(ConfigError) as e:

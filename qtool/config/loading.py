@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence, Union
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from ..errors import ConfigError
-from .messages import _describe, _key_path, _short
+from .messages import _describe, _key_path, _short, fields_at
 from .schema import Recipe, rule_specs
 from .shipped import recipe_file
 
@@ -139,7 +139,7 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
             loc = list(err["loc"])
             line = _line_of(node, loc)
             where = f":{line}" if line else ""
-            problems.append(f"{source}{where}: {_key_path(loc) or '(top level)'}: {_describe(err, _fields_at(loc))}")
+            problems.append(f"{source}{where}: {_key_path(loc) or '(top level)'}: {_describe(err, fields_at(Recipe, loc))}")
         recipe = None
     if recipe is not None:
         problems += _rule_problems(recipe, node, source)
@@ -155,32 +155,6 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
 MAX_PROBLEMS = 20  # recipe problems listed at once (the rest are counted)
 
 
-def _fields_at(loc: Sequence[Any]) -> List[str]:
-    """The keys allowed in the mapping that holds the last element of ``loc`` (for did-you-mean hints)."""
-    model: Any = Recipe
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        model = _model_of(field.annotation)
-        if model is None:
-            return []
-    return list(getattr(model, "model_fields", {}))
-
-
-def _model_of(annotation) -> Any:
-    """The pydantic model inside ``Optional[...]`` / ``List[...]`` (None for anything else)."""
-    import typing
-
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _model_of(arg)
-        if found is not None:
-            return found
-    return None
 
 
 def _rule_problems(recipe: Recipe, node, source: str) -> List[str]:

@@ -4,7 +4,7 @@ line, and a "did you mean" for a misspelt key or value."""
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, List, Sequence
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -59,3 +59,34 @@ def _did_you_mean(word: Any, choices: Sequence[str]) -> str:
         return f" (did you mean {_SYNONYMS[word]!r}?)"
     close = difflib.get_close_matches(word, list(choices), n=2, cutoff=0.6)
     return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def fields_at(root: Any, loc: Sequence[Any]) -> List[str]:
+    """The keys allowed in the mapping that holds the last element of ``loc``, a path from the pydantic model
+    ``root`` (for did-you-mean hints)."""
+    model: Any = root
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = _model_of(field.annotation)
+        if model is None:
+            return []
+    return list(getattr(model, "model_fields", {}))
+
+
+def _model_of(annotation) -> Any:
+    """The pydantic model inside ``Optional[...]`` / ``List[...]`` (None for anything else)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None

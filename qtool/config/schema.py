@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from ..choices import GGML_SCALE_DTYPES, GGUF_TYPES
 from ..errors import ConfigError
-from .messages import _describe, _key_path, _short
+from .messages import _describe, _key_path, _short, fields_at
 
 
 # Module types that get quantizers when no rule names a type.
@@ -547,5 +547,5 @@ def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
     except ValidationError as e:
         err = e.errors()[0]
         key = _key_path(err["loc"])
-        desc = _describe(err, list(cls.model_fields))
+        desc = _describe(err, fields_at(cls, err["loc"]))
         raise ConfigError(f"{where}.{key}: {desc}" if key else f"{where}: {desc}") from None
