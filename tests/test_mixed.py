@@ -219,7 +219,7 @@ def test_more_budget_never_predicts_more_damage(llama, tmp_path):
 @pytest.mark.parametrize("flags,message", [
     (["--target-bpw", "4"], "below the smallest the candidates can make"),
     (["--target-bpw", "40"], "at or above the float checkpoint"),
-    (["--target-size", "1KB"], "below the smallest the candidates can make"),
+    (["--target-size", "1KB"], "--target-size 1KB (1000 bytes): below the smallest the candidates can make"),
     (["--target-bpw", "-1"], "bits per weight lie between 0 and 64"),
     (["--target-size", "lots"], "--target-size"),
     (["--target-size", "0"], "is not a size above zero"),
@@ -234,6 +234,21 @@ def test_bad_budgets_are_one_line_exit_2_and_write_nothing(llama, tmp_path, flag
     lines = error_lines(err)
     assert len(lines) == 1 and message in lines[0], err
     assert "no limit" not in err  # (--max-shard-size's hint: a budget has one)
+    assert not (tmp_path / "out").exists()
+
+
+def test_candidates_that_quantize_nothing_say_so(llama, tmp_path):
+    """Two recipes that quantize no weight read "below the smallest the candidates can make (the float
+    checkpoint's bytes)", which said nothing of why."""
+    ckpt, data = llama
+    for name, tail in (("none.yaml", ""), ("none2.yaml", "# another\n")):
+        (tmp_path / name).write_text("version: 1\ndefaults:\n  weights: null\n  activations: null\n" + tail)
+    code, _, err = run_cli("calibrate", ckpt, "--data", data, "--candidates",
+                           f"{tmp_path / 'none.yaml'},{tmp_path / 'none2.yaml'}", "--target-bpw", "20", "-o",
+                           tmp_path / "out", "-q")
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1 and "quantize no weight of this model, so there is nothing to choose" \
+        in lines[0], err
     assert not (tmp_path / "out").exists()
 
 

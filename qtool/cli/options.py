@@ -222,7 +222,7 @@ def _target(config: Optional[str], candidates: Optional[str], target_bpw: Option
 
         raise DataError(f"{search_data}: --search-data path not found")
     names = [c.strip() for c in candidates.split(",") if c.strip()]
-    return TargetOptions(names, target_bpw, size, samples, search_data, metric)
+    return TargetOptions(names, target_bpw, size, samples, search_data, metric, size_given=target_size)
 
 
 def _format_help() -> str:

@@ -228,7 +228,11 @@ class TargetOptions:
     data: Optional[str] = None  # the text (or tensors) the damage is measured on; None: a seeded subset of --data
     metric: str = "kl"  # what the choice minimizes: "kl" (closeness to the float model) or "nll" (causal LMs)
     recipes: Tuple[RecipeFile, ...] = ()  # the candidates read (in order), once, by :func:`_prepared`
+    size_given: Optional[str] = None  # --target-size as typed ("61.4MiB"), which messages repeat beside the bytes
 
     def flag(self) -> str:
-        return (f"--target-bpw {self.bits_per_weight:g}" if self.bits_per_weight is not None
+        if self.bits_per_weight is not None:
+            return f"--target-bpw {self.bits_per_weight:g}"
+        given = (self.size_given or "").strip()
+        return (f"--target-size {given} ({self.size_bytes} bytes)" if given and given != str(self.size_bytes)
                 else f"--target-size {self.size_bytes}")
