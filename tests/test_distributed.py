@@ -707,3 +707,27 @@ def test_a_long_message_is_cut_at_a_word_and_an_unbroken_one_keeps_its_start():
     said = cut(text, 160)
     assert len(said) <= 160 and said.endswith(" ...") and said[:-4].split()[-1] in text.split(), said
     assert cut("x" * 170, 160) == "x" * 160 and cut("short", 160) == "short"
+
+
+def test_a_lost_rank_says_what_a_sequential_run_kept(tmp_path, capsys):
+    """The exit-4 line said "nothing was written" where OUT.resume held the finished blocks, which --resume
+    continues from (an interrupt's line said so)."""
+    import typer
+
+    from qtool.cli.core import _errors
+    from qtool.io.fs import resumable
+    from qtool.parallel import PeerLost
+
+    state = tmp_path / "out.resume"
+    resumable(state)
+    try:
+        with pytest.raises(typer.Exit) as e:
+            with _errors():
+                raise PeerLost("lost contact with the other ranks while exchanging statistics (...): closed; nothing "
+                               "was written")
+    finally:
+        resumable(state, kept=False)
+    assert e.value.exit_code == 4
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"nothing was written; {state} keeps the blocks finished so far: the same command with --resume "
+            "continues") in err, err

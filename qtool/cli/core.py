@@ -261,7 +261,10 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         problems = getattr(e, "problems", None) or []
         if len(problems) > 1:  # every problem of a recipe, one line each
             fail(e.exit_code, f"error: {where}{problems[0]}", [f"error: {p}" for p in problems[1:]], speak, alike)
-        fail(e.exit_code, f"error: {where}{e}", speak=speak, alike=alike)
+        said = str(e)
+        if e.exit_code == 4 and said.endswith("nothing was written"):  # (a lost rank: what a --sequential run kept)
+            said = said[:-len("nothing was written")] + _written()
+        fail(e.exit_code, f"error: {where}{said}", speak=speak, alike=alike)
     except KeyboardInterrupt as e:
         name = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
         fail(_SIGNAL_EXIT[name], f"interrupted: {name}; {_written()}", speak=not quiet_interrupt)
