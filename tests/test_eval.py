@@ -4,6 +4,7 @@ tensor's block scales doubled, a compressed-tensors scale transposed, an ONNX ze
 doubled) is an export fault: exit 1."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -852,3 +853,29 @@ def test_a_gguf_whose_tensors_decode_to_nan_or_inf_is_one_line_before_any_model_
     code, _, err = run_cli("eval", out, "--data", held, *EVAL, "-q")
     lines = error_lines(err)
     assert code == 2 and len(lines) == 1 and f"tensor {t.name}" in lines[0] and "NaN or infinity" in lines[0], err
+
+
+def test_an_onnx_graph_that_fails_on_a_batch_is_one_line_naming_the_file(tmp_path):
+    """A graph onnxruntime loads but cannot run on the evaluation's batch (a per-head KV cache quantized along the
+    batch took only batches of the head count) ended eval with an internal error, exit 3."""
+    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+
+    from qtool.data import Batch
+    from qtool.errors import UsageError
+    from qtool.evaluation.runtimes import OnnxRuntime
+
+    cast = helper.make_node("Cast", ["input_ids"], ["f"], to=TensorProto.FLOAT)
+    add = helper.make_node("Add", ["f", "two_rows"], ["logits"])
+    graph = helper.make_graph(
+        [cast, add], "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "t"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "t"])],
+        [helper.make_tensor("two_rows", TensorProto.FLOAT, [2, 1], [0.0, 1.0])])
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    runtime = OnnxRuntime(path)
+    assert runtime.outputs(Batch((), {"input_ids": torch.zeros(2, 4, dtype=torch.long)})).shape == (2, 4)
+    with pytest.raises(UsageError, match=rf"^{re.escape(str(path))}: onnxruntime fails to run it on a batch of "
+                                         r"shape \[\[3, 4\]\]: "):
+        runtime.outputs(Batch((), {"input_ids": torch.zeros(3, 4, dtype=torch.long)}))

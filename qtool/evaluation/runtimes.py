@@ -103,6 +103,7 @@ class OnnxRuntime(_WholeLogits):
                                        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
                                        "off": ort.GraphOptimizationLevel.ORT_DISABLE_ALL}[optimization]
         so.log_severity_level = 3
+        self.path = path
         if threads:
             so.intra_op_num_threads = threads
         try:
@@ -124,8 +125,13 @@ class OnnxRuntime(_WholeLogits):
         if missing:
             raise UsageError(f"the ONNX graph needs inputs {missing} that the evaluation data does not give "
                              f"(it gives {sorted(feed)})")
-        out = self.session.run(None, {n: (feed[n].to(self._float_inputs[n]) if n in self._float_inputs and
-                                          feed[n].is_floating_point() else feed[n]).numpy() for n in self.inputs})
+        try:
+            out = self.session.run(None, {n: (feed[n].to(self._float_inputs[n]) if n in self._float_inputs and
+                                              feed[n].is_floating_point() else feed[n]).numpy() for n in self.inputs})
+        except Exception as e:  # onnxruntime's own types: the graph fails on this batch (a shape it cannot take)
+            text = " ".join(str(e).split())
+            raise UsageError(f"{self.path}: onnxruntime fails to run it on a batch of shape "
+                             f"{[list(feed[n].shape) for n in self.inputs]}: {text[-300:]}") from None
         return torch.from_numpy(out[0]).float()
 
     def logits(self, ids: Sequence[int]) -> torch.Tensor:
