@@ -630,7 +630,8 @@ def test_yaml_aliases_are_refused_before_expansion():
         parse_recipe(laughs, "r.yaml")
 
 
-@pytest.mark.parametrize("pattern", ["re:(a+)+b", "re:(.*)*x", "re:(\\\\w+\\\\.)+{2,}z", "re:(x{1,3})+y"])
+@pytest.mark.parametrize("pattern", ["re:(a+)+b", "re:(.*)*x", "re:(\\\\w+\\\\.){2,}z", "re:(x{1,3})+y",
+                                     "re:((a+))+b", "re:(?:x(y+))*z"])
 def test_regexes_that_backtrack_exponentially_are_refused(pattern):
     with pytest.raises(ConfigError, match="repeats a group that itself repeats"):
         parse_recipe(f"version: 1\nlayers:\n  - match: '{pattern}'\n    weights: {{bitwidth: 4}}\n", "r.yaml")

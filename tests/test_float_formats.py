@@ -401,10 +401,13 @@ def test_qtool_export_holds_native_float_tensors(recipe, pack, ckpt, data, tmp_p
 
     run, out = tmp_path / "run", tmp_path / "q"
     run_calibrate(str(ckpt), recipe, str(run), CalibrateOptions(data=str(data)))
-    code, _, err = run_cli("export", ckpt, "-e", run / "encodings.json", "-o", out, "--quiet",
-                           *([] if pack else ["--no-pack"]))
+    code, text, err = run_cli("export", ckpt, "-e", run / "encodings.json", "-o", out, "--json",
+                              *([] if pack else ["--no-pack"]))
     assert code == 0, err
     assert not (out / "model.encodings").exists()
+    said = next(w for w in json.loads(text)["export_warnings"] if "AIMET JSON) not written" in w)
+    static = {"fp8": 14}.get(recipe, 0)  # (static FP8 inputs: their scales in encodings.json; dynamic ones have none)
+    assert (f"the {static} activation and KV-cache scales are in" in said) == bool(static), said
     got = read_integer_export(out)
     fq = qtool.load_calibrated(str(ckpt), str(run / "encodings.json"))
     mods = dict(fq.named_modules())

@@ -862,6 +862,14 @@ def test_a_tied_weight_a_torch_state_dict_stores_under_both_names_is_written_by_
                            tmp_path / "q1")
     assert code == 2 and not (tmp_path / "q1").exists(), err  # (it said "checkpoint is missing 'head.weight'")
     assert "head.weight is the tensor emb.weight (tied embeddings), which the checkpoint stores once" in err, err
+    # stored under the output layer's name alone: refused before calibrating too, not after ("has no tensor
+    # 'emb.weight' named in the encodings")
+    state = tied_lm().state_dict()
+    del state["emb.weight"]
+    torch.save(state, tmp_path / "later.pt")
+    code, _, err = run_cli("quantize", tmp_path / "later.pt", "-c", "w8a8", "--data", tmp_path / "ids.safetensors",
+                           "--model-class", "tests.tinymodels:tied_lm", "-o", tmp_path / "q2")
+    assert code == 2 and "which the checkpoint stores once" in err and "calibrating" not in err, err
 
 
 def test_jsonl_lines_are_split_at_newlines_only(tmp_path):

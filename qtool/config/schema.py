@@ -458,27 +458,63 @@ class Recipe(BaseModel):
         return v
 
 
-# a repeated group that itself repeats, e.g. (a+)+ or (x*)*: Python's re can backtrack exponentially on it
-_NESTED_QUANTIFIER = re.compile(r"\((?:[^()\\]|\\.)*[+*}](?:[^()\\]|\\.)*\)(?:[+*]|\{\d*,)")
-# a repeated group of alternatives, e.g. (.|.)* or (a|ab)+: where they overlap, as exponential
-_REPEATED_ALTERNATIVES = re.compile(r"\((?:[^()\\]|\\.)*\|(?:[^()\\]|\\.)*\)(?:[+*]|\{\d*,)")
+def _backtracks(regex: str) -> Optional[str]:
+    """How Python's ``re`` can backtrack exponentially on ``regex`` (a compiled one), or None: an unbounded
+    repetition around a repetition of varying count (``(a+)+``, ``(x{1,3})*``: "nested") or around alternatives its parser could not merge
+    into one character class (``(.|.)*``, ``(a|ab)+``: "alternatives"; ``(a|b)*`` is ``[ab]*``). Read from the
+    parsed pattern, so groups inside groups are seen."""
+    try:
+        from re import _parser as parser  # (Python 3.11+)
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_parse as parser
+
+    def walk(items, repeated: bool) -> Optional[str]:
+        for op, av in items:
+            name = str(op)
+            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                unbounded = av[1] == parser.MAXREPEAT
+                if repeated and av[0] != av[1]:  # (a count that varies inside one that does not end: (x{1,3})+)
+                    return "nested"
+                found = walk(av[2], repeated or unbounded)
+            elif name == "BRANCH":
+                found = "alternatives" if repeated else next(
+                    (f for f in (walk(b, repeated) for b in av[1]) if f), None)
+            elif name == "SUBPATTERN":
+                found = walk(av[3], repeated)
+            elif name in ("ASSERT", "ASSERT_NOT"):
+                found = walk(av[1], repeated)
+            elif name == "ATOMIC_GROUP":
+                found = walk(av, repeated)
+            elif name == "GROUPREF_EXISTS":
+                found = next((f for f in (walk(b, repeated) for b in av[1:] if b) if f), None)
+            else:
+                found = None
+            if found:
+                return found
+        return None
+
+    return walk(parser.parse(regex), False)
+
+
+_BACKTRACKING = {
+    "nested": "repeats a group that itself repeats (like (a+)+), which can take minutes to match; write it without "
+              "the nested repetition",
+    "alternatives": "repeats a group of alternatives (like (a|ab)*), which can take minutes to match where they "
+                    "overlap; use a character class ([ab]*) or write it without the repetition"}
 
 
 @functools.lru_cache(maxsize=1024)
 def _compile_pattern(pattern: str):
     """A recipe pattern compiled once (resolution matches every pattern against every module name)."""
     if pattern.startswith("re:"):
-        if _NESTED_QUANTIFIER.search(pattern[3:]):
-            raise ValueError(f"regular expression {_short(pattern[3:])} repeats a group that itself repeats "
-                             "(like (a+)+), which can take minutes to match; write it without the nested repetition")
-        if _REPEATED_ALTERNATIVES.search(pattern[3:]):
-            raise ValueError(f"regular expression {_short(pattern[3:])} repeats a group of alternatives (like "
-                             "(a|b)*), which can take minutes to match where they overlap; use a character class "
-                             "([ab]*) or write it without the repetition")
         try:
-            return re.compile(pattern[3:])
+            compiled = re.compile(pattern[3:])
         except re.error as e:
             raise ValueError(f"bad regular expression {_short(pattern[3:])}: {e}") from None
+        how = _backtracks(pattern[3:])
+        if how:
+            raise ValueError(f"regular expression {_short(pattern[3:])} {_BACKTRACKING[how]}")
+        return compiled
     return re.compile(fnmatch.translate(pattern))
 
 

@@ -148,18 +148,25 @@ def _checked_module(spec: str, factory) -> nn.Module:
     return model
 
 
-def _load_state_into(model: nn.Module, state: Dict[str, torch.Tensor], path: Path) -> None:
-    expected = model.state_dict()
-    # a parameter the model holds under several names (a tied output layer) may be stored under one of them
-    # (safetensors' save_model keeps one): the others take it
+def _tied_filled(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``state`` with a parameter the model holds under several names (a tied output layer) under each of them,
+    where it is stored under one (safetensors' save_model keeps one)."""
     names: Dict[int, List[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
-    state = dict(state)
+    filled = dict(state)
     for group in names.values():
         stored = next((n for n in group if n in state), None)
-        for n in group if stored is not None else ():
-            state.setdefault(n, state[stored])
+        if stored is None:
+            continue
+        for n in group:
+            filled.setdefault(n, state[stored])
+    return filled
+
+
+def _load_state_into(model: nn.Module, state: Dict[str, torch.Tensor], path: Path) -> None:
+    expected = model.state_dict()
+    state = _tied_filled(model, state)
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing:

@@ -70,12 +70,12 @@ def plan_for(checkpoint: str, recipe_path: str, opts: CalibrateOptions) -> Tuple
 
 def stored_once(checkpoint: str, tied: Dict[str, str], trust_pickle: bool = False) -> Dict[str, str]:
     """``tied`` (``Plan.tied``: a tied weight's quantizer name -> the name its tensor is stored under) less the
-    weights the checkpoint holds under their own name too, as a torch state dict does (it keeps a tied weight
-    under both names): what a format that writes the checkpoint's tensors by name has no tensor for."""
+    weights the checkpoint holds under both names, as a torch state dict does: what a format that writes the
+    checkpoint's tensors by name has no tensor for."""
     if not tied:
         return tied
     keys = set(CheckpointTensors(Path(checkpoint), trust_pickle=trust_pickle).keys())
-    return {name: stored for name, stored in tied.items() if name not in keys}
+    return {name: stored for name, stored in tied.items() if not (name in keys and stored in keys)}
 
 
 @contextlib.contextmanager

@@ -164,7 +164,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
             f"({', '.join(sorted({r.name for r in enc.online}))}, online), which AIMET encodings cannot describe")
     elif floats and exporter.aimet_json != "never":  # AIMET JSON holds integer grids only
         # (the qtool format stores weights: a float activation's or KV cache's scale lives in the encodings alone)
-        unheld = 0 if exporter.name == "onnx" else sum(e.tensor != "weight" for e in floats)
+        unheld = 0 if exporter.name == "onnx" else sum(e.tensor != "weight" and not e.dynamic for e in floats)
         held = ("the exported tensors hold their scales" if not unheld else
                 f"the exported tensors hold the weights' scales; the {unheld} activation and KV-cache scales are in "
                 f"{enc_display or enc_path} only (--format compressed-tensors writes FP8 input and KV-cache scales)")

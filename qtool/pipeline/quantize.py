@@ -106,11 +106,10 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
     def admit(plan):  # a plan the format cannot write fails before calibration, not after it
         exporter.admit(plan.quantizers, options, plan.rotation.online() if plan.rotation else [])
         exporter.check_weight_changes(weight_changes(plan))
-        tied = stored_once(checkpoint, plan.tied, opts.trust_pickle)
-        exporter.check_tied(tied)
+        exporter.check_tied(stored_once(checkpoint, plan.tied, opts.trust_pickle))
         exporter.check_kv_cache(plan.kv_float)
         exporter.check_example_inputs(Path(checkpoint), eopts.data)
-        floats = exporter.left_float(plan.quantizers, options, tied)
+        floats = exporter.left_float(plan.quantizers, options, plan.tied)  # (a shared Linear weight, however stored)
         plan.left_float.update((name, f"{exporter.left_float_words} by --format {exporter.name}") for name in floats)
         if plan.coverage is not None and floats:  # (the share of weights the file holds quantized)
             plan.coverage = plan.coverage.without({q.module for q in plan.quantizers
