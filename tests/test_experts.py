@@ -686,16 +686,25 @@ def test_a_granitemoe_compressed_tensors_file_names_its_experts_as_vllm_reads_th
 
     unpack_from_int32 = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers").unpack_from_int32
     checkpoint, _ = _saved(tmp_path, "granitemoe")
-    code, out, err = run_cli("quantize", checkpoint, "-c", "w4a16-block32", "-o", tmp_path / "ct", "--format",
+    recipe = tmp_path / "two.yaml"  # (two settings: the config groups name their modules, not "Linear")
+    recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, block_size: 32}\n"
+                      "  activations: null\nlayers:\n  - match: '*.self_attn.*'\n    weights: {bitwidth: 8}\n"
+                      "  - match: '*.experts.0.gate_proj'\n    weights: {bitwidth: 8}\nignore: [lm_head]\n")
+    code, out, err = run_cli("quantize", checkpoint, "-c", recipe, "-o", tmp_path / "ct", "--format",
                              "compressed-tensors", "--json")
     assert code == 0, err
+    summary = json.loads(out)
+    said = " ".join(summary["export_warnings"])
+    assert "experts.0.w1" in said and "gate_proj" not in said, said  # (the fused-mix warning names the file's)
+    for name in summary["quantized_layers"] + list(summary["names"].values()):
+        assert not re.search(r"experts\.\d+\.(gate|up|down)_proj", name), name
     t = _keys(tmp_path / "ct")
     experts = {k for k in t if ".experts." in k}
-    assert experts and all(re.fullmatch(r"model\.layers\.\d\.block_sparse_moe\.experts\.\d\.w[123]\.weight_(packed|"
-                                        r"scale|shape)", k) for k in experts), sorted(experts)[:6]
+    assert experts and all(re.fullmatch(r"model\.layers\.\d\.block_sparse_moe\.experts\.\d\.w[123]\.weight(_packed|"
+                                        r"_scale|_shape)?", k) for k in experts), sorted(experts)[:6]
     fused = _keys(checkpoint)
     halves = {"w1": lambda e, w: w[e, :32], "w3": lambda e, w: w[e, 32:]}  # (input_linear: [E, 2I, H], gate first)
-    for e in (0, 5):
+    for e in (1, 5):  # (expert 0's gate is 8-bit here)
         for leaf, part in halves.items():
             base = f"model.layers.1.block_sparse_moe.experts.{e}.{leaf}."
             codes = unpack_from_int32(t[base + "weight_packed"], 4, torch.Size(t[base + "weight_shape"].tolist()))
@@ -708,7 +717,9 @@ def test_a_granitemoe_compressed_tensors_file_names_its_experts_as_vllm_reads_th
         down = f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight_shape"
         assert t[down].tolist() == list(fused["model.layers.1.block_sparse_moe.output_linear.weight"][e].shape)
     config = json.loads((tmp_path / "ct/config.json").read_text())["quantization_config"]
-    assert not any("_proj" in n for n in config["ignore"] if ".experts." in n)
+    targets = [t for g in config["config_groups"].values() for t in g["targets"]]
+    assert any("experts\\.0\\.w1" in t for t in targets) and not any("_proj$" in t and "experts" in t
+                                                                     for t in targets), targets
 
 
 def test_an_nvfp4_moe_export_says_transformers_reloads_its_experts_wrongly(tmp_path):

@@ -229,8 +229,8 @@ def export_compressed_tensors(
     if experts and family is not None and not family.transformers_reads_split_experts:
         warnings.append(f"transformers' {family.title} model reads its experts fused only: from_pretrained loads "
                         f"this directory's {len(experts)} per-expert layers as randomly initialized experts (its "
-                        "load report lists them MISSING), so run the file in a runtime that reads llm-compressor's "
-                        "per-expert layout (qtool eval refuses the transformers reload in one line)")
+                        "load report lists them MISSING), so run the file in a runtime that reads per-expert tensors, "
+                        "as vLLM does (qtool eval refuses the transformers reload in one line)")
     elif any(module_fmt[k] == "nvfp4-pack-quantized" for k, e in by_key.items() if ".experts." in e.module):
         warnings.append("transformers reloads NVFP4 experts wrongly (their values multiplied by the global scale "
                         "instead of divided; dense layers reload right): the bfloat16 reload of this file is not "
@@ -242,9 +242,9 @@ def export_compressed_tensors(
                         f"quantized, so they run in float: {', '.join(orphans)}")
     linear_names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
     float_linear = [n for n in linear_names if n not in quantized_modules] + _routers(model, modules, keys)
-    warnings += fused_mixes(settings, linear_names)
     # (the names vLLM's loader for the family reads: GraniteMoE's experts are Mixtral's w1/w3/w2 there)
     rename = family.compressed_tensors_name if family is not None else str
+    warnings += fused_mixes(settings, linear_names, rename)
     qconfig, groups, top_format = quantization_config(settings, modules, quantized_modules, float_linear, kv, rename)
     transforms = _online_transforms(encodings, modules, src, keys, model)
     if transforms:
@@ -265,7 +265,7 @@ def export_compressed_tensors(
         "tensors": len(layout),
         "source_tensors": len(keys),
         "quantized": len(by_key),
-        "quantized_layers": sorted(quantized_modules),
+        "quantized_layers": sorted(rename(m) for m in quantized_modules),
         "config_groups": len(groups),
         "ignore": qconfig["ignore"],
         "float_embeddings": float_embeddings,
@@ -274,7 +274,7 @@ def export_compressed_tensors(
         "bytes_written": path.stat().st_size,
         "files_copied": copied,
         "warnings": warnings,
-        "names": {e.name: names[e.name] for e in linear},
+        "names": {e.name: rename(names[e.name]) for e in linear},
     }
 
 

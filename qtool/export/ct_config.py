@@ -225,11 +225,12 @@ def _compat_notes(settings) -> List[str]:
     return notes
 
 
-def fused_mixes(settings: Dict[str, Dict[str, Any]], linear: Sequence[str]) -> List[str]:
+def fused_mixes(settings: Dict[str, Dict[str, Any]], linear: Sequence[str],
+                rename: Callable[[str], str] = str) -> List[str]:
     """A warning for each group of Linears (``linear``, in model order) that runtimes fuse into one layer (q/k/v,
     gate/up, one projection across a mixture-of-experts layer's experts: ``config.fused``) and that this file
     quantizes with more than one scheme, or partly float: vLLM refuses such a layer, and transformers, which holds a
-    mixture-of-experts layer's experts fused, cannot load those."""
+    mixture-of-experts layer's experts fused, cannot load those. ``rename``: a module's name in the file."""
     from ..config.fused import fused_groups
 
     scheme = {m: sig for sig, setting in settings.items() for m in setting["modules"]}
@@ -244,7 +245,8 @@ def fused_mixes(settings: Dict[str, Dict[str, Any]], linear: Sequence[str]) -> L
     notes = []
     for a, sa, b, sb in mixed[:3]:
         experts = ".experts." in a
-        notes.append(f"vLLM{' and transformers' if experts else ''}: {a} ({short.get(sa, 'float')}) and {b} "
+        notes.append(f"vLLM{' and transformers' if experts else ''}: {rename(a)} ({short.get(sa, 'float')}) and "
+                     f"{rename(b)} "
                      f"({short.get(sb, 'float')}) run fused, with one scheme for all of them, and this file "
                      f"quantizes them differently: {'neither loads' if experts else 'vLLM refuses'} it; quantize "
                      "them alike (one rule)")
