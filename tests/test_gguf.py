@@ -160,6 +160,15 @@ def test_fallback_writes_unmappable_weights_as_floats_and_says_so(llamas, tmp_pa
     types = {n: k for n, (k, _) in _gguf_values(tmp_path / "q/model.gguf").items()}
     assert types["token_embd.weight"] == "F16" and types["output.weight"] == "F16"  # lm_head: ignored -> float
     assert types["blk.0.attn_q.weight"] == "Q4_0" and types["blk.0.attn_norm.weight"] == "F32"
+    # f16 rounds the fake-quant values: the summary said max_weight_deviation 0 where only scales were counted
+    import qtool
+
+    enc = tmp_path / "q/calibration/encodings.json"
+    fq = _fake_quant_weights(qtool.load_calibrated(str(llamas["untied"]), str(enc)))
+    written = torch.from_numpy(_gguf_values(tmp_path / "q/model.gguf")["token_embd.weight"][1].copy())
+    moved = float((written - fq["model.embed_tokens.weight"]).abs().max())
+    assert 0 < moved <= s["max_weight_deviation"], (moved, s)
+    assert f"their fake-quant values rounded to f16, moved by up to {moved:.3g}" in " ".join(err.split()), err
 
 
 def test_qwen2_writes_its_own_architecture_unpermuted(tmp_path):

@@ -182,10 +182,13 @@ class GgufExporter(Exporter):
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
 
-        deviation, fallen, total = 0.0, [], len(items)
+        deviation, rounded, fallen, total = 0.0, 0.0, [], len(items)
         for n, item in enumerate(items):
             data, dev = _tensor_data(item, src, model.family)
-            deviation = max(deviation, dev)
+            if item.kind in ("F32", "F16"):  # (a quantized weight written as floats: --gguf-fallback f16's rounding)
+                rounded = max(rounded, dev)
+            else:  # (float16 scales)
+                deviation = max(deviation, dev)
             # (a transposed part, DeepSeek's attn_k_b, is F32 by design: no blocks left along its rows)
             fallen += [i.entry.name for i in item.experts or (item,) if i.entry is not None
                        and i.kind in ("F32", "F16") and not (i.part is not None and i.part.transpose)]
@@ -198,8 +201,10 @@ class GgufExporter(Exporter):
                             f"{deviation:.3g}; calibrate with scale_dtype: float16 (as the shipped gguf-* recipes do) for "
                             "a file that equals qtool's model exactly")
         if fallen:
+            values = (f"their fake-quant values rounded to f16, moved by up to {rounded:.3g}" if rounded > 0
+                      else "their fake-quant values")
             warnings.append(f"{len(fallen)} weight(s) with no GGUF type written as {options.gguf_fallback} floats "
-                            f"(their fake-quant values): {', '.join(fallen[:5])}" + (" ..." if len(fallen) > 5 else ""))
+                            f"({values}): {', '.join(fallen[:5])}" + (" ..." if len(fallen) > 5 else ""))
         left = [e.name for e in request.encodings.entries if e.tensor == "weight" and e.name not in names]
         if left:  # (a recipe's rule that opted an image encoder in: calibrated, and not in this file)
             warnings.append(f"{len(left)} quantized weight(s) are not in the GGUF file, which llama.cpp's converter "
@@ -208,7 +213,8 @@ class GgufExporter(Exporter):
         return {
             "gguf": {"file": GGUF_NAME, "architecture": model.arch, "file_type": main,
                      "tensor_types": dict(sorted(Counter(i.kind for i in items).items())),
-                     "bytes": path.stat().st_size, "max_weight_deviation": deviation, "fallback": fallen},
+                     "bytes": path.stat().st_size, "max_weight_deviation": max(deviation, rounded),
+                     "fallback": fallen},
             "names": names,
             "warnings": warnings,
         }
@@ -376,8 +382,8 @@ def _tensor_data(item: _Item, src, family: Family) -> Tuple[np.ndarray, float]:
         if item.heads:
             values = permute_rows(values, item.heads)
         hint = "write them as F32 (--gguf-fallback f32)" if item.kind == "F16" else ""
-        return storable(e.name, values, torch.float16 if item.kind == "F16" else torch.float32,
-                        hint).contiguous().numpy(), 0.0
+        stored = storable(e.name, values, torch.float16 if item.kind == "F16" else torch.float32, hint).contiguous()
+        return stored.numpy(), float((stored.to(torch.float32) - values).abs().max()) if values.numel() else 0.0
     fake = dequantize(codes, scale, offset, block_size=e.block_size)
     if item.heads:
         codes, scale, offset, fake = (permute_rows(t, item.heads) for t in (codes, scale, offset, fake))
