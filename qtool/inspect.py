@@ -222,8 +222,8 @@ def _encodings_listing(path: Path, obj: Dict[str, Any]) -> Dict[str, Any]:
             dtype = e.element if e.is_float else ("int" if e.symmetric else "uint") + str(e.bitwidth)
             if e.scale_dtype in GGML_SCALE_DTYPES:  # (IQ4_NL's grid is not int4, nor Q4_K's a uint4 one)
                 dtype = f"GGUF {e.scale_dtype.upper()}"
-            gran = granularity_word(e.tensor, str(e.granularity)) + (f", {e.scale_dtype} scales" if e.is_float and e.scale_dtype != "float32"
-                                         else "") + (", dynamic" if e.dynamic else "")
+            scales = f", {e.scale_dtype} scales" if e.is_float and e.scale_dtype != "float32" else ""
+            gran = granularity_word(e.tensor, str(e.granularity)) + scales + (", dynamic" if e.dynamic else "")
             rows.append(_row(e.name, dtype, e.bitwidth, gran, list(e.shape), None, True, e.block_size))
         kind = "qtool encodings"
     else:

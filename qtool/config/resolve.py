@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from ..families import family_of_model
 from ..gguf_mixes import mix_type, tensor_role
 from .layout import _fold_candidates, _kv_cache_rows, _rotation_plan, _smooth_groups, attention_modules
-from .plan import AwqPlan, Plan, QuantizerPlan, SmoothGroup
+from .plan import AwqPlan, Plan, QuantizerPlan
 from .schema import (_INPUT_WEIGHTED_TYPES, _INTEGER_INPUT_TYPES, DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES,
                      ActivationSpec, AnalyzerSpec, LayerRule, Recipe, RoundingSpec, WeightSpec, _merge, name_matches)
 
@@ -512,11 +512,17 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         # (an expert's up_proj scaling its own down_proj is inside the routing, and fine)
         routed = [g for g in plan.smoothing if ".experts." not in g.smooth and any(".experts." in b for b in g.balance)]
         if routed and not recipe.smoothquant.mappings:  # (a scaled norm changes what the router reads)
-            plan.smoothing = [g for g in plan.smoothing if g not in routed] or _no_smoothing(source, routed[0])
+            kept = [g for g in plan.smoothing if g not in routed]
+            if not kept:
+                raise ConfigError(f"{source}: smoothquant: every default mapping scales a norm that feeds a "
+                                  f"mixture-of-experts router ({routed[0].smooth}), which a folded scale would "
+                                  "reroute; give smoothquant.mappings")
+            plan.smoothing = kept
+            named = routed[0].smooth + (", ..." if len(routed) > 1 else "")
             plan.warnings.append(
                 f"{source}: smoothquant: {len(routed)} norm(s) feeding mixture-of-experts layers left unsmoothed "
-                f"({routed[0].smooth}, ...): the norm feeds the router too, and a scale folded into it reroutes "
-                "tokens; the default mappings smooth the rest (give smoothquant.mappings to choose)")
+                f"({named}): the norm feeds the router too, and a scale folded into it reroutes tokens; the default "
+                "mappings smooth the rest (give smoothquant.mappings to choose)")
         rotated = {m for r in (plan.rotation.online() if plan.rotation else []) for m in r.modules}
         clash = next((g for g in plan.smoothing if rotated & set(g.balance)), None)
         if clash is not None:
@@ -599,11 +605,6 @@ def _grid_words(spec) -> str:
     layout = f"blocks of {block} along dim {axis}" if block is not None else str(spec.granularity)
     kind = "symmetric" if spec.symmetric else "asymmetric"
     return f"{spec.bitwidth}-bit {kind} {spec.element if spec.is_float else ''} {layout}".replace("  ", " ")
-
-
-def _no_smoothing(source: str, routed: SmoothGroup):
-    raise ConfigError(f"{source}: smoothquant: every default mapping scales a norm that feeds a mixture-of-experts "
-                      f"router ({routed.smooth}), which a folded scale would reroute; give smoothquant.mappings")
 
 
 def tied_parameters(model: "nn.Module") -> Dict[str, str]:

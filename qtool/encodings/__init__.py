@@ -38,5 +38,5 @@ from .schema import (BLOCK_INLINE_LIMIT, CODES_FILE, INLINE_LIMIT, READS_VERSION
                      range_fault)
 
 __all__ = ["EncodingEntry", "EncodingsFile", "SidecarStream", "calibrated_elsewhere", "calibration_manifest",
-           "recorded_elsewhere", "refuse_damaged_manifest", "weights_not_compared", "range_fault", "SCHEMA", "SCHEMA_VERSION",
-           "INLINE_LIMIT", "BLOCK_INLINE_LIMIT", "SIDECAR", "CODES_FILE", "READS_VERSIONS"]
+           "recorded_elsewhere", "refuse_damaged_manifest", "weights_not_compared", "range_fault", "SCHEMA",
+           "SCHEMA_VERSION", "INLINE_LIMIT", "BLOCK_INLINE_LIMIT", "SIDECAR", "CODES_FILE", "READS_VERSIONS"]

@@ -135,7 +135,7 @@ class _Renamed:
         self.writer.write(self.rename(name), tensor)
 
 
-def _write_layer(w: StreamingSafetensorsWriter, key: str, t: torch.Tensor, e: EncodingEntry,
+def _write_layer(w: "_Renamed", key: str, t: torch.Tensor, e: EncodingEntry,
                  declared: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]], weights: WeightSource) -> None:
     base = key[: -len("weight")]
     b = e.bitwidth
@@ -183,7 +183,7 @@ def _float_layout(e, base: str, shape: Tuple[int, ...], sshape: Tuple[int, ...],
     return out
 
 
-def _write_float_layer(w: StreamingSafetensorsWriter, key: str, t: torch.Tensor, e: EncodingEntry,
+def _write_float_layer(w: "_Renamed", key: str, t: torch.Tensor, e: EncodingEntry,
                        inp: Optional[EncodingEntry], weights: WeightSource) -> None:
     """Pack one float-element layer: codes from the weight source, scales as the format stores them."""
     base = key[: -len("weight")]

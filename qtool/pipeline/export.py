@@ -240,9 +240,8 @@ def _budget_missed(enc_path: Path, fmt: str, options, model_files: List[Path]) -
         return None
     if counted == fmt:
         return (f"the size budget ({flag}: {budget} bytes, in {enc_path.parent / 'search.json'}) was met in the "
-                f"{counted} format with {json.dumps(_byte_options(counted_options), sort_keys=True)}; this export's "
-                f"tensors hold {model_bytes} bytes, {model_bytes / budget:.2f}x the budget (export with those "
-                "options)")
+                f"{counted} format written with {_as_flags(counted_options)}; this export's tensors hold "
+                f"{model_bytes} bytes, {model_bytes / budget:.2f}x the budget (export with those options)")
     instead = (f"or run the search as quantize --format {fmt}, which counts that format's bytes"
                if exporter.counts_bytes(exporter.Options()) else
                f"the search does not count --format {fmt}'s bytes, so it cannot hold a budget")
@@ -252,6 +251,14 @@ def _budget_missed(enc_path: Path, fmt: str, options, model_files: List[Path]) -
 
 
 _MODEL_SUFFIXES = (".safetensors", ".onnx", ".gguf")  # what every format writes its weights as
+
+
+def _as_flags(options: Dict[str, Any]) -> str:
+    """A format's byte-changing options as the export flags that give them."""
+    words = {"pack": lambda v: "packed codes (no --no-pack)" if v else "--no-pack",
+             "ct_eight_bit_format": lambda v: f"--ct-8bit-format {v}", "gguf_float": lambda v: f"--gguf-float {v}",
+             "gguf_fallback": lambda v: f"--gguf-fallback {v}"}
+    return ", ".join(words.get(k, lambda v, k=k: f"{k} {v}")(v) for k, v in sorted(_byte_options(options).items()))
 
 
 def _byte_options(options: Dict[str, Any]) -> Dict[str, Any]:

@@ -4,11 +4,10 @@ candidate, measure each weight group's damage under each, choose the mix that fi
 
 from __future__ import annotations
 
-import dataclasses
 import decimal
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -264,7 +263,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
                  tied, exporter.writes_tied_apart(loaded.model))
     metric = "mean per-token KL divergence (nats)" if loaded.is_causal_lm else "mean 1 - cosine of the outputs"
     state = Measured(target, paths, plans, groups, cost, [[0.0] * len(paths) for _ in groups], [], loaded,
-                     exporter.name, metric, 0, opts, format_options=dataclasses.asdict(options))
+                     exporter.name, metric, 0, opts, format_options=asdict(options))
     _check_budget(state, target)
     data = _search_data(target, opts, loaded.tokenizer, loaded.is_causal_lm)
     if target.metric == "nll" and not sum(int(next_token_targets(b)[1].sum()) for b in data):
