@@ -73,3 +73,15 @@ def test_the_plan_line_names_an_asymmetric_grid_unsigned():
     line = _plan_summary(resolve_plan(load_recipe("w8a8"), mlp()))
     assert "3 x input uint8 per_tensor; 3 x weight int8 per_channel" in line, line
     assert "3 x input int8 per_token dynamic" in _plan_summary(resolve_plan(load_recipe("w8a8-dynamic"), mlp()))
+
+
+def test_an_error_about_a_path_holding_a_newline_is_one_line(tmp_path):
+    """The one-error-line contract broke where the path held a newline ('error: nl/ou' then 't: already exists')."""
+    from tests.helpers import run_cli
+
+    odd = tmp_path / "a\nb"
+    odd.mkdir()
+    code, _, err = run_cli("calibrate", odd, "-c", "w8a8", "-o", tmp_path / "out")
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("loading")]
+    assert code == 2 and lines == [f"error: {tmp_path}/a\\nb: a directory checkpoint needs config.json (a Hugging "
+                                   "Face model directory)"], err

@@ -225,7 +225,8 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
 
     def fail(code: int, message: str, more=(), speak: bool = True, alike: bool = False) -> None:
         _SAID.append(code)
-        lines = [message, *more]
+        # (one line each: a path holding a newline split an error line in two)
+        lines = [line.replace("\r", "\\r").replace("\n", "\\n") for line in (message, *more)]
         if alike and _rank() != 0 and (not _under_torchrun() or _let_rank_0_speak()):
             # rank 0 did not meet it (torchrun would have stopped this rank meanwhile: a data file missing on this
             # node only, its own environment), or no launcher stops the ranks: this rank says it
