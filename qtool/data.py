@@ -253,6 +253,13 @@ def _collect(path: Path) -> Tuple[List[Path], str]:
         if broken:  # (skipped, the run would use the other files without a word)
             raise DataError(f"{broken[0]}: a link to nothing (its target is missing, or the links loop)")
         files = sorted(p for p in entries if p.is_file() and p.suffix.lower() in TENSOR_SUFFIXES + TEXT_SUFFIXES)
+        for f in files:  # (the manifest names every file read, in JSON, which holds UTF-8 names)
+            try:
+                f.name.encode("utf-8")
+            except UnicodeEncodeError:
+                shown = f.name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+                raise DataError(f"{path / shown}: not a valid UTF-8 name; the manifest names every data file in "
+                                "UTF-8: rename it") from None
         if not files:
             raise DataError(f"{path}: no data files (expected {', '.join(TENSOR_SUFFIXES + TEXT_SUFFIXES)})")
     else:

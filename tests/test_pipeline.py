@@ -900,3 +900,20 @@ def test_hidden_files_in_a_data_directory_are_not_data(tmp_path):
     (d / ".hidden.txt").write_text("not this\n")
     os.symlink("user@host.1234:1700000000", d / ".#a.txt")
     assert data_files(d) == [d / "a.txt"]
+
+
+def test_a_data_file_whose_name_is_not_utf8_is_one_line(tmp_path):
+    """A command-line argument of such a name is refused, but inside a --data directory it was read and the
+    manifest recorded it as a lone surrogate ("\\udce9.txt"), which strict JSON parsers reject."""
+    import os
+
+    from qtool.data import data_files
+    from qtool.errors import DataError
+
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.txt").write_text("text\n")
+    with open(os.path.join(os.fsencode(d), b"\xe9.txt"), "w") as f:
+        f.write("more text\n")
+    with pytest.raises(DataError, match=r"/d/\ufffd\.txt: not a valid UTF-8 name"):
+        data_files(d)
