@@ -369,6 +369,18 @@ def test_a_signal_while_the_handlers_are_being_ignored_keeps_the_commands_exit(w
     assert (tmp_path / "r" / "encodings.json").is_file()
 
 
+def test_a_signal_after_the_command_returned_keeps_its_exit(world, tmp_path):
+    """A SIGTERM landing once the command had returned, as its exit was being raised, replaced that exit with a
+    traceback (exit 1): the handlers know the command is over from the moment it returns."""
+    d, ckpt, data = world
+    probe = ("import os, signal, sys\nfrom qtool.cli import main\nreal = sys.exit\n"
+             "def exiting(code=None):\n    os.kill(os.getpid(), signal.SIGTERM)\n    real(code)\n"
+             "sys.exit = exiting\nsys.argv = ['qtool'] + sys.argv[1:]\nmain()\n")
+    r = _calibrate_under(probe, ckpt, tmp_path / "r", "--quiet")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert (tmp_path / "r" / "encodings.json").is_file()
+
+
 def _calibrate_interrupted(world, tmp_path, monkeypatch, name: str, where: str, first=None):
     """``qtool calibrate --json`` whose ``qtool.cli.run.<where>`` (after ``first``, the real one, where given)
     meets the signal ``name``: (exit code, stdout, stderr, --out)."""

@@ -92,8 +92,12 @@ class _Group(typer.core.TyperGroup):
         _SIGNALLED.clear()
         _SAID.clear()
         _EMITTED.clear()
+        _OVER.clear()
         try:
-            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+            try:
+                rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+            finally:
+                _OVER.append(True)  # (what follows says how it ended: a signal from here on changes nothing)
         except typer.TyperException as e:  # typer's (vendored) click exceptions all derive from it
             if type(e).__name__ == "NoArgsIsHelpError" or not hasattr(e, "format_message"):
                 e.show() if hasattr(e, "show") else err.print(f"interrupted: {_written()}", markup=False)
@@ -216,6 +220,7 @@ class _Terminated(KeyboardInterrupt):
 _SIGNALLED: List[str] = []
 _EMITTED: List[bool] = []  # a JSON object went to stdout (a command prints one at most)
 _SAID: List[int] = []  # the exit codes a command's _errors has reported (said and, with --json, printed)
+_OVER: List[bool] = []  # the command has returned or raised: its exit is being said, and a signal is ignored
 
 
 @contextmanager
@@ -304,10 +309,14 @@ def _let_rank_0_speak(seconds: float = 10.0) -> bool:
     wait ran out, so rank 0 did not meet the error."""
     import time
 
+    over = list(_OVER)
+    _OVER.clear()  # (torchrun's SIGTERM must end the wait, after the command too: a usage error's)
     try:
         time.sleep(seconds)
     except KeyboardInterrupt:
         return False
+    finally:
+        _OVER[:] = over
     return True
 
 
@@ -362,11 +371,15 @@ def _json_safe(value: Any) -> Any:
 
 
 def _terminate(signum, frame):
+    if _OVER:  # (raised now, it would replace the command's exit with a traceback)
+        return
     _SIGNALLED.append("SIGTERM")
     raise _Terminated()
 
 
 def _interrupt(signum, frame):
+    if _OVER:
+        return
     _SIGNALLED.append("SIGINT")
     raise KeyboardInterrupt()
 
