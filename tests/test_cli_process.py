@@ -343,39 +343,28 @@ def test_an_interrupt_after_the_output_is_in_place_says_it_was_written(tmp_path,
     assert capsys.readouterr().err.strip() == "interrupted: SIGINT; nothing was written"
 
 
-def test_a_signal_during_the_interpreters_exit_is_ignored(world, tmp_path):
-    """Once the command is over, a SIGINT would only interrupt an atexit handler, with a traceback (exit 0 all the
-    same): it is ignored from then on."""
+# each probe sends a signal once the command is over, at another moment: its exit (0, silent) stands
+_SIGNALS_AFTER = {
+    # during the interpreter's exit: it would only interrupt an atexit handler, with a traceback
+    "at exit": "import atexit\natexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n",
+    # as main() replaced the handlers (the moment the output was renamed into place): a traceback and exit 1
+    "as the handlers are replaced": (
+        "from qtool.cli import core\nreal = signal.signal\nsent = []\n"
+        "def replacing(sig, handler):\n"
+        "    if handler not in (core._terminate, core._interrupt) and not sent:\n"
+        "        sent.append(1)\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(sig, handler)\nsignal.signal = replacing\n"),
+    # once the command had returned, as its exit was raised: a traceback (exit 1) in its place
+    "as the exit is raised": ("real = sys.exit\ndef exiting(code=None):\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+                              "    real(code)\nsys.exit = exiting\n"),
+}
+
+
+@pytest.mark.parametrize("moment", list(_SIGNALS_AFTER))
+def test_a_signal_once_the_command_is_over_keeps_its_exit(world, tmp_path, moment):
     d, ckpt, data = world
-    probe = ("import atexit, os, signal, sys\nfrom qtool.cli import main\n"
-             "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
-             "sys.argv = ['qtool'] + sys.argv[1:]\nmain()\n")
-    r = _calibrate_under(probe, ckpt, tmp_path / "r", "--quiet")
-    assert r.returncode == 0 and r.stderr == "", r.stderr
-
-
-def test_a_signal_while_the_handlers_are_being_ignored_keeps_the_commands_exit(world, tmp_path):
-    """A SIGTERM landing as main() replaced the handlers (the moment the output was renamed into place) raised from
-    the still-installed handler: a traceback and exit 1 after a finished command."""
-    d, ckpt, data = world
-    probe = ("import os, signal, sys\nfrom qtool.cli import core, main\nreal = signal.signal\nsent = []\n"
-             "def replacing(sig, handler):\n"
-             "    if handler not in (core._terminate, core._interrupt) and not sent:\n"
-             "        sent.append(1)\n        os.kill(os.getpid(), signal.SIGTERM)\n"
-             "    return real(sig, handler)\n"
-             "signal.signal = replacing\nsys.argv = ['qtool'] + sys.argv[1:]\nmain()\n")
-    r = _calibrate_under(probe, ckpt, tmp_path / "r", "--quiet")
-    assert r.returncode == 0 and r.stderr == "", r.stderr
-    assert (tmp_path / "r" / "encodings.json").is_file()
-
-
-def test_a_signal_after_the_command_returned_keeps_its_exit(world, tmp_path):
-    """A SIGTERM landing once the command had returned, as its exit was being raised, replaced that exit with a
-    traceback (exit 1): the handlers know the command is over from the moment it returns."""
-    d, ckpt, data = world
-    probe = ("import os, signal, sys\nfrom qtool.cli import main\nreal = sys.exit\n"
-             "def exiting(code=None):\n    os.kill(os.getpid(), signal.SIGTERM)\n    real(code)\n"
-             "sys.exit = exiting\nsys.argv = ['qtool'] + sys.argv[1:]\nmain()\n")
+    probe = ("import os, signal, sys\nfrom qtool.cli import main\n" + _SIGNALS_AFTER[moment]
+             + "sys.argv = ['qtool'] + sys.argv[1:]\nmain()\n")
     r = _calibrate_under(probe, ckpt, tmp_path / "r", "--quiet")
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert (tmp_path / "r" / "encodings.json").is_file()
