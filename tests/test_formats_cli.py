@@ -344,3 +344,23 @@ def test_model_encodings_beside_an_export_leaves_out_tiles_of_blocks(tmp_path):
     aimet = json.loads((tmp_path / "q/model.encodings").read_text())
     assert sorted(aimet["param_encodings"] if isinstance(aimet["param_encodings"], dict) else
                   [e["name"] for e in aimet["param_encodings"]]) == ["4.weight"]
+
+
+def test_a_float_output_layer_tied_to_a_quantized_table_is_said_in_export_and_eval(tmp_path):
+    """lm_head in ignore, its tied embedding table quantized: the qtool file holds the table once, quantized, so a
+    runtime that ties them computes the logits with it, not the float table calibration measured; export said
+    nothing and eval matched its reference to the file without a note (export gap 6e-9)."""
+    from tests.helpers import tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m", tie_word_embeddings=True)
+    code, out, err = run_cli("quantize", ckpt, "-c", "w4a16-block32", "-o", tmp_path / "q", "--json")
+    assert code == 0, err
+    said = [w for w in json.loads(out)["export_warnings"] if w.startswith("lm_head is left float but shares")]
+    assert len(said) == 1 and "model.embed_tokens.weight, which this file stores quantized" in said[0], out
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    code, out, err = run_cli("eval", tmp_path / "q", "--data", tmp_path / "ids.safetensors", "--seq-len", "32",
+                             "--generate", "0", "--json")
+    assert code == 0, err
+    assert any(n.startswith("the fake-quant model computes every layer that shares model.embed_tokens's weight")
+               for n in json.loads(out)["notes"]), out

@@ -279,6 +279,9 @@ def _as_stored(model: torch.nn.Module, enc, fmt: str, ev: "Evaluation") -> None:
             if e.tensor == "weight" and q is not None and q.enabled and p is not None and id(p) in tied:
                 with torch.no_grad():
                     p.copy_(q(p))
+                ev.notes.append(f"the fake-quant model computes every layer that shares {e.module}'s weight with "
+                                "its quantized table, as a runtime of this file does (the file stores the table "
+                                "once, quantized, where qtool.load_calibrated leaves a layer the recipe keeps float on the float table)")
 
 
 def _tied(model: torch.nn.Module) -> set:

@@ -155,6 +155,8 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     # the tensor names go into model.encodings; a format without it keeps them in its summary (and manifest)
     names = summary.pop("names", {}) if exporter.aimet_json != "never" else summary.get("names", {})
     summary["export_warnings"] = ([other] if other else []) + summary.pop("warnings", [])
+    if exporter.name == "qtool":
+        summary["export_warnings"] += _tied_to_a_quantized_table(Path(checkpoint), enc, eopts.trust_remote_code)
     numbers = sum(e.numel() for e in enc.entries)
     floats = [e for e in enc.entries if e.is_float]
     if enc.online and exporter.aimet_json != "never":  # AIMET JSON has no place for a rotation at run time
@@ -248,6 +250,25 @@ def _budget_missed(enc_path: Path, fmt: str, options, model_files: List[Path]) -
     return (f"the size budget ({flag}: {budget} bytes, in {enc_path.parent / 'search.json'}) was met in the "
             f"{counted} format; this {fmt} export's model files hold {model_bytes} bytes, "
             f"{model_bytes / budget:.2f}x the budget (export with --format {counted}; {instead})")
+
+
+def _tied_to_a_quantized_table(checkpoint: Path, enc: EncodingsFile, trust_remote_code: bool) -> List[str]:
+    """Where a Hugging Face model's layer shares a weight that the encodings quantize and leave this one float (a
+    tied output layer in ignore, its embedding table quantized): the file holds the table once, quantized, and a
+    runtime that ties them computes that layer with the quantized table, not the float one calibration measured."""
+    from ..config.resolve import tied_parameters
+    from ..io.checkpoint import detect_kind
+    from ..model.hf import meta_skeleton
+
+    if detect_kind(checkpoint) != "hf":
+        return []
+    quantized = {e.name for e in enc.entries if e.tensor == "weight"}
+    tied = tied_parameters(meta_skeleton(checkpoint, trust_remote_code))  # (later name -> the stored one)
+    return [f"{later.rsplit('.', 1)[0]} is left float but shares its weight with {stored}, which this file stores "
+            f"quantized (once): a runtime that ties them computes {later.rsplit('.', 1)[0]} with the quantized table, "
+            "not the float one calibration measured; quantize it alike (drop it from ignore), or export with "
+            "--format gguf or onnx, which store it apart"
+            for later, stored in tied.items() if stored in quantized and later not in quantized]
 
 
 _MODEL_SUFFIXES = (".safetensors", ".onnx", ".gguf")  # what every format writes its weights as
