@@ -631,11 +631,13 @@ def test_yaml_aliases_are_refused_before_expansion():
 
 
 @pytest.mark.parametrize("pattern", ["re:(a+)+b", "re:(.*)*x", "re:(\\\\w+\\\\.){2,}z", "re:(x{1,3})+y",
-                                     "re:((a+))+b", "re:(?:x(y+))*z"])
+                                     "re:((a+))+b", "re:(?:x(y+))*z", "re:(a+){1,30}b"])
 def test_regexes_that_backtrack_exponentially_are_refused(pattern):
     with pytest.raises(ConfigError, match="repeats a group that itself repeats"):
         parse_recipe(f"version: 1\nlayers:\n  - match: '{pattern}'\n    weights: {{bitwidth: 4}}\n", "r.yaml")
     parse_recipe("version: 1\nlayers:\n  - match: 're:encoder\\\\.layer\\\\.\\\\d+\\\\..*'\n    weights: {bitwidth: 4}\n")
+    for fine in ("re:^((?!vision|audio).)*proj$", "re:(a|ab){1,3}x", "re:(a+){2}b"):  # (lookaheads are atomic)
+        parse_recipe(f"version: 1\nlayers:\n  - match: '{fine}'\n    weights: {{bitwidth: 4}}\n")
 
 
 def test_error_lines_never_echo_a_whole_rejected_value():

@@ -139,7 +139,8 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
             loc = list(err["loc"])
             line = _line_of(node, loc)
             where = f":{line}" if line else ""
-            problems.append(f"{source}{where}: {_key_path(loc) or '(top level)'}: {_describe(err, fields_at(Recipe, loc))}")
+            described = _describe(err, fields_at(Recipe, loc))
+            problems.append(f"{source}{where}: {_key_path(loc) or '(top level)'}: {described}")
         recipe = None
     if recipe is not None:
         problems += _rule_problems(recipe, node, source)
@@ -153,8 +154,6 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
 
 
 MAX_PROBLEMS = 20  # recipe problems listed at once (the rest are counted)
-
-
 
 
 def _rule_problems(recipe: Recipe, node, source: str) -> List[str]:

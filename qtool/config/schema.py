@@ -459,10 +459,11 @@ class Recipe(BaseModel):
 
 
 def _backtracks(regex: str) -> Optional[str]:
-    """How Python's ``re`` can backtrack exponentially on ``regex`` (a compiled one), or None: an unbounded
-    repetition around a repetition of varying count (``(a+)+``, ``(x{1,3})*``: "nested") or around alternatives its parser could not merge
-    into one character class (``(.|.)*``, ``(a|ab)+``: "alternatives"; ``(a|b)*`` is ``[ab]*``). Read from the
-    parsed pattern, so groups inside groups are seen."""
+    """How Python's ``re`` can backtrack exponentially on ``regex`` (a compiled one), or None: a repetition of
+    more than a few rounds around a repetition of varying count (``(a+)+``, ``(x{1,3})*``, ``(a+){1,30}``:
+    "nested") or around alternatives its parser could not merge into one character class (``(.|.)*``,
+    ``(a|ab)+``: "alternatives"; ``(a|b)*`` is ``[ab]*``). Read from the parsed pattern, so groups inside groups
+    are seen; lookarounds, atomic groups and possessive repeats do not backtrack into their insides."""
     try:
         from re import _parser as parser  # (Python 3.11+)
     except ImportError:  # pragma: no cover - Python 3.10
@@ -471,20 +472,19 @@ def _backtracks(regex: str) -> Optional[str]:
     def walk(items, repeated: bool) -> Optional[str]:
         for op, av in items:
             name = str(op)
-            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
-                unbounded = av[1] == parser.MAXREPEAT
-                if repeated and av[0] != av[1]:  # (a count that varies inside one that does not end: (x{1,3})+)
+            if name in ("MAX_REPEAT", "MIN_REPEAT"):
+                if repeated and av[0] != av[1]:
                     return "nested"
-                found = walk(av[2], repeated or unbounded)
+                found = walk(av[2], repeated or av[1] > _FEW_ROUNDS)
             elif name == "BRANCH":
                 found = "alternatives" if repeated else next(
                     (f for f in (walk(b, repeated) for b in av[1]) if f), None)
             elif name == "SUBPATTERN":
                 found = walk(av[3], repeated)
-            elif name in ("ASSERT", "ASSERT_NOT"):
-                found = walk(av[1], repeated)
-            elif name == "ATOMIC_GROUP":
-                found = walk(av, repeated)
+            elif name in ("ASSERT", "ASSERT_NOT"):  # (atomic: entered afresh at each position)
+                found = walk(av[1], False)
+            elif name in ("ATOMIC_GROUP", "POSSESSIVE_REPEAT"):
+                found = walk(av if name == "ATOMIC_GROUP" else av[2], False)
             elif name == "GROUPREF_EXISTS":
                 found = next((f for f in (walk(b, repeated) for b in av[1:] if b) if f), None)
             else:
@@ -494,6 +494,10 @@ def _backtracks(regex: str) -> Optional[str]:
         return None
 
     return walk(parser.parse(regex), False)
+
+
+# a repetition of at most this many rounds around alternatives or a varying count backtracks a bounded amount
+_FEW_ROUNDS = 4
 
 
 _BACKTRACKING = {
