@@ -178,6 +178,7 @@ class _TorchGroup(Group):
                             f"memory, or was slower than {ENV_TIMEOUT}={self.timeout_s:g} s): {cut(first, 160)}; "
                             f"{outcome}")
             lost.dist_rank = self.rank  # every surviving rank says it: it cannot know which of them speaks
+            lost.outcome = outcome  # (the CLI's line says what a --sequential run kept in its place)
             raise lost from None
 
     def _status(self, status, group=None, what: str = "exchanging statistics",

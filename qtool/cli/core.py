@@ -78,8 +78,8 @@ class _Group(typer.core.TyperGroup):
                 arg.encode("utf-8")
             except UnicodeEncodeError:  # (bytes the locale could not decode, kept as surrogates)
                 shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-                message = (f"error: {shown}: not a valid UTF-8 name; the files qtool reads and writes "
-                           "(safetensors, JSON) name paths in UTF-8: rename it")
+                message = _one_line(f"error: {shown}: not a valid UTF-8 name; the files qtool reads and writes "
+                                    "(safetensors, JSON) name paths in UTF-8: rename it")
                 err.print(message, markup=False)
                 if "--json" in argv:
                     _emit_json({"ok": False, "exit_code": 2, "error": message.split(": ", 1)[-1]})
@@ -117,7 +117,7 @@ class _Group(typer.core.TyperGroup):
             name = _SIGNALLED[-1]
             if _under_torchrun() and _rank() != 0:  # (rank 0 says it; stdout holds rank 0's one JSON object)
                 sys.exit(_SIGNAL_EXIT[name])
-            message = f"interrupted: {name}; {_written()}"
+            message = _one_line(f"interrupted: {name}; {_written()}")
             err.print(message, markup=False)
             if "--json" in argv and not _EMITTED:  # (stdout holds one JSON object: the summary, if it got out)
                 _emit_json({"ok": False, "exit_code": _SIGNAL_EXIT[name], "error": message.split(": ", 1)[-1]})
@@ -230,8 +230,7 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
 
     def fail(code: int, message: str, more=(), speak: bool = True, alike: bool = False) -> None:
         _SAID.append(code)
-        # (one line each: a path holding a newline split an error line in two)
-        lines = [line.replace("\r", "\\r").replace("\n", "\\n") for line in (message, *more)]
+        lines = [_one_line(line) for line in (message, *more)]
         if alike and _rank() != 0 and (not _under_torchrun() or _let_rank_0_speak()):
             # rank 0 did not meet it (torchrun would have stopped this rank meanwhile: a data file missing on this
             # node only, its own environment), or no launcher stops the ranks: this rank says it
@@ -268,8 +267,8 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         if len(problems) > 1:  # every problem of a recipe, one line each
             fail(e.exit_code, f"error: {where}{problems[0]}", [f"error: {p}" for p in problems[1:]], speak, alike)
         said = str(e)
-        if e.exit_code == 4 and said.endswith("nothing was written"):  # (a lost rank: what a --sequential run kept)
-            said = said[:-len("nothing was written")] + _written()
+        if getattr(e, "outcome", None) == "nothing was written":  # (a lost rank: what a --sequential run kept)
+            said = said[:-len(e.outcome)] + _written()
         fail(e.exit_code, f"error: {where}{said}", speak=speak, alike=alike)
     except KeyboardInterrupt as e:
         name = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
@@ -310,14 +309,19 @@ def _let_rank_0_speak(seconds: float = 10.0) -> bool:
     import time
 
     over = list(_OVER)
-    _OVER.clear()  # (torchrun's SIGTERM must end the wait, after the command too: a usage error's)
     try:
+        _OVER.clear()  # (torchrun's SIGTERM must end the wait, after the command too: a usage error's)
         time.sleep(seconds)
     except KeyboardInterrupt:
         return False
     finally:
         _OVER[:] = over
     return True
+
+
+def _one_line(text: str) -> str:
+    """An error line as one line: a path holding a newline split it in two (the newline written as ``\\n``)."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _written() -> str:
@@ -416,6 +420,7 @@ def main() -> None:
     # it builds a validator: ~25 ms per command for a feature the CLI's own recipe schema has no use for. A user's
     # explicit setting wins; the library (import qtool) is left alone.
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+    _OVER.clear()  # (an earlier main() of this process left it set)
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _interrupt)
     try:

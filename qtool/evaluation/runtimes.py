@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..data import Batch
-from ..errors import UsageError
+from ..errors import UsageError, cut
 from ..report import _main_output
 from .artifact import quantization_config
 from .metrics import Distributions
@@ -104,6 +104,10 @@ class OnnxRuntime(_WholeLogits):
                                        "off": ort.GraphOptimizationLevel.ORT_DISABLE_ALL}[optimization]
         so.log_severity_level = 3
         self.path = path
+        from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+        # (onnxruntime's own exception types, all of them: an error of qtool's or of memory stays what it is)
+        self._errors = tuple(t for t in vars(state).values() if isinstance(t, type) and issubclass(t, Exception))
         if threads:
             so.intra_op_num_threads = threads
         try:
@@ -125,13 +129,14 @@ class OnnxRuntime(_WholeLogits):
         if missing:
             raise UsageError(f"the ONNX graph needs inputs {missing} that the evaluation data does not give "
                              f"(it gives {sorted(feed)})")
+        arrays = {n: (feed[n].to(self._float_inputs[n]) if n in self._float_inputs and feed[n].is_floating_point()
+                      else feed[n]).numpy() for n in self.inputs}
         try:
-            out = self.session.run(None, {n: (feed[n].to(self._float_inputs[n]) if n in self._float_inputs and
-                                              feed[n].is_floating_point() else feed[n]).numpy() for n in self.inputs})
-        except Exception as e:  # onnxruntime's own types: the graph fails on this batch (a shape it cannot take)
-            text = " ".join(str(e).split())
+            out = self.session.run(None, arrays)
+        except self._errors as e:  # the graph fails on this batch (a shape it cannot take)
             raise UsageError(f"{self.path}: onnxruntime fails to run it on a batch of shape "
-                             f"{[list(feed[n].shape) for n in self.inputs]}: {text[-300:]}") from None
+                             f"{[list(a.shape) for a in arrays.values()]}: {cut(' '.join(str(e).split()), 300)}"
+                             ) from None
         return torch.from_numpy(out[0]).float()
 
     def logits(self, ids: Sequence[int]) -> torch.Tensor:

@@ -247,7 +247,7 @@ def refuse_tied(fmt: str, tied: Dict[str, str]) -> None:
         raise UsageError(f"{name} is the tensor {stored} (tied embeddings), which the checkpoint stores once: --format "
                          f"{fmt} writes the checkpoint's tensors by name and has no place for it; add '{module}' to "
                          "ignore, or export a Hugging Face model with --format gguf or compressed-tensors, or save a "
-                         "state dict that holds it under its own name too (torch.save(model.state_dict()) does)")
+                         "state dict that holds it under both names (torch.save(model.state_dict()) does)")
 
 
 def weight_changes(plan) -> List[str]:

@@ -225,6 +225,8 @@ def export_compressed_tensors(
 
     quantized_modules = {e.module for e in by_key.values()}
     family = family_of_model(model)
+    # (the names vLLM's loader for the family reads: GraniteMoE's experts are Mixtral's w1/w3/w2 there)
+    rename = family.compressed_tensors_name if family is not None else str
     experts = [m for m in quantized_modules if ".experts." in m]
     if experts and family is not None and not family.transformers_reads_split_experts:
         warnings.append(f"transformers' {family.title} model reads its experts fused only: from_pretrained loads "
@@ -239,11 +241,9 @@ def export_compressed_tensors(
     if orphans:
         acts += [dyn_inputs[m] for m in orphans]
         warnings.append(f"{len(orphans)} dynamic input quantizer(s) on layers whose weight is not exported "
-                        f"quantized, so they run in float: {', '.join(orphans)}")
+                        f"quantized, so they run in float: {', '.join(rename(m) for m in orphans)}")
     linear_names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
     float_linear = [n for n in linear_names if n not in quantized_modules] + _routers(model, modules, keys)
-    # (the names vLLM's loader for the family reads: GraniteMoE's experts are Mixtral's w1/w3/w2 there)
-    rename = family.compressed_tensors_name if family is not None else str
     warnings += fused_mixes(settings, linear_names, rename)
     qconfig, groups, top_format = quantization_config(settings, modules, quantized_modules, float_linear, kv, rename)
     transforms = _online_transforms(encodings, modules, src, keys, model)

@@ -407,7 +407,9 @@ def _part_data(item: _Item, w: torch.Tensor, src, family: Family) -> Tuple[np.nd
         if part.transpose:
             values = values.transpose(-1, -2)
         dtype = torch.float16 if item.kind == "F16" else torch.float32
-        return storable(item.key, values.contiguous(), dtype, "").numpy(), 0.0
+        stored = storable(item.key, values.contiguous(), dtype, "")
+        rounded = e is not None and dtype == torch.float16 and values.numel() > 0  # (--gguf-fallback f16)
+        return stored.numpy(), float((stored.to(torch.float32) - values).abs().max()) if rounded else 0.0
     codes = src.codes(e, w)
     if e.spec.ggml is not None:
         lo, hi = e.range()

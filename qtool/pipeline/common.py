@@ -231,8 +231,13 @@ class TargetOptions:
     size_given: Optional[str] = None  # --target-size as typed ("61.4MiB"), which messages repeat beside the bytes
 
     def flag(self) -> str:
+        """The budget as the command line gave it (``--target-size 1KB``)."""
         if self.bits_per_weight is not None:
             return f"--target-bpw {self.bits_per_weight:g}"
-        given = (self.size_given or "").strip()
-        return (f"--target-size {given} ({self.size_bytes} bytes)" if given and given != str(self.size_bytes)
-                else f"--target-size {self.size_bytes}")
+        return f"--target-size {(self.size_given or '').strip() or self.size_bytes}"
+
+    def flag_with_bytes(self) -> str:
+        """:meth:`flag`, with the bytes a typed size is (``--target-size 1KB (1000 bytes)``), for messages."""
+        flag = self.flag()
+        return flag if self.size_bytes is None or flag.endswith(f" {self.size_bytes}") else \
+            f"{flag} ({self.size_bytes} bytes)"

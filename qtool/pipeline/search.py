@@ -329,14 +329,14 @@ def _check_budget(state: Measured, target: TargetOptions) -> None:
     cost, budget = state.cost, state.budget(target)
     floor = cost.fixed + sum(min(c) for c in cost.groups)
     if not cost.groups:  # (the floor is the float checkpoint: "below the smallest" said nothing of why)
-        raise UsageError(f"{target.flag()}: the candidates ({', '.join(target.candidates)}) quantize no weight of "
+        raise UsageError(f"{target.flag_with_bytes()}: the candidates ({', '.join(target.candidates)}) quantize no weight of "
                          "this model, so there is nothing to choose among")
     if budget >= cost.float_bytes:
-        raise UsageError(f"{target.flag()}: at or above the float checkpoint ({cost.float_bytes} bytes, "
+        raise UsageError(f"{target.flag_with_bytes()}: at or above the float checkpoint ({cost.float_bytes} bytes, "
                          f"{state.bpw(cost.float_bytes):.2f} bits per weight); nothing needs quantizing to fit")
     if budget < floor:
         # (rounded up: the printed figure is a budget that fits, not "19.924 is below 19.924")
-        raise UsageError(f"{target.flag()}: below the smallest the candidates can make ({floor} bytes, "
+        raise UsageError(f"{target.flag_with_bytes()}: below the smallest the candidates can make ({floor} bytes, "
                          f"{math.ceil(state.bpw(floor) * 1000) / 1000:.3f} bits per weight in {state.exporter}'s "
                          "format)")
 
