@@ -266,8 +266,8 @@ def _tied_to_a_quantized_table(checkpoint: Path, enc: EncodingsFile, trust_remot
     tied = tied_parameters(meta_skeleton(checkpoint, trust_remote_code))  # (later name -> the stored one)
     return [f"{later.rsplit('.', 1)[0]} is left float but shares its weight with {stored}, which this file stores "
             f"quantized (once): a runtime that ties them computes {later.rsplit('.', 1)[0]} with the quantized table, "
-            "not the float one calibration measured; quantize it alike (drop it from ignore), or export with "
-            "--format gguf or onnx, which store it apart"
+            "not the float one calibration measured; keep the table float too (ignore it), or export with --format "
+            "gguf or onnx, which store the layer apart"
             for later, stored in tied.items() if stored in quantized and later not in quantized]
 
 
