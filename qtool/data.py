@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .errors import DataError, UsageError
+from .errors import DataError, UsageError, not_utf8
 
 __all__ = ["Batch", "CalibrationData", "load_data", "data_files", "text_samples", "TENSOR_SUFFIXES", "TEXT_SUFFIXES"]
 
@@ -254,12 +254,10 @@ def _collect(path: Path) -> Tuple[List[Path], str]:
             raise DataError(f"{broken[0]}: a link to nothing (its target is missing, or the links loop)")
         files = sorted(p for p in entries if p.is_file() and p.suffix.lower() in TENSOR_SUFFIXES + TEXT_SUFFIXES)
         for f in files:  # (the manifest names every file read, in JSON, which holds UTF-8 names)
-            try:
-                f.name.encode("utf-8")
-            except UnicodeEncodeError:
-                shown = f.name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            shown = not_utf8(f.name)
+            if shown is not None:
                 raise DataError(f"{path / shown}: not a valid UTF-8 name; the manifest names every data file in "
-                                "UTF-8: rename it") from None
+                                "UTF-8: rename it")
         if not files:
             raise DataError(f"{path}: no data files (expected {', '.join(TENSOR_SUFFIXES + TEXT_SUFFIXES)})")
     else:

@@ -1,5 +1,7 @@
 """Typed errors. The library raises these; only the CLI turns them into messages and exit codes."""
 
+from typing import Optional
+
 
 class QtoolError(Exception):
     """Base class for every error qtool reports as one line to the user."""
@@ -47,3 +49,13 @@ def cut(text: str, width: int) -> str:
 
     short = textwrap.shorten(text, width, placeholder=" ...")
     return short if short.strip(" .") else text[:width]
+
+
+def not_utf8(name: str) -> Optional[str]:
+    """``name`` as it can be shown (U+FFFD for each byte the locale could not decode, kept as a surrogate) where
+    it is not valid UTF-8, which the files qtool writes (JSON, safetensors) name paths in; else None."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return None

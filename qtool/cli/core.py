@@ -73,11 +73,11 @@ class _Group(typer.core.TyperGroup):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         argv = list(sys.argv[1:] if args is None else args)
+        from ..errors import not_utf8
+
         for arg in argv:
-            try:
-                arg.encode("utf-8")
-            except UnicodeEncodeError:  # (bytes the locale could not decode, kept as surrogates)
-                shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            shown = not_utf8(arg)
+            if shown is not None:
                 message = _one_line(f"error: {shown}: not a valid UTF-8 name; the files qtool reads and writes "
                                     "(safetensors, JSON) name paths in UTF-8: rename it")
                 err.print(message, markup=False)
@@ -394,18 +394,13 @@ def _ignored(signum, frame) -> None:
 
 
 def _ignore_signals() -> None:
-    """SIGINT and SIGTERM do nothing from here on. One that lands while this runs raises from its handler (a
-    traceback and exit 1 after a finished command, seen under SIGTERM at the moment the output was renamed into
-    place): the calls are repeated until they run through, so the command's own exit stands."""
+    """SIGINT and SIGTERM do nothing from here on. ``_OVER`` first: from then the installed handlers do nothing,
+    so one that lands while they are replaced cannot raise (a traceback and exit 1 after a finished command)."""
     import signal
 
-    while True:
-        try:
-            signal.signal(signal.SIGINT, _ignored)
-            signal.signal(signal.SIGTERM, _ignored)
-            return
-        except KeyboardInterrupt:  # (_Terminated too)
-            continue
+    _OVER.append(True)
+    signal.signal(signal.SIGINT, _ignored)
+    signal.signal(signal.SIGTERM, _ignored)
 
 
 def main() -> None:

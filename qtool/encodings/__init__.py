@@ -32,11 +32,9 @@ numbers from ``encodings.safetensors``), ``entry_json`` (one entry to and from J
 """
 
 from .entry import EncodingEntry
-from .file import (EncodingsFile, SidecarStream, calibrated_elsewhere, calibration_manifest, recorded_elsewhere,
-                   refuse_damaged_manifest, weights_not_compared)
+from .file import EncodingsFile, SidecarStream, calibrated_elsewhere
 from .schema import (BLOCK_INLINE_LIMIT, CODES_FILE, INLINE_LIMIT, READS_VERSIONS, SCHEMA, SCHEMA_VERSION, SIDECAR,
                      range_fault)
 
-__all__ = ["EncodingEntry", "EncodingsFile", "SidecarStream", "calibrated_elsewhere", "calibration_manifest",
-           "recorded_elsewhere", "refuse_damaged_manifest", "weights_not_compared", "range_fault", "SCHEMA",
+__all__ = ["EncodingEntry", "EncodingsFile", "SidecarStream", "calibrated_elsewhere", "range_fault", "SCHEMA",
            "SCHEMA_VERSION", "INLINE_LIMIT", "BLOCK_INLINE_LIMIT", "SIDECAR", "CODES_FILE", "READS_VERSIONS"]

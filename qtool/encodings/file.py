@@ -249,21 +249,23 @@ def refuse_damaged_manifest(why: str) -> None:
                          "--allow-other-checkpoint to apply the encodings unchecked")
 
 
-def calibrated_elsewhere(enc_path: Path, hashes: Optional[Iterable[str]],
-                         unreadable_ok: bool = False) -> Optional[str]:
-    """Encodings are applied to the weights they were calibrated on: where the calibration's ``manifest.json``
-    beside ``enc_path`` records its checkpoint's weight-file sha256 and they are not ``hashes`` (the checkpoint
-    given now: other bytes, whatever its path; None, as ``io.checkpoint.weight_file_hashes`` gives for no weight
-    files, compares nothing), the path the manifest records; else None (the same weights, or no manifest of qtool's
-    to compare with). Ranges from another model of the same shape clip or waste its grid. A damaged manifest is
-    refused unless ``unreadable_ok`` (--allow-other-checkpoint; then None): read as "no record", it let encodings
-    meet other weights without a word."""
+def calibrated_elsewhere(enc_path: Path, hashes: Optional[Iterable[str]], checkpoint: str,
+                         unreadable_ok: bool = False) -> Tuple[Optional[str], Optional[str]]:
+    """Encodings are applied to the weights they were calibrated on: ``(the path the calibration's manifest.json
+    beside enc_path records, where its checkpoint's weight-file sha256 are not hashes, the line that says nothing
+    was compared, where no readable manifest lies there)``; ``(None, None)`` for the same weights, or ``hashes``
+    None (``io.checkpoint.weight_file_hashes`` of no weight files: nothing to compare). ``hashes`` are
+    ``checkpoint``'s, the one given now: other bytes, whatever its path. Ranges from another model of the same
+    shape clip or waste its grid. A damaged manifest is refused unless ``unreadable_ok`` (--allow-other-checkpoint,
+    or a note at most): read as "no record", it let encodings meet other weights without a word."""
     if hashes is None:
-        return None
+        return None, None
     recorded, why = calibration_manifest(enc_path)
     if why and not unreadable_ok:
         refuse_damaged_manifest(why)
-    return recorded_elsewhere(recorded, hashes)
+    if recorded is None:
+        return None, weights_not_compared(enc_path, checkpoint, why)
+    return recorded_elsewhere(recorded, hashes), None
 
 
 def _read_online(raw: Any, path: Path) -> List[OnlineRotation]:

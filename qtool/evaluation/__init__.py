@@ -281,7 +281,8 @@ def _as_stored(model: torch.nn.Module, enc, fmt: str, ev: "Evaluation") -> None:
                     p.copy_(q(p))
                 ev.notes.append(f"the fake-quant model computes every layer that shares {e.module}'s weight with "
                                 "its quantized table, as a runtime of this file does (the file stores the table "
-                                "once, quantized, where qtool.load_calibrated leaves a layer the recipe keeps float on the float table)")
+                                "once, quantized, where qtool.load_calibrated leaves a layer the recipe keeps float "
+                                "on the float table)")
 
 
 def _tied(model: torch.nn.Module) -> set:
@@ -488,17 +489,11 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
 def _calibrated_elsewhere(enc: Path, reference: str) -> Tuple[Optional[str], Optional[str]]:
     """``(a note where the calibration manifest beside ``enc`` records other weights than ``reference``'s, a note
     where no readable manifest lies there to compare with)``: notes at most, as a --reference of other weights."""
-    from ..encodings import calibration_manifest, recorded_elsewhere, weights_not_compared
+    from ..encodings import calibrated_elsewhere
 
-    hashes = weight_file_hashes(Path(reference))
-    if hashes is None:
-        return None, None
-    recorded, why = calibration_manifest(enc)
-    if recorded is None:
-        return None, weights_not_compared(enc, reference, why)
-    other = recorded_elsewhere(recorded, hashes)
+    other, unchecked = calibrated_elsewhere(enc, weight_file_hashes(Path(reference)), reference, unreadable_ok=True)
     if other is None:
-        return None, None
+        return None, unchecked
     return (f"the encodings given ({enc}) were calibrated on other weights ({other}) than the float checkpoint "
             f"{reference}: the fake-quant model applies them to {reference}'s"), None
 

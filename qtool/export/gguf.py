@@ -381,14 +381,20 @@ def _tensor_data(item: _Item, src, family: Family) -> Tuple[np.ndarray, float]:
         values = dequantize(codes, scale, offset, block_size=e.block_size)
         if item.heads:
             values = permute_rows(values, item.heads)
-        hint = "write them as F32 (--gguf-fallback f32)" if item.kind == "F16" else ""
-        stored = storable(e.name, values, torch.float16 if item.kind == "F16" else torch.float32, hint).contiguous()
-        return stored.numpy(), float((stored.to(torch.float32) - values).abs().max()) if values.numel() else 0.0
+        return _as_floats(e.name, values, item.kind, "write them as F32 (--gguf-fallback f32)")
     fake = dequantize(codes, scale, offset, block_size=e.block_size)
     if item.heads:
         codes, scale, offset, fake = (permute_rows(t, item.heads) for t in (codes, scale, offset, fake))
     blocks, values = _pack(e, codes, scale, offset, item.kind)
     return blocks, float((values - fake).abs().max()) if values.numel() else 0.0
+
+
+def _as_floats(name: str, values: torch.Tensor, kind: str, f16_hint: str = "") -> Tuple[np.ndarray, float]:
+    """``values`` as a quantized weight's F16 or F32 tensor (``kind``), and how far that moved them: F16 rounds
+    (--gguf-fallback f16), F32 holds them. ``f16_hint``: what the error line of a value F16 cannot hold says."""
+    stored = storable(name, values, torch.float16 if kind == "F16" else torch.float32,
+                      f16_hint if kind == "F16" else "").contiguous()
+    return stored.numpy(), float((stored.to(torch.float32) - values).abs().max()) if values.numel() else 0.0
 
 
 def _part_data(item: _Item, w: torch.Tensor, src, family: Family) -> Tuple[np.ndarray, float]:
@@ -406,10 +412,8 @@ def _part_data(item: _Item, w: torch.Tensor, src, family: Family) -> Tuple[np.nd
         values = values[rows].reshape(part.shape)
         if part.transpose:
             values = values.transpose(-1, -2)
-        dtype = torch.float16 if item.kind == "F16" else torch.float32
-        stored = storable(item.key, values.contiguous(), dtype, "")
-        rounded = e is not None and dtype == torch.float16 and values.numel() > 0  # (--gguf-fallback f16)
-        return stored.numpy(), float((stored.to(torch.float32) - values).abs().max()) if rounded else 0.0
+        data, moved = _as_floats(item.key, values, item.kind)
+        return data, moved if e is not None else 0.0  # (a float weight's part: no quantized weight moved)
     codes = src.codes(e, w)
     if e.spec.ggml is not None:
         lo, hi = e.range()

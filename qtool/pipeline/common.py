@@ -205,7 +205,7 @@ def load_calibrated(checkpoint: str, encodings: str, model_class: Optional[str] 
     ``qtool export`` and ``qtool report`` refuse them, unless ``allow_other_checkpoint`` (weights changed on
     purpose: the ranges, and any codes or rotated tensors the encodings carry, are applied to these as they are)."""
     if not allow_other_checkpoint:
-        other = calibrated_elsewhere(Path(encodings), weight_file_hashes(Path(checkpoint)))
+        other, _ = calibrated_elsewhere(Path(encodings), weight_file_hashes(Path(checkpoint)), checkpoint)
         if other is not None:
             raise EncodingsError(f"{encodings}: calibrated on other weights than {checkpoint} (its manifest.json "
                                  f"records {other} with other file hashes): load that checkpoint, calibrate this "
@@ -238,6 +238,5 @@ class TargetOptions:
 
     def flag_with_bytes(self) -> str:
         """:meth:`flag`, with the bytes a typed size is (``--target-size 1KB (1000 bytes)``), for messages."""
-        flag = self.flag()
-        return flag if self.size_bytes is None or flag.endswith(f" {self.size_bytes}") else \
-            f"{flag} ({self.size_bytes} bytes)"
+        typed = self.bits_per_weight is None and (self.size_given or "").strip() not in ("", str(self.size_bytes))
+        return f"{self.flag()} ({self.size_bytes} bytes)" if typed else self.flag()

@@ -15,8 +15,7 @@ from .. import __version__
 from ..calibration import CalibrateOptions
 from ..config import CHECKPOINT_KEYS
 from ..data import load_data
-from ..encodings import (EncodingsFile, calibration_manifest, recorded_elsewhere, refuse_damaged_manifest,
-                         weights_not_compared)
+from ..encodings import EncodingsFile, calibrated_elsewhere
 from ..errors import EncodingsError, UsageError
 from ..export import check_export_choices, get_exporter
 from ..export.base import ExportRequest
@@ -100,14 +99,9 @@ def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, st
     so loudly where they carry tensors made from those weights (codes a rounding algorithm chose, smoothed or
     rotated tensors), written as they are, or the warning that nothing was compared where no manifest.json lies
     beside the encodings (None: the same weights, or no weights recorded)."""
-    recorded, why = calibration_manifest(enc_path)  # (read once: the comparison and the warnings both need it)
-    if why and not allow_other:
-        refuse_damaged_manifest(why)
-    if recorded is None:
-        return weights_not_compared(enc_path, checkpoint, why)
-    other = recorded_elsewhere(recorded, digest.values())
+    other, unchecked = calibrated_elsewhere(enc_path, digest.values(), checkpoint, unreadable_ok=allow_other)
     if other is None:
-        return None
+        return unchecked
     if not allow_other:
         raise EncodingsError(f"{enc_path}: calibrated on other weights than {checkpoint} (its manifest.json records "
                              f"{other} with other file hashes); export from that checkpoint, or pass "

@@ -15,8 +15,7 @@ from torch import nn
 from ..calibration import CalibrateOptions
 from ..config import RecipeFile, read_recipe
 from ..data import load_data, longest_sample, model_takes, past_positions
-from ..encodings import (CODES_FILE, SIDECAR, calibration_manifest, recorded_elsewhere, refuse_damaged_manifest,
-                         weights_not_compared)
+from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
 from ..errors import CheckpointError, DataError, EncodingsError, UsageError
 from ..hooks import Hooks, step_progress
 from ..io.checkpoint import weight_file_hashes
@@ -78,17 +77,10 @@ def _check_calibrated_on(enc_path: Path, checkpoint: str, allow_other: bool) -> 
     numbers: every figure would measure one model's ranges, and codes, on another), as ``export`` does, unless
     ``allow_other``: then the note that says so; the note that nothing was compared where no manifest.json lies
     beside the encodings (None: the same weights, or no weight files to compare)."""
-    hashes = weight_file_hashes(Path(checkpoint))
-    if hashes is None:
-        return None
-    recorded, why = calibration_manifest(enc_path)
-    if why and not allow_other:
-        refuse_damaged_manifest(why)
-    if recorded is None:
-        return weights_not_compared(enc_path, checkpoint, why)
-    other = recorded_elsewhere(recorded, hashes)
+    other, unchecked = calibrated_elsewhere(enc_path, weight_file_hashes(Path(checkpoint)), checkpoint,
+                                            unreadable_ok=allow_other)
     if other is None:
-        return None
+        return unchecked
     if not allow_other:
         raise EncodingsError(f"{enc_path}: calibrated on other weights than {checkpoint} (its manifest.json records "
                              f"{other} with other file hashes): report on that checkpoint, calibrate this one, "

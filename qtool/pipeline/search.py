@@ -329,8 +329,8 @@ def _check_budget(state: Measured, target: TargetOptions) -> None:
     cost, budget = state.cost, state.budget(target)
     floor = cost.fixed + sum(min(c) for c in cost.groups)
     if not cost.groups:  # (the floor is the float checkpoint: "below the smallest" said nothing of why)
-        raise UsageError(f"{target.flag_with_bytes()}: the candidates ({', '.join(target.candidates)}) quantize no weight of "
-                         "this model, so there is nothing to choose among")
+        raise UsageError(f"{target.flag_with_bytes()}: the candidates ({', '.join(target.candidates)}) quantize no "
+                         "weight of this model, so there is nothing to choose among")
     if budget >= cost.float_bytes:
         raise UsageError(f"{target.flag_with_bytes()}: at or above the float checkpoint ({cost.float_bytes} bytes, "
                          f"{state.bpw(cost.float_bytes):.2f} bits per weight); nothing needs quantizing to fit")
