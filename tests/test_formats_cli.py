@@ -123,6 +123,9 @@ def test_sub_byte_codes_are_packed_by_default(world, tmp_path):
     a = read_integer_export(tmp_path / "p/model.safetensors")
     b = read_integer_export(tmp_path / "u/model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # each export's manifest records the options its bytes came from (the same encodings, two files)
+    options = {d: json.loads((tmp_path / d / "manifest.json").read_text())["options"] for d in "pu"}
+    assert options["p"] == {"pack": True, "max_shard_bytes": 5 * 10 ** 9} and options["u"]["pack"] is False
 
 
 def test_inspect_reports_sizes(world, tmp_path):

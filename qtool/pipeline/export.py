@@ -210,7 +210,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     }
     write_manifest(out_dir, manifest("export", inputs, {n: sha256_file(out_dir / n) for n in outputs},
                                      head={"format": eopts.format, "encoding_version": eopts.encoding_version},
-                                     device="cpu", tail={"summary": summary}))
+                                     device="cpu", options=asdict(options), tail={"summary": summary}))
     summary["outputs"] = outputs + ["manifest.json"]
     summary["size"] = {"checkpoint_bytes": sum(f.stat().st_size for f in tensor_files(Path(checkpoint))),
                        "model_bytes": model_bytes, "model_files": model_files}
