@@ -394,10 +394,11 @@ doc_to_text: "{{{{question}}}}"
 """
 
 
-def test_lm_eval_tasks_run_on_the_artifact_in_its_runtime(model, tmp_path):
+def test_lm_eval_tasks_run_on_the_artifact_in_its_runtime(model, tmp_path, capfd, monkeypatch):
     """A multiple-choice and a generation task in lm-eval's own YAML over a local JSONL file (nothing downloaded),
-    scored on the float model and on the GGUF file in llama.cpp."""
+    scored on the float model and on the GGUF file in llama.cpp; lm-eval's own chatter stays off the terminal."""
     pytest.importorskip("lm_eval")
+    monkeypatch.chdir(tmp_path)  # (not a git repository: lm-eval's `git describe` said so on stderr)
     out = _quantize(model, tmp_path, "gguf-q8_0", "gguf")
     tasks = tmp_path / "tasks"
     tasks.mkdir()
@@ -414,6 +415,9 @@ def test_lm_eval_tasks_run_on_the_artifact_in_its_runtime(model, tmp_path):
     acc = res["tasks"]["qtool_tiny_multiple_choice"]["acc"]
     assert set(acc) == {"float", "artifact"} and all(0 <= v <= 1 for v in acc.values())
     assert set(res["tasks"]["qtool_tiny_generate_until"]["exact_match"]) == {"float", "artifact"}
+    terminal = err + capfd.readouterr().err  # (what the command wrote, and what reached the process's stderr)
+    for chatter in ("not a git repository", "Generating test split", "is defined, but aggregation is not", "it/s]"):
+        assert chatter not in terminal, terminal
 
 
 def test_quantize_evaluates_what_it_wrote(model, tmp_path):

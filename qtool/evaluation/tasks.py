@@ -9,7 +9,8 @@ empty context starts from the end-of-text token. Inputs longer than ``max_length
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from ..errors import UsageError
 from ..hooks import step
@@ -114,20 +115,52 @@ def _adapter(runtime, tokenizer, max_length: int, label: str):
     return RuntimeLM()
 
 
+@contextlib.contextmanager
+def _lm_eval_quieted() -> Iterator[None]:
+    """lm-eval's own chatter off qtool's terminal while it runs (qtool draws the tasks' progress): its loggers'
+    warnings, its and the datasets library's progress bars, and the ``git describe`` it runs for its results'
+    metadata (which qtool drops), whose "fatal: not a git repository" reached stderr from any other directory."""
+    import functools
+    import logging
+
+    import lm_eval.api.task as task_module
+    import lm_eval.evaluator as evaluator
+
+    loggers = [logging.getLogger(n) for n in ("lm_eval", "lm-eval")]
+    levels = [lg.level for lg in loggers]
+    patched = [(evaluator, "get_git_commit_hash", lambda: None),
+               (task_module, "tqdm", functools.partial(task_module.tqdm, disable=True))]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
+    bars = None
+    try:
+        from datasets.utils import logging as datasets_logging
+
+        bars = datasets_logging.is_progress_bar_enabled()
+        datasets_logging.disable_progress_bar()
+    except ImportError:  # (lm-eval needs datasets; an older one lacks the switch)
+        datasets_logging = None
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        for module, name, value in patched:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        if bars:
+            datasets_logging.enable_progress_bar()
+
+
 def run_tasks(runtime, tokenizer, tasks: Sequence[str], manager, limit: Optional[int], max_length: int,
               label: str) -> Dict[str, Dict[str, float]]:
     """``{task: {metric: value}}`` of lm-eval's ``tasks`` run by ``runtime`` (stderr figures left out)."""
     lm_eval, _, _ = _lm_eval()
-    import logging
-
-    quiet = logging.getLogger("lm-eval")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
+    with _lm_eval_quieted():
         res = lm_eval.simple_evaluate(model=_adapter(runtime, tokenizer, max_length, label), tasks=list(tasks),
                                       task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False)
-    finally:
-        quiet.setLevel(level)
     out: Dict[str, Dict[str, float]] = {}
     for task, metrics in (res or {}).get("results", {}).items():
         out[task] = {m.split(",")[0]: float(v) for m, v in metrics.items()
