@@ -19,7 +19,10 @@ its kind in every file (:func:`variants`). ``python -m tests.golden_bytes --writ
 machine's differences there; ``--write`` drops this CPU kind's own entry (the main table is now this CPU's), and
 the other entries must then be refreshed on such machines. ``--update`` records an intentional output change from
 any machine: files that do not follow the CPU go to the main table, those that do to the entry of the variant this
-machine is closest to (and it names them, for a refresh on the other machines).
+machine is closest to (and it names them, for a refresh on the other machines). Run it with the default thread
+count, as the test runs: ``OMP_NUM_THREADS=1`` reduces floats in another order (the MiniLM report's JSON differs).
+An export's manifest records its outputs' hashes, so where a change alters manifests the other kinds' entries of
+CPU-following manifests need that refresh too (or rebuilding from the recorded hashes of their outputs).
 """
 
 from __future__ import annotations
