@@ -399,7 +399,8 @@ def _file_axis(axis: Any, nd: int, per_channel: bool) -> Optional[int]:
     axis %= nd
     if per_channel and axis != 0:
         raise ValueError(f"per-channel encodings along axis {axis} are not supported: qtool's per-channel "
-                         "weights are along axis 0 (output channels)")
+                         "weights are along axis 0 (a Linear's or a convolution's output channels; a transposed "
+                         "convolution's weight takes per-tensor encodings only)")
     if not per_channel and axis != 1:
         raise ValueError(f"blockwise encodings along axis {axis} are not supported: qtool imports blocks "
                          "along axis 1 (input channels) only")

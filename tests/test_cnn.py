@@ -274,3 +274,42 @@ def test_a_transposed_convolution_per_channel_is_refused_and_per_tensor_runs(tmp
             assert "up is a ConvTranspose2d, whose weight's first dimension is its input channels" in \
                 error_lines(err)[-1], err
             assert not (tmp_path / granularity).exists()
+
+
+def test_per_channel_encodings_of_a_transposed_convolution_are_refused_from_any_file(tmp_path):
+    """AIMET per-channel encodings of a ConvTranspose2d (AIMET's axis: its output channels, dim 1) with as many
+    channels as its input's were imported along dim 0 and exported with exit 0 (relative weight error 0.72 where
+    the scales on AIMET's axis give 0.004); a hand-made encodings.json saying per_channel was loaded alike."""
+    from tests.helpers import error_lines
+    from tests.tinymodels import upnet
+
+    model = upnet()  # up.weight [8 in, 4 out, 2, 2]
+    save_file(model.state_dict(), tmp_path / "u.safetensors")
+    w = model.up.weight.detach()
+    scales = [float(a) / 127 for a in w.abs().amax(dim=(1, 2, 3))]  # 8 of them: the count of the first dimension
+    (tmp_path / "a.encodings").write_text(json.dumps({"version": "1.0.0", "activation_encodings": [],
+        "quantizer_args": {}, "param_encodings": [{"name": "up.weight", "dtype": "INT", "bw": 8, "is_sym": True,
+                                                   "enc_type": "PER_CHANNEL", "scale": scales, "offset": [-128] * 8}]}))
+    args = ("--model-class", "tests.tinymodels:upnet")
+    code, _, err = run_cli("import-encodings", tmp_path / "u.safetensors", tmp_path / "a.encodings", *args, "-o",
+                           tmp_path / "imported")
+    assert code == 2 and not (tmp_path / "imported").exists(), err
+    assert error_lines(err)[-1].endswith("up.weight: per_channel encodings on a ConvTranspose2d, whose weight holds "
+                                         "its input channels first: qtool's channels and blocks run along that "
+                                         "dimension, so they would share scales across output channels; this layer "
+                                         "takes per_tensor encodings only"), err
+    # the same encodings as qtool's own file: the fake-quant model refuses them alike
+    (tmp_path / "r.yaml").write_text("version: 1\nlayers:\n  - type: ConvTranspose2d\n    weights: "
+                                     "{granularity: per_tensor}\n")
+    save_file({"x": torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))}, tmp_path / "x.safetensors")
+    assert run_cli("calibrate", tmp_path / "u.safetensors", *args, "-c", tmp_path / "r.yaml", "--data",
+                   tmp_path / "x.safetensors", "-o", tmp_path / "cal")[0] == 0
+    enc = json.loads((tmp_path / "cal/encodings.json").read_text())
+    q = next(q for q in enc["quantizers"] if q["name"] == "up.weight")
+    amax = [[[[float(a)]]] for a in w.abs().amax(dim=(1, 2, 3))]
+    q.update(granularity="per_channel", shape=[8, 1, 1, 1], min=[[[[-a[0][0][0]]]] for a in amax], max=amax)
+    del q["scale"], q["offset"]
+    (tmp_path / "cal/encodings.json").write_text(json.dumps(enc))
+    with pytest.raises(qtool.errors.EncodingsError, match="takes per_tensor encodings only"):
+        qtool.load_calibrated(tmp_path / "u.safetensors", tmp_path / "cal/encodings.json",
+                              model_class="tests.tinymodels:upnet")

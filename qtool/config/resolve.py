@@ -23,6 +23,15 @@ if TYPE_CHECKING:
     from torch import nn
 
 
+def input_channels_first(module: "nn.Module") -> bool:
+    """Whether the module's weight holds its input channels first: a transposed convolution's weight is
+    [in, out / groups, kernel...], transformers' Conv1D's (GPT-2) [in, out]. qtool's per-channel and per-block
+    weight grids run along the first dimension's channels, so such a weight takes per-tensor encodings only."""
+    from torch import nn
+
+    return isinstance(module, nn.modules.conv._ConvTransposeNd) or type(module).__name__ == "Conv1D"
+
+
 def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str):
     from torch import nn
 
@@ -35,8 +44,7 @@ def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str)
                           "ignore")
     if spec.granularity == "per_tensor":
         return (), None
-    # a transposed convolution's weight is [in, out / groups, kernel...], transformers' Conv1D's (GPT-2) [in, out]
-    if isinstance(module, nn.modules.conv._ConvTransposeNd) or type(module).__name__ == "Conv1D":
+    if input_channels_first(module):
         raise ConfigError(f"{where}.granularity: {name} is a {type(module).__name__}, whose weight's first dimension "
                           f"is its input channels: {spec.granularity} there would share scales across input, not "
                           "output, channels; use per_tensor")

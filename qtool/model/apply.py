@@ -7,7 +7,7 @@ from typing import Dict
 import torch
 from torch import nn
 
-from ..config import Plan, QuantizerPlan
+from ..config import Plan, QuantizerPlan, input_channels_first
 from ..encodings import EncodingsFile
 from ..errors import EncodingsError
 from ..quant import QuantizerBase
@@ -28,7 +28,13 @@ def plan_from_encodings(enc: EncodingsFile, model: nn.Module, source: str) -> Pl
         if e.module not in modules:
             raise EncodingsError(f"{source}: module {e.module!r} is not in this model; were the encodings made "
                                  "for another model?")
-        rows.append(QuantizerPlan(e.name, e.module, type(modules[e.module]).__name__, e.tensor, e.bitwidth,
+        module = modules[e.module]
+        if e.tensor == "weight" and e.granularity != "per_tensor" and input_channels_first(module):
+            raise EncodingsError(f"{source}: {e.name}: {e.granularity} encodings on a {type(module).__name__}, whose "
+                                 "weight holds its input channels first: qtool's channels and blocks run along that "
+                                 "dimension, so they would share scales across output channels; this layer takes "
+                                 "per_tensor encodings only")
+        rows.append(QuantizerPlan(e.name, e.module, type(module).__name__, e.tensor, e.bitwidth,
                                   e.symmetric, e.granularity, e.shape, e.block_size, e.analyzer,
                                   scale_dtype=e.scale_dtype, dynamic=e.dynamic, element=e.element))
     return Plan(rows)
