@@ -64,7 +64,9 @@ class WeightCoverage:
         share = sum(_numel(s) for _, s, _ in big) / self.total
         named = ", ".join(f"{n} {list(s)} ({t})" for n, s, t in big[:3])
         more = f" and {len(big) - 3} more" if len(big) > 3 else ""
-        layers = sorted({t for n, _, t in big if n.rsplit(".", 1)[-1] == "weight"})
+        # (MultiheadAttention's out_proj: attention reads its weight without calling it, so no rule opts it in)
+        layers = sorted({t for n, _, t in big if n.rsplit(".", 1)[-1] == "weight"
+                         and t != "NonDynamicallyQuantizableLinear"})
         if len(layers) == len({t for _, _, t in big}):  # (layers holding a weight: a type rule can opt them in)
             # (a transposed convolution's or GPT-2's Conv1D's weight is [in, out, ...]: per_tensor scales only)
             transposed = [t for t in layers if t.startswith("ConvTranspose") or t == "Conv1D"]
@@ -72,9 +74,13 @@ class WeightCoverage:
                    + (f" ({', '.join(transposed)}: with per_tensor weights)" if transposed else ""))
         else:
             why = "a module type qtool cannot quantize yet"
+        # ignore takes a layer's name for its weight (a bare parameter, MultiheadAttention's in_proj_weight, by its
+        # own name)
+        acks = ", ".join(n.rpartition(".")[0] if n.rpartition(".")[2] in ("weight", "bias") and "." in n else n
+                         for n, _, _ in big[:3])
         return (f"{len(big)} weight tensor(s), {100 * share:.1f} % of the model's weight parameters, have no "
                 f"quantizer in qtool and stay float: {named}{more} ({why}; list them under ignore to acknowledge "
-                "it)")
+                f"it: {acks}{more})")
 
     def to_json(self):
         return {"parameters": self.total, "quantized": self.quantized, "share": round(self.share, 6),

@@ -486,6 +486,23 @@ def test_default_layer_types_match_subclasses_but_not_attention_out_proj():
     assert not any(n.startswith("mha.out_proj") for n in names)
     typed = resolve_plan(parse_recipe("layers:\n  - {type: Conv2d, weights: {bitwidth: 4}}\n"), net)
     assert {q.name: q.bitwidth for q in typed.quantizers}["conv.weight"] == 4
+    # opted in by its own type (as the hints said): planned, stored quantized, never run. Now float, and said so
+    own = resolve_plan(parse_recipe("layers:\n  - {type: NonDynamicallyQuantizableLinear}\n"), net)
+    assert not any(q.module == "mha.out_proj" for q in own.quantizers)
+    assert any(w.startswith("mha.out_proj (in a MultiheadAttention): the model's code reads the weight without "
+                            "calling the layer") for w in own.warnings), own.warnings
+    from qtool.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"mha.out_proj is a MultiheadAttention's out_proj, whose weight attention "
+                                          r"reads without calling the layer\)"):
+        resolve_plan(parse_recipe("layers:\n  - {match: mha.out_proj, weights: {bitwidth: 4}}\n"), net)
+    # the coverage line names what ignore takes (the layer, not its weight) and no type rule for out_proj
+    lone = torch.nn.ModuleDict({"mha": torch.nn.MultiheadAttention(64, 2)})
+    line = resolve_plan(parse_recipe("version: 1\nignore: [mha.in_proj_weight]\n"), lone).coverage.warning()
+    assert line.endswith("(a module type qtool cannot quantize yet; list them under ignore to acknowledge it: "
+                         "mha.out_proj)"), line
+    assert not resolve_plan(parse_recipe("version: 1\nignore: [mha.in_proj_weight, mha.out_proj]\n"),
+                            lone).coverage.warning()
 
 
 # ---- end to end -------------------------------------------------------------------------------------------------

@@ -198,6 +198,9 @@ def _weights_read_directly(named) -> Dict[str, str]:
 
     out: Dict[str, str] = {}
     for name, module in named:
+        if isinstance(module, nn.MultiheadAttention):  # (torch's own code, whose source is not read: it hands
+            out[f"{name}.out_proj" if name else "out_proj"] = type(module).__name__  # out_proj.weight to F.*)
+            continue
         children = [c for c, m in module.named_children() if isinstance(getattr(m, "weight", None), nn.Parameter)]
         if not children:
             continue
@@ -692,6 +695,9 @@ def _nearest_modules(rule: LayerRule, named, exported_types=None) -> str:
                 return (f" that a quantizer can take ({n} is a {kind}, and no module inside it is a layer type a "
                         "quantizer takes)")
             w = getattr(m, "weight", None)
+            if kind == "NonDynamicallyQuantizableLinear":  # (a type rule's quantizer there would never run)
+                return (f" that a quantizer can take ({n} is a MultiheadAttention's out_proj, whose weight attention "
+                        "reads without calling the layer)")
             if isinstance(w, nn.Parameter) and w.dim() >= 2:  # (a matrix: a router; not a norm's scale vector)
                 return (f" that a quantizer can take ({n} is a {kind}, which a name alone does not opt in: add "
                         f"type: {kind} to the rule)")
