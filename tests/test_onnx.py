@@ -197,6 +197,27 @@ def test_float64_example_inputs_trace_a_graph_of_the_models_type(mlp_world, tmp_
     assert torch.equal(runtime.outputs(Batch((x,))), runtime.outputs(Batch((x.float(),))))
 
 
+def test_torch_multihead_attention_exports(tmp_path):
+    """nn.MultiheadAttention took its fused kernel in the no_grad trace: 'torch.onnx could not export this model:
+    Exporting the operator aten::_native_multi_head_attention ... is not supported', after calibrating."""
+    from tests.tinymodels import attends
+
+    save_file(attends().state_dict(), tmp_path / "m.safetensors")
+    x = torch.randn(6, 5, 16, generator=torch.Generator().manual_seed(0))
+    save_file({"x": x}, tmp_path / "x.safetensors")
+    code, _, err = run_cli("quantize", tmp_path / "m.safetensors", "-c", "w8a8", "--data", tmp_path / "x.safetensors",
+                           "--model-class", "tests.tinymodels:attends", "-o", tmp_path / "q", "--format", "onnx")
+    assert code == 0, err
+    model = qtool.load_calibrated(tmp_path / "m.safetensors", tmp_path / "q/calibration/encodings.json",
+                                  model_class="tests.tinymodels:attends")
+    with torch.no_grad():
+        want = model(x).numpy()
+    session = _session(tmp_path / "q/model.onnx", ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    got = session.run(None, {"input": x.numpy()})
+    assert np.abs(got[0] - want).max() < 1e-5 * np.abs(want).max() + 1e-6
+    assert torch.backends.mha.get_fastpath_enabled()  # (as it was)
+
+
 def test_bitwidths_onnx_cannot_hold_are_refused(mlp_world, tmp_path):
     (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 6}\n  activations: null\n")
     code, _, err = run_cli("quantize", mlp_world / "m.safetensors", "-c", tmp_path / "r.yaml", "--model-class",

@@ -187,6 +187,27 @@ def reused() -> nn.Module:
     return Reused()
 
 
+class Attends(nn.Module):
+    """A Linear into torch's own MultiheadAttention (batch first), whose eval-mode fast path under no_grad is a
+    fused operator the ONNX exporter has no symbolic for."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x):
+        x = self.inp(x)
+        a, _ = self.mha(x, x, x, need_weights=False)
+        return self.out(x + a)
+
+
+def attends() -> nn.Module:
+    torch.manual_seed(0)
+    return Attends()
+
+
 class UpNet(nn.Module):
     """A convolution, then a transposed one (weight [in, out, kh, kw]: its first dim is the input channels)."""
 

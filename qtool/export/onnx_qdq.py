@@ -25,6 +25,7 @@ the QDQ nodes in ``onnx_graph``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import warnings
 from dataclasses import dataclass
@@ -51,6 +52,19 @@ _MAX_TORCHSCRIPT_OPSET = 20
 # opset 11+ (it inserts Round when it quantizes Gemm biases) and then rejects an opset-10 model at load time.
 _QDQ_FLOOR = 13
 
+
+
+@contextlib.contextmanager
+def _attention_fast_path_off():
+    """torch's nn.MultiheadAttention and TransformerEncoderLayer take a fused kernel in eval mode under no_grad
+    (``aten::_native_multi_head_attention``), which the ONNX exporter has no symbolic for: traced through their
+    composite form instead, as a float export with gradients on would be."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
 
 def required_opset(enc: EncodingsFile) -> int:
     """The lowest ONNX opset whose QuantizeLinear/DequantizeLinear express every encoding in ``enc`` and that
@@ -137,7 +151,8 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
         if opset < min(opset_q, _MAX_TORCHSCRIPT_OPSET):
             continue
         try:
-            with onnx_export_mode(quantizers), torch.no_grad(), warnings.catch_warnings(), _captured_fds():
+            with onnx_export_mode(quantizers), torch.no_grad(), _attention_fast_path_off(), \
+                    warnings.catch_warnings(), _captured_fds():
                 warnings.simplefilter("ignore")
                 torch.onnx.export(wrapper, flat_inputs, str(path), input_names=input_names,
                                   output_names=output_names, dynamic_axes=dynamic_axes, opset_version=opset,
