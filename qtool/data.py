@@ -441,6 +441,14 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
         other = sorted(str(d).replace("torch.", "") for d in floats - {own})[0]
         return (f"the data is {other} and the model {str(own).replace('torch.', '')}: save the data as the model's "
                 f"type (NumPy: x.astype('{str(own).replace('torch.', '')}'))")
+    # integer pixels (uint8 images) into a model with no embedding table: torch's "expected scalar type Byte but
+    # found Float", "Input type (unsigned char) and bias type (float) should be the same"
+    ints = sorted({str(t.dtype).replace("torch.", "") for t in list(batch.args) + list(batch.kwargs.values())
+                   if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dtype != torch.bool})
+    if own is not None and table is None and ints and "type" in str(err):
+        return (f"the data is {ints[0]} and the model {str(own).replace('torch.', '')}, with no embedding table that "
+                f"takes integers: save the data as the model's type, scaled as the model expects (NumPy: "
+                f"x.astype('{str(own).replace('torch.', '')}'), such as images / 255 where the model was trained so)")
     config = getattr(model, "config", None)
     said = str(err).splitlines()[0] if str(err) else ""
     positions = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")

@@ -737,6 +737,21 @@ def test_data_of_another_float_type_than_the_model_is_named(tmp_path):
            "x.astype('float32'))" in error_lines(err)[-1], err
 
 
+def test_integer_images_are_named(tmp_path):
+    """uint8 pixels into a convolution read torch's "expected scalar type Byte but found Float"."""
+    from tests.tinymodels import convnet
+
+    save_file(convnet().state_dict(), tmp_path / "m.safetensors")
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).integers(0, 256, (4, 3, 16, 16), dtype=np.uint8))
+    code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "--model-class", "tests.tinymodels:convnet", "-c",
+                           "w8a8", "--data", tmp_path / "x.npy", "-o", tmp_path / "r")
+    assert code == 2 and not (tmp_path / "r").exists()
+    assert error_lines(err)[-1].endswith("the data is uint8 and the model float32, with no embedding table that takes "
+                                         "integers: save the data as the model's type, scaled as the model expects "
+                                         "(NumPy: x.astype('float32'), such as images / 255 where the model was "
+                                         "trained so)"), err
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_token_ids_saved_as_floats_are_told_to_be_integers(tmp_path, dtype):
     """Ids saved as floats were told "save the data as the model's type (x.astype('float32'))", which fails next
