@@ -304,6 +304,11 @@ def test_a_type_rule_that_reaches_only_a_media_tower_is_not_said_to_reach_weight
 
     plan = plan_of("version: 1\nlayers:\n  - type: Conv2d\n    weights: {bitwidth: 4}\n", Vlm())
     assert "vision_tower.0.weight" not in rows(plan) and any("media encoders stay float" in w for w in plan.warnings)
+    # a pattern naming the tower's layers quantizes them (recipes.md), with the defaults where it sets nothing else:
+    # it kept them float and still said "a layers rule whose match names them quantizes them"
+    for rule in ("  - match: 're:.*vision_tower.*'\n", "  - match: '*vision_tower*'\n"):
+        plan = plan_of(f"version: 1\nlayers:\n{rule}", Vlm())
+        assert "vision_tower.0.weight" in rows(plan) and not any("media encoders" in w for w in plan.warnings), rule
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")

@@ -381,6 +381,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 continue  # a name pattern only refines modules that can be quantized
             used[i] = True
             weighted[i] = weighted[i] or isinstance(getattr(module, "weight", None), nn.Parameter)
+            if tower and rule.match is not None and not rule.model_fields_set & {"weights", "activations"}:
+                opted_in = True  # (a pattern naming a media tower's layers quantizes them with the defaults)
             where = f"{source}: layers[{i}]"
             if "weights" in rule.model_fields_set and w_cand:
                 w_spec = None if rule.weights is None else _merge(
