@@ -188,3 +188,15 @@ def test_a_llava_compressed_tensors_directory_is_evaluated_in_transformers(tmp_p
     assert code == 0, err
     result = json.loads(out)
     assert result["runtime"] == "transformers + compressed-tensors" and result["export_gap"]["kl_mean"] < 1e-6
+
+
+def test_a_tied_output_layer_over_the_quantized_table_is_warned_of_under_the_checkpoints_names(gemma3, tmp_path):
+    """The warning compared the loaded model's names (model.language_model.embed_tokens.weight) with the encodings'
+    (the checkpoint's language_model.model.embed_tokens.weight): a multimodal model never got it."""
+    checkpoint, _ = gemma3
+    code, out, err = run_cli("quantize", checkpoint, "-c", "w8a16", "-o", tmp_path / "q", "--json")
+    assert code == 0, err
+    said = [w for w in json.loads(out)["export_warnings"] if "shares its weight" in w]
+    assert len(said) == 1 and said[0].startswith("lm_head is left float but shares its weight with "
+                                                 "language_model.model.embed_tokens.weight, which this file stores "
+                                                 "quantized (once)"), said

@@ -252,12 +252,17 @@ def _tied_to_a_quantized_table(checkpoint: Path, enc: EncodingsFile, trust_remot
     runtime that ties them computes that layer with the quantized table, not the float one calibration measured."""
     from ..config.resolve import tied_parameters
     from ..io.checkpoint import detect_kind
-    from ..model.hf import meta_skeleton
+    from ..model.hf import hf_name_map, meta_skeleton
 
     if detect_kind(checkpoint) != "hf":
         return []
     quantized = {e.name for e in enc.entries if e.tensor == "weight"}
-    tied = tied_parameters(meta_skeleton(checkpoint, trust_remote_code))  # (later name -> the stored one)
+    skeleton = meta_skeleton(checkpoint, trust_remote_code)
+    # the encodings name weights as the checkpoint does (a multimodal Gemma 3's language_model.model.embed_tokens
+    # is model.language_model.embed_tokens once loaded)
+    stored_as = {name: key for key, name in hf_name_map(skeleton, tensor_files(checkpoint)).items()}
+    tied = {stored_as.get(later, later): stored_as.get(stored, stored)  # (later name -> the stored one)
+            for later, stored in tied_parameters(skeleton).items()}
     return [f"{later.rsplit('.', 1)[0]} is left float but shares its weight with {stored}, which this file stores "
             f"quantized (once): a runtime that ties them computes {later.rsplit('.', 1)[0]} with the quantized table, "
             "not the float one calibration measured; keep the table float too (ignore it), or export with --format "
