@@ -200,3 +200,23 @@ def test_a_tied_output_layer_over_the_quantized_table_is_warned_of_under_the_che
     assert len(said) == 1 and said[0].startswith("lm_head is left float but shares its weight with "
                                                  "language_model.model.embed_tokens.weight, which this file stores "
                                                  "quantized (once)"), said
+
+
+def test_onnx_names_the_quantizers_its_text_trace_leaves_out(gemma3, tmp_path):
+    """A rule that opts the image encoder in, exported to ONNX (traced on text): the graph has no image encoder,
+    and export said nothing while model.encodings listed its weights under names no graph tensor has."""
+    checkpoint, ids = gemma3
+    (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  activations: null\nignore: [lm_head]\n"
+                                     "layers:\n  - match: 're:.*vision_tower.*mlp.*'\n")
+    code, out, err = run_cli("quantize", checkpoint, "-c", tmp_path / "r.yaml", "-o", tmp_path / "q", "--format",
+                             "onnx", "--data", ids, "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    said = [w for w in summary["export_warnings"] if "not in the ONNX graph" in w]
+    assert len(said) == 1 and said[0].startswith("4 quantizer(s) are not in the ONNX graph") and "vision_tower" in \
+        said[0], summary["export_warnings"]
+    import onnx
+
+    graph = {i.name for i in onnx.load(str(tmp_path / "q/model.onnx")).graph.initializer}
+    listed = [p["name"] for p in json.loads((tmp_path / "q/model.encodings").read_text())["param_encodings"]]
+    assert listed and all(n in graph for n in listed) and not any("vision_tower" in n for n in listed)

@@ -218,6 +218,26 @@ def test_torch_multihead_attention_exports(tmp_path):
     assert torch.backends.mha.get_fastpath_enabled()  # (as it was)
 
 
+def test_a_causal_lm_traced_on_token_ids_alone(tmp_path):
+    """--data of token ids alone (no attention mask): transformers built its mask from position ids with torch.diff,
+    and torch.onnx refused ('aten::diff ... not supported') after calibrating."""
+    from tests.test_gguf import VOCAB, _tiny_llama
+
+    checkpoint = _tiny_llama(tmp_path / "m", False)
+    ids = torch.randint(1, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    code, out, err = run_cli("quantize", checkpoint, "-c", "w8a16", "-o", tmp_path / "q", "--format", "onnx",
+                             "--data", tmp_path / "ids.safetensors", "--json")
+    assert code == 0, err
+    assert json.loads(out)["onnx_inputs"] == ["input_ids", "attention_mask"]
+    model = qtool.load_calibrated(checkpoint, tmp_path / "q/calibration/encodings.json")
+    with torch.no_grad():
+        want = model(input_ids=ids[:2]).logits.numpy()
+    session = _session(tmp_path / "q/model.onnx", ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    got = session.run(None, {"input_ids": ids[:2].numpy(), "attention_mask": np.ones((2, 16), dtype=np.int64)})[0]
+    assert np.abs(got - want).max() < 1e-4
+
+
 def test_bitwidths_onnx_cannot_hold_are_refused(mlp_world, tmp_path):
     (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 6}\n  activations: null\n")
     code, _, err = run_cli("quantize", mlp_world / "m.safetensors", "-c", tmp_path / "r.yaml", "--model-class",

@@ -171,8 +171,12 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
     names = _rewrite(proto, info, final_opset, stored)
     _check_initializers(proto)
     onnx.save(proto, str(path))
+    left = [e.name for e in enc.entries if e.name not in names]
+    warnings_ = [] if not left else [  # (a recipe's rule that opted an image encoder in, traced on text)
+        f"{len(left)} quantizer(s) are not in the ONNX graph, which holds what the example batch ran (a multimodal "
+        f"model's image encoder does not run on text): {', '.join(left[:3])}" + (" ..." if len(left) > 3 else "")]
     return {"onnx_opset": final_opset, "qdq_opset_needed": opset_q, "quantizers": len(names), "names": names,
-            "onnx_inputs": input_names, "onnx_outputs": output_names}
+            "onnx_inputs": input_names, "onnx_outputs": output_names, "warnings": warnings_}
 
 
 def _check_initializers(proto) -> None:

@@ -73,7 +73,15 @@ def _example_batch(eopts: ExportOptions):
             # float inputs in the model's own type: NumPy's float64 images traced a graph that takes float64 alone
             own = next((p.dtype for p in loaded.model.parameters() if p.is_floating_point()), torch.float32)
             b = data.batches[0]
-            return Batch(tuple(_as(a, own) for a in b.args), {k: _as(v, own) for k, v in b.kwargs.items()})
+            args, kwargs = tuple(_as(a, own) for a in b.args), {k: _as(v, own) for k, v in b.kwargs.items()}
+            if len(args) == 1 and not kwargs and not args[0].is_floating_point() and loaded.kind == "hf":
+                args, kwargs = (), {"input_ids": args[0]}  # (a file of token ids alone: a Hugging Face model's)
+            if "input_ids" in kwargs and "attention_mask" not in kwargs and _takes(loaded.model, "attention_mask"):
+                # token ids alone: transformers then builds its mask from position ids (torch.diff) or takes SDPA's
+                # grouped-query form (enable_gqa), neither of which torch.onnx exports; the graph takes a mask, as
+                # it does traced on a tokenizer's sentence
+                kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
+            return Batch(args, kwargs)
         from ..model.hf import UnreadableTokenizer
 
         if isinstance(loaded.tokenizer, UnreadableTokenizer):
@@ -86,6 +94,15 @@ def _example_batch(eopts: ExportOptions):
             return Batch(kwargs={k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc})
         raise UsageError("ONNX export traces the model: pass --data with a few example inputs")
     return make
+
+
+def _takes(model: torch.nn.Module, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -168,10 +185,12 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
             f"model.encodings (AIMET JSON) not written: {len(floats)} quantizer(s) are on float element grids "
             f"(FP8/FP4), which AIMET encodings cannot describe; {held}")
     elif exporter.aimet_json == "always" or (exporter.aimet_json == "if_small" and numbers <= AIMET_JSON_LIMIT):
-        static = [e for e in enc.entries if not e.dynamic]
-        if len(static) < len(enc.entries):  # (the aimet format itself refuses them in its check)
+        # (an ONNX graph holds what its example batch ran: the AIMET JSON beside it names the graph's tensors)
+        static = [e for e in enc.entries if not e.dynamic and (exporter.name != "onnx" or e.name in names)]
+        dynamic = sum(e.dynamic for e in enc.entries)
+        if dynamic:  # (the aimet format itself refuses them in its check)
             summary["export_warnings"].append(
-                f"model.encodings (AIMET JSON) leaves out {len(enc.entries) - len(static)} dynamic activation "
+                f"model.encodings (AIMET JSON) leaves out {dynamic} dynamic activation "
                 "quantizer(s): AIMET encodings are static; the exported model computes their ranges at run time")
         tiles = [e for e in static if block_problem(e.spec)]
         if tiles:  # (as are they: AIMET blocks the input dimension alone)
