@@ -883,3 +883,24 @@ def test_an_onnx_graph_that_fails_on_a_batch_is_one_line_naming_the_file(tmp_pat
     with pytest.raises(UsageError, match=rf"^{re.escape(str(path))}: onnxruntime fails to run it on a batch of "
                                          r"shape \[\[3, 4\]\]: "):
         runtime.outputs(Batch((), {"input_ids": torch.zeros(3, 4, dtype=torch.long)}))
+
+
+def test_a_reference_holding_nan_is_refused_as_report_refuses_it(model, tmp_path):
+    """eval against a float checkpoint holding a NaN exited 0: NaN perplexities and KL, top-1 agreement 1.0."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt, _, held = model
+    out = _quantize(model, tmp_path, "w8a16", "qtool")
+    nan = tmp_path / "nan"
+    shutil.copytree(ckpt, nan)
+    (weights,) = nan.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    for args in (("eval", out, "-r", nan, "--data", held, *EVAL),
+                 ("report", nan, "-e", out / "calibration/encodings.json", "--data", held, "--seq-len", "48",
+                  "--allow-other-checkpoint")):
+        code, _, err = run_cli(*args)
+        assert code == 2 and error_lines(err)[-1] == (f"error: {nan}: model.layers.0.mlp.down_proj.weight holds NaN or "
+                                                      "infinity, so the float model is no reference to measure "
+                                                      "against"), (args[0], err)

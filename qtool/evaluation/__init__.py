@@ -27,7 +27,7 @@ from ..io.checkpoint import weight_file_hashes
 from ..io.fs import sha256_file
 from ..model.apply import make_fake_quant
 from ..model.insert import QUANTIZERS_ATTR, quantized_modules, set_stored_weight
-from ..model.load import load_model
+from ..model.load import load_model, refuse_non_finite_reference
 from ..report import ONE_NUMBER_NOTE, _one_number_each, output_cosines, output_errors
 from .artifact import Artifact, changed_files, locate, places, quantization_config
 from .metrics import Distributions, agreement, divergence, perplexity, token_kl
@@ -546,6 +546,7 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
               manager=None, notes: Tuple[str, ...] = ()) -> Evaluation:
     hooks.on_stage("loading the float checkpoint")
     loaded = _load(reference, opts)
+    refuse_non_finite_reference(loaded.model, reference)
     causal = loaded.is_causal_lm
     if art.format == "gguf" and not causal:
         raise UsageError(f"{art.path}: a GGUF file is evaluated against a causal LM checkpoint; {reference} is not one")

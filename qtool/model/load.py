@@ -29,7 +29,8 @@ from .hf import hf_name_map, load_hf
 from ..io.checkpoint import (CheckpointTensors, check_safetensors, detect_kind, load_exported, load_pickle,
                              not_found, read_state_dict, tensor_files, torch_load_safe, working_directory_importable)
 
-__all__ = ["LoadedModel", "load_model", "detect_kind", "resolve_device", "tensor_files", "read_state_dict"]
+__all__ = ["LoadedModel", "load_model", "detect_kind", "resolve_device", "tensor_files", "read_state_dict",
+           "refuse_non_finite_reference"]
 
 
 @dataclass
@@ -244,3 +245,12 @@ def load_model(
     return LoadedModel(model, kind, path, files, tokenizer, config, name_map)
 
 
+def refuse_non_finite_reference(model: nn.Module, checkpoint: str) -> None:
+    """``CheckpointError`` where a parameter of the float model holds NaN or infinity: its outputs would be NaN, so
+    every figure measured against it (and so every gate) is meaningless (report's and eval's reference)."""
+    from ..io.finite import all_finite
+
+    bad = next((n for n, p in model.named_parameters() if not all_finite(p.detach())), None)
+    if bad is not None:
+        raise CheckpointError(f"{checkpoint}: {bad} holds NaN or infinity, so the float model is no reference to "
+                              "measure against")

@@ -16,13 +16,12 @@ from ..calibration import CalibrateOptions
 from ..config import RecipeFile, read_recipe
 from ..data import load_data, longest_sample, model_takes, past_positions
 from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
-from ..errors import CheckpointError, DataError, EncodingsError, UsageError
+from ..errors import DataError, EncodingsError, UsageError
 from ..hooks import Hooks, step_progress
 from ..io.checkpoint import weight_file_hashes
-from ..io.finite import all_finite
 from ..io.fs import check_output_file
 from ..model.apply import make_fake_quant
-from ..model.load import load_model
+from ..model.load import load_model, refuse_non_finite_reference
 from .common import _inputs, _ranks, _same_command, one_at_a_time
 
 
@@ -42,10 +41,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
             raise UsageError("--sensitivity runs in one process: run it without torchrun")
         hooks.on_stage("loading checkpoint")
         loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
-        bad = next((n for n, p in loaded.model.named_parameters() if not all_finite(p.detach())), None)
-        if bad is not None:  # (its outputs would be NaN: every figure, and so every gate, meaningless)
-            raise CheckpointError(f"{checkpoint}: {bad} holds NaN or infinity, so the float model is no reference "
-                                  "to measure against")
+        refuse_non_finite_reference(loaded.model, checkpoint)
         if perplexity_gate and not loaded.is_causal_lm:
             raise UsageError(NEEDS_CAUSAL_LM)
         other = _check_calibrated_on(Path(encodings), checkpoint, allow_other_checkpoint)
