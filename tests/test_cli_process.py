@@ -70,6 +70,31 @@ def test_json_prints_exactly_one_object_on_stdout(world, tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_stdout_that_takes_nothing_is_one_line_and_exit_2(world, tmp_path):
+    """--json > /dev/full (a full disk), or stdout closed: a traceback and exit 1, a failed gate's code."""
+    d, ckpt, data = world
+    args = ("calibrate", ckpt, "--model-class", "tests.tinymodels:mlp", "-c", "w8a8", "--data", data, "-o",
+            tmp_path / "r", "--json")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def run(*a, **kw):
+        return subprocess.run([sys.executable, "-m", "qtool", *map(str, a)], stderr=subprocess.PIPE, text=True,
+                              cwd=REPO, env=env, timeout=300, **kw)
+
+    with open("/dev/full", "w") as full:
+        r = run(*args, stdout=full)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == (f"error: stdout takes nothing more (No space left on device), so what the "
+                                         f"command prints there is lost; {tmp_path / 'r'} had been written in full "
+                                         "before it")
+    for cmd in (("config", "list"), ("config", "list", "--json")):  # (a table, and a JSON object, on a closed stdout)
+        r = run(*cmd, preexec_fn=lambda: os.close(1))
+        assert r.returncode == 2 and r.stderr.splitlines()[-1] == (
+            "error: stdout takes nothing more (stdout is closed), so what the command prints there is lost; nothing "
+            "was written"), r.stderr
+
+
 def test_quiet_prints_nothing_on_success(world, tmp_path):
     d, ckpt, data = world
     r = qtool("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class", "tests.tinymodels:mlp",

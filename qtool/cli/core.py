@@ -3,6 +3,7 @@ object with ``--json``), signals that leave nothing half-written, and the consol
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -85,7 +86,19 @@ class _Group(typer.core.TyperGroup):
                     _emit_json({"ok": False, "exit_code": 2, "error": message.split(": ", 1)[-1]})
                 sys.exit(2)
         with _transformers_quieted():
-            self._run(argv, prog_name, complete_var, **extra)
+            try:
+                self._run(argv, prog_name, complete_var, **extra)
+            except (_StdoutLost, OSError) as e:
+                # what the command prints after its work is done (its --json object, a report's table) met a
+                # stdout that takes nothing: a full disk, a closed pipe or descriptor
+                if not isinstance(e, _StdoutLost) and e.errno not in _STDOUT_ERRNOS:
+                    raise
+                _OVER.append(True)
+                _silence_stdout()
+                reason = str(e) if isinstance(e, _StdoutLost) else (e.strerror or str(e))
+                err.print(_one_line(f"error: stdout takes nothing more ({reason}), so what the command prints "
+                                    f"there is lost; {_written()}"), markup=False)
+                sys.exit(2)
 
     def _run(self, argv, prog_name, complete_var, **extra):
         forget_published()  # (an earlier command of this process, under a test runner)
@@ -347,6 +360,8 @@ def _console():
     says otherwise."""
     from rich.console import Console
 
+    if sys.stdout is None:  # (started with stdout closed)
+        raise _StdoutLost("stdout is closed")
     wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 1000
     return Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")), width=wide)
 
@@ -359,9 +374,34 @@ def _esc(text: str) -> str:
 
 def _emit_json(obj: Dict[str, Any]) -> None:
     """One JSON object on stdout; a float that is not finite is written as "nan", "inf" or "-inf" (JSON has no
-    such numbers, and strict parsers refuse the bare tokens)."""
-    sys.stdout.write(json.dumps(_json_safe(obj), indent=1, default=str) + "\n")
+    such numbers, and strict parsers refuse the bare tokens). ``_StdoutLost`` where stdout takes nothing."""
     _EMITTED.append(True)
+    if sys.stdout is None:  # (started with stdout closed)
+        raise _StdoutLost("stdout is closed")
+    try:
+        sys.stdout.write(json.dumps(_json_safe(obj), indent=1, default=str) + "\n")
+        sys.stdout.flush()
+    except (OSError, ValueError) as e:  # (ValueError: a file object closed under us)
+        raise _StdoutLost(getattr(e, "strerror", None) or str(e)) from None
+
+
+class _StdoutLost(Exception):
+    """stdout could not take the command's JSON object."""
+
+
+# a stdout that takes nothing more: a full disk, a closed pipe, a closed descriptor, a quota or size limit, EIO
+_STDOUT_ERRNOS = {errno.ENOSPC, errno.EPIPE, errno.EBADF, errno.EDQUOT, errno.EFBIG, errno.EIO}
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so what is still buffered does not fail again as the interpreter exits."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.__stdout__.fileno() if sys.__stdout__ is not None else 1)
+        os.close(fd)
+    except (OSError, ValueError):
+        pass
+    sys.stdout = open(os.devnull, "w")
 
 
 def _json_safe(value: Any) -> Any:
