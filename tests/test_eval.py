@@ -904,3 +904,18 @@ def test_a_reference_holding_nan_is_refused_as_report_refuses_it(model, tmp_path
         assert code == 2 and error_lines(err)[-1] == (f"error: {nan}: model.layers.0.mlp.down_proj.weight holds NaN or "
                                                       "infinity, so the float model is no reference to measure "
                                                       "against"), (args[0], err)
+
+
+def test_quantize_eval_fits_its_windows_to_the_models_positions(model, tmp_path):
+    """A model of 128 positions: quantize --eval wrote the GGUF file, then exited 2 ("its context is 128 tokens,
+    and scoring needs 256 ...: give a shorter --seq-len", which is quantize's calibration flag, not eval's)."""
+    ckpt, calib, held = model
+    short = tmp_path / "short"
+    shutil.copytree(ckpt, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
+    code, out, err = run_cli("quantize", short, "-c", "gguf-q8_0", "--format", "gguf", "-o", tmp_path / "q",
+                             "--data", calib, "--seq-len", "32", "--eval", held, "--json")
+    assert code == 0, err
+    res = json.loads(out)["eval"]
+    assert res["export_fault"] is None and res["tokens"] % 127 == 0, res["tokens"]  # (windows of 128: 127 scored)

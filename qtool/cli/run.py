@@ -153,7 +153,8 @@ def quantize(
     overwrite: bool = _OVERWRITE,
     eval_data: Optional[str] = typer.Option(None, "--eval", help="Held-out data: then run the written file in its "
                                             "runtime against float and the fake-quant model (qtool eval's figures, "
-                                            "its defaults; an export fault exits 1)."),
+                                            "its defaults, windows of at most the model's positions; an export "
+                                            "fault exits 1)."),
     json_out: bool = _JSON,
     quiet: bool = _QUIET,
     debug: bool = _DEBUG,
@@ -167,9 +168,10 @@ def quantize(
                               data, imatrix, matmul_precision, eval_data)
         checkpoint = _checkpoint(checkpoint, revision)
         if eval_data is not None:  # (before a calibration that --eval's data would then refuse)
-            from ..evaluation import EvalOptions, check_held_out
+            from ..evaluation import EvalOptions, check_held_out, within_positions
 
-            check_held_out(checkpoint, EvalOptions(data=eval_data, trust_remote_code=trust_remote_code))
+            check_held_out(checkpoint, within_positions(checkpoint, EvalOptions(
+                data=eval_data, trust_remote_code=trust_remote_code)))
         from ..pipeline import run_quantize
 
         summary = run_quantize(checkpoint, recipe, out, _opts(
@@ -184,12 +186,12 @@ def quantize(
     _report_files(summary, quiet, p.warnings_shown)
     ev = None
     if eval_data is not None and _rank() == 0:
-        from ..evaluation import EvalOptions, evaluate_artifact
+        from ..evaluation import EvalOptions, evaluate_artifact, within_positions
 
         with _errors(debug, json_out), _Progress(quiet) as p:
-            ev = evaluate_artifact(out, checkpoint, None, EvalOptions(
+            ev = evaluate_artifact(out, checkpoint, None, within_positions(checkpoint, EvalOptions(
                 data=eval_data, device=device, model_class=model_class, trust_pickle=trust_pickle,
-                trust_remote_code=trust_remote_code), hooks=p.hooks())
+                trust_remote_code=trust_remote_code)), hooks=p.hooks())
         if not quiet and not json_out:
             _print_eval(ev)
     if json_out:

@@ -331,6 +331,28 @@ def artifact_model(artifact: str, reference: Optional[str] = None, encodings: Op
     return _with_export_weights(loaded.model, art.path)
 
 
+def within_positions(checkpoint: str, opts: EvalOptions) -> EvalOptions:
+    """``opts`` with windows of at most the positions a Hugging Face checkpoint's config gives (what a GGUF file's
+    context is, so llama.cpp runs them): for ``quantize --eval``, which takes eval's defaults and has no --seq-len
+    of its own for them."""
+    from dataclasses import replace
+
+    from ..io.checkpoint import detect_kind
+    from ..io.jsonfile import read_json_object
+
+    path = Path(checkpoint)
+    if detect_kind(path) != "hf" or not (path / "config.json").is_file():
+        return opts
+    config = read_json_object(path / "config.json", UsageError, "Hugging Face config")
+    config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    positions = next((config[k] for k in ("max_position_embeddings", "n_positions")
+                      if isinstance(config.get(k), int) and config[k] > 0), None)
+    if positions is None:
+        return opts
+    return replace(opts, seq_len=min(opts.seq_len, positions), prompt_len=min(opts.prompt_len, positions // 2),
+                   generate=min(opts.generate, positions - min(opts.prompt_len, positions // 2)))
+
+
 def check_held_out(checkpoint: str, opts: EvalOptions) -> None:
     """The checks of the held-out data that need no weights (text too short for a window, ids of another shape),
     for a caller about to spend a calibration before evaluating (``quantize --eval``): a Hugging Face directory's
