@@ -147,6 +147,16 @@ def test_gguf_holds_the_text_model_and_llama_cpp_runs_it(gemma3, tmp_path):
     assert code == 0, err
     said = [w for w in json.loads(out)["export_warnings"] if "not in the GGUF file" in w]
     assert len(said) == 1 and said[0].startswith("4 quantized weight(s)") and "vision_tower" in said[0], said
+    # ... and one on a grid GGUF has no type for is not refused over tensors the file leaves out
+    (tmp_path / "r8.yaml").write_text("version: 1\ndefaults:\n  weights: {gguf_type: q8_0}\n  activations: null\n"
+                                      "layers:\n  - match: 're:.*vision_tower.*mlp.*'\n    weights: {bitwidth: 8, "
+                                      "granularity: per_channel}\n")
+    code, out, err = run_cli("quantize", checkpoint, "-c", tmp_path / "r8.yaml", "-o", tmp_path / "t8", "--format",
+                             "gguf", "--json")
+    assert code == 0, err
+    warned = json.loads(out)["export_warnings"]
+    assert any(w.startswith("4 quantized weight(s) are not in the GGUF file") for w in warned), warned
+    assert not any("stored as floats" in w or "no GGUF type" in w for w in warned), warned
 
 
 def test_llama4_with_its_image_encoder_quantizes_its_experts_and_ignores_its_output_layer_by_name(tmp_path):

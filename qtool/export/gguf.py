@@ -108,6 +108,14 @@ class _Item:
         return tuple(src.shape_dtype(self.key)[0])
 
 
+def _media(name: str) -> bool:
+    """Whether a weight is a multimodal model's image (or audio) encoder's or projector's, which llama.cpp's
+    converter writes to a separate mmproj file, not this one (a rule may still have quantized it)."""
+    from ..config.resolve import MEDIA_TOWER
+
+    return MEDIA_TOWER.search(name) is not None
+
+
 class GgufExporter(Exporter):
     name = "gguf"
     gguf_types = True
@@ -138,7 +146,7 @@ class GgufExporter(Exporter):
                                  f"weight-only recipe (e.g. the shipped gguf-q4_0)")
         if options.gguf_fallback == "none":
             for e in quantizers:
-                if gguf_type(e) is None:
+                if gguf_type(e) is None and not _media(e.name):  # (not in this file: no type needed)
                     raise EncodingsError(f"{e.name}: {_describe(e)} has no GGUF type ({_MAPS}); use a recipe such "
                                          f"as the shipped gguf-q4_0, or --gguf-fallback f16 to write it as floats")
 
@@ -149,7 +157,7 @@ class GgufExporter(Exporter):
         F16/F32 (the file holds them unquantized; the plan's coverage counts them so)."""
         if options.gguf_fallback == "none":
             return []
-        return [q.name for q in quantizers if q.tensor == "weight" and gguf_type(q) is None]
+        return [q.name for q in quantizers if q.tensor == "weight" and gguf_type(q) is None and not _media(q.name)]
 
     def not_written(self, entries, options: "GgufExporter.Options", tied=()) -> List[str]:
         """None: a fallback weight's floats are its fake-quant values, so the file computes what qtool's model
