@@ -446,9 +446,10 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
     ints = sorted({str(t.dtype).replace("torch.", "") for t in list(batch.args) + list(batch.kwargs.values())
                    if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dtype != torch.bool})
     if own is not None and table is None and ints and "type" in str(err):
-        return (f"the data is {ints[0]} and the model {str(own).replace('torch.', '')}, with no embedding table that "
-                f"takes integers: save the data as the model's type, scaled as the model expects (NumPy: "
-                f"x.astype('{str(own).replace('torch.', '')}'), such as images / 255 where the model was trained so)")
+        kind = str(own).replace("torch.", "")
+        return (f"the data is {ints[0]} and the model {kind}, with no embedding table that takes integers: save the "
+                f"data as the model's type (NumPy: x.astype('{kind}'); images scaled as the model was trained, such "
+                "as x / 255)")
     config = getattr(model, "config", None)
     said = str(err).splitlines()[0] if str(err) else ""
     positions = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")

@@ -539,6 +539,14 @@ def test_validate_checks_layers_entries_as_resolution_merges_them(tmp_path):
     assert problems[0].startswith(f"{bad}:4: layers[0].weights.granularity:") and "did you mean 'per_block'" \
         in problems[0]
     assert problems[1].startswith(f"{bad}:6: layers[1].weights.bitwdth: unknown key") and "'bitwidth'" in problems[1]
+    # a wrong key elsewhere hid every entry's problems, and an entry's first problem its others, until the next round
+    bad.write_text("version: 1\ndefaults:\n  weights: {colour: red}\nlayers:\n  - match: 'x'\n"
+                   "    weights: {granularity: per_blok, colour: red}\n  - match: 'y'\n    weights: {bitwidth: 99}\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(bad)
+    assert [p.split(": ", 2)[:2] for p in e.value.problems] == [
+        [f"{bad}:3", "defaults.weights.colour"], [f"{bad}:6", "layers[0].weights.granularity"],
+        [f"{bad}:6", "layers[0].weights.colour"], [f"{bad}:8", "layers[1].weights.bitwidth"]], e.value.problems
     # an entry that is only valid after an earlier one (block_size over an earlier per_block) is fine
     good = tmp_path / "g.yaml"
     good.write_text("version: 1\nlayers:\n  - match: 'x'\n    weights: {granularity: per_block, block_size: 32}\n"

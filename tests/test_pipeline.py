@@ -747,9 +747,8 @@ def test_integer_images_are_named(tmp_path):
                            "w8a8", "--data", tmp_path / "x.npy", "-o", tmp_path / "r")
     assert code == 2 and not (tmp_path / "r").exists()
     assert error_lines(err)[-1].endswith("the data is uint8 and the model float32, with no embedding table that takes "
-                                         "integers: save the data as the model's type, scaled as the model expects "
-                                         "(NumPy: x.astype('float32'), such as images / 255 where the model was "
-                                         "trained so)"), err
+                                         "integers: save the data as the model's type (NumPy: x.astype('float32'); "
+                                         "images scaled as the model was trained, such as x / 255)"), err
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

@@ -7,7 +7,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 from pydantic import ValidationError
@@ -142,6 +142,11 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
             described = _describe(err, fields_at(Recipe, loc))
             problems.append(f"{source}{where}: {_key_path(loc) or '(top level)'}: {described}")
         recipe = None
+        # the layers entries' merged settings are checked on a recipe that validates: the one left once the keys
+        # above are taken out (so a wrong key elsewhere does not hide them until the next round)
+        rest = _without(data, [list(err["loc"]) for err in e.errors()])
+        if rest is not None:
+            problems += [p for p in _rule_problems(rest, node, source) if p not in problems]
     if recipe is not None:
         problems += _rule_problems(recipe, node, source)
     if problems:
@@ -156,14 +161,42 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
 MAX_PROBLEMS = 20  # recipe problems listed at once (the rest are counted)
 
 
+def _without(data: Dict[str, Any], locations: List[List[Any]]) -> Optional[Recipe]:
+    """The recipe ``data`` validates to once each key a validation error names is taken out (a ``layers`` entry
+    that cannot lose it left with neither field, so later entries keep their places), or None where that does not
+    validate either."""
+    import copy
+
+    rest = copy.deepcopy(data)
+    for loc in locations:
+        parent, key = rest, None
+        for step in loc[:-1]:
+            try:
+                parent = parent[step]
+            except (KeyError, IndexError, TypeError):
+                return None
+        key = loc[-1] if loc else None
+        if isinstance(parent, dict) and key in parent:
+            del parent[key]
+        elif len(loc) >= 2 and loc[0] == "layers" and isinstance(loc[1], int) and isinstance(rest.get("layers"), list) \
+                and loc[1] < len(rest["layers"]):
+            rest["layers"][loc[1]] = {"match": "re:(?!)"}  # (matches nothing)
+        else:
+            return None
+    try:
+        return Recipe.model_validate(rest)
+    except ValidationError:
+        return None
+
+
 def _rule_problems(recipe: Recipe, node, source: str) -> List[str]:
     """Each ``layers`` entry's partial weights/activations merged as resolution will merge them (over the defaults,
     and over every earlier entry's): a value that no merge accepts is a problem now, not on the first model."""
     problems = []
     for i, kind, _, error in rule_specs(recipe):
-        if error is not None:
+        for said in error.problems if error is not None else ():
             part = getattr(recipe.layers[i], kind)
-            key = str(error).lstrip(".: ")  # "<key>: <problem>", from _merge with an empty location
+            key = said.lstrip(".: ")  # "<key>: <problem>", from _merge with an empty location
             field = key.split(":", 1)[0].strip()
             line = _line_of(node, ["layers", i, kind] + ([field] if field in part else []))
             problems.append(f"{source}{f':{line}' if line else ''}: layers[{i}].{kind}.{key}")

@@ -585,7 +585,9 @@ def _merge(base: Optional[_Spec], override: Dict[str, Any], cls, where: str):
     try:
         return cls.model_validate(start)
     except ValidationError as e:
-        err = e.errors()[0]
-        key = _key_path(err["loc"])
-        desc = _describe(err, fields_at(cls, err["loc"]))
-        raise ConfigError(f"{where}.{key}: {desc}" if key else f"{where}: {desc}") from None
+        lines = []  # (every problem of the entry: the first is the message)
+        for err in e.errors():
+            key = _key_path(err["loc"])
+            desc = _describe(err, fields_at(cls, err["loc"]))
+            lines.append(f"{where}.{key}: {desc}" if key else f"{where}: {desc}")
+        raise ConfigError(lines[0], lines) from None
