@@ -67,6 +67,8 @@ def mix_type(mix: str, role: Optional[str], layer: int, n_layers: int, n_gqa: in
     ``has_imatrix``: the codes are chosen from calibration data (llama-quantize's ``--imatrix``); ``n_expert``:
     the model's experts per MoE layer (0 for a dense model)."""
     base = MIXES[mix]
+    if role == "attn_qkv":  # (Phi-3's q, k and v in one matrix: llama-quant.cpp's category_is_attn_v takes it,
+        role = "attn_v"  # before its own attn_qkv rule, which no tensor reaches)
     if n_expert == 8 and role in ("attn_v", "attn_k"):  # "trades just ~128MB" (llama-quant.cpp)
         return "q8_0"
     if n_expert == 8 and role == "attn_output":
@@ -91,8 +93,6 @@ def mix_type(mix: str, role: Optional[str], layer: int, n_layers: int, n_gqa: in
         return base
     if role == "attn_output":
         return {"q2_k": "q3_k", "q3_k_m": "q4_k", "q3_k_l": "q5_k"}.get(mix, base)
-    if role == "attn_qkv":  # q, k and v in one matrix (Phi-3)
-        return {"q3_k_m": "q4_k", "q3_k_l": "q4_k", "q4_k_m": "q5_k", "q5_k_m": "q6_k"}.get(mix, base)
     if role == "ffn_down":
         if mix == "q2_k":
             return "q3_k"

@@ -63,6 +63,11 @@ def test_q4_k_m_gives_half_of_a_32_layer_models_attn_v_and_ffn_down_q6_k():
     ("iq4_xs", "attn_v", 2, {"iq4_xs": list(range(8))}),
     ("iq4_xs", "ffn_down", 2, {"q5_k": [0], "iq4_xs": list(range(1, 8))}),
     ("q6_k", "attn_v", 4, {"q6_k": list(range(8))}),
+    # Phi-3's fused attn_qkv: llama-quant.cpp's category_is_attn_v takes it (its own rule, Q5_K under Q4_K_M, is
+    # never reached)
+    ("q4_k_m", "attn_qkv", 3, {"q6_k": [0, 3, 6, 7], "q4_k": [1, 2, 4, 5]}),
+    ("q3_k_m", "attn_qkv", 3, {"q5_k": [0, 1], "q4_k": [2, 3, 4, 5, 6, 7]}),
+    ("q2_k", "attn_qkv", 4, {"q4_k": list(range(8))}),
     ("q8_0", "ffn_down", 4, {"q8_0": list(range(8))}),
 ])
 def test_llama_quantize_rules_table(mix, role, n_gqa, expected):
