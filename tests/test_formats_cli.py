@@ -331,6 +331,10 @@ def test_t5s_shared_embedding_is_named_as_tied_when_exported_by_name(tmp_path):
     assert code == 0, err
     code, _, err = run_cli("export", tmp_path / "t5", "-e", tmp_path / "cal/encodings.json", "-o", tmp_path / "x")
     assert code == 2 and "embed_tokens.weight" in err and "is stored only under that tensor's name" in err, err
+    # quantize refuses before calibrating, and its advice names every alias (it named the encoder's alone, and
+    # taking it sent the user back for the decoder's)
+    code, _, err = run_cli("quantize", tmp_path / "t5", "-c", "w8a16", "-o", tmp_path / "q")
+    assert code == 2 and "add 'encoder.embed_tokens', 'decoder.embed_tokens' to ignore" in err, err
 
 
 def test_model_encodings_beside_an_export_leaves_out_tiles_of_blocks(tmp_path):

@@ -243,9 +243,10 @@ def refuse_tied(fmt: str, tied: Dict[str, str]) -> None:
         from ..errors import UsageError
 
         name, stored = next(iter(tied.items()))
-        module = name.rsplit(".", 1)[0]
+        # (every quantized alias: T5's encoder and decoder tables are both its shared one)
+        modules = ", ".join(f"'{n.rsplit('.', 1)[0]}'" for n in tied)
         raise UsageError(f"{name} is the tensor {stored} (tied embeddings), which the checkpoint stores once: --format "
-                         f"{fmt} writes the checkpoint's tensors by name and has no place for it; add '{module}' to "
+                         f"{fmt} writes the checkpoint's tensors by name and has no place for it; add {modules} to "
                          "ignore, or export a Hugging Face model with --format gguf or compressed-tensors, or save a "
                          "state dict that holds it under both names (torch.save(model.state_dict()) does)")
 
