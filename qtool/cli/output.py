@@ -188,7 +188,8 @@ def _report_files(summary: Dict[str, Any], quiet: bool, warnings_shown: Optional
     if idle:  # (one line: a large mixture-of-experts model has thousands of experts no calibration token reached)
         named = ", ".join(idle[:3]) + (f" and {len(idle) - 3} more" if len(idle) > 3 else "")
         err.print(f"[yellow]warning:[/yellow] {_esc(named)} saw no data and stay{'s' if len(idle) == 1 else ''} "
-                  "float: the module never ran (an expert no token reached), or takes its input by keyword or "
+                  "float: the module never ran (an expert no token reached, a layer the data's kind does not reach: a "
+                  "cross-attention layer on text alone), or takes its input by keyword or "
                   "returns no tensor, where an activation quantizer cannot reach (the list: uncalibrated in --json)")
     for w in summary.get("export_warnings", []):
         err.print(f"[yellow]warning:[/yellow] {_esc(w)}")
