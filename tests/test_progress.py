@@ -110,5 +110,6 @@ def test_quantizers_that_saw_no_data_are_one_line_that_does_not_blame_the_module
     lines = [x for x in err.splitlines() if "saw no data" in x]
     assert lines == ["warning: model.layers.0.self_attn.input, model.layers.0.self_attn.output, "
                      "model.layers.1.self_attn.input and 1 more saw no data and stay float: the module never ran (an "
-                     "expert no token reached), or takes its input by keyword or returns no tensor, where an "
+                     "expert no token reached, a layer the data's kind does not reach: a cross-attention layer on text "
+                     "alone), or takes its input by keyword or returns no tensor, where an "
                      "activation quantizer cannot reach (the list: uncalibrated in --json)"], err
