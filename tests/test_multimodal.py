@@ -101,6 +101,25 @@ def test_idefics3s_connector_stays_float_as_a_projector():
     assert "model.connector" in note, note
 
 
+
+def test_sequential_on_a_multimodal_model_automodel_cannot_build_says_so(tmp_path):
+    """Idefics3 --sequential read "not a causal language model transformers can build", of a model calibrate runs
+    as one in memory."""
+    cfg = transformers.Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14), image_token_id=120, scale_factor=2)
+    transformers.Idefics3ForConditionalGeneration(cfg).save_pretrained(tmp_path / "m")
+    save_file({"input_ids": torch.randint(0, 100, (8, 16), generator=torch.Generator().manual_seed(0))},
+              tmp_path / "ids.safetensors")
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a16", "--sequential", "--data",
+                           tmp_path / "ids.safetensors", "-o", tmp_path / "c")
+    assert code == 2 and err.strip().splitlines()[-1].endswith(
+        "--sequential builds a multimodal model's text decoder through transformers' AutoModelForCausalLM, which has "
+        "no class for this one (Idefics3ForConditionalGeneration): run without --sequential"), err
+
+
 def test_sequential_writes_the_in_memory_bytes_and_the_exports_run_where_they_are_served(gemma3, tmp_path):
     from tests.test_experts import _quantized_in_memory_as_sequential
 
