@@ -142,6 +142,8 @@ def check_output_file(out: Path, inputs: Sequence[Tuple[str, Optional[str]]], ov
     if overwrite is False and out.exists():
         raise UsageError(f"{out}: exists; pass --overwrite to replace it")
     parent = out.parent if str(out.parent) else Path(".")
+    if parent.exists() and not parent.is_dir():
+        raise UsageError(f"{parent}: parent of {flag} is not a directory")
     if not parent.is_dir():
         raise UsageError(f"{parent}: no such directory for {flag}")
     if not os.access(parent, os.W_OK | os.X_OK):
