@@ -249,3 +249,13 @@ def test_onnx_names_the_quantizers_its_text_trace_leaves_out(gemma3, tmp_path):
     graph = {i.name for i in onnx.load(str(tmp_path / "q/model.onnx")).graph.initializer}
     listed = [p["name"] for p in json.loads((tmp_path / "q/model.encodings").read_text())["param_encodings"]]
     assert listed and all(n in graph for n in listed) and not any("vision_tower" in n for n in listed)
+
+
+def test_a_quantized_tied_output_layer_is_refused_under_the_checkpoints_name(gemma3, tmp_path):
+    """The refusal named the loaded model's model.language_model.embed_tokens.weight, a name the checkpoint lacks."""
+    checkpoint, _ = gemma3
+    (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  activations: null\nlayers:\n  - match: lm_head\n"
+                                     "    weights: {bitwidth: 4}\n")
+    code, _, err = run_cli("quantize", checkpoint, "-c", tmp_path / "r.yaml", "-o", tmp_path / "q")
+    assert code == 2 and "lm_head.weight is the tensor language_model.model.embed_tokens.weight (tied embeddings)" \
+        in err, err

@@ -556,7 +556,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         if not plan.folds:
             plan.warnings.append(f"{source}: fold_batch_norms: no BatchNorm follows a convolution in this model")
     if plan.rotation is None or not plan.rotation.untie:
-        plan.tied = _tied_weights(model, plan.weights)
+        plan.tied = _tied_weights(model, plan.weights, stored_as)
     return plan
 
 
@@ -632,10 +632,12 @@ def tied_parameters(model: "nn.Module") -> Dict[str, str]:
     return later
 
 
-def _tied_weights(model: "nn.Module", weights) -> Dict[str, str]:
-    """``{quantizer name: the parameter's first name}`` of weight rows on a tied parameter (:func:`tied_parameters`)."""
+def _tied_weights(model: "nn.Module", weights, stored_as: Dict[str, str]) -> Dict[str, str]:
+    """``{quantizer name: the parameter's first name}`` of weight rows on a tied parameter (:func:`tied_parameters`),
+    the first name as the checkpoint stores it (``stored_as``: a multimodal model's language_model.model.*)."""
     later = tied_parameters(model)
-    return {q.name: later[f"{q.module}.weight"] for q in weights if f"{q.module}.weight" in later}
+    return {q.name: stored_as.get(later[f"{q.module}.weight"], later[f"{q.module}.weight"]) for q in weights
+            if f"{q.module}.weight" in later}
 
 
 def _ignore_problem(pattern: str, first: Optional[str], removed: bool, named, exported_types,
