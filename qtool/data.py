@@ -443,9 +443,11 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
                 f"type (NumPy: x.astype('{str(own).replace('torch.', '')}'))")
     # integer pixels (uint8 images) into a model with no embedding table: torch's "expected scalar type Byte but
     # found Float", "Input type (unsigned char) and bias type (float) should be the same"
-    ints = sorted({str(t.dtype).replace("torch.", "") for t in list(batch.args) + list(batch.kwargs.values())
-                   if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dtype != torch.bool})
-    if own is not None and table is None and ints and "type" in str(err):
+    given = [t for t in list(batch.args) + list(batch.kwargs.values()) if isinstance(t, torch.Tensor)]
+    ints = sorted({str(t.dtype).replace("torch.", "") for t in given if not t.is_floating_point()})
+    # (every input an integer tensor: a model that takes an integer side input beside float data is not this)
+    if own is not None and table is None and given and all(not t.is_floating_point() and t.dtype != torch.bool
+                                                            for t in given) and "type" in str(err):
         kind = str(own).replace("torch.", "")
         return (f"the data is {ints[0]} and the model {kind}, with no embedding table that takes integers: save the "
                 f"data as the model's type (NumPy: x.astype('{kind}'); images scaled as the model was trained, such "

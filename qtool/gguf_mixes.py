@@ -68,7 +68,8 @@ def mix_type(mix: str, role: Optional[str], layer: int, n_layers: int, n_gqa: in
     the model's experts per MoE layer (0 for a dense model)."""
     base = MIXES[mix]
     if role == "attn_qkv":  # (Phi-3's q, k and v in one matrix: llama-quant.cpp's category_is_attn_v takes it,
-        role = "attn_v"  # before its own attn_qkv rule, which no tensor reaches)
+        role = "attn_v"  # before its own attn_qkv rule, since the tensor categories of 2025; older releases
+        # matched "attn_v.weight" by name and gave attn_qkv that rule, Q5_K under Q4_K_M)
     if n_expert == 8 and role in ("attn_v", "attn_k"):  # "trades just ~128MB" (llama-quant.cpp)
         return "q8_0"
     if n_expert == 8 and role == "attn_output":

@@ -3,7 +3,6 @@ object with ``--json``), signals that leave nothing half-written, and the consol
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -74,6 +73,18 @@ class _Group(typer.core.TyperGroup):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         argv = list(sys.argv[1:] if args is None else args)
+        try:
+            self._checked(argv, prog_name, complete_var, **extra)
+        except _StdoutLost as e:
+            # what the command prints (its --json object, a report's table) met a stdout that takes nothing: a
+            # full disk, a closed pipe or descriptor
+            _OVER.append(True)
+            _silence_stdout()
+            err.print(_one_line(f"error: stdout takes nothing more ({e}), so what the command prints there is lost; "
+                                f"{_written()}"), markup=False)
+            sys.exit(2)
+
+    def _checked(self, argv, prog_name, complete_var, **extra):
         from ..errors import not_utf8
 
         for arg in argv:
@@ -86,19 +97,7 @@ class _Group(typer.core.TyperGroup):
                     _emit_json({"ok": False, "exit_code": 2, "error": message.split(": ", 1)[-1]})
                 sys.exit(2)
         with _transformers_quieted():
-            try:
-                self._run(argv, prog_name, complete_var, **extra)
-            except (_StdoutLost, OSError) as e:
-                # what the command prints after its work is done (its --json object, a report's table) met a
-                # stdout that takes nothing: a full disk, a closed pipe or descriptor
-                if not isinstance(e, _StdoutLost) and e.errno not in _STDOUT_ERRNOS:
-                    raise
-                _OVER.append(True)
-                _silence_stdout()
-                reason = str(e) if isinstance(e, _StdoutLost) else (e.strerror or str(e))
-                err.print(_one_line(f"error: stdout takes nothing more ({reason}), so what the command prints "
-                                    f"there is lost; {_written()}"), markup=False)
-                sys.exit(2)
+            self._run(argv, prog_name, complete_var, **extra)
 
     def _run(self, argv, prog_name, complete_var, **extra):
         forget_published()  # (an earlier command of this process, under a test runner)
@@ -266,7 +265,7 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
 
     try:
         yield
-    except typer.Exit:
+    except (typer.Exit, _StdoutLost):  # (the latter: said once, by the group, with what was written)
         raise
     except QtoolError as e:
         interrupted()
@@ -363,7 +362,7 @@ def _console():
     if sys.stdout is None:  # (started with stdout closed)
         raise _StdoutLost("stdout is closed")
     wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 1000
-    return Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")), width=wide)
+    return Console(file=_GuardedStdout(), highlight=False, no_color=bool(os.environ.get("NO_COLOR")), width=wide)
 
 
 def _esc(text: str) -> str:
@@ -376,21 +375,38 @@ def _emit_json(obj: Dict[str, Any]) -> None:
     """One JSON object on stdout; a float that is not finite is written as "nan", "inf" or "-inf" (JSON has no
     such numbers, and strict parsers refuse the bare tokens). ``_StdoutLost`` where stdout takes nothing."""
     _EMITTED.append(True)
+    text = json.dumps(_json_safe(obj), indent=1, default=str) + "\n"
+    _write_stdout(text)
+
+
+def _write_stdout(text: str) -> None:
+    """``text`` on stdout, flushed; ``_StdoutLost`` where stdout takes nothing (typer turns a broken pipe it meets
+    itself into a silent exit 1, a failed gate's code)."""
     if sys.stdout is None:  # (started with stdout closed)
         raise _StdoutLost("stdout is closed")
     try:
-        sys.stdout.write(json.dumps(_json_safe(obj), indent=1, default=str) + "\n")
+        sys.stdout.write(text)
         sys.stdout.flush()
     except (OSError, ValueError) as e:  # (ValueError: a file object closed under us)
         raise _StdoutLost(getattr(e, "strerror", None) or str(e)) from None
 
 
+class _GuardedStdout:
+    """stdout for rich's tables: writes through :func:`_write_stdout`; everything else is stdout's own."""
+
+    def write(self, text: str) -> int:
+        _write_stdout(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass  # (each write is flushed)
+
+    def __getattr__(self, name):
+        return getattr(sys.stdout, name)
+
+
 class _StdoutLost(Exception):
     """stdout could not take the command's JSON object."""
-
-
-# a stdout that takes nothing more: a full disk, a closed pipe, a closed descriptor, a quota or size limit, EIO
-_STDOUT_ERRNOS = {errno.ENOSPC, errno.EPIPE, errno.EBADF, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
 
 def _silence_stdout() -> None:

@@ -119,7 +119,8 @@ def _adapter(runtime, tokenizer, max_length: int, label: str):
 def _lm_eval_quieted() -> Iterator[None]:
     """lm-eval's own chatter off qtool's terminal while it runs (qtool draws the tasks' progress): its loggers'
     warnings, its and the datasets library's progress bars, and the ``git describe`` it runs for its results'
-    metadata (which qtool drops), whose "fatal: not a git repository" reached stderr from any other directory."""
+    metadata (which qtool drops), whose "fatal: not a git repository" reached stderr from any other directory.
+    Process-wide while it runs (module attributes swapped and restored), as a command runs one evaluation."""
     import functools
     import logging
 
@@ -128,8 +129,10 @@ def _lm_eval_quieted() -> Iterator[None]:
 
     loggers = [logging.getLogger(n) for n in ("lm_eval", "lm-eval")]
     levels = [lg.level for lg in loggers]
-    patched = [(evaluator, "get_git_commit_hash", lambda: None),
-               (task_module, "tqdm", functools.partial(task_module.tqdm, disable=True))]
+    # (only what this lm-eval has: another version may name them otherwise, and then keeps its chatter)
+    patched = [(module, name, make(getattr(module, name))) for module, name, make in (
+        (evaluator, "get_git_commit_hash", lambda _: (lambda: None)),
+        (task_module, "tqdm", lambda bar: functools.partial(bar, disable=True))) if hasattr(module, name)]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
     bars = None
     try:
@@ -137,7 +140,7 @@ def _lm_eval_quieted() -> Iterator[None]:
 
         bars = datasets_logging.is_progress_bar_enabled()
         datasets_logging.disable_progress_bar()
-    except ImportError:  # (lm-eval needs datasets; an older one lacks the switch)
+    except (ImportError, AttributeError):  # (lm-eval needs datasets; an older one lacks the switch)
         datasets_logging = None
     try:
         for lg in loggers:

@@ -53,7 +53,6 @@ _MAX_TORCHSCRIPT_OPSET = 20
 _QDQ_FLOOR = 13
 
 
-
 @contextlib.contextmanager
 def _attention_fast_path_off():
     """torch's nn.MultiheadAttention and TransformerEncoderLayer take a fused kernel in eval mode under no_grad
@@ -65,6 +64,7 @@ def _attention_fast_path_off():
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(before)
+
 
 def required_opset(enc: EncodingsFile) -> int:
     """The lowest ONNX opset whose QuantizeLinear/DequantizeLinear express every encoding in ``enc`` and that
@@ -174,7 +174,7 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
     left = [e.name for e in enc.entries if e.name not in names]
     warnings_ = [] if not left else [  # (a recipe's rule that opted an image encoder in, traced on text)
         f"{len(left)} quantizer(s) are not in the ONNX graph, which holds what the example batch ran (a multimodal "
-        f"model's image encoder does not run on text): {', '.join(left[:3])}" + (" ..." if len(left) > 3 else "")]
+        f"model's image encoder, say, does not run on text): {', '.join(left[:3])}" + (" ..." if len(left) > 3 else "")]
     return {"onnx_opset": final_opset, "qdq_opset_needed": opset_q, "quantizers": len(names), "names": names,
             "onnx_inputs": input_names, "onnx_outputs": output_names, "warnings": warnings_}
 

@@ -388,7 +388,8 @@ def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, An
             model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
                                                                   **_float32(transformers))
     except Exception as e:
-        if hasattr(config, "text_config") or hasattr(config, "vision_config"):  # (Idefics3, SmolVLM: text_model)
+        if "Unrecognized configuration class" in str(e) and (hasattr(config, "text_config")
+                                                                or hasattr(config, "vision_config")):  # (Idefics3)
             raise CheckpointError(f"{path}: --sequential builds a multimodal model's text decoder through "
                                   f"transformers' AutoModelForCausalLM, which has no class for this one "
                                   f"({(archs or [config.model_type])[0][:60]}): run without --sequential") from None

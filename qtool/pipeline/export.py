@@ -74,9 +74,11 @@ def _example_batch(eopts: ExportOptions):
             own = next((p.dtype for p in loaded.model.parameters() if p.is_floating_point()), torch.float32)
             b = data.batches[0]
             args, kwargs = tuple(_as(a, own) for a in b.args), {k: _as(v, own) for k, v in b.kwargs.items()}
-            if len(args) == 1 and not kwargs and not args[0].is_floating_point() and loaded.kind == "hf":
-                args, kwargs = (), {"input_ids": args[0]}  # (a file of token ids alone: a Hugging Face model's)
-            if "input_ids" in kwargs and "attention_mask" not in kwargs and _takes(loaded.model, "attention_mask"):
+            causal = loaded.kind == "hf" and loaded.is_causal_lm  # (an encoder's graph keeps the inputs it was given)
+            if len(args) == 1 and not kwargs and not args[0].is_floating_point() and causal:
+                args, kwargs = (), {"input_ids": args[0]}  # (a file of token ids alone)
+            if causal and "input_ids" in kwargs and "attention_mask" not in kwargs and \
+                    _takes(loaded.model, "attention_mask"):
                 # token ids alone: transformers then builds its mask from position ids (torch.diff) or takes SDPA's
                 # grouped-query form (enable_gqa), neither of which torch.onnx exports; the graph takes a mask, as
                 # it does traced on a tokenizer's sentence
