@@ -89,8 +89,8 @@ class QuantizerBase(nn.Module):
         self.scale_dtype = scale_dtype  # "float16": calibrated ranges are snapped to float16 scales
         self.encoding_analyzer = encoding_analyzer or MinMaxEncodingAnalyzer(shape, block_size)
         with torch.inference_mode(False):  # (built under inference_mode they would have no version to mark)
-            self.min = nn.Parameter(torch.zeros(shape))
-            self.max = nn.Parameter(torch.zeros(shape))
+            self.min = nn.Parameter(torch.zeros(shape, dtype=torch.float32))  # (whatever the default dtype)
+            self.max = nn.Parameter(torch.zeros(shape, dtype=torch.float32))
         self._calibrating = False
         self.enabled = True  # False: pass inputs through unchanged (for error analysis)
         self._mark_uninitialized()
