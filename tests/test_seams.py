@@ -217,3 +217,31 @@ def test_library_calls_from_two_threads_run_one_after_the_other(tmp_path):
     b.join(60)
     assert not started_meanwhile and second_started.is_set()
     assert (tmp_path / "a/encodings.json").read_bytes() == (tmp_path / "b/encodings.json").read_bytes()
+
+
+def test_library_jobs_run_outside_the_callers_inference_mode_and_eval_in_float32(tmp_path):
+    """A --sequential calibration inside torch.inference_mode() read 'the model rejected the data: Inference tensors
+    do not track version counter'; evaluate_artifact under a float64 default dtype measured other figures."""
+    import dataclasses
+
+    from qtool.evaluation import EvalOptions, evaluate_artifact
+    from qtool.pipeline import run_quantize
+    from tests.helpers import tiny_llama_and_ids
+
+    ckpt, ids = tiny_llama_and_ids(tmp_path)
+    opts = CalibrateOptions(data=str(ids), seq_len=32, sequential=True)
+    run_quantize(str(ckpt), "w8a16", str(tmp_path / "a"), opts)
+    with torch.inference_mode():
+        run_quantize(str(ckpt), "w8a16", str(tmp_path / "b"), opts)
+    assert (tmp_path / "b/model.safetensors").read_bytes() == (tmp_path / "a/model.safetensors").read_bytes()
+    eopts = EvalOptions(data=str(ids), seq_len=32, num_samples=4, generate=0)
+    figures = []
+    for dtype in (torch.float32, torch.float64):
+        torch.set_default_dtype(dtype)
+        try:
+            ev = evaluate_artifact(str(tmp_path / "a"), str(ckpt), None, eopts)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        figures.append(json.dumps(dataclasses.asdict(ev) if dataclasses.is_dataclass(ev) else ev.to_json(),
+                                  default=str, sort_keys=True))
+    assert figures[0] == figures[1]

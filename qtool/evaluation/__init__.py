@@ -28,6 +28,7 @@ from ..io.fs import sha256_file
 from ..model.apply import make_fake_quant
 from ..model.insert import QUANTIZERS_ATTR, quantized_modules, set_stored_weight
 from ..model.load import load_model, refuse_non_finite_reference
+from ..quant.precision import one_at_a_time
 from ..report import ONE_NUMBER_NOTE, _one_number_each, output_cosines, output_errors
 from .artifact import Artifact, changed_files, locate, places, quantization_config
 from .metrics import Distributions, agreement, divergence, perplexity, token_kl
@@ -460,6 +461,7 @@ def _score(runtime, seqs, prompts, opts: EvalOptions, hooks: Hooks, label: str, 
     return mine, [agreement(k, s) for k, s in zip(kls, same)]
 
 
+@one_at_a_time
 def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Optional[str], opts: EvalOptions,
                       hooks: Optional[Hooks] = None) -> Evaluation:
     """Evaluate ``artifact`` (see :func:`locate`) against the float ``reference`` checkpoint (default: the one its

@@ -5,13 +5,10 @@ model."""
 from __future__ import annotations
 
 import contextlib
-import functools
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Dict, List, Optional, Tuple
 
-import torch
 from torch import nn
 
 from ..calibration import CalibrateOptions
@@ -23,28 +20,7 @@ from ..io.fs import atomic_output_dir, published, sampled_sha256
 from ..model.apply import make_fake_quant
 from ..model.load import LoadedModel, load_model
 from ..parallel import Group, from_environment
-
-
-_JOB = TypeVar("_JOB", bound=Callable)
-_ONE_AT_A_TIME = threading.RLock()
-
-
-def one_at_a_time(job: _JOB) -> _JOB:
-    """``job`` as a library call: calls from several threads run one after another, each with torch's default
-    dtype float32, and the caller's settings back after. A job sets process-wide torch state for its passes
-    (``qtool.quant.precision``'s switches); two at once would read each other's, and a caller's float64 or
-    bfloat16 default dtype would make the scales and ranges of a float64 (or bfloat16) computation, which an
-    encodings file of float32 numbers then refuses."""
-    @functools.wraps(job)
-    def call(*args, **kwargs):
-        with _ONE_AT_A_TIME:
-            before = torch.get_default_dtype()
-            torch.set_default_dtype(torch.float32)
-            try:
-                return job(*args, **kwargs)
-            finally:
-                torch.set_default_dtype(before)
-    return call  # type: ignore[return-value]
+from ..quant.precision import one_at_a_time
 
 
 def _inputs(checkpoint: str, **others: Optional[str]) -> List[Tuple[str, Optional[str]]]:

@@ -21,11 +21,35 @@ restored directly: its one-word getter refuses to answer once a program has mixe
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+import functools
+import threading
+from typing import Callable, Iterator, Optional, TypeVar
 
 import torch
 
-__all__ = ["model_matmuls", "exact", "unsupported"]
+__all__ = ["model_matmuls", "exact", "unsupported", "one_at_a_time"]
+
+_ONE_AT_A_TIME = threading.RLock()
+_JOB = TypeVar("_JOB", bound=Callable)
+
+
+def one_at_a_time(job: _JOB) -> _JOB:
+    """``job`` as a library call: calls from several threads run one after another, each with torch's default
+    dtype float32 and outside ``torch.inference_mode`` (whose tensors keep no version for the weight cache), and
+    the caller's settings back after. A job sets process-wide torch state for its passes (this module's
+    switches); two at once would read each other's, and a caller's float64 or bfloat16 default dtype would make
+    the scales and ranges of a float64 (or bfloat16) computation, which an encodings file of float32 numbers then
+    refuses. (The default dtype is the process's: another thread of the caller's sees float32 meanwhile.)"""
+    @functools.wraps(job)
+    def call(*args, **kwargs):
+        with _ONE_AT_A_TIME, torch.inference_mode(False):
+            before = torch.get_default_dtype()
+            torch.set_default_dtype(torch.float32)
+            try:
+                return job(*args, **kwargs)
+            finally:
+                torch.set_default_dtype(before)
+    return call  # type: ignore[return-value]
 
 # torch >= 2.9 keeps a precision per backend and op (and raises from its one-word getter once a program mixed the
 # two kinds of switch); earlier releases have only the one-word setting
