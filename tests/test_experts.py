@@ -746,3 +746,20 @@ def test_smoothquants_default_mappings_leave_a_norm_feeding_a_router_alone(tmp_p
     assert not any("post_attention_layernorm" in g["smooth"] for g in groups)
     assert sum("input_layernorm" in g["smooth"] for g in groups) == 2
     assert sum(g["smooth"].endswith(".up_proj") and ".experts." in g["smooth"] for g in groups) == 16
+
+
+def test_another_fused_model_saved_in_the_same_directory_is_read_as_itself(tmp_path):
+    """In one process, a second job on a directory where another GraniteMoE (4 experts, not 2) was saved read the
+    first model's expert slices: 'has no tensor ...experts.2.gate_proj.weight', or an IndexError."""
+    import shutil
+
+    from qtool.pipeline import CalibrateOptions, run_quantize
+
+    for experts in (2, 4):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(_config("granitemoe", experts=experts)).eval()
+        shutil.rmtree(tmp_path / "m", ignore_errors=True)
+        model.save_pretrained(tmp_path / "m")
+        run_quantize(str(tmp_path / "m"), "w8a16", str(tmp_path / f"q{experts}"), CalibrateOptions())
+        names = json.loads((tmp_path / f"q{experts}/calibration/encodings.json").read_text())["quantizers"]
+        assert sum(".experts." in q["name"] and q["name"].endswith("gate_proj.weight") for q in names) == 2 * experts

@@ -66,7 +66,8 @@ def open_checkpoint(path, trust_pickle: bool = False, trust_remote_code: bool = 
     if model is not None:
         slices = dict(getattr(model, FUSED_SLICES, {}))
     else:
-        slices = _slices_of(str(Path(path).resolve()), trust_remote_code) if _may_fuse(tensors) else {}
+        slices = _slices_of(str(Path(path).resolve()), trust_remote_code, _stamp(path, tensors)) \
+            if _may_fuse(tensors) else {}
     return ExpertSlices(tensors, slices) if slices else tensors
 
 
@@ -90,8 +91,15 @@ def _may_fuse(tensors: CheckpointTensors) -> bool:
     return False
 
 
+def _stamp(path, tensors) -> tuple:
+    """What a cached answer for ``path`` holds good for: its config's and weight files' sizes and modification
+    times (another model saved in the same directory by the same process gets its own)."""
+    files = [Path(path) / "config.json", *tensors.files]
+    return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+
+
 @lru_cache(maxsize=4)
-def _slices_of(path: str, trust_remote_code: bool) -> Slices:
+def _slices_of(path: str, trust_remote_code: bool, stamp: tuple) -> Slices:
     from .hf import meta_skeleton
 
     return dict(getattr(meta_skeleton(path, trust_remote_code), FUSED_SLICES, {}))
