@@ -919,3 +919,20 @@ def test_quantize_eval_fits_its_windows_to_the_models_positions(model, tmp_path)
     assert code == 0, err
     res = json.loads(out)["eval"]
     assert res["export_fault"] is None and res["tokens"] % 127 == 0, res["tokens"]  # (windows of 128: 127 scored)
+
+
+def test_a_gguf_file_without_a_bias_the_reference_holds_is_refused(tmp_path):
+    """llama.cpp runs a file that lacks a bias without it (optional to its graph): a Llama-with-biases file whose
+    ffn_down bias was dropped passed eval at exit 0 (gap within the allowance), where the torch formats refuse a
+    file missing any parameter."""
+    from qtool.errors import UsageError
+    from qtool.evaluation import _check_gguf_biases
+
+    biased = _tiny_llama(tmp_path / "qwen2", False, "qwen2")  # (q, k and v biases)
+    plain = _tiny_llama(tmp_path / "llama", False)  # (the same shapes, no biases)
+    for ckpt, out in ((biased, tmp_path / "qb"), (plain, tmp_path / "qp")):
+        assert run_cli("quantize", ckpt, "-c", "gguf-q8_0", "--format", "gguf", "-o", out, "-q")[0] == 0
+    _check_gguf_biases(tmp_path / "qb/model.gguf", str(biased))  # (whole: nothing said)
+    with pytest.raises(UsageError, match=r"the file holds no blk\.0\.attn_[qkv]\.bias \(the reference's "
+                                         r"model\.layers\.0\.self_attn\.[qkv]_proj\.bias\): not a whole export"):
+        _check_gguf_biases(tmp_path / "qp/model.gguf", str(biased))

@@ -194,6 +194,35 @@ def _same_model(art: Artifact, config, meta: Dict[str, Any]) -> None:
         raise UsageError(f"{art.path}: not an export of the reference model: {', '.join(wrong)}")
 
 
+def _check_gguf_biases(path: Path, reference: str) -> None:
+    """Refuse a GGUF file that lacks a bias the reference checkpoint holds: llama.cpp runs such a file without it
+    (a bias is optional to its graph), within the export gap a damaged scale is allowed, while the torch formats
+    refuse a file missing any parameter. (A missing matrix or norm llama.cpp refuses itself.)"""
+    from gguf import GGUFReader
+
+    from ..errors import CheckpointError
+    from ..export.gguf_model import read_gguf_model
+    from ..io.checkpoint import CheckpointTensors
+
+    try:
+        model = read_gguf_model(Path(reference))
+    except CheckpointError:  # (a reference GGUF export cannot describe: the shape checks above said enough)
+        return
+    held = {t.name for t in GGUFReader(path).tensors}
+    for key in CheckpointTensors(Path(reference)).keys():
+        if not key.endswith(".bias"):
+            continue
+        try:
+            parts = model.parts(key)
+            names = [model.tensor_name(p.key) for p in parts] if parts else [model.tensor_name(key)]
+        except CheckpointError:
+            continue
+        missing = next((n for n in names if n is not None and n not in held), None)
+        if missing is not None:
+            raise UsageError(f"{path}: the file holds no {missing} (the reference's {key}): not a whole export of "
+                             "it; llama.cpp would run it without that bias")
+
+
 def _check_gguf_finite(path: Path, hooks: Hooks) -> None:
     """Refuse a GGUF file whose tensors decode to NaN or infinity (a damaged or hand-edited scale or norm), before any
     model runs: llama.cpp would score it with made-up figures, or fail on a token deep in the run."""
@@ -614,6 +643,7 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
     n_ctx = max(max(len(s) for s in seqs), max((len(p) for p in prompts), default=0) + opts.generate) + 8
     _check_context(art, n_ctx, meta)
     if art.format == "gguf":  # (after the cheap checks: decoding a large file takes a while)
+        _check_gguf_biases(art.path, reference)
         _check_gguf_finite(art.path, hooks)
     if opts.tasks:
         n_ctx = max(n_ctx, opts.task_max_length + 8)
