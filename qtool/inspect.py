@@ -353,6 +353,25 @@ def inspect_path(path: str | Path) -> Dict[str, Any]:
         raise UsageError(f"{path}: malformed file ({type(e).__name__}: {str(e)[:120]})") from None
 
 
+def _refuse_a_part(p: Path) -> None:
+    """A safetensors file that is one part of what qtool wrote, read alone as a float model's tensors: a
+    compressed-tensors export's weights (their layout is in config.json; packed int32 words read as 32-bit
+    weights) or an encodings sidecar (ranges and scales, no weights)."""
+    from .encodings import SIDECAR
+
+    config = p.parent / "config.json"
+    if config.is_file():
+        try:
+            cfg = read_json_object(config, UsageError, "Hugging Face config")
+        except UsageError:
+            return
+        if (cfg.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+            raise UsageError(f"{p}: a compressed-tensors export's weights, whose layout its config.json holds: "
+                             f"inspect the directory {p.parent}")
+    if p.name == SIDECAR and (p.parent / "encodings.json").is_file():
+        raise UsageError(f"{p}: the numbers of {p.parent / 'encodings.json'}, which names them: inspect that")
+
+
 def _inspect(p: Path) -> Dict[str, Any]:
     if not p.exists():
         raise UsageError(f"{p}: not found")
@@ -375,6 +394,8 @@ def _inspect(p: Path) -> Dict[str, Any]:
                          "compressed-tensors config.json here")
     if p.suffix == ".gguf":
         return _gguf_file(p)
+    if p.suffix == ".safetensors" or p.name.endswith(".safetensors.index.json"):
+        _refuse_a_part(p)
     if p.suffix == ".safetensors":
         header = _header(p)
         if header.get("__metadata__", {}).get("format") == "qtool.int":

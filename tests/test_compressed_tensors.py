@@ -198,6 +198,12 @@ def test_inspect_reads_a_compressed_tensors_directory_and_refuses_a_damaged_one(
     code, text, err = run_cli("inspect", out, "--json")
     assert code == 0, err
     assert json.loads(text)["totals"]["quantized_tensors"] == 14
+    # its model.safetensors alone read as a float model's: "0 quantized", 32 bits per weight; now it names the
+    # directory
+    code, _, err = run_cli("inspect", out / "model.safetensors")
+    assert code == 2 and error_lines(err) == [f"error: {out / 'model.safetensors'}: a compressed-tensors export's "
+                                              f"weights, whose layout its config.json holds: inspect the directory "
+                                              f"{out}"], err
     for name, damage, needle in [
         ("config", lambda d: _edit_json(d / "config.json", ["quantization_config", "config_groups"], [1]),
          "config_groups"),

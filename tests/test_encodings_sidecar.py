@@ -257,3 +257,16 @@ def test_streamed_sidecar_entries_keep_their_grid(tmp_path, recipe, element, sca
     assert "data" in up and up.get("element", "int") == element and up["scale_dtype"] == scale_dtype, up
     entry = {e.name: e for e in EncodingsFile.read(tmp_path / "run/encodings.json").entries}[up["name"]]
     assert (entry.element, entry.scale_dtype) == (element, scale_dtype)
+
+
+def test_inspect_of_the_sidecar_alone_names_its_encodings_json(tmp_path):
+    """inspect encodings.safetensors read the ranges and scales as a float model: '0 of 840 quantized, 32 bits per
+    weight'."""
+    from tests.helpers import error_lines, run_cli
+
+    (tmp_path / "encodings.json").write_text("{}")
+    save_file({"a.min": torch.zeros(3)}, tmp_path / SIDECAR)
+    code, _, err = run_cli("inspect", tmp_path / SIDECAR)
+    assert code == 2 and error_lines(err) == [f"error: {tmp_path / SIDECAR}: the numbers of "
+                                              f"{tmp_path / 'encodings.json'}, which names them: inspect that"], err
+
