@@ -91,11 +91,21 @@ def _refuse_inside(out: Path, flag: str, what: str, path: str, src: Path, target
         raise UsageError(f"{out}: {flag} is inside the {what} directory {path}; write outputs elsewhere")
 
 
+def _refuse_literal_home(out: Path, flag: str) -> None:
+    """An output path that starts with a literal ``~`` (quoted, so no shell expanded it): written as it stands it
+    makes a directory named ``~`` here, which a later ``rm -rf ~`` meant for it would not remove."""
+    first = Path(out).parts[0] if Path(out).parts else ""
+    if first == "~" or (first.startswith("~") and "/" not in first and not Path(first).exists()):
+        raise UsageError(f"{out}: {flag} starts with a literal ~ (a shell expands it only unquoted), which would make "
+                         f"a directory named {first} here: write the path out ({Path(out).expanduser()})")
+
+
 def check_output_dir(out: Path, overwrite: bool, inputs: Sequence[Tuple[str, Optional[str]]] = ()) -> None:
     """Refuse an --out that is a file, or an existing directory without --overwrite, before any work; and an --out
     that is, holds or lies inside one of ``inputs`` (``(what, path)`` pairs: the checkpoint, the recipe, the data,
     the encodings), which replacing --out would delete or writing into it would change; and the working directory
     or one holding it (an empty --out, an unset shell variable, reads as ".")."""
+    _refuse_literal_home(out, "--out")
     here = Path.cwd()
     if out.exists() and (out.resolve() == here or out.resolve() in here.parents):
         raise UsageError(f"{str(out) or '.'}: --out {'is' if out.resolve() == here else 'holds'} the working "
@@ -129,6 +139,7 @@ def check_output_file(out: Path, inputs: Sequence[Tuple[str, Optional[str]]], ov
     """Refuse, before any work, a file output that is one of ``inputs`` (``(what, path)`` pairs) or lies inside an
     input directory (writing it would replace or change an input), a directory, a file in a missing directory,
     and, where ``overwrite`` is False, an existing file."""
+    _refuse_literal_home(out, flag)
     for what, path, src, target in _existing_inputs(out, inputs):
         if target == src:
             raise UsageError(f"{out}: {flag} is the {what} {path}; writing it would replace an input: choose another "
