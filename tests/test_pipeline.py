@@ -737,6 +737,19 @@ def test_data_of_another_float_type_than_the_model_is_named(tmp_path):
            "x.astype('float32'))" in error_lines(err)[-1], err
 
 
+def test_a_failed_run_leaves_no_directory_it_made_on_the_way(tmp_path):
+    """-o new/a/b failing after the output was opened (the model rejected the data) left new/a behind: exit 2 says
+    nothing was written. A parent that existed stays."""
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    save_file({"x": torch.randn(8, 7)}, tmp_path / "bad.safetensors")
+    (tmp_path / "kept").mkdir()
+    for out in (tmp_path / "new/a/b", tmp_path / "kept/a/b"):
+        code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "--model-class", "tests.tinymodels:mlp", "-c",
+                               "w8a8", "--data", tmp_path / "bad.safetensors", "-o", out)
+        assert code == 2 and "the model rejected the data" in err, err
+    assert not (tmp_path / "new").exists() and (tmp_path / "kept").is_dir() and not any((tmp_path / "kept").iterdir())
+
+
 def test_integer_images_are_named(tmp_path):
     """uint8 pixels into a convolution read torch's "expected scalar type Byte but found Float"."""
     from tests.tinymodels import convnet

@@ -339,11 +339,13 @@ def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
     out = Path(out)
     check_output_dir(out, overwrite)
     parent = out.parent if str(out.parent) else Path(".")
+    made = [d for d in (parent, *parent.parents) if not d.exists()]  # (removed again on failure: nothing written)
     try:
         parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(out)
         tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out.name), dir=parent))
     except OSError as e:
+        _remove_empty(made)
         raise UsageError(f"{out}: cannot create output directory: {e.strerror or e}") from None
     try:
         try:  # (inside the cleanup: an interrupt here left the empty temporary behind)
@@ -354,8 +356,18 @@ def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
         _publish(tmp, out, overwrite)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(made)
         _name_the_output(e, out)
         raise
+
+
+def _remove_empty(directories: Sequence[Path]) -> None:
+    """Remove the directories an output made on its way (innermost first), where they are still empty."""
+    for d in directories:
+        try:
+            d.rmdir()
+        except OSError:  # (not empty: another run's, or something put there meanwhile)
+            return
 
 
 @contextlib.contextmanager
