@@ -44,6 +44,7 @@ class CalibrationData:
     num_samples: int
     description: str
     first: int = 0  # global index of the first batch (a rank's shard in a distributed run starts later)
+    available: int = 0  # the samples the data gives, of which --num-samples chose num_samples (0: not known)
 
     def __iter__(self) -> Iterator[Batch]:
         return iter(self.batches)
@@ -312,11 +313,11 @@ def load_data(
             order = _subset(len(windows), num_samples, seed, at_most,
                             f"{path} packs into only {len(windows)} windows of {seq_len} tokens")
             samples = [windows[i] for i in order]
-            desc = f"{len(order)} windows of {seq_len} tokens of packed text"
+            desc, available = f"{len(order)} windows of {seq_len} tokens of packed text", len(windows)
         else:
             order = _subset(len(texts), num_samples, seed, at_most, f"{path} holds only {len(texts)} text samples")
             samples = _tokenize([texts[i] for i in order], tokenizer, seq_len, str(path))
-            desc = f"{len(order)} text samples tokenized to {seq_len} tokens"
+            desc, available = f"{len(order)} text samples tokenized to {seq_len} tokens", len(texts)
         names = list(samples[0])
     else:
         all_samples, names = _tensor_samples(files)
@@ -325,7 +326,7 @@ def load_data(
         order = _subset(len(all_samples), num_samples, seed, at_most,
                         f"{path} holds only {len(all_samples)} samples")
         samples = [all_samples[i] for i in order]
-        desc = f"{len(order)} tensor samples"
+        desc, available = f"{len(order)} tensor samples", len(all_samples)
     batches = []
     for start in range(0, len(samples), batch_size):
         chunk = samples[start:start + batch_size]
@@ -334,7 +335,7 @@ def load_data(
             batches.append(Batch(args=(stacked[names[0]],)))
         else:
             batches.append(Batch(kwargs=stacked))
-    return CalibrationData(batches, files, len(samples), desc)
+    return CalibrationData(batches, files, len(samples), desc, available=available)
 
 
 def _subset(total: int, num_samples: Optional[int], seed: int, at_most: bool, what: str) -> List[int]:

@@ -2,6 +2,7 @@
 minimums of qtool.calibration.data_check; an importance matrix that weighs a tensor's inputs all zero likewise."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -37,6 +38,16 @@ def test_a_few_tokens_warn_and_strict_data_refuses_them(llama, tmp_path):
     assert code == 2 and not (tmp_path / "strict").exists()
     errors = [line for line in error_lines(err) if line.startswith("error:")]
     assert len(errors) == 1 and "--strict-data" in errors[0] and "tokens" in errors[0], errors
+
+
+def test_too_few_samples_chosen_by_num_samples_say_so(llama, tmp_path):
+    """--num-samples 2 of a file that gives far more read "calibration data holds 8 tokens ...; pass more --data"."""
+    data = _text(tmp_path / "enough.txt", 120)
+    code, out, err = run_cli("calibrate", llama, "-c", "w8a8", "--data", data, "--seq-len", "4", "--num-samples", "2",
+                             "-o", tmp_path / "run", "--json")
+    assert code == 0, err
+    [said] = [w for w in json.loads(out)["warnings"] if "calibration data holds" in w]
+    assert re.search(r"; --num-samples 2 chose them of the \d{3,} samples the data gives: raise it$", said), said
 
 
 def test_enough_tokens_say_nothing_and_rounding_asks_for_more(llama, tmp_path):

@@ -60,6 +60,8 @@ def shortfalls(plan: Plan, data: CalibrationData) -> List[str]:
         needs.append(("rounding", " and ".join(f"{name} on {n} weight(s)" for name, n in sorted(rounded.items()))))
     if plan.awq is not None:
         needs.append(("rounding", f"awq's scales of {len(plan.awq.groups)} group(s)"))
+    more = (f"--num-samples {data.num_samples} chose them of the {data.available} samples the data gives: raise it"
+            if data.available > data.num_samples else "pass more --data")
     return [f"calibration data holds {count} {unit}, and {what} should learn from at least {minimum[kind]} "
-            f"(docs/recipes.md, 'How much data'): with fewer, the result fits those {unit}; pass more --data"
+            f"(docs/recipes.md, 'How much data'): with fewer, the result fits those {unit}; {more}"
             for kind, what in needs if count < minimum[kind]]
