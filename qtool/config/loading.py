@@ -125,6 +125,9 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if "'\\t'" in problem:  # (PyYAML's "found character '\t' that cannot start any token")
+            raise ConfigError(f"{source}{where}: malformed YAML: a tab where YAML takes none (it indents "
+                              "with spaces): use spaces") from None
         raise ConfigError(f"{source}{where}: malformed YAML: {_short(problem, 200)[1:-1]}") from None
     if data is None:  # an empty file (or only comments) is a mistake far more often than a wish for defaults
         raise ConfigError(f"{source}:1: empty recipe; write at least `version: 1` and what to quantize "
