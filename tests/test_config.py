@@ -496,6 +496,8 @@ def test_an_unknown_recipe_name_lists_the_shipped_ones_and_the_nearest():
         load_recipe("w8a9")
     text = str(e.value)
     assert "shipped recipes (fp8*, gguf*" in text and "w8a8*" in text and "did you mean w8a8" in text
+    with pytest.raises(ConfigError, match="did you mean w4a16-block32 or w4a16-block32-gptq"):  # (a name's stem)
+        load_recipe("w4a16")
     assert len(text) < 300  # one readable line (it listed all 40 names: 900 characters)
 
 

@@ -35,7 +35,10 @@ def recipe_file(arg: Union[str, Path]) -> Path:
         return shipped[name]
     if path.is_dir():
         raise ConfigError(f"{arg}: is a directory, not a recipe file")
-    close = difflib.get_close_matches(name, list(shipped), n=3, cutoff=0.5)
+    # names that begin with what was typed first (w4a16 -> w4a16-block32), then the closest spellings
+    starts = sorted((n for n in shipped if n.startswith(name + "-")), key=len)[:2] if name else []
+    close = (starts + [n for n in difflib.get_close_matches(name, list(shipped), n=3, cutoff=0.5)
+                       if n not in starts])[:3]
     hint = f"; did you mean {' or '.join(close)}?" if close else ""
     families = sorted({n.split("-")[0] for n in shipped})  # the names' stems: w4a16, gguf, fp8 ... (one short line)
     raise ConfigError(f"{str(arg)[:200]}: recipe file not found, and none of the {len(shipped)} shipped recipes "
