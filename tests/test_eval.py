@@ -936,3 +936,17 @@ def test_a_gguf_file_without_a_bias_the_reference_holds_is_refused(tmp_path):
     with pytest.raises(UsageError, match=r"the file holds no blk\.0\.attn_[qkv]\.bias \(the reference's "
                                          r"model\.layers\.0\.self_attn\.[qkv]_proj\.bias\): not a whole export"):
         _check_gguf_biases(tmp_path / "qp/model.gguf", str(biased))
+
+
+def test_a_compressed_tensors_config_that_disagrees_with_its_tensors_names_the_tensor(model, tmp_path):
+    """group_size edited in config.json: 'transformers cannot load it (... For details look at the above report!)',
+    a report qtool keeps off the terminal."""
+    ckpt, _, held = model
+    out = _quantize(model, tmp_path, "w4a16-block32", "compressed-tensors")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64
+    (out / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli("eval", out, "--data", held, *EVAL)
+    assert code == 2 and re.search(r"weight_scale is \[\d+, \d+\] in the file, and the model its config\.json "
+                                   r"describes takes \[\d+, \d+\]", error_lines(err)[-1]), err
+    assert "above report" not in err

@@ -7,7 +7,7 @@ transformers' reload of a compressed-tensors directory) and onnxruntime hand ove
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -188,6 +188,9 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
                 raise UsageError(f"{directory}: transformers cannot load its experts: {_EXPERTS_FUSED}: a limit "
                                  "of the runtime, not the file; evaluate qtool's own format of the same "
                                  "calibration instead") from None
+            if "ignore_mismatched_sizes" in str(e):  # (its "above report" is a log line qtool keeps quiet)
+                raise UsageError(_mismatch(directory, auto, dtype) or f"{directory}: transformers cannot load it "
+                                 f"({str(e).splitlines()[0][:160]})") from None
             errors.append(f"{str(dtype).replace('torch.', '')}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
             continue
         _check_loaded(directory, info)
@@ -202,6 +205,27 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
         allowance = (0.0, 1e-4) if dtype == torch.float32 else (1.0, 0.01) if activations else (0.25, 0.01)
         return TorchRuntime(model, label, *allowance)
     raise UsageError(f"{directory}: transformers cannot load it ({'; '.join(errors)})" + _known_limit(directory, errors))
+
+
+def _mismatch(directory: Path, auto, dtype) -> Optional[str]:
+    """The first tensor whose shape in the file is not the one the directory's config.json makes the model give it
+    (transformers says only "look at the above report", a log line), as one line; None where it names none."""
+    import contextlib
+    import io
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
+            _, info = auto.from_pretrained(str(directory), dtype=dtype, ignore_mismatched_sizes=True,
+                                           output_loading_info=True)
+    except Exception:  # (a second failure says no more than the first)
+        return None
+    wrong = sorted(info.get("mismatched_keys") or (), key=lambda m: m[0])
+    if not wrong:
+        return None
+    key, file_shape, model_shape = wrong[0][:3]
+    return (f"{directory}: {key} is {list(file_shape)} in the file, and the model its config.json describes takes "
+            f"{list(model_shape)}" + (f" ({len(wrong) - 1} more tensors alike)" if len(wrong) > 1 else "") +
+            ": the tensors and config.json's quantization_config disagree (one edited since export?)")
 
 
 def _auto_causal_lm(directory: Path) -> bool:
