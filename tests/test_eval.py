@@ -950,3 +950,13 @@ def test_a_compressed_tensors_config_that_disagrees_with_its_tensors_names_the_t
     assert code == 2 and re.search(r"weight_scale is \[\d+, \d+\] in the file, and the model its config\.json "
                                    r"describes takes \[\d+, \d+\]", error_lines(err)[-1]), err
     assert "above report" not in err
+    # q_proj added to the ignore list: its packed tensors go unread, which read as "a limit of the runtime"
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 32
+    config["quantization_config"]["ignore"] = config["quantization_config"].get("ignore", []) + [
+        "model.layers.0.self_attn.q_proj"]
+    (out / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli("eval", out, "--data", held, *EVAL)
+    assert code == 2 and error_lines(err)[-1].endswith(
+        "the file holds model.layers.0.self_attn.q_proj quantized (weight_packed), and config.json's "
+        "quantization_config leaves it float (its ignore list?): the tensors and config.json disagree (one edited "
+        "since export?)"), err

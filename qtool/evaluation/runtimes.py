@@ -313,6 +313,15 @@ def _check_loaded(directory: Path, info: dict) -> None:
         more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
         raise UsageError(f"{directory}: the file holds no {absent[0]!r}{more} of the model: not a whole export "
                          "of it")
+    # a parameter the file holds quantized (its weight_packed / weight_scale unread) while config.json's
+    # quantization_config leaves it float (its ignore list names it): the file disagrees with itself
+    stems = {k.rsplit(".", 1)[0] for k in missing if k.endswith(".weight")}
+    packed = [k for k in unused if k.rsplit(".", 1)[0] in stems and k.rsplit(".", 1)[1].startswith("weight_")]
+    if packed:
+        layer = packed[0].rsplit(".", 1)[0]
+        raise UsageError(f"{directory}: the file holds {layer} quantized ({packed[0].rsplit('.', 1)[1]}), and "
+                         "config.json's quantization_config leaves it float (its ignore list?): the tensors and "
+                         "config.json disagree (one edited since export?)")
     experts = f" ({_EXPERTS_FUSED})" if any(".experts." in k for k in unused) else ""
     raise UsageError(f"{directory}: transformers leaves {len(missing)} parameters of this model unread "
                      f"({', '.join(missing[:2])}{' ...' if len(missing) > 2 else ''}){experts}: a limit of the "
