@@ -188,7 +188,8 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
                 raise UsageError(f"{directory}: transformers cannot load its experts: {_EXPERTS_FUSED}: a limit "
                                  "of the runtime, not the file; evaluate qtool's own format of the same "
                                  "calibration instead") from None
-            if "ignore_mismatched_sizes" in str(e):  # (its "above report" is a log line qtool keeps quiet)
+            if "ignore_mismatched_sizes" in str(e) and not _known_limit(directory, [str(e)]):
+                # (its "above report" is a log line qtool keeps quiet)
                 raise UsageError(_mismatch(directory, auto, dtype) or f"{directory}: transformers cannot load it "
                                  f"({str(e).splitlines()[0][:160]})") from None
             errors.append(f"{str(dtype).replace('torch.', '')}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
