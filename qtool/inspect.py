@@ -365,7 +365,8 @@ def _refuse_a_part(p: Path) -> None:
             cfg = read_json_object(config, UsageError, "Hugging Face config")
         except UsageError:
             return
-        if (cfg.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+        qc = cfg.get("quantization_config")
+        if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
             raise UsageError(f"{p}: a compressed-tensors export's weights, whose layout its config.json holds: "
                              f"inspect the directory {p.parent}")
     if p.name == SIDECAR and (p.parent / "encodings.json").is_file():

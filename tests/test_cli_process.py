@@ -93,14 +93,13 @@ def test_a_stdout_that_takes_nothing_is_one_line_and_exit_2(world, tmp_path):
         assert r.returncode == 2 and r.stderr.splitlines()[-1] == (
             "error: stdout takes nothing more (stdout is closed), so what the command prints there is lost; nothing "
             "was written"), r.stderr
-        read, write = os.pipe()  # a pipe whose reader is gone (typer made that a silent exit 1 for a table)
+        read, write = os.pipe()  # a pipe whose reader left (qtool ... | head): typer made it exit 1, a gate's code
         os.close(read)
         try:
             r = run(*cmd, stdout=write)
         finally:
             os.close(write)
-        assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith(
-            "error: stdout takes nothing more (Broken pipe)"), r.stderr
+        assert r.returncode == 141 and not r.stderr.strip(), r.stderr  # (as SIGPIPE ends a Unix tool)
 
 
 def test_quiet_prints_nothing_on_success(world, tmp_path):

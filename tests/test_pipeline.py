@@ -945,3 +945,16 @@ def test_a_data_file_whose_name_is_not_utf8_is_one_line(tmp_path):
         f.write("more text\n")
     with pytest.raises(DataError, match=r"/d/\ufffd\.txt: not a valid UTF-8 name"):
         data_files(d)
+
+
+def test_a_literal_tilde_is_refused_only_where_a_shell_would_have_expanded_it(tmp_path, monkeypatch):
+    """'~out' is a name like any other (a shell leaves it: no user 'out'); refusing it raised 'Could not determine
+    home directory' as an internal error. '~/x' and '~root/x' name homes."""
+    from qtool.errors import UsageError
+    from qtool.io.fs import check_output_dir
+
+    monkeypatch.chdir(tmp_path)
+    check_output_dir(Path("~qtool-no-such-user-out"), False)
+    for out in ("~/x", "~root/x"):
+        with pytest.raises(UsageError, match="starts with a literal ~"):
+            check_output_dir(Path(out), False)

@@ -22,6 +22,7 @@ In one process (``Group()``) every function here is the plain calibration step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -44,7 +45,8 @@ WEIGHTS_PER_RANK = 8  # weight rows each rank calibrates per window (Group.windo
 def _slice(data: CalibrationData, rank: int, world_size: int) -> CalibrationData:
     start, stop = shard_bounds(len(data), rank, world_size)
     batches = data.batches[start:stop]
-    return CalibrationData(batches, data.files, sum(b.size for b in batches), data.description, data.first + start)
+    return dataclasses.replace(data, batches=batches, num_samples=sum(b.size for b in batches),
+                               first=data.first + start)
 
 
 def shard(data: Optional[CalibrationData], group: Group) -> Optional[CalibrationData]:

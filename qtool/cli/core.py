@@ -77,9 +77,12 @@ class _Group(typer.core.TyperGroup):
             self._checked(argv, prog_name, complete_var, **extra)
         except _StdoutLost as e:
             # what the command prints (its --json object, a report's table) met a stdout that takes nothing: a
-            # full disk, a closed pipe or descriptor
+            # full disk, a closed descriptor; or a pipe whose reader left, which ends it as SIGPIPE ends a Unix
+            # tool: silently, 128 + 13 (not 1, a failed gate's code)
             _OVER.append(True)
             _silence_stdout()
+            if e.pipe:
+                sys.exit(141)
             err.print(_one_line(f"error: stdout takes nothing more ({e}), so what the command prints there is lost; "
                                 f"{_written()}"), markup=False)
             sys.exit(2)
@@ -385,10 +388,14 @@ def _write_stdout(text: str) -> None:
     if sys.stdout is None:  # (started with stdout closed)
         raise _StdoutLost("stdout is closed")
     try:
-        sys.stdout.write(text)
+        try:
+            sys.stdout.write(text)
+        except UnicodeEncodeError:  # (a stdout whose encoding lacks a character of a name: escaped, as Python's
+            encoding = sys.stdout.encoding or "ascii"  # own stderr writes them)
+            sys.stdout.write(text.encode(encoding, "backslashreplace").decode(encoding))
         sys.stdout.flush()
     except (OSError, ValueError) as e:  # (ValueError: a file object closed under us)
-        raise _StdoutLost(getattr(e, "strerror", None) or str(e)) from None
+        raise _StdoutLost(getattr(e, "strerror", None) or str(e), isinstance(e, BrokenPipeError)) from None
 
 
 class _GuardedStdout:
@@ -406,7 +413,12 @@ class _GuardedStdout:
 
 
 class _StdoutLost(Exception):
-    """stdout could not take the command's JSON object."""
+    """stdout could not take what the command prints there (its JSON object, a table); ``pipe``: its reader left
+    (``qtool ... | head``)."""
+
+    def __init__(self, reason: str, pipe: bool = False):
+        super().__init__(reason)
+        self.pipe = pipe
 
 
 def _silence_stdout() -> None:

@@ -210,7 +210,7 @@ def _check_gguf_biases(path: Path, reference: str) -> None:
         return
     held = {t.name for t in GGUFReader(path).tensors}
     for key in CheckpointTensors(Path(reference)).keys():
-        if not key.endswith(".bias"):
+        if not key.rsplit(".", 1)[-1].endswith("bias"):  # (DeepSeek's router e_score_correction_bias too)
             continue
         try:
             parts = model.parts(key)
@@ -342,6 +342,7 @@ def _tokens_as_compressed_tensors_counts_them(quantizer: torch.nn.Module) -> Non
     quantizer.register_forward_hook(after)
 
 
+@one_at_a_time
 def artifact_model(artifact: str, reference: Optional[str] = None, encodings: Optional[str] = None,
                    opts: Optional[EvalOptions] = None) -> torch.nn.Module:
     """The artifact as a torch module, for formats that run in torch: qtool's own (the fake-quant model with the

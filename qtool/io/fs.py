@@ -95,9 +95,22 @@ def _refuse_literal_home(out: Path, flag: str) -> None:
     """An output path that starts with a literal ``~`` (quoted, so no shell expanded it): written as it stands it
     makes a directory named ``~`` here, which a later ``rm -rf ~`` meant for it would not remove."""
     first = Path(out).parts[0] if Path(out).parts else ""
-    if first == "~" or (first.startswith("~") and "/" not in first and not Path(first).exists()):
-        raise UsageError(f"{out}: {flag} starts with a literal ~ (a shell expands it only unquoted), which would make "
-                         f"a directory named {first} here: write the path out ({Path(out).expanduser()})")
+    if not first.startswith("~") or Path(first).exists():
+        return
+    if first != "~":  # (~user: a home only where that user exists; ~out is a name like any other)
+        import pwd
+
+        try:
+            pwd.getpwnam(first[1:])
+        except KeyError:
+            return
+    try:
+        meant = f": write the path out ({Path(out).expanduser()})"
+    except RuntimeError:  # (no home directory to name)
+        meant = ": write the path out"
+    raise UsageError(f"{out}: {flag} starts with a literal {first} (a shell expands it only unquoted), which would "
+                     f"make a {'directory' if Path(out).parent != Path('.') or flag == '--out' else 'file'} named "
+                     f"{first} here{meant}")
 
 
 def check_output_dir(out: Path, overwrite: bool, inputs: Sequence[Tuple[str, Optional[str]]] = ()) -> None:

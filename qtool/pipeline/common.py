@@ -36,6 +36,7 @@ def _inputs(checkpoint: str, **others: Optional[str]) -> List[Tuple[str, Optiona
     return [("checkpoint", checkpoint)] + [(what.replace("_", " "), path) for what, path in others.items()]
 
 
+@one_at_a_time
 def plan_for(checkpoint: str, recipe_path: str, opts: CalibrateOptions) -> Tuple[LoadedModel, Plan]:
     """The checkpoint's model and the plan the recipe resolves to on it."""
     recipe = load_recipe(recipe_path)  # validate the recipe before the (slow) model load

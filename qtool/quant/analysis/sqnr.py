@@ -402,8 +402,8 @@ class _ClipBound:
 @functools.lru_cache(maxsize=None)  # asked once per noise evaluation, i.e. per chunk
 def _exact_shift(gamma: float) -> bool:
     """Whether ``(gamma - 1) + 1`` gives ``gamma`` exactly in torch's float32 tensor arithmetic."""
-    one = torch.ones(1)
-    return bool(torch.equal(one.mul(gamma - 1).add_(1), torch.full((1,), gamma)))
+    one = torch.ones(1, dtype=torch.float32)  # (not the default dtype: a caller's float64 would cache its answer)
+    return bool(torch.equal(one.mul(gamma - 1).add_(1), torch.full((1,), gamma, dtype=torch.float32)))
 
 
 class _GrowthLimitedHistograms(_Histograms):
