@@ -705,3 +705,19 @@ def test_a_bits_per_weight_budget_is_counted_in_decimal(params, floor):
     state = SimpleNamespace(cost=SimpleNamespace(params=params))
     printed = float(f"{math.ceil(Measured.bpw(state, floor) * 1000) / 1000:.3f}")
     assert Measured.budget(state, TargetOptions(["a", "b"], bits_per_weight=printed)) >= floor
+
+
+def test_a_library_target_is_checked_as_the_cli_checks_it(tmp_path):
+    """TargetOptions(metric="mse") ranked by NLL and fell back by KL; candidates as one string were read a letter at
+    a time ('w: recipe file not found'); Path candidates ran the whole search, then a TypeError."""
+    from qtool.errors import UsageError
+    from qtool.pipeline import CalibrateOptions, TargetOptions, run_calibrate
+
+    ckpt = tiny_llama(tmp_path / "m")
+    for target, said in ((TargetOptions(["w8a16", "w4a16-block32"], bits_per_weight=6.0, metric="mse"),
+                          "--search-metric must be kl or nll (got 'mse')"),
+                         (TargetOptions("w8a16,w4a16-block32", bits_per_weight=6.0),
+                          "candidates takes a list of recipes")):
+        with pytest.raises(UsageError, match=said.replace("(", r"\(").replace(")", r"\)")):
+            run_calibrate(str(ckpt), None, str(tmp_path / "r"), CalibrateOptions(), target=target)
+        assert not (tmp_path / "r").exists()

@@ -160,6 +160,12 @@ def _target_candidates(target: TargetOptions) -> List[RecipeFile]:
     """The candidates, read (once: a prepared ``target`` holds them)."""
     if target.recipes:
         return list(target.recipes)
+    if isinstance(target.candidates, (str, bytes)) or not all(isinstance(c, (str, Path, RecipeFile))
+                                                              for c in target.candidates):
+        raise UsageError("candidates takes a list of recipes (shipped names, files or RecipeFiles), not "
+                         f"{type(target.candidates).__name__} {str(target.candidates)[:60]!r}")
+    if target.metric not in ("kl", "nll"):  # (the CLI checks --search-metric; a library caller gets the same line)
+        raise UsageError(f"--search-metric must be kl or nll (got {str(target.metric)[:40]!r})")
     if len(target.candidates) < 2:
         raise UsageError("--candidates takes two or more recipes (names or files), comma-separated")
     if (target.bits_per_weight is None) == (target.size_bytes is None):
@@ -366,7 +372,8 @@ def choose_recipe(state: Measured, target: TargetOptions) -> Tuple[str, Dict[str
     from ..quant.knapsack import choose, frontier
 
     _check_budget(state, target)
-    cost, names, opts = state.cost, list(state.target.candidates), state.opts
+    cost, opts = state.cost, state.opts
+    names = [str(c.path if isinstance(c, RecipeFile) else c) for c in state.target.candidates]  # (a Path, a name)
     budget = state.budget(target)
     ranking = state.damage if target.metric == "kl" else state.nll_damage
     if ranking is None:
