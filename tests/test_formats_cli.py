@@ -371,3 +371,18 @@ def test_a_float_output_layer_tied_to_a_quantized_table_is_said_in_export_and_ev
     assert code == 0, err
     assert any(n.startswith("the fake-quant model computes every layer that shares model.embed_tokens's weight")
                for n in json.loads(out)["notes"]), out
+
+
+def test_max_shard_size_with_another_format_is_said_to_do_nothing(tmp_path):
+    """--max-shard-size 60KB with compressed-tensors wrote one file and said nothing."""
+    from tests.helpers import tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m")
+    code, out, err = run_cli("quantize", ckpt, "-c", "w8a16", "-f", "compressed-tensors", "--max-shard-size", "60KB",
+                             "-o", tmp_path / "q", "--json")
+    assert code == 0, err
+    assert "--max-shard-size shards the qtool format only: --format compressed-tensors writes its own files, " \
+           "unsharded by it" in json.loads(out)["export_warnings"]
+    code, out, err = run_cli("quantize", ckpt, "-c", "w8a16", "-f", "compressed-tensors", "-o", tmp_path / "d",
+                             "--json")
+    assert code == 0 and not [w for w in json.loads(out)["export_warnings"] if "max-shard-size" in w], out

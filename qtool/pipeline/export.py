@@ -168,6 +168,9 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     # the tensor names go into model.encodings; a format without it keeps them in its summary (and manifest)
     names = summary.pop("names", {}) if exporter.aimet_json != "never" else summary.get("names", {})
     summary["export_warnings"] = ([other] if other else []) + summary.pop("warnings", [])
+    if exporter.name != "qtool" and eopts.max_shard_bytes != DEFAULT_MAX_SHARD_BYTES:  # (the CLI's --max-shard-size)
+        summary["export_warnings"].append(f"--max-shard-size shards the qtool format only: --format "
+                                          f"{eopts.format} writes its own files, unsharded by it")
     if exporter.name == "qtool":
         summary["export_warnings"] += _tied_to_a_quantized_table(Path(checkpoint), enc, eopts.trust_remote_code)
     numbers = sum(e.numel() for e in enc.entries)
