@@ -18,6 +18,7 @@ GGUF_FLOAT_TYPES = ("f32", "f16")  # --gguf-float: tensors a recipe leaves float
 GGUF_FALLBACKS = ("none", "f32", "f16")  # --gguf-fallback: quantized weights with no GGUF block type
 DEVICES = ("cpu", "cuda", "auto")  # and cuda:N
 MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's (quant.precision)
+SEARCH_METRICS = ("kl", "nll")  # --search-metric: what a size-budget search minimizes
 # the MSE search's weightings of each value's squared error: by its input channel's E[x²] (activations, from data or
 # an importance matrix), by its own size (magnitude: block rms + |w|, no data), or by both multiplied
 # (activations_magnitude: importance x (rms + |w|), the kind of product llama.cpp uses with an importance matrix,

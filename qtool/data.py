@@ -355,12 +355,18 @@ def _subset(total: int, num_samples: Optional[int], seed: int, at_most: bool, wh
     return sorted(torch.randperm(total, generator=g)[:num_samples].tolist())
 
 
+def positions_of(config) -> Optional[int]:
+    """The positions a model's config (a transformers config, or config.json's mapping) says it was trained for:
+    ``max_position_embeddings`` or GPT-2's ``n_positions``, as written (XLNet's -1: no limit); None where neither."""
+    get = config.get if isinstance(config, dict) else (lambda k: getattr(config, k, None))
+    return next((get(k) for k in ("max_position_embeddings", "n_positions") if isinstance(get(k), int)), None)
+
+
 def past_positions(config, tokens: int, files: Sequence[Path] = ()) -> Optional[str]:
     """A warning where samples of ``tokens`` tokens run past the positions the model's ``config`` was trained
     for (a rotary model runs on past them without an error; a learned table's refusal is :func:`rejection`'s);
     ``files``: the data's, whose kind says what shortens a sample (--seq-len cuts text, not token-id files)."""
-    positions = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
-                      if isinstance(getattr(config, k, None), int)), None)
+    positions = positions_of(config)
     if positions is None or positions <= 0 or tokens <= positions:  # (XLNet's -1: no limit)
         return None
     text = not files or any(Path(f).suffix.lower() in TEXT_SUFFIXES for f in files)
@@ -435,8 +441,8 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
             and "indices" in str(err):
         return (f"token ids must be integers, and the data holds {str(ids.dtype).replace('torch.', '')} numbers: save "
                 "them as integers (NumPy: x.astype('int64'))")
-    floats = {t.dtype for t in list(batch.args) + list(batch.kwargs.values())
-              if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    tensors = [t for t in list(batch.args) + list(batch.kwargs.values()) if isinstance(t, torch.Tensor)]
+    floats = {t.dtype for t in tensors if t.is_floating_point()}
     own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     if own is not None and floats - {own}:  # (NumPy's default float64 beside float32 weights: "mat1 and mat2 ...")
         other = sorted(str(d).replace("torch.", "") for d in floats - {own})[0]
@@ -444,19 +450,17 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
                 f"type (NumPy: x.astype('{str(own).replace('torch.', '')}'))")
     # integer pixels (uint8 images) into a model with no embedding table: torch's "expected scalar type Byte but
     # found Float", "Input type (unsigned char) and bias type (float) should be the same"
-    given = [t for t in list(batch.args) + list(batch.kwargs.values()) if isinstance(t, torch.Tensor)]
-    ints = sorted({str(t.dtype).replace("torch.", "") for t in given if not t.is_floating_point()})
+    ints = sorted({str(t.dtype).replace("torch.", "") for t in tensors if not t.is_floating_point()})
     # (every input an integer tensor: a model that takes an integer side input beside float data is not this)
-    if own is not None and table is None and given and all(not t.is_floating_point() and t.dtype != torch.bool
-                                                            for t in given) and "type" in str(err):
+    if own is not None and table is None and tensors and all(not t.is_floating_point() and t.dtype != torch.bool
+                                                             for t in tensors) and "type" in str(err):
         kind = str(own).replace("torch.", "")
         return (f"the data is {ints[0]} and the model {kind}, with no embedding table that takes integers: save the "
                 f"data as the model's type (NumPy: x.astype('{kind}'); images scaled as the model was trained, such "
                 "as x / 255)")
     config = getattr(model, "config", None)
     said = str(err).splitlines()[0] if str(err) else ""
-    positions = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
-                      if isinstance(getattr(config, k, None), int)), None)
+    positions = positions_of(config)
     # a table of positions (rotary ones run on past the config's count); OPT's and BART's hold 2 rows more
     learned = positions is not None and any(
         isinstance(m, torch.nn.Embedding) and positions <= m.num_embeddings <= positions + 2

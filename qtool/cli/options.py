@@ -213,10 +213,10 @@ def _target(config: Optional[str], candidates: Optional[str], target_bpw: Option
         size = parse_size(target_size, "--target-size", unlimited=False)
     if target_bpw is not None and not (0 < target_bpw < 64):
         raise UsageError(f"--target-bpw {target_bpw:g}: bits per weight lie between 0 and 64")
-    from ..choices import check_choice
+    from ..choices import SEARCH_METRICS, check_choice
     from ..pipeline import TargetOptions
 
-    check_choice("--search-metric", metric, ("kl", "nll"))
+    check_choice("--search-metric", metric, SEARCH_METRICS)
     if search_data is not None and not os.path.exists(search_data):
         from ..errors import DataError
 

@@ -172,7 +172,7 @@ def _without(data: Dict[str, Any], locations: List[List[Any]]) -> Optional[Recip
 
     rest = copy.deepcopy(data)
     for loc in locations:
-        parent, key = rest, None
+        parent = rest
         for step in loc[:-1]:
             try:
                 parent = parent[step]

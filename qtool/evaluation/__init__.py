@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..data import data_files, load_data, longest_sample, past_positions
+from ..data import data_files, load_data, longest_sample, past_positions, positions_of
 from ..errors import DataError, UsageError
 from ..hooks import Hooks
 from ..io.checkpoint import weight_file_hashes
@@ -375,10 +375,8 @@ def within_positions(checkpoint: str, opts: EvalOptions) -> EvalOptions:
     if detect_kind(path) != "hf" or not (path / "config.json").is_file():
         return opts
     config = read_json_object(path / "config.json", UsageError, "Hugging Face config")
-    config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    positions = next((config[k] for k in ("max_position_embeddings", "n_positions")
-                      if isinstance(config.get(k), int) and config[k] > 0), None)
-    if positions is None:
+    positions = positions_of(config.get("text_config") if isinstance(config.get("text_config"), dict) else config)
+    if positions is None or positions <= 0:
         return opts
     return replace(opts, seq_len=min(opts.seq_len, positions), prompt_len=min(opts.prompt_len, positions // 2),
                    generate=min(opts.generate, positions - min(opts.prompt_len, positions // 2)))

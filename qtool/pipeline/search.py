@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..calibration import CalibrateOptions
+from ..choices import SEARCH_METRICS, check_choice
 from ..config import Plan, RecipeFile, read_recipe, resolve_plan
 from ..data import load_data, longest_sample, past_positions
 from ..encodings import CODES_FILE, SIDECAR
@@ -164,8 +165,7 @@ def _target_candidates(target: TargetOptions) -> List[RecipeFile]:
                                                               for c in target.candidates):
         raise UsageError("candidates takes a list of recipes (shipped names, files or RecipeFiles), not "
                          f"{type(target.candidates).__name__} {str(target.candidates)[:60]!r}")
-    if target.metric not in ("kl", "nll"):  # (the CLI checks --search-metric; a library caller gets the same line)
-        raise UsageError(f"--search-metric must be kl or nll (got {str(target.metric)[:40]!r})")
+    check_choice("--search-metric", target.metric, SEARCH_METRICS)  # (the CLI's check, for a library caller)
     if len(target.candidates) < 2:
         raise UsageError("--candidates takes two or more recipes (names or files), comma-separated")
     if (target.bits_per_weight is None) == (target.size_bytes is None):
