@@ -3,13 +3,14 @@ model or library is loaded. Each check raises ``UsageError`` with the choices in
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 from .errors import UsageError
 
 __all__ = ["GGUF_TYPES", "GGML_SCALE_DTYPES", "LEGACY_GGUF_TYPES", "SUPER_BLOCK_FALLBACK", "AIMET_VERSIONS", "CT_EIGHT_BIT_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_FALLBACKS", "DEVICES", "MATMUL_PRECISIONS", "SCALE_DTYPES",
-           "ELEMENT_NAMES", "FLOAT_SCALE_DTYPES", "check_choice", "check_device", "check_scale_dtype", "check_element",
+           "ELEMENT_NAMES", "FLOAT_SCALE_DTYPES", "check_choice", "check_fields", "check_device", "check_scale_dtype", "check_element",
            "WEIGHTINGS", "weighs_activations", "without_activations", "drop_activations", "with_activations"]
 
 AIMET_VERSIONS = ("0.6.1", "1.0.0", "2.0.0")  # the AIMET encodings versions qtool writes
@@ -66,9 +67,9 @@ def check_choice(flag: str, value: str, choices: Sequence[str]) -> str:
     return value
 
 
-def check_device(value: str) -> str:
+def check_device(value: str, what: str = "--device") -> str:
     if not isinstance(value, str) or not _DEVICE.fullmatch(value):
-        raise UsageError(f"--device must be cpu, cuda or auto (or cuda:N; got {str(value)[:40]!r})")
+        raise UsageError(f"{what} must be cpu, cuda or auto (or cuda:N; got {str(value)[:40]!r})")
     return value
 
 
@@ -144,3 +145,52 @@ def check_element(element: str, bitwidth: int, symmetric: bool, scale_dtype: str
     if dynamic and scale_dtype != "float32" and granularity != "per_block":
         raise ValueError(f"dynamic float activations with {scale_dtype} scales compute them per block at run time: "
                          "they need granularity per_block")
+
+
+def check_fields(options, minimums: Optional[Mapping[str, int]] = None) -> None:
+    """Raise ``UsageError`` naming the first field of the dataclass ``options`` (``ExportOptions.batch_size``)
+    whose value is not of its declared type (an int for an ``int``, not a bool; a number for a ``float``; a list or
+    tuple of strings for a ``Tuple[str, ...]``; None only where ``Optional``) or lies below its ``minimums``.
+
+    The CLI has checked its flags before it builds an options object; a library caller's mistake (``batch_size="8"``,
+    ``max_shard_bytes="5GB"``) fails here, at the job's edge, instead of as a TypeError deep inside the run."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(type(options))
+    for f in dataclasses.fields(options):
+        value, hint = getattr(options, f.name), hints.get(f.name)
+        what = f"{type(options).__name__}.{f.name}"
+        args = typing.get_args(hint)
+        optional = typing.get_origin(hint) is typing.Union and type(None) in args
+        if optional:
+            if value is None:
+                continue
+            rest = [a for a in args if a is not type(None)]
+            hint = rest[0] if len(rest) == 1 else hint
+        expected = _expected(hint)
+        if expected is None:
+            continue
+        ok, words = expected
+        if not ok(value):
+            raise UsageError(f"{what} must be {words}{' or None' if optional else ''} (got "
+                             f"{type(value).__name__} {repr(value)[:40]})")
+        if minimums and f.name in minimums and value < minimums[f.name]:
+            raise UsageError(f"{what} must be {minimums[f.name]} or more (got {value})")
+
+
+def _expected(hint):
+    """(a test, its words) for the field types options declare; None for any other (not checked here)."""
+    import typing
+
+    if hint is bool:
+        return (lambda v: isinstance(v, bool)), "True or False"
+    if hint is int:
+        return (lambda v: isinstance(v, int) and not isinstance(v, bool)), "an integer"
+    if hint is float:
+        return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), "a number"
+    if hint is str:  # (a path may be a Path)
+        return (lambda v: isinstance(v, (str, os.PathLike))), "a string"
+    if typing.get_origin(hint) is tuple and typing.get_args(hint)[:1] == (str,):
+        return (lambda v: isinstance(v, (tuple, list)) and all(isinstance(x, str) for x in v)), "a list of strings"
+    return None

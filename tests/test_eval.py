@@ -605,7 +605,8 @@ def test_a_tied_output_layer_compressed_tensors_keeps_float_is_run_float_by_the_
 
 def test_progress_counts_each_runtimes_own_steps(model, tmp_path):
     """A window and a 32-token continuation were one step each: the time left read 14 s where 3 minutes were
-    left. Steps are now forward passes (a continuation: one per token), in llama.cpp scored positions."""
+    left; then a window and a generated token were: 3-6x too long. Windows are forward passes (in llama.cpp scored
+    positions), and the continuations a step of their own in tokens."""
     from qtool.evaluation import EvalOptions, evaluate_artifact
     from qtool.hooks import Hooks
 
@@ -617,9 +618,11 @@ def test_progress_counts_each_runtimes_own_steps(model, tmp_path):
     last = {}
     for name, done, total, item in steps:
         last[name] = (done, total, item)
-    assert last["scoring (float)"] == (2 + 2 * 5, 2 + 2 * 5, "continuation 2/2")  # 2 passes, then 2 x 5 tokens
-    assert last["scoring (llama.cpp)"][:2] == (2 * 48 + 2 * 5,) * 2  # a request per position
-    assert ("scoring (float)", 1, 12, "window 1/2") in steps
+    assert last["scoring (float)"] == (2, 2, "window 2/2")  # 2 passes
+    assert last["continuing (float)"] == (2 * 5, 2 * 5, "continuation 2/2")  # then 2 x 5 tokens
+    assert last["scoring (llama.cpp)"] == (2 * 48, 2 * 48, "window 2/2")  # a request per position
+    assert ("scoring (float)", 1, 2, "window 1/2") in steps and ("continuing (float)", 5, 10, "continuation 1/2") \
+        in steps
 
 
 def test_encodings_given_that_were_calibrated_on_other_weights_are_said(model, tmp_path):

@@ -184,6 +184,31 @@ def test_every_checkpoint_kind_gives_the_same_encodings(tmp_path):
     assert results["st"] == results["pt"] == results["pickle"] == results["pt2"]
 
 
+def test_a_model_class_on_a_checkpoint_that_names_its_own_model_is_refused(tmp_path):
+    """--model-class on a Hugging Face directory, a .pt2 archive or a pickled module did nothing (the checkpoint's own
+    model was quantized) and the manifest recorded it as if it had: exit 0 whichever factory was named."""
+    import transformers
+
+    pickled, pt2, hf = tmp_path / "whole.pt", tmp_path / "m.pt2", tmp_path / "llama"
+    torch.save(mlp(), pickled)
+    torch.export.save(torch.export.export(mlp(), (torch.randn(2, 64),)), pt2)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(hf)
+    own = {pickled: "a pickled module (it is the model)", pt2: "a torch.export archive (it holds its own module)",
+           hf: "a Hugging Face directory (its config.json names the model's class)"}
+    for ckpt, extra in [(pickled, ["--trust-pickle"]), (pt2, []), (hf, []), (hf, ["--sequential"])]:
+        code, _, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "run",
+                               "--model-class", MLP, *extra)
+        assert code == 2 and error_lines(err)[1:] == [f"error: {ckpt}: --model-class builds the model of a state dict; "
+                                                      f"this is {own[ckpt]}: leave --model-class out"], err
+        assert not (tmp_path / "run").exists()
+    assert run_cli("calibrate", hf, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "run")[0] == 0
+    code, _, err = run_cli("export", hf, "-e", tmp_path / "run/encodings.json", "-o", tmp_path / "exp",
+                           "--model-class", MLP)
+    assert code == 2 and "leave --model-class out" in err and not (tmp_path / "exp").exists()
+
+
 def test_pickle_without_trust_is_refused(tmp_path):
     pickled = tmp_path / "whole.pt"
     torch.save(mlp(), pickled)
@@ -958,3 +983,39 @@ def test_a_literal_tilde_is_refused_only_where_a_shell_would_have_expanded_it(tm
     for out in ("~/x", "~root/x"):
         with pytest.raises(UsageError, match="starts with a literal ~"):
             check_output_dir(Path(out), False)
+
+
+@pytest.mark.parametrize("job, field, value, message", [
+    ("calibrate", "batch_size", "8", r"CalibrateOptions.batch_size must be an integer \(got str '8'\)"),
+    ("calibrate", "num_samples", 0, r"CalibrateOptions.num_samples must be 1 or more \(got 0\)"),
+    ("calibrate", "seq_len", 16.0, r"CalibrateOptions.seq_len must be an integer \(got float 16.0\)"),
+    ("calibrate", "device", "gpu", r"CalibrateOptions.device must be cpu, cuda or auto"),
+    ("calibrate", "matmul_precision", "low", r"CalibrateOptions.matmul_precision must be one of highest, high, "),
+    ("export", "max_shard_bytes", "5GB", r"ExportOptions.max_shard_bytes must be an integer or None \(got str "),
+    ("export", "batch_size", 0, r"ExportOptions.batch_size must be 1 or more"),
+    ("export", "pack", "no", r"ExportOptions.pack must be True or False \(got str 'no'\)"),
+    ("eval", "onnx_optimization", "max", r"EvalOptions.onnx_optimization must be one of all, basic, off"),
+    ("eval", "tasks", "hellaswag", r"EvalOptions.tasks must be a list of strings \(got str 'hellaswag'\)"),
+    ("eval", "seq_len", 1, r"EvalOptions.seq_len must be 2 or more"),
+])
+def test_a_library_callers_options_are_checked_at_the_jobs_edge(tmp_path, mlp_ckpt, mlp_data, job, field, value,
+                                                                 message):
+    """Options of the wrong type failed late (a TypeError or KeyError from inside the run, after the model loaded)
+    or ran on: the CLI checks its flags, the library took whatever it was given. One typed line, nothing written."""
+    from qtool.errors import UsageError
+    from qtool.evaluation import EvalOptions, evaluate_artifact
+    from qtool.pipeline import CalibrateOptions, ExportOptions, run_calibrate, run_export
+
+    assert calibrate(mlp_ckpt, tmp_path / "run", "w8a8.yaml", mlp_data)[0] == 0
+    enc, out = str(tmp_path / "run/encodings.json"), tmp_path / "out"
+    with pytest.raises(UsageError, match=message):
+        if job == "calibrate":
+            opts = CalibrateOptions(data=mlp_data, model_class=MLP, **{field: value})  # (a Path for data is fine)
+            run_calibrate(str(mlp_ckpt), str(CONFIGS / "w8a8.yaml"), str(out), opts)
+        elif job == "export":
+            run_export(str(mlp_ckpt), enc, str(out), ExportOptions(model_class=MLP, **{field: value}))
+        else:
+            evaluate_artifact(str(tmp_path / "run"), str(mlp_ckpt), None, EvalOptions(**{field: value}))
+    assert not out.exists()
+    good = CalibrateOptions(data=mlp_data, model_class=MLP, num_samples=8)
+    assert run_calibrate(mlp_ckpt, CONFIGS / "w8a8.yaml", out, good)["files"]  # Paths where strings are declared

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..choices import MATMUL_PRECISIONS, check_choice
+from ..choices import MATMUL_PRECISIONS, check_choice, check_device, check_fields
 from ..config import Plan, Recipe, resolve_plan
 from ..data import CalibrationData, load_data, longest_sample, past_positions
 from ..encodings import EncodingEntry, SidecarStream
@@ -28,7 +28,7 @@ from ..hooks import Hooks, reporting
 from ..io.checkpoint import detect_kind, files_read, tensor_files
 from ..io.spill import SpilledTensors
 from ..model.experts import LinearExperts, all_tokens_routed
-from ..model.load import causal_lm_class
+from ..model.load import causal_lm_class, check_model_class
 from ..parallel import Group
 from ..provenance import device_label, versions
 from ..quant.precision import exact, unsupported
@@ -59,6 +59,14 @@ class CalibrateOptions:
     resume: bool = False  # --sequential: continue the saved state of a stopped run (calibration.resume)
     all_experts: bool = False  # MoE layers: every expert sees every calibration token (outputs stay routed)
     matmul_precision: str = "highest"  # the model's float32 products in the data passes (quant.precision)
+
+    def check(self) -> "CalibrateOptions":
+        """Raise ``UsageError`` naming the first option of the wrong type, out of range or not a known choice: a
+        library caller's mistake fails at the job's edge in one line (the CLI has checked its flags already)."""
+        check_fields(self, {"batch_size": 1, "num_samples": 1, "seq_len": 1})
+        check_device(self.device, "CalibrateOptions.device")
+        check_choice("CalibrateOptions.matmul_precision", self.matmul_precision, MATMUL_PRECISIONS)
+        return self
 
     def recorded(self) -> Dict[str, Any]:
         """The options a manifest and a resumable state record: one added later only where it is used (so earlier
@@ -107,11 +115,12 @@ def choose_mode(checkpoint: str, recipe: Recipe, opts: CalibrateOptions, source:
     Hugging Face directory, no data is given and the recipe resolves to weights only; in memory otherwise, after
     an estimate of its peak on the directory's meta-device skeleton (refused, naming --sequential, where it is
     past the machine's memory and --sequential would fit)."""
+    check_model_class(Path(checkpoint), opts.model_class)
     if opts.sequential:
         if detect_kind(Path(checkpoint)) != "hf":
             raise UsageError("--sequential needs a Hugging Face causal LM directory")
         return "sequential", None, None
-    if detect_kind(Path(checkpoint)) == "hf" and (opts.data is None or opts.model_class is None):
+    if detect_kind(Path(checkpoint)) == "hf":  # (never with --model-class: check_model_class refused it)
         from ..model.hf import meta_skeleton
 
         skeleton = meta_skeleton(checkpoint, opts.trust_remote_code)

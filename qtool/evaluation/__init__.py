@@ -65,6 +65,17 @@ class EvalOptions:
     gates: Tuple[str, ...] = ()  # the gates set (max-kl, min-cosine, ...): refused before any model runs if they
     # cannot apply to this model
 
+    def check(self) -> "EvalOptions":
+        """Raise ``UsageError`` naming the first option of the wrong type, out of range or not a known choice (the
+        CLI's own limits: a library caller's mistake fails before any model loads)."""
+        from ..choices import ONNX_OPTIMIZATIONS, check_choice, check_device, check_fields
+
+        check_fields(self, {"seq_len": 2, "num_samples": 1, "batch_size": 1, "top_k": 1, "generate": 0,
+                            "prompts": 0, "prompt_len": 1, "threads": 0, "task_limit": 1, "task_max_length": 1})
+        check_device(self.device, "EvalOptions.device")
+        check_choice("EvalOptions.onnx_optimization", self.onnx_optimization, ONNX_OPTIMIZATIONS)
+        return self
+
 
 def _allowance(runtime, quant: float) -> float:
     """The export gap (the artifact's KL from the fake-quant model, or :meth:`Evaluation.output_gap`) that the runtime's
@@ -462,11 +473,12 @@ def _score(runtime, seqs, prompts, opts: EvalOptions, hooks: Hooks, label: str, 
     mine = _Scores()
     kls: List[List[torch.Tensor]] = [[] for _ in refs]
     same: List[List[torch.Tensor]] = [[] for _ in refs]
-    # progress in the runtime's own steps, so that its time-left estimate holds: a forward pass (a window; each
-    # generated token, which recomputes its sequence), or for llama.cpp one position (a request each)
+    # progress in the runtime's own steps, so that its time-left estimate holds: a forward pass (a window), or for
+    # llama.cpp one position (a request each); the continuations are a step of their own, counted in tokens (one
+    # token generated costs a fraction of a window's pass: counted alike, the time left read 3-6x too long)
     per_position = getattr(runtime, "steps_per_position", False)
     window = [len(ids) if per_position else 1 for ids in seqs]
-    total, done = sum(window) + len(prompts) * opts.generate, 0
+    total, done = sum(window), 0
     for i, ids in enumerate(seqs):
         d: Distributions = runtime.distributions(ids, opts.top_k)
         if keep:
@@ -484,8 +496,8 @@ def _score(runtime, seqs, prompts, opts: EvalOptions, hooks: Hooks, label: str, 
         step(f"scoring ({label})", done, total, f"window {i + 1}/{len(seqs)}")
     for i, p in enumerate(prompts):
         mine.generations.append(runtime.greedy(p, opts.generate, stop))
-        done += opts.generate
-        step(f"scoring ({label})", done, total, f"continuation {i + 1}/{len(prompts)}")
+        step(f"continuing ({label})", (i + 1) * opts.generate, len(prompts) * opts.generate,
+             f"continuation {i + 1}/{len(prompts)}")
     return mine, [agreement(k, s) for k, s in zip(kls, same)]
 
 
@@ -497,6 +509,7 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
     from ..hooks import reporting
 
     hooks = hooks or Hooks()
+    opts.check()
     art = locate(artifact)
     reference, other_weights = _reference(art, reference, artifact)
     notes = [other_weights] if other_weights else []

@@ -204,6 +204,7 @@ def load_model(
     tokenizer = config = None
     name_map: Dict[str, str] = {}
     files = [path]
+    check_model_class(path, model_class, kind)
     if kind == "hf":
         model, tokenizer, config = load_hf(path, trust_remote_code)
         files = tensor_files(path)
@@ -226,6 +227,7 @@ def load_model(
                 raise
             obj = load_pickle(path)
         if isinstance(obj, nn.Module):
+            check_model_class(path, model_class, "pickle")
             model, kind = obj, "pickle"
         elif isinstance(obj, dict):
             if model_class is None:
@@ -243,6 +245,18 @@ def load_model(
     for p in model.parameters():
         p.requires_grad_(False)
     return LoadedModel(model, kind, path, files, tokenizer, config, name_map)
+
+
+def check_model_class(path: Path, model_class: Optional[str], kind: Optional[str] = None) -> None:
+    """Refuse ``model_class`` (--model-class builds a state dict's model) on a checkpoint that names its own model,
+    where it did nothing, silently (the manifest recorded it as if it had). ``kind``: the checkpoint's, if known."""
+    kind = kind or (detect_kind(path) if model_class is not None and path.exists() else None)
+    if model_class is None or kind not in ("hf", "pt2", "pickle"):
+        return
+    own = {"hf": "a Hugging Face directory (its config.json names the model's class)",
+           "pt2": "a torch.export archive (it holds its own module)", "pickle": "a pickled module (it is the model)"}
+    raise UsageError(f"{path}: --model-class builds the model of a state dict; this is {own[kind]}: leave "
+                     "--model-class out")
 
 
 def refuse_non_finite_reference(model: nn.Module, checkpoint: str) -> None:

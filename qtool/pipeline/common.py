@@ -39,6 +39,7 @@ def _inputs(checkpoint: str, **others: Optional[str]) -> List[Tuple[str, Optiona
 @one_at_a_time
 def plan_for(checkpoint: str, recipe_path: str, opts: CalibrateOptions) -> Tuple[LoadedModel, Plan]:
     """The checkpoint's model and the plan the recipe resolves to on it."""
+    opts.check()
     recipe = load_recipe(recipe_path)  # validate the recipe before the (slow) model load
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
     plan = resolve_plan(recipe, loaded.model, source=str(recipe_path), allow_unmatched=opts.allow_unmatched)

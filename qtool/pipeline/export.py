@@ -13,6 +13,7 @@ import torch
 
 from .. import __version__
 from ..calibration import CalibrateOptions
+from ..choices import check_fields
 from ..config import CHECKPOINT_KEYS
 from ..data import load_data
 from ..encodings import EncodingsFile, calibrated_elsewhere
@@ -25,7 +26,7 @@ from ..io.checkpoint import tensor_files
 from ..io.fs import atomic_output_dir, check_output_dir, sha256_file
 from ..io.jsonfile import dumps_indented
 from ..model.apply import plan_from_encodings
-from ..model.load import LoadedModel, load_model
+from ..model.load import LoadedModel, check_model_class, load_model
 from .common import _inputs, one_at_a_time
 from .manifest import checkpoint_input, digests, manifest, write_manifest
 
@@ -51,7 +52,8 @@ class ExportOptions:
     allow_other_checkpoint: bool = False  # export encodings whose calibration manifest names other weights
 
     def validate(self):
-        """The exporter for ``format``, after checking every choice-valued option (no work done yet)."""
+        """The exporter for ``format``, after checking every option's type and every choice (no work done yet)."""
+        check_fields(self, {"seq_len": 1, "batch_size": 1, "max_shard_bytes": 1})
         check_export_choices(self.format, self.encoding_version, self.ct_eight_bit_format, self.gguf_float,
                              self.gguf_fallback)
         return get_exporter(self.format)
@@ -330,6 +332,7 @@ def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[E
     hooks = hooks or Hooks()
     eopts = eopts or ExportOptions()
     exporter = eopts.validate()
+    check_model_class(Path(checkpoint), eopts.model_class)
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, encodings=encodings_path, data=eopts.data))
     # the integer export reads each weight's block encodings from the sidecar when it gets to that weight
     enc = EncodingsFile.read(encodings_path, lazy=exporter.lazy_encodings)
@@ -346,6 +349,7 @@ def run_import_encodings(checkpoint: str, aimet_path: str, out: str, opts: Calib
     """``qtool import-encodings``: an AIMET encodings file (any version) -> qtool's encodings.json."""
     from ..aimet_format import from_aimet, read_aimet
 
+    opts.check()
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, **{"AIMET encodings": aimet_path}))
     obj = read_aimet(Path(aimet_path))
     loaded = load_model(checkpoint, opts.model_class, "cpu", opts.trust_pickle, opts.trust_remote_code)

@@ -35,6 +35,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
     from ..report import NEEDS_CAUSAL_LM, evaluate, sensitivity, tied_notes
 
     hooks = hooks or Hooks()
+    opts.check()
     with _ranks(opts.device) as group:  # under torchrun: each rank measures its shard; every rank gets the report
         _same_command(group, checkpoint, opts, encodings=Path(encodings))
         if sensitivity_analysis and group.distributed:
@@ -98,6 +99,7 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     from ..io.fs import atomic_file
 
     hooks = hooks or Hooks()
+    opts.check()
     target = Path(out)
     check_output_file(target, _inputs(checkpoint, data=opts.data), overwrite)
     if opts.data is None:

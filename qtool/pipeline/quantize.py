@@ -51,6 +51,7 @@ def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], ou
     """``qtool calibrate``: write ``out/encodings.json`` and ``out/manifest.json`` atomically. With ``target``,
     the recipe is the one a size-budget search chooses among the candidates (written as ``out/recipe.yaml``)."""
     hooks = hooks or Hooks()
+    opts.check()
     _check_resume(opts, target)
     recipe_path, target = _prepared(recipe_path, target)
     budget_format = _budget_exporter(target) if target else None
@@ -86,6 +87,7 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
     (``out/recipe.yaml``; the search's record in ``out/calibration/search.json``). ``eval_data``: what a caller
     reads next (``--eval``), which the output must not replace either."""
     hooks = hooks or Hooks()
+    opts.check()
     _check_resume(opts, target)
     eopts = replace(eopts or ExportOptions(), trust_pickle=opts.trust_pickle, model_class=opts.model_class,
                     trust_remote_code=opts.trust_remote_code, seq_len=opts.seq_len)

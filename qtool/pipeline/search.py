@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..calibration import CalibrateOptions
-from ..choices import SEARCH_METRICS, check_choice
+from ..choices import SEARCH_METRICS, check_choice, check_fields
 from ..config import Plan, RecipeFile, read_recipe, resolve_plan
 from ..data import load_data, longest_sample, past_positions
 from ..encodings import CODES_FILE, SIDECAR
@@ -165,6 +165,7 @@ def _target_candidates(target: TargetOptions) -> List[RecipeFile]:
                                                               for c in target.candidates):
         raise UsageError("candidates takes a list of recipes (shipped names, files or RecipeFiles), not "
                          f"{type(target.candidates).__name__} {str(target.candidates)[:60]!r}")
+    check_fields(target, {"samples": 1, "size_bytes": 1})
     check_choice("--search-metric", target.metric, SEARCH_METRICS)  # (the CLI's check, for a library caller)
     if len(target.candidates) < 2:
         raise UsageError("--candidates takes two or more recipes (names or files), comma-separated")
@@ -230,6 +231,7 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
     from ..report import next_token_targets
 
     hooks = hooks or Hooks()
+    opts.check()
     group = group or Group()
     target = replace(target, recipes=tuple(_target_candidates(target)))
     paths = [r.path for r in target.recipes]
