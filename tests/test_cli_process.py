@@ -100,6 +100,19 @@ def test_a_stdout_that_takes_nothing_is_one_line_and_exit_2(world, tmp_path):
         finally:
             os.close(write)
         assert r.returncode == 141 and not r.stderr.strip(), r.stderr  # (as SIGPIPE ends a Unix tool)
+    for cmd in (("--help",), ("--version",), ("config", "--help")):  # typer's own printing: a traceback (full),
+        with open("/dev/full", "w") as full:                          # exit 1 (broken pipe)
+            r = run(*cmd, stdout=full)
+        assert r.returncode == 2 and r.stderr.splitlines() == [
+            "error: stdout takes nothing more (No space left on device), so what the command prints there is lost; "
+            "nothing was written"], (cmd, r.stderr)
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            r = run(*cmd, stdout=write)
+        finally:
+            os.close(write)
+        assert r.returncode == 141 and not r.stderr.strip(), (cmd, r.stderr)
 
 
 def test_quiet_prints_nothing_on_success(world, tmp_path):

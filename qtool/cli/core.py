@@ -111,6 +111,14 @@ class _Group(typer.core.TyperGroup):
         try:
             try:
                 rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+            except OSError as e:
+                # a command's own errors end inside it (_errors): what gets here is typer's own printing (--help,
+                # --version, a completion script) into a stdout that takes nothing; a traceback before
+                raise _StdoutLost(e.strerror or str(e), isinstance(e, BrokenPipeError)) from None
+            except SystemExit as e:  # (typer's end of a broken pipe it met: stdout wrapped, exit 1, a gate's code)
+                if e.code == 1 and type(sys.stdout).__name__ == "PacifyFlushWrapper":
+                    raise _StdoutLost("broken pipe", pipe=True) from None
+                raise
             finally:
                 _OVER.append(True)  # (what follows says how it ended: a signal from here on changes nothing)
         except typer.TyperException as e:  # typer's (vendored) click exceptions all derive from it
