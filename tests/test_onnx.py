@@ -404,3 +404,23 @@ def test_which_input_dimensions_are_dynamic():
     assert _dynamic_axes("pixel_values", torch.zeros(1, 3, 8, 8)) == {0: "batch"}
     assert _dynamic_axes("input_features", torch.zeros(1, 80, 30)) == {0: "batch"}
     assert _dynamic_axes("features", torch.zeros(1, 64)) == {0: "batch"}  # a table's width stays (second review)
+
+
+def test_integer_2d_tiles_are_refused_before_calibrating(mlp_world, tmp_path):
+    """An integer grid in 2-D tiles calibrated, traced, then ended as an internal error in the graph's rewrite
+    (a broadcast of (4,4) scales to (4,256)); the FP8 tile had its line."""
+    (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, "
+                                     "block_size: [16, 16]}\n  activations: null\nignore: [\"4\"]\n")
+    line = "2-D weight tiles have no ONNX form (DequantizeLinear blocks along one axis); export this recipe with " \
+        "--format qtool"
+    code, _, err = run_cli("quantize", mlp_world / "m.safetensors", "-c", tmp_path / "r.yaml", "--model-class",
+                           "tests.tinymodels:mlp", "-o", tmp_path / "q", "--format", "onnx")
+    assert code == 2 and line in err and "calibrating" not in err, err
+    assert not (tmp_path / "q").exists()
+    assert run_cli("calibrate", mlp_world / "m.safetensors", "-c", tmp_path / "r.yaml", "--model-class",
+                   "tests.tinymodels:mlp", "-o", tmp_path / "run")[0] == 0
+    code, _, err = run_cli("export", mlp_world / "m.safetensors", "-e", tmp_path / "run/encodings.json",
+                           "--model-class", "tests.tinymodels:mlp", "-o", tmp_path / "x", "--format", "onnx",
+                           "--data", mlp_world / "data.safetensors")
+    assert code == 2 and line in err and "internal error" not in err, err
+    assert not (tmp_path / "x").exists()

@@ -191,7 +191,10 @@ def _check_initializers(proto) -> None:
 
 
 def _check_onnx_bits(q) -> None:
-    """ONNX's integer QuantizeLinear types: 4, 8 and 16 bits."""
+    """ONNX's integer QuantizeLinear types: 4, 8 and 16 bits, blocked along one axis at most."""
+    if len([b for b in (q.spec.block_size or ()) if b not in (1, -1)]) > 1:  # (the rewrite met them after the trace
+        raise UsageError(f"{q.name}: 2-D weight tiles have no ONNX form (DequantizeLinear blocks along one axis); "
+                         "export this recipe with --format qtool")  # as an internal error)
     if q.spec.bitwidth not in (4, 8, 16):
         gguf = q.tensor == "weight" and q.spec.gguf_block_type is not None  # (a llama.cpp grid: Q5_0, Q6_K, ...)
         raise UsageError(f"{q.name}: ONNX QuantizeLinear has no {q.spec.bitwidth}-bit type (4, 8 and 16 bits only); "
