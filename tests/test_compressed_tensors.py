@@ -473,3 +473,27 @@ def test_the_16_bit_scale_warning_is_said_of_integer_grids_only(tmp_path):
         assert code == 0, err
         said[recipe] = [w for w in json.loads(out)["export_warnings"] if w.startswith("scale_dtype:")]
     assert said["fp8-dynamic"] == [] and len(said["w8a16"]) == 1 and "bfloat16" in said["w8a16"][0]
+
+
+def test_copied_side_files_take_the_umasks_modes_not_the_sources(ckpt, tmp_path):
+    """The tokenizer and generation config were copied with copy2: a 0600 source gave a 0600 tokenizer beside 0644
+    weights (a server running as another user read the weights and not the tokenizer), and under umask 077 a 0644
+    source stayed 0644 beside qtool's 0600 files."""
+    import os
+    import shutil
+
+    from tests.helpers import run_cli
+
+    src = tmp_path / "llama"
+    shutil.copytree(ckpt, src)
+    for f in src.iterdir():
+        f.chmod(0o600)
+    enc = _calibrate(src, tmp_path, "{bitwidth: 8, granularity: per_channel}")
+    old = os.umask(0o022)
+    try:
+        code, _, err = run_cli("export", src, "-e", enc, "-o", tmp_path / "out", "--format", "compressed-tensors")
+    finally:
+        os.umask(old)
+    assert code == 0, err
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "out").iterdir()}
+    assert "tokenizer.json" in modes and set(modes.values()) == {0o644}, modes

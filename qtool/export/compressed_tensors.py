@@ -139,10 +139,16 @@ def _copy_side_files(checkpoint: Path, out_dir: Path) -> List[str]:
             continue
         if f.name.endswith(".index.json"):
             continue
-        shutil.copy2(f, out_dir / f.name)
-        copied.append(f.name)
+        shutil.copyfile(f, out_dir / f.name)  # (the bytes alone: modes follow the umask, as qtool's own files do;
+        copied.append(f.name)                 # copy2 gave a 0600 tokenizer a server's other user cannot read)
     for name in _sentence_transformers_modules(checkpoint):
-        shutil.copytree(checkpoint / name, out_dir / name, symlinks=False)
+        for src in sorted((checkpoint / name).rglob("*")):
+            dst = out_dir / name / src.relative_to(checkpoint / name)
+            if src.is_dir():
+                dst.mkdir(parents=True, exist_ok=True)
+            elif src.is_file():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dst)
         copied.append(name + "/")
     return copied
 
