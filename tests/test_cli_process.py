@@ -100,6 +100,14 @@ def test_a_stdout_that_takes_nothing_is_one_line_and_exit_2(world, tmp_path):
         finally:
             os.close(write)
         assert r.returncode == 141 and not r.stderr.strip(), r.stderr  # (as SIGPIPE ends a Unix tool)
+    import resource
+
+    for cmd in (("config", "list", "--json"), ("config", "list")):  # a file-size limit takes part of a write: Python's
+        with open(tmp_path / "cut.json", "w") as cut:                # buffered stdout dropped the rest, exit 0
+            r = run(*cmd, stdout=cut, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024)))
+        assert r.returncode == 2 and r.stderr.splitlines() == [
+            "error: stdout takes nothing more (File too large), so what the command prints there is lost; nothing "
+            "was written"], (cmd, r.stderr)
     for cmd in (("--help",), ("--version",), ("config", "--help")):  # typer's own printing: a traceback (full),
         with open("/dev/full", "w") as full:                          # exit 1 (broken pipe)
             r = run(*cmd, stdout=full)

@@ -3,6 +3,8 @@ object with ``--json``), signals that leave nothing half-written, and the consol
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import math
 import os
@@ -396,14 +398,43 @@ def _write_stdout(text: str) -> None:
     if sys.stdout is None:  # (started with stdout closed)
         raise _StdoutLost("stdout is closed")
     try:
+        fd = _stdout_fd()
+        if fd is not None:  # (a real descriptor: every byte accounted for)
+            encoding = sys.stdout.encoding or "utf-8"
+            try:
+                data = text.encode(encoding)
+            except UnicodeEncodeError:  # (a stdout whose encoding lacks a character of a name: escaped, as
+                data = text.encode(encoding, "backslashreplace")  # Python's own stderr writes them)
+            sys.stdout.flush()
+            _write_all(fd, data)
+            return
         try:
             sys.stdout.write(text)
-        except UnicodeEncodeError:  # (a stdout whose encoding lacks a character of a name: escaped, as Python's
-            encoding = sys.stdout.encoding or "ascii"  # own stderr writes them)
+        except UnicodeEncodeError:
+            encoding = sys.stdout.encoding or "ascii"
             sys.stdout.write(text.encode(encoding, "backslashreplace").decode(encoding))
         sys.stdout.flush()
     except (OSError, ValueError) as e:  # (ValueError: a file object closed under us)
         raise _StdoutLost(getattr(e, "strerror", None) or str(e), isinstance(e, BrokenPipeError)) from None
+
+
+def _stdout_fd():
+    """stdout's descriptor where it is the process's own file (None under a test runner's capture)."""
+    try:
+        return sys.stdout.fileno() if isinstance(sys.stdout, io.TextIOWrapper) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Every byte of ``data`` to ``fd``: a file-size limit or a disk filling up takes part of a write, and Python's
+    buffered stdout then dropped the rest without an error (exit 0, a JSON object cut short in the file)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[n:]
 
 
 class _GuardedStdout:
