@@ -420,3 +420,24 @@ def test_the_window_warning_says_when_the_window_is_transformers_default_and_bad
         family_of("deepseek_v3").check_gguf({**_CONFIG, **_DEEPSEEK, "rope_scaling": {
             **yarn, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0, "attention_factor": 1.2}},
             Path("config.json"))
+
+
+@pytest.mark.parametrize("rule", [
+    "layers:\n  - match: 're:.*\\.experts\\.0\\.down_proj'\n    weights: {gguf_type: q8_0}\n",
+    "ignore: ['re:.*\\.experts\\.1\\..*']\n"])
+def test_experts_of_one_projection_apart_are_refused_before_calibrating(tmp_path, rule):
+    """GGUF stacks a projection's experts into one tensor of one type: a recipe giving one expert its own type, or
+    leaving one float, calibrated in full (hours on a real MoE) and was refused at the write; config show and
+    calibrate said nothing."""
+    model = _tiny(tmp_path / "moe", "qwen3_moe")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\ngguf_mix: q4_k_m\ndefaults: {weights: {analyzer: minmax}, activations: null}\n"
+                      + rule)
+    code, _, err = run_cli("config", "show", recipe, "--model", model)
+    assert code == 0 and "model.layers.0.mlp.experts.*." in err and "export --format gguf refuses them" in err, err
+    code, _, err = run_cli("quantize", model, "-c", recipe, "-o", tmp_path / "q", "--format", "gguf")
+    kind = "gives them Q5_0 and Q8_0" if "q8_0" in rule else "quantizes some and leaves expert(s) 1 float"  # (Q4_K's
+    # fallback: rows of 32)
+    assert code == 2 and "calibrating" not in err and "GGUF stores a projection's experts as one tensor of one " \
+        f"type, and the recipe {kind}" in err, err
+    assert not (tmp_path / "q").exists()

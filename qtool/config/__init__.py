@@ -15,7 +15,7 @@ Torch is imported only where a plan is made, so that recipes validate without it
 from .loading import RecipeFile, load_recipe, parse_recipe, read_recipe
 from .plan import (AwqPlan, BatchNormFold, OnlineRotation, Plan, QuantizerPlan, RotationPlan, SmoothGroup,
                    granularity_word)
-from .resolve import (CHECKPOINT_KEYS, GGUF_GRID_NOTE, GGUF_GRID_REFUSED, GGUF_GRID_STORED, input_channels_first,
+from .resolve import (CHECKPOINT_KEYS, GGUF_GRID_NOTE, GGUF_STACK_NOTE, GGUF_GRID_REFUSED, GGUF_GRID_STORED, input_channels_first,
                       resolve_plan)
 from .schema import (DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES, ActivationSpec, LayerRule, Recipe, RotateSpec,
                      WeightSpec, exact_pattern)
@@ -37,6 +37,7 @@ __all__ = [
     "OnlineRotation",
     "CHECKPOINT_KEYS",
     "GGUF_GRID_NOTE",
+    "GGUF_STACK_NOTE",
     "GGUF_GRID_REFUSED",
     "GGUF_GRID_STORED",
     "input_channels_first",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Sequence, Tuple
 
-__all__ = ["FUSED", "fused_groups"]
+__all__ = ["FUSED", "fused_groups", "expert_stacks"]
 
 FUSED = (frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_proj", "up_proj"}),
          frozenset({"query", "key", "value"}), frozenset({"w1", "w3"}))
@@ -39,3 +39,24 @@ def fused_groups(modules: Sequence[str]) -> List[Tuple[str, ...]]:
             where[(parent, kind)] = len(groups)
             groups.append((m,))
     return groups
+
+
+_EXPERT_WEIGHT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<leaf>[^.]+)$")
+
+
+def expert_stacks(quantizers) -> List[Tuple[str, Dict[int, Any], List[int]]]:
+    """The weight quantizers (plan rows or encodings entries) of each mixture-of-experts projection, as llama.cpp
+    stacks them into one tensor of one type: ``(pattern, {expert index: quantizer}, indices with none)``, the pattern
+    naming the projection across its experts (``model.layers.0.mlp.experts.*.down_proj``). An expert count is the
+    highest index any of its layer's expert weights has, plus one."""
+    stacks: Dict[Tuple[str, str], Dict[int, Any]] = {}
+    count: Dict[str, int] = {}
+    for q in quantizers:
+        m = _EXPERT_WEIGHT.match(q.module) if q.tensor == "weight" else None
+        if m is None:
+            continue
+        index = int(m["index"])
+        stacks.setdefault((m["experts"], m["leaf"]), {})[index] = q
+        count[m["experts"]] = max(count.get(m["experts"], 0), index + 1)
+    return [(f"{experts}.*.{leaf}", members, [i for i in range(count[experts]) if i not in members])
+            for (experts, leaf), members in stacks.items()]

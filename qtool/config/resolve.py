@@ -455,7 +455,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                         rule_a, tuple(a_spec.analyzer.kwargs().items()), a_spec.scale_dtype,
                         dynamic=a_spec.dynamic, element=a_spec.element))
     if _aims_at_gguf(recipe):
-        plan.warnings += _grids_outside_gguf(plan.quantizers, source)
+        plan.warnings += _grids_outside_gguf(plan.quantizers, source) + _experts_apart(plan.quantizers, source)
     for (was, now), n in sorted(fallbacks.items()):
         plan.warnings.append(f"{n} weight(s) of {was}: rows not a whole number of 256-element super-blocks, so "
                              f"{now} as llama-quantize falls back")
@@ -587,6 +587,7 @@ def _note_shadows(rules: List[LayerRule], applied: List[Tuple[int, str]], effect
 
 
 GGUF_GRID_NOTE = "a grid no GGUF type holds"  # (in the warning a job writing another format leaves out)
+GGUF_STACK_NOTE = "GGUF stores a projection's experts as one tensor of one type"  # (likewise)
 GGUF_GRID_REFUSED = "export --format gguf refuses them (--gguf-fallback writes them as floats)"
 GGUF_GRID_STORED = "this run's --gguf-fallback stores them as floats"  # (what a GGUF job with the fallback says)
 
@@ -611,6 +612,22 @@ def _grids_outside_gguf(quantizers: List[QuantizerPlan], source: str) -> List[st
     return [f"{source}: layers[{i}] gives {len(qs)} weight(s) such as {qs[0].module} {GGUF_GRID_NOTE} "
             f"({_grid_words(qs[0].spec)}): {GGUF_GRID_REFUSED}; "
             "a gguf_type in the rule (gguf_type: q8_0) keeps them GGUF blocks" for i, qs in sorted(off.items())]
+
+
+def _experts_apart(quantizers: List[QuantizerPlan], source: str) -> List[str]:
+    """A GGUF recipe's warning where one mixture-of-experts projection's experts get more than one grid, or some
+    none (llama.cpp stacks them into one tensor of one type: ``export --format gguf`` refuses them)."""
+    from .fused import expert_stacks
+
+    for where, members, left in expert_stacks(quantizers):
+        types = {q.spec.gguf_block_type or _grid_words(q.spec) for q in members.values()}
+        if len(types) > 1 or left:
+            what = (f"{' and '.join(sorted(types))}" if len(types) > 1 else
+                    f"some quantized and expert(s) {', '.join(map(str, left[:3]))}{' ...' if len(left) > 3 else ''} "
+                    "float")
+            return [f"{source}: {where}: its experts get {what}; {GGUF_STACK_NOTE}, and export --format gguf "
+                    "refuses them (one rule for every expert of a projection)"]
+    return []
 
 
 def _grid_words(spec) -> str:

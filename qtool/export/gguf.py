@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..config.fused import expert_stacks
 from ..encodings import EncodingEntry
 from ..errors import EncodingsError
 from ..families import Family
@@ -149,6 +150,7 @@ class GgufExporter(Exporter):
                 if gguf_type(e) is None and not _media(e.name):  # (not in this file: no type needed)
                     raise EncodingsError(f"{e.name}: {_describe(e)} has no GGUF type ({_MAPS}); use a recipe such "
                                          f"as the shipped gguf-q4_0, or --gguf-fallback f16 to write it as floats")
+        _check_expert_types(quantizers, options)
 
     left_float_words = "stored as floats"
 
@@ -295,6 +297,22 @@ def _plan(model: GgufModel, src, entries: List[EncodingEntry], options) -> Tuple
         if head.entry is not None:
             names[head.entry.name] = "output.weight" if head in items else "token_embd.weight"
     return items, names
+
+
+def _check_expert_types(quantizers, options: "GgufExporter.Options") -> None:
+    """Refuse, before calibration, what :func:`_stack` refuses after it: one projection's experts under more than
+    one type, or some of them quantized and others left float (llama.cpp stacks them into one tensor of one type)."""
+    for where, members, left in expert_stacks(q for q in quantizers if not _media(q.name)):
+        kinds = sorted({_kind(q, (2,), options) for q in members.values()})
+        if len(kinds) > 1:
+            raise EncodingsError(f"{where}: GGUF stores a projection's experts as one tensor of one type, and the "
+                                 f"recipe gives them {' and '.join(kinds)} (one rule for every expert of a "
+                                 "projection)")
+        if left:
+            named = ", ".join(map(str, left[:3])) + (" ..." if len(left) > 3 else "")
+            raise EncodingsError(f"{where}: GGUF stores a projection's experts as one tensor of one type, and the "
+                                 f"recipe quantizes some and leaves expert(s) {named} float (ignored, or a rule "
+                                 "without weights): one rule for every expert of a projection")
 
 
 def _stack(first: _Item, experts: List[Tuple[int, _Item]]) -> _Item:

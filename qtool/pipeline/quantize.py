@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 from ..calibration import CalibrateOptions
-from ..config import GGUF_GRID_NOTE, GGUF_GRID_REFUSED, GGUF_GRID_STORED, RecipeFile
+from ..config import GGUF_GRID_NOTE, GGUF_GRID_REFUSED, GGUF_STACK_NOTE, GGUF_GRID_STORED, RecipeFile
 from ..encodings import EncodingsFile
 from ..errors import UsageError
 from ..export.base import weight_changes
@@ -117,7 +117,7 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
             plan.coverage = plan.coverage.without({q.module for q in plan.quantizers
                                                    if q.name in plan.left_float and q.tensor == "weight"})
         if exporter.name != "gguf":  # (a rule off GGUF's grids matters to a GGUF export alone)
-            plan.warnings[:] = [w for w in plan.warnings if GGUF_GRID_NOTE not in w]
+            plan.warnings[:] = [w for w in plan.warnings if GGUF_GRID_NOTE not in w and GGUF_STACK_NOTE not in w]
         elif floats:  # (not refused: written as floats)
             plan.warnings[:] = [w.replace(GGUF_GRID_REFUSED, GGUF_GRID_STORED) for w in plan.warnings]
 
