@@ -130,6 +130,21 @@ def _read_config(checkpoint: Path, out_dir: Path, eight_bit_format: str) -> Dict
     return config
 
 
+def _file_module_names(model: nn.Module, keys: List[str], tensor_name: Callable[[str], str]) -> Callable[[str], str]:
+    """A loaded module's name as the file's tensors name its layer: the checkpoint's name (transformers 5 loads
+    Mixtral's ``block_sparse_moe.experts.<e>.w1`` as ``mlp.experts``: the config's targets and ignore list named
+    layers no tensor of the file has), then ``tensor_name``'s (the family's runtime's)."""
+    from ..model.checkpoint_map import checkpoint_names
+
+    stored = {name: key for key, name in checkpoint_names(model, keys).items()}
+
+    def rename(module: str) -> str:
+        key = stored.get(f"{module}.weight", "")
+        return tensor_name(key[: -len(".weight")] if key.endswith(".weight") else module)
+
+    return rename
+
+
 def _copy_side_files(checkpoint: Path, out_dir: Path) -> List[str]:
     """Copy the checkpoint directory's files other than weights and config.json (tokenizer, generation config,
     ...) into ``out_dir``; returns their names."""
@@ -232,7 +247,8 @@ def export_compressed_tensors(
     quantized_modules = {e.module for e in by_key.values()}
     family = family_of_model(model)
     # (the names vLLM's loader for the family reads: GraniteMoE's experts are Mixtral's w1/w3/w2 there)
-    rename = family.compressed_tensors_name if family is not None else str
+    tensor_name = family.compressed_tensors_name if family is not None else str
+    rename = _file_module_names(model, keys, tensor_name)
     experts = [m for m in quantized_modules if ".experts." in m]
     if experts and family is not None and not family.transformers_reads_split_experts:
         warnings.append(f"transformers' {family.title} model reads its experts fused only: from_pretrained loads "
@@ -260,7 +276,7 @@ def export_compressed_tensors(
     layout, info = tensor_layout(keys, src, by_key, dyn_inputs, module_fmt, module_args, kv, transforms)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.safetensors"
-    write_tensors(path, layout, info, keys, src, by_key, dyn_inputs, kv, transforms, progress, rename)
+    write_tensors(path, layout, info, keys, src, by_key, dyn_inputs, kv, transforms, progress, tensor_name)
 
     config["quantization_config"] = qconfig
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n",
@@ -280,7 +296,7 @@ def export_compressed_tensors(
         "bytes_written": path.stat().st_size,
         "files_copied": copied,
         "warnings": warnings,
-        "names": {e.name: rename(names[e.name]) for e in linear},
+        "names": {e.name: tensor_name(names[e.name]) for e in linear},
     }
 
 
