@@ -149,3 +149,19 @@ def test_sequential_on_a_model_it_cannot_walk_is_refused_before_the_plan_line(tm
                            "--sequential", "-o", tmp_path / "o")
     assert code == 2 and "GPT2LMHeadModel is not one" in err and "plan:" not in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_gpt2_is_a_causal_lm(tmp_path):
+    """GPT2LMHeadModel is not named ...ForCausalLM: report and eval gave it an output cosine instead of perplexity
+    and KL, refused --max-ppl-increase, and its text was cut into paragraphs instead of windows."""
+    from qtool.model.load import causal_lm_class
+
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    assert causal_lm_class(transformers.GPT2LMHeadModel(cfg)) and not causal_lm_class(transformers.GPT2Model(cfg))
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    save_file({"input_ids": torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))},
+              tmp_path / "ids.safetensors")
+    assert run_cli("calibrate", tmp_path / "gpt2", "-c", "w8a16", "-o", tmp_path / "o", "--quiet")[0] == 0
+    code, out, err = run_cli("report", tmp_path / "gpt2", "-e", tmp_path / "o" / "encodings.json", "--data",
+                             tmp_path / "ids.safetensors", "--max-ppl-increase", "50", "--json")
+    assert code == 0 and json.loads(out)["end_to_end"]["perplexity_float"] > 1, err

@@ -12,6 +12,7 @@ Kinds of checkpoint (``detect_kind``):
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import pickle
@@ -57,11 +58,25 @@ def causal_lm_class(model) -> bool:
     Whisper is not): for a model with no checkpoint kind yet (a meta-device skeleton, which is always a Hugging
     Face one); a loaded model asks :attr:`LoadedModel.is_causal_lm`."""
     name = type(model).__name__
-    if name.endswith("ForCausalLM"):
+    if name.endswith("ForCausalLM") or name in _causal_lm_names():
         return True
     config = getattr(model, "config", None)
     return (name.endswith("ForConditionalGeneration") and config is not None
             and not getattr(config, "is_encoder_decoder", False) and hasattr(config, "text_config"))
+
+
+@functools.lru_cache(maxsize=1)
+def _causal_lm_names() -> frozenset:
+    """transformers' causal LM classes not named ``...ForCausalLM`` (GPT-2's ``GPT2LMHeadModel``, read as another
+    kind of model: eval and report gave it an output cosine instead of perplexity and refused its gates)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return frozenset()
+    names = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update(value if isinstance(value, (tuple, list)) else (value,))
+    return frozenset(n for n in names if not n.endswith("ForConditionalGeneration"))  # (the rule below's)
 
 
 def decoder_stack(model) -> Optional[Tuple[str, nn.Module]]:
