@@ -131,12 +131,15 @@ def _read_config(checkpoint: Path, out_dir: Path, eight_bit_format: str) -> Dict
 
 
 def _file_module_names(model: nn.Module, keys: List[str], tensor_name: Callable[[str], str]) -> Callable[[str], str]:
-    """A loaded module's name as the file's tensors name its layer: the checkpoint's name (transformers 5 loads
-    Mixtral's ``block_sparse_moe.experts.<e>.w1`` as ``mlp.experts``: the config's targets and ignore list named
-    layers no tensor of the file has), then ``tensor_name``'s (the family's runtime's)."""
+    """A loaded module's name as the config names its layer, then ``tensor_name``'s (the family's runtime's): an
+    expert's as the file's tensors name it, the checkpoint's (transformers 5 loads Mixtral's
+    ``block_sparse_moe.experts.<e>.w1`` fused as ``mlp.experts``, so qtool's per-expert modules are named by no
+    runtime: the targets named 48 expert layers no tensor of the file has, where vLLM's Mixtral reads the
+    checkpoint's names); any other layer's as transformers loads it (its reload matches targets to its modules:
+    LLaVA's ``model.language_model``, stored as ``language_model.model``)."""
     from ..model.checkpoint_map import checkpoint_names
 
-    stored = {name: key for key, name in checkpoint_names(model, keys).items()}
+    stored = {name: key for key, name in checkpoint_names(model, keys).items() if ".experts." in name}
 
     def rename(module: str) -> str:
         key = stored.get(f"{module}.weight", "")
