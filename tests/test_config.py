@@ -267,6 +267,20 @@ def test_a_rule_that_later_rules_undo_everywhere_is_a_warning(layers, warned):
     assert [warned in w for w in _shadowed(plan)] == ([True] if warned else []), plan.warnings
 
 
+@pytest.mark.parametrize("rest, warned", [
+    ("layers:\n  - match: 'blocks.0.*'\n    weights: {bitwidth: 4}\nignore: ['blocks.0.*']\n", True),
+    ("layers:\n  - match: 'blocks.*'\n    weights: {bitwidth: 4}\nignore: ['blocks.0.*']\n", False),  # (kept on 1)
+    ("layers:\n  - match: 'blocks.0.*'\n    weights: {bitwidth: 4}\nignore: ['blocks.1.*']\n", False),
+])
+def test_a_rule_that_ignore_undoes_everywhere_is_a_warning(rest, warned):
+    """A rule whose every module ignore removes changed nothing, silently, where a rule a later one undoes is a
+    warning and one that matches nothing an error."""
+    plan = plan_of("version: 1\n" + rest)
+    said = [w for w in plan.warnings if "every module it reaches is in ignore" in w]
+    assert said == ([f"r.yaml: layers[0] (match 'blocks.0.*'): every module it reaches is in ignore (which removes "
+                     "modules after every rule), so it changes nothing"] if warned else []), plan.warnings
+
+
 def test_shipped_recipes_have_no_rule_that_changes_nothing():
     for path in sorted(CONFIGS.glob("*.yaml")):
         recipe = load_recipe(path)

@@ -329,6 +329,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     shadowed_by: Dict[Tuple[int, str], int] = {}  # (rule, field) -> a later rule that set again what it set
     read_directly = _weights_read_directly([("", model), *named])
     read_float: List[Tuple[str, str]] = []  # (module, its parent's class) of weights left float for that
+    kept: set = set()  # rules that reach a module ignore leaves in
+    only_ignored: set = set()  # rules that reach an ignored module (those not in kept reach nothing else)
     for name, module in named:
         tname = exported_types.get(name, type(module).__name__)
         tnames = (tname,) if name in exported_types else _type_names(module)
@@ -352,6 +354,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         # a mixture-of-experts router that is a Linear (Llama 4's): float by default, as every other family's
         router = _is_router(name, module, tname, experts)
         applied: List[Tuple[int, str]] = []  # (rule, "weights" / "activations") in rule order
+        reached: List[int] = []  # the rules that reach this module
         opted_in = False  # a type rule that set neither field took the defaults for it
         for i, rule in enumerate(recipe.layers):
             if rule.match is not None and not any(name_matches(rule.match, n) for n in names):
@@ -380,6 +383,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             if not (w_cand or a_cand):
                 continue  # a name pattern only refines modules that can be quantized
             used[i] = True
+            reached.append(i)
             weighted[i] = weighted[i] or isinstance(getattr(module, "weight", None), nn.Parameter)
             if tower and rule.match is not None and not rule.model_fields_set & {"weights", "activations"}:
                 opted_in = True  # (a pattern naming a media tower's layers quantizes them with the defaults)
@@ -400,6 +404,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                     token_inputs[i] = token_inputs[i] or (a_spec.inputs and takes_ids)
         if w_cand:
             candidates.add(name)
+        for i in reached:
+            (only_ignored if ignored else kept).add(i)
         if not ignored:  # (under a mix a weight starts from its mix type, which a null resets as well)
             _note_shadows(recipe.layers, applied, effective, shadowed_by, mix is not None and w_cand)
         if (tower or router) and rule_w is None and rule_a is None and not opted_in and not ignored:
@@ -481,6 +487,9 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
             plan.warnings.append(f"{source}: layers[{i}] ({_selector(recipe.layers[i])}): its {field} change nothing: "
                                  f"layers[{j}] (later rules win) sets them again on every module it reaches; put the "
                                  "narrower rule after the broader one")
+    for i in sorted(only_ignored - kept):
+        plan.warnings.append(f"{source}: layers[{i}] ({_selector(recipe.layers[i])}): every module it reaches is in "
+                             "ignore (which removes modules after every rule), so it changes nothing")
     kv_layers = set(attention_modules(named)) if recipe.kv_cache is not None else set()  # (ignore keeps a cache float)
     for j, pat in enumerate(recipe.ignore):
         problem = _ignore_problem(pat, ignore_named[j], ignore_removed[j], named, exported_types,
