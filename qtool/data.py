@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .errors import DataError, UsageError, not_utf8
+from .errors import DataError, UsageError, not_utf8, out_of_memory
 
 __all__ = ["Batch", "CalibrationData", "load_data", "data_files", "text_samples", "TENSOR_SUFFIXES", "TEXT_SUFFIXES"]
 
@@ -393,7 +393,10 @@ def longest_sample(batches) -> int:
 
 def model_rejected(err: BaseException) -> bool:
     """Whether ``err``, raised by a model's forward, says the data does not fit the model (a shape, dtype or index
-    the model cannot take, or an input it needs that the data does not give: ``None.shape``)."""
+    the model cannot take, or an input it needs that the data does not give: ``None.shape``); running out of memory
+    is not the data's fault."""
+    if out_of_memory(err):
+        return False
     if isinstance(err, AttributeError):  # (raised by the model's own code, not by qtool's hooks: a bug there)
         tb = err.__traceback__
         while tb is not None and tb.tb_next is not None:

@@ -59,3 +59,14 @@ def not_utf8(name: str) -> Optional[str]:
     except UnicodeEncodeError:
         return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     return None
+
+
+_OUT_OF_MEMORY = ("can't allocate memory", "Cannot allocate memory", "out of memory")
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` says the process ran out of memory (Python's MemoryError, torch's CPU allocator or an mmap
+    failing with ENOMEM, CUDA's OutOfMemoryError): the machine's limit, not the data's fault nor qtool's bug."""
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(err, RuntimeError) and any(s in str(err) for s in _OUT_OF_MEMORY)

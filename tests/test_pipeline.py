@@ -1019,3 +1019,44 @@ def test_a_library_callers_options_are_checked_at_the_jobs_edge(tmp_path, mlp_ck
     assert not out.exists()
     good = CalibrateOptions(data=mlp_data, model_class=MLP, num_samples=8)
     assert run_calibrate(mlp_ckpt, CONFIGS / "w8a8.yaml", out, good)["files"]  # Paths where strings are declared
+
+
+def test_running_out_of_memory_is_said_as_such(tmp_path, mlp_ckpt, mlp_data):
+    """torch's CPU allocator failing mid-calibration read "the model rejected the data" (a user then looks at the
+    data); an mmap failing with ENOMEM was an internal error, exit 3."""
+    from qtool.errors import out_of_memory
+
+    code, _, err = run_cli("calibrate", mlp_ckpt, "--config", CONFIGS / "w8a8.yaml", "--out", tmp_path / "run2",
+                           "--model-class", "tests.tinymodels:out_of_memory", "--data", mlp_data)
+    assert code == 2 and error_lines(err)[-1].startswith("error: out of memory ([enforce fail at alloc_cpu.cpp:127]") \
+        and "rejected the data" not in err and "a smaller --batch-size" in err, err
+    assert not (tmp_path / "run2").exists()
+    assert out_of_memory(RuntimeError("unable to mmap 26357560 bytes from file <m.safetensors>: Cannot allocate "
+                                      "memory (12)")) and out_of_memory(MemoryError())
+    assert not out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
+
+
+def test_an_export_whose_calibration_is_replaced_while_it_reads_is_refused(tmp_path, mlp_ckpt, mlp_data):
+    """calibrate --overwrite into the directory an export was reading: exit 0, one calibration's codes under the
+    other's scales, and a manifest naming the second's encodings.json."""
+    import os
+    import shutil
+
+    from qtool.errors import UsageError
+    from qtool.hooks import Hooks
+    from qtool.pipeline import ExportOptions, run_export
+
+    assert calibrate(mlp_ckpt, tmp_path / "a", "w8a8.yaml", mlp_data)[0] == 0
+    assert calibrate(mlp_ckpt, tmp_path / "b", "w8a8.yaml", mlp_data, "--num-samples", "8", "--seed", "1")[0] == 0
+
+    def replace(done, total, name):  # (as calibrate --overwrite publishes: a rename over the old file)
+        if done == 1:
+            shutil.copy(tmp_path / "b/encodings.json", tmp_path / "a/new.json")
+            os.replace(tmp_path / "a/new.json", tmp_path / "a/encodings.json")
+
+    with pytest.raises(UsageError, match=r"a/encodings.json: replaced while the export read it"):
+        run_export(str(mlp_ckpt), str(tmp_path / "a/encodings.json"), str(tmp_path / "x"),
+                   ExportOptions(model_class=MLP), hooks=Hooks(on_tensor=replace))
+    assert not (tmp_path / "x").exists()
+    assert run_export(str(mlp_ckpt), str(tmp_path / "a/encodings.json"), str(tmp_path / "x"),
+                      ExportOptions(model_class=MLP))["files"]

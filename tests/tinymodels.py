@@ -286,3 +286,15 @@ class _Base(nn.Module):
 class Derived(_Base):
     def reset(self):
         torch.nn.init.normal_(self.fc.weight)
+
+
+class _RunsOutOfMemory(nn.Sequential):
+    def forward(self, x):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 201326592 bytes. Error code 12 (Cannot allocate memory)")
+
+
+def out_of_memory() -> nn.Module:
+    """mlp()'s weights in a model whose forward meets torch's CPU allocator failing (a memory limit mid-run)."""
+    torch.manual_seed(0)
+    return _RunsOutOfMemory(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))

@@ -305,6 +305,13 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         fail(2, f"error: {where}{e.strerror or e} ({_written()})")  # (every rank says its own: a rank's own disk)
     except Exception as e:  # an internal error: one line, the traceback in a log file
         interrupted()
+        from ..errors import cut, out_of_memory
+
+        if out_of_memory(e):  # (the machine's limit, not a bug: exit 2, as a full disk is)
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            fail(2, f"error: out of memory ({cut(first, 160)}): a smaller --batch-size or --num-samples, --sequential "
+                    f"(calibrate, quantize: one decoder block at a time), or a machine with more memory "
+                    f"({_written()})")
         # an optional package not installed: the environment, not a bug (the package itself missing: not a name
         # it lacks, nor one of its modules, which say another version)
         extra = _EXTRAS.get(getattr(e, "name", None) or "") if isinstance(e, ModuleNotFoundError) else None

@@ -325,6 +325,32 @@ def _tensor_bytes(path: Path) -> int:
     return path.stat().st_size
 
 
+_RUN_FILES = ("encodings.json", "encodings.safetensors", "codes.safetensors", "manifest.json")
+
+
+def _identities(encodings: Path) -> Dict[str, Any]:
+    """Each file of the calibration an export reads (the encodings, their sidecar, the codes, the manifest): which
+    file it is and its size and time (None where there is none)."""
+    out: Dict[str, Any] = {}
+    for path in [encodings] + [encodings.parent / n for n in _RUN_FILES if n != encodings.name]:
+        try:
+            st = path.stat()
+            out[str(path)] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            out[str(path)] = None
+    return out
+
+
+def _check_unchanged(before: Dict[str, Any], after: Dict[str, Any]) -> None:
+    """Refuse an export whose calibration files were replaced while it read them (another run's ``--overwrite``
+    into that directory): its codes could be one calibration's and its scales another's, under a manifest naming
+    the second."""
+    changed = [p for p in before if before[p] != after.get(p)]
+    if changed:
+        raise UsageError(f"{changed[0]}: replaced while the export read it (another run wrote that directory?), so "
+                         "the file could mix two calibrations: export again once that run is done")
+
+
 @one_at_a_time
 def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[ExportOptions] = None,
                overwrite: bool = False, hooks: Optional[Hooks] = None) -> Dict[str, Any]:
@@ -335,10 +361,12 @@ def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[E
     check_model_class(Path(checkpoint), eopts.model_class)
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, encodings=encodings_path, data=eopts.data))
     # the integer export reads each weight's block encodings from the sidecar when it gets to that weight
+    before = _identities(Path(encodings_path))
     enc = EncodingsFile.read(encodings_path, lazy=exporter.lazy_encodings)
     with atomic_output_dir(Path(out), overwrite) as tmp:
         summary = _export_into(checkpoint, enc, Path(encodings_path), tmp, eopts, hooks,
                                same_weights=True, allow_other=eopts.allow_other_checkpoint)
+        _check_unchanged(before, _identities(Path(encodings_path)))
     summary["files"] = [str(Path(out) / n) for n in summary.pop("outputs")]
     return summary
 
