@@ -443,7 +443,7 @@ def test_held_out_data_quantize_cannot_evaluate_is_refused_before_calibrating(mo
 
 def test_gate_values_are_checked_before_anything_runs(tmp_path):
     (tmp_path / "x.txt").write_text("some text")
-    for args, needle in ((("--max-ppl-increase", "-1"), "--max-ppl-increase must be a percentage >= 0"),
+    for args, needle in ((("--max-ppl-increase", "-100"), "--max-ppl-increase must be a percentage above -100"),
                          (("--min-cosine", "2"), "--min-cosine must be from -1 to 1"),
                          (("--max-kl", "nan"), "--max-kl must be a finite number"),
                          (("--onnx-optimization", "most"), "--onnx-optimization must be one of all, basic, off")):

@@ -18,15 +18,17 @@ from .output import _Progress, _print_eval
 
 
 def _check_gate_values(**gates: Optional[float]) -> None:
-    """The gate flags that are set (``{"--flag": value}``) are finite; a perplexity increase, a KL and an export gap
-    are >= 0, an agreement within [0, 1] and a cosine within [-1, 1]."""
+    """The gate flags that are set (``{"--flag": value}``) are finite; a perplexity increase above -100 % (a
+    negative one asks for a perplexity that falls, which a model can meet or fail), a KL and an export gap >= 0, an
+    agreement within [0, 1] and a cosine within [-1, 1]."""
     from ..errors import UsageError
 
     for flag, value in gates.items():
         if value is not None and not math.isfinite(value):
             raise UsageError(f"{flag} must be a finite number (got {value})")
-    if (gates.get("--max-ppl-increase") or 0) < 0:
-        raise UsageError("--max-ppl-increase must be a percentage >= 0")
+    if (gates.get("--max-ppl-increase") or 0) <= -100:
+        raise UsageError(f"--max-ppl-increase must be a percentage above -100, as a perplexity falls by less "
+                         f"(got {gates['--max-ppl-increase']:g})")
     for flag in ("--max-kl", "--max-export-gap"):
         if (gates.get(flag) or 0) < 0:
             raise UsageError(f"{flag} must be >= 0, as a divergence is (got {gates[flag]})")
