@@ -412,9 +412,14 @@ def main(argv=None):
                          "file stores it (the main figure runs it on the float table, as a GGUF file stores it)")
     ap.add_argument("--only", default=None, help="comma-separated substrings: run only recipes whose label has one")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.models.split(",")) - {"minilm", "smollm2", "efficientnet"})
+    if unknown:  # (a typo ran nothing and wrote a file of versions alone, exit 0)
+        ap.error(f"--models: unknown {', '.join(unknown)} (minilm, smollm2, efficientnet)")
     torch.manual_seed(0)
     only = args.only.split(",") if args.only else None
-    results = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    from qtool.provenance import versions
+
+    results = {**versions(), "threads": torch.get_num_threads()}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if "minilm" in args.models:

@@ -129,9 +129,9 @@ def _timed(fn) -> float:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", default="bench/results/analyzer_speed.json")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "analyzer_speed.json"))
     ap.add_argument("--breakdown", action="store_true", help="also time the SQNR search phase by phase")
-    args, _ = ap.parse_known_args(argv)
+    args = ap.parse_args(argv)
     result = run(args.repeats)
     if args.breakdown:
         result["sqnr_breakdown"] = sqnr_breakdown()

@@ -321,10 +321,10 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="bench/results/calibrate_overhead.json")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "calibrate_overhead.json"))
     ap.add_argument("--phases", action="store_true",
                     help="only the MLP whole process's time per phase, qtool beside the float script (medians)")
-    args, _ = ap.parse_known_args(argv)
+    args = ap.parse_args(argv)
     if args.phases:
         rows = phase_rows(max(args.repeats, 5))
         print(f"{'side':<8}{'phase':<48}{'median s':>10}")

@@ -34,6 +34,12 @@ from qtool.model.insert import insert_quantizers  # noqa: E402
 
 
 def main() -> int:
+    if len(sys.argv) > 1:  # (no options: --help ran the benchmark)
+        print(__doc__.strip(), file=sys.stderr if sys.argv[1:] not in (["-h"], ["--help"]) else sys.stdout)
+        return 0 if sys.argv[1:] in (["-h"], ["--help"]) else 2
+    if not torch.cuda.is_available():
+        print("no CUDA device: this probe measures CUDA graphs on a GPU", file=sys.stderr)
+        return 2
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(64, 1024, generator=g).to(dev) for _ in range(32)]

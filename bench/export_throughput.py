@@ -121,7 +121,13 @@ def _job_engine(ckpt: str, out: str, repeats: int, recipes: List[str]) -> None:
     variants = [(f"{n} threads (torch's = qtool's default)", 0, False), ("1 thread (QTOOL_EXPORT_THREADS=1)", 1, False),
                 (f"{n} threads + read-ahead thread", 0, True)]
     result = {}
-    orig_cls, orig_threads = integer.CheckpointTensors, integer.THREADS
+    # the export opens the checkpoint through open_checkpoint (a CheckpointTensors where no experts are fused, as
+    # here): the read-ahead variant opens a _ReadAhead instead
+    orig_open, orig_threads = integer.open_checkpoint, integer.THREADS
+
+    def read_ahead(path, trust_pickle=False, **kw):
+        return _ReadAhead(path, trust_pickle)
+
     for recipe in recipes:
         enc, cal_s = encs[recipe]
         times: Dict[str, List[float]] = {v[0]: [] for v in variants}
@@ -132,13 +138,13 @@ def _job_engine(ckpt: str, out: str, repeats: int, recipes: List[str]) -> None:
                 d.mkdir(parents=True)
                 scale.evict(Path(ckpt))
                 integer.THREADS = threads
-                integer.CheckpointTensors = _ReadAhead if ahead else orig_cls
+                integer.open_checkpoint = read_ahead if ahead else orig_open
                 try:
                     t = time.perf_counter()
                     integer.export_integer(Path(ckpt), enc, d, max_shard_bytes=None)
                     times[name].append(time.perf_counter() - t)
                 finally:
-                    integer.CheckpointTensors, integer.THREADS = orig_cls, orig_threads
+                    integer.open_checkpoint, integer.THREADS = orig_open, orig_threads
         result[recipe] = {"encodings_s": cal_s, "variants": times}
     shutil.rmtree(Path(out) / "x", ignore_errors=True)
     print(json.dumps(result))
@@ -240,7 +246,7 @@ def main(argv=None) -> Dict[str, object]:
     ap.add_argument("--params", type=float, default=2.5e8, help="synthetic checkpoint size (default 2.5e8: ~0.5 GB)")
     ap.add_argument("--repeats", type=int, default=1, help="alternated runs of each export_integer variant")
     ap.add_argument("--out", default=str(HERE / "results" / "export_throughput.json"))
-    args, _ = ap.parse_known_args(argv)
+    args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="qtool-export-bench-"))
     try:
         t0 = time.perf_counter()

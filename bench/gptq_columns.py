@@ -81,6 +81,9 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=int, default=1, help="divide every layer dimension by this (a quick look)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/gptq_columns.json"))
     args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device: run on a GPU, or with --device cpu (--scale 8 keeps it short)", file=sys.stderr)
+        return 2
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     # warm-up: cuBLAS/cuSOLVER handles and the first graph capture are not the loop's cost

@@ -20,9 +20,13 @@ def _load(name: str):
 
 
 def main() -> None:
-    argv = [a for a in sys.argv[1:] if a != "--scale"]
+    argv = sys.argv[1:]
+    if argv and argv != ["--scale"]:  # (each bench reads its own flags: passed to all four, --out X had each
+        print(__doc__.strip() + "\n\nusage: run.py [--scale]  (each bench's own options: python bench/NAME.py --help)",
+              file=sys.stderr if argv not in (["-h"], ["--help"]) else sys.stdout)  # overwrite the same file X)
+        sys.exit(0 if argv in (["-h"], ["--help"]) else 2)
     for name in BENCHES:
-        _load(name).main(argv)
+        _load(name).main([])
         print()
     if "--scale" in sys.argv[1:]:
         _load("scale").main([])
