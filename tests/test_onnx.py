@@ -228,8 +228,10 @@ def test_a_causal_lm_traced_on_token_ids_alone(tmp_path):
     save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
     code, out, err = run_cli("quantize", checkpoint, "-c", "w8a16", "-o", tmp_path / "q", "--format", "onnx",
                              "--data", tmp_path / "ids.safetensors", "--json")
-    assert code == 0, err
+    assert code == 0 and "tokens only" not in err, err  # (a graph that runs at any length keeps its axis)
     assert json.loads(out)["onnx_inputs"] == ["input_ids", "attention_mask"]
+    assert [d.dim_param for d in onnx.load(str(tmp_path / "q/model.onnx")).graph.input[0].type.tensor_type.shape.dim] \
+        == ["batch", "sequence"]
     model = qtool.load_calibrated(checkpoint, tmp_path / "q/calibration/encodings.json")
     with torch.no_grad():
         want = model(input_ids=ids[:2]).logits.numpy()
@@ -424,3 +426,24 @@ def test_integer_2d_tiles_are_refused_before_calibrating(mlp_world, tmp_path):
                            "--data", mlp_world / "data.safetensors")
     assert code == 2 and line in err and "internal error" not in err, err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_graph_that_runs_at_the_traced_length_only_says_so(tmp_path):
+    """Mamba's slow path loops over the tokens; the trace unrolled it, so the file ran at the example's length
+    alone while its inputs were declared of any length (exit 0, no word; onnxruntime failed at 64 tokens)."""
+    import onnx
+    import transformers
+
+    cfg = transformers.MambaConfig(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=1, expand=2,
+                                   conv_kernel=4)
+    torch.manual_seed(0)
+    transformers.MambaForCausalLM(cfg).save_pretrained(tmp_path / "mamba")
+    save_file({"input_ids": torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))},
+              tmp_path / "ids.safetensors")
+    assert run_cli("calibrate", tmp_path / "mamba", "-c", "w8a16", "-o", tmp_path / "run", "--quiet")[0] == 0
+    code, _, err = run_cli("export", tmp_path / "mamba", "-e", tmp_path / "run/encodings.json", "-o", tmp_path / "x",
+                           "--format", "onnx", "--data", tmp_path / "ids.safetensors", "--seq-len", "12")
+    assert code == 0 and "the traced graph runs at 12 tokens only" in err, err
+    dims = [[d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim]
+            for i in onnx.load(str(tmp_path / "x/model.onnx")).graph.input]
+    assert dims and all(d[1] == 12 for d in dims), dims

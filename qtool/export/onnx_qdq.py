@@ -175,8 +175,53 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
     warnings_ = [] if not left else [  # (a recipe's rule that opted an image encoder in, traced on text)
         f"{len(left)} quantizer(s) are not in the ONNX graph, which holds what the example batch ran (a multimodal "
         f"model's image encoder, say, does not run on text): {', '.join(left[:3])}" + (" ..." if len(left) > 3 else "")]
+    fixed = _traced_length_only(path, flat_inputs, input_names, dynamic_axes)
+    if fixed is not None:
+        _fix_sequence_dims(proto, fixed)
+        onnx.save(proto, str(path))
+        warnings_.append(f"the traced graph runs at {fixed} tokens only (the model loops over its tokens, as Mamba's "
+                         "scan does, and the trace unrolled the loop): its inputs and outputs are declared of that "
+                         "length; pad or cut inputs to it, or export with --seq-len set to the length you serve")
     return {"onnx_opset": final_opset, "qdq_opset_needed": opset_q, "quantizers": len(names), "names": names,
             "onnx_inputs": input_names, "onnx_outputs": output_names, "warnings": warnings_}
+
+
+def _traced_length_only(path: Path, inputs, names, dynamic_axes) -> Optional[int]:
+    """The example's sequence length where the written graph fails at another one (a loop over the tokens that the
+    trace unrolled), or None: it runs there, it has no sequence axis, or onnxruntime (an optional package) is not
+    installed to ask."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    seq = {n: ax for n, axes in dynamic_axes.items() for ax, label in axes.items() if label == "sequence"}
+    lengths = {int(t.shape[seq[n]]) for n, t in zip(names, inputs) if n in seq}
+    if len(lengths) != 1 or min(lengths) < 3:
+        return None
+    length = lengths.pop()
+    feeds = {n: (t.narrow(seq[n], 0, length - 1) if n in seq else t).detach().cpu().contiguous().numpy()
+             for n, t in zip(names, inputs)}
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 4
+    try:
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception:  # (a graph onnxruntime does not load at all is eval's to report)
+        return None
+    try:
+        with _captured_fds():
+            session.run(None, feeds)
+    except Exception:
+        return length
+    return None
+
+
+def _fix_sequence_dims(proto, length: int) -> None:
+    """Every graph input's and output's ``sequence`` dimension declared as ``length``."""
+    for value in list(proto.graph.input) + list(proto.graph.output):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param == "sequence":
+                dim.dim_value = length
 
 
 def _check_initializers(proto) -> None:
