@@ -788,3 +788,19 @@ def test_compressed_tensors_targets_name_the_layers_its_tensors_name(tmp_path):
     assert len(targets) == 8 + 2 * 8 * 3 - 3 and all(any(re.fullmatch(t, n) for n in layers) for t in targets)
     assert "model.layers.1.block_sparse_moe.experts.2.w1" in config["ignore"]
     assert all(n in layers for n in config["ignore"] if n != "lm_head")
+
+
+def test_eval_of_experts_the_export_quantized_apart_names_the_file_not_the_runtime(tmp_path):
+    """One expert ignored: the export warned that no runtime loads the file, then eval called it "a limit of the
+    runtime, not the file"."""
+    checkpoint, ids = _saved(tmp_path, "mixtral")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, block_size: 16}\n"
+                      "  activations: null\nignore: [lm_head, 're:.*\\.experts\\.3\\..*']\n")
+    code, _, err = run_cli("quantize", checkpoint, "-c", recipe, "-o", tmp_path / "ct", "--format",
+                           "compressed-tensors")
+    assert code == 0 and "neither loads it" in err, err
+    code, _, err = run_cli("eval", tmp_path / "ct", "--data", ids, "--seq-len", 32, "--num-samples", 4, "--generate",
+                           0)
+    assert code == 2 and "transformers cannot load its experts, which the export quantized apart (vLLM and " \
+        "transformers: " in err and "limit of the runtime" not in err, err

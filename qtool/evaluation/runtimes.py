@@ -184,6 +184,11 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
             # where it found no expert to concatenate: Jamba's)
             if any(m in str(e) for m in ("ignore_mismatched_sizes", "automatic conversion of the weights")) and \
                     _experts_apart(directory):
+                mixed = _experts_quantized_apart(directory)
+                if mixed is not None:  # (the file's own doing, which its export said: not the runtime's limit)
+                    raise UsageError(f"{directory}: transformers cannot load its experts, which the export "
+                                     f"quantized apart ({mixed}); calibrate a projection's experts alike (one "
+                                     "rule), or evaluate qtool's own format of the same calibration") from None
                 # (its "above report" is transformers' own log: the message alone names nothing)
                 raise UsageError(f"{directory}: transformers cannot load its experts: {_EXPERTS_FUSED}: a limit "
                                  "of the runtime, not the file; evaluate qtool's own format of the same "
@@ -275,6 +280,19 @@ def _fused_experts(model) -> bool:
     from ..model.experts import fused_layout
 
     return any(fused_layout(m) is not None for m in model.modules())
+
+
+def _experts_quantized_apart(directory: Path) -> Optional[str]:
+    """The export's warning that it quantized one fused layer's experts with more than one scheme (or partly float),
+    from the directory's manifest.json, or None."""
+    from ..io.jsonfile import read_json_object
+
+    try:
+        summary = read_json_object(directory / "manifest.json", UsageError, "manifest").get("summary") or {}
+    except (UsageError, OSError):
+        return None
+    warnings = summary.get("export_warnings") if isinstance(summary, dict) else None
+    return next((w for w in warnings or () if isinstance(w, str) and "and transformers:" in w), None)
 
 
 def _experts_apart(directory: Path, pattern: str = r"\.experts\.\d+\.") -> bool:
