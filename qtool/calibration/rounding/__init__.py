@@ -69,9 +69,10 @@ def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module
         if expert not in into:
             into.append(expert)
     for experts, what in (
-            (learned, "those layers' ranges were searched unweighted, and signround learned their rounding from those "
-                      "few tokens alone ("),
-            (short, "those layers' weights were chosen without data (round-to-nearest on an unweighted range; ")):
+            (learned, "those layers' ranges were searched without their inputs' importances, and signround learned "
+                      "their rounding from those few tokens alone ("),
+            (short, "those layers' weights were chosen without data (round-to-nearest on a range searched without "
+                    "their inputs' importances: a magnitude weighting stays; ")):
         if experts and warnings is not None:
             named = ", ".join(experts[:4]) + (f" and {len(experts) - 4} more" if len(experts) > 4 else "")
             warnings.append(f"{len(experts)} expert(s) saw fewer calibration tokens than a layer's input width: "
