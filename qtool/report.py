@@ -142,7 +142,7 @@ def tied_notes(model: nn.Module) -> List[str]:
     notes = []
     for tensor, quantizing, other in tied_one_way(model):
         note = (f"{other} computes with {tensor} (tied), which the encodings quantize for {quantizing} only: "
-                f"measured with {other} on the float tensor, as a GGUF file stores it")
+                f"measured with {other} on the float tensor, as a file storing the layer apart holds it (GGUF, ONNX)")
         if quantizing == tensor.rpartition(".")[0]:  # (the table the checkpoint stores: one tensor in a qtool file)
             note += "; a qtool file holds the one quantized tensor for both (qtool eval FILE measures that)"
         notes.append(note)

@@ -165,3 +165,12 @@ def test_gpt2_is_a_causal_lm(tmp_path):
     code, out, err = run_cli("report", tmp_path / "gpt2", "-e", tmp_path / "o" / "encodings.json", "--data",
                              tmp_path / "ids.safetensors", "--max-ppl-increase", "50", "--json")
     assert code == 0 and json.loads(out)["end_to_end"]["perplexity_float"] > 1, err
+
+
+def test_a_tied_table_warning_names_gguf_only_for_a_family_it_writes(tmp_path):
+    """GPT-2's warning advised --format gguf, which then refused: model_type 'gpt2' has no GGUF export."""
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    assert run_cli("calibrate", tmp_path / "gpt2", "-c", "w8a16", "-o", tmp_path / "o", "--quiet")[0] == 0
+    code, _, err = run_cli("export", tmp_path / "gpt2", "-e", tmp_path / "o/encodings.json", "-o", tmp_path / "x")
+    assert code == 0 and "export with --format onnx, which stores the layer apart" in err and "gguf" not in err, err

@@ -278,6 +278,7 @@ def _tied_to_a_quantized_table(checkpoint: Path, enc: EncodingsFile, trust_remot
     runtime that ties them computes that layer with the quantized table, not the float one calibration measured."""
     from ..config.resolve import tied_parameters
     from ..io.checkpoint import detect_kind
+    from ..families import family_of_model
     from ..model.hf import hf_name_map, meta_skeleton
 
     if detect_kind(checkpoint) != "hf":
@@ -289,10 +290,12 @@ def _tied_to_a_quantized_table(checkpoint: Path, enc: EncodingsFile, trust_remot
     stored_as = {name: key for key, name in hf_name_map(skeleton, tensor_files(checkpoint)).items()}
     tied = {stored_as.get(later, later): stored_as.get(stored, stored)  # (later name -> the stored one)
             for later, stored in tied_parameters(skeleton).items()}
+    family = family_of_model(skeleton)
+    apart = "gguf or onnx, which store" if family is not None and family.gguf_arch else "onnx, which stores"
     return [f"{later.rsplit('.', 1)[0]} is left float but shares its weight with {stored}, which this file stores "
             f"quantized (once): a runtime that ties them computes {later.rsplit('.', 1)[0]} with the quantized table, "
-            "not the float one calibration measured; keep the table float too (ignore it), or export with --format "
-            "gguf or onnx, which store the layer apart"
+            f"not the float one calibration measured; keep the table float too (ignore it), or export with --format "
+            f"{apart} the layer apart"
             for later, stored in tied.items() if stored in quantized and later not in quantized]
 
 
