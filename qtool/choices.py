@@ -3,6 +3,7 @@ model or library is loaded. Each check raises ``UsageError`` with the choices in
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 from typing import Mapping, Optional, Sequence
@@ -157,7 +158,11 @@ def check_fields(options, minimums: Optional[Mapping[str, int]] = None) -> None:
     import dataclasses
     import typing
 
-    hints = typing.get_type_hints(type(options))
+    try:
+        hints = typing.get_type_hints(type(options))
+    except (NameError, TypeError):  # (a subclass's annotation that does not resolve: its bases' fields are checked)
+        base = next((c for c in type(options).__mro__[1:] if dataclasses.is_dataclass(c)), None)
+        hints = typing.get_type_hints(base) if base is not None else {}
     for f in dataclasses.fields(options):
         value, hint = getattr(options, f.name), hints.get(f.name)
         what = f"{type(options).__name__}.{f.name}"
@@ -185,10 +190,10 @@ def _expected(hint):
 
     if hint is bool:
         return (lambda v: isinstance(v, bool)), "True or False"
-    if hint is int:
-        return (lambda v: isinstance(v, int) and not isinstance(v, bool)), "an integer"
+    if hint is int:  # (NumPy's and torch's integers too: a sweep's np.arange)
+        return (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)), "an integer"
     if hint is float:
-        return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), "a number"
+        return (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)), "a number"
     if hint is str:  # (a path may be a Path)
         return (lambda v: isinstance(v, (str, os.PathLike))), "a string"
     if typing.get_origin(hint) is tuple and typing.get_args(hint)[:1] == (str,):

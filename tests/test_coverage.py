@@ -158,6 +158,12 @@ def test_gpt2_is_a_causal_lm(tmp_path):
 
     cfg = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=2, n_positions=64)
     assert causal_lm_class(transformers.GPT2LMHeadModel(cfg)) and not causal_lm_class(transformers.GPT2Model(cfg))
+    # a masked LM transformers' causal mapping lists is not one (XLM's MLM checkpoints), nor BERT's head unless a decoder
+    xlm = transformers.XLMConfig(vocab_size=64, emb_dim=32, n_layers=1, n_heads=2)
+    bert = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    assert not causal_lm_class(transformers.XLMWithLMHeadModel(xlm))
+    assert not causal_lm_class(transformers.BertLMHeadModel(transformers.BertConfig(**bert)))
+    assert causal_lm_class(transformers.BertLMHeadModel(transformers.BertConfig(**bert, is_decoder=True)))
     transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
     save_file({"input_ids": torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))},
               tmp_path / "ids.safetensors")

@@ -1017,7 +1017,7 @@ def test_a_library_callers_options_are_checked_at_the_jobs_edge(tmp_path, mlp_ck
         else:
             evaluate_artifact(str(tmp_path / "run"), str(mlp_ckpt), None, EvalOptions(**{field: value}))
     assert not out.exists()
-    good = CalibrateOptions(data=mlp_data, model_class=MLP, num_samples=8)
+    good = CalibrateOptions(data=mlp_data, model_class=MLP, num_samples=np.int64(8))  # (a sweep's NumPy integer)
     assert run_calibrate(mlp_ckpt, CONFIGS / "w8a8.yaml", out, good)["files"]  # Paths where strings are declared
 
 
@@ -1029,7 +1029,7 @@ def test_running_out_of_memory_is_said_as_such(tmp_path, mlp_ckpt, mlp_data):
     code, _, err = run_cli("calibrate", mlp_ckpt, "--config", CONFIGS / "w8a8.yaml", "--out", tmp_path / "run2",
                            "--model-class", "tests.tinymodels:out_of_memory", "--data", mlp_data)
     assert code == 2 and error_lines(err)[-1].startswith("error: out of memory ([enforce fail at alloc_cpu.cpp:127]") \
-        and "rejected the data" not in err and "a smaller --batch-size" in err, err
+        and "rejected the data" not in err and "fewer or smaller batches" in err, err
     assert not (tmp_path / "run2").exists()
     assert out_of_memory(RuntimeError("unable to mmap 26357560 bytes from file <m.safetensors>: Cannot allocate "
                                       "memory (12)")) and out_of_memory(MemoryError())

@@ -217,6 +217,7 @@ def prepare_calibration(checkpoint: str, recipe: Recipe, source: str, opts: Cali
     from ..model.load import resolve_device
 
     hooks = hooks or Hooks()
+    opts.check()
     hooks.on_stage("loading checkpoint")
     mode, skeleton, plan = choose_mode(checkpoint, recipe, opts, source)
     if mode == "sequential":

@@ -3,6 +3,7 @@ object with ``--json``), signals that leave nothing half-written, and the consol
 
 from __future__ import annotations
 
+import codecs
 import errno
 import io
 import json
@@ -114,11 +115,16 @@ class _Group(typer.core.TyperGroup):
             try:
                 rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
             except OSError as e:
-                # a command's own errors end inside it (_errors): what gets here is typer's own printing (--help,
-                # --version, a completion script) into a stdout that takes nothing; a traceback before
-                raise _StdoutLost(e.strerror or str(e), isinstance(e, BrokenPipeError)) from None
-            except SystemExit as e:  # (typer's end of a broken pipe it met: stdout wrapped, exit 1, a gate's code)
-                if e.code == 1 and type(sys.stdout).__name__ == "PacifyFlushWrapper":
+                # typer's own printing (--help, --version) into a stdout that takes nothing: a traceback before (a
+                # command's own errors end inside it, in _errors; any other, a completion file it could not write,
+                # stays what it is)
+                if e.filename is None and _printing(e):
+                    raise _StdoutLost(e.strerror or str(e)) from None
+                err.print(_one_line(f"error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}"), markup=False)
+                sys.exit(2)  # (the environment, as a command's own OSError is: a completion file it cannot write)
+            except SystemExit as e:  # (typer's end of a broken pipe it met: exit 1, a failed gate's code)
+                lost = e.__context__
+                if e.code == 1 and isinstance(lost, OSError) and lost.errno == errno.EPIPE:
                     raise _StdoutLost("broken pipe", pipe=True) from None
                 raise
             finally:
@@ -300,6 +306,9 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
         fail(_SIGNAL_EXIT[name], f"interrupted: {name}; {_written()}", speak=not quiet_interrupt)
     except OSError as e:  # a full disk, a read-only directory, a path that vanished: the environment, not a bug
         interrupted()
+        if e.errno == errno.ENOMEM:  # (an mmap of the weights failing)
+            fail(2, f"error: out of memory ({e.filename + ': ' if e.filename else ''}{e.strerror}): fewer or smaller "
+                    f"batches, --sequential for calibrate and quantize, or a machine with more memory ({_written()})")
         dist_rank = getattr(e, "dist_rank", None)
         where = (f"rank {dist_rank}: " if dist_rank is not None else "") + (f"{e.filename}: " if e.filename else "")
         fail(2, f"error: {where}{e.strerror or e} ({_written()})")  # (every rank says its own: a rank's own disk)
@@ -309,9 +318,9 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
 
         if out_of_memory(e):  # (the machine's limit, not a bug: exit 2, as a full disk is)
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            fail(2, f"error: out of memory ({cut(first, 160)}): a smaller --batch-size or --num-samples, --sequential "
-                    f"(calibrate, quantize: one decoder block at a time), or a machine with more memory "
-                    f"({_written()})")
+            fail(2, f"error: out of memory ({cut(first, 160)}): fewer or smaller batches (the command's --batch-size "
+                    f"or --num-samples, where it has them), --sequential for calibrate and quantize (one decoder block "
+                    f"at a time), or a machine with more memory ({_written()})")
         # an optional package not installed: the environment, not a bug (the package itself missing: not a name
         # it lacks, nor one of its modules, which say another version)
         extra = _EXTRAS.get(getattr(e, "name", None) or "") if isinstance(e, ModuleNotFoundError) else None
@@ -406,8 +415,9 @@ def _write_stdout(text: str) -> None:
         raise _StdoutLost("stdout is closed")
     try:
         fd = _stdout_fd()
-        if fd is not None:  # (a real descriptor: every byte accounted for)
-            encoding = sys.stdout.encoding or "utf-8"
+        encoding = sys.stdout.encoding or "utf-8"
+        if fd is not None and codecs.lookup(encoding).name in _STATELESS:  # (a real descriptor: every byte
+            # accounted for; a BOM-writing encoding, UTF-16 say, keeps the stream's own encoder)
             try:
                 data = text.encode(encoding)
             except UnicodeEncodeError:  # (a stdout whose encoding lacks a character of a name: escaped, as
@@ -423,6 +433,19 @@ def _write_stdout(text: str) -> None:
         sys.stdout.flush()
     except (OSError, ValueError) as e:  # (ValueError: a file object closed under us)
         raise _StdoutLost(getattr(e, "strerror", None) or str(e), isinstance(e, BrokenPipeError)) from None
+
+
+_STATELESS = ("utf-8", "ascii", "latin-1", "iso8859-1", "cp1252")
+
+
+def _printing(err: OSError) -> bool:
+    """Whether ``err`` was raised by a write or flush of a stream (click's echo, rich's console): typer printing
+    help or a version into a stdout that takes nothing, not a file it could not write (a completion script)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_name in ("echo", "write", "flush", "_check_buffer",
+                                                             "_write_buffer", "print")
 
 
 def _stdout_fd():

@@ -45,7 +45,7 @@ MIN_TOKENS = 16
 class EvalOptions:
     data: Optional[str] = None
     seq_len: int = 256
-    num_samples: int = 8
+    num_samples: Optional[int] = 8  # windows at most; None: every window the data makes
     seed: int = 0
     batch_size: int = 1
     top_k: int = 1000  # llama.cpp's most likely tokens per position (its KL is over these plus the rest)

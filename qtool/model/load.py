@@ -58,17 +58,24 @@ def causal_lm_class(model) -> bool:
     Whisper is not): for a model with no checkpoint kind yet (a meta-device skeleton, which is always a Hugging
     Face one); a loaded model asks :attr:`LoadedModel.is_causal_lm`."""
     name = type(model).__name__
-    if name.endswith("ForCausalLM") or name in _causal_lm_names():
-        return True
     config = getattr(model, "config", None)
+    if name.endswith("ForCausalLM") or name in _CAUSAL_LM_HEADS:
+        return True
+    if name in _causal_lm_names() and getattr(config, "is_decoder", False):  # (BertLMHeadModel as a decoder)
+        return True
     return (name.endswith("ForConditionalGeneration") and config is not None
             and not getattr(config, "is_encoder_decoder", False) and hasattr(config, "text_config"))
 
 
+# causal LMs whose class is not named ...ForCausalLM (GPT-2's was read as another kind of model: eval and report gave
+# it an output cosine instead of perplexity and refused its gates)
+_CAUSAL_LM_HEADS = frozenset({"GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel"})
+
+
 @functools.lru_cache(maxsize=1)
 def _causal_lm_names() -> frozenset:
-    """transformers' causal LM classes not named ``...ForCausalLM`` (GPT-2's ``GPT2LMHeadModel``, read as another
-    kind of model: eval and report gave it an output cosine instead of perplexity and refused its gates)."""
+    """The other classes transformers' causal LM mapping lists, which are causal only as decoders (``is_decoder``:
+    BERT's ``BertLMHeadModel``); XLM's and XLNet's masked or permuted LMs never are."""
     try:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
@@ -76,7 +83,8 @@ def _causal_lm_names() -> frozenset:
     names = set()
     for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
         names.update(value if isinstance(value, (tuple, list)) else (value,))
-    return frozenset(n for n in names if not n.endswith("ForConditionalGeneration"))  # (the rule below's)
+    return frozenset(n for n in names if not n.endswith("ForConditionalGeneration") and "XLM" not in n
+                     and "XLNet" not in n)
 
 
 def decoder_stack(model) -> Optional[Tuple[str, nn.Module]]:

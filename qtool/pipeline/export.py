@@ -16,7 +16,8 @@ from ..calibration import CalibrateOptions
 from ..choices import check_fields
 from ..config import CHECKPOINT_KEYS
 from ..data import load_data
-from ..encodings import EncodingsFile, calibrated_elsewhere
+from ..encodings import CODES_FILE, SIDECAR, EncodingsFile, calibrated_elsewhere
+
 from ..errors import EncodingsError, UsageError
 from ..export import check_export_choices, get_exporter
 from ..export.base import ExportRequest
@@ -328,17 +329,14 @@ def _tensor_bytes(path: Path) -> int:
     return path.stat().st_size
 
 
-_RUN_FILES = ("encodings.json", "encodings.safetensors", "codes.safetensors", "manifest.json")
-
-
 def _identities(encodings: Path) -> Dict[str, Any]:
-    """Each file of the calibration an export reads (the encodings, their sidecar, the codes, the manifest): which
-    file it is and its size and time (None where there is none)."""
+    """Each file of the calibration an export reads its numbers from (the encodings, their sidecar, the codes): its
+    size and time (None where there is none). Not its inode, which some network filesystems do not keep."""
     out: Dict[str, Any] = {}
-    for path in [encodings] + [encodings.parent / n for n in _RUN_FILES if n != encodings.name]:
+    for path in [encodings] + [encodings.parent / n for n in (SIDECAR, CODES_FILE) if n != encodings.name]:
         try:
             st = path.stat()
-            out[str(path)] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            out[str(path)] = (st.st_size, st.st_mtime_ns)
         except OSError:
             out[str(path)] = None
     return out
