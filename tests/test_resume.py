@@ -303,7 +303,7 @@ def test_a_damaged_saved_block_is_one_line_and_the_state_stays(llama, stopped, t
     assert code == 2
     lines = error_lines(err)
     assert len(lines) == 1 and "run without --resume" in lines[0], err
-    assert ("cannot read the saved block" if restamped else "the saved block changed after it was written") in lines[0]
+    assert ("cannot read the saved block" if restamped else "the saved block changed since state.json recorded its SHA-256") in lines[0]
     assert (tmp_path / "run.resume/state.json").exists() and not (tmp_path / "run").exists()
 
 
@@ -324,7 +324,7 @@ def test_a_saved_file_edited_in_place_is_refused_not_used(llama, stopped, tmp_pa
     code, _, err = run_cli(*args, "--resume", "-o", tmp_path / "run")
     assert code == 2, err
     [line] = error_lines(err)
-    assert path.name in line and "changed after it was written" in line and "run without --resume" in line, line
+    assert path.name in line and "changed since state.json recorded its SHA-256" in line and "run without --resume" in line, line
     assert not (tmp_path / "run").exists()
 
 
@@ -367,6 +367,20 @@ def test_an_empty_state_json_starts_over_under_resume(llama, stopped, tmp_path):
     code, _, err = run_cli(*args, "--resume", "-o", tmp_path / "run")
     assert code == 0, err
     assert _files(tmp_path / "run") == _files(d / "whole") and not (tmp_path / "run.resume").exists()
+
+
+def test_a_state_json_that_is_not_json_is_named_as_damaged(llama, stopped, tmp_path):
+    """A truncated state.json read "no version and fingerprint" though it held both: it is not JSON at all."""
+    from qtool.calibration.resume import check_state_dir
+    from qtool.errors import UsageError
+
+    shutil.copytree(stopped, tmp_path / "run.resume")
+    state = tmp_path / "run.resume/state.json"
+    state.write_text(state.read_text()[:40])
+    with pytest.raises(UsageError, match=r"state.json: cannot be read as JSON: a damaged state, which no run can "
+                                         r"resume, and a run writing run would remove it: move it away"):
+        check_state_dir(tmp_path / "run.resume", [])
+    assert state.exists()
 
 
 def test_an_imatrix_spelled_another_way_resumes(llama, tmp_path):

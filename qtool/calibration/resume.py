@@ -85,8 +85,19 @@ def check_state_dir(directory: Path, inputs: Sequence[Tuple[str, Optional[str]]]
             raise UsageError(f"{directory}: holds {p.name!r}, which no --sequential run's state holds (a run writing "
                              f"{directory.name[:-len('.resume')]} keeps its state there and removes it): {move}")
     if (directory / STATE).is_file() and not _a_state(directory / STATE):
-        raise UsageError(f"{directory / STATE}: is not the state.json a --sequential run writes (no version and "
-                         f"fingerprint), and a run writing {directory.name[:-len('.resume')]} would remove it: {move}")
+        why = ("cannot be read as JSON: a damaged state, which no run can resume" if not _json(directory / STATE)
+               else "is not the state.json a --sequential run writes (no version and fingerprint)")
+        raise UsageError(f"{directory / STATE}: {why}, and a run writing {directory.name[:-len('.resume')]} would "
+                         f"remove it: {move} (or delete {directory} to start over)")
+
+
+def _json(path: Path) -> bool:
+    """Whether ``path`` holds JSON at all."""
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _a_state(path: Path) -> bool:
@@ -270,8 +281,8 @@ class ResumeState:
             raise UsageError(f"{path}: cannot read the saved {what} ({e.strerror or e}): run without --resume to "
                              "start over") from None
         if not same:
-            raise UsageError(f"{path}: the saved {what} changed after it was written (its SHA-256 is not the one "
-                             f"{STATE} records): run without --resume to start over")
+            raise UsageError(f"{path}: the saved {what} changed since {STATE} recorded its SHA-256: run without "
+                             "--resume to start over")
 
     def block(self, i: int) -> BlockResult:
         """What finished block ``i`` produced (rank 0)."""
