@@ -182,6 +182,8 @@ def check_fields(options, minimums: Optional[Mapping[str, int]] = None) -> None:
                              f"{type(value).__name__} {repr(value)[:40]})")
         if minimums and f.name in minimums and value < minimums[f.name]:
             raise UsageError(f"{what} must be {minimums[f.name]} or more (got {value})")
+        if hint in (int, float) and type(value) is not hint:  # (a NumPy integer: torch's seeding and the manifest's
+            setattr(options, f.name, hint(value))            # JSON take Python's own)
 
 
 def _expected(hint):
@@ -190,7 +192,7 @@ def _expected(hint):
 
     if hint is bool:
         return (lambda v: isinstance(v, bool)), "True or False"
-    if hint is int:  # (NumPy's and torch's integers too: a sweep's np.arange)
+    if hint is int:  # (NumPy's integers too: a sweep's np.arange)
         return (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)), "an integer"
     if hint is float:
         return (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)), "a number"

@@ -164,6 +164,9 @@ def test_gpt2_is_a_causal_lm(tmp_path):
     assert not causal_lm_class(transformers.XLMWithLMHeadModel(xlm))
     assert not causal_lm_class(transformers.BertLMHeadModel(transformers.BertConfig(**bert)))
     assert causal_lm_class(transformers.BertLMHeadModel(transformers.BertConfig(**bert, is_decoder=True)))
+    roberta = dict(bert, pad_token_id=1)
+    assert not causal_lm_class(transformers.RobertaForCausalLM(transformers.RobertaConfig(**roberta)))
+    assert causal_lm_class(transformers.RobertaForCausalLM(transformers.RobertaConfig(**roberta, is_decoder=True)))
     transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
     save_file({"input_ids": torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))},
               tmp_path / "ids.safetensors")

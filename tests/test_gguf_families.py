@@ -441,3 +441,19 @@ def test_experts_of_one_projection_apart_are_refused_before_calibrating(tmp_path
     assert code == 2 and "calibrating" not in err and "GGUF stores a projection's experts as one tensor of one " \
         f"type, and the recipe {kind}" in err, err
     assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("gguf_float, refused", [("f16", False), ("f32", True)])
+def test_experts_left_float_beside_fallback_floats_of_their_type_are_one_stack(tmp_path, gguf_float, refused):
+    """With --gguf-fallback f16, experts off every GGUF grid are written F16: an expert left float (--gguf-float) is
+    F16 too and the stack is one type; under --gguf-float f32 it is not, which is refused before calibrating."""
+    model = _tiny(tmp_path / "moe", "qwen3_moe")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\ndefaults: {weights: {bitwidth: 8, granularity: per_channel}, activations: null}\n"
+                      "ignore: ['re:.*\\.experts\\.1\\..*']\n")
+    code, _, err = run_cli("quantize", model, "-c", recipe, "-o", tmp_path / "q", "--format", "gguf",
+                           "--gguf-fallback", "f16", "--gguf-float", gguf_float, "--quiet")
+    if refused:
+        assert code == 2 and "GGUF stores a projection's experts as one tensor of one type" in err, err
+    else:
+        assert code == 0, err

@@ -1017,8 +1017,10 @@ def test_a_library_callers_options_are_checked_at_the_jobs_edge(tmp_path, mlp_ck
         else:
             evaluate_artifact(str(tmp_path / "run"), str(mlp_ckpt), None, EvalOptions(**{field: value}))
     assert not out.exists()
-    good = CalibrateOptions(data=mlp_data, model_class=MLP, num_samples=np.int64(8))  # (a sweep's NumPy integer)
-    assert run_calibrate(mlp_ckpt, CONFIGS / "w8a8.yaml", out, good)["files"]  # Paths where strings are declared
+    good = CalibrateOptions(data=mlp_data, model_class=MLP, num_samples=np.int64(8), seed=np.int64(3))  # (a sweep's
+    assert run_calibrate(mlp_ckpt, CONFIGS / "w8a8.yaml", out, good)["files"]  # NumPy integers; Paths for strings)
+    recorded = json.loads((out / "manifest.json").read_text())["options"]
+    assert recorded["seed"] == 3 and recorded["num_samples"] == 8, recorded  # (numbers, not "3")
 
 
 def test_running_out_of_memory_is_said_as_such(tmp_path, mlp_ckpt, mlp_data):

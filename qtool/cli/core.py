@@ -307,7 +307,7 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
     except OSError as e:  # a full disk, a read-only directory, a path that vanished: the environment, not a bug
         interrupted()
         if e.errno == errno.ENOMEM:  # (an mmap of the weights failing)
-            fail(2, f"error: out of memory ({e.filename + ': ' if e.filename else ''}{e.strerror}): fewer or smaller "
+            fail(2, f"error: out of memory ({e.filename + ': ' if e.filename else ''}{e.strerror or e}): fewer or smaller "
                     f"batches, --sequential for calibrate and quantize, or a machine with more memory ({_written()})")
         dist_rank = getattr(e, "dist_rank", None)
         where = (f"rank {dist_rank}: " if dist_rank is not None else "") + (f"{e.filename}: " if e.filename else "")
@@ -435,7 +435,7 @@ def _write_stdout(text: str) -> None:
         raise _StdoutLost(getattr(e, "strerror", None) or str(e), isinstance(e, BrokenPipeError)) from None
 
 
-_STATELESS = ("utf-8", "ascii", "latin-1", "iso8859-1", "cp1252")
+_STATELESS = ("utf-8", "ascii", "iso8859-1", "iso8859-15", "cp1252", "cp437", "cp850")
 
 
 def _printing(err: OSError) -> bool:

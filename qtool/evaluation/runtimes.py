@@ -291,8 +291,12 @@ def _experts_quantized_apart(directory: Path) -> Optional[str]:
         summary = read_json_object(directory / "manifest.json", UsageError, "manifest").get("summary") or {}
     except (UsageError, OSError):
         return None
+    from ..export.ct_config import FUSED_MIX_NOTE
+
     warnings = summary.get("export_warnings") if isinstance(summary, dict) else None
-    return next((w for w in warnings or () if isinstance(w, str) and "and transformers:" in w), None)
+    said = next((w for w in warnings or () if isinstance(w, str) and "and transformers:" in w
+                 and FUSED_MIX_NOTE in w), None)
+    return None if said is None else said.split(f" {FUSED_MIX_NOTE}")[0].split(": ", 1)[-1]
 
 
 def _experts_apart(directory: Path, pattern: str = r"\.experts\.\d+\.") -> bool:

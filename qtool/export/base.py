@@ -216,7 +216,7 @@ def match_weight_names(entries: List[EncodingEntry], keys: List[str], source: st
                     f"{source}: has no tensor {e.name!r}, which the encodings name: a weight tied to another tensor "
                     "(an output layer or an embedding table shared with it) is stored only under that tensor's name, "
                     "and this format writes tensors by name: calibrate with it in ignore, or export with --format "
-                    "compressed-tensors (or gguf, for a family llama.cpp runs; if it is not tied, the encodings were "
+                    "compressed-tensors, or gguf for a family llama.cpp runs (if it is not tied, the encodings were "
                     "made for another model)")
             if cands:
                 raise EncodingsError(f"{source}: the encodings' {e.name!r} could be any of {len(cands)} tensors "

@@ -225,6 +225,9 @@ def _compat_notes(settings) -> List[str]:
     return notes
 
 
+FUSED_MIX_NOTE = "run fused, with one scheme for all of them"  # (eval finds an export's warning by it)
+
+
 def fused_mixes(settings: Dict[str, Dict[str, Any]], linear: Sequence[str],
                 rename: Callable[[str], str] = str) -> List[str]:
     """A warning for each group of Linears (``linear``, in model order) that runtimes fuse into one layer (q/k/v,
@@ -247,7 +250,7 @@ def fused_mixes(settings: Dict[str, Dict[str, Any]], linear: Sequence[str],
         experts = ".experts." in a
         notes.append(f"vLLM{' and transformers' if experts else ''}: {rename(a)} ({short.get(sa, 'float')}) and "
                      f"{rename(b)} "
-                     f"({short.get(sb, 'float')}) run fused, with one scheme for all of them, and this file "
+                     f"({short.get(sb, 'float')}) {FUSED_MIX_NOTE}, and this file "
                      f"quantizes them differently: {'neither loads' if experts else 'vLLM refuses'} it; quantize "
                      "them alike (one rule)")
     if len(mixed) > 3:

@@ -308,7 +308,7 @@ def _check_expert_types(quantizers, options: "GgufExporter.Options") -> None:
             raise EncodingsError(f"{where}: GGUF stores a projection's experts as one tensor of one type, and the "
                                  f"recipe gives them {' and '.join(kinds)} (one rule for every expert of a "
                                  "projection)")
-        if left and kinds != [_kind(None, (2,), options)]:  # (float beside fallback floats of that type: one stack)
+        if left and kinds != [_kind(None, (2, 2), options)]:  # (float beside fallback floats of that type: one stack)
             named = ", ".join(map(str, left[:3])) + (" ..." if len(left) > 3 else "")
             raise EncodingsError(f"{where}: GGUF stores a projection's experts as one tensor of one type, and the "
                                  f"recipe quantizes some and leaves expert(s) {named} float (ignored, or a rule "

@@ -175,13 +175,16 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
     warnings_ = [] if not left else [  # (a recipe's rule that opted an image encoder in, traced on text)
         f"{len(left)} quantizer(s) are not in the ONNX graph, which holds what the example batch ran (a multimodal "
         f"model's image encoder, say, does not run on text): {', '.join(left[:3])}" + (" ..." if len(left) > 3 else "")]
+    del proto  # (not held beside onnxruntime's copy)
     fixed = _traced_length_only(path, flat_inputs, input_names, dynamic_axes)
     if fixed is not None:
+        proto = onnx.load(str(path))
         _fix_sequence_dims(proto, fixed)
         onnx.save(proto, str(path))
-        warnings_.append(f"the traced graph runs at {fixed} tokens only (the model loops over its tokens, as Mamba's "
-                         "scan does, and the trace unrolled the loop): its inputs and outputs are declared of that "
-                         "length; pad or cut inputs to it, or export with --seq-len set to the length you serve")
+        warnings_.append(f"the written graph runs at the example's length, {fixed}, and fails at {fixed - 1} along its "
+                         "sequence axis (a loop over the positions that the trace unrolled, as Mamba's scan, or a "
+                         "fixed number of fields): its inputs and outputs are declared of that length; pad or cut "
+                         "inputs to it, or export with an example of the length you serve (--seq-len)")
     return {"onnx_opset": final_opset, "qdq_opset_needed": opset_q, "quantizers": len(names), "names": names,
             "onnx_inputs": input_names, "onnx_outputs": output_names, "warnings": warnings_}
 
@@ -208,12 +211,17 @@ def _traced_length_only(path: Path, inputs, names, dynamic_axes) -> Optional[int
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception:  # (a graph onnxruntime does not load at all is eval's to report)
         return None
-    try:
-        with _captured_fds():
-            session.run(None, feeds)
-    except Exception:
-        return length
-    return None
+
+    def runs(feed) -> bool:
+        try:
+            with _captured_fds():
+                session.run(None, feed)
+            return True
+        except Exception:
+            return False
+
+    whole = {n: t.detach().cpu().contiguous().numpy() for n, t in zip(names, inputs)}
+    return length if not runs(feeds) and runs(whole) else None  # (failing at both: not a length's doing)
 
 
 def _fix_sequence_dims(proto, length: int) -> None:

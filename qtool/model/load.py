@@ -59,6 +59,8 @@ def causal_lm_class(model) -> bool:
     Face one); a loaded model asks :attr:`LoadedModel.is_causal_lm`."""
     name = type(model).__name__
     config = getattr(model, "config", None)
+    if name.endswith("ForCausalLM") and getattr(config, "model_type", None) in _ENCODER_TYPES:
+        return bool(getattr(config, "is_decoder", False))  # (RobertaForCausalLM attends both ways unless a decoder)
     if name.endswith("ForCausalLM") or name in _CAUSAL_LM_HEADS:
         return True
     if name in _causal_lm_names() and getattr(config, "is_decoder", False):  # (BertLMHeadModel as a decoder)
@@ -70,6 +72,10 @@ def causal_lm_class(model) -> bool:
 # causal LMs whose class is not named ...ForCausalLM (GPT-2's was read as another kind of model: eval and report gave
 # it an output cosine instead of perplexity and refused its gates)
 _CAUSAL_LM_HEADS = frozenset({"GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel"})
+# encoders whose ...ForCausalLM attends to later tokens too unless built as a decoder (config.is_decoder)
+_ENCODER_TYPES = frozenset({"bert", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",
+                            "electra", "big_bird", "ernie", "data2vec-text", "rembert", "roc_bert", "megatron-bert",
+                            "xmod", "roformer", "bert-generation"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,8 +89,7 @@ def _causal_lm_names() -> frozenset:
     names = set()
     for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
         names.update(value if isinstance(value, (tuple, list)) else (value,))
-    return frozenset(n for n in names if not n.endswith("ForConditionalGeneration") and "XLM" not in n
-                     and "XLNet" not in n)
+    return frozenset(names) - {"XLMWithLMHeadModel", "XLNetLMHeadModel"}  # (masked and permuted LMs)
 
 
 def decoder_stack(model) -> Optional[Tuple[str, nn.Module]]:

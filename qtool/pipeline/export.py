@@ -17,7 +17,6 @@ from ..choices import check_fields
 from ..config import CHECKPOINT_KEYS
 from ..data import load_data
 from ..encodings import CODES_FILE, SIDECAR, EncodingsFile, calibrated_elsewhere
-
 from ..errors import EncodingsError, UsageError
 from ..export import check_export_choices, get_exporter
 from ..export.base import ExportRequest
@@ -292,7 +291,12 @@ def _tied_to_a_quantized_table(checkpoint: Path, enc: EncodingsFile, trust_remot
     tied = {stored_as.get(later, later): stored_as.get(stored, stored)  # (later name -> the stored one)
             for later, stored in tied_parameters(skeleton).items()}
     family = family_of_model(skeleton)
-    apart = "gguf or onnx, which store" if family is not None and family.gguf_arch else "onnx, which stores"
+    config = getattr(skeleton, "config", None)
+    moe = any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    formats = (["gguf"] if family is not None and family.gguf_arch else []) + ([] if moe else ["onnx"])  # (ONNX
+    if not formats:                                                                   # refuses MoE models)
+        return []  # (no format stores it apart for this model: the calibration's own warning stands)
+    apart = f"{' or '.join(formats)}, which store{'s' if len(formats) == 1 else ''}"
     return [f"{later.rsplit('.', 1)[0]} is left float but shares its weight with {stored}, which this file stores "
             f"quantized (once): a runtime that ties them computes {later.rsplit('.', 1)[0]} with the quantized table, "
             f"not the float one calibration measured; keep the table float too (ignore it), or export with --format "

@@ -71,8 +71,8 @@ def routed_fallbacks(rows: Iterable[QuantizerPlan], modules: Dict[str, nn.Module
     for experts, what in (
             (learned, "those layers' ranges were searched without their inputs' importances, and signround learned "
                       "their rounding from those few tokens alone ("),
-            (short, "those layers' weights were chosen without data (round-to-nearest on a range searched without "
-                    "their inputs' importances: a magnitude weighting stays; ")):
+            (short, "those layers' weights were chosen without data (round-to-nearest on their analyzer's range, "
+                    "without their inputs' importances; ")):
         if experts and warnings is not None:
             named = ", ".join(experts[:4]) + (f" and {len(experts) - 4} more" if len(experts) > 4 else "")
             warnings.append(f"{len(experts)} expert(s) saw fewer calibration tokens than a layer's input width: "
