@@ -228,7 +228,7 @@ def test_a_causal_lm_traced_on_token_ids_alone(tmp_path):
     save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
     code, out, err = run_cli("quantize", checkpoint, "-c", "w8a16", "-o", tmp_path / "q", "--format", "onnx",
                              "--data", tmp_path / "ids.safetensors", "--json")
-    assert code == 0 and "the example's length" not in err, err  # (a graph that runs at any length keeps its axis)
+    assert code == 0 and "does not follow its inputs' length" not in err, err  # (it runs at any length: dynamic)
     assert json.loads(out)["onnx_inputs"] == ["input_ids", "attention_mask"]
     assert [d.dim_param for d in onnx.load(str(tmp_path / "q/model.onnx")).graph.input[0].type.tensor_type.shape.dim] \
         == ["batch", "sequence"]
@@ -443,7 +443,28 @@ def test_a_graph_that_runs_at_the_traced_length_only_says_so(tmp_path):
     assert run_cli("calibrate", tmp_path / "mamba", "-c", "w8a16", "-o", tmp_path / "run", "--quiet")[0] == 0
     code, _, err = run_cli("export", tmp_path / "mamba", "-e", tmp_path / "run/encodings.json", "-o", tmp_path / "x",
                            "--format", "onnx", "--data", tmp_path / "ids.safetensors", "--seq-len", "12")
-    assert code == 0 and "the written graph runs at the example's length, 12, and fails at 11" in err, err
+    assert code == 0 and "the written graph does not follow its inputs' length" in err and "(sequence 12)" in err, err
     dims = [[d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim]
             for i in onnx.load(str(tmp_path / "x/model.onnx")).graph.input]
     assert dims and all(d[1] == 12 for d in dims), dims
+
+
+@pytest.mark.parametrize("factory, fixed", [("slice_scan", True), ("pairs", False)])
+def test_the_length_check_follows_the_models_own_lengths(tmp_path, factory, fixed):
+    """A loop whose slices clamp ran at any length in onnxruntime and returned the traced length's outputs (no
+    failure to see at one token fewer); a model that merges pairs of positions fails at odd lengths in torch too,
+    and was declared of the example's length although it runs at every even one."""
+    torch.manual_seed(0)
+    model = getattr(__import__("tests.tinymodels", fromlist=[factory]), factory)()
+    save_file(model.state_dict(), tmp_path / "m.safetensors")
+    save_file({"ids": torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))},
+              tmp_path / "ids.safetensors")
+    code, _, err = run_cli("quantize", tmp_path / "m.safetensors", "-c", "w8a16", "--model-class",
+                           f"tests.tinymodels:{factory}", "-o", tmp_path / "q", "--format", "onnx", "--data",
+                           tmp_path / "ids.safetensors")
+    assert code == 0 and ("does not follow its inputs' length" in err) == fixed, err
+    dim = onnx.load(str(tmp_path / "q/model.onnx")).graph.input[0].type.tensor_type.shape.dim[1]
+    assert (dim.dim_value == 12) if fixed else (dim.dim_param == "sequence"), dim
+    if not fixed:
+        session = _session(tmp_path / "q/model.onnx", ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        assert session.run(None, {"input": np.zeros((1, 20), dtype=np.int64)})[0].shape == (1, 10, 16)

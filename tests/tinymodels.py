@@ -298,3 +298,44 @@ def out_of_memory() -> nn.Module:
     """mlp()'s weights in a model whose forward meets torch's CPU allocator failing (a memory limit mid-run)."""
     torch.manual_seed(0)
     return _RunsOutOfMemory(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+class _SliceScan(nn.Module):
+    """Token ids -> a recurrence over the positions, each read by a slice (which clamps where a traced loop runs past
+    a shorter input): a graph traced at one length gives outputs of that length at any other."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.step = nn.Linear(16, 16)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        state, outs = torch.zeros_like(h[:, :1]), []
+        for t in range(h.shape[1]):
+            state = torch.tanh(self.step(h[:, t:t + 1]) + state)
+            outs.append(state)
+        return torch.cat(outs, 1)
+
+
+def slice_scan() -> nn.Module:
+    torch.manual_seed(0)
+    return _SliceScan()
+
+
+class _Pairs(nn.Module):
+    """Token ids -> each pair of neighbouring positions merged (as funnel pooling does): any even length runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.merge = nn.Linear(32, 16)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.merge(h.reshape(h.shape[0], h.shape[1] // 2, 2 * h.shape[2]))
+
+
+def pairs() -> nn.Module:
+    torch.manual_seed(0)
+    return _Pairs()

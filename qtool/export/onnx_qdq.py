@@ -34,6 +34,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
+from torch import nn
 
 from ..data import model_rejected
 from ..encodings import EncodingsFile
@@ -176,34 +177,38 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
         f"{len(left)} quantizer(s) are not in the ONNX graph, which holds what the example batch ran (a multimodal "
         f"model's image encoder, say, does not run on text): {', '.join(left[:3])}" + (" ..." if len(left) > 3 else "")]
     del proto  # (not held beside onnxruntime's copy)
-    fixed = _traced_length_only(path, flat_inputs, input_names, dynamic_axes)
+    fixed = _fixed_lengths(path, wrapper, flat_inputs, input_names, dynamic_axes)
     if fixed is not None:
         proto = onnx.load(str(path))
         _fix_sequence_dims(proto, fixed)
         onnx.save(proto, str(path))
-        warnings_.append(f"the written graph runs at the example's length, {fixed}, and fails at {fixed - 1} along its "
-                         "sequence axis (a loop over the positions that the trace unrolled, as Mamba's scan, or a "
-                         "fixed number of fields): its inputs and outputs are declared of that length; pad or cut "
-                         "inputs to it, or export with an example of the length you serve (--seq-len)")
+        lengths = ", ".join(f"{label} {n}" for label, n in fixed.items())
+        warnings_.append(f"the written graph does not follow its inputs' length as the model does (a loop over the "
+                         "positions that the trace unrolled, as Mamba's scan, or a fixed number of fields): its inputs "
+                         f"are declared of the example's length ({lengths}); pad or cut inputs to it, or export with "
+                         "--data of the length you serve")
     return {"onnx_opset": final_opset, "qdq_opset_needed": opset_q, "quantizers": len(names), "names": names,
             "onnx_inputs": input_names, "onnx_outputs": output_names, "warnings": warnings_}
 
 
-def _traced_length_only(path: Path, inputs, names, dynamic_axes) -> Optional[int]:
-    """The example's sequence length where the written graph fails at another one (a loop over the tokens that the
-    trace unrolled), or None: it runs there, it has no sequence axis, or onnxruntime (an optional package) is not
-    installed to ask."""
+_SEQUENCE_AXES = ("sequence", "decoder_sequence")
+
+
+def _fixed_lengths(path: Path, model: nn.Module, inputs, names, dynamic_axes) -> Optional[Dict[str, int]]:
+    """``{axis label: the example's length}`` where the written graph does not follow a length one position shorter
+    or longer that ``model`` (the traced wrapper) itself takes: it fails there, or its outputs' shapes are not the
+    model's (a loop over the positions the trace unrolled; slices that clamp give outputs of the traced length).
+    None where it follows, where the model takes neither length (no evidence), where no input has a sequence axis,
+    or where onnxruntime (an optional package) is not installed to ask."""
     try:
         import onnxruntime as ort
     except ImportError:
         return None
-    seq = {n: ax for n, axes in dynamic_axes.items() for ax, label in axes.items() if label == "sequence"}
-    lengths = {int(t.shape[seq[n]]) for n, t in zip(names, inputs) if n in seq}
-    if len(lengths) != 1 or min(lengths) < 3:
+    axes = {n: {ax: label for ax, label in a.items() if label in _SEQUENCE_AXES} for n, a in dynamic_axes.items()}
+    axes = {n: a for n, a in axes.items() if a}
+    sized = [(label, int(t.shape[ax])) for n, t in zip(names, inputs) for ax, label in axes.get(n, {}).items()]
+    if not sized:
         return None
-    length = lengths.pop()
-    feeds = {n: (t.narrow(seq[n], 0, length - 1) if n in seq else t).detach().cpu().contiguous().numpy()
-             for n, t in zip(names, inputs)}
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 4
@@ -212,24 +217,43 @@ def _traced_length_only(path: Path, inputs, names, dynamic_axes) -> Optional[int
     except Exception:  # (a graph onnxruntime does not load at all is eval's to report)
         return None
 
-    def runs(feed) -> bool:
+    def resized(delta: int):
+        out = []
+        for n, t in zip(names, inputs):
+            for ax in axes.get(n, {}):
+                size = int(t.shape[ax])
+                t = t.narrow(ax, 0, size + delta) if delta < 0 else torch.cat([t, t.narrow(ax, size - 1, 1)], ax)
+            out.append(t)
+        return out
+
+    def shapes(feed):
         try:
             with _captured_fds():
-                session.run(None, feed)
-            return True
+                return [tuple(o.shape) for o in session.run(None, {n: t.detach().cpu().contiguous().numpy()
+                                                                   for n, t in zip(names, feed)})]
         except Exception:
-            return False
+            return None
 
-    whole = {n: t.detach().cpu().contiguous().numpy() for n, t in zip(names, inputs)}
-    return length if not runs(feeds) and runs(whole) else None  # (failing at both: not a length's doing)
+    if shapes(list(inputs)) is None:  # (failing at the example's own length: not a length's doing)
+        return None
+    for delta in (-1, 1) if min(n for _, n in sized) > 1 else (1,):
+        feed = resized(delta)
+        try:
+            with torch.no_grad():
+                want = [tuple(o.shape) for o in model(*feed)]
+        except Exception:  # (the model itself does not take that length: no evidence either way)
+            continue
+        if shapes(feed) != want:
+            return dict(sized)
+    return None
 
 
-def _fix_sequence_dims(proto, length: int) -> None:
-    """Every graph input's and output's ``sequence`` dimension declared as ``length``."""
+def _fix_sequence_dims(proto, lengths: Dict[str, int]) -> None:
+    """Every graph input's and output's dimension named by a label of ``lengths`` declared as that length."""
     for value in list(proto.graph.input) + list(proto.graph.output):
         for dim in value.type.tensor_type.shape.dim:
-            if dim.dim_param == "sequence":
-                dim.dim_value = length
+            if dim.dim_param in lengths:
+                dim.dim_value = lengths[dim.dim_param]
 
 
 def _check_initializers(proto) -> None:
