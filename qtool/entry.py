@@ -16,12 +16,15 @@ def _before_the_cli(signum, frame):
     name, code = _EXIT[signum]
     if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("RANK", "0") != "0":
         os._exit(code)  # (torchrun stops every rank once one exits: rank 0 says why, and one JSON object is its)
-    sys.stderr.write(f"interrupted: {name}; nothing was written\n")
+    said = [(2, f"interrupted: {name}; nothing was written\n")]
     if "--json" in sys.argv[1:]:
-        sys.stdout.write(json.dumps({"ok": False, "exit_code": code, "error": f"{name}; nothing was written"},
-                                    indent=1) + "\n")
-    sys.stdout.flush()
-    sys.stderr.flush()
+        said.append((1, json.dumps({"ok": False, "exit_code": code, "error": f"{name}; nothing was written"},
+                                   indent=1) + "\n"))
+    for fd, text in said:  # (straight to the descriptors: a stdout that is closed, full or a broken pipe, met in
+        try:               # the middle of an import, ends the process all the same)
+            os.write(fd, text.encode("utf-8", "backslashreplace"))
+        except OSError:
+            pass
     os._exit(code)
 
 

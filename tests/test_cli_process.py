@@ -531,3 +531,36 @@ def test_a_signal_while_the_cli_is_imported_is_one_line_and_one_json_object(tmp_
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
                             "TORCHELASTIC_RUN_ID": "test", "WORLD_SIZE": "2", "RANK": "1"})
     assert (r.returncode, r.stdout, r.stderr) == (code, "", "")
+
+
+def test_stdout_and_stderr_hold_in_unusual_settings(world, tmp_path):
+    """COLUMNS=0 made rich print nothing at all (no error line, no table); a UTF-16 stdout went around the checked
+    writes (a cut-short --json was exit 0); a non-blocking stdout whose reader is slow failed as 'takes nothing
+    more'; ONNX export with stdout closed failed ('NoneType' object has no attribute 'flush')."""
+    import fcntl
+    import threading
+
+    from qtool.cli.core import _write_all
+
+    r = qtool("inspect", tmp_path / "nothing", env={"COLUMNS": "0"})
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {tmp_path / 'nothing'}: not found", r.stderr
+    assert "recipe" in qtool("config", "list", env={"COLUMNS": "0"}).stdout
+    r = subprocess.run([sys.executable, "-m", "qtool", "config", "list", "--json"], capture_output=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONIOENCODING": "utf-16"}, timeout=300)
+    assert r.stdout[:2] == b"\xff\xfe" and json.loads(r.stdout.decode("utf-16"))["ok"] is True
+    read, write = os.pipe()
+    fcntl.fcntl(write, fcntl.F_SETFL, fcntl.fcntl(write, fcntl.F_GETFL) | os.O_NONBLOCK)
+    got = []
+    reader = threading.Thread(target=lambda: (time.sleep(0.3), got.append(b"".join(iter(
+        lambda: os.read(read, 65536), b"")))))
+    reader.start()
+    _write_all(write, b"x" * 300_000)  # (more than a pipe holds)
+    os.close(write)
+    reader.join()
+    assert len(got[0]) == 300_000
+    d, ckpt, data = world
+    run = subprocess.run([sys.executable, "-m", "qtool", "quantize", ckpt, "--model-class", "tests.tinymodels:mlp",
+                          "-c", "w8a16", "--format", "onnx", "--data", data, "-o", tmp_path / "onnx", "--quiet"],
+                         stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         timeout=300, preexec_fn=lambda: os.close(1))
+    assert run.returncode == 0 and (tmp_path / "onnx" / "model.onnx").is_file(), run.stderr

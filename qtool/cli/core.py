@@ -182,7 +182,8 @@ class _LazyConsole:
             from rich.console import Console
 
             _LazyConsole._console = Console(stderr=True, highlight=False, soft_wrap=True,
-                                            no_color=bool(os.environ.get("NO_COLOR")))
+                                            no_color=bool(os.environ.get("NO_COLOR")),
+                                            width=None if _columns() or "COLUMNS" not in os.environ else 80)
         return _LazyConsole._console
 
     def __getattr__(self, name):
@@ -382,6 +383,12 @@ def Table(*args, **kwargs):
     return _Table(*args, **kwargs)
 
 
+def _columns() -> bool:
+    """Whether COLUMNS gives a usable width (rich takes COLUMNS=0 as a width of 0 and prints nothing at all)."""
+    value = os.environ.get("COLUMNS", "")
+    return value.isdigit() and int(value) > 0
+
+
 def _console():
     """A console for stdout tables and text (no highlighting; NO_COLOR respected). Not a terminal (a pipe, a CI
     log): as wide as its lines (rich's 80 columns split module names, which grep then misses), unless COLUMNS
@@ -390,7 +397,7 @@ def _console():
 
     if sys.stdout is None:  # (started with stdout closed)
         raise _StdoutLost("stdout is closed")
-    wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 1000
+    wide = None if sys.stdout.isatty() or _columns() else 1000
     return Console(file=_GuardedStdout(), highlight=False, no_color=bool(os.environ.get("NO_COLOR")), width=wide)
 
 
@@ -415,15 +422,9 @@ def _write_stdout(text: str) -> None:
         raise _StdoutLost("stdout is closed")
     try:
         fd = _stdout_fd()
-        encoding = sys.stdout.encoding or "utf-8"
-        if fd is not None and codecs.lookup(encoding).name in _STATELESS:  # (a real descriptor: every byte
-            # accounted for; a BOM-writing encoding, UTF-16 say, keeps the stream's own encoder)
-            try:
-                data = text.encode(encoding)
-            except UnicodeEncodeError:  # (a stdout whose encoding lacks a character of a name: escaped, as
-                data = text.encode(encoding, "backslashreplace")  # Python's own stderr writes them)
+        if fd is not None:  # (a real descriptor: every byte accounted for)
             sys.stdout.flush()
-            _write_all(fd, data)
+            _write_all(fd, _encoder().encode(text))
             return
         try:
             sys.stdout.write(text)
@@ -435,7 +436,17 @@ def _write_stdout(text: str) -> None:
         raise _StdoutLost(getattr(e, "strerror", None) or str(e), isinstance(e, BrokenPipeError)) from None
 
 
-_STATELESS = ("utf-8", "ascii", "iso8859-1", "iso8859-15", "cp1252", "cp437", "cp850")
+_ENCODERS: Dict[int, Any] = {}
+
+
+def _encoder():
+    """stdout's encoding as one incremental encoder (a BOM, UTF-16's, written once); a character it lacks escaped,
+    as Python's own stderr writes them."""
+    key = id(sys.stdout)
+    if key not in _ENCODERS:
+        _ENCODERS.clear()
+        _ENCODERS[key] = codecs.getincrementalencoder(sys.stdout.encoding or "utf-8")("backslashreplace")
+    return _ENCODERS[key]
 
 
 def _printing(err: OSError) -> bool:
@@ -459,9 +470,15 @@ def _stdout_fd():
 def _write_all(fd: int, data: bytes) -> None:
     """Every byte of ``data`` to ``fd``: a file-size limit or a disk filling up takes part of a write, and Python's
     buffered stdout then dropped the rest without an error (exit 0, a JSON object cut short in the file)."""
+    import select
+
     view = memoryview(data)
     while view:
-        n = os.write(fd, view)
+        try:
+            n = os.write(fd, view)
+        except BlockingIOError:  # (a non-blocking stdout whose reader is slow: wait until it takes more)
+            select.select([], [fd], [])
+            continue
         if n <= 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         view = view[n:]

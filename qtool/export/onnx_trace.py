@@ -138,12 +138,15 @@ def _captured_fds():
     import sys
     import tempfile
 
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    # a process started with stdout or stderr closed has None there, and its descriptor may since be another file
+    # (the first one opened takes the lowest number): that one is left alone
+    streams = {fd: stream for fd, stream in ((1, sys.stdout), (2, sys.stderr)) if stream is not None}
+    for stream in streams.values():
+        stream.flush()
+    saved = {fd: os.dup(fd) for fd in streams}
     with tempfile.TemporaryFile("w+b") as sink:
         try:
-            for fd in (1, 2):
+            for fd in saved:
                 os.dup2(sink.fileno(), fd)
             yield
         finally:
