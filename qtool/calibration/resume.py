@@ -84,33 +84,25 @@ def check_state_dir(directory: Path, inputs: Sequence[Tuple[str, Optional[str]]]
         if not _IN_A_STATE.fullmatch(p.name) or p.is_symlink() or not p.is_file():
             raise UsageError(f"{directory}: holds {p.name!r}, which no --sequential run's state holds (a run writing "
                              f"{directory.name[:-len('.resume')]} keeps its state there and removes it): {move}")
-    if (directory / STATE).is_file() and not _a_state(directory / STATE):
-        why = ("cannot be read as JSON: a damaged state, which no run can resume" if not _json(directory / STATE)
-               else "is not the state.json a --sequential run writes (no version and fingerprint)")
+    why = _not_a_state(directory / STATE) if (directory / STATE).is_file() else None
+    if why is not None:
         raise UsageError(f"{directory / STATE}: {why}, and a run writing {directory.name[:-len('.resume')]} would "
                          f"remove it: {move} (or delete {directory} to start over)")
 
 
-def _json(path: Path) -> bool:
-    """Whether ``path`` holds JSON at all."""
-    try:
-        json.loads(path.read_text(encoding="utf-8"))
-        return True
-    except (OSError, ValueError):
-        return False
-
-
-def _a_state(path: Path) -> bool:
-    """Whether ``path`` may be a state.json a --sequential run wrote (of any qtool version), or what a crash left
-    of one (an empty file: a rename that reached the disk before its data)."""
+def _not_a_state(path: Path) -> Optional[str]:
+    """Why ``path`` is not a state.json a --sequential run wrote (of any qtool version), or None where it may be
+    one, or what a crash left of one (an empty file: a rename that reached the disk before its data)."""
     try:
         text = path.read_text(encoding="utf-8")
         if not text.strip():
-            return True
+            return None
         saved = json.loads(text)
     except (OSError, ValueError):
-        return False
-    return isinstance(saved, dict) and "version" in saved and isinstance(saved.get("fingerprint"), dict)
+        return "cannot be read as JSON: a damaged state, which no run can resume"
+    if isinstance(saved, dict) and "version" in saved and isinstance(saved.get("fingerprint"), dict):
+        return None
+    return "is not the state.json a --sequential run writes (no version and fingerprint)"
 
 
 def file_stamp(files) -> Dict[str, List[int]]:

@@ -308,8 +308,8 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
     except OSError as e:  # a full disk, a read-only directory, a path that vanished: the environment, not a bug
         interrupted()
         if e.errno == errno.ENOMEM:  # (an mmap of the weights failing)
-            fail(2, f"error: out of memory ({e.filename + ': ' if e.filename else ''}{e.strerror or e}): fewer or smaller "
-                    f"batches, --sequential for calibrate and quantize, or a machine with more memory ({_written()})")
+            fail(2, f"error: out of memory ({e.filename + ': ' if e.filename else ''}{e.strerror or e}): "
+                    f"{_LESS_MEMORY} ({_written()})")
         dist_rank = getattr(e, "dist_rank", None)
         where = (f"rank {dist_rank}: " if dist_rank is not None else "") + (f"{e.filename}: " if e.filename else "")
         fail(2, f"error: {where}{e.strerror or e} ({_written()})")  # (every rank says its own: a rank's own disk)
@@ -319,9 +319,7 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
 
         if out_of_memory(e):  # (the machine's limit, not a bug: exit 2, as a full disk is)
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            fail(2, f"error: out of memory ({cut(first, 160)}): fewer or smaller batches (the command's --batch-size "
-                    f"or --num-samples, where it has them), --sequential for calibrate and quantize (one decoder block "
-                    f"at a time), or a machine with more memory ({_written()})")
+            fail(2, f"error: out of memory ({cut(first, 160)}): {_LESS_MEMORY} ({_written()})")
         # an optional package not installed: the environment, not a bug (the package itself missing: not a name
         # it lacks, nor one of its modules, which say another version)
         extra = _EXTRAS.get(getattr(e, "name", None) or "") if isinstance(e, ModuleNotFoundError) else None
@@ -381,6 +379,11 @@ def Table(*args, **kwargs):
     from rich.table import Table as _Table
 
     return _Table(*args, **kwargs)
+
+
+# what to change when the machine's memory runs out, whatever the command
+_LESS_MEMORY = ("fewer or smaller batches (the command's --batch-size or --num-samples, where it has them), "
+                "--sequential for calibrate and quantize (one decoder block at a time), or a machine with more memory")
 
 
 def _columns() -> bool:

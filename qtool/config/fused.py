@@ -15,7 +15,7 @@ FUSED = (frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_proj", "up_
          frozenset({"query", "key", "value"}), frozenset({"w1", "w3"}))
 
 
-_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+$")
+_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)$")  # (a module's parent: one expert)
 
 
 def fused_groups(modules: Sequence[str]) -> List[Tuple[str, ...]]:
@@ -41,9 +41,6 @@ def fused_groups(modules: Sequence[str]) -> List[Tuple[str, ...]]:
     return groups
 
 
-_EXPERT_WEIGHT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<leaf>[^.]+)$")
-
-
 def expert_stacks(quantizers) -> List[Tuple[str, Dict[int, Any], List[int]]]:
     """The weight quantizers (plan rows or encodings entries) of each mixture-of-experts projection, as llama.cpp
     stacks them into one tensor of one type: ``(pattern, {expert index: quantizer}, indices with none)``, the pattern
@@ -52,11 +49,12 @@ def expert_stacks(quantizers) -> List[Tuple[str, Dict[int, Any], List[int]]]:
     stacks: Dict[Tuple[str, str], Dict[int, Any]] = {}
     count: Dict[str, int] = {}
     for q in quantizers:
-        m = _EXPERT_WEIGHT.match(q.module) if q.tensor == "weight" else None
+        parent, _, leaf = q.module.rpartition(".")
+        m = _EXPERT.match(parent) if q.tensor == "weight" else None
         if m is None:
             continue
         index = int(m["index"])
-        stacks.setdefault((m["experts"], m["leaf"]), {})[index] = q
+        stacks.setdefault((m["experts"], leaf), {})[index] = q
         count[m["experts"]] = max(count.get(m["experts"], 0), index + 1)
     return [(f"{experts}.*.{leaf}", members, [i for i in range(count[experts]) if i not in members])
             for (experts, leaf), members in stacks.items()]

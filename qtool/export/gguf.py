@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..config import GGUF_STACK_NOTE
 from ..config.fused import expert_stacks
 from ..encodings import EncodingEntry
 from ..errors import EncodingsError
@@ -302,17 +303,17 @@ def _plan(model: GgufModel, src, entries: List[EncodingEntry], options) -> Tuple
 def _check_expert_types(quantizers, options: "GgufExporter.Options") -> None:
     """Refuse, before calibration, what :func:`_stack` refuses after it: one projection's experts under more than
     one type, or some of them quantized and others left float (llama.cpp stacks them into one tensor of one type)."""
+    float_kind = _kind(None, (2, 2), options)  # (a 2-D weight left float: --gguf-float's type)
     for where, members, left in expert_stacks(q for q in quantizers if not _media(q.name)):
-        kinds = sorted({_kind(q, (2,), options) for q in members.values()})
+        kinds = sorted({_kind(q, (2, 2), options) for q in members.values()})
         if len(kinds) > 1:
-            raise EncodingsError(f"{where}: GGUF stores a projection's experts as one tensor of one type, and the "
-                                 f"recipe gives them {' and '.join(kinds)} (one rule for every expert of a "
-                                 "projection)")
-        if left and kinds != [_kind(None, (2, 2), options)]:  # (float beside fallback floats of that type: one stack)
+            raise EncodingsError(f"{where}: {GGUF_STACK_NOTE}, and the recipe gives them {' and '.join(kinds)} (one "
+                                 "rule for every expert of a projection)")
+        if left and kinds != [float_kind]:  # (float beside fallback floats of that type: one stack)
             named = ", ".join(map(str, left[:3])) + (" ..." if len(left) > 3 else "")
-            raise EncodingsError(f"{where}: GGUF stores a projection's experts as one tensor of one type, and the "
-                                 f"recipe quantizes some and leaves expert(s) {named} float (ignored, or a rule "
-                                 "without weights): one rule for every expert of a projection")
+            raise EncodingsError(f"{where}: {GGUF_STACK_NOTE}, and the recipe quantizes some and leaves expert(s) "
+                                 f"{named} float (ignored, or a rule without weights): one rule for every expert of "
+                                 "a projection")
 
 
 def _stack(first: _Item, experts: List[Tuple[int, _Item]]) -> _Item:

@@ -85,21 +85,28 @@ def required_opset(enc: EncodingsFile) -> int:
     return need
 
 
+_TILES = "2-D weight tiles have no ONNX form (DequantizeLinear blocks along one axis)"
+
+
+def _tiled(spec) -> bool:
+    """Whether ``spec`` blocks along more than one axis (2-D tiles)."""
+    return len([b for b in (spec.block_size or ()) if b not in (1, -1)]) > 1
+
+
 def check_onnx_float(q) -> None:
     """Raise ``UsageError`` unless float quantizer ``q`` (an encodings entry or plan row) has an ONNX QDQ form:
     FP8 E4M3 values under float32 scales (QuantizeLinear/DequantizeLinear with float8e4m3fn, opset 19; blocked
     along one axis, opset 21). FP4 has an ONNX type only from opset 23, and E8M0 or two-level (NVFP4) scales have
     no QuantizeLinear form at all."""
     spec = q.spec
-    bs = [b for b in (spec.block_size or ()) if b not in (1, -1)]
     why = None
     if spec.element != "fp8_e4m3" or spec.scale_dtype != "float32":
         why = (f"{spec.element} with {spec.scale_dtype} scales has no ONNX QuantizeLinear form (ONNX QDQ holds FP8 "
                "with float32 scales; FP4 elements, E8M0 and FP8-under-global scales do not fit it)")
     elif spec.dynamic and spec.granularity.value == "per_block":
         why = "dynamic per-block FP8 activations are not written to ONNX (per tensor or per token only)"
-    elif len(bs) > 1:
-        why = "2-D weight tiles have no ONNX form (DequantizeLinear blocks along one axis)"
+    elif _tiled(spec):
+        why = _TILES
     if why:
         raise UsageError(f"{q.name}: {why}; export this recipe with --format compressed-tensors or qtool")
 
@@ -269,9 +276,8 @@ def _check_initializers(proto) -> None:
 
 def _check_onnx_bits(q) -> None:
     """ONNX's integer QuantizeLinear types: 4, 8 and 16 bits, blocked along one axis at most."""
-    if len([b for b in (q.spec.block_size or ()) if b not in (1, -1)]) > 1:  # (the rewrite met them after the trace
-        raise UsageError(f"{q.name}: 2-D weight tiles have no ONNX form (DequantizeLinear blocks along one axis); "
-                         "export this recipe with --format qtool")  # as an internal error)
+    if _tiled(q.spec):  # (the rewrite met them after the trace, as an internal error)
+        raise UsageError(f"{q.name}: {_TILES}; export this recipe with --format qtool")
     if q.spec.bitwidth not in (4, 8, 16):
         gguf = q.tensor == "weight" and q.spec.gguf_block_type is not None  # (a llama.cpp grid: Q5_0, Q6_K, ...)
         raise UsageError(f"{q.name}: ONNX QuantizeLinear has no {q.spec.bitwidth}-bit type (4, 8 and 16 bits only); "
