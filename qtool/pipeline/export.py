@@ -277,6 +277,7 @@ def _tied_to_a_quantized_table(checkpoint: Path, enc: EncodingsFile, trust_remot
     tied output layer in ignore, its embedding table quantized): the file holds the table once, quantized, and a
     runtime that ties them computes that layer with the quantized table, not the float one calibration measured."""
     from ..config.resolve import tied_parameters
+    from ..families import family_of_model
     from ..io.checkpoint import detect_kind
     from ..model.hf import hf_name_map, meta_skeleton
 
@@ -290,26 +291,19 @@ def _tied_to_a_quantized_table(checkpoint: Path, enc: EncodingsFile, trust_remot
     tied = {stored_as.get(later, later): stored_as.get(stored, stored)  # (later name -> the stored one)
             for later, stored in tied_parameters(skeleton).items()}
     pairs = [(later, stored) for later, stored in tied.items() if stored in quantized and later not in quantized]
-    # the formats that store the layer apart and take this checkpoint (GGUF: its families; ONNX: no MoE model)
-    formats = [f for f in ("gguf", "onnx") if pairs and _accepts(f, checkpoint)]
-    if not formats:
-        return []  # (no such format for this model: the calibration's own warning stands)
+    if not pairs:
+        return []
+    family = family_of_model(skeleton)
+    config = getattr(skeleton, "config", None)
+    moe = any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    formats = (["gguf"] if family is not None and family.gguf_arch else []) + ([] if moe else ["onnx"])  # (ONNX
+    if not formats:                                                                   # refuses MoE models)
+        return []  # (no format stores it apart for this model: the calibration's own warning stands)
     apart = f"{' or '.join(formats)}, which store{'s' if len(formats) == 1 else ''}"
     return [f"{later.rsplit('.', 1)[0]} is left float but shares its weight with {stored}, which this file stores "
             f"quantized (once): a runtime that ties them computes {later.rsplit('.', 1)[0]} with the quantized table, "
             f"not the float one calibration measured; keep the table float too (ignore it), or export with --format "
             f"{apart} the layer apart" for later, stored in pairs]
-
-
-def _accepts(format: str, checkpoint: Path) -> bool:
-    """Whether ``--format format`` takes ``checkpoint`` (its exporter's own check, as the export would run it)."""
-    from ..errors import QtoolError
-
-    try:
-        get_exporter(format).check_checkpoint(Path(checkpoint))
-        return True
-    except QtoolError:
-        return False
 
 
 _MODEL_SUFFIXES = (".safetensors", ".onnx", ".gguf")  # what every format writes its weights as
