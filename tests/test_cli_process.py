@@ -121,6 +121,20 @@ def test_a_stdout_that_takes_nothing_is_one_line_and_exit_2(world, tmp_path):
         finally:
             os.close(write)
         assert r.returncode == 141 and not r.stderr.strip(), (cmd, r.stderr)
+    for cmd in (("--help",), ("export", "--help")):  # more than 1 KiB of help under a 1 KiB file-size limit, and a
+        for fsize in (True, False):                   # closed stdout: exit 0, the help cut short or printed nowhere
+            with open(tmp_path / "cut.txt", "w") as cut:
+                r = run(*cmd, stdout=cut, preexec_fn=(
+                    (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))) if fsize else
+                    (lambda: os.close(1))))
+            reason = "File too large" if fsize else "stdout is closed"
+            assert r.returncode == 2 and r.stderr.splitlines() == [
+                f"error: stdout takes nothing more ({reason}), so what the command prints there is lost; nothing "
+                "was written"], (cmd, fsize, r.stderr)
+    r = run("--version", preexec_fn=lambda: os.close(1))
+    assert r.returncode == 2 and "(stdout is closed)" in r.stderr, r.stderr
+    assert run("--help", stdout=subprocess.PIPE).stdout.startswith("Usage: ")  # (and in full where it fits)
+    assert run("--version", stdout=subprocess.PIPE).stdout.startswith("qtool ")
 
 
 def test_quiet_prints_nothing_on_success(world, tmp_path):

@@ -111,9 +111,12 @@ class _Group(typer.core.TyperGroup):
         _SAID.clear()
         _EMITTED.clear()
         _OVER.clear()
+        if sys.stdout is None and (not argv or {"--help", "--version", "--show-completion"} & set(argv)):
+            raise _StdoutLost("stdout is closed")  # (click prints typer's help into a closed stdout silently)
         try:
             try:
-                rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+                with _stdout_whole():
+                    rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
             except OSError as e:
                 # typer's own printing (--help, --version) into a stdout that takes nothing: a traceback before (a
                 # command's own errors end inside it, in _errors; any other, a completion file it could not write,
@@ -222,7 +225,7 @@ def _one_process(command: str) -> None:
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"qtool {__version__}")
+        _write_stdout(f"qtool {__version__}\n")
         raise typer.Exit()
 
 
@@ -401,7 +404,7 @@ def _console():
     if sys.stdout is None:  # (started with stdout closed)
         raise _StdoutLost("stdout is closed")
     wide = None if sys.stdout.isatty() or _columns() else 1000
-    return Console(file=_GuardedStdout(), highlight=False, no_color=bool(os.environ.get("NO_COLOR")), width=wide)
+    return Console(file=_WholeStdout(_stdout()), highlight=False, no_color=bool(os.environ.get("NO_COLOR")), width=wide)
 
 
 def _esc(text: str) -> str:
@@ -421,20 +424,21 @@ def _emit_json(obj: Dict[str, Any]) -> None:
 def _write_stdout(text: str) -> None:
     """``text`` on stdout, flushed; ``_StdoutLost`` where stdout takes nothing (typer turns a broken pipe it meets
     itself into a silent exit 1, a failed gate's code)."""
-    if sys.stdout is None:  # (started with stdout closed)
+    stream = _stdout()
+    if stream is None:  # (started with stdout closed)
         raise _StdoutLost("stdout is closed")
     try:
         fd = _stdout_fd()
         if fd is not None:  # (a real descriptor: every byte accounted for)
-            sys.stdout.flush()
+            stream.flush()
             _write_all(fd, _encoder().encode(text))
             return
         try:
-            sys.stdout.write(text)
+            stream.write(text)
         except UnicodeEncodeError:
-            encoding = sys.stdout.encoding or "ascii"
-            sys.stdout.write(text.encode(encoding, "backslashreplace").decode(encoding))
-        sys.stdout.flush()
+            encoding = stream.encoding or "ascii"
+            stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+        stream.flush()
     except (OSError, ValueError) as e:  # (ValueError: a file object closed under us)
         raise _StdoutLost(getattr(e, "strerror", None) or str(e), isinstance(e, BrokenPipeError)) from None
 
@@ -445,10 +449,11 @@ _ENCODERS: Dict[int, Any] = {}
 def _encoder():
     """stdout's encoding as one incremental encoder (a BOM, UTF-16's, written once); a character it lacks escaped,
     as Python's own stderr writes them."""
-    key = id(sys.stdout)
+    stream = _stdout()
+    key = id(stream)
     if key not in _ENCODERS:
         _ENCODERS.clear()
-        _ENCODERS[key] = codecs.getincrementalencoder(sys.stdout.encoding or "utf-8")("backslashreplace")
+        _ENCODERS[key] = codecs.getincrementalencoder(stream.encoding or "utf-8")("backslashreplace")
     return _ENCODERS[key]
 
 
@@ -462,12 +467,52 @@ def _printing(err: OSError) -> bool:
                                                              "_write_buffer", "print")
 
 
+def _stdout():
+    """The stream sys.stdout writes to (None where the process started with it closed)."""
+    return sys.stdout._stream if isinstance(sys.stdout, _WholeStdout) else sys.stdout
+
+
 def _stdout_fd():
     """stdout's descriptor where it is the process's own file (None under a test runner's capture)."""
+    stream = _stdout()
     try:
-        return sys.stdout.fileno() if isinstance(sys.stdout, io.TextIOWrapper) else None
+        return stream.fileno() if isinstance(stream, io.TextIOWrapper) else None
     except (OSError, ValueError):
         return None
+
+
+class _WholeStdout:
+    """``stream`` (stdout) with each write going out through :func:`_write_stdout`, every byte accounted for; the
+    rest is the stream's own. rich's tables print to one, and sys.stdout is one while a command runs where stdout
+    is the process's own file: what typer (its help, completion scripts) and other libraries print there (Python's
+    buffered stdout dropped the rest of a write cut short by a file-size limit: exit 0, help cut at 1 KiB)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        _write_stdout(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass  # (each write is flushed)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def _stdout_whole() -> Iterator[None]:
+    stream = sys.stdout
+    if isinstance(stream, _WholeStdout) or _stdout_fd() is None:  # (a test runner's capture, or no stdout)
+        yield
+        return
+    sys.stdout = _WholeStdout(stream)
+    try:
+        yield
+    finally:
+        if isinstance(sys.stdout, _WholeStdout):  # (a command that replaced it keeps its own)
+            sys.stdout = stream
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -485,20 +530,6 @@ def _write_all(fd: int, data: bytes) -> None:
         if n <= 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         view = view[n:]
-
-
-class _GuardedStdout:
-    """stdout for rich's tables: writes through :func:`_write_stdout`; everything else is stdout's own."""
-
-    def write(self, text: str) -> int:
-        _write_stdout(text)
-        return len(text)
-
-    def flush(self) -> None:
-        pass  # (each write is flushed)
-
-    def __getattr__(self, name):
-        return getattr(sys.stdout, name)
 
 
 class _StdoutLost(Exception):
