@@ -201,6 +201,27 @@ def test_search_scores_every_candidate_as_rounding_each_value_would(seed, name, 
     assert bool((own <= least * (1 + 1e-4) + 1e-6 * scale).all())
 
 
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("sub_block", [[1e-40] + [0.0] * 15, [1e-39] * 15 + [-1e-39], [1e-40] * 16])
+def test_a_sub_block_of_denormals_searches_to_what_min_max_gives(name, sub_block):
+    """A span so small its inverse overflows float32 made 0 · inf = NaN codes, and the search's bins an index of
+    -2^63 (a RuntimeError: calibrate's "internal error", gguf-q4_k_m on a weight row of 1e-40s). Such a sub-block
+    has no better candidate than its own range: the searched quantizer gives the min-max one's values."""
+    from qtool.quant import GgmlQuantizeDequantize, MinMaxEncodingAnalyzer, MseEncodingAnalyzer
+
+    t = ggml.ggml_type(name)
+    width = 256 if name.endswith("_k") else 32
+    x = torch.tensor([(sub_block * 16)[:width]])
+    shape, block = (1, width // t.sub), (1, t.sub)
+    values = []
+    for analyzer in (MseEncodingAnalyzer, MinMaxEncodingAnalyzer):
+        q = GgmlQuantizeDequantize(shape, t, analyzer(shape, block), block)
+        with q.compute_encodings():
+            q(x)
+        values.append(q(x))
+    assert torch.isfinite(values[0]).all() and torch.equal(values[0], values[1])
+
+
 def test_a_gptq_row_searches_clipped_spans_and_a_nearest_row_does_not():
     from qtool.config import parse_recipe, resolve_plan
     from qtool.model.insert import make_quantizer

@@ -283,8 +283,10 @@ def _integer_slice(x, w, t: GgmlType, steps: int, clip_ratios, work: _Work):
 
 
 def _inverse(v):
-    """``1 / v``, zero where ``v`` is zero."""
-    return torch.where(v == 0, 0.0, 1.0 / torch.where(v == 0, torch.ones_like(v), v))
+    """``1 / v``, zero where that is not finite: ``v`` zero, or a denormal whose inverse overflows (``0 · inf`` made
+    the codes of a sub-block spanning 1e-40 NaN, and the search's bins an index of -2^63)."""
+    inverse = 1.0 / v
+    return torch.where(torch.isfinite(inverse), inverse, 0.0)
 
 
 def _clipped_sums(x, wt, t: GgmlType, span, low, d0, out, bufs):
