@@ -219,6 +219,11 @@ def _granularity_from_count(count: int, wshape: Tuple[int, ...], block: Optional
     if block is None and count == wshape[0]:
         return "per_channel", (wshape[0],) + (1,) * (nd - 1), None
     if per_channel and block is None:
+        if nd >= 3 and count == wshape[1]:  # (AIMET's channels of a transposed convolution: its weight's dim 1)
+            raise EncodingsError(f"{count} per-channel encodings for a weight of shape {list(wshape)}: along its dim "
+                                 "1, a transposed convolution's output channels, which qtool's per-channel "
+                                 "weights (along axis 0) do not run along; this layer takes per_tensor "
+                                 "encodings only")
         raise EncodingsError(f"{count} per-channel encodings for a weight of shape {list(wshape)} (one per output "
                              "channel, along axis 0)")
     ax = 1 if axis is None else axis
@@ -240,6 +245,24 @@ def _int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
         raise ValueError(f"{what} must be an integer (got {str(value)[:40]!r})")
     return int(value)
+
+
+def _numbers(value: Any, what: str) -> torch.Tensor:
+    """A scale's or offset's numbers (a JSON number, or lists of them nested as the file nests them) in float64, so
+    the checks see what the file says before float32 rounds it (1e300 to inf, 1e-50 to 0). A JSON ``true`` is not
+    a number, nor is a string."""
+    def check(v: Any) -> None:
+        if isinstance(v, list):
+            for x in v:
+                check(x)
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{what} must be numbers (got {str(v)[:40]!r})")
+
+    check(value)
+    numbers = torch.tensor(value, dtype=torch.float64)
+    if numbers.numel() == 0:
+        raise ValueError(f"{what} holds no numbers")
+    return numbers
 
 
 _MALFORMED = (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError)
@@ -277,8 +300,8 @@ def _row_0_6_1(source: str, name: str, item: Any) -> Tuple[int, bool, torch.Tens
     if str(item[0]["is_symmetric"]) not in ("True", "False"):
         raise EncodingsError(f"{source}: {name}: is_symmetric must be \"True\" or \"False\" "
                              f"(got {str(item[0]['is_symmetric'])[:40]!r})")
-    scale = torch.tensor([float(i["scale"]) for i in item], dtype=torch.float32)
-    off = torch.tensor([float(i["offset"]) for i in item], dtype=torch.float32)
+    scale = _numbers([i["scale"] for i in item], "scale")
+    off = _numbers([i["offset"] for i in item], "offset")
     return bits, str(item[0]["is_symmetric"]) == "True", scale, off
 
 
@@ -305,8 +328,8 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                     raise EncodingsError(f"{source}: {item['name']}: output_dtype {dt[:40]!r} is not supported "
                                          "(integer types import: int8, uint8, int4, ...)")
                 signed, bits = not dtype.group(1), int(dtype.group(2))
-                scale = torch.tensor(item["y_scale"], dtype=torch.float32)
-                zp = torch.tensor(item.get("y_zero_point", 0), dtype=torch.float32)
+                scale = _numbers(item["y_scale"], "y_scale")
+                zp = _numbers(item.get("y_zero_point", 0), "y_zero_point")
                 if zp.numel() != 1 and zp.numel() != scale.numel():
                     raise EncodingsError(f"{source}: {item['name']}: {zp.numel()} offsets for {scale.numel()} "
                                          "scales (give one y_zero_point per y_scale, or one for all)")
@@ -340,11 +363,14 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                             raise EncodingsError(f"{source}: {name}: is_sym must be true or false (got "
                                                  f"{str(item['is_sym'])[:40]!r})")
                         sym = item["is_sym"]
-                        scale = torch.tensor(item["scale"], dtype=torch.float32)
-                        off = torch.tensor(item["offset"], dtype=torch.float32)
+                        scale = _numbers(item["scale"], "scale")
+                        off = _numbers(item["offset"], "offset")
                         block = item.get("block_size")
                         if item.get("enc_type") not in (None, "PER_TENSOR", "PER_CHANNEL", "PER_BLOCK"):
                             raise EncodingsError(f"{source}: {name}: enc_type {item.get('enc_type')} is not supported")
+                        if item.get("enc_type") == "PER_TENSOR" and scale.numel() != 1:
+                            raise EncodingsError(f"{source}: {name}: enc_type PER_TENSOR with {scale.numel()} "
+                                                 "scales (a per-tensor encoding has one)")
                     if not 1 <= bits <= 64:  # (checked against 2..16 once skips are known; grid() needs sanity)
                         raise EncodingsError(f"{source}: {name}: bitwidth {str(bits)[:20]} is outside "
                                              f"{MIN_BITWIDTH}..{MAX_BITWIDTH}")
@@ -379,7 +405,8 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
         what = (f"none of its {len(rows)} entries (e.g. {rows[0][1][:80]!r}) names a weight of this checkpoint or "
                 "a <module>.input / .output; were they made for another model?" if rows else
                 f"the file holds no encodings (AIMET {version} keeps them in {where})")
-        raise EncodingsError(f"{source}: nothing to import: {what}")
+        fused = next((w for w in warnings if _FUSED_EXPERTS in w), None)
+        raise EncodingsError(f"{source}: nothing to import: {what}" + (f" ({fused})" if fused else ""))
     return EncodingsFile(entries, {"imported_from": f"AIMET {version}"}), warnings
 
 
@@ -405,6 +432,9 @@ def _file_axis(axis: Any, nd: int, per_channel: bool) -> Optional[int]:
         raise ValueError(f"blockwise encodings along axis {axis} are not supported: qtool imports blocks "
                          "along axis 1 (input channels) only")
     return axis
+
+
+_FUSED_EXPERTS = "a mixture-of-experts layer's experts as one fused tensor: qtool names its experts one by one"
 
 
 def _entry_from_row(name: str, r: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]],
@@ -436,6 +466,11 @@ def _entry_from_row(name: str, r: Dict[str, Any], weight_shapes: Dict[str, Tuple
         if r["scale"].numel() != 1:
             raise EncodingsError(f"{source}: {name}: activation encodings must be per-tensor")
     else:
+        experts = name.rsplit(".", 1)[0]
+        if experts.endswith(".experts") and any(k.startswith(f"{experts}.0.") for k in weight_shapes):
+            warnings.append(f"{name}: {_FUSED_EXPERTS} ({experts}.<e>.<projection>.weight, as its own AIMET export "
+                            "writes them); skipped")
+            return None
         why = {"param": "", "act": " (an ONNX activation name?)"}.get(kind, " (an ONNX activation name, or "
                                                                               "another model's tensor?)")
         warnings.append(f"{name}: no tensor of that name in the checkpoint{why}; skipped")
@@ -447,7 +482,7 @@ def _entry_from_row(name: str, r: Dict[str, Any], weight_shapes: Dict[str, Tuple
     if r["offset"].numel() != r["scale"].numel():
         raise EncodingsError(f"{source}: {name}: {r['offset'].numel()} offsets for {r['scale'].numel()} scales "
                              "(give one offset per scale)")
-    scale = r["scale"].reshape(shape)
+    scale = r["scale"].reshape(shape)  # (float64: as the file says)
     offset = r["offset"].reshape(shape)  # on the file's grid (signed or not): real = (q + offset) * scale
     if not (torch.isfinite(scale).all() and (scale > 0).all()):
         bad = scale[~(torch.isfinite(scale) & (scale > 0))].flatten()[0]
@@ -456,8 +491,17 @@ def _entry_from_row(name: str, r: Dict[str, Any], weight_shapes: Dict[str, Tuple
         raise EncodingsError(f"{source}: {name}: offsets must be integers")
     if ((offset < -qmax) | (offset > -qmin)).any():
         bad = offset[(offset < -qmax) | (offset > -qmin)].flatten()[0]
-        raise EncodingsError(f"{source}: {name}: its offset puts zero at code {int(-bad)}, outside the "
+        raise EncodingsError(f"{source}: {name}: its offset puts zero at code {-float(bad):.6g}, outside the "
                              f"{bits}-bit grid [{qmin}, {qmax}]")
+    said, scale, offset = scale, scale.to(torch.float32), offset.to(torch.float32)
+    if torch.isinf(scale).any():
+        raise EncodingsError(f"{source}: {name}: its range overflows float32 (scale up to "
+                             f"{float(said.max()):.4g}); the range cannot be represented")
+    smallest = torch.tensor(_min_scale(qmax - qmin), dtype=torch.float32)  # (what qtool clamps a scale to)
+    if (scale < smallest).any():
+        raise EncodingsError(f"{source}: {name}: scale {float(said[scale < smallest].flatten()[0]):.4g} is below "
+                             f"the smallest qtool's {bits}-bit grids have ({float(smallest):.4g}); the range cannot "
+                             "be represented")
     # qtool's symmetric grid is the signed one with offset 0; an encoding the file calls symmetric with other
     # offsets (AIMET's unsigned symmetric after a ReLU: [0, 255 * scale]) is the same grid as an asymmetric one
     symmetric = r["signed"] and bool((offset == 0).all())
@@ -466,11 +510,6 @@ def _entry_from_row(name: str, r: Dict[str, Any], weight_shapes: Dict[str, Tuple
                         "as asymmetric with the file's scales and offsets")
     if not symmetric and r["signed"]:  # the same grid on qtool's unsigned one
         offset, qmin, qmax = offset + qmin, 0, qmax - qmin
-    smallest = torch.tensor(_min_scale(qmax - qmin), dtype=torch.float32)  # (what qtool clamps a scale to)
-    if (scale < smallest).any():
-        raise EncodingsError(f"{source}: {name}: scale {float(scale[scale < smallest].flatten()[0]):.4g} is below "
-                             f"the smallest qtool's {bits}-bit grids have ({float(smallest):.4g}); the range cannot "
-                             "be represented")
     mn, mx = range_for_scale_offset(scale, offset, qmin, qmax, symmetric)
     if not (torch.isfinite(mn).all() and torch.isfinite(mx).all()):
         raise EncodingsError(f"{source}: {name}: its range overflows float32 (scale up to "

@@ -293,3 +293,59 @@ def test_quantizers_reading_one_tensor_alike_are_not_said_to_differ(version):
     acts[2] = _v1_entry("v.input", [0.0323], [-129], False, "PER_TENSOR")
     enc, _ = from_aimet(_v1(acts=acts), {}, "f", _mod)
     assert shared_names(enc, version, names) == [("ln_out", ["q.input", "k.input", "v.input"])]
+
+
+@pytest.mark.parametrize("obj, message", [
+    (_v1([_v1_entry("a.weight", [True], [-128], True, "PER_TENSOR")]), r"scale must be numbers \(got 'True'\)"),
+    (_v1([_v1_entry("a.weight", ["0.01"], [-128], True, "PER_TENSOR")]), r"scale must be numbers \(got '0.01'\)"),
+    (_v2({"y_scale": [0.01], "y_zero_point": True}), r"y_zero_point must be numbers \(got 'True'\)"),
+    ({"version": "0.6.1", "param_encodings": {"a.weight": [{"bitwidth": 8, "is_symmetric": "True", "scale": True,
+                                                            "offset": -128}]}}, "scale must be numbers"),
+    (_v1([_v1_entry("a.weight", [], [], True, "PER_TENSOR")]), "scale holds no numbers"),
+])
+def test_a_scale_or_offset_that_is_not_numbers_is_refused(obj, message):
+    """A JSON true read as 1.0 (a scale of 1, a zero point of -1) and a string read as its number: imported with
+    exit 0; an empty list ended in "ZeroDivisionError: integer modulo by zero"."""
+    with pytest.raises(EncodingsError, match=message):
+        from_aimet(obj, {"a.weight": (4, 8)}, "f", _mod)
+
+
+@pytest.mark.parametrize("scale, offset, message", [
+    (1e300, -128, r"its range overflows float32 \(scale up to 1e\+300\)"),
+    (3.5e38, -128, r"its range overflows float32 \(scale up to 3.5e\+38\)"),
+    (1e-50, -128, r"scale 1e-50 is below the smallest qtool's 8-bit grids have"),
+    (0.01, -1e300, r"its offset puts zero at code 1e\+300, outside the 8-bit grid \[0, 255\]$"),
+])
+def test_a_scale_or_offset_out_of_float32_is_named_as_the_file_says_it(scale, offset, message):
+    """float32 rounded them first: "every scale must be a finite number above 0 (got inf)" for a finite scale, "(got
+    0.0)" for 1e-50, and a 300-digit code."""
+    obj = _v1([_v1_entry("a.weight", [scale], [offset], False, "PER_TENSOR")])
+    with pytest.raises(EncodingsError, match=message):
+        from_aimet(obj, {"a.weight": (4, 8)}, "f", _mod)
+
+
+def test_per_tensor_with_a_scale_per_channel_is_refused():
+    obj = _v1([_v1_entry("a.weight", [0.01] * 4, [-128] * 4, True, "PER_TENSOR")])
+    with pytest.raises(EncodingsError, match="f: a.weight: enc_type PER_TENSOR with 4 scales"):
+        from_aimet(obj, {"a.weight": (4, 8)}, "f", _mod)
+
+
+def test_aimets_per_channel_transposed_convolution_is_named_as_such():
+    """AIMET writes a ConvTranspose2d's per-channel scales along its weight's dim 1: the line said the count was
+    wrong ("one per output channel, along axis 0"), which is false for that layer."""
+    obj = _v1([_v1_entry("up.weight", [0.01] * 16, [-128] * 16, True)])
+    with pytest.raises(EncodingsError, match="f: up.weight: 16 per-channel encodings for a weight of shape "
+                                             r"\[32, 16, 2, 2\]: along its dim 1, a transposed convolution's output "
+                                             "channels.*per_tensor encodings only"):
+        from_aimet(obj, {"up.weight": (32, 16, 2, 2)}, "f", _mod)
+
+
+def test_a_fused_expert_tensor_says_experts_are_named_one_by_one():
+    """gpt-oss stores a layer's experts fused (mlp.experts.gate_up_proj); qtool names them one by one. The line said
+    the file was another model's."""
+    shapes = {f"m.experts.{e}.gate_proj.weight": (8, 4) for e in range(2)}
+    obj = _v1([_v1_entry("m.experts.gate_up_proj", [0.01], [-128], True, "PER_TENSOR")])
+    with pytest.raises(EncodingsError, match=r"nothing to import: .*\(m.experts.gate_up_proj: a mixture-of-experts "
+                                             r"layer's experts as one fused tensor: qtool names its experts one by "
+                                             r"one \(m.experts.<e>.<projection>.weight"):
+        from_aimet(obj, shapes, "f", _mod)

@@ -386,3 +386,29 @@ def test_max_shard_size_with_another_format_is_said_to_do_nothing(tmp_path):
     code, out, err = run_cli("quantize", ckpt, "-c", "w8a16", "-f", "compressed-tensors", "-o", tmp_path / "d",
                              "--json")
     assert code == 0 and not [w for w in json.loads(out)["export_warnings"] if "max-shard-size" in w], out
+
+
+def test_an_imported_encoding_of_token_ids_is_skipped_with_a_warning(tmp_path):
+    """An Embedding's input is token ids, which no quantizer takes: the entry was imported with exit 0, carried into
+    every export, and changed nothing (a recipe rule for it is refused)."""
+    from tests.tinymodels import tied_lm
+
+    save_file({k: v.clone() for k, v in tied_lm().state_dict().items()}, tmp_path / "t.safetensors")
+    entry = {"dtype": "INT", "bw": 8, "is_sym": False, "scale": [8.0], "offset": [0], "enc_type": "PER_TENSOR"}
+    aimet = {"version": "1.0.0", "param_encodings": [{**entry, "name": "mid.weight", "is_sym": True,
+                                                      "scale": [0.001], "offset": [-128]}],
+             "activation_encodings": [{**entry, "name": "emb.input"}, {**entry, "name": "mid.input"}]}
+    (tmp_path / "a.encodings").write_text(json.dumps(aimet))
+    code, out, err = run_cli("import-encodings", tmp_path / "t.safetensors", tmp_path / "a.encodings", "-o",
+                             tmp_path / "i", "--model-class", "tests.tinymodels:tied_lm", "--json")
+    assert code == 0, err
+    assert json.loads(out)["warnings"] == ["emb.input: token ids (integers, the input of its Embedding), which no "
+                                           "activation quantizer takes; skipped"]
+    names = [q["name"] for q in json.loads((tmp_path / "i/encodings.json").read_text())["quantizers"]]
+    assert sorted(names) == ["mid.input", "mid.weight"]
+    aimet["param_encodings"], aimet["activation_encodings"] = [], aimet["activation_encodings"][:1]
+    (tmp_path / "a.encodings").write_text(json.dumps(aimet))
+    code, _, err = run_cli("import-encodings", tmp_path / "t.safetensors", tmp_path / "a.encodings", "-o",
+                           tmp_path / "j", "--model-class", "tests.tinymodels:tied_lm")
+    assert code == 2 and "nothing to import: its only encodings are of token ids ('emb.input')" in err, err
+    assert not (tmp_path / "j").exists()

@@ -87,7 +87,7 @@ def mlp_run(tmp_path_factory):
 
 @pytest.mark.parametrize("field, value, message", [
     ("scale", float("nan"), "NaN is not a JSON number"),  # refused by the reader, before any scale check
-    ("scale", 1e300, "finite number above 0"),
+    ("scale", 1e300, "its range overflows float32 (scale up to 1e+300)"),
     ("scale", 0.0, "finite number above 0"),
     ("scale", -0.5, "finite number above 0"),
     ("offset", 1000, "outside the 8-bit grid"),

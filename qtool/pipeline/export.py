@@ -379,6 +379,27 @@ def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[E
 
 
 @one_at_a_time
+def _without_token_inputs(entries, modules: Dict[str, torch.nn.Module], warnings: List[str], source: str):
+    """``entries`` less the input encodings of modules that take token ids (an Embedding's): no quantizer takes
+    integers, so such an encoding would be carried into every export and change nothing (a recipe's rule for them
+    is refused)."""
+    from ..config.resolve import _type_names
+    from ..config.schema import _INTEGER_INPUT_TYPES
+
+    kept = []
+    for e in entries:
+        module = modules.get(e.module)
+        if e.tensor == "input" and module is not None and set(_type_names(module)) & set(_INTEGER_INPUT_TYPES):
+            warnings.append(f"{e.name}: token ids (integers, the input of its {type(module).__name__}), which no "
+                            "activation quantizer takes; skipped")
+            continue
+        kept.append(e)
+    if entries and not kept:
+        raise EncodingsError(f"{source}: nothing to import: its only encodings are of token ids ("
+                             f"{entries[0].name!r}), which no activation quantizer takes")
+    return kept
+
+
 def run_import_encodings(checkpoint: str, aimet_path: str, out: str, opts: CalibrateOptions,
                          overwrite: bool = False) -> Dict[str, Any]:
     """``qtool import-encodings``: an AIMET encodings file (any version) -> qtool's encodings.json."""
@@ -401,6 +422,7 @@ def run_import_encodings(checkpoint: str, aimet_path: str, out: str, opts: Calib
         return mod if mod in modules and name.endswith(".weight") else None
 
     enc, warnings = from_aimet(obj, shapes, str(aimet_path), module_of)
+    enc.entries = _without_token_inputs(enc.entries, modules, warnings, str(aimet_path))
     stored_as = getattr(loaded.model, CHECKPOINT_KEYS, None) or {}
     for e in enc.entries:  # a weight's entry is named as calibrate names it: by its checkpoint tensor (a ViT's
         if e.tensor == "weight":  # vit.encoder.layer.0.attention.attention.query.weight, not the module's name)
