@@ -717,7 +717,11 @@ def test_a_library_target_is_checked_as_the_cli_checks_it(tmp_path):
     for target, said in ((TargetOptions(["w8a16", "w4a16-block32"], bits_per_weight=6.0, metric="mse"),
                           "--search-metric must be one of kl, nll (got 'mse')"),  # (the CLI's line)
                          (TargetOptions("w8a16,w4a16-block32", bits_per_weight=6.0),
-                          "candidates takes a list of recipes")):
+                          "candidates takes a list of recipes"),
+                         (TargetOptions(["w8a16", "w4a16-block32"], bits_per_weight=float("nan")),
+                          "--target-bpw nan: bits per weight lie between 0 and 64"),  # (a ValueError from Decimal)
+                         (TargetOptions(["w8a16", "w4a16-block32"], bits_per_weight=float("inf")),
+                          "--target-bpw inf: bits per weight lie between 0 and 64")):
         with pytest.raises(UsageError, match=said.replace("(", r"\(").replace(")", r"\)")):
             run_calibrate(str(ckpt), None, str(tmp_path / "r"), CalibrateOptions(), target=target)
         assert not (tmp_path / "r").exists()

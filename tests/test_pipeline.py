@@ -164,6 +164,41 @@ def _weights_of(run):
     return {q["name"]: q["scale"] for q in json.loads((run / "encodings.json").read_text())["quantizers"]}
 
 
+def test_a_library_overwrite_that_is_not_a_bool_is_refused_and_the_directory_kept(tmp_path, mlp_ckpt):
+    """overwrite="false" (a flag read from a config file or the environment) is a true string: the run replaced
+    the directory and what it held."""
+    from qtool.calibration import CalibrateOptions
+    from qtool.errors import UsageError
+    from qtool.pipeline import run_calibrate
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(UsageError, match=r"overwrite must be True or False \(got str 'false'\)"):
+        run_calibrate(str(mlp_ckpt), str(CONFIGS / "w8a16.yaml"), str(out), CalibrateOptions(model_class=MLP),
+                      overwrite="false")
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_encodings_that_do_not_fit_leave_the_callers_model_as_it_was(tmp_path, mlp_ckpt):
+    """apply_encodings refused the weights' shapes after inserting the quantizers: the caller's model then held
+    uncalibrated ones, and its next forward raised UninitializedQuantizerError."""
+    from qtool.encodings import EncodingsFile
+    from qtool.errors import EncodingsError
+    from qtool.pipeline import apply_encodings
+
+    code, _, err = calibrate(mlp_ckpt, tmp_path / "run", "w4a16-block32.yaml")
+    assert code == 0, err
+    other = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 12))  # (the last layer: 12 rows, not 10)
+    x = torch.randn(3, 64)
+    before = other(x)
+    with pytest.raises(EncodingsError, match="4.weight: does not fit the model's weight"):
+        apply_encodings(other, EncodingsFile.read(tmp_path / "run" / "encodings.json"), "enc")
+    assert [type(m) for m in other] == [torch.nn.Linear, torch.nn.ReLU] * 2 + [torch.nn.Linear]
+    assert not list(iter_quantizers(other)) and torch.equal(other(x), before)
+
+
 def test_every_checkpoint_kind_gives_the_same_encodings(tmp_path):
     state = mlp().state_dict()
     st = tmp_path / "m.safetensors"

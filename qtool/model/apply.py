@@ -15,7 +15,7 @@ from ..quant.hadamard import HadamardError, hadamard_order
 from ..weights import WeightSource
 from .checkpoint_map import checkpoint_names
 from .expert_view import open_checkpoint
-from .insert import insert_quantizers, set_stored_weight
+from .insert import insert_quantizers, make_quantizer, set_stored_weight
 from .online import install_online, rotated_width
 
 __all__ = ["plan_from_encodings", "apply_encodings", "apply_stored_weights", "untie"]
@@ -56,15 +56,16 @@ def apply_encodings(model: nn.Module, enc: EncodingsFile, source: str) -> Dict[s
                 hadamard_order(n)
         except (HadamardError, ValueError) as e:
             raise EncodingsError(f"{source}: online rotation {rot.name}: {e}") from None
+    for row in plan.quantizers:  # (before anything is inserted: a refused call leaves the caller's model as it was)
+        if row.tensor == "weight":
+            w = modules[row.module]._parameters.get("weight")
+            try:
+                make_quantizer(row).check_input(w)
+            except (ValueError, AttributeError) as err:
+                raise EncodingsError(f"{source}: {row.name}: does not fit the model's weight ({err})") from None
     quantizers = insert_quantizers(model, plan)
     install_online(modules, enc.online)  # the rotations run first: before the input quantizers they feed
     for e in enc.entries:
-        if e.tensor == "weight":
-            w = modules[e.module]._parameters.get("weight")
-            try:
-                quantizers[e.name].check_input(w)
-            except (ValueError, AttributeError) as err:
-                raise EncodingsError(f"{source}: {e.name}: does not fit the model's weight ({err})") from None
         if e.global_amax is not None:
             quantizers[e.name].global_amax = torch.tensor(e.global_amax, dtype=torch.float32)
         if e.dynamic:

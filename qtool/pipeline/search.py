@@ -173,6 +173,8 @@ def _target_candidates(target: TargetOptions) -> List[RecipeFile]:
         raise UsageError("--candidates goes with one budget: --target-bpw B or --target-size SIZE")
     if target.samples < 1:
         raise UsageError("--search-samples must be at least 1")
+    if target.bits_per_weight is not None and not 0 < target.bits_per_weight < 64:  # (NaN too: the CLI's check)
+        raise UsageError(f"--target-bpw {target.bits_per_weight:g}: bits per weight lie between 0 and 64")
     read = [read_recipe(c) for c in target.candidates]
     first: Dict[str, str] = {}
     for name, r in zip(target.candidates, read):
