@@ -522,11 +522,20 @@ def test_every_problem_is_listed_with_its_line_and_a_hint(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_recipe(bad)
     problems = e.value.problems
-    assert len(problems) == 3 and str(e.value).endswith("(and 2 more)")
+    assert len(problems) == 4 and str(e.value).endswith("(and 3 more)")
     assert problems[0] == f"{bad}:3: defaults.weights.granularty: unknown key (did you mean 'granularity'?)"
     assert problems[1].startswith(f"{bad}:4: defaults.activations.granularity:") and "did you mean 'per_tensor'" \
         in problems[1]
     assert problems[2] == f"{bad}:6: layers[0].name: unknown key (did you mean 'match'?)"
+    assert problems[3] == f"{bad}:7: layers[0].weights.bits: unknown key (did you mean 'bitwidth'?)"
+    # a `name:` for `match:` hid every later problem of the layers (the entry, left with neither, failed the rest)
+    bad.write_text("version: 1\nlayers:\n  - name: x\n    weights: {granularity: per_blok}\n  - match: y\n"
+                   "    weights: {bitwidth: 40}\ndefaults:\n  weights: {bitwidth: 99}\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(bad)
+    assert [p.split(": ")[0] for p in e.value.problems] == [f"{bad}:8", f"{bad}:3", f"{bad}:4", f"{bad}:6"]
+    assert [p.split(": ")[1] for p in e.value.problems] == [
+        "defaults.weights.bitwidth", "layers[0].name", "layers[0].weights.granularity", "layers[1].weights.bitwidth"]
     # a misspelt key inside a layers entry's rounding or analyzer: the hint came from the weights' own keys
     bad.write_text("version: 1\ndefaults: {weights: {bitwidth: 4}}\nlayers:\n  - match: '*'\n"
                    "    weights: {rounding: {name: gptq, dampning: 0.1}}\n")

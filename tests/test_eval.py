@@ -415,6 +415,8 @@ def test_lm_eval_tasks_run_on_the_artifact_in_its_runtime(model, tmp_path, capfd
     acc = res["tasks"]["qtool_tiny_multiple_choice"]["acc"]
     assert set(acc) == {"float", "artifact"} and all(0 <= v <= 1 for v in acc.values())
     assert set(res["tasks"]["qtool_tiny_generate_until"]["exact_match"]) == {"float", "artifact"}
+    # metrics only: lm-eval's count of documents (sample_len) read as one
+    assert {m for t in res["tasks"].values() for m in t} == {"acc", "exact_match"}
     terminal = err + capfd.readouterr().err  # (what the command wrote, and what reached the process's stderr)
     for chatter in ("not a git repository", "Generating test split", "is defined, but aggregation is not", "it/s]"):
         assert chatter not in terminal, terminal

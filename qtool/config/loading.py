@@ -181,6 +181,9 @@ def _without(data: Dict[str, Any], locations: List[List[Any]]) -> Optional[Recip
         key = loc[-1] if loc else None
         if isinstance(parent, dict) and key in parent:
             del parent[key]
+            if len(loc) == 3 and loc[0] == "layers" and "match" not in parent and "type" not in parent:
+                parent["match"] = "re:(?!)"  # (a `name:` for `match:` taken out: the entry's other fields are
+                # still checked, and later entries keep their places)
         elif len(loc) >= 2 and loc[0] == "layers" and isinstance(loc[1], int) and isinstance(rest.get("layers"), list) \
                 and loc[1] < len(rest["layers"]):
             rest["layers"][loc[1]] = {"match": "re:(?!)"}  # (matches nothing)

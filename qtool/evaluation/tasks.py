@@ -159,7 +159,8 @@ def _lm_eval_quieted() -> Iterator[None]:
 
 def run_tasks(runtime, tokenizer, tasks: Sequence[str], manager, limit: Optional[int], max_length: int,
               label: str) -> Dict[str, Dict[str, float]]:
-    """``{task: {metric: value}}`` of lm-eval's ``tasks`` run by ``runtime`` (stderr figures left out)."""
+    """``{task: {metric: value}}`` of lm-eval's ``tasks`` run by ``runtime`` (stderr figures left out, and what
+    lm-eval keeps beside its ``metric,filter`` figures: ``sample_len``, a count of documents, is no metric)."""
     lm_eval, _, _ = _lm_eval()
     with _lm_eval_quieted():
         res = lm_eval.simple_evaluate(model=_adapter(runtime, tokenizer, max_length, label), tasks=list(tasks),
@@ -167,7 +168,7 @@ def run_tasks(runtime, tokenizer, tasks: Sequence[str], manager, limit: Optional
     out: Dict[str, Dict[str, float]] = {}
     for task, metrics in (res or {}).get("results", {}).items():
         out[task] = {m.split(",")[0]: float(v) for m, v in metrics.items()
-                     if isinstance(v, (int, float)) and not isinstance(v, bool) and "_stderr" not in m}
+                     if isinstance(v, (int, float)) and not isinstance(v, bool) and "," in m and "_stderr" not in m}
     return out
 
 
