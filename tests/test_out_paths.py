@@ -328,3 +328,25 @@ def test_an_interrupt_as_the_temporary_is_made_leaves_nothing(tmp_path, monkeypa
             with fs.atomic_file(tmp_path / "out.json"):
                 pass
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rank_scratch_directory_sigkill_left_is_removed_by_the_next_run(tmp_path):
+    """Under torchrun, a searching rank's scratch directory beside --out (".qtool-rank-..." before) named no
+    writer, so a SIGKILLed rank's stayed there through every later run."""
+    import subprocess
+    import sys
+
+    from qtool.io.fs import remove_stale_temporaries
+
+    out = tmp_path / "out"
+    code = ("import sys, time; from pathlib import Path; from qtool.io.fs import scratch_dir_beside\n"
+            "with scratch_dir_beside(Path(sys.argv[1])) as d:\n"
+            "    (Path(d) / 'recipe.yaml').write_text('x'); print(d, flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    made = Path(proc.stdout.readline().strip())
+    assert made.parent == tmp_path and made.is_dir()
+    assert remove_stale_temporaries(out) == []  # (its writer runs: left alone)
+    proc.kill()
+    proc.wait()
+    assert remove_stale_temporaries(out) == [made] and list(tmp_path.iterdir()) == []

@@ -265,6 +265,18 @@ def test_resume_needs_sequential_and_is_not_for_a_size_budget_search(llama, tmp_
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_a_size_budget_search_written_where_a_state_was_left_removes_it(llama, stopped, tmp_path):
+    """A --sequential size-budget search keeps no state, and left an earlier run's OUT.resume beside its output: a
+    retry wrapper's --resume then met "already exists"."""
+    d, args = llama
+    shutil.copytree(stopped, tmp_path / "run.resume")
+    search = [a for a in args if a not in ("-c", str(d / "r.yaml"))]
+    code, _, err = run_cli(*search, "--candidates", "w8a16,w4a16-block32", "--target-bpw", "12", "-o",
+                           tmp_path / "run")
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
 def test_two_ranks_killed_after_a_block_resume_to_the_bytes_of_one_process(llama, tmp_path):
     d, args = llama
     out = tmp_path / "run"

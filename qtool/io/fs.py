@@ -18,7 +18,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import UsageError
 
-__all__ = ["atomic_output_dir", "atomic_file", "sha256_file", "sampled_sha256", "check_apart_from_inputs",
+__all__ = ["atomic_output_dir", "atomic_file", "scratch_dir_beside", "sha256_file", "sampled_sha256", "check_apart_from_inputs",
            "check_output_dir", "check_output_file", "parse_size",
            "write_text_atomic", "remove_stale_temporaries", "remove_orphans", "writer_tag"]
 
@@ -223,6 +223,13 @@ def _writer_is_gone(host: str, pid: int) -> bool:
 def writer_tag() -> str:
     """``HOST-PID`` of this process, as the names of what it writes on the way carry it (see :func:`remove_orphans`)."""
     return f"{_HOST}-{os.getpid()}"
+
+
+def scratch_dir_beside(out: Path) -> "tempfile.TemporaryDirectory":
+    """A temporary directory beside ``out``, named as its temporaries are (the writer's host and pid): one that
+    SIGKILL left behind is removed by the next run writing ``out``."""
+    parent = Path(out).resolve().parent
+    return tempfile.TemporaryDirectory(prefix=_temp_prefix(Path(out).name), dir=parent if parent.is_dir() else None)
 
 
 def remove_stale_temporaries(target: Path) -> List[Path]:

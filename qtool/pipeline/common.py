@@ -140,19 +140,17 @@ def _state_dir(out: str, opts: CalibrateOptions, target: Optional["TargetOptions
     return state_dir(Path(out)) if opts.sequential and target is None else None
 
 
-def _check_state(out: str, opts: CalibrateOptions, target: Optional["TargetOptions"],
-                 inputs: List[Tuple[str, Optional[str]]]) -> None:
+def _check_state(out: str, opts: CalibrateOptions, inputs: List[Tuple[str, Optional[str]]]) -> None:
     """Before any work: the state directory this run would replace is one (or none), and no input."""
     from ..calibration.resume import check_state_dir
 
-    directory = _state_dir(out, opts, target)
+    directory = _state_dir(out, opts, None)  # (a size-budget search keeps none, and replaces an earlier run's)
     if directory is not None:
         check_state_dir(directory, inputs)
 
 
 @contextlib.contextmanager
-def _output_dir_then_no_state(out: str, overwrite: bool, opts: CalibrateOptions, target: Optional["TargetOptions"],
-                              group: Group):
+def _output_dir_then_no_state(out: str, overwrite: bool, opts: CalibrateOptions, group: Group):
     """``atomic_output_dir(out)``; once the output is in place the run's state goes, even where an interrupt lands
     between the two (a state left beside a written output made every retry with --resume fail: the output
     exists)."""
@@ -162,15 +160,15 @@ def _output_dir_then_no_state(out: str, overwrite: bool, opts: CalibrateOptions,
             yield tmp
     finally:
         if Path(out) in published()[before:]:
-            _drop_state(out, opts, target, group)
+            _drop_state(out, opts, group)
 
 
-def _drop_state(out: str, opts: CalibrateOptions, target: Optional["TargetOptions"], group: Group) -> None:
+def _drop_state(out: str, opts: CalibrateOptions, group: Group) -> None:
     """The run's output is written (rank 0) or its calibration is done (the others): its state goes."""
     from ..calibration.resume import remove_state
 
-    directory = _state_dir(out, opts, target)
-    if directory is not None:
+    directory = _state_dir(out, opts, None)  # (an earlier run's, beside a size-budget search's output, too: a
+    if directory is not None:                 # retry with --resume then met the written output)
         remove_state(directory, group.rank, group.is_root)
 
 

@@ -14,7 +14,7 @@ from ..encodings import EncodingsFile
 from ..errors import UsageError
 from ..export.base import weight_changes
 from ..hooks import Hooks
-from ..io.fs import check_output_dir
+from ..io.fs import check_output_dir, scratch_dir_beside
 from ..parallel import Group
 from .calibrate import _calibrate_into
 from .common import (TargetOptions, _check_resume, _check_state, _drop_state, _inputs, _output_dir_then_no_state,
@@ -33,12 +33,9 @@ def _other_rank(checkpoint: str, recipe_path: Optional[RecipeFile], opts: Calibr
     if target is None:
         _calibrate_into(checkpoint, recipe_path, opts, None, hooks, group, state=_state_dir(out, opts, target),
                         admit=admit)
-        _drop_state(out, opts, target, group)  # (this rank's block outputs: its calibration is done)
+        _drop_state(out, opts, group)  # (this rank's block outputs: its calibration is done)
     else:
-        import tempfile
-
-        parent = Path(out).resolve().parent
-        with tempfile.TemporaryDirectory(prefix=".qtool-rank-", dir=parent if parent.is_dir() else None) as d:
+        with scratch_dir_beside(Path(out)) as d:  # (removed by a later run where SIGKILL leaves it)
             recipe_path, record = _searched(checkpoint, target, opts, exporter, options, Path(d), hooks, group, admit)
             _calibrate_searched(checkpoint, recipe_path, record, target, opts, Path(d) / "run", hooks, group, admit)
     return {"rank": group.rank, "world_size": group.world_size}
@@ -57,13 +54,13 @@ def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], ou
     budget_format = _budget_exporter(target) if target else None
     inputs = _inputs(checkpoint, recipe=recipe_path, data=opts.data, imatrix=opts.imatrix) + _search_inputs(target)
     check_output_dir(Path(out), overwrite, inputs)
-    _check_state(out, opts, target, inputs)
+    _check_state(out, opts, inputs)
     with _ranks(opts.device) as group:
         _same_command(group, checkpoint, opts, recipe_path, target, out=str(out))
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes
             return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target,
                                *(budget_format or (None, None)))
-        with _output_dir_then_no_state(out, overwrite, opts, target, group) as tmp:
+        with _output_dir_then_no_state(out, overwrite, opts, group) as tmp:
             record = None
             if target:
                 recipe_path, record = _searched(checkpoint, target, opts, *budget_format, tmp, hooks, group)
@@ -102,7 +99,7 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
     inputs = _inputs(checkpoint, recipe=recipe_path, data=opts.data, imatrix=opts.imatrix,
                      export_data=eopts.data, eval_data=eval_data) + _search_inputs(target)
     check_output_dir(Path(out), overwrite, inputs)
-    _check_state(out, opts, target, inputs)
+    _check_state(out, opts, inputs)
     exporter.check_checkpoint(Path(checkpoint))
 
     def admit(plan):  # a plan the format cannot write fails before calibration, not after it
@@ -126,7 +123,7 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
                       export=str(sorted(asdict(eopts).items())))
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes, exports
             return _other_rank(checkpoint, recipe_path, opts, out, hooks, group, target, exporter, options, admit)
-        with _output_dir_then_no_state(out, overwrite, opts, target, group) as tmp:
+        with _output_dir_then_no_state(out, overwrite, opts, group) as tmp:
             calib_dir = tmp / "calibration"
             calib_dir.mkdir()
             record = None
