@@ -329,3 +329,32 @@ def test_every_moe_familys_expert_down_projections_take_ffn_downs_rules(family, 
     assert len(down) == 16, sorted(down)
     for module, kind in down.items():  # use_more_bits: the last layer of two
         assert kind == ("q8_0" if ".layers.1." in module else "q5_0"), (module, kind)
+
+
+@pytest.mark.parametrize("mix, qkv", [("q2_k", "q4_k"), ("iq4_xs", "q5_k")])
+def test_a_fused_qkv_takes_attn_vs_rules_with_the_models_own_head_ratio(tmp_path, mix, qkv):
+    """Phi-3's fused attn_qkv takes attn_v's rules, some of which read n_gqa: qtool counted it 1 for a fused q/k/v
+    (Q3_K and IQ4_XS where llama-quantize gives Phi-3-medium's and Phi-4's, with 4 query heads a KV head, Q4_K and
+    Q5_K)."""
+    from qtool.config import load_recipe, recipe_file, resolve_plan
+    from qtool.model.hf import meta_skeleton
+    from tests.test_gguf_families import _tiny
+
+    skeleton = meta_skeleton(_tiny(tmp_path / "m", "phi3", hidden_size=256, num_attention_heads=8,
+                                   num_key_value_heads=2))
+    plan = resolve_plan(load_recipe(recipe_file(f"gguf-{mix}")), skeleton)
+    kinds = {q.module: q.scale_dtype for q in plan.weights if q.module.endswith("qkv_proj")}
+    assert kinds == {f"model.layers.{i}.self_attn.qkv_proj": qkv for i in range(2)}
+
+
+def test_a_tied_table_of_a_family_whose_file_holds_the_output_takes_the_embeddings_rule(tmp_path):
+    """Qwen2-MoE's (and OLMoE's, gpt-oss's) GGUF file always holds output.weight, so llama-quantize reads it as
+    untied and gives token_embd the mix's base type: qtool gave it the output layer's Q6_K (a bigger file)."""
+    from qtool.config import load_recipe, recipe_file, resolve_plan
+    from qtool.model.hf import meta_skeleton
+    from tests.test_gguf_families import _tiny
+
+    skeleton = meta_skeleton(_tiny(tmp_path / "m", "qwen2_moe", hidden_size=256, tie_word_embeddings=True))
+    plan = resolve_plan(load_recipe(recipe_file("gguf-q4_k_m")), skeleton)
+    kinds = {q.module: q.scale_dtype for q in plan.weights if q.module in ("model.embed_tokens", "lm_head")}
+    assert kinds == {"model.embed_tokens": "q4_k", "lm_head": "q6_k"}

@@ -115,12 +115,17 @@ class _Mix:
         self.n_layers = max(layers) + 1
         q = next((m for n, m in modules.items() if self.role(n) == ("attn_q", min(layers))), None)
         k = next((m for n, m in modules.items() if self.role(n) == ("attn_k", min(layers))), None)
-        # (only attn_v's rules read it, and a model with fused q/k/v has no attn_v)
-        self.n_gqa = q.out_features // max(1, k.out_features) if isinstance(q, nn.Linear) and k is not None else 1
+        config = getattr(model, "config", None)  # llama-quantize has rules of its own for 8-expert models
+        # (attn_v's rules read it, and Phi-3's fused attn_qkv's, which take them: its heads from the config)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = [getattr(text, k, None) for k in ("num_attention_heads", "num_key_value_heads")]
+        self.n_gqa = q.out_features // max(1, k.out_features) if isinstance(q, nn.Linear) and k is not None else \
+            heads[0] // heads[1] if all(isinstance(h, int) and h > 0 for h in heads) else 1
         embed = next((m for n, m in modules.items() if self.role(n)[0] == "token_embd"), None)
         head = next((m for n, m in modules.items() if self.role(n)[0] == "output"), None)
-        self.tied = embed is not None and (head is None or head.weight is embed.weight)
-        config = getattr(model, "config", None)  # llama-quantize has rules of its own for 8-expert models
+        # (a family whose GGUF file always holds output.weight is untied to llama-quantize: token_embd's own rule)
+        self.tied = embed is not None and (head is None or head.weight is embed.weight) and \
+            not (family is not None and family.gguf_needs_output)
         self.n_expert = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
         w = recipe.defaults.weights
         self.has_imatrix = (importance_matrix or w.rounding.name == "gptq"
