@@ -153,8 +153,9 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
 
 
 def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """``x`` clamped to ±448 and rounded to FP8 E4M3 (PyTorch's cast, half to even), back in float32."""
-    return x.to(torch.float32).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    """``x`` clamped to ±448 and rounded to FP8 E4M3 (PyTorch's cast, half to even), back in float32. A -0.0 is
+    +0.0 (code 0x00), as compressed-tensors' ``x / scale + zero_point`` makes it."""
+    return x.to(torch.float32).add(0.0).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------------------
