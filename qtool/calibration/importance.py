@@ -106,8 +106,8 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
         rows.append(dataclasses.replace(q, analyzer_args=tuple(args.items()), imatrix=True))
         used[q.module] = _statistics(values)
     if zero:
-        why = (f"{path}: every importance of {', '.join(zero[:3])}{' ...' if len(zero) > 3 else ''} is zero (inputs "
-               f"that were all zero in the importance run): {len(zero)} weight(s) searched without importances "
+        why = (f"{path}: every importance of {', '.join(zero[:3])}{' ...' if len(zero) > 3 else ''} is zero (no "
+               f"input reached it in the importance run: an expert no token was routed to, or inputs all zero): {len(zero)} weight(s) searched without importances "
                "(with the recipe's own weighting)")
         if strict:
             raise DataError(f"{why} (--strict-data)")
