@@ -503,6 +503,23 @@ def test_a_local_file_wins_over_a_shipped_name(tmp_path, monkeypatch):
     assert recipe_file("w8a8.yaml") == Path("w8a8.yaml")
 
 
+def test_a_recipe_given_as_parsed_yaml_or_as_its_text_says_what_a_recipe_argument_is(tmp_path):
+    """A library caller's dict ended in pathlib's TypeError; YAML text read as a file name not found, the text's
+    first 200 characters and their newlines in the one line."""
+    from qtool.config import load_recipe
+
+    with pytest.raises(ConfigError, match=r"a recipe is a shipped recipe's name, a path to a YAML file or a "
+                                          r"RecipeFile \(got dict\)$"):
+        load_recipe({"version": 1})
+    with pytest.raises(ConfigError) as e:
+        load_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 4}\n")
+    assert str(e.value) == ("a recipe is a shipped recipe's name or a path to a YAML file, not its text (got text "
+                            "beginning 'version: 1'): write it to a file")
+    odd = tmp_path / "two\nlines.yaml"  # (a file whose name holds a newline is still a file)
+    odd.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4}\n")
+    assert load_recipe(str(odd)).defaults.weights.bitwidth == 4
+
+
 def test_an_unknown_recipe_name_lists_the_shipped_ones_and_the_nearest():
     from qtool.config import load_recipe
 

@@ -180,6 +180,30 @@ def test_a_library_overwrite_that_is_not_a_bool_is_refused_and_the_directory_kep
     assert (out / "keep.txt").read_text() == "mine"
 
 
+def test_a_library_jobs_arguments_of_the_wrong_kind_are_one_usage_error(tmp_path, mlp_ckpt):
+    """A model in memory for the checkpoint, None or a dict for the options, a dict for the hooks: a TypeError or
+    AttributeError from deep inside the run (pathlib's, dataclasses.replace's, 'dict' has no 'on_stage')."""
+    from qtool.errors import UsageError
+    from qtool.evaluation import evaluate_artifact
+    from qtool.pipeline import CalibrateOptions, run_calibrate, run_export, run_quantize
+
+    out, ckpt = str(tmp_path / "out"), str(mlp_ckpt)
+    for call, said in (
+            (lambda: run_calibrate(mlp(), "w8a16", out, CalibrateOptions()),
+             "checkpoint is a path (a file, a directory or a Hugging Face id), not a Sequential: save_pretrained "
+             "(or save) it to a directory first"),
+            (lambda: run_calibrate(ckpt, "w8a16", out, None), "opts must be of type CalibrateOptions (got NoneType)"),
+            (lambda: run_quantize(ckpt, "w8a16", out, CalibrateOptions(), eopts={"format": "gguf"}),
+             "eopts must be of type ExportOptions (got dict)"),
+            (lambda: run_export(ckpt, "e.json", out, hooks={"on_stage": print}),
+             "hooks must be of type Hooks (got dict)"),
+            (lambda: evaluate_artifact(mlp(), None, None, None), "artifact is a path")):
+        with pytest.raises(UsageError) as e:
+            call()
+        assert str(e.value).startswith(said), str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
 def test_encodings_that_do_not_fit_leave_the_callers_model_as_it_was(tmp_path, mlp_ckpt):
     """apply_encodings refused the weights' shapes after inserting the quantizers: the caller's model then held
     uncalibrated ones, and its next forward raised UninitializedQuantizerError."""

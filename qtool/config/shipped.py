@@ -25,10 +25,17 @@ def recipe_file(arg: Union[str, Path]) -> Path:
     ``w8a8.yaml``; a file of that name in the working directory wins). Raises ``ConfigError`` with the shipped
     names, and the nearest ones, when it is neither."""
     import difflib
+    import os
 
+    if not isinstance(arg, (str, os.PathLike)):  # (a library caller's parsed YAML, say)
+        raise ConfigError(f"a recipe is a shipped recipe's name, a path to a YAML file or a RecipeFile (got "
+                          f"{type(arg).__name__})")
     path = Path(arg)
     if path.is_file():
         return path
+    if isinstance(arg, str) and "\n" in arg.strip():
+        raise ConfigError(f"a recipe is a shipped recipe's name or a path to a YAML file, not its text (got text "
+                          f"beginning {arg.strip().splitlines()[0][:60]!r}): write it to a file")
     shipped = shipped_recipes()
     name = path.name[:-len(".yaml")] if path.name.endswith(".yaml") else path.name
     if str(arg) in (name, path.name) and name in shipped:

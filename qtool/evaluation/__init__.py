@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..choices import check_arguments
 from ..data import data_files, load_data, longest_sample, past_positions, positions_of
 from ..errors import DataError, UsageError
 from ..hooks import Hooks
@@ -508,6 +509,7 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
     manifest names) and the fake-quant model of ``encodings`` (default: the manifest's), on ``opts.data``."""
     from ..hooks import reporting
 
+    check_arguments(artifact, opts, EvalOptions, "artifact", hooks=(hooks, Hooks))
     hooks = hooks or Hooks()
     opts.check()
     art = locate(artifact)

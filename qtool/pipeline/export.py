@@ -13,7 +13,7 @@ import torch
 
 from .. import __version__
 from ..calibration import CalibrateOptions
-from ..choices import check_fields
+from ..choices import check_arguments, check_fields
 from ..config import CHECKPOINT_KEYS
 from ..data import load_data
 from ..encodings import CODES_FILE, SIDECAR, EncodingsFile, calibrated_elsewhere
@@ -362,6 +362,7 @@ def _check_unchanged(before: Dict[str, Any], after: Dict[str, Any]) -> None:
 def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[ExportOptions] = None,
                overwrite: bool = False, hooks: Optional[Hooks] = None) -> Dict[str, Any]:
     """``qtool export``: the chosen format plus AIMET encodings, written atomically."""
+    check_arguments(checkpoint, eopts=(eopts, ExportOptions), hooks=(hooks, Hooks))
     hooks = hooks or Hooks()
     eopts = eopts or ExportOptions()
     exporter = eopts.validate()
@@ -405,6 +406,7 @@ def run_import_encodings(checkpoint: str, aimet_path: str, out: str, opts: Calib
     """``qtool import-encodings``: an AIMET encodings file (any version) -> qtool's encodings.json."""
     from ..aimet_format import from_aimet, read_aimet
 
+    check_arguments(checkpoint, opts, CalibrateOptions)
     opts.check()
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, **{"AIMET encodings": aimet_path}))
     obj = read_aimet(Path(aimet_path))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..calibration import CalibrateOptions
+from ..choices import check_arguments
 from ..config import RecipeFile, read_recipe
 from ..data import load_data, longest_sample, model_takes, past_positions
 from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
@@ -34,6 +35,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
     ``perplexity_gate`` on a model that is not a causal LM, once it is loaded (before anything is measured)."""
     from ..report import NEEDS_CAUSAL_LM, evaluate, sensitivity, tied_notes
 
+    check_arguments(checkpoint, opts, CalibrateOptions, hooks=(hooks, Hooks))
     hooks = hooks or Hooks()
     opts.check()
     with _ranks(opts.device) as group:  # under torchrun: each rank measures its shard; every rank gets the report
@@ -98,6 +100,7 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     from ..imatrix import write_imatrix
     from ..io.fs import atomic_file
 
+    check_arguments(checkpoint, opts, CalibrateOptions, hooks=(hooks, Hooks))
     hooks = hooks or Hooks()
     opts.check()
     target = Path(out)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 from ..calibration import CalibrateOptions
+from ..choices import check_arguments
 from ..config import GGUF_GRID_NOTE, GGUF_GRID_REFUSED, GGUF_STACK_NOTE, GGUF_GRID_STORED, RecipeFile
 from ..encodings import EncodingsFile
 from ..errors import UsageError
@@ -47,6 +48,7 @@ def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], ou
                   target: Optional[TargetOptions] = None) -> Dict[str, Any]:
     """``qtool calibrate``: write ``out/encodings.json`` and ``out/manifest.json`` atomically. With ``target``,
     the recipe is the one a size-budget search chooses among the candidates (written as ``out/recipe.yaml``)."""
+    check_arguments(checkpoint, opts, CalibrateOptions, hooks=(hooks, Hooks), target=(target, TargetOptions))
     hooks = hooks or Hooks()
     opts.check()
     _check_resume(opts, target)
@@ -83,6 +85,8 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
     the recipe is the one a size-budget search chooses among the candidates, counted in the format written
     (``out/recipe.yaml``; the search's record in ``out/calibration/search.json``). ``eval_data``: what a caller
     reads next (``--eval``), which the output must not replace either."""
+    check_arguments(checkpoint, opts, CalibrateOptions, hooks=(hooks, Hooks), eopts=(eopts, ExportOptions),
+                    target=(target, TargetOptions))
     hooks = hooks or Hooks()
     opts.check()
     _check_resume(opts, target)
