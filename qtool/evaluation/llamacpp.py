@@ -17,6 +17,7 @@ distribution does not depend on the token sampled after it): slower, the same nu
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterable, List, Sequence, Tuple
 
@@ -155,3 +156,46 @@ class LlamaCpp:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# vec_dot_type: the 8-bit blocks llama.cpp rounds a quantized matrix's input to before its dot products (ggml's
+# type traits): Q8_K (256 values, a float32 scale) for the K-quants and IQ4_XS, Q8_0 (32, a float16 scale) else
+_Q8_K_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+
+
+def _q8(x: torch.Tensor, block: int, half_scale: bool) -> torch.Tensor:
+    """``x`` rounded as llama.cpp quantizes a dot product's activations: per ``block`` values of its last dimension,
+    codes round(x / d) in ±127 with d = amax / 127 (stored in float16 for Q8_0)."""
+    v = x.float().unflatten(-1, (x.shape[-1] // block, block))
+    d = v.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    q = torch.round(v * inverse).clamp_(-127, 127)
+    return (q * (d.half().float() if half_scale else d)).flatten(-2).to(x.dtype)
+
+
+@contextlib.contextmanager
+def llamacpp_activations(model: torch.nn.Module, quantizers_attr: str):
+    """Within the block, each Linear of ``model`` whose weight quantizer is on rounds its input as llama.cpp rounds
+    a quantized matrix's input (:func:`_q8`): the fake-quant model computing with llama.cpp's 8-bit activations,
+    the main part of the runtime's own arithmetic on a GGUF file."""
+    handles = []
+    for module in model.modules():
+        held = getattr(module, quantizers_attr, None) if isinstance(module, torch.nn.Linear) else None
+        q = held["weight"] if held is not None and "weight" in held else None
+        if q is None or not getattr(q, "enabled", True):
+            continue
+        kind = str(getattr(q, "scale_dtype", "")).lower()
+        width = module.in_features
+        block = 256 if kind in _Q8_K_TYPES and width % 256 == 0 else 32
+        if width % block:
+            continue
+
+        def round_input(_, args, block=block, half=block == 32):
+            return (_q8(args[0], block, half),) + tuple(args[1:]) if args else args
+
+        handles.append(module.register_forward_pre_hook(round_input))
+    try:
+        yield len(handles)
+    finally:
+        for h in handles:
+            h.remove()
