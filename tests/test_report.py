@@ -167,6 +167,9 @@ def test_sensitivity_ranks_layers_and_the_suggestion_helps(world, tmp_path):
     sens = json.loads(out)["sensitivity"]
     assert [r["damage"] for r in sens] == sorted((r["damage"] for r in sens), reverse=True)
     most = sens[0]["module"]
+    code, out, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
+                             world / "data.safetensors", "--model-class", MLP, "--sensitivity")
+    assert code == 0 and "damage (1 - cosine)" in out, out  # (the table named no unit: a perplexity % for LMs)
     code, _, err = run_cli("config", "validate", tmp_path / "keep.yaml")
     assert code == 0, err
     code, _, err = run_cli("calibrate", world / "m.safetensors", "-c", tmp_path / "keep.yaml", "--data",

@@ -149,7 +149,8 @@ def report(
             con.print(f"[dim]note: {_esc(note)}[/dim]")
         if result.get("sensitivity"):
             st = Table(title="sensitivity: damage of quantizing each layer alone", title_justify="left")
-            for col in ("module", "cosine", "damage"):
+            unit = "perplexity +%" if "perplexity_increase_pct" in result["sensitivity"][0] else "1 - cosine"
+            for col in ("module", "cosine", f"damage ({unit})"):
                 st.add_column(col, justify="left" if col == "module" else "right")
             for r in result["sensitivity"]:
                 st.add_row(r["module"], f"{r['cosine']:.5f}", f"{r['damage']:.4g}")
