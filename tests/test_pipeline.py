@@ -180,6 +180,21 @@ def test_a_library_overwrite_that_is_not_a_bool_is_refused_and_the_directory_kep
     assert (out / "keep.txt").read_text() == "mine"
 
 
+def test_every_library_job_runs_one_at_a_time():
+    """A helper defined between @one_at_a_time and run_import_encodings took the decorator: the job then ran beside
+    another thread's and under the caller's default dtype and inference mode."""
+    import qtool.pipeline as pipeline
+    from qtool.quant.precision import one_at_a_time
+
+    jobs = [n for n in pipeline.__all__ if n.startswith("run_")] + ["load_calibrated", "plan_for",
+                                                                      "measure_candidates"]
+    assert len(jobs) >= 9
+    wrapped = one_at_a_time(lambda: None).__code__
+    for name in jobs:
+        job = getattr(pipeline, name)
+        assert job.__code__ is wrapped and hasattr(job, "__wrapped__"), name
+
+
 def test_a_library_jobs_arguments_of_the_wrong_kind_are_one_usage_error(tmp_path, mlp_ckpt):
     """A model in memory for the checkpoint, None or a dict for the options, a dict for the hooks: a TypeError or
     AttributeError from deep inside the run (pathlib's, dataclasses.replace's, 'dict' has no 'on_stage')."""
@@ -202,6 +217,27 @@ def test_a_library_jobs_arguments_of_the_wrong_kind_are_one_usage_error(tmp_path
             call()
         assert str(e.value).startswith(said), str(e.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_loading_a_hugging_face_model_prints_nothing_and_leaves_transformers_bars_as_they_were(tmp_path, capfd):
+    """The library never prints: transformers' "Loading weights" bar reached stderr from every job and from
+    load_calibrated."""
+    import transformers
+
+    from tests.helpers import tiny_llama
+
+    llama = tiny_llama(tmp_path / "m")
+    code, _, err = run_cli("calibrate", llama, "-c", "w8a16", "-o", tmp_path / "r", "-q")
+    assert code == 0, err
+    capfd.readouterr()
+    bars = transformers.utils.logging
+    for enabled in (True, False):
+        (bars.enable_progress_bar if enabled else bars.disable_progress_bar)()
+        qtool.load_calibrated(str(llama), str(tmp_path / "r/encodings.json"))
+        assert bars.is_progress_bar_enabled() is enabled
+        said = capfd.readouterr()
+        assert said.out == "" and "Loading weights" not in said.err, said.err
+    bars.enable_progress_bar()
 
 
 def test_encodings_that_do_not_fit_leave_the_callers_model_as_it_was(tmp_path, mlp_ckpt):

@@ -16,7 +16,7 @@ from .loading import RecipeFile, load_recipe, parse_recipe, read_recipe
 from .plan import (AwqPlan, BatchNormFold, OnlineRotation, Plan, QuantizerPlan, RotationPlan, SmoothGroup,
                    granularity_word)
 from .resolve import (CHECKPOINT_KEYS, GGUF_GRID_NOTE, GGUF_STACK_NOTE, GGUF_GRID_REFUSED, GGUF_GRID_STORED, input_channels_first,
-                      resolve_plan)
+                      resolve_plan, takes_token_ids)
 from .schema import (DEFAULT_ACTIVATION_TYPES, DEFAULT_WEIGHT_TYPES, ActivationSpec, LayerRule, Recipe, RotateSpec,
                      WeightSpec, exact_pattern)
 from .shipped import (describe_recipe, recipe_description, recipe_file, recipe_needs_data, shipped_recipes,
@@ -38,6 +38,7 @@ __all__ = [
     "CHECKPOINT_KEYS",
     "GGUF_GRID_NOTE",
     "GGUF_STACK_NOTE",
+    "takes_token_ids",
     "GGUF_GRID_REFUSED",
     "GGUF_GRID_STORED",
     "input_channels_first",

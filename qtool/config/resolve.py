@@ -234,6 +234,11 @@ def _both_names(name: str, stored_as: Dict[str, str]) -> Tuple[str, ...]:
     return (name,) if stored == name else (name, stored)
 
 
+def takes_token_ids(module: "nn.Module") -> bool:
+    """Whether ``module``'s input is integers (token ids: an Embedding's), which no activation quantizer takes."""
+    return any(t in _INTEGER_INPUT_TYPES for t in _type_names(module))
+
+
 def _type_names(module: "nn.Module") -> Tuple[str, ...]:
     """The module's class name and its base classes' (so ``type: Conv2d`` and the default types match subclasses
     such as EfficientNet's ``Conv2dStaticSamePadding``). MultiheadAttention's ``out_proj`` subclass of Linear is

@@ -379,18 +379,16 @@ def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[E
     return summary
 
 
-@one_at_a_time
 def _without_token_inputs(entries, modules: Dict[str, torch.nn.Module], warnings: List[str], source: str):
     """``entries`` less the input encodings of modules that take token ids (an Embedding's): no quantizer takes
     integers, so such an encoding would be carried into every export and change nothing (a recipe's rule for them
     is refused)."""
-    from ..config.resolve import _type_names
-    from ..config.schema import _INTEGER_INPUT_TYPES
+    from ..config import takes_token_ids
 
     kept = []
     for e in entries:
         module = modules.get(e.module)
-        if e.tensor == "input" and module is not None and set(_type_names(module)) & set(_INTEGER_INPUT_TYPES):
+        if e.tensor == "input" and module is not None and takes_token_ids(module):
             warnings.append(f"{e.name}: token ids (integers, the input of its {type(module).__name__}), which no "
                             "activation quantizer takes; skipped")
             continue
@@ -401,6 +399,7 @@ def _without_token_inputs(entries, modules: Dict[str, torch.nn.Module], warnings
     return kept
 
 
+@one_at_a_time
 def run_import_encodings(checkpoint: str, aimet_path: str, out: str, opts: CalibrateOptions,
                          overwrite: bool = False) -> Dict[str, Any]:
     """``qtool import-encodings``: an AIMET encodings file (any version) -> qtool's encodings.json."""
