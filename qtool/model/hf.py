@@ -426,6 +426,9 @@ def load_hf(path: Path, trust_remote_code: bool):
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None:
         cls = transformers.AutoModel
+    bars = transformers.utils.logging
+    shown = bars.is_progress_bar_enabled()
+    bars.disable_progress_bar()  # (its "Loading weights" bar: the library never prints; the caller's setting after)
     try:
         model = cls.from_pretrained(
             str(path), config=config, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True,
@@ -433,6 +436,9 @@ def load_hf(path: Path, trust_remote_code: bool):
         )
     except Exception as e:  # transformers raises many types for bad weights
         raise CheckpointError(f"{path}: transformers could not load the model: {str(e).splitlines()[0]}") from None
+    finally:
+        if shown:
+            bars.enable_progress_bar()
     _linearize(path, model)
     return model, _tokenizer(transformers, path), config
 
