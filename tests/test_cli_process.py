@@ -137,6 +137,20 @@ def test_a_stdout_that_takes_nothing_is_one_line_and_exit_2(world, tmp_path):
     assert run("--version", stdout=subprocess.PIPE).stdout.startswith("qtool ")
 
 
+def test_a_wrapper_over_stdout_during_a_command_does_not_go_round(tmp_path):
+    """While a command runs, sys.stdout writes through the descriptor; a wrapper a library puts over it (a tee)
+    forwards its writes there, and the command's own JSON went wrapper -> stdout -> wrapper ... (RecursionError)."""
+    script = ("import sys\nfrom qtool.cli import core\n"
+              "class Tee:\n    def __init__(s, f): s.f = f\n    def write(s, t): return s.f.write(t)\n"
+              "    def flush(s): s.f.flush()\n"
+              "with core._stdout_whole():\n    sys.stdout = Tee(sys.stdout)\n    core._emit_json({'ok': True})\n")
+    with open(tmp_path / "out.json", "w") as out:
+        r = subprocess.run([sys.executable, "-c", script], stdout=out, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                           timeout=120)
+    assert r.returncode == 0 and not r.stderr, r.stderr[-500:]
+    assert json.loads((tmp_path / "out.json").read_text()) == {"ok": True}
+
+
 def test_quiet_prints_nothing_on_success(world, tmp_path):
     d, ckpt, data = world
     r = qtool("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class", "tests.tinymodels:mlp",

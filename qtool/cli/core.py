@@ -424,14 +424,19 @@ def _emit_json(obj: Dict[str, Any]) -> None:
 def _write_stdout(text: str) -> None:
     """``text`` on stdout, flushed; ``_StdoutLost`` where stdout takes nothing (typer turns a broken pipe it meets
     itself into a silent exit 1, a failed gate's code)."""
-    stream = _stdout()
+    _write_to(_stdout(), text)
+
+
+def _write_to(stream, text: str) -> None:
+    """``text`` on ``stream`` (stdout, or what sys.stdout wraps), flushed: through its descriptor where it is the
+    process's own file, every byte accounted for; ``_StdoutLost`` where it takes nothing."""
     if stream is None:  # (started with stdout closed)
         raise _StdoutLost("stdout is closed")
     try:
-        fd = _stdout_fd()
+        fd = _stdout_fd(stream)
         if fd is not None:  # (a real descriptor: every byte accounted for)
             stream.flush()
-            _write_all(fd, _encoder().encode(text))
+            _write_all(fd, _encoder(stream).encode(text))
             return
         try:
             stream.write(text)
@@ -446,10 +451,9 @@ def _write_stdout(text: str) -> None:
 _ENCODERS: Dict[int, Any] = {}
 
 
-def _encoder():
-    """stdout's encoding as one incremental encoder (a BOM, UTF-16's, written once); a character it lacks escaped,
-    as Python's own stderr writes them."""
-    stream = _stdout()
+def _encoder(stream):
+    """``stream``'s encoding as one incremental encoder (a BOM, UTF-16's, written once); a character it lacks
+    escaped, as Python's own stderr writes them."""
     key = id(stream)
     if key not in _ENCODERS:
         _ENCODERS.clear()
@@ -472,9 +476,10 @@ def _stdout():
     return sys.stdout._stream if isinstance(sys.stdout, _WholeStdout) else sys.stdout
 
 
-def _stdout_fd():
-    """stdout's descriptor where it is the process's own file (None under a test runner's capture)."""
-    stream = _stdout()
+def _stdout_fd(stream=None):
+    """stdout's (or ``stream``'s) descriptor where it is the process's own file (None under a test runner's
+    capture)."""
+    stream = _stdout() if stream is None else stream
     try:
         return stream.fileno() if isinstance(stream, io.TextIOWrapper) else None
     except (OSError, ValueError):
@@ -482,7 +487,7 @@ def _stdout_fd():
 
 
 class _WholeStdout:
-    """``stream`` (stdout) with each write going out through :func:`_write_stdout`, every byte accounted for; the
+    """``stream`` (stdout) with each write going out through :func:`_write_to`, every byte accounted for; the
     rest is the stream's own. rich's tables print to one, and sys.stdout is one while a command runs where stdout
     is the process's own file: what typer (its help, completion scripts) and other libraries print there (Python's
     buffered stdout dropped the rest of a write cut short by a file-size limit: exit 0, help cut at 1 KiB)."""
@@ -491,7 +496,7 @@ class _WholeStdout:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        _write_stdout(text)
+        _write_to(self._stream, text)  # (not sys.stdout again: a wrapper over this one would go round)
         return len(text)
 
     def flush(self) -> None:
