@@ -220,10 +220,10 @@ def _granularity_from_count(count: int, wshape: Tuple[int, ...], block: Optional
         return "per_channel", (wshape[0],) + (1,) * (nd - 1), None
     if per_channel and block is None:
         if nd >= 3 and count == wshape[1]:  # (AIMET's channels of a transposed convolution: its weight's dim 1)
-            raise EncodingsError(f"{count} per-channel encodings for a weight of shape {list(wshape)}: along its dim "
-                                 "1, a transposed convolution's output channels, which qtool's per-channel "
-                                 "weights (along axis 0) do not run along; this layer takes per_tensor "
-                                 "encodings only")
+            raise EncodingsError(f"{count} per-channel encodings for a weight of shape {list(wshape)}: qtool's run "
+                                 f"along axis 0 (one per output channel, {wshape[0]}); {count} is its dim 1, where "
+                                 "AIMET counts a transposed convolution's output channels: such a layer takes "
+                                 "per_tensor encodings only")
         raise EncodingsError(f"{count} per-channel encodings for a weight of shape {list(wshape)} (one per output "
                              "channel, along axis 0)")
     ax = 1 if axis is None else axis
@@ -250,18 +250,18 @@ def _int(value: Any, what: str) -> int:
 def _numbers(value: Any, what: str) -> torch.Tensor:
     """A scale's or offset's numbers (a JSON number, or lists of them nested as the file nests them) in float64, so
     the checks see what the file says before float32 rounds it (1e300 to inf, 1e-50 to 0). A JSON ``true`` is not
-    a number, nor is a string."""
+    a number, nor is a string. ``what``: ``file: entry: field``, for the one line."""
     def check(v: Any) -> None:
         if isinstance(v, list):
             for x in v:
                 check(x)
         elif isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"{what} must be numbers (got {str(v)[:40]!r})")
+            raise EncodingsError(f"{what} must be numbers (got {str(v)[:40]!r})")
 
     check(value)
     numbers = torch.tensor(value, dtype=torch.float64)
     if numbers.numel() == 0:
-        raise ValueError(f"{what} holds no numbers")
+        raise EncodingsError(f"{what} holds no numbers")
     return numbers
 
 
@@ -300,8 +300,8 @@ def _row_0_6_1(source: str, name: str, item: Any) -> Tuple[int, bool, torch.Tens
     if str(item[0]["is_symmetric"]) not in ("True", "False"):
         raise EncodingsError(f"{source}: {name}: is_symmetric must be \"True\" or \"False\" "
                              f"(got {str(item[0]['is_symmetric'])[:40]!r})")
-    scale = _numbers([i["scale"] for i in item], "scale")
-    off = _numbers([i["offset"] for i in item], "offset")
+    scale = _numbers([i["scale"] for i in item], f"{source}: {name}: scale")
+    off = _numbers([i["offset"] for i in item], f"{source}: {name}: offset")
     return bits, str(item[0]["is_symmetric"]) == "True", scale, off
 
 
@@ -328,8 +328,8 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                     raise EncodingsError(f"{source}: {item['name']}: output_dtype {dt[:40]!r} is not supported "
                                          "(integer types import: int8, uint8, int4, ...)")
                 signed, bits = not dtype.group(1), int(dtype.group(2))
-                scale = _numbers(item["y_scale"], "y_scale")
-                zp = _numbers(item.get("y_zero_point", 0), "y_zero_point")
+                scale = _numbers(item["y_scale"], f"{source}: {item['name']}: y_scale")
+                zp = _numbers(item.get("y_zero_point", 0), f"{source}: {item['name']}: y_zero_point")
                 if zp.numel() != 1 and zp.numel() != scale.numel():
                     raise EncodingsError(f"{source}: {item['name']}: {zp.numel()} offsets for {scale.numel()} "
                                          "scales (give one y_zero_point per y_scale, or one for all)")
@@ -363,8 +363,8 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                             raise EncodingsError(f"{source}: {name}: is_sym must be true or false (got "
                                                  f"{str(item['is_sym'])[:40]!r})")
                         sym = item["is_sym"]
-                        scale = _numbers(item["scale"], "scale")
-                        off = _numbers(item["offset"], "offset")
+                        scale = _numbers(item["scale"], f"{source}: {name}: scale")
+                        off = _numbers(item["offset"], f"{source}: {name}: offset")
                         block = item.get("block_size")
                         if item.get("enc_type") not in (None, "PER_TENSOR", "PER_CHANNEL", "PER_BLOCK"):
                             raise EncodingsError(f"{source}: {name}: enc_type {item.get('enc_type')} is not supported")

@@ -188,8 +188,8 @@ def check_fields(options, minimums: Optional[Mapping[str, int]] = None) -> None:
 
 def check_arguments(checkpoint, opts=None, opts_type=None, path_is: str = "checkpoint", **optional) -> None:
     """Raise ``UsageError`` naming a library job's argument of the wrong kind: ``checkpoint`` a path (a model in
-    memory is not one; ``path_is`` names it), ``opts`` an ``opts_type`` (where given), and each of ``optional`` (``name=(value, type)``)
-    None (the job's default) or its type. Before any work: a dict for ``opts`` or ``hooks`` failed deep inside."""
+    memory is not one; ``path_is`` names it), ``opts`` an ``opts_type`` (where given), and each of ``optional``
+    (``name=(value, type)``) None (the job's default) or its type. Before any work: a dict for ``opts`` or ``hooks`` failed deep inside."""
     if not isinstance(checkpoint, (str, os.PathLike)):
         memory = ": save_pretrained (or save) it to a directory first" if hasattr(checkpoint, "state_dict") else ""
         raise UsageError(f"{path_is} is a path (a file, a directory or a Hugging Face id), not a "

@@ -296,7 +296,8 @@ def test_quantizers_reading_one_tensor_alike_are_not_said_to_differ(version):
 
 
 @pytest.mark.parametrize("obj, message", [
-    (_v1([_v1_entry("a.weight", [True], [-128], True, "PER_TENSOR")]), r"scale must be numbers \(got 'True'\)"),
+    (_v1([_v1_entry("a.weight", [True], [-128], True, "PER_TENSOR")]),
+     r"^f: a.weight: scale must be numbers \(got 'True'\)"),
     (_v1([_v1_entry("a.weight", ["0.01"], [-128], True, "PER_TENSOR")]), r"scale must be numbers \(got '0.01'\)"),
     (_v2({"y_scale": [0.01], "y_zero_point": True}), r"y_zero_point must be numbers \(got 'True'\)"),
     ({"version": "0.6.1", "param_encodings": {"a.weight": [{"bitwidth": 8, "is_symmetric": "True", "scale": True,
@@ -335,8 +336,9 @@ def test_aimets_per_channel_transposed_convolution_is_named_as_such():
     wrong ("one per output channel, along axis 0"), which is false for that layer."""
     obj = _v1([_v1_entry("up.weight", [0.01] * 16, [-128] * 16, True)])
     with pytest.raises(EncodingsError, match="f: up.weight: 16 per-channel encodings for a weight of shape "
-                                             r"\[32, 16, 2, 2\]: along its dim 1, a transposed convolution's output "
-                                             "channels.*per_tensor encodings only"):
+                                             r"\[32, 16, 2, 2\]: qtool's run along axis 0 \(one per output channel, "
+                                             r"32\); 16 is its dim 1, where AIMET counts a transposed convolution's "
+                                             "output channels: such a layer takes per_tensor encodings only"):
         from_aimet(obj, {"up.weight": (32, 16, 2, 2)}, "f", _mod)
 
 

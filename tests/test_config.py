@@ -553,6 +553,14 @@ def test_every_problem_is_listed_with_its_line_and_a_hint(tmp_path):
     assert [p.split(": ")[0] for p in e.value.problems] == [f"{bad}:8", f"{bad}:3", f"{bad}:4", f"{bad}:6"]
     assert [p.split(": ")[1] for p in e.value.problems] == [
         "defaults.weights.bitwidth", "layers[0].name", "layers[0].weights.granularity", "layers[1].weights.bitwidth"]
+    # an unknown key in an entry that has no match or type either: both said, and the later entries' problems
+    bad.write_text("version: 1\nlayers:\n  - bogus: 1\n  - match: y\n    weights: {bitwidth: 40}\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(bad)
+    assert e.value.problems == [
+        f"{bad}:3: layers[0].bogus: unknown key",
+        f"{bad}:3: layers[0]: a layers entry needs 'match' (name pattern) or 'type' (module class)",
+        f"{bad}:5: layers[1].weights.bitwidth: Input should be less than or equal to 16 (got 40)"]
     # a misspelt key inside a layers entry's rounding or analyzer: the hint came from the weights' own keys
     bad.write_text("version: 1\ndefaults: {weights: {bitwidth: 4}}\nlayers:\n  - match: '*'\n"
                    "    weights: {rounding: {name: gptq, dampning: 0.1}}\n")

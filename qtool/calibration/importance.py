@@ -107,8 +107,8 @@ def apply_imatrix(plan: Plan, model: nn.Module, checkpoint: str, path: str, have
         used[q.module] = _statistics(values)
     if zero:
         why = (f"{path}: every importance of {', '.join(zero[:3])}{' ...' if len(zero) > 3 else ''} is zero (no "
-               f"input reached it in the importance run: an expert no token was routed to, or inputs all zero): {len(zero)} weight(s) searched without importances "
-               "(with the recipe's own weighting)")
+               "input reached it in the importance run: an expert no token was routed to, or inputs all zero): "
+               f"{len(zero)} weight(s) searched without importances (with the recipe's own weighting)")
         if strict:
             raise DataError(f"{why} (--strict-data)")
     if not used:

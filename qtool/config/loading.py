@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from ..errors import ConfigError
 from .messages import _describe, _key_path, _short, fields_at
-from .schema import Recipe, rule_specs
+from .schema import NEEDS_SELECTOR, Recipe, rule_specs
 from .shipped import recipe_file
 
 
@@ -147,7 +147,11 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
         recipe = None
         # the layers entries' merged settings are checked on a recipe that validates: the one left once the keys
         # above are taken out (so a wrong key elsewhere does not hide them until the next round)
-        rest = _without(data, [list(err["loc"]) for err in e.errors()])
+        unselected: List[int] = []
+        rest = _without(data, [list(err["loc"]) for err in e.errors()], unselected)
+        for i in unselected:  # (an entry that had neither before its unknown key was taken out)
+            line = _line_of(node, ["layers", i])
+            problems.append(f"{source}{f':{line}' if line else ''}: layers[{i}]: {NEEDS_SELECTOR}")
         if rest is not None:
             problems += [p for p in _rule_problems(rest, node, source) if p not in problems]
     if recipe is not None:
@@ -164,10 +168,11 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
 MAX_PROBLEMS = 20  # recipe problems listed at once (the rest are counted)
 
 
-def _without(data: Dict[str, Any], locations: List[List[Any]]) -> Optional[Recipe]:
+def _without(data: Dict[str, Any], locations: List[List[Any]], unselected: List[int]) -> Optional[Recipe]:
     """The recipe ``data`` validates to once each key a validation error names is taken out (a ``layers`` entry
     that cannot lose it left with neither field, so later entries keep their places), or None where that does not
-    validate either."""
+    validate either. A layers entry left with neither ``match`` nor ``type`` matches nothing (its other fields
+    still checked); its index goes to ``unselected`` unless the key taken out stood for one (``name:``)."""
     import copy
 
     rest = copy.deepcopy(data)
@@ -182,8 +187,9 @@ def _without(data: Dict[str, Any], locations: List[List[Any]]) -> Optional[Recip
         if isinstance(parent, dict) and key in parent:
             del parent[key]
             if len(loc) == 3 and loc[0] == "layers" and "match" not in parent and "type" not in parent:
-                parent["match"] = "re:(?!)"  # (a `name:` for `match:` taken out: the entry's other fields are
-                # still checked, and later entries keep their places)
+                parent["match"] = "re:(?!)"
+                if not _stands_for_a_selector(key) and loc[1] not in unselected:
+                    unselected.append(loc[1])
         elif len(loc) >= 2 and loc[0] == "layers" and isinstance(loc[1], int) and isinstance(rest.get("layers"), list) \
                 and loc[1] < len(rest["layers"]):
             rest["layers"][loc[1]] = {"match": "re:(?!)"}  # (matches nothing)
@@ -193,6 +199,16 @@ def _without(data: Dict[str, Any], locations: List[List[Any]]) -> Optional[Recip
         return Recipe.model_validate(rest)
     except ValidationError:
         return None
+
+
+def _stands_for_a_selector(key) -> bool:
+    """Whether a key a layers entry may not have was meant as its ``match`` or ``type`` (``name:``, ``matches:``)."""
+    import difflib
+
+    from .messages import _SYNONYMS
+
+    return isinstance(key, str) and (_SYNONYMS.get(key) in ("match", "type")
+                                     or bool(difflib.get_close_matches(key, ["match", "type"], n=1, cutoff=0.6)))
 
 
 def _rule_problems(recipe: Recipe, node, source: str) -> List[str]:

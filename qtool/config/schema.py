@@ -24,6 +24,7 @@ DEFAULT_ACTIVATION_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding")
 
 
 _INTEGER_INPUT_TYPES = ("Embedding",)
+NEEDS_SELECTOR = "a layers entry needs 'match' (name pattern) or 'type' (module class)"
 
 
 ANALYZERS = ("minmax", "percentile", "sqnr", "tf_enhanced", "mse")
@@ -298,7 +299,7 @@ class LayerRule(BaseModel):
     @model_validator(mode="after")
     def _needs_a_selector(self):
         if self.match is None and self.type is None:
-            raise ValueError("a layers entry needs 'match' (name pattern) or 'type' (module class)")
+            raise ValueError(NEEDS_SELECTOR)
         if self.type is not None and not self.types():  # ([] selected every module: no type to filter by)
             raise ValueError("type: [] names no module class; give one or more, or leave type out")
         if isinstance(self.type, str) and not self.type.strip() or any(not t.strip() for t in self.types()):

@@ -18,8 +18,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import UsageError
 
-__all__ = ["atomic_output_dir", "atomic_file", "scratch_dir_beside", "sha256_file", "sampled_sha256", "check_apart_from_inputs",
-           "check_output_dir", "check_output_file", "parse_size",
+__all__ = ["atomic_output_dir", "atomic_file", "scratch_dir_beside", "sha256_file", "sampled_sha256",
+           "check_apart_from_inputs", "check_output_dir", "check_output_file", "parse_size",
            "write_text_atomic", "remove_stale_temporaries", "remove_orphans", "writer_tag"]
 
 
@@ -228,8 +228,9 @@ def writer_tag() -> str:
 def scratch_dir_beside(out: Path) -> "tempfile.TemporaryDirectory":
     """A temporary directory beside ``out``, named as its temporaries are (the writer's host and pid): one that
     SIGKILL left behind is removed by the next run writing ``out``."""
-    parent = Path(out).resolve().parent
-    return tempfile.TemporaryDirectory(prefix=_temp_prefix(Path(out).name), dir=parent if parent.is_dir() else None)
+    out = Path(out)
+    parent = out.parent if str(out.parent) else Path(".")  # (where remove_stale_temporaries(out) looks)
+    return tempfile.TemporaryDirectory(prefix=_temp_prefix(out.name), dir=parent if parent.is_dir() else None)
 
 
 def remove_stale_temporaries(target: Path) -> List[Path]:
