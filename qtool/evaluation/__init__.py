@@ -13,6 +13,7 @@ classifiers).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,19 +94,21 @@ def _allowance(runtime, quant: float) -> float:
 
 
 # how much of the export gap llama.cpp's own 8-bit activations explain, as a multiple of what they move the fake-quant
-# model by in torch (the rest of its arithmetic, float16 KV cache and summation order, rides on them)
-LLAMACPP_OWN_SHARE = 2.0
+# model by in torch (the rest of its arithmetic, float16 KV cache and summation order, rides on them): healthy files
+# measured 1.0-1.9 times it where the share rule fell short; an expert zeroed, 3.6-8 times (with the 0.01 floor added
+# as well, those passed)
+LLAMACPP_OWN_SHARE = 2.5
 
 
 def _llamacpp_allowance(ev: "Evaluation", allowed: float, why: str, reference: str, enc, opts: "EvalOptions",
                         hooks: Hooks, seqs, fq: "_Scores", stop) -> Tuple[float, str]:
     """The export gap a GGUF file may have once the runtime's 8-bit activations are measured on this model, and its
     reason in words: the fake-quant model run again with each quantized matrix's input rounded as llama.cpp rounds
-    it, its KL from the fake-quant model times :data:`LLAMACPP_OWN_SHARE` plus the floor, where that exceeds
+    it, its KL from the fake-quant model times :data:`LLAMACPP_OWN_SHARE` (no floor beside it), where that exceeds
     ``allowed`` (``why``). Asked only where the gap is past ``allowed``: a router choosing among experts turns those
     roundings into other experts' outputs (an 8-expert Mixtral's correct Q8_0 file read as an export fault), which
     a share of the quantization's own KL does not cover."""
-    from .llamacpp import LlamaCpp, llamacpp_activations
+    from .llamacpp import llamacpp_activations
 
     hooks.on_stage("measuring llama.cpp's 8-bit activations on the fake-quant model")
     model = _fake_quant(reference, enc, "gguf", opts, Evaluation("", "", "", "", None, True, 0, 0))
@@ -114,11 +117,10 @@ def _llamacpp_allowance(ev: "Evaluation", allowed: float, why: str, reference: s
             return allowed, why
         _, (own,) = _score(TorchRuntime(model, "torch"), seqs, [], opts, hooks, "fake-quant, llama.cpp's activations",
                            [fq], stop, keep=False)
-    own_allowed = LLAMACPP_OWN_SHARE * own.kl_mean + LlamaCpp.gap_floor
+    own_allowed = LLAMACPP_OWN_SHARE * own.kl_mean
     if own_allowed <= allowed:
         return allowed, why
-    own_why = (f"{LLAMACPP_OWN_SHARE:g} x KL {own.kl_mean:.3g}, which its 8-bit activations move the fake-quant model "
-               f"by, + {LlamaCpp.gap_floor:g}")
+    own_why = f"{LLAMACPP_OWN_SHARE:g} x KL {own.kl_mean:.3g}, which its 8-bit activations move the fake-quant model by"
     if ev.export_gap.kl_mean <= own_allowed:
         ev.notes.append(f"the export gap (KL {ev.export_gap.kl_mean:.4g}) is past {why} ({allowed:.3g}), and within "
                         f"what llama.cpp's arithmetic explains on this model ({own_allowed:.3g}: {own_why}): the "
@@ -543,7 +545,9 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
     manifest names) and the fake-quant model of ``encodings`` (default: the manifest's), on ``opts.data``."""
     from ..hooks import reporting
 
-    check_arguments(artifact, opts, EvalOptions, "artifact", hooks=(hooks, Hooks))
+    check_arguments(artifact, opts, EvalOptions, "artifact", paths={
+        k: v for k, v in (("reference", reference), ("encodings", encodings)) if v is not None}, hooks=(hooks, Hooks))
+    artifact, reference, encodings = (None if v is None else os.fspath(v) for v in (artifact, reference, encodings))
     hooks = hooks or Hooks()
     opts.check()
     art = locate(artifact)
@@ -741,7 +745,7 @@ def _evaluate(art: Artifact, reference: str, enc: Optional[Path], opts: EvalOpti
         quant = ev.vs_float["fake_quant"].kl_mean
         allowed = _allowance(runtime, quant)
         why = f"{runtime.gap_share:g} x the quantization's KL {quant:.3g} + {runtime.gap_floor:g}"
-        if ev.export_gap.kl_mean > allowed and art.format == "gguf":
+        if ev.export_gap.kl_mean > allowed and art.format == "gguf" and "max-export-gap" not in opts.gates:
             allowed, why = _llamacpp_allowance(ev, allowed, why, reference, enc, opts, hooks, seqs, fq, stop)
         if ev.export_gap.kl_mean > allowed:
             ev.export_fault = (f"the artifact differs from qtool's fake-quant model by KL {ev.export_gap.kl_mean:.4g} "
