@@ -182,18 +182,34 @@ def check_fields(options, minimums: Optional[Mapping[str, int]] = None) -> None:
                              f"{type(value).__name__} {repr(value)[:40]})")
         if minimums and f.name in minimums and value < minimums[f.name]:
             raise UsageError(f"{what} must be {minimums[f.name]} or more (got {value})")
-        if hint in (int, float) and type(value) is not hint:  # (a NumPy integer: torch's seeding and the manifest's
-            setattr(options, f.name, hint(value))            # JSON take Python's own)
+        if hint is str and isinstance(value, os.PathLike):  # (str() of a PathLike other than Path is its repr)
+            setattr(options, f.name, os.fspath(value))
+        elif hint in (int, float, bool) and type(value) is not hint:  # (a NumPy integer or bool: torch's seeding and
+            setattr(options, f.name, hint(value))                  # the manifest's JSON take Python's own)
 
 
-def check_arguments(checkpoint, opts=None, opts_type=None, path_is: str = "checkpoint", **optional) -> None:
+def is_flag(value) -> bool:
+    """True or False, NumPy's included (a JSON "false" or a config file's string is not one)."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
+def check_arguments(checkpoint, opts=None, opts_type=None, path_is: str = "checkpoint", paths=None, flags=None,
+                    **optional) -> None:
     """Raise ``UsageError`` naming a library job's argument of the wrong kind: ``checkpoint`` a path (a model in
-    memory is not one; ``path_is`` names it), ``opts`` an ``opts_type`` (where given), and each of ``optional``
-    (``name=(value, type)``) None (the job's default) or its type. Before any work: a dict for ``opts`` or ``hooks`` failed deep inside."""
+    memory is not one; ``path_is`` names it), ``opts`` an ``opts_type`` (where given), each of ``paths``
+    (``{name: value}``) a path, each of ``flags`` True or False (``trust_pickle="no"`` is a true string), and each
+    of ``optional`` (``name=(value, type)``) None (the job's default) or its type. Before any work: a dict for
+    ``opts`` or ``hooks`` failed deep inside."""
     if not isinstance(checkpoint, (str, os.PathLike)):
         memory = ": save_pretrained (or save) it to a directory first" if hasattr(checkpoint, "state_dict") else ""
         raise UsageError(f"{path_is} is a path (a file, a directory or a Hugging Face id), not a "
                          f"{type(checkpoint).__name__}{memory}")
+    for name, value in (paths or {}).items():
+        if not isinstance(value, (str, os.PathLike)):
+            raise UsageError(f"{name} is a path, not a {type(value).__name__}")
+    for name, value in (flags or {}).items():
+        if not is_flag(value):
+            raise UsageError(f"{name} must be True or False (got {type(value).__name__} {str(value)[:40]!r})")
     typed = {"opts": (opts, opts_type)} if opts_type is not None else {}
     for name, (value, kind) in {**typed, **optional}.items():
         if (value is not None or name in typed) and not isinstance(value, kind):
@@ -205,7 +221,7 @@ def _expected(hint):
     import typing
 
     if hint is bool:
-        return (lambda v: isinstance(v, bool)), "True or False"
+        return is_flag, "True or False"
     if hint is int:  # (NumPy's integers too: a sweep's np.arange)
         return (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)), "an integer"
     if hint is float:

@@ -12,16 +12,27 @@ __all__ = ["Hooks", "reporting", "step", "step_progress"]
 class Hooks:
     """``on_plan(plan)``, ``on_batch(done, total, samples)``, ``on_tensor(done, total, name)``, ``on_stage(text)``,
     ``on_block(done, total)``, ``on_step(step, done, total, item)`` (a long step deep in the library: the weights'
-    range searches, GPTQ/AdaRound, ..., reported through :func:`step`); unset ones do nothing. They only show
-    progress: nothing a job decides (the format's admission of a plan, say) goes through them."""
+    range searches, GPTQ/AdaRound, ..., reported through :func:`step`); unset ones do nothing. Given as arguments,
+    or as a subclass's methods (an argument wins). They only show progress: nothing a job decides (the format's
+    admission of a plan, say) goes through them."""
+
+    on_batch: Optional[Callable[..., None]] = None  # (None: not asked for; the library then skips its bookkeeping)
+    on_tensor: Optional[Callable[..., None]] = None
+    on_block: Optional[Callable[..., None]] = None
+    on_step: Optional[Callable[..., None]] = None
 
     def __init__(self, on_plan=None, on_batch=None, on_tensor=None, on_stage=None, on_block=None, on_step=None):
-        self.on_step = on_step
-        self.on_block = on_block
-        self.on_plan = on_plan or (lambda plan: None)
-        self.on_batch = on_batch
-        self.on_tensor = on_tensor
-        self.on_stage = on_stage or (lambda text: None)
+        given = {"on_plan": on_plan, "on_batch": on_batch, "on_tensor": on_tensor, "on_stage": on_stage,
+                 "on_block": on_block, "on_step": on_step}
+        for name, callback in given.items():  # (as instance attributes they hid a subclass's own methods)
+            if callback is not None:
+                setattr(self, name, callback)
+
+    def on_plan(self, plan) -> None:
+        pass
+
+    def on_stage(self, text: str) -> None:
+        pass
 
 
 _ACTIVE: "contextvars.ContextVar[Optional[Hooks]]" = contextvars.ContextVar("qtool_hooks", default=None)

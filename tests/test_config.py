@@ -515,6 +515,8 @@ def test_a_recipe_given_as_parsed_yaml_or_as_its_text_says_what_a_recipe_argumen
         load_recipe("version: 1\ndefaults:\n  weights: {bitwidth: 4}\n")
     assert str(e.value) == ("a recipe is a shipped recipe's name or a path to a YAML file, not its text (got text "
                             "beginning 'version: 1'): write it to a file")
+    with pytest.raises(ConfigError, match="not its text"):  # (one line past 255 bytes: "File name too long")
+        load_recipe("{weights: {bitwidth: 8}" + ", x: 1" * 50 + "}")
     odd = tmp_path / "two\nlines.yaml"  # (a file whose name holds a newline is still a file)
     odd.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4}\n")
     assert load_recipe(str(odd)).defaults.weights.bitwidth == 4

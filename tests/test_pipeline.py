@@ -240,6 +240,46 @@ def test_loading_a_hugging_face_model_prints_nothing_and_leaves_transformers_bar
     bars.enable_progress_bar()
 
 
+def test_a_library_callers_hooks_subclass_flags_and_path_objects_are_taken_as_meant(tmp_path, mlp_ckpt):
+    """A Hooks subclass's own methods were hidden by the instance attributes __init__ set (never called; without
+    super().__init__() an AttributeError); trust_pickle="no" (a true string) loaded a pickle; a PathLike other
+    than Path was recorded in manifest.json as its repr; a NumPy bool was refused as "not True or False"."""
+    import os
+
+    import numpy as np
+
+    from qtool.errors import UsageError
+    from qtool.hooks import Hooks
+    from qtool.pipeline import CalibrateOptions, run_calibrate
+
+    class Stages(Hooks):  # (no super().__init__())
+        def __init__(self):
+            self.said = []
+
+        def on_stage(self, text):
+            self.said.append(text)
+
+    class Where(os.PathLike):
+        def __init__(self, p):
+            self.p = str(p)
+
+        def __fspath__(self):
+            return self.p
+
+    hooks = Stages()
+    run_calibrate(Where(mlp_ckpt), "w8a16", Where(tmp_path / "r"), CalibrateOptions(model_class=MLP),
+                  overwrite=np.bool_(False), hooks=hooks)
+    assert hooks.said, "the subclass's on_stage was never called"
+    recorded = json.loads((tmp_path / "r/manifest.json").read_text())["inputs"]["checkpoint"]["path"]
+    assert recorded == str(mlp_ckpt)
+    torch.save(mlp(), tmp_path / "whole.pt")
+    for flag in ("no", "false", 0):
+        with pytest.raises(UsageError, match="trust_pickle must be True or False"):
+            qtool.load_calibrated(str(tmp_path / "whole.pt"), str(tmp_path / "r/encodings.json"), trust_pickle=flag)
+    with pytest.raises(UsageError, match="^out is a path, not a NoneType$"):
+        run_calibrate(str(mlp_ckpt), "w8a16", None, CalibrateOptions(model_class=MLP))
+
+
 def test_encodings_that_do_not_fit_leave_the_callers_model_as_it_was(tmp_path, mlp_ckpt):
     """apply_encodings refused the weights' shapes after inserting the quantizers: the caller's model then held
     uncalibrated ones, and its next forward raised UninitializedQuantizerError."""

@@ -30,17 +30,18 @@ def recipe_file(arg: Union[str, Path]) -> Path:
     if not isinstance(arg, (str, os.PathLike)):  # (a library caller's parsed YAML, say)
         raise ConfigError(f"a recipe is a shipped recipe's name, a path to a YAML file or a RecipeFile (got "
                           f"{type(arg).__name__})")
+    arg = os.fspath(arg)  # (str() of another PathLike is its repr)
     path = Path(arg)
-    if path.is_file():
+    if _is(path.is_file):
         return path
-    if isinstance(arg, str) and "\n" in arg.strip():
+    if "\n" in arg.strip() or (arg.lstrip().startswith("{") and ":" in arg):
         raise ConfigError(f"a recipe is a shipped recipe's name or a path to a YAML file, not its text (got text "
                           f"beginning {arg.strip().splitlines()[0][:60]!r}): write it to a file")
     shipped = shipped_recipes()
     name = path.name[:-len(".yaml")] if path.name.endswith(".yaml") else path.name
     if str(arg) in (name, path.name) and name in shipped:
         return shipped[name]
-    if path.is_dir():
+    if _is(path.is_dir):
         raise ConfigError(f"{arg}: is a directory, not a recipe file")
     # names that begin with what was typed first (w4a16 -> w4a16-block32), then the closest spellings
     starts = sorted((n for n in shipped if n.startswith(name + "-")), key=len)[:2] if name else []
@@ -51,6 +52,14 @@ def recipe_file(arg: Union[str, Path]) -> Path:
     raise ConfigError(f"{str(arg)[:200]}: recipe file not found, and none of the {len(shipped)} shipped recipes "
                       f"({', '.join(f'{f}*' if sum(n.split('-')[0] == f for n in shipped) > 1 else f for f in families)}"
                       f"; `qtool config list` shows them) has that name{hint}")
+
+
+def _is(test) -> bool:
+    """``test()`` (a Path's is_file or is_dir), False where the name cannot be a file's (too long, say)."""
+    try:
+        return test()
+    except OSError:
+        return False
 
 
 def recipe_description(text: str) -> str:

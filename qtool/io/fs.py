@@ -116,8 +116,9 @@ def _refuse_literal_home(out: Path, flag: str) -> None:
 def _a_flag(value, what: str) -> None:
     """Refuse a library caller's flag that is not a bool: overwrite="false" (from a config file or an environment
     variable) is a true string, and replaced an existing directory."""
-    if not isinstance(value, bool):
-        raise UsageError(f"{what} must be True or False (got {type(value).__name__} {str(value)[:40]!r})")
+    from ..choices import check_arguments
+
+    check_arguments("", flags={what: value})
 
 
 def check_output_dir(out: Path, overwrite: bool, inputs: Sequence[Tuple[str, Optional[str]]] = ()) -> None:

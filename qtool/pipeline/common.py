@@ -4,16 +4,19 @@ model."""
 
 from __future__ import annotations
 
+import os
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+import torch
 from torch import nn
 
 from ..calibration import CalibrateOptions
 from ..config import Plan, RecipeFile, load_recipe, recipe_file, resolve_plan
 from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
+from ..choices import check_arguments
 from ..errors import EncodingsError, QtoolError, UsageError
 from ..io.checkpoint import CheckpointTensors, files_read, weight_file_hashes
 from ..io.fs import atomic_output_dir, published, sampled_sha256
@@ -39,6 +42,8 @@ def _inputs(checkpoint: str, **others: Optional[str]) -> List[Tuple[str, Optiona
 @one_at_a_time
 def plan_for(checkpoint: str, recipe_path: str, opts: CalibrateOptions) -> Tuple[LoadedModel, Plan]:
     """The checkpoint's model and the plan the recipe resolves to on it."""
+    check_arguments(checkpoint, opts, CalibrateOptions)
+    checkpoint = os.fspath(checkpoint)
     opts.check()
     recipe = load_recipe(recipe_path)  # validate the recipe before the (slow) model load
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
@@ -180,6 +185,14 @@ def load_calibrated(checkpoint: str, encodings: str, model_class: Optional[str] 
     whose calibration ``manifest.json`` records other weights than ``checkpoint``'s raise ``EncodingsError``, as
     ``qtool export`` and ``qtool report`` refuse them, unless ``allow_other_checkpoint`` (weights changed on
     purpose: the ranges, and any codes or rotated tensors the encodings carry, are applied to these as they are)."""
+    check_arguments(checkpoint, paths={"encodings": encodings}, flags={
+        "trust_pickle": trust_pickle, "trust_remote_code": trust_remote_code,
+        "allow_other_checkpoint": allow_other_checkpoint})
+    checkpoint, encodings = os.fspath(checkpoint), os.fspath(encodings)
+    device = str(device) if isinstance(device, torch.device) else device
+    for name, value in (("model_class", model_class), ("device", device)):
+        if value is not None and not isinstance(value, str):
+            raise UsageError(f"{name} must be a string (got {type(value).__name__})")
     if not allow_other_checkpoint:
         other, _ = calibrated_elsewhere(Path(encodings), weight_file_hashes(Path(checkpoint)), checkpoint)
         if other is not None:

@@ -3,6 +3,7 @@ a format (plus AIMET's JSON beside it), and an AIMET encodings file brought in a
 
 from __future__ import annotations
 
+import os
 import json
 import struct
 from dataclasses import asdict, dataclass
@@ -362,7 +363,9 @@ def _check_unchanged(before: Dict[str, Any], after: Dict[str, Any]) -> None:
 def run_export(checkpoint: str, encodings_path: str, out: str, eopts: Optional[ExportOptions] = None,
                overwrite: bool = False, hooks: Optional[Hooks] = None) -> Dict[str, Any]:
     """``qtool export``: the chosen format plus AIMET encodings, written atomically."""
-    check_arguments(checkpoint, eopts=(eopts, ExportOptions), hooks=(hooks, Hooks))
+    check_arguments(checkpoint, paths={"encodings_path": encodings_path, "out": out}, eopts=(eopts, ExportOptions),
+                    hooks=(hooks, Hooks))
+    checkpoint, encodings_path, out = os.fspath(checkpoint), os.fspath(encodings_path), os.fspath(out)
     hooks = hooks or Hooks()
     eopts = eopts or ExportOptions()
     exporter = eopts.validate()
@@ -405,7 +408,8 @@ def run_import_encodings(checkpoint: str, aimet_path: str, out: str, opts: Calib
     """``qtool import-encodings``: an AIMET encodings file (any version) -> qtool's encodings.json."""
     from ..aimet_format import from_aimet, read_aimet
 
-    check_arguments(checkpoint, opts, CalibrateOptions)
+    check_arguments(checkpoint, opts, CalibrateOptions, paths={"aimet_path": aimet_path, "out": out})
+    checkpoint, aimet_path, out = os.fspath(checkpoint), os.fspath(aimet_path), os.fspath(out)
     opts.check()
     check_output_dir(Path(out), overwrite, _inputs(checkpoint, **{"AIMET encodings": aimet_path}))
     obj = read_aimet(Path(aimet_path))

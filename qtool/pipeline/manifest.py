@@ -5,6 +5,7 @@ import-encodings), so the record reads the same everywhere; keys a job adds foll
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional
 
@@ -38,7 +39,7 @@ def checkpoint_input(checkpoint: str, sha256: Dict[str, str], kind: Optional[str
                      hub: bool = True) -> Dict[str, Any]:
     """The checkpoint's entry in ``inputs``: its path, kind (where known), every weight file's sha256
     (:func:`digests`) and, for a checkpoint fetched from the Hugging Face Hub, where from."""
-    return {"path": str(checkpoint), **({"kind": kind} if kind is not None else {}), "sha256": sha256,
+    return {"path": str(os.fspath(checkpoint)), **({"kind": kind} if kind is not None else {}), "sha256": sha256,
             **(_hub(checkpoint) if hub else {})}
 
 

@@ -4,6 +4,7 @@ and the files drawn or written from them: an SQNR chart, a search's Pareto curve
 
 from __future__ import annotations
 
+import os
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,10 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
     ``perplexity_gate`` on a model that is not a causal LM, once it is loaded (before anything is measured)."""
     from ..report import NEEDS_CAUSAL_LM, evaluate, sensitivity, tied_notes
 
-    check_arguments(checkpoint, opts, CalibrateOptions, hooks=(hooks, Hooks))
+    check_arguments(checkpoint, opts, CalibrateOptions, paths={"encodings": encodings}, hooks=(hooks, Hooks),
+                    flags={"sensitivity_analysis": sensitivity_analysis, "allow_other_checkpoint": allow_other_checkpoint,
+                           "perplexity_gate": perplexity_gate})
+    checkpoint, encodings = os.fspath(checkpoint), os.fspath(encodings)
     hooks = hooks or Hooks()
     opts.check()
     with _ranks(opts.device) as group:  # under torchrun: each rank measures its shard; every rank gets the report
@@ -100,7 +104,8 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     from ..imatrix import write_imatrix
     from ..io.fs import atomic_file
 
-    check_arguments(checkpoint, opts, CalibrateOptions, hooks=(hooks, Hooks))
+    check_arguments(checkpoint, opts, CalibrateOptions, paths={"out": out}, hooks=(hooks, Hooks))
+    checkpoint, out = os.fspath(checkpoint), os.fspath(out)
     hooks = hooks or Hooks()
     opts.check()
     target = Path(out)

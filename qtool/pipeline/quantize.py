@@ -4,6 +4,7 @@ process or every rank of a torchrun."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
@@ -48,7 +49,9 @@ def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], ou
                   target: Optional[TargetOptions] = None) -> Dict[str, Any]:
     """``qtool calibrate``: write ``out/encodings.json`` and ``out/manifest.json`` atomically. With ``target``,
     the recipe is the one a size-budget search chooses among the candidates (written as ``out/recipe.yaml``)."""
-    check_arguments(checkpoint, opts, CalibrateOptions, hooks=(hooks, Hooks), target=(target, TargetOptions))
+    check_arguments(checkpoint, opts, CalibrateOptions, paths={"out": out}, hooks=(hooks, Hooks),
+                    target=(target, TargetOptions))
+    checkpoint, out = os.fspath(checkpoint), os.fspath(out)
     hooks = hooks or Hooks()
     opts.check()
     _check_resume(opts, target)
@@ -85,8 +88,9 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
     the recipe is the one a size-budget search chooses among the candidates, counted in the format written
     (``out/recipe.yaml``; the search's record in ``out/calibration/search.json``). ``eval_data``: what a caller
     reads next (``--eval``), which the output must not replace either."""
-    check_arguments(checkpoint, opts, CalibrateOptions, hooks=(hooks, Hooks), eopts=(eopts, ExportOptions),
-                    target=(target, TargetOptions))
+    check_arguments(checkpoint, opts, CalibrateOptions, paths={"out": out}, hooks=(hooks, Hooks),
+                    eopts=(eopts, ExportOptions), target=(target, TargetOptions))
+    checkpoint, out = os.fspath(checkpoint), os.fspath(out)
     hooks = hooks or Hooks()
     opts.check()
     _check_resume(opts, target)
