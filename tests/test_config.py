@@ -789,6 +789,10 @@ def test_a_rule_whose_activations_reach_no_tensor_is_refused():
         plan_of(text)
     plan = plan_of("version: 1\nlayers:\n  - {type: Embedding, activations: {bitwidth: 8, outputs: true}}\n")
     assert rows(plan)["embed.output"].bitwidth == 8 and "embed.input" not in rows(plan)
+    # outputs: false under defaults that quantize outputs turns the table's off: an effect, which was refused
+    plan = plan_of("version: 1\ndefaults:\n  activations: {bitwidth: 8, outputs: true}\nlayers:\n"
+                   "  - {type: Embedding, weights: {bitwidth: 4}, activations: {outputs: false}}\n")
+    assert "embed.output" not in rows(plan) and rows(plan)["embed.weight"].bitwidth == 4
 
 
 def test_activation_rules_on_embedding_subclasses_and_inputs_off():
@@ -896,3 +900,34 @@ def test_a_module_named_with_glob_characters_is_matched_by_its_name_and_written_
         assert name_matches(exact_pattern(name), other) == (name == other)
 
     exactly()
+
+
+def test_awq_with_a_rule_of_the_defaults_own_weights_is_a_recipe_that_quantizes():
+    """`weights: {}` (the defaults' own settings, under defaults.weights: null) read as no weights at all: awq then
+    refused the recipe as quantizing none."""
+    base = "version: 1\ndefaults: {weights: null, activations: null}\nawq: {grid: 5}\n"
+    with pytest.raises(ConfigError, match="awq chooses scales for quantized weights: the recipe quantizes none"):
+        parse_recipe(base, "r.yaml")
+    assert parse_recipe(base + "layers:\n  - {match: '*', weights: {}}\n", "r.yaml").layers[0].weights == {}
+
+
+def test_a_refused_defaults_spec_gives_no_false_problem_on_the_entries_over_it():
+    """Defaults refused whole (scale_dtype float16 with 8-bit asymmetric) were taken out, and each layers entry then
+    merged over the built-in per_channel spec: 'block_size is only used with granularity per_block' for an entry
+    whose defaults are per_block."""
+    text = ("version: 1\ndefaults:\n  weights: {bitwidth: 8, symmetric: false, granularity: per_block, block_size: "
+            "32, scale_dtype: float16}\n  activations: null\nlayers:\n  - {match: '*', weights: {block_size: 16}}\n")
+    with pytest.raises(ConfigError) as e:
+        parse_recipe(text, "r.yaml")
+    assert len(e.value.problems) == 1 and "defaults.weights: scale_dtype float16" in e.value.problems[0], \
+        e.value.problems
+
+
+def test_a_wrong_type_value_hides_no_other_entrys_problems():
+    """type: 5 (or a list holding a number) failed as a union, whose error location (type.list[str]) the recheck
+    could not follow: every other entry's problems went unsaid until the next round."""
+    for value in ("5", "[Linear, 3]"):
+        with pytest.raises(ConfigError) as e:
+            parse_recipe(f"version: 1\nlayers:\n  - type: {value}\n  - match: '*'\n    weights: {{granularity: "
+                         "per_block}\n", "r.yaml")
+        assert any("layers[1].weights" in p and "needs block_size" in p for p in e.value.problems), e.value.problems

@@ -152,8 +152,11 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
         for i in unselected:  # (an entry that had neither before its unknown key was taken out)
             line = _line_of(node, ["layers", i])
             problems.append(f"{source}{f':{line}' if line else ''}: layers[{i}]: {NEEDS_SELECTOR}")
+        # (a defaults spec refused whole is taken out whole: the entries merged over the built-in one instead would
+        # be refused for what the user's defaults set, per_block under a per_channel default)
+        dropped = {loc[1] for loc in (list(err["loc"]) for err in e.errors()) if len(loc) == 2 and loc[0] == "defaults"}
         if rest is not None:
-            problems += [p for p in _rule_problems(rest, node, source) if p not in problems]
+            problems += [p for p in _rule_problems(rest, node, source, skip=dropped) if p not in problems]
     if recipe is not None:
         problems += _rule_problems(recipe, node, source)
     if problems:
@@ -177,6 +180,8 @@ def _without(data: Dict[str, Any], locations: List[List[Any]], unselected: List[
 
     rest = copy.deepcopy(data)
     for loc in locations:
+        if len(loc) > 3 and loc[0] == "layers" and loc[2] in ("type", "match"):  # (a union's branch: type.list[str])
+            loc = loc[:3]
         parent = rest
         for step in loc[:-1]:
             try:
@@ -184,6 +189,9 @@ def _without(data: Dict[str, Any], locations: List[List[Any]], unselected: List[
             except (KeyError, IndexError, TypeError):
                 return None
         key = loc[-1] if loc else None
+        if len(loc) == 3 and loc[0] == "layers" and isinstance(parent, dict) and key not in parent and \
+                key in ("type", "match"):
+            continue  # (its other branch's error, the key taken out already)
         if isinstance(parent, dict) and key in parent:
             del parent[key]
             if len(loc) == 3 and loc[0] == "layers" and "match" not in parent and "type" not in parent:
@@ -211,12 +219,13 @@ def _stands_for_a_selector(key) -> bool:
                                      or bool(difflib.get_close_matches(key, ["match", "type"], n=1, cutoff=0.6)))
 
 
-def _rule_problems(recipe: Recipe, node, source: str) -> List[str]:
+def _rule_problems(recipe: Recipe, node, source: str, skip=()) -> List[str]:
     """Each ``layers`` entry's partial weights/activations merged as resolution will merge them (over the defaults,
-    and over every earlier entry's): a value that no merge accepts is a problem now, not on the first model."""
+    and over every earlier entry's): a value that no merge accepts is a problem now, not on the first model. ``skip``:
+    the kinds (weights, activations) whose defaults were refused, which no entry can be checked against."""
     problems = []
     for i, kind, _, error in rule_specs(recipe):
-        for said in error.problems if error is not None else ():
+        for said in error.problems if error is not None and kind not in skip else ():
             part = getattr(recipe.layers[i], kind)
             key = said.lstrip(".: ")  # "<key>: <problem>", from _merge with an empty location
             field = key.split(":", 1)[0].strip()

@@ -483,7 +483,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         elif not weighted[i] and rule.weights is not None and "weights" in rule.model_fields_set \
                 and rule.activations is None:  # (LlamaRotaryEmbedding: nothing to quantize)
             reached = "matches only modules with no weight, so its weights quantize nothing"
-        elif not activated[i] and token_inputs[i]:
+        elif not activated[i] and token_inputs[i] and "outputs" not in (rule.activations or {}):
+            # (an explicit outputs: false turns off what the defaults quantize: an effect, not nothing)
             reached = ("matches only modules whose inputs are integers (token ids), so its activations quantize "
                        "nothing (outputs: true quantizes their outputs)")
         else:
