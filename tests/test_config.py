@@ -793,6 +793,11 @@ def test_a_rule_whose_activations_reach_no_tensor_is_refused():
     plan = plan_of("version: 1\ndefaults:\n  activations: {bitwidth: 8, outputs: true}\nlayers:\n"
                    "  - {type: Embedding, weights: {bitwidth: 4}, activations: {outputs: false}}\n")
     assert "embed.output" not in rows(plan) and rows(plan)["embed.weight"].bitwidth == 4
+    for text in ("version: 1\nlayers:\n  - {type: Embedding, activations: {bitwidth: 8, outputs: false}}\n",
+                 "version: 1\ndefaults:\n  activations: {bitwidth: 8}\nlayers:\n"
+                 "  - {type: Embedding, activations: {bitwidth: 4, outputs: false}}\n"):
+        with pytest.raises(ConfigError, match="inputs are integers"):  # (no output quantizer to turn off)
+            plan_of(text)
 
 
 def test_activation_rules_on_embedding_subclasses_and_inputs_off():
@@ -921,6 +926,10 @@ def test_a_refused_defaults_spec_gives_no_false_problem_on_the_entries_over_it()
         parse_recipe(text, "r.yaml")
     assert len(e.value.problems) == 1 and "defaults.weights: scale_dtype float16" in e.value.problems[0], \
         e.value.problems
+    # the entries' own values are still checked (not what depends on the defaults)
+    with pytest.raises(ConfigError) as e:
+        parse_recipe(text.replace("block_size: 16}", "block_size: 16, bitwidth: 99}"), "r.yaml")
+    assert len(e.value.problems) == 2 and "layers[0].weights.bitwidth" in e.value.problems[1], e.value.problems
 
 
 def test_a_wrong_type_value_hides_no_other_entrys_problems():

@@ -992,3 +992,20 @@ def test_a_compressed_tensors_config_that_disagrees_with_its_tensors_names_the_t
         "the file holds model.layers.0.self_attn.q_proj quantized (weight_packed), and config.json's "
         "quantization_config leaves it float (its ignore list?): the tensors and config.json disagree (one edited "
         "since export?)"), err
+
+
+def test_llama_cpps_activation_rounding_is_its_q8_0_bit_for_bit():
+    """The 8-bit rounding eval weighs a GGUF gap against is llama.cpp's own: Q8_0 (per 32 values, a float16 scale)
+    as gguf-py's reference quantizes and dequantizes it; Q8_K per 256 with a float32 scale."""
+    import gguf
+
+    from qtool.evaluation.llamacpp import _q8
+
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 16)[:, None]
+    x[3, :32] = 0.0  # (a block of zeros)
+    ref = gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0),
+                                 gguf.GGMLQuantizationType.Q8_0)
+    assert torch.equal(_q8(x, 32, True), torch.from_numpy(ref))
+    k = _q8(x, 256, False)
+    codes = k / (x.abs().amax(-1, keepdim=True) / 127)
+    assert torch.allclose(codes, codes.round(), atol=1e-3) and codes.abs().max() <= 127 + 1e-3

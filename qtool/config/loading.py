@@ -154,7 +154,10 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
             problems.append(f"{source}{f':{line}' if line else ''}: layers[{i}]: {NEEDS_SELECTOR}")
         # (a defaults spec refused whole is taken out whole: the entries merged over the built-in one instead would
         # be refused for what the user's defaults set, per_block under a per_channel default)
-        dropped = {loc[1] for loc in (list(err["loc"]) for err in e.errors()) if len(loc) == 2 and loc[0] == "defaults"}
+        dropped = set()
+        for loc in (list(err["loc"]) for err in e.errors()):
+            if loc[:1] == ["defaults"] and len(loc) <= 2:
+                dropped |= {loc[1]} if len(loc) == 2 else {"weights", "activations"}
         if rest is not None:
             problems += [p for p in _rule_problems(rest, node, source, skip=dropped) if p not in problems]
     if recipe is not None:
@@ -222,10 +225,13 @@ def _stands_for_a_selector(key) -> bool:
 def _rule_problems(recipe: Recipe, node, source: str, skip=()) -> List[str]:
     """Each ``layers`` entry's partial weights/activations merged as resolution will merge them (over the defaults,
     and over every earlier entry's): a value that no merge accepts is a problem now, not on the first model. ``skip``:
-    the kinds (weights, activations) whose defaults were refused, which no entry can be checked against."""
+    the kinds (weights, activations) whose defaults were refused: their entries' own values are still checked, not
+    what depends on the defaults (a whole-spec problem, ": ..."), which no entry can be checked against."""
     problems = []
     for i, kind, _, error in rule_specs(recipe):
-        for said in error.problems if error is not None and kind not in skip else ():
+        for said in error.problems if error is not None else ():
+            if kind in skip and said.startswith(":"):
+                continue
             part = getattr(recipe.layers[i], kind)
             key = said.lstrip(".: ")  # "<key>: <problem>", from _merge with an empty location
             field = key.split(":", 1)[0].strip()

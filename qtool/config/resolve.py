@@ -483,8 +483,9 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         elif not weighted[i] and rule.weights is not None and "weights" in rule.model_fields_set \
                 and rule.activations is None:  # (LlamaRotaryEmbedding: nothing to quantize)
             reached = "matches only modules with no weight, so its weights quantize nothing"
-        elif not activated[i] and token_inputs[i] and "outputs" not in (rule.activations or {}):
-            # (an explicit outputs: false turns off what the defaults quantize: an effect, not nothing)
+        elif not activated[i] and token_inputs[i] and not (
+                (rule.activations or {}).get("outputs") is False and recipe.defaults.activations is not None
+                and recipe.defaults.activations.outputs):  # (outputs: false turning the defaults' off: an effect)
             reached = ("matches only modules whose inputs are integers (token ids), so its activations quantize "
                        "nothing (outputs: true quantizes their outputs)")
         else:

@@ -3,6 +3,8 @@ comment line, whether it needs data, and its grid in a table cell."""
 
 from __future__ import annotations
 
+import errno
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
@@ -34,7 +36,7 @@ def recipe_file(arg: Union[str, Path]) -> Path:
     path = Path(arg)
     if _is(path.is_file):
         return path
-    if "\n" in arg.strip() or (arg.lstrip().startswith("{") and ":" in arg):
+    if "\n" in arg.strip() or (arg.lstrip().startswith("{") and ":" in arg) or re.match(r"\s*[\w-]+:\s", arg):
         raise ConfigError(f"a recipe is a shipped recipe's name or a path to a YAML file, not its text (got text "
                           f"beginning {arg.strip().splitlines()[0][:60]!r}): write it to a file")
     shipped = shipped_recipes()
@@ -58,7 +60,9 @@ def _is(test) -> bool:
     """``test()`` (a Path's is_file or is_dir), False where the name cannot be a file's (too long, say)."""
     try:
         return test()
-    except OSError:
+    except OSError as e:
+        if e.errno != errno.ENAMETOOLONG:
+            raise
         return False
 
 

@@ -116,9 +116,10 @@ def _refuse_literal_home(out: Path, flag: str) -> None:
 def _a_flag(value, what: str) -> None:
     """Refuse a library caller's flag that is not a bool: overwrite="false" (from a config file or an environment
     variable) is a true string, and replaced an existing directory."""
-    from ..choices import check_arguments
+    from ..choices import is_flag
 
-    check_arguments("", flags={what: value})
+    if not is_flag(value):
+        raise UsageError(f"{what} must be True or False (got {type(value).__name__} {str(value)[:40]!r})")
 
 
 def check_output_dir(out: Path, overwrite: bool, inputs: Sequence[Tuple[str, Optional[str]]] = ()) -> None:

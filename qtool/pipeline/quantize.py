@@ -88,8 +88,8 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
     the recipe is the one a size-budget search chooses among the candidates, counted in the format written
     (``out/recipe.yaml``; the search's record in ``out/calibration/search.json``). ``eval_data``: what a caller
     reads next (``--eval``), which the output must not replace either."""
-    check_arguments(checkpoint, opts, CalibrateOptions, paths={"out": out}, hooks=(hooks, Hooks),
-                    eopts=(eopts, ExportOptions), target=(target, TargetOptions))
+    check_arguments(checkpoint, opts, CalibrateOptions, paths={"out": out, **({} if eval_data is None else {
+        "eval_data": eval_data})}, hooks=(hooks, Hooks), eopts=(eopts, ExportOptions), target=(target, TargetOptions))
     checkpoint, out = os.fspath(checkpoint), os.fspath(out)
     hooks = hooks or Hooks()
     opts.check()
