@@ -73,7 +73,9 @@ def _qtool_safetensors(path: Path, headers: List[Dict[str, Any]]) -> Dict[str, A
             kind = m["element"] if m.get("element") else ("int" if m["qmin"] < 0 else "uint") + str(m["bitwidth"])
             dtype = ("packed " if m.get("packed") else "") + kind
             shape = m.get("shape", v["shape"])
+            _check_bitwidth(path, name, m)
             _check_codes_fit(path, name, shape, m["bitwidth"], v)
+            _check_scales(path, name, m, shape, entries)
             rows.append(_row(name, dtype, m["bitwidth"], m["granularity"], shape, nbytes, True, m.get("block_size")))
         else:
             shape = v["shape"]
@@ -89,6 +91,36 @@ def _qtool_safetensors(path: Path, headers: List[Dict[str, Any]]) -> Dict[str, A
 # bytes per element of the safetensors dtypes codes are stored in
 _ITEMSIZE = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4,
              "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _check_bitwidth(path: Path, name: str, m: Dict[str, Any]) -> None:
+    """A quantized weight's bitwidth is one qtool packs. A header that lies was listed as it said (int0, int-4),
+    exit 0, where reading the file refuses it."""
+    bits = m.get("bitwidth")
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16:
+        raise UsageError(f"{path}: '{name}': its metadata's bitwidth {repr(bits)[:20]} is not one qtool writes "
+                         "(an integer from 1 to 16)")
+
+
+def _check_scales(path: Path, name: str, m: Dict[str, Any], shape, entries: Dict[str, Any]) -> None:
+    """What qtool's reader checks of a quantized weight's scales, from the headers alone: the scale (and offset)
+    tensors beside the codes, and a scale whose shape the granularity, block size and weight shape give (blocks of
+    16 over scales of blocks of 32 were listed as they said, exit 0)."""
+    from .quant.affine import resolve_block_size
+
+    needed = ("_scale",) if m.get("element") else ("_scale", "_offset")
+    missing = next((s for s in needed if name + s not in entries), None)
+    if missing is not None:
+        raise UsageError(f"{path}: '{name}': no '{name}{missing}' beside its codes")
+    if m.get("element"):
+        return  # (a float grid's scales: their own layout, per block or tensor)
+    try:
+        block = m.get("block_size") if m.get("granularity") == "per_block" else None
+        resolve_block_size(shape, entries[name + "_scale"]["shape"], block)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"{path}: '{name}': its metadata ({m.get('granularity')}, block size {block}, shape "
+                         f"{list(shape)}) does not give its stored scales' shape: "
+                         f"{str(e).split('; pass block_size')[0]}") from None
 
 
 def _check_codes_fit(path: Path, name: str, shape, bits: int, stored: Dict[str, Any]) -> None:
@@ -373,6 +405,35 @@ def _refuse_a_part(p: Path) -> None:
         raise UsageError(f"{p}: the numbers of {p.parent / 'encodings.json'}, which names them: inspect that")
 
 
+def _check_index(index: Path, files: List[Path], headers: List[Dict[str, Any]]) -> None:
+    """The index's weight_map and the shards agree: every tensor a shard holds is mapped to it, every mapped name is
+    in its shard, and no shard beside it of the same series is left out. An index that left out a shard was
+    listed without it (three tensors fewer, exit 0)."""
+    import re
+
+    weight_map = read_json_object(index, UsageError, "safetensors index", strict=True)["weight_map"]
+    for f, header in zip(files, headers):
+        held = {k for k in header if k != "__metadata__"}
+        odd = next((k for k in sorted(held) if weight_map.get(k) != f.name), None)
+        if odd is not None:
+            raise UsageError(f"{index}: {f.name} holds '{odd}', which its weight_map "
+                             f"{'maps to ' + repr(weight_map[odd]) if odd in weight_map else 'does not name'}")
+        lost = next((k for k, v in sorted(weight_map.items()) if v == f.name and k not in held), None)
+        if lost is not None:
+            raise UsageError(f"{index}: its weight_map puts '{lost}' in {f.name}, which does not hold it")
+    series = re.compile(r"(.+)-\d{5}-of-(\d{5})\.safetensors")
+    named = {f.name for f in files}
+    for f in files:
+        m = series.fullmatch(f.name)
+        if m is None:
+            continue
+        beside = sorted(g.name for g in index.parent.glob(f"{m[1]}-*-of-{m[2]}.safetensors") if g.name not in named)
+        if beside:
+            raise UsageError(f"{index}: its weight_map names {len(named)} of the {int(m[2])} shards; it leaves out "
+                             f"{beside[0]} beside it")
+        break
+
+
 def _inspect(p: Path) -> Dict[str, Any]:
     if not p.exists():
         raise UsageError(f"{p}: not found")
@@ -391,7 +452,9 @@ def _inspect(p: Path) -> Dict[str, Any]:
             return _inspect(p / "encodings.json")
         if (p / "model.encodings").exists():  # an ONNX or AIMET export: its encodings are what it quantized
             return _inspect(p / "model.encodings")
-        raise UsageError(f"{p}: no model.safetensors, model.gguf, encodings.json, model.encodings or "
+        if (p / "model.onnx").exists():  # (an ONNX export of float grids writes no AIMET encodings)
+            return _inspect(p / "model.onnx")
+        raise UsageError(f"{p}: no model.safetensors, model.gguf, encodings.json, model.encodings, model.onnx or "
                          "compressed-tensors config.json here")
     if p.suffix == ".gguf":
         return _gguf_file(p)
@@ -408,6 +471,7 @@ def _inspect(p: Path) -> Dict[str, Any]:
         files = export_files(p)
         headers = [_header(f) for f in files]
         if all(h.get("__metadata__", {}).get("format") == "qtool.int" for h in headers):
+            _check_index(p, files, headers)  # (qtool's own exports: a float checkpoint's index is transformers' to judge)
             return _qtool_safetensors(p, headers)
         return _plain_safetensors(files, "sharded safetensors", p)
     if p.suffix == ".onnx":

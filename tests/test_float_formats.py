@@ -381,6 +381,8 @@ def test_onnx_fp8_runs_in_onnxruntime_with_qtools_logits(recipe, ckpt, data, tmp
     proto = onnx.load(str(out / "model.onnx"))
     types = {i.name: i.data_type for i in proto.graph.initializer}
     assert types["model.layers.0.self_attn.q_proj.weight"] == onnx.TensorProto.FLOAT8E4M3FN
+    code, listed, err = run_cli("inspect", out, "--json")  # (no model.encodings beside it: "nothing here")
+    assert code == 0 and json.loads(listed)["kind"].startswith("ONNX"), err
     fq = qtool.load_calibrated(str(ckpt), str(run / "encodings.json"))
     with torch.no_grad():
         want = fq(input_ids=ids, attention_mask=torch.ones_like(ids)).logits

@@ -195,6 +195,30 @@ def test_names_and_paths_are_printed_as_they_are_not_as_markup(tmp_path):
     assert code == 0 and err.strip() == f"ok: {recipe}", err
 
 
+def test_inspect_checks_a_sharded_exports_index_against_its_shards(world, tmp_path):
+    """An index that left out a shard (or mapped a tensor to a shard without it) was listed without those tensors,
+    exit 0."""
+    from tests.helpers import error_lines
+
+    enc = world / "w8a8" / "encodings.json"
+    assert run_cli("export", world / "m.safetensors", "-e", enc, "-o", tmp_path / "s", "--max-shard-size",
+                   "6KB")[0] == 0
+    index = tmp_path / "s" / "model.safetensors.index.json"
+    whole = json.loads(index.read_text())
+    shards = sorted(set(whole["weight_map"].values()))
+    assert len(shards) >= 3 and run_cli("inspect", tmp_path / "s")[0] == 0
+    last = {k: v for k, v in whole["weight_map"].items() if v != shards[-1]}
+    index.write_text(json.dumps({**whole, "weight_map": last}))
+    code, _, err = run_cli("inspect", tmp_path / "s")
+    assert code == 2 and error_lines(err) == [
+        f"error: {index}: its weight_map names {len(shards) - 1} of the {len(shards)} shards; it leaves out "
+        f"{shards[-1]} beside it"], err
+    moved = dict(whole["weight_map"], **{"0.weight": shards[-1]})
+    index.write_text(json.dumps({**whole, "weight_map": moved}))
+    code, _, err = run_cli("inspect", tmp_path / "s")
+    assert code == 2 and "which its weight_map maps to" in err, err
+
+
 def test_inspect_refuses_what_a_file_cannot_hold_and_names_gguf_grids(world, tmp_path):
     """A qtool file whose metadata gave a weight 1e12 elements over 8 stored bytes listed "0.00 bits per weight";
     a compressed-tensors config with no weight files was "ok: true", 0 tensors; a GGUF recipe's encodings listed
@@ -213,6 +237,19 @@ def test_inspect_refuses_what_a_file_cannot_hold_and_names_gguf_grids(world, tmp
         code, _, err = run_cli("inspect", f)
         assert code == 2 and error_lines(err) == [
             f"error: {f}: '0.weight': its metadata's shape {shape} ({said}) does not fit the 4,096 bytes stored"], err
+    # metadata that lies in what the reader checks, and inspect listed as said (exit 0): int0, a string bitwidth,
+    # blocks of 16 over scales of blocks of 32, per_channel over blocked scales, no scale tensor
+    good = json.loads(meta["qtool"])
+    for edit, said in ((lambda m, t: m["0.weight"].update(bitwidth=0), "its metadata's bitwidth 0 is not one"),
+                       (lambda m, t: m["0.weight"].update(bitwidth="4"), "its metadata's bitwidth '4' is not one"),
+                       (lambda m, t: m["0.weight"].update(block_size=[1, 16]), "does not give its stored scales"),
+                       (lambda m, t: m["0.weight"].update(granularity="per_channel"), "does not give its stored scal"),
+                       (lambda m, t: t.pop("0.weight_scale"), "no '0.weight_scale' beside its codes")):
+        qmeta, kept = json.loads(json.dumps(good)), dict(tensors)
+        edit(qmeta, kept)
+        save_file(kept, f, metadata={**meta, "qtool": json.dumps(qmeta)})
+        code, _, err = run_cli("inspect", f)
+        assert code == 2 and len(error_lines(err)) == 1 and said in err, err
     (tmp_path / "ct").mkdir()
     (tmp_path / "ct" / "config.json").write_text(json.dumps({"quantization_config": {
         "quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}}))
