@@ -140,6 +140,14 @@ def _tensor_samples(files: Sequence[Path]) -> Tuple[List[Dict[str, torch.Tensor]
     if len(set(n.values())) != 1:
         raise DataError(f"{files[0]}: named tensors have different sample counts {n}")
     count = next(iter(n.values()))
+    ids, mask = joined.get("input_ids"), joined.get("attention_mask")
+    if ids is not None and mask is not None:  # (one mask value per token, 0 or 1: a wider mask, or 2s, counted
+        if mask.shape != ids.shape:           # tokens the model never saw)
+            raise DataError(f"{files[0]}: attention_mask of shape {list(mask.shape)} beside input_ids of shape "
+                            f"{list(ids.shape)}: one mask value per token")
+        if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+            raise DataError(f"{files[0]}: attention_mask holds values other than 0 and 1 (e.g. "
+                            f"{mask[(mask != 0) & (mask != 1)].flatten()[0].item()}): 1 keeps a token, 0 leaves it out")
     samples = [{k: joined[k][i] for k in names} for i in range(count)]
     return samples, names
 
@@ -247,6 +255,9 @@ def _opening_bos(tokenizer) -> List[int]:
 def _collect(path: Path) -> Tuple[List[Path], str]:
     if not path.exists():
         raise DataError(f"{path}: data path not found")
+    if not path.is_dir() and not path.is_file():  # (a FIFO: read once for the batches, its hash then waited forever)
+        raise DataError(f"{path}: not a regular file or a directory (a pipe or a device is read only once): write "
+                        "the data to a file")
     if path.is_dir():
         # hidden files are not data: macOS's ._a.txt metadata, an editor's .#a.txt lock (a dangling link), .a.txt.swp
         entries = [p for p in path.iterdir() if not p.name.startswith(".")]

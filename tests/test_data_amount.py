@@ -164,3 +164,34 @@ def test_integer_images_count_as_samples_not_tokens(images):
     assert line.startswith("calibration data holds 3 samples"), line
     ids = CalibrationData([Batch((torch.zeros(2, 16, dtype=torch.long),))], [], 2, "ids")
     assert data_amount(ids) == (32, "tokens")
+
+
+def test_a_mask_that_does_not_say_one_value_per_token_is_refused(tmp_path):
+    """A mask of 2s, or wider than the ids, counted tokens the model never saw: too little data passed
+    --strict-data. A FIFO was read for the batches, then its hash waited forever for a second writer; an .npz of
+    unnamed tensors was an IndexError in eval (exit 3)."""
+    import os
+
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from qtool.data import load_data
+    from qtool.errors import DataError
+
+    ids = torch.randint(1, 100, (8, 32), generator=torch.Generator().manual_seed(0))
+    for mask, said in ((torch.full_like(ids, 2), "attention_mask holds values other than 0 and 1 (e.g. 2)"),
+                       (torch.ones(8, 64, dtype=torch.long), "attention_mask of shape [8, 64] beside input_ids of "
+                                                            "shape [8, 32]: one mask value per token")):
+        save_file({"input_ids": ids, "attention_mask": mask}, tmp_path / "d.safetensors")
+        with pytest.raises(DataError, match=re.escape(said)):
+            load_data(str(tmp_path / "d.safetensors"), 4)
+    save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tmp_path / "d.safetensors")
+    assert len(list(load_data(str(tmp_path / "d.safetensors"), 4))) == 2
+    os.mkfifo(tmp_path / "pipe.txt")
+    with pytest.raises(DataError, match="not a regular file or a directory"):
+        load_data(str(tmp_path / "pipe.txt"), 4)
+    np.savez(tmp_path / "unnamed.npz", ids.numpy(), np.ones_like(ids.numpy()))
+    from qtool.evaluation import EvalOptions, _windows
+
+    with pytest.raises(DataError, match="named arr_0, arr_1, and none is input_ids"):
+        _windows(EvalOptions(data=str(tmp_path / "unnamed.npz"), seq_len=32), None, True, 100)

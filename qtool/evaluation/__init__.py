@@ -454,6 +454,9 @@ def _windows(opts: EvalOptions, tokenizer, causal_lm: bool, vocab: Optional[int]
         return list(data)
     seqs = []
     for b in data:
+        if "input_ids" not in b.kwargs and not b.args:  # (several tensors, none named input_ids)
+            raise DataError(f"{opts.data}: the data's tensors are named {', '.join(sorted(b.kwargs))}, and none is "
+                            "input_ids: name the token ids input_ids")
         ids = b.kwargs["input_ids"] if "input_ids" in b.kwargs else b.args[0]
         if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
             raise DataError(f"{opts.data}: token ids must be integers of shape [sequences, tokens] (got "
