@@ -157,11 +157,13 @@ def _tensor_samples(files: Sequence[Path]) -> Tuple[List[Dict[str, torch.Tensor]
 # --------------------------------------------------------------------------------------------------------------
 def text_samples(path: Path) -> List[str]:
     """Paragraphs of a ``.txt`` file (blank-line separated) or the ``text`` field of each ``.jsonl`` line."""
-    try:
-        raw = path.read_text(encoding="utf-8-sig")  # (a byte-order mark, as some editors write, is not text)
+    jsonl = path.suffix.lower() == ".jsonl"
+    try:  # (.jsonl lines split at \n only: a raw \r is JSON whitespace, which universal newlines made a line break)
+        with open(path, encoding="utf-8-sig", newline="" if jsonl else None) as fh:
+            raw = fh.read()  # (a byte-order mark, as some editors write, is not text)
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read text: {e}") from None
-    if path.suffix.lower() == ".jsonl":
+    if jsonl:
         out = []
         for i, line in enumerate(raw.split("\n"), 1):
             if not line.strip():

@@ -195,3 +195,14 @@ def test_a_mask_that_does_not_say_one_value_per_token_is_refused(tmp_path):
 
     with pytest.raises(DataError, match="named arr_0, arr_1, and none is input_ids"):
         _windows(EvalOptions(data=str(tmp_path / "unnamed.npz"), seq_len=32), None, True, 100)
+
+
+def test_a_jsonl_line_holding_a_raw_carriage_return_is_one_line(tmp_path):
+    """A raw \\r is JSON whitespace; read with universal newlines it broke the line in two: "not valid JSON"."""
+    from pathlib import Path
+
+    from qtool.data import text_samples
+
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"text":\r"hello there"}\r\n{"text": "second"}\n')
+    assert text_samples(Path(f)) == ["hello there", "second"]

@@ -179,7 +179,9 @@ def llamacpp_activations(model: torch.nn.Module, quantizers_attr: str):
     a quantized matrix's input (:func:`_q8`): the fake-quant model computing with llama.cpp's 8-bit activations,
     the main part of the runtime's own arithmetic on a GGUF file."""
     handles = []
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if name.endswith("kv_b_proj"):  # (DeepSeek's latent attention: llama.cpp absorbs it, attn_k_b in float32)
+            continue
         held = getattr(module, quantizers_attr, None) if isinstance(module, torch.nn.Linear) else None
         q = held["weight"] if held is not None and "weight" in held else None
         if q is None or not getattr(q, "enabled", True):
