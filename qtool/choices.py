@@ -193,6 +193,13 @@ def is_flag(value) -> bool:
     return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
 
 
+def check_flag(name: str, value) -> None:
+    """Raise ``UsageError`` where a library caller's flag ``name`` is not True or False (``overwrite="false"`` is a
+    true string)."""
+    if not is_flag(value):
+        raise UsageError(f"{name} must be True or False (got {type(value).__name__} {str(value)[:40]!r})")
+
+
 def check_arguments(checkpoint, opts=None, opts_type=None, path_is: str = "checkpoint", paths=None, flags=None,
                     **optional) -> None:
     """Raise ``UsageError`` naming a library job's argument of the wrong kind: ``checkpoint`` a path (a model in
@@ -208,8 +215,7 @@ def check_arguments(checkpoint, opts=None, opts_type=None, path_is: str = "check
         if not isinstance(value, (str, os.PathLike)):
             raise UsageError(f"{name} is a path, not a {type(value).__name__}")
     for name, value in (flags or {}).items():
-        if not is_flag(value):
-            raise UsageError(f"{name} must be True or False (got {type(value).__name__} {str(value)[:40]!r})")
+        check_flag(name, value)
     typed = {"opts": (opts, opts_type)} if opts_type is not None else {}
     for name, (value, kind) in {**typed, **optional}.items():
         if (value is not None or name in typed) and not isinstance(value, kind):

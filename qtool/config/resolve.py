@@ -234,9 +234,10 @@ def _both_names(name: str, stored_as: Dict[str, str]) -> Tuple[str, ...]:
     return (name,) if stored == name else (name, stored)
 
 
-def takes_token_ids(module: "nn.Module") -> bool:
-    """Whether ``module``'s input is integers (token ids: an Embedding's), which no activation quantizer takes."""
-    return any(t in _INTEGER_INPUT_TYPES for t in _type_names(module))
+def takes_token_ids(module: "nn.Module", type_names: Optional[Tuple[str, ...]] = None) -> bool:
+    """Whether ``module``'s input is integers (token ids: an Embedding's), which no activation quantizer takes
+    (``type_names``: its :func:`_type_names`, where already known)."""
+    return any(t in _INTEGER_INPUT_TYPES for t in (type_names or _type_names(module)))
 
 
 def _type_names(module: "nn.Module") -> Tuple[str, ...]:
@@ -409,7 +410,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                 rule_a = i
                 applied.append((i, "activations"))
                 if a_spec is not None:
-                    takes_ids = any(t in _INTEGER_INPUT_TYPES for t in tnames)
+                    takes_ids = takes_token_ids(module, tnames)
                     activated[i] = activated[i] or (a_spec.inputs and not takes_ids) or a_spec.outputs
                     token_inputs[i] = token_inputs[i] or (a_spec.inputs and takes_ids)
         if w_cand:

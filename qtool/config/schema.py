@@ -440,7 +440,8 @@ class Recipe(BaseModel):
     def _one_scale_transform(self):
         if self.awq is not None and self.smoothquant is not None:
             raise ValueError("awq and smoothquant both fold per-channel scales into the same layers; use one")
-        if self.awq is not None and self.defaults.weights is None and not any(r.weights is not None for r in self.layers):
+        if self.awq is not None and self.defaults.weights is None and \
+                not any(r.weights is not None for r in self.layers):
             raise ValueError("awq chooses scales for quantized weights: the recipe quantizes none")
         return self
 

@@ -24,6 +24,7 @@ from typing import Iterable, List, Sequence, Tuple
 import torch
 
 from ..errors import UsageError
+from ..quant.affine import inverse_or_zero
 from .metrics import Distributions
 
 FORCE = 1.0e6
@@ -168,8 +169,7 @@ def _q8(x: torch.Tensor, block: int, half_scale: bool) -> torch.Tensor:
     codes round(x / d) in ±127 with d = amax / 127 (stored in float16 for Q8_0)."""
     v = x.float().unflatten(-1, (x.shape[-1] // block, block))
     d = v.abs().amax(-1, keepdim=True) / 127
-    inverse = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
-    q = torch.round(v * inverse).clamp_(-127, 127)
+    q = torch.round(v * inverse_or_zero(d)).clamp_(-127, 127)
     return (q * (d.half().float() if half_scale else d)).flatten(-2).to(x.dtype)
 
 

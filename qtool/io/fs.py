@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+from ..choices import check_flag
 from ..errors import UsageError
 
 __all__ = ["atomic_output_dir", "atomic_file", "scratch_dir_beside", "sha256_file", "sampled_sha256",
@@ -113,21 +114,12 @@ def _refuse_literal_home(out: Path, flag: str) -> None:
                      f"{first} here{meant}")
 
 
-def _a_flag(value, what: str) -> None:
-    """Refuse a library caller's flag that is not a bool: overwrite="false" (from a config file or an environment
-    variable) is a true string, and replaced an existing directory."""
-    from ..choices import is_flag
-
-    if not is_flag(value):
-        raise UsageError(f"{what} must be True or False (got {type(value).__name__} {str(value)[:40]!r})")
-
-
 def check_output_dir(out: Path, overwrite: bool, inputs: Sequence[Tuple[str, Optional[str]]] = ()) -> None:
     """Refuse an --out that is a file, or an existing directory without --overwrite, before any work; and an --out
     that is, holds or lies inside one of ``inputs`` (``(what, path)`` pairs: the checkpoint, the recipe, the data,
     the encodings), which replacing --out would delete or writing into it would change; and the working directory
     or one holding it (an empty --out, an unset shell variable, reads as ".")."""
-    _a_flag(overwrite, "overwrite")
+    check_flag("overwrite", overwrite)  # (overwrite="false" replaced an existing directory)
     _refuse_literal_home(out, "--out")
     here = Path.cwd()
     if out.exists() and (out.resolve() == here or out.resolve() in here.parents):
@@ -163,7 +155,7 @@ def check_output_file(out: Path, inputs: Sequence[Tuple[str, Optional[str]]], ov
     input directory (writing it would replace or change an input), a directory, a file in a missing directory,
     and, where ``overwrite`` is False, an existing file."""
     if overwrite is not None:
-        _a_flag(overwrite, "overwrite")
+        check_flag("overwrite", overwrite)
     _refuse_literal_home(out, flag)
     for what, path, src, target in _existing_inputs(out, inputs):
         if target == src:

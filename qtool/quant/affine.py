@@ -23,6 +23,7 @@ import torch
 
 __all__ = [
     "FLOAT32_EPS",
+    "inverse_or_zero",
     "grid",
     "resolve_grid",
     "resolve_block_size",
@@ -361,6 +362,13 @@ def _qdq_clamped(x: torch.Tensor, s: torch.Tensor, lo, hi) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------
 # min/max <-> scale/offset
 # --------------------------------------------------------------------------------------------------------------
+def inverse_or_zero(v: torch.Tensor) -> torch.Tensor:
+    """``1 / v``, zero where that is not finite: ``v`` zero, or a denormal whose inverse overflows float32 (a
+    scale's inverse times a zero value is then 0, not ``0 · inf`` = NaN)."""
+    inverse = 1.0 / v
+    return torch.where(torch.isfinite(inverse), inverse, 0.0)
+
+
 def true_div(x: torch.Tensor, d) -> torch.Tensor:
     """``x / d`` for a number ``d``, the correctly rounded quotient on every device.
 

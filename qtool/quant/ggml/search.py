@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..affine import inverse_or_zero
 from .base import GgmlType
 
 CLIP_RATIOS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # clipped spans search_range can try (before GPTQ)
@@ -206,11 +207,11 @@ def _integer_slice(x, w, t: GgmlType, steps: int, clip_ratios, work: _Work):
         amax = torch.maximum(-full_mn, full_mx)
         span = torch.where(full_mx > -full_mn, -amax, amax)
         low = torch.zeros_like(span)
-        z = torch.mul(x, _inverse(span)[:, None], out=b0)
+        z = torch.mul(x, inverse_or_zero(span)[:, None], out=b0)
     else:  # step = (max - min) / D, minimum kept: value = step·q - low
         span = full_mx - full_mn
         low = -full_mn
-        z = torch.add(x, low[:, None], out=b0).mul_(_inverse(span)[:, None])
+        z = torch.add(x, low[:, None], out=b0).mul_(inverse_or_zero(span)[:, None])
     # (elementwise arithmetic only: torch's where and masked_fill cost ten times a multiplication here)
     # |code| = round(a·D), a halfway value away from zero; its moves in float64, where a·D is exact for float32
     # a and the candidates' D, so each candidate's codes are exactly the rounded values
@@ -282,20 +283,13 @@ def _integer_slice(x, w, t: GgmlType, steps: int, clip_ratios, work: _Work):
     return (*t.range_of(step, fit_low), least[:, 0])
 
 
-def _inverse(v):
-    """``1 / v``, zero where that is not finite: ``v`` zero, or a denormal whose inverse overflows (``0 · inf`` made
-    the codes of a sub-block spanning 1e-40 NaN, and the search's bins an index of -2^63)."""
-    inverse = 1.0 / v
-    return torch.where(torch.isfinite(inverse), inverse, 0.0)
-
-
 def _clipped_sums(x, wt, t: GgmlType, span, low, d0, out, bufs):
     """``out`` := ``(Σw·x·q, Σw·q², Σw·q)`` ``(e, 1)`` of the codes nearest ``x`` on the grid ``span / d0``, ``low``
     (``bufs``: two ``x``-sized work buffers)."""
     qmin, qmax = t.qmin_qmax
     q, wq = bufs
-    (torch.mul(x, _inverse(span)[:, None], out=q) if t.symmetric
-     else torch.add(x, low[:, None], out=q).mul_(_inverse(span)[:, None])).mul_(d0).round_()
+    (torch.mul(x, inverse_or_zero(span)[:, None], out=q) if t.symmetric
+     else torch.add(x, low[:, None], out=q).mul_(inverse_or_zero(span)[:, None])).mul_(d0).round_()
     q.clamp_(qmin, qmax) if t.symmetric else q.clamp_(0, qmax)
     torch.mul(wt, q, out=wq)
     f64 = torch.float64
