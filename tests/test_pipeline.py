@@ -222,6 +222,11 @@ def test_a_library_jobs_arguments_of_the_wrong_kind_are_one_usage_error(tmp_path
 def test_loading_a_hugging_face_model_prints_nothing_and_leaves_transformers_bars_as_they_were(tmp_path, capfd):
     """The library never prints: transformers' "Loading weights" bar reached stderr from every job and from
     load_calibrated."""
+    import os
+    import subprocess
+    import sys
+    import warnings
+
     import transformers
 
     from tests.helpers import tiny_llama
@@ -232,12 +237,25 @@ def test_loading_a_hugging_face_model_prints_nothing_and_leaves_transformers_bar
     capfd.readouterr()
     bars = transformers.utils.logging
     for enabled in (True, False):
-        (bars.enable_progress_bar if enabled else bars.disable_progress_bar)()
+        with warnings.catch_warnings():  # (the Hub's own "cannot enable" under the CLI's variable: not qtool's)
+            warnings.simplefilter("ignore")
+            (bars.enable_progress_bar if enabled else bars.disable_progress_bar)()
         qtool.load_calibrated(str(llama), str(tmp_path / "r/encodings.json"))
         assert bars.is_progress_bar_enabled() is enabled
         said = capfd.readouterr()
         assert said.out == "" and "Loading weights" not in said.err, said.err
-    bars.enable_progress_bar()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bars.enable_progress_bar()
+    # with the Hub's variable set before it is imported (as the CLI sets it), putting the caller's setting back
+    # warned "Cannot enable progress bars" through the Hub
+    script = ("import warnings, transformers, qtool\n"
+              "with warnings.catch_warnings():\n    warnings.simplefilter('ignore')\n"
+              "    transformers.utils.logging.enable_progress_bar()\n"
+              f"qtool.load_calibrated({str(llama)!r}, {str(tmp_path / 'r/encodings.json')!r})\n")
+    r = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", script], capture_output=True, text=True,
+                       env={**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}, timeout=300)
+    assert r.returncode == 0 and not r.stdout and "Cannot enable" not in r.stderr, r.stderr[-1000:]
 
 
 def test_a_library_callers_hooks_subclass_flags_and_path_objects_are_taken_as_meant(tmp_path, mlp_ckpt):

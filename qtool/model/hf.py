@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -438,7 +439,9 @@ def load_hf(path: Path, trust_remote_code: bool):
         raise CheckpointError(f"{path}: transformers could not load the model: {str(e).splitlines()[0]}") from None
     finally:
         if shown:
-            bars.enable_progress_bar()
+            with warnings.catch_warnings():  # (the Hub's "cannot enable" where its variable says no: no print)
+                warnings.simplefilter("ignore")
+                bars.enable_progress_bar()
     _linearize(path, model)
     return model, _tokenizer(transformers, path), config
 
