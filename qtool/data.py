@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -177,7 +178,8 @@ def text_samples(path: Path) -> List[str]:
             if obj["text"].strip():
                 out.append(obj["text"])
         return out
-    return [" ".join(p.split()) for p in raw.split("\n\n") if p.strip()]
+    # (a line of spaces or tabs is a blank line too: editors leave them, and a reader sees a paragraph break)
+    return [" ".join(p.split()) for p in re.split(r"\n[^\S\n]*\n", raw) if p.strip()]
 
 
 def _tokenize(texts: List[str], tokenizer, seq_len: int, where: str) -> List[Dict[str, torch.Tensor]]:

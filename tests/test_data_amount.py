@@ -206,3 +206,13 @@ def test_a_jsonl_line_holding_a_raw_carriage_return_is_one_line(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_bytes(b'{"text":\r"hello there"}\r\n{"text": "second"}\n')
     assert text_samples(Path(f)) == ["hello there", "second"]
+
+
+def test_a_line_of_spaces_or_tabs_splits_txt_paragraphs(tmp_path):
+    """An editor's blank line often keeps its indentation: a paragraph break to a reader, which joined two
+    paragraphs into one sample before (the file had 2 samples, not 3)."""
+    from qtool.data import text_samples
+
+    f = tmp_path / "d.txt"
+    f.write_text("first  para\ncontinued\n   \nsecond\n\t\n\nthird\r\n \t \r\nfourth\n", encoding="utf-8")
+    assert text_samples(f) == ["first para continued", "second", "third", "fourth"]
