@@ -46,6 +46,7 @@ class CalibrationData:
     description: str
     first: int = 0  # global index of the first batch (a rank's shard in a distributed run starts later)
     available: int = 0  # the samples the data gives, of which --num-samples chose num_samples (0: not known)
+    sha256: Dict[str, str] = field(default_factory=dict)  # each file's, as read (filled by a run that records them)
 
     def __iter__(self) -> Iterator[Batch]:
         return iter(self.batches)

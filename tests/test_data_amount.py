@@ -216,3 +216,24 @@ def test_a_line_of_spaces_or_tabs_splits_txt_paragraphs(tmp_path):
     f = tmp_path / "d.txt"
     f.write_text("first  para\ncontinued\n   \nsecond\n\t\n\nthird\r\n \t \r\nfourth\n", encoding="utf-8")
     assert text_samples(f) == ["first para continued", "second", "third", "fourth"]
+
+
+def test_the_manifest_hashes_the_data_as_the_run_read_it(llama, tmp_path):
+    """A data file rewritten while the run calibrates: the manifest gave the new file's sha256 (hashed at the end),
+    which no one could match to the encodings."""
+    import hashlib
+
+    from qtool.calibration import CalibrateOptions
+    from qtool.hooks import Hooks
+    from qtool.pipeline import run_calibrate
+
+    data = _text(tmp_path / "calib.txt", 400)
+    read = hashlib.sha256(data.read_bytes()).hexdigest()
+
+    def rewrite(*_):
+        data.write_text("something else entirely")
+
+    run_calibrate(str(llama), "w8a8", str(tmp_path / "r"), CalibrateOptions(data=str(data), seq_len=32),
+                  hooks=Hooks(on_batch=rewrite))
+    recorded = json.loads((tmp_path / "r" / "manifest.json").read_text())["inputs"]["data"]["sha256"]
+    assert recorded == {str(data): read}

@@ -26,6 +26,7 @@ from ..encodings import EncodingEntry, SidecarStream
 from ..errors import DataError, UsageError
 from ..hooks import Hooks, reporting
 from ..io.checkpoint import detect_kind, files_read, tensor_files
+from ..io.fs import sha256_file
 from ..io.spill import SpilledTensors
 from ..model.experts import LinearExperts, all_tokens_routed
 from ..model.load import causal_lm_class, check_model_class
@@ -182,6 +183,8 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
     hooks.on_stage("reading calibration data")
     data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, tokenizer,
                      pack_text=causal)
+    # (hashed as read, for the manifest: a file rewritten while the run calibrates is recorded as it was used)
+    data.sha256 = {str(f): sha256_file(f) for f in data.files}
     short = shortfalls(plan, data)
     if short and data_amount(data) == (0, "tokens"):  # (every attention_mask all zero): not little, nothing
         raise DataError(f"{opts.data}: the calibration data holds no token its attention_mask keeps (every mask is "

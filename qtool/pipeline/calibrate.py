@@ -60,7 +60,7 @@ def _calibrate_into(checkpoint: str, recipe_path: Union[str, RecipeFile], opts: 
         "checkpoint": checkpoint_input(checkpoint, digests(files), kind),
         "recipe": {"path": "recipe.yaml" if search else str(recipe_path), "sha256": read.sha256},
         "data": None if data is None else {"path": str(opts.data), "samples": data.num_samples,
-                                           "sha256": digests(data.files)},
+                                           "sha256": data.sha256 or digests(data.files)},
         **({"imatrix": {"path": str(opts.imatrix), "sha256": sha256_file(Path(opts.imatrix)),
                         "weights": sum(q.imatrix for q in plan.weights)}} if opts.imatrix else {}),
     }
