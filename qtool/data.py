@@ -46,6 +46,7 @@ class CalibrationData:
     description: str
     first: int = 0  # global index of the first batch (a rank's shard in a distributed run starts later)
     available: int = 0  # the samples the data gives, of which --num-samples chose num_samples (0: not known)
+    source: str = ""  # --data as given: errors about a batch name it
     sha256: Dict[str, str] = field(default_factory=dict)  # each file's, as read (filled by a run that records them)
 
     def __iter__(self) -> Iterator[Batch]:
@@ -58,6 +59,9 @@ class CalibrationData:
 # --------------------------------------------------------------------------------------------------------------
 # Tensor files
 # --------------------------------------------------------------------------------------------------------------
+_WIDENED = (torch.uint16, torch.uint32)  # read as int64: unsigned types torch's operations mostly refuse
+
+
 def _read_tensor_file(path: Path) -> Dict[str, torch.Tensor]:
     suffix = path.suffix.lower()
     try:
@@ -127,8 +131,10 @@ def _tensor_samples(files: Sequence[Path]) -> Tuple[List[Dict[str, torch.Tensor]
             if t.dim() == 0:
                 raise DataError(f"{f}: tensor {k!r} is a scalar; calibration tensors need a batch dimension")
             if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool):
+                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool) + _WIDENED:
                 raise DataError(f"{f}: tensor {k!r} has unsupported dtype {t.dtype}")
+            if t.dtype in _WIDENED or (k.endswith("input_ids") and t.dtype in (torch.int16, torch.int8, torch.uint8)):
+                t = t.long()  # (token files are often uint16; torch's embedding takes int64 or int32 ids only)
             _check_finite(k, t, str(f))
             if parts.get(k) and tuple(parts[k][0].shape[1:]) != tuple(t.shape[1:]):
                 raise DataError(
@@ -351,7 +357,7 @@ def load_data(
             batches.append(Batch(args=(stacked[names[0]],)))
         else:
             batches.append(Batch(kwargs=stacked))
-    return CalibrationData(batches, files, len(samples), desc, available=available)
+    return CalibrationData(batches, files, len(samples), desc, available=available, source=str(path))
 
 
 def _subset(total: int, num_samples: Optional[int], seed: int, at_most: bool, what: str) -> List[int]:
@@ -455,11 +461,16 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
         if bottom < 0:
             return (f"token id {bottom} is negative (a padding marker such as -100 for labels?): ids run from 0 to "
                     f"{n - 1}; mask padding with attention_mask instead")
-    # token ids saved as floats: torch's "Expected tensor for argument #1 'indices' to have one of ... Long, Int"
-    if isinstance(ids, torch.Tensor) and ids.is_floating_point() and isinstance(table, torch.nn.Embedding) \
-            and "indices" in str(err):
-        return (f"token ids must be integers, and the data holds {str(ids.dtype).replace('torch.', '')} numbers: save "
-                "them as integers (NumPy: x.astype('int64'))")
+    # token ids saved as floats or narrow integers: torch's "Expected tensor for argument #1 'indices' to have one
+    # of ... Long, Int"
+    if isinstance(ids, torch.Tensor) and ids.dtype not in (torch.int64, torch.int32) \
+            and isinstance(table, torch.nn.Embedding) and "indices" in str(err):
+        held = str(ids.dtype).replace('torch.', '')
+        if ids.is_floating_point():
+            return (f"token ids must be integers, and the data holds {held} numbers: save them as integers (NumPy: "
+                    "x.astype('int64'))")
+        return (f"token ids must be int64 or int32, and the data holds {held}: save them as int64 (NumPy: "
+                "x.astype('int64')), or name the tensor input_ids (which qtool reads as int64)")
     tensors = [t for t in list(batch.args) + list(batch.kwargs.values()) if isinstance(t, torch.Tensor)]
     floats = {t.dtype for t in tensors if t.is_floating_point()}
     own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)

@@ -343,6 +343,10 @@ def _onnx_file(path: Path) -> Dict[str, Any]:
         raise UsageError(f"{path}: not a readable ONNX model (no graph)")
     dequantized = {n.input[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input}
     scales = {t.name: [int(d) for d in t.dims] for t in model.graph.initializer}
+    # a (De)QuantizeLinear's scale and zero point: their bytes are the file's, but no float model holds them (the
+    # float sizes and bits per weight count the model's own tensors, as a qtool file's listing does)
+    params = {name for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+              for name in n.input[1:3]}
     rows, numels = [], []
     for t in model.graph.initializer:
         kind = onnx.TensorProto.DataType.Name(t.data_type)
@@ -354,7 +358,7 @@ def _onnx_file(path: Path) -> Dict[str, Any]:
         quantized = t.name in dequantized and kind.startswith(("INT", "UINT", "FLOAT8"))
         granularity, block = _dequantized_layout(dequantized[t.name], scales, len(shape)) if quantized else (None, None)
         rows.append(_row(t.name, kind.lower(), bits, granularity, shape, nbytes, quantized, block))
-        numels.append(_numel(shape))
+        numels.append(0 if t.name in params else _numel(shape))
     return {"kind": f"ONNX (opset {max((o.version for o in model.opset_import), default=0)})", "path": str(path),
             "tensors": rows, "totals": _totals(rows, numels)}
 

@@ -290,8 +290,10 @@ _FLOAT32_COSINE_MAX = 1 << 16
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, causal_lm: bool = False,
-             progress: Optional[Callable[[int, int, int], None]] = None, group: Optional[Group] = None) -> Report:
-    """Per-layer SQNR and end-to-end fidelity of a calibrated fake-quant ``model`` on ``batches``.
+             progress: Optional[Callable[[int, int, int], None]] = None, group: Optional[Group] = None,
+             source: str = "") -> Report:
+    """Per-layer SQNR and end-to-end fidelity of a calibrated fake-quant ``model`` on ``batches`` (read from
+    ``source``, which an error about a batch names).
 
     With a distributed ``group`` (``torchrun … qtool report``) each rank measures its contiguous shard of the
     batches and every rank gets every batch's contributions, summed in global batch order: the report is
@@ -303,7 +305,7 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, c
     start, stop = shard_bounds(len(batches), group.rank, group.world_size)
     records = []
     for bi in range(start, stop):
-        with model_takes(model, batches[bi], f"evaluation batch {bi + 1}"):
+        with model_takes(model, batches[bi], f"{source}: evaluation batch {bi + 1}" if source else f"evaluation batch {bi + 1}"):
             records.append(_measure_batch(model, modules, chosen, batches[bi], device, causal_lm))
         if progress:
             progress(bi - start + 1, stop - start, batches[bi].size)

@@ -154,7 +154,8 @@ def test_a_failing_rank_stops_every_rank_with_one_line(llama, tmp_path):
     code, out, err = _torchrun(2, "calibrate", llama / "m", "-c", "w8a8", "--data", tmp_path / "bad.safetensors",
                                "--batch-size", "2", "-o", tmp_path / "run", "--quiet")
     assert code != 0
-    assert _ours(err) == ["error: rank 1: calibration batch 4: the model rejected the data: token id 5000 is past "
+    assert _ours(err) == [f"error: rank 1: {tmp_path / 'bad.safetensors'}: calibration batch 4: the model rejected "
+                          "the data: token id 5000 is past "
                           "the model's vocabulary (256 embeddings): the tokenizer (or the id file) belongs to another "
                           "model"]
     assert "exitcode  : 2" in err  # the failing rank's own exit code, as torchrun reports it

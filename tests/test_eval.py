@@ -777,7 +777,8 @@ def test_windows_past_a_models_positions_are_one_line_naming_them(tmp_path):
     said = ("16 tokens per sample are past the model's 8 positions: pass --seq-len 8 or less for text, or save token "
             "samples of at most 8")
     code, _, err = run_cli("eval", tmp_path / "q", "--data", tmp_path / "d16.safetensors", "-q")
-    assert code == 2 and error_lines(err) == [f"error: evaluation batch 1: the model rejected the data: {said}"], err
+    assert code == 2 and error_lines(err) == [
+        f"error: {tmp_path / 'd16.safetensors'}: evaluation batch 1: the model rejected the data: {said}"], err
     code, _, err = run_cli("calibrate", tmp_path / "bert", "-c", "w8a8", "-o", tmp_path / "c", "--data",
                            tmp_path / "d16.safetensors", "-q")
     assert code == 2 and said in err and not (tmp_path / "c").exists(), err

@@ -235,7 +235,8 @@ def test_data_the_model_rejects_is_one_line(llama, tmp_path):
     save_file({"input_ids": bad}, tmp_path / "bad.safetensors")
     code, _, err = run_cli("imatrix", ckpt, "--data", tmp_path / "bad.safetensors", "-o", tmp_path / "m.gguf")
     assert code == 2 and not (tmp_path / "m.gguf").exists()
-    assert error_lines(err)[-1].startswith("error: importance batch 1: the model rejected the data: token id 60000 "
+    assert error_lines(err)[-1].startswith(f"error: {tmp_path / 'bad.safetensors'}: importance batch 1: the model "
+                                           "rejected the data: token id 60000 "
                                            "is past the model's vocabulary"), err
 
 

@@ -143,6 +143,10 @@ def test_a_module_called_thrice_and_a_tied_weight_export_and_run(tmp_path, recip
 
     assert sum(numpy_helper.to_array(t).nbytes for t in proto.graph.initializer) == listing["totals"]["bytes"]
     assert rows["head.weight_quantized"]["quantized"] and not rows["emb.weight_scale"]["quantized"]
+    # the float sizes count the model's tensors, not the scales and zero points only the quantized graph holds
+    params = {n for node in proto.graph.node if node.op_type.endswith("quantizeLinear") for n in node.input[1:3]}
+    assert params and listing["totals"]["float32_bytes"] == 4 * sum(
+        int(np.prod(t.dims)) for t in proto.graph.initializer if t.name not in params)
     (tmp_path / "bad.onnx").write_bytes(b"\x08" * 10)
     code, _, err = run_cli("inspect", tmp_path / "bad.onnx")
     assert code == 2 and "bad.onnx: not a readable ONNX model" in err, err

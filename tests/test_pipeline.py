@@ -955,9 +955,41 @@ def test_token_ids_saved_as_floats_are_told_to_be_integers(tmp_path, dtype):
     code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8", "--data", tmp_path / "ids.npy", "-o",
                            tmp_path / "r")
     assert code == 2 and not (tmp_path / "r").exists()
-    assert error_lines(err)[-1] == (f"error: calibration batch 1: the model rejected the data: token ids must be "
+    assert error_lines(err)[-1] == (f"error: {tmp_path / 'ids.npy'}: calibration batch 1: the model rejected the "
+                                    f"data: token ids must be "
                                     f"integers, and the data holds {dtype} numbers: save them as integers (NumPy: "
                                     "x.astype('int64'))"), err
+
+
+def test_narrow_integer_token_ids_calibrate_as_int64_ones_do(tmp_path):
+    """Token files are often uint16 (a vocabulary under 65536): "unsupported dtype torch.uint16" before; int16 ids
+    named input_ids failed in torch's embedding ("Expected ... Long, Int; but got torch.ShortTensor"); a lone int16
+    tensor (which may be audio) is told what to do, naming the file."""
+    import transformers
+    from safetensors.torch import save_file
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    ids = np.random.default_rng(0).integers(0, 64, (4, 16))
+    np.save(tmp_path / "wide.npy", ids)
+    np.save(tmp_path / "u16.npy", ids.astype("uint16"))
+    save_file({"input_ids": torch.from_numpy(ids).to(torch.int16)}, tmp_path / "i16.safetensors")
+    np.save(tmp_path / "lone16.npy", ids.astype("int16"))
+    for name in ("wide.npy", "u16.npy", "i16.safetensors"):
+        code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8", "--data", tmp_path / name, "-o",
+                               tmp_path / name.replace(".", "_"), "-q")
+        assert code == 0, (name, err)
+    want = (tmp_path / "wide_npy" / "encodings.json").read_bytes()
+    assert (tmp_path / "u16_npy" / "encodings.json").read_bytes() == want
+    assert (tmp_path / "i16_safetensors" / "encodings.json").read_bytes() == want
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a8", "--data", tmp_path / "lone16.npy", "-o",
+                           tmp_path / "r")
+    assert code == 2 and not (tmp_path / "r").exists()
+    assert error_lines(err)[-1] == (f"error: {tmp_path / 'lone16.npy'}: calibration batch 1: the model rejected the "
+                                    "data: token ids must be int64 or int32, and the data holds int16: save them as "
+                                    "int64 (NumPy: x.astype('int64')), or name the tensor input_ids (which qtool reads "
+                                    "as int64)"), err
 
 
 def test_samples_past_the_models_positions_are_said(tmp_path):

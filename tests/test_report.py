@@ -251,7 +251,8 @@ def test_report_refuses_data_the_model_cannot_run_in_one_line(tmp_path):
     code, _, err = run_cli("report", tmp_path / "m", "-e", tmp_path / "run/encodings.json", "--data",
                            tmp_path / "bad.safetensors", "--batch-size", "2")
     assert code == 2
-    assert error_lines(err)[-1] == ("error: evaluation batch 2: the model rejected the data: token id 5000 is past the "
+    assert error_lines(err)[-1] == (f"error: {tmp_path / 'bad.safetensors'}: evaluation batch 2: the model rejected "
+                                    "the data: token id 5000 is past the "
                                    "model's vocabulary (256 embeddings): the tokenizer (or the id file) belongs to another model")
 
 

@@ -75,7 +75,8 @@ def calibrate(
     def run(feed: Optional[Callable[[Batch], None]] = None):
         for i, batch in enumerate(local):
             b = batch.to(device) if feed is None else batch
-            with model_matmuls(precision), model_takes(model, b, f"calibration batch {local.first + i + 1}"):
+            where = f"{local.source}: calibration batch {local.first + i + 1}"
+            with model_matmuls(precision), model_takes(model, b, where):
                 if feed is None:
                     model(*b.args, **b.kwargs)
                 else:

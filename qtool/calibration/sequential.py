@@ -296,7 +296,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             for batch in data:
                 b = batch.to(device)
                 # (the recorder stops the pass once the first block's inputs are captured)
-                with model_takes(model, b, f"calibration batch {data.first + len(captured) + 1}"):
+                with model_takes(model, b, f"{data.source}: calibration batch {data.first + len(captured) + 1}"):
                     try:
                         model(*b.args, **{**b.kwargs, "use_cache": False})
                     except _Stop:

@@ -851,7 +851,7 @@ def _relative_error(errors: torch.Tensor, norms: torch.Tensor) -> Dict[str, floa
             "pooled": (float(errors.sum()) / total) ** 0.5 if total > 0 else float("nan")}
 
 
-def _float_outputs(model, batches) -> List[torch.Tensor]:
+def _float_outputs(model, batches, source: str) -> List[torch.Tensor]:
     """The float model's main output of each batch; data the model cannot take (a BERT's 128 positions under a
     window of 256) is one line naming the batch, before any artifact runs."""
     from ..data import model_takes
@@ -859,7 +859,7 @@ def _float_outputs(model, batches) -> List[torch.Tensor]:
     runtime = TorchRuntime(model, "torch")
     out = []
     for i, b in enumerate(batches):
-        with model_takes(model, b, f"evaluation batch {i + 1}"):  # (1-based, as calibration's)
+        with model_takes(model, b, f"{source}: evaluation batch {i + 1}"):  # (1-based, as calibration's)
             out.append(runtime.outputs(b))
     return out
 
@@ -868,7 +868,7 @@ def _evaluate_outputs(ev: Evaluation, art: Artifact, loaded, reference: str, enc
                       opts: EvalOptions, hooks: Hooks, activations: bool) -> Evaluation:
     """Models that are not causal LMs: the main output's cosine (and top-1 of a ``[N, classes]`` output)."""
     hooks.on_stage("measuring the float model")
-    flt = _float_outputs(loaded.model, batches)
+    flt = _float_outputs(loaded.model, batches, str(opts.data))
     model = None
     fq = None
     if enc is not None:

@@ -59,7 +59,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
                          pack_text=loaded.is_causal_lm)
         device = next(iter(loaded.model.parameters())).device
         hooks.on_stage("measuring")
-        rep = evaluate(loaded.model, data, device, loaded.is_causal_lm, hooks.on_batch, group)
+        rep = evaluate(loaded.model, data, device, loaded.is_causal_lm, hooks.on_batch, group, data.source)
         rep.notes += tied_notes(loaded.model) + ([other] if other else [])
         past = past_positions(getattr(loaded.model, "config", None), longest_sample(data.batches), data.files)
         rep.notes += [past] if past else []
@@ -133,7 +133,7 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     def run():
         for i, batch in enumerate(batches):
             b = batch.to(device)
-            with model_takes(loaded.model, b, f"importance batch {i + 1}"):
+            with model_takes(loaded.model, b, f"{data.source}: importance batch {i + 1}"):
                 loaded.model(*b.args, **b.kwargs)
             if hooks.on_batch:
                 hooks.on_batch(i + 1, len(batches), b.size)
