@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-_EXIT = {signal.SIGINT: ("SIGINT", 130), signal.SIGTERM: ("SIGTERM", 143)}
+_EXIT = {signal.SIGINT: ("SIGINT", 130), signal.SIGTERM: ("SIGTERM", 143), signal.SIGHUP: ("SIGHUP", 129)}
 
 
 def _before_the_cli(signum, frame):

@@ -223,8 +223,11 @@ def test_internal_error_is_one_line_with_a_log(world, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)],
+                         ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_signal_mid_calibration_leaves_nothing(world, tmp_path, sig, code):
+    """SIGHUP (the terminal closed, an ssh session dropped) killed the run as SIGKILL does: no line, the temporary
+    output left behind."""
     d, ckpt, data = world
     proc = subprocess.Popen(
         [sys.executable, "-m", "qtool", "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a8.yaml"), "--data", str(data),
@@ -559,6 +562,69 @@ def test_a_signal_while_the_cli_is_imported_is_one_line_and_one_json_object(tmp_
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
                             "TORCHELASTIC_RUN_ID": "test", "WORLD_SIZE": "2", "RANK": "1"})
     assert (r.returncode, r.stdout, r.stderr) == (code, "", "")
+
+
+# each probe sends signals at moments a run's cleanup and report are exposed: the first signal ends the run, a
+# later one changes nothing (it stopped the cleanup halfway, or the report before its JSON object)
+_SIGNALS_AT_EDGES = {
+    # a second Ctrl-C while the first one's cleanup removes the temporary output: the finished output was left in
+    # .r.tmp-*, and the line said "nothing was written"
+    "twice, the second in the cleanup": (
+        "from qtool.io import fs\nreal_publish, real_rmtree = fs._publish, fs.shutil.rmtree\n"
+        "def publish(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    real_publish(*a, **k)\n"
+        "def rmtree(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    real_rmtree(*a, **k)\n"
+        "fs._publish, fs.shutil.rmtree = publish, rmtree\n", "SIGINT"),
+    # a SIGTERM as the temporary was made (mkdtemp returning), before the cleanup knew it: left behind
+    "as the temporary is made": (
+        "real = os.mkdir\n"
+        "def made(path, *a, **k):\n    real(path, *a, **k)\n    if '.tmp-' in str(path):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\nos.mkdir = made\n", "SIGTERM"),
+    # a second signal while the first is reported: no JSON object, and the second one's exit code
+    "twice, the second in the report": (
+        "from qtool.io import fs\nfrom qtool.cli import core\nreal_publish, real_emit = fs._publish, core._emit_json\n"
+        "def publish(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM)\n    real_publish(*a, **k)\n"
+        "def emit(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    real_emit(*a, **k)\n"
+        "fs._publish, core._emit_json = publish, emit\n", "SIGTERM"),
+    # a signal while typer builds the command group (after the import, before the command's own handling): a
+    # traceback and exit 1, no JSON object
+    "while typer sets up": (
+        "import typer.main\nreal = typer.main.get_command\n"
+        "def building(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM)\n    return real(*a, **k)\n"
+        "typer.main.get_command = building\n", "SIGTERM"),
+}
+
+
+@pytest.mark.parametrize("moment", list(_SIGNALS_AT_EDGES))
+def test_a_signal_at_the_edges_of_a_run_is_one_line_one_object_and_nothing_left(world, tmp_path, moment):
+    d, ckpt, data = world
+    code, name = _SIGNALS_AT_EDGES[moment]
+    probe = ("import os, signal, sys\nimport qtool.entry\n" + code
+             + "sys.argv = ['qtool'] + sys.argv[1:]\nqtool.entry.main()\n")
+    r = _calibrate_under(probe, ckpt, tmp_path / "r", "--json")
+    want = {"SIGINT": 130, "SIGTERM": 143}[name]
+    assert r.returncode == want and r.stderr.splitlines()[-1] == f"interrupted: {name}; nothing was written", r.stderr
+    assert "Traceback" not in r.stderr
+    assert json.loads(r.stdout) == {"ok": False, "exit_code": want, "error": f"{name}; nothing was written"}
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stderr_that_takes_nothing_changes_no_outcome(world, tmp_path):
+    """2>/dev/full (a full log disk): a healthy run ended with exit 1 and no JSON object (its first progress line's
+    failure blamed on the output directory), and bad input with exit 1 instead of 2."""
+    d, ckpt, data = world
+
+    def run(*args):
+        with open("/dev/full", "w") as full:
+            return subprocess.run([sys.executable, "-m", "qtool", *map(str, args)], stdout=subprocess.PIPE,
+                                  stderr=full, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                                  timeout=300)
+
+    r = run("quantize", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class", "tests.tinymodels:mlp", "-o",
+            tmp_path / "q", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["ok"] is True
+    assert (tmp_path / "q" / "model.safetensors").is_file()
+    r = run("inspect", tmp_path / "nothing", "--json")
+    assert r.returncode == 2 and json.loads(r.stdout)["exit_code"] == 2
 
 
 def test_stdout_and_stderr_hold_in_unusual_settings(world, tmp_path):

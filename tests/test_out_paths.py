@@ -313,13 +313,26 @@ def test_an_empty_out_or_the_working_directory_is_refused_before_any_work(world,
 
 @pytest.mark.parametrize("kind", ["dir", "file"])
 def test_an_interrupt_as_the_temporary_is_made_leaves_nothing(tmp_path, monkeypatch, kind):
-    """A SIGTERM between mkdtemp and its chmod left an empty private .OUT.tmp-* behind ("nothing was written")."""
+    """A SIGTERM between mkdtemp and its chmod left an empty private .OUT.tmp-* behind ("nothing was written"); so
+    did one as mkdtemp (mkstemp) returned, before the cleanup knew the temporary's name."""
+    import os
+
     import qtool.io.fs as fs
 
-    def interrupted():
+    made_dir, made_file = os.mkdir, os.open
+
+    def mkdir(path, *args, **kwargs):
+        made_dir(path, *args, **kwargs)
         raise KeyboardInterrupt()
 
-    monkeypatch.setattr(fs, "current_umask", interrupted)
+    def open_(path, *args, **kwargs):
+        os.close(made_file(path, *args, **kwargs))
+        raise KeyboardInterrupt()
+
+    if kind == "dir":  # (one at a time: the cleanup's rmtree opens the directory)
+        monkeypatch.setattr(fs.os, "mkdir", mkdir)
+    else:
+        monkeypatch.setattr(fs.os, "open", open_)
     with pytest.raises(KeyboardInterrupt):
         if kind == "dir":
             with fs.atomic_output_dir(tmp_path / "out"):

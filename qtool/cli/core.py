@@ -114,6 +114,7 @@ class _Group(typer.core.TyperGroup):
         if sys.stdout is None and (not argv or {"--help", "--version", "--show-completion"} & set(argv)):
             raise _StdoutLost("stdout is closed")  # (click prints typer's help into a closed stdout silently)
         try:
+            _take_signals()
             try:
                 with _stdout_whole():
                     rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
@@ -174,6 +175,38 @@ config_app = typer.Typer(help="Inspect and lint recipes.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 
 
+class _Stderr:
+    """``sys.stderr`` (as it is at each write) where a write that fails is dropped: messages and progress are the
+    run's account, not its outcome. A stderr that takes nothing (``2>/dev/full``, a full log disk, a terminal gone
+    with SIGHUP) ended a healthy run with exit 1 and no JSON object, its progress line's failure blamed on the
+    output directory."""
+
+    @staticmethod
+    def _stream():
+        return sys.stderr
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream().write(text)
+        except (OSError, ValueError, AttributeError):  # (ValueError: closed; AttributeError: None, with 2>&-)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream().flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def isatty(self) -> bool:
+        try:
+            return self._stream().isatty()
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def __getattr__(self, name):  # (encoding, fileno, ...: rich asks)
+        return getattr(self._stream(), name)
+
+
 class _LazyConsole:
     """rich's stderr console, made on first use: importing rich costs ~50 ms of every command's start-up, and a
     quiet command that succeeds never prints."""
@@ -184,7 +217,7 @@ class _LazyConsole:
         if _LazyConsole._console is None:
             from rich.console import Console
 
-            _LazyConsole._console = Console(stderr=True, highlight=False, soft_wrap=True,
+            _LazyConsole._console = Console(file=_Stderr(), highlight=False, soft_wrap=True,
                                             no_color=bool(os.environ.get("NO_COLOR")),
                                             width=None if _columns() or "COLUMNS" not in os.environ else 80)
         return _LazyConsole._console
@@ -238,7 +271,7 @@ def _root(
     """qtool: quantize PyTorch models."""
 
 
-_SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
+_SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143, "SIGHUP": 129}
 # the optional packages (pyproject's extras) a command imports when it needs them: their absence is one line
 _EXTRAS = {"gguf": "'qtool[gguf]'", "matplotlib": "'qtool[report]'", "xllamacpp": "'qtool[llamacpp]'",
            "lm_eval": "'qtool[tasks]'", "transformers": "'qtool[hf]'", "huggingface_hub": "'qtool[hf]'",
@@ -246,7 +279,11 @@ _EXTRAS = {"gguf": "'qtool[gguf]'", "matplotlib": "'qtool[report]'", "xllamacpp"
 
 
 class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the process is so outputs in progress are cleaned up like on Ctrl-C."""
+    """SIGTERM or SIGHUP, raised where the process is so outputs in progress are cleaned up like on Ctrl-C."""
+
+    def __init__(self, name: str = "SIGTERM"):
+        super().__init__()
+        self.name = name
 
 
 # the signals this process received: an interrupt that lands inside C code (a tensor conversion, say) can come out
@@ -256,6 +293,7 @@ _SIGNALLED: List[str] = []
 _EMITTED: List[bool] = []  # a JSON object went to stdout (a command prints one at most)
 _SAID: List[int] = []  # the exit codes a command's _errors has reported (said and, with --json, printed)
 _OVER: List[bool] = []  # the command has returned or raised: its exit is being said, and a signal is ignored
+_PROCESS: List[bool] = []  # the command runs as the process's own (main), which takes the signals
 
 
 @contextmanager
@@ -306,7 +344,7 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
             said = said[:-len(e.outcome)] + _written()
         fail(e.exit_code, f"error: {where}{said}", speak=speak, alike=alike)
     except KeyboardInterrupt as e:
-        name = "SIGTERM" if isinstance(e, _Terminated) else "SIGINT"
+        name = e.name if isinstance(e, _Terminated) else "SIGINT"
         fail(_SIGNAL_EXIT[name], f"interrupted: {name}; {_written()}", speak=not quiet_interrupt)
     except OSError as e:  # a full disk, a read-only directory, a path that vanished: the environment, not a bug
         interrupted()
@@ -568,14 +606,19 @@ def _json_safe(value: Any) -> Any:
 
 
 def _terminate(signum, frame):
-    if _OVER:  # (raised now, it would replace the command's exit with a traceback)
+    # (once the command is over, raised now it would replace the command's exit with a traceback; after an earlier
+    # signal, it would stop that one's cleanup and its report: a temporary output left behind, no JSON object)
+    if _OVER or _SIGNALLED:
         return
-    _SIGNALLED.append("SIGTERM")
-    raise _Terminated()
+    import signal
+
+    name = "SIGHUP" if signum == signal.SIGHUP else "SIGTERM"
+    _SIGNALLED.append(name)
+    raise _Terminated(name)
 
 
 def _interrupt(signum, frame):
-    if _OVER:
+    if _OVER or _SIGNALLED:  # (a second Ctrl-C while the first one's cleanup runs: the first one ends the run)
         return
     _SIGNALLED.append("SIGINT")
     raise KeyboardInterrupt()
@@ -587,18 +630,33 @@ def _ignored(signum, frame) -> None:
 
 
 def _ignore_signals() -> None:
-    """SIGINT and SIGTERM do nothing from here on. ``_OVER`` first: from then the installed handlers do nothing,
-    so one that lands while they are replaced cannot raise (a traceback and exit 1 after a finished command)."""
+    """SIGINT, SIGTERM and SIGHUP do nothing from here on. ``_OVER`` first: from then the installed handlers do
+    nothing, so one that lands while they are replaced cannot raise (a traceback and exit 1 after a finished
+    command)."""
     import signal
 
     _OVER.append(True)
-    signal.signal(signal.SIGINT, _ignored)
-    signal.signal(signal.SIGTERM, _ignored)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _ignored)
+
+
+def _take_signals() -> None:
+    """The command's handlers: a signal raises where the process is, and the command's cleanup and report follow.
+    Installed where the group's own reporting begins (before it, entry's handlers end the process: nothing has
+    started; a signal raised in typer's set-up was a traceback and exit 1), and only by the process's own command
+    (:func:`main`): an in-process caller's (a test runner's) handlers stay its own."""
+    import signal
+
+    if not _PROCESS:
+        return
+
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+    signal.signal(signal.SIGINT, _interrupt)
 
 
 def main() -> None:
     import gc
-    import signal
 
     # Start-up imports torch (and transformers for a Hugging Face model): hundreds of thousands of objects that
     # are never garbage, which the default threshold (a collection every 700 new objects) scans again and
@@ -609,8 +667,7 @@ def main() -> None:
     # explicit setting wins; the library (import qtool) is left alone.
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     _OVER.clear()  # (an earlier main() of this process left it set)
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGINT, _interrupt)
+    _PROCESS.append(True)
     try:
         app()
     finally:

@@ -10,6 +10,7 @@ import glob
 import hashlib
 import os
 import re
+import secrets
 import shutil
 import socket
 import tempfile
@@ -335,17 +336,6 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def current_umask() -> int:
-    """The process's file-mode creation mask, read without changing it (Linux's /proc), else set and restored."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _name_the_output(e: BaseException, out: Path) -> None:
     """A write that failed without naming a file (a full disk, a file-size limit: the error of a write() call) is
     told as the output's (the error line said "File too large" and no more)."""
@@ -365,25 +355,40 @@ def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
     check_output_dir(out, overwrite)
     parent = out.parent if str(out.parent) else Path(".")
     made = [d for d in (parent, *parent.parents) if not d.exists()]  # (removed again on failure: nothing written)
+    named: List[Path] = []
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(out)
-        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out.name), dir=parent))
-    except OSError as e:
-        _remove_empty(made)
-        raise UsageError(f"{out}: cannot create output directory: {e.strerror or e}") from None
-    try:
-        try:  # (inside the cleanup: an interrupt here left the empty temporary behind)
-            os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it private; the output is made as mkdir would
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(out)
+            tmp = _new_temporary(parent, _temp_prefix(out.name), named, directory=True)
         except OSError as e:
             raise UsageError(f"{out}: cannot create output directory: {e.strerror or e}") from None
         yield tmp
         _publish(tmp, out, overwrite)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for t in named:
+            shutil.rmtree(t, ignore_errors=True)
         _remove_empty(made)
         _name_the_output(e, out)
         raise
+
+
+def _new_temporary(parent: Path, prefix: str, named: List[Path], directory: bool) -> Path:
+    """A new empty directory (or file) ``parent/prefix<random>``, made as mkdir (open) would make it (the umask
+    applies). Its name goes into ``named`` before it exists, so the caller's cleanup knows it whenever an interrupt
+    lands (with mkdtemp, one as it returned left the temporary behind)."""
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(4)}"
+        named.append(path)
+        try:
+            if directory:
+                os.mkdir(path, 0o777)
+            else:
+                os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+            return path
+        except FileExistsError:  # (another temporary of this process, by the name's chance)
+            named.remove(path)
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(parent / prefix))
 
 
 def _remove_empty(directories: Sequence[Path]) -> None:
@@ -402,17 +407,15 @@ def atomic_file(path: Path, output: bool = False) -> Iterator[Path]:
     to write (:func:`published` lists it once in place), not state kept on the way."""
     path = Path(path)
     remove_stale_temporaries(path)
-    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), dir=str(path.parent.resolve()))
+    named: List[Path] = []
     try:
-        try:  # (inside the cleanup, as atomic_output_dir's)
-            os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes it private; the file is made as open() would
-        finally:
-            os.close(fd)
-        yield Path(tmp)
+        tmp = _new_temporary(path.parent.resolve(), _temp_prefix(path.name), named, directory=False)
+        yield tmp
         os.replace(tmp, path)
     except BaseException as e:
         _name_the_output(e, path)
-        Path(tmp).unlink(missing_ok=True)
+        for t in named:
+            t.unlink(missing_ok=True)
         raise
     if output:
         _PUBLISHED.append(path)
