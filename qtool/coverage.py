@@ -95,10 +95,13 @@ def weight_coverage(model: "nn.Module", quantized: Set[str], candidates: Set[str
     under another (an unreachable weight is named as the checkpoint and the export name it). Works on meta-device
     models."""
     holders: Dict[int, List[Tuple[str, str, str, "nn.Parameter"]]] = {}  # parameter -> every (module, name)
+    # (a torch.export module's submodules are plain holders: their classes are the exported model's, by name)
+    exported = getattr(model, "qtool_module_types", None) or {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for p_name, p in module.named_parameters(recurse=False):
             if p.dim() >= 2:
-                holders.setdefault(id(p), []).append((mod_name, p_name, type(module).__name__, p))
+                holders.setdefault(id(p), []).append((mod_name, p_name, exported.get(mod_name, type(module).__name__),
+                                                      p))
     total = 0
     unreachable = []
     quantized_by = []

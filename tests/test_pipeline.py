@@ -784,6 +784,39 @@ def test_torch_export_archive_calibrates_activations_like_eager(tmp_path, mlp_da
         assert torch.equal(eager(x), graph(x))
 
 
+
+def test_torch_export_archive_refuses_what_needs_layer_inputs_and_its_export_evaluates(tmp_path, mlp_data):
+    """A .pt2 module's layers are no modules qtool can watch: GPTQ said "0 never ran on the calibration data" after
+    the data had run; `qtool eval` of its export was an internal error (exit 3: "Calling eval() is not supported");
+    a layer the defaults leave float was named "(Module)" with the advice "type: Module", which is refused."""
+    pt2 = tmp_path / "m.pt2"
+    batch = torch.export.Dim("batch")
+    torch.export.save(torch.export.export(mlp(), (torch.randn(2, 64),), dynamic_shapes={"input": {0: batch}}), pt2)
+    code, _, err = run_cli("calibrate", pt2, "-c", "w4a16-block32-gptq", "--data", mlp_data, "-o", tmp_path / "g")
+    assert code == 2 and not (tmp_path / "g").exists()
+    assert error_lines(err)[-1] == (
+        f"error: {pt2}: 0.weight asks for rounding gptq, which needs each layer's inputs, and a torch.export archive "
+        "(.pt2) runs one flat graph whose layers qtool cannot watch: save the model's state_dict() and pass "
+        "--model-class, or use a recipe without gptq, adaround or weighting: activations"), err
+    code, _, err = run_cli("quantize", pt2, "-c", CONFIGS / "w8a8.yaml", "--data", mlp_data, "-o", tmp_path / "q")
+    assert code == 0, err
+    code, out, err = run_cli("eval", tmp_path / "q", "--data", mlp_data, "--json", "-q")
+    assert code == 0 and json.loads(out)["cosine"]["export_gap"]["min"] > 0.99999, err
+    up = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ConvTranspose2d(8, 64, 4, stride=2)).eval()
+    torch.export.save(torch.export.export(up, (torch.randn(2, 3, 8, 8),)), tmp_path / "up.pt2")
+    code, _, err = run_cli("config", "show", "w8a16", "--model", tmp_path / "up.pt2")
+    assert code == 0 and "1.weight [8, 64, 4, 4] (ConvTranspose2d) (a layer type the defaults leave float: a layers " \
+        "rule with type: ConvTranspose2d opts it in" in err, err
+    # signround on a model that is no causal LM asked for --sequential, which then refused the model
+    st = tmp_path / "m.safetensors"
+    save_file(mlp().state_dict(), st)
+    code, _, err = run_cli("calibrate", st, "-c", "w4a16-block32-signround", "--data", mlp_data, "--model-class", MLP,
+                           "-o", tmp_path / "s")
+    assert code == 2 and error_lines(err)[-1].endswith(
+        "learns each decoder block of a Hugging Face causal language model, and this model is not one: use rounding "
+        "gptq or adaround"), err
+
+
 def test_static_shape_export_rejects_other_batch_sizes_clearly(tmp_path, mlp_data):
     pt2 = tmp_path / "m.pt2"
     torch.export.save(torch.export.export(mlp(), (torch.randn(2, 64),)), pt2)

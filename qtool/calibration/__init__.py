@@ -126,19 +126,40 @@ def choose_mode(checkpoint: str, recipe: Recipe, opts: CalibrateOptions, source:
 
         skeleton = meta_skeleton(checkpoint, opts.trust_remote_code)
         plan = _resolve(recipe, skeleton, source, opts, checkpoint)
-        _refuse_learned_rounding(plan)
+        _refuse_learned_rounding(plan, causal_lm_class(skeleton))
         if streams(plan, opts):
             return "streaming", skeleton, plan
         _check_memory(estimate_run(skeleton, plan, "in_memory", opts))  # before the model is loaded
     return "in_memory", None, None
 
 
-def _refuse_learned_rounding(plan: Plan) -> None:
-    """signround learns each decoder block on that block's own inputs: only ``--sequential`` runs blocks apart."""
+def _refuse_learned_rounding(plan: Plan, causal_lm: bool) -> None:
+    """signround learns each decoder block on that block's own inputs: only ``--sequential`` runs blocks apart, and
+    only a Hugging Face causal LM has such blocks."""
     learned = [q.name for q in plan.weights if q.learns_rounding]
     if learned:
-        raise UsageError(f"rounding signround ({learned[0]}{' and others' if len(learned) > 1 else ''}) learns each "
-                         "decoder block of a causal language model on its own inputs: run with --sequential")
+        which = f"rounding signround ({learned[0]}{' and others' if len(learned) > 1 else ''})"
+        if not causal_lm:  # (--sequential, which it asked for, then refused this model: the user went in a circle)
+            raise UsageError(f"{which} learns each decoder block of a Hugging Face causal language model, and this "
+                             "model is not one: use rounding gptq or adaround")
+        raise UsageError(f"{which} learns each decoder block of a causal language model on its own inputs: run "
+                         "with --sequential")
+
+
+def _refuse_graph_statistics(plan: Plan, model, checkpoint: str) -> None:
+    """A torch.export archive's module runs one flat graph: its layers are no modules qtool can watch, so no layer's
+    inputs are collected (GPTQ's and AdaRound's XᵀX, an activation-weighted search's E[x²]); it said "never ran on
+    the calibration data" after the data had run."""
+    from ..model.insert import is_exported_graph
+
+    needing = [q for q in plan.weights if q.needs_inputs]
+    if needing and is_exported_graph(model):
+        q = needing[0]
+        how = f"rounding {q.rounding}" if q.rounds_layerwise else "an activation-weighted search"
+        raise UsageError(f"{checkpoint}: {q.name} asks for {how}, which needs each layer's inputs, and a torch.export "
+                         "archive (.pt2) runs one flat graph whose layers qtool cannot watch: save the model's "
+                         "state_dict() and pass --model-class, or use a recipe without gptq, adaround or weighting: "
+                         "activations")
 
 
 def streams(plan: Plan, opts: CalibrateOptions) -> bool:
@@ -244,7 +265,8 @@ def prepare_calibration(checkpoint: str, recipe: Recipe, source: str, opts: Cali
 
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
     plan = _resolve(recipe, loaded.model, source, opts, checkpoint)
-    _refuse_learned_rounding(plan)
+    _refuse_learned_rounding(plan, loaded.is_causal_lm)
+    _refuse_graph_statistics(plan, loaded.model, checkpoint)
     _warn_all_experts(plan, opts, loaded.model)
     plan.memory = estimate_run(loaded.model, plan, "in_memory", opts)
     return PreparedRun(mode, plan, loaded.model, next(iter(loaded.model.parameters())).device, loaded.tokenizer,

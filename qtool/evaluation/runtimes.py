@@ -43,7 +43,11 @@ class TorchRuntime(_WholeLogits):
     """A torch module: its logits are the runtime's."""
 
     def __init__(self, model: nn.Module, name: str, gap_share: float = 0.0, gap_floor: float = 1e-4):
-        self.model = model.eval()
+        try:
+            model.eval()
+        except NotImplementedError:  # (a torch.export module fixed its train/eval behaviour when it was exported)
+            pass
+        self.model = model
         self.name = name
         # float32 torch computes what the fake-quant model computes (see evaluation's export gap)
         self.gap_share, self.gap_floor = gap_share, gap_floor
