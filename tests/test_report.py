@@ -66,6 +66,47 @@ def test_sqnr_numbers_match_a_hand_computation(world):
     assert rep.samples == 64
 
 
+
+def test_a_module_run_twice_per_forward_is_compared_call_by_call(tmp_path):
+    """Each quantized call was compared with the float pass's last call (ALBERT's shared layers read about 7 dB
+    where the truth was 36, and failed --min-sqnr), and the isolated figure covered the last call alone."""
+    from tests.tinymodels import shared_twice
+
+    save_file(shared_twice().state_dict(), tmp_path / "m.safetensors")
+    save_file({"x": torch.randn(32, 64, generator=torch.Generator().manual_seed(0))}, tmp_path / "d.safetensors")
+    code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "-c", CONFIGS / "w4a8-block32.yaml", "--data",
+                           tmp_path / "d.safetensors", "--model-class", "tests.tinymodels:shared_twice", "-o",
+                           tmp_path / "r")
+    assert code == 0, err
+    model = qtool.load_calibrated(str(tmp_path / "m.safetensors"), str(tmp_path / "r/encodings.json"),
+                                  model_class="tests.tinymodels:shared_twice")
+    data = load_data(tmp_path / "d.safetensors", batch_size=32)
+    rep = evaluate(model, data, torch.device("cpu"))
+    x = data.batches[0].args[0]
+    calls = {True: [], False: []}
+    shared = model.shared
+    with torch.no_grad():
+        for on in (False, True):
+            set_quantization(model, on)
+            handle = shared.register_forward_hook(lambda m, a, out, on=on: calls[on].append((a[0], out)))
+            model(x)
+            handle.remove()
+        # isolated: the quantized layer alone on each float call's input
+        set_quantization(model, True, only={"shared"})
+        alone = [shared(inp) for inp, _ in calls[False]]
+        set_quantization(model, True)
+    assert len(calls[False]) == 2
+    ref = [out for _, out in calls[False]]
+    cumulative = sqnr_db(sum(float(r.pow(2).sum()) for r in ref),
+                         sum(float((r - q).pow(2).sum()) for r, (_, q) in zip(ref, calls[True])))
+    isolated = sqnr_db(sum(float(r.pow(2).sum()) for r in ref),
+                       sum(float((r - q).pow(2).sum()) for r, q in zip(ref, alone)))
+    row = {r.module: r for r in rep.layers}["shared"]
+    assert row.sqnr_cumulative == pytest.approx(cumulative, abs=1e-3)
+    assert row.sqnr_isolated == pytest.approx(isolated, abs=1e-3)
+    assert cumulative > 10
+
+
 def test_report_cli_json_gates_and_plot(world, tmp_path):
     code, out, err = run_cli("report", world / "m.safetensors", "-e", world / "run/encodings.json", "--data",
                              world / "data.safetensors", "--model-class", MLP, "--json", "--plot", tmp_path / "r.png")

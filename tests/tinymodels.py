@@ -31,6 +31,25 @@ def needs_two() -> nn.Module:
     return NeedsTwo()
 
 
+
+class SharedTwice(nn.Module):
+    """One Linear run twice per forward, on inputs of different scales (as ALBERT's shared layers run)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(64, 64)
+        self.shared = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.shared(self.inp(x)))
+        return self.head(torch.tanh(self.shared(3 * h)))
+
+
+def shared_twice() -> nn.Module:
+    return SharedTwice()
+
 class ConvNet(nn.Module):
     def __init__(self):
         super().__init__()
