@@ -583,3 +583,18 @@ def test_general_name_does_not_depend_on_how_the_path_is_spelled(llamas, tmp_pat
     snapshot = tmp_path / "hub/models--org--TinyLlama-x/snapshots/0123456789abcdef0123456789abcdef01234567"
     snapshot.mkdir(parents=True)
     assert model_name(snapshot) == "TinyLlama-x"
+
+
+def test_a_nan_in_a_weight_is_one_line_before_a_k_quant_search(tmp_path):
+    """The K-quant mixes search each weight's range: a NaN reached torch's scatter with index -2^63, an internal
+    error (exit 3) where the other grids said the checkpoint holds NaN (the writer fuzz found it)."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _tiny_llama(tmp_path / "m", False)
+    weights = load_file(ckpt / "model.safetensors")
+    weights["lm_head.weight"][3, 5] = float("nan")
+    save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
+    code, _, err = run_cli("quantize", ckpt, "-c", "gguf-q4_k_m", "-f", "gguf", "-o", tmp_path / "q")
+    assert code == 2 and not (tmp_path / "q").exists()
+    assert error_lines(err)[-1] == ("error: lm_head.weight: the checkpoint's weight holds NaN or infinity, which no "
+                                    "grid holds; nothing was written"), err

@@ -14,6 +14,7 @@ import torch
 
 from ..config import QuantizerPlan
 from ..encodings import range_fault
+from ..errors import CheckpointError
 from ..hooks import step
 from ..quant import QuantizerBase
 from ..quant.affine import UnrepresentableScale
@@ -53,6 +54,10 @@ def calibrate_weights(rows: Iterable[QuantizerPlan], quantizer_for: Callable[[Qu
             step("calibrating weights", i, len(rows), q.name)
             quantizer = quantizer_for(q)
             weight = weight_for(q)
+            # (a search over a NaN reached torch's scatter with index -2^63: an internal error, not this line)
+            if weight.is_floating_point() and not bool(torch.isfinite(weight).all()):
+                raise CheckpointError(f"{q.name}: the checkpoint's weight holds NaN or infinity, which no grid holds; "
+                                      "nothing was written")
             imp = importance_for(q) if importance_for is not None else None
             with encodings_of(q, quantizer):
                 quantizer.observe(weight, importance=imp)
