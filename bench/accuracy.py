@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import tempfile
 import time
@@ -410,27 +411,38 @@ def main(argv=None):
     ap.add_argument("--qtool-head", action="store_true",
                     help="SmolLM2 (tied): each row also with lm_head on the quantized embedding table, as a qtool "
                          "file stores it (the main figure runs it on the float table, as a GGUF file stores it)")
-    ap.add_argument("--only", default=None, help="comma-separated substrings: run only recipes whose label has one")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated substrings: run only recipes whose label has one (a comma followed by a "
+                         "space is part of a label: 'block 32, sqnr')")
     args = ap.parse_args(argv)
-    unknown = sorted(set(args.models.split(",")) - {"minilm", "smollm2", "efficientnet"})
+    models = args.models.split(",")
+    unknown = sorted(set(models) - {"minilm", "smollm2", "efficientnet"})
     if unknown:  # (a typo ran nothing and wrote a file of versions alone, exit 0)
-        ap.error(f"--models: unknown {', '.join(unknown)} (minilm, smollm2, efficientnet)")
+        ap.error(f"--models: unknown {', '.join(repr(m) for m in unknown)} (minilm, smollm2, efficientnet)")
     torch.manual_seed(0)
-    only = args.only.split(",") if args.only else None
+    only = [o for o in re.split(r",(?! )", args.only) if o] if args.only else None
+    minilm_recipes = MINILM_FLOAT if args.float else MINILM_ROT if args.rotation else None
+    smollm_recipes = (SMOLLM_ROT if args.rotation else SMOLLM_FLOAT if args.float else SMOLLM_EXTRA if args.extra
+                      else None)
+    if only:  # (one that matched nothing ran the float model alone and overwrote the results file, exit 0)
+        labels = {"minilm": minilm_recipes or MINILM_RECIPES, "smollm2": smollm_recipes or SMOLLM_RECIPES,
+                  "efficientnet": EFFNET_RECIPES}
+        if not any(o in label for m in models for label in labels[m] for o in only):
+            ap.error(f"--only {args.only!r} matches no recipe of {args.models} (their labels: "
+                     f"{'; '.join(label for m in models for label in labels[m])})")
     from qtool.provenance import versions
 
-    results = {**versions(), "threads": torch.get_num_threads()}
+    results = {**versions(), "threads": torch.get_num_threads(),
+               "selection": {"models": models, "only": only, "extra": args.extra, "float": args.float,
+                             "rotation": args.rotation, "qtool_head": args.qtool_head}}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        if "minilm" in args.models:
-            results["minilm"] = minilm(tmp, only=only, recipes=MINILM_FLOAT if args.float else
-                                       MINILM_ROT if args.rotation else None)
-        if "smollm2" in args.models:
-            recipes = (SMOLLM_ROT if args.rotation else SMOLLM_FLOAT if args.float else SMOLLM_EXTRA if args.extra
-                       else None)
-            results["smollm2"] = smollm2(tmp, recipes=recipes, only=only, untied=args.rotation,
+        if "minilm" in models:
+            results["minilm"] = minilm(tmp, only=only, recipes=minilm_recipes)
+        if "smollm2" in models:
+            results["smollm2"] = smollm2(tmp, recipes=smollm_recipes, only=only, untied=args.rotation,
                                          qtool_head=args.qtool_head)
-        if "efficientnet" in args.models:
+        if "efficientnet" in models:
             results["efficientnet"] = efficientnet(tmp, only=only)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

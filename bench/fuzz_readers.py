@@ -228,7 +228,7 @@ def build_world(d: Path) -> Dict[str, Any]:
     from qtool.imatrix import write_imatrix
 
     g = torch.Generator().manual_seed(1)
-    write_imatrix(d / "imatrix.gguf", {f"blk.{i}.attn_q.weight": (torch.rand(64, generator=g) * 100, 50)
+    write_imatrix(d / "imatrix.gguf", {f"blk.{i}.attn_q.weight": [(torch.rand(64, generator=g) * 100, 50)]
                                        for i in range(3)}, ["seed.txt"], 16, 3)
     dat = struct.pack("<i", 2) + b"".join(struct.pack("<i", 19) + f"blk.{i}.ffn_up.weight".encode()[:19]
                                           + struct.pack("<ii", 4, 8) + np.arange(8, dtype="<f4").tobytes()

@@ -66,6 +66,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "quant_speed.json"))
     args = ap.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: this torch sees no CUDA device (a CPU build, or no GPU here)")
     result = run(args.size, args.repeats, args.device)
     print(f"QDQ on a {args.size}x{args.size} float32 tensor ({result['device']}, {result['threads']} threads)")
     print(f"{'case':<42}{'best s':>10}{'ratio':>8}")

@@ -1,4 +1,6 @@
-"""Run every benchmark in bench/ (the `make bench` target).
+"""Run the quick CPU benchmarks (the `make bench` target): quant_speed, calibrate_overhead, analyzer_speed and
+export_throughput. The others in bench/ (accuracy, the GGUF and GPTQ comparisons, the GPU ones in gpu.sh) take
+minutes to hours, or a GPU, and are run by hand; docs/performance.md and docs/accuracy.md give their commands.
 
 ``bench/scale.py`` (a ~3B-parameter synthetic checkpoint: minutes and ~15 GB of disk) is not part of the default
 run; ``python bench/run.py --scale`` adds it at its defaults, or run ``python bench/scale.py --help`` by itself.
