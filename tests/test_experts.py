@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from qtool.export.qtool_st import read_integer_export
 from qtool.model.experts import LinearExperts, fused_layout, linearize_experts
-from tests.helpers import run_cli
+from tests.helpers import error_lines, run_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -805,3 +805,24 @@ def test_eval_of_experts_the_export_quantized_apart_names_the_file_not_the_runti
     assert code == 2 and "transformers cannot load its experts, which the export quantized apart (model.layers.0." \
         "block_sparse_moe.experts.0.w1 (4-bit int group) and model.layers.0.block_sparse_moe.experts.3.w1 (float)); " \
         "calibrate a projection's experts alike" in err and "limit of the runtime" not in err, err
+
+
+@pytest.mark.parametrize("family,pattern,named,hint", [
+    ("granitemoe", "*.input_linear", "model.layers.0.block_sparse_moe.input_linear",
+     "'*.experts.*.gate_proj', '*.experts.*.up_proj'"),
+    ("granitemoe", "model.layers.1.block_sparse_moe.output_linear.weight",
+     "model.layers.1.block_sparse_moe.output_linear.weight", "'model.layers.1.block_sparse_moe.experts.*.down_proj'"),
+    ("gpt_oss", "*.experts.gate_up_proj", "model.layers.0.mlp.experts.gate_up_proj",
+     "'*.experts.*.gate_proj', '*.experts.*.up_proj'")])
+def test_ignoring_the_checkpoints_fused_expert_tensors_says_how_to_name_them(tmp_path, family, pattern, named, hint):
+    """The names a user sees on disk (GraniteMoE's input_linear, gpt-oss's experts.gate_up_proj) name no module of
+    the split experts: the pattern was silently no match and every expert stayed 4-bit (the exact name was told
+    "did you mean ...router?")."""
+    checkpoint, _ = _saved(tmp_path, family)
+    (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, "
+                                     f"block_size: 32}}\n  activations: null\nignore: [lm_head, '{pattern}']\n")
+    code, _, err = run_cli("config", "show", tmp_path / "r.yaml", "--model", checkpoint)
+    assert code == 2 and error_lines(err) == [
+        f"error: {tmp_path / 'r.yaml'}: ignore[1]: {pattern!r} names {named}, fused experts qtool splits into one "
+        f"layer per expert and projection, so it keeps nothing float: {hint} name them (pass --allow-unmatched to "
+        "make this a warning)"], err

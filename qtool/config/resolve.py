@@ -504,9 +504,10 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
         plan.warnings.append(f"{source}: layers[{i}] ({_selector(recipe.layers[i])}): every module it reaches is in "
                              "ignore (which removes modules after every rule), so it changes nothing")
     kv_layers = set(attention_modules(named)) if recipe.kv_cache is not None else set()  # (ignore keeps a cache float)
+    fused = _fused_expert_names(named, stored_as) if recipe.ignore else {}
     for j, pat in enumerate(recipe.ignore):
         problem = _ignore_problem(pat, ignore_named[j], ignore_removed[j], named, exported_types,
-                                  {q.module for q in plan.quantizers}, kv_layers)
+                                  {q.module for q in plan.quantizers}, kv_layers, fused)
         if problem is None:
             continue
         msg = f"{source}: ignore[{j}]: {pat!r} {problem}"
@@ -679,8 +680,26 @@ def _tied_weights(model: "nn.Module", weights, stored_as: Dict[str, str]) -> Dic
             if f"{q.module}.weight" in later}
 
 
+def _fused_expert_names(named, stored_as: Dict[str, str]) -> Dict[str, Tuple[str, Tuple[str, ...]]]:
+    """``{name: (experts module, its per-expert projections)}`` of each fused expert tensor qtool splits into one
+    Linear per expert (gpt-oss's ``mlp.experts.gate_up_proj``), under every name a user sees it by: the checkpoint's
+    (GraniteMoE's ``block_sparse_moe.input_linear.weight``, and without ``.weight``)."""
+    names = {n for n, _ in named}
+    out: Dict[str, Tuple[str, Tuple[str, ...]]] = {}
+    for n, m in named:
+        if type(m).__name__ != "LinearExperts":
+            continue
+        gate = f"{n}.0.gate_proj" in names
+        for key, projections in (("gate_up_proj" if gate else "up_proj", ("gate_proj", "up_proj") if gate else
+                                  ("up_proj",)), ("down_proj", ("down_proj",))):
+            stored = stored_as.get(f"{n}.{key}", f"{n}.{key}")
+            for alias in (f"{n}.{key}", stored, stored[:-len(".weight")] if stored.endswith(".weight") else stored):
+                out[alias] = (n, projections)
+    return out
+
+
 def _ignore_problem(pattern: str, first: Optional[str], removed: bool, named, exported_types,
-                    quantized, kv_layers=()) -> Optional[str]:
+                    quantized, kv_layers=(), fused=None) -> Optional[str]:
     """Why an ``ignore`` pattern keeps nothing float that it looks meant to, or None. A pattern that names no module
     is the documented safety net (``lm_head`` on a model without one) unless it is a type's name or close to a
     module's; one that names only modules holding quantized layers (a decoder block, ``*.mlp``) left those layers
@@ -694,6 +713,14 @@ def _ignore_problem(pattern: str, first: Optional[str], removed: bool, named, ex
         hint = f"{pattern}.*" if not pattern.startswith("re:") else f"{first}.*"
         return (f"names {first}, a {type(dict(named)[first]).__name__} that no quantizer takes, and the layers "
                 f"inside it ({inside} ...) stay quantized: '{hint}' names them")
+    # the checkpoint's fused expert tensors (what a user sees on disk): no module of that name, so the pattern
+    # was silently no match, and every expert stayed quantized
+    hit = next((f for f in sorted(fused or {}) if name_matches(pattern, f)), None)
+    if hit is not None:
+        experts, projections = fused[hit]
+        base = "*.experts" if pattern.startswith("re:") or any(c in pattern for c in "*?[") else experts
+        return (f"names {hit}, fused experts qtool splits into one layer per expert and projection, so it keeps "
+                f"nothing float: {', '.join(repr(f'{base}.*.{p}') for p in projections)} name them")
     kinds = {(exported_types or {}).get(n, type(m).__name__) for n, m in named}
     if pattern in kinds:
         return (f"is a module type, and ignore takes module names: a layers rule {{type: {pattern}, weights: null, "
