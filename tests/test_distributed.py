@@ -557,16 +557,19 @@ def test_experts_and_per_layer_attention_on_ranks_write_the_bytes_of_one_process
 @pytest.mark.parametrize("command", [["export", "m", "-e", "enc.json", "-o", "out"],
                                      ["eval", "out", "--data", "held.txt"],
                                      ["imatrix", "m", "--data", "held.txt", "-o", "i.gguf"],
-                                     ["import-encodings", "m", "a.encodings", "-o", "out"]])
+                                     ["import-encodings", "m", "a.encodings", "-o", "out"],
+                                     ["inspect", "out"], ["config", "list"], ["config", "show", "w8a8"],
+                                     ["config", "show", "w8a8", "--model", "m"], ["config", "validate", "w8a8"]])
 def test_a_command_that_runs_in_one_process_refuses_ranks(monkeypatch, tmp_path, command):
     """torchrun ... export: one rank wrote the output, the other failed on "already exists"; eval --json printed
-    two JSON documents; imatrix did the whole work twice."""
+    two JSON documents; imatrix did the whole work twice; inspect and config printed everything once per rank."""
     monkeypatch.chdir(tmp_path)
     for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(k, v)
     code, out, err = run_cli(*command, "--json")
-    assert code == 2 and json.loads(out)["error"] == (f"qtool {command[0]} runs in one process (WORLD_SIZE=2): run "
-                                                      "it without torchrun"), (out, err)
+    name = " ".join(command[:2]) if command[0] == "config" else command[0]
+    assert code == 2 and json.loads(out)["error"] == (f"qtool {name} runs in one process (WORLD_SIZE=2): run it "
+                                                      "without torchrun"), (out, err)
     assert not (tmp_path / "out").exists()
 
 

@@ -54,6 +54,7 @@ def inspect(
     from ..inspect import inspect_path
 
     with _errors(debug, json_out):
+        _one_process("inspect")  # (every rank printed the listing: two JSON objects on one stdout)
         report = inspect_path(path)
     if json_out:
         _emit_json({"ok": True, **report})

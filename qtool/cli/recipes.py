@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from .core import Table, _console, _emit_json, _errors, _esc, config_app, err
+from .core import Table, _console, _emit_json, _errors, _esc, _one_process, config_app, err
 from .options import (_DEBUG, _JSON, _MODEL_CLASS, _TRUST_CODE, _TRUST_PICKLE, _UNMATCHED, _checkpoint,
                       _complete_recipe, _opts)
 from .output import _plan_table
@@ -20,6 +20,7 @@ def config_list(json_out: bool = _JSON) -> None:
 
     rows = []
     with _errors(False, json_out):
+        _one_process("config list")
         for name, path in shipped_recipes().items():
             recipe = load_recipe(path)
             description = recipe_description(path.read_text(encoding="utf-8"))
@@ -64,6 +65,7 @@ def _recipe_text(recipe: str, json_out: bool) -> None:
     from ..config import describe_recipe, load_recipe, recipe_description, recipe_file
 
     with _errors(False, json_out):
+        _one_process("config show")
         path = recipe_file(recipe)
         info = describe_recipe(load_recipe(path))
         description = recipe_description(path.read_text(encoding="utf-8"))
@@ -110,6 +112,7 @@ def config_show(
         _recipe_text(recipe, json_out)
         return
     with _errors(debug, json_out):
+        _one_process("config show")
         model = _checkpoint(model, None)
         opts = _opts(model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
                      allow_unmatched=allow_unmatched)
@@ -163,6 +166,7 @@ def config_validate(
 
     failed = []
     with _errors(False, json_out):  # (anything but a recipe's own problems: one line, exit 3, as elsewhere)
+        _one_process("config validate")
         for r in recipes:
             try:
                 load_recipe(r)
