@@ -41,7 +41,8 @@ def _numel(shape) -> int:
 
 def _row(name, dtype, bitwidth, granularity, shape, nbytes, quantized, block_size=None):
     return {"name": name, "dtype": dtype, "bitwidth": bitwidth, "granularity": granularity,
-            "block_size": [int(b) for b in block_size] if block_size else None, "shape": list(shape),
+            "block_size": [int(b) for b in block_size] if block_size else None,
+            "shape": list(shape) if shape is not None else None,  # (None: the file does not say; [] is a scalar)
             "bytes": nbytes, "quantized": quantized}
 
 
@@ -265,7 +266,7 @@ def _encodings_listing(path: Path, obj: Dict[str, Any]) -> Dict[str, Any]:
                 dt = str(e.get("output_dtype"))
                 bits = int("".join(c for c in dt if c.isdigit()) or 0) or None
                 gran = "per_block" if "block_size" in e else ("per_channel" if "axis" in e else "per_tensor")
-                rows.append(_row(e.get("name"), dt, bits, gran, [], None, True))
+                rows.append(_row(e.get("name"), dt, bits, gran, None, None, True))
         else:
             for key in ("param_encodings", "activation_encodings"):
                 section = obj.get(key) or ({} if version == "0.6.1" else [])
@@ -278,7 +279,7 @@ def _encodings_listing(path: Path, obj: Dict[str, Any]) -> Dict[str, Any]:
                     else:  # (LPBQ: the codes' bits are compressed_bw, bw the per-block scales')
                         bits, gran = e.get("compressed_bw", e.get("bw")), str(e.get("enc_type", "")).lower()
                         sym = e.get("is_sym") is True
-                    rows.append(_row(name, f"{'int' if sym else 'uint'}{bits}", bits, gran, [], None, True))
+                    rows.append(_row(name, f"{'int' if sym else 'uint'}{bits}", bits, gran, None, None, True))
         kind = f"AIMET encodings {version}"
     return {"kind": kind, "path": str(path), "tensors": rows, "totals": _totals(rows, None)}
 

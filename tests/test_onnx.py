@@ -133,6 +133,8 @@ def test_a_module_called_thrice_and_a_tied_weight_export_and_run(tmp_path, recip
     assert {"emb.weight_quantized", "head.weight_quantized"} <= inits and "emb.weight" not in inits
     code, out, err = run_cli("inspect", tmp_path / "q", "--json")  # (an ONNX export directory: its model.encodings)
     assert code == 0 and json.loads(out)["totals"]["tensors"] == len(aimet), err
+    # AIMET encodings give no shapes: null, not [] (a scalar's)
+    assert {r["shape"] for r in json.loads(out)["tensors"]} == {None}
     # the graph itself: every initializer with its stored bytes, the codes DequantizeLinear reads counted quantized
     # (model.onnx was "not a safetensors, GGUF, encodings ... file")
     code, out, err = run_cli("inspect", tmp_path / "q/model.onnx", "--json")

@@ -64,7 +64,8 @@ def inspect(
         t.add_column(col, overflow="fold", justify="right" if col in ("bits", "bytes") else "left")
     for r in report["tensors"]:
         granularity = (r["granularity"] or "") + (f" {r['block_size']}" if r.get("block_size") else "")
-        t.add_row(_esc(r["name"]), _esc(r["dtype"]), str(r["bitwidth"] or ""), _esc(granularity), str(r["shape"]),
+        t.add_row(_esc(r["name"]), _esc(r["dtype"]), str(r["bitwidth"] or ""), _esc(granularity),
+                  str(r["shape"]) if r["shape"] is not None else "",
                   f"{r['bytes']:,}" if r["bytes"] is not None else "")
     con = _console()
     con.print(t)
