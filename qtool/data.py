@@ -130,6 +130,9 @@ def _tensor_samples(files: Sequence[Path]) -> Tuple[List[Dict[str, torch.Tensor]
         for k, t in tensors.items():
             if t.dim() == 0:
                 raise DataError(f"{f}: tensor {k!r} is a scalar; calibration tensors need a batch dimension")
+            if 0 in t.shape[1:]:  # (the model's own words were torch's "cannot reshape tensor of 0 elements")
+                raise DataError(f"{f}: tensor {k!r} has samples of shape {list(t.shape[1:])}, which hold no values "
+                                "(token ids of 0 tokens per sample?)")
             if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool) + _WIDENED:
                 raise DataError(f"{f}: tensor {k!r} has unsupported dtype {t.dtype}")

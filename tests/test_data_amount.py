@@ -237,3 +237,18 @@ def test_the_manifest_hashes_the_data_as_the_run_read_it(llama, tmp_path):
                   hooks=Hooks(on_batch=rewrite))
     recorded = json.loads((tmp_path / "r" / "manifest.json").read_text())["inputs"]["data"]["sha256"]
     assert recorded == {str(data): read}
+
+
+def test_samples_of_no_values_are_refused_naming_the_file(tmp_path):
+    """Token ids of shape [2, 0] reached the model, whose error was torch's "cannot reshape tensor of 0 elements
+    into shape [2, 0, -1, 16]"."""
+    import numpy as np
+
+    from qtool.data import load_data
+    from qtool.errors import DataError
+
+    np.save(tmp_path / "empty.npy", np.zeros((2, 0), dtype=np.int64))
+    with pytest.raises(DataError) as e:
+        load_data(tmp_path / "empty.npy", batch_size=2)
+    assert str(e.value) == (f"{tmp_path / 'empty.npy'}: tensor 'input' has samples of shape [0], which hold no "
+                            "values (token ids of 0 tokens per sample?)")
