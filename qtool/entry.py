@@ -30,6 +30,8 @@ def _before_the_cli(signum, frame):
 
 def main() -> None:
     for signum in _EXIT:
+        if signum == signal.SIGHUP and signal.getsignal(signum) is signal.SIG_IGN:
+            continue  # (nohup: a run the user kept from the terminal's hangup stays kept)
         signal.signal(signum, _before_the_cli)
     from .cli import main as cli_main  # (installs the CLI's own handlers)
 

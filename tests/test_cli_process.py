@@ -246,6 +246,25 @@ def test_signal_mid_calibration_leaves_nothing(world, tmp_path, sig, code):
     assert list(tmp_path.iterdir()) == []  # no output, no temp litter
 
 
+def test_a_run_under_nohup_outlives_a_hangup(world, tmp_path):
+    """SIGHUP ignored as the process starts (nohup, trap '' HUP) stays ignored: qtool's own handler took it over and
+    ended the protected run with 129, its output thrown away."""
+    d, ckpt, data = world
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qtool", "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a8.yaml"), "--data", str(data),
+         "--batch-size", "4", "--model-class", "tests.tinymodels_slow:slow", "-o", str(tmp_path / "r")],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.name.startswith(".r.tmp-") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGHUP)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert (tmp_path / "r" / "encodings.json").is_file()
+
+
 def test_a_sigkilled_run_leaves_a_temporary_the_next_run_removes(world, tmp_path):
     """SIGKILL cannot be caught: the temporary directory stays, named with the writer's host and pid; the next run
     writing the same --out sees that pid is gone, removes it, and leaves a live run's temporaries alone."""
@@ -606,6 +625,22 @@ def test_a_signal_at_the_edges_of_a_run_is_one_line_one_object_and_nothing_left(
     assert "Traceback" not in r.stderr
     assert json.loads(r.stdout) == {"ok": False, "exit_code": want, "error": f"{name}; nothing was written"}
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_third_signal_ends_the_process_at_once(world, tmp_path):
+    """The first signal ends the run and the second is ignored while its cleanup runs; pressing Ctrl-C a third time
+    (a cleanup that hangs, an interrupt a library swallowed) ends the process now, with the first one's code."""
+    d, ckpt, data = world
+    probe = ("import os, signal, sys, time\nimport qtool.entry\nfrom qtool.io import fs\nreal = fs._publish\n"
+             "def publish(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM)\n    real(*a, **k)\n"
+             "def hangs(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    os.kill(os.getpid(), signal.SIGINT)\n"
+             "    time.sleep(60)\n"
+             "fs._publish, fs.shutil.rmtree = publish, hangs\n"
+             "sys.argv = ['qtool'] + sys.argv[1:]\nqtool.entry.main()\n")
+    r = _calibrate_under(probe, ckpt, tmp_path / "r", "--quiet")
+    assert r.returncode == 143, r.stderr
+    assert r.stderr.splitlines()[-1] == "interrupted again: SIGINT; stopping now (the next run removes what this one " \
+        "left)", r.stderr
 
 
 def test_a_stderr_that_takes_nothing_changes_no_outcome(world, tmp_path):

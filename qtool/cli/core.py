@@ -111,6 +111,7 @@ class _Group(typer.core.TyperGroup):
         _SAID.clear()
         _EMITTED.clear()
         _OVER.clear()
+        _EXTRA.clear()
         if sys.stdout is None and (not argv or {"--help", "--version", "--show-completion"} & set(argv)):
             raise _StdoutLost("stdout is closed")  # (click prints typer's help into a closed stdout silently)
         try:
@@ -183,7 +184,10 @@ class _Stderr:
 
     @staticmethod
     def _stream():
-        return sys.stderr
+        # (under a live progress bar rich puts a proxy in sys.stderr, which writes into this console again: the
+        # stream beneath it)
+        stream = sys.stderr
+        return getattr(stream, "rich_proxied_file", stream)
 
     def write(self, text: str) -> int:
         try:
@@ -204,6 +208,8 @@ class _Stderr:
             return False
 
     def __getattr__(self, name):  # (encoding, fileno, ...: rich asks)
+        if name == "rich_proxied_file":  # (rich's console would write to what it names, past this wrapper)
+            raise AttributeError(name)
         return getattr(self._stream(), name)
 
 
@@ -294,6 +300,7 @@ _EMITTED: List[bool] = []  # a JSON object went to stdout (a command prints one 
 _SAID: List[int] = []  # the exit codes a command's _errors has reported (said and, with --json, printed)
 _OVER: List[bool] = []  # the command has returned or raised: its exit is being said, and a signal is ignored
 _PROCESS: List[bool] = []  # the command runs as the process's own (main), which takes the signals
+_EXTRA: List[str] = []  # signals after the first, while its cleanup and report run
 
 
 @contextmanager
@@ -606,22 +613,39 @@ def _json_safe(value: Any) -> Any:
 
 
 def _terminate(signum, frame):
-    # (once the command is over, raised now it would replace the command's exit with a traceback; after an earlier
-    # signal, it would stop that one's cleanup and its report: a temporary output left behind, no JSON object)
-    if _OVER or _SIGNALLED:
-        return
     import signal
 
     name = "SIGHUP" if signum == signal.SIGHUP else "SIGTERM"
+    # (once the command is over, raised now it would replace the command's exit with a traceback; after an earlier
+    # signal, it would stop that one's cleanup and its report: a temporary output left behind, no JSON object)
+    if _OVER or _again(name):
+        return
     _SIGNALLED.append(name)
     raise _Terminated(name)
 
 
 def _interrupt(signum, frame):
-    if _OVER or _SIGNALLED:  # (a second Ctrl-C while the first one's cleanup runs: the first one ends the run)
+    if _OVER or _again("SIGINT"):  # (a second Ctrl-C while the first one's cleanup runs: the first one ends it)
         return
     _SIGNALLED.append("SIGINT")
     raise KeyboardInterrupt()
+
+
+def _again(name: str) -> bool:
+    """Whether a signal came after the first one (whose cleanup and report are running): the second is ignored;
+    a third ends the process at once, as a user pressing Ctrl-C again means (a cleanup that hangs, or an interrupt
+    a library swallowed), with the first one's exit code; the next run removes the temporaries it leaves."""
+    if not _SIGNALLED:
+        return False
+    _EXTRA.append(name)
+    if len(_EXTRA) >= 2:
+        try:
+            os.write(2, f"interrupted again: {name}; stopping now (the next run removes what this one left)\n"
+                     .encode())
+        except OSError:
+            pass
+        os._exit(_SIGNAL_EXIT[_SIGNALLED[0]])
+    return True
 
 
 def _ignored(signum, frame) -> None:
@@ -651,7 +675,8 @@ def _take_signals() -> None:
         return
 
     signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGHUP, _terminate)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # (nohup's: the run outlives the terminal)
+        signal.signal(signal.SIGHUP, _terminate)
     signal.signal(signal.SIGINT, _interrupt)
 
 
