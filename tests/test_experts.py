@@ -826,3 +826,14 @@ def test_ignoring_the_checkpoints_fused_expert_tensors_says_how_to_name_them(tmp
         f"error: {tmp_path / 'r.yaml'}: ignore[1]: {pattern!r} names {named}, fused experts qtool splits into one "
         f"layer per expert and projection, so it keeps nothing float: {hint} name them (pass --allow-unmatched to "
         "make this a warning)"], err
+
+
+def test_a_dense_recipes_ignore_patterns_stay_allowed_on_mixtrals_w1_w2_w3_experts(tmp_path):
+    """Mixtral's experts are w1/w3/w2: '*.up_proj' and '*.down_proj' (a Llama recipe's) name nothing there, as
+    always; a first version of the fused-name check took them for the experts' fused tensors and refused them."""
+    checkpoint, _ = _saved(tmp_path, "mixtral")
+    (tmp_path / "r.yaml").write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, "
+                                     "block_size: 32}\n  activations: null\nignore: [lm_head, '*.up_proj', "
+                                     "'*.down_proj']\n")
+    code, _, err = run_cli("config", "show", tmp_path / "r.yaml", "--model", checkpoint)
+    assert code == 0, err

@@ -335,6 +335,7 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     # user quantizes)
     towers = head is not None
     experts = _expert_count(model)
+    plan.expert_counts = _expert_counts(named)
     towered: List[str] = []  # media-tower modules left float by default
     effective: set = set()  # (rule, "weights" / "activations") that survive on some module
     shadowed_by: Dict[Tuple[int, str], int] = {}  # (rule, field) -> a later rule that set again what it set
@@ -472,7 +473,8 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                         rule_a, tuple(a_spec.analyzer.kwargs().items()), a_spec.scale_dtype,
                         dynamic=a_spec.dynamic, element=a_spec.element))
     if _aims_at_gguf(recipe):
-        plan.warnings += _grids_outside_gguf(plan.quantizers, source) + _experts_apart(plan.quantizers, source)
+        plan.warnings += (_grids_outside_gguf(plan.quantizers, source)
+                          + _experts_apart(plan.quantizers, source, plan.expert_counts))
     for (was, now), n in sorted(fallbacks.items()):
         plan.warnings.append(f"{n} weight(s) of {was}: rows not a whole number of 256-element super-blocks, so "
                              f"{now} as llama-quantize falls back")
@@ -637,12 +639,24 @@ def _grids_outside_gguf(quantizers: List[QuantizerPlan], source: str) -> List[st
             "a gguf_type in the rule (gguf_type: q8_0) keeps them GGUF blocks" for i, qs in sorted(off.items())]
 
 
-def _experts_apart(quantizers: List[QuantizerPlan], source: str) -> List[str]:
+def _expert_counts(named) -> Dict[str, int]:
+    """``{experts module: its number of experts}`` (children named 0, 1, ...) of a mixture-of-experts model."""
+    out: Dict[str, int] = {}
+    for n, m in named:
+        if n.endswith(".experts"):
+            children = [c for c, _ in m.named_children()]
+            if children and all(c.isdigit() for c in children):
+                out[n] = len(children)
+    return out
+
+
+def _experts_apart(quantizers: List[QuantizerPlan], source: str, counts: Dict[str, int]) -> List[str]:
     """A GGUF recipe's warning where one mixture-of-experts projection's experts get more than one grid, or some
-    none (llama.cpp stacks them into one tensor of one type: ``export --format gguf`` refuses them)."""
+    none (llama.cpp stacks them into one tensor of one type: ``export --format gguf`` refuses them); ``counts``:
+    the model's experts per layer (:func:`_expert_counts`: the last experts, ignored, have no row to count by)."""
     from .fused import expert_stacks
 
-    for where, members, left in expert_stacks(quantizers):
+    for where, members, left in expert_stacks(quantizers, counts):
         types = {q.spec.gguf_block_type or _grid_words(q.spec) for q in members.values()}
         if len(types) > 1 or left:
             what = (f"{' and '.join(sorted(types))}" if len(types) > 1 else
@@ -682,19 +696,26 @@ def _tied_weights(model: "nn.Module", weights, stored_as: Dict[str, str]) -> Dic
 
 def _fused_expert_names(named, stored_as: Dict[str, str]) -> Dict[str, Tuple[str, Tuple[str, ...]]]:
     """``{name: (experts module, its per-expert projections)}`` of each fused expert tensor qtool splits into one
-    Linear per expert (gpt-oss's ``mlp.experts.gate_up_proj``), under every name a user sees it by: the checkpoint's
-    (GraniteMoE's ``block_sparse_moe.input_linear.weight``, and without ``.weight``)."""
-    names = {n for n, _ in named}
+    Linear per expert, by the names a user sees it by: the checkpoint's (GraniteMoE's
+    ``block_sparse_moe.input_linear.weight``, and without ``.weight``), and transformers' own (``experts.gate_up_proj``:
+    gpt-oss's file too) where the experts' projections keep its gate_proj/up_proj/down_proj names (Mixtral's are
+    w1/w3/w2: a Llama recipe's ``*.down_proj`` there names nothing, as it always did)."""
     out: Dict[str, Tuple[str, Tuple[str, ...]]] = {}
     for n, m in named:
-        if type(m).__name__ != "LinearExperts":
+        if type(m).__name__ != "LinearExperts" or not m.num_experts:
             continue
-        gate = f"{n}.0.gate_proj" in names
-        for key, projections in (("gate_up_proj" if gate else "up_proj", ("gate_proj", "up_proj") if gate else
-                                  ("up_proj",)), ("down_proj", ("down_proj",))):
-            stored = stored_as.get(f"{n}.{key}", f"{n}.{key}")
-            for alias in (f"{n}.{key}", stored, stored[:-len(".weight")] if stored.endswith(".weight") else stored):
-                out[alias] = (n, projections)
+        roles = m.expert(0).roles  # (role -> the projection's name)
+        gate = m.layout["has_gate"]
+        for key, projections in (("gate_up_proj" if gate else "up_proj", ("gate", "up") if gate else ("up",)),
+                                 ("down_proj", ("down",))):
+            leaves = tuple(roles[r] for r in projections)
+            aliases = set()
+            stored = stored_as.get(f"{n}.{key}")
+            if stored is not None:
+                aliases |= {stored, stored[:-len(".weight")] if stored.endswith(".weight") else stored}
+            if all(roles[r] == f"{r}_proj" for r in projections):
+                aliases.add(f"{n}.{key}")
+            out.update((a, (n, leaves)) for a in aliases)
     return out
 
 
