@@ -434,6 +434,11 @@ def model_rejected(err: BaseException) -> bool:
 _PACKAGE = Path(__file__).resolve().parent
 
 
+def batch_where(source: str, what: str, index: int) -> str:
+    """How an error names a batch: ``calib.txt: calibration batch 3`` (the data's path, where known)."""
+    return f"{source}: {what} batch {index}" if source else f"{what} batch {index}"
+
+
 @contextlib.contextmanager
 def model_takes(model, batch: "Batch", where: str) -> Iterator[None]:
     """Around a run of ``model`` on ``batch``: data it rejects (:func:`model_rejected`) is one ``DataError``,
@@ -473,7 +478,7 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
             return (f"token ids must be integers, and the data holds {held} numbers: save them as integers (NumPy: "
                     "x.astype('int64'))")
         return (f"token ids must be int64 or int32, and the data holds {held}: save them as int64 (NumPy: "
-                "x.astype('int64')), or name the tensor input_ids (which qtool reads as int64)")
+                "x.astype('int64'))")
     tensors = [t for t in list(batch.args) + list(batch.kwargs.values()) if isinstance(t, torch.Tensor)]
     floats = {t.dtype for t in tensors if t.is_floating_point()}
     own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)

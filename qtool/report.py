@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .config import exact_pattern, granularity_word
-from .data import Batch, model_takes
+from .data import Batch, batch_where, model_takes
 from .errors import GateFailed, UsageError
 from .io.fs import atomic_file
 from .model.experts import routing_of
@@ -305,7 +305,7 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device, c
     start, stop = shard_bounds(len(batches), group.rank, group.world_size)
     records = []
     for bi in range(start, stop):
-        with model_takes(model, batches[bi], f"{source}: evaluation batch {bi + 1}" if source else f"evaluation batch {bi + 1}"):
+        with model_takes(model, batches[bi], batch_where(source, "evaluation", bi + 1)):
             records.append(_measure_batch(model, modules, chosen, batches[bi], device, causal_lm))
         if progress:
             progress(bi - start + 1, stop - start, batches[bi].size)
@@ -321,10 +321,27 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
     b = batch.to(device)
     terms: Dict[str, Dict[str, List[float]]] = {k: {n: [] for n in modules} for k in ("sig_c", "noise_c", "sig_i",
                                                                                      "noise_i", "noise_rtn")}
-    # every call's (args, kwargs, output): a module run more than once per forward (ALBERT's shared layers, a
-    # block applied twice) is compared call by call (each call's against the last float call's gave -1.9 dB where
-    # the truth was 21 dB)
-    captured: Dict[str, List[Any]] = {}
+    # every call's (args, kwargs, output, routed token rows): a module run more than once per forward (ALBERT's
+    # shared layers, a block applied twice) is compared call by call (each call's against the last float call's
+    # gave -1.9 dB where the truth was 21 dB). A call is counted by its module, an expert's by its experts module
+    # (an expert given no token may not run: its own count would pair other calls)
+    everything = dict(model.named_modules())
+    routing = {name: r for name in modules if (r := routing_of(everything, name)) is not None}
+    owners = {id(owner): owner for owner, _ in routing.values()}
+    counted: Dict[Any, int] = {}
+
+    def call_of(name) -> int:
+        key = id(routing[name][0]) if name in routing else name
+        if name not in routing:
+            counted[key] = counted.get(key, -1) + 1
+        return counted.get(key, 0)
+
+    def count_owner(key):
+        def hook(mod, args):
+            counted[key] = counted.get(key, -1) + 1
+        return hook
+
+    captured: Dict[str, Dict[int, Any]] = {}
     inputs: Dict[str, Any] = {}
 
     # a module's input as its call receives it, before any pre-hook (an online rotation, qtool.model.online):
@@ -334,14 +351,23 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
             inputs[name] = (args, kwargs)
         return hook
 
+    def route(name):
+        owner, e = routing[name]
+        return owner.routed_tokens.get(e)
+
     def keep(name):
         def hook(mod, args, out):
-            captured.setdefault(name, []).append((*inputs[name], _first_tensor(out)))
+            captured.setdefault(name, {})[call_of(name)] = (*inputs[name], _first_tensor(out),
+                                                            route(name) if name in routing else None)
         return hook
+
+    def watched(hook_for):
+        handles = [owner.register_forward_pre_hook(count_owner(key)) for key, owner in owners.items()]
+        return handles + [mod.register_forward_hook(hook_for(name)) for name, mod in modules.items()]
 
     handles = [mod.register_forward_pre_hook(keep_input(name), with_kwargs=True, prepend=True)
                for name, mod in modules.items()]
-    handles += [mod.register_forward_hook(keep(name)) for name, mod in modules.items()]
+    handles += watched(keep)
     set_quantization(model, False)
     try:
         ref_out = _main_output(model(*b.args, **b.kwargs))
@@ -349,12 +375,9 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
         for h in handles:
             h.remove()
     float_io = captured
-    everything = dict(model.named_modules())
-    routing = {name: r for name in modules if (r := routing_of(everything, name)) is not None}
-    float_routes = {name: owner.routed_tokens.get(e) for name, (owner, e) in routing.items()}
     # isolated: each quantized module alone, on the float model's input to it
     for name, mod in modules.items():
-        for args, kwargs, ref in float_io.get(name, ()):
+        for args, kwargs, ref, _ in float_io.get(name, {}).values():
             if ref is None or not ref.numel():  # (an expert called on no token)
                 continue
             # an attention layer's KV cache already holds this batch's keys from the float pass: called again with
@@ -370,17 +393,14 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
                 terms["noise_rtn"][name].append(_energy(ref, out))
     # cumulative: the whole model quantized
     set_quantization(model, True)
-    calls: Dict[str, int] = {}
+    counted.clear()
 
     def compare(name):
         def hook(mod, args, out):
-            k = calls[name] = calls.get(name, -1) + 1  # (the k-th call against the float pass's k-th)
-            seen = float_io.get(name, ())
-            ref = seen[k][2] if k < len(seen) else None
+            _, _, ref, float_route = float_io.get(name, {}).get(call_of(name), (None, None, None, None))
             out = _first_tensor(out)
             if name in routing and ref is not None and out is not None:  # an expert: on the tokens both routed it
-                owner, e = routing[name]
-                rows = _common_rows(float_routes[name], owner.routed_tokens.get(e))
+                rows = _common_rows(float_route, route(name))
                 if rows is None:
                     return
                 ref, out = ref[rows[0]], out[rows[1]]
@@ -389,7 +409,7 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
                 terms["noise_c"][name].append(_energy(ref, out))
         return hook
 
-    handles = [mod.register_forward_hook(compare(name)) for name, mod in modules.items()]
+    handles = watched(compare)
     try:
         q_out = _main_output(model(*b.args, **b.kwargs))
     finally:

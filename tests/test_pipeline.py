@@ -784,7 +784,6 @@ def test_torch_export_archive_calibrates_activations_like_eager(tmp_path, mlp_da
         assert torch.equal(eager(x), graph(x))
 
 
-
 def test_torch_export_archive_refuses_what_needs_layer_inputs_and_its_export_evaluates(tmp_path, mlp_data):
     """A .pt2 module's layers are no modules qtool can watch: GPTQ said "0 never ran on the calibration data" after
     the data had run; `qtool eval` of its export was an internal error (exit 3: "Calling eval() is not supported");
@@ -1021,8 +1020,7 @@ def test_narrow_integer_token_ids_calibrate_as_int64_ones_do(tmp_path):
     assert code == 2 and not (tmp_path / "r").exists()
     assert error_lines(err)[-1] == (f"error: {tmp_path / 'lone16.npy'}: calibration batch 1: the model rejected the "
                                     "data: token ids must be int64 or int32, and the data holds int16: save them as "
-                                    "int64 (NumPy: x.astype('int64')), or name the tensor input_ids (which qtool reads "
-                                    "as int64)"), err
+                                    "int64 (NumPy: x.astype('int64'))"), err
 
 
 def test_samples_past_the_models_positions_are_said(tmp_path):

@@ -66,7 +66,6 @@ def test_sqnr_numbers_match_a_hand_computation(world):
     assert rep.samples == 64
 
 
-
 def test_a_module_run_twice_per_forward_is_compared_call_by_call(tmp_path):
     """Each quantized call was compared with the float pass's last call (ALBERT's shared layers read about 7 dB
     where the truth was 36, and failed --min-sqnr), and the isolated figure covered the last call alone."""

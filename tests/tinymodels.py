@@ -31,7 +31,6 @@ def needs_two() -> nn.Module:
     return NeedsTwo()
 
 
-
 class SharedTwice(nn.Module):
     """One Linear run twice per forward, on inputs of different scales (as ALBERT's shared layers run)."""
 

@@ -56,8 +56,10 @@ def calibrate_weights(rows: Iterable[QuantizerPlan], quantizer_for: Callable[[Qu
             weight = weight_for(q)
             # (a search over a NaN reached torch's scatter with index -2^63: an internal error, not this line)
             if weight.is_floating_point() and not bool(torch.isfinite(weight).all()):
-                raise CheckpointError(f"{q.name}: the checkpoint's weight holds NaN or infinity, which no grid holds; "
-                                      "nothing was written")
+                fault = CheckpointError(f"{q.name}: the checkpoint's weight holds NaN or infinity, which no grid "
+                                        "holds; nothing was written")
+                fault.outcome = "nothing was written"  # (a --sequential run's line names what OUT.resume keeps)
+                raise fault
             imp = importance_for(q) if importance_for is not None else None
             with encodings_of(q, quantizer):
                 quantizer.observe(weight, importance=imp)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..config import Plan
-from ..data import Batch, CalibrationData, model_takes
+from ..data import Batch, CalibrationData, batch_where, model_takes
 from ..errors import DataError, UsageError
 from ..model.insert import set_quantization
 from ..parallel import Group
@@ -75,7 +75,7 @@ def calibrate(
     def run(feed: Optional[Callable[[Batch], None]] = None):
         for i, batch in enumerate(local):
             b = batch.to(device) if feed is None else batch
-            where = f"{local.source}: calibration batch {local.first + i + 1}"
+            where = batch_where(local.source, "calibration", local.first + i + 1)
             with model_matmuls(precision), model_takes(model, b, where):
                 if feed is None:
                     model(*b.args, **b.kwargs)

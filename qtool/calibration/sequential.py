@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..config import Plan
-from ..data import CalibrationData, model_takes
+from ..data import CalibrationData, batch_where, model_takes
 from ..encodings import EncodingEntry
 from ..errors import CheckpointError, UsageError
 from ..io.checkpoint import CheckpointTensors
@@ -296,7 +296,8 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             for batch in data:
                 b = batch.to(device)
                 # (the recorder stops the pass once the first block's inputs are captured)
-                with model_takes(model, b, f"{data.source}: calibration batch {data.first + len(captured) + 1}"):
+                where = batch_where(data.source, "calibration", data.first + len(captured) + 1)
+                with model_takes(model, b, where):
                     try:
                         model(*b.args, **{**b.kwargs, "use_cache": False})
                     except _Stop:

@@ -854,12 +854,12 @@ def _relative_error(errors: torch.Tensor, norms: torch.Tensor) -> Dict[str, floa
 def _float_outputs(model, batches, source: str) -> List[torch.Tensor]:
     """The float model's main output of each batch; data the model cannot take (a BERT's 128 positions under a
     window of 256) is one line naming the batch, before any artifact runs."""
-    from ..data import model_takes
+    from ..data import batch_where, model_takes
 
     runtime = TorchRuntime(model, "torch")
     out = []
     for i, b in enumerate(batches):
-        with model_takes(model, b, f"{source}: evaluation batch {i + 1}"):  # (1-based, as calibration's)
+        with model_takes(model, b, batch_where(source, "evaluation", i + 1)):  # (1-based, as calibration's)
             out.append(runtime.outputs(b))
     return out
 

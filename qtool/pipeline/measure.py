@@ -16,7 +16,7 @@ from torch import nn
 from ..calibration import CalibrateOptions
 from ..choices import check_arguments
 from ..config import RecipeFile, read_recipe
-from ..data import load_data, longest_sample, model_takes, past_positions
+from ..data import batch_where, load_data, longest_sample, model_takes, past_positions
 from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
 from ..errors import DataError, EncodingsError, UsageError
 from ..hooks import Hooks, step_progress
@@ -133,7 +133,7 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     def run():
         for i, batch in enumerate(batches):
             b = batch.to(device)
-            with model_takes(loaded.model, b, f"{data.source}: importance batch {i + 1}"):
+            with model_takes(loaded.model, b, batch_where(data.source, "importance", i + 1)):
                 loaded.model(*b.args, **b.kwargs)
             if hooks.on_batch:
                 hooks.on_batch(i + 1, len(batches), b.size)
