@@ -837,3 +837,21 @@ def test_a_dense_recipes_ignore_patterns_stay_allowed_on_mixtrals_w1_w2_w3_exper
                                      "'*.down_proj']\n")
     code, _, err = run_cli("config", "show", tmp_path / "r.yaml", "--model", checkpoint)
     assert code == 0, err
+
+
+def test_a_gguf_recipe_leaving_the_last_expert_float_is_refused_before_calibration(tmp_path):
+    """llama.cpp stacks a projection's experts into one tensor of one type. The plan-time check counted a layer's
+    experts by the highest index with a row, so ignoring the last expert passed it, and the export refused the
+    stack only after the whole calibration (hours on a real model)."""
+    from tests.test_gguf_families import _tiny
+
+    checkpoint = _tiny(tmp_path / "m", "mixtral")
+    (tmp_path / "r.yaml").write_text("version: 1\ndefaults: {weights: {gguf_type: q4_0}, activations: null}\n"
+                                     "layers: [{type: Embedding, weights: {gguf_type: q8_0}}]\n"
+                                     "ignore: [lm_head, 're:.*\\.experts\\.7\\..*']\n")
+    code, _, err = run_cli("quantize", checkpoint, "-c", tmp_path / "r.yaml", "-f", "gguf", "-o", tmp_path / "q")
+    assert code == 2 and "calibrating" not in err and not (tmp_path / "q").exists(), err
+    assert error_lines(err)[-1] == (
+        "error: model.layers.0.mlp.experts.*.w1: GGUF stores a projection's experts as one tensor of one type, "
+        "and the recipe quantizes some and leaves expert(s) 7 float (ignored, or a rule without weights): one rule "
+        "for every expert of a projection"), err

@@ -7,7 +7,7 @@ together."""
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["FUSED", "fused_groups", "expert_stacks"]
 
@@ -41,11 +41,13 @@ def fused_groups(modules: Sequence[str]) -> List[Tuple[str, ...]]:
     return groups
 
 
-def expert_stacks(quantizers) -> List[Tuple[str, Dict[int, Any], List[int]]]:
+def expert_stacks(quantizers, counts: Optional[Dict[str, int]] = None
+                  ) -> List[Tuple[str, Dict[int, Any], List[int]]]:
     """The weight quantizers (plan rows or encodings entries) of each mixture-of-experts projection, as llama.cpp
     stacks them into one tensor of one type: ``(pattern, {expert index: quantizer}, indices with none)``, the pattern
-    naming the projection across its experts (``model.layers.0.mlp.experts.*.down_proj``). An expert count is the
-    highest index any of its layer's expert weights has, plus one."""
+    naming the projection across its experts (``model.layers.0.mlp.experts.*.down_proj``). An expert count is
+    ``counts``' (the model's, by experts module), else the highest index any of its layer's expert weights has, plus
+    one (which cannot see the last experts left out)."""
     stacks: Dict[Tuple[str, str], Dict[int, Any]] = {}
     count: Dict[str, int] = {}
     for q in quantizers:
@@ -55,6 +57,6 @@ def expert_stacks(quantizers) -> List[Tuple[str, Dict[int, Any], List[int]]]:
             continue
         index = int(m["index"])
         stacks.setdefault((m["experts"], leaf), {})[index] = q
-        count[m["experts"]] = max(count.get(m["experts"], 0), index + 1)
+        count[m["experts"]] = max(count.get(m["experts"], 0), index + 1, (counts or {}).get(m["experts"], 0))
     return [(f"{experts}.*.{leaf}", members, [i for i in range(count[experts]) if i not in members])
             for (experts, leaf), members in stacks.items()]

@@ -218,6 +218,8 @@ class Plan:
     # mixture-of-experts expert module -> calibration tokens routed to it (where its layers' inputs were measured),
     # in plan (module) order: every mode fills it block by block, a resumed run from its saved blocks first
     expert_tokens: Dict[str, int] = field(default_factory=dict)
+    # experts module -> its number of experts (a mixture-of-experts model's; the last ones, ignored, have no row)
+    expert_counts: Dict[str, int] = field(default_factory=dict)
     # per decoder block whose rounding was learned (signround), in block order: what it chose and the losses
     learned: List[Dict[str, Any]] = field(default_factory=list)
     memory: Any = None  # calibration.memory.MemoryEstimate of the run about to calibrate it (shown with the plan)

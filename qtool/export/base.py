@@ -90,6 +90,10 @@ class Exporter:
         table's numbers (what a size budget counts; default: no)."""
         return False
 
+    def check_expert_counts(self, quantizers, options: "Exporter.Options", counts: Dict[str, int]) -> None:
+        """Refuse, before calibration, a plan whose mixture-of-experts layers the format cannot write given how many
+        experts each has (``Plan.expert_counts``; default: any)."""
+
     def check_tied(self, tied: Dict[str, str]) -> None:
         """Refuse weight quantizers on a tied parameter's later name (``Plan.tied``) where the format cannot write
         them (default: it can)."""

@@ -155,6 +155,9 @@ class GgufExporter(Exporter):
 
     left_float_words = "stored as floats"
 
+    def check_expert_counts(self, quantizers, options: "GgufExporter.Options", counts: Dict[str, int]) -> None:
+        _check_expert_types(quantizers, options, counts)
+
     def left_float(self, quantizers, options: "GgufExporter.Options", tied=()) -> List[str]:
         """With ``--gguf-fallback``: the weights no GGUF type holds, whose fake-quant values the file stores as
         F16/F32 (the file holds them unquantized; the plan's coverage counts them so)."""
@@ -300,11 +303,12 @@ def _plan(model: GgufModel, src, entries: List[EncodingEntry], options) -> Tuple
     return items, names
 
 
-def _check_expert_types(quantizers, options: "GgufExporter.Options") -> None:
+def _check_expert_types(quantizers, options: "GgufExporter.Options", counts: Optional[Dict[str, int]] = None) -> None:
     """Refuse, before calibration, what :func:`_stack` refuses after it: one projection's experts under more than
-    one type, or some of them quantized and others left float (llama.cpp stacks them into one tensor of one type)."""
+    one type, or some of them quantized and others left float (llama.cpp stacks them into one tensor of one type).
+    ``counts``: each layer's number of experts, where known (the last experts, ignored, have no row to count)."""
     float_kind = _kind(None, (2, 2), options)  # (a 2-D weight left float: --gguf-float's type)
-    for where, members, left in expert_stacks(q for q in quantizers if not _media(q.name)):
+    for where, members, left in expert_stacks((q for q in quantizers if not _media(q.name)), counts):
         kinds = sorted({_kind(q, (2, 2), options) for q in members.values()})
         if len(kinds) > 1:
             raise EncodingsError(f"{where}: {GGUF_STACK_NOTE}, and the recipe gives them {' and '.join(kinds)} (one "

@@ -115,6 +115,7 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
         exporter.check_weight_changes(weight_changes(plan))
         exporter.check_tied(stored_once(checkpoint, plan.tied, opts.trust_pickle))
         exporter.check_kv_cache(plan.kv_float)
+        exporter.check_expert_counts(plan.quantizers, options, plan.expert_counts)
         exporter.check_example_inputs(Path(checkpoint), eopts.data)
         floats = exporter.left_float(plan.quantizers, options, plan.tied)  # (a shared Linear weight, however stored)
         plan.left_float.update((name, f"{exporter.left_float_words} by --format {exporter.name}") for name in floats)
