@@ -430,6 +430,10 @@ def main(argv=None):
         if not any(o in label for m in models for label in labels[m] for o in only):
             ap.error(f"--only {args.only!r} matches no recipe of {args.models} (their labels: "
                      f"{'; '.join(label for m in models for label in labels[m])})")
+        for m in [m for m in models if not any(o in label for label in labels[m] for o in only)]:
+            print(f"note: --only {args.only!r} matches no {m} recipe, so {m} is left out (its float row alone "
+                  "measures nothing)", file=sys.stderr)
+            models.remove(m)
     from qtool.provenance import versions
 
     results = {**versions(), "threads": torch.get_num_threads(),
