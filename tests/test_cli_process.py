@@ -660,6 +660,10 @@ def test_a_stderr_that_takes_nothing_changes_no_outcome(world, tmp_path):
     assert (tmp_path / "q" / "model.safetensors").is_file()
     r = run("inspect", tmp_path / "nothing", "--json")
     assert r.returncode == 2 and json.loads(r.stdout)["exit_code"] == 2
+    # --debug's traceback too (it went to stderr past the wrapper: exit 1, no JSON object)
+    r = run("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "--model-class", "tests.tinymodels_slow:broken", "-o",
+            tmp_path / "b", "--debug", "--json")
+    assert r.returncode == 3 and json.loads(r.stdout)["exit_code"] == 3
 
 
 def test_stdout_and_stderr_hold_in_unusual_settings(world, tmp_path):

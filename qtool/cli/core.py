@@ -377,8 +377,8 @@ def _errors(debug: bool = False, json_out: bool = False) -> Iterator[None]:
 
         with tempfile.NamedTemporaryFile("w", prefix="qtool-error-", suffix=".log", delete=False) as log:
             traceback.print_exc(file=log)
-        if debug:
-            traceback.print_exc()
+        if debug:  # (through the wrapper: a stderr that takes nothing changes no outcome)
+            traceback.print_exc(file=_Stderr())
         first = str(e).splitlines()[0] if str(e) else ""
         fail(3, f"internal error: {type(e).__name__}: {first} (traceback in {log.name}; --debug shows it)")
 
