@@ -813,7 +813,13 @@ def test_eval_of_experts_the_export_quantized_apart_names_the_file_not_the_runti
     ("granitemoe", "model.layers.1.block_sparse_moe.output_linear.weight",
      "model.layers.1.block_sparse_moe.output_linear.weight", "'model.layers.1.block_sparse_moe.experts.*.down_proj'"),
     ("gpt_oss", "*.experts.gate_up_proj", "model.layers.0.mlp.experts.gate_up_proj",
-     "'*.experts.*.gate_proj', '*.experts.*.up_proj'")])
+     "'*.experts.*.gate_proj', '*.experts.*.up_proj'"),
+    # (a pattern that also names other modules: those left the plan, the experts did not)
+    ("granitemoe", r"re:.*\.(input_linear|o_proj)$", "model.layers.0.block_sparse_moe.input_linear",
+     "'*.experts.*.gate_proj', '*.experts.*.up_proj'"),
+    # (transformers' own fused name, Mixtral's experts being w1/w3/w2)
+    ("mixtral", "model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.down_proj",
+     "'model.layers.0.mlp.experts.*.w2'")])
 def test_ignoring_the_checkpoints_fused_expert_tensors_says_how_to_name_them(tmp_path, family, pattern, named, hint):
     """The names a user sees on disk (GraniteMoE's input_linear, gpt-oss's experts.gate_up_proj) name no module of
     the split experts: the pattern was silently no match and every expert stayed 4-bit (the exact name was told

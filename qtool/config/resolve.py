@@ -694,13 +694,14 @@ def _tied_weights(model: "nn.Module", weights, stored_as: Dict[str, str]) -> Dic
             if f"{q.module}.weight" in later}
 
 
-def _fused_expert_names(named, stored_as: Dict[str, str]) -> Dict[str, Tuple[str, Tuple[str, ...]]]:
-    """``{name: (experts module, its per-expert projections)}`` of each fused expert tensor qtool splits into one
-    Linear per expert, by the names a user sees it by: the checkpoint's (GraniteMoE's
-    ``block_sparse_moe.input_linear.weight``, and without ``.weight``), and transformers' own (``experts.gate_up_proj``:
-    gpt-oss's file too) where the experts' projections keep its gate_proj/up_proj/down_proj names (Mixtral's are
-    w1/w3/w2: a Llama recipe's ``*.down_proj`` there names nothing, as it always did)."""
-    out: Dict[str, Tuple[str, Tuple[str, ...]]] = {}
+def _fused_expert_names(named, stored_as: Dict[str, str]) -> Dict[str, Tuple[str, Tuple[str, ...], bool]]:
+    """``{name: (experts module, its per-expert projections, whether only a pattern saying "experts" means it)}`` of
+    each fused expert tensor qtool splits into one Linear per expert, by the names a user sees it by: the
+    checkpoint's (GraniteMoE's ``block_sparse_moe.input_linear.weight``, and without ``.weight``), and transformers'
+    own (``experts.gate_up_proj``: gpt-oss's file too). Where the experts' projections have other names (Mixtral's
+    w1/w3/w2), a Llama recipe's ``*.down_proj`` safety net matches transformers' ``experts.down_proj`` without
+    meaning it: only a pattern that says "experts" counts there."""
+    out: Dict[str, Tuple[str, Tuple[str, ...], bool]] = {}
     for n, m in named:
         if type(m).__name__ != "LinearExperts" or not m.num_experts:
             continue
@@ -713,9 +714,9 @@ def _fused_expert_names(named, stored_as: Dict[str, str]) -> Dict[str, Tuple[str
             stored = stored_as.get(f"{n}.{key}")
             if stored is not None:
                 aliases |= {stored, stored[:-len(".weight")] if stored.endswith(".weight") else stored}
-            if all(roles[r] == f"{r}_proj" for r in projections):
-                aliases.add(f"{n}.{key}")
-            out.update((a, (n, leaves)) for a in aliases)
+            out.update((a, (n, leaves, False)) for a in aliases)
+            own = all(roles[r] == f"{r}_proj" for r in projections)
+            out.setdefault(f"{n}.{key}", (n, leaves, not own))
     return out
 
 
@@ -727,6 +728,16 @@ def _ignore_problem(pattern: str, first: Optional[str], removed: bool, named, ex
     quantized. (Naming a module no quantizer takes, a norm or fused experts, is fine: the coverage counts them.)"""
     import difflib
 
+    # the checkpoint's fused expert tensors (what a user sees on disk): no module of that name, so the pattern was
+    # silently no match (or matched other modules alone), and every expert stayed quantized
+    hit = next((f for f in sorted(fused or {}) if name_matches(pattern, f)
+                and (not fused[f][2] or "experts" in pattern)), None)
+    if hit is not None and any(m.startswith(fused[hit][0] + ".") and m.rpartition(".")[2] in fused[hit][1]
+                               for m in quantized):  # (its projections still quantized)
+        experts, projections, _ = fused[hit]
+        base = "*.experts" if pattern.startswith("re:") or any(c in pattern for c in "*?[") else experts
+        return (f"names {hit}, fused experts qtool splits into one layer per expert and projection, so it keeps "
+                f"nothing float: {', '.join(repr(f'{base}.*.{p}') for p in projections)} name them")
     if first is not None:
         inside = next((m for m in sorted(quantized) if m.startswith(first + ".")), None)
         if removed or inside is None or first in kv_layers:  # (an attention layer whose KV cache it keeps float)
@@ -734,14 +745,6 @@ def _ignore_problem(pattern: str, first: Optional[str], removed: bool, named, ex
         hint = f"{pattern}.*" if not pattern.startswith("re:") else f"{first}.*"
         return (f"names {first}, a {type(dict(named)[first]).__name__} that no quantizer takes, and the layers "
                 f"inside it ({inside} ...) stay quantized: '{hint}' names them")
-    # the checkpoint's fused expert tensors (what a user sees on disk): no module of that name, so the pattern
-    # was silently no match, and every expert stayed quantized
-    hit = next((f for f in sorted(fused or {}) if name_matches(pattern, f)), None)
-    if hit is not None:
-        experts, projections = fused[hit]
-        base = "*.experts" if pattern.startswith("re:") or any(c in pattern for c in "*?[") else experts
-        return (f"names {hit}, fused experts qtool splits into one layer per expert and projection, so it keeps "
-                f"nothing float: {', '.join(repr(f'{base}.*.{p}') for p in projections)} name them")
     kinds = {(exported_types or {}).get(n, type(m).__name__) for n, m in named}
     if pattern in kinds:
         return (f"is a module type, and ignore takes module names: a layers rule {{type: {pattern}, weights: null, "
