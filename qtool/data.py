@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -77,7 +78,9 @@ def _read_tensor_file(path: Path) -> Dict[str, torch.Tensor]:
             return dict(load_file(str(path)))
         if suffix in (".pt", ".pth"):
             try:
-                obj = torch.load(str(path), map_location="cpu", weights_only=True)
+                with warnings.catch_warnings():  # (torch's "sparse CSR support is in beta" as it rebuilds one)
+                    warnings.simplefilter("ignore")
+                    obj = torch.load(str(path), map_location="cpu", weights_only=True)
             except Exception as e:  # (torch's advice, "re-run with weights_only=False", is no way to read data)
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 first = ("not a torch file of tensors (torch.save of a tensor or a dict of tensors)"
@@ -87,6 +90,10 @@ def _read_tensor_file(path: Path) -> Dict[str, torch.Tensor]:
                 return {"input": obj}
             other = ([k for k, v in obj.items() if not isinstance(v, torch.Tensor)] if isinstance(obj, dict)
                      else None)
+            named = [k for k in obj if not isinstance(k, str)] if isinstance(obj, dict) else []
+            if named:  # (a tensor's name is what a model's argument is: an int key crashed every reader)
+                raise DataError(f"{path}: the dict's keys name the model's inputs, and key {named[0]!r} is of type "
+                                f"{type(named[0]).__name__}, not a string")
             if other == []:
                 return dict(obj)
             if other:
@@ -128,6 +135,9 @@ def _tensor_samples(files: Sequence[Path]) -> Tuple[List[Dict[str, torch.Tensor]
         elif sorted(tensors) != sorted(names):
             raise DataError(f"{f}: has tensors {sorted(tensors)}, but earlier files have {sorted(names)}")
         for k, t in tensors.items():
+            if t.layout != torch.strided:  # (a sparse tensor crashed the finiteness check: exit 3)
+                raise DataError(f"{f}: tensor {k!r} is {str(t.layout).replace('torch.', '')}: save it dense "
+                                "(x.to_dense())")
             if t.dim() == 0:
                 raise DataError(f"{f}: tensor {k!r} is a scalar; calibration tensors need a batch dimension")
             if 0 in t.shape[1:]:  # (the model's own words were torch's "cannot reshape tensor of 0 elements")
@@ -139,6 +149,9 @@ def _tensor_samples(files: Sequence[Path]) -> Tuple[List[Dict[str, torch.Tensor]
             if t.dtype in _WIDENED or (k.endswith("input_ids") and t.dtype in (torch.int16, torch.int8, torch.uint8)):
                 t = t.long()  # (token files are often uint16; torch's embedding takes int64 or int32 ids only)
             _check_finite(k, t, str(f))
+            if parts.get(k) and parts[k][0].dtype != t.dtype:  # (torch.cat promoted them: bool files became id 1)
+                raise DataError(f"{f}: tensor {k!r} is {str(t.dtype).replace('torch.', '')}, and earlier files' is "
+                                f"{str(parts[k][0].dtype).replace('torch.', '')}: save every file's tensors alike")
             if parts.get(k) and tuple(parts[k][0].shape[1:]) != tuple(t.shape[1:]):
                 raise DataError(
                     f"{f}: tensor {k!r} has sample shape {list(t.shape[1:])}, earlier files have "

@@ -252,3 +252,45 @@ def test_samples_of_no_values_are_refused_naming_the_file(tmp_path):
         load_data(tmp_path / "empty.npy", batch_size=2)
     assert str(e.value) == (f"{tmp_path / 'empty.npy'}: tensor 'input' has samples of shape [0], which hold no "
                             "values (token ids of 0 tokens per sample?)")
+
+
+def test_data_files_of_unusable_kinds_are_one_line_each(tmp_path):
+    """A .pt dict keyed by integers and a sparse tensor were internal errors (exit 3); files of one directory with
+    different dtypes were promoted by torch.cat (a bool file became 16 samples of token id 1, exit 0)."""
+    import numpy as np
+
+    from qtool.data import load_data
+    from qtool.errors import DataError
+
+    x = torch.randn(8, 4)
+    torch.save({0: x}, tmp_path / "intkey.pt")
+    torch.save(x.to_sparse(), tmp_path / "sparse.pt")
+    (tmp_path / "mixed").mkdir()
+    np.save(tmp_path / "mixed" / "a.npy", np.arange(32).reshape(4, 8))
+    np.save(tmp_path / "mixed" / "b.npy", np.ones((4, 8), bool))
+    said = {"intkey.pt": "the dict's keys name the model's inputs, and key 0 is of type int, not a string",
+            "sparse.pt": "tensor 'input' is sparse_coo: save it dense (x.to_dense())",
+            "mixed": "tensor 'input' is bool, and earlier files' is int64: save every file's tensors alike"}
+    for name, words in said.items():
+        with pytest.raises(DataError) as e:
+            load_data(tmp_path / name, batch_size=2)
+        assert str(e.value).endswith(words), str(e.value)
+
+
+def test_eval_refuses_bool_ids_and_skips_a_row_its_mask_keeps_nothing_of(llama, tmp_path):
+    """eval read a bool file as token ids 0 and 1 (calibration refuses it); a row whose attention_mask is all 0
+    became an empty window: IndexError, exit 3."""
+    import numpy as np
+
+    code, _, err = run_cli("quantize", llama, "-c", "w8a16", "-o", tmp_path / "q", "-q")
+    assert code == 0, err
+    ids = np.random.default_rng(0).integers(0, 250, (8, 64))
+    np.save(tmp_path / "bool.npy", ids.astype(bool))
+    code, _, err = run_cli("eval", tmp_path / "q", "--data", tmp_path / "bool.npy", "--generate", "0", "-q")
+    assert code == 2 and "token ids must be integers of shape [sequences, tokens] (got bool" in err, err
+    mask = np.ones((8, 64), "int64")
+    mask[0] = 0
+    np.savez(tmp_path / "mask.npz", input_ids=ids, attention_mask=mask)
+    code, out, err = run_cli("eval", tmp_path / "q", "--data", tmp_path / "mask.npz", "--num-samples", "8",
+                             "--generate", "0", "--json", "-q")
+    assert code == 0 and json.loads(out)["sequences"] == 7, err

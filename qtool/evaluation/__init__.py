@@ -458,11 +458,13 @@ def _windows(opts: EvalOptions, tokenizer, causal_lm: bool, vocab: Optional[int]
             raise DataError(f"{opts.data}: the data's tensors are named {', '.join(sorted(b.kwargs))}, and none is "
                             "input_ids: name the token ids input_ids")
         ids = b.kwargs["input_ids"] if "input_ids" in b.kwargs else b.args[0]
-        if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
+        # (a bool file read as ids 0 and 1, which calibration refuses)
+        if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise DataError(f"{opts.data}: token ids must be integers of shape [sequences, tokens] (got "
                             f"{str(ids.dtype).replace('torch.', '')} samples of shape {list(ids.shape[1:])})")
         mask = b.kwargs.get("attention_mask")
         rows = [ids[r] if mask is None else ids[r][mask[r] > 0] for r in range(ids.shape[0])]  # (padding: dropped)
+        rows = [row for row in rows if row.numel()]  # (a row its mask keeps nothing of: no window; it ran empty)
         kept = torch.cat(rows) if rows else ids.reshape(-1)
         if kept.numel() and int(kept.min()) < 0:
             raise DataError(f"{opts.data}: token id {int(kept.min())} is negative (a padding marker such as -100? an "
