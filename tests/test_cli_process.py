@@ -627,6 +627,30 @@ def test_a_signal_at_the_edges_of_a_run_is_one_line_one_object_and_nothing_left(
     assert list(tmp_path.iterdir()) == []
 
 
+
+@pytest.mark.parametrize("moment", ["as the rename returns", "while the JSON object is made"])
+def test_a_signal_at_the_outputs_last_moments_says_what_is_in_place(world, tmp_path, moment):
+    """A signal as the output's rename returned (before it was recorded) said "nothing was written" of an output in
+    place (with --overwrite: an old output silently replaced); one while the --json object was made left no object."""
+    d, ckpt, data = world
+    patch = {"as the rename returns": "from qtool.io import fs\nreal = fs._renameat2\n"
+                                      "def r2(*a, **k):\n    v = real(*a, **k)\n"
+                                      "    os.kill(os.getpid(), signal.SIGINT)\n    return v\nfs._renameat2 = r2\n",
+             "while the JSON object is made": "from qtool.cli import core\nreal = core._json_safe\n"
+                                              "def js(v):\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+                                              "    return real(v)\ncore._json_safe = js\n"}[moment]
+    probe = ("import os, signal, sys\nimport qtool.entry\n" + patch
+             + "sys.argv = ['qtool'] + sys.argv[1:]\nqtool.entry.main()\n")
+    r = _calibrate_under(probe, ckpt, tmp_path / "r", "--json")
+    out = tmp_path / "r"
+    assert (out / "encodings.json").is_file()
+    code = 130 if moment == "as the rename returns" else 143
+    name = "SIGINT" if code == 130 else "SIGTERM"
+    assert r.returncode == code and r.stderr.splitlines()[-1] == (
+        f"interrupted: {name}; {out} had been written in full before it"), r.stderr
+    assert json.loads(r.stdout)["exit_code"] == code
+
+
 def test_a_third_signal_ends_the_process_at_once(world, tmp_path):
     """The first signal ends the run and the second is ignored while its cleanup runs; pressing Ctrl-C a third time
     (a cleanup that hangs, an interrupt a library swallowed) ends the process now, with the first one's code."""

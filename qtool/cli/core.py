@@ -461,8 +461,8 @@ def _esc(text: str) -> str:
 def _emit_json(obj: Dict[str, Any]) -> None:
     """One JSON object on stdout; a float that is not finite is written as "nan", "inf" or "-inf" (JSON has no
     such numbers, and strict parsers refuse the bare tokens). ``_StdoutLost`` where stdout takes nothing."""
-    _EMITTED.append(True)
     text = json.dumps(_json_safe(obj), indent=1, default=str) + "\n"
+    _EMITTED.append(True)  # (after the text is made: an interrupt while it was made left no object at all)
     _write_stdout(text)
 
 

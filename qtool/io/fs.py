@@ -278,16 +278,48 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
 # the outputs this process has put in place (a command's --out directory or file), so that an interrupt arriving
 # after them does not claim that nothing was written; the CLI forgets them at the start of each command
 _PUBLISHED: List[Path] = []
+# outputs being renamed into place, with what identifies the temporary (device, inode): an interrupt as the rename
+# returned, before the output was recorded, said "nothing was written" of an output in place
+_PUBLISHING: List[Tuple[Path, Tuple[int, int]]] = []
 
 
 def published() -> List[Path]:
-    """The outputs put in place since :func:`forget_published`, in order."""
-    return list(_PUBLISHED)
+    """The outputs put in place since :func:`forget_published`, in order (one whose rename had happened as an
+    interrupt arrived among them)."""
+    done = list(_PUBLISHED)
+    for out, ident in _PUBLISHING:
+        try:
+            st = os.lstat(out)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == ident and out not in done:
+            done.append(out)
+    return done
 
 
 def forget_published() -> None:
     _PUBLISHED.clear()
+    _PUBLISHING.clear()
     _RESUMABLE.clear()
+
+
+@contextlib.contextmanager
+def _publishing(tmp: Path, out: Path) -> Iterator[None]:
+    """Around the rename of ``tmp`` to ``out``: :func:`published` counts ``out`` once it holds ``tmp``, whenever an
+    interrupt lands."""
+    st = os.lstat(tmp)
+    entry = (out, (st.st_dev, st.st_ino))
+    _PUBLISHING.append(entry)
+    try:
+        yield
+    except BaseException:
+        if out in published():  # (the rename had happened: the interrupt came as it returned)
+            _PUBLISHED.append(out)
+        raise
+    else:
+        _PUBLISHED.append(out)
+    finally:
+        _PUBLISHING.remove(entry)
 
 
 _RESUMABLE: List[Path] = []  # the state directories of --sequential runs that hold finished blocks now
@@ -309,11 +341,11 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
     process created meanwhile unless ``overwrite``; an existing ``out`` is swapped with ``tmp`` in one atomic
     exchange, so ``out`` is never missing, and two concurrent runs both succeed (the last one's output stays)."""
     try:
-        if not _renameat2(tmp, out, _RENAME_NOREPLACE):
-            if out.exists():
-                raise FileExistsError(errno.EEXIST, "exists", str(out))
-            os.rename(tmp, out)
-        _PUBLISHED.append(out)
+        with _publishing(tmp, out):
+            if not _renameat2(tmp, out, _RENAME_NOREPLACE):
+                if out.exists():
+                    raise FileExistsError(errno.EEXIST, "exists", str(out))
+                os.rename(tmp, out)
         return
     except FileExistsError:
         if not overwrite:
@@ -321,12 +353,12 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
                              "written (pass --overwrite to replace it)") from None
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out}: became a file while this run was writing; nothing was written")
-    if not _renameat2(tmp, out, _RENAME_EXCHANGE):
-        old = Path(tempfile.mkdtemp(prefix=_temp_prefix(out.name), dir=tmp.parent))
-        os.replace(out, old / out.name)
-        os.replace(tmp, out)
-        tmp = old
-    _PUBLISHED.append(out)
+    with _publishing(tmp, out):
+        if not _renameat2(tmp, out, _RENAME_EXCHANGE):
+            old = Path(tempfile.mkdtemp(prefix=_temp_prefix(out.name), dir=tmp.parent))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            tmp = old
     # after the exchange ``tmp`` holds the previous output: a directory, or the symbolic link --out was (the link
     # itself goes; what it pointed to is never touched)
     if tmp.is_symlink():
@@ -411,14 +443,13 @@ def atomic_file(path: Path, output: bool = False) -> Iterator[Path]:
     try:
         tmp = _new_temporary(path.parent.resolve(), _temp_prefix(path.name), named, directory=False)
         yield tmp
-        os.replace(tmp, path)
+        with _publishing(tmp, path) if output else contextlib.nullcontext():
+            os.replace(tmp, path)
     except BaseException as e:
         _name_the_output(e, path)
         for t in named:
             t.unlink(missing_ok=True)
         raise
-    if output:
-        _PUBLISHED.append(path)
 
 
 def write_text_atomic(path: Path, text: str, output: bool = False) -> None:
