@@ -4,7 +4,6 @@ Importing the CLI (typer, rich, every command) takes a few tenths of a second; a
 raised a traceback from inside an import, and ``--json`` printed nothing. Nothing has been read or written then.
 """
 
-import json
 import os
 import signal
 import sys
@@ -18,6 +17,8 @@ def _before_the_cli(signum, frame):
         os._exit(code)  # (torchrun stops every rank once one exits: rank 0 says why, and one JSON object is its)
     said = [(2, f"interrupted: {name}; nothing was written\n")]
     if "--json" in sys.argv[1:]:
+        import json  # (here: its import, ~12 ms, came before the handlers, a window for a traceback)
+
         said.append((1, json.dumps({"ok": False, "exit_code": code, "error": f"{name}; nothing was written"},
                                    indent=1) + "\n"))
     for fd, text in said:  # (straight to the descriptors: a stdout that is closed, full or a broken pipe, met in
