@@ -66,3 +66,26 @@ def test_a_killed_runs_directory_is_removed_by_the_next_one_and_no_other(tmp_pat
     assert s.directory.name.startswith(f"qtool-spill-{_HOST}-{os.getpid()}-")
     assert not stale.exists() and alive.exists() and other.exists() and unnamed.exists()
     s.close()
+
+
+def test_an_interrupt_as_the_spill_directory_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """mkdtemp made the directory, and an interrupt as it returned came before the cleanup was registered: the
+    directory stayed until another spilling run."""
+    import gc
+    import os
+
+    import pytest
+
+    import qtool.io.spill as spill
+
+    made = os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        made(path, *args, **kwargs)
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    with pytest.raises(KeyboardInterrupt):
+        spill.SpilledTensors(tmp_path)
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []

@@ -11,7 +11,9 @@ mapping made removes those a killed run left (a pre-empted --sequential run's co
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
 import shutil
 import tempfile
 import weakref
@@ -36,10 +38,20 @@ class SpilledTensors(MutableMapping[str, torch.Tensor]):
     def __init__(self, directory: Optional[Path] = None):
         parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
         remove_orphans(parent, f"{_PREFIX}*", _NAME)
-        self.directory = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{writer_tag()}-", dir=parent))
+        # the cleanup is registered before the directory exists (with mkdtemp, an interrupt as it returned left it
+        # behind until another spilling run)
+        for _ in range(100):
+            self.directory = parent / f"{_PREFIX}{writer_tag()}-{secrets.token_hex(4)}"
+            self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
+            try:
+                os.mkdir(self.directory, 0o700)
+                break
+            except FileExistsError:
+                self._cleanup.detach()
+        else:
+            raise FileExistsError(f"{parent}: no free name for a spill directory")
         self._index: Dict[str, Tuple[Path, torch.dtype, Tuple[int, ...]]] = {}
         self._count = 0
-        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
 
     def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
         t = tensor.detach().to("cpu").contiguous()
