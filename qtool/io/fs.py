@@ -278,48 +278,33 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
 # the outputs this process has put in place (a command's --out directory or file), so that an interrupt arriving
 # after them does not claim that nothing was written; the CLI forgets them at the start of each command
 _PUBLISHED: List[Path] = []
-# outputs being renamed into place, with what identifies the temporary (device, inode): an interrupt as the rename
-# returned, before the output was recorded, said "nothing was written" of an output in place
-_PUBLISHING: List[Tuple[Path, Tuple[int, int]]] = []
 
 
 def published() -> List[Path]:
-    """The outputs put in place since :func:`forget_published`, in order (one whose rename had happened as an
-    interrupt arrived among them)."""
-    done = list(_PUBLISHED)
-    for out, ident in _PUBLISHING:
-        try:
-            st = os.lstat(out)
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) == ident and out not in done:
-            done.append(out)
-    return done
+    """The outputs put in place since :func:`forget_published`, in order."""
+    return list(_PUBLISHED)
 
 
 def forget_published() -> None:
     _PUBLISHED.clear()
-    _PUBLISHING.clear()
     _RESUMABLE.clear()
 
 
 @contextlib.contextmanager
 def _publishing(tmp: Path, out: Path) -> Iterator[None]:
-    """Around the rename of ``tmp`` to ``out``: :func:`published` counts ``out`` once it holds ``tmp``, whenever an
-    interrupt lands."""
+    """Around the rename of ``tmp`` to ``out``: :func:`published` lists ``out`` once it holds ``tmp`` (the same
+    device and inode), also where an interrupt lands as the rename returns (it said "nothing was written" of an
+    output in place)."""
     st = os.lstat(tmp)
-    entry = (out, (st.st_dev, st.st_ino))
-    _PUBLISHING.append(entry)
     try:
         yield
     except BaseException:
-        if out in published():  # (the rename had happened: the interrupt came as it returned)
-            _PUBLISHED.append(out)
+        with contextlib.suppress(OSError):
+            now = os.lstat(out)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # (the rename had happened)
+                _PUBLISHED.append(out)
         raise
-    else:
-        _PUBLISHED.append(out)
-    finally:
-        _PUBLISHING.remove(entry)
+    _PUBLISHED.append(out)
 
 
 _RESUMABLE: List[Path] = []  # the state directories of --sequential runs that hold finished blocks now
