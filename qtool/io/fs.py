@@ -377,7 +377,7 @@ def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
         try:
             parent.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(out)
-            tmp = _new_temporary(parent, _temp_prefix(out.name), named, directory=True)
+            tmp = new_temporary(parent, _temp_prefix(out.name), named, directory=True)
         except OSError as e:
             raise UsageError(f"{out}: cannot create output directory: {e.strerror or e}") from None
         yield tmp
@@ -390,18 +390,20 @@ def atomic_output_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
         raise
 
 
-def _new_temporary(parent: Path, prefix: str, named: List[Path], directory: bool) -> Path:
+def new_temporary(parent: Path, prefix: str, named: List[Path], directory: bool,
+                  private: bool = False) -> Path:
     """A new empty directory (or file) ``parent/prefix<random>``, made as mkdir (open) would make it (the umask
-    applies). Its name goes into ``named`` before it exists, so the caller's cleanup knows it whenever an interrupt
-    lands (with mkdtemp, one as it returned left the temporary behind)."""
+    applies; ``private``: for this user alone). Its name goes into ``named`` before it exists, so the caller's
+    cleanup knows it whenever an interrupt lands (with mkdtemp, one as it returned left the temporary behind)."""
     for _ in range(100):
         path = parent / f"{prefix}{secrets.token_hex(4)}"
         named.append(path)
         try:
             if directory:
-                os.mkdir(path, 0o777)
+                os.mkdir(path, 0o700 if private else 0o777)
             else:
-                os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+                flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                os.close(os.open(path, flags, 0o600 if private else 0o666))
             return path
         except FileExistsError:  # (another temporary of this process, by the name's chance)
             named.remove(path)
@@ -426,7 +428,7 @@ def atomic_file(path: Path, output: bool = False) -> Iterator[Path]:
     remove_stale_temporaries(path)
     named: List[Path] = []
     try:
-        tmp = _new_temporary(path.parent.resolve(), _temp_prefix(path.name), named, directory=False)
+        tmp = new_temporary(path.parent.resolve(), _temp_prefix(path.name), named, directory=False)
         yield tmp
         with _publishing(tmp, path) if output else contextlib.nullcontext():
             os.replace(tmp, path)

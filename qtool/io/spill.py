@@ -11,24 +11,27 @@ mapping made removes those a killed run left (a pre-empted --sequential run's co
 
 from __future__ import annotations
 
-import os
 import re
-import secrets
 import shutil
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Dict, Iterator, MutableMapping, Optional, Tuple
+from typing import Dict, Iterator, List, MutableMapping, Optional, Tuple
 
 import numpy as np
 import torch
 
-from .fs import remove_orphans, writer_tag
+from .fs import new_temporary, remove_orphans, writer_tag
 
 __all__ = ["SpilledTensors"]
 
 _PREFIX = "qtool-spill-"
 _NAME = re.compile(rf"^{_PREFIX}(?P<host>[A-Za-z0-9._-]+)-(?P<pid>\d+)-[A-Za-z0-9_]+$")
+
+
+def _remove_all(directories: List[Path]) -> None:
+    for d in directories:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 class SpilledTensors(MutableMapping[str, torch.Tensor]):
@@ -38,18 +41,11 @@ class SpilledTensors(MutableMapping[str, torch.Tensor]):
     def __init__(self, directory: Optional[Path] = None):
         parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
         remove_orphans(parent, f"{_PREFIX}*", _NAME)
-        # the cleanup is registered before the directory exists (with mkdtemp, an interrupt as it returned left it
-        # behind until another spilling run)
-        for _ in range(100):
-            self.directory = parent / f"{_PREFIX}{writer_tag()}-{secrets.token_hex(4)}"
-            self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
-            try:
-                os.mkdir(self.directory, 0o700)
-                break
-            except FileExistsError:
-                self._cleanup.detach()
-        else:
-            raise FileExistsError(f"{parent}: no free name for a spill directory")
+        # the cleanup is registered before the directory exists, on the list its name goes into first (with
+        # mkdtemp, an interrupt as it returned left it behind until another spilling run)
+        named: List[Path] = []
+        self._cleanup = weakref.finalize(self, _remove_all, named)
+        self.directory = new_temporary(parent, f"{_PREFIX}{writer_tag()}-", named, directory=True, private=True)
         self._index: Dict[str, Tuple[Path, torch.dtype, Tuple[int, ...]]] = {}
         self._count = 0
 
