@@ -327,19 +327,14 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
     # (an expert given no token may not run: its own count would pair other calls)
     everything = dict(model.named_modules())
     routing = {name: r for name in modules if (r := routing_of(everything, name)) is not None}
-    owners = {id(owner): owner for owner, _ in routing.values()}
-    counted: Dict[Any, int] = {}
+    counter = {name: routing[name][0] if name in routing else mod for name, mod in modules.items()}
+    counted: Dict[int, int] = {}  # id(module) -> its calls so far, less one
+
+    def count(mod, args):
+        counted[id(mod)] = counted.get(id(mod), -1) + 1
 
     def call_of(name) -> int:
-        key = id(routing[name][0]) if name in routing else name
-        if name not in routing:
-            counted[key] = counted.get(key, -1) + 1
-        return counted.get(key, 0)
-
-    def count_owner(key):
-        def hook(mod, args):
-            counted[key] = counted.get(key, -1) + 1
-        return hook
+        return counted.get(id(counter[name]), 0)
 
     captured: Dict[str, Dict[int, Any]] = {}
     inputs: Dict[str, Any] = {}
@@ -362,7 +357,7 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
         return hook
 
     def watched(hook_for):
-        handles = [owner.register_forward_pre_hook(count_owner(key)) for key, owner in owners.items()]
+        handles = [m.register_forward_pre_hook(count) for m in {id(m): m for m in counter.values()}.values()]
         return handles + [mod.register_forward_hook(hook_for(name)) for name, mod in modules.items()]
 
     handles = [mod.register_forward_pre_hook(keep_input(name), with_kwargs=True, prepend=True)
