@@ -190,7 +190,9 @@ def _check_memory(estimate) -> None:
 
 
 def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hooks: Hooks,
-          config: Any = None) -> Optional[CalibrationData]:
+          config: Any = None, records: bool = True) -> Optional[CalibrationData]:
+    """The calibration data, where the plan or mode needs it; ``records``: this process writes the manifest, so the
+    files are hashed as read (the other ranks of a torchrun do not)."""
     if not (plan.needs_data() or opts.data or opts.sequential):
         return None
     if opts.data is None:
@@ -204,8 +206,8 @@ def _data(opts: CalibrateOptions, plan: Plan, tokenizer: Any, causal: bool, hook
     hooks.on_stage("reading calibration data")
     data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, tokenizer,
                      pack_text=causal)
-    # (hashed as read, for the manifest: a file rewritten while the run calibrates is recorded as it was used)
-    data.sha256 = {str(f): sha256_file(f) for f in data.files}
+    if records:  # (hashed as read, for the manifest: a file rewritten while the run calibrates is recorded as used)
+        data.sha256 = {str(f): sha256_file(f) for f in data.files}
     short = shortfalls(plan, data)
     if short and data_amount(data) == (0, "tokens"):  # (every attention_mask all zero): not little, nothing
         raise DataError(f"{opts.data}: the calibration data holds no token its attention_mask keeps (every mask is "
@@ -310,7 +312,7 @@ def _calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opt
     if mode == "sequential":
         from .sequential import calibrate_sequential
 
-        data = _data(opts, plan, prepared.tokenizer, True, hooks, getattr(model, "config", None))
+        data = _data(opts, plan, prepared.tokenizer, True, hooks, getattr(model, "config", None), group.is_root)
         saved = _resume_state(state, checkpoint, source, opts, data, device, group, hooks)
         hooks.on_stage("calibrating")
         codes = SpilledTensors()  # block by block to disk: they would grow in memory with every block
@@ -344,7 +346,8 @@ def _calibrate_prepared(checkpoint: str, prepared: PreparedRun, source: str, opt
     from .in_memory import calibrate
 
     loaded = prepared.loaded
-    data = _data(opts, plan, loaded.tokenizer, loaded.is_causal_lm, hooks, getattr(model, "config", None))
+    data = _data(opts, plan, loaded.tokenizer, loaded.is_causal_lm, hooks, getattr(model, "config", None),
+                 group.is_root)
     hooks.on_stage("calibrating")
     quantizers = insert_quantizers(model, plan)
     with all_tokens_routed(model, opts.all_experts):
