@@ -223,23 +223,30 @@ def test_internal_error_is_one_line_with_a_log(world, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def _slow_calibration_under_way(world, out, hangup):
+    """``qtool calibrate`` of the slow MLP into ``out`` as a process of its own, with SIGHUP set to ``hangup`` in it,
+    returned once its temporary output exists and a couple of slow batches have run."""
+    d, ckpt, data = world
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qtool", "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a8.yaml"), "--data", str(data),
+         "--batch-size", "4", "--model-class", "tests.tinymodels_slow:slow", "-o", str(out)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup))
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.name.startswith(f".{out.name}.tmp-") for p in out.parent.iterdir()):
+        time.sleep(0.05)
+    assert any(p.name.startswith(f".{out.name}.tmp-") for p in out.parent.iterdir()), "calibration never started"
+    time.sleep(1.0)  # a couple of slow batches in
+    return proc
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)],
                          ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_signal_mid_calibration_leaves_nothing(world, tmp_path, sig, code):
     """SIGHUP (the terminal closed, an ssh session dropped) killed the run as SIGKILL does: no line, the temporary
     output left behind. (SIGHUP is set to its default in the child: a test run under nohup hands it on ignored,
     which qtool keeps.)"""
-    d, ckpt, data = world
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qtool", "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a8.yaml"), "--data", str(data),
-         "--batch-size", "4", "--model-class", "tests.tinymodels_slow:slow", "-o", str(tmp_path / "r")],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
-    deadline = time.time() + 120
-    while time.time() < deadline and not any(p.name.startswith(".r.tmp-") for p in tmp_path.iterdir()):
-        time.sleep(0.05)
-    assert any(p.name.startswith(".r.tmp-") for p in tmp_path.iterdir()), "calibration never started"
-    time.sleep(1.0)  # a couple of slow batches in
+    proc = _slow_calibration_under_way(world, tmp_path / "r", hangup=signal.SIG_DFL)
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == code, stderr
@@ -250,16 +257,7 @@ def test_signal_mid_calibration_leaves_nothing(world, tmp_path, sig, code):
 def test_a_run_under_nohup_outlives_a_hangup(world, tmp_path):
     """SIGHUP ignored as the process starts (nohup, trap '' HUP) stays ignored: qtool's own handler took it over and
     ended the protected run with 129, its output thrown away."""
-    d, ckpt, data = world
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qtool", "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a8.yaml"), "--data", str(data),
-         "--batch-size", "4", "--model-class", "tests.tinymodels_slow:slow", "-o", str(tmp_path / "r")],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
-    deadline = time.time() + 120
-    while time.time() < deadline and not any(p.name.startswith(".r.tmp-") for p in tmp_path.iterdir()):
-        time.sleep(0.05)
-    time.sleep(1.0)
+    proc = _slow_calibration_under_way(world, tmp_path / "r", hangup=signal.SIG_IGN)
     proc.send_signal(signal.SIGHUP)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
