@@ -390,3 +390,46 @@ def test_the_examples_held_out_paragraphs_are_none_of_its_calibration_ones():
         calib, heldout = text_split(n, n)
         assert len(calib) == len(heldout) == n and not set(calib) & set(heldout)
         assert len(set(calib)) == len(set(heldout)) == n
+
+
+def _remote_code_llama(dest: Path) -> Path:
+    """The tiny Llama as a model whose code lives in its directory, with the usual ``auto_map`` (a config, a bare
+    model and a causal LM), under a ``model_type`` and ``architectures[0]`` transformers does not have."""
+    from tests.helpers import tiny_llama
+
+    tiny_llama(dest)
+    (dest / "configuration_custom.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass CustomConfig(LlamaConfig):\n    model_type = 'custom_lm'\n")
+    (dest / "modeling_custom.py").write_text(
+        "from transformers import LlamaForCausalLM, LlamaModel\n\nfrom .configuration_custom import CustomConfig\n\n\n"
+        "class CustomModel(LlamaModel):\n    config_class = CustomConfig\n\n\n"
+        "class CustomForCausalLM(LlamaForCausalLM):\n    config_class = CustomConfig\n")
+    config = json.loads((dest / "config.json").read_text())
+    config.update(model_type="custom_lm", architectures=["CustomForCausalLM"], auto_map={
+        "AutoConfig": "configuration_custom.CustomConfig", "AutoModel": "modeling_custom.CustomModel",
+        "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"})
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def test_a_remote_code_causal_lm_is_built_by_the_auto_class_its_auto_map_names(tmp_path):
+    """architectures[0] is the remote code's causal LM, which ``auto_map`` maps from AutoModelForCausalLM: that is
+    the class built (not AutoModel's bare model, which has no place for lm_head and was refused), and the
+    compressed-tensors export reloads by it in ``eval``."""
+    ckpt = _remote_code_llama(tmp_path / "m")
+    save_file({"input_ids": torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))},
+              tmp_path / "ids.safetensors")
+    code, out, err = run_cli("quantize", ckpt, "-c", "w8a16", "-o", tmp_path / "ct", "--format",
+                             "compressed-tensors", "--trust-remote-code", "--json")
+    assert code == 0, err
+    enc = json.loads((tmp_path / "ct" / "calibration" / "encodings.json").read_text())
+    assert [q["name"] for q in enc["quantizers"]] == ["model.embed_tokens.weight"] + [
+        f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj")]
+    code, out, err = run_cli("eval", tmp_path / "ct", "--data", tmp_path / "ids.safetensors", "--trust-remote-code",
+                             "--num-samples", "4", "--seq-len", "16", "--generate", "0", "--json")
+    assert code == 0, err
+    assert json.loads(out)["perplexity"]["artifact"] > 0
+    code, _, err = run_cli("eval", tmp_path / "ct", "--data", tmp_path / "ids.safetensors", "--num-samples", "4")
+    assert code == 2 and "--trust-remote-code" in err and "[y/N]" not in err, err

@@ -157,7 +157,7 @@ def _open_runtime(art: Artifact, opts: EvalOptions, causal_lm: bool, n_ctx: int,
     if art.format == "onnx":
         return OnnxRuntime(art.path, opts.onnx_optimization, opts.threads, activations)
     if art.format == "compressed-tensors":
-        return transformers_reload(art.path, causal_lm, opts.device, activations)
+        return transformers_reload(art.path, causal_lm, opts.device, activations, opts.trust_remote_code)
     return TorchRuntime(_with_export_weights(fake_quant, art.path), "qtool (torch)")
 
 
@@ -404,7 +404,8 @@ def artifact_model(artifact: str, reference: Optional[str] = None, encodings: Op
     loaded = _load(reference, opts)
     enc = Path(encodings) if encodings else art.encodings
     if art.format == "compressed-tensors":
-        return transformers_reload(art.path, loaded.is_causal_lm, opts.device).model
+        return transformers_reload(art.path, loaded.is_causal_lm, opts.device,
+                                   trust_remote_code=opts.trust_remote_code).model
     if enc is not None and enc.is_file():
         make_fake_quant(loaded.model, reference, enc, opts.trust_pickle)
     return _with_export_weights(loaded.model, art.path)
@@ -440,7 +441,8 @@ def check_held_out(checkpoint: str, opts: EvalOptions) -> None:
 
     path = Path(checkpoint)
     if detect_kind(path) == "hf":
-        _windows(opts, tokenizer_of(path), causal_lm_class(meta_skeleton(path, opts.trust_remote_code)))
+        _windows(opts, tokenizer_of(path, opts.trust_remote_code),
+                 causal_lm_class(meta_skeleton(path, opts.trust_remote_code)))
 
 
 def _windows(opts: EvalOptions, tokenizer, causal_lm: bool, vocab: Optional[int] = None):
@@ -804,7 +806,7 @@ def _with_online_rotations(ev: Evaluation, art: Artifact, enc: Path, activations
     if not online:
         return
     hooks.on_stage("running the directory with its online rotations applied, to tell the file from the runtime")
-    rotated = transformers_reload(art.path, True, opts.device, activations)
+    rotated = transformers_reload(art.path, True, opts.device, activations, opts.trust_remote_code)
     try:
         modules = _experts_as_linears(rotated.model, art.path)
         missing = sorted({m for r in online for m in r.modules} - set(modules))

@@ -158,10 +158,11 @@ class OnnxRuntime(_WholeLogits):
 
 
 def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
-                        activations: bool = False) -> TorchRuntime:
+                        activations: bool = False, trust_remote_code: bool = False) -> TorchRuntime:
     """A compressed-tensors directory as transformers loads it (compressed-tensors decompresses the weights).
     float32 where the format allows it; FP4 and MX weights decompress to bfloat16 only. ``activations``: the
-    encodings quantize activations, which in bfloat16 round differently from qtool's float32 (the allowance)."""
+    encodings quantize activations, which in bfloat16 round differently from qtool's float32 (the allowance).
+    ``trust_remote_code``: the model's code travels in the directory (``auto_map``), and runs only when True."""
     try:
         import compressed_tensors  # noqa: F401  (transformers needs it to read the quantization config)
         import transformers
@@ -177,7 +178,8 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
     for dtype in (torch.float32, torch.bfloat16):
         try:
             with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():  # compressed-tensors draws its own
-                model, info = auto.from_pretrained(str(directory), dtype=dtype, output_loading_info=True)
+                model, info = auto.from_pretrained(str(directory), dtype=dtype, output_loading_info=True,
+                                                   trust_remote_code=trust_remote_code)
                 model = model.to(device).eval()  # progress bars, and decompresses on first use
                 if causal_lm:  # (other models take other inputs: the held-out batches try them)
                     model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
@@ -199,7 +201,8 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
                                  "calibration instead") from None
             if "ignore_mismatched_sizes" in str(e) and not _known_limit(directory, [str(e)]):
                 # (its "above report" is a log line qtool keeps quiet)
-                raise UsageError(_mismatch(directory, auto, dtype) or f"{directory}: transformers cannot load it "
+                raise UsageError(_mismatch(directory, auto, dtype, trust_remote_code) or
+                                 f"{directory}: transformers cannot load it "
                                  f"({str(e).splitlines()[0][:160]})") from None
             errors.append(f"{str(dtype).replace('torch.', '')}: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
             continue
@@ -217,7 +220,7 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
     raise UsageError(f"{directory}: transformers cannot load it ({'; '.join(errors)})" + _known_limit(directory, errors))
 
 
-def _mismatch(directory: Path, auto, dtype) -> Optional[str]:
+def _mismatch(directory: Path, auto, dtype, trust_remote_code: bool = False) -> Optional[str]:
     """The first tensor whose shape in the file is not the one the directory's config.json makes the model give it
     (transformers says only "look at the above report", a log line), as one line; None where it names none."""
     import contextlib
@@ -226,7 +229,7 @@ def _mismatch(directory: Path, auto, dtype) -> Optional[str]:
     try:
         with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
             _, info = auto.from_pretrained(str(directory), dtype=dtype, ignore_mismatched_sizes=True,
-                                           output_loading_info=True)
+                                           output_loading_info=True, trust_remote_code=trust_remote_code)
     except Exception:  # (a second failure says no more than the first)
         return None
     wrong = sorted(info.get("mismatched_keys") or (), key=lambda m: m[0])
@@ -254,16 +257,19 @@ def _auto_causal_lm(directory: Path) -> bool:
 
 def _architecture_class(directory: Path, transformers):
     """The class config.json's ``architectures`` names (a classifier keeps its head, T5 its decoder, as the reference
-    model qtool loaded has them), else ``AutoModel``."""
+    model qtool loaded has them; remote code's by its ``auto_map``), else ``AutoModel``."""
     from ..io.jsonfile import read_json_object
+    from ..model.hf import auto_class_for
 
     try:
-        names = read_json_object(directory / "config.json", UsageError, "Hugging Face config").get("architectures")
+        config = read_json_object(directory / "config.json", UsageError, "Hugging Face config")
     except UsageError:
-        names = None
+        config = {}
+    names = config.get("architectures")
     found = getattr(transformers, names[0], None) if isinstance(names, list) and names and \
         isinstance(names[0], str) else None
-    return found if isinstance(found, type) and hasattr(found, "from_pretrained") else transformers.AutoModel
+    return found if isinstance(found, type) and hasattr(found, "from_pretrained") else \
+        auto_class_for(transformers, names, config.get("auto_map"))
 
 
 _EXPERTS_FUSED = ("its experts are stored one by one, as vLLM's MoE loaders read them; transformers' model holds "

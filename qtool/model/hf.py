@@ -296,7 +296,7 @@ def _checked_skeleton(path, trust_remote_code: bool) -> nn.Module:
     try:
         with torch.device("meta"):
             model = cls._from_config(config) if cls is not None else \
-                transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+                _auto_class(transformers, config).from_config(config, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many types for configs it cannot build
         raise CheckpointError(
             f"{path}: transformers cannot build this model's modules ({str(e).splitlines()[0]})") from None
@@ -304,6 +304,24 @@ def _checked_skeleton(path, trust_remote_code: bool) -> nn.Module:
     if cls is None and headers is not None:  # (no architectures, or one this transformers lacks: the bare model)
         _check_no_head_left_out(path, config, model, headers, archs[0] if archs else None)
     return model
+
+
+def _auto_class(transformers, config):
+    """The Auto class that builds ``architectures[0]`` where it is not one of transformers' own classes
+    (:func:`auto_class_for`)."""
+    return auto_class_for(transformers, getattr(config, "architectures", None), getattr(config, "auto_map", None))
+
+
+def auto_class_for(transformers, archs, auto_map):
+    """The Auto class whose ``auto_map`` entry names ``archs[0]`` (remote code's ``"AutoModelForCausalLM":
+    "modeling_x.XForCausalLM"``), else ``AutoModel``, the bare model (which :func:`_check_no_head_left_out` then
+    checks against the weights)."""
+    if isinstance(archs, list) and archs and isinstance(archs[0], str) and isinstance(auto_map, dict):
+        for auto, ref in sorted(auto_map.items()):
+            if isinstance(ref, str) and ref.rpartition(".")[2] == archs[0] and auto.startswith("AutoModel") \
+                    and isinstance(getattr(transformers, auto, None), type):
+                return getattr(transformers, auto)
+    return transformers.AutoModel
 
 
 def _check_no_head_left_out(path, config, model: nn.Module, headers, arch=None) -> None:
@@ -398,7 +416,7 @@ def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, An
                               f"({str(e).splitlines()[0]})") from None
     _check_fit_if_weights(path, model)
     _linearize(path, model)
-    tokenizer = _tokenizer(transformers, path)
+    tokenizer = _tokenizer(transformers, path, trust_remote_code)
     model.eval()
     return model, config, tokenizer
 
@@ -426,7 +444,7 @@ def load_hf(path: Path, trust_remote_code: bool):
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None:
-        cls = transformers.AutoModel
+        cls = _auto_class(transformers, config)
     bars = transformers.utils.logging
     shown = bars.is_progress_bar_enabled()
     bars.disable_progress_bar()  # (its "Loading weights" bar: the library never prints; the caller's setting after)
@@ -443,7 +461,7 @@ def load_hf(path: Path, trust_remote_code: bool):
                 warnings.simplefilter("ignore")
                 bars.enable_progress_bar()
     _linearize(path, model)
-    return model, _tokenizer(transformers, path), config
+    return model, _tokenizer(transformers, path, trust_remote_code), config
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
@@ -470,16 +488,17 @@ class UnreadableTokenizer:
         raise TokenizerError(self.reason)
 
 
-def tokenizer_of(path) -> Any:
+def tokenizer_of(path, trust_remote_code: bool = False) -> Any:
     """A Hugging Face directory's tokenizer, without its model (:func:`_tokenizer`)."""
-    return _tokenizer(_transformers(path), Path(path))
+    return _tokenizer(_transformers(path), Path(path), trust_remote_code)
 
 
-def _tokenizer(transformers, path: Path):
+def _tokenizer(transformers, path: Path, trust_remote_code: bool = False):
     """The checkpoint's tokenizer; None where it has none; an :class:`UnreadableTokenizer` where its files do not
-    load."""
+    load. ``trust_remote_code`` always given: left out, transformers asks on stdin whether to run a remote-code
+    model's code (reading its config), and its question lands in stdout's JSON."""
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(path))
+        return transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as e:
         files = [f for f in TOKENIZER_FILES if (Path(path) / f).is_file()]
         if not files:
