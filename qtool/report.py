@@ -221,14 +221,18 @@ def _masked(a: torch.Tensor, b: torch.Tensor, batch: Optional[Batch]) -> Tuple[t
 
 
 def _per_sample_cosine(a: torch.Tensor, b: torch.Tensor, batch: Optional[Batch] = None) -> torch.Tensor:
-    """Cosine per sample over the flattened output; padded token positions (attention_mask 0) are left out."""
+    """Cosine per sample over the flattened output; padded token positions (attention_mask 0) are left out, and so
+    is a sample they are all of (its outputs, all left out, would read cosine 0)."""
+    mask = batch.kwargs.get("attention_mask") if batch is not None else None
+    per_token = mask is not None and a.dim() >= 2 and tuple(a.shape[:2]) == tuple(mask.shape)
     a, b = _masked(a.float(), b.float(), batch)
     a = a.reshape(a.shape[0], -1)
     b = b.reshape(b.shape[0], -1)
     if a.shape[1] > _FLOAT32_COSINE_MAX:
         a, b = a.double(), b.double()
     # (float32 rounding can put equal outputs' cosine a few ulps above 1, which no gate or reader expects)
-    return torch.nn.functional.cosine_similarity(a, b, dim=1).float().clamp(-1.0, 1.0)
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=1).float().clamp(-1.0, 1.0)
+    return cos[(mask > 0).any(1).to(cos.device)] if per_token else cos
 
 
 def _one_number_each(out: torch.Tensor) -> bool:

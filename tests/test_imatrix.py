@@ -255,3 +255,45 @@ def test_without_the_gguf_package_commands_name_the_extra(llama, tmp_path, monke
             "error: this needs the optional package gguf: pip install 'qtool[gguf]' (nothing was written)"], err
         assert "measuring" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_padding_is_no_text_the_imatrix_counts(llama, tmp_path):
+    """Token ids at positions attention_mask drops change nothing in the file, and the token count is the mask's
+    (llama-imatrix never pads); data every mask drops whole is one line, nothing written."""
+    from safetensors.torch import save_file
+
+    ckpt, _, ids = llama
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0  # right padding
+    mask[2, :7] = 0  # left padding
+    mask[3] = 0  # a row of nothing
+    other = torch.where(mask > 0, ids, (ids * 7 + 3) % 300)
+    summaries, files = [], []
+    for name, x in (("a", ids), ("b", other)):  # (one file name: the file records it)
+        (tmp_path / name).mkdir()
+        save_file({"input_ids": x, "attention_mask": mask}, tmp_path / name / "ids.safetensors")
+        code, out, err = run_cli("imatrix", ckpt, "--data", tmp_path / name / "ids.safetensors", "-o",
+                                 tmp_path / f"{name}.gguf", "--json")
+        assert code == 0, err
+        summaries.append(json.loads(out))
+        files.append((tmp_path / f"{name}.gguf").read_bytes())
+    assert files[0] == files[1]
+    assert summaries[0]["tokens"] == int(mask.sum()) == ids.numel() - 14 - 7 - 24
+    # each row's text alone: the sums of the rows run one by one without their padding
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    seen = []
+    down = model.model.layers[0].mlp.down_proj
+    hook = down.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, 128)))
+    with torch.no_grad():
+        for r in range(len(ids)):
+            if mask[r].any():
+                model(ids[r:r + 1, mask[r] > 0])
+    hook.remove()
+    x = torch.cat(seen).double()
+    mean = read_imatrix(tmp_path / "a.gguf")["blk.0.ffn_down.weight"]
+    assert torch.allclose(mean.double(), (x * x).mean(0), rtol=1e-5)
+    save_file({"input_ids": ids, "attention_mask": torch.zeros_like(ids)}, tmp_path / "none.safetensors")
+    code, _, err = run_cli("imatrix", ckpt, "--data", tmp_path / "none.safetensors", "-o", tmp_path / "n.gguf")
+    assert code == 2 and not (tmp_path / "n.gguf").exists()
+    assert [line for line in error_lines(err) if "error" in line] == [f"error: {tmp_path / 'none.safetensors'}: holds no token its attention_mask keeps "
+                                "(every mask is 0): nothing to measure an importance matrix on"], err

@@ -702,3 +702,32 @@ def test_a_plot_without_matplotlib_is_one_line_before_measuring_and_written_file
     assert code == 2 and error_lines(err) == ["error: --plot draws with matplotlib, which is not installed: pip "
                                               "install 'qtool[report]'"], err
     assert "measuring" not in err and not (tmp_path / "p.png").exists()
+
+
+def test_a_sample_its_mask_drops_whole_is_no_sample_and_all_dropped_is_one_line(tmp_path):
+    """A row whose attention_mask is all 0 holds no output to compare: it is left out of the cosines (it read 0,
+    failing --min-cosine on nothing); data every mask drops whole is refused in one line, nothing printed."""
+    from tests.test_gguf import _tiny_llama
+
+    ckpt = _tiny_llama(tmp_path / "m", False)
+    assert run_cli("calibrate", ckpt, "-c", "w8a16", "-o", tmp_path / "run")[0] == 0
+    ids = torch.randint(1, 300, (4, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    save_file({"input_ids": ids[:3], "attention_mask": mask[:3]}, tmp_path / "three.safetensors")
+    mask[3] = 0
+    save_file({"input_ids": ids, "attention_mask": mask}, tmp_path / "four.safetensors")
+    save_file({"input_ids": ids, "attention_mask": torch.zeros_like(ids)}, tmp_path / "none.safetensors")
+    figures = []
+    for data in ("three", "four"):
+        code, out, err = run_cli("report", ckpt, "-e", tmp_path / "run" / "encodings.json", "--data",
+                                 tmp_path / f"{data}.safetensors", "--batch-size", "4", "--json",
+                                 "--min-cosine", "0.9")
+        assert code == 0, err
+        figures.append(json.loads(out)["end_to_end"])
+    assert figures[0]["cosine_min"] > 0.9 and figures[0]["cosine_min"] == figures[1]["cosine_min"]
+    assert figures[0]["cosine_mean"] == pytest.approx(figures[1]["cosine_mean"], abs=1e-7)
+    code, out, err = run_cli("report", ckpt, "-e", tmp_path / "run" / "encodings.json", "--data",
+                             tmp_path / "none.safetensors", "--json")
+    assert code == 2 and json.loads(out)["error"] == (
+        f"{tmp_path / 'none.safetensors'}: holds no token its attention_mask keeps (every mask is 0): nothing to "
+        "measure a report on")

@@ -16,6 +16,7 @@ from typing import List, Tuple
 from ..choices import weighs_activations
 from ..config import Plan
 from ..data import CalibrationData, ids_like
+from ..errors import DataError
 
 __all__ = ["MIN_TOKENS", "MIN_SAMPLES", "data_amount", "shortfalls"]
 
@@ -40,6 +41,14 @@ def data_amount(data: CalibrationData) -> Tuple[int, str]:
         mask = batch.kwargs.get("attention_mask")
         tokens += int(mask.sum()) if mask is not None else int(ids.numel())
     return (tokens, "tokens") if has_tokens else (data.num_samples, "samples")
+
+
+def refuse_no_kept_token(data: CalibrationData, what: str) -> None:
+    """Token-id data whose every ``attention_mask`` is 0 holds nothing to measure ``what`` (an importance matrix, a
+    report) on: one line naming the data."""
+    if data_amount(data) == (0, "tokens"):
+        raise DataError(f"{data.source or 'the data'}: holds no token its attention_mask keeps (every mask is 0): "
+                        f"nothing to measure {what} on")
 
 
 def shortfalls(plan: Plan, data: CalibrationData) -> List[str]:

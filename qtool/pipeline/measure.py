@@ -16,7 +16,8 @@ from torch import nn
 from ..calibration import CalibrateOptions
 from ..choices import check_arguments
 from ..config import RecipeFile, read_recipe
-from ..data import batch_where, load_data, longest_sample, model_takes, past_positions
+from ..calibration.data_check import refuse_no_kept_token
+from ..data import batch_where, load_data, longest_sample, model_takes, past_positions, unpadded_rows
 from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
 from ..errors import DataError, EncodingsError, UsageError
 from ..hooks import Hooks, step_progress
@@ -57,6 +58,7 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
             raise DataError("qtool report runs the model: pass --data PATH (text or tensors)")
         data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer,
                          pack_text=loaded.is_causal_lm)
+        refuse_no_kept_token(data, "a report")
         device = next(iter(loaded.model.parameters())).device
         hooks.on_stage("measuring")
         rep = evaluate(loaded.model, data, device, loaded.is_causal_lm, hooks.on_batch, group, data.source)
@@ -119,6 +121,7 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
     data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer,
                      pack_text=True)
+    refuse_no_kept_token(data, "an importance matrix")
     modules = dict(loaded.model.named_modules())
     # the decoder matrices (what llama-imatrix collects by default): GGUF name -> row -> module (a stacked expert
     # tensor has one row per expert)
@@ -132,11 +135,11 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
 
     def run():
         for i, batch in enumerate(batches):
-            b = batch.to(device)
-            with model_takes(loaded.model, b, batch_where(data.source, "importance", i + 1)):
-                loaded.model(*b.args, **b.kwargs)
+            for b in unpadded_rows(batch.to(device)):  # (padding is no text: llama-imatrix counts text tokens)
+                with model_takes(loaded.model, b, batch_where(data.source, "importance", i + 1)):
+                    loaded.model(*b.args, **b.kwargs)
             if hooks.on_batch:
-                hooks.on_batch(i + 1, len(batches), b.size)
+                hooks.on_batch(i + 1, len(batches), batch.size)
 
     hooks.on_stage("measuring")
     measured = {m for rows in matrices.values() for m in rows.values()}
