@@ -204,6 +204,7 @@ def test_rotation_makes_low_bit_activations_closer_to_float(world, tmp_path):
     ("rotate: {type: cayley}", "type"),
     ("rotate: {rotations: []}", "rotations"),
     ("rotate: {block_size: 0}", "block_size"),
+    ("rotate: {rotations: [r2, r4], block_size: 16}", "lists no r1"),  # (it was taken, and rotated nothing in blocks)
 ])
 def test_recipe_errors(text, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -785,3 +786,21 @@ def test_rotations_that_fold_no_norm_run_on_families_whose_norms_r1_cannot_fold(
     assert changed and (after - before).abs().max() <= 1e-5 * before.abs().max()
     with pytest.raises(ConfigError, match="r2, r3 and r4 alone fold none"):
         resolve_plan(parse_recipe("version: 1\nrotate: {rotations: [r1, r4]}\n"), model)
+
+
+def test_r1_in_blocks_is_said_in_the_plan_and_recorded_in_the_manifest(tmp_path):
+    """block_size changes what r1 computes: the plan line, config show's JSON and the manifest say it (a whole-width
+    r1 records none, as before)."""
+    llama = _llama(tmp_path / "m")
+    recipe = W4A16_ROT.replace("rotate: {rotations: [r1, r2]}", "rotate: {rotations: [r1, r2], block_size: 24}")
+    (tmp_path / "r.yaml").write_text(recipe)
+    code, out, err = run_cli("config", "show", tmp_path / "r.yaml", "--model", llama)
+    assert code == 0 and "r1 r2 fused into the weights (r1 in blocks of 24)" in out, out + err
+    code, out, err = run_cli("config", "show", tmp_path / "r.yaml", "--model", llama, "--json")
+    assert code == 0 and json.loads(out)["rotation"]["block_size"] == 24, out
+    code, _, err = run_cli("calibrate", llama, "-c", tmp_path / "r.yaml", "-o", tmp_path / "run")
+    assert code == 0, err
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["rotation"]["block_size"] == 24
+    (tmp_path / "whole.yaml").write_text(W4A16_ROT)
+    code, out, err = run_cli("config", "show", tmp_path / "whole.yaml", "--model", llama, "--json")
+    assert code == 0 and "block_size" not in json.loads(out)["rotation"]

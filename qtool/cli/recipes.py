@@ -55,6 +55,7 @@ def config_list(json_out: bool = _JSON) -> None:
 def _rotation_json(rotation) -> dict:
     """A plan's rotations: which, of what type, and the modules each online one runs on."""
     return {"rotations": list(rotation.rotations), "type": rotation.kind, "seed": rotation.seed,
+            **({"block_size": rotation.r1_blocks} if rotation.r1_blocks else {}),
             "online": [{**r.to_json(), "rotates": r.rotated} for r in rotation.online()]}
 
 
@@ -148,7 +149,9 @@ def config_show(
         rot = _rotation_json(plan.rotation)
         fused = [r for r in rot["rotations"] if r in ("r1", "r2")]
         console.print(_esc(f"rotate ({rot['type']}, seed {rot['seed']}), before calibration: "
-                           + "; ".join(([f"{' '.join(fused)} fused into the weights"] if fused else [])
+                           + "; ".join(([f"{' '.join(fused)} fused into the weights"
+                                         + (f" (r1 in blocks of {rot['block_size']})" if "block_size" in rot else "")]
+                                        if fused else [])
                                        + [f"{o['name']} online ({o['rotates']}) on {len(o['modules'])} modules, "
                                           f"e.g. {o['modules'][0]}" for o in rot["online"]])))
     for w in plan.warnings:

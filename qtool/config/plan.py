@@ -71,6 +71,11 @@ class RotationPlan:
     moe: Tuple[Tuple[str, Tuple[str, ...], Tuple[str, ...]], ...] = ()
 
     @property
+    def r1_blocks(self) -> Optional[int]:
+        """The width of r1's blocks where its rotation is block-diagonal (None: one rotation of the whole width)."""
+        return self.block_size if "r1" in self.rotations and 0 < self.block_size < self.hidden else None
+
+    @property
     def rotates_head(self) -> bool:
         """Whether r1 folds the final norm into an output layer and rotates it."""
         return "r1" in self.rotations and self.head is not None

@@ -405,6 +405,14 @@ class RotateSpec(BaseModel):
             raise ValueError("a rotation is listed twice")
         return v
 
+    @model_validator(mode="after")
+    def _block_for_r1(self):
+        if self.block_size is not None and "r1" not in self.rotations:  # (r2, r3, r4 rotate whole widths)
+            raise ValueError("block_size makes r1's rotation of the residual stream block-diagonal, and rotations "
+                             "lists no r1 (r2, r3 and r4 always rotate their whole width): remove block_size, or "
+                             "add r1")
+        return self
+
 
 class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -72,7 +72,9 @@ def _calibrate_into(checkpoint: str, recipe_path: Union[str, RecipeFile], opts: 
         **({"batch_norm_folds": [{"conv": f.conv, "bn": f.bn} for f in plan.folds]} if plan.folds else {}),
         **({"rotation": {"rotations": list(plan.rotation.rotations), "type": plan.rotation.kind,
                          "seed": plan.rotation.seed, "untied": [plan.rotation.head] if plan.rotation.untie else [],
-                         "replaced": len(run.floats)}} if plan.rotation else {}),
+                         "replaced": len(run.floats),
+                         **({"block_size": plan.rotation.r1_blocks} if plan.rotation.r1_blocks else {})}}
+           if plan.rotation else {}),
         **({"smoothquant": {"alpha": plan.smoothing[0].alpha,
                             "groups": [{"smooth": g.smooth, "balance": list(g.balance)} for g in plan.smoothing],
                             "replaced": sorted(run.floats)}} if plan.smoothing else {}),
