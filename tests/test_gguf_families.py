@@ -457,3 +457,23 @@ def test_experts_left_float_beside_fallback_floats_of_their_type_are_one_stack(t
         assert code == 2 and "GGUF stores a projection's experts as one tensor of one type" in err, err
     else:
         assert code == 0, err
+
+
+@pytest.mark.parametrize("family,width", [("qwen3", 128), ("gpt_oss", 64)])
+def test_a_config_without_head_dim_gets_the_heads_transformers_builds(tmp_path, family, width):
+    """Qwen3's and gpt-oss's configs default head_dim to a number (128, 64), not hidden / heads: without the key
+    transformers builds those heads, and the file says so (it said hidden / heads, and llama.cpp refused its
+    tensors' shapes while quantize exited 0)."""
+    pytest.importorskip("xllamacpp")
+    ckpt = _tiny(tmp_path / "m", family, head_dim=width)
+    config = json.loads((ckpt / "config.json").read_text())
+    config.pop("head_dim")
+    (ckpt / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli("quantize", ckpt, "-c", "gguf-q8_0", "-o", tmp_path / "q", "--format", "gguf", "--quiet")
+    assert code == 0, err
+    fields = gguf.GGUFReader(tmp_path / "q" / "model.gguf").fields
+    arch = {"qwen3": "qwen3", "gpt_oss": "gpt-oss"}[family]
+    assert fields[f"{arch}.attention.key_length"].contents() == width
+    agree, diffs = _agreement(ckpt, tmp_path / "q")
+    assert agree >= 34, agree
+    assert median(diffs) < 0.03, sorted(diffs)

@@ -66,6 +66,9 @@ class Family:
     norm_shift: float = 0.0
     #: the context length the converter writes when config.json gives no ``max_position_embeddings``
     context_length: int = 2048
+    #: each head's width where config.json gives no ``head_dim``, as transformers' config class defaults it
+    #: (Qwen3's 128, whatever the hidden size); None: ``hidden_size / num_attention_heads``
+    default_head_dim: Optional[int] = None
     #: transformers' model of the family reads experts stored one by one (its loader stacks them into its fused
     #: module, as Qwen3-MoE's does); False where its checkpoints store them fused and its loader reads only that
     #: (gpt-oss, GraniteMoE): a compressed-tensors file's per-expert tensors then load as random experts
@@ -99,7 +102,7 @@ class Family:
             if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
                 raise CheckpointError(f"{where}: dense MLP layers among the MoE ones (mlp_only_layers, "
                                       "decoder_sparse_step) have no GGUF export in qtool")
-        for key, default in (("max_position_embeddings", self.context_length), ("head_dim", None)):
+        for key, default in (("max_position_embeddings", self.context_length), ("head_dim", self.default_head_dim)):
             config[key] = positive_int(config, key, where, default)
         config["rms_norm_eps"] = finite(config, "rms_norm_eps", where, 1e-6)
         try:

@@ -32,6 +32,7 @@ class GptOss(Family):
     gguf_arch = "gpt-oss"
     gguf_needs_output = True  # (its loader has no token_embd fallback for a tied output layer)
     context_length = 131072
+    default_head_dim = 64  # (GptOssConfig's)
 
     def check_gguf(self, config: Dict[str, Any], where: Path) -> Dict[str, Any]:
         config = super().check_gguf(config, where)

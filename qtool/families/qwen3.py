@@ -10,6 +10,7 @@ class Qwen3(Qwen2):
     rms_norms = ("Qwen3RMSNorm",)
     gguf_arch = "qwen3"
     gguf_absent = {"attention_bias": "attention biases"}
+    default_head_dim = 128  # (Qwen3Config's: a config.json without head_dim builds 128-wide heads)
 
 
 FAMILY = Qwen3()
