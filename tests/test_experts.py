@@ -626,12 +626,44 @@ def test_eval_of_int8_experts_names_the_runtimes_limit(tmp_path):
     said "cannot load it (... look at the `CONVERSION` entries of the above report!)", a report it had hidden,
     for the README's own W8A8 example on every MoE family (docs/formats.md names the limit)."""
     checkpoint, ids = _saved(tmp_path, "qwen3_moe")
-    code, _, err = run_cli("quantize", checkpoint, "-c", "w8a8-dynamic", "-o", tmp_path / "ct", "--format",
-                           "compressed-tensors", "--quiet")
+    code, out, err = run_cli("quantize", checkpoint, "-c", "w8a8-dynamic", "-o", tmp_path / "ct", "--format",
+                             "compressed-tensors", "--quiet", "--json")
     assert code == 0, err
+    assert [w for w in json.loads(out)["export_warnings"] if "transformers cannot reload" in w] == [
+        "transformers cannot reload this directory's 48 per-expert layers into its fused experts: " + _INT8_LIMIT +
+        "; qtool eval refuses the transformers reload in one line"]
     code, _, err = run_cli("eval", tmp_path / "ct", "--data", ids, "--seq-len", 32, "--num-samples", 4,
                            "--generate", 0)
-    assert code == 2 and "transformers cannot load its experts" in err and "above report" not in err, err
+    assert code == 2 and "above report" not in err, err
+    assert f"transformers cannot reload its experts as the file holds them: {_INT8_LIMIT}" in err
+    assert "measuring the float model" not in err  # (said before any model runs)
+
+
+_INT8_LIMIT = ("its expert stacking finds no int-quantized (8-bit) gate/up tensors to stack (llm-compressor's W8A8 "
+               "MoE output fails alike; --ct-8bit-format pack-quantized writes 8-bit weights it reads)")
+
+
+def test_experts_of_two_schemes_are_said_by_the_export_and_by_eval_before_any_model_runs(tmp_path):
+    """Mixtral's experts with gate/up (w1/w3) in 4-bit blocks and down (w2) per channel: the file's two config
+    groups target layers by per-expert name, which transformers' fused experts do not have. It loaded them
+    randomly initialized (top-1 agreement 0.19) with exit 0, and eval blamed the file ("not a whole export");
+    the same calibration with 8-bit weights packed ("Could not match ...") gave an export fault of KL 0.1."""
+    checkpoint, ids = _saved(tmp_path, "mixtral")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, block_size: 16}\n"
+                      "  activations: null\nlayers:\n  - match: '*.w2'\n"
+                      "    weights: {bitwidth: 8, granularity: per_channel}\nignore: [lm_head]\n")
+    for fmt in ("int-quantized", "pack-quantized"):
+        code, out, err = run_cli("quantize", checkpoint, "-c", recipe, "-o", tmp_path / fmt, "--format",
+                                 "compressed-tensors", "--ct-8bit-format", fmt, "--json", "--quiet")
+        assert code == 0, err
+        said = [w for w in json.loads(out)["export_warnings"] if "transformers cannot reload" in w]
+        assert len(said) == 1 and "targets its 2 scheme(s) by layer name" in said[0], out
+        code, _, err = run_cli("eval", tmp_path / fmt, "--data", ids, "--seq-len", 32, "--num-samples", 4,
+                               "--generate", 0)
+        assert code == 2 and "transformers cannot reload its experts as the file holds them: its " \
+            "quantization_config targets its 2 scheme(s) by layer name" in err, err
+        assert "measuring the float model" not in err and "not a whole export" not in err
 
 
 def test_patterns_may_name_experts_by_the_checkpoints_names(tmp_path):

@@ -35,7 +35,7 @@ from ..report import ONE_NUMBER_NOTE, _one_number_each, output_cosines, output_e
 from .artifact import Artifact, changed_files, locate, places, quantization_config
 from .metrics import Distributions, agreement, divergence, perplexity, token_kl
 from .result import Evaluation, check_gate_use, check_gates, describe, enforce
-from .runtimes import OnnxRuntime, TorchRuntime, transformers_reload
+from .runtimes import OnnxRuntime, TorchRuntime, refuse_known_expert_limit, transformers_reload
 
 __all__ = ["EvalOptions", "Evaluation", "evaluate_artifact", "check_held_out", "artifact_model", "locate", "Artifact",
            "check_gates", "enforce", "describe"]
@@ -236,6 +236,7 @@ def _same_model(art: Artifact, config, meta: Dict[str, Any]) -> None:
         cfg = read_json_object(art.path / "config.json", UsageError, "Hugging Face config")
         cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
         got = {k: cfg.get(k) for k in want}
+        refuse_known_expert_limit(art.path)  # (before the float model runs: nothing to wait for)
     wrong = [f"{k} {got[k]} (the reference's: {want[k]})" for k in want
              if got.get(k) is not None and want[k] is not None and got[k] != want[k]]
     if wrong:

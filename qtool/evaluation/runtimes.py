@@ -172,6 +172,7 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
     import contextlib
     import io
 
+    refuse_known_expert_limit(directory)
     auto = transformers.AutoModelForCausalLM if causal_lm and _auto_causal_lm(directory) else \
         _architecture_class(directory, transformers)
     errors = []
@@ -218,6 +219,29 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
         allowance = (0.0, 1e-4) if dtype == torch.float32 else (1.0, 0.01) if activations else (0.25, 0.01)
         return TorchRuntime(model, label, *allowance)
     raise UsageError(f"{directory}: transformers cannot load it ({'; '.join(errors)})" + _known_limit(directory, errors))
+
+
+def refuse_known_expert_limit(directory: Path) -> None:
+    """A directory whose per-expert tensors transformers is known not to reload into its fused experts as the file
+    holds them (:func:`~qtool.export.ct_config.transformers_expert_limit`): one line before any load, where the
+    load would fail with another reason, or succeed with wrong experts and call the file faulty."""
+    from ..export.ct_config import transformers_expert_limit
+
+    from ..families import family_of
+    from ..io.jsonfile import read_json_object
+
+    if not _experts_apart(directory) or _experts_quantized_apart(directory) is not None:
+        return  # (no experts stored apart; or quantized apart, which its own message says)
+    try:
+        family = family_of(read_json_object(directory / "config.json", UsageError, "config").get("model_type"))
+    except (UsageError, OSError):
+        return  # (the load's own error says what is wrong with config.json)
+    if family is not None and not family.transformers_reads_split_experts:
+        return  # (it reads no per-expert tensors at all: the load report says so, _check_loaded)
+    limit = transformers_expert_limit(quantization_config(directory) or {})
+    if limit:
+        raise UsageError(f"{directory}: transformers cannot reload its experts as the file holds them: {limit}; "
+                         "evaluate qtool's own format of the same calibration instead")
 
 
 def _mismatch(directory: Path, auto, dtype, trust_remote_code: bool = False) -> Optional[str]:
@@ -272,8 +296,8 @@ def _architecture_class(directory: Path, transformers):
         auto_class_for(transformers, names, config.get("auto_map"))
 
 
-_EXPERTS_FUSED = ("its experts are stored one by one, as vLLM's MoE loaders read them; transformers' model holds "
-                  "them fused and reads no quantized fused experts")
+_EXPERTS_FUSED = ("its experts are stored one by one, as vLLM's MoE loaders read them, and transformers' model "
+                  "holds them fused: it did not read them into its fused experts")
 
 
 def _reloads_nvfp4_experts_wrongly(version: str) -> bool:

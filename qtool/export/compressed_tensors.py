@@ -94,7 +94,8 @@ from ..model.hf import meta_skeleton
 from ..weights import WeightSource
 from .base import Exporter, ExportRequest, layout_bytes, weight_names
 from .ct_config import (_KEY_ROTATION_NOTE, _ONLINE_NOTE, CT_VERSION_FALLBACK, _compat_notes, _int_format,
-                        _online_transforms, check_layout, config_groups, fused_mixes, quantization_config)
+                        _online_transforms, check_layout, config_groups, fused_mixes, quantization_config,
+                        transformers_expert_limit)
 from .ct_modules import _routers, _tied_params, _unwritten_activations, _written_input, select_linear
 from .ct_tensors import _ct_scale_shape, _float_layout, _int_layout, _scale_dtype, tensor_layout, write_tensors
 
@@ -271,6 +272,11 @@ def export_compressed_tensors(
     float_linear = [n for n in linear_names if n not in quantized_modules] + _routers(model, modules, keys)
     warnings += fused_mixes(settings, linear_names, rename)
     qconfig, groups, top_format = quantization_config(settings, modules, quantized_modules, float_linear, kv, rename)
+    limit = transformers_expert_limit(qconfig) if experts and family is not None and \
+        family.transformers_reads_split_experts else None
+    if limit:
+        warnings.append(f"transformers cannot reload this directory's {len(experts)} per-expert layers into its fused "
+                        f"experts: {limit}; qtool eval refuses the transformers reload in one line")
     transforms = _online_transforms(encodings, modules, src, keys, model)
     if transforms:
         qconfig["transform_config"] = {"config_groups": {t["scheme"]: t["config"] for t in transforms}}

@@ -307,6 +307,25 @@ def config_groups(by_key: Dict[str, EncodingEntry], src, dyn_inputs: Dict[str, E
     return settings, module_args, module_fmt
 
 
+def transformers_expert_limit(qconfig: Dict[str, Any]) -> Optional[str]:
+    """Why transformers (5.23, compressed-tensors 0.20) does not reload the model a compressed-tensors directory
+    holds where its mixture-of-experts experts are stored one by one and transformers' model holds them fused
+    (stacking them as it loads); None where it does (one scheme targeting ``Linear``, in int4 pack-quantized, FP8
+    or MXFP4: tested). NVFP4 experts, which it reloads with wrong values, are said apart."""
+    groups = [g for g in (qconfig.get("config_groups") or {}).values() if isinstance(g, dict)]
+    if len(groups) > 1 or any(g.get("targets") != ["Linear"] for g in groups):
+        return (f"its quantization_config targets its {len(groups)} scheme(s) by layer name, which transformers' "
+                "fused experts do not have: it loads them randomly initialized, or unquantized from the packed "
+                "values (quantize every Linear alike, one rule, for a file transformers reloads)")
+    formats = {g.get("format") for g in groups} | {qconfig.get("format")}
+    if "int-quantized" in formats:
+        return ("its expert stacking finds no int-quantized (8-bit) gate/up tensors to stack (llm-compressor's W8A8 "
+                "MoE output fails alike; --ct-8bit-format pack-quantized writes 8-bit weights it reads)")
+    if "mxfp8-quantized" in formats:
+        return "its dequantization of stacked MXFP8 experts fails (a scale shape mismatch)"
+    return None
+
+
 def quantization_config(settings: Dict[str, Dict[str, Any]], modules: Dict[str, nn.Module], quantized_modules,
                         float_linear: List[str], kv: List[EncodingEntry],
                         rename: Callable[[str], str] = str) -> Tuple[Dict[str, Any], Dict[str, Any], str]:
