@@ -518,8 +518,10 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
     own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     if own is not None and floats - {own}:  # (NumPy's default float64 beside float32 weights: "mat1 and mat2 ...")
         other = sorted(str(d).replace("torch.", "") for d in floats - {own})[0]
-        return (f"the data is {other} and the model {str(own).replace('torch.', '')}: save the data as the model's "
-                f"type (NumPy: x.astype('{str(own).replace('torch.', '')}'))")
+        kind = str(own).replace("torch.", "")
+        how = f"torch: x.to(torch.{kind}), saved as .safetensors or .pt" if own == torch.bfloat16 else \
+            f"NumPy: x.astype('{kind}')"  # (NumPy has no bfloat16)
+        return f"the data is {other} and the model {kind}: save the data as the model's type ({how})"
     # integer pixels (uint8 images) into a model with no embedding table: torch's "expected scalar type Byte but
     # found Float", "Input type (unsigned char) and bias type (float) should be the same"
     ints = sorted({str(t.dtype).replace("torch.", "") for t in tensors if not t.is_floating_point()})

@@ -69,6 +69,10 @@ SETUPS = {
     "hf_config_remote_code": lambda d, ckpt: _hf_dir(
         d, '{"model_type": "custom_thing", "auto_map": {"AutoConfig": "configuration_custom.CustomConfig", '
            '"AutoModel": "modeling_custom.CustomModel"}}'),
+    "hf_config_architectures_a_string": lambda d, ckpt: _hf_dir(
+        d, '{"model_type": "llama", "architectures": "LlamaForCausalLM"}'),
+    "hf_config_dangling_link": lambda d, ckpt: (_hf_dir(d, None) / "config.json").unlink() or (
+        d / "hf" / "config.json").symlink_to(d / "gone.json") or d / "hf",
     "hf_config_string_sizes": lambda d, ckpt: _hf_dir(
         d, '{"model_type": "llama", "hidden_size": "sixty-four", "num_hidden_layers": 2, "vocab_size": 256}'),
     "hf_index_missing_shard": lambda d, ckpt: _hf_dir(

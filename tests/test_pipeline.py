@@ -327,14 +327,26 @@ def test_every_checkpoint_kind_gives_the_same_encodings(tmp_path):
     torch.save(mlp(), pickled)
     pt2 = tmp_path / "m.pt2"
     torch.export.save(torch.export.export(mlp(), (torch.randn(2, 64),)), pt2)
+    # a training checkpoint's {"state_dict": ..., "epoch": 3} (--trust-pickle, a permission, read it as no tensors)
+    # and torch.save's legacy (non-zip) format (torch's "mmap can only be used with ..." line)
+    nested, legacy, legacy_whole = tmp_path / "nested.pt", tmp_path / "legacy.pt", tmp_path / "legacy_whole.pt"
+    torch.save({"state_dict": state, "epoch": 3}, nested)
+    torch.save(state, legacy, _use_new_zipfile_serialization=False)
+    torch.save(mlp(), legacy_whole, _use_new_zipfile_serialization=False)
 
     results = {}
     for name, ckpt, extra in [("st", st, ["--model-class", MLP]), ("pt", pt, ["--model-class", MLP]),
-                              ("pickle", pickled, ["--trust-pickle"]), ("pt2", pt2, [])]:
+                              ("pickle", pickled, ["--trust-pickle"]), ("pt2", pt2, []),
+                              ("nested", nested, ["--model-class", MLP]),
+                              ("nested_trusted", nested, ["--model-class", MLP, "--trust-pickle"]),
+                              ("legacy", legacy, ["--model-class", MLP]),
+                              ("legacy_whole", legacy_whole, ["--trust-pickle"])]:
         code, _, err = run_cli("calibrate", ckpt, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / name, *extra)
         assert code == 0, (name, err)
         results[name] = _weights_of(tmp_path / name)
-    assert results["st"] == results["pt"] == results["pickle"] == results["pt2"]
+    assert all(r == results["st"] for r in results.values()), [n for n, r in results.items() if r != results["st"]]
+    code, _, err = run_cli("calibrate", legacy_whole, "-c", CONFIGS / "w8a16.yaml", "-o", tmp_path / "no")
+    assert code == 2 and "pickled Python objects" in err and "--trust-pickle" in err, err
 
 
 def test_a_model_class_on_a_checkpoint_that_names_its_own_model_is_refused(tmp_path):
@@ -958,6 +970,18 @@ def test_a_failed_run_leaves_no_directory_it_made_on_the_way(tmp_path):
                                "w8a8", "--data", tmp_path / "bad.safetensors", "-o", out)
         assert code == 2 and "the model rejected the data" in err, err
     assert not (tmp_path / "new").exists() and (tmp_path / "kept").is_dir() and not any((tmp_path / "kept").iterdir())
+
+
+@pytest.mark.parametrize("factory,dtype,how", [
+    ("mlp", torch.float64, "NumPy: x.astype('float32')"),
+    ("mlp_bf16", torch.float32, "torch: x.to(torch.bfloat16), saved as .safetensors or .pt")])
+def test_data_of_another_float_type_is_told_how_to_save_it(tmp_path, factory, dtype, how):
+    """A bfloat16 model was told x.astype('bfloat16'), which NumPy (no bfloat16) refuses."""
+    save_file(mlp().state_dict(), tmp_path / "m.safetensors")
+    save_file({"x": torch.randn(16, 64, dtype=dtype)}, tmp_path / "x.safetensors")
+    code, _, err = run_cli("calibrate", tmp_path / "m.safetensors", "--model-class", f"tests.tinymodels:{factory}",
+                           "-c", "w8a8", "--data", tmp_path / "x.safetensors", "-o", tmp_path / "r")
+    assert code == 2 and error_lines(err)[-1].endswith(f"save the data as the model's type ({how})"), err
 
 
 def test_integer_images_are_named(tmp_path):

@@ -9,6 +9,11 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
+def mlp_bf16() -> nn.Module:
+    """:func:`mlp` in bfloat16."""
+    return mlp().to(torch.bfloat16)
+
+
 def regressor() -> nn.Module:
     """One number per sample (a regression or reranker head)."""
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import pickle
 import struct
 import sys
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from ..errors import CheckpointError
 from .jsonfile import loads_strict, read_json_object
 
 __all__ = ["not_found", "check_files_there", "detect_kind", "tensor_files", "files_read", "check_safetensors",
-           "read_state_dict", "torch_load_safe", "CheckpointTensors", "ST_DTYPES"]
+           "read_state_dict", "plain_state_dict", "torch_load_safe", "CheckpointTensors", "ST_DTYPES"]
 
 
 def not_found(path) -> CheckpointError:
@@ -48,6 +48,9 @@ def detect_kind(path: Path) -> str:
     if path.is_dir():
         if (path / "config.json").exists():
             return "hf"
+        if (path / "config.json").is_symlink():  # (a Hub cache whose blob is gone)
+            raise CheckpointError(f"{path}: config.json is a link to {os.readlink(path / 'config.json')}, which does "
+                                  "not exist")
         raise CheckpointError(f"{path}: a directory checkpoint needs config.json (a Hugging Face model directory)")
     suffix = path.suffix.lower()
     if suffix == ".pt2":
@@ -331,6 +334,12 @@ def read_state_dict(path: Path) -> Dict[str, torch.Tensor]:
     obj = torch_load_safe(path)
     if isinstance(obj, nn.Module):  # pragma: no cover - weights_only never returns a module
         return obj.state_dict()
+    return plain_state_dict(obj, path)
+
+
+def plain_state_dict(obj: Any, path: Path) -> Dict[str, torch.Tensor]:
+    """A loaded torch file's state dict: the object itself, or its ``state_dict`` entry (a training checkpoint's
+    ``{"state_dict": ..., "epoch": 3}``), name -> tensor throughout."""
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: expected a state dict (name -> tensor), found {type(obj).__name__}")
     if "state_dict" in obj and isinstance(obj["state_dict"], dict):
@@ -348,8 +357,8 @@ def torch_load_safe(path: Path):
         raise CheckpointError(f"{path}: not a torch checkpoint (torch.save writes a zip archive); for weights use "
                               ".safetensors, .pt/.pth from torch.save, or a Hugging Face directory")
     _refuse_torchscript(path)
-    try:
-        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    try:  # (mmap reads the zip archive only: torch refuses it for the legacy format)
+        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=magic[:2] == b"PK")
     except (pickle.UnpicklingError, RuntimeError, AttributeError) as e:
         text = str(e)
         if "Weights only load failed" in text or "weights_only" in text or isinstance(e, pickle.UnpicklingError):
@@ -387,8 +396,8 @@ class CheckpointTensors:
                 if not trust_pickle:
                     raise
                 obj = load_pickle(self.path)
-                state = obj.state_dict() if isinstance(obj, nn.Module) else obj
-                self._memory = {k: v.detach() for k, v in state.items() if isinstance(v, torch.Tensor)}
+                state = obj.state_dict() if isinstance(obj, nn.Module) else plain_state_dict(obj, self.path)
+                self._memory = {k: v.detach() for k, v in state.items()}
             self.files = [self.path]
 
     def keys(self) -> List[str]:

@@ -7,6 +7,7 @@ transformers is an optional extra (``qtool[hf]``); every entry point here turns 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import re
 import warnings
@@ -50,6 +51,10 @@ def _config(path, trust_remote_code: bool):
     _refuse_non_finite(cfg_file, raw)
     _refuse_quantized(cfg_file, raw)
     _check_layer_count(path, raw)
+    archs = raw.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise CheckpointError(f"{cfg_file}: architectures must be a list of class names, like [\"LlamaForCausalLM\"] "
+                              f"(got {json.dumps(archs)[:60]})")
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except ValueError as e:

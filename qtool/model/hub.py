@@ -34,6 +34,8 @@ def resolve_checkpoint(arg: str, revision: Optional[str] = None) -> str:
     one line saying what was tried."""
     if not arg.strip():  # (Path("") is the working directory)
         raise UsageError("CHECKPOINT is empty: pass a file, a directory or a Hugging Face Hub ID like org/name")
+    if revision is not None and not revision.strip():  # (the Hub's cache reads refs/ itself: "Is a directory")
+        raise UsageError("--revision is empty: pass a branch, a tag or a commit, or leave it out for main")
     if Path(arg).exists():
         if revision is not None:
             raise UsageError(f"--revision applies to a Hugging Face Hub ID; {arg} is a local path")

@@ -28,7 +28,8 @@ from torch import nn
 from ..errors import CheckpointError, UsageError
 from .hf import hf_name_map, load_hf
 from ..io.checkpoint import (CheckpointTensors, check_safetensors, detect_kind, load_exported, load_pickle,
-                             not_found, read_state_dict, tensor_files, torch_load_safe, working_directory_importable)
+                             not_found, plain_state_dict, read_state_dict, tensor_files, torch_load_safe,
+                             working_directory_importable)
 
 __all__ = ["LoadedModel", "load_model", "detect_kind", "resolve_device", "tensor_files", "read_state_dict",
            "refuse_non_finite_reference"]
@@ -262,7 +263,7 @@ def load_model(
                 raise UsageError(f"{path}: a state dict needs --model-class module:callable to build the model")
             model = _build(model_class)
             kind = "state_dict"
-            _load_state_into(model, read_state_dict(path) if not trust_pickle else obj, path)
+            _load_state_into(model, plain_state_dict(obj, path), path)
         else:
             raise CheckpointError(f"{path}: expected a state dict or a module, found {type(obj).__name__}")
     model = model.to(dev)
