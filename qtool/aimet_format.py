@@ -305,6 +305,24 @@ def _row_0_6_1(source: str, name: str, item: Any) -> Tuple[int, bool, torch.Tens
     return bits, str(item[0]["is_symmetric"]) == "True", scale, off
 
 
+def _range_disagrees(item: List[Dict[str, Any]], bits: int, scale: torch.Tensor, off: torch.Tensor) -> Optional[str]:
+    """Where a 0.6.1 entry's ``min`` / ``max`` (the effective range, ``offset·scale`` and ``(offset + 2^bw - 1)·scale``)
+    are not those of its ``scale`` / ``offset`` by more than a hundredth of a step: what qtool imports (the scale
+    and offset) then differs from what the file's range says."""
+    if not 1 <= bits <= 64 or not all(isinstance(i.get(k), (int, float)) and not isinstance(i.get(k), bool)
+                                      for i in item for k in ("min", "max")):
+        return None  # (no range written, or a bitwidth refused below)
+    lo = torch.tensor([float(i["min"]) for i in item], dtype=torch.float64)
+    hi = torch.tensor([float(i["max"]) for i in item], dtype=torch.float64)
+    want_lo, want_hi = off * scale, (off + 2 ** bits - 1) * scale
+    far = ((lo - want_lo).abs() > 0.01 * scale) | ((hi - want_hi).abs() > 0.01 * scale)
+    if not bool(far.any()):
+        return None
+    k = int(far.nonzero()[0])
+    return (f"min/max [{float(lo[k]):.6g}, {float(hi[k]):.6g}] (channel {k}) are not the range its scale and offset "
+            f"give, [{float(want_lo[k]):.6g}, {float(want_hi[k]):.6g}]; imported by its scale and offset")
+
+
 def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], source: str,
                module_of: Callable[[str], Optional[str]]) -> Tuple[EncodingsFile, List[str]]:
     """qtool encodings from an AIMET file. ``weight_shapes`` maps checkpoint tensor names to shapes;
@@ -352,9 +370,10 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                     current = f"{key}[{k}]"
                     name, item = entry if version == "0.6.1" else (_a_mapping(entry)["name"], entry)
                     current = str(name)
+                    note = None
                     if version == "0.6.1":
                         bits, sym, scale, off = _row_0_6_1(source, name, item)
-                        block = None
+                        block, note = None, _range_disagrees(item, bits, scale, off)
                     else:
                         if str(item.get("dtype", "INT")).upper() != "INT":
                             raise EncodingsError(f"{source}: {name}: only integer encodings can be imported")
@@ -378,7 +397,7 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                     per_channel = version == "1.0.0" and item.get("enc_type") == "PER_CHANNEL"
                     rows.append((kind, str(name), {"bits": bits, "signed": sym, "declared_sym": sym, "scale": scale,
                                                    "offset": off - qmin, "axis": None, "block": block,
-                                                   "per_channel": per_channel}))
+                                                   "per_channel": per_channel, "note": note}))
     except EncodingsError:
         raise
     except _MALFORMED as e:
@@ -400,14 +419,22 @@ def from_aimet(obj: Dict[str, Any], weight_shapes: Dict[str, Tuple[int, ...]], s
                                  f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
         if entry is not None:
             entries.append(entry)
+            if r.get("note"):
+                warnings.append(f"{name}: {r['note']}")
     if not entries:
         where = "encodings" if version in ("2.0.0", "2.1.0") else "param_encodings / activation_encodings"
         what = (f"none of its {len(rows)} entries (e.g. {rows[0][1][:80]!r}) names a weight of this checkpoint or "
                 "a <module>.input / .output; were they made for another model?" if rows else
                 f"the file holds no encodings (AIMET {version} keeps them in {where})")
+        if rows and all(w.endswith(_NOT_A_WEIGHT) for w in warnings) and len(warnings) == len(rows):
+            what = (f"its {len(rows)} entries (e.g. {rows[0][1][:80]!r}) name biases or buffers, which qtool does "
+                    "not quantize (it imports weights and <module>.input / .output)")
         fused = next((w for w in warnings if _FUSED_EXPERTS in w), None)
         raise EncodingsError(f"{source}: nothing to import: {what}" + (f" ({fused})" if fused else ""))
     return EncodingsFile(entries, {"imported_from": f"AIMET {version}"}), warnings
+
+
+_NOT_A_WEIGHT = ": not a module weight (bias or buffer); skipped"
 
 
 def _squeezed(shape) -> Tuple[int, ...]:
@@ -447,7 +474,7 @@ def _entry_from_row(name: str, r: Dict[str, Any], weight_shapes: Dict[str, Tuple
         module = module_of(name)
         wshape = tuple(weight_shapes[name])
         if module is None or not name.endswith(".weight"):
-            warnings.append(f"{name}: not a module weight (bias or buffer); skipped")
+            warnings.append(f"{name}{_NOT_A_WEIGHT}")
             return None
         count = r["scale"].numel()
         try:
@@ -462,6 +489,9 @@ def _entry_from_row(name: str, r: Dict[str, Any], weight_shapes: Dict[str, Tuple
         qname = f"{module}.weight"
     elif name.endswith(".input") or name.endswith(".output"):
         module, tensor = name.rsplit(".", 1)
+        if not module:  # (the root model would get a quantizer: no forward of its own to watch)
+            raise EncodingsError(f"{source}: {name}: an activation entry is <module>.{tensor}, and this one names no "
+                                 "module")
         gran, shape, block_size, qname = "per_tensor", (), None, name
         if r["scale"].numel() != 1:
             raise EncodingsError(f"{source}: {name}: activation encodings must be per-tensor")

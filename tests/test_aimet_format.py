@@ -113,6 +113,18 @@ def test_malformed_aimet_file_is_a_clear_error():
         from_aimet({"version": "1.0.0", "param_encodings": [{"name": "x"}]}, {}, "f", lambda n: n)
 
 
+@pytest.mark.parametrize("low, high, said", [(-1.28, 1.27, False), (-1.2800001, 1.2699999, False), (-5.0, 5.0, True)])
+def test_a_0_6_1_range_other_than_its_scale_and_offsets_is_said(low, high, said):
+    """0.6.1's min/max are the effective range (offset·scale, (offset + 255)·scale): a file whose range says
+    another one was imported by its scale and offset without a word."""
+    entry = [{"bitwidth": 8, "is_symmetric": "True", "scale": 0.01, "offset": -128, "min": low, "max": high}]
+    enc, warnings = from_aimet({"version": "0.6.1", "param_encodings": {"0.weight": entry}}, {"0.weight": (3, 4)}, "f",
+                               lambda n: n.rsplit(".", 1)[0])
+    assert enc.entries[0].min.flatten().tolist() == pytest.approx([-1.28])
+    assert warnings == ([f"0.weight: min/max [{low:.6g}, {high:.6g}] (channel 0) are not the range its scale and "
+                         "offset give, [-1.28, 1.27]; imported by its scale and offset"] if said else [])
+
+
 @pytest.mark.parametrize("entry, message", [
     # an empty list, a channel without its offset: raw IndexError / KeyError naming no entry
     ([], "0.weight: a 0.6.1 entry is a list of encodings, one per channel"),
@@ -248,10 +260,16 @@ def test_aimet_export_refuses_tiles_of_blocks():
     ({"version": "2.0.0", "encodings": {}}, "f: nothing to import: the file holds no encodings"),
     ({"version": "1.0.0", "encodings": [{"name": "a.weight", "output_dtype": "int8", "y_scale": 0.01}]},
      "f: nothing to import: the file holds no encodings .AIMET 1.0.0 keeps them in param_encodings"),
+    # this model's bias alone: it was "were they made for another model?"
+    (_v1([_v1_entry("a.bias", [0.01], [-128], True, "PER_TENSOR")]),
+     r"f: nothing to import: its 1 entries \(e.g. 'a.bias'\) name biases or buffers, which qtool does not quantize"),
+    # the root model's input: imported as a quantizer on no module, which report then ran as the model's forward
+    ({"version": "1.0.0", "activation_encodings": [_v1_entry(".input", [0.01], [0], False, "PER_TENSOR")]},
+     r"^f: .input: an activation entry is <module>.input, and this one names no module$"),
 ])
 def test_a_file_with_nothing_for_this_model_is_refused(obj, message):
     with pytest.raises(EncodingsError, match=message):
-        from_aimet(obj, {"a.weight": (4, 8)}, "f", _mod)
+        from_aimet(obj, {"a.weight": (4, 8), "a.bias": (4,)}, "f", _mod)
 
 
 def test_an_unmatched_param_entry_is_not_called_an_activation():
