@@ -107,7 +107,25 @@ def test_a_mapping_that_changes_the_function_is_refused(world, tmp_path):
     assert code == 2
     errors = [line for line in error_lines(err) if line.startswith("error:")]
     assert len(errors) == 1 and "changes the float model's outputs" in errors[0]
+    # (the recipe gave this mapping: "give smoothquant.mappings" alone sent the user back to what they wrote)
+    assert errors[0].endswith("or a layer between them is not linear: give smoothquant.mappings pairing a module "
+                              "with every layer that reads its output"), errors
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("key", ["smoothquant", "awq"])
+def test_a_balance_layer_tied_to_another_weight_is_refused_before_calibrating(tmp_path, key):
+    """lm_head tied to the embedding table: a scale folded into its input columns rescales the table too. It was
+    refused by the fold check after a calibration pass (AWQ's search too), with the advice to give the mappings
+    the recipe gave."""
+    llama = tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    mapping = "{mappings: [{smooth: model.norm, balance: [lm_head]}]}"
+    plan_text = STATIC.replace("ignore: [lm_head]\n", "") + f"{key}: {mapping}\n"
+    with pytest.raises(ConfigError, match=f"{key}: lm_head's weight is tied to model.embed_tokens's, so the scale "
+                                          "folded into lm_head's input channels would rescale model.embed_tokens"):
+        resolve_plan(parse_recipe(plan_text), transformers.AutoModelForCausalLM.from_pretrained(str(llama)))
+    untied = tiny_llama(tmp_path / "untied")
+    resolve_plan(parse_recipe(plan_text), transformers.AutoModelForCausalLM.from_pretrained(str(untied)))
 
 
 def test_sequential_is_refused(world, tmp_path):

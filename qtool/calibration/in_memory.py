@@ -26,6 +26,10 @@ from .smoothing import activation_absmax, smooth
 # SmoothQuant and batch-norm folding must leave the float model's function alone: largest output change allowed,
 # relative to the output's largest magnitude (float32 rounding of the rescaled weights stays near 1e-6)
 SMOOTH_TOLERANCE = 1e-3
+# why a folded scale changed the float model, and what to do (the mappings may be the recipe's own)
+MISFIT = ("something besides the balance layers reads the smoothed module's output (a mixture-of-experts router?), "
+          "or a layer between them is not linear: give {key}.mappings pairing a module with every layer that reads "
+          "its output")
 
 __all__ = ["calibrate", "CalibrationResult"]
 
@@ -203,7 +207,7 @@ def _awq(model: nn.Module, plan: Plan, modules, data: CalibrationData, device, r
     err = _relative_change(before, _output(model, first))
     if not err <= SMOOTH_TOLERANCE:
         raise UsageError(f"awq: folding the scales changes the float model's outputs (relative error {err:.2g}); "
-                         "a mapping does not fit this architecture: give awq.mappings")
+                         f"a mapping does not fit this model: {MISFIT.format(key='awq')}")
     return replaced
 
 
@@ -230,6 +234,6 @@ def _smooth(model: nn.Module, plan: Plan, modules, data: CalibrationData, device
             named = ", ".join(g.balance[:4]) + (f" and {len(g.balance) - 4} more" if len(g.balance) > 4 else "")
             raise UsageError(f"smoothquant: folding scales from {g.smooth} into {named} changes the "
                              f"float model's outputs (relative error {err:.2g}); this mapping does not fit this "
-                             "architecture: give smoothquant.mappings")
+                             f"model: {MISFIT.format(key='smoothquant')}")
         before = after
     return replaced

@@ -190,7 +190,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
         blocks' outputs before it), searched and folded before its quantizers are inserted; the block's output on
         the first input must stay what it was."""
         from .awq import apply_awq, output_objective, scored_inputs
-        from .in_memory import SMOOTH_TOLERANCE, _relative_change
+        from .in_memory import MISFIT, SMOOTH_TOLERANCE, _relative_change
         from .rounding.statistics import collect_module_inputs
 
         groups = tuple(g for g in plan.awq.groups if g.smooth.startswith(prefix + "."))
@@ -217,7 +217,7 @@ def calibrate_sequential(path, plan: Plan, data: CalibrationData, device: torch.
             err = 0.0 if before is None else _relative_change(before, output())
         if not err <= SMOOTH_TOLERANCE:
             raise UsageError(f"awq: folding the scales changes {prefix}'s outputs (relative error {err:.2g}); a "
-                             "mapping does not fit this architecture: give awq.mappings")
+                             f"mapping does not fit this model: {MISFIT.format(key='awq')}")
         return changed
 
     entries: Dict[str, EncodingEntry] = {}

@@ -309,6 +309,28 @@ def _output_layer(model: "nn.Module"):
         return None
 
 
+def _refuse_tied_balance(groups, named, untied: set, source: str, key: str) -> None:
+    """A balance layer whose weight is another module's too (an output layer tied to the embedding table): the
+    scale folded into its input columns would rescale the other module's weight, and the float model would
+    change; found at the fold check only after a calibration pass. ``untied``: modules r1 unties first."""
+    import torch
+
+    owners: Dict[int, List[str]] = {}
+    for name, module in named:
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            owners.setdefault(id(weight), []).append(name)
+    modules = dict(named)
+    for g in groups:
+        for b in g.balance:
+            weight = getattr(modules[b], "weight", None)
+            others = [n for n in owners.get(id(weight), []) if n != b] if b not in untied else []
+            if others:
+                raise ConfigError(f"{source}: {key}: {b}'s weight is tied to {others[0]}'s, so the scale folded "
+                                  f"into {b}'s input channels would rescale {others[0]} too (the float model would "
+                                  f"change); leave {b} out of {key}.mappings' balance")
+
+
 def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", allow_unmatched: bool = False,
                  importance_matrix: bool = False) -> Plan:
     """One ``QuantizerPlan`` per quantizer, in module order. Later ``layers`` entries win. ``importance_matrix``:
@@ -576,6 +598,9 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                               "which r4 rotates at run time; leave that mapping out (awq.mappings) or r4 out of "
                               "rotate")
         plan.awq = AwqPlan(tuple(groups), recipe.awq.grid, recipe.awq.duo_scaling, recipe.awq.objective)
+    untied = {plan.rotation.head} if plan.rotation is not None and plan.rotation.untie else set()
+    for key, groups in (("smoothquant", plan.smoothing), ("awq", plan.awq.groups if plan.awq else ())):
+        _refuse_tied_balance(groups, named, untied, source, key)
     if recipe.fold_batch_norms:
         plan.folds = _fold_candidates(named)
         if not plan.folds:
