@@ -453,8 +453,10 @@ def test_experts_left_float_beside_fallback_floats_of_their_type_are_one_stack(t
                       "ignore: ['re:.*\\.experts\\.1\\..*']\n")
     code, _, err = run_cli("quantize", model, "-c", recipe, "-o", tmp_path / "q", "--format", "gguf",
                            "--gguf-fallback", "f16", "--gguf-float", gguf_float, "--quiet")
-    if refused:
+    if refused:  # (and told the flag that makes one stack)
         assert code == 2 and "GGUF stores a projection's experts as one tensor of one type" in err, err
+        assert err.rstrip().endswith("one rule for every expert of a projection, or --gguf-float f16 to store the "
+                                     "float ones as the others' fallback stores them"), err
     else:
         assert code == 0, err
 

@@ -315,9 +315,11 @@ def _check_expert_types(quantizers, options: "GgufExporter.Options", counts: Opt
                                  "rule for every expert of a projection)")
         if left and kinds != [float_kind]:  # (float beside fallback floats of that type: one stack)
             named = ", ".join(map(str, left[:3])) + (" ..." if len(left) > 3 else "")
+            same = f", or --gguf-float {kinds[0].lower()} to store the float ones as the others' fallback stores " \
+                "them" if kinds in (["F16"], ["F32"]) else ""  # (then one stack of one float type)
             raise EncodingsError(f"{where}: {GGUF_STACK_NOTE}, and the recipe quantizes some and leaves expert(s) "
                                  f"{named} float (ignored, or a rule without weights): one rule for every expert of "
-                                 "a projection")
+                                 f"a projection{same}")
 
 
 def _stack(first: _Item, experts: List[Tuple[int, _Item]]) -> _Item:
