@@ -316,14 +316,14 @@ def _refuse_tied_balance(groups, named, untied: set, source: str, key: str) -> N
     import torch
 
     owners: Dict[int, List[str]] = {}
-    for name, module in named:
-        weight = getattr(module, "weight", None)
+    for name, module in named:  # (registered Parameters only: a parametrized weight is a new tensor each read)
+        weight = module._parameters.get("weight")
         if isinstance(weight, torch.Tensor):
             owners.setdefault(id(weight), []).append(name)
     modules = dict(named)
     for g in groups:
         for b in g.balance:
-            weight = getattr(modules[b], "weight", None)
+            weight = modules[b]._parameters.get("weight")
             others = [n for n in owners.get(id(weight), []) if n != b] if b not in untied else []
             if others:
                 raise ConfigError(f"{source}: {key}: {b}'s weight is tied to {others[0]}'s, so the scale folded "
@@ -578,10 +578,10 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
                                   f"mixture-of-experts router ({routed[0].smooth}), which a folded scale would "
                                   "reroute; give smoothquant.mappings")
             plan.smoothing = kept
-            named = routed[0].smooth + (", ..." if len(routed) > 1 else "")
+            said = routed[0].smooth + (", ..." if len(routed) > 1 else "")
             plan.warnings.append(
                 f"{source}: smoothquant: {len(routed)} norm(s) feeding mixture-of-experts layers left unsmoothed "
-                f"({named}): the norm feeds the router too, and a scale folded into it reroutes tokens; the default "
+                f"({said}): the norm feeds the router too, and a scale folded into it reroutes tokens; the default "
                 "mappings smooth the rest (give smoothquant.mappings to choose)")
         rotated = {m for r in (plan.rotation.online() if plan.rotation else []) for m in r.modules}
         clash = next((g for g in plan.smoothing if rotated & set(g.balance)), None)
