@@ -349,6 +349,16 @@ def test_every_checkpoint_kind_gives_the_same_encodings(tmp_path):
     assert code == 2 and "pickled Python objects" in err and "--trust-pickle" in err, err
 
 
+def test_a_trusted_pickled_module_with_a_non_tensor_extra_state_exports(tmp_path):
+    """get_extra_state's dict in a pickled module's state dict is no weight: the export read it as one (exit 3)."""
+    from tests.tinymodels import WithExtraState
+
+    torch.save(WithExtraState(), tmp_path / "net.pt")
+    code, _, err = run_cli("quantize", tmp_path / "net.pt", "--trust-pickle", "-c", "w8a16", "-o", tmp_path / "q")
+    assert code == 0, err
+    assert (tmp_path / "q" / "model.safetensors").is_file()
+
+
 def test_a_model_class_on_a_checkpoint_that_names_its_own_model_is_refused(tmp_path):
     """--model-class on a Hugging Face directory, a .pt2 archive or a pickled module did nothing (the checkpoint's own
     model was quantized) and the manifest recorded it as if it had: exit 0 whichever factory was named."""

@@ -362,3 +362,21 @@ class _Pairs(nn.Module):
 def pairs() -> nn.Module:
     torch.manual_seed(0)
     return _Pairs()
+
+
+class WithExtraState(nn.Module):
+    """A Linear model whose state dict carries a non-tensor extra state (``get_extra_state``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.fc(x)
+
+    def get_extra_state(self):
+        return {"version": 2}
+
+    def set_extra_state(self, state):
+        pass

@@ -396,7 +396,9 @@ class CheckpointTensors:
                 if not trust_pickle:
                     raise
                 obj = load_pickle(self.path)
-                state = obj.state_dict() if isinstance(obj, nn.Module) else plain_state_dict(obj, self.path)
+                # (a module's state dict may hold a non-tensor extra state, get_extra_state's: no weight)
+                state = {k: v for k, v in obj.state_dict().items() if isinstance(v, torch.Tensor)} \
+                    if isinstance(obj, nn.Module) else plain_state_dict(obj, self.path)
                 self._memory = {k: v.detach() for k, v in state.items()}
             self.files = [self.path]
 
