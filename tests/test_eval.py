@@ -1010,3 +1010,18 @@ def test_llama_cpps_activation_rounding_is_its_q8_0_bit_for_bit():
     k = _q8(x, 256, False)
     codes = k / (x.abs().amax(-1, keepdim=True) / 127)
     assert torch.allclose(codes, codes.round(), atol=1e-3) and codes.abs().max() <= 127 + 1e-3
+
+
+def test_data_every_mask_drops_is_one_line_before_any_model_runs(model, tmp_path):
+    """Token ids whose attention_mask is all 0 hold no text to score: an encoder's run ended in exit 3 (the min of
+    no cosines), a causal LM's in a figure of nothing."""
+    from safetensors.torch import save_file
+
+    ckpt, _, _ = model
+    assert run_cli("quantize", ckpt, "-c", "w8a16", "-o", tmp_path / "q", "-q")[0] == 0
+    ids = torch.randint(1, 300, (4, 16), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids, "attention_mask": torch.zeros_like(ids)}, tmp_path / "none.safetensors")
+    code, _, err = run_cli("eval", tmp_path / "q", "--data", tmp_path / "none.safetensors")
+    assert code == 2 and f"error: {tmp_path / 'none.safetensors'}: holds no token its attention_mask keeps (every " \
+        "mask is 0): nothing to measure an evaluation on" in err, err
+    assert "measuring the float model" not in err

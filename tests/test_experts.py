@@ -893,3 +893,22 @@ def test_a_gguf_recipe_leaving_the_last_expert_float_is_refused_before_calibrati
         "error: model.layers.0.mlp.experts.*.w1: GGUF stores a projection's experts as one tensor of one type, "
         "and the recipe quantizes some and leaves expert(s) 7 float (ignored, or a rule without weights): one rule "
         "for every expert of a projection"), err
+
+
+@pytest.mark.parametrize("model_type,refused", [("qwen3_moe", True), ("my_remote_moe", False), ("gpt_oss", False)])
+def test_eval_refuses_the_transformers_reload_only_where_the_export_warned(tmp_path, model_type, refused):
+    """The export warns for families whose transformers model stacks per-expert tensors; a family qtool does not
+    know (remote code with real per-expert Linears) was refused by eval though its export said nothing."""
+    from qtool.errors import UsageError
+    from qtool.evaluation.runtimes import refuse_known_expert_limit
+
+    save_file({"model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(4, 4)}, tmp_path / "model.safetensors")
+    group = {"format": "pack-quantized", "weights": {"num_bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "quantization_config": {
+        "format": "pack-quantized", "config_groups": {"group_0": {**group, "targets": ["re:^a$"]},
+                                                      "group_1": {**group, "targets": ["re:^b$"]}}}}))
+    if refused:
+        with pytest.raises(UsageError, match="targets its 2 scheme"):
+            refuse_known_expert_limit(tmp_path)
+    else:
+        refuse_known_expert_limit(tmp_path)

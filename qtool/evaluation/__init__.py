@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..calibration.data_check import refuse_no_kept_token
 from ..choices import check_arguments
 from ..data import data_files, load_data, longest_sample, past_positions, positions_of
 from ..errors import DataError, UsageError
@@ -236,11 +237,12 @@ def _same_model(art: Artifact, config, meta: Dict[str, Any]) -> None:
         cfg = read_json_object(art.path / "config.json", UsageError, "Hugging Face config")
         cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
         got = {k: cfg.get(k) for k in want}
-        refuse_known_expert_limit(art.path)  # (before the float model runs: nothing to wait for)
     wrong = [f"{k} {got[k]} (the reference's: {want[k]})" for k in want
              if got.get(k) is not None and want[k] is not None and got[k] != want[k]]
     if wrong:
         raise UsageError(f"{art.path}: not an export of the reference model: {', '.join(wrong)}")
+    if art.format == "compressed-tensors":
+        refuse_known_expert_limit(art.path)  # (before the float model runs: nothing to wait for)
 
 
 def _check_gguf_biases(path: Path, reference: str) -> None:
@@ -453,6 +455,7 @@ def _windows(opts: EvalOptions, tokenizer, causal_lm: bool, vocab: Optional[int]
         raise DataError("qtool eval runs the models on held-out data: pass --data PATH (text or tensors)")
     data = load_data(opts.data, 1 if causal_lm else opts.batch_size, opts.num_samples, opts.seed, opts.seq_len,
                      tokenizer, pack_text=causal_lm, at_most=True)
+    refuse_no_kept_token(data, "an evaluation")
     if not causal_lm:
         return list(data)
     seqs = []

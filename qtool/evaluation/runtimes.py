@@ -236,8 +236,9 @@ def refuse_known_expert_limit(directory: Path) -> None:
         family = family_of(read_json_object(directory / "config.json", UsageError, "config").get("model_type"))
     except (UsageError, OSError):
         return  # (the load's own error says what is wrong with config.json)
-    if family is not None and not family.transformers_reads_split_experts:
-        return  # (it reads no per-expert tensors at all: the load report says so, _check_loaded)
+    if family is None or not family.transformers_reads_split_experts:
+        return  # (a family qtool does not know: its experts may be real per-expert Linears; one whose transformers
+        # model reads no per-expert tensors at all: the load report says so, _check_loaded)
     limit = transformers_expert_limit(quantization_config(directory) or {})
     if limit:
         raise UsageError(f"{directory}: transformers cannot reload its experts as the file holds them: {limit}; "
