@@ -406,8 +406,8 @@ def _remote_code_llama(dest: Path) -> Path:
         "class CustomForCausalLM(LlamaForCausalLM):\n    config_class = CustomConfig\n")
     config = json.loads((dest / "config.json").read_text())
     config.update(model_type="custom_lm", architectures=["CustomForCausalLM"], auto_map={
-        "AutoConfig": "configuration_custom.CustomConfig", "AutoModel": "modeling_custom.CustomModel",
-        "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"})
+        "AutoConfig": "configuration_custom.CustomConfig", "AutoModel": "modeling_custom.CustomForCausalLM",
+        "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"})  # (InternLM2 maps both keys to its class)
     (dest / "config.json").write_text(json.dumps(config))
     return dest
 
@@ -433,3 +433,16 @@ def test_a_remote_code_causal_lm_is_built_by_the_auto_class_its_auto_map_names(t
     assert json.loads(out)["perplexity"]["artifact"] > 0
     code, _, err = run_cli("eval", tmp_path / "ct", "--data", tmp_path / "ids.safetensors", "--num-samples", "4")
     assert code == 2 and "--trust-remote-code" in err and "[y/N]" not in err, err
+
+
+def test_an_auto_map_naming_the_class_under_two_keys_builds_it_by_its_head(tmp_path):
+    """auto_map with AutoModel and AutoModelForCausalLM both naming architectures[0] (InternLM2's layout), on a
+    model_type transformers has: without --trust-remote-code the bare model was built (AutoModel sorts first) and
+    refused for its lm_head, while the same config with the second key alone built the causal LM."""
+    from qtool.model.hf import meta_skeleton
+
+    ckpt = _remote_code_llama(tmp_path / "m")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model_type"] = "llama"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert type(meta_skeleton(ckpt)).__name__ == "LlamaForCausalLM"

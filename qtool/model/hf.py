@@ -322,10 +322,13 @@ def auto_class_for(transformers, archs, auto_map):
     "modeling_x.XForCausalLM"``), else ``AutoModel``, the bare model (which :func:`_check_no_head_left_out` then
     checks against the weights)."""
     if isinstance(archs, list) and archs and isinstance(archs[0], str) and isinstance(auto_map, dict):
-        for auto, ref in sorted(auto_map.items()):
-            if isinstance(ref, str) and ref.rpartition(".")[2] == archs[0] and auto.startswith("AutoModel") \
-                    and isinstance(getattr(transformers, auto, None), type):
-                return getattr(transformers, auto)
+        # a head's Auto class before the bare model's, where both name the class (InternLM2 maps AutoModel and
+        # AutoModelForCausalLM to it): the class is built by what it is, not by the order of the keys
+        named = sorted((auto == "AutoModel", auto != "AutoModelForCausalLM", auto) for auto, ref in auto_map.items()
+                       if isinstance(ref, str) and ref.rpartition(".")[2] == archs[0] and auto.startswith("AutoModel")
+                       and isinstance(getattr(transformers, auto, None), type))
+        if named:
+            return getattr(transformers, named[0][2])
     return transformers.AutoModel
 
 
