@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+
+import qtool
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -643,27 +645,40 @@ _INT8_LIMIT = ("its expert stacking finds no int-quantized (8-bit) gate/up tenso
                "MoE output fails alike; --ct-8bit-format pack-quantized writes 8-bit weights it reads)")
 
 
-def test_experts_of_two_schemes_are_said_by_the_export_and_by_eval_before_any_model_runs(tmp_path):
-    """Mixtral's experts with gate/up (w1/w3) in 4-bit blocks and down (w2) per channel: the file's two config
-    groups target layers by per-expert name, which transformers' fused experts do not have. It loaded them
-    randomly initialized (top-1 agreement 0.19) with exit 0, and eval blamed the file ("not a whole export");
-    the same calibration with 8-bit weights packed ("Could not match ...") gave an export fault of KL 0.1."""
+@pytest.mark.parametrize("rule,fmt,said", [
+    # gate/up (w1/w3) in 4-bit blocks, down (w2) in 8 bits per channel: it loaded them wrongly (top-1 agreement
+    # 0.37) with exit 0, and eval blamed the file ("not a whole export", or an export fault of KL 0.1)
+    ("'*.w2'\n    weights: {bitwidth: 8, granularity: per_channel}", "pack-quantized", "quantized to 4-bit and 8-bit"),
+    ("'*.w2'\n    weights: {bitwidth: 8, granularity: per_channel}", "int-quantized", "no int-quantized (8-bit)"),
+    # experts left float in an integer file: torch.cat of nothing, said by nobody
+    ("'*.experts.*'\n    weights: null", "pack-quantized", "left float in an integer file"),
+    # two groups it stacks exactly (attention and experts apart; down and gate/up of one width): nothing to say
+    ("'*.self_attn.*'\n    weights: {bitwidth: 8, granularity: per_channel}", "pack-quantized", None),
+    ("'*.w2'\n    weights: {bitwidth: 4, granularity: per_channel}", "pack-quantized", None),
+])
+def test_experts_transformers_cannot_stack_are_said_by_the_export_and_by_eval_before_any_model_runs(
+        tmp_path, rule, fmt, said):
     checkpoint, ids = _saved(tmp_path, "mixtral")
     recipe = tmp_path / "r.yaml"
     recipe.write_text("version: 1\ndefaults:\n  weights: {bitwidth: 4, granularity: per_block, block_size: 16}\n"
-                      "  activations: null\nlayers:\n  - match: '*.w2'\n"
-                      "    weights: {bitwidth: 8, granularity: per_channel}\nignore: [lm_head]\n")
-    for fmt in ("int-quantized", "pack-quantized"):
-        code, out, err = run_cli("quantize", checkpoint, "-c", recipe, "-o", tmp_path / fmt, "--format",
-                                 "compressed-tensors", "--ct-8bit-format", fmt, "--json", "--quiet")
-        assert code == 0, err
-        said = [w for w in json.loads(out)["export_warnings"] if "transformers cannot reload" in w]
-        assert len(said) == 1 and "targets its 2 scheme(s) by layer name" in said[0], out
-        code, _, err = run_cli("eval", tmp_path / fmt, "--data", ids, "--seq-len", 32, "--num-samples", 4,
-                               "--generate", 0)
-        assert code == 2 and "transformers cannot reload its experts as the file holds them: its " \
-            "quantization_config targets its 2 scheme(s) by layer name" in err, err
-        assert "measuring the float model" not in err and "not a whole export" not in err
+                      f"  activations: null\nlayers:\n  - type: Embedding\n    weights: null\n  - match: {rule}\n"
+                      "ignore: [lm_head]\n")
+    code, out, err = run_cli("quantize", checkpoint, "-c", recipe, "-o", tmp_path / "ct", "--format",
+                             "compressed-tensors", "--ct-8bit-format", fmt, "--json", "--quiet")
+    assert code == 0, err
+    warned = [w for w in json.loads(out)["export_warnings"] if "transformers cannot reload" in w]
+    assert len(warned) == (said is not None) and all(said in w for w in warned), out
+    if said is None:
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ct").eval()
+        fake_quant = qtool.load_calibrated(str(checkpoint), str(tmp_path / "ct" / "calibration" / "encodings.json"))
+        x = torch.randint(1, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.allclose(reloaded(x).logits, fake_quant(x).logits, atol=1e-4)
+        return
+    code, _, err = run_cli("eval", tmp_path / "ct", "--data", ids, "--seq-len", 32, "--num-samples", 4,
+                           "--generate", 0)
+    assert code == 2 and f"transformers cannot reload its experts as the file holds them: its " in err and said in err
+    assert "measuring the float model" not in err and "not a whole export" not in err
 
 
 def test_patterns_may_name_experts_by_the_checkpoints_names(tmp_path):
@@ -903,12 +918,14 @@ def test_eval_refuses_the_transformers_reload_only_where_the_export_warned(tmp_p
     from qtool.evaluation.runtimes import refuse_known_expert_limit
 
     save_file({"model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(4, 4)}, tmp_path / "model.safetensors")
-    group = {"format": "pack-quantized", "weights": {"num_bits": 4}}
+    def group(bits, target):
+        return {"format": "pack-quantized", "weights": {"num_bits": bits}, "targets": [target]}
+
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "quantization_config": {
-        "format": "pack-quantized", "config_groups": {"group_0": {**group, "targets": ["re:^a$"]},
-                                                      "group_1": {**group, "targets": ["re:^b$"]}}}}))
+        "format": "pack-quantized", "config_groups": {"group_0": group(4, r"re:^m\.experts\.0\.up_proj$"),
+                                                      "group_1": group(8, r"re:^m\.experts\.0\.down_proj$")}}}))
     if refused:
-        with pytest.raises(UsageError, match="targets its 2 scheme"):
+        with pytest.raises(UsageError, match="quantized to 4-bit and 8-bit"):
             refuse_known_expert_limit(tmp_path)
     else:
         refuse_known_expert_limit(tmp_path)

@@ -272,10 +272,11 @@ def export_compressed_tensors(
     float_linear = [n for n in linear_names if n not in quantized_modules] + _routers(model, modules, keys)
     warnings += fused_mixes(settings, linear_names, rename)
     qconfig, groups, top_format = quantization_config(settings, modules, quantized_modules, float_linear, kv, rename)
-    limit = transformers_expert_limit(qconfig) if experts and family is not None and \
+    split = [n for n in linear_names if ".experts." in n]  # (quantized or left float)
+    limit = transformers_expert_limit(qconfig) if split and family is not None and \
         family.transformers_reads_split_experts else None
     if limit:
-        warnings.append(f"transformers cannot reload this directory's {len(experts)} per-expert layers into its fused "
+        warnings.append(f"transformers cannot reload this directory's {len(split)} per-expert layers into its fused "
                         f"experts: {limit}; qtool eval refuses the transformers reload in one line")
     transforms = _online_transforms(encodings, modules, src, keys, model)
     if transforms:

@@ -310,19 +310,28 @@ def config_groups(by_key: Dict[str, EncodingEntry], src, dyn_inputs: Dict[str, E
 def transformers_expert_limit(qconfig: Dict[str, Any]) -> Optional[str]:
     """Why transformers (5.23, compressed-tensors 0.20) does not reload the model a compressed-tensors directory
     holds where its mixture-of-experts experts are stored one by one and transformers' model holds them fused
-    (stacking them as it loads); None where it does (one scheme targeting ``Linear``, in int4 pack-quantized, FP8
-    or MXFP4: tested). NVFP4 experts, which it reloads with wrong values, are said apart."""
+    (stacking them as it loads); None where it does. Measured on tiny Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE and
+    DeepSeek-V3: it stacks int4/int8 pack-quantized, FP8 and MXFP4 experts exactly, under one config group or
+    several (attention and experts apart, gate/up and down of one width in other granularities); it does not stack
+    int-quantized (8-bit) or MXFP8 experts, experts of two bit widths, or experts left float in an integer file.
+    NVFP4 experts, which it reloads with wrong values, are said apart."""
     groups = [g for g in (qconfig.get("config_groups") or {}).values() if isinstance(g, dict)]
-    if len(groups) > 1 or any(g.get("targets") != ["Linear"] for g in groups):
-        return (f"its quantization_config targets its {len(groups)} scheme(s) by layer name, which transformers' "
-                "fused experts do not have: it loads them randomly initialized, or unquantized from the packed "
-                "values (quantize every Linear alike, one rule, for a file transformers reloads)")
-    formats = {g.get("format") for g in groups} | {qconfig.get("format")}
+    experts = [g for g in groups if any(isinstance(t, str) and (t == "Linear" or "experts" in t)
+                                        for t in g.get("targets") or ())]
+    formats = {g.get("format") for g in experts}
+    if any(isinstance(n, str) and ".experts." in n for n in qconfig.get("ignore") or ()) and \
+            {g.get("format") for g in groups} & {"int-quantized", "pack-quantized"}:
+        return ("its experts are left float in an integer file, where its expert stacking looks for quantized "
+                "expert tensors and finds none (torch.cat of nothing)")
     if "int-quantized" in formats:
         return ("its expert stacking finds no int-quantized (8-bit) gate/up tensors to stack (llm-compressor's W8A8 "
                 "MoE output fails alike; --ct-8bit-format pack-quantized writes 8-bit weights it reads)")
     if "mxfp8-quantized" in formats:
         return "its dequantization of stacked MXFP8 experts fails (a scale shape mismatch)"
+    widths = sorted({(g.get("weights") or {}).get("num_bits") for g in experts} - {None})
+    if len(widths) > 1:
+        return (f"its experts are quantized to {' and '.join(f'{b}-bit' for b in widths)} weights, which its "
+                "expert stacking gives back wrong (quantize the experts to one width)")
     return None
 
 
