@@ -677,7 +677,7 @@ def test_experts_transformers_cannot_stack_are_said_by_the_export_and_by_eval_be
         return
     code, _, err = run_cli("eval", tmp_path / "ct", "--data", ids, "--seq-len", 32, "--num-samples", 4,
                            "--generate", 0)
-    assert code == 2 and f"transformers cannot reload its experts as the file holds them: its " in err and said in err
+    assert code == 2 and "transformers cannot reload its experts as the file holds them: its " in err and said in err
     assert "measuring the float model" not in err and "not a whole export" not in err
 
 
