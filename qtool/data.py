@@ -450,21 +450,23 @@ _PACKAGE = Path(__file__).resolve().parent
 def unpadded_rows(batch: Batch) -> List[Batch]:
     """``batch`` with the tokens its ``attention_mask`` drops left out: each row on its own, without its padding
     (a row it drops whole is no row), as a runtime that never pads sees the text; ``[batch]`` where it has no mask
-    or keeps every token. Every tensor shaped like the mask is cut as the mask is; any other keeps the row."""
+    or keeps every token. A tensor of the mask's shape (ids, positions, token types), and ``inputs_embeds``, is cut
+    as the mask is; any other (an image beside the text) keeps the row whole."""
     mask = batch.kwargs.get("attention_mask")
     if mask is None or mask.dim() != 2 or bool((mask > 0).all()):
         return [batch]
     shape = tuple(mask.shape)
 
-    def row(t: torch.Tensor, r: int, keep: torch.Tensor) -> torch.Tensor:
-        return t[r:r + 1, keep] if tuple(t.shape[:2]) == shape else t[r:r + 1]
+    def row(t: torch.Tensor, r: int, keep: torch.Tensor, key: str = "") -> torch.Tensor:
+        per_token = tuple(t.shape) == shape or (key == "inputs_embeds" and tuple(t.shape[:2]) == shape)
+        return t[r:r + 1, keep] if per_token else t[r:r + 1]
 
     rows = []
     for r in range(shape[0]):
         keep = mask[r] > 0
         if bool(keep.any()):
             rows.append(Batch(tuple(row(a, r, keep) for a in batch.args),
-                              {k: row(v, r, keep) for k, v in batch.kwargs.items()}))
+                              {k: row(v, r, keep, k) for k, v in batch.kwargs.items()}))
     return rows
 
 

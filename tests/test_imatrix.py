@@ -279,6 +279,8 @@ def test_padding_is_no_text_the_imatrix_counts(llama, tmp_path):
         files.append((tmp_path / f"{name}.gguf").read_bytes())
     assert files[0] == files[1]
     assert summaries[0]["tokens"] == int(mask.sum()) == ids.numel() - 14 - 7 - 24
+    # the chunks llama-imatrix counts: the rows that hold text (row 3 is padding alone)
+    assert gguf.GGUFReader(tmp_path / "a.gguf").fields["imatrix.chunk_count"].contents() == len(ids) - 1
     # each row's text alone: the sums of the rows run one by one without their padding
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
     seen = []
@@ -297,3 +299,22 @@ def test_padding_is_no_text_the_imatrix_counts(llama, tmp_path):
     assert code == 2 and not (tmp_path / "n.gguf").exists()
     assert [line for line in error_lines(err) if "error" in line] == [f"error: {tmp_path / 'none.safetensors'}: holds no token its attention_mask keeps "
                                 "(every mask is 0): nothing to measure an importance matrix on"], err
+
+
+def test_unpadded_rows_cut_what_is_per_token_and_keep_the_rest():
+    """Each row without its padding: ids, positions and embeddings cut as the mask is; an image whose channels
+    happen to number the sequence length keeps its row whole (it was cut along its channels)."""
+    from qtool.data import Batch, unpadded_rows
+
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    batch = Batch(kwargs={"input_ids": torch.tensor([[5, 6, 0], [0, 7, 8]]), "attention_mask": mask,
+                          "position_ids": torch.tensor([[0, 1, 2], [0, 1, 2]]),
+                          "inputs_embeds": torch.arange(18.0).reshape(2, 3, 3),
+                          "pixel_values": torch.zeros(2, 3, 4, 4)})
+    rows = unpadded_rows(batch)
+    assert [r.kwargs["input_ids"].tolist() for r in rows] == [[[5, 6]], [[7, 8]]]
+    assert [r.kwargs["position_ids"].tolist() for r in rows] == [[[0, 1]], [[1, 2]]]
+    assert rows[1].kwargs["inputs_embeds"].tolist() == [[[12.0, 13.0, 14.0], [15.0, 16.0, 17.0]]]
+    assert [tuple(r.kwargs["pixel_values"].shape) for r in rows] == [(1, 3, 4, 4)] * 2
+    assert unpadded_rows(Batch(kwargs={"input_ids": mask, "attention_mask": torch.ones_like(mask)}))[0].size == 2
+    assert unpadded_rows(Batch(kwargs={"input_ids": mask, "attention_mask": torch.zeros_like(mask)})) == []

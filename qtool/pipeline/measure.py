@@ -157,7 +157,8 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     firsts = [b.args[0] if b.args else next(iter(b.kwargs.values())) for b in batches]
     chunk_size = max((int(t.shape[-1]) for t in firsts if t.dim() >= 2), default=opts.seq_len)
     with atomic_file(target, output=True) as tmp:
-        write_imatrix(tmp, by_name, [Path(opts.data).name], chunk_size, max(1, sum(b.size for b in batches)))
+        chunks = sum(r.size for b in batches for r in unpadded_rows(b))  # (a row of padding alone is no chunk)
+        write_imatrix(tmp, by_name, [Path(opts.data).name], chunk_size, max(1, chunks))
     past = past_positions(getattr(loaded.model, "config", None), longest_sample(batches), data.files)
     return {"imatrix": str(target), "entries": len(by_name), "tokens": tokens, "bytes": target.stat().st_size,
             "warnings": [past] if past else []}
