@@ -725,3 +725,22 @@ def test_a_library_target_is_checked_as_the_cli_checks_it(tmp_path):
         with pytest.raises(UsageError, match=said.replace("(", r"\(").replace(")", r"\)")):
             run_calibrate(str(ckpt), None, str(tmp_path / "r"), CalibrateOptions(), target=target)
         assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("metric", ["kl", "nll"])
+def test_search_samples_that_keep_no_token_are_one_line(llama, tmp_path, metric):
+    """Samples every attention_mask drops whole: each candidate measured damage 0 and the cheapest won every group
+    with exit 0 (kl); nll's refusal guessed "samples of one token?" and advised kl, which then did that."""
+    from safetensors.torch import save_file
+
+    ckpt, ids_file = llama
+    ids = torch.randint(1, 256, (8, 32), generator=torch.Generator().manual_seed(2))
+    save_file({"input_ids": ids, "attention_mask": torch.zeros_like(ids)}, tmp_path / "pad.safetensors")
+    code, _, err = run_cli("calibrate", ckpt, "--candidates", "w4a16-block32,w8a16", "--target-bpw", "12.5",
+                           "--data", ids_file, "--search-data", tmp_path / "pad.safetensors", "--search-metric",
+                           metric, "-o", tmp_path / "out")
+    assert code == 2 and not (tmp_path / "out").exists()
+    assert [line for line in error_lines(err) if line.startswith("error")] == [
+        f"error: {tmp_path / 'pad.safetensors'}: the search's 8 sample(s) hold no token their attention_mask keeps "
+        "(every mask is 0): nothing to measure damage on; give --search-data whose samples hold text, or more "
+        "--search-samples"], err

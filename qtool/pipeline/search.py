@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..calibration import CalibrateOptions
+from ..calibration.data_check import data_amount
 from ..choices import SEARCH_METRICS, check_choice, check_fields
 from ..config import Plan, RecipeFile, read_recipe, resolve_plan
 from ..data import load_data, longest_sample, past_positions
@@ -276,6 +277,10 @@ def measure_candidates(checkpoint: str, target: TargetOptions, opts: CalibrateOp
                      exporter.name, metric, 0, opts, format_options=asdict(options))
     _check_budget(state, target)
     data = _search_data(target, opts, loaded.tokenizer, loaded.is_causal_lm)
+    if data_amount(data) == (0, "tokens"):  # (every candidate would measure damage 0: the cheapest everywhere)
+        raise DataError(f"{target.data or opts.data}: the search's {data.num_samples} sample(s) hold no token their "
+                        "attention_mask keeps (every mask is 0): nothing to measure damage on; give --search-data "
+                        "whose samples hold text, or more --search-samples")
     if target.metric == "nll" and not sum(int(next_token_targets(b)[1].sum()) for b in data):
         raise DataError(f"--search-metric nll: the search samples ({target.data or opts.data}) hold no next token "
                         "to score (samples of one token?); use longer samples or --search-metric kl")
