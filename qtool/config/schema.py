@@ -437,7 +437,8 @@ class Recipe(BaseModel):
         if self.gguf_mix is not None and self.defaults.weights is None:
             raise ValueError(f"gguf_mix {self.gguf_mix} quantizes weights: defaults.weights cannot be null")
         if self.gguf_mix is not None:  # the mix sets every weight's grid: a grid key beside it would be ignored
-            grid = [k for k in _GGUF_IMPLIED + ("gguf_type",) if k in self.defaults.weights.model_fields_set]
+            # (gguf_type first: it sets the implied keys itself, which the user did not write)
+            grid = [k for k in ("gguf_type",) + _GGUF_IMPLIED if k in self.defaults.weights.model_fields_set]
             if grid:
                 raise ValueError(f"gguf_mix {self.gguf_mix} chooses each weight's GGUF type, and so its grid: "
                                  f"defaults.weights.{grid[0]} would be ignored; remove it (a layers rule's gguf_type "
