@@ -446,3 +446,13 @@ def test_an_auto_map_naming_the_class_under_two_keys_builds_it_by_its_head(tmp_p
     config["model_type"] = "llama"
     (ckpt / "config.json").write_text(json.dumps(config))
     assert type(meta_skeleton(ckpt)).__name__ == "LlamaForCausalLM"
+
+
+def test_the_model_code_beside_a_checkpoint_is_among_the_files_a_resumed_run_compares(tmp_path):
+    """A remote-code model's modeling file changed between a kill and --resume: the state was taken, and the
+    resumed run wrote the old code's encodings (the fingerprint held the weights and config.json alone)."""
+    from qtool.io.checkpoint import files_read
+
+    ckpt = _remote_code_llama(tmp_path / "m")
+    assert {f.name for f in files_read(ckpt)} == {"model.safetensors", "config.json", "configuration_custom.py",
+                                                  "modeling_custom.py"}
