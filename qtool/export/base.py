@@ -31,6 +31,7 @@ class ExportRequest:
     progress: Optional[Callable[[int, int, str], None]] = None  # (done, total, tensor name)
     load_model: Optional[Callable[[], Any]] = None  # -> qtool.model.load.LoadedModel (formats that trace)
     example_batch: Optional[Callable[[Any], Any]] = None  # LoadedModel -> qtool.data.Batch (formats that trace)
+    example_source: str = ""  # the --data path the example batch is read from ("": a tokenizer's sentence)
 
 
 class Exporter:

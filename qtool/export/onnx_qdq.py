@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data import model_rejected
+from ..data import batch_where, model_rejected, rejection
 from ..encodings import EncodingsFile
 from ..errors import DataError, UsageError
 from ..io.finite import check_finite
@@ -110,10 +110,11 @@ def check_onnx_float(q) -> None:
     if why:
         raise UsageError(f"{q.name}: {why}; export this recipe with --format compressed-tensors or qtool")
 
-def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) -> Dict[str, Any]:
+def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None, source: str = "") -> Dict[str, Any]:
     """Trace ``loaded`` (a ``qtool.model.load.LoadedModel``) on ``batch`` (a ``qtool.data.Batch`` of example inputs)
     with ``enc``'s quantizers and write ``out_dir/model.onnx``; returns a summary with ``names`` (quantizer -> ONNX
-    tensor name). ``weights`` (a ``qtool.weights.WeightSource``) supplies stored codes where there are any."""
+    tensor name). ``weights`` (a ``qtool.weights.WeightSource``) supplies stored codes where there are any.
+    ``source``: the --data path the batch was read from, which a rejection names."""
     import onnx
 
     from ..model.apply import apply_encodings, apply_stored_weights
@@ -146,9 +147,9 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None) 
         except Exception as e:
             if not model_rejected(e):
                 raise
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"--data: the model rejected the sample batch ONNX export traces with: {first[:200]}") \
-                from None
+            where = batch_where(source, "ONNX export's sample", 1) if source else \
+                "the sentence ONNX export traces with (no --data)"
+            raise DataError(f"{where}: the model rejected the data: {rejection(model, batch, e)}") from None
         output_names, _ = _flatten(out)
     # eval() on the wrapper: the exporter restores the top module's mode afterwards, and a fresh module would be
     # in training mode, turning dropout on in the caller's model
@@ -331,7 +332,8 @@ class OnnxExporter(Exporter):
 
     def write(self, request: ExportRequest, options: "OnnxExporter.Options") -> Dict[str, Any]:
         loaded = request.load_model()
-        return export_onnx(loaded, request.example_batch(loaded), request.encodings, request.out_dir, request.weights)
+        return export_onnx(loaded, request.example_batch(loaded), request.encodings, request.out_dir, request.weights,
+                           request.example_source)
 
 
 EXPORTER = OnnxExporter()

@@ -16,7 +16,7 @@ from .. import __version__
 from ..calibration import CalibrateOptions
 from ..choices import check_arguments, check_fields
 from ..config import CHECKPOINT_KEYS
-from ..data import batch_where, load_data, model_takes
+from ..data import load_data
 from ..encodings import CODES_FILE, SIDECAR, EncodingsFile, calibrated_elsewhere
 from ..errors import EncodingsError, UsageError
 from ..export import check_export_choices, get_exporter
@@ -86,13 +86,7 @@ def _example_batch(eopts: ExportOptions):
                 # grouped-query form (enable_gqa), neither of which torch.onnx exports; the graph takes a mask, as
                 # it does traced on a tokenizer's sentence
                 kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
-            batch = Batch(args, kwargs)
-            # (the float model first: data it rejects is named as calibration names it, not by the trace's error)
-            device = next(iter(loaded.model.parameters()), torch.empty(0)).device
-            with torch.no_grad(), model_takes(loaded.model, batch, batch_where(data.source, "ONNX export's sample", 1)):
-                on = batch.to(device)
-                loaded.model(*on.args, **on.kwargs)
-            return batch
+            return Batch(args, kwargs)
         from ..model.hf import UnreadableTokenizer
 
         if isinstance(loaded.tokenizer, UnreadableTokenizer):
@@ -172,7 +166,7 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
         Path(checkpoint), enc, weights, out_dir, trust_remote_code=eopts.trust_remote_code, progress=hooks.on_tensor,
         load_model=lambda: load_model(checkpoint, eopts.model_class, "cpu", eopts.trust_pickle,
                                       eopts.trust_remote_code),
-        example_batch=_example_batch(eopts))
+        example_batch=_example_batch(eopts), example_source=eopts.data or "")
     summary.update(exporter.write(request, options))
     # the tensor names go into model.encodings; a format without it keeps them in its summary (and manifest)
     names = summary.pop("names", {}) if exporter.aimet_json != "never" else summary.get("names", {})
