@@ -456,3 +456,55 @@ def test_the_model_code_beside_a_checkpoint_is_among_the_files_a_resumed_run_com
     ckpt = _remote_code_llama(tmp_path / "m")
     assert {f.name for f in files_read(ckpt)} == {"model.safetensors", "config.json", "configuration_custom.py",
                                                   "modeling_custom.py"}
+
+
+def test_a_transformers_class_beside_an_auto_map_is_built_as_itself_by_every_path(tmp_path):
+    """architectures[0] LlamaForCausalLM with an auto_map naming a repository class of that name whose code
+    differs (Phi-3's and Kimi K2's layout): under --trust-remote-code the whole-model load built transformers'
+    class and --sequential the repository's (other encodings), and eval reloaded the export as the repository's
+    class and called a right file faulty. Every path builds transformers' own class now."""
+    ckpt = _remote_code_llama(tmp_path / "m")
+    (ckpt / "modeling_custom.py").write_text(
+        "from transformers import LlamaForCausalLM, LlamaModel\n\nfrom .configuration_custom import CustomConfig\n\n\n"
+        "class LlamaForCausalLM(LlamaForCausalLM):\n    config_class = CustomConfig\n\n"
+        "    def __init__(self, config):\n        super().__init__(config)\n"
+        "        self.model.embed_tokens.register_forward_hook(lambda m, a, out: out * 4)\n")
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"], auto_map={
+        "AutoConfig": "configuration_custom.CustomConfig",
+        "AutoModelForCausalLM": "modeling_custom.LlamaForCausalLM"})
+    (ckpt / "config.json").write_text(json.dumps(config))
+    save_file({"input_ids": torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))},
+              tmp_path / "ids.safetensors")
+    runs = []
+    for extra in ((), ("--sequential",)):
+        out = tmp_path / f"run{len(runs)}"
+        code, _, err = run_cli("calibrate", ckpt, "-c", "w8a8", "--data", tmp_path / "ids.safetensors", "-o", out,
+                               "--trust-remote-code", *extra)
+        assert code == 0, err
+        runs.append(json.loads((out / "encodings.json").read_text())["quantizers"])
+    assert runs[0] == runs[1]
+    code, _, err = run_cli("quantize", ckpt, "-c", "w8a16", "-o", tmp_path / "ct", "--format", "compressed-tensors",
+                           "--trust-remote-code", "--quiet")
+    assert code == 0, err
+    code, out, err = run_cli("eval", tmp_path / "ct", "--data", tmp_path / "ids.safetensors", "--trust-remote-code",
+                             "--num-samples", "4", "--seq-len", "16", "--generate", "0", "--json")
+    assert code == 0 and json.loads(out)["export_gap"]["kl_mean"] < 1e-6, out + err
+
+
+def test_transformers_never_asks_on_stdin_where_its_own_code_leaves_trust_remote_code_out(tmp_path):
+    """transformers' sequence classifier builds its backbone by AutoModel.from_config without trust_remote_code:
+    with an auto_map naming AutoModel, transformers asked "Do you wish to run the custom code? [y/N]" on stdout,
+    before --json's object (and waited 15 s on a terminal)."""
+    ckpt = _remote_code_llama(tmp_path / "m")
+    (ckpt / "modeling_custom.py").write_text(
+        (ckpt / "modeling_custom.py").read_text().replace("LlamaForCausalLM, LlamaModel", "LlamaForCausalLM, "
+                                                          "LlamaForSequenceClassification, LlamaModel")
+        + "\n\nclass CustomForSequenceClassification(LlamaForSequenceClassification):\n"
+          "    config_class = CustomConfig\n")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["architectures"] = ["CustomForSequenceClassification"]
+    config["auto_map"]["AutoModelForSequenceClassification"] = "modeling_custom.CustomForSequenceClassification"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    code, out, err = run_cli("config", "show", "w8a16", "--model", ckpt, "--trust-remote-code", "--json")
+    assert "[y/N]" not in out + err and json.loads(out)["ok"] == (code == 0), out + err

@@ -172,13 +172,19 @@ def transformers_reload(directory: Path, causal_lm: bool, device: str = "cpu",
     import contextlib
     import io
 
+    from ..model.hf import never_asks
+
     refuse_known_expert_limit(directory)
-    auto = transformers.AutoModelForCausalLM if causal_lm and _auto_causal_lm(directory) else \
-        _architecture_class(directory, transformers)
+    own = _architecture_class(directory, transformers)
+    # (beside an auto_map, transformers' own architectures[0] class, as qtool built the reference: not the
+    # repository's code AutoModelForCausalLM would run under --trust-remote-code)
+    auto = own if own is not transformers.AutoModel and _auto_map(directory) else \
+        transformers.AutoModelForCausalLM if causal_lm and _auto_causal_lm(directory) else own
     errors = []
     for dtype in (torch.float32, torch.bfloat16):
         try:
-            with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():  # compressed-tensors draws its own
+            # (compressed-tensors draws its own progress bars; never_asks: no question on stdin)
+            with contextlib.redirect_stderr(io.StringIO()), torch.no_grad(), never_asks():
                 model, info = auto.from_pretrained(str(directory), dtype=dtype, output_loading_info=True,
                                                    trust_remote_code=trust_remote_code)
                 model = model.to(device).eval()  # progress bars, and decompresses on first use
@@ -278,6 +284,16 @@ def _auto_causal_lm(directory: Path) -> bool:
     except UsageError:
         return True
     return not isinstance(model_type, str) or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def _auto_map(directory: Path) -> bool:
+    """Whether the directory's config.json has an ``auto_map`` (the model's code travels with it)."""
+    from ..io.jsonfile import read_json_object
+
+    try:
+        return bool(read_json_object(directory / "config.json", UsageError, "Hugging Face config").get("auto_map"))
+    except UsageError:
+        return False
 
 
 def _architecture_class(directory: Path, transformers):

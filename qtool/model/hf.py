@@ -34,6 +34,22 @@ def _transformers(path):
     return transformers
 
 
+@contextlib.contextmanager
+def never_asks():
+    """Around qtool's calls into transformers: where a caller leaves ``trust_remote_code`` out (transformers' own
+    classes do: a sequence classifier builds its backbone by ``AutoModel.from_config``), transformers asks on stdin
+    whether to run a repository's code, its question landing in stdout (and ``--json``); with its timeout 0 it
+    refuses instead. The caller's setting is put back after."""
+    from transformers import dynamic_module_utils
+
+    before = dynamic_module_utils.TIME_OUT_REMOTE_CODE
+    dynamic_module_utils.TIME_OUT_REMOTE_CODE = 0
+    try:
+        yield
+    finally:
+        dynamic_module_utils.TIME_OUT_REMOTE_CODE = before
+
+
 def _float32(transformers) -> Dict[str, Any]:
     """The keyword that asks transformers for float32 weights: ``dtype`` from 4.56, which deprecates the
     ``torch_dtype`` the declared floor (4.45) still needs."""
@@ -56,7 +72,8 @@ def _config(path, trust_remote_code: bool):
         raise CheckpointError(f"{cfg_file}: architectures must be a list of class names, like [\"LlamaForCausalLM\"] "
                               f"(got {json.dumps(archs)[:60]})")
     try:
-        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        with never_asks():
+            config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except ValueError as e:
         msg = str(e).splitlines()[0][:240] if str(e) else type(e).__name__
         if "trust_remote_code" in str(e):
@@ -299,10 +316,15 @@ def _checked_skeleton(path, trust_remote_code: bool) -> nn.Module:
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), never_asks():
             model = cls._from_config(config) if cls is not None else \
                 _auto_class(transformers, config).from_config(config, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many types for configs it cannot build
+        if trust_remote_code and "trust_remote_code" in str(e):  # (never_asks' refusal, the flag given)
+            raise CheckpointError(f"{path}: transformers cannot build this model's modules: its own code for "
+                                  f"{(archs or ['this class'])[0][:60]} builds a part of the model without "
+                                  "trust_remote_code (a sequence classifier's backbone, by AutoModel), which "
+                                  "--trust-remote-code does not reach: a limit of transformers") from None
         raise CheckpointError(
             f"{path}: transformers cannot build this model's modules ({str(e).splitlines()[0]})") from None
     headers = _check_fit_if_weights(path, model)
@@ -410,10 +432,16 @@ def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, An
         raise CheckpointError(f"{path}: --sequential runs a causal language model block by block, and config.json "
                               f"says this is an encoder-decoder ({(archs or [config.model_type])[0][:60]}): run "
                               "without --sequential")
+    # architectures[0] one of transformers' own causal LMs beside an auto_map naming it (Kimi K2's, Phi-3's
+    # repositories): its own class, as the whole-model loaders build it, not the repository's code that
+    # AutoModelForCausalLM would run under --trust-remote-code (the two runs gave other encodings)
+    own = getattr(transformers, archs[0], None) if archs and getattr(config, "auto_map", None) else None
+    own = own if isinstance(own, type) and archs[0] in _causal_lm_classes() else None
     try:
-        with _parameters_on_meta():
-            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
-                                                                  **_float32(transformers))
+        with _parameters_on_meta(), never_asks():
+            model = own._from_config(config, **_float32(transformers)) if own is not None else \
+                transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
+                                                              **_float32(transformers))
     except Exception as e:
         if "Unrecognized configuration class" in str(e) and (hasattr(config, "text_config")
                                                                 or hasattr(config, "vision_config")):  # (Idefics3)
@@ -427,6 +455,13 @@ def meta_causal_lm(path, trust_remote_code: bool = False) -> Tuple[nn.Module, An
     tokenizer = _tokenizer(transformers, path, trust_remote_code)
     model.eval()
     return model, config, tokenizer
+
+
+def _causal_lm_classes() -> set:
+    """transformers' own causal LM class names (its AutoModelForCausalLM mapping's)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 def _bare_backbone(transformers, arch: str) -> bool:
@@ -457,10 +492,9 @@ def load_hf(path: Path, trust_remote_code: bool):
     shown = bars.is_progress_bar_enabled()
     bars.disable_progress_bar()  # (its "Loading weights" bar: the library never prints; the caller's setting after)
     try:
-        model = cls.from_pretrained(
-            str(path), config=config, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True,
-            **_float32(transformers),
-        )
+        with never_asks():
+            model = cls.from_pretrained(str(path), config=config, trust_remote_code=trust_remote_code,
+                                        low_cpu_mem_usage=True, **_float32(transformers))
     except Exception as e:  # transformers raises many types for bad weights
         raise CheckpointError(f"{path}: transformers could not load the model: {str(e).splitlines()[0]}") from None
     finally:
@@ -506,7 +540,8 @@ def _tokenizer(transformers, path: Path, trust_remote_code: bool = False):
     load. ``trust_remote_code`` always given: left out, transformers asks on stdin whether to run a remote-code
     model's code (reading its config), and its question lands in stdout's JSON."""
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        with never_asks():
+            return transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as e:
         files = [f for f in TOKENIZER_FILES if (Path(path) / f).is_file()]
         if not files:
