@@ -508,3 +508,21 @@ def test_transformers_never_asks_on_stdin_where_its_own_code_leaves_trust_remote
     (ckpt / "config.json").write_text(json.dumps(config))
     code, out, err = run_cli("config", "show", "w8a16", "--model", ckpt, "--trust-remote-code", "--json")
     assert "[y/N]" not in out + err and json.loads(out)["ok"] == (code == 0), out + err
+
+
+def test_sequential_on_a_decoder_classifier_is_refused_as_not_a_causal_lm(tmp_path):
+    """LlamaForSequenceClassification under --sequential was built as a causal LM, then refused as "config.json
+    disagrees with the weights ... lm_head.weight", blaming the file for the flag."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "m")
+    save_file({"input_ids": torch.randint(1, 256, (4, 16), generator=torch.Generator().manual_seed(0))},
+              tmp_path / "ids.safetensors")
+    code, _, err = run_cli("calibrate", tmp_path / "m", "-c", "w8a16", "--data", tmp_path / "ids.safetensors",
+                           "--sequential", "-o", tmp_path / "r")
+    assert code == 2 and not (tmp_path / "r").exists()
+    assert f"error: {tmp_path / 'm'}: --sequential runs a causal language model block by block, and config.json " \
+        "says this is a LlamaForSequenceClassification (no language-model head): run without --sequential" in err, err

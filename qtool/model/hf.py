@@ -464,14 +464,15 @@ def _causal_lm_classes() -> set:
     return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
+_OTHER_HEADS = ("Model", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForMaskedLM")
+
+
 def _bare_backbone(transformers, arch: str) -> bool:
     """Whether ``arch`` (config.json's ``architectures[0]``) is one of transformers' own classes without a
-    language-model head (``BertModel``); remote-code classes (ChatGLM names its causal LM ``ChatGLMModel``) are
-    not judged by their name."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return (arch.endswith("Model") and getattr(transformers, arch, None) is not None
-            and arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()))
+    language-model head (``BertModel``, ``LlamaForSequenceClassification``); remote-code classes (ChatGLM names its
+    causal LM ``ChatGLMModel``) are not judged by their name."""
+    return (arch.endswith(_OTHER_HEADS) and getattr(transformers, arch, None) is not None
+            and arch not in _causal_lm_classes())
 
 
 def load_hf(path: Path, trust_remote_code: bool):
