@@ -102,12 +102,15 @@ def _example_batch(eopts: ExportOptions):
 
 
 def _takes(model: torch.nn.Module, name: str) -> bool:
+    """Whether ``model``'s forward takes the keyword ``name``: by that name, or through ``**kwargs`` (remote code's
+    wrappers pass everything on)."""
     import inspect
 
     try:
-        return name in inspect.signature(model.forward).parameters
+        params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
