@@ -544,3 +544,19 @@ def test_onnx_export_of_a_forward_taking_kwargs_gets_the_mask_its_trace_needs(tm
     import onnx
 
     assert "attention_mask" in [i.name for i in onnx.load(str(tmp_path / "o" / "model.onnx")).graph.input]
+
+
+def test_an_auto_map_naming_another_repositorys_code_that_cannot_be_fetched_says_so(tmp_path, monkeypatch):
+    """auto_map's "org/repo--module.Class" fetches the code from another repository: offline that read "cannot
+    read config.json: We couldn't connect ...", about a config.json that is fine."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    ckpt = _remote_code_llama(tmp_path / "m")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["auto_map"]["AutoConfig"] = "someorg/custom-repo--configuration_custom.CustomConfig"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli("calibrate", ckpt, "-c", "w8a16", "-o", tmp_path / "r", "--trust-remote-code")
+    assert code == 2 and f"error: {ckpt / 'config.json'}: auto_map names code in another Hugging Face repository " \
+        "(AutoConfig: someorg/custom-repo--configuration_custom.CustomConfig), which could not be fetched" in err, err

@@ -80,6 +80,12 @@ def _config(path, trust_remote_code: bool):
             msg = "this model needs its own Python code; pass --trust-remote-code if you trust its source"
         raise CheckpointError(f"{path}: {msg}") from None
     except OSError as e:
+        elsewhere = next((f"{k}: {v}" for k, v in sorted((raw.get("auto_map") or {}).items())
+                          if isinstance(v, str) and "--" in v), None) if isinstance(raw.get("auto_map"), dict) else None
+        if elsewhere:  # ("org/repo--module.Class": code fetched from another repository, which failed)
+            raise CheckpointError(f"{cfg_file}: auto_map names code in another Hugging Face repository "
+                                  f"({elsewhere[:100]}), which could not be fetched ({str(e).splitlines()[0][:120]}); "
+                                  "where that code is in this directory, drop the 'org/repo--' prefix") from None
         raise CheckpointError(f"{path}: cannot read config.json: {str(e).splitlines()[0]}") from None
     except Exception as e:  # transformers' own validation (wrong field types, ...): the file's fault, not ours
         first = str(e).splitlines()[0][:160] if str(e) else ""
