@@ -560,3 +560,26 @@ def test_an_auto_map_naming_another_repositorys_code_that_cannot_be_fetched_says
     code, _, err = run_cli("calibrate", ckpt, "-c", "w8a16", "-o", tmp_path / "r", "--trust-remote-code")
     assert code == 2 and f"error: {ckpt / 'config.json'}: auto_map names code in another Hugging Face repository " \
         "(AutoConfig: someorg/custom-repo--configuration_custom.CustomConfig), which could not be fetched" in err, err
+
+
+def test_a_tokenizer_with_its_own_code_names_the_flag_it_needs(tmp_path):
+    """tokenizer_config.json's auto_map without --trust-remote-code: the error named tokenizer.json and transformers'
+    text, not the flag (the config's own remote code names it)."""
+    from tests.test_gguf import _tiny_llama
+
+    ckpt = _tiny_llama(tmp_path / "m", False)
+    (ckpt / "tokenization_custom.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass CustomTokenizerFast(PreTrainedTokenizerFast):\n"
+        "    pass\n")
+    tok = json.loads((ckpt / "tokenizer_config.json").read_text())
+    tok.update(tokenizer_class="CustomTokenizerFast",
+               auto_map={"AutoTokenizer": [None, "tokenization_custom.CustomTokenizerFast"]})
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(tok))
+    (tmp_path / "t.txt").write_text("some words to calibrate on. " * 200)
+    code, _, err = run_cli("calibrate", ckpt, "-c", "w8a8", "--data", tmp_path / "t.txt", "--seq-len", "32",
+                           "--num-samples", "4", "-o", tmp_path / "r")
+    assert code == 2 and f"error: {ckpt / 'tokenizer_config.json'}: the tokenizer needs its own Python code; pass " \
+        "--trust-remote-code if you trust its source" in err, err
+    code, _, err = run_cli("calibrate", ckpt, "-c", "w8a8", "--data", tmp_path / "t.txt", "--seq-len", "32",
+                           "--num-samples", "4", "-o", tmp_path / "r", "--trust-remote-code")
+    assert code == 0, err

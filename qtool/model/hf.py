@@ -554,6 +554,9 @@ def _tokenizer(transformers, path: Path, trust_remote_code: bool = False):
         if not files:
             return None
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if not trust_remote_code and "trust_remote_code" in str(e):  # (tokenizer_config.json's auto_map)
+            return UnreadableTokenizer(f"{Path(path) / 'tokenizer_config.json'}: the tokenizer needs its own Python "
+                                       "code; pass --trust-remote-code if you trust its source")
         return UnreadableTokenizer(f"{Path(path) / files[0]}: the checkpoint's tokenizer cannot be loaded "
                                    f"({reason[:200]})")
 
