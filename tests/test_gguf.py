@@ -598,3 +598,14 @@ def test_a_nan_in_a_weight_is_one_line_before_a_k_quant_search(tmp_path):
     assert code == 2 and not (tmp_path / "q").exists()
     assert error_lines(err)[-1] == ("error: lm_head.weight: the checkpoint's weight holds NaN or infinity, which no "
                                     "grid holds; nothing was written"), err
+
+
+def test_a_width_no_gguf_block_divides_is_said_as_gguf_types_not_as_a_recipe_key(tmp_path):
+    """Hidden 80 under gguf-q4_k_m: no K-quant and no 32-wide fallback divides it. The refusal named
+    'defaults.weights.block_size: 32', a key the shipped recipe does not hold."""
+    ckpt = _tiny_llama(tmp_path / "m", False, hidden=80)
+    code, _, err = run_cli("config", "show", "gguf-q4_k_m", "--model", ckpt)
+    assert code == 2 and "block_size" not in err, err
+    assert "model.embed_tokens.weight's input dimension 80 is no multiple of GGUF type q5_0's block of 32, and no " \
+        "fallback type's block divides it either (llama.cpp writes such a weight F16): leave it float (ignore: " \
+        "['model.embed_tokens'])" in err, err

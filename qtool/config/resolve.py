@@ -59,6 +59,11 @@ def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str)
             raise ConfigError(f"{where}.block_size: {rows}x{cols} tiles do not divide {name}.weight of shape "
                               f"{list(shp)}")
         return (shp[0] // rows, shp[1] // cols), (rows, cols)
+    if shp[1] % b and spec.scale_dtype in GGML_SCALE_DTYPES:  # (a GGUF type's block: the recipe may name no size)
+        raise ConfigError(
+            f"{where}: {name}.weight's input dimension {shp[1]} is no multiple of GGUF type {spec.scale_dtype}'s "
+            f"block of {b}, and no fallback type's block divides it either (llama.cpp writes such a weight F16): "
+            f"leave it float (ignore: ['{name}'])")
     if shp[1] % b:
         raise ConfigError(
             f"{where}.block_size: {b} does not divide the input dimension {shp[1]} of {name}.weight "
