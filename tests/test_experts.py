@@ -929,3 +929,22 @@ def test_eval_refuses_the_transformers_reload_only_where_the_export_warned(tmp_p
             refuse_known_expert_limit(tmp_path)
     else:
         refuse_known_expert_limit(tmp_path)
+
+
+def test_shared_experts_and_malformed_groups_are_no_routed_experts_of_two_widths():
+    """DeepSeek's shared_experts is a plain MLP transformers loads as written: 8-bit shared experts beside 4-bit
+    routed ones were said not to reload (they reload exactly); a group whose weights are not an object was exit 3."""
+    from qtool.export.ct_config import transformers_expert_limit
+
+    def group(bits, target, weights=None):
+        return {"format": "pack-quantized", "weights": weights or {"num_bits": bits}, "targets": [target]}
+
+    shared = {"config_groups": {"a": group(4, r"re:^model\.layers\.1\.mlp\.experts\.0\.up_proj$"),
+                                "b": group(8, r"re:^model\.layers\.1\.mlp\.shared_experts\.up_proj$")}}
+    assert transformers_expert_limit(shared) is None
+    routed = {"config_groups": {"a": group(4, r"re:^model\.layers\.1\.mlp\.experts\.0\.up_proj$"),
+                                "b": group(8, r"re:^model\.layers\.1\.mlp\.experts\.0\.down_proj$")}}
+    assert "quantized to 4-bit and 8-bit" in transformers_expert_limit(routed)
+    odd = {**group(8, r"re:^m\.experts\.1\.up$"), "weights": 8}
+    malformed = {"config_groups": {"a": group(4, r"re:^m\.experts\.0\.up$"), "b": odd}}
+    assert transformers_expert_limit(malformed) is None

@@ -307,6 +307,9 @@ def config_groups(by_key: Dict[str, EncodingEntry], src, dyn_inputs: Dict[str, E
     return settings, module_args, module_fmt
 
 
+_ROUTED = re.compile(r"(?<![A-Za-z0-9_])experts\\?\.\d")
+
+
 def transformers_expert_limit(qconfig: Dict[str, Any]) -> Optional[str]:
     """Why transformers (5.23, compressed-tensors 0.20) does not reload the model a compressed-tensors directory
     holds where its mixture-of-experts experts are stored one by one and transformers' model holds them fused
@@ -316,7 +319,8 @@ def transformers_expert_limit(qconfig: Dict[str, Any]) -> Optional[str]:
     int-quantized (8-bit) or MXFP8 experts, experts of two bit widths, or experts left float in an integer file.
     NVFP4 experts, which it reloads with wrong values, are said apart."""
     groups = [g for g in (qconfig.get("config_groups") or {}).values() if isinstance(g, dict)]
-    experts = [g for g in groups if any(isinstance(t, str) and (t == "Linear" or "experts" in t)
+    # (a routed expert's target names experts.<e>: DeepSeek's shared_experts is a plain MLP transformers loads)
+    experts = [g for g in groups if any(isinstance(t, str) and (t == "Linear" or _ROUTED.search(t))
                                         for t in g.get("targets") or ())]
     formats = {g.get("format") for g in experts}
     if any(isinstance(n, str) and ".experts." in n for n in qconfig.get("ignore") or ()) and \
@@ -328,7 +332,8 @@ def transformers_expert_limit(qconfig: Dict[str, Any]) -> Optional[str]:
                 "MoE output fails alike; --ct-8bit-format pack-quantized writes 8-bit weights it reads)")
     if "mxfp8-quantized" in formats:
         return "its dequantization of stacked MXFP8 experts fails (a scale shape mismatch)"
-    widths = sorted({(g.get("weights") or {}).get("num_bits") for g in experts} - {None})
+    widths = sorted({w.get("num_bits") for g in experts if isinstance(w := g.get("weights"), dict)
+                     and isinstance(w.get("num_bits"), int)})
     if len(widths) > 1:
         return (f"its experts are quantized to {' and '.join(f'{b}-bit' for b in widths)} weights, which its "
                 "expert stacking gives back wrong (quantize the experts to one width)")
