@@ -528,24 +528,6 @@ def test_sequential_on_a_decoder_classifier_is_refused_as_not_a_causal_lm(tmp_pa
         "says this is a LlamaForSequenceClassification (no language-model head): run without --sequential" in err, err
 
 
-def test_onnx_export_of_a_forward_taking_kwargs_gets_the_mask_its_trace_needs(tmp_path):
-    """A remote-code causal LM whose forward is (*args, **kwargs), traced on token ids alone: no attention_mask was
-    added (the signature named none), and torch.onnx failed on transformers' mask from positions (aten::diff)."""
-    pytest.importorskip("onnxruntime")
-    ckpt = _remote_code_llama(tmp_path / "m")
-    (ckpt / "modeling_custom.py").write_text(
-        (ckpt / "modeling_custom.py").read_text()
-        + "\n    def forward(self, *args, **kwargs):\n        return super().forward(*args, **kwargs)\n")
-    save_file({"input_ids": torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))},
-              tmp_path / "ids.safetensors")
-    code, _, err = run_cli("quantize", ckpt, "-c", "w8a16", "--data", tmp_path / "ids.safetensors", "-o",
-                           tmp_path / "o", "--format", "onnx", "--trust-remote-code", "--quiet")
-    assert code == 0, err
-    import onnx
-
-    assert "attention_mask" in [i.name for i in onnx.load(str(tmp_path / "o" / "model.onnx")).graph.input]
-
-
 def test_an_auto_map_naming_another_repositorys_code_that_cannot_be_fetched_says_so(tmp_path, monkeypatch):
     """auto_map's "org/repo--module.Class" fetches the code from another repository: offline that read "cannot
     read config.json: We couldn't connect ...", about a config.json that is fine."""

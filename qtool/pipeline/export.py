@@ -102,15 +102,14 @@ def _example_batch(eopts: ExportOptions):
 
 
 def _takes(model: torch.nn.Module, name: str) -> bool:
-    """Whether ``model``'s forward takes the keyword ``name``: by that name, or through ``**kwargs`` (remote code's
-    wrappers pass everything on)."""
+    """Whether ``model``'s forward names the keyword ``name`` (a ``**kwargs`` may pass it on to a function that
+    rejects it: not taken as taking it)."""
     import inspect
 
     try:
-        params = inspect.signature(model.forward).parameters
+        return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
