@@ -92,7 +92,7 @@ def files_read(path: Path) -> List[Path]:
     """What a run reads of a checkpoint: its tensor files (:func:`tensor_files`), a directory's ``config.json`` and
     the model code beside it (``*.py``, what ``--trust-remote-code`` runs): what a resumed run's state and the
     ranks of one run compare."""
-    code = sorted(Path(path).glob("*.py")) if Path(path).is_dir() else []
+    code = sorted(f for f in Path(path).glob("*.py") if f.is_file()) if Path(path).is_dir() else []
     return tensor_files(path) + [f for f in (Path(path) / "config.json",) if f.is_file()] + code
 
 

@@ -80,8 +80,8 @@ def _config(path, trust_remote_code: bool):
             msg = "this model needs its own Python code; pass --trust-remote-code if you trust its source"
         raise CheckpointError(f"{path}: {msg}") from None
     except OSError as e:
-        elsewhere = next((f"{k}: {v}" for k, v in sorted((raw.get("auto_map") or {}).items())
-                          if isinstance(v, str) and "--" in v), None) if isinstance(raw.get("auto_map"), dict) else None
+        fetched = raw["auto_map"].get("AutoConfig") if isinstance(raw.get("auto_map"), dict) else None
+        elsewhere = f"AutoConfig: {fetched}" if isinstance(fetched, str) and "--" in fetched else None
         if elsewhere:  # ("org/repo--module.Class": code fetched from another repository, which failed)
             raise CheckpointError(f"{cfg_file}: auto_map names code in another Hugging Face repository "
                                   f"({elsewhere[:100]}), which could not be fetched ({str(e).splitlines()[0][:120]}); "
