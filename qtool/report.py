@@ -334,10 +334,9 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
     mask = b.kwargs.get("attention_mask")
 
     def text(name: str, t: torch.Tensor) -> torch.Tensor:
-        """A per-token output's positions the mask keeps ([batch, tokens, features]: a pooler's [batch, features]
-        has no positions). An expert's rows are routed tokens, and a module that flattens the tokens ([batch *
-        tokens, features]: Qwen2-MoE's shared expert) has none either: their sums still hold padding."""
-        if mask is None or name in routing or t.dim() < 3 or tuple(t.shape[:2]) != tuple(mask.shape):
+        """A per-token output's positions the mask keeps (padding counts in no layer's figure, as in no end-to-end
+        one); an expert's rows are routed tokens already."""
+        if mask is None or name in routing or t.dim() < 2 or tuple(t.shape[:2]) != tuple(mask.shape):
             return t
         return t[mask.to(t.device) > 0]
 
