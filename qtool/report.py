@@ -331,15 +331,6 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
     # (an expert given no token may not run: its own count would pair other calls)
     everything = dict(model.named_modules())
     routing = {name: r for name in modules if (r := routing_of(everything, name)) is not None}
-    mask = b.kwargs.get("attention_mask")
-
-    def text(name: str, t: torch.Tensor) -> torch.Tensor:
-        """A per-token output's positions the mask keeps (padding counts in no layer's figure, as in no end-to-end
-        one); an expert's rows are routed tokens already."""
-        if mask is None or name in routing or t.dim() < 2 or tuple(t.shape[:2]) != tuple(mask.shape):
-            return t
-        return t[mask.to(t.device) > 0]
-
     counter = {name: routing[name][0] if name in routing else mod for name, mod in modules.items()}
     counted: Dict[int, int] = {}  # id(module) -> its calls so far, less one
 
@@ -393,12 +384,12 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
             kwargs = {k: None if k in CACHE_KWARGS else v for k, v in kwargs.items()}
             set_quantization(model, True, only={name})
             out = _first_tensor(mod(*args, **kwargs))
-            terms["sig_i"][name].append(_energy(text(name, ref)))
-            terms["noise_i"][name].append(_energy(text(name, ref), text(name, out)))
+            terms["sig_i"][name].append(_energy(ref))
+            terms["noise_i"][name].append(_energy(ref, out))
             if name in chosen:  # what round-to-nearest would have given this layer, for comparison
                 with without_stored_weight(mod):
                     out = _first_tensor(mod(*args, **kwargs))
-                terms["noise_rtn"][name].append(_energy(text(name, ref), text(name, out)))
+                terms["noise_rtn"][name].append(_energy(ref, out))
     # cumulative: the whole model quantized
     set_quantization(model, True)
     counted.clear()
@@ -413,8 +404,8 @@ def _measure_batch(model: nn.Module, modules: Dict[str, nn.Module], chosen, batc
                     return
                 ref, out = ref[rows[0]], out[rows[1]]
             if ref is not None and out is not None and ref.numel():
-                terms["sig_c"][name].append(_energy(text(name, ref)))
-                terms["noise_c"][name].append(_energy(text(name, ref), text(name, out)))
+                terms["sig_c"][name].append(_energy(ref))
+                terms["noise_c"][name].append(_energy(ref, out))
         return hook
 
     handles = watched(compare)

@@ -731,30 +731,3 @@ def test_a_sample_its_mask_drops_whole_is_no_sample_and_all_dropped_is_one_line(
     assert code == 2 and json.loads(out)["error"] == (
         f"{tmp_path / 'none.safetensors'}: holds no token its attention_mask keeps (every mask is 0): nothing to "
         "measure a report on")
-
-
-def test_per_layer_sqnr_leaves_padding_out_as_the_end_to_end_figures_do(tmp_path):
-    """The per-layer SQNR summed over padded positions too: the table and --min-sqnr changed with the ids under
-    the padding (MiniLM's gate flipped between two files of the same text), while the end-to-end figures did not."""
-    from tests.test_gguf import _tiny_llama
-
-    ckpt = _tiny_llama(tmp_path / "m", False)
-    ids = torch.randint(1, 300, (4, 16), generator=torch.Generator().manual_seed(0))
-    assert run_cli("calibrate", ckpt, "-c", "w8a8", "--data", _ids(tmp_path / "cal.safetensors", ids), "-o",
-                   tmp_path / "run")[0] == 0
-    mask = torch.ones_like(ids)
-    mask[1, 10:] = 0
-    mask[3, 4:] = 0
-    layers = []
-    for name, under in (("a", ids), ("b", torch.where(mask > 0, ids, (ids * 7 + 3) % 300))):
-        save_file({"input_ids": under, "attention_mask": mask}, tmp_path / f"{name}.safetensors")
-        code, out, err = run_cli("report", ckpt, "-e", tmp_path / "run" / "encodings.json", "--data",
-                                 tmp_path / f"{name}.safetensors", "--batch-size", "4", "--json")
-        assert code == 0, err
-        layers.append(json.loads(out)["layers"])
-    assert layers[0] == layers[1]
-
-
-def _ids(path, ids):
-    save_file({"input_ids": ids}, path)
-    return path
