@@ -223,13 +223,13 @@ def test_internal_error_is_one_line_with_a_log(world, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def _slow_calibration_under_way(world, out, hangup):
+def _slow_calibration_under_way(world, out, hangup, model_class="tests.tinymodels_slow:slow"):
     """``qtool calibrate`` of the slow MLP into ``out`` as a process of its own, with SIGHUP set to ``hangup`` in it,
     returned once its temporary output exists and a couple of slow batches have run."""
     d, ckpt, data = world
     proc = subprocess.Popen(
         [sys.executable, "-m", "qtool", "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a8.yaml"), "--data", str(data),
-         "--batch-size", "4", "--model-class", "tests.tinymodels_slow:slow", "-o", str(out)],
+         "--batch-size", "4", "--model-class", model_class, "-o", str(out)],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup))
     deadline = time.time() + 120
@@ -252,6 +252,20 @@ def test_signal_mid_calibration_leaves_nothing(world, tmp_path, sig, code):
     assert proc.returncode == code, stderr
     assert stderr.strip().splitlines()[-1].startswith("interrupted: ")
     assert list(tmp_path.iterdir()) == []  # no output, no temp litter
+
+
+def test_an_interrupt_inside_code_run_from_a_string_keeps_its_exit_code(world, tmp_path):
+    """A Ctrl-C that lands in code run by exec or eval (a dataclass's generated methods, ~0.6-0.9 s into a run while
+    torch imports) set CPython's "KeyboardInterrupt unhandled" mark: qtool said "interrupted" and chose 130, and the
+    interpreter then ended itself by SIGINT (-2), a flaky CI failure. The model waits inside exec, so it always
+    lands there."""
+    proc = _slow_calibration_under_way(world, tmp_path / "r", hangup=signal.SIG_DFL,
+                                       model_class="tests.tinymodels_slow:slow_from_a_string")
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "interrupted: SIGINT; nothing was written"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_run_under_nohup_outlives_a_hangup(world, tmp_path):

@@ -1,9 +1,8 @@
-"""Models for process-level tests: one that is slow to run (so a signal lands mid-calibration) and one that
+"""Models for process-level tests: ones that are slow to run (so a signal lands mid-calibration) and one that
 fails with an unexpected error (an internal error)."""
 
 import time
 
-import torch
 from torch import nn
 
 from tests.tinymodels import mlp
@@ -19,6 +18,19 @@ class Slow(nn.Sequential):
 
 def slow() -> nn.Module:
     return Slow(*mlp())
+
+
+class SlowFromAString(nn.Sequential):
+    """The tiny MLP, its half-second wait run from a string, as a dataclass's generated methods are: an interrupt
+    that lands there leaves CPython's "KeyboardInterrupt unhandled" mark set."""
+
+    def forward(self, x):
+        exec("import time; time.sleep(0.5)")
+        return super().forward(x)
+
+
+def slow_from_a_string() -> nn.Module:
+    return SlowFromAString(*mlp())
 
 
 class _Broken(nn.Sequential):

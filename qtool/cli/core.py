@@ -699,6 +699,11 @@ def main() -> None:
         # the command is over (its outputs closed and in place, its exit code chosen): a signal now would only
         # interrupt the interpreter's exit, with a traceback from whatever atexit handler it lands in
         _ignore_signals()
+        # An interrupt raised inside code run from a string (exec/eval: a dataclass's generated methods while torch
+        # imports) leaves CPython's "KeyboardInterrupt unhandled" mark set although qtool handled it, and the
+        # interpreter then ends itself by SIGINT (-2) instead of with the exit code the command chose; every exec of
+        # a string clears that mark as it starts.
+        exec("")
         # On exit the interpreter searches everything still alive for reference cycles, several times over, to
         # free memory the operating system takes back anyway: ~0.4 s per command once torch is loaded. Frozen
         # objects are skipped. By now every output is closed and renamed into place, and what cleans up at exit
