@@ -225,6 +225,34 @@ def test_an_index_that_maps_a_tensor_to_a_shard_without_it_is_named(tmp_path):
     assert code == 0, err
 
 
+@pytest.mark.parametrize("sequential", [False, True], ids=["whole", "sequential"])
+def test_a_shard_missing_a_tensor_its_index_names_is_named_not_config_json(tmp_path, sequential):
+    """A shard lacking one tensor the index maps to it (no file holds it: a shard of another save, or one cut short)
+    read "config.json disagrees with the weights: ... a count such as num_hidden_layers is larger"."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import error_lines, run_cli, tiny_llama
+
+    ckpt = tiny_llama(tmp_path / "m")
+    real = load_file(ckpt / "model.safetensors")
+    (ckpt / "model.safetensors").unlink()
+    lost = "model.layers.0.mlp.down_proj.weight"
+    names = sorted(real)
+    save_file({k: real[k] for k in names[:5] if k != lost}, ckpt / "a.safetensors")
+    save_file({k: real[k] for k in names[5:] if k != lost}, ckpt / "b.safetensors")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "a.safetensors" if i < 5 else "b.safetensors" for i, k in enumerate(names)}}))
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    code, _, err = run_cli("quantize", ckpt, "-c", "w8a16", "-o", tmp_path / "q", "-q",
+                           *(["--sequential", "--data", tmp_path / "ids.safetensors"] if sequential else []))
+    shard = "a.safetensors" if names.index(lost) < 5 else "b.safetensors"
+    assert code == 2 and error_lines(err) == [
+        f"error: {ckpt / 'model.safetensors.index.json'}: maps {lost} to {shard}, which does not hold it (a shard "
+        "of another save, or one cut short)"], err
+    assert not (tmp_path / "q").exists()
+
+
 def test_a_directory_with_a_pickle_checkpoint_only_names_it(tmp_path):
     """A pytorch_model.bin directory read "no *.safetensors weights in this directory", naming nothing it holds."""
     from safetensors.torch import load_file

@@ -224,6 +224,23 @@ def check_index_places(path: Path, headers: Dict[str, Tuple[Tuple[int, ...], Pat
                                   "edited, or left from another save)")
 
 
+def unheld_index_entry(path: Path, names) -> Optional[str]:
+    """Where a tensor the model needs and no shard holds was promised: "{index}: maps NAME to FILE, which does not
+    hold it" for the first of ``names`` (the model's name and its checkpoint spellings) that a directory's
+    ``model.safetensors.index.json`` maps, else None. A shard from another save, or one cut short, then reads as
+    that, not as a config.json describing more than the weights."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if not path.is_dir() or (path / "model.safetensors").is_file() or not index.is_file():
+        return None
+    weight_map = read_json_object(index, CheckpointError, "safetensors index", strict=True).get("weight_map") or {}
+    name = next((n for n in names if n in weight_map), None)
+    if name is None:
+        return None
+    return (f"{index}: maps {name} to {weight_map[name]}, which does not hold it (a shard of another save, or one "
+            "cut short)")
+
+
 _MAX_HEADER = 100_000_000  # the safetensors reader's own limit
 
 

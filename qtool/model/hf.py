@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import CheckpointError, UsageError
 from ..io.checkpoint import (check_files_there, check_index_places, check_safetensors, no_safetensors,
-                             safetensors_index, tensor_files)
+                             safetensors_index, tensor_files, unheld_index_entry)
 from ..io.jsonfile import read_json_object
 from .experts import linearize_experts
 
@@ -233,8 +233,18 @@ def check_weights_fit(path, model: nn.Module, files: List[Path],
             raise CheckpointError(f"{where}: the checkpoint holds {k}, which the model it describes has no place for "
                                   "(a count such as num_hidden_layers is smaller than the weights')")
     _check_ties(where, model, headers, in_model)
+    def spellings(k: str) -> List[str]:  # (the model's name as a checkpoint may hold it)
+        return [k, *([f"{prefix}.{k}"] if prefix else []),
+                *([k[len(prefix) + 1:]] if prefix and k.startswith(prefix + ".") else [])]
+
+    def refuse_unheld(k: str) -> None:
+        promised = unheld_index_entry(path, spellings(k))
+        if promised is not None:
+            raise CheckpointError(promised)
+
     for k in sorted(model_shapes, key=natural_key):
         if k not in placed and _INDEX.sub(".*", k) != k and _INDEX.sub(".*", k) in ckpt_kinds:
+            refuse_unheld(k)
             raise CheckpointError(f"{where}: the model it describes needs {k}, which the checkpoint does not hold "
                                   "(a count such as num_hidden_layers is larger than the weights')")
     if _renames_weights(model):
@@ -243,6 +253,7 @@ def check_weights_fit(path, model: nn.Module, files: List[Path],
     ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_missing", None) or [])]
     for name, _ in model.named_parameters(remove_duplicate=False):
         if name not in placed and name not in tied and not any(p.search(name) for p in ignored):
+            refuse_unheld(name)
             raise CheckpointError(f"{where}: the model it describes has a parameter {name} that the checkpoint does "
                                   "not hold (it would start from random values; a bias or norm the config adds, or "
                                   "another architecture)")
