@@ -396,6 +396,26 @@ def test_without_a_recipe_a_suggestion_keeps_each_layer_above_its_own_calibrated
     assert rule["weights"] is None and "(float weights)" in (tmp_path / "q8.yaml").read_text()
 
 
+@pytest.mark.parametrize("flag", ["--suggest", "--pareto"])
+def test_an_output_onto_the_calibrations_manifest_is_refused(world, tmp_path, flag):
+    """--suggest 'N run/manifest.json' overwrote the calibration's manifest (which report reads to check the
+    weights) with a YAML recipe, exit 0; export and report of those encodings then failed for good."""
+    import shutil
+
+    shutil.copytree(world / "run", tmp_path / "run")
+    from tests.test_mixed import _SEARCH
+
+    (tmp_path / "run/search.json").write_text(json.dumps(_SEARCH))  # (a valid record: read before the outputs')
+    manifest = (tmp_path / "run/manifest.json").read_bytes()
+    out = {"--suggest": ["--sensitivity", "--suggest", f"1 {tmp_path / 'run/manifest.json'}"],
+           "--pareto": ["--pareto", tmp_path / "run/manifest.svg"]}[flag]
+    code, _, err = run_cli("report", world / "m.safetensors", "--data", world / "data.safetensors", "--model-class",
+                           MLP, "-e", tmp_path / "run/encodings.json", *out, "-q")
+    assert code == 2 and "writing it would replace an input" in err and "calibration manifest" in err, err
+    assert (tmp_path / "run/manifest.json").read_bytes() == manifest
+    assert not (tmp_path / "run/manifest.svg").exists()
+
+
 def test_a_run_that_quantizes_nothing_keeps_its_gate_and_suggests_nothing(world, tmp_path):
     """--min-sqnr vanished from the gates and --suggest wrote an empty recipe of "the 0 most sensitive layers"."""
     (tmp_path / "float.yaml").write_text("version: 1\ndefaults:\n  weights: null\n  activations: null\n")

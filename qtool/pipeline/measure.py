@@ -208,8 +208,8 @@ def report_outputs(checkpoint: str, encodings: str, data: Optional[str], plot: O
         outs.search = read_search(found)
     run = Path(encodings).parent
     inputs = [("checkpoint", checkpoint), ("encodings", encodings), ("encodings sidecar", str(run / SIDECAR)),
-              ("codes", str(run / CODES_FILE)), ("search record", str(run / "search.json")), ("data", data),
-              ("recipe", recipe)]
+              ("codes", str(run / CODES_FILE)), ("search record", str(run / "search.json")),
+              ("calibration manifest", str(run / "manifest.json")), ("data", data), ("recipe", recipe)]
     written: Dict[Path, str] = {}
     for flag, out in (("--plot", plot), ("--pareto", pareto), ("--pareto's .json", pareto and Path(pareto).with_suffix(
             ".json")), ("--suggest", outs.suggest)):
