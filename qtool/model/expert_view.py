@@ -57,14 +57,17 @@ class ExpertSlices:
 
 
 def open_checkpoint(path, trust_pickle: bool = False, trust_remote_code: bool = False,
-                    model: Optional[nn.Module] = None):
+                    model: Optional[nn.Module] = None, model_class: Optional[str] = None):
     """The checkpoint's tensors as qtool's model names them: a :class:`CheckpointTensors`, or :class:`ExpertSlices`
     over it where the checkpoint stores fused experts. ``model``: its linearized model or meta skeleton, if one is
-    at hand (else the skeleton is built from ``config.json``, only when the checkpoint holds 3-D tensors and its
-    config counts experts)."""
+    at hand (else the skeleton is built from ``config.json``, or by ``model_class`` for a state dict, only when the
+    checkpoint holds 3-D tensors and, for a directory, its config counts experts)."""
     tensors = CheckpointTensors(Path(path), trust_pickle=trust_pickle)
     if model is not None:
         slices = dict(getattr(model, FUSED_SLICES, {}))
+    elif model_class is not None and detect_kind(tensors.path) != "hf":
+        slices = _factory_slices(str(Path(path).resolve()), model_class, _stamp(path, tensors)) \
+            if any(len(tensors.shape_dtype(k)[0]) == 3 for k in tensors.keys()) else {}
     else:
         slices = _slices_of(str(Path(path).resolve()), trust_remote_code, _stamp(path, tensors)) \
             if _may_fuse(tensors) else {}
@@ -96,6 +99,19 @@ def _stamp(path, tensors) -> tuple:
     times (another model saved in the same directory by the same process gets its own)."""
     files = [Path(path) / "config.json", *tensors.files]
     return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+
+
+@lru_cache(maxsize=4)
+def _factory_slices(path: str, model_class: str, stamp: tuple) -> Slices:
+    """The fused-expert slices of a state dict whose model ``model_class`` builds (as the load splits them)."""
+    from .experts import fused_layout, linearize_experts
+    from .load import factory_skeleton
+
+    model = factory_skeleton(model_class)
+    if not any(fused_layout(m) is not None for m in model.modules()):
+        return {}
+    linearize_experts(model, CheckpointTensors(Path(path)).keys())
+    return dict(getattr(model, FUSED_SLICES, {}))
 
 
 @lru_cache(maxsize=4)

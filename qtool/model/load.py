@@ -178,6 +178,31 @@ def _checked_module(spec: str, factory) -> nn.Module:
     return model
 
 
+def factory_skeleton(spec: str) -> nn.Module:
+    """The model ``--model-class`` builds, built on the meta device where the factory allows (names, types and shapes,
+    no memory), else as it builds it."""
+    with working_directory_importable():
+        factory = _import_factory(spec)
+        try:
+            with torch.device("meta"):
+                model = factory()
+            if isinstance(model, nn.Module):
+                return model
+        except Exception:  # (a factory that cannot build on meta: built as the load builds it)
+            pass
+        return _checked_module(spec, factory)
+
+
+def _split_fused_experts(model: nn.Module, keys) -> None:
+    """transformers' fused experts (3-D parameters) of a model a factory built, split into one ``nn.Linear`` per
+    expert and projection as :func:`load_hf` splits a directory's: left fused, they stayed float (a recipe targets
+    Linear layers) and ``ignore`` could not name them."""
+    from .experts import fused_layout, linearize_experts
+
+    if any(fused_layout(m) is not None for m in model.modules()):
+        linearize_experts(model, keys)
+
+
 def _tied_filled(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """``state`` with a parameter the model holds under several names (a tied output layer) under each of them,
     where it is stored under one (safetensors' save_model keeps one)."""
@@ -247,7 +272,9 @@ def load_model(
         if model_class is None:
             raise UsageError(f"{path}: a state dict needs --model-class module:callable to build the model")
         model = _build(model_class)
-        _load_state_into(model, read_state_dict(path), path)
+        state = read_state_dict(path)
+        _load_state_into(model, state, path)
+        _split_fused_experts(model, state)
     else:  # .pt / .pth
         try:
             obj = torch_load_safe(path)
@@ -263,7 +290,9 @@ def load_model(
                 raise UsageError(f"{path}: a state dict needs --model-class module:callable to build the model")
             model = _build(model_class)
             kind = "state_dict"
-            _load_state_into(model, plain_state_dict(obj, path), path)
+            state = plain_state_dict(obj, path)
+            _load_state_into(model, state, path)
+            _split_fused_experts(model, state)
         else:
             raise CheckpointError(f"{path}: expected a state dict or a module, found {type(obj).__name__}")
     model = model.to(dev)

@@ -161,7 +161,8 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     hooks.on_stage(f"exporting ({eopts.format})")
     summary: Dict[str, Any] = {"format": eopts.format}
     weights = WeightSource(Path(checkpoint), enc, Path(enc_path).parent,
-                           tensors=open_checkpoint(checkpoint, eopts.trust_pickle, eopts.trust_remote_code))
+                           tensors=open_checkpoint(checkpoint, eopts.trust_pickle, eopts.trust_remote_code,
+                                                   model_class=eopts.model_class))
     digest = digests(tensor_files(Path(checkpoint)))
     other = _check_same_checkpoint(Path(enc_path), checkpoint, digest, enc, allow_other) if same_weights else None
     request = ExportRequest(
