@@ -61,7 +61,8 @@ def _timeout_s() -> float:
     except ValueError:
         value = -1.0
     if not 0 < value < 10**7:
-        raise UsageError(f"{ENV_TIMEOUT}={text!r}: give the seconds a rank waits for the others (e.g. 600)")
+        raise UsageError(f"{ENV_TIMEOUT}={text!r}: give the seconds a rank waits for the others, above 0 and below "
+                         "10000000 (about 115 days; e.g. 600)")
     return value
 
 

@@ -736,3 +736,18 @@ def test_a_lost_rank_says_what_a_sequential_run_kept(tmp_path, capsys):
     err = " ".join(capsys.readouterr().err.split())
     assert (f"nothing was written; {state} keeps the blocks finished so far: the same command with --resume "
             "continues") in err, err
+
+
+@pytest.mark.parametrize("value, accepted", [("1e9", False), ("9999999", True), ("0", False), ("abc", False),
+                                             ("2.5", True)])
+def test_a_timeout_out_of_range_says_the_range(monkeypatch, value, accepted):
+    """QTOOL_DIST_TIMEOUT=1e9 (a number of seconds) read "give the seconds a rank waits", the bound unsaid."""
+    from qtool.errors import UsageError
+    from qtool.parallel import _timeout_s
+
+    monkeypatch.setenv("QTOOL_DIST_TIMEOUT", value)
+    if accepted:
+        assert _timeout_s() == float(value)
+        return
+    with pytest.raises(UsageError, match=r"above 0 and below 10000000 \(about 115 days"):
+        _timeout_s()
