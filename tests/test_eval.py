@@ -852,6 +852,13 @@ def test_too_few_tokens_to_score_says_what_was_counted(model, tmp_path):
     code, _, err = run_cli("eval", out, "--data", held, "--seq-len", "2", "--num-samples", "9", "--generate", "0",
                            "-q")
     assert code == 2 and "9 window(s) of up to --seq-len 2 predict 9 next tokens, and at least 16" in err, err
+    # token ids are scored row by row as given: the line told the user to try a longer --seq-len, which cuts text
+    from safetensors.torch import save_file
+
+    save_file({"input_ids": torch.arange(10).reshape(2, 5)}, tmp_path / "short.safetensors")
+    code, _, err = run_cli("eval", out, "--data", tmp_path / "short.safetensors", "--generate", "0", "-q")
+    assert code == 2 and "2 token-id row(s), scored as given (--seq-len cuts text only), predict 8 next tokens" in err
+    assert "give more or longer rows of token ids, or text" in err and "a longer --seq-len" not in err, err
 
 
 def test_the_json_keeps_every_models_key_without_encodings(model, tmp_path):

@@ -177,7 +177,8 @@ def eval_(
                                             "(default: the manifest's): the fake-quant model the file is checked "
                                             "against."),
     data: Optional[str] = typer.Option(None, "--data", help="Held-out data (text or tensors), not the calibration's."),
-    seq_len: int = typer.Option(256, "--seq-len", min=2, help="Tokens per window."),
+    seq_len: int = typer.Option(256, "--seq-len", min=2, help="Tokens per window of text (token-id rows are "
+                                "scored as given)."),
     num_samples: int = typer.Option(8, "--num-samples", min=1, help="Windows to score (at most; fewer if the data "
                                     "is shorter)."),
     seed: int = _SEED,

@@ -23,7 +23,7 @@ import torch
 
 from ..calibration.data_check import refuse_no_kept_token
 from ..choices import check_arguments
-from ..data import data_files, load_data, longest_sample, past_positions, positions_of
+from ..data import TEXT_SUFFIXES, data_files, load_data, longest_sample, past_positions, positions_of
 from ..errors import DataError, UsageError
 from ..hooks import Hooks
 from ..io.checkpoint import weight_file_hashes
@@ -481,9 +481,13 @@ def _windows(opts: EvalOptions, tokenizer, causal_lm: bool, vocab: Optional[int]
         seqs += [row.tolist() for row in rows]
     scored = sum(max(0, len(s) - 1) for s in seqs)  # (a window's first token has nothing before it to predict)
     if scored < MIN_TOKENS:
-        raise DataError(f"{opts.data}: too few tokens to score: {len(seqs)} window(s) of up to --seq-len "
-                        f"{opts.seq_len} predict {scored} next tokens, and at least {MIN_TOKENS} are needed (a few "
-                        "thousand give stable figures): give more text, or a longer --seq-len or more --num-samples")
+        text = any(f.suffix.lower() in TEXT_SUFFIXES for f in data_files(opts.data))
+        windows = (f"{len(seqs)} window(s) of up to --seq-len {opts.seq_len}" if text else
+                   f"{len(seqs)} token-id row(s), scored as given (--seq-len cuts text only),")
+        more = "more text, or a longer --seq-len or more --num-samples" if text else (
+            "more or longer rows of token ids, or text")
+        raise DataError(f"{opts.data}: too few tokens to score: {windows} predict {scored} next tokens, and at least "
+                        f"{MIN_TOKENS} are needed (a few thousand give stable figures): give {more}")
     return seqs
 
 
