@@ -983,3 +983,23 @@ def test_a_state_dicts_fused_experts_are_quantized_one_by_one_as_a_directorys_ar
 def qwen3_moe_state(checkpoint):
     """The state dict of ``checkpoint``'s model as transformers holds it in memory (experts fused)."""
     return dict(transformers.AutoModelForCausalLM.from_pretrained(checkpoint).state_dict())
+
+
+def test_onnx_export_refuses_a_state_dicts_experts_before_calibrating_and_from_its_encodings(tmp_path):
+    """No config.json counts the experts of a state dict --model-class builds: quantize traced the model, which
+    failed on the routing's ops or kept one batch's routing in the graph."""
+    checkpoint, ids = _saved(tmp_path, "qwen3_moe")
+    sd = tmp_path / "moe.safetensors"
+    save_file({k: v.contiguous() for k, v in qwen3_moe_state(checkpoint).items()}, sd)
+    factory = "tests.test_experts:qwen3_moe_from_config"
+    code, _, err = run_cli("quantize", sd, "--model-class", factory, "-c", "w8a16", "--data", ids, "-o",
+                           tmp_path / "o", "--format", "onnx")
+    assert code == 2 and "calibrating" not in err and error_lines(err)[-1] == (
+        "error: ONNX export of mixture-of-experts layers (model.layers.0.mlp.experts and 1 more) is not supported (a "
+        "traced graph would keep one batch's routing); use --format compressed-tensors, gguf or qtool"), err
+    code, _, err = run_cli("calibrate", sd, "--model-class", factory, "-c", "w8a16", "-o", tmp_path / "c", "-q")
+    assert code == 0, err
+    code, _, err = run_cli("export", sd, "-e", tmp_path / "c/encodings.json", "--model-class", factory, "--format",
+                           "onnx", "--data", ids, "-o", tmp_path / "o", "-q")
+    assert code == 2 and "ONNX export of mixture-of-experts layers" in err, err
+    assert not (tmp_path / "o").exists()

@@ -316,8 +316,12 @@ class OnnxExporter(Exporter):
         c = read_json_object(config, CheckpointError, "Hugging Face config")
         c = c.get("text_config") if isinstance(c.get("text_config"), dict) else c
         if any(c.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-            raise UsageError(f"{checkpoint}: ONNX export of mixture-of-experts layers is not supported (a traced graph "
-                             "would keep one batch's routing); use --format compressed-tensors, gguf or qtool")
+            raise UsageError(f"{checkpoint}: {_no_experts()}")
+
+    def check_expert_counts(self, quantizers, options: "OnnxExporter.Options", counts: Dict[str, int]) -> None:
+        """The same refusal where no config.json says so (a state dict whose --model-class builds the model)."""
+        if counts:
+            raise UsageError(_no_experts(sorted(counts)))
 
     def check_quantizers(self, quantizers, options: "OnnxExporter.Options") -> None:
         for q in quantizers:  # (a plan's, before calibration, or an encodings file's)
@@ -331,9 +335,19 @@ class OnnxExporter(Exporter):
         required_opset(encodings)
 
     def write(self, request: ExportRequest, options: "OnnxExporter.Options") -> Dict[str, Any]:
+        from ..model.experts import LinearExperts
+
         loaded = request.load_model()
+        experts = [n for n, m in loaded.model.named_modules() if isinstance(m, LinearExperts)]
+        if experts:  # (qtool export of a state dict's encodings: no plan was checked)
+            raise UsageError(_no_experts(experts))
         return export_onnx(loaded, request.example_batch(loaded), request.encodings, request.out_dir, request.weights,
                            request.example_source)
 
+
+def _no_experts(layers=()) -> str:
+    named = f" ({layers[0]}{f' and {len(layers) - 1} more' if len(layers) > 1 else ''})" if layers else ""
+    return (f"ONNX export of mixture-of-experts layers{named} is not supported (a traced graph would keep one "
+            "batch's routing); use --format compressed-tensors, gguf or qtool")
 
 EXPORTER = OnnxExporter()
