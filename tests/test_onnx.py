@@ -474,3 +474,31 @@ def test_the_length_check_follows_the_models_own_lengths(tmp_path, factory, fixe
     if not fixed:
         session = _session(tmp_path / "q/model.onnx", ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
         assert session.run(None, {"input": np.zeros((1, 20), dtype=np.int64)})[0].shape == (1, 10, 16)
+
+
+def test_a_decoder_classifier_from_token_ids_alone_is_traced_with_a_mask_and_eval_runs_it(tmp_path):
+    """LlamaForSequenceClassification from a file of token ids alone (no attention_mask): transformers built its
+    mask from position ids (torch.diff), which torch.onnx refused ("could not export this model: aten::diff"); only
+    causal LMs were given a mask. Now a failed trace of token ids alone is retried with a mask of ones."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, pad_token_id=0, num_labels=3)
+    torch.manual_seed(0)
+    transformers.LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "cls")
+    ids = torch.randint(1, 256, (4, 12), generator=torch.Generator().manual_seed(0))
+    save_file({"x": ids}, tmp_path / "ids.safetensors")
+    code, _, err = run_cli("quantize", tmp_path / "cls", "-c", "w8a16", "--format", "onnx", "--data",
+                           tmp_path / "ids.safetensors", "-o", tmp_path / "o", "-q")
+    assert code == 0, err
+    graph = onnx.load(str(tmp_path / "o/model.onnx")).graph
+    assert [i.name for i in graph.input] == ["input_ids", "attention_mask"]
+    model = transformers.LlamaForSequenceClassification.from_pretrained(tmp_path / "cls").eval()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    got = _session(tmp_path / "o/model.onnx", ort.GraphOptimizationLevel.ORT_ENABLE_ALL).run(None, {
+        "input_ids": ids.numpy(),
+        "attention_mask": np.ones_like(ids.numpy())})[0]
+    assert torch.nn.functional.cosine_similarity(torch.from_numpy(got), want).min() > 0.99
+    code, out, err = run_cli("eval", tmp_path / "o", "--data", tmp_path / "ids.safetensors", "--json", "-q")
+    assert code == 0, err
+    assert json.loads(out)["cosine"]["export_gap"]["mean"] > 0.999

@@ -151,6 +151,9 @@ class OnnxRuntime(_WholeLogits):
         feed = dict(batch.kwargs)
         if batch.args:
             feed.update({n: a for n, a in zip(self.inputs, batch.args)})
+        if "attention_mask" in self.inputs and "attention_mask" not in feed and "input_ids" in feed:
+            # (token ids alone, which the export traced with a mask of ones: what the models compute without one)
+            feed["attention_mask"] = torch.ones_like(feed["input_ids"])
         return self._run(feed)
 
     def close(self) -> None:

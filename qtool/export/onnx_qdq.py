@@ -155,25 +155,19 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None, 
     # in training mode, turning dropout on in the caller's model
     wrapper = _Positional(model, ["input"] if args else [], list(kwargs)).eval()
     flat_inputs = tuple(args) + tuple(kwargs.values())
-    last_error: Optional[Exception] = None
-    for opset in sorted({min(max(opset_q, 10), _MAX_TORCHSCRIPT_OPSET), 14, 17}):
-        if opset < min(opset_q, _MAX_TORCHSCRIPT_OPSET):
-            continue
-        try:
-            with onnx_export_mode(quantizers), torch.no_grad(), _attention_fast_path_off(), \
-                    warnings.catch_warnings(), _captured_fds():
-                warnings.simplefilter("ignore")
-                torch.onnx.export(wrapper, flat_inputs, str(path), input_names=input_names,
-                                  output_names=output_names, dynamic_axes=dynamic_axes, opset_version=opset,
-                                  dynamo=False, custom_opsets={"qtool": 1}, do_constant_folding=True)
-            break
-        except OSError as e:  # (a full disk, a file-size limit: the output, not the model; the CLI names the path)
-            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES):
-                raise
-            last_error = e
-        except Exception as e:  # the exporter raises many types; try the next opset
-            last_error = e
-    else:
+    opset, last_error = _trace(wrapper, flat_inputs, path, input_names, output_names, dynamic_axes, opset_q,
+                               quantizers)
+    masked = _with_a_mask(model, batch) if opset is None else None
+    if masked is not None:
+        # token ids alone, which a decoder turns into a mask from position ids (torch.diff) or SDPA's grouped-query
+        # form, neither of which torch.onnx exports: traced again with a mask of ones, the graph then takes one
+        m_args, m_kwargs, m_names, m_axes = _signature(masked)
+        m_wrapper = _Positional(model, [], list(m_kwargs)).eval()
+        m_inputs = tuple(m_kwargs.values())
+        opset, _ = _trace(m_wrapper, m_inputs, path, m_names, output_names, m_axes, opset_q, quantizers)
+        if opset is not None:
+            wrapper, flat_inputs, input_names, dynamic_axes = m_wrapper, m_inputs, m_names, m_axes
+    if opset is None:
         raise UsageError(f"torch.onnx could not export this model: {str(last_error).splitlines()[0]}")
     proto = onnx.load(str(path))
     final_opset = max(opset, opset_q)
@@ -343,6 +337,48 @@ class OnnxExporter(Exporter):
             raise UsageError(_no_experts(experts))
         return export_onnx(loaded, request.example_batch(loaded), request.encodings, request.out_dir, request.weights,
                            request.example_source)
+
+
+def _trace(wrapper, flat_inputs, path: Path, input_names, output_names, dynamic_axes, opset_q: int, quantizers):
+    """``torch.onnx.export`` of ``wrapper`` into ``path`` at the first opset that works: (that opset, None), or
+    (None, the last error)."""
+    last_error: Optional[Exception] = None
+    for opset in sorted({min(max(opset_q, 10), _MAX_TORCHSCRIPT_OPSET), 14, 17}):
+        if opset < min(opset_q, _MAX_TORCHSCRIPT_OPSET):
+            continue
+        try:
+            with onnx_export_mode(quantizers), torch.no_grad(), _attention_fast_path_off(), \
+                    warnings.catch_warnings(), _captured_fds():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(wrapper, flat_inputs, str(path), input_names=input_names,
+                                  output_names=output_names, dynamic_axes=dynamic_axes, opset_version=opset,
+                                  dynamo=False, custom_opsets={"qtool": 1}, do_constant_folding=True)
+            return opset, None
+        except OSError as e:  # (a full disk, a file-size limit: the output, not the model; the CLI names the path)
+            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES):
+                raise
+            last_error = e
+        except Exception as e:  # the exporter raises many types; try the next opset
+            last_error = e
+    return None, last_error
+
+
+def _with_a_mask(model, batch):
+    """``batch``'s token ids (named, or a file's one integer tensor) with an ``attention_mask`` of ones, where the
+    model's forward names one and the batch has none; else None."""
+    import inspect
+
+    from ..data import Batch
+
+    ids = batch.kwargs.get("input_ids") if not batch.args else (
+        batch.args[0] if len(batch.args) == 1 and not batch.kwargs else None)
+    if ids is None or ids.is_floating_point() or ids.dim() != 2 or "attention_mask" in batch.kwargs:
+        return None
+    try:
+        takes = "attention_mask" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return Batch((), {**batch.kwargs, "input_ids": ids, "attention_mask": torch.ones_like(ids)}) if takes else None
 
 
 def _no_experts(layers=()) -> str:
