@@ -859,6 +859,10 @@ def test_too_few_tokens_to_score_says_what_was_counted(model, tmp_path):
     code, _, err = run_cli("eval", out, "--data", tmp_path / "short.safetensors", "--generate", "0", "-q")
     assert code == 2 and "2 token-id row(s), scored as given (--seq-len cuts text only), predict 8 next tokens" in err
     assert "give more or longer rows of token ids, or text" in err and "a longer --seq-len" not in err, err
+    assert "--num-samples" not in err, err  # (every row was read)
+    save_file({"input_ids": torch.arange(40).reshape(20, 2)}, tmp_path / "many.safetensors")
+    code, _, err = run_cli("eval", out, "--data", tmp_path / "many.safetensors", "--generate", "0", "-q")
+    assert code == 2 and "or text, or more --num-samples (8 rows were read)" in err, err
 
 
 def test_the_json_keeps_every_models_key_without_encodings(model, tmp_path):

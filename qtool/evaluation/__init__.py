@@ -485,7 +485,9 @@ def _windows(opts: EvalOptions, tokenizer, causal_lm: bool, vocab: Optional[int]
         windows = (f"{len(seqs)} window(s) of up to --seq-len {opts.seq_len}" if text else
                    f"{len(seqs)} token-id row(s), scored as given (--seq-len cuts text only),")
         more = "more text, or a longer --seq-len or more --num-samples" if text else (
-            "more or longer rows of token ids, or text")
+            "more or longer rows of token ids, or text"
+            + (f", or more --num-samples ({opts.num_samples} rows were read)" if len(seqs) >= opts.num_samples
+               else ""))
         raise DataError(f"{opts.data}: too few tokens to score: {windows} predict {scored} next tokens, and at least "
                         f"{MIN_TOKENS} are needed (a few thousand give stable figures): give {more}")
     return seqs

@@ -382,8 +382,10 @@ def _with_a_mask(model, batch):
 
 
 def _no_experts(layers=()) -> str:
+    """Why ONNX refuses experts; ``layers``: a state dict's (compressed-tensors and gguf read directories only)."""
     named = f" ({layers[0]}{f' and {len(layers) - 1} more' if len(layers) > 1 else ''})" if layers else ""
+    formats = "qtool or aimet" if layers else "compressed-tensors, gguf or qtool"
     return (f"ONNX export of mixture-of-experts layers{named} is not supported (a traced graph would keep one "
-            "batch's routing); use --format compressed-tensors, gguf or qtool")
+            f"batch's routing); use --format {formats}")
 
 EXPORTER = OnnxExporter()

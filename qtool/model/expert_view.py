@@ -23,7 +23,7 @@ from torch import nn
 from ..io.checkpoint import CheckpointTensors, detect_kind
 from .experts import FUSED_SLICES, linear_part
 
-__all__ = ["ExpertSlices", "open_checkpoint"]
+__all__ = ["ExpertSlices", "open_checkpoint", "fused_candidates"]
 
 Slices = Dict[str, Tuple[str, int, str, Dict[str, bool]]]
 
@@ -66,12 +66,33 @@ def open_checkpoint(path, trust_pickle: bool = False, trust_remote_code: bool = 
     if model is not None:
         slices = dict(getattr(model, FUSED_SLICES, {}))
     elif model_class is not None and detect_kind(tensors.path) != "hf":
-        slices = _factory_slices(str(Path(path).resolve()), model_class, _stamp(path, tensors)) \
-            if any(len(tensors.shape_dtype(k)[0]) == 3 for k in tensors.keys()) else {}
+        slices = _factory_slices(str(Path(path).resolve()), model_class, _stamp(path, tensors),
+                                 tuple(tensors.keys())) if fused_candidates(tensors) else {}
     else:
         slices = _slices_of(str(Path(path).resolve()), trust_remote_code, _stamp(path, tensors)) \
             if _may_fuse(tensors) else {}
     return ExpertSlices(tensors, slices) if slices else tensors
+
+
+# the last part of a fused experts module's 3-D tensor's name as a state dict of the module holds it
+# (transformers' experts decorator's names; GraniteMoE's parallel experts)
+_FUSED_NAMES = ("gate_up_proj", "up_proj", "down_proj", "input_linear.weight", "output_linear.weight")
+
+
+def fused_candidates(tensors: CheckpointTensors) -> List[str]:
+    """The names of a state dict's 3-D tensors named as a fused experts module's (each file's header read once)."""
+    named = [k for k in tensors.keys() if k.endswith(_FUSED_NAMES)]
+    if not named:
+        return []
+    if not tensors.files or not str(tensors.files[0]).endswith(".safetensors"):
+        return [k for k in named if len(tensors.shape_dtype(k)[0]) == 3]  # (in memory)
+    from safetensors import safe_open
+
+    found = []
+    for f in tensors.files:
+        with safe_open(str(f), "pt") as fh:
+            found += [k for k in fh.keys() if k in named and len(fh.get_slice(k).get_shape()) == 3]
+    return sorted(found)
 
 
 def _may_fuse(tensors: CheckpointTensors) -> bool:
@@ -102,15 +123,16 @@ def _stamp(path, tensors) -> tuple:
 
 
 @lru_cache(maxsize=4)
-def _factory_slices(path: str, model_class: str, stamp: tuple) -> Slices:
-    """The fused-expert slices of a state dict whose model ``model_class`` builds (as the load splits them)."""
+def _factory_slices(path: str, model_class: str, stamp: tuple, keys: Tuple[str, ...]) -> Slices:
+    """The fused-expert slices of a state dict (tensor names ``keys``) whose model ``model_class`` builds, as the
+    load splits them."""
     from .experts import fused_layout, linearize_experts
     from .load import factory_skeleton
 
     model = factory_skeleton(model_class)
     if not any(fused_layout(m) is not None for m in model.modules()):
         return {}
-    linearize_experts(model, CheckpointTensors(Path(path)).keys())
+    linearize_experts(model, keys)
     return dict(getattr(model, FUSED_SLICES, {}))
 
 

@@ -153,9 +153,18 @@ def _build(spec: str) -> nn.Module:
         return _checked_module(spec, _import_factory(spec))
 
 
+def _called(factory):
+    """``factory()`` with what it prints sent to stderr: stdout holds the command's one JSON object (--json)."""
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        return factory()
+
+
 def _checked_module(spec: str, factory) -> nn.Module:
     try:
-        model = factory()
+        model = _called(factory)
     except TypeError as e:  # a class or function that needs arguments
         first = str(e).splitlines()[0][:200] if str(e) else ""
         raise UsageError(f"--model-class {spec}: calling it with no arguments failed ({type(e).__name__}: {first}); "
@@ -185,10 +194,10 @@ def factory_skeleton(spec: str) -> nn.Module:
         factory = _import_factory(spec)
         try:
             with torch.device("meta"):
-                model = factory()
+                model = _called(factory)
             if isinstance(model, nn.Module):
                 return model
-        except Exception:  # (a factory that cannot build on meta: built as the load builds it)
+        except (Exception, SystemExit):  # (a factory that cannot build on meta: built as the load builds it)
             pass
         return _checked_module(spec, factory)
 

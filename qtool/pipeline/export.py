@@ -139,6 +139,30 @@ def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, st
     return warning
 
 
+def _refuse_unsplit_experts(checkpoint: str, tensors, enc: EncodingsFile, enc_path: Path) -> None:
+    """A state dict holding a transformers MoE's fused experts, whose encodings name them one by one (its
+    ``--model-class`` split them): without the factory no name matches, and the line blamed the encodings."""
+    from ..io.jsonfile import read_json_object
+    from ..model.expert_view import fused_candidates
+
+    held = set(tensors.keys())
+    split = next((e.name for e in enc.entries if e.tensor == "weight" and ".experts." in e.name
+                  and e.name not in held), None)
+    if split is None or Path(checkpoint).is_dir():
+        return
+    fused = fused_candidates(tensors)
+    if not fused:
+        return
+    try:
+        used = read_json_object(enc_path.parent / "manifest.json", UsageError, "manifest").get("options", {})
+        used = used.get("model_class") if isinstance(used, dict) else None
+    except UsageError:
+        used = None
+    raise UsageError(f"{checkpoint}: holds its experts fused ({fused[0]}), and the encodings name them one by one "
+                     f"({split}): pass the --model-class that builds the model"
+                     + (f" (the calibration's was {used})" if isinstance(used, str) else "") + ", which splits them")
+
+
 def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: Path, eopts: ExportOptions,
                  hooks: Hooks, enc_display: Optional[str] = None,
                  same_weights: bool = False, checkpoint_checked: bool = False,
@@ -160,9 +184,10 @@ def _export_into(checkpoint: str, enc: EncodingsFile, enc_path: Path, out_dir: P
     exporter.check(enc, options)
     hooks.on_stage(f"exporting ({eopts.format})")
     summary: Dict[str, Any] = {"format": eopts.format}
-    weights = WeightSource(Path(checkpoint), enc, Path(enc_path).parent,
-                           tensors=open_checkpoint(checkpoint, eopts.trust_pickle, eopts.trust_remote_code,
-                                                   model_class=eopts.model_class))
+    tensors = open_checkpoint(checkpoint, eopts.trust_pickle, eopts.trust_remote_code, model_class=eopts.model_class)
+    if eopts.model_class is None:
+        _refuse_unsplit_experts(checkpoint, tensors, enc, Path(enc_path))
+    weights = WeightSource(Path(checkpoint), enc, Path(enc_path).parent, tensors=tensors)
     digest = digests(tensor_files(Path(checkpoint)))
     other = _check_same_checkpoint(Path(enc_path), checkpoint, digest, enc, allow_other) if same_weights else None
     request = ExportRequest(
