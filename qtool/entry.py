@@ -11,16 +11,21 @@ import sys
 _EXIT = {signal.SIGINT: ("SIGINT", 130), signal.SIGTERM: ("SIGTERM", 143), signal.SIGHUP: ("SIGHUP", 129)}
 
 
+_HANDLING = []  # a signal's handler runs: a second one, run inside it, leaves the first one's exit standing
+
+
 def _before_the_cli(signum, frame):
+    if _HANDLING:
+        return
+    _HANDLING.append(signum)
     name, code = _EXIT[signum]
     if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("RANK", "0") != "0":
         os._exit(code)  # (torchrun stops every rank once one exits: rank 0 says why, and one JSON object is its)
     said = [(2, f"interrupted: {name}; nothing was written\n")]
     if "--json" in sys.argv[1:]:
-        import json  # (here: its import, ~12 ms, came before the handlers, a window for a traceback)
-
-        said.append((1, json.dumps({"ok": False, "exit_code": code, "error": f"{name}; nothing was written"},
-                                   indent=1) + "\n"))
+        # (json.dumps' text, written out: importing json here met the CLI's own import of it half done, and a
+        # traceback replaced the object)
+        said.append((1, f'{{\n "ok": false,\n "exit_code": {code},\n "error": "{name}; nothing was written"\n}}\n'))
     for fd, text in said:  # (straight to the descriptors: a stdout that is closed, full or a broken pipe, met in
         try:               # the middle of an import, ends the process all the same)
             os.write(fd, text.encode("utf-8", "backslashreplace"))

@@ -258,14 +258,94 @@ def test_an_interrupt_inside_code_run_from_a_string_keeps_its_exit_code(world, t
     """A Ctrl-C that lands in code run by exec or eval (a dataclass's generated methods, ~0.6-0.9 s into a run while
     torch imports) set CPython's "KeyboardInterrupt unhandled" mark: qtool said "interrupted" and chose 130, and the
     interpreter then ended itself by SIGINT (-2), a flaky CI failure. The model waits inside exec, so it always
-    lands there."""
-    proc = _slow_calibration_under_way(world, tmp_path / "r", hangup=signal.SIG_DFL,
-                                       model_class="tests.tinymodels_slow:slow_from_a_string")
+    lands there (a file it touches as its wait begins says when; review: without it the signal often landed
+    elsewhere)."""
+    d, ckpt, data = world
+    mark = tmp_path / "mark"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qtool", "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a8.yaml"), "--data", str(data),
+         "--batch-size", "4", "--model-class", "tests.tinymodels_slow:slow_from_a_string", "-o", str(tmp_path / "r")],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "QTOOL_TEST_MARK": str(mark)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not mark.exists():
+        time.sleep(0.01)
+    mark.unlink()
+    time.sleep(0.1)  # (inside the half-second wait run from the string)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert stderr.strip().splitlines()[-1] == "interrupted: SIGINT; nothing was written"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_interpreter_shuts_down_leaves_the_exit_code(world, tmp_path, sig):
+    """The interpreter's shutdown set a signal with a Python handler back to its default action, and torch's
+    teardown takes a few tenths of a second: a signal then (a second Ctrl-C after an interrupt's report, a
+    scheduler's SIGTERM as the run ends) killed the finished process, -15 or -2 in place of 0."""
+    d, ckpt, _ = world
+    probe = ("import atexit, os, subprocess, sys\nimport qtool.entry\n"
+             "delays = [0.0, 0.05, 0.1, 0.2]\n"  # (a killer per delay, started as the interpreter begins to exit)
+             f"atexit.register(lambda: [subprocess.Popen(['sh', '-c', f'sleep {{t}}; kill -{sig[3:]} {{os.getpid()}} "
+             "2>/dev/null']) for t in delays])\n"
+             "sys.argv = ['qtool'] + sys.argv[1:]\nqtool.entry.main()\n")
+    r = subprocess.run([sys.executable, "-c", probe, "calibrate", str(ckpt), "-c", str(CONFIGS / "w8a16.yaml"),
+                        "--model-class", "tests.tinymodels:mlp", "-o", str(tmp_path / "r"), "--json"],
+                       capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ok"] is True
+
+
+SIGNAL_INSIDE_TORCHS_CPP_START_UP = """
+import os, signal, sys
+import qtool.entry
+state = {"in": False, "sent": False}
+
+
+def profile(frame, event, arg):  # the signal as Python code called back from torch._C._c10d_init runs
+    if event == "c_call" and getattr(arg, "__name__", "") == "_c10d_init":
+        state["in"] = True
+    elif event == "call" and state["in"] and not state["sent"]:
+        state["sent"] = True
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+sys.setprofile(profile)
+sys.argv = ["qtool"] + sys.argv[1:]
+qtool.entry.main()
+"""
+
+
+def test_a_signal_inside_torchs_cpp_start_up_is_one_line(world, tmp_path):
+    """A Ctrl-C landing while torch's C++ start-up called back into Python (torch.distributed's _c10d_init, as
+    the command imported torch) raised KeyboardInterrupt inside pybind11, which aborted the process: SIGABRT,
+    "terminate called after throwing an instance of 'python_error'" and a page of C++ frames, no JSON."""
+    d, ckpt, _ = world
+    r = subprocess.run([sys.executable, "-c", SIGNAL_INSIDE_TORCHS_CPP_START_UP, "calibrate", str(ckpt), "-c",
+                        str(CONFIGS / "w8a16.yaml"), "--model-class", "tests.tinymodels:mlp", "-o",
+                        str(tmp_path / "r"), "--json"], capture_output=True, text=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert r.returncode == 130 and r.stderr == "interrupted: SIGINT; nothing was written\n", r.stderr[-2000:]
+    assert json.loads(r.stdout)["exit_code"] == 130
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_a_slow_reader_takes_the_json_object_leaves_it_whole(tmp_path, sig, code):
+    """A signal while the --json object was written into a full pipe raised between two writes: stdout held the
+    first 64 KiB of a 600 KB object, and no other."""
+    save_file({f"layer_{i}.weight": torch.zeros(2, 2) for i in range(3000)}, tmp_path / "many.safetensors")
+    proc = subprocess.Popen([sys.executable, "-m", "qtool", "inspect", str(tmp_path / "many.safetensors"), "--json"],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    first = os.read(proc.stdout.fileno(), 1)  # (the object has begun; the pipe fills and the writer blocks)
+    time.sleep(0.5)
+    proc.send_signal(sig)
+    rest, stderr = proc.communicate(timeout=60)
+    assert json.loads(first + rest)["kind"] == "safetensors", stderr  # (whole, and the only object)
+    assert proc.returncode == code and stderr.decode().strip().splitlines()[-1].startswith("interrupted: "), stderr
 
 
 def test_a_run_under_nohup_outlives_a_hangup(world, tmp_path):
@@ -566,7 +646,7 @@ import qtool.entry as entry
 
 class Interrupt(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == "qtool.cli":  # (the signal lands while the CLI is being imported)
+        if name == "{where}":  # (the signal lands while the CLI, or json in it, is being imported)
             os.kill(os.getpid(), signal.{sig})
         return None
 
@@ -576,11 +656,14 @@ entry.main()
 """
 
 
+@pytest.mark.parametrize("where", ["qtool.cli", "json.decoder"])
 @pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_a_signal_while_the_cli_is_imported_is_one_line_and_one_json_object(tmp_path, sig, code):
+def test_a_signal_while_the_cli_is_imported_is_one_line_and_one_json_object(tmp_path, sig, code, where):
     """Ctrl-C in the first few tenths of a second (typer, rich and the commands importing) was a traceback from
-    inside an import, and --json printed nothing."""
-    r = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_THE_CLI_IMPORTS.format(sig=sig)], cwd=tmp_path,
+    inside an import, and --json printed nothing; landing while json itself was half imported, the handler's own
+    import of it was "partially initialized module 'json' has no attribute 'dumps'" and exit 1."""
+    probe = SIGNAL_WHILE_THE_CLI_IMPORTS.replace("{where}", where)
+    r = subprocess.run([sys.executable, "-c", probe.format(sig=sig)], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert r.returncode == code, r.stderr
@@ -589,7 +672,7 @@ def test_a_signal_while_the_cli_is_imported_is_one_line_and_one_json_object(tmp_
     assert not list(tmp_path.iterdir())
     # under torchrun (which SIGTERMs the other ranks once one exits) a rank other than 0 says nothing: its JSON
     # object beside rank 0's made two on the run's stdout (seen under load)
-    r = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_THE_CLI_IMPORTS.format(sig=sig)], cwd=tmp_path,
+    r = subprocess.run([sys.executable, "-c", probe.format(sig=sig)], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
                             "TORCHELASTIC_RUN_ID": "test", "WORLD_SIZE": "2", "RANK": "1"})

@@ -110,6 +110,9 @@ class _Group(typer.core.TyperGroup):
         _SIGNALLED.clear()
         _SAID.clear()
         _EMITTED.clear()
+        _HOLDING.clear()
+        _HELD.clear()
+        _JSON_ARGV[:] = [True] if "--json" in argv else []
         _OVER.clear()
         _EXTRA.clear()
         if sys.stdout is None and (not argv or {"--help", "--version", "--show-completion"} & set(argv)):
@@ -301,6 +304,9 @@ _SAID: List[int] = []  # the exit codes a command's _errors has reported (said a
 _OVER: List[bool] = []  # the command has returned or raised: its exit is being said, and a signal is ignored
 _PROCESS: List[bool] = []  # the command runs as the process's own (main), which takes the signals
 _EXTRA: List[str] = []  # signals after the first, while its cleanup and report run
+_JSON_ARGV: List[bool] = []  # the command was given --json
+_HOLDING: List[bool] = []  # the JSON object is being written: a signal waits (_HELD) until it is whole
+_HELD: List[str] = []
 
 
 @contextmanager
@@ -463,7 +469,23 @@ def _emit_json(obj: Dict[str, Any]) -> None:
     such numbers, and strict parsers refuse the bare tokens). ``_StdoutLost`` where stdout takes nothing."""
     text = json.dumps(_json_safe(obj), indent=1, default=str) + "\n"
     _EMITTED.append(True)  # (after the text is made: an interrupt while it was made left no object at all)
-    _write_stdout(text)
+    # a signal while the object is written waits for its last byte: raised in the middle (a slow reader, a full
+    # pipe), it left 64 KiB of the object and no other
+    _HOLDING.append(True)
+    try:
+        _write_stdout(text)
+    finally:
+        _HOLDING.clear()
+    _raise_held()
+
+
+def _raise_held() -> None:
+    """The first signal held while the JSON object was written, raised now as its handler would have (unless an
+    error's report already said how the command ends)."""
+    held, _HELD[:] = _HELD[:1], []
+    if held and not _SAID and not _OVER and not _again(held[0]):
+        _SIGNALLED.append(held[0])
+        raise KeyboardInterrupt() if held[0] == "SIGINT" else _Terminated(held[0])
 
 
 def _write_stdout(text: str) -> None:
@@ -612,21 +634,57 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def _torch_importing() -> bool:
+    """Whether torch (or one of its packages) is being imported: its C++ start-up calls back into Python
+    (torch.distributed's _c10d_init), and an exception raised there cannot leave the C++ frames (the process
+    aborts: SIGABRT, a page of C++ frames)."""
+    return any(n.split(".")[0] == "torch" and getattr(getattr(m, "__spec__", None), "_initializing", False)
+               for n, m in list(sys.modules.items()))
+
+
+def _end_while_torch_imports(name: str) -> None:
+    """A signal while torch is imported ends the process at once, as one before the CLI does (entry): every command
+    imports torch before it reads a weight or writes a file, so nothing was written."""
+    code = _SIGNAL_EXIT[name]
+    if _under_torchrun() and _rank() != 0:
+        os._exit(code)  # (rank 0 says it)
+    said = [(2, f"interrupted: {name}; nothing was written\n")]
+    if _JSON_ARGV and not _EMITTED:
+        said.append((1, json.dumps({"ok": False, "exit_code": code, "error": f"{name}; nothing was written"},
+                                   indent=1) + "\n"))
+    for fd, text in said:
+        try:
+            os.write(fd, text.encode())
+        except OSError:
+            pass
+    os._exit(code)
+
+
 def _terminate(signum, frame):
     import signal
 
     name = "SIGHUP" if signum == signal.SIGHUP else "SIGTERM"
+    if _HOLDING:
+        _HELD.append(name)
+        return
     # (once the command is over, raised now it would replace the command's exit with a traceback; after an earlier
     # signal, it would stop that one's cleanup and its report: a temporary output left behind, no JSON object)
     if _OVER or _again(name):
         return
+    if _torch_importing():
+        _end_while_torch_imports(name)
     _SIGNALLED.append(name)
     raise _Terminated(name)
 
 
 def _interrupt(signum, frame):
+    if _HOLDING:
+        _HELD.append("SIGINT")
+        return
     if _OVER or _again("SIGINT"):  # (a second Ctrl-C while the first one's cleanup runs: the first one ends it)
         return
+    if _torch_importing():
+        _end_while_torch_imports("SIGINT")
     _SIGNALLED.append("SIGINT")
     raise KeyboardInterrupt()
 
@@ -702,10 +760,20 @@ def main() -> None:
         # An interrupt raised inside code run from a string (exec/eval: a dataclass's generated methods while torch
         # imports) leaves CPython's "KeyboardInterrupt unhandled" mark set although qtool handled it, and the
         # interpreter then ends itself by SIGINT (-2) instead of with the exit code the command chose; every exec of
-        # a string clears that mark as it starts.
+        # a string clears that mark as it starts (CPython 3.10-3.13; later versions no longer set it from nested
+        # code, and this does nothing).
         exec("")
         # On exit the interpreter searches everything still alive for reference cycles, several times over, to
         # free memory the operating system takes back anyway: ~0.4 s per command once torch is loaded. Frozen
         # objects are skipped. By now every output is closed and renamed into place, and what cleans up at exit
         # (atexit handlers, weakref finalizers such as the spill directory's) still runs.
         gc.freeze()
+        # The interpreter's shutdown sets a signal whose handler is a Python function back to its default action,
+        # and tearing torch down takes a few tenths of a second: a Ctrl-C or SIGTERM then (a second Ctrl-C after an
+        # interrupt's report, say) killed the finished process, its exit code lost. Ignored by the kernel from
+        # here on. (A signal caught in the instant before and handled after would print "ignored due to race
+        # condition"; the exit code stands.)
+        import signal
+
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
