@@ -1312,3 +1312,47 @@ def test_an_export_whose_calibration_is_replaced_while_it_reads_is_refused(tmp_p
     assert not (tmp_path / "x").exists()
     assert run_export(str(mlp_ckpt), str(tmp_path / "a/encodings.json"), str(tmp_path / "x"),
                       ExportOptions(model_class=MLP))["files"]
+
+
+class TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = torch.nn.Linear(16, 32), torch.nn.Linear(8, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x, y):
+        return self.head(torch.relu(self.a(x) + self.b(y)))
+
+
+def two_inputs():
+    return TwoInputs()
+
+
+def test_a_two_input_archive_exported_with_positional_inputs_takes_named_data(tmp_path):
+    """torch.export.export(m, (x, y)) (torch's usual way) makes a program that takes no keywords, while a data
+    file's arrays come as keywords: every batch was "the model rejected the data: kwarg keyword mismatch". An ONNX
+    export of an archive was refused only after calibrating it."""
+    pt2, st = tmp_path / "m.pt2", tmp_path / "m.safetensors"
+    n = torch.export.Dim("n")
+    torch.export.save(torch.export.export(two_inputs().eval(), (torch.randn(2, 16), torch.randn(2, 8)),
+                                          dynamic_shapes=({0: n}, {0: n})), pt2)
+    save_file(two_inputs().state_dict(), st)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)
+    save_file({"x": x, "y": y}, tmp_path / "named.safetensors")
+    np.savez(tmp_path / "numbered.npz", x.numpy(), y.numpy())
+    code, _, err = run_cli("calibrate", st, "--model-class", "tests.test_pipeline:two_inputs", "-c", "w8a8",
+                           "--data", tmp_path / "named.safetensors", "-o", tmp_path / "eager", "-q")
+    assert code == 0, err
+    want = json.loads((tmp_path / "eager/encodings.json").read_text())["quantizers"]
+    for data in ("named.safetensors", "numbered.npz"):
+        code, _, err = run_cli("calibrate", pt2, "-c", "w8a8", "--data", tmp_path / data, "-o", tmp_path / data[:5],
+                               "-q")
+        assert code == 0, err
+        got = json.loads((tmp_path / data[:5] / "encodings.json").read_text())["quantizers"]
+        assert [(q["name"], q["min"], q["max"]) for q in got] == [(q["name"], q["min"], q["max"]) for q in want]
+    code, _, err = run_cli("quantize", pt2, "-c", "w8a8", "--data", tmp_path / "named.safetensors", "--format",
+                           "onnx", "-o", tmp_path / "o")
+    assert code == 2 and "calibrating" not in err and error_lines(err)[-1] == (
+        f"error: {pt2}: ONNX export of a torch.export archive is not supported; export the eager model (a state "
+        "dict with --model-class, or a Hugging Face directory)"), err

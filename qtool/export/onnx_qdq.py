@@ -121,8 +121,7 @@ def export_onnx(loaded, batch, enc: EncodingsFile, out_dir: Path, weights=None, 
 
     opset_q = required_opset(enc)
     if loaded.kind == "pt2":
-        raise UsageError("ONNX export of a torch.export archive is not supported; export the eager model "
-                         "(a state dict with --model-class, or a Hugging Face directory)")
+        raise UsageError(_NO_PT2)
     quantizers = apply_encodings(loaded.model, enc, "encodings")
     stored = {}
     if weights is not None:
@@ -300,7 +299,10 @@ class OnnxExporter(Exporter):
 
     def check_checkpoint(self, checkpoint: Path) -> None:
         """A mixture-of-experts model is refused: tracing would fix which experts run to the example batch's
-        routing (a graph that is wrong for any other input)."""
+        routing (a graph that is wrong for any other input). So is a torch.export archive (before calibrating,
+        which it had run first)."""
+        if Path(checkpoint).suffix.lower() == ".pt2":
+            raise UsageError(f"{checkpoint}: {_NO_PT2}")
         config = Path(checkpoint) / "config.json"
         if not config.is_file():
             return
@@ -379,6 +381,10 @@ def _with_a_mask(model, batch):
     except (TypeError, ValueError):
         return None
     return Batch((), {**batch.kwargs, "input_ids": ids, "attention_mask": torch.ones_like(ids)}) if takes else None
+
+
+_NO_PT2 = ("ONNX export of a torch.export archive is not supported; export the eager model (a state dict with "
+           "--model-class, or a Hugging Face directory)")
 
 
 def _no_experts(layers=()) -> str:

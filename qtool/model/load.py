@@ -187,6 +187,30 @@ def _checked_module(spec: str, factory) -> nn.Module:
     return model
 
 
+def _inputs_by_name(model: nn.Module, program) -> None:
+    """An archive exported with positional example inputs (``torch.export.export(m, (x, y))``, torch's usual way)
+    takes no keywords, while a data file's arrays come as keywords (named as saved, or ``arr_0``, ``arr_1`` by
+    NumPy): every batch was "the model rejected the data: kwarg keyword mismatch". Keywords named as its inputs (or
+    numbered as NumPy names unnamed arrays) are passed in their place."""
+    from torch.export.graph_signature import InputKind
+
+    args_spec, kwargs_spec = program.call_spec.in_spec.children()
+    names = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    if kwargs_spec.num_children or args_spec.num_children != len(names) or len(names) < 2:
+        return  # (keyword inputs, nested inputs, or one input, which a one-tensor file passes by position)
+    numbered = [f"arr_{i}" for i in range(len(names))]
+
+    def by_name(module, args, kwargs):
+        if args or not kwargs:
+            return None
+        for order in (names, numbered):
+            if set(kwargs) == set(order):
+                return tuple(kwargs[n] for n in order), {}
+        return None
+
+    model.register_forward_pre_hook(by_name, with_kwargs=True, prepend=True)  # (before its own input check)
+
+
 def factory_skeleton(spec: str) -> nn.Module:
     """The model ``--model-class`` builds, built on the meta device where the factory allows (names, types and shapes,
     no memory), else as it builds it."""
@@ -273,7 +297,9 @@ def load_model(
         files = tensor_files(path)
         name_map = hf_name_map(model, files)
     elif kind == "pt2":
-        model = load_exported(path).module()
+        program = load_exported(path)
+        model = program.module()
+        _inputs_by_name(model, program)
         from .insert import exported_module_types
 
         model.qtool_module_types = exported_module_types(model)
