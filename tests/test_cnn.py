@@ -313,3 +313,18 @@ def test_per_channel_encodings_of_a_transposed_convolution_are_refused_from_any_
     with pytest.raises(qtool.errors.EncodingsError, match="takes per_tensor encodings only"):
         qtool.load_calibrated(tmp_path / "u.safetensors", tmp_path / "cal/encodings.json",
                               model_class="tests.tinymodels:upnet")
+
+
+def test_a_norm_after_a_transposed_convolution_is_said_not_to_be_folded():
+    """BatchNorm after a ConvTranspose2d was passed over without a word, while the docs said each norm after a
+    convolution is folded (or warned about)."""
+    from torch import nn
+
+    from qtool.config import parse_recipe, resolve_plan
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ConvTranspose2d(8, 12, 2, stride=2),
+                          nn.BatchNorm2d(12), nn.ConvTranspose2d(12, 4, 2), nn.BatchNorm2d(4))
+    plan = resolve_plan(parse_recipe("version: 1\nfold_batch_norms: true\n", "r.yaml"), model, "r.yaml")
+    assert [(f.conv, f.bn) for f in plan.folds] == [("0", "1")]
+    assert ("r.yaml: fold_batch_norms: 3 follows the transposed convolution 2 (and 1 more such pair(s)), which "
+            "qtool does not fold into: it stays a norm of its own") in plan.warnings, plan.warnings

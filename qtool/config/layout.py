@@ -215,9 +215,10 @@ def _kv_cache_rows(recipe: Recipe, named, source: str) -> List[QuantizerPlan]:
     return rows
 
 
-def _fold_candidates(named) -> List[BatchNormFold]:
+def _fold_candidates(named, transposed: Optional[List[Tuple[str, str]]] = None) -> List[BatchNormFold]:
     """Each BatchNorm1d/2d/3d with running statistics and affine parameters whose nearest preceding convolution
-    in module order (not transposed, not already paired) has as many output channels."""
+    in module order (not transposed, not already paired) has as many output channels. ``transposed`` collects
+    ``(conv, norm)`` where the nearest is a transposed convolution (not folded: said, not passed over)."""
     from torch import nn
 
     out: List[BatchNormFold] = []
@@ -225,6 +226,13 @@ def _fold_candidates(named) -> List[BatchNormFold]:
     for name, module in named:
         if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             conv = (name, module)
+        elif isinstance(module, nn.modules.conv._ConvTransposeNd):
+            conv = (name, module)
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm) and conv is not None and \
+                isinstance(conv[1], nn.modules.conv._ConvTransposeNd):
+            if transposed is not None:
+                transposed.append((conv[0], name))
+            conv = None
         elif isinstance(module, nn.modules.batchnorm._BatchNorm) and conv is not None:
             if module.affine and module.track_running_stats and module.running_var is not None \
                     and module.num_features == conv[1].out_channels:

@@ -607,8 +607,14 @@ def resolve_plan(recipe: Recipe, model: "nn.Module", source: str = "<recipe>", a
     for key, groups in (("smoothquant", plan.smoothing), ("awq", plan.awq.groups if plan.awq else ())):
         _refuse_tied_balance(groups, named, untied, source, key)
     if recipe.fold_batch_norms:
-        plan.folds = _fold_candidates(named)
-        if not plan.folds:
+        transposed: List[Tuple[str, str]] = []
+        plan.folds = _fold_candidates(named, transposed)
+        if transposed:
+            (conv, norm), more = transposed[0], len(transposed) - 1
+            plan.warnings.append(f"{source}: fold_batch_norms: {norm} follows the transposed convolution {conv}"
+                                 + (f" (and {more} more such pair(s))" if more else "")
+                                 + ", which qtool does not fold into: it stays a norm of its own")
+        if not plan.folds and not transposed:
             plan.warnings.append(f"{source}: fold_batch_norms: no BatchNorm follows a convolution in this model")
     if plan.rotation is None or not plan.rotation.untie:
         plan.tied = _tied_weights(model, plan.weights, stored_as)
