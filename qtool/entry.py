@@ -41,4 +41,13 @@ def main() -> None:
         signal.signal(signum, _before_the_cli)
     from .cli import main as cli_main  # (installs the CLI's own handlers)
 
-    cli_main()
+    try:
+        cli_main()
+    finally:
+        # The interpreter's shutdown sets a signal whose handler is a Python function back to its default action,
+        # and tearing torch down takes a few tenths of a second: a Ctrl-C or SIGTERM then (a second Ctrl-C after
+        # an interrupt's report, say) killed the finished process, its exit code lost. Ignored by the kernel from
+        # here on; only here, the process's own entry point (an in-process caller of qtool.cli.main keeps its
+        # signals, and so do the children it starts later).
+        for signum in _EXIT:
+            signal.signal(signum, signal.SIG_IGN)

@@ -348,6 +348,22 @@ def test_a_signal_while_a_slow_reader_takes_the_json_object_leaves_it_whole(tmp_
     assert proc.returncode == code and stderr.decode().strip().splitlines()[-1].startswith("interrupted: "), stderr
 
 
+def test_a_third_signal_stops_a_run_whose_reader_never_reads(tmp_path):
+    """Every signal was held while the --json object was written: a reader that never read left the process
+    blocked, and only SIGKILL stopped it (review). The third signal ends it at once, as after any interrupt."""
+    save_file({f"layer_{i}.weight": torch.zeros(2, 2) for i in range(3000)}, tmp_path / "many.safetensors")
+    proc = subprocess.Popen([sys.executable, "-m", "qtool", "inspect", str(tmp_path / "many.safetensors"), "--json"],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    os.read(proc.stdout.fileno(), 1)  # (the object has begun; the pipe fills and the writer blocks)
+    time.sleep(0.5)
+    for _ in range(3):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+    assert proc.wait(timeout=30) == 143
+    assert proc.stderr.read().decode().strip().splitlines()[-1].startswith("interrupted again: SIGTERM")
+
+
 def test_a_run_under_nohup_outlives_a_hangup(world, tmp_path):
     """SIGHUP ignored as the process starts (nohup, trap '' HUP) stays ignored: qtool's own handler took it over and
     ended the protected run with 129, its output thrown away."""

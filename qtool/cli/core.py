@@ -468,21 +468,34 @@ def _emit_json(obj: Dict[str, Any]) -> None:
     """One JSON object on stdout; a float that is not finite is written as "nan", "inf" or "-inf" (JSON has no
     such numbers, and strict parsers refuse the bare tokens). ``_StdoutLost`` where stdout takes nothing."""
     text = json.dumps(_json_safe(obj), indent=1, default=str) + "\n"
-    _EMITTED.append(True)  # (after the text is made: an interrupt while it was made left no object at all)
     # a signal while the object is written waits for its last byte: raised in the middle (a slow reader, a full
     # pipe), it left 64 KiB of the object and no other
     _HOLDING.append(True)
     try:
+        _EMITTED.append(True)  # (after the text is made: an interrupt while it was made left no object at all)
         _write_stdout(text)
     finally:
+        held, _HELD[:] = _HELD[:1], []
         _HOLDING.clear()
-    _raise_held()
+    _raise_held(held)
 
 
-def _raise_held() -> None:
+def _hold(name: str) -> None:
+    """A signal while the JSON object is written: the first is kept for when it is whole, a second is ignored, a
+    third ends the process at once (a reader that never reads: nothing else would stop it), as :func:`_again`."""
+    _HELD.append(name)
+    if len(_HELD) >= 3:
+        try:
+            os.write(2, f"interrupted again: {name}; stopping now (the next run removes what this one left)\n"
+                     .encode())
+        except OSError:
+            pass
+        os._exit(_SIGNAL_EXIT[_HELD[0]])
+
+
+def _raise_held(held: List[str]) -> None:
     """The first signal held while the JSON object was written, raised now as its handler would have (unless an
     error's report already said how the command ends)."""
-    held, _HELD[:] = _HELD[:1], []
     if held and not _SAID and not _OVER and not _again(held[0]):
         _SIGNALLED.append(held[0])
         raise KeyboardInterrupt() if held[0] == "SIGINT" else _Terminated(held[0])
@@ -635,11 +648,11 @@ def _json_safe(value: Any) -> Any:
 
 
 def _torch_importing() -> bool:
-    """Whether torch (or one of its packages) is being imported: its C++ start-up calls back into Python
-    (torch.distributed's _c10d_init), and an exception raised there cannot leave the C++ frames (the process
-    aborts: SIGABRT, a page of C++ frames)."""
-    return any(n.split(".")[0] == "torch" and getattr(getattr(m, "__spec__", None), "_initializing", False)
-               for n, m in list(sys.modules.items()))
+    """Whether torch itself is being imported (a command's first import of it, before any output exists): its C++
+    start-up calls back into Python (torch.distributed's _c10d_init), and an exception raised there cannot leave
+    the C++ frames (the process aborts: SIGABRT, a page of C++ frames). A submodule imported later (torch.onnx,
+    torch._dynamo) raises as anywhere else: a temporary output may exist then (review)."""
+    return bool(getattr(getattr(sys.modules.get("torch"), "__spec__", None), "_initializing", False))
 
 
 def _end_while_torch_imports(name: str) -> None:
@@ -665,8 +678,7 @@ def _terminate(signum, frame):
 
     name = "SIGHUP" if signum == signal.SIGHUP else "SIGTERM"
     if _HOLDING:
-        _HELD.append(name)
-        return
+        return _hold(name)
     # (once the command is over, raised now it would replace the command's exit with a traceback; after an earlier
     # signal, it would stop that one's cleanup and its report: a temporary output left behind, no JSON object)
     if _OVER or _again(name):
@@ -679,8 +691,7 @@ def _terminate(signum, frame):
 
 def _interrupt(signum, frame):
     if _HOLDING:
-        _HELD.append("SIGINT")
-        return
+        return _hold("SIGINT")
     if _OVER or _again("SIGINT"):  # (a second Ctrl-C while the first one's cleanup runs: the first one ends it)
         return
     if _torch_importing():
@@ -768,12 +779,4 @@ def main() -> None:
         # objects are skipped. By now every output is closed and renamed into place, and what cleans up at exit
         # (atexit handlers, weakref finalizers such as the spill directory's) still runs.
         gc.freeze()
-        # The interpreter's shutdown sets a signal whose handler is a Python function back to its default action,
-        # and tearing torch down takes a few tenths of a second: a Ctrl-C or SIGTERM then (a second Ctrl-C after an
-        # interrupt's report, say) killed the finished process, its exit code lost. Ignored by the kernel from
-        # here on. (A signal caught in the instant before and handled after would print "ignored due to race
-        # condition"; the exit code stands.)
-        import signal
 
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(signum, signal.SIG_IGN)
