@@ -485,12 +485,7 @@ def _hold(name: str) -> None:
     third ends the process at once (a reader that never reads: nothing else would stop it), as :func:`_again`."""
     _HELD.append(name)
     if len(_HELD) >= 3:
-        try:
-            os.write(2, f"interrupted again: {name}; stopping now (the next run removes what this one left)\n"
-                     .encode())
-        except OSError:
-            pass
-        os._exit(_SIGNAL_EXIT[_HELD[0]])
+        _stop_now(name, _HELD[0])
 
 
 def _raise_held(held: List[str]) -> None:
@@ -708,13 +703,17 @@ def _again(name: str) -> bool:
         return False
     _EXTRA.append(name)
     if len(_EXTRA) >= 2:
-        try:
-            os.write(2, f"interrupted again: {name}; stopping now (the next run removes what this one left)\n"
-                     .encode())
-        except OSError:
-            pass
-        os._exit(_SIGNAL_EXIT[_SIGNALLED[0]])
+        _stop_now(name, _SIGNALLED[0])
     return True
+
+
+def _stop_now(name: str, first: str) -> None:
+    """End the process at once on signal ``name``, with signal ``first``'s exit code."""
+    try:
+        os.write(2, f"interrupted again: {name}; stopping now (the next run removes what this one left)\n".encode())
+    except OSError:
+        pass
+    os._exit(_SIGNAL_EXIT[first])
 
 
 def _ignored(signum, frame) -> None:
