@@ -112,7 +112,6 @@ class _Group(typer.core.TyperGroup):
         _EMITTED.clear()
         _HOLDING.clear()
         _HELD.clear()
-        _JSON_ARGV[:] = [True] if "--json" in argv else []
         _OVER.clear()
         _EXTRA.clear()
         if sys.stdout is None and (not argv or {"--help", "--version", "--show-completion"} & set(argv)):
@@ -304,7 +303,6 @@ _SAID: List[int] = []  # the exit codes a command's _errors has reported (said a
 _OVER: List[bool] = []  # the command has returned or raised: its exit is being said, and a signal is ignored
 _PROCESS: List[bool] = []  # the command runs as the process's own (main), which takes the signals
 _EXTRA: List[str] = []  # signals after the first, while its cleanup and report run
-_JSON_ARGV: List[bool] = []  # the command was given --json
 _HOLDING: List[bool] = []  # the JSON object is being written: a signal waits (_HELD) until it is whole
 _HELD: List[str] = []
 
@@ -657,7 +655,7 @@ def _end_while_torch_imports(name: str) -> None:
     if _under_torchrun() and _rank() != 0:
         os._exit(code)  # (rank 0 says it)
     said = [(2, f"interrupted: {name}; nothing was written\n")]
-    if _JSON_ARGV and not _EMITTED:
+    if "--json" in sys.argv[1:] and not _EMITTED:  # (the process's own command: its handlers are installed)
         said.append((1, json.dumps({"ok": False, "exit_code": code, "error": f"{name}; nothing was written"},
                                    indent=1) + "\n"))
     for fd, text in said:
@@ -778,4 +776,3 @@ def main() -> None:
         # objects are skipped. By now every output is closed and renamed into place, and what cleans up at exit
         # (atexit handlers, weakref finalizers such as the spill directory's) still runs.
         gc.freeze()
-

@@ -224,9 +224,7 @@ def _fold_candidates(named, transposed: Optional[List[Tuple[str, str]]] = None) 
     out: List[BatchNormFold] = []
     conv = None
     for name, module in named:
-        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-            conv = (name, module)
-        elif isinstance(module, nn.modules.conv._ConvTransposeNd):
+        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.modules.conv._ConvTransposeNd)):
             conv = (name, module)
         elif isinstance(module, nn.modules.batchnorm._BatchNorm) and conv is not None and \
                 isinstance(conv[1], nn.modules.conv._ConvTransposeNd):

@@ -42,7 +42,7 @@ from ..errors import DataError, UsageError
 from ..io.finite import check_finite
 from .base import Exporter, ExportRequest
 from .onnx_graph import _rewrite
-from .onnx_trace import _captured_fds, _flatten, _Positional, _signature, onnx_export_mode
+from .onnx_trace import _captured_fds, _flatten, _Positional, _signature, onnx_export_mode, takes_keyword
 
 __all__ = ["export_onnx", "required_opset", "onnx_export_mode"]
 
@@ -368,19 +368,14 @@ def _trace(wrapper, flat_inputs, path: Path, input_names, output_names, dynamic_
 def _with_a_mask(model, batch):
     """``batch``'s token ids (named, or a file's one integer tensor) with an ``attention_mask`` of ones, where the
     model's forward names one and the batch has none; else None."""
-    import inspect
-
     from ..data import Batch
 
     ids = batch.kwargs.get("input_ids") if not batch.args else (
         batch.args[0] if len(batch.args) == 1 and not batch.kwargs else None)
-    if ids is None or ids.is_floating_point() or ids.dim() != 2 or "attention_mask" in batch.kwargs:
+    if ids is None or ids.is_floating_point() or ids.dim() != 2 or "attention_mask" in batch.kwargs or \
+            not takes_keyword(model, "attention_mask"):
         return None
-    try:
-        takes = "attention_mask" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return None
-    return Batch((), {**batch.kwargs, "input_ids": ids, "attention_mask": torch.ones_like(ids)}) if takes else None
+    return Batch((), {**batch.kwargs, "input_ids": ids, "attention_mask": torch.ones_like(ids)})
 
 
 _NO_PT2 = ("ONNX export of a torch.export archive is not supported; export the eager model (a state dict with "

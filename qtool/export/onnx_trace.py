@@ -180,6 +180,17 @@ def _flatten(out) -> Tuple[List[str], Tuple[torch.Tensor, ...]]:
     raise UsageError(f"ONNX export: the model returns {type(out).__name__}, not tensors")
 
 
+def takes_keyword(model: nn.Module, name: str) -> bool:
+    """Whether ``model``'s forward names the keyword ``name`` (a ``**kwargs`` may pass it on to a function that
+    rejects it: not taken as taking it)."""
+    import inspect
+
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _signature(batch) -> Tuple[Tuple, Dict[str, torch.Tensor], List[str], Dict[str, Dict[int, str]]]:
     """(args, kwargs, input names, dynamic axes) of an example batch."""
     if batch.args:  # (a one-tensor data file: token ids keep their dynamic length, as input_ids do)

@@ -80,19 +80,9 @@ _FUSED_NAMES = ("gate_up_proj", "up_proj", "down_proj", "input_linear.weight", "
 
 
 def fused_candidates(tensors: CheckpointTensors) -> List[str]:
-    """The names of a state dict's 3-D tensors named as a fused experts module's (each file's header read once)."""
-    named = [k for k in tensors.keys() if k.endswith(_FUSED_NAMES)]
-    if not named:
-        return []
-    if not tensors.files or not str(tensors.files[0]).endswith(".safetensors"):
-        return [k for k in named if len(tensors.shape_dtype(k)[0]) == 3]  # (in memory)
-    from safetensors import safe_open
-
-    found = []
-    for f in tensors.files:
-        with safe_open(str(f), "pt") as fh:
-            found += [k for k in fh.keys() if k in named and len(fh.get_slice(k).get_shape()) == 3]
-    return sorted(found)
+    """The names of a state dict's 3-D tensors named as a fused experts module's (the names first: a header is read
+    for those few only)."""
+    return [k for k in tensors.keys() if k.endswith(_FUSED_NAMES) and len(tensors.shape_dtype(k)[0]) == 3]
 
 
 def _may_fuse(tensors: CheckpointTensors) -> bool:

@@ -21,6 +21,7 @@ from ..encodings import CODES_FILE, SIDECAR, EncodingsFile, calibrated_elsewhere
 from ..errors import EncodingsError, UsageError
 from ..export import check_export_choices, get_exporter
 from ..export.base import ExportRequest
+from ..export.onnx_trace import takes_keyword
 from ..export.qtool_st import DEFAULT_MAX_SHARD_BYTES
 from ..hooks import Hooks
 from ..io.checkpoint import tensor_files
@@ -81,7 +82,7 @@ def _example_batch(eopts: ExportOptions):
             if len(args) == 1 and not kwargs and not args[0].is_floating_point() and causal:
                 args, kwargs = (), {"input_ids": args[0]}  # (a file of token ids alone)
             if causal and "input_ids" in kwargs and "attention_mask" not in kwargs and \
-                    _takes(loaded.model, "attention_mask"):
+                    takes_keyword(loaded.model, "attention_mask"):
                 # token ids alone: transformers then builds its mask from position ids (torch.diff) or takes SDPA's
                 # grouped-query form (enable_gqa), neither of which torch.onnx exports; the graph takes a mask, as
                 # it does traced on a tokenizer's sentence
@@ -99,17 +100,6 @@ def _example_batch(eopts: ExportOptions):
             return Batch(kwargs={k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc})
         raise UsageError("ONNX export traces the model: pass --data with a few example inputs")
     return make
-
-
-def _takes(model: torch.nn.Module, name: str) -> bool:
-    """Whether ``model``'s forward names the keyword ``name`` (a ``**kwargs`` may pass it on to a function that
-    rejects it: not taken as taking it)."""
-    import inspect
-
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -142,7 +132,7 @@ def _check_same_checkpoint(enc_path: Path, checkpoint: str, digest: Dict[str, st
 def _refuse_unsplit_experts(checkpoint: str, tensors, enc: EncodingsFile, enc_path: Path) -> None:
     """A state dict holding a transformers MoE's fused experts, whose encodings name them one by one (its
     ``--model-class`` split them): without the factory no name matches, and the line blamed the encodings."""
-    from ..io.jsonfile import read_json_object
+    from ..encodings.file import calibration_manifest
     from ..model.expert_view import fused_candidates
 
     held = set(tensors.keys())
@@ -153,11 +143,8 @@ def _refuse_unsplit_experts(checkpoint: str, tensors, enc: EncodingsFile, enc_pa
     fused = fused_candidates(tensors)
     if not fused:
         return
-    try:
-        used = read_json_object(enc_path.parent / "manifest.json", UsageError, "manifest").get("options", {})
-        used = used.get("model_class") if isinstance(used, dict) else None
-    except UsageError:
-        used = None
+    options = (calibration_manifest(enc_path)[0] or {}).get("options")
+    used = options.get("model_class") if isinstance(options, dict) else None
     raise UsageError(f"{checkpoint}: holds its experts fused ({fused[0]}), and the encodings name them one by one "
                      f"({split}): pass the --model-class that builds the model"
                      + (f" (the calibration's was {used})" if isinstance(used, str) else "") + ", which splits them")
