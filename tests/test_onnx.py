@@ -236,8 +236,11 @@ def test_a_causal_lm_traced_on_token_ids_alone(tmp_path):
                              "--data", tmp_path / "ids.safetensors", "--json")
     assert code == 0 and "does not follow its inputs' length" not in err, err  # (it runs at any length: dynamic)
     assert json.loads(out)["onnx_inputs"] == ["input_ids", "attention_mask"]
-    assert [d.dim_param for d in onnx.load(str(tmp_path / "q/model.onnx")).graph.input[0].type.tensor_type.shape.dim] \
-        == ["batch", "sequence"]
+    graph = onnx.load(str(tmp_path / "q/model.onnx")).graph
+    assert [d.dim_param for d in graph.input[0].type.tensor_type.shape.dim] == ["batch", "sequence"]
+    # the logits follow the inputs' dims (the exporter named them after the node past a qtool:: op: MatMullogits_dim_0)
+    assert [d.dim_param or d.dim_value for d in graph.output[0].type.tensor_type.shape.dim] \
+        == ["batch", "sequence", VOCAB + 20]
     model = qtool.load_calibrated(checkpoint, tmp_path / "q/calibration/encodings.json")
     with torch.no_grad():
         want = model(input_ids=ids[:2]).logits.numpy()

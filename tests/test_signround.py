@@ -271,7 +271,8 @@ defaults:
   activations: null
 layers:
   - match: "re:.*mlp.*"
-    weights: {bitwidth: 3, granularity: per_block, block_size: 16, rounding: {name: signround, iterations: 5}}
+    weights: {bitwidth: 3, granularity: per_block, block_size: 16,
+            rounding: {name: signround, iterations: 5, seed: 7, ranges: false}}
 ignore: ["lm_head", "re:.*embed_tokens"]
 """)
     code, _, err = run_cli("calibrate", d / "m", "-c", tmp_path / "r.yaml", "--data", d / "ids.safetensors",
@@ -281,4 +282,6 @@ ignore: ["lm_head", "re:.*embed_tokens"]
     assert [(b["block"], b["iterations"]) for b in blocks] == [
         ("model.layers.0", 20), ("model.layers.0", 5), ("model.layers.1", 20), ("model.layers.1", 5)]
     assert all(r.split(".")[3] == "mlp" for b in blocks if b["iterations"] == 5 for r in b["rows"])
+    # the settings in effect, defaults resolved (the learning rate 1 / iterations unless given)
+    assert [(b["learning_rate"], b["seed"], b["ranges"]) for b in blocks] == [(1 / 20, 0, True), (1 / 5, 7, False)] * 2
     assert all(b["losses"][b["chosen"]] <= b["losses"]["nearest"] for b in blocks)

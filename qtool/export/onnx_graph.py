@@ -159,8 +159,32 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
     model.opset_import.extend([helper.make_opsetid("", opset)])
     if model.ir_version < 10 and opset >= 21:
         model.ir_version = 10
+    _reinfer_shapes(model)
     onnx.checker.check_model(model)
     return names
+
+
+def _reinfer_shapes(model) -> None:
+    """Drop the shapes the exporter recorded past the ``qtool::`` nodes (it could not see through them and named
+    every dim after the node: ``logits`` read ``[MatMullogits_dim_0, ...]``) and give the outputs the shapes ONNX's
+    own inference finds in the rewritten graph (``[batch, sequence, vocab]``); an output it cannot infer keeps the
+    exporter's shape."""
+    import onnx
+
+    del model.graph.value_info[:]
+    traced = []
+    for o in model.graph.output:
+        shape = onnx.TensorShapeProto()
+        shape.CopyFrom(o.type.tensor_type.shape)
+        traced.append(shape)
+        o.type.tensor_type.ClearField("shape")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True).graph.output
+    except (onnx.shape_inference.InferenceError, ValueError):  # (a graph over 2 GiB is not inferred in memory)
+        inferred = model.graph.output
+    for out, found, shape in zip(model.graph.output, inferred, traced):
+        out.type.tensor_type.shape.CopyFrom(found.type.tensor_type.shape
+                                            if found.type.tensor_type.HasField("shape") else shape)
 
 
 def _named(new_nodes, node, info, inits, crowded) -> str:

@@ -380,8 +380,8 @@ def _learn_problem(rows: List[QuantizerPlan], block: nn.Module, block_name: str,
     from ...model.insert import computing_with
 
     args = dict(rows[0].rounding_args)
-    layers = [learned_layer(modules[q.module], quantizers[q.name], args.get("ranges", True))
-              for q in rows]
+    ranges = args.get("ranges", True)
+    layers = [learned_layer(modules[q.module], quantizers[q.name], ranges) for q in rows]
     learned = {id(layer.module) for layer in layers}
     others = [m for m in block.modules() if "weight" in getattr(m, "qtool_quantizers", {}) and id(m) not in learned]
     try:
@@ -400,5 +400,6 @@ def _learn_problem(rows: List[QuantizerPlan], block: nn.Module, block_name: str,
         _write_back(q, modules, quantizer, out[q.name])
     if records is not None:
         records.append({"block": block_name, **({"rows": [q.name for q in rows]} if named else {}),
-                        "chosen": record["chosen"], "losses": record["losses"], "iterations": record["iterations"]})
+                        "chosen": record["chosen"], "losses": record["losses"], "iterations": record["iterations"],
+                        "learning_rate": record["learning_rate"], "seed": record["seed"], "ranges": ranges})
     return out

@@ -159,8 +159,8 @@ def signround_block(block: nn.Module, layers: List[LearnedLayer], inputs: List[T
     :func:`qtool.model.insert.computing_with`; the block's other quantizers must be as the objective wants them
     (activation quantizers off); ``others``: the block's other weight-quantized modules, float in the target
     (the float block's output) and quantized as they are while learning. Returns a record: the three
-    candidates' total losses, the one chosen, the steps and the seconds taken (the last step's progress report
-    says them too)."""
+    candidates' total losses, the one chosen, the steps, the learning rate and seed in effect and the seconds taken
+    (the last step's progress report says them too)."""
     group = group or Group()
     if iterations < 0 or (learning_rate is not None and learning_rate <= 0):
         raise ValueError("iterations must be >= 0 and learning_rate > 0")
@@ -238,5 +238,5 @@ def signround_block(block: nn.Module, layers: List[LearnedLayer], inputs: List[T
         for p in frozen:
             p.requires_grad_(True)
     return {"losses": {"nearest": scores[0], "best_step": scores[1], "last": scores[2]},
-            "chosen": ("nearest", "best_step", "last")[chosen], "iterations": iterations,
-            "seconds": time.perf_counter() - t0}
+            "chosen": ("nearest", "best_step", "last")[chosen], "iterations": iterations, "learning_rate": lr0,
+            "seed": seed, "seconds": time.perf_counter() - t0}
