@@ -310,6 +310,17 @@ def _collect(path: Path) -> Tuple[List[Path], str]:
     return files, kinds.pop()
 
 
+def check_data(path: Union[str, Path, None]) -> None:
+    """Refuse before any model loads what :func:`load_data` would refuse of ``path`` without a tokenizer: a path
+    that is missing or of an unknown kind, text and tensors mixed, text that cannot be read (not UTF-8, a ``.jsonl``
+    line without ``text``) or holds no sample. Tensor files are read once, by ``load_data``."""
+    if path is None:
+        return
+    files, kind = _collect(Path(path))
+    if kind == "text" and not any([text_samples(f) for f in files]):
+        raise DataError(f"{path}: no text samples (empty file?)")
+
+
 def data_files(path: Union[str, Path]) -> List[Path]:
     """The files ``--data PATH`` reads: the file, or a directory's data files (by suffix); DataError otherwise."""
     return _collect(Path(path))[0]

@@ -629,6 +629,26 @@ def test_bad_data_is_one_clear_error(tmp_path, mlp_ckpt, make, needle, minilm_to
     assert not (tmp_path / "run").exists() and not list(tmp_path.glob(".run.tmp-*"))
 
 
+@pytest.mark.parametrize("command", ["calibrate", "quantize", "imatrix", "report"])
+def test_bad_text_data_is_named_before_the_model_loads(tmp_path, monkeypatch, command):
+    """Text data that cannot be read was named only after the model had loaded (a minute for a large one): it is
+    refused before, at once."""
+    from tests.helpers import tiny_llama_and_ids
+
+    checkpoint, _ = tiny_llama_and_ids(tmp_path)
+    (tmp_path / "bad.jsonl").write_text('{"txt": "no text field"}\n')
+    loads = []
+    monkeypatch.setattr("qtool.model.load.load_model", lambda *a, **k: loads.append(a))
+    for module in ("qtool.pipeline.common", "qtool.pipeline.measure", "qtool.pipeline.export", "qtool.pipeline.search"):
+        monkeypatch.setattr(f"{module}.load_model", lambda *a, **k: loads.append(a))
+    args = {"calibrate": ["-c", "w8a8", "-o", tmp_path / "run"], "quantize": ["-c", "w8a8", "-o", tmp_path / "run"],
+            "imatrix": ["-o", tmp_path / "m.imatrix"], "report": ["-e", tmp_path / "enc.json"]}[command]
+    (tmp_path / "enc.json").write_text("{}")
+    code, _, err = run_cli(command, checkpoint, *args, "--data", tmp_path / "bad.jsonl")
+    assert code == 2 and "needs a string field 'text'" in error_lines(err)[-1], err
+    assert loads == [] and not (tmp_path / "run").exists() and not (tmp_path / "m.imatrix").exists()
+
+
 def test_empty_data_directory(tmp_path, mlp_ckpt):
     (tmp_path / "empty").mkdir()
     code, _, err = calibrate(mlp_ckpt, tmp_path / "run", "w8a8.yaml", tmp_path / "empty")

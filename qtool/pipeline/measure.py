@@ -17,7 +17,7 @@ from ..calibration import CalibrateOptions
 from ..choices import check_arguments
 from ..config import RecipeFile, read_recipe
 from ..calibration.data_check import refuse_no_kept_token
-from ..data import batch_where, load_data, longest_sample, model_takes, past_positions, unpadded_rows
+from ..data import batch_where, check_data, load_data, longest_sample, model_takes, past_positions, unpadded_rows
 from ..encodings import CODES_FILE, SIDECAR, calibrated_elsewhere
 from ..errors import DataError, EncodingsError, UsageError
 from ..hooks import Hooks, step_progress
@@ -47,6 +47,9 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
         _same_command(group, checkpoint, opts, encodings=Path(encodings))
         if sensitivity_analysis and group.distributed:
             raise UsageError("--sensitivity runs in one process: run it without torchrun")
+        if opts.data is None:
+            raise DataError("qtool report runs the model: pass --data PATH (text or tensors)")
+        check_data(opts.data)
         hooks.on_stage("loading checkpoint")
         loaded = load_model(checkpoint, opts.model_class, opts.device, opts.trust_pickle, opts.trust_remote_code)
         refuse_non_finite_reference(loaded.model, checkpoint)
@@ -54,8 +57,6 @@ def run_report(checkpoint: str, encodings: str, opts: CalibrateOptions, sensitiv
             raise UsageError(NEEDS_CAUSAL_LM)
         other = _check_calibrated_on(Path(encodings), checkpoint, allow_other_checkpoint)
         enc = make_fake_quant(loaded.model, checkpoint, encodings, opts.trust_pickle)
-        if opts.data is None:
-            raise DataError("qtool report runs the model: pass --data PATH (text or tensors)")
         data = load_data(opts.data, opts.batch_size, opts.num_samples, opts.seed, opts.seq_len, loaded.tokenizer,
                          pack_text=loaded.is_causal_lm)
         refuse_no_kept_token(data, "a report")
@@ -114,6 +115,7 @@ def run_imatrix(checkpoint: str, out: str, opts: CalibrateOptions, overwrite: bo
     check_output_file(target, _inputs(checkpoint, data=opts.data), overwrite)
     if opts.data is None:
         raise DataError("an importance matrix is measured on text: pass --data PATH")
+    check_data(opts.data)
     import gguf  # noqa: F401  (it writes the file: not installed, the CLI says so before anything is measured)
 
     gguf_model = read_gguf_model(Path(checkpoint))

@@ -12,6 +12,7 @@ from typing import Any, Dict, Optional, Union
 from ..calibration import CalibrateOptions
 from ..choices import check_arguments
 from ..config import GGUF_GRID_NOTE, GGUF_GRID_REFUSED, GGUF_STACK_NOTE, GGUF_GRID_STORED, RecipeFile
+from ..data import check_data
 from ..encodings import EncodingsFile
 from ..errors import UsageError
 from ..export.base import weight_changes
@@ -60,6 +61,7 @@ def run_calibrate(checkpoint: str, recipe_path: Union[None, str, RecipeFile], ou
     inputs = _inputs(checkpoint, recipe=recipe_path, data=opts.data, imatrix=opts.imatrix) + _search_inputs(target)
     check_output_dir(Path(out), overwrite, inputs)
     _check_state(out, opts, inputs)
+    check_data(opts.data)  # (before the model loads: a bad data file is named in seconds, not after the load)
     with _ranks(opts.device) as group:
         _same_command(group, checkpoint, opts, recipe_path, target, out=str(out))
         if not group.is_root:  # calibrates its shard (and, searching, measures its share); rank 0 writes
@@ -108,6 +110,7 @@ def run_quantize(checkpoint: str, recipe_path: Union[None, str, RecipeFile], out
                      export_data=eopts.data, eval_data=eval_data) + _search_inputs(target)
     check_output_dir(Path(out), overwrite, inputs)
     _check_state(out, opts, inputs)
+    check_data(opts.data)  # (before the model loads: a bad data file is named in seconds, not after the load)
     exporter.check_checkpoint(Path(checkpoint))
 
     def admit(plan):  # a plan the format cannot write fails before calibration, not after it
