@@ -545,6 +545,9 @@ def _entry_from_row(name: str, r: Dict[str, Any], weight_shapes: Dict[str, Tuple
         raise EncodingsError(f"{source}: {name}: its range overflows float32 (scale up to "
                              f"{float(scale.max()):.4g}); the range cannot be represented")
     s2, o2 = min_max_to_scale_offset(mn, mx, qmin, qmax, symmetric)
+    if not torch.isfinite(s2).all():  # (a finite range whose width overflows: blamed on NaN/Inf when written)
+        raise EncodingsError(f"{source}: {name}: its range overflows float32 (scale up to "
+                             f"{float(said.max()):.4g}); the range cannot be represented")
     if not torch.equal(o2, offset):
         raise EncodingsError(f"{source}: {name}: no float32 range gives its scales and offsets; the range cannot "
                              "be represented")

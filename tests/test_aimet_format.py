@@ -332,6 +332,8 @@ def test_a_scale_or_offset_that_is_not_numbers_is_refused(obj, message):
 @pytest.mark.parametrize("scale, offset, message", [
     (1e300, -128, r"its range overflows float32 \(scale up to 1e\+300\)"),
     (3.5e38, -128, r"its range overflows float32 \(scale up to 3.5e\+38\)"),
+    # (a finite range whose width overflows: "its encoding holds NaN or infinity", naming no file, when written)
+    (1.4e36, -128, r"^f: a.weight: its range overflows float32 \(scale up to 1.4e\+36\)"),
     (1e-50, -128, r"scale 1e-50 is below the smallest qtool's 8-bit grids have"),
     (0.01, -1e300, r"its offset puts zero at code 1e\+300, outside the 8-bit grid \[0, 255\]$"),
 ])

@@ -261,3 +261,19 @@ def test_a_float8_tensor_holding_nan_is_refused_naming_it(llama, tmp_path):
     code, _, err = run_cli("quantize", ckpt, "-c", "w8a16", "-o", tmp_path / "out")
     assert code == 2, err
     assert "'extra.e5m2' holds NaN/Inf values" in err and not (tmp_path / "out").exists()
+
+
+def test_an_activation_that_overflows_to_infinity_after_a_relu_is_refused(tmp_path):
+    """One activation overflowing to +inf after a ReLU was clamped to float32's largest value: a one-sided range
+    [0, 3.4e38] had a finite scale (1.3e36), every real value of that layer's input rounded to 0, exit 0."""
+    import numpy as np
+
+    state = mlp().state_dict()
+    state["0.weight"] = state["0.weight"] * 1e37  # (its own range and scale stay finite)
+    save_file(state, tmp_path / "mlp.safetensors")
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32) * 30)
+    code, _, err = run_cli("calibrate", tmp_path / "mlp.safetensors", "--model-class", "tests.tinymodels:mlp", "-c",
+                           "w8a8", "--data", tmp_path / "x.npy", "-o", tmp_path / "run")
+    assert code == 2, err
+    assert error_lines(err)[-1].startswith("error: 2.input: its calibrated range reaches float32's largest value"), err
+    assert not (tmp_path / "run").exists()

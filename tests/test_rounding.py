@@ -467,6 +467,9 @@ def test_a_layer_without_importances_keeps_the_magnitude_part_of_its_weighting()
     ("weights: {rounding: {name: adaround, warm_start: 2}}", "warm_start"),
     ("weights: {rounding: {name: gptq, shrinkage: 1.5}}", "shrinkage"),
     ("weights: {rounding: {name: signround, shrinkage: 0.5}}", "rounding signround does not take 'shrinkage'"),
+    # (an infinite gamma calibrated ranges that clipped every positive value; 1e39 overflowed float32: exit 3)
+    ("activations: {analyzer: {name: sqnr, gamma: .inf}}", "gamma"),
+    ("activations: {analyzer: {name: sqnr, gamma: 1e39}}", "gamma"),
 ])
 def test_bad_rounding_recipes_are_one_clear_error(text, needle):
     from qtool.errors import ConfigError

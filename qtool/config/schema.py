@@ -58,7 +58,7 @@ class AnalyzerSpec(BaseModel):
     name: Literal["minmax", "percentile", "sqnr", "tf_enhanced", "mse"] = "minmax"
     percentile: Optional[StrictFloat] = Field(None, ge=50, le=100)
     num_bins: Optional[StrictInt] = Field(None, ge=8, le=65536)
-    gamma: Optional[StrictFloat] = Field(None, gt=0)
+    gamma: Optional[StrictFloat] = Field(None, gt=0, le=1e30)  # (past it, float32 products overflow)
     asymmetric_delta_candidates: Optional[StrictInt] = Field(None, ge=2)
     symmetric_delta_candidates: Optional[StrictInt] = Field(None, ge=2)
     offset_candidates: Optional[StrictInt] = Field(None, ge=3)

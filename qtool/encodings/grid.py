@@ -13,6 +13,8 @@ from ..quant.floatgrid import element_of, encoding_scales
 from ..quant.ggml import grid_from_range
 from .schema import range_fault
 
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
 
 class EntryGrid:
     """The grid maths of :class:`~qtool.encodings.EncodingEntry` (a mixin: it reads the record's fields)."""
@@ -62,6 +64,10 @@ class EntryGrid:
         lo, hi = self.min.to(torch.float32), self.max.to(torch.float32)
         if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
             return "its calibrated range holds NaN or infinity"
+        if bool((torch.maximum(lo.abs(), hi.abs()) >= _F32_MAX).any()):
+            # (an infinity observed is clamped to float32's largest value: one-sided after a ReLU, [0, 3.4e38]
+            # gave a finite scale of 1.3e36 that rounded every real value of the layer's input to 0)
+            return "its calibrated range reaches float32's largest value (a value overflowed to infinity)"
         scale, _ = self.scale_offset()
         if not torch.isfinite(scale).all():
             if self._spec.ggml is not None:
