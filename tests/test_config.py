@@ -343,6 +343,14 @@ def test_block_size_must_divide_input_dim():
 
 
 
+def test_2d_tiles_on_a_convolution_say_they_are_for_2d_weights():
+    """32x32 tiles on a [32, 32, 3, 3] convolution weight were said not to divide it."""
+    text = "version: 1\ndefaults:\n  weights: {granularity: per_block, block_size: [16, 16]}\n  activations: null\n"
+    with pytest.raises(ConfigError, match=r"defaults.weights.block_size: 16x16 tiles are for a 2-D weight \(a "
+                                          r"Linear's\); 0.weight has shape \[32, 32, 3, 3\]"):
+        plan_of(text, nn.Sequential(nn.Conv2d(32, 32, 3)))
+
+
 def test_activation_block_size_must_divide_the_last_dimension():
     """An FP8 per-block activation block of 48 on 64-wide layers linted clean, calibrated and exported; eval then
     failed with an internal error and report blamed the data."""
@@ -360,13 +368,19 @@ def test_activation_block_size_must_divide_the_last_dimension():
                                           r"dimension 96 of 1's inputs"):
         plan_of(text % (32, "") + rule, model)
     assert sorted(rows(plan_of(text % (16, ", outputs: true"), model))) == ["0.input", "0.output"]
-    # a BatchNorm's weight is as long as its channels, not its input's last dimension (an image's width): no
-    # refusal there; GPT-2's Conv1D (no in_features) is checked by its weight's [in, out]
+    # a BatchNorm's weight is as long as its channels, not its input's last dimension (an image's width): refused
+    # for that, not by its channels' count; a convolution's last dimension is spatial too (blocks along an image's
+    # width calibrated with exit 0; one not dividing it failed at run time, blamed on the data); GPT-2's Conv1D (no
+    # in_features) is checked by its weight's [in, out]
     from transformers.pytorch_utils import Conv1D
 
-    bn = "layers:\n  - type: BatchNorm2d\n    activations: {element: fp8_e4m3, granularity: per_block, " \
-         "block_size: 16, dynamic: true}\n"
-    assert "0.input" in rows(plan_of(text % (16, "") + bn, nn.Sequential(nn.BatchNorm2d(24))))
+    for kind, model in [("BatchNorm2d", nn.Sequential(nn.BatchNorm2d(24))),
+                        ("Conv2d", nn.Sequential(nn.Conv2d(3, 8, 3))), ("Conv1d", nn.Sequential(nn.Conv1d(3, 8, 3)))]:
+        rule = f"layers:\n  - type: {kind}\n    activations: {{element: fp8_e4m3, granularity: per_block, " \
+               "block_size: 16, dynamic: true}\n"
+        with pytest.raises(ConfigError, match=rf"layers\[0\].activations.granularity: per_block activations take "
+                                              rf"blocks along the last dimension, which for 0 \({kind}\) is a spatial"):
+            plan_of(text % (16, "") + rule, model)
     conv1d = "layers:\n  - type: Conv1D\n    activations: {element: fp8_e4m3, granularity: per_block, " \
              "block_size: 48, dynamic: true}\n"
     with pytest.raises(ConfigError, match=r"48 does not divide the last dimension 64 of 0's inputs"):

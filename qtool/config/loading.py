@@ -233,10 +233,11 @@ def _rule_problems(recipe: Recipe, node, source: str, skip=()) -> List[str]:
             if kind in skip and said.startswith(":"):
                 continue
             part = getattr(recipe.layers[i], kind)
-            key = said.lstrip(".: ")  # "<key>: <problem>", from _merge with an empty location
-            field = key.split(":", 1)[0].strip()
+            whole = said.lstrip(" ").startswith(":")  # ": <problem>" of the whole spec, ".<key>: <problem>" of a key
+            key = said.lstrip(".: ")  # (from _merge with an empty location)
+            field = "" if whole else key.split(":", 1)[0].strip()
             line = _line_of(node, ["layers", i, kind] + ([field] if field in part else []))
-            problems.append(f"{source}{f':{line}' if line else ''}: layers[{i}].{kind}.{key}")
+            problems.append(f"{source}{f':{line}' if line else ''}: layers[{i}].{kind}{': ' if whole else '.'}{key}")
     return problems
 
 

@@ -55,7 +55,10 @@ def _weight_layout(module: "nn.Module", spec: WeightSpec, where: str, name: str)
         raise ConfigError(f"{where}.block_size: {name}.weight has shape {list(shp)}; per_block needs 2+ dims")
     if isinstance(b, list):  # 2-D tiles of a Linear weight
         rows, cols = b
-        if len(shp) != 2 or shp[0] % rows or shp[1] % cols:
+        if len(shp) != 2:
+            raise ConfigError(f"{where}.block_size: {rows}x{cols} tiles are for a 2-D weight (a Linear's); "
+                              f"{name}.weight has shape {list(shp)}: give it one block length")
+        if shp[0] % rows or shp[1] % cols:
             raise ConfigError(f"{where}.block_size: {rows}x{cols} tiles do not divide {name}.weight of shape "
                               f"{list(shp)}")
         return (shp[0] // rows, shp[1] // cols), (rows, cols)
@@ -95,7 +98,15 @@ def _last_dimension(module: "nn.Module", tensor: str) -> Optional[int]:
 
 def _check_activation_blocks(module: "nn.Module", spec: ActivationSpec, tensor: str, where: str, name: str) -> None:
     """Per-block activations take blocks along their last dimension: refuse a block length that does not divide
-    it where the module says how wide that is (:func:`_last_dimension`)."""
+    it where the module says how wide that is (:func:`_last_dimension`), and refuse them on a convolution or an
+    image's BatchNorm (the last dimension is an image's width or a sequence's length: their channels are dim 1)."""
+    from torch import nn
+
+    if spec.granularity == "per_block" and isinstance(module, (nn.modules.conv._ConvNd, nn.BatchNorm2d,
+                                                               nn.BatchNorm3d)):
+        raise ConfigError(f"{where}.granularity: per_block activations take blocks along the last dimension, which "
+                          f"for {name} ({type(module).__name__}) is a spatial one, not its channels: give it "
+                          "per_tensor activations (a layers entry matching it), or none")
     width = _last_dimension(module, tensor) if spec.granularity == "per_block" else None
     if width is not None and width % spec.block_size:
         raise ConfigError(f"{where}.block_size: {spec.block_size} does not divide the last dimension {width} of "
