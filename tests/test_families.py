@@ -31,7 +31,8 @@ def _saved(tmp_path, family, **extra):
     torch.manual_seed(0)
     kw = {"gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, num_hidden_layers=2),
           "phi3": dict(pad_token_id=0, num_hidden_layers=2),
-          "gpt_oss": dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, head_dim=16)}[family]
+          "gpt_oss": dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, head_dim=16),
+          "qwen2": dict(num_hidden_layers=2)}[family]
     cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=64,
                                             num_attention_heads=4, num_key_value_heads=2, **{**kw, **extra})
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -68,6 +69,8 @@ def test_gemma3_has_no_smoothquant_defaults_and_no_rotations_each_said_in_one_li
 @pytest.mark.parametrize("family,extra,says", [
     ("gemma3_text", dict(query_pre_attn_scalar=32), "query_pre_attn_scalar"),
     ("gemma3_text", dict(hidden_activation="gelu"), "hidden_activation"),
+    # (llama.cpp's qwen2, llama, mistral... hard-code SiLU: a GELU model's file ran SiLU, written with exit 0)
+    ("qwen2", dict(hidden_act="gelu"), "hidden_act is 'gelu', and llama.cpp's qwen2 computes silu / swish only"),
     ("gemma3_text", dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention",
                                                            "sliding_attention"]), "layer_types"),
     ("phi3", dict(max_position_embeddings=8192, original_max_position_embeddings=4096,

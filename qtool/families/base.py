@@ -76,6 +76,9 @@ class Family:
     #: config.json keys for what llama.cpp's architecture has no tensor or step for (key -> what): set (true, a
     #: number), its GGUF would not load (a bias tensor it does not expect) or would compute another function
     gguf_absent: Dict[str, str] = {}
+    #: the MLP activations llama.cpp's architecture hard-codes (transformers' ``hidden_act`` names; the first is the
+    #: config class's default): another one there writes a file that computes another function
+    gguf_activations: Tuple[str, ...] = ("silu", "swish")
 
     # ---- GGUF -----------------------------------------------------------------------------------------------
     def check_gguf(self, config: Dict[str, Any], where: Path) -> Dict[str, Any]:
@@ -88,6 +91,11 @@ class Family:
             if config.get(key) not in (None, False, 0):
                 raise CheckpointError(f"{where}: {key} is {str(config[key])[:20]}, and llama.cpp's {self.gguf_arch} "
                                       f"has no {what}: its GGUF would not load or would compute another function")
+        key = "hidden_activation" if config.get("hidden_activation") is not None else "hidden_act"
+        act = config.get(key) or self.gguf_activations[0]
+        if act not in self.gguf_activations:
+            raise CheckpointError(f"{where}: {key} is {str(act)[:40]!r}, and llama.cpp's {self.gguf_arch} computes "
+                                  f"{' / '.join(self.gguf_activations)} only: its GGUF would compute another function")
         config = dict(config)
         config["num_key_value_heads"] = positive_int(config, "num_key_value_heads", where, default=heads)
         for key in ("hidden_size", "intermediate_size"):

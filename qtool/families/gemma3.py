@@ -45,6 +45,7 @@ class Gemma3(Family):
     gguf_arch = "gemma3"
     norm_shift = 1.0
     gguf_absent = {"attention_bias": "attention biases"}
+    gguf_activations = ("gelu_pytorch_tanh",)  # (GELU with the tanh approximation)
     context_length = 131072
 
     def rope(self, config: Dict[str, Any]) -> Tuple[float, Optional[float]]:
@@ -53,10 +54,6 @@ class Gemma3(Family):
 
     def check_gguf(self, config: Dict[str, Any], where: Path) -> Dict[str, Any]:
         config = super().check_gguf(config, where)
-        act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
-        if act != "gelu_pytorch_tanh":
-            raise CheckpointError(f"{where}: hidden_activation {str(act)[:40]!r}: llama.cpp's gemma3 computes GELU "
-                                  "with the tanh approximation (gelu_pytorch_tanh) only")
         if config.get("attn_logit_softcapping") is not None:
             raise CheckpointError(f"{where}: attn_logit_softcapping is set, and llama.cpp's gemma3 has none")
         if config.get("use_bidirectional_attention"):
