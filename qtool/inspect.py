@@ -441,7 +441,11 @@ def _check_index(index: Path, files: List[Path], headers: List[Dict[str, Any]]) 
 
 def _inspect(p: Path) -> Dict[str, Any]:
     if not p.exists():
+        if p.is_symlink():
+            raise UsageError(f"{p}: a link to nothing (its target is missing, or the links loop)")
         raise UsageError(f"{p}: not found")
+    if not (p.is_dir() or p.is_file()):  # (a named pipe's open waited for a writer forever)
+        raise UsageError(f"{p}: not a regular file or a directory (a pipe, a socket or a device)")
     if p.is_dir():
         if (p / "config.json").exists():
             cfg = read_json_object(p / "config.json", UsageError, "Hugging Face config")

@@ -340,6 +340,18 @@ def test_a_quantized_tied_output_layer_is_refused_before_calibrating_where_the_f
     assert "were they made for another model?" not in err  # (the line opened by blaming the encodings)
 
 
+def test_inspect_refuses_a_pipe_and_names_a_link_loop(tmp_path):
+    """A named pipe waited forever for a writer (open blocks); a link that loops read 'not found'."""
+    import os
+
+    os.mkfifo(tmp_path / "p.safetensors")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    code, _, err = run_cli("inspect", tmp_path / "p.safetensors")
+    assert code == 2 and "p.safetensors: not a regular file or a directory" in err, err
+    code, _, err = run_cli("inspect", tmp_path / "loop")
+    assert code == 2 and "loop: a link to nothing (its target is missing, or the links loop)" in err, err
+
+
 def test_inspect_lists_an_aimet_files_dtypes_alike_in_every_version():
     """0.6.1 and 1.0.0 files' asymmetric activations were listed as int8 (2.0.0's output_dtype says uint8), and a
     1.0.0 LPBQ weight as 8-bit (its codes are compressed_bw, 4)."""

@@ -15,9 +15,9 @@ from .output import _report_files, ratio_words
 
 @app.command("import-encodings", epilog="Examples:\n\n\b\n  qtool import-encodings MODEL_DIR model.encodings -o runs/from-aimet")
 def import_encodings(
-    checkpoint: str = typer.Argument(..., help="The checkpoint the AIMET encodings belong to."),
+    checkpoint: str = typer.Argument(..., metavar="CHECKPOINT", help="The checkpoint the AIMET encodings belong to."),
     revision: Optional[str] = _REVISION,
-    encodings_file: str = typer.Argument(..., help="AIMET encodings file (0.6.1, 1.0.0, 2.0.0 or 2.1.0)."),
+    encodings_file: str = typer.Argument(..., metavar="ENCODINGS_FILE", help="AIMET encodings file (0.6.1, 1.0.0, 2.0.0 or 2.1.0)."),
     out: str = typer.Option(..., "--out", "-o", help="Run directory for qtool's encodings.json."),
     model_class: Optional[str] = _MODEL_CLASS,
     trust_pickle: bool = _TRUST_PICKLE,
@@ -45,7 +45,7 @@ def import_encodings(
 
 @app.command(epilog="Examples:\n\n\b\n  qtool inspect out/\n  qtool inspect runs/r1/encodings.json --json")
 def inspect(
-    path: str = typer.Argument(..., help="A qtool output directory or file, an AIMET encodings file, a "
+    path: str = typer.Argument(..., metavar="PATH", help="A qtool output directory or file, an AIMET encodings file, a "
                                          "compressed-tensors model directory, or a GGUF file."),
     json_out: bool = _JSON,
     debug: bool = _DEBUG,

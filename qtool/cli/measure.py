@@ -59,7 +59,7 @@ def _suggest_flag(suggest: Optional[List[str]], sensitivity: bool):
 
 @app.command(epilog="Examples:\n\n\b\n  qtool report MODEL_DIR -e runs/r1/encodings.json --data heldout.txt\n  qtool report MODEL_DIR -e runs/r1/encodings.json --data heldout.txt --min-cosine 0.99 --json")
 def report(
-    checkpoint: str = typer.Argument(..., help="The checkpoint the encodings were calibrated on."),
+    checkpoint: str = typer.Argument(..., metavar="CHECKPOINT", help="The checkpoint the encodings were calibrated on."),
     revision: Optional[str] = _REVISION,
     encodings: str = typer.Option(..., "--encodings", "-e", help="encodings.json from qtool calibrate."),
     data: Optional[str] = typer.Option(None, "--data", help="Evaluation data (held-out text or tensors)."),
@@ -75,7 +75,7 @@ def report(
         None, "--max-ppl-increase", help="Gate: perplexity increase <= PCT percent (causal LMs)."),
     sensitivity: bool = typer.Option(False, "--sensitivity", help="Rank layers by the damage of quantizing each alone."),
     suggest: Optional[List[str]] = typer.Option(
-        None, "--suggest", help="With --sensitivity: N OUT.yaml, a recipe keeping the N most sensitive layers "
+        None, "--suggest", metavar="'N OUT.yaml'", help="With --sensitivity: N OUT.yaml, a recipe keeping the N most sensitive layers "
                                 "at higher precision.", show_default=False),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe to extend with --suggest's entries."),
     allow_other_checkpoint: bool = typer.Option(
@@ -169,7 +169,7 @@ def report(
 
 @app.command("eval", epilog="Examples:\n\n\b\n  qtool eval out/ --data heldout.txt                      (the manifest names the checkpoint and encodings)\n  qtool eval out/model.gguf -r MODEL_DIR -e runs/r1/encodings.json --data heldout.txt\n  qtool eval out/ --data heldout.txt --max-ppl-increase 3 --min-agreement 0.9 --json")
 def eval_(
-    artifact: str = typer.Argument(..., help="What qtool export/quantize wrote: the output directory, or a .gguf / "
+    artifact: str = typer.Argument(..., metavar="ARTIFACT", help="What qtool export/quantize wrote: the output directory, or a .gguf / "
                                              ".onnx file, or a compressed-tensors directory."),
     reference: Optional[str] = typer.Option(None, "--reference", "-r", help="The float checkpoint (default: the "
                                             "one the artifact's manifest names)."),
@@ -255,7 +255,7 @@ def eval_(
 
 @app.command(epilog="Examples:\n\n\b\n  qtool imatrix LLAMA_DIR --data calib.txt -o imatrix.gguf\n  llama-quantize --imatrix imatrix.gguf model-f16.gguf model-q4_k_m.gguf Q4_K_M")
 def imatrix(
-    checkpoint: str = typer.Argument(..., help="A Llama-family Hugging Face directory (or Hub ID)."),
+    checkpoint: str = typer.Argument(..., metavar="CHECKPOINT", help="A Llama-family Hugging Face directory (or Hub ID)."),
     revision: Optional[str] = _REVISION,
     out: str = typer.Option(..., "--out", "-o", help="The importance matrix file to write (GGUF)."),
     data: Optional[str] = typer.Option(None, "--data", help="Calibration text (or token ids)."),

@@ -93,7 +93,7 @@ def _recipe_text(recipe: str, json_out: bool) -> None:
 
 @config_app.command("show", epilog="Examples:\n\n\b\n  qtool config show w8a8                        (the recipe, every default resolved)\n  qtool config show my.yaml --model MODEL_DIR   (the plan: one row per quantizer)")
 def config_show(
-    recipe: str = typer.Argument(..., help="Recipe YAML, or a shipped recipe's name (qtool config list).",
+    recipe: str = typer.Argument(..., metavar="RECIPE", help="Recipe YAML, or a shipped recipe's name (qtool config list).",
                                  autocompletion=_complete_recipe),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Checkpoint to resolve the recipe against "
                                         "(without it: the recipe's rules with every default resolved)."),
@@ -160,7 +160,7 @@ def config_show(
 
 @config_app.command("validate", epilog="Examples:\n\n\b\n  qtool config validate my.yaml other.yaml")
 def config_validate(
-    recipes: List[str] = typer.Argument(..., help="Recipe YAML files."),
+    recipes: List[str] = typer.Argument(..., metavar="RECIPES", help="Recipe YAML files."),
     json_out: bool = _JSON,
 ) -> None:
     """Check recipes against the schema (no model needed)."""

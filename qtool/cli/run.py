@@ -18,7 +18,7 @@ from .output import _Progress, _print_eval, _report_files
 
 @app.command(epilog="Examples:\n\n\b\n  qtool calibrate MODEL_DIR -c w8a8 --data calib.txt -o runs/r1\n  qtool calibrate org/name -c w8a8-dynamic -o runs/r2   (a Hub ID; this recipe needs no data)\n  qtool calibrate m.safetensors --model-class pkg.mod:build -c my.yaml --data x.npy -o runs/r3")
 def calibrate(
-    checkpoint: str = typer.Argument(..., help="HF model directory or Hub ID (org/name), .pt2, .safetensors/.pt state dict."),
+    checkpoint: str = typer.Argument(..., metavar="CHECKPOINT", help="HF model directory or Hub ID (org/name), .pt2, .safetensors/.pt state dict."),
     revision: Optional[str] = _REVISION,
     config: Optional[str] = _CONFIG_OR_SEARCH,
     out: str = typer.Option(..., "--out", "-o", help="Run directory for encodings.json and manifest.json."),
@@ -72,7 +72,7 @@ def calibrate(
 
 @app.command(epilog="Examples:\n\n\b\n  qtool export MODEL_DIR -e runs/r1/encodings.json -o out/\n  qtool export MODEL_DIR -e runs/r1/encodings.json -o out-onnx/ --format onnx --data calib.txt")
 def export(
-    checkpoint: str = typer.Argument(..., help="The checkpoint the encodings were calibrated on."),
+    checkpoint: str = typer.Argument(..., metavar="CHECKPOINT", help="The checkpoint the encodings were calibrated on."),
     revision: Optional[str] = _REVISION,
     encodings: str = typer.Option(..., "--encodings", "-e", help="encodings.json from qtool calibrate."),
     out: str = typer.Option(..., "--out", "-o", help="Output directory."),
@@ -117,7 +117,7 @@ def export(
 
 @app.command(epilog="Examples:\n\n\b\n  qtool quantize MODEL_DIR -c w4a16-block32 -o out/ --eval heldout.txt\n  qtool quantize MODEL_DIR -c w8a8-dynamic -o out/ --format compressed-tensors\n  qtool quantize LLAMA_DIR -c gguf-q4_0 -o out/ --format gguf")
 def quantize(
-    checkpoint: str = typer.Argument(..., help="HF model directory or Hub ID (org/name), .pt2, .safetensors/.pt state dict."),
+    checkpoint: str = typer.Argument(..., metavar="CHECKPOINT", help="HF model directory or Hub ID (org/name), .pt2, .safetensors/.pt state dict."),
     revision: Optional[str] = _REVISION,
     config: Optional[str] = _CONFIG_OR_SEARCH,
     out: str = typer.Option(..., "--out", "-o", help="Export directory (calibration files go to OUT/calibration)."),
