@@ -410,10 +410,10 @@ def _known_limit(directory: Path, errors=()) -> str:
     asymmetric ``pack-quantized`` checkpoint (compressed-tensors 0.20 compresses transformers' empty model with
     the zero points left unpacked, ``[out, groups]``, while the format stores them packed, as its own compress on
     real tensors does: llm-compressor issue #1618); a model whose own loading code reads a quantized Linear's
-    ``weight`` (T5's and Mamba's weight initialization), which compressed-tensors replaced."""
+    ``weight`` (T5's, Mamba's and Falcon's weight initialization), which compressed-tensors replaced."""
     if any("object has no attribute 'weight'" in e for e in errors):
         return ("; this model's own transformers code reads a Linear's weight while loading, where a packed "
-                "Linear holds weight_packed (T5, Mamba): a limit of the runtime, not the file (8-bit int-quantized "
+                "Linear holds weight_packed (T5, Mamba, Falcon): a limit of the runtime, not the file (8-bit int-quantized "
                 "weights load); evaluate qtool's own format of the same calibration instead")
     config = quantization_config(directory) or {}
     groups = (config.get("config_groups") or {}).values()
