@@ -954,3 +954,6 @@ def test_a_wrong_type_value_hides_no_other_entrys_problems():
             parse_recipe(f"version: 1\nlayers:\n  - type: {value}\n  - match: '*'\n    weights: {{granularity: "
                          "per_block}\n", "r.yaml")
         assert any("layers[1].weights" in p and "needs block_size" in p for p in e.value.problems), e.value.problems
+        # one line for the type, not one per branch of its union (layers[0].type.str, layers[0].type.list[str][1])
+        said = [p for p in e.value.problems if "layers[0]" in p]
+        assert len(said) == 1 and "layers[0].type: a " in said[0] and "module class name" in said[0], said

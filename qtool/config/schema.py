@@ -296,6 +296,19 @@ class LayerRule(BaseModel):
     weights: Optional[Dict[str, Any]] = None
     activations: Optional[Dict[str, Any]] = None
 
+    @field_validator("type", mode="before")
+    @classmethod
+    def _class_names(cls, value):
+        # (one line, not one per branch of the union: "type.str: ..." and "type.list[str][1]: ...")
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"a module class name or a list of them (got {str(value)[:60]})")
+        odd = next((i for i, t in enumerate(value) if not isinstance(t, str)), None)
+        if odd is not None:
+            raise ValueError(f"a list of module class names, and [{odd}] is {repr(value[odd])[:40]}, not one")
+        return value
+
     @model_validator(mode="after")
     def _needs_a_selector(self):
         if self.match is None and self.type is None:
