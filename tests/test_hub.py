@@ -48,6 +48,17 @@ def test_a_hub_id_calibrates_and_exports_from_the_cache(hf_home, tmp_path):
     assert export_manifest["inputs"]["checkpoint"]["hub"]["commit"] == COMMIT
 
 
+def test_config_show_resolves_a_hub_id_at_a_revision(hf_home):
+    """config show --model took a Hub ID but no --revision, which every other command reading a model has."""
+    r = _qtool(hf_home, "config", "show", "w8a16", "--model", "qtool-test/tiny-llama", "--revision", COMMIT, "--json")
+    assert r.returncode == 0, r.stderr
+    assert "model.layers.0.mlp.down_proj.weight" in {q["name"] for q in json.loads(r.stdout)["quantizers"]}
+    r = _qtool(hf_home, "config", "show", "w8a16", "--model", "qtool-test/tiny-llama", "--revision", "v2")
+    assert r.returncode == 2 and "revision 'v2' not in the Hugging Face cache" in r.stderr, r.stderr
+    r = _qtool(hf_home, "config", "show", "w8a16", "--revision", "v2")
+    assert r.returncode == 2 and "--revision names a version of the --model Hub ID" in r.stderr, r.stderr
+
+
 def test_offline_and_not_cached_is_one_clear_line(hf_home, tmp_path):
     r = _qtool(hf_home, "calibrate", "qtool-test/not-there", "-c", "w8a16", "-o", tmp_path / "c")
     assert r.returncode == 2

@@ -97,6 +97,8 @@ def config_show(
                                  autocompletion=_complete_recipe),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Checkpoint to resolve the recipe against "
                                         "(without it: the recipe's rules with every default resolved)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="With a Hugging Face Hub ID as --model: a "
+                                           "branch, tag or commit (default main)."),
     model_class: Optional[str] = _MODEL_CLASS,
     trust_pickle: bool = _TRUST_PICKLE,
     trust_remote_code: bool = _TRUST_CODE,
@@ -109,12 +111,16 @@ def config_show(
 
     from ..pipeline import plan_for
 
-    if model is None:
+    if model is None and revision is None:
         _recipe_text(recipe, json_out)
         return
     with _errors(debug, json_out):
+        if model is None:
+            from ..errors import UsageError
+
+            raise UsageError("--revision names a version of the --model Hub ID: pass --model ORG/NAME")
         _one_process("config show")
-        model = _checkpoint(model, None)
+        model = _checkpoint(model, revision)
         opts = _opts(model_class=model_class, trust_pickle=trust_pickle, trust_remote_code=trust_remote_code,
                      allow_unmatched=allow_unmatched)
         loaded, plan = plan_for(model, recipe, opts)
