@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from qtool.errors import CheckpointError, UsageError
 from qtool.model.hub import looks_like_hub_id, resolve_checkpoint
@@ -57,6 +59,20 @@ def test_config_show_resolves_a_hub_id_at_a_revision(hf_home):
     assert r.returncode == 2 and "revision 'v2' not in the Hugging Face cache" in r.stderr, r.stderr
     r = _qtool(hf_home, "config", "show", "w8a16", "--revision", "v2")
     assert r.returncode == 2 and "--revision names a version of the --model Hub ID" in r.stderr, r.stderr
+
+
+def test_eval_takes_a_hub_id_as_its_reference(hf_home, tmp_path):
+    """eval -r ORG/NAME read the Hub ID as a local path ('not found')."""
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    r = _qtool(hf_home, "quantize", "qtool-test/tiny-llama", "-c", "w8a16", "-o", tmp_path / "q", "--quiet")
+    assert r.returncode == 0, r.stderr
+    r = _qtool(hf_home, "eval", tmp_path / "q", "-r", "qtool-test/tiny-llama", "--revision", COMMIT, "--data",
+               tmp_path / "ids.safetensors", "--generate", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["export_gap"]["kl_mean"] < 1e-6
+    r = _qtool(hf_home, "eval", tmp_path / "q", "--revision", "v2", "--data", tmp_path / "ids.safetensors")
+    assert r.returncode == 2 and "--revision names a version of the --reference Hub ID" in r.stderr, r.stderr
 
 
 def test_offline_and_not_cached_is_one_clear_line(hf_home, tmp_path):

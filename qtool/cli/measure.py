@@ -172,7 +172,10 @@ def eval_(
     artifact: str = typer.Argument(..., metavar="ARTIFACT", help="What qtool export/quantize wrote: the output directory, or a .gguf / "
                                              ".onnx file, or a compressed-tensors directory."),
     reference: Optional[str] = typer.Option(None, "--reference", "-r", help="The float checkpoint (default: the "
-                                            "one the artifact's manifest names)."),
+                                            "one the artifact's manifest names): a directory, a state dict or "
+                                            "a Hub ID."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="With a Hugging Face Hub ID as --reference: a "
+                                           "branch, tag or commit (default main)."),
     encodings: Optional[str] = typer.Option(None, "--encodings", "-e", help="encodings.json of the calibration "
                                             "(default: the manifest's): the fake-quant model the file is checked "
                                             "against."),
@@ -234,6 +237,10 @@ def eval_(
                            gates=tuple(flag[2:] for flag, v in gate_flags.items() if v is not None))
         if tasks_path is not None and not os.path.isdir(tasks_path):
             raise UsageError(f"--tasks-path {tasks_path}: not a directory")
+        if revision is not None and reference is None:
+            raise UsageError("--revision names a version of the --reference Hub ID: pass --reference ORG/NAME")
+        if reference is not None:
+            reference = _checkpoint(reference, revision)
         with _Progress(quiet) as p:
             ev = evaluate_artifact(artifact, reference, encodings, opts, hooks=p.hooks())
         gates = check_gates(ev, max_ppl_increase, max_kl, min_agreement, max_export_gap, min_cosine)
