@@ -167,8 +167,8 @@ def _rewrite(model, quantizer_info: Dict[str, Dict[str, Any]], opset: int,
 def _reinfer_shapes(model) -> None:
     """Drop the shapes the exporter recorded past the ``qtool::`` nodes (it could not see through them and named
     every dim after the node: ``logits`` read ``[MatMullogits_dim_0, ...]``) and give the outputs the shapes ONNX's
-    own inference finds in the rewritten graph (``[batch, sequence, vocab]``); an output it cannot infer keeps the
-    exporter's shape."""
+    own inference finds in the rewritten graph (``[batch, sequence, vocab]``); a dim it cannot infer keeps the
+    exporter's."""
     import onnx
 
     del model.graph.value_info[:]
@@ -183,8 +183,14 @@ def _reinfer_shapes(model) -> None:
     except (onnx.shape_inference.InferenceError, ValueError):  # (a graph over 2 GiB is not inferred in memory)
         inferred = model.graph.output
     for out, found, shape in zip(model.graph.output, inferred, traced):
-        out.type.tensor_type.shape.CopyFrom(found.type.tensor_type.shape
-                                            if found.type.tensor_type.HasField("shape") else shape)
+        out.type.tensor_type.shape.CopyFrom(shape)
+        better = found.type.tensor_type.shape
+        if not found.type.tensor_type.HasField("shape") or len(better.dim) != len(shape.dim):
+            continue
+        for dim, new in zip(out.type.tensor_type.shape.dim, better.dim):
+            # (a size, or a name inference carried from the inputs; its own unknowns, unk__N, say less)
+            if new.HasField("dim_value") or (new.HasField("dim_param") and not new.dim_param.startswith("unk__")):
+                dim.CopyFrom(new)
 
 
 def _named(new_nodes, node, info, inits, crowded) -> str:
