@@ -1036,3 +1036,29 @@ def test_data_every_mask_drops_is_one_line_before_any_model_runs(model, tmp_path
     assert code == 2 and f"error: {tmp_path / 'none.safetensors'}: holds no token its attention_mask keeps (every " \
         "mask is 0): nothing to measure an evaluation on" in err, err
     assert "measuring the float model" not in err
+
+
+def test_a_gguf_llama_cpp_cannot_load_says_llama_cpps_reason(tmp_path, capfd):
+    """The server's own error read 'Failed to init server, please check the input params.', llama.cpp's five log
+    lines with the reason printed before it."""
+    pytest.importorskip("xllamacpp")
+    gguf = pytest.importorskip("gguf")
+    from qtool.errors import UsageError
+    from qtool.evaluation.llamacpp import LlamaCpp
+
+    w = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "llama")  # (no tokenizer: llama.cpp refuses the vocabulary)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    capfd.readouterr()
+    with pytest.raises(UsageError, match=r"bare.gguf: llama.cpp cannot load this file \(error loading model "
+                                         r"vocabulary: key not found in model: tokenizer.ggml.model\)$"):
+        LlamaCpp(str(tmp_path / "bare.gguf"))
+    assert "error loading model" not in capfd.readouterr().err  # (said once, in the error)

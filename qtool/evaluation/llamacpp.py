@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterable, List, Sequence, Tuple
+import os
+import sys
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,6 +39,35 @@ def _xllamacpp():
     except ImportError:
         raise UsageError(f"running a GGUF file needs llama.cpp's Python wheel: {INSTALL}") from None
     return xllamacpp
+
+
+@contextlib.contextmanager
+def _stderr_kept() -> Iterator[Callable[[], str]]:
+    """What llama.cpp writes to file descriptor 2 inside the block, held back (a failed load's five log lines
+    came before qtool's one); yields a function giving that text once the block is over."""
+    import tempfile
+
+    held: List[str] = []
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as log:
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield lambda: "".join(held)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            log.seek(0)
+            held.append(log.read().decode("utf-8", "replace"))
+
+
+def _load_error(log: str) -> Optional[str]:
+    """llama.cpp's first 'error loading model' reason in its log (``... E llama_model_load: error loading model:
+    <reason>``), or None."""
+    for line in log.splitlines():
+        if "error loading model:" in line:
+            return line.split("error loading model:", 1)[1].strip()[:200] or None
+    return None
 
 
 class LlamaCpp:
@@ -63,10 +94,18 @@ class LlamaCpp:
         p.swa_full = True
         self.n_ctx = n_ctx
         self._whole_token = None  # a token whose text is whole UTF-8 (found when first needed)
-        try:
-            self._server = xlc.Server(p)
-        except (RuntimeError, ValueError) as e:
-            raise UsageError(f"{path}: llama.cpp cannot load this file ({str(e).splitlines()[0][:160]})") from None
+        with _stderr_kept() as said:
+            try:
+                self._server = xlc.Server(p)
+            except (RuntimeError, ValueError) as e:
+                failed = str(e).splitlines()[0][:160]
+            else:
+                failed = None
+        if failed is not None:  # (the server says only "Failed to init server"; llama.cpp's log says why)
+            why = _load_error(said())
+            raise UsageError(f"{path}: llama.cpp cannot load this file ({why or failed})") from None
+        if said().strip():  # (a load that worked: whatever llama.cpp said goes where it always went)
+            os.write(2, said().encode("utf-8", "replace"))
 
     def _one(self, ids: Sequence[int], n_probs: int = 1, **extra) -> dict:
         if len(ids) + 1 > self.n_ctx:
