@@ -12,3 +12,7 @@ def __getattr__(name):
 
         return load_calibrated
     raise AttributeError(f"module 'qtool' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))  # (the lazy names too: tab completion and dir() list them)

@@ -15,6 +15,13 @@ def test_version_and_help():
     assert r.exit_code == 0 and "calibrate" in r.output
 
 
+def test_the_packages_lazy_names_are_listed():
+    """load_calibrated loads on first use, and dir(qtool) (tab completion) did not list it."""
+    import qtool
+
+    assert "load_calibrated" in dir(qtool) and callable(qtool.load_calibrated)
+
+
 def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "qtool", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and __version__ in r.stdout
