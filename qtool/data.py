@@ -568,6 +568,10 @@ def rejection(model, batch: "Batch", err: BaseException) -> str:
             and isinstance(table, torch.nn.Embedding):
         return ("the token ids file has one dimension, so each sample is a single token: save ids as [samples, "
                 f"tokens] (NumPy: x[None] for one sample; the model said: {said})")
+    if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dim() > 2 \
+            and isinstance(table, torch.nn.Embedding):  # (torch's "The size of tensor a (2) must match ...")
+        return (f"the token ids file's samples are {list(ids.shape[1:])}, not one row of tokens each: save ids as "
+                f"[samples, tokens] (NumPy: x.reshape(-1, x.shape[-1]); the model said: {said})")
     if isinstance(err, AttributeError):
         given = ", ".join(batch.kwargs) or "one tensor"
         return (f"it needs an input the data does not give (the data gives {given}; an image model takes "

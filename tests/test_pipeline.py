@@ -649,6 +649,21 @@ def test_bad_text_data_is_named_before_the_model_loads(tmp_path, monkeypatch, co
     assert loads == [] and not (tmp_path / "run").exists() and not (tmp_path / "m.imatrix").exists()
 
 
+def test_token_ids_of_three_dimensions_are_named_as_such(tmp_path):
+    """A [1, 4, 16] token-id file read "The size of tensor a (2) must match the size of tensor b (4) at
+    non-singleton dimension 3" (the model's own broadcast error)."""
+    from tests.helpers import tiny_llama_and_ids
+
+    checkpoint, _ = tiny_llama_and_ids(tmp_path)
+    save_file({"input_ids": torch.randint(1, 300, (1, 4, 16), generator=torch.Generator().manual_seed(0))},
+              tmp_path / "ids3.safetensors")
+    code, _, err = run_cli("calibrate", checkpoint, "-c", "w8a8", "--data", tmp_path / "ids3.safetensors", "-o",
+                           tmp_path / "run", "--quiet")
+    assert code == 2 and "the token ids file's samples are [4, 16], not one row of tokens each: save ids as " \
+        "[samples, tokens]" in error_lines(err)[-1], err
+    assert not (tmp_path / "run").exists()
+
+
 def test_empty_data_directory(tmp_path, mlp_ckpt):
     (tmp_path / "empty").mkdir()
     code, _, err = calibrate(mlp_ckpt, tmp_path / "run", "w8a8.yaml", tmp_path / "empty")
