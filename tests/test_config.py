@@ -375,11 +375,14 @@ def test_activation_block_size_must_divide_the_last_dimension():
     from transformers.pytorch_utils import Conv1D
 
     for kind, model in [("BatchNorm2d", nn.Sequential(nn.BatchNorm2d(24))),
-                        ("Conv2d", nn.Sequential(nn.Conv2d(3, 8, 3))), ("Conv1d", nn.Sequential(nn.Conv1d(3, 8, 3)))]:
+                        ("Conv2d", nn.Sequential(nn.Conv2d(3, 8, 3))), ("Conv1d", nn.Sequential(nn.Conv1d(3, 8, 3))),
+                        ("GroupNorm", nn.Sequential(nn.GroupNorm(4, 16))),
+                        ("InstanceNorm1d", nn.Sequential(nn.InstanceNorm1d(16, affine=True)))]:
         rule = f"layers:\n  - type: {kind}\n    activations: {{element: fp8_e4m3, granularity: per_block, " \
                "block_size: 16, dynamic: true}\n"
         with pytest.raises(ConfigError, match=rf"layers\[0\].activations.granularity: per_block activations take "
-                                              rf"blocks along the last dimension, which for 0 \({kind}\) is a spatial"):
+                                              rf"blocks along the last dimension, which for 0 \({kind}\) is not its "
+                                              r"channels"):
             plan_of(text % (16, "") + rule, model)
     conv1d = "layers:\n  - type: Conv1D\n    activations: {element: fp8_e4m3, granularity: per_block, " \
              "block_size: 48, dynamic: true}\n"

@@ -98,15 +98,17 @@ def _last_dimension(module: "nn.Module", tensor: str) -> Optional[int]:
 
 def _check_activation_blocks(module: "nn.Module", spec: ActivationSpec, tensor: str, where: str, name: str) -> None:
     """Per-block activations take blocks along their last dimension: refuse a block length that does not divide
-    it where the module says how wide that is (:func:`_last_dimension`), and refuse them on a convolution or an
-    image's BatchNorm (the last dimension is an image's width or a sequence's length: their channels are dim 1)."""
+    it where the module says how wide that is (:func:`_last_dimension`), and refuse them on a convolution, an
+    image's BatchNorm, a GroupNorm or an InstanceNorm (the last dimension is an image's width or a sequence's
+    length: their channels are dim 1)."""
     from torch import nn
 
     if spec.granularity == "per_block" and isinstance(module, (nn.modules.conv._ConvNd, nn.BatchNorm2d,
-                                                               nn.BatchNorm3d)):
+                                                               nn.BatchNorm3d, nn.GroupNorm,
+                                                               nn.modules.instancenorm._InstanceNorm)):
         raise ConfigError(f"{where}.granularity: per_block activations take blocks along the last dimension, which "
-                          f"for {name} ({type(module).__name__}) is a spatial one, not its channels: give it "
-                          "per_tensor activations (a layers entry matching it), or none")
+                          f"for {name} ({type(module).__name__}) is not its channels (an image's width, a "
+                          "sequence's length): give it per_tensor activations (a layers entry matching it), or none")
     width = _last_dimension(module, tensor) if spec.granularity == "per_block" else None
     if width is not None and width % spec.block_size:
         raise ConfigError(f"{where}.block_size: {spec.block_size} does not divide the last dimension {width} of "

@@ -67,7 +67,7 @@ class EntryGrid:
         if bool((torch.maximum(lo.abs(), hi.abs()) >= _F32_MAX).any()):
             # (an infinity observed is clamped to float32's largest value: one-sided after a ReLU, [0, 3.4e38]
             # gave a finite scale of 1.3e36 that rounded every real value of the layer's input to 0)
-            return "its calibrated range reaches float32's largest value (a value overflowed to infinity)"
+            return "its range reaches float32's largest value (an infinity clamped there, or a value that large)"
         scale, _ = self.scale_offset()
         if not torch.isfinite(scale).all():
             if self._spec.ggml is not None:
