@@ -1062,3 +1062,18 @@ def test_a_gguf_llama_cpp_cannot_load_says_llama_cpps_reason(tmp_path, capfd):
                                          r"vocabulary: key not found in model: tokenizer.ggml.model\)$"):
         LlamaCpp(str(tmp_path / "bare.gguf"))
     assert "error loading model" not in capfd.readouterr().err  # (said once, in the error)
+
+
+def test_a_missing_artifact_is_said_before_the_reference_is_fetched_and_bad_text_before_a_model_loads(tmp_path):
+    """eval -r ORG/NAME looked the reference up (a download, online) before saying the artifact was missing; text
+    data that cannot be read was named after the float checkpoint had loaded."""
+    (tmp_path / "bad.jsonl").write_text('{"txt": "no text field"}\n')
+    code, _, err = run_cli("eval", tmp_path / "no-such-artifact", "-r", "org/some-model", "--data",
+                           tmp_path / "bad.jsonl")
+    assert code == 2 and "no-such-artifact" in error_lines(err)[-1] and "Hugging Face" not in err, err
+    checkpoint = _tiny_llama(tmp_path / "m", False)
+    code, _, err = run_cli("quantize", checkpoint, "-c", "w8a16", "-o", tmp_path / "q", "--quiet")
+    assert code == 0, err
+    code, _, err = run_cli("eval", tmp_path / "q", "--data", tmp_path / "bad.jsonl")
+    assert code == 2 and "needs a string field 'text'" in error_lines(err)[-1], err
+    assert "loading" not in err, err

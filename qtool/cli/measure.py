@@ -239,7 +239,7 @@ def eval_(
             raise UsageError(f"--tasks-path {tasks_path}: not a directory")
         if revision is not None and reference is None:
             raise UsageError("--revision names a version of the --reference Hub ID: pass --reference ORG/NAME")
-        if reference is not None:
+        if reference is not None and os.path.exists(artifact):  # (a missing artifact is said first, not fetched for)
             reference = _checkpoint(reference, revision)
         with _Progress(quiet) as p:
             ev = evaluate_artifact(artifact, reference, encodings, opts, hooks=p.hooks())

@@ -23,7 +23,7 @@ import torch
 
 from ..calibration.data_check import refuse_no_kept_token
 from ..choices import check_arguments
-from ..data import TEXT_SUFFIXES, data_files, load_data, longest_sample, past_positions, positions_of
+from ..data import TEXT_SUFFIXES, check_data, data_files, load_data, longest_sample, past_positions, positions_of
 from ..errors import DataError, UsageError
 from ..hooks import Hooks
 from ..io.checkpoint import weight_file_hashes
@@ -568,6 +568,7 @@ def evaluate_artifact(artifact: str, reference: Optional[str], encodings: Option
     hooks = hooks or Hooks()
     opts.check()
     art = locate(artifact)
+    check_data(opts.data)  # (text that cannot be read is named before either model loads)
     reference, other_weights = _reference(art, reference, artifact)
     notes = [other_weights] if other_weights else []
     enc = Path(encodings) if encodings else art.encodings
