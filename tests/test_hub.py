@@ -112,3 +112,12 @@ def test_a_missing_path_is_not_called_an_unknown_type(tmp_path):
                                       ("../x", False)])
 def test_what_counts_as_a_hub_id(arg, hub):
     assert looks_like_hub_id(arg) is hub
+
+
+def test_resolve_checkpoint_takes_a_path_and_names_a_wrong_type(tmp_path):
+    """A Path (as every job takes) and None raised "AttributeError: 'PosixPath' object has no attribute 'strip'"."""
+    assert resolve_checkpoint(tmp_path) == str(tmp_path)
+    with pytest.raises(UsageError, match="the checkpoint is a path or a Hub ID string \\(got NoneType\\)"):
+        resolve_checkpoint(None)
+    with pytest.raises(UsageError, match="revision is a branch, tag or commit string \\(got int\\)"):
+        resolve_checkpoint("org/name", revision=5)

@@ -10,6 +10,7 @@ came from.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Dict, Optional
@@ -32,6 +33,12 @@ def resolve_checkpoint(arg: str, revision: Optional[str] = None) -> str:
     """A local checkpoint path for ``arg``: the path itself when it exists, else the Hub snapshot of the
     repository ``arg`` names (downloaded into the cache, or found there offline). Raises ``CheckpointError`` with
     one line saying what was tried."""
+    if isinstance(arg, os.PathLike):  # (a path as every job takes it)
+        arg = os.fspath(arg)
+    if not isinstance(arg, str):
+        raise UsageError(f"the checkpoint is a path or a Hub ID string (got {type(arg).__name__})")
+    if revision is not None and not isinstance(revision, str):
+        raise UsageError(f"revision is a branch, tag or commit string (got {type(revision).__name__})")
     if not arg.strip():  # (Path("") is the working directory)
         raise UsageError("CHECKPOINT is empty: pass a file, a directory or a Hugging Face Hub ID like org/name")
     if revision is not None and not revision.strip():  # (the Hub's cache reads refs/ itself: "Is a directory")
