@@ -289,8 +289,11 @@ def test_tensor_subclasses_keep_encoding_only_where_meaning_is_kept():
     qt = d.quantize()
     assert isinstance(qt, QuantizedTensor) and qt.quantize() is qt
     assert torch.equal(qt.dequantize().as_subclass(torch.Tensor), d.as_subclass(torch.Tensor))
-    for same in (d.clone(), d.detach(), torch.clone(d), d.to(torch.float32)):
+    for same in (d.clone(), d.detach(), torch.clone(d), d.to(torch.float32), d.float(), d.double()):
         assert isinstance(same, DequantizedTensor) and same.encoding is not None
+    # (a move by name as by .to: .double() dropped what .to(torch.float64) kept; a narrowing one drops it alike)
+    assert isinstance(qt.double(), QuantizedTensor) and qt.double().encoding is not None
+    assert type(d.half()) is type(d.to(torch.float16))
     assert type(d + 1) is torch.Tensor
     assert type(d * 2) is torch.Tensor
     assert qt.quantized_repr().dtype == torch.uint8

@@ -83,6 +83,10 @@ _KEEP_ENCODING = {
     torch.Tensor.cpu,
     torch.Tensor.cuda,
     torch.Tensor.to,
+    torch.Tensor.float,  # (dtype moves by name: .double() dropped what .to(torch.float64) kept)
+    torch.Tensor.double,
+    torch.Tensor.half,
+    torch.Tensor.bfloat16,
     torch.Tensor.contiguous,
     torch.Tensor.requires_grad_,
 }
