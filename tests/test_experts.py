@@ -25,7 +25,6 @@ def _config(family, hidden=64, experts=8, layers=2):
              "mixtral": {"num_local_experts": experts, "head_dim": 16},
              "gpt_oss": {"num_local_experts": experts, "head_dim": 16},
              "granitemoe": {"num_local_experts": experts},
-             "phimoe": {"num_local_experts": experts},
              "llama4_text": {"num_local_experts": experts, "head_dim": 16, "intermediate_size_mlp": 64,
                              "interleave_moe_layer_step": 1}}[family]
     cfg = transformers.AutoConfig.for_model(family, vocab_size=256, hidden_size=hidden, intermediate_size=32,
@@ -244,18 +243,6 @@ def test_gpt_oss_experts_export_with_llm_compressors_names_and_eval_says_what_tr
     # transformers holds gpt-oss's experts fused and would run them at their initial values: refused, not blamed
     code, out, err = run_cli("eval", tmp_path / "compressed-tensors", *evaluate)
     assert code == 2 and "transformers leaves" in err and "stored one by one" in err and "export fault" not in err
-
-
-def test_a_router_that_is_a_linear_is_ignored_once_by_its_checkpoint_name(tmp_path):
-    """PhiMoE's router is an nn.Linear (mlp.router, stored as block_sparse_moe.gate): ignore listed it twice, once
-    by the in-memory name the file does not hold."""
-    checkpoint, _ = _saved(tmp_path, "phimoe")
-    code, _, err = run_cli("quantize", checkpoint, "-c", "w4a16-block32", "-o", tmp_path / "ct", "--quiet",
-                           "--format", "compressed-tensors")
-    assert code == 0, err
-    config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
-    assert sorted(config["ignore"]) == ["lm_head", "model.layers.0.block_sparse_moe.gate",
-                                        "model.layers.1.block_sparse_moe.gate"]
 
 
 def test_eval_reads_a_qtool_export_whose_experts_transformers_renames(tmp_path):

@@ -269,9 +269,7 @@ def export_compressed_tensors(
         warnings.append(f"{len(orphans)} dynamic input quantizer(s) on layers whose weight is not exported "
                         f"quantized, so they run in float: {', '.join(rename(m) for m in orphans)}")
     linear_names = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
-    routers = _routers(model, modules, keys)  # (PhiMoE's is a Linear: listed once, by its checkpoint name)
-    float_linear = [n for n in linear_names if n not in quantized_modules and n not in routers] + \
-        [stored for name, stored in routers.items() if name not in quantized_modules]
+    float_linear = [n for n in linear_names if n not in quantized_modules] + _routers(model, modules, keys)
     warnings += fused_mixes(settings, linear_names, rename)
     qconfig, groups, top_format = quantization_config(settings, modules, quantized_modules, float_linear, kv, rename)
     split = [n for n in linear_names if ".experts." in n]  # (quantized or left float)

@@ -14,18 +14,18 @@ from ..encodings import EncodingEntry
 from ..errors import EncodingsError
 
 
-def _routers(model: nn.Module, modules: Dict[str, nn.Module], keys: List[str]) -> Dict[str, str]:
-    """Mixture-of-experts routers (transformers' ``*Router`` modules: a float 2-D weight, an ``nn.Linear`` or not)
-    -> the checkpoint's module names (Mixtral's ``block_sparse_moe.gate``): runtimes build them as Linear layers,
-    so ``ignore`` lists them by those names, as llm-compressor does."""
+def _routers(model: nn.Module, modules: Dict[str, nn.Module], keys: List[str]) -> List[str]:
+    """Mixture-of-experts routers (transformers' ``*Router`` modules: a float 2-D weight, not an ``nn.Linear``) by
+    the checkpoint's module names (Mixtral's ``block_sparse_moe.gate``): runtimes build them as Linear layers, so
+    ``ignore`` lists them as llm-compressor does."""
     from ..model.checkpoint_map import CheckpointMap
 
     routers = [n for n, m in modules.items() if type(m).__name__.endswith("Router")
                and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
     if not routers:
-        return {}
+        return []
     stored = {name: key for key, name in CheckpointMap(model, keys).renamed().items()}
-    return {name: stored.get(f"{name}.weight", f"{name}.weight")[: -len(".weight")] for name in routers}
+    return [stored.get(f"{name}.weight", f"{name}.weight")[: -len(".weight")] for name in routers]
 
 
 def _tied_params(model: nn.Module) -> Dict[str, set]:
