@@ -44,21 +44,37 @@ def _xllamacpp():
 @contextlib.contextmanager
 def _stderr_kept() -> Iterator[Callable[[], str]]:
     """What llama.cpp writes to file descriptor 2 inside the block, held back (a failed load's five log lines
-    came before qtool's one); yields a function giving that text once the block is over."""
+    came before qtool's one); yields a function giving that text so far, and once the block is over all of it."""
     import tempfile
 
-    held: List[str] = []
+    final: List[str] = []
     sys.stderr.flush()
     with tempfile.TemporaryFile() as log:
+        fd = log.fileno()
+
+        def said() -> str:
+            if final:
+                return final[0]
+            return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", "replace")
+
         saved = os.dup(2)
-        os.dup2(log.fileno(), 2)
+        os.dup2(fd, 2)
         try:
-            yield lambda: "".join(held)
+            yield said
         finally:
             os.dup2(saved, 2)
             os.close(saved)
-            log.seek(0)
-            held.append(log.read().decode("utf-8", "replace"))
+            final.append(said())
+
+
+def _await_log(said: Callable[[], str], last: str, seconds: float = 5.0) -> None:
+    """Wait (at most ``seconds``) until llama.cpp's log, which a thread of its own writes after the call has
+    returned, holds the line ``last``."""
+    import time
+
+    end = time.monotonic() + seconds
+    while last not in said() and time.monotonic() < end:
+        time.sleep(0.02)
 
 
 def _load_error(log: str) -> Optional[str]:
@@ -99,6 +115,7 @@ class LlamaCpp:
                 self._server = xlc.Server(p)
             except (RuntimeError, ValueError) as e:
                 failed = str(e).splitlines()[0][:160]
+                _await_log(said, "exiting due to model loading error")
             else:
                 failed = None
         if failed is not None:  # (the server says only "Failed to init server"; llama.cpp's log says why)
